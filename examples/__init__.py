@@ -1,0 +1,1 @@
+"""Example LightningModules for lightning_vitscale (classification, detection, video), driven by LightningCLI."""

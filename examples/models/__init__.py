@@ -1,0 +1,1 @@
+"""Shared, sharding-agnostic model and data pieces used by the example scripts."""

@@ -1,0 +1,27 @@
+"""lightning-vitscale: scale any Lightning vision model from one GPU to a cluster with one argument."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_vitscale.matching import find_blocks
+from lightning_vitscale.memory import StateBytes, measure_state_bytes
+from lightning_vitscale.plan import ParallelPlan
+from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, ShardingPolicy
+from lightning_vitscale.precision import VitScalePrecision
+from lightning_vitscale.strategy import VitScaleStrategy
+
+if VitScaleStrategy.strategy_name not in StrategyRegistry:
+    VitScaleStrategy.register_strategies(StrategyRegistry)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointingPolicy",
+    "ParallelConfig",
+    "ParallelPlan",
+    "ShardingPolicy",
+    "StateBytes",
+    "VitScalePrecision",
+    "VitScaleStrategy",
+    "find_blocks",
+    "measure_state_bytes",
+]

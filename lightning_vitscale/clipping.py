@@ -1,0 +1,64 @@
+"""Gradient-norm clipping across shards: one all-reduce, works for sharded DTensor, replicated and plain grads."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from lightning_vitscale._compat import DTensor
+
+
+def _is_sharded(t: torch.Tensor) -> bool:
+    return isinstance(t, DTensor) and any(p.is_shard() for p in t.placements)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _partial_norm(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """sum |g|^p (or max |g| for p=inf) over local tensors, in fp32."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32)
+    norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=torch.float32).cpu() for t in tensors])
+    return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+
+
+@torch.no_grad()
+def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all gradients as if unsharded, identical on every rank.
+
+    Sharded gradients contribute their local part and are summed across their mesh; replicated or plain
+    gradients (already equal on all ranks) are counted once. ``torch.nn.utils.clip_grad_norm_`` cannot mix
+    plain tensors and DTensors, which is why this exists.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    sharded = [g for g in grads if _is_sharded(g)]
+    other = [_local(g) for g in grads if not _is_sharded(g)]
+    shard_part = _partial_norm([_local(g) for g in sharded], norm_type)
+    if sharded:
+        group = sharded[0].device_mesh.get_group()
+        device = _local(sharded[0]).device
+        shard_part = shard_part.to(device)
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        dist.all_reduce(shard_part, op=op, group=group)
+        shard_part = shard_part.cpu()
+    other_part = _partial_norm(other, norm_type)
+    if math.isinf(norm_type):
+        return torch.maximum(shard_part, other_part)
+    return (shard_part + other_part).pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale gradients in place so their total norm is at most ``max_norm``; returns the norm before clipping."""
+    params = [p for p in parameters if p.grad is not None]
+    total = total_grad_norm(params, norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        local = _local(p.grad)
+        local.mul_(coef.to(device=local.device, dtype=local.dtype))
+    return total

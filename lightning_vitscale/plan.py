@@ -1,0 +1,64 @@
+"""The setup plan: what the strategy did to the model, as data for tests and tools and as a summary for people."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+@dataclass
+class ParallelPlan:
+    """Facts about one parallelized model; ``VitScaleStrategy.plan`` after setup.
+
+    Attributes:
+        world_size: ranks the model is sharded over.
+        blocks: block class name -> count, as discovered or selected.
+        block_names: qualified names of the blocks, each its own FSDP unit.
+        units: number of FSDP units (blocks + the outer unit).
+        checkpointed: blocks whose activations are recomputed in backward.
+        self_checkpointed: blocks that already checkpoint themselves (e.g. HF gradient checkpointing): left alone.
+        fp32_modules: modules kept in fp32 inside a low-precision model (normalization layers).
+        num_params: parameters in the model (unsharded count).
+        param_bytes_full: bytes of all parameters unsharded.
+        param_bytes_local: bytes of parameters this rank holds.
+        precision: the precision recipe in force.
+    """
+
+    world_size: int
+    blocks: dict[str, int]
+    block_names: list[str]
+    units: int
+    checkpointed: list[str]
+    self_checkpointed: list[str] = field(default_factory=list)
+    fp32_modules: list[str] = field(default_factory=list)
+    num_params: int = 0
+    param_bytes_full: int = 0
+    param_bytes_local: int = 0
+    precision: str = "32-true"
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        found = ", ".join(f"{name} x{count}" for name, count in self.blocks.items()) or "none (one outer unit)"
+        share = self.param_bytes_local / self.param_bytes_full if self.param_bytes_full else 1.0
+        lines = [
+            f"VitScaleStrategy: {self.world_size} rank(s), precision {self.precision}",
+            f"  blocks found        : {found}",
+            f"  FSDP units          : {self.units} ({len(self.block_names)} blocks + 1 outer)",
+            f"  checkpointed blocks : {len(self.checkpointed)} of {len(self.block_names)}",
+            f"  parameters          : {self.num_params:,} ({_mib(self.param_bytes_full)} unsharded,"
+            f" {_mib(self.param_bytes_local)} on this rank = {share:.2f}x)",
+        ]
+        if self.self_checkpointed:
+            lines.append(f"  self-checkpointing  : {len(self.self_checkpointed)} blocks (left as the model set them)")
+        if self.fp32_modules:
+            lines.append(f"  fp32 modules        : {len(self.fp32_modules)} ({_abbrev(self.fp32_modules)})")
+        lines.extend(f"  note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+
+def _abbrev(names: list[str], keep: int = 3) -> str:
+    shown = ", ".join(names[:keep])
+    return shown + (f", ... +{len(names) - keep}" if len(names) > keep else "")

@@ -1,0 +1,92 @@
+"""Policy: frozen dataclasses saying *what* to shard and checkpoint, with no torch.distributed import."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+ModuleSelector = set[type[nn.Module]] | frozenset[type[nn.Module]] | Callable[[str, nn.Module], bool]
+"""Block classes, or a predicate on (qualified name, module)."""
+
+CheckpointSelector = bool | int | Callable[[str, nn.Module], bool]
+"""``True``: every block; ``False``: none; ``k``: every k-th block (1-based); callable: per block."""
+
+
+@dataclass(frozen=True)
+class ShardingPolicy:
+    """Which modules become their own FSDP unit and when they free gathered parameters.
+
+    Attributes:
+        blocks: ``None`` finds the repeated blocks automatically; a set of classes or a predicate overrides it.
+        reshard_after_forward: ``None`` is the recipe (blocks free their gathered parameters after forward, the
+            root keeps its own for backward); ``True``/``False`` force it for every unit; an ``int`` reshards
+            blocks to that smaller world size (FSDP2 hybrid reshard).
+    """
+
+    blocks: ModuleSelector | None = None
+    reshard_after_forward: bool | int | None = None
+
+    def __post_init__(self) -> None:
+        if self.blocks is not None and not (callable(self.blocks) or isinstance(self.blocks, (set, frozenset))):
+            raise TypeError(
+                f"`blocks` must be None, a set of nn.Module classes or a callable (name, module) -> bool;"
+                f" got {type(self.blocks).__name__}. Example: VitScaleStrategy(blocks={{MyBlock}})."
+            )
+        if isinstance(self.blocks, (set, frozenset)):
+            bad = [b for b in self.blocks if not (isinstance(b, type) and issubclass(b, nn.Module))]
+            if bad or not self.blocks:
+                raise TypeError(
+                    f"`blocks` must contain nn.Module subclasses; got {bad or 'an empty set'}."
+                    " Pass the block classes themselves, e.g. blocks={TransformerEncoderLayer}."
+                )
+        rf = self.reshard_after_forward
+        if rf is not None and not isinstance(rf, (bool, int)):
+            raise TypeError(f"`reshard_after_forward` must be None, a bool or an int; got {rf!r}.")
+        if isinstance(rf, int) and not isinstance(rf, bool) and rf < 1:
+            raise ValueError(f"`reshard_after_forward` as an int is a world size and must be >= 1; got {rf}.")
+
+
+@dataclass(frozen=True)
+class CheckpointingPolicy:
+    """Which blocks recompute their activations in backward instead of storing them.
+
+    Attributes:
+        blocks: see :data:`CheckpointSelector`.
+    """
+
+    blocks: CheckpointSelector = True
+
+    def __post_init__(self) -> None:
+        sel = self.blocks
+        if isinstance(sel, bool) or callable(sel):
+            return
+        if isinstance(sel, int):
+            if sel < 1:
+                raise ValueError(
+                    f"`activation_checkpointing={sel}` is not valid: an int k checkpoints every k-th block and must"
+                    " be >= 1 (use False to turn checkpointing off)."
+                )
+            return
+        raise TypeError(
+            f"`activation_checkpointing` must be True, False, an int k >= 1 or a callable (name, module) -> bool;"
+            f" got {sel!r}."
+        )
+
+    def selects(self, index: int, name: str, module: nn.Module) -> bool:
+        """Whether the ``index``-th block (0-based, in model order) is checkpointed."""
+        sel = self.blocks
+        if isinstance(sel, bool):
+            return sel
+        if isinstance(sel, int):
+            return (index + 1) % sel == 0
+        return bool(sel(name, module))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Everything the parallelize pipeline needs to know, grouped so the strategy constructor stays short."""
+
+    sharding: ShardingPolicy = field(default_factory=ShardingPolicy)
+    checkpointing: CheckpointingPolicy = field(default_factory=CheckpointingPolicy)

@@ -1,0 +1,220 @@
+"""VitScaleStrategy: Lightning hook glue around the parallelize pipeline; a drop-in for ``strategy="ddp"``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from typing_extensions import override
+
+from lightning_vitscale._compat import ModelParallelStrategy
+from lightning_vitscale.plan import ParallelPlan
+from lightning_vitscale.policies import (
+    CheckpointingPolicy,
+    CheckpointSelector,
+    ModuleSelector,
+    ParallelConfig,
+    ShardingPolicy,
+)
+from lightning_vitscale.precision import VitScalePrecision, to_vitscale_precision
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+_ROOT_ATTR = "_vitscale_root_unit"
+
+
+class RootUnit(nn.Module):
+    """The outer FSDP unit around the LightningModule.
+
+    Lightning calls ``training_step``, never ``forward``, so a unit on the LightningModule would never gather
+    its parameters. Lightning's forward redirection calls this module instead, whose ``forward`` runs the
+    step: FSDP's hooks fire around the whole step, and a ``self(x)`` inside the step does not re-enter them.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+class VitScaleStrategy(ModelParallelStrategy):
+    """Shard any LightningModule with nested FSDP2, activation checkpointing and BF16 O2 — no model changes.
+
+    Args:
+        blocks: ``None`` finds the repeated blocks automatically; a set of block classes or a predicate
+            ``(name, module) -> bool`` overrides the discovery. Each block becomes its own FSDP unit.
+        activation_checkpointing: ``True`` (every block), ``False``, ``k`` (every k-th block) or a predicate.
+        reshard_after_forward: ``None`` = the recipe (blocks free gathered parameters after forward, the outer
+            unit keeps what backward needs); ``True``/``False`` forces it for all units.
+        timeout: bound on every collective, so a rank that dies cannot leave the others waiting forever.
+        process_group_backend: ``None`` picks NCCL on CUDA and gloo on CPU.
+
+    Example::
+
+        # before: Trainer(strategy="ddp", precision="bf16-mixed")
+        trainer = Trainer(strategy=VitScaleStrategy(), precision="bf16-mixed", devices=8, num_nodes=4)
+        trainer.fit(model)
+        print(trainer.strategy.plan.summary())
+    """
+
+    strategy_name = "vitscale"
+
+    def __init__(
+        self,
+        *,
+        blocks: ModuleSelector | None = None,
+        activation_checkpointing: CheckpointSelector = True,
+        reshard_after_forward: bool | int | None = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        process_group_backend: str | None = None,
+    ) -> None:
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        self.config = ParallelConfig(
+            sharding=ShardingPolicy(blocks=blocks, reshard_after_forward=reshard_after_forward),
+            checkpointing=CheckpointingPolicy(blocks=activation_checkpointing),
+        )
+        self.plan: ParallelPlan | None = None
+
+    @property
+    @override
+    def is_distributed(self) -> bool:
+        # Tells Lightning to inject DistributedSampler and honour `sync_dist` (see accelerator_connector).
+        return True
+
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> VitScalePrecision:
+        plugin = self._precision_plugin
+        return plugin if isinstance(plugin, VitScalePrecision) else VitScalePrecision("32-true")
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Lightning's connector hands a custom strategy a generic plugin for `Trainer(precision=...)`;
+        # translate it here so the user's flag keeps working after the drop-in from DDP.
+        self._precision_plugin = None if plugin is None else to_vitscale_precision(plugin)
+
+    @override
+    def _configure_launcher(self) -> None:
+        if self.accelerator is not None and not isinstance(self.accelerator, (CPUAccelerator, CUDAAccelerator)):
+            raise ValueError(
+                f"VitScaleStrategy runs on accelerator='cpu' (gloo) or 'cuda' (NCCL), not"
+                f" {type(self.accelerator).__name__}. Pass Trainer(accelerator='cuda') or accelerator='cpu'."
+            )
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        # One data-parallel mesh dimension over all ranks: ModelParallelStrategy's default would make every
+        # process a tensor-parallel peer (data-parallel size 1, no sharding, same data on every rank).
+        self._setup_distributed()  # sets the device, ranks and the process group (with our timeout)
+        self._device_mesh = init_device_mesh(
+            self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",)
+        )
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        self.model = self._parallelized(module)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _parallelized(self, module: pl.LightningModule) -> RootUnit:
+        """Shard ``module`` once; later fit/validate/test calls reuse the same units."""
+        from lightning_vitscale.parallelize import parallelize
+
+        existing = module.__dict__.get(_ROOT_ATTR)
+        if existing is not None:
+            root, self.plan = existing
+            return root
+        precision = self.precision_plugin
+        module = precision.convert_module(module)
+        if not any(t.is_meta for t in module.parameters()):
+            module.to(self.root_device)
+        root = RootUnit(module)
+        self.plan = parallelize(
+            root,
+            module,
+            self.device_mesh,
+            self.config,
+            mp_policy=precision.mp_policy(),
+            device=self.root_device,
+            precision_name=precision.precision,
+        )
+        # Kept in __dict__ (not as a submodule): the LightningModule must not contain its own wrapper.
+        module.__dict__[_ROOT_ATTR] = (root, self.plan)
+        rank_zero_info(self.plan.summary())
+        return root
+
+    @override
+    def model_to_device(self) -> None:
+        # FSDP2 moves each unit's parameters to the mesh device when it shards them.
+        pass
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Sharded state dict keyed like the plain LightningModule (no wrapper or FSDP prefixes)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        assert self.lightning_module is not None
+        options = StateDictOptions(full_state_dict=False, cpu_offload=True)
+        return get_model_state_dict(self.lightning_module, options=options)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        assert self.lightning_module is not None
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        options = StateDictOptions(full_state_dict=False, cpu_offload=True)
+        return get_optimizer_state_dict(self.lightning_module, optimizer, options=options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from lightning.fabric.strategies.model_parallel import _load_checkpoint
+
+        path = self.broadcast(checkpoint_path)
+        assert self.lightning_module is not None
+        state: Mapping[str, Any] = {
+            "state_dict": self.lightning_module,
+            **{f"optimizer_{idx}": optimizer for idx, optimizer in enumerate(self.optimizers)},
+        }
+        return _load_checkpoint(
+            path=Path(path),
+            state=dict(state),
+            strict=self.lightning_module.strict_loading,
+            optimizer_states_from_list=True,
+            weights_only=weights_only,
+        )
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="Nested FSDP2 + activation checkpointing + BF16 O2 with fp32 norms (lightning-vitscale)",
+        )

@@ -1,0 +1,95 @@
+"""The one helper that spawns ranks: torch's elastic launcher (or Lightning's own), always bounded in time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(**extra: str) -> dict[str, str]:
+    """Environment for child ranks: one thread each on the 2-core CI machine, loopback gloo."""
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME="lo",
+        MASTER_ADDR="127.0.0.1",
+        PYTHONUNBUFFERED="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Finished:
+    returncode: int
+    output: str
+    seconds: float
+    timed_out: bool
+
+
+def run_bounded(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> Finished:
+    """Run ``cmd`` in its own process group; on timeout kill the whole group so no rank outlives the test."""
+    import time
+
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO_ROOT,
+        env=env or rank_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        timed_out = True
+    return Finished(proc.returncode, out, time.monotonic() - start, timed_out)
+
+
+def torchrun(script: str | Path, *args: str, nprocs: int = 2, timeout: float = 240, **env: str) -> Finished:
+    """Launch ``script`` on ``nprocs`` CPU ranks with torch's public elastic launcher."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nprocs}",
+        "--nnodes=1",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        "--max-restarts=0",
+        str(script),
+        *args,
+    ]
+    return run_bounded(cmd, timeout, rank_env(**env))
+
+
+def lightning_launch(script: str | Path, *args: str, timeout: float = 240, **env: str) -> Finished:
+    """Run ``script`` as a user would: Lightning's own launcher starts the other ranks."""
+    return run_bounded([sys.executable, str(script), *args], timeout, rank_env(MASTER_PORT=str(free_port()), **env))
+
+
+def assert_ok(result: Finished) -> None:
+    tail = result.output[-6000:]
+    assert not result.timed_out, f"timed out after {result.seconds:.0f}s:\n{tail}"
+    assert result.returncode == 0, f"exit code {result.returncode}:\n{tail}"
