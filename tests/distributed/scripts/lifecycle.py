@@ -1,0 +1,120 @@
+"""Rank script: fit/validate/test/predict, all_gather, sync_dist and a meta-device model under VitScaleStrategy."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+
+from lightning_vitscale import VitScaleStrategy
+from lightning_vitscale._compat import DTensor
+from tests.helpers.models import Classifier, loader
+
+warnings.filterwarnings("ignore")
+
+
+def trainer(**kwargs) -> L.Trainer:
+    defaults = dict(
+        accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", 1)), logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+class Gathering(Classifier):
+    """Uses all_gather and sync_dist the way DDP users do."""
+
+    def on_validation_epoch_end(self) -> None:
+        gathered = self.all_gather(torch.tensor([float(self.global_rank)]))
+        self.gathered = gathered.flatten().tolist()
+
+
+def lifecycle() -> dict:
+    L.seed_everything(0, verbose=False)
+    model = Gathering("encoder")
+    strategy = VitScaleStrategy()
+    t = trainer(strategy=strategy, max_steps=4, limit_val_batches=2, num_sanity_val_steps=1)
+    t.fit(model, loader(), loader(n=16))
+    logged_train_loss = float(t.callback_metrics["train_loss"])
+    val = t.validate(model, loader(n=16), verbose=False)[0]
+    test = t.test(model, loader(n=16), verbose=False)[0]
+    preds = t.predict(model, loader(n=8), return_predictions=True)
+    return {
+        "val_loss": val["val_loss"],
+        "test_acc": test["test_acc"],
+        "num_pred_batches": len(preds),
+        "gathered": model.gathered,
+        "logged_train_loss": logged_train_loss,
+        "params_are_dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
+        "units_after_reuse": t.strategy.plan.units,
+    }
+
+
+class MetaInit(L.LightningModule):
+    """Builds a model too large for one rank's budget on the meta device in configure_model."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.width, self.depth = width, depth
+        self.layers: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.layers is not None:
+            return
+        with torch.device("meta"):
+            self.layers = nn.Sequential(
+                *[nn.Sequential(nn.Linear(self.width, self.width), nn.LayerNorm(self.width)) for _ in range(self.depth)]
+            )
+
+    def setup(self, stage: str) -> None:
+        Path("/proc/self/clear_refs").write_text("5")  # reset this process's peak RSS (VmHWM)
+        self.rss_before = _rss_kib("VmRSS")
+
+    def on_validation_start(self) -> None:
+        self.peak_increase = (_rss_kib("VmHWM") - self.rss_before) * 1024
+
+    def validation_step(self, batch, batch_idx):
+        return self.layers(torch.ones(2, self.width)).sum()
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def meta_init() -> dict:
+    width, depth = 2048, 32  # 32 x 4.2M params x 4 B = 537 MB unsharded
+    model = MetaInit(width, depth)
+    t = trainer(strategy=VitScaleStrategy(), limit_val_batches=1)
+    t.validate(model, loader(n=4, batch_size=2), verbose=False)
+    full = sum(p.numel() * 4 for p in model.parameters())
+    local = sum(p.to_local().numel() * 4 for p in model.parameters())
+    return {
+        "full_bytes": full,
+        "local_bytes": local,
+        "peak_increase": model.peak_increase,
+        "materialized": not any(p.is_meta for p in model.parameters()),
+        "finite": all(torch.isfinite(p.to_local()).all().item() for p in model.parameters()),
+    }
+
+
+SCENARIOS = {"lifecycle": lifecycle, "meta_init": meta_init}
+
+
+def main() -> None:
+    out, names = Path(sys.argv[1]), sys.argv[2].split(",")
+    torch.set_num_threads(1)
+    results = {name: SCENARIOS[name]() for name in names}
+    (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

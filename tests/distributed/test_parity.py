@@ -1,0 +1,48 @@
+"""DDP is the oracle: VitScaleStrategy must train four kinds of backbone to the same losses, step for step."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.launch import assert_ok, torchrun
+from tests.helpers.results import load_ranks, max_relative_difference
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+BACKBONES = {"encoder": "TransformerEncoderLayer", "timm": "Block", "hf": "ViTLayer", "resnet": "ResidualBlock"}
+CONFIGS = ("plain", "accum_clip", "multicrop")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("parity")
+    result = torchrun(
+        "tests/distributed/scripts/parity.py", str(out), ",".join(BACKBONES), ",".join(CONFIGS), timeout=540
+    )
+    assert_ok(result)
+    return load_ranks(out)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("backbone", list(BACKBONES))
+def test_losses_match_ddp(ranks, backbone, config):
+    for rank in ranks:
+        ddp, ours = rank[f"{backbone}/{config}/ddp"], rank[f"{backbone}/{config}/vitscale"]
+        assert len(ours["losses"]) >= 8
+        assert max_relative_difference(ours["losses"], ddp["losses"]) < 1e-5
+
+
+@pytest.mark.parametrize("backbone", list(BACKBONES))
+def test_every_block_is_its_own_unit_and_checkpointed(ranks, backbone):
+    facts = ranks[0][f"{backbone}/plain/vitscale"]
+    assert facts["blocks"] == {BACKBONES[backbone]: 4}
+    assert facts["all_blocks_fsdp"] and facts["root_fsdp"]
+    assert facts["units"] == facts["num_blocks"] + 1 == 5
+    assert facts["checkpointed"] == 4
+
+
+@pytest.mark.parametrize("backbone", list(BACKBONES))
+def test_each_rank_holds_about_half(ranks, backbone):
+    for rank in ranks:
+        assert rank[f"{backbone}/plain/vitscale"]["sharded_fraction"] <= 0.55
+        assert rank[f"{backbone}/plain/ddp"]["sharded_fraction"] == 1.0
