@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from packaging.version import Version
@@ -16,8 +15,8 @@ if TORCH_GE_2_6:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 else:  # pragma: no cover - pyproject requires torch>=2.6; kept to give a clear message on old installs
     raise ImportError(
-        f"lightning-vitscale needs torch>=2.6 for FSDP2 (`torch.distributed.fsdp.fully_shard`); found {torch.__version__}."
-        " Upgrade torch: `pip install -U 'torch>=2.6'`."
+        "lightning-vitscale needs torch>=2.6 for FSDP2 (`torch.distributed.fsdp.fully_shard`);"
+        f" found {torch.__version__}. Upgrade torch: `pip install -U 'torch>=2.6'`."
     )
 
 __all__ = [
@@ -28,8 +27,6 @@ __all__ = [
     "ModelParallelStrategy",
     "TORCH_VERSION",
     "fully_shard",
-    "materialize_meta_module",
 ]
 
 METADATA_FILENAME = _METADATA_FILENAME
-materialize_meta_module = _materialize_distributed_module

@@ -6,10 +6,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_vitscale._compat import MixedPrecisionPolicy, materialize_meta_module
+from lightning_vitscale._compat import MixedPrecisionPolicy
 from lightning_vitscale.activation_checkpointing import apply_activation_checkpointing, is_self_checkpointing
 from lightning_vitscale.fsdp import broadcast_module_states, shard_module
 from lightning_vitscale.matching import describe_blocks, find_blocks
+from lightning_vitscale.materialize import has_meta_tensors, materialize
 from lightning_vitscale.memory import full_bytes, local_bytes
 from lightning_vitscale.plan import ParallelPlan
 from lightning_vitscale.policies import ParallelConfig
@@ -17,10 +18,6 @@ from lightning_vitscale.policies import ParallelConfig
 
 class NoBlocksMatchedError(ValueError):
     """The user named block classes or a predicate that matched nothing: sharding would silently be coarse."""
-
-
-def _has_meta(module: nn.Module) -> bool:
-    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
 
 
 def parallelize(
@@ -53,7 +50,7 @@ def parallelize(
     notes = [] if blocks else [f"no repeated blocks in {type(model).__name__}: one outer FSDP unit only"]
 
     # 1. Same starting weights everywhere (DDP's guarantee), unless parameters are still meta.
-    if not _has_meta(model):
+    if not has_meta_tensors(model):
         broadcast_module_states(model, mesh)
 
     # 2. Activation checkpointing, skipping blocks that already checkpoint themselves (no double recompute).
@@ -74,7 +71,7 @@ def parallelize(
     shard_module(root_unit, mesh, mp_policy, None if outer_reshard is None else bool(outer_reshard))
 
     # 5. Meta-initialised models get memory for their local shards only, then their reset_parameters().
-    materialize_meta_module(root_unit, device)
+    zero_filled = materialize(root_unit, device)
 
     params = list(model.parameters())
     return ParallelPlan(
@@ -88,7 +85,7 @@ def parallelize(
         param_bytes_full=full_bytes(params),
         param_bytes_local=local_bytes(params),
         precision=precision_name,
-        notes=notes,
+        notes=notes + ([f"{len(zero_filled)} meta tensor(s) had no initialiser: zero-filled"] if zero_filled else []),
     )
 
 

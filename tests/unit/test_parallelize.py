@@ -1,0 +1,89 @@
+"""The parallelize pipeline on a world-size-1 mesh: plans, overrides and loud failures, without launching ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_vitscale._compat import DTensor, FSDPModule, MixedPrecisionPolicy
+from lightning_vitscale.parallelize import NoBlocksMatchedError, parallelize
+from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, ShardingPolicy
+from lightning_vitscale.strategy import RootUnit
+from tests.helpers.models import EncoderClassifier, HFViT, ResidualBlock, SmallResNet
+
+
+def run(model: nn.Module, mesh, **policies):
+    config = ParallelConfig(
+        sharding=ShardingPolicy(**policies.get("sharding", {})),
+        checkpointing=CheckpointingPolicy(**policies.get("checkpointing", {})),
+    )
+    root = RootUnit(model)
+    plan = parallelize(root, model, mesh, config, MixedPrecisionPolicy(), torch.device("cpu"))
+    return root, plan
+
+
+def test_plan_of_a_meta_model(mesh):
+    with torch.device("meta"):
+        model = EncoderClassifier(depth=6)
+    root, plan = run(model, mesh, checkpointing={"blocks": 2})
+    assert plan.blocks == {"TransformerEncoderLayer": 6}
+    assert plan.units == 7 and isinstance(root, FSDPModule)
+    assert plan.checkpointed == ["encoder.layers.1", "encoder.layers.3", "encoder.layers.5"]
+    assert all(isinstance(p, DTensor) and not p.is_meta for p in model.parameters())  # materialised
+    assert all(torch.isfinite(p.to_local()).all() for p in model.parameters())
+    # MultiheadAttention is initialised through its private _reset_parameters; only `pos` has no initialiser.
+    assert plan.notes == ["1 meta tensor(s) had no initialiser: zero-filled"]
+    assert model.encoder.layers[0].self_attn.in_proj_weight.to_local().abs().sum() > 0
+    assert plan.num_params == sum(p.numel() for p in model.parameters())
+    summary = plan.summary()
+    assert "TransformerEncoderLayer x6" in summary and "7 (6 blocks + 1 outer)" in summary
+    assert "checkpointed blocks : 3 of 6" in summary
+
+
+def test_no_blocks_means_one_outer_unit_and_a_note(mesh):
+    _, plan = run(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), mesh)
+    assert plan.units == 1 and plan.blocks == {}
+    assert "no repeated blocks" in plan.summary()
+
+
+def test_selector_that_matches_nothing_is_loud(mesh):
+    with pytest.raises(NoBlocksMatchedError, match="matched no module with parameters"):
+        run(SmallResNet(), mesh, sharding={"blocks": {nn.TransformerEncoderLayer}})
+
+
+def test_model_without_parameters_is_an_error(mesh):
+    with pytest.raises(ValueError, match="has no parameters, so there is nothing to shard"):
+        run(nn.Sequential(nn.ReLU()), mesh)
+
+
+def test_user_selected_blocks(mesh):
+    _, plan = run(SmallResNet(), mesh, sharding={"blocks": lambda name, m: name in {"stages.0", "stages.2"}})
+    assert plan.block_names == ["stages.0", "stages.2"]
+
+
+def test_hf_gradient_checkpointing_is_detected_not_doubled(mesh):
+    model = HFViT()
+    model.vit.gradient_checkpointing_enable()
+    _, plan = run(model, mesh)
+    assert len(plan.self_checkpointed) == 4 and plan.checkpointed == []
+    assert "self-checkpointing" in plan.summary()
+
+
+def test_sharded_model_computes_what_the_plain_one_does(mesh):
+    torch.manual_seed(0)
+    plain = SmallResNet()
+    sharded = copy.deepcopy(plain)
+    root, _ = run(sharded, mesh)
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(root(x), plain(x), rtol=0, atol=0)
+
+
+def test_keys_are_unchanged_by_checkpointing_and_sharding(mesh):
+    model = SmallResNet()
+    keys = list(model.state_dict())
+    run(model, mesh)
+    assert list(model.state_dict()) == keys
+    assert isinstance(model.stages[0], ResidualBlock)  # blocks stay instances of their own class

@@ -1,0 +1,49 @@
+"""Bad options fail at construction with a message that names the cause and the fix."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from lightning_vitscale import CheckpointingPolicy, ShardingPolicy, VitScaleStrategy
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"blocks": "Block"}, TypeError, "set of nn.Module classes or a callable"),
+        ({"blocks": {int}}, TypeError, "must contain nn.Module subclasses"),
+        ({"blocks": set()}, TypeError, "an empty set"),
+        ({"reshard_after_forward": "yes"}, TypeError, "must be None, a bool or an int"),
+        ({"reshard_after_forward": 0}, ValueError, "must be >= 1"),
+        ({"activation_checkpointing": 0}, ValueError, "use False to turn checkpointing off"),
+        ({"activation_checkpointing": "all"}, TypeError, "must be True, False, an int k >= 1 or a callable"),
+    ],
+)
+def test_strategy_rejects_bad_options(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        VitScaleStrategy(**kwargs)
+
+
+def test_keyword_only_constructor():
+    with pytest.raises(TypeError):
+        VitScaleStrategy({nn.Linear})  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "selector, expected",
+    [(True, [0, 1, 2, 3, 4, 5]), (False, []), (1, [0, 1, 2, 3, 4, 5]), (2, [1, 3, 5]), (3, [2, 5])],
+)
+def test_every_kth_block(selector, expected):
+    policy = CheckpointingPolicy(selector)
+    assert [i for i in range(6) if policy.selects(i, f"b{i}", nn.Identity())] == expected
+
+
+def test_predicate_checkpointing():
+    policy = CheckpointingPolicy(lambda name, module: name.endswith("1"))
+    assert [i for i in range(3) if policy.selects(i, f"blocks.{i}", nn.Identity())] == [1]
+
+
+def test_sharding_policy_accepts_classes_and_predicates():
+    assert ShardingPolicy(blocks={nn.TransformerEncoderLayer}).blocks == {nn.TransformerEncoderLayer}
+    assert callable(ShardingPolicy(blocks=lambda n, m: False).blocks)
