@@ -34,7 +34,6 @@ class VideoClassifier(ClassificationModule):
         num_frames: int = 8,
         patch_size: int | None = 8,
         tubelet: int = 2,
-        temporal_depth: int | None = 2,
         lr: float = 2e-3,
         weight_decay: float = 0.05,
         warmup_frac: float = 0.1,
@@ -47,12 +46,12 @@ class VideoClassifier(ClassificationModule):
         if self.net is None:
             h = self.hparams
             self.net = FactorisedVideoViT(h.size, h.img_size, h.num_frames, h.in_chans, h.num_classes, h.patch_size,
-                                          h.tubelet, h.temporal_depth)
+                                          h.tubelet)
 
 
 def main() -> None:
     links = ("num_classes", "in_chans", "img_size", "num_frames")
-    run_cli(VideoClassifier, MovingShapesVideoDataModule, "video", links, max_epochs=10)
+    run_cli(VideoClassifier, MovingShapesVideoDataModule, "video", links, max_epochs=8)
 
 
 if __name__ == "__main__":

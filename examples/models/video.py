@@ -3,9 +3,7 @@
 Tubelets are embedded with one Conv3d; each layer then runs a spatial ``Block`` over the tokens of
 one time step and a temporal ``Block`` over the tokens of one location. Attention cost is
 O(T*S^2 + S*T^2) instead of O((S*T)^2), and both stacks are ``nn.ModuleList`` s of the same
-``Block`` class, so the strategy finds and shards them like any ViT. (A "factorised encoder" with
-per-frame class tokens failed to learn motion direction at this scale; per-location temporal
-attention sees the motion directly.)
+``Block`` class, so the strategy finds and shards them like any ViT.
 """
 
 from __future__ import annotations

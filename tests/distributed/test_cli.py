@@ -1,0 +1,29 @@
+"""The README's main-job command works and shows what it promises."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from tests.helpers.launch import assert_ok, rank_env, run_bounded
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+
+
+def test_demo_prints_matching_losses_and_half_the_bytes():
+    result = run_bounded(
+        [sys.executable, "-m", "lightning_vitscale", "demo", "--steps", "4"], timeout=200, env=rank_env()
+    )
+    assert_ok(result)
+    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.e+-]+)$", result.output, flags=re.M)
+    assert [int(r[0]) for r in rows] == [0, 1, 2, 3]
+    assert all(float(r[3]) < 1e-5 for r in rows)
+    ratios = [float(x) for x in re.findall(r"\((\d\.\d\d)x\)$", result.output, flags=re.M)]
+    assert len(ratios) == 2 and all(r <= 0.55 for r in ratios)
+
+
+def test_cli_rejects_unknown_precision():
+    result = run_bounded([sys.executable, "-m", "lightning_vitscale", "demo", "--precision", "fp8"], timeout=60)
+    assert result.returncode == 2 and "invalid choice: 'fp8'" in result.output
