@@ -103,7 +103,8 @@ def format_table(ddp: RunResult, ours: RunResult) -> str:
     for rank, (a, b) in enumerate(zip(ddp.bytes_per_rank, ours.bytes_per_rank)):
         lines.append(f"  rank {rank}: DDP {a / mib:8.2f} MiB   VitScale {b / mib:8.2f} MiB   ({b / a:.2f}x)")
     lines.append(
-        f"wall time of fit(): DDP {ddp.seconds:.1f} s (includes starting the other ranks), VitScale {ours.seconds:.1f} s"
+        f"wall time of fit(): DDP {ddp.seconds:.1f} s (includes starting the other ranks),"
+        f" VitScale {ours.seconds:.1f} s"
     )
     return "\n".join(lines)
 

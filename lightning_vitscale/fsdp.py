@@ -8,6 +8,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_vitscale._compat import FSDPModule, MixedPrecisionPolicy, fully_shard
+from lightning_vitscale.policies import PrecisionPolicy
+
+
+def mixed_precision_policy(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
+    """FSDP2's per-unit policy: gather parameters in the compute dtype, reduce gradients in the reduce dtype."""
+    if policy.compute == policy.master and policy.reduce == policy.master:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=policy.compute, reduce_dtype=policy.reduce)
 
 
 def shard_module(

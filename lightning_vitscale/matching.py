@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 
@@ -97,6 +98,45 @@ def _dedup(pairs) -> list[tuple[str, nn.Module]]:
             seen.add(id(module))
             out.append((name, module))
     return out
+
+
+_NORM_TYPES: tuple[type[nn.Module], ...] = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    nn.LocalResponseNorm,
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+)
+_NORM_FUNCTIONS = frozenset({"layer_norm", "group_norm", "rms_norm", "batch_norm", "instance_norm"})
+_NORM_NAME = re.compile(r"(Layer|Group|RMS|Rms|Batch|Instance)Norm")
+
+
+def is_normalization(name: str, module: nn.Module) -> bool:
+    """Normalization layers, including third-party ones that do not subclass torch's.
+
+    A module counts if it is a torch norm, if its own ``forward`` calls a norm functional (``F.layer_norm``,
+    ``F.group_norm``, ...), or if its class is named like one (HF/timm ``...RMSNorm``, ``LayerNorm2d``) — and
+    it holds its parameters itself (a block that merely contains norms is not one).
+    """
+    if any(True for _ in (p for child in module.children() for p in child.parameters())):
+        return False
+    if isinstance(module, _NORM_TYPES):
+        return True
+    forward = getattr(type(module), "forward", None)
+    code = getattr(forward, "__code__", None)
+    if code is not None and _NORM_FUNCTIONS & set(code.co_names):
+        return True
+    return bool(_NORM_NAME.search(type(module).__name__))
+
+
+def find_modules(root: nn.Module, predicate) -> list[tuple[str, nn.Module]]:
+    """All modules (not just outermost) matching ``predicate(name, module)`` that hold parameters."""
+    return [
+        (name, module)
+        for name, module in root.named_modules()
+        if any(True for _ in module.parameters(recurse=False)) and predicate(name, module)
+    ]
 
 
 def describe_blocks(blocks: list[tuple[str, nn.Module]]) -> dict[str, int]:

@@ -2,22 +2,32 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_vitscale._compat import MixedPrecisionPolicy
 from lightning_vitscale.activation_checkpointing import apply_activation_checkpointing, is_self_checkpointing
-from lightning_vitscale.fsdp import broadcast_module_states, shard_module
-from lightning_vitscale.matching import describe_blocks, find_blocks
+from lightning_vitscale.fsdp import broadcast_module_states, mixed_precision_policy, shard_module
+from lightning_vitscale.matching import describe_blocks, find_blocks, find_modules
 from lightning_vitscale.materialize import has_meta_tensors, materialize
 from lightning_vitscale.memory import full_bytes, local_bytes
+from lightning_vitscale.norms import ReplicatedNorms
 from lightning_vitscale.plan import ParallelPlan
-from lightning_vitscale.policies import ParallelConfig
+from lightning_vitscale.policies import ParallelConfig, PrecisionPolicy, resolve_flag
 
 
 class NoBlocksMatchedError(ValueError):
     """The user named block classes or a predicate that matched nothing: sharding would silently be coarse."""
+
+
+@dataclass
+class Parallelized:
+    """What the pipeline leaves behind: the facts, and the fp32 norms whose gradients need reducing."""
+
+    plan: ParallelPlan
+    norms: ReplicatedNorms | None
 
 
 def parallelize(
@@ -25,21 +35,18 @@ def parallelize(
     model: nn.Module,
     mesh: DeviceMesh,
     config: ParallelConfig,
-    mp_policy: MixedPrecisionPolicy,
-    device: torch.device,
-    precision_name: str = "32-true",
-) -> ParallelPlan:
+    precision: PrecisionPolicy | None = None,
+    device: torch.device | None = None,
+) -> Parallelized:
     """Apply the recipe to ``model`` (held by ``root_unit``, the module Lightning actually calls).
 
-    Order matters: blocks are found before anything rewrites the tree; checkpointing patches block
-    forwards before FSDP registers its hooks on them; blocks are sharded bottom-up before the outer unit,
-    so the outer unit only takes what no block owns; meta parameters are materialised last, shard by shard.
+    Order matters: blocks are found before anything rewrites the tree; norms leave the low-precision units
+    before FSDP sees them; checkpointing patches block forwards before FSDP registers its hooks; blocks are
+    sharded bottom-up before the outer unit, so the outer unit only takes what no block owns; meta parameters
+    are materialised last, shard by shard.
     """
-    if not any(True for _ in model.parameters()):
-        raise ValueError(
-            f"{type(model).__name__} has no parameters, so there is nothing to shard. Create the layers in"
-            " `__init__` or in `configure_model()` (which VitScaleStrategy calls before sharding)."
-        )
+    precision = precision or resolve_flag("32-true")
+    _check_has_parameters(model)
     blocks = [(name, block) for name, block in find_blocks(model, config.sharding.blocks) if _has_params(block)]
     if config.sharding.blocks is not None and not blocks:
         raise NoBlocksMatchedError(
@@ -47,13 +54,18 @@ def parallelize(
             " Pass the class of the repeated block (e.g. blocks={MyBlock}) or leave `blocks=None` to find them."
         )
     described = describe_blocks(blocks)  # before FSDP renames the classes (FSDP<Block>)
-    notes = [] if blocks else [f"no repeated blocks in {type(model).__name__}: one outer FSDP unit only"]
 
     # 1. Same starting weights everywhere (DDP's guarantee), unless parameters are still meta.
     if not has_meta_tensors(model):
         broadcast_module_states(model, mesh)
 
-    # 2. Activation checkpointing, skipping blocks that already checkpoint themselves (no double recompute).
+    # 2. Norms keep fp32 parameters and compute, replicated outside the low-precision units (the recipe's
+    #    stability fix at one extra collective per step, instead of one unit per norm).
+    norm_modules = find_modules(model, precision.norms) if precision.separate_norms else []
+    norms = ReplicatedNorms([m for _, m in norm_modules], mesh, precision.norm_dtype) if norm_modules else None
+    ignored = norms.ignored() if norms else None
+
+    # 3. Activation checkpointing, skipping blocks that already checkpoint themselves (no double recompute).
     self_ckpt = [name for name, block in blocks if is_self_checkpointing(block)]
     chosen = [
         (name, block)
@@ -62,31 +74,49 @@ def parallelize(
     ]
     apply_activation_checkpointing([block for _, block in chosen])
 
-    # 3. Each block its own unit: peak memory is one block's gathered parameters, not the model's.
+    # 4. Each block its own unit: peak memory is one block's gathered parameters, not the model's.
+    mp_policy = mixed_precision_policy(precision)
     for _, block in blocks:
-        shard_module(block, mesh, mp_policy, config.sharding.reshard_after_forward)
+        shard_module(block, mesh, mp_policy, config.sharding.reshard_after_forward, ignored)
 
-    # 4. The outer unit on the module Lightning calls, so its pre-forward hook gathers the rest.
+    # 5. The outer unit on the module Lightning calls, so its pre-forward hook gathers the rest.
     outer_reshard = config.sharding.reshard_after_forward
-    shard_module(root_unit, mesh, mp_policy, None if outer_reshard is None else bool(outer_reshard))
+    shard_module(root_unit, mesh, mp_policy, None if outer_reshard is None else bool(outer_reshard), ignored)
 
-    # 5. Meta-initialised models get memory for their local shards only, then their reset_parameters().
-    zero_filled = materialize(root_unit, device)
+    # 6. Meta-initialised models get memory for their local shards only, then their own initialisers.
+    zero_filled = materialize(root_unit, device or torch.device("cpu"))
 
     params = list(model.parameters())
-    return ParallelPlan(
+    plan = ParallelPlan(
         world_size=mesh.size(),
         blocks=described,
         block_names=[name for name, _ in blocks],
         units=len(blocks) + 1,
         checkpointed=[name for name, _ in chosen],
         self_checkpointed=self_ckpt,
+        fp32_modules=[name for name, _ in norm_modules],
         num_params=sum(p.numel() for p in params),
         param_bytes_full=full_bytes(params),
         param_bytes_local=local_bytes(params),
-        precision=precision_name,
-        notes=notes + ([f"{len(zero_filled)} meta tensor(s) had no initialiser: zero-filled"] if zero_filled else []),
+        precision=precision.name,
+        notes=_notes(model, blocks, zero_filled),
     )
+    return Parallelized(plan, norms)
+
+
+def _notes(model: nn.Module, blocks: list, zero_filled: list[str]) -> list[str]:
+    notes = [] if blocks else [f"no repeated blocks in {type(model).__name__}: one outer FSDP unit only"]
+    if zero_filled:
+        notes.append(f"{len(zero_filled)} meta tensor(s) had no initialiser: zero-filled")
+    return notes
+
+
+def _check_has_parameters(model: nn.Module) -> None:
+    if not _has_params(model):
+        raise ValueError(
+            f"{type(model).__name__} has no parameters, so there is nothing to shard. Create the layers in"
+            " `__init__` or in `configure_model()` (which VitScaleStrategy calls before sharding)."
+        )
 
 
 def _has_params(module: nn.Module) -> bool:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
+import torch
 from torch import nn
 
 ModuleSelector = set[type[nn.Module]] | frozenset[type[nn.Module]] | Callable[[str, nn.Module], bool]
@@ -90,3 +92,56 @@ class ParallelConfig:
 
     sharding: ShardingPolicy = field(default_factory=ShardingPolicy)
     checkpointing: CheckpointingPolicy = field(default_factory=CheckpointingPolicy)
+
+
+PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"]
+SUPPORTED_FLAGS: tuple[str, ...] = get_args(PrecisionFlag)
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Which dtype where.
+
+    Attributes:
+        name: the Trainer-style flag this came from.
+        master: dtype of the sharded parameters the optimizer updates (and of its state).
+        compute: dtype units compute in (their parameters are all-gathered in it).
+        reduce: dtype gradients are reduced in across ranks.
+        norm_dtype: dtype normalization layers keep for parameters and compute; ``None`` lets them follow
+            the rest of the model.
+        norms: which modules are normalization layers (predicate on (name, module)).
+        loss_scaling: whether gradients need a dynamic loss scaler (fp16).
+    """
+
+    name: str
+    master: torch.dtype
+    compute: torch.dtype
+    reduce: torch.dtype
+    norm_dtype: torch.dtype | None = None
+    norms: Callable[[str, nn.Module], bool] | None = None
+    loss_scaling: bool = False
+
+    @property
+    def separate_norms(self) -> bool:
+        """Norms need their own handling only where they would otherwise get another dtype."""
+        return self.norm_dtype is not None and self.norms is not None and (
+            self.compute != self.norm_dtype or self.master != self.norm_dtype
+        )
+
+
+def resolve_flag(flag: str) -> PrecisionPolicy:
+    """One place that turns a precision string into dtypes; anything unknown is an error naming the choices."""
+    match flag:
+        case "32-true":
+            return PrecisionPolicy(flag, torch.float32, torch.float32, torch.float32)
+        case "bf16-mixed":
+            # O2: bf16 compute, fp32 master weights and optimizer state, fp32 gradient reduction.
+            return PrecisionPolicy(flag, torch.float32, torch.bfloat16, torch.float32)
+        case "bf16-true":
+            return PrecisionPolicy(flag, torch.bfloat16, torch.bfloat16, torch.bfloat16)
+        case "16-mixed":
+            return PrecisionPolicy(flag, torch.float32, torch.float16, torch.float32, loss_scaling=True)
+        case _:
+            raise ValueError(
+                f"VitScaleStrategy does not support precision={flag!r}. Choose one of: {', '.join(SUPPORTED_FLAGS)}."
+            )

@@ -2,69 +2,62 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning_utilities import apply_to_collection
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_vitscale._compat import MixedPrecisionPolicy
 from lightning_vitscale.clipping import clip_grad_norm
+from lightning_vitscale.grad_scaler import ShardedGradScaler
+from lightning_vitscale.matching import find_modules, is_normalization
+from lightning_vitscale.policies import SUPPORTED_FLAGS, PrecisionFlag, PrecisionPolicy, resolve_flag
 
-PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true"]
-SUPPORTED_FLAGS: tuple[str, ...] = get_args(PrecisionFlag)
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+NormSelector = bool | set[type[nn.Module]] | Callable[[str, nn.Module], bool] | None
 # Lightning's generic plugins that only carry a flag; anything more specific is the user's choice to keep.
 _TRANSLATABLE: tuple[type[Precision], ...] = (Precision, MixedPrecision, HalfPrecision)
 
 
-@dataclass(frozen=True)
-class DtypePolicy:
-    """Resolved dtypes of one precision flag.
-
-    Attributes:
-        master: dtype of the sharded parameters the optimizer updates (and of its state).
-        compute: dtype blocks compute in (parameters are all-gathered in it).
-        reduce: dtype gradients are reduced in across ranks.
-    """
-
-    master: torch.dtype
-    compute: torch.dtype
-    reduce: torch.dtype
-
-    @property
-    def is_low_precision(self) -> bool:
-        return self.compute != torch.float32
-
-
-def resolve_flag(flag: str) -> DtypePolicy:
-    """One place that turns a precision string into dtypes; anything unknown is an error naming the choices."""
-    match flag:
-        case "32-true":
-            return DtypePolicy(torch.float32, torch.float32, torch.float32)
-        case "bf16-mixed":
-            # O2: bf16 compute, fp32 master weights and optimizer state, fp32 gradient reduction.
-            return DtypePolicy(torch.float32, torch.bfloat16, torch.float32)
-        case "bf16-true":
-            return DtypePolicy(torch.bfloat16, torch.bfloat16, torch.bfloat16)
+def _norm_predicate(norms: NormSelector) -> Callable[[str, nn.Module], bool] | None:
+    match norms:
+        case None | True:
+            return is_normalization
+        case False:
+            return None
+        case set() | frozenset():
+            classes = tuple(norms)
+            return lambda _, module: isinstance(module, classes)
+        case _ if callable(norms):
+            return norms
         case _:
-            raise ValueError(
-                f"VitScaleStrategy does not support precision={flag!r}. Choose one of: {', '.join(SUPPORTED_FLAGS)}."
-            )
+            raise TypeError(f"`norms` must be None, True, False, a set of classes or a callable; got {norms!r}.")
 
 
 class VitScalePrecision(Precision):
-    """BF16 "O2" for sharded models: low-precision compute on fp32 master weights, set per FSDP unit.
+    """BF16 "O2" for sharded models: low-precision compute on fp32 master weights, norms kept in fp32.
+
+    Selected by ``Trainer(precision=...)`` when the strategy is VitScaleStrategy; construct it yourself for
+    finer control.
 
     Args:
-        precision: the Trainer-style flag, see :data:`SUPPORTED_FLAGS`.
-        compute_dtype: override the dtype blocks compute in.
+        precision: ``"32-true"``, ``"bf16-mixed"`` (O2), ``"bf16-true"`` or ``"16-mixed"`` (O2 in fp16 with a
+            sharded gradient scaler).
+        compute_dtype: override the dtype units compute in.
         reduce_dtype: override the dtype gradients are reduced in.
+        norm_dtype: dtype normalization layers keep (parameters and compute); ``None`` follows the model.
+        norms: which modules are normalization layers: ``None``/``True`` detects them (torch norms, subclasses,
+            modules calling ``F.layer_norm``-style functionals, ``...Norm`` classes), a set of classes, a
+            predicate ``(name, module)``, or ``False`` for none.
 
     Example::
 
@@ -77,30 +70,40 @@ class VitScalePrecision(Precision):
         *,
         compute_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        norm_dtype: torch.dtype | None = torch.float32,
+        norms: NormSelector = None,
     ) -> None:
         base = resolve_flag(precision)
         self.precision = precision  # type: ignore[assignment]
-        self.dtypes = DtypePolicy(
-            master=base.master,
+        self.policy = dataclasses.replace(
+            base,
             compute=compute_dtype or base.compute,
             reduce=reduce_dtype or base.reduce,
+            norm_dtype=norm_dtype,
+            norms=_norm_predicate(norms),
         )
-
-    def mp_policy(self) -> MixedPrecisionPolicy:
-        """FSDP2 policy for every unit: gather in the compute dtype, reduce in the reduce dtype."""
-        if not self.dtypes.is_low_precision and self.dtypes.reduce == self.dtypes.master:
-            return MixedPrecisionPolicy()
-        return MixedPrecisionPolicy(param_dtype=self.dtypes.compute, reduce_dtype=self.dtypes.reduce)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.scaler: ShardedGradScaler | None = ShardedGradScaler(device) if base.loss_scaling else None
 
     @override
-    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Master weights in the master dtype; the compute casts happen inside FSDP's all-gather."""
-        return module.to(dtype=self.dtypes.master) if self.dtypes.master != torch.float32 else module
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Master weights in the master dtype (norms keep theirs); compute casts happen inside FSDP's all-gather."""
+        master = self.policy.master
+        if master == torch.float32:
+            return module
+        keep = {id(m) for _, m in find_modules(module, self.policy.norms)} if self.policy.separate_norms else set()
+        for submodule in module.modules():
+            if id(submodule) in keep:
+                continue
+            for tensor in [*submodule.parameters(recurse=False), *submodule.buffers(recurse=False)]:
+                if tensor.is_floating_point():
+                    tensor.data = tensor.data.to(master)
+        return module
 
     @override
     def convert_input(self, data: Any) -> Any:
         """Floating batch tensors enter in the compute dtype; integer targets are left alone."""
-        return _cast_floating(data, self.dtypes.compute)
+        return _cast_floating(data, self.policy.compute)
 
     @override
     def convert_output(self, data: Any) -> Any:
@@ -112,9 +115,55 @@ class VitScalePrecision(Precision):
         yield
 
     @override
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        skipped_backward = closure_result is None and model.automatic_optimization
+        if not skipped_backward:
+            self.scaler.unscale_(optimizer)  # type: ignore[arg-type]  # before clipping, in _after_closure
+        self._after_closure(model, optimizer)
+        if skipped_backward:
+            return closure_result
+        step_output = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]  # skipped on inf/nan
+        self.scaler.update()
+        return step_output
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if clip_val > 0 and self.scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+            raise RuntimeError(
+                f"{type(optimizer).__name__} unscales gradients inside step(), so they cannot be clipped before it."
+                " Use a non-fused optimizer with precision='16-mixed' and gradient clipping."
+            )
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+
+    @override
     def clip_grad_by_norm(self, optimizer: Optimizable, clip_val: int | float) -> None:
         """Clip by the norm of all gradients across shards (Lightning's FSDPStrategy refuses this)."""
         clip_grad_norm(list(self.main_params(optimizer)), float(clip_val))
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
 
 
 def to_vitscale_precision(plugin: Precision) -> VitScalePrecision:
@@ -135,3 +184,6 @@ def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
         return t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t
 
     return apply_to_collection(data, function=cast, dtype=Tensor)
+
+
+__all__ = ["PrecisionPolicy", "VitScalePrecision", "to_vitscale_precision"]

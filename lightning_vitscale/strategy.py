@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from typing_extensions import override
 
 from lightning_vitscale._compat import FSDPModule, ModelParallelStrategy
+from lightning_vitscale.parallelize import Parallelized, parallelize
 from lightning_vitscale.plan import ParallelPlan
 from lightning_vitscale.policies import (
     CheckpointingPolicy,
@@ -51,6 +52,19 @@ class RootUnit(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+
+def prefer_foreach(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Turn the optimizer's per-parameter loop into foreach ops where the user left the choice to torch.
+
+    Each op on a DTensor pays a dispatch cost; torch defaults to the per-parameter loop on CPU, which made a
+    sharded AdamW step ~7x slower than DDP's here. One foreach op per update covers all parameters. An explicit
+    ``foreach=False`` or ``fused=True`` from the user is kept.
+    """
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                group["foreach"] = True
 
 
 class VitScaleStrategy(ModelParallelStrategy):
@@ -90,6 +104,7 @@ class VitScaleStrategy(ModelParallelStrategy):
             checkpointing=CheckpointingPolicy(blocks=activation_checkpointing),
         )
         self.plan: ParallelPlan | None = None
+        self._parallelized_state: Parallelized | None = None
 
     @property
     @override
@@ -146,30 +161,31 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     def _parallelized(self, module: pl.LightningModule) -> RootUnit:
         """Shard ``module`` once; later fit/validate/test calls reuse the same units."""
-        from lightning_vitscale.parallelize import parallelize
-
         existing = module.__dict__.get(_ROOT_ATTR)
-        if existing is not None:
-            root, self.plan = existing
-            return root
-        precision = self.precision_plugin
-        module = precision.convert_module(module)
-        if not any(t.is_meta for t in module.parameters()):
-            module.to(self.root_device)
-        root = RootUnit(module)
-        self.plan = parallelize(
-            root,
-            module,
-            self.device_mesh,
-            self.config,
-            mp_policy=precision.mp_policy(),
-            device=self.root_device,
-            precision_name=precision.precision,
-        )
-        # Kept in __dict__ (not as a submodule): the LightningModule must not contain its own wrapper.
-        module.__dict__[_ROOT_ATTR] = (root, self.plan)
-        rank_zero_info(self.plan.summary())
+        if existing is None:
+            precision = self.precision_plugin
+            module = precision.convert_module(module)
+            if not any(t.is_meta for t in module.parameters()):
+                module.to(self.root_device)
+            root = RootUnit(module)
+            done = parallelize(root, module, self.device_mesh, self.config, precision.policy, self.root_device)
+            # Kept in __dict__ (not as a submodule): the LightningModule must not contain its own wrapper.
+            existing = module.__dict__[_ROOT_ATTR] = (root, done)
+            rank_zero_info(done.plan.summary())
+        root, self._parallelized_state = existing
+        self.plan = self._parallelized_state.plan
         return root
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        prefer_foreach(self.optimizers)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        # fp32 norms live outside FSDP's units: average their gradients here, once per backward.
+        if self._parallelized_state is not None and self._parallelized_state.norms is not None:
+            self._parallelized_state.norms.reduce_grads()
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_vitscale._compat import DTensor, FSDPModule, MixedPrecisionPolicy
+from lightning_vitscale._compat import DTensor, FSDPModule
 from lightning_vitscale.parallelize import NoBlocksMatchedError, parallelize
 from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, ShardingPolicy
 from lightning_vitscale.strategy import RootUnit
@@ -21,8 +21,8 @@ def run(model: nn.Module, mesh, **policies):
         checkpointing=CheckpointingPolicy(**policies.get("checkpointing", {})),
     )
     root = RootUnit(model)
-    plan = parallelize(root, model, mesh, config, MixedPrecisionPolicy(), torch.device("cpu"))
-    return root, plan
+    done = parallelize(root, model, mesh, config, policies.get("precision"), torch.device("cpu"))
+    return root, done.plan
 
 
 def test_plan_of_a_meta_model(mesh):

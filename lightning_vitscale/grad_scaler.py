@@ -1,0 +1,44 @@
+"""Mechanism: fp16 loss scaling for sharded gradients; every rank agrees on whether a step is skipped."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from lightning_vitscale._compat import DTensor
+
+
+class ShardedGradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` for DTensor gradients.
+
+    Unscales each rank's local shards, then takes the max of "found inf/nan" across the mesh: a rank whose
+    shard overflowed must make every rank skip the step and lower the scale, or the replicas drift apart.
+    """
+
+    def _unscale_grads_(  # type: ignore[override]
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        group = None
+        for param_group in optimizer.param_groups:
+            for param in param_group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if not allow_fp16 and grad.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients; keep master weights in fp32 (16-mixed).")
+                if isinstance(grad, DTensor):
+                    group = grad.device_mesh.get_group()
+                    grad = grad.to_local()
+                groups[(grad.device, grad.dtype)].append(grad)
+        found_per_device: dict[torch.device, torch.Tensor] = {}
+        with torch.no_grad():
+            for (device, _), grads in groups.items():
+                found = found_per_device.setdefault(device, found_inf.to(device).clone())
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
+            if group is not None and dist.get_world_size(group) > 1:
+                for found in found_per_device.values():
+                    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        return found_per_device

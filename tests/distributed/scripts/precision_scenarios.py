@@ -1,0 +1,193 @@
+"""Rank script for VitScalePrecision: dtypes in a real step, collective counts, fp16 overflow, convergence."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_vitscale import VitScalePrecision, VitScaleStrategy
+from lightning_vitscale.demo import TinyViT
+from tests.helpers.models import Classifier, loader
+from tests.helpers.recording import DtypeRecorder, count_collectives, linear_bf16_share
+
+warnings.filterwarnings("ignore")
+
+
+def trainer(**kwargs) -> L.Trainer:
+    defaults = dict(
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=VitScaleStrategy(), logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+class Recorded(Classifier):
+    def on_fit_start(self) -> None:
+        self.recorder = DtypeRecorder()
+
+    def training_step(self, batch, batch_idx):
+        with self.recorder:
+            return super().training_step(batch, batch_idx)
+
+
+def dtypes(flag: str) -> dict:
+    L.seed_everything(0, verbose=False)
+    model = Recorded("timm")
+    t = trainer(precision=flag, max_steps=2)
+    t.fit(model, loader(n=32))
+    state = [v for s in t.optimizers[0].state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    norm_params = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
+    return {
+        "calls": [[*k, v] for k, v in model.recorder.calls.items()],
+        "linear_bf16_share": linear_bf16_share(model.recorder.calls),
+        "param_dtypes": dict(Counter(str(p.dtype) for p in model.parameters() if id(p) not in norm_params)),
+        "norm_param_dtypes": dict(Counter(str(p.dtype) for p in model.parameters() if id(p) in norm_params)),
+        "state_dtypes": dict(Counter(str(v.dtype) for v in state)),
+        "fp32_modules": len(t.strategy.plan.fp32_modules),
+        "finite": all(l == l for l in model.losses),
+    }
+
+
+class Deep(L.LightningModule):
+    """24 pre-norm blocks, 49 LayerNorms: the collective-count workload."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = TinyViT(image=8, patch=4, dim=32, depth=24)
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:  # after lazy init, one whole optimizer step
+            with count_collectives() as counts:
+                loss = F.cross_entropy(self.net(batch[0]), batch[1])
+                self.manual_backward(loss)
+                self.optimizers().step()
+                self.optimizers().zero_grad()
+            self.counts = dict(counts)
+        else:
+            loss = F.cross_entropy(self.net(batch[0]), batch[1])
+            self.manual_backward(loss)
+            self.optimizers().step()
+            self.optimizers().zero_grad()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    @property
+    def automatic_optimization(self) -> bool:
+        return False
+
+
+def collectives(norms: bool) -> dict:
+    L.seed_everything(0, verbose=False)
+    model = Deep()
+    data = TensorDataset(torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,)))
+    t = trainer(plugins=[VitScalePrecision("bf16-mixed", norms=None if norms else False)], max_steps=2)
+    t.fit(model, DataLoader(data, batch_size=4))
+    return {"counts": model.counts, "total": sum(model.counts.values()), "fp32": len(t.strategy.plan.fp32_modules)}
+
+
+class Overflowing(Classifier):
+    """At step 2 only rank 1's loss overflows: every rank must skip that step, and the scale must drop."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx == 2 and self.global_rank == 1:
+            loss = loss * float("inf")
+        return loss
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.before = [p.to_local().detach().clone() for p in self.parameters()]
+        self.scale_before = self.trainer.precision_plugin.scaler.get_scale()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        changed = any(not torch.equal(a, p.to_local()) for a, p in zip(self.before, self.parameters()))
+        self.steps = getattr(self, "steps", []) + [
+            {"changed": changed, "scale_before": self.scale_before,
+             "scale_after": self.trainer.precision_plugin.scaler.get_scale()}
+        ]
+
+
+def fp16_overflow() -> dict:
+    L.seed_everything(0, verbose=False)
+    model = Overflowing("encoder")
+    plugin = VitScalePrecision("16-mixed")
+    t = trainer(plugins=[plugin], max_steps=4)
+    t.fit(model, loader(n=64))
+    return {"steps": model.steps, "scaler_state": {k: float(v) for k, v in plugin.state_dict().items()}}
+
+
+class DigitsViT(TinyViT):
+    def __init__(self) -> None:
+        super().__init__(image=8, patch=4, dim=32, depth=2)
+        self.patch_embed = nn.Conv2d(1, 32, 4, 4)
+        self.correct = 0
+        self.total = 0
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        pred = self(x).argmax(-1)
+        self.correct += int((pred == y).sum())
+        self.total += len(y)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=5e-3, weight_decay=0.05)
+        steps = self.trainer.estimated_stepping_batches
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=5e-3, total_steps=steps, pct_start=0.1)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def digits_data():
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(digits.target)
+    g = torch.Generator().manual_seed(0)
+    order = torch.randperm(len(y), generator=g)
+    train, val = order[:1400], order[1400:]
+    return TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val])
+
+
+def convergence(flag: str) -> dict:
+    L.seed_everything(0, verbose=False)
+    train, val = digits_data()
+    model = DigitsViT()
+    # Checkpointing off: this test is about precision, and a 2-block model has no activations to save.
+    t = trainer(
+        precision=flag, max_epochs=8, check_val_every_n_epoch=8, strategy=VitScaleStrategy(activation_checkpointing=False)
+    )
+    t.fit(model, DataLoader(train, batch_size=16, shuffle=True), DataLoader(val, batch_size=100))
+    counts = t.strategy.reduce(torch.tensor([model.correct, model.total], dtype=torch.float64), reduce_op="sum")
+    return {"accuracy": float(counts[0] / counts[1])}
+
+
+SCENARIOS = {
+    "dtypes_bf16_mixed": lambda: dtypes("bf16-mixed"),
+    "dtypes_bf16_true": lambda: dtypes("bf16-true"),
+    "collectives_fp32_norms": lambda: collectives(True),
+    "collectives_bf16_norms": lambda: collectives(False),
+    "fp16_overflow": fp16_overflow,
+    "convergence_fp32": lambda: convergence("32-true"),
+    "convergence_bf16": lambda: convergence("bf16-mixed"),
+}
+
+
+def main() -> None:
+    out, names = Path(sys.argv[1]), sys.argv[2].split(",")
+    torch.set_num_threads(1)
+    results = {name: SCENARIOS[name]() for name in names}
+    (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Each example actually learns on CPU, under vitscale and under ddp, to (nearly) the same final metric.
+
+Same seed, same data order, same model: sharding must not change what is learned, only how it is
+stored, so the two strategies should agree up to float reduction order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.examples._run import run_example
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
+
+NO_CKPT = ["--trainer.enable_checkpointing=false"]
+
+# task -> (extra CLI args that shrink the run for CI, metric column, threshold, vitscale-vs-ddp tolerance)
+CASES = {
+    # 10 classes, chance 0.10; digits are real data: the brief's bar is >= 0.95
+    "classification": ([], "val_acc", 0.95, 0.02),
+    # mAP@0.5 on generated shapes; chance (random boxes) is ~0.0
+    "detection": (["--trainer.max_epochs=8", "--data.num_train=1024"], "map_50", 0.35, 0.05),
+    # 8 motion directions, chance 0.125 (fewer than 2000 clips / 5 epochs stays stuck near chance)
+    "video": (["--trainer.max_epochs=5"], "val_acc", 0.70, 0.05),
+}
+
+
+@pytest.mark.parametrize("task", sorted(CASES))
+def test_converges_same_under_vitscale_and_ddp(task: str, tmp_path: Path) -> None:
+    extra, metric, threshold, tol = CASES[task]
+    results = {}
+    for strategy in ("vitscale", "ddp"):
+        run = run_example(task, [f"--trainer.strategy={strategy}", *NO_CKPT, *extra], tmp_path / strategy, timeout=280)
+        results[strategy] = run.check().last(metric)
+    print(f"{task} {metric}: {results}")
+    for strategy, value in results.items():
+        assert value >= threshold, f"{task} under {strategy}: {metric}={value:.3f} < {threshold}"
+    assert abs(results["vitscale"] - results["ddp"]) <= tol, f"{task}: {results} differ by more than {tol}"
