@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+import torch
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lightning_vitscale", description=__doc__)
@@ -15,11 +17,25 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--devices", type=int, default=None, help="processes (default: all GPUs, or 2 on CPU)")
     demo.add_argument("--steps", type=int, default=10)
     demo.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "bf16-true"])
+    export = sub.add_parser("consolidate", help="sharded checkpoint folder -> one torch.save file (plain module)")
+    export.add_argument("src", help="checkpoint folder written by VitScaleStrategy")
+    export.add_argument("dst", help="output file, e.g. model.ckpt")
+    export.add_argument("--keep-dtype", action="store_true", help="keep saved dtypes instead of full fp32")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "consolidate":
+        from lightning_vitscale.checkpoint import CheckpointError, consolidate_checkpoint
+
+        try:
+            out = consolidate_checkpoint(args.src, args.dst, dtype=None if args.keep_dtype else torch.float32)
+        except (CheckpointError, FileNotFoundError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+        print(f"wrote {out}")
+        return 0
     if args.command == "demo":
         from lightning_vitscale.demo import run_demo
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
+from lightning.fabric.strategies.model_parallel import _load_checkpoint as lightning_load_sharded_checkpoint
 from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from packaging.version import Version
 from torch.distributed.tensor import DTensor
@@ -19,7 +21,18 @@ else:  # pragma: no cover - pyproject requires torch>=2.6; kept to give a clear 
         f" found {torch.__version__}. Upgrade torch: `pip install -U 'torch>=2.6'`."
     )
 
+# Reading a whole DCP checkpoint into one process with no process group, as `dcp_to_torch_save` does
+# (the public `dcp.load` fills a copy of the state dict, so the populated keys would be lost).
+from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner  # noqa: E402
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_into  # noqa: E402
+
+SubprocessScriptLauncher = _SubprocessScriptLauncher
+
 __all__ = [
+    "EmptyStateDictLoadPlanner",
+    "dcp_load_into",
+    "SubprocessScriptLauncher",
+    "lightning_load_sharded_checkpoint",
     "DTensor",
     "FSDPModule",
     "METADATA_FILENAME",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,14 +11,19 @@ import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from typing_extensions import override
 
-from lightning_vitscale._compat import FSDPModule, ModelParallelStrategy
+from lightning_vitscale._compat import (
+    FSDPModule,
+    ModelParallelStrategy,
+    SubprocessScriptLauncher,
+    lightning_load_sharded_checkpoint,
+)
+from lightning_vitscale.checkpoint import load_full_into, model_shapes, save_sharded, validate_against
 from lightning_vitscale.parallelize import Parallelized, parallelize
 from lightning_vitscale.plan import ParallelPlan
 from lightning_vitscale.policies import (
@@ -193,7 +197,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         leaves its peers blocked in a collective (or busy) with nobody to end them."""
         super().on_exception(exception)
         launcher = self.launcher
-        if isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs:
+        if isinstance(launcher, SubprocessScriptLauncher) and launcher.procs:
             rank_zero_warn(f"{type(exception).__name__} on rank {self.global_rank}: stopping the other local ranks.")
             launcher.kill(signal.SIGKILL)
 
@@ -239,21 +243,32 @@ class VitScaleStrategy(ModelParallelStrategy):
         return get_optimizer_state_dict(self.lightning_module, optimizer, options=options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        from lightning.fabric.strategies.model_parallel import _load_checkpoint
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Every rank writes its own shards (no rank gathers the model); the save is atomic, see checkpoint.py."""
+        if storage_options is not None:
+            raise TypeError("VitScaleStrategy.save_checkpoint does not take storage_options: it writes DCP shards.")
+        path = Path(self.broadcast(str(filepath)))
+        tensors = {"state_dict": checkpoint.pop("state_dict")}
+        tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        save_sharded(tensors, checkpoint, path, self.is_global_zero, self.barrier)
 
-        path = self.broadcast(checkpoint_path)
-        assert self.lightning_module is not None
-        state: Mapping[str, Any] = {
-            "state_dict": self.lightning_module,
-            **{f"optimizer_{idx}": optimizer for idx, optimizer in enumerate(self.optimizers)},
-        }
-        return _load_checkpoint(
-            path=Path(path),
-            state=dict(state),
-            strict=self.lightning_module.strict_loading,
-            optimizer_states_from_list=True,
-            weights_only=weights_only,
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded checkpoint (any world size) or a single file (e.g. from DDP or `consolidate`).
+
+        Every rank validates keys and shapes before the first collective, so a wrong path or model fails
+        with the same message everywhere instead of leaving ranks waiting on each other.
+        """
+        path = Path(self.broadcast(str(checkpoint_path)))
+        module = self.lightning_module
+        assert module is not None
+        validate_against(path, model_shapes(module), strict=module.strict_loading)
+        if path.is_file():
+            return load_full_into(path, module, self.optimizers, strict=module.strict_loading)
+        state: dict[str, Any] = {"state_dict": module}
+        state.update({f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)})
+        return lightning_load_sharded_checkpoint(
+            path, state, strict=module.strict_loading, optimizer_states_from_list=True, weights_only=weights_only
         )
 
     @classmethod

@@ -1,0 +1,1 @@
+"""Tests for the example scripts in examples/ (launched as users run them)."""

@@ -83,6 +83,7 @@ class HFViT(nn.Module):
 
 BACKBONES: dict[str, Callable[[], nn.Module]] = {
     "encoder": EncoderClassifier,
+    "encoder_wide": lambda: EncoderClassifier(dim=96),  # same keys as "encoder", other shapes
     "timm": timm_vit,
     "hf": HFViT,
     "resnet": SmallResNet,

@@ -54,7 +54,7 @@ def dtypes(flag: str) -> dict:
         "norm_param_dtypes": dict(Counter(str(p.dtype) for p in model.parameters() if id(p) in norm_params)),
         "state_dtypes": dict(Counter(str(v.dtype) for v in state)),
         "fp32_modules": len(t.strategy.plan.fp32_modules),
-        "finite": all(l == l for l in model.losses),
+        "finite": all(loss == loss for loss in model.losses),
     }
 
 
@@ -163,9 +163,8 @@ def convergence(flag: str) -> dict:
     train, val = digits_data()
     model = DigitsViT()
     # Checkpointing off: this test is about precision, and a 2-block model has no activations to save.
-    t = trainer(
-        precision=flag, max_epochs=8, check_val_every_n_epoch=8, strategy=VitScaleStrategy(activation_checkpointing=False)
-    )
+    strategy = VitScaleStrategy(activation_checkpointing=False)
+    t = trainer(precision=flag, max_epochs=8, check_val_every_n_epoch=8, strategy=strategy)
     t.fit(model, DataLoader(train, batch_size=16, shuffle=True), DataLoader(val, batch_size=100))
     counts = t.strategy.reduce(torch.tensor([model.correct, model.total], dtype=torch.float64), reduce_op="sum")
     return {"accuracy": float(counts[0] / counts[1])}

@@ -1,0 +1,220 @@
+"""Kernel choices (per-block compile, attention backend, fused optimizer): the policy, and the only dynamo config."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+import torch._dynamo  # move to _compat
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.optimizer import _get_fused_kernels_supported_devices  # move to _compat
+
+AttentionChoice = Literal["auto", "sdpa", "xformers"]
+KernelMode = Literal["auto", "eager"]
+KERNEL_MODES: tuple[str, ...] = get_args(KernelMode)
+ATTENTION_CHOICES: tuple[str, ...] = get_args(AttentionChoice)
+
+# CUDA-graph modes replay fixed memory addresses; FSDP2 frees and re-gathers parameters every step, so
+# "reduce-overhead"/"max-autotune" (which use CUDA graphs) are refused rather than left to fail at run time.
+COMPILE_MODES: tuple[str | None, ...] = (None, "default", "max-autotune-no-cudagraphs")
+
+# dynamo allows 8 compiled variants per code object by default. Every checkpointed block runs through the
+# same wrapper function, so several block classes (and the requires_grad/shape variants of each) share one
+# budget; past it dynamo silently falls back to eager. We give each compiled block class its own 8.
+_VARIANTS_PER_CLASS = 8
+
+# SGD has a fused step too, but DTensor registers no sharding rule for `aten._fused_sgd_` (torch 2.14:
+# "does not have a sharding strategy registered"), so a sharded SGD would fail at its first step.
+_FUSED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """Which faster kernels the pipeline turns on.
+
+    Attributes:
+        compile_blocks: ``torch.compile`` each repeated block in place (regional compilation): identical blocks
+            share one compiled graph, so compile time is one block's, not the whole model's.
+        compile_outer: also compile the outer unit's modules. Off in every preset: the outer step holds user
+            code (logging, ``.item()``) that breaks graphs; opt in explicitly.
+        attention: ``"sdpa"`` keeps ``F.scaled_dot_product_attention`` (which itself picks flash /
+            memory-efficient kernels); ``"xformers"`` forces xformers; ``"auto"`` measures both on CUDA.
+        fused_optimizer: switch Adam/AdamW to their fused (single-kernel) step where the user left it open.
+        compile_mode: passed to ``torch.compile``; one of :data:`COMPILE_MODES`.
+    """
+
+    compile_blocks: bool = False
+    compile_outer: bool = False
+    attention: AttentionChoice = "sdpa"
+    fused_optimizer: bool = False
+    compile_mode: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"`attention={self.attention!r}` is not one of {', '.join(ATTENTION_CHOICES)}.")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(
+                f"`compile_mode={self.compile_mode!r}` is not supported with FSDP2; choose one of {COMPILE_MODES}"
+                " (CUDA-graph modes conflict with FSDP's per-step parameter gathering)."
+            )
+
+
+EAGER = KernelPolicy()
+
+
+def resolve_kernels(spec: KernelMode | KernelPolicy, device: torch.device) -> KernelPolicy:
+    """Turn ``kernels=`` into a policy for ``device``; the one place that decides what ``"auto"`` means.
+
+    ``"auto"`` on CUDA compiles each block, fuses the optimizer and measures the attention backends. On CPU it
+    is eager: the first compile of a block costs 30-60 s on a 2-core CPU for ~1.1-1.3x afterwards, and a fused
+    optimizer rounds differently from DDP's foreach step, which would break the bit-exact DDP parity that CPU
+    runs are used to check. Pass a :class:`KernelPolicy` to choose otherwise.
+    """
+    if isinstance(spec, KernelPolicy):
+        return spec
+    match spec:
+        case "eager":
+            return EAGER
+        case "auto" if device.type == "cuda":
+            return KernelPolicy(compile_blocks=True, attention="auto", fused_optimizer=True)
+        case "auto":
+            return EAGER
+        case _:
+            raise ValueError(
+                f"`kernels={spec!r}` is not supported. Choose one of: {', '.join(KERNEL_MODES)}, or a KernelPolicy."
+            )
+
+
+# --- per-block compilation -------------------------------------------------------------------------------
+
+
+def apply_regional_compile(blocks: list[nn.Module], mode: str | None = None) -> dict[str, int]:
+    """Compile each block in place; returns block class name -> number of blocks compiled.
+
+    ``nn.Module.compile`` keeps parameter names (``torch.compile(module)`` would add ``_orig_mod.`` to every
+    state-dict key). Call it after activation checkpointing (dynamo traces the checkpoint into a recompute
+    region, so the memory saving survives) and before ``fully_shard`` (FSDP's hooks then run eagerly around
+    the compiled block). Identical blocks share compiled code through dynamo's cache: one compile per class
+    (plus one variant when only the first block's input does not require grad).
+    """
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"`mode={mode!r}` is not supported with FSDP2; choose one of {COMPILE_MODES}.")
+    counts: Counter[str] = Counter()
+    for block in blocks:
+        block.compile(mode=mode)
+        counts[type(block).__name__] += 1
+    _ensure_recompile_budget(len(counts))
+    return dict(counts)
+
+
+def _ensure_recompile_budget(num_classes: int) -> None:
+    needed = _VARIANTS_PER_CLASS * max(num_classes, 1)
+    if torch._dynamo.config.recompile_limit < needed:
+        torch._dynamo.config.recompile_limit = needed
+
+
+# --- attention ------------------------------------------------------------------------------------------
+
+
+def xformers_available() -> bool:
+    """Whether the optional ``xformers`` extra imports (it has no CPU kernels, so it only matters on CUDA)."""
+    try:
+        import xformers.ops  # noqa: F401
+    except Exception:  # ImportError, or a wheel built for another torch raising at import
+        return False
+    return True
+
+
+def sdpa_via_xformers(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, scale: float | None = None
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(q, k, v)`` computed by xformers; (batch, heads, seq, dim) layout in and out."""
+    import xformers.ops as xops
+
+    out = xops.memory_efficient_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), p=dropout_p, scale=scale
+    )
+    return out.transpose(1, 2)
+
+
+def choose_attention(
+    policy: KernelPolicy, q_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> tuple[str, dict[str, float]]:
+    """Pick the attention kernel for (batch, heads, seq, head_dim) inputs; returns the name and ms per fwd+bwd.
+
+    Only ``"auto"`` on CUDA with xformers installed measures anything; everything else is decided without
+    running a kernel. SDPA's memory-efficient backend *is* xformers' kernel and flash usually beats both,
+    so ``"sdpa"`` wins unless the measurement says otherwise on this GPU and shape.
+    """
+    match policy.attention:
+        case "sdpa":
+            return "sdpa", {}
+        case "xformers":
+            if device.type != "cuda" or not xformers_available():
+                raise RuntimeError("attention='xformers' needs a CUDA device and `pip install xformers`.")
+            return "xformers", {}
+        case "auto" if device.type == "cuda" and xformers_available():
+            timings = {
+                "sdpa": _time_attention(F.scaled_dot_product_attention, q_shape, dtype, device),
+                "xformers": _time_attention(sdpa_via_xformers, q_shape, dtype, device),
+            }
+            return min(timings, key=timings.__getitem__), timings
+        case "auto":
+            return "sdpa", {}
+        case other:
+            raise ValueError(f"attention={other!r} is not one of {', '.join(ATTENTION_CHOICES)}.")
+
+
+def _time_attention(fn, q_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, iters: int = 10) -> float:
+    """Median milliseconds of one forward+backward, timed with CUDA events after warm-up."""
+    q, k, v = (torch.randn(q_shape, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+    times = []
+    for i in range(iters + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(q, k, v).sum().backward()
+        end.record()
+        torch.cuda.synchronize(device)
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+# --- fused optimizer ------------------------------------------------------------------------------------
+
+
+def fuse_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> list[str]:
+    """Set ``fused=True`` on Adam/AdamW param groups where the user left both ``fused`` and ``foreach`` unset.
+
+    Hyper-parameters and groups are kept. Call before any step (fused keeps its step counter on the parameter
+    device) and before ``prefer_foreach`` (which then leaves fused groups alone). Groups holding parameters
+    on a device without fused kernels, non-float parameters, or ``differentiable=True`` are left as they are.
+    Returns one line per changed optimizer.
+    """
+    supported = set(_get_fused_kernels_supported_devices())
+    changed = []
+    for index, optimizer in enumerate(optimizers):
+        if type(optimizer) not in _FUSED_OPTIMIZERS:
+            continue
+        groups = [g for g in optimizer.param_groups if _can_fuse(g, supported)]
+        for group in groups:
+            group["fused"], group["foreach"] = True, False
+        if groups:
+            optimizer.defaults["fused"], optimizer.defaults["foreach"] = True, False
+            changed.append(
+                f"optimizer {index} ({type(optimizer).__name__}): fused=True in {len(groups)}"
+                f" of {len(optimizer.param_groups)} param group(s)"
+            )
+    return changed
+
+
+def _can_fuse(group: dict, supported: set[str]) -> bool:
+    if group.get("fused") is not None or group.get("foreach") is not None or group.get("differentiable"):
+        return False
+    params = group["params"]
+    return bool(params) and all(p.device.type in supported and torch.is_floating_point(p) for p in params)

@@ -1,0 +1,134 @@
+"""Kernel policy, fused optimizer and per-block compile, checked on CPU (one tiny compile, marked slow)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_vitscale._compat import MixedPrecisionPolicy
+from lightning_vitscale.activation_checkpointing import apply_activation_checkpointing
+from lightning_vitscale.demo import Block
+from lightning_vitscale.fsdp import shard_module
+from lightning_vitscale.kernels import (
+    EAGER,
+    KernelPolicy,
+    apply_regional_compile,
+    choose_attention,
+    fuse_optimizers,
+    resolve_kernels,
+)
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_auto_is_eager_on_cpu_and_full_on_cuda():
+    assert resolve_kernels("auto", CPU) == EAGER
+    assert resolve_kernels("eager", CUDA) == EAGER
+    cuda = resolve_kernels("auto", CUDA)
+    assert cuda.compile_blocks and cuda.fused_optimizer and cuda.attention == "auto" and not cuda.compile_outer
+    custom = KernelPolicy(fused_optimizer=True)
+    assert resolve_kernels(custom, CPU) is custom
+
+
+def test_unknown_modes_raise_naming_the_choices():
+    with pytest.raises(ValueError, match="auto, eager"):
+        resolve_kernels("fast", CPU)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="sdpa"):
+        KernelPolicy(attention="flash")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="CUDA-graph"):
+        KernelPolicy(compile_mode="reduce-overhead")
+
+
+def test_attention_without_cuda_is_sdpa_and_forcing_xformers_fails_loudly():
+    assert choose_attention(KernelPolicy(attention="auto"), (2, 4, 16, 8), torch.float32, CPU) == ("sdpa", {})
+    assert choose_attention(KernelPolicy(attention="sdpa"), (2, 4, 16, 8), torch.float32, CUDA) == ("sdpa", {})
+    with pytest.raises(RuntimeError, match="xformers"):
+        choose_attention(KernelPolicy(attention="xformers"), (2, 4, 16, 8), torch.float32, CPU)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+
+def test_fuse_keeps_hyper_parameters_and_explicit_choices():
+    m = _model()
+    adam = torch.optim.AdamW(
+        [{"params": m[0].parameters(), "lr": 0.1}, {"params": m[2].parameters(), "weight_decay": 0.5}], lr=0.01
+    )
+    explicit = torch.optim.Adam(m.parameters(), foreach=True)
+    sgd = torch.optim.SGD(m.parameters(), lr=0.1)  # DTensor has no rule for the fused SGD op: left alone
+    changed = fuse_optimizers([adam, explicit, sgd])
+    assert changed == ["optimizer 0 (AdamW): fused=True in 2 of 2 param group(s)"]
+    assert [g["lr"] for g in adam.param_groups] == [0.1, 0.01]
+    assert [g["weight_decay"] for g in adam.param_groups] == [0.01, 0.5]
+    assert all(g["fused"] and g["foreach"] is False for g in adam.param_groups)
+    assert explicit.param_groups[0]["fused"] is None and sgd.param_groups[0]["fused"] is None
+
+
+@pytest.mark.parametrize("make", [torch.optim.AdamW, torch.optim.Adam])
+def test_fused_step_on_sharded_params_matches_foreach(mesh, make):
+    models = []
+    for fused in (False, True):
+        m = _model()
+        shard_module(m, mesh, MixedPrecisionPolicy(), None)
+        opt = make(m.parameters(), lr=0.1, weight_decay=0.1)
+        if fused:
+            assert fuse_optimizers([opt])
+        else:
+            opt.param_groups[0]["foreach"] = True
+        for step in range(3):
+            torch.manual_seed(step)
+            m(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        models.append(m)
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=1e-5, atol=1e-6)
+
+
+class TwoBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(16, 2) for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.slow
+def test_compile_after_checkpointing_before_sharding_matches_eager(mesh):
+    """The pipeline's order: checkpoint -> compile -> fully_shard. ~30 s with a cold inductor cache."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    eager = TwoBlocks()
+    model = copy.deepcopy(eager)
+    blocks = list(model.blocks)
+    apply_activation_checkpointing(blocks)
+    assert apply_regional_compile(blocks) == {"Block": 2}
+    for block in blocks:
+        shard_module(block, mesh, MixedPrecisionPolicy(), None)
+    shard_module(model, mesh, MixedPrecisionPolicy(), None)
+
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    for _ in range(2):  # the second step must reuse the compiled code
+        out = model(x)
+        out.sum().backward()
+    expected = eager(x)
+    (expected.sum() * 2).backward()  # two accumulated backwards, like the model above
+
+    # fp32 on CPU: inductor reorders reductions, so compare to 1e-5 relative / 1e-5 absolute, not bitwise.
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-5, msg=name)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in eager.named_parameters()]
+    # Both blocks (and the second step) ran one graph: identical blocks share dynamo's compiled code.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
