@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import warnings
 from pathlib import Path
 
@@ -15,6 +13,7 @@ from torch import nn
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale._compat import DTensor
 from tests.helpers.models import Classifier, loader
+from tests.helpers.scenarios import run_scenarios
 
 warnings.filterwarnings("ignore")
 
@@ -109,12 +108,5 @@ def meta_init() -> dict:
 SCENARIOS = {"lifecycle": lifecycle, "meta_init": meta_init}
 
 
-def main() -> None:
-    out, names = Path(sys.argv[1]), sys.argv[2].split(",")
-    torch.set_num_threads(1)
-    results = {name: SCENARIOS[name]() for name in names}
-    (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(results))
-
-
 if __name__ == "__main__":
-    main()
+    run_scenarios(SCENARIOS)

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import warnings
 from collections import Counter
-from pathlib import Path
 
 import lightning as L
 import torch
@@ -19,6 +16,7 @@ from lightning_vitscale import VitScalePrecision, VitScaleStrategy
 from lightning_vitscale.demo import TinyViT
 from tests.helpers.models import Classifier, loader
 from tests.helpers.recording import DtypeRecorder, count_collectives, linear_bf16_share
+from tests.helpers.scenarios import run_scenarios
 
 warnings.filterwarnings("ignore")
 
@@ -181,12 +179,5 @@ SCENARIOS = {
 }
 
 
-def main() -> None:
-    out, names = Path(sys.argv[1]), sys.argv[2].split(",")
-    torch.set_num_threads(1)
-    results = {name: SCENARIOS[name]() for name in names}
-    (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(results))
-
-
 if __name__ == "__main__":
-    main()
+    run_scenarios(SCENARIOS)
