@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.launch import assert_ok, lightning_launch, torchrun
+from tests.helpers.launch import assert_ok, lightning_launch, slurm_launch, torchrun
 from tests.helpers.results import load_ranks, max_relative_difference
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -55,3 +55,15 @@ def test_world_size_one_matches_single_device(tmp_path):
     facts = load_ranks(tmp_path, "single_rank0.json")[0]
     assert facts["vitscale"]["strategy"] == "VitScaleStrategy"
     assert max_relative_difference(facts["vitscale"]["losses"], facts["single_device"]["losses"]) < 1e-6
+
+
+def test_under_slurm_matches_ddp(tmp_path):
+    """Processes started as srun would (SLURM_* variables): Lightning's SLURMEnvironment, our strategy."""
+    assert_ok(lightning_launch("tests/distributed/scripts/launcher.py", "ddp", str(tmp_path), timeout=180))
+    for result in slurm_launch("tests/distributed/scripts/launcher.py", "vitscale", str(tmp_path), timeout=180):
+        assert_ok(result)
+    for rank in (0, 1):
+        ddp = load_ranks(tmp_path, f"ddp_rank{rank}.json")[0]
+        ours = load_ranks(tmp_path, f"vitscale_rank{rank}.json")[0]
+        assert ours["cluster"] == "SLURMEnvironment"
+        assert max_relative_difference(ours["losses"], ddp["losses"]) < 1e-5

@@ -93,3 +93,34 @@ def assert_ok(result: Finished) -> None:
     tail = result.output[-6000:]
     assert not result.timed_out, f"timed out after {result.seconds:.0f}s:\n{tail}"
     assert result.returncode == 0, f"exit code {result.returncode}:\n{tail}"
+
+
+def slurm_launch(script: str | Path, *args: str, ntasks: int = 2, timeout: float = 240) -> list[Finished]:
+    """Start ``ntasks`` processes the way ``srun --ntasks-per-node`` does (SLURM_* variables, no launcher)."""
+    import time
+
+    port = str(free_port())
+    procs = []
+    for rank in range(ntasks):
+        env = rank_env(
+            SLURM_NTASKS=str(ntasks), SLURM_NTASKS_PER_NODE=str(ntasks), SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_JOB_NAME="vitscale-test", SLURM_JOB_ID="4242",
+            SLURM_NODELIST="127.0.0.1", MASTER_PORT=port,
+        )
+        procs.append(subprocess.Popen(
+            [sys.executable, str(script), *args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        ))
+    start, results = time.monotonic(), []
+    for proc in procs:
+        remaining = max(1.0, timeout - (time.monotonic() - start))
+        try:
+            out, _ = proc.communicate(timeout=remaining)
+            results.append(Finished(proc.returncode, out, time.monotonic() - start, False))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                if other.poll() is None:
+                    os.killpg(other.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            results.append(Finished(proc.returncode, out, time.monotonic() - start, True))
+    return results

@@ -71,8 +71,13 @@ def main() -> None:
         L.seed_everything(0, verbose=False)
         model = Classifier("encoder")
         trainer = fit(mode, 2, model)
-        results = {"losses": model.losses, "strategy": type(trainer.strategy).__name__}
-    (out / f"{mode}_rank{os.environ.get('LOCAL_RANK', '0')}.json").write_text(json.dumps(results))
+        results = {
+            "losses": model.losses,
+            "strategy": type(trainer.strategy).__name__,
+            "cluster": type(trainer.strategy.cluster_environment).__name__,
+        }
+    rank = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    (out / f"{mode}_rank{rank}.json").write_text(json.dumps(results))
 
 
 if __name__ == "__main__":

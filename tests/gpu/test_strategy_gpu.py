@@ -1,0 +1,53 @@
+"""GPU checks (NCCL, CUDA bf16): skipped without CUDA; run them on the device machine when a task has one."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_vitscale import VitScaleStrategy, measure_state_bytes
+from tests.helpers.models import Classifier, loader
+from tests.helpers.recording import DtypeRecorder, linear_bf16_share
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+
+
+def fit(strategy, precision: str, steps: int = 6) -> tuple[Classifier, L.Trainer]:
+    L.seed_everything(0, verbose=False)
+    model = Classifier("timm")
+    trainer = L.Trainer(
+        accelerator="cuda", devices=1, strategy=strategy, precision=precision, max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0, use_distributed_sampler=False,
+    )
+    trainer.fit(model, loader(n=64))
+    return model, trainer
+
+
+def test_fp32_matches_single_device_on_cuda():
+    reference, _ = fit("auto", "32-true")
+    ours, trainer = fit(VitScaleStrategy(), "32-true")
+    assert trainer.strategy.root_device.type == "cuda"
+    torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(reference.losses), rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_mixed_is_o2_with_fp32_norms_on_cuda():
+    class Recorded(Classifier):
+        def training_step(self, batch, batch_idx):
+            with self.recorder:
+                return super().training_step(batch, batch_idx)
+
+    model = Recorded("timm")
+    model.recorder = DtypeRecorder()
+    trainer = L.Trainer(
+        accelerator="cuda", devices=1, strategy=VitScaleStrategy(), precision="bf16-mixed", max_steps=3,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, loader(n=32))
+    calls = model.recorder.calls
+    assert linear_bf16_share(calls) >= 0.9
+    assert {(x, w) for op, x, w in calls if op == "layer_norm"} == {("torch.float32", "torch.float32")}
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(torch.isfinite(torch.tensor(model.losses)))
+    assert measure_state_bytes(model, trainer.optimizers).optimizer_local > 0
