@@ -23,9 +23,7 @@ ATTENTION_CHOICES: tuple[str, ...] = get_args(AttentionChoice)
 # "reduce-overhead"/"max-autotune" (which use CUDA graphs) are refused rather than left to fail at run time.
 COMPILE_MODES: tuple[str | None, ...] = (None, "default", "max-autotune-no-cudagraphs")
 
-# dynamo allows 8 compiled variants per code object by default. Every checkpointed block runs through the
-# same wrapper function, so several block classes (and the requires_grad/shape variants of each) share one
-# budget; past it dynamo silently falls back to eager. We give each compiled block class its own 8.
+# dynamo's default number of compiled variants per code object (requires_grad, shapes, ...), per block class.
 _VARIANTS_PER_CLASS = 8
 
 # SGD has a fused step too, but DTensor registers no sharding rule for `aten._fused_sgd_` (torch 2.14:
@@ -100,7 +98,8 @@ def apply_regional_compile(blocks: list[nn.Module], mode: str | None = None) -> 
     state-dict key). Call it after activation checkpointing (dynamo traces the checkpoint into a recompute
     region, so the memory saving survives) and before ``fully_shard`` (FSDP's hooks then run eagerly around
     the compiled block). Identical blocks share compiled code through dynamo's cache: one compile per class
-    (plus one variant when only the first block's input does not require grad).
+    (plus one variant when only the first block's input does not require grad). Sets two dynamo options,
+    see :func:`_configure_dynamo`.
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"`mode={mode!r}` is not supported with FSDP2; choose one of {COMPILE_MODES}.")
@@ -108,14 +107,25 @@ def apply_regional_compile(blocks: list[nn.Module], mode: str | None = None) -> 
     for block in blocks:
         block.compile(mode=mode)
         counts[type(block).__name__] += 1
-    _ensure_recompile_budget(len(counts))
+    _configure_dynamo(len(counts))
     return dict(counts)
 
 
-def _ensure_recompile_budget(num_classes: int) -> None:
+def _configure_dynamo(num_classes: int) -> None:
+    """The only dynamo config changes in the package; global because dynamo reads them at the first call.
+
+    1. Every checkpointed block runs through one wrapper function, so all block classes share its budget of
+       compiled variants; give each class its own, or dynamo silently runs the extra ones eagerly.
+    2. The fp32-norm hooks (norms.py) swap a norm's parameters for local tensors in forward and swap them back.
+       Dynamo refuses such side effects inside a checkpoint region (it could not replay them on recompute), so
+       without this the whole block graph-breaks and runs eagerly: measured here, a bf16 block compiled to
+       nothing. Not replaying is right for these net-zero swaps, and for user side effects (a counter) it avoids
+       counting twice, which eager recompute does.
+    """
     needed = _VARIANTS_PER_CLASS * max(num_classes, 1)
     if torch._dynamo.config.recompile_limit < needed:
         torch._dynamo.config.recompile_limit = needed
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 # --- attention ------------------------------------------------------------------------------------------
