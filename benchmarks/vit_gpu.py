@@ -67,13 +67,7 @@ def make_strategy(config: str, dry_run: bool):
         case "ddp":
             return "ddp"
         case "eager" | "auto":
-            try:
-                return VitScaleStrategy(kernels=config)
-            except TypeError:  # `kernels=` not wired into the strategy yet
-                if not dry_run:
-                    raise
-                warnings.warn("VitScaleStrategy has no `kernels=` yet: dry run uses its defaults", stacklevel=1)
-                return VitScaleStrategy()
+            return VitScaleStrategy(kernels=config)
         case _:
             raise ValueError(f"config {config!r} is not one of {CONFIGS}")
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `examples.models` imports from a checkout
+
+from lightning.pytorch.cli import ArgsType  # noqa: E402
 
 from examples.models.classifier import ClassificationModule  # noqa: E402
 from examples.models.cli import run_cli  # noqa: E402
@@ -43,12 +46,14 @@ class ViTClassifier(ClassificationModule):
 
     def configure_model(self) -> None:
         if self.net is None:
-            h = self.hparams
+            h: Any = self.hparams
             self.net = VisionTransformer.from_size(h.size, h.img_size, h.in_chans, h.num_classes, h.patch_size)
 
 
-def main() -> None:
-    run_cli(ViTClassifier, DigitsDataModule, "classification", ("num_classes", "in_chans", "img_size"), max_epochs=20)
+def main(args: ArgsType = None) -> None:
+    """CLI entry point; ``args`` lets tests drive it in-process."""
+    links = ("num_classes", "in_chans", "img_size")
+    run_cli(ViTClassifier, DigitsDataModule, "classification", links, max_epochs=20, args=args)
 
 
 if __name__ == "__main__":

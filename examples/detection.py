@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `examples.models` imports from a checkout
 
 import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.cli import ArgsType  # noqa: E402
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig  # noqa: E402
 from torch import Tensor  # noqa: E402
 from torchmetrics.detection import MeanAveragePrecision  # noqa: E402
 
@@ -57,7 +60,7 @@ class ViTDetector(pl.LightningModule):
 
     def configure_model(self) -> None:
         if self.net is None:
-            h = self.hparams
+            h: Any = self.hparams
             self.net = ViTDet(h.size, h.img_size, h.patch_size, h.in_chans, h.num_classes, h.fpn_dim, tuple(h.strides))
 
     def forward(self, x: Tensor) -> list[dict[str, Tensor]]:
@@ -70,7 +73,8 @@ class ViTDetector(pl.LightningModule):
         x, targets = batch
         losses = self.net.loss(self.net(x), targets)
         loss = losses["heat"] + losses["box"]
-        self.log_dict({"train_loss": loss, "train_heat": losses["heat"], "train_box": losses["box"]}, prog_bar=True)
+        logs = {"train_loss": loss, "train_heat": losses["heat"], "train_box": losses["box"]}
+        self.log_dict(logs, prog_bar=True, batch_size=len(targets))
         return loss
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
@@ -78,7 +82,7 @@ class ViTDetector(pl.LightningModule):
         x, targets = batch
         outs = self.net(x)
         losses = self.net.loss(outs, targets)
-        self.log("val_loss", losses["heat"] + losses["box"], sync_dist=True)
+        self.log("val_loss", losses["heat"] + losses["box"], sync_dist=True, batch_size=len(targets))
         self.val_map.update(self.net.decode(outs), targets)
 
     def on_validation_epoch_end(self) -> None:
@@ -87,13 +91,15 @@ class ViTDetector(pl.LightningModule):
         self.log("map", res["map"], sync_dist=True)
         self.val_map.reset()
 
-    def configure_optimizers(self) -> dict:
-        h = self.hparams
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
+        h: Any = self.hparams
         return adamw_cosine(self, h.lr, h.weight_decay, h.warmup_frac)
 
 
-def main() -> None:
-    run_cli(ViTDetector, ShapesDetectionDataModule, "detection", ("num_classes", "in_chans", "img_size"), max_epochs=15)
+def main(args: ArgsType = None) -> None:
+    """CLI entry point; ``args`` lets tests drive it in-process."""
+    links = ("num_classes", "in_chans", "img_size")
+    run_cli(ViTDetector, ShapesDetectionDataModule, "detection", links, max_epochs=10, args=args)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `examples.models` imports from a checkout
+
+from lightning.pytorch.cli import ArgsType  # noqa: E402
 
 from examples.models.classifier import ClassificationModule  # noqa: E402
 from examples.models.cli import run_cli  # noqa: E402
@@ -44,14 +47,16 @@ class VideoClassifier(ClassificationModule):
 
     def configure_model(self) -> None:
         if self.net is None:
-            h = self.hparams
-            self.net = FactorisedVideoViT(h.size, h.img_size, h.num_frames, h.in_chans, h.num_classes, h.patch_size,
-                                          h.tubelet)
+            h: Any = self.hparams
+            self.net = FactorisedVideoViT(
+                h.size, h.img_size, h.num_frames, h.in_chans, h.num_classes, h.patch_size, h.tubelet
+            )
 
 
-def main() -> None:
+def main(args: ArgsType = None) -> None:
+    """CLI entry point; ``args`` lets tests drive it in-process."""
     links = ("num_classes", "in_chans", "img_size", "num_frames")
-    run_cli(VideoClassifier, MovingShapesVideoDataModule, "video", links, max_epochs=8)
+    run_cli(VideoClassifier, MovingShapesVideoDataModule, "video", links, max_epochs=8, args=args)
 
 
 if __name__ == "__main__":

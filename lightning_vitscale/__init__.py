@@ -5,9 +5,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_vitscale.matching import find_blocks
 from lightning_vitscale.memory import StateBytes, measure_state_bytes
 from lightning_vitscale.plan import ParallelPlan
-from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, ShardingPolicy
+from lightning_vitscale.policies import CheckpointingPolicy, KernelPolicy, ParallelConfig, ShardingPolicy
 from lightning_vitscale.precision import VitScalePrecision
 from lightning_vitscale.strategy import VitScaleStrategy
+from lightning_vitscale.throughput import ThroughputMonitor
 
 if VitScaleStrategy.strategy_name not in StrategyRegistry:
     VitScaleStrategy.register_strategies(StrategyRegistry)
@@ -16,10 +17,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointingPolicy",
+    "KernelPolicy",
     "ParallelConfig",
     "ParallelPlan",
     "ShardingPolicy",
     "StateBytes",
+    "ThroughputMonitor",
     "VitScalePrecision",
     "VitScaleStrategy",
     "find_blocks",

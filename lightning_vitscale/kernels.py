@@ -5,23 +5,13 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Literal, get_args
 
 import torch
-import torch._dynamo  # move to _compat
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.optimizer import _get_fused_kernels_supported_devices  # move to _compat
 
-AttentionChoice = Literal["auto", "sdpa", "xformers"]
-KernelMode = Literal["auto", "eager"]
-KERNEL_MODES: tuple[str, ...] = get_args(KernelMode)
-ATTENTION_CHOICES: tuple[str, ...] = get_args(AttentionChoice)
-
-# CUDA-graph modes replay fixed memory addresses; FSDP2 frees and re-gathers parameters every step, so
-# "reduce-overhead"/"max-autotune" (which use CUDA graphs) are refused rather than left to fail at run time.
-COMPILE_MODES: tuple[str | None, ...] = (None, "default", "max-autotune-no-cudagraphs")
+from lightning_vitscale._compat import dynamo, fused_kernel_devices
+from lightning_vitscale.policies import ATTENTION_CHOICES, COMPILE_MODES, KernelPolicy
 
 # dynamo's default number of compiled variants per code object (requires_grad, shapes, ...), per block class.
 _VARIANTS_PER_CLASS = 8
@@ -29,63 +19,6 @@ _VARIANTS_PER_CLASS = 8
 # SGD has a fused step too, but DTensor registers no sharding rule for `aten._fused_sgd_` (torch 2.14:
 # "does not have a sharding strategy registered"), so a sharded SGD would fail at its first step.
 _FUSED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
-
-
-@dataclass(frozen=True)
-class KernelPolicy:
-    """Which faster kernels the pipeline turns on.
-
-    Attributes:
-        compile_blocks: ``torch.compile`` each repeated block in place (regional compilation): identical blocks
-            share one compiled graph, so compile time is one block's, not the whole model's.
-        compile_outer: also compile the outer unit's modules. Off in every preset: the outer step holds user
-            code (logging, ``.item()``) that breaks graphs; opt in explicitly.
-        attention: ``"sdpa"`` keeps ``F.scaled_dot_product_attention`` (which itself picks flash /
-            memory-efficient kernels); ``"xformers"`` forces xformers; ``"auto"`` measures both on CUDA.
-        fused_optimizer: switch Adam/AdamW to their fused (single-kernel) step where the user left it open.
-        compile_mode: passed to ``torch.compile``; one of :data:`COMPILE_MODES`.
-    """
-
-    compile_blocks: bool = False
-    compile_outer: bool = False
-    attention: AttentionChoice = "sdpa"
-    fused_optimizer: bool = False
-    compile_mode: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.attention not in ATTENTION_CHOICES:
-            raise ValueError(f"`attention={self.attention!r}` is not one of {', '.join(ATTENTION_CHOICES)}.")
-        if self.compile_mode not in COMPILE_MODES:
-            raise ValueError(
-                f"`compile_mode={self.compile_mode!r}` is not supported with FSDP2; choose one of {COMPILE_MODES}"
-                " (CUDA-graph modes conflict with FSDP's per-step parameter gathering)."
-            )
-
-
-EAGER = KernelPolicy()
-
-
-def resolve_kernels(spec: KernelMode | KernelPolicy, device: torch.device) -> KernelPolicy:
-    """Turn ``kernels=`` into a policy for ``device``; the one place that decides what ``"auto"`` means.
-
-    ``"auto"`` on CUDA compiles each block, fuses the optimizer and measures the attention backends. On CPU it
-    is eager: the first compile of a block costs 30-60 s on a 2-core CPU for ~1.1-1.3x afterwards, and a fused
-    optimizer rounds differently from DDP's foreach step, which would break the bit-exact DDP parity that CPU
-    runs are used to check. Pass a :class:`KernelPolicy` to choose otherwise.
-    """
-    if isinstance(spec, KernelPolicy):
-        return spec
-    match spec:
-        case "eager":
-            return EAGER
-        case "auto" if device.type == "cuda":
-            return KernelPolicy(compile_blocks=True, attention="auto", fused_optimizer=True)
-        case "auto":
-            return EAGER
-        case _:
-            raise ValueError(
-                f"`kernels={spec!r}` is not supported. Choose one of: {', '.join(KERNEL_MODES)}, or a KernelPolicy."
-            )
 
 
 # --- per-block compilation -------------------------------------------------------------------------------
@@ -123,9 +56,9 @@ def _configure_dynamo(num_classes: int) -> None:
        counting twice, which eager recompute does.
     """
     needed = _VARIANTS_PER_CLASS * max(num_classes, 1)
-    if torch._dynamo.config.recompile_limit < needed:
-        torch._dynamo.config.recompile_limit = needed
-    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    if dynamo.config.recompile_limit < needed:
+        dynamo.config.recompile_limit = needed
+    dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 # --- attention ------------------------------------------------------------------------------------------
@@ -206,7 +139,7 @@ def fuse_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> list[str]:
     on a device without fused kernels, non-float parameters, or ``differentiable=True`` are left as they are.
     Returns one line per changed optimizer.
     """
-    supported = set(_get_fused_kernels_supported_devices())
+    supported = set(fused_kernel_devices())
     changed = []
     for index, optimizer in enumerate(optimizers):
         if type(optimizer) not in _FUSED_OPTIMIZERS:

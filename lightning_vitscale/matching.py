@@ -5,10 +5,12 @@ from __future__ import annotations
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from torch import nn
 
-from lightning_vitscale.policies import ModuleSelector
+if TYPE_CHECKING:
+    from lightning_vitscale.policies import ModuleSelector
 
 # Containers compare by structure, not class: two Sequentials are the same block only if they hold the same.
 _CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.Sequential, nn.ModuleDict)

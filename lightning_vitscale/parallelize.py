@@ -9,13 +9,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_vitscale.activation_checkpointing import apply_activation_checkpointing, is_self_checkpointing
+from lightning_vitscale.casting import cast_floating_inputs
 from lightning_vitscale.fsdp import broadcast_module_states, mixed_precision_policy, shard_module
+from lightning_vitscale.kernels import apply_regional_compile
 from lightning_vitscale.matching import describe_blocks, find_blocks, find_modules
 from lightning_vitscale.materialize import has_meta_tensors, materialize
 from lightning_vitscale.memory import full_bytes, local_bytes
 from lightning_vitscale.norms import ReplicatedNorms
 from lightning_vitscale.plan import ParallelPlan
-from lightning_vitscale.policies import ParallelConfig, PrecisionPolicy, resolve_flag
+from lightning_vitscale.policies import KernelPolicy, ParallelConfig, PrecisionPolicy, resolve_flag
+from lightning_vitscale.tensor_cores import tensor_core_report
 
 
 class NoBlocksMatchedError(ValueError):
@@ -65,6 +68,10 @@ def parallelize(
     norms = ReplicatedNorms([m for _, m in norm_modules], mesh, precision.norm_dtype) if norm_modules else None
     ignored = norms.ignored() if norms else None
 
+    # 2b. Outer-unit layers take their inputs in the compute dtype even when a step made them in fp32.
+    if precision.compute != torch.float32:
+        cast_floating_inputs(_outer_layers(model, blocks, norm_modules), precision.compute)
+
     # 3. Activation checkpointing, skipping blocks that already checkpoint themselves (no double recompute).
     self_ckpt = [name for name, block in blocks if is_self_checkpointing(block)]
     chosen = [
@@ -73,6 +80,12 @@ def parallelize(
         if name not in self_ckpt and config.checkpointing.selects(index, name, block)
     ]
     apply_activation_checkpointing([block for _, block in chosen])
+
+    # 3b. Regional compilation: after checkpointing (the recompute is traced too), before FSDP (its hooks stay
+    #     eager around the compiled block); identical blocks share one compiled graph.
+    kernels = config.kernels
+    compiled = apply_regional_compile([b for _, b in blocks], kernels.compile_mode) if kernels.compile_blocks else {}
+    tensor_cores = tensor_core_report(model)  # on the plain model, before FSDP wraps it
 
     # 4. Each block its own unit: peak memory is one block's gathered parameters, not the model's.
     mp_policy = mixed_precision_policy(precision)
@@ -100,8 +113,29 @@ def parallelize(
         param_bytes_local=local_bytes(params),
         precision=precision.name,
         notes=_notes(model, blocks, zero_filled),
+        kernels=_kernel_facts(kernels, compiled),
+        tensor_core_misses=tensor_cores,
     )
     return Parallelized(plan, norms)
+
+
+def _outer_layers(model: nn.Module, blocks: list, norm_modules: list) -> list[nn.Module]:
+    """Sub-modules with their own parameters that belong to no block and are no norm: the outer unit's layers."""
+    inside = {id(m) for _, block in blocks for m in block.modules()} | {id(m) for _, m in norm_modules}
+    return [
+        module
+        for name, module in model.named_modules()
+        if name and id(module) not in inside and any(True for _ in module.parameters(recurse=False))
+    ]
+
+
+def _kernel_facts(kernels: KernelPolicy, compiled: dict[str, int]) -> dict[str, str]:
+    compiled_text = ", ".join(f"{name} x{count}" for name, count in compiled.items()) or "off"
+    return {
+        "compiled blocks": compiled_text,
+        "attention": f"{kernels.attention} (F.scaled_dot_product_attention picks flash/memory-efficient kernels)",
+        "fused optimizer": "on" if kernels.fused_optimizer else "off",
+    }
 
 
 def _notes(model: nn.Module, blocks: list, zero_filled: list[str]) -> list[str]:

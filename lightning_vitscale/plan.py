@@ -25,6 +25,9 @@ class ParallelPlan:
         param_bytes_full: bytes of all parameters unsharded.
         param_bytes_local: bytes of parameters this rank holds.
         precision: the precision recipe in force.
+        notes: other facts worth a line in the summary.
+        kernels: kernel choices (compiled blocks, attention, fused optimizer).
+        tensor_core_misses: Linear/Conv/attention dimensions that are not multiples of 8, with module names.
     """
 
     world_size: int
@@ -39,6 +42,8 @@ class ParallelPlan:
     param_bytes_local: int = 0
     precision: str = "32-true"
     notes: list[str] = field(default_factory=list)
+    kernels: dict[str, str] = field(default_factory=dict)
+    tensor_core_misses: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         found = ", ".join(f"{name} x{count}" for name, count in self.blocks.items()) or "none (one outer unit)"
@@ -55,6 +60,12 @@ class ParallelPlan:
             lines.append(f"  self-checkpointing  : {len(self.self_checkpointed)} blocks (left as the model set them)")
         if self.fp32_modules:
             lines.append(f"  fp32 modules        : {len(self.fp32_modules)} ({_abbrev(self.fp32_modules)})")
+        lines.extend(f"  {key:<20}: {value}" for key, value in self.kernels.items())
+        if self.tensor_core_misses:
+            lines.append(
+                f"  tensor cores        : {len(self.tensor_core_misses)} dims not multiples of 8"
+                f" ({_abbrev(self.tensor_core_misses, 2)})"
+            )
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
 

@@ -9,6 +9,8 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
+from lightning_vitscale.matching import is_normalization
+
 ModuleSelector = set[type[nn.Module]] | frozenset[type[nn.Module]] | Callable[[str, nn.Module], bool]
 """Block classes, or a predicate on (qualified name, module)."""
 
@@ -86,12 +88,82 @@ class CheckpointingPolicy:
         return bool(sel(name, module))
 
 
+AttentionChoice = Literal["auto", "sdpa", "xformers"]
+KernelMode = Literal["auto", "eager"]
+KERNEL_MODES: tuple[str, ...] = get_args(KernelMode)
+ATTENTION_CHOICES: tuple[str, ...] = get_args(AttentionChoice)
+
+# CUDA-graph modes replay fixed memory addresses; FSDP2 frees and re-gathers parameters every step, so
+# "reduce-overhead"/"max-autotune" (which use CUDA graphs) are refused rather than left to fail at run time.
+COMPILE_MODES: tuple[str | None, ...] = (None, "default", "max-autotune-no-cudagraphs")
+
+
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """Which faster kernels the pipeline turns on.
+
+    Attributes:
+        compile_blocks: ``torch.compile`` each repeated block in place (regional compilation): identical blocks
+            share one compiled graph, so compile time is one block's, not the whole model's.
+        compile_outer: also compile the outer unit's modules. Off in every preset: the outer step holds user
+            code (logging, ``.item()``) that breaks graphs; opt in explicitly.
+        attention: ``"sdpa"`` keeps ``F.scaled_dot_product_attention`` (which itself picks flash /
+            memory-efficient kernels); ``"xformers"`` forces xformers; ``"auto"`` measures both on CUDA.
+        fused_optimizer: switch Adam/AdamW to their fused (single-kernel) step where the user left it open.
+        compile_mode: passed to ``torch.compile``; one of :data:`COMPILE_MODES`.
+    """
+
+    compile_blocks: bool = False
+    compile_outer: bool = False
+    attention: AttentionChoice = "sdpa"
+    fused_optimizer: bool = False
+    compile_mode: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"`attention={self.attention!r}` is not one of {', '.join(ATTENTION_CHOICES)}.")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(
+                f"`compile_mode={self.compile_mode!r}` is not supported with FSDP2; choose one of {COMPILE_MODES}"
+                " (CUDA-graph modes conflict with FSDP's per-step parameter gathering)."
+            )
+
+
+EAGER = KernelPolicy()
+
+
+def resolve_kernels(spec: KernelMode | KernelPolicy, device: torch.device) -> KernelPolicy:
+    """Turn ``kernels=`` into a policy for ``device``; the one place that decides what ``"auto"`` means.
+
+    ``"auto"`` on CUDA compiles each block, fuses the optimizer and measures the attention backends. On CPU it
+    is eager: the first compile of a block costs 30-60 s on a 2-core CPU for ~1.1-1.3x afterwards, and a fused
+    optimizer rounds differently from DDP's foreach step, which would break the bit-exact DDP parity that CPU
+    runs are used to check. Pass a :class:`KernelPolicy` to choose otherwise.
+    """
+    if isinstance(spec, KernelPolicy):
+        return spec
+    match spec:
+        case "eager":
+            return EAGER
+        case "auto" if device.type == "cuda":
+            return KernelPolicy(compile_blocks=True, attention="auto", fused_optimizer=True)
+        case "auto":
+            return EAGER
+        case _:
+            raise ValueError(
+                f"`kernels={spec!r}` is not supported. Choose one of: {', '.join(KERNEL_MODES)}, or a KernelPolicy."
+            )
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Everything the parallelize pipeline needs to know, grouped so the strategy constructor stays short."""
 
     sharding: ShardingPolicy = field(default_factory=ShardingPolicy)
     checkpointing: CheckpointingPolicy = field(default_factory=CheckpointingPolicy)
+    kernels: KernelPolicy = field(default_factory=KernelPolicy)
 
 
 PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"]
@@ -117,8 +189,8 @@ class PrecisionPolicy:
     master: torch.dtype
     compute: torch.dtype
     reduce: torch.dtype
-    norm_dtype: torch.dtype | None = None
-    norms: Callable[[str, nn.Module], bool] | None = None
+    norm_dtype: torch.dtype | None = torch.float32
+    norms: Callable[[str, nn.Module], bool] | None = is_normalization
     loss_scaling: bool = False
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from datetime import timedelta
 from pathlib import Path
@@ -24,14 +25,18 @@ from lightning_vitscale._compat import (
     lightning_load_sharded_checkpoint,
 )
 from lightning_vitscale.checkpoint import load_full_into, model_shapes, save_sharded, validate_against
+from lightning_vitscale.kernels import fuse_optimizers
 from lightning_vitscale.parallelize import Parallelized, parallelize
 from lightning_vitscale.plan import ParallelPlan
 from lightning_vitscale.policies import (
     CheckpointingPolicy,
     CheckpointSelector,
+    KernelMode,
+    KernelPolicy,
     ModuleSelector,
     ParallelConfig,
     ShardingPolicy,
+    resolve_kernels,
 )
 from lightning_vitscale.precision import VitScalePrecision, to_vitscale_precision
 
@@ -78,6 +83,8 @@ class VitScaleStrategy(ModelParallelStrategy):
         blocks: ``None`` finds the repeated blocks automatically; a set of block classes or a predicate
             ``(name, module) -> bool`` overrides the discovery. Each block becomes its own FSDP unit.
         activation_checkpointing: ``True`` (every block), ``False``, ``k`` (every k-th block) or a predicate.
+        kernels: ``"auto"`` (CUDA: per-block ``torch.compile`` and fused AdamW; CPU: eager), ``"eager"``, or a
+            :class:`KernelPolicy`.
         reshard_after_forward: ``None`` = the recipe (blocks free gathered parameters after forward, the outer
             unit keeps what backward needs); ``True``/``False`` forces it for all units.
         timeout: bound on every collective, so a rank that dies cannot leave the others waiting forever.
@@ -99,6 +106,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         blocks: ModuleSelector | None = None,
         activation_checkpointing: CheckpointSelector = True,
         reshard_after_forward: bool | int | None = None,
+        kernels: KernelMode | KernelPolicy = "auto",
         timeout: timedelta = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
     ) -> None:
@@ -107,6 +115,9 @@ class VitScaleStrategy(ModelParallelStrategy):
             sharding=ShardingPolicy(blocks=blocks, reshard_after_forward=reshard_after_forward),
             checkpointing=CheckpointingPolicy(blocks=activation_checkpointing),
         )
+        if not isinstance(kernels, KernelPolicy):
+            resolve_kernels(kernels, torch.device("cpu"))  # unknown strings fail here, not at setup
+        self._kernels = kernels
         self.plan: ParallelPlan | None = None
         self._parallelized_state: Parallelized | None = None
 
@@ -172,7 +183,8 @@ class VitScaleStrategy(ModelParallelStrategy):
             if not any(t.is_meta for t in module.parameters()):
                 module.to(self.root_device)
             root = RootUnit(module)
-            done = parallelize(root, module, self.device_mesh, self.config, precision.policy, self.root_device)
+            config = dataclasses.replace(self.config, kernels=resolve_kernels(self._kernels, self.root_device))
+            done = parallelize(root, module, self.device_mesh, config, precision.policy, self.root_device)
             # Kept in __dict__ (not as a submodule): the LightningModule must not contain its own wrapper.
             existing = module.__dict__[_ROOT_ATTR] = (root, done)
             rank_zero_info(done.plan.summary())
@@ -183,6 +195,10 @@ class VitScaleStrategy(ModelParallelStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
+        if resolve_kernels(self._kernels, self.root_device).fused_optimizer:
+            fused = fuse_optimizers(self.optimizers)
+            if fused and self.plan is not None:
+                self.plan.notes.extend(fused)
         prefer_foreach(self.optimizers)
 
     @override

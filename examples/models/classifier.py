@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch.nn.functional as F
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -18,15 +19,17 @@ from examples.models.vit import VIT_SIZES
 class ClassificationModule(pl.LightningModule):
     """Logs train/val loss and accuracy; ``val_acc`` is the metric the examples report."""
 
-    def __init__(self, size: str, num_classes: int, lr: float, weight_decay: float, warmup_frac: float,
-                 label_smoothing: float) -> None:
+    def __init__(
+        self, size: str, num_classes: int, lr: float, weight_decay: float, warmup_frac: float, label_smoothing: float
+    ) -> None:
         super().__init__()
         if size not in VIT_SIZES:
             raise ValueError(f"unknown size {size!r}; choose from {sorted(VIT_SIZES)}")
         self.net: nn.Module | None = None
         self.train_acc = MulticlassAccuracy(num_classes)
         self.val_acc = MulticlassAccuracy(num_classes)
-        self.lr, self.weight_decay, self.warmup_frac, self.label_smoothing = lr, weight_decay, warmup_frac, label_smoothing
+        self.lr, self.weight_decay, self.warmup_frac = lr, weight_decay, warmup_frac
+        self.label_smoothing = label_smoothing
 
     def forward(self, x: Tensor) -> Tensor:
         assert self.net is not None, "configure_model() not called"
@@ -48,5 +51,5 @@ class ClassificationModule(pl.LightningModule):
         self.log("val_loss", F.cross_entropy(logits, y), sync_dist=True)
         self.log("val_acc", self.val_acc, prog_bar=True)
 
-    def configure_optimizers(self) -> dict:
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         return adamw_cosine(self, self.lr, self.weight_decay, self.warmup_frac)

@@ -7,6 +7,7 @@ the same data without downloads; the distributed sampler Lightning injects does 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import lightning.pytorch as pl
 import torch
@@ -24,10 +25,16 @@ class _TensorDataModule(pl.LightningDataModule):
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
 
-    def _loader(self, ds: Dataset | None, shuffle: bool, collate=None) -> DataLoader:
+    def _loader(self, ds: Dataset | None, shuffle: bool, collate: Callable | None = None) -> DataLoader:
         assert ds is not None, "setup() not called"
-        return DataLoader(ds, self.batch_size, shuffle=shuffle, num_workers=self.num_workers, collate_fn=collate,
-                          persistent_workers=self.num_workers > 0)
+        return DataLoader(
+            ds,
+            self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            collate_fn=collate,
+            persistent_workers=self.num_workers > 0,
+        )
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, True)
@@ -79,7 +86,8 @@ class FolderImageDataModule(_TensorDataModule):
         self.num_classes = len(find_classes(f"{root}/train")[0])  # known before setup so the CLI can link it
 
     def setup(self, stage: str | None = None) -> None:
-        from torchvision import datasets, transforms as T
+        from torchvision import datasets
+        from torchvision import transforms as T
 
         norm = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
         train_tf = T.Compose([T.RandomResizedCrop(self.img_size), T.RandomHorizontalFlip(), T.ToTensor(), norm])
@@ -107,9 +115,18 @@ class ShapesDetectionDataModule(_TensorDataModule):
     num_classes = 3
     in_chans = 3
 
-    def __init__(self, img_size: int = 64, num_train: int = 2000, num_val: int = 256, min_size: int = 8,
-                 max_size: int = 32, max_objects: int = 3, batch_size: int = 32, num_workers: int = 0,
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        img_size: int = 64,
+        num_train: int = 2000,
+        num_val: int = 256,
+        min_size: int = 8,
+        max_size: int = 32,
+        max_objects: int = 3,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
         super().__init__(batch_size, num_workers)
         self.img_size, self.num_train, self.num_val = img_size, num_train, num_val
         self.min_size, self.max_size, self.max_objects, self.seed = min_size, max_size, max_objects, seed
@@ -157,9 +174,18 @@ class MovingShapesVideoDataModule(_TensorDataModule):
 
     in_chans = 3
 
-    def __init__(self, img_size: int = 32, num_frames: int = 8, num_classes: int = 8, num_train: int = 2000,
-                 num_val: int = 256, speed: float = 2.0, batch_size: int = 32, num_workers: int = 0,
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        img_size: int = 32,
+        num_frames: int = 8,
+        num_classes: int = 8,
+        num_train: int = 2000,
+        num_val: int = 256,
+        speed: float = 2.0,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
         super().__init__(batch_size, num_workers)
         self.img_size, self.num_frames, self.num_classes = img_size, num_frames, num_classes
         self.num_train, self.num_val, self.speed, self.seed = num_train, num_val, speed, seed
@@ -186,7 +212,7 @@ class MovingShapesVideoDataModule(_TensorDataModule):
         disk = dx**2 + dy**2 <= r**2
         box = (dx <= r) & (dy <= r)
         mask = torch.where(square[:, None, None, None], box, disk)  # (n, t, s, s)
-        video = torch.rand(n, t, 3, s, s, generator=g) * 0.3
+        video = (torch.rand(n, 1, 3, s, s, generator=g) * 0.3).expand(n, t, 3, s, s)  # static background
         video = torch.where(mask[:, :, None], colour[:, None, :, None, None], video)
         return TensorDataset(video * 2 - 1, labels)  # zero-centred: in [0, 1] the ViT failed to learn at all
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 
 
-def adamw_cosine(module: pl.LightningModule, lr: float, weight_decay: float, warmup_frac: float) -> dict[str, Any]:
+def adamw_cosine(
+    module: pl.LightningModule, lr: float, weight_decay: float, warmup_frac: float
+) -> OptimizerLRSchedulerConfig:
     """Optimizer config for ``configure_optimizers``; steps the LR per batch over the whole run.
 
     Built from ``module.parameters()`` at call time, i.e. after the strategy has sharded them.

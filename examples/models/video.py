@@ -17,8 +17,16 @@ from examples.models.vit import VIT_SIZES, init_vit_weights, make_blocks
 class FactorisedVideoViT(nn.Module):
     """Video (B, T, C, H, W) -> logits via alternating spatial / temporal attention, mean-pooled."""
 
-    def __init__(self, size: str, img_size: int, num_frames: int, in_chans: int, num_classes: int,
-                 patch_size: int | None = None, tubelet: int = 2) -> None:
+    def __init__(
+        self,
+        size: str,
+        img_size: int,
+        num_frames: int,
+        in_chans: int,
+        num_classes: int,
+        patch_size: int | None = None,
+        tubelet: int = 2,
+    ) -> None:
         super().__init__()
         s = VIT_SIZES[size]
         patch = patch_size or s.patch_size

@@ -179,8 +179,16 @@ class VisionTransformer(nn.Module):
     ) -> VisionTransformer:
         """Build a named config from ``VIT_SIZES`` (patch size defaults to the published one)."""
         s = VIT_SIZES[size]
-        return cls(img_size, patch_size or s.patch_size, in_chans, num_classes, s.embed_dim, s.depth, s.num_heads,
-                   mlp_dim=s.mlp_dim)
+        return cls(
+            img_size,
+            patch_size or s.patch_size,
+            in_chans,
+            num_classes,
+            s.embed_dim,
+            s.depth,
+            s.num_heads,
+            mlp_dim=s.mlp_dim,
+        )
 
     def reset_parameters(self) -> None:
         """Init this module's own parameters (lets a strategy re-init after meta-device materialisation)."""

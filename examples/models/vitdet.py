@@ -57,6 +57,7 @@ class CenterHead(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        assert self.heat.bias is not None
         nn.init.constant_(self.heat.bias, -math.log((1 - 0.01) / 0.01))  # focal-loss prior: start near "no object"
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -67,8 +68,16 @@ class CenterHead(nn.Module):
 class ViTDet(nn.Module):
     """Backbone + pyramid + head, with CenterNet target assignment, loss and decoding."""
 
-    def __init__(self, size: str, img_size: int, patch_size: int | None, in_chans: int, num_classes: int,
-                 fpn_dim: int = 32, strides: tuple[int, ...] = (4, 8, 16)) -> None:
+    def __init__(
+        self,
+        size: str,
+        img_size: int,
+        patch_size: int | None,
+        in_chans: int,
+        num_classes: int,
+        fpn_dim: int = 32,
+        strides: tuple[int, ...] = (4, 8, 16),
+    ) -> None:
         super().__init__()
         s = VIT_SIZES[size]
         patch = patch_size or s.patch_size
@@ -93,8 +102,13 @@ class ViTDet(nn.Module):
 
     def loss(self, outs: list[tuple[Tensor, Tensor]], targets: list[dict[str, Tensor]]) -> dict[str, Tensor]:
         """Penalty-reduced focal loss on Gaussian heatmaps + L1 on size/offset at object centres."""
-        focal, reg, num_pos = outs[0][0].new_zeros(()), outs[0][0].new_zeros(()), 0
+        focal, reg, num_pos = (
+            outs[0][0].new_zeros((), dtype=torch.float32),
+            outs[0][0].new_zeros((), dtype=torch.float32),
+            0,
+        )
         for li, (heat, box) in enumerate(outs):
+            heat, box = heat.float(), box.float()  # under bf16 autocast 1 - 1e-4 rounds to 1 -> log(0)
             stride = self.strides[li]
             b, k, h, w = heat.shape
             tgt = torch.zeros_like(heat)
@@ -105,7 +119,8 @@ class ViTDet(nn.Module):
                 for (x0, y0, x1, y1), c in zip(t["boxes"].tolist(), t["labels"].tolist()):
                     if self._level_of(max(x1 - x0, y1 - y0)) != li:
                         continue
-                    cx, cy, bw, bh = (x0 + x1) / 2 / stride, (y0 + y1) / 2 / stride, (x1 - x0) / stride, (y1 - y0) / stride
+                    cx, cy = (x0 + x1) / 2 / stride, (y0 + y1) / 2 / stride
+                    bw, bh = (x1 - x0) / stride, (y1 - y0) / stride
                     gx, gy = min(int(cx), w - 1), min(int(cy), h - 1)
                     sx, sy = max(bw / 6, 0.5), max(bh / 6, 0.5)
                     g = torch.exp(-((xs - cx) ** 2) / (2 * sx**2) - ((ys - cy) ** 2) / (2 * sy**2))
@@ -117,8 +132,8 @@ class ViTDet(nn.Module):
             pos = tgt.eq(1).to(p.dtype)
             focal = focal - (pos * (1 - p) ** 2 * p.log() + (1 - pos) * (1 - tgt) ** 4 * p**2 * (1 - p).log()).sum()
             if idx:
-                bi, gy, gx = (torch.tensor(v, device=heat.device) for v in zip(*idx))
-                pred = box[bi, :, gy, gx]  # (num_pos, 4)
+                ib, iy, ix = (torch.tensor(v, device=heat.device) for v in zip(*idx))
+                pred = box[ib, :, iy, ix]  # (num_pos, 4)
                 pred = torch.cat([pred[:, :2], pred[:, 2:].sigmoid()], dim=1)
                 reg = reg + F.l1_loss(pred, torch.tensor(box_t, device=heat.device, dtype=heat.dtype), reduction="sum")
                 num_pos += len(idx)
@@ -143,8 +158,6 @@ class ViTDet(nn.Module):
             scores.append(p.flatten(2).transpose(1, 2).reshape(b, -1))  # (B, h*w*K) ordered cell-major
             labels.append(torch.arange(k, device=p.device).repeat(h * w).expand(b, -1))
             boxes.append(xyxy.reshape(b, h * w, 1, 4).expand(-1, -1, k, -1).reshape(b, -1, 4))
-        s, l, bxs = torch.cat(scores, 1), torch.cat(labels, 1), torch.cat(boxes, 1)
+        s, lab, bxs = torch.cat(scores, 1), torch.cat(labels, 1), torch.cat(boxes, 1)
         top, i = s.topk(min(top_k, s.shape[1]), dim=1)
-        return [
-            {"boxes": bxs[j, i[j]], "scores": top[j], "labels": l[j, i[j]]} for j in range(s.shape[0])
-        ]
+        return [{"boxes": bxs[j, i[j]], "scores": top[j], "labels": lab[j, i[j]]} for j in range(s.shape[0])]

@@ -11,13 +11,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from lightning_vitscale.demo import TinyViT, generated_images
-from lightning_vitscale.kernels import (
-    KernelPolicy,
-    choose_attention,
-    resolve_kernels,
-    sdpa_via_xformers,
-    xformers_available,
-)
+from lightning_vitscale.kernels import choose_attention, sdpa_via_xformers, xformers_available
+from lightning_vitscale.policies import KernelPolicy, resolve_kernels
 from lightning_vitscale.strategy import VitScaleStrategy
 from lightning_vitscale.throughput import ThroughputMonitor, device_peak_flops
 

@@ -12,15 +12,9 @@ from lightning_vitscale._compat import MixedPrecisionPolicy
 from lightning_vitscale.activation_checkpointing import apply_activation_checkpointing
 from lightning_vitscale.demo import Block
 from lightning_vitscale.fsdp import shard_module
-from lightning_vitscale.kernels import (
-    EAGER,
-    KernelPolicy,
-    apply_regional_compile,
-    choose_attention,
-    fuse_optimizers,
-    resolve_kernels,
-)
+from lightning_vitscale.kernels import apply_regional_compile, choose_attention, fuse_optimizers
 from lightning_vitscale.norms import ReplicatedNorms
+from lightning_vitscale.policies import EAGER, KernelPolicy, resolve_kernels
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

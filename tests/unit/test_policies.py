@@ -47,3 +47,8 @@ def test_predicate_checkpointing():
 def test_sharding_policy_accepts_classes_and_predicates():
     assert ShardingPolicy(blocks={nn.TransformerEncoderLayer}).blocks == {nn.TransformerEncoderLayer}
     assert callable(ShardingPolicy(blocks=lambda n, m: False).blocks)
+
+
+def test_unknown_kernels_mode_fails_at_construction():
+    with pytest.raises(ValueError, match="`kernels='fast'` is not supported. Choose one of: auto, eager"):
+        VitScaleStrategy(kernels="fast")  # type: ignore[arg-type]
