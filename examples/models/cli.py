@@ -13,6 +13,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.loggers import CSVLogger
 
 import lightning_vitscale  # noqa: F401  -- importing registers strategy="vitscale" with Lightning
+from lightning_vitscale import ThroughputMonitor
 
 
 class ExampleCLI(LightningCLI):
@@ -53,6 +54,8 @@ def run_cli(
             "log_every_n_steps": 5,
             "precision": "32-true",  # bf16 on CPU is slow; the GPU configs switch to bf16-mixed
             "logger": lazy_instance(CSVLogger, save_dir="lightning_logs", name=task),
+            # samples/s, TFLOP/s, MFU (against the GPU's peak dense bf16) and peak memory per rank
+            "callbacks": [lazy_instance(ThroughputMonitor, log_every_n_steps=10)],
         },
         args=args,
         run=run,

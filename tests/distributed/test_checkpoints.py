@@ -3,13 +3,12 @@ single-file export, crash safety and bad input."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.launch import assert_ok, rank_env, run_bounded, torchrun
+from tests.helpers.launch import assert_ok, torchrun
 from tests.helpers.results import load_ranks, max_relative_difference
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -69,12 +68,10 @@ def test_resume_across_world_sizes(run):
 
 def test_consolidate_cli_gives_a_strict_plain_checkpoint_with_the_same_outputs(run, tmp_path):
     out, two, _, _ = run
+    from lightning_vitscale.__main__ import main
+
     dst = tmp_path / "model.ckpt"
-    result = run_bounded(
-        [sys.executable, "-m", "lightning_vitscale", "consolidate", str(out / "for-export.ckpt"), str(dst)], 120,
-        rank_env(),
-    )
-    assert_ok(result)
+    assert main(["consolidate", str(out / "for-export.ckpt"), str(dst)]) == 0
     from tests.distributed.scripts.checkpoints import FIXED
     from tests.helpers.models import Classifier
 
@@ -89,13 +86,12 @@ def test_consolidate_cli_gives_a_strict_plain_checkpoint_with_the_same_outputs(r
             torch.testing.assert_close(plain(FIXED[rank::2]), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_consolidate_refuses_an_incomplete_checkpoint(run, tmp_path):
+def test_consolidate_refuses_an_incomplete_checkpoint(run, tmp_path, capsys):
+    from lightning_vitscale.__main__ import main
+
     out, *_ = run
-    result = run_bounded(
-        [sys.executable, "-m", "lightning_vitscale", "consolidate", str(out / "B.ckpt.partial"), str(tmp_path / "x")],
-        120, rank_env(),
-    )
-    assert result.returncode == 1 and "incomplete sharded checkpoint" in result.output
+    assert main(["consolidate", str(out / "B.ckpt.partial"), str(tmp_path / "x")]) == 1
+    assert "incomplete sharded checkpoint" in capsys.readouterr().err
 
 
 def test_saving_gathers_nothing_and_each_rank_writes_its_share(run):

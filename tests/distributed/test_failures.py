@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(200)]
 
 @pytest.mark.parametrize("mode", ["raise", "hang"])
 def test_failing_rank_ends_the_job(tmp_path, mode):
-    # The script's collective timeout is 15 s; "hang" needs it (rank 1 sleeps while rank 0 waits in an
+    # The script's collective timeout is 8 s; "hang" needs it (rank 1 sleeps while rank 0 waits in an
     # all-gather), "raise" does not (the peer's exit ends the job). The test's own kill is at 150 s.
     result = lightning_launch("tests/distributed/scripts/launcher.py", mode, str(tmp_path), timeout=150)
     assert not result.timed_out, result.output[-3000:]

@@ -40,11 +40,18 @@ def test_meta_model_is_materialised_shard_by_shard(ranks):
         assert facts["peak_increase"] < 0.75 * facts["full_bytes"], facts
 
 
-def test_dropin_with_lightning_launcher_matches_ddp(tmp_path):
-    for strategy in ("ddp", "vitscale"):
-        assert_ok(lightning_launch("tests/distributed/scripts/launcher.py", strategy, str(tmp_path), timeout=180))
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    """The DDP oracle run once, through Lightning's own launcher, for every launcher test below."""
+    out = tmp_path_factory.mktemp("ddp")
+    assert_ok(lightning_launch("tests/distributed/scripts/launcher.py", "ddp", str(out), timeout=180))
+    return out
+
+
+def test_dropin_with_lightning_launcher_matches_ddp(tmp_path, ddp_run):
+    assert_ok(lightning_launch("tests/distributed/scripts/launcher.py", "vitscale", str(tmp_path), timeout=180))
     for rank in (0, 1):
-        ddp = load_ranks(tmp_path, f"ddp_rank{rank}.json")[0]
+        ddp = load_ranks(ddp_run, f"ddp_rank{rank}.json")[0]
         ours = load_ranks(tmp_path, f"vitscale_rank{rank}.json")[0]
         assert ours["strategy"] == "VitScaleStrategy"
         assert max_relative_difference(ours["losses"], ddp["losses"]) < 1e-5
@@ -57,13 +64,12 @@ def test_world_size_one_matches_single_device(tmp_path):
     assert max_relative_difference(facts["vitscale"]["losses"], facts["single_device"]["losses"]) < 1e-6
 
 
-def test_under_slurm_matches_ddp(tmp_path):
+def test_under_slurm_matches_ddp(tmp_path, ddp_run):
     """Processes started as srun would (SLURM_* variables): Lightning's SLURMEnvironment, our strategy."""
-    assert_ok(lightning_launch("tests/distributed/scripts/launcher.py", "ddp", str(tmp_path), timeout=180))
     for result in slurm_launch("tests/distributed/scripts/launcher.py", "vitscale", str(tmp_path), timeout=180):
         assert_ok(result)
     for rank in (0, 1):
-        ddp = load_ranks(tmp_path, f"ddp_rank{rank}.json")[0]
+        ddp = load_ranks(ddp_run, f"ddp_rank{rank}.json")[0]
         ours = load_ranks(tmp_path, f"vitscale_rank{rank}.json")[0]
         assert ours["cluster"] == "SLURMEnvironment"
         assert max_relative_difference(ours["losses"], ddp["losses"]) < 1e-5

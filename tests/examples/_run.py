@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import csv
-import os
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.launch import rank_env, run_bounded
+
 CPU2 = ["--trainer.accelerator=cpu", "--trainer.devices=2"]
 
 
@@ -32,23 +30,8 @@ class Run:
 
 
 def run_example(task: str, args: list[str], log_dir: Path, timeout: float) -> Run:
-    """Run one example with the CSV logger pointed at ``log_dir``; kill the whole process group on timeout."""
-    env = dict(os.environ)
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]),
-        PYTHONUNBUFFERED="1",
-        OMP_NUM_THREADS="1",
-        GLOO_SOCKET_IFNAME="lo",
-        MASTER_ADDR="127.0.0.1",
-    )
+    """Run one example with the CSV logger pointed at ``log_dir``; the shared launcher bounds it in time."""
     cmd = [sys.executable, f"examples/{task}.py", "fit", *CPU2, f"--trainer.logger.init_args.save_dir={log_dir}", *args]
-    proc = subprocess.Popen(
-        cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        out += f"\n[killed after {timeout}s]"
-    return Run(proc.returncode, out, log_dir / task / "version_0" / "metrics.csv")
+    result = run_bounded(cmd, timeout, rank_env())
+    output = result.output + (f"\n[killed after {timeout}s]" if result.timed_out else "")
+    return Run(result.returncode, output, log_dir / task / "version_0" / "metrics.csv")

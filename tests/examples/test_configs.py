@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.examples._run import REPO_ROOT
+from tests.helpers.launch import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(120)
 

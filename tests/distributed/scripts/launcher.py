@@ -56,7 +56,7 @@ def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
     if mode in ("raise", "hang"):
-        fit(VitScaleStrategy(timeout=timedelta(seconds=15)), 2, Failing(mode), steps=50)
+        fit(VitScaleStrategy(timeout=timedelta(seconds=8)), 2, Failing(mode), steps=50)
         return
     if mode == "single":
         results = {}
