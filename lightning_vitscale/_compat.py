@@ -24,9 +24,13 @@ else:  # pragma: no cover - pyproject requires torch>=2.6; kept to give a clear 
 # Reading a whole DCP checkpoint into one process with no process group, as `dcp_to_torch_save` does
 # (the public `dcp.load` fills a copy of the state dict, so the populated keys would be lost).
 import torch._dynamo as dynamo  # noqa: E402  (config for regional compilation lives in kernels.py)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: E402
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner  # noqa: E402
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_into  # noqa: E402
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # noqa: E402
+from torch.nn.modules.instancenorm import _InstanceNorm as InstanceNormBase  # noqa: E402
 from torch.optim.optimizer import _get_fused_kernels_supported_devices as fused_kernel_devices  # noqa: E402
+from torch.utils._pytree import tree_map  # noqa: E402
 
 SubprocessScriptLauncher = _SubprocessScriptLauncher
 
@@ -34,6 +38,10 @@ __all__ = [
     "EmptyStateDictLoadPlanner",
     "dcp_load_into",
     "dynamo",
+    "optimizers_to_device",
+    "BatchNormBase",
+    "InstanceNormBase",
+    "tree_map",
     "fused_kernel_devices",
     "SubprocessScriptLauncher",
     "lightning_load_sharded_checkpoint",

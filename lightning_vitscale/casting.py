@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+
+from lightning_vitscale._compat import tree_map
 
 
 def cast_floating_inputs(modules: list[nn.Module], dtype: torch.dtype) -> None:

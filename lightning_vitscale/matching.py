@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from lightning_vitscale._compat import BatchNormBase, InstanceNormBase
+
 if TYPE_CHECKING:
     from lightning_vitscale.policies import ModuleSelector
 
@@ -107,8 +109,8 @@ _NORM_TYPES: tuple[type[nn.Module], ...] = (
     nn.GroupNorm,
     nn.RMSNorm,
     nn.LocalResponseNorm,
-    nn.modules.batchnorm._BatchNorm,
-    nn.modules.instancenorm._InstanceNorm,
+    BatchNormBase,
+    InstanceNormBase,
 )
 _NORM_FUNCTIONS = frozenset({"layer_norm", "group_norm", "rms_norm", "batch_norm", "instance_norm"})
 _NORM_NAME = re.compile(r"(Layer|Group|RMS|Rms|Batch|Instance)Norm")

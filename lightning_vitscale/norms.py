@@ -16,9 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
-from torch.utils._pytree import tree_map
 
-from lightning_vitscale._compat import DTensor
+from lightning_vitscale._compat import DTensor, tree_map
 
 _PARAMS = "_vitscale_fp32_params"
 _OUT_DTYPE = "_vitscale_out_dtype"

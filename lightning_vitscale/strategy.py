@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
@@ -23,6 +22,7 @@ from lightning_vitscale._compat import (
     ModelParallelStrategy,
     SubprocessScriptLauncher,
     lightning_load_sharded_checkpoint,
+    optimizers_to_device,
 )
 from lightning_vitscale.checkpoint import load_full_into, model_shapes, save_sharded, validate_against
 from lightning_vitscale.kernels import fuse_optimizers
@@ -172,7 +172,7 @@ class VitScaleStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelized(self, module: pl.LightningModule) -> RootUnit:
         """Shard ``module`` once; later fit/validate/test calls reuse the same units."""
