@@ -19,11 +19,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _partial_norm(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """sum |g|^p (or max |g| for p=inf) over local tensors, in fp32."""
+def _partial_norm(tensors: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """sum |g|^p (or max |g| for p=inf) over local tensors, in fp32, on ``device`` (no host sync per tensor)."""
     if not tensors:
-        return torch.zeros((), dtype=torch.float32)
-    norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=torch.float32).cpu() for t in tensors])
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=torch.float32).to(device) for t in tensors])
     return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
 
 
@@ -33,20 +33,20 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float =
 
     Sharded gradients contribute their local part and are summed across their mesh; replicated or plain
     gradients (already equal on all ranks) are counted once. ``torch.nn.utils.clip_grad_norm_`` cannot mix
-    plain tensors and DTensors, which is why this exists.
+    plain tensors and DTensors, which is why this exists. Everything stays on the gradients' device: one
+    collective, no per-parameter host sync.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    device = _local(grads[0]).device
     sharded = [g for g in grads if _is_sharded(g)]
     other = [_local(g) for g in grads if not _is_sharded(g)]
-    shard_part = _partial_norm([_local(g) for g in sharded], norm_type)
+    shard_part = _partial_norm([_local(g) for g in sharded], norm_type, device)
     if sharded:
-        group = sharded[0].device_mesh.get_group()
-        device = _local(sharded[0]).device
-        shard_part = shard_part.to(device)
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        dist.all_reduce(shard_part, op=op, group=group)
-        shard_part = shard_part.cpu()
-    other_part = _partial_norm(other, norm_type)
+        dist.all_reduce(shard_part, op=op, group=sharded[0].device_mesh.get_group())
+    other_part = _partial_norm(other, norm_type, device)
     if math.isinf(norm_type):
         return torch.maximum(shard_part, other_part)
     return (shard_part + other_part).pow(1.0 / norm_type)

@@ -1,4 +1,4 @@
-"""Kernel choices (per-block compile, attention backend, fused optimizer): the policy, and the only dynamo config."""
+"""Kernel mechanisms (per-block compile, attention backend, fused optimizer) and the only dynamo config."""
 
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ class ReplicatedNorms:
 
     def __init__(self, modules: list[nn.Module], mesh: DeviceMesh, dtype: torch.dtype = torch.float32) -> None:
         self.mesh, self.dtype = mesh, dtype
+        self._to_norm_dtype = _caster(dtype)  # built once: the hooks run on every norm call
         self.params: list[nn.Parameter] = []
         for module in modules:
             self._convert(module)
@@ -59,8 +60,7 @@ class ReplicatedNorms:
         for name, param in getattr(module, _PARAMS).items():
             module._parameters[name] = param.to_local()
         setattr(module, _OUT_DTYPE, _floating_input_dtype(args, kwargs))
-        cast = _caster(self.dtype)
-        return tree_map(cast, args), tree_map(cast, kwargs)
+        return tree_map(self._to_norm_dtype, args), tree_map(self._to_norm_dtype, kwargs)
 
     def _leave(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         module._parameters.update(getattr(module, _PARAMS))

@@ -118,6 +118,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         if not isinstance(kernels, KernelPolicy):
             resolve_kernels(kernels, torch.device("cpu"))  # unknown strings fail here, not at setup
         self._kernels = kernels
+        self._config_for_device: ParallelConfig | None = None
         self.plan: ParallelPlan | None = None
         self._parallelized_state: Parallelized | None = None
 
@@ -183,7 +184,7 @@ class VitScaleStrategy(ModelParallelStrategy):
             if not any(t.is_meta for t in module.parameters()):
                 module.to(self.root_device)
             root = RootUnit(module)
-            config = dataclasses.replace(self.config, kernels=resolve_kernels(self._kernels, self.root_device))
+            config = self._resolved_config()
             done = parallelize(root, module, self.device_mesh, config, precision.policy, self.root_device)
             # Kept in __dict__ (not as a submodule): the LightningModule must not contain its own wrapper.
             existing = module.__dict__[_ROOT_ATTR] = (root, done)
@@ -192,10 +193,17 @@ class VitScaleStrategy(ModelParallelStrategy):
         self.plan = self._parallelized_state.plan
         return root
 
+    def _resolved_config(self) -> ParallelConfig:
+        """The config with ``kernels=`` resolved for this device (known only once processes are set up)."""
+        if self._config_for_device is None:
+            kernels = resolve_kernels(self._kernels, self.root_device)
+            self._config_for_device = dataclasses.replace(self.config, kernels=kernels)
+        return self._config_for_device
+
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        if resolve_kernels(self._kernels, self.root_device).fused_optimizer:
+        if self._resolved_config().kernels.fused_optimizer:
             fused = fuse_optimizers(self.optimizers)
             if fused and self.plan is not None:
                 self.plan.notes.extend(fused)
