@@ -11,7 +11,8 @@ Configs (all ``precision="bf16-mixed"``, one synthetic batch made on the device 
   ddp    Lightning ``strategy="ddp"``, ``devices=1`` (world size 1: DDP's all-reduce is a local no-op, so this
          is plain autocast "O1" training with Lightning's usual wrapper — the baseline users start from).
   eager  ``VitScaleStrategy(kernels="eager")``: FSDP2 units per block, activation checkpointing, O2, fp32 norms.
-  auto   ``VitScaleStrategy(kernels="auto")``: the same plus per-block torch.compile and fused AdamW.
+  auto   ``VitScaleStrategy(kernels="auto")``: the same plus per-block torch.compile, fused AdamW, and xformers
+         attention where the extra is installed and times faster than SDPA on the model's shapes.
 
 Each (model, config, batch size) runs in a fresh subprocess, so an out-of-memory error cannot poison the next
 trial. The batch size doubles until CUDA runs out of memory; the best images/s is kept. Images/s and MFU
@@ -127,8 +128,10 @@ def trial(spec: dict) -> dict:
     except torch.cuda.OutOfMemoryError:
         return {"oom": True}
     m = monitor.metrics
+    plan = getattr(trainer.strategy, "plan", None)
     return {
         "oom": False,
+        "attention": plan.kernels.get("attention") if plan is not None else "sdpa (autocast)",
         "params": params,
         "images_per_sec": m["throughput/samples_per_sec"],
         "tflops_per_sec": m.get("throughput/tflops_per_sec"),
@@ -216,7 +219,9 @@ def markdown(rows: list[dict], header: str) -> str:
             f"| {r['model']} | {r['config']} | {r['params'] / 1e6:.0f}M | {r['batch']} | {r['images_per_sec']:.1f}"
             f" | {tf} | {mfu} | {r['peak_memory_gib']:.2f} | {speedup} |"
         )
-    return "\n".join(lines) + "\n"
+    choices = [f"- {r['model']} auto, attention: {r['attention']}" for r in rows if r.get("config") == "auto"
+               and r.get("attention")]
+    return "\n".join(lines + ([""] + choices if choices else [])) + "\n"
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_vitscale.activation_checkpointing import apply_activation_checkpointing, is_self_checkpointing
+from lightning_vitscale.attention import AttentionRouter, describe_router, make_router, route_blocks
 from lightning_vitscale.casting import cast_floating_inputs
 from lightning_vitscale.fsdp import broadcast_module_states, mixed_precision_policy, shard_module
 from lightning_vitscale.kernels import apply_regional_compile
@@ -27,10 +29,12 @@ class NoBlocksMatchedError(ValueError):
 
 @dataclass
 class Parallelized:
-    """What the pipeline leaves behind: the facts, and the fp32 norms whose gradients need reducing."""
+    """What the pipeline leaves behind: the facts, the fp32 norms whose gradients need reducing, and the
+    attention router the strategy still has to decide for (``attention="auto"``)."""
 
     plan: ParallelPlan
     norms: ReplicatedNorms | None
+    router: AttentionRouter | None = None
 
 
 def parallelize(
@@ -72,6 +76,12 @@ def parallelize(
     if precision.compute != torch.float32:
         cast_floating_inputs(_outer_layers(model, blocks, norm_modules), precision.compute)
 
+    # 2c. Attention routing inside each block's own forward, so checkpointing's recompute is routed as well.
+    kernels = config.kernels
+    router = make_router(kernels.attention, device or torch.device("cpu"))
+    if router is not None:
+        route_blocks([block for _, block in blocks], router)
+
     # 3. Activation checkpointing, skipping blocks that already checkpoint themselves (no double recompute).
     self_ckpt = [name for name, block in blocks if is_self_checkpointing(block)]
     chosen = [
@@ -82,9 +92,12 @@ def parallelize(
     apply_activation_checkpointing([block for _, block in chosen])
 
     # 3b. Regional compilation: after checkpointing (the recompute is traced too), before FSDP (its hooks stay
-    #     eager around the compiled block); identical blocks share one compiled graph.
-    kernels = config.kernels
-    compiled = apply_regional_compile([b for _, b in blocks], kernels.compile_mode) if kernels.compile_blocks else {}
+    #     eager around the compiled block); identical blocks share one compiled graph. The outer unit's
+    #     layers only on request: the step code around them is the user's.
+    compiled_blocks = [block for _, block in blocks] if kernels.compile_blocks else []
+    compiled_outer = _outer_subtrees(model, blocks, norm_modules) if kernels.compile_outer else []
+    if compiled_blocks or compiled_outer:
+        apply_regional_compile(compiled_blocks + [module for _, module in compiled_outer], kernels.compile_mode)
     tensor_cores = tensor_core_report(model)  # on the plain model, before FSDP wraps it
 
     # 4. Each block its own unit: peak memory is one block's gathered parameters, not the model's.
@@ -113,10 +126,10 @@ def parallelize(
         param_bytes_local=local_bytes(params),
         precision=precision.name,
         notes=_notes(model, blocks, zero_filled),
-        kernels=_kernel_facts(kernels, compiled),
+        kernels=_kernel_facts(kernels, compiled_blocks, compiled_outer, router),
         tensor_core_misses=tensor_cores,
     )
-    return Parallelized(plan, norms)
+    return Parallelized(plan, norms, router)
 
 
 def _outer_layers(model: nn.Module, blocks: list, norm_modules: list) -> list[nn.Module]:
@@ -129,13 +142,49 @@ def _outer_layers(model: nn.Module, blocks: list, norm_modules: list) -> list[nn
     ]
 
 
-def _kernel_facts(kernels: KernelPolicy, compiled: dict[str, int]) -> dict[str, str]:
-    compiled_text = ", ".join(f"{name} x{count}" for name, count in compiled.items()) or "off"
-    return {
-        "compiled blocks": compiled_text,
-        "attention": f"{kernels.attention} (F.scaled_dot_product_attention picks flash/memory-efficient kernels)",
+def _outer_subtrees(model: nn.Module, blocks: list, norm_modules: list) -> list[tuple[str, nn.Module]]:
+    """The largest sub-modules holding parameters and no block: what ``compile_outer`` compiles.
+
+    Largest, so that e.g. a patch embedding compiles as one graph; norms on their own are skipped (one kernel
+    already, and their fp32 hooks belong to norms.py).
+    """
+    block_ids = {id(block) for _, block in blocks}
+    skipped = {id(m) for _, m in norm_modules}
+    holds_block: set[int] = set()
+    for name, _ in blocks:
+        parts = name.split(".")
+        holds_block.update(id(model.get_submodule(".".join(parts[:i]))) for i in range(len(parts)))
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for child_name, child in module.named_children():
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            if id(child) in block_ids or id(child) in skipped:
+                continue
+            if id(child) in holds_block:
+                visit(name, child)
+            elif _has_params(child):
+                found.append((name, child))
+
+    visit("", model)
+    return found
+
+
+def _kernel_facts(
+    kernels: KernelPolicy,
+    compiled_blocks: list[nn.Module],
+    compiled_outer: list[tuple[str, nn.Module]],
+    router: AttentionRouter | None,
+) -> dict[str, str]:
+    counts = Counter(type(block).__name__ for block in compiled_blocks)
+    facts = {
+        "compiled blocks": ", ".join(f"{name} x{count}" for name, count in counts.items()) or "off",
+        "attention": describe_router(router),
         "fused optimizer": "on" if kernels.fused_optimizer else "off",
     }
+    if kernels.compile_outer:
+        facts["compiled outer"] = ", ".join(name for name, _ in compiled_outer) or "nothing outside the blocks"
+    return facts
 
 
 def _notes(model: nn.Module, blocks: list, zero_filled: list[str]) -> list[str]:

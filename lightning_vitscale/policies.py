@@ -107,10 +107,12 @@ class KernelPolicy:
     Attributes:
         compile_blocks: ``torch.compile`` each repeated block in place (regional compilation): identical blocks
             share one compiled graph, so compile time is one block's, not the whole model's.
-        compile_outer: also compile the outer unit's modules. Off in every preset: the outer step holds user
-            code (logging, ``.item()``) that breaks graphs; opt in explicitly.
+        compile_outer: also compile the largest sub-modules outside the blocks (patch embedding, head, ...),
+            each in place. Off in every preset: they are a small share of the time, and each is one more compile.
         attention: ``"sdpa"`` keeps ``F.scaled_dot_product_attention`` (which itself picks flash /
-            memory-efficient kernels); ``"xformers"`` forces xformers; ``"auto"`` measures both on CUDA.
+            memory-efficient kernels); ``"xformers"`` routes the blocks' SDPA calls to xformers; ``"auto"``
+            times SDPA against xformers on the shapes the first training step used and keeps the faster
+            (only where xformers can run: CUDA with the extra installed; elsewhere it is SDPA at no cost).
         fused_optimizer: switch Adam/AdamW to their fused (single-kernel) step where the user left it open.
         compile_mode: passed to ``torch.compile``; one of :data:`COMPILE_MODES`.
     """
@@ -137,7 +139,7 @@ EAGER = KernelPolicy()
 def resolve_kernels(spec: KernelMode | KernelPolicy, device: torch.device) -> KernelPolicy:
     """Turn ``kernels=`` into a policy for ``device``; the one place that decides what ``"auto"`` means.
 
-    ``"auto"`` on CUDA compiles each block, fuses the optimizer and measures the attention backends. On CPU it
+    ``"auto"`` on CUDA compiles each block, fuses the optimizer and times the attention kernels. On CPU it
     is eager: the first compile of a block costs 30-60 s on a 2-core CPU for ~1.1-1.3x afterwards, and a fused
     optimizer rounds differently from DDP's foreach step, which would break the bit-exact DDP parity that CPU
     runs are used to check. Pass a :class:`KernelPolicy` to choose otherwise.

@@ -24,6 +24,7 @@ from lightning_vitscale._compat import (
     lightning_load_sharded_checkpoint,
     optimizers_to_device,
 )
+from lightning_vitscale.attention import SDPA, AttentionRouter, describe_choice, measure
 from lightning_vitscale.checkpoint import load_full_into, model_shapes, save_sharded, validate_against
 from lightning_vitscale.kernels import fuse_optimizers
 from lightning_vitscale.parallelize import Parallelized, parallelize
@@ -83,8 +84,8 @@ class VitScaleStrategy(ModelParallelStrategy):
         blocks: ``None`` finds the repeated blocks automatically; a set of block classes or a predicate
             ``(name, module) -> bool`` overrides the discovery. Each block becomes its own FSDP unit.
         activation_checkpointing: ``True`` (every block), ``False``, ``k`` (every k-th block) or a predicate.
-        kernels: ``"auto"`` (CUDA: per-block ``torch.compile`` and fused AdamW; CPU: eager), ``"eager"``, or a
-            :class:`KernelPolicy`.
+        kernels: ``"auto"`` (CUDA: per-block ``torch.compile``, fused AdamW, and xformers attention where it is
+            installed and measures faster; CPU: eager), ``"eager"``, or a :class:`KernelPolicy`.
         reshard_after_forward: ``None`` = the recipe (blocks free gathered parameters after forward, the outer
             unit keeps what backward needs); ``True``/``False`` forces it for all units.
         timeout: bound on every collective, so a rank that dies cannot leave the others waiting forever.
@@ -208,6 +209,34 @@ class VitScaleStrategy(ModelParallelStrategy):
             if fused and self.plan is not None:
                 self.plan.notes.extend(fused)
         prefer_foreach(self.optimizers)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        router = self._parallelized_state.router if self._parallelized_state is not None else None
+        if router is None or router.decided:
+            return super().training_step(*args, **kwargs)
+        if router.recorded:
+            self._decide_attention(router)
+            return super().training_step(*args, **kwargs)
+        # attention="auto": the first step shows the real shapes. It runs eagerly, so recording them is plain
+        # Python and compiled blocks are traced once, after the choice, with the chosen kernel inside.
+        with router.record(), torch.compiler.set_stance("force_eager"):
+            return super().training_step(*args, **kwargs)
+
+    def _decide_attention(self, router: AttentionRouter) -> None:
+        """Time each kernel on the recorded shapes and route every rank the same way (summed timings)."""
+        local = measure(router.calls, list(router.candidates))
+        summed = self.reduce(
+            torch.tensor(list(local.values()), dtype=torch.float64, device=self.root_device), reduce_op="sum"
+        )
+        totals = {name: float(ms) / self.world_size for name, ms in zip(local, summed.tolist())}
+        choice = min(totals, key=totals.__getitem__)  # ties, and no calls at all, keep SDPA (the first key)
+        assert next(iter(totals)) == SDPA
+        router.decide(choice)
+        line = describe_choice(choice, totals, router.calls)
+        if self.plan is not None:
+            self.plan.kernels["attention"] = line
+        rank_zero_info(f"VitScaleStrategy attention: {line}")
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:

@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_vitscale._compat import DTensor, FSDPModule
 from lightning_vitscale.parallelize import NoBlocksMatchedError, parallelize
-from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, ShardingPolicy
+from lightning_vitscale.policies import CheckpointingPolicy, KernelPolicy, ParallelConfig, ShardingPolicy, resolve_flag
 from lightning_vitscale.strategy import RootUnit
 from tests.helpers.models import EncoderClassifier, HFViT, ResidualBlock, SmallResNet
 
@@ -100,3 +100,20 @@ def test_outer_layers_take_fp32_tensors_made_inside_a_step(mesh):
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
     assert plan.kernels["compiled blocks"] == "off"
     assert any("head" in line for line in plan.tensor_core_misses)  # Linear(16 -> 10): 10 is not a multiple of 8
+
+
+@pytest.mark.parametrize(
+    ("make", "outer"),
+    [(EncoderClassifier, ["patch_embed", "head"]), (HFViT, ["vit.vit.embeddings", "vit.classifier"])],
+)
+def test_compile_outer_compiles_the_largest_subtrees_outside_the_blocks(mesh, make, outer):
+    """Nothing runs here (compilation is lazy): the choice of modules is what is checked."""
+    torch.manual_seed(0)
+    model = make()
+    config = ParallelConfig(kernels=KernelPolicy(compile_outer=True))
+    done = parallelize(RootUnit(model), model, mesh, config, resolve_flag("bf16-mixed"), torch.device("cpu"))
+    compiled = [name for name, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    assert compiled == outer  # blocks stay eager (compile_blocks is off); fp32 norms are never compiled alone
+    assert done.plan.kernels["compiled outer"] == ", ".join(outer)
+    assert done.plan.kernels["compiled blocks"] == "off"
+    assert "compiled outer" in done.plan.summary()
