@@ -13,7 +13,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("lifecycle")
-    assert_ok(torchrun("tests/distributed/scripts/lifecycle.py", str(out), "lifecycle,meta_init", timeout=240))
+    scenarios = "lifecycle,meta_init,attention_auto"
+    assert_ok(torchrun("tests/distributed/scripts/lifecycle.py", str(out), scenarios, timeout=240))
     return load_ranks(out)
 
 
@@ -38,6 +39,15 @@ def test_meta_model_is_materialised_shard_by_shard(ranks):
         # Budget: no rank may ever hold the full model. Peak RSS growth across setup + one validation step
         # stays under 3/4 of the unsharded size (measured: ~0.50).
         assert facts["peak_increase"] < 0.75 * facts["full_bytes"], facts
+
+
+def test_auto_attention_is_decided_alike_on_every_rank(ranks):
+    """Rank 0 timed the stand-in at 1 ms, rank 1 at 5 ms, SDPA at 2 ms on both: the sum (6 vs 4) says SDPA,
+    and both ranks follow it, so no rank computes attention differently from the other."""
+    lines = [rank["attention_auto"]["line"] for rank in ranks]
+    assert lines[0] == lines[1]
+    assert lines[0].startswith("sdpa (measured attention fwd+bwd per step: sdpa 4.000 ms, math 6.000 ms")
+    assert [rank["attention_auto"]["stand_in_calls"] for rank in ranks] == [0, 0]
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_vitscale.demo import Block
+
 IMAGE = 32
 CLASSES = 10
 
@@ -54,6 +56,21 @@ class SmallResNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.stages(self.stem(x)).mean((2, 3)))
+
+
+class SdpaBlocks(nn.Module):
+    """Two pre-norm blocks calling ``F.scaled_dot_product_attention`` directly, and a head: the smallest model
+    with everything the kernel paths touch (attention routing, fp32 norms, compiled blocks, an outer layer)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim, 2) for _ in range(2))
+        self.head = nn.Linear(dim, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
 
 
 def timm_vit() -> nn.Module:

@@ -9,14 +9,12 @@ from collections import Counter
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_vitscale import attention
 from lightning_vitscale.activation_checkpointing import apply_activation_checkpointing
 from lightning_vitscale.attention import (
-    AttentionBackend,
     AttentionCall,
     AttentionRouter,
     describe_choice,
@@ -28,26 +26,10 @@ from lightning_vitscale.attention import (
 from lightning_vitscale.demo import Block, TinyViT, generated_images
 from lightning_vitscale.policies import KernelPolicy
 from lightning_vitscale.strategy import VitScaleStrategy
+from tests.helpers.attention_stand_in import stand_in, substituted
+from tests.helpers.models import SdpaBlocks
 
 CPU = torch.device("cpu")
-
-
-class CountingMath:
-    """softmax(QK^T * scale)V by hand, counting its calls (eager only: a counter would not survive compile)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self, q, k, v, *, dropout_p=0.0, scale=None, is_causal=False):
-        self.calls += 1
-        scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-        if is_causal:
-            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
-        return F.dropout(scores.softmax(-1), dropout_p) @ v
-
-
-def stand_in(fn=None, name: str = "math") -> AttentionBackend:
-    return AttentionBackend(name, fn or CountingMath(), lambda device: True)
 
 
 def qkv(*shape, dtype=torch.float32):
@@ -68,21 +50,9 @@ def test_routable_keeps_on_sdpa_what_a_stand_in_would_compute_differently():
     assert routable((q, k[:, :2], v[:, :2]), {}) is None
 
 
-class TwoBlocks(nn.Module):
-    def __init__(self, dim: int = 16) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(dim, 2) for _ in range(2))
-        self.head = nn.Linear(dim, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 def test_router_serves_forward_and_checkpoint_recompute_and_matches_sdpa():
     torch.manual_seed(0)
-    reference = TwoBlocks()
+    reference = SdpaBlocks()
     model = copy.deepcopy(reference)
     backend = stand_in()
     router = AttentionRouter(backend=backend)
@@ -170,43 +140,32 @@ def test_measure_times_each_shape_once_and_weights_it_by_its_count(monkeypatch):
 
 class Recorder(TinyViT):
     def training_step(self, batch, batch_idx):
-        self.calls_before_step.append(backend_calls())
+        self.calls_before_step.append(self.backend.fn.calls)
         return super().training_step(batch, batch_idx)
 
 
-def backend_calls() -> int:
-    return attention.CANDIDATES[0].fn.calls
-
-
 @pytest.mark.parametrize("stand_in_wins", [True, False])
-def test_auto_records_the_first_step_then_routes_every_rank_alike(mesh, monkeypatch, stand_in_wins):
-    """The strategy end to end on one rank: step 1 records (SDPA), step 2 measures, chooses and routes."""
-    monkeypatch.setattr(attention, "CANDIDATES", (stand_in(),))
-    ms = {attention._sdpa: 2.0, attention.CANDIDATES[0].fn: 1.0 if stand_in_wins else 3.0}
-    monkeypatch.setattr(attention, "time_attention", lambda fn, call: ms[fn])
+def test_auto_records_the_first_step_then_routes(mesh, stand_in_wins):
+    """The strategy end to end on one rank: step 1 records (SDPA), step 2 measures, chooses and routes.
+    (Two ranks with opposite local timings: tests/distributed/test_lifecycle.py.)"""
     L.seed_everything(0, verbose=False)
     model = Recorder(image=16, dim=32, depth=2)
     model.calls_before_step = []
     trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=VitScaleStrategy(kernels=KernelPolicy(attention="auto")),
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        accelerator="cpu", devices=1, strategy=VitScaleStrategy(kernels=KernelPolicy(attention="auto")),
+        max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    with warnings.catch_warnings():
+    with substituted(sdpa_ms=2.0, stand_in_ms=1.0 if stand_in_wins else 3.0) as backend, warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        model.backend = backend
         trainer.fit(model, DataLoader(generated_images(24, image=16), batch_size=8))
     line = trainer.strategy.plan.kernels["attention"]
     # 2 blocks x (forward + checkpoint recompute) per routed step; none in the recording step.
     if stand_in_wins:
-        assert model.calls_before_step + [backend_calls()] == [0, 0, 4, 8]
+        assert model.calls_before_step + [backend.fn.calls] == [0, 0, 4, 8]
         assert line.startswith("math (measured attention fwd+bwd per step: sdpa 4.000 ms, math 2.000 ms")
     else:
-        assert backend_calls() == 0
+        assert backend.fn.calls == 0
         assert line.startswith("sdpa (measured") and "math 6.000 ms" in line
     assert "2 x q[8, 8, 16, 4] float32" in line  # 2 blocks, batch 8, 8 heads, 16 patches, head_dim 4
     assert all(torch.isfinite(torch.tensor(model.losses)))

@@ -9,9 +9,12 @@ from pathlib import Path
 import lightning as L
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
-from lightning_vitscale import VitScaleStrategy
+from lightning_vitscale import KernelPolicy, VitScaleStrategy
 from lightning_vitscale._compat import DTensor
+from lightning_vitscale.demo import TinyViT, generated_images
+from tests.helpers.attention_stand_in import substituted
 from tests.helpers.models import Classifier, loader
 from tests.helpers.scenarios import run_scenarios
 
@@ -105,7 +108,19 @@ def meta_init() -> dict:
     }
 
 
-SCENARIOS = {"lifecycle": lifecycle, "meta_init": meta_init}
+def attention_auto() -> dict:
+    """attention="auto" with opposite local verdicts: rank 0 times the stand-in faster, rank 1 slower."""
+    rank = int(os.environ["RANK"])
+    L.seed_everything(0, verbose=False)
+    model = TinyViT(image=16, dim=32, depth=2)
+    strategy = VitScaleStrategy(kernels=KernelPolicy(attention="auto"))
+    t = trainer(strategy=strategy, max_steps=3, limit_val_batches=0)
+    with substituted(sdpa_ms=2.0, stand_in_ms=1.0 if rank == 0 else 5.0) as backend:
+        t.fit(model, DataLoader(generated_images(48, image=16), batch_size=8))
+    return {"line": t.strategy.plan.kernels["attention"], "stand_in_calls": backend.fn.calls}
+
+
+SCENARIOS = {"lifecycle": lifecycle, "meta_init": meta_init, "attention_auto": attention_auto}
 
 
 if __name__ == "__main__":
