@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from lightning.fabric.strategies.model_parallel import _load_checkpoint as lightning_load_sharded_checkpoint
+from lightning.fabric.utilities.distributed import _destroy_dist_connection as destroy_process_group_safely
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
@@ -35,6 +36,7 @@ from torch.utils._pytree import tree_map  # noqa: E402
 SubprocessScriptLauncher = _SubprocessScriptLauncher
 
 __all__ = [
+    "destroy_process_group_safely",
     "EmptyStateDictLoadPlanner",
     "dcp_load_into",
     "dynamo",

@@ -272,7 +272,8 @@ def _timed(step: Callable[[], None], device: torch.device) -> float:
     return (time.perf_counter() - begin) * 1e3
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+def call_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """SDPA as an :data:`AttentionFn`: the baseline every candidate is timed against."""
     return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
@@ -281,7 +282,7 @@ def measure(calls: Counter[AttentionCall], backends: list[AttentionBackend]) -> 
 
     SDPA is always measured, as the baseline the others must beat.
     """
-    fns: dict[str, AttentionFn] = {SDPA: _sdpa, **{b.name: b.fn for b in backends}}
+    fns: dict[str, AttentionFn] = {SDPA: call_sdpa, **{b.name: b.fn for b in backends}}
     totals = dict.fromkeys(fns, 0.0)
     for call, count in calls.items():
         for name, fn in fns.items():

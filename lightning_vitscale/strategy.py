@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import signal
 from datetime import timedelta
@@ -21,6 +22,7 @@ from lightning_vitscale._compat import (
     FSDPModule,
     ModelParallelStrategy,
     SubprocessScriptLauncher,
+    destroy_process_group_safely,
     lightning_load_sharded_checkpoint,
     optimizers_to_device,
 )
@@ -75,6 +77,22 @@ def prefer_foreach(optimizers: list[torch.optim.Optimizer]) -> None:
         for group in optimizer.param_groups:
             if "foreach" in group and group["foreach"] is None and not group.get("fused"):
                 group["foreach"] = True
+
+
+_registered_exit_cleanup = False
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Destroy the process group before the interpreter tears down, for every backend.
+
+    Lightning registers this for NCCL only. A gloo group left to interpreter finalization can abort the
+    process (SIGABRT, "terminate called without an active exception": its worker threads still hold tensors
+    when Python is gone), turning a finished CPU run into a failed one (seen in this project's demo test).
+    """
+    global _registered_exit_cleanup
+    if not _registered_exit_cleanup:
+        atexit.register(destroy_process_group_safely)
+        _registered_exit_cleanup = True
 
 
 class VitScaleStrategy(ModelParallelStrategy):
@@ -156,6 +174,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         # One data-parallel mesh dimension over all ranks: ModelParallelStrategy's default would make every
         # process a tensor-parallel peer (data-parallel size 1, no sharding, same data on every rank).
         self._setup_distributed()  # sets the device, ranks and the process group (with our timeout)
+        _destroy_process_group_at_exit()
         self._device_mesh = init_device_mesh(
             self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",)
         )

@@ -108,3 +108,20 @@ def test_known_gpu_has_a_peak():
     name = torch.cuda.get_device_name(CUDA)
     if any(key in name for key in ("H100", "H200", "A100")):
         assert device_peak_flops(CUDA) is not None
+
+
+@pytest.mark.parametrize("kind", ["sdpa_block", "multihead_attention"])
+def test_attention_runs_on_fused_kernels(kind):
+    """Both routes the issue names reach flash / memory-efficient kernels in bf16 training, with no model edit."""
+    if kind == "sdpa_block":
+        block = Block(256, 4)
+    else:
+        block = torch.nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True, norm_first=True)
+    block = block.to(CUDA, torch.bfloat16)
+    x = torch.randn(8, 197, 256, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        block(x).float().sum().backward()
+        torch.cuda.synchronize()
+    names = {event.name for event in prof.events()}
+    assert any("flash" in name or "efficient_attention" in name for name in names), sorted(names)[:40]

@@ -126,8 +126,8 @@ def test_measure_times_each_shape_once_and_weights_it_by_its_count(monkeypatch):
     totals = measure(calls, [backend])  # real timings, on tiny CPU shapes
     assert set(totals) == {"sdpa", "math"} and all(ms > 0 for ms in totals.values())
     fake_ms = {
-        (attention._sdpa, small): 1.0,
-        (attention._sdpa, large): 10.0,
+        (attention.call_sdpa, small): 1.0,
+        (attention.call_sdpa, large): 10.0,
         (backend.fn, small): 2.0,
         (backend.fn, large): 5.0,
     }

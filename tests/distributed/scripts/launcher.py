@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -68,6 +69,10 @@ def main() -> None:
             trainer = fit(strategy, 1, model, use_distributed_sampler=False)
             results[name] = {"losses": model.losses, "strategy": type(trainer.strategy).__name__}
     else:  # "dropin": strategy given by registry name, Lightning's launcher starts rank 1
+        # Registered before fit, so it runs after any exit handler the strategy registers (atexit is LIFO).
+        rank_id = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+        atexit.register(lambda: (out / f"{mode}_exit_rank{rank_id}.txt").write_text(
+            "group destroyed" if not torch.distributed.is_initialized() else "group alive"))
         L.seed_everything(0, verbose=False)
         model = Classifier("encoder")
         trainer = fit(mode, 2, model)
