@@ -280,7 +280,7 @@ def call_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) 
 def measure(calls: Counter[AttentionCall], backends: list[AttentionBackend]) -> dict[str, float]:
     """Milliseconds per training step each kernel would spend on ``calls`` (each shape timed once, times its count).
 
-    SDPA is always measured, as the baseline the others must beat.
+    SDPA is always measured, and comes first, as the baseline the others must beat (ties keep it).
     """
     fns: dict[str, AttentionFn] = {SDPA: call_sdpa, **{b.name: b.fn for b in backends}}
     totals = dict.fromkeys(fns, 0.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import signal
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,7 @@ from lightning_vitscale._compat import (
     lightning_load_sharded_checkpoint,
     optimizers_to_device,
 )
-from lightning_vitscale.attention import SDPA, AttentionRouter, describe_choice, measure
+from lightning_vitscale.attention import AttentionRouter, describe_choice, measure
 from lightning_vitscale.checkpoint import load_full_into, model_shapes, save_sharded, validate_against
 from lightning_vitscale.kernels import fuse_optimizers
 from lightning_vitscale.parallelize import Parallelized, parallelize
@@ -80,19 +81,29 @@ def prefer_foreach(optimizers: list[torch.optim.Optimizer]) -> None:
 
 
 _registered_exit_cleanup = False
+# How long exiting waits for gloo's worker threads to drop the work objects of the last collectives.
+_EXIT_GRACE_S = 0.1
 
 
 def _destroy_process_group_at_exit() -> None:
-    """Destroy the process group before the interpreter tears down, for every backend.
+    """Destroy the process group, and let gloo's worker threads settle, while Python is still fully alive.
 
-    Lightning registers this for NCCL only. A gloo group left to interpreter finalization can abort the
-    process (SIGABRT, "terminate called without an active exception": its worker threads still hold tensors
-    when Python is gone), turning a finished CPU run into a failed one (seen in this project's demo test).
+    Lightning registers the destroy for NCCL only. Under gloo the *worker thread* releases a finished
+    collective's work object; if its reference is the last one and the release comes once interpreter teardown
+    has begun, freeing the work's tensors needs a GIL it can no longer take and the process aborts ("terminate
+    called without an active exception", SIGABRT in ``AsyncAllgatherWork::~AsyncAllgatherWork``; caught in a
+    core dump of this project's demo on an oversubscribed 2-core machine). Gloo has no shutdown that joins its
+    threads, so the exit handler gives them a short grace period to drop those references first.
     """
     global _registered_exit_cleanup
     if not _registered_exit_cleanup:
-        atexit.register(destroy_process_group_safely)
+        atexit.register(_exit_cleanup)
         _registered_exit_cleanup = True
+
+
+def _exit_cleanup() -> None:
+    destroy_process_group_safely()
+    time.sleep(_EXIT_GRACE_S)
 
 
 class VitScaleStrategy(ModelParallelStrategy):
@@ -238,7 +249,7 @@ class VitScaleStrategy(ModelParallelStrategy):
             self._decide_attention(router)
             return super().training_step(*args, **kwargs)
         # attention="auto": the first step shows the real shapes. It runs eagerly, so recording them is plain
-        # Python and compiled blocks are traced once, after the choice, with the chosen kernel inside.
+        # Python; compiled blocks meet the router only once it is decided (then retrace once if it routes).
         with router.record(), torch.compiler.set_stance("force_eager"):
             return super().training_step(*args, **kwargs)
 
@@ -249,8 +260,7 @@ class VitScaleStrategy(ModelParallelStrategy):
             torch.tensor(list(local.values()), dtype=torch.float64, device=self.root_device), reduce_op="sum"
         )
         totals = {name: float(ms) / self.world_size for name, ms in zip(local, summed.tolist())}
-        choice = min(totals, key=totals.__getitem__)  # ties, and no calls at all, keep SDPA (the first key)
-        assert next(iter(totals)) == SDPA
+        choice = min(totals, key=totals.__getitem__)  # ties, and no calls at all, keep SDPA (measure's first key)
         router.decide(choice)
         line = describe_choice(choice, totals, router.calls)
         if self.plan is not None:
