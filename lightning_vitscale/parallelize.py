@@ -19,7 +19,7 @@ from lightning_vitscale.materialize import has_meta_tensors, materialize
 from lightning_vitscale.memory import full_bytes, local_bytes
 from lightning_vitscale.norms import ReplicatedNorms
 from lightning_vitscale.plan import ParallelPlan
-from lightning_vitscale.policies import KernelPolicy, ParallelConfig, PrecisionPolicy, resolve_flag
+from lightning_vitscale.policies import KernelPolicy, ParallelConfig, PrecisionPolicy
 from lightning_vitscale.tensor_cores import tensor_core_report
 
 
@@ -42,17 +42,17 @@ def parallelize(
     model: nn.Module,
     mesh: DeviceMesh,
     config: ParallelConfig,
-    precision: PrecisionPolicy | None = None,
-    device: torch.device | None = None,
+    precision: PrecisionPolicy,
+    device: torch.device,
 ) -> Parallelized:
     """Apply the recipe to ``model`` (held by ``root_unit``, the module Lightning actually calls).
 
     Order matters: blocks are found before anything rewrites the tree; norms leave the low-precision units
     before FSDP sees them; checkpointing patches block forwards before FSDP registers its hooks; blocks are
     sharded bottom-up before the outer unit, so the outer unit only takes what no block owns; meta parameters
-    are materialised last, shard by shard.
+    are materialised last, shard by shard. ``precision`` and ``device`` are required: a default would silently
+    run a bf16 GPU job as fp32 on CPU.
     """
-    precision = precision or resolve_flag("32-true")
     _check_has_parameters(model)
     blocks = [(name, block) for name, block in find_blocks(model, config.sharding.blocks) if _has_params(block)]
     if config.sharding.blocks is not None and not blocks:
@@ -78,7 +78,7 @@ def parallelize(
 
     # 2c. Attention routing inside each block's own forward, so checkpointing's recompute is routed as well.
     kernels = config.kernels
-    router = make_router(kernels.attention, device or torch.device("cpu"))
+    router = make_router(kernels.attention, device)
     if router is not None:
         route_blocks([block for _, block in blocks], router)
 
@@ -110,7 +110,7 @@ def parallelize(
     shard_module(root_unit, mesh, mp_policy, None if outer_reshard is None else bool(outer_reshard), ignored)
 
     # 6. Meta-initialised models get memory for their local shards only, then their own initialisers.
-    zero_filled = materialize(root_unit, device or torch.device("cpu"))
+    zero_filled = materialize(root_unit, device)
 
     params = list(model.parameters())
     plan = ParallelPlan(

@@ -45,7 +45,8 @@ def train(mesh, precision: VitScalePrecision | None, steps: int = 4) -> torch.Te
     if precision is not None:
         model = precision.convert_module(model)
         run = RootUnit(model)
-        parallelize(run, model, mesh, ParallelConfig(checkpointing=CheckpointingPolicy(False)), precision.policy)
+        config = ParallelConfig(checkpointing=CheckpointingPolicy(False))
+        parallelize(run, model, mesh, config, precision.policy, torch.device("cpu"))
         x = precision.convert_input(x)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, foreach=True)
     for _ in range(steps):

@@ -21,7 +21,8 @@ def run(model: nn.Module, mesh, **policies):
         checkpointing=CheckpointingPolicy(**policies.get("checkpointing", {})),
     )
     root = RootUnit(model)
-    done = parallelize(root, model, mesh, config, policies.get("precision"), torch.device("cpu"))
+    precision = policies.get("precision", resolve_flag("32-true"))
+    done = parallelize(root, model, mesh, config, precision, torch.device("cpu"))
     return root, done.plan
 
 
