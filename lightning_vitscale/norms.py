@@ -52,7 +52,9 @@ class ReplicatedNorms:
             self.params.append(replicated)
         setattr(module, _PARAMS, originals)
         module.register_forward_pre_hook(self._enter, with_kwargs=True)
-        module.register_forward_hook(self._leave, with_kwargs=True)
+        # always_call: a forward that raises must still get its DTensor parameters back, or the module would be
+        # left holding plain local tensors (wrong optimizer targets, wrong checkpoint) after the exception.
+        module.register_forward_hook(self._leave, with_kwargs=True, always_call=True)
 
     def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
         # The module's own forward runs on plain local fp32 tensors; to_local() is differentiable, so the
@@ -65,7 +67,7 @@ class ReplicatedNorms:
     def _leave(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         module._parameters.update(getattr(module, _PARAMS))
         out_dtype = getattr(module, _OUT_DTYPE)
-        return tree_map(_caster(out_dtype), output) if out_dtype is not None else output
+        return tree_map(_caster(out_dtype), output) if out_dtype is not None and output is not None else output
 
     def ignored(self) -> set[nn.Parameter]:
         return set(self.params)
