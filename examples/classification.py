@@ -7,18 +7,17 @@ default ``strategy="vitscale"`` shards it, ``--trainer.strategy=ddp`` runs it un
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `examples.models` imports from a checkout
+if not __package__:  # run as `python examples/classification.py`: make the checkout's `examples` package importable
+    import _checkout  # noqa: F401
 
-from lightning.pytorch.cli import ArgsType  # noqa: E402
+from lightning.pytorch.cli import ArgsType
 
-from examples.models.classifier import ClassificationModule  # noqa: E402
-from examples.models.cli import run_cli  # noqa: E402
-from examples.models.datamodules import DigitsDataModule  # noqa: E402
-from examples.models.vit import VisionTransformer  # noqa: E402
+from examples.models.classifier import ClassificationModule
+from examples.models.cli import run_cli
+from examples.models.datamodules import DigitsDataModule
+from examples.models.vit import VisionTransformer
 
 
 class ViTClassifier(ClassificationModule):

@@ -7,23 +7,22 @@ default ``strategy="vitscale"`` shards it, ``--trainer.strategy=ddp`` runs it un
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `examples.models` imports from a checkout
+if not __package__:  # run as `python examples/detection.py`: make the checkout's `examples` package importable
+    import _checkout  # noqa: F401
 
-import lightning.pytorch as pl  # noqa: E402
-from lightning.pytorch.cli import ArgsType  # noqa: E402
-from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig  # noqa: E402
-from torch import Tensor  # noqa: E402
-from torchmetrics.detection import MeanAveragePrecision  # noqa: E402
+import lightning.pytorch as pl
+from lightning.pytorch.cli import ArgsType
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
+from torch import Tensor
+from torchmetrics.detection import MeanAveragePrecision
 
-from examples.models.cli import run_cli  # noqa: E402
-from examples.models.datamodules import ShapesDetectionDataModule  # noqa: E402
-from examples.models.optim import adamw_cosine  # noqa: E402
-from examples.models.vit import VIT_SIZES  # noqa: E402
-from examples.models.vitdet import ViTDet  # noqa: E402
+from examples.models.cli import run_cli
+from examples.models.datamodules import ShapesDetectionDataModule
+from examples.models.optim import adamw_cosine
+from examples.models.vit import VIT_SIZES
+from examples.models.vitdet import ViTDet
 
 Batch = tuple[Tensor, list[dict[str, Tensor]]]
 

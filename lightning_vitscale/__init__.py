@@ -4,8 +4,9 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_vitscale.matching import find_blocks
 from lightning_vitscale.memory import StateBytes, measure_state_bytes
+from lightning_vitscale.parallelize import NoBlocksMatchedError
 from lightning_vitscale.plan import ParallelPlan
-from lightning_vitscale.policies import CheckpointingPolicy, KernelPolicy, ParallelConfig, ShardingPolicy
+from lightning_vitscale.policies import KernelPolicy
 from lightning_vitscale.precision import VitScalePrecision
 from lightning_vitscale.strategy import VitScaleStrategy
 from lightning_vitscale.throughput import ThroughputMonitor
@@ -13,14 +14,12 @@ from lightning_vitscale.throughput import ThroughputMonitor
 if VitScaleStrategy.strategy_name not in StrategyRegistry:
     VitScaleStrategy.register_strategies(StrategyRegistry)
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one version source: pyproject.toml reads it (setuptools dynamic version)
 
 __all__ = [
-    "CheckpointingPolicy",
     "KernelPolicy",
-    "ParallelConfig",
+    "NoBlocksMatchedError",
     "ParallelPlan",
-    "ShardingPolicy",
     "StateBytes",
     "ThroughputMonitor",
     "VitScalePrecision",

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from lightning.fabric.strategies.model_parallel import _load_checkpoint as lightning_load_sharded_checkpoint
 from lightning.fabric.utilities.distributed import _destroy_dist_connection as destroy_process_group_safely
 from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from packaging.version import Version
@@ -35,7 +39,60 @@ from torch.utils._pytree import tree_map  # noqa: E402
 
 SubprocessScriptLauncher = _SubprocessScriptLauncher
 
+
+# Private hooks this package overrides (strategy.py, grad_scaler.py) or calls (below): fail at import, naming
+# the hook, rather than mid-training, if an upgrade removes one. (`Strategy._precision_plugin`, the slot behind
+# the `precision_plugin` property that strategy.py overrides, is an instance attribute and cannot be checked here.)
+_PRIVATE_HOOKS = (
+    (ModelParallelStrategy, "_configure_launcher"),
+    (ModelParallelStrategy, "_setup_distributed"),
+    (Precision, "_after_closure"),
+    (torch.amp.GradScaler, "_unscale_grads_"),
+)
+_missing = [f"{cls.__name__}.{name}" for cls, name in _PRIVATE_HOOKS if not hasattr(cls, name)]
+if _missing:  # pragma: no cover - depends on the installed torch/Lightning
+    raise ImportError(
+        f"lightning-vitscale relies on {', '.join(_missing)}, which this torch/Lightning install lacks."
+        " Install a supported pair: `pip install 'torch>=2.6' 'lightning>=2.5,<3'`."
+    )
+
+# The fused unscale + inf/nan check GradScaler itself uses, applied to DTensor gradients' local shards.
+amp_unscale_and_check = torch._amp_foreach_non_finite_check_and_unscale_
+
+
+def setup_distributed(strategy: ModelParallelStrategy) -> None:
+    """Lightning's process-group setup for ``strategy``: device, ranks and the process group with its timeout."""
+    strategy._setup_distributed()
+
+
+def set_device_mesh(strategy: ModelParallelStrategy, module: Any, mesh: Any) -> None:
+    """Give ``strategy`` and its LightningModule the mesh (``LightningModule.device_mesh`` reads the module's)."""
+    strategy._device_mesh = mesh
+    module._device_mesh = mesh
+
+
+def after_closure(plugin: Precision, model: Any, optimizer: Any) -> None:
+    """Lightning's post-closure step (gradient clipping hooks) of a precision plugin that runs its own step."""
+    plugin._after_closure(model, optimizer)
+
+
+def set_parameters(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Put ``tensors`` in ``module``'s parameter slots as they are (plain tensors too), no ``nn.Parameter`` check."""
+    module._parameters.update(tensors)
+
+
+def compile_in_place(module: torch.nn.Module, wrap: Callable[[Callable], Callable], **options: Any) -> None:
+    """``module.compile(**options)``, then ``wrap`` the compiled call (nn.Module keeps it in a private slot)."""
+    module.compile(**options)
+    module._compiled_call_impl = wrap(module._compiled_call_impl)
+
 __all__ = [
+    "after_closure",
+    "amp_unscale_and_check",
+    "set_device_mesh",
+    "setup_distributed",
+    "compile_in_place",
+    "set_parameters",
     "destroy_process_group_safely",
     "EmptyStateDictLoadPlanner",
     "dcp_load_into",

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_vitscale.policies import resolve_attention
+
 SDPA = "sdpa"
 _MARK = "_vitscale_attention_routed"
 _ROUTABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -102,28 +104,25 @@ CANDIDATES: tuple[AttentionBackend, ...] = (XFORMERS,)
 """Backends ``attention="auto"`` measures against SDPA (a tuple so tests can substitute a CPU stand-in)."""
 
 
-def make_router(choice: str, device: torch.device) -> AttentionRouter | None:
-    """The policy for ``KernelPolicy.attention`` on ``device``; ``None`` means SDPA everywhere, no mode at all.
+def usable_backends(device: torch.device) -> tuple[str, ...]:
+    """Names of the candidate kernels that can run on ``device`` (xformers: CUDA with the extra installed)."""
+    return tuple(b.name for b in CANDIDATES if b.available(device))
 
-    ``"sdpa"`` needs nothing: SDPA already dispatches to flash / memory-efficient kernels. ``"auto"`` gets a
-    router only where some candidate can run on ``device`` (xformers: CUDA with the extra installed), so CPU
-    runs and GPU runs without xformers pay nothing. A forced backend that cannot run is an error now, not a
-    silent fallback.
+
+def make_router(choice: str, device: torch.device) -> AttentionRouter | None:
+    """The router for ``KernelPolicy.attention`` on ``device``; ``None`` means SDPA everywhere, no mode at all.
+
+    What ``choice`` means here is decided by :func:`~lightning_vitscale.policies.resolve_attention`; CPU runs
+    and GPU runs without xformers get no router and pay nothing.
     """
-    if choice == SDPA:
-        return None
-    usable = tuple(b for b in CANDIDATES if b.available(device))
-    if choice == "auto":
-        return AttentionRouter(candidates=usable) if usable else None
-    forced = next((b for b in CANDIDATES if b.name == choice), None)
-    if forced is None:
-        raise ValueError(f"attention={choice!r} is not one of auto, {SDPA}, {', '.join(b.name for b in CANDIDATES)}.")
-    if forced not in usable:
-        raise RuntimeError(
-            f"attention={choice!r} cannot run on {device}: {choice} has CUDA kernels only and must be installed"
-            " (`pip install lightning-vitscale[xformers]`). Use attention='auto' to fall back to SDPA."
-        )
-    return AttentionRouter(backend=forced)
+    usable = usable_backends(device)
+    match resolve_attention(choice, usable, device):
+        case "sdpa":
+            return None
+        case "auto":
+            return AttentionRouter(candidates=tuple(b for b in CANDIDATES if b.name in usable))
+        case name:
+            return AttentionRouter(backend=next(b for b in CANDIDATES if b.name == name))
 
 
 def describe_router(router: AttentionRouter | None) -> str:

@@ -7,7 +7,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from lightning_vitscale._compat import DTensor
+from lightning_vitscale._compat import DTensor, amp_unscale_and_check
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -37,7 +37,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         with torch.no_grad():
             for (device, _), grads in groups.items():
                 found = found_per_device.setdefault(device, found_inf.to(device).clone())
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
+                amp_unscale_and_check(grads, found, inv_scale.to(device))
             if group is not None and dist.get_world_size(group) > 1:
                 for found in found_per_device.values():
                     dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)

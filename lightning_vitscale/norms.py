@@ -3,12 +3,13 @@
 FAIR's finding: bf16 trains ViTs with fp32 hyper-parameters only if normalization layers stay in fp32. The usual
 fix (one FSDP unit per norm) triples the all-gathers. Instead, norm parameters leave the bf16 FSDP units and
 become fp32 DTensors *replicated* on every rank (they are tiny): optimizers, clipping and DCP see DTensors like
-every other parameter; a forward pre-hook hands the module its local fp32 tensor and fp32 inputs, a post-hook
-casts the output back; one coalesced all-reduce per backward averages their gradients.
+every other parameter; a wrapped forward hands the module its local fp32 tensors and fp32 inputs, and casts
+the output back; one coalesced all-reduce per backward averages their gradients.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -17,10 +18,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
-from lightning_vitscale._compat import DTensor, tree_map
+from lightning_vitscale._compat import DTensor, set_parameters, tree_map
 
 _PARAMS = "_vitscale_fp32_params"
-_OUT_DTYPE = "_vitscale_out_dtype"
+_DTYPE = "_vitscale_norm_dtype"
 
 
 def _floating_input_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype | None:
@@ -31,11 +32,10 @@ def _floating_input_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torc
 
 
 class ReplicatedNorms:
-    """fp32 norm layers held outside the FSDP units; owns their hooks and their gradient reduction."""
+    """fp32 norm layers held outside the FSDP units; owns their fp32 forward and their gradient reduction."""
 
     def __init__(self, modules: list[nn.Module], mesh: DeviceMesh, dtype: torch.dtype = torch.float32) -> None:
         self.mesh, self.dtype = mesh, dtype
-        self._to_norm_dtype = _caster(dtype)  # built once: the hooks run on every norm call
         self.params: list[nn.Parameter] = []
         for module in modules:
             self._convert(module)
@@ -51,23 +51,8 @@ class ReplicatedNorms:
             originals[name] = replicated
             self.params.append(replicated)
         setattr(module, _PARAMS, originals)
-        module.register_forward_pre_hook(self._enter, with_kwargs=True)
-        # always_call: a forward that raises must still get its DTensor parameters back, or the module would be
-        # left holding plain local tensors (wrong optimizer targets, wrong checkpoint) after the exception.
-        module.register_forward_hook(self._leave, with_kwargs=True, always_call=True)
-
-    def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
-        # The module's own forward runs on plain local fp32 tensors; to_local() is differentiable, so the
-        # gradient lands on the replicated DTensor parameter (its local part; reduce_grads() averages it).
-        for name, param in getattr(module, _PARAMS).items():
-            module._parameters[name] = param.to_local()
-        setattr(module, _OUT_DTYPE, _floating_input_dtype(args, kwargs))
-        return tree_map(self._to_norm_dtype, args), tree_map(self._to_norm_dtype, kwargs)
-
-    def _leave(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        module._parameters.update(getattr(module, _PARAMS))
-        out_dtype = getattr(module, _OUT_DTYPE)
-        return tree_map(_caster(out_dtype), output) if out_dtype is not None and output is not None else output
+        setattr(module, _DTYPE, self.dtype)
+        module.forward = functools.partial(_fp32_forward, module)
 
     def ignored(self) -> set[nn.Parameter]:
         return set(self.params)
@@ -84,6 +69,29 @@ class ReplicatedNorms:
         for grad, chunk in zip(grads, flat.split([g.numel() for g in grads])):
             grad.copy_(chunk.view_as(grad))
         return 1
+
+
+def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A converted norm's forward: its own class's forward on local fp32 parameters and fp32 inputs.
+
+    to_local() is differentiable, so the gradient lands on the replicated DTensor parameter (its local part;
+    ``reduce_grads()`` averages it). ``finally``: a forward that raises must still give the module its DTensor
+    parameters back, or it would keep plain local tensors (wrong optimizer targets, wrong checkpoint) after the
+    exception. A wrapped forward, not hooks: an always-called forward hook makes dynamo guard on each norm's
+    hook id, so identical compiled blocks would no longer share one graph. For the same reason this is a plain
+    function that reads everything from the module: a bound method, dict or method bound into the partial
+    gets an identity guard per norm.
+    """
+    params = getattr(module, _PARAMS)
+    out_dtype = _floating_input_dtype(args, kwargs)
+    to_norm_dtype = _caster(getattr(module, _DTYPE))
+    args, kwargs = tree_map(to_norm_dtype, args), tree_map(to_norm_dtype, kwargs)
+    set_parameters(module, {name: param.to_local() for name, param in params.items()})
+    try:
+        output = type(module).forward(module, *args, **kwargs)
+    finally:
+        set_parameters(module, params)
+    return tree_map(_caster(out_dtype), output) if out_dtype is not None else output
 
 
 def _caster(dtype: torch.dtype | None):

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_vitscale.activation_checkpointing import apply_activation_checkpointing, is_self_checkpointing
-from lightning_vitscale.attention import AttentionRouter, describe_router, make_router, route_blocks
+from lightning_vitscale.attention import AttentionRouter, describe_router, make_router, route_blocks, usable_backends
 from lightning_vitscale.casting import cast_floating_inputs
 from lightning_vitscale.fsdp import broadcast_module_states, mixed_precision_policy, shard_module
 from lightning_vitscale.kernels import apply_regional_compile
@@ -19,7 +19,7 @@ from lightning_vitscale.materialize import has_meta_tensors, materialize
 from lightning_vitscale.memory import full_bytes, local_bytes
 from lightning_vitscale.norms import ReplicatedNorms
 from lightning_vitscale.plan import ParallelPlan
-from lightning_vitscale.policies import KernelPolicy, ParallelConfig, PrecisionPolicy
+from lightning_vitscale.policies import KernelPolicy, ParallelConfig, PrecisionPolicy, resolve_kernels
 from lightning_vitscale.tensor_cores import tensor_core_report
 
 
@@ -77,7 +77,7 @@ def parallelize(
         cast_floating_inputs(_outer_layers(model, blocks, norm_modules), precision.compute)
 
     # 2c. Attention routing inside each block's own forward, so checkpointing's recompute is routed as well.
-    kernels = config.kernels
+    kernels = resolve_kernels(config.kernels, device, usable_backends(device))  # a no-op if the strategy did it
     router = make_router(kernels.attention, device)
     if router is not None:
         route_blocks([block for _, block in blocks], router)

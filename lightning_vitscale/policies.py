@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 import torch
@@ -98,8 +98,6 @@ ATTENTION_CHOICES: tuple[str, ...] = get_args(AttentionChoice)
 COMPILE_MODES: tuple[str | None, ...] = (None, "default", "max-autotune-no-cudagraphs")
 
 
-
-
 @dataclass(frozen=True)
 class KernelPolicy:
     """Which faster kernels the pipeline turns on.
@@ -136,17 +134,26 @@ class KernelPolicy:
 EAGER = KernelPolicy()
 
 
-def resolve_kernels(spec: KernelMode | KernelPolicy, device: torch.device) -> KernelPolicy:
-    """Turn ``kernels=`` into a policy for ``device``; the one place that decides what ``"auto"`` means.
+def resolve_kernels(
+    spec: KernelMode | KernelPolicy, device: torch.device, attention_backends: tuple[str, ...]
+) -> KernelPolicy:
+    """Turn ``kernels=`` into a policy for ``device``; with :func:`resolve_attention`, the one place that decides
+    what ``"auto"`` means.
 
     ``"auto"`` on CUDA compiles each block, fuses the optimizer and times the attention kernels. On CPU it
     is eager: the first compile of a block costs 30-60 s on a 2-core CPU for ~1.1-1.3x afterwards, and a fused
     optimizer rounds differently from DDP's foreach step, which would break the bit-exact DDP parity that CPU
-    runs are used to check. Pass a :class:`KernelPolicy` to choose otherwise.
+    runs are used to check. Pass a :class:`KernelPolicy` to choose otherwise. ``attention_backends`` names the
+    attention kernels that can run on ``device`` (see ``attention.usable_backends``). Resolving a resolved
+    policy returns it unchanged.
     """
-    if isinstance(spec, KernelPolicy):
-        return spec
-    match spec:
+    policy = spec if isinstance(spec, KernelPolicy) else _preset(spec, device)
+    attention = resolve_attention(policy.attention, attention_backends, device)
+    return policy if attention == policy.attention else replace(policy, attention=attention)
+
+
+def _preset(mode: str, device: torch.device) -> KernelPolicy:
+    match mode:
         case "eager":
             return EAGER
         case "auto" if device.type == "cuda":
@@ -155,17 +162,45 @@ def resolve_kernels(spec: KernelMode | KernelPolicy, device: torch.device) -> Ke
             return EAGER
         case _:
             raise ValueError(
-                f"`kernels={spec!r}` is not supported. Choose one of: {', '.join(KERNEL_MODES)}, or a KernelPolicy."
+                f"`kernels={mode!r}` is not supported. Choose one of: {', '.join(KERNEL_MODES)}, or a KernelPolicy."
             )
+
+
+def resolve_attention(choice: str, usable: tuple[str, ...], device: torch.device) -> AttentionChoice:
+    """What ``attention=choice`` means where the kernels named in ``usable`` can run.
+
+    ``"sdpa"`` needs nothing: SDPA already dispatches to flash / memory-efficient kernels. ``"auto"`` stays
+    ``"auto"`` (timed against SDPA after the first step) only where some candidate can run (xformers: CUDA with
+    the extra installed); elsewhere it is SDPA at no cost. A named backend that cannot run is an error now, not
+    a silent fallback.
+    """
+    match choice:
+        case "sdpa":
+            return "sdpa"
+        case "auto":
+            return "auto" if usable else "sdpa"
+        case "xformers" if choice in usable:
+            return "xformers"
+        case "xformers":
+            raise RuntimeError(
+                f"attention={choice!r} cannot run on {device}: {choice} has CUDA kernels only and must be installed"
+                " (`pip install lightning-vitscale[xformers]`). Use attention='auto' to fall back to SDPA."
+            )
+        case _:
+            raise ValueError(f"`attention={choice!r}` is not one of {', '.join(ATTENTION_CHOICES)}.")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Everything the parallelize pipeline needs to know, grouped so the strategy constructor stays short."""
+    """Everything the parallelize pipeline needs to know, grouped so the strategy constructor stays short.
+
+    ``kernels`` is what was asked for (``"auto"``, ``"eager"`` or a :class:`KernelPolicy`) until the device is
+    known; ``VitScaleStrategy`` replaces it with the resolved :class:`KernelPolicy` at setup.
+    """
 
     sharding: ShardingPolicy = field(default_factory=ShardingPolicy)
     checkpointing: CheckpointingPolicy = field(default_factory=CheckpointingPolicy)
-    kernels: KernelPolicy = field(default_factory=KernelPolicy)
+    kernels: KernelMode | KernelPolicy = field(default_factory=KernelPolicy)
 
 
 PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"]

@@ -15,6 +15,7 @@ from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_vitscale._compat import after_closure
 from lightning_vitscale.clipping import clip_grad_norm
 from lightning_vitscale.grad_scaler import ShardedGradScaler
 from lightning_vitscale.matching import find_modules, is_normalization
@@ -130,7 +131,7 @@ class VitScalePrecision(Precision):
         skipped_backward = closure_result is None and model.automatic_optimization
         if not skipped_backward:
             self.scaler.unscale_(optimizer)  # type: ignore[arg-type]  # before clipping, in _after_closure
-        self._after_closure(model, optimizer)
+        after_closure(self, model, optimizer)
         if skipped_backward:
             return closure_result
         step_output = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]  # skipped on inf/nan

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
+import functools
 import signal
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,13 +22,15 @@ from lightning_vitscale._compat import (
     FSDPModule,
     ModelParallelStrategy,
     SubprocessScriptLauncher,
-    destroy_process_group_safely,
     lightning_load_sharded_checkpoint,
     optimizers_to_device,
+    set_device_mesh,
+    setup_distributed,
 )
-from lightning_vitscale.attention import AttentionRouter, describe_choice, measure
+from lightning_vitscale.attention import usable_backends
+from lightning_vitscale.attention_auto import auto_attention_step
 from lightning_vitscale.checkpoint import load_full_into, model_shapes, save_sharded, validate_against
-from lightning_vitscale.kernels import fuse_optimizers
+from lightning_vitscale.kernels import fuse_optimizers, prefer_foreach
 from lightning_vitscale.parallelize import Parallelized, parallelize
 from lightning_vitscale.plan import ParallelPlan
 from lightning_vitscale.policies import (
@@ -43,6 +44,7 @@ from lightning_vitscale.policies import (
     resolve_kernels,
 )
 from lightning_vitscale.precision import VitScalePrecision, to_vitscale_precision
+from lightning_vitscale.process_group import destroy_process_group_at_exit
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -65,45 +67,6 @@ class RootUnit(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
-
-
-def prefer_foreach(optimizers: list[torch.optim.Optimizer]) -> None:
-    """Turn the optimizer's per-parameter loop into foreach ops where the user left the choice to torch.
-
-    Each op on a DTensor pays a dispatch cost; torch defaults to the per-parameter loop on CPU, which made a
-    sharded AdamW step ~7x slower than DDP's here. One foreach op per update covers all parameters. An explicit
-    ``foreach=False`` or ``fused=True`` from the user is kept.
-    """
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            if "foreach" in group and group["foreach"] is None and not group.get("fused"):
-                group["foreach"] = True
-
-
-_registered_exit_cleanup = False
-# How long exiting waits for gloo's worker threads to drop the work objects of the last collectives.
-_EXIT_GRACE_S = 0.1
-
-
-def _destroy_process_group_at_exit() -> None:
-    """Destroy the process group, and let gloo's worker threads settle, while Python is still fully alive.
-
-    Lightning registers the destroy for NCCL only. Under gloo the *worker thread* releases a finished
-    collective's work object; if its reference is the last one and the release comes once interpreter teardown
-    has begun, freeing the work's tensors needs a GIL it can no longer take and the process aborts ("terminate
-    called without an active exception", SIGABRT in ``AsyncAllgatherWork::~AsyncAllgatherWork``; caught in a
-    core dump of this project's demo on an oversubscribed 2-core machine). Gloo has no shutdown that joins its
-    threads, so the exit handler gives them a short grace period to drop those references first.
-    """
-    global _registered_exit_cleanup
-    if not _registered_exit_cleanup:
-        atexit.register(_exit_cleanup)
-        _registered_exit_cleanup = True
-
-
-def _exit_cleanup() -> None:
-    destroy_process_group_safely()
-    time.sleep(_EXIT_GRACE_S)
 
 
 class VitScaleStrategy(ModelParallelStrategy):
@@ -141,14 +104,14 @@ class VitScaleStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        if not isinstance(kernels, KernelPolicy):
+            resolve_kernels(kernels, torch.device("cpu"), ())  # unknown strings fail here, not at setup
+        # `config.kernels` stays the requested mode until setup knows the device, then holds the resolved policy.
         self.config = ParallelConfig(
             sharding=ShardingPolicy(blocks=blocks, reshard_after_forward=reshard_after_forward),
             checkpointing=CheckpointingPolicy(blocks=activation_checkpointing),
+            kernels=kernels,
         )
-        if not isinstance(kernels, KernelPolicy):
-            resolve_kernels(kernels, torch.device("cpu"))  # unknown strings fail here, not at setup
-        self._kernels = kernels
-        self._config_for_device: ParallelConfig | None = None
         self.plan: ParallelPlan | None = None
         self._parallelized_state: Parallelized | None = None
 
@@ -184,13 +147,11 @@ class VitScaleStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         # One data-parallel mesh dimension over all ranks: ModelParallelStrategy's default would make every
         # process a tensor-parallel peer (data-parallel size 1, no sharding, same data on every rank).
-        self._setup_distributed()  # sets the device, ranks and the process group (with our timeout)
-        _destroy_process_group_at_exit()
-        self._device_mesh = init_device_mesh(
-            self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",)
-        )
+        setup_distributed(self)  # sets the device, ranks and the process group (with our timeout)
+        destroy_process_group_at_exit()
+        mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",))
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        set_device_mesh(self, self.lightning_module, mesh)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -226,10 +187,10 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     def _resolved_config(self) -> ParallelConfig:
         """The config with ``kernels=`` resolved for this device (known only once processes are set up)."""
-        if self._config_for_device is None:
-            kernels = resolve_kernels(self._kernels, self.root_device)
-            self._config_for_device = dataclasses.replace(self.config, kernels=kernels)
-        return self._config_for_device
+        device = self.root_device
+        kernels = resolve_kernels(self.config.kernels, device, usable_backends(device))  # idempotent
+        self.config = dataclasses.replace(self.config, kernels=kernels)
+        return self.config
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -242,30 +203,12 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        router = self._parallelized_state.router if self._parallelized_state is not None else None
-        if router is None or router.decided:
-            return super().training_step(*args, **kwargs)
-        if router.recorded:
-            self._decide_attention(router)
-            return super().training_step(*args, **kwargs)
-        # attention="auto": the first step shows the real shapes. It runs eagerly, so recording them is plain
-        # Python; compiled blocks meet the router only once it is decided (then retrace once if it routes).
-        with router.record(), torch.compiler.set_stance("force_eager"):
-            return super().training_step(*args, **kwargs)
+        step = functools.partial(super().training_step, *args, **kwargs)
+        return auto_attention_step(self._parallelized_state, step, self._mean_over_ranks)
 
-    def _decide_attention(self, router: AttentionRouter) -> None:
-        """Time each kernel on the recorded shapes and route every rank the same way (summed timings)."""
-        local = measure(router.calls, list(router.candidates))
-        summed = self.reduce(
-            torch.tensor(list(local.values()), dtype=torch.float64, device=self.root_device), reduce_op="sum"
-        )
-        totals = {name: float(ms) / self.world_size for name, ms in zip(local, summed.tolist())}
-        choice = min(totals, key=totals.__getitem__)  # ties, and no calls at all, keep SDPA (measure's first key)
-        router.decide(choice)
-        line = describe_choice(choice, totals, router.calls)
-        if self.plan is not None:
-            self.plan.kernels["attention"] = line
-        rank_zero_info(f"VitScaleStrategy attention: {line}")
+    def _mean_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        # SUM, then divide: gloo has no AVG.
+        return self.reduce(values.to(self.root_device), reduce_op="sum") / self.world_size
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:

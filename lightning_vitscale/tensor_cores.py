@@ -1,4 +1,4 @@
-"""Tensor-core friendliness: name every matrix dimension that is not a multiple of 8 (the recipe's step 8)."""
+"""Tensor-core friendliness: name every matrix dimension that is not a multiple of 8 (tensor-core tiles)."""
 
 from __future__ import annotations
 

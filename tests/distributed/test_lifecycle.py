@@ -19,16 +19,21 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 
 def test_all_trainer_entry_points_work(ranks):
+    """fit, validate, test and predict give DDP's numbers: same losses, accuracy and predictions per rank."""
     for rank in ranks:
-        facts = rank["lifecycle"]
-        assert facts["num_pred_batches"] == 1  # 8 samples, batch 4, 2 ranks
-        assert 0.0 <= facts["test_acc"] <= 1.0
-        assert facts["units_after_reuse"] == 5  # validate/test reused the units made for fit
-        assert facts["params_are_dtensors"]  # eval loops leave no gathered copy behind
+        ours, ddp = rank["lifecycle"]["vitscale"], rank["lifecycle"]["ddp"]
+        assert len(ours["preds"]) == 1  # 8 samples, batch 4, 2 ranks
+        assert ours["preds"] == ddp["preds"]
+        assert ours["test_acc"] == pytest.approx(ddp["test_acc"], abs=1e-6)
+        assert ours["val_loss"] == pytest.approx(ddp["val_loss"], rel=1e-5)
+        assert ours["logged_train_loss"] == pytest.approx(ddp["logged_train_loss"], rel=1e-5)
+        assert ours["units_after_reuse"] == 5  # validate/test reused the units made for fit
+        assert ours["params_are_dtensors"]  # eval loops leave no gathered copy behind
     # sync_dist reduced the logged values to the same number on every rank; all_gather saw both ranks.
-    assert ranks[0]["lifecycle"]["val_loss"] == ranks[1]["lifecycle"]["val_loss"]
-    assert ranks[0]["lifecycle"]["logged_train_loss"] == ranks[1]["lifecycle"]["logged_train_loss"]
-    assert ranks[0]["lifecycle"]["gathered"] == [0.0, 1.0]
+    facts = [rank["lifecycle"]["vitscale"] for rank in ranks]
+    assert facts[0]["val_loss"] == facts[1]["val_loss"]
+    assert facts[0]["logged_train_loss"] == facts[1]["logged_train_loss"]
+    assert facts[0]["gathered"] == [0.0, 1.0]
 
 
 def test_meta_model_is_materialised_shard_by_shard(ranks):

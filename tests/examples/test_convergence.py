@@ -18,7 +18,7 @@ NO_CKPT = ["--trainer.enable_checkpointing=false"]
 
 # task -> (extra CLI args that shrink the run for CI, metric column, threshold, vitscale-vs-ddp tolerance)
 CASES = {
-    # 10 classes, chance 0.10; digits are real data: the brief's bar is >= 0.95
+    # 10 classes, chance 0.10; digits are real data: the bar is >= 0.95
     "classification": (["--trainer.max_epochs=12"], "val_acc", 0.95, 0.02),  # measured 0.958 (cosine over 12)
     # mAP@0.5 on generated shapes; chance (random boxes) is ~0.0
     "detection": (["--trainer.max_epochs=4", "--data.num_train=1024"], "map_50", 0.30, 0.05),  # measured 0.39

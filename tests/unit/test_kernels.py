@@ -24,17 +24,21 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
 def test_auto_is_eager_on_cpu_and_full_on_cuda():
-    assert resolve_kernels("auto", CPU) == EAGER
-    assert resolve_kernels("eager", CUDA) == EAGER
-    cuda = resolve_kernels("auto", CUDA)
+    assert resolve_kernels("auto", CPU, ()) == EAGER
+    assert resolve_kernels("eager", CUDA, ("xformers",)) == EAGER
+    cuda = resolve_kernels("auto", CUDA, ("xformers",))
     assert cuda.compile_blocks and cuda.fused_optimizer and cuda.attention == "auto" and not cuda.compile_outer
+    assert resolve_kernels(cuda, CUDA, ("xformers",)) is cuda  # resolving twice changes nothing
+    # Without a usable attention candidate, "auto" attention is plain SDPA: no router, no timing.
+    assert resolve_kernels("auto", CUDA, ()).attention == "sdpa"
+    assert resolve_kernels(KernelPolicy(attention="auto"), CPU, ()).attention == "sdpa"
     custom = KernelPolicy(fused_optimizer=True)
-    assert resolve_kernels(custom, CPU) is custom
+    assert resolve_kernels(custom, CPU, ()) is custom
 
 
 def test_unknown_modes_raise_naming_the_choices():
     with pytest.raises(ValueError, match="auto, eager"):
-        resolve_kernels("fast", CPU)  # type: ignore[arg-type]
+        resolve_kernels("fast", CPU, ())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="sdpa"):
         KernelPolicy(attention="flash")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="CUDA-graph"):
@@ -94,9 +98,10 @@ def test_compiled_routed_blocks_and_outer_layers_match_eager(mesh):
     head compiled too. ~20-40 s with a cold inductor cache.
 
     The fp32-norm hooks are included (in fp32, to compare tightly): their parameter swap inside the checkpoint
-    region is what made dynamo give up on the whole block before `_configure_dynamo`; entering the attention
-    router there is the same kind of side effect.
+    region is what makes dynamo give up on the whole block without `dynamo_options`; entering the attention
+    router there is the same kind of side effect. Those options hold only while the compiled modules run.
     """
+    defaults = dynamo_settings()
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     torch.manual_seed(0)
@@ -131,6 +136,13 @@ def test_compiled_routed_blocks_and_outer_layers_match_eager(mesh):
     # Both blocks (and the second step) ran one graph, the head another: identical blocks share compiled code.
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
     assert not torch._dynamo.utils.counters["graph_break"]
+    # ... and the process-wide settings are the user's again.
+    assert dynamo_settings() == defaults
+
+
+def dynamo_settings() -> tuple[int, bool]:
+    config = torch._dynamo.config
+    return config.recompile_limit, config.skip_fwd_side_effects_in_bwd_under_checkpoint
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

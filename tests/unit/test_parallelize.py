@@ -90,14 +90,22 @@ def test_keys_are_unchanged_by_checkpointing_and_sharding(mesh):
     assert isinstance(model.stages[0], ResidualBlock)  # blocks stay instances of their own class
 
 
-def test_outer_layers_take_fp32_tensors_made_inside_a_step(mesh):
-    """O2 drop-in: a tensor created in fp32 inside the step reaches a bf16 outer layer and still works."""
-    from lightning_vitscale.policies import resolve_flag
+class BuildsItsOwnInput(nn.Module):
+    """A step that makes an fp32 tensor itself (noise, a mask, a second view) and feeds it to an outer layer."""
 
-    model = SmallResNet()
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = SmallResNet()
+
+    def forward(self, batch_size: int) -> torch.Tensor:
+        return self.net(torch.randn(batch_size, 3, 32, 32))  # fp32, made after FSDP's root cast its inputs
+
+
+def test_outer_layers_take_fp32_tensors_made_inside_a_step(mesh):
+    """O2 drop-in: a tensor created in fp32 inside the step reaches a bf16 outer layer (the stem) and still works."""
+    model = BuildsItsOwnInput()
     root, plan = run(model, mesh, precision=resolve_flag("bf16-mixed"))
-    # Call the outer unit's stem directly with an fp32 tensor, as a step that builds its own input would.
-    out = root(torch.randn(2, 3, 32, 32, dtype=torch.float32))
+    out = root(2)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
     assert plan.kernels["compiled blocks"] == "off"
     assert any("head" in line for line in plan.tensor_core_misses)  # Linear(16 -> 10): 10 is not a multiple of 8

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 from torch import nn
 
-from lightning_vitscale import CheckpointingPolicy, ShardingPolicy, VitScaleStrategy
+from lightning_vitscale import KernelPolicy, VitScaleStrategy
+from lightning_vitscale.policies import CheckpointingPolicy, ShardingPolicy
+from tests.helpers.models import Classifier, loader
 
 
 @pytest.mark.parametrize(
@@ -52,3 +55,14 @@ def test_sharding_policy_accepts_classes_and_predicates():
 def test_unknown_kernels_mode_fails_at_construction():
     with pytest.raises(ValueError, match="`kernels='fast'` is not supported. Choose one of: auto, eager"):
         VitScaleStrategy(kernels="fast")  # type: ignore[arg-type]
+
+
+def test_config_kernels_is_the_request_until_setup_then_the_resolved_policy(mesh):
+    strategy = VitScaleStrategy(kernels="auto")
+    assert strategy.config.kernels == "auto"  # the device is not known yet: nothing is claimed
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(Classifier("encoder"), loader(n=4))
+    assert strategy.config.kernels == KernelPolicy()  # "auto" on CPU: eager, SDPA, the user's optimizer

@@ -76,7 +76,7 @@ def test_unsupported_accelerator_is_refused_early():
 
 
 def test_unspecified_foreach_becomes_foreach_but_user_choice_is_kept():
-    from lightning_vitscale.strategy import prefer_foreach
+    from lightning_vitscale.kernels import prefer_foreach
 
     p = [torch.nn.Parameter(torch.ones(2))]
     default, explicit, fused = (

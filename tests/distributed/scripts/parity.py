@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import lightning as L
@@ -17,6 +18,7 @@ from tests.helpers.models import Classifier, loader
 
 warnings.filterwarnings("ignore")
 
+BLOCK_CLASSES = {"encoder": "TransformerEncoderLayer", "timm": "Block", "hf": "ViTLayer", "resnet": "ResidualBlock"}
 CONFIGS = {
     "plain": {},
     "accum_clip": {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
@@ -39,17 +41,36 @@ def run(backbone: str, config: str, strategy: str) -> dict:
     state = measure_state_bytes(model, trainer.optimizers)
     facts = {"losses": model.losses, "sharded_fraction": state.sharded_fraction}
     if strategy == "vitscale":
-        plan = trainer.strategy.plan
-        blocks = [model.get_submodule(name) for name in plan.block_names]
+        # The modules themselves, found by class (FSDP2 subclasses them), not the plan's account of them.
+        blocks = [m for m in model.modules() if BLOCK_CLASSES[backbone] in {c.__name__ for c in type(m).__mro__}]
+        x = next(iter(loader(n=4)))[0]
         facts.update(
-            blocks=plan.blocks,
-            units=plan.units,
-            all_blocks_fsdp=all(isinstance(b, FSDPModule) for b in blocks),
             num_blocks=len(blocks),
-            checkpointed=len(plan.checkpointed),
+            fsdp_blocks=sum(isinstance(b, FSDPModule) for b in blocks),
+            recomputed_blocks=count_recomputed(trainer.strategy.model, blocks, x),
             root_fsdp=isinstance(trainer.strategy.model, FSDPModule),
         )
     return facts
+
+
+def count_recomputed(root: torch.nn.Module, blocks: list[torch.nn.Module], x: torch.Tensor) -> int:
+    """Blocks whose layers run again in backward: activation checkpointing recomputes the block's forward.
+
+    A forward hook on each block's first layer with parameters counts its calls in forward, then in backward;
+    a checkpointed block's layer runs once in each, a stored-activation block's never in backward.
+    """
+    calls: Counter[int] = Counter()
+    handles = []
+    for i, block in enumerate(blocks):
+        layer = next(m for m in block.modules() if any(True for _ in m.parameters(recurse=False)))
+        handles.append(layer.register_forward_hook(lambda *_, i=i: calls.update([i])))
+    out = root(x)
+    in_forward = Counter(calls)
+    calls.clear()
+    out.sum().backward()
+    for handle in handles:
+        handle.remove()
+    return sum(1 for i in range(len(blocks)) if in_forward[i] > 0 and calls[i] == in_forward[i])
 
 
 def main() -> None:
