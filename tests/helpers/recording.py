@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -20,6 +21,7 @@ _COLLECTIVES = (
     "all_gather",
     "broadcast",
 )
+_FUNCTIONAL = ("all_gather", "all_reduce", "all_to_all", "reduce_scatter", "broadcast")
 
 
 class DtypeRecorder(TorchFunctionMode):
@@ -41,24 +43,27 @@ class DtypeRecorder(TorchFunctionMode):
 
 @contextlib.contextmanager
 def count_collectives() -> Iterator[Counter[str]]:
-    """Wraps torch.distributed's collectives (FSDP2 looks them up on the module at call time)."""
+    """Wraps torch.distributed's collectives (FSDP2 looks them up on the module at call time) and the functional
+    collectives DTensor uses (``full_tensor()``, redistribute), counted as ``functional.<name>``."""
     counts: Counter[str] = Counter()
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+    patched = [(dist, name, name) for name in _COLLECTIVES if hasattr(dist, name)]
+    patched += [(funcol, name, f"functional.{name}") for name in dir(funcol) if name.startswith(_FUNCTIONAL)]
+    originals = [(module, name, getattr(module, name)) for module, name, _ in patched]
 
-    def wrap(name, fn):
+    def wrap(label, fn):
         def counted(*args, **kwargs):
-            counts[name] += 1
+            counts[label] += 1
             return fn(*args, **kwargs)
 
         return counted
 
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
+    for (module, name, label), (_, _, fn) in zip(patched, originals):
+        setattr(module, name, wrap(label, fn))
     try:
         yield counts
     finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+        for module, name, fn in originals:
+            setattr(module, name, fn)
 
 
 def linear_bf16_share(calls: Counter) -> float:
