@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -76,15 +76,17 @@ def after_closure(plugin: Precision, model: Any, optimizer: Any) -> None:
     plugin._after_closure(model, optimizer)
 
 
-def set_parameters(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+def set_parameters(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
     """Put ``tensors`` in ``module``'s parameter slots as they are (plain tensors too), no ``nn.Parameter`` check."""
-    module._parameters.update(tensors)
+    module._parameters.update(tensors)  # type: ignore[arg-type]  # plain tensors on purpose
 
 
 def compile_in_place(module: torch.nn.Module, wrap: Callable[[Callable], Callable], **options: Any) -> None:
     """``module.compile(**options)``, then ``wrap`` the compiled call (nn.Module keeps it in a private slot)."""
     module.compile(**options)
-    module._compiled_call_impl = wrap(module._compiled_call_impl)
+    compiled = module._compiled_call_impl
+    assert compiled is not None
+    module._compiled_call_impl = wrap(compiled)
 
 __all__ = [
     "after_closure",

@@ -82,7 +82,7 @@ def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     function that reads everything from the module: a bound method, dict or method bound into the partial
     gets an identity guard per norm.
     """
-    params = getattr(module, _PARAMS)
+    params: dict[str, DTensor] = getattr(module, _PARAMS)
     out_dtype = _floating_input_dtype(args, kwargs)
     to_norm_dtype = _caster(getattr(module, _DTYPE))
     args, kwargs = tree_map(to_norm_dtype, args), tree_map(to_norm_dtype, kwargs)

@@ -254,3 +254,23 @@ def resolve_flag(flag: str) -> PrecisionPolicy:
             raise ValueError(
                 f"VitScaleStrategy does not support precision={flag!r}. Choose one of: {', '.join(SUPPORTED_FLAGS)}."
             )
+
+
+NormSelector = bool | set[type[nn.Module]] | Callable[[str, nn.Module], bool] | None
+"""``None``/``True``: detect normalization layers; ``False``: none; a set of classes; or a predicate."""
+
+
+def norm_predicate(norms: NormSelector) -> Callable[[str, nn.Module], bool] | None:
+    """Turn ``VitScalePrecision(norms=...)`` into a predicate on (name, module); ``None``: no norm is special."""
+    match norms:
+        case None | True:
+            return is_normalization
+        case False:
+            return None
+        case set() | frozenset():
+            classes = tuple(norms)
+            return lambda _, module: isinstance(module, classes)
+        case _ if callable(norms):
+            return norms
+        case _:
+            raise TypeError(f"`norms` must be None, True, False, a set of classes or a callable; got {norms!r}.")

@@ -18,30 +18,21 @@ from typing_extensions import override
 from lightning_vitscale._compat import after_closure
 from lightning_vitscale.clipping import clip_grad_norm
 from lightning_vitscale.grad_scaler import ShardedGradScaler
-from lightning_vitscale.matching import find_modules, is_normalization
-from lightning_vitscale.policies import SUPPORTED_FLAGS, PrecisionFlag, PrecisionPolicy, resolve_flag
+from lightning_vitscale.matching import find_modules
+from lightning_vitscale.policies import (
+    SUPPORTED_FLAGS,
+    NormSelector,
+    PrecisionFlag,
+    PrecisionPolicy,
+    norm_predicate,
+    resolve_flag,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-NormSelector = bool | set[type[nn.Module]] | Callable[[str, nn.Module], bool] | None
 # Lightning's generic plugins that only carry a flag; anything more specific is the user's choice to keep.
 _TRANSLATABLE: tuple[type[Precision], ...] = (Precision, MixedPrecision, HalfPrecision)
-
-
-def _norm_predicate(norms: NormSelector) -> Callable[[str, nn.Module], bool] | None:
-    match norms:
-        case None | True:
-            return is_normalization
-        case False:
-            return None
-        case set() | frozenset():
-            classes = tuple(norms)
-            return lambda _, module: isinstance(module, classes)
-        case _ if callable(norms):
-            return norms
-        case _:
-            raise TypeError(f"`norms` must be None, True, False, a set of classes or a callable; got {norms!r}.")
 
 
 class VitScalePrecision(Precision):
@@ -81,7 +72,7 @@ class VitScalePrecision(Precision):
             compute=compute_dtype or base.compute,
             reduce=reduce_dtype or base.reduce,
             norm_dtype=norm_dtype,
-            norms=_norm_predicate(norms),
+            norms=norm_predicate(norms),
         )
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.scaler: ShardedGradScaler | None = ShardedGradScaler(device) if base.loss_scaling else None

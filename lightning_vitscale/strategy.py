@@ -195,7 +195,8 @@ class VitScaleStrategy(ModelParallelStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        if self._resolved_config().kernels.fused_optimizer:
+        kernels = self._resolved_config().kernels
+        if isinstance(kernels, KernelPolicy) and kernels.fused_optimizer:  # always a KernelPolicy once resolved
             fused = fuse_optimizers(self.optimizers)
             if fused and self.plan is not None:
                 self.plan.notes.extend(fused)

@@ -9,7 +9,11 @@ from lightning.pytorch.accelerators import Accelerator
 
 import lightning_vitscale  # noqa: F401
 from lightning_vitscale import VitScalePrecision, VitScaleStrategy
-from lightning_vitscale.policies import resolve_flag
+from lightning_vitscale.parallelize import parallelize
+from lightning_vitscale.policies import ParallelConfig, resolve_flag
+from lightning_vitscale.strategy import RootUnit
+from tests.helpers.models import SdpaBlocks
+from tests.helpers.recording import DtypeRecorder
 
 
 def trainer(**kwargs) -> L.Trainer:
@@ -46,10 +50,24 @@ def test_resolve_rejects_unknown():
         resolve_flag("fp8")
 
 
-def test_o2_dtypes():
-    dtypes = resolve_flag("bf16-mixed")
-    assert (dtypes.master, dtypes.compute, dtypes.reduce) == (torch.float32, torch.bfloat16, torch.float32)
-    assert resolve_flag("bf16-true").master == torch.bfloat16
+@pytest.mark.parametrize(("flag", "master"), [("bf16-mixed", torch.float32), ("bf16-true", torch.bfloat16)])
+def test_o2_dtypes_in_a_sharded_step(mesh, flag, master):
+    """What the flag does to a sharded model: parameters (and so gradients and optimizer state) stay in the master
+    dtype, every block Linear computes in bf16 (inputs and gathered weights), norms compute in fp32."""
+    torch.manual_seed(0)
+    plugin = VitScalePrecision(flag)
+    model = plugin.convert_module(SdpaBlocks(dim=16))
+    root = RootUnit(model)
+    parallelize(root, model, mesh, ParallelConfig(), plugin.policy, torch.device("cpu"))
+    with DtypeRecorder() as recorder:
+        out = root(plugin.convert_input(torch.randn(2, 5, 16)))
+    out.float().sum().backward()
+    bf16 = str(torch.bfloat16)
+    assert {(i, w) for op, i, w in recorder.calls if op == "linear"} == {(bf16, bf16)}
+    assert {(i, w) for op, i, w in recorder.calls if op == "layer_norm"} == {(str(torch.float32), str(torch.float32))}
+    norm_params = {id(p) for m in model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()}
+    others = [p for p in model.parameters() if id(p) not in norm_params]
+    assert {p.to_local().dtype for p in others} == {p.grad.to_local().dtype for p in others} == {master}
 
 
 class _OtherAccelerator(Accelerator):
@@ -91,10 +109,10 @@ def test_unspecified_foreach_becomes_foreach_but_user_choice_is_kept():
 def test_norm_selector_forms():
     from torch import nn
 
-    from lightning_vitscale.precision import _norm_predicate
+    from lightning_vitscale.policies import norm_predicate
 
-    assert _norm_predicate(False) is None
-    assert _norm_predicate({nn.LayerNorm})("x", nn.LayerNorm(2))
-    assert not _norm_predicate({nn.LayerNorm})("x", nn.GroupNorm(1, 2))
+    assert norm_predicate(False) is None
+    assert norm_predicate({nn.LayerNorm})("x", nn.LayerNorm(2))
+    assert not norm_predicate({nn.LayerNorm})("x", nn.GroupNorm(1, 2))
     with pytest.raises(TypeError, match="`norms` must be"):
-        _norm_predicate("layernorm")  # type: ignore[arg-type]
+        norm_predicate("layernorm")  # type: ignore[arg-type]
