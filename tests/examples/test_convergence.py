@@ -17,8 +17,17 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600
 NO_CKPT = ["--trainer.enable_checkpointing=false"]
 
 # task -> (extra CLI args that shrink the run for CI, metric column, threshold, vitscale-vs-ddp tolerance)
+#
+# Where the tolerances come from: vitscale and ddp see the same seed, data and initial weights and differ only in
+# float reduction order (the parity tests: losses equal to ~2e-7 relative per step). A different seed (initial
+# weights and data order) is a far larger perturbation, so its run-to-run spread bounds theirs. Classification,
+# 12 epochs, vitscale, seeds 0 / 1 / 2: val_acc 0.958 / 0.955 / 0.961 (spread 0.006, i.e. 2 of 360 digits;
+# `--seed_everything=N`, 2026-11-23): the 0.02 tolerance is ~3x that spread. Detection and video were not
+# re-run per seed (~150 s per run under load): their 0.05 (13 of 256 video clips) is kept unmeasured, and
+# their thresholds sit well under the recorded finals (detection map_50 0.39 at 4 epochs, video val_acc 0.98
+# from epoch 4 on, examples/README.md).
 CASES = {
-    # 10 classes, chance 0.10; digits are real data: the bar is >= 0.95
+    # 10 classes, chance 0.10; digits are real data: the bar is >= 0.95 (seed spread above: 0.955-0.961)
     "classification": (["--trainer.max_epochs=12"], "val_acc", 0.95, 0.02),  # measured 0.958 (cosine over 12)
     # mAP@0.5 on generated shapes; chance (random boxes) is ~0.0
     "detection": (["--trainer.max_epochs=4", "--data.num_train=1024"], "map_50", 0.30, 0.05),  # measured 0.39
