@@ -2,6 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_vitscale.checkpoint import CheckpointError, consolidate_checkpoint
 from lightning_vitscale.matching import find_blocks
 from lightning_vitscale.memory import StateBytes, measure_state_bytes
 from lightning_vitscale.plan import ParallelPlan
@@ -16,6 +17,7 @@ if VitScaleStrategy.strategy_name not in StrategyRegistry:
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "CheckpointingPolicy",
     "KernelPolicy",
     "ParallelConfig",
@@ -25,6 +27,7 @@ __all__ = [
     "ThroughputMonitor",
     "VitScalePrecision",
     "VitScaleStrategy",
+    "consolidate_checkpoint",
     "find_blocks",
     "measure_state_bytes",
 ]
