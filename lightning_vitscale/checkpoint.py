@@ -178,14 +178,47 @@ def load_full_into(
     weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Load a single-file checkpoint (e.g. written under DDP) into a sharded module; returns the rest."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     checkpoint = load_full(Location.of(path), weights_only)
     options = StateDictOptions(full_state_dict=True, strict=strict)
     set_model_state_dict(module, checkpoint.pop("state_dict"), options=options)
     for optimizer, state in zip(optimizers, checkpoint.pop("optimizer_states", [])):
-        set_optimizer_state_dict(module, optimizer, rekey_by_position(state, optimizer, module), options=options)
+        set_optimizer_state(module, optimizer, rekey_by_position(state, optimizer, module), options)
     return checkpoint
+
+
+@contextmanager
+def untouched_if_fresh(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
+    """torch's optimizer state-dict functions initialise an optimizer that has never stepped by running a step
+    with zero gradients (Adam's step count becomes 1, so the first real step is bias-corrected as the second).
+    Under DDP a save before the first step (``lr_find`` does one) changes nothing: clear that state again."""
+    fresh = not optimizer.state
+    try:
+        yield fresh
+    finally:
+        if fresh:
+            optimizer.state.clear()
+
+
+def set_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], options) -> None:
+    """Like ``optimizer.load_state_dict`` under DDP: the saved param groups replace the current ones (keys added
+    since the save, such as a scheduler's ``initial_lr``, go), and a state saved before the first step stays empty."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    if state["state"]:
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=options)
+        return
+    if len(state["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"The checkpoint's optimizer has {len(state['param_groups'])} param groups, this one"
+            f" {len(optimizer.param_groups)}: configure_optimizers must build the groups it was saved with."
+        )
+    for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+        params = group["params"]
+        group.clear()
+        group.update({k: v for k, v in saved.items() if k != "params"}, params=params)
+    optimizer.state.clear()
 
 
 def clean_key(key: str) -> str:

@@ -23,7 +23,9 @@ from lightning_vitscale.checkpoint import (
     model_shapes,
     partial_path,
     refused_values_named,
+    set_optimizer_state,
     to_torch_format,
+    untouched_if_fresh,
     validate_against,
 )
 from lightning_vitscale.checkpoint_storage import Location, SafeLoadPlanner, torch_save
@@ -44,7 +46,10 @@ def optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, fu
 
     optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer -> torch optimizer
     options = StateDictOptions(full_state_dict=full, cpu_offload=True)
-    state = get_optimizer_state_dict(module, optimizer, options=options)
+    with untouched_if_fresh(optimizer) as fresh:
+        state = get_optimizer_state_dict(module, optimizer, options=options)
+    if fresh:
+        state["state"] = {}  # as DDP saves an optimizer that has not stepped yet
     if not full:
         return state
     return to_torch_format(state) if is_rank_zero else {}
@@ -115,14 +120,16 @@ def load_sharded(
         get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
-        set_optimizer_state_dict,
     )
 
     reader = location.reader(weights_only)
     metadata = reader.read_metadata()
     request: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
     for i, optimizer in enumerate(optimizers):
-        state = get_optimizer_state_dict(module, optimizer)
+        with untouched_if_fresh(optimizer):
+            state = get_optimizer_state_dict(module, optimizer)
+        if not saved_entries(metadata, f"optimizer_{i}", "state"):
+            state["state"] = {}  # saved before its first step
         state["param_groups"] = saved_param_groups(metadata, f"optimizer_{i}", state["param_groups"])
         request[f"optimizer_{i}"] = state
     planner = SafeLoadPlanner(weights_only, allow_partial_load=not strict)
@@ -130,8 +137,7 @@ def load_sharded(
         dcp.load(request, storage_reader=reader, planner=planner)
     set_model_state_dict(module, request.pop("state_dict"), options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):
-        options = StateDictOptions(cpu_offload=True)
-        set_optimizer_state_dict(module, optimizer, optim_state_dict=request[f"optimizer_{i}"], options=options)
+        set_optimizer_state(module, optimizer, request[f"optimizer_{i}"], StateDictOptions(cpu_offload=True))
     return load_pickle(location.child(META), weights_only)
 
 
@@ -140,12 +146,17 @@ def saved_param_groups(metadata: Metadata, key: str, current: list[dict[str, Any
     saved groups under DDP. A key added since the save (an LR scheduler's ``initial_lr``, attached by
     ``lr_find`` after its temporary save) is dropped instead of failing DCP's strict load."""
     saved: dict[int, set[str]] = {}
-    for path in metadata.planner_data.values():
-        if len(path) == 4 and path[0] == key and path[1] == "param_groups":
+    for path in saved_entries(metadata, key, "param_groups"):
+        if len(path) == 4:
             saved.setdefault(int(path[2]), set()).add(str(path[3]))
     if not saved:
         return current
     return [{name: group.get(name) for name in saved.get(j, group.keys())} for j, group in enumerate(current)]
+
+
+def saved_entries(metadata: Metadata, key: str, part: str) -> list[tuple]:
+    """Paths such as ``("optimizer_0", "param_groups", 0, "lr")`` the checkpoint holds under ``key.part``."""
+    return [path for path in metadata.planner_data.values() if tuple(path[:2]) == (key, part)]
 
 
 def remove(location: Location, is_rank_zero: bool, barrier: Callable[[], None]) -> None:

@@ -43,14 +43,15 @@ def lr_find() -> dict:
         before = {f"w.{n}": p.detach().clone() for n, p in model.named_parameters()}  # before any sharding
         root = OUT / f"lr-{name}"
         trainer = make_trainer(strategy_for(name), 4, default_root_dir=str(root))
-        finder = Tuner(trainer).lr_find(model, train_dataloaders=loader(n=128), num_training=8,
+        finder = Tuner(trainer).lr_find(model, train_dataloaders=loader(n=128), num_training=14,
                                         early_stop_threshold=None)
         restored = equal(before, {k: v for k, v in snapshot(model, trainer).items() if k.startswith("w.")})
         model.losses.clear()
         trainer.fit(model, loader(n=128))  # the real run, with the suggested LR
         results[name] = {
             "lrs": finder.results["lr"], "sweep_losses": finder.results["loss"], "suggestion": finder.suggestion(),
-            "restored": restored, "losses": model.losses, "left": sorted(p.name for p in root.glob(".lr_find*")),
+            "lr_used": model.hparams.lr, "restored": restored, "losses": model.losses,
+            "left": sorted(p.name for p in root.glob(".lr_find*")),
         }
     return results
 
