@@ -181,11 +181,21 @@ def load_full_into(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     checkpoint = load_full(Location.of(path), weights_only)
+    require_optimizer_states("optimizer_states" in checkpoint, optimizers)
     options = StateDictOptions(full_state_dict=True, strict=strict)
     set_model_state_dict(module, checkpoint.pop("state_dict"), options=options)
     for optimizer, state in zip(optimizers, checkpoint.pop("optimizer_states", [])):
         set_optimizer_state(module, optimizer, rekey_by_position(state, optimizer, module), options)
     return checkpoint
+
+
+def require_optimizer_states(present: bool, optimizers: list[torch.optim.Optimizer]) -> None:
+    """Resuming a fit from a weights-only checkpoint fails under DDP with this KeyError; so it does here."""
+    if optimizers and not present:
+        raise KeyError(
+            "Trying to restore optimizer state but checkpoint contains only the model."
+            " This is probably due to `ModelCheckpoint.save_weights_only` being set to `True`."
+        )
 
 
 @contextmanager

@@ -23,6 +23,7 @@ from lightning_vitscale.checkpoint import (
     model_shapes,
     partial_path,
     refused_values_named,
+    require_optimizer_states,
     set_optimizer_state,
     to_torch_format,
     untouched_if_fresh,
@@ -125,6 +126,7 @@ def load_sharded(
     reader = location.reader(weights_only)
     metadata = reader.read_metadata()
     request: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
+    require_optimizer_states(bool(saved_entries(metadata, "optimizer_0", "param_groups")), optimizers)
     for i, optimizer in enumerate(optimizers):
         with untouched_if_fresh(optimizer):
             state = get_optimizer_state_dict(module, optimizer)

@@ -109,6 +109,15 @@ def test_crafted_pickles_never_run_through_fit(run):
         assert "refers to posix.system" in errors["vitscale_dcp"] and "refusing" in errors["vitscale_dcp"]
 
 
+def test_resuming_a_fit_from_a_weights_only_checkpoint_fails_as_under_ddp(run):
+    _, ranks = run
+    for facts in ranks:
+        errors = facts["crafted"]["errors"]
+        assert errors["ddp_weights_only"].startswith("KeyError") and "save_weights_only" in errors["ddp_weights_only"]
+        assert errors["vitscale_weights_only_full"] == errors["ddp_weights_only"]
+        assert errors["vitscale_weights_only_sharded"] == errors["ddp_weights_only"]
+
+
 def test_scale_batch_size_is_refused_as_under_ddp(run):
     _, ranks = run
     for facts in ranks:

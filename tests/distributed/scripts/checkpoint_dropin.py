@@ -67,11 +67,13 @@ def save_formats() -> dict:
         trainer.fit(model, loader(n=128))
         if name == "ddp":
             trainer.save_checkpoint(OUT / "ddp.ckpt")
+            trainer.save_checkpoint(OUT / "ddp-weights-only.ckpt", weights_only=True)
             continue
         trainer.save_checkpoint(OUT / "full.ckpt")
         trainer.strategy.state_dict_type = "sharded"
         trainer.save_checkpoint(f"file://{OUT}/sharded.ckpt")
         trainer.save_checkpoint(f"file://{OUT}/sharded.ckpt")  # again: the atomic swap on fsspec
+        trainer.save_checkpoint(OUT / "weights-only.ckpt", weights_only=True)
     return {"told": told, "full_is_file": (OUT / "full.ckpt").is_file(), "sharded": sorted(
         p.name for p in (OUT / "sharded.ckpt").iterdir()), "stray": sorted(p.name for p in OUT.glob("sharded.ckpt.*"))}
 
@@ -93,7 +95,8 @@ def resumes() -> dict:
 
 
 def crafted() -> dict:
-    """A payload in a full file, in a sharded folder's meta.pt and in its DCP .metadata: none may run."""
+    """A payload in a full file, in a sharded folder's meta.pt and in its DCP .metadata: none may run. And a fit
+    resumed from a weights-only checkpoint fails as under DDP."""
     import pickle
     import shutil
 
@@ -114,7 +117,10 @@ def crafted() -> dict:
     errors = {}
     for label, name, path in [("ddp_full", "ddp", "crafted.ckpt"), ("vitscale_full", "vitscale", "crafted.ckpt"),
                               ("vitscale_meta", "vitscale", "crafted-meta.ckpt"),
-                              ("vitscale_dcp", "vitscale", "crafted-dcp.ckpt")]:
+                              ("vitscale_dcp", "vitscale", "crafted-dcp.ckpt"),
+                              ("ddp_weights_only", "ddp", "ddp-weights-only.ckpt"),
+                              ("vitscale_weights_only_full", "vitscale", "ddp-weights-only.ckpt"),
+                              ("vitscale_weights_only_sharded", "vitscale", "weights-only.ckpt")]:
         try:
             resume(name, str(OUT / path))
             errors[label] = "no error"
