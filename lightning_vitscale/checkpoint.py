@@ -283,6 +283,6 @@ def to_torch_format(optimizer_state: dict[str, Any]) -> dict[str, Any]:
     number = {name: i for i, name in enumerate(names)}
     return {
         "state": {number[name]: {k: _full(v, None) for k, v in s.items()}
-                  for name, s in optimizer_state["state"].items()},
+                  for name, s in optimizer_state.get("state", {}).items()},
         "param_groups": [{**g, "params": [number[n] for n in g["params"]]} for g in optimizer_state["param_groups"]],
     }

@@ -15,7 +15,7 @@ from torch import nn
 from lightning_vitscale import CheckpointError, consolidate_checkpoint
 from lightning_vitscale.__main__ import main
 from lightning_vitscale.checkpoint import checkpoint_shapes, consolidate_command
-from lightning_vitscale.checkpoint_io import save_sharded, saved_param_groups
+from lightning_vitscale.checkpoint_io import model_state_dict, optimizer_state_dict, save_sharded, saved_param_groups
 from lightning_vitscale.checkpoint_storage import Location, resolve_weights_only
 from lightning_vitscale.policies import resolve_state_dict_type
 
@@ -133,6 +133,22 @@ def test_restore_takes_the_saved_param_groups_like_optimizer_load_state_dict(tmp
     state = {"optimizer_0": {"param_groups": groups}}
     dcp.load(state, checkpoint_id=tmp_path / "c.ckpt", no_dist=True)
     assert state["optimizer_0"]["param_groups"][0]["lr"] == 0.1  # the saved value, not the current one
+
+
+def test_saving_before_the_first_step_leaves_the_optimizer_as_ddp_would(tmp_path):
+    """torch's state-dict API would run a zero-gradient step on a fresh optimizer (Adam's step count -> 1)."""
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    checkpoint = {"state_dict": model_state_dict(model, full=False),
+                  "optimizer_states": [optimizer_state_dict(model, optimizer, full=False, is_rank_zero=True)]}
+    assert not optimizer.state and all(p.grad is None for p in model.parameters())
+    checkpoint.update(lightning_metadata())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        save_sharded(checkpoint, Location.of(tmp_path / "fresh.ckpt"), is_rank_zero=True, barrier=lambda: None)
+    consolidate_checkpoint(tmp_path / "fresh.ckpt", tmp_path / "fresh-full.ckpt")
+    (saved,) = torch.load(tmp_path / "fresh-full.ckpt", weights_only=True)["optimizer_states"]
+    assert saved["state"] == {} and saved["param_groups"][0]["params"] == [0, 1]  # what DDP writes before a step
 
 
 def test_weights_only_default_follows_torch(monkeypatch):

@@ -30,6 +30,13 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+class WithoutScheduler(Classifier):
+    """No LR scheduler of its own: lr_find's scheduler then adds ``initial_lr`` after the temporary save."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.05)
+
+
 def strategy_for(name: str, state_dict_type: str = "sharded"):
     return VitScaleStrategy(state_dict_type=state_dict_type) if name == "vitscale" else "ddp"
 
@@ -39,7 +46,7 @@ def lr_find() -> dict:
     results = {}
     for name in ("ddp", "vitscale"):
         L.seed_everything(0, verbose=False)
-        model = Classifier("encoder")
+        model = WithoutScheduler("encoder")
         before = {f"w.{n}": p.detach().clone() for n, p in model.named_parameters()}  # before any sharding
         root = OUT / f"lr-{name}"
         trainer = make_trainer(strategy_for(name), 4, default_root_dir=str(root))
