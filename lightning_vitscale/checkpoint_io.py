@@ -129,7 +129,7 @@ def load_sharded(
     require_optimizer_states(bool(saved_entries(metadata, "optimizer_0", "param_groups")), optimizers)
     for i, optimizer in enumerate(optimizers):
         with untouched_if_fresh(optimizer):
-            state = get_optimizer_state_dict(module, optimizer)
+            state: dict[str, Any] = dict(get_optimizer_state_dict(module, optimizer))
         if not saved_entries(metadata, f"optimizer_{i}", "state"):
             state["state"] = {}  # saved before its first step
         state["param_groups"] = saved_param_groups(metadata, f"optimizer_{i}", state["param_groups"])

@@ -163,9 +163,9 @@ class _SafeMetadataMixin:
         name = DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
         with self.location.child(name).open("rb") as stream:
             metadata = read_dcp_metadata(stream, self.weights_only)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None) or dcp_metadata.StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
 
