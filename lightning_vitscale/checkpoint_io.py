@@ -84,8 +84,7 @@ def _swap_into_place(staging: Location, location: Location) -> None:
     old.remove()
 
 
-def save_full(checkpoint: dict[str, Any], location: Location, is_rank_zero: bool, write: Callable[[], None],
-              barrier: Callable[[], None]) -> None:
+def save_full(location: Location, is_rank_zero: bool, write: Callable[[], None], barrier: Callable[[], None]) -> None:
     """Rank 0 writes the gathered checkpoint with Lightning's CheckpointIO (``write``), exactly as DDP does."""
     if is_rank_zero and location.is_dir():
         location.remove()  # a sharded folder from an earlier save under the same name

@@ -332,7 +332,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         location = Location.of(self.broadcast(str(filepath)))
         if self.state_dict_type == "full":
             write = partial(self.checkpoint_io.save_checkpoint, checkpoint, filepath, storage_options=storage_options)
-            checkpoint_io.save_full(checkpoint, location, self.is_global_zero, write, self.barrier)
+            checkpoint_io.save_full(location, self.is_global_zero, write, self.barrier)
             return
         if storage_options is not None:
             raise TypeError(
