@@ -2,6 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_vitscale.checkpoint import CheckpointError, consolidate_checkpoint
 from lightning_vitscale.matching import find_blocks
 from lightning_vitscale.memory import StateBytes, measure_state_bytes
 from lightning_vitscale.parallelize import NoBlocksMatchedError
@@ -17,6 +18,7 @@ if VitScaleStrategy.strategy_name not in StrategyRegistry:
 __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (setuptools dynamic version)
 
 __all__ = [
+    "CheckpointError",
     "KernelPolicy",
     "NoBlocksMatchedError",
     "ParallelPlan",
@@ -24,6 +26,7 @@ __all__ = [
     "ThroughputMonitor",
     "VitScalePrecision",
     "VitScaleStrategy",
+    "consolidate_checkpoint",
     "find_blocks",
     "measure_state_bytes",
 ]

@@ -21,6 +21,11 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("src", help="checkpoint folder written by VitScaleStrategy")
     export.add_argument("dst", help="output file, e.g. model.ckpt")
     export.add_argument("--keep-dtype", action="store_true", help="keep saved dtypes instead of full fp32")
+    export.add_argument(
+        "--unsafe",
+        action="store_true",
+        help="load every pickle in SRC with weights_only=False (runs any code it holds): only for trusted files",
+    )
     return parser
 
 
@@ -30,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_vitscale.checkpoint import CheckpointError, consolidate_checkpoint
 
         try:
-            out = consolidate_checkpoint(args.src, args.dst, dtype=None if args.keep_dtype else torch.float32)
+            dtype = None if args.keep_dtype else torch.float32
+            out = consolidate_checkpoint(args.src, args.dst, dtype=dtype, weights_only=False if args.unsafe else None)
         except (CheckpointError, FileNotFoundError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 1

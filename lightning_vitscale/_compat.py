@@ -6,7 +6,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from lightning.fabric.strategies.model_parallel import _load_checkpoint as lightning_load_sharded_checkpoint
 from lightning.fabric.utilities.distributed import _destroy_dist_connection as destroy_process_group_safely
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.plugins.precision import Precision
@@ -30,6 +29,9 @@ else:  # pragma: no cover - pyproject requires torch>=2.6; kept to give a clear 
 # (the public `dcp.load` fills a copy of the state dict, so the populated keys would be lost).
 import torch._dynamo as dynamo  # noqa: E402  (config for regional compilation lives in kernels.py)
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: E402
+
+# DCP's fsspec storage (s3://, gs://, file://, memory:// checkpoints) lives in a private module.
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: E402
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner  # noqa: E402
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_into  # noqa: E402
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # noqa: E402
@@ -97,6 +99,8 @@ __all__ = [
     "set_parameters",
     "destroy_process_group_safely",
     "EmptyStateDictLoadPlanner",
+    "FsspecReader",
+    "FsspecWriter",
     "dcp_load_into",
     "dynamo",
     "optimizers_to_device",
@@ -105,7 +109,6 @@ __all__ = [
     "tree_map",
     "fused_kernel_devices",
     "SubprocessScriptLauncher",
-    "lightning_load_sharded_checkpoint",
     "DTensor",
     "FSDPModule",
     "METADATA_FILENAME",

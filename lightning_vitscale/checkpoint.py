@@ -1,96 +1,80 @@
-"""Sharded checkpoints: atomic DCP saves, validated loads (any world size, DDP files too), single-file export."""
+"""Checkpoint formats: what a sharded folder or a full file holds, validation before loading, single-file export."""
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Callable
+import os
+import posixpath
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_vitscale._compat import METADATA_FILENAME as META
-from lightning_vitscale._compat import DTensor, EmptyStateDictLoadPlanner, dcp_load_into
+from lightning_vitscale._compat import METADATA_FILENAME, DTensor, dcp_load_into
+from lightning_vitscale.checkpoint_storage import (
+    DCP_METADATA,
+    Location,
+    SafeEmptyLoadPlanner,
+    torch_load,
+    torch_save,
+)
 
+META = METADATA_FILENAME
 PARTIAL_SUFFIX = ".partial"
-DCP_METADATA = ".metadata"
 _STRIP = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_forward_module.")
+PathLike = str | os.PathLike
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this model; the message names the path and what is wrong."""
 
 
-def partial_path(path: Path) -> Path:
-    return path.with_name(path.name + PARTIAL_SUFFIX)
+def partial_path(location: Location) -> Location:
+    return location.with_suffix(PARTIAL_SUFFIX)
 
 
-def is_complete_sharded(path: Path) -> bool:
-    """Complete means both DCP's metadata (written after every rank's shards) and Lightning's (written last)."""
-    return path.is_dir() and (path / DCP_METADATA).is_file() and (path / META).is_file()
+def consolidate_command(path: PathLike) -> str:
+    """The exact command that turns the sharded folder ``path`` into one file ``load_from_checkpoint`` reads."""
+    src = os.fspath(path).rstrip("/")
+    stem = src[: -len(".ckpt")] if src.endswith(".ckpt") else src
+    return f"python -m lightning_vitscale consolidate {src} {stem}.consolidated.ckpt"
 
 
-def save_sharded(
-    tensors: dict[str, Any], metadata: dict[str, Any], path: Path, is_rank_zero: bool, barrier: Callable[[], None]
-) -> None:
-    """Every rank writes its own shards into ``<path>.partial``; rank 0 then writes Lightning's metadata and
-    swaps the folder into place. A crash at any point leaves ``path`` as it was (the previous checkpoint stays
-    loadable) and a ``.partial`` folder that never loads as if complete."""
-    staging = partial_path(path)
-    if is_rank_zero and staging.exists():
-        shutil.rmtree(staging)
-    barrier()
-    dcp.save(tensors, checkpoint_id=staging)  # collective; coordinator writes .metadata after all shards
-    if is_rank_zero:
-        torch.save(metadata, staging / META)
-        _swap_into_place(staging, path)
-    barrier()
-
-
-def _swap_into_place(staging: Path, path: Path) -> None:
-    old = path.with_name(path.name + ".old")
-    if old.exists():
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-    if path.exists():
-        path.rename(old)
-    staging.rename(path)
-    if old.exists():
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-
-
-def checkpoint_shapes(path: Path) -> dict[str, torch.Size]:
+def checkpoint_shapes(path: PathLike, weights_only: bool | None = None) -> dict[str, torch.Size]:
     """Model tensor shapes recorded in a checkpoint (sharded folder or full file), without loading tensors."""
-    path = Path(path)
-    if not path.exists():
-        partial = partial_path(path)
+    location = Location.of(path)
+    if not location.exists():
+        partial = partial_path(location)
         hint = (
             f" An interrupted save left {partial}; it is incomplete and cannot be loaded." if partial.exists() else ""
         )
-        raise FileNotFoundError(f"No checkpoint at {path}.{hint}")
-    if path.is_dir():
-        return _sharded_shapes(path)
-    return {k: v.shape for k, v in _load_full(path).get("state_dict", {}).items() if torch.is_tensor(v)}
+        raise FileNotFoundError(f"No checkpoint at {location}.{hint}")
+    if location.is_dir():
+        return sharded_shapes(location, weights_only)
+    checkpoint = load_full(location, weights_only)
+    return {k: v.shape for k, v in checkpoint.get("state_dict", {}).items() if torch.is_tensor(v)}
 
 
-def _sharded_shapes(path: Path) -> dict[str, torch.Size]:
-    if not any(path.glob("*.distcp")) and not (path / DCP_METADATA).exists():
+def sharded_shapes(location: Location, weights_only: bool | None = None) -> dict[str, torch.Size]:
+    names = location.names()
+    if not any(n.endswith(".distcp") for n in names) and DCP_METADATA not in names:
         raise CheckpointError(
-            f"{path} is a folder but not a checkpoint (no DCP shards, no {DCP_METADATA}). Pass the folder that"
+            f"{location} is a folder but not a checkpoint (no DCP shards, no {DCP_METADATA}). Pass the folder that"
             " trainer.save_checkpoint() or ModelCheckpoint wrote, or a single .ckpt file."
         )
-    if path.name.endswith(PARTIAL_SUFFIX) or not (path / DCP_METADATA).is_file() or not (path / META).is_file():
+    if location.url.rstrip("/").endswith(PARTIAL_SUFFIX) or DCP_METADATA not in names or META not in names:
         raise CheckpointError(
-            f"{path} is an incomplete sharded checkpoint (missing {DCP_METADATA} or {META}): its save was"
+            f"{location} is an incomplete sharded checkpoint (missing {DCP_METADATA} or {META}): its save was"
             " interrupted. Resume from an earlier checkpoint."
         )
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
+        metadata = location.reader(weights_only).read_metadata()
     except Exception as error:  # noqa: BLE001 - any unreadable metadata means the same thing to the user
-        raise CheckpointError(f"{path} is not a readable checkpoint: {error}") from error
+        raise CheckpointError(f"{location} is not a readable checkpoint: {error}") from error
     prefix = "state_dict."
     return {
         key[len(prefix) :]: meta.size
@@ -99,19 +83,60 @@ def _sharded_shapes(path: Path) -> dict[str, torch.Size]:
     }
 
 
-def _load_full(path: Path) -> dict[str, Any]:
-    try:
-        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
-    except Exception as error:  # noqa: BLE001
-        raise CheckpointError(f"{path} is not a readable checkpoint file (truncated or foreign?): {error}") from error
+def load_full(location: Location, weights_only: bool | None) -> dict[str, Any]:
+    """One ``torch.save`` file; ``weights_only=None`` is torch's default (True), as under DDP."""
+    checkpoint = load_pickle(location, weights_only, mmap=True)
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise CheckpointError(f"{path} is not a Lightning checkpoint: it has no 'state_dict'.")
+        raise CheckpointError(f"{location} is not a Lightning checkpoint: it has no 'state_dict'.")
     return checkpoint
 
 
-def validate_against(path: Path, expected: dict[str, torch.Size], strict: bool = True) -> None:
+def load_pickle(location: Location, weights_only: bool | None, mmap: bool = False) -> Any:
+    """``torch.load`` whose failure says whether the file is unreadable or holds objects weights_only refuses."""
+    try:
+        return torch_load(location, weights_only, mmap=mmap)
+    except Exception as error:  # noqa: BLE001
+        unsafe = _unsafe_globals(location)
+        if unsafe:
+            raise CheckpointError(
+                f"{location} holds objects that loading with weights_only=True refuses ({', '.join(unsafe[:5])})."
+                " Only if you trust this file: pass weights_only=False (e.g. trainer.fit(model, ckpt_path=...,"
+                " weights_only=False)), or allow the classes with torch.serialization.add_safe_globals([...])."
+            ) from error
+        raise CheckpointError(
+            f"{location} is not a readable checkpoint file (truncated or foreign?): {error}"
+        ) from error
+
+
+def _unsafe_globals(location: Location) -> list[str]:
+    """Names a weights-only load refuses in a readable file (empty for garbage); scans, never executes."""
+    try:
+        with location.open("rb") as stream:
+            return list(torch.serialization.get_unsafe_globals_in_checkpoint(stream))
+    except Exception:  # noqa: BLE001 - not a torch.save zip file at all
+        return []
+
+
+@contextmanager
+def refused_values_named(location: Location) -> Iterator[None]:
+    """DCP re-raises a rank's failure as a ``CheckpointException`` on every rank; name the path and the fix when
+    the failure is a value that weights_only loading refused."""
+    try:
+        yield
+    except CheckpointException as error:
+        if "Weights only load failed" not in str(error):
+            raise
+        raise CheckpointError(
+            f"{location} holds a value that loading with weights_only=True refuses: {error}. Only if you trust"
+            " this checkpoint: pass weights_only=False (CLI: `python -m lightning_vitscale consolidate --unsafe`)."
+        ) from error
+
+
+def validate_against(
+    path: PathLike, expected: dict[str, torch.Size], strict: bool = True, weights_only: bool | None = None
+) -> None:
     """Raise a CheckpointError listing missing/unexpected keys and shape mismatches, before any collective."""
-    found = checkpoint_shapes(path)
+    found = checkpoint_shapes(path, weights_only)
     missing = sorted(expected.keys() - found.keys()) if strict else []
     unexpected = sorted(found.keys() - expected.keys()) if strict else []
     shapes = sorted(
@@ -145,19 +170,68 @@ def rekey_by_position(optimizer_state: dict[str, Any], optimizer: torch.optim.Op
     return {"state": state, "param_groups": groups}
 
 
-def load_full_into(path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], strict: bool):
+def load_full_into(
+    path: PathLike,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    strict: bool,
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
     """Load a single-file checkpoint (e.g. written under DDP) into a sharded module; returns the rest."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    checkpoint = _load_full(path)
+    checkpoint = load_full(Location.of(path), weights_only)
+    require_optimizer_states("optimizer_states" in checkpoint, optimizers)
     options = StateDictOptions(full_state_dict=True, strict=strict)
     set_model_state_dict(module, checkpoint.pop("state_dict"), options=options)
     for optimizer, state in zip(optimizers, checkpoint.pop("optimizer_states", [])):
-        set_optimizer_state_dict(module, optimizer, rekey_by_position(state, optimizer, module), options=options)
+        set_optimizer_state(module, optimizer, rekey_by_position(state, optimizer, module), options)
     return checkpoint
 
 
-def _clean_key(key: str) -> str:
+def require_optimizer_states(present: bool, optimizers: list[torch.optim.Optimizer]) -> None:
+    """Resuming a fit from a weights-only checkpoint fails under DDP with this KeyError; so it does here."""
+    if optimizers and not present:
+        raise KeyError(
+            "Trying to restore optimizer state but checkpoint contains only the model."
+            " This is probably due to `ModelCheckpoint.save_weights_only` being set to `True`."
+        )
+
+
+@contextmanager
+def untouched_if_fresh(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
+    """torch's optimizer state-dict functions initialise an optimizer that has never stepped by running a step
+    with zero gradients (Adam's step count becomes 1, so the first real step is bias-corrected as the second).
+    Under DDP a save before the first step (``lr_find`` does one) changes nothing: clear that state again."""
+    fresh = not optimizer.state
+    try:
+        yield fresh
+    finally:
+        if fresh:
+            optimizer.state.clear()
+
+
+def set_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], options) -> None:
+    """Like ``optimizer.load_state_dict`` under DDP: the saved param groups replace the current ones (keys added
+    since the save, such as a scheduler's ``initial_lr``, go), and a state saved before the first step stays empty."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    if state["state"]:
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=options)
+        return
+    if len(state["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"The checkpoint's optimizer has {len(state['param_groups'])} param groups, this one"
+            f" {len(optimizer.param_groups)}: configure_optimizers must build the groups it was saved with."
+        )
+    for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+        params = group["params"]
+        group.clear()
+        group.update({k: v for k, v in saved.items() if k != "params"}, params=params)
+    optimizer.state.clear()
+
+
+def clean_key(key: str) -> str:
     for marker in _STRIP:
         key = key.replace(marker, "")
     return key
@@ -171,37 +245,44 @@ def _full(value: Any, dtype: torch.dtype | None) -> Any:
     return value
 
 
-def consolidate_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype | None = torch.float32) -> Path:
+def consolidate_checkpoint(
+    src: PathLike, dst: PathLike, dtype: torch.dtype | None = torch.float32, weights_only: bool | None = None
+) -> PathLike:
     """Turn a sharded checkpoint into one ``torch.save`` file a plain LightningModule loads with ``strict=True``.
 
     Runs in one process, no process group. Model keys are free of wrapper/compile prefixes and floating
     tensors are full ``dtype`` tensors (``None`` keeps the saved dtypes). Optimizer states are renumbered to
-    torch's native format, so the file also resumes training under ``strategy="ddp"``.
+    torch's native format, so the file also resumes training under ``strategy="ddp"`` and
+    ``MyModule.load_from_checkpoint(dst)`` reads it. ``weights_only`` applies to every pickle in ``src``
+    (``None``: torch's default, True); pass ``False`` only for checkpoints you trust. Paths may be fsspec URLs.
     """
-    src, dst = Path(src), Path(dst)
-    _sharded_shapes(src)  # complete and readable, or a clear error
+    source, target = Location.of(src), Location.of(dst)
+    sharded_shapes(source, weights_only)  # complete and readable, or a clear error
     state: dict[str, Any] = {}
-    dcp_load_into(state, storage_reader=FileSystemReader(str(src)), planner=EmptyStateDictLoadPlanner(), no_dist=True)
-    checkpoint = torch.load(src / META, weights_only=False)
-    checkpoint["state_dict"] = {_clean_key(k): _full(v, dtype) for k, v in state.pop("state_dict").items()}
+    reader = source.reader(weights_only)
+    with refused_values_named(source):
+        dcp_load_into(state, storage_reader=reader, planner=SafeEmptyLoadPlanner(weights_only), no_dist=True)
+    checkpoint = load_pickle(source.child(META), weights_only)
+    checkpoint["state_dict"] = {clean_key(k): _full(v, dtype) for k, v in state.pop("state_dict").items()}
     optimizers = [state[k] for k in sorted((k for k in state if k.startswith("optimizer_")), key=_index)]
-    checkpoint["optimizer_states"] = [_to_torch_format(o) for o in optimizers]
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(dst.name + PARTIAL_SUFFIX)
-    torch.save(checkpoint, tmp)
-    tmp.replace(dst)
-    return dst
+    checkpoint["optimizer_states"] = [to_torch_format(o) for o in optimizers]
+    target.fs.makedirs(posixpath.dirname(target.path), exist_ok=True)
+    tmp = target.with_suffix(PARTIAL_SUFFIX)
+    torch_save(checkpoint, tmp)
+    tmp.move_to(target)
+    return dst if target.is_url else Path(dst)
 
 
 def _index(key: str) -> int:
     return int(key.split("_")[-1])
 
 
-def _to_torch_format(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+def to_torch_format(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """Optimizer state keyed by parameter name -> torch's native format (params numbered across groups)."""
     names = [name for group in optimizer_state["param_groups"] for name in group["params"]]
     number = {name: i for i, name in enumerate(names)}
     return {
         "state": {number[name]: {k: _full(v, None) for k, v in s.items()}
-                  for name, s in optimizer_state["state"].items()},
+                  for name, s in optimizer_state.get("state", {}).items()},
         "param_groups": [{**g, "params": [number[n] for n in g["params"]]} for g in optimizer_state["param_groups"]],
     }

@@ -203,6 +203,24 @@ class ParallelConfig:
     kernels: KernelMode | KernelPolicy = field(default_factory=KernelPolicy)
 
 
+StateDictType = Literal["sharded", "full"]
+STATE_DICT_TYPES: tuple[str, ...] = get_args(StateDictType)
+
+
+def resolve_state_dict_type(spec: str) -> StateDictType:
+    """``"sharded"``: every rank writes its own shards (a folder); ``"full"``: rank 0 writes one DDP-style file."""
+    match spec:
+        case "sharded":
+            return "sharded"
+        case "full":
+            return "full"
+        case _:
+            raise ValueError(
+                f"`state_dict_type={spec!r}` is not supported. Choose 'sharded' (a folder of per-rank shards, the"
+                " default) or 'full' (one file in DDP's format that `MyModule.load_from_checkpoint` reads)."
+            )
+
+
 PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"]
 SUPPORTED_FLAGS: tuple[str, ...] = get_args(PrecisionFlag)
 

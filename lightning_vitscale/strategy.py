@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import signal
 from datetime import timedelta
-from pathlib import Path
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,18 +18,19 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from typing_extensions import override
 
+from lightning_vitscale import checkpoint_io
 from lightning_vitscale._compat import (
     FSDPModule,
     ModelParallelStrategy,
     SubprocessScriptLauncher,
-    lightning_load_sharded_checkpoint,
     optimizers_to_device,
     set_device_mesh,
     setup_distributed,
 )
 from lightning_vitscale.attention import usable_backends
 from lightning_vitscale.attention_auto import auto_attention_step
-from lightning_vitscale.checkpoint import load_full_into, model_shapes, save_sharded, validate_against
+from lightning_vitscale.checkpoint import consolidate_command
+from lightning_vitscale.checkpoint_storage import Location
 from lightning_vitscale.kernels import fuse_optimizers, prefer_foreach
 from lightning_vitscale.parallelize import Parallelized, parallelize
 from lightning_vitscale.plan import ParallelPlan
@@ -41,7 +42,9 @@ from lightning_vitscale.policies import (
     ModuleSelector,
     ParallelConfig,
     ShardingPolicy,
+    StateDictType,
     resolve_kernels,
+    resolve_state_dict_type,
 )
 from lightning_vitscale.precision import VitScalePrecision, to_vitscale_precision
 from lightning_vitscale.process_group import destroy_process_group_at_exit
@@ -82,6 +85,9 @@ class VitScaleStrategy(ModelParallelStrategy):
             unit keeps what backward needs); ``True``/``False`` forces it for all units.
         timeout: bound on every collective, so a rank that dies cannot leave the others waiting forever.
         process_group_backend: ``None`` picks NCCL on CUDA and gloo on CPU.
+        state_dict_type: ``"sharded"`` (default): checkpoints are folders, each rank writes its own shards;
+            ``"full"``: rank 0 writes one file in DDP's format (gathered one tensor at a time), which
+            ``MyModule.load_from_checkpoint`` reads and a ``strategy="ddp"`` run resumes from.
 
     Example::
 
@@ -102,6 +108,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         kernels: KernelMode | KernelPolicy = "auto",
         timeout: timedelta = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
+        state_dict_type: StateDictType = "sharded",
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         if not isinstance(kernels, KernelPolicy):
@@ -112,6 +119,8 @@ class VitScaleStrategy(ModelParallelStrategy):
             checkpointing=CheckpointingPolicy(blocks=activation_checkpointing),
             kernels=kernels,
         )
+        self.state_dict_type = resolve_state_dict_type(state_dict_type)
+        self._told_how_to_consolidate = False
         self.plan: ParallelPlan | None = None
         self._parallelized_state: Parallelized | None = None
 
@@ -252,50 +261,53 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Sharded state dict keyed like the plain LightningModule (no wrapper or FSDP prefixes)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         assert self.lightning_module is not None
-        options = StateDictOptions(full_state_dict=False, cpu_offload=True)
-        return get_model_state_dict(self.lightning_module, options=options)
+        return checkpoint_io.model_state_dict(self.lightning_module, full=self.state_dict_type == "full")
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
         assert self.lightning_module is not None
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        options = StateDictOptions(full_state_dict=False, cpu_offload=True)
-        return get_optimizer_state_dict(self.lightning_module, optimizer, options=options)
+        full = self.state_dict_type == "full"
+        return checkpoint_io.optimizer_state_dict(self.lightning_module, optimizer, full, self.is_global_zero)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Every rank writes its own shards (no rank gathers the model); the save is atomic, see checkpoint.py."""
+        """``"sharded"``: every rank writes its own shards, atomically; ``"full"``: rank 0 writes one file, as DDP."""
+        location = Location.of(self.broadcast(str(filepath)))
+        if self.state_dict_type == "full":
+            write = partial(self.checkpoint_io.save_checkpoint, checkpoint, filepath, storage_options=storage_options)
+            checkpoint_io.save_full(location, self.is_global_zero, write, self.barrier)
+            return
         if storage_options is not None:
-            raise TypeError("VitScaleStrategy.save_checkpoint does not take storage_options: it writes DCP shards.")
-        path = Path(self.broadcast(str(filepath)))
-        tensors = {"state_dict": checkpoint.pop("state_dict")}
-        tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        save_sharded(tensors, checkpoint, path, self.is_global_zero, self.barrier)
+            raise TypeError(
+                "VitScaleStrategy(state_dict_type='sharded') writes DCP shards and takes no storage_options;"
+                " use state_dict_type='full' to save through the Trainer's CheckpointIO plugin."
+            )
+        checkpoint_io.save_sharded(checkpoint, location, self.is_global_zero, self.barrier)
+        if not self._told_how_to_consolidate:
+            self._told_how_to_consolidate = True
+            rank_zero_info(
+                f"Sharded checkpoint folder written: {location}. `MyModule.load_from_checkpoint` reads single files:"
+                f" run `{consolidate_command(location.url)}` first, or use VitScaleStrategy(state_dict_type='full')."
+            )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded checkpoint (any world size) or a single file (e.g. from DDP or `consolidate`).
 
         Every rank validates keys and shapes before the first collective, so a wrong path or model fails
-        with the same message everywhere instead of leaving ranks waiting on each other.
+        with the same message everywhere instead of leaving ranks waiting on each other. ``weights_only=None``
+        is torch's default (True), as under DDP, for every pickle read (files, ``meta.pt``, DCP metadata).
         """
-        path = Path(self.broadcast(str(checkpoint_path)))
+        location = Location.of(self.broadcast(str(checkpoint_path)))
         module = self.lightning_module
         assert module is not None
-        validate_against(path, model_shapes(module), strict=module.strict_loading)
-        if path.is_file():
-            return load_full_into(path, module, self.optimizers, strict=module.strict_loading)
-        state: dict[str, Any] = {"state_dict": module}
-        state.update({f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)})
-        return lightning_load_sharded_checkpoint(
-            path, state, strict=module.strict_loading, optimizer_states_from_list=True, weights_only=weights_only
-        )
+        return checkpoint_io.load(location, module, self.optimizers, module.strict_loading, weights_only)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        # `lr_find` and ModelCheckpoint call this on every rank; a sharded folder goes only once all are done.
+        checkpoint_io.remove(Location.of(self.broadcast(str(filepath))), self.is_global_zero, self.barrier)
 
     @classmethod
     @override

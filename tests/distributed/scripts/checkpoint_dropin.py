@@ -1,0 +1,154 @@
+"""Rank script for checkpoint habits from DDP: lr_find's save/restore, full single files, fsspec URLs, crafted
+pickles. Every scenario runs under DDP too, as the oracle."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.tuner import Tuner
+
+import lightning_vitscale.strategy as strategy_module
+from lightning_vitscale import VitScaleStrategy
+from tests.distributed.scripts.checkpoints import RANK, WORLD, equal, make_trainer, snapshot
+from tests.helpers.models import Classifier, loader
+from tests.helpers.scenarios import run_scenarios
+
+OUT = Path(sys.argv[1])
+
+
+class Payload:
+    """Unpickling this runs a shell command that creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+class WithoutScheduler(Classifier):
+    """No LR scheduler of its own: lr_find's scheduler then adds ``initial_lr`` after the temporary save."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.05)
+
+
+def strategy_for(name: str, state_dict_type: str = "sharded"):
+    return VitScaleStrategy(state_dict_type=state_dict_type) if name == "vitscale" else "ddp"
+
+
+def lr_find() -> dict:
+    """Tuner.lr_find saves, runs its LR sweep, restores: same sweep and suggestion as DDP, no folder left."""
+    results = {}
+    for name in ("ddp", "vitscale"):
+        L.seed_everything(0, verbose=False)
+        model = WithoutScheduler("encoder")
+        before = {f"w.{n}": p.detach().clone() for n, p in model.named_parameters()}  # before any sharding
+        root = OUT / f"lr-{name}"
+        trainer = make_trainer(strategy_for(name), 4, default_root_dir=str(root))
+        finder = Tuner(trainer).lr_find(model, train_dataloaders=loader(n=128), num_training=14,
+                                        early_stop_threshold=None)
+        restored = equal(before, {k: v for k, v in snapshot(model, trainer).items() if k.startswith("w.")})
+        model.losses.clear()
+        trainer.fit(model, loader(n=128))  # the real run, with the suggested LR
+        results[name] = {
+            "lrs": finder.results["lr"], "sweep_losses": finder.results["loss"], "suggestion": finder.suggestion(),
+            "lr_used": model.hparams.lr, "restored": restored, "losses": model.losses,
+            "left": sorted(p.name for p in root.glob(".lr_find*")),
+        }
+    return results
+
+
+def save_formats() -> dict:
+    """DDP writes ddp.ckpt; VitScaleStrategy writes the same run as one full file and as a sharded file:// URL."""
+    told: list[str] = []
+    strategy_module.rank_zero_info = lambda message, *a, **k: told.append(str(message))  # record the hint
+    for name in ("ddp", "vitscale"):
+        L.seed_everything(0, verbose=False)
+        model = Classifier("encoder")
+        trainer = make_trainer(strategy_for(name, "full"), 8)
+        trainer.fit(model, loader(n=128))
+        if name == "ddp":
+            trainer.save_checkpoint(OUT / "ddp.ckpt")
+            trainer.save_checkpoint(OUT / "ddp-weights-only.ckpt", weights_only=True)
+            continue
+        trainer.save_checkpoint(OUT / "full.ckpt")
+        trainer.strategy.state_dict_type = "sharded"
+        trainer.save_checkpoint(f"file://{OUT}/sharded.ckpt")
+        trainer.save_checkpoint(f"file://{OUT}/sharded.ckpt")  # again: the atomic swap on fsspec
+        trainer.save_checkpoint(OUT / "weights-only.ckpt", weights_only=True)
+    return {"told": told, "full_is_file": (OUT / "full.ckpt").is_file(), "sharded": sorted(
+        p.name for p in (OUT / "sharded.ckpt").iterdir()), "stray": sorted(p.name for p in OUT.glob("sharded.ckpt.*"))}
+
+
+def resume(name: str, path: str) -> list[float]:
+    L.seed_everything(0, verbose=False)
+    model = Classifier("encoder")
+    make_trainer(strategy_for(name), 12).fit(model, loader(n=128), ckpt_path=path)
+    return model.losses
+
+
+def resumes() -> dict:
+    return {
+        "ddp_from_ddp": resume("ddp", str(OUT / "ddp.ckpt")),
+        "ddp_from_full": resume("ddp", str(OUT / "full.ckpt")),
+        "vitscale_from_full": resume("vitscale", str(OUT / "full.ckpt")),
+        "vitscale_from_url": resume("vitscale", f"file://{OUT}/sharded.ckpt"),
+    }
+
+
+def crafted() -> dict:
+    """A payload in a full file, in a sharded folder's meta.pt and in its DCP .metadata: none may run. And a fit
+    resumed from a weights-only checkpoint fails as under DDP."""
+    import pickle
+    import shutil
+
+    marker = OUT / "pwned"
+    if RANK == 0:
+        checkpoint = torch.load(OUT / "ddp.ckpt", weights_only=True)
+        checkpoint["hyper_parameters"]["backbone"] = Payload(marker)
+        torch.save(checkpoint, OUT / "crafted.ckpt")
+        for folder in ("crafted-meta.ckpt", "crafted-dcp.ckpt"):
+            shutil.copytree(OUT / "sharded.ckpt", OUT / folder)
+        meta = torch.load(OUT / "crafted-meta.ckpt" / "meta.pt", weights_only=True)
+        meta["hyper_parameters"]["backbone"] = Payload(marker)
+        torch.save(meta, OUT / "crafted-meta.ckpt" / "meta.pt")
+        dcp_meta = pickle.loads((OUT / "crafted-dcp.ckpt" / ".metadata").read_bytes())
+        dcp_meta.planner_data["x"] = Payload(marker)
+        (OUT / "crafted-dcp.ckpt" / ".metadata").write_bytes(pickle.dumps(dcp_meta))
+    torch.distributed.barrier()
+    errors = {}
+    for label, name, path in [("ddp_full", "ddp", "crafted.ckpt"), ("vitscale_full", "vitscale", "crafted.ckpt"),
+                              ("vitscale_meta", "vitscale", "crafted-meta.ckpt"),
+                              ("vitscale_dcp", "vitscale", "crafted-dcp.ckpt"),
+                              ("ddp_weights_only", "ddp", "ddp-weights-only.ckpt"),
+                              ("vitscale_weights_only_full", "vitscale", "ddp-weights-only.ckpt"),
+                              ("vitscale_weights_only_sharded", "vitscale", "weights-only.ckpt")]:
+        try:
+            resume(name, str(OUT / path))
+            errors[label] = "no error"
+        except Exception as error:  # noqa: BLE001
+            errors[label] = f"{type(error).__name__}: {error}"
+    return {"errors": errors, "ran": marker.exists()}
+
+
+def scale_batch_size() -> dict:
+    """Lightning refuses the batch-size tuner for every distributed strategy: the same refusal as DDP."""
+    messages = {}
+    for name in ("ddp", "vitscale"):
+        try:
+            Tuner(make_trainer(strategy_for(name), 2)).scale_batch_size(Classifier("encoder"))
+            messages[name] = "no error"
+        except Exception as error:  # noqa: BLE001
+            messages[name] = f"{type(error).__name__}: {error}"
+    return messages
+
+
+if __name__ == "__main__":
+    assert WORLD == 2
+    run_scenarios({"lr_find": lr_find, "save_formats": save_formats, "resumes": resumes, "crafted": crafted,
+                   "scale_batch_size": scale_batch_size})

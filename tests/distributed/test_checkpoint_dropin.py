@@ -1,0 +1,126 @@
+"""Checkpoint habits from DDP on 2 gloo ranks, DDP as the oracle: lr_find, full single files that
+``load_from_checkpoint`` reads and DDP resumes from, sharded checkpoints on fsspec URLs, crafted pickles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_vitscale.__main__ import main
+from tests.distributed.scripts.checkpoints import FIXED
+from tests.helpers.launch import assert_ok, torchrun
+from tests.helpers.models import Classifier
+from tests.helpers.results import load_ranks, max_relative_difference
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
+SCRIPT = "tests/distributed/scripts/checkpoint_dropin.py"
+SCENARIOS = "lr_find,save_formats,resumes,crafted,scale_batch_size"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("checkpoint_dropin")
+    assert_ok(torchrun(SCRIPT, str(out), SCENARIOS, timeout=360))
+    return out, load_ranks(out)
+
+
+def test_lr_find_restores_and_suggests_like_ddp_and_leaves_no_folder(run):
+    _, ranks = run
+    for facts in ranks:
+        ddp, ours = facts["lr_find"]["ddp"], facts["lr_find"]["vitscale"]
+        assert ours["restored"] and ddp["restored"]  # weights back to the state before the sweep
+        assert ours["lrs"] == ddp["lrs"] and len(ours["lrs"]) == 14
+        assert max_relative_difference(ours["sweep_losses"], ddp["sweep_losses"]) < 1e-5
+        assert ours["suggestion"] is not None and ours["suggestion"] == pytest.approx(ddp["suggestion"], rel=1e-6)
+        assert ours["lr_used"] == ours["suggestion"]  # lr_find set it after restoring
+        assert max_relative_difference(ours["losses"], ddp["losses"]) < 1e-5  # the real run after it
+        assert ours["left"] == [] == ddp["left"]
+
+
+def test_full_checkpoint_is_a_ddp_checkpoint(run):
+    out, ranks = run
+    ddp, ours = (torch.load(out / name, weights_only=True) for name in ("ddp.ckpt", "full.ckpt"))
+    assert ranks[0]["save_formats"]["full_is_file"]
+    assert ours["state_dict"].keys() == ddp["state_dict"].keys()
+    for key, value in ddp["state_dict"].items():
+        torch.testing.assert_close(ours["state_dict"][key], value, rtol=1e-5, atol=1e-6)
+    (ours_opt,), (ddp_opt,) = ours["optimizer_states"], ddp["optimizer_states"]
+    assert ours_opt["state"].keys() == ddp_opt["state"].keys()
+    for index, state in ddp_opt["state"].items():
+        for name, value in state.items():
+            torch.testing.assert_close(ours_opt["state"][index][name], value, rtol=1e-5, atol=1e-6)
+    unchanged = [{k: v for k, v in g.items() if k != "foreach"} for g in ddp_opt["param_groups"]]
+    assert [{k: v for k, v in g.items() if k != "foreach"} for g in ours_opt["param_groups"]] == unchanged
+    assert ours["lr_schedulers"] == ddp["lr_schedulers"] and ours["hyper_parameters"] == ddp["hyper_parameters"]
+
+
+def logits(path) -> torch.Tensor:
+    model = Classifier.load_from_checkpoint(path, map_location="cpu")
+    model.eval()
+    with torch.no_grad():
+        return model(FIXED)
+
+
+def test_load_from_checkpoint_reads_a_full_file_like_ddp(run):
+    out, _ = run
+    torch.testing.assert_close(logits(out / "full.ckpt"), logits(out / "ddp.ckpt"), rtol=1e-5, atol=1e-6)
+
+
+def test_a_sharded_folder_names_the_command_that_makes_it_loadable(run):
+    out, ranks = run
+    url = f"file://{out}/sharded.ckpt"
+    told = [m for m in ranks[0]["save_formats"]["told"] if "consolidate" in m]
+    assert len(told) == 1  # once per strategy, not at every save
+    command = f"python -m lightning_vitscale consolidate {url} file://{out}/sharded.consolidated.ckpt"
+    assert f"`{command}`" in told[0] and "state_dict_type='full'" in told[0]
+    with pytest.raises(IsADirectoryError):  # what Lightning itself does with a folder
+        Classifier.load_from_checkpoint(out / "sharded.ckpt")
+    assert main(command.split()[3:]) == 0
+    torch.testing.assert_close(logits(out / "sharded.consolidated.ckpt"), logits(out / "ddp.ckpt"), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_fsspec_url_checkpoint_is_complete_and_atomic(run):
+    _, ranks = run
+    facts = ranks[0]["save_formats"]
+    assert facts["sharded"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert facts["stray"] == []  # neither .partial nor .old left by the second save's swap
+
+
+def test_resumes_from_full_files_and_urls_continue_like_ddp(run):
+    _, ranks = run
+    for facts in ranks:
+        resumed = facts["resumes"]
+        reference = resumed["ddp_from_ddp"]
+        assert len(reference) == 4
+        for case in ("ddp_from_full", "vitscale_from_full", "vitscale_from_url"):
+            assert max_relative_difference(resumed[case], reference) < 1e-5, case
+
+
+def test_crafted_pickles_never_run_through_fit(run):
+    _, ranks = run
+    for facts in ranks:
+        crafted = facts["crafted"]
+        assert not crafted["ran"]
+        errors = crafted["errors"]
+        assert "Weights only load failed" in errors["ddp_full"]  # DDP: torch's default refuses it too
+        for case in ("vitscale_full", "vitscale_meta"):
+            assert "refuses (posix.system)" in errors[case] and "weights_only=False" in errors[case], errors[case]
+        assert "refers to posix.system" in errors["vitscale_dcp"] and "refusing" in errors["vitscale_dcp"]
+
+
+def test_resuming_a_fit_from_a_weights_only_checkpoint_fails_as_under_ddp(run):
+    _, ranks = run
+    for facts in ranks:
+        errors = facts["crafted"]["errors"]
+        assert errors["ddp_weights_only"].startswith("KeyError") and "save_weights_only" in errors["ddp_weights_only"]
+        assert errors["vitscale_weights_only_full"] == errors["ddp_weights_only"]
+        assert errors["vitscale_weights_only_sharded"] == errors["ddp_weights_only"]
+
+
+def test_scale_batch_size_is_refused_as_under_ddp(run):
+    _, ranks = run
+    for facts in ranks:
+        messages = facts["scale_batch_size"]
+        assert messages["vitscale"] == messages["ddp"]
+        assert "not supported with distributed strategies" in messages["ddp"]
