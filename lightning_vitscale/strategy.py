@@ -16,7 +16,6 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from typing_extensions import override
 
 from lightning_vitscale._compat import (
@@ -30,6 +29,7 @@ from lightning_vitscale._compat import (
 from lightning_vitscale.attention import AttentionRouter, describe_choice, measure
 from lightning_vitscale.checkpoint import load_full_into, model_shapes, save_sharded, validate_against
 from lightning_vitscale.kernels import fuse_optimizers
+from lightning_vitscale.mesh import build_mesh, shard_size
 from lightning_vitscale.parallelize import Parallelized, parallelize
 from lightning_vitscale.plan import ParallelPlan
 from lightning_vitscale.policies import (
@@ -39,10 +39,13 @@ from lightning_vitscale.policies import (
     KernelPolicy,
     ModuleSelector,
     ParallelConfig,
+    ShardingLayout,
     ShardingPolicy,
     resolve_kernels,
+    shard_group_size,
 )
 from lightning_vitscale.precision import VitScalePrecision, to_vitscale_precision
+from lightning_vitscale.traffic import layout_report
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -117,6 +120,11 @@ class VitScaleStrategy(ModelParallelStrategy):
             installed and measures faster; CPU: eager), ``"eager"``, or a :class:`KernelPolicy`.
         reshard_after_forward: ``None`` = the recipe (blocks free gathered parameters after forward, the outer
             unit keeps what backward needs); ``True``/``False`` forces it for all units.
+        sharding: ``"full"`` shards over every rank (least memory); ``"hybrid"`` shards inside each node and
+            replicates across nodes (all-gathers and reduce-scatters stay on intra-node links; only one gradient
+            all-reduce per unit crosses nodes); an ``int`` sets the shard-group size (it must divide the world).
+        offload: ``"cpu"`` keeps sharded parameters, gradients and optimizer state in host memory (the optimizer
+            steps on the CPU); on ``accelerator="cpu"`` they already are, and it changes nothing.
         timeout: bound on every collective, so a rank that dies cannot leave the others waiting forever.
         process_group_backend: ``None`` picks NCCL on CUDA and gloo on CPU.
 
@@ -137,12 +145,16 @@ class VitScaleStrategy(ModelParallelStrategy):
         activation_checkpointing: CheckpointSelector = True,
         reshard_after_forward: bool | int | None = None,
         kernels: KernelMode | KernelPolicy = "auto",
+        sharding: ShardingLayout = "full",
+        offload: str | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.config = ParallelConfig(
-            sharding=ShardingPolicy(blocks=blocks, reshard_after_forward=reshard_after_forward),
+            sharding=ShardingPolicy(
+                blocks=blocks, reshard_after_forward=reshard_after_forward, layout=sharding, offload=offload
+            ),
             checkpointing=CheckpointingPolicy(blocks=activation_checkpointing),
         )
         if not isinstance(kernels, KernelPolicy):
@@ -182,15 +194,20 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # One data-parallel mesh dimension over all ranks: ModelParallelStrategy's default would make every
-        # process a tensor-parallel peer (data-parallel size 1, no sharding, same data on every rank).
+        # Every rank is data-parallel (ModelParallelStrategy's default would make every process a tensor-parallel
+        # peer: no sharding, same data on every rank). 1-D mesh for "full", (replicate, shard) for hybrid layouts.
         self._setup_distributed()  # sets the device, ranks and the process group (with our timeout)
         _destroy_process_group_at_exit()
-        self._device_mesh = init_device_mesh(
-            self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",)
-        )
+        shard = shard_group_size(self.config.sharding.layout, self.world_size, self.num_processes)
+        self._device_mesh = build_mesh(self.root_device.type, self.world_size, shard)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        # Every rank reads its own data, whatever the mesh's shape (Lightning's looks up a "data_parallel" dim).
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -203,8 +220,8 @@ class VitScaleStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            optimizers_to_device(self.optimizers, self.root_device)
+        if trainer.state.fn == TrainerFn.FITTING and self.config.sharding.offload is None:
+            optimizers_to_device(self.optimizers, self.root_device)  # offloaded state stays in host memory
 
     def _parallelized(self, module: pl.LightningModule) -> RootUnit:
         """Shard ``module`` once; later fit/validate/test calls reuse the same units."""
@@ -217,12 +234,25 @@ class VitScaleStrategy(ModelParallelStrategy):
             root = RootUnit(module)
             config = self._resolved_config()
             done = parallelize(root, module, self.device_mesh, config, precision.policy, self.root_device)
+            self._describe_layout(done, root)
             # Kept in __dict__ (not as a submodule): the LightningModule must not contain its own wrapper.
             existing = module.__dict__[_ROOT_ATTR] = (root, done)
             rank_zero_info(done.plan.summary())
         root, self._parallelized_state = existing
         self.plan = self._parallelized_state.plan
         return root
+
+    def _describe_layout(self, done: Parallelized, root: RootUnit) -> None:
+        """Sharding layout, per-step traffic and offload in the plan (and so in the setup summary)."""
+        norm_params = done.norms.params if done.norms is not None else []
+        mesh, sharding = self.device_mesh, self.config.sharding
+        done.plan.layout = layout_report(
+            root, norm_params, self.precision_plugin.policy, sharding.reshard_after_forward,
+            mesh.size(), shard_size(mesh), self.num_processes, self.global_rank,
+        )
+        if sharding.offload is not None:
+            no_effect = " (no effect on accelerator='cpu': the state already lives in host memory)"
+            done.plan.offload = sharding.offload + (no_effect if self.root_device.type == "cpu" else "")
 
     def _resolved_config(self) -> ParallelConfig:
         """The config with ``kernels=`` resolved for this device (known only once processes are set up)."""
