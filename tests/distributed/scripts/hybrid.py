@@ -61,13 +61,23 @@ class TrafficProbe(L.Callback):
         self.steps.append([self._recorder.intra, self._recorder.inter])
 
 
+def global_rank() -> int:
+    """Known before the Trainer starts: torchrun sets RANK; Lightning's launcher NODE_RANK and LOCAL_RANK."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    return int(os.environ.get("NODE_RANK", "0")) * PER_NODE + int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def strategy_for(name: str):
     return "ddp" if name == "ddp" else VitScaleStrategy(sharding=name)
 
 
 def fit(name: str, steps: int, nodes: int = NODES, precision: str = "32-true", ckpt: Path | None = None):
-    L.seed_everything(0, verbose=False)
+    # Each rank builds different initial weights: training can match DDP only if every rank (on both mesh
+    # dimensions) starts from rank 0's, as DDP does. Then the same seed everywhere for data and dropout.
+    torch.manual_seed(global_rank() + 1)
     model, probe = Resumable("encoder"), TrafficProbe()
+    L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", NODES * PER_NODE)) // nodes, num_nodes=nodes,
         strategy=strategy_for(name), max_steps=steps, precision=precision, gradient_clip_val=CLIP,
@@ -106,7 +116,7 @@ def parity_and_save(out: Path) -> dict:
 
 
 def resume(name: str, ckpt: Path, out: Path, tag: str, nodes: int = NODES) -> dict:
-    model, trainer, _ = fit(name, 16, nodes=nodes, ckpt=ckpt)
+    model, trainer, _ = fit(name, 9, nodes=nodes, ckpt=ckpt)  # restored state is captured at train start
     torch.save(model.restored, out / f"{tag}-restored-rank{trainer.global_rank}.pt")
     return {"global_step": trainer.global_step, "losses": model.losses}
 
@@ -139,7 +149,7 @@ def nodes(out: Path) -> dict:
 def lightning_nodes(out: Path) -> dict:
     results = {}
     for name in ("full", "hybrid"):
-        model, trainer, probe = fit(name, 8)
+        model, trainer, probe = fit(name, 4)
         results[name] = {"losses": model.losses, "cluster": type(trainer.strategy.cluster_environment).__name__}
         results[name].update(layout_facts(model, trainer, probe))
     return results
@@ -153,7 +163,7 @@ def main() -> None:
     elif mode == "lightning":
         results = lightning_nodes(out)
     else:  # hybrid checkpoint written by 4 ranks, resumed under full sharding on 2 or 1 rank(s)
-        world = int(os.environ["WORLD_SIZE"])
+        world = int(os.environ.get("WORLD_SIZE", "1"))
         results = resume("full", out / "hybrid.ckpt", out, f"hybrid_to_full_{world}", nodes=1)
     (out / f"{mode}-rank{dist.get_rank() if dist.is_initialized() else 0}.json").write_text(json.dumps(results))
 
