@@ -72,3 +72,26 @@ UNIT = [Unit((torch.Size([3, 2]),), reshard_after_forward=True)]  # dim 0 padded
 def test_step_traffic_by_hand(units, norms, precision, shard, expected):
     traffic = step_traffic(units, norms, precision, world_size=4, shard_size=shard, ranks_per_node=2, rank=3)
     assert (traffic.intra_node, traffic.inter_node) == expected
+
+
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_offload_policy_reaches_every_unit_and_the_optimizer_steps(mesh, offload):
+    from lightning_vitscale._compat import CPUOffloadPolicy, FSDPModule
+    from lightning_vitscale.parallelize import parallelize
+    from lightning_vitscale.policies import ParallelConfig, ShardingPolicy
+    from lightning_vitscale.strategy import RootUnit
+    from tests.helpers.models import EncoderClassifier
+
+    torch.manual_seed(0)
+    model = EncoderClassifier(dim=32, depth=2)
+    root = RootUnit(model)
+    parallelize(root, model, mesh, ParallelConfig(sharding=ShardingPolicy(offload=offload)), None, torch.device("cpu"))
+    units = [m for m in root.modules() if isinstance(m, FSDPModule)]
+    assert len(units) == 3
+    policies = [unit._get_fsdp_state()._fsdp_param_group.offload_policy for unit in units]
+    assert all(isinstance(p, CPUOffloadPolicy) == (offload == "cpu") for p in policies)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    before = model.head.weight.full_tensor().clone()
+    root(torch.randn(2, 3, 32, 32)).sum().backward()
+    optimizer.step()
+    assert not torch.equal(before, model.head.weight.full_tensor())
