@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,7 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float =
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    sharded = [g for g in grads if _is_sharded(g)]
+    sharded = [cast(DTensor, g) for g in grads if _is_sharded(g)]
     device = mesh_device(sharded[0].device_mesh) if sharded else _local(grads[0]).device
     other = [_local(g) for g in grads if not _is_sharded(g)]
     shard_part = torch.zeros((), dtype=torch.float32, device=device)
@@ -57,9 +58,9 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float =
     return (shard_part + other_part).pow(1.0 / norm_type)
 
 
-def _by_shard_layout(sharded: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+def _by_shard_layout(sharded: list[DTensor]) -> dict[tuple, list[DTensor]]:
     """Gradients grouped by (mesh, the mesh dimensions they are sharded along)."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
+    groups: dict[tuple, list[DTensor]] = {}
     for grad in sharded:
         dims = tuple(i for i, placement in enumerate(grad.placements) if placement.is_shard())
         groups.setdefault((grad.device_mesh, dims), []).append(grad)

@@ -9,6 +9,8 @@ all-reduce crosses nodes.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -44,7 +46,7 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
 
 @torch.no_grad()
 def all_reduce_over(
-    tensor: torch.Tensor, mesh: DeviceMesh, dims: list[int] | None = None, op: dist.ReduceOp = dist.ReduceOp.SUM
+    tensor: torch.Tensor, mesh: DeviceMesh, dims: list[int] | None = None, op: Any = dist.ReduceOp.SUM
 ) -> None:
     """All-reduce ``tensor`` in place over the given mesh dimensions (default: all, i.e. every rank of ``mesh``).
 

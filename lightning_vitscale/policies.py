@@ -22,6 +22,8 @@ ShardingLayout = Literal["full", "hybrid"] | int
 shard over groups of that many consecutive ranks, replicate across the groups."""
 
 SHARDING_LAYOUTS: tuple[str, ...] = ("full", "hybrid")
+OffloadMode = Literal["cpu"]
+"""``"cpu"``: sharded parameters, gradients and optimizer state live in host memory between uses."""
 OFFLOAD_CHOICES: tuple[str | None, ...] = (None, "cpu")
 
 
@@ -42,7 +44,7 @@ class ShardingPolicy:
     blocks: ModuleSelector | None = None
     reshard_after_forward: bool | int | None = None
     layout: ShardingLayout = "full"
-    offload: str | None = None
+    offload: OffloadMode | None = None
 
     def __post_init__(self) -> None:
         _check_layout(self.layout)

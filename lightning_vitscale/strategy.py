@@ -38,6 +38,7 @@ from lightning_vitscale.policies import (
     KernelMode,
     KernelPolicy,
     ModuleSelector,
+    OffloadMode,
     ParallelConfig,
     ShardingLayout,
     ShardingPolicy,
@@ -146,7 +147,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         reshard_after_forward: bool | int | None = None,
         kernels: KernelMode | KernelPolicy = "auto",
         sharding: ShardingLayout = "full",
-        offload: str | None = None,
+        offload: OffloadMode | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
     ) -> None:

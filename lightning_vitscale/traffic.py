@@ -56,6 +56,7 @@ def fsdp_units(root: nn.Module, ignored: set[nn.Parameter], reshard_after_forwar
         if isinstance(module, FSDPModule):
             own = [p for p in _own_params(module) if p not in ignored]
             is_root = module is root
+            reshard: bool | int
             if reshard_after_forward is None:  # FSDP2's default: blocks free their parameters, the root keeps them
                 reshard = not is_root
             else:
