@@ -53,7 +53,11 @@ class Big(L.LightningModule):
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+    """One GPU: a DTensor's local shard is the whole tensor (read without a collective: offloaded shards live
+    on the CPU, where NCCL cannot gather them)."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    assert local.shape == t.shape
+    return local.detach().cpu().clone()
 
 
 def _data() -> DataLoader:
