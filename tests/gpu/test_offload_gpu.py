@@ -1,5 +1,5 @@
 """CPU offload on CUDA: a model whose sharded state (fp32 weights + gradients + AdamW state) exceeds a memory cap
-set here trains under that cap only with ``offload="cpu"``, in bf16 O2 with activation checkpointing, and
+set here trains under that cap only with ``offload="cpu"``, in bf16 O2 with activation checkpointing and clipping, and
 resumes from its sharded checkpoint. Skipped without CUDA."""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _fit(offload: str | None, steps: int, ckpt: str | None = None) -> tuple[Big,
     model = Big()
     trainer = L.Trainer(
         accelerator="cuda", devices=1, strategy=VitScaleStrategy(offload=offload), precision="bf16-mixed",
-        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        max_steps=steps, gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
     )
     trainer.fit(model, _data(), ckpt_path=ckpt)
