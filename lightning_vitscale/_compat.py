@@ -18,7 +18,7 @@ TORCH_VERSION = Version(torch.__version__.split("+")[0])
 TORCH_GE_2_6 = TORCH_VERSION >= Version("2.6")
 
 if TORCH_GE_2_6:
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 else:  # pragma: no cover - pyproject requires torch>=2.6; kept to give a clear message on old installs
     raise ImportError(
         "lightning-vitscale needs torch>=2.6 for FSDP2 (`torch.distributed.fsdp.fully_shard`);"
@@ -111,6 +111,8 @@ __all__ = [
     "SubprocessScriptLauncher",
     "DTensor",
     "FSDPModule",
+    "CPUOffloadPolicy",
+    "OffloadPolicy",
     "METADATA_FILENAME",
     "MixedPrecisionPolicy",
     "ModelParallelStrategy",

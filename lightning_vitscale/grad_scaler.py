@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_vitscale._compat import DTensor, amp_unscale_and_check
+from lightning_vitscale.mesh import all_reduce_over
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -21,7 +22,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-        group = None
+        mesh = None
         for param_group in optimizer.param_groups:
             for param in param_group["params"]:
                 grad = param.grad
@@ -30,7 +31,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 if not allow_fp16 and grad.dtype == torch.float16:
                     raise ValueError("Attempting to unscale FP16 gradients; keep master weights in fp32 (16-mixed).")
                 if isinstance(grad, DTensor):
-                    group = grad.device_mesh.get_group()
+                    mesh = grad.device_mesh
                     grad = grad.to_local()
                 groups[(grad.device, grad.dtype)].append(grad)
         found_per_device: dict[torch.device, torch.Tensor] = {}
@@ -38,7 +39,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             for (device, _), grads in groups.items():
                 found = found_per_device.setdefault(device, found_inf.to(device).clone())
                 amp_unscale_and_check(grads, found, inv_scale.to(device))
-            if group is not None and dist.get_world_size(group) > 1:
+            if mesh is not None and mesh.size() > 1:  # every mesh dimension: 1-D and hybrid meshes alike
                 for found in found_per_device.values():
-                    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+                    all_reduce_over(found, mesh, op=dist.ReduceOp.MAX)
         return found_per_device

@@ -13,12 +13,11 @@ import functools
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
 
 from lightning_vitscale._compat import DTensor, set_parameters, tree_map
+from lightning_vitscale.mesh import all_reduce_over, replicated_placements
 
 _PARAMS = "_vitscale_fp32_params"
 _DTYPE = "_vitscale_norm_dtype"
@@ -45,7 +44,8 @@ class ReplicatedNorms:
         for name, param in list(module.named_parameters(recurse=False)):
             local = param.detach().to(self.dtype)
             replicated = nn.Parameter(
-                DTensor.from_local(local, self.mesh, [Replicate()], run_check=False), requires_grad=param.requires_grad
+                DTensor.from_local(local, self.mesh, replicated_placements(self.mesh), run_check=False),
+                requires_grad=param.requires_grad,
             )
             module.register_parameter(name, replicated)
             originals[name] = replicated
@@ -59,16 +59,17 @@ class ReplicatedNorms:
 
     @torch.no_grad()
     def reduce_grads(self) -> int:
-        """Average the norm gradients across ranks in one collective; returns how many collectives ran."""
+        """Average the norm gradients over every rank of the mesh, one coalesced collective per mesh dimension
+        (a hybrid mesh: within the node, then across nodes); returns how many collectives ran."""
         grads = [p.grad.to_local() for p in self.params if p.grad is not None]
         if not grads or self.mesh.size() == 1:
             return 0
         flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
-        dist.all_reduce(flat, group=self.mesh.get_group())  # SUM: gloo has no AVG
+        all_reduce_over(flat, self.mesh)  # SUM: gloo has no AVG
         flat.div_(self.mesh.size())
         for grad, chunk in zip(grads, flat.split([g.numel() for g in grads])):
             grad.copy_(chunk.view_as(grad))
-        return 1
+        return sum(1 for dim in range(self.mesh.ndim) if self.mesh.size(dim) > 1)
 
 
 def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:

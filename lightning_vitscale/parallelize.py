@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_vitscale.activation_checkpointing import apply_activation_checkpointing, is_self_checkpointing
 from lightning_vitscale.attention import AttentionRouter, describe_router, make_router, route_blocks, usable_backends
 from lightning_vitscale.casting import cast_floating_inputs
-from lightning_vitscale.fsdp import broadcast_module_states, mixed_precision_policy, shard_module
+from lightning_vitscale.fsdp import broadcast_module_states, mixed_precision_policy, offload_policy, shard_module
 from lightning_vitscale.kernels import apply_regional_compile
 from lightning_vitscale.matching import describe_blocks, find_blocks, find_modules
 from lightning_vitscale.materialize import has_meta_tensors, materialize
@@ -101,13 +101,16 @@ def parallelize(
     tensor_cores = tensor_core_report(model)  # on the plain model, before FSDP wraps it
 
     # 4. Each block its own unit: peak memory is one block's gathered parameters, not the model's.
+    #    A 2-D mesh shards along its last dimension and replicates along the first (hybrid sharding).
     mp_policy = mixed_precision_policy(precision)
+    offload = offload_policy(config.sharding.offload, device or torch.device("cpu"))
     for _, block in blocks:
-        shard_module(block, mesh, mp_policy, config.sharding.reshard_after_forward, ignored)
+        shard_module(block, mesh, mp_policy, config.sharding.reshard_after_forward, ignored, offload_policy=offload)
 
     # 5. The outer unit on the module Lightning calls, so its pre-forward hook gathers the rest.
     outer_reshard = config.sharding.reshard_after_forward
-    shard_module(root_unit, mesh, mp_policy, None if outer_reshard is None else bool(outer_reshard), ignored)
+    outer_reshard = None if outer_reshard is None else bool(outer_reshard)
+    shard_module(root_unit, mesh, mp_policy, outer_reshard, ignored, offload_policy=offload)
 
     # 6. Meta-initialised models get memory for their local shards only, then their own initialisers.
     zero_filled = materialize(root_unit, device)

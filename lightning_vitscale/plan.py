@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lightning_vitscale.traffic import LayoutReport
 
 
 def _mib(n: int) -> str:
@@ -28,6 +32,9 @@ class ParallelPlan:
         notes: other facts worth a line in the summary.
         kernels: kernel choices (compiled blocks, attention, fused optimizer).
         tensor_core_misses: Linear/Conv/attention dimensions that are not multiples of 8, with module names.
+        layout: the sharding layout and the bytes this rank sends per step within its node and across nodes
+            (see ``traffic.py`` for the conventions).
+        offload: where the sharded state lives between uses (``"cpu"``), or ``None`` (on the device).
     """
 
     world_size: int
@@ -44,6 +51,8 @@ class ParallelPlan:
     notes: list[str] = field(default_factory=list)
     kernels: dict[str, str] = field(default_factory=dict)
     tensor_core_misses: list[str] = field(default_factory=list)
+    layout: LayoutReport | None = None
+    offload: str | None = None
 
     def summary(self) -> str:
         found = ", ".join(f"{name} x{count}" for name, count in self.blocks.items()) or "none (one outer unit)"
@@ -56,6 +65,7 @@ class ParallelPlan:
             f"  parameters          : {self.num_params:,} ({_mib(self.param_bytes_full)} unsharded,"
             f" {_mib(self.param_bytes_local)} on this rank = {share:.2f}x)",
         ]
+        lines.extend(self._layout_lines())
         if self.self_checkpointed:
             lines.append(f"  self-checkpointing  : {len(self.self_checkpointed)} blocks (left as the model set them)")
         if self.fp32_modules:
@@ -68,6 +78,19 @@ class ParallelPlan:
             )
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+    def _layout_lines(self) -> list[str]:
+        lines = []
+        if self.layout is not None:
+            lines.append(f"  sharding            : {self.layout.sharding}")
+            traffic = f"  traffic per step    : {self.layout.traffic.describe()} (sent by this rank)"
+            if self.layout.hybrid_traffic is not None:
+                across = self.layout.hybrid_traffic.inter_node / 2**20
+                traffic += f"; sharding='hybrid' would send {across:,.2f} MiB across nodes"
+            lines.append(traffic)
+        if self.offload is not None:
+            lines.append(f"  offload             : {self.offload}")
+        return lines
 
 
 def _abbrev(names: list[str], keep: int = 3) -> str:

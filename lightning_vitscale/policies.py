@@ -17,6 +17,15 @@ ModuleSelector = set[type[nn.Module]] | frozenset[type[nn.Module]] | Callable[[s
 CheckpointSelector = bool | int | Callable[[str, nn.Module], bool]
 """``True``: every block; ``False``: none; ``k``: every k-th block (1-based); callable: per block."""
 
+ShardingLayout = Literal["full", "hybrid"] | int
+"""``"full"``: shard over every rank; ``"hybrid"``: shard inside each node, replicate across nodes; an ``int``:
+shard over groups of that many consecutive ranks, replicate across the groups."""
+
+SHARDING_LAYOUTS: tuple[str, ...] = ("full", "hybrid")
+OffloadMode = Literal["cpu"]
+"""``"cpu"``: sharded parameters, gradients and optimizer state live in host memory between uses."""
+OFFLOAD_CHOICES: tuple[str | None, ...] = (None, "cpu")
+
 
 @dataclass(frozen=True)
 class ShardingPolicy:
@@ -24,6 +33,9 @@ class ShardingPolicy:
 
     Attributes:
         blocks: ``None`` finds the repeated blocks automatically; a set of classes or a predicate overrides it.
+        layout: which ranks share one copy of the state, see :data:`ShardingLayout` and :func:`shard_group_size`.
+        offload: ``"cpu"`` keeps the sharded parameters, gradients and optimizer state in host memory (FSDP2's
+            ``CPUOffloadPolicy``); the optimizer then steps on the CPU.
         reshard_after_forward: ``None`` is the recipe (blocks free their gathered parameters after forward, the
             root keeps its own for backward); ``True``/``False`` force it for every unit; an ``int`` reshards
             blocks to that smaller world size (FSDP2 hybrid reshard).
@@ -31,8 +43,16 @@ class ShardingPolicy:
 
     blocks: ModuleSelector | None = None
     reshard_after_forward: bool | int | None = None
+    layout: ShardingLayout = "full"
+    offload: OffloadMode | None = None
 
     def __post_init__(self) -> None:
+        _check_layout(self.layout)
+        if self.offload not in OFFLOAD_CHOICES:
+            raise ValueError(
+                f"`offload={self.offload!r}` is not supported. Choose one of: {OFFLOAD_CHOICES} (\"cpu\" keeps sharded"
+                " parameters, gradients and optimizer state in host memory)."
+            )
         if self.blocks is not None and not (callable(self.blocks) or isinstance(self.blocks, (set, frozenset))):
             raise TypeError(
                 f"`blocks` must be None, a set of nn.Module classes or a callable (name, module) -> bool;"
@@ -50,6 +70,44 @@ class ShardingPolicy:
             raise TypeError(f"`reshard_after_forward` must be None, a bool or an int; got {rf!r}.")
         if isinstance(rf, int) and not isinstance(rf, bool) and rf < 1:
             raise ValueError(f"`reshard_after_forward` as an int is a world size and must be >= 1; got {rf}.")
+
+
+def _check_layout(layout: object) -> None:
+    if isinstance(layout, bool) or not isinstance(layout, (str, int)):
+        raise TypeError(f"`sharding` must be one of {SHARDING_LAYOUTS} or a shard-group size (int); got {layout!r}.")
+    if isinstance(layout, str) and layout not in SHARDING_LAYOUTS:
+        raise ValueError(
+            f"`sharding={layout!r}` is not supported. Choose one of: {', '.join(map(repr, SHARDING_LAYOUTS))},"
+            " or an int that divides the world size (ranks per shard group)."
+        )
+    if isinstance(layout, int) and layout < 1:
+        raise ValueError(f"`sharding={layout}` is a shard-group size and must be >= 1.")
+
+
+def shard_group_size(layout: ShardingLayout, world_size: int, ranks_per_node: int) -> int:
+    """How many ranks shard one copy of the state: the one place that says what each layout means.
+
+    ``"full"`` shards over all ranks (least memory: 1/world of the state per rank, but every unit's all-gather
+    and reduce-scatter spans the nodes). ``"hybrid"`` shards over the ranks of one node (fast intra-node links
+    carry every all-gather and reduce-scatter; only one gradient all-reduce of each rank's shard crosses
+    nodes) and keeps a replica per node. An int must divide ``world_size``.
+    """
+    _check_layout(layout)
+    match layout:
+        case "full":
+            return world_size
+        case "hybrid":
+            size = ranks_per_node
+            how = f"`sharding=\"hybrid\"` shards within each node ({ranks_per_node} ranks per node)"
+        case _:
+            size = int(layout)
+            how = f"`sharding={layout}` asks for shard groups of {layout} ranks"
+    if size > world_size or world_size % size != 0:
+        raise ValueError(
+            f"{how}, which does not divide the world size {world_size}. Choose one of: 'full', 'hybrid', or an int"
+            f" among {[d for d in range(1, world_size + 1) if world_size % d == 0]}."
+        )
+    return size
 
 
 @dataclass(frozen=True)

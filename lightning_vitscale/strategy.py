@@ -15,7 +15,6 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from typing_extensions import override
 
 from lightning_vitscale import checkpoint_io
@@ -32,6 +31,7 @@ from lightning_vitscale.attention_auto import auto_attention_step
 from lightning_vitscale.checkpoint import consolidate_command
 from lightning_vitscale.checkpoint_storage import Location
 from lightning_vitscale.kernels import fuse_optimizers, prefer_foreach
+from lightning_vitscale.mesh import build_mesh, shard_size
 from lightning_vitscale.parallelize import Parallelized, parallelize
 from lightning_vitscale.plan import ParallelPlan
 from lightning_vitscale.policies import (
@@ -40,14 +40,18 @@ from lightning_vitscale.policies import (
     KernelMode,
     KernelPolicy,
     ModuleSelector,
+    OffloadMode,
     ParallelConfig,
+    ShardingLayout,
     ShardingPolicy,
     StateDictType,
     resolve_kernels,
     resolve_state_dict_type,
+    shard_group_size,
 )
 from lightning_vitscale.precision import VitScalePrecision, to_vitscale_precision
 from lightning_vitscale.process_group import destroy_process_group_at_exit
+from lightning_vitscale.traffic import layout_report
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -83,6 +87,11 @@ class VitScaleStrategy(ModelParallelStrategy):
             installed and measures faster; CPU: eager), ``"eager"``, or a :class:`KernelPolicy`.
         reshard_after_forward: ``None`` = the recipe (blocks free gathered parameters after forward, the outer
             unit keeps what backward needs); ``True``/``False`` forces it for all units.
+        sharding: ``"full"`` shards over every rank (least memory); ``"hybrid"`` shards inside each node and
+            replicates across nodes (all-gathers and reduce-scatters stay on intra-node links; only one gradient
+            all-reduce per unit crosses nodes); an ``int`` sets the shard-group size (it must divide the world).
+        offload: ``"cpu"`` keeps sharded parameters, gradients and optimizer state in host memory (the optimizer
+            steps on the CPU); on ``accelerator="cpu"`` they already are, and it changes nothing.
         timeout: bound on every collective, so a rank that dies cannot leave the others waiting forever.
         process_group_backend: ``None`` picks NCCL on CUDA and gloo on CPU.
         state_dict_type: ``"sharded"`` (default): checkpoints are folders, each rank writes its own shards;
@@ -106,6 +115,8 @@ class VitScaleStrategy(ModelParallelStrategy):
         activation_checkpointing: CheckpointSelector = True,
         reshard_after_forward: bool | int | None = None,
         kernels: KernelMode | KernelPolicy = "auto",
+        sharding: ShardingLayout = "full",
+        offload: OffloadMode | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
         state_dict_type: StateDictType = "sharded",
@@ -115,7 +126,9 @@ class VitScaleStrategy(ModelParallelStrategy):
             resolve_kernels(kernels, torch.device("cpu"), ())  # unknown strings fail here, not at setup
         # `config.kernels` stays the requested mode until setup knows the device, then holds the resolved policy.
         self.config = ParallelConfig(
-            sharding=ShardingPolicy(blocks=blocks, reshard_after_forward=reshard_after_forward),
+            sharding=ShardingPolicy(
+                blocks=blocks, reshard_after_forward=reshard_after_forward, layout=sharding, offload=offload
+            ),
             checkpointing=CheckpointingPolicy(blocks=activation_checkpointing),
             kernels=kernels,
         )
@@ -154,13 +167,20 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # One data-parallel mesh dimension over all ranks: ModelParallelStrategy's default would make every
-        # process a tensor-parallel peer (data-parallel size 1, no sharding, same data on every rank).
+        # Every rank is data-parallel (ModelParallelStrategy's default would make every process a tensor-parallel
+        # peer: no sharding, same data on every rank). 1-D mesh for "full", (replicate, shard) for hybrid layouts.
         setup_distributed(self)  # sets the device, ranks and the process group (with our timeout)
         destroy_process_group_at_exit()
-        mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",))
+        shard = shard_group_size(self.config.sharding.layout, self.world_size, self.num_processes)
+        mesh = build_mesh(self.root_device.type, self.world_size, shard)
         assert self.lightning_module is not None
         set_device_mesh(self, self.lightning_module, mesh)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        # Every rank reads its own data, whatever the mesh's shape (Lightning's looks up a "data_parallel" dim).
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -173,8 +193,8 @@ class VitScaleStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            optimizers_to_device(self.optimizers, self.root_device)
+        if trainer.state.fn == TrainerFn.FITTING and self.config.sharding.offload is None:
+            optimizers_to_device(self.optimizers, self.root_device)  # offloaded state stays in host memory
 
     def _parallelized(self, module: pl.LightningModule) -> RootUnit:
         """Shard ``module`` once; later fit/validate/test calls reuse the same units."""
@@ -187,12 +207,25 @@ class VitScaleStrategy(ModelParallelStrategy):
             root = RootUnit(module)
             config = self._resolved_config()
             done = parallelize(root, module, self.device_mesh, config, precision.policy, self.root_device)
+            self._describe_layout(done, root)
             # Kept in __dict__ (not as a submodule): the LightningModule must not contain its own wrapper.
             existing = module.__dict__[_ROOT_ATTR] = (root, done)
             rank_zero_info(done.plan.summary())
         root, self._parallelized_state = existing
         self.plan = self._parallelized_state.plan
         return root
+
+    def _describe_layout(self, done: Parallelized, root: RootUnit) -> None:
+        """Sharding layout, per-step traffic and offload in the plan (and so in the setup summary)."""
+        norm_params = done.norms.params if done.norms is not None else []
+        mesh, sharding = self.device_mesh, self.config.sharding
+        done.plan.layout = layout_report(
+            root, norm_params, self.precision_plugin.policy, sharding.reshard_after_forward,
+            mesh.size(), shard_size(mesh), self.num_processes, self.global_rank,
+        )
+        if sharding.offload is not None:
+            no_effect = " (no effect on accelerator='cpu': the state already lives in host memory)"
+            done.plan.offload = sharding.offload + (no_effect if self.root_device.type == "cpu" else "")
 
     def _resolved_config(self) -> ParallelConfig:
         """The config with ``kernels=`` resolved for this device (known only once processes are set up)."""

@@ -124,3 +124,35 @@ def slurm_launch(script: str | Path, *args: str, ntasks: int = 2, timeout: float
             out, _ = proc.communicate()
             results.append(Finished(proc.returncode, out, time.monotonic() - start, True))
     return results
+
+
+def multinode_launch(
+    script: str | Path, *args: str, nodes: int = 2, per_node: int = 2, launcher: str = "torchrun", timeout: float = 240
+) -> list[Finished]:
+    """Start ``nodes`` "nodes" on this machine, each its own process tree, as a cluster's per-node command would.
+
+    ``launcher="torchrun"``: ``torchrun --nnodes N --node-rank i`` per node (static rendezvous at
+    MASTER_ADDR:MASTER_PORT). ``launcher="lightning"``: ``python script.py`` per node with ``NODE_RANK`` /
+    ``MASTER_ADDR`` / ``MASTER_PORT`` set, and Lightning's launcher starts the node's other ranks (the script
+    passes ``num_nodes=N``). The nodes run concurrently, each bounded by ``timeout`` through ``run_bounded``.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    port = str(free_port())
+
+    def node_command(node: int) -> tuple[list[str], dict[str, str]]:
+        if launcher == "torchrun":
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
+                f"--nproc-per-node={per_node}", "--master-addr=127.0.0.1", f"--master-port={port}",
+                "--max-restarts=0", str(script), *args,
+            ]
+            return cmd, rank_env()
+        if launcher == "lightning":
+            return [sys.executable, str(script), *args], rank_env(NODE_RANK=str(node), MASTER_PORT=port)
+        raise ValueError(f"launcher must be 'torchrun' or 'lightning'; got {launcher!r}")
+
+    commands = [node_command(node) for node in range(nodes)]
+    with ThreadPoolExecutor(max_workers=nodes) as pool:
+        futures = [pool.submit(run_bounded, cmd, timeout, env) for cmd, env in commands]
+        return [future.result() for future in futures]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import Counter
 from collections.abc import Iterator
 
@@ -70,3 +71,57 @@ def linear_bf16_share(calls: Counter) -> float:
     linear = {k: v for k, v in calls.items() if k[0] == "linear"}
     bf16 = sum(v for k, v in linear.items() if k[1] == k[2] == str(torch.bfloat16))
     return bf16 / max(sum(linear.values()), 1)
+
+
+class TrafficRecorder:
+    """Bytes this rank sends in the collectives really issued, split by whether the group spans nodes.
+
+    Wraps ``torch.distributed``'s collective functions (FSDP2 looks them up at call time) and reads the tensors
+    and the process group of each call. Each call counts as a ring over its group (all-gather / reduce-scatter:
+    ``B (n - 1) / n`` of the unsharded buffer, all-reduce twice that), the convention the strategy's plan states.
+    """
+
+    _SIZES = {  # collective -> (argument holding the unsharded buffer, ring factor)
+        "all_gather_single": ("output_tensor", 1.0),
+        "all_gather_into_tensor": ("output_tensor", 1.0),
+        "reduce_scatter_single": ("input", 1.0),
+        "reduce_scatter_tensor": ("input", 1.0),
+        "all_reduce": ("tensor", 2.0),
+    }
+
+    def __init__(self, ranks_per_node: int) -> None:
+        self.per_node = ranks_per_node
+        self.intra = self.inter = 0.0
+        self.calls: Counter[str] = Counter()
+
+    def _count(self, name: str, fn, args: tuple, kwargs: dict) -> None:
+        bound = inspect.signature(fn).bind(*args, **kwargs).arguments
+        key, factor = self._SIZES[name]
+        tensor, group = bound[key], bound.get("group")
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        n = len(ranks)
+        sent = factor * tensor.numel() * tensor.element_size() * (n - 1) / n
+        if len({r // self.per_node for r in ranks}) > 1:
+            self.inter += sent
+        else:
+            self.intra += sent
+        self.calls[name] += 1
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[TrafficRecorder]:
+        originals = {name: getattr(dist, name) for name in self._SIZES if hasattr(dist, name)}
+
+        def wrap(name, fn):
+            def counted(*args, **kwargs):
+                self._count(name, fn, args, kwargs)
+                return fn(*args, **kwargs)
+
+            return counted
+
+        for name, fn in originals.items():
+            setattr(dist, name, wrap(name, fn))
+        try:
+            yield self
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
