@@ -8,7 +8,7 @@ from lightning_vitscale.plan import ParallelPlan
 from lightning_vitscale.policies import CheckpointingPolicy, KernelPolicy, ParallelConfig, ShardingPolicy
 from lightning_vitscale.precision import VitScalePrecision
 from lightning_vitscale.strategy import VitScaleStrategy
-from lightning_vitscale.throughput import ThroughputMonitor
+from lightning_vitscale.throughput import ThroughputMonitor, VitScaleThroughput
 
 if VitScaleStrategy.strategy_name not in StrategyRegistry:
     VitScaleStrategy.register_strategies(StrategyRegistry)
@@ -23,6 +23,7 @@ __all__ = [
     "ShardingPolicy",
     "StateBytes",
     "ThroughputMonitor",
+    "VitScaleThroughput",
     "VitScalePrecision",
     "VitScaleStrategy",
     "find_blocks",
