@@ -368,7 +368,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fake-oom-above", type=int, help=argparse.SUPPRESS)
     p.add_argument("--in-process", action="store_true", help="no subprocess per trial (the dry run's default:"
                    " a CPU trial leaves no allocator state behind)")
-    p.add_argument("--write-results", action="store_true", help="append tables to RESULTS.md, plot to vit_gpu.png")
+    p.add_argument("--write-results", action="store_true",
+                   help="append the tables to OUT_DIR/RESULTS.md and plot table 1 to OUT_DIR/vit_gpu_<models>.png")
     p.add_argument("--out-dir", type=Path, help="default: benchmarks/ (dry run: /tmp/vit_gpu_dry_run)")
     p.add_argument("--trial", help=argparse.SUPPRESS)
     return p.parse_args()
@@ -419,13 +420,14 @@ def main() -> None:
         if "largest" in args.tables:
             results["largest"] = largest_batch_rows(models, rows, args, flops)
             report.append("Each row at its largest batch (binary search):\n\n" + largest_table(results["largest"]))
-    (out / "vit_gpu.json").write_text(json.dumps(dict(device=device, **results), indent=1))
+    stem = "vit_gpu_" + ("largest_vit" if args.search_largest else "_".join(["dry"] if args.dry_run else args.models))
+    (out / f"{stem}.json").write_text(json.dumps(dict(device=device, **results), indent=1))
     text = "\n".join(report)
     print("\n" + text)
     if args.write_results:
         if "same" in results:
-            plot(results["same"], out / "vit_gpu.png")
-            text += "\n![images/s per row](vit_gpu.png)\n"
+            plot(results["same"], out / f"{stem}.png")
+            text += f"\n![images/s per row]({stem}.png)\n"
         with open(out / "RESULTS.md", "a") as f:
             f.write("\n" + text)
         print(f"appended to {out / 'RESULTS.md'}")

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from lightning_vitscale._compat import dynamo, fused_kernel_devices
+from lightning_vitscale._compat import DYNAMO_RECOMPILE_LIMIT, dynamo, fused_kernel_devices
 from lightning_vitscale.policies import COMPILE_MODES
 
 # dynamo's default number of compiled variants per code object (requires_grad, shapes, ...), per block class.
@@ -55,8 +55,8 @@ def _configure_dynamo(num_classes: int) -> None:
        avoids counting twice, which eager recompute does.
     """
     needed = _VARIANTS_PER_CLASS * max(num_classes, 1)
-    if dynamo.config.recompile_limit < needed:
-        dynamo.config.recompile_limit = needed
+    if getattr(dynamo.config, DYNAMO_RECOMPILE_LIMIT) < needed:
+        setattr(dynamo.config, DYNAMO_RECOMPILE_LIMIT, needed)
     dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
