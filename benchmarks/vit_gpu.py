@@ -413,7 +413,7 @@ def main() -> None:
                  for name, m in models.items()}
         results = {"flops_per_image": flops, "skipped": skipped}
         report.append("Model FLOPs per image (3 x forward): "
-                      + ", ".join(f"{name} {f / 1e9:.1f} GFLOP" for name, f in flops.items()) + "\n")
+                      + ", ".join(f"{name} {f / 1e9:.4g} GFLOP" for name, f in flops.items()) + "\n")
         if "same" in args.tables:
             results["same"] = same_batch_rows(models, rows, args, flops)
             report.append("Same batch for every row:\n\n" + same_batch_table(results["same"], skipped))
