@@ -10,7 +10,7 @@ from lightning_vitscale.plan import ParallelPlan
 from lightning_vitscale.policies import KernelPolicy
 from lightning_vitscale.precision import VitScalePrecision
 from lightning_vitscale.strategy import VitScaleStrategy
-from lightning_vitscale.throughput import ThroughputMonitor
+from lightning_vitscale.throughput import ThroughputMonitor, VitScaleThroughput
 
 if VitScaleStrategy.strategy_name not in StrategyRegistry:
     VitScaleStrategy.register_strategies(StrategyRegistry)
@@ -24,6 +24,7 @@ __all__ = [
     "ParallelPlan",
     "StateBytes",
     "ThroughputMonitor",
+    "VitScaleThroughput",
     "VitScalePrecision",
     "VitScaleStrategy",
     "consolidate_checkpoint",

@@ -15,14 +15,17 @@ from packaging.version import Version
 from torch.distributed.tensor import DTensor
 
 TORCH_VERSION = Version(torch.__version__.split("+")[0])
+# The oldest torch whose API the code uses: `fully_shard(..., ignored_params=)` (fp32 norms kept out of the bf16
+# units) arrived in 2.7. pyproject's floor is higher: the oldest torch the test suite has passed on (see README).
+TORCH_API_MIN = Version("2.7")
 TORCH_GE_2_6 = TORCH_VERSION >= Version("2.6")
 
-if TORCH_GE_2_6:
+if TORCH_VERSION >= TORCH_API_MIN:
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-else:  # pragma: no cover - pyproject requires torch>=2.6; kept to give a clear message on old installs
+else:  # pragma: no cover - pyproject requires a newer torch; kept to give a clear message on old installs
     raise ImportError(
-        "lightning-vitscale needs torch>=2.6 for FSDP2 (`torch.distributed.fsdp.fully_shard`);"
-        f" found {torch.__version__}. Upgrade torch: `pip install -U 'torch>=2.6'`."
+        f"lightning-vitscale needs torch>={TORCH_API_MIN} for FSDP2 `fully_shard(..., ignored_params=)`;"
+        f" found {torch.__version__}. Upgrade torch: `pip install -U 'torch>=2.14'` (the oldest version tested)."
     )
 
 # Reading a whole DCP checkpoint into one process with no process group, as `dcp_to_torch_save` does
@@ -55,7 +58,7 @@ _missing = [f"{cls.__name__}.{name}" for cls, name in _PRIVATE_HOOKS if not hasa
 if _missing:  # pragma: no cover - depends on the installed torch/Lightning
     raise ImportError(
         f"lightning-vitscale relies on {', '.join(_missing)}, which this torch/Lightning install lacks."
-        " Install a supported pair: `pip install 'torch>=2.6' 'lightning>=2.5,<3'`."
+        " Install a supported pair: `pip install 'torch>=2.14' 'lightning>=2.5,<3'`."
     )
 
 # The fused unscale + inf/nan check GradScaler itself uses, applied to DTensor gradients' local shards.
@@ -90,6 +93,10 @@ def compile_in_place(module: torch.nn.Module, wrap: Callable[[Callable], Callabl
     assert compiled is not None
     module._compiled_call_impl = wrap(compiled)
 
+
+# dynamo's per-code-object budget of compiled variants was `cache_size_limit` before torch 2.7 renamed it.
+DYNAMO_RECOMPILE_LIMIT = "recompile_limit" if hasattr(dynamo.config, "recompile_limit") else "cache_size_limit"
+
 __all__ = [
     "after_closure",
     "amp_unscale_and_check",
@@ -103,6 +110,7 @@ __all__ = [
     "FsspecWriter",
     "dcp_load_into",
     "dynamo",
+    "DYNAMO_RECOMPILE_LIMIT",
     "optimizers_to_device",
     "BatchNormBase",
     "InstanceNormBase",

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vitscale._compat import compile_in_place, dynamo, fused_kernel_devices
+from lightning_vitscale._compat import DYNAMO_RECOMPILE_LIMIT, compile_in_place, dynamo, fused_kernel_devices
 
 # dynamo's default number of compiled variants per code object (requires_grad, shapes, ...), per block class.
 _VARIANTS_PER_CLASS = 8
@@ -58,8 +58,9 @@ def dynamo_options(num_classes: int) -> dict[str, object]:
        right for these net-zero changes, and for user side effects (a counter) it avoids counting twice,
        which eager recompute does.
     """
+    needed = _VARIANTS_PER_CLASS * max(num_classes, 1)
     return {
-        "recompile_limit": max(dynamo.config.recompile_limit, _VARIANTS_PER_CLASS * max(num_classes, 1)),
+        DYNAMO_RECOMPILE_LIMIT: max(getattr(dynamo.config, DYNAMO_RECOMPILE_LIMIT), needed),
         "skip_fwd_side_effects_in_bwd_under_checkpoint": True,
     }
 

@@ -1,10 +1,11 @@
-"""ThroughputMonitor: samples/s, achieved TFLOP/s, MFU and peak memory per device, logged while training."""
+"""VitScaleThroughput: samples/s, achieved TFLOP/s, MFU and peak memory per device, logged while training."""
 
 from __future__ import annotations
 
 import resource
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -65,16 +66,47 @@ def peak_memory_gib(device: torch.device) -> tuple[str, float]:
     return "memory/peak_rss_gib", rss / GIB
 
 
-class ThroughputMonitor(Callback):
+class WindowClock:
+    """Device time between two edges without synchronising the device in between.
+
+    On CUDA an edge is an event recorded on the current stream (recording does not wait for the GPU), and reading
+    an interval waits for its end event only; elsewhere an edge is ``time.perf_counter()``. Synchronising after
+    every step instead would drain the queue the host keeps ahead of the GPU and charge launch overhead that real
+    training hides.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+class VitScaleThroughput(Callback):
     """Log ``throughput/samples_per_sec`` (all ranks), ``throughput/tflops_per_sec`` and ``throughput/mfu``
     (per device) and peak memory (the largest over ranks) every ``log_every_n_steps`` training batches.
 
-    FLOPs are counted once, on the first training batch, with ``FlopCounterMode`` around the forward only
-    (entered at batch start, left when backward starts) and multiplied by 3 for forward + backward. This is
-    *model* FLOPs, the usual MFU convention: activation-checkpointing recompute and the optimizer are not
-    counted, so MFU compares recipes fairly. FLOPs are counted per sample, so a short last batch is fine.
-    Compiled regions run eagerly while the counter is active (dynamo skips frames under a dispatch mode), so
-    keep ``warmup_steps`` >= 2 when compiling: compilation then happens inside the warm-up.
+    Named apart from Lightning's ``lightning.pytorch.callbacks.ThroughputMonitor`` (which needs the user's FLOPs
+    and batch sizes): this one counts model FLOPs itself. FLOPs are counted once, on the first training batch,
+    with ``FlopCounterMode`` around the forward only (entered at batch start, left when backward starts) and
+    multiplied by 3 for forward + backward. This is *model* FLOPs, the usual MFU convention: activation-
+    checkpointing recompute and the optimizer are not counted, so MFU compares recipes fairly. FLOPs are counted
+    per sample, so a short last batch is fine. Compiled regions run eagerly while the counter is active (dynamo
+    skips frames under a dispatch mode), so keep ``warmup_steps`` >= 2 when compiling: compilation then happens
+    inside the warm-up.
+
+    Time is device time between window edges (:class:`WindowClock`): the device is synchronised once per window,
+    never per step. On CUDA the allocator's peak is reset when warm-up ends, so peak memory covers measured steps.
 
     Args:
         batch_size_fn: ``batch -> samples on this rank``; default: dim 0 of the first tensor in the batch.
@@ -84,7 +116,7 @@ class ThroughputMonitor(Callback):
 
     Example::
 
-        monitor = ThroughputMonitor(log_every_n_steps=20)
+        monitor = VitScaleThroughput(log_every_n_steps=20)
         Trainer(strategy=VitScaleStrategy(), precision="bf16-mixed", callbacks=[monitor]).fit(model)
         print(monitor.metrics["throughput/mfu"])
     """
@@ -110,7 +142,8 @@ class ThroughputMonitor(Callback):
         self._counter: FlopCounterMode | None = None
         self._counted_samples = 0
         self._batches = 0
-        self._window_start: float | None = None
+        self._clock: WindowClock | None = None
+        self._window_start: Any = None
         self._window_samples = 0
         self._window_batches = 0
 
@@ -122,6 +155,10 @@ class ThroughputMonitor(Callback):
             self._counted_samples = self.batch_size_fn(batch)
             self._counter = FlopCounterMode(display=False)
             self._counter.__enter__()
+        if self._clock is None:
+            self._clock = WindowClock(pl_module.device)
+            if self.warmup_steps == 0:
+                self._start_window(pl_module.device)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -132,18 +169,25 @@ class ThroughputMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._stop_counting()  # a step without backward (e.g. manual optimization that skipped it)
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
-        now = time.perf_counter()
         self._batches += 1
-        if self._batches <= self.warmup_steps or self._window_start is None:
-            self._window_start = now if self._batches >= self.warmup_steps else None
+        if self._window_start is None:
+            if self._batches >= self.warmup_steps:
+                self._start_window(pl_module.device)
             return
         self._window_samples += self.batch_size_fn(batch)
         self._window_batches += 1
         if self._window_batches >= self.log_every_n_steps:
-            self._log(trainer, pl_module, now - self._window_start)
-            self._window_start, self._window_samples, self._window_batches = now, 0, 0
+            assert self._clock is not None
+            end = self._clock.mark()
+            self._log(trainer, pl_module, self._clock.seconds(self._window_start, end))
+            self._window_start, self._window_samples, self._window_batches = end, 0, 0
+
+    def _start_window(self, device: torch.device) -> None:
+        """Warm-up is over: start the clock, and let the allocator's peak cover the measured steps only."""
+        assert self._clock is not None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self._window_start = self._clock.mark()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -177,3 +221,16 @@ class ThroughputMonitor(Callback):
             if peak:
                 metrics["throughput/mfu"] = achieved / peak
         return metrics
+
+
+class ThroughputMonitor(VitScaleThroughput):
+    """Deprecated name of :class:`VitScaleThroughput` (it clashed with Lightning's own ``ThroughputMonitor``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        warnings.warn(
+            "lightning_vitscale.ThroughputMonitor is renamed VitScaleThroughput (Lightning has its own"
+            " ThroughputMonitor); replace the name, the arguments are the same.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        super().__init__(*args, **kwargs)

@@ -1,0 +1,1 @@
+"""Benchmark scripts and the small measuring pieces they share (importable by the unit tests)."""
