@@ -78,14 +78,15 @@ def test_step_traffic_by_hand(units, norms, precision, shard, expected):
 def test_offload_policy_reaches_every_unit_and_the_optimizer_steps(mesh, offload):
     from lightning_vitscale._compat import CPUOffloadPolicy, FSDPModule
     from lightning_vitscale.parallelize import parallelize
-    from lightning_vitscale.policies import ParallelConfig, ShardingPolicy
+    from lightning_vitscale.policies import ParallelConfig, ShardingPolicy, resolve_flag
     from lightning_vitscale.strategy import RootUnit
     from tests.helpers.models import EncoderClassifier
 
     torch.manual_seed(0)
     model = EncoderClassifier(dim=32, depth=2)
     root = RootUnit(model)
-    parallelize(root, model, mesh, ParallelConfig(sharding=ShardingPolicy(offload=offload)), None, torch.device("cpu"))
+    parallelize(root, model, mesh, ParallelConfig(sharding=ShardingPolicy(offload=offload)), resolve_flag("32-true"),
+                torch.device("cpu"))
     units = [m for m in root.modules() if isinstance(m, FSDPModule)]
     assert len(units) == 3
     policies = [unit._get_fsdp_state()._fsdp_param_group.offload_policy for unit in units]
