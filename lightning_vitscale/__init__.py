@@ -2,6 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_vitscale.ema import ShardedEMA
 from lightning_vitscale.matching import find_blocks
 from lightning_vitscale.memory import StateBytes, measure_state_bytes
 from lightning_vitscale.plan import ParallelPlan
@@ -20,6 +21,7 @@ __all__ = [
     "KernelPolicy",
     "ParallelConfig",
     "ParallelPlan",
+    "ShardedEMA",
     "ShardingPolicy",
     "StateBytes",
     "ThroughputMonitor",

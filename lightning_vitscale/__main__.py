@@ -1,4 +1,5 @@
-"""Command line: `python -m lightning_vitscale demo` and `python -m lightning_vitscale consolidate SRC DST`."""
+"""Command line: `python -m lightning_vitscale demo` and `python -m lightning_vitscale consolidate SRC DST
+[--weights raw|ema]`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("src", help="checkpoint folder written by VitScaleStrategy")
     export.add_argument("dst", help="output file, e.g. model.ckpt")
     export.add_argument("--keep-dtype", action="store_true", help="keep saved dtypes instead of full fp32")
+    export.add_argument(
+        "--weights", choices=["raw", "ema"], default="raw",
+        help="raw: the trained weights (+ optimizer, EMA: resumable); ema: the ShardedEMA average, for inference",
+    )
     return parser
 
 
@@ -30,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_vitscale.checkpoint import CheckpointError, consolidate_checkpoint
 
         try:
-            out = consolidate_checkpoint(args.src, args.dst, dtype=None if args.keep_dtype else torch.float32)
+            dtype = None if args.keep_dtype else torch.float32
+            out = consolidate_checkpoint(args.src, args.dst, dtype=dtype, weights=args.weights)
         except (CheckpointError, FileNotFoundError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 1

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -60,6 +62,53 @@ def _swap_into_place(staging: Path, path: Path) -> None:
     staging.rename(path)
     if old.exists():
         shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+_OWN_ENTRY = re.compile(r"^(state_dict|optimizer_\d+)$")
+EMA_KEY = "ema_state_dict"
+
+
+def pop_sharded_entries(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Top-level checkpoint entries holding DTensors (e.g. ``ema_state_dict``): they must go through DCP, since
+    rank 0's ``torch.save`` of the metadata would keep rank 0's shards only."""
+    sharded = [key for key, value in checkpoint.items() if _holds_dtensor(value)]
+    return {key: checkpoint.pop(key) for key in sharded}
+
+
+def _holds_dtensor(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_holds_dtensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_dtensor(v) for v in value)
+    return isinstance(value, DTensor)
+
+
+@dataclass(frozen=True)
+class ShardedEntry:
+    """A top-level entry of a sharded checkpoint other than the model and optimizers, left in the DCP shards.
+
+    Loading needs target DTensors sharded for *this* world size, which only the entry's owner has (e.g.
+    ``ShardedEMA``): the owner calls :meth:`load_into` on every rank (a collective) with its own tensors.
+    """
+
+    path: Path
+    key: str
+
+    def names(self) -> set[str]:
+        metadata = FileSystemReader(str(self.path)).read_metadata()
+        prefix = self.key + "."
+        return {k[len(prefix):] for k in metadata.state_dict_metadata if k.startswith(prefix)}
+
+    def load_into(self, targets: dict[str, Any]) -> None:
+        """Fill ``targets`` (same keys as saved; DTensors of any sharding) in place from the shards."""
+        dcp.load({self.key: targets}, checkpoint_id=self.path)
+
+
+def sharded_entries(path: Path) -> dict[str, ShardedEntry]:
+    """The extra DCP entries of a sharded checkpoint (everything but ``state_dict`` and ``optimizer_<i>``)."""
+    metadata = FileSystemReader(str(path)).read_metadata()
+    keys = {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
+    return {key: ShardedEntry(Path(path), key) for key in sorted(keys) if not _OWN_ENTRY.match(key)}
 
 
 def checkpoint_shapes(path: Path) -> dict[str, torch.Size]:
@@ -171,12 +220,17 @@ def _full(value: Any, dtype: torch.dtype | None) -> Any:
     return value
 
 
-def consolidate_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype | None = torch.float32) -> Path:
+def consolidate_checkpoint(
+    src: str | Path, dst: str | Path, dtype: torch.dtype | None = torch.float32, weights: Literal["raw", "ema"] = "raw"
+) -> Path:
     """Turn a sharded checkpoint into one ``torch.save`` file a plain LightningModule loads with ``strict=True``.
 
     Runs in one process, no process group. Model keys are free of wrapper/compile prefixes and floating
     tensors are full ``dtype`` tensors (``None`` keeps the saved dtypes). Optimizer states are renumbered to
-    torch's native format, so the file also resumes training under ``strategy="ddp"``.
+    torch's native format, so the file also resumes training under ``strategy="ddp"`` (with its EMA, if any).
+    ``weights="ema"`` puts the EMA of the weights (``ShardedEMA``) in ``state_dict`` instead: a file for
+    inference or fine-tuning, without optimizer states, so that resuming from it fails instead of silently
+    training on from the average.
     """
     src, dst = Path(src), Path(dst)
     _sharded_shapes(src)  # complete and readable, or a clear error
@@ -184,13 +238,30 @@ def consolidate_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype 
     dcp_load_into(state, storage_reader=FileSystemReader(str(src)), planner=EmptyStateDictLoadPlanner(), no_dist=True)
     checkpoint = torch.load(src / META, weights_only=False)
     checkpoint["state_dict"] = {_clean_key(k): _full(v, dtype) for k, v in state.pop("state_dict").items()}
-    optimizers = [state[k] for k in sorted((k for k in state if k.startswith("optimizer_")), key=_index)]
+    optimizers = [state.pop(k) for k in sorted((k for k in state if _OWN_ENTRY.match(k)), key=_index)]
     checkpoint["optimizer_states"] = [_to_torch_format(o) for o in optimizers]
+    checkpoint.update({key: {_clean_key(k): _full(v, dtype) for k, v in entry.items()} for key, entry in state.items()})
+    if weights == "ema":
+        _ema_as_weights(checkpoint, src)
+    elif weights != "raw":
+        raise ValueError(f"`weights` must be 'raw' or 'ema'; got {weights!r}.")
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + PARTIAL_SUFFIX)
     torch.save(checkpoint, tmp)
     tmp.replace(dst)
     return dst
+
+
+def _ema_as_weights(checkpoint: dict[str, Any], src: Path) -> None:
+    ema = checkpoint.pop(EMA_KEY, None)
+    if ema is None:
+        raise CheckpointError(
+            f"{src} holds no EMA of the weights (it was saved without the ShardedEMA callback)."
+            " Export the raw weights with `--weights raw`, or train with `callbacks=[ShardedEMA()]`."
+        )
+    checkpoint["state_dict"] = {k: ema.get(k, v) for k, v in checkpoint["state_dict"].items()}
+    checkpoint.pop("optimizer_states")
+    checkpoint.pop("lr_schedulers", None)
 
 
 def _index(key: str) -> int:

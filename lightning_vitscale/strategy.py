@@ -28,7 +28,14 @@ from lightning_vitscale._compat import (
     optimizers_to_device,
 )
 from lightning_vitscale.attention import AttentionRouter, describe_choice, measure
-from lightning_vitscale.checkpoint import load_full_into, model_shapes, save_sharded, validate_against
+from lightning_vitscale.checkpoint import (
+    load_full_into,
+    model_shapes,
+    pop_sharded_entries,
+    save_sharded,
+    sharded_entries,
+    validate_against,
+)
 from lightning_vitscale.kernels import fuse_optimizers
 from lightning_vitscale.parallelize import Parallelized, parallelize
 from lightning_vitscale.plan import ParallelPlan
@@ -332,6 +339,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         tensors = {"state_dict": checkpoint.pop("state_dict")}
         tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        tensors.update(pop_sharded_entries(checkpoint))  # e.g. ShardedEMA's ema_state_dict
         save_sharded(tensors, checkpoint, path, self.is_global_zero, self.barrier)
 
     @override
@@ -349,9 +357,11 @@ class VitScaleStrategy(ModelParallelStrategy):
             return load_full_into(path, module, self.optimizers, strict=module.strict_loading)
         state: dict[str, Any] = {"state_dict": module}
         state.update({f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)})
-        return lightning_load_sharded_checkpoint(
+        checkpoint = lightning_load_sharded_checkpoint(
             path, state, strict=module.strict_loading, optimizer_states_from_list=True, weights_only=weights_only
         )
+        checkpoint.update(sharded_entries(path))  # their owners load them into their own DTensors
+        return checkpoint
 
     @classmethod
     @override
