@@ -3,8 +3,6 @@ VitScaleStrategy, through save, resume, a world-size change and export; no colle
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -54,6 +52,14 @@ def test_resume_restores_the_ema_exactly_and_continues_like_ddp(run):
             final = torch.load(out / f"resume_{name}-ema-final-rank{rank}.pt")
             assert largest_difference(final, ddp_final) < TIGHT
         assert max_relative_difference(facts["resume_vitscale"]["losses"], facts["resume_ddp"]["losses"]) < 1e-6
+
+
+def test_a_ddp_checkpoint_resumes_with_its_ema_under_vitscale(run):
+    out, two, _ = run
+    for rank, facts in enumerate(two):
+        saved = torch.load(out / f"ddp-ema-step4-rank{rank}.pt")
+        assert largest_difference(saved, torch.load(out / f"ddp_to_vitscale-restored-rank{rank}.pt")) == 0.0
+        assert facts["ddp_to_vitscale"]["updates"] == 5 and facts["ddp_to_vitscale"]["oracle_diff"] < TIGHT
 
 
 def test_resume_on_one_rank_from_a_two_rank_checkpoint(run):

@@ -151,10 +151,10 @@ def memory_facts(model: L.LightningModule, ema: ShardedEMA) -> dict:
     }
 
 
-def resume(name: str, ckpt: Path, out: Path, tag: str) -> dict:
+def resume(name: str, ckpt: Path, out: Path, tag: str, steps: int = 8) -> dict:
     L.seed_everything(0, verbose=False)
     model, plain, snap = Classifier("encoder"), PlainEMA(), Snapshots()
-    trainer = make_trainer(name, 8, [new_ema(), plain, snap])
+    trainer = make_trainer(name, steps, [new_ema(), plain, snap])
     trainer.fit(model, loader(n=128), loader(n=16, seed=1), ckpt_path=str(ckpt))
     torch.save(snap.restored, out / f"{tag}-restored-rank{RANK}.pt")
     torch.save(ema_full(trainer), out / f"{tag}-ema-final-rank{RANK}.pt")
@@ -190,6 +190,8 @@ def two_ranks(out: Path) -> dict:
     results = {f"save_{name}": timed(train_and_save, name, out) for name in ("ddp", "vitscale")}
     for name in ("ddp", "vitscale"):
         results[f"resume_{name}"] = timed(resume, name, out / f"{name}-step4.ckpt", out, f"resume_{name}")
+    # a DDP .ckpt (whole tensors) into VitScaleStrategy: each rank keeps its slice of the EMA
+    results["ddp_to_vitscale"] = timed(resume, "vitscale", out / "ddp-step4.ckpt", out, "ddp_to_vitscale", 5)
     results["bf16_true"] = timed(bf16_true)
     return results
 
