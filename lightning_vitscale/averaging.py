@@ -81,8 +81,8 @@ class EmaShards:
         for group in self.groups:
             ema = [self.ema[i] for i in group.indices]
             src = [sources[i] for i in group.indices]
-            if ema[0].device != src[0].device:
-                src = [s.to(ema[0].device, non_blocking=True) for s in src]
+            if ema[0].device != src[0].device:  # offload: blocking copies, the CPU reads them right away
+                src = [s.to(ema[0].device) for s in src]
             if decay == 0.0 or not group.average:
                 torch._foreach_copy_(ema, src)
             elif group.same_dtype:

@@ -135,7 +135,7 @@ class ShardedEMA(Callback):
         """Run the block with the EMA weights in the model (local shards copied in place, no gather), then
         restore the raw weights. E.g. ``with ema.averaged(trainer): trainer.predict(model, data)``."""
         shards = self._ensure(trainer.lightning_module)
-        if self._updates == 0:
+        if self._updates == 0 and not trainer.sanity_checking:
             rank_zero_warn("ShardedEMA: evaluating an average with no update yet: it equals the starting weights.")
         model = trainer.strategy.model or trainer.lightning_module
         _reshard(model)  # a gathered unit would keep serving the raw weights
