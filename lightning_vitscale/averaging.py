@@ -53,7 +53,7 @@ class EmaShards:
 
     def __init__(self, module: nn.Module, average_buffers: bool = True, offload: bool = False) -> None:
         persistent = set(module.state_dict(keep_vars=True))
-        entries = [(n, p, True) for n, p in module.named_parameters()]
+        entries: list[tuple[str, torch.Tensor, bool]] = [(n, p, True) for n, p in module.named_parameters()]
         entries += [(n, b, False) for n, b in module.named_buffers() if n in persistent]
         self.names = [state_name(n) for n, _, _ in entries]
         self.sources: list[torch.Tensor] = [t for _, t, _ in entries]

@@ -102,7 +102,7 @@ class ShardedEMA(Callback):
             self.shards, self._module, self._updates, self._last_step = None, pl_module, 0, 0
         for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop):
             if "run" not in vars(loop):
-                loop.run = functools.partial(self._run_evaluation, trainer, type(loop).run.__get__(loop))
+                vars(loop)["run"] = functools.partial(self._run_evaluation, trainer, type(loop).run.__get__(loop))
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
