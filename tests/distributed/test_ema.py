@@ -96,6 +96,14 @@ def test_validation_logs_ema_and_raw_metrics_like_ddp(run):
             assert abs(ours[key] - ddp[key]) <= 1e-6 * abs(ddp[key])
 
 
+def test_checkpointing_callbacks_act_once_per_validation_with_both_metrics(run):
+    _, two, _ = run
+    for facts in two:
+        for name in ("ddp", "vitscale"):
+            seen = facts[f"save_{name}"]["validation_end_seen"]
+            assert seen == [{k: facts[f"save_{name}"]["metrics"][k] for k in ("val_loss", "ema/val_loss")}]
+
+
 def test_ema_costs_four_bytes_per_parameter_over_world_size(run):
     _, two, _ = run
     for facts in two:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import Checkpoint
 from torch.distributed.tensor.debug import CommDebugMode
 
 from lightning_vitscale import ShardedEMA, VitScaleStrategy
@@ -69,6 +70,16 @@ def counted(ema: ShardedEMA, totals: list[int]) -> ShardedEMA:
     return ema
 
 
+class SeesValidationEnd(Checkpoint):
+    """Stands for ModelCheckpoint/EarlyStopping: records what it sees each time a validation ends."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, float]] = []
+
+    def on_validation_end(self, trainer, pl_module):
+        self.seen.append({k: float(v) for k, v in trainer.callback_metrics.items() if "val" in k})
+
+
 class Snapshots(L.Callback):
     def on_train_start(self, trainer, pl_module):
         self.restored = ema_full(trainer)
@@ -89,11 +100,11 @@ def max_diff(a: dict, b: dict) -> float:
 
 def make_trainer(name: str, steps: int, callbacks: list, **kwargs) -> L.Trainer:
     strategy = VitScaleStrategy() if name == "vitscale" else "ddp"
-    options = dict(num_sanity_val_steps=0, limit_val_batches=2, val_check_interval=4)
+    options = dict(num_sanity_val_steps=0, limit_val_batches=2, val_check_interval=4, enable_checkpointing=False)
     options.update(kwargs)
     return L.Trainer(
         accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, callbacks=callbacks, **options,
+        enable_model_summary=False, callbacks=callbacks, **options,
     )
 
 
@@ -104,8 +115,8 @@ def new_ema() -> ShardedEMA:
 def train_and_save(name: str, out: Path) -> dict:
     """4 steps with validation at step 4 (evaluate="both"), EMA vs the oracle, then a checkpoint."""
     L.seed_everything(0, verbose=False)
-    model, plain, collectives = Classifier("encoder"), PlainEMA(), []
-    trainer = make_trainer(name, 4, [counted(new_ema(), collectives), plain])
+    model, plain, collectives, watcher = Classifier("encoder"), PlainEMA(), [], SeesValidationEnd()
+    trainer = make_trainer(name, 4, [counted(new_ema(), collectives), plain, watcher], enable_checkpointing=True)
     trainer.fit(model, loader(n=128), loader(n=16, seed=1))
     ema = ema_of(trainer)
     facts = {
@@ -113,6 +124,7 @@ def train_and_save(name: str, out: Path) -> dict:
         "updates": ema.updates,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "update_collectives": collectives,
+        "validation_end_seen": watcher.seen,
     }
     torch.save({k: v for k, v in plain.ema.items()}, out / f"{name}-plain-step4.pt")
     trainer.save_checkpoint(out / f"{name}-step4.ckpt")
