@@ -133,7 +133,7 @@ class ShardedEMA(Callback):
     @contextmanager
     def averaged(self, trainer: pl.Trainer) -> Iterator[None]:
         """Run the block with the EMA weights in the model (local shards copied in place, no gather), then
-        restore the raw weights. E.g. ``with ema.averaged(trainer): trainer.predict(model, data)``."""
+        restore the raw weights, e.g. to evaluate or save the EMA model with your own code."""
         shards = self._ensure(trainer.lightning_module)
         if self._updates == 0 and not trainer.sanity_checking:
             rank_zero_warn("ShardedEMA: evaluating an average with no update yet: it equals the starting weights.")
