@@ -36,6 +36,7 @@ def worker(args: argparse.Namespace) -> None:
 
     sys.path.insert(0, str(ROOT))
     from lightning_vitscale import ShardedEMA, VitScaleStrategy
+    from lightning_vitscale._compat import destroy_process_group_safely
     from lightning_vitscale.demo import TinyViT, generated_images
 
     class Timed(ShardedEMA):
@@ -70,6 +71,7 @@ def worker(args: argparse.Namespace) -> None:
     gathered = trainer.strategy.all_gather(torch.tensor(row, dtype=torch.float64)).reshape(world, -1).tolist()
     if trainer.is_global_zero:
         Path(args.out).write_text(json.dumps(gathered))
+    destroy_process_group_safely()  # Lightning does this for NCCL only; a gloo group left to exit can abort
 
 
 def _free_port() -> int:
