@@ -3,6 +3,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_vitscale.checkpoint import CheckpointError, consolidate_checkpoint
+from lightning_vitscale.ema import ShardedEMA
 from lightning_vitscale.matching import find_blocks
 from lightning_vitscale.memory import StateBytes, measure_state_bytes
 from lightning_vitscale.parallelize import NoBlocksMatchedError
@@ -22,6 +23,7 @@ __all__ = [
     "KernelPolicy",
     "NoBlocksMatchedError",
     "ParallelPlan",
+    "ShardedEMA",
     "StateBytes",
     "ThroughputMonitor",
     "VitScaleThroughput",

@@ -1,4 +1,5 @@
-"""Command line: `python -m lightning_vitscale demo` and `python -m lightning_vitscale consolidate SRC DST`."""
+"""Command line: `python -m lightning_vitscale demo` and `python -m lightning_vitscale consolidate SRC DST
+[--weights raw|ema]`."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="load every pickle in SRC with weights_only=False (runs any code it holds): only for trusted files",
     )
+    export.add_argument(
+        "--weights", choices=["raw", "ema"], default="raw",
+        help="raw: the trained weights (+ optimizer, EMA: resumable); ema: the ShardedEMA average, for inference",
+    )
     return parser
 
 
@@ -36,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             dtype = None if args.keep_dtype else torch.float32
-            out = consolidate_checkpoint(args.src, args.dst, dtype=dtype, weights_only=False if args.unsafe else None)
+            weights_only = False if args.unsafe else None
+            out = consolidate_checkpoint(
+                args.src, args.dst, dtype=dtype, weights_only=weights_only, weights=args.weights
+            )
         except (CheckpointError, FileNotFoundError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 1

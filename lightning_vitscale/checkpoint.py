@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -42,6 +45,59 @@ def consolidate_command(path: PathLike) -> str:
     src = os.fspath(path).rstrip("/")
     stem = src[: -len(".ckpt")] if src.endswith(".ckpt") else src
     return f"python -m lightning_vitscale consolidate {src} {stem}.consolidated.ckpt"
+
+
+_OWN_ENTRY = re.compile(r"^(state_dict|optimizer_\d+)$")
+EMA_KEY = "ema_state_dict"
+
+
+def pop_sharded_entries(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Top-level checkpoint entries holding DTensors (e.g. ``ema_state_dict``): they must go through DCP, since
+    rank 0's ``torch.save`` of the metadata would keep rank 0's shards only."""
+    sharded = [key for key, value in checkpoint.items() if _holds_dtensor(value)]
+    return {key: checkpoint.pop(key) for key in sharded}
+
+
+def _holds_dtensor(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_holds_dtensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_dtensor(v) for v in value)
+    return isinstance(value, DTensor)
+
+
+@dataclass(frozen=True)
+class ShardedEntry:
+    """A top-level entry of a sharded checkpoint other than the model and optimizers, left in the DCP shards.
+
+    Loading needs target DTensors sharded for *this* world size, which only the entry's owner has (e.g.
+    ``ShardedEMA``): the owner calls :meth:`load_into` on every rank (a collective) with its own tensors.
+    """
+
+    location: Location
+    key: str
+    weights_only: bool | None = None
+
+    @property
+    def path(self) -> str:
+        return self.location.url
+
+    def names(self) -> set[str]:
+        metadata = self.location.reader(self.weights_only).read_metadata()
+        prefix = self.key + "."
+        return {k[len(prefix) :] for k in metadata.state_dict_metadata if k.startswith(prefix)}
+
+    def load_into(self, targets: dict[str, Any]) -> None:
+        """Fill ``targets`` (same keys as saved; DTensors of any sharding) in place from the shards."""
+        with refused_values_named(self.location):
+            dcp.load({self.key: targets}, storage_reader=self.location.reader(self.weights_only))
+
+
+def sharded_entries(location: Location, weights_only: bool | None = None) -> dict[str, ShardedEntry]:
+    """The extra DCP entries of a sharded checkpoint (everything but ``state_dict`` and ``optimizer_<i>``)."""
+    metadata = location.reader(weights_only).read_metadata()
+    keys = {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
+    return {key: ShardedEntry(location, key, weights_only) for key in sorted(keys) if not _OWN_ENTRY.match(key)}
 
 
 def checkpoint_shapes(path: PathLike, weights_only: bool | None = None) -> dict[str, torch.Size]:
@@ -246,31 +302,55 @@ def _full(value: Any, dtype: torch.dtype | None) -> Any:
 
 
 def consolidate_checkpoint(
-    src: PathLike, dst: PathLike, dtype: torch.dtype | None = torch.float32, weights_only: bool | None = None
+    src: PathLike,
+    dst: PathLike,
+    dtype: torch.dtype | None = torch.float32,
+    weights_only: bool | None = None,
+    weights: Literal["raw", "ema"] = "raw",
 ) -> PathLike:
     """Turn a sharded checkpoint into one ``torch.save`` file a plain LightningModule loads with ``strict=True``.
 
     Runs in one process, no process group. Model keys are free of wrapper/compile prefixes and floating
     tensors are full ``dtype`` tensors (``None`` keeps the saved dtypes). Optimizer states are renumbered to
-    torch's native format, so the file also resumes training under ``strategy="ddp"`` and
+    torch's native format, so the file also resumes training under ``strategy="ddp"`` (with its EMA, if any) and
     ``MyModule.load_from_checkpoint(dst)`` reads it. ``weights_only`` applies to every pickle in ``src``
     (``None``: torch's default, True); pass ``False`` only for checkpoints you trust. Paths may be fsspec URLs.
+    ``weights="ema"`` puts the EMA of the weights (``ShardedEMA``) in ``state_dict`` instead: a file for
+    inference or fine-tuning, without optimizer states, so that resuming from it fails instead of silently
+    training on from the average.
     """
     source, target = Location.of(src), Location.of(dst)
     sharded_shapes(source, weights_only)  # complete and readable, or a clear error
     state: dict[str, Any] = {}
+    if weights not in ("raw", "ema"):
+        raise ValueError(f"`weights` must be 'raw' or 'ema'; got {weights!r}.")
     reader = source.reader(weights_only)
     with refused_values_named(source):
         dcp_load_into(state, storage_reader=reader, planner=SafeEmptyLoadPlanner(weights_only), no_dist=True)
     checkpoint = load_pickle(source.child(META), weights_only)
     checkpoint["state_dict"] = {clean_key(k): _full(v, dtype) for k, v in state.pop("state_dict").items()}
-    optimizers = [state[k] for k in sorted((k for k in state if k.startswith("optimizer_")), key=_index)]
+    optimizers = [state.pop(k) for k in sorted((k for k in state if _OWN_ENTRY.match(k)), key=_index)]
     checkpoint["optimizer_states"] = [to_torch_format(o) for o in optimizers]
+    checkpoint.update({key: {clean_key(k): _full(v, dtype) for k, v in entry.items()} for key, entry in state.items()})
+    if weights == "ema":
+        _ema_as_weights(checkpoint, source.url)
     target.fs.makedirs(posixpath.dirname(target.path), exist_ok=True)
     tmp = target.with_suffix(PARTIAL_SUFFIX)
     torch_save(checkpoint, tmp)
     tmp.move_to(target)
     return dst if target.is_url else Path(dst)
+
+
+def _ema_as_weights(checkpoint: dict[str, Any], src: str) -> None:
+    ema = checkpoint.pop(EMA_KEY, None)
+    if ema is None:
+        raise CheckpointError(
+            f"{src} holds no EMA of the weights (it was saved without the ShardedEMA callback)."
+            " Export the raw weights with `--weights raw`, or train with `callbacks=[ShardedEMA()]`."
+        )
+    checkpoint["state_dict"] = {k: ema.get(k, v) for k, v in checkpoint["state_dict"].items()}
+    checkpoint.pop("optimizer_states")
+    checkpoint.pop("lr_schedulers", None)
 
 
 def _index(key: str) -> int:

@@ -22,9 +22,11 @@ from lightning_vitscale.checkpoint import (
     load_pickle,
     model_shapes,
     partial_path,
+    pop_sharded_entries,
     refused_values_named,
     require_optimizer_states,
     set_optimizer_state,
+    sharded_entries,
     to_torch_format,
     untouched_if_fresh,
     validate_against,
@@ -64,6 +66,7 @@ def save_sharded(
     loadable) and a ``.partial`` folder that never loads as if complete."""
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    tensors.update(pop_sharded_entries(checkpoint))  # e.g. ShardedEMA's ema_state_dict
     staging = partial_path(location)
     if is_rank_zero:
         staging.remove()
@@ -139,7 +142,9 @@ def load_sharded(
     set_model_state_dict(module, request.pop("state_dict"), options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):
         set_optimizer_state(module, optimizer, request[f"optimizer_{i}"], StateDictOptions(cpu_offload=True))
-    return load_pickle(location.child(META), weights_only)
+    checkpoint = load_pickle(location.child(META), weights_only)
+    checkpoint.update(sharded_entries(location, weights_only))  # their owners load them into their own DTensors
+    return checkpoint
 
 
 def saved_param_groups(metadata: Metadata, key: str, current: list[dict[str, Any]]) -> list[dict[str, Any]]:
