@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from lightning.fabric.strategies.model_parallel import _load_checkpoint as lightning_load_sharded_checkpoint
 from lightning.fabric.utilities.distributed import _destroy_dist_connection as destroy_process_group_safely
@@ -35,7 +37,21 @@ from torch.utils._pytree import tree_map  # noqa: E402
 
 SubprocessScriptLauncher = _SubprocessScriptLauncher
 
+
+def compile_call_with(module: torch.nn.Module, compiler: Any) -> None:
+    """``module.compile()`` with a ready compile context (e.g. a user's ``torch.compile(...).dynamo_ctx``):
+    ``nn.Module.compile`` stores ``torch.compile(self._call_impl)`` in this private attribute."""
+    module._compiled_call_impl = compiler(module._call_impl)
+
+
+def compile_context(module: Any) -> Any:
+    """The compile context Lightning's ``from_compiled`` left on a LightningModule (``None`` if not compiled)."""
+    ctx = getattr(module, "_compiler_ctx", None)
+    return None if ctx is None else ctx["dynamo_ctx"]
+
 __all__ = [
+    "compile_call_with",
+    "compile_context",
     "destroy_process_group_safely",
     "EmptyStateDictLoadPlanner",
     "dcp_load_into",

@@ -8,8 +8,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from lightning_vitscale._compat import dynamo, fused_kernel_devices
-from lightning_vitscale.policies import COMPILE_MODES
+from lightning_vitscale._compat import compile_call_with, dynamo, fused_kernel_devices
+from lightning_vitscale.policies import COMPILE_MODES, Compiler
 
 # dynamo's default number of compiled variants per code object (requires_grad, shapes, ...), per block class.
 _VARIANTS_PER_CLASS = 8
@@ -22,7 +22,9 @@ _FUSED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, 
 # --- per-block compilation -------------------------------------------------------------------------------
 
 
-def apply_regional_compile(modules: list[nn.Module], mode: str | None = None) -> dict[str, int]:
+def apply_regional_compile(
+    modules: list[nn.Module], mode: str | None = None, compiler: Compiler | None = None
+) -> dict[str, int]:
     """Compile each module (the blocks, and the outer layers if asked) in place; returns class name -> count.
 
     ``nn.Module.compile`` keeps parameter names (``torch.compile(module)`` would add ``_orig_mod.`` to every
@@ -30,13 +32,17 @@ def apply_regional_compile(modules: list[nn.Module], mode: str | None = None) ->
     region, so the memory saving survives) and before ``fully_shard`` (FSDP's hooks then run eagerly around
     the compiled block). Identical blocks share compiled code through dynamo's cache: one compile per class
     (plus one variant when only the first block's input does not require grad). Sets two dynamo options,
-    see :func:`_configure_dynamo`.
+    see :func:`_configure_dynamo`. ``compiler`` (the context of a user's ``torch.compile(model, ...)``) replaces
+    ``torch.compile(mode=mode)``, keeping the user's backend and options.
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"`mode={mode!r}` is not supported with FSDP2; choose one of {COMPILE_MODES}.")
     counts: Counter[str] = Counter()
     for module in modules:
-        module.compile(mode=mode)
+        if compiler is None:
+            module.compile(mode=mode)
+        else:
+            compile_call_with(module, compiler)
         counts[type(module).__name__] += 1
     _configure_dynamo(len(counts))
     return dict(counts)

@@ -15,7 +15,6 @@ from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from typing_extensions import override
 
@@ -28,13 +27,16 @@ from lightning_vitscale._compat import (
     optimizers_to_device,
 )
 from lightning_vitscale.attention import AttentionRouter, describe_choice, measure
+from lightning_vitscale.averaging import shard_averaged_copies
 from lightning_vitscale.checkpoint import load_full_into, model_shapes, save_sharded, validate_against
+from lightning_vitscale.compiled import TAKEN_OVER, take_over_compiled
 from lightning_vitscale.kernels import fuse_optimizers
 from lightning_vitscale.parallelize import Parallelized, parallelize
 from lightning_vitscale.plan import ParallelPlan
 from lightning_vitscale.policies import (
     CheckpointingPolicy,
     CheckpointSelector,
+    Compiler,
     KernelMode,
     KernelPolicy,
     ModuleSelector,
@@ -43,28 +45,14 @@ from lightning_vitscale.policies import (
     resolve_kernels,
 )
 from lightning_vitscale.precision import VitScalePrecision, to_vitscale_precision
+from lightning_vitscale.root_unit import RootUnit
+from lightning_vitscale.sync_batchnorm import apply_sync_batchnorm
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 _ROOT_ATTR = "_vitscale_root_unit"
-
-
-class RootUnit(nn.Module):
-    """The outer FSDP unit around the LightningModule.
-
-    Lightning calls ``training_step``, never ``forward``, so a unit on the LightningModule would never gather
-    its parameters. Lightning's forward redirection calls this module instead, whose ``forward`` runs the
-    step: FSDP's hooks fire around the whole step, and a ``self(x)`` inside the step does not re-enter them.
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
 
 
 def prefer_foreach(optimizers: list[torch.optim.Optimizer]) -> None:
@@ -151,6 +139,21 @@ class VitScaleStrategy(ModelParallelStrategy):
         self._config_for_device: ParallelConfig | None = None
         self.plan: ParallelPlan | None = None
         self._parallelized_state: Parallelized | None = None
+        self._user_compiler: Compiler | None = None
+
+    @property  # type: ignore[override]
+    def _lightning_module(self) -> pl.LightningModule | None:
+        return self.__dict__.get("_vitscale_lightning_module")
+
+    @_lightning_module.setter
+    def _lightning_module(self, module: pl.LightningModule | None) -> None:
+        # Trainer.fit(torch.compile(model)) stores the unwrapped module here, then refuses every strategy outside
+        # its own list: take the compile over first (compiled.py) and compile the blocks instead.
+        compiler = take_over_compiled(module)
+        if compiler is not None:
+            rank_zero_info(TAKEN_OVER)
+            self._user_compiler, self._config_for_device = compiler, None
+        self.__dict__["_vitscale_lightning_module"] = module
 
     @property
     @override
@@ -198,9 +201,13 @@ class VitScaleStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
+        if trainer.state.fn == TrainerFn.FITTING:  # as DDP: only when fitting
+            apply_sync_batchnorm(self._layer_sync, module, self.root_device)
         self.model = self._parallelized(module)
+        self.model.release()  # a copy gathered by a call after an earlier fit must not reach the optimizer
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
+            shard_averaged_copies(trainer.callbacks, module, self.root_device)  # WeightAveraging & co.
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -218,6 +225,7 @@ class VitScaleStrategy(ModelParallelStrategy):
             config = self._resolved_config()
             done = parallelize(root, module, self.device_mesh, config, precision.policy, self.root_device)
             # Kept in __dict__ (not as a submodule): the LightningModule must not contain its own wrapper.
+            root.enable_calls_outside_steps()
             existing = module.__dict__[_ROOT_ATTR] = (root, done)
             rank_zero_info(done.plan.summary())
         root, self._parallelized_state = existing
@@ -228,6 +236,8 @@ class VitScaleStrategy(ModelParallelStrategy):
         """The config with ``kernels=`` resolved for this device (known only once processes are set up)."""
         if self._config_for_device is None:
             kernels = resolve_kernels(self._kernels, self.root_device)
+            if self._user_compiler is not None:
+                kernels = dataclasses.replace(kernels, compile_blocks=True, compiler=self._user_compiler)
             self._config_for_device = dataclasses.replace(self.config, kernels=kernels)
         return self._config_for_device
 
@@ -283,9 +293,18 @@ class VitScaleStrategy(ModelParallelStrategy):
             rank_zero_warn(f"{type(exception).__name__} on rank {self.global_rank}: stopping the other local ranks.")
             launcher.kill(signal.SIGKILL)
 
+    @override
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(*args, **kwargs)
+        if isinstance(self.model, RootUnit):
+            self.model.release()  # a copy gathered by a callback before the update is stale now
+        return output
+
     def _reshard_root(self) -> None:
         # FSDP2 keeps the outer unit gathered after forward for backward; an eval loop has no backward, so
         # free the gathered copy ourselves (users then see sharded DTensors again, and memory drops).
+        if isinstance(self.model, RootUnit):
+            self.model.release()
         if isinstance(self.model, FSDPModule):
             self.model.reshard()
 
