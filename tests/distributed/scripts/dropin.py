@@ -111,16 +111,17 @@ def outside_steps() -> dict:
 
 
 def compiled() -> dict:
+    """``fit(torch.compile(model))`` under VitScaleStrategy against the plain model under DDP: compiling must not
+    change the losses. Dropout off: compiled dropout draws its random numbers differently from eager."""
     L.seed_everything(0, verbose=False)
     model = Classifier("encoder")
-    if os.environ.get("NO_DROPOUT"):
-        for m in model.modules():
-            if isinstance(m, torch.nn.Dropout):
-                m.p = 0.0
-            if isinstance(m, torch.nn.MultiheadAttention):
-                m.dropout = 0.0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(module, torch.nn.MultiheadAttention):
+            module.dropout = 0.0
     t = trainer(max_steps=3)
-    t.fit(torch.compile(model, backend="eager"), loader(n=24))
+    t.fit(torch.compile(model, backend="eager") if STRATEGY == "vitscale" else model, loader(n=24))
     facts: dict = {"losses": model.losses}
     if STRATEGY == "vitscale":
         blocks = [model.get_submodule(name) for name in t.strategy.plan.block_names]
@@ -176,14 +177,14 @@ def sync_batchnorm() -> dict:
 
 def one_rank_call() -> dict:
     """Only rank 0 calls the model after fit: it must fail within the timeout, saying why (VitScaleStrategy only)."""
-    timeout = 8.0
+    timeout = 3.0
     L.seed_everything(0, verbose=False)
     model = Classifier("encoder")
     t = trainer(max_steps=1)
     t.fit(model, loader(n=8))
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout), dist.group.WORLD)
     if dist.get_rank() != 0:
-        time.sleep(timeout + 10)  # joins no collective: rank 0's gather can only time out
+        time.sleep(timeout + 6)  # joins no collective: rank 0's gather can only time out
         return {}
     start = time.monotonic()
     try:
