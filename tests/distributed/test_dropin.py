@@ -11,21 +11,19 @@ from tests.helpers.results import load_ranks
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 
 SCRIPT = "tests/distributed/scripts/dropin.py"
-COMMON = "outside_steps,compiled,weight_averaging,stochastic_weight_averaging,sync_batchnorm"
+COMPARED = ("outside_steps", "compiled", "weight_averaging", "stochastic_weight_averaging", "sync_batchnorm")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    results = {}
-    for strategy, names in (("ddp", COMMON), ("vitscale", COMMON + ",one_rank_call")):
-        out = tmp_path_factory.mktemp(strategy)
-        assert_ok(torchrun(SCRIPT, str(out), names, timeout=300, DROPIN_STRATEGY=strategy))
-        results[strategy] = load_ranks(out)
-    return results
+def runs(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("dropin")
+    names = [f"{name}/{strategy}" for name in COMPARED for strategy in ("ddp", "vitscale")]
+    assert_ok(torchrun(SCRIPT, str(out), ",".join([*names, "one_rank_call/vitscale"]), timeout=300))
+    return load_ranks(out)
 
 
 def _pairs(runs, scenario):
-    return [(ours[scenario], ddp[scenario]) for ours, ddp in zip(runs["vitscale"], runs["ddp"])]
+    return [(rank[f"{scenario}/vitscale"], rank[f"{scenario}/ddp"]) for rank in runs]
 
 
 def _assert_same_numbers(ours: dict, ddp: dict, keys: list[str]) -> None:
@@ -72,7 +70,7 @@ def test_sync_batchnorm_refused_on_cpu_before_any_step(runs):
 
 
 def test_call_on_one_rank_fails_within_timeout_saying_why(runs):
-    facts = runs["vitscale"][0]["one_rank_call"]
+    facts = runs[0]["one_rank_call/vitscale"]
     assert facts["error"].startswith("OutsideStepCallError: Calling the sharded model outside a training/validation")
     assert "every rank" in facts["error"] and "timeout" in facts["error"]
     assert facts["seconds"] < 30  # the process-group timeout was 3 s

@@ -1,7 +1,8 @@
-"""Rank script: what DDP users do outside ``*_step``, run under the strategy named by DROPIN_STRATEGY (ddp|vitscale).
+"""Rank script: what DDP users do outside ``*_step``, each scenario run under ``"ddp"`` and VitScaleStrategy.
 
 Calls from callbacks and after ``fit``, a ``torch.compile``d LightningModule, Lightning's weight-averaging
-callbacks and ``sync_batchnorm=True``; the test compares the facts of the two strategies.
+callbacks and ``sync_batchnorm=True``; results are keyed ``<scenario>/<strategy>`` and the test compares them.
+One launch for both strategies: the process group is made once.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tests.helpers.models import Classifier, loader, random_images
 from tests.helpers.scenarios import run_scenarios
 
 warnings.filterwarnings("ignore")
-STRATEGY = os.environ.get("DROPIN_STRATEGY", "vitscale")
+STRATEGY = "vitscale"  # set by `under` for each run
 PROBE = random_images(4, seed=7).tensors[0]
 
 
@@ -195,14 +196,24 @@ def one_rank_call() -> dict:
     return {"error": None, "seconds": time.monotonic() - start, "trace": traceback.format_exc()}
 
 
-SCENARIOS = {
+def under(name: str, scenario):
+    def run() -> dict:
+        global STRATEGY
+        STRATEGY = name
+        return scenario()
+
+    return run
+
+
+COMPARED = {
     "outside_steps": outside_steps,
     "compiled": compiled,
     "weight_averaging": weight_averaging,
     "stochastic_weight_averaging": stochastic_weight_averaging,
     "sync_batchnorm": sync_batchnorm,
-    "one_rank_call": one_rank_call,
 }
+SCENARIOS = {f"{name}/{s}": under(s, fn) for name, fn in COMPARED.items() for s in ("ddp", "vitscale")}
+SCENARIOS["one_rank_call/vitscale"] = under("vitscale", one_rank_call)  # last: it leaves the group unusable
 
 
 if __name__ == "__main__":
