@@ -9,6 +9,8 @@ ones DDP computes, and the copy costs 1/N of the memory per rank instead of a wh
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
 from torch import nn
@@ -17,13 +19,24 @@ from torch.distributed.tensor import distribute_tensor
 from lightning_vitscale._compat import DTensor
 
 
-def shard_averaged_copies(callbacks: list[Callback], model: nn.Module, device: torch.device) -> int:
-    """Shard the averaged copy of every weight-averaging callback like ``model``; returns how many were sharded."""
+def shard_averaged_copies(
+    callbacks: list[Callback], model: nn.Module, device: torch.device, checkpointing: bool = False
+) -> int:
+    """Shard the averaged copy of every weight-averaging callback like ``model``; returns how many were sharded.
+
+    Their checkpoint state is refused (at once if ``checkpointing``, else at the first save): Lightning stores the
+    averaged and current weights outside the model's state dict, in the part of the checkpoint that rank 0 writes
+    alone, so every other rank's shards would be silently missing from it.
+    """
     sharded = 0
     for callback in callbacks:
         copy = _averaged_copy(callback)
         if copy is None:
             continue
+        if checkpointing:
+            raise ValueError(_NO_CHECKPOINTS.format(name=type(callback).__name__))
+        callback.on_save_checkpoint = _refuse_checkpoint  # type: ignore[method-assign]
+        callback.state_dict = _refuse_checkpoint  # type: ignore[method-assign]
         wanted = getattr(callback, "_device", None)
         if wanted is not None and torch.device(wanted).type != device.type:
             raise ValueError(
@@ -34,6 +47,18 @@ def shard_averaged_copies(callbacks: list[Callback], model: nn.Module, device: t
         shard_like(copy, model)
         sharded += 1
     return sharded
+
+
+_NO_CHECKPOINTS = (
+    "{name} cannot be checkpointed under VitScaleStrategy: Lightning keeps its averaged and current weights"
+    " outside the sharded part of the checkpoint, which rank 0 writes alone, so the other ranks' shards would be"
+    " lost. Pass Trainer(enable_checkpointing=False) and save no checkpoint while it runs, or use"
+    " lightning_vitscale.ShardedEMA, whose state is saved in the sharded checkpoint."
+)
+
+
+def _refuse_checkpoint(*args: Any, **kwargs: Any) -> Any:
+    raise ValueError(_NO_CHECKPOINTS.format(name="A weight-averaging callback"))
 
 
 def _averaged_copy(callback: Callback) -> nn.Module | None:

@@ -207,7 +207,8 @@ class VitScaleStrategy(ModelParallelStrategy):
         self.model.release()  # a copy gathered by a call after an earlier fit must not reach the optimizer
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
-            shard_averaged_copies(trainer.callbacks, module, self.root_device)  # WeightAveraging & co.
+            # WeightAveraging & co.: their averaged copy sharded like the model.
+            shard_averaged_copies(trainer.callbacks, module, self.root_device, bool(trainer.checkpoint_callbacks))
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -7,13 +7,15 @@ import copy
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import WeightAveraging
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.utilities.compile import _maybe_unwrap_optimized, _verify_strategy_supports_compile
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale._compat import DTensor
-from lightning_vitscale.averaging import shard_like
+from lightning_vitscale.averaging import shard_averaged_copies, shard_like
 from lightning_vitscale.matching import is_normalization
 from lightning_vitscale.parallelize import parallelize
 from lightning_vitscale.policies import ParallelConfig
@@ -83,3 +85,15 @@ def test_averaged_copy_is_sharded_like_the_model_with_its_own_values(mesh):
         assert torch.equal(p.full_tensor(), expected[name]), name
     # The callbacks pair parameters by position: the order is unchanged.
     assert [n for n, _ in averaged.named_parameters()] == list(expected) == list(live)
+
+
+def test_averaging_checkpoints_are_refused_not_silently_partial(mesh):
+    model = EncoderClassifier(dim=32, depth=2)
+    callback = WeightAveraging()
+    callback._average_model = AveragedModel(copy.deepcopy(model))
+    parallelize(RootUnit(model), model, mesh, ParallelConfig(), device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="enable_checkpointing=False.*ShardedEMA"):
+        shard_averaged_copies([callback], model, torch.device("cpu"), checkpointing=True)
+    assert shard_averaged_copies([callback], model, torch.device("cpu")) == 1
+    with pytest.raises(ValueError, match="cannot be checkpointed under VitScaleStrategy"):
+        callback.on_save_checkpoint(None, model, {})  # a manual trainer.save_checkpoint
