@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_vitscale._compat import DTensor
 from lightning_vitscale.parallelize import parallelize
-from lightning_vitscale.policies import ParallelConfig
+from lightning_vitscale.policies import ParallelConfig, resolve_flag
 from lightning_vitscale.root_unit import OutsideStepCallError, RootUnit
 from tests.helpers.models import EncoderClassifier
 
@@ -80,3 +80,20 @@ def test_failed_gather_names_the_cause(mesh, monkeypatch):
     with pytest.raises(OutsideStepCallError, match="every rank must join.*Timed out waiting"), torch.no_grad():
         model(torch.randn(2, 3, 32, 32))
     assert root._depth == 0  # the failed call left no state behind
+
+
+def test_bf16_model_called_outside_a_step(mesh):
+    """BF16 O2: the gathered outer unit computes in bf16 (inputs cast by its layers), norms stay fp32."""
+    torch.manual_seed(0)
+    model = EncoderClassifier(dim=32, depth=2, dropout=0.0).eval()
+    reference = copy.deepcopy(model)
+    root = RootUnit(model)
+    parallelize(root, model, mesh, ParallelConfig(), resolve_flag("bf16-mixed"), torch.device("cpu"))
+    root.enable_calls_outside_steps()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        out = model(x)
+        expected = reference(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), expected, atol=0.1, rtol=0.1)
+    assert outer_is_sharded(model)
