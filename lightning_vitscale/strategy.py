@@ -208,7 +208,8 @@ class VitScaleStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             # WeightAveraging & co.: their averaged copy sharded like the model.
-            shard_averaged_copies(trainer.callbacks, module, self.root_device, bool(trainer.checkpoint_callbacks))
+            callbacks = trainer.callbacks  # type: ignore[attr-defined]
+            shard_averaged_copies(callbacks, module, self.root_device, bool(trainer.checkpoint_callbacks))
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
