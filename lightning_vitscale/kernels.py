@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lightning_vitscale._compat import DYNAMO_RECOMPILE_LIMIT, compile_in_place, dynamo, fused_kernel_devices
+from lightning_vitscale.policies import Compiler
 
 # dynamo's default number of compiled variants per code object (requires_grad, shapes, ...), per block class.
 _VARIANTS_PER_CLASS = 8
@@ -23,7 +24,9 @@ _FUSED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, 
 # --- per-block compilation -------------------------------------------------------------------------------
 
 
-def apply_regional_compile(modules: list[nn.Module], mode: str | None = None) -> dict[str, int]:
+def apply_regional_compile(
+    modules: list[nn.Module], mode: str | None = None, compiler: Compiler | None = None
+) -> dict[str, int]:
     """Compile each module (the blocks, and the outer layers if asked) in place; returns class name -> count.
 
     ``nn.Module.compile`` keeps parameter names (``torch.compile(module)`` would add ``_orig_mod.`` to every
@@ -32,11 +35,14 @@ def apply_regional_compile(modules: list[nn.Module], mode: str | None = None) ->
     the compiled block). Identical blocks share compiled code through dynamo's cache: one compile per class
     (plus one variant when only the first block's input does not require grad). ``mode`` is checked by
     :class:`~lightning_vitscale.policies.KernelPolicy`. Each compiled call runs under two dynamo options, see
-    :func:`dynamo_options`; they are set only while these modules run, never process-wide.
+    :func:`dynamo_options`; they are set only while these modules run, never process-wide. ``compiler`` (the
+    context of a user's ``torch.compile(model, ...)``) replaces ``torch.compile(mode=mode)``, keeping the user's
+    backend and options.
     """
     counts = Counter(type(module).__name__ for module in modules)
     for module in modules:
-        compile_in_place(module, functools.partial(_under_options, num_classes=len(counts)), mode=mode)
+        wrap = functools.partial(_under_options, num_classes=len(counts))
+        compile_in_place(module, wrap, compiler, mode=mode)
     return dict(counts)
 
 

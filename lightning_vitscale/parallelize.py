@@ -97,7 +97,9 @@ def parallelize(
     compiled_blocks = [block for _, block in blocks] if kernels.compile_blocks else []
     compiled_outer = _outer_subtrees(model, blocks, norm_modules) if kernels.compile_outer else []
     if compiled_blocks or compiled_outer:
-        apply_regional_compile(compiled_blocks + [module for _, module in compiled_outer], kernels.compile_mode)
+        apply_regional_compile(
+            compiled_blocks + [module for _, module in compiled_outer], kernels.compile_mode, kernels.compiler
+        )
     tensor_cores = tensor_core_report(model)  # on the plain model, before FSDP wraps it
 
     # 4. Each block its own unit: peak memory is one block's gathered parameters, not the model's.

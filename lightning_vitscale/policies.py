@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -13,6 +13,9 @@ from lightning_vitscale.matching import is_normalization
 
 ModuleSelector = set[type[nn.Module]] | frozenset[type[nn.Module]] | Callable[[str, nn.Module], bool]
 """Block classes, or a predicate on (qualified name, module)."""
+
+Compiler = Callable[[Callable[..., Any]], Callable[..., Any]]
+"""Turns a function into its compiled version, like ``torch.compile(fn)`` or a compiled module's ``dynamo_ctx``."""
 
 CheckpointSelector = bool | int | Callable[[str, nn.Module], bool]
 """``True``: every block; ``False``: none; ``k``: every k-th block (1-based); callable: per block."""
@@ -171,6 +174,8 @@ class KernelPolicy:
             (only where xformers can run: CUDA with the extra installed; elsewhere it is SDPA at no cost).
         fused_optimizer: switch Adam/AdamW to their fused (single-kernel) step where the user left it open.
         compile_mode: passed to ``torch.compile``; one of :data:`COMPILE_MODES`.
+        compiler: compiles each module's call instead of ``torch.compile(mode=compile_mode)``; set when the user
+            passes ``trainer.fit(torch.compile(model, ...))``, so their backend and options apply per block.
     """
 
     compile_blocks: bool = False
@@ -178,6 +183,7 @@ class KernelPolicy:
     attention: AttentionChoice = "sdpa"
     fused_optimizer: bool = False
     compile_mode: str | None = None
+    compiler: Compiler | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_CHOICES:

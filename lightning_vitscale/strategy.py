@@ -14,7 +14,6 @@ from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import nn
 from typing_extensions import override
 
 from lightning_vitscale import checkpoint_io
@@ -30,13 +29,16 @@ from lightning_vitscale.attention import usable_backends
 from lightning_vitscale.attention_auto import auto_attention_step
 from lightning_vitscale.checkpoint import consolidate_command
 from lightning_vitscale.checkpoint_storage import Location
+from lightning_vitscale.compiled import TAKEN_OVER, take_over_compiled
 from lightning_vitscale.kernels import fuse_optimizers, prefer_foreach
+from lightning_vitscale.lightning_averaging import shard_averaged_copies
 from lightning_vitscale.mesh import build_mesh, shard_size
 from lightning_vitscale.parallelize import Parallelized, parallelize
 from lightning_vitscale.plan import ParallelPlan
 from lightning_vitscale.policies import (
     CheckpointingPolicy,
     CheckpointSelector,
+    Compiler,
     KernelMode,
     KernelPolicy,
     ModuleSelector,
@@ -51,6 +53,8 @@ from lightning_vitscale.policies import (
 )
 from lightning_vitscale.precision import VitScalePrecision, to_vitscale_precision
 from lightning_vitscale.process_group import destroy_process_group_at_exit
+from lightning_vitscale.root_unit import RootUnit
+from lightning_vitscale.sync_batchnorm import apply_sync_batchnorm
 from lightning_vitscale.traffic import layout_report
 
 if TYPE_CHECKING:
@@ -58,22 +62,6 @@ if TYPE_CHECKING:
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 _ROOT_ATTR = "_vitscale_root_unit"
-
-
-class RootUnit(nn.Module):
-    """The outer FSDP unit around the LightningModule.
-
-    Lightning calls ``training_step``, never ``forward``, so a unit on the LightningModule would never gather
-    its parameters. Lightning's forward redirection calls this module instead, whose ``forward`` runs the
-    step: FSDP's hooks fire around the whole step, and a ``self(x)`` inside the step does not re-enter them.
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
 
 
 class VitScaleStrategy(ModelParallelStrategy):
@@ -136,6 +124,21 @@ class VitScaleStrategy(ModelParallelStrategy):
         self._told_how_to_consolidate = False
         self.plan: ParallelPlan | None = None
         self._parallelized_state: Parallelized | None = None
+        self._user_compiler: Compiler | None = None
+
+    @property  # type: ignore[override]
+    def _lightning_module(self) -> pl.LightningModule | None:
+        return self.__dict__.get("_vitscale_lightning_module")
+
+    @_lightning_module.setter
+    def _lightning_module(self, module: pl.LightningModule | None) -> None:
+        # Trainer.fit(torch.compile(model)) stores the unwrapped module here, then refuses every strategy outside
+        # its own list: take the compile over first (compiled.py) and compile the blocks instead.
+        compiler = take_over_compiled(module)
+        if compiler is not None:
+            rank_zero_info(TAKEN_OVER)
+            self._user_compiler = compiler
+        self.__dict__["_vitscale_lightning_module"] = module
 
     @property
     @override
@@ -188,9 +191,15 @@ class VitScaleStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
+        if trainer.state.fn == TrainerFn.FITTING:  # as DDP: only when fitting
+            apply_sync_batchnorm(self._layer_sync, module, self.root_device)
         self.model = self._parallelized(module)
+        self.model.release()  # a copy gathered by a call after an earlier fit must not reach the optimizer
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
+            # WeightAveraging & co.: their averaged copy sharded like the model.
+            callbacks = trainer.callbacks  # type: ignore[attr-defined]
+            shard_averaged_copies(callbacks, module, self.root_device, bool(trainer.checkpoint_callbacks))
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and self.config.sharding.offload is None:
@@ -209,6 +218,7 @@ class VitScaleStrategy(ModelParallelStrategy):
             done = parallelize(root, module, self.device_mesh, config, precision.policy, self.root_device)
             self._describe_layout(done, root)
             # Kept in __dict__ (not as a submodule): the LightningModule must not contain its own wrapper.
+            root.enable_calls_outside_steps()
             existing = module.__dict__[_ROOT_ATTR] = (root, done)
             rank_zero_info(done.plan.summary())
         root, self._parallelized_state = existing
@@ -231,6 +241,9 @@ class VitScaleStrategy(ModelParallelStrategy):
         """The config with ``kernels=`` resolved for this device (known only once processes are set up)."""
         device = self.root_device
         kernels = resolve_kernels(self.config.kernels, device, usable_backends(device))  # idempotent
+        if self._user_compiler is not None and isinstance(kernels, KernelPolicy):
+            # trainer.fit(torch.compile(model)): the user's compile settings, applied block by block
+            kernels = dataclasses.replace(kernels, compile_blocks=True, compiler=self._user_compiler)
         self.config = dataclasses.replace(self.config, kernels=kernels)
         return self.config
 
@@ -269,9 +282,18 @@ class VitScaleStrategy(ModelParallelStrategy):
             rank_zero_warn(f"{type(exception).__name__} on rank {self.global_rank}: stopping the other local ranks.")
             launcher.kill(signal.SIGKILL)
 
+    @override
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(*args, **kwargs)
+        if isinstance(self.model, RootUnit):
+            self.model.release()  # a copy gathered by a callback before the update is stale now
+        return output
+
     def _reshard_root(self) -> None:
         # FSDP2 keeps the outer unit gathered after forward for backward; an eval loop has no backward, so
         # free the gathered copy ourselves (users then see sharded DTensors again, and memory drops).
+        if isinstance(self.model, RootUnit):
+            self.model.release()
         if isinstance(self.model, FSDPModule):
             self.model.reshard()
 

@@ -1,0 +1,94 @@
+"""Lightning's ``WeightAveraging`` (EMA/SWA via ``torch.optim.swa_utils``) and ``StochasticWeightAveraging``, sharded.
+
+Both callbacks deep-copy the LightningModule in their ``setup`` (before the strategy shards it), then ``copy_`` /
+average between the copy's and the model's parameters, pairing them by position. Once the model's parameters are
+sharded DTensors, the plain copy fails ("aten.copy_.default got mixed torch.Tensor and DTensor"). Sharding the
+copy exactly like the model makes every one of those ops a local op on matching shards: the averages are the
+ones DDP computes, and the copy costs 1/N of the memory per rank instead of a whole model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
+from torch import nn
+from torch.distributed.tensor import distribute_tensor
+
+from lightning_vitscale._compat import DTensor
+
+
+def shard_averaged_copies(
+    callbacks: list[Callback], model: nn.Module, device: torch.device, checkpointing: bool = False
+) -> int:
+    """Shard the averaged copy of every weight-averaging callback like ``model``; returns how many were sharded.
+
+    Their checkpoint state is refused (at once if ``checkpointing``, else at the first save): Lightning stores the
+    averaged and current weights outside the model's state dict, in the part of the checkpoint that rank 0 writes
+    alone, so every other rank's shards would be silently missing from it.
+    """
+    sharded = 0
+    for callback in callbacks:
+        copy = _averaged_copy(callback)
+        if copy is None:
+            continue
+        if checkpointing:
+            raise ValueError(_NO_CHECKPOINTS.format(name=type(callback).__name__))
+        callback.on_save_checkpoint = _refuse_checkpoint  # type: ignore[method-assign]
+        callback.state_dict = _refuse_checkpoint  # type: ignore[method-assign]
+        wanted = getattr(callback, "_device", None)
+        if wanted is not None and torch.device(wanted).type != device.type:
+            raise ValueError(
+                f"{type(callback).__name__}(device={wanted!r}) cannot keep its averaged copy on another device under"
+                f" VitScaleStrategy: the copy is sharded like the model, on {device.type} (1/N of the model per"
+                " rank). Drop `device=`, or use lightning_vitscale.ShardedEMA."
+            )
+        shard_like(copy, model)
+        sharded += 1
+    return sharded
+
+
+_NO_CHECKPOINTS = (
+    "{name} cannot be checkpointed under VitScaleStrategy: Lightning keeps its averaged and current weights"
+    " outside the sharded part of the checkpoint, which rank 0 writes alone, so the other ranks' shards would be"
+    " lost. Pass Trainer(enable_checkpointing=False) and save no checkpoint while it runs, or use"
+    " lightning_vitscale.ShardedEMA, whose state is saved in the sharded checkpoint."
+)
+
+
+def _refuse_checkpoint(*args: Any, **kwargs: Any) -> Any:
+    raise ValueError(_NO_CHECKPOINTS.format(name="A weight-averaging callback"))
+
+
+def _averaged_copy(callback: Callback) -> nn.Module | None:
+    if isinstance(callback, WeightAveraging):
+        averaged = callback._average_model
+        return None if averaged is None else averaged.module
+    if isinstance(callback, StochasticWeightAveraging):
+        return callback._average_model
+    return None
+
+
+@torch.no_grad()
+def shard_like(copy: nn.Module, model: nn.Module) -> None:
+    """Replace each parameter of ``copy`` by the local shard of its own values, placed like ``model``'s.
+
+    Parameter names match (FSDP2, checkpointing and norms keep them), and registering under the same name keeps
+    the positions that the callbacks pair parameters by. Every rank keeps only its slice: no communication.
+    """
+    targets = dict(model.named_parameters())
+    for name, param in list(copy.named_parameters()):
+        target = targets.get(name)
+        if not isinstance(target, DTensor) or isinstance(param, DTensor):
+            continue
+        if param.shape != target.shape:
+            raise ValueError(
+                f"The averaged copy's `{name}` has shape {tuple(param.shape)}, the model's {tuple(target.shape)}:"
+                " the model changed after the weight-averaging callback copied it."
+            )
+        full = param.detach().to(target.device)
+        local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+        owner_name, _, attr = name.rpartition(".")
+        owner = copy.get_submodule(owner_name)
+        owner.register_parameter(attr, nn.Parameter(local, requires_grad=param.requires_grad))

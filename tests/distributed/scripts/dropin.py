@@ -1,0 +1,220 @@
+"""Rank script: what DDP users do outside ``*_step``, each scenario run under ``"ddp"`` and VitScaleStrategy.
+
+Calls from callbacks and after ``fit``, a ``torch.compile``d LightningModule, Lightning's weight-averaging
+callbacks and ``sync_batchnorm=True``; results are keyed ``<scenario>/<strategy>`` and the test compares them.
+One launch for both strategies: the process group is made once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+import warnings
+from datetime import timedelta
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
+from torch.optim.swa_utils import get_ema_avg_fn
+
+from lightning_vitscale import VitScaleStrategy
+from lightning_vitscale._compat import DTensor
+from tests.helpers.models import Classifier, loader, random_images
+from tests.helpers.scenarios import run_scenarios
+
+warnings.filterwarnings("ignore")
+STRATEGY = "vitscale"  # set by `under` for each run
+PROBE = random_images(4, seed=7).tensors[0]
+
+
+def strategy(**kwargs):
+    return VitScaleStrategy(**kwargs) if STRATEGY == "vitscale" else "ddp"
+
+
+def trainer(**kwargs) -> L.Trainer:
+    defaults = dict(
+        accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", 1)), strategy=strategy(), logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+def sharded_or_plain(model: torch.nn.Module) -> bool:
+    """Under VitScaleStrategy: every parameter is a DTensor again (nothing left gathered). Under DDP: True."""
+    return STRATEGY == "ddp" or all(isinstance(p, DTensor) for p in model.parameters())
+
+
+def values(t: torch.Tensor) -> list[float]:
+    return t.detach().float().flatten().tolist()
+
+
+class Probe(Callback):
+    """Calls the model the ways DDP users do from callbacks."""
+
+    def __init__(self) -> None:
+        self.facts: dict = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == 1:  # gradients on, with a backward, in the middle of training
+            pl_module.eval()
+            out = pl_module(PROBE)
+            out.sum().backward()
+            pl_module.train()
+            self.facts["batch_end_grad"] = values(out)
+        if batch_idx == 3:  # after the update: a copy gathered in on_after_backward must not be used
+            pl_module.eval()
+            with torch.no_grad():
+                self.facts["after_update"] = values(pl_module(PROBE))
+            pl_module.train()
+        if batch_idx == 2:  # the common case: no_grad, a child module
+            pl_module.eval()
+            with torch.no_grad():
+                self.facts["batch_end_child"] = values(pl_module.backbone(PROBE))
+            pl_module.train()
+            self.facts["nothing_gathered_after_no_grad_call"] = sharded_or_plain(pl_module)
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        # Gradients on, no backward: the gathered copy is kept; the update then makes it stale.
+        if trainer.fit_loop.epoch_loop.batch_idx == 3:
+            self.facts["after_backward"] = values(pl_module.backbone.head(torch.ones(2, 64)))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        pl_module.eval()
+        with torch.no_grad():
+            self.facts["train_end"] = values(pl_module(PROBE))
+        self.facts["train_end_grad_enabled"] = values(pl_module.backbone(PROBE))
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        with torch.no_grad():
+            self.facts["fit_end"] = values(pl_module(PROBE))
+
+
+def outside_steps() -> dict:
+    L.seed_everything(0, verbose=False)
+    model, probe = Classifier("encoder"), Probe()
+    t = trainer(max_steps=6, callbacks=[probe])
+    t.fit(model, loader(n=48))
+    facts = dict(probe.facts, losses=model.losses)
+    model.eval()
+    with torch.no_grad():  # the user's script after fit returns, on every rank
+        facts["after_fit"] = values(model(PROBE))
+    out = model(PROBE)
+    out.sum().backward()
+    grad = model.backbone.head.weight.grad  # FSDP reduces it as in a step: sharded, averaged over ranks
+    facts["after_fit_grad"] = values(grad.full_tensor() if isinstance(grad, DTensor) else grad)
+    t.limit_val_batches = 2
+    facts["val_after"] = t.validate(model, loader(n=16), verbose=False)[0]["val_loss"]
+    facts["nothing_gathered_after_validate"] = sharded_or_plain(model)
+    return facts
+
+
+def compiled() -> dict:
+    """``fit(torch.compile(model))`` under VitScaleStrategy against the plain model under DDP: compiling must not
+    change the losses. Dropout off: compiled dropout draws its random numbers differently from eager."""
+    L.seed_everything(0, verbose=False)
+    model = Classifier("encoder")
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(module, torch.nn.MultiheadAttention):
+            module.dropout = 0.0
+    t = trainer(max_steps=3)
+    t.fit(torch.compile(model, backend="eager") if STRATEGY == "vitscale" else model, loader(n=24))
+    facts: dict = {"losses": model.losses}
+    if STRATEGY == "vitscale":
+        blocks = [model.get_submodule(name) for name in t.strategy.plan.block_names]
+        facts["compiled_blocks"] = t.strategy.plan.kernels["compiled blocks"]
+        facts["blocks_compiled"] = all(b._compiled_call_impl is not None for b in blocks)
+        facts["step_not_compiled"] = model._compiler_ctx is None
+    return facts
+
+
+def weight_averaging() -> dict:
+    L.seed_everything(0, verbose=False)
+    model = Classifier("encoder")
+    averaging = WeightAveraging(avg_fn=get_ema_avg_fn(0.8))
+    t = trainer(max_steps=4, callbacks=[averaging], limit_val_batches=2, val_check_interval=2)
+    return _fit_and_read(t, model, averaging_is_sharded=lambda: averaging._average_model.module)
+
+
+def stochastic_weight_averaging() -> dict:
+    L.seed_everything(0, verbose=False)
+    model = Classifier("encoder")
+    swa = StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1)
+    t = trainer(max_epochs=3, limit_train_batches=2, callbacks=[swa])
+    return _fit_and_read(t, model, averaging_is_sharded=lambda: swa._average_model)
+
+
+def _fit_and_read(t: L.Trainer, model: Classifier, averaging_is_sharded) -> dict:
+    try:
+        t.fit(model, loader(n=32), loader(n=16))
+    except Exception as error:  # noqa: BLE001 - the refusal is what this scenario records
+        return {"error": f"{type(error).__name__}: {error}"}
+    model.eval()
+    with torch.no_grad():
+        out = model(PROBE)
+    return {
+        "losses": model.losses,
+        "val_losses": model.val_losses,
+        "averaged_out": values(out),
+        "averaged_copy_sharded": sharded_or_plain(averaging_is_sharded()),
+    }
+
+
+def sync_batchnorm() -> dict:
+    """On CPU both refuse: DDP at the first forward (torch's check), VitScaleStrategy at setup (before any step)."""
+    L.seed_everything(0, verbose=False)
+    model = Classifier("resnet")
+    t = trainer(max_steps=2, sync_batchnorm=True)
+    try:
+        t.fit(model, loader(n=16))
+    except Exception as error:  # noqa: BLE001
+        return {"error": f"{type(error).__name__}: {error}", "steps_run": len(model.losses)}
+    return {"error": None, "steps_run": len(model.losses)}
+
+
+def one_rank_call() -> dict:
+    """Only rank 0 calls the model after fit: it must fail within the timeout, saying why (VitScaleStrategy only)."""
+    timeout = 3.0
+    L.seed_everything(0, verbose=False)
+    model = Classifier("encoder")
+    t = trainer(max_steps=1)
+    t.fit(model, loader(n=8))
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout), dist.group.WORLD)
+    if dist.get_rank() != 0:
+        time.sleep(timeout + 6)  # joins no collective: rank 0's gather can only time out
+        return {}
+    start = time.monotonic()
+    try:
+        with torch.no_grad():
+            model(PROBE)
+    except Exception as error:  # noqa: BLE001
+        return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start, "trace": traceback.format_exc()}
+
+
+def under(name: str, scenario):
+    def run() -> dict:
+        global STRATEGY
+        STRATEGY = name
+        return scenario()
+
+    return run
+
+
+COMPARED = {
+    "outside_steps": outside_steps,
+    "compiled": compiled,
+    "weight_averaging": weight_averaging,
+    "stochastic_weight_averaging": stochastic_weight_averaging,
+    "sync_batchnorm": sync_batchnorm,
+}
+SCENARIOS = {f"{name}/{s}": under(s, fn) for name, fn in COMPARED.items() for s in ("ddp", "vitscale")}
+SCENARIOS["one_rank_call/vitscale"] = under("vitscale", one_rank_call)  # last: it leaves the group unusable
+
+
+if __name__ == "__main__":
+    run_scenarios(SCENARIOS)

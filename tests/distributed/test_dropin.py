@@ -1,0 +1,76 @@
+"""Drop-in from DDP outside ``*_step``: calls from callbacks and after fit, torch.compile'd modules, Lightning's
+weight-averaging callbacks and sync_batchnorm, each compared with the same script under ``strategy="ddp"``."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.launch import assert_ok, torchrun
+from tests.helpers.results import load_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
+
+SCRIPT = "tests/distributed/scripts/dropin.py"
+COMPARED = ("outside_steps", "compiled", "weight_averaging", "stochastic_weight_averaging", "sync_batchnorm")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("dropin")
+    names = [f"{name}/{strategy}" for name in COMPARED for strategy in ("ddp", "vitscale")]
+    assert_ok(torchrun(SCRIPT, str(out), ",".join([*names, "one_rank_call/vitscale"]), timeout=300))
+    return load_ranks(out)
+
+
+def _pairs(runs, scenario):
+    return [(rank[f"{scenario}/vitscale"], rank[f"{scenario}/ddp"]) for rank in runs]
+
+
+def _assert_same_numbers(ours: dict, ddp: dict, keys: list[str]) -> None:
+    for key in keys:
+        assert len(ours[key]) == len(ddp[key]) > 0, key
+        assert max(abs(a - b) for a, b in zip(ours[key], ddp[key])) <= 1e-6, key
+
+
+def test_model_callable_from_callbacks_and_after_fit_like_ddp(runs):
+    """pl_module(x) / pl_module.backbone(x) / a child layer, in on_train_batch_end (with and without gradients,
+    with a backward), on_after_backward, on_train_end, on_fit_end and after fit returns: DDP's outputs, DDP's
+    gradients, and training (losses) and a later validate unaffected."""
+    keys = ["losses", "batch_end_grad", "batch_end_child", "after_backward", "after_update", "train_end",
+            "train_end_grad_enabled", "fit_end", "after_fit", "after_fit_grad", ]
+    for ours, ddp in _pairs(runs, "outside_steps"):
+        _assert_same_numbers(ours, ddp, keys)
+        assert ours["val_after"] == ddp["val_after"]
+        # A no_grad call leaves nothing gathered; an eval loop reshards what a call with gradients kept.
+        assert ours["nothing_gathered_after_no_grad_call"] and ours["nothing_gathered_after_validate"]
+
+
+def test_compiled_module_is_compiled_per_block_with_ddp_losses(runs):
+    for ours, ddp in _pairs(runs, "compiled"):
+        _assert_same_numbers(ours, ddp, ["losses"])
+        assert ours["compiled_blocks"] == "FSDPTransformerEncoderLayer x4"
+        assert ours["blocks_compiled"] and ours["step_not_compiled"]
+
+
+@pytest.mark.parametrize("scenario", ["weight_averaging", "stochastic_weight_averaging"])
+def test_lightning_weight_averaging_matches_ddp(runs, scenario):
+    """EMA through WeightAveraging (swapped in for validation, copied in at the end) and SWA: same averages."""
+    for ours, ddp in _pairs(runs, scenario):
+        assert "error" not in ours, ours.get("error")
+        _assert_same_numbers(ours, ddp, ["losses", "averaged_out"])
+        assert ours["val_losses"] == ddp["val_losses"]
+        assert ours["averaged_copy_sharded"]  # 1/N of the model per rank, not a full copy
+
+
+def test_sync_batchnorm_refused_on_cpu_before_any_step(runs):
+    for ours, ddp in _pairs(runs, "sync_batchnorm"):
+        assert "SyncBatchNorm" in ddp["error"] and ddp["steps_run"] == 0  # DDP: torch's check at the first forward
+        assert ours["error"].startswith("ValueError: Trainer(sync_batchnorm=True) would turn 9 BatchNorm layer(s)")
+        assert "accelerator='cuda'" in ours["error"] and ours["steps_run"] == 0
+
+
+def test_call_on_one_rank_fails_within_timeout_saying_why(runs):
+    facts = runs[0]["one_rank_call/vitscale"]
+    assert facts["error"].startswith("OutsideStepCallError: Calling the sharded model outside a training/validation")
+    assert "every rank" in facts["error"] and "timeout" in facts["error"]
+    assert facts["seconds"] < 30  # the process-group timeout was 3 s
