@@ -1,0 +1,83 @@
+"""Rank script: one training step's real peak memory (allocator events) next to the planner's prediction.
+
+``memory_planner.py OUT_DIR shape:ac:precision,...`` e.g. ``wide:on:32-true``. Each scenario builds the model,
+shards it with the strategy's pipeline, takes two warm-up steps (optimizer state exists, as in any later step),
+then measures the third step the way Lightning runs it: zero_grad(set_to_none) -> forward -> backward -> step.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from lightning_vitscale.demo import TinyViT
+from lightning_vitscale.memory_budget import StepSettings, predict_step
+from lightning_vitscale.parallelize import parallelize
+from lightning_vitscale.planner import step_inputs
+from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, resolve_flag
+from lightning_vitscale.strategy import RootUnit, prefer_foreach
+from tests.helpers.peak import step_peak_bytes
+from tests.helpers.scenarios import run_scenarios
+
+warnings.filterwarnings("ignore")
+
+# TinyViT arguments and per-rank batch: "wide" is parameter-heavy, "long" is activation-heavy (256 tokens).
+SHAPES = {
+    "wide": (dict(image=32, patch=4, dim=256, depth=6), 8),
+    "long": (dict(image=64, patch=4, dim=96, depth=4), 8),
+}
+
+
+def scenario(shape: str, ac: str, precision: str) -> dict:
+    kwargs, batch = SHAPES[shape]
+    world = dist.get_world_size()
+    policy = resolve_flag(precision)
+    with torch.device("meta"):
+        planned = TinyViT(**kwargs)
+    inputs = step_inputs(planned, torch.empty(batch, 3, kwargs["image"], kwargs["image"], device="meta"),
+                         world_size=world, precision=precision)
+    checkpointed = frozenset(range(kwargs["depth"])) if ac == "on" else frozenset()
+    predicted = predict_step(inputs, StepSettings(checkpointed))
+    del planned, inputs
+
+    torch.manual_seed(0)
+    model = TinyViT(**kwargs)
+    if policy.master != torch.float32:
+        model = model.to(policy.master)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
+    root = RootUnit(model)
+    config = ParallelConfig(checkpointing=CheckpointingPolicy(blocks=ac == "on"))
+    done = parallelize(root, model, mesh, config, policy, torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prefer_foreach([optimizer])
+    x = torch.randn(batch, 3, kwargs["image"], kwargs["image"])
+    y = torch.randint(0, 10, (batch,))
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(root(x).float(), y)
+        loss.backward()
+        if done.norms is not None:
+            done.norms.reduce_grads()
+        optimizer.step()
+
+    step()
+    before, peak = step_peak_bytes(step, warmup=step)
+    result = dict(measured=peak, before=before, predicted=predicted.peak, phase=predicted.phase,
+                  breakdown={k: getattr(predicted, k) for k in ("params", "grads", "optimizer", "norms",
+                                                                 "gathered", "activations", "transient", "batch")})
+    gc.collect()
+    return result
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    names = sys.argv[2].split(",")
+    run_scenarios({name: (lambda n=name: scenario(*n.split(":"))) for name in names})
+    dist.destroy_process_group()
