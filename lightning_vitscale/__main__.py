@@ -1,4 +1,4 @@
-"""Command line: `python -m lightning_vitscale demo` and `python -m lightning_vitscale consolidate SRC DST`."""
+"""Command line: `python -m lightning_vitscale demo`, `... consolidate SRC DST` and `... plan` (memory planner)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import os
 import sys
 
 import torch
+
+from lightning_vitscale.plan_cli import add_plan_parser
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,6 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("src", help="checkpoint folder written by VitScaleStrategy")
     export.add_argument("dst", help="output file, e.g. model.ckpt")
     export.add_argument("--keep-dtype", action="store_true", help="keep saved dtypes instead of full fp32")
+    add_plan_parser(sub)
     return parser
 
 
@@ -35,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 1
         print(f"wrote {out}")
+        return 0
+    if args.command == "plan":
+        from lightning_vitscale.plan_cli import run_plan
+
+        print(run_plan(args).summary())
         return 0
     if args.command == "demo":
         from lightning_vitscale.demo import run_demo
