@@ -26,7 +26,7 @@ else:  # pragma: no cover - pyproject requires torch>=2.6; kept to give a clear 
 # (the public `dcp.load` fills a copy of the state dict, so the populated keys would be lost).
 import torch._dynamo as dynamo  # noqa: E402  (config for regional compilation lives in kernels.py)
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402  (memory planner: shapes without memory)
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402  (memory planner: shapes without memory)
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner  # noqa: E402
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_into  # noqa: E402
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # noqa: E402
@@ -45,6 +45,7 @@ __all__ = [
     "BatchNormBase",
     "InstanceNormBase",
     "tree_map",
+    "FakeTensor",
     "FakeTensorMode",
     "fused_kernel_devices",
     "SubprocessScriptLauncher",

@@ -121,7 +121,7 @@ def fake_parameters(
                     kind = wanted if value.is_floating_point() else value.dtype
                     with mode:
                         fake = torch.empty(shape, dtype=kind, device=_CPU)
-                    store[name] = nn.Parameter(fake, value.requires_grad) if store is module._parameters else fake
+                    store[name] = nn.Parameter(fake, value.requires_grad) if store is module._parameters else fake  # type: ignore[assignment]
         yield
     finally:
         for store, name, value in reversed(originals):

@@ -28,6 +28,8 @@ class ParallelPlan:
         notes: other facts worth a line in the summary.
         kernels: kernel choices (compiled blocks, attention, fused optimizer).
         tensor_core_misses: Linear/Conv/attention dimensions that are not multiples of 8, with module names.
+        predicted_peak: the memory planner's predicted per-rank peak of a training step (bytes), where known.
+        memory: one line on the predicted memory and, under ``activation_checkpointing="auto"``, the choice.
     """
 
     world_size: int
@@ -44,6 +46,8 @@ class ParallelPlan:
     notes: list[str] = field(default_factory=list)
     kernels: dict[str, str] = field(default_factory=dict)
     tensor_core_misses: list[str] = field(default_factory=list)
+    predicted_peak: int | None = None
+    memory: str = ""
 
     def summary(self) -> str:
         found = ", ".join(f"{name} x{count}" for name, count in self.blocks.items()) or "none (one outer unit)"
@@ -52,7 +56,8 @@ class ParallelPlan:
             f"VitScaleStrategy: {self.world_size} rank(s), precision {self.precision}",
             f"  blocks found        : {found}",
             f"  FSDP units          : {self.units} ({len(self.block_names)} blocks + 1 outer)",
-            f"  checkpointed blocks : {len(self.checkpointed)} of {len(self.block_names)}",
+            f"  checkpointed blocks : {len(self.checkpointed)} of {len(self.block_names)}"
+            + (f" ({self.memory})" if self.memory else ""),
             f"  parameters          : {self.num_params:,} ({_mib(self.param_bytes_full)} unsharded,"
             f" {_mib(self.param_bytes_local)} on this rank = {share:.2f}x)",
         ]

@@ -27,7 +27,9 @@ from lightning_vitscale._compat import (
     lightning_load_sharded_checkpoint,
     optimizers_to_device,
 )
+from lightning_vitscale.activation_checkpointing import apply_activation_checkpointing
 from lightning_vitscale.attention import AttentionRouter, describe_choice, measure
+from lightning_vitscale.auto_checkpointing import AutoCheckpointing
 from lightning_vitscale.checkpoint import load_full_into, model_shapes, save_sharded, validate_against
 from lightning_vitscale.kernels import fuse_optimizers
 from lightning_vitscale.parallelize import Parallelized, parallelize
@@ -112,7 +114,11 @@ class VitScaleStrategy(ModelParallelStrategy):
     Args:
         blocks: ``None`` finds the repeated blocks automatically; a set of block classes or a predicate
             ``(name, module) -> bool`` overrides the discovery. Each block becomes its own FSDP unit.
-        activation_checkpointing: ``True`` (every block), ``False``, ``k`` (every k-th block) or a predicate.
+        activation_checkpointing: ``True`` (every block), ``False``, ``k`` (every k-th block), a predicate, or
+            ``"auto"``: the fewest blocks that keep the predicted per-rank step peak within ``memory_budget``
+            (decided at setup from ``example_input_array``, else at the first training step from its batch).
+        memory_budget: only with ``"auto"``: bytes (int) or a fraction of device memory (float, default 0.9;
+            on CPU of the host's available memory divided among the local ranks).
         kernels: ``"auto"`` (CUDA: per-block ``torch.compile``, fused AdamW, and xformers attention where it is
             installed and measures faster; CPU: eager), ``"eager"``, or a :class:`KernelPolicy`.
         reshard_after_forward: ``None`` = the recipe (blocks free gathered parameters after forward, the outer
@@ -135,6 +141,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         *,
         blocks: ModuleSelector | None = None,
         activation_checkpointing: CheckpointSelector = True,
+        memory_budget: int | float | None = None,
         reshard_after_forward: bool | int | None = None,
         kernels: KernelMode | KernelPolicy = "auto",
         timeout: timedelta = DEFAULT_TIMEOUT,
@@ -143,7 +150,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.config = ParallelConfig(
             sharding=ShardingPolicy(blocks=blocks, reshard_after_forward=reshard_after_forward),
-            checkpointing=CheckpointingPolicy(blocks=activation_checkpointing),
+            checkpointing=CheckpointingPolicy(blocks=activation_checkpointing, memory_budget=memory_budget),
         )
         if not isinstance(kernels, KernelPolicy):
             resolve_kernels(kernels, torch.device("cpu"))  # unknown strings fail here, not at setup
@@ -151,6 +158,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         self._config_for_device: ParallelConfig | None = None
         self.plan: ParallelPlan | None = None
         self._parallelized_state: Parallelized | None = None
+        self._auto: AutoCheckpointing | None = None
 
     @property
     @override
@@ -216,7 +224,10 @@ class VitScaleStrategy(ModelParallelStrategy):
                 module.to(self.root_device)
             root = RootUnit(module)
             config = self._resolved_config()
+            if config.checkpointing.is_auto:
+                config = self._auto_at_setup(module, config)
             done = parallelize(root, module, self.device_mesh, config, precision.policy, self.root_device)
+            self._note_auto(done.plan)
             # Kept in __dict__ (not as a submodule): the LightningModule must not contain its own wrapper.
             existing = module.__dict__[_ROOT_ATTR] = (root, done)
             rank_zero_info(done.plan.summary())
@@ -240,8 +251,43 @@ class VitScaleStrategy(ModelParallelStrategy):
                 self.plan.notes.extend(fused)
         prefer_foreach(self.optimizers)
 
+    def _auto_at_setup(self, module: pl.LightningModule, config: ParallelConfig) -> ParallelConfig:
+        """``activation_checkpointing="auto"``: choose now if the batch shape is known, else at the first step."""
+        policy = config.checkpointing
+        self._auto = AutoCheckpointing(policy.memory_budget, self.world_size, self.precision_plugin.policy.name,
+                                       config.sharding.blocks)
+        names = self._auto.at_setup(module, self.root_device, self.num_processes, self._agree_max)
+        if names is None:
+            return config
+        chosen = set(names)
+        selector = CheckpointingPolicy(blocks=lambda name, _: name in chosen)
+        return dataclasses.replace(config, checkpointing=selector)
+
+    def _agree_max(self, value: int) -> int:
+        return int(self.reduce(torch.tensor(value, device=self.root_device), reduce_op="max").item())
+
+    def _note_auto(self, plan: ParallelPlan) -> None:
+        if self._auto is not None and self._auto.choice is not None:
+            plan.checkpointed = list(self._auto.choice.names)
+            plan.predicted_peak = self._auto.choice.plan.chosen.breakdown.peak
+            plan.memory = self._auto.choice.describe()
+        elif self._auto is not None:
+            plan.memory = "auto: decided at the first training step, from its batch"
+
+    def _auto_first_step(self, batch: Any) -> None:
+        assert self._auto is not None and self.lightning_module is not None
+        names = self._auto.at_first_step(batch, self.root_device, self.num_processes, self._agree_max,
+                                         self.optimizers)
+        module = self.lightning_module
+        apply_activation_checkpointing([module.get_submodule(name) for name in names])
+        if self.plan is not None:
+            self._note_auto(self.plan)
+            rank_zero_info(f"VitScaleStrategy activation checkpointing {self.plan.memory}")
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._auto is not None and self._auto.pending and args:
+            self._auto_first_step(args[0])
         router = self._parallelized_state.router if self._parallelized_state is not None else None
         if router is None or router.decided:
             return super().training_step(*args, **kwargs)

@@ -16,6 +16,8 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from lightning_vitscale._compat import FakeTensor
+
 
 def live_tensor_bytes() -> int:
     """Bytes of every tensor storage alive now (DTensors by their local shard), each storage counted once."""
@@ -25,7 +27,7 @@ def live_tensor_bytes() -> int:
         tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
     for obj in tensors:
         try:
-            if obj.is_meta:
+            if obj.is_meta or isinstance(obj, FakeTensor):
                 continue
             local = getattr(obj, "_local_tensor", obj)
             if local.device.type != "cpu":
