@@ -8,6 +8,7 @@ then measures the third step the way Lightning runs it: zero_grad(set_to_none) -
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import warnings
 
@@ -26,6 +27,7 @@ from tests.helpers.peak import step_peak_bytes
 from tests.helpers.scenarios import run_scenarios
 
 warnings.filterwarnings("ignore")
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 
 # TinyViT arguments and per-rank batch: "wide" is parameter-heavy, "long" is activation-heavy (256 tokens).
 SHAPES = {
@@ -76,8 +78,40 @@ def scenario(shape: str, ac: str, precision: str) -> dict:
     return result
 
 
+def auto_first_step() -> dict:
+    """``activation_checkpointing="auto"`` through Lightning, decided at the first step (no example_input_array),
+    under a budget halfway between every block and no block checkpointed."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_vitscale import VitScaleStrategy
+    from lightning_vitscale.activation_checkpointing import is_checkpointed
+    from lightning_vitscale.demo import generated_images
+
+    kwargs, batch = SHAPES["long"]
+    with torch.device("meta"):
+        planned = TinyViT(**kwargs)
+    inputs = step_inputs(planned, torch.empty(batch, 3, 64, 64, device="meta"), world_size=WORLD,
+                         precision="32-true")
+    every = predict_step(inputs, StepSettings(frozenset(range(kwargs["depth"])))).peak
+    budget = (every + predict_step(inputs, StepSettings()).peak) // 2
+    L.seed_everything(0, verbose=False)
+    model = TinyViT(**kwargs)
+    strategy = VitScaleStrategy(activation_checkpointing="auto", memory_budget=budget)
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    data = DataLoader(generated_images(n=64, image=64), batch_size=batch)
+    trainer.fit(model, data)
+    return dict(checkpointed=strategy.plan.checkpointed, summary=strategy.plan.summary(),
+                patched=[i for i, b in enumerate(model.blocks) if is_checkpointed(b)], losses=model.losses)
+
+
 if __name__ == "__main__":
-    dist.init_process_group("gloo")
     names = sys.argv[2].split(",")
-    run_scenarios({name: (lambda n=name: scenario(*n.split(":"))) for name in names})
-    dist.destroy_process_group()
+    if "auto" in names:  # Lightning sets up its own process group
+        run_scenarios({"auto": auto_first_step})
+    else:
+        dist.init_process_group("gloo")
+        run_scenarios({name: (lambda n=name: scenario(*n.split(":"))) for name in names})
+        dist.destroy_process_group()
