@@ -5,6 +5,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_vitscale.matching import find_blocks
 from lightning_vitscale.memory import StateBytes, measure_state_bytes
 from lightning_vitscale.plan import ParallelPlan
+from lightning_vitscale.planner import MemoryPlan, plan_memory
 from lightning_vitscale.policies import CheckpointingPolicy, KernelPolicy, ParallelConfig, ShardingPolicy
 from lightning_vitscale.precision import VitScalePrecision
 from lightning_vitscale.strategy import VitScaleStrategy
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointingPolicy",
     "KernelPolicy",
+    "MemoryPlan",
     "ParallelConfig",
     "ParallelPlan",
     "ShardingPolicy",
@@ -27,4 +29,5 @@ __all__ = [
     "VitScaleStrategy",
     "find_blocks",
     "measure_state_bytes",
+    "plan_memory",
 ]

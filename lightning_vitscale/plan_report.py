@@ -59,9 +59,10 @@ def format_plan(plan: MemoryPlan) -> str:
     lines = [head, "", *breakdown_table(columns), ""]
     lines.append(f"{verdict}: {gib(plan.chosen.breakdown.peak)} predicted peak per rank ({plan.reason})")
     lines.append(f"recommended: {settings_line(plan)}")
+    how = "every block checkpointed" + (", state offloaded" if plan.chosen.settings.offload else "")
     lines.append(
-        f"largest batch per rank that fits (every block checkpointed): {plan.max_batch}" if plan.max_batch
-        else "no batch size fits on this many ranks: add ranks (devices/nodes) or use offload"
+        f"largest batch per rank that fits ({how}): {plan.max_batch}" if plan.max_batch
+        else "no batch size fits on this many ranks: add ranks (devices/nodes)"
     )
     lines.extend(f"note: {note}" for note in plan.notes)
     return "\n".join(lines)

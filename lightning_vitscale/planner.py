@@ -25,6 +25,7 @@ from lightning_vitscale.memory_budget import (
     predict_step,
 )
 from lightning_vitscale.memory_model import ActivationProfile, measure_activations
+from lightning_vitscale.plan_report import gib
 from lightning_vitscale.policies import ModuleSelector, PrecisionPolicy, resolve_flag
 
 GIB = 2**30
@@ -194,19 +195,24 @@ def _batch_of(example_input: Any) -> int:
     return int(first.shape[0])
 
 
-def fewest_checkpointed(inputs: StepInputs, budget: int, reshard: bool = True) -> Candidate | None:
+def fewest_checkpointed(
+    inputs: StepInputs, budget: int, reshard: bool = True, offload: bool = False
+) -> Candidate | None:
     """The fewest blocks to checkpoint (earliest first: their activations live longest) that fit ``budget``."""
     n = len(inputs.profile.blocks)
+
+    def settings(k: int) -> StepSettings:
+        return StepSettings(frozenset(range(k)), reshard, offload)
+
     lo, hi = 0, n
-    if predict_step(inputs, StepSettings(frozenset(range(n)), reshard)).peak > budget:
+    if predict_step(inputs, settings(n)).peak > budget:
         return None
     while lo < hi:  # the peak only falls as more blocks recompute
         mid = (lo + hi) // 2
-        if predict_step(inputs, StepSettings(frozenset(range(mid)), reshard)).peak <= budget:
+        if predict_step(inputs, settings(mid)).peak <= budget:
             hi = mid
         else:
             lo = mid + 1
-    settings = StepSettings(frozenset(range(lo)), reshard)
     return Candidate(settings, predict_step(inputs, settings))
 
 
@@ -227,11 +233,18 @@ def choose(inputs: StepInputs, budget: int, device_bytes: int, precision: str, b
         reason = ("activations fit: no checkpointing" if k == 0
                   else f"checkpointing {k} of {n} blocks is the fewest that fits the budget")
     else:
-        offloaded = StepSettings(frozenset(range(n)), offload=True)
-        chosen = Candidate(offloaded, predict_step(inputs, offloaded))
+        offloaded = fewest_checkpointed(inputs, budget, offload=True)
+        every_offloaded = StepSettings(frozenset(range(n)), offload=True)
+        chosen = offloaded or Candidate(every_offloaded, predict_step(inputs, every_offloaded))
         reason = ("does not fit even with every block checkpointed: CPU offload of the sharded state"
-                  if chosen.breakdown.peak <= budget else
+                  if offloaded is not None else
                   "does not fit even with every block checkpointed and CPU offload: more ranks or a smaller batch")
+    notes = []
+    if chosen.settings.offload:
+        host = predict_step(inputs, StepSettings(frozenset(range(n)))).params
+        states = OPTIMIZER_STATES[inputs.optimizer]
+        notes.append(f"offload keeps {gib(host * (2 + states))} of parameters, gradients and optimizer state per rank"
+                     " in host memory (times the ranks per node)")
     return MemoryPlan(
         world_size=inputs.world,
         precision=precision,
@@ -244,15 +257,16 @@ def choose(inputs: StepInputs, budget: int, device_bytes: int, precision: str, b
         all_checkpointed=all_ckpt,
         none_checkpointed=no_ckpt,
         fits=chosen.breakdown.peak <= budget,
-        max_batch=largest_batch(inputs, budget, batch_size),
+        max_batch=largest_batch(inputs, budget, batch_size, chosen.settings.offload),
         reason=reason,
+        notes=notes,
     )
 
 
-def largest_batch(inputs: StepInputs, budget: int, batch_size: int) -> int:
+def largest_batch(inputs: StepInputs, budget: int, batch_size: int, offload: bool = False) -> int:
     """Largest per-rank batch that fits with every block checkpointed (activations scale with the batch)."""
     per_sample = inputs.batch_scale / batch_size
-    every = StepSettings(frozenset(range(len(inputs.profile.blocks))))
+    every = StepSettings(frozenset(range(len(inputs.profile.blocks))), offload=offload)
 
     def fits(b: int) -> bool:
         return predict_step(replace(inputs, batch_scale=per_sample * b), every).peak <= budget
