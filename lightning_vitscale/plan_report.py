@@ -41,7 +41,7 @@ def settings_line(plan: MemoryPlan) -> str:
     parts = [f"activation_checkpointing: {len(s.checkpointed)} of {plan.num_blocks} blocks"]
     parts.append(f"reshard_after_forward={'True' if s.reshard_after_forward else 'False'}")
     if s.offload:
-        parts.append("offload the sharded state to CPU")
+        parts.append("offload='cpu' (sharded state in host memory)")
     return ", ".join(parts)
 
 

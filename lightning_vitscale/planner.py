@@ -213,7 +213,7 @@ def fewest_checkpointed(
             hi = mid
         else:
             lo = mid + 1
-    return Candidate(settings, predict_step(inputs, settings))
+    return Candidate(settings(lo), predict_step(inputs, settings(lo)))
 
 
 def choose(inputs: StepInputs, budget: int, device_bytes: int, precision: str, batch_size: int) -> MemoryPlan:
