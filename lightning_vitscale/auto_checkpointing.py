@@ -175,3 +175,27 @@ class AutoCheckpointing:
         names = choice.block_names[: agree(len(choice.names))]  # the chosen blocks are the earliest ones
         self.choice = AutoChoice(names, choice.plan, choice.block_names)
         return names
+
+
+def measure_for_summary(module: nn.Module, world_size: int, precision: str, blocks: Any) -> StepInputs | None:
+    """Fake-tensor measurement for the setup summary's predicted peak, when ``example_input_array`` is set.
+
+    Only informative: a module whose forward cannot run on fake tensors gets no prediction, not an error.
+    """
+    example = getattr(module, "example_input_array", None)
+    if example is None:
+        return None
+    try:
+        return step_inputs(module, example, world_size=world_size, precision=precision, blocks=blocks)
+    except Exception:  # noqa: BLE001 - see docstring
+        return None
+
+
+def describe_prediction(inputs: StepInputs, checkpointed: list[str], reshard: bool) -> tuple[int, str]:
+    """The predicted peak for the settings the pipeline applied, as bytes and as a summary line."""
+    from lightning_vitscale.memory_budget import StepSettings, predict_step
+
+    chosen = {b.name for b in inputs.profile.blocks} & set(checkpointed)
+    indices = frozenset(i for i, b in enumerate(inputs.profile.blocks) if b.name in chosen)
+    peak = predict_step(inputs, StepSettings(indices, reshard))
+    return peak.peak, f"predicted peak {gib(peak.peak)} per rank for example_input_array, at {peak.phase}"

@@ -29,7 +29,7 @@ from lightning_vitscale._compat import (
 )
 from lightning_vitscale.activation_checkpointing import apply_activation_checkpointing
 from lightning_vitscale.attention import AttentionRouter, describe_choice, measure
-from lightning_vitscale.auto_checkpointing import AutoCheckpointing
+from lightning_vitscale.auto_checkpointing import AutoCheckpointing, describe_prediction, measure_for_summary
 from lightning_vitscale.checkpoint import load_full_into, model_shapes, save_sharded, validate_against
 from lightning_vitscale.kernels import fuse_optimizers
 from lightning_vitscale.parallelize import Parallelized, parallelize
@@ -226,8 +226,15 @@ class VitScaleStrategy(ModelParallelStrategy):
             config = self._resolved_config()
             if config.checkpointing.is_auto:
                 config = self._auto_at_setup(module, config)
+                measured = None
+            else:
+                measured = measure_for_summary(module, self.world_size, precision.policy.name, config.sharding.blocks)
             done = parallelize(root, module, self.device_mesh, config, precision.policy, self.root_device)
             self._note_auto(done.plan)
+            if measured is not None:
+                reshard = config.sharding.reshard_after_forward is not False
+                done.plan.predicted_peak, done.plan.memory = describe_prediction(measured, done.plan.checkpointed,
+                                                                                 reshard)
             # Kept in __dict__ (not as a submodule): the LightningModule must not contain its own wrapper.
             existing = module.__dict__[_ROOT_ATTR] = (root, done)
             rank_zero_info(done.plan.summary())

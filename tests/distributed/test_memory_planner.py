@@ -45,3 +45,6 @@ def test_auto_checkpoints_half_the_blocks_at_the_first_step(auto):
         assert result["patched"] == [0, 1]
         assert len(result["losses"]) == 2 and all(loss == loss for loss in result["losses"])
         assert "auto: 2 of 4 blocks, predicted peak" in result["summary"]
+        # activation_checkpointing=True with example_input_array: every block checkpointed, its peak predicted
+        assert "checkpointed blocks : 4 of 4 (predicted peak" in result["default_summary"]
+        assert result["default_peak"] == result["every"]

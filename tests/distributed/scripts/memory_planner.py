@@ -103,8 +103,16 @@ def auto_first_step() -> dict:
                         enable_model_summary=False)
     data = DataLoader(generated_images(n=64, image=64), batch_size=batch)
     trainer.fit(model, data)
+    # The default checkpointing with example_input_array set: the summary carries the predicted peak too.
+    other = TinyViT(**kwargs)
+    other.example_input_array = torch.randn(batch, 3, 64, 64)
+    default = VitScaleStrategy()
+    L.Trainer(accelerator="cpu", devices=WORLD, strategy=default, max_steps=1, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(other, data)
     return dict(checkpointed=strategy.plan.checkpointed, summary=strategy.plan.summary(),
-                patched=[i for i, b in enumerate(model.blocks) if is_checkpointed(b)], losses=model.losses)
+                patched=[i for i, b in enumerate(model.blocks) if is_checkpointed(b)], losses=model.losses,
+                default_summary=default.plan.summary(), default_peak=default.plan.predicted_peak,
+                every=every)
 
 
 if __name__ == "__main__":
