@@ -32,11 +32,13 @@ class AutoChoice:
     names: list[str]
     plan: MemoryPlan
     block_names: list[str]
+    keep_gathered: bool = False
 
     def describe(self) -> str:
         p = self.plan
         peak = p.chosen.breakdown.peak
-        return (f"auto: {len(self.names)} of {p.num_blocks} blocks, predicted peak {gib(peak)} per rank"
+        gathered = ", blocks stay gathered for backward" if self.keep_gathered else ""
+        return (f"auto: {len(self.names)} of {p.num_blocks} blocks{gathered}, predicted peak {gib(peak)} per rank"
                 f" (budget {gib(p.budget)}; every block {gib(p.all_checkpointed.breakdown.peak)},"
                 f" none {gib(p.none_checkpointed.breakdown.peak)})")
 
@@ -121,9 +123,8 @@ def choose_blocks(
     batch = int(getattr(example_input, "shape", [1])[0]) if isinstance(example_input, torch.Tensor) else 1
     plan = choose(inputs, budget, total, precision, batch)
     names = [b.name for i, b in enumerate(inputs.profile.blocks) if i in plan.chosen.settings.checkpointed]
-    if not plan.chosen.settings.checkpointed and not plan.chosen.settings.reshard_after_forward:
-        plan.notes.append("blocks could also stay gathered for backward: reshard_after_forward=False fits")
-    return AutoChoice(names, plan, [b.name for b in inputs.profile.blocks])
+    keep = not plan.chosen.settings.reshard_after_forward
+    return AutoChoice(names, plan, [b.name for b in inputs.profile.blocks], keep)
 
 
 def optimizer_kind(optimizers: list[torch.optim.Optimizer]) -> str:
@@ -141,8 +142,11 @@ class AutoCheckpointing:
     twin and decide at the first training step; then checkpoint the chosen blocks in place (also once sharded:
     the patched forward runs inside the block's FSDP hooks, as when it is applied before ``fully_shard``)."""
 
-    def __init__(self, budget: int | float | None, world_size: int, precision: str, blocks: Any) -> None:
+    def __init__(
+        self, budget: int | float | None, world_size: int, precision: str, blocks: Any, may_keep_gathered: bool
+    ) -> None:
         self.budget, self.world_size, self.precision, self.blocks = budget, world_size, precision, blocks
+        self.may_keep_gathered = may_keep_gathered  # the user left reshard_after_forward to the recipe
         self.twin: nn.Module | None = None
         self.choice: AutoChoice | None = None
 
@@ -173,8 +177,16 @@ class AutoCheckpointing:
                                blocks=self.blocks)
         # Every rank checkpoints the same blocks: the most any rank needs (free host memory differs by rank).
         names = choice.block_names[: agree(len(choice.names))]  # the chosen blocks are the earliest ones
-        self.choice = AutoChoice(names, choice.plan, choice.block_names)
+        # Keeping blocks gathered changes the collectives: only if every rank can (the fewest of any rank).
+        keep = bool(-agree(-int(choice.keep_gathered and self.may_keep_gathered and not names)))
+        self.choice = AutoChoice(names, choice.plan, choice.block_names, keep)
         return names
+
+    def keep_gathered(self, module: nn.Module) -> None:
+        """Blocks keep their gathered parameters from forward to backward: one all-gather per block fewer."""
+        if self.choice is not None and self.choice.keep_gathered:
+            for name in self.choice.block_names:
+                module.get_submodule(name).set_reshard_after_forward(False, recurse=False)
 
 
 def measure_for_summary(module: nn.Module, world_size: int, precision: str, blocks: Any) -> StepInputs | None:

@@ -230,6 +230,8 @@ class VitScaleStrategy(ModelParallelStrategy):
             else:
                 measured = measure_for_summary(module, self.world_size, precision.policy.name, config.sharding.blocks)
             done = parallelize(root, module, self.device_mesh, config, precision.policy, self.root_device)
+            if self._auto is not None:
+                self._auto.keep_gathered(module)
             self._note_auto(done.plan)
             if measured is not None:
                 reshard = config.sharding.reshard_after_forward is not False
@@ -262,7 +264,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         """``activation_checkpointing="auto"``: choose now if the batch shape is known, else at the first step."""
         policy = config.checkpointing
         self._auto = AutoCheckpointing(policy.memory_budget, self.world_size, self.precision_plugin.policy.name,
-                                       config.sharding.blocks)
+                                       config.sharding.blocks, config.sharding.reshard_after_forward is None)
         names = self._auto.at_setup(module, self.root_device, self.num_processes, self._agree_max)
         if names is None:
             return config
@@ -287,6 +289,7 @@ class VitScaleStrategy(ModelParallelStrategy):
                                          self.optimizers)
         module = self.lightning_module
         apply_activation_checkpointing([module.get_submodule(name) for name in names])
+        self._auto.keep_gathered(module)
         if self.plan is not None:
             self._note_auto(self.plan)
             rank_zero_info(f"VitScaleStrategy activation checkpointing {self.plan.memory}")

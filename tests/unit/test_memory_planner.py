@@ -162,3 +162,26 @@ def test_policy_errors_name_the_fix():
     with pytest.raises(ValueError, match="a100-40gb"):
         parse_memory("lots")
     assert CheckpointingPolicy(blocks="auto").selects(0, "b", copy.copy(torch.nn.Linear(1, 1))) is False
+
+
+def test_auto_keeps_blocks_gathered_when_everything_fits(mesh):
+    """An ample budget: no checkpointing, and blocks stay gathered from forward to backward (no second
+    all-gather); a tight one: every block checkpointed and resharded after forward as the recipe does."""
+    from lightning_vitscale._compat import DTensor
+    from lightning_vitscale.auto_checkpointing import AutoCheckpointing
+
+    for ample in (False, True):
+        model = TinyViT(**LONG)
+        model.example_input_array = batch()[0]
+        auto = AutoCheckpointing(4 * 2**30 if ample else 1, 1, "32-true", None, may_keep_gathered=True)
+        names = auto.at_setup(model, torch.device("cpu"), 1, lambda n: n)  # as the strategy: before sharding
+        root = RootUnit(model)
+        parallelize(root, model, mesh, ParallelConfig(checkpointing=CheckpointingPolicy(blocks=False)), None,
+                    torch.device("cpu"))
+        auto.keep_gathered(model)
+        loss = F.cross_entropy(root(batch()[0]), batch()[1])
+        # Between forward and backward a resharded block holds DTensor shards, a gathered one plain tensors.
+        gathered = [not isinstance(block.qkv.weight, DTensor) for block in model.blocks]
+        loss.backward()
+        assert names == ([] if ample else [f"blocks.{i}" for i in range(4)])
+        assert gathered == [ample] * 4
