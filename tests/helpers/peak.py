@@ -65,3 +65,23 @@ def step_peak_bytes(step: Callable[[], object], warmup: Callable[[], object] | N
 
 
 _MARK = "vitscale::measured_step"
+
+
+def phased_step_peak(phases: list[Callable[[], object]]) -> tuple[int, int]:
+    """Peak of a step made of ``phases`` (e.g. zero_grad+forward, backward, optimizer step), each phase measured
+    from its own garbage-collector baseline after a full step and the phases before it.
+
+    A fresh baseline per phase bounds the error of frees the profiler does not see (buffers of a collective
+    released by gloo's worker thread are freed outside the profiled thread) to one phase instead of the step.
+    """
+    before, peak = 0, 0
+    for index, phase in enumerate(phases):
+
+        def warmup(index: int = index) -> None:
+            for earlier in phases + phases[:index]:
+                earlier()
+
+        start, high = step_peak_bytes(phase, warmup=warmup)
+        before = before if index else start
+        peak = max(peak, high)
+    return before, peak

@@ -2,7 +2,8 @@
 
 ``memory_planner.py OUT_DIR shape:ac:precision,...`` e.g. ``wide:on:32-true``. Each scenario builds the model,
 shards it with the strategy's pipeline, takes two warm-up steps (optimizer state exists, as in any later step),
-then measures the third step the way Lightning runs it: zero_grad(set_to_none) -> forward -> backward -> step.
+then measures a step the way Lightning runs it: zero_grad(set_to_none) -> forward -> backward -> step, each of
+the three phases from its own baseline (see ``tests/helpers/peak.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from lightning_vitscale.parallelize import parallelize
 from lightning_vitscale.planner import step_inputs
 from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, resolve_flag
 from lightning_vitscale.strategy import RootUnit, prefer_foreach
-from tests.helpers.peak import step_peak_bytes
+from tests.helpers.peak import phased_step_peak
 from tests.helpers.scenarios import run_scenarios
 
 warnings.filterwarnings("ignore")
@@ -61,16 +62,18 @@ def scenario(shape: str, ac: str, precision: str) -> dict:
     x = torch.randn(batch, 3, kwargs["image"], kwargs["image"])
     y = torch.randint(0, 10, (batch,))
 
-    def step() -> None:
+    held: dict[str, torch.Tensor] = {}
+
+    def forward() -> None:
         optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(root(x).float(), y)
-        loss.backward()
+        held["loss"] = F.cross_entropy(root(x).float(), y)
+
+    def backward() -> None:
+        held.pop("loss").backward()
         if done.norms is not None:
             done.norms.reduce_grads()
-        optimizer.step()
 
-    step()
-    before, peak = step_peak_bytes(step, warmup=step)
+    before, peak = phased_step_peak([forward, backward, optimizer.step])
     result = dict(measured=peak, before=before, predicted=predicted.peak, phase=predicted.phase,
                   breakdown={k: getattr(predicted, k) for k in ("params", "grads", "optimizer", "norms",
                                                                  "gathered", "activations", "transient", "batch")})
