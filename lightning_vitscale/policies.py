@@ -80,8 +80,8 @@ class CheckpointingPolicy:
                 )
             return
         raise TypeError(
-            f"`activation_checkpointing` must be True, False, 'auto', an int k >= 1 or a callable"
-            f" (name, module) -> bool; got {sel!r}."
+            f"`activation_checkpointing` must be True, False, an int k >= 1 or a callable (name, module) -> bool,"
+            f" or 'auto'; got {sel!r}."
         )
 
     def _check_budget(self) -> None:
