@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_vitscale._compat import FSDPModule
 from lightning_vitscale.memory_budget import StepInputs
 from lightning_vitscale.plan_report import gib
 from lightning_vitscale.planner import MemoryPlan, choose, step_inputs
@@ -186,7 +187,9 @@ class AutoCheckpointing:
         """Blocks keep their gathered parameters from forward to backward: one all-gather per block fewer."""
         if self.choice is not None and self.choice.keep_gathered:
             for name in self.choice.block_names:
-                module.get_submodule(name).set_reshard_after_forward(False, recurse=False)
+                block = module.get_submodule(name)
+                assert isinstance(block, FSDPModule), f"{name} is not an FSDP unit"
+                block.set_reshard_after_forward(False, recurse=False)
 
 
 def measure_for_summary(module: nn.Module, world_size: int, precision: str, blocks: Any) -> StepInputs | None:

@@ -111,7 +111,7 @@ def _parse_init_args(items: list[str]) -> dict[str, Any]:
 
 def _linked_from_data(cls: type, section: Any, data: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     """What the examples' CLI links from the data module: its init args, else its class attributes."""
-    accepted = inspect.signature(cls.__init__).parameters
+    accepted = inspect.signature(cls).parameters
     data_cls = None
     if isinstance(section, dict) and "class_path" in section:
         try:
