@@ -8,6 +8,7 @@ from lightning_vitscale.matching import find_blocks
 from lightning_vitscale.memory import StateBytes, measure_state_bytes
 from lightning_vitscale.parallelize import NoBlocksMatchedError
 from lightning_vitscale.plan import ParallelPlan
+from lightning_vitscale.planner import MemoryPlan, plan_memory
 from lightning_vitscale.policies import KernelPolicy
 from lightning_vitscale.precision import VitScalePrecision
 from lightning_vitscale.strategy import VitScaleStrategy
@@ -21,6 +22,7 @@ __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (setupt
 __all__ = [
     "CheckpointError",
     "KernelPolicy",
+    "MemoryPlan",
     "NoBlocksMatchedError",
     "ParallelPlan",
     "ShardedEMA",
@@ -32,4 +34,5 @@ __all__ = [
     "consolidate_checkpoint",
     "find_blocks",
     "measure_state_bytes",
+    "plan_memory",
 ]

@@ -1,5 +1,5 @@
-"""Command line: `python -m lightning_vitscale demo` and `python -m lightning_vitscale consolidate SRC DST
-[--weights raw|ema]`."""
+"""Command line: `python -m lightning_vitscale demo`, `... consolidate SRC DST [--weights raw|ema] [--unsafe]`
+and `... plan` (memory planner)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import os
 import sys
 
 import torch
+
+from lightning_vitscale.plan_cli import add_plan_parser
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
         "--weights", choices=["raw", "ema"], default="raw",
         help="raw: the trained weights (+ optimizer, EMA: resumable); ema: the ShardedEMA average, for inference",
     )
+    add_plan_parser(sub)
     return parser
 
 
@@ -49,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 1
         print(f"wrote {out}")
+        return 0
+    if args.command == "plan":
+        from lightning_vitscale.plan_cli import run_plan
+
+        print(run_plan(args).summary())
         return 0
     if args.command == "demo":
         from lightning_vitscale.demo import run_demo

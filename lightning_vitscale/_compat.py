@@ -32,6 +32,7 @@ else:  # pragma: no cover - pyproject requires a newer torch; kept to give a cle
 # (the public `dcp.load` fills a copy of the state dict, so the populated keys would be lost).
 import torch._dynamo as dynamo  # noqa: E402  (config for regional compilation lives in kernels.py)
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402  (memory planner: shapes without memory)
 
 # DCP's fsspec storage (s3://, gs://, file://, memory:// checkpoints) lives in a private module.
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: E402
@@ -132,6 +133,8 @@ __all__ = [
     "BatchNormBase",
     "InstanceNormBase",
     "tree_map",
+    "FakeTensor",
+    "FakeTensorMode",
     "fused_kernel_devices",
     "SubprocessScriptLauncher",
     "DTensor",

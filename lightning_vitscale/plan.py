@@ -35,6 +35,8 @@ class ParallelPlan:
         layout: the sharding layout and the bytes this rank sends per step within its node and across nodes
             (see ``traffic.py`` for the conventions).
         offload: where the sharded state lives between uses (``"cpu"``), or ``None`` (on the device).
+        predicted_peak: the memory planner's predicted per-rank peak of a training step (bytes), where known.
+        memory: one line on the predicted memory and, under ``activation_checkpointing="auto"``, the choice.
     """
 
     world_size: int
@@ -53,6 +55,8 @@ class ParallelPlan:
     tensor_core_misses: list[str] = field(default_factory=list)
     layout: LayoutReport | None = None
     offload: str | None = None
+    predicted_peak: int | None = None
+    memory: str = ""
 
     def summary(self) -> str:
         found = ", ".join(f"{name} x{count}" for name, count in self.blocks.items()) or "none (one outer unit)"
@@ -61,7 +65,8 @@ class ParallelPlan:
             f"VitScaleStrategy: {self.world_size} rank(s), precision {self.precision}",
             f"  blocks found        : {found}",
             f"  FSDP units          : {self.units} ({len(self.block_names)} blocks + 1 outer)",
-            f"  checkpointed blocks : {len(self.checkpointed)} of {len(self.block_names)}",
+            f"  checkpointed blocks : {len(self.checkpointed)} of {len(self.block_names)}"
+            + (f" ({self.memory})" if self.memory else ""),
             f"  parameters          : {self.num_params:,} ({_mib(self.param_bytes_full)} unsharded,"
             f" {_mib(self.param_bytes_local)} on this rank = {share:.2f}x)",
         ]

@@ -17,8 +17,9 @@ ModuleSelector = set[type[nn.Module]] | frozenset[type[nn.Module]] | Callable[[s
 Compiler = Callable[[Callable[..., Any]], Callable[..., Any]]
 """Turns a function into its compiled version, like ``torch.compile(fn)`` or a compiled module's ``dynamo_ctx``."""
 
-CheckpointSelector = bool | int | Callable[[str, nn.Module], bool]
-"""``True``: every block; ``False``: none; ``k``: every k-th block (1-based); callable: per block."""
+CheckpointSelector = bool | int | Literal["auto"] | Callable[[str, nn.Module], bool]
+"""``True``: every block; ``False``: none; ``k``: every k-th block (1-based); callable: per block; ``"auto"``: the
+fewest blocks that keep the predicted step peak within ``memory_budget`` (chosen once the batch is known)."""
 
 ShardingLayout = Literal["full", "hybrid"] | int
 """``"full"``: shard over every rank; ``"hybrid"``: shard inside each node, replicate across nodes; an ``int``:
@@ -119,13 +120,18 @@ class CheckpointingPolicy:
 
     Attributes:
         blocks: see :data:`CheckpointSelector`.
+        memory_budget: only with ``blocks="auto"``: bytes a training step may use per rank (an int), or a
+            fraction of the device's memory (a float in (0, 1]; CPU: of the host's available memory divided
+            among the local ranks). ``None`` is 0.9.
     """
 
     blocks: CheckpointSelector = True
+    memory_budget: int | float | None = None
 
     def __post_init__(self) -> None:
         sel = self.blocks
-        if isinstance(sel, bool) or callable(sel):
+        self._check_budget()
+        if sel == "auto" or isinstance(sel, bool) or callable(sel):
             return
         if isinstance(sel, int):
             if sel < 1:
@@ -135,13 +141,42 @@ class CheckpointingPolicy:
                 )
             return
         raise TypeError(
-            f"`activation_checkpointing` must be True, False, an int k >= 1 or a callable (name, module) -> bool;"
-            f" got {sel!r}."
+            f"`activation_checkpointing` must be True, False, an int k >= 1 or a callable (name, module) -> bool,"
+            f" or 'auto'; got {sel!r}."
         )
 
+    def _check_budget(self) -> None:
+        budget = self.memory_budget
+        if budget is None:
+            return
+        if self.blocks != "auto":
+            raise ValueError(
+                f"`memory_budget={budget!r}` is only used by activation_checkpointing='auto'; got"
+                f" activation_checkpointing={self.blocks!r}. Pass activation_checkpointing='auto' or drop"
+                " memory_budget."
+            )
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+            raise TypeError(f"`memory_budget` must be an int (bytes) or a float fraction in (0, 1]; got {budget!r}.")
+        if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+            raise ValueError(
+                f"`memory_budget={budget}` as a float is a fraction of device memory and must be in (0, 1];"
+                " give bytes as an int, e.g. memory_budget=30 * 2**30."
+            )
+        if isinstance(budget, int) and budget < 1:
+            raise ValueError(f"`memory_budget={budget}` bytes must be >= 1.")
+
+    @property
+    def is_auto(self) -> bool:
+        return self.blocks == "auto"
+
     def selects(self, index: int, name: str, module: nn.Module) -> bool:
-        """Whether the ``index``-th block (0-based, in model order) is checkpointed."""
+        """Whether the ``index``-th block (0-based, in model order) is checkpointed.
+
+        ``"auto"`` selects nothing here: the strategy checkpoints its chosen blocks once it knows the batch.
+        """
         sel = self.blocks
+        if sel == "auto":
+            return False
         if isinstance(sel, bool):
             return sel
         if isinstance(sel, int):

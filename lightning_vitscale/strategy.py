@@ -25,8 +25,10 @@ from lightning_vitscale._compat import (
     set_device_mesh,
     setup_distributed,
 )
+from lightning_vitscale.activation_checkpointing import apply_activation_checkpointing
 from lightning_vitscale.attention import usable_backends
 from lightning_vitscale.attention_auto import auto_attention_step
+from lightning_vitscale.auto_checkpointing import AutoCheckpointing, describe_prediction, measure_for_summary
 from lightning_vitscale.checkpoint import consolidate_command
 from lightning_vitscale.checkpoint_storage import Location
 from lightning_vitscale.compiled import TAKEN_OVER, take_over_compiled
@@ -70,7 +72,11 @@ class VitScaleStrategy(ModelParallelStrategy):
     Args:
         blocks: ``None`` finds the repeated blocks automatically; a set of block classes or a predicate
             ``(name, module) -> bool`` overrides the discovery. Each block becomes its own FSDP unit.
-        activation_checkpointing: ``True`` (every block), ``False``, ``k`` (every k-th block) or a predicate.
+        activation_checkpointing: ``True`` (every block), ``False``, ``k`` (every k-th block), a predicate, or
+            ``"auto"``: the fewest blocks that keep the predicted per-rank step peak within ``memory_budget``
+            (decided at setup from ``example_input_array``, else at the first training step from its batch).
+        memory_budget: only with ``"auto"``: bytes (int) or a fraction of device memory (float, default 0.9;
+            on CPU of the host's available memory divided among the local ranks).
         kernels: ``"auto"`` (CUDA: per-block ``torch.compile``, fused AdamW, and xformers attention where it is
             installed and measures faster; CPU: eager), ``"eager"``, or a :class:`KernelPolicy`.
         reshard_after_forward: ``None`` = the recipe (blocks free gathered parameters after forward, the outer
@@ -101,6 +107,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         *,
         blocks: ModuleSelector | None = None,
         activation_checkpointing: CheckpointSelector = True,
+        memory_budget: int | float | None = None,
         reshard_after_forward: bool | int | None = None,
         kernels: KernelMode | KernelPolicy = "auto",
         sharding: ShardingLayout = "full",
@@ -117,7 +124,7 @@ class VitScaleStrategy(ModelParallelStrategy):
             sharding=ShardingPolicy(
                 blocks=blocks, reshard_after_forward=reshard_after_forward, layout=sharding, offload=offload
             ),
-            checkpointing=CheckpointingPolicy(blocks=activation_checkpointing),
+            checkpointing=CheckpointingPolicy(blocks=activation_checkpointing, memory_budget=memory_budget),
             kernels=kernels,
         )
         self.state_dict_type = resolve_state_dict_type(state_dict_type)
@@ -125,6 +132,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         self.plan: ParallelPlan | None = None
         self._parallelized_state: Parallelized | None = None
         self._user_compiler: Compiler | None = None
+        self._auto: AutoCheckpointing | None = None
 
     @property  # type: ignore[override]
     def _lightning_module(self) -> pl.LightningModule | None:
@@ -215,8 +223,20 @@ class VitScaleStrategy(ModelParallelStrategy):
                 module.to(self.root_device)
             root = RootUnit(module)
             config = self._resolved_config()
+            if config.checkpointing.is_auto:
+                config = self._auto_at_setup(module, config)
+                measured = None
+            else:
+                measured = measure_for_summary(module, self.world_size, precision.policy.name, config.sharding.blocks)
             done = parallelize(root, module, self.device_mesh, config, precision.policy, self.root_device)
             self._describe_layout(done, root)
+            if self._auto is not None:
+                self._auto.keep_gathered(module)
+            self._note_auto(done.plan)
+            if measured is not None:
+                reshard = config.sharding.reshard_after_forward is not False
+                done.plan.predicted_peak, done.plan.memory = describe_prediction(measured, done.plan.checkpointed,
+                                                                                 reshard)
             # Kept in __dict__ (not as a submodule): the LightningModule must not contain its own wrapper.
             root.enable_calls_outside_steps()
             existing = module.__dict__[_ROOT_ATTR] = (root, done)
@@ -257,8 +277,44 @@ class VitScaleStrategy(ModelParallelStrategy):
                 self.plan.notes.extend(fused)
         prefer_foreach(self.optimizers)
 
+    def _auto_at_setup(self, module: pl.LightningModule, config: ParallelConfig) -> ParallelConfig:
+        """``activation_checkpointing="auto"``: choose now if the batch shape is known, else at the first step."""
+        policy = config.checkpointing
+        self._auto = AutoCheckpointing(policy.memory_budget, self.world_size, self.precision_plugin.policy.name,
+                                       config.sharding.blocks, config.sharding.reshard_after_forward is None)
+        names = self._auto.at_setup(module, self.root_device, self.num_processes, self._agree_max)
+        if names is None:
+            return config
+        chosen = set(names)
+        selector = CheckpointingPolicy(blocks=lambda name, _: name in chosen)
+        return dataclasses.replace(config, checkpointing=selector)
+
+    def _agree_max(self, value: int) -> int:
+        return int(self.reduce(torch.tensor(value, device=self.root_device), reduce_op="max").item())
+
+    def _note_auto(self, plan: ParallelPlan) -> None:
+        if self._auto is not None and self._auto.choice is not None:
+            plan.checkpointed = list(self._auto.choice.names)
+            plan.predicted_peak = self._auto.choice.plan.chosen.breakdown.peak
+            plan.memory = self._auto.choice.describe()
+        elif self._auto is not None:
+            plan.memory = "auto: decided at the first training step, from its batch"
+
+    def _auto_first_step(self, batch: Any) -> None:
+        assert self._auto is not None and self.lightning_module is not None
+        names = self._auto.at_first_step(batch, self.root_device, self.num_processes, self._agree_max,
+                                         self.optimizers)
+        module = self.lightning_module
+        apply_activation_checkpointing([module.get_submodule(name) for name in names])
+        self._auto.keep_gathered(module)
+        if self.plan is not None:
+            self._note_auto(self.plan)
+            rank_zero_info(f"VitScaleStrategy activation checkpointing {self.plan.memory}")
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._auto is not None and self._auto.pending and args:
+            self._auto_first_step(args[0])
         step = functools.partial(super().training_step, *args, **kwargs)
         return auto_attention_step(self._parallelized_state, step, self._mean_over_ranks)
 

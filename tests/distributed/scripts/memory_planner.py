@@ -1,0 +1,128 @@
+"""Rank script: one training step's real peak memory (allocator events) next to the planner's prediction.
+
+``memory_planner.py OUT_DIR shape:ac:precision,...`` e.g. ``wide:on:32-true``. Each scenario builds the model,
+shards it with the strategy's pipeline, takes two warm-up steps (optimizer state exists, as in any later step),
+then measures a step the way Lightning runs it: zero_grad(set_to_none) -> forward -> backward -> step, each of
+the three phases from its own baseline (see ``tests/helpers/peak.py``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from lightning_vitscale.demo import TinyViT
+from lightning_vitscale.memory_budget import StepSettings, predict_step
+from lightning_vitscale.parallelize import parallelize
+from lightning_vitscale.planner import step_inputs
+from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, resolve_flag
+from lightning_vitscale.strategy import RootUnit, prefer_foreach
+from tests.helpers.peak import phased_step_peak
+from tests.helpers.scenarios import run_scenarios
+
+warnings.filterwarnings("ignore")
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+
+# TinyViT arguments and per-rank batch: "wide" is parameter-heavy, "long" is activation-heavy (256 tokens).
+SHAPES = {
+    "wide": (dict(image=32, patch=4, dim=256, depth=6), 8),
+    "long": (dict(image=64, patch=4, dim=96, depth=4), 8),
+}
+
+
+def scenario(shape: str, ac: str, precision: str) -> dict:
+    kwargs, batch = SHAPES[shape]
+    world = dist.get_world_size()
+    policy = resolve_flag(precision)
+    with torch.device("meta"):
+        planned = TinyViT(**kwargs)
+    inputs = step_inputs(planned, torch.empty(batch, 3, kwargs["image"], kwargs["image"], device="meta"),
+                         world_size=world, precision=precision)
+    checkpointed = frozenset(range(kwargs["depth"])) if ac == "on" else frozenset()
+    predicted = predict_step(inputs, StepSettings(checkpointed))
+    del planned, inputs
+
+    torch.manual_seed(0)
+    model = TinyViT(**kwargs)
+    if policy.master != torch.float32:
+        model = model.to(policy.master)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
+    root = RootUnit(model)
+    config = ParallelConfig(checkpointing=CheckpointingPolicy(blocks=ac == "on"))
+    done = parallelize(root, model, mesh, config, policy, torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prefer_foreach([optimizer])
+    x = torch.randn(batch, 3, kwargs["image"], kwargs["image"])
+    y = torch.randint(0, 10, (batch,))
+
+    held: dict[str, torch.Tensor] = {}
+
+    def forward() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        held["loss"] = F.cross_entropy(root(x).float(), y)
+
+    def backward() -> None:
+        held.pop("loss").backward()
+        if done.norms is not None:
+            done.norms.reduce_grads()
+
+    before, peak = phased_step_peak([forward, backward, optimizer.step])
+    result = dict(measured=peak, before=before, predicted=predicted.peak, phase=predicted.phase,
+                  breakdown={k: getattr(predicted, k) for k in ("params", "grads", "optimizer", "norms",
+                                                                 "gathered", "activations", "transient", "batch")})
+    gc.collect()
+    return result
+
+
+def auto_first_step() -> dict:
+    """``activation_checkpointing="auto"`` through Lightning, decided at the first step (no example_input_array),
+    under a budget halfway between every block and no block checkpointed."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_vitscale import VitScaleStrategy
+    from lightning_vitscale.activation_checkpointing import is_checkpointed
+    from lightning_vitscale.demo import generated_images
+
+    kwargs, batch = SHAPES["long"]
+    with torch.device("meta"):
+        planned = TinyViT(**kwargs)
+    inputs = step_inputs(planned, torch.empty(batch, 3, 64, 64, device="meta"), world_size=WORLD,
+                         precision="32-true")
+    every = predict_step(inputs, StepSettings(frozenset(range(kwargs["depth"])))).peak
+    budget = (every + predict_step(inputs, StepSettings()).peak) // 2
+    L.seed_everything(0, verbose=False)
+    model = TinyViT(**kwargs)
+    strategy = VitScaleStrategy(activation_checkpointing="auto", memory_budget=budget)
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    data = DataLoader(generated_images(n=64, image=64), batch_size=batch)
+    trainer.fit(model, data)
+    # The default checkpointing with example_input_array set: the summary carries the predicted peak too.
+    other = TinyViT(**kwargs)
+    other.example_input_array = torch.randn(batch, 3, 64, 64)
+    default = VitScaleStrategy()
+    L.Trainer(accelerator="cpu", devices=WORLD, strategy=default, max_steps=1, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(other, data)
+    return dict(checkpointed=strategy.plan.checkpointed, summary=strategy.plan.summary(),
+                patched=[i for i, b in enumerate(model.blocks) if is_checkpointed(b)], losses=model.losses,
+                default_summary=default.plan.summary(), default_peak=default.plan.predicted_peak,
+                every=every)
+
+
+if __name__ == "__main__":
+    names = sys.argv[2].split(",")
+    if "auto" in names:  # Lightning sets up its own process group
+        run_scenarios({"auto": auto_first_step})
+    else:
+        dist.init_process_group("gloo")
+        run_scenarios({name: (lambda n=name: scenario(*n.split(":"))) for name in names})
+        dist.destroy_process_group()

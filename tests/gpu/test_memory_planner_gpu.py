@@ -1,0 +1,66 @@
+"""The memory planner against torch.cuda.max_memory_allocated for ViT-B/L/H on one GPU (1-rank FSDP2 mesh).
+
+Not yet run on a GPU. Each case shards the example ViT with the strategy's pipeline in bf16-mixed, takes two
+steps (optimizer state exists), resets the CUDA high-water mark and measures the third step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from examples.models.vit import VisionTransformer
+from lightning_vitscale.memory_budget import StepSettings, predict_step
+from lightning_vitscale.parallelize import parallelize
+from lightning_vitscale.planner import step_inputs
+from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, resolve_flag
+from lightning_vitscale.strategy import RootUnit, prefer_foreach
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+TOLERANCE = 0.15
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    return init_device_mesh("cuda", (1,), mesh_dim_names=("data_parallel",))
+
+
+@pytest.mark.parametrize("ac", [True, False])
+@pytest.mark.parametrize(("size", "batch"), [("vit-b16", 64), ("vit-l16", 32), ("vit-h14", 16)])
+def test_predicted_peak_matches_max_memory_allocated(mesh, size, batch, ac):
+    policy = resolve_flag("bf16-mixed")
+    with torch.device("meta"):
+        planned = VisionTransformer.from_size(size, 224, 3, 1000)
+    inputs = step_inputs(planned, torch.empty(batch, 3, 224, 224, device="meta"), precision="bf16-mixed")
+    depth = len(inputs.profile.blocks)
+    predicted = predict_step(inputs, StepSettings(frozenset(range(depth)) if ac else frozenset())).peak
+
+    with torch.device(CUDA):
+        model = VisionTransformer.from_size(size, 224, 3, 1000)
+    root = RootUnit(model)
+    parallelize(root, model, mesh, ParallelConfig(checkpointing=CheckpointingPolicy(blocks=ac)), policy, CUDA)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    prefer_foreach([optimizer])
+    x = torch.randn(batch, 3, 224, 224, device=CUDA)
+    y = torch.randint(0, 1000, (batch,), device=CUDA)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(root(x).float(), y).backward()
+        optimizer.step()
+
+    step()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated()
+    ratio = predicted / measured
+    assert abs(ratio - 1) <= TOLERANCE, f"{size} batch {batch} AC {ac}: predicted/measured = {ratio:.3f}"
