@@ -35,6 +35,12 @@ from torch.utils._pytree import tree_map  # noqa: E402
 
 SubprocessScriptLauncher = _SubprocessScriptLauncher
 
+
+def set_lightning_device(module: torch.nn.Module, device: torch.device) -> None:
+    """What ``LightningModule.device`` reports: Lightning's device mixin keeps it in ``_device``, updated only by
+    ``module.to(...)``, which a strategy that shards instead of moving never calls."""
+    module._device = device  # type: ignore[assignment]
+
 __all__ = [
     "destroy_process_group_safely",
     "EmptyStateDictLoadPlanner",
@@ -54,6 +60,7 @@ __all__ = [
     "ModelParallelStrategy",
     "TORCH_VERSION",
     "fully_shard",
+    "set_lightning_device",
 ]
 
 METADATA_FILENAME = _METADATA_FILENAME

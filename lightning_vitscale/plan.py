@@ -28,6 +28,12 @@ class ParallelPlan:
         notes: other facts worth a line in the summary.
         kernels: kernel choices (compiled blocks, attention, fused optimizer).
         tensor_core_misses: Linear/Conv/attention dimensions that are not multiples of 8, with module names.
+        init_path: how the starting weights were made: ``"exact"`` (``configure_model()`` on rank 0, shards
+            scattered unit by unit), ``"meta"`` (every rank on meta, the model's own init replayed on the shards)
+            or ``"built"`` (the model existed before setup; rank 0's values scattered unit by unit).
+        init_peak_bytes: peak growth of this rank's host memory (sampled RSS) from ``configure_model()`` (or the
+            start of sharding) until every unit had its values.
+        init_seconds: how long that took.
     """
 
     world_size: int
@@ -44,6 +50,9 @@ class ParallelPlan:
     notes: list[str] = field(default_factory=list)
     kernels: dict[str, str] = field(default_factory=dict)
     tensor_core_misses: list[str] = field(default_factory=list)
+    init_path: str = "built"
+    init_peak_bytes: int = 0
+    init_seconds: float = 0.0
 
     def summary(self) -> str:
         found = ", ".join(f"{name} x{count}" for name, count in self.blocks.items()) or "none (one outer unit)"
@@ -55,6 +64,9 @@ class ParallelPlan:
             f"  checkpointed blocks : {len(self.checkpointed)} of {len(self.block_names)}",
             f"  parameters          : {self.num_params:,} ({_mib(self.param_bytes_full)} unsharded,"
             f" {_mib(self.param_bytes_local)} on this rank = {share:.2f}x)",
+            f"  initial weights     : {_INIT_PATHS.get(self.init_path, self.init_path)}; peak host memory"
+            f" +{_mib(self.init_peak_bytes)} on this rank ({self.init_peak_bytes / max(self.param_bytes_full, 1):.2f}x"
+            f" the model), {self.init_seconds:.1f} s",
         ]
         if self.self_checkpointed:
             lines.append(f"  self-checkpointing  : {len(self.self_checkpointed)} blocks (left as the model set them)")
@@ -68,6 +80,13 @@ class ParallelPlan:
             )
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+
+_INIT_PATHS = {
+    "exact": "exact (rank 0 ran configure_model, shards scattered unit by unit)",
+    "meta": "meta (built on meta, the model's own init replayed on each shard)",
+    "built": "built before setup (rank 0's values scattered unit by unit)",
+}
 
 
 def _abbrev(names: list[str], keep: int = 3) -> str:

@@ -6,6 +6,8 @@ import atexit
 import dataclasses
 import signal
 import time
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,20 +28,24 @@ from lightning_vitscale._compat import (
     destroy_process_group_safely,
     lightning_load_sharded_checkpoint,
     optimizers_to_device,
+    set_lightning_device,
 )
 from lightning_vitscale.attention import AttentionRouter, describe_choice, measure
 from lightning_vitscale.checkpoint import load_full_into, model_shapes, save_sharded, validate_against
+from lightning_vitscale.creation import Creation, ModelCreation
 from lightning_vitscale.kernels import fuse_optimizers
 from lightning_vitscale.parallelize import Parallelized, parallelize
 from lightning_vitscale.plan import ParallelPlan
 from lightning_vitscale.policies import (
     CheckpointingPolicy,
     CheckpointSelector,
+    InitMode,
     KernelMode,
     KernelPolicy,
     ModuleSelector,
     ParallelConfig,
     ShardingPolicy,
+    resolve_init,
     resolve_kernels,
 )
 from lightning_vitscale.precision import VitScalePrecision, to_vitscale_precision
@@ -106,6 +112,22 @@ def _exit_cleanup() -> None:
     time.sleep(_EXIT_GRACE_S)
 
 
+class ShardedModuleReuseError(RuntimeError):
+    """A LightningModule sharded under some settings was handed to a Trainer with other settings."""
+
+
+def check_reusable(used: dict[str, Any], wanted: dict[str, Any]) -> None:
+    """A sharded module is rebuilt by nobody: FSDP units, checkpointing and casts are in place. Refuse to pretend."""
+    changed = [f"{key} {used[key]!r} -> {wanted[key]!r}" for key in wanted if used.get(key) != wanted[key]]
+    if changed:
+        raise ShardedModuleReuseError(
+            "This LightningModule was already sharded by a VitScaleStrategy with other settings ("
+            + "; ".join(changed)
+            + "). Its FSDP units, activation checkpointing and precision casts cannot be undone in place. Build a"
+            " new LightningModule instance for this Trainer, or pass the same strategy settings as before."
+        )
+
+
 class VitScaleStrategy(ModelParallelStrategy):
     """Shard any LightningModule with nested FSDP2, activation checkpointing and BF16 O2 — no model changes.
 
@@ -119,6 +141,10 @@ class VitScaleStrategy(ModelParallelStrategy):
             unit keeps what backward needs); ``True``/``False`` forces it for all units.
         timeout: bound on every collective, so a rank that dies cannot leave the others waiting forever.
         process_group_backend: ``None`` picks NCCL on CUDA and gloo on CPU.
+        init: how a model built in ``configure_model()`` gets its starting weights: ``"exact"`` (rank 0 builds it,
+            the others build on meta and receive their shards from rank 0 unit by unit: DDP's weights bit for bit,
+            one full copy on rank 0's host), ``"meta"`` (every rank builds on meta and runs the model's own init on
+            its shards) or ``"auto"`` (exact when that copy fits in rank 0's host memory).
 
     Example::
 
@@ -139,6 +165,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         kernels: KernelMode | KernelPolicy = "auto",
         timeout: timedelta = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
+        init: InitMode = "auto",
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.config = ParallelConfig(
@@ -148,6 +175,9 @@ class VitScaleStrategy(ModelParallelStrategy):
         if not isinstance(kernels, KernelPolicy):
             resolve_kernels(kernels, torch.device("cpu"))  # unknown strings fail here, not at setup
         self._kernels = kernels
+        resolve_init(init, 0, None)  # unknown modes fail here, not at setup
+        self._init = init
+        self._creation: Creation | None = None
         self._config_for_device: ParallelConfig | None = None
         self.plan: ParallelPlan | None = None
         self._parallelized_state: Parallelized | None = None
@@ -206,23 +236,50 @@ class VitScaleStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Where ``configure_model()`` runs: rank 0 builds for real, the others on meta (see creation.py)."""
+        assert self.lightning_module is not None
+        host_copies = 1.0 + (self.num_processes / self.world_size if self.root_device.type == "cpu" else 0.0)
+        creation = ModelCreation(self.lightning_module, self._init, self.global_rank, self.world_size, host_copies)
+        with creation.context():
+            yield
+        self._creation = creation.result or self._creation
+
     def _parallelized(self, module: pl.LightningModule) -> RootUnit:
-        """Shard ``module`` once; later fit/validate/test calls reuse the same units."""
+        """Shard ``module`` once; later fit/validate/test calls with the same settings reuse the same units."""
+        signature = self._signature()
         existing = module.__dict__.get(_ROOT_ATTR)
         if existing is None:
             precision = self.precision_plugin
             module = precision.convert_module(module)
-            if not any(t.is_meta for t in module.parameters()):
-                module.to(self.root_device)
+            # No `module.to(device)` first: FSDP moves each unit's shards to the device as it shards the unit.
             root = RootUnit(module)
             config = self._resolved_config()
-            done = parallelize(root, module, self.device_mesh, config, precision.policy, self.root_device)
+            creation, self._creation = self._creation, None
+            done = parallelize(root, module, self.device_mesh, config, precision.policy, self.root_device, creation)
+            set_lightning_device(module, self.root_device)
             # Kept in __dict__ (not as a submodule): the LightningModule must not contain its own wrapper.
-            existing = module.__dict__[_ROOT_ATTR] = (root, done)
+            existing = module.__dict__[_ROOT_ATTR] = (root, done, signature)
             rank_zero_info(done.plan.summary())
-        root, self._parallelized_state = existing
+        root, self._parallelized_state, used = existing
+        check_reusable(used, signature)
         self.plan = self._parallelized_state.plan
         return root
+
+    def _signature(self) -> dict[str, Any]:
+        """The settings a sharded module was built with; another Trainer may reuse it only with the same ones."""
+        config = self._resolved_config()
+        return {
+            "blocks=": config.sharding.blocks,
+            "reshard_after_forward=": config.sharding.reshard_after_forward,
+            "activation_checkpointing=": config.checkpointing.blocks,
+            "kernels=": config.kernels,
+            "precision": self.precision_plugin.policy,
+            "world size": self.world_size,
+            "device": self.root_device,
+        }
 
     def _resolved_config(self) -> ParallelConfig:
         """The config with ``kernels=`` resolved for this device (known only once processes are set up)."""
