@@ -38,6 +38,7 @@ _FACTORIES: dict[str, tuple[str, ...] | None] = {
     "randn": ("normal_", 0.0, 1.0), "randn_like": ("normal_", 0.0, 1.0),
     "rand": ("uniform_", 0.0, 1.0), "rand_like": ("uniform_", 0.0, 1.0),
 }
+_COPIES = frozenset({"_to_copy", "clone"})  # a copy inherits the recipe (deepcopy of a meta module clones)
 _VALUE_FACTORIES = {"full": 1, "full_like": 1, "new_full": 1}  # op name -> index of the fill value
 _NOT_ELEMENTWISE = ("orthogonal_", "sparse_", "dirac_", "eye_")  # nn.init functions that no-op on meta
 
@@ -114,7 +115,7 @@ class InitRecorder(TorchDispatchMode):
                 derived = parent.copy()
                 derived.add(_DERIVED[name], tuple(args[1:]), kwargs)
                 self._track(out, derived)
-        elif name == "_to_copy" and isinstance(first, torch.Tensor) and first.is_meta and isinstance(out, torch.Tensor):
+        elif name in _COPIES and isinstance(first, torch.Tensor) and first.is_meta and isinstance(out, torch.Tensor):
             if (parent := self.recipes.get(_key(first))) is not None:
                 self._track(out, parent.copy())
 
