@@ -86,14 +86,18 @@ def _scatter_rows(full: torch.Tensor | None, target: DTensor, local: torch.Tenso
     """FSDP2's dim-0 chunks (``torch.chunk`` sizes, padded to equal rows) scattered from ``src``."""
     world = dist.get_world_size(group)
     rows = -(-target.shape[0] // world)
-    received = torch.empty((rows, *target.shape[1:]), dtype=local.dtype, device=local.device)
+    if local.shape[0] == rows and local.is_contiguous():
+        received = local  # straight into the shard: a buffer per tensor piles up while gloo still holds the last
+    else:
+        received = torch.empty((rows, *target.shape[1:]), dtype=local.dtype, device=local.device)
     chunks = None
     if dist.get_rank() == src:
         assert full is not None
         pieces = list(full.detach().chunk(world))
         chunks = [_padded(pieces[i] if i < len(pieces) else None, received) for i in range(world)]
     dist.scatter(received, chunks, src=src, group=group)
-    local.copy_(received[: local.shape[0]])
+    if received is not local:
+        local.copy_(received[: local.shape[0]])
 
 
 def _padded(piece: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,9 @@ class Distinctive(nn.Module):
     def __init__(self, dim: int = 64, depth: int = 4, orthogonal: bool = False) -> None:
         super().__init__()
         self.stem = nn.Linear(3 * 32 * 32, dim)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Dropout(0.1)) for _ in range(depth))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Dropout(0.1)) for _ in range(depth)
+        )
         self.head = nn.Linear(dim, 10)
         self.apply(self._init)
         if orthogonal:
@@ -55,6 +57,14 @@ def examples_vit() -> nn.Module:
 BUILDERS = {"distinctive": Distinctive, "examples_vit": examples_vit, "timm": timm_vit, "hf": HFViT}
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 class Built(L.LightningModule):
     """Builds its network in configure_model (the large-model habit); records losses and the device it sees."""
 
@@ -77,12 +87,12 @@ class Built(L.LightningModule):
     def on_train_start(self) -> None:
         self.device_at_start = str(self.device)
         if self.kind == "examples_vit":  # the initial values, before any step moves them
-            self.initial_fc1 = torch.cat([b.mlp.fc1.weight.full_tensor().flatten() for b in self.net.blocks])
+            self.initial_fc1 = torch.cat([_full(b.mlp.fc1.weight).flatten() for b in self.net.blocks])
         if isinstance(self.net, Distinctive):
             linears = [block[0] for block in self.net.blocks]
-            self.initial_weights = torch.cat([m.weight.full_tensor().flatten() for m in linears])
-            self.initial_biases = torch.cat([m.bias.full_tensor() for m in linears])
-            local = linears[0].weight.to_local().contiguous()
+            self.initial_weights = torch.cat([_full(m.weight).flatten() for m in linears])
+            self.initial_biases = torch.cat([_full(m.bias) for m in linears])
+            local = _local(linears[0].weight).contiguous()
             shards = [torch.empty_like(local) for _ in range(self.trainer.world_size)]
             torch.distributed.all_gather(shards, local)
             self.shards_differ = not torch.equal(shards[0], shards[1])
@@ -128,7 +138,7 @@ def meta_stats() -> dict:
         "bias_values": sorted(set(model.initial_biases.tolist())),
         "shards_differ": model.shards_differ,
         "warnings": [str(w.message) for w in caught if "could not be reproduced" in str(w.message)],
-        "vit_fc1_std": fc1.std().item(), "vit_fc1_max": fc1.abs().max().item(),
+        "vit_fc1_std": fc1.std().item(),
         "finite": all(torch.isfinite(p.to_local()).all().item() for p in model.parameters()),
         "losses": model.losses,
     }
@@ -175,7 +185,8 @@ class Big(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.layers is None:
-            self.layers = nn.Sequential(*[nn.Linear(self.width, self.width) for _ in range(self.depth)])
+            blocks = [nn.Sequential(nn.Linear(self.width, self.width), nn.GELU()) for _ in range(self.depth)]
+            self.layers = nn.Sequential(*blocks)
 
     def on_train_start(self) -> None:
         self.growth = _status_bytes("VmHWM") - self.rss_before
