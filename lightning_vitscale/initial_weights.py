@@ -127,7 +127,8 @@ class InitialWeights:
         reason = recipe.broken if recipe is not None and recipe.broken else "no init call set its values"
         if any(callable(getattr(owner, m, None)) for m in _INIT_METHODS):
             owners[id(owner)] = owner
-            self.not_reproduced[name] = f"{reason}; re-initialised by {type(owner).__name__}.reset_parameters()"
+            if self.recipes:  # without any recording (built on meta outside configure_model) this is the init
+                self.not_reproduced[name] = f"{reason}; re-initialised by {type(owner).__name__}.reset_parameters()"
         else:
             self.not_reproduced[name] = f"{reason}; zero-filled"
 
