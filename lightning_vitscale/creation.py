@@ -131,11 +131,15 @@ class ModelCreation:
         before = {id(t) for _, t in _tensors(self.module)}
         digest = _rng_digest()
         path = self._decide_before_building()
-        real = self.rank == 0 and path == "exact"
-        recorder_cm = nullcontext(None) if real else recording()
-        device_cm = nullcontext() if real else torch.device("meta")
-        with recorder_cm as recorder, device_cm:
-            yield
+        # Recording on every rank (also where the build is real): a `configure_model()` that builds on meta by
+        # itself then leaves every rank the same recipes.
+        device_cm = nullcontext() if self.rank == 0 and path == "exact" else torch.device("meta")
+        try:
+            with recording() as recorder, device_cm:
+                yield
+        except BaseException:
+            peak.stop()
+            raise
         created = [(n, t) for n, t in _tensors(self.module) if id(t) not in before]
         nbytes = sum(t.numel() * t.element_size() for _, t in created)
         path = self._agree(path, created, nbytes, digest)
