@@ -11,6 +11,8 @@ from lightning_vitscale.plan import ParallelPlan
 from lightning_vitscale.planner import MemoryPlan, plan_memory
 from lightning_vitscale.policies import KernelPolicy
 from lightning_vitscale.precision import VitScalePrecision
+from lightning_vitscale.reuse import ShardedModuleReuseError
+from lightning_vitscale.root_unit import OutsideStepCallError
 from lightning_vitscale.strategy import VitScaleStrategy
 from lightning_vitscale.throughput import ThroughputMonitor, VitScaleThroughput
 
@@ -24,8 +26,10 @@ __all__ = [
     "KernelPolicy",
     "MemoryPlan",
     "NoBlocksMatchedError",
+    "OutsideStepCallError",
     "ParallelPlan",
     "ShardedEMA",
+    "ShardedModuleReuseError",
     "StateBytes",
     "ThroughputMonitor",
     "VitScaleThroughput",

@@ -113,6 +113,10 @@ def compile_context(module: Any) -> Any:
     ctx = getattr(module, "_compiler_ctx", None)
     return None if ctx is None else ctx["dynamo_ctx"]
 
+def set_lightning_device(module: torch.nn.Module, device: torch.device) -> None:
+    """What ``LightningModule.device`` reports: Lightning's device mixin keeps it in ``_device``, updated only by
+    ``module.to(...)``, which a strategy that shards instead of moving never calls."""
+    module._device = device  # type: ignore[assignment]
 
 __all__ = [
     "after_closure",
@@ -121,6 +125,7 @@ __all__ = [
     "setup_distributed",
     "compile_in_place",
     "compile_context",
+    "set_lightning_device",
     "set_parameters",
     "destroy_process_group_safely",
     "EmptyStateDictLoadPlanner",
@@ -146,6 +151,7 @@ __all__ = [
     "ModelParallelStrategy",
     "TORCH_VERSION",
     "fully_shard",
+    "set_lightning_device",
 ]
 
 METADATA_FILENAME = _METADATA_FILENAME

@@ -12,10 +12,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_vitscale.activation_checkpointing import apply_activation_checkpointing, is_self_checkpointing
 from lightning_vitscale.attention import AttentionRouter, describe_router, make_router, route_blocks, usable_backends
 from lightning_vitscale.casting import cast_floating_inputs
-from lightning_vitscale.fsdp import broadcast_module_states, mixed_precision_policy, offload_policy, shard_module
+from lightning_vitscale.creation import Creation
+from lightning_vitscale.fsdp import mixed_precision_policy, offload_policy, shard_module
+from lightning_vitscale.initial_weights import InitialWeights
 from lightning_vitscale.kernels import apply_regional_compile
 from lightning_vitscale.matching import describe_blocks, find_blocks, find_modules
-from lightning_vitscale.materialize import has_meta_tensors, materialize
 from lightning_vitscale.memory import full_bytes, local_bytes
 from lightning_vitscale.norms import ReplicatedNorms
 from lightning_vitscale.plan import ParallelPlan
@@ -44,14 +45,16 @@ def parallelize(
     config: ParallelConfig,
     precision: PrecisionPolicy,
     device: torch.device,
+    creation: Creation | None = None,
 ) -> Parallelized:
     """Apply the recipe to ``model`` (held by ``root_unit``, the module Lightning actually calls).
 
     Order matters: blocks are found before anything rewrites the tree; norms leave the low-precision units
     before FSDP sees them; checkpointing patches block forwards before FSDP registers its hooks; blocks are
     sharded bottom-up before the outer unit, so the outer unit only takes what no block owns; meta parameters
-    are materialised last, shard by shard. ``precision`` and ``device`` are required: a default would silently
-    run a bf16 GPU job as fp32 on CPU.
+    get their starting values unit by unit as they are sharded (``creation`` says how ``configure_model()`` built
+    them; ``None``: the model existed before setup). ``precision`` and ``device`` are required: a default would
+    silently run a bf16 GPU job as fp32 on CPU.
     """
     _check_has_parameters(model)
     blocks = [(name, block) for name, block in find_blocks(model, config.sharding.blocks) if _has_params(block)]
@@ -62,13 +65,15 @@ def parallelize(
         )
     described = describe_blocks(blocks)  # before FSDP renames the classes (FSDP<Block>)
 
-    # 1. Same starting weights everywhere (DDP's guarantee), unless parameters are still meta.
-    if not has_meta_tensors(model):
-        broadcast_module_states(model, mesh)
+    # 1. Starting weights: rank 0's everywhere (DDP's guarantee) or, on the meta path, the model's own init,
+    #    delivered to each unit's shards right after that unit is sharded (below), so no rank holds a second copy.
+    device = device or torch.device("cpu")
+    weights = InitialWeights(model, mesh, device, creation)
 
     # 2. Norms keep fp32 parameters and compute, replicated outside the low-precision units (the recipe's
     #    stability fix at one extra collective per step, instead of one unit per norm).
     norm_modules = find_modules(model, precision.norms) if precision.separate_norms else []
+    weights.prepare([m for _, m in norm_modules])  # their values and device first: they stay out of the units
     norms = ReplicatedNorms([m for _, m in norm_modules], mesh, precision.norm_dtype) if norm_modules else None
     ignored = norms.ignored() if norms else None
 
@@ -105,17 +110,19 @@ def parallelize(
     # 4. Each block its own unit: peak memory is one block's gathered parameters, not the model's.
     #    A 2-D mesh shards along its last dimension and replicates along the first (hybrid sharding).
     mp_policy = mixed_precision_policy(precision)
-    offload = offload_policy(config.sharding.offload, device or torch.device("cpu"))
+    offload = offload_policy(config.sharding.offload, device)
     for _, block in blocks:
-        shard_module(block, mesh, mp_policy, config.sharding.reshard_after_forward, ignored, offload_policy=offload)
+        with weights.unit(block):
+            shard_module(block, mesh, mp_policy, config.sharding.reshard_after_forward, ignored, offload_policy=offload)
 
     # 5. The outer unit on the module Lightning calls, so its pre-forward hook gathers the rest.
     outer_reshard = config.sharding.reshard_after_forward
     outer_reshard = None if outer_reshard is None else bool(outer_reshard)
-    shard_module(root_unit, mesh, mp_policy, outer_reshard, ignored, offload_policy=offload)
+    with weights.unit(root_unit):
+        shard_module(root_unit, mesh, mp_policy, outer_reshard, ignored, offload_policy=offload)
 
-    # 6. Meta-initialised models get memory for their local shards only, then their own initialisers.
-    zero_filled = materialize(root_unit, device)
+    # 6. Name what the meta path could not reproduce; how the weights were made goes into the summary.
+    init_path, init_peak, init_seconds = weights.finish()
 
     params = list(model.parameters())
     plan = ParallelPlan(
@@ -130,9 +137,12 @@ def parallelize(
         param_bytes_full=full_bytes(params),
         param_bytes_local=local_bytes(params),
         precision=precision.name,
-        notes=_notes(model, blocks, zero_filled),
+        notes=_notes(model, blocks, list(weights.not_reproduced)),
         kernels=_kernel_facts(kernels, compiled_blocks, compiled_outer, router),
         tensor_core_misses=tensor_cores,
+        init_path=init_path,
+        init_peak_bytes=init_peak,
+        init_seconds=init_seconds,
     )
     return Parallelized(plan, norms, router)
 
@@ -195,7 +205,7 @@ def _kernel_facts(
 def _notes(model: nn.Module, blocks: list, zero_filled: list[str]) -> list[str]:
     notes = [] if blocks else [f"no repeated blocks in {type(model).__name__}: one outer FSDP unit only"]
     if zero_filled:
-        notes.append(f"{len(zero_filled)} meta tensor(s) had no initialiser: zero-filled")
+        notes.append(f"{len(zero_filled)} meta tensor(s) whose init could not be reproduced (warned)")
     return notes
 
 

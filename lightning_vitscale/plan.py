@@ -37,6 +37,12 @@ class ParallelPlan:
         offload: where the sharded state lives between uses (``"cpu"``), or ``None`` (on the device).
         predicted_peak: the memory planner's predicted per-rank peak of a training step (bytes), where known.
         memory: one line on the predicted memory and, under ``activation_checkpointing="auto"``, the choice.
+        init_path: how the starting weights were made: ``"exact"`` (``configure_model()`` on rank 0, shards
+            scattered unit by unit), ``"meta"`` (every rank on meta, the model's own init replayed on the shards)
+            or ``"built"`` (the model existed before setup; rank 0's values scattered unit by unit).
+        init_peak_bytes: peak growth of this rank's host memory (sampled RSS) from ``configure_model()`` (or the
+            start of sharding) until every unit had its values.
+        init_seconds: how long that took.
     """
 
     world_size: int
@@ -57,6 +63,9 @@ class ParallelPlan:
     offload: str | None = None
     predicted_peak: int | None = None
     memory: str = ""
+    init_path: str = "built"
+    init_peak_bytes: int = 0
+    init_seconds: float = 0.0
 
     def summary(self) -> str:
         found = ", ".join(f"{name} x{count}" for name, count in self.blocks.items()) or "none (one outer unit)"
@@ -69,6 +78,9 @@ class ParallelPlan:
             + (f" ({self.memory})" if self.memory else ""),
             f"  parameters          : {self.num_params:,} ({_mib(self.param_bytes_full)} unsharded,"
             f" {_mib(self.param_bytes_local)} on this rank = {share:.2f}x)",
+            f"  initial weights     : {_INIT_PATHS.get(self.init_path, self.init_path)}; peak host memory"
+            f" +{_mib(self.init_peak_bytes)} on this rank ({self.init_peak_bytes / max(self.param_bytes_full, 1):.2f}x"
+            f" the model), {self.init_seconds:.1f} s",
         ]
         lines.extend(self._layout_lines())
         if self.self_checkpointed:
@@ -96,6 +108,13 @@ class ParallelPlan:
         if self.offload is not None:
             lines.append(f"  offload             : {self.offload}")
         return lines
+
+
+_INIT_PATHS = {
+    "exact": "exact (rank 0 ran configure_model, shards scattered unit by unit)",
+    "meta": "meta (built on meta, the model's own init replayed on each shard)",
+    "built": "built before setup (rank 0's values scattered unit by unit)",
+}
 
 
 def _abbrev(names: list[str], keep: int = 3) -> str:

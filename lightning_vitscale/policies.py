@@ -289,6 +289,32 @@ def resolve_attention(choice: str, usable: tuple[str, ...], device: torch.device
             raise ValueError(f"`attention={choice!r}` is not one of {', '.join(ATTENTION_CHOICES)}.")
 
 
+InitMode = Literal["auto", "exact", "meta"]
+INIT_MODES: tuple[str, ...] = get_args(InitMode)
+
+
+def resolve_init(mode: str, full_bytes: int, available_bytes: int | None, host_copies: float = 1.0) -> str:
+    """Which way a model created in ``configure_model`` gets its initial weights; the one place "auto" is decided.
+
+    ``"exact"``: rank 0 builds the model for real and every unit's shards are scattered from it as it is sharded,
+    so the weights equal DDP's bit for bit; it needs one full copy in rank 0's host memory. ``"meta"``: every rank
+    builds on the meta device and runs the model's own init on its shards (same distributions, other values).
+    ``"auto"`` is exact when ``host_copies`` x the model (rank 0's full copy plus the shards the host's other ranks
+    keep in host memory) fits in 80% of the host's available memory, else meta; unknown memory means exact.
+    """
+    match mode:
+        case "exact" | "meta":
+            return mode
+        case "auto":
+            fits = available_bytes is None or full_bytes * host_copies <= 0.8 * available_bytes
+            return "exact" if fits else "meta"
+        case _:
+            raise ValueError(
+                f"`init={mode!r}` is not supported. Choose one of: {', '.join(INIT_MODES)}"
+                " (e.g. VitScaleStrategy(init=\"exact\") for DDP's initial weights bit for bit)."
+            )
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Everything the parallelize pipeline needs to know, grouped so the strategy constructor stays short.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import signal
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -23,6 +25,7 @@ from lightning_vitscale._compat import (
     SubprocessScriptLauncher,
     optimizers_to_device,
     set_device_mesh,
+    set_lightning_device,
     setup_distributed,
 )
 from lightning_vitscale.activation_checkpointing import apply_activation_checkpointing
@@ -32,6 +35,7 @@ from lightning_vitscale.auto_checkpointing import AutoCheckpointing, describe_pr
 from lightning_vitscale.checkpoint import consolidate_command
 from lightning_vitscale.checkpoint_storage import Location
 from lightning_vitscale.compiled import TAKEN_OVER, take_over_compiled
+from lightning_vitscale.creation import Creation, ModelCreation
 from lightning_vitscale.kernels import fuse_optimizers, prefer_foreach
 from lightning_vitscale.lightning_averaging import shard_averaged_copies
 from lightning_vitscale.mesh import build_mesh, shard_size
@@ -41,6 +45,7 @@ from lightning_vitscale.policies import (
     CheckpointingPolicy,
     CheckpointSelector,
     Compiler,
+    InitMode,
     KernelMode,
     KernelPolicy,
     ModuleSelector,
@@ -49,12 +54,14 @@ from lightning_vitscale.policies import (
     ShardingLayout,
     ShardingPolicy,
     StateDictType,
+    resolve_init,
     resolve_kernels,
     resolve_state_dict_type,
     shard_group_size,
 )
 from lightning_vitscale.precision import VitScalePrecision, to_vitscale_precision
 from lightning_vitscale.process_group import destroy_process_group_at_exit
+from lightning_vitscale.reuse import check_reusable
 from lightning_vitscale.root_unit import RootUnit
 from lightning_vitscale.sync_batchnorm import apply_sync_batchnorm
 from lightning_vitscale.traffic import layout_report
@@ -91,6 +98,10 @@ class VitScaleStrategy(ModelParallelStrategy):
         state_dict_type: ``"sharded"`` (default): checkpoints are folders, each rank writes its own shards;
             ``"full"``: rank 0 writes one file in DDP's format (gathered one tensor at a time), which
             ``MyModule.load_from_checkpoint`` reads and a ``strategy="ddp"`` run resumes from.
+        init: how a model built in ``configure_model()`` gets its starting weights: ``"exact"`` (rank 0 builds it,
+            the others build on meta and receive their shards from rank 0 unit by unit: DDP's weights bit for bit,
+            one full copy on rank 0's host), ``"meta"`` (every rank builds on meta and runs the model's own init on
+            its shards) or ``"auto"`` (exact when that copy fits in rank 0's host memory).
 
     Example::
 
@@ -115,6 +126,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         timeout: timedelta = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
         state_dict_type: StateDictType = "sharded",
+        init: InitMode = "auto",
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         if not isinstance(kernels, KernelPolicy):
@@ -129,6 +141,9 @@ class VitScaleStrategy(ModelParallelStrategy):
         )
         self.state_dict_type = resolve_state_dict_type(state_dict_type)
         self._told_how_to_consolidate = False
+        resolve_init(init, 0, None)  # unknown modes fail here, not at setup
+        self._init = init
+        self._creation: Creation | None = None
         self.plan: ParallelPlan | None = None
         self._parallelized_state: Parallelized | None = None
         self._user_compiler: Compiler | None = None
@@ -213,14 +228,25 @@ class VitScaleStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING and self.config.sharding.offload is None:
             optimizers_to_device(self.optimizers, self.root_device)  # offloaded state stays in host memory
 
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Where ``configure_model()`` runs: rank 0 builds for real, the others on meta (see creation.py)."""
+        assert self.lightning_module is not None
+        host_copies = 1.0 + (self.num_processes / self.world_size if self.root_device.type == "cpu" else 0.0)
+        creation = ModelCreation(self.lightning_module, self._init, self.global_rank, self.world_size, host_copies)
+        with creation.context():
+            yield
+        self._creation = creation.result or self._creation
+
     def _parallelized(self, module: pl.LightningModule) -> RootUnit:
-        """Shard ``module`` once; later fit/validate/test calls reuse the same units."""
+        """Shard ``module`` once; later fit/validate/test calls with the same settings reuse the same units."""
+        signature = self._signature()
         existing = module.__dict__.get(_ROOT_ATTR)
         if existing is None:
             precision = self.precision_plugin
             module = precision.convert_module(module)
-            if not any(t.is_meta for t in module.parameters()):
-                module.to(self.root_device)
+            # No `module.to(device)` first: FSDP moves each unit's shards to the device as it shards the unit.
             root = RootUnit(module)
             config = self._resolved_config()
             if config.checkpointing.is_auto:
@@ -228,7 +254,9 @@ class VitScaleStrategy(ModelParallelStrategy):
                 measured = None
             else:
                 measured = measure_for_summary(module, self.world_size, precision.policy.name, config.sharding.blocks)
-            done = parallelize(root, module, self.device_mesh, config, precision.policy, self.root_device)
+            creation, self._creation = self._creation, None
+            done = parallelize(root, module, self.device_mesh, config, precision.policy, self.root_device, creation)
+            set_lightning_device(module, self.root_device)
             self._describe_layout(done, root)
             if self._auto is not None:
                 self._auto.keep_gathered(module)
@@ -239,9 +267,10 @@ class VitScaleStrategy(ModelParallelStrategy):
                                                                                  reshard)
             # Kept in __dict__ (not as a submodule): the LightningModule must not contain its own wrapper.
             root.enable_calls_outside_steps()
-            existing = module.__dict__[_ROOT_ATTR] = (root, done)
+            existing = module.__dict__[_ROOT_ATTR] = (root, done, signature)
             rank_zero_info(done.plan.summary())
-        root, self._parallelized_state = existing
+        root, self._parallelized_state, used = existing
+        check_reusable(used, signature)
         self.plan = self._parallelized_state.plan
         return root
 
@@ -256,6 +285,21 @@ class VitScaleStrategy(ModelParallelStrategy):
         if sharding.offload is not None:
             no_effect = " (no effect on accelerator='cpu': the state already lives in host memory)"
             done.plan.offload = sharding.offload + (no_effect if self.root_device.type == "cpu" else "")
+
+    def _signature(self) -> dict[str, Any]:
+        """The settings a sharded module was built with; another Trainer may reuse it only with the same ones."""
+        config = self._resolved_config()
+        return {
+            "blocks=": config.sharding.blocks,
+            "reshard_after_forward=": config.sharding.reshard_after_forward,
+            "sharding=": config.sharding.layout,
+            "offload=": config.sharding.offload,
+            "activation_checkpointing=": config.checkpointing.blocks,
+            "kernels=": config.kernels,
+            "precision": self.precision_plugin.policy,
+            "world size": self.world_size,
+            "device": self.root_device,
+        }
 
     def _resolved_config(self) -> ParallelConfig:
         """The config with ``kernels=`` resolved for this device (known only once processes are set up)."""

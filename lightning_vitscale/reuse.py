@@ -1,0 +1,21 @@
+"""Reusing a LightningModule that a VitScaleStrategy already sharded: only under the settings it was sharded with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ShardedModuleReuseError(RuntimeError):
+    """A LightningModule sharded under some settings was handed to a Trainer with other settings."""
+
+
+def check_reusable(used: dict[str, Any], wanted: dict[str, Any]) -> None:
+    """A sharded module is rebuilt by nobody: FSDP units, checkpointing and casts are in place. Refuse to pretend."""
+    changed = [f"{key} {used[key]!r} -> {wanted[key]!r}" for key in wanted if used.get(key) != wanted[key]]
+    if changed:
+        raise ShardedModuleReuseError(
+            "This LightningModule was already sharded by a VitScaleStrategy with other settings ("
+            + "; ".join(changed)
+            + "). Its FSDP units, activation checkpointing and precision casts cannot be undone in place. Build a"
+            " new LightningModule instance for this Trainer, or pass the same strategy settings as before."
+        )
