@@ -34,7 +34,7 @@ def build(variant: str):
 
     from lightning_vitscale.demo import TinyViT
     from lightning_vitscale.parallelize import parallelize
-    from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, ShardingPolicy
+    from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, ShardingPolicy, resolve_flag
     from lightning_vitscale.strategy import RootUnit, prefer_foreach
 
     torch.manual_seed(0)
@@ -48,7 +48,7 @@ def build(variant: str):
         reshard = False if variant == "planner" else None
         config = ParallelConfig(sharding=ShardingPolicy(reshard_after_forward=reshard),
                                 checkpointing=CheckpointingPolicy(blocks=variant == "ac_on"))
-        parallelize(root, model, mesh, config, None, torch.device("cpu"))
+        parallelize(root, model, mesh, config, resolve_flag("32-true"), torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     prefer_foreach([optimizer])
     return root, optimizer

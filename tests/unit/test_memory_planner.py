@@ -16,7 +16,7 @@ from lightning_vitscale.demo import TinyViT
 from lightning_vitscale.memory_budget import StepSettings, predict_step
 from lightning_vitscale.parallelize import parallelize
 from lightning_vitscale.planner import parse_memory, plan_memory, step_inputs
-from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig
+from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, resolve_flag
 from lightning_vitscale.strategy import RootUnit, VitScaleStrategy, prefer_foreach
 from tests.helpers.peak import step_peak_bytes
 
@@ -38,7 +38,7 @@ def sharded(mesh, names: set[str]) -> tuple[RootUnit, TinyViT]:
     model = TinyViT(**LONG)
     root = RootUnit(model)
     config = ParallelConfig(checkpointing=CheckpointingPolicy(blocks=lambda name, _: name in names))
-    parallelize(root, model, mesh, config, None, torch.device("cpu"))
+    parallelize(root, model, mesh, config, resolve_flag("32-true"), torch.device("cpu"))
     return root, model
 
 
@@ -176,8 +176,8 @@ def test_auto_keeps_blocks_gathered_when_everything_fits(mesh):
         auto = AutoCheckpointing(4 * 2**30 if ample else 1, 1, "32-true", None, may_keep_gathered=True)
         names = auto.at_setup(model, torch.device("cpu"), 1, lambda n: n)  # as the strategy: before sharding
         root = RootUnit(model)
-        parallelize(root, model, mesh, ParallelConfig(checkpointing=CheckpointingPolicy(blocks=False)), None,
-                    torch.device("cpu"))
+        config = ParallelConfig(checkpointing=CheckpointingPolicy(blocks=False))
+        parallelize(root, model, mesh, config, resolve_flag("32-true"), torch.device("cpu"))
         auto.keep_gathered(model)
         loss = F.cross_entropy(root(batch()[0]), batch()[1])
         # Between forward and backward a resharded block holds DTensor shards, a gathered one plain tensors.

@@ -20,7 +20,7 @@ def sharded(mesh, enable: bool = True):
     model = EncoderClassifier(dim=32, depth=2, dropout=0.0).eval()
     reference = copy.deepcopy(model)
     root = RootUnit(model)
-    parallelize(root, model, mesh, ParallelConfig(), device=torch.device("cpu"))
+    parallelize(root, model, mesh, ParallelConfig(), resolve_flag("32-true"), torch.device("cpu"))
     if enable:
         root.enable_calls_outside_steps()
     return root, model, reference
