@@ -14,28 +14,16 @@ import torch
 import torch.distributed as dist
 
 from lightning_vitscale import VitScaleStrategy
-from lightning_vitscale._compat import DTensor
 from lightning_vitscale.checkpoint import consolidate_checkpoint
 from tests.helpers.models import Classifier, loader
 from tests.helpers.recording import count_collectives
+from tests.helpers.state import snapshot
 
 warnings.filterwarnings("ignore")
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 RANK = int(os.environ.get("RANK", "0"))
 FIXED = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(7))
 
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
-def snapshot(model: torch.nn.Module, trainer: L.Trainer) -> dict[str, torch.Tensor]:
-    """Full (gathered) weights and optimizer state: collective on every rank, compared bit for bit."""
-    out = {f"w.{n}": full(p) for n, p in model.named_parameters()}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for p, s in trainer.optimizers[0].state.items():
-        out.update({f"o.{names[id(p)]}.{k}": full(v) for k, v in s.items() if torch.is_tensor(v)})
-    return out
 
 
 def equal(a: dict, b: dict) -> bool:

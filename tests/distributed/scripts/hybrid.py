@@ -19,26 +19,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_vitscale import VitScaleStrategy, measure_state_bytes
-from lightning_vitscale._compat import DTensor
 from tests.helpers.models import Classifier, loader
 from tests.helpers.recording import TrafficRecorder
+from tests.helpers.state import snapshot
 
 warnings.filterwarnings("ignore")
 NODES, PER_NODE = 2, 2
 CLIP = 0.05
 
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
-def snapshot(model: torch.nn.Module, trainer: L.Trainer) -> dict[str, torch.Tensor]:
-    """Full (gathered) weights and optimizer state, for bit-for-bit comparison across layouts and world sizes."""
-    out = {f"w.{n}": full(p) for n, p in model.named_parameters()}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for p, s in trainer.optimizers[0].state.items():
-        out.update({f"o.{names[id(p)]}.{k}": full(v) for k, v in s.items() if torch.is_tensor(v)})
-    return out
 
 
 class Resumable(Classifier):
