@@ -11,6 +11,7 @@ FSDP hooks would all-gather if it were run for measuring.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -19,9 +20,12 @@ import torch
 from torch import nn
 
 from lightning_vitscale._compat import FSDPModule
+from lightning_vitscale.activation_checkpointing import apply_activation_checkpointing
 from lightning_vitscale.memory_budget import StepInputs
+from lightning_vitscale.plan import ParallelPlan
 from lightning_vitscale.plan_report import gib
 from lightning_vitscale.planner import MemoryPlan, choose, step_inputs
+from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig
 
 DEFAULT_FRACTION = 0.9
 
@@ -182,6 +186,33 @@ class AutoCheckpointing:
         keep = bool(-agree(-int(choice.keep_gathered and self.may_keep_gathered and not names)))
         self.choice = AutoChoice(names, choice.plan, choice.block_names, keep)
         return names
+
+    def note(self, plan: ParallelPlan) -> None:
+        """The choice (or that it waits for the first step) in the plan, and so in the setup summary."""
+        if self.choice is not None:
+            plan.checkpointed = list(self.choice.names)
+            plan.predicted_peak = self.choice.plan.chosen.breakdown.peak
+            plan.memory = self.choice.describe()
+        else:
+            plan.memory = "auto: decided at the first training step, from its batch"
+
+    def config_at_setup(
+        self, module: nn.Module, config: ParallelConfig, device: torch.device, local_ranks: int, agree
+    ) -> ParallelConfig:
+        """``config`` with the blocks chosen now as its checkpointing selector, or unchanged if the choice waits
+        for the first step's batch."""
+        names = self.at_setup(module, device, local_ranks, agree)
+        if names is None:
+            return config
+        chosen = set(names)
+        return dataclasses.replace(config, checkpointing=CheckpointingPolicy(blocks=lambda name, _: name in chosen))
+
+    def apply_at_first_step(self, module: nn.Module, batch: Any, device: torch.device, local_ranks: int, agree,
+                            optimizers) -> None:
+        """Decide from the first batch and checkpoint the chosen blocks in place (they are FSDP units already)."""
+        names = self.at_first_step(batch, device, local_ranks, agree, optimizers)
+        apply_activation_checkpointing([module.get_submodule(name) for name in names])
+        self.keep_gathered(module)
 
     def keep_gathered(self, module: nn.Module) -> None:
         """Blocks keep their gathered parameters from forward to backward: one all-gather per block fewer."""

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from lightning_vitscale.policies import ParallelConfig, PrecisionPolicy
+
 
 class ShardedModuleReuseError(RuntimeError):
     """A LightningModule sharded under some settings was handed to a Trainer with other settings."""
@@ -19,3 +23,20 @@ def check_reusable(used: dict[str, Any], wanted: dict[str, Any]) -> None:
             + "). Its FSDP units, activation checkpointing and precision casts cannot be undone in place. Build a"
             " new LightningModule instance for this Trainer, or pass the same strategy settings as before."
         )
+
+
+def sharding_signature(
+    config: ParallelConfig, precision: PrecisionPolicy, world_size: int, device: torch.device
+) -> dict[str, Any]:
+    """The settings a sharded module was built with; another Trainer may reuse it only with the same ones."""
+    return {
+        "blocks=": config.sharding.blocks,
+        "reshard_after_forward=": config.sharding.reshard_after_forward,
+        "sharding=": config.sharding.layout,
+        "offload=": config.sharding.offload,
+        "activation_checkpointing=": config.checkpointing.blocks,
+        "kernels=": config.kernels,
+        "precision": precision,
+        "world size": world_size,
+        "device": device,
+    }

@@ -28,7 +28,6 @@ from lightning_vitscale._compat import (
     set_lightning_device,
     setup_distributed,
 )
-from lightning_vitscale.activation_checkpointing import apply_activation_checkpointing
 from lightning_vitscale.attention import usable_backends
 from lightning_vitscale.attention_auto import auto_attention_step
 from lightning_vitscale.auto_checkpointing import AutoCheckpointing, describe_prediction, measure_for_summary
@@ -61,10 +60,10 @@ from lightning_vitscale.policies import (
 )
 from lightning_vitscale.precision import VitScalePrecision, to_vitscale_precision
 from lightning_vitscale.process_group import destroy_process_group_at_exit
-from lightning_vitscale.reuse import check_reusable
+from lightning_vitscale.reuse import check_reusable, sharding_signature
 from lightning_vitscale.root_unit import RootUnit
 from lightning_vitscale.sync_batchnorm import apply_sync_batchnorm
-from lightning_vitscale.traffic import layout_report
+from lightning_vitscale.traffic import describe_layout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -241,7 +240,9 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     def _parallelized(self, module: pl.LightningModule) -> RootUnit:
         """Shard ``module`` once; later fit/validate/test calls with the same settings reuse the same units."""
-        signature = self._signature()
+        signature = sharding_signature(
+            self._resolved_config(), self.precision_plugin.policy, self.world_size, self.root_device
+        )
         existing = module.__dict__.get(_ROOT_ATTR)
         if existing is None:
             precision = self.precision_plugin
@@ -250,17 +251,27 @@ class VitScaleStrategy(ModelParallelStrategy):
             root = RootUnit(module)
             config = self._resolved_config()
             if config.checkpointing.is_auto:
-                config = self._auto_at_setup(module, config)
+                self._auto = AutoCheckpointing(
+                    config.checkpointing.memory_budget, self.world_size, precision.policy.name,
+                    config.sharding.blocks, config.sharding.reshard_after_forward is None,
+                )
+                config = self._auto.config_at_setup(module, config, self.root_device, self.num_processes,
+                                                    self._agree_max)
                 measured = None
             else:
                 measured = measure_for_summary(module, self.world_size, precision.policy.name, config.sharding.blocks)
             creation, self._creation = self._creation, None
             done = parallelize(root, module, self.device_mesh, config, precision.policy, self.root_device, creation)
             set_lightning_device(module, self.root_device)
-            self._describe_layout(done, root)
+            mesh = self.device_mesh
+            describe_layout(
+                done.plan, root, done.norms.params if done.norms is not None else [], precision.policy,
+                config.sharding, mesh.size(), shard_size(mesh), self.num_processes, self.global_rank,
+                self.root_device,
+            )
             if self._auto is not None:
                 self._auto.keep_gathered(module)
-            self._note_auto(done.plan)
+                self._auto.note(done.plan)
             if measured is not None:
                 reshard = config.sharding.reshard_after_forward is not False
                 done.plan.predicted_peak, done.plan.memory = describe_prediction(measured, done.plan.checkpointed,
@@ -273,33 +284,6 @@ class VitScaleStrategy(ModelParallelStrategy):
         check_reusable(used, signature)
         self.plan = self._parallelized_state.plan
         return root
-
-    def _describe_layout(self, done: Parallelized, root: RootUnit) -> None:
-        """Sharding layout, per-step traffic and offload in the plan (and so in the setup summary)."""
-        norm_params = done.norms.params if done.norms is not None else []
-        mesh, sharding = self.device_mesh, self.config.sharding
-        done.plan.layout = layout_report(
-            root, norm_params, self.precision_plugin.policy, sharding.reshard_after_forward,
-            mesh.size(), shard_size(mesh), self.num_processes, self.global_rank,
-        )
-        if sharding.offload is not None:
-            no_effect = " (no effect on accelerator='cpu': the state already lives in host memory)"
-            done.plan.offload = sharding.offload + (no_effect if self.root_device.type == "cpu" else "")
-
-    def _signature(self) -> dict[str, Any]:
-        """The settings a sharded module was built with; another Trainer may reuse it only with the same ones."""
-        config = self._resolved_config()
-        return {
-            "blocks=": config.sharding.blocks,
-            "reshard_after_forward=": config.sharding.reshard_after_forward,
-            "sharding=": config.sharding.layout,
-            "offload=": config.sharding.offload,
-            "activation_checkpointing=": config.checkpointing.blocks,
-            "kernels=": config.kernels,
-            "precision": self.precision_plugin.policy,
-            "world size": self.world_size,
-            "device": self.root_device,
-        }
 
     def _resolved_config(self) -> ParallelConfig:
         """The config with ``kernels=`` resolved for this device (known only once processes are set up)."""
@@ -321,38 +305,15 @@ class VitScaleStrategy(ModelParallelStrategy):
                 self.plan.notes.extend(fused)
         prefer_foreach(self.optimizers)
 
-    def _auto_at_setup(self, module: pl.LightningModule, config: ParallelConfig) -> ParallelConfig:
-        """``activation_checkpointing="auto"``: choose now if the batch shape is known, else at the first step."""
-        policy = config.checkpointing
-        self._auto = AutoCheckpointing(policy.memory_budget, self.world_size, self.precision_plugin.policy.name,
-                                       config.sharding.blocks, config.sharding.reshard_after_forward is None)
-        names = self._auto.at_setup(module, self.root_device, self.num_processes, self._agree_max)
-        if names is None:
-            return config
-        chosen = set(names)
-        selector = CheckpointingPolicy(blocks=lambda name, _: name in chosen)
-        return dataclasses.replace(config, checkpointing=selector)
-
     def _agree_max(self, value: int) -> int:
         return int(self.reduce(torch.tensor(value, device=self.root_device), reduce_op="max").item())
 
-    def _note_auto(self, plan: ParallelPlan) -> None:
-        if self._auto is not None and self._auto.choice is not None:
-            plan.checkpointed = list(self._auto.choice.names)
-            plan.predicted_peak = self._auto.choice.plan.chosen.breakdown.peak
-            plan.memory = self._auto.choice.describe()
-        elif self._auto is not None:
-            plan.memory = "auto: decided at the first training step, from its batch"
-
     def _auto_first_step(self, batch: Any) -> None:
         assert self._auto is not None and self.lightning_module is not None
-        names = self._auto.at_first_step(batch, self.root_device, self.num_processes, self._agree_max,
-                                         self.optimizers)
-        module = self.lightning_module
-        apply_activation_checkpointing([module.get_submodule(name) for name in names])
-        self._auto.keep_gathered(module)
+        self._auto.apply_at_first_step(self.lightning_module, batch, self.root_device, self.num_processes,
+                                       self._agree_max, self.optimizers)
         if self.plan is not None:
-            self._note_auto(self.plan)
+            self._auto.note(self.plan)
             rank_zero_info(f"VitScaleStrategy activation checkpointing {self.plan.memory}")
 
     @override

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from lightning_vitscale._compat import FSDPModule
-from lightning_vitscale.policies import PrecisionPolicy
+from lightning_vitscale.plan import ParallelPlan
+from lightning_vitscale.policies import PrecisionPolicy, ShardingPolicy
 
 
 @dataclass(frozen=True)
@@ -167,3 +168,24 @@ def layout_report(
     multi_node = world_size > ranks_per_node and world_size % ranks_per_node == 0
     contrast = traffic(ranks_per_node) if multi_node and shard_size != ranks_per_node else None
     return LayoutReport(name, traffic(shard_size), contrast)
+
+
+def describe_layout(
+    plan: ParallelPlan,
+    root: nn.Module,
+    norm_params: list[nn.Parameter],
+    precision: PrecisionPolicy,
+    sharding: ShardingPolicy,
+    mesh_size: int,
+    shard_size: int,
+    ranks_per_node: int,
+    rank: int,
+    device: torch.device,
+) -> None:
+    """Sharding layout, per-step traffic and offload in the plan (and so in the setup summary)."""
+    plan.layout = layout_report(
+        root, norm_params, precision, sharding.reshard_after_forward, mesh_size, shard_size, ranks_per_node, rank
+    )
+    if sharding.offload is not None:
+        no_effect = " (no effect on accelerator='cpu': the state already lives in host memory)"
+        plan.offload = sharding.offload + (no_effect if device.type == "cpu" else "")
