@@ -34,6 +34,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--scenarios", nargs="+", default=SCENARIOS, metavar="SHAPE:AC:PRECISION",
+                        help="cells to run, e.g. wide:on:bf16-mixed (default: all eight)")
     args = parser.parse_args()
     print("| shape | AC | precision | ranks | predicted MiB | measured MiB (max rank) | predicted / measured |"
           " predicted peak at |")
@@ -41,10 +43,10 @@ def main() -> None:
     worst = 0.0
     for ranks in args.ranks:
         with tempfile.TemporaryDirectory() as out:
-            assert_ok(torchrun(ROOT / "tests/distributed/scripts/memory_planner.py", out, ",".join(SCENARIOS),
+            assert_ok(torchrun(ROOT / "tests/distributed/scripts/memory_planner.py", out, ",".join(args.scenarios),
                                nprocs=ranks, timeout=args.timeout))
             results = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
-        for name in SCENARIOS:
+        for name in args.scenarios:
             shape, ac, precision = name.split(":")
             measured = max(r[name]["measured"] for r in results)
             predicted = max(r[name]["predicted"] for r in results)

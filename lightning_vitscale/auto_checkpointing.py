@@ -115,11 +115,12 @@ def choose_blocks(
     total: int,
     optimizer: str = "adamw",
     blocks: Any = None,
+    device: torch.device | None = None,
 ) -> AutoChoice:
     """Run ``model`` (the un-sharded module or its meta twin) on fake tensors and pick the blocks to checkpoint."""
     try:
         inputs: StepInputs = step_inputs(model, example_input, world_size=world_size, precision=precision,
-                                         optimizer=optimizer, blocks=blocks)
+                                         optimizer=optimizer, blocks=blocks, device=device)
     except Exception as error:  # a forward that cannot run on fake tensors must say what to do instead
         raise RuntimeError(
             f"activation_checkpointing='auto' could not measure {type(model).__name__} on fake tensors"
@@ -179,7 +180,7 @@ class AutoCheckpointing:
         total = device_memory(device, local_ranks)
         choice = choose_blocks(model, example, world_size=self.world_size, precision=self.precision,
                                budget=resolve_budget(self.budget, total), total=total, optimizer=optimizer,
-                               blocks=self.blocks)
+                               blocks=self.blocks, device=device)
         # Every rank checkpoints the same blocks: the most any rank needs (free host memory differs by rank).
         names = choice.block_names[: agree(len(choice.names))]  # the chosen blocks are the earliest ones
         # Keeping blocks gathered changes the collectives: only if every rank can (the fewest of any rank).
@@ -223,7 +224,9 @@ class AutoCheckpointing:
                 block.set_reshard_after_forward(False, recurse=False)
 
 
-def measure_for_summary(module: nn.Module, world_size: int, precision: str, blocks: Any) -> StepInputs | None:
+def measure_for_summary(
+    module: nn.Module, world_size: int, precision: str, blocks: Any, device: torch.device | None = None
+) -> StepInputs | None:
     """Fake-tensor measurement for the setup summary's predicted peak, when ``example_input_array`` is set.
 
     Only informative: a module whose forward cannot run on fake tensors gets no prediction, not an error.
@@ -232,7 +235,8 @@ def measure_for_summary(module: nn.Module, world_size: int, precision: str, bloc
     if example is None:
         return None
     try:
-        return step_inputs(module, example, world_size=world_size, precision=precision, blocks=blocks)
+        return step_inputs(module, example, world_size=world_size, precision=precision, blocks=blocks,
+                           device=device)
     except Exception:  # noqa: BLE001 - see docstring
         return None
 

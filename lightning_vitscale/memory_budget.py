@@ -4,7 +4,9 @@ The step is walked phase by phase as FSDP2 runs it: the outer unit gathered from
 (``reshard_after_forward``'s default for the root), one block gathered (+ its all-gather buffer) in forward,
 the current and the prefetched block gathered in backward with the current block's unsharded gradients and
 reduce-scatter buffer, activations freed block by block as backward proceeds, sharded gradients growing, and
-the optimizer step (foreach AdamW needs one temporary the size of the local parameters). Activations come from
+the optimizer step (foreach AdamW needs one temporary the size of the local parameters). On CPU, gloo's
+collectives copy through a temporary the size of the gathered tensor (:func:`collective_copies`): one more block
+while a block is gathered, and a block's reduce-scatter holds its input twice (on 2+ ranks). Activations come from
 :mod:`lightning_vitscale.memory_model` (measured on fake tensors); everything else is counted from shapes.
 """
 
@@ -103,6 +105,18 @@ class StepInputs:
     reduce: torch.dtype
     optimizer: str = "adamw"
     batch_scale: float = 1.0
+    collective_copies: bool = False
+
+
+def collective_copies(device: torch.device | str | None) -> bool:
+    """Whether the process group on ``device`` copies each all-gather / reduce-scatter through a temporary.
+
+    gloo (CPU) does: torch's profiler (allocator events, 1/2/4 ranks, fp32 and bf16, sync and async) shows
+    ``all_gather_into_tensor`` allocating one temporary the size of the gathered output (twice in a row, never
+    both live) and ``reduce_scatter_tensor`` one the size of its unsharded input, freed when the call returns.
+    NCCL reads and writes FSDP's own buffers in place, so CUDA devices (and an unknown device) get none.
+    """
+    return device is not None and torch.device(device).type == "cpu"
 
 
 def predict_step(inputs: StepInputs, settings: StepSettings) -> MemoryBreakdown:
@@ -136,10 +150,12 @@ def predict_step(inputs: StepInputs, settings: StepSettings) -> MemoryBreakdown:
 def _forward_peak(inputs, settings, base, full_blocks, outer_full, kept) -> MemoryBreakdown:
     c = inputs.compute.itemsize
     biggest = max(full_blocks, default=0) * c
+    copy = biggest if inputs.collective_copies else 0  # gloo's temporary while a block is gathered
     # Blocks that stay gathered for backward pile up; otherwise one block and its all-gather buffer.
     gathered = outer_full + (sum(full_blocks) * c + biggest if not settings.reshard_after_forward else 2 * biggest)
     acts = int(inputs.profile.outer_saved * inputs.batch_scale) + sum(kept)
-    return MemoryBreakdown(grads=0, gathered=gathered, activations=acts, transient=0, phase="end of forward", **base)
+    return MemoryBreakdown(grads=0, gathered=gathered, activations=acts, transient=copy, phase="end of forward",
+                           **base)
 
 
 def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kept, c, r, m, on_device):
@@ -156,7 +172,12 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
         block = prof.blocks[i]
         # A checkpointed block holds its input (in `kept`), then recomputes and runs its backward.
         inside = block.recompute - block.input if i in settings.checkpointed else block.backward
-        transient = int(inside * scale) + full_blocks[i] * r + outer_grads
+        compute = int(inside * scale) + full_blocks[i] * r
+        # gloo: while the block's gradients are reduce-scattered, its input buffer and gloo's copy of it are live
+        # (its unsharded gradients are freed after the copy-in); the backward compute's transients are gone.
+        # FSDP copies instead of reduce-scattering on one rank.
+        collective = 2 * full_blocks[i] * r if inputs.collective_copies and inputs.world > 1 else 0
+        transient = max(compute, collective) + outer_grads
         yield MemoryBreakdown(
             grads=sum(shards[i + 1:]) * m * on_device,
             gathered=gathered,

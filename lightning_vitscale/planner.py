@@ -22,6 +22,7 @@ from lightning_vitscale.memory_budget import (
     ModelLayout,
     StepInputs,
     StepSettings,
+    collective_copies,
     predict_step,
 )
 from lightning_vitscale.memory_model import ActivationProfile, measure_activations
@@ -164,8 +165,13 @@ def step_inputs(
     precision: str = "bf16-mixed",
     optimizer: str = "adamw",
     blocks: ModuleSelector | None = None,
+    device: torch.device | str | None = None,
 ) -> StepInputs:
-    """Measure ``model`` on fake tensors and gather what :func:`predict_step` needs (see :func:`plan_memory`)."""
+    """Measure ``model`` on fake tensors and gather what :func:`predict_step` needs (see :func:`plan_memory`).
+
+    ``device`` is where the step will run: on CPU the collectives' temporaries count (see
+    :func:`~lightning_vitscale.memory_budget.collective_copies`); ``None`` plans for a GPU with NCCL.
+    """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not known; choose one of {', '.join(OPTIMIZER_STATES)}.")
     if world_size < 1:
@@ -183,6 +189,7 @@ def step_inputs(
         reduce=policy.reduce,
         optimizer=optimizer,
         batch_scale=(batch_size or measured_batch) / measured_batch,
+        collective_copies=collective_copies(device),
     )
 
 

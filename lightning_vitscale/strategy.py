@@ -259,7 +259,8 @@ class VitScaleStrategy(ModelParallelStrategy):
                                                     self._agree_max)
                 measured = None
             else:
-                measured = measure_for_summary(module, self.world_size, precision.policy.name, config.sharding.blocks)
+                measured = measure_for_summary(module, self.world_size, precision.policy.name, config.sharding.blocks,
+                                               self.root_device)
             creation, self._creation = self._creation, None
             done = parallelize(root, module, self.device_mesh, config, precision.policy, self.root_device, creation)
             set_lightning_device(module, self.root_device)

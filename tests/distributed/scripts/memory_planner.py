@@ -44,7 +44,7 @@ def scenario(shape: str, ac: str, precision: str) -> dict:
     with torch.device("meta"):
         planned = TinyViT(**kwargs)
     inputs = step_inputs(planned, torch.empty(batch, 3, kwargs["image"], kwargs["image"], device="meta"),
-                         world_size=world, precision=precision)
+                         world_size=world, precision=precision, device="cpu")
     checkpointed = frozenset(range(kwargs["depth"])) if ac == "on" else frozenset()
     predicted = predict_step(inputs, StepSettings(checkpointed))
     del planned, inputs
@@ -95,7 +95,7 @@ def auto_first_step() -> dict:
     with torch.device("meta"):
         planned = TinyViT(**kwargs)
     inputs = step_inputs(planned, torch.empty(batch, 3, 64, 64, device="meta"), world_size=WORLD,
-                         precision="32-true")
+                         precision="32-true", device="cpu")
     every = predict_step(inputs, StepSettings(frozenset(range(kwargs["depth"])))).peak
     budget = (every + predict_step(inputs, StepSettings()).peak) // 2
     L.seed_everything(0, verbose=False)
