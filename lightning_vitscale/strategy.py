@@ -240,16 +240,14 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     def _parallelized(self, module: pl.LightningModule) -> RootUnit:
         """Shard ``module`` once; later fit/validate/test calls with the same settings reuse the same units."""
-        signature = sharding_signature(
-            self._resolved_config(), self.precision_plugin.policy, self.world_size, self.root_device
-        )
+        config = self._resolved_config()
+        signature = sharding_signature(config, self.precision_plugin.policy, self.world_size, self.root_device)
         existing = module.__dict__.get(_ROOT_ATTR)
         if existing is None:
             precision = self.precision_plugin
             module = precision.convert_module(module)
             # No `module.to(device)` first: FSDP moves each unit's shards to the device as it shards the unit.
             root = RootUnit(module)
-            config = self._resolved_config()
             if config.checkpointing.is_auto:
                 self._auto = AutoCheckpointing(
                     config.checkpointing.memory_budget, self.world_size, precision.policy.name,
