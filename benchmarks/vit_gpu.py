@@ -222,6 +222,9 @@ def measure(name: str, model: dict, row_key: str, batch: int, args: argparse.Nam
         result.update(images_per_sec=spread.median, low=spread.low, high=spread.high, windows=spread.n,
                       tflops=flops * spread.median / 1e12, mfu=mfu(flops, spread.median, args.peak_flops))
     print(f"{name:9s} {row_key:12s} batch {batch:5d}: {short(result)}", flush=True)
+    if getattr(args, "rows_log", None) is not None:  # every trial as it ends: a sweep cut short keeps its rows
+        with open(args.rows_log, "a") as f:
+            f.write(json.dumps(result) + "\n")
     return result
 
 
@@ -397,6 +400,7 @@ def main() -> None:
         f"CPU (dry run: tiny ViT, simulated out-of-memory above batch {args.fake_oom_above})")
     out = args.out_dir or (Path("/tmp/vit_gpu_dry_run") if args.dry_run else HERE)
     out.mkdir(parents=True, exist_ok=True)
+    args.rows_log = out / "vit_gpu_trials.jsonl"
     report = [header(args, device)]
     rows, skipped = list(args.rows), {}
     if "auto_acplan" in rows and (why := planner_available()) is not None:

@@ -87,23 +87,6 @@ def set_parameters(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor])
     module._parameters.update(tensors)  # type: ignore[arg-type]  # plain tensors on purpose
 
 
-def compile_in_place(
-    module: torch.nn.Module, wrap: Callable[[Callable], Callable], compiler: Any = None, **options: Any
-) -> None:
-    """``module.compile(**options)``, then ``wrap`` the compiled call (nn.Module keeps it in a private slot).
-
-    ``compiler``: a ready compile context (a user's ``torch.compile(...)._torchdynamo_orig_callable``-style
-    ``dynamo_ctx``) used instead of ``torch.compile(**options)``, keeping the user's backend and options.
-    """
-    if compiler is None:
-        module.compile(**options)
-    else:
-        module._compiled_call_impl = compiler(module._call_impl)
-    compiled = module._compiled_call_impl
-    assert compiled is not None
-    module._compiled_call_impl = wrap(compiled)
-
-
 # dynamo's per-code-object budget of compiled variants was `cache_size_limit` before torch 2.7 renamed it.
 DYNAMO_RECOMPILE_LIMIT = "recompile_limit" if hasattr(dynamo.config, "recompile_limit") else "cache_size_limit"
 
@@ -123,7 +106,6 @@ __all__ = [
     "amp_unscale_and_check",
     "set_device_mesh",
     "setup_distributed",
-    "compile_in_place",
     "compile_context",
     "set_lightning_device",
     "set_parameters",

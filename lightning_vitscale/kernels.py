@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vitscale._compat import DYNAMO_RECOMPILE_LIMIT, compile_in_place, dynamo, fused_kernel_devices
+from lightning_vitscale._compat import DYNAMO_RECOMPILE_LIMIT, dynamo, fused_kernel_devices
 from lightning_vitscale.policies import Compiler
 
 # dynamo's default number of compiled variants per code object (requires_grad, shapes, ...), per block class.
@@ -21,29 +21,46 @@ _VARIANTS_PER_CLASS = 8
 _FUSED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
 
 
+_COMPILED = "_vitscale_compiled"
+
 # --- per-block compilation -------------------------------------------------------------------------------
 
 
 def apply_regional_compile(
     modules: list[nn.Module], mode: str | None = None, compiler: Compiler | None = None
 ) -> dict[str, int]:
-    """Compile each module (the blocks, and the outer layers if asked) in place; returns class name -> count.
+    """Compile each module's ``forward`` (the blocks, and the outer layers if asked) in place; returns class
+    name -> count.
 
-    ``nn.Module.compile`` keeps parameter names (``torch.compile(module)`` would add ``_orig_mod.`` to every
-    state-dict key). Call it after activation checkpointing (dynamo traces the checkpoint into a recompute
-    region, so the memory saving survives) and before ``fully_shard`` (FSDP's hooks then run eagerly around
-    the compiled block). Identical blocks share compiled code through dynamo's cache: one compile per class
-    (plus one variant when only the first block's input does not require grad). ``mode`` is checked by
+    The instance's ``forward`` is replaced, so parameter names (and checkpoint keys) stay as they are
+    (``torch.compile(module)`` would add ``_orig_mod.`` to every key). It is ``forward`` and not
+    ``nn.Module.compile()``'s ``_call_impl`` that is compiled: ``_call_impl`` runs the module's hooks, and
+    FSDP2's hooks (added later by ``fully_shard``) are ``dynamo.disable``-d, so every call would graph-break
+    there; where the block's forward is torch's own code (``nn.TransformerEncoderLayer``) dynamo then ran the
+    rest eagerly - compiled blocks without activation checkpointing compiled nothing. Like torchtitan's
+    compile-then-shard, FSDP's hooks now run eagerly around the compiled forward. Call it after activation
+    checkpointing (dynamo traces the checkpoint into a recompute region, so the memory saving survives).
+    Identical blocks share compiled code through dynamo's cache: one compile per class (plus one variant
+    when only the first block's input does not require grad). ``mode`` is checked by
     :class:`~lightning_vitscale.policies.KernelPolicy`. Each compiled call runs under two dynamo options, see
     :func:`dynamo_options`; they are set only while these modules run, never process-wide. ``compiler`` (the
     context of a user's ``torch.compile(model, ...)``) replaces ``torch.compile(mode=mode)``, keeping the user's
     backend and options.
     """
     counts = Counter(type(module).__name__ for module in modules)
+    compile_call = compiler if compiler is not None else functools.partial(torch.compile, mode=mode)
     for module in modules:
-        wrap = functools.partial(_under_options, num_classes=len(counts))
-        compile_in_place(module, wrap, compiler, mode=mode)
+        if is_compiled(module):
+            continue
+        compiled = compile_call(module.forward)
+        module.forward = _under_options(compiled, num_classes=len(counts))  # type: ignore[method-assign]
+        setattr(module, _COMPILED, True)
     return dict(counts)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether :func:`apply_regional_compile` compiled this module's forward."""
+    return bool(getattr(module, _COMPILED, False))
 
 
 def dynamo_options(num_classes: int) -> dict[str, object]:

@@ -155,3 +155,65 @@ def random_images(n: int = 64, seed: int = 0) -> TensorDataset:
 
 def loader(n: int = 64, batch_size: int = 4, seed: int = 0) -> DataLoader:
     return DataLoader(random_images(n, seed), batch_size=batch_size, shuffle=False)
+
+
+class DropoutViT(L.LightningModule):
+    """Stock ``nn.TransformerEncoderLayer`` blocks with dropout everywhere (attention, MLP, residual)."""
+
+    def __init__(self, dim: int = 128, depth: int = 4, dropout: float = 0.2) -> None:
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, dim, 4, 4)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=dropout, batch_first=True, norm_first=True)
+            for _ in range(depth)
+        )
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, 10)
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x).flatten(2).transpose(1, 2)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x).mean(1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def train_dropout_vit(strategy, accelerator: str, devices: int = 1, steps: int = 4) -> dict:
+    """Losses, final full weights and dynamo's graph/graph-break counts for one run from seed 0 and fixed data."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    from lightning_vitscale.demo import generated_images
+
+    torch._dynamo.reset()
+    counters.clear()
+    L.seed_everything(0, verbose=False)
+    model = DropoutViT()
+    trainer = L.Trainer(
+        accelerator=accelerator, devices=devices, precision="32-true", max_steps=steps, logger=False,
+        strategy=strategy, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, DataLoader(generated_images(32 * steps * devices), batch_size=32))
+    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu()
+               for n, p in model.named_parameters()}
+    plan = getattr(trainer.strategy, "plan", None)
+    return dict(
+        losses=model.losses, weights=weights, graphs=counters["stats"]["unique_graphs"],
+        graph_breaks=sum(counters["graph_break"].values()),
+        checkpointed=len(plan.checkpointed) if plan is not None else 0,
+    )
+
+
+def largest_weight_difference(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)

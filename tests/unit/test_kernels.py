@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -176,4 +177,36 @@ def test_bf16_pipeline_compiled_matches_eager(mesh, monkeypatch):
     assert relative_error(out, eager_out) < 2e-2
     for name, grad in grads.items():
         assert relative_error(grad, eager_grads[name]) < 2e-2, name
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["no-checkpointing", "checkpointing"])
+def test_sharded_torch_blocks_really_compile_with_and_without_checkpointing(mesh, checkpointed):
+    """FSDP2's hooks are ``dynamo.disable``-d: compiling a block's ``_call_impl`` (``nn.Module.compile``) put them
+    inside the compiled region, the call graph-broke there, and for torch's own ``nn.TransformerEncoderLayer``
+    without checkpointing dynamo ran the rest eagerly: a "compiled" block compiled nothing. Compiling
+    ``forward`` keeps the hooks outside: one graph for all blocks, no graph break, the same numbers as eager."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    layers = [nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, norm_first=True) for _ in range(2)]
+    plain, model = nn.Sequential(*copy.deepcopy(layers)), nn.Sequential(*layers)
+    blocks = list(model)
+    if checkpointed:
+        apply_activation_checkpointing(blocks)
+    compiler = functools.partial(torch.compile, backend="eager")  # dynamo's capture is what is checked
+    assert apply_regional_compile(blocks, compiler=compiler) == {"TransformerEncoderLayer": 2}
+    for block in blocks:
+        shard_module(block, mesh, MixedPrecisionPolicy(), None, [])
+    shard_module(model, mesh, MixedPrecisionPolicy(), None, [])
+
+    x = torch.randn(2, 5, 16, requires_grad=True)  # (an input without grad is one more graph variant)
+    out = model(x)
+    out.sum().backward()
+    expected = plain(x)
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert not torch._dynamo.utils.counters["graph_break"]

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_vitscale._compat import DTensor, FSDPModule
+from lightning_vitscale.kernels import is_compiled
 from lightning_vitscale.parallelize import NoBlocksMatchedError, parallelize
 from lightning_vitscale.policies import CheckpointingPolicy, KernelPolicy, ParallelConfig, ShardingPolicy, resolve_flag
 from lightning_vitscale.strategy import RootUnit
@@ -123,7 +124,7 @@ def test_compile_outer_compiles_the_largest_subtrees_outside_the_blocks(mesh, ma
     model = make()
     config = ParallelConfig(kernels=KernelPolicy(compile_outer=True))
     done = parallelize(RootUnit(model), model, mesh, config, resolve_flag("bf16-mixed"), torch.device("cpu"))
-    compiled = [name for name, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    compiled = [name for name, m in model.named_modules() if is_compiled(m)]
     assert compiled == outer  # blocks stay eager (compile_blocks is off); fp32 norms are never compiled alone
     assert done.plan.kernels["compiled outer"] == ", ".join(outer)
     assert done.plan.kernels["compiled blocks"] == "off"

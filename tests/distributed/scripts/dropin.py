@@ -21,6 +21,7 @@ from torch.optim.swa_utils import get_ema_avg_fn
 
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale._compat import DTensor
+from lightning_vitscale.kernels import is_compiled
 from tests.helpers.models import Classifier, loader, random_images
 from tests.helpers.scenarios import run_scenarios
 
@@ -127,7 +128,7 @@ def compiled() -> dict:
     if STRATEGY == "vitscale":
         blocks = [model.get_submodule(name) for name in t.strategy.plan.block_names]
         facts["compiled_blocks"] = t.strategy.plan.kernels["compiled blocks"]
-        facts["blocks_compiled"] = all(b._compiled_call_impl is not None for b in blocks)
+        facts["blocks_compiled"] = all(is_compiled(b) for b in blocks)
         facts["step_not_compiled"] = model._compiler_ctx is None
     return facts
 
