@@ -25,9 +25,9 @@ def test_compiled_blocks_with_dropout_match_ddp(ranks, run):
         assert facts["checkpointed"] == (4 if run == "compiled_checkpointed" else 0)
         assert facts["graphs"] >= 1 and facts["graph_breaks"] == 0, facts  # compiled, in one piece
         assert max_relative_difference(facts["losses"], rank["ddp_losses"]) < 1e-4
-        assert facts["weight_difference"] < 1e-3  # measured 2.2e-5 (inductor reorders fp32 sums)
+        assert facts["weight_difference"] < 1e-3  # measured 1.8e-6 (inductor reorders fp32 sums)
 
 
 def test_a_recompute_with_other_masks_would_be_seen(ranks):
     for rank in ranks:
-        assert rank["control_weight_difference"] > 1e-2  # measured 0.04
+        assert rank["control_weight_difference"] > 1e-2  # measured 0.023

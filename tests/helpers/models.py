@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_vitscale.demo import Block
+from lightning_vitscale.demo import Block, TinyViT
 
 IMAGE = 32
 CLASSES = 10
@@ -157,30 +157,16 @@ def loader(n: int = 64, batch_size: int = 4, seed: int = 0) -> DataLoader:
     return DataLoader(random_images(n, seed), batch_size=batch_size, shuffle=False)
 
 
-class DropoutViT(L.LightningModule):
-    """Stock ``nn.TransformerEncoderLayer`` blocks with dropout everywhere (attention, MLP, residual)."""
+class DropoutViT(TinyViT):
+    """The demo ViT with stock ``nn.TransformerEncoderLayer`` blocks, dropout everywhere (attention, MLP,
+    residual), and plain SGD with a large step so that a wrong dropout mask shows in the weights."""
 
     def __init__(self, dim: int = 128, depth: int = 4, dropout: float = 0.2) -> None:
-        super().__init__()
-        self.patch_embed = nn.Conv2d(3, dim, 4, 4)
+        super().__init__(dim=dim, depth=depth)
         self.blocks = nn.ModuleList(
             nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=dropout, batch_first=True, norm_first=True)
             for _ in range(depth)
         )
-        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, 10)
-        self.losses: list[float] = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embed(x).flatten(2).transpose(1, 2)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x).mean(1))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        self.losses.append(loss.item())
-        return loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.5)
