@@ -116,21 +116,25 @@ def remove_while_reading() -> dict:
 def save_formats() -> dict:
     """DDP writes ddp.ckpt; VitScaleStrategy writes the same run as one full file and as a sharded file:// URL."""
     told: list[str] = []
-    strategy_module.rank_zero_info = lambda message, *a, **k: told.append(str(message))  # record the hint
-    for name in ("ddp", "vitscale"):
-        L.seed_everything(0, verbose=False)
-        model = Classifier("encoder")
-        trainer = make_trainer(strategy_for(name, "full"), 8)
-        trainer.fit(model, loader(n=128))
-        if name == "ddp":
-            trainer.save_checkpoint(OUT / "ddp.ckpt")
-            trainer.save_checkpoint(OUT / "ddp-weights-only.ckpt", weights_only=True)
-            continue
-        trainer.save_checkpoint(OUT / "full.ckpt")
-        trainer.strategy.state_dict_type = "sharded"
-        trainer.save_checkpoint(f"file://{OUT}/sharded.ckpt")
-        trainer.save_checkpoint(f"file://{OUT}/sharded.ckpt")  # again: the atomic swap on fsspec
-        trainer.save_checkpoint(OUT / "weights-only.ckpt", weights_only=True)
+
+    def record(message, *args, **kwargs):
+        told.append(str(message))
+
+    with mock.patch.object(strategy_module, "rank_zero_info", record):  # the hint, from this scenario's saves only
+        for name in ("ddp", "vitscale"):
+            L.seed_everything(0, verbose=False)
+            model = Classifier("encoder")
+            trainer = make_trainer(strategy_for(name, "full"), 8)
+            trainer.fit(model, loader(n=128))
+            if name == "ddp":
+                trainer.save_checkpoint(OUT / "ddp.ckpt")
+                trainer.save_checkpoint(OUT / "ddp-weights-only.ckpt", weights_only=True)
+                continue
+            trainer.save_checkpoint(OUT / "full.ckpt")
+            trainer.strategy.state_dict_type = "sharded"
+            trainer.save_checkpoint(f"file://{OUT}/sharded.ckpt")
+            trainer.save_checkpoint(f"file://{OUT}/sharded.ckpt")  # again: the atomic swap on fsspec
+            trainer.save_checkpoint(OUT / "weights-only.ckpt", weights_only=True)
     return {"told": told, "full_is_file": (OUT / "full.ckpt").is_file(), "sharded": sorted(
         p.name for p in (OUT / "sharded.ckpt").iterdir()), "stray": sorted(p.name for p in OUT.glob("sharded.ckpt.*"))}
 

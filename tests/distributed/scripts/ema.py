@@ -130,8 +130,8 @@ def train_and_save(name: str, out: Path) -> dict:
     trainer.save_checkpoint(out / f"{name}-step4.ckpt")
     torch.save(ema_full(trainer), out / f"{name}-ema-step4-rank{RANK}.pt")
     facts.update(swap_facts(trainer, model, ema))
-    facts["calls_around_swap"] = calls_around_swap(trainer, model, ema)
     facts["memory"] = memory_facts(model, ema)
+    facts["calls_around_swap"] = calls_around_swap(trainer, model, ema)  # last: leaves the outer unit gathered
     return facts
 
 
