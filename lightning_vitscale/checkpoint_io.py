@@ -166,7 +166,12 @@ def saved_entries(metadata: Metadata, key: str, part: str) -> list[tuple]:
 
 
 def remove(location: Location, is_rank_zero: bool, barrier: Callable[[], None]) -> None:
-    """Remove a checkpoint file or sharded folder once every rank is done with it (rank 0 deletes)."""
+    """Remove a checkpoint file or sharded folder once every rank is done with it (rank 0 deletes).
+
+    The first barrier waits for ranks still reading or writing the folder; the caller's broadcast of the path
+    does that only on gloo (whose broadcast returns on the root once every rank joined it), not on NCCL, which
+    does not wait on the host. The second one keeps any rank from going on while the folder still exists.
+    """
     barrier()
     if is_rank_zero:
         location.remove()

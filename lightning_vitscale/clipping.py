@@ -73,7 +73,6 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float, no
     params = [p for p in parameters if p.grad is not None]
     total = total_grad_norm(params, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in params:
-        local = _local(p.grad)
+    for local in [_local(p.grad) for p in params if p.grad is not None]:
         local.mul_(coef.to(device=local.device, dtype=local.dtype))
     return total

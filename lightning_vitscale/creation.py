@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -173,7 +174,7 @@ class ModelCreation:
             dist.broadcast_object_list([nbytes], src=1)
         if self.rank == 0:
             path = self._checked(path, created, raise_now=False)
-        message = [path, digest, torch.get_rng_state()]
+        message: list[Any] = [path, digest, torch.get_rng_state()]
         dist.broadcast_object_list(message, src=0)
         path, digest0, state0 = message
         if path.startswith("error:"):

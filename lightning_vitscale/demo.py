@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Literal
 
 import lightning as L
 import torch
@@ -68,6 +69,9 @@ def generated_images(n: int = 2048, classes: int = 10, image: int = 32, seed: in
     return TensorDataset(templates[labels] + 1.5 * torch.randn(n, 3, image, image, generator=g), labels)
 
 
+DemoPrecision = Literal["32-true", "bf16-mixed", "bf16-true"]  # the `demo --precision` choices
+
+
 @dataclass
 class RunResult:
     name: str
@@ -76,7 +80,7 @@ class RunResult:
     seconds: float
 
 
-def train(strategy, accelerator: str, devices: int | str, steps: int, precision: str) -> RunResult:
+def train(strategy, accelerator: str, devices: int | str, steps: int, precision: DemoPrecision) -> RunResult:
     L.seed_everything(0, verbose=False)
     model = TinyViT()
     trainer = L.Trainer(
@@ -109,7 +113,9 @@ def format_table(ddp: RunResult, ours: RunResult) -> str:
     return "\n".join(lines)
 
 
-def run_demo(accelerator: str = "auto", devices: int | None = None, steps: int = 10, precision: str = "32-true") -> str:
+def run_demo(
+    accelerator: str = "auto", devices: int | None = None, steps: int = 10, precision: DemoPrecision = "32-true"
+) -> str:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     if accelerator == "auto":
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"

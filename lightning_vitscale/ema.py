@@ -93,7 +93,8 @@ class ShardedEMA(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if sum(isinstance(c, ShardedEMA) for c in trainer.callbacks) > 1:
+        # Lightning's CallbackConnector sets `Trainer.callbacks` without declaring it on the class.
+        if sum(isinstance(c, ShardedEMA) for c in trainer.callbacks) > 1:  # type: ignore[attr-defined]
             raise ValueError(
                 "Only one ShardedEMA callback per Trainer: its average is saved under checkpoint['ema_state_dict']."
                 " Remove the extra ShardedEMA from `callbacks`."
@@ -229,12 +230,13 @@ def _reshard(model: nn.Module) -> None:
 
 @contextmanager
 def _held_back(trainer: pl.Trainer) -> Iterator[None]:
-    callbacks = trainer.callbacks
-    trainer.callbacks = [c for c in callbacks if not isinstance(c, _ACT_ON_VALIDATION_END)]
+    # Lightning's CallbackConnector sets `Trainer.callbacks` without declaring it on the class.
+    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+    trainer.callbacks = [c for c in callbacks if not isinstance(c, _ACT_ON_VALIDATION_END)]  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        trainer.callbacks = callbacks
+        trainer.callbacks = callbacks  # type: ignore[attr-defined]
 
 
 @contextmanager

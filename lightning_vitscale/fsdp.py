@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -44,7 +46,7 @@ def shard_module(
 ) -> FSDPModule:
     """Make ``module`` one FSDP unit over ``mesh`` (1-D: fully sharded; 2-D: hybrid, sharded along the last
     dimension); ``reshard_after_forward=None`` keeps FSDP2's default."""
-    kwargs = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
+    kwargs: dict[str, Any] = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
     return fully_shard(module, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored_params or None, **kwargs)

@@ -32,7 +32,7 @@ _ELEMENTWISE = _OVERWRITES | frozenset({"mul_", "add_", "sub_", "div_", "clamp_"
 # Out-of-place elementwise ops whose result inherits the input's recipe (then the in-place twin).
 _DERIVED = {"mul": "mul_", "add": "add_", "sub": "sub_", "div": "div_", "neg": "neg_", "clamp": "clamp_",
             "abs": "abs_", "exp": "exp_", "sqrt": "sqrt_", "pow": "pow_", "erfinv": "erfinv_"}
-_FACTORIES: dict[str, tuple[str, ...] | None] = {
+_FACTORIES: dict[str, tuple[Any, ...] | None] = {  # op name -> (in-place op, *its scalar args)
     "empty": None, "empty_like": None, "new_empty": None, "empty_strided": None, "new_empty_strided": None,
     "zeros": ("zero_",), "zeros_like": ("zero_",), "new_zeros": ("zero_",),
     "ones": ("fill_", 1), "ones_like": ("fill_", 1), "new_ones": ("fill_", 1),
@@ -71,7 +71,8 @@ def _key(tensor: torch.Tensor) -> int:
 
 
 def _covers_storage(tensor: torch.Tensor) -> bool:
-    return tensor.storage_offset() == 0 and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
+    whole = tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
+    return bool(tensor.storage_offset() == 0 and whole)  # bool(): SymBool on symbolic shapes
 
 
 def _scalars_only(values: Any) -> bool:

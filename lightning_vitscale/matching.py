@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -74,6 +74,7 @@ def find_blocks(root: nn.Module, selector: ModuleSelector | None = None) -> list
     """
     if selector is None:
         return _dedup(_discover(root, ""))
+    predicate: Callable[[str, nn.Module], bool]
     if isinstance(selector, (set, frozenset)):
         classes = tuple(selector)
 

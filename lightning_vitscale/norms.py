@@ -10,7 +10,7 @@ the output back; one coalesced all-reduce per backward averages their gradients.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -61,7 +61,8 @@ class ReplicatedNorms:
     def reduce_grads(self) -> int:
         """Average the norm gradients over every rank of the mesh, one coalesced collective per mesh dimension
         (a hybrid mesh: within the node, then across nodes); returns how many collectives ran."""
-        grads = [p.grad.to_local() for p in self.params if p.grad is not None]
+        # The parameters are DTensors, so are their gradients.
+        grads = [cast(DTensor, p.grad).to_local() for p in self.params if p.grad is not None]
         if not grads or self.mesh.size() == 1:
             return 0
         flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])

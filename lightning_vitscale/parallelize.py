@@ -74,7 +74,11 @@ def parallelize(
     #    stability fix at one extra collective per step, instead of one unit per norm).
     norm_modules = find_modules(model, precision.norms) if precision.separate_norms else []
     weights.prepare([m for _, m in norm_modules])  # their values and device first: they stay out of the units
-    norms = ReplicatedNorms([m for _, m in norm_modules], mesh, precision.norm_dtype) if norm_modules else None
+    norms = (
+        ReplicatedNorms([m for _, m in norm_modules], mesh, precision.norm_dtype)
+        if norm_modules and precision.norm_dtype is not None  # always set where separate_norms found modules
+        else None
+    )
     ignored = norms.ignored() if norms else None
 
     # 2b. Outer-unit layers take their inputs in the compute dtype even when a step made them in fp32.

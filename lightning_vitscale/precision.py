@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from lightning.fabric.utilities.types import Optimizable
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 # Lightning's generic plugins that only carry a flag; anything more specific is the user's choice to keep.
+_M = TypeVar("_M", bound=nn.Module)
 _TRANSLATABLE: tuple[type[Precision], ...] = (Precision, MixedPrecision, HalfPrecision)
 
 
@@ -78,7 +79,7 @@ class VitScalePrecision(Precision):
         self.scaler: ShardedGradScaler | None = ShardedGradScaler(device) if base.loss_scaling else None
 
     @override
-    def convert_module(self, module: nn.Module) -> nn.Module:
+    def convert_module(self, module: _M) -> _M:
         """Master weights in the master dtype (norms keep theirs); compute casts happen inside FSDP's all-gather."""
         master = self.policy.master
         if master == torch.float32:
@@ -144,7 +145,7 @@ class VitScalePrecision(Precision):
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     @override
-    def clip_grad_by_norm(self, optimizer: Optimizable, clip_val: int | float) -> None:
+    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
         """Clip by the norm of all gradients across shards (Lightning's FSDPStrategy refuses this)."""
         clip_grad_norm(list(self.main_params(optimizer)), float(clip_val))
 

@@ -163,7 +163,6 @@ class VitScaleStrategy(ModelParallelStrategy):
         self.__dict__["_vitscale_lightning_module"] = module
 
     @property
-    @override
     def is_distributed(self) -> bool:
         # Tells Lightning to inject DistributedSampler and honour `sync_dist` (see accelerator_connector).
         return True

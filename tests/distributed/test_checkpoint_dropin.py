@@ -14,7 +14,7 @@ from tests.helpers.results import load_ranks, max_relative_difference
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 SCRIPT = "tests/distributed/scripts/checkpoint_dropin.py"
-SCENARIOS = "lr_find,save_formats,resumes,crafted,scale_batch_size"
+SCENARIOS = "lr_find,save_formats,resumes,crafted,scale_batch_size,remove_while_reading"
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +124,13 @@ def test_scale_batch_size_is_refused_as_under_ddp(run):
         messages = facts["scale_batch_size"]
         assert messages["vitscale"] == messages["ddp"]
         assert "not supported with distributed strategies" in messages["ddp"]
+
+
+def test_a_sharded_folder_is_removed_only_once_every_rank_is_done_with_it(run):
+    """Rank 1 still reads the folder when rank 0 is done and asks to remove it; rank 0's delete is slow. Without
+    ``remove``'s first barrier rank 1's read fails (file gone); without its second, rank 1 returns from the
+    removal while the folder still exists."""
+    _, ranks = run
+    for facts in ranks:
+        for case in ("strategy", "function"):
+            assert facts["remove_while_reading"][case] == {"load_error": None, "exists_on_return": False}, case

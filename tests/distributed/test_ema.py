@@ -86,6 +86,18 @@ def test_swap_puts_the_ema_in_and_the_raw_weights_back(run):
             assert facts[f"save_{name}"]["swap_inside_is_ema"] and facts[f"save_{name}"]["swap_restores_raw"]
 
 
+def test_a_model_gathered_outside_a_step_serves_the_ema_inside_the_swap_and_the_raw_weights_after(run):
+    """After ``fit`` a call with gradients enabled leaves the outer unit gathered; ``averaged`` must reshard it
+    before swapping the EMA in (else the call inside sees the raw outer weights) and before swapping back (else
+    the next call sees the EMA's)."""
+    _, two, _ = run
+    for facts in two:
+        ddp, ours = (torch.tensor(facts[f"save_{name}"]["calls_around_swap"]) for name in ("ddp", "vitscale"))
+        assert (ddp[1] - ddp[0]).abs().max() > 1e-3  # the EMA model really answers otherwise
+        for call, name in enumerate(("before the swap", "inside the swap", "after the swap")):
+            torch.testing.assert_close(ours[call], ddp[call], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_validation_logs_ema_and_raw_metrics_like_ddp(run):
     _, two, _ = run
     for facts in two:

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import gc
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -70,26 +71,46 @@ def _walk(nodes: list) -> Iterator:
         yield from _walk(node.children)
 
 
+class AllocatorEvent(NamedTuple):
+    """One event of torch's CPU allocator as the profiler records it: ``nbytes`` < 0 is a free."""
+
+    time_ns: int
+    thread: int
+    address: int
+    nbytes: int
+
+
 def _peak_after_mark(prof: profile) -> int:
     """Largest running sum of the allocator events inside the ``_MARK`` range, frees paired by address."""
     nodes = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
     start = min(n.start_time_ns for n in nodes if n.name == _MARK)
-    # The raw allocator events, in time order (prof.events() folds allocations into the ops that made them).
-    memory = sorted((n.start_time_ns, n.extra_fields.ptr, n.extra_fields.alloc_size) for n in nodes
-                    if hasattr(n.extra_fields, "alloc_size"))
+    # The raw allocator events (prof.events() folds allocations into the ops that made them).
+    memory = [AllocatorEvent(n.start_time_ns, n.start_tid, n.extra_fields.ptr, n.extra_fields.alloc_size)
+              for n in nodes if hasattr(n.extra_fields, "alloc_size")]
+    return address_matched_peak(memory, start)
+
+
+def address_matched_peak(events: Iterable[AllocatorEvent], start: int) -> int:
+    """Largest running sum of the events at or after ``start`` (in time order, whatever order they come in: the
+    event tree lists them thread by thread), frees paired with allocations by address alone.
+
+    Not by thread: a block allocated on one thread may be freed on another (a collective's buffers), and a
+    recorded free must retire its block wherever it happened, or the next allocation there would retire it twice.
+    An allocation at an address still live retires the block there: its free went unrecorded.
+    """
     live: dict[int, int] = {}
     running = peak = 0
-    for time, ptr, nbytes in memory:
-        counted = time >= start
-        if nbytes > 0:
-            unseen = live.pop(ptr, None)  # freed on a thread the profiler does not see (see module docstring)
+    for event in sorted(events, key=lambda e: (e.time_ns, e.address, e.nbytes)):
+        counted = event.time_ns >= start
+        if event.nbytes > 0:
+            unseen = live.pop(event.address, None)  # freed on a thread the profiler does not see (module docstring)
             if unseen is not None and counted:
                 running -= unseen
-            live[ptr] = nbytes
+            live[event.address] = event.nbytes
         else:
-            live.pop(ptr, None)
+            live.pop(event.address, None)
         if counted:
-            running += nbytes
+            running += event.nbytes
             peak = max(peak, running)
     return peak
 

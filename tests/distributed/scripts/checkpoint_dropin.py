@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
+from unittest import mock
 
 import lightning as L
 import torch
 from lightning.pytorch.tuner import Tuner
 
+import lightning_vitscale.checkpoint_io as checkpoint_io
 import lightning_vitscale.strategy as strategy_module
 from lightning_vitscale import VitScaleStrategy
+from lightning_vitscale.checkpoint_storage import Location
 from tests.distributed.scripts.checkpoints import RANK, WORLD, equal, make_trainer, snapshot
 from tests.helpers.models import Classifier, loader
 from tests.helpers.scenarios import run_scenarios
@@ -63,24 +67,74 @@ def lr_find() -> dict:
     return results
 
 
+def _slowed(rank: int, seconds: float, function):
+    """``function``, made ``seconds`` slower on ``rank`` only: one rank lags as a loaded node would."""
+
+    def slowed(*args, **kwargs):
+        if RANK == rank:
+            time.sleep(seconds)
+        return function(*args, **kwargs)
+
+    return slowed
+
+
+def _load_then_remove(trainer: L.Trainer, path: Path, remove) -> dict:
+    """Load ``path`` then ``remove`` it, as lr_find does, with rank 1 still reading the folder's ``meta.pt``
+    (slowed by 3 s) when rank 0 is done, and rank 0's delete slowed by 2 s."""
+    trainer.save_checkpoint(path)
+    error = None
+    with mock.patch.object(checkpoint_io, "load_pickle", _slowed(1, 3.0, checkpoint_io.load_pickle)), \
+            mock.patch.object(Location, "remove", _slowed(0, 2.0, Location.remove)):
+        try:
+            trainer.strategy.load_checkpoint(path)
+        except Exception as caught:  # noqa: BLE001
+            error = f"{type(caught).__name__}: {caught}"
+        remove(path)
+        return {"load_error": error, "exists_on_return": path.exists()}
+
+
+def remove_while_reading() -> dict:
+    """A sharded folder goes only once every rank is done with it, and is gone on every rank once removal
+    returns: through ``strategy.remove_checkpoint``, and through ``checkpoint_io.remove`` alone. On gloo the
+    strategy's broadcast of the path already waits for every rank (a gloo broadcast returns on the root only
+    once all ranks joined it), so only the second case observes ``remove``'s first barrier (NCCL's broadcast
+    does not wait on the host)."""
+    L.seed_everything(0, verbose=False)
+    model = Classifier("encoder")
+    trainer = make_trainer(VitScaleStrategy(), 2, default_root_dir=str(OUT / "remove"))
+    trainer.fit(model, loader(n=64))
+    strategy = trainer.strategy
+    folder = OUT / "remove"
+    return {
+        "strategy": _load_then_remove(trainer, folder / "a.ckpt", strategy.remove_checkpoint),
+        "function": _load_then_remove(
+            trainer, folder / "b.ckpt", lambda p: checkpoint_io.remove(Location.of(str(p)), RANK == 0, strategy.barrier)
+        ),
+    }
+
+
 def save_formats() -> dict:
     """DDP writes ddp.ckpt; VitScaleStrategy writes the same run as one full file and as a sharded file:// URL."""
     told: list[str] = []
-    strategy_module.rank_zero_info = lambda message, *a, **k: told.append(str(message))  # record the hint
-    for name in ("ddp", "vitscale"):
-        L.seed_everything(0, verbose=False)
-        model = Classifier("encoder")
-        trainer = make_trainer(strategy_for(name, "full"), 8)
-        trainer.fit(model, loader(n=128))
-        if name == "ddp":
-            trainer.save_checkpoint(OUT / "ddp.ckpt")
-            trainer.save_checkpoint(OUT / "ddp-weights-only.ckpt", weights_only=True)
-            continue
-        trainer.save_checkpoint(OUT / "full.ckpt")
-        trainer.strategy.state_dict_type = "sharded"
-        trainer.save_checkpoint(f"file://{OUT}/sharded.ckpt")
-        trainer.save_checkpoint(f"file://{OUT}/sharded.ckpt")  # again: the atomic swap on fsspec
-        trainer.save_checkpoint(OUT / "weights-only.ckpt", weights_only=True)
+
+    def record(message, *args, **kwargs):
+        told.append(str(message))
+
+    with mock.patch.object(strategy_module, "rank_zero_info", record):  # the hint, from this scenario's saves only
+        for name in ("ddp", "vitscale"):
+            L.seed_everything(0, verbose=False)
+            model = Classifier("encoder")
+            trainer = make_trainer(strategy_for(name, "full"), 8)
+            trainer.fit(model, loader(n=128))
+            if name == "ddp":
+                trainer.save_checkpoint(OUT / "ddp.ckpt")
+                trainer.save_checkpoint(OUT / "ddp-weights-only.ckpt", weights_only=True)
+                continue
+            trainer.save_checkpoint(OUT / "full.ckpt")
+            trainer.strategy.state_dict_type = "sharded"
+            trainer.save_checkpoint(f"file://{OUT}/sharded.ckpt")
+            trainer.save_checkpoint(f"file://{OUT}/sharded.ckpt")  # again: the atomic swap on fsspec
+            trainer.save_checkpoint(OUT / "weights-only.ckpt", weights_only=True)
     return {"told": told, "full_is_file": (OUT / "full.ckpt").is_file(), "sharded": sorted(
         p.name for p in (OUT / "sharded.ckpt").iterdir()), "stray": sorted(p.name for p in OUT.glob("sharded.ckpt.*"))}
 
@@ -151,4 +205,4 @@ def scale_batch_size() -> dict:
 if __name__ == "__main__":
     assert WORLD == 2
     run_scenarios({"lr_find": lr_find, "save_formats": save_formats, "resumes": resumes, "crafted": crafted,
-                   "scale_batch_size": scale_batch_size})
+                   "scale_batch_size": scale_batch_size, "remove_while_reading": remove_while_reading})

@@ -18,7 +18,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from lightning_vitscale import ShardedEMA, VitScaleStrategy
 from lightning_vitscale._compat import DTensor
 from lightning_vitscale.memory import full_bytes, local_bytes
-from tests.helpers.models import Classifier, loader
+from tests.helpers.models import IMAGE, Classifier, loader
 from tests.helpers.recording import count_collectives
 
 warnings.filterwarnings("ignore")
@@ -131,6 +131,7 @@ def train_and_save(name: str, out: Path) -> dict:
     torch.save(ema_full(trainer), out / f"{name}-ema-step4-rank{RANK}.pt")
     facts.update(swap_facts(trainer, model, ema))
     facts["memory"] = memory_facts(model, ema)
+    facts["calls_around_swap"] = calls_around_swap(trainer, model, ema)  # last: leaves the outer unit gathered
     return facts
 
 
@@ -148,6 +149,20 @@ def swap_facts(trainer: L.Trainer, model: L.LightningModule, ema: ShardedEMA) ->
         "swap_inside_is_ema": all(torch.equal(a, b) for a, b in zip(inside, expected)),
         "swap_restores_raw": max_diff(before, after) == 0.0,
     }
+
+
+def calls_around_swap(trainer: L.Trainer, model: L.LightningModule, ema: ShardedEMA) -> list[list]:
+    """The model called after ``fit`` with gradients enabled (its outer unit then stays gathered, as a backward
+    may follow), then inside ``ema.averaged``, then after it: the outputs DDP gives. Nothing else reshards here,
+    so a gathered outer unit would serve the raw weights inside the swap, or the EMA ones after it."""
+    model.eval()  # no dropout: outputs comparable across strategies
+    images = torch.randn(4, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(7))
+    outputs = [model(images).detach()]
+    with ema.averaged(trainer):
+        outputs.append(model(images).detach())
+    outputs.append(model(images).detach())
+    model.train()
+    return [o.tolist() for o in outputs]
 
 
 def memory_facts(model: L.LightningModule, ema: ShardedEMA) -> dict:
