@@ -29,6 +29,7 @@ from lightning_vitscale.checkpoint import load_consolidated
 from lightning_vitscale.checkpoint_storage import Location, has_sharded_marker
 
 _ORIGINAL = "vitscale_original"
+_NAME = "pl_load"  # Lightning's name for cloud_io._load in the modules of PL_LOAD_MODULES
 
 
 def is_sharded_checkpoint(path: Any) -> bool:
@@ -79,5 +80,6 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 def install_checkpoint_loader() -> None:
     """Wrap Lightning's ``pl_load`` names once (idempotent; importing ``lightning_vitscale`` calls it)."""
     for module in PL_LOAD_MODULES:
-        if not hasattr(module.pl_load, _ORIGINAL):
-            module.pl_load = _wrap(module.pl_load)
+        current = getattr(module, _NAME)
+        if not hasattr(current, _ORIGINAL):
+            setattr(module, _NAME, _wrap(current))
