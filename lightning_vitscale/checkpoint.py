@@ -336,7 +336,8 @@ def load_consolidated(
 ) -> dict[str, Any]:
     """The checkpoint dict :func:`consolidate_checkpoint` writes, in memory: what ``torch.load`` of DDP's file
     returns (plain keys, full CPU tensors, torch-native optimizer states, Lightning's metadata). One process, no
-    process group; ``weights_only`` as in :func:`consolidate_checkpoint`.
+    process group; ``weights_only`` and ``weights`` as in :func:`consolidate_checkpoint`. ``dtype=None`` (the
+    default here) keeps the saved dtypes, as a ``state_dict_type="full"`` file holds them.
 
     ``optimizer_states`` is present only when the save had them (Lightning writes it together with
     ``lr_schedulers``): a weights-only save then fails a resumed fit with Lightning's own error, as under DDP,
