@@ -3,6 +3,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_vitscale.checkpoint import CheckpointError, consolidate_checkpoint
+from lightning_vitscale.checkpoint_loader import install_checkpoint_loader
 from lightning_vitscale.ema import ShardedEMA
 from lightning_vitscale.matching import find_blocks
 from lightning_vitscale.memory import StateBytes, measure_state_bytes
@@ -18,6 +19,7 @@ from lightning_vitscale.throughput import ThroughputMonitor, VitScaleThroughput
 
 if VitScaleStrategy.strategy_name not in StrategyRegistry:
     VitScaleStrategy.register_strategies(StrategyRegistry)
+install_checkpoint_loader()  # Lightning's load_from_checkpoint / DDP resume read our sharded folders
 
 __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (setuptools dynamic version)
 

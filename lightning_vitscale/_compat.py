@@ -137,3 +137,22 @@ __all__ = [
 ]
 
 METADATA_FILENAME = _METADATA_FILENAME
+
+# Lightning opens every checkpoint path with `lightning.fabric.utilities.cloud_io._load`, bound as `pl_load` in
+# the two modules that call it: `LightningModule.load_from_checkpoint` (core/saving.py) and
+# `TorchCheckpointIO.load_checkpoint` (DDP's and single-device resume). checkpoint_loader.py wraps both names.
+from lightning.fabric.plugins.io import torch_io as lightning_torch_io  # noqa: E402
+from lightning.pytorch.core import saving as lightning_saving  # noqa: E402
+
+PL_LOAD_MODULES = (lightning_saving, lightning_torch_io)
+_missing_loaders = [f"{m.__name__}.pl_load" for m in PL_LOAD_MODULES if not callable(getattr(m, "pl_load", None))]
+_missing_loaders += [] if hasattr(torch.serialization, "_get_restore_location") else [
+    "torch.serialization._get_restore_location"]
+if _missing_loaders:  # pragma: no cover - depends on the installed torch/Lightning
+    raise ImportError(
+        f"lightning-vitscale relies on {', '.join(_missing_loaders)}, which this torch/Lightning install lacks."
+        " Install a supported pair: `pip install 'torch>=2.14' 'lightning>=2.5,<3'`."
+    )
+# torch.load's rule for `map_location` (device, string, dict or callable) applied to one storage.
+restore_location = torch.serialization._get_restore_location
+__all__ += ["PL_LOAD_MODULES", "restore_location"]

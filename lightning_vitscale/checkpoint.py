@@ -319,7 +319,30 @@ def consolidate_checkpoint(
     inference or fine-tuning, without optimizer states, so that resuming from it fails instead of silently
     training on from the average.
     """
-    source, target = Location.of(src), Location.of(dst)
+    checkpoint = load_consolidated(src, dtype=dtype, weights_only=weights_only, weights=weights)
+    target = Location.of(dst)
+    target.fs.makedirs(posixpath.dirname(target.path), exist_ok=True)
+    tmp = target.with_suffix(PARTIAL_SUFFIX)
+    torch_save(checkpoint, tmp)
+    tmp.move_to(target)
+    return dst if target.is_url else Path(dst)
+
+
+def load_consolidated(
+    src: PathLike,
+    dtype: torch.dtype | None = None,
+    weights_only: bool | None = None,
+    weights: Literal["raw", "ema"] = "raw",
+) -> dict[str, Any]:
+    """The checkpoint dict :func:`consolidate_checkpoint` writes, in memory: what ``torch.load`` of DDP's file
+    returns (plain keys, full CPU tensors, torch-native optimizer states, Lightning's metadata). One process, no
+    process group; ``weights_only`` and ``weights`` as in :func:`consolidate_checkpoint`. ``dtype=None`` (the
+    default here) keeps the saved dtypes, as a ``state_dict_type="full"`` file holds them.
+
+    ``optimizer_states`` is present only when the save had them (Lightning writes it together with
+    ``lr_schedulers``): a weights-only save then fails a resumed fit with Lightning's own error, as under DDP,
+    instead of resuming the weights with fresh optimizers."""
+    source = Location.of(src)
     sharded_shapes(source, weights_only)  # complete and readable, or a clear error
     state: dict[str, Any] = {}
     if weights not in ("raw", "ema"):
@@ -330,15 +353,12 @@ def consolidate_checkpoint(
     checkpoint = load_pickle(source.child(META), weights_only)
     checkpoint["state_dict"] = {clean_key(k): _full(v, dtype) for k, v in state.pop("state_dict").items()}
     optimizers = [state.pop(k) for k in sorted((k for k in state if _OWN_ENTRY.match(k)), key=_index)]
-    checkpoint["optimizer_states"] = [to_torch_format(o) for o in optimizers]
+    if optimizers or "lr_schedulers" in checkpoint:
+        checkpoint["optimizer_states"] = [to_torch_format(o) for o in optimizers]
     checkpoint.update({key: {clean_key(k): _full(v, dtype) for k, v in entry.items()} for key, entry in state.items()})
     if weights == "ema":
         _ema_as_weights(checkpoint, source.url)
-    target.fs.makedirs(posixpath.dirname(target.path), exist_ok=True)
-    tmp = target.with_suffix(PARTIAL_SUFFIX)
-    torch_save(checkpoint, tmp)
-    tmp.move_to(target)
-    return dst if target.is_url else Path(dst)
+    return checkpoint
 
 
 def _ema_as_weights(checkpoint: dict[str, Any], src: str) -> None:
@@ -349,7 +369,7 @@ def _ema_as_weights(checkpoint: dict[str, Any], src: str) -> None:
             " Export the raw weights with `--weights raw`, or train with `callbacks=[ShardedEMA()]`."
         )
     checkpoint["state_dict"] = {k: ema.get(k, v) for k, v in checkpoint["state_dict"].items()}
-    checkpoint.pop("optimizer_states")
+    checkpoint.pop("optimizer_states", None)
     checkpoint.pop("lr_schedulers", None)
 
 

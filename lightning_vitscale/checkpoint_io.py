@@ -31,7 +31,7 @@ from lightning_vitscale.checkpoint import (
     untouched_if_fresh,
     validate_against,
 )
-from lightning_vitscale.checkpoint_storage import Location, SafeLoadPlanner, torch_save
+from lightning_vitscale.checkpoint_storage import Location, SafeLoadPlanner, torch_save, write_sharded_marker
 
 
 def model_state_dict(module: nn.Module, full: bool) -> dict[str, Any]:
@@ -74,6 +74,7 @@ def save_sharded(
     dcp.save(tensors, storage_writer=staging.writer())  # collective; coordinator writes .metadata after all shards
     if is_rank_zero:
         torch_save(checkpoint, staging.child(META))
+        write_sharded_marker(staging)
         _swap_into_place(staging, location)
     barrier()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import json
 import os
 import pickle
 from dataclasses import dataclass
@@ -28,6 +29,9 @@ from torch.distributed.checkpoint.planner import ReadItem
 from lightning_vitscale._compat import EmptyStateDictLoadPlanner, FsspecReader, FsspecWriter
 
 DCP_METADATA = ".metadata"
+# Written last into every sharded folder this package saves: what tells Lightning's loaders (checkpoint_loader.py)
+# that a folder is ours, without unpickling anything; Lightning's own FSDP folders and others lack it.
+SHARDED_MARKER = "lightning_vitscale.json"
 
 
 def resolve_weights_only(weights_only: bool | None) -> bool:
@@ -106,6 +110,15 @@ def torch_load(location: Location, weights_only: bool | None, mmap: bool = False
         return torch.load(location.path, mmap=True, map_location="cpu", weights_only=weights_only)
     with location.open("rb") as f:
         return torch.load(f, map_location="cpu", weights_only=weights_only)
+
+
+def write_sharded_marker(folder: Location) -> None:
+    with folder.child(SHARDED_MARKER).open("wb") as f:
+        f.write(json.dumps({"format": "lightning_vitscale sharded checkpoint", "version": 1}).encode())
+
+
+def has_sharded_marker(folder: Location) -> bool:
+    return folder.is_dir() and folder.child(SHARDED_MARKER).is_file()
 
 
 def torch_save(obj: Any, location: Location) -> None:

@@ -401,8 +401,10 @@ class VitScaleStrategy(ModelParallelStrategy):
         if not self._told_how_to_consolidate:
             self._told_how_to_consolidate = True
             rank_zero_info(
-                f"Sharded checkpoint folder written: {location}. `MyModule.load_from_checkpoint` reads single files:"
-                f" run `{consolidate_command(location.url)}` first, or use VitScaleStrategy(state_dict_type='full')."
+                f"Sharded checkpoint folder written: {location}. `MyModule.load_from_checkpoint(path)` and a resume"
+                " under strategy='ddp' read it in any process that has imported lightning_vitscale. One torch.save"
+                f" file for other tools: `{consolidate_command(location.url)}`, or VitScaleStrategy(state_dict_type="
+                "'full')."
             )
 
     @override

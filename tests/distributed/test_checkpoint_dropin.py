@@ -1,5 +1,5 @@
-"""Checkpoint habits from DDP on 2 gloo ranks, DDP as the oracle: lr_find, full single files that
-``load_from_checkpoint`` reads and DDP resumes from, sharded checkpoints on fsspec URLs, crafted pickles."""
+"""Checkpoint habits from DDP on 2 gloo ranks, DDP as the oracle: lr_find, full single files and sharded folders
+that ``load_from_checkpoint`` reads and DDP resumes from, sharded checkpoints on fsspec URLs, crafted pickles."""
 
 from __future__ import annotations
 
@@ -66,24 +66,24 @@ def test_load_from_checkpoint_reads_a_full_file_like_ddp(run):
     torch.testing.assert_close(logits(out / "full.ckpt"), logits(out / "ddp.ckpt"), rtol=1e-5, atol=1e-6)
 
 
-def test_a_sharded_folder_names_the_command_that_makes_it_loadable(run):
+def test_load_from_checkpoint_reads_a_sharded_folder_like_ddps_file(run):
     out, ranks = run
     url = f"file://{out}/sharded.ckpt"
     told = [m for m in ranks[0]["save_formats"]["told"] if "consolidate" in m]
     assert len(told) == 1  # once per strategy, not at every save
     command = f"python -m lightning_vitscale consolidate {url} file://{out}/sharded.consolidated.ckpt"
-    assert f"`{command}`" in told[0] and "state_dict_type='full'" in told[0]
-    with pytest.raises(IsADirectoryError):  # what Lightning itself does with a folder
-        Classifier.load_from_checkpoint(out / "sharded.ckpt")
+    assert f"`{command}`" in told[0] and "load_from_checkpoint(path)" in told[0]
     assert main(command.split()[3:]) == 0
-    torch.testing.assert_close(logits(out / "sharded.consolidated.ckpt"), logits(out / "ddp.ckpt"), rtol=1e-5,
-                               atol=1e-6)
+    consolidated = logits(out / "sharded.consolidated.ckpt")
+    torch.testing.assert_close(consolidated, logits(out / "ddp.ckpt"), rtol=1e-5, atol=1e-6)
+    for path in (out / "sharded.ckpt", url):
+        assert torch.equal(logits(path), consolidated)
 
 
 def test_fsspec_url_checkpoint_is_complete_and_atomic(run):
     _, ranks = run
     facts = ranks[0]["save_formats"]
-    assert facts["sharded"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert facts["sharded"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "lightning_vitscale.json", "meta.pt"]
     assert facts["stray"] == []  # neither .partial nor .old left by the second save's swap
 
 
@@ -93,7 +93,7 @@ def test_resumes_from_full_files_and_urls_continue_like_ddp(run):
         resumed = facts["resumes"]
         reference = resumed["ddp_from_ddp"]
         assert len(reference) == 4
-        for case in ("ddp_from_full", "vitscale_from_full", "vitscale_from_url"):
+        for case in ("ddp_from_full", "vitscale_from_full", "vitscale_from_url", "ddp_from_sharded"):
             assert max_relative_difference(resumed[case], reference) < 1e-5, case
 
 
@@ -104,7 +104,7 @@ def test_crafted_pickles_never_run_through_fit(run):
         assert not crafted["ran"]
         errors = crafted["errors"]
         assert "Weights only load failed" in errors["ddp_full"]  # DDP: torch's default refuses it too
-        for case in ("vitscale_full", "vitscale_meta"):
+        for case in ("vitscale_full", "vitscale_meta", "ddp_meta"):
             assert "refuses (posix.system)" in errors[case] and "weights_only=False" in errors[case], errors[case]
         assert "refers to posix.system" in errors["vitscale_dcp"] and "refusing" in errors["vitscale_dcp"]
 
@@ -116,6 +116,7 @@ def test_resuming_a_fit_from_a_weights_only_checkpoint_fails_as_under_ddp(run):
         assert errors["ddp_weights_only"].startswith("KeyError") and "save_weights_only" in errors["ddp_weights_only"]
         assert errors["vitscale_weights_only_full"] == errors["ddp_weights_only"]
         assert errors["vitscale_weights_only_sharded"] == errors["ddp_weights_only"]
+        assert errors["ddp_weights_only_sharded"] == errors["ddp_weights_only"]  # never weights without optimizer
 
 
 def test_scale_batch_size_is_refused_as_under_ddp(run):

@@ -152,12 +152,13 @@ def resumes() -> dict:
         "ddp_from_full": resume("ddp", str(OUT / "full.ckpt")),
         "vitscale_from_full": resume("vitscale", str(OUT / "full.ckpt")),
         "vitscale_from_url": resume("vitscale", f"file://{OUT}/sharded.ckpt"),
+        "ddp_from_sharded": resume("ddp", str(OUT / "sharded.ckpt")),  # Lightning's own loader reads the folder
     }
 
 
 def crafted() -> dict:
-    """A payload in a full file, in a sharded folder's meta.pt and in its DCP .metadata: none may run. And a fit
-    resumed from a weights-only checkpoint fails as under DDP."""
+    """A payload in a full file, in a sharded folder's meta.pt (resumed under our strategy and under DDP) and in its
+    DCP .metadata: none may run. And a fit resumed from a weights-only checkpoint fails as under DDP."""
     import pickle
     import shutil
 
@@ -181,7 +182,9 @@ def crafted() -> dict:
                               ("vitscale_dcp", "vitscale", "crafted-dcp.ckpt"),
                               ("ddp_weights_only", "ddp", "ddp-weights-only.ckpt"),
                               ("vitscale_weights_only_full", "vitscale", "ddp-weights-only.ckpt"),
-                              ("vitscale_weights_only_sharded", "vitscale", "weights-only.ckpt")]:
+                              ("vitscale_weights_only_sharded", "vitscale", "weights-only.ckpt"),
+                              ("ddp_meta", "ddp", "crafted-meta.ckpt"),
+                              ("ddp_weights_only_sharded", "ddp", "weights-only.ckpt")]:
         try:
             resume(name, str(OUT / path))
             errors[label] = "no error"
