@@ -23,6 +23,7 @@ averaging code wants the sharded form (DCP saves and reshards it): it runs insid
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
-from lightning_vitscale._compat import DTensor
+from lightning_vitscale._compat import DTensor, FSDPModule
 
 _MARK = "_vitscale_full_state_dict"
 
@@ -47,6 +48,8 @@ class _Local(threading.local):
 
 
 _local = _Local()
+# module -> the outer FSDP unit around it (weakly: the hooks must not keep a model alive).
+_ROOT: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
 
 
 @contextmanager
@@ -63,13 +66,17 @@ def sharded_state_dicts() -> Iterator[None]:
         _local.internal -= 1
 
 
-def install(model: nn.Module) -> None:
+def install(model: nn.Module, root: nn.Module | None = None) -> None:
     """Hook ``model`` and its submodules so their state dicts are DDP's outside :func:`sharded_state_dicts`.
 
-    Module-level functions as hooks: a deep copy of the model (e.g. by a weight-averaging callback) keeps working
-    hooks and holds no reference to the strategy. Idempotent.
+    ``root``: the outer FSDP unit around ``model``; a load first frees what a forward left gathered (plain tensors
+    in the parameter slots, e.g. a call outside a step with gradients on), so it fills the shards. Module-level
+    functions as hooks: a deep copy of the model (e.g. by a weight-averaging callback) keeps working hooks and
+    holds no reference to the strategy. Idempotent.
     """
     for module in model.modules():
+        if root is not None:
+            _ROOT[module] = weakref.ref(root)
         if module.__dict__.get(_MARK):
             continue
         module.register_state_dict_pre_hook(_before_state_dict)
@@ -131,6 +138,9 @@ def _shard_loaded_values(
     if _local.internal:
         return
     slots = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+    if any(isinstance(t, nn.Parameter) and not isinstance(t, DTensor) for _, t in slots):
+        _reshard_all(module)  # gathered: FSDP's own load hook reshards too, but may run after this one
+        slots = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
     for name, target in slots:
         value = state_dict.get(prefix + name)
         if (
@@ -143,3 +153,17 @@ def _shard_loaded_values(
             state_dict[prefix + name] = distribute_tensor(
                 value.detach(), target.device_mesh, target.placements, src_data_rank=None
             )
+
+
+def _reshard_all(module: nn.Module) -> None:
+    """Free every gathered unit of the model ``module`` belongs to (local): the shards are the parameters again."""
+    ref = _ROOT.get(module)
+    root = ref() if ref is not None else None
+    if root is None:
+        return
+    release = getattr(root, "release", None)
+    if callable(release):
+        release()  # RootUnit: also forgets the gathered copy and the gradients computed on it
+    for unit in root.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()

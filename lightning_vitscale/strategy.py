@@ -277,7 +277,7 @@ class VitScaleStrategy(ModelParallelStrategy):
                                                                                  reshard)
             # Kept in __dict__ (not as a submodule): the LightningModule must not contain its own wrapper.
             root.enable_calls_outside_steps()
-            full_state_dict.install(module)  # model.state_dict() outside our checkpoint code: DDP's full tensors
+            full_state_dict.install(module, root)  # model.state_dict() outside our checkpoint code: DDP's full tensors
             existing = module.__dict__[_ROOT_ATTR] = (root, done, signature)
             rank_zero_info(done.plan.summary())
         root, self._parallelized_state, used = existing
