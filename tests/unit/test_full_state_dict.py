@@ -119,3 +119,16 @@ def test_load_state_dict_after_a_call_that_kept_the_outer_unit_gathered(mesh):
     reference.load_state_dict(weights)
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
+
+
+def test_a_state_dict_that_raised_midway_leaves_the_next_call_gathered(mesh):
+    _, model, reference = sharded(mesh)
+
+    def fails(module, prefix, keep_vars):
+        raise OSError("a user's hook failed")
+
+    handle = model.encoder.register_state_dict_pre_hook(fails)
+    with pytest.raises(OSError):
+        model.state_dict()  # stops between the outermost module's pre- and post-hook
+    handle.remove()
+    assert_same_state(model.head.state_dict(), reference.head.state_dict())

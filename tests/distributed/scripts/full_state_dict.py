@@ -53,9 +53,14 @@ def largest_difference(name: str, state: dict, label: str) -> float:
     if name == "ddp":
         ORACLE[label] = {k: v.detach().clone() for k, v in state.items()}
         return 0.0
-    oracle = ORACLE[label]
-    assert list(oracle) == list(state), (label, list(oracle), list(state))
-    return max(float((v.double() - oracle[k].double()).abs().max()) for k, v in state.items())
+    return difference(state, ORACLE[label])
+
+
+def difference(state: dict, expected: dict) -> float:
+    """Largest absolute difference; infinite where keys differ or a value is not a plain tensor."""
+    if list(state) != list(expected) or any(isinstance(v, DTensor) for v in state.values()):
+        return float("inf")
+    return max(float((v.double() - expected[k].double()).abs().max()) for k, v in state.items())
 
 
 class TakeStateDicts(Callback):
@@ -98,6 +103,14 @@ def outputs(model: torch.nn.Module) -> list[float]:
         return model(PROBE).flatten().tolist()
 
 
+def outcome(call) -> str:
+    """What ``load_state_dict`` returned, or the error it raised."""
+    try:
+        return str(call())
+    except Exception as error:  # noqa: BLE001 - the message is what the scenario records
+        return f"{type(error).__name__}: {error}"
+
+
 def error_of(call) -> str | None:
     try:
         call()
@@ -123,19 +136,19 @@ def state_dicts(name: str) -> dict:
         torch.save(final, path)
     t.strategy.barrier()
     plain = Classifier("encoder")
-    facts["plain_load"] = str(plain.load_state_dict(torch.load(path, weights_only=True)))
+    facts["plain_load"] = outcome(lambda: plain.load_state_dict(torch.load(path, weights_only=True)))
     facts["plain_outputs"], facts["outputs"] = outputs(plain), outputs(model)
 
     # load_state_dict of plain full tensors into the trained model: whole model, a submodule, strict, errors.
     other = other_weights(1)
-    facts["load"] = str(model.load_state_dict(other))
+    facts["load"] = outcome(lambda: model.load_state_dict(other))
     facts["loaded_outputs"] = outputs(model)
-    facts["loaded_diff"] = max(float((v - other[k]).abs().max()) for k, v in model.state_dict().items())
+    facts["loaded_diff"] = difference(model.state_dict(), other)
     head = {k.removeprefix("backbone.head."): v + 1 for k, v in other.items() if k.startswith("backbone.head.")}
-    model.backbone.head.load_state_dict(head)
+    facts["head_load"] = outcome(lambda: model.backbone.head.load_state_dict(head))
     facts["head_loaded_outputs"] = outputs(model)
     partial = {k: v for k, v in other.items() if k != "backbone.head.bias"}
-    facts["non_strict"] = str(model.load_state_dict(partial, strict=False))
+    facts["non_strict"] = outcome(lambda: model.load_state_dict(partial, strict=False))
     facts["strict_missing_error"] = error_of(lambda: model.load_state_dict(partial))
     wrong = dict(other, **{"backbone.head.weight": torch.zeros(3, 3)})
     facts["shape_error"] = error_of(lambda: model.load_state_dict(wrong))
@@ -146,9 +159,7 @@ def state_dicts(name: str) -> dict:
     test_weights = other_weights(2)
     t2 = trainer(name, callbacks=[LoadAtTestStart(test_weights)], limit_test_batches=2)
     facts["test_acc"] = t2.test(model, loader(n=16), verbose=False)[0]["test_acc"]
-    facts["test_loaded_diff"] = max(
-        float((v - test_weights[k]).abs().max()) for k, v in model.state_dict().items()
-    )
+    facts["test_loaded_diff"] = difference(model.state_dict(), test_weights)
     if name == "vitscale":  # the strategy's own checkpoints stay sharded (DCP shards, one set per rank)
         facts["shards_still_dtensors"] = all(isinstance(p, DTensor) for p in model.parameters())
         saved = t2.strategy.lightning_module_state_dict()  # what trainer.save_checkpoint hands to DCP
