@@ -65,6 +65,7 @@ def test_load_errors_are_torchs_own_messages(runs):
 
 def test_weights_loaded_in_a_callback_are_the_ones_tested(runs):
     for ours, ddp in _pairs(runs):
+        assert ours["test_load"] == ddp["test_load"] == "<All keys matched successfully>"
         assert ours["test_loaded_diff"] == ddp["test_loaded_diff"] == 0.0
         assert ours["test_acc"] == pytest.approx(ddp["test_acc"], abs=1e-6)
 

@@ -86,10 +86,10 @@ class LoadAtTestStart(Callback):
     """Loads other weights into the model before ``trainer.test`` runs (plain full tensors, as under DDP)."""
 
     def __init__(self, weights: dict[str, torch.Tensor]) -> None:
-        self.weights = weights
+        self.weights, self.outcome = weights, ""
 
     def on_test_start(self, trainer, pl_module) -> None:
-        pl_module.load_state_dict(self.weights)
+        self.outcome = outcome(lambda: pl_module.load_state_dict(self.weights))
 
 
 def other_weights(seed: int) -> dict[str, torch.Tensor]:
@@ -157,8 +157,10 @@ def state_dicts(name: str) -> dict:
 
     # Loaded in a callback before trainer.test: the test runs on those weights.
     test_weights = other_weights(2)
-    t2 = trainer(name, callbacks=[LoadAtTestStart(test_weights)], limit_test_batches=2)
+    loader_callback = LoadAtTestStart(test_weights)
+    t2 = trainer(name, callbacks=[loader_callback], limit_test_batches=2)
     facts["test_acc"] = t2.test(model, loader(n=16), verbose=False)[0]["test_acc"]
+    facts["test_load"] = loader_callback.outcome
     facts["test_loaded_diff"] = difference(model.state_dict(), test_weights)
     if name == "vitscale":  # the strategy's own checkpoints stay sharded (DCP shards, one set per rank)
         facts["shards_still_dtensors"] = all(isinstance(p, DTensor) for p in model.parameters())
