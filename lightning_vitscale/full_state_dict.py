@@ -103,7 +103,11 @@ def _gather_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: st
 
 
 @torch.no_grad()
-def _gathered(key: str, value: DTensor) -> torch.Tensor:
+def _gathered(key: str, value: torch.Tensor) -> torch.Tensor:
+    assert isinstance(value, DTensor)
+    mesh_device = value.device_mesh.device_type
+    if value.device.type != mesh_device:  # offload="cpu": host shards, gathered by the device's backend (NCCL)
+        value = value.to(mesh_device)
     try:
         full = value.full_tensor()
     except RuntimeError as error:
