@@ -26,7 +26,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -103,11 +103,10 @@ def _gather_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: st
 
 
 @torch.no_grad()
-def _gathered(key: str, value: torch.Tensor) -> torch.Tensor:
-    assert isinstance(value, DTensor)
+def _gathered(key: str, value: DTensor) -> torch.Tensor:
     mesh_device = value.device_mesh.device_type
     if value.device.type != mesh_device:  # offload="cpu": host shards, gathered by the device's backend (NCCL)
-        value = value.to(mesh_device)
+        value = cast(DTensor, value.to(mesh_device))
     try:
         full = value.full_tensor()
     except RuntimeError as error:
