@@ -7,11 +7,12 @@ slices and fails to load into a plain model, so the weights are lost. Hooks on t
 submodule (``install``) restore DDP's behaviour outside the strategy's own code:
 
 - ``state_dict()``: after the outermost module's own state dict is built (FSDP's keys are the plain module's),
-  each sharded tensor is gathered, one at a time, and copied to the CPU. **CPU, not the device**: a model that
-  only fits on the devices sharded has no room for a full copy next to its shards; a gathered tensor occupies
-  the device only until it is copied (one full tensor beyond the shards at a time). It is what DDP hands out
-  after ``fit`` too (Lightning moves the model to the CPU at teardown). The host holds one full copy per rank,
-  as under DDP. ``keep_vars=True`` asks for the module's own tensors, so it returns the live sharded parameters.
+  each sharded tensor is gathered, one at a time, and copied to the CPU, as are the buffers FSDP leaves whole.
+  **CPU, not the device**: a model that only fits on the devices sharded has no room for a full copy next to
+  its shards; a gathered tensor occupies the device only until it is copied (one full tensor beyond the shards
+  at a time). It is what DDP hands out after ``fit`` too (Lightning moves the model to the CPU at teardown).
+  The host holds one full copy per rank, as under DDP. ``keep_vars=True`` asks for the module's own tensors,
+  so it returns the live sharded parameters.
 - ``load_state_dict(full)``: each rank cuts its own shard out of the full tensor (no communication); keys,
   ``strict`` and shape mismatches are torch's own checks and messages.
 
@@ -100,6 +101,8 @@ def _gather_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: st
     for key, value in state_dict.items():
         if key.startswith(prefix) and isinstance(value, DTensor):
             state_dict[key] = _gathered(key, value)
+        elif key.startswith(prefix) and torch.is_tensor(value):
+            state_dict[key] = value.cpu()  # buffers FSDP leaves whole (BatchNorm statistics): all on the CPU
 
 
 @torch.no_grad()

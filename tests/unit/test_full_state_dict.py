@@ -14,12 +14,12 @@ from lightning_vitscale.full_state_dict import StateDictGatherError, sharded_sta
 from lightning_vitscale.parallelize import parallelize
 from lightning_vitscale.policies import ParallelConfig, resolve_flag
 from lightning_vitscale.root_unit import RootUnit
-from tests.helpers.models import EncoderClassifier
+from tests.helpers.models import EncoderClassifier, SmallResNet
 
 
-def sharded(mesh, precision: str = "32-true", install: bool = True):
+def sharded(mesh, precision: str = "32-true", install: bool = True, build=None):
     torch.manual_seed(0)
-    model = EncoderClassifier(dim=32, depth=2, dropout=0.0).eval()
+    model = (build or (lambda: EncoderClassifier(dim=32, depth=2, dropout=0.0)))().eval()
     reference = copy.deepcopy(model)
     root = RootUnit(model)
     parallelize(root, model, mesh, ParallelConfig(), resolve_flag(precision), torch.device("cpu"))
@@ -132,3 +132,35 @@ def test_a_state_dict_that_raised_midway_leaves_the_next_call_gathered(mesh):
         model.state_dict()  # stops between the outermost module's pre- and post-hook
     handle.remove()
     assert_same_state(model.head.state_dict(), reference.head.state_dict())
+
+
+def test_hybrid_mesh_state_dict_and_load(mesh):
+    """A 2-D (replicate, shard) mesh: DTensors with two placements gather and load the same way."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_vitscale.mesh import HYBRID_DIMS
+
+    hybrid = init_device_mesh("cpu", (1, 1), mesh_dim_names=HYBRID_DIMS)
+    root, model, reference = sharded(hybrid)
+    assert model.head.weight.device_mesh.ndim == 2
+    assert_same_state(model.state_dict(), reference.state_dict())
+    weights = {k: v * 2 for k, v in reference.state_dict().items()}
+    model.load_state_dict(weights)
+    assert_same_state(model.state_dict(), weights)
+
+
+def test_unsharded_buffers_come_along(mesh):
+    """BatchNorm statistics (FSDP leaves buffers whole) are in the state dict and load back, as under DDP."""
+    _, model, reference = sharded(mesh, build=lambda: SmallResNet(channels=8, depth=2))
+    model.train()
+    reference.train()
+    x = torch.randn(4, 3, 32, 32)
+    model(x)  # updates the running statistics
+    reference(x)
+    state = model.state_dict()
+    assert any(k.endswith("num_batches_tracked") for k in state)
+    assert_same_state(state, reference.state_dict())
+    fresh = SmallResNet(channels=8, depth=2)
+    fresh.load_state_dict(state)
+    model.load_state_dict({k: torch.zeros_like(v) if v.is_floating_point() else v for k, v in state.items()})
+    assert all(float(v.abs().sum()) == 0 for k, v in model.state_dict().items() if v.is_floating_point())
