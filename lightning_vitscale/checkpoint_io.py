@@ -106,7 +106,7 @@ def load(
     weights_only: bool | None,
 ) -> dict[str, Any]:
     """Validate on every rank before the first collective, then load a sharded folder or a single file."""
-    with sharded_state_dicts():  # shapes from the shards' metadata; DCP loads into the shards themselves
+    with sharded_state_dicts():  # DTensors report global shapes ungathered; DCP loads into the shards
         validate_against(location.url, model_shapes(module), strict=strict, weights_only=weights_only)
         if location.is_file():
             return load_full_into(location.url, module, optimizers, strict=strict, weights_only=weights_only)

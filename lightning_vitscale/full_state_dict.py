@@ -17,8 +17,9 @@ submodule (``install``) restore DDP's behaviour outside the strategy's own code:
   ``strict`` and shape mismatches are torch's own checks and messages.
 
 Gathering is a collective: every rank must call ``state_dict()``. A call on one rank fails after the strategy's
-``timeout`` with :class:`StateDictGatherError`, which names the fixes. The strategy's checkpoint, EMA and
-averaging code wants the sharded form (DCP saves and reshards it): it runs inside :func:`sharded_state_dicts`.
+``timeout`` with :class:`StateDictGatherError`, which names the fixes. The strategy's checkpoint code wants the
+sharded form (DCP saves, loads and reshards it): it runs inside :func:`sharded_state_dicts`. ``ShardedEMA`` reads
+the names with ``keep_vars=True``, which gathers nothing either.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ _ROOT: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.We
 def sharded_state_dicts() -> Iterator[None]:
     """Inside the block, ``state_dict()`` / ``load_state_dict()`` of hooked modules are FSDP2's: ``DTensor`` shards.
 
-    For the strategy's own code (DCP checkpoints, ``get_model_state_dict``, EMA, shape checks): it saves, loads and
+    For the strategy's own code (DCP checkpoints, ``get_model_state_dict``, shape checks): it saves, loads and
     reshards shards, and must not gather the model.
     """
     _local.internal += 1
@@ -87,11 +88,12 @@ def install(model: nn.Module, root: nn.Module | None = None) -> None:
 
 
 def _before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    if _local.internal or keep_vars:
+    if _local.internal:
         return
-    # Nested calls (torch's recursion into children) always have a prefix: "" is a new call from outside.
+    # Nested calls (torch's recursion into children) always have a prefix: "" is a new call from outside, and
+    # forgets what a call that raised midway left behind.
     if prefix == "" or _local.outermost is None:
-        _local.outermost = module
+        _local.outermost = None if keep_vars else module
 
 
 def _gather_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

@@ -131,6 +131,7 @@ def test_a_state_dict_that_raised_midway_leaves_the_next_call_gathered(mesh):
     with pytest.raises(OSError):
         model.state_dict()  # stops between the outermost module's pre- and post-hook
     handle.remove()
+    assert model.state_dict(keep_vars=True)["head.weight"] is model.head.weight  # not gathered by the stale call
     assert_same_state(model.head.state_dict(), reference.head.state_dict())
 
 
