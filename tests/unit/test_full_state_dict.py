@@ -165,3 +165,22 @@ def test_unsharded_buffers_come_along(mesh):
     fresh.load_state_dict(state)
     model.load_state_dict({k: torch.zeros_like(v) if v.is_floating_point() else v for k, v in state.items()})
     assert all(float(v.abs().sum()) == 0 for k, v in model.state_dict().items() if v.is_floating_point())
+
+
+def test_saved_after_fit_loads_into_a_plain_model(mesh, tmp_path):
+    """The DDP habit on one device: ``torch.save(model.state_dict())`` after ``fit``, loaded by a plain script."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_vitscale import VitScaleStrategy
+    from lightning_vitscale.demo import TinyViT, generated_images
+
+    model = TinyViT(dim=32, depth=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(), max_steps=2, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(model, DataLoader(generated_images(32), batch_size=16))
+    assert any(isinstance(p, DTensor) for p in model.parameters())
+    torch.save(model.state_dict(), tmp_path / "final.pt")
+    fresh = TinyViT(dim=32, depth=2)
+    assert str(fresh.load_state_dict(torch.load(tmp_path / "final.pt"))) == "<All keys matched successfully>"
+    assert_same_state(fresh.state_dict(), {k: v.full_tensor() for k, v in model.state_dict(keep_vars=True).items()})
