@@ -5,6 +5,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_vitscale.checkpoint import CheckpointError, consolidate_checkpoint
 from lightning_vitscale.checkpoint_loader import install_checkpoint_loader
 from lightning_vitscale.ema import ShardedEMA
+from lightning_vitscale.full_state_dict import StateDictGatherError
 from lightning_vitscale.matching import find_blocks
 from lightning_vitscale.memory import StateBytes, measure_state_bytes
 from lightning_vitscale.parallelize import NoBlocksMatchedError
@@ -32,6 +33,7 @@ __all__ = [
     "ParallelPlan",
     "ShardedEMA",
     "ShardedModuleReuseError",
+    "StateDictGatherError",
     "StateBytes",
     "ThroughputMonitor",
     "VitScaleThroughput",

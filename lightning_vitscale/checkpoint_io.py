@@ -32,6 +32,7 @@ from lightning_vitscale.checkpoint import (
     validate_against,
 )
 from lightning_vitscale.checkpoint_storage import Location, SafeLoadPlanner, torch_save, write_sharded_marker
+from lightning_vitscale.full_state_dict import sharded_state_dicts
 
 
 def model_state_dict(module: nn.Module, full: bool) -> dict[str, Any]:
@@ -39,7 +40,8 @@ def model_state_dict(module: nn.Module, full: bool) -> dict[str, Any]:
     collective every rank joins), copied to CPU on rank 0 only; the other ranks return an empty dict."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+    with sharded_state_dicts():  # DCP gathers (full) or saves the shards itself
+        state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
     return {clean_key(k): v for k, v in state.items()} if full else state
 
 
@@ -49,7 +51,7 @@ def optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, fu
 
     optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer -> torch optimizer
     options = StateDictOptions(full_state_dict=full, cpu_offload=True)
-    with untouched_if_fresh(optimizer) as fresh:
+    with untouched_if_fresh(optimizer) as fresh, sharded_state_dicts():
         state = get_optimizer_state_dict(module, optimizer, options=options)
     if fresh:
         state["state"] = {}  # as DDP saves an optimizer that has not stepped yet
@@ -105,10 +107,11 @@ def load(
     weights_only: bool | None,
 ) -> dict[str, Any]:
     """Validate on every rank before the first collective, then load a sharded folder or a single file."""
-    validate_against(location.url, model_shapes(module), strict=strict, weights_only=weights_only)
-    if location.is_file():
-        return load_full_into(location.url, module, optimizers, strict=strict, weights_only=weights_only)
-    return load_sharded(location, module, optimizers, strict, weights_only)
+    with sharded_state_dicts():  # DTensors report global shapes ungathered; DCP loads into the shards
+        validate_against(location.url, model_shapes(module), strict=strict, weights_only=weights_only)
+        if location.is_file():
+            return load_full_into(location.url, module, optimizers, strict=strict, weights_only=weights_only)
+        return load_sharded(location, module, optimizers, strict, weights_only)
 
 
 def load_sharded(

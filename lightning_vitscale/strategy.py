@@ -18,7 +18,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_vitscale import checkpoint_io
+from lightning_vitscale import checkpoint_io, full_state_dict
 from lightning_vitscale._compat import (
     FSDPModule,
     ModelParallelStrategy,
@@ -276,6 +276,7 @@ class VitScaleStrategy(ModelParallelStrategy):
                                                                                  reshard)
             # Kept in __dict__ (not as a submodule): the LightningModule must not contain its own wrapper.
             root.enable_calls_outside_steps()
+            full_state_dict.install(module, root)  # model.state_dict() outside our checkpoint code: DDP's full tensors
             existing = module.__dict__[_ROOT_ATTR] = (root, done, signature)
             rank_zero_info(done.plan.summary())
         root, self._parallelized_state, used = existing

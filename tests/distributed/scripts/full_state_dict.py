@@ -1,0 +1,198 @@
+"""Rank script: ``model.state_dict()`` / ``model.load_state_dict()`` the DDP way, under ``"ddp"`` and VitScaleStrategy.
+
+The DDP run goes first and keeps its state dicts in memory (``ORACLE``); the VitScaleStrategy run compares its own
+with them on every rank. Results are keyed ``<scenario>/<strategy>``; one launch, one process group.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from lightning_vitscale import VitScaleStrategy
+from lightning_vitscale._compat import DTensor
+from tests.helpers.models import Classifier, loader, random_images
+from tests.helpers.scenarios import run_scenarios
+
+warnings.filterwarnings("ignore")
+PROBE = random_images(4, seed=7).tensors[0]
+ORACLE: dict[str, dict[str, torch.Tensor]] = {}  # filled by the DDP run
+OUT = Path(sys.argv[1])  # run_scenarios writes the results there too
+
+
+def trainer(name: str, **kwargs) -> L.Trainer:
+    defaults = dict(
+        accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", 1)),
+        strategy=VitScaleStrategy() if name == "vitscale" else "ddp", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+def describe(state: dict) -> dict:
+    """What a plain script sees: tensor types, devices and dtypes, and the keys."""
+    return {
+        "keys": list(state),
+        "types": sorted({type(v).__name__ for v in state.values()}),
+        "devices": sorted({str(v.device) for v in state.values()}),
+        "dtypes": {k: str(v.dtype) for k, v in state.items()},
+    }
+
+
+def largest_difference(name: str, state: dict, label: str) -> float:
+    """Against DDP's state dict taken at the same point (the DDP run records it and reports 0)."""
+    if name == "ddp":
+        ORACLE[label] = {k: v.detach().clone() for k, v in state.items()}
+        return 0.0
+    return difference(state, ORACLE[label])
+
+
+def difference(state: dict, expected: dict) -> float:
+    """Largest absolute difference; infinite where keys differ or a value is not a plain tensor."""
+    if list(state) != list(expected) or any(isinstance(v, DTensor) for v in state.values()):
+        return float("inf")
+    return max(float((v.double() - expected[k].double()).abs().max()) for k, v in state.items())
+
+
+class TakeStateDicts(Callback):
+    """``state_dict()`` from callbacks on every rank (mid-training, then at the end of training)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.facts = name, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == 1:
+            state = pl_module.state_dict()
+            self.facts["mid"] = describe(state)
+            self.facts["mid_diff"] = largest_difference(self.name, state, "mid")
+            head = pl_module.backbone.head.state_dict()
+            self.facts["mid_head"] = describe(head)
+            self.facts["mid_head_diff"] = largest_difference(self.name, head, "mid_head")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.facts["train_end_diff"] = largest_difference(self.name, pl_module.state_dict(), "train_end")
+
+
+class LoadAtTestStart(Callback):
+    """Loads other weights into the model before ``trainer.test`` runs (plain full tensors, as under DDP)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        self.weights, self.outcome = weights, ""
+
+    def on_test_start(self, trainer, pl_module) -> None:
+        self.outcome = outcome(lambda: pl_module.load_state_dict(self.weights))
+
+
+def other_weights(seed: int) -> dict[str, torch.Tensor]:
+    L.seed_everything(seed, verbose=False)
+    return Classifier("encoder").state_dict()
+
+
+def outputs(model: torch.nn.Module) -> list[float]:
+    model.eval()
+    with torch.no_grad():
+        return model(PROBE).flatten().tolist()
+
+
+def outcome(call) -> str:
+    """What ``load_state_dict`` returned, or the error it raised."""
+    try:
+        return str(call())
+    except Exception as error:  # noqa: BLE001 - the message is what the scenario records
+        return f"{type(error).__name__}: {error}"
+
+
+def error_of(call) -> str | None:
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the message is what the scenario records
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def state_dicts(name: str) -> dict:
+    L.seed_everything(0, verbose=False)
+    model, taker = Classifier("encoder"), TakeStateDicts(name)
+    t = trainer(name, max_steps=4, callbacks=[taker])
+    t.fit(model, loader(n=32))
+    facts = dict(taker.facts, losses=model.losses)
+
+    # After fit: save on rank 0 (every rank calls state_dict), load into a plain model in "another script".
+    final = model.state_dict()
+    facts["final"] = describe(final)
+    facts["final_diff"] = largest_difference(name, final, "final")
+    facts["backbone"] = describe(model.backbone.state_dict())
+    path = OUT / f"final-{name}.pt"
+    if t.is_global_zero:
+        torch.save(final, path)
+    t.strategy.barrier()
+    plain = Classifier("encoder")
+    facts["plain_load"] = outcome(lambda: plain.load_state_dict(torch.load(path, weights_only=True)))
+    facts["plain_outputs"], facts["outputs"] = outputs(plain), outputs(model)
+
+    # load_state_dict of plain full tensors into the trained model: whole model, a submodule, strict, errors.
+    other = other_weights(1)
+    facts["load"] = outcome(lambda: model.load_state_dict(other))
+    facts["loaded_outputs"] = outputs(model)
+    facts["loaded_diff"] = difference(model.state_dict(), other)
+    head = {k.removeprefix("backbone.head."): v + 1 for k, v in other.items() if k.startswith("backbone.head.")}
+    facts["head_load"] = outcome(lambda: model.backbone.head.load_state_dict(head))
+    facts["head_loaded_outputs"] = outputs(model)
+    partial = {k: v for k, v in other.items() if k != "backbone.head.bias"}
+    facts["non_strict"] = outcome(lambda: model.load_state_dict(partial, strict=False))
+    facts["strict_missing_error"] = error_of(lambda: model.load_state_dict(partial))
+    wrong = dict(other, **{"backbone.head.weight": torch.zeros(3, 3)})
+    facts["shape_error"] = error_of(lambda: model.load_state_dict(wrong))
+    facts["unexpected_error"] = error_of(lambda: model.load_state_dict(dict(other, extra=torch.zeros(1))))
+    facts["after_errors_outputs"] = outputs(model)
+
+    # Loaded in a callback before trainer.test: the test runs on those weights.
+    test_weights = other_weights(2)
+    loader_callback = LoadAtTestStart(test_weights)
+    t2 = trainer(name, callbacks=[loader_callback], limit_test_batches=2)
+    facts["test_acc"] = t2.test(model, loader(n=16), verbose=False)[0]["test_acc"]
+    facts["test_load"] = loader_callback.outcome
+    facts["test_loaded_diff"] = difference(model.state_dict(), test_weights)
+    if name == "vitscale":  # the strategy's own checkpoints stay sharded (DCP shards, one set per rank)
+        facts["shards_still_dtensors"] = all(isinstance(p, DTensor) for p in model.parameters())
+        saved = t2.strategy.lightning_module_state_dict()  # what trainer.save_checkpoint hands to DCP
+        facts["checkpoint_state_is_sharded"] = all(isinstance(v, DTensor) for v in saved.values())
+        t2.save_checkpoint(OUT / "sharded.ckpt")
+        facts["checkpoint_is_sharded_folder"] = (OUT / "sharded.ckpt").is_dir()
+    return facts
+
+
+def one_rank_call() -> dict:
+    """The DDP habit ``if trainer.is_global_zero: torch.save(model.state_dict(), ...)``: bounded, and says why."""
+    timeout = 3.0
+    L.seed_everything(0, verbose=False)
+    model = Classifier("encoder")
+    t = trainer("vitscale", max_steps=1)
+    t.fit(model, loader(n=8))
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout), dist.group.WORLD)
+    if dist.get_rank() != 0:
+        time.sleep(timeout + 6)  # joins no collective: rank 0's gather can only time out
+        return {}
+    start = time.monotonic()
+    error = error_of(model.state_dict)
+    return {"error": error, "seconds": time.monotonic() - start}
+
+
+SCENARIOS = {
+    "state_dicts/ddp": lambda: state_dicts("ddp"),  # first: the oracle
+    "state_dicts/vitscale": lambda: state_dicts("vitscale"),
+    "one_rank_call/vitscale": one_rank_call,  # last: it leaves the group unusable
+}
+
+
+if __name__ == "__main__":
+    run_scenarios(SCENARIOS)
