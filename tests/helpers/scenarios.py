@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,3 +20,20 @@ def run_scenarios(scenarios: dict[str, Callable[[], dict]]) -> None:
     torch.set_num_threads(1)
     results = {name: scenarios[name]() for name in names}
     (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(results))
+
+
+def rank_zero_alone(call: Callable[[], Any], timeout: float = 3.0) -> dict:
+    """Only rank 0 makes ``call`` (a collective under the test), with ``timeout`` on the process group; the other
+    ranks join nothing for longer than that. Returns rank 0's error text (``None``: it returned) and seconds."""
+    import torch.distributed as dist
+
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout), dist.group.WORLD)
+    if dist.get_rank() != 0:
+        time.sleep(timeout + 6)  # joins no collective: rank 0's call can only time out
+        return {}
+    start = time.monotonic()
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the message is what the scenario records
+        return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}

@@ -8,14 +8,10 @@ One launch for both strategies: the process group is made once.
 from __future__ import annotations
 
 import os
-import time
-import traceback
 import warnings
-from datetime import timedelta
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
 from torch.optim.swa_utils import get_ema_avg_fn
 
@@ -23,7 +19,7 @@ from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale._compat import DTensor
 from lightning_vitscale.kernels import is_compiled
 from tests.helpers.models import Classifier, loader, random_images
-from tests.helpers.scenarios import run_scenarios
+from tests.helpers.scenarios import rank_zero_alone, run_scenarios
 
 warnings.filterwarnings("ignore")
 STRATEGY = "vitscale"  # set by `under` for each run
@@ -179,22 +175,16 @@ def sync_batchnorm() -> dict:
 
 def one_rank_call() -> dict:
     """Only rank 0 calls the model after fit: it must fail within the timeout, saying why (VitScaleStrategy only)."""
-    timeout = 3.0
     L.seed_everything(0, verbose=False)
     model = Classifier("encoder")
     t = trainer(max_steps=1)
     t.fit(model, loader(n=8))
-    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout), dist.group.WORLD)
-    if dist.get_rank() != 0:
-        time.sleep(timeout + 6)  # joins no collective: rank 0's gather can only time out
-        return {}
-    start = time.monotonic()
-    try:
+
+    def probe() -> None:
         with torch.no_grad():
             model(PROBE)
-    except Exception as error:  # noqa: BLE001
-        return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - start}
-    return {"error": None, "seconds": time.monotonic() - start, "trace": traceback.format_exc()}
+
+    return rank_zero_alone(probe)
 
 
 def under(name: str, scenario):

@@ -8,20 +8,17 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale._compat import DTensor
 from tests.helpers.models import Classifier, loader, random_images
-from tests.helpers.scenarios import run_scenarios
+from tests.helpers.scenarios import rank_zero_alone, run_scenarios
 
 warnings.filterwarnings("ignore")
 PROBE = random_images(4, seed=7).tensors[0]
@@ -173,18 +170,11 @@ def state_dicts(name: str) -> dict:
 
 def one_rank_call() -> dict:
     """The DDP habit ``if trainer.is_global_zero: torch.save(model.state_dict(), ...)``: bounded, and says why."""
-    timeout = 3.0
     L.seed_everything(0, verbose=False)
     model = Classifier("encoder")
     t = trainer("vitscale", max_steps=1)
     t.fit(model, loader(n=8))
-    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout), dist.group.WORLD)
-    if dist.get_rank() != 0:
-        time.sleep(timeout + 6)  # joins no collective: rank 0's gather can only time out
-        return {}
-    start = time.monotonic()
-    error = error_of(model.state_dict)
-    return {"error": error, "seconds": time.monotonic() - start}
+    return rank_zero_alone(model.state_dict)
 
 
 SCENARIOS = {
