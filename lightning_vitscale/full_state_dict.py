@@ -77,6 +77,12 @@ def install(model: nn.Module, root: nn.Module | None = None) -> None:
     holds no reference to the strategy. Idempotent.
     """
     for module in model.modules():
+        if next(module.parameters(), None) is None:
+            # Nothing sharded below (metrics, activations, parameter-free containers). Hooking it anyway would
+            # break modules whose hash follows their state (torchmetrics): torch's load-hook wrapper keeps a plain
+            # weakref to the module, which caches the first hash, so WeakKeyDictionary lookups (ModuleTracker,
+            # FlopCounterMode) miss the module after its next update.
+            continue
         if root is not None:
             _ROOT[module] = weakref.ref(root)
         if module.__dict__.get(_MARK):

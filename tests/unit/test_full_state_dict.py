@@ -184,3 +184,21 @@ def test_saved_after_fit_loads_into_a_plain_model(mesh, tmp_path):
     fresh = TinyViT(dim=32, depth=2)
     assert str(fresh.load_state_dict(torch.load(tmp_path / "final.pt"))) == "<All keys matched successfully>"
     assert_same_state(fresh.state_dict(), {k: v.full_tensor() for k, v in model.state_dict(keep_vars=True).items()})
+
+
+def test_modules_whose_hash_follows_their_state_stay_trackable():
+    """torchmetrics metrics hash by their state tensors. torch's load-state-dict hook wrapper keeps a plain
+    ``weakref.ref(module)`` alive, and a weakref caches its referent's first hash: after the metric's next update
+    every ``WeakKeyDictionary`` lookup of the metric missed, so ``ModuleTracker`` (under ``FlopCounterMode``)
+    raised ``KeyError`` in the examples' training steps. Modules with nothing sharded below get no hooks."""
+    from torch.utils.module_tracker import ModuleTracker
+    from torchmetrics.classification import MulticlassAccuracy
+
+    model = torch.nn.Module()
+    model.linear, model.accuracy = torch.nn.Linear(4, 3), MulticlassAccuracy(num_classes=3)
+    full_state_dict.install(model)
+    target = torch.tensor([0, 2])
+    for _ in range(2):  # the first pass hashes the metric, the update changes its hash, the second pass looks it up
+        with ModuleTracker():
+            model.accuracy(model.linear(torch.randn(2, 4)).argmax(-1), target)
+    assert model.accuracy.update_count == 2
