@@ -11,7 +11,7 @@ from tests.helpers.results import load_ranks
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 SCRIPT = "tests/distributed/scripts/full_state_dict.py"
-DURING_TRAINING = ("during_training/state_dict", "during_training/model_call", "during_training/disagree")
+DURING_TRAINING = tuple(f"during_training/{name}" for name in ("state_dict", "model_call", "disagree", "other_module"))
 SIDE_TIMEOUT_S = 2.0  # the handshake's timeout in those scenarios; the model's group waits 20 s
 STATE_DICT_ERROR = "StateDictGatherError: state_dict() of a model sharded by VitScaleStrategy"
 CALL_ERROR = "OutsideStepCallError: Calling the sharded model outside a training/validation step"
@@ -128,3 +128,13 @@ def test_different_gathers_on_different_ranks_fail_on_every_rank_at_once(runs):
         )
         assert facts["seconds"] < SIDE_TIMEOUT_S  # no timeout: the handshake itself tells
     _trained_on_unaffected(runs, "during_training/disagree")
+
+
+def test_state_dicts_of_different_modules_on_different_ranks_fail_at_once(runs):
+    """Rank 0 gathers the whole model, rank 1 only the head: both stop before the first tensor."""
+    for rank in runs:
+        facts = rank["during_training/other_module"]
+        assert facts["error"].startswith(STATE_DICT_ERROR), facts["error"]
+        assert "the ranks made state_dict() at this point, but of different modules or tensors" in facts["error"]
+        assert facts["seconds"] < SIDE_TIMEOUT_S
+    _trained_on_unaffected(runs, "during_training/other_module")

@@ -225,6 +225,9 @@ SCENARIOS = {
     "during_training/state_dict": lambda: during_training({0: lambda m: m.state_dict()}),
     "during_training/model_call": lambda: during_training({0: call_model}),
     "during_training/disagree": lambda: during_training({0: lambda m: m.state_dict(), 1: call_model}),
+    "during_training/other_module": lambda: during_training(
+        {0: lambda m: m.state_dict(), 1: lambda m: m.backbone.head.state_dict()}
+    ),
     "one_rank_call/vitscale": one_rank_call,  # last: it leaves the group unusable
 }
 
