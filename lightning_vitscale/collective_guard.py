@@ -49,8 +49,9 @@ def open_side_group(timeout: timedelta) -> None:
     close_side_group()
     if dist.get_world_size() == 1:
         return  # a lone rank always agrees with itself: no handshake
-    _Side.group = dist.new_group(backend="gloo", timeout=timeout)
-    _Side.world = dist.group.WORLD
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    if isinstance(group, dist.ProcessGroup):  # always, every rank being a member (else torch's NON_GROUP_MEMBER)
+        _Side.group, _Side.world = group, dist.group.WORLD
 
 
 def close_side_group() -> None:
