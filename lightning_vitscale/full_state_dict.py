@@ -20,9 +20,9 @@ Gathering is a collective: every rank must call ``state_dict()``. Before the fir
 it gathers in one handshake on a side group (collective_guard.py): a call on one rank, even during training while
 the others go on to their next step, or different calls on different ranks, fail with
 :class:`StateDictGatherError` (within the strategy's ``timeout``), which names the fixes, and nothing is sent on
-the model's process group. The strategy's checkpoint code wants the
-sharded form (DCP saves, loads and reshards it): it runs inside :func:`sharded_state_dicts`. ``ShardedEMA`` reads
-the names with ``keep_vars=True``, which gathers nothing either.
+the model's process group. The strategy's checkpoint code wants the sharded form (DCP saves, loads and reshards
+it): it runs inside :func:`sharded_state_dicts`. ``ShardedEMA`` reads the names with ``keep_vars=True``, which
+gathers nothing either.
 """
 
 from __future__ import annotations

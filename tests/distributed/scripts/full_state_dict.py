@@ -183,7 +183,7 @@ def one_rank_call() -> dict:
 
 class CallDuringTraining(Callback):
     """In ``on_train_batch_end`` of batch 1, each rank in ``calls`` makes its call (``calls[rank](pl_module)``) and
-    records what it raised; the other ranks go on to the next step. Nothing is caught around ``fit``."""
+    records what it raised, then trains on; the other ranks go straight on to the next step."""
 
     def __init__(self, calls: dict[int, Callable[[L.LightningModule], object]]) -> None:
         self.calls, self.facts = calls, {}
@@ -228,7 +228,7 @@ SCENARIOS = {
     "during_training/other_module": lambda: during_training(
         {0: lambda m: m.state_dict(), 1: lambda m: m.backbone.head.state_dict()}
     ),
-    "one_rank_call/vitscale": one_rank_call,  # last: it leaves the group unusable
+    "one_rank_call/vitscale": one_rank_call,  # last: its timed-out handshake closes the side group
 }
 
 
