@@ -16,10 +16,13 @@ submodule (``install``) restore DDP's behaviour outside the strategy's own code:
 - ``load_state_dict(full)``: each rank cuts its own shard out of the full tensor (no communication); keys,
   ``strict`` and shape mismatches are torch's own checks and messages.
 
-Gathering is a collective: every rank must call ``state_dict()``. A call on one rank fails after the strategy's
-``timeout`` with :class:`StateDictGatherError`, which names the fixes. The strategy's checkpoint code wants the
-sharded form (DCP saves, loads and reshards it): it runs inside :func:`sharded_state_dicts`. ``ShardedEMA`` reads
-the names with ``keep_vars=True``, which gathers nothing either.
+Gathering is a collective: every rank must call ``state_dict()``. Before the first tensor, every rank states what
+it gathers in one handshake on a side group (collective_guard.py): a call on one rank, even during training while
+the others go on to their next step, or different calls on different ranks, fail with
+:class:`StateDictGatherError` (within the strategy's ``timeout``), which names the fixes, and nothing is sent on
+the model's process group. The strategy's checkpoint code wants the sharded form (DCP saves, loads and reshards
+it): it runs inside :func:`sharded_state_dicts`. ``ShardedEMA`` reads the names with ``keep_vars=True``, which
+gathers nothing either.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
+from lightning_vitscale import collective_guard
 from lightning_vitscale._compat import DTensor, FSDPModule
 
 _MARK = "_vitscale_full_state_dict"
@@ -106,11 +110,24 @@ def _gather_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: st
     if _local.internal or _local.outermost is not module:
         return
     _local.outermost = None
+    _agree_on_gather([(key, value) for key, value in state_dict.items() if key.startswith(prefix)])
     for key, value in state_dict.items():
         if key.startswith(prefix) and isinstance(value, DTensor):
             state_dict[key] = _gathered(key, value)
         elif key.startswith(prefix) and torch.is_tensor(value):
             state_dict[key] = value.cpu()  # buffers FSDP leaves whole (BatchNorm statistics): all on the CPU
+
+
+def _agree_on_gather(items: list[tuple[str, Any]]) -> None:
+    """One handshake per ``state_dict()`` call, before its first gather: the same sharded tensors on every rank."""
+    sharded = [(key, tuple(value.shape)) for key, value in items if isinstance(value, DTensor)]
+    if not sharded:
+        return  # nothing to gather: no collective
+    check = collective_guard.fingerprint(f"{key}:{shape}" for key, shape in sharded)
+    try:
+        collective_guard.agree(collective_guard.STATE_DICT, len(sharded), check)
+    except RuntimeError as error:
+        raise _gather_error(sharded[0][0], error) from error
 
 
 @torch.no_grad()
@@ -121,17 +138,21 @@ def _gathered(key: str, value: DTensor) -> torch.Tensor:
     try:
         full = value.full_tensor()
     except RuntimeError as error:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        raise StateDictGatherError(
-            f"state_dict() of a model sharded by VitScaleStrategy gathers every sharded tensor (here `{key}`), a"
-            f" collective that every rank must join; on rank {rank} it failed: {error}. Call `state ="
-            " model.state_dict()` on every rank and save on rank 0 only (`if trainer.is_global_zero:"
-            " torch.save(state, path)`), or save with `trainer.save_checkpoint(path)` (one file in DDP's format"
-            " with VitScaleStrategy(state_dict_type='full')), or turn a sharded checkpoint into one file with"
-            " `python -m lightning_vitscale consolidate SRC DST`. A call the other ranks never make fails after"
-            " VitScaleStrategy(timeout=...)."
-        ) from error
+        raise _gather_error(key, error) from error
     return full.cpu()
+
+
+def _gather_error(key: str, error: RuntimeError) -> StateDictGatherError:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return StateDictGatherError(
+        f"state_dict() of a model sharded by VitScaleStrategy gathers every sharded tensor (here `{key}`), a"
+        f" collective that every rank must join; on rank {rank} it failed: {error}. Call `state ="
+        " model.state_dict()` on every rank and save on rank 0 only (`if trainer.is_global_zero:"
+        " torch.save(state, path)`), or save with `trainer.save_checkpoint(path)` (one file in DDP's format"
+        " with VitScaleStrategy(state_dict_type='full')), or turn a sharded checkpoint into one file with"
+        " `python -m lightning_vitscale consolidate SRC DST`. A call the other ranks never make fails after"
+        " VitScaleStrategy(timeout=...)."
+    )
 
 
 def _shard_loaded_values(

@@ -6,6 +6,7 @@ import atexit
 import time
 
 from lightning_vitscale._compat import destroy_process_group_safely
+from lightning_vitscale.collective_guard import close_side_group
 
 _registered_exit_cleanup = False
 # How long exiting waits for gloo's worker threads to drop the work objects of the last collectives.
@@ -29,5 +30,6 @@ def destroy_process_group_at_exit() -> None:
 
 
 def _exit_cleanup() -> None:
+    close_side_group()  # the handshake group (collective_guard.py), while the group it was made under exists
     destroy_process_group_safely()
     time.sleep(_EXIT_GRACE_S)

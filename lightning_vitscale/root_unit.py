@@ -12,8 +12,10 @@ What it costs and when it is freed:
 - with gradients enabled it is kept (a backward may follow) until the next step, optimizer step or setup,
   where :meth:`RootUnit.release` drops it and any gradients computed on it. Nothing stays gathered in training.
 
-Such a call is a collective: every rank must make it. A call on one rank fails after the strategy's
-``timeout`` with :class:`OutsideStepCallError`, which says so.
+Such a call is a collective: every rank must make it. Before it gathers anything, every rank states which module
+it calls in a handshake on a side group (collective_guard.py): a call on one rank, even during training while the
+others go on to their next step, or different calls on different ranks, fail with :class:`OutsideStepCallError`
+(within the strategy's ``timeout``), and nothing is sent on the model's process group.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Shard
 
+from lightning_vitscale import collective_guard
 from lightning_vitscale._compat import DTensor, FSDPModule
 
 
@@ -48,6 +51,7 @@ class RootUnit(nn.Module):
         self._gathered_on_demand = False
         self._keep_gathered = False
         self._owned: list[tuple[nn.Module, str]] = []  # (module, name) of each outer-unit parameter
+        self._entries: dict[int, str] = {}  # id -> qualified name of each hooked module (what a call names)
         self._hooks: list[Any] = []
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -75,7 +79,9 @@ class RootUnit(nn.Module):
         self._hooks.append(self.register_forward_pre_hook(_release_before_step, prepend=True))
         self._hooks.append(self.register_forward_hook(_reshard_after_eval_step))
         owners = {id(module) for module, _ in self._owned}
+        names = {id(module): name for name, module in self.module.named_modules()}
         for module in _self_and_ancestors_of(self.module, owners):
+            self._entries[id(module)] = names.get(id(module), "")
             self._hooks.append(module.register_forward_pre_hook(self._enter, prepend=True))
             self._hooks.append(module.register_forward_hook(self._leave, always_call=True))
 
@@ -98,7 +104,11 @@ class RootUnit(nn.Module):
         if self._in_step:
             return
         self._depth += 1
-        if self._depth == 1 and self._is_sharded():
+        if self._depth != 1:
+            return
+        # Blocks gather themselves as the call runs, also when the outer unit is still gathered: always agree first.
+        self._agree_on(module)
+        if self._is_sharded():
             self._gather()
             self._gathered_on_demand = True
             self._keep_gathered = torch.is_grad_enabled()
@@ -111,18 +121,30 @@ class RootUnit(nn.Module):
             self.release()
 
     @torch.compiler.disable
+    def _agree_on(self, module: nn.Module) -> None:
+        check = collective_guard.fingerprint([self._entries.get(id(module), "")])
+        try:
+            collective_guard.agree(collective_guard.MODEL_CALL, 0, check)
+        except RuntimeError as error:
+            raise _outside_step_error(error) from error
+
+    @torch.compiler.disable
     def _gather(self) -> None:
         assert isinstance(self, FSDPModule)
         try:
             self.unshard()
         except RuntimeError as error:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            raise OutsideStepCallError(
-                f"Calling the sharded model outside a training/validation step gathers its outer FSDP unit, a"
-                f" collective that every rank must join; on rank {rank} it failed: {error}. Make the same call on"
-                " every rank (not under `if trainer.is_global_zero:` or `@rank_zero_only`), or make it inside a"
-                " `*_step`. A call that the other ranks never make fails after VitScaleStrategy(timeout=...)."
-            ) from error
+            raise _outside_step_error(error) from error
+
+
+def _outside_step_error(error: RuntimeError) -> OutsideStepCallError:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return OutsideStepCallError(
+        f"Calling the sharded model outside a training/validation step gathers its outer FSDP unit, a"
+        f" collective that every rank must join; on rank {rank} it failed: {error}. Make the same call on"
+        " every rank (not under `if trainer.is_global_zero:` or `@rank_zero_only`), or make it inside a"
+        " `*_step`. A call that the other ranks never make fails after VitScaleStrategy(timeout=...)."
+    )
 
 
 def _release_before_step(root: RootUnit, args: Any) -> None:

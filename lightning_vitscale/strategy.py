@@ -33,6 +33,7 @@ from lightning_vitscale.attention_auto import auto_attention_step
 from lightning_vitscale.auto_checkpointing import AutoCheckpointing, describe_prediction, measure_for_summary
 from lightning_vitscale.checkpoint import consolidate_command
 from lightning_vitscale.checkpoint_storage import Location
+from lightning_vitscale.collective_guard import open_side_group
 from lightning_vitscale.compiled import TAKEN_OVER, take_over_compiled
 from lightning_vitscale.creation import Creation, ModelCreation
 from lightning_vitscale.kernels import fuse_optimizers, prefer_foreach
@@ -195,6 +196,8 @@ class VitScaleStrategy(ModelParallelStrategy):
         # peer: no sharding, same data on every rank). 1-D mesh for "full", (replicate, shard) for hybrid layouts.
         setup_distributed(self)  # sets the device, ranks and the process group (with our timeout)
         destroy_process_group_at_exit()
+        # Gathers outside a step (model calls, state_dict()) first agree on it, so one rank alone never gathers.
+        open_side_group(self._timeout or DEFAULT_TIMEOUT)
         shard = shard_group_size(self.config.sharding.layout, self.world_size, self.num_processes)
         mesh = build_mesh(self.root_device.type, self.world_size, shard)
         assert self.lightning_module is not None

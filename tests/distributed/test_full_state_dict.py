@@ -11,12 +11,17 @@ from tests.helpers.results import load_ranks
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 SCRIPT = "tests/distributed/scripts/full_state_dict.py"
+DURING_TRAINING = tuple(f"during_training/{name}" for name in ("state_dict", "model_call", "disagree", "other_module"))
+SIDE_TIMEOUT_S = 2.0  # the handshake's timeout in those scenarios; the model's group waits 20 s
+STATE_DICT_ERROR = "StateDictGatherError: state_dict() of a model sharded by VitScaleStrategy"
+CALL_ERROR = "OutsideStepCallError: Calling the sharded model outside a training/validation step"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("full_state_dict")
-    assert_ok(torchrun(SCRIPT, str(out), "state_dicts/ddp,state_dicts/vitscale,one_rank_call/vitscale", timeout=240))
+    names = ["state_dicts/ddp", "state_dicts/vitscale", *DURING_TRAINING, "one_rank_call/vitscale"]
+    assert_ok(torchrun(SCRIPT, str(out), ",".join(names), timeout=240))
     return load_ranks(out)
 
 
@@ -82,3 +87,54 @@ def test_state_dict_on_one_rank_fails_within_the_timeout_naming_the_fixes(runs):
     for fix in ("on every rank", "trainer.save_checkpoint(path)", "state_dict_type='full'", "consolidate"):
         assert fix in facts["error"], fix
     assert facts["seconds"] < 3.0 + 5.0  # the 3 s timeout, not a hang
+
+
+def _trained_on_unaffected(runs, scenario: str) -> None:
+    """Every rank ran all its steps with the losses of the run where every rank gathered (nothing sent, nothing
+    lost: the ranks that went on waited in their step's all-gather until the failed call's rank came back)."""
+    for rank in runs:
+        facts = rank[scenario]
+        assert facts["fit_error"] is None, facts["fit_error"]
+        assert facts["losses"] == pytest.approx(rank["state_dicts/vitscale"]["losses"], abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "scenario, error, what",
+    [
+        ("during_training/state_dict", STATE_DICT_ERROR, "not every rank made state_dict() within the timeout"),
+        ("during_training/model_call", CALL_ERROR, "not every rank made a call of the model (or a submodule)"),
+    ],
+)
+def test_gather_on_one_rank_during_training_fails_clearly_and_sends_nothing(runs, scenario, error, what):
+    """`if trainer.is_global_zero:` in on_train_batch_end while the other rank trains on: without the handshake,
+    both ranks waited out the whole timeout and the training died on both (or gloo aborted the process)."""
+    facts = runs[0][scenario]
+    assert facts["error"].startswith(error) and what in facts["error"], facts["error"]
+    assert "nothing was gathered" in facts["error"] and "on every rank" in facts["error"]
+    assert facts["seconds"] < SIDE_TIMEOUT_S + 5.0  # the handshake's timeout, not the model group's 20 s
+    assert "error" not in runs[1][scenario]  # rank 1 made no call
+    _trained_on_unaffected(runs, scenario)
+
+
+def test_different_gathers_on_different_ranks_fail_on_every_rank_at_once(runs):
+    """Rank 0 calls state_dict() while rank 1 calls the model at the same point: both get their clear error at
+    once (without the handshake, gloo aborted rank 0's process on the size mismatch)."""
+    rank0, rank1 = (rank["during_training/disagree"] for rank in runs)
+    assert rank0["error"].startswith(STATE_DICT_ERROR), rank0["error"]
+    assert rank1["error"].startswith(CALL_ERROR), rank1["error"]
+    for facts in (rank0, rank1):
+        assert "the ranks made different calls at this point (state_dict() on some ranks, a call of the model" in (
+            facts["error"]
+        )
+        assert facts["seconds"] < SIDE_TIMEOUT_S  # no timeout: the handshake itself tells
+    _trained_on_unaffected(runs, "during_training/disagree")
+
+
+def test_state_dicts_of_different_modules_on_different_ranks_fail_at_once(runs):
+    """Rank 0 gathers the whole model, rank 1 only the head: both stop before the first tensor."""
+    for rank in runs:
+        facts = rank["during_training/other_module"]
+        assert facts["error"].startswith(STATE_DICT_ERROR), facts["error"]
+        assert "the ranks made state_dict() at this point, but of different modules or tensors" in facts["error"]
+        assert facts["seconds"] < SIDE_TIMEOUT_S
+    _trained_on_unaffected(runs, "during_training/other_module")

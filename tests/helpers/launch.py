@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -61,10 +62,32 @@ def run_bounded(cmd: list[str], timeout: float, env: dict[str, str] | None = Non
         out, _ = proc.communicate(timeout=timeout)
         timed_out = False
     except subprocess.TimeoutExpired:
+        below = descendants(proc.pid)  # before the kill: orphans are re-parented and could no longer be found
         os.killpg(proc.pid, signal.SIGKILL)
+        for pid in below:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate()
         timed_out = True
     return Finished(proc.returncode, out, time.monotonic() - start, timed_out)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``: torchrun starts each rank in a session of its own, which ``killpg`` misses
+    (a rank blocked in a collective, with Lightning's SIGTERM handler, then outlives the test holding its pipe)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile, or not Linux's layout
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, stack = [], [pid]
+    while stack:
+        below = children.get(stack.pop(), [])
+        found.extend(below)
+        stack.extend(below)
+    return found
 
 
 def torchrun(script: str | Path, *args: str, nprocs: int = 2, timeout: float = 240, **env: str) -> Finished:

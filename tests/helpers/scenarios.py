@@ -27,7 +27,10 @@ def rank_zero_alone(call: Callable[[], Any], timeout: float = 3.0) -> dict:
     ranks join nothing for longer than that. Returns rank 0's error text (``None``: it returned) and seconds."""
     import torch.distributed as dist
 
-    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout), dist.group.WORLD)
+    from lightning_vitscale.collective_guard import side_group
+
+    set_timeout(timeout, dist.group.WORLD)
+    set_timeout(timeout, side_group())  # where the call's handshake waits for the other ranks
     if dist.get_rank() != 0:
         time.sleep(timeout + 6)  # joins no collective: rank 0's call can only time out
         return {}
@@ -37,3 +40,11 @@ def rank_zero_alone(call: Callable[[], Any], timeout: float = 3.0) -> dict:
     except Exception as error:  # noqa: BLE001 - the message is what the scenario records
         return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - start}
     return {"error": None, "seconds": time.monotonic() - start}
+
+
+def set_timeout(seconds: float, group) -> None:
+    """Change the timeout of an existing process group (``None``: nothing to change)."""
+    import torch.distributed as dist
+
+    if group is not None:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)

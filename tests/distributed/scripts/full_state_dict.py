@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import warnings
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -17,8 +20,9 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale._compat import DTensor
+from lightning_vitscale.collective_guard import side_group
 from tests.helpers.models import Classifier, loader, random_images
-from tests.helpers.scenarios import rank_zero_alone, run_scenarios
+from tests.helpers.scenarios import rank_zero_alone, run_scenarios, set_timeout
 
 warnings.filterwarnings("ignore")
 PROBE = random_images(4, seed=7).tensors[0]
@@ -177,10 +181,54 @@ def one_rank_call() -> dict:
     return rank_zero_alone(model.state_dict)
 
 
+class CallDuringTraining(Callback):
+    """In ``on_train_batch_end`` of batch 1, each rank in ``calls`` makes its call (``calls[rank](pl_module)``) and
+    records what it raised, then trains on; the other ranks go straight on to the next step."""
+
+    def __init__(self, calls: dict[int, Callable[[L.LightningModule], object]]) -> None:
+        self.calls, self.facts = calls, {}
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        # The handshake gives up (SIDE_TIMEOUT_S) long before the model's group would (MAIN_TIMEOUT_S): a rank that
+        # catches the error rejoins the step the other ranks wait in, and the test shows that nothing was sent.
+        set_timeout(SIDE_TIMEOUT_S, side_group())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        call = self.calls.get(trainer.global_rank)
+        if batch_idx == 1 and call is not None:
+            start = time.monotonic()
+            self.facts = {"error": error_of(lambda: call(pl_module)), "seconds": time.monotonic() - start}
+
+
+def call_model(model: L.LightningModule) -> None:
+    with torch.no_grad():
+        model(PROBE)
+
+
+def during_training(calls: dict[int, Callable[[L.LightningModule], object]]) -> dict:
+    """Calls that gather the model on some ranks only, in the middle of training: the main group's timeout
+    (MAIN_TIMEOUT_S) is long enough that the ranks that went on wait for the ones that called."""
+    L.seed_everything(0, verbose=False)
+    model, callback = Classifier("encoder"), CallDuringTraining(calls)
+    strategy = VitScaleStrategy(timeout=timedelta(seconds=MAIN_TIMEOUT_S))
+    t = trainer("vitscale", max_steps=4, callbacks=[callback], strategy=strategy)
+    start = time.monotonic()
+    fit_error = error_of(lambda: t.fit(model, loader(n=32)))
+    return dict(callback.facts, fit_error=fit_error, losses=model.losses, fit_seconds=time.monotonic() - start)
+
+
+MAIN_TIMEOUT_S = 20.0
+SIDE_TIMEOUT_S = 2.0
 SCENARIOS = {
     "state_dicts/ddp": lambda: state_dicts("ddp"),  # first: the oracle
     "state_dicts/vitscale": lambda: state_dicts("vitscale"),
-    "one_rank_call/vitscale": one_rank_call,  # last: it leaves the group unusable
+    "during_training/state_dict": lambda: during_training({0: lambda m: m.state_dict()}),
+    "during_training/model_call": lambda: during_training({0: call_model}),
+    "during_training/disagree": lambda: during_training({0: lambda m: m.state_dict(), 1: call_model}),
+    "during_training/other_module": lambda: during_training(
+        {0: lambda m: m.state_dict(), 1: lambda m: m.backbone.head.state_dict()}
+    ),
+    "one_rank_call/vitscale": one_rank_call,  # last: its timed-out handshake closes the side group
 }
 
 

@@ -1,0 +1,113 @@
+"""A handshake on a side process group before a gather outside a step: every rank agrees, or nothing is sent.
+
+Calling the sharded model, or ``state_dict()``, outside a step gathers shards: collectives on the model's process
+group that every rank must join. The DDP habit ``if trainer.is_global_zero: ...`` makes them on one rank only.
+After ``fit`` the other ranks join nothing and the gather times out. During training they go on to their next
+step, where the gather meets their FSDP all-gather on the same group. Measured on 2 gloo ranks without this
+handshake: both ranks wait out the whole timeout and then the training dies on every rank ("Application timeout
+caused pair closure"); when two ranks gather different things, gloo aborts the process ("Received data size
+doesn't match expected size"). NCCL hangs or corrupts memory.
+
+So every rank first makes one tiny all-reduce on a gloo group kept for this alone, carrying a code of what it is
+about to gather. Only when every rank joins with the same code does the gather run on the model's group. If one
+rank is missing, the all-reduce times out; if the codes differ, every rank sees it. Either way nothing was sent on
+the model's group, which stays in step, and the caller raises its own error naming the fix.
+
+Gloo closes a group's connections when an operation on it times out: later handshakes on that group then fail
+at once, and the next strategy setup (``fit``, ``validate``, ...) opens a fresh group on every rank.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+STATE_DICT = 1  # state_dict(): gathers each sharded tensor of the state dict
+MODEL_CALL = 2  # a call of the model or a submodule outside a step: gathers the outer unit, then the blocks
+_WHAT = {STATE_DICT: "state_dict()", MODEL_CALL: "a call of the model (or a submodule) outside a step"}
+
+
+class NotJoinedError(RuntimeError):
+    """Not every rank made the same gathering call; nothing was sent on the model's process group."""
+
+
+class _Side:
+    group: dist.ProcessGroup | None = None
+    world: dist.ProcessGroup | None = None  # the default group the side group was made under
+
+
+def open_side_group(timeout: timedelta) -> None:
+    """Make the side group (collective: every rank calls it, at setup), dropping the one an earlier setup made.
+
+    Gloo whatever the model's backend: the handshake's few integers live on the CPU, and gloo bounds every
+    operation by ``timeout``, also under NCCL.
+    """
+    close_side_group()
+    if dist.get_world_size() == 1:
+        return  # a lone rank always agrees with itself: no handshake
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    if isinstance(group, dist.ProcessGroup):  # always, every rank being a member (else torch's NON_GROUP_MEMBER)
+        _Side.group, _Side.world = group, dist.group.WORLD
+
+
+def close_side_group() -> None:
+    """Destroy the side group, if the process group it was made under is still the current one (local)."""
+    group, world = _Side.group, _Side.world
+    _Side.group = _Side.world = None
+    if group is not None and dist.is_initialized() and dist.group.WORLD is world:
+        dist.destroy_process_group(group)
+
+
+def side_group() -> dist.ProcessGroup | None:
+    """The group the handshakes run on (``None``: not set up, or one rank)."""
+    if _Side.group is not None and dist.is_initialized() and dist.group.WORLD is _Side.world:
+        return _Side.group
+    return None
+
+
+def fingerprint(names: Iterable[str]) -> int:
+    """A 32-bit checksum of ``names`` in order: two ranks gathering different tensors or modules differ."""
+    return zlib.crc32("\n".join(names).encode())
+
+
+def agree(operation: int, count: int, check: int) -> None:
+    """Every rank states what it is about to gather (``operation``, ``count`` tensors, ``check``sum); return when
+    all agree, else raise :class:`NotJoinedError` (nothing sent on the model's group).
+
+    One all-reduce (MAX) of ``[code, -code]``: every rank gets the largest and smallest code, equal iff all agree.
+    """
+    group = side_group()
+    if group is None:
+        return
+    code = torch.tensor([operation, count, check], dtype=torch.int64)
+    both = torch.cat([code, -code])
+    try:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    except RuntimeError as error:
+        raise NotJoinedError(
+            f"not every rank made {_WHAT.get(operation, 'this call')} within the timeout; the other ranks went on"
+            f" (to their next step, or past `fit`), so nothing was gathered ({error})"
+        ) from error
+    largest, smallest = both[:3], -both[3:]
+    if torch.equal(largest, smallest):
+        return
+    if largest[0] != smallest[0]:  # fields are reduced one by one: only the operation is one rank's own
+        others = f"{_WHAT.get(int(smallest[0]))} on some ranks, {_WHAT.get(int(largest[0]))} on others"
+        raise NotJoinedError(
+            f"the ranks made different calls at this point ({others}; this rank: {_describe(code)}), so nothing"
+            " was gathered"
+        )
+    raise NotJoinedError(
+        f"the ranks made {_WHAT.get(operation)} at this point, but of different modules or tensors (this rank:"
+        f" {_describe(code)}), so nothing was gathered"
+    )
+
+
+def _describe(code: torch.Tensor) -> str:
+    operation, count, _ = (int(v) for v in code)
+    what = _WHAT.get(operation, f"operation {operation}")
+    return f"{what} of {count} sharded tensor(s)" if operation == STATE_DICT else what
