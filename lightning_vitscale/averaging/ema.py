@@ -2,7 +2,7 @@
 
 Lightning's ``WeightAveraging`` keeps a whole second model per device and fails on sharded models; gathering a
 10B model at every step to average it would undo the sharding. Here each rank averages its own shards (see
-``averaging.py``): the same code runs on FSDP2 DTensor shards under ``VitScaleStrategy`` and on whole tensors
+``averaging/shards.py``): the same code runs on FSDP2 DTensor shards under ``VitScaleStrategy`` and on whole tensors
 under ``strategy="ddp"``, and gives the same numbers.
 """
 
@@ -19,9 +19,11 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_vitscale._compat import FSDPModule
-from lightning_vitscale.averaging import EmaShards
-from lightning_vitscale.checkpoint import EMA_KEY, CheckpointError, ShardedEntry
-from lightning_vitscale.policies import EMABuffers, EMAEvaluate, EMAPolicy
+from lightning_vitscale._utils import full_bytes, mib
+from lightning_vitscale.averaging.settings import EMABuffers, EMAEvaluate, EMAPolicy
+from lightning_vitscale.averaging.shards import EmaShards
+from lightning_vitscale.checkpoint.errors import CheckpointError
+from lightning_vitscale.checkpoint.formats import EMA_KEY, ShardedEntry
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -101,22 +103,19 @@ class ShardedEMA(Callback):
             )
         if self._module is not pl_module:  # a new model: the old average does not belong to it
             self.shards, self._module, self._updates, self._last_step = None, pl_module, 0, 0
-        for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop):
-            if "run" not in vars(loop):
-                vars(loop)["run"] = functools.partial(self._run_evaluation, trainer, type(loop).run.__get__(loop))
+        _wrap_evaluation_loops(trainer, self._run_evaluation)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop):
-            vars(loop).pop("run", None)
+        _unwrap_evaluation_loops(trainer)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         shards = self._ensure(pl_module)
         rank_zero_info(
             f"ShardedEMA: decay {self.policy.decay}{' with warm-up' if self.policy.warmup else ''},"
-            f" {len(shards.names)} tensors, {sum(t.numel() * t.element_size() for t in shards.tensors()) / 2**20:.1f}"
-            f" MiB on rank 0 ({'CPU' if self.policy.offload else 'next to the parameters'})"
+            f" {len(shards.names)} tensors, {mib(full_bytes(shards.tensors()))}"
+            f" on rank 0 ({'CPU' if self.policy.offload else 'next to the parameters'})"
         )
 
     @override
@@ -219,6 +218,30 @@ class ShardedEMA(Callback):
                 " it was saved for another model. Remove ShardedEMA to load the weights alone."
             )
         entry.load_into(shards.state_dict())
+
+
+def _evaluation_loops(trainer: pl.Trainer) -> tuple[Any, ...]:
+    return trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop
+
+
+def _wrap_evaluation_loops(
+    trainer: pl.Trainer, run_evaluation: Callable[[pl.Trainer, Callable[[], list[dict[str, Any]]]], Any]
+) -> None:
+    """Route each evaluation loop's ``run`` through ``run_evaluation(trainer, original_run)``.
+
+    Why the loops' ``run`` and no hook: ``evaluate="both"`` must run a whole validation/test pass twice (EMA
+    weights, then raw) with callbacks held back in between, and Lightning has no hook around a whole pass that
+    may re-run it. The wrapper is an instance attribute, so the class and other Trainers are untouched, and
+    :func:`_unwrap_evaluation_loops` (at teardown) leaves the loops exactly as Lightning made them.
+    """
+    for loop in _evaluation_loops(trainer):
+        if "run" not in vars(loop):
+            vars(loop)["run"] = functools.partial(run_evaluation, trainer, type(loop).run.__get__(loop))
+
+
+def _unwrap_evaluation_loops(trainer: pl.Trainer) -> None:
+    for loop in _evaluation_loops(trainer):
+        vars(loop).pop("run", None)
 
 
 def _reshard(model: nn.Module) -> None:

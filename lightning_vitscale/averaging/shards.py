@@ -1,4 +1,4 @@
-"""Mechanism: an exponential moving average of a module's weights, held shard by shard exactly like the weights.
+"""An exponential moving average of a module's weights, held shard by shard exactly like the weights.
 
 Each rank averages only the local tensor of each parameter (``DTensor.to_local()`` under FSDP2, the whole tensor
 under DDP), so the average costs 4 bytes per parameter / world size and its update, swap and save need no
@@ -17,19 +17,7 @@ from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
 from lightning_vitscale._compat import DTensor
-
-_WRAPPER_MARKERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_forward_module.")
-
-
-def state_name(name: str) -> str:
-    """A parameter's name as the model's state dict (and so the checkpoint) spells it: no wrapper prefixes."""
-    for marker in _WRAPPER_MARKERS:
-        name = name.replace(marker, "")
-    return name
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+from lightning_vitscale._utils import local_tensor, strip_wrapper_prefixes
 
 
 @dataclass
@@ -55,12 +43,12 @@ class EmaShards:
         persistent = set(module.state_dict(keep_vars=True))
         entries: list[tuple[str, torch.Tensor, bool]] = [(n, p, True) for n, p in module.named_parameters()]
         entries += [(n, b, False) for n, b in module.named_buffers() if n in persistent]
-        self.names = [state_name(n) for n, _, _ in entries]
+        self.names = [strip_wrapper_prefixes(n) for n, _, _ in entries]
         self.sources: list[torch.Tensor] = [t for _, t, _ in entries]
         self.ema: list[torch.Tensor] = []
         keys: dict[tuple[Any, ...], _Group] = {}
         for index, (_, tensor, is_param) in enumerate(entries):
-            local = _local(tensor).detach()
+            local = local_tensor(tensor).detach()
             floating = local.is_floating_point()
             ema = local.to(device="cpu" if offload else local.device, dtype=torch.float32 if floating else local.dtype)
             self.ema.append(ema.clone() if ema.data_ptr() == local.data_ptr() else ema)
@@ -72,7 +60,7 @@ class EmaShards:
 
     def locals(self) -> list[torch.Tensor]:
         """This rank's part of each parameter and buffer, as the optimizer updates it."""
-        return [_local(t).detach() for t in self.sources]
+        return [local_tensor(t).detach() for t in self.sources]
 
     @torch.no_grad()
     def update(self, decay: float) -> None:
@@ -90,10 +78,6 @@ class EmaShards:
             else:  # low-precision master weights: accumulate into the fp32 EMA without a rounded temporary
                 torch._foreach_mul_(ema, decay)
                 torch._foreach_add_(ema, src, alpha=1.0 - decay)
-
-    @torch.no_grad()
-    def copy_from_module(self) -> None:
-        torch._foreach_copy_(self.ema, self.locals())
 
     @contextmanager
     @torch.no_grad()
@@ -131,9 +115,10 @@ class EmaShards:
         if missing:
             raise KeyError(f"{len(missing)} EMA tensor(s) missing from the checkpoint, e.g. {missing[:3]}")
         for name, source, ema in zip(self.names, self.sources, self.ema):
-            value = full[name].to(_local(source).device)
+            value = full[name].to(local_tensor(source).device)
             if isinstance(source, DTensor):  # src_data_rank=None: every rank holds the full tensor already
-                value = distribute_tensor(value, source.device_mesh, source.placements, src_data_rank=None).to_local()
+                value = distribute_tensor(value, source.device_mesh, source.placements, src_data_rank=None)
+                value = value.to_local()
             ema.copy_(value)
 
     def tensors(self) -> list[torch.Tensor]:

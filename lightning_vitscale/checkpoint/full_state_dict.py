@@ -17,8 +17,8 @@ submodule (``install``) restore DDP's behaviour outside the strategy's own code:
   ``strict`` and shape mismatches are torch's own checks and messages.
 
 Gathering is a collective: every rank must call ``state_dict()``. Before the first tensor, every rank states what
-it gathers in one handshake on a side group (collective_guard.py): a call on one rank, even during training while
-the others go on to their next step, or different calls on different ranks, fail with
+it gathers in one handshake on a side group (distributed/collective_guard.py): a call on one rank, even during
+training while the others go on to their next step, or different calls on different ranks, fail with
 :class:`StateDictGatherError` (within the strategy's ``timeout``), which names the fixes, and nothing is sent on
 the model's process group. The strategy's checkpoint code wants the sharded form (DCP saves, loads and reshards
 it): it runs inside :func:`sharded_state_dicts`. ``ShardedEMA`` reads the names with ``keep_vars=True``, which
@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
-from lightning_vitscale import collective_guard
 from lightning_vitscale._compat import DTensor, FSDPModule
+from lightning_vitscale.distributed import collective_guard
 
 _MARK = "_vitscale_full_state_dict"
 
@@ -55,7 +55,7 @@ class _Local(threading.local):
 
 _local = _Local()
 # module -> the outer FSDP unit around it (weakly: the hooks must not keep a model alive).
-_ROOT: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
+_OUTER: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
 
 
 @contextmanager
@@ -72,10 +72,10 @@ def sharded_state_dicts() -> Iterator[None]:
         _local.internal -= 1
 
 
-def install(model: nn.Module, root: nn.Module | None = None) -> None:
+def install(model: nn.Module, outer_unit: nn.Module | None = None) -> None:
     """Hook ``model`` and its submodules so their state dicts are DDP's outside :func:`sharded_state_dicts`.
 
-    ``root``: the outer FSDP unit around ``model``; a load first frees what a forward left gathered (plain tensors
+    ``outer_unit``: the outer FSDP unit around ``model``; a load first frees what a forward left gathered (plain tensors
     in the parameter slots, e.g. a call outside a step with gradients on), so it fills the shards. Module-level
     functions as hooks: a deep copy of the model (e.g. by a weight-averaging callback) keeps working hooks and
     holds no reference to the strategy. Idempotent.
@@ -87,8 +87,8 @@ def install(model: nn.Module, root: nn.Module | None = None) -> None:
             # weakref to the module, which caches the first hash, so WeakKeyDictionary lookups (ModuleTracker,
             # FlopCounterMode) miss the module after its next update.
             continue
-        if root is not None:
-            _ROOT[module] = weakref.ref(root)
+        if outer_unit is not None:
+            _OUTER[module] = weakref.ref(outer_unit)
         if module.__dict__.get(_MARK):
             continue
         module.register_state_dict_pre_hook(_before_state_dict)
@@ -192,13 +192,13 @@ def _shard_loaded_values(
 
 def _reshard_all(module: nn.Module) -> None:
     """Free every gathered unit of the model ``module`` belongs to (local): the shards are the parameters again."""
-    ref = _ROOT.get(module)
-    root = ref() if ref is not None else None
-    if root is None:
+    ref = _OUTER.get(module)
+    outer = ref() if ref is not None else None
+    if outer is None:
         return
-    release = getattr(root, "release", None)
+    release = getattr(outer, "release", None)
     if callable(release):
-        release()  # RootUnit: also forgets the gathered copy and the gradients computed on it
-    for unit in root.modules():
+        release()  # OuterUnit: also forgets the gathered copy and the gradients computed on it
+    for unit in outer.modules():
         if isinstance(unit, FSDPModule):
             unit.reshard()

@@ -6,7 +6,7 @@
 public hook there (a custom ``CheckpointIO`` would serve the Trainer only, and only if the user passed it). So
 importing ``lightning_vitscale`` wraps the ``pl_load`` name in the two Lightning modules that call it. The wrapper
 is inert for every other path: it handles only a folder holding this package's marker file
-(``checkpoint_storage.SHARDED_MARKER``, written last by every sharded save) and calls Lightning's original for
+(``checkpoint.storage.SHARDED_MARKER``, written last by every sharded save) and calls Lightning's original for
 anything else (files, buffers, ``http`` URLs, other folders), which therefore fails or loads exactly as before.
 
 A marked folder is read in one process with no process group (each DDP rank reads it all, as it reads DDP's
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from lightning_vitscale._compat import PL_LOAD_MODULES, restore_location, tree_map
-from lightning_vitscale.checkpoint import load_consolidated
-from lightning_vitscale.checkpoint_storage import Location, has_sharded_marker
+from lightning_vitscale.checkpoint.consolidate import load_consolidated
+from lightning_vitscale.checkpoint.storage import Location, has_sharded_marker
 
 _ORIGINAL = "vitscale_original"
 _NAME = "pl_load"  # Lightning's name for cloud_io._load in the modules of PL_LOAD_MODULES

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_vitscale._utils import MIB
 from lightning_vitscale.memory import measure_state_bytes
 from lightning_vitscale.strategy import VitScaleStrategy
 
@@ -98,14 +101,13 @@ def train(strategy, accelerator: str, devices: int | str, steps: int, precision:
 
 
 def format_table(ddp: RunResult, ours: RunResult) -> str:
-    mib = 2**20
     lines = [f"{'step':>4}  {'DDP loss':>10}  {'VitScale loss':>13}  {'rel. diff':>9}"]
     for step, (a, b) in enumerate(zip(ddp.losses, ours.losses)):
         lines.append(f"{step:>4}  {a:>10.5f}  {b:>13.5f}  {abs(a - b) / max(abs(a), 1e-12):>9.1e}")
     lines.append("")
     lines.append("param + grad + optimizer bytes held per rank:")
     for rank, (a, b) in enumerate(zip(ddp.bytes_per_rank, ours.bytes_per_rank)):
-        lines.append(f"  rank {rank}: DDP {a / mib:8.2f} MiB   VitScale {b / mib:8.2f} MiB   ({b / a:.2f}x)")
+        lines.append(f"  rank {rank}: DDP {a / MIB:8.2f} MiB   VitScale {b / MIB:8.2f} MiB   ({b / a:.2f}x)")
     lines.append(
         f"wall time of fit(): DDP {ddp.seconds:.1f} s (includes starting the other ranks),"
         f" VitScale {ours.seconds:.1f} s"
@@ -123,3 +125,19 @@ def run_demo(
     ddp = train("ddp", accelerator, n, steps, precision)
     ours = train(VitScaleStrategy(), accelerator, n, steps, precision)
     return format_table(ddp, ours)
+
+
+def demo_command_parser(subparsers: Any) -> None:
+    demo = subparsers.add_parser("demo", help="train a small ViT with DDP and with VitScaleStrategy and compare")
+    demo.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
+    demo.add_argument("--devices", type=int, default=None, help="processes (default: all GPUs, or 2 on CPU)")
+    demo.add_argument("--steps", type=int, default=10)
+    demo.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "bf16-true"])
+    demo.set_defaults(command=demo_command)
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    table = run_demo(args.accelerator, args.devices, args.steps, args.precision)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0:
+        print("\n" + table)
+    return 0

@@ -1,5 +1,5 @@
 """`python -m lightning_vitscale plan`: build a LightningModule on the meta device from an import path or a
-LightningCLI config and print its memory plan. Only argument handling lives here; the planning is planner.py."""
+LightningCLI config and print its memory plan. Only argument handling lives here; the planning is memory/planner.py."""
 
 from __future__ import annotations
 
@@ -15,16 +15,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vitscale.memory_budget import OPTIMIZER_STATES
-from lightning_vitscale.planner import DEFAULT_FRACTION, DEVICE_MEMORY, MemoryPlan, plan_memory
-from lightning_vitscale.policies import SUPPORTED_FLAGS
+from lightning_vitscale.memory import MemoryPlan, plan_memory
+from lightning_vitscale.memory.planner import DEFAULT_FRACTION, DEVICE_MEMORY
+from lightning_vitscale.memory.step_model import OPTIMIZER_STATES
+from lightning_vitscale.precision import SUPPORTED_FLAGS
 
 # Data-module arguments the example CLIs link into the model (LightningCLI `link_arguments`).
 _LINKED = ("img_size", "in_chans", "num_classes")
 
 
-def add_plan_parser(sub: Any) -> None:
-    plan = sub.add_parser("plan", help="predict per-rank memory of a training step and recommend settings")
+def plan_command_parser(subparsers: Any) -> None:
+    plan = subparsers.add_parser("plan", help="predict per-rank memory of a training step and recommend settings")
     plan.add_argument("--config", help="LightningCLI YAML (model/data/trainer sections), e.g. examples/configs/*.yaml")
     plan.add_argument("--model", help="LightningModule or nn.Module import path 'pkg.module:Class'"
                                       " (default: the config's model.class_path)")
@@ -41,6 +42,12 @@ def add_plan_parser(sub: Any) -> None:
     plan.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     plan.add_argument("--memory-fraction", type=float, default=DEFAULT_FRACTION,
                       help="share of device memory a step may use")
+    plan.set_defaults(command=plan_command)
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    print(run_plan(args).summary())
+    return 0
 
 
 def run_plan(args: argparse.Namespace) -> MemoryPlan:

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 from torch import nn
 
-from lightning_vitscale._compat import BatchNormBase, InstanceNormBase
-
-if TYPE_CHECKING:
-    from lightning_vitscale.policies import ModuleSelector
+ModuleSelector = set[type[nn.Module]] | frozenset[type[nn.Module]] | Callable[[str, nn.Module], bool]
+"""Block classes, or a predicate on (qualified name, module)."""
 
 # Containers compare by structure, not class: two Sequentials are the same block only if they hold the same.
 _CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -20,6 +16,11 @@ _CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.Sequential, nn.Mod
 
 def _num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def holds_parameters(module: nn.Module, recurse: bool = True) -> bool:
+    """Whether ``module`` (with its children, unless ``recurse=False``) has any parameter: nothing to shard else."""
+    return any(True for _ in module.parameters(recurse=recurse))
 
 
 def _is_composite(module: nn.Module) -> bool:
@@ -105,42 +106,12 @@ def _dedup(pairs) -> list[tuple[str, nn.Module]]:
     return out
 
 
-_NORM_TYPES: tuple[type[nn.Module], ...] = (
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.RMSNorm,
-    nn.LocalResponseNorm,
-    BatchNormBase,
-    InstanceNormBase,
-)
-_NORM_FUNCTIONS = frozenset({"layer_norm", "group_norm", "rms_norm", "batch_norm", "instance_norm"})
-_NORM_NAME = re.compile(r"(Layer|Group|RMS|Rms|Batch|Instance)Norm")
-
-
-def is_normalization(name: str, module: nn.Module) -> bool:
-    """Normalization layers, including third-party ones that do not subclass torch's.
-
-    A module counts if it is a torch norm, if its own ``forward`` calls a norm functional (``F.layer_norm``,
-    ``F.group_norm``, ...), or if its class is named like one (HF/timm ``...RMSNorm``, ``LayerNorm2d``) — and
-    it holds its parameters itself (a block that merely contains norms is not one).
-    """
-    if any(True for _ in (p for child in module.children() for p in child.parameters())):
-        return False
-    if isinstance(module, _NORM_TYPES):
-        return True
-    forward = getattr(type(module), "forward", None)
-    code = getattr(forward, "__code__", None)
-    if code is not None and _NORM_FUNCTIONS & set(code.co_names):
-        return True
-    return bool(_NORM_NAME.search(type(module).__name__))
-
-
-def find_modules(root: nn.Module, predicate) -> list[tuple[str, nn.Module]]:
-    """All modules (not just outermost) matching ``predicate(name, module)`` that hold parameters."""
+def find_modules(root: nn.Module, predicate: Callable[[str, nn.Module], bool]) -> list[tuple[str, nn.Module]]:
+    """All modules (not just outermost) matching ``predicate(name, module)`` that hold parameters themselves."""
     return [
         (name, module)
         for name, module in root.named_modules()
-        if any(True for _ in module.parameters(recurse=False)) and predicate(name, module)
+        if holds_parameters(module, recurse=False) and predicate(name, module)
     ]
 
 

@@ -1,4 +1,4 @@
-"""Mechanism: the device mesh for a sharding layout, and collectives that work on a 1-D or a 2-D mesh.
+"""The device mesh for a sharding layout, and the collectives that work on a 1-D or a 2-D mesh alike.
 
 A 1-D mesh ``("data_parallel",)`` shards over every rank. A 2-D mesh ``("replicate", "shard")`` shards over each
 group of ``shard_size`` consecutive global ranks and replicates across the groups (HSDP). Lightning numbers ranks
@@ -61,16 +61,3 @@ def all_reduce_over(
             dist.all_reduce(work, op=op, group=mesh.get_group(dim))
     if work is not tensor:
         tensor.copy_(work)
-
-
-@torch.no_grad()
-def broadcast_over(tensor: torch.Tensor, mesh: DeviceMesh) -> None:
-    """Give every rank of ``mesh`` the values of the mesh's first rank, for a mesh of any dimension.
-
-    Along dimension 0 first: ranks (r, s) receive (0, s); then along dimension 1: (r, s) receives (r, 0), which
-    by then holds (0, 0).
-    """
-    for dim in range(mesh.ndim):
-        if mesh.size(dim) > 1:
-            group = mesh.get_group(dim)
-            dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)

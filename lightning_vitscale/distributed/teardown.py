@@ -1,12 +1,16 @@
-"""The gloo exit workaround: destroy the process group, and let gloo's threads settle, before interpreter teardown."""
+"""How a run's processes end: the process group destroyed while Python is still alive (gloo's exit crash), and
+the other local ranks stopped when one raises."""
 
 from __future__ import annotations
 
 import atexit
+import signal
 import time
 
-from lightning_vitscale._compat import destroy_process_group_safely
-from lightning_vitscale.collective_guard import close_side_group
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_vitscale._compat import SubprocessScriptLauncher, destroy_process_group_safely
+from lightning_vitscale.distributed.collective_guard import close_side_group
 
 _registered_exit_cleanup = False
 # How long exiting waits for gloo's worker threads to drop the work objects of the last collectives.
@@ -33,3 +37,11 @@ def _exit_cleanup() -> None:
     close_side_group()  # the handshake group (collective_guard.py), while the group it was made under exists
     destroy_process_group_safely()
     time.sleep(_EXIT_GRACE_S)
+
+
+def stop_local_ranks(launcher: object, exception: BaseException, rank: int) -> None:
+    """Stop the local ranks this process started: Lightning only does so on Ctrl+C, and a rank that raised
+    leaves its peers blocked in a collective (or busy) with nobody to end them."""
+    if isinstance(launcher, SubprocessScriptLauncher) and launcher.procs:
+        rank_zero_warn(f"{type(exception).__name__} on rank {rank}: stopping the other local ranks.")
+        launcher.kill(signal.SIGKILL)

@@ -1,4 +1,4 @@
-"""Mechanism: where ``configure_model()`` builds the model on each rank, so no rank builds all of it needlessly.
+"""Where ``configure_model()`` builds the model on each rank, so no rank builds all of it needlessly.
 
 Lightning runs ``configure_model()`` inside the strategy's ``model_sharded_context()``. There, rank 0 builds the
 model for real on the host (``init="exact"``) while the other ranks build it on the meta device; the sharding
@@ -11,6 +11,7 @@ init its code ran is recorded (``init_replay.py``) to be replayed on the shards.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -23,8 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_vitscale.init_replay import InitRecorder, Recipe, recording
-from lightning_vitscale.policies import resolve_init
+from lightning_vitscale._utils import available_host_bytes
+from lightning_vitscale.init.replay import InitRecorder, Recipe, recording
+from lightning_vitscale.init.settings import InitSettings
 
 
 @dataclass
@@ -80,20 +82,7 @@ def _rss_bytes() -> int | None:
         return None
 
 
-def available_host_bytes() -> int | None:
-    """``MemAvailable`` of this host (Linux), or ``None`` where it cannot be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 try:
-    import os
-
     _PAGE = os.sysconf("SC_PAGE_SIZE")
 except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
     _PAGE = 4096
@@ -115,14 +104,15 @@ class ModelCreation:
 
     Args:
         module: the LightningModule whose hook runs.
-        mode: ``"auto"``, ``"exact"`` or ``"meta"`` (see :func:`~lightning_vitscale.policies.resolve_init`).
+        init: the strategy's ``init=`` (see :class:`~lightning_vitscale.init.settings.InitSettings`).
         rank, world_size: this process's place in the job.
         host_copies: how many full-model copies rank 0's host would hold on the exact path (its full copy and the
             shards of the host's ranks that keep them in host memory).
     """
 
-    def __init__(self, module: nn.Module, mode: str, rank: int, world_size: int, host_copies: float) -> None:
-        self.module, self.mode, self.rank, self.world_size = module, mode, rank, world_size
+    def __init__(self, module: nn.Module, init: InitSettings, rank: int, world_size: int, host_copies: float) -> None:
+        self.module, self.init, self.rank, self.world_size = module, init, rank, world_size
+        self.mode = init.mode
         self.host_copies = host_copies
         self.result: Creation | None = None
 
@@ -155,12 +145,12 @@ class ModelCreation:
         if self.world_size == 1:
             return "meta" if self.mode == "meta" else "exact"
         if self.mode != "auto":
-            return resolve_init(self.mode, 0, None)
+            return self.init.resolve()
         if self.rank != 0:
             return "exact"  # the others build on meta either way; rank 0 tells them the outcome afterwards
         size = [0]
         dist.broadcast_object_list(size, src=1)
-        return resolve_init("auto", int(size[0]), available_host_bytes(), self.host_copies)
+        return self.init.resolve(int(size[0]), available_host_bytes(), self.host_copies)
 
     def _agree(self, path: str, created: list[tuple[str, torch.Tensor]], nbytes: int, digest: str) -> str:
         """After building: rank 1 reports its size ("auto"), rank 0 the path and, on the exact path, its RNG state.

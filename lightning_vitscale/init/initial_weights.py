@@ -1,4 +1,4 @@
-"""Mechanism: every unit gets its starting values as the pipeline shards it, never the whole model at once.
+"""Every unit gets its starting values as the pipeline shards it, never the whole model at once.
 
 Three cases, decided once per model (``path``):
 
@@ -23,9 +23,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_vitscale._compat import DTensor, FSDPModule
-from lightning_vitscale.creation import Creation, PeakRss
-from lightning_vitscale.fsdp import materialize_meta, scatter_from
-from lightning_vitscale.init_replay import Recipe, replay, tensor_seed
+from lightning_vitscale._utils import local_tensor
+from lightning_vitscale.init.creation import Creation, PeakRss
+from lightning_vitscale.init.replay import Recipe, replay, tensor_seed
+from lightning_vitscale.init.scatter import materialize_meta, scatter_from
 
 _INIT_METHODS = ("reset_parameters", "_reset_parameters")  # torch's MultiheadAttention only has the private one
 Slot = tuple[nn.Module, str, str, str, bool]  # owner, "param" | "buffer", attribute, qualified name, was meta
@@ -119,7 +120,7 @@ class InitialWeights:
 
     def _replay(self, owner: nn.Module, name: str, tensor: torch.Tensor, owners: dict[int, nn.Module]) -> None:
         recipe = self.recipes.get(name)
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = local_tensor(tensor)
         if recipe is not None and recipe.initialised:
             replay(local, recipe, tensor_seed(self.base_seed, name, _shard_index(tensor)))
             return

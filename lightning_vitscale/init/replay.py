@@ -1,4 +1,4 @@
-"""Mechanism: record the init a model's own code ran on meta tensors, and replay it on each rank's shards.
+"""Record the init a model's own code ran on meta tensors, and replay it on each rank's shards.
 
 A model built on the meta device has shapes but no values: ``nn.init`` calls, ``reset_parameters()`` and
 ``self.apply(init_fn)`` run on it as no-ops. :class:`InitRecorder` watches construction at the ATen level

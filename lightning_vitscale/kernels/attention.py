@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_vitscale.policies import resolve_attention
+from lightning_vitscale.kernels.settings import resolve_attention
 
 SDPA = "sdpa"
 _MARK = "_vitscale_attention_routed"
@@ -112,7 +112,7 @@ def usable_backends(device: torch.device) -> tuple[str, ...]:
 def make_router(choice: str, device: torch.device) -> AttentionRouter | None:
     """The router for ``KernelPolicy.attention`` on ``device``; ``None`` means SDPA everywhere, no mode at all.
 
-    What ``choice`` means here is decided by :func:`~lightning_vitscale.policies.resolve_attention`; CPU runs
+    What ``choice`` means here is decided by :func:`~lightning_vitscale.kernels.settings.resolve_attention`; CPU runs
     and GPU runs without xformers get no router and pay nothing.
     """
     usable = usable_backends(device)
@@ -189,11 +189,6 @@ class AttentionRouter(TorchFunctionMode):
         self.decided = not candidates
         self.calls: Counter[AttentionCall] = Counter()
 
-    @property
-    def engaged(self) -> bool:
-        """Whether blocks enter the mode at all (a constant to compiled code: dynamo guards on it)."""
-        return self.recording or self.backend is not None
-
     @contextlib.contextmanager
     def record(self) -> Iterator[None]:
         """Record every routable SDPA call the blocks make; run eagerly (the counter is a Python side effect)."""
@@ -224,7 +219,7 @@ class AttentionRouter(TorchFunctionMode):
 
 
 def _routed_forward(router: AttentionRouter, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    # Not `router.engaged`: dynamo cannot read a property of a mode object (torch 2.14), plain attributes it can.
+    # Plain attributes, not a property: dynamo cannot read a property of a mode object (torch 2.14).
     if not (router.recording or router.backend is not None):
         return forward(*args, **kwargs)
     with router:

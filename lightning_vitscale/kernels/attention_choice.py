@@ -3,36 +3,34 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_vitscale.attention import AttentionRouter, describe_choice, measure
-
-if TYPE_CHECKING:
-    from lightning_vitscale.parallelize import Parallelized
+from lightning_vitscale.kernels.attention import AttentionRouter, describe_choice, measure
 
 
 def auto_attention_step(
-    state: Parallelized | None, step: Callable[[], Any], mean_over_ranks: Callable[[torch.Tensor], torch.Tensor]
+    router: AttentionRouter | None,
+    step: Callable[[], Any],
+    mean_over_ranks: Callable[[torch.Tensor], torch.Tensor],
+    decided: Callable[[str], None],
 ) -> Any:
     """Run one training ``step``; on the first, record the blocks' SDPA shapes, before the second, decide.
 
     Nothing to decide (no router, or already decided) costs one attribute check. The first step runs eagerly,
     so recording the shapes is plain Python; compiled blocks meet the router only once it is decided (then
     retrace once if it routes). ``mean_over_ranks`` averages a tensor over all ranks, so every rank routes the
-    same way even when their local timings disagree.
+    same way even when their local timings disagree. ``decided`` receives the summary line of the choice.
     """
-    router = state.router if state is not None else None
     if router is None or router.decided:
         return step()
     if not router.recorded:
         with router.record(), torch.compiler.set_stance("force_eager"):
             return step()
     line = decide_attention(router, mean_over_ranks)
-    assert state is not None
-    state.plan.kernels["attention"] = line
+    decided(line)
     rank_zero_info(f"VitScaleStrategy attention: {line}")
     return step()
 

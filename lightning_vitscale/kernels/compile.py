@@ -1,30 +1,22 @@
-"""Kernel mechanisms (regional compile, fused optimizer) and the only dynamo config; attention lives in attention.py."""
+"""Regional compilation: each repeated block's ``forward`` compiled in place, under the only dynamo config we set."""
 
 from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_vitscale._compat import DYNAMO_RECOMPILE_LIMIT, dynamo, fused_kernel_devices
-from lightning_vitscale.policies import Compiler
+from lightning_vitscale._compat import DYNAMO_RECOMPILE_LIMIT, dynamo
+from lightning_vitscale.kernels.settings import Compiler
 
 # dynamo's default number of compiled variants per code object (requires_grad, shapes, ...), per block class.
 _VARIANTS_PER_CLASS = 8
 
-# SGD has a fused step too, but DTensor registers no sharding rule for `aten._fused_sgd_` (torch 2.14:
-# "does not have a sharding strategy registered"), so a sharded SGD would fail at its first step.
-_FUSED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
-
-
 _COMPILED = "_vitscale_compiled"
-
-# --- per-block compilation -------------------------------------------------------------------------------
-
 
 def apply_regional_compile(
     modules: list[nn.Module], mode: str | None = None, compiler: Compiler | None = None
@@ -42,7 +34,7 @@ def apply_regional_compile(
     checkpointing (dynamo traces the checkpoint into a recompute region, so the memory saving survives).
     Identical blocks share compiled code through dynamo's cache: one compile per class (plus one variant
     when only the first block's input does not require grad). ``mode`` is checked by
-    :class:`~lightning_vitscale.policies.KernelPolicy`. Each compiled call runs under two dynamo options, see
+    :class:`~lightning_vitscale.kernels.settings.KernelPolicy`. Each compiled call runs under two dynamo options, see
     :func:`dynamo_options`; they are set only while these modules run, never process-wide. ``compiler`` (the
     context of a user's ``torch.compile(model, ...)``) replaces ``torch.compile(mode=mode)``, keeping the user's
     backend and options.
@@ -73,11 +65,11 @@ def dynamo_options(num_classes: int) -> dict[str, object]:
     1. ``recompile_limit``: every checkpointed block runs through one wrapper function, so all block classes
        share its budget of compiled variants; give each class its own, or dynamo silently runs the extra ones
        eagerly.
-    2. ``skip_fwd_side_effects_in_bwd_under_checkpoint``: the fp32-norm hooks (norms.py) swap a norm's
+    2. ``skip_fwd_side_effects_in_bwd_under_checkpoint``: the fp32-norm forwards (precision/norms.py) swap a norm's
        parameters for local tensors in forward and swap them back. Dynamo refuses such side effects inside a
        checkpoint region (it could not replay them on recompute), so without this the whole block
        graph-breaks and runs eagerly: measured here, a bf16 block compiled to nothing. The attention router
-       (attention.py) entering its mode inside the block is the same kind of side effect. Not replaying is
+       (kernels/attention.py) entering its mode inside the block is the same kind of side effect. Not replaying is
        right for these net-zero changes, and for user side effects (a counter) it avoids counting twice,
        which eager recompute does.
     """
@@ -97,51 +89,3 @@ def _under_options(call: Callable[..., Any], num_classes: int) -> Callable[..., 
             return call(*args, **kwargs)
 
     return run
-
-
-# --- fused optimizer ------------------------------------------------------------------------------------
-
-
-def fuse_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> list[str]:
-    """Set ``fused=True`` on Adam/AdamW param groups where the user left both ``fused`` and ``foreach`` unset.
-
-    Hyper-parameters and groups are kept. Call before any step (fused keeps its step counter on the parameter
-    device) and before ``prefer_foreach`` (which then leaves fused groups alone). Groups holding parameters
-    on a device without fused kernels, non-float parameters, or ``differentiable=True`` are left as they are.
-    Returns one line per changed optimizer.
-    """
-    supported = set(fused_kernel_devices())
-    changed = []
-    for index, optimizer in enumerate(optimizers):
-        if type(optimizer) not in _FUSED_OPTIMIZERS:
-            continue
-        groups = [g for g in optimizer.param_groups if _can_fuse(g, supported)]
-        for group in groups:
-            group["fused"], group["foreach"] = True, False
-        if groups:
-            optimizer.defaults["fused"], optimizer.defaults["foreach"] = True, False
-            changed.append(
-                f"optimizer {index} ({type(optimizer).__name__}): fused=True in {len(groups)}"
-                f" of {len(optimizer.param_groups)} param group(s)"
-            )
-    return changed
-
-
-def _can_fuse(group: dict, supported: set[str]) -> bool:
-    if group.get("fused") is not None or group.get("foreach") is not None or group.get("differentiable"):
-        return False
-    params = group["params"]
-    return bool(params) and all(p.device.type in supported and torch.is_floating_point(p) for p in params)
-
-
-def prefer_foreach(optimizers: list[torch.optim.Optimizer]) -> None:
-    """Turn the optimizer's per-parameter loop into foreach ops where the user left the choice to torch.
-
-    Each op on a DTensor pays a dispatch cost; torch defaults to the per-parameter loop on CPU, which made a
-    sharded AdamW step ~7x slower than DDP's here. One foreach op per update covers all parameters. An explicit
-    ``foreach=False`` or ``fused=True`` from the user is kept.
-    """
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            if "foreach" in group and group["foreach"] is None and not group.get("fused"):
-                group["foreach"] = True

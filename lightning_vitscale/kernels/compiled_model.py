@@ -15,7 +15,7 @@ from typing import Any
 from lightning.pytorch.utilities.compile import to_uncompiled
 
 from lightning_vitscale._compat import compile_context
-from lightning_vitscale.policies import Compiler
+from lightning_vitscale.kernels.settings import Compiler
 
 TAKEN_OVER = (
     "VitScaleStrategy: `torch.compile(model)` is applied to each repeated block instead of the whole LightningModule"

@@ -1,4 +1,4 @@
-"""Mechanism: measure a model's activation memory per block on fake tensors (no real memory, any model size).
+"""Measure a model's activation memory per block on fake tensors (no real memory, any model size).
 
 The model (real, meta or already built on the meta device) runs one forward and backward under
 ``FakeTensorMode`` with its parameters temporarily swapped for fake ones in the compute dtype. Autograd's
@@ -130,7 +130,7 @@ def fake_parameters(
 
 @contextlib.contextmanager
 def _fp32_norm_hooks(norms: list[nn.Module], compute: torch.dtype) -> Iterator[None]:
-    """As norms.py does at run time: fp32 inputs into each norm, its output back in the compute dtype."""
+    """As precision/norms.py does at run time: fp32 inputs into each norm, its output back in the compute dtype."""
 
     def enter(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         return tree_map(lambda v: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v, args)
@@ -207,7 +207,8 @@ def measure_activations(
             for handle in handles:
                 handle.remove()
         outputs = [t for t in _tensors(out) if t.is_floating_point()]
-        results = [_block_memory(name, block, recorder, i, mode) for i, (name, block) in enumerate(blocks)]
+        measured: dict[tuple, tuple[int, int]] = {}  # identical blocks are measured once per call
+        results = [_block_memory(name, block, recorder, i, mode, measured) for i, (name, block) in enumerate(blocks)]
     block_ids = {id(m) for _, b in blocks for m in b.modules()}
     outer_grads = sum(p.numel() for m in model.modules() if id(m) not in block_ids
                       for p in m.parameters(recurse=False)) * compute.itemsize
@@ -228,12 +229,14 @@ def _fake_like(value: Any, compute: torch.dtype) -> Any:
     return torch.empty(value.shape, dtype=dtype, device=_CPU)
 
 
-def _block_memory(name: str, block: nn.Module, recorder: _Recorder, index: int, mode: FakeTensorMode) -> BlockMemory:
+def _block_memory(
+    name: str, block: nn.Module, recorder: _Recorder, index: int, mode: FakeTensorMode, measured: dict
+) -> BlockMemory:
     params = sum(p.numel() * p.element_size() for p in block.parameters())
     x = recorder.inputs.get(index)
     if x is None:  # the block never ran in this forward: it costs nothing for this batch
         return BlockMemory(name, 0, 0, 0, 0, params)
-    backward, recompute = _backward_bytes(block, x, mode)
+    backward, recompute = _backward_bytes(block, x, mode, measured)
     return BlockMemory(
         name,
         saved=recorder.saved_by(index),
@@ -244,18 +247,15 @@ def _block_memory(name: str, block: nn.Module, recorder: _Recorder, index: int, 
     )
 
 
-_BACKWARD_CACHE: dict[tuple, tuple[int, int]] = {}
-
-
-def _backward_bytes(block: nn.Module, x: torch.Tensor, mode: FakeTensorMode) -> tuple[int, int]:
+def _backward_bytes(block: nn.Module, x: torch.Tensor, mode: FakeTensorMode, measured: dict) -> tuple[int, int]:
     """(peak of backward beyond what forward left alive, peak of forward + backward from the input alone).
 
     The second is what a checkpointed block costs at its backward: the recompute, then its backward freeing the
-    recomputed tensors as it goes. Measured once per block shape.
+    recomputed tensors as it goes. Measured once per block shape (``measured`` remembers them for one model).
     """
     key = (type(block), tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()),
            tuple(x.shape), x.dtype)
-    if key not in _BACKWARD_CACHE:
+    if key not in measured:
         with mode:
             inp = torch.empty(x.shape, dtype=x.dtype, device=_CPU, requires_grad=True)
             grad = torch.empty_like(inp)  # the incoming gradient exists before the block's backward starts
@@ -269,5 +269,5 @@ def _backward_bytes(block: nn.Module, x: torch.Tensor, mode: FakeTensorMode) -> 
             whole = tracker.peak
         for p in block.parameters():
             p.grad = None
-        _BACKWARD_CACHE[key] = (tracker.peak - base, whole)
-    return _BACKWARD_CACHE[key]
+        measured[key] = (tracker.peak - base, whole)
+    return measured[key]

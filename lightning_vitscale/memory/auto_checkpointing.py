@@ -1,33 +1,27 @@
-"""Mechanism for ``activation_checkpointing="auto"``: checkpoint the fewest blocks that keep a step in budget.
+"""``activation_checkpointing="auto"``: choose the fewest blocks to checkpoint that keep a step in budget.
 
 Checkpointing every block costs about a third more compute even where the activations would fit. Here the
 memory planner predicts the step's peak per rank from the real batch shape (measured on fake tensors, so no
 memory is spent finding out) and checkpoints the earliest blocks until the prediction fits the budget.
 The batch is known either at setup (``example_input_array``) or at the first training step; in the second case
 a meta-device twin of the module (same structure, no data) is kept from setup, because the sharded module's
-FSDP hooks would all-gather if it were run for measuring.
+FSDP hooks would all-gather if it were run for measuring. Choosing lives here; the sharding setup applies the
+choice (``sharding/setup.py``).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_vitscale._compat import FSDPModule
-from lightning_vitscale.activation_checkpointing import apply_activation_checkpointing
-from lightning_vitscale.memory_budget import StepInputs
-from lightning_vitscale.plan import ParallelPlan
-from lightning_vitscale.plan_report import gib
-from lightning_vitscale.planner import MemoryPlan, choose, step_inputs
-from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig
-
-DEFAULT_FRACTION = 0.9
+from lightning_vitscale._utils import available_host_bytes, human_bytes
+from lightning_vitscale.memory.memory_plan import MemoryPlan
+from lightning_vitscale.memory.planner import DEFAULT_FRACTION, choose, step_inputs
+from lightning_vitscale.memory.step_model import StepInputs, StepSettings, predict_step
 
 
 @dataclass(frozen=True)
@@ -43,28 +37,17 @@ class AutoChoice:
         p = self.plan
         peak = p.chosen.breakdown.peak
         gathered = ", blocks stay gathered for backward" if self.keep_gathered else ""
-        return (f"auto: {len(self.names)} of {p.num_blocks} blocks{gathered}, predicted peak {gib(peak)} per rank"
-                f" (budget {gib(p.budget)}; every block {gib(p.all_checkpointed.breakdown.peak)},"
-                f" none {gib(p.none_checkpointed.breakdown.peak)})")
+        every, none = p.all_checkpointed.breakdown.peak, p.none_checkpointed.breakdown.peak
+        return (f"auto: {len(self.names)} of {p.num_blocks} blocks{gathered}, predicted peak {human_bytes(peak)}"
+                f" per rank (budget {human_bytes(p.budget)}; every block {human_bytes(every)},"
+                f" none {human_bytes(none)})")
 
 
 def device_memory(device: torch.device, local_ranks: int = 1) -> int:
     """What one rank may count on: the GPU's memory, or the host's available memory shared by the local ranks."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    available = _meminfo_bytes("MemAvailable") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    return available // max(1, local_ranks)
-
-
-def _meminfo_bytes(field: str) -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return (available_host_bytes() or 0) // max(1, local_ranks)
 
 
 def resolve_budget(budget: int | float | None, total: int) -> int:
@@ -145,8 +128,7 @@ def optimizer_kind(optimizers: list[torch.optim.Optimizer]) -> str:
 
 class AutoCheckpointing:
     """The ``"auto"`` lifecycle: decide at setup when the module has ``example_input_array``, else keep a meta
-    twin and decide at the first training step; then checkpoint the chosen blocks in place (also once sharded:
-    the patched forward runs inside the block's FSDP hooks, as when it is applied before ``fully_shard``)."""
+    twin and decide at the first training step. ``choice`` holds the outcome for the caller to apply."""
 
     def __init__(
         self, budget: int | float | None, world_size: int, precision: str, blocks: Any, may_keep_gathered: bool
@@ -188,40 +170,11 @@ class AutoCheckpointing:
         self.choice = AutoChoice(names, choice.plan, choice.block_names, keep)
         return names
 
-    def note(self, plan: ParallelPlan) -> None:
-        """The choice (or that it waits for the first step) in the plan, and so in the setup summary."""
-        if self.choice is not None:
-            plan.checkpointed = list(self.choice.names)
-            plan.predicted_peak = self.choice.plan.chosen.breakdown.peak
-            plan.memory = self.choice.describe()
-        else:
-            plan.memory = "auto: decided at the first training step, from its batch"
-
-    def config_at_setup(
-        self, module: nn.Module, config: ParallelConfig, device: torch.device, local_ranks: int, agree
-    ) -> ParallelConfig:
-        """``config`` with the blocks chosen now as its checkpointing selector, or unchanged if the choice waits
-        for the first step's batch."""
-        names = self.at_setup(module, device, local_ranks, agree)
-        if names is None:
-            return config
-        chosen = set(names)
-        return dataclasses.replace(config, checkpointing=CheckpointingPolicy(blocks=lambda name, _: name in chosen))
-
-    def apply_at_first_step(self, module: nn.Module, batch: Any, device: torch.device, local_ranks: int, agree,
-                            optimizers) -> None:
-        """Decide from the first batch and checkpoint the chosen blocks in place (they are FSDP units already)."""
-        names = self.at_first_step(batch, device, local_ranks, agree, optimizers)
-        apply_activation_checkpointing([module.get_submodule(name) for name in names])
-        self.keep_gathered(module)
-
-    def keep_gathered(self, module: nn.Module) -> None:
-        """Blocks keep their gathered parameters from forward to backward: one all-gather per block fewer."""
-        if self.choice is not None and self.choice.keep_gathered:
-            for name in self.choice.block_names:
-                block = module.get_submodule(name)
-                assert isinstance(block, FSDPModule), f"{name} is not an FSDP unit"
-                block.set_reshard_after_forward(False, recurse=False)
+    def describe(self) -> str:
+        """The setup summary's line: the choice, or that it waits for the first training step's batch."""
+        if self.choice is None:
+            return "auto: decided at the first training step, from its batch"
+        return self.choice.describe()
 
 
 def measure_for_summary(
@@ -243,9 +196,7 @@ def measure_for_summary(
 
 def describe_prediction(inputs: StepInputs, checkpointed: list[str], reshard: bool) -> tuple[int, str]:
     """The predicted peak for the settings the pipeline applied, as bytes and as a summary line."""
-    from lightning_vitscale.memory_budget import StepSettings, predict_step
-
     chosen = {b.name for b in inputs.profile.blocks} & set(checkpointed)
     indices = frozenset(i for i, b in enumerate(inputs.profile.blocks) if b.name in chosen)
     peak = predict_step(inputs, StepSettings(indices, reshard))
-    return peak.peak, f"predicted peak {gib(peak.peak)} per rank for example_input_array, at {peak.phase}"
+    return peak.peak, f"predicted peak {human_bytes(peak.peak)} per rank for example_input_array, at {peak.phase}"

@@ -9,27 +9,26 @@ offload of the sharded state only when nothing else fits. It also reports the la
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_vitscale.matching import find_blocks, find_modules
-from lightning_vitscale.memory_budget import (
+from lightning_vitscale._utils import GIB, MIB, human_bytes
+from lightning_vitscale.discovery import ModuleSelector, find_blocks, holds_parameters
+from lightning_vitscale.memory.activations import measure_activations
+from lightning_vitscale.memory.memory_plan import Candidate, MemoryPlan
+from lightning_vitscale.memory.step_model import (
     OPTIMIZER_STATES,
-    MemoryBreakdown,
     ModelLayout,
     StepInputs,
     StepSettings,
     collective_copies,
     predict_step,
 )
-from lightning_vitscale.memory_model import ActivationProfile, measure_activations
-from lightning_vitscale.plan_report import gib
-from lightning_vitscale.policies import ModuleSelector, PrecisionPolicy, resolve_flag
+from lightning_vitscale.precision import PrecisionPolicy, resolve_flag
 
-GIB = 2**30
 # Usable memory of named devices (the marketing figure; the allocator and CUDA context take a little more).
 DEVICE_MEMORY: dict[str, int] = {
     "a100-40gb": 40 * GIB,
@@ -56,64 +55,15 @@ def parse_memory(spec: str | int | float) -> int:
             f" {', '.join(DEVICE_MEMORY)}."
         )
     unit = match.group(2) or "gib"
-    return int(float(match.group(1)) * (GIB if unit.startswith("g") else 2**20))
-
-
-@dataclass(frozen=True)
-class Candidate:
-    settings: StepSettings
-    breakdown: MemoryBreakdown
-
-
-@dataclass
-class MemoryPlan:
-    """The planner's answer for one rank. ``summary()`` prints it; the fields are for code.
-
-    Attributes:
-        world_size: ranks (devices x nodes).
-        precision: the precision flag planned for.
-        batch_size: per-rank batch planned for.
-        budget: bytes a step may use per rank.
-        device_memory: bytes of the device (``budget`` is a fraction of it).
-        num_blocks: blocks found (each its own FSDP unit).
-        chosen: the recommended settings and their predicted breakdown.
-        all_checkpointed / none_checkpointed: the two ends, for comparison.
-        fits: whether ``chosen`` fits the budget.
-        max_batch: the largest per-rank batch that fits with every block checkpointed (0: none fits).
-        reason: one line on why these settings.
-    """
-
-    world_size: int
-    precision: str
-    batch_size: int
-    budget: int
-    device_memory: int
-    num_blocks: int
-    num_params: int
-    chosen: Candidate
-    all_checkpointed: Candidate
-    none_checkpointed: Candidate
-    fits: bool
-    max_batch: int
-    reason: str
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def checkpointed(self) -> int:
-        return len(self.chosen.settings.checkpointed)
-
-    def summary(self) -> str:
-        from lightning_vitscale.plan_report import format_plan
-
-        return format_plan(self)
+    return int(float(match.group(1)) * (GIB if unit.startswith("g") else MIB))
 
 
 def model_parts(
     model: nn.Module, blocks: ModuleSelector | None, precision: PrecisionPolicy
 ) -> tuple[list[tuple[str, nn.Module]], list[nn.Module]]:
     """The blocks the strategy would shard and the norms it would keep apart in fp32, as parallelize finds them."""
-    found = [(n, b) for n, b in find_blocks(model, blocks) if any(True for _ in b.parameters())]
-    norms = [m for _, m in find_modules(model, precision.norms)] if precision.separate_norms else []
+    found = [(n, b) for n, b in find_blocks(model, blocks) if holds_parameters(b)]
+    norms = [m for _, m in precision.separate_norm_modules(model)]
     return found, norms
 
 
@@ -170,7 +120,7 @@ def step_inputs(
     """Measure ``model`` on fake tensors and gather what :func:`predict_step` needs (see :func:`plan_memory`).
 
     ``device`` is where the step will run: on CPU the collectives' temporaries count (see
-    :func:`~lightning_vitscale.memory_budget.collective_copies`); ``None`` plans for a GPU with NCCL.
+    :func:`~lightning_vitscale.memory.step_model.collective_copies`); ``None`` plans for a GPU with NCCL.
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not known; choose one of {', '.join(OPTIMIZER_STATES)}.")
@@ -250,8 +200,8 @@ def choose(inputs: StepInputs, budget: int, device_bytes: int, precision: str, b
     if chosen.settings.offload:
         host = predict_step(inputs, StepSettings(frozenset(range(n)))).params
         states = OPTIMIZER_STATES[inputs.optimizer]
-        notes.append(f"offload keeps {gib(host * (2 + states))} of parameters, gradients and optimizer state per rank"
-                     " in host memory (times the ranks per node)")
+        notes.append(f"offload keeps {human_bytes(host * (2 + states))} of parameters, gradients and optimizer state"
+                     " per rank in host memory (times the ranks per node)")
     return MemoryPlan(
         world_size=inputs.world,
         precision=precision,
@@ -289,5 +239,3 @@ def largest_batch(inputs: StepInputs, budget: int, batch_size: int, offload: boo
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
 
-
-__all__ = ["ActivationProfile", "MemoryPlan", "plan_memory", "parse_memory", "DEVICE_MEMORY"]

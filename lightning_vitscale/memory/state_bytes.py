@@ -8,21 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_vitscale._compat import DTensor
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes this rank actually stores for ``tensors`` (a DTensor counts its local shard only)."""
-    return sum(_local(t).numel() * t.element_size() for t in tensors)
-
-
-def full_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes the same tensors take unsharded (what one DDP rank holds)."""
-    return sum(t.numel() * t.element_size() for t in tensors)
+from lightning_vitscale._utils import full_bytes, local_bytes
 
 
 def optimizer_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:

@@ -7,7 +7,7 @@ reduce-scatter buffer, activations freed block by block as backward proceeds, sh
 the optimizer step (foreach AdamW needs one temporary the size of the local parameters). On CPU, gloo's
 collectives copy through a temporary the size of the gathered tensor (:func:`collective_copies`): one more block
 while a block is gathered, and a block's reduce-scatter holds its input twice (on 2+ ranks). Activations come from
-:mod:`lightning_vitscale.memory_model` (measured on fake tensors); everything else is counted from shapes.
+:mod:`lightning_vitscale.memory.activations` (measured on fake tensors); everything else is counted from shapes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_vitscale.memory_model import ActivationProfile
+from lightning_vitscale._utils import shard_rows
+from lightning_vitscale.memory.activations import ActivationProfile
 
 # Optimizer state tensors per parameter, in the parameter's (master) dtype, as torch's optimizers keep them.
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "lion": 1, "sgd-momentum": 1, "sgd": 0, "adagrad": 1}
@@ -61,7 +62,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def shard_numel(shapes: list[tuple[int, ...]], world: int) -> int:
     """Elements the fullest rank holds: FSDP2 shards dim 0 and pads it to a multiple of the world size."""
-    return sum(math.ceil((s[0] if s else 1) / world) * _numel(s[1:]) for s in shapes)
+    return sum(shard_rows(s[0] if s else 1, world) * _numel(s[1:]) for s in shapes)
 
 
 @dataclass(frozen=True)

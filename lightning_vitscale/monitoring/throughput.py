@@ -5,7 +5,6 @@ from __future__ import annotations
 import resource
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +12,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
+
+from lightning_vitscale._utils import GIB
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -34,7 +35,6 @@ PEAK_DENSE_BF16_FLOPS: tuple[tuple[str, float | None], ...] = (
     ("A10", 125e12),
 )
 
-GIB = 2**30
 
 
 def device_peak_flops(device: torch.device) -> float | None:
@@ -221,16 +221,3 @@ class VitScaleThroughput(Callback):
             if peak:
                 metrics["throughput/mfu"] = achieved / peak
         return metrics
-
-
-class ThroughputMonitor(VitScaleThroughput):
-    """Deprecated name of :class:`VitScaleThroughput` (it clashed with Lightning's own ``ThroughputMonitor``)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        warnings.warn(
-            "lightning_vitscale.ThroughputMonitor is renamed VitScaleThroughput (Lightning has its own"
-            " ThroughputMonitor); replace the name, the arguments are the same.",
-            FutureWarning,
-            stacklevel=2,
-        )
-        super().__init__(*args, **kwargs)

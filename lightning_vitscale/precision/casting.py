@@ -1,4 +1,4 @@
-"""Mechanism: layers of the outer unit cast floating inputs to the compute dtype, as FSDP does at each unit.
+"""Layers of the outer unit cast floating inputs to the compute dtype, as FSDP does at each unit.
 
 Under O2 the outer unit's layers (patch embedding, head, ...) hold bf16 parameters while they compute. FSDP casts
 the inputs of each unit's forward, but a tensor made *inside* a step (a mask, noise, a second view) reaches

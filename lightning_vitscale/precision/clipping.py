@@ -10,15 +10,12 @@ import torch
 import torch.distributed as dist
 
 from lightning_vitscale._compat import DTensor
-from lightning_vitscale.mesh import all_reduce_over, mesh_device
+from lightning_vitscale._utils import local_tensor
+from lightning_vitscale.distributed.mesh import all_reduce_over, mesh_device
 
 
 def _is_sharded(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor) and any(p.is_shard() for p in t.placements)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _partial_norm(tensors: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
@@ -44,12 +41,12 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float =
     if not grads:
         return torch.zeros((), dtype=torch.float32)
     sharded = [cast(DTensor, g) for g in grads if _is_sharded(g)]
-    device = mesh_device(sharded[0].device_mesh) if sharded else _local(grads[0]).device
-    other = [_local(g) for g in grads if not _is_sharded(g)]
+    device = mesh_device(sharded[0].device_mesh) if sharded else local_tensor(grads[0]).device
+    other = [local_tensor(g) for g in grads if not _is_sharded(g)]
     shard_part = torch.zeros((), dtype=torch.float32, device=device)
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
     for (mesh, dims), members in _by_shard_layout(sharded).items():
-        part = _partial_norm([_local(g) for g in members], norm_type, device)
+        part = _partial_norm([local_tensor(g) for g in members], norm_type, device)
         all_reduce_over(part, mesh, dims, op)
         shard_part = torch.maximum(shard_part, part) if math.isinf(norm_type) else shard_part + part
     other_part = _partial_norm(other, norm_type, device)
@@ -73,6 +70,6 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float, no
     params = [p for p in parameters if p.grad is not None]
     total = total_grad_norm(params, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for local in [_local(p.grad) for p in params if p.grad is not None]:
+    for local in [local_tensor(p.grad) for p in params if p.grad is not None]:
         local.mul_(coef.to(device=local.device, dtype=local.dtype))
     return total

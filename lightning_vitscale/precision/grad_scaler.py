@@ -1,4 +1,4 @@
-"""Mechanism: fp16 loss scaling for sharded gradients; every rank agrees on whether a step is skipped."""
+"""fp16 loss scaling for sharded gradients; every rank agrees on whether a step is skipped."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_vitscale._compat import DTensor, amp_unscale_and_check
-from lightning_vitscale.mesh import all_reduce_over
+from lightning_vitscale.distributed.mesh import all_reduce_over
 
 
 class ShardedGradScaler(torch.amp.GradScaler):

@@ -1,4 +1,4 @@
-"""Mechanism: normalization layers kept in fp32 inside a low-precision model, at one extra collective per step.
+"""Normalization layers kept in fp32 inside a low-precision model, at one extra collective per step.
 
 FAIR's finding: bf16 trains ViTs with fp32 hyper-parameters only if normalization layers stay in fp32. The usual
 fix (one FSDP unit per norm) triples the all-gathers. Instead, norm parameters leave the bf16 FSDP units and
@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_vitscale._compat import DTensor, set_parameters, tree_map
-from lightning_vitscale.mesh import all_reduce_over, replicated_placements
+from lightning_vitscale.distributed.mesh import all_reduce_over, replicated_placements
 
 _PARAMS = "_vitscale_fp32_params"
 _DTYPE = "_vitscale_norm_dtype"

@@ -16,14 +16,12 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_vitscale._compat import after_closure
-from lightning_vitscale.clipping import clip_grad_norm
-from lightning_vitscale.grad_scaler import ShardedGradScaler
-from lightning_vitscale.matching import find_modules
-from lightning_vitscale.policies import (
+from lightning_vitscale.precision.clipping import clip_grad_norm
+from lightning_vitscale.precision.grad_scaler import ShardedGradScaler
+from lightning_vitscale.precision.settings import (
     SUPPORTED_FLAGS,
     NormSelector,
     PrecisionFlag,
-    PrecisionPolicy,
     norm_predicate,
     resolve_flag,
 )
@@ -84,7 +82,7 @@ class VitScalePrecision(Precision):
         master = self.policy.master
         if master == torch.float32:
             return module
-        keep = {id(m) for _, m in find_modules(module, self.policy.norms)} if self.policy.separate_norms else set()
+        keep = {id(m) for _, m in self.policy.separate_norm_modules(module)}
         for submodule in module.modules():
             if id(submodule) in keep:
                 continue
@@ -178,5 +176,3 @@ def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
 
     return apply_to_collection(data, function=cast, dtype=Tensor)
 
-
-__all__ = ["PrecisionPolicy", "VitScalePrecision", "to_vitscale_precision"]

@@ -1,6 +1,6 @@
 """The outer FSDP unit, and calls to the sharded model outside a step (callbacks, after ``fit``) that gather it.
 
-Lightning calls ``training_step``, never ``forward``, so the outer unit sits on :class:`RootUnit`, whose forward
+Lightning calls ``training_step``, never ``forward``, so the outer unit sits on :class:`OuterUnit`, whose forward
 runs the step: FSDP's hooks gather the outer unit around the whole step. Outside a step (a callback's
 ``on_train_end``, the user's script after ``fit``) nobody calls that forward, so the outer unit's own parameters
 stay sharded DTensors and ``pl_module(x)`` fails inside torch ("got mixed torch.Tensor and DTensor"). Under DDP
@@ -10,11 +10,12 @@ unit when such a call comes from outside a step; repeated blocks are their own u
 What it costs and when it is freed:
 - under ``torch.no_grad()`` / ``inference_mode()`` the gathered copy is freed when the outermost call returns;
 - with gradients enabled it is kept (a backward may follow) until the next step, optimizer step or setup,
-  where :meth:`RootUnit.release` drops it and any gradients computed on it. Nothing stays gathered in training.
+  where :meth:`OuterUnit.release` drops it and any gradients computed on it. Nothing stays gathered in training.
 
 Such a call is a collective: every rank must make it. Before it gathers anything, every rank states which module
-it calls in a handshake on a side group (collective_guard.py): a call on one rank, even during training while the
-others go on to their next step, or different calls on different ranks, fail with :class:`OutsideStepCallError`
+it calls in a handshake on a side group (distributed/collective_guard.py): a call on one rank, even during
+training while the others go on to their next step, or different calls on different ranks, fail with
+:class:`OutsideStepCallError`
 (within the strategy's ``timeout``), and nothing is sent on the model's process group.
 """
 
@@ -27,15 +28,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from lightning_vitscale import collective_guard
 from lightning_vitscale._compat import DTensor, FSDPModule
+from lightning_vitscale.distributed import collective_guard
 
 
 class OutsideStepCallError(RuntimeError):
     """Gathering the outer unit for a call outside a step failed, most often because not every rank called."""
 
 
-class RootUnit(nn.Module):
+class OuterUnit(nn.Module):
     """The outer FSDP unit around the LightningModule.
 
     Lightning's forward redirection calls this module, whose ``forward`` runs the step: FSDP's hooks fire around
@@ -147,16 +148,16 @@ def _outside_step_error(error: RuntimeError) -> OutsideStepCallError:
     )
 
 
-def _release_before_step(root: RootUnit, args: Any) -> None:
-    root.release()
+def _release_before_step(outer: OuterUnit, args: Any) -> None:
+    outer.release()
 
 
-def _reshard_after_eval_step(root: RootUnit, args: Any, output: Any) -> None:
+def _reshard_after_eval_step(outer: OuterUnit, args: Any, output: Any) -> None:
     # FSDP keeps the outer unit gathered after forward for the backward; an evaluation step has none. Freeing it
     # here (after FSDP's own post-forward) means callbacks between steps, such as on_validation_epoch_end, see
     # the sharded parameters they can update, at one outer-unit all-gather per evaluation step.
-    if not torch.is_grad_enabled() and isinstance(root, FSDPModule):
-        root.reshard()
+    if not torch.is_grad_enabled() and isinstance(outer, FSDPModule):
+        outer.reshard()
 
 
 def _outer_unit_parameters(model: nn.Module) -> list[tuple[nn.Module, str]]:

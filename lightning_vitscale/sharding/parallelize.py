@@ -9,19 +9,25 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_vitscale.activation_checkpointing import apply_activation_checkpointing, is_self_checkpointing
-from lightning_vitscale.attention import AttentionRouter, describe_router, make_router, route_blocks, usable_backends
-from lightning_vitscale.casting import cast_floating_inputs
-from lightning_vitscale.creation import Creation
-from lightning_vitscale.fsdp import mixed_precision_policy, offload_policy, shard_module
-from lightning_vitscale.initial_weights import InitialWeights
-from lightning_vitscale.kernels import apply_regional_compile
-from lightning_vitscale.matching import describe_blocks, find_blocks, find_modules
-from lightning_vitscale.memory import full_bytes, local_bytes
-from lightning_vitscale.norms import ReplicatedNorms
-from lightning_vitscale.plan import ParallelPlan
-from lightning_vitscale.policies import KernelPolicy, ParallelConfig, PrecisionPolicy, resolve_kernels
-from lightning_vitscale.tensor_cores import tensor_core_report
+from lightning_vitscale._utils import full_bytes, local_bytes
+from lightning_vitscale.discovery import describe_blocks, find_blocks, holds_parameters
+from lightning_vitscale.init import Creation, InitialWeights
+from lightning_vitscale.kernels import (
+    AttentionRouter,
+    KernelPolicy,
+    apply_regional_compile,
+    describe_router,
+    make_router,
+    resolve_kernels,
+    route_blocks,
+    tensor_core_report,
+    usable_backends,
+)
+from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, cast_floating_inputs
+from lightning_vitscale.sharding.activation_checkpointing import apply_activation_checkpointing, is_self_checkpointing
+from lightning_vitscale.sharding.fsdp import mixed_precision_policy, offload_policy, shard_module
+from lightning_vitscale.sharding.settings import ParallelConfig, unit_reshard
+from lightning_vitscale.sharding.summary import ParallelPlan
 
 
 class NoBlocksMatchedError(ValueError):
@@ -30,8 +36,8 @@ class NoBlocksMatchedError(ValueError):
 
 @dataclass
 class Parallelized:
-    """What the pipeline leaves behind: the facts, the fp32 norms whose gradients need reducing, and the
-    attention router the strategy still has to decide for (``attention="auto"``)."""
+    """What the pipeline leaves behind: the setup summary, the fp32 norms whose gradients need reducing, and the
+    attention router still to decide for (``attention="auto"``)."""
 
     plan: ParallelPlan
     norms: ReplicatedNorms | None
@@ -39,7 +45,7 @@ class Parallelized:
 
 
 def parallelize(
-    root_unit: nn.Module,
+    outer_unit: nn.Module,
     model: nn.Module,
     mesh: DeviceMesh,
     config: ParallelConfig,
@@ -47,7 +53,7 @@ def parallelize(
     device: torch.device,
     creation: Creation | None = None,
 ) -> Parallelized:
-    """Apply the recipe to ``model`` (held by ``root_unit``, the module Lightning actually calls).
+    """Apply the recipe to ``model`` (held by ``outer_unit``, the module Lightning actually calls).
 
     Order matters: blocks are found before anything rewrites the tree; norms leave the low-precision units
     before FSDP sees them; checkpointing patches block forwards before FSDP registers its hooks; blocks are
@@ -57,7 +63,7 @@ def parallelize(
     silently run a bf16 GPU job as fp32 on CPU.
     """
     _check_has_parameters(model)
-    blocks = [(name, block) for name, block in find_blocks(model, config.sharding.blocks) if _has_params(block)]
+    blocks = [(name, block) for name, block in find_blocks(model, config.sharding.blocks) if holds_parameters(block)]
     if config.sharding.blocks is not None and not blocks:
         raise NoBlocksMatchedError(
             f"`blocks={config.sharding.blocks!r}` matched no module with parameters in {type(model).__name__}."
@@ -67,12 +73,11 @@ def parallelize(
 
     # 1. Starting weights: rank 0's everywhere (DDP's guarantee) or, on the meta path, the model's own init,
     #    delivered to each unit's shards right after that unit is sharded (below), so no rank holds a second copy.
-    device = device or torch.device("cpu")
     weights = InitialWeights(model, mesh, device, creation)
 
     # 2. Norms keep fp32 parameters and compute, replicated outside the low-precision units (the recipe's
     #    stability fix at one extra collective per step, instead of one unit per norm).
-    norm_modules = find_modules(model, precision.norms) if precision.separate_norms else []
+    norm_modules = precision.separate_norm_modules(model)
     weights.prepare([m for _, m in norm_modules])  # their values and device first: they stay out of the units
     norms = (
         ReplicatedNorms([m for _, m in norm_modules], mesh, precision.norm_dtype)
@@ -115,15 +120,15 @@ def parallelize(
     #    A 2-D mesh shards along its last dimension and replicates along the first (hybrid sharding).
     mp_policy = mixed_precision_policy(precision)
     offload = offload_policy(config.sharding.offload, device)
+    requested = config.sharding.reshard_after_forward
     for _, block in blocks:
         with weights.unit(block):
-            shard_module(block, mesh, mp_policy, config.sharding.reshard_after_forward, ignored, offload_policy=offload)
+            shard_module(block, mesh, mp_policy, unit_reshard(requested, outer=False), ignored, offload)
 
-    # 5. The outer unit on the module Lightning calls, so its pre-forward hook gathers the rest.
-    outer_reshard = config.sharding.reshard_after_forward
-    outer_reshard = None if outer_reshard is None else bool(outer_reshard)
-    with weights.unit(root_unit):
-        shard_module(root_unit, mesh, mp_policy, outer_reshard, ignored, offload_policy=offload)
+    # 5. The outer unit on the module Lightning calls, so its pre-forward hook gathers the rest; it keeps its
+    #    parameters after forward under the recipe (backward needs them at once).
+    with weights.unit(outer_unit):
+        shard_module(outer_unit, mesh, mp_policy, unit_reshard(requested, outer=True), ignored, offload)
 
     # 6. Name what the meta path could not reproduce; how the weights were made goes into the summary.
     init_path, init_peak, init_seconds = weights.finish()
@@ -165,7 +170,7 @@ def _outer_subtrees(model: nn.Module, blocks: list, norm_modules: list) -> list[
     """The largest sub-modules holding parameters and no block: what ``compile_outer`` compiles.
 
     Largest, so that e.g. a patch embedding compiles as one graph; norms on their own are skipped (one kernel
-    already, and their fp32 hooks belong to norms.py).
+    already, and their fp32 forwards belong to precision/norms.py).
     """
     block_ids = {id(block) for _, block in blocks}
     skipped = {id(m) for _, m in norm_modules}
@@ -182,7 +187,7 @@ def _outer_subtrees(model: nn.Module, blocks: list, norm_modules: list) -> list[
                 continue
             if id(child) in holds_block:
                 visit(name, child)
-            elif _has_params(child):
+            elif holds_parameters(child):
                 found.append((name, child))
 
     visit("", model)
@@ -214,12 +219,9 @@ def _notes(model: nn.Module, blocks: list, zero_filled: list[str]) -> list[str]:
 
 
 def _check_has_parameters(model: nn.Module) -> None:
-    if not _has_params(model):
+    if not holds_parameters(model):
         raise ValueError(
             f"{type(model).__name__} has no parameters, so there is nothing to shard. Create the layers in"
             " `__init__` or in `configure_model()` (which VitScaleStrategy calls before sharding)."
         )
 
-
-def _has_params(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters())

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from lightning_vitscale.policies import ParallelConfig, PrecisionPolicy
+from lightning_vitscale.precision import PrecisionPolicy
+from lightning_vitscale.sharding.settings import ParallelConfig
 
 
 class ShardedModuleReuseError(RuntimeError):

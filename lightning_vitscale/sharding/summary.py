@@ -1,16 +1,15 @@
-"""The setup plan: what the strategy did to the model, as data for tests and tools and as a summary for people."""
+"""The setup summary: what the strategy did to the model, as data for tests and tools and as text for people.
+
+Its class keeps the public name ``ParallelPlan`` (``strategy.plan``); it records what setup did. What the memory
+planner predicts is a :class:`~lightning_vitscale.MemoryPlan` (``memory/``).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from lightning_vitscale.traffic import LayoutReport
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
+from lightning_vitscale._utils import mib
+from lightning_vitscale.sharding.traffic import LayoutReport
 
 
 @dataclass
@@ -33,7 +32,7 @@ class ParallelPlan:
         kernels: kernel choices (compiled blocks, attention, fused optimizer).
         tensor_core_misses: Linear/Conv/attention dimensions that are not multiples of 8, with module names.
         layout: the sharding layout and the bytes this rank sends per step within its node and across nodes
-            (see ``traffic.py`` for the conventions).
+            (see ``sharding/traffic.py`` for the conventions).
         offload: where the sharded state lives between uses (``"cpu"``), or ``None`` (on the device).
         predicted_peak: the memory planner's predicted per-rank peak of a training step (bytes), where known.
         memory: one line on the predicted memory and, under ``activation_checkpointing="auto"``, the choice.
@@ -76,10 +75,10 @@ class ParallelPlan:
             f"  FSDP units          : {self.units} ({len(self.block_names)} blocks + 1 outer)",
             f"  checkpointed blocks : {len(self.checkpointed)} of {len(self.block_names)}"
             + (f" ({self.memory})" if self.memory else ""),
-            f"  parameters          : {self.num_params:,} ({_mib(self.param_bytes_full)} unsharded,"
-            f" {_mib(self.param_bytes_local)} on this rank = {share:.2f}x)",
+            f"  parameters          : {self.num_params:,} ({mib(self.param_bytes_full)} unsharded,"
+            f" {mib(self.param_bytes_local)} on this rank = {share:.2f}x)",
             f"  initial weights     : {_INIT_PATHS.get(self.init_path, self.init_path)}; peak host memory"
-            f" +{_mib(self.init_peak_bytes)} on this rank ({self.init_peak_bytes / max(self.param_bytes_full, 1):.2f}x"
+            f" +{mib(self.init_peak_bytes)} on this rank ({self.init_peak_bytes / max(self.param_bytes_full, 1):.2f}x"
             f" the model), {self.init_seconds:.1f} s",
         ]
         lines.extend(self._layout_lines())
@@ -102,8 +101,8 @@ class ParallelPlan:
             lines.append(f"  sharding            : {self.layout.sharding}")
             traffic = f"  traffic per step    : {self.layout.traffic.describe()} (sent by this rank)"
             if self.layout.hybrid_traffic is not None:
-                across = self.layout.hybrid_traffic.inter_node / 2**20
-                traffic += f"; sharding='hybrid' would send {across:,.2f} MiB across nodes"
+                across = mib(self.layout.hybrid_traffic.inter_node, 2)
+                traffic += f"; sharding='hybrid' would send {across} across nodes"
             lines.append(traffic)
         if self.offload is not None:
             lines.append(f"  offload             : {self.offload}")

@@ -1,4 +1,4 @@
-"""Mechanism: the bytes each rank sends per training step, inside its node and across nodes, for a layout.
+"""The bytes each rank sends per training step, inside its node and across nodes, for a layout.
 
 Computed from the FSDP units' parameter shapes, the precision policy's dtypes and the mesh layout (which ranks
 share a shard group, which ranks share a node). Conventions, so numbers compare across layouts:
@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from lightning_vitscale._compat import FSDPModule
-from lightning_vitscale.plan import ParallelPlan
-from lightning_vitscale.policies import PrecisionPolicy, ShardingPolicy
+from lightning_vitscale._utils import mib, shard_rows
+from lightning_vitscale.precision import PrecisionPolicy
+from lightning_vitscale.sharding.settings import unit_reshard
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class StepTraffic:
     inter_node: int
 
     def describe(self) -> str:
-        return f"{_mib(self.intra_node)} within the node, {_mib(self.inter_node)} across nodes"
+        return f"{mib(self.intra_node, 2)} within the node, {mib(self.inter_node, 2)} across nodes"
 
 
 @dataclass(frozen=True)
@@ -46,23 +47,13 @@ class Unit:
     reshard_after_forward: bool | int
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.2f} MiB"
-
-
-def fsdp_units(root: nn.Module, ignored: set[nn.Parameter], reshard_after_forward: bool | int | None) -> list[Unit]:
-    """The units under ``root`` (itself one), with the parameters each one shards (not its nested units')."""
+def fsdp_units(outer: nn.Module, ignored: set[nn.Parameter], reshard_after_forward: bool | int | None) -> list[Unit]:
+    """The units under ``outer`` (itself one), with the parameters each one shards (not its nested units')."""
     units = []
-    for module in root.modules():
+    for module in outer.modules():
         if isinstance(module, FSDPModule):
             own = [p for p in _own_params(module) if p not in ignored]
-            is_root = module is root
-            reshard: bool | int
-            if reshard_after_forward is None:  # FSDP2's default: blocks free their parameters, the root keeps them
-                reshard = not is_root
-            else:
-                reshard = bool(reshard_after_forward) if is_root else reshard_after_forward
-            units.append(Unit(tuple(p.shape for p in own), reshard))
+            units.append(Unit(tuple(p.shape for p in own), unit_reshard(reshard_after_forward, module is outer)))
     return units
 
 
@@ -76,11 +67,7 @@ def _own_params(module: nn.Module) -> list[nn.Parameter]:
 
 def _padded_numel(shapes: tuple[torch.Size, ...], shard: int) -> int:
     """FSDP2 pads dim 0 of every parameter to a multiple of the shard-group size."""
-    total = 0
-    for shape in shapes:
-        rows = shape[0] if len(shape) else 1
-        total += math.ceil(rows / shard) * shard * math.prod(shape[1:])
-    return total
+    return sum(shard_rows(shape[0] if len(shape) else 1, shard) * shard * math.prod(shape[1:]) for shape in shapes)
 
 
 def _ring(nbytes: float, ranks: int, reduce: bool = False) -> float:
@@ -88,8 +75,8 @@ def _ring(nbytes: float, ranks: int, reduce: bool = False) -> float:
 
 
 class _Tally:
-    def __init__(self, rank: int, ranks_per_node: int) -> None:
-        self.rank, self.per_node = rank, ranks_per_node
+    def __init__(self, ranks_per_node: int) -> None:
+        self.per_node = ranks_per_node
         self.intra = self.inter = 0.0
 
     def add(self, group: list[int], nbytes: float, reduce: bool = False) -> None:
@@ -117,7 +104,7 @@ def step_traffic(
     replica_group = list(range(rank % shard_size, world_size, shard_size))
     gather_bytes = precision.compute.itemsize
     reduce_bytes = precision.reduce.itemsize
-    tally = _Tally(rank, ranks_per_node)
+    tally = _Tally(ranks_per_node)
     for unit in units:
         if not unit.shapes:
             continue
@@ -147,7 +134,7 @@ class LayoutReport:
 
 
 def layout_report(
-    root: nn.Module,
+    outer: nn.Module,
     norm_params: list[nn.Parameter],
     precision: PrecisionPolicy,
     reshard_after_forward: bool | int | None,
@@ -157,7 +144,7 @@ def layout_report(
     rank: int,
 ) -> LayoutReport:
     """Traffic of the chosen layout; on a fully sharded multi-node job also what ``sharding="hybrid"`` would send."""
-    units = fsdp_units(root, set(norm_params), reshard_after_forward)
+    units = fsdp_units(outer, set(norm_params), reshard_after_forward)
     norm_numel = sum(p.numel() for p in norm_params)
 
     def traffic(shard: int) -> StepTraffic:
@@ -168,24 +155,3 @@ def layout_report(
     multi_node = world_size > ranks_per_node and world_size % ranks_per_node == 0
     contrast = traffic(ranks_per_node) if multi_node and shard_size != ranks_per_node else None
     return LayoutReport(name, traffic(shard_size), contrast)
-
-
-def describe_layout(
-    plan: ParallelPlan,
-    root: nn.Module,
-    norm_params: list[nn.Parameter],
-    precision: PrecisionPolicy,
-    sharding: ShardingPolicy,
-    mesh_size: int,
-    shard_size: int,
-    ranks_per_node: int,
-    rank: int,
-    device: torch.device,
-) -> None:
-    """Sharding layout, per-step traffic and offload in the plan (and so in the setup summary)."""
-    plan.layout = layout_report(
-        root, norm_params, precision, sharding.reshard_after_forward, mesh_size, shard_size, ranks_per_node, rank
-    )
-    if sharding.offload is not None:
-        no_effect = " (no effect on accelerator='cpu': the state already lives in host memory)"
-        plan.offload = sharding.offload + (no_effect if device.type == "cpu" else "")
