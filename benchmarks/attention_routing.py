@@ -21,10 +21,10 @@ import time
 import torch
 from torch import nn
 
-from lightning_vitscale.activation_checkpointing import apply_activation_checkpointing
-from lightning_vitscale.attention import XFORMERS, AttentionBackend, AttentionRouter, call_sdpa, route_blocks
-from lightning_vitscale.demo import Block
-from lightning_vitscale.kernels import apply_regional_compile
+from lightning_vitscale.cli.demo import Block
+from lightning_vitscale.kernels.attention import XFORMERS, AttentionBackend, AttentionRouter, call_sdpa, route_blocks
+from lightning_vitscale.kernels.compile import apply_regional_compile
+from lightning_vitscale.sharding.activation_checkpointing import apply_activation_checkpointing
 
 PASS_THROUGH = AttentionBackend("route", call_sdpa, lambda device: True)
 

@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lightning_vitscale import collective_guard
+from lightning_vitscale.distributed import collective_guard
 
 
 def per_call_us(call, calls: int) -> float:

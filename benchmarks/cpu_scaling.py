@@ -59,7 +59,7 @@ def worker(args: argparse.Namespace) -> None:
 
     sys.path.insert(0, str(ROOT))
     from lightning_vitscale import VitScaleStrategy, measure_state_bytes
-    from lightning_vitscale.demo import TinyViT, generated_images
+    from lightning_vitscale.cli.demo import TinyViT, generated_images
 
     class PeakDuringFit(L.Callback):
         """Reset the kernel's peak-RSS mark when training starts, read it when training ends."""

@@ -5,7 +5,7 @@ Usage::
     python benchmarks/ema_cost.py                  # 2 ranks, 30 steps each strategy; prints a Markdown table
     python benchmarks/ema_cost.py --steps 40 --ranks 2
 
-Model: ``lightning_vitscale.demo.TinyViT(image=32, patch=4, dim=256, depth=6)`` (64 tokens), batch 8 per rank,
+Model: ``lightning_vitscale.cli.demo.TinyViT(image=32, patch=4, dim=256, depth=6)`` (64 tokens), batch 8 per rank,
 AdamW, fp32. Every rank times each step (``on_train_batch_start`` to the end of the EMA update) and the EMA update
 itself (the ``ShardedEMA.on_train_batch_end`` hook: decay, foreach update of the local shards); the table reports
 medians over steps 6..N (the first steps warm up allocators and FSDP's lazy init), largest rank.
@@ -36,8 +36,7 @@ def worker(args: argparse.Namespace) -> None:
 
     sys.path.insert(0, str(ROOT))
     from lightning_vitscale import ShardedEMA, VitScaleStrategy
-    from lightning_vitscale._compat import destroy_process_group_safely
-    from lightning_vitscale.demo import TinyViT, generated_images
+    from lightning_vitscale.cli.demo import TinyViT, generated_images
 
     class Timed(ShardedEMA):
         def __init__(self) -> None:
@@ -71,7 +70,7 @@ def worker(args: argparse.Namespace) -> None:
     gathered = trainer.strategy.all_gather(torch.tensor(row, dtype=torch.float64)).reshape(world, -1).tolist()
     if trainer.is_global_zero:
         Path(args.out).write_text(json.dumps(gathered))
-    destroy_process_group_safely()  # Lightning does this for NCCL only; a gloo group left to exit can abort
+    # The strategy destroys the process group at exit (distributed/teardown.py): gloo left to exit can abort.
 
 
 def _free_port() -> int:

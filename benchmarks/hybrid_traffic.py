@@ -1,6 +1,6 @@
 """Bytes each rank sends per training step inside its node and across nodes: full vs hybrid sharding.
 
-Every layout runs a few real training steps of ``lightning_vitscale.demo.TinyViT`` (fp32) on CPU ranks grouped
+Every layout runs a few real training steps of ``lightning_vitscale.cli.demo.TinyViT`` (fp32) on CPU ranks grouped
 into "nodes" on this machine (``torchrun --nnodes N --node-rank i`` per node, each its own process tree), and
 counts the collectives really issued (``torch.distributed`` functions wrapped; each call counted as a ring
 over its process group, a group holding ranks of two nodes counted as across-node). The strategy's own plan
@@ -32,7 +32,7 @@ def worker(out: Path, sizes: list[str], per_node: int, nodes: int) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_vitscale import VitScaleStrategy
-    from lightning_vitscale.demo import TinyViT
+    from lightning_vitscale.cli.demo import TinyViT
     from tests.helpers.recording import TrafficRecorder
 
     warnings.filterwarnings("ignore")

@@ -32,17 +32,19 @@ def build(variant: str):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel
 
-    from lightning_vitscale.demo import TinyViT
-    from lightning_vitscale.parallelize import parallelize
-    from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, ShardingPolicy, resolve_flag
-    from lightning_vitscale.strategy import RootUnit, prefer_foreach
+    from lightning_vitscale.cli.demo import TinyViT
+    from lightning_vitscale.kernels.optimizers import prefer_foreach
+    from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, ShardingPolicy
+    from lightning_vitscale.precision.settings import resolve_flag
+    from lightning_vitscale.sharding.outer_unit import OuterUnit
+    from lightning_vitscale.sharding.parallelize import parallelize
 
     torch.manual_seed(0)
     model = TinyViT(image=32, patch=4, dim=256, depth=6)
     if variant == "ddp":
         root = DistributedDataParallel(model)
     else:
-        root = RootUnit(model)
+        root = OuterUnit(model)
         mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("data_parallel",))
         # The planner's choice under an ample budget: no checkpointing, blocks stay gathered for backward.
         reshard = False if variant == "planner" else None

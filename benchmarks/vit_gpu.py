@@ -385,7 +385,7 @@ def main() -> None:
         return
     import torch
 
-    from lightning_vitscale.throughput import device_peak_flops
+    from lightning_vitscale.monitoring.throughput import device_peak_flops
 
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("benchmarks/vit_gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); "

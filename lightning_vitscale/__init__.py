@@ -2,21 +2,25 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_vitscale.checkpoint import CheckpointError, consolidate_checkpoint
-from lightning_vitscale.checkpoint_loader import install_checkpoint_loader
-from lightning_vitscale.ema import ShardedEMA
-from lightning_vitscale.full_state_dict import StateDictGatherError
-from lightning_vitscale.matching import find_blocks
-from lightning_vitscale.memory import StateBytes, measure_state_bytes
-from lightning_vitscale.parallelize import NoBlocksMatchedError
-from lightning_vitscale.plan import ParallelPlan
-from lightning_vitscale.planner import MemoryPlan, plan_memory
-from lightning_vitscale.policies import KernelPolicy
+from lightning_vitscale.averaging import ShardedEMA
+from lightning_vitscale.checkpoint import (
+    CheckpointError,
+    StateDictGatherError,
+    consolidate_checkpoint,
+    install_checkpoint_loader,
+)
+from lightning_vitscale.discovery import find_blocks
+from lightning_vitscale.kernels import KernelPolicy
+from lightning_vitscale.memory import MemoryPlan, StateBytes, measure_state_bytes, plan_memory
+from lightning_vitscale.monitoring import VitScaleThroughput
 from lightning_vitscale.precision import VitScalePrecision
-from lightning_vitscale.reuse import ShardedModuleReuseError
-from lightning_vitscale.root_unit import OutsideStepCallError
+from lightning_vitscale.sharding import (
+    NoBlocksMatchedError,
+    OutsideStepCallError,
+    ParallelPlan,
+    ShardedModuleReuseError,
+)
 from lightning_vitscale.strategy import VitScaleStrategy
-from lightning_vitscale.throughput import ThroughputMonitor, VitScaleThroughput
 
 if VitScaleStrategy.strategy_name not in StrategyRegistry:
     VitScaleStrategy.register_strategies(StrategyRegistry)
@@ -33,12 +37,11 @@ __all__ = [
     "ParallelPlan",
     "ShardedEMA",
     "ShardedModuleReuseError",
-    "StateDictGatherError",
     "StateBytes",
-    "ThroughputMonitor",
-    "VitScaleThroughput",
+    "StateDictGatherError",
     "VitScalePrecision",
     "VitScaleStrategy",
+    "VitScaleThroughput",
     "consolidate_checkpoint",
     "find_blocks",
     "measure_state_bytes",

@@ -6,56 +6,62 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.distributed import _destroy_dist_connection as destroy_process_group_safely
-from lightning.fabric.utilities.load import _METADATA_FILENAME
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from packaging.version import Version
-from torch.distributed.tensor import DTensor
 
 TORCH_VERSION = Version(torch.__version__.split("+")[0])
 # The oldest torch whose API the code uses: `fully_shard(..., ignored_params=)` (fp32 norms kept out of the bf16
 # units) arrived in 2.7. pyproject's floor is higher: the oldest torch the test suite has passed on (see README).
 TORCH_API_MIN = Version("2.7")
-TORCH_GE_2_6 = TORCH_VERSION >= Version("2.6")
-
-if TORCH_VERSION >= TORCH_API_MIN:
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-else:  # pragma: no cover - pyproject requires a newer torch; kept to give a clear message on old installs
+if TORCH_VERSION < TORCH_API_MIN:  # pragma: no cover - pyproject requires a newer torch: a clear message if not
     raise ImportError(
         f"lightning-vitscale needs torch>={TORCH_API_MIN} for FSDP2 `fully_shard(..., ignored_params=)`;"
         f" found {torch.__version__}. Upgrade torch: `pip install -U 'torch>=2.14'` (the oldest version tested)."
     )
 
-# Reading a whole DCP checkpoint into one process with no process group, as `dcp_to_torch_save` does
-# (the public `dcp.load` fills a copy of the state dict, so the populated keys would be lost).
-import torch._dynamo as dynamo  # noqa: E402  (config for regional compilation lives in kernels.py)
-from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402  (memory planner: shapes without memory)
+# Below the gate, so an old torch fails with the message above rather than on a missing name (ruff: E402 allowed
+# in this file only, see pyproject.toml).
+import torch._dynamo as dynamo  # regional compilation's dynamo options (kernels/compile.py)
+from lightning.fabric.plugins.io import torch_io as lightning_torch_io
+from lightning.fabric.utilities.distributed import _destroy_dist_connection as destroy_process_group_safely
+from lightning.fabric.utilities.load import _METADATA_FILENAME as METADATA_FILENAME
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from lightning.pytorch.core import saving as lightning_saving
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as SubprocessScriptLauncher,
+)
+from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # memory planner: shapes without memory
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # s3://, gs://, memory://
+from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_into
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
+from torch.nn.modules.instancenorm import _InstanceNorm as InstanceNormBase
+from torch.optim.optimizer import _get_fused_kernels_supported_devices as fused_kernel_devices
+from torch.utils._pytree import tree_map
 
-# DCP's fsspec storage (s3://, gs://, file://, memory:// checkpoints) lives in a private module.
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: E402
-from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner  # noqa: E402
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_into  # noqa: E402
-from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # noqa: E402
-from torch.nn.modules.instancenorm import _InstanceNorm as InstanceNormBase  # noqa: E402
-from torch.optim.optimizer import _get_fused_kernels_supported_devices as fused_kernel_devices  # noqa: E402
-from torch.utils._pytree import tree_map  # noqa: E402
+# `dcp_load_into` reads a whole DCP checkpoint into one process with no process group, as `dcp_to_torch_save`
+# does (the public `dcp.load` fills a copy of the state dict, so the populated keys would be lost).
 
-SubprocessScriptLauncher = _SubprocessScriptLauncher
-
-
-# Private hooks this package overrides (strategy.py, grad_scaler.py) or calls (below): fail at import, naming
-# the hook, rather than mid-training, if an upgrade removes one. (`Strategy._precision_plugin`, the slot behind
-# the `precision_plugin` property that strategy.py overrides, is an instance attribute and cannot be checked here.)
+# Private hooks this package overrides (strategy.py, precision/grad_scaler.py) or calls (below): fail at import,
+# naming the hook, rather than mid-training, if an upgrade removes one. (`Strategy._precision_plugin`, the slot
+# behind the `precision_plugin` property that strategy.py overrides, is an instance attribute: not checkable here.)
 _PRIVATE_HOOKS = (
     (ModelParallelStrategy, "_configure_launcher"),
     (ModelParallelStrategy, "_setup_distributed"),
     (Precision, "_after_closure"),
     (torch.amp.GradScaler, "_unscale_grads_"),
 )
+# Lightning opens every checkpoint path with `lightning.fabric.utilities.cloud_io._load`, bound as `pl_load` in
+# the two modules that call it: `LightningModule.load_from_checkpoint` (core/saving.py) and
+# `TorchCheckpointIO.load_checkpoint` (DDP's and single-device resume). checkpoint/lightning_loaders.py wraps both.
+PL_LOAD_MODULES = (lightning_saving, lightning_torch_io)
 _missing = [f"{cls.__name__}.{name}" for cls, name in _PRIVATE_HOOKS if not hasattr(cls, name)]
+_missing += [f"{m.__name__}.pl_load" for m in PL_LOAD_MODULES if not callable(getattr(m, "pl_load", None))]
+_missing += [] if hasattr(torch.serialization, "_get_restore_location") else [
+    "torch.serialization._get_restore_location"]
 if _missing:  # pragma: no cover - depends on the installed torch/Lightning
     raise ImportError(
         f"lightning-vitscale relies on {', '.join(_missing)}, which this torch/Lightning install lacks."
@@ -64,6 +70,10 @@ if _missing:  # pragma: no cover - depends on the installed torch/Lightning
 
 # The fused unscale + inf/nan check GradScaler itself uses, applied to DTensor gradients' local shards.
 amp_unscale_and_check = torch._amp_foreach_non_finite_check_and_unscale_
+# torch.load's rule for `map_location` (device, string, dict or callable) applied to one storage.
+restore_location = torch.serialization._get_restore_location
+# dynamo's per-code-object budget of compiled variants was `cache_size_limit` before torch 2.7 renamed it.
+DYNAMO_RECOMPILE_LIMIT = "recompile_limit" if hasattr(dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
 def setup_distributed(strategy: ModelParallelStrategy) -> None:
@@ -77,6 +87,12 @@ def set_device_mesh(strategy: ModelParallelStrategy, module: Any, mesh: Any) -> 
     module._device_mesh = mesh
 
 
+def set_lightning_device(module: torch.nn.Module, device: torch.device) -> None:
+    """What ``LightningModule.device`` reports: Lightning's device mixin keeps it in ``_device``, updated only by
+    ``module.to(...)``, which a strategy that shards instead of moving never calls."""
+    module._device = device  # type: ignore[assignment]
+
+
 def after_closure(plugin: Precision, model: Any, optimizer: Any) -> None:
     """Lightning's post-closure step (gradient clipping hooks) of a precision plugin that runs its own step."""
     plugin._after_closure(model, optimizer)
@@ -87,72 +103,44 @@ def set_parameters(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor])
     module._parameters.update(tensors)  # type: ignore[arg-type]  # plain tensors on purpose
 
 
-# dynamo's per-code-object budget of compiled variants was `cache_size_limit` before torch 2.7 renamed it.
-DYNAMO_RECOMPILE_LIMIT = "recompile_limit" if hasattr(dynamo.config, "recompile_limit") else "cache_size_limit"
-
-
 def compile_context(module: Any) -> Any:
     """The compile context Lightning's ``from_compiled`` left on a LightningModule (``None`` if not compiled)."""
     ctx = getattr(module, "_compiler_ctx", None)
     return None if ctx is None else ctx["dynamo_ctx"]
 
-def set_lightning_device(module: torch.nn.Module, device: torch.device) -> None:
-    """What ``LightningModule.device`` reports: Lightning's device mixin keeps it in ``_device``, updated only by
-    ``module.to(...)``, which a strategy that shards instead of moving never calls."""
-    module._device = device  # type: ignore[assignment]
 
 __all__ = [
-    "after_closure",
-    "amp_unscale_and_check",
-    "set_device_mesh",
-    "setup_distributed",
-    "compile_context",
-    "set_lightning_device",
-    "set_parameters",
-    "destroy_process_group_safely",
-    "EmptyStateDictLoadPlanner",
-    "FsspecReader",
-    "FsspecWriter",
-    "dcp_load_into",
-    "dynamo",
-    "DYNAMO_RECOMPILE_LIMIT",
-    "optimizers_to_device",
     "BatchNormBase",
-    "InstanceNormBase",
-    "tree_map",
+    "CPUOffloadPolicy",
+    "DTensor",
+    "DYNAMO_RECOMPILE_LIMIT",
+    "EmptyStateDictLoadPlanner",
+    "FSDPModule",
     "FakeTensor",
     "FakeTensorMode",
-    "fused_kernel_devices",
-    "SubprocessScriptLauncher",
-    "DTensor",
-    "FSDPModule",
-    "CPUOffloadPolicy",
-    "OffloadPolicy",
+    "FsspecReader",
+    "FsspecWriter",
+    "InstanceNormBase",
     "METADATA_FILENAME",
     "MixedPrecisionPolicy",
     "ModelParallelStrategy",
+    "OffloadPolicy",
+    "PL_LOAD_MODULES",
+    "SubprocessScriptLauncher",
     "TORCH_VERSION",
+    "after_closure",
+    "amp_unscale_and_check",
+    "compile_context",
+    "dcp_load_into",
+    "destroy_process_group_safely",
+    "dynamo",
     "fully_shard",
+    "fused_kernel_devices",
+    "optimizers_to_device",
+    "restore_location",
+    "set_device_mesh",
     "set_lightning_device",
+    "set_parameters",
+    "setup_distributed",
+    "tree_map",
 ]
-
-METADATA_FILENAME = _METADATA_FILENAME
-
-# Lightning opens every checkpoint path with `lightning.fabric.utilities.cloud_io._load`, bound as `pl_load` in
-# the two modules that call it: `LightningModule.load_from_checkpoint` (core/saving.py) and
-# `TorchCheckpointIO.load_checkpoint` (DDP's and single-device resume). checkpoint_loader.py wraps both names.
-from lightning.fabric.plugins.io import torch_io as lightning_torch_io  # noqa: E402
-from lightning.pytorch.core import saving as lightning_saving  # noqa: E402
-
-PL_LOAD_MODULES = (lightning_saving, lightning_torch_io)
-_missing_loaders = [f"{m.__name__}.pl_load" for m in PL_LOAD_MODULES if not callable(getattr(m, "pl_load", None))]
-_missing_loaders += [] if hasattr(torch.serialization, "_get_restore_location") else [
-    "torch.serialization._get_restore_location"]
-if _missing_loaders:  # pragma: no cover - depends on the installed torch/Lightning
-    raise ImportError(
-        f"lightning-vitscale relies on {', '.join(_missing_loaders)}, which this torch/Lightning install lacks."
-        " Install a supported pair: `pip install 'torch>=2.14' 'lightning>=2.5,<3'`."
-    )
-# torch.load's rule for `map_location` (device, string, dict or callable) applied to one storage.
-restore_location = torch.serialization._get_restore_location
-__all__ += ["PL_LOAD_MODULES", "restore_location"]

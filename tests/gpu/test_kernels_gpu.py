@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from lightning_vitscale.activation_checkpointing import apply_activation_checkpointing
-from lightning_vitscale.attention import (
+from lightning_vitscale.cli.demo import Block, TinyViT, generated_images
+from lightning_vitscale.kernels.attention import (
     XFORMERS,
     AttentionCall,
     AttentionRouter,
@@ -23,9 +23,9 @@ from lightning_vitscale.attention import (
     sdpa_via_xformers,
     xformers_available,
 )
-from lightning_vitscale.demo import Block, TinyViT, generated_images
+from lightning_vitscale.monitoring.throughput import VitScaleThroughput, device_peak_flops
+from lightning_vitscale.sharding.activation_checkpointing import apply_activation_checkpointing
 from lightning_vitscale.strategy import VitScaleStrategy
-from lightning_vitscale.throughput import VitScaleThroughput, device_peak_flops
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

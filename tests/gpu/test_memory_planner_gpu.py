@@ -13,11 +13,13 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from examples.models.vit import VisionTransformer
-from lightning_vitscale.memory_budget import StepSettings, predict_step
-from lightning_vitscale.parallelize import parallelize
-from lightning_vitscale.planner import step_inputs
-from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, resolve_flag
-from lightning_vitscale.strategy import RootUnit, prefer_foreach
+from lightning_vitscale.kernels.optimizers import prefer_foreach
+from lightning_vitscale.memory.planner import step_inputs
+from lightning_vitscale.memory.step_model import StepSettings, predict_step
+from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig
+from lightning_vitscale.precision.settings import resolve_flag
+from lightning_vitscale.sharding.outer_unit import OuterUnit
+from lightning_vitscale.sharding.parallelize import parallelize
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -43,7 +45,7 @@ def test_predicted_peak_matches_max_memory_allocated(mesh, size, batch, ac):
 
     with torch.device(CUDA):
         model = VisionTransformer.from_size(size, 224, 3, 1000)
-    root = RootUnit(model)
+    root = OuterUnit(model)
     parallelize(root, model, mesh, ParallelConfig(checkpointing=CheckpointingPolicy(blocks=ac)), policy, CUDA)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     prefer_foreach([optimizer])

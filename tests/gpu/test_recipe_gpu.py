@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_vitscale.demo import TinyViT, generated_images
+from lightning_vitscale.cli.demo import TinyViT, generated_images
 from lightning_vitscale.strategy import VitScaleStrategy
 from tests.helpers.recording import DtypeRecorder
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_vitscale import attention
-from lightning_vitscale.attention import AttentionBackend
+from lightning_vitscale.kernels import attention
+from lightning_vitscale.kernels.attention import AttentionBackend
 
 
 class CountingMath:

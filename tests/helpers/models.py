@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_vitscale.demo import Block, TinyViT
+from lightning_vitscale.cli.demo import Block, TinyViT
 
 IMAGE = 32
 CLASSES = 10
@@ -178,7 +178,7 @@ def train_dropout_vit(strategy, accelerator: str, devices: int = 1, steps: int =
 
     from torch._dynamo.utils import counters
 
-    from lightning_vitscale.demo import generated_images
+    from lightning_vitscale.cli.demo import generated_images
 
     torch._dynamo.reset()
     counters.clear()

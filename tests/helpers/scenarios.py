@@ -27,7 +27,7 @@ def rank_zero_alone(call: Callable[[], Any], timeout: float = 3.0) -> dict:
     ranks join nothing for longer than that. Returns rank 0's error text (``None``: it returned) and seconds."""
     import torch.distributed as dist
 
-    from lightning_vitscale.collective_guard import side_group
+    from lightning_vitscale.distributed.collective_guard import side_group
 
     set_timeout(timeout, dist.group.WORLD)
     set_timeout(timeout, side_group())  # where the call's handshake waits for the other ranks

@@ -15,12 +15,13 @@ from torch.optim.swa_utils import AveragedModel
 
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale._compat import DTensor
-from lightning_vitscale.lightning_averaging import shard_averaged_copies, shard_like
-from lightning_vitscale.matching import is_normalization
-from lightning_vitscale.parallelize import parallelize
-from lightning_vitscale.policies import ParallelConfig, resolve_flag
-from lightning_vitscale.root_unit import RootUnit
-from lightning_vitscale.sync_batchnorm import apply_sync_batchnorm
+from lightning_vitscale.averaging.lightning_callbacks import shard_averaged_copies, shard_like
+from lightning_vitscale.discovery.norms import is_normalization
+from lightning_vitscale.policies import ParallelConfig
+from lightning_vitscale.precision.settings import resolve_flag
+from lightning_vitscale.sharding.outer_unit import OuterUnit
+from lightning_vitscale.sharding.parallelize import parallelize
+from lightning_vitscale.sharding.sync_batchnorm import apply_sync_batchnorm
 from tests.helpers.models import Classifier, EncoderClassifier, SmallResNet
 
 
@@ -77,7 +78,7 @@ def test_averaged_copy_is_sharded_like_the_model_with_its_own_values(mesh):
         for p in averaged.parameters():
             p.add_(1.0)  # the copy's values are its own, not the model's
     expected = {name: p.detach().clone() for name, p in averaged.named_parameters()}
-    parallelize(RootUnit(model), model, mesh, ParallelConfig(), resolve_flag("32-true"), torch.device("cpu"))
+    parallelize(OuterUnit(model), model, mesh, ParallelConfig(), resolve_flag("32-true"), torch.device("cpu"))
     shard_like(averaged, model)
     live = dict(model.named_parameters())
     for name, p in averaged.named_parameters():
@@ -91,7 +92,7 @@ def test_averaging_checkpoints_are_refused_not_silently_partial(mesh):
     model = EncoderClassifier(dim=32, depth=2)
     callback = WeightAveraging()
     callback._average_model = AveragedModel(copy.deepcopy(model))
-    parallelize(RootUnit(model), model, mesh, ParallelConfig(), resolve_flag("32-true"), torch.device("cpu"))
+    parallelize(OuterUnit(model), model, mesh, ParallelConfig(), resolve_flag("32-true"), torch.device("cpu"))
     with pytest.raises(ValueError, match="enable_checkpointing=False.*ShardedEMA"):
         shard_averaged_copies([callback], model, torch.device("cpu"), checkpointing=True)
     assert shard_averaged_copies([callback], model, torch.device("cpu")) == 1

@@ -13,10 +13,10 @@ import lightning as L
 import torch
 from lightning.pytorch.tuner import Tuner
 
-import lightning_vitscale.checkpoint_io as checkpoint_io
+import lightning_vitscale.checkpoint.load as checkpoint_load
 import lightning_vitscale.strategy as strategy_module
 from lightning_vitscale import VitScaleStrategy
-from lightning_vitscale.checkpoint_storage import Location
+from lightning_vitscale.checkpoint import Location, remove_checkpoint
 from tests.distributed.scripts.checkpoints import RANK, WORLD, equal, make_trainer, snapshot
 from tests.helpers.models import Classifier, loader
 from tests.helpers.scenarios import run_scenarios
@@ -83,7 +83,7 @@ def _load_then_remove(trainer: L.Trainer, path: Path, remove) -> dict:
     (slowed by 3 s) when rank 0 is done, and rank 0's delete slowed by 2 s."""
     trainer.save_checkpoint(path)
     error = None
-    with mock.patch.object(checkpoint_io, "load_pickle", _slowed(1, 3.0, checkpoint_io.load_pickle)), \
+    with mock.patch.object(checkpoint_load, "load_pickle", _slowed(1, 3.0, checkpoint_load.load_pickle)), \
             mock.patch.object(Location, "remove", _slowed(0, 2.0, Location.remove)):
         try:
             trainer.strategy.load_checkpoint(path)
@@ -95,7 +95,7 @@ def _load_then_remove(trainer: L.Trainer, path: Path, remove) -> dict:
 
 def remove_while_reading() -> dict:
     """A sharded folder goes only once every rank is done with it, and is gone on every rank once removal
-    returns: through ``strategy.remove_checkpoint``, and through ``checkpoint_io.remove`` alone. On gloo the
+    returns: through ``strategy.remove_checkpoint``, and through ``checkpoint.remove_checkpoint`` alone. On gloo the
     strategy's broadcast of the path already waits for every rank (a gloo broadcast returns on the root only
     once all ranks joined it), so only the second case observes ``remove``'s first barrier (NCCL's broadcast
     does not wait on the host)."""
@@ -108,7 +108,7 @@ def remove_while_reading() -> dict:
     return {
         "strategy": _load_then_remove(trainer, folder / "a.ckpt", strategy.remove_checkpoint),
         "function": _load_then_remove(
-            trainer, folder / "b.ckpt", lambda p: checkpoint_io.remove(Location.of(str(p)), RANK == 0, strategy.barrier)
+            trainer, folder / "b.ckpt", lambda p: remove_checkpoint(Location.of(str(p)), RANK == 0, strategy.barrier)
         ),
     }
 

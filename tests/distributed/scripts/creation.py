@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale._compat import DTensor
-from lightning_vitscale.reuse import ShardedModuleReuseError
+from lightning_vitscale.sharding.reuse import ShardedModuleReuseError
 from tests.helpers.models import HFViT, loader, timm_vit
 from tests.helpers.scenarios import run_scenarios
 

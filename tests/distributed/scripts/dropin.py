@@ -17,7 +17,7 @@ from torch.optim.swa_utils import get_ema_avg_fn
 
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale._compat import DTensor
-from lightning_vitscale.kernels import is_compiled
+from lightning_vitscale.kernels.compile import is_compiled
 from tests.helpers.models import Classifier, loader, random_images
 from tests.helpers.scenarios import rank_zero_alone, run_scenarios
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from lightning_vitscale import ShardedEMA, VitScaleStrategy
 from lightning_vitscale._compat import DTensor
-from lightning_vitscale.memory import full_bytes, local_bytes
+from lightning_vitscale._utils import full_bytes, local_bytes
 from tests.helpers.models import IMAGE, Classifier, loader
 from tests.helpers.recording import count_collectives
 

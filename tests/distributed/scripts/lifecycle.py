@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from lightning_vitscale import KernelPolicy, VitScaleStrategy
 from lightning_vitscale._compat import DTensor
-from lightning_vitscale.demo import TinyViT, generated_images
+from lightning_vitscale.cli.demo import TinyViT, generated_images
 from tests.helpers.attention_stand_in import substituted
 from tests.helpers.models import Classifier, loader
 from tests.helpers.scenarios import run_scenarios

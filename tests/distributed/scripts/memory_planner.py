@@ -18,12 +18,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_vitscale.demo import TinyViT
-from lightning_vitscale.memory_budget import StepSettings, predict_step
-from lightning_vitscale.parallelize import parallelize
-from lightning_vitscale.planner import step_inputs
-from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, resolve_flag
-from lightning_vitscale.strategy import RootUnit, prefer_foreach
+from lightning_vitscale.cli.demo import TinyViT
+from lightning_vitscale.kernels.optimizers import prefer_foreach
+from lightning_vitscale.memory.planner import step_inputs
+from lightning_vitscale.memory.step_model import StepSettings, predict_step
+from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig
+from lightning_vitscale.precision.settings import resolve_flag
+from lightning_vitscale.sharding.outer_unit import OuterUnit
+from lightning_vitscale.sharding.parallelize import parallelize
 from tests.helpers.peak import phased_step_peak
 from tests.helpers.scenarios import run_scenarios
 
@@ -54,7 +56,7 @@ def scenario(shape: str, ac: str, precision: str) -> dict:
     if policy.master != torch.float32:
         model = model.to(policy.master)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
-    root = RootUnit(model)
+    root = OuterUnit(model)
     config = ParallelConfig(checkpointing=CheckpointingPolicy(blocks=ac == "on"))
     done = parallelize(root, model, mesh, config, policy, torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -88,8 +90,8 @@ def auto_first_step() -> dict:
     from torch.utils.data import DataLoader
 
     from lightning_vitscale import VitScaleStrategy
-    from lightning_vitscale.activation_checkpointing import is_checkpointed
-    from lightning_vitscale.demo import generated_images
+    from lightning_vitscale.cli.demo import generated_images
+    from lightning_vitscale.sharding.activation_checkpointing import is_checkpointed
 
     kwargs, batch = SHAPES["long"]
     with torch.device("meta"):

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vitscale import VitScalePrecision, VitScaleStrategy
-from lightning_vitscale.demo import TinyViT
+from lightning_vitscale.cli.demo import TinyViT
 from tests.helpers.models import Classifier, loader
 from tests.helpers.recording import DtypeRecorder, count_collectives, linear_bf16_share
 from tests.helpers.scenarios import run_scenarios

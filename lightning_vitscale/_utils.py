@@ -1,0 +1,72 @@
+"""Small helpers several concerns share: local shards, byte counts and their text, wrapper prefixes, host memory.
+
+Each lived in two to five modules before; one home keeps their rules (FSDP's padding, the key prefixes wrappers
+add) from drifting apart. Imports nothing of the package but ``_compat``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from lightning_vitscale._compat import DTensor
+
+GIB = 2**30
+MIB = 2**20
+
+# Prefixes that wrappers add to parameter names: torch.compile, torch's checkpoint wrapper, FSDP1, Lightning.
+WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_forward_module.")
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank stores: a DTensor's local shard, any other tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes this rank actually stores for ``tensors`` (a DTensor counts its local shard only)."""
+    return sum(local_tensor(t).numel() * t.element_size() for t in tensors)
+
+
+def full_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes the same tensors take unsharded (what one DDP rank holds)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def shard_rows(rows: int, shard_group: int) -> int:
+    """Rows of dim 0 each rank holds: FSDP2 pads dim 0 to a multiple of the shard-group size (``torch.chunk``)."""
+    return math.ceil(rows / shard_group)
+
+
+def mib(n: float, digits: int = 1) -> str:
+    return f"{n / MIB:,.{digits}f} MiB"
+
+
+def human_bytes(n: float) -> str:
+    """GiB from one GiB up, MiB below: the unit people read memory budgets in."""
+    return f"{n / GIB:,.2f} GiB" if n >= GIB else mib(n)
+
+
+def strip_wrapper_prefixes(name: str) -> str:
+    """A parameter's name as the plain module's state dict spells it (and so a DDP checkpoint)."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def available_host_bytes() -> int | None:
+    """``MemAvailable`` of this host (Linux), or ``None`` where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return None

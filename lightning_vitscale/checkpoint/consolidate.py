@@ -1,0 +1,119 @@
+"""A sharded checkpoint as one ``torch.save`` file (or the dict it holds), in one process with no process group:
+what ``python -m lightning_vitscale consolidate`` and Lightning's loaders of sharded folders use."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from lightning_vitscale._compat import dcp_load_into
+from lightning_vitscale._utils import strip_wrapper_prefixes
+from lightning_vitscale.checkpoint.errors import CheckpointError
+from lightning_vitscale.checkpoint.formats import (
+    EMA_KEY,
+    META,
+    PARTIAL_SUFFIX,
+    PathLike,
+    as_full,
+    is_own_entry,
+    sharded_shapes,
+)
+from lightning_vitscale.checkpoint.optimizer_state import to_torch_format
+from lightning_vitscale.checkpoint.safe_reading import (
+    SafeEmptyLoadPlanner,
+    load_pickle,
+    refused_values_named,
+    safe_reader,
+)
+from lightning_vitscale.checkpoint.storage import Location, torch_save
+
+
+def consolidate_command(path: PathLike) -> str:
+    """The exact command that turns the sharded folder ``path`` into one file ``load_from_checkpoint`` reads."""
+    src = os.fspath(path).rstrip("/")
+    stem = src[: -len(".ckpt")] if src.endswith(".ckpt") else src
+    return f"python -m lightning_vitscale consolidate {src} {stem}.consolidated.ckpt"
+
+
+def consolidate_checkpoint(
+    src: PathLike,
+    dst: PathLike,
+    dtype: torch.dtype | None = torch.float32,
+    weights_only: bool | None = None,
+    weights: Literal["raw", "ema"] = "raw",
+) -> PathLike:
+    """Turn a sharded checkpoint into one ``torch.save`` file a plain LightningModule loads with ``strict=True``.
+
+    Runs in one process, no process group. Model keys are free of wrapper/compile prefixes and floating
+    tensors are full ``dtype`` tensors (``None`` keeps the saved dtypes). Optimizer states are renumbered to
+    torch's native format, so the file also resumes training under ``strategy="ddp"`` (with its EMA, if any) and
+    ``MyModule.load_from_checkpoint(dst)`` reads it. ``weights_only`` applies to every pickle in ``src``
+    (``None``: torch's default, True); pass ``False`` only for checkpoints you trust. Paths may be fsspec URLs.
+    ``weights="ema"`` puts the EMA of the weights (``ShardedEMA``) in ``state_dict`` instead: a file for
+    inference or fine-tuning, without optimizer states, so that resuming from it fails instead of silently
+    training on from the average.
+    """
+    checkpoint = load_consolidated(src, dtype=dtype, weights_only=weights_only, weights=weights)
+    target = Location.of(dst)
+    target.fs.makedirs(posixpath.dirname(target.path), exist_ok=True)
+    tmp = target.with_suffix(PARTIAL_SUFFIX)
+    torch_save(checkpoint, tmp)
+    tmp.move_to(target)
+    return dst if target.is_url else Path(dst)
+
+
+def load_consolidated(
+    src: PathLike,
+    dtype: torch.dtype | None = None,
+    weights_only: bool | None = None,
+    weights: Literal["raw", "ema"] = "raw",
+) -> dict[str, Any]:
+    """The checkpoint dict :func:`consolidate_checkpoint` writes, in memory: what ``torch.load`` of DDP's file
+    returns (plain keys, full CPU tensors, torch-native optimizer states, Lightning's metadata). One process, no
+    process group; ``weights_only`` and ``weights`` as in :func:`consolidate_checkpoint`. ``dtype=None`` (the
+    default here) keeps the saved dtypes, as a ``state_dict_type="full"`` file holds them.
+
+    ``optimizer_states`` is present only when the save had them (Lightning writes it together with
+    ``lr_schedulers``): a weights-only save then fails a resumed fit with Lightning's own error, as under DDP,
+    instead of resuming the weights with fresh optimizers."""
+    source = Location.of(src)
+    sharded_shapes(source, weights_only)  # complete and readable, or a clear error
+    state: dict[str, Any] = {}
+    if weights not in ("raw", "ema"):
+        raise ValueError(f"`weights` must be 'raw' or 'ema'; got {weights!r}.")
+    reader = safe_reader(source, weights_only)
+    with refused_values_named(source):
+        dcp_load_into(state, storage_reader=reader, planner=SafeEmptyLoadPlanner(weights_only), no_dist=True)
+    checkpoint = load_pickle(source.child(META), weights_only)
+    checkpoint["state_dict"] = _plain_keys(state.pop("state_dict"), dtype)
+    optimizers = [state.pop(k) for k in sorted((k for k in state if is_own_entry(k)), key=_index)]
+    if optimizers or "lr_schedulers" in checkpoint:
+        checkpoint["optimizer_states"] = [to_torch_format(o) for o in optimizers]
+    checkpoint.update({key: _plain_keys(entry, dtype) for key, entry in state.items()})
+    if weights == "ema":
+        _ema_as_weights(checkpoint, source.url)
+    return checkpoint
+
+
+def _plain_keys(entry: dict[str, Any], dtype: torch.dtype | None) -> dict[str, Any]:
+    return {strip_wrapper_prefixes(key): as_full(value, dtype) for key, value in entry.items()}
+
+
+def _ema_as_weights(checkpoint: dict[str, Any], src: str) -> None:
+    ema = checkpoint.pop(EMA_KEY, None)
+    if ema is None:
+        raise CheckpointError(
+            f"{src} holds no EMA of the weights (it was saved without the ShardedEMA callback)."
+            " Export the raw weights with `--weights raw`, or train with `callbacks=[ShardedEMA()]`."
+        )
+    checkpoint["state_dict"] = {k: ema.get(k, v) for k, v in checkpoint["state_dict"].items()}
+    checkpoint.pop("optimizer_states", None)
+    checkpoint.pop("lr_schedulers", None)
+
+
+def _index(key: str) -> int:
+    return int(key.split("_")[-1])

@@ -1,0 +1,171 @@
+"""What a checkpoint holds: a sharded folder (DCP shards, Lightning's metadata, extra sharded entries such as the
+EMA) or one ``torch.save`` file; its shapes read and checked against the model before any collective."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from lightning_vitscale._compat import METADATA_FILENAME, DTensor
+from lightning_vitscale.checkpoint.errors import CheckpointError
+from lightning_vitscale.checkpoint.safe_reading import load_pickle, refused_values_named, safe_reader
+from lightning_vitscale.checkpoint.storage import DCP_METADATA, Location
+
+META = METADATA_FILENAME
+
+
+PARTIAL_SUFFIX = ".partial"
+
+
+PathLike = str | os.PathLike
+
+
+def partial_path(location: Location) -> Location:
+    return location.with_suffix(PARTIAL_SUFFIX)
+
+
+_OWN_ENTRY = re.compile(r"^(state_dict|optimizer_\d+)$")
+
+
+def is_own_entry(key: str) -> bool:
+    """The model's and the optimizers' entries of a sharded checkpoint (``state_dict``, ``optimizer_<i>``)."""
+    return bool(_OWN_ENTRY.match(key))
+
+
+EMA_KEY = "ema_state_dict"
+
+
+def pop_sharded_entries(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Top-level checkpoint entries holding DTensors (e.g. ``ema_state_dict``): they must go through DCP, since
+    rank 0's ``torch.save`` of the metadata would keep rank 0's shards only."""
+    sharded = [key for key, value in checkpoint.items() if _holds_dtensor(value)]
+    return {key: checkpoint.pop(key) for key in sharded}
+
+
+def _holds_dtensor(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_holds_dtensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_dtensor(v) for v in value)
+    return isinstance(value, DTensor)
+
+
+@dataclass(frozen=True)
+class ShardedEntry:
+    """A top-level entry of a sharded checkpoint other than the model and optimizers, left in the DCP shards.
+
+    Loading needs target DTensors sharded for *this* world size, which only the entry's owner has (e.g.
+    ``ShardedEMA``): the owner calls :meth:`load_into` on every rank (a collective) with its own tensors.
+    """
+
+    location: Location
+    key: str
+    weights_only: bool | None = None
+
+    @property
+    def path(self) -> str:
+        return self.location.url
+
+    def names(self) -> set[str]:
+        metadata = safe_reader(self.location, self.weights_only).read_metadata()
+        prefix = self.key + "."
+        return {k[len(prefix) :] for k in metadata.state_dict_metadata if k.startswith(prefix)}
+
+    def load_into(self, targets: dict[str, Any]) -> None:
+        """Fill ``targets`` (same keys as saved; DTensors of any sharding) in place from the shards."""
+        with refused_values_named(self.location):
+            dcp.load({self.key: targets}, storage_reader=safe_reader(self.location, self.weights_only))
+
+
+def sharded_entries(location: Location, weights_only: bool | None = None) -> dict[str, ShardedEntry]:
+    """The extra DCP entries of a sharded checkpoint (everything but ``state_dict`` and ``optimizer_<i>``)."""
+    metadata = safe_reader(location, weights_only).read_metadata()
+    keys = {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
+    return {key: ShardedEntry(location, key, weights_only) for key in sorted(keys) if not is_own_entry(key)}
+
+
+def checkpoint_shapes(path: PathLike, weights_only: bool | None = None) -> dict[str, torch.Size]:
+    """Model tensor shapes recorded in a checkpoint (sharded folder or full file), without loading tensors."""
+    location = Location.of(path)
+    if not location.exists():
+        partial = partial_path(location)
+        hint = (
+            f" An interrupted save left {partial}; it is incomplete and cannot be loaded." if partial.exists() else ""
+        )
+        raise FileNotFoundError(f"No checkpoint at {location}.{hint}")
+    if location.is_dir():
+        return sharded_shapes(location, weights_only)
+    checkpoint = load_full(location, weights_only)
+    return {k: v.shape for k, v in checkpoint.get("state_dict", {}).items() if torch.is_tensor(v)}
+
+
+def sharded_shapes(location: Location, weights_only: bool | None = None) -> dict[str, torch.Size]:
+    names = location.names()
+    if not any(n.endswith(".distcp") for n in names) and DCP_METADATA not in names:
+        raise CheckpointError(
+            f"{location} is a folder but not a checkpoint (no DCP shards, no {DCP_METADATA}). Pass the folder that"
+            " trainer.save_checkpoint() or ModelCheckpoint wrote, or a single .ckpt file."
+        )
+    if location.url.rstrip("/").endswith(PARTIAL_SUFFIX) or DCP_METADATA not in names or META not in names:
+        raise CheckpointError(
+            f"{location} is an incomplete sharded checkpoint (missing {DCP_METADATA} or {META}): its save was"
+            " interrupted. Resume from an earlier checkpoint."
+        )
+    try:
+        metadata = safe_reader(location, weights_only).read_metadata()
+    except Exception as error:  # noqa: BLE001 - any unreadable metadata means the same thing to the user
+        raise CheckpointError(f"{location} is not a readable checkpoint: {error}") from error
+    prefix = "state_dict."
+    return {
+        key[len(prefix) :]: meta.size
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+
+
+def load_full(location: Location, weights_only: bool | None) -> dict[str, Any]:
+    """One ``torch.save`` file; ``weights_only=None`` is torch's default (True), as under DDP."""
+    checkpoint = load_pickle(location, weights_only, mmap=True)
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise CheckpointError(f"{location} is not a Lightning checkpoint: it has no 'state_dict'.")
+    return checkpoint
+
+
+def validate_against(
+    path: PathLike, expected: dict[str, torch.Size], strict: bool = True, weights_only: bool | None = None
+) -> None:
+    """Raise a CheckpointError listing missing/unexpected keys and shape mismatches, before any collective."""
+    found = checkpoint_shapes(path, weights_only)
+    missing = sorted(expected.keys() - found.keys()) if strict else []
+    unexpected = sorted(found.keys() - expected.keys()) if strict else []
+    shapes = sorted(
+        f"{k}: checkpoint {tuple(found[k])} vs model {tuple(expected[k])}"
+        for k in expected.keys() & found.keys()
+        if tuple(found[k]) != tuple(expected[k])
+    )
+    problems = [(label, items) for label, items in (("missing", missing), ("unexpected", unexpected),
+                                                     ("shape mismatch", shapes)) if items]
+    if problems:
+        detail = "; ".join(f"{label} ({len(items)}): {', '.join(items[:5])}" for label, items in problems)
+        raise CheckpointError(f"Checkpoint {path} does not match the model: {detail}.")
+
+
+def model_shapes(module: nn.Module) -> dict[str, torch.Size]:
+    """Global shapes of the module's state (DTensors report their unsharded shape)."""
+    return {k: v.shape for k, v in module.state_dict().items() if torch.is_tensor(v)}
+
+
+def as_full(value: Any, dtype: torch.dtype | None) -> Any:
+    """A DTensor gathered (in one process: its whole value), floating tensors cast to ``dtype`` unless ``None``."""
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    if torch.is_tensor(value) and dtype is not None and value.is_floating_point():
+        return value.to(dtype)
+    return value

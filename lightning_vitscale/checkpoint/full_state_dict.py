@@ -1,0 +1,204 @@
+"""``model.state_dict()`` / ``model.load_state_dict()`` of a sharded model as under DDP: plain full tensors.
+
+Under ``strategy="ddp"`` a user saves ``torch.save(model.state_dict(), path)`` after ``fit`` (or in a callback) and
+loads that file into a plain model in any script; ``model.load_state_dict(weights)`` loads plain weights into the
+trained model. FSDP2 makes both hand out or expect ``DTensor`` shards: the saved file then holds one rank's
+slices and fails to load into a plain model, so the weights are lost. Hooks on the LightningModule and every
+submodule (``install``) restore DDP's behaviour outside the strategy's own code:
+
+- ``state_dict()``: after the outermost module's own state dict is built (FSDP's keys are the plain module's),
+  each sharded tensor is gathered, one at a time, and copied to the CPU, as are the buffers FSDP leaves whole.
+  **CPU, not the device**: a model that only fits on the devices sharded has no room for a full copy next to
+  its shards; a gathered tensor occupies the device only until it is copied (one full tensor beyond the shards
+  at a time). It is what DDP hands out after ``fit`` too (Lightning moves the model to the CPU at teardown).
+  The host holds one full copy per rank, as under DDP. ``keep_vars=True`` asks for the module's own tensors,
+  so it returns the live sharded parameters.
+- ``load_state_dict(full)``: each rank cuts its own shard out of the full tensor (no communication); keys,
+  ``strict`` and shape mismatches are torch's own checks and messages.
+
+Gathering is a collective: every rank must call ``state_dict()``. Before the first tensor, every rank states what
+it gathers in one handshake on a side group (distributed/collective_guard.py): a call on one rank, even during
+training while the others go on to their next step, or different calls on different ranks, fail with
+:class:`StateDictGatherError` (within the strategy's ``timeout``), which names the fixes, and nothing is sent on
+the model's process group. The strategy's checkpoint code wants the sharded form (DCP saves, loads and reshards
+it): it runs inside :func:`sharded_state_dicts`. ``ShardedEMA`` reads the names with ``keep_vars=True``, which
+gathers nothing either.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import distribute_tensor
+
+from lightning_vitscale._compat import DTensor, FSDPModule
+from lightning_vitscale.distributed import collective_guard
+
+_MARK = "_vitscale_full_state_dict"
+
+
+class StateDictGatherError(RuntimeError):
+    """Gathering a sharded model's ``state_dict()`` failed, most often because not every rank called it."""
+
+
+class _Local(threading.local):
+    internal = 0  # depth of sharded_state_dicts() blocks on this thread
+    outermost: nn.Module | None = None  # the module whose state_dict() the user called
+
+
+_local = _Local()
+# module -> the outer FSDP unit around it (weakly: the hooks must not keep a model alive).
+_OUTER: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
+
+
+@contextmanager
+def sharded_state_dicts() -> Iterator[None]:
+    """Inside the block, ``state_dict()`` / ``load_state_dict()`` of hooked modules are FSDP2's: ``DTensor`` shards.
+
+    For the strategy's own code (DCP checkpoints, ``get_model_state_dict``, shape checks): it saves, loads and
+    reshards shards, and must not gather the model.
+    """
+    _local.internal += 1
+    try:
+        yield
+    finally:
+        _local.internal -= 1
+
+
+def install(model: nn.Module, outer_unit: nn.Module | None = None) -> None:
+    """Hook ``model`` and its submodules so their state dicts are DDP's outside :func:`sharded_state_dicts`.
+
+    ``outer_unit``: the outer FSDP unit around ``model``; a load first frees what a forward left gathered (plain tensors
+    in the parameter slots, e.g. a call outside a step with gradients on), so it fills the shards. Module-level
+    functions as hooks: a deep copy of the model (e.g. by a weight-averaging callback) keeps working hooks and
+    holds no reference to the strategy. Idempotent.
+    """
+    for module in model.modules():
+        if next(module.parameters(), None) is None:
+            # Nothing sharded below (metrics, activations, parameter-free containers). Hooking it anyway would
+            # break modules whose hash follows their state (torchmetrics): torch's load-hook wrapper keeps a plain
+            # weakref to the module, which caches the first hash, so WeakKeyDictionary lookups (ModuleTracker,
+            # FlopCounterMode) miss the module after its next update.
+            continue
+        if outer_unit is not None:
+            _OUTER[module] = weakref.ref(outer_unit)
+        if module.__dict__.get(_MARK):
+            continue
+        module.register_state_dict_pre_hook(_before_state_dict)
+        module.register_state_dict_post_hook(_gather_state_dict)
+        module.register_load_state_dict_pre_hook(_shard_loaded_values)
+        module.__dict__[_MARK] = True
+
+
+def _before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    if _local.internal:
+        return
+    # Nested calls (torch's recursion into children) always have a prefix: "" is a new call from outside, and
+    # forgets what a call that raised midway left behind.
+    if prefix == "" or _local.outermost is None:
+        _local.outermost = None if keep_vars else module
+
+
+def _gather_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    if _local.internal or _local.outermost is not module:
+        return
+    _local.outermost = None
+    _agree_on_gather([(key, value) for key, value in state_dict.items() if key.startswith(prefix)])
+    for key, value in state_dict.items():
+        if key.startswith(prefix) and isinstance(value, DTensor):
+            state_dict[key] = _gathered(key, value)
+        elif key.startswith(prefix) and torch.is_tensor(value):
+            state_dict[key] = value.cpu()  # buffers FSDP leaves whole (BatchNorm statistics): all on the CPU
+
+
+def _agree_on_gather(items: list[tuple[str, Any]]) -> None:
+    """One handshake per ``state_dict()`` call, before its first gather: the same sharded tensors on every rank."""
+    sharded = [(key, tuple(value.shape)) for key, value in items if isinstance(value, DTensor)]
+    if not sharded:
+        return  # nothing to gather: no collective
+    check = collective_guard.fingerprint(f"{key}:{shape}" for key, shape in sharded)
+    try:
+        collective_guard.agree(collective_guard.STATE_DICT, len(sharded), check)
+    except RuntimeError as error:
+        raise _gather_error(sharded[0][0], error) from error
+
+
+@torch.no_grad()
+def _gathered(key: str, value: DTensor) -> torch.Tensor:
+    mesh_device = value.device_mesh.device_type
+    if value.device.type != mesh_device:  # offload="cpu": host shards, gathered by the device's backend (NCCL)
+        value = cast(DTensor, value.to(mesh_device))
+    try:
+        full = value.full_tensor()
+    except RuntimeError as error:
+        raise _gather_error(key, error) from error
+    return full.cpu()
+
+
+def _gather_error(key: str, error: RuntimeError) -> StateDictGatherError:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return StateDictGatherError(
+        f"state_dict() of a model sharded by VitScaleStrategy gathers every sharded tensor (here `{key}`), a"
+        f" collective that every rank must join; on rank {rank} it failed: {error}. Call `state ="
+        " model.state_dict()` on every rank and save on rank 0 only (`if trainer.is_global_zero:"
+        " torch.save(state, path)`), or save with `trainer.save_checkpoint(path)` (one file in DDP's format"
+        " with VitScaleStrategy(state_dict_type='full')), or turn a sharded checkpoint into one file with"
+        " `python -m lightning_vitscale consolidate SRC DST`. A call the other ranks never make fails after"
+        " VitScaleStrategy(timeout=...)."
+    )
+
+
+def _shard_loaded_values(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """A full plain tensor for a sharded slot becomes this rank's shard of it (torch's load then copies shards).
+
+    Values whose shape differs from the slot's stay as they are, so torch reports its usual size mismatch.
+    ``torch.nn.Module.load_state_dict`` loads from its own copy of the dict: the caller's dict is unchanged.
+    """
+    if _local.internal:
+        return
+    slots = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+    if any(isinstance(t, nn.Parameter) and not isinstance(t, DTensor) for _, t in slots):
+        _reshard_all(module)  # gathered: FSDP's own load hook reshards too, but may run after this one
+        slots = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+    for name, target in slots:
+        value = state_dict.get(prefix + name)
+        if (
+            isinstance(target, DTensor)
+            and torch.is_tensor(value)
+            and not isinstance(value, DTensor)
+            and value.shape == target.shape
+        ):
+            # src_data_rank=None: every rank holds the full tensor, each keeps its own slice, no collective.
+            state_dict[prefix + name] = distribute_tensor(
+                value.detach(), target.device_mesh, target.placements, src_data_rank=None
+            )
+
+
+def _reshard_all(module: nn.Module) -> None:
+    """Free every gathered unit of the model ``module`` belongs to (local): the shards are the parameters again."""
+    ref = _OUTER.get(module)
+    outer = ref() if ref is not None else None
+    if outer is None:
+        return
+    release = getattr(outer, "release", None)
+    if callable(release):
+        release()  # OuterUnit: also forgets the gathered copy and the gradients computed on it
+    for unit in outer.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()

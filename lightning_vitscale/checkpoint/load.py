@@ -1,0 +1,101 @@
+"""Loading into a sharded LightningModule: what the strategy's ``load_checkpoint`` runs, for a sharded folder of
+any world size or a single file (DDP's, or ``consolidate``'s)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from lightning_vitscale.checkpoint.formats import (
+    META,
+    PathLike,
+    load_full,
+    model_shapes,
+    sharded_entries,
+    validate_against,
+)
+from lightning_vitscale.checkpoint.full_state_dict import sharded_state_dicts
+from lightning_vitscale.checkpoint.optimizer_state import (
+    rekey_by_position,
+    require_optimizer_states,
+    saved_entries,
+    saved_param_groups,
+    set_optimizer_state,
+    untouched_if_fresh,
+)
+from lightning_vitscale.checkpoint.safe_reading import SafeLoadPlanner, load_pickle, refused_values_named, safe_reader
+from lightning_vitscale.checkpoint.storage import Location
+
+
+def load_checkpoint(
+    location: Location,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    strict: bool,
+    weights_only: bool | None,
+) -> dict[str, Any]:
+    """Validate on every rank before the first collective, then load a sharded folder or a single file."""
+    with sharded_state_dicts():  # DTensors report global shapes ungathered; DCP loads into the shards
+        validate_against(location.url, model_shapes(module), strict=strict, weights_only=weights_only)
+        if location.is_file():
+            return load_full_into(location.url, module, optimizers, strict=strict, weights_only=weights_only)
+        return load_sharded(location, module, optimizers, strict, weights_only)
+
+
+def load_sharded(
+    location: Location,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    strict: bool,
+    weights_only: bool | None,
+) -> dict[str, Any]:
+    """Fill the module's and optimizers' shards from any world size's checkpoint; returns Lightning's metadata."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+    )
+
+    reader = safe_reader(location, weights_only)
+    metadata = reader.read_metadata()
+    request: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
+    require_optimizer_states(bool(saved_entries(metadata, "optimizer_0", "param_groups")), optimizers)
+    for i, optimizer in enumerate(optimizers):
+        with untouched_if_fresh(optimizer):
+            state: dict[str, Any] = dict(get_optimizer_state_dict(module, optimizer))
+        if not saved_entries(metadata, f"optimizer_{i}", "state"):
+            state["state"] = {}  # saved before its first step
+        state["param_groups"] = saved_param_groups(metadata, f"optimizer_{i}", state["param_groups"])
+        request[f"optimizer_{i}"] = state
+    planner = SafeLoadPlanner(weights_only, allow_partial_load=not strict)
+    with refused_values_named(location):
+        dcp.load(request, storage_reader=reader, planner=planner)
+    set_model_state_dict(module, request.pop("state_dict"), options=StateDictOptions(strict=strict))
+    for i, optimizer in enumerate(optimizers):
+        set_optimizer_state(module, optimizer, request[f"optimizer_{i}"], StateDictOptions(cpu_offload=True))
+    checkpoint = load_pickle(location.child(META), weights_only)
+    checkpoint.update(sharded_entries(location, weights_only))  # their owners load them into their own DTensors
+    return checkpoint
+
+
+def load_full_into(
+    path: PathLike,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    strict: bool,
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Load a single-file checkpoint (e.g. written under DDP) into a sharded module; returns the rest."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    checkpoint = load_full(Location.of(path), weights_only)
+    require_optimizer_states("optimizer_states" in checkpoint, optimizers)
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    set_model_state_dict(module, checkpoint.pop("state_dict"), options=options)
+    for optimizer, state in zip(optimizers, checkpoint.pop("optimizer_states", [])):
+        set_optimizer_state(module, optimizer, rekey_by_position(state, optimizer, module), options)
+    return checkpoint

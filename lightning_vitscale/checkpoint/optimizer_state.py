@@ -1,0 +1,100 @@
+"""Optimizer state between torch's native format (DDP's files: parameters numbered across groups) and DCP's
+(keyed by parameter name, sharded), with DDP's behaviour for optimizers that have not stepped yet."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata
+
+from lightning_vitscale.checkpoint.errors import CheckpointError
+from lightning_vitscale.checkpoint.formats import as_full
+
+
+def rekey_by_position(optimizer_state: dict[str, Any], optimizer: torch.optim.Optimizer, module: nn.Module):
+    """torch-native optimizer state (params numbered across groups) -> keyed by parameter name, as DCP wants.
+
+    Numbers follow the optimizer's own parameter order, which is how torch assigned them when the checkpoint
+    was written by the same `configure_optimizers` (robust to param groups, unlike `model.parameters()` order).
+    """
+    names = {id(p): n for n, p in module.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    state = {order[i] if isinstance(i, int) else i: v for i, v in optimizer_state["state"].items()}
+    groups = [{**g, "params": [order[i] if isinstance(i, int) else i for i in g["params"]]}
+              for g in optimizer_state["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def require_optimizer_states(present: bool, optimizers: list[torch.optim.Optimizer]) -> None:
+    """Resuming a fit from a weights-only checkpoint fails under DDP with this KeyError; so it does here."""
+    if optimizers and not present:
+        raise KeyError(
+            "Trying to restore optimizer state but checkpoint contains only the model."
+            " This is probably due to `ModelCheckpoint.save_weights_only` being set to `True`."
+        )
+
+
+@contextmanager
+def untouched_if_fresh(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
+    """torch's optimizer state-dict functions initialise an optimizer that has never stepped by running a step
+    with zero gradients (Adam's step count becomes 1, so the first real step is bias-corrected as the second).
+    Under DDP a save before the first step (``lr_find`` does one) changes nothing: clear that state again."""
+    fresh = not optimizer.state
+    try:
+        yield fresh
+    finally:
+        if fresh:
+            optimizer.state.clear()
+
+
+def set_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], options) -> None:
+    """Like ``optimizer.load_state_dict`` under DDP: the saved param groups replace the current ones (keys added
+    since the save, such as a scheduler's ``initial_lr``, go), and a state saved before the first step stays empty."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    if state["state"]:
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=options)
+        return
+    if len(state["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"The checkpoint's optimizer has {len(state['param_groups'])} param groups, this one"
+            f" {len(optimizer.param_groups)}: configure_optimizers must build the groups it was saved with."
+        )
+    for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+        params = group["params"]
+        group.clear()
+        group.update({k: v for k, v in saved.items() if k != "params"}, params=params)
+    optimizer.state.clear()
+
+
+def to_torch_format(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """Optimizer state keyed by parameter name -> torch's native format (params numbered across groups)."""
+    names = [name for group in optimizer_state["param_groups"] for name in group["params"]]
+    number = {name: i for i, name in enumerate(names)}
+    return {
+        "state": {number[name]: {k: as_full(v, None) for k, v in s.items()}
+                  for name, s in optimizer_state.get("state", {}).items()},
+        "param_groups": [{**g, "params": [number[n] for n in g["params"]]} for g in optimizer_state["param_groups"]],
+    }
+
+
+def saved_param_groups(metadata: Metadata, key: str, current: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Request exactly the param-group entries the checkpoint holds, as ``Optimizer.load_state_dict`` takes the
+    saved groups under DDP. A key added since the save (an LR scheduler's ``initial_lr``, attached by
+    ``lr_find`` after its temporary save) is dropped instead of failing DCP's strict load."""
+    saved: dict[int, set[str]] = {}
+    for path in saved_entries(metadata, key, "param_groups"):
+        if len(path) == 4:
+            saved.setdefault(int(path[2]), set()).add(str(path[3]))
+    if not saved:
+        return current
+    return [{name: group.get(name) for name in saved.get(j, group.keys())} for j, group in enumerate(current)]
+
+
+def saved_entries(metadata: Metadata, key: str, part: str) -> list[tuple]:
+    """Paths such as ``("optimizer_0", "param_groups", 0, "lr")`` the checkpoint holds under ``key.part``."""
+    return [path for path in metadata.planner_data.values() if tuple(path[:2]) == (key, part)]

@@ -1,0 +1,183 @@
+"""The one safe reader: every read of a checkpoint (files, DCP metadata, DCP values) honours ``weights_only``.
+
+Reading follows torch's rule for ``weights_only``: ``None`` means torch's default (``True`` unless
+``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is set), so a crafted file cannot run code on load. DCP itself unpickles its
+``.metadata`` and its non-tensor values without restriction; the reader and planners here apply the same rule to
+them, and every loader of the package reads through them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import os
+import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO, Any
+
+import torch
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
+
+from lightning_vitscale._compat import EmptyStateDictLoadPlanner, FsspecReader
+from lightning_vitscale.checkpoint.errors import CheckpointError
+from lightning_vitscale.checkpoint.storage import DCP_METADATA, Location
+
+
+def resolve_weights_only(weights_only: bool | None) -> bool:
+    """``None`` -> torch's own default for ``torch.load`` (True, unless the user set the env override)."""
+    if weights_only is not None:
+        return weights_only
+    return os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() not in ("1", "y", "yes", "true")
+
+
+def torch_load(location: Location, weights_only: bool | None, mmap: bool = False) -> Any:
+    """``torch.load`` of one file, local or remote; ``weights_only`` passed through to torch as given."""
+    if mmap and not location.is_url:
+        return torch.load(location.path, mmap=True, map_location="cpu", weights_only=weights_only)
+    with location.open("rb") as f:
+        return torch.load(f, map_location="cpu", weights_only=weights_only)
+
+
+# What DCP's own `.metadata` pickle is made of; anything else (an os.system call, a user class) is refused.
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                 "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib._local", "PosixPath"),  # Python >= 3.13
+    ("pathlib._local", "WindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Python's documented "restricting globals" unpickler (torch's weights-only unpickler does not read the
+    protocol-5 frames DCP writes): only DCP metadata classes, torch dtypes and paths can be built."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_CLASSES:
+            return getattr(importlib.import_module(module), name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata refers to {module}.{name}, which is not part of a DCP checkpoint's metadata;"
+            " refusing to load it (weights_only). If you trust this checkpoint, pass weights_only=False"
+            " (for the CLI: `python -m lightning_vitscale consolidate --unsafe ...`)."
+        )
+
+
+def read_dcp_metadata(stream: IO[bytes], weights_only: bool) -> dcp_metadata.Metadata:
+    metadata = _MetadataUnpickler(stream).load() if weights_only else pickle.load(stream)
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        raise pickle.UnpicklingError(f"{DCP_METADATA} holds a {type(metadata).__name__}, not DCP metadata.")
+    return metadata
+
+
+class _SafeMetadataMixin:
+    weights_only: bool
+    location: Location
+    load_id: str
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        rank = kwargs.get("rank")
+        name = DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
+        with self.location.child(name).open("rb") as stream:
+            metadata = read_dcp_metadata(stream, self.weights_only)
+        storage_meta = getattr(metadata, "storage_meta", None) or dcp_metadata.StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
+        return metadata
+
+
+class _SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
+    pass
+
+
+class _SafeFsspecReader(_SafeMetadataMixin, FsspecReader):
+    pass
+
+
+class _SafeBytesMixin:
+    """DCP stores every non-tensor value (param-group hyper-parameters, ...) with ``torch.save`` and loads it with
+    ``weights_only=False``; load it under the caller's rule first, and hand DCP only a re-saved safe copy."""
+
+    weights_only: bool
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        if self.weights_only:
+            safe = io.BytesIO()
+            torch.save(torch.load(value, weights_only=True), safe)
+            safe.seek(0)
+            value = safe
+        super().load_bytes(read_item, value)  # type: ignore[misc]
+
+
+class SafeLoadPlanner(_SafeBytesMixin, DefaultLoadPlanner):
+    def __init__(self, weights_only: bool | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.weights_only = resolve_weights_only(weights_only)
+
+
+class SafeEmptyLoadPlanner(_SafeBytesMixin, EmptyStateDictLoadPlanner):
+    def __init__(self, weights_only: bool | None) -> None:
+        super().__init__()
+        self.weights_only = resolve_weights_only(weights_only)
+
+
+def safe_reader(location: Location, weights_only: bool | None) -> FileSystemReader:
+    """DCP's storage reader for ``location`` whose ``.metadata`` is unpickled under the ``weights_only`` rule."""
+    safe = resolve_weights_only(weights_only)
+    reader = _SafeFsspecReader(location.url) if location.is_url else _SafeFileSystemReader(location.path)
+    reader.weights_only = safe
+    reader.location = location
+    return reader
+
+
+def load_pickle(location: Location, weights_only: bool | None, mmap: bool = False) -> Any:
+    """``torch.load`` whose failure says whether the file is unreadable or holds objects weights_only refuses."""
+    try:
+        return torch_load(location, weights_only, mmap=mmap)
+    except Exception as error:  # noqa: BLE001
+        unsafe = _unsafe_globals(location)
+        if unsafe:
+            raise CheckpointError(
+                f"{location} holds objects that loading with weights_only=True refuses ({', '.join(unsafe[:5])})."
+                " Only if you trust this file: pass weights_only=False (e.g. trainer.fit(model, ckpt_path=...,"
+                " weights_only=False)), or allow the classes with torch.serialization.add_safe_globals([...])."
+            ) from error
+        raise CheckpointError(
+            f"{location} is not a readable checkpoint file (truncated or foreign?): {error}"
+        ) from error
+
+
+def _unsafe_globals(location: Location) -> list[str]:
+    """Names a weights-only load refuses in a readable file (empty for garbage); scans, never executes."""
+    try:
+        with location.open("rb") as stream:
+            return list(torch.serialization.get_unsafe_globals_in_checkpoint(stream))
+    except Exception:  # noqa: BLE001 - not a torch.save zip file at all
+        return []
+
+
+@contextmanager
+def refused_values_named(location: Location) -> Iterator[None]:
+    """DCP re-raises a rank's failure as a ``CheckpointException`` on every rank; name the path and the fix when
+    the failure is a value that weights_only loading refused."""
+    try:
+        yield
+    except CheckpointException as error:
+        if "Weights only load failed" not in str(error):
+            raise
+        raise CheckpointError(
+            f"{location} holds a value that loading with weights_only=True refuses: {error}. Only if you trust"
+            " this checkpoint: pass weights_only=False (CLI: `python -m lightning_vitscale consolidate --unsafe`)."
+        ) from error

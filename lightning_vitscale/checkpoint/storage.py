@@ -1,0 +1,94 @@
+"""Where checkpoints live: local paths or fsspec URLs (``s3://``, ``gs://``, ``memory://``), written atomically.
+
+Lightning saves through fsspec, so a checkpoint location is an fsspec filesystem plus a path. Reading goes
+through ``safe_reading.py`` only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import IO, Any
+
+import torch
+from fsspec import AbstractFileSystem
+from fsspec.core import url_to_fs
+from torch.distributed.checkpoint import FileSystemWriter
+
+from lightning_vitscale._compat import FsspecWriter
+
+DCP_METADATA = ".metadata"
+
+
+# Written last into every sharded folder this package saves: what tells Lightning's loaders (lightning_loaders.py)
+# that a folder is ours, without unpickling anything; Lightning's own FSDP folders and others lack it.
+SHARDED_MARKER = "lightning_vitscale.json"
+
+
+@dataclass(frozen=True)
+class Location:
+    """A checkpoint path on a filesystem: plain local paths, or any fsspec URL (``s3://``, ``file://``, ...)."""
+
+    fs: AbstractFileSystem
+    path: str
+    url: str
+
+    @classmethod
+    def of(cls, path: str | os.PathLike) -> Location:
+        text = os.fspath(path)
+        fs, inner = url_to_fs(text)
+        return cls(fs, inner, text)
+
+    @property
+    def is_url(self) -> bool:
+        return "://" in self.url
+
+    def __str__(self) -> str:
+        return self.url
+
+    def child(self, name: str) -> Location:
+        return Location(self.fs, f"{self.path.rstrip('/')}/{name}", f"{self.url.rstrip('/')}/{name}")
+
+    def with_suffix(self, suffix: str) -> Location:
+        return Location(self.fs, self.path.rstrip("/") + suffix, self.url.rstrip("/") + suffix)
+
+    def exists(self) -> bool:
+        return bool(self.fs.exists(self.path))
+
+    def is_dir(self) -> bool:
+        return bool(self.fs.isdir(self.path))
+
+    def is_file(self) -> bool:
+        return bool(self.fs.isfile(self.path))
+
+    def names(self) -> list[str]:
+        return [PurePath(p).name for p in self.fs.ls(self.path, detail=False)] if self.is_dir() else []
+
+    def remove(self) -> None:
+        if self.exists():
+            self.fs.rm(self.path, recursive=True)
+
+    def move_to(self, dst: Location) -> None:
+        self.fs.mv(self.path, dst.path, recursive=True)
+
+    def open(self, mode: str) -> IO[bytes]:
+        return self.fs.open(self.path, mode)
+
+    def writer(self) -> FileSystemWriter:
+        return FsspecWriter(self.url) if self.is_url else FileSystemWriter(self.path)
+
+
+def write_sharded_marker(folder: Location) -> None:
+    with folder.child(SHARDED_MARKER).open("wb") as f:
+        f.write(json.dumps({"format": "lightning_vitscale sharded checkpoint", "version": 1}).encode())
+
+
+def has_sharded_marker(folder: Location) -> bool:
+    return folder.is_dir() and folder.child(SHARDED_MARKER).is_file()
+
+
+def torch_save(obj: Any, location: Location) -> None:
+    with location.open("wb") as f:
+        torch.save(obj, f)

@@ -1,0 +1,30 @@
+"""Command line: ``python -m lightning_vitscale demo|plan|consolidate``, one module per command.
+
+Each module has a ``*_command_parser`` and a ``*_command``; the work lives in the concerns (``checkpoint``,
+``memory``) and the strategy. The top layer: nothing in the package imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lightning_vitscale.cli.consolidate import consolidate_command_parser
+from lightning_vitscale.cli.demo import demo_command_parser
+from lightning_vitscale.cli.plan import plan_command_parser
+
+DESCRIPTION = """Command line: `python -m lightning_vitscale demo`, `... consolidate SRC DST [--weights raw|ema]
+[--unsafe]` and `... plan` (memory planner)."""
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="python -m lightning_vitscale", description=DESCRIPTION)
+    subparsers = top.add_subparsers(dest="name", required=True)
+    demo_command_parser(subparsers)
+    consolidate_command_parser(subparsers)
+    plan_command_parser(subparsers)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return int(args.command(args))

@@ -1,0 +1,45 @@
+"""`python -m lightning_vitscale consolidate SRC DST`: a sharded checkpoint folder as one ``torch.save`` file.
+
+Argument handling only; the conversion is ``checkpoint/consolidate.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import torch
+
+from lightning_vitscale.checkpoint import CheckpointError, consolidate_checkpoint
+
+
+def consolidate_command_parser(subparsers: Any) -> None:
+    export = subparsers.add_parser(
+        "consolidate", help="sharded checkpoint folder -> one torch.save file (plain module)"
+    )
+    export.add_argument("src", help="checkpoint folder written by VitScaleStrategy")
+    export.add_argument("dst", help="output file, e.g. model.ckpt")
+    export.add_argument("--keep-dtype", action="store_true", help="keep saved dtypes instead of full fp32")
+    export.add_argument(
+        "--unsafe",
+        action="store_true",
+        help="load every pickle in SRC with weights_only=False (runs any code it holds): only for trusted files",
+    )
+    export.add_argument(
+        "--weights", choices=["raw", "ema"], default="raw",
+        help="raw: the trained weights (+ optimizer, EMA: resumable); ema: the ShardedEMA average, for inference",
+    )
+    export.set_defaults(command=consolidate_command)
+
+
+def consolidate_command(args: argparse.Namespace) -> int:
+    try:
+        dtype = None if args.keep_dtype else torch.float32
+        weights_only = False if args.unsafe else None
+        out = consolidate_checkpoint(args.src, args.dst, dtype=dtype, weights_only=weights_only, weights=args.weights)
+    except (CheckpointError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0

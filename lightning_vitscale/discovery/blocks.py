@@ -1,0 +1,123 @@
+"""Block discovery: find the repeated transformer (or residual) blocks of any model without being told their class."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+
+from torch import nn
+
+ModuleSelector = set[type[nn.Module]] | frozenset[type[nn.Module]] | Callable[[str, nn.Module], bool]
+"""Block classes, or a predicate on (qualified name, module)."""
+
+# Containers compare by structure, not class: two Sequentials are the same block only if they hold the same.
+_CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def _num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def holds_parameters(module: nn.Module, recurse: bool = True) -> bool:
+    """Whether ``module`` (with its children, unless ``recurse=False``) has any parameter: nothing to shard else."""
+    return any(True for _ in module.parameters(recurse=recurse))
+
+
+def _is_composite(module: nn.Module) -> bool:
+    """A block candidate has sub-modules with parameters: a lone Linear or LayerNorm is not worth its own unit."""
+    return any(_num_params(child) > 0 for child in module.children())
+
+
+def _signature(module: nn.Module) -> object:
+    """What makes two siblings "the same block": their class, and for containers also what they contain."""
+    if isinstance(module, _CONTAINERS):
+        return (type(module), tuple(_signature(child) for child in module.children()))
+    return type(module)
+
+
+def _repeated_children(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
+    """Direct children whose class occurs at least twice among the siblings and which hold parameters."""
+    named = [(f"{prefix}{name}", child) for name, child in module.named_children()]
+    counts = Counter(_signature(child) for _, child in named if _is_composite(child))
+    return [(name, child) for name, child in named if _is_composite(child) and counts[_signature(child)] >= 2]
+
+
+def _inner_blocks(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Repeated blocks strictly inside ``module`` that hold most of its parameters (a stage's blocks)."""
+    found = list(_discover(module, f"{name}."))
+    covered = sum(_num_params(m) for _, m in found)
+    total = _num_params(module)
+    return found if found and total and covered * 2 >= total else []
+
+
+def _discover(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
+    """Top-down walk; at each level take the repeated siblings, then prefer their own inner repetition.
+
+    The innermost level wins when it carries most of the parameters: a Swin/MViT *stage* repeats, but its
+    blocks are the unit the recipe wants (one block's parameters gathered at a time).
+    """
+    repeated = _repeated_children(module, prefix)
+    repeated_ids = {id(m) for _, m in repeated}
+    for name, child in repeated:
+        inner = _inner_blocks(name, child)
+        yield from inner if inner else [(name, child)]
+    for name, child in module.named_children():
+        if id(child) not in repeated_ids:
+            yield from _discover(child, f"{prefix}{name}.")
+
+
+def find_blocks(root: nn.Module, selector: ModuleSelector | None = None) -> list[tuple[str, nn.Module]]:
+    """Return ``(qualified_name, block)`` pairs in model order, outermost matches only.
+
+    Args:
+        root: the model to search.
+        selector: ``None`` for automatic discovery, a set of block classes, or a predicate ``(name, module)``.
+    """
+    if selector is None:
+        return _dedup(_discover(root, ""))
+    predicate: Callable[[str, nn.Module], bool]
+    if isinstance(selector, (set, frozenset)):
+        classes = tuple(selector)
+
+        def predicate(_: str, m: nn.Module) -> bool:
+            return isinstance(m, classes)
+    else:
+        predicate = selector
+    return _dedup(_select_outermost(root, "", predicate))
+
+
+def _select_outermost(module: nn.Module, prefix: str, predicate) -> Iterator[tuple[str, nn.Module]]:
+    for name, child in module.named_children():
+        qualified = f"{prefix}{name}"
+        if predicate(qualified, child):
+            yield qualified, child
+        else:
+            yield from _select_outermost(child, f"{qualified}.", predicate)
+
+
+def _dedup(pairs) -> list[tuple[str, nn.Module]]:
+    """A module registered twice (shared weights) is one block."""
+    seen: set[int] = set()
+    out = []
+    for name, module in pairs:
+        if id(module) not in seen:
+            seen.add(id(module))
+            out.append((name, module))
+    return out
+
+
+def find_modules(root: nn.Module, predicate: Callable[[str, nn.Module], bool]) -> list[tuple[str, nn.Module]]:
+    """All modules (not just outermost) matching ``predicate(name, module)`` that hold parameters themselves."""
+    return [
+        (name, module)
+        for name, module in root.named_modules()
+        if holds_parameters(module, recurse=False) and predicate(name, module)
+    ]
+
+
+def describe_blocks(blocks: list[tuple[str, nn.Module]]) -> dict[str, int]:
+    """Class name -> count, in first-seen order, for the setup summary."""
+    counts: dict[str, int] = defaultdict(int)
+    for _, module in blocks:
+        counts[type(module).__name__] += 1
+    return dict(counts)

@@ -1,0 +1,63 @@
+"""The device mesh for a sharding layout, and the collectives that work on a 1-D or a 2-D mesh alike.
+
+A 1-D mesh ``("data_parallel",)`` shards over every rank. A 2-D mesh ``("replicate", "shard")`` shards over each
+group of ``shard_size`` consecutive global ranks and replicates across the groups (HSDP). Lightning numbers ranks
+``node_rank * ranks_per_node + local_rank``, so with ``shard_size = ranks_per_node`` every shard group is one
+node: all-gathers and reduce-scatters stay on the fast intra-node links and only the replicate-dimension
+all-reduce crosses nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate
+
+FULL_DIMS = ("data_parallel",)
+HYBRID_DIMS = ("replicate", "shard")
+
+
+def build_mesh(device_type: str, world_size: int, shard_size: int) -> DeviceMesh:
+    """1-D over all ranks when ``shard_size == world_size``, else 2-D ``(world // shard_size, shard_size)``."""
+    if shard_size == world_size:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=FULL_DIMS)
+    return init_device_mesh(device_type, (world_size // shard_size, shard_size), mesh_dim_names=HYBRID_DIMS)
+
+
+def shard_size(mesh: DeviceMesh) -> int:
+    """Ranks that share one copy of the state (the last mesh dimension)."""
+    return mesh.size(mesh.ndim - 1)
+
+
+def replicated_placements(mesh: DeviceMesh) -> list[Replicate]:
+    """Placements of a tensor held whole on every rank, for a mesh of any dimension."""
+    return [Replicate() for _ in range(mesh.ndim)]
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device collectives on ``mesh`` run on (NCCL needs CUDA tensors even when the data was offloaded)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+@torch.no_grad()
+def all_reduce_over(
+    tensor: torch.Tensor, mesh: DeviceMesh, dims: list[int] | None = None, op: Any = dist.ReduceOp.SUM
+) -> None:
+    """All-reduce ``tensor`` in place over the given mesh dimensions (default: all, i.e. every rank of ``mesh``).
+
+    One collective per dimension, innermost first: on a hybrid mesh the intra-node reduction runs before the
+    one that crosses nodes (a hierarchical all-reduce). A tensor on another device than the mesh's (CPU
+    offload) travels through the mesh's device.
+    """
+    device = mesh_device(mesh)
+    work = tensor if tensor.device == device else tensor.to(device)
+    for dim in reversed(range(mesh.ndim) if dims is None else sorted(dims)):
+        if mesh.size(dim) > 1:
+            dist.all_reduce(work, op=op, group=mesh.get_group(dim))
+    if work is not tensor:
+        tensor.copy_(work)

@@ -1,0 +1,195 @@
+"""Where ``configure_model()`` builds the model on each rank, so no rank builds all of it needlessly.
+
+Lightning runs ``configure_model()`` inside the strategy's ``model_sharded_context()``. There, rank 0 builds the
+model for real on the host (``init="exact"``) while the other ranks build it on the meta device; the sharding
+pipeline then scatters each unit's shards from rank 0 as it shards the unit (``initial_weights.py``), so the
+weights equal DDP's and only rank 0 ever holds a full copy. Where one copy does not fit in rank 0's host memory
+(``init="meta"``, or ``"auto"`` deciding so from the meta model's bytes), every rank builds on meta and the
+init its code ran is recorded (``init_replay.py``) to be replayed on the shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_vitscale._utils import available_host_bytes
+from lightning_vitscale.init.replay import InitRecorder, Recipe, recording
+from lightning_vitscale.init.settings import InitSettings
+
+
+@dataclass
+class Creation:
+    """How ``configure_model()`` built the model on this rank; read by the sharding pipeline.
+
+    Attributes:
+        path: ``"exact"`` (rank 0 real, the others meta: shards come from rank 0) or ``"meta"`` (own init replayed).
+        recipes: meta path: qualified tensor name -> its recorded init (``None``: nothing set its values).
+        created_bytes: bytes of the tensors ``configure_model()`` created (unsharded).
+        peak: samples host memory from the start of ``configure_model()`` until sharding is done.
+    """
+
+    path: str
+    recipes: dict[str, Recipe | None] = field(default_factory=dict)
+    created_bytes: int = 0
+    peak: PeakRss | None = None
+
+
+class PeakRss:
+    """Peak growth of this process's resident memory, sampled every ``interval`` seconds in a thread.
+
+    Sampling (rather than resetting the kernel's VmHWM) leaves the process-wide peak counter to the user.
+    """
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval = interval
+        self.start_time = time.perf_counter()
+        self.base = self.peak = _rss_bytes() or 0
+        self.seconds: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="vitscale-peak-rss")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, _rss_bytes() or 0)
+
+    def stop(self) -> tuple[int, float]:
+        """Stop sampling; returns (peak growth in bytes, seconds since the start)."""
+        if self.seconds is None:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, _rss_bytes() or 0)
+            self.seconds = time.perf_counter() - self.start_time
+        return self.peak - self.base, self.seconds
+
+
+def _rss_bytes() -> int | None:
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+try:
+    _PAGE = os.sysconf("SC_PAGE_SIZE")
+except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+    _PAGE = 4096
+
+
+def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [
+        *module.named_parameters(remove_duplicate=False),
+        *((n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None),
+    ]
+
+
+def _rng_digest() -> str:
+    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
+
+
+class ModelCreation:
+    """The ``model_sharded_context()`` of the strategy: builds, records and reports one ``configure_model()``.
+
+    Args:
+        module: the LightningModule whose hook runs.
+        init: the strategy's ``init=`` (see :class:`~lightning_vitscale.init.settings.InitSettings`).
+        rank, world_size: this process's place in the job.
+        host_copies: how many full-model copies rank 0's host would hold on the exact path (its full copy and the
+            shards of the host's ranks that keep them in host memory).
+    """
+
+    def __init__(self, module: nn.Module, init: InitSettings, rank: int, world_size: int, host_copies: float) -> None:
+        self.module, self.init, self.rank, self.world_size = module, init, rank, world_size
+        self.mode = init.mode
+        self.host_copies = host_copies
+        self.result: Creation | None = None
+
+    @contextmanager
+    def context(self) -> Iterator[None]:
+        peak = PeakRss()
+        before = {id(t) for _, t in _tensors(self.module)}
+        digest = _rng_digest()
+        path = self._decide_before_building()
+        # Recording on every rank (also where the build is real): a `configure_model()` that builds on meta by
+        # itself then leaves every rank the same recipes.
+        device_cm = nullcontext() if self.rank == 0 and path == "exact" else torch.device("meta")
+        try:
+            with recording() as recorder, device_cm:
+                yield
+        except BaseException:
+            peak.stop()
+            raise
+        created = [(n, t) for n, t in _tensors(self.module) if id(t) not in before]
+        nbytes = sum(t.numel() * t.element_size() for _, t in created)
+        path = self._agree(path, created, nbytes, digest)
+        if not created:
+            peak.stop()
+            return
+        recipes = _recipes(created, recorder) if path == "meta" else {}
+        self.result = Creation(path, recipes, nbytes, peak)
+
+    def _decide_before_building(self) -> str:
+        """Rank 0 must know the path before it builds; the size comes from rank 1's meta build ("auto")."""
+        if self.world_size == 1:
+            return "meta" if self.mode == "meta" else "exact"
+        if self.mode != "auto":
+            return self.init.resolve()
+        if self.rank != 0:
+            return "exact"  # the others build on meta either way; rank 0 tells them the outcome afterwards
+        size = [0]
+        dist.broadcast_object_list(size, src=1)
+        return self.init.resolve(int(size[0]), available_host_bytes(), self.host_copies)
+
+    def _agree(self, path: str, created: list[tuple[str, torch.Tensor]], nbytes: int, digest: str) -> str:
+        """After building: rank 1 reports its size ("auto"), rank 0 the path and, on the exact path, its RNG state.
+
+        On the exact path the other ranks skipped the random draws rank 0 made; where their generator was in
+        rank 0's state before (``seed_everything``), they continue from rank 0's state after, as under DDP.
+        """
+        if self.world_size == 1:
+            return self._checked(path, created)
+        if self.mode == "auto" and self.rank != 0:
+            dist.broadcast_object_list([nbytes], src=1)
+        if self.rank == 0:
+            path = self._checked(path, created, raise_now=False)
+        message: list[Any] = [path, digest, torch.get_rng_state()]
+        dist.broadcast_object_list(message, src=0)
+        path, digest0, state0 = message
+        if path.startswith("error:"):
+            raise ValueError(path.removeprefix("error:"))
+        if path == "exact" and self.rank != 0 and digest == digest0:
+            torch.set_rng_state(state0)
+        return path
+
+    def _checked(self, path: str, created: list[tuple[str, torch.Tensor]], raise_now: bool = True) -> str:
+        """A ``configure_model()`` that builds on meta itself leaves nothing to copy: the meta path, or an error."""
+        if path != "exact" or not any(t.is_meta for _, t in created):
+            return path
+        if self.mode != "exact":
+            return "meta"
+        message = (
+            "VitScaleStrategy(init='exact') needs `configure_model()` to build real tensors on rank 0, but it built"
+            " them on the meta device. Remove the `with torch.device('meta')` (the strategy builds the other ranks"
+            " on meta itself) or pass init='meta' to initialise the shards with the model's own init code."
+        )
+        if raise_now:
+            raise ValueError(message)
+        return "error:" + message
+
+
+def _recipes(created: list[tuple[str, torch.Tensor]], recorder: InitRecorder | None) -> dict[str, Recipe | None]:
+    if recorder is None:
+        return {}
+    return {name: recorder.recipe_of(tensor) for name, tensor in created if tensor.is_meta}

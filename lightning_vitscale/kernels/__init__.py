@@ -1,0 +1,45 @@
+"""Faster kernels, chosen by ``kernels=``: per-block ``torch.compile`` (and taking over a user's
+``torch.compile(model)``), attention routed to the fastest backend, fused and foreach optimizer steps, and the
+tensor-core shape report.
+
+May import ``_utils`` and ``_compat`` only: what to compile or route is handed in by the caller.
+"""
+
+from lightning_vitscale.kernels.attention import (
+    AttentionRouter,
+    describe_router,
+    make_router,
+    route_blocks,
+    usable_backends,
+)
+from lightning_vitscale.kernels.attention_choice import auto_attention_step
+from lightning_vitscale.kernels.compile import apply_regional_compile
+from lightning_vitscale.kernels.compiled_model import TAKEN_OVER, take_over_compiled
+from lightning_vitscale.kernels.optimizers import fuse_optimizers, prefer_foreach, prepare_optimizers
+from lightning_vitscale.kernels.settings import (
+    Compiler,
+    KernelMode,
+    KernelPolicy,
+    resolve_kernels,
+)
+from lightning_vitscale.kernels.tensor_cores import tensor_core_report
+
+__all__ = [
+    "TAKEN_OVER",
+    "AttentionRouter",
+    "Compiler",
+    "KernelMode",
+    "KernelPolicy",
+    "apply_regional_compile",
+    "auto_attention_step",
+    "describe_router",
+    "fuse_optimizers",
+    "make_router",
+    "prefer_foreach",
+    "prepare_optimizers",
+    "resolve_kernels",
+    "route_blocks",
+    "tensor_core_report",
+    "take_over_compiled",
+    "usable_backends",
+]

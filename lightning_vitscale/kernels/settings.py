@@ -1,0 +1,120 @@
+"""Which faster kernels to use (``kernels=``): compile, attention backend, fused optimizer; what "auto" means."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, get_args
+
+import torch
+
+Compiler = Callable[[Callable[..., Any]], Callable[..., Any]]
+"""Turns a function into its compiled version, like ``torch.compile(fn)`` or a compiled module's ``dynamo_ctx``."""
+
+AttentionChoice = Literal["auto", "sdpa", "xformers"]
+KernelMode = Literal["auto", "eager"]
+KERNEL_MODES: tuple[str, ...] = get_args(KernelMode)
+ATTENTION_CHOICES: tuple[str, ...] = get_args(AttentionChoice)
+
+# CUDA-graph modes replay fixed memory addresses; FSDP2 frees and re-gathers parameters every step, so
+# "reduce-overhead"/"max-autotune" (which use CUDA graphs) are refused rather than left to fail at run time.
+COMPILE_MODES: tuple[str | None, ...] = (None, "default", "max-autotune-no-cudagraphs")
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """Which faster kernels the pipeline turns on.
+
+    Attributes:
+        compile_blocks: ``torch.compile`` each repeated block in place (regional compilation): identical blocks
+            share one compiled graph, so compile time is one block's, not the whole model's.
+        compile_outer: also compile the largest sub-modules outside the blocks (patch embedding, head, ...),
+            each in place. Off in every preset: they are a small share of the time, and each is one more compile.
+        attention: ``"sdpa"`` keeps ``F.scaled_dot_product_attention`` (which itself picks flash /
+            memory-efficient kernels); ``"xformers"`` routes the blocks' SDPA calls to xformers; ``"auto"``
+            times SDPA against xformers on the shapes the first training step used and keeps the faster
+            (only where xformers can run: CUDA with the extra installed; elsewhere it is SDPA at no cost).
+        fused_optimizer: switch Adam/AdamW to their fused (single-kernel) step where the user left it open.
+        compile_mode: passed to ``torch.compile``; one of :data:`COMPILE_MODES`.
+        compiler: compiles each module's call instead of ``torch.compile(mode=compile_mode)``; set when the user
+            passes ``trainer.fit(torch.compile(model, ...))``, so their backend and options apply per block.
+    """
+
+    compile_blocks: bool = False
+    compile_outer: bool = False
+    attention: AttentionChoice = "sdpa"
+    fused_optimizer: bool = False
+    compile_mode: str | None = None
+    compiler: Compiler | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"`attention={self.attention!r}` is not one of {', '.join(ATTENTION_CHOICES)}.")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(
+                f"`compile_mode={self.compile_mode!r}` is not supported with FSDP2; choose one of {COMPILE_MODES}"
+                " (CUDA-graph modes conflict with FSDP's per-step parameter gathering)."
+            )
+
+
+EAGER = KernelPolicy()
+
+
+def resolve_kernels(
+    spec: KernelMode | KernelPolicy, device: torch.device, attention_backends: tuple[str, ...]
+) -> KernelPolicy:
+    """Turn ``kernels=`` into a policy for ``device``; with :func:`resolve_attention`, the one place that decides
+    what ``"auto"`` means.
+
+    ``"auto"`` on CUDA compiles each block, fuses the optimizer and times the attention kernels. On CPU it
+    is eager: the first compile of a block costs 30-60 s on a 2-core CPU for ~1.1-1.3x afterwards, and a fused
+    optimizer rounds differently from DDP's foreach step, which would break the bit-exact DDP parity that CPU
+    runs are used to check. Pass a :class:`KernelPolicy` to choose otherwise. ``attention_backends`` names the
+    attention kernels that can run on ``device`` (see ``kernels.attention.usable_backends``). Resolving a resolved
+    policy returns it unchanged.
+    """
+    policy = spec if isinstance(spec, KernelPolicy) else _preset(spec, device)
+    attention = resolve_attention(policy.attention, attention_backends, device)
+    return policy if attention == policy.attention else replace(policy, attention=attention)
+
+
+def _preset(mode: str, device: torch.device) -> KernelPolicy:
+    match mode:
+        case "eager":
+            return EAGER
+        case "auto" if device.type == "cuda":
+            return KernelPolicy(compile_blocks=True, attention="auto", fused_optimizer=True)
+        case "auto":
+            return EAGER
+        case _:
+            raise unknown_kernel_mode(mode)
+
+
+def unknown_kernel_mode(mode: object) -> ValueError:
+    return ValueError(
+        f"`kernels={mode!r}` is not supported. Choose one of: {', '.join(KERNEL_MODES)}, or a KernelPolicy."
+    )
+
+
+def resolve_attention(choice: str, usable: tuple[str, ...], device: torch.device) -> AttentionChoice:
+    """What ``attention=choice`` means where the kernels named in ``usable`` can run.
+
+    ``"sdpa"`` needs nothing: SDPA already dispatches to flash / memory-efficient kernels. ``"auto"`` stays
+    ``"auto"`` (timed against SDPA after the first step) only where some candidate can run (xformers: CUDA with
+    the extra installed); elsewhere it is SDPA at no cost. A named backend that cannot run is an error now, not
+    a silent fallback.
+    """
+    match choice:
+        case "sdpa":
+            return "sdpa"
+        case "auto":
+            return "auto" if usable else "sdpa"
+        case "xformers" if choice in usable:
+            return "xformers"
+        case "xformers":
+            raise RuntimeError(
+                f"attention={choice!r} cannot run on {device}: {choice} has CUDA kernels only and must be installed"
+                " (`pip install lightning-vitscale[xformers]`). Use attention='auto' to fall back to SDPA."
+            )
+        case _:
+            raise ValueError(f"`attention={choice!r}` is not one of {', '.join(ATTENTION_CHOICES)}.")

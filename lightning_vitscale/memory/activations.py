@@ -1,0 +1,273 @@
+"""Measure a model's activation memory per block on fake tensors (no real memory, any model size).
+
+The model (real, meta or already built on the meta device) runs one forward and backward under
+``FakeTensorMode`` with its parameters temporarily swapped for fake ones in the compute dtype. Autograd's
+``saved_tensors_hooks`` count what each block keeps for backward (deduplicated by storage, attributed to the
+first block that saved it); a dispatch mode tracking live fake storages gives each block's backward transient
+(activation gradients + its parameter gradients). Fake CPU tensors pick the same SDPA kernel family as CUDA
+(flash-style: output + log-sum-exp, no N x N matrix), so one measurement serves CPU and GPU plans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_vitscale._compat import FakeTensorMode, tree_map
+
+_CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class BlockMemory:
+    """What one block costs in activations for the measured batch.
+
+    Attributes:
+        name: qualified name of the block.
+        saved: bytes autograd keeps for its backward when the block is not checkpointed.
+        input: bytes a checkpointed block keeps (its input).
+        backward: bytes its backward allocates on top of what it kept (activation and parameter gradients),
+            net of the saved tensors it frees on the way.
+        recompute: a checkpointed block's peak from its input alone through recompute and backward.
+        params: bytes of its parameters in the compute dtype (what one all-gather materialises).
+    """
+
+    name: str
+    saved: int
+    input: int
+    backward: int
+    recompute: int
+    params: int
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Per-block and outer-layer activation bytes of one forward + backward, measured on fake tensors."""
+
+    blocks: list[BlockMemory]
+    outer_saved: int
+    outer_backward: int
+    batch_bytes: int
+    output_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Tracks the bytes of live tensor storages created by ops while active, and their high-water mark.
+
+    Allocator-free: each op's output storages are kept as weak references and counted while they live
+    (deduplicated by storage), so it works on fake tensors where there is no memory to read.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, tuple[weakref.ref, int]] = {}
+        self.peak = 0
+
+    def current(self) -> int:
+        dead = [key for key, (ref, _) in self._live.items() if ref() is None]
+        for key in dead:
+            del self._live[key]
+        return sum(nbytes for _, nbytes in self._live.values())
+
+    def reset_peak(self) -> int:
+        self.peak = self.current()
+        return self.peak
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in _tensors(out):
+            local = getattr(tensor, "_local_tensor", tensor)  # a DTensor holds its memory in its local shard
+            key = _storage_key(local)
+            if key not in self._live:
+                self._live[key] = (weakref.ref(local), local.untyped_storage().nbytes())
+        self.peak = max(self.peak, self.current())
+        return out
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    tree_map(lambda v: found.append(v) if isinstance(v, torch.Tensor) else None, tree)
+    return found
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+@contextlib.contextmanager
+def fake_parameters(
+    model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype, keep_fp32: Callable[[nn.Module], bool]
+) -> Iterator[None]:
+    """Swap every parameter and floating buffer of ``model`` for a fake CPU tensor; restore them afterwards."""
+    originals: list[tuple[dict, str, Any]] = []
+    try:
+        for module in model.modules():
+            wanted = torch.float32 if keep_fp32(module) else dtype
+            for store in (module._parameters, module._buffers):
+                for name, value in list(store.items()):
+                    if value is None:
+                        continue
+                    originals.append((store, name, value))
+                    local = value.to_local() if hasattr(value, "to_local") else value
+                    shape = getattr(value, "shape", local.shape)
+                    kind = wanted if value.is_floating_point() else value.dtype
+                    with mode:
+                        fake = torch.empty(shape, dtype=kind, device=_CPU)
+                    store[name] = nn.Parameter(fake, value.requires_grad) if store is module._parameters else fake  # type: ignore[assignment]
+        yield
+    finally:
+        for store, name, value in reversed(originals):
+            store[name] = value
+
+
+@contextlib.contextmanager
+def _fp32_norm_hooks(norms: list[nn.Module], compute: torch.dtype) -> Iterator[None]:
+    """As precision/norms.py does at run time: fp32 inputs into each norm, its output back in the compute dtype."""
+
+    def enter(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tree_map(lambda v: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v, args)
+
+    def leave(_: nn.Module, __: Any, out: Any) -> Any:
+        return tree_map(lambda v: v.to(compute) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, out)
+
+    handles = [h for m in norms for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@dataclass
+class _Recorder:
+    """Saved-tensor bookkeeping of one forward: who saved each storage first, and each block's input."""
+
+    excluded: set[int]
+    current: int | None = None
+    owner: dict[int, tuple[int | None, int]] = field(default_factory=dict)
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor)
+        if key not in self.excluded and key not in self.owner:
+            self.owner[key] = (self.current, tensor.untyped_storage().nbytes())
+        return tensor
+
+    def enter(self, index: int) -> Callable[..., None]:
+        def hook(_: nn.Module, args: tuple[Any, ...]) -> None:
+            self.current = index
+            first = next((t for t in _tensors(args) if t.is_floating_point()), None)
+            if first is not None:
+                self.inputs.setdefault(index, first)
+
+        return hook
+
+    def leave(self, _: nn.Module, __: Any, ___: Any) -> None:
+        self.current = None
+
+    def saved_by(self, index: int | None) -> int:
+        return sum(nbytes for owner, nbytes in self.owner.values() if owner == index)
+
+
+def measure_activations(
+    model: nn.Module,
+    blocks: list[tuple[str, nn.Module]],
+    example_input: Any,
+    compute: torch.dtype = torch.float32,
+    norms: list[nn.Module] | None = None,
+) -> ActivationProfile:
+    """Run ``model(example_input)`` and one backward on fake tensors; return what each block keeps and needs.
+
+    ``norms`` run in fp32 as the strategy runs them (inputs upcast, outputs cast back). Floating inputs are cast
+    to ``compute`` as FSDP's root unit casts them. Nothing is allocated and ``model`` is left as it was.
+    """
+    norms = norms or []
+    norm_ids = {id(m) for m in norms}
+    mode = FakeTensorMode()
+    with fake_parameters(model, mode, compute, lambda m: id(m) in norm_ids), _fp32_norm_hooks(norms, compute):
+        with mode:
+            fake_input = tree_map(lambda v: _fake_like(v, compute), example_input)
+        batch_bytes = sum(t.numel() * t.element_size() for t in _tensors(example_input))
+        excluded = {_storage_key(p) for p in model.parameters()}
+        recorder = _Recorder(excluded)
+        handles = [h for i, (_, b) in enumerate(blocks) for h in (
+            b.register_forward_pre_hook(recorder.enter(i)), b.register_forward_hook(recorder.leave))]
+        try:
+            with mode, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+                out = model(*fake_input) if isinstance(fake_input, tuple) else model(fake_input)
+        finally:
+            for handle in handles:
+                handle.remove()
+        outputs = [t for t in _tensors(out) if t.is_floating_point()]
+        measured: dict[tuple, tuple[int, int]] = {}  # identical blocks are measured once per call
+        results = [_block_memory(name, block, recorder, i, mode, measured) for i, (name, block) in enumerate(blocks)]
+    block_ids = {id(m) for _, b in blocks for m in b.modules()}
+    outer_grads = sum(p.numel() for m in model.modules() if id(m) not in block_ids
+                      for p in m.parameters(recurse=False)) * compute.itemsize
+    output_bytes = sum(t.numel() * t.element_size() for t in outputs)
+    return ActivationProfile(
+        blocks=results,
+        outer_saved=recorder.saved_by(None),
+        outer_backward=outer_grads + 2 * output_bytes,
+        batch_bytes=batch_bytes,
+        output_bytes=output_bytes,
+    )
+
+
+def _fake_like(value: Any, compute: torch.dtype) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    dtype = compute if value.is_floating_point() else value.dtype
+    return torch.empty(value.shape, dtype=dtype, device=_CPU)
+
+
+def _block_memory(
+    name: str, block: nn.Module, recorder: _Recorder, index: int, mode: FakeTensorMode, measured: dict
+) -> BlockMemory:
+    params = sum(p.numel() * p.element_size() for p in block.parameters())
+    x = recorder.inputs.get(index)
+    if x is None:  # the block never ran in this forward: it costs nothing for this batch
+        return BlockMemory(name, 0, 0, 0, 0, params)
+    backward, recompute = _backward_bytes(block, x, mode, measured)
+    return BlockMemory(
+        name,
+        saved=recorder.saved_by(index),
+        input=x.untyped_storage().nbytes(),
+        backward=backward,
+        recompute=recompute,
+        params=params,
+    )
+
+
+def _backward_bytes(block: nn.Module, x: torch.Tensor, mode: FakeTensorMode, measured: dict) -> tuple[int, int]:
+    """(peak of backward beyond what forward left alive, peak of forward + backward from the input alone).
+
+    The second is what a checkpointed block costs at its backward: the recompute, then its backward freeing the
+    recomputed tensors as it goes. Measured once per block shape (``measured`` remembers them for one model).
+    """
+    key = (type(block), tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()),
+           tuple(x.shape), x.dtype)
+    if key not in measured:
+        with mode:
+            inp = torch.empty(x.shape, dtype=x.dtype, device=_CPU, requires_grad=True)
+            grad = torch.empty_like(inp)  # the incoming gradient exists before the block's backward starts
+            tracker = LiveBytes()
+            with tracker:
+                out = block(inp)
+                first = next(t for t in _tensors(out) if t.requires_grad)
+                base = tracker.reset_peak()
+                torch.autograd.backward(first, grad.view_as(first) if grad.shape == first.shape else
+                                        torch.empty_like(first))
+            whole = tracker.peak
+        for p in block.parameters():
+            p.grad = None
+        measured[key] = (tracker.peak - base, whole)
+    return measured[key]

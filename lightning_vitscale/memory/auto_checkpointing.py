@@ -1,0 +1,202 @@
+"""``activation_checkpointing="auto"``: choose the fewest blocks to checkpoint that keep a step in budget.
+
+Checkpointing every block costs about a third more compute even where the activations would fit. Here the
+memory planner predicts the step's peak per rank from the real batch shape (measured on fake tensors, so no
+memory is spent finding out) and checkpoints the earliest blocks until the prediction fits the budget.
+The batch is known either at setup (``example_input_array``) or at the first training step; in the second case
+a meta-device twin of the module (same structure, no data) is kept from setup, because the sharded module's
+FSDP hooks would all-gather if it were run for measuring. Choosing lives here; the sharding setup applies the
+choice (``sharding/setup.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_vitscale._utils import available_host_bytes, human_bytes
+from lightning_vitscale.memory.memory_plan import MemoryPlan
+from lightning_vitscale.memory.planner import DEFAULT_FRACTION, choose, step_inputs
+from lightning_vitscale.memory.step_model import StepInputs, StepSettings, predict_step
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """Which blocks to checkpoint, and the plan that chose them."""
+
+    names: list[str]
+    plan: MemoryPlan
+    block_names: list[str]
+    keep_gathered: bool = False
+
+    def describe(self) -> str:
+        p = self.plan
+        peak = p.chosen.breakdown.peak
+        gathered = ", blocks stay gathered for backward" if self.keep_gathered else ""
+        every, none = p.all_checkpointed.breakdown.peak, p.none_checkpointed.breakdown.peak
+        return (f"auto: {len(self.names)} of {p.num_blocks} blocks{gathered}, predicted peak {human_bytes(peak)}"
+                f" per rank (budget {human_bytes(p.budget)}; every block {human_bytes(every)},"
+                f" none {human_bytes(none)})")
+
+
+def device_memory(device: torch.device, local_ranks: int = 1) -> int:
+    """What one rank may count on: the GPU's memory, or the host's available memory shared by the local ranks."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return (available_host_bytes() or 0) // max(1, local_ranks)
+
+
+def resolve_budget(budget: int | float | None, total: int) -> int:
+    """``memory_budget`` -> bytes: an int is bytes, a float (or ``None`` = 0.9) a fraction of ``total``."""
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        return budget
+    return int(total * (DEFAULT_FRACTION if budget is None else budget))
+
+
+def meta_twin(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are meta tensors: structure without data.
+
+    Tensors are mapped to meta stand-ins in ``deepcopy``'s memo, so no parameter is ever copied; anything the
+    module refers to that is not its own (trainer, device mesh) is shared, not copied.
+    """
+    memo: dict[int, Any] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    for name in ("_trainer", "_device_mesh", "_fabric", "_metric_attributes"):
+        value = module.__dict__.get(name)
+        if value is not None:
+            memo[id(value)] = value
+    return copy.deepcopy(module, memo)
+
+
+def first_tensor_input(batch: Any) -> Any:
+    """The model input in a batch as Lightning passes it: a tensor, or the first element of a tuple/list/dict."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, (tuple, list)) and batch:
+        return first_tensor_input(batch[0])
+    if isinstance(batch, dict) and batch:
+        return first_tensor_input(next(iter(batch.values())))
+    raise ValueError(
+        f"activation_checkpointing='auto' could not find the model input in a batch of type {type(batch).__name__}."
+        " Set `self.example_input_array` in the LightningModule, or pass activation_checkpointing=True."
+    )
+
+
+def choose_blocks(
+    model: nn.Module,
+    example_input: Any,
+    *,
+    world_size: int,
+    precision: str,
+    budget: int,
+    total: int,
+    optimizer: str = "adamw",
+    blocks: Any = None,
+    device: torch.device | None = None,
+) -> AutoChoice:
+    """Run ``model`` (the un-sharded module or its meta twin) on fake tensors and pick the blocks to checkpoint."""
+    try:
+        inputs: StepInputs = step_inputs(model, example_input, world_size=world_size, precision=precision,
+                                         optimizer=optimizer, blocks=blocks, device=device)
+    except Exception as error:  # a forward that cannot run on fake tensors must say what to do instead
+        raise RuntimeError(
+            f"activation_checkpointing='auto' could not measure {type(model).__name__} on fake tensors"
+            f" ({type(error).__name__}: {error}). Pass activation_checkpointing=True (or an int / a predicate)."
+        ) from error
+    batch = int(getattr(example_input, "shape", [1])[0]) if isinstance(example_input, torch.Tensor) else 1
+    plan = choose(inputs, budget, total, precision, batch)
+    names = [b.name for i, b in enumerate(inputs.profile.blocks) if i in plan.chosen.settings.checkpointed]
+    keep = not plan.chosen.settings.reshard_after_forward
+    return AutoChoice(names, plan, [b.name for b in inputs.profile.blocks], keep)
+
+
+def optimizer_kind(optimizers: list[torch.optim.Optimizer]) -> str:
+    """The planner's name for the state the user's optimizer keeps (AdamW when unknown: the larger)."""
+    for optimizer in optimizers:
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        if isinstance(inner, torch.optim.SGD):
+            momentum = any(group.get("momentum", 0) for group in inner.param_groups)
+            return "sgd-momentum" if momentum else "sgd"
+    return "adamw"
+
+
+class AutoCheckpointing:
+    """The ``"auto"`` lifecycle: decide at setup when the module has ``example_input_array``, else keep a meta
+    twin and decide at the first training step. ``choice`` holds the outcome for the caller to apply."""
+
+    def __init__(
+        self, budget: int | float | None, world_size: int, precision: str, blocks: Any, may_keep_gathered: bool
+    ) -> None:
+        self.budget, self.world_size, self.precision, self.blocks = budget, world_size, precision, blocks
+        self.may_keep_gathered = may_keep_gathered  # the user left reshard_after_forward to the recipe
+        self.twin: nn.Module | None = None
+        self.choice: AutoChoice | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self.twin is not None and self.choice is None
+
+    def at_setup(self, module: nn.Module, device: torch.device, local_ranks: int, agree) -> list[str] | None:
+        """Names to checkpoint now, or ``None`` when the batch is not known yet (a meta twin is kept)."""
+        example = getattr(module, "example_input_array", None)
+        if example is None:
+            self.twin = meta_twin(module)
+            return None
+        return self._decide(module, example, device, local_ranks, agree, "adamw")
+
+    def at_first_step(self, batch: Any, device: torch.device, local_ranks: int, agree, optimizers) -> list[str]:
+        assert self.twin is not None
+        try:
+            return self._decide(self.twin, first_tensor_input(batch), device, local_ranks, agree,
+                                optimizer_kind(optimizers))
+        finally:
+            self.twin = None
+
+    def _decide(self, model, example, device, local_ranks, agree, optimizer) -> list[str]:
+        total = device_memory(device, local_ranks)
+        choice = choose_blocks(model, example, world_size=self.world_size, precision=self.precision,
+                               budget=resolve_budget(self.budget, total), total=total, optimizer=optimizer,
+                               blocks=self.blocks, device=device)
+        # Every rank checkpoints the same blocks: the most any rank needs (free host memory differs by rank).
+        names = choice.block_names[: agree(len(choice.names))]  # the chosen blocks are the earliest ones
+        # Keeping blocks gathered changes the collectives: only if every rank can (the fewest of any rank).
+        keep = bool(-agree(-int(choice.keep_gathered and self.may_keep_gathered and not names)))
+        self.choice = AutoChoice(names, choice.plan, choice.block_names, keep)
+        return names
+
+    def describe(self) -> str:
+        """The setup summary's line: the choice, or that it waits for the first training step's batch."""
+        if self.choice is None:
+            return "auto: decided at the first training step, from its batch"
+        return self.choice.describe()
+
+
+def measure_for_summary(
+    module: nn.Module, world_size: int, precision: str, blocks: Any, device: torch.device | None = None
+) -> StepInputs | None:
+    """Fake-tensor measurement for the setup summary's predicted peak, when ``example_input_array`` is set.
+
+    Only informative: a module whose forward cannot run on fake tensors gets no prediction, not an error.
+    """
+    example = getattr(module, "example_input_array", None)
+    if example is None:
+        return None
+    try:
+        return step_inputs(module, example, world_size=world_size, precision=precision, blocks=blocks,
+                           device=device)
+    except Exception:  # noqa: BLE001 - see docstring
+        return None
+
+
+def describe_prediction(inputs: StepInputs, checkpointed: list[str], reshard: bool) -> tuple[int, str]:
+    """The predicted peak for the settings the pipeline applied, as bytes and as a summary line."""
+    chosen = {b.name for b in inputs.profile.blocks} & set(checkpointed)
+    indices = frozenset(i for i, b in enumerate(inputs.profile.blocks) if b.name in chosen)
+    peak = predict_step(inputs, StepSettings(indices, reshard))
+    return peak.peak, f"predicted peak {human_bytes(peak.peak)} per rank for example_input_array, at {peak.phase}"

@@ -1,0 +1,112 @@
+"""The memory planner's answer (:class:`MemoryPlan`) and how it reads to people: a per-rank breakdown table and
+the recommended settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightning_vitscale._utils import human_bytes
+from lightning_vitscale.memory.step_model import MemoryBreakdown, StepSettings
+
+
+@dataclass(frozen=True)
+class Candidate:
+    settings: StepSettings
+    breakdown: MemoryBreakdown
+
+
+@dataclass
+class MemoryPlan:
+    """The planner's answer for one rank. ``summary()`` prints it; the fields are for code.
+
+    Attributes:
+        world_size: ranks (devices x nodes).
+        precision: the precision flag planned for.
+        batch_size: per-rank batch planned for.
+        budget: bytes a step may use per rank.
+        device_memory: bytes of the device (``budget`` is a fraction of it).
+        num_blocks: blocks found (each its own FSDP unit).
+        chosen: the recommended settings and their predicted breakdown.
+        all_checkpointed / none_checkpointed: the two ends, for comparison.
+        fits: whether ``chosen`` fits the budget.
+        max_batch: the largest per-rank batch that fits with every block checkpointed (0: none fits).
+        reason: one line on why these settings.
+    """
+
+    world_size: int
+    precision: str
+    batch_size: int
+    budget: int
+    device_memory: int
+    num_blocks: int
+    num_params: int
+    chosen: Candidate
+    all_checkpointed: Candidate
+    none_checkpointed: Candidate
+    fits: bool
+    max_batch: int
+    reason: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def checkpointed(self) -> int:
+        return len(self.chosen.settings.checkpointed)
+
+    def summary(self) -> str:
+        return format_plan(self)
+
+
+_ROWS = (
+    ("params", "parameters (sharded, master dtype)"),
+    ("grads", "gradients (sharded)"),
+    ("optimizer", "optimizer state (sharded)"),
+    ("norms", "fp32 norms (replicated: params, grads, state)"),
+    ("gathered", "gathered units in flight (compute dtype)"),
+    ("activations", "activations kept for backward"),
+    ("transient", "backward / optimizer temporaries"),
+    ("batch", "input batch"),
+)
+
+
+def breakdown_table(columns: dict[str, MemoryBreakdown]) -> list[str]:
+    """A Markdown table: one row per kind of memory, one column per named breakdown."""
+    names = list(columns)
+    lines = ["| per rank | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for key, label in _ROWS:
+        lines.append(f"| {label} | " + " | ".join(human_bytes(getattr(columns[n], key)) for n in names) + " |")
+    lines.append("| **peak** | " + " | ".join(f"**{human_bytes(columns[n].peak)}**" for n in names) + " |")
+    lines.append("| at | " + " | ".join(columns[n].phase for n in names) + " |")
+    return lines
+
+
+def settings_line(plan: MemoryPlan) -> str:
+    s = plan.chosen.settings
+    parts = [f"activation_checkpointing: {len(s.checkpointed)} of {plan.num_blocks} blocks"]
+    parts.append(f"reshard_after_forward={'True' if s.reshard_after_forward else 'False'}")
+    if s.offload:
+        parts.append("offload='cpu' (sharded state in host memory)")
+    return ", ".join(parts)
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    head = (
+        f"Memory plan: {plan.num_params / 1e9:,.3f}B parameters, {plan.num_blocks} blocks, {plan.world_size} rank(s),"
+        f" {plan.precision}, batch {plan.batch_size} per rank; budget {human_bytes(plan.budget)} of"
+        f" {human_bytes(plan.device_memory)}"
+    )
+    columns = {
+        "chosen": plan.chosen.breakdown,
+        "AC on every block": plan.all_checkpointed.breakdown,
+        "AC off": plan.none_checkpointed.breakdown,
+    }
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    lines = [head, "", *breakdown_table(columns), ""]
+    lines.append(f"{verdict}: {human_bytes(plan.chosen.breakdown.peak)} predicted peak per rank ({plan.reason})")
+    lines.append(f"recommended: {settings_line(plan)}")
+    how = "every block checkpointed" + (", state offloaded" if plan.chosen.settings.offload else "")
+    lines.append(
+        f"largest batch per rank that fits ({how}): {plan.max_batch}" if plan.max_batch
+        else "no batch size fits on this many ranks: add ranks (devices/nodes)"
+    )
+    lines.extend(f"note: {note}" for note in plan.notes)
+    return "\n".join(lines)

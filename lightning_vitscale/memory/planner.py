@@ -1,0 +1,241 @@
+"""The memory planner: will this model, at this batch size, fit on these devices, and what should be turned on?
+
+``plan_memory`` measures the model's activations on fake tensors (any size, no device needed), predicts each
+rank's peak for candidate settings and picks, in this order: the fewest checkpointed blocks that fit the budget;
+blocks kept gathered between forward and backward (one all-gather per block fewer) where that still fits; CPU
+offload of the sharded state only when nothing else fits. It also reports the largest per-rank batch that fits.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_vitscale._utils import GIB, MIB, human_bytes
+from lightning_vitscale.discovery import ModuleSelector, find_blocks, holds_parameters
+from lightning_vitscale.memory.activations import measure_activations
+from lightning_vitscale.memory.memory_plan import Candidate, MemoryPlan
+from lightning_vitscale.memory.step_model import (
+    OPTIMIZER_STATES,
+    ModelLayout,
+    StepInputs,
+    StepSettings,
+    collective_copies,
+    predict_step,
+)
+from lightning_vitscale.precision import PrecisionPolicy, resolve_flag
+
+# Usable memory of named devices (the marketing figure; the allocator and CUDA context take a little more).
+DEVICE_MEMORY: dict[str, int] = {
+    "a100-40gb": 40 * GIB,
+    "a100-80gb": 80 * GIB,
+    "h100-80gb": 80 * GIB,
+    "h200-141gb": 141 * GIB,
+    "v100-32gb": 32 * GIB,
+    "l40s-48gb": 48 * GIB,
+}
+DEFAULT_FRACTION = 0.9
+
+
+def parse_memory(spec: str | int | float) -> int:
+    """``"a100-40gb"``, ``"40"`` / ``40`` (GiB), ``"40GiB"``, ``"512MiB"`` -> bytes."""
+    if isinstance(spec, (int, float)):
+        return int(spec * GIB)
+    key = spec.strip().lower()
+    if key in DEVICE_MEMORY:
+        return DEVICE_MEMORY[key]
+    match = re.fullmatch(r"([0-9.]+)\s*(gib|gb|g|mib|mb|m)?", key)
+    if match is None:
+        raise ValueError(
+            f"device memory {spec!r} is not understood: give GiB (e.g. 40 or '40GiB'), MiB ('512MiB') or one of"
+            f" {', '.join(DEVICE_MEMORY)}."
+        )
+    unit = match.group(2) or "gib"
+    return int(float(match.group(1)) * (GIB if unit.startswith("g") else MIB))
+
+
+def model_parts(
+    model: nn.Module, blocks: ModuleSelector | None, precision: PrecisionPolicy
+) -> tuple[list[tuple[str, nn.Module]], list[nn.Module]]:
+    """The blocks the strategy would shard and the norms it would keep apart in fp32, as parallelize finds them."""
+    found = [(n, b) for n, b in find_blocks(model, blocks) if holds_parameters(b)]
+    norms = [m for _, m in precision.separate_norm_modules(model)]
+    return found, norms
+
+
+def plan_memory(
+    model: nn.Module,
+    example_input: Any,
+    *,
+    batch_size: int | None = None,
+    world_size: int = 1,
+    device_memory: str | int | float = "a100-80gb",
+    precision: str = "bf16-mixed",
+    optimizer: str = "adamw",
+    memory_fraction: float = DEFAULT_FRACTION,
+    blocks: ModuleSelector | None = None,
+) -> MemoryPlan:
+    """Plan one rank's memory for ``model`` (real or on the meta device) fed ``example_input`` per step.
+
+    Args:
+        model: the network the strategy will shard (e.g. a LightningModule after ``configure_model``).
+        example_input: one rank's input batch (tensor or tuple of tensors; meta tensors are fine).
+        batch_size: per-rank batch size planned for; ``None`` takes dim 0 of the first input tensor.
+        world_size: all ranks (devices x nodes).
+        device_memory: bytes (int), GiB (float/str) or a named GPU (``"a100-40gb"``, ``"h100-80gb"``, ...).
+        precision: Trainer precision flag.
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd-momentum"``, ``"sgd"``, ``"lion"`` or ``"adagrad"``.
+        memory_fraction: share of the device a step may use (the rest is headroom for the allocator).
+        blocks: the strategy's ``blocks=`` selector, if one is given.
+
+    Example::
+
+        with torch.device("meta"):
+            net = VisionTransformer.from_size("vit-h14", 224, 3, 1000)
+        plan = plan_memory(net, torch.empty(32, 3, 224, 224, device="meta"), world_size=8, device_memory="a100-40gb")
+        print(plan.summary())
+    """
+    inputs = step_inputs(model, example_input, batch_size=batch_size, world_size=world_size, precision=precision,
+                         optimizer=optimizer, blocks=blocks)
+    device_bytes = parse_memory(device_memory)
+    planned_batch = batch_size or _batch_of(example_input)
+    return choose(inputs, int(device_bytes * memory_fraction), device_bytes, precision, planned_batch)
+
+
+def step_inputs(
+    model: nn.Module,
+    example_input: Any,
+    *,
+    batch_size: int | None = None,
+    world_size: int = 1,
+    precision: str = "bf16-mixed",
+    optimizer: str = "adamw",
+    blocks: ModuleSelector | None = None,
+    device: torch.device | str | None = None,
+) -> StepInputs:
+    """Measure ``model`` on fake tensors and gather what :func:`predict_step` needs (see :func:`plan_memory`).
+
+    ``device`` is where the step will run: on CPU the collectives' temporaries count (see
+    :func:`~lightning_vitscale.memory.step_model.collective_copies`); ``None`` plans for a GPU with NCCL.
+    """
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r} is not known; choose one of {', '.join(OPTIMIZER_STATES)}.")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1; got {world_size}.")
+    policy = resolve_flag(precision)
+    found, norms = model_parts(model, blocks, policy)
+    profile = measure_activations(model, found, example_input, policy.compute, norms)
+    measured_batch = _batch_of(example_input)
+    return StepInputs(
+        layout=ModelLayout.of(model, [b for _, b in found], norms),
+        profile=profile,
+        world=world_size,
+        master=policy.master,
+        compute=policy.compute,
+        reduce=policy.reduce,
+        optimizer=optimizer,
+        batch_scale=(batch_size or measured_batch) / measured_batch,
+        collective_copies=collective_copies(device),
+    )
+
+
+def _batch_of(example_input: Any) -> int:
+    first = example_input if isinstance(example_input, torch.Tensor) else next(
+        (t for t in example_input if isinstance(t, torch.Tensor)), None
+    )
+    if first is None or first.dim() == 0:
+        raise ValueError("example_input needs a tensor with a batch dimension first, e.g. torch.empty(8, 3, 224, 224).")
+    return int(first.shape[0])
+
+
+def fewest_checkpointed(
+    inputs: StepInputs, budget: int, reshard: bool = True, offload: bool = False
+) -> Candidate | None:
+    """The fewest blocks to checkpoint (earliest first: their activations live longest) that fit ``budget``."""
+    n = len(inputs.profile.blocks)
+
+    def settings(k: int) -> StepSettings:
+        return StepSettings(frozenset(range(k)), reshard, offload)
+
+    lo, hi = 0, n
+    if predict_step(inputs, settings(n)).peak > budget:
+        return None
+    while lo < hi:  # the peak only falls as more blocks recompute
+        mid = (lo + hi) // 2
+        if predict_step(inputs, settings(mid)).peak <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return Candidate(settings(lo), predict_step(inputs, settings(lo)))
+
+
+def choose(inputs: StepInputs, budget: int, device_bytes: int, precision: str, batch_size: int) -> MemoryPlan:
+    """Pick the settings for ``budget`` (see the module docstring for the order)."""
+    n = len(inputs.profile.blocks)
+    every, none = StepSettings(frozenset(range(n))), StepSettings()
+    all_ckpt = Candidate(every, predict_step(inputs, every))
+    no_ckpt = Candidate(none, predict_step(inputs, none))
+    kept_gathered = Candidate(StepSettings(reshard_after_forward=False),
+                              predict_step(inputs, StepSettings(reshard_after_forward=False)))
+    found = fewest_checkpointed(inputs, budget)
+    if kept_gathered.breakdown.peak <= budget and n:
+        chosen, reason = kept_gathered, "everything fits: no checkpointing, blocks stay gathered for backward"
+    elif found is not None:
+        k = len(found.settings.checkpointed)
+        chosen = found
+        reason = ("activations fit: no checkpointing" if k == 0
+                  else f"checkpointing {k} of {n} blocks is the fewest that fits the budget")
+    else:
+        offloaded = fewest_checkpointed(inputs, budget, offload=True)
+        every_offloaded = StepSettings(frozenset(range(n)), offload=True)
+        chosen = offloaded or Candidate(every_offloaded, predict_step(inputs, every_offloaded))
+        reason = ("does not fit even with every block checkpointed: CPU offload of the sharded state"
+                  if offloaded is not None else
+                  "does not fit even with every block checkpointed and CPU offload: more ranks or a smaller batch")
+    notes = []
+    if chosen.settings.offload:
+        host = predict_step(inputs, StepSettings(frozenset(range(n)))).params
+        states = OPTIMIZER_STATES[inputs.optimizer]
+        notes.append(f"offload keeps {human_bytes(host * (2 + states))} of parameters, gradients and optimizer state"
+                     " per rank in host memory (times the ranks per node)")
+    return MemoryPlan(
+        world_size=inputs.world,
+        precision=precision,
+        batch_size=batch_size,
+        budget=budget,
+        device_memory=device_bytes,
+        num_blocks=n,
+        num_params=inputs.layout.num_params,
+        chosen=chosen,
+        all_checkpointed=all_ckpt,
+        none_checkpointed=no_ckpt,
+        fits=chosen.breakdown.peak <= budget,
+        max_batch=largest_batch(inputs, budget, batch_size, chosen.settings.offload),
+        reason=reason,
+        notes=notes,
+    )
+
+
+def largest_batch(inputs: StepInputs, budget: int, batch_size: int, offload: bool = False) -> int:
+    """Largest per-rank batch that fits with every block checkpointed (activations scale with the batch)."""
+    per_sample = inputs.batch_scale / batch_size
+    every = StepSettings(frozenset(range(len(inputs.profile.blocks))), offload=offload)
+
+    def fits(b: int) -> bool:
+        return predict_step(replace(inputs, batch_scale=per_sample * b), every).peak <= budget
+
+    if not fits(1):
+        return 0
+    hi = 1
+    while fits(hi * 2) and hi < 2**20:
+        hi *= 2
+    lo, hi = hi, hi * 2
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+

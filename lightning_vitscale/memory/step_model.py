@@ -1,0 +1,189 @@
+"""Per-rank memory of one training step under the recipe: what lives when, and the step's predicted peak.
+
+The step is walked phase by phase as FSDP2 runs it: the outer unit gathered from forward to the end of backward
+(``reshard_after_forward``'s default for the root), one block gathered (+ its all-gather buffer) in forward,
+the current and the prefetched block gathered in backward with the current block's unsharded gradients and
+reduce-scatter buffer, activations freed block by block as backward proceeds, sharded gradients growing, and
+the optimizer step (foreach AdamW needs one temporary the size of the local parameters). On CPU, gloo's
+collectives copy through a temporary the size of the gathered tensor (:func:`collective_copies`): one more block
+while a block is gathered, and a block's reduce-scatter holds its input twice (on 2+ ranks). Activations come from
+:mod:`lightning_vitscale.memory.activations` (measured on fake tensors); everything else is counted from shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lightning_vitscale._utils import shard_rows
+from lightning_vitscale.memory.activations import ActivationProfile
+
+# Optimizer state tensors per parameter, in the parameter's (master) dtype, as torch's optimizers keep them.
+OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "lion": 1, "sgd-momentum": 1, "sgd": 0, "adagrad": 1}
+# Temporaries of one parameter size that the optimizer's step allocates (foreach AdamW: sqrt(v) + denominator).
+OPTIMIZER_TEMPORARIES: dict[str, int] = {"adamw": 1, "adam": 1, "lion": 1, "sgd-momentum": 0, "sgd": 0, "adagrad": 1}
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """Parameter shapes by FSDP unit: what sharding and gathering cost, independent of the batch.
+
+    Attributes:
+        blocks: each block's FSDP-managed parameter shapes (norms excluded when they are kept apart).
+        outer: the outer unit's parameter shapes.
+        norms: shapes of the fp32 norms held replicated outside the units (empty when norms are not separate).
+    """
+
+    blocks: list[list[tuple[int, ...]]]
+    outer: list[tuple[int, ...]]
+    norms: list[tuple[int, ...]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, model: nn.Module, blocks: list[nn.Module], norms: list[nn.Module]) -> ModelLayout:
+        norm_params = {id(p) for m in norms for p in m.parameters(recurse=False)}
+        in_block = {id(p) for b in blocks for p in b.parameters()}
+        return cls(
+            blocks=[[tuple(p.shape) for p in b.parameters() if id(p) not in norm_params] for b in blocks],
+            outer=[tuple(p.shape) for p in model.parameters() if id(p) not in in_block | norm_params],
+            norms=[tuple(p.shape) for m in norms for p in m.parameters(recurse=False)],
+        )
+
+    @property
+    def num_params(self) -> int:
+        return sum(_numel(s) for unit in [*self.blocks, self.outer, self.norms] for s in unit)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape) if shape else 1
+
+
+def shard_numel(shapes: list[tuple[int, ...]], world: int) -> int:
+    """Elements the fullest rank holds: FSDP2 shards dim 0 and pads it to a multiple of the world size."""
+    return sum(shard_rows(s[0] if s else 1, world) * _numel(s[1:]) for s in shapes)
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The knobs the planner turns: which blocks recompute, and whether blocks stay gathered for backward."""
+
+    checkpointed: frozenset[int] = frozenset()
+    reshard_after_forward: bool = True
+    offload: bool = False
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per rank at the step's peak, by kind; ``peak`` is their sum and ``phase`` says when it occurs."""
+
+    params: int
+    grads: int
+    optimizer: int
+    norms: int
+    gathered: int
+    activations: int
+    transient: int
+    batch: int
+    phase: str
+
+    @property
+    def peak(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.norms + self.gathered + self.activations
+                + self.transient + self.batch)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Everything the step model needs besides the settings."""
+
+    layout: ModelLayout
+    profile: ActivationProfile
+    world: int
+    master: torch.dtype
+    compute: torch.dtype
+    reduce: torch.dtype
+    optimizer: str = "adamw"
+    batch_scale: float = 1.0
+    collective_copies: bool = False
+
+
+def collective_copies(device: torch.device | str | None) -> bool:
+    """Whether the process group on ``device`` copies each all-gather / reduce-scatter through a temporary.
+
+    gloo (CPU) does: torch's profiler (allocator events, 1/2/4 ranks, fp32 and bf16, sync and async) shows
+    ``all_gather_into_tensor`` allocating one temporary the size of the gathered output (twice in a row, never
+    both live) and ``reduce_scatter_tensor`` one the size of its unsharded input, freed when the call returns.
+    NCCL reads and writes FSDP's own buffers in place, so CUDA devices (and an unknown device) get none.
+    """
+    return device is not None and torch.device(device).type == "cpu"
+
+
+def predict_step(inputs: StepInputs, settings: StepSettings) -> MemoryBreakdown:
+    """The peak of one steady-state step (optimizer state exists, gradients set to None before forward)."""
+    lay, prof, scale = inputs.layout, inputs.profile, inputs.batch_scale
+    m, c, r = inputs.master.itemsize, inputs.compute.itemsize, inputs.reduce.itemsize
+    states = OPTIMIZER_STATES[inputs.optimizer]
+    shards = [shard_numel(b, inputs.world) for b in lay.blocks]
+    outer_shard = shard_numel(lay.outer, inputs.world)
+    params = (sum(shards) + outer_shard) * m
+    on_device = 0 if settings.offload else 1  # offloaded state lives in host memory, not on the device
+    norm_numel = sum(_numel(s) for s in lay.norms)
+    norms = norm_numel * 4 * (2 + states)
+    full_blocks = [sum(_numel(s) for s in b) for b in lay.blocks]
+    outer_full = sum(_numel(s) for s in lay.outer) * c
+    kept = [
+        int((b.input if i in settings.checkpointed else b.saved) * scale) for i, b in enumerate(prof.blocks)
+    ]
+    batch = int(prof.batch_bytes * scale)
+    base = dict(params=params * on_device, optimizer=params * states * on_device, norms=norms, batch=batch)
+    phases = [
+        _forward_peak(inputs, settings, base, full_blocks, outer_full, kept),
+        *_backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kept, c, r, m, on_device),
+        MemoryBreakdown(grads=params * on_device, gathered=0, activations=0,
+                        transient=params * OPTIMIZER_TEMPORARIES[inputs.optimizer] * on_device,
+                        phase="optimizer step", **base),
+    ]
+    return max(phases, key=lambda b: b.peak)
+
+
+def _forward_peak(inputs, settings, base, full_blocks, outer_full, kept) -> MemoryBreakdown:
+    c = inputs.compute.itemsize
+    biggest = max(full_blocks, default=0) * c
+    copy = biggest if inputs.collective_copies else 0  # gloo's temporary while a block is gathered
+    # Blocks that stay gathered for backward pile up; otherwise one block and its all-gather buffer.
+    gathered = outer_full + (sum(full_blocks) * c + biggest if not settings.reshard_after_forward else 2 * biggest)
+    acts = int(inputs.profile.outer_saved * inputs.batch_scale) + sum(kept)
+    return MemoryBreakdown(grads=0, gathered=gathered, activations=acts, transient=copy, phase="end of forward",
+                           **base)
+
+
+def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kept, c, r, m, on_device):
+    prof, scale = inputs.profile, inputs.batch_scale
+    outer_acts = int(prof.outer_saved * scale)
+    outer_grads = int(prof.outer_backward * scale)
+    n = len(full_blocks)
+    for i in reversed(range(n)):
+        prefetched = full_blocks[i - 1] if i > 0 else 0
+        if settings.reshard_after_forward:
+            gathered = outer_full + (full_blocks[i] + prefetched) * c
+        else:
+            gathered = outer_full + sum(full_blocks[: i + 1]) * c
+        block = prof.blocks[i]
+        # A checkpointed block holds its input (in `kept`), then recomputes and runs its backward.
+        inside = block.recompute - block.input if i in settings.checkpointed else block.backward
+        compute = int(inside * scale) + full_blocks[i] * r
+        # gloo: while the block's gradients are reduce-scattered, its input buffer and gloo's copy of it are live
+        # (its unsharded gradients are freed after the copy-in); the backward compute's transients are gone.
+        # FSDP copies instead of reduce-scattering on one rank.
+        collective = 2 * full_blocks[i] * r if inputs.collective_copies and inputs.world > 1 else 0
+        transient = max(compute, collective) + outer_grads
+        yield MemoryBreakdown(
+            grads=sum(shards[i + 1:]) * m * on_device,
+            gathered=gathered,
+            activations=outer_acts + sum(kept[: i + 1]),
+            transient=transient,
+            phase=f"backward of block {i}",
+            **base,
+        )

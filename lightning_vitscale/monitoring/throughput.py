@@ -1,0 +1,223 @@
+"""VitScaleThroughput: samples/s, achieved TFLOP/s, MFU and peak memory per device, logged while training."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.flop_counter import FlopCounterMode
+from typing_extensions import override
+
+from lightning_vitscale._utils import GIB
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's data sheets, matched by substring of
+# `torch.cuda.get_device_name()` in this order: "H100 PCIe" before "H100", "A100" before "A10", "L40" before
+# "L4". V100 has no bf16: its fp16 figure. None: a GPU we have no trusted figure for (MFU is then not logged).
+PEAK_DENSE_BF16_FLOPS: tuple[tuple[str, float | None], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM ("NVIDIA H100 80GB HBM3")
+    ("H200", 989e12),
+    ("A100", 312e12),
+    ("V100", 125e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("A10G", None),
+    ("A10", 125e12),
+)
+
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak in FLOP/s, or ``None`` (CPU, unknown GPU): MFU needs a trusted denominator."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_DENSE_BF16_FLOPS if key in name), None)
+
+
+def first_dim(batch: Any) -> int:
+    """Default batch size: dim 0 of the first tensor found in the batch (tuples, lists and dicts searched)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        size = first_dim(item)
+        if size:
+            return size
+    return 0
+
+
+def peak_memory_gib(device: torch.device) -> tuple[str, float]:
+    """Peak memory of this rank: allocator peak on CUDA, the process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return "memory/peak_allocated_gib", torch.cuda.max_memory_allocated(device) / GIB
+    # ru_maxrss is KiB on Linux, bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return "memory/peak_rss_gib", rss / GIB
+
+
+class WindowClock:
+    """Device time between two edges without synchronising the device in between.
+
+    On CUDA an edge is an event recorded on the current stream (recording does not wait for the GPU), and reading
+    an interval waits for its end event only; elsewhere an edge is ``time.perf_counter()``. Synchronising after
+    every step instead would drain the queue the host keeps ahead of the GPU and charge launch overhead that real
+    training hides.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+class VitScaleThroughput(Callback):
+    """Log ``throughput/samples_per_sec`` (all ranks), ``throughput/tflops_per_sec`` and ``throughput/mfu``
+    (per device) and peak memory (the largest over ranks) every ``log_every_n_steps`` training batches.
+
+    Named apart from Lightning's ``lightning.pytorch.callbacks.ThroughputMonitor`` (which needs the user's FLOPs
+    and batch sizes): this one counts model FLOPs itself. FLOPs are counted once, on the first training batch,
+    with ``FlopCounterMode`` around the forward only (entered at batch start, left when backward starts) and
+    multiplied by 3 for forward + backward. This is *model* FLOPs, the usual MFU convention: activation-
+    checkpointing recompute and the optimizer are not counted, so MFU compares recipes fairly. FLOPs are counted
+    per sample, so a short last batch is fine. Compiled regions run eagerly while the counter is active (dynamo
+    skips frames under a dispatch mode), so keep ``warmup_steps`` >= 2 when compiling: compilation then happens
+    inside the warm-up.
+
+    Time is device time between window edges (:class:`WindowClock`): the device is synchronised once per window,
+    never per step. On CUDA the allocator's peak is reset when warm-up ends, so peak memory covers measured steps.
+
+    Args:
+        batch_size_fn: ``batch -> samples on this rank``; default: dim 0 of the first tensor in the batch.
+        peak_flops: the device's peak FLOP/s; default: :data:`PEAK_DENSE_BF16_FLOPS` on CUDA, none on CPU.
+        log_every_n_steps: batches per measurement window.
+        warmup_steps: batches ignored before the first window (compilation, allocator warm-up).
+
+    Example::
+
+        monitor = VitScaleThroughput(log_every_n_steps=20)
+        Trainer(strategy=VitScaleStrategy(), precision="bf16-mixed", callbacks=[monitor]).fit(model)
+        print(monitor.metrics["throughput/mfu"])
+    """
+
+    def __init__(
+        self,
+        batch_size_fn: Callable[[Any], int] | None = None,
+        peak_flops: float | None = None,
+        log_every_n_steps: int = 10,
+        warmup_steps: int = 3,
+    ) -> None:
+        if log_every_n_steps < 1 or warmup_steps < 0:
+            raise ValueError(
+                f"need log_every_n_steps >= 1 and warmup_steps >= 0; got {log_every_n_steps} and {warmup_steps}."
+            )
+        self.batch_size_fn = batch_size_fn or first_dim
+        self.peak_flops = peak_flops
+        self.log_every_n_steps = log_every_n_steps
+        self.warmup_steps = warmup_steps
+        self.flops_per_sample: float | None = None
+        self.metrics: dict[str, float] = {}
+        self.history: list[dict[str, float]] = []
+        self._counter: FlopCounterMode | None = None
+        self._counted_samples = 0
+        self._batches = 0
+        self._clock: WindowClock | None = None
+        self._window_start: Any = None
+        self._window_samples = 0
+        self._window_batches = 0
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.flops_per_sample is None and self._counter is None:
+            self._counted_samples = self.batch_size_fn(batch)
+            self._counter = FlopCounterMode(display=False)
+            self._counter.__enter__()
+        if self._clock is None:
+            self._clock = WindowClock(pl_module.device)
+            if self.warmup_steps == 0:
+                self._start_window(pl_module.device)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._stop_counting()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._stop_counting()  # a step without backward (e.g. manual optimization that skipped it)
+        self._batches += 1
+        if self._window_start is None:
+            if self._batches >= self.warmup_steps:
+                self._start_window(pl_module.device)
+            return
+        self._window_samples += self.batch_size_fn(batch)
+        self._window_batches += 1
+        if self._window_batches >= self.log_every_n_steps:
+            assert self._clock is not None
+            end = self._clock.mark()
+            self._log(trainer, pl_module, self._clock.seconds(self._window_start, end))
+            self._window_start, self._window_samples, self._window_batches = end, 0, 0
+
+    def _start_window(self, device: torch.device) -> None:
+        """Warm-up is over: start the clock, and let the allocator's peak cover the measured steps only."""
+        assert self._clock is not None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self._window_start = self._clock.mark()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_counting()
+
+    def _stop_counting(self) -> None:
+        if self._counter is None:
+            return
+        counter, self._counter = self._counter, None
+        counter.__exit__(None, None, None)
+        self.flops_per_sample = 3 * counter.get_total_flops() / max(self._counted_samples, 1)
+
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seconds: float) -> None:
+        metrics = self.compute(self._window_samples, seconds, trainer.world_size, pl_module.device)
+        key, gib = peak_memory_gib(pl_module.device)
+        peak = torch.tensor(gib, device=pl_module.device)
+        metrics[key] = float(trainer.strategy.reduce(peak, reduce_op="max")) if trainer.world_size > 1 else gib
+        self.metrics = metrics
+        self.history.append(metrics)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    def compute(self, samples: int, seconds: float, world_size: int, device: torch.device) -> dict[str, float]:
+        """Throughput figures for ``samples`` processed on this rank in ``seconds`` (every rank alike)."""
+        metrics = {"throughput/samples_per_sec": samples * world_size / seconds}
+        if self.flops_per_sample is not None:
+            achieved = self.flops_per_sample * samples / seconds
+            metrics["throughput/tflops_per_sec"] = achieved / 1e12
+            peak = self.peak_flops or device_peak_flops(device)
+            if peak:
+                metrics["throughput/mfu"] = achieved / peak
+        return metrics

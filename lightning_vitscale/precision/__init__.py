@@ -1,0 +1,21 @@
+"""Which dtype where: the Lightning precision plugin (BF16 "O2"), its dtype policy, fp32 normalization layers
+kept outside the low-precision units, input casts, the sharded fp16 loss scaler and clipping across shards.
+
+May import ``discovery`` (which modules are norms), ``distributed``, ``_utils`` and ``_compat``.
+"""
+
+from lightning_vitscale.precision.casting import cast_floating_inputs
+from lightning_vitscale.precision.norms import ReplicatedNorms
+from lightning_vitscale.precision.plugin import VitScalePrecision, to_vitscale_precision
+from lightning_vitscale.precision.settings import SUPPORTED_FLAGS, PrecisionFlag, PrecisionPolicy, resolve_flag
+
+__all__ = [
+    "SUPPORTED_FLAGS",
+    "PrecisionFlag",
+    "PrecisionPolicy",
+    "ReplicatedNorms",
+    "VitScalePrecision",
+    "cast_floating_inputs",
+    "resolve_flag",
+    "to_vitscale_precision",
+]

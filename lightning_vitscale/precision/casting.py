@@ -1,0 +1,31 @@
+"""Layers of the outer unit cast floating inputs to the compute dtype, as FSDP does at each unit.
+
+Under O2 the outer unit's layers (patch embedding, head, ...) hold bf16 parameters while they compute. FSDP casts
+the inputs of each unit's forward, but a tensor made *inside* a step (a mask, noise, a second view) reaches
+these layers in fp32 and fails ("Input type (float) and bias type (BFloat16)"); autocast users never see this.
+A pre-hook on each such layer restores the drop-in behaviour.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_vitscale._compat import tree_map
+
+
+def cast_floating_inputs(modules: list[nn.Module], dtype: torch.dtype) -> None:
+    """Register a forward pre-hook on each module casting floating tensor inputs to ``dtype``."""
+
+    def cast(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+
+    def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    for module in modules:
+        module.register_forward_pre_hook(hook, with_kwargs=True)

@@ -1,0 +1,105 @@
+"""Normalization layers kept in fp32 inside a low-precision model, at one extra collective per step.
+
+FAIR's finding: bf16 trains ViTs with fp32 hyper-parameters only if normalization layers stay in fp32. The usual
+fix (one FSDP unit per norm) triples the all-gathers. Instead, norm parameters leave the bf16 FSDP units and
+become fp32 DTensors *replicated* on every rank (they are tiny): optimizers, clipping and DCP see DTensors like
+every other parameter; a wrapped forward hands the module its local fp32 tensors and fp32 inputs, and casts
+the output back; one coalesced all-reduce per backward averages their gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_vitscale._compat import DTensor, set_parameters, tree_map
+from lightning_vitscale.distributed.mesh import all_reduce_over, replicated_placements
+
+_PARAMS = "_vitscale_fp32_params"
+_DTYPE = "_vitscale_norm_dtype"
+
+
+def _floating_input_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype | None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.dtype
+    return None
+
+
+class ReplicatedNorms:
+    """fp32 norm layers held outside the FSDP units; owns their fp32 forward and their gradient reduction."""
+
+    def __init__(self, modules: list[nn.Module], mesh: DeviceMesh, dtype: torch.dtype = torch.float32) -> None:
+        self.mesh, self.dtype = mesh, dtype
+        self.params: list[nn.Parameter] = []
+        for module in modules:
+            self._convert(module)
+
+    def _convert(self, module: nn.Module) -> None:
+        originals = {}
+        for name, param in list(module.named_parameters(recurse=False)):
+            local = param.detach().to(self.dtype)
+            replicated = nn.Parameter(
+                DTensor.from_local(local, self.mesh, replicated_placements(self.mesh), run_check=False),
+                requires_grad=param.requires_grad,
+            )
+            module.register_parameter(name, replicated)
+            originals[name] = replicated
+            self.params.append(replicated)
+        setattr(module, _PARAMS, originals)
+        setattr(module, _DTYPE, self.dtype)
+        module.forward = functools.partial(_fp32_forward, module)
+
+    def ignored(self) -> set[nn.Parameter]:
+        return set(self.params)
+
+    @torch.no_grad()
+    def reduce_grads(self) -> int:
+        """Average the norm gradients over every rank of the mesh, one coalesced collective per mesh dimension
+        (a hybrid mesh: within the node, then across nodes); returns how many collectives ran."""
+        # The parameters are DTensors, so are their gradients.
+        grads = [cast(DTensor, p.grad).to_local() for p in self.params if p.grad is not None]
+        if not grads or self.mesh.size() == 1:
+            return 0
+        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
+        all_reduce_over(flat, self.mesh)  # SUM: gloo has no AVG
+        flat.div_(self.mesh.size())
+        for grad, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+            grad.copy_(chunk.view_as(grad))
+        return sum(1 for dim in range(self.mesh.ndim) if self.mesh.size(dim) > 1)
+
+
+def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A converted norm's forward: its own class's forward on local fp32 parameters and fp32 inputs.
+
+    to_local() is differentiable, so the gradient lands on the replicated DTensor parameter (its local part;
+    ``reduce_grads()`` averages it). ``finally``: a forward that raises must still give the module its DTensor
+    parameters back, or it would keep plain local tensors (wrong optimizer targets, wrong checkpoint) after the
+    exception. A wrapped forward, not hooks: an always-called forward hook makes dynamo guard on each norm's
+    hook id, so identical compiled blocks would no longer share one graph. For the same reason this is a plain
+    function that reads everything from the module: a bound method, dict or method bound into the partial
+    gets an identity guard per norm.
+    """
+    params: dict[str, DTensor] = getattr(module, _PARAMS)
+    out_dtype = _floating_input_dtype(args, kwargs)
+    to_norm_dtype = _caster(getattr(module, _DTYPE))
+    args, kwargs = tree_map(to_norm_dtype, args), tree_map(to_norm_dtype, kwargs)
+    set_parameters(module, {name: param.to_local() for name, param in params.items()})
+    try:
+        output = type(module).forward(module, *args, **kwargs)
+    finally:
+        set_parameters(module, params)
+    return tree_map(_caster(out_dtype), output) if out_dtype is not None else output
+
+
+def _caster(dtype: torch.dtype | None):
+    def cast(value: Any) -> Any:
+        if dtype is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(dtype)
+        return value
+
+    return cast

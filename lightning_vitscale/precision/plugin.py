@@ -1,0 +1,178 @@
+"""VitScalePrecision: the Lightning precision plugin that owns the dtype policy (which dtype where)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from lightning.fabric.utilities.types import Optimizable
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning_utilities import apply_to_collection
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_vitscale._compat import after_closure
+from lightning_vitscale.precision.clipping import clip_grad_norm
+from lightning_vitscale.precision.grad_scaler import ShardedGradScaler
+from lightning_vitscale.precision.settings import (
+    SUPPORTED_FLAGS,
+    NormSelector,
+    PrecisionFlag,
+    norm_predicate,
+    resolve_flag,
+)
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+# Lightning's generic plugins that only carry a flag; anything more specific is the user's choice to keep.
+_M = TypeVar("_M", bound=nn.Module)
+_TRANSLATABLE: tuple[type[Precision], ...] = (Precision, MixedPrecision, HalfPrecision)
+
+
+class VitScalePrecision(Precision):
+    """BF16 "O2" for sharded models: low-precision compute on fp32 master weights, norms kept in fp32.
+
+    Selected by ``Trainer(precision=...)`` when the strategy is VitScaleStrategy; construct it yourself for
+    finer control.
+
+    Args:
+        precision: ``"32-true"``, ``"bf16-mixed"`` (O2), ``"bf16-true"`` or ``"16-mixed"`` (O2 in fp16 with a
+            sharded gradient scaler).
+        compute_dtype: override the dtype units compute in.
+        reduce_dtype: override the dtype gradients are reduced in.
+        norm_dtype: dtype normalization layers keep (parameters and compute); ``None`` follows the model.
+        norms: which modules are normalization layers: ``None``/``True`` detects them (torch norms, subclasses,
+            modules calling ``F.layer_norm``-style functionals, ``...Norm`` classes), a set of classes, a
+            predicate ``(name, module)``, or ``False`` for none.
+
+    Example::
+
+        Trainer(strategy=VitScaleStrategy(), plugins=[VitScalePrecision("bf16-mixed", reduce_dtype=torch.bfloat16)])
+    """
+
+    def __init__(
+        self,
+        precision: PrecisionFlag = "32-true",
+        *,
+        compute_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        norm_dtype: torch.dtype | None = torch.float32,
+        norms: NormSelector = None,
+    ) -> None:
+        base = resolve_flag(precision)
+        self.precision = precision  # type: ignore[assignment]
+        self.policy = dataclasses.replace(
+            base,
+            compute=compute_dtype or base.compute,
+            reduce=reduce_dtype or base.reduce,
+            norm_dtype=norm_dtype,
+            norms=norm_predicate(norms),
+        )
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.scaler: ShardedGradScaler | None = ShardedGradScaler(device) if base.loss_scaling else None
+
+    @override
+    def convert_module(self, module: _M) -> _M:
+        """Master weights in the master dtype (norms keep theirs); compute casts happen inside FSDP's all-gather."""
+        master = self.policy.master
+        if master == torch.float32:
+            return module
+        keep = {id(m) for _, m in self.policy.separate_norm_modules(module)}
+        for submodule in module.modules():
+            if id(submodule) in keep:
+                continue
+            for tensor in [*submodule.parameters(recurse=False), *submodule.buffers(recurse=False)]:
+                if tensor.is_floating_point():
+                    tensor.data = tensor.data.to(master)
+        return module
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        """Floating batch tensors enter in the compute dtype; integer targets are left alone."""
+        return _cast_floating(data, self.policy.compute)
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        return _cast_floating(data, torch.get_default_dtype())
+
+    @contextmanager
+    @override
+    def tensor_init_context(self) -> Iterator[None]:
+        yield
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        skipped_backward = closure_result is None and model.automatic_optimization
+        if not skipped_backward:
+            self.scaler.unscale_(optimizer)  # type: ignore[arg-type]  # before clipping, in _after_closure
+        after_closure(self, model, optimizer)
+        if skipped_backward:
+            return closure_result
+        step_output = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]  # skipped on inf/nan
+        self.scaler.update()
+        return step_output
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if clip_val > 0 and self.scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+            raise RuntimeError(
+                f"{type(optimizer).__name__} unscales gradients inside step(), so they cannot be clipped before it."
+                " Use a non-fused optimizer with precision='16-mixed' and gradient clipping."
+            )
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+
+    @override
+    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
+        """Clip by the norm of all gradients across shards (Lightning's FSDPStrategy refuses this)."""
+        clip_grad_norm(list(self.main_params(optimizer)), float(clip_val))
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+
+
+def to_vitscale_precision(plugin: Precision) -> VitScalePrecision:
+    """Translate the plugin Lightning's connector built from ``Trainer(precision=...)`` into ours."""
+    if isinstance(plugin, VitScalePrecision):
+        return plugin
+    flag = str(getattr(plugin, "precision", ""))
+    if type(plugin) in _TRANSLATABLE and flag in SUPPORTED_FLAGS:
+        return VitScalePrecision(flag)  # type: ignore[arg-type]
+    raise TypeError(
+        f"VitScaleStrategy cannot use {type(plugin).__name__}(precision={flag!r}). Use Trainer(precision=...) with"
+        f" one of {', '.join(SUPPORTED_FLAGS)}, or pass plugins=[VitScalePrecision(...)]."
+    )
+
+
+def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
+    def cast(t: Tensor) -> Tensor:
+        return t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t
+
+    return apply_to_collection(data, function=cast, dtype=Tensor)
+

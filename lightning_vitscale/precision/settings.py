@@ -1,0 +1,90 @@
+"""Which dtype where: the precision flags the plugin accepts, their dtype policy, and which modules are norms."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+from torch import nn
+
+from lightning_vitscale.discovery import find_modules, is_normalization
+
+PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"]
+SUPPORTED_FLAGS: tuple[str, ...] = get_args(PrecisionFlag)
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Which dtype where.
+
+    Attributes:
+        name: the Trainer-style flag this came from.
+        master: dtype of the sharded parameters the optimizer updates (and of its state).
+        compute: dtype units compute in (their parameters are all-gathered in it).
+        reduce: dtype gradients are reduced in across ranks.
+        norm_dtype: dtype normalization layers keep for parameters and compute; ``None`` lets them follow
+            the rest of the model.
+        norms: which modules are normalization layers (predicate on (name, module)).
+        loss_scaling: whether gradients need a dynamic loss scaler (fp16).
+    """
+
+    name: str
+    master: torch.dtype
+    compute: torch.dtype
+    reduce: torch.dtype
+    norm_dtype: torch.dtype | None = torch.float32
+    norms: Callable[[str, nn.Module], bool] | None = is_normalization
+    loss_scaling: bool = False
+
+    @property
+    def separate_norms(self) -> bool:
+        """Norms need their own handling only where they would otherwise get another dtype."""
+        return self.norm_dtype is not None and self.norms is not None and (
+            self.compute != self.norm_dtype or self.master != self.norm_dtype
+        )
+
+    def separate_norm_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """(name, module) of the norms kept apart in ``norm_dtype``; none where they need no handling of their own."""
+        if not self.separate_norms or self.norms is None:
+            return []
+        return find_modules(model, self.norms)
+
+
+def resolve_flag(flag: str) -> PrecisionPolicy:
+    """One place that turns a precision string into dtypes; anything unknown is an error naming the choices."""
+    match flag:
+        case "32-true":
+            return PrecisionPolicy(flag, torch.float32, torch.float32, torch.float32)
+        case "bf16-mixed":
+            # O2: bf16 compute, fp32 master weights and optimizer state, fp32 gradient reduction.
+            return PrecisionPolicy(flag, torch.float32, torch.bfloat16, torch.float32)
+        case "bf16-true":
+            return PrecisionPolicy(flag, torch.bfloat16, torch.bfloat16, torch.bfloat16)
+        case "16-mixed":
+            return PrecisionPolicy(flag, torch.float32, torch.float16, torch.float32, loss_scaling=True)
+        case _:
+            raise ValueError(
+                f"VitScaleStrategy does not support precision={flag!r}. Choose one of: {', '.join(SUPPORTED_FLAGS)}."
+            )
+
+
+NormSelector = bool | set[type[nn.Module]] | Callable[[str, nn.Module], bool] | None
+"""``None``/``True``: detect normalization layers; ``False``: none; a set of classes; or a predicate."""
+
+
+def norm_predicate(norms: NormSelector) -> Callable[[str, nn.Module], bool] | None:
+    """Turn ``VitScalePrecision(norms=...)`` into a predicate on (name, module); ``None``: no norm is special."""
+    match norms:
+        case None | True:
+            return is_normalization
+        case False:
+            return None
+        case set() | frozenset():
+            classes = tuple(norms)
+            return lambda _, module: isinstance(module, classes)
+        case _ if callable(norms):
+            return norms
+        case _:
+            raise TypeError(f"`norms` must be None, True, False, a set of classes or a callable; got {norms!r}.")

@@ -1,0 +1,47 @@
+"""Sharding: what to wrap (settings), the ordered pipeline that applies the recipe (``parallelize``), the only
+``fully_shard`` call site, activation checkpointing, the outer unit and calls outside a step, the layout's
+traffic, and the strategy's whole setup sequence (``setup.shard_lightning_module``).
+
+The top of the concerns: may import ``memory``, ``checkpoint``, ``precision``, ``kernels``, ``init``,
+``discovery``, ``distributed``, ``_utils`` and ``_compat``; only the strategy and the CLI import it.
+"""
+
+from lightning_vitscale.discovery import ModuleSelector
+from lightning_vitscale.sharding.outer_unit import OuterUnit, OutsideStepCallError
+from lightning_vitscale.sharding.parallelize import NoBlocksMatchedError, Parallelized, parallelize
+from lightning_vitscale.sharding.reuse import ShardedModuleReuseError
+from lightning_vitscale.sharding.settings import (
+    CheckpointingPolicy,
+    CheckpointSelector,
+    OffloadMode,
+    ParallelConfig,
+    ShardingLayout,
+    ShardingPolicy,
+    shard_group_size,
+)
+from lightning_vitscale.sharding.setup import Ranks, ShardedModel, resolve_config, shard_lightning_module
+from lightning_vitscale.sharding.summary import ParallelPlan
+from lightning_vitscale.sharding.sync_batchnorm import apply_sync_batchnorm
+
+__all__ = [
+    "CheckpointSelector",
+    "CheckpointingPolicy",
+    "ModuleSelector",
+    "NoBlocksMatchedError",
+    "OffloadMode",
+    "OuterUnit",
+    "OutsideStepCallError",
+    "ParallelConfig",
+    "ParallelPlan",
+    "Parallelized",
+    "Ranks",
+    "ShardedModel",
+    "ShardedModuleReuseError",
+    "ShardingLayout",
+    "ShardingPolicy",
+    "apply_sync_batchnorm",
+    "parallelize",
+    "resolve_config",
+    "shard_group_size",
+    "shard_lightning_module",
+]

@@ -1,0 +1,45 @@
+"""The only call site of FSDP2's ``fully_shard``, and the FSDP2 policies it is called with."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_vitscale._compat import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from lightning_vitscale.precision import PrecisionPolicy
+
+
+def mixed_precision_policy(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
+    """FSDP2's per-unit policy: gather parameters in the compute dtype, reduce gradients in the reduce dtype."""
+    if policy.compute == policy.master and policy.reduce == policy.master:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=policy.compute, reduce_dtype=policy.reduce)
+
+
+def offload_policy(offload: str | None, device: torch.device) -> OffloadPolicy:
+    """FSDP2's offload policy for ``offload=``: ``"cpu"`` keeps sharded parameters, gradients and optimizer state
+    in host memory (pinned on CUDA, so copies overlap with compute); ``None`` keeps them on the device."""
+    if offload == "cpu":
+        return CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    return OffloadPolicy()
+
+
+def shard_module(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool | int,
+    ignored_params: set[nn.Parameter] | None = None,
+    offload_policy: OffloadPolicy | None = None,
+) -> FSDPModule:
+    """Make ``module`` one FSDP unit over ``mesh`` (1-D: fully sharded; 2-D: hybrid, sharded along the last
+    dimension). ``reshard_after_forward`` is explicit (see ``settings.unit_reshard``): no FSDP default decides."""
+    return fully_shard(
+        module,
+        mesh=mesh,
+        mp_policy=mp_policy,
+        reshard_after_forward=reshard_after_forward,
+        ignored_params=ignored_params or None,
+        offload_policy=offload_policy or OffloadPolicy(),
+    )

@@ -1,0 +1,195 @@
+"""The outer FSDP unit, and calls to the sharded model outside a step (callbacks, after ``fit``) that gather it.
+
+Lightning calls ``training_step``, never ``forward``, so the outer unit sits on :class:`OuterUnit`, whose forward
+runs the step: FSDP's hooks gather the outer unit around the whole step. Outside a step (a callback's
+``on_train_end``, the user's script after ``fit``) nobody calls that forward, so the outer unit's own parameters
+stay sharded DTensors and ``pl_module(x)`` fails inside torch ("got mixed torch.Tensor and DTensor"). Under DDP
+the same call just works. Here, forward hooks on the modules that hold outer-unit parameters gather the outer
+unit when such a call comes from outside a step; repeated blocks are their own units and gather themselves.
+
+What it costs and when it is freed:
+- under ``torch.no_grad()`` / ``inference_mode()`` the gathered copy is freed when the outermost call returns;
+- with gradients enabled it is kept (a backward may follow) until the next step, optimizer step or setup,
+  where :meth:`OuterUnit.release` drops it and any gradients computed on it. Nothing stays gathered in training.
+
+Such a call is a collective: every rank must make it. Before it gathers anything, every rank states which module
+it calls in a handshake on a side group (distributed/collective_guard.py): a call on one rank, even during
+training while the others go on to their next step, or different calls on different ranks, fail with
+:class:`OutsideStepCallError`
+(within the strategy's ``timeout``), and nothing is sent on the model's process group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from lightning_vitscale._compat import DTensor, FSDPModule
+from lightning_vitscale.distributed import collective_guard
+
+
+class OutsideStepCallError(RuntimeError):
+    """Gathering the outer unit for a call outside a step failed, most often because not every rank called."""
+
+
+class OuterUnit(nn.Module):
+    """The outer FSDP unit around the LightningModule.
+
+    Lightning's forward redirection calls this module, whose ``forward`` runs the step: FSDP's hooks fire around
+    the whole step, and a ``self(x)`` inside the step does not re-enter them. After ``fully_shard``, call
+    :meth:`enable_calls_outside_steps` so the model can also be called from callbacks and after ``fit``.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self._in_step = False
+        self._depth = 0  # nesting of hooked calls outside a step: only the outermost gathers and frees
+        self._gathered_on_demand = False
+        self._keep_gathered = False
+        self._owned: list[tuple[nn.Module, str]] = []  # (module, name) of each outer-unit parameter
+        self._entries: dict[int, str] = {}  # id -> qualified name of each hooked module (what a call names)
+        self._hooks: list[Any] = []
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._in_step = True
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._in_step = False
+
+    # --- calls outside a step ---------------------------------------------------------------------------
+
+    def enable_calls_outside_steps(self) -> None:
+        """Hook the modules holding outer-unit parameters (and their ancestors); idempotent.
+
+        Call after ``fully_shard(self)``: the outer unit's parameters are then the sharded DTensors (``Shard``
+        placements) outside the block units; fp32 norms are ``Replicate`` DTensors with their own hooks.
+        """
+        if self._hooks or not isinstance(self, FSDPModule):
+            return
+        self._owned = _outer_unit_parameters(self.module)
+        if not self._owned:
+            return  # every parameter lives in a block unit: nothing of the outer unit to gather
+        # Before FSDP's own pre-forward (prepend): a step starts from the sharded parameters the optimizer
+        # updated, never from a copy gathered before that update.
+        self._hooks.append(self.register_forward_pre_hook(_release_before_step, prepend=True))
+        self._hooks.append(self.register_forward_hook(_reshard_after_eval_step))
+        owners = {id(module) for module, _ in self._owned}
+        names = {id(module): name for name, module in self.module.named_modules()}
+        for module in _self_and_ancestors_of(self.module, owners):
+            self._entries[id(module)] = names.get(id(module), "")
+            self._hooks.append(module.register_forward_pre_hook(self._enter, prepend=True))
+            self._hooks.append(module.register_forward_hook(self._leave, always_call=True))
+
+    def release(self) -> None:
+        """Free an outer unit gathered by a call outside a step, with any gradients computed on it (local)."""
+        if not self._gathered_on_demand:
+            return
+        self._gathered_on_demand = False
+        if self._is_sharded() or not isinstance(self, FSDPModule):
+            return  # FSDP resharded it already (e.g. its state-dict hooks)
+        for module, name in self._owned:
+            getattr(module, name).grad = None  # the unsharded parameter: FSDP would add this to the next step
+        self.reshard()
+
+    def _is_sharded(self) -> bool:
+        module, name = self._owned[0]
+        return isinstance(getattr(module, name), DTensor)
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        if self._in_step:
+            return
+        self._depth += 1
+        if self._depth != 1:
+            return
+        # Blocks gather themselves as the call runs, also when the outer unit is still gathered: always agree first.
+        self._agree_on(module)
+        if self._is_sharded():
+            self._gather()
+            self._gathered_on_demand = True
+            self._keep_gathered = torch.is_grad_enabled()
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._in_step or self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth == 0 and not self._keep_gathered:
+            self.release()
+
+    @torch.compiler.disable
+    def _agree_on(self, module: nn.Module) -> None:
+        check = collective_guard.fingerprint([self._entries.get(id(module), "")])
+        try:
+            collective_guard.agree(collective_guard.MODEL_CALL, 0, check)
+        except RuntimeError as error:
+            raise _outside_step_error(error) from error
+
+    @torch.compiler.disable
+    def _gather(self) -> None:
+        assert isinstance(self, FSDPModule)
+        try:
+            self.unshard()
+        except RuntimeError as error:
+            raise _outside_step_error(error) from error
+
+
+def _outside_step_error(error: RuntimeError) -> OutsideStepCallError:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return OutsideStepCallError(
+        f"Calling the sharded model outside a training/validation step gathers its outer FSDP unit, a"
+        f" collective that every rank must join; on rank {rank} it failed: {error}. Make the same call on"
+        " every rank (not under `if trainer.is_global_zero:` or `@rank_zero_only`), or make it inside a"
+        " `*_step`. A call that the other ranks never make fails after VitScaleStrategy(timeout=...)."
+    )
+
+
+def _release_before_step(outer: OuterUnit, args: Any) -> None:
+    outer.release()
+
+
+def _reshard_after_eval_step(outer: OuterUnit, args: Any, output: Any) -> None:
+    # FSDP keeps the outer unit gathered after forward for the backward; an evaluation step has none. Freeing it
+    # here (after FSDP's own post-forward) means callbacks between steps, such as on_validation_epoch_end, see
+    # the sharded parameters they can update, at one outer-unit all-gather per evaluation step.
+    if not torch.is_grad_enabled() and isinstance(outer, FSDPModule):
+        outer.reshard()
+
+
+def _outer_unit_parameters(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, name) of the parameters the outer unit shards: Shard-placed DTensors outside block units."""
+    owned = []
+    for module in _modules_outside_blocks(model):
+        for name, param in module.named_parameters(recurse=False):
+            if isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements):
+                owned.append((module, name))
+    return owned
+
+
+def _modules_outside_blocks(model: nn.Module) -> list[nn.Module]:
+    """``model`` and its sub-modules, not descending into modules that are FSDP units of their own."""
+    found, stack = [], [model]
+    while stack:
+        module = stack.pop()
+        found.append(module)
+        stack.extend(child for child in module.children() if not isinstance(child, FSDPModule))
+    return found
+
+
+def _self_and_ancestors_of(model: nn.Module, owners: set[int]) -> list[nn.Module]:
+    """Modules whose sub-tree (blocks excluded) holds an owner: the entry points of a call outside a step."""
+    selected: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> bool:
+        below = [visit(child) for child in module.children() if not isinstance(child, FSDPModule)]
+        holds = id(module) in owners or any(below)
+        if holds:
+            selected.append(module)
+        return holds
+
+    visit(model)
+    return selected

@@ -1,0 +1,208 @@
+"""What to shard and what to recompute: the settings behind ``blocks=``, ``sharding=``, ``offload=``,
+``reshard_after_forward=`` and ``activation_checkpointing=``, checked when they are made."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torch import nn
+
+from lightning_vitscale.discovery import ModuleSelector
+from lightning_vitscale.kernels.settings import KERNEL_MODES, KernelMode, KernelPolicy, unknown_kernel_mode
+
+CheckpointSelector = bool | int | Literal["auto"] | Callable[[str, nn.Module], bool]
+"""``True``: every block; ``False``: none; ``k``: every k-th block (1-based); callable: per block; ``"auto"``: the
+fewest blocks that keep the predicted step peak within ``memory_budget`` (chosen once the batch is known)."""
+
+ShardingLayout = Literal["full", "hybrid"] | int
+"""``"full"``: shard over every rank; ``"hybrid"``: shard inside each node, replicate across nodes; an ``int``:
+shard over groups of that many consecutive ranks, replicate across the groups."""
+
+SHARDING_LAYOUTS: tuple[str, ...] = ("full", "hybrid")
+OffloadMode = Literal["cpu"]
+"""``"cpu"``: sharded parameters, gradients and optimizer state live in host memory between uses."""
+OFFLOAD_CHOICES: tuple[str | None, ...] = (None, "cpu")
+
+
+@dataclass(frozen=True)
+class ShardingPolicy:
+    """Which modules become their own FSDP unit and when they free gathered parameters.
+
+    Attributes:
+        blocks: ``None`` finds the repeated blocks automatically; a set of classes or a predicate overrides it.
+        layout: which ranks share one copy of the state, see :data:`ShardingLayout` and :func:`shard_group_size`.
+        offload: ``"cpu"`` keeps the sharded parameters, gradients and optimizer state in host memory (FSDP2's
+            ``CPUOffloadPolicy``); the optimizer then steps on the CPU.
+        reshard_after_forward: ``None`` is the recipe (blocks free their gathered parameters after forward, the
+            outer unit keeps its own for backward); ``True``/``False`` force it for every unit; an ``int`` reshards
+            blocks to that smaller world size (FSDP2 hybrid reshard).
+    """
+
+    blocks: ModuleSelector | None = None
+    reshard_after_forward: bool | int | None = None
+    layout: ShardingLayout = "full"
+    offload: OffloadMode | None = None
+
+    def __post_init__(self) -> None:
+        _check_layout(self.layout)
+        if self.offload not in OFFLOAD_CHOICES:
+            raise ValueError(
+                f"`offload={self.offload!r}` is not supported. Choose one of: {OFFLOAD_CHOICES} (\"cpu\" keeps sharded"
+                " parameters, gradients and optimizer state in host memory)."
+            )
+        if self.blocks is not None and not (callable(self.blocks) or isinstance(self.blocks, (set, frozenset))):
+            raise TypeError(
+                f"`blocks` must be None, a set of nn.Module classes or a callable (name, module) -> bool;"
+                f" got {type(self.blocks).__name__}. Example: VitScaleStrategy(blocks={{MyBlock}})."
+            )
+        if isinstance(self.blocks, (set, frozenset)):
+            bad = [b for b in self.blocks if not (isinstance(b, type) and issubclass(b, nn.Module))]
+            if bad or not self.blocks:
+                raise TypeError(
+                    f"`blocks` must contain nn.Module subclasses; got {bad or 'an empty set'}."
+                    " Pass the block classes themselves, e.g. blocks={TransformerEncoderLayer}."
+                )
+        rf = self.reshard_after_forward
+        if rf is not None and not isinstance(rf, (bool, int)):
+            raise TypeError(f"`reshard_after_forward` must be None, a bool or an int; got {rf!r}.")
+        if isinstance(rf, int) and not isinstance(rf, bool) and rf < 1:
+            raise ValueError(f"`reshard_after_forward` as an int is a world size and must be >= 1; got {rf}.")
+
+
+def _check_layout(layout: object) -> None:
+    if isinstance(layout, bool) or not isinstance(layout, (str, int)):
+        raise TypeError(f"`sharding` must be one of {SHARDING_LAYOUTS} or a shard-group size (int); got {layout!r}.")
+    if isinstance(layout, str) and layout not in SHARDING_LAYOUTS:
+        raise ValueError(
+            f"`sharding={layout!r}` is not supported. Choose one of: {', '.join(map(repr, SHARDING_LAYOUTS))},"
+            " or an int that divides the world size (ranks per shard group)."
+        )
+    if isinstance(layout, int) and layout < 1:
+        raise ValueError(f"`sharding={layout}` is a shard-group size and must be >= 1.")
+
+
+def shard_group_size(layout: ShardingLayout, world_size: int, ranks_per_node: int) -> int:
+    """How many ranks shard one copy of the state: the one place that says what each layout means.
+
+    ``"full"`` shards over all ranks (least memory: 1/world of the state per rank, but every unit's all-gather
+    and reduce-scatter spans the nodes). ``"hybrid"`` shards over the ranks of one node (fast intra-node links
+    carry every all-gather and reduce-scatter; only one gradient all-reduce of each rank's shard crosses
+    nodes) and keeps a replica per node. An int must divide ``world_size``.
+    """
+    _check_layout(layout)
+    match layout:
+        case "full":
+            return world_size
+        case "hybrid":
+            size = ranks_per_node
+            how = f"`sharding=\"hybrid\"` shards within each node ({ranks_per_node} ranks per node)"
+        case _:
+            size = int(layout)
+            how = f"`sharding={layout}` asks for shard groups of {layout} ranks"
+    if size > world_size or world_size % size != 0:
+        raise ValueError(
+            f"{how}, which does not divide the world size {world_size}. Choose one of: 'full', 'hybrid', or an int"
+            f" among {[d for d in range(1, world_size + 1) if world_size % d == 0]}."
+        )
+    return size
+
+
+@dataclass(frozen=True)
+class CheckpointingPolicy:
+    """Which blocks recompute their activations in backward instead of storing them.
+
+    Attributes:
+        blocks: see :data:`CheckpointSelector`.
+        memory_budget: only with ``blocks="auto"``: bytes a training step may use per rank (an int), or a
+            fraction of the device's memory (a float in (0, 1]; CPU: of the host's available memory divided
+            among the local ranks). ``None`` is 0.9.
+    """
+
+    blocks: CheckpointSelector = True
+    memory_budget: int | float | None = None
+
+    def __post_init__(self) -> None:
+        sel = self.blocks
+        self._check_budget()
+        if sel == "auto" or isinstance(sel, bool) or callable(sel):
+            return
+        if isinstance(sel, int):
+            if sel < 1:
+                raise ValueError(
+                    f"`activation_checkpointing={sel}` is not valid: an int k checkpoints every k-th block and must"
+                    " be >= 1 (use False to turn checkpointing off)."
+                )
+            return
+        raise TypeError(
+            f"`activation_checkpointing` must be True, False, an int k >= 1 or a callable (name, module) -> bool,"
+            f" or 'auto'; got {sel!r}."
+        )
+
+    def _check_budget(self) -> None:
+        budget = self.memory_budget
+        if budget is None:
+            return
+        if self.blocks != "auto":
+            raise ValueError(
+                f"`memory_budget={budget!r}` is only used by activation_checkpointing='auto'; got"
+                f" activation_checkpointing={self.blocks!r}. Pass activation_checkpointing='auto' or drop"
+                " memory_budget."
+            )
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+            raise TypeError(f"`memory_budget` must be an int (bytes) or a float fraction in (0, 1]; got {budget!r}.")
+        if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+            raise ValueError(
+                f"`memory_budget={budget}` as a float is a fraction of device memory and must be in (0, 1];"
+                " give bytes as an int, e.g. memory_budget=30 * 2**30."
+            )
+        if isinstance(budget, int) and budget < 1:
+            raise ValueError(f"`memory_budget={budget}` bytes must be >= 1.")
+
+    @property
+    def is_auto(self) -> bool:
+        return self.blocks == "auto"
+
+    def selects(self, index: int, name: str, module: nn.Module) -> bool:
+        """Whether the ``index``-th block (0-based, in model order) is checkpointed.
+
+        ``"auto"`` selects nothing here: the strategy checkpoints its chosen blocks once it knows the batch.
+        """
+        sel = self.blocks
+        if sel == "auto":
+            return False
+        if isinstance(sel, bool):
+            return sel
+        if isinstance(sel, int):
+            return (index + 1) % sel == 0
+        return bool(sel(name, module))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Everything the parallelize pipeline needs to know, grouped so the strategy constructor stays short.
+
+    ``kernels`` is what was asked for (``"auto"``, ``"eager"`` or a :class:`KernelPolicy`) until the device is
+    known; ``VitScaleStrategy`` replaces it with the resolved :class:`KernelPolicy` at setup.
+    """
+
+    sharding: ShardingPolicy = field(default_factory=ShardingPolicy)
+    checkpointing: CheckpointingPolicy = field(default_factory=CheckpointingPolicy)
+    kernels: KernelMode | KernelPolicy = field(default_factory=KernelPolicy)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kernels, KernelPolicy) and self.kernels not in KERNEL_MODES:
+            raise unknown_kernel_mode(self.kernels)
+
+
+def unit_reshard(requested: bool | int | None, outer: bool) -> bool | int:
+    """What ``reshard_after_forward`` one unit gets: the one place the recipe's rule lives.
+
+    ``None`` is the recipe: blocks free their gathered parameters after forward (one all-gather more in backward,
+    one block's parameters alive at a time); the outer unit keeps its own, which backward needs at once.
+    ``True``/``False`` apply to every unit; an ``int`` (reshard to a smaller group) to the blocks only.
+    """
+    if requested is None:
+        return not outer
+    return bool(requested) if outer else requested

@@ -1,0 +1,224 @@
+"""Sharding a LightningModule once, as the strategy's ``setup`` does, and what its steps still need from it.
+
+:func:`shard_lightning_module` is the whole setup sequence in order; :class:`ShardedModel` is its named result,
+kept on the module so that a later ``validate``/``test``/``fit`` with the same settings reuses the same units.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_vitscale._compat import FSDPModule, set_lightning_device
+from lightning_vitscale.checkpoint import full_state_dict
+from lightning_vitscale.distributed.mesh import shard_size
+from lightning_vitscale.init import Creation
+from lightning_vitscale.kernels import AttentionRouter, Compiler, auto_attention_step, resolve_kernels, usable_backends
+from lightning_vitscale.memory import AutoCheckpointing, describe_prediction, measure_for_summary
+from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, VitScalePrecision
+from lightning_vitscale.sharding.activation_checkpointing import apply_activation_checkpointing
+from lightning_vitscale.sharding.outer_unit import OuterUnit
+from lightning_vitscale.sharding.parallelize import parallelize
+from lightning_vitscale.sharding.reuse import check_reusable, sharding_signature
+from lightning_vitscale.sharding.settings import CheckpointingPolicy, ParallelConfig, ShardingPolicy
+from lightning_vitscale.sharding.summary import ParallelPlan
+from lightning_vitscale.sharding.traffic import layout_report
+
+_SHARDED_ATTR = "_vitscale_sharded_model"
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where the model is sharded: the mesh, this rank's device and place, and how ranks agree on a number.
+
+    ``agree_max`` returns the largest of every rank's value (a collective): free host memory differs by rank,
+    and every rank must still make the same choice.
+    """
+
+    mesh: DeviceMesh
+    device: torch.device
+    rank: int
+    ranks_per_node: int
+    agree_max: Callable[[int], int]
+
+
+@dataclass
+class ShardedModel:
+    """A LightningModule sharded by the recipe, and the hooks its steps call.
+
+    Attributes:
+        outer: the outer FSDP unit around the module: what Lightning calls (``strategy.model``).
+        summary: what setup did (``strategy.plan``).
+        norms: the fp32 norms kept outside the units, whose gradients are averaged after each backward.
+        router: the attention router still to decide for (``attention="auto"``), if any.
+        auto: ``activation_checkpointing="auto"``: its choice, or the meta twin waiting for the first batch.
+        signature: the settings it was sharded with; another Trainer may reuse it only with the same ones.
+    """
+
+    outer: OuterUnit
+    summary: ParallelPlan
+    norms: ReplicatedNorms | None
+    router: AttentionRouter | None
+    auto: AutoCheckpointing | None
+    signature: dict[str, Any]
+
+    @property
+    def module(self) -> nn.Module:
+        return self.outer.module
+
+    def before_training_step(self, batch: Any, ranks: Ranks, optimizers: list[torch.optim.Optimizer]) -> None:
+        """``activation_checkpointing="auto"`` without ``example_input_array``: decide from the first batch, then
+        checkpoint the chosen blocks in place (they are FSDP units already: the patched forward runs inside
+        the block's FSDP hooks, as when it is applied before ``fully_shard``)."""
+        if self.auto is None or not self.auto.pending:
+            return
+        names = self.auto.at_first_step(batch, ranks.device, ranks.ranks_per_node, ranks.agree_max, optimizers)
+        apply_activation_checkpointing([self.module.get_submodule(name) for name in names])
+        apply_auto_choice(self.module, self.auto, self.summary)
+        rank_zero_info(f"VitScaleStrategy activation checkpointing {self.summary.memory}")
+
+    def training_step(self, step: Callable[[], Any], mean_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        """Run ``step``; under ``attention="auto"`` the first steps also time the attention kernels."""
+        return auto_attention_step(self.router, step, mean_over_ranks, self._attention_decided)
+
+    def _attention_decided(self, line: str) -> None:
+        self.summary.kernels["attention"] = line
+
+    def after_backward(self) -> None:
+        # fp32 norms live outside FSDP's units: average their gradients here, once per backward.
+        if self.norms is not None:
+            self.norms.reduce_grads()
+
+    def release(self) -> None:
+        """Free a copy gathered by a call outside a step: stale after an optimizer step, never for the optimizer."""
+        self.outer.release()
+
+    def reshard(self) -> None:
+        """Back to the shards after an evaluation loop: FSDP2 keeps the outer unit gathered after forward for a
+        backward that never comes; users then see sharded DTensors again, and memory drops."""
+        self.outer.release()
+        if isinstance(self.outer, FSDPModule):
+            self.outer.reshard()
+
+
+def resolve_config(config: ParallelConfig, device: torch.device, user_compiler: Compiler | None) -> ParallelConfig:
+    """``config`` with ``kernels=`` resolved for ``device`` (known only once processes are set up); idempotent.
+
+    ``trainer.fit(torch.compile(model))`` brings the user's compile settings, applied block by block.
+    """
+    kernels = resolve_kernels(config.kernels, device, usable_backends(device))
+    if user_compiler is not None:
+        kernels = dataclasses.replace(kernels, compile_blocks=True, compiler=user_compiler)
+    return dataclasses.replace(config, kernels=kernels)
+
+
+def shard_lightning_module(
+    module: nn.Module,
+    config: ParallelConfig,
+    precision: VitScalePrecision,
+    ranks: Ranks,
+    creation: Creation | None,
+) -> ShardedModel:
+    """Shard ``module`` once; later calls with the same settings return the same :class:`ShardedModel`.
+
+    Kept in the module's ``__dict__`` (not as a submodule): the LightningModule must not contain its own wrapper.
+    A module sharded under other settings raises :class:`~lightning_vitscale.ShardedModuleReuseError`.
+    """
+    signature = sharding_signature(config, precision.policy, ranks.mesh.size(), ranks.device)
+    sharded: ShardedModel | None = module.__dict__.get(_SHARDED_ATTR)
+    if sharded is None:
+        sharded = module.__dict__[_SHARDED_ATTR] = _shard(module, config, precision, ranks, creation, signature)
+        rank_zero_info(sharded.summary.summary())
+    check_reusable(sharded.signature, signature)
+    return sharded
+
+
+def _shard(
+    module: nn.Module,
+    config: ParallelConfig,
+    precision: VitScalePrecision,
+    ranks: Ranks,
+    creation: Creation | None,
+    signature: dict[str, Any],
+) -> ShardedModel:
+    # 1. Master weights in the master dtype (norms keep theirs). No `module.to(device)`: FSDP moves each unit's
+    #    shards to the device as it shards the unit, so no rank ever holds the whole model on the device.
+    module = precision.convert_module(module)
+    outer = OuterUnit(module)
+    # 2. "auto" checkpointing decides before the pipeline when the input is known (example_input_array), and
+    #    measures on the plain module: once sharded, running it would gather.
+    auto, config = _auto_checkpointing(module, config, precision.policy, ranks)
+    measured = None if auto else measure_for_summary(module, ranks.mesh.size(), precision.policy.name,
+                                                     config.sharding.blocks, ranks.device)
+    # 3. The recipe: norms, casts, attention routing, checkpointing, compile, block units, the outer unit.
+    done = parallelize(outer, module, ranks.mesh, config, precision.policy, ranks.device, creation)
+    set_lightning_device(module, ranks.device)
+    _describe_layout(done.plan, outer, done.norms, precision.policy, config.sharding, ranks)
+    if auto is not None:
+        apply_auto_choice(module, auto, done.plan)
+    elif measured is not None:
+        reshard = config.sharding.reshard_after_forward is not False
+        done.plan.predicted_peak, done.plan.memory = describe_prediction(measured, done.plan.checkpointed, reshard)
+    # 4. Drop-in behaviour: calls outside a step gather the outer unit; state_dict() gives DDP's full tensors.
+    outer.enable_calls_outside_steps()
+    full_state_dict.install(module, outer)
+    return ShardedModel(outer, done.plan, done.norms, done.router, auto, signature)
+
+
+def _auto_checkpointing(
+    module: nn.Module, config: ParallelConfig, precision: PrecisionPolicy, ranks: Ranks
+) -> tuple[AutoCheckpointing | None, ParallelConfig]:
+    """The ``"auto"`` lifecycle and ``config`` with the blocks chosen at setup, if the choice could be made now."""
+    if not config.checkpointing.is_auto:
+        return None, config
+    auto = AutoCheckpointing(
+        config.checkpointing.memory_budget, ranks.mesh.size(), precision.name, config.sharding.blocks,
+        may_keep_gathered=config.sharding.reshard_after_forward is None,
+    )
+    names = auto.at_setup(module, ranks.device, ranks.ranks_per_node, ranks.agree_max)
+    if names is None:
+        return auto, config  # decided at the first training step, from its batch
+    chosen = set(names)
+    selector = CheckpointingPolicy(blocks=lambda name, _: name in chosen)
+    return auto, dataclasses.replace(config, checkpointing=selector)
+
+
+def apply_auto_choice(module: nn.Module, auto: AutoCheckpointing, summary: ParallelPlan) -> None:
+    """Blocks keep their gathered parameters from forward to backward where the choice says so (one all-gather
+    per block fewer); the choice goes into the summary."""
+    choice = auto.choice
+    if choice is not None:
+        summary.checkpointed = list(choice.names)
+        summary.predicted_peak = choice.plan.chosen.breakdown.peak
+        for name in choice.block_names if choice.keep_gathered else ():
+            block = module.get_submodule(name)
+            assert isinstance(block, FSDPModule), f"{name} is not an FSDP unit"
+            block.set_reshard_after_forward(False, recurse=False)
+    summary.memory = auto.describe()
+
+
+def _describe_layout(
+    summary: ParallelPlan,
+    outer: nn.Module,
+    norms: ReplicatedNorms | None,
+    precision: PrecisionPolicy,
+    sharding: ShardingPolicy,
+    ranks: Ranks,
+) -> None:
+    """Sharding layout, per-step traffic and offload in the summary."""
+    mesh = ranks.mesh
+    summary.layout = layout_report(
+        outer, norms.params if norms is not None else [], precision, sharding.reshard_after_forward, mesh.size(),
+        shard_size(mesh), ranks.ranks_per_node, ranks.rank,
+    )
+    if sharding.offload is not None:
+        no_effect = " (no effect on accelerator='cpu': the state already lives in host memory)"
+        summary.offload = sharding.offload + (no_effect if ranks.device.type == "cpu" else "")
+

@@ -1,0 +1,121 @@
+"""The setup summary: what the strategy did to the model, as data for tests and tools and as text for people.
+
+Its class keeps the public name ``ParallelPlan`` (``strategy.plan``); it records what setup did. What the memory
+planner predicts is a :class:`~lightning_vitscale.MemoryPlan` (``memory/``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightning_vitscale._utils import mib
+from lightning_vitscale.sharding.traffic import LayoutReport
+
+
+@dataclass
+class ParallelPlan:
+    """Facts about one parallelized model; ``VitScaleStrategy.plan`` after setup.
+
+    Attributes:
+        world_size: ranks the model is sharded over.
+        blocks: block class name -> count, as discovered or selected.
+        block_names: qualified names of the blocks, each its own FSDP unit.
+        units: number of FSDP units (blocks + the outer unit).
+        checkpointed: blocks whose activations are recomputed in backward.
+        self_checkpointed: blocks that already checkpoint themselves (e.g. HF gradient checkpointing): left alone.
+        fp32_modules: modules kept in fp32 inside a low-precision model (normalization layers).
+        num_params: parameters in the model (unsharded count).
+        param_bytes_full: bytes of all parameters unsharded.
+        param_bytes_local: bytes of parameters this rank holds.
+        precision: the precision recipe in force.
+        notes: other facts worth a line in the summary.
+        kernels: kernel choices (compiled blocks, attention, fused optimizer).
+        tensor_core_misses: Linear/Conv/attention dimensions that are not multiples of 8, with module names.
+        layout: the sharding layout and the bytes this rank sends per step within its node and across nodes
+            (see ``sharding/traffic.py`` for the conventions).
+        offload: where the sharded state lives between uses (``"cpu"``), or ``None`` (on the device).
+        predicted_peak: the memory planner's predicted per-rank peak of a training step (bytes), where known.
+        memory: one line on the predicted memory and, under ``activation_checkpointing="auto"``, the choice.
+        init_path: how the starting weights were made: ``"exact"`` (``configure_model()`` on rank 0, shards
+            scattered unit by unit), ``"meta"`` (every rank on meta, the model's own init replayed on the shards)
+            or ``"built"`` (the model existed before setup; rank 0's values scattered unit by unit).
+        init_peak_bytes: peak growth of this rank's host memory (sampled RSS) from ``configure_model()`` (or the
+            start of sharding) until every unit had its values.
+        init_seconds: how long that took.
+    """
+
+    world_size: int
+    blocks: dict[str, int]
+    block_names: list[str]
+    units: int
+    checkpointed: list[str]
+    self_checkpointed: list[str] = field(default_factory=list)
+    fp32_modules: list[str] = field(default_factory=list)
+    num_params: int = 0
+    param_bytes_full: int = 0
+    param_bytes_local: int = 0
+    precision: str = "32-true"
+    notes: list[str] = field(default_factory=list)
+    kernels: dict[str, str] = field(default_factory=dict)
+    tensor_core_misses: list[str] = field(default_factory=list)
+    layout: LayoutReport | None = None
+    offload: str | None = None
+    predicted_peak: int | None = None
+    memory: str = ""
+    init_path: str = "built"
+    init_peak_bytes: int = 0
+    init_seconds: float = 0.0
+
+    def summary(self) -> str:
+        found = ", ".join(f"{name} x{count}" for name, count in self.blocks.items()) or "none (one outer unit)"
+        share = self.param_bytes_local / self.param_bytes_full if self.param_bytes_full else 1.0
+        lines = [
+            f"VitScaleStrategy: {self.world_size} rank(s), precision {self.precision}",
+            f"  blocks found        : {found}",
+            f"  FSDP units          : {self.units} ({len(self.block_names)} blocks + 1 outer)",
+            f"  checkpointed blocks : {len(self.checkpointed)} of {len(self.block_names)}"
+            + (f" ({self.memory})" if self.memory else ""),
+            f"  parameters          : {self.num_params:,} ({mib(self.param_bytes_full)} unsharded,"
+            f" {mib(self.param_bytes_local)} on this rank = {share:.2f}x)",
+            f"  initial weights     : {_INIT_PATHS.get(self.init_path, self.init_path)}; peak host memory"
+            f" +{mib(self.init_peak_bytes)} on this rank ({self.init_peak_bytes / max(self.param_bytes_full, 1):.2f}x"
+            f" the model), {self.init_seconds:.1f} s",
+        ]
+        lines.extend(self._layout_lines())
+        if self.self_checkpointed:
+            lines.append(f"  self-checkpointing  : {len(self.self_checkpointed)} blocks (left as the model set them)")
+        if self.fp32_modules:
+            lines.append(f"  fp32 modules        : {len(self.fp32_modules)} ({_abbrev(self.fp32_modules)})")
+        lines.extend(f"  {key:<20}: {value}" for key, value in self.kernels.items())
+        if self.tensor_core_misses:
+            lines.append(
+                f"  tensor cores        : {len(self.tensor_core_misses)} dims not multiples of 8"
+                f" ({_abbrev(self.tensor_core_misses, 2)})"
+            )
+        lines.extend(f"  note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+    def _layout_lines(self) -> list[str]:
+        lines = []
+        if self.layout is not None:
+            lines.append(f"  sharding            : {self.layout.sharding}")
+            traffic = f"  traffic per step    : {self.layout.traffic.describe()} (sent by this rank)"
+            if self.layout.hybrid_traffic is not None:
+                across = mib(self.layout.hybrid_traffic.inter_node, 2)
+                traffic += f"; sharding='hybrid' would send {across} across nodes"
+            lines.append(traffic)
+        if self.offload is not None:
+            lines.append(f"  offload             : {self.offload}")
+        return lines
+
+
+_INIT_PATHS = {
+    "exact": "exact (rank 0 ran configure_model, shards scattered unit by unit)",
+    "meta": "meta (built on meta, the model's own init replayed on each shard)",
+    "built": "built before setup (rank 0's values scattered unit by unit)",
+}
+
+
+def _abbrev(names: list[str], keep: int = 3) -> str:
+    shown = ", ".join(names[:keep])
+    return shown + (f", ... +{len(names) - keep}" if len(names) > keep else "")

@@ -1,0 +1,157 @@
+"""The bytes each rank sends per training step, inside its node and across nodes, for a layout.
+
+Computed from the FSDP units' parameter shapes, the precision policy's dtypes and the mesh layout (which ranks
+share a shard group, which ranks share a node). Conventions, so numbers compare across layouts:
+
+- one forward and one backward per optimizer step (no gradient accumulation, one backbone call per step);
+- each collective counted as a ring over its group of ``n`` ranks: an all-gather or reduce-scatter of a
+  ``B``-byte buffer sends ``B (n - 1) / n`` bytes per rank, an all-reduce ``2 B (n - 1) / n``;
+- a collective whose group holds ranks of more than one node counts as across-node traffic in full (a ring
+  moves every byte at the pace of its inter-node hops); one whose group sits inside a node, as intra-node.
+
+Per FSDP unit and step: an all-gather in forward (in the compute dtype), a second one in backward if the unit
+freed its parameters after forward, a reduce-scatter of the gradients (in the reduce dtype) and, on a hybrid
+mesh, an all-reduce of the reduced shard across the replicas. fp32 norms add one all-reduce per mesh dimension.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_vitscale._compat import FSDPModule
+from lightning_vitscale._utils import mib, shard_rows
+from lightning_vitscale.precision import PrecisionPolicy
+from lightning_vitscale.sharding.settings import unit_reshard
+
+
+@dataclass(frozen=True)
+class StepTraffic:
+    """Bytes one rank sends per step: to ranks of its own node, and over collectives that span nodes."""
+
+    intra_node: int
+    inter_node: int
+
+    def describe(self) -> str:
+        return f"{mib(self.intra_node, 2)} within the node, {mib(self.inter_node, 2)} across nodes"
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP unit: the unsharded shapes of the parameters it shards, and whether it reshards after forward."""
+
+    shapes: tuple[torch.Size, ...]
+    reshard_after_forward: bool | int
+
+
+def fsdp_units(outer: nn.Module, ignored: set[nn.Parameter], reshard_after_forward: bool | int | None) -> list[Unit]:
+    """The units under ``outer`` (itself one), with the parameters each one shards (not its nested units')."""
+    units = []
+    for module in outer.modules():
+        if isinstance(module, FSDPModule):
+            own = [p for p in _own_params(module) if p not in ignored]
+            units.append(Unit(tuple(p.shape for p in own), unit_reshard(reshard_after_forward, module is outer)))
+    return units
+
+
+def _own_params(module: nn.Module) -> list[nn.Parameter]:
+    params = list(module.parameters(recurse=False))
+    for child in module.children():
+        if not isinstance(child, FSDPModule):
+            params.extend(_own_params(child))
+    return params
+
+
+def _padded_numel(shapes: tuple[torch.Size, ...], shard: int) -> int:
+    """FSDP2 pads dim 0 of every parameter to a multiple of the shard-group size."""
+    return sum(shard_rows(shape[0] if len(shape) else 1, shard) * shard * math.prod(shape[1:]) for shape in shapes)
+
+
+def _ring(nbytes: float, ranks: int, reduce: bool = False) -> float:
+    return (2.0 if reduce else 1.0) * nbytes * (ranks - 1) / ranks
+
+
+class _Tally:
+    def __init__(self, ranks_per_node: int) -> None:
+        self.per_node = ranks_per_node
+        self.intra = self.inter = 0.0
+
+    def add(self, group: list[int], nbytes: float, reduce: bool = False) -> None:
+        if len(group) < 2:
+            return
+        sent = _ring(nbytes, len(group), reduce)
+        if len({r // self.per_node for r in group}) > 1:
+            self.inter += sent
+        else:
+            self.intra += sent
+
+
+def step_traffic(
+    units: list[Unit],
+    norm_numel: int,
+    precision: PrecisionPolicy,
+    world_size: int,
+    shard_size: int,
+    ranks_per_node: int,
+    rank: int,
+) -> StepTraffic:
+    """Bytes ``rank`` sends per step for shard groups of ``shard_size`` consecutive ranks (replicas across them)."""
+    start = rank - rank % shard_size
+    shard_group = list(range(start, start + shard_size))
+    replica_group = list(range(rank % shard_size, world_size, shard_size))
+    gather_bytes = precision.compute.itemsize
+    reduce_bytes = precision.reduce.itemsize
+    tally = _Tally(ranks_per_node)
+    for unit in units:
+        if not unit.shapes:
+            continue
+        numel = _padded_numel(unit.shapes, shard_size)
+        tally.add(shard_group, numel * gather_bytes)  # forward all-gather
+        if unit.reshard_after_forward is True:
+            tally.add(shard_group, numel * gather_bytes)  # backward all-gather
+        elif unit.reshard_after_forward not in (False, None) and int(unit.reshard_after_forward) > 1:
+            size = int(unit.reshard_after_forward)  # backward all-gather within the smaller reshard group
+            sub = start + (rank - start) // size * size
+            tally.add(list(range(sub, sub + size)), numel * gather_bytes)
+        tally.add(shard_group, numel * reduce_bytes)  # gradient reduce-scatter
+        tally.add(replica_group, numel // shard_size * reduce_bytes, reduce=True)  # HSDP all-reduce
+    if norm_numel:
+        tally.add(shard_group, norm_numel * 4, reduce=True)
+        tally.add(replica_group, norm_numel * 4, reduce=True)
+    return StepTraffic(round(tally.intra), round(tally.inter))
+
+
+@dataclass(frozen=True)
+class LayoutReport:
+    """What the setup summary says about the layout: its name, this rank's traffic, and hybrid's for contrast."""
+
+    sharding: str
+    traffic: StepTraffic
+    hybrid_traffic: StepTraffic | None
+
+
+def layout_report(
+    outer: nn.Module,
+    norm_params: list[nn.Parameter],
+    precision: PrecisionPolicy,
+    reshard_after_forward: bool | int | None,
+    world_size: int,
+    shard_size: int,
+    ranks_per_node: int,
+    rank: int,
+) -> LayoutReport:
+    """Traffic of the chosen layout; on a fully sharded multi-node job also what ``sharding="hybrid"`` would send."""
+    units = fsdp_units(outer, set(norm_params), reshard_after_forward)
+    norm_numel = sum(p.numel() for p in norm_params)
+
+    def traffic(shard: int) -> StepTraffic:
+        return step_traffic(units, norm_numel, precision, world_size, shard, ranks_per_node, rank)
+
+    replicas = world_size // shard_size
+    name = "full" if replicas == 1 else f"hybrid ({replicas} replicas x {shard_size}-rank shard groups)"
+    multi_node = world_size > ranks_per_node and world_size % ranks_per_node == 0
+    contrast = traffic(ranks_per_node) if multi_node and shard_size != ranks_per_node else None
+    return LayoutReport(name, traffic(shard_size), contrast)

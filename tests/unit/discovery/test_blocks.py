@@ -1,0 +1,86 @@
+"""Block discovery on real model families, built on the meta device (no weights, milliseconds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_vitscale.discovery.blocks import describe_blocks, find_blocks
+from tests.helpers.models import EncoderClassifier, HFViT, ResidualBlock, SmallResNet, timm_vit
+
+
+def discovered(model: nn.Module) -> dict[str, int]:
+    return describe_blocks(find_blocks(model))
+
+
+@pytest.mark.parametrize(
+    "factory, expected",
+    [
+        (EncoderClassifier, {"TransformerEncoderLayer": 4}),
+        (timm_vit, {"Block": 4}),
+        (HFViT, {"ViTLayer": 4}),
+        (SmallResNet, {"ResidualBlock": 4}),
+    ],
+)
+def test_test_backbones(factory, expected):
+    with torch.device("meta"):
+        assert discovered(factory()) == expected
+
+
+def test_torchvision_families():
+    tv = pytest.importorskip("torchvision")
+    with torch.device("meta"):
+        assert discovered(tv.models.resnet50()) == {"Bottleneck": 16}  # blocks of every stage, not the stages
+        assert discovered(tv.models.vit_b_16()) == {"EncoderBlock": 12}
+        assert discovered(tv.models.video.mvit_v2_s()) == {"MultiscaleBlock": 16}
+        swin = discovered(tv.models.swin_t())
+        assert swin["SwinTransformerBlock"] == 12
+
+
+def test_hf_swin_finds_blocks_inside_every_stage():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.SwinConfig(image_size=64, embed_dim=32, depths=[2, 3, 2], num_heads=[2, 2, 4])
+    with torch.device("meta"):
+        blocks = find_blocks(transformers.SwinForImageClassification(config))
+    assert describe_blocks(blocks) == {"SwinLayer": 7}
+    assert blocks[2][0] == "swin.encoder.layers.1.blocks.0"
+
+
+def test_identical_containers_are_blocks_but_different_ones_are_not():
+    def unit(width: int) -> nn.Sequential:
+        return nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width))
+
+    same = nn.Sequential(unit(8), unit(8), unit(8))
+    assert describe_blocks(find_blocks(same)) == {"Sequential": 3}
+    different = nn.Sequential(nn.Sequential(nn.Linear(8, 8)), nn.Sequential(nn.Conv1d(8, 8, 1), nn.ReLU()))
+    assert find_blocks(different) == []
+
+
+def test_siblings_held_as_attributes_are_found():
+    class TwoBlocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = ResidualBlock(4), ResidualBlock(4)
+            self.head = nn.Linear(4, 2)
+
+    assert [name for name, _ in find_blocks(TwoBlocks())] == ["first", "second"]
+
+
+def test_no_repeated_blocks_gives_nothing():
+    assert find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))) == []
+
+
+def test_overrides_by_class_and_by_predicate_take_outermost_matches():
+    model = SmallResNet()
+    by_class = find_blocks(model, {ResidualBlock})
+    by_predicate = find_blocks(model, lambda name, m: name.startswith("stages.") and name.count(".") == 1)
+    assert [n for n, _ in by_class] == [n for n, _ in by_predicate] == [f"stages.{i}" for i in range(4)]
+    # A class that also occurs inside a match is not selected again inside it.
+    assert len(find_blocks(model, {ResidualBlock, nn.Conv2d})) == 4 + 1  # 4 blocks + the stem conv
+
+
+def test_shared_module_counts_once():
+    shared = ResidualBlock(4)
+    model = nn.Sequential(shared, shared, ResidualBlock(4))
+    assert len(find_blocks(model)) == 2

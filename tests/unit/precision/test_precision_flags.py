@@ -1,0 +1,119 @@
+"""Trainer(precision=...) translation and bad accelerators, asserted by message."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.accelerators import Accelerator
+
+import lightning_vitscale  # noqa: F401
+from lightning_vitscale import VitScalePrecision, VitScaleStrategy
+from lightning_vitscale.policies import ParallelConfig
+from lightning_vitscale.precision.settings import resolve_flag
+from lightning_vitscale.sharding.outer_unit import OuterUnit
+from lightning_vitscale.sharding.parallelize import parallelize
+from tests.helpers.models import SdpaBlocks
+from tests.helpers.recording import DtypeRecorder
+
+
+def trainer(**kwargs) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, **kwargs)
+
+
+@pytest.mark.parametrize("flag", ["32-true", "bf16-mixed", "bf16-true"])
+def test_trainer_flag_becomes_our_plugin(flag):
+    t = trainer(strategy="vitscale", precision=flag)
+    assert isinstance(t.strategy.precision_plugin, VitScalePrecision)
+    assert t.strategy.precision_plugin.precision == flag
+
+
+def test_fp16_on_cpu_through_the_plugin():
+    # Lightning's connector turns precision="16-mixed" into "bf16-mixed" on CPU for every strategy;
+    # the plugin form keeps fp16 (with our sharded scaler).
+    t = trainer(strategy="vitscale", plugins=[VitScalePrecision("16-mixed")])
+    assert t.strategy.precision_plugin.precision == "16-mixed"
+    assert t.strategy.precision_plugin.scaler is not None
+
+
+def test_instance_and_registry_name_are_equivalent():
+    assert type(trainer(strategy=VitScaleStrategy()).strategy) is type(trainer(strategy="vitscale").strategy)
+
+
+@pytest.mark.parametrize("flag", ["16-true", "64-true"])
+def test_unsupported_flag_names_the_choices(flag):
+    with pytest.raises(TypeError, match="32-true, bf16-mixed, bf16-true, 16-mixed"):
+        trainer(strategy="vitscale", precision=flag)
+
+
+def test_resolve_rejects_unknown():
+    with pytest.raises(ValueError, match="does not support precision='fp8'"):
+        resolve_flag("fp8")
+
+
+@pytest.mark.parametrize(("flag", "master"), [("bf16-mixed", torch.float32), ("bf16-true", torch.bfloat16)])
+def test_o2_dtypes_in_a_sharded_step(mesh, flag, master):
+    """What the flag does to a sharded model: parameters (and so gradients and optimizer state) stay in the master
+    dtype, every block Linear computes in bf16 (inputs and gathered weights), norms compute in fp32."""
+    torch.manual_seed(0)
+    plugin = VitScalePrecision(flag)
+    model = plugin.convert_module(SdpaBlocks(dim=16))
+    root = OuterUnit(model)
+    parallelize(root, model, mesh, ParallelConfig(), plugin.policy, torch.device("cpu"))
+    with DtypeRecorder() as recorder:
+        out = root(plugin.convert_input(torch.randn(2, 5, 16)))
+    out.float().sum().backward()
+    bf16 = str(torch.bfloat16)
+    assert {(i, w) for op, i, w in recorder.calls if op == "linear"} == {(bf16, bf16)}
+    assert {(i, w) for op, i, w in recorder.calls if op == "layer_norm"} == {(str(torch.float32), str(torch.float32))}
+    norm_params = {id(p) for m in model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()}
+    others = [p for p in model.parameters() if id(p) not in norm_params]
+    assert {p.to_local().dtype for p in others} == {p.grad.to_local().dtype for p in others} == {master}
+
+
+class _OtherAccelerator(Accelerator):
+    def setup_device(self, device): ...
+    def teardown(self): ...
+    @staticmethod
+    def parse_devices(devices): return devices
+    @staticmethod
+    def get_parallel_devices(devices): return [torch.device("cpu")]
+    @staticmethod
+    def auto_device_count(): return 1
+    @staticmethod
+    def is_available(): return True
+    def get_device_stats(self, device): return {}
+    @classmethod
+    def name(cls): return "other"
+
+
+def test_unsupported_accelerator_is_refused_early():
+    strategy = VitScaleStrategy()
+    strategy.accelerator = _OtherAccelerator()
+    with pytest.raises(ValueError, match="runs on accelerator='cpu' .* or 'cuda'"):
+        strategy._configure_launcher()
+
+
+def test_unspecified_foreach_becomes_foreach_but_user_choice_is_kept():
+    from lightning_vitscale.kernels.optimizers import prefer_foreach
+
+    p = [torch.nn.Parameter(torch.ones(2))]
+    default, explicit, fused = (
+        torch.optim.AdamW(p), torch.optim.AdamW(p, foreach=False), torch.optim.AdamW(p, fused=True)
+    )
+    prefer_foreach([default, explicit, fused])
+    assert default.param_groups[0]["foreach"] is True
+    assert explicit.param_groups[0]["foreach"] is False
+    assert not fused.param_groups[0].get("foreach")
+
+
+def test_norm_selector_forms():
+    from torch import nn
+
+    from lightning_vitscale.precision.settings import norm_predicate
+
+    assert norm_predicate(False) is None
+    assert norm_predicate({nn.LayerNorm})("x", nn.LayerNorm(2))
+    assert not norm_predicate({nn.LayerNorm})("x", nn.GroupNorm(1, 2))
+    with pytest.raises(TypeError, match="`norms` must be"):
+        norm_predicate("layernorm")  # type: ignore[arg-type]

@@ -1,0 +1,132 @@
+"""The parallelize pipeline on a world-size-1 mesh: plans, overrides and loud failures, without launching ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_vitscale._compat import DTensor, FSDPModule
+from lightning_vitscale.kernels.compile import is_compiled
+from lightning_vitscale.policies import CheckpointingPolicy, KernelPolicy, ParallelConfig, ShardingPolicy
+from lightning_vitscale.precision.settings import resolve_flag
+from lightning_vitscale.sharding.outer_unit import OuterUnit
+from lightning_vitscale.sharding.parallelize import NoBlocksMatchedError, parallelize
+from tests.helpers.models import EncoderClassifier, HFViT, ResidualBlock, SmallResNet
+
+
+def run(model: nn.Module, mesh, **policies):
+    config = ParallelConfig(
+        sharding=ShardingPolicy(**policies.get("sharding", {})),
+        checkpointing=CheckpointingPolicy(**policies.get("checkpointing", {})),
+    )
+    root = OuterUnit(model)
+    precision = policies.get("precision", resolve_flag("32-true"))
+    done = parallelize(root, model, mesh, config, precision, torch.device("cpu"))
+    return root, done.plan
+
+
+def test_plan_of_a_meta_model(mesh):
+    with torch.device("meta"):
+        model = EncoderClassifier(depth=6)
+    root, plan = run(model, mesh, checkpointing={"blocks": 2})
+    assert plan.blocks == {"TransformerEncoderLayer": 6}
+    assert plan.units == 7 and isinstance(root, FSDPModule)
+    assert plan.checkpointed == ["encoder.layers.1", "encoder.layers.3", "encoder.layers.5"]
+    assert all(isinstance(p, DTensor) and not p.is_meta for p in model.parameters())  # materialised
+    assert all(torch.isfinite(p.to_local()).all() for p in model.parameters())
+    # Built on meta outside configure_model: nothing recorded its init, so each module's reset_parameters() runs
+    # (MultiheadAttention's private _reset_parameters); only `pos` has no initialiser and is zero-filled.
+    assert plan.notes == ["1 meta tensor(s) whose init could not be reproduced (warned)"]
+    assert model.pos.to_local().abs().sum() == 0
+    assert model.encoder.layers[0].self_attn.in_proj_weight.to_local().abs().sum() > 0
+    assert plan.num_params == sum(p.numel() for p in model.parameters())
+    summary = plan.summary()
+    assert "TransformerEncoderLayer x6" in summary and "7 (6 blocks + 1 outer)" in summary
+    assert "checkpointed blocks : 3 of 6" in summary
+
+
+def test_no_blocks_means_one_outer_unit_and_a_note(mesh):
+    _, plan = run(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), mesh)
+    assert plan.units == 1 and plan.blocks == {}
+    assert "no repeated blocks" in plan.summary()
+
+
+def test_selector_that_matches_nothing_is_loud(mesh):
+    with pytest.raises(NoBlocksMatchedError, match="matched no module with parameters"):
+        run(SmallResNet(), mesh, sharding={"blocks": {nn.TransformerEncoderLayer}})
+
+
+def test_model_without_parameters_is_an_error(mesh):
+    with pytest.raises(ValueError, match="has no parameters, so there is nothing to shard"):
+        run(nn.Sequential(nn.ReLU()), mesh)
+
+
+def test_user_selected_blocks(mesh):
+    _, plan = run(SmallResNet(), mesh, sharding={"blocks": lambda name, m: name in {"stages.0", "stages.2"}})
+    assert plan.block_names == ["stages.0", "stages.2"]
+
+
+def test_hf_gradient_checkpointing_is_detected_not_doubled(mesh):
+    model = HFViT()
+    model.vit.gradient_checkpointing_enable()
+    _, plan = run(model, mesh)
+    assert len(plan.self_checkpointed) == 4 and plan.checkpointed == []
+    assert "self-checkpointing" in plan.summary()
+
+
+def test_sharded_model_computes_what_the_plain_one_does(mesh):
+    torch.manual_seed(0)
+    plain = SmallResNet()
+    sharded = copy.deepcopy(plain)
+    root, _ = run(sharded, mesh)
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(root(x), plain(x), rtol=0, atol=0)
+
+
+def test_keys_are_unchanged_by_checkpointing_and_sharding(mesh):
+    model = SmallResNet()
+    keys = list(model.state_dict())
+    run(model, mesh)
+    assert list(model.state_dict()) == keys
+    assert isinstance(model.stages[0], ResidualBlock)  # blocks stay instances of their own class
+
+
+class BuildsItsOwnInput(nn.Module):
+    """A step that makes an fp32 tensor itself (noise, a mask, a second view) and feeds it to an outer layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = SmallResNet()
+
+    def forward(self, batch_size: int) -> torch.Tensor:
+        return self.net(torch.randn(batch_size, 3, 32, 32))  # fp32, made after FSDP's root cast its inputs
+
+
+def test_outer_layers_take_fp32_tensors_made_inside_a_step(mesh):
+    """O2 drop-in: a tensor created in fp32 inside the step reaches a bf16 outer layer (the stem) and still works."""
+    model = BuildsItsOwnInput()
+    root, plan = run(model, mesh, precision=resolve_flag("bf16-mixed"))
+    out = root(2)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+    assert plan.kernels["compiled blocks"] == "off"
+    assert any("head" in line for line in plan.tensor_core_misses)  # Linear(16 -> 10): 10 is not a multiple of 8
+
+
+@pytest.mark.parametrize(
+    ("make", "outer"),
+    [(EncoderClassifier, ["patch_embed", "head"]), (HFViT, ["vit.vit.embeddings", "vit.classifier"])],
+)
+def test_compile_outer_compiles_the_largest_subtrees_outside_the_blocks(mesh, make, outer):
+    """Nothing runs here (compilation is lazy): the choice of modules is what is checked."""
+    torch.manual_seed(0)
+    model = make()
+    config = ParallelConfig(kernels=KernelPolicy(compile_outer=True))
+    done = parallelize(OuterUnit(model), model, mesh, config, resolve_flag("bf16-mixed"), torch.device("cpu"))
+    compiled = [name for name, m in model.named_modules() if is_compiled(m)]
+    assert compiled == outer  # blocks stay eager (compile_blocks is off); fp32 norms are never compiled alone
+    assert done.plan.kernels["compiled outer"] == ", ".join(outer)
+    assert done.plan.kernels["compiled blocks"] == "off"
+    assert "compiled outer" in done.plan.summary()
