@@ -24,6 +24,7 @@ from lightning_vitscale.memory.step_model import (
     ModelLayout,
     StepInputs,
     StepSettings,
+    TrainingLoop,
     collective_copies,
     predict_step,
 )
@@ -116,11 +117,13 @@ def step_inputs(
     optimizer: str = "adamw",
     blocks: ModuleSelector | None = None,
     device: torch.device | str | None = None,
+    loop: TrainingLoop | None = None,
 ) -> StepInputs:
     """Measure ``model`` on fake tensors and gather what :func:`predict_step` needs (see :func:`plan_memory`).
 
     ``device`` is where the step will run: on CPU the collectives' temporaries count (see
     :func:`~lightning_vitscale.memory.step_model.collective_copies`); ``None`` plans for a GPU with NCCL.
+    ``loop`` says when gradients are alive (default: Lightning's automatic optimization, see :class:`TrainingLoop`).
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not known; choose one of {', '.join(OPTIMIZER_STATES)}.")
@@ -140,6 +143,7 @@ def step_inputs(
         optimizer=optimizer,
         batch_scale=(batch_size or measured_batch) / measured_batch,
         collective_copies=collective_copies(device),
+        loop=loop or TrainingLoop(),
     )
 
 

@@ -95,6 +95,44 @@ class MemoryBreakdown:
 
 
 @dataclass(frozen=True)
+class TrainingLoop:
+    """When the sharded gradients are alive, as the training loop orders ``zero_grad``, forward and backward.
+
+    Lightning's automatic optimization runs ``training_step`` (the forward), *then* ``zero_grad``, then
+    ``backward``: the previous step's gradient shards live through the forward unless the strategy released them
+    after the optimizer step (``released_after_step``, see ``VitScaleStrategy.optimizer_step``). Manual
+    optimization is planned for the order Lightning documents (``zero_grad``, forward, ``manual_backward``,
+    ``step``). With gradient accumulation every micro-batch after the first runs forward and backward with the
+    full gradient shards alive, and so does ``zero_grad(set_to_none=False)`` (gradients are zeroed, never freed).
+
+    Attributes:
+        automatic: ``LightningModule.automatic_optimization``.
+        accumulate: ``Trainer(accumulate_grad_batches=...)``.
+        set_to_none: whether ``zero_grad`` frees the gradients (torch's and Lightning's default).
+        released_after_step: the strategy frees the gradient shards right after the optimizer step.
+    """
+
+    automatic: bool = True
+    accumulate: int = 1
+    set_to_none: bool = True
+    released_after_step: bool = False
+
+    @property
+    def grads_in_forward(self) -> bool:
+        """Whether all gradient shards are alive while the forward runs (some micro-batch's forward)."""
+        return self.grads_in_backward or (self.automatic and not self.released_after_step)
+
+    @property
+    def grads_in_backward(self) -> bool:
+        """Whether all gradient shards are alive from the start of backward (else they grow block by block)."""
+        return self.accumulate > 1 or not self.set_to_none
+
+
+# The order a hand-written loop (and Lightning's manual optimization as documented) runs: zero_grad first.
+ZERO_GRAD_FIRST = TrainingLoop(automatic=False)
+
+
+@dataclass(frozen=True)
 class StepInputs:
     """Everything the step model needs besides the settings."""
 
@@ -107,6 +145,7 @@ class StepInputs:
     optimizer: str = "adamw"
     batch_scale: float = 1.0
     collective_copies: bool = False
+    loop: TrainingLoop = TrainingLoop()
 
 
 def collective_copies(device: torch.device | str | None) -> bool:
@@ -121,7 +160,7 @@ def collective_copies(device: torch.device | str | None) -> bool:
 
 
 def predict_step(inputs: StepInputs, settings: StepSettings) -> MemoryBreakdown:
-    """The peak of one steady-state step (optimizer state exists, gradients set to None before forward)."""
+    """The peak of one steady-state step (optimizer state exists; gradients alive as ``inputs.loop`` orders)."""
     lay, prof, scale = inputs.layout, inputs.profile, inputs.batch_scale
     m, c, r = inputs.master.itemsize, inputs.compute.itemsize, inputs.reduce.itemsize
     states = OPTIMIZER_STATES[inputs.optimizer]
@@ -155,7 +194,8 @@ def _forward_peak(inputs, settings, base, full_blocks, outer_full, kept) -> Memo
     # Blocks that stay gathered for backward pile up; otherwise one block and its all-gather buffer.
     gathered = outer_full + (sum(full_blocks) * c + biggest if not settings.reshard_after_forward else 2 * biggest)
     acts = int(inputs.profile.outer_saved * inputs.batch_scale) + sum(kept)
-    return MemoryBreakdown(grads=0, gathered=gathered, activations=acts, transient=copy, phase="end of forward",
+    grads = base["params"] if inputs.loop.grads_in_forward else 0  # sharded gradients: as many as parameters
+    return MemoryBreakdown(grads=grads, gathered=gathered, activations=acts, transient=copy, phase="end of forward",
                            **base)
 
 
@@ -180,7 +220,7 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
         collective = 2 * full_blocks[i] * r if inputs.collective_copies and inputs.world > 1 else 0
         transient = max(compute, collective) + outer_grads
         yield MemoryBreakdown(
-            grads=sum(shards[i + 1:]) * m * on_device,
+            grads=base["params"] if inputs.loop.grads_in_backward else sum(shards[i + 1:]) * m * on_device,
             gathered=gathered,
             activations=outer_acts + sum(kept[: i + 1]),
             transient=transient,
