@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -248,26 +249,35 @@ def _block_memory(
 
 
 def _backward_bytes(block: nn.Module, x: torch.Tensor, mode: FakeTensorMode, measured: dict) -> tuple[int, int]:
-    """(peak of backward beyond what forward left alive, peak of forward + backward from the input alone).
+    """(peak of backward beyond what forward left alive, a checkpointed block's peak from its input alone).
 
-    The second is what a checkpointed block costs at its backward: the recompute, then its backward freeing the
-    recomputed tensors as it goes. Measured once per block shape (``measured`` remembers them for one model).
+    The second runs the block as the strategy checkpoints it (``torch.utils.checkpoint``, non-reentrant): its
+    backward recomputes the forward only as far as the last tensor backward needs (early stop), then frees the
+    recomputed tensors as backward proceeds. Both include the block's parameter gradients. Measured once per
+    block shape (``measured`` remembers them for one model).
     """
     key = (type(block), tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()),
            tuple(x.shape), x.dtype)
     if key not in measured:
-        with mode:
-            inp = torch.empty(x.shape, dtype=x.dtype, device=_CPU, requires_grad=True)
-            grad = torch.empty_like(inp)  # the incoming gradient exists before the block's backward starts
-            tracker = LiveBytes()
-            with tracker:
-                out = block(inp)
-                first = next(t for t in _tensors(out) if t.requires_grad)
-                base = tracker.reset_peak()
-                torch.autograd.backward(first, grad.view_as(first) if grad.shape == first.shape else
-                                        torch.empty_like(first))
-            whole = tracker.peak
-        for p in block.parameters():
-            p.grad = None
-        measured[key] = (tracker.peak - base, whole)
+        plain = _peak_beyond_forward(block, x, mode, checkpointed=False)
+        recomputed = _peak_beyond_forward(block, x, mode, checkpointed=True)
+        measured[key] = (plain, recomputed + x.untyped_storage().nbytes())
     return measured[key]
+
+
+def _peak_beyond_forward(block: nn.Module, x: torch.Tensor, mode: FakeTensorMode, checkpointed: bool) -> int:
+    """Peak bytes of the block's backward above what its forward left alive (its output, its saved tensors)."""
+    with mode:
+        inp = torch.empty(x.shape, dtype=x.dtype, device=_CPU, requires_grad=True)
+        grad = torch.empty_like(inp)  # the incoming gradient exists before the block's backward starts
+        tracker = LiveBytes()
+        with tracker:
+            out = (torch.utils.checkpoint.checkpoint(block, inp, use_reentrant=False) if checkpointed
+                   else block(inp))
+            first = next(t for t in _tensors(out) if t.requires_grad)
+            base = tracker.reset_peak()
+            torch.autograd.backward(first, grad.view_as(first) if grad.shape == first.shape else
+                                    torch.empty_like(first))
+    for p in block.parameters():
+        p.grad = None
+    return tracker.peak - base

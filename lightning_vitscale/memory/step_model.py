@@ -213,7 +213,7 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
         block = prof.blocks[i]
         # A checkpointed block holds its input (in `kept`), then recomputes and runs its backward.
         inside = block.recompute - block.input if i in settings.checkpointed else block.backward
-        compute = int(inside * scale) + full_blocks[i] * r
+        compute = int(inside * scale)  # includes the block's unsharded parameter gradients
         # gloo: while the block's gradients are reduce-scattered, its input buffer and gloo's copy of it are live
         # (its unsharded gradients are freed after the copy-in); the backward compute's transients are gone.
         # FSDP copies instead of reduce-scattering on one rank.
