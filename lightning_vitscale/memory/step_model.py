@@ -214,10 +214,12 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
         # A checkpointed block holds its input (in `kept`), then recomputes and runs its backward.
         inside = block.recompute - block.input if i in settings.checkpointed else block.backward
         compute = int(inside * scale)  # includes the block's unsharded parameter gradients
-        # gloo: while the block's gradients are reduce-scattered, its input buffer and gloo's copy of it are live
-        # (its unsharded gradients are freed after the copy-in); the backward compute's transients are gone.
-        # FSDP copies instead of reduce-scattering on one rank.
-        collective = 2 * full_blocks[i] * r if inputs.collective_copies and inputs.world > 1 else 0
+        # FSDP copies the block's unsharded gradients into the reduce-scatter input (both live for the copy-in);
+        # gloo then holds that input and its own copy of it (the gradients are freed after the copy-in). The
+        # backward compute's transients are gone by then. FSDP copies instead of reduce-scattering on one rank.
+        collective = full_blocks[i] * (c + r)
+        if inputs.collective_copies and inputs.world > 1:
+            collective = max(collective, 2 * full_blocks[i] * r)
         transient = max(compute, collective) + outer_grads
         yield MemoryBreakdown(
             grads=base["params"] if inputs.loop.grads_in_backward else sum(shards[i + 1:]) * m * on_device,

@@ -165,11 +165,17 @@ def _shard(
         apply_auto_choice(module, auto, done.plan)
     elif measured is not None:
         reshard = config.sharding.reshard_after_forward is not False
-        done.plan.predicted_peak, done.plan.memory = describe_prediction(measured, done.plan.checkpointed, reshard)
+        done.plan.predicted_peak, done.plan.memory = describe_prediction(measured, done.plan.checkpointed, reshard,
+                                                                         _offloads(config, ranks.device))
     # 4. Drop-in behaviour: calls outside a step gather the outer unit; state_dict() gives DDP's full tensors.
     outer.enable_calls_outside_steps()
     full_state_dict.install(module, outer)
     return ShardedModel(outer, done.plan, done.norms, done.router, auto, signature)
+
+
+def _offloads(config: ParallelConfig, device: torch.device) -> bool:
+    """Whether the sharded state leaves the device (``offload="cpu"`` on a CPU rank changes nothing)."""
+    return config.sharding.offload is not None and device.type != "cpu"
 
 
 def _auto_checkpointing(
@@ -181,6 +187,7 @@ def _auto_checkpointing(
     auto = AutoCheckpointing(
         config.checkpointing.memory_budget, ranks.mesh.size(), precision.name, config.sharding.blocks,
         may_keep_gathered=config.sharding.reshard_after_forward is None,
+        offload=_offloads(config, ranks.device),
     )
     names = auto.at_setup(module, ranks.device, ranks.ranks_per_node, ranks.agree_max)
     if names is None:
