@@ -38,6 +38,7 @@ from lightning_vitscale.kernels import (
     prepare_optimizers,
     take_over_compiled,
 )
+from lightning_vitscale.memory import may_release_after_step, release_gradients
 from lightning_vitscale.precision import VitScalePrecision, to_vitscale_precision
 from lightning_vitscale.sharding import (
     CheckpointingPolicy,
@@ -277,6 +278,9 @@ class VitScaleStrategy(ModelParallelStrategy):
         output = super().optimizer_step(*args, **kwargs)
         if self.sharded is not None:
             self.sharded.release()  # a copy gathered by a callback before the update is stale now
+        optimizer = args[0] if args else kwargs.get("optimizer")
+        if optimizer is not None and may_release_after_step(self.lightning_module, [optimizer]):
+            release_gradients(optimizer)  # zero_grad would free them only after the next forward
         return output
 
     @override

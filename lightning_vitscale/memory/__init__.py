@@ -6,6 +6,7 @@ and ``_compat``; the sharding setup applies what it chooses.
 """
 
 from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, describe_prediction, measure_for_summary
+from lightning_vitscale.memory.gradient_release import may_release_after_step, release_gradients
 from lightning_vitscale.memory.memory_plan import MemoryPlan
 from lightning_vitscale.memory.planner import plan_memory
 from lightning_vitscale.memory.state_bytes import StateBytes, measure_state_bytes
@@ -16,6 +17,8 @@ __all__ = [
     "StateBytes",
     "describe_prediction",
     "measure_for_summary",
+    "may_release_after_step",
     "measure_state_bytes",
     "plan_memory",
+    "release_gradients",
 ]

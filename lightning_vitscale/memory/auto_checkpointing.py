@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_vitscale._utils import available_host_bytes, human_bytes
+from lightning_vitscale.memory.gradient_release import may_release_after_step
 from lightning_vitscale.memory.memory_plan import MemoryPlan
 from lightning_vitscale.memory.planner import DEFAULT_FRACTION, choose, step_inputs
 from lightning_vitscale.memory.step_model import StepInputs, StepSettings, TrainingLoop, predict_step
@@ -91,12 +92,14 @@ def first_tensor_input(batch: Any) -> Any:
 
 
 def training_loop(module: nn.Module) -> TrainingLoop:
-    """When Lightning's loop keeps ``module``'s gradients alive: its optimization mode and the Trainer's
-    ``accumulate_grad_batches`` (a plain module, or one not attached to a Trainer: automatic, no accumulation)."""
+    """When Lightning's loop keeps ``module``'s gradients alive: its optimization mode, the Trainer's
+    ``accumulate_grad_batches`` and whether the strategy frees them after the step (:mod:`.gradient_release`).
+    A plain module, or one not attached to a Trainer: automatic, no accumulation, nothing released."""
     trainer = getattr(module, "_trainer", None)
     accumulate = getattr(trainer, "accumulate_grad_batches", 1)
     return TrainingLoop(automatic=bool(getattr(module, "automatic_optimization", True)),
-                        accumulate=accumulate if isinstance(accumulate, int) else 1)
+                        accumulate=accumulate if isinstance(accumulate, int) else 1,
+                        released_after_step=may_release_after_step(module, getattr(trainer, "optimizers", ())))
 
 
 def unmet_budget(plan: MemoryPlan, inputs: StepInputs, offload: bool) -> str | None:

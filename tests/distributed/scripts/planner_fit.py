@@ -1,16 +1,19 @@
 """Rank script: the memory planner's predicted step against a measured ``Trainer.fit`` step (Lightning's own loop).
 
 ``planner_fit.py OUT_DIR model:ac:batch[:loop],...`` e.g. ``deit_tiny:off:8`` or ``vit_b_16:full:16:manual``.
-``ac`` is ``off`` or ``full``; ``loop`` is ``auto`` (automatic optimization, the default), ``manual`` (zero_grad,
-forward, manual_backward, step) or ``acc2`` (automatic, ``accumulate_grad_batches=2``). Published architectures
+``ac`` is ``off`` or ``full``; ``loop`` is ``auto`` (automatic optimization, the default: the strategy frees the
+gradients after the step), ``observed`` (the same with a callback reading gradients after the step: they are kept
+through the next forward), ``manual`` (zero_grad, forward, manual_backward, step) or ``acc2`` (automatic,
+``accumulate_grad_batches=2``). Published architectures
 at random init (no download): torchvision ``vit_b_16`` and timm ``deit_tiny_patch16_224`` / ``vit_small_patch16_224``
 at a small image size, fp32, AdamW, ``VitScaleStrategy()``.
 
-Measured: peak RSS growth over the third optimizer step (optimizer state exists, the previous step's gradients
-too), from ``on_train_batch_start`` to ``on_train_batch_end``, with every allocation of 64 KiB or more its own mmap
-(the launcher sets ``MALLOC_MMAP_THRESHOLD_``) so freed memory leaves RSS; the gradient shards alive at the start
-are added back (they are part of the step, not of the resident state). Predicted: the planner's peak for the same
-step minus the resident state (sharded parameters, optimizer state, replicated norms, the batch).
+Measured: peak RSS growth over the second optimizer step (optimizer state exists, the previous step's gradients
+too unless released), from its first ``training_step`` to the end of its ``optimizer_step``, with every
+allocation of 64 KiB or more its own mmap (the launcher sets ``MALLOC_MMAP_THRESHOLD_``) so freed memory leaves
+RSS; the gradient shards alive at the start are added back (they are part of the step, not of the resident
+state). Predicted: the planner's peak for the same step minus the resident state (sharded parameters, optimizer
+state, replicated norms, the batch).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from tests.helpers.scenarios import run_scenarios
 
 warnings.filterwarnings("ignore")
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
-MEASURED_STEP = 2  # optimizer steps before the measured one
+MEASURED_STEP = 1  # optimizer steps before the measured one (its optimizer state and gradients exist)
 
 
 def build(name: str) -> tuple[nn.Module, int]:
@@ -72,27 +75,44 @@ class Classifier(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
-class StepWindow(L.Callback):
-    """RSS growth over the optimizer step ``MEASURED_STEP`` (all its micro-batches), gradients at start added."""
+class MeasuredStrategy(VitScaleStrategy):
+    """``VitScaleStrategy`` measuring the RSS growth of optimizer step ``MEASURED_STEP`` (all its micro-batches),
+    from its first ``training_step`` to the end of its ``optimizer_step``; gradients alive at the start are added
+    back. A strategy, not a callback: a user callback's batch hooks could observe gradients and would keep them."""
 
-    def __init__(self, accumulate: int) -> None:
-        self.accumulate, self.window = accumulate, RssWindow()
-        self.first, self.last = MEASURED_STEP * accumulate, (MEASURED_STEP + 1) * accumulate - 1
+    def __init__(self, accumulate: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.window, self.first, self.steps = RssWindow(), MEASURED_STEP * accumulate, 0
         self.grads_at_start = self.growth = 0
+        self.released = False
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if batch_idx == self.first:
-            self.grads_at_start = measure_state_bytes(pl_module).grads_local
+    def training_step(self, *args, **kwargs):
+        if len(args) > 1 and args[1] == self.first:
+            self.grads_at_start = measure_state_bytes(self.lightning_module).grads_local
             self.window.start()
+        return super().training_step(*args, **kwargs)
+
+    def optimizer_step(self, *args, **kwargs):
+        output = super().optimizer_step(*args, **kwargs)
+        self.steps += 1
+        if self.steps == MEASURED_STEP + 1:
+            self.growth = self.window.peak_growth() + self.grads_at_start
+            self.released = all(p.grad is None for p in self.lightning_module.parameters())
+        return output
+
+
+class ReadsGradients(L.Callback):
+    """A user callback that looks at gradients after the step: the strategy must keep them for it."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if batch_idx == self.last:
-            self.growth = self.window.peak_growth() + self.grads_at_start
+        self.seen = any(p.grad is not None for p in pl_module.parameters())
 
 
 def loop_of(kind: str) -> tuple[TrainingLoop, int]:
+    """``auto`` / ``acc2``: automatic optimization, gradients released after the step (nothing observes them);
+    ``observed``: the same with a callback reading them; ``manual``: zero_grad first."""
     accumulate = 2 if kind == "acc2" else 1
-    return TrainingLoop(automatic=kind != "manual", accumulate=accumulate), accumulate
+    return TrainingLoop(kind != "manual", accumulate, released_after_step=kind in ("auto", "acc2")), accumulate
 
 
 def cell(name: str, ac: str, batch: int, kind: str = "auto") -> dict:
@@ -111,14 +131,14 @@ def cell(name: str, ac: str, batch: int, kind: str = "auto") -> dict:
     model = Classifier(name, automatic=kind != "manual")
     steps = (MEASURED_STEP + 1) * accumulate * WORLD  # one epoch: every rank takes its own batches
     data = TensorDataset(torch.randn(batch * steps, 3, image, image), torch.randint(0, 10, (batch * steps,)))
-    window = StepWindow(accumulate)
-    trainer = L.Trainer(accelerator="cpu", devices=WORLD, max_steps=MEASURED_STEP + 1, callbacks=[window],
-                        strategy=VitScaleStrategy(activation_checkpointing=ac == "full"),
+    strategy = MeasuredStrategy(accumulate, activation_checkpointing=ac == "full")
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, max_steps=MEASURED_STEP + 1, strategy=strategy,
+                        callbacks=[ReadsGradients()] if kind == "observed" else [],
                         accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, precision="32-true")
     trainer.fit(model, DataLoader(data, batch_size=batch))
-    return dict(measured=window.growth, predicted=predicted.peak - resident, phase=predicted.phase,
-                grads_at_start=window.grads_at_start, depth=depth,
+    return dict(measured=strategy.growth, predicted=predicted.peak - resident, phase=predicted.phase,
+                grads_at_start=strategy.grads_at_start, depth=depth, released=strategy.released,
                 breakdown={k: getattr(predicted, k) for k in ("params", "grads", "optimizer", "norms", "gathered",
                                                                "activations", "transient", "batch")})
 
