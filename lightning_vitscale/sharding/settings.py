@@ -12,9 +12,15 @@ from torch import nn
 from lightning_vitscale.discovery import ModuleSelector
 from lightning_vitscale.kernels.settings import KERNEL_MODES, KernelMode, KernelPolicy, unknown_kernel_mode
 
-CheckpointSelector = bool | int | Literal["auto"] | Callable[[str, nn.Module], bool]
-"""``True``: every block; ``False``: none; ``k``: every k-th block (1-based); callable: per block; ``"auto"``: the
-fewest blocks that keep the predicted step peak within ``memory_budget`` (chosen once the batch is known)."""
+BlockCheckpointing = bool | Literal["full", "selective"]
+"""One block's checkpointing: ``True``/``"full"`` recomputes its whole forward in backward, ``"selective"`` stores
+the matmul and attention outputs and recomputes only the cheap ops, ``False`` stores everything."""
+CheckpointSelector = bool | int | Literal["auto", "full", "selective"] | Callable[[str, nn.Module], BlockCheckpointing]
+"""``True``/``"full"``: every block, fully; ``"selective"``: every block, op-level (matmuls and attention saved);
+``False``: none; ``k``: every k-th block (1-based), fully; callable: per block, returning a
+:data:`BlockCheckpointing`; ``"auto"``: the fewest blocks that keep the predicted step peak within
+``memory_budget`` (chosen once the batch is known)."""
+_MODE_WORDS: tuple[str, ...] = ("full", "selective")
 
 ShardingLayout = Literal["full", "hybrid"] | int
 """``"full"``: shard over every rank; ``"hybrid"``: shard inside each node, replicate across nodes; an ``int``:
@@ -126,7 +132,7 @@ class CheckpointingPolicy:
     def __post_init__(self) -> None:
         sel = self.blocks
         self._check_budget()
-        if sel == "auto" or isinstance(sel, bool) or callable(sel):
+        if sel in ("auto", *_MODE_WORDS) or isinstance(sel, bool) or callable(sel):
             return
         if isinstance(sel, int):
             if sel < 1:
@@ -136,8 +142,8 @@ class CheckpointingPolicy:
                 )
             return
         raise TypeError(
-            f"`activation_checkpointing` must be True, False, an int k >= 1 or a callable (name, module) -> bool,"
-            f" or 'auto'; got {sel!r}."
+            f"`activation_checkpointing` must be True, False, 'full', 'selective', an int k >= 1, a callable"
+            f" (name, module) -> True/False/'full'/'selective', or 'auto'; got {sel!r}."
         )
 
     def _check_budget(self) -> None:
@@ -165,18 +171,37 @@ class CheckpointingPolicy:
         return self.blocks == "auto"
 
     def selects(self, index: int, name: str, module: nn.Module) -> bool:
-        """Whether the ``index``-th block (0-based, in model order) is checkpointed.
+        """Whether the ``index``-th block (0-based, in model order) is checkpointed, in either mode."""
+        return self.mode(index, name, module) is not None
+
+    def mode(self, index: int, name: str, module: nn.Module) -> Literal["full", "selective"] | None:
+        """How the ``index``-th block (0-based, in model order) is checkpointed: ``"full"``, ``"selective"`` or
+        ``None`` (not at all).
 
         ``"auto"`` selects nothing here: the strategy checkpoints its chosen blocks once it knows the batch.
         """
         sel = self.blocks
         if sel == "auto":
-            return False
+            return None
         if isinstance(sel, bool):
-            return sel
+            return "full" if sel else None
+        if isinstance(sel, str):
+            return "selective" if sel == "selective" else "full"
         if isinstance(sel, int):
-            return (index + 1) % sel == 0
-        return bool(sel(name, module))
+            return "full" if (index + 1) % sel == 0 else None
+        return _block_mode(sel(name, module), name)
+
+
+def _block_mode(answer: object, name: str) -> Literal["full", "selective"] | None:
+    """A callable's answer for one block: a mode word, or anything else read as a bool (as before modes existed)."""
+    if isinstance(answer, str):
+        if answer not in _MODE_WORDS:
+            raise ValueError(
+                f"The `activation_checkpointing` callable returned {answer!r} for block {name!r}; a string must be"
+                " 'full' or 'selective' (or return True/False)."
+            )
+        return "selective" if answer == "selective" else "full"
+    return "full" if answer else None
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ class ParallelPlan:
         blocks: block class name -> count, as discovered or selected.
         block_names: qualified names of the blocks, each its own FSDP unit.
         units: number of FSDP units (blocks + the outer unit).
-        checkpointed: blocks whose activations are recomputed in backward.
+        checkpointed: blocks whose activations are recomputed in backward (fully or selectively).
+        selective: those of ``checkpointed`` that recompute only their cheap ops (``"selective"``).
         self_checkpointed: blocks that already checkpoint themselves (e.g. HF gradient checkpointing): left alone.
         fp32_modules: modules kept in fp32 inside a low-precision model (normalization layers).
         num_params: parameters in the model (unsharded count).
@@ -50,6 +51,7 @@ class ParallelPlan:
     units: int
     checkpointed: list[str]
     self_checkpointed: list[str] = field(default_factory=list)
+    selective: list[str] = field(default_factory=list)
     fp32_modules: list[str] = field(default_factory=list)
     num_params: int = 0
     param_bytes_full: int = 0
@@ -74,6 +76,7 @@ class ParallelPlan:
             f"  blocks found        : {found}",
             f"  FSDP units          : {self.units} ({len(self.block_names)} blocks + 1 outer)",
             f"  checkpointed blocks : {len(self.checkpointed)} of {len(self.block_names)}"
+            + (f", {len(self.selective)} selective (matmuls and attention kept)" if self.selective else "")
             + (f" ({self.memory})" if self.memory else ""),
             f"  parameters          : {self.num_params:,} ({mib(self.param_bytes_full)} unsharded,"
             f" {mib(self.param_bytes_local)} on this rank = {share:.2f}x)",
