@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_vitscale.discovery import ModuleSelector
 from lightning_vitscale.kernels.settings import KERNEL_MODES, KernelMode, KernelPolicy, unknown_kernel_mode
+from lightning_vitscale.memory import ACCUMULATION_MODES, AccumulationMode
 
 BlockCheckpointing = bool | Literal["full", "selective"]
 """One block's checkpointing: ``True``/``"full"`` recomputes its whole forward in backward, ``"selective"`` stores
@@ -44,15 +45,24 @@ class ShardingPolicy:
         reshard_after_forward: ``None`` is the recipe (blocks free their gathered parameters after forward, the
             outer unit keeps its own for backward); ``True``/``False`` force it for every unit; an ``int`` reshards
             blocks to that smaller world size (FSDP2 hybrid reshard).
+        accumulation: with ``accumulate_grad_batches > 1``: ``"sharded"`` reduce-scatters every micro-batch
+            (least memory), ``"unsharded"`` keeps unsharded gradients until the last micro-batch (one
+            reduce-scatter per optimizer step, as DDP's ``no_sync``), ``"auto"`` the latter where it fits.
     """
 
     blocks: ModuleSelector | None = None
     reshard_after_forward: bool | int | None = None
     layout: ShardingLayout = "full"
     offload: OffloadMode | None = None
+    accumulation: AccumulationMode = "auto"
 
     def __post_init__(self) -> None:
         _check_layout(self.layout)
+        if self.accumulation not in ACCUMULATION_MODES:
+            raise ValueError(
+                f"`accumulation={self.accumulation!r}` is not supported. Choose one of: {ACCUMULATION_MODES}"
+                " (\"unsharded\": one reduce-scatter per optimizer step; \"sharded\": one per micro-batch)."
+            )
         if self.offload not in OFFLOAD_CHOICES:
             raise ValueError(
                 f"`offload={self.offload!r}` is not supported. Choose one of: {OFFLOAD_CHOICES} (\"cpu\" keeps sharded"

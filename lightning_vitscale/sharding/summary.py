@@ -37,6 +37,8 @@ class ParallelPlan:
         offload: where the sharded state lives between uses (``"cpu"``), or ``None`` (on the device).
         predicted_peak: the memory planner's predicted per-rank peak of a training step (bytes), where known.
         memory: one line on the predicted memory and, under ``activation_checkpointing="auto"``, the choice.
+        accumulation: under ``accumulate_grad_batches > 1``, whether micro-batches reduce-scatter (set at the
+            first accumulating micro-batch; empty before).
         init_path: how the starting weights were made: ``"exact"`` (``configure_model()`` on rank 0, shards
             scattered unit by unit), ``"meta"`` (every rank on meta, the model's own init replayed on the shards)
             or ``"built"`` (the model existed before setup; rank 0's values scattered unit by unit).
@@ -64,6 +66,7 @@ class ParallelPlan:
     offload: str | None = None
     predicted_peak: int | None = None
     memory: str = ""
+    accumulation: str = ""
     init_path: str = "built"
     init_peak_bytes: int = 0
     init_seconds: float = 0.0
@@ -109,6 +112,8 @@ class ParallelPlan:
             lines.append(traffic)
         if self.offload is not None:
             lines.append(f"  offload             : {self.offload}")
+        if self.accumulation:
+            lines.append(f"  accumulation        : {self.accumulation}")
         return lines
 
 
