@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_vitscale._compat import FSDPModule
 from lightning_vitscale._utils import full_bytes, local_bytes
 from lightning_vitscale.discovery import describe_blocks, find_blocks, holds_parameters
 from lightning_vitscale.init import Creation, InitialWeights
@@ -29,7 +31,7 @@ from lightning_vitscale.sharding.activation_checkpointing import (
     apply_activation_checkpointing,
     is_self_checkpointing,
 )
-from lightning_vitscale.sharding.fsdp import mixed_precision_policy, offload_policy, shard_module
+from lightning_vitscale.sharding.fsdp import mixed_precision_policy, offload_policy, set_prefetch, shard_module
 from lightning_vitscale.sharding.settings import ParallelConfig, unit_reshard
 from lightning_vitscale.sharding.summary import ParallelPlan
 
@@ -131,7 +133,10 @@ def parallelize(
     # 5. The outer unit on the module Lightning calls, so its pre-forward hook gathers the rest; it keeps its
     #    parameters after forward under the recipe (backward needs them at once).
     with weights.unit(outer_unit):
-        shard_module(outer_unit, mesh, mp_policy, unit_reshard(requested, outer=True), ignored, offload)
+        outer = shard_module(outer_unit, mesh, mp_policy, unit_reshard(requested, outer=True), ignored, offload)
+
+    # 5b. Explicit prefetch: each unit starts the next one's all-gather as soon as its own is done.
+    set_prefetch([outer, *(cast(FSDPModule, block) for _, block in blocks)], config.sharding.prefetch)
 
     # 6. Name what the meta path could not reproduce; how the weights were made goes into the summary.
     init_path, init_peak, init_seconds = weights.finish()

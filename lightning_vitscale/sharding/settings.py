@@ -48,6 +48,8 @@ class ShardingPolicy:
         accumulation: with ``accumulate_grad_batches > 1``: ``"sharded"`` reduce-scatters every micro-batch
             (least memory), ``"unsharded"`` keeps unsharded gradients until the last micro-batch (one
             reduce-scatter per optimizer step, as DDP's ``no_sync``), ``"auto"`` the latter where it fits.
+        prefetch: how many units ahead each unit all-gathers explicitly (forward: the next blocks; backward:
+            the previous ones), so the collective overlaps this unit's compute; ``0``: FSDP2's implicit prefetch.
     """
 
     blocks: ModuleSelector | None = None
@@ -55,9 +57,15 @@ class ShardingPolicy:
     layout: ShardingLayout = "full"
     offload: OffloadMode | None = None
     accumulation: AccumulationMode = "auto"
+    prefetch: int = 1
 
     def __post_init__(self) -> None:
         _check_layout(self.layout)
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(
+                f"`prefetch={self.prefetch!r}` must be an int >= 0: units to all-gather ahead (1: the next block;"
+                " 0: FSDP2's implicit prefetch)."
+            )
         if self.accumulation not in ACCUMULATION_MODES:
             raise ValueError(
                 f"`accumulation={self.accumulation!r}` is not supported. Choose one of: {ACCUMULATION_MODES}"
