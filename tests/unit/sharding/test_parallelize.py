@@ -58,6 +58,23 @@ def test_per_block_checkpointing_modes_reach_the_blocks(mesh):
     assert "checkpointed blocks : 2 of 3, 1 selective" in plan.summary()
 
 
+def _prefetch(unit, direction: str) -> list:
+    """The FSDP states ``unit`` prefetches explicitly (FSDP2 keeps them on the unit's state)."""
+    return list(getattr(unit._get_fsdp_state(), f"_states_to_{direction}_prefetch") or [])
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_prefetch_chains_the_units_in_model_order(mesh, depth):
+    model = EncoderClassifier(depth=3)
+    root, _ = run(model, mesh, sharding={"prefetch": depth})
+    units = [root, *model.encoder.layers]
+    state = [unit._get_fsdp_state() for unit in units]
+    for i, unit in enumerate(units):
+        assert _prefetch(unit, "forward") == state[i + 1 : i + 1 + depth]
+        expected_backward = list(reversed(state[max(1, i - depth) : i])) if i >= 1 else []
+        assert _prefetch(unit, "backward") == expected_backward
+
+
 def test_no_blocks_means_one_outer_unit_and_a_note(mesh):
     _, plan = run(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), mesh)
     assert plan.units == 1 and plan.blocks == {}
