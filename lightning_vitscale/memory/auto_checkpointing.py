@@ -107,9 +107,9 @@ def unmet_budget(plan: MemoryPlan, inputs: StepInputs, offload: bool) -> str | N
     if plan.fits:
         return None
     fixes = []
-    if not offload:
-        every = StepSettings(frozenset(range(plan.num_blocks)), offload=True)
-        fixes.append(f"offload='cpu' (predicted {human_bytes(predict_step(inputs, every).peak)})")
+    offloaded = predict_step(inputs, StepSettings(frozenset(range(plan.num_blocks)), offload=True)).peak
+    if not offload and offloaded <= plan.budget:  # named only where it is enough on its own
+        fixes.append(f"offload='cpu' (predicted {human_bytes(offloaded)})")
     if plan.max_batch:
         fixes.append(f"a per-rank batch of {plan.max_batch} or less")
     fixes += ["more devices", "a larger memory_budget"]
