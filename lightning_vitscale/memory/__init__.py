@@ -21,6 +21,7 @@ from lightning_vitscale.memory.auto_checkpointing import (
 from lightning_vitscale.memory.gradient_release import may_release_after_step, release_gradients
 from lightning_vitscale.memory.memory_plan import MemoryPlan
 from lightning_vitscale.memory.planner import plan_memory
+from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
 from lightning_vitscale.memory.state_bytes import StateBytes, measure_state_bytes
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "AccumulationMode",
     "AutoCheckpointing",
     "MemoryPlan",
+    "SAVED_OPS",
     "StateBytes",
     "choose_accumulation",
     "describe_prediction",
@@ -38,4 +40,5 @@ __all__ = [
     "measure_state_bytes",
     "plan_memory",
     "release_gradients",
+    "selective_contexts",
 ]

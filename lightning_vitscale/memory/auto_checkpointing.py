@@ -12,6 +12,7 @@ choice (``sharding/setup.py``).
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,10 +238,16 @@ def measure_for_summary(
 
 
 def describe_prediction(
-    inputs: StepInputs, checkpointed: list[str], reshard: bool, offload: bool = False
+    inputs: StepInputs,
+    checkpointed: list[str],
+    reshard: bool,
+    offload: bool = False,
+    selective: Sequence[str] = (),
 ) -> tuple[int, str]:
-    """The predicted peak for the settings the pipeline applied, as bytes and as a summary line."""
-    chosen = {b.name for b in inputs.profile.blocks} & set(checkpointed)
-    indices = frozenset(i for i, b in enumerate(inputs.profile.blocks) if b.name in chosen)
-    peak = predict_step(inputs, StepSettings(indices, reshard, offload))
+    """The predicted peak for the settings the pipeline applied (``selective``: the blocks of ``checkpointed``
+    checkpointed op-level), as bytes and as a summary line."""
+    names = [b.name for b in inputs.profile.blocks]
+    indices = frozenset(i for i, name in enumerate(names) if name in set(checkpointed))
+    chosen = frozenset(i for i in indices if names[i] in set(selective))
+    peak = predict_step(inputs, StepSettings(indices, reshard, offload, chosen))
     return peak.peak, f"predicted peak {human_bytes(peak.peak)} per rank for example_input_array, at {peak.phase}"

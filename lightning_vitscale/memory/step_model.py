@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lightning_vitscale._utils import shard_rows
-from lightning_vitscale.memory.activations import ActivationProfile
+from lightning_vitscale.memory.activations import ActivationProfile, BlockMemory
 
 # Optimizer state tensors per parameter, in the parameter's (master) dtype, as torch's optimizers keep them.
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "lion": 1, "sgd-momentum": 1, "sgd": 0, "adagrad": 1}
@@ -72,6 +72,7 @@ class StepSettings:
     checkpointed: frozenset[int] = frozenset()
     reshard_after_forward: bool = True
     offload: bool = False
+    selective: frozenset[int] = frozenset()  # of ``checkpointed``: those checkpointed selectively (op-level)
 
 
 @dataclass(frozen=True)
@@ -172,9 +173,7 @@ def predict_step(inputs: StepInputs, settings: StepSettings) -> MemoryBreakdown:
     norms = norm_numel * 4 * (2 + states)
     full_blocks = [sum(_numel(s) for s in b) for b in lay.blocks]
     outer_full = sum(_numel(s) for s in lay.outer) * c
-    kept = [
-        int((b.input if i in settings.checkpointed else b.saved) * scale) for i, b in enumerate(prof.blocks)
-    ]
+    kept = [int(_kept(b, i, settings) * scale) for i, b in enumerate(prof.blocks)]
     batch = int(prof.batch_bytes * scale)
     base = dict(params=params * on_device, optimizer=params * states * on_device, norms=norms, batch=batch)
     phases = [
@@ -185,6 +184,21 @@ def predict_step(inputs: StepInputs, settings: StepSettings) -> MemoryBreakdown:
                         phase="optimizer step", **base),
     ]
     return max(phases, key=lambda b: b.peak)
+
+
+def _kept(block: BlockMemory, index: int, settings: StepSettings) -> int:
+    """What a block keeps from forward to backward: everything saved, its input (full checkpointing), or its
+    input and the expensive ops' outputs (selective)."""
+    if index in settings.selective:
+        return block.selective_saved
+    return block.input if index in settings.checkpointed else block.saved
+
+
+def _inside(block: BlockMemory, index: int, settings: StepSettings) -> int:
+    """What a block's backward allocates beyond what it kept (a full recompute starts from its input alone)."""
+    if index in settings.selective:
+        return block.selective_backward
+    return block.recompute - block.input if index in settings.checkpointed else block.backward
 
 
 def _forward_peak(inputs, settings, base, full_blocks, outer_full, kept) -> MemoryBreakdown:
@@ -212,7 +226,7 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
             gathered = outer_full + sum(full_blocks[: i + 1]) * c
         block = prof.blocks[i]
         # A checkpointed block holds its input (in `kept`), then recomputes and runs its backward.
-        inside = block.recompute - block.input if i in settings.checkpointed else block.backward
+        inside = _inside(block, i, settings)
         compute = int(inside * scale)  # includes the block's unsharded parameter gradients
         # FSDP copies the block's unsharded gradients into the reduce-scatter input (both live for the copy-in);
         # gloo then holds that input and its own copy of it (the gradients are freed after the copy-in). The

@@ -207,12 +207,9 @@ def _shard(
         apply_auto_choice(module, auto, done.plan)
     elif measured is not None:
         reshard = config.sharding.reshard_after_forward is not False
-        # Selective blocks are predicted as unchecked (they keep their matmul outputs): an upper bound.
-        full = [name for name in done.plan.checkpointed if name not in set(done.plan.selective)]
-        done.plan.predicted_peak, done.plan.memory = describe_prediction(measured, full, reshard,
-                                                                         _offloads(config, ranks.device))
-        if done.plan.selective:
-            done.plan.memory += " (selective blocks counted as not checkpointed: an upper bound)"
+        done.plan.predicted_peak, done.plan.memory = describe_prediction(
+            measured, done.plan.checkpointed, reshard, _offloads(config, ranks.device), done.plan.selective
+        )
     # 4. Drop-in behaviour: calls outside a step gather the outer unit; state_dict() gives DDP's full tensors.
     outer.enable_calls_outside_steps()
     full_state_dict.install(module, outer)

@@ -1,10 +1,10 @@
 """Rank script: the memory planner's predicted step against a measured ``Trainer.fit`` step (Lightning's own loop).
 
 ``planner_fit.py OUT_DIR model:ac:batch[:loop],...`` e.g. ``deit_tiny:off:8`` or ``vit_b_16:full:16:manual``.
-``ac`` is ``off`` or ``full``; ``loop`` is ``auto`` (automatic optimization, the default: the strategy frees the
-gradients after the step), ``observed`` (the same with a callback reading gradients after the step: they are kept
-through the next forward), ``manual`` (zero_grad, forward, manual_backward, step) or ``acc2`` (automatic,
-``accumulate_grad_batches=2``). Published architectures
+``ac`` is ``off``, ``full`` or ``selective``; ``loop`` is ``auto`` (automatic optimization, the default: the
+strategy frees the gradients after the step), ``observed`` (the same with a callback reading gradients after the
+step: they are kept through the next forward), ``manual`` (zero_grad, forward, manual_backward, step) or ``acc2``
+(automatic, ``accumulate_grad_batches=2``). Published architectures
 at random init (no download): torchvision ``vit_b_16`` and timm ``deit_tiny_patch16_224`` / ``vit_small_patch16_224``
 at a small image size, fp32, AdamW, ``VitScaleStrategy()``.
 
@@ -123,7 +123,9 @@ def cell(name: str, ac: str, batch: int, kind: str = "auto") -> dict:
     inputs = step_inputs(planned, torch.empty(batch, 3, image, image, device="meta"), world_size=WORLD,
                          precision="32-true", device="cpu", loop=loop)
     depth = len(inputs.profile.blocks)
-    predicted = predict_step(inputs, StepSettings(frozenset(range(depth)) if ac == "full" else frozenset()))
+    every = frozenset(range(depth))
+    predicted = predict_step(inputs, StepSettings(every if ac != "off" else frozenset(),
+                                                  selective=every if ac == "selective" else frozenset()))
     resident = predicted.params + predicted.optimizer + predicted.norms + predicted.batch
     del planned
 
@@ -131,7 +133,7 @@ def cell(name: str, ac: str, batch: int, kind: str = "auto") -> dict:
     model = Classifier(name, automatic=kind != "manual")
     steps = (MEASURED_STEP + 1) * accumulate * WORLD  # one epoch: every rank takes its own batches
     data = TensorDataset(torch.randn(batch * steps, 3, image, image), torch.randint(0, 10, (batch * steps,)))
-    strategy = MeasuredStrategy(accumulate, activation_checkpointing=ac == "full")
+    strategy = MeasuredStrategy(accumulate, activation_checkpointing={"off": False, "full": True}.get(ac, ac))
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, max_steps=MEASURED_STEP + 1, strategy=strategy,
                         callbacks=[ReadsGradients()] if kind == "observed" else [],
                         accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
