@@ -13,10 +13,10 @@ pytestmark = pytest.mark.distributed
 
 SCRIPT = "tests/distributed/scripts/memory_planner.py"
 FIT_SCRIPT = "tests/distributed/scripts/planner_fit.py"
-# timm's DeiT-Tiny (published, random init, 64 px: 16 tokens), fp32, 2 ranks: AC off and on at two batch sizes in
-# Lightning's automatic optimization (gradients freed after the step), with a callback reading gradients (kept
-# through the next forward), and manual optimization (zero_grad first). Bigger models (torchvision vit_b_16,
-# timm vit_small) are in benchmarks/RESULTS.md (`python benchmarks/planner_trainer_fit.py`).
+# timm's DeiT-Tiny (published, random init, 64 px: 16 tokens), fp32, 2 ranks: AC off, full and selective at two
+# batch sizes in Lightning's automatic optimization (gradients freed after the step), with a callback reading
+# gradients (kept through the next forward), and manual optimization (zero_grad first). Bigger models
+# (torchvision vit_b_16, timm vit_small) are in benchmarks/RESULTS.md (`python benchmarks/planner_trainer_fit.py`).
 CELLS = ",".join([f"deit_tiny:{ac}:{batch}" for ac in ("off", "full", "selective") for batch in (8, 32)]
                  + ["deit_tiny:off:32:observed", "deit_tiny:off:8:manual"])
 TOLERANCE = 0.10
