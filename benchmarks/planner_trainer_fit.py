@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/planner_trainer_fit.py                       # vit_b_16 and timm vit_small, AC off/full, 2 batches
+    python benchmarks/planner_trainer_fit.py     # vit_b_16, timm vit_small: AC off/full/selective, 2 batches
     python benchmarks/planner_trainer_fit.py --cells deit_tiny:off:8 vit_b_16:off:16:manual
 
 Each cell is ``model:ac:batch[:loop]`` as ``tests/distributed/scripts/planner_fit.py`` takes it (loop: ``auto``,
@@ -26,7 +26,7 @@ from tests.helpers.launch import assert_ok, torchrun  # noqa: E402
 from tests.helpers.peak import MMAP_THRESHOLD_ENV  # noqa: E402
 
 CELLS = [f"{model}:{ac}:{batch}" for model, batches in (("vit_b_16", (8, 16)), ("vit_small", (16, 32)))
-         for ac in ("off", "full") for batch in batches]
+         for ac in ("off", "full", "selective") for batch in batches] + ["vit_b_16:off:16:observed"]
 MIB = 2**20
 
 
