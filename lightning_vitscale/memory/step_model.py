@@ -228,10 +228,11 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
         # A checkpointed block holds its input (in `kept`), then recomputes and runs its backward.
         inside = _inside(block, i, settings)
         compute = int(inside * scale)  # includes the block's unsharded parameter gradients
-        if i in settings.checkpointed:
+        if i in settings.checkpointed and i not in settings.selective:
             # Measured `Trainer.fit` steps (benchmarks/RESULTS.md, "against Trainer.fit") hold one more block of
-            # gradient size while a checkpointed block recomputes and runs its backward than the fake-tensor run
-            # of that block alone shows (7-12% of the step's increment without it, on DeiT-Tiny and ViT-S).
+            # gradient size while a fully checkpointed block recomputes and runs its backward than the fake-tensor
+            # run of that block alone shows (7-12% of the step's increment without it, on DeiT-Tiny and ViT-S;
+            # selective blocks were 4-9% over with it).
             compute += full_blocks[i] * r
         # FSDP copies the block's unsharded gradients into the reduce-scatter input (both live for the copy-in);
         # gloo then holds that input and its own copy of it (the gradients are freed after the copy-in). The
