@@ -41,6 +41,7 @@ from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 from torch.nn.modules.instancenorm import _InstanceNorm as InstanceNormBase
 from torch.optim.optimizer import _get_fused_kernels_supported_devices as fused_kernel_devices
 from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts  # op-level AC: torch>=2.4
 
 # `dcp_load_into` reads a whole DCP checkpoint into one process with no process group, as `dcp_to_torch_save`
 # does (the public `dcp.load` fills a copy of the state dict, so the populated keys would be lost).
@@ -112,6 +113,7 @@ def compile_context(module: Any) -> Any:
 __all__ = [
     "BatchNormBase",
     "CPUOffloadPolicy",
+    "CheckpointPolicy",
     "DTensor",
     "DYNAMO_RECOMPILE_LIMIT",
     "EmptyStateDictLoadPlanner",
@@ -131,6 +133,7 @@ __all__ = [
     "after_closure",
     "amp_unscale_and_check",
     "compile_context",
+    "create_selective_checkpoint_contexts",
     "dcp_load_into",
     "destroy_process_group_safely",
     "dynamo",

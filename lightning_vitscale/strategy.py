@@ -38,6 +38,7 @@ from lightning_vitscale.kernels import (
     prepare_optimizers,
     take_over_compiled,
 )
+from lightning_vitscale.memory import AccumulationMode, may_release_after_step, release_gradients
 from lightning_vitscale.precision import VitScalePrecision, to_vitscale_precision
 from lightning_vitscale.sharding import (
     CheckpointingPolicy,
@@ -80,6 +81,11 @@ class VitScaleStrategy(ModelParallelStrategy):
         sharding: ``"full"`` shards over every rank (least memory); ``"hybrid"`` shards inside each node and
             replicates across nodes (all-gathers and reduce-scatters stay on intra-node links; only one gradient
             all-reduce per unit crosses nodes); an ``int`` sets the shard-group size (it must divide the world).
+        accumulation: with ``accumulate_grad_batches > 1``: ``"auto"`` keeps unsharded gradients across the
+            micro-batches of an optimizer step (one reduce-scatter per step, as DDP's ``no_sync``) where they fit
+            in memory, else ``"sharded"`` (a reduce-scatter per micro-batch); ``"unsharded"`` forces the first.
+        prefetch: each unit all-gathers the next ``prefetch`` units explicitly (forward and backward), so the
+            collective overlaps compute; ``0`` leaves FSDP2's implicit prefetch.
         offload: ``"cpu"`` keeps sharded parameters, gradients and optimizer state in host memory (the optimizer
             steps on the CPU); on ``accelerator="cpu"`` they already are, and it changes nothing.
         timeout: bound on every collective, so a rank that dies cannot leave the others waiting forever.
@@ -112,6 +118,8 @@ class VitScaleStrategy(ModelParallelStrategy):
         kernels: KernelMode | KernelPolicy = "auto",
         sharding: ShardingLayout = "full",
         offload: OffloadMode | None = None,
+        accumulation: AccumulationMode = "auto",
+        prefetch: int = 1,
         timeout: timedelta = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
         state_dict_type: checkpoints.StateDictType = "sharded",
@@ -122,7 +130,8 @@ class VitScaleStrategy(ModelParallelStrategy):
         # setup knows the device, then holds the resolved policy.
         self.config = ParallelConfig(
             sharding=ShardingPolicy(
-                blocks=blocks, reshard_after_forward=reshard_after_forward, layout=sharding, offload=offload
+                blocks=blocks, reshard_after_forward=reshard_after_forward, layout=sharding, offload=offload,
+                accumulation=accumulation, prefetch=prefetch,
             ),
             checkpointing=CheckpointingPolicy(blocks=activation_checkpointing, memory_budget=memory_budget),
             kernels=kernels,
@@ -272,11 +281,25 @@ class VitScaleStrategy(ModelParallelStrategy):
         if self.sharded is not None:
             self.sharded.after_backward()
 
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning's ``no_sync`` for micro-batches before the last: see ``ShardedModel.accumulating``."""
+        if self.sharded is None:
+            yield
+            return
+        compute = self.precision_plugin.policy.compute
+        with self.sharded.accumulating(self.config.sharding.accumulation, self._ranks(), compute):
+            yield
+
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(*args, **kwargs)
         if self.sharded is not None:
             self.sharded.release()  # a copy gathered by a callback before the update is stale now
+        optimizer = args[0] if args else kwargs.get("optimizer")
+        if optimizer is not None and may_release_after_step(self.lightning_module, [optimizer]):
+            release_gradients(optimizer)  # zero_grad would free them only after the next forward
         return output
 
     @override

@@ -1,21 +1,44 @@
 """Memory: exact per-rank state bytes, activations measured on fake tensors, the per-step memory model, the
-memory planner (``plan_memory`` -> :class:`MemoryPlan`) and the choice behind ``activation_checkpointing="auto"``.
+memory planner (``plan_memory`` -> :class:`MemoryPlan`), the choice behind ``activation_checkpointing="auto"`` and
+whether gradient accumulation may keep unsharded gradients (``accumulation="auto"``).
 
 Predicts and chooses, never changes a model: may import ``discovery``, ``precision`` (dtype policies), ``_utils``
 and ``_compat``; the sharding setup applies what it chooses.
 """
 
-from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, describe_prediction, measure_for_summary
+from lightning_vitscale.memory.accumulation import (
+    ACCUMULATION_MODES,
+    AccumulationChoice,
+    AccumulationMode,
+    choose_accumulation,
+)
+from lightning_vitscale.memory.auto_checkpointing import (
+    AutoCheckpointing,
+    describe_prediction,
+    device_memory,
+    measure_for_summary,
+)
+from lightning_vitscale.memory.gradient_release import may_release_after_step, release_gradients
 from lightning_vitscale.memory.memory_plan import MemoryPlan
 from lightning_vitscale.memory.planner import plan_memory
+from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
 from lightning_vitscale.memory.state_bytes import StateBytes, measure_state_bytes
 
 __all__ = [
+    "ACCUMULATION_MODES",
+    "AccumulationChoice",
+    "AccumulationMode",
     "AutoCheckpointing",
     "MemoryPlan",
+    "SAVED_OPS",
     "StateBytes",
+    "choose_accumulation",
     "describe_prediction",
+    "device_memory",
     "measure_for_summary",
+    "may_release_after_step",
     "measure_state_bytes",
     "plan_memory",
+    "release_gradients",
+    "selective_contexts",
 ]

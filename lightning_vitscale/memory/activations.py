@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_vitscale._compat import FakeTensorMode, tree_map
+from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
 
 _CPU = torch.device("cpu")
 
@@ -37,6 +39,8 @@ class BlockMemory:
             net of the saved tensors it frees on the way.
         recompute: a checkpointed block's peak from its input alone through recompute and backward.
         params: bytes of its parameters in the compute dtype (what one all-gather materialises).
+        selective_saved: bytes a selectively checkpointed block keeps (its input and the expensive ops' outputs).
+        selective_backward: what its backward allocates on top of that (the cheap ops' recompute included).
     """
 
     name: str
@@ -45,6 +49,8 @@ class BlockMemory:
     backward: int
     recompute: int
     params: int
+    selective_saved: int = 0
+    selective_backward: int = 0
 
 
 @dataclass(frozen=True)
@@ -236,7 +242,7 @@ def _block_memory(
     x = recorder.inputs.get(index)
     if x is None:  # the block never ran in this forward: it costs nothing for this batch
         return BlockMemory(name, 0, 0, 0, 0, params)
-    backward, recompute = _backward_bytes(block, x, mode, measured)
+    backward, recompute, selective_saved, selective_backward = _backward_bytes(block, x, mode, measured)
     return BlockMemory(
         name,
         saved=recorder.saved_by(index),
@@ -244,30 +250,75 @@ def _block_memory(
         backward=backward,
         recompute=recompute,
         params=params,
+        selective_saved=selective_saved,
+        selective_backward=selective_backward,
     )
 
 
-def _backward_bytes(block: nn.Module, x: torch.Tensor, mode: FakeTensorMode, measured: dict) -> tuple[int, int]:
-    """(peak of backward beyond what forward left alive, peak of forward + backward from the input alone).
+def _backward_bytes(block: nn.Module, x: torch.Tensor, mode: FakeTensorMode, measured: dict) -> tuple[int, ...]:
+    """(peak of backward beyond what forward left alive, a checkpointed block's peak from its input alone,
+    a selectively checkpointed block's kept bytes, and its backward's peak beyond them).
 
-    The second is what a checkpointed block costs at its backward: the recompute, then its backward freeing the
-    recomputed tensors as it goes. Measured once per block shape (``measured`` remembers them for one model).
+    Checkpointed runs go through ``torch.utils.checkpoint`` (non-reentrant) as the strategy applies it: a full
+    recompute stops as far as the last tensor backward needs (early stop) and frees the recomputed tensors as
+    backward proceeds; a selective one keeps :data:`~lightning_vitscale.memory.selective_ops.SAVED_OPS`' outputs.
+    All include the block's parameter gradients. Measured once per block shape (``measured``, one model).
     """
     key = (type(block), tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()),
            tuple(x.shape), x.dtype)
     if key not in measured:
-        with mode:
-            inp = torch.empty(x.shape, dtype=x.dtype, device=_CPU, requires_grad=True)
-            grad = torch.empty_like(inp)  # the incoming gradient exists before the block's backward starts
-            tracker = LiveBytes()
-            with tracker:
-                out = block(inp)
-                first = next(t for t in _tensors(out) if t.requires_grad)
-                base = tracker.reset_peak()
-                torch.autograd.backward(first, grad.view_as(first) if grad.shape == first.shape else
-                                        torch.empty_like(first))
-            whole = tracker.peak
-        for p in block.parameters():
-            p.grad = None
-        measured[key] = (tracker.peak - base, whole)
+        plain = _peak_beyond_forward(block, x, mode, None)
+        recomputed = _peak_beyond_forward(block, x, mode, torch.utils.checkpoint.noop_context_fn)
+        kept = SavedOpBytes()
+        with kept:  # below the checkpoint's own caching mode: sees every op it caches
+            selective = _peak_beyond_forward(block, x, mode, selective_contexts, kept.stop)
+        size = x.untyped_storage().nbytes()
+        measured[key] = (plain, recomputed + size, kept.forward + size, selective)
     return measured[key]
+
+
+def _peak_beyond_forward(
+    block: nn.Module,
+    x: torch.Tensor,
+    mode: FakeTensorMode,
+    checkpoint: Callable[[], Any] | None,
+    after_forward: Callable[[], None] = lambda: None,
+) -> int:
+    """Peak bytes of the block's backward above what its forward left alive; ``checkpoint``: run the block under
+    ``torch.utils.checkpoint`` with that ``context_fn``. (Selective checkpointing's cached outputs are detached
+    aliases, which :class:`LiveBytes` does not follow: they count in neither term, :class:`SavedOpBytes` has them.)
+    """
+    with mode:
+        inp = torch.empty(x.shape, dtype=x.dtype, device=_CPU, requires_grad=True)
+        grad = torch.empty_like(inp)  # the incoming gradient exists before the block's backward starts
+        tracker = LiveBytes()
+        with tracker:
+            out = (block(inp) if checkpoint is None else
+                   torch.utils.checkpoint.checkpoint(block, inp, use_reentrant=False, context_fn=checkpoint))
+            first = next(t for t in _tensors(out) if t.requires_grad)
+            base = tracker.reset_peak()
+            after_forward()
+            torch.autograd.backward(first, grad.view_as(first) if grad.shape == first.shape else
+                                    torch.empty_like(first))
+    for p in block.parameters():
+        p.grad = None
+    return tracker.peak - base
+
+
+class SavedOpBytes(TorchDispatchMode):
+    """Bytes of the outputs of :data:`~lightning_vitscale.memory.selective_ops.SAVED_OPS` in the first pass
+    (what selective checkpointing keeps from the forward); ops in backward (after :meth:`stop`) are not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forward = 0
+        self.counting = True
+
+    def stop(self) -> None:
+        self.counting = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.counting and func in SAVED_OPS:
+            self.forward += sum(t.untyped_storage().nbytes() for t in _tensors(out))
+        return out

@@ -12,16 +12,19 @@ choice (``sharding/setup.py``).
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_vitscale._utils import available_host_bytes, human_bytes
+from lightning_vitscale.memory.gradient_release import may_release_after_step
 from lightning_vitscale.memory.memory_plan import MemoryPlan
 from lightning_vitscale.memory.planner import DEFAULT_FRACTION, choose, step_inputs
-from lightning_vitscale.memory.step_model import StepInputs, StepSettings, predict_step
+from lightning_vitscale.memory.step_model import StepInputs, StepSettings, TrainingLoop, predict_step
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class AutoChoice:
     plan: MemoryPlan
     block_names: list[str]
     keep_gathered: bool = False
+    warning: str | None = None
 
     def describe(self) -> str:
         p = self.plan
@@ -88,6 +92,33 @@ def first_tensor_input(batch: Any) -> Any:
     )
 
 
+def training_loop(module: nn.Module) -> TrainingLoop:
+    """When Lightning's loop keeps ``module``'s gradients alive: its optimization mode, the Trainer's
+    ``accumulate_grad_batches`` and whether the strategy frees them after the step (:mod:`.gradient_release`).
+    A plain module, or one not attached to a Trainer: automatic, no accumulation, nothing released."""
+    trainer = getattr(module, "_trainer", None)
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+    return TrainingLoop(automatic=bool(getattr(module, "automatic_optimization", True)),
+                        accumulate=accumulate if isinstance(accumulate, int) else 1,
+                        released_after_step=may_release_after_step(module, getattr(trainer, "optimizers", ())))
+
+
+def unmet_budget(plan: MemoryPlan, inputs: StepInputs, offload: bool) -> str | None:
+    """The warning for a budget that no choice meets, naming what would fit; ``None`` when the plan fits."""
+    if plan.fits:
+        return None
+    fixes = []
+    offloaded = predict_step(inputs, StepSettings(frozenset(range(plan.num_blocks)), offload=True)).peak
+    if not offload and offloaded <= plan.budget:  # named only where it is enough on its own
+        fixes.append(f"offload='cpu' (predicted {human_bytes(offloaded)})")
+    if plan.max_batch:
+        fixes.append(f"a per-rank batch of {plan.max_batch} or less")
+    fixes += ["more devices", "a larger memory_budget"]
+    return (f"activation_checkpointing='auto': no choice fits the memory budget of {human_bytes(plan.budget)} per"
+            f" rank; checkpointing every block, predicted peak {human_bytes(plan.chosen.breakdown.peak)} per rank."
+            f" To fit, use {', or '.join(fixes)}.")
+
+
 def choose_blocks(
     model: nn.Module,
     example_input: Any,
@@ -99,21 +130,24 @@ def choose_blocks(
     optimizer: str = "adamw",
     blocks: Any = None,
     device: torch.device | None = None,
+    offload: bool = False,
 ) -> AutoChoice:
-    """Run ``model`` (the un-sharded module or its meta twin) on fake tensors and pick the blocks to checkpoint."""
+    """Run ``model`` (the un-sharded module or its meta twin) on fake tensors and pick the blocks to checkpoint,
+    for the offload setting that is on and the loop order of the Trainer ``model`` is attached to."""
     try:
         inputs: StepInputs = step_inputs(model, example_input, world_size=world_size, precision=precision,
-                                         optimizer=optimizer, blocks=blocks, device=device)
+                                         optimizer=optimizer, blocks=blocks, device=device,
+                                         loop=training_loop(model))
     except Exception as error:  # a forward that cannot run on fake tensors must say what to do instead
         raise RuntimeError(
             f"activation_checkpointing='auto' could not measure {type(model).__name__} on fake tensors"
             f" ({type(error).__name__}: {error}). Pass activation_checkpointing=True (or an int / a predicate)."
         ) from error
     batch = int(getattr(example_input, "shape", [1])[0]) if isinstance(example_input, torch.Tensor) else 1
-    plan = choose(inputs, budget, total, precision, batch)
+    plan = choose(inputs, budget, total, precision, batch, offload=offload)
     names = [b.name for i, b in enumerate(inputs.profile.blocks) if i in plan.chosen.settings.checkpointed]
     keep = not plan.chosen.settings.reshard_after_forward
-    return AutoChoice(names, plan, [b.name for b in inputs.profile.blocks], keep)
+    return AutoChoice(names, plan, [b.name for b in inputs.profile.blocks], keep, unmet_budget(plan, inputs, offload))
 
 
 def optimizer_kind(optimizers: list[torch.optim.Optimizer]) -> str:
@@ -131,9 +165,16 @@ class AutoCheckpointing:
     twin and decide at the first training step. ``choice`` holds the outcome for the caller to apply."""
 
     def __init__(
-        self, budget: int | float | None, world_size: int, precision: str, blocks: Any, may_keep_gathered: bool
+        self,
+        budget: int | float | None,
+        world_size: int,
+        precision: str,
+        blocks: Any,
+        may_keep_gathered: bool,
+        offload: bool = False,
     ) -> None:
         self.budget, self.world_size, self.precision, self.blocks = budget, world_size, precision, blocks
+        self.offload = offload  # offload="cpu" is on: plan with it; off: never assume it
         self.may_keep_gathered = may_keep_gathered  # the user left reshard_after_forward to the recipe
         self.twin: nn.Module | None = None
         self.choice: AutoChoice | None = None
@@ -162,12 +203,14 @@ class AutoCheckpointing:
         total = device_memory(device, local_ranks)
         choice = choose_blocks(model, example, world_size=self.world_size, precision=self.precision,
                                budget=resolve_budget(self.budget, total), total=total, optimizer=optimizer,
-                               blocks=self.blocks, device=device)
+                               blocks=self.blocks, device=device, offload=self.offload)
+        if choice.warning is not None:
+            rank_zero_warn(choice.warning)
         # Every rank checkpoints the same blocks: the most any rank needs (free host memory differs by rank).
         names = choice.block_names[: agree(len(choice.names))]  # the chosen blocks are the earliest ones
         # Keeping blocks gathered changes the collectives: only if every rank can (the fewest of any rank).
         keep = bool(-agree(-int(choice.keep_gathered and self.may_keep_gathered and not names)))
-        self.choice = AutoChoice(names, choice.plan, choice.block_names, keep)
+        self.choice = AutoChoice(names, choice.plan, choice.block_names, keep, choice.warning)
         return names
 
     def describe(self) -> str:
@@ -189,14 +232,22 @@ def measure_for_summary(
         return None
     try:
         return step_inputs(module, example, world_size=world_size, precision=precision, blocks=blocks,
-                           device=device)
+                           device=device, loop=training_loop(module))
     except Exception:  # noqa: BLE001 - see docstring
         return None
 
 
-def describe_prediction(inputs: StepInputs, checkpointed: list[str], reshard: bool) -> tuple[int, str]:
-    """The predicted peak for the settings the pipeline applied, as bytes and as a summary line."""
-    chosen = {b.name for b in inputs.profile.blocks} & set(checkpointed)
-    indices = frozenset(i for i, b in enumerate(inputs.profile.blocks) if b.name in chosen)
-    peak = predict_step(inputs, StepSettings(indices, reshard))
+def describe_prediction(
+    inputs: StepInputs,
+    checkpointed: list[str],
+    reshard: bool,
+    offload: bool = False,
+    selective: Sequence[str] = (),
+) -> tuple[int, str]:
+    """The predicted peak for the settings the pipeline applied (``selective``: the blocks of ``checkpointed``
+    checkpointed op-level), as bytes and as a summary line."""
+    names = [b.name for b in inputs.profile.blocks]
+    indices = frozenset(i for i, name in enumerate(names) if name in set(checkpointed))
+    chosen = frozenset(i for i in indices if names[i] in set(selective))
+    peak = predict_step(inputs, StepSettings(indices, reshard, offload, chosen))
     return peak.peak, f"predicted peak {human_bytes(peak.peak)} per rank for example_input_array, at {peak.phase}"

@@ -24,6 +24,7 @@ from lightning_vitscale.memory.step_model import (
     ModelLayout,
     StepInputs,
     StepSettings,
+    TrainingLoop,
     collective_copies,
     predict_step,
 )
@@ -116,11 +117,13 @@ def step_inputs(
     optimizer: str = "adamw",
     blocks: ModuleSelector | None = None,
     device: torch.device | str | None = None,
+    loop: TrainingLoop | None = None,
 ) -> StepInputs:
     """Measure ``model`` on fake tensors and gather what :func:`predict_step` needs (see :func:`plan_memory`).
 
     ``device`` is where the step will run: on CPU the collectives' temporaries count (see
     :func:`~lightning_vitscale.memory.step_model.collective_copies`); ``None`` plans for a GPU with NCCL.
+    ``loop`` says when gradients are alive (default: Lightning's automatic optimization, see :class:`TrainingLoop`).
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not known; choose one of {', '.join(OPTIMIZER_STATES)}.")
@@ -140,6 +143,7 @@ def step_inputs(
         optimizer=optimizer,
         batch_scale=(batch_size or measured_batch) / measured_batch,
         collective_copies=collective_copies(device),
+        loop=loop or TrainingLoop(),
     )
 
 
@@ -173,15 +177,22 @@ def fewest_checkpointed(
     return Candidate(settings(lo), predict_step(inputs, settings(lo)))
 
 
-def choose(inputs: StepInputs, budget: int, device_bytes: int, precision: str, batch_size: int) -> MemoryPlan:
-    """Pick the settings for ``budget`` (see the module docstring for the order)."""
+def choose(
+    inputs: StepInputs, budget: int, device_bytes: int, precision: str, batch_size: int, offload: bool | None = None
+) -> MemoryPlan:
+    """Pick the settings for ``budget`` (see the module docstring for the order).
+
+    ``offload``: ``None`` lets the planner recommend CPU offload when nothing else fits; ``True`` / ``False``
+    say it is on / off (``activation_checkpointing="auto"`` plans for what the strategy really runs).
+    """
     n = len(inputs.profile.blocks)
-    every, none = StepSettings(frozenset(range(n))), StepSettings()
+    on = bool(offload)
+    every, none = StepSettings(frozenset(range(n)), offload=on), StepSettings(offload=on)
     all_ckpt = Candidate(every, predict_step(inputs, every))
     no_ckpt = Candidate(none, predict_step(inputs, none))
-    kept_gathered = Candidate(StepSettings(reshard_after_forward=False),
-                              predict_step(inputs, StepSettings(reshard_after_forward=False)))
-    found = fewest_checkpointed(inputs, budget)
+    gathered = StepSettings(reshard_after_forward=False, offload=on)
+    kept_gathered = Candidate(gathered, predict_step(inputs, gathered))
+    found = fewest_checkpointed(inputs, budget, offload=on)
     if kept_gathered.breakdown.peak <= budget and n:
         chosen, reason = kept_gathered, "everything fits: no checkpointing, blocks stay gathered for backward"
     elif found is not None:
@@ -189,13 +200,16 @@ def choose(inputs: StepInputs, budget: int, device_bytes: int, precision: str, b
         chosen = found
         reason = ("activations fit: no checkpointing" if k == 0
                   else f"checkpointing {k} of {n} blocks is the fewest that fits the budget")
-    else:
+    elif offload is None:
         offloaded = fewest_checkpointed(inputs, budget, offload=True)
         every_offloaded = StepSettings(frozenset(range(n)), offload=True)
         chosen = offloaded or Candidate(every_offloaded, predict_step(inputs, every_offloaded))
         reason = ("does not fit even with every block checkpointed: CPU offload of the sharded state"
                   if offloaded is not None else
                   "does not fit even with every block checkpointed and CPU offload: more ranks or a smaller batch")
+    else:
+        chosen = all_ckpt
+        reason = "does not fit even with every block checkpointed" + (" and CPU offload" if on else "")
     notes = []
     if chosen.settings.offload:
         host = predict_step(inputs, StepSettings(frozenset(range(n)))).params

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lightning_vitscale._utils import shard_rows
-from lightning_vitscale.memory.activations import ActivationProfile
+from lightning_vitscale.memory.activations import ActivationProfile, BlockMemory
 
 # Optimizer state tensors per parameter, in the parameter's (master) dtype, as torch's optimizers keep them.
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "lion": 1, "sgd-momentum": 1, "sgd": 0, "adagrad": 1}
@@ -72,6 +72,7 @@ class StepSettings:
     checkpointed: frozenset[int] = frozenset()
     reshard_after_forward: bool = True
     offload: bool = False
+    selective: frozenset[int] = frozenset()  # of ``checkpointed``: those checkpointed selectively (op-level)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,44 @@ class MemoryBreakdown:
 
 
 @dataclass(frozen=True)
+class TrainingLoop:
+    """When the sharded gradients are alive, as the training loop orders ``zero_grad``, forward and backward.
+
+    Lightning's automatic optimization runs ``training_step`` (the forward), *then* ``zero_grad``, then
+    ``backward``: the previous step's gradient shards live through the forward unless the strategy released them
+    after the optimizer step (``released_after_step``, see ``VitScaleStrategy.optimizer_step``). Manual
+    optimization is planned for the order Lightning documents (``zero_grad``, forward, ``manual_backward``,
+    ``step``). With gradient accumulation every micro-batch after the first runs forward and backward with the
+    full gradient shards alive, and so does ``zero_grad(set_to_none=False)`` (gradients are zeroed, never freed).
+
+    Attributes:
+        automatic: ``LightningModule.automatic_optimization``.
+        accumulate: ``Trainer(accumulate_grad_batches=...)``.
+        set_to_none: whether ``zero_grad`` frees the gradients (torch's and Lightning's default).
+        released_after_step: the strategy frees the gradient shards right after the optimizer step.
+    """
+
+    automatic: bool = True
+    accumulate: int = 1
+    set_to_none: bool = True
+    released_after_step: bool = False
+
+    @property
+    def grads_in_forward(self) -> bool:
+        """Whether all gradient shards are alive while the forward runs (some micro-batch's forward)."""
+        return self.grads_in_backward or (self.automatic and not self.released_after_step)
+
+    @property
+    def grads_in_backward(self) -> bool:
+        """Whether all gradient shards are alive from the start of backward (else they grow block by block)."""
+        return self.accumulate > 1 or not self.set_to_none
+
+
+# The order a hand-written loop (and Lightning's manual optimization as documented) runs: zero_grad first.
+ZERO_GRAD_FIRST = TrainingLoop(automatic=False)
+
+
+@dataclass(frozen=True)
 class StepInputs:
     """Everything the step model needs besides the settings."""
 
@@ -107,6 +146,7 @@ class StepInputs:
     optimizer: str = "adamw"
     batch_scale: float = 1.0
     collective_copies: bool = False
+    loop: TrainingLoop = TrainingLoop()
 
 
 def collective_copies(device: torch.device | str | None) -> bool:
@@ -121,7 +161,7 @@ def collective_copies(device: torch.device | str | None) -> bool:
 
 
 def predict_step(inputs: StepInputs, settings: StepSettings) -> MemoryBreakdown:
-    """The peak of one steady-state step (optimizer state exists, gradients set to None before forward)."""
+    """The peak of one steady-state step (optimizer state exists; gradients alive as ``inputs.loop`` orders)."""
     lay, prof, scale = inputs.layout, inputs.profile, inputs.batch_scale
     m, c, r = inputs.master.itemsize, inputs.compute.itemsize, inputs.reduce.itemsize
     states = OPTIMIZER_STATES[inputs.optimizer]
@@ -133,9 +173,7 @@ def predict_step(inputs: StepInputs, settings: StepSettings) -> MemoryBreakdown:
     norms = norm_numel * 4 * (2 + states)
     full_blocks = [sum(_numel(s) for s in b) for b in lay.blocks]
     outer_full = sum(_numel(s) for s in lay.outer) * c
-    kept = [
-        int((b.input if i in settings.checkpointed else b.saved) * scale) for i, b in enumerate(prof.blocks)
-    ]
+    kept = [int(_kept(b, i, settings) * scale) for i, b in enumerate(prof.blocks)]
     batch = int(prof.batch_bytes * scale)
     base = dict(params=params * on_device, optimizer=params * states * on_device, norms=norms, batch=batch)
     phases = [
@@ -148,6 +186,21 @@ def predict_step(inputs: StepInputs, settings: StepSettings) -> MemoryBreakdown:
     return max(phases, key=lambda b: b.peak)
 
 
+def _kept(block: BlockMemory, index: int, settings: StepSettings) -> int:
+    """What a block keeps from forward to backward: everything saved, its input (full checkpointing), or its
+    input and the expensive ops' outputs (selective)."""
+    if index in settings.selective:
+        return block.selective_saved
+    return block.input if index in settings.checkpointed else block.saved
+
+
+def _inside(block: BlockMemory, index: int, settings: StepSettings) -> int:
+    """What a block's backward allocates beyond what it kept (a full recompute starts from its input alone)."""
+    if index in settings.selective:
+        return block.selective_backward
+    return block.recompute - block.input if index in settings.checkpointed else block.backward
+
+
 def _forward_peak(inputs, settings, base, full_blocks, outer_full, kept) -> MemoryBreakdown:
     c = inputs.compute.itemsize
     biggest = max(full_blocks, default=0) * c
@@ -155,7 +208,8 @@ def _forward_peak(inputs, settings, base, full_blocks, outer_full, kept) -> Memo
     # Blocks that stay gathered for backward pile up; otherwise one block and its all-gather buffer.
     gathered = outer_full + (sum(full_blocks) * c + biggest if not settings.reshard_after_forward else 2 * biggest)
     acts = int(inputs.profile.outer_saved * inputs.batch_scale) + sum(kept)
-    return MemoryBreakdown(grads=0, gathered=gathered, activations=acts, transient=copy, phase="end of forward",
+    grads = base["params"] if inputs.loop.grads_in_forward else 0  # sharded gradients: as many as parameters
+    return MemoryBreakdown(grads=grads, gathered=gathered, activations=acts, transient=copy, phase="end of forward",
                            **base)
 
 
@@ -172,15 +226,23 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
             gathered = outer_full + sum(full_blocks[: i + 1]) * c
         block = prof.blocks[i]
         # A checkpointed block holds its input (in `kept`), then recomputes and runs its backward.
-        inside = block.recompute - block.input if i in settings.checkpointed else block.backward
-        compute = int(inside * scale) + full_blocks[i] * r
-        # gloo: while the block's gradients are reduce-scattered, its input buffer and gloo's copy of it are live
-        # (its unsharded gradients are freed after the copy-in); the backward compute's transients are gone.
-        # FSDP copies instead of reduce-scattering on one rank.
-        collective = 2 * full_blocks[i] * r if inputs.collective_copies and inputs.world > 1 else 0
+        inside = _inside(block, i, settings)
+        compute = int(inside * scale)  # includes the block's unsharded parameter gradients
+        if i in settings.checkpointed and i not in settings.selective:
+            # Measured `Trainer.fit` steps (benchmarks/RESULTS.md, "against Trainer.fit") hold one more block of
+            # gradient size while a fully checkpointed block recomputes and runs its backward than the fake-tensor
+            # run of that block alone shows (7-12% of the step's increment without it, on DeiT-Tiny and ViT-S;
+            # selective blocks were 4-9% over with it).
+            compute += full_blocks[i] * r
+        # FSDP copies the block's unsharded gradients into the reduce-scatter input (both live for the copy-in);
+        # gloo then holds that input and its own copy of it (the gradients are freed after the copy-in). The
+        # backward compute's transients are gone by then. FSDP copies instead of reduce-scattering on one rank.
+        collective = full_blocks[i] * (c + r)
+        if inputs.collective_copies and inputs.world > 1:
+            collective = max(collective, 2 * full_blocks[i] * r)
         transient = max(compute, collective) + outer_grads
         yield MemoryBreakdown(
-            grads=sum(shards[i + 1:]) * m * on_device,
+            grads=base["params"] if inputs.loop.grads_in_backward else sum(shards[i + 1:]) * m * on_device,
             gathered=gathered,
             activations=outer_acts + sum(kept[: i + 1]),
             transient=transient,

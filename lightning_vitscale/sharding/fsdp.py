@@ -43,3 +43,23 @@ def shard_module(
         ignored_params=ignored_params or None,
         offload_policy=offload_policy or OffloadPolicy(),
     )
+
+
+def set_prefetch(units: list[FSDPModule], depth: int) -> None:
+    """Explicit prefetch along the model order ``units`` (outer unit first, then the blocks in forward order).
+
+    Each unit issues the all-gathers of the next ``depth`` units in forward right after its own, and of the
+    previous ``depth`` blocks in backward: the collective then runs (NCCL stream, or gloo's worker thread on
+    CPU) while this unit computes, instead of being issued when the next unit's pre-forward hook runs, where
+    the caller then waits for it. ``depth=0`` leaves FSDP2's implicit behaviour (backward prefetch of one unit
+    by the reverse post-forward order; none in forward on CPU). More than 1 holds more gathered copies at once.
+    """
+    if depth <= 0:
+        return
+    for index, unit in enumerate(units):
+        following = units[index + 1 : index + 1 + depth]
+        if following:
+            unit.set_modules_to_forward_prefetch(following)
+        blocks_before = units[max(1, index - depth) : index]  # the outer unit stays gathered for backward
+        if index >= 1 and blocks_before:
+            unit.set_modules_to_backward_prefetch(list(reversed(blocks_before)))

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_vitscale._compat import FSDPModule
 from lightning_vitscale._utils import full_bytes, local_bytes
 from lightning_vitscale.discovery import describe_blocks, find_blocks, holds_parameters
 from lightning_vitscale.init import Creation, InitialWeights
@@ -24,8 +26,12 @@ from lightning_vitscale.kernels import (
     usable_backends,
 )
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, cast_floating_inputs
-from lightning_vitscale.sharding.activation_checkpointing import apply_activation_checkpointing, is_self_checkpointing
-from lightning_vitscale.sharding.fsdp import mixed_precision_policy, offload_policy, shard_module
+from lightning_vitscale.sharding.activation_checkpointing import (
+    CHECKPOINT_MODES,
+    apply_activation_checkpointing,
+    is_self_checkpointing,
+)
+from lightning_vitscale.sharding.fsdp import mixed_precision_policy, offload_policy, set_prefetch, shard_module
 from lightning_vitscale.sharding.settings import ParallelConfig, unit_reshard
 from lightning_vitscale.sharding.summary import ParallelPlan
 
@@ -98,12 +104,11 @@ def parallelize(
 
     # 3. Activation checkpointing, skipping blocks that already checkpoint themselves (no double recompute).
     self_ckpt = [name for name, block in blocks if is_self_checkpointing(block)]
-    chosen = [
-        (name, block)
-        for index, (name, block) in enumerate(blocks)
-        if name not in self_ckpt and config.checkpointing.selects(index, name, block)
-    ]
-    apply_activation_checkpointing([block for _, block in chosen])
+    #    Each block in its mode: "full" recomputes the whole block, "selective" only its cheap ops.
+    modes = {name: config.checkpointing.mode(index, name, block) for index, (name, block) in enumerate(blocks)}
+    chosen = [(name, block) for name, block in blocks if name not in self_ckpt and modes[name] is not None]
+    for mode in CHECKPOINT_MODES:
+        apply_activation_checkpointing([block for name, block in chosen if modes[name] == mode], mode)
 
     # 3b. Regional compilation: after checkpointing (the recompute is traced too), before FSDP (its hooks stay
     #     eager around the compiled block); identical blocks share one compiled graph. The outer unit's
@@ -128,7 +133,10 @@ def parallelize(
     # 5. The outer unit on the module Lightning calls, so its pre-forward hook gathers the rest; it keeps its
     #    parameters after forward under the recipe (backward needs them at once).
     with weights.unit(outer_unit):
-        shard_module(outer_unit, mesh, mp_policy, unit_reshard(requested, outer=True), ignored, offload)
+        outer = shard_module(outer_unit, mesh, mp_policy, unit_reshard(requested, outer=True), ignored, offload)
+
+    # 5b. Explicit prefetch: each unit starts the next one's all-gather as soon as its own is done.
+    set_prefetch([outer, *(cast(FSDPModule, block) for _, block in blocks)], config.sharding.prefetch)
 
     # 6. Name what the meta path could not reproduce; how the weights were made goes into the summary.
     init_path, init_peak, init_seconds = weights.finish()
@@ -140,6 +148,7 @@ def parallelize(
         block_names=[name for name, _ in blocks],
         units=len(blocks) + 1,
         checkpointed=[name for name, _ in chosen],
+        selective=[name for name, _ in chosen if modes[name] == "selective"],
         self_checkpointed=self_ckpt,
         fp32_modules=[name for name, _ in norm_modules],
         num_params=sum(p.numel() for p in params),

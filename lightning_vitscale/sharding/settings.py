@@ -11,10 +11,17 @@ from torch import nn
 
 from lightning_vitscale.discovery import ModuleSelector
 from lightning_vitscale.kernels.settings import KERNEL_MODES, KernelMode, KernelPolicy, unknown_kernel_mode
+from lightning_vitscale.memory import ACCUMULATION_MODES, AccumulationMode
 
-CheckpointSelector = bool | int | Literal["auto"] | Callable[[str, nn.Module], bool]
-"""``True``: every block; ``False``: none; ``k``: every k-th block (1-based); callable: per block; ``"auto"``: the
-fewest blocks that keep the predicted step peak within ``memory_budget`` (chosen once the batch is known)."""
+BlockCheckpointing = bool | Literal["full", "selective"]
+"""One block's checkpointing: ``True``/``"full"`` recomputes its whole forward in backward, ``"selective"`` stores
+the matmul and attention outputs and recomputes only the cheap ops, ``False`` stores everything."""
+CheckpointSelector = bool | int | Literal["auto", "full", "selective"] | Callable[[str, nn.Module], BlockCheckpointing]
+"""``True``/``"full"``: every block, fully; ``"selective"``: every block, op-level (matmuls and attention saved);
+``False``: none; ``k``: every k-th block (1-based), fully; callable: per block, returning a
+:data:`BlockCheckpointing`; ``"auto"``: the fewest blocks that keep the predicted step peak within
+``memory_budget`` (chosen once the batch is known)."""
+_MODE_WORDS: tuple[str, ...] = ("full", "selective")
 
 ShardingLayout = Literal["full", "hybrid"] | int
 """``"full"``: shard over every rank; ``"hybrid"``: shard inside each node, replicate across nodes; an ``int``:
@@ -38,15 +45,32 @@ class ShardingPolicy:
         reshard_after_forward: ``None`` is the recipe (blocks free their gathered parameters after forward, the
             outer unit keeps its own for backward); ``True``/``False`` force it for every unit; an ``int`` reshards
             blocks to that smaller world size (FSDP2 hybrid reshard).
+        accumulation: with ``accumulate_grad_batches > 1``: ``"sharded"`` reduce-scatters every micro-batch
+            (least memory), ``"unsharded"`` keeps unsharded gradients until the last micro-batch (one
+            reduce-scatter per optimizer step, as DDP's ``no_sync``), ``"auto"`` the latter where it fits.
+        prefetch: how many units ahead each unit all-gathers explicitly (forward: the next blocks; backward:
+            the previous ones), so the collective overlaps this unit's compute; ``0``: FSDP2's implicit prefetch.
     """
 
     blocks: ModuleSelector | None = None
     reshard_after_forward: bool | int | None = None
     layout: ShardingLayout = "full"
     offload: OffloadMode | None = None
+    accumulation: AccumulationMode = "auto"
+    prefetch: int = 1
 
     def __post_init__(self) -> None:
         _check_layout(self.layout)
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(
+                f"`prefetch={self.prefetch!r}` must be an int >= 0: units to all-gather ahead (1: the next block;"
+                " 0: FSDP2's implicit prefetch)."
+            )
+        if self.accumulation not in ACCUMULATION_MODES:
+            raise ValueError(
+                f"`accumulation={self.accumulation!r}` is not supported. Choose one of: {ACCUMULATION_MODES}"
+                " (\"unsharded\": one reduce-scatter per optimizer step; \"sharded\": one per micro-batch)."
+            )
         if self.offload not in OFFLOAD_CHOICES:
             raise ValueError(
                 f"`offload={self.offload!r}` is not supported. Choose one of: {OFFLOAD_CHOICES} (\"cpu\" keeps sharded"
@@ -126,7 +150,7 @@ class CheckpointingPolicy:
     def __post_init__(self) -> None:
         sel = self.blocks
         self._check_budget()
-        if sel == "auto" or isinstance(sel, bool) or callable(sel):
+        if sel in ("auto", *_MODE_WORDS) or isinstance(sel, bool) or callable(sel):
             return
         if isinstance(sel, int):
             if sel < 1:
@@ -136,8 +160,8 @@ class CheckpointingPolicy:
                 )
             return
         raise TypeError(
-            f"`activation_checkpointing` must be True, False, an int k >= 1 or a callable (name, module) -> bool,"
-            f" or 'auto'; got {sel!r}."
+            f"`activation_checkpointing` must be True, False, 'full', 'selective', an int k >= 1, a callable"
+            f" (name, module) -> True/False/'full'/'selective', or 'auto'; got {sel!r}."
         )
 
     def _check_budget(self) -> None:
@@ -165,18 +189,37 @@ class CheckpointingPolicy:
         return self.blocks == "auto"
 
     def selects(self, index: int, name: str, module: nn.Module) -> bool:
-        """Whether the ``index``-th block (0-based, in model order) is checkpointed.
+        """Whether the ``index``-th block (0-based, in model order) is checkpointed, in either mode."""
+        return self.mode(index, name, module) is not None
+
+    def mode(self, index: int, name: str, module: nn.Module) -> Literal["full", "selective"] | None:
+        """How the ``index``-th block (0-based, in model order) is checkpointed: ``"full"``, ``"selective"`` or
+        ``None`` (not at all).
 
         ``"auto"`` selects nothing here: the strategy checkpoints its chosen blocks once it knows the batch.
         """
         sel = self.blocks
         if sel == "auto":
-            return False
+            return None
         if isinstance(sel, bool):
-            return sel
+            return "full" if sel else None
+        if isinstance(sel, str):
+            return "selective" if sel == "selective" else "full"
         if isinstance(sel, int):
-            return (index + 1) % sel == 0
-        return bool(sel(name, module))
+            return "full" if (index + 1) % sel == 0 else None
+        return _block_mode(sel(name, module), name)
+
+
+def _block_mode(answer: object, name: str) -> Literal["full", "selective"] | None:
+    """A callable's answer for one block: a mode word, or anything else read as a bool (as before modes existed)."""
+    if isinstance(answer, str):
+        if answer not in _MODE_WORDS:
+            raise ValueError(
+                f"The `activation_checkpointing` callable returned {answer!r} for block {name!r}; a string must be"
+                " 'full' or 'selective' (or return True/False)."
+            )
+        return "selective" if answer == "selective" else "full"
+    return "full" if answer else None
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ kept on the module so that a later ``validate``/``test``/``fit`` with the same s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,9 +22,18 @@ from lightning_vitscale.checkpoint import full_state_dict
 from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.init import Creation
 from lightning_vitscale.kernels import AttentionRouter, Compiler, auto_attention_step, resolve_kernels, usable_backends
-from lightning_vitscale.memory import AutoCheckpointing, describe_prediction, measure_for_summary
+from lightning_vitscale.memory import (
+    AccumulationChoice,
+    AccumulationMode,
+    AutoCheckpointing,
+    choose_accumulation,
+    describe_prediction,
+    device_memory,
+    measure_for_summary,
+)
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, VitScalePrecision
 from lightning_vitscale.sharding.activation_checkpointing import apply_activation_checkpointing
+from lightning_vitscale.sharding.gradient_sync import gradient_sync_off, unsharded_gradient_bytes
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import parallelize
 from lightning_vitscale.sharding.reuse import check_reusable, sharding_signature
@@ -60,6 +70,7 @@ class ShardedModel:
         router: the attention router still to decide for (``attention="auto"``), if any.
         auto: ``activation_checkpointing="auto"``: its choice, or the meta twin waiting for the first batch.
         signature: the settings it was sharded with; another Trainer may reuse it only with the same ones.
+        accumulation: whether micro-batches before the last skip the gradient sync; chosen at the first one.
     """
 
     outer: OuterUnit
@@ -68,6 +79,8 @@ class ShardedModel:
     router: AttentionRouter | None
     auto: AutoCheckpointing | None
     signature: dict[str, Any]
+    accumulation: AccumulationChoice | None = None
+    _syncing: bool = field(default=True, repr=False)
 
     @property
     def module(self) -> nn.Module:
@@ -92,9 +105,38 @@ class ShardedModel:
         self.summary.kernels["attention"] = line
 
     def after_backward(self) -> None:
-        # fp32 norms live outside FSDP's units: average their gradients here, once per backward.
-        if self.norms is not None:
+        # fp32 norms live outside FSDP's units: average their gradients here, once per synced backward.
+        if self.norms is not None and self._syncing:
             self.norms.reduce_grads()
+
+    @contextmanager
+    def accumulating(self, mode: AccumulationMode, ranks: Ranks, compute: torch.dtype) -> Generator[None, None, None]:
+        """A micro-batch before the last of an accumulation window (Lightning's ``block_backward_sync``): skip
+        the gradient sync where :attr:`accumulation` says so. Every rank enters it at the same micro-batch, so
+        ``"auto"`` may agree on its choice with a collective the first time."""
+        if self.accumulation is None:
+            self.accumulation = self._choose_accumulation(mode, ranks, compute)
+            self.summary.accumulation = self.accumulation.describe()
+            rank_zero_info(f"VitScaleStrategy {self.summary.accumulation}")
+        if not self.accumulation.unsharded:
+            yield
+            return
+        self._syncing = False
+        try:
+            with gradient_sync_off(self.outer):
+                yield
+        finally:
+            self._syncing = True
+
+    def _choose_accumulation(self, mode: AccumulationMode, ranks: Ranks, compute: torch.dtype) -> AccumulationChoice:
+        device = ranks.device
+        measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+        in_use = max(self.summary.predicted_peak or 0, measured)
+        extra = unsharded_gradient_bytes(self.module, compute)
+        choice = choose_accumulation(mode, extra, in_use, device_memory(device, ranks.ranks_per_node))
+        if mode == "auto" and ranks.agree_max(0 if choice.unsharded else 1):  # every rank must fit
+            return AccumulationChoice(False, choice.reason.replace("fits", "fits here but not on every rank"))
+        return choice
 
     def release(self) -> None:
         """Free a copy gathered by a call outside a step: stale after an optimizer step, never for the optimizer."""
@@ -165,11 +207,18 @@ def _shard(
         apply_auto_choice(module, auto, done.plan)
     elif measured is not None:
         reshard = config.sharding.reshard_after_forward is not False
-        done.plan.predicted_peak, done.plan.memory = describe_prediction(measured, done.plan.checkpointed, reshard)
+        done.plan.predicted_peak, done.plan.memory = describe_prediction(
+            measured, done.plan.checkpointed, reshard, _offloads(config, ranks.device), done.plan.selective
+        )
     # 4. Drop-in behaviour: calls outside a step gather the outer unit; state_dict() gives DDP's full tensors.
     outer.enable_calls_outside_steps()
     full_state_dict.install(module, outer)
     return ShardedModel(outer, done.plan, done.norms, done.router, auto, signature)
+
+
+def _offloads(config: ParallelConfig, device: torch.device) -> bool:
+    """Whether the sharded state leaves the device (``offload="cpu"`` on a CPU rank changes nothing)."""
+    return config.sharding.offload is not None and device.type != "cpu"
 
 
 def _auto_checkpointing(
@@ -181,6 +230,7 @@ def _auto_checkpointing(
     auto = AutoCheckpointing(
         config.checkpointing.memory_budget, ranks.mesh.size(), precision.name, config.sharding.blocks,
         may_keep_gathered=config.sharding.reshard_after_forward is None,
+        offload=_offloads(config, ranks.device),
     )
     names = auto.at_setup(module, ranks.device, ranks.ranks_per_node, ranks.agree_max)
     if names is None:

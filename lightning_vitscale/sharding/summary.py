@@ -21,7 +21,8 @@ class ParallelPlan:
         blocks: block class name -> count, as discovered or selected.
         block_names: qualified names of the blocks, each its own FSDP unit.
         units: number of FSDP units (blocks + the outer unit).
-        checkpointed: blocks whose activations are recomputed in backward.
+        checkpointed: blocks whose activations are recomputed in backward (fully or selectively).
+        selective: those of ``checkpointed`` that recompute only their cheap ops (``"selective"``).
         self_checkpointed: blocks that already checkpoint themselves (e.g. HF gradient checkpointing): left alone.
         fp32_modules: modules kept in fp32 inside a low-precision model (normalization layers).
         num_params: parameters in the model (unsharded count).
@@ -36,6 +37,8 @@ class ParallelPlan:
         offload: where the sharded state lives between uses (``"cpu"``), or ``None`` (on the device).
         predicted_peak: the memory planner's predicted per-rank peak of a training step (bytes), where known.
         memory: one line on the predicted memory and, under ``activation_checkpointing="auto"``, the choice.
+        accumulation: under ``accumulate_grad_batches > 1``, whether micro-batches reduce-scatter (set at the
+            first accumulating micro-batch; empty before).
         init_path: how the starting weights were made: ``"exact"`` (``configure_model()`` on rank 0, shards
             scattered unit by unit), ``"meta"`` (every rank on meta, the model's own init replayed on the shards)
             or ``"built"`` (the model existed before setup; rank 0's values scattered unit by unit).
@@ -50,6 +53,7 @@ class ParallelPlan:
     units: int
     checkpointed: list[str]
     self_checkpointed: list[str] = field(default_factory=list)
+    selective: list[str] = field(default_factory=list)
     fp32_modules: list[str] = field(default_factory=list)
     num_params: int = 0
     param_bytes_full: int = 0
@@ -62,6 +66,7 @@ class ParallelPlan:
     offload: str | None = None
     predicted_peak: int | None = None
     memory: str = ""
+    accumulation: str = ""
     init_path: str = "built"
     init_peak_bytes: int = 0
     init_seconds: float = 0.0
@@ -74,6 +79,7 @@ class ParallelPlan:
             f"  blocks found        : {found}",
             f"  FSDP units          : {self.units} ({len(self.block_names)} blocks + 1 outer)",
             f"  checkpointed blocks : {len(self.checkpointed)} of {len(self.block_names)}"
+            + (f", {len(self.selective)} selective (matmuls and attention kept)" if self.selective else "")
             + (f" ({self.memory})" if self.memory else ""),
             f"  parameters          : {self.num_params:,} ({mib(self.param_bytes_full)} unsharded,"
             f" {mib(self.param_bytes_local)} on this rank = {share:.2f}x)",
@@ -106,6 +112,8 @@ class ParallelPlan:
             lines.append(traffic)
         if self.offload is not None:
             lines.append(f"  offload             : {self.offload}")
+        if self.accumulation:
+            lines.append(f"  accumulation        : {self.accumulation}")
         return lines
 
 

@@ -11,13 +11,15 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 BACKBONES = ("encoder", "timm", "hf", "resnet")
 CONFIGS = ("plain", "accum_clip", "multicrop")
+EXTRA = ("encoder/selective_accum4",)  # selective checkpointing + 4 micro-batches per step, one backbone
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("parity")
     result = torchrun(
-        "tests/distributed/scripts/parity.py", str(out), ",".join(BACKBONES), ",".join(CONFIGS), timeout=540
+        "tests/distributed/scripts/parity.py", str(out), ",".join(BACKBONES), ",".join(CONFIGS), ",".join(EXTRA),
+        timeout=540,
     )
     assert_ok(result)
     return load_ranks(out)
@@ -47,3 +49,16 @@ def test_each_rank_holds_about_half(ranks, backbone):
     for rank in ranks:
         assert rank[f"{backbone}/plain/vitscale"]["sharded_fraction"] <= 0.55
         assert rank[f"{backbone}/plain/ddp"]["sharded_fraction"] == 1.0
+
+
+def test_selective_checkpointing_and_unsharded_accumulation_match_ddp(ranks):
+    """Selective checkpointing with 4 micro-batches per optimizer step: DDP's losses, and one reduce-scatter per
+    FSDP unit per optimizer step (the first three micro-batches accumulate unsharded gradients, as DDP's
+    ``no_sync``), where a reduce-scatter per micro-batch would send four."""
+    for rank in ranks:
+        ddp, ours = rank["encoder/selective_accum4/ddp"], rank["encoder/selective_accum4/vitscale"]
+        assert len(ours["losses"]) == 32 and ours["optimizer_steps"] == 8
+        assert max_relative_difference(ours["losses"], ddp["losses"]) < 1e-5
+        assert ours["selective"] == 4 and ours["recomputed_blocks"] == 4
+        assert ours["reduce_scatters"] == ours["units"] * ours["optimizer_steps"]
+        assert "one reduce-scatter per optimizer step" in ours["accumulation"]

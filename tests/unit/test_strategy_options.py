@@ -20,7 +20,7 @@ from tests.helpers.models import Classifier, loader
         ({"reshard_after_forward": "yes"}, TypeError, "must be None, a bool or an int"),
         ({"reshard_after_forward": 0}, ValueError, "must be >= 1"),
         ({"activation_checkpointing": 0}, ValueError, "use False to turn checkpointing off"),
-        ({"activation_checkpointing": "all"}, TypeError, "must be True, False, an int k >= 1 or a callable"),
+        ({"activation_checkpointing": "all"}, TypeError, "must be True, False, 'full', 'selective', an int k >= 1"),
     ],
 )
 def test_strategy_rejects_bad_options(kwargs, error, message):
@@ -45,6 +45,18 @@ def test_every_kth_block(selector, expected):
 def test_predicate_checkpointing():
     policy = CheckpointingPolicy(lambda name, module: name.endswith("1"))
     assert [i for i in range(3) if policy.selects(i, f"blocks.{i}", nn.Identity())] == [1]
+
+
+def test_checkpointing_modes_per_block():
+    """``"selective"`` for every block, ``"full"`` as ``True``, and a callable choosing the mode block by block."""
+    names = [f"blocks.{i}" for i in range(3)]
+    assert [CheckpointingPolicy("selective").mode(i, n, nn.Identity()) for i, n in enumerate(names)] == [
+        "selective"] * 3
+    assert [CheckpointingPolicy("full").mode(i, n, nn.Identity()) for i, n in enumerate(names)] == ["full"] * 3
+    per_block = CheckpointingPolicy(lambda name, _: {"blocks.0": "selective", "blocks.1": True}.get(name, False))
+    assert [per_block.mode(i, n, nn.Identity()) for i, n in enumerate(names)] == ["selective", "full", None]
+    with pytest.raises(ValueError, match="a string must be 'full' or 'selective'"):
+        CheckpointingPolicy(lambda name, _: "some").mode(0, "blocks.0", nn.Identity())
 
 
 def test_sharding_policy_accepts_classes_and_predicates():

@@ -7,10 +7,13 @@ import os
 import sys
 import warnings
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
 import torch
+import torch.distributed as dist
 
 from lightning_vitscale import VitScaleStrategy, measure_state_bytes
 from lightning_vitscale._compat import FSDPModule
@@ -23,13 +26,34 @@ CONFIGS = {
     "plain": {},
     "accum_clip": {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
     "multicrop": {},
+    "selective_accum4": {"accumulate_grad_batches": 4},
 }
+# Strategy settings per config (DDP takes none): selective checkpointing with 4 micro-batches per optimizer step,
+# "auto" accumulation (ample host memory: one reduce-scatter per unit per optimizer step is expected).
+STRATEGY = {"selective_accum4": {"activation_checkpointing": "selective"}}
+
+
+@contextmanager
+def counting_reduce_scatters() -> Iterator[Counter[str]]:
+    """Counts FSDP2's reduce-scatters (``dist.reduce_scatter_single``, looked up at call time) while active."""
+    counts: Counter[str] = Counter()
+    original = dist.reduce_scatter_single
+
+    def counted(*args, **kwargs):
+        counts["reduce_scatter"] += 1
+        return original(*args, **kwargs)
+
+    dist.reduce_scatter_single = counted
+    try:
+        yield counts
+    finally:
+        dist.reduce_scatter_single = original
 
 
 def run(backbone: str, config: str, strategy: str) -> dict:
     L.seed_everything(0, verbose=False)
     model = Classifier(backbone, crops=2 if config == "multicrop" else 1)
-    strat = VitScaleStrategy() if strategy == "vitscale" else "ddp"
+    strat = VitScaleStrategy(**STRATEGY.get(config, {})) if strategy == "vitscale" else "ddp"
     steps = 8
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strat, max_steps=steps,
@@ -37,9 +61,11 @@ def run(backbone: str, config: str, strategy: str) -> dict:
         num_sanity_val_steps=0, limit_val_batches=0, **CONFIGS[config],
     )
     per_step = CONFIGS[config].get("accumulate_grad_batches", 1)
-    trainer.fit(model, loader(n=4 * 2 * steps * per_step))
+    with counting_reduce_scatters() as counts:
+        trainer.fit(model, loader(n=4 * 2 * steps * per_step))
     state = measure_state_bytes(model, trainer.optimizers)
-    facts = {"losses": model.losses, "sharded_fraction": state.sharded_fraction}
+    facts = {"losses": model.losses, "sharded_fraction": state.sharded_fraction,
+             "reduce_scatters": counts["reduce_scatter"], "optimizer_steps": trainer.global_step}
     if strategy == "vitscale":
         # The modules themselves, found by class (FSDP2 subclasses them), not the plan's account of them.
         blocks = [m for m in model.modules() if BLOCK_CLASSES[backbone] in {c.__name__ for c in type(m).__mro__}]
@@ -49,6 +75,9 @@ def run(backbone: str, config: str, strategy: str) -> dict:
             fsdp_blocks=sum(isinstance(b, FSDPModule) for b in blocks),
             recomputed_blocks=count_recomputed(trainer.strategy.model, blocks, x),
             root_fsdp=isinstance(trainer.strategy.model, FSDPModule),
+            units=trainer.strategy.plan.units,
+            selective=len(trainer.strategy.plan.selective),
+            accumulation=trainer.strategy.plan.accumulation,
         )
     return facts
 
@@ -75,12 +104,14 @@ def count_recomputed(root: torch.nn.Module, blocks: list[torch.nn.Module], x: to
 
 def main() -> None:
     out, backbones, configs = Path(sys.argv[1]), sys.argv[2].split(","), sys.argv[3].split(",")
+    # Optional: "backbone/config" pairs run on top of the full grid (a scenario for one backbone only).
+    pairs = [(b, c) for b in backbones for c in configs]
+    pairs += [tuple(pair.split("/")) for pair in sys.argv[4].split(",")] if len(sys.argv) > 4 else []
     torch.set_num_threads(1)
     results = {}
-    for backbone in backbones:
-        for config in configs:
-            for strategy in ("ddp", "vitscale"):
-                results[f"{backbone}/{config}/{strategy}"] = run(backbone, config, strategy)
+    for backbone, config in pairs:
+        for strategy in ("ddp", "vitscale"):
+            results[f"{backbone}/{config}/{strategy}"] = run(backbone, config, strategy)
     rank = int(os.environ["RANK"])
     (out / f"rank{rank}.json").write_text(json.dumps(results))
 

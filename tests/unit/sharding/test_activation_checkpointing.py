@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
+import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_vitscale.sharding.activation_checkpointing import apply_activation_checkpointing, is_checkpointed
+from lightning_vitscale.sharding.activation_checkpointing import (
+    apply_activation_checkpointing,
+    checkpoint_mode,
+    is_checkpointed,
+)
 
 
 def block() -> nn.Module:
@@ -52,3 +59,62 @@ def test_applying_twice_is_a_no_op():
     first = m.forward
     apply_activation_checkpointing([m])
     assert m.forward is first and is_checkpointed(m)
+
+
+def test_selective_recomputes_no_matmul_and_replays_dropout():
+    """Selective keeps the matmul/attention outputs: backward runs no extra FLOPs (full adds one forward's), and the
+    recomputed dropout masks are the same, so gradients equal the plain block's bit for bit."""
+    torch.manual_seed(0)
+    plain = block()
+    selective, full = copy.deepcopy(plain), copy.deepcopy(plain)
+    apply_activation_checkpointing([selective], "selective")
+    apply_activation_checkpointing([full], "full")
+    x = torch.randn(2, 8, 32)
+    with FlopCounterMode(display=False) as counter:
+        plain(x)
+    forward = counter.get_total_flops()
+    assert forward > 0
+    torch.manual_seed(1)
+    base = train_flops(plain, x)
+    torch.manual_seed(1)
+    assert train_flops(selective, x) == base
+    torch.manual_seed(1)
+    assert train_flops(full, x) == base + forward
+    for a, b, c in zip(plain.parameters(), selective.parameters(), full.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+        torch.testing.assert_close(a.grad, c.grad, rtol=0, atol=0)
+    assert checkpoint_mode(selective) == "selective" and checkpoint_mode(full) == "full"
+    assert checkpoint_mode(plain) is None
+
+
+def test_selective_recomputes_the_cheap_ops():
+    """Selective is checkpointing, not a no-op: backward reruns the non-matmul ops (here GELU and the norms)."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    apply_activation_checkpointing([mlp], "selective")
+    x = torch.randn(4, 32, requires_grad=True)
+    with OpCounter() as ops:
+        y = mlp(x)
+    forward = ops.counts.copy()
+    with OpCounter() as ops:
+        y.sum().backward()
+    assert ops.counts["gelu"] == forward["gelu"] == 1  # recomputed once in backward
+    assert ops.counts["native_layer_norm"] == forward["native_layer_norm"] == 1
+    assert ops.counts["addmm"] == 0  # matmul outputs were saved
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="'full', 'selective'"):
+        apply_activation_checkpointing([block()], "partial")  # type: ignore[arg-type]
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops by name (overload dropped) while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))

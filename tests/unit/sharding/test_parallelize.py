@@ -12,6 +12,7 @@ from lightning_vitscale._compat import DTensor, FSDPModule
 from lightning_vitscale.kernels.compile import is_compiled
 from lightning_vitscale.policies import CheckpointingPolicy, KernelPolicy, ParallelConfig, ShardingPolicy
 from lightning_vitscale.precision.settings import resolve_flag
+from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import NoBlocksMatchedError, parallelize
 from tests.helpers.models import EncoderClassifier, HFViT, ResidualBlock, SmallResNet
@@ -46,6 +47,32 @@ def test_plan_of_a_meta_model(mesh):
     summary = plan.summary()
     assert "TransformerEncoderLayer x6" in summary and "7 (6 blocks + 1 outer)" in summary
     assert "checkpointed blocks : 3 of 6" in summary
+
+
+def test_per_block_checkpointing_modes_reach_the_blocks(mesh):
+    model = EncoderClassifier(depth=3)
+    modes = {"encoder.layers.0": "selective", "encoder.layers.1": "full", "encoder.layers.2": False}
+    _, plan = run(model, mesh, checkpointing={"blocks": lambda name, _: modes[name]})
+    assert [checkpoint_mode(b) for b in model.encoder.layers] == ["selective", "full", None]
+    assert plan.checkpointed == ["encoder.layers.0", "encoder.layers.1"] and plan.selective == ["encoder.layers.0"]
+    assert "checkpointed blocks : 2 of 3, 1 selective" in plan.summary()
+
+
+def _prefetch(unit, direction: str) -> list:
+    """The FSDP states ``unit`` prefetches explicitly (FSDP2 keeps them on the unit's state)."""
+    return list(getattr(unit._get_fsdp_state(), f"_states_to_{direction}_prefetch") or [])
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_prefetch_chains_the_units_in_model_order(mesh, depth):
+    model = EncoderClassifier(depth=3)
+    root, _ = run(model, mesh, sharding={"prefetch": depth})
+    units = [root, *model.encoder.layers]
+    state = [unit._get_fsdp_state() for unit in units]
+    for i, unit in enumerate(units):
+        assert _prefetch(unit, "forward") == state[i + 1 : i + 1 + depth]
+        expected_backward = list(reversed(state[max(1, i - depth) : i])) if i >= 1 else []
+        assert _prefetch(unit, "backward") == expected_backward
 
 
 def test_no_blocks_means_one_outer_unit_and_a_note(mesh):

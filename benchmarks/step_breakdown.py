@@ -1,0 +1,288 @@
+"""Where a training step's time goes on CPU ranks: DDP against each VitScaleStrategy setting, in one launch.
+
+Usage::
+
+    python benchmarks/step_breakdown.py                     # the 6-block dim-256 ViT (fp32, batch 8, 64 tokens)
+    python benchmarks/step_breakdown.py --model timm        # timm's vit_tiny_patch16_224 at 32 px, patch 4
+    python benchmarks/step_breakdown.py --steps 30 --json out.json
+
+One launch (torch's elastic launcher, gloo, one thread per rank) builds every variant from the same seed and
+times them interleaved, step by step (zero_grad -> forward -> backward -> AdamW step): median of ``--steps``
+steps after ``--warmup``, slowest rank. Then one more step per variant under ``torch.profiler``, split on the
+step's own thread into:
+
+* compute: self time of the ``aten::`` ops (recompute included);
+* recompute: compute minus the compute of the same setting without checkpointing (``off*`` rows have none);
+* collectives: time the step's thread spent inside ``c10d::`` calls (issuing and blocking on all-gathers and
+  reduce-scatters). DDP's all-reduces run on gloo's threads; its reducer waits for them inside C++ at the end of
+  backward, which the profiler does not label: that wait lands in "other";
+* other: the rest of the profiled step: Python, FSDP/DDP hooks, DTensor dispatch, unlabelled waits.
+
+The profiled step runs slower than the timed ones (profiler overhead); compare its parts with each other.
+Accumulation rows time one optimizer step of 4 micro-batches and count FSDP2's reduce-scatters in it. Memory
+rows: host memory held after one forward of a batch of 64 on one process, per checkpointing mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# name -> (activation checkpointing, reshard_after_forward, prefetch); "kept" = the planner's choice under an
+# ample budget (blocks stay gathered from forward to backward), otherwise the recipe (blocks reshard).
+VARIANTS: dict[str, tuple[bool | str, bool | None, int]] = {
+    "off": (False, None, 0),
+    "off+prefetch": (False, None, 1),
+    "off kept": (False, False, 0),
+    "off kept+prefetch": (False, False, 1),
+    "selective+prefetch": ("selective", None, 1),
+    "selective kept+prefetch": ("selective", False, 1),
+    "full": (True, None, 0),
+    "full+prefetch": (True, None, 1),
+}
+ACCUMULATION = ("ddp accum4", "sharded accum4", "unsharded accum4")
+MICRO_BATCHES = 4
+
+
+def make_model(name: str):
+    import torch
+
+    torch.manual_seed(0)
+    if name == "timm":
+        import timm
+
+        return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=4, num_classes=10)
+    from lightning_vitscale.cli.demo import TinyViT
+
+    return TinyViT(image=32, patch=4, dim=256, depth=6)
+
+
+def build(model_name: str, variant: str):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_vitscale.kernels.optimizers import prefer_foreach
+    from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, ShardingPolicy
+    from lightning_vitscale.precision.settings import resolve_flag
+    from lightning_vitscale.sharding.outer_unit import OuterUnit
+    from lightning_vitscale.sharding.parallelize import parallelize
+
+    model = make_model(model_name)
+    if variant.startswith("ddp"):
+        root = DistributedDataParallel(model)
+    else:
+        ac, reshard, prefetch = VARIANTS.get(variant, (False, False, 1))  # accumulation rows: the planner's setting
+        root = OuterUnit(model)
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("data_parallel",))
+        config = ParallelConfig(sharding=ShardingPolicy(reshard_after_forward=reshard, prefetch=prefetch),
+                                checkpointing=CheckpointingPolicy(blocks=ac))
+        parallelize(root, model, mesh, config, resolve_flag("32-true"), torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prefer_foreach([optimizer])
+    return root, optimizer
+
+
+def no_sync_for(variant: str, root) -> Callable[[], object]:
+    """What Lightning's ``block_backward_sync`` enters for micro-batches before the last, per accumulation row."""
+    from lightning_vitscale.sharding.gradient_sync import gradient_sync_off
+
+    if variant == "ddp accum4":
+        return root.no_sync
+    if variant == "unsharded accum4":
+        return lambda: gradient_sync_off(root)
+    return nullcontext
+
+
+def step_fn(variant: str, root, optimizer, x, y) -> Callable[[], None]:
+    import torch.nn.functional as F
+
+    micro = MICRO_BATCHES if variant in ACCUMULATION else 1
+    no_sync = no_sync_for(variant, root) if micro > 1 else nullcontext
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for i in range(micro):
+            with no_sync() if i < micro - 1 else nullcontext():
+                F.cross_entropy(root(x), y).backward()
+        optimizer.step()
+
+    return step
+
+
+def breakdown(step: Callable[[], None]) -> dict[str, float]:
+    """One step under the profiler, split on this thread into compute / collectives / other (ms)."""
+    from collections import Counter
+
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        step()
+        total = time.perf_counter() - t
+    # The step's own thread runs almost every event; gloo's worker threads run the collectives' bodies.
+    main = Counter(e.thread for e in prof.events()).most_common(1)[0][0]
+    events = [e for e in prof.events() if e.thread == main]
+    compute = sum(e.self_cpu_time_total for e in events if e.name.startswith("aten::"))
+    comm = sum(e.cpu_time_total for e in events if e.name.startswith("c10d::"))
+    return {"profiled": 1e3 * total, "compute": compute / 1e3, "collectives": comm / 1e3,
+            "other": 1e3 * total - (compute + comm) / 1e3}
+
+
+def count_reduce_scatters(step: Callable[[], None]) -> int:
+    import torch.distributed as dist
+
+    calls = [0]
+    original = dist.reduce_scatter_single
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    dist.reduce_scatter_single = counted
+    try:
+        step()
+    finally:
+        dist.reduce_scatter_single = original
+    return calls[0]
+
+
+def worker(out: str, model_name: str, steps: int, warmup: int, accum_steps: int) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    names = ["ddp", *VARIANTS, *ACCUMULATION]
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+    steps_of = {}
+    for name in names:
+        root, optimizer = build(model_name, name)
+        steps_of[name] = step_fn(name, root, optimizer, x, y)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for index in range(warmup + steps):
+        for name in names:
+            if name in ACCUMULATION and index >= warmup + accum_steps:
+                continue
+            dist.barrier()
+            t = time.perf_counter()
+            steps_of[name]()
+            if index >= warmup:
+                times[name].append(time.perf_counter() - t)
+    result: dict[str, dict[str, float]] = {n: {"median": 1e3 * statistics.median(t)} for n, t in times.items()}
+    for name in names:
+        dist.barrier()
+        result[name].update(breakdown(steps_of[name]))
+        if name in ACCUMULATION:
+            dist.barrier()
+            result[name]["reduce_scatters"] = count_reduce_scatters(steps_of[name])
+    Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def held_after_forward(model_name: str) -> dict[str, float]:
+    """Host memory (MiB) held after one forward of a batch of 64 on one process, per checkpointing mode."""
+    import torch
+
+    from lightning_vitscale.sharding.activation_checkpointing import apply_activation_checkpointing
+
+    libc = ctypes.CDLL("libc.so.6")
+    x = torch.randn(64, 3, 32, 32)
+    held = {}
+    for mode in ("none", "selective", "full"):
+        model = make_model(model_name)
+        blocks = list(model.blocks)
+        if mode != "none":
+            apply_activation_checkpointing(blocks, mode)  # type: ignore[arg-type]
+        model(x).sum().backward()  # warm the allocator's pools once
+        model.zero_grad(set_to_none=True)
+        libc.malloc_trim(0)
+        before = _rss()
+        loss = model(x).sum()
+        held[mode] = (_rss() - before) / 2**20
+        loss.backward()
+        del loss
+    return held
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def report(merged: dict[str, dict[str, float]], held: dict[str, float]) -> str:
+    ddp = merged["ddp"]["median"]
+    lines = ["| variant | median ms/step | / DDP | profiled step: compute | recompute | collectives | other |",
+             "|---|---|---|---|---|---|---|"]
+    for name, row in merged.items():
+        if name in ACCUMULATION:
+            continue
+        ac = VARIANTS.get(name, (False, None, 0))
+        base = _no_ac_twin(name)
+        recompute = row["compute"] - merged[base]["compute"] if ac[0] and base in merged else 0.0
+        lines.append(f"| {name} | {row['median']:.1f} | {row['median'] / ddp:.2f}x | {row['compute']:.1f} |"
+                     f" {recompute:.1f} | {row['collectives']:.1f} | {row['other']:.1f} |")
+    lines += ["", f"| accumulation ({MICRO_BATCHES} micro-batches) | median ms/optimizer step | / DDP |"
+              " reduce-scatters per optimizer step |", "|---|---|---|---|"]
+    for name in ACCUMULATION:
+        row = merged[name]
+        lines.append(f"| {name} | {row['median']:.1f} | {row['median'] / merged[ACCUMULATION[0]]['median']:.2f}x |"
+                     f" {int(row.get('reduce_scatters', 0))} |")
+    lines += ["", "| checkpointing | held after forward, batch 64 (MiB) |", "|---|---|"]
+    lines += [f"| {mode} | {mib:.1f} |" for mode, mib in held.items()]
+    return "\n".join(lines)
+
+
+def _no_ac_twin(name: str) -> str:
+    for prefix in ("selective", "full"):
+        if name.startswith(prefix):
+            return "off" + name[len(prefix):]
+    return name
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", choices=("vit", "timm"), default="vit")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--accum-steps", type=int, default=8, help="timed optimizer steps of the accumulation rows")
+    parser.add_argument("--json", help="also write the merged numbers here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.model, args.steps, args.warmup, args.accum_steps)
+        return
+    from tests.helpers.launch import assert_ok, torchrun
+
+    with tempfile.TemporaryDirectory() as out:
+        assert_ok(torchrun(Path(__file__), "--worker", out, "--model", args.model, "--steps", str(args.steps),
+                           "--warmup", str(args.warmup), "--accum-steps", str(args.accum_steps),
+                           nprocs=args.ranks, timeout=600))
+        ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
+    # Slowest rank per variant (its median), and that rank's profiled breakdown.
+    merged = {name: max((r[name] for r in ranks), key=lambda row: row["median"]) for name in ranks[0]}
+    held = held_after_forward(args.model)
+    print(report(merged, held))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ranks": merged, "held_after_forward_mib": held}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

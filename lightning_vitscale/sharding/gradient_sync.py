@@ -1,0 +1,40 @@
+"""Skipping gradient reduction on micro-batches before the last: FSDP2's ``set_requires_gradient_sync``.
+
+Lightning enters ``strategy.block_backward_sync()`` around every micro-batch but the last of an accumulation
+window (DDP's ``no_sync``). Here every FSDP unit stops reduce-scattering (it accumulates unsharded gradients
+instead) and the fp32 norms outside the units stop all-reducing; the last micro-batch reduces the sum once.
+Averaging is linear, so the result equals reducing each micro-batch: the gradients DDP produces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from lightning_vitscale._compat import FSDPModule
+
+
+def unsharded_gradient_bytes(module: nn.Module, compute_dtype: torch.dtype) -> int:
+    """Bytes of every unit's unsharded gradients alive at once: what skipping the sync costs in memory.
+
+    FSDP2 accumulates unsharded gradients in the dtype parameters are gathered in (the compute dtype); with the
+    sync on, only one unit's exist at a time, and Lightning frees the sharded ones at ``zero_grad``.
+    """
+    numel = sum(p.numel() for p in module.parameters() if p.requires_grad)  # DTensor.numel(): the full size
+    return numel * torch.empty((), dtype=compute_dtype).element_size()
+
+
+@contextmanager
+def gradient_sync_off(root: nn.Module) -> Generator[None, None, None]:
+    """Every FSDP unit under ``root`` accumulates unsharded gradients instead of reducing them, until exit."""
+    if not isinstance(root, FSDPModule):
+        yield
+        return
+    root.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        root.set_requires_gradient_sync(True)

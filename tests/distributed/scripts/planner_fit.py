@@ -1,0 +1,156 @@
+"""Rank script: the memory planner's predicted step against a measured ``Trainer.fit`` step (Lightning's own loop).
+
+``planner_fit.py OUT_DIR model:ac:batch[:loop],...`` e.g. ``deit_tiny:off:8`` or ``vit_b_16:full:16:manual``.
+``ac`` is ``off``, ``full`` or ``selective``; ``loop`` is ``auto`` (automatic optimization, the default: the
+strategy frees the gradients after the step), ``observed`` (the same with a callback reading gradients after the
+step: they are kept through the next forward), ``manual`` (zero_grad, forward, manual_backward, step) or ``acc2``
+(automatic, ``accumulate_grad_batches=2``). Published architectures
+at random init (no download): torchvision ``vit_b_16`` and timm ``deit_tiny_patch16_224`` / ``vit_small_patch16_224``
+at a small image size, fp32, AdamW, ``VitScaleStrategy()``.
+
+Measured: peak RSS growth over the second optimizer step (optimizer state exists, the previous step's gradients
+too unless released), from its first ``training_step`` to the end of its ``optimizer_step``, with every
+allocation of 64 KiB or more its own mmap (the launcher sets ``MALLOC_MMAP_THRESHOLD_``) so freed memory leaves
+RSS; the gradient shards alive at the start are added back (they are part of the step, not of the resident
+state). Predicted: the planner's peak for the same step minus the resident state (sharded parameters, optimizer
+state, replicated norms, the batch).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_vitscale import VitScaleStrategy
+from lightning_vitscale.memory import measure_state_bytes
+from lightning_vitscale.memory.planner import step_inputs
+from lightning_vitscale.memory.step_model import StepSettings, TrainingLoop, predict_step
+from tests.helpers.peak import RssWindow
+from tests.helpers.scenarios import run_scenarios
+
+warnings.filterwarnings("ignore")
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+MEASURED_STEP = 1  # optimizer steps before the measured one (its optimizer state and gradients exist)
+
+
+def build(name: str) -> tuple[nn.Module, int]:
+    """A published architecture at random init, and its image size."""
+    if name == "vit_b_16":
+        from torchvision.models import vit_b_16
+
+        return vit_b_16(image_size=96, num_classes=10), 96
+    import timm
+
+    timm_name, image = {"deit_tiny": ("deit_tiny_patch16_224", 64), "vit_small": ("vit_small_patch16_224", 96)}[name]
+    return timm.create_model(timm_name, pretrained=False, img_size=image, num_classes=10), image
+
+
+class Classifier(L.LightningModule):
+    def __init__(self, name: str, automatic: bool = True) -> None:
+        super().__init__()
+        self.net, self.image = build(name)
+        self.automatic_optimization = automatic
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.automatic_optimization:
+            return F.cross_entropy(self(x), y)
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = F.cross_entropy(self(x), y)
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class MeasuredStrategy(VitScaleStrategy):
+    """``VitScaleStrategy`` measuring the RSS growth of optimizer step ``MEASURED_STEP`` (all its micro-batches),
+    from its first ``training_step`` to the end of its ``optimizer_step``; gradients alive at the start are added
+    back. A strategy, not a callback: a user callback's batch hooks could observe gradients and would keep them."""
+
+    def __init__(self, accumulate: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.window, self.first, self.steps = RssWindow(), MEASURED_STEP * accumulate, 0
+        self.grads_at_start = self.growth = 0
+        self.released = False
+
+    def training_step(self, *args, **kwargs):
+        if len(args) > 1 and args[1] == self.first:
+            self.grads_at_start = measure_state_bytes(self.lightning_module).grads_local
+            self.window.start()
+        return super().training_step(*args, **kwargs)
+
+    def optimizer_step(self, *args, **kwargs):
+        output = super().optimizer_step(*args, **kwargs)
+        self.steps += 1
+        if self.steps == MEASURED_STEP + 1:
+            self.growth = self.window.peak_growth() + self.grads_at_start
+            self.released = all(p.grad is None for p in self.lightning_module.parameters())
+        return output
+
+
+class ReadsGradients(L.Callback):
+    """A user callback that looks at gradients after the step: the strategy must keep them for it."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seen = any(p.grad is not None for p in pl_module.parameters())
+
+
+def loop_of(kind: str) -> tuple[TrainingLoop, int]:
+    """``auto`` / ``acc2``: automatic optimization, gradients released after the step (nothing observes them);
+    ``observed``: the same with a callback reading them; ``manual``: zero_grad first."""
+    accumulate = 2 if kind == "acc2" else 1
+    return TrainingLoop(kind != "manual", accumulate, released_after_step=kind in ("auto", "acc2")), accumulate
+
+
+def cell(name: str, ac: str, batch: int, kind: str = "auto") -> dict:
+    loop, accumulate = loop_of(kind)
+    with torch.device("meta"):
+        planned = Classifier(name)
+    image = planned.image
+    inputs = step_inputs(planned, torch.empty(batch, 3, image, image, device="meta"), world_size=WORLD,
+                         precision="32-true", device="cpu", loop=loop)
+    depth = len(inputs.profile.blocks)
+    every = frozenset(range(depth))
+    predicted = predict_step(inputs, StepSettings(every if ac != "off" else frozenset(),
+                                                  selective=every if ac == "selective" else frozenset()))
+    resident = predicted.params + predicted.optimizer + predicted.norms + predicted.batch
+    del planned
+
+    L.seed_everything(0, verbose=False)
+    model = Classifier(name, automatic=kind != "manual")
+    steps = (MEASURED_STEP + 1) * accumulate * WORLD  # one epoch: every rank takes its own batches
+    data = TensorDataset(torch.randn(batch * steps, 3, image, image), torch.randint(0, 10, (batch * steps,)))
+    strategy = MeasuredStrategy(accumulate, activation_checkpointing={"off": False, "full": True}.get(ac, ac))
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, max_steps=MEASURED_STEP + 1, strategy=strategy,
+                        callbacks=[ReadsGradients()] if kind == "observed" else [],
+                        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, precision="32-true")
+    trainer.fit(model, DataLoader(data, batch_size=batch))
+    return dict(measured=strategy.growth, predicted=predicted.peak - resident, phase=predicted.phase,
+                grads_at_start=strategy.grads_at_start, depth=depth, released=strategy.released,
+                breakdown={k: getattr(predicted, k) for k in ("params", "grads", "optimizer", "norms", "gathered",
+                                                               "activations", "transient", "batch")})
+
+
+def parse(spec: str) -> dict:
+    name, ac, batch, *kind = spec.split(":")
+    return cell(name, ac, int(batch), *kind)
+
+
+if __name__ == "__main__":
+    import sys
+
+    run_scenarios({spec: (lambda s=spec: parse(s)) for spec in sys.argv[2].split(",")})
