@@ -68,10 +68,10 @@ def list_items(list_file: Path, video_root: Path) -> list[tuple[Path, int]]:
     for n, line in enumerate(list_file.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        parts = re.split(r"[,\s]+(?=\S+\s*$)", line.strip())  # split at the last separator: paths may hold spaces
-        if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
+        match = re.fullmatch(r"\s*(.*?\S)[,\s]+(\d+)\s*", line)  # the last field is the label: paths may hold spaces
+        if match is None:
             raise ValueError(f"{list_file}:{n}: expected '<path> <integer label>', got {line!r}")
-        items.append((video_root / parts[0], int(parts[1])))
+        items.append((video_root / match[1], int(match[2])))
     return items
 
 
