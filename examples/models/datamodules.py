@@ -11,11 +11,15 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from examples.models.loading import make_loader
+
 
 class _TensorDataModule(pl.LightningDataModule):
-    """Common loader plumbing for in-memory datasets built in ``setup``."""
+    """Common loader plumbing; DataLoader defaults per accelerator come from ``examples.models.loading``."""
 
-    def __init__(self, batch_size: int, num_workers: int) -> None:
+    in_memory = True  # ready tensors: no loader worker by default (see ``loading.loader_settings``)
+
+    def __init__(self, batch_size: int, num_workers: int | None) -> None:
         super().__init__()
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -24,14 +28,7 @@ class _TensorDataModule(pl.LightningDataModule):
 
     def _loader(self, ds: Dataset | None, shuffle: bool, collate: Callable | None = None) -> DataLoader:
         assert ds is not None, "setup() not called"
-        return DataLoader(
-            ds,
-            self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            collate_fn=collate,
-            persistent_workers=self.num_workers > 0,
-        )
+        return make_loader(ds, self.batch_size, shuffle, self.trainer, self.in_memory, self.num_workers, collate)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, True)
@@ -50,7 +47,7 @@ class DigitsDataModule(_TensorDataModule):
     num_classes = 10
     in_chans = 1
 
-    def __init__(self, img_size: int = 16, batch_size: int = 32, num_workers: int = 0, seed: int = 0) -> None:
+    def __init__(self, img_size: int = 16, batch_size: int = 32, num_workers: int | None = None, seed: int = 0) -> None:
         super().__init__(batch_size, num_workers)
         self.img_size = img_size
         self.seed = seed
@@ -73,8 +70,9 @@ class FolderImageDataModule(_TensorDataModule):
     """Your own data in torchvision ``ImageFolder`` layout: ``root/train/<class>/*.jpg`` and ``root/val/...``."""
 
     in_chans = 3
+    in_memory = False  # JPEG decoding and augmentation: worth loader workers
 
-    def __init__(self, root: str, img_size: int = 224, batch_size: int = 64, num_workers: int = 8) -> None:
+    def __init__(self, root: str, img_size: int = 224, batch_size: int = 64, num_workers: int | None = None) -> None:
         super().__init__(batch_size, num_workers)
         from torchvision.datasets.folder import find_classes
 
