@@ -22,6 +22,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from examples.models.loading import make_loader
+
 Target = dict[str, Tensor]
 Batch = tuple[Tensor, list[Target]]
 
@@ -137,7 +139,7 @@ class CocoDetectionDataModule(pl.LightningDataModule):
         std: tuple[float, float, float] = (0.229, 0.224, 0.225),
         size_divisibility: int = 32,
         batch_size: int = 16,
-        num_workers: int = 8,
+        num_workers: int | None = None,
     ) -> None:
         super().__init__()
         self.root, self.images, self.annotations = Path(root), images, annotations
@@ -166,13 +168,9 @@ class CocoDetectionDataModule(pl.LightningDataModule):
 
     def _loader(self, ds: Dataset | None, shuffle: bool) -> DataLoader:
         assert ds is not None, "setup() not called"
-        return DataLoader(
-            ds,
-            self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            collate_fn=_Collate(self.size_divisibility),
-            persistent_workers=self.num_workers > 0,
+        # decoded from files: workers / pinned memory per accelerator (``examples.models.loading``)
+        return make_loader(
+            ds, self.batch_size, shuffle, self.trainer, False, self.num_workers, _Collate(self.size_divisibility)
         )
 
     def train_dataloader(self) -> DataLoader:

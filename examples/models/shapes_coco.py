@@ -122,7 +122,7 @@ class ShapesDetectionDataModule(CocoDetectionDataModule):
         lsj_scale: tuple[float, float] | None = None,
         size_divisibility: int = 16,
         batch_size: int = 32,
-        num_workers: int = 0,
+        num_workers: int | None = None,
         seed: int = 0,
         cache_dir: str | None = None,
     ) -> None:

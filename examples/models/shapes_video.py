@@ -72,7 +72,7 @@ class MovingShapesVideoDataModule(VideoDataModule):
         num_val: int = 256,
         speed: float = 2.0,
         batch_size: int = 32,
-        num_workers: int = 0,
+        num_workers: int | None = None,
         seed: int = 0,
         cache_dir: str | None = None,
     ) -> None:

@@ -18,6 +18,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from examples.models.loading import make_loader
+
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".webm", ".mov", ".m4v")
 
 
@@ -121,7 +123,7 @@ class VideoDataModule(pl.LightningDataModule):
         mean: tuple[float, float, float] = (0.45, 0.45, 0.45),
         std: tuple[float, float, float] = (0.225, 0.225, 0.225),
         batch_size: int = 8,
-        num_workers: int = 8,
+        num_workers: int | None = None,
     ) -> None:
         super().__init__()
         if layout not in ("folders", "list"):
@@ -153,9 +155,8 @@ class VideoDataModule(pl.LightningDataModule):
 
     def _loader(self, ds: Dataset | None, shuffle: bool) -> DataLoader:
         assert ds is not None, "setup() not called"
-        return DataLoader(
-            ds, self.batch_size, shuffle=shuffle, num_workers=self.num_workers, persistent_workers=self.num_workers > 0
-        )
+        # decoded from files: workers / pinned memory per accelerator (``examples.models.loading``)
+        return make_loader(ds, self.batch_size, shuffle, self.trainer, False, self.num_workers, None)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, True)

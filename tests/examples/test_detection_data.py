@@ -16,7 +16,9 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_default_is_written_as_coco_and_read_back_through_the_reader(tmp_path: Path) -> None:
-    dm = ShapesDetectionDataModule(img_size=64, num_train=6, num_val=4, cache_dir=str(tmp_path), batch_size=4)
+    dm = ShapesDetectionDataModule(
+        img_size=64, num_train=6, num_val=4, cache_dir=str(tmp_path), batch_size=4, num_workers=0
+    )
     dm.prepare_data()
     root = dm.root
     assert sorted(p.name for p in (root / "images" / "val").iterdir()) == [f"{i:06d}.png" for i in range(4)]

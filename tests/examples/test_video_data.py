@@ -14,7 +14,9 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_default_is_written_as_mp4_and_decodes_back_to_the_generated_clips(tmp_path: Path) -> None:
-    dm = MovingShapesVideoDataModule(img_size=32, num_frames=8, num_train=6, num_val=4, cache_dir=str(tmp_path))
+    dm = MovingShapesVideoDataModule(
+        img_size=32, num_frames=8, num_train=6, num_val=4, cache_dir=str(tmp_path), num_workers=0
+    )
     dm.prepare_data()
     files = sorted(dm.root.glob("val/direction_*/*.mp4"))
     assert len(files) == 4 and dm.num_classes == 8
