@@ -7,25 +7,16 @@ goes through exactly the reader, transforms and padding a user's COCO data goes 
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from examples.models.coco import CocoDetectionDataModule
+from examples.models.written_data import WrittenOnce, cache_root
 
 SHAPES = ("rectangle", "ellipse", "triangle")
-
-
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/lightning-vitscale/examples`` (``~/.cache/...`` when unset)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "lightning-vitscale" / "examples"
 
 
 def shape_mask(kind: int, cx: float, cy: float, w: float, h: float, yy: Tensor, xx: Tensor) -> Tensor:
@@ -80,31 +71,7 @@ def write_split(root: Path, split: str, n: int, g: torch.Generator, params: dict
     (root / "annotations" / f"instances_{split}.json").write_text(json.dumps(data))
 
 
-def write_once(root: Path, writer: Any) -> None:
-    """Run ``writer(tmp_dir)`` and move the result to ``root`` atomically; skip if ``root`` exists.
-
-    Ranks or nodes sharing the cache may race: each writes its own temporary folder, the first rename
-    wins and the others discard theirs, so a reader never sees a half-written folder.
-    """
-    if root.exists():
-        return
-    tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    writer(tmp)
-    try:
-        tmp.rename(root)
-    except OSError:  # another process got there first
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def cache_key(name: str, params: dict[str, Any]) -> str:
-    """Folder name that changes whenever a generation parameter does (no stale data after a flag change)."""
-    digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
-    return f"{name}-{digest}"
-
-
-class ShapesDetectionDataModule(CocoDetectionDataModule):
+class ShapesDetectionDataModule(WrittenOnce, CocoDetectionDataModule):
     """Generated shapes in COCO format (the default): written once to ``cache_dir``, then read as COCO data.
 
     Pixels are normalised with mean = std = 0.5, i.e. to [-1, 1] (zero-centred inputs train ViTs markedly
@@ -128,10 +95,8 @@ class ShapesDetectionDataModule(CocoDetectionDataModule):
     ) -> None:
         self.params = {"img_size": img_size, "min_size": min_size, "max_size": max_size, "max_objects": max_objects}
         self.splits, self.seed = {"train": num_train, "val": num_val}, seed
-        key = cache_key("shapes-coco", {**self.params, **self.splits, "seed": seed})
-        root = Path(cache_dir) if cache_dir else default_cache_dir()
         super().__init__(
-            str(root / key),
+            str(cache_root(cache_dir, "shapes-coco", {**self.params, **self.splits, "seed": seed})),
             img_size=img_size,
             lsj_scale=lsj_scale,
             mean=(0.5, 0.5, 0.5),
@@ -149,10 +114,3 @@ class ShapesDetectionDataModule(CocoDetectionDataModule):
         g = torch.Generator().manual_seed(self.seed)
         for split, n in self.splits.items():
             write_split(tmp, split, n, g, self.params)
-
-    def prepare_data(self) -> None:
-        write_once(self.root, self._write)
-
-    def setup(self, stage: str | None = None) -> None:
-        write_once(self.root, self._write)  # no-op after prepare_data; covers direct setup() calls
-        super().setup(stage)

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from examples.models.shapes_coco import cache_key, default_cache_dir, write_once
 from examples.models.video_files import VideoDataModule
+from examples.models.written_data import WrittenOnce, cache_root
 
 
 def moving_shapes(
@@ -57,7 +57,7 @@ def write_mp4(path: Path, clip: Tensor, fps: int = 8) -> None:
         container.mux(stream.encode())
 
 
-class MovingShapesVideoDataModule(VideoDataModule):
+class MovingShapesVideoDataModule(WrittenOnce, VideoDataModule):
     """Generated moving-shape clips (the default): written once to ``cache_dir`` as mp4 class folders.
 
     Pixels are normalised with mean = std = 0.5, i.e. to [-1, 1] (in [0, 1] the ViT failed to learn at all).
@@ -79,9 +79,7 @@ class MovingShapesVideoDataModule(VideoDataModule):
         self.n_classes, self.speed, self.seed = num_classes, speed, seed
         self.splits = {"train": num_train, "val": num_val}
         params = {"size": img_size, "frames": num_frames, "classes": num_classes, "speed": speed, "seed": seed}
-        root = (Path(cache_dir) if cache_dir else default_cache_dir()) / cache_key(
-            "shapes-video", {**params, **self.splits}
-        )
+        root = cache_root(cache_dir, "shapes-video", {**params, **self.splits})
         super().__init__(
             str(root),
             num_frames=num_frames,
@@ -104,10 +102,3 @@ class MovingShapesVideoDataModule(VideoDataModule):
                 (tmp / split / f"direction_{k:02d}").mkdir(parents=True)
             for i, (clip, label) in enumerate(zip(clips, labels.tolist())):
                 write_mp4(tmp / split / f"direction_{label:02d}" / f"{i:06d}.mp4", clip)
-
-    def prepare_data(self) -> None:
-        write_once(self.root, self._write)
-
-    def setup(self, stage: str | None = None) -> None:
-        write_once(self.root, self._write)  # no-op after prepare_data; covers direct setup() calls
-        super().setup(stage)
