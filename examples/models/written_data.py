@@ -33,7 +33,8 @@ def write_once(root: Path, writer: Any) -> None:
     Ranks or nodes sharing the cache may race: each writes its own temporary folder, the first rename
     wins and the others discard theirs, so a reader never sees a half-written folder.
     """
-
+    if root.exists():
+        return
     tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
