@@ -28,14 +28,19 @@ Target = dict[str, Tensor]
 Batch = tuple[Tensor, list[Target]]
 
 
-def read_categories(annotations: Path) -> list[dict[str, Any]]:
-    """The ``categories`` of a COCO json sorted by id; label ``i`` of the model is the i-th of them."""
+def require_annotations(annotations: Path) -> Path:
+    """``annotations`` if it is a file, else the error that names the expected layout and the flags to change it."""
     if not annotations.is_file():
         raise FileNotFoundError(
             f"no COCO annotation file {annotations}: expected ROOT/images/<split>/ and "
             "ROOT/annotations/instances_<split>.json (set --data.images / --data.annotations for another layout)"
         )
-    return sorted(json.loads(annotations.read_text())["categories"], key=lambda c: c["id"])
+    return annotations
+
+
+def read_categories(annotations: Path) -> list[dict[str, Any]]:
+    """The ``categories`` of a COCO json sorted by id; label ``i`` of the model is the i-th of them."""
+    return sorted(json.loads(require_annotations(annotations).read_text())["categories"], key=lambda c: c["id"])
 
 
 class CocoDetection(Dataset):
@@ -157,8 +162,7 @@ class CocoDetectionDataModule(pl.LightningDataModule):
         return self.root / pattern.format(split=split)
 
     def _dataset(self, split: str, train: bool) -> CocoDetection:
-        ann = self._path(self.annotations, split)
-        read_categories(ann)  # the clear error for a missing file
+        ann = require_annotations(self._path(self.annotations, split))
         tf = detection_transform(self.img_size, train, self.lsj_scale, self.mean, self.std)
         return CocoDetection(self._path(self.images, split), ann, tf)
 
