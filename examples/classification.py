@@ -12,7 +12,7 @@ from typing import Any
 if not __package__:  # run as `python examples/classification.py`: make the checkout's `examples` package importable
     import _checkout  # noqa: F401
 
-from lightning.pytorch.cli import ArgsType
+from lightning.pytorch.cli import ArgsType, LightningCLI
 
 from examples.models.backbones import build_backbone, load_matching, parse_spec, read_state_dict
 from examples.models.classifier import ClassificationModule
@@ -63,10 +63,10 @@ class ViTClassifier(ClassificationModule):
                 load_matching(self.net, read_state_dict(h.weights), h.weights)
 
 
-def main(args: ArgsType = None) -> None:
-    """CLI entry point; ``args`` lets tests drive it in-process."""
-    links = ("num_classes", "in_chans", "img_size")
-    run_cli(ViTClassifier, DigitsDataModule, "classification", links, max_epochs=20, args=args)
+def main(args: ArgsType = None, run: bool = True) -> LightningCLI:
+    """CLI entry point; ``args`` and ``run=False`` (instantiate only) let tests drive it in-process."""
+    links: tuple[str, ...] = ("num_classes", "in_chans", "img_size")
+    return run_cli(ViTClassifier, DigitsDataModule, "classification", links, max_epochs=20, args=args, run=run)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ if not __package__:  # run as `python examples/pretraining.py`: make the checkou
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.cli import ArgsType
+from lightning.pytorch.cli import ArgsType, LightningCLI
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor
 from torchmetrics.classification import MulticlassAccuracy
@@ -150,10 +150,10 @@ class DINOPretraining(pl.LightningModule):
         return adamw_cosine(self, self.hparams["lr"], self.hparams["weight_decay"], self.hparams["warmup_frac"])
 
 
-def main(args: ArgsType = None) -> None:
-    """CLI entry point; ``args`` lets tests drive it in-process."""
-    links = ("num_classes", "in_chans", "img_size", "n_global", "n_local")
-    run_cli(DINOPretraining, DigitsMultiCropDataModule, "pretraining", links, max_epochs=30, args=args)
+def main(args: ArgsType = None, run: bool = True) -> LightningCLI:
+    """CLI entry point; ``args`` and ``run=False`` (instantiate only) let tests drive it in-process."""
+    links: tuple[str, ...] = ("num_classes", "in_chans", "img_size", "n_global", "n_local")
+    return run_cli(DINOPretraining, DigitsMultiCropDataModule, "pretraining", links, max_epochs=30, args=args, run=run)
 
 
 if __name__ == "__main__":
