@@ -12,8 +12,9 @@ from typing import Any
 if not __package__:  # run as `python examples/classification.py`: make the checkout's `examples` package importable
     import _checkout  # noqa: F401
 
-from lightning.pytorch.cli import ArgsType
+from lightning.pytorch.cli import ArgsType, LightningCLI
 
+from examples.models.backbones import build_backbone, load_matching, parse_spec, read_state_dict
 from examples.models.classifier import ClassificationModule
 from examples.models.cli import run_cli
 from examples.models.datamodules import DigitsDataModule
@@ -22,6 +23,10 @@ from examples.models.vit import VisionTransformer
 
 class ViTClassifier(ClassificationModule):
     """ViT image classifier; ``size`` names a ``VIT_SIZES`` entry (tiny, small, vit-b16 ... vit-120b).
+
+    ``backbone`` replaces the built-in ViT by a published one (``timm:vit_base_patch16_224``,
+    ``torchvision:vit_b_16``, ``hf:/path/to/config_or_model``), ``weights`` names local pretrained weights
+    (``examples/models/backbones.py``).
 
     ``num_classes``, ``in_chans`` and ``img_size`` are linked from the datamodule by the CLI.
     The network is built in ``configure_model`` so a sharding strategy can create it on the meta
@@ -39,20 +44,29 @@ class ViTClassifier(ClassificationModule):
         weight_decay: float = 0.05,
         warmup_frac: float = 0.1,
         label_smoothing: float = 0.1,
+        backbone: str | None = None,
+        weights: str | None = None,
     ) -> None:
         super().__init__(size, num_classes, lr, weight_decay, warmup_frac, label_smoothing)
         self.save_hyperparameters()
+        if backbone is not None:
+            parse_spec(backbone, weights)  # a typo fails here, before any process starts
 
     def configure_model(self) -> None:
         if self.net is None:
             h: Any = self.hparams
+            if h.backbone is not None:
+                self.net = build_backbone(h.backbone, h.num_classes, h.in_chans, h.img_size, h.weights)
+                return
             self.net = VisionTransformer.from_size(h.size, h.img_size, h.in_chans, h.num_classes, h.patch_size)
+            if h.weights is not None:
+                load_matching(self.net, read_state_dict(h.weights), h.weights)
 
 
-def main(args: ArgsType = None) -> None:
-    """CLI entry point; ``args`` lets tests drive it in-process."""
-    links = ("num_classes", "in_chans", "img_size")
-    run_cli(ViTClassifier, DigitsDataModule, "classification", links, max_epochs=20, args=args)
+def main(args: ArgsType = None, run: bool = True) -> LightningCLI:
+    """CLI entry point; ``args`` and ``run=False`` (instantiate only) let tests drive it in-process."""
+    links: tuple[str, ...] = ("num_classes", "in_chans", "img_size")
+    return run_cli(ViTClassifier, DigitsDataModule, "classification", links, max_epochs=20, args=args, run=run)
 
 
 if __name__ == "__main__":

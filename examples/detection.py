@@ -1,7 +1,8 @@
 """ViTDet-style object detection example: ``python examples/detection.py fit [--config ...]``.
 
-Trains on generated shapes (rectangles/ellipses/triangles, deterministic by seed) and reports COCO
-mAP via torchmetrics' faster_coco_eval backend. The module knows nothing about sharding: the
+Reads COCO-format data (``--data=CocoDetectionDataModule --data.root=DIR``); by default generated shapes
+(rectangles/ellipses/triangles, deterministic by seed) written once as a COCO folder in a cache directory.
+Reports COCO mAP via torchmetrics' faster_coco_eval backend. The module knows nothing about sharding: the
 default ``strategy="vitscale"`` shards it, ``--trainer.strategy=ddp`` runs it unchanged.
 """
 
@@ -19,8 +20,8 @@ from torch import Tensor
 from torchmetrics.detection import MeanAveragePrecision
 
 from examples.models.cli import run_cli
-from examples.models.datamodules import ShapesDetectionDataModule
 from examples.models.optim import adamw_cosine
+from examples.models.shapes_coco import ShapesDetectionDataModule
 from examples.models.vit import VIT_SIZES
 from examples.models.vitdet import ViTDet
 
@@ -30,7 +31,10 @@ Batch = tuple[Tensor, list[dict[str, Tensor]]]
 class ViTDetector(pl.LightningModule):
     """Anchor-free ViTDet: ``size`` names the backbone in ``VIT_SIZES``; boxes are xyxy pixels.
 
-    ``num_classes``, ``in_chans`` and ``img_size`` come linked from the datamodule. The network is
+    ``num_classes``, ``in_chans`` and ``img_size`` come linked from the datamodule (``img_size`` sizes the
+    learned position embedding, interpolated to each batch's padded size). ``window_size`` is the side of
+    the attention windows in patches (ViTDet: 14); ``global_blocks`` the indices of the global-attention
+    blocks (default: ViTDet's, the last block of each quarter of the depth). The network is
     built in ``configure_model`` so a sharding strategy can build it directly sharded.
     """
 
@@ -43,6 +47,8 @@ class ViTDetector(pl.LightningModule):
         patch_size: int | None = 8,
         fpn_dim: int = 32,
         strides: tuple[int, ...] = (4, 8, 16),
+        window_size: int = 4,
+        global_blocks: list[int] | None = None,
         lr: float = 2e-3,
         weight_decay: float = 0.05,
         warmup_frac: float = 0.05,
@@ -60,7 +66,18 @@ class ViTDetector(pl.LightningModule):
     def configure_model(self) -> None:
         if self.net is None:
             h: Any = self.hparams
-            self.net = ViTDet(h.size, h.img_size, h.patch_size, h.in_chans, h.num_classes, h.fpn_dim, tuple(h.strides))
+            blocks = None if h.global_blocks is None else tuple(h.global_blocks)
+            self.net = ViTDet(
+                h.size,
+                h.img_size,
+                h.patch_size,
+                h.in_chans,
+                h.num_classes,
+                h.fpn_dim,
+                tuple(h.strides),
+                h.window_size,
+                blocks,
+            )
 
     def forward(self, x: Tensor) -> list[dict[str, Tensor]]:
         """Images -> per-image detections (boxes, scores, labels)."""

@@ -13,6 +13,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.loggers import CSVLogger
 
 import lightning_vitscale  # noqa: F401  -- importing registers strategy="vitscale" with Lightning
+from examples.models.loading import DataWaitTimer
 from lightning_vitscale import VitScaleThroughput
 
 
@@ -55,7 +56,8 @@ def run_cli(
             "precision": "32-true",  # bf16 on CPU is slow; the GPU configs switch to bf16-mixed
             "logger": lazy_instance(CSVLogger, save_dir="lightning_logs", name=task),
             # samples/s, TFLOP/s, MFU (against the GPU's peak dense bf16) and peak memory per rank
-            "callbacks": [lazy_instance(VitScaleThroughput, log_every_n_steps=10)],
+            # + data-wait vs step time per step: shows when the loader, not the model, is the bottleneck
+            "callbacks": [lazy_instance(VitScaleThroughput, log_every_n_steps=10), lazy_instance(DataWaitTimer)],
         },
         args=args,
         run=run,

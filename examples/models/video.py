@@ -58,3 +58,59 @@ class FactorisedVideoViT(nn.Module):
             x = space(x.reshape(b * t, s, d)).view(b, t, s, d)
             x = time(x.transpose(1, 2).reshape(b * s, t, d)).view(b, s, t, d).transpose(1, 2)
         return self.head(self.norm(x.mean(dim=(1, 2))))
+
+
+class MViTv2S(nn.Module):
+    """torchvision's MViTv2-S (Li et al. 2022; ``torchvision.models.video.mvit_v2_s``) at any clip size.
+
+    ``mvit_v2_s()`` fixes the clip to 16 x 224 x 224; this builds torchvision's own ``MViT`` class with the
+    same 16-block configuration (checked against ``mvit_v2_s`` by the tests) for ``num_frames`` x ``img_size``,
+    which must survive the stem (stride 2 x 4 x 4) and three 2x spatial poolings: ``img_size`` a multiple of
+    32, ``num_frames`` even. Takes (B, T, C, H, W) clips like the factorised ViT; its ``MultiscaleBlock`` s
+    are what the strategy shards. No pretrained weights (no downloads at run time).
+    """
+
+    def __init__(
+        self, img_size: int, num_frames: int, num_classes: int, dropout: float = 0.5, stochastic_depth: float = 0.2
+    ) -> None:
+        super().__init__()
+        from torchvision.models.video import MViT
+
+        if img_size % 32 or num_frames % 2:
+            raise ValueError(f"mvit_v2_s needs img_size % 32 == 0 and an even num_frames, got {img_size}/{num_frames}")
+        self.net = MViT(
+            spatial_size=(img_size, img_size),
+            temporal_size=num_frames,
+            block_setting=mvit_v2_s_blocks(),
+            residual_pool=True,
+            residual_with_cls_embed=False,
+            rel_pos_embed=True,
+            proj_after_attn=True,
+            dropout=dropout,
+            stochastic_depth_prob=stochastic_depth,
+            num_classes=num_classes,
+        )
+
+    def forward(self, video: Tensor) -> Tensor:
+        return self.net(video.transpose(1, 2))  # MViT takes (B, C, T, H, W)
+
+
+def mvit_v2_s_blocks() -> list:
+    """The block table of torchvision's ``mvit_v2_s``: 16 blocks, q pooling at 1, 3 and 14, kv stride 8 -> 1."""
+    from torchvision.models.video.mvit import MSBlockConfig
+
+    heads = [1, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 8, 8]
+    chans = [96, 96, 192, 192] + [384] * 11 + [768, 768]  # block i maps chans[i] -> chans[i + 1]
+    kv = [8, 4, 4] + [2] * 11 + [1, 1]
+    return [
+        MSBlockConfig(
+            num_heads=heads[i],
+            input_channels=chans[i],
+            output_channels=chans[i + 1],
+            kernel_q=[3, 3, 3],
+            kernel_kv=[3, 3, 3],
+            stride_q=[1, 2, 2] if i in (1, 3, 14) else [1, 1, 1],
+            stride_kv=[1, kv[i], kv[i]],
+        )
+        for i in range(16)
+    ]

@@ -1,9 +1,10 @@
-"""ViTDet-style detector: plain ViT backbone -> simple feature pyramid -> shared anchor-free CenterNet head.
+"""ViTDet detector: ViTDet backbone -> simple feature pyramid -> shared anchor-free CenterNet head.
 
 Following Li et al. 2022 (ViTDet), the pyramid is built only from the backbone's last feature map
-(deconvs up, pooling down), so the backbone stays a plain stack of identical ``Block`` s that the
-strategy can shard. Each object is assigned to one pyramid level by size (as in FCOS) and predicted
-there as a CenterNet peak + box size + sub-cell offset.
+(deconvs up, pooling down), so the backbone stays a plain stack of ``WindowBlock`` s (windowed attention,
+a few global) that the strategy can shard; the head replaces the paper's Mask R-CNN. Each object is
+assigned to one pyramid level by size (as in FCOS) and predicted there as a CenterNet peak + box size +
+sub-cell offset.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from examples.models.vit import VIT_SIZES, ViTEncoder
+from examples.models.vit import VIT_SIZES
+from examples.models.vitdet_backbone import ViTDetBackbone
 
 
 def _conv_gn(cin: int, cout: int, k: int = 3) -> nn.Sequential:
@@ -77,21 +79,22 @@ class ViTDet(nn.Module):
         num_classes: int,
         fpn_dim: int = 32,
         strides: tuple[int, ...] = (4, 8, 16),
+        window_size: int = 14,
+        global_blocks: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__()
         s = VIT_SIZES[size]
         patch = patch_size or s.patch_size
-        self.num_classes, self.strides, self.img_size = num_classes, strides, img_size
-        self.backbone = ViTEncoder(img_size, patch, in_chans, s.embed_dim, s.depth, s.num_heads, s.mlp_dim)
+        self.num_classes, self.strides = num_classes, strides
+        self.backbone = ViTDetBackbone(
+            img_size, patch, in_chans, s.embed_dim, s.depth, s.num_heads, s.mlp_dim, window_size, global_blocks
+        )
         self.pyramid = SimpleFeaturePyramid(s.embed_dim, fpn_dim, patch, strides)
         self.head = CenterHead(fpn_dim, num_classes)
 
     def forward(self, x: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Images (B, C, H, W) -> per level (heat logits (B, K, h, w), box (B, 4, h, w))."""
-        tokens = self.backbone(x)
-        g = self.backbone.grid
-        fmap = tokens.transpose(1, 2).reshape(x.shape[0], -1, g, g)
-        return [self.head(f) for f in self.pyramid(fmap)]
+        return [self.head(f) for f in self.pyramid(self.backbone(x))]
 
     def _level_of(self, size: float) -> int:
         """FCOS-style scale assignment: object side in [2, 4) strides of a level (open-ended at the ends)."""
@@ -144,6 +147,7 @@ class ViTDet(nn.Module):
     def decode(self, outs: list[tuple[Tensor, Tensor]], top_k: int = 50) -> list[dict[str, Tensor]]:
         """Peaks (3x3 max-pool NMS) across all levels -> per-image xyxy boxes, scores, labels."""
         scores, labels, boxes = [], [], []
+        img_h, img_w = outs[0][0].shape[-2] * self.strides[0], outs[0][0].shape[-1] * self.strides[0]
         for li, (heat, box) in enumerate(outs):
             stride = self.strides[li]
             b, k, h, w = heat.shape
@@ -154,7 +158,8 @@ class ViTDet(nn.Module):
             cx = (gx + bx[:, 2].sigmoid()) * stride
             cy = (gy + bx[:, 3].sigmoid()) * stride
             bw, bh = bx[:, 0].exp() * stride, bx[:, 1].exp() * stride
-            xyxy = torch.stack([cx - bw / 2, cy - bh / 2, cx + bw / 2, cy + bh / 2], -1).clamp(0, self.img_size)
+            xyxy = torch.stack([cx - bw / 2, cy - bh / 2, cx + bw / 2, cy + bh / 2], -1)
+            xyxy = torch.min(xyxy.clamp(min=0), xyxy.new_tensor([img_w, img_h, img_w, img_h]))
             scores.append(p.flatten(2).transpose(1, 2).reshape(b, -1))  # (B, h*w*K) ordered cell-major
             labels.append(torch.arange(k, device=p.device).repeat(h * w).expand(b, -1))
             boxes.append(xyxy.reshape(b, h * w, 1, 4).expand(-1, -1, k, -1).reshape(b, -1, 4))

@@ -43,11 +43,22 @@ def _repeated_children(module: nn.Module, prefix: str) -> list[tuple[str, nn.Mod
 
 
 def _inner_blocks(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Repeated blocks strictly inside ``module`` that hold most of its parameters (a stage's blocks)."""
+    """Repeated blocks strictly inside ``module`` that hold most of its parameters (a stage's blocks), or that
+    form a layer stack (two whole networks side by side: DINO's student and teacher, a siamese pair)."""
     found = list(_discover(module, f"{name}."))
     covered = sum(_num_params(m) for _, m in found)
     total = _num_params(module)
-    return found if found and total and covered * 2 >= total else []
+    if found and total and covered * 2 >= total:
+        return found
+    # A large head (DINO's prototypes) can outweigh a small backbone's blocks; the networks are still no blocks:
+    # one of them as a unit would gather a whole model at once. Attribute siblings (a decoder layer's self- and
+    # cross-attention) are no stack: that layer stays the unit.
+    return found if any(_is_stack(m) for m in module.modules()) else []
+
+
+def _is_stack(module: nn.Module) -> bool:
+    """A ModuleList/Sequential holding two or more alike blocks: a network's layer stack."""
+    return isinstance(module, (nn.ModuleList, nn.Sequential)) and len(_repeated_children(module, "")) >= 2
 
 
 def _discover(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:

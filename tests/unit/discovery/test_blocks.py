@@ -67,6 +67,26 @@ def test_siblings_held_as_attributes_are_found():
     assert [name for name, _ in find_blocks(TwoBlocks())] == ["first", "second"]
 
 
+def test_two_networks_side_by_side_give_the_blocks_of_both():
+    """DINO's student and teacher: each network's head outweighs its blocks, yet a whole network is no block
+    (it would be gathered at once). Without the layer-stack rule the two networks were the units."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(ResidualBlock(4) for _ in range(3))
+            self.head = nn.Sequential(nn.Linear(4, 256), nn.GELU(), nn.Linear(256, 256))  # > the blocks
+
+    class StudentTeacher(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.student, self.teacher = Net(), Net()
+
+    blocks = find_blocks(StudentTeacher())
+    assert describe_blocks(blocks) == {"ResidualBlock": 6}
+    assert [n for n, _ in blocks][::3] == ["student.blocks.0", "teacher.blocks.0"]
+
+
 def test_no_repeated_blocks_gives_nothing():
     assert find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))) == []
 

@@ -1,0 +1,131 @@
+"""Rank script: the classification backbones and the pretraining example through their own CLIs, under ``"ddp"`` and
+``"vitscale"``, in one launch (the process group is made once; each fit is a few steps).
+
+``examples_matrix.py OUT_DIR WORK_DIR name1,name2``: WORK_DIR holds the local weights / configs the backbones read.
+Scenarios are named ``<what>/<strategy>``; results go to OUT_DIR/rank<R>.json via ``run_scenarios``.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from examples import classification, pretraining
+from lightning_vitscale._compat import DTensor
+from tests.helpers.scenarios import run_scenarios
+
+warnings.filterwarnings("ignore")
+WORK = sys.argv.pop(2)  # run_scenarios reads argv[1] (out dir) and argv[2] (names)
+QUIET = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.logger=false",
+         "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
+         "--trainer.enable_model_summary=false"]  # fmt: skip
+BACKBONES = {
+    "timm": ["--model.backbone=timm:vit_tiny_patch16_224", f"--model.weights={WORK}/timm.safetensors"],
+    "torchvision": ["--model.backbone=torchvision:vit_b_16", "--data.img_size=32"],
+    "hf": [f"--model.backbone=hf:{WORK}/hf_config"],
+}
+PROBE_WEIGHT = "blocks.0.attn.qkv.weight"  # a timm block parameter, compared with the weights file after sharding
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().double().clone()
+
+
+class WeightsProbe(pl.Callback):
+    """After setup (sharded or wrapped), before any step: the model holds the file's values."""
+
+    def __init__(self) -> None:
+        self.matches: bool | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        from safetensors.torch import load_file
+
+        expected = load_file(f"{WORK}/timm.safetensors")[PROBE_WEIGHT].double()
+        self.matches = torch.equal(full(pl_module.net.get_parameter(PROBE_WEIGHT)), expected)
+
+
+def backbone(source: str, strategy: str) -> dict:
+    probe = WeightsProbe()
+    cli = classification.main([*QUIET, f"--trainer.strategy={strategy}", "--trainer.fast_dev_run=true",
+                               *BACKBONES[source]], run=False)  # fmt: skip
+    if source == "timm":  # the one scenario given a weights file
+        cli.trainer.callbacks.append(probe)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    plan = getattr(cli.trainer.strategy, "plan", None)
+    return {"steps": cli.trainer.global_step, "blocks": plan.blocks if plan else None, "weights_match": probe.matches}
+
+
+class EMAProbe(pl.Callback):
+    """Records the student after every optimizer step and the momentum used, to recompute the teacher by hand.
+
+    Callback hooks run before the module's, so at ``on_train_batch_end`` the teacher is not yet updated for this
+    step; at ``on_train_end`` it is.
+    """
+
+    def __init__(self) -> None:
+        self.start: list[torch.Tensor] = []
+        self.teacher_start: list[torch.Tensor] = []
+        self.steps: list[tuple[float, list[torch.Tensor]]] = []
+        self.end: list[torch.Tensor] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.start = [full(p) for p in pl_module.student.parameters()]
+        self.teacher_start = [full(p) for p in pl_module.teacher.parameters()]
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        momentum = pl_module.teacher_momentum(trainer.global_step)
+        self.steps.append((momentum, [full(p) for p in pl_module.student.parameters()]))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.end = [full(p) for p in pl_module.teacher.parameters()]
+
+
+def by_hand(probe: EMAProbe) -> list[torch.Tensor]:
+    teacher = [t.clone() for t in probe.start]
+    for momentum, student in probe.steps:
+        teacher = [momentum * t + (1 - momentum) * s for t, s in zip(teacher, student, strict=True)]
+    return teacher
+
+
+def local_bytes(module: torch.nn.Module) -> tuple[int, int]:
+    """(bytes this rank holds, bytes of the whole module) of ``module``'s parameters."""
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in module.parameters())
+    return local, sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def dino(strategy: str) -> dict:
+    probe = EMAProbe()
+    # 3 steps then validation (the k-NN path); momentum 0.5: the teacher moves a lot
+    steps = ["--trainer.max_steps=3", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2"]
+    args = [*QUIET, f"--trainer.strategy={strategy}", *steps, "--trainer.num_sanity_val_steps=0"]
+    args.append("--model.momentum=0.5")
+    cli = pretraining.main(args, run=False)
+    cli.trainer.callbacks.append(probe)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    model = cli.model
+    hand = by_hand(probe)
+    plan = getattr(cli.trainer.strategy, "plan", None)
+    return {
+        "steps": len(probe.steps),
+        "teacher_started_as_student": all(torch.equal(t, s) for t, s in zip(probe.teacher_start, probe.start)),
+        "ema_max_error": max((t - h).abs().max().item() for t, h in zip(probe.end, hand, strict=True)),
+        "teacher_moved": max((t - s).abs().max().item() for t, s in zip(probe.end, probe.start, strict=True)),
+        "teacher_frozen": not any(p.requires_grad for p in model.teacher.parameters()),
+        "teacher_sharded": all(isinstance(p, DTensor) for p in model.teacher.parameters()),
+        "teacher_bytes": local_bytes(model.teacher),
+        "student_bytes": local_bytes(model.student),
+        "block_names": plan.block_names if plan else None,
+        "knn_acc": float(cli.trainer.callback_metrics["knn_acc"]),
+    }
+
+
+STRATEGIES = ("vitscale", "ddp")
+SCENARIOS = {f"{src}/{s}": (lambda a=src, b=s: backbone(a, b)) for src in BACKBONES for s in STRATEGIES}
+SCENARIOS |= {f"dino/{s}": (lambda b=s: dino(b)) for s in STRATEGIES}
+
+if __name__ == "__main__":
+    run_scenarios(SCENARIOS)
