@@ -11,14 +11,17 @@ times them interleaved, step by step (zero_grad -> forward -> backward -> AdamW 
 steps after ``--warmup``, slowest rank. Then one more step per variant under ``torch.profiler``, split on the
 step's own thread into:
 
-* compute: self time of the ``aten::`` ops (recompute included);
-* recompute: compute minus the compute of the same setting without checkpointing (``off*`` rows have none);
+* compute: self time of the ``aten::`` ops of forward, backward and the optimizer;
+* recompute: those run again in backward by checkpointed blocks (labelled here: a block's inner forward called
+  while autograd runs a backward);
+* sharding copies: ``aten::`` ops inside FSDP2's own ranges (all-gather copy-in/out, gradient chunking);
 * collectives: time the step's thread spent inside ``c10d::`` calls (issuing and blocking on all-gathers and
   reduce-scatters). DDP's all-reduces run on gloo's threads; its reducer waits for them inside C++ at the end of
   backward, which the profiler does not label: that wait lands in "other";
 * other: the rest of the profiled step: Python, FSDP/DDP hooks, DTensor dispatch, unlabelled waits.
 
-The profiled step runs slower than the timed ones (profiler overhead); compare its parts with each other.
+Three profiled steps per variant, median of each part; profiled steps run slower than the timed ones (profiler
+overhead): compare their parts with each other.
 Accumulation rows time one optimizer step of 4 micro-batches and count FSDP2's reduce-scatters in it. Memory
 rows: host memory held after one forward of a batch of 64 on one process, per checkpointing mode.
 """
@@ -121,8 +124,34 @@ def step_fn(variant: str, root, optimizer, x, y) -> Callable[[], None]:
     return step
 
 
-def breakdown(step: Callable[[], None]) -> dict[str, float]:
-    """One step under the profiler, split on this thread into compute / collectives / other (ms)."""
+def label_recompute(model) -> None:
+    """Mark recomputation for the profiler: a checkpointed block's inner forward that runs during backward."""
+    import functools
+
+    import torch
+
+    from lightning_vitscale.sharding.activation_checkpointing import is_checkpointed
+
+    def labelled(forward, *args, **kwargs):
+        if torch._C._current_graph_task_id() == -1:  # not inside backward: the first forward
+            return forward(*args, **kwargs)
+        with torch._C._profiler._RecordFunctionFast("recompute"):  # not a dispatched op: SAC stays valid
+            return forward(*args, **kwargs)
+
+    for block in model.blocks:
+        if is_checkpointed(block):
+            patched = block.forward  # functools.partial(_checkpointed_forward, inner forward, mode)
+            inner = functools.partial(labelled, patched.args[0])
+            block.forward = functools.partial(patched.func, inner, *patched.args[1:])
+
+
+def breakdown(step: Callable[[], None], repeats: int) -> dict[str, float]:
+    """``repeats`` steps under the profiler, each split on the step's thread; the median of each part (ms)."""
+    parts = [_profiled(step) for _ in range(repeats)]
+    return {key: statistics.median(p[key] for p in parts) for key in parts[0]}
+
+
+def _profiled(step: Callable[[], None]) -> dict[str, float]:
     from collections import Counter
 
     import torch
@@ -130,14 +159,31 @@ def breakdown(step: Callable[[], None]) -> dict[str, float]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
         step()
-        total = time.perf_counter() - t
+        total = 1e3 * (time.perf_counter() - t)
     # The step's own thread runs almost every event; gloo's worker threads run the collectives' bodies.
     main = Counter(e.thread for e in prof.events()).most_common(1)[0][0]
     events = [e for e in prof.events() if e.thread == main]
-    compute = sum(e.self_cpu_time_total for e in events if e.name.startswith("aten::"))
-    comm = sum(e.cpu_time_total for e in events if e.name.startswith("c10d::"))
-    return {"profiled": 1e3 * total, "compute": compute / 1e3, "collectives": comm / 1e3,
-            "other": 1e3 * total - (compute + comm) / 1e3}
+    sums = Counter()
+    for e in events:
+        if e.name.startswith("c10d::"):
+            sums["collectives"] += e.cpu_time_total
+        elif e.name.startswith("aten::") and not _under(e, ("c10d::",)):
+            kind = "recompute" if _under(e, ("recompute",)) else "sharding copies" if _under(e, ("FSDP::",)) else (
+                "compute")
+            sums[kind] += e.self_cpu_time_total
+    out = {key: sums[key] / 1e3 for key in ("compute", "recompute", "sharding copies", "collectives")}
+    out["other"] = total - sum(out.values())
+    out["profiled"] = total
+    return out
+
+
+def _under(event, prefixes: tuple[str, ...]) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(prefixes):
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 def count_reduce_scatters(step: Callable[[], None]) -> int:
@@ -172,6 +218,8 @@ def worker(out: str, model_name: str, steps: int, warmup: int, accum_steps: int)
     steps_of = {}
     for name in names:
         root, optimizer = build(model_name, name)
+        if not name.startswith("ddp"):
+            label_recompute(root.module)
         steps_of[name] = step_fn(name, root, optimizer, x, y)
     times: dict[str, list[float]] = {n: [] for n in names}
     for index in range(warmup + steps):
@@ -186,7 +234,7 @@ def worker(out: str, model_name: str, steps: int, warmup: int, accum_steps: int)
     result: dict[str, dict[str, float]] = {n: {"median": 1e3 * statistics.median(t)} for n, t in times.items()}
     for name in names:
         dist.barrier()
-        result[name].update(breakdown(steps_of[name]))
+        result[name].update(breakdown(steps_of[name], repeats=3))
         if name in ACCUMULATION:
             dist.barrier()
             result[name]["reduce_scatters"] = count_reduce_scatters(steps_of[name])
@@ -228,16 +276,14 @@ def _rss() -> int:
 
 def report(merged: dict[str, dict[str, float]], held: dict[str, float]) -> str:
     ddp = merged["ddp"]["median"]
-    lines = ["| variant | median ms/step | / DDP | profiled step: compute | recompute | collectives | other |",
-             "|---|---|---|---|---|---|---|"]
+    parts = ("compute", "recompute", "sharding copies", "collectives", "other")
+    lines = ["| variant | median ms/step | / DDP | profiled step (ms): " + " | ".join(parts) + " |",
+             "|---|---|---|" + "---|" * len(parts)]
     for name, row in merged.items():
         if name in ACCUMULATION:
             continue
-        ac = VARIANTS.get(name, (False, None, 0))
-        base = _no_ac_twin(name)
-        recompute = row["compute"] - merged[base]["compute"] if ac[0] and base in merged else 0.0
-        lines.append(f"| {name} | {row['median']:.1f} | {row['median'] / ddp:.2f}x | {row['compute']:.1f} |"
-                     f" {recompute:.1f} | {row['collectives']:.1f} | {row['other']:.1f} |")
+        cells = " | ".join(f"{row[p]:.1f}" for p in parts)
+        lines.append(f"| {name} | {row['median']:.1f} | {row['median'] / ddp:.2f}x | {cells} |")
     lines += ["", f"| accumulation ({MICRO_BATCHES} micro-batches) | median ms/optimizer step | / DDP |"
               " reduce-scatters per optimizer step |", "|---|---|---|---|"]
     for name in ACCUMULATION:
@@ -247,13 +293,6 @@ def report(merged: dict[str, dict[str, float]], held: dict[str, float]) -> str:
     lines += ["", "| checkpointing | held after forward, batch 64 (MiB) |", "|---|---|"]
     lines += [f"| {mode} | {mib:.1f} |" for mode, mib in held.items()]
     return "\n".join(lines)
-
-
-def _no_ac_twin(name: str) -> str:
-    for prefix in ("selective", "full"):
-        if name.startswith(prefix):
-            return "off" + name[len(prefix):]
-    return name
 
 
 def main() -> None:

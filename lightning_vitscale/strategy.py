@@ -85,7 +85,7 @@ class VitScaleStrategy(ModelParallelStrategy):
             micro-batches of an optimizer step (one reduce-scatter per step, as DDP's ``no_sync``) where they fit
             in memory, else ``"sharded"`` (a reduce-scatter per micro-batch); ``"unsharded"`` forces the first.
         prefetch: each unit all-gathers the next ``prefetch`` units explicitly (forward and backward), so the
-            collective overlaps compute; ``0`` leaves FSDP2's implicit prefetch.
+            collective overlaps compute; ``0`` (default) leaves FSDP2's implicit prefetch.
         offload: ``"cpu"`` keeps sharded parameters, gradients and optimizer state in host memory (the optimizer
             steps on the CPU); on ``accelerator="cpu"`` they already are, and it changes nothing.
         timeout: bound on every collective, so a rank that dies cannot leave the others waiting forever.
@@ -119,7 +119,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         sharding: ShardingLayout = "full",
         offload: OffloadMode | None = None,
         accumulation: AccumulationMode = "auto",
-        prefetch: int = 1,
+        prefetch: int = 0,
         timeout: timedelta = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
         state_dict_type: checkpoints.StateDictType = "sharded",

@@ -57,7 +57,7 @@ class ShardingPolicy:
     layout: ShardingLayout = "full"
     offload: OffloadMode | None = None
     accumulation: AccumulationMode = "auto"
-    prefetch: int = 1
+    prefetch: int = 0
 
     def __post_init__(self) -> None:
         _check_layout(self.layout)
