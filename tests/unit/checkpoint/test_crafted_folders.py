@@ -58,11 +58,13 @@ def rewrite_metadata(folder: Path, change) -> None:
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
-def craft_ema_bytes(folder: Path, marker: Path) -> None:
+def craft_ema_bytes(folder: Path, value) -> None:
+    """The first EMA tensor declared a pickled value: ``value`` saved and appended to a shard."""
+
     def declare_bytes(metadata) -> None:
         key = next(k for k in metadata.state_dict_metadata if k.startswith(EMA_KEY + "."))
         metadata.state_dict_metadata[key] = BytesStorageMetadata()
-        payload = _saved(Payload(marker))
+        payload = _saved(value)
         offset = (folder / SHARD).stat().st_size
         with open(folder / SHARD, "ab") as shard:
             shard.write(payload)
@@ -103,7 +105,7 @@ def crafted(tmp_path_factory, mesh) -> dict[str, Path]:
     folders = {name: out / "crafted" / f"{name}.ckpt" for name in VARIANTS}
     for folder in folders.values():
         shutil.copytree(out / "good.ckpt", folder)
-    craft_ema_bytes(folders["ema_bytes"], out / "pwned")
+    craft_ema_bytes(folders["ema_bytes"], Payload(out / "pwned"))
     craft_paths(folders["traversal"], "../../elsewhere/x.distcp")
     craft_paths(folders["absolute"], str(outside))
     (folders["symlink"] / SHARD).unlink()
@@ -177,3 +179,13 @@ def test_only_the_unsafe_opt_out_runs_the_payload(crafted, tmp_path):
     assert main(["consolidate", "--unsafe", str(crafted["ema_bytes"]), str(tmp_path / "out.ckpt")]) == 0
     assert crafted["marker"].exists()  # the opt-out for trusted files really unpickles
     crafted["marker"].unlink()
+
+
+def test_a_tensor_declared_as_a_pickled_value_is_refused_not_silently_skipped(crafted, tmp_path):
+    """A safe pickle (a tensor) in place of an EMA tensor: DCP would put it in its dict and leave the EMA as it was."""
+    folder = tmp_path / "tensor_bytes.ckpt"
+    shutil.copytree(crafted["good"], folder)
+    craft_ema_bytes(folder, torch.ones(3))
+    targets = {k: torch.zeros_like(v) for k, v in load_sharded_as_full(crafted["good"])[EMA_KEY].items()}
+    with pytest.raises(CheckpointError, match=r"stores ema_state_dict\.\S+ as a pickled value, not as a tensor"):
+        sharded_entries(Location.of(folder))[EMA_KEY].load_into(targets)
