@@ -33,6 +33,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # memory planner: shapes without memory
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # s3://, gs://, memory://
+from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo  # where a DCP value lies in a file
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_into
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -128,6 +129,7 @@ __all__ = [
     "ModelParallelStrategy",
     "OffloadPolicy",
     "PL_LOAD_MODULES",
+    "StorageInfo",
     "SubprocessScriptLauncher",
     "TORCH_VERSION",
     "after_closure",

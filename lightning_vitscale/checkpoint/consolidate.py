@@ -10,7 +10,6 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_vitscale._compat import dcp_load_into
 from lightning_vitscale._utils import strip_wrapper_prefixes
 from lightning_vitscale.checkpoint.errors import CheckpointError
 from lightning_vitscale.checkpoint.formats import (
@@ -23,12 +22,7 @@ from lightning_vitscale.checkpoint.formats import (
     sharded_shapes,
 )
 from lightning_vitscale.checkpoint.optimizer_state import to_torch_format
-from lightning_vitscale.checkpoint.safe_reading import (
-    SafeEmptyLoadPlanner,
-    load_pickle,
-    refused_values_named,
-    safe_reader,
-)
+from lightning_vitscale.checkpoint.safe_reading import load_all, load_member
 from lightning_vitscale.checkpoint.storage import Location, torch_save
 
 
@@ -57,8 +51,12 @@ def consolidate_checkpoint(
     inference or fine-tuning, without optimizer states, so that resuming from it fails instead of silently
     training on from the average.
     """
-    checkpoint = load_consolidated(src, dtype=dtype, weights_only=weights_only, weights=weights)
     target = Location.of(dst)
+    if target.is_dir():  # fsspec's move would put the file inside it, under the temporary name
+        raise IsADirectoryError(
+            f"{dst} is an existing folder; consolidate writes one file. Name it, e.g. {target.child('model.ckpt')}"
+        )
+    checkpoint = load_consolidated(src, dtype=dtype, weights_only=weights_only, weights=weights)
     target.fs.makedirs(posixpath.dirname(target.path), exist_ok=True)
     tmp = target.with_suffix(PARTIAL_SUFFIX)
     torch_save(checkpoint, tmp)
@@ -82,13 +80,10 @@ def load_consolidated(
     instead of resuming the weights with fresh optimizers."""
     source = Location.of(src)
     sharded_shapes(source, weights_only)  # complete and readable, or a clear error
-    state: dict[str, Any] = {}
     if weights not in ("raw", "ema"):
         raise ValueError(f"`weights` must be 'raw' or 'ema'; got {weights!r}.")
-    reader = safe_reader(source, weights_only)
-    with refused_values_named(source):
-        dcp_load_into(state, storage_reader=reader, planner=SafeEmptyLoadPlanner(weights_only), no_dist=True)
-    checkpoint = load_pickle(source.child(META), weights_only)
+    state = load_all(source, weights_only)
+    checkpoint = load_member(source, META, weights_only)
     checkpoint["state_dict"] = _plain_keys(state.pop("state_dict"), dtype)
     optimizers = [state.pop(k) for k in sorted((k for k in state if is_own_entry(k)), key=_index)]
     if optimizers or "lr_schedulers" in checkpoint:

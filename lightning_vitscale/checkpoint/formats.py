@@ -9,13 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_vitscale._compat import METADATA_FILENAME, DTensor
 from lightning_vitscale.checkpoint.errors import CheckpointError
-from lightning_vitscale.checkpoint.safe_reading import load_pickle, refused_values_named, safe_reader
+from lightning_vitscale.checkpoint.safe_reading import load_into, load_pickle, read_metadata
 from lightning_vitscale.checkpoint.storage import DCP_METADATA, Location
 
 META = METADATA_FILENAME
@@ -74,19 +73,18 @@ class ShardedEntry:
         return self.location.url
 
     def names(self) -> set[str]:
-        metadata = safe_reader(self.location, self.weights_only).read_metadata()
+        metadata = read_metadata(self.location, self.weights_only)
         prefix = self.key + "."
         return {k[len(prefix) :] for k in metadata.state_dict_metadata if k.startswith(prefix)}
 
     def load_into(self, targets: dict[str, Any]) -> None:
         """Fill ``targets`` (same keys as saved; DTensors of any sharding) in place from the shards."""
-        with refused_values_named(self.location):
-            dcp.load({self.key: targets}, storage_reader=safe_reader(self.location, self.weights_only))
+        load_into({self.key: targets}, self.location, self.weights_only)
 
 
 def sharded_entries(location: Location, weights_only: bool | None = None) -> dict[str, ShardedEntry]:
     """The extra DCP entries of a sharded checkpoint (everything but ``state_dict`` and ``optimizer_<i>``)."""
-    metadata = safe_reader(location, weights_only).read_metadata()
+    metadata = read_metadata(location, weights_only)
     keys = {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
     return {key: ShardedEntry(location, key, weights_only) for key in sorted(keys) if not is_own_entry(key)}
 
@@ -94,32 +92,30 @@ def sharded_entries(location: Location, weights_only: bool | None = None) -> dic
 def checkpoint_shapes(path: PathLike, weights_only: bool | None = None) -> dict[str, torch.Size]:
     """Model tensor shapes recorded in a checkpoint (sharded folder or full file), without loading tensors."""
     location = Location.of(path)
-    if not location.exists():
-        partial = partial_path(location)
-        hint = (
-            f" An interrupted save left {partial}; it is incomplete and cannot be loaded." if partial.exists() else ""
-        )
-        raise FileNotFoundError(f"No checkpoint at {location}.{hint}")
+    require_existing(location)
     if location.is_dir():
         return sharded_shapes(location, weights_only)
     checkpoint = load_full(location, weights_only)
     return {k: v.shape for k, v in checkpoint.get("state_dict", {}).items() if torch.is_tensor(v)}
 
 
+def require_existing(location: Location) -> None:
+    if not location.exists():
+        partial = partial_path(location)
+        hint = (
+            f" An interrupted save left {partial}; it is incomplete and cannot be loaded." if partial.exists() else ""
+        )
+        raise FileNotFoundError(f"No checkpoint at {location}.{hint}")
+
+
 def sharded_shapes(location: Location, weights_only: bool | None = None) -> dict[str, torch.Size]:
-    names = location.names()
-    if not any(n.endswith(".distcp") for n in names) and DCP_METADATA not in names:
-        raise CheckpointError(
-            f"{location} is a folder but not a checkpoint (no DCP shards, no {DCP_METADATA}). Pass the folder that"
-            " trainer.save_checkpoint() or ModelCheckpoint wrote, or a single .ckpt file."
-        )
-    if location.url.rstrip("/").endswith(PARTIAL_SUFFIX) or DCP_METADATA not in names or META not in names:
-        raise CheckpointError(
-            f"{location} is an incomplete sharded checkpoint (missing {DCP_METADATA} or {META}): its save was"
-            " interrupted. Resume from an earlier checkpoint."
-        )
+    """The model's tensor shapes in a complete sharded folder, or a ``CheckpointError`` saying what it is instead
+    (a single file, an interrupted save, a folder that is no checkpoint, a missing or truncated shard)."""
+    require_sharded_folder(location)
     try:
-        metadata = safe_reader(location, weights_only).read_metadata()
+        metadata = read_metadata(location, weights_only)
+    except CheckpointError:
+        raise
     except Exception as error:  # noqa: BLE001 - any unreadable metadata means the same thing to the user
         raise CheckpointError(f"{location} is not a readable checkpoint: {error}") from error
     prefix = "state_dict."
@@ -128,6 +124,28 @@ def sharded_shapes(location: Location, weights_only: bool | None = None) -> dict
         for key, meta in metadata.state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
+
+
+def require_sharded_folder(location: Location) -> None:
+    require_existing(location)
+    if not location.is_dir():
+        raise CheckpointError(
+            f"{location} is a single file, not a sharded checkpoint folder: it needs no consolidation (torch.load"
+            " and MyModule.load_from_checkpoint read it as it is). Pass the folder VitScaleStrategy saved."
+        )
+    names = location.names()
+    started = any(n.endswith(".distcp") for n in names) or DCP_METADATA in names
+    complete = DCP_METADATA in names and META in names
+    if location.url.rstrip("/").endswith(PARTIAL_SUFFIX) or (started and not complete):
+        raise CheckpointError(
+            f"{location} is an incomplete sharded checkpoint (missing {DCP_METADATA} or {META}): its save was"
+            " interrupted. Resume from an earlier checkpoint."
+        )
+    if not started:
+        raise CheckpointError(
+            f"{location} is a folder but not a checkpoint (no DCP shards, no {DCP_METADATA}). Pass the folder that"
+            " trainer.save_checkpoint() or ModelCheckpoint wrote, or a single .ckpt file."
+        )
 
 
 def load_full(location: Location, weights_only: bool | None) -> dict[str, Any]:

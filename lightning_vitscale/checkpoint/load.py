@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from lightning_vitscale.checkpoint.formats import (
@@ -26,7 +25,7 @@ from lightning_vitscale.checkpoint.optimizer_state import (
     set_optimizer_state,
     untouched_if_fresh,
 )
-from lightning_vitscale.checkpoint.safe_reading import SafeLoadPlanner, load_pickle, refused_values_named, safe_reader
+from lightning_vitscale.checkpoint.safe_reading import load_into, load_member, read_metadata
 from lightning_vitscale.checkpoint.storage import Location
 
 
@@ -60,8 +59,7 @@ def load_sharded(
         set_model_state_dict,
     )
 
-    reader = safe_reader(location, weights_only)
-    metadata = reader.read_metadata()
+    metadata = read_metadata(location, weights_only)
     request: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
     require_optimizer_states(bool(saved_entries(metadata, "optimizer_0", "param_groups")), optimizers)
     for i, optimizer in enumerate(optimizers):
@@ -71,13 +69,11 @@ def load_sharded(
             state["state"] = {}  # saved before its first step
         state["param_groups"] = saved_param_groups(metadata, f"optimizer_{i}", state["param_groups"])
         request[f"optimizer_{i}"] = state
-    planner = SafeLoadPlanner(weights_only, allow_partial_load=not strict)
-    with refused_values_named(location):
-        dcp.load(request, storage_reader=reader, planner=planner)
+    load_into(request, location, weights_only, strict=strict)
     set_model_state_dict(module, request.pop("state_dict"), options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):
         set_optimizer_state(module, optimizer, request[f"optimizer_{i}"], StateDictOptions(cpu_offload=True))
-    checkpoint = load_pickle(location.child(META), weights_only)
+    checkpoint = load_member(location, META, weights_only)
     checkpoint.update(sharded_entries(location, weights_only))  # their owners load them into their own DTensors
     return checkpoint
 

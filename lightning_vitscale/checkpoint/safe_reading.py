@@ -1,9 +1,13 @@
-"""The one safe reader: every read of a checkpoint (files, DCP metadata, DCP values) honours ``weights_only``.
+"""The one safe reader: every read of a checkpoint (files, DCP metadata, DCP values) honours ``weights_only`` and
+stays inside the checkpoint folder.
 
 Reading follows torch's rule for ``weights_only``: ``None`` means torch's default (``True`` unless
 ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is set), so a crafted file cannot run code on load. DCP itself unpickles its
-``.metadata`` and its non-tensor values without restriction; the reader and planners here apply the same rule to
-them, and every loader of the package reads through them.
+``.metadata`` and its non-tensor values without restriction (its default load planner uses
+``weights_only=False``) and reads whatever file its metadata names; the reader and planners here apply the
+``weights_only`` rule to every pickle and confine every file to the folder (``confinement.py``). Every loader of
+the package reads through :func:`read_metadata`, :func:`load_into`, :func:`load_all` and :func:`load_pickle`, and
+every failure inside DCP comes out as a ``CheckpointError`` naming the path (DCP raises a ``BaseException``).
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ from contextlib import contextmanager
 from typing import IO, Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from lightning_vitscale._compat import EmptyStateDictLoadPlanner, FsspecReader
+from lightning_vitscale._compat import EmptyStateDictLoadPlanner, FsspecReader, dcp_load_into
+from lightning_vitscale.checkpoint.confinement import check_storage, member
 from lightning_vitscale.checkpoint.errors import CheckpointError
 from lightning_vitscale.checkpoint.storage import DCP_METADATA, Location
 
@@ -90,8 +96,9 @@ class _SafeMetadataMixin:
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         rank = kwargs.get("rank")
         name = DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
-        with self.location.child(name).open("rb") as stream:
+        with member(self.location, name).open("rb") as stream:
             metadata = read_dcp_metadata(stream, self.weights_only)
+        check_storage(self.location, metadata.storage_data)  # before any collective: every rank reads it
         storage_meta = getattr(metadata, "storage_meta", None) or dcp_metadata.StorageMeta()
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
@@ -108,11 +115,20 @@ class _SafeFsspecReader(_SafeMetadataMixin, FsspecReader):
 
 class _SafeBytesMixin:
     """DCP stores every non-tensor value (param-group hyper-parameters, ...) with ``torch.save`` and loads it with
-    ``weights_only=False``; load it under the caller's rule first, and hand DCP only a re-saved safe copy."""
+    ``weights_only=False``; load it under the caller's rule first, and hand DCP only a re-saved safe copy. A value
+    the metadata declares as bytes where the caller asked for a tensor is refused: DCP would replace the tensor
+    in its dict by whatever the bytes hold, and the caller's tensor would silently keep its old value."""
 
     weights_only: bool
+    state_dict: dict[str, Any]
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        if torch.is_tensor(self.state_dict.get(fqn)):
+            raise CheckpointError(
+                f"the checkpoint stores {fqn} as a pickled value, not as a tensor: it is crafted or was not written"
+                " for this model; refusing to load it."
+            )
         if self.weights_only:
             safe = io.BytesIO()
             torch.save(torch.load(value, weights_only=True), safe)
@@ -134,7 +150,8 @@ class SafeEmptyLoadPlanner(_SafeBytesMixin, EmptyStateDictLoadPlanner):
 
 
 def safe_reader(location: Location, weights_only: bool | None) -> FileSystemReader:
-    """DCP's storage reader for ``location`` whose ``.metadata`` is unpickled under the ``weights_only`` rule."""
+    """DCP's storage reader for ``location`` whose ``.metadata`` is unpickled under the ``weights_only`` rule and
+    whose storage table is confined to the folder (every file inside it, present and long enough)."""
     safe = resolve_weights_only(weights_only)
     reader = _SafeFsspecReader(location.url) if location.is_url else _SafeFileSystemReader(location.path)
     reader.weights_only = safe
@@ -168,16 +185,57 @@ def _unsafe_globals(location: Location) -> list[str]:
         return []
 
 
+def read_metadata(location: Location, weights_only: bool | None) -> dcp_metadata.Metadata:
+    """DCP's ``.metadata`` of the folder ``location``, under the ``weights_only`` rule, its files checked."""
+    return safe_reader(location, weights_only).read_metadata()
+
+
+def load_into(state: dict[str, Any], location: Location, weights_only: bool | None, strict: bool = True) -> None:
+    """``dcp.load`` of ``state`` (a collective over the default group): tensors filled in place, other values
+    replaced; ``strict=False`` leaves keys the checkpoint lacks untouched."""
+    planner = SafeLoadPlanner(weights_only, allow_partial_load=not strict)
+    with named_failures(location):
+        dcp.load(state, storage_reader=safe_reader(location, weights_only), planner=planner)
+
+
+def load_all(location: Location, weights_only: bool | None) -> dict[str, Any]:
+    """Everything the folder's DCP shards hold, in one process with no process group (full CPU tensors)."""
+    state: dict[str, Any] = {}
+    reader = safe_reader(location, weights_only)
+    with named_failures(location):
+        dcp_load_into(state, storage_reader=reader, planner=SafeEmptyLoadPlanner(weights_only), no_dist=True)
+    return state
+
+
+def load_member(folder: Location, name: str, weights_only: bool | None) -> Any:
+    """:func:`load_pickle` of the file ``name`` inside ``folder`` (refused if it resolves outside)."""
+    return load_pickle(member(folder, name), weights_only)
+
+
 @contextmanager
-def refused_values_named(location: Location) -> Iterator[None]:
-    """DCP re-raises a rank's failure as a ``CheckpointException`` on every rank; name the path and the fix when
-    the failure is a value that weights_only loading refused."""
+def named_failures(location: Location) -> Iterator[None]:
+    """DCP re-raises any rank's failure as a ``CheckpointException`` (a ``BaseException``: ``except Exception``
+    misses it) on every rank; raise a ``CheckpointError`` naming the path, the cause and the fix instead."""
     try:
         yield
     except CheckpointException as error:
-        if "Weights only load failed" not in str(error):
-            raise
+        causes = [failure[0] if isinstance(failure, tuple) else failure for failure in error.failures.values()]
+        own = next((cause for cause in causes if isinstance(cause, CheckpointError)), None)
+        if own is not None:
+            raise CheckpointError(str(own)) from error
+        if any(_refused_global(cause) for cause in causes):
+            raise CheckpointError(
+                f"{location} holds a value that loading with weights_only=True refuses: {error}. Only if you trust"
+                " this checkpoint: pass weights_only=False (CLI: `python -m lightning_vitscale consolidate"
+                " --unsafe`)."
+            ) from error
+        detail = "; ".join(f"{type(cause).__name__}: {cause}" for cause in causes[:2])
         raise CheckpointError(
-            f"{location} holds a value that loading with weights_only=True refuses: {error}. Only if you trust"
-            " this checkpoint: pass weights_only=False (CLI: `python -m lightning_vitscale consolidate --unsafe`)."
+            f"{location} could not be read (a shard corrupt or changed since the save?): {detail}"
         ) from error
+
+
+def _refused_global(cause: BaseException) -> bool:
+    """A pickle weights-only loading refused for what it would build (not for garbled bytes)."""
+    text = str(cause)
+    return "Weights only load failed" in text and "global" in text.lower()

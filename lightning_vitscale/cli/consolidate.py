@@ -38,7 +38,7 @@ def consolidate_command(args: argparse.Namespace) -> int:
         dtype = None if args.keep_dtype else torch.float32
         weights_only = False if args.unsafe else None
         out = consolidate_checkpoint(args.src, args.dst, dtype=dtype, weights_only=weights_only, weights=args.weights)
-    except (CheckpointError, FileNotFoundError) as error:
+    except (CheckpointError, OSError) as error:  # bad SRC or DST: the message names the path and the fix
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"wrote {out}")

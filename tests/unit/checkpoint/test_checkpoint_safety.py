@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import warnings
 from pathlib import Path
 
@@ -167,3 +168,67 @@ def test_state_dict_type_is_validated_and_the_hint_names_the_exact_command():
     assert consolidate_command("/runs/x/epoch=1.ckpt") == (
         "python -m lightning_vitscale consolidate /runs/x/epoch=1.ckpt /runs/x/epoch=1.consolidated.ckpt"
     )
+
+
+def test_a_missing_truncated_or_garbled_shard_is_a_checkpoint_error_naming_the_file(tmp_path):
+    """DCP raises a bare CheckpointException (a BaseException: ``except Exception`` misses it) naming no file."""
+    for case in ("missing", "truncated", "garbled"):
+        write_sharded(tmp_path / f"{case}.ckpt")
+    shard = "__0_0.distcp"
+    (tmp_path / "missing.ckpt" / shard).unlink()
+    data = (tmp_path / "truncated.ckpt" / shard).read_bytes()
+    (tmp_path / "truncated.ckpt" / shard).write_bytes(data[: len(data) // 2])
+    (tmp_path / "garbled.ckpt" / shard).write_bytes(b"\0" * len(data))  # same length: only DCP's read fails
+    for case, message in (("missing", f"{shard} is missing"), ("truncated", f"{shard} is truncated: it has"),
+                          ("garbled", "could not be read")):
+        folder = tmp_path / f"{case}.ckpt"
+        with pytest.raises(CheckpointError, match=message) as caught:
+            consolidate_checkpoint(folder, tmp_path / "out.ckpt")
+        assert str(folder) in str(caught.value)
+    with pytest.raises(CheckpointError, match=f"{shard} is truncated"):
+        checkpoint_shapes(tmp_path / "truncated.ckpt")  # what every strategy load checks before its collectives
+
+
+def test_consolidate_names_what_src_and_dst_are_instead(tmp_path, capsys):
+    write_sharded(tmp_path / "ok.ckpt")
+    torch.save({"state_dict": {}}, tmp_path / "single.ckpt")
+    (tmp_path / "killed.ckpt.partial").mkdir()  # a save killed before any shard was written
+    (tmp_path / "existing").mkdir()
+    for args, message in (
+        (["single.ckpt", "out.ckpt"], "is a single file, not a sharded checkpoint folder: it needs no consolidation"),
+        (["killed.ckpt.partial", "out.ckpt"], "is an incomplete sharded checkpoint .* its save was interrupted"),
+        (["killed.ckpt", "out.ckpt"], "No checkpoint at .*killed.ckpt. An interrupted save left"),
+        (["ok.ckpt", "existing"], "existing is an existing folder; consolidate writes one file. Name it"),
+    ):
+        assert main(["consolidate", *(str(tmp_path / a) for a in args)]) == 1
+        assert re.search(message, capsys.readouterr().err), message
+    assert not (tmp_path / "out.ckpt").exists() and list((tmp_path / "existing").iterdir()) == []
+
+
+def test_every_checkpoint_read_of_the_package_goes_through_the_safe_reader():
+    """The one choke point: no module but safe_reading.py calls an unpickler or a DCP reader/loader itself."""
+    import ast
+
+    import lightning_vitscale
+
+    readers = {"load", "load_state_dict", "dcp_load_into", "_load_state_dict", "FileSystemReader", "FsspecReader",
+               "Unpickler"}
+    modules = {"torch", "dcp", "pickle", "checkpoint", "state_dict_loader"}
+    found = []
+    root = Path(lightning_vitscale.__file__).parent
+    for source in sorted(root.rglob("*.py")):
+        if source.name == "safe_reading.py":
+            continue
+        for node in ast.walk(ast.parse(source.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+                owner, name = func.value.id, func.attr  # torch.load(...), dcp.load(...)
+            elif isinstance(func, ast.Name):
+                owner, name = "", func.id  # dcp_load_into(...), FileSystemReader(...)
+            else:
+                continue  # self.scaler.load_state_dict(...) and the like: not a checkpoint read
+            if name in readers and (owner in modules or not owner):
+                found.append(f"{source.relative_to(root)}:{node.lineno} {owner}.{name}")
+    assert not found, found

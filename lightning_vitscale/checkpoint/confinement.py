@@ -1,0 +1,86 @@
+"""Every file a checkpoint folder names stays inside that folder, and is there and long enough before DCP reads.
+
+DCP's ``.metadata`` says, for each stored value, which file holds it (``relative_path``), at which offset and how
+many bytes. DCP joins that path to the folder as given, so a crafted ``.metadata`` naming ``../../x`` or ``/x``
+(or a shard that is a symlink out of the folder) makes a load read any file the process can read into a weight.
+And a missing or truncated shard fails inside DCP as a bare ``CheckpointException`` (a ``BaseException``) that
+does not name the file. Checking the whole storage table once, when the metadata is read (every rank reads it
+before the first collective), refuses both with a ``CheckpointError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import PurePosixPath, PureWindowsPath
+from typing import Any
+
+from fsspec.implementations.local import LocalFileSystem
+
+from lightning_vitscale._compat import StorageInfo
+from lightning_vitscale.checkpoint.errors import CheckpointError
+from lightning_vitscale.checkpoint.storage import Location
+
+
+def member(folder: Location, name: str) -> Location:
+    """``folder/name``, refused unless it names a file inside ``folder`` (no absolute path, no ``..``, no
+    symlink that resolves outside the folder)."""
+    parts = PurePosixPath(name).parts
+    if (
+        not name
+        or "\\" in name
+        or PurePosixPath(name).is_absolute()
+        or PureWindowsPath(name).drive
+        or any(part in ("..", ".") for part in parts)
+    ):
+        raise CheckpointError(
+            f"{folder} names the file {name!r}, which is not a plain path inside the checkpoint folder (absolute"
+            " or with '..'): the checkpoint is crafted or corrupt; refusing to read outside the folder."
+        )
+    child = folder.child(name)
+    if isinstance(folder.fs, LocalFileSystem):
+        root = os.path.realpath(folder.path)
+        if os.path.commonpath([root, os.path.realpath(child.path)]) != root:
+            raise CheckpointError(
+                f"{child} is a symlink to {os.path.realpath(child.path)}, outside the checkpoint folder {folder}:"
+                " refusing to read outside the folder. Copy the file into the folder if you trust it."
+            )
+    return child
+
+
+def check_storage(folder: Location, storage_data: Any) -> None:
+    """Every file the storage table names is inside ``folder``, exists, and holds the bytes the table says."""
+    if not isinstance(storage_data, dict):
+        raise CheckpointError(f"{folder}: its DCP metadata has no storage table; the checkpoint is corrupt.")
+    ends: dict[str, int] = {}
+    for index, info in storage_data.items():
+        if not (
+            isinstance(info, StorageInfo)
+            and isinstance(info.relative_path, str)
+            and _is_count(info.offset)
+            and _is_count(info.length)
+        ):
+            raise CheckpointError(f"{folder}: its DCP metadata stores {index} at {info!r}; the checkpoint is corrupt.")
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        _check_length(member(folder, name), end)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_length(file: Location, end: int) -> None:
+    try:
+        size = int(file.fs.size(file.path))
+    except FileNotFoundError:
+        size = -1
+    if size < 0 or not file.is_file():
+        raise CheckpointError(
+            f"{file} is missing: the checkpoint's metadata stores values in it. The folder is incomplete (a copy"
+            " that stopped early?); copy it again, or resume from an earlier checkpoint."
+        )
+    if size < end:
+        raise CheckpointError(
+            f"{file} is truncated: it has {size} bytes, the checkpoint's metadata stores values up to byte {end}."
+            " Copy the folder again, or resume from an earlier checkpoint."
+        )
