@@ -118,6 +118,14 @@ def on_child_failure(procs: list[Any], terminate: Callable[[], None]) -> int:
     return len(observers)
 
 
+def initialize_fsdp_root(root: FSDPModule) -> None:
+    """FSDP2's lazy initialisation, now, with ``root`` as the root: it fixes which unit is the root (and wires the
+    shared communication state) at the first forward of *any* unit, so a first call of a child unit, made before
+    the first step (``pl_module.net(x)`` in ``on_train_start``), would make that child a root and break the step
+    (``FSDP state has already been lazily initialized for ...``). No-op once initialised."""
+    root._get_fsdp_state()._lazy_init()
+
+
 def compile_context(module: Any) -> Any:
     """The compile context Lightning's ``from_compiled`` left on a LightningModule (``None`` if not compiled)."""
     ctx = getattr(module, "_compiler_ctx", None)
@@ -152,6 +160,7 @@ __all__ = [
     "dynamo",
     "fully_shard",
     "fused_kernel_devices",
+    "initialize_fsdp_root",
     "on_child_failure",
     "optimizers_to_device",
     "restore_location",
