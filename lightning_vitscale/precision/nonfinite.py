@@ -51,39 +51,45 @@ class NonFiniteGuard:
 
     def should_skip(self, loss: torch.Tensor | None, grads: Iterable[torch.Tensor], step: int) -> bool:
         """Whether every rank skips this step (one all-reduce); raises after ``max_consecutive`` in a row."""
-        bad_ranks = _non_finite_ranks(loss, list(grads) if self.check_gradients else [])
-        if not bad_ranks:
+        loss_ranks, grad_ranks = _non_finite_ranks(loss, list(grads) if self.check_gradients else [])
+        if not loss_ranks and not grad_ranks:
             self.consecutive = 0
             return False
         self.skipped += 1
         self.consecutive += 1
-        what = "loss or gradients" if self.check_gradients else "loss"
+        # Gradients are reduced across ranks, so one rank's NaN reaches every rank's gradients: name the losses.
+        where = "; ".join(
+            f"{what} on rank(s) {ranks}" for what, ranks in (("loss", loss_ranks), ("gradients", grad_ranks)) if ranks
+        )
         if self.consecutive >= self.max_consecutive:
             raise NonFiniteTrainingError(
-                f"Non-finite {what} at {self.consecutive} optimizer steps in a row (the last at global step"
-                f" {step}, on rank(s) {bad_ranks}): stopped before the weights or a checkpoint become NaN; none of"
-                " these steps was applied. Look for a bad batch or a too-high learning rate, or raise"
+                f"Non-finite values at {self.consecutive} optimizer steps in a row (the last at global step {step}:"
+                f" {where}): stopped before the weights or a checkpoint become NaN; none of these steps was"
+                " applied. Look for a bad batch or a too-high learning rate, or raise"
                 " VitScalePrecision(..., max_skipped_steps=...) to tolerate more in a row."
             )
         rank_zero_warn(
-            f"Non-finite {what} on rank(s) {bad_ranks} at global step {step}: optimizer step skipped on every"
-            f" rank ({self.consecutive} in a row; the run stops at {self.max_consecutive})."
+            f"Non-finite values at global step {step} ({where}): optimizer step skipped on every rank"
+            f" ({self.consecutive} in a row; the run stops at {self.max_consecutive})."
         )
         return True
 
 
-def _non_finite_ranks(loss: torch.Tensor | None, grads: list[torch.Tensor]) -> list[int]:
-    """Ranks whose loss or gradient shards hold an inf/NaN: each sets its own slot, one SUM all-reduce."""
+def _non_finite_ranks(loss: torch.Tensor | None, grads: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """Ranks whose loss, and ranks whose gradient shards, hold an inf/NaN: each rank sets its own two slots of one
+    tensor, and one SUM all-reduce tells every rank."""
     device = loss.device if loss is not None else (grads[0].device if grads else torch.device("cpu"))
-    local = torch.zeros((), dtype=torch.bool, device=device)
+    bad_loss = torch.zeros((), dtype=torch.bool, device=device)
+    bad_grads = torch.zeros((), dtype=torch.bool, device=device)
     if loss is not None:
-        local |= ~torch.isfinite(loss.detach()).all()
+        bad_loss |= ~torch.isfinite(loss.detach()).all()
     for grad in grads:
         shard = grad.to_local() if isinstance(grad, DTensor) else grad
-        local |= ~torch.isfinite(shard).all()
-    if not (dist.is_available() and dist.is_initialized()):
-        return [0] if bool(local) else []
-    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
-    flags[dist.get_rank()] = local.to(torch.int32)
-    dist.all_reduce(flags)  # SUM: slot r is rank r's own flag
-    return [int(r) for r in torch.nonzero(flags).flatten().tolist()]
+        bad_grads |= ~torch.isfinite(shard).all()
+    distributed = dist.is_available() and dist.is_initialized()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    flags = torch.zeros(2, world, dtype=torch.int32, device=device)
+    flags[0, rank], flags[1, rank] = bad_loss.to(torch.int32), bad_grads.to(torch.int32)
+    if distributed:
+        dist.all_reduce(flags)  # SUM: slot r of each row is rank r's own flag
+    return torch.nonzero(flags[0]).flatten().tolist(), torch.nonzero(flags[1]).flatten().tolist()
