@@ -41,7 +41,8 @@ def test_skips_non_finite_steps_and_stops_after_k_in_a_row():
     assert guard.should_skip(finite, grads, step=2) is False  # a finite step resets the count
     with pytest.warns(UserWarning):
         assert guard.should_skip(nan, grads, step=3) is True
-    with pytest.raises(NonFiniteTrainingError, match=r"in a row \(the last at global step 4: loss on rank\(s\) \[0\]\)"):
+    stopped = r"2 optimizer steps in a row \(the last at global step 4: loss on rank\(s\) \[0\]\)"
+    with pytest.raises(NonFiniteTrainingError, match=stopped):
         guard.should_skip(nan, grads, step=4)
     assert guard.skipped == 3
 
