@@ -13,7 +13,7 @@ from lightning_vitscale.discovery import find_blocks
 from lightning_vitscale.kernels import KernelPolicy
 from lightning_vitscale.memory import MemoryPlan, StateBytes, measure_state_bytes, plan_memory
 from lightning_vitscale.monitoring import VitScaleThroughput
-from lightning_vitscale.precision import VitScalePrecision
+from lightning_vitscale.precision import NonFiniteTrainingError, VitScalePrecision
 from lightning_vitscale.sharding import (
     NoBlocksMatchedError,
     OutsideStepCallError,
@@ -33,6 +33,7 @@ __all__ = [
     "KernelPolicy",
     "MemoryPlan",
     "NoBlocksMatchedError",
+    "NonFiniteTrainingError",
     "OutsideStepCallError",
     "ParallelPlan",
     "ShardedEMA",

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ if TORCH_VERSION < TORCH_API_MIN:  # pragma: no cover - pyproject requires a new
 # in this file only, see pyproject.toml).
 import torch._dynamo as dynamo  # regional compilation's dynamo options (kernels/compile.py)
 from lightning.fabric.plugins.io import torch_io as lightning_torch_io
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver as ChildProcessObserver
 from lightning.fabric.utilities.distributed import _destroy_dist_connection as destroy_process_group_safely
 from lightning.fabric.utilities.load import _METADATA_FILENAME as METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
@@ -105,6 +107,27 @@ def set_parameters(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor])
     module._parameters.update(tensors)  # type: ignore[arg-type]  # plain tensors on purpose
 
 
+def on_child_failure(procs: list[Any], terminate: Callable[[], None]) -> int:
+    """Make Lightning's watcher thread of ``procs`` call ``terminate`` once a child exits non-zero, instead of its
+    own ``_terminate_all`` (SIGKILL to every child and to this process at once); returns how many it found."""
+    observers = [
+        thread
+        for thread in threading.enumerate()
+        if isinstance(thread, ChildProcessObserver) and thread._child_processes is procs
+    ]
+    for observer in observers:
+        observer._terminate_all = terminate  # type: ignore[method-assign]
+    return len(observers)
+
+
+def initialize_fsdp_root(root: FSDPModule) -> None:
+    """FSDP2's lazy initialisation, now, with ``root`` as the root: it fixes which unit is the root (and wires the
+    shared communication state) at the first forward of *any* unit, so a first call of a child unit, made before
+    the first step (``pl_module.net(x)`` in ``on_train_start``), would make that child a root and break the step
+    (``FSDP state has already been lazily initialized for ...``). No-op once initialised."""
+    root._get_fsdp_state()._lazy_init()
+
+
 def compile_context(module: Any) -> Any:
     """The compile context Lightning's ``from_compiled`` left on a LightningModule (``None`` if not compiled)."""
     ctx = getattr(module, "_compiler_ctx", None)
@@ -113,6 +136,7 @@ def compile_context(module: Any) -> Any:
 
 __all__ = [
     "BatchNormBase",
+    "ChildProcessObserver",
     "CPUOffloadPolicy",
     "CheckpointPolicy",
     "DTensor",
@@ -141,6 +165,8 @@ __all__ = [
     "dynamo",
     "fully_shard",
     "fused_kernel_devices",
+    "initialize_fsdp_root",
+    "on_child_failure",
     "optimizers_to_device",
     "restore_location",
     "set_device_mesh",

@@ -28,6 +28,7 @@ from lightning_vitscale.distributed import (
     destroy_process_group_at_exit,
     open_side_group,
     stop_local_ranks,
+    watch_local_ranks,
 )
 from lightning_vitscale.init import Creation, InitMode, InitSettings, ModelCreation
 from lightning_vitscale.kernels import (
@@ -203,6 +204,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         # peer: no sharding, same data on every rank). 1-D mesh for "full", (replicate, shard) for hybrid layouts.
         setup_distributed(self)  # sets the device, ranks and the process group (with our timeout)
         destroy_process_group_at_exit()
+        watch_local_ranks(self.launcher)  # a child rank's death leaves this rank's own `except`/`finally` to run
         # Gathers outside a step (model calls, state_dict()) first agree on it, so one rank alone never gathers.
         open_side_group(self._timeout or DEFAULT_TIMEOUT)
         shard = shard_group_size(self.config.sharding.layout, self.world_size, self.num_processes)

@@ -6,6 +6,13 @@ The bottom layer: imports only ``_compat``, ``_utils``, torch and Lightning, nev
 
 from lightning_vitscale.distributed.collective_guard import open_side_group
 from lightning_vitscale.distributed.mesh import build_mesh, shard_size
-from lightning_vitscale.distributed.teardown import destroy_process_group_at_exit, stop_local_ranks
+from lightning_vitscale.distributed.teardown import destroy_process_group_at_exit, stop_local_ranks, watch_local_ranks
 
-__all__ = ["build_mesh", "destroy_process_group_at_exit", "open_side_group", "shard_size", "stop_local_ranks"]
+__all__ = [
+    "build_mesh",
+    "destroy_process_group_at_exit",
+    "open_side_group",
+    "shard_size",
+    "stop_local_ranks",
+    "watch_local_ranks",
+]

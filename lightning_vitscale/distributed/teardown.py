@@ -1,20 +1,30 @@
 """How a run's processes end: the process group destroyed while Python is still alive (gloo's exit crash), and
-the other local ranks stopped when one raises."""
+the other local ranks stopped when one raises, without cutting short the launching rank's own exception handling."""
 
 from __future__ import annotations
 
 import atexit
+import os
 import signal
+import threading
 import time
+from subprocess import Popen, TimeoutExpired
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_vitscale._compat import SubprocessScriptLauncher, destroy_process_group_safely
+from lightning_vitscale._compat import SubprocessScriptLauncher, destroy_process_group_safely, on_child_failure
 from lightning_vitscale.distributed.collective_guard import close_side_group
 
 _registered_exit_cleanup = False
 # How long exiting waits for gloo's worker threads to drop the work objects of the last collectives.
 _EXIT_GRACE_S = 0.1
+# How long the launching rank has, once a child rank died, to notice (a collective with the dead peer fails) and
+# start its own exception handling before it is killed as Lightning's watcher would: bounded, never a hang.
+NOTICE_GRACE_S = 30.0
+# How long stopping the local ranks waits for the killed children to be reaped.
+_REAP_S = 10.0
+# Set once this process handles an exception from the trainer: its watcher then leaves it alone.
+_handling_exception = threading.Event()
 
 
 def destroy_process_group_at_exit() -> None:
@@ -39,9 +49,44 @@ def _exit_cleanup() -> None:
     time.sleep(_EXIT_GRACE_S)
 
 
+def watch_local_ranks(launcher: object) -> None:
+    """Let the launching rank finish its own exception handling when a child rank dies.
+
+    Lightning's watcher thread SIGKILLs this process (exit code 137, which reads as an out-of-memory kill) within
+    5 s of any child exiting non-zero, even while the user's ``except``/``finally`` around ``fit`` runs (a log
+    upload cut off mid-way). Here it still kills the children at once, then gives this process
+    ``NOTICE_GRACE_S`` to start handling an exception of its own (under gloo a collective with the dead peer fails
+    at once); only if it does not is it killed, as before, so a rank stuck without a collective still ends.
+    """
+    if isinstance(launcher, SubprocessScriptLauncher) and launcher.procs:
+        _handling_exception.clear()
+        procs = launcher.procs
+        on_child_failure(procs, lambda: _kill_children_then_self(procs, NOTICE_GRACE_S))
+
+
+def _kill_children_then_self(procs: list[Popen], grace: float) -> None:
+    _kill(procs)
+    if not _handling_exception.wait(grace):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def stop_local_ranks(launcher: object, exception: BaseException, rank: int) -> None:
     """Stop the local ranks this process started: Lightning only does so on Ctrl+C, and a rank that raised
-    leaves its peers blocked in a collective (or busy) with nobody to end them."""
+    leaves its peers blocked in a collective (or busy) with nobody to end them. The exception then propagates to
+    the user's own handling, which runs to completion: the exit code is the script's, as under DDP."""
+    _handling_exception.set()
     if isinstance(launcher, SubprocessScriptLauncher) and launcher.procs:
         rank_zero_warn(f"{type(exception).__name__} on rank {rank}: stopping the other local ranks.")
-        launcher.kill(signal.SIGKILL)
+        _kill(launcher.procs)
+
+
+def _kill(procs: list[Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + _REAP_S
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except TimeoutExpired:  # pragma: no cover - SIGKILL cannot be caught; only an uninterruptible wait delays it
+            pass

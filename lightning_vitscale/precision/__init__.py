@@ -1,16 +1,20 @@
 """Which dtype where: the Lightning precision plugin (BF16 "O2"), its dtype policy, fp32 normalization layers
-kept outside the low-precision units, input casts, the sharded fp16 loss scaler and clipping across shards.
+kept outside the low-precision units, input casts, the sharded fp16 loss scaler, clipping across shards and the
+non-finite step guard.
 
 May import ``discovery`` (which modules are norms), ``distributed``, ``_utils`` and ``_compat``.
 """
 
 from lightning_vitscale.precision.casting import cast_floating_inputs
+from lightning_vitscale.precision.nonfinite import NonFiniteGuard, NonFiniteTrainingError
 from lightning_vitscale.precision.norms import ReplicatedNorms
 from lightning_vitscale.precision.plugin import VitScalePrecision, to_vitscale_precision
 from lightning_vitscale.precision.settings import SUPPORTED_FLAGS, PrecisionFlag, PrecisionPolicy, resolve_flag
 
 __all__ = [
     "SUPPORTED_FLAGS",
+    "NonFiniteGuard",
+    "NonFiniteTrainingError",
     "PrecisionFlag",
     "PrecisionPolicy",
     "ReplicatedNorms",

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_vitscale._compat import FSDPModule, set_lightning_device
+from lightning_vitscale._compat import FSDPModule, initialize_fsdp_root, set_lightning_device
 from lightning_vitscale.checkpoint import full_state_dict
 from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.init import Creation
@@ -213,6 +213,10 @@ def _shard(
     # 4. Drop-in behaviour: calls outside a step gather the outer unit; state_dict() gives DDP's full tensors.
     outer.enable_calls_outside_steps()
     full_state_dict.install(module, outer)
+    # 5. FSDP's root fixed now, not at the first forward: a hook may call the model or any child before the first
+    #    step, as under DDP. Every unit exists and holds real (not meta) shards by here.
+    if isinstance(outer, FSDPModule):
+        initialize_fsdp_root(outer)
     return ShardedModel(outer, done.plan, done.norms, done.router, auto, signature)
 
 

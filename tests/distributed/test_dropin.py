@@ -11,7 +11,10 @@ from tests.helpers.results import load_ranks
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 
 SCRIPT = "tests/distributed/scripts/dropin.py"
-COMPARED = ("outside_steps", "compiled", "weight_averaging", "stochastic_weight_averaging", "sync_batchnorm")
+COMPARED = (
+    "outside_steps", "before_first_step", "compiled", "weight_averaging", "stochastic_weight_averaging",
+    "sync_batchnorm",
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +46,15 @@ def test_model_callable_from_callbacks_and_after_fit_like_ddp(runs):
         assert ours["val_after"] == ddp["val_after"]
         # A no_grad call leaves nothing gathered; an eval loop reshards what a call with gradients kept.
         assert ours["nothing_gathered_after_no_grad_call"] and ours["nothing_gathered_after_validate"]
+
+
+def test_model_callable_before_the_first_step_like_ddp(runs):
+    """A block unit, the model or a child called from on_{train,validation,test,predict}_start on a fresh model
+    (the first forward FSDP sees): DDP's outputs, and the stage that follows runs as under DDP."""
+    stages = ("fit", "validate", "test", "predict")
+    keys = [f"{stage}_{call}" for stage in stages for call in ("block", "model", "child")]
+    for ours, ddp in _pairs(runs, "before_first_step"):
+        _assert_same_numbers(ours, ddp, [*keys, "fit_losses", "validate_metrics", "test_metrics", "predictions"])
 
 
 def test_compiled_module_is_compiled_per_block_with_ddp_losses(runs):

@@ -18,6 +18,9 @@ SCENARIOS = [
     "fp16_overflow",
     "convergence_fp32",
     "convergence_bf16",
+    "nonfinite_bf16_skip",
+    "nonfinite_bf16_stop",
+    "nonfinite_fp32_off",
 ]
 
 
@@ -76,3 +79,31 @@ def test_bf16_mixed_converges_like_fp32_on_digits(ranks):
     # Measured 0.967 (fp32) vs 0.970 (bf16-mixed) on 397 held-out scikit-learn digits after 8 epochs.
     assert fp32 >= 0.93
     assert bf16 >= fp32 - 0.02, (bf16, fp32)
+
+
+def test_nan_on_one_rank_skips_the_step_on_every_rank(ranks):
+    """bf16-mixed, rank 1's loss NaN at batch 2 only: both ranks skip that step (weights untouched), go on."""
+    for rank in ranks:
+        facts = rank["nonfinite_bf16_skip"]
+        assert facts["error"] is None
+        assert facts["changed"] == [True, True, False, True, True]
+        assert facts["skipped"] == 1 and facts["finite_weights"]
+
+
+def test_consecutive_non_finite_steps_stop_the_run_on_every_rank(ranks):
+    """NaN on rank 1 from batch 1 on, max_skipped_steps=2: both ranks stop at batch 2, weights still finite."""
+    for rank in ranks:
+        facts = rank["nonfinite_bf16_stop"]
+        assert facts["error"].startswith("NonFiniteTrainingError: Non-finite values at 2 optimizer steps in a row")
+        # Only rank 1's loss was NaN; the reduction spread it into every rank's gradients.
+        assert "global step 2: loss on rank(s) [1]; gradients on rank(s) [0, 1])" in facts["error"]
+        assert "max_skipped_steps" in facts["error"]
+        assert facts["changed"] == [True, False] and facts["skipped"] == 2 and facts["finite_weights"]
+
+
+def test_fp32_steps_on_nan_as_ddp_does(ranks):
+    """32-true keeps DDP's behaviour: no guard, the NaN step is applied."""
+    for rank in ranks:
+        facts = rank["nonfinite_fp32_off"]
+        assert facts["error"] is None and facts["skipped"] is None
+        assert facts["changed"][2] is True and not facts["finite_weights"]

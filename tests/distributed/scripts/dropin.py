@@ -24,6 +24,7 @@ from tests.helpers.scenarios import rank_zero_alone, run_scenarios
 warnings.filterwarnings("ignore")
 STRATEGY = "vitscale"  # set by `under` for each run
 PROBE = random_images(4, seed=7).tensors[0]
+TOKENS = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(3))  # what a block of the encoder takes
 
 
 def strategy(**kwargs):
@@ -105,6 +106,56 @@ def outside_steps() -> dict:
     t.limit_val_batches = 2
     facts["val_after"] = t.validate(model, loader(n=16), verbose=False)[0]["val_loss"]
     facts["nothing_gathered_after_validate"] = sharded_or_plain(model)
+    return facts
+
+
+class EarlyProbe(Callback):
+    """Calls the model, a child and a block unit in each stage's ``on_*_start``, before any step (issue 21.6)."""
+
+    def __init__(self, block_first: bool) -> None:
+        self.block_first = block_first
+        self.facts: dict = {}
+
+    def _probe(self, stage: str, pl_module) -> None:
+        training = pl_module.training
+        pl_module.eval()
+        block = pl_module.backbone.encoder.layers[0]  # a block unit of its own (FSDP), called directly
+        calls = {"block": lambda: block(TOKENS), "model": lambda: pl_module(PROBE)}
+        with torch.no_grad():
+            for name in sorted(calls, reverse=self.block_first):  # "model" first, or "block" first
+                self.facts[f"{stage}_{name}"] = values(calls[name]())
+        self.facts[f"{stage}_child"] = values(pl_module.backbone.head(torch.ones(2, 64)))  # gradients on if allowed
+        pl_module.train(training)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._probe("fit", pl_module)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._probe("validate", pl_module)
+
+    def on_test_start(self, trainer, pl_module) -> None:
+        self._probe("test", pl_module)
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        self._probe("predict", pl_module)
+
+
+def before_first_step() -> dict:
+    """Each stage on a fresh model whose first call comes from a hook before the first step: DDP's outputs, and
+    the stage itself (training losses, validation loss, test metric, predictions) unaffected."""
+    facts: dict = {}
+    for i, stage in enumerate(("fit", "validate", "test", "predict")):
+        L.seed_everything(0, verbose=False)
+        model, probe = Classifier("encoder"), EarlyProbe(block_first=i % 2 == 0)
+        t = trainer(max_steps=2, limit_val_batches=1, limit_test_batches=1, limit_predict_batches=1, callbacks=[probe])
+        if stage == "fit":
+            t.fit(model, loader(n=16))
+            facts["fit_losses"] = model.losses
+        elif stage == "predict":
+            facts["predictions"] = [float(v) for batch in t.predict(model, loader(n=8)) for v in batch]
+        else:
+            facts[f"{stage}_metrics"] = list(getattr(t, stage)(model, loader(n=8), verbose=False)[0].values())
+        facts.update(probe.facts)
     return facts
 
 
@@ -198,6 +249,7 @@ def under(name: str, scenario):
 
 COMPARED = {
     "outside_steps": outside_steps,
+    "before_first_step": before_first_step,
     "compiled": compiled,
     "weight_averaging": weight_averaging,
     "stochastic_weight_averaging": stochastic_weight_averaging,

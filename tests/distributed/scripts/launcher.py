@@ -1,4 +1,4 @@
-"""User-style script run by Lightning's own launcher: the drop-in path, world size 1, and failing ranks."""
+"""User-style script run by Lightning's own launcher: the drop-in path, world size 1, and a hanging rank."""
 
 from __future__ import annotations
 
@@ -28,17 +28,11 @@ class Reseeded(Classifier):
         torch.manual_seed(1)
 
 
-class Failing(Classifier):
-    """Rank 1 misbehaves at step 2: raises, or hangs while rank 0 waits in a collective."""
-
-    def __init__(self, mode: str) -> None:
-        super().__init__("encoder")
-        self.mode = mode
+class Hanging(Classifier):
+    """Rank 1 hangs at step 2 while rank 0 waits in a collective (a raising rank: scripts/failures.py)."""
 
     def training_step(self, batch, batch_idx):
         if self.global_rank == 1 and batch_idx == 2:
-            if self.mode == "raise":
-                raise RuntimeError("rank 1 failed on purpose")
             time.sleep(3600)
         return super().training_step(batch, batch_idx)
 
@@ -56,8 +50,8 @@ def fit(strategy, devices: int, model: L.LightningModule, steps: int = 6, **kwar
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
-    if mode in ("raise", "hang"):
-        fit(VitScaleStrategy(timeout=timedelta(seconds=8)), 2, Failing(mode), steps=50)
+    if mode == "hang":
+        fit(VitScaleStrategy(timeout=timedelta(seconds=8)), 2, Hanging("encoder"), steps=50)
         return
     if mode == "single":
         results = {}

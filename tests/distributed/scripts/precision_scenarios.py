@@ -89,7 +89,9 @@ def collectives(norms: bool) -> dict:
     L.seed_everything(0, verbose=False)
     model = Deep()
     data = TensorDataset(torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,)))
-    t = trainer(plugins=[VitScalePrecision("bf16-mixed", norms=None if norms else False)], max_steps=2)
+    # The non-finite guard's own all-reduce (one per step, README "Non-finite step guard") is not what is counted.
+    plugin = VitScalePrecision("bf16-mixed", norms=None if norms else False, skip_nonfinite=False)
+    t = trainer(plugins=[plugin], max_steps=2)
     t.fit(model, DataLoader(data, batch_size=4))
     return {"counts": model.counts, "total": sum(model.counts.values()), "fp32": len(t.strategy.plan.fp32_modules)}
 
@@ -122,6 +124,43 @@ def fp16_overflow() -> dict:
     t = trainer(plugins=[plugin], max_steps=4)
     t.fit(model, loader(n=64))
     return {"steps": model.steps, "scaler_state": {k: float(v) for k, v in plugin.state_dict().items()}}
+
+
+class NaNOnRank1(Classifier):
+    """Rank 1's loss is NaN at the listed batches only (the other rank's is finite)."""
+
+    def __init__(self, nan_batches: set[int]) -> None:
+        super().__init__("encoder")
+        self.nan_batches = nan_batches
+        self.changed: list[bool] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_rank == 1 and batch_idx in self.nan_batches else loss
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.before = [p.to_local().detach().clone() for p in self.parameters()]
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.changed.append(any(not torch.equal(a, p.to_local()) for a, p in zip(self.before, self.parameters())))
+
+
+def nonfinite(flag: str, nan_batches: set[int], max_skipped: int = 3) -> dict:
+    L.seed_everything(0, verbose=False)
+    model = NaNOnRank1(nan_batches)
+    plugin = VitScalePrecision(flag, max_skipped_steps=max_skipped)
+    t = trainer(plugins=[plugin], max_steps=5, limit_val_batches=0)
+    error = None
+    try:
+        t.fit(model, loader(n=64))
+    except Exception as e:  # noqa: BLE001 - the stop is what the scenario records
+        error = f"{type(e).__name__}: {e}"
+    return {
+        "changed": model.changed,
+        "error": error,
+        "skipped": plugin.nonfinite_guard.skipped if plugin.nonfinite_guard is not None else None,
+        "finite_weights": all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters()),
+    }
 
 
 class DigitsViT(TinyViT):
@@ -176,6 +215,9 @@ SCENARIOS = {
     "fp16_overflow": fp16_overflow,
     "convergence_fp32": lambda: convergence("32-true"),
     "convergence_bf16": lambda: convergence("bf16-mixed"),
+    "nonfinite_bf16_skip": lambda: nonfinite("bf16-mixed", {2}),
+    "nonfinite_bf16_stop": lambda: nonfinite("bf16-mixed", {1, 2, 3, 4}, max_skipped=2),
+    "nonfinite_fp32_off": lambda: nonfinite("32-true", {2}),
 }
 
 

@@ -1,0 +1,95 @@
+"""The non-finite step guard of reduced-precision runs: every rank skips an optimizer step whose loss or gradients
+are not finite on *any* rank, and the run stops after ``max_consecutive`` such steps in a row.
+
+Why: in bf16 a single inf/NaN gradient (one bad batch on one rank) is reduced into every rank's shards and the
+optimizer writes NaN into the weights, then into every checkpoint after it; under DDP the same happens. fp16 has
+the loss scaler, which skips overflowing steps on its own (and must, while it calibrates its scale), so there the
+guard only watches the loss. The decision is one all-reduce of one flag per rank, so all ranks skip together and
+raise together: no rank steps alone, none waits for another.
+
+Lightning's ``SpikeDetection`` (``lightning.fabric.utilities.spike``) watches *finite* loss spikes against a
+running mean and needs a ``Fabric`` object; it does not skip steps. It is not reused here: this guard handles only
+non-finite values, which need no threshold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_vitscale._compat import DTensor
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """``max_consecutive`` optimizer steps in a row were skipped for non-finite loss or gradients."""
+
+
+@dataclass
+class NonFiniteGuard:
+    """Skip optimizer steps with a non-finite loss (and, ``check_gradients``, gradients) on any rank.
+
+    Args:
+        max_consecutive: stop the run with :class:`NonFiniteTrainingError` after this many skipped steps in a row.
+        check_gradients: also look at the gradients (bf16, fp32); ``False`` under fp16, whose scaler owns them.
+    """
+
+    max_consecutive: int = 3
+    check_gradients: bool = True
+    skipped: int = field(default=0, init=False)  # steps skipped in this run, for the user and the tests
+    consecutive: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_consecutive, int) or isinstance(self.max_consecutive, bool):
+            raise TypeError(f"max_consecutive must be an int >= 1; got {self.max_consecutive!r}.")
+        if self.max_consecutive < 1:
+            raise ValueError(f"max_consecutive must be >= 1 (1: stop at the first non-finite step); got"
+                             f" {self.max_consecutive}.")
+
+    def should_skip(self, loss: torch.Tensor | None, grads: Iterable[torch.Tensor], step: int) -> bool:
+        """Whether every rank skips this step (one all-reduce); raises after ``max_consecutive`` in a row."""
+        loss_ranks, grad_ranks = _non_finite_ranks(loss, list(grads) if self.check_gradients else [])
+        if not loss_ranks and not grad_ranks:
+            self.consecutive = 0
+            return False
+        self.skipped += 1
+        self.consecutive += 1
+        # Gradients are reduced across ranks, so one rank's NaN reaches every rank's gradients: name the losses.
+        where = "; ".join(
+            f"{what} on rank(s) {ranks}" for what, ranks in (("loss", loss_ranks), ("gradients", grad_ranks)) if ranks
+        )
+        if self.consecutive >= self.max_consecutive:
+            raise NonFiniteTrainingError(
+                f"Non-finite values at {self.consecutive} optimizer steps in a row (the last at global step {step}:"
+                f" {where}): stopped before the weights or a checkpoint become NaN; none of these steps was"
+                " applied. Look for a bad batch or a too-high learning rate, or raise"
+                " VitScalePrecision(..., max_skipped_steps=...) to tolerate more in a row."
+            )
+        rank_zero_warn(
+            f"Non-finite values at global step {step} ({where}): optimizer step skipped on every rank"
+            f" ({self.consecutive} in a row; the run stops at {self.max_consecutive})."
+        )
+        return True
+
+
+def _non_finite_ranks(loss: torch.Tensor | None, grads: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """Ranks whose loss, and ranks whose gradient shards, hold an inf/NaN: each rank sets its own two slots of one
+    tensor, and one SUM all-reduce tells every rank."""
+    device = loss.device if loss is not None else (grads[0].device if grads else torch.device("cpu"))
+    bad_loss = torch.zeros((), dtype=torch.bool, device=device)
+    bad_grads = torch.zeros((), dtype=torch.bool, device=device)
+    if loss is not None:
+        bad_loss |= ~torch.isfinite(loss.detach()).all()
+    for grad in grads:
+        shard = grad.to_local() if isinstance(grad, DTensor) else grad
+        bad_grads |= ~torch.isfinite(shard).all()
+    distributed = dist.is_available() and dist.is_initialized()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    flags = torch.zeros(2, world, dtype=torch.int32, device=device)
+    flags[0, rank], flags[1, rank] = bad_loss.to(torch.int32), bad_grads.to(torch.int32)
+    if distributed:
+        dist.all_reduce(flags)  # SUM: slot r of each row is rank r's own flag
+    return torch.nonzero(flags[0]).flatten().tolist(), torch.nonzero(flags[1]).flatten().tolist()

@@ -1,0 +1,59 @@
+"""A user script whose ``fit`` raises on one rank, wrapped in a slow ``except``/``finally`` (e.g. a log upload).
+
+``python failures.py STRATEGY RAISING_RANK OUT HANDLER_S``: Lightning's own launcher starts rank 1; the rank named
+raises at step 2; rank 0's handler sleeps ``HANDLER_S`` seconds (an upload, say), then every rank's handler writes
+``handled_rank{r}.txt``, and its ``finally`` writes ``finally_rank{r}.txt``. The exit code and the files that
+appear are compared with DDP's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from lightning_vitscale import VitScaleStrategy
+from tests.helpers.models import Classifier, loader
+
+warnings.filterwarnings("ignore")
+
+
+class Failing(Classifier):
+    def __init__(self, raising_rank: int) -> None:
+        super().__init__("encoder")
+        self.raising_rank = raising_rank
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == self.raising_rank and batch_idx == 2:
+            raise RuntimeError(f"rank {self.raising_rank} failed on purpose")
+        return super().training_step(batch, batch_idx)
+
+
+def main() -> None:
+    name, raising_rank, out, handler_s = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4])
+    torch.set_num_threads(1)
+    rank = os.environ.get("LOCAL_RANK", "0")
+    strategy = VitScaleStrategy(timeout=timedelta(seconds=20)) if name == "vitscale" else name
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=50, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    try:
+        trainer.fit(Failing(raising_rank), loader(n=64))
+    except Exception as error:
+        if rank == "0":
+            time.sleep(handler_s)
+        (out / f"handled_rank{rank}.txt").write_text(str(error))
+        raise
+    finally:
+        (out / f"finally_rank{rank}.txt").write_text("done")
+
+
+if __name__ == "__main__":
+    main()
