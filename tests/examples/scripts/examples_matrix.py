@@ -50,7 +50,8 @@ class WeightsProbe(pl.Callback):
 
 def backbone(source: str, strategy: str) -> dict:
     probe = WeightsProbe()
-    cli = classification.main([*QUIET, f"--trainer.strategy={strategy}", "--trainer.fast_dev_run=true",
+    root = f"--trainer.default_root_dir={WORK}/runs/{source}_{strategy}"  # where the CLI saves its config.yaml
+    cli = classification.main([*QUIET, root, f"--trainer.strategy={strategy}", "--trainer.fast_dev_run=true",
                                *BACKBONES[source]], run=False)  # fmt: skip
     if source == "timm":  # the one scenario given a weights file
         cli.trainer.callbacks.append(probe)
@@ -101,7 +102,8 @@ def dino(strategy: str) -> dict:
     probe = EMAProbe()
     # 3 steps then validation (the k-NN path); momentum 0.5: the teacher moves a lot
     steps = ["--trainer.max_steps=3", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2"]
-    args = [*QUIET, f"--trainer.strategy={strategy}", *steps, "--trainer.num_sanity_val_steps=0"]
+    args = [*QUIET, f"--trainer.default_root_dir={WORK}/runs/dino_{strategy}", f"--trainer.strategy={strategy}", *steps]
+    args.append("--trainer.num_sanity_val_steps=0")
     args.append("--model.momentum=0.5")
     cli = pretraining.main(args, run=False)
     cli.trainer.callbacks.append(probe)
