@@ -31,13 +31,15 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="fork and SIGKIL
 class Killer:
     """Counts the save's filesystem steps in the forked child and SIGKILLs it at step ``at``."""
 
-    def __init__(self, at: int) -> None:
-        self.at, self.step = at, 0
+    def __init__(self, at: int, shards_only: bool = False) -> None:
+        self.at, self.step, self.shards_only = at, 0, shards_only
         self.write_data, self.remove = FileSystemWriter.write_data, Location.remove
         self.move_to, self.open = Location.move_to, Location.open
 
-    def die_here(self) -> bool:
-        """Kill the process if this is step ``at``; ``False`` otherwise."""
+    def die_here(self, shards: bool = False) -> bool:
+        """Kill the process if this is step ``at``; ``False`` otherwise. ``shards_only``: count shard writes only."""
+        if self.shards_only and not shards:
+            return False
         if self.step == self.at:
             os.kill(os.getpid(), signal.SIGKILL)
         self.step += 1
@@ -45,6 +47,8 @@ class Killer:
 
     def hit(self) -> bool:
         """Whether this is step ``at``: the caller half does its step, then dies."""
+        if self.shards_only:
+            return False
         hit, self.step = self.step == self.at, self.step + 1
         return hit
 
@@ -70,7 +74,7 @@ class Killer:
 
     def install(self, patch: pytest.MonkeyPatch) -> None:
         write_data, open_ = self.write_data, self.open
-        patch.setattr(FileSystemWriter, "write_data", lambda w, *a: self.die_here() or write_data(w, *a))
+        patch.setattr(FileSystemWriter, "write_data", lambda w, *a: self.die_here(True) or write_data(w, *a))
         patch.setattr(Location, "open", lambda loc, mode: ("w" in mode and self.die_here()) or open_(loc, mode))
         patch.setattr(Location, "remove", lambda loc: self.killed_remove(loc))
         patch.setattr(Location, "move_to", lambda loc, dst: self.killed_move(loc, dst))
@@ -81,13 +85,14 @@ def save(url: str, step: int) -> None:
     save_checkpoint(checkpoint, Location.of(url), CheckpointSettings(), True, lambda: None, lambda: None)
 
 
-def save_killed_at(url: str, step: int, at: int) -> bool:
-    """Save in a forked child killed at step ``at``; True when the kill happened (False: the save completed)."""
+def save_killed_at(url: str, step: int, at: int, shards_only: bool = False) -> bool:
+    """Save in a forked child killed at step ``at`` (``shards_only``: at its ``at``-th shard write); True when
+    the kill happened (False: the save completed)."""
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         try:
             with pytest.MonkeyPatch.context() as patch:
-                Killer(at).install(patch)
+                Killer(at, shards_only).install(patch)
                 save(url, step)
         finally:
             os._exit(0)
@@ -121,7 +126,7 @@ def test_a_save_killed_at_any_step_keeps_the_newest_complete_checkpoint(tmp_path
         found = last_step(folder)
         assert found in (1, 2), f"killed at step {at}: ckpt_path='last' found {found} in {os.listdir(folder)}"
         # the next save, killed while writing its shards, must not destroy what the crash left
-        assert save_killed_at(url, 3, 0)
+        assert save_killed_at(url, 3, 0, shards_only=True)
         assert last_step(folder) == found, f"killed at step {at}, then during the next save: {os.listdir(folder)}"
         save(url, 4)
         assert last_step(folder) == 4 and sorted(os.listdir(folder)) == ["last.ckpt"]
