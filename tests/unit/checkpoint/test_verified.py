@@ -15,9 +15,9 @@ from lightning_vitscale.checkpoint import (
     CheckpointSettings,
     HashGroup,
     Location,
-    load_consolidated,
     save_checkpoint,
     verified_checkpoint,
+    verify,
 )
 from lightning_vitscale.checkpoint.resume import complete_checkpoints
 from lightning_vitscale.checkpoint.storage import SHARDED_MARKER
@@ -55,7 +55,7 @@ def test_a_damaged_shard_fails_loading_and_verify_naming_the_file(tmp_path, caps
     victim = folder / shard(folder)
     flip_byte(victim) if damage == "flip" else victim.write_bytes(victim.read_bytes()[:10])
     with pytest.raises(CheckpointError, match=message) as error:
-        load_consolidated(folder)
+        verify(Location.of(folder))
     assert str(victim) in str(error.value)
     assert main(["consolidate", "--verify", str(folder)]) == 1
     err = capsys.readouterr().err
