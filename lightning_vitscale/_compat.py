@@ -27,12 +27,14 @@ from lightning.fabric.strategies.launchers.subprocess_script import _ChildProces
 from lightning.fabric.utilities.distributed import _destroy_dist_connection as destroy_process_group_safely
 from lightning.fabric.utilities.load import _METADATA_FILENAME as METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core import saving as lightning_saving
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
 )
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector as CheckpointConnector
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # memory planner: shapes without memory
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # s3://, gs://, memory://
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo  # where a DCP value lies in a file
@@ -57,6 +59,11 @@ _PRIVATE_HOOKS = (
     (ModelParallelStrategy, "_setup_distributed"),
     (Precision, "_after_closure"),
     (torch.amp.GradScaler, "_unscale_grads_"),
+    # checkpoint/resume.py wraps these two: how `ckpt_path="last"` lists its candidates, and how `fit()` turns
+    # `ckpt_path` into a path (where `auto_resume` supplies one).
+    (ModelCheckpoint, "_find_last_checkpoints"),
+    (CheckpointConnector, "_parse_ckpt_path"),
+    (ModelCheckpoint, "_ModelCheckpoint__resolve_ckpt_dir"),
 )
 # Lightning opens every checkpoint path with `lightning.fabric.utilities.cloud_io._load`, bound as `pl_load` in
 # the two modules that call it: `LightningModule.load_from_checkpoint` (core/saving.py) and
@@ -126,6 +133,9 @@ def initialize_fsdp_root(root: FSDPModule) -> None:
     the first step (``pl_module.net(x)`` in ``on_train_start``), would make that child a root and break the step
     (``FSDP state has already been lazily initialized for ...``). No-op once initialised."""
     root._get_fsdp_state()._lazy_init()
+def checkpoint_dir(callback: Any, trainer: Any) -> str:
+    """The folder a ``ModelCheckpoint`` saves to (its ``dirpath``, or Lightning's default under the logger)."""
+    return str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
 
 
 def compile_context(module: Any) -> Any:
@@ -139,6 +149,7 @@ __all__ = [
     "ChildProcessObserver",
     "CPUOffloadPolicy",
     "CheckpointPolicy",
+    "CheckpointConnector",
     "DTensor",
     "DYNAMO_RECOMPILE_LIMIT",
     "EmptyStateDictLoadPlanner",
@@ -157,6 +168,7 @@ __all__ = [
     "SubprocessScriptLauncher",
     "TORCH_VERSION",
     "after_closure",
+    "checkpoint_dir",
     "amp_unscale_and_check",
     "compile_context",
     "create_selective_checkpoint_contexts",

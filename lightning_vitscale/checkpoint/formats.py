@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_vitscale._compat import METADATA_FILENAME, DTensor
 from lightning_vitscale.checkpoint.errors import CheckpointError
+from lightning_vitscale.checkpoint.manifest import why_incomplete
 from lightning_vitscale.checkpoint.safe_reading import load_into, load_pickle, read_metadata
 from lightning_vitscale.checkpoint.storage import DCP_METADATA, Location
 
@@ -136,7 +137,8 @@ def require_sharded_folder(location: Location) -> None:
     names = location.names()
     started = any(n.endswith(".distcp") for n in names) or DCP_METADATA in names
     complete = DCP_METADATA in names and META in names
-    if location.url.rstrip("/").endswith(PARTIAL_SUFFIX) or (started and not complete):
+    uncommitted = location.url.rstrip("/").endswith(PARTIAL_SUFFIX) and why_incomplete(location, False) is not None
+    if uncommitted or (started and not complete):  # a committed .partial (publish interrupted) is complete
         raise CheckpointError(
             f"{location} is an incomplete sharded checkpoint (missing {DCP_METADATA} or {META}): its save was"
             " interrupted. Resume from an earlier checkpoint."

@@ -10,9 +10,12 @@ StateDictType = Literal["sharded", "full"]
 
 @dataclass(frozen=True)
 class CheckpointSettings:
-    """``"sharded"``: every rank writes its own shards (a folder); ``"full"``: rank 0 writes one DDP-style file."""
+    """``"sharded"``: every rank writes its own shards (a folder); ``"full"``: rank 0 writes one DDP-style file.
+    ``auto_resume``: ``fit()`` resumes from the newest complete checkpoint in the ModelCheckpoint folder
+    (checkpoint/resume.py)."""
 
     state_dict_type: StateDictType = "sharded"
+    auto_resume: bool = False
 
     def __post_init__(self) -> None:
         if self.state_dict_type not in get_args(StateDictType):
@@ -21,6 +24,8 @@ class CheckpointSettings:
                 " per-rank shards, the default) or 'full' (one file in DDP's format that"
                 " `MyModule.load_from_checkpoint` reads)."
             )
+        if not isinstance(self.auto_resume, bool):
+            raise TypeError(f"`auto_resume` must be True or False; got {self.auto_resume!r}.")
 
     @property
     def full(self) -> bool:

@@ -112,6 +112,15 @@ def test_crash_during_save_keeps_the_previous_checkpoints(run):
         assert "save was interrupted" in facts["after_kill"]["partial"]
 
 
+def test_fit_resumes_from_the_newest_complete_checkpoint(run):
+    _, _, _, again = run
+    for facts in again:
+        found = facts["newest_complete"]
+        assert found["last"]["start"] == 4 and found["last"]["path"].endswith("last.ckpt.partial")
+        assert found["auto"]["start"] == 4, found["auto"]  # not 6: both step-6 checkpoints fail their CRC-32
+        assert "needs `ModelCheckpoint(dirpath=...)`" in found["no_folder"]
+
+
 @pytest.mark.parametrize(
     "case, message",
     [

@@ -12,6 +12,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.checkpoint import consolidate_checkpoint
@@ -185,9 +186,60 @@ def one_rank(out: Path) -> dict:
     return results
 
 
+class StartStep(Classifier):
+    def on_train_start(self) -> None:
+        self.start_step = self.trainer.global_step
+
+
+def fit_with_checkpoints(folder: Path, steps: int, ckpt_path: str | None = None, **strategy) -> L.Trainer:
+    L.seed_everything(0, verbose=False)
+    checkpoints = ModelCheckpoint(dirpath=folder, save_last=True, every_n_train_steps=2, save_top_k=-1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=VitScaleStrategy(**strategy), max_steps=steps, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[checkpoints],
+    )
+    model = StartStep("encoder")
+    trainer.fit(model, loader(n=64), ckpt_path=ckpt_path)
+    return trainer
+
+
+def flip_a_byte(folder: Path) -> None:
+    shard = next(p for p in sorted(folder.iterdir()) if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+
+
+def resume_newest_complete(out: Path) -> dict:
+    """Through Trainer.fit: ckpt_path="last" after a crash inside the publish of last.ckpt (the old folder
+    retired, the committed new one still .partial), then auto_resume past the corrupt newest checkpoints."""
+    folder, facts = out / "auto", {}
+    fit_with_checkpoints(folder, 4)
+    if RANK == 0:
+        (folder / "last.ckpt").rename(folder / "last.ckpt.partial")
+    dist.barrier()
+    trainer = fit_with_checkpoints(folder, 6, ckpt_path="last")
+    facts["last"] = {"start": trainer.lightning_module.start_step, "path": str(trainer.ckpt_path)}
+    if RANK == 0:
+        for newest in [p for p in folder.iterdir() if "step=6" in p.name or p.name == "last.ckpt"]:
+            flip_a_byte(newest)
+    dist.barrier()
+    trainer = fit_with_checkpoints(folder, 8, auto_resume=True)
+    facts["auto"] = {"start": trainer.lightning_module.start_step, "path": str(trainer.ckpt_path)}
+    try:
+        L.Trainer(accelerator="cpu", devices=WORLD, strategy=VitScaleStrategy(auto_resume=True), max_steps=1,
+                  logger=False, enable_checkpointing=False).fit(Classifier("encoder"), loader(n=64))
+        facts["no_folder"] = "no error"
+    except ValueError as error:
+        facts["no_folder"] = str(error)
+    return facts
+
+
 def two_ranks_again(out: Path) -> dict:
     results = {"resume_1_to_2": resume("vitscale", out / "one-rank.ckpt", out, "resume_1_to_2")}
     results["after_kill"] = after_kill(out)
+    results["newest_complete"] = resume_newest_complete(out)
     return results
 
 
