@@ -17,7 +17,7 @@ from torch import nn
 from lightning_vitscale._utils import strip_wrapper_prefixes
 from lightning_vitscale.checkpoint.consolidate import consolidate_command
 from lightning_vitscale.checkpoint.formats import META, partial_path, pop_sharded_entries
-from lightning_vitscale.checkpoint.full_state_dict import sharded_state_dicts
+from lightning_vitscale.checkpoint.full_state_dict import gather_sharded_entries, sharded_state_dicts
 from lightning_vitscale.checkpoint.optimizer_state import to_torch_format, untouched_if_fresh
 from lightning_vitscale.checkpoint.settings import CheckpointSettings
 from lightning_vitscale.checkpoint.storage import Location, torch_save, write_sharded_marker
@@ -58,8 +58,10 @@ def save_checkpoint(
     storage_options: Any | None = None,
 ) -> None:
     """``"sharded"``: every rank writes its own shards, atomically; ``"full"``: rank 0 writes one file with
-    Lightning's CheckpointIO (``write_full``), as DDP does."""
+    Lightning's CheckpointIO (``write_full``), as DDP does, with every sharded entry (e.g. ShardedEMA's) gathered
+    into whole tensors first, so the file holds what DDP's would."""
     if settings.full:
+        gather_sharded_entries(checkpoint, keep=is_rank_zero)
         save_full(location, is_rank_zero, write_full, barrier)
         return
     if storage_options is not None:
