@@ -4,6 +4,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_vitscale.averaging import ShardedEMA
 from lightning_vitscale.checkpoint import (
+    AsyncSaveError,
     CheckpointError,
     StateDictGatherError,
     consolidate_checkpoint,
@@ -29,6 +30,7 @@ install_checkpoint_loader()  # Lightning's load_from_checkpoint / DDP resume rea
 __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (setuptools dynamic version)
 
 __all__ = [
+    "AsyncSaveError",
     "CheckpointError",
     "KernelPolicy",
     "MemoryPlan",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
@@ -91,6 +92,9 @@ class VitScaleStrategy(ModelParallelStrategy):
             the others build on meta and receive their shards from rank 0 unit by unit: DDP's weights bit for bit,
             one full copy on rank 0's host), ``"meta"`` (every rank builds on meta and runs the model's own init on
             its shards) or ``"auto"`` (exact when that copy fits in rank 0's host memory).
+        async_save: sharded saves during ``fit`` copy this rank's shards into host memory and return; DCP writes
+            them in the background (one save in flight at most), the checkpoint is committed once every rank
+            wrote, a failure is raised at the next training step, and ``fit`` waits for the last save.
 
     Example::
 
@@ -116,6 +120,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         state_dict_type: checkpoints.StateDictType = "sharded",
         init: InitMode = "auto",
+        async_save: bool = False,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         # Every setting is checked here, by its own dataclass. `config.kernels` stays the requested mode until
@@ -127,7 +132,8 @@ class VitScaleStrategy(ModelParallelStrategy):
             checkpointing=CheckpointingPolicy(blocks=activation_checkpointing, memory_budget=memory_budget),
             kernels=kernels,
         )
-        self.checkpoint_settings = checkpoints.CheckpointSettings(state_dict_type)
+        self.checkpoint_settings = checkpoints.CheckpointSettings(state_dict_type, async_save)
+        self._async_saves = checkpoints.AsyncSaves(timeout)
         self.init_settings = InitSettings(init)
         self.sharded: ShardedModel | None = None
         self._creation: Creation | None = None
@@ -145,7 +151,7 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     @state_dict_type.setter
     def state_dict_type(self, value: checkpoints.StateDictType) -> None:
-        self.checkpoint_settings = checkpoints.CheckpointSettings(value)
+        self.checkpoint_settings = dataclasses.replace(self.checkpoint_settings, state_dict_type=value)
 
     @property  # type: ignore[override]
     def _lightning_module(self) -> pl.LightningModule | None:
@@ -321,12 +327,38 @@ class VitScaleStrategy(ModelParallelStrategy):
         """``"sharded"``: every rank writes its own shards, atomically; ``"full"``: rank 0 writes one file, as DDP."""
         location = checkpoints.Location.of(self.broadcast(str(filepath)))
         write = partial(self.checkpoint_io.save_checkpoint, checkpoint, filepath, storage_options=storage_options)
+        saves = self._async_saves if self._saves_in_background() else None
         checkpoints.save_checkpoint(
-            checkpoint, location, self.checkpoint_settings, self.is_global_zero, self.barrier, write, storage_options
+            checkpoint, location, self.checkpoint_settings, self.is_global_zero, self.barrier, write, storage_options,
+            saves,
         )
         if not self.checkpoint_settings.full and not self._told_how_to_consolidate:
             self._told_how_to_consolidate = True
             rank_zero_info(checkpoints.sharded_save_hint(location))
+
+    def _saves_in_background(self) -> bool:
+        """``async_save`` applies while ``fit`` runs, which waits for the last save; any other save (after ``fit``,
+        from ``validate``) is written before it returns, as without the option."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return (
+            self.checkpoint_settings.async_save
+            and trainer is not None
+            and trainer.state.fn == TrainerFn.FITTING
+            and trainer.state.status == TrainerStatus.RUNNING
+        )
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._async_saves.raise_if_failed()  # a background save that failed since the last step
+
+    @override
+    def on_train_end(self) -> None:
+        self._async_saves.wait()  # after ModelCheckpoint's last save: fit returns with every save committed
+
+    @override
+    def teardown(self) -> None:
+        self._async_saves.close()  # also after an exception, which close() does not mask
+        super().teardown()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -336,6 +368,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         with the same message everywhere instead of leaving ranks waiting on each other. ``weights_only=None``
         is torch's default (True), as under DDP, for every pickle read (files, ``meta.pt``, DCP metadata).
         """
+        self._async_saves.wait()
         location = checkpoints.Location.of(self.broadcast(str(checkpoint_path)))
         module = self.lightning_module
         assert module is not None
@@ -344,6 +377,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         # `lr_find` and ModelCheckpoint call this on every rank; a sharded folder goes only once all are done.
+        self._async_saves.wait()  # a folder still being written must not be deleted under the writer
         location = checkpoints.Location.of(self.broadcast(str(filepath)))
         checkpoints.remove_checkpoint(location, self.is_global_zero, self.barrier)
 

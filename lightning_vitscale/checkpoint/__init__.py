@@ -5,6 +5,7 @@ the strategy's save/load/remove, consolidation into one file, Lightning's own lo
 May import ``distributed`` (the side-group handshake before a gather), ``_utils`` and ``_compat``.
 """
 
+from lightning_vitscale.checkpoint.async_save import AsyncSaveError, AsyncSaves
 from lightning_vitscale.checkpoint.consolidate import consolidate_checkpoint, consolidate_command, load_consolidated
 from lightning_vitscale.checkpoint.errors import CheckpointError
 from lightning_vitscale.checkpoint.full_state_dict import StateDictGatherError
@@ -21,6 +22,8 @@ from lightning_vitscale.checkpoint.settings import CheckpointSettings, StateDict
 from lightning_vitscale.checkpoint.storage import Location
 
 __all__ = [
+    "AsyncSaveError",
+    "AsyncSaves",
     "CheckpointError",
     "CheckpointSettings",
     "Location",

@@ -8,6 +8,7 @@ state), gathered one tensor at a time so no device ever holds more than one full
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from lightning_vitscale._utils import strip_wrapper_prefixes
+from lightning_vitscale.checkpoint.async_save import AsyncSaves
 from lightning_vitscale.checkpoint.consolidate import consolidate_command
 from lightning_vitscale.checkpoint.formats import META, partial_path, pop_sharded_entries
 from lightning_vitscale.checkpoint.full_state_dict import gather_sharded_entries, sharded_state_dicts
@@ -56,10 +58,13 @@ def save_checkpoint(
     barrier: Callable[[], None],
     write_full: Callable[[], None],
     storage_options: Any | None = None,
+    saves: AsyncSaves | None = None,
 ) -> None:
     """``"sharded"``: every rank writes its own shards, atomically; ``"full"``: rank 0 writes one file with
     Lightning's CheckpointIO (``write_full``), as DDP does, with every sharded entry (e.g. ShardedEMA's) gathered
     into whole tensors first, so the file holds what DDP's would."""
+    if saves is not None:
+        saves.wait()  # at most one in flight: the previous save commits before this one touches any folder
     if settings.full:
         gather_sharded_entries(checkpoint, keep=is_rank_zero)
         save_full(location, is_rank_zero, write_full, barrier)
@@ -69,7 +74,7 @@ def save_checkpoint(
             "VitScaleStrategy(state_dict_type='sharded') writes DCP shards and takes no storage_options;"
             " use state_dict_type='full' to save through the Trainer's CheckpointIO plugin."
         )
-    save_sharded(checkpoint, location, is_rank_zero, barrier)
+    save_sharded(checkpoint, location, is_rank_zero, barrier, saves)
 
 
 def sharded_save_hint(location: Location) -> str:
@@ -83,24 +88,39 @@ def sharded_save_hint(location: Location) -> str:
 
 
 def save_sharded(
-    checkpoint: dict[str, Any], location: Location, is_rank_zero: bool, barrier: Callable[[], None]
+    checkpoint: dict[str, Any],
+    location: Location,
+    is_rank_zero: bool,
+    barrier: Callable[[], None],
+    saves: AsyncSaves | None = None,
 ) -> None:
     """Every rank writes its own shards into ``<path>.partial``; rank 0 then writes Lightning's metadata and
     swaps the folder into place. A crash at any point leaves ``path`` as it was (the previous checkpoint stays
-    loadable) and a ``.partial`` folder that never loads as if complete."""
+    loadable) and a ``.partial`` folder that never loads as if complete. With ``saves`` the shards are copied
+    into host memory here and written in the background (``async_save.py``); the swap follows every rank's write."""
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     tensors.update(pop_sharded_entries(checkpoint))  # e.g. ShardedEMA's ema_state_dict
     staging = partial_path(location)
     if is_rank_zero:
         staging.remove()
+        staging.fs.makedirs(staging.path, exist_ok=True)
+        torch_save(checkpoint, staging.child(META))  # Lightning's metadata: small, written now
     barrier()
+    commit = partial(_commit, staging, location)
+    if saves is not None:
+        saves.start(tensors, staging, location, commit)
+        return
     dcp.save(tensors, storage_writer=staging.writer())  # collective; coordinator writes .metadata after all shards
     if is_rank_zero:
-        torch_save(checkpoint, staging.child(META))
-        write_sharded_marker(staging)
-        _swap_into_place(staging, location)
+        commit()
     barrier()
+
+
+def _commit(staging: Location, location: Location) -> None:
+    """Rank 0, once every rank's shards and DCP's ``.metadata`` are in ``staging``: mark it ours, swap it in."""
+    write_sharded_marker(staging)
+    _swap_into_place(staging, location)
 
 
 def _swap_into_place(staging: Location, location: Location) -> None:

@@ -1,0 +1,141 @@
+"""Asynchronous sharded saves: the training step pays only the copy of this rank's shards into host memory.
+
+A sharded save blocks every rank for the whole write (seconds to minutes for a large model). As torchtitan's
+``async_mode`` does, DCP's ``async_save`` first copies the state dict into host memory (its blocking stager: the
+next optimizer step may then change the parameters in place), then writes from a background thread. Here:
+
+- **at most one save in flight**: a new save, a removal or a load first waits for the previous one;
+- **commit only after every rank's write finished**: DCP's save returns on rank 0 once the coordinator has every
+  rank's write result and has written ``.metadata``; the ranks then exchange their outcomes and the commit
+  (``commit``: the marker and the move into place, on rank 0) runs only when all of them wrote;
+- **failures reported on the next step**: the outcome (every rank's, so all ranks fail alike) is kept, and
+  :meth:`AsyncSaves.raise_if_failed` raises it at the next training step that begins after it arrived;
+- **fit waits for the last save**: the strategy calls :meth:`AsyncSaves.wait` at the end of training.
+
+The background collectives run on a gloo group of their own: the training's collectives go on meanwhile on the
+default group, and two threads must never issue collectives on the same group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from lightning_vitscale.checkpoint.errors import CheckpointError
+from lightning_vitscale.checkpoint.storage import Location
+
+
+class AsyncSaveError(CheckpointError):
+    """A background save failed; the checkpoint it was writing was not committed."""
+
+
+@dataclass
+class _InFlight:
+    location: Location
+    done: Future[None]
+
+
+class AsyncSaves:
+    """One rank's asynchronous saves: the background thread, its process group and the save in flight."""
+
+    def __init__(self, timeout: timedelta) -> None:
+        self.timeout = timeout
+        self._group: dist.ProcessGroup | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._in_flight: _InFlight | None = None
+
+    def start(
+        self,
+        tensors: dict[str, Any],
+        staging: Location,
+        location: Location,
+        commit: Callable[[], None],
+    ) -> None:
+        """Copy ``tensors`` into host memory now (every rank), write them into ``staging`` in the background, then
+        run ``commit`` on rank 0 once every rank wrote. Waits for the previous save first (raising its failure)."""
+        self.wait()
+        group = self._side_group()
+        upload = dcp.async_save(tensors, storage_writer=staging.writer(), process_group=group)
+        if not isinstance(upload, Future):  # a stager that copies in the background: wait for the write
+            upload = upload.upload_completion
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitscale-async-save")
+        done = self._executor.submit(_finish, upload, commit, group, location)
+        self._in_flight = _InFlight(location, done)
+
+    def raise_if_failed(self) -> None:
+        """Raise a finished save's failure (not blocking: a save still writing is left alone)."""
+        if self._in_flight is not None and self._in_flight.done.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed (or raise its failure); then none is in flight."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.done.result()
+
+    def close(self) -> None:
+        """Wait for the save in flight without raising (the caller is already handling an error), stop the thread."""
+        try:
+            self.wait()
+        except AsyncSaveError:
+            pass
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def _side_group(self) -> dist.ProcessGroup | None:
+        if self._group is None and dist.is_initialized():
+            # A collective: every rank saves at the same point, so every rank makes it here together.
+            group = dist.new_group(backend="gloo", timeout=self.timeout)
+            self._group = group if isinstance(group, dist.ProcessGroup) else None
+        return self._group
+
+
+def _finish(upload: Future[Any], commit: Callable[[], None], group: Any, location: Location) -> None:
+    """Background thread: wait for this rank's write, agree with every rank, commit on rank 0, agree again."""
+    failures = _exchange(_outcome(upload.result), group)
+    if not failures and _rank(group) == 0:
+        failures = [] if (error := _outcome(commit)) is None else [f"rank 0 (commit): {error}"]
+    failures = _broadcast(failures, group)
+    if failures:
+        raise AsyncSaveError(
+            f"The asynchronous save of {location} failed: {'; '.join(failures)}. It was not committed: the previous"
+            " complete checkpoint under that name is unchanged. Fix the cause (disk space, permissions, storage),"
+            " or pass VitScaleStrategy(async_save=False) to see the error inside the save."
+        )
+
+
+def _outcome(run: Callable[[], Any]) -> str | None:
+    try:
+        run()
+    except Exception as error:  # noqa: BLE001 - every failure is reported to every rank, then raised there
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _rank(group: Any) -> int:
+    return dist.get_rank(group) if group is not None else 0
+
+
+def _exchange(error: str | None, group: Any) -> list[str]:
+    if group is None:
+        return [] if error is None else [f"rank 0: {error}"]
+    outcomes: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, error, group=group)
+    return [f"rank {rank}: {e}" for rank, e in enumerate(outcomes) if e is not None]
+
+
+def _broadcast(failures: list[str], group: Any) -> list[str]:
+    if group is None:
+        return failures
+    box: list[Any] = [failures]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return list(box[0])
