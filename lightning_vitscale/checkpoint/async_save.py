@@ -103,7 +103,7 @@ def _finish(upload: Future[Any], commit: Callable[[], None], group: Any, locatio
     """Background thread: wait for this rank's write, agree with every rank, commit on rank 0, agree again."""
     failures = _exchange(_outcome(upload.result), group)
     if not failures and _rank(group) == 0:
-        failures = [] if (error := _outcome(commit)) is None else [f"rank 0 (commit): {error}"]
+        failures = [] if (error := _outcome(commit)) is None else [f"(commit) {error}"]
     failures = _broadcast(failures, group)
     if failures:
         raise AsyncSaveError(
@@ -116,21 +116,26 @@ def _finish(upload: Future[Any], commit: Callable[[], None], group: Any, locatio
 def _outcome(run: Callable[[], Any]) -> str | None:
     try:
         run()
-    except Exception as error:  # noqa: BLE001 - every failure is reported to every rank, then raised there
-        return f"{type(error).__name__}: {error}"
+    except dcp.CheckpointException as error:  # a BaseException: the writes that failed, by rank, on every rank
+        return "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in sorted(error.failures.items()))
+    except Exception as error:  # noqa: BLE001 - reported to every rank, raised there
+        return f"rank {_rank(None)}: {type(error).__name__}: {error}"
     return None
 
 
 def _rank(group: Any) -> int:
-    return dist.get_rank(group) if group is not None else 0
+    if not dist.is_initialized():
+        return 0
+    return dist.get_rank(group) if group is not None else dist.get_rank()
 
 
 def _exchange(error: str | None, group: Any) -> list[str]:
+    """Every rank's failures, on every rank (each said once: DCP reports one rank's failure on all of them)."""
     if group is None:
-        return [] if error is None else [f"rank 0: {error}"]
+        return [] if error is None else [error]
     outcomes: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(outcomes, error, group=group)
-    return [f"rank {rank}: {e}" for rank, e in enumerate(outcomes) if e is not None]
+    return list(dict.fromkeys(e for e in outcomes if e is not None))
 
 
 def _broadcast(failures: list[str], group: Any) -> list[str]:
