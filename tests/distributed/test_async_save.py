@@ -53,5 +53,5 @@ def test_a_failed_background_write_is_raised_at_the_next_step_and_the_previous_c
         failing = facts["failing"]
         assert failing["error"] is not None and "No space left on device (injected)" in failing["error"]
         assert "rank 1" in failing["error"] and "async_save=False" in failing["error"]
-        assert failing["raised_at_step"] == 5  # the step after the save at step 4, on every rank
+        assert failing["raised_at_step"] == 5  # at the start of the step after the save at step 4, on every rank
     assert load_consolidated(out / "fail" / "last.ckpt")["global_step"] == 2

@@ -116,7 +116,7 @@ def failing_write(out: Path) -> dict:
     _FileSystemWriter.write_data = as_method(FailingWrite())
     steps_seen: list[int] = []
     step_of = L.Callback()
-    step_of.on_train_batch_start = lambda trainer, *args: steps_seen.append(trainer.global_step)
+    step_of.on_exception = lambda trainer, *args: steps_seen.append(trainer.global_step)  # optimizer steps done
     try:
         fit(out / "fail", True, [WaitForFailure(), step_of], steps=8, save_top_k=0)
     except AsyncSaveError as error:
