@@ -9,6 +9,7 @@ from lightning_vitscale.checkpoint import (
     StateDictGatherError,
     consolidate_checkpoint,
     install_checkpoint_loader,
+    install_resume_hooks,
 )
 from lightning_vitscale.discovery import find_blocks
 from lightning_vitscale.kernels import KernelPolicy
@@ -26,6 +27,7 @@ from lightning_vitscale.strategy import VitScaleStrategy
 if VitScaleStrategy.strategy_name not in StrategyRegistry:
     VitScaleStrategy.register_strategies(StrategyRegistry)
 install_checkpoint_loader()  # Lightning's load_from_checkpoint / DDP resume read our sharded folders
+install_resume_hooks()  # ckpt_path="last" and auto_resume find the newest complete checkpoint
 
 __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (setuptools dynamic version)
 

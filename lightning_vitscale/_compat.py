@@ -25,12 +25,14 @@ from lightning.fabric.plugins.io import torch_io as lightning_torch_io
 from lightning.fabric.utilities.distributed import _destroy_dist_connection as destroy_process_group_safely
 from lightning.fabric.utilities.load import _METADATA_FILENAME as METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core import saving as lightning_saving
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
 )
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector as CheckpointConnector
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # memory planner: shapes without memory
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # s3://, gs://, memory://
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
@@ -53,6 +55,11 @@ _PRIVATE_HOOKS = (
     (ModelParallelStrategy, "_setup_distributed"),
     (Precision, "_after_closure"),
     (torch.amp.GradScaler, "_unscale_grads_"),
+    # checkpoint/resume.py wraps these two: how `ckpt_path="last"` lists its candidates, and how `fit()` turns
+    # `ckpt_path` into a path (where `auto_resume` supplies one).
+    (ModelCheckpoint, "_find_last_checkpoints"),
+    (CheckpointConnector, "_parse_ckpt_path"),
+    (ModelCheckpoint, "_ModelCheckpoint__resolve_ckpt_dir"),
 )
 # Lightning opens every checkpoint path with `lightning.fabric.utilities.cloud_io._load`, bound as `pl_load` in
 # the two modules that call it: `LightningModule.load_from_checkpoint` (core/saving.py) and
@@ -103,6 +110,11 @@ def set_parameters(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor])
     module._parameters.update(tensors)  # type: ignore[arg-type]  # plain tensors on purpose
 
 
+def checkpoint_dir(callback: Any, trainer: Any) -> str:
+    """The folder a ``ModelCheckpoint`` saves to (its ``dirpath``, or Lightning's default under the logger)."""
+    return str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
+
+
 def compile_context(module: Any) -> Any:
     """The compile context Lightning's ``from_compiled`` left on a LightningModule (``None`` if not compiled)."""
     ctx = getattr(module, "_compiler_ctx", None)
@@ -112,6 +124,7 @@ def compile_context(module: Any) -> Any:
 __all__ = [
     "BatchNormBase",
     "CPUOffloadPolicy",
+    "CheckpointConnector",
     "DTensor",
     "DYNAMO_RECOMPILE_LIMIT",
     "EmptyStateDictLoadPlanner",
@@ -129,6 +142,7 @@ __all__ = [
     "SubprocessScriptLauncher",
     "TORCH_VERSION",
     "after_closure",
+    "checkpoint_dir",
     "amp_unscale_and_check",
     "compile_context",
     "dcp_load_into",

@@ -92,6 +92,9 @@ class VitScaleStrategy(ModelParallelStrategy):
             the others build on meta and receive their shards from rank 0 unit by unit: DDP's weights bit for bit,
             one full copy on rank 0's host), ``"meta"`` (every rank builds on meta and runs the model's own init on
             its shards) or ``"auto"`` (exact when that copy fits in rank 0's host memory).
+        auto_resume: ``fit()`` resumes from the newest complete checkpoint in the ``ModelCheckpoint(dirpath=...)``
+            folder (skipping interrupted, incomplete and corrupt ones), and starts from ``ckpt_path`` (or from
+            scratch) only when there is none: resubmitting the same command after a failure continues the run.
         async_save: sharded saves during ``fit`` copy this rank's shards into host memory and return; DCP writes
             them in the background (one save in flight at most), the checkpoint is committed once every rank
             wrote, a failure is raised at the next training step, and ``fit`` waits for the last save.
@@ -120,6 +123,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         state_dict_type: checkpoints.StateDictType = "sharded",
         init: InitMode = "auto",
+        auto_resume: bool = False,
         async_save: bool = False,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
@@ -132,8 +136,11 @@ class VitScaleStrategy(ModelParallelStrategy):
             checkpointing=CheckpointingPolicy(blocks=activation_checkpointing, memory_budget=memory_budget),
             kernels=kernels,
         )
-        self.checkpoint_settings = checkpoints.CheckpointSettings(state_dict_type, async_save)
+        self.checkpoint_settings = checkpoints.CheckpointSettings(state_dict_type, auto_resume, async_save)
         self._async_saves = checkpoints.AsyncSaves(timeout)
+        # Older complete checkpoints that `auto_resume` / `ckpt_path="last"` found, tried in order if the chosen
+        # one fails its CRC-32 check at load (checkpoint/resume.py sets them, load_checkpoint consumes them).
+        self.resume_fallbacks: list[checkpoints.Location] = []
         self.init_settings = InitSettings(init)
         self.sharded: ShardedModel | None = None
         self._creation: Creation | None = None
@@ -330,7 +337,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         saves = self._async_saves if self._saves_in_background() else None
         checkpoints.save_checkpoint(
             checkpoint, location, self.checkpoint_settings, self.is_global_zero, self.barrier, write, storage_options,
-            saves,
+            self._hash_group(), saves,
         )
         if not self.checkpoint_settings.full and not self._told_how_to_consolidate:
             self._told_how_to_consolidate = True
@@ -367,12 +374,24 @@ class VitScaleStrategy(ModelParallelStrategy):
         Every rank validates keys and shapes before the first collective, so a wrong path or model fails
         with the same message everywhere instead of leaving ranks waiting on each other. ``weights_only=None``
         is torch's default (True), as under DDP, for every pickle read (files, ``meta.pt``, DCP metadata).
+        A path whose save was interrupted loads the newest complete checkpoint saved to it; a sharded folder's
+        CRC-32s are checked first, shared by the ranks (checkpoint/verified.py).
         """
         self._async_saves.wait()
         location = checkpoints.Location.of(self.broadcast(str(checkpoint_path)))
+        fallbacks, self.resume_fallbacks = self.resume_fallbacks, []
+        location = checkpoints.verified_checkpoint(location, fallbacks, self._hash_group())
         module = self.lightning_module
         assert module is not None
         return checkpoints.load_checkpoint(location, module, self.optimizers, module.strict_loading, weights_only)
+
+    def _hash_group(self) -> checkpoints.HashGroup:
+        return checkpoints.HashGroup(self.global_rank, self.world_size, self._all_gather_objects)
+
+    def _all_gather_objects(self, value: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, value)
+        return gathered
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -1,17 +1,22 @@
 """Checkpoints: the sharded folder and DDP's single-file formats, the one safe reader every load goes through,
-the strategy's save/load/remove, consolidation into one file, Lightning's own loaders reading sharded folders, and
-``model.state_dict()`` as DDP's full tensors.
+the strategy's save/load/remove, the atomic commit of a save, resuming from the newest complete checkpoint
+(``ckpt_path="last"``, ``auto_resume``), consolidation into one file, Lightning's own loaders reading sharded
+folders, and ``model.state_dict()`` as DDP's full tensors.
 
 May import ``distributed`` (the side-group handshake before a gather), ``_utils`` and ``_compat``.
 """
 
 from lightning_vitscale.checkpoint.async_save import AsyncSaveError, AsyncSaves
+from lightning_vitscale.checkpoint.commit import commit, newest_complete
 from lightning_vitscale.checkpoint.consolidate import consolidate_checkpoint, consolidate_command, load_consolidated
 from lightning_vitscale.checkpoint.errors import CheckpointError
 from lightning_vitscale.checkpoint.full_state_dict import StateDictGatherError
 from lightning_vitscale.checkpoint.lightning_loaders import install_checkpoint_loader
 from lightning_vitscale.checkpoint.load import load_checkpoint
+from lightning_vitscale.checkpoint.manifest import verify
+from lightning_vitscale.checkpoint.resume import install_resume_hooks
 from lightning_vitscale.checkpoint.save import (
+    HashGroup,
     model_state_dict,
     optimizer_state_dict,
     remove_checkpoint,
@@ -20,23 +25,30 @@ from lightning_vitscale.checkpoint.save import (
 )
 from lightning_vitscale.checkpoint.settings import CheckpointSettings, StateDictType
 from lightning_vitscale.checkpoint.storage import Location
+from lightning_vitscale.checkpoint.verified import verified_checkpoint
 
 __all__ = [
     "AsyncSaveError",
     "AsyncSaves",
     "CheckpointError",
     "CheckpointSettings",
+    "HashGroup",
     "Location",
     "StateDictGatherError",
     "StateDictType",
+    "commit",
     "consolidate_checkpoint",
     "consolidate_command",
     "install_checkpoint_loader",
+    "install_resume_hooks",
     "load_checkpoint",
     "load_consolidated",
     "model_state_dict",
+    "newest_complete",
     "optimizer_state_dict",
     "remove_checkpoint",
     "save_checkpoint",
     "sharded_save_hint",
+    "verified_checkpoint",
+    "verify",
 ]

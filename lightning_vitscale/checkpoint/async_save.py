@@ -5,9 +5,9 @@ A sharded save blocks every rank for the whole write (seconds to minutes for a l
 next optimizer step may then change the parameters in place), then writes from a background thread. Here:
 
 - **at most one save in flight**: a new save, a removal or a load first waits for the previous one;
-- **commit only after every rank's write finished**: DCP's save returns on rank 0 once the coordinator has every
-  rank's write result and has written ``.metadata``; the ranks then exchange their outcomes and the commit
-  (``commit``: the marker and the move into place, on rank 0) runs only when all of them wrote;
+- **commit only after every rank's write finished**: DCP's save returns once the coordinator has every rank's
+  write result and has written ``.metadata``; the ranks then exchange their outcomes, and only when all of them
+  wrote does ``finish`` run on every rank (save.py: each hashes its share of the files, rank 0 commits);
 - **failures reported on the next step**: the outcome (every rank's, so all ranks fail alike) is kept, and
   :meth:`AsyncSaves.raise_if_failed` raises it at the next training step that begins after it arrived;
 - **fit waits for the last save**: the strategy calls :meth:`AsyncSaves.wait` at the end of training.
@@ -22,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch.distributed as dist
@@ -29,6 +30,8 @@ import torch.distributed.checkpoint as dcp
 
 from lightning_vitscale.checkpoint.errors import CheckpointError
 from lightning_vitscale.checkpoint.storage import Location
+
+Gather = Callable[[Any], list[Any]]  # every rank's object, on every rank (a collective)
 
 
 class AsyncSaveError(CheckpointError):
@@ -55,10 +58,11 @@ class AsyncSaves:
         tensors: dict[str, Any],
         staging: Location,
         location: Location,
-        commit: Callable[[], None],
+        finish: Callable[[Any, Gather], None],
     ) -> None:
         """Copy ``tensors`` into host memory now (every rank), write them into ``staging`` in the background, then
-        run ``commit`` on rank 0 once every rank wrote. Waits for the previous save first (raising its failure)."""
+        run ``finish(dcp_metadata, gather)`` on every rank once every rank wrote (``gather`` runs on the background
+        group). Waits for the previous save first (raising its failure)."""
         self.wait()
         group = self._side_group()
         upload = dcp.async_save(tensors, storage_writer=staging.writer(), process_group=group)
@@ -66,7 +70,7 @@ class AsyncSaves:
             upload = upload.upload_completion
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitscale-async-save")
-        done = self._executor.submit(_finish, upload, commit, group, location)
+        done = self._executor.submit(_finish, upload, finish, group, location)
         self._in_flight = _InFlight(location, done)
 
     def raise_if_failed(self) -> None:
@@ -99,12 +103,11 @@ class AsyncSaves:
         return self._group
 
 
-def _finish(upload: Future[Any], commit: Callable[[], None], group: Any, location: Location) -> None:
-    """Background thread: wait for this rank's write, agree with every rank, commit on rank 0, agree again."""
+def _finish(upload: Future[Any], finish: Callable[[Any, Gather], None], group: Any, location: Location) -> None:
+    """Background thread: wait for this rank's write, agree with every rank, then hash and commit, agree again."""
     failures = _exchange(_outcome(upload.result), group)
-    if not failures and _rank(group) == 0:
-        failures = [] if (error := _outcome(commit)) is None else [f"(commit) {error}"]
-    failures = _broadcast(failures, group)
+    if not failures:
+        failures = _exchange(_outcome(lambda: finish(upload.result(), partial(_gather, group=group))), group)
     if failures:
         raise AsyncSaveError(
             f"The asynchronous save of {location} failed: {'; '.join(failures)}. It was not committed: the previous"
@@ -133,14 +136,12 @@ def _exchange(error: str | None, group: Any) -> list[str]:
     """Every rank's failures, on every rank (each said once: DCP reports one rank's failure on all of them)."""
     if group is None:
         return [] if error is None else [error]
-    outcomes: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(outcomes, error, group=group)
-    return list(dict.fromkeys(e for e in outcomes if e is not None))
+    return list(dict.fromkeys(e for e in _gather(error, group) if e is not None))
 
 
-def _broadcast(failures: list[str], group: Any) -> list[str]:
+def _gather(value: Any, group: Any) -> list[Any]:
     if group is None:
-        return failures
-    box: list[Any] = [failures]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return list(box[0])
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered

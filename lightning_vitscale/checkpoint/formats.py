@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_vitscale._compat import METADATA_FILENAME, DTensor
 from lightning_vitscale.checkpoint.errors import CheckpointError
+from lightning_vitscale.checkpoint.manifest import why_incomplete
 from lightning_vitscale.checkpoint.safe_reading import load_pickle, refused_values_named, safe_reader
 from lightning_vitscale.checkpoint.storage import DCP_METADATA, Location
 
@@ -113,7 +114,8 @@ def sharded_shapes(location: Location, weights_only: bool | None = None) -> dict
             f"{location} is a folder but not a checkpoint (no DCP shards, no {DCP_METADATA}). Pass the folder that"
             " trainer.save_checkpoint() or ModelCheckpoint wrote, or a single .ckpt file."
         )
-    if location.url.rstrip("/").endswith(PARTIAL_SUFFIX) or DCP_METADATA not in names or META not in names:
+    interrupted = location.url.rstrip("/").endswith(PARTIAL_SUFFIX) and why_incomplete(location, False) is not None
+    if interrupted or DCP_METADATA not in names or META not in names:  # a committed .partial is complete
         raise CheckpointError(
             f"{location} is an incomplete sharded checkpoint (missing {DCP_METADATA} or {META}): its save was"
             " interrupted. Resume from an earlier checkpoint."

@@ -1,13 +1,15 @@
 """Saving a sharded LightningModule: what the strategy's ``save_checkpoint`` and ``remove_checkpoint`` run.
 
-Two formats. ``"sharded"`` (default): every rank writes its own DCP shards, nobody gathers the model, the save is
-atomic. ``"full"``: one ``torch.save`` file in DDP's format (plain LightningModule keys, torch-native optimizer
-state), gathered one tensor at a time so no device ever holds more than one full parameter beyond its shards.
+Two formats. ``"sharded"`` (default): every rank writes its own DCP shards and hashes them, nobody gathers the
+model, and ``commit.py`` makes the save atomic. ``"full"``: one ``torch.save`` file in DDP's format (plain
+LightningModule keys, torch-native optimizer state), gathered one tensor at a time so no device ever holds more
+than one full parameter beyond its shards.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -16,13 +18,29 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from lightning_vitscale._utils import strip_wrapper_prefixes
-from lightning_vitscale.checkpoint.async_save import AsyncSaves
+from lightning_vitscale.checkpoint.async_save import AsyncSaves, Gather
+from lightning_vitscale.checkpoint.commit import candidates, commit, recover, retire
 from lightning_vitscale.checkpoint.consolidate import consolidate_command
 from lightning_vitscale.checkpoint.formats import META, partial_path, pop_sharded_entries
 from lightning_vitscale.checkpoint.full_state_dict import gather_sharded_entries, sharded_state_dicts
+from lightning_vitscale.checkpoint.manifest import FileSum, file_sums
 from lightning_vitscale.checkpoint.optimizer_state import to_torch_format, untouched_if_fresh
 from lightning_vitscale.checkpoint.settings import CheckpointSettings
-from lightning_vitscale.checkpoint.storage import Location, torch_save, write_sharded_marker
+from lightning_vitscale.checkpoint.storage import DCP_METADATA, Location, torch_save
+
+
+def _alone(value: Any) -> list[Any]:
+    return [value]
+
+
+@dataclass(frozen=True)
+class HashGroup:
+    """How the ranks share the hashing of a save's files: this rank, the world size, and ``gather`` (every rank's
+    object, on every rank: the strategy's ``all_gather_object``). The default is one process."""
+
+    rank: int = 0
+    world_size: int = 1
+    gather: Callable[[Any], list[Any]] = _alone
 
 
 def model_state_dict(module: nn.Module, full: bool) -> dict[str, Any]:
@@ -58,6 +76,7 @@ def save_checkpoint(
     barrier: Callable[[], None],
     write_full: Callable[[], None],
     storage_options: Any | None = None,
+    group: HashGroup | None = None,
     saves: AsyncSaves | None = None,
 ) -> None:
     """``"sharded"``: every rank writes its own shards, atomically; ``"full"``: rank 0 writes one file with
@@ -74,7 +93,7 @@ def save_checkpoint(
             "VitScaleStrategy(state_dict_type='sharded') writes DCP shards and takes no storage_options;"
             " use state_dict_type='full' to save through the Trainer's CheckpointIO plugin."
         )
-    save_sharded(checkpoint, location, is_rank_zero, barrier, saves)
+    save_sharded(checkpoint, location, is_rank_zero, barrier, group, saves)
 
 
 def sharded_save_hint(location: Location) -> str:
@@ -92,50 +111,66 @@ def save_sharded(
     location: Location,
     is_rank_zero: bool,
     barrier: Callable[[], None],
+    group: HashGroup | None = None,
     saves: AsyncSaves | None = None,
 ) -> None:
-    """Every rank writes its own shards into ``<path>.partial``; rank 0 then writes Lightning's metadata and
-    swaps the folder into place. A crash at any point leaves ``path`` as it was (the previous checkpoint stays
-    loadable) and a ``.partial`` folder that never loads as if complete. With ``saves`` the shards are copied
-    into host memory here and written in the background (``async_save.py``); the swap follows every rank's write."""
+    """Every rank writes its own shards into ``<path>.partial`` and hashes its share of the files; rank 0 writes
+    Lightning's metadata and commits (``commit.py``). A crash at any point leaves the newest complete checkpoint
+    findable (``ckpt_path="last"``, or ``path`` itself) and a ``.partial`` folder that never loads unless its
+    save committed. With ``saves`` the shards are copied into host memory here and written, hashed and committed
+    in the background (``async_save.py``), the commit after every rank's write."""
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     tensors.update(pop_sharded_entries(checkpoint))  # e.g. ShardedEMA's ema_state_dict
+    global_step = checkpoint.get("global_step")
+    group = group or HashGroup()
     staging = partial_path(location)
     if is_rank_zero:
+        recover(location)  # an earlier save's interrupted publish first: the newest complete copy stays
         staging.remove()
         staging.fs.makedirs(staging.path, exist_ok=True)
         torch_save(checkpoint, staging.child(META))  # Lightning's metadata: small, written now
     barrier()
-    commit = partial(_commit, staging, location)
+    finish = partial(_hash_and_commit, staging, location, group.rank, group.world_size, {"global_step": global_step})
     if saves is not None:
-        saves.start(tensors, staging, location, commit)
+        saves.start(tensors, staging, location, finish)
         return
-    dcp.save(tensors, storage_writer=staging.writer())  # collective; coordinator writes .metadata after all shards
-    if is_rank_zero:
-        commit()
+    metadata = dcp.save(tensors, storage_writer=staging.writer())  # collective; rank 0 writes .metadata last
+    finish(metadata, group.gather)
     barrier()
 
 
-def _commit(staging: Location, location: Location) -> None:
-    """Rank 0, once every rank's shards and DCP's ``.metadata`` are in ``staging``: mark it ours, swap it in."""
-    write_sharded_marker(staging)
-    _swap_into_place(staging, location)
+def _hash_and_commit(
+    staging: Location,
+    location: Location,
+    rank: int,
+    world_size: int,
+    saved: dict[str, Any],
+    metadata: Any,
+    gather: Gather,
+) -> None:
+    """Every rank, once every rank's shards and DCP's ``.metadata`` are in ``staging``: hash this rank's share of
+    the files (``gather``: every rank's sums, on every rank), then rank 0 commits."""
+    files = hash_share(staging, metadata, HashGroup(rank, world_size, gather))
+    if rank == 0:
+        commit(staging, location, files, saved)
 
 
-def _swap_into_place(staging: Location, location: Location) -> None:
-    old = location.with_suffix(".old")
-    old.remove()
-    if location.exists():
-        location.move_to(old)
-    staging.move_to(location)
-    old.remove()
+def hash_share(staging: Location, metadata: Any, group: HashGroup) -> dict[str, FileSum]:
+    """Every rank hashes every ``world_size``-th shard file (rank 0 also DCP's and Lightning's metadata, which it
+    wrote); all ranks' sums, merged. Each file is read once, right after it was written, while it is cached."""
+    shards = sorted({info.relative_path for info in metadata.storage_data.values()})
+    mine = shards[group.rank :: group.world_size] + ([DCP_METADATA, META] if group.rank == 0 else [])
+    merged: dict[str, FileSum] = {}
+    for sums in group.gather(file_sums(staging, mine)):
+        merged.update(sums)
+    return merged
 
 
 def save_full(location: Location, is_rank_zero: bool, write: Callable[[], None], barrier: Callable[[], None]) -> None:
     """Rank 0 writes the gathered checkpoint with Lightning's CheckpointIO (``write``), exactly as DDP does."""
     if is_rank_zero and location.is_dir():
-        location.remove()  # a sharded folder from an earlier save under the same name
+        retire(location)  # a sharded folder from an earlier save under the same name
     if is_rank_zero:
         write()
     barrier()
@@ -150,5 +185,6 @@ def remove_checkpoint(location: Location, is_rank_zero: bool, barrier: Callable[
     """
     barrier()
     if is_rank_zero:
-        location.remove()
+        for candidate in candidates(location):  # with what an interrupted save to it left
+            retire(candidate)
     barrier()

@@ -12,9 +12,11 @@ StateDictType = Literal["sharded", "full"]
 class CheckpointSettings:
     """``"sharded"``: every rank writes its own shards (a folder); ``"full"``: rank 0 writes one DDP-style file.
     ``async_save``: sharded saves during ``fit`` copy the shards into host memory and write them in the background
-    (checkpoint/async_save.py)."""
+    (checkpoint/async_save.py). ``auto_resume``: ``fit()`` resumes from the newest complete checkpoint in the
+    ModelCheckpoint folder (checkpoint/resume.py)."""
 
     state_dict_type: StateDictType = "sharded"
+    auto_resume: bool = False
     async_save: bool = False
 
     def __post_init__(self) -> None:
@@ -24,6 +26,8 @@ class CheckpointSettings:
                 " per-rank shards, the default) or 'full' (one file in DDP's format that"
                 " `MyModule.load_from_checkpoint` reads)."
             )
+        if not isinstance(self.auto_resume, bool):
+            raise TypeError(f"`auto_resume` must be True or False; got {self.auto_resume!r}.")
         if not isinstance(self.async_save, bool):
             raise TypeError(f"`async_save` must be True or False; got {self.async_save!r}.")
         if self.async_save and self.full:

@@ -6,7 +6,6 @@ through ``safe_reading.py`` only.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -22,8 +21,9 @@ from lightning_vitscale._compat import FsspecWriter
 DCP_METADATA = ".metadata"
 
 
-# Written last into every sharded folder this package saves: what tells Lightning's loaders (lightning_loaders.py)
-# that a folder is ours, without unpickling anything; Lightning's own FSDP folders and others lack it.
+# Written last into every sharded folder this package saves (its manifest: checkpoint/manifest.py): what tells
+# Lightning's loaders (lightning_loaders.py) that a folder is ours, without unpickling anything; Lightning's own
+# FSDP folders and others lack it.
 SHARDED_MARKER = "lightning_vitscale.json"
 
 
@@ -78,11 +78,6 @@ class Location:
 
     def writer(self) -> FileSystemWriter:
         return FsspecWriter(self.url) if self.is_url else FileSystemWriter(self.path)
-
-
-def write_sharded_marker(folder: Location) -> None:
-    with folder.child(SHARDED_MARKER).open("wb") as f:
-        f.write(json.dumps({"format": "lightning_vitscale sharded checkpoint", "version": 1}).encode())
 
 
 def has_sharded_marker(folder: Location) -> bool:

@@ -1,0 +1,134 @@
+"""``fit(ckpt_path="last")`` and ``VitScaleStrategy(auto_resume=True)`` find the newest *complete* checkpoint.
+
+Lightning resolves ``"last"`` in ``_CheckpointConnector._parse_ckpt_path`` from
+``ModelCheckpoint._find_last_checkpoints`` (the ``last*.ckpt`` names in each ModelCheckpoint's folder; the newest
+modification time wins), on every rank alone, before any strategy or CheckpointIO code runs. So importing
+``lightning_vitscale`` wraps both (as it wraps ``pl_load``, see ``lightning_loaders.py``):
+
+* ``_find_last_checkpoints``: each ``last*.ckpt`` name, also one present only as the ``.partial``/``.old`` folder
+  an interrupted save left, becomes its newest complete checkpoint (``commit.newest_complete``); incomplete ones
+  are skipped with a log line saying why. Names that are Lightning's own files come back unchanged.
+* ``_parse_ckpt_path``: only under ``VitScaleStrategy(auto_resume=True)`` when fitting. Like Composer's
+  ``autoresume``, a complete checkpoint found in the ModelCheckpoint folders wins over ``ckpt_path`` (the same
+  command resubmitted after a failure resumes where it stopped); ``ckpt_path`` is used only when none is found.
+
+Both check presence and sizes here; CRC-32s are checked when the strategy loads (``verified.py``), shared by the
+ranks, falling back to the next-newest complete candidate named here if a file is corrupt.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import PurePath
+from typing import Any
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_vitscale._compat import CheckpointConnector, checkpoint_dir
+from lightning_vitscale.checkpoint.commit import newest_complete, target_of
+from lightning_vitscale.checkpoint.storage import SHARDED_MARKER, Location
+
+_ORIGINAL = "vitscale_original"
+CHECKPOINT_EXTENSION = ModelCheckpoint.FILE_EXTENSION
+
+
+def complete_checkpoints(folder: Location, accept: Callable[[str], bool]) -> list[Location]:
+    """The newest complete checkpoint of every name in ``folder`` that ``accept`` takes (a ``.partial``/``.old``
+    folder counts for the name it was saved for), newest save first; skipped candidates are logged."""
+    if not folder.is_dir():
+        return []
+    targets = {target_of(folder.child(name)) for name in folder.names()}
+    found = []
+    for target in sorted(targets, key=lambda t: t.url):
+        if not accept(PurePath(target.path).name):
+            continue
+        newest, skipped = newest_complete(target)
+        for line in skipped:
+            rank_zero_info(f"lightning_vitscale resume: {line}")
+        if newest is not None:
+            found.append(newest)
+    return sorted(found, key=saved_time, reverse=True)
+
+
+def saved_time(location: Location) -> float:
+    """When a checkpoint was completed: its marker's modification time (folders), else the file's."""
+    marker = location.child(SHARDED_MARKER)
+    stamped = marker if location.is_dir() and marker.exists() else location
+    return float(stamped.fs.modified(stamped.path).timestamp())
+
+
+def _is_last(callback: ModelCheckpoint, name: str) -> bool:
+    stem = name[: -len(CHECKPOINT_EXTENSION)] if name.endswith(CHECKPOINT_EXTENSION) else None
+    return stem is not None and (stem == callback.CHECKPOINT_NAME_LAST or
+                                 stem.startswith(f"{callback.CHECKPOINT_NAME_LAST}-"))
+
+
+def _is_checkpoint(name: str) -> bool:
+    return name.endswith(CHECKPOINT_EXTENSION)
+
+
+def _path_for_lightning(location: Location) -> str:
+    return location.path if not location.is_url else location.url
+
+
+def _wrap_find_last(original: Callable[..., set[str]]) -> Callable[..., set[str]]:
+    @functools.wraps(original)
+    def _find_last_checkpoints(self: ModelCheckpoint, trainer: Any) -> set[str]:
+        folder = Location.of(checkpoint_dir(self, trainer))
+        ours = complete_checkpoints(folder, functools.partial(_is_last, self))
+        theirs = {p for p in original(self, trainer) if not Location.of(p).is_dir()}  # Lightning's own files
+        if hasattr(trainer.strategy, "resume_fallbacks"):
+            trainer.strategy.resume_fallbacks = ours
+        return theirs | {_path_for_lightning(location) for location in ours}
+
+    setattr(_find_last_checkpoints, _ORIGINAL, original)
+    return _find_last_checkpoints
+
+
+def auto_resume_path(trainer: Any) -> Location | None:
+    """The newest complete checkpoint in the folders of the trainer's ModelCheckpoint callbacks (``None``: none)."""
+    callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+    if not callbacks or any(cb.dirpath is None for cb in callbacks):
+        raise ValueError(
+            "VitScaleStrategy(auto_resume=True) resumes from the newest complete checkpoint in the"
+            " ModelCheckpoint folder, so it needs `ModelCheckpoint(dirpath=...)` among the Trainer's callbacks"
+            " (the default folder changes with every logger version). Pass one, or drop auto_resume."
+        )
+    found: list[Location] = []
+    for callback in callbacks:
+        found += complete_checkpoints(Location.of(str(callback.dirpath)), _is_checkpoint)
+    found.sort(key=saved_time, reverse=True)
+    if hasattr(trainer.strategy, "resume_fallbacks"):
+        trainer.strategy.resume_fallbacks = found[1:]
+    return found[0] if found else None
+
+
+def _wrap_parse(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _parse_ckpt_path(self: Any, state_fn: TrainerFn, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
+        settings = getattr(self.trainer.strategy, "checkpoint_settings", None)
+        if state_fn == TrainerFn.FITTING and getattr(settings, "auto_resume", False):
+            found = auto_resume_path(self.trainer)
+            if found is not None:
+                ignored = f" (ckpt_path={ckpt_path!r} is ignored: there is a run to resume)" if ckpt_path else ""
+                rank_zero_info(f"auto_resume: resuming from {found}{ignored}")
+                return _path_for_lightning(found)
+            rank_zero_warn(f"auto_resume: no complete checkpoint found; starting from ckpt_path={ckpt_path!r}.")
+        return original(self, state_fn, ckpt_path, *args, **kwargs)
+
+    setattr(_parse_ckpt_path, _ORIGINAL, original)
+    return _parse_ckpt_path
+
+
+def install_resume_hooks() -> None:
+    """Wrap Lightning's two ``ckpt_path`` resolvers once (idempotent; importing ``lightning_vitscale`` calls it)."""
+    for owner, name, wrap in (
+        (ModelCheckpoint, "_find_last_checkpoints", _wrap_find_last),
+        (CheckpointConnector, "_parse_ckpt_path", _wrap_parse),
+    ):
+        current = getattr(owner, name)
+        if not hasattr(current, _ORIGINAL):
+            setattr(owner, name, wrap(current))
