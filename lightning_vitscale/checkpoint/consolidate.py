@@ -22,6 +22,7 @@ from lightning_vitscale.checkpoint.formats import (
     is_own_entry,
     sharded_shapes,
 )
+from lightning_vitscale.checkpoint.manifest import verify
 from lightning_vitscale.checkpoint.optimizer_state import to_torch_format
 from lightning_vitscale.checkpoint.safe_reading import (
     SafeEmptyLoadPlanner,
@@ -82,6 +83,7 @@ def load_consolidated(
     instead of resuming the weights with fresh optimizers."""
     source = Location.of(src)
     sharded_shapes(source, weights_only)  # complete and readable, or a clear error
+    verify(source, required=False)  # every file's size and CRC-32, where the save recorded them
     state: dict[str, Any] = {}
     if weights not in ("raw", "ema"):
         raise ValueError(f"`weights` must be 'raw' or 'ema'; got {weights!r}.")

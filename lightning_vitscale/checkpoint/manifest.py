@@ -95,8 +95,11 @@ def listed_files(folder: Location) -> dict[str, dict[str, Any]]:
     return dict(manifest.get("files", {})) if manifest else {}
 
 
-def verify(folder: Location) -> None:
-    """Raise a ``CheckpointError`` naming the first missing, truncated or corrupt file of ``folder``."""
+def verify(folder: Location, required: bool = True) -> None:
+    """Raise a ``CheckpointError`` naming the first missing, truncated or corrupt file of ``folder``, or (when
+    ``required``) a folder without a manifest; ``required=False`` passes folders that have none."""
+    if not required and read_manifest(folder) is None:
+        return
     problem = why_incomplete(folder, checksums=True)
     if problem is not None:
         raise damaged(folder, problem)

@@ -1,4 +1,5 @@
-"""`python -m lightning_vitscale consolidate SRC DST`: a sharded checkpoint folder as one ``torch.save`` file.
+"""`python -m lightning_vitscale consolidate SRC DST`: a sharded checkpoint folder as one ``torch.save`` file;
+``consolidate --verify SRC``: only check every file against the sizes and CRC-32s its save recorded.
 
 Argument handling only; the conversion is ``checkpoint/consolidate.py``.
 """
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lightning_vitscale.checkpoint import CheckpointError, consolidate_checkpoint
+from lightning_vitscale.checkpoint import CheckpointError, Location, consolidate_checkpoint, verify
 
 
 def consolidate_command_parser(subparsers: Any) -> None:
@@ -19,7 +20,11 @@ def consolidate_command_parser(subparsers: Any) -> None:
         "consolidate", help="sharded checkpoint folder -> one torch.save file (plain module)"
     )
     export.add_argument("src", help="checkpoint folder written by VitScaleStrategy")
-    export.add_argument("dst", help="output file, e.g. model.ckpt")
+    export.add_argument("dst", nargs="?", help="output file, e.g. model.ckpt (optional with --verify)")
+    export.add_argument(
+        "--verify", action="store_true",
+        help="check every file of SRC against the sizes and CRC-32s its save recorded; with no DST, only check",
+    )
     export.add_argument("--keep-dtype", action="store_true", help="keep saved dtypes instead of full fp32")
     export.add_argument(
         "--unsafe",
@@ -34,7 +39,15 @@ def consolidate_command_parser(subparsers: Any) -> None:
 
 
 def consolidate_command(args: argparse.Namespace) -> int:
+    if args.dst is None and not args.verify:
+        print("error: give DST (the output file), or --verify to only check SRC", file=sys.stderr)
+        return 2
     try:
+        if args.verify:
+            verify(Location.of(args.src))
+            print(f"verified {args.src}: every file matches its size and CRC-32")
+        if args.dst is None:
+            return 0
         dtype = None if args.keep_dtype else torch.float32
         weights_only = False if args.unsafe else None
         out = consolidate_checkpoint(args.src, args.dst, dtype=dtype, weights_only=weights_only, weights=args.weights)
