@@ -4,6 +4,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_vitscale.averaging import ShardedEMA
 from lightning_vitscale.checkpoint import (
+    AsyncSaveError,
     CheckpointError,
     StateDictGatherError,
     consolidate_checkpoint,
@@ -31,6 +32,7 @@ install_resume_hooks()  # ckpt_path="last" and auto_resume find the newest compl
 __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (setuptools dynamic version)
 
 __all__ = [
+    "AsyncSaveError",
     "CheckpointError",
     "KernelPolicy",
     "MemoryPlan",

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
@@ -102,6 +102,9 @@ class VitScaleStrategy(ModelParallelStrategy):
         auto_resume: ``fit()`` resumes from the newest complete checkpoint in the ``ModelCheckpoint(dirpath=...)``
             folder (skipping interrupted, incomplete and corrupt ones), and starts from ``ckpt_path`` (or from
             scratch) only when there is none: resubmitting the same command after a failure continues the run.
+        async_save: sharded saves during ``fit`` copy this rank's shards into host memory and return; DCP writes
+            them in the background (one save in flight at most), the checkpoint is committed once every rank
+            wrote, a failure is raised at the next training step, and ``fit`` waits for the last save.
 
     Example::
 
@@ -130,6 +133,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         state_dict_type: checkpoints.StateDictType = "sharded",
         init: InitMode = "auto",
         auto_resume: bool = False,
+        async_save: bool = False,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         # Every setting is checked here, by its own dataclass. `config.kernels` stays the requested mode until
@@ -142,7 +146,8 @@ class VitScaleStrategy(ModelParallelStrategy):
             checkpointing=CheckpointingPolicy(blocks=activation_checkpointing, memory_budget=memory_budget),
             kernels=kernels,
         )
-        self.checkpoint_settings = checkpoints.CheckpointSettings(state_dict_type, auto_resume)
+        self.checkpoint_settings = checkpoints.CheckpointSettings(state_dict_type, auto_resume, async_save)
+        self._async_saves = checkpoints.AsyncSaves(timeout)
         # Older complete checkpoints that `auto_resume` / `ckpt_path="last"` found, tried in order if the chosen
         # one fails its CRC-32 check at load (checkpoint/resume.py sets them, load_checkpoint consumes them).
         self.resume_fallbacks: list[checkpoints.Location] = []
@@ -354,13 +359,38 @@ class VitScaleStrategy(ModelParallelStrategy):
         """``"sharded"``: every rank writes its own shards, atomically; ``"full"``: rank 0 writes one file, as DDP."""
         location = checkpoints.Location.of(self.broadcast(str(filepath)))
         write = partial(self.checkpoint_io.save_checkpoint, checkpoint, filepath, storage_options=storage_options)
+        saves = self._async_saves if self._saves_in_background() else None
         checkpoints.save_checkpoint(
             checkpoint, location, self.checkpoint_settings, self.is_global_zero, self.barrier, write, storage_options,
-            self._hash_group(),
+            self._hash_group(), saves,
         )
         if not self.checkpoint_settings.full and not self._told_how_to_consolidate:
             self._told_how_to_consolidate = True
             rank_zero_info(checkpoints.sharded_save_hint(location))
+
+    def _saves_in_background(self) -> bool:
+        """``async_save`` applies while ``fit`` runs, which waits for the last save; any other save (after ``fit``,
+        from ``validate``) is written before it returns, as without the option."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return (
+            self.checkpoint_settings.async_save
+            and trainer is not None
+            and trainer.state.fn == TrainerFn.FITTING
+            and trainer.state.status == TrainerStatus.RUNNING
+        )
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._async_saves.raise_if_failed()  # a background save that failed since the last step
+
+    @override
+    def on_train_end(self) -> None:
+        self._async_saves.wait()  # after ModelCheckpoint's last save: fit returns with every save committed
+
+    @override
+    def teardown(self) -> None:
+        self._async_saves.close()  # also after an exception, which close() does not mask
+        super().teardown()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -372,6 +402,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         A path whose save was interrupted loads the newest complete checkpoint saved to it; a sharded folder's
         CRC-32s are checked first, shared by the ranks (checkpoint/verified.py).
         """
+        self._async_saves.wait()
         location = checkpoints.Location.of(self.broadcast(str(checkpoint_path)))
         fallbacks, self.resume_fallbacks = self.resume_fallbacks, []
         location = checkpoints.verified_checkpoint(location, fallbacks, self._hash_group())
@@ -390,6 +421,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         # `lr_find` and ModelCheckpoint call this on every rank; a sharded folder goes only once all are done.
+        self._async_saves.wait()  # a folder still being written must not be deleted under the writer
         location = checkpoints.Location.of(self.broadcast(str(filepath)))
         checkpoints.remove_checkpoint(location, self.is_global_zero, self.barrier)
 

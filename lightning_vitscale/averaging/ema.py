@@ -185,7 +185,8 @@ class ShardedEMA(Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        # DTensors under VitScaleStrategy (its save_checkpoint routes them through DCP), whole tensors under DDP.
+        # DTensors under VitScaleStrategy (its save_checkpoint routes them through DCP, or gathers them into whole
+        # tensors for state_dict_type="full"), whole tensors under DDP.
         if self.shards is not None or self._pending is not None:
             checkpoint[EMA_KEY] = self._ensure(pl_module).state_dict()
 

@@ -6,6 +6,7 @@ folders, and ``model.state_dict()`` as DDP's full tensors.
 May import ``distributed`` (the side-group handshake before a gather), ``_utils`` and ``_compat``.
 """
 
+from lightning_vitscale.checkpoint.async_save import AsyncSaveError, AsyncSaves
 from lightning_vitscale.checkpoint.commit import commit, newest_complete
 from lightning_vitscale.checkpoint.consolidate import consolidate_checkpoint, consolidate_command, load_consolidated
 from lightning_vitscale.checkpoint.errors import CheckpointError
@@ -27,6 +28,8 @@ from lightning_vitscale.checkpoint.storage import Location
 from lightning_vitscale.checkpoint.verified import verified_checkpoint
 
 __all__ = [
+    "AsyncSaveError",
+    "AsyncSaves",
     "CheckpointError",
     "CheckpointSettings",
     "HashGroup",

@@ -132,14 +132,42 @@ def _agree_on_gather(items: list[tuple[str, Any]]) -> None:
 
 @torch.no_grad()
 def _gathered(key: str, value: DTensor) -> torch.Tensor:
+    try:
+        return full_tensor_on_cpu(value)
+    except RuntimeError as error:
+        raise _gather_error(key, error) from error
+
+
+@torch.no_grad()
+def full_tensor_on_cpu(value: DTensor) -> torch.Tensor:
+    """The whole tensor behind ``value`` in host memory: a collective every rank of its mesh joins."""
     mesh_device = value.device_mesh.device_type
     if value.device.type != mesh_device:  # offload="cpu": host shards, gathered by the device's backend (NCCL)
         value = cast(DTensor, value.to(mesh_device))
-    try:
-        full = value.full_tensor()
-    except RuntimeError as error:
-        raise _gather_error(key, error) from error
-    return full.cpu()
+    return value.full_tensor().cpu()
+
+
+def gather_sharded_entries(checkpoint: dict[str, Any], keep: bool) -> None:
+    """Replace, in place, every ``DTensor`` in ``checkpoint``'s values by its whole tensor (host memory).
+
+    For the one-file formats: rank 0's ``torch.save`` of a DTensor keeps rank 0's shard only (e.g. ShardedEMA's
+    ``ema_state_dict``), which then loads as the wrong values or not at all. Every rank must call it (one gather
+    per tensor, in the checkpoint's order, which is the same on every rank); ``keep=False`` (ranks that do not
+    write) drops each gathered tensor at once, so only the writer holds a full copy.
+    """
+    for key, value in checkpoint.items():
+        checkpoint[key] = _gather_tree(value, keep)
+
+
+def _gather_tree(value: Any, keep: bool) -> Any:
+    if isinstance(value, DTensor):
+        full = full_tensor_on_cpu(value)
+        return full if keep else None
+    if isinstance(value, dict):
+        return {k: _gather_tree(v, keep) for k, v in value.items()}
+    if isinstance(value, list) or type(value) is tuple:
+        return type(value)(_gather_tree(v, keep) for v in value)
+    return value
 
 
 def _gather_error(key: str, error: RuntimeError) -> StateDictGatherError:

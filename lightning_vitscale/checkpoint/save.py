@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -17,10 +18,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from lightning_vitscale._utils import strip_wrapper_prefixes
+from lightning_vitscale.checkpoint.async_save import AsyncSaves, Gather
 from lightning_vitscale.checkpoint.commit import candidates, commit, recover, retire
 from lightning_vitscale.checkpoint.consolidate import consolidate_command
 from lightning_vitscale.checkpoint.formats import META, partial_path, pop_sharded_entries
-from lightning_vitscale.checkpoint.full_state_dict import sharded_state_dicts
+from lightning_vitscale.checkpoint.full_state_dict import gather_sharded_entries, sharded_state_dicts
 from lightning_vitscale.checkpoint.manifest import FileSum, file_sums
 from lightning_vitscale.checkpoint.optimizer_state import to_torch_format, untouched_if_fresh
 from lightning_vitscale.checkpoint.settings import CheckpointSettings
@@ -75,10 +77,15 @@ def save_checkpoint(
     write_full: Callable[[], None],
     storage_options: Any | None = None,
     group: HashGroup | None = None,
+    saves: AsyncSaves | None = None,
 ) -> None:
     """``"sharded"``: every rank writes its own shards, atomically; ``"full"``: rank 0 writes one file with
-    Lightning's CheckpointIO (``write_full``), as DDP does."""
+    Lightning's CheckpointIO (``write_full``), as DDP does, with every sharded entry (e.g. ShardedEMA's) gathered
+    into whole tensors first, so the file holds what DDP's would."""
+    if saves is not None:
+        saves.wait()  # at most one in flight: the previous save commits before this one touches any folder
     if settings.full:
+        gather_sharded_entries(checkpoint, keep=is_rank_zero)
         save_full(location, is_rank_zero, write_full, barrier)
         return
     if storage_options is not None:
@@ -86,7 +93,7 @@ def save_checkpoint(
             "VitScaleStrategy(state_dict_type='sharded') writes DCP shards and takes no storage_options;"
             " use state_dict_type='full' to save through the Trainer's CheckpointIO plugin."
         )
-    save_sharded(checkpoint, location, is_rank_zero, barrier, group)
+    save_sharded(checkpoint, location, is_rank_zero, barrier, group, saves)
 
 
 def sharded_save_hint(location: Location) -> str:
@@ -105,27 +112,48 @@ def save_sharded(
     is_rank_zero: bool,
     barrier: Callable[[], None],
     group: HashGroup | None = None,
+    saves: AsyncSaves | None = None,
 ) -> None:
     """Every rank writes its own shards into ``<path>.partial`` and hashes its share of the files; rank 0 writes
     Lightning's metadata and commits (``commit.py``). A crash at any point leaves the newest complete checkpoint
     findable (``ckpt_path="last"``, or ``path`` itself) and a ``.partial`` folder that never loads unless its
-    save committed."""
+    save committed. With ``saves`` the shards are copied into host memory here and written, hashed and committed
+    in the background (``async_save.py``), the commit after every rank's write."""
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     tensors.update(pop_sharded_entries(checkpoint))  # e.g. ShardedEMA's ema_state_dict
+    global_step = checkpoint.get("global_step")
     group = group or HashGroup()
     staging = partial_path(location)
     if is_rank_zero:
         recover(location)  # an earlier save's interrupted publish first: the newest complete copy stays
         staging.remove()
+        staging.fs.makedirs(staging.path, exist_ok=True)
+        torch_save(checkpoint, staging.child(META))  # Lightning's metadata: small, written now
     barrier()
+    finish = partial(_hash_and_commit, staging, location, group.rank, group.world_size, {"global_step": global_step})
+    if saves is not None:
+        saves.start(tensors, staging, location, finish)
+        return
     metadata = dcp.save(tensors, storage_writer=staging.writer())  # collective; rank 0 writes .metadata last
-    if is_rank_zero:
-        torch_save(checkpoint, staging.child(META))
-    files = hash_share(staging, metadata, group)
-    if is_rank_zero:
-        commit(staging, location, files, {"global_step": checkpoint.get("global_step")})
+    finish(metadata, group.gather)
     barrier()
+
+
+def _hash_and_commit(
+    staging: Location,
+    location: Location,
+    rank: int,
+    world_size: int,
+    saved: dict[str, Any],
+    metadata: Any,
+    gather: Gather,
+) -> None:
+    """Every rank, once every rank's shards and DCP's ``.metadata`` are in ``staging``: hash this rank's share of
+    the files (``gather``: every rank's sums, on every rank), then rank 0 commits."""
+    files = hash_share(staging, metadata, HashGroup(rank, world_size, gather))
+    if rank == 0:
+        commit(staging, location, files, saved)
 
 
 def hash_share(staging: Location, metadata: Any, group: HashGroup) -> dict[str, FileSum]:

@@ -62,6 +62,21 @@ def test_a_ddp_checkpoint_resumes_with_its_ema_under_vitscale(run):
         assert facts["ddp_to_vitscale"]["updates"] == 5 and facts["ddp_to_vitscale"]["oracle_diff"] < TIGHT
 
 
+def test_a_full_format_checkpoint_holds_the_whole_ema_and_resumes_it_exactly_on_1_2_4_ranks_and_ddp(run):
+    """state_dict_type="full" must store whole EMA tensors (rank 0's shards alone lose half of them)."""
+    out, two, one = run
+    saved = torch.load(out / "vitscale-ema-step4-rank0.pt")
+    in_file = torch.load(out / "vitscale-full-step4.ckpt")["ema_state_dict"]  # plain torch.load, weights_only
+    assert largest_difference(in_file, saved) == 0.0
+    assert_ok(torchrun(SCRIPT, "four", str(out), nprocs=4, timeout=120))
+    resumes = [("full_vitscale", 2), ("full_ddp", 2), ("full_1", 1), ("full_4", 4)]
+    for tag, ranks in resumes:
+        for rank in range(ranks):
+            restored = torch.load(out / f"{tag}-restored-rank{rank}.pt")
+            assert largest_difference(restored, saved) == 0.0, (tag, rank)
+    assert [two[r]["full_vitscale"]["updates"] for r in range(2)] == [5, 5] and one[0]["full_1"]["updates"] == 5
+
+
 def test_resume_on_one_rank_from_a_two_rank_checkpoint(run):
     out, _, one = run
     saved = torch.load(out / "vitscale-ema-step4-rank0.pt")

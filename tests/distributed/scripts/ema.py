@@ -128,6 +128,10 @@ def train_and_save(name: str, out: Path) -> dict:
     }
     torch.save({k: v for k, v in plain.ema.items()}, out / f"{name}-plain-step4.pt")
     trainer.save_checkpoint(out / f"{name}-step4.ckpt")
+    if name == "vitscale":  # the same state in DDP's one-file format: the EMA must be whole tensors in it
+        trainer.strategy.state_dict_type = "full"
+        trainer.save_checkpoint(out / "vitscale-full-step4.ckpt")
+        trainer.strategy.state_dict_type = "sharded"
     torch.save(ema_full(trainer), out / f"{name}-ema-step4-rank{RANK}.pt")
     facts.update(swap_facts(trainer, model, ema))
     facts["memory"] = memory_facts(model, ema)
@@ -220,21 +224,28 @@ def two_ranks(out: Path) -> dict:
     # a DDP .ckpt (whole tensors) into VitScaleStrategy: each rank keeps its slice of the EMA
     results["ddp_to_vitscale"] = timed(resume, "vitscale", out / "ddp-step4.ckpt", out, "ddp_to_vitscale", 5)
     results["bf16_true"] = timed(bf16_true)
+    for name in ("vitscale", "ddp"):  # the one-file checkpoint resumed under both strategies
+        results[f"full_{name}"] = timed(resume, name, out / "vitscale-full-step4.ckpt", out, f"full_{name}", 5)
     return results
 
 
 def one_rank(out: Path) -> dict:
     results = {"resume_2_to_1": timed(resume, "vitscale", out / "vitscale-step4.ckpt", out, "resume_2_to_1")}
+    results["full_1"] = timed(resume, "vitscale", out / "vitscale-full-step4.ckpt", out, "full_1", 5)
     trainer = make_trainer("vitscale", 1, [], limit_val_batches=0)  # a checkpoint saved without ShardedEMA
     trainer.fit(Classifier("encoder"), loader(n=8))
     trainer.save_checkpoint(out / "plain-step4.ckpt")
     return results
 
 
+def four_ranks(out: Path) -> dict:
+    return {"full_4": timed(resume, "vitscale", out / "vitscale-full-step4.ckpt", out, "full_4", 5)}
+
+
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
-    results = {"two": two_ranks, "one": one_rank}[mode](out)
+    results = {"two": two_ranks, "one": one_rank, "four": four_ranks}[mode](out)
     (out / f"{mode}-rank{RANK}.json").write_text(json.dumps(results))
 
 
