@@ -83,7 +83,7 @@ def _load_then_remove(trainer: L.Trainer, path: Path, remove) -> dict:
     (slowed by 3 s) when rank 0 is done, and rank 0's delete slowed by 2 s."""
     trainer.save_checkpoint(path)
     error = None
-    with mock.patch.object(checkpoint_load, "load_pickle", _slowed(1, 3.0, checkpoint_load.load_pickle)), \
+    with mock.patch.object(checkpoint_load, "load_member", _slowed(1, 3.0, checkpoint_load.load_member)), \
             mock.patch.object(Location, "remove", _slowed(0, 2.0, Location.remove)):
         try:
             trainer.strategy.load_checkpoint(path)
