@@ -71,12 +71,13 @@ class DigitsMultiCropDataModule(_MultiCropLoaders, DigitsDataModule):
 
     def __init__(
         self, n_global: int = 2, n_local: int = 4, local_size: int = 8, img_size: int = 16, batch_size: int = 64,
-        num_workers: int | None = None, seed: int = 0,
+        num_workers: int | None = None, seed: int = 0, global_scale: tuple[float, float] = (0.5, 1.0),
+        local_scale: tuple[float, float] = (0.2, 0.5),
     ) -> None:  # fmt: skip
         super().__init__(img_size, batch_size, num_workers, seed)
         self.n_global, self.n_local, self.local_size = n_global, n_local, local_size
         # no flips: a mirrored 2 or 5 is another digit (or none); the crops carry the invariance
-        self.crops = MultiCrop(img_size, local_size, n_global, n_local, (0.5, 1.0), (0.2, 0.5), flip=False)
+        self.crops = MultiCrop(img_size, local_size, n_global, n_local, global_scale, local_scale, flip=False)
 
     def setup(self, stage: str | None = None) -> None:
         super().setup(stage)
