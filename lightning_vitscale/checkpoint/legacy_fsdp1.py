@@ -48,10 +48,10 @@ def convert_fsdp1_checkpoint(
     src: PathLike, dst: PathLike, dtype: torch.dtype | None = torch.float32, weights_only: bool | None = None
 ) -> PathLike:
     """Write ``{"state_dict": ...}`` of :func:`load_fsdp1_state_dict` to ``dst``: a file a plain module loads with
-    ``load_state_dict(torch.load(dst)["state_dict"], strict=True)`` and Lightning's loaders read for weights.
+    ``load_state_dict(torch.load(dst)["state_dict"], strict=True)``: the weights to start a run from.
 
-    The optimizer states FSDP1 saved are not converted: the file starts training (or fine-tuning) from these
-    weights; it does not resume the optimizer, and resuming a fit from it fails with Lightning's own error.
+    The optimizer states FSDP1 saved are not converted, and the file has none of Lightning's loop state: it is
+    not a ``ckpt_path`` to resume from (Lightning refuses it), so nothing resumes with fresh optimizers.
     """
     target = Location.of(dst)
     if target.is_dir():
