@@ -11,17 +11,16 @@ and ``torch.compile``, so the keys are the plain model's.
 
 from __future__ import annotations
 
-import posixpath
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_vitscale._utils import strip_wrapper_prefixes
+from lightning_vitscale.checkpoint.consolidate import require_file_target, write_file
 from lightning_vitscale.checkpoint.errors import CheckpointError
-from lightning_vitscale.checkpoint.formats import PARTIAL_SUFFIX, PathLike, as_full, require_existing
+from lightning_vitscale.checkpoint.formats import PathLike, as_full, require_existing
 from lightning_vitscale.checkpoint.safe_reading import load_all, read_metadata
-from lightning_vitscale.checkpoint.storage import DCP_METADATA, Location, torch_save
+from lightning_vitscale.checkpoint.storage import DCP_METADATA, Location
 
 # Where FSDP1-era scripts put the model's state dict inside the saved dict (torch's DCP tutorial: "model";
 # Lightning's FSDPStrategy: "model"; scripts reusing Lightning's layout: "state_dict").
@@ -53,17 +52,8 @@ def convert_fsdp1_checkpoint(
     The optimizer states FSDP1 saved are not converted, and the file has none of Lightning's loop state: it is
     not a ``ckpt_path`` to resume from (Lightning refuses it), so nothing resumes with fresh optimizers.
     """
-    target = Location.of(dst)
-    if target.is_dir():
-        raise IsADirectoryError(
-            f"{dst} is an existing folder; the conversion writes one file. Name it, e.g. {target.child('model.ckpt')}"
-        )
-    checkpoint = {"state_dict": load_fsdp1_state_dict(src, dtype=dtype, weights_only=weights_only)}
-    target.fs.makedirs(posixpath.dirname(target.path), exist_ok=True)
-    tmp = target.with_suffix(PARTIAL_SUFFIX)
-    torch_save(checkpoint, tmp)
-    tmp.move_to(target)
-    return dst if target.is_url else Path(dst)
+    require_file_target(dst)
+    return write_file({"state_dict": load_fsdp1_state_dict(src, dtype=dtype, weights_only=weights_only)}, dst)
 
 
 def _require_dcp_folder(location: Location) -> None:

@@ -79,6 +79,9 @@ def test_crafted_metadata_is_refused_without_running_its_payload(saved, tmp_path
 def test_a_folder_without_dcp_metadata_or_model_entry_is_a_clear_error(saved, tmp_path, capsys):
     assert main(["consolidate", "--from", "fsdp1", str(saved / "checkpointed"), str(tmp_path / "x.ckpt")]) == 1
     assert "not an FSDP1 SHARDED_STATE_DICT folder (no .metadata)" in capsys.readouterr().err
+    src = str(saved / "checkpointed" / "sharded")
+    assert main(["consolidate", "--from", "fsdp1", "--weights", "ema", src, str(tmp_path / "y.ckpt")]) == 1
+    assert "FSDP1 saved no EMA" in capsys.readouterr().err and not (tmp_path / "y.ckpt").exists()
     import torch.distributed.checkpoint as dcp
 
     dcp.save({"weights": {"w": torch.ones(2)}, "step": 3}, checkpoint_id=tmp_path / "other", no_dist=True)
