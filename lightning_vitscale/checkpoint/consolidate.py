@@ -51,12 +51,23 @@ def consolidate_checkpoint(
     inference or fine-tuning, without optimizer states, so that resuming from it fails instead of silently
     training on from the average.
     """
+    require_file_target(dst)
+    return write_file(load_consolidated(src, dtype=dtype, weights_only=weights_only, weights=weights), dst)
+
+
+def require_file_target(dst: PathLike) -> None:
+    """Fail before reading anything when ``dst`` is an existing folder: fsspec's move would put the file inside
+    it, under the temporary name."""
     target = Location.of(dst)
-    if target.is_dir():  # fsspec's move would put the file inside it, under the temporary name
+    if target.is_dir():
         raise IsADirectoryError(
             f"{dst} is an existing folder; consolidate writes one file. Name it, e.g. {target.child('model.ckpt')}"
         )
-    checkpoint = load_consolidated(src, dtype=dtype, weights_only=weights_only, weights=weights)
+
+
+def write_file(checkpoint: dict[str, Any], dst: PathLike) -> PathLike:
+    """``torch.save`` to a temporary name beside ``dst``, then moved: an interrupted write leaves no ``dst``."""
+    target = Location.of(dst)
     target.fs.makedirs(posixpath.dirname(target.path), exist_ok=True)
     tmp = target.with_suffix(PARTIAL_SUFFIX)
     torch_save(checkpoint, tmp)

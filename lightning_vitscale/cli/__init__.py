@@ -13,7 +13,7 @@ from lightning_vitscale.cli.demo import demo_command_parser
 from lightning_vitscale.cli.plan import plan_command_parser
 
 DESCRIPTION = """Command line: `python -m lightning_vitscale demo`, `... consolidate SRC DST [--weights raw|ema]
-[--unsafe]` and `... plan` (memory planner)."""
+[--unsafe] [--from vitscale|fsdp1]` and `... plan` (memory planner)."""
 
 
 def parser() -> argparse.ArgumentParser:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from lightning_vitscale.checkpoint import CheckpointError, Location, consolidate_checkpoint, verify
+from lightning_vitscale.checkpoint.legacy_fsdp1 import convert_fsdp1_checkpoint
 
 
 def consolidate_command_parser(subparsers: Any) -> None:
@@ -35,6 +36,10 @@ def consolidate_command_parser(subparsers: Any) -> None:
         "--weights", choices=["raw", "ema"], default="raw",
         help="raw: the trained weights (+ optimizer, EMA: resumable); ema: the ShardedEMA average, for inference",
     )
+    export.add_argument(
+        "--from", dest="source_format", choices=["vitscale", "fsdp1"], default="vitscale",
+        help="vitscale: a folder VitScaleStrategy saved; fsdp1: a torch FSDP1 SHARDED_STATE_DICT folder (dcp.save)",
+    )
     export.set_defaults(command=consolidate_command)
 
 
@@ -48,11 +53,20 @@ def consolidate_command(args: argparse.Namespace) -> int:
             print(f"verified {args.src}: every file matches its size and CRC-32")
         if args.dst is None:
             return 0
-        dtype = None if args.keep_dtype else torch.float32
-        weights_only = False if args.unsafe else None
-        out = consolidate_checkpoint(args.src, args.dst, dtype=dtype, weights_only=weights_only, weights=args.weights)
+        out = _convert(args)
     except (CheckpointError, OSError) as error:  # bad SRC or DST: the message names the path and the fix
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"wrote {out}")
     return 0
+
+
+def _convert(args: argparse.Namespace) -> Any:
+    """SRC -> DST through the converter of SRC's format (``--from``)."""
+    dtype = None if args.keep_dtype else torch.float32
+    weights_only = False if args.unsafe else None
+    if args.source_format == "fsdp1":
+        if args.weights != "raw":
+            raise CheckpointError("--weights ema applies to VitScaleStrategy folders only; FSDP1 saved no EMA.")
+        return convert_fsdp1_checkpoint(args.src, args.dst, dtype=dtype, weights_only=weights_only)
+    return consolidate_checkpoint(args.src, args.dst, dtype=dtype, weights_only=weights_only, weights=args.weights)
