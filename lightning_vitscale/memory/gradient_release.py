@@ -7,8 +7,8 @@ forward, which is often the step's peak. Between the optimizer step and that ``z
 module nor a user callback overrides one of those hooks (Lightning's and this package's own callbacks never read
 gradients) and ``zero_grad`` is torch's and Lightning's default, the gradients are freed at once, exactly as the
 coming ``zero_grad`` would free them. Reading ``.grad`` elsewhere before that ``zero_grad`` (inside ``training_step``,
-in a validation hook during ``fit``, after ``fit``) sees ``None`` instead of the stale values (the README says so). The planner counts it
-(:class:`~lightning_vitscale.memory.step_model.TrainingLoop` ``released_after_step``).
+in a validation hook during ``fit``, after ``fit``) sees ``None`` instead of the stale values (the README says
+so). The planner counts it (:class:`~lightning_vitscale.memory.step_model.TrainingLoop` ``released_after_step``).
 """
 
 from __future__ import annotations
