@@ -14,10 +14,12 @@ import lightning_vitscale
 from lightning_vitscale.cli import parser
 
 PUBLIC_NAMES = {
+    "AsyncSaveError",
     "CheckpointError",
     "KernelPolicy",
     "MemoryPlan",
     "NoBlocksMatchedError",
+    "NonFiniteTrainingError",
     "OutsideStepCallError",
     "ParallelPlan",
     "ShardedEMA",
@@ -35,7 +37,9 @@ PUBLIC_NAMES = {
 
 # module path -> names the README / CHANGELOG tell users to import from it
 DOCUMENTED_PATHS = {
-    "lightning_vitscale.checkpoint": {"consolidate_checkpoint", "load_consolidated", "CheckpointError"},
+    "lightning_vitscale.checkpoint": {
+        "consolidate_checkpoint", "load_consolidated", "CheckpointError", "AsyncSaveError", "verify",
+    },
     "lightning_vitscale.policies": {
         "ParallelConfig", "ShardingPolicy", "CheckpointingPolicy", "KernelPolicy", "PrecisionPolicy", "EMAPolicy",
     },
