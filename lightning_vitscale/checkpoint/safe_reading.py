@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from lightning_vitscale._compat import EmptyStateDictLoadPlanner, FsspecReader, dcp_load_into
 from lightning_vitscale.checkpoint.confinement import check_storage, member
 from lightning_vitscale.checkpoint.errors import CheckpointError
+from lightning_vitscale.checkpoint.sharded_tensor_pickle import record_pickle_module
 from lightning_vitscale.checkpoint.storage import DCP_METADATA, Location
 
 
@@ -239,3 +240,21 @@ def _refused_global(cause: BaseException) -> bool:
     """A pickle weights-only loading refused for what it would build (not for garbled bytes)."""
     text = str(cause)
     return "Weights only load failed" in text and "global" in text.lower()
+
+
+def load_local_shards(location: Location, weights_only: bool | None) -> Any:
+    """One rank's FSDP1 ``LOCAL_STATE_DICT`` file: its ``ShardedTensor`` s come back as inert records of their local
+    shards (no process group, none of torch's rebuild code), read by an unpickler that admits only the globals
+    such a file holds under the ``weights_only`` rule (``sharded_tensor_pickle.py``); torch still reads the storages.
+    ``weights_only=False`` here means the restricted unpickler, not plain pickle: it is what lets torch take a
+    custom unpickler, and the restriction is the unpickler's own."""
+    pickle_module = record_pickle_module(resolve_weights_only(weights_only))
+    try:
+        with location.open("rb") as f:
+            return torch.load(f, map_location="cpu", pickle_module=pickle_module, weights_only=False)
+    except pickle.UnpicklingError as error:
+        if "Weights only load failed" in str(error) or "refusing" in str(error):
+            raise CheckpointError(f"{location}: {error}") from error
+        raise CheckpointError(f"{location} is not a readable checkpoint file (truncated or foreign?): {error}") from error
+    except Exception as error:  # noqa: BLE001 - garbled zip or pickle: the same to the user
+        raise CheckpointError(f"{location} is not a readable checkpoint file (truncated or foreign?): {error}") from error
