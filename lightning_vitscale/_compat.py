@@ -36,7 +36,8 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector as CheckpointConnector
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # memory planner: shapes without memory
-from torch._utils import _rebuild_tensor_v2 as rebuild_tensor_v2  # a plain tensor in a pickle (FSDP1 local files)
+from torch._tensor import _rebuild_from_type_v2 as rebuild_from_type_v2  # FSDP1 local files: a tensor subclass
+from torch._utils import _rebuild_tensor_v2 as rebuild_tensor_v2  # FSDP1 local files: a plain tensor, pickled
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # s3://, gs://, memory://
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo  # where a DCP value lies in a file
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
@@ -45,8 +46,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 from torch.nn.modules.instancenorm import _InstanceNorm as InstanceNormBase
-from torch.serialization import _get_layout as get_layout  # a tensor's layout in a pickle (FSDP1 local files)
 from torch.optim.optimizer import _get_fused_kernels_supported_devices as fused_kernel_devices
+from torch.serialization import _get_layout as get_layout  # FSDP1 local files: a tensor's layout, pickled
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts  # op-level AC: torch>=2.4
 
@@ -179,9 +180,12 @@ __all__ = [
     "dynamo",
     "fully_shard",
     "fused_kernel_devices",
+    "get_layout",
     "initialize_fsdp_root",
     "on_child_failure",
     "optimizers_to_device",
+    "rebuild_from_type_v2",
+    "rebuild_tensor_v2",
     "restore_location",
     "set_device_mesh",
     "set_lightning_device",

@@ -120,7 +120,7 @@ def rank_files(src: PathLike) -> list[Location]:
 def _read_ranks(src: PathLike, weights_only: bool | None) -> list[dict[str, Any]]:
     """Each rank's model state dict (flat parameters as :class:`LocalShards`), in rank order, all ranks present."""
     by_rank: dict[int, dict[str, Any]] = {}
-    world_sizes = set()
+    world_sizes: set[int] = set()
     for location in rank_files(src):
         model = _model_entry(load_local_shards(location, weights_only), location)
         shards = [value for value in model.values() if isinstance(value, LocalShards)]

@@ -252,9 +252,8 @@ def load_local_shards(location: Location, weights_only: bool | None) -> Any:
     try:
         with location.open("rb") as f:
             return torch.load(f, map_location="cpu", pickle_module=pickle_module, weights_only=False)
-    except pickle.UnpicklingError as error:
-        if "Weights only load failed" in str(error) or "refusing" in str(error):
-            raise CheckpointError(f"{location}: {error}") from error
-        raise CheckpointError(f"{location} is not a readable checkpoint file (truncated or foreign?): {error}") from error
     except Exception as error:  # noqa: BLE001 - garbled zip or pickle: the same to the user
-        raise CheckpointError(f"{location} is not a readable checkpoint file (truncated or foreign?): {error}") from error
+        if isinstance(error, pickle.UnpicklingError) and "refusing" in str(error):
+            raise CheckpointError(f"{location}: {error}") from error
+        detail = f"{type(error).__name__}: {error}"
+        raise CheckpointError(f"{location} is not a readable checkpoint file (truncated or foreign?): {detail}") from error

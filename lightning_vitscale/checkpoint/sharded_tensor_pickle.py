@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from lightning_vitscale._compat import get_layout, rebuild_tensor_v2
+from lightning_vitscale._compat import get_layout, rebuild_from_type_v2, rebuild_tensor_v2
+
 
 class _Record:
     """An object the pickle fills in attribute by attribute (``BUILD``); it does nothing else."""
@@ -39,6 +40,11 @@ class _Record:
 
 class ShardedTensorRecord(_Record):
     ProcessGroupState: type = type("ProcessGroupState", (_Record,), {})
+    size: Any
+    dtype: Any
+    local_shards: Any
+    metadata: Any
+    process_group: Any
 
 
 class ShardRecord(_Record):
@@ -70,8 +76,11 @@ def _wrapper_subclass(cls: Any, dtype: Any, size: Any, *_: Any) -> tuple[Any, An
     return (cls, dtype, size)
 
 
-def _from_type(func: Any, new_type: Any, args: Any, state: Any) -> ShardedTensorRecord:
-    """Stands in for ``torch._tensor._rebuild_from_type_v2``: a ``ShardedTensor`` becomes its record."""
+def _from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    """Stands in for ``torch._tensor._rebuild_from_type_v2``: a ``ShardedTensor`` becomes its record; a plain
+    tensor with attributes (``torch.Tensor`` itself, as weights-only loading admits it) is rebuilt by torch."""
+    if func is rebuild_tensor_v2 and new_type is torch.Tensor and isinstance(state, dict):
+        return rebuild_from_type_v2(func, new_type, args, state)
     if func is not _wrapper_subclass or new_type is not ShardedTensorRecord or not isinstance(state, tuple):
         raise pickle.UnpicklingError("the file rebuilds a tensor subclass other than ShardedTensor; refusing it")
     record = ShardedTensorRecord()
@@ -95,6 +104,7 @@ _FUNCTIONS: dict[tuple[str, str], Any] = {
     ("torch.serialization", "_get_layout"): get_layout,
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("torch", "Size"): torch.Size,
+    ("torch", "Tensor"): torch.Tensor,
     ("torch", "device"): torch.device,
 }
 

@@ -14,6 +14,7 @@ import torch
 
 from lightning_vitscale.checkpoint import CheckpointError, Location, consolidate_checkpoint, verify
 from lightning_vitscale.checkpoint.legacy_fsdp1 import convert_fsdp1_checkpoint
+from lightning_vitscale.checkpoint.legacy_fsdp1_local import build_model, convert_fsdp1_local_checkpoint
 
 
 def consolidate_command_parser(subparsers: Any) -> None:
@@ -37,8 +38,15 @@ def consolidate_command_parser(subparsers: Any) -> None:
         help="raw: the trained weights (+ optimizer, EMA: resumable); ema: the ShardedEMA average, for inference",
     )
     export.add_argument(
-        "--from", dest="source_format", choices=["vitscale", "fsdp1"], default="vitscale",
-        help="vitscale: a folder VitScaleStrategy saved; fsdp1: a torch FSDP1 SHARDED_STATE_DICT folder (dcp.save)",
+        "--from", dest="source_format", choices=["vitscale", "fsdp1", "fsdp1-local"], default="vitscale",
+        help="vitscale: a folder VitScaleStrategy saved; fsdp1: a torch FSDP1 SHARDED_STATE_DICT folder (dcp.save);"
+        " fsdp1-local: FSDP1 LOCAL_STATE_DICT rank files (a folder or a pattern like 'run/model.rank_*.pth'),"
+        " needs --model",
+    )
+    export.add_argument(
+        "--model", metavar="MODULE:CALLABLE",
+        help="with --from fsdp1-local: `package.module:callable` building the model FSDP1 wrapped (it is imported"
+        " and called with no arguments, on the meta device): the names and shapes the files lack",
     )
     export.set_defaults(command=consolidate_command)
 
@@ -65,8 +73,18 @@ def _convert(args: argparse.Namespace) -> Any:
     """SRC -> DST through the converter of SRC's format (``--from``)."""
     dtype = None if args.keep_dtype else torch.float32
     weights_only = False if args.unsafe else None
+    if args.source_format != "fsdp1-local" and args.model is not None:
+        raise CheckpointError("--model applies to --from fsdp1-local only: the other formats name their tensors.")
+    if args.source_format.startswith("fsdp1") and args.weights != "raw":
+        raise CheckpointError("--weights ema applies to VitScaleStrategy folders only; FSDP1 saved no EMA.")
     if args.source_format == "fsdp1":
-        if args.weights != "raw":
-            raise CheckpointError("--weights ema applies to VitScaleStrategy folders only; FSDP1 saved no EMA.")
         return convert_fsdp1_checkpoint(args.src, args.dst, dtype=dtype, weights_only=weights_only)
+    if args.source_format == "fsdp1-local":
+        if args.model is None:
+            raise CheckpointError(
+                "--from fsdp1-local needs --model package.module:callable: LOCAL_STATE_DICT files hold flat"
+                " parameters without their names and shapes, which come from the model definition."
+            )
+        model = build_model(args.model)
+        return convert_fsdp1_local_checkpoint(args.src, args.dst, model, dtype=dtype, weights_only=weights_only)
     return consolidate_checkpoint(args.src, args.dst, dtype=dtype, weights_only=weights_only, weights=args.weights)

@@ -69,7 +69,8 @@ class TinyViT(nn.Module):
 
 
 def local_model() -> nn.Module:
-    """What ``consolidate --from fsdp1-local --model tests.distributed.scripts.fsdp1_checkpoints:local_model`` builds."""
+    """The model ``consolidate --from fsdp1-local --model tests.distributed.scripts.fsdp1_checkpoints:local_model``
+    builds."""
     torch.manual_seed(0)
     return TinyViT()
 
