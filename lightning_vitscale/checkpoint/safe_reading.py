@@ -256,4 +256,6 @@ def load_local_shards(location: Location, weights_only: bool | None) -> Any:
         if isinstance(error, pickle.UnpicklingError) and "refusing" in str(error):
             raise CheckpointError(f"{location}: {error}") from error
         detail = f"{type(error).__name__}: {error}"
-        raise CheckpointError(f"{location} is not a readable checkpoint file (truncated or foreign?): {detail}") from error
+        raise CheckpointError(f"{location} is not a readable checkpoint file (truncated or foreign?): {detail}") from (
+            error
+        )
