@@ -42,7 +42,8 @@ def load_fsdp1_local_state_dict(
     """The full state dict of FSDP1 ``LOCAL_STATE_DICT`` rank files, keyed as ``model.state_dict()``.
 
     Args:
-        src: a folder holding exactly the rank files, or a pattern such as ``run/model_0012499.rank_*.pth``.
+        src: a folder holding exactly the rank files, or a pattern such as ``run/model_0012499.rank_*.pth``
+            (or the one file of a one-rank run).
         model: the plain module FSDP1 wrapped (built on the meta device is enough: only names and shapes count).
         dtype: cast floating tensors to it; ``None`` keeps the saved dtypes.
         weights_only: as in ``torch.load`` (``None``: torch's default, True).
@@ -98,16 +99,20 @@ def build_model(spec: str) -> nn.Module:
 
 
 def rank_files(src: PathLike) -> list[Location]:
-    """The files of ``src``: a folder's files, or those matching a ``*``/``?`` pattern in its last part."""
+    """The files of ``src``: a folder's files, those matching a ``*``/``?`` pattern in its last part, or one file."""
     text = str(src)
     if any(char in posixpath.basename(text) for char in "*?["):
         folder, pattern = Location.of(posixpath.dirname(text) or "."), posixpath.basename(text)
+        if not folder.is_dir():
+            raise CheckpointError(f"{folder} is not a folder: no rank files match {src}.")
         names = [name for name in folder.names() if fnmatch.fnmatch(name, pattern)]
+    elif Location.of(src).is_file():
+        return [Location.of(src)]  # one rank's file: an error below unless the world had one rank
     else:
-        folder, pattern = Location.of(src), "*"
+        folder = Location.of(src)
         if not folder.is_dir():
             raise CheckpointError(
-                f"{src} is not a folder of FSDP1 LOCAL_STATE_DICT rank files; pass the folder or a pattern such as"
+                f"{src} does not exist; pass the folder of FSDP1 LOCAL_STATE_DICT rank files or a pattern such as"
                 " run/model_0012499.rank_*.pth."
             )
         names = folder.names()
