@@ -58,12 +58,12 @@ def load_fsdp1_local_state_dict(
     ranks = _read_ranks(src, weights_only)
     flats, plain = _gather(ranks)
     units = flat_units(model, set(flats))
-    world_size = len(ranks)
-    alignment = choose_alignment(units, {name: flat.numel() for name, flat in flats.items()}, world_size,
-                                 aligned_numel)
+    # FSDP1 pads to its sharding group's size: the world's, unless it ran hybrid sharding (replicas of each shard)
+    group = next(value.group_size for value in ranks[0].values() if isinstance(value, LocalShards))
+    alignment = choose_alignment(units, {name: flat.numel() for name, flat in flats.items()}, group, aligned_numel)
     state: dict[str, torch.Tensor] = {}
     for unit in units:
-        state.update(split(unit, flats[unit.name], offsets(unit, alignment, world_size)[0]))
+        state.update(split(unit, flats[unit.name], offsets(unit, alignment, group)[0]))
     state.update({key: value for key, value in plain.items() if key not in state})
     return {key: as_full(value, dtype) for key, value in _in_model_order(state, model, src).items()}
 

@@ -156,6 +156,7 @@ class LocalShards:
     pieces: tuple[tuple[int, torch.Tensor], ...]
     rank: int
     world_size: int
+    group_size: int  # FSDP1's sharding group (the world, unless hybrid sharding): what its padding counts
 
 
 def as_local_shards(record: ShardedTensorRecord, key: str) -> LocalShards:
@@ -164,10 +165,11 @@ def as_local_shards(record: ShardedTensorRecord, key: str) -> LocalShards:
     try:
         size = tuple(int(n) for n in record.size)
         pieces = tuple((int(s.metadata.shard_offsets[0]), s.tensor) for s in record.local_shards)
-        rank, world_size = int(record.process_group.global_rank), int(record.process_group.global_world_size)
+        group = record.process_group
+        rank, world_size, group_size = int(group.global_rank), int(group.global_world_size), int(group.local_world_size)
         dtype = record.dtype
     except (AttributeError, TypeError, ValueError, IndexError) as error:
         raise pickle.UnpicklingError(f"{key} is a malformed ShardedTensor ({error})") from error
     if len(size) != 1 or not isinstance(dtype, torch.dtype) or not all(torch.is_tensor(t) for _, t in pieces):
         raise pickle.UnpicklingError(f"{key} is not a 1-D ShardedTensor of local tensors (an FSDP1 flat parameter)")
-    return LocalShards(size[0], dtype, pieces, rank, world_size)
+    return LocalShards(size[0], dtype, pieces, rank, world_size, group_size)
