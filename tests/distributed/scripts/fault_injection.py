@@ -153,7 +153,7 @@ class Lines(logging.Handler):
 def resume(folder: Path, how: str, devices: int, restored: Path, ckpt_path: str | None = None) -> dict:
     """``how``: ``"last"`` (``ckpt_path="last"``), ``"auto"`` (``auto_resume=True``) or ``"path"`` (``ckpt_path``).
     The ModelCheckpoint saves nothing (no ``save_last``: its end-of-fit save would change the folder)."""
-    lines, logger = Lines(), logging.getLogger("lightning")
+    lines, logger = Lines(), logging.getLogger("lightning.pytorch")  # rank_zero_info's; it does not propagate
     logger.addHandler(lines)
     checkpoints = ModelCheckpoint(dirpath=folder, every_n_train_steps=1000)
     strategy = VitScaleStrategy(auto_resume=how == "auto")
