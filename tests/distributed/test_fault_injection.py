@@ -1,6 +1,7 @@
 """Fault injection through ``Trainer.fit`` on 2 gloo ranks: one rank SIGKILLed while writing part of its shard of
-a synchronous save (rank 1, and rank 0), of an asynchronous save (in the background, while the next step trains),
-and between two steps. Each job must end in bounded time, every rank with it. Resuming each folder with
+a synchronous save (rank 0: the rank that commits, and Lightning's launching process), of an asynchronous save
+(rank 1, in the background while the next step trains), and between two steps (rank 1). Each job must end soon
+after the kill, every rank with it. Resuming each folder with
 ``ckpt_path="last"`` and ``auto_resume=True``, on the same 2 ranks and on 1, must restore exactly the weights,
 optimizer state and step recorded when the last complete save began, skipping the partial one with a log line
 saying why; every earlier complete checkpoint must still load. A flipped byte and a truncated shard in the newest
@@ -14,6 +15,7 @@ process start."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -26,24 +28,28 @@ from tests.helpers.launch import assert_ok, lightning_launch, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 SCRIPT = "tests/distributed/scripts/fault_injection.py"
-KILL_BOUND_S = 90  # a job with a dead rank ends well within this (gloo fails a collective with a dead peer at once)
+# Every rank of a job with a dead rank ends within this (gloo fails a collective with a dead peer at once; the
+# longest wait on the way is the strategy's 30 s notice grace, which a rank that noticed never takes).
+ENDED_WITHIN_S = 25
 NEVER_COMMITTED = "no readable lightning_vitscale.json: its save never completed"
 
 # Per scenario: the step each resume must restore (the last complete save it may pick), and the interrupted
 # folder, which the resume must skip with a log line, or None (killed between steps: nothing interrupted).
 # "last" considers last.ckpt only; auto_resume every checkpoint in the folder, the newest complete one winning.
 EXPECTED = {
-    "sync-r1": {"last": 4, "auto": 6, "partial": "last.ckpt.partial"},
-    "sync-r0": {"last": 4, "auto": 4, "partial": "step=6.ckpt.partial"},
+    "sync-r0": {"last": 4, "auto": 6, "partial": "last.ckpt.partial"},
     "async-r1": {"last": 2, "auto": 4, "partial": "last.ckpt.partial"},
-    "between-r0": {"last": 4, "auto": 4, "partial": None},
+    "between-r1": {"last": 4, "auto": 4, "partial": None},
 }
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("faults")
-    killed = {name: lightning_launch(SCRIPT, "kill", name, str(out), timeout=150) for name in SCENARIOS}
+    killed = {}
+    for name in SCENARIOS:
+        result = lightning_launch(SCRIPT, "kill", name, str(out), timeout=150)
+        killed[name] = (result, time.time())
     assert_ok(torchrun(SCRIPT, "resume", "2", str(out), timeout=300))
     resumed = {2: json.loads((out / "resume2-rank0.json").read_text()), 1: resume_all(out, devices=1)}
     return out, killed, resumed
@@ -63,10 +69,12 @@ def assert_same_state(restored: Path, saved: Path) -> None:
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_a_rank_killed_ends_the_job_in_bounded_time(run, scenario):
     out, killed, _ = run
-    result, kill = killed[scenario], SCENARIOS[scenario]
+    (result, ended), kill = killed[scenario], SCENARIOS[scenario]
     assert not result.timed_out, result.output[-4000:]  # every rank ended: the launcher's pipe closed
-    assert result.returncode != 0 and result.seconds < KILL_BOUND_S, (result.returncode, result.seconds)
+    assert result.returncode != 0, result.output[-4000:]
     assert not list((out / scenario).glob("survived-rank*")), "the kill never happened"
+    after_kill = ended - float((out / scenario / "killed").read_text())
+    assert 0 < after_kill < ENDED_WITHIN_S, f"the job ended {after_kill:.0f}s after the kill"
     assert (out / scenario / "saved" / f"step{kill.step - kill.step % 2}.pt").exists()
     partial = EXPECTED[scenario]["partial"]
     if partial is not None:  # it died after writing part of its shard: the folder exists, never committed
@@ -104,7 +112,7 @@ def test_every_earlier_complete_checkpoint_still_loads_with_its_saved_weights(ru
             assert weights.keys() == loaded["state_dict"].keys()
             assert all(torch.equal(v, loaded["state_dict"][k]) for k, v in weights.items()), (scenario, step)
             checked += 1
-    assert checked == 2 + 3 + 2 + 2  # sync-r1 also committed step=6.ckpt
+    assert checked == 3 + 2 + 2  # sync-r0 committed step=6.ckpt before it died writing last.ckpt
 
 
 @pytest.mark.parametrize("devices", [2, 1])
@@ -121,7 +129,7 @@ def test_a_damaged_shard_falls_back_to_the_previous_complete_save_or_raises_nami
     for how in ("last", "auto"):  # the newest (step 6) and last.ckpt (step 4) damaged: step=4.ckpt is next
         resumed_from = facts[f"{damage}-{how}"]
         assert resumed_from["error"] is None, resumed_from
-        assert_same_state(out / f"restored-{devices}" / f"{damage}-{how}.pt", out / "sync-r1" / "saved" / "step4.pt")
+        assert_same_state(out / f"restored-{devices}" / f"{damage}-{how}.pt", out / "sync-r0" / "saved" / "step4.pt")
         assert any(victim in line and message in line for line in resumed_from["lines"]), resumed_from["lines"]
     explicit = facts[f"{damage}-path"]["error"]
     assert explicit is not None and victim in explicit and explicit_message in explicit, explicit

@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,20 +49,25 @@ class Kill:
     async_save: bool = False
 
 
-SCENARIOS = {
-    "sync-r1": Kill(1, 6, "last.ckpt"),  # step=6.ckpt complete, last.ckpt (step 4) being replaced
-    "sync-r0": Kill(0, 6, "step=6.ckpt"),  # the first save of step 6
+SCENARIOS = {  # three launches: each point once, rank 0 (the committer, and Lightning's launching rank) once
+    "sync-r0": Kill(0, 6, "last.ckpt"),  # step=6.ckpt complete, last.ckpt (step 4) being replaced
     "async-r1": Kill(1, 4, "last.ckpt", async_save=True),  # in the background while step 5 trains
-    "between-r0": Kill(0, 5, None),
+    "between-r1": Kill(1, 5, None),
 }
+
+
+def die_now(marker: Path) -> None:
+    """SIGKILL this process, noting when (the test bounds how long the job takes to end after it)."""
+    marker.write_text(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Dying:
     """Patches DCP's file writer: once armed, the write of ``kill.target``'s staging folder on ``kill.rank``
     flushes ``ITEMS_BEFORE_KILL`` tensors, then SIGKILLs this process (in whichever thread writes)."""
 
-    def __init__(self, kill: Kill) -> None:
-        self.kill, self.armed, self.items, self.folder = kill, False, 0, ""
+    def __init__(self, kill: Kill, marker: Path) -> None:
+        self.kill, self.marker, self.armed, self.items, self.folder = kill, marker, False, 0, ""
         self.write_data, self.write_item = dcp_filesystem._FileSystemWriter.write_data, dcp_filesystem._write_item
 
     def install(self) -> None:
@@ -77,7 +83,7 @@ class Dying:
                 self.items += 1
                 if self.items == ITEMS_BEFORE_KILL:
                     stream.flush()
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    die_now(self.marker)
             return result
 
         dcp_filesystem._FileSystemWriter.write_data = write_data
@@ -104,7 +110,7 @@ class Record(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.kill.target is None and trainer.global_step == self.kill.step and RANK == self.kill.rank:
-            os.kill(os.getpid(), signal.SIGKILL)
+            die_now(self.dying.marker)
 
 
 def trainer_for(devices: int, strategy: VitScaleStrategy, callbacks: list, steps: int) -> L.Trainer:
@@ -117,7 +123,7 @@ def trainer_for(devices: int, strategy: VitScaleStrategy, callbacks: list, steps
 def die(scenario: str, out: Path) -> None:
     kill, folder = SCENARIOS[scenario], out / scenario
     (folder / "saved").mkdir(parents=True, exist_ok=True)
-    dying = Dying(kill)
+    dying = Dying(kill, folder / "killed")
     dying.install()
     checkpoints = ModelCheckpoint(
         dirpath=folder / "ckpts", filename="{step}", every_n_train_steps=2, save_top_k=-1, save_last=True
@@ -202,7 +208,7 @@ def resume_all(out: Path, devices: int) -> dict:
             results[name] = resume(out / scenario / "ckpts", how, devices, restored / f"{name}.pt")
     for how in ("flip", "truncate"):
         folder = out / f"damaged-{how}-{devices}"
-        results[f"{how}-shard"] = str(damage(out / "sync-r1" / "ckpts", folder, how))
+        results[f"{how}-shard"] = str(damage(out / "sync-r0" / "ckpts", folder, how))
         for resume_how in ("last", "auto"):
             name = f"{how}-{resume_how}"
             results[name] = resume(folder, resume_how, devices, restored / f"{name}.pt")
