@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_vitscale.checkpoint import load_consolidated
 from lightning_vitscale.checkpoint.storage import SHARDED_MARKER
@@ -51,7 +52,10 @@ def run(tmp_path_factory):
         result = lightning_launch(SCRIPT, "kill", name, str(out), timeout=150)
         killed[name] = (result, time.time())
     assert_ok(torchrun(SCRIPT, "resume", "2", str(out), timeout=300))
+    initialized = dist.is_initialized()
     resumed = {2: json.loads((out / "resume2-rank0.json").read_text()), 1: resume_all(out, devices=1)}
+    if not initialized and dist.is_initialized():
+        dist.destroy_process_group()  # leave this process as found: later in-process tests set up their own
     return out, killed, resumed
 
 
