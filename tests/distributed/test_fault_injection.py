@@ -15,6 +15,7 @@ process start."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -52,10 +53,13 @@ def run(tmp_path_factory):
         result = lightning_launch(SCRIPT, "kill", name, str(out), timeout=150)
         killed[name] = (result, time.time())
     assert_ok(torchrun(SCRIPT, "resume", "2", str(out), timeout=300))
-    initialized = dist.is_initialized()
+    initialized, environment = dist.is_initialized(), dict(os.environ)
     resumed = {2: json.loads((out / "resume2-rank0.json").read_text()), 1: resume_all(out, devices=1)}
+    # Leave this process as found: the in-process fits set LOCAL_RANK & co. and a process group.
+    os.environ.clear()
+    os.environ.update(environment)
     if not initialized and dist.is_initialized():
-        dist.destroy_process_group()  # leave this process as found: later in-process tests set up their own
+        dist.destroy_process_group()
     return out, killed, resumed
 
 
