@@ -7,7 +7,10 @@ modification time wins), on every rank alone, before any strategy or CheckpointI
 
 * ``_find_last_checkpoints``: each ``last*.ckpt`` name, also one present only as the ``.partial``/``.old`` folder
   an interrupted save left, becomes its newest complete checkpoint (``commit.newest_complete``); incomplete ones
-  are skipped with a log line saying why. Names that are Lightning's own files come back unchanged.
+  are skipped with a log line saying why. Names that are Lightning's own files come back unchanged. Under the
+  strategy the folder's other complete checkpoints become the load's fallbacks (a corrupt ``last.ckpt`` then
+  loads the newest intact save), and when a ``last*.ckpt`` was saved but no copy of it is complete, the newest
+  complete checkpoint there stands in for it, with a warning, rather than a silent start from scratch.
 * ``_parse_ckpt_path``: only under ``VitScaleStrategy(auto_resume=True)`` when fitting. Like Composer's
   ``autoresume``, a complete checkpoint found in the ModelCheckpoint folders wins over ``ckpt_path`` (the same
   command resubmitted after a failure resumes where it stopped); ``ckpt_path`` is used only when none is found.
@@ -74,14 +77,40 @@ def _path_for_lightning(location: Location) -> str:
     return location.path if not location.is_url else location.url
 
 
+def _names_last(callback: ModelCheckpoint, folder: Location) -> bool:
+    """Whether ``folder`` holds anything saved as a ``last*.ckpt``, complete or not."""
+    return any(_is_last(callback, PurePath(target_of(folder.child(n)).path).name) for n in folder.names())
+
+
+def last_with_fallbacks(
+    callback: ModelCheckpoint, folder: Location, wanted: bool
+) -> tuple[list[Location], list[Location]]:
+    """``ckpt_path="last"``'s complete candidates in ``folder`` and, when ``wanted``, the other complete checkpoints
+    there (newest first), to load if the chosen one fails its CRC-32 check. When ``last*.ckpt`` was saved but no
+    copy of it is complete (a truncated shard, an interrupted first save), the newest other complete checkpoint
+    stands in for it, with a warning: DDP would fail on the damaged file, never silently start from scratch."""
+    last = complete_checkpoints(folder, functools.partial(_is_last, callback))
+    if last and not wanted:
+        return last, []
+    others = complete_checkpoints(folder, lambda name: _is_checkpoint(name) and not _is_last(callback, name))
+    if not last and others and _names_last(callback, folder):
+        rank_zero_warn(
+            f"ckpt_path='last': no complete {callback.CHECKPOINT_NAME_LAST}{CHECKPOINT_EXTENSION} in {folder} (the"
+            f" lines above say why); resuming from the newest complete checkpoint there instead: {others[0]}."
+        )
+        return others[:1], others[1:]
+    return last, others if wanted else []
+
+
 def _wrap_find_last(original: Callable[..., set[str]]) -> Callable[..., set[str]]:
     @functools.wraps(original)
     def _find_last_checkpoints(self: ModelCheckpoint, trainer: Any) -> set[str]:
         folder = Location.of(checkpoint_dir(self, trainer))
-        ours = complete_checkpoints(folder, functools.partial(_is_last, self))
         theirs = {p for p in original(self, trainer) if not Location.of(p).is_dir()}  # Lightning's own files
-        if hasattr(trainer.strategy, "resume_fallbacks"):
-            trainer.strategy.resume_fallbacks = ours
+        wanted = hasattr(trainer.strategy, "resume_fallbacks")
+        ours, others = last_with_fallbacks(self, folder, wanted) if folder.is_dir() else ([], [])
+        if wanted:
+            trainer.strategy.resume_fallbacks = ours + others
         return theirs | {_path_for_lightning(location) for location in ours}
 
     setattr(_find_last_checkpoints, _ORIGINAL, original)

@@ -20,9 +20,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What Lightning writes into os.environ during an in-process fit (devices=1 sets LOCAL_RANK=0, NODE_RANK=0 and a
+# MASTER_PORT): inherited by a launch, LOCAL_RANK makes Lightning's launcher think the ranks were started
+# externally, so rank 0 waits for a rank 1 that never starts. Each launch sets what it needs itself.
+_LIGHTNING_RANK_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT")
+
+
 def rank_env(**extra: str) -> dict[str, str]:
     """Environment for child ranks: one thread each on the 2-core CI machine, loopback gloo."""
     env = dict(os.environ)
+    for leaked in _LIGHTNING_RANK_VARIABLES:  # set by an in-process fit earlier in this pytest process
+        env.pop(leaked, None)
     env.update(
         PYTHONPATH=os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]),
         OMP_NUM_THREADS="1",

@@ -8,7 +8,11 @@ import logging
 
 import pytest
 import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.__main__ import main
 from lightning_vitscale.checkpoint import (
     CheckpointError,
@@ -83,3 +87,42 @@ def test_resolution_skips_incomplete_folders_with_a_log_line(tmp_path, caplog):
     assert [Location.of(tmp_path / "epoch=0.ckpt")] == found
     assert "epoch=1.ckpt" in caplog.text and "is missing" in caplog.text
     assert "epoch=2.ckpt.partial" in caplog.text and "never completed" in caplog.text
+
+
+def resolve_last(folder, strategy) -> tuple[str | None, Trainer]:
+    """``fit(ckpt_path="last")``'s choice, resolved by Lightning's own code."""
+    trainer = Trainer(
+        callbacks=[ModelCheckpoint(dirpath=folder, save_last=True)], logger=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", devices=1, strategy=strategy,
+    )
+    return trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False), trainer
+
+
+@pytest.mark.parametrize("strategy", ["auto", "vitscale"])
+def test_last_without_a_complete_copy_resumes_from_the_newest_complete_save_with_a_warning(tmp_path, strategy):
+    # DDP fails on a damaged last.ckpt; a silent start from scratch (Lightning's answer to "no last*.ckpt") would
+    # throw away the run, so the newest complete save in the folder stands in for it.
+    save(tmp_path / "step=1.ckpt", 1)
+    save(tmp_path / "step=2.ckpt", 2)
+    save(tmp_path / "last.ckpt", 2)
+    victim = tmp_path / "last.ckpt" / shard(tmp_path / "last.ckpt")
+    victim.write_bytes(victim.read_bytes()[:10])
+    with pytest.warns(UserWarning, match=r"no complete last.ckpt .*instead: .*step=2.ckpt"):
+        path, trainer = resolve_last(tmp_path, VitScaleStrategy() if strategy == "vitscale" else strategy)
+    assert path == str(tmp_path / "step=2.ckpt")
+    if strategy == "vitscale":
+        fallbacks = [Location.of(str(tmp_path / n)) for n in ("step=2.ckpt", "step=1.ckpt")]
+        assert trainer.strategy.resume_fallbacks == fallbacks
+
+
+def test_a_corrupt_last_falls_back_to_the_newest_intact_save_in_its_folder(tmp_path):
+    save(tmp_path / "step=1.ckpt", 1)
+    save(tmp_path / "step=2.ckpt", 2)
+    save(tmp_path / "last.ckpt", 2)
+    flip_byte(tmp_path / "last.ckpt" / shard(tmp_path / "last.ckpt"))
+    path, trainer = resolve_last(tmp_path, VitScaleStrategy())
+    assert path == str(tmp_path / "last.ckpt")  # sizes are fine: only the CRC-32 check at load sees the flip
+    fallbacks = trainer.strategy.resume_fallbacks
+    assert fallbacks == [Location.of(str(tmp_path / n)) for n in ("last.ckpt", "step=2.ckpt", "step=1.ckpt")]
+    with pytest.warns(UserWarning, match=r"skipped .*last.ckpt.*fails its CRC-32 check"):
+        assert verified_checkpoint(Location.of(path), fallbacks, HashGroup()) == fallbacks[1]
