@@ -83,10 +83,7 @@ def test_missing_video_folder_names_the_layout(tmp_path: Path) -> None:
 
 def test_keep_decoded_reads_each_file_once_and_gives_the_values_a_read_gives(tmp_path: Path) -> None:
     _user_videos(tmp_path)
-    dms = {
-        keep: VideoDataModule(str(tmp_path), num_frames=4, img_size=32, keep_decoded=keep)
-        for keep in (True, False)
-    }
+    dms = {keep: VideoDataModule(str(tmp_path), num_frames=4, img_size=32, keep_decoded=keep) for keep in (True, False)}
     for dm in dms.values():
         dm.setup()
     clips = {}
