@@ -120,13 +120,13 @@ def keep_decoded_by_size(num_clips: int, one_clip: Tensor) -> bool:
     """``keep_decoded=None``'s rule: keep ``num_clips`` clips the size of ``one_clip`` if they fit the budget."""
     max_bytes = KEEP_DECODED_MAX_BYTES
     estimate = one_clip.nbytes * num_clips
-    what = f"{num_clips} clips, ~{estimate / 2**20:.0f} MiB decoded per rank"
+    size = f"~{estimate / 2**20:.0f} MiB per rank"
     if estimate <= max_bytes:
-        rank_zero_info(f"VideoDataModule: decoding the {what} once, kept in memory (--data.keep_decoded=false: read"
-                       " the files every epoch)")  # fmt: skip
+        rank_zero_info(f"VideoDataModule: decoding the {num_clips} clips once and keeping them in memory ({size};"
+                       " --data.keep_decoded=false reads the files every epoch)")  # fmt: skip
         return True
-    rank_zero_info(f"VideoDataModule: reading the files every epoch ({what}, over the {max_bytes / 2**30:g} GiB kept"
-                   " by default; --data.keep_decoded=true keeps them anyway)")  # fmt: skip
+    rank_zero_info(f"VideoDataModule: reading the {num_clips} clips from their files every epoch (decoded: {size},"
+                   f" over {max_bytes / 2**30:g} GiB; --data.keep_decoded=true keeps them anyway)")  # fmt: skip
     return False
 
 

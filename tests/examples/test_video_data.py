@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -100,11 +101,17 @@ def test_keep_decoded_reads_each_file_once_and_gives_the_values_a_read_gives(tmp
     assert dms[True].train_dataloader().num_workers == 0  # nothing left to decode: no loader worker by default
 
 
-def test_keep_decoded_default_keeps_what_fits_the_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_keep_decoded_default_keeps_what_fits_the_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     _user_videos(tmp_path)  # 4 clips; 4 frames of 48x64 resized to 32x42: 4 * 3 * 32 * 42 bytes each
     dm = VideoDataModule(str(tmp_path), num_frames=4, img_size=32, num_workers=0)
     budget = 4 * (4 * 3 * 32 * 42)
-    for max_bytes, kept in ((budget, True), (budget - 1, False)):
+    choices = ((budget, True, "keeping them in memory"), (budget - 1, False, "reading the 4 clips from their files"))
+    for max_bytes, kept, logged in choices:
         monkeypatch.setattr("examples.models.video_files.KEEP_DECODED_MAX_BYTES", max_bytes)
-        dm.setup()
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            dm.setup()
         assert dm.kept_decoded is kept and (dm.train_set.kept is not None) is kept  # type: ignore[union-attr]
+        assert logged in caplog.text, "the choice is logged, with the flag that overrides it"
