@@ -14,7 +14,7 @@ if not __package__:  # run as `python examples/detection.py`: make the checkout'
     import _checkout  # noqa: F401
 
 import lightning.pytorch as pl
-from lightning.pytorch.cli import ArgsType
+from lightning.pytorch.cli import ArgsType, LightningCLI
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor
 from torchmetrics.detection import MeanAveragePrecision
@@ -112,10 +112,10 @@ class ViTDetector(pl.LightningModule):
         return adamw_cosine(self, h.lr, h.weight_decay, h.warmup_frac)
 
 
-def main(args: ArgsType = None) -> None:
-    """CLI entry point; ``args`` lets tests drive it in-process."""
-    links = ("num_classes", "in_chans", "img_size")
-    run_cli(ViTDetector, ShapesDetectionDataModule, "detection", links, max_epochs=10, args=args)
+def main(args: ArgsType = None, run: bool = True) -> LightningCLI:
+    """CLI entry point; ``args`` and ``run=False`` (instantiate only) let tests drive it in-process."""
+    links: tuple[str, ...] = ("num_classes", "in_chans", "img_size")
+    return run_cli(ViTDetector, ShapesDetectionDataModule, "detection", links, max_epochs=10, args=args, run=run)
 
 
 if __name__ == "__main__":

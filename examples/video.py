@@ -14,7 +14,7 @@ from typing import Any, Literal
 if not __package__:  # run as `python examples/video.py`: make the checkout's `examples` package importable
     import _checkout  # noqa: F401
 
-from lightning.pytorch.cli import ArgsType
+from lightning.pytorch.cli import ArgsType, LightningCLI
 
 from examples.models.classifier import ClassificationModule
 from examples.models.cli import run_cli
@@ -66,10 +66,10 @@ class VideoClassifier(ClassificationModule):
             )
 
 
-def main(args: ArgsType = None) -> None:
-    """CLI entry point; ``args`` lets tests drive it in-process."""
-    links = ("num_classes", "in_chans", "img_size", "num_frames")
-    run_cli(VideoClassifier, MovingShapesVideoDataModule, "video", links, max_epochs=8, args=args)
+def main(args: ArgsType = None, run: bool = True) -> LightningCLI:
+    """CLI entry point; ``args`` and ``run=False`` (instantiate only) let tests drive it in-process."""
+    links: tuple[str, ...] = ("num_classes", "in_chans", "img_size", "num_frames")
+    return run_cli(VideoClassifier, MovingShapesVideoDataModule, "video", links, max_epochs=8, args=args, run=run)
 
 
 if __name__ == "__main__":

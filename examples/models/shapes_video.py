@@ -75,6 +75,7 @@ class MovingShapesVideoDataModule(WrittenOnce, VideoDataModule):
         num_workers: int | None = None,
         seed: int = 0,
         cache_dir: str | None = None,
+        keep_decoded: bool | None = None,
     ) -> None:
         self.n_classes, self.speed, self.seed = num_classes, speed, seed
         self.splits = {"train": num_train, "val": num_val}
@@ -88,6 +89,7 @@ class MovingShapesVideoDataModule(WrittenOnce, VideoDataModule):
             std=(0.5, 0.5, 0.5),
             batch_size=batch_size,
             num_workers=num_workers,
+            keep_decoded=keep_decoded,
         )
 
     @property

@@ -15,12 +15,14 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from examples.models.loading import make_loader
 
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".webm", ".mov", ".m4v")
+KEEP_DECODED_MAX_BYTES = 2**30  # keep_decoded=None keeps the decoded clips when they fit in 1 GiB per rank
 
 
 def uniform_indices(num_available: int, num_frames: int) -> list[int]:
@@ -74,31 +76,58 @@ def list_items(list_file: Path, video_root: Path) -> list[tuple[Path, int]]:
         if match is None:
             raise ValueError(f"{list_file}:{n}: expected '<path> <integer label>', got {line!r}")
         items.append((video_root / match[1], int(match[2])))
+    if not items:
+        raise ValueError(f"{list_file}: no '<path> <integer label>' lines")
     return items
 
 
 class VideoClips(Dataset):
-    """(clip (T, C, H, W) float, label) for each (path, label) item."""
+    """(clip (T, C, H, W) float, label) for each (path, label) item.
 
-    def __init__(self, items: list[tuple[Path, int]], num_frames: int, transform: Any) -> None:
-        self.items, self.num_frames, self.transform = items, num_frames, transform
+    ``resize`` (deterministic: shorter side to ``img_size``) runs on the decoded uint8 frames, ``augment`` (crop,
+    floats, normalisation) after it. With ``keep_decoded`` every file is decoded and resized once, here, and the
+    uint8 clips stay in memory: each epoch then only augments, starting from the very values a read would give.
+    """
+
+    def __init__(
+        self, items: list[tuple[Path, int]], num_frames: int, resize: Any, augment: Any, keep_decoded: bool = False
+    ) -> None:
+        self.items, self.num_frames, self.resize, self.augment = items, num_frames, resize, augment
+        self.kept: list[Tensor] | None = [self.decode(i) for i in range(len(items))] if keep_decoded else None
+
+    def decode(self, i: int) -> Tensor:
+        """Clip ``i`` read from its file: ``num_frames`` uint8 frames, resized."""
+        return self.resize(read_clip(self.items[i][0], self.num_frames))
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i: int) -> tuple[Tensor, int]:
-        path, label = self.items[i]
-        return self.transform(read_clip(path, self.num_frames)), label
+        clip = self.kept[i] if self.kept is not None else self.decode(i)
+        return self.augment(clip), self.items[i][1]
 
 
-def clip_transform(img_size: int, train: bool, mean: tuple[float, ...], std: tuple[float, ...]) -> Any:
-    """Shorter side -> img_size, random (train) / centre (val) square crop, [0, 1] floats, normalise."""
+def clip_transforms(img_size: int, train: bool, mean: tuple[float, ...], std: tuple[float, ...]) -> tuple[Any, Any]:
+    """(resize, augment): shorter side -> img_size; random (train) / centre (val) square crop, [0, 1], normalise."""
     from torchvision.transforms import v2
 
     crop = v2.RandomCrop(img_size) if train else v2.CenterCrop(img_size)
-    return v2.Compose(
-        [v2.Resize(img_size), crop, v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))]
-    )
+    augment = v2.Compose([crop, v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))])
+    return v2.Resize(img_size), augment
+
+
+def keep_decoded_by_size(num_clips: int, one_clip: Tensor) -> bool:
+    """``keep_decoded=None``'s rule: keep ``num_clips`` clips the size of ``one_clip`` if they fit the budget."""
+    max_bytes = KEEP_DECODED_MAX_BYTES
+    estimate = one_clip.nbytes * num_clips
+    size = f"~{estimate / 2**20:.0f} MiB per rank"
+    if estimate <= max_bytes:
+        rank_zero_info(f"VideoDataModule: decoding the {num_clips} clips once and keeping them in memory ({size};"
+                       " --data.keep_decoded=false reads the files every epoch)")  # fmt: skip
+        return True
+    rank_zero_info(f"VideoDataModule: reading the {num_clips} clips from their files every epoch (decoded: {size},"
+                   f" over {max_bytes / 2**30:g} GiB; --data.keep_decoded=true keeps them anyway)")  # fmt: skip
+    return False
 
 
 class VideoDataModule(pl.LightningDataModule):
@@ -107,6 +136,12 @@ class VideoDataModule(pl.LightningDataModule):
     A list file (``list_file``, ``{split}`` replaced) has one ``<path> <label>`` line per clip, paths relative
     to ``root``, labels ``0..K-1`` (pytorchvideo's ``LabeledVideoDataset`` / Kinetics format). ``num_classes``
     is known at construction (class folders, or the largest label + 1) so the CLI links it into the model.
+
+    ``keep_decoded``: ``True`` decodes every file once in ``setup`` (the sampled frames, resized: uint8) and keeps
+    the clips in memory, so later epochs only crop and normalise (and the loader needs no workers); ``False``
+    decodes from the files every time a clip is read (datasets the size of Kinetics); ``None`` (default) keeps them
+    when all clips, estimated from the first one, fit in ``KEEP_DECODED_MAX_BYTES`` (1 GiB) per rank, and logs
+    which it chose. Every rank holds its own copy. The values are the same either way.
     """
 
     in_chans = 3
@@ -124,6 +159,7 @@ class VideoDataModule(pl.LightningDataModule):
         std: tuple[float, float, float] = (0.225, 0.225, 0.225),
         batch_size: int = 8,
         num_workers: int | None = None,
+        keep_decoded: bool | None = None,
     ) -> None:
         super().__init__()
         if layout not in ("folders", "list"):
@@ -131,7 +167,8 @@ class VideoDataModule(pl.LightningDataModule):
         self.root, self.layout, self.list_file = Path(root), layout, list_file
         self.train_split, self.val_split = train_split, val_split
         self.num_frames, self.img_size, self.mean, self.std = num_frames, img_size, mean, std
-        self.batch_size, self.num_workers = batch_size, num_workers
+        self.batch_size, self.num_workers, self.keep_decoded = batch_size, num_workers, keep_decoded
+        self.kept_decoded: bool | None = None  # what setup() chose
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
 
@@ -147,16 +184,20 @@ class VideoDataModule(pl.LightningDataModule):
         return max(label for _, label in self._items(self.train_split)) + 1
 
     def setup(self, stage: str | None = None) -> None:
-        for split, train in ((self.train_split, True), (self.val_split, False)):
-            ds = VideoClips(
-                self._items(split), self.num_frames, clip_transform(self.img_size, train, self.mean, self.std)
-            )
-            setattr(self, "train_set" if train else "val_set", ds)
+        splits = {"train_set": self._items(self.train_split), "val_set": self._items(self.val_split)}
+        self.kept_decoded = self.keep_decoded
+        if self.kept_decoded is None:  # the size of one decoded, resized clip tells what all of them would take
+            first = splits["train_set"][0][0]
+            one = clip_transforms(self.img_size, False, self.mean, self.std)[0](read_clip(first, self.num_frames))
+            self.kept_decoded = keep_decoded_by_size(sum(map(len, splits.values())), one)
+        for name, items in splits.items():
+            resize, augment = clip_transforms(self.img_size, name == "train_set", self.mean, self.std)
+            setattr(self, name, VideoClips(items, self.num_frames, resize, augment, self.kept_decoded))
 
     def _loader(self, ds: Dataset | None, shuffle: bool) -> DataLoader:
         assert ds is not None, "setup() not called"
-        # decoded from files: workers / pinned memory per accelerator (``examples.models.loading``)
-        return make_loader(ds, self.batch_size, shuffle, self.trainer, False, self.num_workers, None)
+        # workers / pinned memory per accelerator (``examples.models.loading``): none for clips kept decoded
+        return make_loader(ds, self.batch_size, shuffle, self.trainer, bool(self.kept_decoded), self.num_workers, None)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, True)

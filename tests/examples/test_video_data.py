@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,38 @@ def test_missing_video_folder_names_the_layout(tmp_path: Path) -> None:
         _ = VideoDataModule(str(tmp_path)).num_classes
     with pytest.raises(ValueError, match="layout='csv'"):
         VideoDataModule(str(tmp_path), layout="csv")  # type: ignore[arg-type]
+
+
+def test_keep_decoded_reads_each_file_once_and_gives_the_values_a_read_gives(tmp_path: Path) -> None:
+    _user_videos(tmp_path)
+    dms = {keep: VideoDataModule(str(tmp_path), num_frames=4, img_size=32, keep_decoded=keep) for keep in (True, False)}
+    for dm in dms.values():
+        dm.setup()
+    clips = {}
+    for keep, dm in dms.items():
+        torch.manual_seed(0)  # the same random crops
+        clips[keep] = [dm.train_set[i][0] for i in range(2)] + [dm.val_set[i][0] for i in range(2)]  # type: ignore[index]
+    for kept, read in zip(clips[True], clips[False], strict=True):
+        assert torch.equal(kept, read)
+    for path in tmp_path.rglob("*.mp4"):
+        path.unlink()
+    assert dms[True].train_set[1][1] == 1  # type: ignore[index]  # served from memory: the files are gone
+    with pytest.raises(Exception, match="clip 1.mp4"):
+        dms[False].train_set[1]  # type: ignore[index]  # read from its file every time
+    assert dms[True].train_dataloader().num_workers == 0  # nothing left to decode: no loader worker by default
+
+
+def test_keep_decoded_default_keeps_what_fits_the_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _user_videos(tmp_path)  # 4 clips; 4 frames of 48x64 resized to 32x42: 4 * 3 * 32 * 42 bytes each
+    dm = VideoDataModule(str(tmp_path), num_frames=4, img_size=32, num_workers=0)
+    budget = 4 * (4 * 3 * 32 * 42)
+    choices = ((budget, True, "keeping them in memory"), (budget - 1, False, "reading the 4 clips from their files"))
+    for max_bytes, kept, logged in choices:
+        monkeypatch.setattr("examples.models.video_files.KEEP_DECODED_MAX_BYTES", max_bytes)
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            dm.setup()
+        assert dm.kept_decoded is kept and (dm.train_set.kept is not None) is kept  # type: ignore[union-attr]
+        assert logged in caplog.text, "the choice is logged, with the flag that overrides it"
