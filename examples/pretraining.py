@@ -31,6 +31,10 @@ from examples.models.vit import VIT_SIZES
 class DINOPretraining(pl.LightningModule):
     """DINO student/teacher ViT; ``size`` names a ``VIT_SIZES`` entry, the rest are DINO's knobs.
 
+    The defaults are the digits recipe examples/README.md measures (k-NN ~0.84 against ~0.45 untrained):
+    BatchNorm in the head (``head_bn``), 256 prototypes frozen for the first epoch, lr 5e-4; the GPU configs
+    set DINO's published ImageNet values instead.
+
     The teacher is updated in place after every optimizer step: ``teacher <- m * teacher + (1 - m) * student``
     over ``zip(teacher.parameters(), student.parameters())``. Both are built alike, so under a sharding strategy
     each teacher shard meets the matching student shard on the same rank: no gather, no communication.

@@ -17,12 +17,14 @@ from examples import pretraining
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-# 8 epochs with the default recipe, one process, 32 images per step (the 2-rank default's global batch).
+# 8 epochs with the default recipe, one process, 32 images per step (the 2-rank default's global batch): ~25 s.
 SHORT = ["--trainer.max_epochs=8", "--data.batch_size=32"]
 QUIET = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.strategy=auto", "--trainer.logger=false",
          "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
          "--trainer.enable_model_summary=false", "--trainer.num_sanity_val_steps=0"]  # fmt: skip
-MARGIN = 0.10
+# Measured (seed 0, 2026-11-25): untrained 0.446, trained 0.557 (+0.111); with the head's BatchNorm removed
+# (`head_bn` False, the collapse the README describes) trained 0.420 (-0.026). The margin sits between the two.
+MARGIN = 0.05
 
 
 def test_trained_teacher_beats_the_untrained_one(tmp_path: Path) -> None:
