@@ -31,6 +31,10 @@ from examples.models.vit import VIT_SIZES
 class DINOPretraining(pl.LightningModule):
     """DINO student/teacher ViT; ``size`` names a ``VIT_SIZES`` entry, the rest are DINO's knobs.
 
+    The defaults are the digits recipe examples/README.md measures (k-NN ~0.84 against ~0.45 untrained):
+    BatchNorm in the head (``head_bn``), 256 prototypes frozen for the first epoch, lr 5e-4; the GPU configs
+    set DINO's published ImageNet values instead.
+
     The teacher is updated in place after every optimizer step: ``teacher <- m * teacher + (1 - m) * student``
     over ``zip(teacher.parameters(), student.parameters())``. Both are built alike, so under a sharding strategy
     each teacher shard meets the matching student shard on the same rank: no gather, no communication.
@@ -45,14 +49,16 @@ class DINOPretraining(pl.LightningModule):
         n_global: int = 2,
         n_local: int = 4,
         patch_size: int | None = None,
-        out_dim: int = 1024,
+        out_dim: int = 256,
         hidden_dim: int = 256,
         bottleneck_dim: int = 64,
+        head_bn: bool = True,
+        freeze_last_layer: int = 1,
         momentum: float = 0.99,
         student_temp: float = 0.1,
         teacher_temp: float = 0.04,
         center_momentum: float = 0.9,
-        lr: float = 1e-3,
+        lr: float = 5e-4,
         weight_decay: float = 0.04,
         warmup_frac: float = 0.1,
         knn_k: int = 20,
@@ -80,7 +86,9 @@ class DINOPretraining(pl.LightningModule):
         for role in ("student", "teacher"):
             backbone = MultiCropViT(h.size, h.img_size, h.in_chans, h.patch_size)
             setattr(
-                self, role, DINONet(backbone, DINOHead(backbone.embed_dim, h.out_dim, h.hidden_dim, h.bottleneck_dim))
+                self,
+                role,
+                DINONet(backbone, DINOHead(backbone.embed_dim, h.out_dim, h.hidden_dim, h.bottleneck_dim, h.head_bn)),
             )
         assert self.teacher is not None
         self.teacher.requires_grad_(False)  # trained by the EMA only
@@ -112,6 +120,15 @@ class DINOPretraining(pl.LightningModule):
         self._update_center(teacher_out)
         self.log("train_loss", loss, prog_bar=True)
         return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """DINO keeps the prototypes fixed for the first ``freeze_last_layer`` epochs (no gradient: no step, no decay).
+
+        Moving prototypes and a moving teacher at once is the easiest way to collapse early in training.
+        """
+        if self.current_epoch < self.hparams["freeze_last_layer"]:
+            assert self.student is not None
+            self.student.head.prototypes.weight.grad = None
 
     @torch.no_grad()
     def _update_center(self, teacher_out: Tensor) -> None:
@@ -153,7 +170,7 @@ class DINOPretraining(pl.LightningModule):
 def main(args: ArgsType = None, run: bool = True) -> LightningCLI:
     """CLI entry point; ``args`` and ``run=False`` (instantiate only) let tests drive it in-process."""
     links: tuple[str, ...] = ("num_classes", "in_chans", "img_size", "n_global", "n_local")
-    return run_cli(DINOPretraining, DigitsMultiCropDataModule, "pretraining", links, max_epochs=30, args=args, run=run)
+    return run_cli(DINOPretraining, DigitsMultiCropDataModule, "pretraining", links, max_epochs=50, args=args, run=run)
 
 
 if __name__ == "__main__":

@@ -53,14 +53,26 @@ class MultiCropViT(VisionTransformer):
 
 
 class DINOHead(nn.Module):
-    """3-layer MLP -> L2-normalised bottleneck -> prototypes with unit-norm rows (DINO's weight-normed layer, g=1)."""
+    """3-layer MLP -> L2-normalised bottleneck -> prototypes with unit-norm rows (DINO's weight-normed layer, g=1).
 
-    def __init__(self, in_dim: int, out_dim: int, hidden_dim: int, bottleneck_dim: int) -> None:
+    ``use_bn`` puts a BatchNorm after each hidden layer (DINO's ``--use_bn_in_head``). It matters on small data:
+    an untrained ViT's class tokens of different images are nearly parallel (mean cosine 0.99 on digits), so
+    without it the teacher's output hardly varies across images, is uniform after centring, and the pair
+    collapses; the BatchNorm rescales the per-image differences to unit variance from the first step.
+    """
+
+    def __init__(self, in_dim: int, out_dim: int, hidden_dim: int, bottleneck_dim: int, use_bn: bool = False) -> None:
         super().__init__()
+
+        def norm() -> nn.Module:
+            return nn.BatchNorm1d(hidden_dim) if use_bn else nn.Identity()
+
         self.mlp = nn.Sequential(
             nn.Linear(in_dim, hidden_dim),
+            norm(),
             nn.GELU(),
             nn.Linear(hidden_dim, hidden_dim),
+            norm(),
             nn.GELU(),
             nn.Linear(hidden_dim, bottleneck_dim),
         )

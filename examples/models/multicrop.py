@@ -70,7 +70,7 @@ class DigitsMultiCropDataModule(_MultiCropLoaders, DigitsDataModule):
     """scikit-learn digits (16 px) with 2 global crops (16 px) and ``n_local`` local crops (8 px); no download."""
 
     def __init__(
-        self, n_global: int = 2, n_local: int = 4, local_size: int = 8, img_size: int = 16, batch_size: int = 64,
+        self, n_global: int = 2, n_local: int = 4, local_size: int = 8, img_size: int = 16, batch_size: int = 16,
         num_workers: int | None = None, seed: int = 0, global_scale: tuple[float, float] = (0.5, 1.0),
         local_scale: tuple[float, float] = (0.2, 0.5),
     ) -> None:  # fmt: skip

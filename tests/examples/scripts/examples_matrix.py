@@ -105,6 +105,7 @@ def dino(strategy: str) -> dict:
     args = [*QUIET, f"--trainer.default_root_dir={WORK}/runs/dino_{strategy}", f"--trainer.strategy={strategy}", *steps]
     args.append("--trainer.num_sanity_val_steps=0")
     args.append("--model.momentum=0.5")
+    args.append("--data.batch_size=64")  # the k-NN bank: 2 batches x 64 images x 2 ranks (the default is 16 per rank)
     cli = pretraining.main(args, run=False)
     cli.trainer.callbacks.append(probe)
     cli.trainer.fit(cli.model, cli.datamodule)
