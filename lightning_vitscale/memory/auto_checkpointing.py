@@ -25,7 +25,7 @@ from torch import nn
 from lightning_vitscale._utils import available_host_bytes, human_bytes
 from lightning_vitscale.memory.gradient_release import may_release_after_step
 from lightning_vitscale.memory.memory_plan import MemoryPlan
-from lightning_vitscale.memory.plan_search import BlockPlan
+from lightning_vitscale.memory.plan_search import BlockMode, BlockPlan
 from lightning_vitscale.memory.planner import DEFAULT_FRACTION, choose, step_inputs
 from lightning_vitscale.memory.step_cost import rates_for
 from lightning_vitscale.memory.step_model import StepInputs, StepSettings, TrainingLoop, predict_step
@@ -45,7 +45,7 @@ class AutoChoice:
     warning: str | None = None
 
     @property
-    def modes(self) -> dict[str, str]:
+    def modes(self) -> dict[str, BlockMode]:
         """Checkpointed block name -> ``"full"`` or ``"selective"``, in model order."""
         found = ((name, self.blocks.mode(i)) for i, name in enumerate(self.block_names))
         return {name: mode for name, mode in found if mode is not None}
@@ -91,11 +91,14 @@ def meta_twin(module: nn.Module) -> nn.Module:
     for tensor in [*module.parameters(), *module.buffers()]:
         meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
         memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-    for name in ("_trainer", "_device_mesh", "_fabric", "_metric_attributes"):
-        value = module.__dict__.get(name)
+    shared = {name: module.__dict__.get(name) for name in ("_trainer", "_device_mesh", "_fabric", "_metric_attributes")}
+    for value in shared.values():
         if value is not None:
             memo[id(value)] = value
-    return copy.deepcopy(module, memo)
+    twin = copy.deepcopy(module, memo)
+    # LightningModule.__getstate__ drops the trainer: put it back, the plan follows the Trainer's loop.
+    twin.__dict__.update({name: value for name, value in shared.items() if value is not None})
+    return twin
 
 
 def first_tensor_input(batch: Any) -> Any:

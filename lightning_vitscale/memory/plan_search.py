@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from lightning_vitscale.memory.step_cost import DeviceRates, recompute_seconds, regather_seconds
 from lightning_vitscale.memory.step_model import StepInputs, StepSettings, predict_step
+
+BlockMode = Literal["full", "selective"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class BlockPlan:
             offload=offload,
         )
 
-    def mode(self, index: int) -> str | None:
+    def mode(self, index: int) -> BlockMode | None:
         """Block ``index``'s checkpointing: ``"full"``, ``"selective"`` or ``None``."""
         if index < self.full:
             return "full"

@@ -13,8 +13,8 @@ while a block is gathered, and a block's reduce-scatter holds its input twice (o
 from __future__ import annotations
 
 import math
-from itertools import accumulate
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 from torch import nn
@@ -247,11 +247,12 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
         # A checkpointed block holds its input (in `kept`), then recomputes and runs its backward.
         inside = _inside(block, i, settings)
         compute = int(inside * scale)  # includes the block's unsharded parameter gradients
-        if i in settings.checkpointed and i not in settings.selective:
+        if i in settings.checkpointed and i not in settings.selective and not settings.keeps(i):
             # Measured `Trainer.fit` steps (benchmarks/RESULTS.md, "against Trainer.fit") hold one more block of
             # gradient size while a fully checkpointed block recomputes and runs its backward than the fake-tensor
             # run of that block alone shows (7-12% of the step's increment without it, on DeiT-Tiny and ViT-S;
-            # selective blocks were 4-9% over with it).
+            # selective blocks were 4-9% over with it). Not where the block stayed gathered (no all-gather in
+            # its backward): DeiT-Tiny's auto cell with kept, fully checkpointed blocks is 14% over with it.
             compute += full_blocks[i] * r
         # FSDP copies the block's unsharded gradients into the reduce-scatter input (both live for the copy-in);
         # gloo then holds that input and its own copy of it (the gradients are freed after the copy-in). The
