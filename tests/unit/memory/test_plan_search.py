@@ -49,13 +49,12 @@ def test_budgets_force_none_mixed_and_every_block_full(inputs):
     least, most = ends(inputs)
     assert search(SearchSpace(inputs, most, CPU_RATES)) == BlockPlan()  # everything fits: fastest
     assert search(SearchSpace(inputs, least, CPU_RATES)) == BlockPlan(DEPTH, 0, DEPTH)  # only the least fits
-    mixed = SearchSpace(inputs, (least + most) // 2, CPU_RATES)
+    mixed = SearchSpace(inputs, least + (most - least) * 3 // 10, CPU_RATES)  # 3 full + 3 selective, 5 resharded
     plan = search(mixed)
-    modes = {plan.mode(i) for i in range(DEPTH)}
-    assert len(modes) > 1 or 0 < plan.resharded < DEPTH, plan
+    assert {plan.mode(i) for i in range(DEPTH)} == {"full", "selective"} and 0 < plan.resharded < DEPTH, plan
     assert mixed.fits(plan) and mixed.seconds(plan) == pytest.approx(brute_force(mixed))
     # The user's reshard_after_forward pins it for every block; the search still fits the budget.
-    pinned = SearchSpace(inputs, (least + most) // 2, CPU_RATES, fixed_reshard=True)
+    pinned = SearchSpace(inputs, least + (most - least) * 3 // 10, CPU_RATES, fixed_reshard=True)
     assert search(pinned).resharded == DEPTH and pinned.fits(search(pinned))
 
 
