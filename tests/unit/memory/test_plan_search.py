@@ -3,6 +3,8 @@ fastest plan within the budget; the recompute-cost model it ranks plans by; per-
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_vitscale._compat import DTensor
 from lightning_vitscale.cli.demo import TinyViT
-from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, choose_blocks
+from lightning_vitscale.memory.auto_checkpointing import choose_blocks
 from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, least_memory, search
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_cost import CPU_RATES, GPU_RATES, recompute_seconds, regather_seconds
@@ -105,7 +107,7 @@ def test_per_block_kept_gathered_is_between_the_two_global_settings(inputs):
 def test_a_mixed_plan_is_applied_block_by_block_and_computes_the_same_gradients(mesh):
     """What the strategy does with the choice at setup: each block checkpointed in its mode, the later blocks kept
     gathered for backward; gradients equal an unplanned model's."""
-    from lightning_vitscale.sharding.setup import apply_auto_choice
+    from lightning_vitscale.sharding.setup import _auto_checkpointing, apply_auto_choice
 
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
     grads, gathered = [], []
@@ -114,9 +116,10 @@ def test_a_mixed_plan_is_applied_block_by_block_and_computes_the_same_gradients(
         model = TinyViT(**WIDE)
         model.example_input_array = x
         least, most = ends(step_inputs(model, x, world_size=1, precision="32-true", device="cpu"))
-        auto = AutoCheckpointing((least + most) // 2 if planned else 4 * 2**30, 1, "32-true", None, True)
-        modes = auto.at_setup(model, torch.device("cpu"), 1, lambda n: n).modes
-        config = ParallelConfig(checkpointing=CheckpointingPolicy(blocks=lambda name, _, m=modes: m.get(name, False)))
+        budget = (least + most) // 2 if planned else 4 * 2**30
+        asked = ParallelConfig(checkpointing=CheckpointingPolicy(blocks="auto", memory_budget=budget))
+        ranks = SimpleNamespace(mesh=mesh, device=torch.device("cpu"), ranks_per_node=1, agree_max=lambda n: n)
+        auto, config = _auto_checkpointing(model, asked, resolve_flag("32-true"), ranks)  # as setup decides
         root = OuterUnit(model)
         done = parallelize(root, model, mesh, config, resolve_flag("32-true"), torch.device("cpu"))
         apply_auto_choice(model, auto, done.plan)
@@ -124,7 +127,7 @@ def test_a_mixed_plan_is_applied_block_by_block_and_computes_the_same_gradients(
         gathered.append([not isinstance(block.qkv.weight, DTensor) for block in model.blocks])
         loss.backward()
         grads.append([p.grad.full_tensor() for p in model.parameters()])
-        assert auto.choice is not None
+        assert auto is not None and auto.choice is not None
         plan = auto.choice.blocks
         assert [checkpoint_mode(b) for b in model.blocks] == [plan.mode(i) for i in range(DEPTH)]
         assert gathered[-1] == [i >= plan.resharded for i in range(DEPTH)]
