@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_vitscale._compat import FakeTensorMode, tree_map
+from lightning_vitscale.memory.op_costs import BlockWork, measure_work
 from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
 
 _CPU = torch.device("cpu")
@@ -41,6 +42,7 @@ class BlockMemory:
         params: bytes of its parameters in the compute dtype (what one all-gather materialises).
         selective_saved: bytes a selectively checkpointed block keeps (its input and the expensive ops' outputs).
         selective_backward: what its backward allocates on top of that (the cheap ops' recompute included).
+        work: what its forward computes (:mod:`.op_costs`): what checkpointing it repeats in backward.
     """
 
     name: str
@@ -51,6 +53,7 @@ class BlockMemory:
     params: int
     selective_saved: int = 0
     selective_backward: int = 0
+    work: BlockWork = BlockWork()
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,7 @@ def _block_memory(
     x = recorder.inputs.get(index)
     if x is None:  # the block never ran in this forward: it costs nothing for this batch
         return BlockMemory(name, 0, 0, 0, 0, params)
-    backward, recompute, selective_saved, selective_backward = _backward_bytes(block, x, mode, measured)
+    backward, recompute, selective_saved, selective_backward, work = _backward_bytes(block, x, mode, measured)
     return BlockMemory(
         name,
         saved=recorder.saved_by(index),
@@ -252,12 +255,13 @@ def _block_memory(
         params=params,
         selective_saved=selective_saved,
         selective_backward=selective_backward,
+        work=work,
     )
 
 
-def _backward_bytes(block: nn.Module, x: torch.Tensor, mode: FakeTensorMode, measured: dict) -> tuple[int, ...]:
+def _backward_bytes(block: nn.Module, x: torch.Tensor, mode: FakeTensorMode, measured: dict) -> tuple[Any, ...]:
     """(peak of backward beyond what forward left alive, a checkpointed block's peak from its input alone,
-    a selectively checkpointed block's kept bytes, and its backward's peak beyond them).
+    a selectively checkpointed block's kept bytes, its backward's peak beyond them, and its forward's work).
 
     Checkpointed runs go through ``torch.utils.checkpoint`` (non-reentrant) as the strategy applies it: a full
     recompute stops as far as the last tensor backward needs (early stop) and frees the recomputed tensors as
@@ -273,7 +277,7 @@ def _backward_bytes(block: nn.Module, x: torch.Tensor, mode: FakeTensorMode, mea
         with kept:  # below the checkpoint's own caching mode: sees every op it caches
             selective = _peak_beyond_forward(block, x, mode, selective_contexts, kept.stop)
         size = x.untyped_storage().nbytes()
-        measured[key] = (plain, recomputed + size, kept.forward + size, selective)
+        measured[key] = (plain, recomputed + size, kept.forward + size, selective, measure_work(block, x, mode))
     return measured[key]
 
 

@@ -1,8 +1,10 @@
-"""``activation_checkpointing="auto"``: choose the fewest blocks to checkpoint that keep a step in budget.
+"""``activation_checkpointing="auto"``: per block none / selective / full checkpointing and reshard, the fastest
+plan that keeps a step in budget.
 
 Checkpointing every block costs about a third more compute even where the activations would fit. Here the
 memory planner predicts the step's peak per rank from the real batch shape (measured on fake tensors, so no
-memory is spent finding out) and checkpoints the earliest blocks until the prediction fits the budget.
+memory is spent finding out) and the extra time of each choice (:mod:`.step_cost`), and picks the plan with the
+least extra time whose peak fits the budget (:mod:`.plan_search`).
 The batch is known either at setup (``example_input_array``) or at the first training step; in the second case
 a meta-device twin of the module (same structure, no data) is kept from setup, because the sharded module's
 FSDP hooks would all-gather if it were run for measuring. Choosing lives here; the sharding setup applies the
@@ -23,28 +25,46 @@ from torch import nn
 from lightning_vitscale._utils import available_host_bytes, human_bytes
 from lightning_vitscale.memory.gradient_release import may_release_after_step
 from lightning_vitscale.memory.memory_plan import MemoryPlan
+from lightning_vitscale.memory.plan_search import BlockMode, BlockPlan
 from lightning_vitscale.memory.planner import DEFAULT_FRACTION, choose, step_inputs
+from lightning_vitscale.memory.step_cost import rates_for
 from lightning_vitscale.memory.step_model import StepInputs, StepSettings, TrainingLoop, predict_step
 
 
 @dataclass(frozen=True)
 class AutoChoice:
-    """Which blocks to checkpoint, and the plan that chose them."""
+    """Each block's checkpointing mode and reshard, and the plan that chose them.
 
-    names: list[str]
+    ``blocks`` is what is applied: the plan's own choice, or the ranks' agreement on one that needs at least as
+    little memory on every rank (see :meth:`AutoCheckpointing._decide`).
+    """
+
     plan: MemoryPlan
     block_names: list[str]
-    keep_gathered: bool = False
+    blocks: BlockPlan
     warning: str | None = None
 
+    @property
+    def modes(self) -> dict[str, BlockMode]:
+        """Checkpointed block name -> ``"full"`` or ``"selective"``, in model order."""
+        found = ((name, self.blocks.mode(i)) for i, name in enumerate(self.block_names))
+        return {name: mode for name, mode in found if mode is not None}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.modes)
+
+    @property
+    def kept_gathered(self) -> list[str]:
+        """Blocks that keep their gathered parameters from forward to backward."""
+        return self.block_names[self.blocks.resharded:]
+
     def describe(self) -> str:
-        p = self.plan
-        peak = p.chosen.breakdown.peak
-        gathered = ", blocks stay gathered for backward" if self.keep_gathered else ""
+        p, n = self.plan, len(self.block_names)
         every, none = p.all_checkpointed.breakdown.peak, p.none_checkpointed.breakdown.peak
-        return (f"auto: {len(self.names)} of {p.num_blocks} blocks{gathered}, predicted peak {human_bytes(peak)}"
-                f" per rank (budget {human_bytes(p.budget)}; every block {human_bytes(every)},"
-                f" none {human_bytes(none)})")
+        return (f"auto: {self.blocks.describe(n)}, predicted peak {human_bytes(p.chosen.breakdown.peak)} per rank"
+                f" (budget {human_bytes(p.budget)}; every block full {human_bytes(every)}, none {human_bytes(none)});"
+                f" predicted extra step time {p.extra_seconds * 1e3:.1f} ms")
 
 
 def device_memory(device: torch.device, local_ranks: int = 1) -> int:
@@ -71,11 +91,14 @@ def meta_twin(module: nn.Module) -> nn.Module:
     for tensor in [*module.parameters(), *module.buffers()]:
         meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
         memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-    for name in ("_trainer", "_device_mesh", "_fabric", "_metric_attributes"):
-        value = module.__dict__.get(name)
+    shared = {name: module.__dict__.get(name) for name in ("_trainer", "_device_mesh", "_fabric", "_metric_attributes")}
+    for value in shared.values():
         if value is not None:
             memo[id(value)] = value
-    return copy.deepcopy(module, memo)
+    twin = copy.deepcopy(module, memo)
+    # LightningModule.__getstate__ drops the trainer: put it back, the plan follows the Trainer's loop.
+    twin.__dict__.update({name: value for name, value in shared.items() if value is not None})
+    return twin
 
 
 def first_tensor_input(batch: Any) -> Any:
@@ -131,9 +154,11 @@ def choose_blocks(
     blocks: Any = None,
     device: torch.device | None = None,
     offload: bool = False,
+    may_keep_gathered: bool = True,
 ) -> AutoChoice:
-    """Run ``model`` (the un-sharded module or its meta twin) on fake tensors and pick the blocks to checkpoint,
-    for the offload setting that is on and the loop order of the Trainer ``model`` is attached to."""
+    """Run ``model`` (the un-sharded module or its meta twin) on fake tensors and pick each block's checkpointing
+    and reshard, for the offload setting that is on and the loop order of the Trainer ``model`` is attached to.
+    ``may_keep_gathered=False``: every block reshards after forward (the user chose ``reshard_after_forward``)."""
     try:
         inputs: StepInputs = step_inputs(model, example_input, world_size=world_size, precision=precision,
                                          optimizer=optimizer, blocks=blocks, device=device,
@@ -144,10 +169,10 @@ def choose_blocks(
             f" ({type(error).__name__}: {error}). Pass activation_checkpointing=True (or an int / a predicate)."
         ) from error
     batch = int(getattr(example_input, "shape", [1])[0]) if isinstance(example_input, torch.Tensor) else 1
-    plan = choose(inputs, budget, total, precision, batch, offload=offload)
-    names = [b.name for i, b in enumerate(inputs.profile.blocks) if i in plan.chosen.settings.checkpointed]
-    keep = not plan.chosen.settings.reshard_after_forward
-    return AutoChoice(names, plan, [b.name for b in inputs.profile.blocks], keep, unmet_budget(plan, inputs, offload))
+    plan = choose(inputs, budget, total, precision, batch, offload=offload, rates=rates_for(device),
+                  reshard=None if may_keep_gathered else True)
+    names = [b.name for b in inputs.profile.blocks]
+    return AutoChoice(plan, names, plan.blocks, unmet_budget(plan, inputs, offload))
 
 
 def optimizer_kind(optimizers: list[torch.optim.Optimizer]) -> str:
@@ -175,7 +200,7 @@ class AutoCheckpointing:
     ) -> None:
         self.budget, self.world_size, self.precision, self.blocks = budget, world_size, precision, blocks
         self.offload = offload  # offload="cpu" is on: plan with it; off: never assume it
-        self.may_keep_gathered = may_keep_gathered  # the user left reshard_after_forward to the recipe
+        self.may_keep_gathered = may_keep_gathered  # the user left reshard_after_forward to the recipe: per block
         self.twin: nn.Module | None = None
         self.choice: AutoChoice | None = None
 
@@ -183,15 +208,15 @@ class AutoCheckpointing:
     def pending(self) -> bool:
         return self.twin is not None and self.choice is None
 
-    def at_setup(self, module: nn.Module, device: torch.device, local_ranks: int, agree) -> list[str] | None:
-        """Names to checkpoint now, or ``None`` when the batch is not known yet (a meta twin is kept)."""
+    def at_setup(self, module: nn.Module, device: torch.device, local_ranks: int, agree) -> AutoChoice | None:
+        """The choice to apply now, or ``None`` when the batch is not known yet (a meta twin is kept)."""
         example = getattr(module, "example_input_array", None)
         if example is None:
             self.twin = meta_twin(module)
             return None
         return self._decide(module, example, device, local_ranks, agree, "adamw")
 
-    def at_first_step(self, batch: Any, device: torch.device, local_ranks: int, agree, optimizers) -> list[str]:
+    def at_first_step(self, batch: Any, device: torch.device, local_ranks: int, agree, optimizers) -> AutoChoice:
         assert self.twin is not None
         try:
             return self._decide(self.twin, first_tensor_input(batch), device, local_ranks, agree,
@@ -199,19 +224,21 @@ class AutoCheckpointing:
         finally:
             self.twin = None
 
-    def _decide(self, model, example, device, local_ranks, agree, optimizer) -> list[str]:
+    def _decide(self, model, example, device, local_ranks, agree, optimizer) -> AutoChoice:
         total = device_memory(device, local_ranks)
         choice = choose_blocks(model, example, world_size=self.world_size, precision=self.precision,
                                budget=resolve_budget(self.budget, total), total=total, optimizer=optimizer,
-                               blocks=self.blocks, device=device, offload=self.offload)
+                               blocks=self.blocks, device=device, offload=self.offload,
+                               may_keep_gathered=self.may_keep_gathered)
         if choice.warning is not None:
             rank_zero_warn(choice.warning)
-        # Every rank checkpoints the same blocks: the most any rank needs (free host memory differs by rank).
-        names = choice.block_names[: agree(len(choice.names))]  # the chosen blocks are the earliest ones
-        # Keeping blocks gathered changes the collectives: only if every rank can (the fewest of any rank).
-        keep = bool(-agree(-int(choice.keep_gathered and self.may_keep_gathered and not names)))
-        self.choice = AutoChoice(names, choice.plan, choice.block_names, keep, choice.warning)
-        return names
+        # Every rank applies the same plan (free host memory differs by rank): the most any rank needs, counted
+        # from the earliest block: as many fully checkpointed, checkpointed at all and resharded blocks as any.
+        b = choice.blocks
+        full, checkpointed, resharded = agree(b.full), agree(b.full + b.selective), agree(b.resharded)
+        self.choice = AutoChoice(choice.plan, choice.block_names, BlockPlan(full, checkpointed - full, resharded),
+                                 choice.warning)
+        return self.choice
 
     def describe(self) -> str:
         """The setup summary's line: the choice, or that it waits for the first training step's batch."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lightning_vitscale._utils import human_bytes
+from lightning_vitscale.memory.plan_search import BlockPlan
 from lightning_vitscale.memory.step_model import MemoryBreakdown, StepSettings
 
 
@@ -31,6 +32,8 @@ class MemoryPlan:
         fits: whether ``chosen`` fits the budget.
         max_batch: the largest per-rank batch that fits with every block checkpointed (0: none fits).
         reason: one line on why these settings.
+        blocks: the chosen plan per block (checkpointing mode, reshard or stay gathered).
+        extra_seconds: its predicted extra step time over no checkpointing with every block gathered.
     """
 
     world_size: int
@@ -47,6 +50,8 @@ class MemoryPlan:
     max_batch: int
     reason: str
     notes: list[str] = field(default_factory=list)
+    blocks: BlockPlan = field(default_factory=BlockPlan)
+    extra_seconds: float = 0.0
 
     @property
     def checkpointed(self) -> int:
@@ -80,9 +85,9 @@ def breakdown_table(columns: dict[str, MemoryBreakdown]) -> list[str]:
 
 
 def settings_line(plan: MemoryPlan) -> str:
-    s = plan.chosen.settings
-    parts = [f"activation_checkpointing: {len(s.checkpointed)} of {plan.num_blocks} blocks"]
-    parts.append(f"reshard_after_forward={'True' if s.reshard_after_forward else 'False'}")
+    s, n = plan.chosen.settings, plan.num_blocks
+    parts = [f"activation_checkpointing: {plan.blocks.describe(n)}",
+             f"predicted extra step time {plan.extra_seconds * 1e3:.1f} ms"]
     if s.offload:
         parts.append("offload='cpu' (sharded state in host memory)")
     return ", ".join(parts)

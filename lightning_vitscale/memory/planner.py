@@ -1,9 +1,11 @@
 """The memory planner: will this model, at this batch size, fit on these devices, and what should be turned on?
 
 ``plan_memory`` measures the model's activations on fake tensors (any size, no device needed), predicts each
-rank's peak for candidate settings and picks, in this order: the fewest checkpointed blocks that fit the budget;
-blocks kept gathered between forward and backward (one all-gather per block fewer) where that still fits; CPU
-offload of the sharded state only when nothing else fits. It also reports the largest per-rank batch that fits.
+rank's peak for candidate settings and picks, per block, checkpointing none / selective / full and whether the
+block keeps its gathered parameters from forward to backward (one all-gather fewer) or reshards: the plan with the
+least predicted extra step time (recompute and all-gathers, :mod:`.step_cost`) whose peak fits the budget
+(:mod:`.plan_search`); CPU offload of the sharded state only when nothing else fits. It also reports the largest
+per-rank batch that fits.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from lightning_vitscale._utils import GIB, MIB, human_bytes
 from lightning_vitscale.discovery import ModuleSelector, find_blocks, holds_parameters
 from lightning_vitscale.memory.activations import measure_activations
 from lightning_vitscale.memory.memory_plan import Candidate, MemoryPlan
+from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, search
+from lightning_vitscale.memory.step_cost import GPU_RATES, DeviceRates
 from lightning_vitscale.memory.step_model import (
     OPTIMIZER_STATES,
     ModelLayout,
@@ -156,63 +160,37 @@ def _batch_of(example_input: Any) -> int:
     return int(first.shape[0])
 
 
-def fewest_checkpointed(
-    inputs: StepInputs, budget: int, reshard: bool = True, offload: bool = False
-) -> Candidate | None:
-    """The fewest blocks to checkpoint (earliest first: their activations live longest) that fit ``budget``."""
-    n = len(inputs.profile.blocks)
-
-    def settings(k: int) -> StepSettings:
-        return StepSettings(frozenset(range(k)), reshard, offload)
-
-    lo, hi = 0, n
-    if predict_step(inputs, settings(n)).peak > budget:
-        return None
-    while lo < hi:  # the peak only falls as more blocks recompute
-        mid = (lo + hi) // 2
-        if predict_step(inputs, settings(mid)).peak <= budget:
-            hi = mid
-        else:
-            lo = mid + 1
-    return Candidate(settings(lo), predict_step(inputs, settings(lo)))
-
-
 def choose(
-    inputs: StepInputs, budget: int, device_bytes: int, precision: str, batch_size: int, offload: bool | None = None
+    inputs: StepInputs,
+    budget: int,
+    device_bytes: int,
+    precision: str,
+    batch_size: int,
+    offload: bool | None = None,
+    rates: DeviceRates = GPU_RATES,
+    reshard: bool | None = None,
 ) -> MemoryPlan:
-    """Pick the settings for ``budget`` (see the module docstring for the order).
+    """Pick the settings for ``budget``: per block checkpointing mode and reshard, the least predicted extra
+    step time that fits (:mod:`.plan_search`); CPU offload only when nothing else fits.
 
     ``offload``: ``None`` lets the planner recommend CPU offload when nothing else fits; ``True`` / ``False``
     say it is on / off (``activation_checkpointing="auto"`` plans for what the strategy really runs).
+    ``reshard``: ``None`` chooses per block; ``True`` / ``False`` pin every block (the user's setting).
     """
     n = len(inputs.profile.blocks)
     on = bool(offload)
     every, none = StepSettings(frozenset(range(n)), offload=on), StepSettings(offload=on)
-    all_ckpt = Candidate(every, predict_step(inputs, every))
-    no_ckpt = Candidate(none, predict_step(inputs, none))
-    gathered = StepSettings(reshard_after_forward=False, offload=on)
-    kept_gathered = Candidate(gathered, predict_step(inputs, gathered))
-    found = fewest_checkpointed(inputs, budget, offload=on)
-    if kept_gathered.breakdown.peak <= budget and n:
-        chosen, reason = kept_gathered, "everything fits: no checkpointing, blocks stay gathered for backward"
-    elif found is not None:
-        k = len(found.settings.checkpointed)
-        chosen = found
-        reason = ("activations fit: no checkpointing" if k == 0
-                  else f"checkpointing {k} of {n} blocks is the fewest that fits the budget")
-    elif offload is None:
-        offloaded = fewest_checkpointed(inputs, budget, offload=True)
-        every_offloaded = StepSettings(frozenset(range(n)), offload=True)
-        chosen = offloaded or Candidate(every_offloaded, predict_step(inputs, every_offloaded))
-        reason = ("does not fit even with every block checkpointed: CPU offload of the sharded state"
-                  if offloaded is not None else
-                  "does not fit even with every block checkpointed and CPU offload: more ranks or a smaller batch")
-    else:
-        chosen = all_ckpt
-        reason = "does not fit even with every block checkpointed" + (" and CPU offload" if on else "")
+    space = SearchSpace(inputs, budget, rates, on, reshard)
+    blocks = search(space)
+    if not space.fits(blocks) and offload is None:  # offload is recommended only when nothing else fits
+        space = replace(space, offload=True)
+        blocks = search(space)
+    settings = blocks.settings(n, space.offload)
+    chosen = Candidate(settings, predict_step(inputs, settings))
+    fits = chosen.breakdown.peak <= budget
     notes = []
-    if chosen.settings.offload:
-        host = predict_step(inputs, StepSettings(frozenset(range(n)))).params
+    if settings.offload:
+        host = predict_step(inputs, every).params
         states = OPTIMIZER_STATES[inputs.optimizer]
         notes.append(f"offload keeps {human_bytes(host * (2 + states))} of parameters, gradients and optimizer state"
                      " per rank in host memory (times the ranks per node)")
@@ -225,13 +203,25 @@ def choose(
         num_blocks=n,
         num_params=inputs.layout.num_params,
         chosen=chosen,
-        all_checkpointed=all_ckpt,
-        none_checkpointed=no_ckpt,
-        fits=chosen.breakdown.peak <= budget,
-        max_batch=largest_batch(inputs, budget, batch_size, chosen.settings.offload),
-        reason=reason,
+        all_checkpointed=Candidate(every, predict_step(inputs, every)),
+        none_checkpointed=Candidate(none, predict_step(inputs, none)),
+        fits=fits,
+        max_batch=largest_batch(inputs, budget, batch_size, settings.offload),
+        reason=_reason(blocks, n, fits, settings.offload, on),
         notes=notes,
+        blocks=blocks,
+        extra_seconds=space.seconds(blocks),
     )
+
+
+def _reason(blocks: BlockPlan, n: int, fits: bool, offloaded: bool, offload_on: bool) -> str:
+    if not fits:
+        return "does not fit even with every block checkpointed" + (" and CPU offload" if offloaded else "")
+    if offloaded and not offload_on:
+        return "does not fit even with every block checkpointed: CPU offload of the sharded state"
+    if blocks == BlockPlan() and n:
+        return "everything fits: no checkpointing, blocks stay gathered for backward"
+    return "the least predicted extra step time that fits the budget"
 
 
 def largest_batch(inputs: StepInputs, budget: int, batch_size: int, offload: bool = False) -> int:

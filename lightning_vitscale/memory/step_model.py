@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 from torch import nn
@@ -67,12 +68,21 @@ def shard_numel(shapes: list[tuple[int, ...]], world: int) -> int:
 
 @dataclass(frozen=True)
 class StepSettings:
-    """The knobs the planner turns: which blocks recompute, and whether blocks stay gathered for backward."""
+    """The knobs the planner turns: which blocks recompute, and whether blocks stay gathered for backward.
+
+    ``reshard_after_forward=False`` keeps every block gathered; with ``True`` the blocks in ``kept_gathered``
+    still keep theirs (a per-unit choice, as ``activation_checkpointing="auto"`` makes it).
+    """
 
     checkpointed: frozenset[int] = frozenset()
     reshard_after_forward: bool = True
     offload: bool = False
     selective: frozenset[int] = frozenset()  # of ``checkpointed``: those checkpointed selectively (op-level)
+    kept_gathered: frozenset[int] = frozenset()  # blocks that keep their gathered parameters for backward
+
+    def keeps(self, index: int) -> bool:
+        """Whether block ``index`` stays gathered from its forward to its backward."""
+        return not self.reshard_after_forward or index in self.kept_gathered
 
 
 @dataclass(frozen=True)
@@ -162,6 +172,11 @@ def collective_copies(device: torch.device | str | None) -> bool:
 
 def predict_step(inputs: StepInputs, settings: StepSettings) -> MemoryBreakdown:
     """The peak of one steady-state step (optimizer state exists; gradients alive as ``inputs.loop`` orders)."""
+    return max(step_phases(inputs, settings), key=lambda b: b.peak)
+
+
+def step_phases(inputs: StepInputs, settings: StepSettings) -> list[MemoryBreakdown]:
+    """Each phase's memory: end of forward, the backward of each block (last first), the optimizer step."""
     lay, prof, scale = inputs.layout, inputs.profile, inputs.batch_scale
     m, c, r = inputs.master.itemsize, inputs.compute.itemsize, inputs.reduce.itemsize
     states = OPTIMIZER_STATES[inputs.optimizer]
@@ -176,14 +191,13 @@ def predict_step(inputs: StepInputs, settings: StepSettings) -> MemoryBreakdown:
     kept = [int(_kept(b, i, settings) * scale) for i, b in enumerate(prof.blocks)]
     batch = int(prof.batch_bytes * scale)
     base = dict(params=params * on_device, optimizer=params * states * on_device, norms=norms, batch=batch)
-    phases = [
+    return [
         _forward_peak(inputs, settings, base, full_blocks, outer_full, kept),
         *_backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kept, c, r, m, on_device),
         MemoryBreakdown(grads=params * on_device, gathered=0, activations=0,
                         transient=params * OPTIMIZER_TEMPORARIES[inputs.optimizer] * on_device,
                         phase="optimizer step", **base),
     ]
-    return max(phases, key=lambda b: b.peak)
 
 
 def _kept(block: BlockMemory, index: int, settings: StepSettings) -> int:
@@ -205,8 +219,10 @@ def _forward_peak(inputs, settings, base, full_blocks, outer_full, kept) -> Memo
     c = inputs.compute.itemsize
     biggest = max(full_blocks, default=0) * c
     copy = biggest if inputs.collective_copies else 0  # gloo's temporary while a block is gathered
-    # Blocks that stay gathered for backward pile up; otherwise one block and its all-gather buffer.
-    gathered = outer_full + (sum(full_blocks) * c + biggest if not settings.reshard_after_forward else 2 * biggest)
+    # Blocks that stay gathered for backward pile up; besides them one block and its all-gather buffer.
+    kept_bytes = sum(f for i, f in enumerate(full_blocks) if settings.keeps(i)) * c
+    every_kept = all(settings.keeps(i) for i in range(len(full_blocks)))
+    gathered = outer_full + kept_bytes + (biggest if every_kept else 2 * biggest)
     acts = int(inputs.profile.outer_saved * inputs.batch_scale) + sum(kept)
     grads = base["params"] if inputs.loop.grads_in_forward else 0  # sharded gradients: as many as parameters
     return MemoryBreakdown(grads=grads, gathered=gathered, activations=acts, transient=copy, phase="end of forward",
@@ -218,21 +234,25 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
     outer_acts = int(prof.outer_saved * scale)
     outer_grads = int(prof.outer_backward * scale)
     n = len(full_blocks)
+    # Running sums (the planner's search predicts thousands of plans): blocks 0..i's kept gathered parameters and
+    # kept activations, blocks i+1..'s gradient shards.
+    kept_gathered = list(accumulate(f if settings.keeps(j) else 0 for j, f in enumerate(full_blocks)))
+    kept_acts = list(accumulate(kept))
+    later_shards = [*reversed(list(accumulate(reversed(shards[1:])))), 0]
     for i in reversed(range(n)):
-        prefetched = full_blocks[i - 1] if i > 0 else 0
-        if settings.reshard_after_forward:
-            gathered = outer_full + (full_blocks[i] + prefetched) * c
-        else:
-            gathered = outer_full + sum(full_blocks[: i + 1]) * c
+        # Blocks up to i that stayed gathered, plus block i and the prefetched block i-1 if they resharded.
+        resharded = sum(full_blocks[j] for j in (i, i - 1) if j >= 0 and not settings.keeps(j))
+        gathered = outer_full + (kept_gathered[i] + resharded) * c
         block = prof.blocks[i]
         # A checkpointed block holds its input (in `kept`), then recomputes and runs its backward.
         inside = _inside(block, i, settings)
         compute = int(inside * scale)  # includes the block's unsharded parameter gradients
-        if i in settings.checkpointed and i not in settings.selective:
+        if i in settings.checkpointed and i not in settings.selective and not settings.keeps(i):
             # Measured `Trainer.fit` steps (benchmarks/RESULTS.md, "against Trainer.fit") hold one more block of
             # gradient size while a fully checkpointed block recomputes and runs its backward than the fake-tensor
             # run of that block alone shows (7-12% of the step's increment without it, on DeiT-Tiny and ViT-S;
-            # selective blocks were 4-9% over with it).
+            # selective blocks were 4-9% over with it). Not where the block stayed gathered (no all-gather in
+            # its backward): DeiT-Tiny's auto cell with kept, fully checkpointed blocks is 14% over with it.
             compute += full_blocks[i] * r
         # FSDP copies the block's unsharded gradients into the reduce-scatter input (both live for the copy-in);
         # gloo then holds that input and its own copy of it (the gradients are freed after the copy-in). The
@@ -242,9 +262,9 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
             collective = max(collective, 2 * full_blocks[i] * r)
         transient = max(compute, collective) + outer_grads
         yield MemoryBreakdown(
-            grads=base["params"] if inputs.loop.grads_in_backward else sum(shards[i + 1:]) * m * on_device,
+            grads=base["params"] if inputs.loop.grads_in_backward else later_shards[i] * m * on_device,
             gathered=gathered,
-            activations=outer_acts + sum(kept[: i + 1]),
+            activations=outer_acts + kept_acts[i],
             transient=transient,
             phase=f"backward of block {i}",
             **base,

@@ -32,7 +32,7 @@ from lightning_vitscale.memory import (
     measure_for_summary,
 )
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, VitScalePrecision
-from lightning_vitscale.sharding.activation_checkpointing import apply_activation_checkpointing
+from lightning_vitscale.sharding.activation_checkpointing import CHECKPOINT_MODES, apply_activation_checkpointing
 from lightning_vitscale.sharding.gradient_sync import gradient_sync_off, unsharded_gradient_bytes
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import parallelize
@@ -92,8 +92,9 @@ class ShardedModel:
         the block's FSDP hooks, as when it is applied before ``fully_shard``)."""
         if self.auto is None or not self.auto.pending:
             return
-        names = self.auto.at_first_step(batch, ranks.device, ranks.ranks_per_node, ranks.agree_max, optimizers)
-        apply_activation_checkpointing([self.module.get_submodule(name) for name in names])
+        modes = self.auto.at_first_step(batch, ranks.device, ranks.ranks_per_node, ranks.agree_max, optimizers).modes
+        for mode in CHECKPOINT_MODES:
+            apply_activation_checkpointing([self.module.get_submodule(n) for n, m in modes.items() if m == mode], mode)
         apply_auto_choice(self.module, self.auto, self.summary)
         rank_zero_info(f"VitScaleStrategy activation checkpointing {self.summary.memory}")
 
@@ -236,22 +237,23 @@ def _auto_checkpointing(
         may_keep_gathered=config.sharding.reshard_after_forward is None,
         offload=_offloads(config, ranks.device),
     )
-    names = auto.at_setup(module, ranks.device, ranks.ranks_per_node, ranks.agree_max)
-    if names is None:
+    choice = auto.at_setup(module, ranks.device, ranks.ranks_per_node, ranks.agree_max)
+    if choice is None:
         return auto, config  # decided at the first training step, from its batch
-    chosen = set(names)
-    selector = CheckpointingPolicy(blocks=lambda name, _: name in chosen)
+    modes = choice.modes
+    selector = CheckpointingPolicy(blocks=lambda name, _: modes.get(name, False))
     return auto, dataclasses.replace(config, checkpointing=selector)
 
 
 def apply_auto_choice(module: nn.Module, auto: AutoCheckpointing, summary: ParallelPlan) -> None:
     """Blocks keep their gathered parameters from forward to backward where the choice says so (one all-gather
-    per block fewer); the choice goes into the summary."""
+    per block fewer, a per-unit FSDP setting); the choice goes into the summary."""
     choice = auto.choice
     if choice is not None:
-        summary.checkpointed = list(choice.names)
+        summary.checkpointed = choice.names
+        summary.selective = [name for name, mode in choice.modes.items() if mode == "selective"]
         summary.predicted_peak = choice.plan.chosen.breakdown.peak
-        for name in choice.block_names if choice.keep_gathered else ():
+        for name in choice.kept_gathered:
             block = module.get_submodule(name)
             assert isinstance(block, FSDPModule), f"{name} is not an FSDP unit"
             block.set_reshard_after_forward(False, recurse=False)

@@ -17,8 +17,11 @@ FIT_SCRIPT = "tests/distributed/scripts/planner_fit.py"
 # batch sizes in Lightning's automatic optimization (gradients freed after the step), with a callback reading
 # gradients (kept through the next forward), and manual optimization (zero_grad first). Bigger models
 # (torchvision vit_b_16, timm vit_small) are in benchmarks/RESULTS.md (`python benchmarks/planner_trainer_fit.py`).
+# `auto-P`: activation_checkpointing="auto" under a budget P% of the way from every block checkpointed to none: a
+# plan mixing full, selective and no checkpointing (50), and one mixing resharded and gathered blocks (11).
+AUTO_CELLS = ["deit_tiny:auto-50:32", "deit_tiny:auto-11:32"]
 CELLS = ",".join([f"deit_tiny:{ac}:{batch}" for ac in ("off", "full", "selective") for batch in (8, 32)]
-                 + ["deit_tiny:off:8:observed", "deit_tiny:off:8:manual"])
+                 + ["deit_tiny:off:8:observed", "deit_tiny:off:8:manual", *AUTO_CELLS])
 TOLERANCE = 0.10
 
 
@@ -27,6 +30,24 @@ def fit_steps(tmp_path_factory):
     out = tmp_path_factory.mktemp("planner_fit")
     assert_ok(torchrun(FIT_SCRIPT, str(out), CELLS, nprocs=2, timeout=240, **MMAP_THRESHOLD_ENV))
     return load_ranks(out)
+
+
+@pytest.mark.parametrize("cell", AUTO_CELLS)
+def test_auto_applies_its_mixed_per_block_plan_and_trains_as_ddp(fit_steps, cell):
+    """The plan "auto" chose at the first step is what runs, block by block (checkpointing mode; gathered or
+    resharded between forward and backward), its losses are DDP's (fp32), and its predicted peak is the
+    planner's for that plan (the step's increment is checked against the measured one above)."""
+    expected_modes = {"auto-50": {"full", "selective", None}, "auto-11": {"full"}}[cell.split(":")[1]]
+    for rank in fit_steps:
+        auto = rank[cell]["auto"]
+        assert auto["applied"] == auto["modes"] and set(auto["modes"]) == expected_modes, auto["summary"]
+        depth = len(auto["modes"])
+        assert auto["gathered"] == [i >= auto["resharded"] for i in range(depth)], auto["summary"]
+        assert (0 < auto["resharded"] < depth) is (cell.split(":")[1] == "auto-11")
+        assert auto["predicted_peak"] == auto["planned_peak"] <= auto["budget"]
+        full, selective = auto["modes"].count("full"), auto["modes"].count("selective")
+        assert f"auto: {full} full + {selective} selective of {depth} blocks checkpointed" in auto["summary"]
+        assert auto["losses"] == pytest.approx(auto["ddp_losses"], rel=1e-5, abs=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +73,17 @@ def test_predicted_step_within_tolerance_of_a_trainer_fit_step(fit_steps, cell):
         assert result["released"] is released and (result["grads_at_start"] == 0) is released, result
 
 
-def test_auto_checkpoints_half_the_blocks_at_the_first_step(auto):
+def test_auto_applies_the_planners_choice_at_the_first_step(auto):
+    """Decided from the first batch (no example_input_array) under a budget halfway between every block and no
+    block checkpointed: the planner's plan for that step (the Trainer's loop), applied block by block."""
     for rank in auto:
         result = rank["auto"]
-        assert result["checkpointed"] == ["blocks.0", "blocks.1"], result["summary"]
-        assert result["patched"] == [0, 1]
+        full, selective, _ = result["expected"]
+        modes = ["full"] * full + ["selective"] * selective + [None] * (4 - full - selective)
+        assert result["patched"] == modes and full + selective > 0, result["summary"]
+        assert result["checkpointed"] == [f"blocks.{i}" for i in range(full + selective)], result["summary"]
         assert len(result["losses"]) == 2 and all(loss == loss for loss in result["losses"])
-        assert "auto: 2 of 4 blocks, predicted peak" in result["summary"]
+        assert f"auto: {full} full + {selective} selective of 4 blocks checkpointed" in result["summary"]
         # activation_checkpointing=True with example_input_array: every block checkpointed, its peak predicted
         assert "checkpointed blocks : 4 of 4 (predicted peak" in result["default_summary"]
         assert result["default_peak"] == result["every"]

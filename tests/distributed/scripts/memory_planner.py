@@ -93,7 +93,10 @@ def auto_first_step() -> dict:
 
     from lightning_vitscale import VitScaleStrategy
     from lightning_vitscale.cli.demo import generated_images
-    from lightning_vitscale.sharding.activation_checkpointing import is_checkpointed
+    from lightning_vitscale.memory.auto_checkpointing import training_loop
+    from lightning_vitscale.memory.planner import choose
+    from lightning_vitscale.memory.step_cost import CPU_RATES
+    from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
 
     kwargs, batch = SHAPES["long"]
     with torch.device("meta"):
@@ -116,8 +119,13 @@ def auto_first_step() -> dict:
     default = VitScaleStrategy()
     L.Trainer(accelerator="cpu", devices=WORLD, strategy=default, max_steps=1, logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(other, data)
+    # The planner's own choice for this step (the Trainer's loop: gradients released after the step, on CPU).
+    inputs = step_inputs(planned, torch.empty(batch, 3, 64, 64, device="meta"), world_size=WORLD,
+                         precision="32-true", device="cpu", loop=training_loop(model))
+    expected = choose(inputs, budget, budget, "32-true", batch, offload=False, rates=CPU_RATES).blocks
     return dict(checkpointed=strategy.plan.checkpointed, summary=strategy.plan.summary(),
-                patched=[i for i, b in enumerate(model.blocks) if is_checkpointed(b)], losses=model.losses,
+                expected=[expected.full, expected.selective, expected.resharded],
+                patched=[checkpoint_mode(b) for b in model.blocks], losses=model.losses,
                 default_summary=default.plan.summary(), default_peak=default.plan.predicted_peak,
                 every=every)
 

@@ -1,7 +1,9 @@
 """Rank script: the memory planner's predicted step against a measured ``Trainer.fit`` step (Lightning's own loop).
 
 ``planner_fit.py OUT_DIR model:ac:batch[:loop],...`` e.g. ``deit_tiny:off:8`` or ``vit_b_16:full:16:manual``.
-``ac`` is ``off``, ``full`` or ``selective``; ``loop`` is ``auto`` (automatic optimization, the default: the
+``ac`` is ``off``, ``full``, ``selective`` or ``auto-P``: ``activation_checkpointing="auto"`` under a budget P% of
+the way from every block checkpointed (and resharded) to none (every block kept gathered); that cell also trains
+the same model under DDP for its losses. ``loop`` is ``auto`` (automatic optimization, the default: the
 strategy frees the gradients after the step), ``observed`` (the same with a callback reading gradients after the
 step: they are kept through the next forward), ``manual`` (zero_grad, forward, manual_backward, step) or ``acc2``
 (automatic, ``accumulate_grad_batches=2``). Published architectures
@@ -28,9 +30,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vitscale import VitScaleStrategy
+from lightning_vitscale._compat import DTensor
 from lightning_vitscale.memory import measure_state_bytes
-from lightning_vitscale.memory.planner import step_inputs
-from lightning_vitscale.memory.step_model import StepSettings, TrainingLoop, predict_step
+from lightning_vitscale.memory.planner import choose, step_inputs
+from lightning_vitscale.memory.step_cost import CPU_RATES
+from lightning_vitscale.memory.step_model import StepInputs, StepSettings, TrainingLoop, predict_step
+from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
 from tests.helpers.peak import RssWindow
 from tests.helpers.scenarios import run_scenarios
 
@@ -56,6 +61,8 @@ class Classifier(L.LightningModule):
         super().__init__()
         self.net, self.image = build(name)
         self.automatic_optimization = automatic
+        self.losses: list[float] = []
+        self.gathered: list[bool] = []  # per block, after the first forward: still gathered for backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -63,7 +70,11 @@ class Classifier(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         if self.automatic_optimization:
-            return F.cross_entropy(self(x), y)
+            loss = F.cross_entropy(self(x), y)
+            self.losses.append(loss.item())
+            if batch_idx == 0 and hasattr(self.net, "blocks"):  # a resharded block holds DTensor shards now
+                self.gathered = [not isinstance(b.attn.qkv.weight, DTensor) for b in self.net.blocks]
+            return loss
         optimizer = self.optimizers()
         optimizer.zero_grad()
         loss = F.cross_entropy(self(x), y)
@@ -115,6 +126,36 @@ def loop_of(kind: str) -> tuple[TrainingLoop, int]:
     return TrainingLoop(kind != "manual", accumulate, released_after_step=kind in ("auto", "acc2")), accumulate
 
 
+def planned_for(inputs: StepInputs, ac: str, batch: int) -> tuple[StepSettings, dict]:
+    """The settings a cell's step runs, and what "auto" planned (its budget and per-block plan)."""
+    every = frozenset(range(len(inputs.profile.blocks)))
+    if not ac.startswith("auto"):
+        return StepSettings(every if ac != "off" else frozenset(),
+                            selective=every if ac == "selective" else frozenset()), {}
+    least = predict_step(inputs, StepSettings(every)).peak
+    most = predict_step(inputs, StepSettings(reshard_after_forward=False)).peak
+    budget = least + (most - least) * int(ac.split("-")[1]) // 100
+    plan = choose(inputs, budget, budget, "32-true", batch, offload=False, rates=CPU_RATES)
+    modes = [plan.blocks.mode(i) for i in range(len(every))]
+    return plan.chosen.settings, dict(budget=budget, modes=modes, resharded=plan.blocks.resharded)
+
+
+def fit(name: str, ac: str, batch: int, kind: str, strategy) -> Classifier:
+    """``Trainer.fit`` of ``MEASURED_STEP + 1`` optimizer steps from seed 0 under ``strategy``."""
+    accumulate = loop_of(kind)[1]
+    L.seed_everything(0, verbose=False)
+    model = Classifier(name, automatic=kind != "manual")
+    steps = (MEASURED_STEP + 1) * accumulate * WORLD  # one epoch: every rank takes its own batches
+    image = model.image
+    data = TensorDataset(torch.randn(batch * steps, 3, image, image), torch.randint(0, 10, (batch * steps,)))
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, max_steps=MEASURED_STEP + 1, strategy=strategy,
+                        callbacks=[ReadsGradients()] if kind == "observed" else [],
+                        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, precision="32-true")
+    trainer.fit(model, DataLoader(data, batch_size=batch))
+    return model
+
+
 def cell(name: str, ac: str, batch: int, kind: str = "auto") -> dict:
     loop, accumulate = loop_of(kind)
     with torch.device("meta"):
@@ -123,24 +164,22 @@ def cell(name: str, ac: str, batch: int, kind: str = "auto") -> dict:
     inputs = step_inputs(planned, torch.empty(batch, 3, image, image, device="meta"), world_size=WORLD,
                          precision="32-true", device="cpu", loop=loop)
     depth = len(inputs.profile.blocks)
-    every = frozenset(range(depth))
-    predicted = predict_step(inputs, StepSettings(every if ac != "off" else frozenset(),
-                                                  selective=every if ac == "selective" else frozenset()))
+    settings, auto = planned_for(inputs, ac, batch)
+    predicted = predict_step(inputs, settings)
     resident = predicted.params + predicted.optimizer + predicted.norms + predicted.batch
     del planned
 
-    L.seed_everything(0, verbose=False)
-    model = Classifier(name, automatic=kind != "manual")
-    steps = (MEASURED_STEP + 1) * accumulate * WORLD  # one epoch: every rank takes its own batches
-    data = TensorDataset(torch.randn(batch * steps, 3, image, image), torch.randint(0, 10, (batch * steps,)))
-    strategy = MeasuredStrategy(accumulate, activation_checkpointing={"off": False, "full": True}.get(ac, ac))
-    trainer = L.Trainer(accelerator="cpu", devices=WORLD, max_steps=MEASURED_STEP + 1, strategy=strategy,
-                        callbacks=[ReadsGradients()] if kind == "observed" else [],
-                        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, precision="32-true")
-    trainer.fit(model, DataLoader(data, batch_size=batch))
+    checkpointing = {"off": False, "full": True}.get(ac, "auto" if auto else ac)
+    strategy = MeasuredStrategy(accumulate, activation_checkpointing=checkpointing,
+                                memory_budget=auto.get("budget"))
+    model = fit(name, ac, batch, kind, strategy)
+    if auto:  # what the strategy applied, and DDP's losses for the same seed and data
+        auto.update(applied=[checkpoint_mode(b) for b in model.net.blocks], gathered=model.gathered,
+                    summary=strategy.plan.summary(), predicted_peak=strategy.plan.predicted_peak,
+                    planned_peak=predicted.peak, losses=model.losses,
+                    ddp_losses=fit(name, ac, batch, kind, "ddp").losses)
     return dict(measured=strategy.growth, predicted=predicted.peak - resident, phase=predicted.phase,
-                grads_at_start=strategy.grads_at_start, depth=depth, released=strategy.released,
+                grads_at_start=strategy.grads_at_start, depth=depth, released=strategy.released, auto=auto,
                 breakdown={k: getattr(predicted, k) for k in ("params", "grads", "optimizer", "norms", "gathered",
                                                                "activations", "transient", "batch")})
 

@@ -178,7 +178,7 @@ def test_auto_keeps_blocks_gathered_when_everything_fits(mesh):
         model = TinyViT(**LONG)
         model.example_input_array = batch()[0]
         auto = AutoCheckpointing(4 * 2**30 if ample else 1, 1, "32-true", None, may_keep_gathered=True)
-        names = auto.at_setup(model, torch.device("cpu"), 1, lambda n: n)  # as the strategy: before sharding
+        names = auto.at_setup(model, torch.device("cpu"), 1, lambda n: n).names  # as the strategy: before sharding
         root = OuterUnit(model)
         config = ParallelConfig(checkpointing=CheckpointingPolicy(blocks=False))
         done = parallelize(root, model, mesh, config, resolve_flag("32-true"), torch.device("cpu"))

@@ -72,6 +72,6 @@ def test_auto_warns_when_no_choice_meets_the_budget_and_never_assumes_offload():
     real.example_input_array = torch.randn(8, 3, 64, 64)
     auto = AutoCheckpointing(budget, 2, "32-true", None, may_keep_gathered=True)
     with pytest.warns(UserWarning, match=r"no choice fits the memory budget .* offload='cpu' \(predicted"):
-        names = auto.at_setup(real, torch.device("cpu"), 1, lambda n: n)
+        names = auto.at_setup(real, torch.device("cpu"), 1, lambda n: n).names
     assert names == [f"blocks.{i}" for i in range(4)]
     assert auto.choice is not None and auto.choice.plan.chosen.breakdown.peak == every.peak

@@ -1,0 +1,80 @@
+"""What one block's forward does, counted op by op on fake tensors: the work a checkpointed block repeats.
+
+A fully checkpointed block reruns its whole forward in backward; a selectively checkpointed one reruns only the
+ops it does not save (everything but :data:`~lightning_vitscale.memory.selective_ops.SAVED_OPS`: norms,
+activations, dropout, residual adds, casts). The expensive ops are counted in FLOPs with torch's own formulas
+(``torch.utils.flop_counter.flop_registry``: matmuls, convolutions, attention); the cheap ones in the bytes they
+read and write, which is what bounds them. Views move nothing and count nothing. Counting needs no memory and
+no device: the block runs on fake tensors, under ``no_grad`` (the recompute runs the same ops).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from lightning_vitscale._compat import FakeTensorMode, tree_map
+from lightning_vitscale.memory.selective_ops import SAVED_OPS
+
+
+@dataclass(frozen=True)
+class BlockWork:
+    """One forward of one block for the measured batch.
+
+    Attributes:
+        flops: floating-point operations of its expensive ops (what selective checkpointing saves).
+        cheap_bytes: bytes read and written by the other ops (what selective checkpointing recomputes).
+    """
+
+    flops: int = 0
+    cheap_bytes: int = 0
+
+
+class OpWork(TorchDispatchMode):
+    """Sums the FLOPs of the ops torch has a formula for and the bytes moved by the ops selective checkpointing
+    recomputes, for every op dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+        self.cheap_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            self.flops += int(flop_registry[packet](*args, **kwargs, out_val=out))
+        if func not in SAVED_OPS:
+            self.cheap_bytes += _bytes_moved(func, args, kwargs, out)
+        return out
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    tree_map(lambda v: found.append(v) if isinstance(v, torch.Tensor) else None, tree)
+    return found
+
+
+def _bytes_moved(func: Any, args: Any, kwargs: Any, out: Any) -> int:
+    """Bytes an op reads and writes: its tensor inputs and outputs; nothing for a view (output aliases input)."""
+    inputs, outputs = _tensors((args, kwargs)), _tensors(out)
+    sources = {t.untyped_storage()._cdata for t in inputs}
+    if not func._schema.is_mutable and all(t.untyped_storage()._cdata in sources for t in outputs):
+        return 0
+    return sum(t.numel() * t.element_size() for t in [*inputs, *outputs])
+
+
+def measure_work(block: nn.Module, x: torch.Tensor, mode: FakeTensorMode) -> BlockWork:
+    """Count one forward of ``block`` on a fake input shaped like ``x`` (its parameters already fake)."""
+    counter = OpWork()
+    with mode, torch.no_grad():
+        inp = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        with counter:
+            block(inp)
+    return BlockWork(counter.flops, counter.cheap_bytes)

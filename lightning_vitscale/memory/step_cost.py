@@ -1,0 +1,65 @@
+"""What a memory-saving setting costs in step time: a block's recompute and a resharded block's second all-gather.
+
+Plain roofline arithmetic on what :mod:`.op_costs` counted, so every number can be checked by hand:
+
+- no checkpointing: nothing is repeated;
+- ``"selective"``: the cheap ops run again, bounded by memory bandwidth: ``cheap_bytes / bytes_per_s``;
+- ``"full"``: the whole forward runs again: ``flops / flops_per_s`` plus the cheap ops as above;
+- resharding a block after forward: its parameters are all-gathered again in backward:
+  ``latency + gathered bytes x (world - 1) / world / link_bytes_per_s``; keeping it gathered costs nothing.
+
+No overlap is credited (a prefetched all-gather can hide behind compute on a GPU; a recompute never hides), so
+the model leans towards keeping blocks gathered where memory allows. The rates are :class:`DeviceRates`; only
+their ratios steer the choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightning_vitscale.memory.activations import BlockMemory
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """Throughputs a step's extra work runs at, per rank.
+
+    Attributes:
+        flops_per_s: what matmuls and attention reach in the compute dtype.
+        bytes_per_s: memory bandwidth the cheap elementwise ops are bound by.
+        link_bytes_per_s: per-rank bandwidth of an all-gather.
+        latency_s: fixed cost of one unit's all-gather (launch, FSDP's hooks and copies).
+    """
+
+    flops_per_s: float
+    bytes_per_s: float
+    link_bytes_per_s: float
+    latency_s: float
+
+
+GPU_RATES = DeviceRates(flops_per_s=300e12, bytes_per_s=2e12, link_bytes_per_s=100e9, latency_s=50e-6)
+"""Datasheet order of magnitude for an A100/H100-class GPU in bf16 with NVLink (not measured here)."""
+
+CPU_RATES = DeviceRates(flops_per_s=100e9, bytes_per_s=10e9, link_bytes_per_s=2e9, latency_s=2e-3)
+"""One rank of the 2-core CPU with gloo in benchmarks/RESULTS.md ("where a step's time goes"): full recompute of
+the 6-block ViT ~55 ms for ~5 GFLOP, keeping blocks gathered ~2-5 ms per block. Stated, not general."""
+
+
+def rates_for(device: torch.device | str | None) -> DeviceRates:
+    """The rates for a device type; ``None`` plans for a GPU, as the rest of the planner does."""
+    return CPU_RATES if device is not None and torch.device(device).type == "cpu" else GPU_RATES
+
+
+def recompute_seconds(block: BlockMemory, mode: str | None, rates: DeviceRates, scale: float = 1.0) -> float:
+    """Seconds per step that checkpointing ``block`` in ``mode`` (``None``, ``"selective"``, ``"full"``) adds."""
+    if mode is None:
+        return 0.0
+    cheap = block.work.cheap_bytes * scale / rates.bytes_per_s
+    return cheap if mode == "selective" else cheap + block.work.flops * scale / rates.flops_per_s
+
+
+def regather_seconds(gathered_bytes: int, world: int, rates: DeviceRates) -> float:
+    """Seconds per step that resharding a block of ``gathered_bytes`` after forward adds (a second all-gather)."""
+    return rates.latency_s + gathered_bytes * (world - 1) / world / rates.link_bytes_per_s
