@@ -171,3 +171,13 @@ def test_compile_outer_compiles_the_largest_subtrees_outside_the_blocks(mesh, ma
     assert done.plan.kernels["compiled outer"] == ", ".join(outer)
     assert done.plan.kernels["compiled blocks"] == "off"
     assert "compiled outer" in done.plan.summary()
+
+
+def test_a_module_sharded_with_other_blocks_per_unit_is_not_reused():
+    from lightning_vitscale.sharding.reuse import ShardedModuleReuseError, check_reusable, sharding_signature
+
+    precision, cpu = resolve_flag("32-true"), torch.device("cpu")
+    used = sharding_signature(ParallelConfig(), precision, 2, cpu)
+    wanted = sharding_signature(ParallelConfig(sharding=ShardingPolicy(blocks_per_unit=2)), precision, 2, cpu)
+    with pytest.raises(ShardedModuleReuseError, match="blocks_per_unit= 1 -> 2"):
+        check_reusable(used, wanted)
