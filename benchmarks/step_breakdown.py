@@ -42,17 +42,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# name -> (activation checkpointing, reshard_after_forward, prefetch); "kept" = the planner's choice under an
-# ample budget (blocks stay gathered from forward to backward), otherwise the recipe (blocks reshard).
-VARIANTS: dict[str, tuple[bool | str, bool | None, int]] = {
-    "off": (False, None, 0),
-    "off+prefetch": (False, None, 1),
-    "off kept": (False, False, 0),
-    "off kept+prefetch": (False, False, 1),
-    "selective+prefetch": ("selective", None, 1),
-    "selective kept+prefetch": ("selective", False, 1),
-    "full": (True, None, 0),
-    "full+prefetch": (True, None, 1),
+# name -> (activation checkpointing, reshard_after_forward, prefetch, blocks_per_unit); "kept" = the planner's
+# choice under an ample budget (blocks stay gathered from forward to backward), otherwise the recipe (blocks
+# reshard); "k/unit" = `blocks_per_unit=k` (k consecutive blocks share one FSDP unit), otherwise one per block.
+VARIANTS: dict[str, tuple[bool | str, bool | None, int, int]] = {
+    "off": (False, None, 0, 1),
+    "off+prefetch": (False, None, 1, 1),
+    "off kept": (False, False, 0, 1),
+    "off kept+prefetch": (False, False, 1, 1),
+    "off kept, 3/unit": (False, False, 0, 3),
+    "off kept, 6/unit": (False, False, 0, 6),
+    "selective+prefetch": ("selective", None, 1, 1),
+    "selective kept+prefetch": ("selective", False, 1, 1),
+    "selective kept, 3/unit": ("selective", False, 0, 3),
+    "selective kept, 6/unit": ("selective", False, 0, 6),
+    "full": (True, None, 0, 1),
+    "full+prefetch": (True, None, 1, 1),
+    "full, 2/unit": (True, None, 0, 2),
+    "full, 3/unit": (True, None, 0, 3),
 }
 ACCUMULATION = ("ddp accum4", "sharded accum4", "unsharded accum4")
 MICRO_BATCHES = 4
@@ -86,10 +93,12 @@ def build(model_name: str, variant: str):
     if variant.startswith("ddp"):
         root = DistributedDataParallel(model)
     else:
-        ac, reshard, prefetch = VARIANTS.get(variant, (False, False, 1))  # accumulation rows: the planner's setting
+        # accumulation rows: the planner's setting
+        ac, reshard, prefetch, per_unit = VARIANTS.get(variant, (False, False, 1, 1))
         root = OuterUnit(model)
         mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("data_parallel",))
-        config = ParallelConfig(sharding=ShardingPolicy(reshard_after_forward=reshard, prefetch=prefetch),
+        config = ParallelConfig(sharding=ShardingPolicy(reshard_after_forward=reshard, prefetch=prefetch,
+                                                        blocks_per_unit=per_unit),
                                 checkpointing=CheckpointingPolicy(blocks=ac))
         parallelize(root, model, mesh, config, resolve_flag("32-true"), torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -108,7 +117,8 @@ def no_sync_for(variant: str, root) -> Callable[[], object]:
     return nullcontext
 
 
-def step_fn(variant: str, root, optimizer, x, y) -> Callable[[], None]:
+def step_fn(variant: str, root, optimizer, x, y, optimizer_times: list[float]) -> Callable[[], None]:
+    """One training step; the optimizer step's own time is appended to ``optimizer_times``."""
     import torch.nn.functional as F
 
     micro = MICRO_BATCHES if variant in ACCUMULATION else 1
@@ -119,7 +129,9 @@ def step_fn(variant: str, root, optimizer, x, y) -> Callable[[], None]:
         for i in range(micro):
             with no_sync() if i < micro - 1 else nullcontext():
                 F.cross_entropy(root(x), y).backward()
+        start = time.perf_counter()
         optimizer.step()
+        optimizer_times.append(time.perf_counter() - start)
 
     return step
 
@@ -216,11 +228,12 @@ def worker(out: str, model_name: str, steps: int, warmup: int, accum_steps: int)
     g = torch.Generator().manual_seed(dist.get_rank())
     x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
     steps_of = {}
+    optimizer_times: dict[str, list[float]] = {n: [] for n in names}
     for name in names:
         root, optimizer = build(model_name, name)
         if not name.startswith("ddp"):
             label_recompute(root.module)
-        steps_of[name] = step_fn(name, root, optimizer, x, y)
+        steps_of[name] = step_fn(name, root, optimizer, x, y, optimizer_times[name])
     times: dict[str, list[float]] = {n: [] for n in names}
     for index in range(warmup + steps):
         for name in names:
@@ -231,7 +244,10 @@ def worker(out: str, model_name: str, steps: int, warmup: int, accum_steps: int)
             steps_of[name]()
             if index >= warmup:
                 times[name].append(time.perf_counter() - t)
-    result: dict[str, dict[str, float]] = {n: {"median": 1e3 * statistics.median(t)} for n, t in times.items()}
+    result: dict[str, dict[str, float]] = {
+        n: {"median": 1e3 * statistics.median(t), "optimizer": 1e3 * statistics.median(optimizer_times[n][warmup:])}
+        for n, t in times.items()
+    }
     for name in names:
         dist.barrier()
         result[name].update(breakdown(steps_of[name], repeats=3))
@@ -277,13 +293,14 @@ def _rss() -> int:
 def report(merged: dict[str, dict[str, float]], held: dict[str, float]) -> str:
     ddp = merged["ddp"]["median"]
     parts = ("compute", "recompute", "sharding copies", "collectives", "other")
-    lines = ["| variant | median ms/step | / DDP | profiled step (ms): " + " | ".join(parts) + " |",
-             "|---|---|---|" + "---|" * len(parts)]
+    lines = ["| variant | median ms/step | / DDP | optimizer step | profiled step (ms): " + " | ".join(parts) + " |",
+             "|---|---|---|---|" + "---|" * len(parts)]
     for name, row in merged.items():
         if name in ACCUMULATION:
             continue
         cells = " | ".join(f"{row[p]:.1f}" for p in parts)
-        lines.append(f"| {name} | {row['median']:.1f} | {row['median'] / ddp:.2f}x | {cells} |")
+        ratio = row["median"] / ddp
+        lines.append(f"| {name} | {row['median']:.1f} | {ratio:.2f}x | {row['optimizer']:.1f} | {cells} |")
     lines += ["", f"| accumulation ({MICRO_BATCHES} micro-batches) | median ms/optimizer step | / DDP |"
               " reduce-scatters per optimizer step |", "|---|---|---|---|"]
     for name in ACCUMULATION:

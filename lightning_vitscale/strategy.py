@@ -88,6 +88,9 @@ class VitScaleStrategy(ModelParallelStrategy):
             in memory, else ``"sharded"`` (a reduce-scatter per micro-batch); ``"unsharded"`` forces the first.
         prefetch: each unit all-gathers the next ``prefetch`` units explicitly (forward and backward), so the
             collective overlaps compute; ``0`` (default) leaves FSDP2's implicit prefetch.
+        blocks_per_unit: ``1`` (default) makes each block its own FSDP unit; ``k > 1`` puts ``k`` consecutive
+            blocks in one unit: one all-gather, reduce-scatter and set of FSDP hooks per ``k`` blocks, with up to
+            ``k`` blocks' parameters and gradients gathered at once. Not with ``activation_checkpointing="auto"``.
         offload: ``"cpu"`` keeps sharded parameters, gradients and optimizer state in host memory (the optimizer
             steps on the CPU); on ``accelerator="cpu"`` they already are, and it changes nothing.
         timeout: bound on every collective, so a rank that dies cannot leave the others waiting forever.
@@ -128,6 +131,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         offload: OffloadMode | None = None,
         accumulation: AccumulationMode = "auto",
         prefetch: int = 0,
+        blocks_per_unit: int = 1,
         timeout: timedelta = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
         state_dict_type: checkpoints.StateDictType = "sharded",
@@ -141,7 +145,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         self.config = ParallelConfig(
             sharding=ShardingPolicy(
                 blocks=blocks, reshard_after_forward=reshard_after_forward, layout=sharding, offload=offload,
-                accumulation=accumulation, prefetch=prefetch,
+                accumulation=accumulation, prefetch=prefetch, blocks_per_unit=blocks_per_unit,
             ),
             checkpointing=CheckpointingPolicy(blocks=activation_checkpointing, memory_budget=memory_budget),
             kernels=kernels,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -26,23 +28,35 @@ def offload_policy(offload: str | None, device: torch.device) -> OffloadPolicy:
 
 
 def shard_module(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy,
     reshard_after_forward: bool | int,
     ignored_params: set[nn.Parameter] | None = None,
     offload_policy: OffloadPolicy | None = None,
 ) -> FSDPModule:
-    """Make ``module`` one FSDP unit over ``mesh`` (1-D: fully sharded; 2-D: hybrid, sharded along the last
-    dimension). ``reshard_after_forward`` is explicit (see ``settings.unit_reshard``): no FSDP default decides."""
-    return fully_shard(
-        module,
+    """Make ``module`` (or a list of consecutive modules, together) one FSDP unit over ``mesh`` (1-D: fully sharded;
+    2-D: hybrid, sharded along the last dimension). ``reshard_after_forward`` is explicit (see
+    ``settings.unit_reshard``): no FSDP default decides. Returns the unit (a list's first module: FSDP2 gives
+    every module of the list the one shared state, so any of them stands for the unit)."""
+    sharded = fully_shard(
+        module if not isinstance(module, list) or len(module) > 1 else module[0],
         mesh=mesh,
         mp_policy=mp_policy,
         reshard_after_forward=reshard_after_forward,
         ignored_params=ignored_params or None,
         offload_policy=offload_policy or OffloadPolicy(),
     )
+    return cast(FSDPModule, sharded[0] if isinstance(sharded, list) else sharded)
+
+
+def group_blocks(blocks: list[nn.Module], per_unit: int) -> list[list[nn.Module]]:
+    """Consecutive runs of ``per_unit`` blocks (in model order; the last run may be shorter), one FSDP unit each.
+
+    Consecutive, so that a unit's blocks run back to back: FSDP2 gathers a list-unit at the first of its modules'
+    forwards and reduce-scatters once after the last of their backwards.
+    """
+    return [blocks[i : i + per_unit] for i in range(0, len(blocks), per_unit)]
 
 
 def set_prefetch(units: list[FSDPModule], depth: int) -> None:

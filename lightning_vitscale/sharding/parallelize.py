@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_vitscale._compat import FSDPModule
+from lightning_vitscale._compat import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from lightning_vitscale._utils import full_bytes, local_bytes
 from lightning_vitscale.discovery import describe_blocks, find_blocks, holds_parameters
 from lightning_vitscale.init import Creation, InitialWeights
@@ -31,7 +31,13 @@ from lightning_vitscale.sharding.activation_checkpointing import (
     apply_activation_checkpointing,
     is_self_checkpointing,
 )
-from lightning_vitscale.sharding.fsdp import mixed_precision_policy, offload_policy, set_prefetch, shard_module
+from lightning_vitscale.sharding.fsdp import (
+    group_blocks,
+    mixed_precision_policy,
+    offload_policy,
+    set_prefetch,
+    shard_module,
+)
 from lightning_vitscale.sharding.settings import ParallelConfig, unit_reshard
 from lightning_vitscale.sharding.summary import ParallelPlan
 
@@ -125,10 +131,11 @@ def parallelize(
     #    A 2-D mesh shards along its last dimension and replicates along the first (hybrid sharding).
     mp_policy = mixed_precision_policy(precision)
     offload = offload_policy(config.sharding.offload, device)
+    #    `blocks_per_unit > 1`: k consecutive blocks share one unit (fewer collectives and hooks, more gathered).
     requested = config.sharding.reshard_after_forward
-    for _, block in blocks:
-        with weights.unit(block):
-            shard_module(block, mesh, mp_policy, unit_reshard(requested, outer=False), ignored, offload)
+    groups = group_blocks([block for _, block in blocks], config.sharding.blocks_per_unit)
+    block_units = [_shard_group(group, weights, mesh, mp_policy, unit_reshard(requested, outer=False), ignored,
+                                offload) for group in groups]
 
     # 5. The outer unit on the module Lightning calls, so its pre-forward hook gathers the rest; it keeps its
     #    parameters after forward under the recipe (backward needs them at once).
@@ -136,7 +143,7 @@ def parallelize(
         outer = shard_module(outer_unit, mesh, mp_policy, unit_reshard(requested, outer=True), ignored, offload)
 
     # 5b. Explicit prefetch: each unit starts the next one's all-gather as soon as its own is done.
-    set_prefetch([outer, *(cast(FSDPModule, block) for _, block in blocks)], config.sharding.prefetch)
+    set_prefetch([outer, *block_units], config.sharding.prefetch)
 
     # 6. Name what the meta path could not reproduce; how the weights were made goes into the summary.
     init_path, init_peak, init_seconds = weights.finish()
@@ -146,7 +153,8 @@ def parallelize(
         world_size=mesh.size(),
         blocks=described,
         block_names=[name for name, _ in blocks],
-        units=len(blocks) + 1,
+        units=len(groups) + 1,
+        blocks_per_unit=config.sharding.blocks_per_unit,
         checkpointed=[name for name, _ in chosen],
         selective=[name for name, _ in chosen if modes[name] == "selective"],
         self_checkpointed=self_ckpt,
@@ -163,6 +171,22 @@ def parallelize(
         init_seconds=init_seconds,
     )
     return Parallelized(plan, norms, router)
+
+
+def _shard_group(
+    group: list[nn.Module],
+    weights: InitialWeights,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    reshard: bool | int,
+    ignored: set[nn.Parameter] | None,
+    offload: OffloadPolicy,
+) -> FSDPModule:
+    """One unit of consecutive blocks; each block's starting values are taken before and delivered after."""
+    with ExitStack() as stack:
+        for block in group:
+            stack.enter_context(weights.unit(block))
+        return shard_module(group, mesh, mp_policy, reshard, ignored, offload)
 
 
 def _outer_layers(model: nn.Module, blocks: list, norm_modules: list) -> list[nn.Module]:

@@ -34,6 +34,7 @@ def sharding_signature(
         "blocks=": config.sharding.blocks,
         "reshard_after_forward=": config.sharding.reshard_after_forward,
         "sharding=": config.sharding.layout,
+        "blocks_per_unit=": config.sharding.blocks_per_unit,
         "offload=": config.sharding.offload,
         "activation_checkpointing=": config.checkpointing.blocks,
         "kernels=": config.kernels,

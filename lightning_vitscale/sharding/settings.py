@@ -50,6 +50,10 @@ class ShardingPolicy:
             reduce-scatter per optimizer step, as DDP's ``no_sync``), ``"auto"`` the latter where it fits.
         prefetch: how many units ahead each unit all-gathers explicitly (forward: the next blocks; backward:
             the previous ones), so the collective overlaps this unit's compute; ``0``: FSDP2's implicit prefetch.
+        blocks_per_unit: how many consecutive blocks share one FSDP unit (the last unit may hold fewer). ``1`` is
+            the recipe (least gathered memory); ``k > 1`` runs one all-gather, one reduce-scatter and one set of
+            FSDP hooks per ``k`` blocks, at the cost of up to ``k`` blocks' parameters and gradients gathered at
+            once (on CPU ranks the per-unit cost is a large part of a step: benchmarks/RESULTS.md).
     """
 
     blocks: ModuleSelector | None = None
@@ -58,9 +62,16 @@ class ShardingPolicy:
     offload: OffloadMode | None = None
     accumulation: AccumulationMode = "auto"
     prefetch: int = 0
+    blocks_per_unit: int = 1
 
     def __post_init__(self) -> None:
         _check_layout(self.layout)
+        k = self.blocks_per_unit
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(
+                f"`blocks_per_unit={k!r}` must be an int >= 1: consecutive blocks per FSDP unit (1: each block its"
+                " own unit, the recipe)."
+            )
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(
                 f"`prefetch={self.prefetch!r}` must be an int >= 0: units to all-gather ahead (1: the next block;"
@@ -237,6 +248,12 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.kernels, KernelPolicy) and self.kernels not in KERNEL_MODES:
             raise unknown_kernel_mode(self.kernels)
+        if self.sharding.blocks_per_unit > 1 and self.checkpointing.is_auto:
+            raise ValueError(
+                f"`blocks_per_unit={self.sharding.blocks_per_unit}` cannot be combined with"
+                " activation_checkpointing='auto': the memory planner plans one block per FSDP unit. Pass"
+                " blocks_per_unit=1, or choose the checkpointing yourself (True, False, 'selective', k or a callable)."
+            )
 
 
 def unit_reshard(requested: bool | int | None, outer: bool) -> bool | int:

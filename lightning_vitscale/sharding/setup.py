@@ -198,14 +198,17 @@ def _shard(
     # 2. "auto" checkpointing decides before the pipeline when the input is known (example_input_array), and
     #    measures on the plain module: once sharded, running it would gather.
     auto, config = _auto_checkpointing(module, config, precision.policy, ranks)
-    measured = None if auto else measure_for_summary(module, ranks.mesh.size(), precision.policy.name,
-                                                     config.sharding.blocks, ranks.device)
+    grouped = config.sharding.blocks_per_unit > 1  # the planner models one block per unit: no prediction
+    measured = None if auto or grouped else measure_for_summary(module, ranks.mesh.size(), precision.policy.name,
+                                                                config.sharding.blocks, ranks.device)
     # 3. The recipe: norms, casts, attention routing, checkpointing, compile, block units, the outer unit.
     done = parallelize(outer, module, ranks.mesh, config, precision.policy, ranks.device, creation)
     set_lightning_device(module, ranks.device)
     _describe_layout(done.plan, outer, done.norms, precision.policy, config.sharding, ranks)
     if auto is not None:
         apply_auto_choice(module, auto, done.plan)
+    elif grouped:
+        done.plan.memory = "no predicted peak: the planner models one block per unit, not blocks_per_unit > 1"
     elif measured is not None:
         reshard = config.sharding.reshard_after_forward is not False
         done.plan.predicted_peak, done.plan.memory = describe_prediction(

@@ -19,8 +19,9 @@ class ParallelPlan:
     Attributes:
         world_size: ranks the model is sharded over.
         blocks: block class name -> count, as discovered or selected.
-        block_names: qualified names of the blocks, each its own FSDP unit.
-        units: number of FSDP units (blocks + the outer unit).
+        block_names: qualified names of the blocks.
+        units: number of FSDP units (block units + the outer unit).
+        blocks_per_unit: consecutive blocks per block unit (``1``: each block its own unit).
         checkpointed: blocks whose activations are recomputed in backward (fully or selectively).
         selective: those of ``checkpointed`` that recompute only their cheap ops (``"selective"``).
         self_checkpointed: blocks that already checkpoint themselves (e.g. HF gradient checkpointing): left alone.
@@ -70,6 +71,7 @@ class ParallelPlan:
     init_path: str = "built"
     init_peak_bytes: int = 0
     init_seconds: float = 0.0
+    blocks_per_unit: int = 1
 
     def summary(self) -> str:
         found = ", ".join(f"{name} x{count}" for name, count in self.blocks.items()) or "none (one outer unit)"
@@ -77,7 +79,7 @@ class ParallelPlan:
         lines = [
             f"VitScaleStrategy: {self.world_size} rank(s), precision {self.precision}",
             f"  blocks found        : {found}",
-            f"  FSDP units          : {self.units} ({len(self.block_names)} blocks + 1 outer)",
+            f"  FSDP units          : {self.units} ({self._block_units()} + 1 outer)",
             f"  checkpointed blocks : {len(self.checkpointed)} of {len(self.block_names)}"
             + (f", {len(self.selective)} selective (matmuls and attention kept)" if self.selective else "")
             + (f" ({self.memory})" if self.memory else ""),
@@ -100,6 +102,11 @@ class ParallelPlan:
             )
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+    def _block_units(self) -> str:
+        if self.blocks_per_unit == 1:
+            return f"{len(self.block_names)} blocks"
+        return f"{len(self.block_names)} blocks, up to {self.blocks_per_unit} per unit"
 
     def _layout_lines(self) -> list[str]:
         lines = []

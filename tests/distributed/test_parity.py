@@ -11,7 +11,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 BACKBONES = ("encoder", "timm", "hf", "resnet")
 CONFIGS = ("plain", "accum_clip", "multicrop")
-EXTRA = ("encoder/selective_accum4",)  # selective checkpointing + 4 micro-batches per step, one backbone
+# One backbone each: selective checkpointing + 4 micro-batches per step; 2 blocks per FSDP unit + accumulation + clip.
+EXTRA = ("encoder/selective_accum4", "timm/grouped_accum_clip")
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +63,15 @@ def test_selective_checkpointing_and_unsharded_accumulation_match_ddp(ranks):
         assert ours["selective"] == 4 and ours["recomputed_blocks"] == 4
         assert ours["reduce_scatters"] == ours["units"] * ours["optimizer_steps"]
         assert "one reduce-scatter per optimizer step" in ours["accumulation"]
+
+
+def test_two_blocks_per_unit_match_ddp(ranks):
+    """``blocks_per_unit=2``: 4 checkpointed blocks in 2 units (+ the outer unit), with 2 micro-batches per
+    optimizer step and gradient clipping: DDP's losses, and one reduce-scatter per unit per optimizer step, 3
+    where one unit per block would send 5."""
+    for rank in ranks:
+        ddp, ours = rank["timm/grouped_accum_clip/ddp"], rank["timm/grouped_accum_clip/vitscale"]
+        assert ours["optimizer_steps"] == 8 and ours["units"] == 3
+        assert max_relative_difference(ours["losses"], ddp["losses"]) < 1e-5
+        assert ours["fsdp_blocks"] == 4 and ours["recomputed_blocks"] == 4
+        assert ours["reduce_scatters"] == 3 * ours["optimizer_steps"]

@@ -27,10 +27,12 @@ CONFIGS = {
     "accum_clip": {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
     "multicrop": {},
     "selective_accum4": {"accumulate_grad_batches": 4},
+    "grouped_accum_clip": {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
 }
 # Strategy settings per config (DDP takes none): selective checkpointing with 4 micro-batches per optimizer step,
 # "auto" accumulation (ample host memory: one reduce-scatter per unit per optimizer step is expected).
-STRATEGY = {"selective_accum4": {"activation_checkpointing": "selective"}}
+# Two consecutive blocks per FSDP unit (4 blocks: 2 block units + the outer one), every block checkpointed.
+STRATEGY = {"selective_accum4": {"activation_checkpointing": "selective"}, "grouped_accum_clip": {"blocks_per_unit": 2}}
 
 
 @contextmanager

@@ -75,6 +75,20 @@ def test_prefetch_chains_the_units_in_model_order(mesh, depth):
         assert _prefetch(unit, "backward") == expected_backward
 
 
+def test_blocks_per_unit_groups_consecutive_blocks(mesh):
+    """5 blocks, 2 per unit: units {0, 1}, {2, 3}, {4} and the outer one; each block still gets its starting
+    values (built on meta), and explicit prefetch chains the units, not the blocks."""
+    with torch.device("meta"):
+        model = EncoderClassifier(depth=5)
+    root, plan = run(model, mesh, sharding={"blocks_per_unit": 2, "prefetch": 1})
+    state = [layer._get_fsdp_state() for layer in model.encoder.layers]
+    assert state[0] is state[1] and state[2] is state[3] and len({id(s) for s in state}) == 3
+    assert plan.units == 4 and "FSDP units          : 4 (5 blocks, up to 2 per unit + 1 outer)" in plan.summary()
+    assert _prefetch(root, "forward") == [state[0]] and _prefetch(model.encoder.layers[0], "forward") == [state[2]]
+    assert all(isinstance(p, DTensor) and not p.is_meta for p in model.parameters())
+    assert model.encoder.layers[4].self_attn.in_proj_weight.to_local().abs().sum() > 0
+
+
 def test_no_blocks_means_one_outer_unit_and_a_note(mesh):
     _, plan = run(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), mesh)
     assert plan.units == 1 and plan.blocks == {}
@@ -157,3 +171,13 @@ def test_compile_outer_compiles_the_largest_subtrees_outside_the_blocks(mesh, ma
     assert done.plan.kernels["compiled outer"] == ", ".join(outer)
     assert done.plan.kernels["compiled blocks"] == "off"
     assert "compiled outer" in done.plan.summary()
+
+
+def test_a_module_sharded_with_other_blocks_per_unit_is_not_reused():
+    from lightning_vitscale.sharding.reuse import ShardedModuleReuseError, check_reusable, sharding_signature
+
+    precision, cpu = resolve_flag("32-true"), torch.device("cpu")
+    used = sharding_signature(ParallelConfig(), precision, 2, cpu)
+    wanted = sharding_signature(ParallelConfig(sharding=ShardingPolicy(blocks_per_unit=2)), precision, 2, cpu)
+    with pytest.raises(ShardedModuleReuseError, match="blocks_per_unit= 1 -> 2"):
+        check_reusable(used, wanted)
