@@ -88,9 +88,10 @@ class VitScaleStrategy(ModelParallelStrategy):
             in memory, else ``"sharded"`` (a reduce-scatter per micro-batch); ``"unsharded"`` forces the first.
         prefetch: each unit all-gathers the next ``prefetch`` units explicitly (forward and backward), so the
             collective overlaps compute; ``0`` (default) leaves FSDP2's implicit prefetch.
-        blocks_per_unit: ``1`` (default) makes each block its own FSDP unit; ``k > 1`` puts ``k`` consecutive
-            blocks in one unit: one all-gather, reduce-scatter and set of FSDP hooks per ``k`` blocks, with up to
-            ``k`` blocks' parameters and gradients gathered at once. Not with ``activation_checkpointing="auto"``.
+        blocks_per_unit: ``1`` makes each block its own FSDP unit; ``k > 1`` puts ``k`` consecutive blocks in
+            one unit: one all-gather, reduce-scatter and set of FSDP hooks per ``k`` blocks, with up to ``k``
+            blocks' parameters and gradients gathered at once. ``None`` (default): 1, or under
+            ``activation_checkpointing="auto"`` with ``example_input_array`` set, the planner's choice.
         offload: ``"cpu"`` keeps sharded parameters, gradients and optimizer state in host memory (the optimizer
             steps on the CPU); on ``accelerator="cpu"`` they already are, and it changes nothing.
         timeout: bound on every collective, so a rank that dies cannot leave the others waiting forever.
@@ -131,7 +132,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         offload: OffloadMode | None = None,
         accumulation: AccumulationMode = "auto",
         prefetch: int = 0,
-        blocks_per_unit: int = 1,
+        blocks_per_unit: int | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
         state_dict_type: checkpoints.StateDictType = "sharded",

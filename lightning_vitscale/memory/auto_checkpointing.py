@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_vitscale._utils import available_host_bytes, human_bytes
@@ -43,6 +43,7 @@ class AutoChoice:
     block_names: list[str]
     blocks: BlockPlan
     warning: str | None = None
+    hint: str | None = None
 
     @property
     def modes(self) -> dict[str, BlockMode]:
@@ -56,8 +57,9 @@ class AutoChoice:
 
     @property
     def kept_gathered(self) -> list[str]:
-        """Blocks that keep their gathered parameters from forward to backward."""
-        return self.block_names[self.blocks.resharded:]
+        """Blocks that keep their gathered parameters from forward to backward: those whose whole unit does."""
+        settings = self.blocks.settings(len(self.block_names))
+        return [name for i, name in enumerate(self.block_names) if settings.keeps(i)]
 
     def describe(self) -> str:
         p, n = self.plan, len(self.block_names)
@@ -155,10 +157,15 @@ def choose_blocks(
     device: torch.device | None = None,
     offload: bool = False,
     may_keep_gathered: bool = True,
+    per_unit: int | None = 1,
+    compare_units: bool = False,
 ) -> AutoChoice:
     """Run ``model`` (the un-sharded module or its meta twin) on fake tensors and pick each block's checkpointing
     and reshard, for the offload setting that is on and the loop order of the Trainer ``model`` is attached to.
-    ``may_keep_gathered=False``: every block reshards after forward (the user chose ``reshard_after_forward``)."""
+    ``may_keep_gathered=False``: every block reshards after forward (the user chose ``reshard_after_forward``).
+    ``per_unit``: the blocks per FSDP unit, or ``None`` to choose them too (only before the model is sharded).
+    ``compare_units``: the blocks per unit are pinned only because the model is sharded already; say in
+    :attr:`AutoChoice.hint` what a free choice would have saved."""
     try:
         inputs: StepInputs = step_inputs(model, example_input, world_size=world_size, precision=precision,
                                          optimizer=optimizer, blocks=blocks, device=device,
@@ -169,10 +176,24 @@ def choose_blocks(
             f" ({type(error).__name__}: {error}). Pass activation_checkpointing=True (or an int / a predicate)."
         ) from error
     batch = int(getattr(example_input, "shape", [1])[0]) if isinstance(example_input, torch.Tensor) else 1
-    plan = choose(inputs, budget, total, precision, batch, offload=offload, rates=rates_for(device),
-                  reshard=None if may_keep_gathered else True)
+    def plan_for(units: int | None) -> MemoryPlan:
+        return choose(inputs, budget, total, precision, batch, offload=offload, rates=rates_for(device),
+                      reshard=None if may_keep_gathered else True, per_unit=units)
+
+    plan = plan_for(per_unit)
+    hint = grouping_hint(plan, plan_for(None)) if compare_units else None
     names = [b.name for b in inputs.profile.blocks]
-    return AutoChoice(plan, names, plan.blocks, unmet_budget(plan, inputs, offload))
+    return AutoChoice(plan, names, plan.blocks, unmet_budget(plan, inputs, offload), hint)
+
+
+def grouping_hint(applied: MemoryPlan, free: MemoryPlan) -> str | None:
+    """What choosing ``blocks_per_unit`` at setup would have saved, when the batch was known only at the first step."""
+    k, saved = free.blocks.per_unit, applied.extra_seconds - free.extra_seconds
+    if k == applied.blocks.per_unit or saved <= 0:
+        return None
+    return (f"activation_checkpointing='auto': {k} blocks per FSDP unit would save a predicted {saved * 1e3:.1f} ms"
+            f" per step, but units are made at setup, before the first batch. Set `self.example_input_array` in"
+            f" the LightningModule so the planner chooses them at setup, or pass blocks_per_unit={k}.")
 
 
 def optimizer_kind(optimizers: list[torch.optim.Optimizer]) -> str:
@@ -197,8 +218,12 @@ class AutoCheckpointing:
         blocks: Any,
         may_keep_gathered: bool,
         offload: bool = False,
+        blocks_per_unit: int | None = None,
     ) -> None:
         self.budget, self.world_size, self.precision, self.blocks = budget, world_size, precision, blocks
+        # The user's blocks_per_unit, or None: chosen with the rest at setup; 1 when the batch comes only later.
+        self.per_unit = blocks_per_unit
+        self.units_left_to_planner = blocks_per_unit is None
         self.offload = offload  # offload="cpu" is on: plan with it; off: never assume it
         self.may_keep_gathered = may_keep_gathered  # the user left reshard_after_forward to the recipe: per block
         self.twin: nn.Module | None = None
@@ -213,6 +238,7 @@ class AutoCheckpointing:
         example = getattr(module, "example_input_array", None)
         if example is None:
             self.twin = meta_twin(module)
+            self.per_unit = self.per_unit or 1  # the units are made now, before the batch is known
             return None
         return self._decide(module, example, device, local_ranks, agree, "adamw")
 
@@ -226,18 +252,29 @@ class AutoCheckpointing:
 
     def _decide(self, model, example, device, local_ranks, agree, optimizer) -> AutoChoice:
         total = device_memory(device, local_ranks)
-        choice = choose_blocks(model, example, world_size=self.world_size, precision=self.precision,
-                               budget=resolve_budget(self.budget, total), total=total, optimizer=optimizer,
-                               blocks=self.blocks, device=device, offload=self.offload,
-                               may_keep_gathered=self.may_keep_gathered)
+
+        def decide(per_unit: int | None) -> AutoChoice:
+            return choose_blocks(model, example, world_size=self.world_size, precision=self.precision,
+                                 budget=resolve_budget(self.budget, total), total=total, optimizer=optimizer,
+                                 blocks=self.blocks, device=device, offload=self.offload,
+                                 may_keep_gathered=self.may_keep_gathered, per_unit=per_unit,
+                                 compare_units=self.units_left_to_planner and self.per_unit is not None)
+
+        choice = decide(self.per_unit)
+        if self.per_unit is None:  # every rank groups alike: the fewest blocks per unit any rank chose (least memory)
+            per_unit = -agree(-choice.blocks.per_unit)
+            choice = choice if per_unit == choice.blocks.per_unit else decide(per_unit)
         if choice.warning is not None:
             rank_zero_warn(choice.warning)
+        if choice.hint is not None:
+            rank_zero_info(choice.hint)
         # Every rank applies the same plan (free host memory differs by rank): the most any rank needs, counted
         # from the earliest block: as many fully checkpointed, checkpointed at all and resharded blocks as any.
         b = choice.blocks
         full, checkpointed, resharded = agree(b.full), agree(b.full + b.selective), agree(b.resharded)
-        self.choice = AutoChoice(choice.plan, choice.block_names, BlockPlan(full, checkpointed - full, resharded),
-                                 choice.warning)
+        self.per_unit = b.per_unit
+        self.choice = AutoChoice(choice.plan, choice.block_names,
+                                 BlockPlan(full, checkpointed - full, resharded, b.per_unit), choice.warning)
         return self.choice
 
     def describe(self) -> str:
@@ -270,11 +307,12 @@ def describe_prediction(
     reshard: bool,
     offload: bool = False,
     selective: Sequence[str] = (),
+    blocks_per_unit: int = 1,
 ) -> tuple[int, str]:
     """The predicted peak for the settings the pipeline applied (``selective``: the blocks of ``checkpointed``
     checkpointed op-level), as bytes and as a summary line."""
     names = [b.name for b in inputs.profile.blocks]
     indices = frozenset(i for i, name in enumerate(names) if name in set(checkpointed))
     chosen = frozenset(i for i in indices if names[i] in set(selective))
-    peak = predict_step(inputs, StepSettings(indices, reshard, offload, chosen))
+    peak = predict_step(inputs, StepSettings(indices, reshard, offload, chosen, blocks_per_unit=blocks_per_unit))
     return peak.peak, f"predicted peak {human_bytes(peak.peak)} per rank for example_input_array, at {peak.phase}"

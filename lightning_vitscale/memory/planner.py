@@ -169,6 +169,7 @@ def choose(
     offload: bool | None = None,
     rates: DeviceRates = GPU_RATES,
     reshard: bool | None = None,
+    per_unit: int | None = 1,
 ) -> MemoryPlan:
     """Pick the settings for ``budget``: per block checkpointing mode and reshard, the least predicted extra
     step time that fits (:mod:`.plan_search`); CPU offload only when nothing else fits.
@@ -176,16 +177,20 @@ def choose(
     ``offload``: ``None`` lets the planner recommend CPU offload when nothing else fits; ``True`` / ``False``
     say it is on / off (``activation_checkpointing="auto"`` plans for what the strategy really runs).
     ``reshard``: ``None`` chooses per block; ``True`` / ``False`` pin every block (the user's setting).
+    ``per_unit``: blocks per FSDP unit, pinned (the user's ``blocks_per_unit``, or the one applied at setup), or
+    ``None`` to choose it as well.
     """
     n = len(inputs.profile.blocks)
     on = bool(offload)
-    every, none = StepSettings(frozenset(range(n)), offload=on), StepSettings(offload=on)
-    space = SearchSpace(inputs, budget, rates, on, reshard)
+    space = SearchSpace(inputs, budget, rates, on, reshard, per_unit)
     blocks = search(space)
     if not space.fits(blocks) and offload is None:  # offload is recommended only when nothing else fits
         space = replace(space, offload=True)
         blocks = search(space)
     settings = blocks.settings(n, space.offload)
+    k = blocks.per_unit
+    every = StepSettings(frozenset(range(n)), offload=on, blocks_per_unit=k)
+    none = StepSettings(offload=on, blocks_per_unit=k)
     chosen = Candidate(settings, predict_step(inputs, settings))
     fits = chosen.breakdown.peak <= budget
     notes = []

@@ -71,7 +71,10 @@ class StepSettings:
     """The knobs the planner turns: which blocks recompute, and whether blocks stay gathered for backward.
 
     ``reshard_after_forward=False`` keeps every block gathered; with ``True`` the blocks in ``kept_gathered``
-    still keep theirs (a per-unit choice, as ``activation_checkpointing="auto"`` makes it).
+    still keep theirs (a per-unit choice, as ``activation_checkpointing="auto"`` makes it). ``blocks_per_unit``
+    consecutive blocks share one FSDP unit (``VitScaleStrategy(blocks_per_unit=...)``): they are gathered together,
+    and their unsharded gradients wait for one reduce-scatter after the last of their backwards. Reshard is a
+    unit's setting: a unit keeps its parameters when its first block is in ``kept_gathered``.
     """
 
     checkpointed: frozenset[int] = frozenset()
@@ -79,10 +82,18 @@ class StepSettings:
     offload: bool = False
     selective: frozenset[int] = frozenset()  # of ``checkpointed``: those checkpointed selectively (op-level)
     kept_gathered: frozenset[int] = frozenset()  # blocks that keep their gathered parameters for backward
+    blocks_per_unit: int = 1
 
     def keeps(self, index: int) -> bool:
-        """Whether block ``index`` stays gathered from its forward to its backward."""
-        return not self.reshard_after_forward or index in self.kept_gathered
+        """Whether block ``index`` (its unit) stays gathered from its forward to its backward."""
+        first = index - index % self.blocks_per_unit
+        return not self.reshard_after_forward or first in self.kept_gathered
+
+
+def unit_spans(n: int, per_unit: int) -> list[range]:
+    """The block indices of each FSDP unit: consecutive runs of ``per_unit`` (the last may be shorter), as
+    ``sharding.fsdp.group_blocks`` groups them."""
+    return [range(start, min(start + per_unit, n)) for start in range(0, n, per_unit)]
 
 
 @dataclass(frozen=True)
@@ -192,7 +203,7 @@ def step_phases(inputs: StepInputs, settings: StepSettings) -> list[MemoryBreakd
     batch = int(prof.batch_bytes * scale)
     base = dict(params=params * on_device, optimizer=params * states * on_device, norms=norms, batch=batch)
     return [
-        _forward_peak(inputs, settings, base, full_blocks, outer_full, kept),
+        *_forward_phases(inputs, settings, base, full_blocks, outer_full, kept),
         *_backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kept, c, r, m, on_device),
         MemoryBreakdown(grads=params * on_device, gathered=0, activations=0,
                         transient=params * OPTIMIZER_TEMPORARIES[inputs.optimizer] * on_device,
@@ -215,18 +226,36 @@ def _inside(block: BlockMemory, index: int, settings: StepSettings) -> int:
     return block.recompute - block.input if index in settings.checkpointed else block.backward
 
 
-def _forward_peak(inputs, settings, base, full_blocks, outer_full, kept) -> MemoryBreakdown:
-    c = inputs.compute.itemsize
-    biggest = max(full_blocks, default=0) * c
-    copy = biggest if inputs.collective_copies else 0  # gloo's temporary while a block is gathered
-    # Blocks that stay gathered for backward pile up; besides them one block and its all-gather buffer.
-    kept_bytes = sum(f for i, f in enumerate(full_blocks) if settings.keeps(i)) * c
-    every_kept = all(settings.keeps(i) for i in range(len(full_blocks)))
-    gathered = outer_full + kept_bytes + (biggest if every_kept else 2 * biggest)
-    acts = int(inputs.profile.outer_saved * inputs.batch_scale) + sum(kept)
+def _forward_phases(inputs, settings, base, full_blocks, outer_full, kept) -> list[MemoryBreakdown]:
+    """Each unit's all-gather and the end of its forward, the last one's being the end of the forward.
+
+    While a unit is gathered, its all-gather output and one more unit-sized tensor are alive: gloo's temporary
+    during the collective, then the unsharded parameters FSDP copies out into (the output is freed after that).
+    At the end of a unit's forward, its parameters are still gathered, with every activation saved so far.
+    Units that stay gathered for backward pile up.
+    """
+    c, scale = inputs.compute.itemsize, inputs.batch_scale
+    spans = unit_spans(len(full_blocks), settings.blocks_per_unit)
     grads = base["params"] if inputs.loop.grads_in_forward else 0  # sharded gradients: as many as parameters
-    return MemoryBreakdown(grads=grads, gathered=gathered, activations=acts, transient=copy, phase="end of forward",
-                           **base)
+    outer_acts = int(inputs.profile.outer_saved * scale)
+    phases, kept_before, acts_before = [], 0, 0
+    for u, span in enumerate(spans):
+        unit = sum(full_blocks[i] for i in span) * c
+        gathered = outer_full + kept_before + unit
+        acts_after = acts_before + sum(kept[i] for i in span)
+        last = u == len(spans) - 1
+        phases += [
+            MemoryBreakdown(grads=grads, gathered=gathered, activations=outer_acts + acts_before, transient=unit,
+                            phase=f"all-gather of unit {u}", **base),
+            MemoryBreakdown(grads=grads, gathered=gathered, activations=outer_acts + acts_after, transient=0,
+                            phase="end of forward" if last else f"end of unit {u}'s forward", **base),
+        ]
+        kept_before += unit if settings.keeps(span[0]) else 0
+        acts_before = acts_after
+    if not spans:
+        phases.append(MemoryBreakdown(grads=grads, gathered=outer_full, activations=outer_acts, transient=0,
+                                      phase="end of forward", **base))
+    return phases
 
 
 def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kept, c, r, m, on_device):
@@ -239,33 +268,49 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
     kept_gathered = list(accumulate(f if settings.keeps(j) else 0 for j, f in enumerate(full_blocks)))
     kept_acts = list(accumulate(kept))
     later_shards = [*reversed(list(accumulate(reversed(shards[1:])))), 0]
-    for i in reversed(range(n)):
-        # Blocks up to i that stayed gathered, plus block i and the prefetched block i-1 if they resharded.
-        resharded = sum(full_blocks[j] for j in (i, i - 1) if j >= 0 and not settings.keeps(j))
-        gathered = outer_full + (kept_gathered[i] + resharded) * c
-        block = prof.blocks[i]
-        # A checkpointed block holds its input (in `kept`), then recomputes and runs its backward.
-        inside = _inside(block, i, settings)
-        compute = int(inside * scale)  # includes the block's unsharded parameter gradients
-        if i in settings.checkpointed and i not in settings.selective and not settings.keeps(i):
-            # Measured `Trainer.fit` steps (benchmarks/RESULTS.md, "against Trainer.fit") hold one more block of
-            # gradient size while a fully checkpointed block recomputes and runs its backward than the fake-tensor
-            # run of that block alone shows (7-12% of the step's increment without it, on DeiT-Tiny and ViT-S;
-            # selective blocks were 4-9% over with it). Not where the block stayed gathered (no all-gather in
-            # its backward): DeiT-Tiny's auto cell with kept, fully checkpointed blocks is 14% over with it.
-            compute += full_blocks[i] * r
-        # FSDP copies the block's unsharded gradients into the reduce-scatter input (both live for the copy-in);
-        # gloo then holds that input and its own copy of it (the gradients are freed after the copy-in). The
-        # backward compute's transients are gone by then. FSDP copies instead of reduce-scattering on one rank.
-        collective = full_blocks[i] * (c + r)
+    spans = unit_spans(n, settings.blocks_per_unit)
+    unit_fulls = [sum(full_blocks[j] for j in span) for span in spans]
+    for u in reversed(range(len(spans))):
+        span, unit_full = spans[u], unit_fulls[u]
+        # Units up to this one that stayed gathered, plus this unit and the prefetched previous one if they
+        # resharded (a unit stays gathered until its last block's backward is done).
+        resharded = sum(unit_fulls[v] for v in (u, u - 1) if v >= 0 and not settings.keeps(spans[v][0]))
+        gathered = outer_full + (kept_gathered[span[-1]] + resharded) * c
+        # FSDP copies the unit's unsharded gradients into the reduce-scatter input (both live for the copy-in);
+        # gloo then holds that input and its own copy of it (the gradients are freed after the copy-in). That is
+        # after the unit's first block's backward: its activations and compute transients are gone by then, and
+        # the unit's new gradient shards exist. FSDP copies instead of reduce-scattering on one rank.
+        collective = unit_full * (c + r)
         if inputs.collective_copies and inputs.world > 1:
-            collective = max(collective, 2 * full_blocks[i] * r)
-        transient = max(compute, collective) + outer_grads
-        yield MemoryBreakdown(
-            grads=base["params"] if inputs.loop.grads_in_backward else later_shards[i] * m * on_device,
-            gathered=gathered,
-            activations=outer_acts + kept_acts[i],
-            transient=transient,
-            phase=f"backward of block {i}",
-            **base,
-        )
+            collective = max(collective, 2 * unit_full * r)
+        # Sharded gradients exist for the units after this one: their reduce-scatters are done.
+        grads = base["params"] if inputs.loop.grads_in_backward else later_shards[span[-1]] * m * on_device
+        # FSDP keeps the later unit's reduce-scatter input alive until this unit's reduce-scatter is issued.
+        held = unit_fulls[u + 1] if u + 1 < len(spans) else unit_full
+        for i in reversed(span):
+            compute = _block_backward(prof.blocks[i], i, settings, held, scale, r)
+            # The unit's blocks whose backward is done hold their unsharded gradients until its reduce-scatter.
+            pending = sum(full_blocks[j] for j in span if j > i) * c
+            yield MemoryBreakdown(grads=grads, gathered=gathered, activations=outer_acts + kept_acts[i],
+                                  transient=compute + pending + outer_grads, phase=f"backward of block {i}", **base)
+        new_shards = 0 if inputs.loop.grads_in_backward else sum(shards[j] for j in span) * m * on_device
+        before = kept_acts[span[0] - 1] if span[0] > 0 else 0
+        yield MemoryBreakdown(grads=grads + new_shards, gathered=gathered, activations=outer_acts + before,
+                              transient=collective + outer_grads, phase=f"reduce-scatter of unit {u}", **base)
+
+
+def _block_backward(block: BlockMemory, index: int, settings: StepSettings, held: int, scale: float, r: int) -> int:
+    """What block ``index``'s backward allocates beyond what it kept, its unsharded parameter gradients included
+    (a checkpointed block holds its input, then recomputes and runs its backward); ``held``: the elements of the
+    later unit's reduce-scatter input that FSDP still holds."""
+    compute = int(_inside(block, index, settings) * scale)
+    if index in settings.checkpointed and index not in settings.selective and not settings.keeps(index):
+        # Measured `Trainer.fit` steps (benchmarks/RESULTS.md, "against Trainer.fit") hold one more block of
+        # gradient size while a fully checkpointed block recomputes and runs its backward than the fake-tensor
+        # run of that block alone shows (7-12% of the step's increment without it, on DeiT-Tiny and ViT-S;
+        # selective blocks were 4-9% over with it): the later unit's reduce-scatter input, which FSDP2 frees only
+        # when the next reduce-scatter is issued (with 3 blocks per unit, 3 blocks' worth: DeiT-Tiny's grouped
+        # auto cell). Not where the block stayed gathered (no all-gather in its backward): DeiT-Tiny's auto cell
+        # with kept, fully checkpointed blocks is 14% over with it.
+        compute += held * r
+    return compute

@@ -133,7 +133,7 @@ def parallelize(
     offload = offload_policy(config.sharding.offload, device)
     #    `blocks_per_unit > 1`: k consecutive blocks share one unit (fewer collectives and hooks, more gathered).
     requested = config.sharding.reshard_after_forward
-    groups = group_blocks([block for _, block in blocks], config.sharding.blocks_per_unit)
+    groups = group_blocks([block for _, block in blocks], config.sharding.per_unit)
     block_units = [_shard_group(group, weights, mesh, mp_policy, unit_reshard(requested, outer=False), ignored,
                                 offload) for group in groups]
 
@@ -154,7 +154,7 @@ def parallelize(
         blocks=described,
         block_names=[name for name, _ in blocks],
         units=len(groups) + 1,
-        blocks_per_unit=config.sharding.blocks_per_unit,
+        blocks_per_unit=config.sharding.per_unit,
         checkpointed=[name for name, _ in chosen],
         selective=[name for name, _ in chosen if modes[name] == "selective"],
         self_checkpointed=self_ckpt,

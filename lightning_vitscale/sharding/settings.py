@@ -53,7 +53,9 @@ class ShardingPolicy:
         blocks_per_unit: how many consecutive blocks share one FSDP unit (the last unit may hold fewer). ``1`` is
             the recipe (least gathered memory); ``k > 1`` runs one all-gather, one reduce-scatter and one set of
             FSDP hooks per ``k`` blocks, at the cost of up to ``k`` blocks' parameters and gradients gathered at
-            once (on CPU ranks the per-unit cost is a large part of a step: benchmarks/RESULTS.md).
+            once (on CPU ranks the per-unit cost is a large part of a step: benchmarks/RESULTS.md). ``None``
+            (default): 1, or under ``activation_checkpointing="auto"`` the planner's choice where the batch is
+            known at setup (``example_input_array``).
     """
 
     blocks: ModuleSelector | None = None
@@ -62,15 +64,16 @@ class ShardingPolicy:
     offload: OffloadMode | None = None
     accumulation: AccumulationMode = "auto"
     prefetch: int = 0
-    blocks_per_unit: int = 1
+    blocks_per_unit: int | None = None
 
     def __post_init__(self) -> None:
         _check_layout(self.layout)
         k = self.blocks_per_unit
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(
-                f"`blocks_per_unit={k!r}` must be an int >= 1: consecutive blocks per FSDP unit (1: each block its"
-                " own unit, the recipe)."
+                f"`blocks_per_unit={k!r}` must be None or an int >= 1: consecutive blocks per FSDP unit (1: each"
+                " block its own unit, the recipe; None: 1, or the planner's choice under"
+                " activation_checkpointing='auto')."
             )
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(
@@ -104,6 +107,11 @@ class ShardingPolicy:
             raise TypeError(f"`reshard_after_forward` must be None, a bool or an int; got {rf!r}.")
         if isinstance(rf, int) and not isinstance(rf, bool) and rf < 1:
             raise ValueError(f"`reshard_after_forward` as an int is a world size and must be >= 1; got {rf}.")
+
+    @property
+    def per_unit(self) -> int:
+        """The blocks per unit to build when nothing chose otherwise: the user's, else 1 (the recipe)."""
+        return self.blocks_per_unit or 1
 
 
 def _check_layout(layout: object) -> None:
@@ -248,12 +256,6 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.kernels, KernelPolicy) and self.kernels not in KERNEL_MODES:
             raise unknown_kernel_mode(self.kernels)
-        if self.sharding.blocks_per_unit > 1 and self.checkpointing.is_auto:
-            raise ValueError(
-                f"`blocks_per_unit={self.sharding.blocks_per_unit}` cannot be combined with"
-                " activation_checkpointing='auto': the memory planner plans one block per FSDP unit. Pass"
-                " blocks_per_unit=1, or choose the checkpointing yourself (True, False, 'selective', k or a callable)."
-            )
 
 
 def unit_reshard(requested: bool | int | None, outer: bool) -> bool | int:

@@ -198,21 +198,19 @@ def _shard(
     # 2. "auto" checkpointing decides before the pipeline when the input is known (example_input_array), and
     #    measures on the plain module: once sharded, running it would gather.
     auto, config = _auto_checkpointing(module, config, precision.policy, ranks)
-    grouped = config.sharding.blocks_per_unit > 1  # the planner models one block per unit: no prediction
-    measured = None if auto or grouped else measure_for_summary(module, ranks.mesh.size(), precision.policy.name,
-                                                                config.sharding.blocks, ranks.device)
+    measured = None if auto else measure_for_summary(module, ranks.mesh.size(), precision.policy.name,
+                                                     config.sharding.blocks, ranks.device)
     # 3. The recipe: norms, casts, attention routing, checkpointing, compile, block units, the outer unit.
     done = parallelize(outer, module, ranks.mesh, config, precision.policy, ranks.device, creation)
     set_lightning_device(module, ranks.device)
     _describe_layout(done.plan, outer, done.norms, precision.policy, config.sharding, ranks)
     if auto is not None:
         apply_auto_choice(module, auto, done.plan)
-    elif grouped:
-        done.plan.memory = "no predicted peak: the planner models one block per unit, not blocks_per_unit > 1"
     elif measured is not None:
         reshard = config.sharding.reshard_after_forward is not False
         done.plan.predicted_peak, done.plan.memory = describe_prediction(
-            measured, done.plan.checkpointed, reshard, _offloads(config, ranks.device), done.plan.selective
+            measured, done.plan.checkpointed, reshard, _offloads(config, ranks.device), done.plan.selective,
+            config.sharding.per_unit,
         )
     # 4. Drop-in behaviour: calls outside a step gather the outer unit; state_dict() gives DDP's full tensors.
     outer.enable_calls_outside_steps()
@@ -239,13 +237,15 @@ def _auto_checkpointing(
         config.checkpointing.memory_budget, ranks.mesh.size(), precision.name, config.sharding.blocks,
         may_keep_gathered=config.sharding.reshard_after_forward is None,
         offload=_offloads(config, ranks.device),
+        blocks_per_unit=config.sharding.blocks_per_unit,
     )
     choice = auto.at_setup(module, ranks.device, ranks.ranks_per_node, ranks.agree_max)
     if choice is None:
         return auto, config  # decided at the first training step, from its batch
     modes = choice.modes
     selector = CheckpointingPolicy(blocks=lambda name, _: modes.get(name, False))
-    return auto, dataclasses.replace(config, checkpointing=selector)
+    grouping = dataclasses.replace(config.sharding, blocks_per_unit=choice.blocks.per_unit)
+    return auto, dataclasses.replace(config, checkpointing=selector, sharding=grouping)
 
 
 def apply_auto_choice(module: nn.Module, auto: AutoCheckpointing, summary: ParallelPlan) -> None:

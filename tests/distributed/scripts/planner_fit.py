@@ -2,8 +2,9 @@
 
 ``planner_fit.py OUT_DIR model:ac:batch[:loop],...`` e.g. ``deit_tiny:off:8`` or ``vit_b_16:full:16:manual``.
 ``ac`` is ``off``, ``full``, ``selective`` or ``auto-P``: ``activation_checkpointing="auto"`` under a budget P% of
-the way from every block checkpointed (and resharded) to none (every block kept gathered); that cell also trains
-the same model under DDP for its losses. ``loop`` is ``auto`` (automatic optimization, the default: the
+the way from every block checkpointed (and resharded) to none (every block kept gathered), decided at the first
+step; ``autok-P`` the same with ``example_input_array`` set, so the planner also chooses ``blocks_per_unit`` at
+setup. These cells also train the same model under DDP for its losses. ``loop`` is ``auto`` (automatic optimization, the default: the
 strategy frees the gradients after the step), ``observed`` (the same with a callback reading gradients after the
 step: they are kept through the next forward), ``manual`` (zero_grad, forward, manual_backward, step) or ``acc2``
 (automatic, ``accumulate_grad_batches=2``). Published architectures
@@ -135,9 +136,12 @@ def planned_for(inputs: StepInputs, ac: str, batch: int) -> tuple[StepSettings, 
     least = predict_step(inputs, StepSettings(every)).peak
     most = predict_step(inputs, StepSettings(reshard_after_forward=False)).peak
     budget = least + (most - least) * int(ac.split("-")[1]) // 100
-    plan = choose(inputs, budget, budget, "32-true", batch, offload=False, rates=CPU_RATES)
+    per_unit = None if ac.startswith("autok") else 1  # chosen at setup, or pinned to the units made before step 1
+    plan = choose(inputs, budget, budget, "32-true", batch, offload=False, rates=CPU_RATES, per_unit=per_unit)
     modes = [plan.blocks.mode(i) for i in range(len(every))]
-    return plan.chosen.settings, dict(budget=budget, modes=modes, resharded=plan.blocks.resharded)
+    kept = [plan.chosen.settings.keeps(i) for i in range(len(every))]
+    return plan.chosen.settings, dict(budget=budget, modes=modes, resharded=plan.blocks.resharded, kept=kept,
+                                      per_unit=plan.blocks.per_unit)
 
 
 def fit(name: str, ac: str, batch: int, kind: str, strategy) -> Classifier:
@@ -147,6 +151,8 @@ def fit(name: str, ac: str, batch: int, kind: str, strategy) -> Classifier:
     model = Classifier(name, automatic=kind != "manual")
     steps = (MEASURED_STEP + 1) * accumulate * WORLD  # one epoch: every rank takes its own batches
     image = model.image
+    if ac.startswith("autok"):
+        model.example_input_array = torch.empty(batch, 3, image, image)
     data = TensorDataset(torch.randn(batch * steps, 3, image, image), torch.randint(0, 10, (batch * steps,)))
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, max_steps=MEASURED_STEP + 1, strategy=strategy,
                         callbacks=[ReadsGradients()] if kind == "observed" else [],
@@ -176,7 +182,8 @@ def cell(name: str, ac: str, batch: int, kind: str = "auto") -> dict:
     if auto:  # what the strategy applied, and DDP's losses for the same seed and data
         auto.update(applied=[checkpoint_mode(b) for b in model.net.blocks], gathered=model.gathered,
                     summary=strategy.plan.summary(), predicted_peak=strategy.plan.predicted_peak,
-                    planned_peak=predicted.peak, losses=model.losses,
+                    planned_peak=predicted.peak, losses=model.losses, units=strategy.plan.units,
+                    applied_per_unit=strategy.plan.blocks_per_unit,
                     ddp_losses=fit(name, ac, batch, kind, "ddp").losses)
     return dict(measured=strategy.growth, predicted=predicted.peak - resident, phase=predicted.phase,
                 grads_at_start=strategy.grads_at_start, depth=depth, released=strategy.released, auto=auto,

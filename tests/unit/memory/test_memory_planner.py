@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_vitscale.cli.demo import TinyViT
 from lightning_vitscale.kernels.optimizers import prefer_foreach
 from lightning_vitscale.memory.auto_checkpointing import choose_blocks, meta_twin
+from lightning_vitscale.memory.plan_search import BlockPlan
 from lightning_vitscale.memory.planner import parse_memory, plan_memory, step_inputs
 from lightning_vitscale.memory.step_model import StepSettings, collective_copies, predict_step
 from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig
@@ -137,7 +138,8 @@ def test_plan_names_the_settings_for_a_large_vit():
     small = plan_memory(net, x, world_size=8, device_memory="a100-40gb")
     tight = plan_memory(net, x, world_size=8, device_memory=8)
     assert small.fits and small.checkpointed == 0
-    assert tight.fits and 0 < tight.checkpointed < 32
+    assert tight.fits and tight.checkpointed > 0
+    assert tight.blocks != BlockPlan(32, 0, 32)  # not the least-memory end: a trade within the budget
     assert tight.chosen.breakdown.peak <= tight.budget < small.budget
     assert tight.max_batch < small.max_batch
     assert "recommended: activation_checkpointing" in tight.summary()
@@ -206,5 +208,5 @@ def test_gloo_collective_copies_count_on_cpu_only():
     gpu = predict_step(step_inputs(planned, x, world_size=8, precision="bf16-mixed"), every)
     cpu = predict_step(step_inputs(planned, x, world_size=8, precision="bf16-mixed", device="cpu"), every)
     block = sum(p.numel() for p in planned.blocks[0].parameters()) * 4  # fp32 reduce dtype
-    assert cpu.phase.startswith("backward") and cpu.peak > gpu.peak
+    assert cpu.phase.startswith("reduce-scatter") and cpu.peak > gpu.peak
     assert cpu.peak - gpu.peak <= block

@@ -12,14 +12,15 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_vitscale._compat import DTensor
 from lightning_vitscale.cli.demo import TinyViT
-from lightning_vitscale.memory.auto_checkpointing import choose_blocks
-from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, least_memory, search
+from lightning_vitscale.memory.auto_checkpointing import AutoChoice, choose_blocks
+from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, least_memory, search, unit_sizes
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_cost import CPU_RATES, GPU_RATES, recompute_seconds, regather_seconds
-from lightning_vitscale.memory.step_model import StepSettings, predict_step
+from lightning_vitscale.memory.step_model import StepSettings, predict_step, step_phases, unit_spans
 from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig
 from lightning_vitscale.precision.settings import resolve_flag
 from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
+from lightning_vitscale.sharding.fsdp import group_blocks
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import parallelize
 
@@ -50,7 +51,10 @@ def brute_force(space: SearchSpace) -> float:
 def test_budgets_force_none_mixed_and_every_block_full(inputs):
     least, most = ends(inputs)
     assert search(SearchSpace(inputs, most, CPU_RATES)) == BlockPlan()  # everything fits: fastest
-    assert search(SearchSpace(inputs, least, CPU_RATES)) == BlockPlan(DEPTH, 0, DEPTH)  # only the least fits
+    tightest = SearchSpace(inputs, least, CPU_RATES)  # the least plan fits, and those that peak no higher
+    tight = search(tightest)
+    assert tightest.fits(tight) and tightest.seconds(tight) == pytest.approx(brute_force(tightest))
+    assert search(SearchSpace(inputs, least - 1, CPU_RATES)) == BlockPlan(DEPTH, 0, DEPTH)  # nothing fits
     mixed = SearchSpace(inputs, least + (most - least) * 3 // 10, CPU_RATES)  # 3 full + 3 selective, 5 resharded
     plan = search(mixed)
     assert {plan.mode(i) for i in range(DEPTH)} == {"full", "selective"} and 0 < plan.resharded < DEPTH, plan
@@ -132,7 +136,79 @@ def test_a_mixed_plan_is_applied_block_by_block_and_computes_the_same_gradients(
         assert [checkpoint_mode(b) for b in model.blocks] == [plan.mode(i) for i in range(DEPTH)]
         assert gathered[-1] == [i >= plan.resharded for i in range(DEPTH)]
         assert f"auto: {plan.describe(DEPTH)}" in done.plan.summary()
+        # example_input_array: the planner chose the blocks per unit at setup, and those are the units built.
+        assert plan.per_unit > 1 and done.plan.blocks_per_unit == plan.per_unit, plan
+        assert done.plan.units == -(-DEPTH // plan.per_unit) + 1
         if planned:
             assert {plan.mode(i) for i in range(DEPTH)} != {None}, plan
     for planned_grad, plain_grad in zip(*grads):
         torch.testing.assert_close(planned_grad, plain_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_units_are_grouped_as_parallelize_groups_blocks():
+    for n in (1, 5, 6, 12):
+        for k in range(1, n + 1):
+            assert [list(span) for span in unit_spans(n, k)] == group_blocks(list(range(n)), k)
+    assert unit_sizes(12, None) == [1, 2, 3, 4, 6] and unit_sizes(6, None) == [1, 2, 3, 6]
+    assert unit_sizes(12, 5) == [5] and unit_sizes(0, None) == [1]
+
+
+def test_a_unit_gathers_its_blocks_together_and_holds_their_gradients_until_its_reduce_scatter(inputs):
+    """Three blocks per unit against one: in forward, the largest unit and its all-gather buffer (2 x 3 blocks
+    instead of 2 x 1 while blocks reshard); in the backward of a unit's first block, the unsharded gradients of
+    the unit's two later blocks are still waiting for the unit's one reduce-scatter."""
+    block = sum(torch.Size(s).numel() for s in inputs.layout.blocks[0]) * 4  # fp32
+    one, three = ({b.phase: b for b in step_phases(inputs, StepSettings(blocks_per_unit=k))} for k in (1, 3))
+    gather = "all-gather of unit 1"  # blocks 3-5 with 3 per unit, block 1 with one: the earlier unit(s) resharded
+    assert three[gather].gathered - one[gather].gathered == (3 - 1) * block
+    assert three[gather].transient - one[gather].transient == (3 - 1) * block  # all-gather output / gloo's copy
+    first, last = "backward of block 3", "backward of block 5"
+    assert three[first].transient - one[first].transient >= 2 * block  # blocks 4 and 5's gradients unsharded
+    assert three[last].transient == one[last].transient  # a unit's last block: its own gradients only
+    # One reduce-scatter for the unit: 3 blocks' gradients (FSDP's input and gloo's copy of it), new shards.
+    assert three["reduce-scatter of unit 1"].transient - one["reduce-scatter of unit 5"].transient == 2 * 2 * block
+    assert "reduce-scatter of unit 5" not in three
+    # Sharded gradients exist only for units whose reduce-scatter is done: none after the last unit.
+    assert three[first].grads == three[last].grads == 0 < one[first].grads
+    assert predict_step(inputs, StepSettings(blocks_per_unit=3)).peak > predict_step(inputs, StepSettings()).peak
+
+
+@pytest.mark.parametrize("fraction", [0.2, 0.6, 1.0, 1.5])
+def test_the_search_chooses_blocks_per_unit_exactly_when_free(inputs, fraction):
+    """``per_unit=None`` (the batch known at setup): the fastest plan over every candidate unit size that fits,
+    with the per-unit cost counted; never slower than one block per unit; pinned sizes stay pinned."""
+    least, most = ends(inputs)
+    budget = int(least + (most - least) * fraction)
+    free = SearchSpace(inputs, budget, CPU_RATES, per_unit=None)
+    plan = search(free)
+    plans = [BlockPlan(f, s, r, k) for k in unit_sizes(DEPTH, None) for f in range(DEPTH + 1)
+             for s in range(DEPTH + 1 - f) for r in range(DEPTH + 1)]
+    assert free.fits(plan) and free.seconds(plan) == pytest.approx(min(free.seconds(p) for p in plans if free.fits(p)))
+    pinned = search(SearchSpace(inputs, budget, CPU_RATES))
+    assert pinned.per_unit == 1 and free.seconds(plan) <= free.seconds(pinned)
+    if fraction >= 1.0:  # room to spare: fewer units beat more on a CPU rank (8 ms each)
+        assert plan.per_unit > 1, plan
+    assert search(SearchSpace(inputs, budget, CPU_RATES, per_unit=2)).per_unit == 2
+
+
+def test_kept_blocks_are_whole_units():
+    """Ranks agree on the most resharded blocks any of them needs, which may end inside a unit: that unit reshards
+    (FSDP's reshard is a unit's setting), and only whole units after it stay gathered."""
+    names = [f"blocks.{i}" for i in range(6)]
+    choice = AutoChoice(plan=None, block_names=names, blocks=BlockPlan(0, 0, resharded=4, per_unit=3))  # type: ignore[arg-type]
+    assert choice.kept_gathered == []
+    choice = AutoChoice(plan=None, block_names=names, blocks=BlockPlan(0, 0, resharded=3, per_unit=3))  # type: ignore[arg-type]
+    assert choice.kept_gathered == names[3:]
+
+
+def test_units_chosen_only_at_the_first_step_are_named_as_a_hint(inputs):
+    """Without example_input_array the units exist before the batch is known: the plan keeps one block per unit
+    and says what the planner's own grouping would have saved, and how to get it."""
+    _, most = ends(inputs)
+    with torch.device("meta"):
+        planned = TinyViT(**WIDE)
+    choice = choose_blocks(planned, torch.empty(8, 3, 32, 32, device="meta"), world_size=2, precision="32-true",
+                           budget=4 * most, total=4 * most, device=torch.device("cpu"), per_unit=1,
+                           compare_units=True)
+    assert choice.blocks.per_unit == 1 and choice.hint is not None
+    assert "example_input_array" in choice.hint and "blocks_per_unit=6" in choice.hint
