@@ -1,6 +1,7 @@
 """Memory: exact per-rank state bytes, activations measured on fake tensors, the per-step memory model, the
-memory planner (``plan_memory`` -> :class:`MemoryPlan`), the choice behind ``activation_checkpointing="auto"`` and
-whether gradient accumulation may keep unsharded gradients (``accumulation="auto"``).
+memory planner (``plan_memory`` -> :class:`MemoryPlan`), the choice behind ``activation_checkpointing="auto"``, the
+blocks per FSDP unit (``blocks_per_unit=None``) and whether gradient accumulation may keep unsharded gradients
+(``accumulation="auto"``).
 
 Predicts and chooses, never changes a model: may import ``discovery``, ``precision`` (dtype policies), ``_utils``
 and ``_compat``; the sharding setup applies what it chooses.
@@ -17,12 +18,16 @@ from lightning_vitscale.memory.auto_checkpointing import (
     describe_prediction,
     device_memory,
     measure_for_summary,
+    resolve_budget,
 )
 from lightning_vitscale.memory.gradient_release import may_release_after_step, release_gradients
 from lightning_vitscale.memory.memory_plan import MemoryPlan
 from lightning_vitscale.memory.planner import plan_memory
 from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
 from lightning_vitscale.memory.state_bytes import StateBytes, measure_state_bytes
+from lightning_vitscale.memory.step_cost import rates_for
+from lightning_vitscale.memory.step_model import StepInputs, StepSettings
+from lightning_vitscale.memory.unit_choice import UnitChoice, choose_blocks_per_unit
 
 __all__ = [
     "ACCUMULATION_MODES",
@@ -32,13 +37,19 @@ __all__ = [
     "MemoryPlan",
     "SAVED_OPS",
     "StateBytes",
+    "StepInputs",
+    "StepSettings",
+    "UnitChoice",
     "choose_accumulation",
+    "choose_blocks_per_unit",
     "describe_prediction",
     "device_memory",
     "measure_for_summary",
     "may_release_after_step",
     "measure_state_bytes",
     "plan_memory",
+    "rates_for",
     "release_gradients",
+    "resolve_budget",
     "selective_contexts",
 ]

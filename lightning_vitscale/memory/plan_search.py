@@ -21,12 +21,11 @@ resharded) and the caller warns.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_vitscale.memory.step_cost import DeviceRates, recompute_seconds, regather_seconds, units_seconds
-from lightning_vitscale.memory.step_model import StepInputs, StepSettings, predict_step, unit_spans
+from lightning_vitscale.memory.step_cost import DeviceRates, recompute_seconds, units_and_regather_seconds
+from lightning_vitscale.memory.step_model import StepInputs, StepSettings, predict_step
 
 BlockMode = Literal["full", "selective"]
 MAX_BLOCKS_PER_UNIT = 8
@@ -84,16 +83,12 @@ class SearchSpace:
         return len(self.inputs.profile.blocks)
 
     def seconds(self, plan: BlockPlan) -> float:
-        """Predicted extra time per step of ``plan`` over no checkpointing with every block gathered."""
-        inputs, c = self.inputs, self.inputs.compute.itemsize
-        blocks = inputs.profile.blocks
+        """Predicted extra time per step of ``plan`` over no checkpointing with every block gathered, plus what
+        its FSDP units cost by their number."""
+        inputs = self.inputs
         recompute = sum(recompute_seconds(b, plan.mode(i), self.rates, inputs.batch_scale)
-                        for i, b in enumerate(blocks))
-        gathered = [sum(math.prod(s) for s in shapes) * c for shapes in inputs.layout.blocks]
-        units = [sum(gathered[i] for i in span) for span in unit_spans(self.n, plan.per_unit)]
-        regather = sum(regather_seconds(size, inputs.world, self.rates)
-                       for size, span in zip(units, unit_spans(self.n, plan.per_unit)) if span[0] < plan.resharded)
-        return recompute + regather + units_seconds(units, inputs.world, self.rates)
+                        for i, b in enumerate(inputs.profile.blocks))
+        return recompute + units_and_regather_seconds(inputs, plan.settings(self.n), self.rates)
 
     def fits(self, plan: BlockPlan) -> bool:
         return predict_step(self.inputs, plan.settings(self.n, self.offload)).peak <= self.budget

@@ -19,11 +19,13 @@ their ratios steer the choice.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from lightning_vitscale.memory.activations import BlockMemory
+from lightning_vitscale.memory.step_model import StepInputs, StepSettings, unit_spans
 
 
 @dataclass(frozen=True)
@@ -82,3 +84,15 @@ def units_seconds(unit_bytes: list[int], world: int, rates: DeviceRates) -> floa
     and, where collectives overlap compute, by the largest one's exposed all-gather and reduce-scatter."""
     exposed = 2 * max(unit_bytes, default=0) * (world - 1) / world / rates.link_bytes_per_s if rates.overlaps else 0.0
     return len(unit_bytes) * rates.unit_s + exposed
+
+
+def units_and_regather_seconds(inputs: StepInputs, settings: StepSettings, rates: DeviceRates) -> float:
+    """What the FSDP units of ``settings`` cost per step: their number (:func:`units_seconds`) and a second
+    all-gather for each unit that reshards after forward (:func:`regather_seconds`)."""
+    c, n = inputs.compute.itemsize, len(inputs.layout.blocks)
+    spans = unit_spans(n, settings.blocks_per_unit)
+    gathered = [sum(math.prod(s) for s in shapes) * c for shapes in inputs.layout.blocks]
+    units = [sum(gathered[i] for i in span) for span in spans]
+    regather = sum(regather_seconds(size, inputs.world, rates)
+                   for size, span in zip(units, spans) if not settings.keeps(span[0]))
+    return regather + units_seconds(units, inputs.world, rates)

@@ -26,10 +26,15 @@ from lightning_vitscale.memory import (
     AccumulationChoice,
     AccumulationMode,
     AutoCheckpointing,
+    StepInputs,
+    StepSettings,
     choose_accumulation,
+    choose_blocks_per_unit,
     describe_prediction,
     device_memory,
     measure_for_summary,
+    rates_for,
+    resolve_budget,
 )
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, VitScalePrecision
 from lightning_vitscale.sharding.activation_checkpointing import CHECKPOINT_MODES, apply_activation_checkpointing
@@ -200,9 +205,14 @@ def _shard(
     auto, config = _auto_checkpointing(module, config, precision.policy, ranks)
     measured = None if auto else measure_for_summary(module, ranks.mesh.size(), precision.policy.name,
                                                      config.sharding.blocks, ranks.device)
+    units_choice = None
+    if measured is not None and config.sharding.blocks_per_unit is None:
+        config, units_choice = _choose_units(module, config, measured, ranks)
     # 3. The recipe: norms, casts, attention routing, checkpointing, compile, block units, the outer unit.
     done = parallelize(outer, module, ranks.mesh, config, precision.policy, ranks.device, creation)
     set_lightning_device(module, ranks.device)
+    if units_choice is not None:
+        done.plan.units_choice = units_choice
     _describe_layout(done.plan, outer, done.norms, precision.policy, config.sharding, ranks)
     if auto is not None:
         apply_auto_choice(module, auto, done.plan)
@@ -220,6 +230,26 @@ def _shard(
     if isinstance(outer, FSDPModule):
         initialize_fsdp_root(outer)
     return ShardedModel(outer, done.plan, done.norms, done.router, auto, signature)
+
+
+def _choose_units(
+    module: nn.Module, config: ParallelConfig, measured: StepInputs, ranks: Ranks
+) -> tuple[ParallelConfig, str]:
+    """``blocks_per_unit=None`` with the batch known at setup: the planner's grouping for the checkpointing and
+    reshard the user chose (every rank the same: the fewest blocks per unit any rank chose)."""
+    names = [block.name for block in measured.profile.blocks]
+    modes = [config.checkpointing.mode(i, name, module.get_submodule(name)) for i, name in enumerate(names)]
+    settings = StepSettings(
+        checkpointed=frozenset(i for i, mode in enumerate(modes) if mode is not None),
+        reshard_after_forward=config.sharding.reshard_after_forward is not False,
+        offload=_offloads(config, ranks.device),
+        selective=frozenset(i for i, mode in enumerate(modes) if mode == "selective"),
+    )
+    budget = resolve_budget(None, device_memory(ranks.device, ranks.ranks_per_node))
+    choice = choose_blocks_per_unit(measured, settings, budget, rates_for(ranks.device))
+    per_unit = -ranks.agree_max(-choice.per_unit)
+    line = choice.describe() if per_unit == choice.per_unit else f"{per_unit} (the fewest any rank chose)"
+    return dataclasses.replace(config, sharding=dataclasses.replace(config.sharding, blocks_per_unit=per_unit)), line
 
 
 def _offloads(config: ParallelConfig, device: torch.device) -> bool:

@@ -22,6 +22,7 @@ class ParallelPlan:
         block_names: qualified names of the blocks.
         units: number of FSDP units (block units + the outer unit).
         blocks_per_unit: consecutive blocks per block unit (``1``: each block its own unit).
+        units_choice: why, where the planner chose ``blocks_per_unit`` (``blocks_per_unit=None``).
         checkpointed: blocks whose activations are recomputed in backward (fully or selectively).
         selective: those of ``checkpointed`` that recompute only their cheap ops (``"selective"``).
         self_checkpointed: blocks that already checkpoint themselves (e.g. HF gradient checkpointing): left alone.
@@ -72,6 +73,7 @@ class ParallelPlan:
     init_peak_bytes: int = 0
     init_seconds: float = 0.0
     blocks_per_unit: int = 1
+    units_choice: str = ""
 
     def summary(self) -> str:
         found = ", ".join(f"{name} x{count}" for name, count in self.blocks.items()) or "none (one outer unit)"
@@ -104,9 +106,10 @@ class ParallelPlan:
         return "\n".join(lines)
 
     def _block_units(self) -> str:
+        chosen = f"; {self.units_choice}" if self.units_choice else ""
         if self.blocks_per_unit == 1:
-            return f"{len(self.block_names)} blocks"
-        return f"{len(self.block_names)} blocks, up to {self.blocks_per_unit} per unit"
+            return f"{len(self.block_names)} blocks{chosen}"
+        return f"{len(self.block_names)} blocks, up to {self.blocks_per_unit} per unit{chosen}"
 
     def _layout_lines(self) -> list[str]:
         lines = []

@@ -94,6 +94,9 @@ def test_auto_applies_the_planners_choice_at_the_first_step(auto):
         assert result["checkpointed"] == [f"blocks.{i}" for i in range(full + selective)], result["summary"]
         assert len(result["losses"]) == 2 and all(loss == loss for loss in result["losses"])
         assert f"auto: {full} full + {selective} selective of 4 blocks checkpointed" in result["summary"]
-        # activation_checkpointing=True with example_input_array: every block checkpointed, its peak predicted
+        # activation_checkpointing=True with example_input_array: every block checkpointed, its peak predicted;
+        # the planner grouped the blocks into units (blocks_per_unit=None) for that checkpointing.
         assert "checkpointed blocks : 4 of 4 (predicted peak" in result["default_summary"]
+        assert result["default_per_unit"] == result["expected_per_unit"] > 1, result["default_summary"]
+        assert f"up to {result['default_per_unit']} per unit; " in result["default_summary"]
         assert result["default_peak"] == result["every"]

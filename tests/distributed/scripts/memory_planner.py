@@ -14,6 +14,7 @@ import gc
 import os
 import sys
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -96,6 +97,7 @@ def auto_first_step() -> dict:
     from lightning_vitscale.memory.auto_checkpointing import training_loop
     from lightning_vitscale.memory.planner import choose
     from lightning_vitscale.memory.step_cost import CPU_RATES
+    from lightning_vitscale.memory.unit_choice import choose_blocks_per_unit
     from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
 
     kwargs, batch = SHAPES["long"]
@@ -123,11 +125,15 @@ def auto_first_step() -> dict:
     inputs = step_inputs(planned, torch.empty(batch, 3, 64, 64, device="meta"), world_size=WORLD,
                          precision="32-true", device="cpu", loop=training_loop(model))
     expected = choose(inputs, budget, budget, "32-true", batch, offload=False, rates=CPU_RATES).blocks
+    # The default's blocks per unit: the planner's for every block checkpointed, with the host's memory to spare.
+    all_blocks = StepSettings(frozenset(range(kwargs["depth"])))
+    per_unit = choose_blocks_per_unit(inputs, all_blocks, 2**40, CPU_RATES).per_unit
     return dict(checkpointed=strategy.plan.checkpointed, summary=strategy.plan.summary(),
                 expected=[expected.full, expected.selective, expected.resharded],
                 patched=[checkpoint_mode(b) for b in model.blocks], losses=model.losses,
                 default_summary=default.plan.summary(), default_peak=default.plan.predicted_peak,
-                every=every)
+                default_per_unit=default.plan.blocks_per_unit, expected_per_unit=per_unit,
+                every=predict_step(inputs, replace(all_blocks, blocks_per_unit=per_unit)).peak)
 
 
 if __name__ == "__main__":

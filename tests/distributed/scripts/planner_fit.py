@@ -4,10 +4,10 @@
 ``ac`` is ``off``, ``full``, ``selective`` or ``auto-P``: ``activation_checkpointing="auto"`` under a budget P% of
 the way from every block checkpointed (and resharded) to none (every block kept gathered), decided at the first
 step; ``autok-P`` the same with ``example_input_array`` set, so the planner also chooses ``blocks_per_unit`` at
-setup. These cells also train the same model under DDP for its losses. ``loop`` is ``auto`` (automatic optimization, the default: the
-strategy frees the gradients after the step), ``observed`` (the same with a callback reading gradients after the
-step: they are kept through the next forward), ``manual`` (zero_grad, forward, manual_backward, step) or ``acc2``
-(automatic, ``accumulate_grad_batches=2``). Published architectures
+setup. These cells also train the same model under DDP for its losses. ``loop`` is ``auto`` (automatic
+optimization, the default: the strategy frees the gradients after the step), ``observed`` (the same with a
+callback reading gradients after the step: they are kept through the next forward), ``manual`` (zero_grad,
+forward, manual_backward, step) or ``acc2`` (automatic, ``accumulate_grad_batches=2``). Published architectures
 at random init (no download): torchvision ``vit_b_16`` and timm ``deit_tiny_patch16_224`` / ``vit_small_patch16_224``
 at a small image size, fp32, AdamW, ``VitScaleStrategy()``.
 
