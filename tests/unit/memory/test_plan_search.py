@@ -168,6 +168,11 @@ def test_a_unit_gathers_its_blocks_together_and_holds_their_gradients_until_its_
     # One reduce-scatter for the unit: 3 blocks' gradients (FSDP's input and gloo's copy of it), new shards.
     assert three["reduce-scatter of unit 1"].transient - one["reduce-scatter of unit 5"].transient == 2 * 2 * block
     assert "reduce-scatter of unit 5" not in three
+    # A fully checkpointed, resharded block recomputes while FSDP still holds the later unit's reduce-scatter
+    # input: 3 blocks' worth with 3 per unit, 1 with one (block 2 is its unit's last: nothing else pending).
+    every = frozenset(range(DEPTH))
+    one, three = ({b.phase: b for b in step_phases(inputs, StepSettings(every, blocks_per_unit=k))} for k in (1, 3))
+    assert three["backward of block 2"].transient - one["backward of block 2"].transient == 2 * block
     # Sharded gradients exist only for units whose reduce-scatter is done: none after the last unit.
     assert three[first].grads == three[last].grads == 0 < one[first].grads
     assert predict_step(inputs, StepSettings(blocks_per_unit=3)).peak > predict_step(inputs, StepSettings()).peak
