@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_vitscale._compat import FSDPModule, initialize_fsdp_root, set_lightning_device
 from lightning_vitscale.checkpoint import full_state_dict
@@ -26,42 +25,22 @@ from lightning_vitscale.memory import (
     AccumulationChoice,
     AccumulationMode,
     AutoCheckpointing,
-    StepInputs,
-    StepSettings,
     choose_accumulation,
-    choose_blocks_per_unit,
-    describe_prediction,
     device_memory,
-    measure_for_summary,
-    rates_for,
-    resolve_budget,
 )
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, VitScalePrecision
 from lightning_vitscale.sharding.activation_checkpointing import CHECKPOINT_MODES, apply_activation_checkpointing
 from lightning_vitscale.sharding.gradient_sync import gradient_sync_off, unsharded_gradient_bytes
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import parallelize
+from lightning_vitscale.sharding.planning import apply_auto_choice, plan_before_sharding
+from lightning_vitscale.sharding.ranks import Ranks
 from lightning_vitscale.sharding.reuse import check_reusable, sharding_signature
-from lightning_vitscale.sharding.settings import CheckpointingPolicy, ParallelConfig, ShardingPolicy
+from lightning_vitscale.sharding.settings import ParallelConfig, ShardingPolicy
 from lightning_vitscale.sharding.summary import ParallelPlan
 from lightning_vitscale.sharding.traffic import layout_report
 
 _SHARDED_ATTR = "_vitscale_sharded_model"
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """Where the model is sharded: the mesh, this rank's device and place, and how ranks agree on a number.
-
-    ``agree_max`` returns the largest of every rank's value (a collective): free host memory differs by rank,
-    and every rank must still make the same choice.
-    """
-
-    mesh: DeviceMesh
-    device: torch.device
-    rank: int
-    ranks_per_node: int
-    agree_max: Callable[[int], int]
 
 
 @dataclass
@@ -200,28 +179,16 @@ def _shard(
     #    shards to the device as it shards the unit, so no rank ever holds the whole model on the device.
     module = precision.convert_module(module)
     outer = OuterUnit(module)
-    # 2. "auto" checkpointing decides before the pipeline when the input is known (example_input_array), and
-    #    measures on the plain module: once sharded, running it would gather.
-    auto, config = _auto_checkpointing(module, config, precision.policy, ranks)
-    measured = None if auto else measure_for_summary(module, ranks.mesh.size(), precision.policy.name,
-                                                     config.sharding.blocks, ranks.device)
-    units_choice = None
-    if measured is not None and config.sharding.blocks_per_unit is None:
-        config, units_choice = _choose_units(module, config, measured, ranks)
+    # 2. The planner decides before the pipeline what it can from the input, if known (example_input_array):
+    #    "auto" checkpointing, blocks per unit. It measures the plain module: once sharded, running it would gather.
+    planned = plan_before_sharding(module, config, precision.policy, ranks)
+    config = planned.config
     # 3. The recipe: norms, casts, attention routing, checkpointing, compile, block units, the outer unit.
     done = parallelize(outer, module, ranks.mesh, config, precision.policy, ranks.device, creation)
     set_lightning_device(module, ranks.device)
-    if units_choice is not None:
-        done.plan.units_choice = units_choice
     _describe_layout(done.plan, outer, done.norms, precision.policy, config.sharding, ranks)
-    if auto is not None:
-        apply_auto_choice(module, auto, done.plan)
-    elif measured is not None:
-        reshard = config.sharding.reshard_after_forward is not False
-        done.plan.predicted_peak, done.plan.memory = describe_prediction(
-            measured, done.plan.checkpointed, reshard, _offloads(config, ranks.device), done.plan.selective,
-            config.sharding.per_unit,
-        )
+    planned.apply(module, done.plan, ranks.device)
+    auto = planned.auto
     # 4. Drop-in behaviour: calls outside a step gather the outer unit; state_dict() gives DDP's full tensors.
     outer.enable_calls_outside_steps()
     full_state_dict.install(module, outer)
@@ -230,67 +197,6 @@ def _shard(
     if isinstance(outer, FSDPModule):
         initialize_fsdp_root(outer)
     return ShardedModel(outer, done.plan, done.norms, done.router, auto, signature)
-
-
-def _choose_units(
-    module: nn.Module, config: ParallelConfig, measured: StepInputs, ranks: Ranks
-) -> tuple[ParallelConfig, str]:
-    """``blocks_per_unit=None`` with the batch known at setup: the planner's grouping for the checkpointing and
-    reshard the user chose (every rank the same: the fewest blocks per unit any rank chose)."""
-    names = [block.name for block in measured.profile.blocks]
-    modes = [config.checkpointing.mode(i, name, module.get_submodule(name)) for i, name in enumerate(names)]
-    settings = StepSettings(
-        checkpointed=frozenset(i for i, mode in enumerate(modes) if mode is not None),
-        reshard_after_forward=config.sharding.reshard_after_forward is not False,
-        offload=_offloads(config, ranks.device),
-        selective=frozenset(i for i, mode in enumerate(modes) if mode == "selective"),
-    )
-    budget = resolve_budget(None, device_memory(ranks.device, ranks.ranks_per_node))
-    choice = choose_blocks_per_unit(measured, settings, budget, rates_for(ranks.device))
-    per_unit = -ranks.agree_max(-choice.per_unit)
-    line = choice.describe() if per_unit == choice.per_unit else f"{per_unit} (the fewest any rank chose)"
-    return dataclasses.replace(config, sharding=dataclasses.replace(config.sharding, blocks_per_unit=per_unit)), line
-
-
-def _offloads(config: ParallelConfig, device: torch.device) -> bool:
-    """Whether the sharded state leaves the device (``offload="cpu"`` on a CPU rank changes nothing)."""
-    return config.sharding.offload is not None and device.type != "cpu"
-
-
-def _auto_checkpointing(
-    module: nn.Module, config: ParallelConfig, precision: PrecisionPolicy, ranks: Ranks
-) -> tuple[AutoCheckpointing | None, ParallelConfig]:
-    """The ``"auto"`` lifecycle and ``config`` with the blocks chosen at setup, if the choice could be made now."""
-    if not config.checkpointing.is_auto:
-        return None, config
-    auto = AutoCheckpointing(
-        config.checkpointing.memory_budget, ranks.mesh.size(), precision.name, config.sharding.blocks,
-        may_keep_gathered=config.sharding.reshard_after_forward is None,
-        offload=_offloads(config, ranks.device),
-        blocks_per_unit=config.sharding.blocks_per_unit,
-    )
-    choice = auto.at_setup(module, ranks.device, ranks.ranks_per_node, ranks.agree_max)
-    if choice is None:
-        return auto, config  # decided at the first training step, from its batch
-    modes = choice.modes
-    selector = CheckpointingPolicy(blocks=lambda name, _: modes.get(name, False))
-    grouping = dataclasses.replace(config.sharding, blocks_per_unit=choice.blocks.per_unit)
-    return auto, dataclasses.replace(config, checkpointing=selector, sharding=grouping)
-
-
-def apply_auto_choice(module: nn.Module, auto: AutoCheckpointing, summary: ParallelPlan) -> None:
-    """Blocks keep their gathered parameters from forward to backward where the choice says so (one all-gather
-    per block fewer, a per-unit FSDP setting); the choice goes into the summary."""
-    choice = auto.choice
-    if choice is not None:
-        summary.checkpointed = choice.names
-        summary.selective = [name for name, mode in choice.modes.items() if mode == "selective"]
-        summary.predicted_peak = choice.plan.chosen.breakdown.peak
-        for name in choice.kept_gathered:
-            block = module.get_submodule(name)
-            assert isinstance(block, FSDPModule), f"{name} is not an FSDP unit"
-            block.set_reshard_after_forward(False, recurse=False)
-    summary.memory = auto.describe()
 
 
 def _describe_layout(

@@ -174,7 +174,7 @@ def test_auto_keeps_blocks_gathered_when_everything_fits(mesh):
     all-gather); a tight one: every block checkpointed and resharded after forward as the recipe does."""
     from lightning_vitscale._compat import DTensor
     from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing
-    from lightning_vitscale.sharding.setup import apply_auto_choice
+    from lightning_vitscale.sharding.planning import apply_auto_choice
 
     for ample in (False, True):
         model = TinyViT(**LONG)

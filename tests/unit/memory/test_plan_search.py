@@ -111,7 +111,7 @@ def test_per_block_kept_gathered_is_between_the_two_global_settings(inputs):
 def test_a_mixed_plan_is_applied_block_by_block_and_computes_the_same_gradients(mesh):
     """What the strategy does with the choice at setup: each block checkpointed in its mode, the later blocks kept
     gathered for backward; gradients equal an unplanned model's."""
-    from lightning_vitscale.sharding.setup import _auto_checkpointing, apply_auto_choice
+    from lightning_vitscale.sharding.planning import _auto_checkpointing, apply_auto_choice
 
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
     grads, gathered = [], []

@@ -1,0 +1,136 @@
+"""What the planner decides before the pipeline runs, from the batch when it is known at setup
+(``example_input_array``): ``activation_checkpointing="auto"``'s plan (else a meta twin waits for the first
+batch) and, for checkpointing the user chose, ``blocks_per_unit=None``'s grouping; afterwards, how the choice is
+applied to the sharded units and described in the setup summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_vitscale._compat import FSDPModule
+from lightning_vitscale.memory import (
+    AutoCheckpointing,
+    StepInputs,
+    StepSettings,
+    choose_blocks_per_unit,
+    describe_prediction,
+    device_memory,
+    measure_for_summary,
+    rates_for,
+    resolve_budget,
+)
+from lightning_vitscale.precision import PrecisionPolicy
+from lightning_vitscale.sharding.ranks import Ranks
+from lightning_vitscale.sharding.settings import CheckpointingPolicy, ParallelConfig
+from lightning_vitscale.sharding.summary import ParallelPlan
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The settings to shard with (the planner's choices filled in) and what to apply once the units exist.
+
+    Attributes:
+        config: the user's settings with ``"auto"``'s blocks and the blocks per unit chosen where they could be.
+        auto: the ``"auto"`` lifecycle (its choice, or the meta twin waiting for the first batch); ``None`` if off.
+        measured: the fake-tensor measurement for the summary's predicted peak (``example_input_array``).
+        units_choice: why the blocks per unit are what they are, where the planner chose them.
+    """
+
+    config: ParallelConfig
+    auto: AutoCheckpointing | None = None
+    measured: StepInputs | None = None
+    units_choice: str | None = None
+
+    def apply(self, module: nn.Module, summary: ParallelPlan, device: torch.device) -> None:
+        """After the pipeline: blocks kept gathered where ``"auto"`` chose so, and the summary's memory lines."""
+        if self.units_choice is not None:
+            summary.units_choice = self.units_choice
+        if self.auto is not None:
+            apply_auto_choice(module, self.auto, summary)
+        elif self.measured is not None:
+            config = self.config
+            reshard = config.sharding.reshard_after_forward is not False
+            summary.predicted_peak, summary.memory = describe_prediction(
+                self.measured, summary.checkpointed, reshard, offloads(config, device), summary.selective,
+                config.sharding.per_unit,
+            )
+
+
+def plan_before_sharding(
+    module: nn.Module, config: ParallelConfig, precision: PrecisionPolicy, ranks: Ranks
+) -> Planned:
+    """The planner's part of setup, before any unit exists (every rank calls it: it agrees by collectives)."""
+    auto, config = _auto_checkpointing(module, config, precision, ranks)
+    if auto is not None:
+        return Planned(config, auto)
+    measured = measure_for_summary(module, ranks.mesh.size(), precision.name, config.sharding.blocks, ranks.device)
+    if measured is None or config.sharding.blocks_per_unit is not None:
+        return Planned(config, measured=measured)
+    config, line = _choose_units(module, config, measured, ranks)
+    return Planned(config, measured=measured, units_choice=line)
+
+
+def _choose_units(
+    module: nn.Module, config: ParallelConfig, measured: StepInputs, ranks: Ranks
+) -> tuple[ParallelConfig, str]:
+    """``blocks_per_unit=None`` with the batch known at setup: the planner's grouping for the checkpointing and
+    reshard the user chose (every rank the same: the fewest blocks per unit any rank chose)."""
+    names = [block.name for block in measured.profile.blocks]
+    modes = [config.checkpointing.mode(i, name, module.get_submodule(name)) for i, name in enumerate(names)]
+    settings = StepSettings(
+        checkpointed=frozenset(i for i, mode in enumerate(modes) if mode is not None),
+        reshard_after_forward=config.sharding.reshard_after_forward is not False,
+        offload=offloads(config, ranks.device),
+        selective=frozenset(i for i, mode in enumerate(modes) if mode == "selective"),
+    )
+    budget = resolve_budget(None, device_memory(ranks.device, ranks.ranks_per_node))
+    choice = choose_blocks_per_unit(measured, settings, budget, rates_for(ranks.device))
+    per_unit = -ranks.agree_max(-choice.per_unit)
+    line = choice.describe() if per_unit == choice.per_unit else f"{per_unit} (the fewest any rank chose)"
+    return dataclasses.replace(config, sharding=dataclasses.replace(config.sharding, blocks_per_unit=per_unit)), line
+
+
+def offloads(config: ParallelConfig, device: torch.device) -> bool:
+    """Whether the sharded state leaves the device (``offload="cpu"`` on a CPU rank changes nothing)."""
+    return config.sharding.offload is not None and device.type != "cpu"
+
+
+def _auto_checkpointing(
+    module: nn.Module, config: ParallelConfig, precision: PrecisionPolicy, ranks: Ranks
+) -> tuple[AutoCheckpointing | None, ParallelConfig]:
+    """The ``"auto"`` lifecycle and ``config`` with the blocks chosen at setup, if the choice could be made now."""
+    if not config.checkpointing.is_auto:
+        return None, config
+    auto = AutoCheckpointing(
+        config.checkpointing.memory_budget, ranks.mesh.size(), precision.name, config.sharding.blocks,
+        may_keep_gathered=config.sharding.reshard_after_forward is None,
+        offload=offloads(config, ranks.device),
+        blocks_per_unit=config.sharding.blocks_per_unit,
+    )
+    choice = auto.at_setup(module, ranks.device, ranks.ranks_per_node, ranks.agree_max)
+    if choice is None:
+        return auto, config  # decided at the first training step, from its batch
+    modes = choice.modes
+    selector = CheckpointingPolicy(blocks=lambda name, _: modes.get(name, False))
+    grouping = dataclasses.replace(config.sharding, blocks_per_unit=choice.blocks.per_unit)
+    return auto, dataclasses.replace(config, checkpointing=selector, sharding=grouping)
+
+
+def apply_auto_choice(module: nn.Module, auto: AutoCheckpointing, summary: ParallelPlan) -> None:
+    """Blocks keep their gathered parameters from forward to backward where the choice says so (one all-gather
+    per block fewer, a per-unit FSDP setting); the choice goes into the summary."""
+    choice = auto.choice
+    if choice is not None:
+        summary.checkpointed = choice.names
+        summary.selective = [name for name, mode in choice.modes.items() if mode == "selective"]
+        summary.predicted_peak = choice.plan.chosen.breakdown.peak
+        for name in choice.kept_gathered:
+            block = module.get_submodule(name)
+            assert isinstance(block, FSDPModule), f"{name} is not an FSDP unit"
+            block.set_reshard_after_forward(False, recurse=False)
+    summary.memory = auto.describe()
