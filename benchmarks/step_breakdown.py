@@ -42,24 +42,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# name -> (activation checkpointing, reshard_after_forward, prefetch, blocks_per_unit); "kept" = the planner's
-# choice under an ample budget (blocks stay gathered from forward to backward), otherwise the recipe (blocks
-# reshard); "k/unit" = `blocks_per_unit=k` (k consecutive blocks share one FSDP unit), otherwise one per block.
-VARIANTS: dict[str, tuple[bool | str, bool | None, int, int]] = {
-    "off": (False, None, 0, 1),
-    "off+prefetch": (False, None, 1, 1),
-    "off kept": (False, False, 0, 1),
-    "off kept+prefetch": (False, False, 1, 1),
-    "off kept, 3/unit": (False, False, 0, 3),
-    "off kept, 6/unit": (False, False, 0, 6),
-    "selective+prefetch": ("selective", None, 1, 1),
-    "selective kept+prefetch": ("selective", False, 1, 1),
-    "selective kept, 3/unit": ("selective", False, 0, 3),
-    "selective kept, 6/unit": ("selective", False, 0, 6),
-    "full": (True, None, 0, 1),
-    "full+prefetch": (True, None, 1, 1),
-    "full, 2/unit": (True, None, 0, 2),
-    "full, 3/unit": (True, None, 0, 3),
+# name -> (activation checkpointing, reshard_after_forward, prefetch, blocks_per_unit). "kept" = blocks stay
+# gathered from forward to backward (`reshard_after_forward=False`), otherwise the recipe (blocks reshard);
+# "1/unit" = one block per FSDP unit (what main ran before the planner chose units). `None` blocks_per_unit =
+# the planner's choice, as `VitScaleStrategy` makes it at setup with `example_input_array` set: for the
+# checkpointing given, or, for "auto", with the checkpointing and reshard per block (budget: 0.9 of the host's
+# available memory per rank, i.e. ample here).
+VARIANTS: dict[str, tuple[bool | str, bool | None, int, int | None]] = {
+    "off, 1/unit": (False, None, 0, 1),
+    "off kept, 1/unit": (False, False, 0, 1),
+    "auto (planner)": ("auto", None, 0, None),
+    "selective kept, 1/unit": ("selective", False, 0, 1),
+    "selective kept (planner's units)": ("selective", False, 0, None),
+    "selective (planner's units)": ("selective", None, 0, None),
+    "full, 1/unit (recipe)": (True, None, 0, 1),
+    "full (planner's units)": (True, None, 0, None),
 }
 ACCUMULATION = ("ddp accum4", "sharded accum4", "unsharded accum4")
 MICRO_BATCHES = 4
@@ -78,8 +75,10 @@ def make_model(name: str):
     return TinyViT(image=32, patch=4, dim=256, depth=6)
 
 
-def build(model_name: str, variant: str):
+def build(model_name: str, variant: str, x):
+    """The model under DDP or the strategy's setup for ``variant``; the planner's choice in words (or "")."""
     import torch
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel
 
@@ -88,22 +87,42 @@ def build(model_name: str, variant: str):
     from lightning_vitscale.precision.settings import resolve_flag
     from lightning_vitscale.sharding.outer_unit import OuterUnit
     from lightning_vitscale.sharding.parallelize import parallelize
+    from lightning_vitscale.sharding.planning import plan_before_sharding
+    from lightning_vitscale.sharding.ranks import Ranks
 
     model = make_model(model_name)
+    chosen = ""
     if variant.startswith("ddp"):
         root = DistributedDataParallel(model)
     else:
-        # accumulation rows: the planner's setting
+        # accumulation rows: blocks kept gathered, explicit prefetch, one block per unit
         ac, reshard, prefetch, per_unit = VARIANTS.get(variant, (False, False, 1, 1))
         root = OuterUnit(model)
-        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("data_parallel",))
+        model.example_input_array = x  # the batch known at setup: the planner may choose
+        world, cpu = dist.get_world_size(), torch.device("cpu")
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
         config = ParallelConfig(sharding=ShardingPolicy(reshard_after_forward=reshard, prefetch=prefetch,
                                                         blocks_per_unit=per_unit),
                                 checkpointing=CheckpointingPolicy(blocks=ac))
-        parallelize(root, model, mesh, config, resolve_flag("32-true"), torch.device("cpu"))
+        ranks = Ranks(mesh, cpu, dist.get_rank(), world, agree_max=_agree_max)
+        planned = plan_before_sharding(model, config, resolve_flag("32-true"), ranks)
+        done = parallelize(root, model, mesh, planned.config, resolve_flag("32-true"), cpu)
+        planned.apply(model, done.plan, cpu)
+        if per_unit is None:
+            why = done.plan.memory if ac == "auto" else done.plan.units_choice
+            chosen = f"{done.plan.units - 1} block units; {why}"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     prefer_foreach([optimizer])
-    return root, optimizer
+    return root, optimizer, chosen
+
+
+def _agree_max(value: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor(value)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
 
 
 def no_sync_for(variant: str, root) -> Callable[[], object]:
@@ -229,8 +248,9 @@ def worker(out: str, model_name: str, steps: int, warmup: int, accum_steps: int)
     x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
     steps_of = {}
     optimizer_times: dict[str, list[float]] = {n: [] for n in names}
+    chosen: dict[str, str] = {}
     for name in names:
-        root, optimizer = build(model_name, name)
+        root, optimizer, chosen[name] = build(model_name, name, x)
         if not name.startswith("ddp"):
             label_recompute(root.module)
         steps_of[name] = step_fn(name, root, optimizer, x, y, optimizer_times[name])
@@ -251,6 +271,7 @@ def worker(out: str, model_name: str, steps: int, warmup: int, accum_steps: int)
     for name in names:
         dist.barrier()
         result[name].update(breakdown(steps_of[name], repeats=3))
+        result[name]["chosen"] = chosen[name]  # type: ignore[assignment]
         if name in ACCUMULATION:
             dist.barrier()
             result[name]["reduce_scatters"] = count_reduce_scatters(steps_of[name])
@@ -307,6 +328,8 @@ def report(merged: dict[str, dict[str, float]], held: dict[str, float]) -> str:
         row = merged[name]
         lines.append(f"| {name} | {row['median']:.1f} | {row['median'] / merged[ACCUMULATION[0]]['median']:.2f}x |"
                      f" {int(row.get('reduce_scatters', 0))} |")
+    lines += ["", "| variant | the planner's choice |", "|---|---|"]
+    lines += [f"| {name} | {row['chosen']} |" for name, row in merged.items() if row.get("chosen")]
     lines += ["", "| checkpointing | held after forward, batch 64 (MiB) |", "|---|---|"]
     lines += [f"| {mode} | {mib:.1f} |" for mode, mib in held.items()]
     return "\n".join(lines)
