@@ -3,8 +3,8 @@
 One launch, one process group. Each run saves through ``ModelCheckpoint`` at the end of its first epoch and
 trains on to the end of the second. Runs resumed from such a folder with the same or another ``blocks_per_unit``
 must find the saved weights, AdamW state and step bit for bit, then log the losses of DDP resumed from DDP's
-folder the same way (Lightning resumes an end-of-epoch checkpoint with one more step counted in the saved epoch,
-under every strategy, so an uninterrupted run is no oracle for the step after a resume). Dropout stays on: each
+folder the same way (Lightning's loop does not continue an end-of-epoch checkpoint with the batches of an
+uninterrupted run, under DDP neither, so the uninterrupted run is no oracle after a resume). Dropout stays on: each
 epoch starts from a seed of its own (``Reseed``), so no strategy's setup shifts the masks. Results:
 ``OUT/rank<R>.json``, keyed by scenario.
 """
