@@ -51,11 +51,13 @@ sys.path.insert(0, str(ROOT))
 VARIANTS: dict[str, tuple[bool | str, bool | None, int, int | None]] = {
     "off, 1/unit": (False, None, 0, 1),
     "off kept, 1/unit": (False, False, 0, 1),
+    "off kept, 3/unit": (False, False, 0, 3),
     "auto (planner)": ("auto", None, 0, None),
     "selective kept, 1/unit": ("selective", False, 0, 1),
+    "selective kept, 3/unit": ("selective", False, 0, 3),
     "selective kept (planner's units)": ("selective", False, 0, None),
-    "selective (planner's units)": ("selective", None, 0, None),
     "full, 1/unit (recipe)": (True, None, 0, 1),
+    "full, 3/unit": (True, None, 0, 3),
     "full (planner's units)": (True, None, 0, None),
 }
 ACCUMULATION = ("ddp accum4", "sharded accum4", "unsharded accum4")
@@ -235,8 +237,9 @@ def count_reduce_scatters(step: Callable[[], None]) -> int:
     return calls[0]
 
 
-def worker(out: str, model_name: str, steps: int, warmup: int, accum_steps: int) -> None:
+def worker(out: str, model_name: str, steps: int, warmup: int, accum_steps: int, only: str = "") -> None:
     import os
+    import resource
 
     import torch
     import torch.distributed as dist
@@ -244,6 +247,8 @@ def worker(out: str, model_name: str, steps: int, warmup: int, accum_steps: int)
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     names = ["ddp", *VARIANTS, *ACCUMULATION]
+    if only:
+        names = ["ddp", *only.split(";")]
     g = torch.Generator().manual_seed(dist.get_rank())
     x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
     steps_of = {}
@@ -255,17 +260,21 @@ def worker(out: str, model_name: str, steps: int, warmup: int, accum_steps: int)
             label_recompute(root.module)
         steps_of[name] = step_fn(name, root, optimizer, x, y, optimizer_times[name])
     times: dict[str, list[float]] = {n: [] for n in names}
+    faults: dict[str, list[int]] = {n: [] for n in names}  # minor page faults: fresh pages the step touched
     for index in range(warmup + steps):
         for name in names:
             if name in ACCUMULATION and index >= warmup + accum_steps:
                 continue
             dist.barrier()
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t = time.perf_counter()
             steps_of[name]()
             if index >= warmup:
                 times[name].append(time.perf_counter() - t)
+                faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     result: dict[str, dict[str, float]] = {
-        n: {"median": 1e3 * statistics.median(t), "optimizer": 1e3 * statistics.median(optimizer_times[n][warmup:])}
+        n: {"median": 1e3 * statistics.median(t), "optimizer": 1e3 * statistics.median(optimizer_times[n][warmup:]),
+            "page_faults": statistics.median(faults[n])}
         for n, t in times.items()
     }
     for name in names:
@@ -314,17 +323,18 @@ def _rss() -> int:
 def report(merged: dict[str, dict[str, float]], held: dict[str, float]) -> str:
     ddp = merged["ddp"]["median"]
     parts = ("compute", "recompute", "sharding copies", "collectives", "other")
-    lines = ["| variant | median ms/step | / DDP | optimizer step | profiled step (ms): " + " | ".join(parts) + " |",
-             "|---|---|---|---|" + "---|" * len(parts)]
+    lines = ["| variant | median ms/step | / DDP | optimizer step | page faults/step | profiled step (ms): "
+             + " | ".join(parts) + " |", "|---|---|---|---|---|" + "---|" * len(parts)]
     for name, row in merged.items():
         if name in ACCUMULATION:
             continue
         cells = " | ".join(f"{row[p]:.1f}" for p in parts)
         ratio = row["median"] / ddp
-        lines.append(f"| {name} | {row['median']:.1f} | {ratio:.2f}x | {row['optimizer']:.1f} | {cells} |")
+        lines.append(f"| {name} | {row['median']:.1f} | {ratio:.2f}x | {row['optimizer']:.1f} |"
+                     f" {row['page_faults']:.0f} | {cells} |")
     lines += ["", f"| accumulation ({MICRO_BATCHES} micro-batches) | median ms/optimizer step | / DDP |"
               " reduce-scatters per optimizer step |", "|---|---|---|---|"]
-    for name in ACCUMULATION:
+    for name in (n for n in ACCUMULATION if n in merged):
         row = merged[name]
         lines.append(f"| {name} | {row['median']:.1f} | {row['median'] / merged[ACCUMULATION[0]]['median']:.2f}x |"
                      f" {int(row.get('reduce_scatters', 0))} |")
@@ -343,16 +353,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--accum-steps", type=int, default=8, help="timed optimizer steps of the accumulation rows")
     parser.add_argument("--json", help="also write the merged numbers here")
+    parser.add_argument("--only", default="", help="variants to time besides ddp, separated by ';' (default: all)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.model, args.steps, args.warmup, args.accum_steps)
+        worker(args.worker, args.model, args.steps, args.warmup, args.accum_steps, args.only)
         return
     from tests.helpers.launch import assert_ok, torchrun
 
     with tempfile.TemporaryDirectory() as out:
         assert_ok(torchrun(Path(__file__), "--worker", out, "--model", args.model, "--steps", str(args.steps),
-                           "--warmup", str(args.warmup), "--accum-steps", str(args.accum_steps),
+                           "--warmup", str(args.warmup), "--accum-steps", str(args.accum_steps), "--only", args.only,
                            nprocs=args.ranks, timeout=600))
         ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
     # Slowest rank per variant (its median), and that rank's profiled breakdown.

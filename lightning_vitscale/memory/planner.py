@@ -1,8 +1,9 @@
 """The memory planner: will this model, at this batch size, fit on these devices, and what should be turned on?
 
 ``plan_memory`` measures the model's activations on fake tensors (any size, no device needed), predicts each
-rank's peak for candidate settings and picks, per block, checkpointing none / selective / full and whether the
-block keeps its gathered parameters from forward to backward (one all-gather fewer) or reshards: the plan with the
+rank's peak for candidate settings and picks, per block, checkpointing none / selective / full, whether the
+block keeps its gathered parameters from forward to backward (one all-gather fewer) or reshards, and how many
+consecutive blocks share one FSDP unit (``blocks_per_unit``): the plan with the
 least predicted extra step time (recompute and all-gathers, :mod:`.step_cost`) whose peak fits the budget
 (:mod:`.plan_search`); CPU offload of the sharded state only when nothing else fits. It also reports the largest
 per-rank batch that fits.
@@ -108,7 +109,7 @@ def plan_memory(
                          optimizer=optimizer, blocks=blocks)
     device_bytes = parse_memory(device_memory)
     planned_batch = batch_size or _batch_of(example_input)
-    return choose(inputs, int(device_bytes * memory_fraction), device_bytes, precision, planned_batch)
+    return choose(inputs, int(device_bytes * memory_fraction), device_bytes, precision, planned_batch, per_unit=None)
 
 
 def step_inputs(
