@@ -30,9 +30,9 @@ class UnitChoice:
 
     def describe(self) -> str:
         if self.per_unit == 1:
-            return f"1 block per unit (planner: no larger unit fits {human_bytes(self.budget)} or saves time)"
-        return (f"{self.per_unit} blocks per unit (planner: predicted {self.saved_seconds * 1e3:.1f} ms per step"
-                f" less than 1, peak {human_bytes(self.peak)} of {human_bytes(self.budget)})")
+            return f"planner: no larger unit fits {human_bytes(self.budget)} or saves time"
+        return (f"planner: predicted {self.saved_seconds * 1e3:.1f} ms per step less than one block per unit,"
+                f" peak {human_bytes(self.peak)} of {human_bytes(self.budget)}")
 
 
 def choose_blocks_per_unit(inputs: StepInputs, settings: StepSettings, budget: int, rates: DeviceRates) -> UnitChoice:

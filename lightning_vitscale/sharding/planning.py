@@ -91,7 +91,7 @@ def _choose_units(
     budget = resolve_budget(None, device_memory(ranks.device, ranks.ranks_per_node))
     choice = choose_blocks_per_unit(measured, settings, budget, rates_for(ranks.device))
     per_unit = -ranks.agree_max(-choice.per_unit)
-    line = choice.describe() if per_unit == choice.per_unit else f"{per_unit} (the fewest any rank chose)"
+    line = choice.describe() if per_unit == choice.per_unit else "planner: the fewest any rank chose"
     return dataclasses.replace(config, sharding=dataclasses.replace(config.sharding, blocks_per_unit=per_unit)), line
 
 

@@ -106,7 +106,7 @@ class ParallelPlan:
         return "\n".join(lines)
 
     def _block_units(self) -> str:
-        chosen = f"; {self.units_choice}" if self.units_choice else ""
+        chosen = f" ({self.units_choice})" if self.units_choice else ""
         if self.blocks_per_unit == 1:
             return f"{len(self.block_names)} blocks{chosen}"
         return f"{len(self.block_names)} blocks, up to {self.blocks_per_unit} per unit{chosen}"

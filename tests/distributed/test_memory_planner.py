@@ -98,5 +98,5 @@ def test_auto_applies_the_planners_choice_at_the_first_step(auto):
         # the planner grouped the blocks into units (blocks_per_unit=None) for that checkpointing.
         assert "checkpointed blocks : 4 of 4 (predicted peak" in result["default_summary"]
         assert result["default_per_unit"] == result["expected_per_unit"] > 1, result["default_summary"]
-        assert f"up to {result['default_per_unit']} per unit; " in result["default_summary"]
+        assert f"up to {result['default_per_unit']} per unit (planner: predicted" in result["default_summary"]
         assert result["default_peak"] == result["every"]
