@@ -66,7 +66,7 @@ class AutoChoice:
         every, none = p.all_checkpointed.breakdown.peak, p.none_checkpointed.breakdown.peak
         return (f"auto: {self.blocks.describe(n)}, predicted peak {human_bytes(p.chosen.breakdown.peak)} per rank"
                 f" (budget {human_bytes(p.budget)}; every block full {human_bytes(every)}, none {human_bytes(none)});"
-                f" predicted extra step time {p.extra_seconds * 1e3:.1f} ms")
+                f" predicted step time it adds {p.extra_seconds * 1e3:.1f} ms (recompute, all-gathers, per unit)")
 
 
 def device_memory(device: torch.device, local_ranks: int = 1) -> int:

@@ -33,7 +33,7 @@ class MemoryPlan:
         max_batch: the largest per-rank batch that fits with every block checkpointed (0: none fits).
         reason: one line on why these settings.
         blocks: the chosen plan per block (checkpointing mode, reshard or stay gathered).
-        extra_seconds: its predicted extra step time over no checkpointing with every block gathered.
+        extra_seconds: the step time it adds: recompute, second all-gathers and FSDP's fixed cost per unit.
     """
 
     world_size: int
@@ -87,7 +87,7 @@ def breakdown_table(columns: dict[str, MemoryBreakdown]) -> list[str]:
 def settings_line(plan: MemoryPlan) -> str:
     s, n = plan.chosen.settings, plan.num_blocks
     parts = [f"activation_checkpointing: {plan.blocks.describe(n)}",
-             f"predicted extra step time {plan.extra_seconds * 1e3:.1f} ms"]
+             f"predicted step time it adds {plan.extra_seconds * 1e3:.1f} ms (recompute, all-gathers, per unit)"]
     if s.offload:
         parts.append("offload='cpu' (sharded state in host memory)")
     return ", ".join(parts)
