@@ -16,7 +16,7 @@ from examples.models.vit import VisionTransformer
 from lightning_vitscale.kernels.optimizers import prefer_foreach
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_model import StepSettings, predict_step
-from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig
+from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, ShardingPolicy
 from lightning_vitscale.precision.settings import resolve_flag
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import parallelize
@@ -33,20 +33,24 @@ def mesh():
     return init_device_mesh("cuda", (1,), mesh_dim_names=("data_parallel",))
 
 
+@pytest.mark.parametrize("per_unit", [1, 3])  # blocks per FSDP unit: the planner models both
 @pytest.mark.parametrize("ac", [True, False])
 @pytest.mark.parametrize(("size", "batch"), [("vit-b16", 64), ("vit-l16", 32), ("vit-h14", 16)])
-def test_predicted_peak_matches_max_memory_allocated(mesh, size, batch, ac):
+def test_predicted_peak_matches_max_memory_allocated(mesh, size, batch, ac, per_unit):
     policy = resolve_flag("bf16-mixed")
     with torch.device("meta"):
         planned = VisionTransformer.from_size(size, 224, 3, 1000)
     inputs = step_inputs(planned, torch.empty(batch, 3, 224, 224, device="meta"), precision="bf16-mixed")
     depth = len(inputs.profile.blocks)
-    predicted = predict_step(inputs, StepSettings(frozenset(range(depth)) if ac else frozenset())).peak
+    every = frozenset(range(depth)) if ac else frozenset()
+    predicted = predict_step(inputs, StepSettings(every, blocks_per_unit=per_unit)).peak
 
     with torch.device(CUDA):
         model = VisionTransformer.from_size(size, 224, 3, 1000)
     root = OuterUnit(model)
-    parallelize(root, model, mesh, ParallelConfig(checkpointing=CheckpointingPolicy(blocks=ac)), policy, CUDA)
+    config = ParallelConfig(sharding=ShardingPolicy(blocks_per_unit=per_unit),
+                            checkpointing=CheckpointingPolicy(blocks=ac))
+    parallelize(root, model, mesh, config, policy, CUDA)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     prefer_foreach([optimizer])
     x = torch.randn(batch, 3, 224, 224, device=CUDA)
@@ -65,4 +69,5 @@ def test_predicted_peak_matches_max_memory_allocated(mesh, size, batch, ac):
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated()
     ratio = predicted / measured
-    assert abs(ratio - 1) <= TOLERANCE, f"{size} batch {batch} AC {ac}: predicted/measured = {ratio:.3f}"
+    label = f"{size} batch {batch} AC {ac} {per_unit}/unit"
+    assert abs(ratio - 1) <= TOLERANCE, f"{label}: predicted/measured = {ratio:.3f}"
