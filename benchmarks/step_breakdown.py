@@ -44,21 +44,29 @@ sys.path.insert(0, str(ROOT))
 
 # name -> (activation checkpointing, reshard_after_forward, prefetch, blocks_per_unit). "kept" = blocks stay
 # gathered from forward to backward (`reshard_after_forward=False`), otherwise the recipe (blocks reshard);
-# "1/unit" = one block per FSDP unit (what main ran before the planner chose units). `None` blocks_per_unit =
-# the planner's choice, as `VitScaleStrategy` makes it at setup with `example_input_array` set: for the
-# checkpointing given, or, for "auto", with the checkpointing and reshard per block (budget: 0.9 of the host's
-# available memory per rank, i.e. ample here).
-VARIANTS: dict[str, tuple[bool | str, bool | None, int, int | None]] = {
-    "off, 1/unit": (False, None, 0, 1),
-    "off kept, 1/unit": (False, False, 0, 1),
-    "off kept, 3/unit": (False, False, 0, 3),
-    "auto (planner)": ("auto", None, 0, None),
-    "selective kept, 1/unit": ("selective", False, 0, 1),
-    "selective kept, 3/unit": ("selective", False, 0, 3),
-    "selective kept (planner's units)": ("selective", False, 0, None),
-    "full, 1/unit (recipe)": (True, None, 0, 1),
-    "full, 3/unit": (True, None, 0, 3),
-    "full (planner's units)": (True, None, 0, None),
+# "1/unit" = one block per FSDP unit (what main ran before the planner chose units). `None` prefetch = the
+# default (1 on CPU, with the collectives asynchronous); `None` blocks_per_unit = the planner's choice, as
+# `VitScaleStrategy` makes it at setup with `example_input_array` set: for the checkpointing given, or, for
+# "auto", with the checkpointing and reshard per block (budget: 0.9 of the host's available memory per rank,
+# i.e. ample here). A name ending in ", sync" is built the same, then given back FSDP2's own synchronous
+# collectives and no explicit prefetch: the setting before the CPU overlap (sharding/cpu_overlap.py).
+VARIANTS: dict[str, tuple[bool | str, bool | None, int | None, int | None]] = {
+    "off, 1/unit": (False, None, None, 1),
+    "off kept, 1/unit, sync": (False, False, 0, 1),
+    "off kept, 1/unit": (False, False, None, 1),
+    "off kept, 2/unit": (False, False, None, 2),
+    "off kept, 3/unit, sync": (False, False, 0, 3),
+    "off kept, 3/unit": (False, False, None, 3),
+    "auto (planner)": ("auto", None, None, None),
+    "selective kept, 1/unit": ("selective", False, None, 1),
+    "selective kept (planner's units)": ("selective", False, None, None),
+    "full, 1/unit (recipe), sync": (True, None, 0, 1),
+    "full, 1/unit (recipe)": (True, None, None, 1),
+    "full, 2/unit": (True, None, None, 2),
+    "full, 3/unit, sync": (True, None, 0, 3),
+    "full, 3/unit": (True, None, None, 3),
+    "full (planner's units)": (True, None, None, None),
+    "full kept (planner's units)": (True, False, None, None),
 }
 ACCUMULATION = ("ddp accum4", "sharded accum4", "unsharded accum4")
 MICRO_BATCHES = 4
@@ -97,8 +105,8 @@ def build(model_name: str, variant: str, x):
     if variant.startswith("ddp"):
         root = DistributedDataParallel(model)
     else:
-        # accumulation rows: blocks kept gathered, explicit prefetch, one block per unit
-        ac, reshard, prefetch, per_unit = VARIANTS.get(variant, (False, False, 1, 1))
+        # accumulation rows: blocks kept gathered, one block per unit, the default prefetch
+        ac, reshard, prefetch, per_unit = VARIANTS.get(variant, (False, False, None, 1))
         root = OuterUnit(model)
         model.example_input_array = x  # the batch known at setup: the planner may choose
         world, cpu = dist.get_world_size(), torch.device("cpu")
@@ -110,12 +118,27 @@ def build(model_name: str, variant: str, x):
         planned = plan_before_sharding(model, config, resolve_flag("32-true"), ranks)
         done = parallelize(root, model, mesh, planned.config, resolve_flag("32-true"), cpu)
         planned.apply(model, done.plan, cpu)
+        if variant.endswith(", sync"):
+            synchronous_collectives(root)
         if per_unit is None:
             why = done.plan.memory if ac == "auto" else done.plan.units_choice
             chosen = f"{done.plan.units - 1} block units; {why}"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     prefer_foreach([optimizer])
     return root, optimizer, chosen
+
+
+def synchronous_collectives(root) -> None:
+    """FSDP2's own collectives again on every unit of ``root``: the reduce-scatter the step's thread waits for and
+    all-gathers issued synchronously (torch internals: a benchmark-only way back to the setting before)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    from lightning_vitscale._compat import FSDPModule
+
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(DefaultReduceScatter())
+            module._set_unshard_async_op(False)
 
 
 def _agree_max(value: int) -> int:

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo 
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_into
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterComm  # FSDP2 custom comms
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 from torch.nn.modules.instancenorm import _InstanceNorm as InstanceNormBase
@@ -136,6 +137,22 @@ def initialize_fsdp_root(root: FSDPModule) -> None:
     the first step (``pl_module.net(x)`` in ``on_train_start``), would make that child a root and break the step
     (``FSDP state has already been lazily initialized for ...``). No-op once initialised."""
     root._get_fsdp_state()._lazy_init()
+def set_unshard_async(unit: FSDPModule, async_op: bool) -> None:
+    """FSDP2's all-gathers of ``unit`` and the units below it issued with ``async_op`` (a ``Work`` waited for at
+    the unit's first use): on CPU, where there are no streams, the only way a prefetched gather overlaps compute."""
+    unit._set_unshard_async_op(async_op)
+
+
+def unit_parameters(unit: FSDPModule) -> list[torch.nn.Parameter]:
+    """The sharded parameters ``unit`` itself manages (not those of the units nested in it)."""
+    return [p.sharded_param for group in unit._get_fsdp_state()._fsdp_param_groups for p in group.fsdp_params]
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the backward pass now running ends (autograd's final callbacks, as FSDP2's own)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 def checkpoint_dir(callback: Any, trainer: Any) -> str:
     """The folder a ``ModelCheckpoint`` saves to (its ``dirpath``, or Lightning's default under the logger)."""
     return str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
@@ -167,6 +184,7 @@ __all__ = [
     "ModelParallelStrategy",
     "OffloadPolicy",
     "PL_LOAD_MODULES",
+    "ReduceScatterComm",
     "StorageInfo",
     "SubprocessScriptLauncher",
     "TORCH_VERSION",
@@ -180,6 +198,9 @@ __all__ = [
     "dynamo",
     "fully_shard",
     "fused_kernel_devices",
+    "queue_end_of_backward",
+    "set_unshard_async",
+    "unit_parameters",
     "get_layout",
     "initialize_fsdp_root",
     "on_child_failure",

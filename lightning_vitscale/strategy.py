@@ -87,7 +87,9 @@ class VitScaleStrategy(ModelParallelStrategy):
             micro-batches of an optimizer step (one reduce-scatter per step, as DDP's ``no_sync``) where they fit
             in memory, else ``"sharded"`` (a reduce-scatter per micro-batch); ``"unsharded"`` forces the first.
         prefetch: each unit all-gathers the next ``prefetch`` units explicitly (forward and backward), so the
-            collective overlaps compute; ``0`` (default) leaves FSDP2's implicit prefetch.
+            collective overlaps compute; ``0`` leaves FSDP2's implicit prefetch; ``None`` (default): 1 on CPU
+            ranks (whose gloo collectives run asynchronously beside compute, as CUDA streams make them on a GPU),
+            0 on GPUs.
         blocks_per_unit: ``1`` makes each block its own FSDP unit; ``k > 1`` puts ``k`` consecutive blocks in
             one unit: one all-gather, reduce-scatter and set of FSDP hooks per ``k`` blocks, with up to ``k``
             blocks' parameters and gradients gathered at once. ``None`` (default): 1, or under
@@ -131,7 +133,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         sharding: ShardingLayout = "full",
         offload: OffloadMode | None = None,
         accumulation: AccumulationMode = "auto",
-        prefetch: int = 0,
+        prefetch: int | None = None,
         blocks_per_unit: int | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,

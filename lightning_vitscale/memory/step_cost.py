@@ -5,16 +5,16 @@ Plain roofline arithmetic on what :mod:`.op_costs` counted, so every number can 
 - no checkpointing: nothing is repeated;
 - ``"selective"``: the cheap ops run again, bounded by memory bandwidth: ``cheap_bytes / bytes_per_s``;
 - ``"full"``: the whole forward runs again: ``flops / flops_per_s`` plus the cheap ops as above;
-- resharding a unit after forward: its parameters are all-gathered again in backward:
-  ``latency + gathered bytes x (world - 1) / world / link_bytes_per_s``; keeping it gathered costs nothing;
+- resharding a unit after forward: its parameters are all-gathered again in backward: ``latency`` plus, where
+  collectives do not overlap compute, ``gathered bytes x (world - 1) / world / link_bytes_per_s`` (where they
+  do, the prefetched gather moves while the later unit's backward computes); keeping it gathered costs nothing;
 - each FSDP unit: ``unit_s`` per step for its hooks and the collectives the step's thread waits for
-  (``blocks_per_unit``: fewer, larger units pay it fewer times); where collectives overlap compute (GPU streams),
-  the first unit's all-gather and the last one's reduce-scatter have nothing to hide behind, so a larger unit
-  exposes more bytes: ``2 x unit bytes x (world - 1) / world / link_bytes_per_s``.
+  (``blocks_per_unit``: fewer, larger units pay it fewer times); where collectives overlap compute (GPU streams;
+  CPU ranks' asynchronous gloo collectives, ``sharding/cpu_overlap.py``), the first unit's all-gather and the
+  last one's reduce-scatter have nothing to hide behind, so a larger unit exposes more bytes:
+  ``2 x unit bytes x (world - 1) / world / link_bytes_per_s``.
 
-No overlap is credited (a prefetched all-gather can hide behind compute on a GPU; a recompute never hides), so
-the model leans towards keeping blocks gathered where memory allows. The rates are :class:`DeviceRates`; only
-their ratios steer the choice.
+A recompute never hides. The rates are :class:`DeviceRates`; only their ratios steer the choice.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class DeviceRates:
         link_bytes_per_s: per-rank bandwidth of an all-gather.
         latency_s: fixed cost of one unit's all-gather (launch, FSDP's hooks and copies).
         unit_s: fixed cost of one FSDP unit per step (its forward/backward hooks, the waits on its collectives).
-        overlaps: whether collectives run beside compute (CUDA streams); gloo's block the step's thread.
+        overlaps: whether collectives run beside compute (CUDA streams; gloo's worker threads once
+            ``sharding/cpu_overlap.py`` issues them asynchronously, as setup does on CPU ranks).
     """
 
     flops_per_s: float
@@ -54,11 +55,13 @@ GPU_RATES = DeviceRates(flops_per_s=300e12, bytes_per_s=2e12, link_bytes_per_s=1
 """Datasheet order of magnitude for an A100/H100-class GPU in bf16 with NVLink; ``unit_s`` is FSDP2's per-unit
 Python (hooks, copies) as its CPU launch overhead. Not measured here (no GPU was lent)."""
 
-CPU_RATES = DeviceRates(flops_per_s=100e9, bytes_per_s=10e9, link_bytes_per_s=2e9, latency_s=2e-3, unit_s=8e-3,
-                        overlaps=False)
+CPU_RATES = DeviceRates(flops_per_s=100e9, bytes_per_s=10e9, link_bytes_per_s=0.6e9, latency_s=2e-3, unit_s=3e-3,
+                        overlaps=True)
 """One rank of the 2-core CPU with gloo in benchmarks/RESULTS.md ("where a step's time goes", "fewer, larger FSDP
-units"): full recompute of the 6-block ViT ~55 ms for ~5 GFLOP, keeping blocks gathered ~2-5 ms per block; 6 -> 2
-units saved 38 ms a step (ViT) and 12 -> 4 units 64 ms (timm vit_tiny): 8-9 ms per unit. Stated, not general."""
+units", "CPU ranks overlap their collectives"): full recompute of the 6-block ViT ~55 ms for ~5 GFLOP; gloo moved
+0.5-0.75 GiB/s per rank; with the collectives asynchronous, one block per unit (6 units) cost ~20 ms a step more
+than 2 units of 3 blocks and one unit of all 6 ~20 ms more too (its gather and reduce-scatter exposed): ~3 ms
+per unit. (Before the overlap each unit cost 8-9 ms: its collectives' waits.) Stated, not general."""
 
 
 def rates_for(device: torch.device | str | None) -> DeviceRates:
@@ -75,7 +78,10 @@ def recompute_seconds(block: BlockMemory, mode: str | None, rates: DeviceRates, 
 
 
 def regather_seconds(gathered_bytes: int, world: int, rates: DeviceRates) -> float:
-    """Seconds per step that resharding a block of ``gathered_bytes`` after forward adds (a second all-gather)."""
+    """Seconds per step that resharding a block of ``gathered_bytes`` after forward adds (a second all-gather:
+    its fixed cost, and its bytes where nothing overlaps them)."""
+    if rates.overlaps:  # prefetched during the later unit's backward
+        return rates.latency_s
     return rates.latency_s + gathered_bytes * (world - 1) / world / rates.link_bytes_per_s
 
 

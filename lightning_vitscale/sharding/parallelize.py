@@ -31,6 +31,7 @@ from lightning_vitscale.sharding.activation_checkpointing import (
     apply_activation_checkpointing,
     is_self_checkpointing,
 )
+from lightning_vitscale.sharding.cpu_overlap import overlap_collectives_on_cpu
 from lightning_vitscale.sharding.fsdp import (
     group_blocks,
     mixed_precision_policy,
@@ -142,8 +143,15 @@ def parallelize(
     with weights.unit(outer_unit):
         outer = shard_module(outer_unit, mesh, mp_policy, unit_reshard(requested, outer=True), ignored, offload)
 
-    # 5b. Explicit prefetch: each unit starts the next one's all-gather as soon as its own is done.
-    set_prefetch([outer, *block_units], config.sharding.prefetch)
+    # 5b. Explicit prefetch: each unit starts the next one's all-gather as soon as its own is done. On CPU the
+    #     collectives become asynchronous (gloo's worker threads), or nothing would overlap there.
+    units = [outer, *block_units]
+    set_prefetch(units, config.sharding.prefetch_on(device.type))
+    overlap = ""
+    if device.type == "cpu" and mesh.size() > 1:
+        overlap_collectives_on_cpu(units, reduce_scatters=mesh.ndim == 1)
+        overlap = (f"asynchronous on CPU (all-gathers{'' if mesh.ndim > 1 else ', reduce-scatters'}),"
+                   f" prefetch {config.sharding.prefetch_on(device.type)}")
 
     # 6. Name what the meta path could not reproduce; how the weights were made goes into the summary.
     init_path, init_peak, init_seconds = weights.finish()
@@ -169,6 +177,7 @@ def parallelize(
         init_path=init_path,
         init_peak_bytes=init_peak,
         init_seconds=init_seconds,
+        overlap=overlap,
     )
     return Parallelized(plan, norms, router)
 

@@ -50,6 +50,8 @@ class ShardingPolicy:
             reduce-scatter per optimizer step, as DDP's ``no_sync``), ``"auto"`` the latter where it fits.
         prefetch: how many units ahead each unit all-gathers explicitly (forward: the next blocks; backward:
             the previous ones), so the collective overlaps this unit's compute; ``0``: FSDP2's implicit prefetch.
+            ``None`` (default): 1 on CPU ranks (whose collectives are made asynchronous, see
+            ``sharding/cpu_overlap.py``: without it nothing overlaps there), 0 on GPUs (FSDP2's streams).
         blocks_per_unit: how many consecutive blocks share one FSDP unit (the last unit may hold fewer). ``1`` is
             the recipe (least gathered memory); ``k > 1`` runs one all-gather, one reduce-scatter and one set of
             FSDP hooks per ``k`` blocks, at the cost of up to ``k`` blocks' parameters and gradients gathered at
@@ -63,7 +65,7 @@ class ShardingPolicy:
     layout: ShardingLayout = "full"
     offload: OffloadMode | None = None
     accumulation: AccumulationMode = "auto"
-    prefetch: int = 0
+    prefetch: int | None = None
     blocks_per_unit: int | None = None
 
     def __post_init__(self) -> None:
@@ -75,10 +77,11 @@ class ShardingPolicy:
                 " block its own unit, the recipe; None: 1, or the planner's choice under"
                 " activation_checkpointing='auto')."
             )
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+        p = self.prefetch
+        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 0):
             raise ValueError(
-                f"`prefetch={self.prefetch!r}` must be an int >= 0: units to all-gather ahead (1: the next block;"
-                " 0: FSDP2's implicit prefetch)."
+                f"`prefetch={p!r}` must be None or an int >= 0: units to all-gather ahead (1: the next block;"
+                " 0: FSDP2's implicit prefetch; None: 1 on CPU ranks, 0 on GPUs)."
             )
         if self.accumulation not in ACCUMULATION_MODES:
             raise ValueError(
@@ -107,6 +110,13 @@ class ShardingPolicy:
             raise TypeError(f"`reshard_after_forward` must be None, a bool or an int; got {rf!r}.")
         if isinstance(rf, int) and not isinstance(rf, bool) and rf < 1:
             raise ValueError(f"`reshard_after_forward` as an int is a world size and must be >= 1; got {rf}.")
+
+    def prefetch_on(self, device_type: str) -> int:
+        """The prefetch depth to build on ``device_type``: the user's, else 1 on CPU, where FSDP2 has no streams and
+        only an explicit, asynchronous prefetch overlaps a gather with compute, and 0 (FSDP2's own) elsewhere."""
+        if self.prefetch is not None:
+            return self.prefetch
+        return 1 if device_type == "cpu" else 0
 
     @property
     def per_unit(self) -> int:

@@ -47,6 +47,7 @@ class ParallelPlan:
         init_peak_bytes: peak growth of this rank's host memory (sampled RSS) from ``configure_model()`` (or the
             start of sharding) until every unit had its values.
         init_seconds: how long that took.
+        overlap: how collectives overlap compute where the package arranges it (CPU ranks), else empty.
     """
 
     world_size: int
@@ -74,6 +75,7 @@ class ParallelPlan:
     init_seconds: float = 0.0
     blocks_per_unit: int = 1
     units_choice: str = ""
+    overlap: str = ""
 
     def summary(self) -> str:
         found = ", ".join(f"{name} x{count}" for name, count in self.blocks.items()) or "none (one outer unit)"
@@ -92,6 +94,8 @@ class ParallelPlan:
             f" the model), {self.init_seconds:.1f} s",
         ]
         lines.extend(self._layout_lines())
+        if self.overlap:
+            lines.append(f"  collectives         : {self.overlap}")
         if self.self_checkpointed:
             lines.append(f"  self-checkpointing  : {len(self.self_checkpointed)} blocks (left as the model set them)")
         if self.fp32_modules:
