@@ -308,11 +308,14 @@ def describe_prediction(
     offload: bool = False,
     selective: Sequence[str] = (),
     blocks_per_unit: int = 1,
+    kept_gathered: Sequence[str] = (),
 ) -> tuple[int, str]:
     """The predicted peak for the settings the pipeline applied (``selective``: the blocks of ``checkpointed``
-    checkpointed op-level), as bytes and as a summary line."""
+    checkpointed op-level; ``kept_gathered``: blocks whose unit stays gathered for backward), as bytes and as a
+    summary line."""
     names = [b.name for b in inputs.profile.blocks]
     indices = frozenset(i for i, name in enumerate(names) if name in set(checkpointed))
     chosen = frozenset(i for i in indices if names[i] in set(selective))
-    peak = predict_step(inputs, StepSettings(indices, reshard, offload, chosen, blocks_per_unit=blocks_per_unit))
+    kept = frozenset(i for i, name in enumerate(names) if name in set(kept_gathered))
+    peak = predict_step(inputs, StepSettings(indices, reshard, offload, chosen, kept, blocks_per_unit))
     return peak.peak, f"predicted peak {human_bytes(peak.peak)} per rank for example_input_array, at {peak.phase}"

@@ -5,9 +5,9 @@ Plain roofline arithmetic on what :mod:`.op_costs` counted, so every number can 
 - no checkpointing: nothing is repeated;
 - ``"selective"``: the cheap ops run again, bounded by memory bandwidth: ``cheap_bytes / bytes_per_s``;
 - ``"full"``: the whole forward runs again: ``flops / flops_per_s`` plus the cheap ops as above;
-- resharding a unit after forward: its parameters are all-gathered again in backward: ``latency`` plus, where
-  collectives do not overlap compute, ``gathered bytes x (world - 1) / world / link_bytes_per_s`` (where they
-  do, the prefetched gather moves while the later unit's backward computes); keeping it gathered costs nothing;
+- resharding a unit after forward: its parameters are all-gathered again in backward: ``latency`` plus, unless
+  the prefetched gather hides behind the later unit's backward (``regather_hidden``: GPU streams),
+  ``gathered bytes x (world - 1) / world / link_bytes_per_s``; keeping it gathered costs nothing;
 - each FSDP unit: ``unit_s`` per step for its hooks and the collectives the step's thread waits for
   (``blocks_per_unit``: fewer, larger units pay it fewer times); where collectives overlap compute (GPU streams;
   CPU ranks' asynchronous gloo collectives, ``sharding/cpu_overlap.py``), the first unit's all-gather and the
@@ -40,6 +40,8 @@ class DeviceRates:
         unit_s: fixed cost of one FSDP unit per step (its forward/backward hooks, the waits on its collectives).
         overlaps: whether collectives run beside compute (CUDA streams; gloo's worker threads once
             ``sharding/cpu_overlap.py`` issues them asynchronously, as setup does on CPU ranks).
+        regather_hidden: whether a resharded unit's backward all-gather costs only its ``latency_s`` (a GPU's
+            copy engines and NVLink run beside the SMs); on CPU ranks gloo's threads share the cores with compute.
     """
 
     flops_per_s: float
@@ -48,20 +50,23 @@ class DeviceRates:
     latency_s: float
     unit_s: float
     overlaps: bool
+    regather_hidden: bool
 
 
 GPU_RATES = DeviceRates(flops_per_s=300e12, bytes_per_s=2e12, link_bytes_per_s=100e9, latency_s=50e-6,
-                        unit_s=100e-6, overlaps=True)
+                        unit_s=100e-6, overlaps=True, regather_hidden=True)
 """Datasheet order of magnitude for an A100/H100-class GPU in bf16 with NVLink; ``unit_s`` is FSDP2's per-unit
 Python (hooks, copies) as its CPU launch overhead. Not measured here (no GPU was lent)."""
 
 CPU_RATES = DeviceRates(flops_per_s=100e9, bytes_per_s=10e9, link_bytes_per_s=0.6e9, latency_s=2e-3, unit_s=3e-3,
-                        overlaps=True)
+                        overlaps=True, regather_hidden=False)
 """One rank of the 2-core CPU with gloo in benchmarks/RESULTS.md ("where a step's time goes", "fewer, larger FSDP
 units", "CPU ranks overlap their collectives"): full recompute of the 6-block ViT ~55 ms for ~5 GFLOP; gloo moved
 0.5-0.75 GiB/s per rank; with the collectives asynchronous, one block per unit (6 units) cost ~20 ms a step more
 than 2 units of 3 blocks and one unit of all 6 ~20 ms more too (its gather and reduce-scatter exposed): ~3 ms
-per unit. (Before the overlap each unit cost 8-9 ms: its collectives' waits.) Stated, not general."""
+per unit (before the overlap each unit cost 8-9 ms: its collectives' waits); keeping the 6 blocks gathered for
+backward saved 28 ms of a full-checkpointing step, about their bytes at the link rate: not hidden. Stated, not
+general."""
 
 
 def rates_for(device: torch.device | str | None) -> DeviceRates:
@@ -80,7 +85,7 @@ def recompute_seconds(block: BlockMemory, mode: str | None, rates: DeviceRates, 
 def regather_seconds(gathered_bytes: int, world: int, rates: DeviceRates) -> float:
     """Seconds per step that resharding a block of ``gathered_bytes`` after forward adds (a second all-gather:
     its fixed cost, and its bytes where nothing overlaps them)."""
-    if rates.overlaps:  # prefetched during the later unit's backward
+    if rates.regather_hidden:  # prefetched during the later unit's backward
         return rates.latency_s
     return rates.latency_s + gathered_bytes * (world - 1) / world / rates.link_bytes_per_s
 

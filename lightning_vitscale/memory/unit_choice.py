@@ -1,11 +1,15 @@
 """``blocks_per_unit=None`` with the checkpointing chosen by the user: how many consecutive blocks share one FSDP
-unit, the fastest grouping whose predicted step peak fits.
+unit, and (``reshard_after_forward=None``) which units keep their gathered parameters for backward: the fastest
+such plan whose predicted step peak fits.
 
 FSDP runs its hooks and waits for a unit's collectives once per unit, a fixed cost that small blocks cannot
 amortise (8-9 ms per unit and step on a CPU rank, benchmarks/RESULTS.md); a larger unit holds more parameters
 and unsharded gradients at once. With the batch known at setup (``example_input_array``) the planner weighs both
 (:mod:`.step_model`, :mod:`.step_cost`) for the checkpointing and reshard the user set; without it the recipe's
-one block per unit stays. ``activation_checkpointing="auto"`` chooses the grouping with the rest of its plan
+one block per unit stays. A unit kept gathered saves its second all-gather in backward (on CPU ranks, where
+gloo's threads share the cores with compute, it is not hidden: benchmarks/RESULTS.md) at the cost of its
+parameters held from its forward to its backward; as under ``"auto"``, the last units are the ones kept (their
+backward comes first). ``activation_checkpointing="auto"`` chooses the grouping with the rest of its plan
 (:mod:`.plan_search`).
 """
 
@@ -16,35 +20,69 @@ from dataclasses import dataclass, replace
 from lightning_vitscale._utils import human_bytes
 from lightning_vitscale.memory.plan_search import unit_sizes
 from lightning_vitscale.memory.step_cost import DeviceRates, units_and_regather_seconds
-from lightning_vitscale.memory.step_model import StepInputs, StepSettings, predict_step
+from lightning_vitscale.memory.step_model import StepInputs, StepSettings, predict_step, unit_spans
 
 
 @dataclass(frozen=True)
 class UnitChoice:
-    """The blocks per unit chosen, and what it was weighed by (for the setup summary)."""
+    """The blocks per unit and the units kept gathered chosen, and what they were weighed by (for the summary).
+
+    ``kept_units``: how many of the last units keep their gathered parameters for backward (0 where the user's
+    reshard is fixed, or nothing fits). ``saved_seconds``: against one block per unit, every unit as the user's
+    reshard setting has it.
+    """
 
     per_unit: int
     saved_seconds: float
     peak: int
     budget: int
+    kept_units: int = 0
+    units: int = 1
+
+    def kept_gathered(self, n: int) -> frozenset[int]:
+        """The blocks (of ``n``) whose unit stays gathered from forward to backward."""
+        return kept_blocks(n, self.per_unit, self.kept_units)
 
     def describe(self) -> str:
-        if self.per_unit == 1:
+        if self.per_unit == 1 and self.kept_units == 0:
             return f"planner: no larger unit fits {human_bytes(self.budget)} or saves time"
-        return (f"planner: predicted {self.saved_seconds * 1e3:.1f} ms per step less than one block per unit,"
+        kept = f", {self.kept_units} of {self.units} units kept gathered for backward" if self.kept_units else ""
+        return (f"planner{kept}: predicted {self.saved_seconds * 1e3:.1f} ms per step less than one block per unit,"
                 f" peak {human_bytes(self.peak)} of {human_bytes(self.budget)}")
 
 
-def choose_blocks_per_unit(inputs: StepInputs, settings: StepSettings, budget: int, rates: DeviceRates) -> UnitChoice:
-    """The unit size (:func:`~.plan_search.unit_sizes`) with the least predicted step time whose peak fits
-    ``budget``, for ``settings``' checkpointing and reshard; 1 where nothing larger fits."""
+def kept_blocks(n: int, per_unit: int, kept_units: int) -> frozenset[int]:
+    """The blocks of the last ``kept_units`` units of ``per_unit`` blocks each (of ``n`` blocks)."""
+    spans = unit_spans(n, per_unit)
+    return frozenset(i for span in spans[len(spans) - kept_units:] for i in span) if kept_units else frozenset()
+
+
+def choose_blocks_per_unit(
+    inputs: StepInputs,
+    settings: StepSettings,
+    budget: int,
+    rates: DeviceRates,
+    may_keep: bool = False,
+    per_unit: int | None = None,
+) -> UnitChoice:
+    """The unit size (:func:`~.plan_search.unit_sizes`, or ``per_unit``) and, where ``may_keep`` (the user left
+    ``reshard_after_forward`` to the planner) and blocks reshard, the number of last units kept gathered, with the
+    least predicted step time whose peak fits ``budget``; ties go to less memory. One block per unit, nothing
+    kept, where nothing else fits."""
     n = len(inputs.profile.blocks)
 
-    def seconds(k: int) -> float:
-        return units_and_regather_seconds(inputs, replace(settings, blocks_per_unit=k), rates)
+    def planned(k: int, m: int) -> StepSettings:
+        return replace(settings, blocks_per_unit=k, kept_gathered=settings.kept_gathered | kept_blocks(n, k, m))
 
-    fitting = [k for k in unit_sizes(n, None)
-               if k == 1 or predict_step(inputs, replace(settings, blocks_per_unit=k)).peak <= budget]
-    best = min(fitting, key=lambda k: (seconds(k), k))
-    peak = predict_step(inputs, replace(settings, blocks_per_unit=best)).peak
-    return UnitChoice(best, seconds(1) - seconds(best), peak, budget)
+    def seconds(k: int, m: int) -> float:
+        return units_and_regather_seconds(inputs, planned(k, m), rates)
+
+    keeping = may_keep and settings.reshard_after_forward
+    candidates = [(k, m) for k in unit_sizes(n, per_unit)
+                  for m in (range(len(unit_spans(n, k)) + 1) if keeping else (0,))]
+    baseline = (per_unit or 1, 0)
+    fitting = [c for c in candidates if c == baseline or predict_step(inputs, planned(*c)).peak <= budget]
+    best_k, best_m = min(fitting, key=lambda c: (seconds(*c), c[1], c[0]))
+    peak = predict_step(inputs, planned(best_k, best_m)).peak
+    return UnitChoice(best_k, seconds(1, 0) - seconds(best_k, best_m), peak, budget, best_m,
+                      len(unit_spans(n, best_k)))

@@ -10,8 +10,9 @@ all-reduce runs in gloo's worker thread during backward). Two changes give CPU r
   asynchronous (a ``Work`` waited for at the unit's first use), so a prefetched gather runs during the previous
   unit's compute;
 - reduce-scatters: :class:`OverlappedReduceScatter`, set as every unit's reduce-scatter, issues the collective
-  with ``async_op=True`` and waits for all of them when backward ends (an autograd final callback), so a unit's
-  reduce-scatter runs while the earlier units' backward computes.
+  with ``async_op=True`` and waits for it when the next unit's reduce-scatter is issued, or when backward ends
+  (an autograd final callback): a unit's reduce-scatter runs while the previous unit's backward computes, and
+  no more gradient buffers are alive than under FSDP2's own (which frees a reduce-scatter's input at the next).
 
 The reduce-scatter's output is FSDP2's new gradient shard, viewed (not copied) into ``param.grad``; it is read
 before backward ends only when FSDP2 adds it to a gradient that already exists (accumulation), casts it to
@@ -59,6 +60,10 @@ class OverlappedReduceScatter(ReduceScatterComm):
         op: dist.ReduceOp | dist.ReduceOp.RedOpType,
         async_op: bool = False,
     ) -> dist.Work | None:
+        # At most one in flight: the previous unit's finishes before this one starts, as FSDP2 itself frees a
+        # reduce-scatter's input only at the next one. Unbounded, every unit's input (the whole model's unsharded
+        # gradients) would stay alive until backward ends.
+        self.pending.wait_all()
         work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, op=op, group=group, async_op=True)
         if self._read_at_once(output_tensor.dtype):
             work.wait()

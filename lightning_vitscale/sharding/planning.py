@@ -7,6 +7,7 @@ applied to the sharded units and described in the setup summary.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,25 +40,29 @@ class Planned:
         auto: the ``"auto"`` lifecycle (its choice, or the meta twin waiting for the first batch); ``None`` if off.
         measured: the fake-tensor measurement for the summary's predicted peak (``example_input_array``).
         units_choice: why the blocks per unit are what they are, where the planner chose them.
+        kept_gathered: blocks whose unit the planner keeps gathered from forward to backward (their units'
+            reshard left to it: ``reshard_after_forward=None``).
     """
 
     config: ParallelConfig
     auto: AutoCheckpointing | None = None
     measured: StepInputs | None = None
     units_choice: str | None = None
+    kept_gathered: tuple[str, ...] = ()
 
     def apply(self, module: nn.Module, summary: ParallelPlan, device: torch.device) -> None:
-        """After the pipeline: blocks kept gathered where ``"auto"`` chose so, and the summary's memory lines."""
+        """After the pipeline: blocks kept gathered where the planner chose so, and the summary's memory lines."""
         if self.units_choice is not None:
             summary.units_choice = self.units_choice
         if self.auto is not None:
             apply_auto_choice(module, self.auto, summary)
         elif self.measured is not None:
+            keep_gathered(module, self.kept_gathered)
             config = self.config
             reshard = config.sharding.reshard_after_forward is not False
             summary.predicted_peak, summary.memory = describe_prediction(
                 self.measured, summary.checkpointed, reshard, offloads(config, device), summary.selective,
-                config.sharding.per_unit,
+                config.sharding.per_unit, self.kept_gathered,
             )
 
 
@@ -71,15 +76,16 @@ def plan_before_sharding(
     measured = measure_for_summary(module, ranks.mesh.size(), precision.name, config.sharding.blocks, ranks.device)
     if measured is None or config.sharding.blocks_per_unit is not None:
         return Planned(config, measured=measured)
-    config, line = _choose_units(module, config, measured, ranks)
-    return Planned(config, measured=measured, units_choice=line)
+    config, line, kept = _choose_units(module, config, measured, ranks)
+    return Planned(config, measured=measured, units_choice=line, kept_gathered=kept)
 
 
 def _choose_units(
     module: nn.Module, config: ParallelConfig, measured: StepInputs, ranks: Ranks
-) -> tuple[ParallelConfig, str]:
-    """``blocks_per_unit=None`` with the batch known at setup: the planner's grouping for the checkpointing and
-    reshard the user chose (every rank the same: the fewest blocks per unit any rank chose)."""
+) -> tuple[ParallelConfig, str, tuple[str, ...]]:
+    """``blocks_per_unit=None`` with the batch known at setup: the planner's grouping for the checkpointing the user
+    chose, and with ``reshard_after_forward=None`` the units kept gathered. Every rank the same: the fewest blocks
+    per unit any rank chose, then the fewest units kept any rank chose for it."""
     names = [block.name for block in measured.profile.blocks]
     modes = [config.checkpointing.mode(i, name, module.get_submodule(name)) for i, name in enumerate(names)]
     settings = StepSettings(
@@ -89,10 +95,17 @@ def _choose_units(
         selective=frozenset(i for i, mode in enumerate(modes) if mode == "selective"),
     )
     budget = resolve_budget(None, device_memory(ranks.device, ranks.ranks_per_node))
-    choice = choose_blocks_per_unit(measured, settings, budget, rates_for(ranks.device))
+    may_keep, rates = config.sharding.reshard_after_forward is None, rates_for(ranks.device)
+    choice = choose_blocks_per_unit(measured, settings, budget, rates, may_keep)
     per_unit = -ranks.agree_max(-choice.per_unit)
-    line = choice.describe() if per_unit == choice.per_unit else "planner: the fewest any rank chose"
-    return dataclasses.replace(config, sharding=dataclasses.replace(config.sharding, blocks_per_unit=per_unit)), line
+    agreed = choice if per_unit == choice.per_unit else choose_blocks_per_unit(
+        measured, settings, budget, rates, may_keep, per_unit=per_unit)
+    kept_units = -ranks.agree_max(-agreed.kept_units)
+    line = choice.describe() if (per_unit, kept_units) == (choice.per_unit, choice.kept_units) else (
+        "planner: the fewest blocks per unit and units kept gathered any rank chose")
+    kept = dataclasses.replace(agreed, kept_units=kept_units).kept_gathered(len(names))
+    sharding = dataclasses.replace(config.sharding, blocks_per_unit=per_unit)
+    return dataclasses.replace(config, sharding=sharding), line, tuple(names[i] for i in sorted(kept))
 
 
 def offloads(config: ParallelConfig, device: torch.device) -> bool:
@@ -122,15 +135,20 @@ def _auto_checkpointing(
 
 
 def apply_auto_choice(module: nn.Module, auto: AutoCheckpointing, summary: ParallelPlan) -> None:
-    """Blocks keep their gathered parameters from forward to backward where the choice says so (one all-gather
-    per block fewer, a per-unit FSDP setting); the choice goes into the summary."""
+    """``"auto"``'s choice applied to the units (see :func:`keep_gathered`) and put into the summary."""
     choice = auto.choice
     if choice is not None:
         summary.checkpointed = choice.names
         summary.selective = [name for name, mode in choice.modes.items() if mode == "selective"]
         summary.predicted_peak = choice.plan.chosen.breakdown.peak
-        for name in choice.kept_gathered:
-            block = module.get_submodule(name)
-            assert isinstance(block, FSDPModule), f"{name} is not an FSDP unit"
-            block.set_reshard_after_forward(False, recurse=False)
+        keep_gathered(module, choice.kept_gathered)
     summary.memory = auto.describe()
+
+
+def keep_gathered(module: nn.Module, names: Sequence[str]) -> None:
+    """The units of blocks ``names`` keep their gathered parameters from forward to backward (one all-gather per
+    unit fewer; a unit's FSDP setting, shared by the blocks of a unit)."""
+    for name in names:
+        block = module.get_submodule(name)
+        assert isinstance(block, FSDPModule), f"{name} is not an FSDP unit"
+        block.set_reshard_after_forward(False, recurse=False)

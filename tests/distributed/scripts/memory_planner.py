@@ -125,15 +125,25 @@ def auto_first_step() -> dict:
     inputs = step_inputs(planned, torch.empty(batch, 3, 64, 64, device="meta"), world_size=WORLD,
                          precision="32-true", device="cpu", loop=training_loop(model))
     expected = choose(inputs, budget, budget, "32-true", batch, offload=False, rates=CPU_RATES).blocks
-    # The default's blocks per unit: the planner's for every block checkpointed, with the host's memory to spare.
+    # The default's blocks per unit and units kept gathered: the planner's for every block checkpointed, with the
+    # host's memory to spare.
     all_blocks = StepSettings(frozenset(range(kwargs["depth"])))
-    per_unit = choose_blocks_per_unit(inputs, all_blocks, 2**40, CPU_RATES).per_unit
+    units = choose_blocks_per_unit(inputs, all_blocks, 2**40, CPU_RATES, may_keep=True)
+    kept = units.kept_gathered(kwargs["depth"])
     return dict(checkpointed=strategy.plan.checkpointed, summary=strategy.plan.summary(),
                 expected=[expected.full, expected.selective, expected.resharded],
                 patched=[checkpoint_mode(b) for b in model.blocks], losses=model.losses,
                 default_summary=default.plan.summary(), default_peak=default.plan.predicted_peak,
-                default_per_unit=default.plan.blocks_per_unit, expected_per_unit=per_unit,
-                every=predict_step(inputs, replace(all_blocks, blocks_per_unit=per_unit)).peak)
+                default_per_unit=default.plan.blocks_per_unit, expected_per_unit=units.per_unit,
+                default_kept=[i for i, block in enumerate(other.blocks) if not resharded(block)],
+                expected_kept=sorted(kept),
+                every=predict_step(inputs, replace(all_blocks, blocks_per_unit=units.per_unit,
+                                                   kept_gathered=kept)).peak)
+
+
+def resharded(block) -> bool:
+    """Whether FSDP2 frees ``block``'s unit's gathered parameters after forward (its post-forward mesh is set)."""
+    return block._get_fsdp_state()._fsdp_param_groups[0].post_forward_mesh_info is not None
 
 
 if __name__ == "__main__":

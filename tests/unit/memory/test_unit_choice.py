@@ -50,15 +50,16 @@ def test_fewer_units_where_memory_allows_when_collectives_do_not_overlap(inputs)
 
 @pytest.mark.parametrize("rates", [GPU_RATES, CPU_RATES], ids=["gpu", "cpu"])
 def test_where_collectives_overlap_compute_a_large_unit_exposes_its_all_gather(inputs, rates):
-    """With collectives beside compute (GPU streams; CPU ranks' asynchronous gloo) a unit's fixed cost is small,
-    a resharded unit's second gather hides behind backward, and the first unit's all-gather and the last one's
-    reduce-scatter have nothing to hide behind: the choice weighs both (checked against the formula)."""
+    """With collectives beside compute (GPU streams; CPU ranks' asynchronous gloo) a unit's fixed cost is small
+    and the first unit's all-gather and the last one's reduce-scatter have nothing to hide behind: the choice
+    weighs both (checked against the formula; a resharded unit's second gather hides only on a GPU)."""
     for k in (1, 2, 3, DEPTH):
         settings = replace(EVERY, blocks_per_unit=k)
         block = sum(torch.Size(s).numel() for s in inputs.layout.blocks[0]) * 4
         units = -(-DEPTH // k)
         exposed = 2 * k * block * (2 - 1) / 2 / rates.link_bytes_per_s
-        expected = units * (rates.unit_s + rates.latency_s) + exposed
+        regather = 0.0 if rates.regather_hidden else units * k * block / 2 / rates.link_bytes_per_s
+        expected = units * (rates.unit_s + rates.latency_s) + exposed + regather
         assert units_and_regather_seconds(inputs, settings, rates) == pytest.approx(expected)
     seconds = {k: units_and_regather_seconds(inputs, replace(EVERY, blocks_per_unit=k), rates)
                for k in (1, 2, 3, DEPTH)}
@@ -67,3 +68,27 @@ def test_where_collectives_overlap_compute_a_large_unit_exposes_its_all_gather(i
         assert min(seconds, key=seconds.get) == 2
 
 
+
+
+def test_units_stay_gathered_for_backward_where_memory_allows_and_the_reshard_is_left_to_the_planner(inputs):
+    """``reshard_after_forward=None``: with memory to spare every unit keeps its parameters (no second all-gather);
+    under a budget between, only the last units (their backward comes first); with the reshard set, none."""
+    fixed = choose_blocks_per_unit(inputs, EVERY, 2**40, CPU_RATES)
+    assert fixed.kept_units == 0 and fixed.kept_gathered(DEPTH) == frozenset()
+    ample = choose_blocks_per_unit(inputs, EVERY, 2**40, CPU_RATES, may_keep=True)
+    assert ample.kept_units == ample.units == -(-DEPTH // ample.per_unit)
+    assert ample.kept_gathered(DEPTH) == frozenset(range(DEPTH))
+    assert ample.saved_seconds > fixed.saved_seconds
+    assert f"planner, {ample.units} of {ample.units} units kept gathered for backward" in ample.describe()
+
+    def kept_peak(k: int, m: int) -> int:
+        kept = choose_blocks_per_unit(inputs, EVERY, 2**40, CPU_RATES, may_keep=True, per_unit=k)
+        settings = replace(EVERY, blocks_per_unit=k, kept_gathered=replace(kept, kept_units=m).kept_gathered(DEPTH))
+        return predict_step(inputs, settings).peak
+
+    # Pinned to one block per unit, a budget that holds 4 kept units but not 5: the last four blocks stay gathered
+    # (keeping the last few costs no peak here: the step peaks elsewhere).
+    between = choose_blocks_per_unit(inputs, EVERY, kept_peak(1, 4), CPU_RATES, may_keep=True, per_unit=1)
+    assert kept_peak(1, 4) < kept_peak(1, 5)
+    assert (between.per_unit, between.kept_units) == (1, 4) and between.peak <= kept_peak(1, 4)
+    assert between.kept_gathered(DEPTH) == frozenset(range(DEPTH - 4, DEPTH))

@@ -95,3 +95,32 @@ def test_prefetch_defaults_to_one_unit_ahead_on_cpu_and_to_fsdp2s_own_on_gpus():
     assert ShardingPolicy(prefetch=2).prefetch_on("cuda") == 2
     with pytest.raises(ValueError, match="None or an int >= 0"):
         ShardingPolicy(prefetch=-1)
+
+
+class ReduceScattersInBackward(torch.autograd.Function):
+    """Three units' reduce-scatters issued from one backward, as FSDP2's post-backward hooks issue them."""
+
+    @staticmethod
+    def forward(ctx, x, comm, seen):  # type: ignore[override]
+        ctx.comm, ctx.seen = comm, seen
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        import torch.distributed as dist
+
+        for _ in range(3):
+            ctx.comm(output_tensor=torch.empty(4), input_tensor=torch.ones(4), group=dist.group.WORLD,
+                     op=dist.ReduceOp.SUM)
+            ctx.seen.append(len(ctx.comm.pending.works))
+        return grad, None, None
+
+
+def test_at_most_one_reduce_scatter_is_in_flight(mesh):
+    """Each reduce-scatter waits for the previous one before it starts: no more gradient buffers alive than under
+    FSDP2's own (an unbounded queue held the whole model's unsharded gradients until backward ended)."""
+    pending, seen = PendingReductions(), []
+    comm = OverlappedReduceScatter(pending, _params())
+    x = torch.ones(2, requires_grad=True)
+    ReduceScattersInBackward.apply(x, comm, seen).sum().backward()
+    assert seen == [1, 1, 1] and pending.works == []
