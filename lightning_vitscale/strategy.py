@@ -79,7 +79,10 @@ class VitScaleStrategy(ModelParallelStrategy):
         kernels: ``"auto"`` (CUDA: per-block ``torch.compile``, fused AdamW, and xformers attention where it is
             installed and measures faster; CPU: eager), ``"eager"``, or a :class:`KernelPolicy`.
         reshard_after_forward: ``None`` = the recipe (blocks free gathered parameters after forward, the outer
-            unit keeps what backward needs); ``True``/``False`` forces it for all units.
+            unit keeps what backward needs), except where the planner knows the batch at setup
+            (``example_input_array``, ``blocks_per_unit=None``, or ``"auto"``): then the last units stay gathered
+            for backward as far as the memory budget allows (one all-gather per unit fewer); ``True``/``False``
+            forces it for all units.
         sharding: ``"full"`` shards over every rank (least memory); ``"hybrid"`` shards inside each node and
             replicates across nodes (all-gathers and reduce-scatters stay on intra-node links; only one gradient
             all-reduce per unit crosses nodes); an ``int`` sets the shard-group size (it must divide the world).

@@ -43,8 +43,9 @@ class ShardingPolicy:
         offload: ``"cpu"`` keeps the sharded parameters, gradients and optimizer state in host memory (FSDP2's
             ``CPUOffloadPolicy``); the optimizer then steps on the CPU.
         reshard_after_forward: ``None`` is the recipe (blocks free their gathered parameters after forward, the
-            outer unit keeps its own for backward); ``True``/``False`` force it for every unit; an ``int`` reshards
-            blocks to that smaller world size (FSDP2 hybrid reshard).
+            outer unit keeps its own for backward), with units kept gathered where the planner chooses so (batch
+            known at setup and ``blocks_per_unit=None``, or ``"auto"``); ``True``/``False`` force it for every
+            unit; an ``int`` reshards blocks to that smaller world size (FSDP2 hybrid reshard).
         accumulation: with ``accumulate_grad_batches > 1``: ``"sharded"`` reduce-scatters every micro-batch
             (least memory), ``"unsharded"`` keeps unsharded gradients until the last micro-batch (one
             reduce-scatter per optimizer step, as DDP's ``no_sync``), ``"auto"`` the latter where it fits.
