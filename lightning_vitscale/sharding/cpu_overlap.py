@@ -41,8 +41,9 @@ from lightning_vitscale._compat import (
 class OverlappedReduceScatter(ReduceScatterComm):
     """One FSDP unit's reduce-scatter, asynchronous unless the unit's gradient shard is read before backward ends.
 
-    ``pending`` is shared by every unit of a model: the works still in flight, waited for together when backward
-    ends. ``params`` are the unit's parameters, checked at each call for the cases that read the output at once.
+    ``pending`` is shared by every unit of a model: the one work still in flight, waited for when the next unit's
+    reduce-scatter starts or when backward ends. ``params`` are the unit's parameters, checked at each call for the
+    cases that read the output at once.
     """
 
     def __init__(self, pending: PendingReductions, params: Sequence[nn.Parameter]) -> None:
