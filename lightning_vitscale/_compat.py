@@ -137,6 +137,8 @@ def initialize_fsdp_root(root: FSDPModule) -> None:
     the first step (``pl_module.net(x)`` in ``on_train_start``), would make that child a root and break the step
     (``FSDP state has already been lazily initialized for ...``). No-op once initialised."""
     root._get_fsdp_state()._lazy_init()
+
+
 def set_unshard_async(unit: FSDPModule, async_op: bool) -> None:
     """FSDP2's all-gathers of ``unit`` and the units below it issued with ``async_op`` (a ``Work`` waited for at
     the unit's first use): on CPU, where there are no streams, the only way a prefetched gather overlaps compute."""
@@ -198,19 +200,19 @@ __all__ = [
     "dynamo",
     "fully_shard",
     "fused_kernel_devices",
-    "queue_end_of_backward",
-    "set_unshard_async",
-    "unit_parameters",
     "get_layout",
     "initialize_fsdp_root",
     "on_child_failure",
     "optimizers_to_device",
+    "queue_end_of_backward",
     "rebuild_from_type_v2",
     "rebuild_tensor_v2",
     "restore_location",
     "set_device_mesh",
     "set_lightning_device",
     "set_parameters",
+    "set_unshard_async",
     "setup_distributed",
     "tree_map",
+    "unit_parameters",
 ]

@@ -49,6 +49,7 @@ class OverlappedReduceScatter(ReduceScatterComm):
     def __init__(self, pending: PendingReductions, params: Sequence[nn.Parameter]) -> None:
         self.pending = pending
         self.params = list(params)
+        self.param_dtypes = {param.dtype for param in self.params}  # fixed once sharded: checked per call below
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -76,12 +77,11 @@ class OverlappedReduceScatter(ReduceScatterComm):
         """Whether FSDP2 reads the output right after this call (see the module docstring)."""
         if reduce_dtype not in (torch.float32, torch.bfloat16):
             return True  # fp16: pre/post division around the collective
-        for param in self.params:
-            if param.grad is not None or param.dtype != reduce_dtype:
-                return True
-            if getattr(param, "_post_accumulate_grad_hooks", None):
-                return True
-        return False
+        if self.param_dtypes - {reduce_dtype}:
+            return True  # FSDP2 casts the output to the parameters' dtype
+        # An existing gradient (accumulation) or a hook registered at any time since setup: checked per call.
+        return any(param.grad is not None or getattr(param, "_post_accumulate_grad_hooks", None)
+                   for param in self.params)
 
 
 class PendingReductions:
@@ -105,13 +105,12 @@ class PendingReductions:
             work.wait()
 
 
-def overlap_collectives_on_cpu(units: Iterable[FSDPModule], reduce_scatters: bool) -> PendingReductions:
+def overlap_collectives_on_cpu(units: Iterable[FSDPModule], reduce_scatters: bool) -> None:
     """Make ``units`` (every FSDP unit of one model on CPU ranks) overlap their collectives with compute: the
     all-gathers always, the reduce-scatters where ``reduce_scatters`` (a 1-D mesh: under hybrid sharding FSDP2
-    all-reduces the reduce-scatter's output at once). Returns the shared pending reductions."""
+    all-reduces the reduce-scatter's output at once). The units share one :class:`PendingReductions`."""
     pending = PendingReductions()
     for unit in units:
         if reduce_scatters:
             unit.set_custom_reduce_scatter(OverlappedReduceScatter(pending, unit_parameters(unit)))
         set_unshard_async(unit, True)
-    return pending

@@ -145,13 +145,13 @@ def parallelize(
 
     # 5b. Explicit prefetch: each unit starts the next one's all-gather as soon as its own is done. On CPU the
     #     collectives become asynchronous (gloo's worker threads), or nothing would overlap there.
-    units = [outer, *block_units]
-    set_prefetch(units, config.sharding.prefetch_on(device.type))
+    units, prefetch = [outer, *block_units], config.sharding.prefetch_on(device.type)
+    set_prefetch(units, prefetch)
     overlap = ""
     if device.type == "cpu" and mesh.size() > 1:
         overlap_collectives_on_cpu(units, reduce_scatters=mesh.ndim == 1)
         overlap = (f"asynchronous on CPU (all-gathers{'' if mesh.ndim > 1 else ', reduce-scatters'}),"
-                   f" prefetch {config.sharding.prefetch_on(device.type)}")
+                   f" prefetch {prefetch}")
 
     # 6. Name what the meta path could not reproduce; how the weights were made goes into the summary.
     init_path, init_peak, init_seconds = weights.finish()

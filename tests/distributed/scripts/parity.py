@@ -80,6 +80,7 @@ def run(backbone: str, config: str, strategy: str) -> dict:
             units=trainer.strategy.plan.units,
             selective=len(trainer.strategy.plan.selective),
             accumulation=trainer.strategy.plan.accumulation,
+            overlap=trainer.strategy.plan.overlap,
         )
     return facts
 
