@@ -245,18 +245,20 @@ def _under(event, prefixes: tuple[str, ...]) -> bool:
 def count_reduce_scatters(step: Callable[[], None]) -> int:
     import torch.distributed as dist
 
+    from lightning_vitscale._compat import REDUCE_SCATTER
+
     calls = [0]
-    original = dist.reduce_scatter_single
+    original = getattr(dist, REDUCE_SCATTER)
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return original(*args, **kwargs)
 
-    dist.reduce_scatter_single = counted
+    setattr(dist, REDUCE_SCATTER, counted)
     try:
         step()
     finally:
-        dist.reduce_scatter_single = original
+        setattr(dist, REDUCE_SCATTER, original)
     return calls[0]
 
 

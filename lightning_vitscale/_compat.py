@@ -22,6 +22,7 @@ if TORCH_VERSION < TORCH_API_MIN:  # pragma: no cover - pyproject requires a new
 # Below the gate, so an old torch fails with the message above rather than on a missing name (ruff: E402 allowed
 # in this file only, see pyproject.toml).
 import torch._dynamo as dynamo  # regional compilation's dynamo options (kernels/compile.py)
+import torch.distributed as dist
 from lightning.fabric.plugins.io import torch_io as lightning_torch_io
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver as ChildProcessObserver
 from lightning.fabric.utilities.distributed import _destroy_dist_connection as destroy_process_group_safely
@@ -145,9 +146,44 @@ def set_unshard_async(unit: FSDPModule, async_op: bool) -> None:
     unit._set_unshard_async_op(async_op)
 
 
+def fsdp_param_groups(unit: FSDPModule) -> list[Any]:
+    """FSDP2's parameter groups of ``unit`` itself (none for a unit that holds no parameter of its own): a list
+    since torch 2.12 (``_fsdp_param_groups``), one optional group before (``_fsdp_param_group``)."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []  # torch <= 2.11
+
+
 def unit_parameters(unit: FSDPModule) -> list[torch.nn.Parameter]:
     """The sharded parameters ``unit`` itself manages (not those of the units nested in it)."""
-    return [p.sharded_param for group in unit._get_fsdp_state()._fsdp_param_groups for p in group.fsdp_params]
+    return [p.sharded_param for group in fsdp_param_groups(unit) for p in group.fsdp_params]
+
+
+# The name FSDP2 calls its reduce-scatter by (``reduce_scatter_single`` since torch 2.12; it deprecates the older
+# ``reduce_scatter_tensor``): looked up on ``torch.distributed`` at each call, as FSDP2 does, so tools that wrap
+# the collective (tests counting them) see ours too.
+REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, group: Any, async_op: bool) -> Any:
+    """``torch.distributed``'s tensor reduce-scatter under this torch's name for it (:data:`REDUCE_SCATTER`)."""
+    return getattr(dist, REDUCE_SCATTER)(output, input, op=op, group=group, async_op=async_op)
+
+
+def keep_storage_data(writer: Any) -> Any:
+    """``writer`` whose ``finish`` also records which file holds each value (``storage_data``) on the
+    ``Metadata`` object that ``dcp.save`` returns, as torch >= 2.12 does itself: torch 2.11's
+    ``FileSystemWriter.finish`` fills a copy (``dataclasses.replace``), so the returned one lists no file."""
+    finish = writer.finish
+
+    def finish_keeping_storage_data(metadata: Any, results: Any) -> None:
+        metadata.storage_data = {result.index: result.storage_data for batch in results for result in batch}
+        finish(metadata=metadata, results=results)
+
+    writer.finish = finish_keeping_storage_data
+    return writer
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
@@ -198,15 +234,19 @@ __all__ = [
     "dcp_load_into",
     "destroy_process_group_safely",
     "dynamo",
+    "fsdp_param_groups",
     "fully_shard",
     "fused_kernel_devices",
     "get_layout",
     "initialize_fsdp_root",
+    "keep_storage_data",
     "on_child_failure",
     "optimizers_to_device",
     "queue_end_of_backward",
     "rebuild_from_type_v2",
     "rebuild_tensor_v2",
+    "REDUCE_SCATTER",
+    "reduce_scatter",
     "restore_location",
     "set_device_mesh",
     "set_lightning_device",

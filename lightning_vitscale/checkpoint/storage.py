@@ -16,7 +16,7 @@ from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from torch.distributed.checkpoint import FileSystemWriter
 
-from lightning_vitscale._compat import FsspecWriter
+from lightning_vitscale._compat import FsspecWriter, keep_storage_data
 
 DCP_METADATA = ".metadata"
 
@@ -77,7 +77,9 @@ class Location:
         return self.fs.open(self.path, mode)
 
     def writer(self) -> FileSystemWriter:
-        return FsspecWriter(self.url) if self.is_url else FileSystemWriter(self.path)
+        """DCP's writer for this folder; the ``Metadata`` that ``dcp.save`` returns lists the written files
+        (``storage_data``) on every torch the package supports (see ``_compat.keep_storage_data``)."""
+        return keep_storage_data(FsspecWriter(self.url) if self.is_url else FileSystemWriter(self.path))
 
 
 def has_sharded_marker(folder: Location) -> bool:

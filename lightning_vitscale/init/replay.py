@@ -86,10 +86,13 @@ class InitRecorder(TorchDispatchMode):
         super().__init__()
         self.recipes: dict[int, Recipe] = {}
         self._alive: list[torch.Tensor] = []  # keeps storages alive, so no address is reused for another tensor
+        self._paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self._paused:
+            return out
         try:
             self._observe(func.overloadpacket.__name__, args, kwargs, out)
         except (RuntimeError, NotImplementedError):  # storage-less tensor kinds: nothing to record
@@ -151,6 +154,18 @@ class InitRecorder(TorchDispatchMode):
         else:
             recipe.broken = f"`{step[0]}` wrote only part of the tensor"
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops run meanwhile are not recorded: the inside of an ``nn.init`` function already recorded whole by
+        :meth:`mark` (torch 2.11 runs ``trunc_normal_``'s ``uniform_``, ``erfinv_``, ... and ``orthogonal_``'s
+        ``mul_`` by a tensor on meta tensors, later releases return early), so the recipe, or the reason it
+        cannot replay, is the same on every torch."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
     def recipe_of(self, tensor: torch.Tensor) -> Recipe | None:
         return self.recipes.get(_key(tensor)) if tensor.is_meta else None
 
@@ -163,12 +178,14 @@ def recording() -> Iterator[InitRecorder]:
 
     def trunc_normal(tensor, mean, std, a, b, generator=None):  # type: ignore[no-untyped-def]
         recorder.mark(tensor, ("trunc_normal_", (mean, std, a, b), {}))
-        return originals["_no_grad_trunc_normal_"](tensor, mean, std, a, b, generator)
+        with recorder.paused():
+            return originals["_no_grad_trunc_normal_"](tensor, mean, std, a, b, generator)
 
     def refusing(name: str):  # type: ignore[no-untyped-def]
         def init(tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
             recorder.mark(tensor, f"`nn.init.{name}` is not elementwise")
-            return originals[name](tensor, *args, **kwargs)
+            with recorder.paused():
+                return originals[name](tensor, *args, **kwargs)
 
         return init
 

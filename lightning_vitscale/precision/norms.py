@@ -9,7 +9,6 @@ the output back; one coalesced all-reduce per backward averages their gradients.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, cast
 
 import torch
@@ -21,6 +20,7 @@ from lightning_vitscale.distributed.mesh import all_reduce_over, replicated_plac
 
 _PARAMS = "_vitscale_fp32_params"
 _DTYPE = "_vitscale_norm_dtype"
+_BASE = "_vitscale_norm_class"  # on the fp32 class (_fp32_class): the norm's own class, whose forward runs
 
 
 def _floating_input_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype | None:
@@ -52,7 +52,7 @@ class ReplicatedNorms:
             self.params.append(replicated)
         setattr(module, _PARAMS, originals)
         setattr(module, _DTYPE, self.dtype)
-        module.forward = functools.partial(_fp32_forward, module)
+        module.__class__ = _fp32_class(type(module))
 
     def ignored(self) -> set[nn.Parameter]:
         return set(self.params)
@@ -73,16 +73,32 @@ class ReplicatedNorms:
         return sum(1 for dim in range(self.mesh.ndim) if self.mesh.size(dim) > 1)
 
 
+_FP32_CLASSES: dict[type, type] = {}
+
+
+def _fp32_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """``cls`` with :func:`_fp32_forward` as its forward, one class per norm class (as FSDP2 swaps a unit's class
+    to ``FSDP<cls>``): still an instance of ``cls`` for ``isinstance``, and ``type(m).__name__`` unchanged.
+
+    A class, not a per-instance ``forward`` attribute: dynamo guards on the identity of an instance's forward
+    (a ``functools.partial`` per norm on torch 2.11), so every compiled block after the first recompiled; a
+    forward on the class is guarded by the class, which identical blocks share.
+    """
+    if cls not in _FP32_CLASSES:
+        attrs = {"forward": _fp32_forward, _BASE: cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        _FP32_CLASSES[cls] = type(cls.__name__, (cls,), attrs)
+    return _FP32_CLASSES[cls]
+
+
 def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A converted norm's forward: its own class's forward on local fp32 parameters and fp32 inputs.
 
     to_local() is differentiable, so the gradient lands on the replicated DTensor parameter (its local part;
     ``reduce_grads()`` averages it). ``finally``: a forward that raises must still give the module its DTensor
     parameters back, or it would keep plain local tensors (wrong optimizer targets, wrong checkpoint) after the
-    exception. A wrapped forward, not hooks: an always-called forward hook makes dynamo guard on each norm's
-    hook id, so identical compiled blocks would no longer share one graph. For the same reason this is a plain
-    function that reads everything from the module: a bound method, dict or method bound into the partial
-    gets an identity guard per norm.
+    exception. A forward, not hooks: an always-called forward hook makes dynamo guard on each norm's hook id,
+    so identical compiled blocks would no longer share one graph. For the same reason everything is read from
+    the module and its class (:func:`_fp32_class`): anything bound per norm gets an identity guard per norm.
     """
     params: dict[str, DTensor] = getattr(module, _PARAMS)
     out_dtype = _floating_input_dtype(args, kwargs)
@@ -90,7 +106,7 @@ def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     args, kwargs = tree_map(to_norm_dtype, args), tree_map(to_norm_dtype, kwargs)
     set_parameters(module, {name: param.to_local() for name, param in params.items()})
     try:
-        output = type(module).forward(module, *args, **kwargs)
+        output = getattr(type(module), _BASE).forward(module, *args, **kwargs)
     finally:
         set_parameters(module, params)
     return tree_map(_caster(out_dtype), output) if out_dtype is not None else output

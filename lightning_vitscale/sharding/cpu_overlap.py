@@ -33,6 +33,7 @@ from lightning_vitscale._compat import (
     FSDPModule,
     ReduceScatterComm,
     queue_end_of_backward,
+    reduce_scatter,
     set_unshard_async,
     unit_parameters,
 )
@@ -66,7 +67,7 @@ class OverlappedReduceScatter(ReduceScatterComm):
         # reduce-scatter's input only at the next one. Unbounded, every unit's input (the whole model's unsharded
         # gradients) would stay alive until backward ends.
         self.pending.wait_all()
-        work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, op=op, group=group, async_op=True)
+        work = reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=True)
         if self._read_at_once(output_tensor.dtype):
             work.wait()
         else:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_vitscale._compat import fsdp_param_groups
 from lightning_vitscale.policies import ParallelConfig
 from lightning_vitscale.precision.settings import resolve_flag
 from lightning_vitscale.sharding.outer_unit import OuterUnit
@@ -37,7 +38,7 @@ def main(out: str) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("data_parallel",))
     root = OuterUnit(ours)
     done = parallelize(root, ours, mesh, ParallelConfig(), resolve_flag("32-true"), torch.device("cpu"))
-    pending = root._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm.pending
+    pending = fsdp_param_groups(root)[0]._reduce_scatter_comm.pending
     in_flight: list[int] = []
     ours.encoder.layers[0].register_full_backward_hook(lambda *_: in_flight.append(len(pending.works)))
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+from lightning_vitscale._compat import fsdp_param_groups
 from lightning_vitscale.cli.demo import TinyViT
 from lightning_vitscale.kernels.optimizers import prefer_foreach
 from lightning_vitscale.memory.planner import step_inputs
@@ -143,7 +144,7 @@ def auto_first_step() -> dict:
 
 def resharded(block) -> bool:
     """Whether FSDP2 frees ``block``'s unit's gathered parameters after forward (its post-forward mesh is set)."""
-    return block._get_fsdp_state()._fsdp_param_groups[0].post_forward_mesh_info is not None
+    return fsdp_param_groups(block)[0].post_forward_mesh_info is not None
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_vitscale import VitScaleStrategy, measure_state_bytes
-from lightning_vitscale._compat import FSDPModule
+from lightning_vitscale._compat import REDUCE_SCATTER, FSDPModule
 from tests.helpers.models import Classifier, loader
 
 warnings.filterwarnings("ignore")
@@ -37,19 +37,20 @@ STRATEGY = {"selective_accum4": {"activation_checkpointing": "selective"}, "grou
 
 @contextmanager
 def counting_reduce_scatters() -> Iterator[Counter[str]]:
-    """Counts FSDP2's reduce-scatters (``dist.reduce_scatter_single``, looked up at call time) while active."""
+    """Counts FSDP2's reduce-scatters (``dist.reduce_scatter_single``, ``reduce_scatter_tensor`` on torch 2.11:
+    looked up at call time) while active."""
     counts: Counter[str] = Counter()
-    original = dist.reduce_scatter_single
+    original = getattr(dist, REDUCE_SCATTER)
 
     def counted(*args, **kwargs):
         counts["reduce_scatter"] += 1
         return original(*args, **kwargs)
 
-    dist.reduce_scatter_single = counted
+    setattr(dist, REDUCE_SCATTER, counted)
     try:
         yield counts
     finally:
-        dist.reduce_scatter_single = original
+        setattr(dist, REDUCE_SCATTER, original)
 
 
 def run(backbone: str, config: str, strategy: str) -> dict:

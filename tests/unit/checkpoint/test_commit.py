@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
@@ -92,6 +93,9 @@ def save_killed_at(url: str, step: int, at: int, shards_only: bool = False) -> b
     if pid == 0:  # pragma: no cover - the child
         try:
             with pytest.MonkeyPatch.context() as patch:
+                # The child saves alone: the session's world-size-1 process group (tests/unit/conftest.py) is the
+                # parent's, its gloo threads are not forked, and torch 2.11's dcp.save would wait on them forever.
+                patch.setattr(dist, "is_initialized", lambda: False)
                 Killer(at, shards_only).install(patch)
                 save(url, step)
         finally:

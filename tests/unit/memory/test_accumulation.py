@@ -28,7 +28,7 @@ def test_unknown_accumulation_mode_fails_at_construction():
 
 
 def test_gradient_sync_off_switches_every_unit_and_back(mesh):
-    from lightning_vitscale._compat import fully_shard
+    from lightning_vitscale._compat import fsdp_param_groups, fully_shard
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     for layer in model:
@@ -36,7 +36,7 @@ def test_gradient_sync_off_switches_every_unit_and_back(mesh):
     fully_shard(model, mesh=mesh)
 
     def syncing() -> list[bool]:
-        return [group.reduce_grads for m in model.modules() for group in m._get_fsdp_state()._fsdp_param_groups]
+        return [group.reduce_grads for m in model.modules() for group in fsdp_param_groups(m)]
 
     assert syncing() == [True, True]  # the root holds no parameters of its own: no group
     with gradient_sync_off(model):

@@ -77,7 +77,7 @@ def test_step_traffic_by_hand(units, norms, precision, shard, expected):
 
 @pytest.mark.parametrize("offload", [None, "cpu"])
 def test_offload_policy_reaches_every_unit_and_the_optimizer_steps(mesh, offload):
-    from lightning_vitscale._compat import CPUOffloadPolicy, FSDPModule
+    from lightning_vitscale._compat import CPUOffloadPolicy, FSDPModule, fsdp_param_groups
     from lightning_vitscale.policies import ParallelConfig, ShardingPolicy
     from lightning_vitscale.precision.settings import resolve_flag
     from lightning_vitscale.sharding.outer_unit import OuterUnit
@@ -91,7 +91,7 @@ def test_offload_policy_reaches_every_unit_and_the_optimizer_steps(mesh, offload
                 torch.device("cpu"))
     units = [m for m in root.modules() if isinstance(m, FSDPModule)]
     assert len(units) == 3
-    policies = [unit._get_fsdp_state()._fsdp_param_group.offload_policy for unit in units]
+    policies = [fsdp_param_groups(unit)[0].offload_policy for unit in units]
     assert all(isinstance(p, CPUOffloadPolicy) == (offload == "cpu") for p in policies)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     before = model.head.weight.full_tensor().clone()
