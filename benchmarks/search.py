@@ -72,3 +72,45 @@ def largest_batch(try_batch: Callable[[int], str], start: int, limit: int, granu
             result.stopped_by = status
     result.largest = good or None
     return result
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A largest-batch estimate from peaks measured at two batches.
+
+    Attributes:
+        batch: the batch to try: the estimate, rounded down to ``granularity`` and at most the limit.
+        unbounded: the estimate before the limit (``None`` if the peak does not grow with the batch).
+        base_gib: the line's intercept (parameters, gradients, optimizer state, workspaces).
+        per_sample_gib: its slope (activations per sample).
+        bound: ``"memory"`` (the estimate) or ``"limit"`` (the cap was lower).
+    """
+
+    batch: int
+    unbounded: int | None
+    base_gib: float
+    per_sample_gib: float
+    bound: str
+
+
+def fit_largest(points: list[tuple[int, float]], memory_gib: float, fraction: float, granularity: int,
+                limit: int) -> Fit:
+    """The batch whose peak reaches ``fraction`` of ``memory_gib`` on the line through two ``(batch, peak GiB)``
+    points; the fraction leaves the allocator's fragmentation and the CUDA context their room."""
+    (b1, p1), (b2, p2) = sorted(points)
+    if b2 == b1:
+        raise ValueError(f"need peaks at two different batches; got {points}")
+    slope = (p2 - p1) / (b2 - b1)
+    base = p1 - slope * b1
+    if slope <= 0:
+        return Fit(limit, None, base, slope, "limit")
+    unbounded = int((fraction * memory_gib - base) / slope)
+    batch = min(unbounded, limit) // granularity * granularity
+    return Fit(max(batch, granularity), unbounded, base, slope, "memory" if unbounded < limit else "limit")
+
+
+def step_down(batch: int, granularity: int, factor: float = 0.8) -> int:
+    """The next smaller batch to try after an out-of-memory: ``factor`` of it, rounded down to ``granularity``,
+    and always smaller (0: nothing left to try)."""
+    smaller = int(batch * factor) // granularity * granularity
+    return min(smaller, batch - granularity) if batch > granularity else 0

@@ -1,0 +1,193 @@
+"""Merge what ``gpu_run.sh``'s parts wrote into the files that come back from a GPU machine.
+
+Usage (gpu_run.sh calls it last, whatever happened before)::
+
+    python benchmarks/gpu_report.py --work WORK_DIR --out OUT_DIR --command "bash benchmarks/gpu_run.sh ..."
+
+Writes ``OUT_DIR/gpu_results.json`` (every number: environment, parts, tests, trials), ``OUT_DIR/gpu_results.md``
+(the section for benchmarks/RESULTS.md: device, versions, command, tables) and ``OUT_DIR/gpu_throughput.png``.
+A part cut short by its timeout leaves its trials in ``vit_gpu_trials.jsonl`` (written as each trial ends):
+the tables are rebuilt from there, and say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.search import OK  # noqa: E402
+from benchmarks.tables import MFU_FORMULA, fmt, markdown_table  # noqa: E402
+
+THROUGHPUT_PARTS = ("vit_h14", "vit_b16")  # gpu_run.sh's --stem of each vit_gpu.py call, in report order
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def pytest_rows(path: Path) -> list[dict]:
+    """One row per test case of a JUnit XML report: outcome, seconds, and the first line of any message."""
+    if not path.is_file():
+        return []
+    rows = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            found = case.find(tag)
+            if found is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                message = (found.get("message") or found.text or "").strip().splitlines()[0][:200] if (
+                    found.get("message") or found.text) else ""
+                break
+        rows.append(dict(test=f"{case.get('classname')}::{case.get('name')}", outcome=outcome,
+                         seconds=float(case.get("time") or 0), message=message))
+    return rows
+
+
+def pytest_rows_from_log(path: Path) -> list[dict]:
+    """The outcome lines ``pytest -v`` printed (``tests/gpu/x.py::test PASSED``), when the part was killed before
+    pytest wrote its XML report."""
+    if not path.is_file():
+        return []
+    pattern = re.compile(r"^(tests/gpu/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)")
+    return [dict(test=m.group(1).replace("/", ".").replace(".py::", "::"), outcome=m.group(2).lower(), seconds=0.0,
+                 message="from the log: pytest was stopped before its report")
+            for line in path.read_text(errors="replace").splitlines() if (m := pattern.match(line))]
+
+
+def throughput(work: Path, stem: str, log: list[dict]) -> dict | None:
+    """A vit_gpu.py call's results: its JSON, or (cut short) its trials from the log."""
+    results = read_json(work / f"{stem}.json")
+    if results is not None:
+        return results
+    rows = [r for r in log if r.get("stem") == stem]
+    if not rows:
+        return None
+    same = [r for r in rows if r.get("table") == "same"]
+    largest = [dict(r["largest"], model=r["model"], row=r["row"], stopped_by="cut short", trials=[
+        (r["largest"].get("batch"), r["largest"]["status"])], predicted_largest=(r["largest"].get("fit") or {}).get(
+        "unbounded")) for r in same if r.get("largest")]
+    return dict(same=same, largest=largest, cut_short=True, skipped={})
+
+
+def header(env: dict | None, command: str) -> str:
+    if env is None:
+        when = time.strftime("%Y-%m-%d %H:%M")
+        return f"### {when} — environment unknown (its part failed)\n\nCommand: `{command}`\n"
+    device, versions, matmul = env.get("device", {}), env.get("versions", {}), env.get("matmul", {})
+    smi = env.get("nvidia_smi")
+    driver = smi.get("driver_version") if isinstance(smi, dict) else smi
+    memory = f", {device['memory_gib']:.1f} GiB" if device.get("memory_gib") else ""
+    peak = env.get("datasheet_dense_bf16_tflops")
+    probe = f"{matmul.get('n')}^3 {matmul.get('dtype')} matmul: {matmul.get('tflops', 0):.0f} TFLOP/s"
+    if peak:
+        probe += f" ({matmul['tflops'] / peak:.0%} of the {peak:.0f} TFLOP/s datasheet dense bf16 peak)"
+    shown = ", ".join(f"{k} {v}" for k, v in versions.items() if v)
+    return (f"### {time.strftime('%Y-%m-%d %H:%M')} — {device.get('name', '?')}{memory}\n\n"
+            f"Driver {driver}; {shown}. {env.get('cpus')} CPUs.\n\n"
+            f"Command: `{command}`. {probe}.\n\n{MFU_FORMULA}\n")
+
+
+def parts_table(parts: list[dict]) -> str:
+    body = [[p["part"], p["status"], p.get("rc"), fmt(p.get("seconds"), ".0f")] for p in parts]
+    return markdown_table(["part", "status", "exit code", "seconds"], body)
+
+
+def tests_table(rows: list[dict]) -> str:
+    counts = {o: sum(r["outcome"] == o for r in rows) for o in ("passed", "failed", "error", "skipped")}
+    summary = ", ".join(f"{n} {o}" for o, n in counts.items() if n) or "no test ran"
+    body = [[r["test"].removeprefix("tests.gpu."), r["outcome"], f"{r['seconds']:.1f}", r["message"][:120]]
+            for r in rows]
+    return f"`pytest -m gpu tests/gpu`: {summary}.\n\n" + markdown_table(["test", "outcome", "s", "message"], body)
+
+
+def plot(results: dict[str, dict], path: Path) -> None:
+    """Images/s per row: the same batch (left), each row's largest batch (right), a bar group per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks.vit_gpu import ROWS
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, table, title in zip(axes, ("same", "largest"), ("same batch per model", "each row's largest batch")):
+        rows = [r for res in results.values() for r in res.get(table, []) if r.get("status") == OK]
+        models = list(dict.fromkeys(r["model"] for r in rows))
+        keys = list(dict.fromkeys(r["row"] for r in rows))
+        width = 0.8 / max(len(keys), 1)
+        for i, key in enumerate(keys):
+            found = {r["model"]: r for r in rows if r["row"] == key}
+            xs = [j + i * width for j, m in enumerate(models) if m in found]
+            ys = [found[m]["images_per_sec"] for m in models if m in found]
+            ax.bar(xs, ys, width, label=ROWS[key].label)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))], models)
+        ax.set_title(title)
+        ax.set_ylabel("images/s (median over windows)")
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(work: Path, out: Path, command: str) -> dict:
+    from benchmarks.vit_gpu import largest_table, planner_table, same_batch_table
+
+    env = read_json(work / "env.json")
+    parts = read_jsonl(work / "parts.jsonl")
+    log = read_jsonl(work / "vit_gpu_trials.jsonl")
+    tests = pytest_rows(work / "pytest.xml") or pytest_rows_from_log(out / "gpu_run.log")
+    results = {stem: res for stem in THROUGHPUT_PARTS if (res := throughput(work, stem, log)) is not None}
+    planner = read_json(work / "planner.json") or (
+        {"planner": [r for r in log if r.get("stem") == "planner"], "cut_short": True} if log else None)
+    text = [header(env, command), "Parts (each under its own timeout; a failure is a row, never the end):\n",
+            parts_table(parts)]
+    for res in results.values():
+        note = " (cut short by its timeout: rebuilt from the trial log)" if res.get("cut_short") else ""
+        if res.get("same"):
+            text.append(f"Throughput, same batch for every row{note}:\n\n"
+                        + same_batch_table(res["same"], res.get("skipped", {})))
+        if res.get("largest"):
+            text.append(f"Each row at its largest batch{note}:\n\n" + largest_table(res["largest"]))
+    if planner and planner.get("planner"):
+        text.append("The planner's predicted peak against `torch.cuda.max_memory_allocated` over the timed steps"
+                    " (Trainer.fit, `example_input_array` set, `kernels='eager'`):\n\n"
+                    + planner_table(planner["planner"]))
+    text.append(tests_table(tests))
+    merged = dict(env=env, parts=parts, throughput=results, planner=planner, tests=tests, command=command)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_results.json").write_text(json.dumps(merged, indent=1, default=str))
+    (out / "gpu_results.md").write_text("\n".join(text))
+    if any(res.get("same") for res in results.values()):
+        plot(results, out / "gpu_throughput.png")
+    print("\n".join(text))
+    return merged
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--command", default="bash benchmarks/gpu_run.sh")
+    args = parser.parse_args()
+    report(args.work, args.out, args.command)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The one-call GPU run's pieces on CPU: the largest-batch fit, a trial's phases (kept when it is killed), and the
+report built from whatever the parts left."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu_report, vit_gpu
+from benchmarks.search import OK, OOM, fit_largest, step_down
+
+
+def test_the_fit_extrapolates_the_two_peaks_to_the_memory_fraction():
+    fit = fit_largest([(64, 33.0), (32, 21.0)], memory_gib=140.0, fraction=0.85, granularity=8, limit=1024)
+    # slope (33 - 21) / 32 = 0.375 GiB per sample, base 9 GiB: (119 - 9) / 0.375 = 293.3 -> 288 (multiple of 8)
+    assert (fit.per_sample_gib, fit.base_gib, fit.unbounded, fit.batch, fit.bound) == (0.375, 9.0, 293, 288, "memory")
+    capped = fit_largest([(32, 21.0), (64, 33.0)], 140.0, 0.85, 8, limit=256)
+    assert (capped.batch, capped.unbounded, capped.bound) == (256, 293, "limit")
+    flat = fit_largest([(32, 12.11), (64, 12.11)], 140.0, 0.85, 8, limit=512)  # peak in the optimizer step
+    assert (flat.batch, flat.unbounded, flat.bound) == (512, None, "limit")
+    with pytest.raises(ValueError, match="two different batches"):
+        fit_largest([(32, 1.0), (32, 2.0)], 140.0, 0.85, 8, 512)
+
+
+def test_stepping_down_after_an_oom_always_shrinks_and_ends():
+    assert (step_down(296, 8), step_down(10, 1), step_down(9, 8), step_down(8, 8)) == (232, 8, 0, 0)
+    sizes, batch = [], 296
+    while batch:
+        sizes.append(batch)
+        batch = step_down(batch, 8)
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
+    assert all(size % 8 == 0 for size in sizes) and sizes[-1] == 8
+
+
+def _spec(**changes):
+    spec = dict(model=vit_gpu.DRY_MODEL, row=vit_gpu.asdict(vit_gpu.ROWS["single"]), batch=2, batches=[2, 3], steps=1,
+                windows=2, warmup=1, device="cpu", fake_memory=[1.0, 0.25, 4.0],
+                largest=dict(memory_fraction=0.9, granularity=1, limit=16, warmup=1, steps=1, windows=2))
+    return {**spec, **changes}
+
+
+def _trial(spec):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return vit_gpu.trial(spec)
+
+
+def test_a_trial_goes_on_at_the_batch_its_two_phases_extrapolate_to():
+    result = _trial(_spec())
+    assert result["status"] == OK and [p["batch"] for p in result["phases"]] == [2, 3]
+    assert [p["peak_allocated_gib"] for p in result["phases"]] == [1.5, 1.75]  # the stand-in memory
+    largest = result["largest"]
+    assert (largest["status"], largest["batch"], largest["fit"]["unbounded"]) == (OK, 10, 10)  # (3.6 - 1) / 0.25
+    assert len(largest["window_seconds"]) == 2
+
+
+def test_an_oom_at_the_largest_batch_keeps_the_measured_phases():
+    result = _trial(_spec(fake_oom_above=6))
+    assert result["status"] == OK and len(result["phases"]) == 2
+    assert (result["largest"]["status"], result["largest"]["batch"]) == (OOM, 10)
+    assert _trial(_spec(fake_oom_above=2))["status"] == OOM  # phase 2 itself does not fit: the trial failed
+
+
+def test_a_killed_trial_keeps_the_phases_it_finished():
+    phase = dict(batch=2, window_seconds=[0.1, 0.1], peak_allocated_gib=1.5, peak_reserved_gib=None)
+    stdout = "noise\nPHASE " + json.dumps(phase) + "\nPHASE " + json.dumps(dict(phase, batch=3)) + "\n"
+    result = vit_gpu.partial_result(stdout, _spec(), "no result after 5 s")
+    assert result["status"] == OK and [p["batch"] for p in result["phases"]] == [2, 3]
+    assert result["largest"]["status"] == "timeout"
+    assert vit_gpu.partial_result("PHASE " + json.dumps(phase), _spec(), "late")["status"] == "timeout"
+
+
+def test_the_report_reads_what_a_cut_short_run_left(tmp_path: Path):
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    (work / "parts.jsonl").write_text(json.dumps(dict(part="vit_h14", status="timeout after 240s", rc=124,
+                                                      seconds=240)) + "\n")
+    row = _trial(_spec())
+    row.update(model="vit-dry", row="single", batch=2, table="same", stem="vit_h14")
+    for phase in (*row["phases"], row["largest"]):
+        vit_gpu.summarize_phase(phase, 1, 1e9, None)
+    row.update({k: v for k, v in row["phases"][0].items() if k != "batch"})
+    (work / "vit_gpu_trials.jsonl").write_text(json.dumps(row) + "\n")
+    (out).mkdir()
+    (out / "gpu_run.log").write_text("tests/gpu/test_a.py::test_b PASSED [ 50%]\n"
+                                     "tests/gpu/test_a.py::test_c FAILED [100%]\n")
+    merged = gpu_report.report(work, out, "bash benchmarks/gpu_run.sh OUT")
+    text = (out / "gpu_results.md").read_text()
+    assert "cut short by its timeout" in text and "| vit_h14 | timeout after 240s | 124 | 240 |" in text
+    assert merged["throughput"]["vit_h14"]["largest"][0]["batch"] == 10
+    assert [(t["test"], t["outcome"]) for t in merged["tests"]] == [
+        ("tests.gpu.test_a::test_b", "passed"), ("tests.gpu.test_a::test_c", "failed")]
+    assert (out / "gpu_throughput.png").stat().st_size > 0
+
+
+def test_junit_outcomes_and_messages(tmp_path: Path):
+    xml = tmp_path / "pytest.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.gpu.test_x" name="test_ok" time="1.5"/>'
+        '<testcase classname="tests.gpu.test_x" name="test_bad" time="0.2">'
+        '<failure message="AssertionError: 3 != 2">trace</failure></testcase>'
+        '<testcase classname="tests.gpu.test_x" name="test_skip" time="0">'
+        '<skipped message="needs xformers"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    rows = gpu_report.pytest_rows(xml)
+    assert [(r["outcome"], r["message"]) for r in rows] == [
+        ("passed", ""), ("failed", "AssertionError: 3 != 2"), ("skipped", "needs xformers")]
+    assert rows[0]["seconds"] == 1.5
