@@ -14,6 +14,7 @@ non-finite values, which need no threshold.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_vitscale._compat import DTensor
+from lightning_vitscale._compat import DTensor, amp_unscale_and_check
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -75,17 +76,33 @@ class NonFiniteGuard:
         return True
 
 
+def _any_non_finite(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Whether any element of ``tensors`` is inf/NaN, as a bool on ``device``, without waiting for the device.
+
+    GradScaler's fused multi-tensor check, a few kernels per device and dtype for the whole model: a per-tensor
+    ``isfinite().all()`` launched four kernels per parameter, ~1,600 a step on ViT-H, a share of the host time
+    that made a 1-GPU step host-bound on the H200 (benchmarks/RESULTS.md). Its multiply by ``inv_scale = 1``
+    leaves every value as it was (NaN, inf and -0.0 included)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        groups[(tensor.device, tensor.dtype)].append(tensor)
+    found = torch.zeros(1, device=device)
+    with torch.no_grad():
+        for (group_device, _), group in groups.items():
+            flag = torch.zeros(1, device=group_device)
+            amp_unscale_and_check(group, flag, torch.ones(1, device=group_device))
+            found += flag.to(device)
+    return (found > 0).squeeze(0)
+
+
 def _non_finite_ranks(loss: torch.Tensor | None, grads: list[torch.Tensor]) -> tuple[list[int], list[int]]:
     """Ranks whose loss, and ranks whose gradient shards, hold an inf/NaN: each rank sets its own two slots of one
     tensor, and one SUM all-reduce tells every rank."""
     device = loss.device if loss is not None else (grads[0].device if grads else torch.device("cpu"))
     bad_loss = torch.zeros((), dtype=torch.bool, device=device)
-    bad_grads = torch.zeros((), dtype=torch.bool, device=device)
     if loss is not None:
         bad_loss |= ~torch.isfinite(loss.detach()).all()
-    for grad in grads:
-        shard = grad.to_local() if isinstance(grad, DTensor) else grad
-        bad_grads |= ~torch.isfinite(shard).all()
+    bad_grads = _any_non_finite([grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads], device)
     distributed = dist.is_available() and dist.is_initialized()
     world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
     flags = torch.zeros(2, world, dtype=torch.int32, device=device)
