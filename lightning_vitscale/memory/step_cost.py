@@ -53,10 +53,15 @@ class DeviceRates:
     regather_hidden: bool
 
 
-GPU_RATES = DeviceRates(flops_per_s=300e12, bytes_per_s=2e12, link_bytes_per_s=100e9, latency_s=50e-6,
-                        unit_s=100e-6, overlaps=True, regather_hidden=True)
-"""Datasheet order of magnitude for an A100/H100-class GPU in bf16 with NVLink; ``unit_s`` is FSDP2's per-unit
-Python (hooks, copies) as its CPU launch overhead. Not measured here (no GPU was lent)."""
+GPU_RATES = DeviceRates(flops_per_s=438e12, bytes_per_s=2e12, link_bytes_per_s=100e9, latency_s=50e-6,
+                        unit_s=1.7e-3, overlaps=True, regather_hidden=True)
+"""An H100/H200-class GPU in bf16. Measured on one H200 (torch 2.11, benchmarks/RESULTS.md, 2026-11-27):
+``flops_per_s``, what ViT-H/14 training reached at its largest batch with ``kernels="auto"`` (44.3% of the
+989 TFLOP/s dense bf16 peak; the same kernels run a recompute); ``unit_s``, the step time one FSDP unit added,
+exposed, next to plain AMP O1 on the same GPU (ViT-H/14, batch 64, ``kernels="eager"``, one block per unit:
++55 ms over 33 units; FSDP2's per-unit hooks and copies, DTensor dispatch, and at that time the per-parameter
+non-finite check). Datasheet orders of magnitude, not measured: ``bytes_per_s`` (HBM), ``link_bytes_per_s``
+and ``latency_s`` (NVLink; one GPU has no link)."""
 
 CPU_RATES = DeviceRates(flops_per_s=100e9, bytes_per_s=10e9, link_bytes_per_s=0.6e9, latency_s=2e-3, unit_s=3e-3,
                         overlaps=True, regather_hidden=False)
