@@ -102,8 +102,8 @@ class VitScaleThroughput(Callback):
     multiplied by 3 for forward + backward. This is *model* FLOPs, the usual MFU convention: activation-
     checkpointing recompute and the optimizer are not counted, so MFU compares recipes fairly. FLOPs are counted
     per sample, so a short last batch is fine. Compiled regions run eagerly while the counter is active (dynamo
-    skips frames under a dispatch mode), so keep ``warmup_steps`` >= 2 when compiling: compilation then happens
-    inside the warm-up.
+    is told to run eagerly for that forward), so keep ``warmup_steps`` >= 2 when compiling: compilation then
+    happens inside the warm-up.
 
     Time is device time between window edges (:class:`WindowClock`): the device is synchronised once per window,
     never per step. On CUDA the allocator's peak is reset when warm-up ends, so peak memory covers measured steps.
@@ -140,6 +140,7 @@ class VitScaleThroughput(Callback):
         self.metrics: dict[str, float] = {}
         self.history: list[dict[str, float]] = []
         self._counter: FlopCounterMode | None = None
+        self._eager: Any = None  # torch.compiler.set_stance("force_eager") while the counter is on
         self._counted_samples = 0
         self._batches = 0
         self._clock: WindowClock | None = None
@@ -153,12 +154,20 @@ class VitScaleThroughput(Callback):
     ) -> None:
         if self.flops_per_sample is None and self._counter is None:
             self._counted_samples = self.batch_size_fn(batch)
+            # Eager for the counted forward, said to dynamo rather than left to it: on torch 2.11 a compiled
+            # region first called under a dispatch mode is skipped for the rest of the run (no compilation at
+            # all; seen on an H200 and on CPU).
+            self._eager = torch.compiler.set_stance("force_eager")  # sets it now; __exit__ restores the previous
             self._counter = FlopCounterMode(display=False)
             self._counter.__enter__()
         if self._clock is None:
             self._clock = WindowClock(pl_module.device)
             if self.warmup_steps == 0:
                 self._start_window(pl_module.device)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_counting()  # a forward that raised: the dispatch mode and dynamo's stance are the user's again
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -198,6 +207,9 @@ class VitScaleThroughput(Callback):
             return
         counter, self._counter = self._counter, None
         counter.__exit__(None, None, None)
+        if self._eager is not None:
+            self._eager.__exit__(None, None, None)
+            self._eager = None
         self.flops_per_sample = 3 * counter.get_total_flops() / max(self._counted_samples, 1)
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seconds: float) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import types
 import warnings
 
@@ -126,3 +127,28 @@ def test_cuda_timing_waits_only_at_window_edges(monkeypatch):
     assert _Event.log["peak_reset"] == 1
     assert len(monitor.history) == 3
     assert monitor.metrics["throughput/samples_per_sec"] == pytest.approx(3 * BATCH / 0.5)
+
+
+@pytest.mark.parametrize("monitor", [True, False])
+def test_compiled_blocks_still_compile_when_the_first_forward_is_counted(mesh, monitor):
+    """The FLOP count's forward runs eagerly by dynamo's stance, not by dynamo giving up on a frame called under a
+    dispatch mode: on torch 2.11 that gave up for the whole run (no graph compiled; found on an H200)."""
+    from lightning_vitscale.cli.demo import TinyViT, generated_images
+    from lightning_vitscale.kernels.settings import KernelPolicy
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiler = functools.partial(torch.compile, backend="eager")  # dynamo without inductor: fast on CPU
+    callbacks = [VitScaleThroughput(log_every_n_steps=2, warmup_steps=2)] if monitor else []
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=VitScaleStrategy(kernels=KernelPolicy(compile_blocks=True,
+        compiler=compiler)), max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=callbacks,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(TinyViT(dim=32, depth=2), DataLoader(generated_images(32), batch_size=8))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    assert torch._dynamo.eval_frame._stance.stance == "default"  # the user's stance again
+    if monitor:
+        assert callbacks[0].flops_per_sample > 0
