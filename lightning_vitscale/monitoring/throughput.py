@@ -166,10 +166,6 @@ class VitScaleThroughput(Callback):
                 self._start_window(pl_module.device)
 
     @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._stop_counting()  # a forward that raised: the dispatch mode and dynamo's stance are the user's again
-
-    @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         self._stop_counting()
 
