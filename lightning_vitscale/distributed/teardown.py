@@ -1,5 +1,7 @@
 """How a run's processes end: the process group destroyed while Python is still alive (gloo's exit crash), and
-the other local ranks stopped when one raises, without cutting short the launching rank's own exception handling."""
+the other local ranks stopped when one raises, without cutting short the launching rank's own exception handling;
+when every rank raised together (:class:`~lightning_vitscale.distributed.agreed.RaisedOnEveryRank`), each rank's
+own handling runs to its end too."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from subprocess import Popen, TimeoutExpired
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_vitscale._compat import SubprocessScriptLauncher, destroy_process_group_safely, on_child_failure
+from lightning_vitscale.distributed.agreed import RaisedOnEveryRank
 from lightning_vitscale.distributed.collective_guard import close_side_group
 
 _registered_exit_cleanup = False
@@ -23,8 +26,16 @@ _EXIT_GRACE_S = 0.1
 NOTICE_GRACE_S = 30.0
 # How long stopping the local ranks waits for the killed children to be reaped.
 _REAP_S = 10.0
+# How long the other local ranks have to finish their own exception handling after an error every rank raised,
+# before they are killed: bounded, as DDP's is not.
+AGREED_GRACE_S = 60.0
+# How long a child's failure waits to see whether this process raised the same agreed error before killing the
+# other children (lone failures: they are blocked in a collective).
+_AGREEMENT_WINDOW_S = 5.0
 # Set once this process handles an exception from the trainer: its watcher then leaves it alone.
 _handling_exception = threading.Event()
+# Set with it when that exception was raised on every rank: the other local ranks are then left to end themselves.
+_agreed_exception = threading.Event()
 
 
 def destroy_process_group_at_exit() -> None:
@@ -54,17 +65,26 @@ def watch_local_ranks(launcher: object) -> None:
 
     Lightning's watcher thread SIGKILLs this process (exit code 137, which reads as an out-of-memory kill) within
     5 s of any child exiting non-zero, even while the user's ``except``/``finally`` around ``fit`` runs (a log
-    upload cut off mid-way). Here it still kills the children at once, then gives this process
-    ``NOTICE_GRACE_S`` to start handling an exception of its own (under gloo a collective with the dead peer fails
-    at once); only if it does not is it killed, as before, so a rank stuck without a collective still ends.
+    upload cut off mid-way). Here it kills the other children (unless this process raised an error every rank
+    raised: then they end through their own handling), then gives this process ``NOTICE_GRACE_S`` to start
+    handling an exception of its own (under gloo a collective with the dead peer fails at once); only if it does
+    not is it killed, as before, so a rank stuck without a collective still ends.
     """
     if isinstance(launcher, SubprocessScriptLauncher) and launcher.procs:
         _handling_exception.clear()
+        _agreed_exception.clear()
         procs = launcher.procs
-        on_child_failure(procs, lambda: _kill_children_then_self(procs, NOTICE_GRACE_S))
+        on_child_failure(procs, lambda: _on_child_failure(procs, NOTICE_GRACE_S))
 
 
-def _kill_children_then_self(procs: list[Popen], grace: float) -> None:
+def _on_child_failure(procs: list[Popen], grace: float) -> None:
+    """A child rank exited non-zero. If this process raised an error every rank raised (within a few seconds: the
+    ranks raise it at the same step), the other children are ending through their own handling, and
+    ``stop_local_ranks`` bounds them. Otherwise it was a lone failure: the other children are blocked in a
+    collective and are killed; this process is killed too unless it starts handling an exception of its own
+    within ``grace`` (under gloo a collective with the dead peer fails at once)."""
+    if _handling_exception.wait(min(_AGREEMENT_WINDOW_S, grace)) and _agreed_exception.is_set():
+        return
     _kill(procs)
     if not _handling_exception.wait(grace):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -74,10 +94,31 @@ def stop_local_ranks(launcher: object, exception: BaseException, rank: int) -> N
     """Stop the local ranks this process started: Lightning only does so on Ctrl+C, and a rank that raised
     leaves its peers blocked in a collective (or busy) with nobody to end them. The exception then propagates to
     the user's own handling, which runs to completion: the exit code is the script's, as under DDP."""
+    agreed = isinstance(exception, RaisedOnEveryRank)
+    if agreed:
+        _agreed_exception.set()
     _handling_exception.set()
-    if isinstance(launcher, SubprocessScriptLauncher) and launcher.procs:
-        rank_zero_warn(f"{type(exception).__name__} on rank {rank}: stopping the other local ranks.")
-        _kill(launcher.procs)
+    if not (isinstance(launcher, SubprocessScriptLauncher) and launcher.procs):
+        return
+    if agreed:
+        rank_zero_warn(f"{type(exception).__name__} on every rank: each ends through its own exception handling"
+                       f" (the other local ranks are stopped if still running after {AGREED_GRACE_S:.0f} s).")
+        # Not a daemon: this process's exit waits for it, so no child outlives the bound.
+        threading.Thread(target=_reap, args=(launcher.procs, AGREED_GRACE_S), name="vitscale-reap").start()
+        return
+    rank_zero_warn(f"{type(exception).__name__} on rank {rank}: stopping the other local ranks.")
+    _kill(launcher.procs)
+
+
+def _reap(procs: list[Popen], grace: float) -> None:
+    """Wait up to ``grace`` seconds for ``procs`` to exit by themselves, then kill what still runs."""
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except TimeoutExpired:
+            break
+    _kill(procs)
 
 
 def _kill(procs: list[Popen]) -> None:

@@ -23,10 +23,12 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_vitscale._compat import DTensor, amp_unscale_and_check
+from lightning_vitscale.distributed.agreed import RaisedOnEveryRank
 
 
-class NonFiniteTrainingError(RuntimeError):
-    """``max_consecutive`` optimizer steps in a row were skipped for non-finite loss or gradients."""
+class NonFiniteTrainingError(RaisedOnEveryRank, RuntimeError):
+    """``max_consecutive`` optimizer steps in a row were skipped for non-finite loss or gradients (decided by one
+    all-reduce, so every rank raises it at the same step)."""
 
 
 @dataclass

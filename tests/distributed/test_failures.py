@@ -36,3 +36,18 @@ def test_raising_rank_leaves_rank0_handler_to_finish(tmp_path, raising_rank):
     assert (tmp_path / "finally_rank0.txt").exists()
     assert f"rank {raising_rank} failed on purpose" in result.output
     assert result.seconds < 90, f"took {result.seconds:.0f}s"
+
+
+def test_an_error_every_rank_raises_ends_every_rank_through_its_own_handler(tmp_path):
+    # Rank 1's loss turns NaN from step 3; the non-finite guard's all-reduce makes both ranks raise
+    # NonFiniteTrainingError at the same step. Each handler sleeps 0.3 s, then writes its files: under DDP, whose
+    # ranks raising together both finish their handlers, rank 1's appear; before this, rank 0 killed rank 1.
+    result = lightning_launch("tests/distributed/scripts/failures.py", "vitscale", "nan", str(tmp_path), "0.3",
+                              timeout=150)
+    assert not result.timed_out, result.output[-3000:]
+    assert result.returncode == 1, f"exit code {result.returncode}:\n{result.output[-3000:]}"
+    assert "NonFiniteTrainingError" in result.output
+    for rank in (0, 1):
+        assert (tmp_path / f"handled_rank{rank}.txt").read_text().startswith("Non-finite values"), rank
+        assert (tmp_path / f"finally_rank{rank}.txt").exists(), rank
+    assert result.seconds < 90, f"took {result.seconds:.0f}s"
