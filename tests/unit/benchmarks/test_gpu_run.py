@@ -3,7 +3,9 @@ report built from whatever the parts left."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 import warnings
 from pathlib import Path
 
@@ -73,7 +75,7 @@ def test_a_killed_trial_keeps_the_phases_it_finished():
     assert vit_gpu.partial_result("PHASE " + json.dumps(phase), _spec(), "late")["status"] == "timeout"
 
 
-def test_the_report_reads_what_a_cut_short_run_left(tmp_path: Path):
+def _cut_short_run(tmp_path: Path) -> tuple[Path, Path]:
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
     (work / "parts.jsonl").write_text(json.dumps(dict(part="vit_h14", status="timeout after 240s", rc=124,
@@ -87,13 +89,31 @@ def test_the_report_reads_what_a_cut_short_run_left(tmp_path: Path):
     (out).mkdir()
     (out / "gpu_run.log").write_text("tests/gpu/test_a.py::test_b PASSED [ 50%]\n"
                                      "tests/gpu/test_a.py::test_c FAILED [100%]\n")
+    return work, out
+
+
+def test_the_report_reads_what_a_cut_short_run_left(tmp_path: Path):
+    work, out = _cut_short_run(tmp_path)
     merged = gpu_report.report(work, out, "bash benchmarks/gpu_run.sh OUT")
     text = (out / "gpu_results.md").read_text()
     assert "cut short by its timeout" in text and "| vit_h14 | timeout after 240s | 124 | 240 |" in text
     assert merged["throughput"]["vit_h14"]["largest"][0]["batch"] == 10
     assert [(t["test"], t["outcome"]) for t in merged["tests"]] == [
         ("tests.gpu.test_a::test_b", "passed"), ("tests.gpu.test_a::test_c", "failed")]
-    assert (out / "gpu_throughput.png").stat().st_size > 0
+    if importlib.util.find_spec("matplotlib") is None:  # CI installs only the test extras
+        assert gpu_report.NO_PLOT in text and not (out / "gpu_throughput.png").exists()
+    else:
+        assert (out / "gpu_throughput.png").stat().st_size > 0 and gpu_report.NO_PLOT not in text
+
+
+def test_without_matplotlib_the_report_keeps_every_number_and_says_why_no_png(tmp_path: Path, monkeypatch):
+    work, out = _cut_short_run(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    merged = gpu_report.report(work, out, "bash benchmarks/gpu_run.sh OUT")
+    assert gpu_report.NO_PLOT in (out / "gpu_results.md").read_text()
+    assert not (out / "gpu_throughput.png").exists()
+    assert json.loads((out / "gpu_results.json").read_text())["throughput"] == json.loads(
+        json.dumps(merged["throughput"], default=str))
 
 
 def test_junit_outcomes_and_messages(tmp_path: Path):
