@@ -41,6 +41,7 @@ from lightning_vitscale.kernels import (
     take_over_compiled,
 )
 from lightning_vitscale.memory import AccumulationMode, may_release_after_step, release_gradients
+from lightning_vitscale.options import document
 from lightning_vitscale.precision import VitScalePrecision, to_vitscale_precision
 from lightning_vitscale.sharding import (
     CheckpointingPolicy,
@@ -68,52 +69,8 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 class VitScaleStrategy(ModelParallelStrategy):
     """Shard any LightningModule with nested FSDP2, activation checkpointing and BF16 O2 — no model changes.
 
-    Args:
-        blocks: ``None`` finds the repeated blocks automatically; a set of block classes or a predicate
-            ``(name, module) -> bool`` overrides the discovery. Each block becomes its own FSDP unit.
-        activation_checkpointing: ``True`` (every block), ``False``, ``k`` (every k-th block), a predicate, or
-            ``"auto"``: the fewest blocks that keep the predicted per-rank step peak within ``memory_budget``
-            (decided at setup from ``example_input_array``, else at the first training step from its batch).
-        memory_budget: only with ``"auto"``: bytes (int) or a fraction of device memory (float, default 0.9;
-            on CPU of the host's available memory divided among the local ranks).
-        kernels: ``"auto"`` (CUDA: per-block ``torch.compile``, fused AdamW, and xformers attention where it is
-            installed and measures faster; CPU: eager), ``"eager"``, or a :class:`KernelPolicy`.
-        reshard_after_forward: ``None`` = the recipe (blocks free gathered parameters after forward, the outer
-            unit keeps what backward needs), except where the planner knows the batch at setup
-            (``example_input_array``, ``blocks_per_unit=None``, or ``"auto"``): then the last units stay gathered
-            for backward as far as the memory budget allows (one all-gather per unit fewer); ``True``/``False``
-            forces it for all units.
-        sharding: ``"full"`` shards over every rank (least memory); ``"hybrid"`` shards inside each node and
-            replicates across nodes (all-gathers and reduce-scatters stay on intra-node links; only one gradient
-            all-reduce per unit crosses nodes); an ``int`` sets the shard-group size (it must divide the world).
-        accumulation: with ``accumulate_grad_batches > 1``: ``"auto"`` keeps unsharded gradients across the
-            micro-batches of an optimizer step (one reduce-scatter per step, as DDP's ``no_sync``) where they fit
-            in memory, else ``"sharded"`` (a reduce-scatter per micro-batch); ``"unsharded"`` forces the first.
-        prefetch: each unit all-gathers the next ``prefetch`` units explicitly (forward and backward), so the
-            collective overlaps compute; ``0`` leaves FSDP2's implicit prefetch; ``None`` (default): 1 on CPU
-            ranks (whose gloo collectives run asynchronously beside compute, as CUDA streams make them on a GPU),
-            0 on GPUs.
-        blocks_per_unit: ``1`` makes each block its own FSDP unit; ``k > 1`` puts ``k`` consecutive blocks in
-            one unit: one all-gather, reduce-scatter and set of FSDP hooks per ``k`` blocks, with up to ``k``
-            blocks' parameters and gradients gathered at once. ``None`` (default): 1, or under
-            ``activation_checkpointing="auto"`` with ``example_input_array`` set, the planner's choice.
-        offload: ``"cpu"`` keeps sharded parameters, gradients and optimizer state in host memory (the optimizer
-            steps on the CPU); on ``accelerator="cpu"`` they already are, and it changes nothing.
-        timeout: bound on every collective, so a rank that dies cannot leave the others waiting forever.
-        process_group_backend: ``None`` picks NCCL on CUDA and gloo on CPU.
-        state_dict_type: ``"sharded"`` (default): checkpoints are folders, each rank writes its own shards;
-            ``"full"``: rank 0 writes one file in DDP's format (gathered one tensor at a time), which
-            ``MyModule.load_from_checkpoint`` reads and a ``strategy="ddp"`` run resumes from.
-        init: how a model built in ``configure_model()`` gets its starting weights: ``"exact"`` (rank 0 builds it,
-            the others build on meta and receive their shards from rank 0 unit by unit: DDP's weights bit for bit,
-            one full copy on rank 0's host), ``"meta"`` (every rank builds on meta and runs the model's own init on
-            its shards) or ``"auto"`` (exact when that copy fits in rank 0's host memory).
-        auto_resume: ``fit()`` resumes from the newest complete checkpoint in the ``ModelCheckpoint(dirpath=...)``
-            folder (skipping interrupted, incomplete and corrupt ones), and starts from ``ckpt_path`` (or from
-            scratch) only when there is none: resubmitting the same command after a failure continues the run.
-        async_save: sharded saves during ``fit`` copy this rank's shards into host memory and return; DCP writes
-            them in the background (one save in flight at most), the checkpoint is committed once every rank
-            wrote, a failure is raised at the next training step, and ``fit`` waits for the last save.
+    Every keyword argument is documented once, in the settings dataclasses; the Args below are generated from
+    them at import (``lightning_vitscale/options.py``).
 
     Example::
 
@@ -443,3 +400,6 @@ class VitScaleStrategy(ModelParallelStrategy):
             cls,
             description="Nested FSDP2 + activation checkpointing + BF16 O2 with fp32 norms (lightning-vitscale)",
         )
+
+
+VitScaleStrategy.__doc__ = document(VitScaleStrategy)  # Args from the settings dataclasses (options.py)

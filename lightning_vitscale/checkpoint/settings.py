@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 StateDictType = Literal["sharded", "full"]
@@ -10,14 +10,35 @@ StateDictType = Literal["sharded", "full"]
 
 @dataclass(frozen=True)
 class CheckpointSettings:
-    """``"sharded"``: every rank writes its own shards (a folder); ``"full"``: rank 0 writes one DDP-style file.
-    ``async_save``: sharded saves during ``fit`` copy the shards into host memory and write them in the background
-    (checkpoint/async_save.py). ``auto_resume``: ``fit()`` resumes from the newest complete checkpoint in the
-    ModelCheckpoint folder (checkpoint/resume.py)."""
+    """How checkpoints are written and found. Each field's text is in its ``metadata["doc"]`` (the one source of
+    ``VitScaleStrategy``'s Args and README's options table, ``lightning_vitscale/options.py``)."""
 
-    state_dict_type: StateDictType = "sharded"
-    auto_resume: bool = False
-    async_save: bool = False
+    state_dict_type: StateDictType = field(
+        default="sharded",
+        metadata={"doc": (
+            "``\"sharded\"``: checkpoints are folders, each rank writes its own shards; ``\"full\"``: rank 0 writes"
+            " one file in DDP's format (gathered one tensor at a time), which ``MyModule.load_from_checkpoint`` reads"
+            " and a ``strategy=\"ddp\"`` run resumes from."
+        )},
+    )
+    auto_resume: bool = field(
+        default=False,
+        metadata={"doc": (
+            "``fit()`` resumes from the newest complete checkpoint in the ``ModelCheckpoint(dirpath=...)`` folder"
+            " (skipping interrupted, incomplete and corrupt ones, checkpoint/resume.py), and starts from"
+            " ``ckpt_path`` (or from scratch) only when there is none: resubmitting the same command after a"
+            " failure continues the run."
+        )},
+    )
+    async_save: bool = field(
+        default=False,
+        metadata={"doc": (
+            "Sharded saves during ``fit`` copy this rank's shards into host memory and return; DCP writes them in"
+            " the background (one save in flight at most, checkpoint/async_save.py), the checkpoint is committed"
+            " once every rank wrote, a failure is raised at the next training step, and ``fit`` waits for the last"
+            " save."
+        )},
+    )
 
     def __post_init__(self) -> None:
         if self.state_dict_type not in get_args(StateDictType):

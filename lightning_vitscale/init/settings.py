@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 InitMode = Literal["auto", "exact", "meta"]
@@ -12,15 +12,20 @@ InitPath = Literal["exact", "meta"]
 
 @dataclass(frozen=True)
 class InitSettings:
-    """``VitScaleStrategy(init=...)``, checked when the strategy is made.
+    """``VitScaleStrategy(init=...)``, checked when the strategy is made; ``mode``'s text is in its
+    ``metadata["doc"]`` (the one source of the strategy's Args and README's table, ``lightning_vitscale/options.py``);
+    ``"auto"``: see :meth:`resolve`."""
 
-    ``"exact"``: rank 0 builds the model for real and every unit's shards are scattered from it as it is sharded,
-    so the weights equal DDP's bit for bit; it needs one full copy in rank 0's host memory. ``"meta"``: every rank
-    builds on the meta device and runs the model's own init on its shards (same distributions, other values).
-    ``"auto"``: see :meth:`resolve`.
-    """
-
-    mode: InitMode = "auto"
+    mode: InitMode = field(
+        default="auto",
+        metadata={"doc": (
+            "How a model built in ``configure_model()`` gets its starting weights: ``\"exact\"`` (rank 0 builds it,"
+            " the others build on meta and receive their shards from rank 0 unit by unit: DDP's weights bit for bit,"
+            " one full copy in rank 0's host memory), ``\"meta\"`` (every rank builds on meta and runs the model's"
+            " own init on its shards: same distributions, other values) or ``\"auto\"`` (exact when that copy fits"
+            " in 80% of rank 0's host memory)."
+        )},
+    )
 
     def __post_init__(self) -> None:
         if self.mode not in INIT_MODES:

@@ -52,7 +52,7 @@ class VitScalePrecision(Precision):
             predicate ``(name, module)``, or ``False`` for none.
         skip_nonfinite: skip, on every rank, an optimizer step whose loss or gradients are inf/NaN on any rank
             (under ``"16-mixed"`` only the loss: the scaler owns the gradients). ``None``: on for the bf16 and
-            fp16 flags, off for ``"32-true"`` (which then steps as under DDP). See the README's Precision section.
+            fp16 flags, off for ``"32-true"`` (which then steps as under DDP). See docs/precision.md.
         max_skipped_steps: with the guard on, stop with ``NonFiniteTrainingError`` after this many skipped steps in
             a row (no NaN reaches the weights or a checkpoint).
 

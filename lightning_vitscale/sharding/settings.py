@@ -37,37 +37,69 @@ OFFLOAD_CHOICES: tuple[str | None, ...] = (None, "cpu")
 class ShardingPolicy:
     """Which modules become their own FSDP unit and when they free gathered parameters.
 
-    Attributes:
-        blocks: ``None`` finds the repeated blocks automatically; a set of classes or a predicate overrides it.
-        layout: which ranks share one copy of the state, see :data:`ShardingLayout` and :func:`shard_group_size`.
-        offload: ``"cpu"`` keeps the sharded parameters, gradients and optimizer state in host memory (FSDP2's
-            ``CPUOffloadPolicy``); the optimizer then steps on the CPU.
-        reshard_after_forward: ``None`` is the recipe (blocks free their gathered parameters after forward, the
-            outer unit keeps its own for backward), with units kept gathered where the planner chooses so (batch
-            known at setup and ``blocks_per_unit=None``, or ``"auto"``); ``True``/``False`` force it for every
-            unit; an ``int`` reshards blocks to that smaller world size (FSDP2 hybrid reshard).
-        accumulation: with ``accumulate_grad_batches > 1``: ``"sharded"`` reduce-scatters every micro-batch
-            (least memory), ``"unsharded"`` keeps unsharded gradients until the last micro-batch (one
-            reduce-scatter per optimizer step, as DDP's ``no_sync``), ``"auto"`` the latter where it fits.
-        prefetch: how many units ahead each unit all-gathers explicitly (forward: the next blocks; backward:
-            the previous ones), so the collective overlaps this unit's compute; ``0``: FSDP2's implicit prefetch.
-            ``None`` (default): 1 on CPU ranks (whose collectives are made asynchronous, see
-            ``sharding/cpu_overlap.py``: without it nothing overlaps there), 0 on GPUs (FSDP2's streams).
-        blocks_per_unit: how many consecutive blocks share one FSDP unit (the last unit may hold fewer). ``1`` is
-            the recipe (least gathered memory); ``k > 1`` runs one all-gather, one reduce-scatter and one set of
-            FSDP hooks per ``k`` blocks, at the cost of up to ``k`` blocks' parameters and gradients gathered at
-            once (on CPU ranks the per-unit cost is a large part of a step: benchmarks/RESULTS.md). ``None``
-            (default): 1, or under ``activation_checkpointing="auto"`` the planner's choice where the batch is
-            known at setup (``example_input_array``).
+    Each field's text is in its ``metadata["doc"]``: the one source of ``VitScaleStrategy``'s Args and README's
+    options table (``lightning_vitscale/options.py``).
     """
 
-    blocks: ModuleSelector | None = None
-    reshard_after_forward: bool | int | None = None
-    layout: ShardingLayout = "full"
-    offload: OffloadMode | None = None
-    accumulation: AccumulationMode = "auto"
-    prefetch: int | None = None
-    blocks_per_unit: int | None = None
+    blocks: ModuleSelector | None = field(
+        default=None,
+        metadata={"doc": (
+        "``None`` finds the repeated blocks automatically; a set of block classes (``{MyBlock}``) or a predicate"
+        " ``(name, module) -> bool`` overrides the discovery. Each block becomes its own FSDP unit."
+    )},
+    )
+    reshard_after_forward: bool | int | None = field(
+        default=None,
+        metadata={"doc": (
+        "``None`` is the recipe: blocks free their gathered parameters after forward, the outer unit keeps its own"
+        " for backward; where the planner knows the batch at setup (``example_input_array``, with"
+        " ``blocks_per_unit=None`` or ``activation_checkpointing=\"auto\"``) the last units stay gathered for backward"
+        " as far as the memory budget allows (one all-gather per unit fewer). ``True``/``False`` force it for every"
+        " unit; an ``int`` reshards the blocks to that smaller world size (FSDP2 hybrid reshard)."
+    )},
+    )
+    layout: ShardingLayout = field(
+        default="full",
+        metadata={"doc": (
+        "``\"full\"`` shards over every rank (least memory); ``\"hybrid\"`` shards inside each node and replicates"
+        " across nodes (all-gathers and reduce-scatters stay on intra-node links; only one gradient all-reduce per"
+        " unit crosses nodes); an ``int`` sets the shard-group size (consecutive ranks; it must divide the world)."
+    )},
+    )
+    offload: OffloadMode | None = field(
+        default=None,
+        metadata={"doc": (
+        "``\"cpu\"`` keeps sharded parameters, gradients and optimizer state in host memory (FSDP2's"
+        " ``CPUOffloadPolicy``; the optimizer steps on the CPU); on ``accelerator=\"cpu\"`` they already are, and it"
+        " changes nothing."
+    )},
+    )
+    accumulation: AccumulationMode = field(
+        default="auto",
+        metadata={"doc": (
+        "With ``accumulate_grad_batches > 1``: ``\"auto\"`` keeps unsharded gradients across the micro-batches of an"
+        " optimizer step (one reduce-scatter per step, as DDP's ``no_sync``) where they fit in memory, else"
+        " ``\"sharded\"`` (a reduce-scatter per micro-batch, least memory); ``\"unsharded\"`` forces the first."
+    )},
+    )
+    prefetch: int | None = field(
+        default=None,
+        metadata={"doc": (
+        "How many units ahead each unit all-gathers explicitly (forward: the next blocks; backward: the previous"
+        " ones), so the collective overlaps this unit's compute; ``0`` leaves FSDP2's implicit prefetch. ``None``:"
+        " 1 on CPU ranks (whose gloo collectives are made asynchronous, ``sharding/cpu_overlap.py``), 0 on GPUs"
+        " (FSDP2's streams)."
+    )},
+    )
+    blocks_per_unit: int | None = field(
+        default=None,
+        metadata={"doc": (
+        "Consecutive blocks per FSDP unit (the last unit may hold fewer). ``1`` is the recipe (least gathered"
+        " memory); ``k > 1`` runs one all-gather, reduce-scatter and set of FSDP hooks per ``k`` blocks, with up to"
+        " ``k`` blocks' parameters and gradients gathered at once. ``None``: 1, or the planner's choice where the"
+        " batch is known at setup (``example_input_array``)."
+    )},
+    )
 
     def __post_init__(self) -> None:
         _check_layout(self.layout)
@@ -167,15 +199,29 @@ def shard_group_size(layout: ShardingLayout, world_size: int, ranks_per_node: in
 class CheckpointingPolicy:
     """Which blocks recompute their activations in backward instead of storing them.
 
-    Attributes:
-        blocks: see :data:`CheckpointSelector`.
-        memory_budget: only with ``blocks="auto"``: bytes a training step may use per rank (an int), or a
-            fraction of the device's memory (a float in (0, 1]; CPU: of the host's available memory divided
-            among the local ranks). ``None`` is 0.9.
+    Each field's text is in its ``metadata["doc"]`` (``lightning_vitscale/options.py``); see also
+    :data:`CheckpointSelector`.
     """
 
-    blocks: CheckpointSelector = True
-    memory_budget: int | float | None = None
+    blocks: CheckpointSelector = field(
+        default=True,
+        metadata={"doc": (
+            "``True``/``\"full\"``: every block stores only its input and reruns its whole forward in backward (least"
+            " memory); ``\"selective\"``: every block stores the matmul, convolution and attention outputs and"
+            " recomputes only the cheap ops; ``False``: none; ``k``: every k-th block, fully; a predicate"
+            " ``(name, module) -> True/False/\"full\"/\"selective\"`` per block; ``\"auto\"``: the fewest"
+            " blocks (and their mode, grouping and resharding) that keep the predicted per-rank step peak within"
+            " ``memory_budget``, decided at setup from ``example_input_array``, else at the first training step."
+        )},
+    )
+    memory_budget: int | float | None = field(
+        default=None,
+        metadata={"doc": (
+            "Only with ``activation_checkpointing=\"auto\"``: bytes a training step may use per rank (an ``int``), or"
+            " a fraction of the device's memory (a ``float`` in (0, 1]; on CPU of the host's available memory"
+            " divided among the local ranks). ``None`` is 0.9."
+        )},
+    )
 
     def __post_init__(self) -> None:
         sel = self.blocks
@@ -262,7 +308,16 @@ class ParallelConfig:
 
     sharding: ShardingPolicy = field(default_factory=ShardingPolicy)
     checkpointing: CheckpointingPolicy = field(default_factory=CheckpointingPolicy)
-    kernels: KernelMode | KernelPolicy = field(default_factory=KernelPolicy)
+    kernels: KernelMode | KernelPolicy = field(
+        default_factory=KernelPolicy,
+        metadata={
+            "doc": (
+                "``\"auto\"`` (CUDA: per-block ``torch.compile``, fused AdamW, and xformers attention where it is"
+                " installed and measures faster; CPU: eager), ``\"eager\"``, or a :class:`KernelPolicy`."
+            ),
+            "default": "auto",  # the strategy's default; the field's own stands for "nothing resolved yet"
+        },
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.kernels, KernelPolicy) and self.kernels not in KERNEL_MODES:
