@@ -209,9 +209,11 @@ class CheckpointingPolicy:
             "``True``/``\"full\"``: every block stores only its input and reruns its whole forward in backward (least"
             " memory); ``\"selective\"``: every block stores the matmul, convolution and attention outputs and"
             " recomputes only the cheap ops; ``False``: none; ``k``: every k-th block, fully; a predicate"
-            " ``(name, module) -> True/False/\"full\"/\"selective\"`` per block; ``\"auto\"``: the fewest"
-            " blocks (and their mode, grouping and resharding) that keep the predicted per-rank step peak within"
-            " ``memory_budget``, decided at setup from ``example_input_array``, else at the first training step."
+            " ``(name, module) -> True/False/\"full\"/\"selective\"`` per block; ``\"auto\"``: the plan (per block"
+            " none/selective/full, per unit resharded or kept gathered, and with ``example_input_array`` the blocks"
+            " per unit) with the least predicted extra step time whose predicted per-rank peak fits"
+            " ``memory_budget``, decided at setup from ``example_input_array``, else at the first training step"
+            " (docs/memory.md)."
         )},
     )
     memory_budget: int | float | None = field(
