@@ -48,7 +48,10 @@ class Option(NamedTuple):
 
     @property
     def _field(self) -> dataclasses.Field[Any]:
-        return next(f for f in dataclasses.fields(self.settings) if f.name == self.field)
+        for f in dataclasses.fields(self.settings):
+            if f.name == self.field:
+                return f
+        raise LookupError(f"option `{self.name}`: {self.settings.__name__} has no field {self.field!r} (options.py)")
 
     @property
     def doc(self) -> str:
