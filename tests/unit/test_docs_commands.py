@@ -9,7 +9,7 @@ blocks (snippets around the reader's own model) must parse, import only names th
 
 Mutations seen failing: a new ```bash line (``python -m lightning_vitscale frobnicate``); the ``--weights ema``
 test removed from test_ema.py (its needle); a row whose command no longer appears in any page;
-``VitScaleStrategy(offloading=None)`` in docs/multinode.md.
+``VitScaleStrategy(offloading=None)`` in docs/multinode.md; a link to ``moving-over.md#from-dp``.
 """
 
 from __future__ import annotations
@@ -171,3 +171,22 @@ def test_python_snippets_parse_import_what_exists_and_pass_real_options():
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "VitScaleStrategy":
                 unknown = {k.arg for k in node.keywords} - options
                 assert not unknown, f"{page}: VitScaleStrategy({unknown}=...) is no option"
+
+
+def _anchors(page: Path) -> set[str]:
+    headings = [line.lstrip("#").strip().lower() for line in page.read_text().splitlines()
+                if re.match(r"#{1,6} ", line)]
+    return {re.sub(r"[^\w\- ]", "", h).replace(" ", "-") for h in headings}  # GitHub's heading ids
+
+
+def test_links_between_the_pages_resolve():
+    """The sections moved between README and docs/: every relative link and #anchor must still land."""
+    broken = []
+    for page in [*PAGES, ROOT / "benchmarks" / "RESULTS.md"]:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", page.read_text()):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path = (page.parent / target) if target else page
+            if not path.exists() or (anchor and path.suffix == ".md" and anchor not in _anchors(path)):
+                broken.append(f"{page.relative_to(ROOT)}: ({target}#{anchor})")
+    assert not broken, "links that land nowhere:\n" + "\n".join(broken)
