@@ -9,6 +9,7 @@ The top of the concerns: may import ``memory``, ``checkpoint``, ``precision``, `
 from lightning_vitscale.discovery import ModuleSelector
 from lightning_vitscale.sharding.outer_unit import OuterUnit, OutsideStepCallError
 from lightning_vitscale.sharding.parallelize import NoBlocksMatchedError, Parallelized, parallelize
+from lightning_vitscale.sharding.resolved import ResolvedConfig, resolve_config
 from lightning_vitscale.sharding.reuse import ShardedModuleReuseError
 from lightning_vitscale.sharding.settings import (
     CheckpointingPolicy,
@@ -19,7 +20,7 @@ from lightning_vitscale.sharding.settings import (
     ShardingPolicy,
     shard_group_size,
 )
-from lightning_vitscale.sharding.setup import Ranks, ShardedModel, resolve_config, shard_lightning_module
+from lightning_vitscale.sharding.setup import Ranks, ShardedModel, shard_lightning_module
 from lightning_vitscale.sharding.summary import ParallelPlan
 from lightning_vitscale.sharding.sync_batchnorm import apply_sync_batchnorm
 
@@ -35,6 +36,7 @@ __all__ = [
     "ParallelPlan",
     "Parallelized",
     "Ranks",
+    "ResolvedConfig",
     "ShardedModel",
     "ShardedModuleReuseError",
     "ShardingLayout",
