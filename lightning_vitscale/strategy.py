@@ -51,6 +51,7 @@ from lightning_vitscale.sharding import (
     ParallelConfig,
     ParallelPlan,
     Ranks,
+    ResolvedConfig,
     ShardedModel,
     ShardingLayout,
     ShardingPolicy,
@@ -123,6 +124,9 @@ class VitScaleStrategy(ModelParallelStrategy):
         self._creation: Creation | None = None
         self._user_compiler: Compiler | None = None
         self._told_how_to_consolidate = False
+
+    resolved: ResolvedConfig | None = None
+    """What setup resolved ``config`` to on this device (kernels, checkpointed blocks, prefetch); ``None`` before."""
 
     @property
     def plan(self) -> ParallelPlan | None:
@@ -205,9 +209,10 @@ class VitScaleStrategy(ModelParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:  # as DDP: only when fitting
             apply_sync_batchnorm(self._layer_sync, module, self.root_device)
-        self.config = resolve_config(self.config, self.root_device, self._user_compiler)
+        self.resolved = resolve_config(self.config, self.root_device, self._user_compiler)
+        self.config = self.resolved.config_view()  # the request; `.kernels` the resolved policy, deprecated
         creation, self._creation = self._creation, None
-        self.sharded = shard_lightning_module(module, self.config, self.precision_plugin, self._ranks(), creation)
+        self.sharded = shard_lightning_module(module, self.resolved, self.precision_plugin, self._ranks(), creation)
         self.model = self.sharded.outer
         self.sharded.release()  # a copy gathered by a call after an earlier fit must not reach the optimizer
         self.barrier()
@@ -246,8 +251,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        kernels = self.config.kernels
-        fused = prepare_optimizers(self.optimizers, isinstance(kernels, KernelPolicy) and kernels.fused_optimizer)
+        fused = prepare_optimizers(self.optimizers, self.resolved is not None and self.resolved.kernels.fused_optimizer)
         if self.plan is not None:
             self.plan.notes.extend(fused)
 

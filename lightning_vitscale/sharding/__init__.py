@@ -1,6 +1,7 @@
-"""Sharding: what to wrap (settings), the ordered pipeline that applies the recipe (``parallelize``), the only
-``fully_shard`` call site, activation checkpointing, the outer unit and calls outside a step, the layout's
-traffic, and the strategy's whole setup sequence (``setup.shard_lightning_module``).
+"""Sharding: what to wrap (settings) and what setup resolved it to (``resolved``), the ordered pipeline that applies
+the recipe (``parallelize``) through its ``apply_*`` steps (``steps``), the only ``fully_shard`` call site,
+activation checkpointing, the outer unit and calls outside a step, the layout's traffic, and the strategy's whole
+setup sequence (``setup.shard_lightning_module``).
 
 The top of the concerns: may import ``memory``, ``checkpoint``, ``precision``, ``kernels``, ``init``,
 ``discovery``, ``distributed``, ``_utils`` and ``_compat``; only the strategy and the CLI import it.
@@ -9,6 +10,7 @@ The top of the concerns: may import ``memory``, ``checkpoint``, ``precision``, `
 from lightning_vitscale.discovery import ModuleSelector
 from lightning_vitscale.sharding.outer_unit import OuterUnit, OutsideStepCallError
 from lightning_vitscale.sharding.parallelize import NoBlocksMatchedError, Parallelized, parallelize
+from lightning_vitscale.sharding.resolved import ResolvedConfig, resolve_config
 from lightning_vitscale.sharding.reuse import ShardedModuleReuseError
 from lightning_vitscale.sharding.settings import (
     CheckpointingPolicy,
@@ -19,7 +21,7 @@ from lightning_vitscale.sharding.settings import (
     ShardingPolicy,
     shard_group_size,
 )
-from lightning_vitscale.sharding.setup import Ranks, ShardedModel, resolve_config, shard_lightning_module
+from lightning_vitscale.sharding.setup import Ranks, ShardedModel, shard_lightning_module
 from lightning_vitscale.sharding.summary import ParallelPlan
 from lightning_vitscale.sharding.sync_batchnorm import apply_sync_batchnorm
 
@@ -35,6 +37,7 @@ __all__ = [
     "ParallelPlan",
     "Parallelized",
     "Ranks",
+    "ResolvedConfig",
     "ShardedModel",
     "ShardedModuleReuseError",
     "ShardingLayout",

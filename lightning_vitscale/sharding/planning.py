@@ -27,7 +27,8 @@ from lightning_vitscale.memory import (
 )
 from lightning_vitscale.precision import PrecisionPolicy
 from lightning_vitscale.sharding.ranks import Ranks
-from lightning_vitscale.sharding.settings import CheckpointingPolicy, ParallelConfig
+from lightning_vitscale.sharding.resolved import ResolvedConfig
+from lightning_vitscale.sharding.settings import ShardingPolicy
 from lightning_vitscale.sharding.summary import ParallelPlan
 
 
@@ -36,7 +37,7 @@ class Planned:
     """The settings to shard with (the planner's choices filled in) and what to apply once the units exist.
 
     Attributes:
-        config: the user's settings with ``"auto"``'s blocks and the blocks per unit chosen where they could be.
+        resolved: the resolved settings with ``"auto"``'s blocks and the blocks per unit chosen where they could be.
         auto: the ``"auto"`` lifecycle (its choice, or the meta twin waiting for the first batch); ``None`` if off.
         measured: the fake-tensor measurement for the summary's predicted peak (``example_input_array``).
         units_choice: why the blocks per unit are what they are, where the planner chose them.
@@ -44,7 +45,7 @@ class Planned:
             reshard left to it: ``reshard_after_forward=None``).
     """
 
-    config: ParallelConfig
+    resolved: ResolvedConfig
     auto: AutoCheckpointing | None = None
     measured: StepInputs | None = None
     units_choice: str | None = None
@@ -58,44 +59,46 @@ class Planned:
             apply_auto_choice(module, self.auto, summary)
         elif self.measured is not None:
             keep_gathered(module, self.kept_gathered)
-            config = self.config
-            reshard = config.sharding.reshard_after_forward is not False
+            resolved = self.resolved
+            reshard = resolved.sharding.reshard_after_forward is not False
             summary.predicted_peak, summary.memory = describe_prediction(
-                self.measured, summary.checkpointed, reshard, offloads(config, device), summary.selective,
-                config.sharding.per_unit, self.kept_gathered,
+                self.measured, summary.checkpointed, reshard, offloads(resolved.sharding, device), summary.selective,
+                resolved.blocks_per_unit, self.kept_gathered,
             )
 
 
 def plan_before_sharding(
-    module: nn.Module, config: ParallelConfig, precision: PrecisionPolicy, ranks: Ranks
+    module: nn.Module, resolved: ResolvedConfig, precision: PrecisionPolicy, ranks: Ranks
 ) -> Planned:
     """The planner's part of setup, before any unit exists (every rank calls it: it agrees by collectives)."""
-    auto, config = _auto_checkpointing(module, config, precision, ranks)
+    auto, resolved = _auto_checkpointing(module, resolved, precision, ranks)
     if auto is not None:
-        return Planned(config, auto)
-    measured = measure_for_summary(module, ranks.mesh.size(), precision.name, config.sharding.blocks, ranks.device)
-    if measured is None or config.sharding.blocks_per_unit is not None:
-        return Planned(config, measured=measured)
-    config, line, kept = _choose_units(module, config, measured, ranks)
-    return Planned(config, measured=measured, units_choice=line, kept_gathered=kept)
+        return Planned(resolved, auto)
+    sharding = resolved.sharding
+    measured = measure_for_summary(module, ranks.mesh.size(), precision.name, sharding.blocks, ranks.device)
+    if measured is None or sharding.blocks_per_unit is not None:  # the user chose the blocks per unit
+        return Planned(resolved, measured=measured)
+    resolved, line, kept = _choose_units(module, resolved, measured, ranks)
+    return Planned(resolved, measured=measured, units_choice=line, kept_gathered=kept)
 
 
 def _choose_units(
-    module: nn.Module, config: ParallelConfig, measured: StepInputs, ranks: Ranks
-) -> tuple[ParallelConfig, str, tuple[str, ...]]:
+    module: nn.Module, resolved: ResolvedConfig, measured: StepInputs, ranks: Ranks
+) -> tuple[ResolvedConfig, str, tuple[str, ...]]:
     """``blocks_per_unit=None`` with the batch known at setup: the planner's grouping for the checkpointing the user
     chose, and with ``reshard_after_forward=None`` the units kept gathered. Every rank the same: the fewest blocks
     per unit any rank chose, then the fewest units kept any rank chose for it."""
     names = [block.name for block in measured.profile.blocks]
-    modes = [config.checkpointing.mode(i, name, module.get_submodule(name)) for i, name in enumerate(names)]
+    modes = [resolved.checkpoint_mode(i, name, module.get_submodule(name)) for i, name in enumerate(names)]
+    sharding = resolved.sharding
     settings = StepSettings(
         checkpointed=frozenset(i for i, mode in enumerate(modes) if mode is not None),
-        reshard_after_forward=config.sharding.reshard_after_forward is not False,
-        offload=offloads(config, ranks.device),
+        reshard_after_forward=sharding.reshard_after_forward is not False,
+        offload=offloads(sharding, ranks.device),
         selective=frozenset(i for i, mode in enumerate(modes) if mode == "selective"),
     )
     budget = resolve_budget(None, device_memory(ranks.device, ranks.ranks_per_node))
-    may_keep, rates = config.sharding.reshard_after_forward is None, rates_for(ranks.device)
+    may_keep, rates = sharding.reshard_after_forward is None, rates_for(ranks.device)
     choice = choose_blocks_per_unit(measured, settings, budget, rates, may_keep)
     per_unit = -ranks.agree_max(-choice.per_unit)
     agreed = choice if per_unit == choice.per_unit else choose_blocks_per_unit(
@@ -104,34 +107,32 @@ def _choose_units(
     line = choice.describe() if (per_unit, kept_units) == (choice.per_unit, choice.kept_units) else (
         "planner: the fewest blocks per unit and units kept gathered any rank chose")
     kept = dataclasses.replace(agreed, kept_units=kept_units).kept_gathered(len(names))
-    sharding = dataclasses.replace(config.sharding, blocks_per_unit=per_unit)
-    return dataclasses.replace(config, sharding=sharding), line, tuple(names[i] for i in sorted(kept))
+    return dataclasses.replace(resolved, blocks_per_unit=per_unit), line, tuple(names[i] for i in sorted(kept))
 
 
-def offloads(config: ParallelConfig, device: torch.device) -> bool:
+def offloads(sharding: ShardingPolicy, device: torch.device) -> bool:
     """Whether the sharded state leaves the device (``offload="cpu"`` on a CPU rank changes nothing)."""
-    return config.sharding.offload is not None and device.type != "cpu"
+    return sharding.offload is not None and device.type != "cpu"
 
 
 def _auto_checkpointing(
-    module: nn.Module, config: ParallelConfig, precision: PrecisionPolicy, ranks: Ranks
-) -> tuple[AutoCheckpointing | None, ParallelConfig]:
-    """The ``"auto"`` lifecycle and ``config`` with the blocks chosen at setup, if the choice could be made now."""
-    if not config.checkpointing.is_auto:
-        return None, config
+    module: nn.Module, resolved: ResolvedConfig, precision: PrecisionPolicy, ranks: Ranks
+) -> tuple[AutoCheckpointing | None, ResolvedConfig]:
+    """The ``"auto"`` lifecycle and ``resolved`` with the blocks chosen at setup, if the choice could be made now."""
+    requested = resolved.requested
+    if not requested.checkpointing.is_auto:
+        return None, resolved
     auto = AutoCheckpointing(
-        config.checkpointing.memory_budget, ranks.mesh.size(), precision.name, config.sharding.blocks,
-        may_keep_gathered=config.sharding.reshard_after_forward is None,
-        offload=offloads(config, ranks.device),
-        blocks_per_unit=config.sharding.blocks_per_unit,
+        requested.checkpointing.memory_budget, ranks.mesh.size(), precision.name, requested.sharding.blocks,
+        may_keep_gathered=requested.sharding.reshard_after_forward is None,
+        offload=offloads(requested.sharding, ranks.device),
+        blocks_per_unit=requested.sharding.blocks_per_unit,
     )
     choice = auto.at_setup(module, ranks.device, ranks.ranks_per_node, ranks.agree_max)
     if choice is None:
-        return auto, config  # decided at the first training step, from its batch
-    modes = choice.modes
-    selector = CheckpointingPolicy(blocks=lambda name, _: modes.get(name, False))
-    grouping = dataclasses.replace(config.sharding, blocks_per_unit=choice.blocks.per_unit)
-    return auto, dataclasses.replace(config, checkpointing=selector, sharding=grouping)
+        return auto, resolved  # decided at the first training step, from its batch
+    chosen = dataclasses.replace(resolved, checkpoint_choice=choice.modes, blocks_per_unit=choice.blocks.per_unit)
+    return auto, chosen
 
 
 def apply_auto_choice(module: nn.Module, auto: AutoCheckpointing, summary: ParallelPlan) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from lightning_vitscale.kernels import KernelPolicy
 from lightning_vitscale.precision import PrecisionPolicy
 from lightning_vitscale.sharding.settings import ParallelConfig
 
@@ -27,9 +28,15 @@ def check_reusable(used: dict[str, Any], wanted: dict[str, Any]) -> None:
 
 
 def sharding_signature(
-    config: ParallelConfig, precision: PrecisionPolicy, world_size: int, device: torch.device
+    config: ParallelConfig,
+    precision: PrecisionPolicy,
+    world_size: int,
+    device: torch.device,
+    kernels: KernelPolicy | None = None,
 ) -> dict[str, Any]:
-    """The settings a sharded module was built with; another Trainer may reuse it only with the same ones."""
+    """The settings a sharded module was built with; another Trainer may reuse it only with the same ones.
+
+    ``kernels``: the policy ``config.kernels`` resolved to on ``device``, where known (what was built)."""
     return {
         "blocks=": config.sharding.blocks,
         "reshard_after_forward=": config.sharding.reshard_after_forward,
@@ -37,7 +44,7 @@ def sharding_signature(
         "blocks_per_unit=": config.sharding.blocks_per_unit,
         "offload=": config.sharding.offload,
         "activation_checkpointing=": config.checkpointing.blocks,
-        "kernels=": config.kernels,
+        "kernels=": kernels if kernels is not None else config.kernels,
         "precision": precision,
         "world size": world_size,
         "device": device,

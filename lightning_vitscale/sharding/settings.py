@@ -302,10 +302,11 @@ def _block_mode(answer: object, name: str) -> Literal["full", "selective"] | Non
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Everything the parallelize pipeline needs to know, grouped so the strategy constructor stays short.
+    """What the user asked for, grouped so the strategy constructor stays short; never changed by setup.
 
-    ``kernels`` is what was asked for (``"auto"``, ``"eager"`` or a :class:`KernelPolicy`) until the device is
-    known; ``VitScaleStrategy`` replaces it with the resolved :class:`KernelPolicy` at setup.
+    ``kernels`` is the request (``"auto"``, ``"eager"`` or a :class:`KernelPolicy`); what it means on the device,
+    like the blocks ``"auto"`` checkpointing chose, is in :class:`~lightning_vitscale.sharding.ResolvedConfig`
+    (``VitScaleStrategy.resolved``), made once at setup.
     """
 
     sharding: ShardingPolicy = field(default_factory=ShardingPolicy)

@@ -6,7 +6,6 @@ kept on the module so that a later ``validate``/``test``/``fit`` with the same s
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from lightning_vitscale._compat import FSDPModule, initialize_fsdp_root, set_lig
 from lightning_vitscale.checkpoint import full_state_dict
 from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.init import Creation
-from lightning_vitscale.kernels import AttentionRouter, Compiler, auto_attention_step, resolve_kernels, usable_backends
+from lightning_vitscale.kernels import AttentionRouter, auto_attention_step
 from lightning_vitscale.memory import (
     AccumulationChoice,
     AccumulationMode,
@@ -35,8 +34,9 @@ from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import parallelize
 from lightning_vitscale.sharding.planning import apply_auto_choice, plan_before_sharding
 from lightning_vitscale.sharding.ranks import Ranks
+from lightning_vitscale.sharding.resolved import ResolvedConfig
 from lightning_vitscale.sharding.reuse import check_reusable, sharding_signature
-from lightning_vitscale.sharding.settings import ParallelConfig, ShardingPolicy
+from lightning_vitscale.sharding.settings import ShardingPolicy
 from lightning_vitscale.sharding.summary import ParallelPlan
 from lightning_vitscale.sharding.traffic import layout_report
 
@@ -135,20 +135,9 @@ class ShardedModel:
             self.outer.reshard()
 
 
-def resolve_config(config: ParallelConfig, device: torch.device, user_compiler: Compiler | None) -> ParallelConfig:
-    """``config`` with ``kernels=`` resolved for ``device`` (known only once processes are set up); idempotent.
-
-    ``trainer.fit(torch.compile(model))`` brings the user's compile settings, applied block by block.
-    """
-    kernels = resolve_kernels(config.kernels, device, usable_backends(device))
-    if user_compiler is not None:
-        kernels = dataclasses.replace(kernels, compile_blocks=True, compiler=user_compiler)
-    return dataclasses.replace(config, kernels=kernels)
-
-
 def shard_lightning_module(
     module: nn.Module,
-    config: ParallelConfig,
+    resolved: ResolvedConfig,
     precision: VitScalePrecision,
     ranks: Ranks,
     creation: Creation | None,
@@ -158,10 +147,12 @@ def shard_lightning_module(
     Kept in the module's ``__dict__`` (not as a submodule): the LightningModule must not contain its own wrapper.
     A module sharded under other settings raises :class:`~lightning_vitscale.ShardedModuleReuseError`.
     """
-    signature = sharding_signature(config, precision.policy, ranks.mesh.size(), ranks.device)
+    signature = sharding_signature(
+        resolved.requested, precision.policy, ranks.mesh.size(), ranks.device, kernels=resolved.kernels
+    )
     sharded: ShardedModel | None = module.__dict__.get(_SHARDED_ATTR)
     if sharded is None:
-        sharded = module.__dict__[_SHARDED_ATTR] = _shard(module, config, precision, ranks, creation, signature)
+        sharded = module.__dict__[_SHARDED_ATTR] = _shard(module, resolved, precision, ranks, creation, signature)
         rank_zero_info(sharded.summary.summary())
     check_reusable(sharded.signature, signature)
     return sharded
@@ -169,7 +160,7 @@ def shard_lightning_module(
 
 def _shard(
     module: nn.Module,
-    config: ParallelConfig,
+    resolved: ResolvedConfig,
     precision: VitScalePrecision,
     ranks: Ranks,
     creation: Creation | None,
@@ -181,12 +172,11 @@ def _shard(
     outer = OuterUnit(module)
     # 2. The planner decides before the pipeline what it can from the input, if known (example_input_array):
     #    "auto" checkpointing, blocks per unit. It measures the plain module: once sharded, running it would gather.
-    planned = plan_before_sharding(module, config, precision.policy, ranks)
-    config = planned.config
+    planned = plan_before_sharding(module, resolved, precision.policy, ranks)
     # 3. The recipe: norms, casts, attention routing, checkpointing, compile, block units, the outer unit.
-    done = parallelize(outer, module, ranks.mesh, config, precision.policy, ranks.device, creation)
+    done = parallelize(outer, module, ranks.mesh, planned.resolved, precision.policy, ranks.device, creation)
     set_lightning_device(module, ranks.device)
-    _describe_layout(done.plan, outer, done.norms, precision.policy, config.sharding, ranks)
+    _describe_layout(done.plan, outer, done.norms, precision.policy, resolved.sharding, ranks)
     planned.apply(module, done.plan, ranks.device)
     auto = planned.auto
     # 4. Drop-in behaviour: calls outside a step gather the outer unit; state_dict() gives DDP's full tensors.

@@ -6,10 +6,16 @@ planner predicts is a :class:`~lightning_vitscale.MemoryPlan` (``memory/``).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from lightning_vitscale._utils import mib
+from lightning_vitscale._utils import full_bytes, local_bytes, mib
+from lightning_vitscale.kernels import describe_router
 from lightning_vitscale.sharding.traffic import LayoutReport
+
+if TYPE_CHECKING:
+    from lightning_vitscale.sharding.steps import PipelineFacts
 
 
 @dataclass
@@ -129,6 +135,52 @@ class ParallelPlan:
         if self.accumulation:
             lines.append(f"  accumulation        : {self.accumulation}")
         return lines
+
+
+def plan_from_facts(facts: PipelineFacts) -> ParallelPlan:
+    """The setup summary from what the pipeline's steps did (the later setup steps add layout, memory, ...)."""
+    checkpointed = facts.checkpointing.modes
+    return ParallelPlan(
+        world_size=facts.world_size,
+        blocks=facts.described,
+        block_names=facts.blocks,
+        units=len(facts.units.all),
+        blocks_per_unit=facts.units.blocks_per_unit,
+        checkpointed=list(checkpointed),
+        selective=[name for name, mode in checkpointed.items() if mode == "selective"],
+        self_checkpointed=facts.checkpointing.self_checkpointed,
+        fp32_modules=[name for name, _ in facts.norms.modules],
+        num_params=sum(p.numel() for p in facts.params),
+        param_bytes_full=full_bytes(facts.params),
+        param_bytes_local=local_bytes(facts.params),
+        precision=facts.precision,
+        notes=_notes(facts),
+        kernels=_kernel_lines(facts),
+        tensor_core_misses=facts.tensor_core_misses,
+        init_path=facts.init.path,
+        init_peak_bytes=facts.init.peak_bytes,
+        init_seconds=facts.init.seconds,
+        overlap=facts.overlap.description,
+    )
+
+
+def _kernel_lines(facts: PipelineFacts) -> dict[str, str]:
+    counts = Counter(facts.compiled.block_classes)
+    lines = {
+        "compiled blocks": ", ".join(f"{name} x{count}" for name, count in counts.items()) or "off",
+        "attention": describe_router(facts.router),
+        "fused optimizer": "on" if facts.kernels.fused_optimizer else "off",
+    }
+    if facts.compiled.outer is not None:
+        lines["compiled outer"] = ", ".join(facts.compiled.outer) or "nothing outside the blocks"
+    return lines
+
+
+def _notes(facts: PipelineFacts) -> list[str]:
+    notes = [] if facts.blocks else [f"no repeated blocks in {facts.model_class}: one outer FSDP unit only"]
+    if facts.init.not_reproduced:
+        notes.append(f"{len(facts.init.not_reproduced)} meta tensor(s) whose init could not be reproduced (warned)")
+    return notes
 
 
 _INIT_PATHS = {

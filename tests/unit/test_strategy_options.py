@@ -72,12 +72,20 @@ def test_unknown_kernels_mode_fails_at_construction():
         VitScaleStrategy(kernels="fast")  # type: ignore[arg-type]
 
 
-def test_config_kernels_is_the_request_until_setup_then_the_resolved_policy(mesh):
-    strategy = VitScaleStrategy(kernels="auto")
-    assert strategy.config.kernels == "auto"  # the device is not known yet: nothing is claimed
+def test_config_stays_the_request_and_setup_resolves_it_apart(mesh):
+    strategy = VitScaleStrategy(kernels="auto", activation_checkpointing=2)
+    requested = strategy.config
+    assert requested.kernels == "auto" and strategy.resolved is None  # the device is not known yet
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(Classifier("encoder"), loader(n=4))
-    assert strategy.config.kernels == KernelPolicy()  # "auto" on CPU: eager, SDPA, the user's optimizer
+    resolved = strategy.resolved
+    assert resolved is not None and resolved.requested is requested  # the request, unchanged
+    assert resolved.kernels == KernelPolicy()  # "auto" on CPU: eager, SDPA, the user's optimizer
+    assert (resolved.blocks_per_unit, resolved.prefetch) == (1, 1)  # CPU: one unit ahead
+    assert strategy.config == requested and strategy.config.checkpointing.blocks == 2
+    # README said `strategy.config.kernels` is the resolved policy after setup: kept one release, with a warning.
+    with pytest.warns(DeprecationWarning, match="strategy.resolved.kernels"):
+        assert strategy.config.kernels == KernelPolicy()

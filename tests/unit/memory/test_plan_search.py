@@ -113,6 +113,7 @@ def test_per_block_kept_gathered_is_between_the_two_global_settings(inputs):
 def test_a_mixed_plan_is_applied_block_by_block_and_computes_the_same_gradients(mesh):
     """What the strategy does with the choice at setup: each block checkpointed in its mode, the later blocks kept
     gathered for backward; gradients equal an unplanned model's."""
+    from lightning_vitscale.sharding import resolve_config
     from lightning_vitscale.sharding.planning import _auto_checkpointing, apply_auto_choice
 
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
@@ -125,7 +126,8 @@ def test_a_mixed_plan_is_applied_block_by_block_and_computes_the_same_gradients(
         budget = (least + most) // 2 if planned else 4 * 2**30
         asked = ParallelConfig(checkpointing=CheckpointingPolicy(blocks="auto", memory_budget=budget))
         ranks = SimpleNamespace(mesh=mesh, device=torch.device("cpu"), ranks_per_node=1, agree_max=lambda n: n)
-        auto, config = _auto_checkpointing(model, asked, resolve_flag("32-true"), ranks)  # as setup decides
+        resolved = resolve_config(asked, torch.device("cpu"))
+        auto, config = _auto_checkpointing(model, resolved, resolve_flag("32-true"), ranks)  # as setup decides
         root = OuterUnit(model)
         done = parallelize(root, model, mesh, config, resolve_flag("32-true"), torch.device("cpu"))
         apply_auto_choice(model, auto, done.plan)

@@ -1,0 +1,105 @@
+"""What setup resolved from the requested settings: made once, for one device, with a concrete type per field.
+
+:class:`~lightning_vitscale.ParallelConfig` is what the user asked for and never changes (``kernels="auto"`` stays
+``"auto"``); :class:`ResolvedConfig` is what the pipeline builds (the :class:`KernelPolicy` ``"auto"`` became on this
+device, the blocks ``activation_checkpointing="auto"`` chose, the blocks per unit and the prefetch depth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_vitscale.kernels import Compiler, KernelPolicy, resolve_kernels, usable_backends
+from lightning_vitscale.sharding.activation_checkpointing import CheckpointMode
+from lightning_vitscale.sharding.settings import ParallelConfig, ShardingPolicy
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """The settings the pipeline runs with; ``VitScaleStrategy.resolved`` after setup.
+
+    Attributes:
+        requested: what the user asked for (``strategy.config``), unchanged.
+        kernels: the kernel policy for this device (``kernels="auto"`` resolved, ``torch.compile(model)`` taken over).
+        blocks_per_unit: consecutive blocks per FSDP unit: the user's, the planner's choice, or 1.
+        prefetch: units each unit all-gathers ahead (the user's, else 1 on CPU ranks and 0 on GPUs).
+        checkpoint_choice: the blocks ``activation_checkpointing="auto"`` chose at setup (name -> mode; a block not
+            named is not checkpointed); ``None``: the requested setting decides per block.
+    """
+
+    requested: ParallelConfig
+    kernels: KernelPolicy
+    blocks_per_unit: int
+    prefetch: int
+    checkpoint_choice: Mapping[str, CheckpointMode] | None = None
+
+    @property
+    def sharding(self) -> ShardingPolicy:
+        """The requested sharding settings (what to wrap, reshard, layout, offload, accumulation)."""
+        return self.requested.sharding
+
+    def checkpoint_mode(self, index: int, name: str, module: nn.Module) -> CheckpointMode | None:
+        """How the ``index``-th block (0-based, model order) is checkpointed: ``"full"``, ``"selective"``, ``None``."""
+        if self.checkpoint_choice is not None:
+            return self.checkpoint_choice.get(name)
+        return self.requested.checkpointing.mode(index, name, module)
+
+    def config_view(self) -> ParallelConfig:
+        """``strategy.config`` after setup, for one release: the requested settings, whose ``kernels`` still reads
+        as the resolved policy (with a :class:`DeprecationWarning`), as README documented before."""
+        return _ConfigAfterSetup(self.requested, self.kernels)
+
+
+def resolve_config(
+    config: ParallelConfig, device: torch.device, user_compiler: Compiler | None = None
+) -> ResolvedConfig:
+    """What ``config`` means on ``device`` (known only once processes are set up).
+
+    ``trainer.fit(torch.compile(model))`` brings the user's compile settings, applied block by block.
+    """
+    requested = config.requested if isinstance(config, _ConfigAfterSetup) else config
+    kernels = resolve_kernels(requested.kernels, device, usable_backends(device))
+    if user_compiler is not None:
+        kernels = dataclasses.replace(kernels, compile_blocks=True, compiler=user_compiler)
+    sharding = requested.sharding
+    return ResolvedConfig(requested, kernels, sharding.per_unit, sharding.prefetch_on(device.type))
+
+
+_DEPRECATED_KERNELS = (
+    "`strategy.config.kernels` after setup is the resolved KernelPolicy only for one more release; read"
+    " `strategy.resolved.kernels` instead. `strategy.config` will then always hold what you asked for."
+)
+
+
+class _ConfigAfterSetup(ParallelConfig):
+    """The requested settings, except that reading ``kernels`` gives the resolved policy and warns (deprecated)."""
+
+    requested: ParallelConfig
+
+    def __init__(self, requested: ParallelConfig, kernels: KernelPolicy) -> None:
+        # The fields set as the requested ones (already checked): no __post_init__, which would read `kernels`.
+        for name, value in (("sharding", requested.sharding), ("checkpointing", requested.checkpointing),
+                            ("kernels", requested.kernels), ("requested", requested), ("_resolved_kernels", kernels)):
+            object.__setattr__(self, name, value)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "kernels":
+            warnings.warn(_DEPRECATED_KERNELS, DeprecationWarning, stacklevel=2)
+            return object.__getattribute__(self, "_resolved_kernels")
+        return object.__getattribute__(self, name)
+
+    def __eq__(self, other: object) -> bool:
+        return self.requested == (other.requested if isinstance(other, _ConfigAfterSetup) else other)
+
+    def __hash__(self) -> int:
+        return hash(self.requested)
+
+    def __repr__(self) -> str:
+        return repr(self.requested)

@@ -1,0 +1,205 @@
+"""The parallelize pipeline's steps (torchtitan's ``apply_*``): each applies one thing to explicit module lists and
+returns a small record of what it did, from which the setup summary is built (``summary.plan_from_facts``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_vitscale._compat import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from lightning_vitscale.init import InitialWeights
+from lightning_vitscale.kernels import AttentionRouter, KernelPolicy, apply_regional_compile, make_router, route_blocks
+from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms
+from lightning_vitscale.sharding.activation_checkpointing import (
+    CHECKPOINT_MODES,
+    CheckpointMode,
+    apply_activation_checkpointing,
+    is_self_checkpointing,
+)
+from lightning_vitscale.sharding.cpu_overlap import overlap_collectives_on_cpu
+from lightning_vitscale.sharding.fsdp import group_blocks, set_prefetch, shard_module
+from lightning_vitscale.sharding.settings import unit_reshard
+
+Named = list[tuple[str, nn.Module]]
+"""``(qualified name, module)`` pairs in model order."""
+
+
+@dataclass(frozen=True)
+class NormFacts:
+    """The norms kept in fp32 outside the low-precision units (``modules``), replicated as ``replicated``."""
+
+    modules: Named
+    replicated: ReplicatedNorms | None
+
+    @property
+    def ignored(self) -> set[nn.Parameter] | None:
+        return self.replicated.ignored() if self.replicated else None
+
+
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """Blocks checkpointed, each with its mode (model order), and those left alone as they checkpoint themselves."""
+
+    modes: dict[str, CheckpointMode]
+    self_checkpointed: list[str]
+
+
+@dataclass(frozen=True)
+class CompileFacts:
+    """Modules compiled in place: the blocks' class names (one per block) and the outer sub-modules' names (``None``:
+    ``compile_outer`` off)."""
+
+    block_classes: list[str]
+    outer: list[str] | None
+
+
+@dataclass(frozen=True)
+class UnitFacts:
+    """The FSDP units made: the outer unit, then one per group of ``blocks_per_unit`` consecutive blocks."""
+
+    outer: FSDPModule
+    block_units: list[FSDPModule]
+    blocks_per_unit: int
+
+    @property
+    def all(self) -> list[FSDPModule]:
+        return [self.outer, *self.block_units]
+
+
+@dataclass(frozen=True)
+class OverlapFacts:
+    """The explicit prefetch depth set, and how collectives overlap where the package arranges it (else empty)."""
+
+    prefetch: int
+    description: str
+
+
+def apply_attention_routing(blocks: Named, attention: str, device: torch.device) -> AttentionRouter | None:
+    """Route each block's SDPA calls (``attention=``) inside its own forward, so checkpointing's recompute is too."""
+    router = make_router(attention, device)
+    if router is not None:
+        route_blocks([block for _, block in blocks], router)
+    return router
+
+
+def apply_ac(blocks: Named, mode_of: Callable[[int, str, nn.Module], CheckpointMode | None]) -> CheckpointFacts:
+    """Checkpoint each block in the mode ``mode_of(index, name, block)`` gives, skipping blocks that checkpoint
+    themselves (no double recompute). ``mode_of`` is asked for every block, in model order."""
+    self_ckpt = [name for name, block in blocks if is_self_checkpointing(block)]
+    modes = {name: mode_of(index, name, block) for index, (name, block) in enumerate(blocks)}
+    chosen: dict[str, CheckpointMode] = {
+        name: mode for name, mode in modes.items() if name not in self_ckpt and mode is not None
+    }
+    by_name = dict(blocks)
+    for mode in CHECKPOINT_MODES:
+        apply_activation_checkpointing([by_name[name] for name, m in chosen.items() if m == mode], mode)
+    return CheckpointFacts(chosen, self_ckpt)
+
+
+def apply_compile(blocks: Named, outer: Named, kernels: KernelPolicy) -> CompileFacts:
+    """``torch.compile`` each block in place (identical blocks share one graph) and, with ``compile_outer``, each
+    of the ``outer`` sub-modules."""
+    compiled_blocks = [block for _, block in blocks] if kernels.compile_blocks else []
+    compiled_outer = outer if kernels.compile_outer else []
+    if compiled_blocks or compiled_outer:
+        apply_regional_compile(
+            compiled_blocks + [module for _, module in compiled_outer], kernels.compile_mode, kernels.compiler
+        )
+    return CompileFacts(
+        [type(block).__name__ for block in compiled_blocks],
+        [name for name, _ in compiled_outer] if kernels.compile_outer else None,
+    )
+
+
+def apply_fsdp(
+    outer_unit: nn.Module,
+    blocks: list[nn.Module],
+    *,
+    mesh: DeviceMesh,
+    weights: InitialWeights,
+    mp_policy: MixedPrecisionPolicy,
+    offload: OffloadPolicy,
+    reshard_after_forward: bool | int | None,
+    blocks_per_unit: int,
+    ignored: set[nn.Parameter] | None,
+) -> UnitFacts:
+    """One FSDP unit per ``blocks_per_unit`` consecutive blocks, bottom-up, then the outer unit around the rest.
+
+    Each unit's starting values are taken before it is sharded and delivered to its shards right after
+    (``weights``), so no rank holds a second copy of the model.
+    """
+    groups = group_blocks(blocks, blocks_per_unit)
+    block_units = []
+    for group in groups:
+        with ExitStack() as stack:
+            for block in group:
+                stack.enter_context(weights.unit(block))
+            reshard = unit_reshard(reshard_after_forward, outer=False)
+            block_units.append(shard_module(group, mesh, mp_policy, reshard, ignored, offload))
+    with weights.unit(outer_unit):
+        reshard = unit_reshard(reshard_after_forward, outer=True)
+        outer = shard_module(outer_unit, mesh, mp_policy, reshard, ignored, offload)
+    return UnitFacts(outer, block_units, blocks_per_unit)
+
+
+def apply_prefetch(units: list[FSDPModule], prefetch: int, mesh: DeviceMesh, device: torch.device) -> OverlapFacts:
+    """Each unit starts the next ``prefetch`` units' all-gathers once its own is done; on CPU the collectives are
+    made asynchronous too (gloo's worker threads), or nothing would overlap there."""
+    set_prefetch(units, prefetch)
+    if device.type != "cpu" or mesh.size() <= 1:
+        return OverlapFacts(prefetch, "")
+    overlap_collectives_on_cpu(units, reduce_scatters=mesh.ndim == 1)
+    gathers = "all-gathers" + ("" if mesh.ndim > 1 else ", reduce-scatters")
+    return OverlapFacts(prefetch, f"asynchronous on CPU ({gathers}), prefetch {prefetch}")
+
+
+def replicate_norms(
+    model: nn.Module, mesh: DeviceMesh, precision: PrecisionPolicy, weights: InitialWeights
+) -> NormFacts:
+    """Norms keep fp32 parameters and compute, replicated outside the low-precision units (one extra collective
+    per step instead of one unit per norm); their values and device are prepared first, as no unit delivers them."""
+    norm_modules = precision.separate_norm_modules(model)
+    weights.prepare([m for _, m in norm_modules])
+    norms = (
+        ReplicatedNorms([m for _, m in norm_modules], mesh, precision.norm_dtype)
+        if norm_modules and precision.norm_dtype is not None  # always set where separate_norms found modules
+        else None
+    )
+    return NormFacts(norm_modules, norms)
+
+
+@dataclass(frozen=True)
+class InitFacts:
+    """How the starting weights were made (``"exact"``, ``"meta"``, ``"built"``), the host-memory peak growth and
+    seconds it took, and the meta tensors whose init could not be reproduced."""
+
+    path: str
+    peak_bytes: int
+    seconds: float
+    not_reproduced: list[str]
+
+
+@dataclass(frozen=True)
+class PipelineFacts:
+    """Everything the steps did, for :func:`~lightning_vitscale.sharding.summary.plan_from_facts`."""
+
+    world_size: int
+    model_class: str
+    blocks: list[str]
+    described: dict[str, int]
+    norms: NormFacts
+    checkpointing: CheckpointFacts
+    compiled: CompileFacts
+    router: AttentionRouter | None
+    kernels: KernelPolicy
+    tensor_core_misses: list[str]
+    units: UnitFacts
+    overlap: OverlapFacts
+    init: InitFacts
+    params: list[nn.Parameter]
+    precision: str
