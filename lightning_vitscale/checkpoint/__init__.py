@@ -6,6 +6,10 @@ folders, and ``model.state_dict()`` as DDP's full tensors.
 May import ``distributed`` (the side-group handshake before a gather), ``_utils`` and ``_compat``.
 """
 
+import dataclasses
+import warnings
+from typing import Any
+
 from lightning_vitscale.checkpoint.async_save import AsyncSaveError, AsyncSaves
 from lightning_vitscale.checkpoint.commit import commit, newest_complete
 from lightning_vitscale.checkpoint.consolidate import consolidate_checkpoint, consolidate_command, load_consolidated
@@ -16,16 +20,29 @@ from lightning_vitscale.checkpoint.load import load_checkpoint
 from lightning_vitscale.checkpoint.manifest import verify
 from lightning_vitscale.checkpoint.resume import install_resume_hooks
 from lightning_vitscale.checkpoint.save import (
-    HashGroup,
     model_state_dict,
     optimizer_state_dict,
     remove_checkpoint,
     save_checkpoint,
-    sharded_save_hint,
 )
 from lightning_vitscale.checkpoint.settings import CheckpointSettings, StateDictType
 from lightning_vitscale.checkpoint.storage import Location
+from lightning_vitscale.checkpoint.strategy_side import StrategyCheckpoints, sharded_save_hint
 from lightning_vitscale.checkpoint.verified import verified_checkpoint
+from lightning_vitscale.distributed.ranks import RankContext
+
+
+def HashGroup(rank: int = 0, world_size: int = 1, gather: Any = None) -> RankContext:  # noqa: N802 - the old class
+    """Deprecated: checkpoints take the one rank context, :class:`lightning_vitscale.distributed.RankContext`."""
+    warnings.warn(
+        "lightning_vitscale.checkpoint.HashGroup is deprecated; pass a lightning_vitscale.distributed.RankContext"
+        " (rank=, world_size=, all_gather_objects=) instead.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    context = RankContext(rank=rank, world_size=world_size)
+    return context if gather is None else dataclasses.replace(context, all_gather_objects=gather)
+
 
 __all__ = [
     "AsyncSaveError",
@@ -36,6 +53,7 @@ __all__ = [
     "Location",
     "StateDictGatherError",
     "StateDictType",
+    "StrategyCheckpoints",
     "commit",
     "consolidate_checkpoint",
     "consolidate_command",

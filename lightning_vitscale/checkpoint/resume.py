@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_vitscale._compat import CheckpointConnector, checkpoint_dir
 from lightning_vitscale.checkpoint.commit import newest_complete, target_of
 from lightning_vitscale.checkpoint.storage import SHARDED_MARKER, Location
+from lightning_vitscale.checkpoint.strategy_side import strategy_checkpoints
 
 _ORIGINAL = "vitscale_original"
 CHECKPOINT_EXTENSION = ModelCheckpoint.FILE_EXTENSION
@@ -105,20 +106,29 @@ def last_with_fallbacks(
 def _wrap_find_last(original: Callable[..., set[str]]) -> Callable[..., set[str]]:
     @functools.wraps(original)
     def _find_last_checkpoints(self: ModelCheckpoint, trainer: Any) -> set[str]:
+        found = original(self, trainer)
         folder = Location.of(checkpoint_dir(self, trainer))
-        theirs = {p for p in original(self, trainer) if not Location.of(p).is_dir()}  # Lightning's own files
-        wanted = hasattr(trainer.strategy, "resume_fallbacks")
-        ours, others = last_with_fallbacks(self, folder, wanted) if folder.is_dir() else ([], [])
-        if wanted:
-            trainer.strategy.resume_fallbacks = ours + others
+        side = strategy_checkpoints(trainer.strategy)
+        if side is None and not _holds_folders(folder):
+            return found  # Lightning's own strategy and files only: Lightning's answer, untouched
+        theirs = {p for p in found if not Location.of(p).is_dir()}  # Lightning's own files
+        ours, others = last_with_fallbacks(self, folder, side is not None) if folder.is_dir() else ([], [])
+        if side is not None:
+            side.resume_with_fallbacks(ours + others)
         return theirs | {_path_for_lightning(location) for location in ours}
 
     setattr(_find_last_checkpoints, _ORIGINAL, original)
     return _find_last_checkpoints
 
 
-def auto_resume_path(trainer: Any) -> Location | None:
-    """The newest complete checkpoint in the folders of the trainer's ModelCheckpoint callbacks (``None``: none)."""
+def _holds_folders(folder: Location) -> bool:
+    """Whether ``folder`` holds a sub-folder (a sharded checkpoint, or what an interrupted save of one left)."""
+    return folder.is_dir() and any(folder.child(name).is_dir() for name in folder.names())
+
+
+def auto_resume_path(trainer: Any) -> tuple[Location | None, list[Location]]:
+    """The newest complete checkpoint in the folders of the trainer's ModelCheckpoint callbacks (``None``: none),
+    and the older complete ones, newest first (the load's fallbacks)."""
     callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
     if not callbacks or any(cb.dirpath is None for cb in callbacks):
         raise ValueError(
@@ -130,17 +140,16 @@ def auto_resume_path(trainer: Any) -> Location | None:
     for callback in callbacks:
         found += complete_checkpoints(Location.of(str(callback.dirpath)), _is_checkpoint)
     found.sort(key=saved_time, reverse=True)
-    if hasattr(trainer.strategy, "resume_fallbacks"):
-        trainer.strategy.resume_fallbacks = found[1:]
-    return found[0] if found else None
+    return (found[0] if found else None), found[1:]
 
 
 def _wrap_parse(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _parse_ckpt_path(self: Any, state_fn: TrainerFn, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
-        settings = getattr(self.trainer.strategy, "checkpoint_settings", None)
-        if state_fn == TrainerFn.FITTING and getattr(settings, "auto_resume", False):
-            found = auto_resume_path(self.trainer)
+        side = strategy_checkpoints(self.trainer.strategy)
+        if state_fn == TrainerFn.FITTING and side is not None and side.settings.auto_resume:
+            found, fallbacks = auto_resume_path(self.trainer)
+            side.resume_with_fallbacks(fallbacks)
             if found is not None:
                 ignored = f" (ckpt_path={ckpt_path!r} is ignored: there is a run to resume)" if ckpt_path else ""
                 rank_zero_info(f"auto_resume: resuming from {found}{ignored}")

@@ -158,7 +158,7 @@ def shard_lightning_module(
     Kept in the module's ``__dict__`` (not as a submodule): the LightningModule must not contain its own wrapper.
     A module sharded under other settings raises :class:`~lightning_vitscale.ShardedModuleReuseError`.
     """
-    signature = sharding_signature(config, precision.policy, ranks.mesh.size(), ranks.device)
+    signature = sharding_signature(config, precision.policy, ranks.world_size, ranks.device)
     sharded: ShardedModel | None = module.__dict__.get(_SHARDED_ATTR)
     if sharded is None:
         sharded = module.__dict__[_SHARDED_ATTR] = _shard(module, config, precision, ranks, creation, signature)
@@ -184,7 +184,7 @@ def _shard(
     planned = plan_before_sharding(module, config, precision.policy, ranks)
     config = planned.config
     # 3. The recipe: norms, casts, attention routing, checkpointing, compile, block units, the outer unit.
-    done = parallelize(outer, module, ranks.mesh, config, precision.policy, ranks.device, creation)
+    done = parallelize(outer, module, ranks.sharding_mesh, config, precision.policy, ranks.device, creation)
     set_lightning_device(module, ranks.device)
     _describe_layout(done.plan, outer, done.norms, precision.policy, config.sharding, ranks)
     planned.apply(module, done.plan, ranks.device)
@@ -208,7 +208,7 @@ def _describe_layout(
     ranks: Ranks,
 ) -> None:
     """Sharding layout, per-step traffic and offload in the summary."""
-    mesh = ranks.mesh
+    mesh = ranks.sharding_mesh
     summary.layout = layout_report(
         outer, norms.params if norms is not None else [], precision, sharding.reshard_after_forward, mesh.size(),
         shard_size(mesh), ranks.ranks_per_node, ranks.rank,
