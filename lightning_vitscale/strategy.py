@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -29,7 +28,6 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
-DESCRIPTION = "Nested FSDP2 + activation checkpointing + BF16 O2 with fp32 norms (lightning-vitscale)"
 
 
 class VitScaleStrategy(ModelParallelStrategy):
@@ -125,7 +123,7 @@ class VitScaleStrategy(ModelParallelStrategy):
             kernels=kernels,
         )
         settings = checkpoints.CheckpointSettings(state_dict_type, auto_resume, async_save)
-        self.checkpoints = checkpoints.StrategyCheckpoints(settings, timeout)
+        self.checkpoints = checkpoints.StrategyCheckpoints(settings, timeout)  # saves, loads, resume fallbacks
         self.init_settings = InitSettings(init)
         self.sharded: shards.ShardedModel | None = None
         self._creation: Creation | None = None
@@ -136,21 +134,9 @@ class VitScaleStrategy(ModelParallelStrategy):
         """What setup did to the model (``print(strategy.plan.summary())``); ``None`` before setup."""
         return self.sharded.summary if self.sharded is not None else None
 
-    @property
-    def checkpoint_settings(self) -> checkpoints.CheckpointSettings:
-        return self.checkpoints.settings
-
-    @checkpoint_settings.setter
-    def checkpoint_settings(self, value: checkpoints.CheckpointSettings) -> None:
-        self.checkpoints.settings = value
-
-    @property
-    def state_dict_type(self) -> checkpoints.StateDictType:
-        return self.checkpoints.settings.state_dict_type
-
-    @state_dict_type.setter
-    def state_dict_type(self, value: checkpoints.StateDictType) -> None:
-        self.checkpoints.settings = dataclasses.replace(self.checkpoints.settings, state_dict_type=value)
+    # Public, and kept on the checkpoint side (checkpoint/strategy_side.py).
+    checkpoint_settings = checkpoints.OnCheckpointSide("settings")
+    state_dict_type = checkpoints.OnCheckpointSide("state_dict_type")
 
     @property  # type: ignore[override]
     def _lightning_module(self) -> pl.LightningModule | None:
@@ -212,8 +198,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         self.sharded.release()  # a copy gathered by a call after an earlier fit must not reach the optimizer
         self.barrier()
         if fitting:
-            # WeightAveraging & co.: their averaged copy sharded like the model.
-            callbacks = trainer.callbacks  # type: ignore[attr-defined]
+            callbacks = trainer.callbacks  # type: ignore[attr-defined]  # WeightAveraging & co.: copies sharded too
             shard_averaged_copies(callbacks, module, self.root_device, bool(trainer.checkpoint_callbacks))
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -224,9 +209,6 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     def _ranks(self) -> distributed.RankContext:
         return distributed.rank_context(self)
-
-    def _mean_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
-        return self.reduce(values.to(self.root_device), reduce_op="sum") / self.world_size  # gloo has no AVG
 
     @contextmanager
     @override
@@ -252,7 +234,8 @@ class VitScaleStrategy(ModelParallelStrategy):
         assert self.sharded is not None
         if args:
             self.sharded.before_training_step(args[0], self._ranks(), self.optimizers)
-        return self.sharded.training_step(partial(super().training_step, *args, **kwargs), self._mean_over_ranks)
+        mean = partial(distributed.mean_over_ranks, device=self.root_device)
+        return self.sharded.training_step(partial(super().training_step, *args, **kwargs), mean)
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -273,9 +256,8 @@ class VitScaleStrategy(ModelParallelStrategy):
         output = super().optimizer_step(*args, **kwargs)
         if self.sharded is not None:
             self.sharded.release()  # a copy gathered by a callback before the update is stale now
-        optimizer = args[0] if args else kwargs.get("optimizer")
-        if optimizer is not None and self._release_after_step:
-            release_gradients(optimizer)  # zero_grad would free them only after the next forward
+        if self._release_after_step:  # zero_grad would free them only after the next forward
+            release_gradients(args[0] if args else kwargs["optimizer"])
         return output
 
     @override
@@ -297,12 +279,10 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
         return self.checkpoints.model_state(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        assert self.lightning_module is not None
         return self.checkpoints.optimizer_state(self.lightning_module, optimizer, self._ranks())
 
     @override
@@ -331,9 +311,8 @@ class VitScaleStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A sharded checkpoint (any world size) or a single file (from DDP, ``consolidate``): see
         :meth:`~lightning_vitscale.checkpoint.strategy_side.StrategyCheckpoints.load`."""
-        module = self.lightning_module
-        assert module is not None
-        return self.checkpoints.load(checkpoint_path, module, self.optimizers, weights_only, ranks=self._ranks())
+        module, ranks = self.lightning_module, self._ranks()
+        return self.checkpoints.load(checkpoint_path, module, self.optimizers, weights_only, ranks=ranks)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -343,4 +322,8 @@ class VitScaleStrategy(ModelParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description=DESCRIPTION)
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="Nested FSDP2 + activation checkpointing + BF16 O2 with fp32 norms (lightning-vitscale)",
+        )

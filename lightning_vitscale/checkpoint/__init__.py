@@ -27,7 +27,7 @@ from lightning_vitscale.checkpoint.save import (
 )
 from lightning_vitscale.checkpoint.settings import CheckpointSettings, StateDictType
 from lightning_vitscale.checkpoint.storage import Location
-from lightning_vitscale.checkpoint.strategy_side import StrategyCheckpoints, sharded_save_hint
+from lightning_vitscale.checkpoint.strategy_side import OnCheckpointSide, StrategyCheckpoints, sharded_save_hint
 from lightning_vitscale.checkpoint.verified import verified_checkpoint
 from lightning_vitscale.distributed.ranks import RankContext
 
@@ -51,6 +51,7 @@ __all__ = [
     "CheckpointSettings",
     "HashGroup",
     "Location",
+    "OnCheckpointSide",
     "StateDictGatherError",
     "StateDictType",
     "StrategyCheckpoints",

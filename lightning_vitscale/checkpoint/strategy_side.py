@@ -8,8 +8,9 @@ share the hashing of a save (the rank context) and whether a save runs in the ba
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -49,10 +50,14 @@ class StrategyCheckpoints:
     def resume_fallbacks(self) -> list[Location]:
         return list(self._fallbacks)
 
-    def model_state(self, module: nn.Module) -> dict[str, Any]:
+    def model_state(self, module: nn.Module | None) -> dict[str, Any]:
+        assert module is not None
         return model_state_dict(module, full=self.settings.full)
 
-    def optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer, ranks: RankContext) -> dict:
+    def optimizer_state(
+        self, module: nn.Module | None, optimizer: torch.optim.Optimizer, ranks: RankContext
+    ) -> dict[str, Any]:
+        assert module is not None
         return optimizer_state_dict(module, optimizer, self.settings.full, ranks.is_rank_zero)
 
     def save(
@@ -95,6 +100,7 @@ class StrategyCheckpoints:
         A path whose save was interrupted loads the newest complete checkpoint saved to it; a sharded folder's
         CRC-32s are checked first, shared by the ranks (``verified.py``), falling back to the resume fallbacks.
         """
+        assert module is not None
         self.saves.wait()
         location = Location.of(ranks.broadcast(str(checkpoint_path)))
         fallbacks, self._fallbacks = self._fallbacks, []
@@ -114,6 +120,24 @@ class StrategyCheckpoints:
 
     def close(self) -> None:
         self.saves.close()  # also after an exception, which close() does not mask
+
+
+class OnCheckpointSide:
+    """A public strategy attribute kept on its checkpoint side (``strategy.checkpoints``): ``"settings"`` (the
+    strategy's ``checkpoint_settings``) or ``"state_dict_type"``, read and set there."""
+
+    def __init__(self, field: Literal["settings", "state_dict_type"]) -> None:
+        self.field = field
+
+    def __get__(self, strategy: Any, owner: type | None = None) -> Any:
+        if strategy is None:
+            return self
+        settings = strategy.checkpoints.settings
+        return settings if self.field == "settings" else settings.state_dict_type
+
+    def __set__(self, strategy: Any, value: Any) -> None:
+        side: StrategyCheckpoints = strategy.checkpoints
+        side.settings = value if self.field == "settings" else dataclasses.replace(side.settings, state_dict_type=value)
 
 
 def strategy_checkpoints(strategy: object) -> StrategyCheckpoints | None:

@@ -89,3 +89,10 @@ def rank_context(strategy: Any) -> RankContext:
         agree_max=partial(largest_over_ranks, device=device), world_size=strategy.world_size,
         all_gather_objects=all_gather_objects, broadcast=strategy.broadcast, barrier=strategy.barrier,
     )
+
+
+def mean_over_ranks(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Every rank's ``values`` averaged, on every rank: a SUM, then divided (gloo has no AVG)."""
+    total = values.detach().to(device).clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total / dist.get_world_size()
