@@ -124,6 +124,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         )
         settings = checkpoints.CheckpointSettings(state_dict_type, auto_resume, async_save)
         self.checkpoints = checkpoints.StrategyCheckpoints(settings, timeout)  # saves, loads, resume fallbacks
+        checkpoints.install_strategy_patches()  # auto_resume's `ckpt_path` (checkpoint/lightning/patches.py)
         self.init_settings = InitSettings(init)
         self.sharded: shards.ShardedModel | None = None
         self._creation: Creation | None = None

@@ -15,10 +15,9 @@ from lightning_vitscale.checkpoint.commit import commit, newest_complete
 from lightning_vitscale.checkpoint.consolidate import consolidate_checkpoint, consolidate_command, load_consolidated
 from lightning_vitscale.checkpoint.errors import CheckpointError
 from lightning_vitscale.checkpoint.full_state_dict import StateDictGatherError
-from lightning_vitscale.checkpoint.lightning_loaders import install_checkpoint_loader
+from lightning_vitscale.checkpoint.lightning.patches import install_import_patches, install_strategy_patches
 from lightning_vitscale.checkpoint.load import load_checkpoint
 from lightning_vitscale.checkpoint.manifest import verify
-from lightning_vitscale.checkpoint.resume import install_resume_hooks
 from lightning_vitscale.checkpoint.save import (
     model_state_dict,
     optimizer_state_dict,
@@ -30,6 +29,29 @@ from lightning_vitscale.checkpoint.storage import Location
 from lightning_vitscale.checkpoint.strategy_side import OnCheckpointSide, StrategyCheckpoints, sharded_save_hint
 from lightning_vitscale.checkpoint.verified import verified_checkpoint
 from lightning_vitscale.distributed.ranks import RankContext
+
+
+def install_checkpoint_loader() -> None:
+    """Deprecated alias: importing ``lightning_vitscale`` installs what is needed (``lightning/patches.py``)."""
+    warnings.warn(
+        "install_checkpoint_loader() is deprecated: `import lightning_vitscale` installs the pl_load wrappers"
+        " (lightning_vitscale/checkpoint/lightning/patches.py).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    install_import_patches()
+
+
+def install_resume_hooks() -> None:
+    """Deprecated alias: the import and ``VitScaleStrategy()`` install them (``lightning/patches.py``)."""
+    warnings.warn(
+        "install_resume_hooks() is deprecated: `import lightning_vitscale` wraps `ckpt_path=\"last\"` and creating"
+        " a VitScaleStrategy wraps auto_resume's ckpt_path (lightning_vitscale/checkpoint/lightning/patches.py).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    install_import_patches()
+    install_strategy_patches()
 
 
 def HashGroup(rank: int = 0, world_size: int = 1, gather: Any = None) -> RankContext:  # noqa: N802 - the old class
@@ -59,7 +81,9 @@ __all__ = [
     "consolidate_checkpoint",
     "consolidate_command",
     "install_checkpoint_loader",
+    "install_import_patches",
     "install_resume_hooks",
+    "install_strategy_patches",
     "load_checkpoint",
     "load_consolidated",
     "model_state_dict",
