@@ -3,6 +3,12 @@ the strategy's save/load/remove, the atomic commit of a save, resuming from the 
 (``ckpt_path="last"``, ``auto_resume``), consolidation into one file, Lightning's own loaders reading sharded
 folders, and ``model.state_dict()`` as DDP's full tensors.
 
+Three rooms: the core (save, commit, manifest, storage; verified load, load, formats; the safe reader and its
+confinement; ``strategy_side.py``, what the strategy's hooks call), ``lightning/`` (Lightning's loaders and every
+patch of Lightning, ``lightning/patches.py``) and ``fsdp1/`` (importing FSDP1 / FairScale-era checkpoints). The
+core imports neither sub-room, and loading never imports saving (import-linter contracts in pyproject.toml).
+Every error class is in ``errors.py``.
+
 May import ``distributed`` (the side-group handshake before a gather), ``_utils`` and ``_compat``.
 """
 
@@ -10,11 +16,10 @@ import dataclasses
 import warnings
 from typing import Any
 
-from lightning_vitscale.checkpoint.async_save import AsyncSaveError, AsyncSaves
+from lightning_vitscale.checkpoint.async_save import AsyncSaves
 from lightning_vitscale.checkpoint.commit import commit, newest_complete
 from lightning_vitscale.checkpoint.consolidate import consolidate_checkpoint, consolidate_command, load_consolidated
-from lightning_vitscale.checkpoint.errors import CheckpointError
-from lightning_vitscale.checkpoint.full_state_dict import StateDictGatherError
+from lightning_vitscale.checkpoint.errors import AsyncSaveError, CheckpointError, StateDictGatherError
 from lightning_vitscale.checkpoint.lightning.patches import install_import_patches, install_strategy_patches
 from lightning_vitscale.checkpoint.load import load_checkpoint
 from lightning_vitscale.checkpoint.manifest import verify
