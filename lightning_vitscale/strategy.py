@@ -136,8 +136,8 @@ class VitScaleStrategy(ModelParallelStrategy):
         return self.sharded.summary if self.sharded is not None else None
 
     # Public, and kept on the checkpoint side (checkpoint/strategy_side.py).
-    checkpoint_settings = checkpoints.OnCheckpointSide("settings")
-    state_dict_type = checkpoints.OnCheckpointSide("state_dict_type")
+    checkpoint_settings = checkpoints.OnCheckpointSide[checkpoints.CheckpointSettings]("settings")
+    state_dict_type = checkpoints.OnCheckpointSide[checkpoints.StateDictType]("state_dict_type")
 
     @property  # type: ignore[override]
     def _lightning_module(self) -> pl.LightningModule | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar, cast
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -26,7 +26,7 @@ from lightning_vitscale.checkpoint.save import (
     remove_checkpoint,
     save_checkpoint,
 )
-from lightning_vitscale.checkpoint.settings import CheckpointSettings
+from lightning_vitscale.checkpoint.settings import CheckpointSettings, StateDictType
 from lightning_vitscale.checkpoint.storage import Location
 from lightning_vitscale.checkpoint.verified import verified_checkpoint
 from lightning_vitscale.distributed.ranks import RankContext
@@ -122,22 +122,28 @@ class StrategyCheckpoints:
         self.saves.close()  # also after an exception, which close() does not mask
 
 
-class OnCheckpointSide:
+T = TypeVar("T")
+
+
+class OnCheckpointSide(Generic[T]):
     """A public strategy attribute kept on its checkpoint side (``strategy.checkpoints``): ``"settings"`` (the
     strategy's ``checkpoint_settings``) or ``"state_dict_type"``, read and set there."""
 
     def __init__(self, field: Literal["settings", "state_dict_type"]) -> None:
         self.field = field
 
-    def __get__(self, strategy: Any, owner: type | None = None) -> Any:
+    def __get__(self, strategy: Any, owner: type | None = None) -> T:
         if strategy is None:
-            return self
-        settings = strategy.checkpoints.settings
-        return settings if self.field == "settings" else settings.state_dict_type
-
-    def __set__(self, strategy: Any, value: Any) -> None:
+            return self  # type: ignore[return-value]  # on the class: the descriptor itself, as a property
         side: StrategyCheckpoints = strategy.checkpoints
-        side.settings = value if self.field == "settings" else dataclasses.replace(side.settings, state_dict_type=value)
+        return cast(T, side.settings if self.field == "settings" else side.settings.state_dict_type)
+
+    def __set__(self, strategy: Any, value: T) -> None:
+        side: StrategyCheckpoints = strategy.checkpoints
+        if self.field == "settings":
+            side.settings = cast(CheckpointSettings, value)
+        else:  # validated again, with the other settings: CheckpointSettings.__post_init__
+            side.settings = dataclasses.replace(side.settings, state_dict_type=cast(StateDictType, value))
 
 
 def strategy_checkpoints(strategy: object) -> StrategyCheckpoints | None:
