@@ -73,7 +73,8 @@ def plan_before_sharding(
     auto, config = _auto_checkpointing(module, config, precision, ranks)
     if auto is not None:
         return Planned(config, auto)
-    measured = measure_for_summary(module, ranks.world_size, precision.name, config.sharding.blocks, ranks.device)
+    mesh_size = ranks.sharding_mesh.size()
+    measured = measure_for_summary(module, mesh_size, precision.name, config.sharding.blocks, ranks.device)
     if measured is None or config.sharding.blocks_per_unit is not None:
         return Planned(config, measured=measured)
     config, line, kept = _choose_units(module, config, measured, ranks)
@@ -120,7 +121,7 @@ def _auto_checkpointing(
     if not config.checkpointing.is_auto:
         return None, config
     auto = AutoCheckpointing(
-        config.checkpointing.memory_budget, ranks.world_size, precision.name, config.sharding.blocks,
+        config.checkpointing.memory_budget, ranks.sharding_mesh.size(), precision.name, config.sharding.blocks,
         may_keep_gathered=config.sharding.reshard_after_forward is None,
         offload=offloads(config, ranks.device),
         blocks_per_unit=config.sharding.blocks_per_unit,

@@ -158,7 +158,7 @@ def shard_lightning_module(
     Kept in the module's ``__dict__`` (not as a submodule): the LightningModule must not contain its own wrapper.
     A module sharded under other settings raises :class:`~lightning_vitscale.ShardedModuleReuseError`.
     """
-    signature = sharding_signature(config, precision.policy, ranks.world_size, ranks.device)
+    signature = sharding_signature(config, precision.policy, ranks.sharding_mesh.size(), ranks.device)
     sharded: ShardedModel | None = module.__dict__.get(_SHARDED_ATTR)
     if sharded is None:
         sharded = module.__dict__[_SHARDED_ATTR] = _shard(module, config, precision, ranks, creation, signature)
