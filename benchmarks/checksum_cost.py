@@ -20,8 +20,9 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from lightning_vitscale.checkpoint import HashGroup, Location, manifest, save
+from lightning_vitscale.checkpoint import Location, manifest, save
 from lightning_vitscale.checkpoint.save import save_sharded
+from lightning_vitscale.distributed import RankContext
 
 
 def crc_throughput_mb_s(mib: int = 256) -> float:
@@ -31,7 +32,7 @@ def crc_throughput_mb_s(mib: int = 256) -> float:
     return len(data) / 1e6 / (time.perf_counter() - start)
 
 
-def timed_save(location: Location, state: dict, group: HashGroup) -> float:
+def timed_save(location: Location, state: dict, group: RankContext) -> float:
     dist.barrier()
     start = time.perf_counter()
     save_sharded({"state_dict": dict(state), "global_step": 0}, location, dist.get_rank() == 0, dist.barrier, group)
@@ -53,7 +54,7 @@ def main() -> None:
         dist.all_gather_object(out, value)
         return out
 
-    group = HashGroup(rank, world, gather)
+    group = RankContext(rank=rank, world_size=world, all_gather_objects=gather)
     state = {f"rank{rank}.w{i}": torch.randn(args.mib << 16) for i in range(4)}  # 4 tensors of mib/4 MiB
     location = Location.of(f"{args.dir}/checksum_cost.ckpt")
     fake = {"size": 0, "crc32": 0}

@@ -114,7 +114,7 @@ def build(model_name: str, variant: str, x):
         config = ParallelConfig(sharding=ShardingPolicy(reshard_after_forward=reshard, prefetch=prefetch,
                                                         blocks_per_unit=per_unit),
                                 checkpointing=CheckpointingPolicy(blocks=ac))
-        ranks = Ranks(mesh, cpu, dist.get_rank(), world, agree_max=_agree_max)
+        ranks = Ranks(mesh, cpu, dist.get_rank(), world, agree_max=_agree_max, world_size=world)
         planned = plan_before_sharding(model, config, resolve_flag("32-true"), ranks)
         done = parallelize(root, model, mesh, planned.config, resolve_flag("32-true"), cpu)
         planned.apply(model, done.plan, cpu)

@@ -8,8 +8,7 @@ from lightning_vitscale.checkpoint import (
     CheckpointError,
     StateDictGatherError,
     consolidate_checkpoint,
-    install_checkpoint_loader,
-    install_resume_hooks,
+    install_import_patches,
 )
 from lightning_vitscale.discovery import find_blocks
 from lightning_vitscale.kernels import KernelPolicy
@@ -26,8 +25,9 @@ from lightning_vitscale.strategy import VitScaleStrategy
 
 if VitScaleStrategy.strategy_name not in StrategyRegistry:
     VitScaleStrategy.register_strategies(StrategyRegistry)
-install_checkpoint_loader()  # Lightning's load_from_checkpoint / DDP resume read our sharded folders
-install_resume_hooks()  # ckpt_path="last" and auto_resume find the newest complete checkpoint
+# The one change to Lightning at import (checkpoint/lightning/patches.py says what and why): its loaders read our
+# sharded folders, and ckpt_path="last" finds their newest complete copy; every other path stays Lightning's.
+install_import_patches()
 
 __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (setuptools dynamic version)
 

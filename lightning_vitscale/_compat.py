@@ -64,7 +64,7 @@ _PRIVATE_HOOKS = (
     (ModelParallelStrategy, "_setup_distributed"),
     (Precision, "_after_closure"),
     (torch.amp.GradScaler, "_unscale_grads_"),
-    # checkpoint/resume.py wraps these two: how `ckpt_path="last"` lists its candidates, and how `fit()` turns
+    # checkpoint/lightning/patches.py wraps these two: how `ckpt_path="last"` lists its candidates, how `fit()` turns
     # `ckpt_path` into a path (where `auto_resume` supplies one).
     (ModelCheckpoint, "_find_last_checkpoints"),
     (CheckpointConnector, "_parse_ckpt_path"),
@@ -72,7 +72,7 @@ _PRIVATE_HOOKS = (
 )
 # Lightning opens every checkpoint path with `lightning.fabric.utilities.cloud_io._load`, bound as `pl_load` in
 # the two modules that call it: `LightningModule.load_from_checkpoint` (core/saving.py) and
-# `TorchCheckpointIO.load_checkpoint` (DDP's and single-device resume). checkpoint/lightning_loaders.py wraps both.
+# `TorchCheckpointIO.load_checkpoint` (DDP's and single-device resume). checkpoint/lightning/patches.py wraps both.
 PL_LOAD_MODULES = (lightning_saving, lightning_torch_io)
 _missing = [f"{cls.__name__}.{name}" for cls, name in _PRIVATE_HOOKS if not hasattr(cls, name)]
 _missing += [f"{m.__name__}.pl_load" for m in PL_LOAD_MODULES if not callable(getattr(m, "pl_load", None))]

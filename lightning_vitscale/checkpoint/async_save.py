@@ -28,14 +28,10 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from lightning_vitscale.checkpoint.errors import CheckpointError
+from lightning_vitscale.checkpoint.errors import AsyncSaveError
 from lightning_vitscale.checkpoint.storage import Location
 
 Gather = Callable[[Any], list[Any]]  # every rank's object, on every rank (a collective)
-
-
-class AsyncSaveError(CheckpointError):
-    """A background save failed; the checkpoint it was writing was not committed."""
 
 
 @dataclass

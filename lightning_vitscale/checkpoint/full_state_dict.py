@@ -39,13 +39,10 @@ from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
 from lightning_vitscale._compat import DTensor, FSDPModule
+from lightning_vitscale.checkpoint.errors import StateDictGatherError
 from lightning_vitscale.distributed import collective_guard
 
 _MARK = "_vitscale_full_state_dict"
-
-
-class StateDictGatherError(RuntimeError):
-    """Gathering a sharded model's ``state_dict()`` failed, most often because not every rank called it."""
 
 
 class _Local(threading.local):

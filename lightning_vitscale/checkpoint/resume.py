@@ -2,8 +2,8 @@
 
 Lightning resolves ``"last"`` in ``_CheckpointConnector._parse_ckpt_path`` from
 ``ModelCheckpoint._find_last_checkpoints`` (the ``last*.ckpt`` names in each ModelCheckpoint's folder; the newest
-modification time wins), on every rank alone, before any strategy or CheckpointIO code runs. So importing
-``lightning_vitscale`` wraps both (as it wraps ``pl_load``, see ``lightning_loaders.py``):
+modification time wins), on every rank alone, before any strategy or CheckpointIO code runs. ``lightning/patches.py``
+routes both here:
 
 * ``_find_last_checkpoints``: each ``last*.ckpt`` name, also one present only as the ``.partial``/``.old`` folder
   an interrupted save left, becomes its newest complete checkpoint (``commit.newest_complete``); incomplete ones
@@ -27,14 +27,11 @@ from pathlib import PurePath
 from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_vitscale._compat import CheckpointConnector, checkpoint_dir
 from lightning_vitscale.checkpoint.commit import newest_complete, target_of
 from lightning_vitscale.checkpoint.storage import SHARDED_MARKER, Location
 
-_ORIGINAL = "vitscale_original"
 CHECKPOINT_EXTENSION = ModelCheckpoint.FILE_EXTENSION
 
 
@@ -73,7 +70,7 @@ def _is_checkpoint(name: str) -> bool:
     return name.endswith(CHECKPOINT_EXTENSION)
 
 
-def _path_for_lightning(location: Location) -> str:
+def path_for_lightning(location: Location) -> str:
     return location.path if not location.is_url else location.url
 
 
@@ -102,23 +99,9 @@ def last_with_fallbacks(
     return last, others if wanted else []
 
 
-def _wrap_find_last(original: Callable[..., set[str]]) -> Callable[..., set[str]]:
-    @functools.wraps(original)
-    def _find_last_checkpoints(self: ModelCheckpoint, trainer: Any) -> set[str]:
-        folder = Location.of(checkpoint_dir(self, trainer))
-        theirs = {p for p in original(self, trainer) if not Location.of(p).is_dir()}  # Lightning's own files
-        wanted = hasattr(trainer.strategy, "resume_fallbacks")
-        ours, others = last_with_fallbacks(self, folder, wanted) if folder.is_dir() else ([], [])
-        if wanted:
-            trainer.strategy.resume_fallbacks = ours + others
-        return theirs | {_path_for_lightning(location) for location in ours}
-
-    setattr(_find_last_checkpoints, _ORIGINAL, original)
-    return _find_last_checkpoints
-
-
-def auto_resume_path(trainer: Any) -> Location | None:
-    """The newest complete checkpoint in the folders of the trainer's ModelCheckpoint callbacks (``None``: none)."""
+def auto_resume_path(trainer: Any) -> tuple[Location | None, list[Location]]:
+    """The newest complete checkpoint in the folders of the trainer's ModelCheckpoint callbacks (``None``: none),
+    and the older complete ones, newest first (the load's fallbacks)."""
     callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
     if not callbacks or any(cb.dirpath is None for cb in callbacks):
         raise ValueError(
@@ -130,34 +113,4 @@ def auto_resume_path(trainer: Any) -> Location | None:
     for callback in callbacks:
         found += complete_checkpoints(Location.of(str(callback.dirpath)), _is_checkpoint)
     found.sort(key=saved_time, reverse=True)
-    if hasattr(trainer.strategy, "resume_fallbacks"):
-        trainer.strategy.resume_fallbacks = found[1:]
-    return found[0] if found else None
-
-
-def _wrap_parse(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def _parse_ckpt_path(self: Any, state_fn: TrainerFn, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
-        settings = getattr(self.trainer.strategy, "checkpoint_settings", None)
-        if state_fn == TrainerFn.FITTING and getattr(settings, "auto_resume", False):
-            found = auto_resume_path(self.trainer)
-            if found is not None:
-                ignored = f" (ckpt_path={ckpt_path!r} is ignored: there is a run to resume)" if ckpt_path else ""
-                rank_zero_info(f"auto_resume: resuming from {found}{ignored}")
-                return _path_for_lightning(found)
-            rank_zero_warn(f"auto_resume: no complete checkpoint found; starting from ckpt_path={ckpt_path!r}.")
-        return original(self, state_fn, ckpt_path, *args, **kwargs)
-
-    setattr(_parse_ckpt_path, _ORIGINAL, original)
-    return _parse_ckpt_path
-
-
-def install_resume_hooks() -> None:
-    """Wrap Lightning's two ``ckpt_path`` resolvers once (idempotent; importing ``lightning_vitscale`` calls it)."""
-    for owner, name, wrap in (
-        (ModelCheckpoint, "_find_last_checkpoints", _wrap_find_last),
-        (CheckpointConnector, "_parse_ckpt_path", _wrap_parse),
-    ):
-        current = getattr(owner, name)
-        if not hasattr(current, _ORIGINAL):
-            setattr(owner, name, wrap(current))
+    return (found[0] if found else None), found[1:]

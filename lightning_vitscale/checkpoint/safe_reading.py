@@ -30,7 +30,6 @@ from torch.distributed.checkpoint.planner import ReadItem
 from lightning_vitscale._compat import EmptyStateDictLoadPlanner, FsspecReader, dcp_load_into
 from lightning_vitscale.checkpoint.confinement import check_storage, member
 from lightning_vitscale.checkpoint.errors import CheckpointError
-from lightning_vitscale.checkpoint.sharded_tensor_pickle import record_pickle_module
 from lightning_vitscale.checkpoint.storage import DCP_METADATA, Location
 
 
@@ -242,13 +241,11 @@ def _refused_global(cause: BaseException) -> bool:
     return "Weights only load failed" in text and "global" in text.lower()
 
 
-def load_local_shards(location: Location, weights_only: bool | None) -> Any:
-    """One rank's FSDP1 ``LOCAL_STATE_DICT`` file: its ``ShardedTensor`` s come back as inert records of their local
-    shards (no process group, none of torch's rebuild code), read by an unpickler that admits only the globals
-    such a file holds under the ``weights_only`` rule (``sharded_tensor_pickle.py``); torch still reads the storages.
-    ``weights_only=False`` here means the restricted unpickler, not plain pickle: it is what lets torch take a
-    custom unpickler, and the restriction is the unpickler's own."""
-    pickle_module = record_pickle_module(resolve_weights_only(weights_only))
+def load_restricted(location: Location, pickle_module: Any) -> Any:
+    """``torch.load`` of one file through ``pickle_module``, a restricted unpickler its caller built (the FSDP1
+    import's inert ``ShardedTensor`` records, ``fsdp1/sharded_tensor_pickle.py``): every checkpoint read still goes
+    through this module. ``weights_only=False`` here is what lets torch take a custom unpickler; the restriction is
+    the unpickler's own. A refused global or garbled bytes raise a ``CheckpointError`` naming the file."""
     try:
         with location.open("rb") as f:
             return torch.load(f, map_location="cpu", pickle_module=pickle_module, weights_only=False)

@@ -8,8 +8,8 @@ than one full parameter beyond its shards.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -20,27 +20,13 @@ from torch import nn
 from lightning_vitscale._utils import strip_wrapper_prefixes
 from lightning_vitscale.checkpoint.async_save import AsyncSaves, Gather
 from lightning_vitscale.checkpoint.commit import candidates, commit, recover, retire
-from lightning_vitscale.checkpoint.consolidate import consolidate_command
 from lightning_vitscale.checkpoint.formats import META, partial_path, pop_sharded_entries
 from lightning_vitscale.checkpoint.full_state_dict import gather_sharded_entries, sharded_state_dicts
 from lightning_vitscale.checkpoint.manifest import FileSum, file_sums
 from lightning_vitscale.checkpoint.optimizer_state import to_torch_format, untouched_if_fresh
 from lightning_vitscale.checkpoint.settings import CheckpointSettings
 from lightning_vitscale.checkpoint.storage import DCP_METADATA, Location, torch_save
-
-
-def _alone(value: Any) -> list[Any]:
-    return [value]
-
-
-@dataclass(frozen=True)
-class HashGroup:
-    """How the ranks share the hashing of a save's files: this rank, the world size, and ``gather`` (every rank's
-    object, on every rank: the strategy's ``all_gather_object``). The default is one process."""
-
-    rank: int = 0
-    world_size: int = 1
-    gather: Callable[[Any], list[Any]] = _alone
+from lightning_vitscale.distributed.ranks import RankContext
 
 
 def model_state_dict(module: nn.Module, full: bool) -> dict[str, Any]:
@@ -76,7 +62,7 @@ def save_checkpoint(
     barrier: Callable[[], None],
     write_full: Callable[[], None],
     storage_options: Any | None = None,
-    group: HashGroup | None = None,
+    group: RankContext | None = None,
     saves: AsyncSaves | None = None,
 ) -> None:
     """``"sharded"``: every rank writes its own shards, atomically; ``"full"``: rank 0 writes one file with
@@ -96,22 +82,12 @@ def save_checkpoint(
     save_sharded(checkpoint, location, is_rank_zero, barrier, group, saves)
 
 
-def sharded_save_hint(location: Location) -> str:
-    """Said once per strategy after its first sharded save: how other tools read the folder."""
-    return (
-        f"Sharded checkpoint folder written: {location}. `MyModule.load_from_checkpoint(path)` and a resume"
-        " under strategy='ddp' read it in any process that has imported lightning_vitscale. One torch.save"
-        f" file for other tools: `{consolidate_command(location.url)}`, or VitScaleStrategy(state_dict_type="
-        "'full')."
-    )
-
-
 def save_sharded(
     checkpoint: dict[str, Any],
     location: Location,
     is_rank_zero: bool,
     barrier: Callable[[], None],
-    group: HashGroup | None = None,
+    group: RankContext | None = None,
     saves: AsyncSaves | None = None,
 ) -> None:
     """Every rank writes its own shards into ``<path>.partial`` and hashes its share of the files; rank 0 writes
@@ -123,7 +99,7 @@ def save_sharded(
     tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     tensors.update(pop_sharded_entries(checkpoint))  # e.g. ShardedEMA's ema_state_dict
     global_step = checkpoint.get("global_step")
-    group = group or HashGroup()
+    group = group or RankContext()
     staging = partial_path(location)
     if is_rank_zero:
         recover(location)  # an earlier save's interrupted publish first: the newest complete copy stays
@@ -131,38 +107,37 @@ def save_sharded(
         staging.fs.makedirs(staging.path, exist_ok=True)
         torch_save(checkpoint, staging.child(META))  # Lightning's metadata: small, written now
     barrier()
-    finish = partial(_hash_and_commit, staging, location, group.rank, group.world_size, {"global_step": global_step})
+    finish = partial(_hash_and_commit, staging, location, group, {"global_step": global_step})
     if saves is not None:
         saves.start(tensors, staging, location, finish)
         return
     metadata = dcp.save(tensors, storage_writer=staging.writer())  # collective; rank 0 writes .metadata last
-    finish(metadata, group.gather)
+    finish(metadata, group.all_gather_objects)
     barrier()
 
 
 def _hash_and_commit(
     staging: Location,
     location: Location,
-    rank: int,
-    world_size: int,
+    group: RankContext,
     saved: dict[str, Any],
     metadata: Any,
     gather: Gather,
 ) -> None:
     """Every rank, once every rank's shards and DCP's ``.metadata`` are in ``staging``: hash this rank's share of
     the files (``gather``: every rank's sums, on every rank), then rank 0 commits."""
-    files = hash_share(staging, metadata, HashGroup(rank, world_size, gather))
-    if rank == 0:
+    files = hash_share(staging, metadata, dataclasses.replace(group, all_gather_objects=gather))
+    if group.rank == 0:
         commit(staging, location, files, saved)
 
 
-def hash_share(staging: Location, metadata: Any, group: HashGroup) -> dict[str, FileSum]:
+def hash_share(staging: Location, metadata: Any, group: RankContext) -> dict[str, FileSum]:
     """Every rank hashes every ``world_size``-th shard file (rank 0 also DCP's and Lightning's metadata, which it
     wrote); all ranks' sums, merged. Each file is read once, right after it was written, while it is cached."""
     shards = sorted({info.relative_path for info in metadata.storage_data.values()})
     mine = shards[group.rank :: group.world_size] + ([DCP_METADATA, META] if group.rank == 0 else [])
     merged: dict[str, FileSum] = {}
-    for sums in group.gather(file_sums(staging, mine)):
+    for sums in group.all_gather_objects(file_sums(staging, mine)):
         merged.update(sums)
     return merged
 

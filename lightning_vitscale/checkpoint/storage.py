@@ -22,7 +22,7 @@ DCP_METADATA = ".metadata"
 
 
 # Written last into every sharded folder this package saves (its manifest: checkpoint/manifest.py): what tells
-# Lightning's loaders (lightning_loaders.py) that a folder is ours, without unpickling anything; Lightning's own
+# Lightning's loaders (lightning/loaders.py) that a folder is ours, without unpickling anything; Lightning's own
 # FSDP folders and others lack it.
 SHARDED_MARKER = "lightning_vitscale.json"
 

@@ -7,20 +7,20 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_vitscale.checkpoint.commit import newest_complete
 from lightning_vitscale.checkpoint.manifest import damaged, file_problem, listed_files
-from lightning_vitscale.checkpoint.save import HashGroup
 from lightning_vitscale.checkpoint.storage import Location
+from lightning_vitscale.distributed.ranks import RankContext
 
 
-def checksum_problem(folder: Location, group: HashGroup) -> str | None:
+def checksum_problem(folder: Location, group: RankContext) -> str | None:
     """The first CRC-32 mismatch in ``folder`` (``None``: none, or not a folder with a manifest); a collective."""
     listed = listed_files(folder) if folder.is_dir() else {}
     names = sorted(listed)[group.rank :: group.world_size]
     mine = [file_problem(folder, n, listed[n], listed[n]["size"], checksum=True) for n in names]
-    found = sorted(p for share in group.gather([p for p in mine if p]) for p in share)
+    found = sorted(p for share in group.all_gather_objects([p for p in mine if p]) for p in share)
     return found[0] if found else None
 
 
-def verified_checkpoint(location: Location, fallbacks: list[Location], group: HashGroup) -> Location:
+def verified_checkpoint(location: Location, fallbacks: list[Location], group: RankContext) -> Location:
     """``location``'s newest complete checkpoint (an interrupted save may have left it as ``.partial``), CRC-checked;
     if it is corrupt, the first intact one of ``fallbacks`` (what ``auto_resume``/``"last"`` also found), each
     skip logged. Raises a ``CheckpointError`` naming the corrupt file when nothing intact is left; a path with

@@ -13,8 +13,7 @@ from typing import Any
 import torch
 
 from lightning_vitscale.checkpoint import CheckpointError, Location, consolidate_checkpoint, verify
-from lightning_vitscale.checkpoint.legacy_fsdp1 import convert_fsdp1_checkpoint
-from lightning_vitscale.checkpoint.legacy_fsdp1_local import build_model, convert_fsdp1_local_checkpoint
+from lightning_vitscale.checkpoint.fsdp1 import build_model, convert_fsdp1_checkpoint, convert_fsdp1_local_checkpoint
 
 
 def consolidate_command_parser(subparsers: Any) -> None:

@@ -6,13 +6,28 @@ The bottom layer: imports only ``_compat``, ``_utils``, torch and Lightning, nev
 
 from lightning_vitscale.distributed.collective_guard import open_side_group
 from lightning_vitscale.distributed.mesh import build_mesh, shard_size
+from lightning_vitscale.distributed.processes import check_accelerator, start_process_group
+from lightning_vitscale.distributed.ranks import (
+    RankContext,
+    all_gather_objects,
+    largest_over_ranks,
+    mean_over_ranks,
+    rank_context,
+)
 from lightning_vitscale.distributed.teardown import destroy_process_group_at_exit, stop_local_ranks, watch_local_ranks
 
 __all__ = [
     "build_mesh",
     "destroy_process_group_at_exit",
+    "RankContext",
+    "all_gather_objects",
+    "largest_over_ranks",
+    "mean_over_ranks",
     "open_side_group",
+    "rank_context",
     "shard_size",
+    "check_accelerator",
+    "start_process_group",
     "stop_local_ranks",
     "watch_local_ranks",
 ]

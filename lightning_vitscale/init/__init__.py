@@ -5,8 +5,8 @@ built on the meta device.
 May import ``_utils`` and ``_compat`` only; the sharding pipeline calls in here unit by unit.
 """
 
-from lightning_vitscale.init.creation import Creation, ModelCreation
+from lightning_vitscale.init.creation import Creation, ModelCreation, host_copies
 from lightning_vitscale.init.initial_weights import InitialWeights
 from lightning_vitscale.init.settings import InitMode, InitSettings
 
-__all__ = ["Creation", "InitMode", "InitSettings", "InitialWeights", "ModelCreation"]
+__all__ = ["Creation", "InitMode", "InitSettings", "InitialWeights", "ModelCreation", "host_copies"]

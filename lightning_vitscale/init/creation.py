@@ -99,6 +99,12 @@ def _rng_digest() -> str:
     return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
 
 
+def host_copies(device: torch.device, ranks_per_node: int, world_size: int) -> float:
+    """How many full-model copies rank 0's host holds on the exact path: its full copy, plus, on CPU ranks (which
+    keep their shards in host memory), the shards of the host's ranks (a ``1 / world_size`` copy each)."""
+    return 1.0 + (ranks_per_node / world_size if device.type == "cpu" else 0.0)
+
+
 class ModelCreation:
     """The ``model_sharded_context()`` of the strategy: builds, records and reports one ``configure_model()``.
 

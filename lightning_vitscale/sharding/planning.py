@@ -75,7 +75,7 @@ def plan_before_sharding(
     if auto is not None:
         return Planned(resolved, auto)
     sharding = resolved.sharding
-    measured = measure_for_summary(module, ranks.mesh.size(), precision.name, sharding.blocks, ranks.device)
+    measured = measure_for_summary(module, ranks.sharding_mesh.size(), precision.name, sharding.blocks, ranks.device)
     if measured is None or sharding.blocks_per_unit is not None:  # the user chose the blocks per unit
         return Planned(resolved, measured=measured)
     resolved, line, kept = _choose_units(module, resolved, measured, ranks)
@@ -123,7 +123,7 @@ def _auto_checkpointing(
     if not requested.checkpointing.is_auto:
         return None, resolved
     auto = AutoCheckpointing(
-        requested.checkpointing.memory_budget, ranks.mesh.size(), precision.name, requested.sharding.blocks,
+        requested.checkpointing.memory_budget, ranks.sharding_mesh.size(), precision.name, requested.sharding.blocks,
         may_keep_gathered=requested.sharding.reshard_after_forward is None,
         offload=offloads(requested.sharding, ranks.device),
         blocks_per_unit=requested.sharding.blocks_per_unit,

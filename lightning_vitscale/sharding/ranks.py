@@ -1,24 +1,9 @@
-"""Where a model is sharded, as the setup and the planner see it: one small value shared by both."""
+"""Where a model is sharded, as the setup and the planner see it: the one rank context (``distributed/ranks.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from lightning_vitscale.distributed.ranks import RankContext
 
-import torch
-from torch.distributed.device_mesh import DeviceMesh
+Ranks = RankContext  # the name sharding has always exported; the same type checkpoints and the planner take
 
-
-@dataclass(frozen=True)
-class Ranks:
-    """Where the model is sharded: the mesh, this rank's device and place, and how ranks agree on a number.
-
-    ``agree_max`` returns the largest of every rank's value (a collective): free host memory differs by rank,
-    and every rank must still make the same choice.
-    """
-
-    mesh: DeviceMesh
-    device: torch.device
-    rank: int
-    ranks_per_node: int
-    agree_max: Callable[[int], int]
+__all__ = ["Ranks"]

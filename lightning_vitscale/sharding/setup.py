@@ -148,7 +148,7 @@ def shard_lightning_module(
     A module sharded under other settings raises :class:`~lightning_vitscale.ShardedModuleReuseError`.
     """
     signature = sharding_signature(
-        resolved.requested, precision.policy, ranks.mesh.size(), ranks.device, kernels=resolved.kernels
+        resolved.requested, precision.policy, ranks.sharding_mesh.size(), ranks.device, kernels=resolved.kernels
     )
     sharded: ShardedModel | None = module.__dict__.get(_SHARDED_ATTR)
     if sharded is None:
@@ -174,7 +174,7 @@ def _shard(
     #    "auto" checkpointing, blocks per unit. It measures the plain module: once sharded, running it would gather.
     planned = plan_before_sharding(module, resolved, precision.policy, ranks)
     # 3. The recipe: norms, casts, attention routing, checkpointing, compile, block units, the outer unit.
-    done = parallelize(outer, module, ranks.mesh, planned.resolved, precision.policy, ranks.device, creation)
+    done = parallelize(outer, module, ranks.sharding_mesh, planned.resolved, precision.policy, ranks.device, creation)
     set_lightning_device(module, ranks.device)
     _describe_layout(done.plan, outer, done.norms, precision.policy, resolved.sharding, ranks)
     planned.apply(module, done.plan, ranks.device)
@@ -198,7 +198,7 @@ def _describe_layout(
     ranks: Ranks,
 ) -> None:
     """Sharding layout, per-step traffic and offload in the summary."""
-    mesh = ranks.mesh
+    mesh = ranks.sharding_mesh
     summary.layout = layout_report(
         outer, norms.params if norms is not None else [], precision, sharding.reshard_after_forward, mesh.size(),
         shard_size(mesh), ranks.ranks_per_node, ranks.rank,

@@ -13,10 +13,10 @@ import torch
 
 from lightning_vitscale import CheckpointError
 from lightning_vitscale.__main__ import main
-from lightning_vitscale.checkpoint.legacy_fsdp1 import load_fsdp1_state_dict
-from lightning_vitscale.checkpoint.legacy_fsdp1_local import load_fsdp1_local_state_dict
-from lightning_vitscale.checkpoint.safe_reading import load_local_shards, read_metadata
-from lightning_vitscale.checkpoint.sharded_tensor_pickle import as_local_shards
+from lightning_vitscale.checkpoint.fsdp1.local import load_fsdp1_local_state_dict
+from lightning_vitscale.checkpoint.fsdp1.sharded import load_fsdp1_state_dict
+from lightning_vitscale.checkpoint.fsdp1.sharded_tensor_pickle import as_local_shards, load_local_shards
+from lightning_vitscale.checkpoint.safe_reading import read_metadata
 from lightning_vitscale.checkpoint.storage import Location
 from tests.distributed.scripts.fsdp1_checkpoints import LOCAL_RECIPES, TinyViT, local_model, tiny_model
 from tests.helpers.launch import assert_ok, torchrun

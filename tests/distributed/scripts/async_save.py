@@ -78,7 +78,7 @@ class WaitForFailure(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == 5:
-            in_flight = trainer.strategy._async_saves._in_flight
+            in_flight = trainer.strategy.checkpoints.saves._in_flight
             deadline = time.monotonic() + HOLD_S
             while in_flight is not None and not in_flight.done.done() and time.monotonic() < deadline:
                 time.sleep(0.01)

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.tuner import Tuner
 
 import lightning_vitscale.checkpoint.load as checkpoint_load
-import lightning_vitscale.strategy as strategy_module
+import lightning_vitscale.checkpoint.strategy_side as strategy_side
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.checkpoint import Location, remove_checkpoint
 from tests.distributed.scripts.checkpoints import RANK, WORLD, equal, make_trainer, snapshot
@@ -120,7 +120,7 @@ def save_formats() -> dict:
     def record(message, *args, **kwargs):
         told.append(str(message))
 
-    with mock.patch.object(strategy_module, "rank_zero_info", record):  # the hint, from this scenario's saves only
+    with mock.patch.object(strategy_side, "rank_zero_info", record):  # the hint, from this scenario's saves only
         for name in ("ddp", "vitscale"):
             L.seed_everything(0, verbose=False)
             model = Classifier("encoder")

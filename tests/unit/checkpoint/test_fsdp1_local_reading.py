@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from lightning_vitscale import CheckpointError
-from lightning_vitscale.checkpoint.legacy_fsdp1_local import load_fsdp1_local_state_dict
-from lightning_vitscale.checkpoint.safe_reading import load_local_shards
+from lightning_vitscale.checkpoint.fsdp1.local import load_fsdp1_local_state_dict
+from lightning_vitscale.checkpoint.fsdp1.sharded_tensor_pickle import load_local_shards
 from lightning_vitscale.checkpoint.storage import Location
 
 

@@ -16,11 +16,8 @@ import torch
 
 from lightning_vitscale import CheckpointError, VitScaleStrategy, consolidate_checkpoint
 from lightning_vitscale._compat import PL_LOAD_MODULES
-from lightning_vitscale.checkpoint.lightning_loaders import (
-    install_checkpoint_loader,
-    is_sharded_checkpoint,
-    load_sharded_as_full,
-)
+from lightning_vitscale.checkpoint import install_import_patches
+from lightning_vitscale.checkpoint.lightning.loaders import is_sharded_checkpoint, load_sharded_as_full
 from tests.helpers.models import Classifier, loader
 
 FIXED = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(7))
@@ -164,6 +161,6 @@ def test_folders_that_are_not_ours_fail_as_lightning_fails(saved, tmp_path):
 def test_the_wrapper_is_installed_once_around_lightnings_loader():
     from lightning.fabric.utilities import cloud_io
 
-    install_checkpoint_loader()  # a second call (e.g. a reload) must not stack wrappers
+    install_import_patches()  # a second call (e.g. a reload) must not stack wrappers
     for module in PL_LOAD_MODULES:
-        assert module.pl_load.vitscale_original is cloud_io._load
+        assert module.pl_load.__wrapped__ is cloud_io._load

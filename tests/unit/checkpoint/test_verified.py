@@ -17,7 +17,6 @@ from lightning_vitscale.__main__ import main
 from lightning_vitscale.checkpoint import (
     CheckpointError,
     CheckpointSettings,
-    HashGroup,
     Location,
     save_checkpoint,
     verified_checkpoint,
@@ -25,6 +24,7 @@ from lightning_vitscale.checkpoint import (
 )
 from lightning_vitscale.checkpoint.resume import complete_checkpoints
 from lightning_vitscale.checkpoint.storage import SHARDED_MARKER
+from lightning_vitscale.distributed import RankContext
 
 
 def save(path, step: int) -> Location:
@@ -70,9 +70,9 @@ def test_loading_falls_back_to_the_next_intact_candidate_and_says_why(tmp_path):
     old, new = save(tmp_path / "epoch=0.ckpt", 1), save(tmp_path / "epoch=1.ckpt", 2)
     flip_byte(tmp_path / "epoch=1.ckpt" / shard(tmp_path / "epoch=1.ckpt"))
     with pytest.warns(UserWarning, match=r"skipped .*epoch=1.ckpt.*fails its CRC-32 check"):
-        assert verified_checkpoint(new, [old], HashGroup()) == old
+        assert verified_checkpoint(new, [old], RankContext()) == old
     with pytest.raises(CheckpointError, match="epoch=1.ckpt.*fails its CRC-32 check"):
-        verified_checkpoint(new, [], HashGroup())
+        verified_checkpoint(new, [], RankContext())
 
 
 def test_resolution_skips_incomplete_folders_with_a_log_line(tmp_path, caplog):
@@ -112,7 +112,7 @@ def test_last_without_a_complete_copy_resumes_from_the_newest_complete_save_with
     assert path == str(tmp_path / "step=2.ckpt")
     if strategy == "vitscale":
         fallbacks = [Location.of(str(tmp_path / n)) for n in ("step=2.ckpt", "step=1.ckpt")]
-        assert trainer.strategy.resume_fallbacks == fallbacks
+        assert trainer.strategy.checkpoints.resume_fallbacks == fallbacks
 
 
 def test_a_corrupt_last_falls_back_to_the_newest_intact_save_in_its_folder(tmp_path):
@@ -122,7 +122,7 @@ def test_a_corrupt_last_falls_back_to_the_newest_intact_save_in_its_folder(tmp_p
     flip_byte(tmp_path / "last.ckpt" / shard(tmp_path / "last.ckpt"))
     path, trainer = resolve_last(tmp_path, VitScaleStrategy())
     assert path == str(tmp_path / "last.ckpt")  # sizes are fine: only the CRC-32 check at load sees the flip
-    fallbacks = trainer.strategy.resume_fallbacks
+    fallbacks = trainer.strategy.checkpoints.resume_fallbacks
     assert fallbacks == [Location.of(str(tmp_path / n)) for n in ("last.ckpt", "step=2.ckpt", "step=1.ckpt")]
     with pytest.warns(UserWarning, match=r"skipped .*last.ckpt.*fails its CRC-32 check"):
-        assert verified_checkpoint(Location.of(path), fallbacks, HashGroup()) == fallbacks[1]
+        assert verified_checkpoint(Location.of(path), fallbacks, RankContext()) == fallbacks[1]

@@ -1,13 +1,7 @@
-"""Lightning's own loaders read this package's sharded checkpoint folders, as they read DDP's single files.
+"""What Lightning's own loaders get for this package's sharded checkpoint folders: DDP's single-file dict.
 
-``MyModule.load_from_checkpoint(path)`` and a resume under ``strategy="ddp"`` or a single device
-(``trainer.fit(model, ckpt_path=path)``, via ``TorchCheckpointIO``) both open ``path`` with Lightning's
-``pl_load`` before any strategy code runs, so a folder fails with ``IsADirectoryError`` and Lightning offers no
-public hook there (a custom ``CheckpointIO`` would serve the Trainer only, and only if the user passed it). So
-importing ``lightning_vitscale`` wraps the ``pl_load`` name in the two Lightning modules that call it. The wrapper
-is inert for every other path: it handles only a folder holding this package's marker file
-(``checkpoint.storage.SHARDED_MARKER``, written last by every sharded save) and calls Lightning's original for
-anything else (files, buffers, ``http`` URLs, other folders), which therefore fails or loads exactly as before.
+``patches.py`` routes ``pl_load`` here for a folder holding this package's marker file
+(``checkpoint.storage.SHARDED_MARKER``, written last by every sharded save), and only for such a folder.
 
 A marked folder is read in one process with no process group (each DDP rank reads it all, as it reads DDP's
 file) into the dict ``torch.load`` returns for the consolidated file: the same weights, hyper-parameters,
@@ -17,19 +11,15 @@ crafted pickle never runs).
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from lightning_vitscale._compat import PL_LOAD_MODULES, restore_location, tree_map
+from lightning_vitscale._compat import restore_location, tree_map
 from lightning_vitscale.checkpoint.consolidate import load_consolidated
 from lightning_vitscale.checkpoint.storage import Location, has_sharded_marker
-
-_ORIGINAL = "vitscale_original"
-_NAME = "pl_load"  # Lightning's name for cloud_io._load in the modules of PL_LOAD_MODULES
 
 
 def is_sharded_checkpoint(path: Any) -> bool:
@@ -64,22 +54,3 @@ def _restored(tensor: torch.Tensor, restore: Callable[[Any, str], Any]) -> torch
         return tensor
     moved = torch.empty(0, dtype=tensor.dtype, device=storage.device)
     return moved.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
-
-
-def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None, **kwargs: Any) -> Any:
-        if is_sharded_checkpoint(path_or_url):
-            return load_sharded_as_full(path_or_url, map_location=map_location, weights_only=weights_only)
-        return original(path_or_url, map_location=map_location, weights_only=weights_only, **kwargs)
-
-    setattr(pl_load, _ORIGINAL, original)
-    return pl_load
-
-
-def install_checkpoint_loader() -> None:
-    """Wrap Lightning's ``pl_load`` names once (idempotent; importing ``lightning_vitscale`` calls it)."""
-    for module in PL_LOAD_MODULES:
-        current = getattr(module, _NAME)
-        if not hasattr(current, _ORIGINAL):
-            setattr(module, _NAME, _wrap(current))

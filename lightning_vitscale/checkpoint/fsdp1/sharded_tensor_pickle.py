@@ -7,8 +7,8 @@ an initialized process group of the saved world size, and torch's weights-only u
 the ``builtins.getattr`` the pickle uses. :class:`RecordUnpickler` maps exactly those globals (by name) onto the
 plain record classes below: nothing named here is imported, ``getattr`` is answered only for
 ``ShardedTensor.ProcessGroupState``, and every other global is refused under ``weights_only`` (Python's documented
-"restricting globals" unpickler). The safe reader hands it to ``torch.load`` as the pickle module, so torch
-still reads the storages.
+"restricting globals" unpickler). :func:`load_local_shards` hands it to ``torch.load`` as the pickle module, so
+torch still reads the storages.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from lightning_vitscale._compat import get_layout, rebuild_from_type_v2, rebuild_tensor_v2
+from lightning_vitscale.checkpoint.safe_reading import load_restricted, resolve_weights_only
+from lightning_vitscale.checkpoint.storage import Location
 
 
 class _Record:
@@ -173,3 +175,12 @@ def as_local_shards(record: ShardedTensorRecord, key: str) -> LocalShards:
     if len(size) != 1 or not isinstance(dtype, torch.dtype) or not all(torch.is_tensor(t) for _, t in pieces):
         raise pickle.UnpicklingError(f"{key} is not a 1-D ShardedTensor of local tensors (an FSDP1 flat parameter)")
     return LocalShards(size[0], dtype, pieces, rank, world_size, group_size)
+
+
+def load_local_shards(location: Location, weights_only: bool | None) -> Any:
+    """One rank's FSDP1 ``LOCAL_STATE_DICT`` file: its ``ShardedTensor`` s come back as inert records of their local
+    shards (no process group, none of torch's rebuild code), read by an unpickler that admits only the globals
+    such a file holds under the ``weights_only`` rule (:class:`RecordUnpickler`); torch still reads the storages.
+    ``weights_only=False`` here means the restricted unpickler, not plain pickle: it is what lets torch take a
+    custom unpickler, and the restriction is the unpickler's own."""
+    return load_restricted(location, record_pickle_module(resolve_weights_only(weights_only)))

@@ -1,0 +1,162 @@
+"""The strategy's checkpoint side: each checkpoint hook of ``VitScaleStrategy`` calls one method of this object.
+
+It owns the checkpoint settings, the async saves (one in flight at most, raised at the next training step, waited
+for at the end of ``fit`` and before any load or removal), the resume fallbacks that ``checkpoint/resume.py``
+hands it, the broadcast of every path from rank 0 (the ranks may have formatted it differently), how the ranks
+share the hashing of a save (the rank context) and whether a save runs in the background.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+from typing import Any, Generic, Literal, TypeVar, cast
+
+import torch
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_vitscale.checkpoint.async_save import AsyncSaves
+from lightning_vitscale.checkpoint.consolidate import consolidate_command
+from lightning_vitscale.checkpoint.load import load_checkpoint
+from lightning_vitscale.checkpoint.save import (
+    model_state_dict,
+    optimizer_state_dict,
+    remove_checkpoint,
+    save_checkpoint,
+)
+from lightning_vitscale.checkpoint.settings import CheckpointSettings, StateDictType
+from lightning_vitscale.checkpoint.storage import Location
+from lightning_vitscale.checkpoint.verified import verified_checkpoint
+from lightning_vitscale.distributed.ranks import RankContext
+
+
+class StrategyCheckpoints:
+    """Saves, loads and removes checkpoints for a strategy; ``settings`` is what the user asked for."""
+
+    def __init__(self, settings: CheckpointSettings, timeout: timedelta) -> None:
+        self.settings = settings
+        self.saves = AsyncSaves(timeout)
+        self._fallbacks: list[Location] = []
+        self._told_how_to_consolidate = False
+
+    def resume_with_fallbacks(self, fallbacks: list[Location]) -> None:
+        """Older complete checkpoints that ``auto_resume`` / ``ckpt_path="last"`` found (``resume.py``), tried in
+        order if the chosen one fails its CRC-32 check at the next load, which consumes them."""
+        self._fallbacks = list(fallbacks)
+
+    @property
+    def resume_fallbacks(self) -> list[Location]:
+        return list(self._fallbacks)
+
+    def model_state(self, module: nn.Module | None) -> dict[str, Any]:
+        assert module is not None
+        return model_state_dict(module, full=self.settings.full)
+
+    def optimizer_state(
+        self, module: nn.Module | None, optimizer: torch.optim.Optimizer, ranks: RankContext
+    ) -> dict[str, Any]:
+        assert module is not None
+        return optimizer_state_dict(module, optimizer, self.settings.full, ranks.is_rank_zero)
+
+    def save(
+        self, checkpoint: dict[str, Any], filepath: Any, *, ranks: RankContext, write_full: Any,
+        storage_options: Any | None, module: Any,
+    ) -> None:
+        """``"sharded"``: every rank writes its own shards, atomically; ``"full"``: rank 0 writes one file, as DDP
+        (with Lightning's CheckpointIO: ``write_full``). ``module``: the LightningModule saved (its Trainer's state
+        says whether the save may run in the background)."""
+        location = Location.of(ranks.broadcast(str(filepath)))
+        trainer = getattr(module, "_trainer", None)
+        saves = self.saves if self._saves_in_background(trainer) else None
+        save_checkpoint(
+            checkpoint, location, self.settings, ranks.is_rank_zero, ranks.barrier, write_full, storage_options,
+            ranks, saves,
+        )
+        if not self.settings.full and not self._told_how_to_consolidate:
+            self._told_how_to_consolidate = True
+            rank_zero_info(sharded_save_hint(location))
+
+    def _saves_in_background(self, trainer: Any) -> bool:
+        """``async_save`` applies while ``fit`` runs, which waits for the last save; any other save (after ``fit``,
+        from ``validate``) is written before it returns, as without the option."""
+        return (
+            self.settings.async_save
+            and trainer is not None
+            and trainer.state.fn == TrainerFn.FITTING
+            and trainer.state.status == TrainerStatus.RUNNING
+        )
+
+    def load(
+        self, checkpoint_path: Any, module: Any, optimizers: list[torch.optim.Optimizer], weights_only: bool | None,
+        *, ranks: RankContext,
+    ) -> dict[str, Any]:
+        """Load a sharded checkpoint (any world size) or a single file (e.g. from DDP or ``consolidate``).
+
+        Every rank validates keys and shapes before the first collective, so a wrong path or model fails
+        with the same message everywhere instead of leaving ranks waiting on each other. ``weights_only=None``
+        is torch's default (True), as under DDP, for every pickle read (files, ``meta.pt``, DCP metadata).
+        A path whose save was interrupted loads the newest complete checkpoint saved to it; a sharded folder's
+        CRC-32s are checked first, shared by the ranks (``verified.py``), falling back to the resume fallbacks.
+        """
+        assert module is not None
+        self.saves.wait()
+        location = Location.of(ranks.broadcast(str(checkpoint_path)))
+        fallbacks, self._fallbacks = self._fallbacks, []
+        location = verified_checkpoint(location, fallbacks, ranks)
+        return load_checkpoint(location, module, optimizers, module.strict_loading, weights_only)
+
+    def remove(self, filepath: Any, *, ranks: RankContext) -> None:
+        self.saves.wait()  # a folder still being written must not be deleted under the writer
+        location = Location.of(ranks.broadcast(str(filepath)))
+        remove_checkpoint(location, ranks.is_rank_zero, ranks.barrier)
+
+    def before_train_batch(self) -> None:
+        self.saves.raise_if_failed()  # a background save that failed since the last step
+
+    def after_fit(self) -> None:
+        self.saves.wait()  # after ModelCheckpoint's last save: fit returns with every save committed
+
+    def close(self) -> None:
+        self.saves.close()  # also after an exception, which close() does not mask
+
+
+T = TypeVar("T")
+
+
+class OnCheckpointSide(Generic[T]):
+    """A public strategy attribute kept on its checkpoint side (``strategy.checkpoints``): ``"settings"`` (the
+    strategy's ``checkpoint_settings``) or ``"state_dict_type"``, read and set there."""
+
+    def __init__(self, field: Literal["settings", "state_dict_type"]) -> None:
+        self.field = field
+
+    def __get__(self, strategy: Any, owner: type | None = None) -> T:
+        if strategy is None:
+            return self  # type: ignore[return-value]  # on the class: the descriptor itself, as a property
+        side: StrategyCheckpoints = strategy.checkpoints
+        return cast(T, side.settings if self.field == "settings" else side.settings.state_dict_type)
+
+    def __set__(self, strategy: Any, value: T) -> None:
+        side: StrategyCheckpoints = strategy.checkpoints
+        if self.field == "settings":
+            side.settings = cast(CheckpointSettings, value)
+        else:  # validated again, with the other settings: CheckpointSettings.__post_init__
+            side.settings = dataclasses.replace(side.settings, state_dict_type=cast(StateDictType, value))
+
+
+def strategy_checkpoints(strategy: object) -> StrategyCheckpoints | None:
+    """The checkpoint side of ``strategy`` (``None`` for Lightning's own strategies, whose checkpoints we leave be)."""
+    side = getattr(strategy, "checkpoints", None)
+    return side if isinstance(side, StrategyCheckpoints) else None
+
+
+def sharded_save_hint(location: Location) -> str:
+    """Said once per strategy after its first sharded save: how other tools read the folder."""
+    return (
+        f"Sharded checkpoint folder written: {location}. `MyModule.load_from_checkpoint(path)` and a resume"
+        " under strategy='ddp' read it in any process that has imported lightning_vitscale. One torch.save"
+        f" file for other tools: `{consolidate_command(location.url)}`, or VitScaleStrategy(state_dict_type="
+        "'full')."
+    )
