@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
-from lightning_vitscale._compat import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from lightning_vitscale._utils import full_bytes, local_bytes
 from lightning_vitscale.discovery import describe_blocks, find_blocks, holds_parameters
 from lightning_vitscale.init import Creation, InitialWeights
