@@ -94,8 +94,12 @@ def _log_launch(cmd: list[str], finished: Finished) -> None:
         return
     import json
 
-    entry = {"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "cmd": [Path(c).name if os.sep in c else c for c in cmd],
-             "seconds": round(finished.seconds, 1), "returncode": finished.returncode}
+    entry = {
+        "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+        "cmd": [Path(c).name if os.sep in c else c for c in cmd],
+        "seconds": round(finished.seconds, 1),
+        "returncode": finished.returncode,
+    }
     with open(log, "a") as file:
         file.write(json.dumps(entry) + "\n")
 
