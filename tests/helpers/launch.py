@@ -123,7 +123,18 @@ def descendants(pid: int) -> list[int]:
 
 
 def torchrun(script: str | Path, *args: str, nprocs: int = 2, timeout: float = 240, **env: str) -> Finished:
-    """Launch ``script`` on ``nprocs`` CPU ranks with torch's public elastic launcher."""
+    """Launch ``script`` on ``nprocs`` CPU ranks with torch's public elastic launcher.
+
+    Without extra ``env`` (which a fork could not honour), each rank is forked from a process that imported torch
+    and Lightning once (tests/helpers/zygote.py): the same launcher, ranks, environment and exit codes, without
+    ~8 s of imports per rank."""
+    from tests.helpers import zygote
+
+    socket_path = zygote.server_socket(rank_env(), REPO_ROOT) if zygote.enabled() and not env else None
+    if socket_path is not None:
+        args = (str(script), *args)
+        script = Path(zygote.__file__).with_name("zygote_client.py")
+        env = {"VITSCALE_TEST_ZYGOTE_SOCKET": socket_path}
     cmd = [
         sys.executable,
         "-m",
