@@ -48,7 +48,7 @@ def server_socket(env: dict[str, str], cwd: Path) -> str | None:
                             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
     ready, _, _ = select.select([proc.stdout], [], [], 180)
     if not ready or proc.stdout.readline().strip() != b"ready":  # type: ignore[union-attr]
-        proc.kill()
+        _stop(proc)
         return None
     _server = (proc, path)
     atexit.register(_stop, proc)
@@ -59,6 +59,8 @@ def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 def _reset_per_process_state(argv: list[str]) -> None:
