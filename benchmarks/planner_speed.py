@@ -34,8 +34,8 @@ def build(variant: str):
 
     from lightning_vitscale.cli.demo import TinyViT
     from lightning_vitscale.kernels.optimizers import prefer_foreach
-    from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, ShardingPolicy
     from lightning_vitscale.precision.settings import resolve_flag
+    from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig, ShardingPolicy
     from lightning_vitscale.sharding.outer_unit import OuterUnit
     from lightning_vitscale.sharding.parallelize import parallelize
 

@@ -93,8 +93,8 @@ def build(model_name: str, variant: str, x):
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_vitscale.kernels.optimizers import prefer_foreach
-    from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, ShardingPolicy
     from lightning_vitscale.precision.settings import resolve_flag
+    from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig, ShardingPolicy
     from lightning_vitscale.sharding.outer_unit import OuterUnit
     from lightning_vitscale.sharding.parallelize import parallelize
     from lightning_vitscale.sharding.planning import plan_before_sharding
@@ -131,9 +131,8 @@ def build(model_name: str, variant: str, x):
 def synchronous_collectives(root) -> None:
     """FSDP2's own collectives again on every unit of ``root``: the reduce-scatter the step's thread waits for and
     all-gathers issued synchronously (torch internals: a benchmark-only way back to the setting before)."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
-
-    from lightning_vitscale._compat import FSDPModule
 
     for module in root.modules():
         if isinstance(module, FSDPModule):

@@ -1,4 +1,7 @@
-"""Every private torch/Lightning import and version gate lives here, so upgrades touch one file."""
+"""Every private torch/Lightning import and version gate lives here, so upgrades touch one file.
+
+Public torch names (``fully_shard``, ``FSDPModule``, ``MixedPrecisionPolicy``, ``DTensor``, ...) are imported from
+torch where they are used, not through this module."""
 
 from __future__ import annotations
 
@@ -43,15 +46,13 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo  # where a DCP value lies in a file
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_into
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule  # public: only for the annotations below (import it from torch)
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterComm  # FSDP2 custom comms
-from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 from torch.nn.modules.instancenorm import _InstanceNorm as InstanceNormBase
 from torch.optim.optimizer import _get_fused_kernels_supported_devices as fused_kernel_devices
 from torch.serialization import _get_layout as get_layout  # FSDP1 local files: a tensor's layout, pickled
 from torch.utils._pytree import tree_map
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts  # op-level AC: torch>=2.4
 
 # `dcp_load_into` reads a whole DCP checkpoint into one process with no process group, as `dcp_to_torch_save`
 # does (the public `dcp.load` fills a copy of the state dict, so the populated keys would be lost).
@@ -88,8 +89,6 @@ if _missing:  # pragma: no cover - depends on the installed torch/Lightning
 amp_unscale_and_check = torch._amp_foreach_non_finite_check_and_unscale_
 # torch.load's rule for `map_location` (device, string, dict or callable) applied to one storage.
 restore_location = torch.serialization._get_restore_location
-# dynamo's per-code-object budget of compiled variants was `cache_size_limit` before torch 2.7 renamed it.
-DYNAMO_RECOMPILE_LIMIT = "recompile_limit" if hasattr(dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
 def setup_distributed(strategy: ModelParallelStrategy) -> None:
@@ -205,22 +204,15 @@ def compile_context(module: Any) -> Any:
 __all__ = [
     "BatchNormBase",
     "ChildProcessObserver",
-    "CPUOffloadPolicy",
-    "CheckpointPolicy",
     "CheckpointConnector",
-    "DTensor",
-    "DYNAMO_RECOMPILE_LIMIT",
     "EmptyStateDictLoadPlanner",
-    "FSDPModule",
     "FakeTensor",
     "FakeTensorMode",
     "FsspecReader",
     "FsspecWriter",
     "InstanceNormBase",
     "METADATA_FILENAME",
-    "MixedPrecisionPolicy",
     "ModelParallelStrategy",
-    "OffloadPolicy",
     "PL_LOAD_MODULES",
     "ReduceScatterComm",
     "StorageInfo",
@@ -230,12 +222,10 @@ __all__ = [
     "checkpoint_dir",
     "amp_unscale_and_check",
     "compile_context",
-    "create_selective_checkpoint_contexts",
     "dcp_load_into",
     "destroy_process_group_safely",
     "dynamo",
     "fsdp_param_groups",
-    "fully_shard",
     "fused_kernel_devices",
     "get_layout",
     "initialize_fsdp_root",

@@ -12,8 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-
-from lightning_vitscale._compat import DTensor
+from torch.distributed.tensor import DTensor
 
 GIB = 2**30
 MIB = 2**20

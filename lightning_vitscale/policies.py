@@ -1,23 +1,35 @@
-"""The settings a strategy and its callbacks hold, under the path earlier releases documented for reading them
-(``strategy.config``, ``strategy.precision_plugin.policy``, ``ShardedEMA(...).policy``).
+"""Deprecated: import the settings from ``lightning_vitscale`` or the subpackage that owns each one.
 
-Each is defined with its concern (``sharding/settings.py``, ``kernels/settings.py``, ...); this module only
-gathers the public ones for users and owns nothing.
+``lightning_vitscale.policies`` gathered every concern's settings under one path; each now lives only with its
+concern (``lightning_vitscale.sharding.ParallelConfig``, ``lightning_vitscale.kernels.KernelPolicy``, ...). This
+module re-exports them for one release and warns on import; it will be removed in the next one.
 """
 
-from lightning_vitscale.averaging.settings import EMAPolicy
-from lightning_vitscale.checkpoint.settings import CheckpointSettings, StateDictType
-from lightning_vitscale.discovery import ModuleSelector
-from lightning_vitscale.init.settings import InitMode, InitSettings
-from lightning_vitscale.kernels.settings import KernelMode, KernelPolicy
-from lightning_vitscale.precision.settings import PrecisionFlag, PrecisionPolicy
-from lightning_vitscale.sharding.settings import (
+import warnings
+
+from lightning_vitscale.averaging import EMAPolicy
+from lightning_vitscale.checkpoint import CheckpointSettings, StateDictType
+from lightning_vitscale.init import InitMode, InitSettings
+from lightning_vitscale.kernels import KernelMode, KernelPolicy
+from lightning_vitscale.precision import PrecisionFlag, PrecisionPolicy
+from lightning_vitscale.sharding import (
     CheckpointingPolicy,
     CheckpointSelector,
+    ModuleSelector,
     OffloadMode,
     ParallelConfig,
     ShardingLayout,
     ShardingPolicy,
+)
+
+warnings.warn(
+    "`lightning_vitscale.policies` is deprecated and will be removed in the next release: import each setting from"
+    " its subpackage (`from lightning_vitscale.sharding import ParallelConfig, ShardingPolicy, CheckpointingPolicy`,"
+    " `from lightning_vitscale.kernels import KernelPolicy`, `from lightning_vitscale.precision import"
+    " PrecisionPolicy`, `from lightning_vitscale.averaging import EMAPolicy`) or `KernelPolicy` from"
+    " `lightning_vitscale`.",
+    DeprecationWarning,
+    stacklevel=2,
 )
 
 __all__ = [

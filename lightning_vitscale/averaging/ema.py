@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
-from lightning_vitscale._compat import FSDPModule
 from lightning_vitscale._utils import full_bytes, mib
 from lightning_vitscale.averaging.settings import EMABuffers, EMAEvaluate, EMAPolicy
 from lightning_vitscale.averaging.shards import EmaShards

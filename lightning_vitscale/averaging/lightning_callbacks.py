@@ -14,9 +14,7 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
 from torch import nn
-from torch.distributed.tensor import distribute_tensor
-
-from lightning_vitscale._compat import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 def shard_averaged_copies(

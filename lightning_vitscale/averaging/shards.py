@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_vitscale._compat import DTensor
 from lightning_vitscale._utils import local_tensor, strip_wrapper_prefixes
 
 

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import METADATA_FILENAME, DTensor
+from lightning_vitscale._compat import METADATA_FILENAME
 from lightning_vitscale.checkpoint.errors import CheckpointError
 from lightning_vitscale.checkpoint.manifest import why_incomplete
 from lightning_vitscale.checkpoint.safe_reading import load_into, load_pickle, read_metadata

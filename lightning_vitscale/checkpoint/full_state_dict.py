@@ -36,9 +36,9 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_vitscale._compat import DTensor, FSDPModule
 from lightning_vitscale.checkpoint.errors import StateDictGatherError
 from lightning_vitscale.distributed import collective_guard
 

@@ -6,9 +6,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from lightning_vitscale._compat import DTensor
 from lightning_vitscale._utils import local_tensor
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vitscale._compat import DYNAMO_RECOMPILE_LIMIT, dynamo
+from lightning_vitscale._compat import dynamo
 from lightning_vitscale.kernels.settings import Compiler
 
 # dynamo's default number of compiled variants per code object (requires_grad, shapes, ...), per block class.
@@ -75,7 +75,7 @@ def dynamo_options(num_classes: int) -> dict[str, object]:
     """
     needed = _VARIANTS_PER_CLASS * max(num_classes, 1)
     return {
-        DYNAMO_RECOMPILE_LIMIT: max(getattr(dynamo.config, DYNAMO_RECOMPILE_LIMIT), needed),
+        "recompile_limit": max(dynamo.config.recompile_limit, needed),
         "skip_fwd_side_effects_in_bwd_under_checkpoint": True,
     }
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from lightning_vitscale._compat import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 _aten = torch.ops.aten
 _SAVED_OP_NAMES = (

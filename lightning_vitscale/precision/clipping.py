@@ -8,8 +8,8 @@ from typing import cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import DTensor
 from lightning_vitscale._utils import local_tensor
 from lightning_vitscale.distributed.mesh import all_reduce_over, mesh_device
 

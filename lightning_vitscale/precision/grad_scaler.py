@@ -6,8 +6,9 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import DTensor, amp_unscale_and_check
+from lightning_vitscale._compat import amp_unscale_and_check
 from lightning_vitscale.distributed.mesh import all_reduce_over
 
 

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import DTensor, amp_unscale_and_check
+from lightning_vitscale._compat import amp_unscale_and_check
 from lightning_vitscale.distributed.agreed import RaisedOnEveryRank
 
 

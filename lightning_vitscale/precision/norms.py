@@ -14,8 +14,9 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import DTensor, set_parameters, tree_map
+from lightning_vitscale._compat import set_parameters, tree_map
 from lightning_vitscale.distributed.mesh import all_reduce_over, replicated_placements
 
 _PARAMS = "_vitscale_fp32_params"

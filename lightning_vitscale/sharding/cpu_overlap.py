@@ -28,9 +28,9 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_vitscale._compat import (
-    FSDPModule,
     ReduceScatterComm,
     queue_end_of_backward,
     reduce_scatter,

@@ -13,8 +13,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-
-from lightning_vitscale._compat import FSDPModule
+from torch.distributed.fsdp import FSDPModule
 
 
 def unsharded_gradient_bytes(module: nn.Module, compute_dtype: torch.dtype) -> int:

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
 
-from lightning_vitscale._compat import DTensor, FSDPModule
 from lightning_vitscale.distributed import collective_guard
 
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
-from lightning_vitscale._compat import FSDPModule
 from lightning_vitscale.memory import (
     AutoCheckpointing,
     StepInputs,

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
-from lightning_vitscale._compat import FSDPModule, initialize_fsdp_root, set_lightning_device
+from lightning_vitscale._compat import initialize_fsdp_root, set_lightning_device
 from lightning_vitscale.checkpoint import full_state_dict
 from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.init import Creation

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
-from lightning_vitscale._compat import BatchNormBase, FSDPModule
+from lightning_vitscale._compat import BatchNormBase
 
 # Device types torch's SyncBatchNorm accepts (its forward raises on any other when a process group is running).
 SYNC_BATCHNORM_DEVICES = frozenset({"cuda", "hpu", "xpu"})

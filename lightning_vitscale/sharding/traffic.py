@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
-from lightning_vitscale._compat import FSDPModule
 from lightning_vitscale._utils import mib, shard_rows
 from lightning_vitscale.precision import PrecisionPolicy
 from lightning_vitscale.sharding.settings import unit_reshard

@@ -9,17 +9,15 @@ import pytest
 import torch
 
 from lightning_vitscale.checkpoint import load_consolidated
-from tests.helpers.launch import assert_ok, torchrun
-from tests.helpers.results import load_ranks
+from tests.helpers.launch import launch_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("async_save")
-    assert_ok(torchrun("tests/distributed/scripts/async_save.py", str(out), timeout=200))
-    return out, load_ranks(out, "async-rank*.json")
+    return launch_ranks(tmp_path_factory, "async_save", "tests/distributed/scripts/async_save.py",
+                        pattern="async-rank*.json", timeout=200)
 
 
 def tensors(folder) -> dict[str, torch.Tensor]:

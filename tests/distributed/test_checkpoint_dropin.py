@@ -8,9 +8,9 @@ import torch
 
 from lightning_vitscale.__main__ import main
 from tests.distributed.scripts.checkpoints import FIXED
-from tests.helpers.launch import assert_ok, torchrun
+from tests.helpers.launch import launch_ranks
 from tests.helpers.models import Classifier
-from tests.helpers.results import load_ranks, max_relative_difference
+from tests.helpers.results import max_relative_difference
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 SCRIPT = "tests/distributed/scripts/checkpoint_dropin.py"
@@ -19,9 +19,7 @@ SCENARIOS = "lr_find,save_formats,resumes,crafted,scale_batch_size,remove_while_
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("checkpoint_dropin")
-    assert_ok(torchrun(SCRIPT, str(out), SCENARIOS, timeout=360))
-    return out, load_ranks(out)
+    return launch_ranks(tmp_path_factory, "checkpoint_dropin", SCRIPT, SCENARIOS, timeout=360)
 
 
 def test_lr_find_restores_and_suggests_like_ddp_and_leaves_no_folder(run):

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.launch import assert_ok, torchrun
-from tests.helpers.results import load_ranks, max_relative_difference
+from tests.helpers.launch import launch_ranks
+from tests.helpers.results import max_relative_difference
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("compiled_dropout")
-    assert_ok(torchrun("tests/distributed/scripts/compiled_dropout.py", str(out), timeout=540))
-    return load_ranks(out)
+    return launch_ranks(tmp_path_factory, "compiled_dropout", "tests/distributed/scripts/compiled_dropout.py",
+                        timeout=540)[1]
 
 
 @pytest.mark.parametrize("run", ["compiled_checkpointed", "compiled"])

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.launch import assert_ok, torchrun
-from tests.helpers.results import load_ranks, max_relative_difference
+from tests.helpers.launch import launch_ranks
+from tests.helpers.results import max_relative_difference
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("cpu_overlap")
-    assert_ok(torchrun("tests/distributed/scripts/cpu_overlap.py", str(out), timeout=240))
-    return load_ranks(out)
+    return launch_ranks(tmp_path_factory, "cpu_overlap", "tests/distributed/scripts/cpu_overlap.py")[1]
 
 
 def test_reduce_scatters_run_while_earlier_blocks_compute_their_backward(ranks):

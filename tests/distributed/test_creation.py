@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.launch import assert_ok, torchrun
+from tests.helpers.launch import assert_ok, launch_ranks, torchrun
 from tests.helpers.results import load_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -14,10 +14,8 @@ KINDS = ("distinctive", "examples_vit", "timm", "hf")
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("creation")
     scenarios = ",".join([*(f"exact/{kind}" for kind in KINDS), "meta_stats", "explicit_meta_refused", "reuse"])
-    assert_ok(torchrun("tests/distributed/scripts/creation.py", str(out), scenarios, timeout=240))
-    return load_ranks(out)
+    return launch_ranks(tmp_path_factory, "creation", "tests/distributed/scripts/creation.py", scenarios)[1]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.launch import assert_ok, torchrun
-from tests.helpers.results import load_ranks
+from tests.helpers.launch import launch_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 
@@ -19,10 +18,9 @@ COMPARED = (
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("dropin")
     names = [f"{name}/{strategy}" for name in COMPARED for strategy in ("ddp", "vitscale")]
-    assert_ok(torchrun(SCRIPT, str(out), ",".join([*names, "one_rank_call/vitscale"]), timeout=300))
-    return load_ranks(out)
+    scenarios = ",".join([*names, "one_rank_call/vitscale"])
+    return launch_ranks(tmp_path_factory, "dropin", SCRIPT, scenarios, timeout=300)[1]
 
 
 def _pairs(runs, scenario):

@@ -4,7 +4,6 @@ SHARDED_STATE_DICT folders and LOCAL_STATE_DICT rank files (their flat parameter
 
 from __future__ import annotations
 
-import os
 import pickle
 import shutil
 
@@ -19,7 +18,8 @@ from lightning_vitscale.checkpoint.fsdp1.sharded_tensor_pickle import as_local_s
 from lightning_vitscale.checkpoint.safe_reading import read_metadata
 from lightning_vitscale.checkpoint.storage import Location
 from tests.distributed.scripts.fsdp1_checkpoints import LOCAL_RECIPES, TinyViT, local_model, tiny_model
-from tests.helpers.launch import assert_ok, torchrun
+from tests.helpers.exploit import Payload
+from tests.helpers.launch import launch_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -27,19 +27,9 @@ SCRIPT = "tests/distributed/scripts/fsdp1_checkpoints.py"
 RECIPES = ("checkpointed", "compiled")
 
 
-class Payload:
-    def __init__(self, marker) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp1")
-    assert_ok(torchrun(SCRIPT, str(out), timeout=180))
-    return out
+    return launch_ranks(tmp_path_factory, "fsdp1", SCRIPT, pattern=None, timeout=180)[0]
 
 
 def test_fsdp1_wrote_real_per_rank_shards(saved):

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.launch import assert_ok, torchrun
-from tests.helpers.results import load_ranks
+from tests.helpers.launch import launch_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -19,10 +18,8 @@ CALL_ERROR = "OutsideStepCallError: Calling the sharded model outside a training
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("full_state_dict")
     names = ["state_dicts/ddp", "state_dicts/vitscale", *DURING_TRAINING, "one_rank_call/vitscale"]
-    assert_ok(torchrun(SCRIPT, str(out), ",".join(names), timeout=240))
-    return load_ranks(out)
+    return launch_ranks(tmp_path_factory, "full_state_dict", SCRIPT, ",".join(names))[1]
 
 
 def _pairs(runs):

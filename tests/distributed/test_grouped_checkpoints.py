@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.launch import assert_ok, torchrun
-from tests.helpers.results import load_ranks, max_relative_difference
+from tests.helpers.launch import launch_ranks
+from tests.helpers.results import max_relative_difference
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 SCRIPT = "tests/distributed/scripts/grouped_checkpoints.py"
@@ -18,9 +18,7 @@ UNITS = {1: 5, 2: 3, 3: 3}  # 4 blocks: one unit per block, [2, 2] or [3, 1]; + 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("grouped_checkpoints")
-    assert_ok(torchrun(SCRIPT, str(out), ",".join(SCENARIOS), timeout=240))
-    return load_ranks(out)
+    return launch_ranks(tmp_path_factory, "grouped_checkpoints", SCRIPT, ",".join(SCENARIOS))[1]
 
 
 @pytest.mark.parametrize("saved, resumed", [(2, 2), (2, 1), (1, 3)])

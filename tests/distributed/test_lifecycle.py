@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.launch import assert_ok, lightning_launch, slurm_launch, torchrun
+from tests.helpers.launch import assert_ok, launch_ranks, lightning_launch, slurm_launch
 from tests.helpers.results import load_ranks, max_relative_difference
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -12,10 +12,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("lifecycle")
     scenarios = "lifecycle,meta_init,attention_auto"
-    assert_ok(torchrun("tests/distributed/scripts/lifecycle.py", str(out), scenarios, timeout=240))
-    return load_ranks(out)
+    return launch_ranks(tmp_path_factory, "lifecycle", "tests/distributed/scripts/lifecycle.py", scenarios)[1]
 
 
 def test_all_trainer_entry_points_work(ranks):

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.launch import assert_ok, torchrun
+from tests.helpers.launch import launch_ranks
 from tests.helpers.peak import MMAP_THRESHOLD_ENV
-from tests.helpers.results import load_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -29,9 +28,7 @@ TOLERANCE = 0.10
 
 @pytest.fixture(scope="module")
 def fit_steps(tmp_path_factory):
-    out = tmp_path_factory.mktemp("planner_fit")
-    assert_ok(torchrun(FIT_SCRIPT, str(out), CELLS, nprocs=2, timeout=240, **MMAP_THRESHOLD_ENV))
-    return load_ranks(out)
+    return launch_ranks(tmp_path_factory, "planner_fit", FIT_SCRIPT, CELLS, **MMAP_THRESHOLD_ENV)[1]
 
 
 @pytest.mark.parametrize("cell", AUTO_CELLS)
@@ -62,9 +59,7 @@ def test_auto_applies_its_mixed_per_block_plan_and_trains_as_ddp(fit_steps, cell
 
 @pytest.fixture(scope="module")
 def auto(tmp_path_factory):
-    out = tmp_path_factory.mktemp("auto")
-    assert_ok(torchrun(SCRIPT, str(out), "auto", nprocs=2, timeout=240))
-    return load_ranks(out)
+    return launch_ranks(tmp_path_factory, "auto", SCRIPT, "auto")[1]
 
 
 @pytest.mark.parametrize("cell", CELLS.split(","))

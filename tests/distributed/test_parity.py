@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.launch import assert_ok, torchrun
-from tests.helpers.results import load_ranks, max_relative_difference
+from tests.helpers.launch import launch_ranks
+from tests.helpers.results import max_relative_difference
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -17,13 +17,10 @@ EXTRA = ("encoder/selective_accum4", "timm/grouped_accum_clip")
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("parity")
-    result = torchrun(
-        "tests/distributed/scripts/parity.py", str(out), ",".join(BACKBONES), ",".join(CONFIGS), ",".join(EXTRA),
-        timeout=540,
-    )
-    assert_ok(result)
-    return load_ranks(out)
+    return launch_ranks(
+        tmp_path_factory, "parity", "tests/distributed/scripts/parity.py", ",".join(BACKBONES), ",".join(CONFIGS),
+        ",".join(EXTRA), timeout=540,
+    )[1]
 
 
 @pytest.mark.parametrize("config", CONFIGS)

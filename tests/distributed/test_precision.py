@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.launch import assert_ok, torchrun
-from tests.helpers.results import load_ranks
+from tests.helpers.launch import launch_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -26,9 +25,8 @@ SCENARIOS = [
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("precision")
-    assert_ok(torchrun("tests/distributed/scripts/precision_scenarios.py", str(out), ",".join(SCENARIOS), timeout=540))
-    return load_ranks(out)
+    return launch_ranks(tmp_path_factory, "precision", "tests/distributed/scripts/precision_scenarios.py",
+                        ",".join(SCENARIOS), timeout=540)[1]
 
 
 @pytest.mark.parametrize("flag", ["bf16_mixed", "bf16_true"])

@@ -18,8 +18,8 @@ from examples.models.vit import VisionTransformer
 from lightning_vitscale.kernels.optimizers import prefer_foreach
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_model import StepSettings, predict_step
-from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig, ShardingPolicy
 from lightning_vitscale.precision.settings import resolve_flag
+from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig, ShardingPolicy
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import parallelize
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vitscale import VitScaleStrategy
-from lightning_vitscale._compat import DTensor
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 

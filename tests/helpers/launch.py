@@ -10,6 +10,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,7 +81,27 @@ def run_bounded(cmd: list[str], timeout: float, env: dict[str, str] | None = Non
                 os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate()
         timed_out = True
-    return Finished(proc.returncode, out, time.monotonic() - start, timed_out)
+    finished = Finished(proc.returncode, out, time.monotonic() - start, timed_out)
+    _log_launch(cmd, finished)
+    return finished
+
+
+def _log_launch(cmd: list[str], finished: Finished) -> None:
+    """With ``VITSCALE_TEST_LAUNCH_LOG=FILE``, one JSON line per launch (test, command, seconds, exit code): where a
+    test run's time goes in launches, which ``--durations`` cannot tell apart from a test's own work."""
+    log = os.environ.get("VITSCALE_TEST_LAUNCH_LOG")
+    if not log:
+        return
+    import json
+
+    entry = {
+        "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+        "cmd": [Path(c).name if os.sep in c else c for c in cmd],
+        "seconds": round(finished.seconds, 1),
+        "returncode": finished.returncode,
+    }
+    with open(log, "a") as file:
+        file.write(json.dumps(entry) + "\n")
 
 
 def descendants(pid: int) -> list[int]:
@@ -99,7 +123,18 @@ def descendants(pid: int) -> list[int]:
 
 
 def torchrun(script: str | Path, *args: str, nprocs: int = 2, timeout: float = 240, **env: str) -> Finished:
-    """Launch ``script`` on ``nprocs`` CPU ranks with torch's public elastic launcher."""
+    """Launch ``script`` on ``nprocs`` CPU ranks with torch's public elastic launcher.
+
+    Without extra ``env`` (which a fork could not honour), each rank is forked from a process that imported torch
+    and Lightning once (tests/helpers/zygote.py): the same launcher, ranks, environment and exit codes, without
+    ~8 s of imports per rank."""
+    from tests.helpers import zygote
+
+    socket_path = zygote.server_socket(rank_env(), REPO_ROOT) if zygote.enabled() and not env else None
+    if socket_path is not None:
+        args = (str(script), *args)
+        script = Path(zygote.__file__).with_name("zygote_client.py")
+        env = {"VITSCALE_TEST_ZYGOTE_SOCKET": socket_path}
     cmd = [
         sys.executable,
         "-m",
@@ -124,6 +159,26 @@ def assert_ok(result: Finished) -> None:
     tail = result.output[-6000:]
     assert not result.timed_out, f"timed out after {result.seconds:.0f}s:\n{tail}"
     assert result.returncode == 0, f"exit code {result.returncode}:\n{tail}"
+
+
+def launch_ranks(
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    script: str | Path,
+    *args: str,
+    pattern: str | None = "rank*.json",
+    nprocs: int = 2,
+    timeout: float = 240,
+    **env: str,
+) -> tuple[Path, list[dict]]:
+    """The body of every module-scoped launch fixture: ``script OUT *args`` on ``nprocs`` ranks through torch's
+    elastic launcher (one launch running all of a module's scenarios), failing with the output's tail unless every
+    rank exits 0 in time; returns OUT and the per-rank results matching ``pattern`` (``None``: read none)."""
+    from tests.helpers.results import load_ranks
+
+    out = tmp_path_factory.mktemp(name)
+    assert_ok(torchrun(script, str(out), *args, nprocs=nprocs, timeout=timeout, **env))
+    return out, (load_ranks(out, pattern) if pattern else [])
 
 
 def slurm_launch(script: str | Path, *args: str, ntasks: int = 2, timeout: float = 240) -> list[Finished]:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-
-from lightning_vitscale._compat import DTensor
+from torch.distributed.tensor import DTensor
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

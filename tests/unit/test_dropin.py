@@ -11,14 +11,14 @@ from lightning.pytorch.callbacks import WeightAveraging
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.utilities.compile import _maybe_unwrap_optimized, _verify_strategy_supports_compile
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel
 
 from lightning_vitscale import VitScaleStrategy
-from lightning_vitscale._compat import DTensor
 from lightning_vitscale.averaging.lightning_callbacks import shard_averaged_copies, shard_like
 from lightning_vitscale.discovery.norms import is_normalization
-from lightning_vitscale.policies import ParallelConfig
 from lightning_vitscale.precision.settings import resolve_flag
+from lightning_vitscale.sharding import ParallelConfig
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import parallelize
 from lightning_vitscale.sharding.sync_batchnorm import apply_sync_batchnorm

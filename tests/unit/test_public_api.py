@@ -70,10 +70,20 @@ def test_documented_module_paths_keep_working(module):
 
 def test_documented_names_are_the_same_objects_everywhere():
     from lightning_vitscale.checkpoint import consolidate_checkpoint
-    from lightning_vitscale.policies import KernelPolicy
+    from lightning_vitscale.kernels import KernelPolicy
 
     assert consolidate_checkpoint is lightning_vitscale.consolidate_checkpoint
     assert KernelPolicy is lightning_vitscale.KernelPolicy
+
+
+def test_the_policies_path_keeps_its_names_for_one_release_and_warns_on_import():
+    from lightning_vitscale import sharding
+
+    sys.modules.pop("lightning_vitscale.policies", None)  # the warning is raised when the module first runs
+    with pytest.warns(DeprecationWarning, match="lightning_vitscale.policies.*deprecated"):
+        policies = importlib.import_module("lightning_vitscale.policies")
+    assert policies.KernelPolicy is lightning_vitscale.KernelPolicy
+    assert policies.ParallelConfig is sharding.ParallelConfig
 
 
 def test_strategy_is_registered_under_its_name():

@@ -7,7 +7,7 @@ import pytest
 from torch import nn
 
 from lightning_vitscale import KernelPolicy, VitScaleStrategy
-from lightning_vitscale.policies import CheckpointingPolicy, ShardingPolicy
+from lightning_vitscale.sharding import CheckpointingPolicy, ShardingPolicy
 from tests.helpers.models import Classifier, loader
 
 

@@ -3,7 +3,6 @@ pickles. Every scenario runs under DDP too, as the oracle."""
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -18,20 +17,11 @@ import lightning_vitscale.checkpoint.strategy_side as strategy_side
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.checkpoint import Location, remove_checkpoint
 from tests.distributed.scripts.checkpoints import RANK, WORLD, equal, make_trainer, snapshot
+from tests.helpers.exploit import Payload
 from tests.helpers.models import Classifier, loader
 from tests.helpers.scenarios import run_scenarios
 
 OUT = Path(sys.argv[1])
-
-
-class Payload:
-    """Unpickling this runs a shell command that creates ``marker``."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 class WithoutScheduler(Classifier):

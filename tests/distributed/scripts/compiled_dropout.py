@@ -15,7 +15,7 @@ import torch._inductor.config as inductor_config
 import torch.distributed as dist
 
 from lightning_vitscale import VitScaleStrategy
-from lightning_vitscale.policies import KernelPolicy
+from lightning_vitscale.kernels import KernelPolicy
 from tests.helpers.models import largest_weight_difference, train_dropout_vit
 
 COMPILED = KernelPolicy(compile_blocks=True)  # "auto" is eager on CPU; this is its CUDA block compile

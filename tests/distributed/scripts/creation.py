@@ -10,9 +10,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_vitscale import VitScaleStrategy
-from lightning_vitscale._compat import DTensor
 from lightning_vitscale.sharding.reuse import ShardedModuleReuseError
 from tests.helpers.models import HFViT, loader, timm_vit
 from tests.helpers.scenarios import run_scenarios

@@ -13,10 +13,10 @@ import warnings
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
+from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import get_ema_avg_fn
 
 from lightning_vitscale import VitScaleStrategy
-from lightning_vitscale._compat import DTensor
 from lightning_vitscale.kernels.compile import is_compiled
 from tests.helpers.models import Classifier, loader, random_images
 from tests.helpers.scenarios import rank_zero_alone, run_scenarios

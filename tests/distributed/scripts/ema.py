@@ -13,10 +13,10 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Checkpoint
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from lightning_vitscale import ShardedEMA, VitScaleStrategy
-from lightning_vitscale._compat import DTensor
 from lightning_vitscale._utils import full_bytes, local_bytes
 from tests.helpers.models import IMAGE, Classifier, loader
 from tests.helpers.recording import count_collectives

@@ -17,9 +17,9 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor import DTensor
 
 from lightning_vitscale import VitScaleStrategy
-from lightning_vitscale._compat import DTensor
 from lightning_vitscale.distributed.collective_guard import side_group
 from tests.helpers.models import Classifier, loader, random_images
 from tests.helpers.scenarios import rank_zero_alone, run_scenarios, set_timeout

@@ -9,10 +9,10 @@ from pathlib import Path
 import lightning as L
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_vitscale import KernelPolicy, VitScaleStrategy
-from lightning_vitscale._compat import DTensor
 from lightning_vitscale.cli.demo import TinyViT, generated_images
 from tests.helpers.attention_stand_in import substituted
 from tests.helpers.models import Classifier, loader

@@ -26,8 +26,8 @@ from lightning_vitscale.cli.demo import TinyViT
 from lightning_vitscale.kernels.optimizers import prefer_foreach
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_model import ZERO_GRAD_FIRST, StepSettings, predict_step
-from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig
 from lightning_vitscale.precision.settings import resolve_flag
+from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import parallelize
 from tests.helpers.peak import phased_step_peak

@@ -14,9 +14,10 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_vitscale import VitScaleStrategy, measure_state_bytes
-from lightning_vitscale._compat import REDUCE_SCATTER, FSDPModule
+from lightning_vitscale._compat import REDUCE_SCATTER
 from tests.helpers.models import Classifier, loader
 
 warnings.filterwarnings("ignore")

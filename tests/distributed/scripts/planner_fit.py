@@ -28,10 +28,10 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vitscale import VitScaleStrategy
-from lightning_vitscale._compat import DTensor
 from lightning_vitscale.memory import measure_state_bytes
 from lightning_vitscale.memory.planner import choose, step_inputs
 from lightning_vitscale.memory.step_cost import CPU_RATES

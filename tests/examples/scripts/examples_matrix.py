@@ -13,9 +13,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch.distributed.tensor import DTensor
 
 from examples import classification, pretraining
-from lightning_vitscale._compat import DTensor
 from tests.helpers.scenarios import run_scenarios
 
 warnings.filterwarnings("ignore")

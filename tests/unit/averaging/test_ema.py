@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from lightning_vitscale import ShardedEMA
+from lightning_vitscale.averaging import EMAPolicy
 from lightning_vitscale.averaging.shards import EmaShards
-from lightning_vitscale.policies import EMAPolicy
 
 pytestmark = pytest.mark.timeout(120)
 

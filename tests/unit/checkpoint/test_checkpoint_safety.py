@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 import re
 import warnings
@@ -22,16 +21,7 @@ from lightning_vitscale.checkpoint.safe_reading import resolve_weights_only, saf
 from lightning_vitscale.checkpoint.save import model_state_dict, optimizer_state_dict, save_sharded
 from lightning_vitscale.checkpoint.settings import CheckpointSettings
 from lightning_vitscale.checkpoint.storage import Location
-
-
-class Payload:
-    """Unpickling this runs a shell command that creates ``marker``: the attack a crafted checkpoint carries."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
+from tests.helpers.exploit import Payload
 
 
 def tiny_state() -> tuple[nn.Module, dict]:

@@ -12,7 +12,6 @@ Variants (each a copy of one real ``ShardedEMA`` checkpoint):
 
 from __future__ import annotations
 
-import os
 import pickle
 import shutil
 import warnings
@@ -29,21 +28,12 @@ from lightning_vitscale._compat import StorageInfo
 from lightning_vitscale.checkpoint.formats import EMA_KEY, sharded_entries
 from lightning_vitscale.checkpoint.lightning.loaders import load_sharded_as_full
 from lightning_vitscale.checkpoint.storage import Location
+from tests.helpers.exploit import Payload
 from tests.helpers.models import Classifier, loader
 
 SHARD = "__0_0.distcp"
 VARIANTS = ("ema_bytes", "traversal", "absolute", "symlink")
 OUTSIDE = "refusing to read outside the folder"
-
-
-class Payload:
-    """Unpickling this runs a shell command that creates ``marker``."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 def make_trainer(strategy, steps: int, **kwargs) -> L.Trainer:

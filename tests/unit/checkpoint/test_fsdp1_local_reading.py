@@ -4,7 +4,6 @@ than ShardedTensor is refused before it is built. (Real FSDP1 files: tests/distr
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -15,16 +14,7 @@ from lightning_vitscale import CheckpointError
 from lightning_vitscale.checkpoint.fsdp1.local import load_fsdp1_local_state_dict
 from lightning_vitscale.checkpoint.fsdp1.sharded_tensor_pickle import load_local_shards
 from lightning_vitscale.checkpoint.storage import Location
-
-
-class Payload:
-    """Unpickling this runs a shell command that creates ``marker``: the attack a crafted checkpoint carries."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
+from tests.helpers.exploit import Payload
 
 
 class Reduces:

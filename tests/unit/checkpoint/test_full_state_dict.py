@@ -7,12 +7,12 @@ import copy
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import DTensor
 from lightning_vitscale.checkpoint import full_state_dict
 from lightning_vitscale.checkpoint.full_state_dict import StateDictGatherError, sharded_state_dicts
-from lightning_vitscale.policies import ParallelConfig
 from lightning_vitscale.precision.settings import resolve_flag
+from lightning_vitscale.sharding import ParallelConfig
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import parallelize
 from tests.helpers.models import EncoderClassifier, SmallResNet

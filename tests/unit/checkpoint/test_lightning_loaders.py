@@ -4,7 +4,6 @@ run; folders that are not ours fail as before."""
 
 from __future__ import annotations
 
-import os
 import pickle
 import shutil
 import warnings
@@ -18,20 +17,11 @@ from lightning_vitscale import CheckpointError, VitScaleStrategy, consolidate_ch
 from lightning_vitscale._compat import PL_LOAD_MODULES
 from lightning_vitscale.checkpoint import install_import_patches
 from lightning_vitscale.checkpoint.lightning.loaders import is_sharded_checkpoint, load_sharded_as_full
+from tests.helpers.exploit import Payload
 from tests.helpers.models import Classifier, loader
 
 FIXED = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(7))
 URL = "memory://vitscale-loader/sharded.ckpt"
-
-
-class Payload:
-    """Unpickling this runs a shell command that creates ``marker``."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 def make_trainer(strategy, steps: int) -> L.Trainer:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_vitscale.cli.demo import Block, TinyViT, generated_images
-from lightning_vitscale.kernels import attention
+from lightning_vitscale.kernels import KernelPolicy, attention
 from lightning_vitscale.kernels.attention import (
     AttentionCall,
     AttentionRouter,
@@ -23,7 +23,6 @@ from lightning_vitscale.kernels.attention import (
     routable,
     route_blocks,
 )
-from lightning_vitscale.policies import KernelPolicy
 from lightning_vitscale.sharding.activation_checkpointing import apply_activation_checkpointing
 from lightning_vitscale.strategy import VitScaleStrategy
 from tests.helpers.attention_stand_in import stand_in, substituted

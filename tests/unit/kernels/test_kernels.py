@@ -8,16 +8,16 @@ import functools
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lightning_vitscale._compat import MixedPrecisionPolicy
-from lightning_vitscale.kernels import attention
+from lightning_vitscale.kernels import KernelPolicy, attention
 from lightning_vitscale.kernels.attention import AttentionBackend, AttentionRouter, route_blocks
 from lightning_vitscale.kernels.compile import apply_regional_compile
 from lightning_vitscale.kernels.optimizers import fuse_optimizers
 from lightning_vitscale.kernels.settings import EAGER, resolve_kernels
-from lightning_vitscale.policies import KernelPolicy, ParallelConfig
 from lightning_vitscale.precision.norms import ReplicatedNorms
 from lightning_vitscale.precision.settings import resolve_flag
+from lightning_vitscale.sharding import ParallelConfig
 from lightning_vitscale.sharding.activation_checkpointing import apply_activation_checkpointing
 from lightning_vitscale.sharding.fsdp import shard_module
 from lightning_vitscale.sharding.outer_unit import OuterUnit

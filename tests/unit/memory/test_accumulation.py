@@ -28,7 +28,9 @@ def test_unknown_accumulation_mode_fails_at_construction():
 
 
 def test_gradient_sync_off_switches_every_unit_and_back(mesh):
-    from lightning_vitscale._compat import fsdp_param_groups, fully_shard
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_vitscale._compat import fsdp_param_groups
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     for layer in model:

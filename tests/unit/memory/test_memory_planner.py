@@ -16,8 +16,8 @@ from lightning_vitscale.memory.auto_checkpointing import choose_blocks, meta_twi
 from lightning_vitscale.memory.plan_search import BlockPlan
 from lightning_vitscale.memory.planner import parse_memory, plan_memory, step_inputs
 from lightning_vitscale.memory.step_model import StepSettings, collective_copies, predict_step
-from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig
 from lightning_vitscale.precision.settings import resolve_flag
+from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig
 from lightning_vitscale.sharding.activation_checkpointing import apply_activation_checkpointing
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import parallelize
@@ -172,7 +172,8 @@ def test_policy_errors_name_the_fix():
 def test_auto_keeps_blocks_gathered_when_everything_fits(mesh):
     """An ample budget: no checkpointing, and blocks stay gathered from forward to backward (no second
     all-gather); a tight one: every block checkpointed and resharded after forward as the recipe does."""
-    from lightning_vitscale._compat import DTensor
+    from torch.distributed.tensor import DTensor
+
     from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing
     from lightning_vitscale.sharding.planning import apply_auto_choice
 

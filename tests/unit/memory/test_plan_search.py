@@ -8,17 +8,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_vitscale._compat import DTensor
 from lightning_vitscale.cli.demo import TinyViT
 from lightning_vitscale.memory.auto_checkpointing import AutoChoice, choose_blocks
 from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, least_memory, search, unit_sizes
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_cost import CPU_RATES, GPU_RATES, recompute_seconds, regather_seconds
 from lightning_vitscale.memory.step_model import StepSettings, predict_step, step_phases, unit_spans
-from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig
 from lightning_vitscale.precision.settings import resolve_flag
+from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig
 from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
 from lightning_vitscale.sharding.fsdp import group_blocks
 from lightning_vitscale.sharding.outer_unit import OuterUnit

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lightning_vitscale._compat import MixedPrecisionPolicy
 from lightning_vitscale.precision.clipping import clip_grad_norm, total_grad_norm
 from lightning_vitscale.sharding.fsdp import shard_module
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import DTensor
 from lightning_vitscale.precision.norms import ReplicatedNorms
 
 

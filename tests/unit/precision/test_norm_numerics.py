@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_vitscale.cli.demo import Block
-from lightning_vitscale.policies import CheckpointingPolicy, ParallelConfig
 from lightning_vitscale.precision.plugin import VitScalePrecision
+from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import parallelize
 

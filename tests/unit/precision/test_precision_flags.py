@@ -9,8 +9,8 @@ from lightning.pytorch.accelerators import Accelerator
 
 import lightning_vitscale  # noqa: F401
 from lightning_vitscale import VitScalePrecision, VitScaleStrategy
-from lightning_vitscale.policies import ParallelConfig
 from lightning_vitscale.precision.settings import resolve_flag
+from lightning_vitscale.sharding import ParallelConfig
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import parallelize
 from tests.helpers.models import SdpaBlocks

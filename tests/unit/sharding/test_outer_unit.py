@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import DTensor
-from lightning_vitscale.policies import ParallelConfig
 from lightning_vitscale.precision.settings import resolve_flag
+from lightning_vitscale.sharding import ParallelConfig
 from lightning_vitscale.sharding.outer_unit import OuterUnit, OutsideStepCallError
 from lightning_vitscale.sharding.parallelize import parallelize
 from tests.helpers.models import EncoderClassifier

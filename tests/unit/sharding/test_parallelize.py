@@ -7,11 +7,13 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import DTensor, FSDPModule
+from lightning_vitscale.kernels import KernelPolicy
 from lightning_vitscale.kernels.compile import is_compiled
-from lightning_vitscale.policies import CheckpointingPolicy, KernelPolicy, ParallelConfig, ShardingPolicy
 from lightning_vitscale.precision.settings import resolve_flag
+from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig, ShardingPolicy
 from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import NoBlocksMatchedError, parallelize

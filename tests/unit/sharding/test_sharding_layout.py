@@ -77,9 +77,11 @@ def test_step_traffic_by_hand(units, norms, precision, shard, expected):
 
 @pytest.mark.parametrize("offload", [None, "cpu"])
 def test_offload_policy_reaches_every_unit_and_the_optimizer_steps(mesh, offload):
-    from lightning_vitscale._compat import CPUOffloadPolicy, FSDPModule, fsdp_param_groups
-    from lightning_vitscale.policies import ParallelConfig, ShardingPolicy
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    from lightning_vitscale._compat import fsdp_param_groups
     from lightning_vitscale.precision.settings import resolve_flag
+    from lightning_vitscale.sharding import ParallelConfig, ShardingPolicy
     from lightning_vitscale.sharding.outer_unit import OuterUnit
     from lightning_vitscale.sharding.parallelize import parallelize
     from tests.helpers.models import EncoderClassifier
