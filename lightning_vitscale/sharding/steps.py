@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
-from lightning_vitscale._compat import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from lightning_vitscale.init import InitialWeights
 from lightning_vitscale.kernels import AttentionRouter, KernelPolicy, apply_regional_compile, make_router, route_blocks
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms
