@@ -3,8 +3,6 @@ fastest plan within the budget; the recompute-cost model it ranks plans by; per-
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -113,6 +111,7 @@ def test_per_block_kept_gathered_is_between_the_two_global_settings(inputs):
 def test_a_mixed_plan_is_applied_block_by_block_and_computes_the_same_gradients(mesh):
     """What the strategy does with the choice at setup: each block checkpointed in its mode, the later blocks kept
     gathered for backward; gradients equal an unplanned model's."""
+    from lightning_vitscale.distributed import RankContext
     from lightning_vitscale.sharding import resolve_config
     from lightning_vitscale.sharding.planning import _auto_checkpointing, apply_auto_choice
 
@@ -125,7 +124,7 @@ def test_a_mixed_plan_is_applied_block_by_block_and_computes_the_same_gradients(
         least, most = ends(step_inputs(model, x, world_size=1, precision="32-true", device="cpu"))
         budget = (least + most) // 2 if planned else 4 * 2**30
         asked = ParallelConfig(checkpointing=CheckpointingPolicy(blocks="auto", memory_budget=budget))
-        ranks = SimpleNamespace(mesh=mesh, device=torch.device("cpu"), ranks_per_node=1, agree_max=lambda n: n)
+        ranks = RankContext(mesh=mesh, device=torch.device("cpu"))
         resolved = resolve_config(asked, torch.device("cpu"))
         auto, config = _auto_checkpointing(model, resolved, resolve_flag("32-true"), ranks)  # as setup decides
         root = OuterUnit(model)
