@@ -23,9 +23,13 @@ from lightning_vitscale.sharding.settings import (
 )
 from lightning_vitscale.sharding.setup import Ranks, ShardedModel, shard_lightning_module
 from lightning_vitscale.sharding.summary import ParallelPlan
+from lightning_vitscale.sharding.tensor_plan import BlockPlan, TensorPlanError, TensorPlanSelector
 from lightning_vitscale.sharding.sync_batchnorm import apply_sync_batchnorm
 
 __all__ = [
+    "BlockPlan",
+    "TensorPlanError",
+    "TensorPlanSelector",
     "CheckpointSelector",
     "CheckpointingPolicy",
     "ModuleSelector",

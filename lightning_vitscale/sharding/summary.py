@@ -54,6 +54,8 @@ class ParallelPlan:
             start of sharding) until every unit had its values.
         init_seconds: how long that took.
         overlap: how collectives overlap compute where the package arranges it (CPU ranks), else empty.
+        tensor_parallel: ranks that split each block (``1``: none); ``world_size`` then counts data-parallel ranks.
+        tensor_plans: block class -> its tensor-parallel plan (module roles, per-rank head counts).
     """
 
     world_size: int
@@ -82,6 +84,8 @@ class ParallelPlan:
     blocks_per_unit: int = 1
     units_choice: str = ""
     overlap: str = ""
+    tensor_parallel: int = 1
+    tensor_plans: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
         found = ", ".join(f"{name} x{count}" for name, count in self.blocks.items()) or "none (one outer unit)"
@@ -100,6 +104,12 @@ class ParallelPlan:
             f" the model), {self.init_seconds:.1f} s",
         ]
         lines.extend(self._layout_lines())
+        if self.tensor_parallel > 1:
+            lines.append(
+                f"  tensor parallel     : {self.tensor_parallel} ranks per block (mesh {self.world_size} data parallel"
+                f" x {self.tensor_parallel} tensor parallel; the batch is split over the {self.world_size})"
+            )
+            lines.extend(f"    {cls}: {plan}" for cls, plan in self.tensor_plans.items())
         if self.overlap:
             lines.append(f"  collectives         : {self.overlap}")
         if self.self_checkpointed:
@@ -161,6 +171,8 @@ def plan_from_facts(facts: PipelineFacts) -> ParallelPlan:
         init_peak_bytes=facts.init.peak_bytes,
         init_seconds=facts.init.seconds,
         overlap=facts.overlap.description,
+        tensor_parallel=facts.tensor.size if facts.tensor else 1,
+        tensor_plans=facts.tensor.plans if facts.tensor else {},
     )
 
 
