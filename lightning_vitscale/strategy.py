@@ -258,6 +258,9 @@ class VitScaleStrategy(ModelParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """``"sharded"``: every rank writes its own shards, atomically; ``"full"``: rank 0 writes one file, as DDP."""
+        layout = self._tensor_layout()
+        if layout is not None:  # packed projections saved in per-rank row order: a resume must know
+            checkpoint[shards.TENSOR_LAYOUT_KEY] = layout
         write = partial(self.checkpoint_io.save_checkpoint, checkpoint, filepath, storage_options=storage_options)
         self.checkpoints.save(
             checkpoint, filepath, ranks=self._ranks(), write_full=write, storage_options=storage_options,
@@ -282,7 +285,13 @@ class VitScaleStrategy(ModelParallelStrategy):
         """A sharded checkpoint (any world size) or a single file (from DDP, ``consolidate``): see
         :meth:`~lightning_vitscale.checkpoint.strategy_side.StrategyCheckpoints.load`."""
         module, ranks = self.lightning_module, self._ranks()
-        return self.checkpoints.load(checkpoint_path, module, self.optimizers, weights_only, ranks=ranks)
+        loaded = self.checkpoints.load(checkpoint_path, module, self.optimizers, weights_only, ranks=ranks)
+        shards.check_tensor_layout(loaded.get(shards.TENSOR_LAYOUT_KEY), self._tensor_layout())
+        return loaded
+
+    def _tensor_layout(self) -> dict[str, Any] | None:
+        plan = self.plan
+        return None if plan is None else shards.tensor_layout(plan.tensor_parallel, plan.tensor_interleaved)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -90,7 +90,8 @@ def rank_context(strategy: Any) -> RankContext:
     device = strategy.root_device
     mesh, tensor_mesh = split_tensor_parallel(strategy.device_mesh)
     return RankContext(
-        mesh=mesh, tensor_mesh=tensor_mesh, device=device, rank=strategy.global_rank, ranks_per_node=strategy.num_processes,
+        mesh=mesh, tensor_mesh=tensor_mesh, device=device, rank=strategy.global_rank,
+        ranks_per_node=strategy.num_processes,
         agree_max=partial(largest_over_ranks, device=device), world_size=strategy.world_size,
         all_gather_objects=all_gather_objects, broadcast=strategy.broadcast, barrier=strategy.barrier,
     )

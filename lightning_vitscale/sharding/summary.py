@@ -56,6 +56,7 @@ class ParallelPlan:
         overlap: how collectives overlap compute where the package arranges it (CPU ranks), else empty.
         tensor_parallel: ranks that split each block (``1``: none); ``world_size`` then counts data-parallel ranks.
         tensor_plans: block class -> its tensor-parallel plan (module roles, per-rank head counts).
+        tensor_interleaved: packed projections whose rows are held in per-rank order (their checkpoints too).
     """
 
     world_size: int
@@ -86,6 +87,7 @@ class ParallelPlan:
     overlap: str = ""
     tensor_parallel: int = 1
     tensor_plans: dict[str, str] = field(default_factory=dict)
+    tensor_interleaved: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         found = ", ".join(f"{name} x{count}" for name, count in self.blocks.items()) or "none (one outer unit)"
@@ -173,6 +175,7 @@ def plan_from_facts(facts: PipelineFacts) -> ParallelPlan:
         overlap=facts.overlap.description,
         tensor_parallel=facts.tensor.size if facts.tensor else 1,
         tensor_plans=facts.tensor.plans if facts.tensor else {},
+        tensor_interleaved=facts.tensor.interleaved if facts.tensor else [],
     )
 
 

@@ -45,7 +45,9 @@ def interleave_rows(linear: nn.Linear, parts: int, ranks: int) -> None:
             param.copy_(param.view(parts, ranks, -1, *rest).transpose(0, 1).reshape(param.shape))
 
 
-STYLES: dict[str, Any] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "packed_colwise": PackedColwiseParallel}
+STYLES: dict[str, Any] = {
+    "colwise": ColwiseParallel, "rowwise": RowwiseParallel, "packed_colwise": PackedColwiseParallel,
+}
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 For each backbone (the examples' ViT, timm's, HF ViT and DINOv2), DDP at a global batch of 8 (2 per rank), then
 ``VitScaleStrategy(tensor_parallel=2)`` (2 data-parallel ranks of 4 samples) and ``tensor_parallel=4`` (one of 8),
 all through ``Trainer.fit`` with gradient clipping; each rank starts from its own random weights, so only rank 0's
-broadcast makes them agree. Writes ``rank{r}.json``: losses, the sampler split, state bytes, the plan summary.
+broadcast makes them agree. Then checkpoints: HF ViT saved under TP=2 x FSDP=2 resumed under FSDP=4 (tensor_parallel=1),
+the examples' ViT (packed qkv) resumed under TP=2 and refused under TP=1. Writes ``rank{r}.json``: losses, the
+sampler split, state bytes, the plan summary, what each resume restored.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vitscale import VitScaleStrategy, measure_state_bytes
+from lightning_vitscale.sharding import TensorLayoutError
+from tests.helpers.state import snapshot
 
 warnings.filterwarnings("ignore")
 IMAGE, PATCH, CLASSES, GLOBAL_BATCH, STEPS = 8, 4, 10, 8, 4
@@ -68,6 +72,9 @@ class Model(L.LightningModule):
         self.losses: list[float] = []
         self.seen: list[int] = []
 
+    def on_train_start(self) -> None:
+        self.restored = snapshot(self, self.trainer)  # after a resume: what the checkpoint restored
+
     def forward(self, x):
         out = self.backbone(x)
         return out if isinstance(out, torch.Tensor) else out.logits
@@ -90,22 +97,40 @@ def data(batch_size: int) -> DataLoader:
     return DataLoader(TensorDataset(images, labels, torch.arange(n)), batch_size=batch_size, shuffle=False)
 
 
-def fit(backbone: str, tp: int) -> dict:
+def fit(backbone: str, tp: int, steps: int = STEPS, ckpt: Path | None = None) -> tuple[dict, Model, L.Trainer]:
     torch.manual_seed(dist.get_rank() + 1 if dist.is_initialized() else 1)  # different weights on every rank
     model = Model(backbone)
     L.seed_everything(0, verbose=False)
-    strategy = "ddp_find_unused_parameters_true" if tp == 0 else VitScaleStrategy(tensor_parallel=tp, activation_checkpointing=False)
+    ddp = "ddp_find_unused_parameters_true"  # DINOv2's mask token takes no part in classification
+    strategy = ddp if tp == 0 else VitScaleStrategy(tensor_parallel=tp, activation_checkpointing=False)
     data_parallel = 4 if tp == 0 else 4 // tp
     trainer = L.Trainer(
-        accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS, gradient_clip_val=0.05, logger=False,
+        accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, gradient_clip_val=0.05, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
-    trainer.fit(model, data(GLOBAL_BATCH // data_parallel))
+    trainer.fit(model, data(GLOBAL_BATCH // data_parallel), ckpt_path=str(ckpt) if ckpt else None)
     state = measure_state_bytes(model, trainer.optimizers)
     facts = {"losses": model.losses, "seen": model.seen, "fraction": state.sharded_fraction}
     if tp:
         facts.update(block_fraction=_block_fraction(model, trainer), summary=trainer.strategy.plan.summary())
-    return facts
+    return facts, model, trainer
+
+
+SAVED: dict[Path, dict[str, torch.Tensor]] = {}
+
+
+def resumes(out: Path, backbone: str, saved_under: int, resumed_under: int) -> dict:
+    """Resume the checkpoint saved after ``STEPS`` under ``saved_under`` ranks of tensor parallelism for one step
+    under ``resumed_under``; what it restored against what was saved."""
+    ckpt = out / f"{backbone}-{saved_under}.ckpt"
+    saved = SAVED[ckpt]
+    try:
+        _, resumed, trainer = fit(backbone, resumed_under, steps=STEPS + 1, ckpt=ckpt)
+    except TensorLayoutError as error:
+        return {"refused": str(error)}
+    different = [k for k in saved if not torch.equal(saved[k], resumed.restored[k])]
+    return {"keys": len(saved), "optimizer_keys": sum(k.startswith("o.") for k in saved), "different": different,
+            "global_step": trainer.global_step}
 
 
 def _block_fraction(model: Model, trainer: L.Trainer) -> float:
@@ -125,7 +150,13 @@ def main() -> None:
     results = {}
     for backbone in BACKBONES:
         for tp in (0, 2, 4) if backbone == "examples" else (0, 2):
-            results[f"{backbone}-{tp}"] = fit(backbone, tp)
+            results[f"{backbone}-{tp}"], model, trainer = fit(backbone, tp)
+            if tp == 2 and backbone in ("examples", "hf"):  # saved for the resumes below
+                trainer.save_checkpoint(out / f"{backbone}-{tp}.ckpt")
+                SAVED[out / f"{backbone}-{tp}.ckpt"] = snapshot(model, trainer)
+    results["resume-hf-2-to-1"] = resumes(out, "hf", 2, 1)
+    results["resume-examples-2-to-2"] = resumes(out, "examples", 2, 2)
+    results["resume-examples-2-to-1"] = resumes(out, "examples", 2, 1)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
 
 
