@@ -1,6 +1,7 @@
 """Tensor parallelism beside FSDP on 4 CPU ranks, through ``Trainer.fit``: TP=2 x FSDP=2 and TP=4 x FSDP=1 train
-as DDP at the same global batch (fp32, gradient clipping on, every rank starting from its own random weights), for
-the examples' ViT, timm's, HF ViT and DINOv2; the batch is split over data-parallel ranks only; the blocks' state is
+as DDP at the same global batch (fp32, gradient clipping on, every rank starting from its own random weights, with
+full, selective or no activation checkpointing), for the examples' ViT, timm's, HF ViT and DINOv2; bf16-mixed as
+close to DDP as FSDP's; the batch is split over data-parallel ranks only; the blocks' state is
 a quarter per rank; checkpoints resume exactly across layouts where every tensor keeps the model's own layout, and
 a packed qkv's per-rank row order is never read under another layout.
 
@@ -60,6 +61,14 @@ def test_block_state_is_a_quarter_per_rank_and_the_summary_names_the_plan(ranks)
         assert "tensor parallel     : 2 ranks per block (mesh 2 data parallel x 2 tensor parallel" in summary
         assert "Block: attn.qkv packed colwise, attn.proj rowwise, mlp.fc1 colwise, mlp.fc2 rowwise" in summary
         assert "ViTLayer: attention.q_proj colwise" in rank["hf-2"]["summary"]
+
+
+def test_bf16_with_tensor_parallelism_stays_within_bf16_rounding_of_fsdp(ranks):
+    """bf16-mixed (O2 compute, fp32 norms outside the units, the non-finite guard's all-reduce): TP=2 x FSDP=2 vs
+    the same recipe on FSDP=4, both against fp32 DDP."""
+    tp, fsdp, fp32 = (global_losses(ranks, case) for case in ("examples-2-bf16", "examples-1-bf16", "examples-0"))
+    assert max_relative_difference(tp, fsdp) < 1e-2
+    assert max_relative_difference(tp, fp32) < max(2 * max_relative_difference(fsdp, fp32), 1e-2)
 
 
 def test_a_checkpoint_saved_under_tp2_x_fsdp2_resumes_exactly_under_fsdp4(ranks):

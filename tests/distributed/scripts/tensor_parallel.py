@@ -97,15 +97,22 @@ def data(batch_size: int) -> DataLoader:
     return DataLoader(TensorDataset(images, labels, torch.arange(n)), batch_size=batch_size, shuffle=False)
 
 
-def fit(backbone: str, tp: int, steps: int = STEPS, ckpt: Path | None = None) -> tuple[dict, Model, L.Trainer]:
+# Activation checkpointing composed with the split blocks: full (the default), selective, none.
+CHECKPOINTING = {"examples": True, "timm": "selective", "hf": False, "dinov2": True}
+
+
+def fit(
+    backbone: str, tp: int, steps: int = STEPS, ckpt: Path | None = None, precision: str = "32-true"
+) -> tuple[dict, Model, L.Trainer]:
     torch.manual_seed(dist.get_rank() + 1 if dist.is_initialized() else 1)  # different weights on every rank
     model = Model(backbone)
     L.seed_everything(0, verbose=False)
     ddp = "ddp_find_unused_parameters_true"  # DINOv2's mask token takes no part in classification
-    strategy = ddp if tp == 0 else VitScaleStrategy(tensor_parallel=tp, activation_checkpointing=False)
-    data_parallel = 4 if tp == 0 else 4 // tp
+    checkpointing = CHECKPOINTING[backbone]
+    strategy = ddp if tp == 0 else VitScaleStrategy(tensor_parallel=tp, activation_checkpointing=checkpointing)
+    data_parallel = 4 if tp in (0, 1) else 4 // tp
     trainer = L.Trainer(
-        accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, gradient_clip_val=0.05, logger=False,
+        accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, gradient_clip_val=0.05, logger=False, precision=precision,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
     trainer.fit(model, data(GLOBAL_BATCH // data_parallel), ckpt_path=str(ckpt) if ckpt else None)
@@ -154,6 +161,8 @@ def main() -> None:
             if tp == 2 and backbone in ("examples", "hf"):  # saved for the resumes below
                 trainer.save_checkpoint(out / f"{backbone}-{tp}.ckpt")
                 SAVED[out / f"{backbone}-{tp}.ckpt"] = snapshot(model, trainer)
+    for tp in (1, 2):  # bf16-mixed (O2, fp32 norms, the non-finite guard on): TP beside FSDP=4's recipe
+        results[f"examples-{tp}-bf16"] = fit("examples", tp, precision="bf16-mixed")[0]
     results["resume-hf-2-to-1"] = resumes(out, "hf", 2, 1)
     results["resume-examples-2-to-2"] = resumes(out, "examples", 2, 2)
     results["resume-examples-2-to-1"] = resumes(out, "examples", 2, 1)
