@@ -93,7 +93,7 @@ class ParallelPlan:
         found = ", ".join(f"{name} x{count}" for name, count in self.blocks.items()) or "none (one outer unit)"
         share = self.param_bytes_local / self.param_bytes_full if self.param_bytes_full else 1.0
         lines = [
-            f"VitScaleStrategy: {self.world_size} rank(s), precision {self.precision}",
+            f"VitScaleStrategy: {self._ranks()}, precision {self.precision}",
             f"  blocks found        : {found}",
             f"  FSDP units          : {self.units} ({self._block_units()} + 1 outer)",
             f"  checkpointed blocks : {len(self.checkpointed)} of {len(self.block_names)}"
@@ -126,6 +126,12 @@ class ParallelPlan:
             )
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+    def _ranks(self) -> str:
+        if self.tensor_parallel == 1:
+            return f"{self.world_size} rank(s)"
+        tp = self.tensor_parallel
+        return f"{self.world_size * tp} ranks ({self.world_size} data parallel x {tp} tensor parallel)"
 
     def _block_units(self) -> str:
         chosen = f" ({self.units_choice})" if self.units_choice else ""

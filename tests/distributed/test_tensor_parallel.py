@@ -58,6 +58,7 @@ def test_block_state_is_a_quarter_per_rank_and_the_summary_names_the_plan(ranks)
             assert rank[case]["fraction"] < 0.36  # the outer unit (patch embed, head) is split over FSDP only
         assert rank["examples-0"]["fraction"] == 1.0
         summary = rank["examples-2"]["summary"]
+        assert summary.startswith("VitScaleStrategy: 4 ranks (2 data parallel x 2 tensor parallel)")
         assert "tensor parallel     : 2 ranks per block (mesh 2 data parallel x 2 tensor parallel" in summary
         assert "Block: attn.qkv packed colwise, attn.proj rowwise, mlp.fc1 colwise, mlp.fc2 rowwise" in summary
         assert "ViTLayer: attention.q_proj colwise" in rank["hf-2"]["summary"]
