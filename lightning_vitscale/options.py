@@ -80,6 +80,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("reshard_after_forward", ShardingPolicy, "reshard_after_forward"),
     Option("kernels", ParallelConfig, "kernels"),
     Option("sharding", ShardingPolicy, "layout"),
+    Option("tensor_parallel", ShardingPolicy, "tensor_parallel"),
+    Option("tensor_plan", ShardingPolicy, "tensor_plan"),
     Option("offload", ShardingPolicy, "offload"),
     Option("accumulation", ShardingPolicy, "accumulation"),
     Option("prefetch", ShardingPolicy, "prefetch"),

@@ -56,6 +56,8 @@ class VitScaleStrategy(ModelParallelStrategy):
         reshard_after_forward: bool | int | None = None,
         kernels: KernelMode | KernelPolicy = "auto",
         sharding: ShardingLayout = "full",
+        tensor_parallel: int = 1,
+        tensor_plan: shards.TensorPlanSelector | None = None,
         offload: OffloadMode | None = None,
         accumulation: AccumulationMode = "auto",
         prefetch: int | None = None,
@@ -75,6 +77,7 @@ class VitScaleStrategy(ModelParallelStrategy):
             sharding=shards.ShardingPolicy(
                 blocks=blocks, reshard_after_forward=reshard_after_forward, layout=sharding, offload=offload,
                 accumulation=accumulation, prefetch=prefetch, blocks_per_unit=blocks_per_unit,
+                tensor_parallel=tensor_parallel, tensor_plan=tensor_plan,
             ),
             checkpointing=shards.CheckpointingPolicy(blocks=activation_checkpointing, memory_budget=memory_budget),
             kernels=kernels,
@@ -134,14 +137,19 @@ class VitScaleStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         # Every rank is data-parallel (ModelParallelStrategy's default would make every process a tensor-parallel
         # peer: no sharding, same data on every rank). 1-D mesh for "full", (replicate, shard) for hybrid layouts.
+        # With tensor_parallel=k: a 2-D (data_parallel, tensor_parallel) mesh, TP innermost (inside a node).
         shard_group = partial(shards.shard_group_size, self.config.sharding.layout)
-        distributed.start_process_group(self, self.lightning_module, self._timeout or DEFAULT_TIMEOUT, shard_group)
+        distributed.start_process_group(
+            self, self.lightning_module, self._timeout or DEFAULT_TIMEOUT, shard_group,
+            tensor_parallel=self.config.sharding.tensor_parallel,
+        )
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        # Every rank reads its own data, whatever the mesh's shape (Lightning's looks up a "data_parallel" dim).
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        # Every data-parallel rank reads its own data, whatever the sharding layout; the tensor-parallel ranks of a
+        # group read the same samples (Lightning's own looks up a "data_parallel" dim, which hybrid meshes lack).
+        return distributed.data_parallel_ranks(self.device_mesh, self.world_size, self.global_rank)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -250,6 +258,9 @@ class VitScaleStrategy(ModelParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """``"sharded"``: every rank writes its own shards, atomically; ``"full"``: rank 0 writes one file, as DDP."""
+        layout = self._tensor_layout()
+        if layout is not None:  # packed projections saved in per-rank row order: a resume must know
+            checkpoint[shards.TENSOR_LAYOUT_KEY] = layout
         write = partial(self.checkpoint_io.save_checkpoint, checkpoint, filepath, storage_options=storage_options)
         self.checkpoints.save(
             checkpoint, filepath, ranks=self._ranks(), write_full=write, storage_options=storage_options,
@@ -274,7 +285,13 @@ class VitScaleStrategy(ModelParallelStrategy):
         """A sharded checkpoint (any world size) or a single file (from DDP, ``consolidate``): see
         :meth:`~lightning_vitscale.checkpoint.strategy_side.StrategyCheckpoints.load`."""
         module, ranks = self.lightning_module, self._ranks()
-        return self.checkpoints.load(checkpoint_path, module, self.optimizers, weights_only, ranks=ranks)
+        loaded = self.checkpoints.load(checkpoint_path, module, self.optimizers, weights_only, ranks=ranks)
+        shards.check_tensor_layout(loaded.get(shards.TENSOR_LAYOUT_KEY), self._tensor_layout())
+        return loaded
+
+    def _tensor_layout(self) -> dict[str, Any] | None:
+        plan = self.plan
+        return None if plan is None else shards.tensor_layout(plan.tensor_parallel, plan.tensor_interleaved)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

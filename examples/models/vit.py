@@ -62,14 +62,17 @@ class Attention(nn.Module):
         if dim % num_heads:
             raise ValueError(f"dim {dim} not divisible by num_heads {num_heads}")
         self.num_heads = num_heads
+        self.head_dim = dim // num_heads
         self.qkv = nn.Linear(dim, dim * 3)
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: Tensor) -> Tensor:
-        b, n, d = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
+        b, n, _ = x.shape
+        # Shapes from the head count and size the module keeps (as timm's), not from the input width: a strategy
+        # that splits the heads over ranks (tensor parallelism) sets `num_heads` to this rank's share.
+        q, k, v = self.qkv(x).view(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         x = F.scaled_dot_product_attention(q, k, v)
-        return self.proj(x.transpose(1, 2).reshape(b, n, d))
+        return self.proj(x.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
 
 
 class Mlp(nn.Module):

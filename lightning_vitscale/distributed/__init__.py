@@ -5,7 +5,7 @@ The bottom layer: imports only ``_compat``, ``_utils``, torch and Lightning, nev
 """
 
 from lightning_vitscale.distributed.collective_guard import open_side_group
-from lightning_vitscale.distributed.mesh import build_mesh, shard_size
+from lightning_vitscale.distributed.mesh import build_mesh, data_parallel_ranks, shard_size, split_tensor_parallel
 from lightning_vitscale.distributed.processes import check_accelerator, start_process_group
 from lightning_vitscale.distributed.ranks import (
     RankContext,
@@ -18,6 +18,8 @@ from lightning_vitscale.distributed.teardown import destroy_process_group_at_exi
 
 __all__ = [
     "build_mesh",
+    "data_parallel_ranks",
+    "split_tensor_parallel",
     "destroy_process_group_at_exit",
     "RankContext",
     "all_gather_objects",

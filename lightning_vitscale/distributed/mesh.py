@@ -18,13 +18,40 @@ from torch.distributed.tensor import Replicate
 
 FULL_DIMS = ("data_parallel",)
 HYBRID_DIMS = ("replicate", "shard")
+TENSOR_PARALLEL_DIMS = ("data_parallel", "tensor_parallel")
 
 
-def build_mesh(device_type: str, world_size: int, shard_size: int) -> DeviceMesh:
-    """1-D over all ranks when ``shard_size == world_size``, else 2-D ``(world // shard_size, shard_size)``."""
+def build_mesh(device_type: str, world_size: int, shard_size: int, tensor_parallel: int = 1) -> DeviceMesh:
+    """1-D over all ranks when ``shard_size == world_size``, else 2-D ``(world // shard_size, shard_size)``; with
+    ``tensor_parallel=k > 1``, 2-D ``(world // k, k)`` (data parallel x tensor parallel, consecutive ranks in a
+    tensor-parallel group, so it stays inside a node)."""
+    if tensor_parallel > 1:
+        if world_size % tensor_parallel:
+            raise ValueError(
+                f"`tensor_parallel={tensor_parallel}` does not divide the world size {world_size}. Choose one of"
+                f" {[d for d in range(1, world_size + 1) if world_size % d == 0]}."
+            )
+        shape = (world_size // tensor_parallel, tensor_parallel)
+        return init_device_mesh(device_type, shape, mesh_dim_names=TENSOR_PARALLEL_DIMS)
     if shard_size == world_size:
         return init_device_mesh(device_type, (world_size,), mesh_dim_names=FULL_DIMS)
     return init_device_mesh(device_type, (world_size // shard_size, shard_size), mesh_dim_names=HYBRID_DIMS)
+
+
+def split_tensor_parallel(mesh: DeviceMesh | None) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """(the mesh data parallelism shards over, the tensor-parallel sub-mesh or ``None``)."""
+    if mesh is None or mesh.mesh_dim_names != TENSOR_PARALLEL_DIMS:
+        return mesh, None
+    return mesh["data_parallel"], mesh["tensor_parallel"]
+
+
+def data_parallel_ranks(mesh: DeviceMesh | None, world_size: int, global_rank: int) -> dict[str, int]:
+    """The distributed sampler's ``num_replicas`` and ``rank``: data-parallel ranks only (a tensor-parallel group
+    reads the same samples); every rank where there is no tensor parallelism."""
+    data, tensor = split_tensor_parallel(mesh)
+    if tensor is None or data is None:
+        return {"num_replicas": world_size, "rank": global_rank}
+    return {"num_replicas": data.size(), "rank": data.get_local_rank()}
 
 
 def shard_size(mesh: DeviceMesh) -> int:

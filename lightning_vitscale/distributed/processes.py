@@ -25,14 +25,20 @@ def check_accelerator(accelerator: object) -> None:
 
 
 def start_process_group(
-    strategy: ModelParallelStrategy, module: Any, timeout: timedelta, shard_group: Callable[[int, int], int]
+    strategy: ModelParallelStrategy,
+    module: Any,
+    timeout: timedelta,
+    shard_group: Callable[[int, int], int],
+    tensor_parallel: int = 1,
 ) -> None:
     """The device, ranks and process group of ``strategy`` (with ``timeout`` on every collective), and its mesh
-    (also ``module``'s): ``shard_group(world_size, ranks_per_node)`` ranks share one copy of the state."""
+    (also ``module``'s): ``shard_group(world_size, ranks_per_node)`` ranks share one copy of the state, and
+    ``tensor_parallel`` consecutive ranks split each block (``mesh.build_mesh``)."""
     setup_distributed(strategy)
     destroy_process_group_at_exit()
     watch_local_ranks(strategy.launcher)  # a child rank's death leaves this rank's own `except`/`finally` to run
     # Gathers outside a step (model calls, state_dict()) first agree on it, so one rank alone never gathers.
     open_side_group(timeout)
     shard = shard_group(strategy.world_size, strategy.num_processes)
-    set_device_mesh(strategy, module, build_mesh(strategy.root_device.type, strategy.world_size, shard))
+    mesh = build_mesh(strategy.root_device.type, strategy.world_size, shard, tensor_parallel)
+    set_device_mesh(strategy, module, mesh)

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_vitscale.distributed.mesh import split_tensor_parallel
+
 
 def _largest_alone(value: int) -> int:
     return value
@@ -43,6 +45,7 @@ class RankContext:
         all_gather_objects: every rank's object, on every rank (a collective).
         broadcast: rank 0's object, on every rank (a collective).
         barrier: returns once every rank called it.
+        tensor_mesh: the tensor-parallel sub-mesh (``tensor_parallel=k``; ``mesh`` is then the data-parallel one).
     """
 
     mesh: DeviceMesh | None = None
@@ -54,6 +57,7 @@ class RankContext:
     all_gather_objects: Callable[[Any], list[Any]] = _gather_alone
     broadcast: Callable[[Any], Any] = _broadcast_alone
     barrier: Callable[[], None] = _barrier_alone
+    tensor_mesh: DeviceMesh | None = None
 
     @property
     def is_rank_zero(self) -> bool:
@@ -84,8 +88,10 @@ def largest_over_ranks(value: int, device: torch.device) -> int:
 def rank_context(strategy: Any) -> RankContext:
     """The rank context of a Lightning strategy whose process group and mesh are set up (reads, never writes)."""
     device = strategy.root_device
+    mesh, tensor_mesh = split_tensor_parallel(strategy.device_mesh)
     return RankContext(
-        mesh=strategy.device_mesh, device=device, rank=strategy.global_rank, ranks_per_node=strategy.num_processes,
+        mesh=mesh, tensor_mesh=tensor_mesh, device=device, rank=strategy.global_rank,
+        ranks_per_node=strategy.num_processes,
         agree_max=partial(largest_over_ranks, device=device), world_size=strategy.world_size,
         all_gather_objects=all_gather_objects, broadcast=strategy.broadcast, barrier=strategy.barrier,
     )

@@ -51,7 +51,8 @@ class InitialWeights:
     def _shared_seed(self) -> int:
         seed = [torch.initial_seed()]
         if self.mesh.size() > 1:
-            dist.broadcast_object_list(seed, src=int(self.mesh.mesh.flatten()[0]))
+            group = self.mesh.get_group() if self.mesh.ndim == 1 else None  # a data-parallel slice: its group
+            dist.broadcast_object_list(seed, src=int(self.mesh.mesh.flatten()[0]), group=group)
         return int(seed[0])
 
     def _slots(self, root: nn.Module, recurse: bool = True) -> list[Slot]:

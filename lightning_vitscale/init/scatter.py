@@ -43,6 +43,8 @@ def scatter_from(full: torch.Tensor | None, target: torch.Tensor, mesh: DeviceMe
     if mesh.size() == 1:
         return
     src = int(mesh.mesh.flatten()[0])
+    # A 1-D mesh may be one data-parallel slice of a larger mesh (tensor parallelism): its own group, not the world.
+    group = mesh.get_group() if mesh.ndim == 1 else None
     is_src = dist.get_rank() == src
     local = local_tensor(target)
     if isinstance(target, DTensor) and target.placements == (Shard(0),) and mesh.ndim == 1 and target.dim():
@@ -55,7 +57,7 @@ def scatter_from(full: torch.Tensor | None, target: torch.Tensor, mesh: DeviceMe
         whole = torch.empty(target.shape, dtype=local.dtype, device=local.device)
     else:
         whole = local
-    dist.broadcast(whole, src=src)
+    dist.broadcast(whole, src=src, group=group)
     if isinstance(target, DTensor):
         whole = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None).to_local()
     if whole is not local:

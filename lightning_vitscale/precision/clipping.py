@@ -8,14 +8,20 @@ from typing import cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement
 
 from lightning_vitscale._utils import local_tensor
 from lightning_vitscale.distributed.mesh import all_reduce_over, mesh_device
 
 
+def _splits(placement: Placement) -> bool:
+    """Whether ``placement`` splits the tensor over its mesh dimension: ``Shard``, and also the strided shard FSDP
+    makes of a tensor-parallel shard (``_StridedShard``, whose ``is_shard()`` is False)."""
+    return not placement.is_replicate() and not placement.is_partial()
+
+
 def _is_sharded(t: torch.Tensor) -> bool:
-    return isinstance(t, DTensor) and any(p.is_shard() for p in t.placements)
+    return isinstance(t, DTensor) and any(_splits(p) for p in t.placements)
 
 
 def _partial_norm(tensors: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
@@ -59,7 +65,7 @@ def _by_shard_layout(sharded: list[DTensor]) -> dict[tuple, list[DTensor]]:
     """Gradients grouped by (mesh, the mesh dimensions they are sharded along)."""
     groups: dict[tuple, list[DTensor]] = {}
     for grad in sharded:
-        dims = tuple(i for i, placement in enumerate(grad.placements) if placement.is_shard())
+        dims = tuple(i for i, placement in enumerate(grad.placements) if _splits(placement))
         groups.setdefault((grad.device_mesh, dims), []).append(grad)
     return groups
 

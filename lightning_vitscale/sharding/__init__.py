@@ -24,8 +24,24 @@ from lightning_vitscale.sharding.settings import (
 from lightning_vitscale.sharding.setup import Ranks, ShardedModel, shard_lightning_module
 from lightning_vitscale.sharding.summary import ParallelPlan
 from lightning_vitscale.sharding.sync_batchnorm import apply_sync_batchnorm
+from lightning_vitscale.sharding.tensor_plan import (
+    TENSOR_LAYOUT_KEY,
+    BlockPlan,
+    TensorLayoutError,
+    TensorPlanError,
+    TensorPlanSelector,
+    check_tensor_layout,
+    tensor_layout,
+)
 
 __all__ = [
+    "TENSOR_LAYOUT_KEY",
+    "BlockPlan",
+    "TensorLayoutError",
+    "check_tensor_layout",
+    "tensor_layout",
+    "TensorPlanError",
+    "TensorPlanSelector",
     "CheckpointSelector",
     "CheckpointingPolicy",
     "ModuleSelector",

@@ -27,6 +27,7 @@ from lightning_vitscale.sharding.steps import (
     replicate_norms,
 )
 from lightning_vitscale.sharding.summary import ParallelPlan, plan_from_facts
+from lightning_vitscale.sharding.tensor_parallel import apply_tp
 
 
 class NoBlocksMatchedError(ValueError):
@@ -51,12 +52,14 @@ def parallelize(
     precision: PrecisionPolicy,
     device: torch.device,
     creation: Creation | None = None,
+    tensor_mesh: DeviceMesh | None = None,
 ) -> Parallelized:
     """Apply the recipe to ``model`` (held by ``outer_unit``, the module Lightning actually calls).
 
     ``config`` is what setup resolved (a requested :class:`ParallelConfig` is resolved for ``device`` here).
     ``creation`` says how ``configure_model()`` built meta parameters (``None``: the model existed before setup).
     ``precision`` and ``device`` are required: a default would silently run a bf16 GPU job as fp32 on CPU.
+    ``tensor_mesh`` (``tensor_parallel=k``): the blocks are split over it first; ``mesh`` is the data-parallel one.
     """
     resolved = config if isinstance(config, ResolvedConfig) else resolve_config(config, device)
     blocks = select_blocks(model, resolved.sharding.blocks)  # before anything rewrites the tree
@@ -64,6 +67,12 @@ def parallelize(
     # 1. Starting weights: rank 0's everywhere (DDP's guarantee) or, on the meta path, the model's own init,
     #    delivered to each unit's shards as it is sharded (step 4), so no rank holds a second copy.
     weights = InitialWeights(model, mesh, device, creation)
+    # 1b. Tensor parallelism inside each block before anything wraps it (torch's composition: parallelize_module,
+    #     then fully_shard over the data-parallel dimension); checkpointing and compile then see the split block.
+    tensor = None
+    if tensor_mesh is not None:
+        sharding = resolved.sharding
+        tensor = apply_tp(model, blocks, mesh=tensor_mesh, plan=sharding.tensor_plan, init_path=weights.path)
     # 2. Norm precision first: the fp32 norms must leave the low-precision units before FSDP sees them.
     norms = replicate_norms(model, mesh, precision, weights)
     #    Outer-unit layers take their inputs in the compute dtype even when a step made them in fp32.
@@ -95,7 +104,7 @@ def parallelize(
         world_size=mesh.size(), model_class=type(model).__name__, blocks=[name for name, _ in blocks],
         described=described, norms=norms, checkpointing=checkpointing, compiled=compiled, router=router,
         kernels=resolved.kernels, tensor_core_misses=tensor_cores, units=units, overlap=overlap, init=init,
-        params=list(model.parameters()), precision=precision.name,
+        params=list(model.parameters()), precision=precision.name, tensor=tensor,
     )
     return Parallelized(plan_from_facts(facts), norms.replicated, router)
 

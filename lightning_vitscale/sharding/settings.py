@@ -12,6 +12,7 @@ from torch import nn
 from lightning_vitscale.discovery import ModuleSelector
 from lightning_vitscale.kernels.settings import KERNEL_MODES, KernelMode, KernelPolicy, unknown_kernel_mode
 from lightning_vitscale.memory import ACCUMULATION_MODES, AccumulationMode
+from lightning_vitscale.sharding.tensor_plan import TensorPlanSelector
 
 BlockCheckpointing = bool | Literal["full", "selective"]
 """One block's checkpointing: ``True``/``"full"`` recomputes its whole forward in backward, ``"selective"`` stores
@@ -66,6 +67,27 @@ class ShardingPolicy:
         " unit crosses nodes); an ``int`` sets the shard-group size (consecutive ranks; it must divide the world)."
     )},
     )
+    tensor_parallel: int = field(
+        default=1,
+        metadata={"doc": (
+        "Ranks that split each block's matmuls (tensor parallelism, Megatron style; consecutive ranks, so a group"
+        " stays inside a node). ``k > 1`` makes a 2-D mesh (data parallel x tensor parallel): each block is split"
+        " over the ``k`` ranks of its group (attention heads and MLP hidden units), then FSDP shards it over the"
+        " ``world / k`` data-parallel ranks, which alone split the batch. The plan per block is found from the"
+        " block's structure (``tensor_plan=None``). Needs ``sharding=\"full\"`` and a model built in"
+        " ``__init__``; docs/sharding.md says when it pays."
+    )},
+    )
+    tensor_plan: TensorPlanSelector | None = field(
+        default=None,
+        metadata={"doc": (
+        "With ``tensor_parallel > 1``: ``None`` finds each block's plan (attention input projections and the MLP's"
+        " first linear column-wise, the output projections row-wise, per-rank head counts set, norms replicated;"
+        " blocks it cannot split, e.g. ``nn.MultiheadAttention``, fail naming the fix); a dict of module-name"
+        " patterns inside a block to ``torch.distributed.tensor.parallel`` styles; or a callable"
+        " ``(block name, block) -> {module name: style}``."
+    )},
+    )
     offload: OffloadMode | None = field(
         default=None,
         metadata={"doc": (
@@ -103,6 +125,7 @@ class ShardingPolicy:
 
     def __post_init__(self) -> None:
         _check_layout(self.layout)
+        self._check_tensor_parallel()
         k = self.blocks_per_unit
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(
@@ -143,6 +166,22 @@ class ShardingPolicy:
             raise TypeError(f"`reshard_after_forward` must be None, a bool or an int; got {rf!r}.")
         if isinstance(rf, int) and not isinstance(rf, bool) and rf < 1:
             raise ValueError(f"`reshard_after_forward` as an int is a world size and must be >= 1; got {rf}.")
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"`tensor_parallel={tp!r}` must be an int >= 1: ranks that split each block.")
+        if tp > 1 and self.layout != "full":
+            raise ValueError(
+                f"`tensor_parallel={tp}` with `sharding={self.layout!r}` (a 3-D mesh) is not supported yet: use"
+                " sharding='full' (FSDP over the data-parallel ranks) with tensor parallelism."
+            )
+        plan = self.tensor_plan
+        if plan is not None and not (callable(plan) or isinstance(plan, dict)):
+            raise TypeError(
+                f"`tensor_plan` must be None, a dict of module-name patterns to ParallelStyles, or a callable"
+                f" (block name, block) -> {{name: style}}; got {type(plan).__name__}."
+            )
 
     def prefetch_on(self, device_type: str) -> int:
         """The prefetch depth to build on ``device_type``: the user's, else 1 on CPU, where FSDP2 has no streams and

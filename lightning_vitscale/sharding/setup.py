@@ -175,7 +175,10 @@ def _shard(
     #    "auto" checkpointing, blocks per unit. It measures the plain module: once sharded, running it would gather.
     planned = plan_before_sharding(module, resolved, precision.policy, ranks)
     # 3. The recipe: norms, casts, attention routing, checkpointing, compile, block units, the outer unit.
-    done = parallelize(outer, module, ranks.sharding_mesh, planned.resolved, precision.policy, ranks.device, creation)
+    done = parallelize(
+        outer, module, ranks.sharding_mesh, planned.resolved, precision.policy, ranks.device, creation,
+        tensor_mesh=ranks.tensor_mesh,
+    )
     set_lightning_device(module, ranks.device)
     _describe_layout(done.plan, outer, done.norms, precision.policy, resolved.sharding, ranks)
     planned.apply(module, done.plan, ranks.device)

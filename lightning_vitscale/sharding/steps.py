@@ -24,6 +24,7 @@ from lightning_vitscale.sharding.activation_checkpointing import (
 from lightning_vitscale.sharding.cpu_overlap import overlap_collectives_on_cpu
 from lightning_vitscale.sharding.fsdp import group_blocks, set_prefetch, shard_module
 from lightning_vitscale.sharding.settings import unit_reshard
+from lightning_vitscale.sharding.tensor_parallel import TensorParallelFacts
 
 Named = list[tuple[str, nn.Module]]
 """``(qualified name, module)`` pairs in model order."""
@@ -203,3 +204,4 @@ class PipelineFacts:
     init: InitFacts
     params: list[nn.Parameter]
     precision: str
+    tensor: TensorParallelFacts | None = None

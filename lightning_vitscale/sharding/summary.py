@@ -54,6 +54,9 @@ class ParallelPlan:
             start of sharding) until every unit had its values.
         init_seconds: how long that took.
         overlap: how collectives overlap compute where the package arranges it (CPU ranks), else empty.
+        tensor_parallel: ranks that split each block (``1``: none); ``world_size`` then counts data-parallel ranks.
+        tensor_plans: block class -> its tensor-parallel plan (module roles, per-rank head counts).
+        tensor_interleaved: packed projections whose rows are held in per-rank order (their checkpoints too).
     """
 
     world_size: int
@@ -82,12 +85,15 @@ class ParallelPlan:
     blocks_per_unit: int = 1
     units_choice: str = ""
     overlap: str = ""
+    tensor_parallel: int = 1
+    tensor_plans: dict[str, str] = field(default_factory=dict)
+    tensor_interleaved: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         found = ", ".join(f"{name} x{count}" for name, count in self.blocks.items()) or "none (one outer unit)"
         share = self.param_bytes_local / self.param_bytes_full if self.param_bytes_full else 1.0
         lines = [
-            f"VitScaleStrategy: {self.world_size} rank(s), precision {self.precision}",
+            f"VitScaleStrategy: {self._ranks()}, precision {self.precision}",
             f"  blocks found        : {found}",
             f"  FSDP units          : {self.units} ({self._block_units()} + 1 outer)",
             f"  checkpointed blocks : {len(self.checkpointed)} of {len(self.block_names)}"
@@ -100,6 +106,12 @@ class ParallelPlan:
             f" the model), {self.init_seconds:.1f} s",
         ]
         lines.extend(self._layout_lines())
+        if self.tensor_parallel > 1:
+            lines.append(
+                f"  tensor parallel     : {self.tensor_parallel} ranks per block (mesh {self.world_size} data parallel"
+                f" x {self.tensor_parallel} tensor parallel; the batch is split over the {self.world_size})"
+            )
+            lines.extend(f"    {cls}: {plan}" for cls, plan in self.tensor_plans.items())
         if self.overlap:
             lines.append(f"  collectives         : {self.overlap}")
         if self.self_checkpointed:
@@ -114,6 +126,12 @@ class ParallelPlan:
             )
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+    def _ranks(self) -> str:
+        if self.tensor_parallel == 1:
+            return f"{self.world_size} rank(s)"
+        tp = self.tensor_parallel
+        return f"{self.world_size * tp} ranks ({self.world_size} data parallel x {tp} tensor parallel)"
 
     def _block_units(self) -> str:
         chosen = f" ({self.units_choice})" if self.units_choice else ""
@@ -161,6 +179,9 @@ def plan_from_facts(facts: PipelineFacts) -> ParallelPlan:
         init_peak_bytes=facts.init.peak_bytes,
         init_seconds=facts.init.seconds,
         overlap=facts.overlap.description,
+        tensor_parallel=facts.tensor.size if facts.tensor else 1,
+        tensor_plans=facts.tensor.plans if facts.tensor else {},
+        tensor_interleaved=facts.tensor.interleaved if facts.tensor else [],
     )
 
 

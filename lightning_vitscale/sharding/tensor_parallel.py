@@ -1,0 +1,103 @@
+"""Tensor parallelism inside the blocks: the ``parallelize_module`` calls of each block's plan (``tensor_plan.py``),
+on the tensor-parallel sub-mesh, before FSDP shards the blocks over the data-parallel one (torch's documented
+composition: TP first, then ``fully_shard`` over the other mesh dimension)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from lightning_vitscale.sharding.tensor_plan import BlockPlan, TensorPlanSelector, plan_block
+
+Named = list[tuple[str, nn.Module]]
+
+
+class PackedColwiseParallel(ColwiseParallel):
+    """Column-wise for a packed ``[q; k; v]`` projection: each rank holds its own heads' q, k and v rows.
+
+    The rows are reordered ``[q_0; k_0; v_0; q_1; k_1; v_1; ...]`` (``r``: rank) before the usual dim-0 split, so
+    the rank's output reshapes to ``(3, heads per rank, head size)`` as the module's forward expects.
+    """
+
+    def __init__(self, parts: int = 3) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(module, nn.Linear)
+        interleave_rows(module, self.parts, device_mesh.size())
+        return super()._apply(module, device_mesh)
+
+
+@torch.no_grad()
+def interleave_rows(linear: nn.Linear, parts: int, ranks: int) -> None:
+    """``[p_0 | p_1 | ...]`` (``parts`` blocks of rows) -> each rank's slice of every part, rank after rank."""
+    for param in (linear.weight, linear.bias):
+        if param is not None:
+            rest = param.shape[1:]
+            param.copy_(param.view(parts, ranks, -1, *rest).transpose(0, 1).reshape(param.shape))
+
+
+STYLES: dict[str, Any] = {
+    "colwise": ColwiseParallel, "rowwise": RowwiseParallel, "packed_colwise": PackedColwiseParallel,
+}
+
+
+@dataclass(frozen=True)
+class TensorParallelFacts:
+    """What ``apply_tp`` did: the tensor-parallel size, the plan per block class, and which projections hold
+    their packed rows interleaved per rank (``module names``)."""
+
+    size: int
+    plans: dict[str, str]
+    blocks: dict[str, int]
+    interleaved: list[str]
+
+    def describe(self) -> list[str]:
+        return [f"{cls} x{self.blocks[cls]}: {plan}" for cls, plan in self.plans.items()]
+
+
+def apply_tp(
+    model: nn.Module, blocks: Named, *, mesh: DeviceMesh, plan: TensorPlanSelector | None, init_path: str
+) -> TensorParallelFacts:
+    """Split every block over ``mesh`` (the tensor-parallel dimension) by its plan; set per-rank head counts.
+
+    Every rank first takes global rank 0's values (DDP's guarantee): each block's shards are cut from its
+    tensor-parallel group's first rank, and the data-parallel shards from there. ``init_path`` is how the
+    weights were made (``InitialWeights.path``): only a model built before setup is split yet.
+    """
+    if init_path != "built":
+        raise NotImplementedError(
+            "tensor_parallel needs the model built before setup (in the LightningModule's __init__): a model made on"
+            f" the meta device (configure_model(), init path {init_path!r}) is not split yet. Build it in __init__,"
+            " or use tensor_parallel=1."
+        )
+    plans = [(name, block, plan_block(name, block, mesh.size(), plan)) for name, block in blocks]
+    _same_values_everywhere(model)
+    interleaved: list[str] = []
+    for name, block, block_plan in plans:
+        parallelize_module(block, mesh, _styles(block_plan))
+        for attr_path, value in block_plan.attributes.items():
+            owner, _, attr = attr_path.rpartition(".")
+            setattr(block.get_submodule(owner), attr, value)
+        interleaved += [f"{name}.{n}" for n, role in block_plan.styles.items() if role == "packed_colwise"]
+    described = {type(block).__name__: block_plan.describe() for _, block, block_plan in plans}
+    counts = Counter(type(block).__name__ for _, block in blocks)
+    return TensorParallelFacts(mesh.size(), described, dict(counts), interleaved)
+
+
+def _styles(plan: BlockPlan) -> dict[str, Any]:
+    return {name: STYLES[role]() if isinstance(role, str) else role for name, role in plan.styles.items()}
+
+
+@torch.no_grad()
+def _same_values_everywhere(model: nn.Module) -> None:
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor.data, src=0)
