@@ -1,7 +1,7 @@
 """`python -m lightning_vitscale export`: each format loaded strictly by its own library, 0.0 away from the
 consolidated weights, the EMA / DINO-teacher choice honoured, bad input failing with the fix named.
 
-The checkpoints are sharded folders written by the package's own save path (``save_sharded``, one process) from
+The checkpoints are sharded folders written by the package's own save path (``tests/helpers/saved_runs.py``) from
 the DINO example's real module (student, teacher) with an EMA entry, a transformers ViT, a torchvision net.
 Mutations seen failing: the prefix not stripped (every format); ``--weights teacher`` reading the student; the
 EMA ignored; ``--dtype bf16`` ignored by the CLI; ``write_hf`` without its PreTrainedModel check.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -23,38 +22,16 @@ from torch import nn
 
 from lightning_vitscale.__main__ import main
 from lightning_vitscale.checkpoint.consolidate import load_consolidated
-from lightning_vitscale.checkpoint.save import save_sharded
-from lightning_vitscale.checkpoint.storage import Location
+from tests.helpers.saved_runs import save_dino_run, save_run
 
 pytestmark = pytest.mark.timeout(120)
 TIMM_ARGS = {"img_size": 16, "patch_size": 4, "in_chans": 1, "num_classes": 0, "embed_dim": 64, "depth": 4,
              "num_heads": 4, "mlp_ratio": 2.0}
 
 
-def save_run(path: Path, module: nn.Module, ema_scale: float | None = None, **meta) -> Path:
-    """A sharded checkpoint of ``module`` as VitScaleStrategy writes it (one process), EMA = weights * scale."""
-    state = {k: v.clone() for k, v in module.state_dict().items()}
-    checkpoint = {"state_dict": state, "global_step": 7, "epoch": 1, **meta}
-    if ema_scale is not None:
-        checkpoint["ema_state_dict"] = {k: v * ema_scale for k, v in state.items() if v.is_floating_point()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "no process group: assuming a single process"
-        save_sharded(checkpoint, Location.of(path), is_rank_zero=True, barrier=lambda: None)
-    return path
-
-
 @pytest.fixture(scope="module")
 def dino(tmp_path_factory) -> Path:
-    from examples.pretraining import DINOPretraining
-
-    torch.manual_seed(0)
-    module = DINOPretraining()
-    module.configure_model()
-    with torch.no_grad():
-        for p in module.teacher.parameters():  # a teacher unlike the student
-            p.add_(torch.randn_like(p))
-    return save_run(tmp_path_factory.mktemp("dino") / "last.ckpt", module, ema_scale=0.5,
-                    hyper_parameters=dict(module.hparams))
+    return save_dino_run(tmp_path_factory.mktemp("dino") / "last.ckpt")
 
 
 def consolidated(path: Path, weights: str = "raw") -> dict[str, torch.Tensor]:
