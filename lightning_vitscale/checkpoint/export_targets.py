@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_vitscale._compat import timm_save_config_for_hf
 from lightning_vitscale.checkpoint.errors import CheckpointError
 from lightning_vitscale.checkpoint.export import (
     TEACHER,
@@ -103,7 +104,6 @@ def write_hf(weights: Weights, dst: PathLike, submodule: nn.Module, dtype: torch
 def write_timm(weights: Weights, dst: PathLike, arch: str, arch_args: dict[str, Any]) -> Location:
     """``dst/config.json`` written by timm for ``timm.create_model(arch, **arch_args)`` + ``dst/model.safetensors``."""
     import timm
-    from timm.models._hub import save_config_for_hf
 
     model = _build(lambda: timm.create_model(arch, pretrained=False, **arch_args), f"timm {arch}")
     check_fits(weights.state, model, f"timm.create_model({arch!r}, **{arch_args})")
@@ -111,7 +111,7 @@ def write_timm(weights: Weights, dst: PathLike, arch: str, arch_args: dict[str, 
     if folder.is_url:
         raise CheckpointError("--format timm writes a local folder (timm writes its config.json itself).")
     folder.fs.makedirs(folder.path, exist_ok=True)
-    save_config_for_hf(model, folder.child("config.json").path, model_args=arch_args)
+    timm_save_config_for_hf()(model, folder.child("config.json").path, model_args=arch_args)
     return write_bytes(safetensors_bytes(weights.state, weights.metadata), folder.child(WEIGHTS_FILE).url)
 
 
