@@ -201,6 +201,15 @@ def compile_context(module: Any) -> Any:
     return None if ctx is None else ctx["dynamo_ctx"]
 
 
+
+def timm_save_config_for_hf() -> Callable[..., None]:
+    """timm's writer of a model folder's ``config.json`` (architecture, ``model_args``, ``pretrained_cfg``), the file
+    ``timm.create_model("local-dir:...")`` reads; private (``timm.models._hub``): public only inside ``save_for_hf``,
+    which also writes the weights itself. timm is optional: imported on call (``export --format timm``)."""
+    from timm.models._hub import save_config_for_hf
+
+    return save_config_for_hf
+
 __all__ = [
     "BatchNormBase",
     "ChildProcessObserver",
@@ -243,6 +252,7 @@ __all__ = [
     "set_parameters",
     "set_unshard_async",
     "setup_distributed",
+    "timm_save_config_for_hf",
     "tree_map",
     "unit_parameters",
 ]

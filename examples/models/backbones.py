@@ -16,7 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
@@ -107,28 +106,28 @@ class HFClassifier(nn.Module):
 
 
 def read_state_dict(path: str) -> dict[str, Tensor]:
-    """Tensors only: safetensors, or a ``torch.save`` file read with ``weights_only=True`` (no pickled code)."""
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
+    """Tensors only: safetensors, or a ``torch.save`` file read with ``weights_only=True`` (no pickled code),
+    through lightning_vitscale's one safe reader (a Lightning checkpoint gives its ``state_dict``)."""
+    from lightning_vitscale.checkpoint.export import read_weights
 
-        return load_file(path)
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    return state.get("state_dict", state) if isinstance(state, dict) else state
+    return read_weights(path, dtype=None).state
 
 
-def load_matching(net: nn.Module, state: dict[str, Tensor], source: str) -> None:
-    """Load ``state`` into ``net``, keeping ``net``'s own init where shapes differ (head, stem, position table).
+def load_matching(net: nn.Module, state: dict[str, Tensor], source: str, keep: set[str] | None = None) -> None:
+    """Load ``state`` into ``net``, keeping ``net``'s own init where shapes differ (head, stem, position table)
+    and for the names in ``keep`` that ``state`` lacks (a new classifier head on a pretrained backbone).
 
     Names must match exactly: a file for another architecture fails, naming the first names it lacks or adds.
     """
     own = net.state_dict()
-    missing = sorted(own.keys() - state.keys())
+    missing = sorted(own.keys() - state.keys() - (keep or set()))
     unexpected = sorted(state.keys() - own.keys())
     if missing or unexpected:
         raise ValueError(
             f"{source} does not fit this backbone: missing {missing[:5]}, unexpected {unexpected[:5]}"
             " (was it saved from the same architecture, as a state_dict?)"
         )
-    reshaped = sorted(k for k in own if own[k].shape != state[k].shape)
+    reshaped = sorted(k for k in own.keys() & state.keys() if own[k].shape != state[k].shape)
     net.load_state_dict({k: v for k, v in state.items() if k not in reshaped}, strict=False)
-    rank_zero_info(f"loaded {source}; kept the new init for {reshaped or 'nothing'} (other shape for this data)")
+    kept = sorted(set(reshaped) | (own.keys() - state.keys()))
+    rank_zero_info(f"loaded {source}; kept the new init for {kept or 'nothing'} (new, or another shape for this data)")

@@ -88,24 +88,44 @@ class Mlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+class DropPath(nn.Module):
+    """Stochastic depth (Huang et al. 2016): in training, drop a residual branch for a random ``p`` of the samples
+    and scale the kept ones by ``1 / (1 - p)``; the identity in eval mode. No parameters: state dicts unchanged."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"drop-path rate {p} must be in [0, 1)")
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keep = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(1.0 - self.p)
+        return x * keep / (1.0 - self.p)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block; the unit the strategy shards and checkpoints."""
 
-    def __init__(self, dim: int, num_heads: int, mlp_dim: int) -> None:
+    def __init__(self, dim: int, num_heads: int, mlp_dim: int, drop_path: float = 0.0) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = Attention(dim, num_heads)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = Mlp(dim, mlp_dim)
+        self.drop_path = DropPath(drop_path)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
-def make_blocks(dim: int, depth: int, num_heads: int, mlp_dim: int) -> nn.ModuleList:
-    """A stack of identical ``Block`` s: one class, one ModuleList, so it is auto-detected."""
-    return nn.ModuleList(Block(dim, num_heads, mlp_dim) for _ in range(depth))
+def make_blocks(dim: int, depth: int, num_heads: int, mlp_dim: int, drop_path_rate: float = 0.0) -> nn.ModuleList:
+    """A stack of identical ``Block`` s: one class, one ModuleList, so it is auto-detected. Drop-path rises
+    linearly from 0 at the first block to ``drop_path_rate`` at the last (timm's and DeiT's rule)."""
+    rates = [drop_path_rate * (i / (depth - 1)) for i in range(depth)] if depth > 1 else [drop_path_rate] * depth
+    return nn.ModuleList(Block(dim, num_heads, mlp_dim, rate) for rate in rates)
 
 
 def init_vit_weights(module: nn.Module) -> None:
@@ -162,6 +182,7 @@ class VisionTransformer(nn.Module):
         num_heads: int = 12,
         mlp_ratio: float = 4.0,
         mlp_dim: int | None = None,
+        drop_path_rate: float = 0.0,
     ) -> None:
         super().__init__()
         if img_size % patch_size:
@@ -170,7 +191,7 @@ class VisionTransformer(nn.Module):
         self.patch_embed = PatchEmbed(patch_size, in_chans, embed_dim)
         self.cls_token = nn.Parameter(torch.empty(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.empty(1, num_patches + 1, embed_dim))
-        self.blocks = make_blocks(embed_dim, depth, num_heads, mlp_dim or int(embed_dim * mlp_ratio))
+        self.blocks = make_blocks(embed_dim, depth, num_heads, mlp_dim or int(embed_dim * mlp_ratio), drop_path_rate)
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
         self.head = nn.Linear(embed_dim, num_classes)
         self.reset_parameters()
@@ -178,7 +199,13 @@ class VisionTransformer(nn.Module):
 
     @classmethod
     def from_size(
-        cls, size: str, img_size: int, in_chans: int, num_classes: int, patch_size: int | None = None
+        cls,
+        size: str,
+        img_size: int,
+        in_chans: int,
+        num_classes: int,
+        patch_size: int | None = None,
+        drop_path_rate: float = 0.0,
     ) -> VisionTransformer:
         """Build a named config from ``VIT_SIZES`` (patch size defaults to the published one)."""
         s = VIT_SIZES[size]
@@ -191,6 +218,7 @@ class VisionTransformer(nn.Module):
             s.depth,
             s.num_heads,
             mlp_dim=s.mlp_dim,
+            drop_path_rate=drop_path_rate,
         )
 
     def reset_parameters(self) -> None:

@@ -1,6 +1,7 @@
 """Checkpoints: the sharded folder and DDP's single-file formats, the one safe reader every load goes through,
 the strategy's save/load/remove, the atomic commit of a save, resuming from the newest complete checkpoint
-(``ckpt_path="last"``, ``auto_resume``), consolidation into one file, Lightning's own loaders reading sharded
+(``ckpt_path="last"``, ``auto_resume``), consolidation into one file, export of a submodule's weights to published
+formats (``export.py``, ``export_targets.py``), Lightning's own loaders reading sharded
 folders, and ``model.state_dict()`` as DDP's full tensors.
 
 Three rooms: the core (save, commit, manifest, storage; verified load, load, formats; the safe reader and its

@@ -101,7 +101,7 @@ def load_consolidated(
         checkpoint["optimizer_states"] = [to_torch_format(o) for o in optimizers]
     checkpoint.update({key: _plain_keys(entry, dtype) for key, entry in state.items()})
     if weights == "ema":
-        _ema_as_weights(checkpoint, source.url)
+        ema_as_weights(checkpoint, source.url)
     return checkpoint
 
 
@@ -109,12 +109,14 @@ def _plain_keys(entry: dict[str, Any], dtype: torch.dtype | None) -> dict[str, A
     return {strip_wrapper_prefixes(key): as_full(value, dtype) for key, value in entry.items()}
 
 
-def _ema_as_weights(checkpoint: dict[str, Any], src: str) -> None:
+def ema_as_weights(checkpoint: dict[str, Any], src: str) -> None:
+    """Replace ``state_dict`` by the ``ShardedEMA`` average (keys it lacks keep the raw value), drop the optimizers."""
     ema = checkpoint.pop(EMA_KEY, None)
     if ema is None:
         raise CheckpointError(
             f"{src} holds no EMA of the weights (it was saved without the ShardedEMA callback)."
-            " Export the raw weights with `--weights raw`, or train with `callbacks=[ShardedEMA()]`."
+            " Export the raw weights with `--weights raw` (`export`: `--weights model`), or train with"
+            " `callbacks=[ShardedEMA()]`."
         )
     checkpoint["state_dict"] = {k: ema.get(k, v) for k, v in checkpoint["state_dict"].items()}
     checkpoint.pop("optimizer_states", None)

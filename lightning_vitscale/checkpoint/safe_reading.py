@@ -6,7 +6,8 @@ Reading follows torch's rule for ``weights_only``: ``None`` means torch's defaul
 ``.metadata`` and its non-tensor values without restriction (its default load planner uses
 ``weights_only=False``) and reads whatever file its metadata names; the reader and planners here apply the
 ``weights_only`` rule to every pickle and confine every file to the folder (``confinement.py``). Every loader of
-the package reads through :func:`read_metadata`, :func:`load_into`, :func:`load_all` and :func:`load_pickle`, and
+the package reads through :func:`read_metadata`, :func:`load_into`, :func:`load_all`, :func:`load_pickle` and
+:func:`load_safetensors`, and
 every failure inside DCP comes out as a ``CheckpointError`` naming the path (DCP raises a ``BaseException``).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import json
 import os
 import pickle
 from collections.abc import Iterator
@@ -174,6 +176,24 @@ def load_pickle(location: Location, weights_only: bool | None, mmap: bool = Fals
         raise CheckpointError(
             f"{location} is not a readable checkpoint file (truncated or foreign?): {error}"
         ) from error
+
+
+def load_safetensors(location: Location) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A ``.safetensors`` file's tensors (CPU) and its string metadata. The format holds tensors and a JSON header
+    only, nothing to execute, so ``weights_only`` has nothing to restrict; a garbled file names itself."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        with location.open("rb") as stream:
+            data = stream.read()
+        header = int.from_bytes(data[:8], "little")
+        metadata = json.loads(data[8 : 8 + header]).get("__metadata__") or {}
+        return load(data), dict(metadata)
+    except (SafetensorError, ValueError, OSError) as error:
+        raise CheckpointError(f"{location} is not a readable safetensors file (truncated or foreign?): {error}") from (
+            error
+        )
 
 
 def _unsafe_globals(location: Location) -> list[str]:

@@ -1,4 +1,4 @@
-"""Command line: ``python -m lightning_vitscale demo|plan|consolidate``, one module per command.
+"""Command line: ``python -m lightning_vitscale demo|plan|consolidate|export``, one module per command.
 
 Each module has a ``*_command_parser`` and a ``*_command``; the work lives in the concerns (``checkpoint``,
 ``memory``) and the strategy. The top layer: nothing in the package imports it.
@@ -10,10 +10,12 @@ import argparse
 
 from lightning_vitscale.cli.consolidate import consolidate_command_parser
 from lightning_vitscale.cli.demo import demo_command_parser
+from lightning_vitscale.cli.export import export_command_parser
 from lightning_vitscale.cli.plan import plan_command_parser
 
 DESCRIPTION = """Command line: `python -m lightning_vitscale demo`, `... consolidate SRC DST [--weights raw|ema]
-[--unsafe] [--from vitscale|fsdp1]` and `... plan` (memory planner)."""
+[--unsafe] [--from vitscale|fsdp1]`, `... export SRC DST --format safetensors|hf|timm|torchvision [--module NAME]
+[--weights model|ema|teacher] [--dtype fp32|bf16]` and `... plan` (memory planner)."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -21,6 +23,7 @@ def parser() -> argparse.ArgumentParser:
     subparsers = top.add_subparsers(dest="name", required=True)
     demo_command_parser(subparsers)
     consolidate_command_parser(subparsers)
+    export_command_parser(subparsers)
     plan_command_parser(subparsers)
     return top
 

@@ -70,6 +70,25 @@ RUN_BY: dict[str, tuple[str, tuple[str, ...]]] = {
         "tests/distributed/test_fsdp1_checkpoints.py",
         ('main(["consolidate", "--from", "fsdp1-local", "--model", LOCAL',),
     ),
+    # Export (docs/export.md): each format, loaded strictly by its own library in tests/unit/checkpoint/test_export.py.
+    r"python -m lightning_vitscale export SRC DST --module backbone --weights teacher$": (
+        "tests/unit/checkpoint/test_export.py", ('"--module", module, "--weights", weights]) == 0',),
+    ),
+    r"python -m lightning_vitscale export SRC DST --module backbone --weights teacher --dtype bf16$": (
+        "tests/unit/checkpoint/test_export.py", ('"--weights", "teacher", "--module", "backbone", "--dtype", "bf16"]',),
+    ),
+    r"python -m lightning_vitscale export SRC DST --format timm --weights teacher --module backbone"
+    r" --arch vit_tiny_patch16_224 --arch-args JSON$": (
+        "tests/unit/checkpoint/test_export.py",
+        ('"--format", "timm", "--weights", "teacher", "--module", "backbone",', '"--arch", "vit_tiny_patch16_224"'),
+    ),
+    r"python -m lightning_vitscale export SRC DST --format hf --module net --weights ema --model PKG\.MODULE:CLASS$": (
+        "tests/unit/checkpoint/test_export.py", ('"--format", "hf", "--module", "net", "--weights", "ema",',),
+    ),
+    r"python -m lightning_vitscale export SRC DST --format torchvision --module net --arch squeezenet1_1"
+    r" --arch-args JSON$": (
+        "tests/unit/checkpoint/test_export.py", ('"--format", "torchvision", "--module", "net",',),
+    ),
     # Multi-node launches, run on one machine as 2 "nodes" x 2 ranks (tests/distributed/test_hybrid.py) and as
     # SLURM tasks (tests/distributed/test_lifecycle.py) through these helpers.
     r"torchrun --nnodes[= ]\S+ (--nproc-per-node=\S+ )?--node-rank[= ]\S+": (

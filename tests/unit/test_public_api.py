@@ -93,7 +93,7 @@ def test_strategy_is_registered_under_its_name():
 
 def test_commands_are_unchanged():
     commands = parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
-    assert set(commands) == {"demo", "plan", "consolidate"}
+    assert set(commands) == {"demo", "plan", "consolidate", "export"}
     consolidate = parser().parse_args(["consolidate", "a", "b", "--weights", "ema", "--unsafe", "--keep-dtype"])
     assert (consolidate.src, consolidate.dst, consolidate.weights, consolidate.unsafe) == ("a", "b", "ema", True)
     demo = parser().parse_args(["demo", "--steps", "3", "--precision", "bf16-mixed"])

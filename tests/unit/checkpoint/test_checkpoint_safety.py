@@ -202,7 +202,7 @@ def test_every_checkpoint_read_of_the_package_goes_through_the_safe_reader():
     import lightning_vitscale
 
     readers = {"load", "load_state_dict", "dcp_load_into", "_load_state_dict", "FileSystemReader", "FsspecReader",
-               "Unpickler"}
+               "Unpickler", "load_file", "safe_open"}  # the last two: safetensors (export), read in load_safetensors
     modules = {"torch", "dcp", "pickle", "checkpoint", "state_dict_loader"}
     found = []
     root = Path(lightning_vitscale.__file__).parent

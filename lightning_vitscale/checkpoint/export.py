@@ -1,0 +1,164 @@
+"""Published weights out of a checkpoint: one submodule's own state dict (``--module net``: the ``net.`` prefix
+stripped), the trained, EMA-averaged or DINO-teacher weights, as a ``safetensors`` file with provenance metadata.
+
+Reads a sharded folder (through :func:`load_consolidated`), a Lightning ``.ckpt`` file or a plain state-dict file
+(``torch.save`` or ``.safetensors``) through the one safe reader. ``export_targets.py`` writes the other formats
+(an HF folder, timm, torchvision) from what :func:`read_weights` returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from lightning_vitscale.checkpoint.consolidate import ema_as_weights, load_consolidated
+from lightning_vitscale.checkpoint.errors import CheckpointError
+from lightning_vitscale.checkpoint.formats import PARTIAL_SUFFIX, PathLike, require_existing
+from lightning_vitscale.checkpoint.safe_reading import load_pickle, load_safetensors
+from lightning_vitscale.checkpoint.storage import Location
+
+WeightsChoice = Literal["model", "ema", "teacher"]
+EXPORT_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TEACHER = "teacher"  # the attribute the DINO example (examples/models/dino.py) keeps its EMA teacher under
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A submodule's state dict as its own ``state_dict()`` names it, and where it came from (``metadata``: strings,
+    as safetensors stores them: ``source``, ``weights``, ``module``, ``global_step``, ``epoch``)."""
+
+    state: dict[str, Tensor]
+    metadata: dict[str, str]
+    hyper_parameters: dict[str, Any]
+
+
+def read_weights(
+    src: PathLike,
+    weights: WeightsChoice = "model",
+    module: str = "",
+    dtype: torch.dtype | None = torch.float32,
+    weights_only: bool | None = None,
+) -> Weights:
+    """The state dict of submodule ``module`` ("" = the whole LightningModule) in ``src``, prefix stripped.
+
+    ``weights``: ``"model"`` the trained weights, ``"ema"`` the ``ShardedEMA`` average (``ema_state_dict``),
+    ``"teacher"`` the module's ``teacher`` submodule (the DINO example's EMA teacher: ``module`` is then looked up
+    inside it). ``dtype`` casts floating tensors (``None`` keeps the saved dtypes). Fails naming the fix when
+    the checkpoint has no such weights or no such submodule.
+    """
+    if weights not in ("model", "ema", "teacher"):
+        raise ValueError(f"`weights` must be 'model', 'ema' or 'teacher'; got {weights!r}.")
+    location = Location.of(src)
+    require_existing(location)
+    checkpoint, flat = _read(location, weights, dtype, weights_only)
+    state = checkpoint["state_dict"]
+    base = f"{TEACHER}." if weights == "teacher" and not flat else ""
+    if base and not any(k.startswith(base) for k in state):
+        raise CheckpointError(
+            f"{src} has no teacher weights (no keys under '{TEACHER}.'): --weights teacher takes the DINO example's"
+            f" EMA teacher. Its submodules: {_children(state, '')}. Use --weights model or --weights ema."
+        )
+    prefix = base + (module.strip(".") + "." if module.strip(".") else "")
+    selected = {k[len(prefix) :]: _cast(v, dtype) for k, v in state.items() if k.startswith(prefix)}
+    if not selected:
+        where = " in the teacher" if base else ""
+        raise CheckpointError(f"{src} has no submodule {module!r}{where}: {_hint(state, base, module)}")
+    metadata = {
+        "source": str(src),
+        "weights": weights if not flat else checkpoint.get("weights", weights),
+        "module": module,
+        "global_step": str(checkpoint.get("global_step", "")),
+        "epoch": str(checkpoint.get("epoch", "")),
+    }
+    return Weights(selected, metadata, dict(checkpoint.get("hyper_parameters") or {}))
+
+
+def _read(
+    location: Location, weights: WeightsChoice, dtype: torch.dtype | None, weights_only: bool | None
+) -> tuple[dict[str, Any], bool]:
+    """``(checkpoint with a 'state_dict', flat)``; ``flat``: the file held one state dict (an export), already
+    one choice of weights, which must be the one asked for."""
+    if location.is_dir():
+        choice = _raw_or_ema(weights)
+        return load_consolidated(location.url, dtype=dtype, weights_only=weights_only, weights=choice), False
+    if location.url.endswith(".safetensors"):
+        tensors, metadata = load_safetensors(location)
+        return _flat({"state_dict": tensors, **metadata}, weights, location), True
+    loaded = load_pickle(location, weights_only, mmap=True)
+    if not isinstance(loaded, dict):
+        raise CheckpointError(f"{location} holds a {type(loaded).__name__}, not a checkpoint or a state dict.")
+    if "state_dict" not in loaded:
+        return _flat({"state_dict": loaded}, weights, location), True
+    if weights == "ema":
+        ema_as_weights(loaded, location.url)
+    return loaded, False
+
+
+def _flat(checkpoint: dict[str, Any], weights: WeightsChoice, location: Location) -> dict[str, Any]:
+    saved = checkpoint.get("weights")
+    if weights != "model" and weights != saved:
+        raise CheckpointError(
+            f"{location} holds one state dict ({saved or 'which weights is not recorded'}), not a training"
+            f" checkpoint: it has no separate {weights} weights. Drop --weights {weights} (read what it holds), or"
+            " pass the run's checkpoint folder."
+        )
+    return checkpoint
+
+
+def _raw_or_ema(weights: WeightsChoice) -> Literal["raw", "ema"]:
+    return "ema" if weights == "ema" else "raw"
+
+
+def _hint(state: dict[str, Any], base: str, module: str) -> str:
+    """Where the weights are: the submodules at the top (of the teacher), those ending in ``module`` first."""
+    inner = {k[len(base) :] for k in state if k.startswith(base)}
+    name = module.strip(".")
+    deeper = sorted({k.split(f".{name}.")[0] + f".{name}" for k in inner if f".{name}." in k}) if name else []
+    tops = sorted({k.split(".", 1)[0] for k in inner if "." in k}) or ["(none)"]
+    return (
+        f"its weights are under {tops}. Pass the submodule's full name as --module (e.g. --module"
+        f" {(deeper or tops)[0]}), or --module '' for everything."
+    )
+
+
+def _children(state: dict[str, Any], base: str) -> list[str]:
+    """The first names after ``base`` of the keys (the submodules one could pass as ``--module``)."""
+    names = {k[len(base) :].split(".", 1)[0] for k in state if k.startswith(base)}
+    return sorted(names) or ["(none)"]
+
+
+def _cast(value: Any, dtype: torch.dtype | None) -> Any:
+    if torch.is_tensor(value) and dtype is not None and value.is_floating_point():
+        return value.to(dtype)
+    return value
+
+
+def safetensors_bytes(state: dict[str, Tensor], metadata: dict[str, str]) -> bytes:
+    """``state`` serialised as safetensors (contiguous copies: safetensors refuses views and shared storage)."""
+    from safetensors.torch import save
+
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items() if torch.is_tensor(v)}
+    return save(tensors, metadata={"format": "pt", **metadata})
+
+
+def write_bytes(data: bytes, dst: PathLike) -> Location:
+    """Write to a temporary name beside ``dst``, then move: an interrupted export leaves no ``dst``."""
+    target = Location.of(dst)
+    if target.is_dir():
+        raise IsADirectoryError(f"{dst} is an existing folder; this format writes one file. Name it, e.g."
+                                f" {target.child('model.safetensors')}")
+    tmp = target.with_suffix(PARTIAL_SUFFIX)
+    parent = target.url.rsplit("/", 1)[0] if "/" in target.url else "."
+    target.fs.makedirs(Location.of(parent).path, exist_ok=True)
+    with tmp.open("wb") as stream:
+        stream.write(data)
+    tmp.move_to(target)
+    return target
+
+
+def write_safetensors(weights: Weights, dst: PathLike) -> Location:
+    """The ``safetensors`` export: the submodule's own key names, the provenance in the file's metadata."""
+    return write_bytes(safetensors_bytes(weights.state, weights.metadata), dst)

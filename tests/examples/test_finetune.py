@@ -1,0 +1,144 @@
+"""Fine-tuning the classification example from a run: the DINO teacher, the EMA or an exported file read back in
+(through the safe reader), layer-wise learning-rate decay, drop-path in training only, a frozen backbone.
+
+The worked example of examples/README.md through the examples' CLIs (single-process ``Trainer.fit`` under
+VitScaleStrategy: DINO pretraining -> linear probe from the teacher -> export), the rest in-process on a DINO
+folder written by the package's save path. Mutations seen failing: the teacher read as the student
+(``TEACHER = "student"``); the head prefix not allowed missing; ``layer_decay_scale`` counting blocks from the top;
+``DropPath`` active in eval; ``freeze_backbone`` leaving the blocks trainable.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from examples.classification import ViTClassifier, main
+from examples.models.finetune import load_pretrained
+from examples.models.vit import VisionTransformer
+from lightning_vitscale.__main__ import main as vitscale
+from lightning_vitscale.checkpoint.consolidate import load_consolidated
+from tests.helpers.saved_runs import save_dino_run
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def dino(tmp_path_factory) -> Path:
+    return save_dino_run(tmp_path_factory.mktemp("dino") / "last.ckpt")
+
+
+def saved(path: Path, prefix: str, weights: str = "raw") -> dict[str, torch.Tensor]:
+    state = load_consolidated(path, weights=weights)["state_dict"]
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def tiny_vit(**kwargs) -> VisionTransformer:
+    return VisionTransformer.from_size("tiny", 16, 1, 10, **kwargs)
+
+
+@pytest.mark.parametrize(("key", "module", "prefix", "weights"), [
+    ("teacher", None, "teacher.backbone.", "raw"),
+    ("ema", "student.backbone", "student.backbone.", "ema"),
+    ("model", "student.backbone", "student.backbone.", "raw"),
+])
+def test_the_chosen_weights_of_a_run_are_what_the_backbone_starts_from(dino, key, module, prefix, weights) -> None:
+    net = tiny_vit()
+    head = net.head.weight.clone()
+    load_pretrained(net, str(dino), key, module)
+    want = saved(dino, prefix, weights)
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in want.items()) and len(want) == len(net.state_dict()) - 2
+    assert torch.equal(net.head.weight, head)  # a new head: 10 classes, not the run's
+
+
+def test_an_exported_teacher_file_loads_and_an_ambiguous_run_names_the_fix(dino, tmp_path) -> None:
+    exported = tmp_path / "teacher.safetensors"
+    assert vitscale(["export", str(dino), str(exported), "--weights", "teacher", "--module", "backbone"]) == 0
+    net = tiny_vit()
+    load_pretrained(net, str(exported))
+    assert torch.equal(net.blocks[0].attn.qkv.weight, saved(dino, "teacher.backbone.")["blocks.0.attn.qkv.weight"])
+    with pytest.raises(ValueError, match="'student.backbone', 'teacher.backbone'.*--model.weights_module"):
+        load_pretrained(tiny_vit(), str(dino), "model")
+
+
+def test_layer_decay_gives_each_depth_its_learning_rate() -> None:
+    cli = main(["--trainer.accelerator=cpu", "--model.layer_decay=0.5", "--model.drop_path=0.1", "--model.lr=1.0",
+                "--trainer.logger=false"], run=False)  # the fine-tuning command's options, through the CLI
+    module = cli.model
+    assert isinstance(module, ViTClassifier) and module.hparams["drop_path"] == 0.1
+    module.configure_model()
+    assert module.net.blocks[-1].drop_path.p == 0.1
+    module._trainer = SimpleNamespace(estimated_stepping_batches=10)  # what adamw_cosine asks the trainer
+    optimizer = module.configure_optimizers()["optimizer"]
+    lr_of = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
+    lr = {n: lr_of[id(p)] for n, p in module.named_parameters()}
+    depth = len(module.net.blocks)  # 4: head and norm 1, block 3 0.5, block 0 0.5**4, stem 0.5**5
+    assert lr["net.head.weight"] == lr["net.norm.weight"] == 1.0
+    assert [lr[f"net.blocks.{i}.attn.qkv.weight"] for i in range(depth)] == [0.5 ** (depth - i) for i in range(depth)]
+    assert lr["net.patch_embed.proj.weight"] == lr["net.pos_embed"] == lr["net.cls_token"] == 0.5 ** (depth + 1)
+    assert {g["weight_decay"] for g in optimizer.param_groups} == {0.0, 0.05}
+
+
+def test_drop_path_rises_with_depth_and_acts_in_training_only() -> None:
+    torch.manual_seed(0)
+    plain, dropped = tiny_vit(), tiny_vit(drop_path_rate=0.5)
+    dropped.load_state_dict(plain.state_dict())
+    assert [b.drop_path.p for b in dropped.blocks] == pytest.approx([0.0, 1 / 6, 1 / 3, 0.5])
+    x = torch.randn(8, 1, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(dropped.eval()(x), plain.eval()(x))
+        assert not torch.allclose(dropped.train()(x), plain.train()(x))
+
+
+# The worked example of examples/README.md ("Pretrain, fine-tune, export"), each command as given there plus
+# the flags that keep it to seconds: one process, two steps.
+PRETRAIN = ["fit", "--trainer.accelerator=cpu", "--trainer.callbacks+=ModelCheckpoint",
+            "--trainer.callbacks.dirpath=runs/dino", "--trainer.callbacks.save_last=true"]
+PROBE = ["fit", "--trainer.accelerator=cpu", "--model.weights=runs/dino/last.ckpt", "--model.weights_key=teacher",
+         "--model.freeze_backbone=true"]
+EXPORT = ["export", "runs/dino/last.ckpt", "dino_teacher_timm", "--format", "timm", "--weights", "teacher",
+          "--module", "backbone", "--arch", "vit_tiny_patch16_224", "--arch-args"]
+QUICK = ["--trainer.devices=1", "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
+         "--trainer.enable_progress_bar=false", "--data.batch_size=16"]
+
+
+def test_pretrain_then_linear_probe_from_the_teacher_then_export(tmp_path, monkeypatch) -> None:
+    """The DINO run's sharded folder (VitScaleStrategy, Lightning's ModelCheckpoint) -> a linear probe that
+    trains the head only, from the teacher -> the teacher as timm weights."""
+    import timm
+
+    from examples import pretraining
+
+    monkeypatch.chdir(tmp_path)
+    pretraining.main([*PRETRAIN, *QUICK])
+    run = Path("runs/dino/last.ckpt")
+    assert run.is_dir()  # sharded
+    cli = main([*PROBE, *QUICK, "--model.drop_path=0.1", "--trainer.enable_checkpointing=false"])
+    net = cli.model.net
+
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    assert isinstance(net.blocks[0].attn.qkv.weight, DTensor)  # sharded by the strategy
+    teacher = saved(run, "teacher.backbone.")
+    assert not torch.equal(teacher["blocks.0.attn.qkv.weight"], saved(run, "student.backbone.")[
+        "blocks.0.attn.qkv.weight"])  # two steps apart: the choice matters
+    for name, p in net.named_parameters():
+        if name.startswith("head."):
+            assert p.requires_grad and p.grad is not None
+        else:  # frozen: no gradient, no step; still the teacher's weights after two steps
+            assert not p.requires_grad and p.grad is None and torch.equal(full(p.detach()), teacher[name]), name
+    params = [p for g in cli.trainer.optimizers[0].param_groups for p in g["params"]]
+    assert {id(p) for p in params} == {id(net.head.weight), id(net.head.bias)}
+    assert cli.trainer.global_step == 2
+
+    args = {"img_size": 16, "patch_size": 4, "in_chans": 1, "num_classes": 0, "embed_dim": 64, "depth": 4,
+            "num_heads": 4, "mlp_ratio": 2.0}
+    assert vitscale([*EXPORT, json.dumps(args)]) == 0
+    exported = timm.create_model("local-dir:dino_teacher_timm", pretrained=True).state_dict()
+    assert exported.keys() == teacher.keys() and all(torch.equal(exported[k], v) for k, v in teacher.items())
