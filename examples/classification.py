@@ -18,6 +18,7 @@ from examples.models.backbones import build_backbone, load_matching, parse_spec,
 from examples.models.classifier import ClassificationModule
 from examples.models.cli import run_cli
 from examples.models.datamodules import DigitsDataModule
+from examples.models.shard_data import ShardImageDataModule  # noqa: F401  -- --data=ShardImageDataModule
 from examples.models.vit import VisionTransformer
 
 
