@@ -3,8 +3,9 @@
 ``streaming.py OUT_DIR WORK_DIR name1,name2``; WORK_DIR holds the digits written once as shards and the runs.
 * ``epoch-resume``: one epoch of the streamed digits (vitscale, 2 loader workers per rank), each rank recording
   the sample keys of its batches, checkpointed after step ``SAVE_AT``; then a run resumed from that checkpoint.
-* ``cli-classification``, ``cli-pretraining``: the examples' own CLIs with ``--data=Shard...DataModule`` reading
-  the shards through a ``file://`` URL (``fast_dev_run``; no loader worker: the workers are tested above).
+* ``cli-classification``, ``cli-pretraining``: the examples' own CLIs (``fast_dev_run``; no loader worker: the
+  workers are tested above), ``--data=ShardImageDataModule --data.root=file://...`` and
+  ``--data=ShardMultiCropDataModule`` on the built-in digits shards.
 """
 
 from __future__ import annotations
@@ -89,14 +90,15 @@ def epoch_and_resume() -> dict:
     return {"epoch": first.keys, "len": trainer.num_training_batches, "resumed": resumed.keys, "saved": saved.saved}
 
 
-def cli(module: Any, data: str) -> dict:
-    root = f"file://{WORK}/cache/{_digits_folder()}"
+def cli(module: Any, data: str, at_url: bool) -> dict:
+    """The example's CLI on the shards: at a ``file://`` URL (``--data.root``) or the built-in digits (no root)."""
     args = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.fast_dev_run=1", f"--data={data}",
-            f"--data.root={root}", "--data.num_workers=0", f"--trainer.default_root_dir={WORK}",
-            "--data.img_size=16", *(["--data.local_size=8"] if module is pretraining else [])]  # fmt: skip
+            "--data.num_workers=0", f"--trainer.default_root_dir={WORK}", f"--data.cache_dir={WORK}/cache"]  # fmt: skip
+    if at_url:
+        args += [f"--data.root=file://{WORK}/cache/{_digits_folder()}", "--data.img_size=16"]
     run = module.main(args, run=False)
     run.trainer.fit(run.model, run.datamodule)
-    return {"steps": run.trainer.global_step, "in_chans": run.model.hparams["in_chans"]}
+    return {"steps": run.trainer.global_step, "in_chans": run.model.hparams["in_chans"], "root": run.datamodule.root}
 
 
 def _digits_folder() -> str:
@@ -114,6 +116,6 @@ def timed(scenario: Callable[[], dict]) -> Callable[[], dict]:
 if __name__ == "__main__":
     run_scenarios({
         "epoch-resume": timed(epoch_and_resume),
-        "cli-classification": timed(lambda: cli(classification, "ShardImageDataModule")),
-        "cli-pretraining": timed(lambda: cli(pretraining, "ShardMultiCropDataModule")),
+        "cli-classification": timed(lambda: cli(classification, "ShardImageDataModule", at_url=True)),
+        "cli-pretraining": timed(lambda: cli(pretraining, "ShardMultiCropDataModule", at_url=False)),
     })  # fmt: skip
