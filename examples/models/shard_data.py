@@ -22,7 +22,7 @@ from torchvision.transforms import v2
 from examples.models.datamodules import image_transforms, normalisation
 from examples.models.loading import trainer_loader_settings
 from examples.models.multicrop import MultiCrop
-from examples.models.shard_writer import IMAGE_EXTS, read_index, write_digits
+from examples.models.shard_writer import IMAGE_EXTS, label, read_index, write_digits
 from examples.models.shards import Remainder, ShardLoader, ShardStream
 from examples.models.written_data import cache_root, write_once
 
@@ -45,7 +45,7 @@ class DecodeImage:
         if ext is None:
             raise ValueError(f"sample {sample['__key__']} of {sample['__url__']} has no {'/'.join(IMAGE_EXTS)} image")
         with Image.open(io.BytesIO(sample[ext])) as image:
-            return self.transform(image.convert(self.mode)), int(sample["cls"])
+            return self.transform(image.convert(self.mode)), label(sample)
 
 
 class ShardImageDataModule(pl.LightningDataModule):

@@ -45,6 +45,13 @@ class ShardIndex:
         return self.splits[name]
 
 
+def label(sample: dict[str, Any]) -> int:
+    """The sample's class index (its ``<key>.cls`` file); a sample without one fails naming the layout."""
+    if "cls" not in sample:
+        raise ValueError(f"sample {sample['__key__']} of {sample['__url__']} has no <key>.cls file (the class index)")
+    return int(sample["cls"])
+
+
 def read_index(root: str) -> ShardIndex:
     """Read ``root/index.json`` (a local folder or an fsspec URL); a missing one fails naming the two fixes."""
     root = root.rstrip("/")
@@ -148,18 +155,19 @@ def index_shards(root: str) -> dict[str, int]:
     fs, path = fsspec.core.url_to_fs(root)
     splits: dict[str, dict[str, list]] = {}
     labels: set[int] = set()
-    channels = 3
     for split in SPLITS:
         names = sorted(posixpath.basename(p) for p in fs.glob(f"{path}/{split}-*.tar"))
         counts = []
         for name in names:
+            counts.append(0)
             with fs.open(f"{path}/{name}", "rb") as stream:
-                samples = list(group_by_keys(tar_file_expander([{"url": name, "stream": stream}])))
-            labels.update(int(s["cls"]) for s in samples if "cls" in s)
-            counts.append(len(samples))
+                for sample in group_by_keys(tar_file_expander([{"url": name, "stream": stream}])):
+                    labels.add(label(sample))
+                    counts[-1] += 1
         if names:
             splits[split] = {"shards": names, "samples": counts}
     if not splits:
         raise FileNotFoundError(f"no {{train,val}}-*.tar under {root!r}: name the shards <split>-<n>.tar")
-    write_index(root.rstrip("/"), [str(c) for c in range(max(labels, default=-1) + 1)], channels, splits)
+    classes = [str(c) for c in range(max(labels, default=-1) + 1)]
+    write_index(root.rstrip("/"), classes, 3, splits)  # decoded as RGB, as torchvision's ImageFolder does
     return {s: sum(v["samples"]) for s, v in splits.items()}
