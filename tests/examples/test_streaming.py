@@ -5,8 +5,8 @@ the batches the first run took after it, and both examples' CLIs train from the 
 built-in digits written once as shards).
 
 Mutations seen failing: the resume position ignored (``ShardLoader.__iter__`` with ``skip = 0``: the resumed run
-repeats the epoch's first batches); workers not split (``worker = 0`` in ``ShardStream.__iter__``: every sample of
-a rank twice); ranks not split (``rank=0`` in the datamodule's ``_loader``).
+repeats the epoch's first batches); ranks not split (``rank=0`` in the datamodule's ``_loader``: both ranks read
+the same half). The split over workers is checked sample by sample in test_shards.py.
 """
 
 from __future__ import annotations
