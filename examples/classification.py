@@ -21,6 +21,7 @@ from examples.models.cli import run_cli
 from examples.models.datamodules import DigitsDataModule
 from examples.models.finetune import freeze_backbone, layer_decay_scale, load_pretrained
 from examples.models.optim import adamw_cosine
+from examples.models.shard_data import ShardImageDataModule  # noqa: F401  -- --data=ShardImageDataModule
 from examples.models.vit import VisionTransformer
 
 

@@ -25,6 +25,7 @@ from examples.models.cli import run_cli
 from examples.models.dino import DINOHead, DINONet, MultiCropViT, dino_loss, knn_predict
 from examples.models.multicrop import DigitsMultiCropDataModule
 from examples.models.optim import adamw_cosine
+from examples.models.shard_data import ShardMultiCropDataModule  # noqa: F401  -- --data=ShardMultiCropDataModule
 from examples.models.vit import VIT_SIZES
 
 

@@ -14,6 +14,22 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from examples.models.loading import make_loader
 
 
+def normalisation(channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Mean and std per channel: ImageNet's for RGB, 0.5 for grey."""
+    return ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)) if channels == 3 else ((0.5,) * channels, (0.5,) * channels)
+
+
+def image_transforms(img_size: int, channels: int = 3) -> tuple[Callable, Callable]:
+    """Train (random resized crop, flip) and validation (resize, centre crop) transforms of a PIL image, normalised
+    with ImageNet's mean and std (grey images: to [-1, 1]); shared by the folder and the tar-shard datamodules."""
+    from torchvision import transforms as T
+
+    norm = T.Normalize(*normalisation(channels))
+    train_tf = T.Compose([T.RandomResizedCrop(img_size), T.RandomHorizontalFlip(), T.ToTensor(), norm])
+    val_tf = T.Compose([T.Resize(int(img_size * 1.14)), T.CenterCrop(img_size), T.ToTensor(), norm])
+    return train_tf, val_tf
+
+
 class _TensorDataModule(pl.LightningDataModule):
     """Common loader plumbing; DataLoader defaults per accelerator come from ``examples.models.loading``."""
 
@@ -82,10 +98,7 @@ class FolderImageDataModule(_TensorDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         from torchvision import datasets
-        from torchvision import transforms as T
 
-        norm = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
-        train_tf = T.Compose([T.RandomResizedCrop(self.img_size), T.RandomHorizontalFlip(), T.ToTensor(), norm])
-        val_tf = T.Compose([T.Resize(int(self.img_size * 1.14)), T.CenterCrop(self.img_size), T.ToTensor(), norm])
+        train_tf, val_tf = image_transforms(self.img_size)
         self.train_set = datasets.ImageFolder(f"{self.root}/train", train_tf)
         self.val_set = datasets.ImageFolder(f"{self.root}/val", val_tf)

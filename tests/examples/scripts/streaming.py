@@ -1,0 +1,121 @@
+"""Rank script: the tar-shard datamodules under ``Trainer.fit`` on 2 ranks x 2 loader workers, in one launch.
+
+``streaming.py OUT_DIR WORK_DIR name1,name2``; WORK_DIR holds the digits written once as shards and the runs.
+* ``epoch-resume``: one epoch of the streamed digits (vitscale, 2 loader workers per rank), each rank recording
+  the sample keys of its batches, checkpointed after step ``SAVE_AT``; then a run resumed from that checkpoint.
+* ``cli-classification``, ``cli-pretraining``: the examples' own CLIs (``fast_dev_run``; no loader worker: the
+  workers are tested above), ``--data=ShardImageDataModule --data.root=file://...`` and
+  ``--data=ShardMultiCropDataModule`` on the built-in digits shards.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from examples import classification, pretraining
+from examples.classification import ViTClassifier
+from examples.models.shard_data import ShardImageDataModule
+from tests.helpers.scenarios import run_scenarios
+
+warnings.filterwarnings("ignore")
+WORK = sys.argv.pop(2)  # run_scenarios reads argv[1] (out dir) and argv[2] (names)
+BATCH, WORKERS, SAVE_AT = 64, 2, 5
+
+
+class WithKey:
+    """The datamodule's decoder, plus the sample's key (its index in the split) as a third batch entry."""
+
+    def __init__(self, decode: Any) -> None:
+        self.decode = decode
+
+    def __call__(self, sample: dict[str, Any]) -> tuple[Any, int, int]:
+        return (*self.decode(sample), int(sample["__key__"]))
+
+
+class KeyedShards(ShardImageDataModule):
+    def decoder(self, train: bool) -> Any:
+        return WithKey(super().decoder(train))
+
+
+class KeyedClassifier(ViTClassifier):
+    """The classification example's model, recording the keys of every training batch it steps on."""
+
+    def __init__(self) -> None:
+        super().__init__(size="tiny")
+        self.keys: list[list[int]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y, keys = batch
+        self.keys.append(keys.tolist())
+        return super().training_step((x, y), batch_idx)
+
+
+class Saved(pl.Callback):
+    """The stream position as each checkpoint stores it (in the datamodule's state)."""
+
+    def __init__(self) -> None:
+        self.saved: list[Any] = []
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        self.saved.append(checkpoint[KeyedShards.__qualname__]["train_stream"])
+
+
+def fit(
+    model: KeyedClassifier, callbacks: list[pl.Callback], ckpt_path: str | None = None
+) -> tuple[KeyedClassifier, pl.Trainer]:
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="vitscale", max_epochs=1, limit_val_batches=0, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, default_root_dir=WORK,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+    )  # fmt: skip
+    data = KeyedShards(batch_size=BATCH, num_workers=WORKERS, shuffle_buffer=200, cache_dir=f"{WORK}/cache")
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+    return model, trainer
+
+
+def epoch_and_resume() -> dict:
+    """One epoch, checkpointed after step SAVE_AT; then a run resumed from that checkpoint (as after a kill: it
+    knows nothing of what the first run did after the checkpoint)."""
+    ckpt = ModelCheckpoint(dirpath=f"{WORK}/ckpt", filename="{step}", every_n_train_steps=SAVE_AT, save_top_k=-1)
+    saved = Saved()
+    first, trainer = fit(KeyedClassifier(), [ckpt, saved])
+    resumed, _ = fit(KeyedClassifier(), [], ckpt_path=f"{WORK}/ckpt/step={SAVE_AT}.ckpt")
+    return {"epoch": first.keys, "len": trainer.num_training_batches, "resumed": resumed.keys, "saved": saved.saved}
+
+
+def cli(module: Any, data: str, at_url: bool) -> dict:
+    """The example's CLI on the shards: at a ``file://`` URL (``--data.root``) or the built-in digits (no root)."""
+    args = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.fast_dev_run=1", f"--data={data}",
+            "--data.num_workers=0", f"--trainer.default_root_dir={WORK}", f"--data.cache_dir={WORK}/cache"]  # fmt: skip
+    if at_url:
+        args += [f"--data.root=file://{WORK}/cache/{_digits_folder()}", "--data.img_size=16"]
+    run = module.main(args, run=False)
+    run.trainer.fit(run.model, run.datamodule)
+    return {"steps": run.trainer.global_step, "in_chans": run.model.hparams["in_chans"], "root": run.datamodule.root}
+
+
+def _digits_folder() -> str:
+    return ShardImageDataModule(cache_dir=f"{WORK}/cache").root.rsplit("/", 1)[1]
+
+
+def timed(scenario: Callable[[], dict]) -> Callable[[], dict]:
+    def run() -> dict:
+        start = time.monotonic()
+        return {**scenario(), "seconds": time.monotonic() - start}
+
+    return run
+
+
+if __name__ == "__main__":
+    run_scenarios({
+        "epoch-resume": timed(epoch_and_resume),
+        "cli-classification": timed(lambda: cli(classification, "ShardImageDataModule", at_url=True)),
+        "cli-pretraining": timed(lambda: cli(pretraining, "ShardMultiCropDataModule", at_url=False)),
+    })  # fmt: skip
