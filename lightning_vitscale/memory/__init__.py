@@ -23,6 +23,7 @@ from lightning_vitscale.memory.auto_checkpointing import (
 from lightning_vitscale.memory.gradient_release import may_release_after_step, release_gradients
 from lightning_vitscale.memory.memory_plan import MemoryPlan
 from lightning_vitscale.memory.planner import plan_memory
+from lightning_vitscale.memory.planning_batch import PlanningBatch, planning_batch
 from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
 from lightning_vitscale.memory.state_bytes import StateBytes, measure_state_bytes
 from lightning_vitscale.memory.step_cost import rates_for
@@ -35,6 +36,7 @@ __all__ = [
     "AccumulationMode",
     "AutoCheckpointing",
     "MemoryPlan",
+    "PlanningBatch",
     "SAVED_OPS",
     "StateBytes",
     "StepInputs",
@@ -48,6 +50,7 @@ __all__ = [
     "may_release_after_step",
     "measure_state_bytes",
     "plan_memory",
+    "planning_batch",
     "rates_for",
     "release_gradients",
     "resolve_budget",
