@@ -18,11 +18,10 @@ from lightning_vitscale.memory.auto_checkpointing import (
     describe_prediction,
     device_memory,
     measure_for_summary,
-    resolve_budget,
 )
 from lightning_vitscale.memory.gradient_release import may_release_after_step, release_gradients
 from lightning_vitscale.memory.memory_plan import MemoryPlan
-from lightning_vitscale.memory.planner import plan_memory
+from lightning_vitscale.memory.planner import plan_memory, resolve_budget
 from lightning_vitscale.memory.planning_batch import PlanningBatch, planning_batch
 from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
 from lightning_vitscale.memory.state_bytes import StateBytes, measure_state_bytes

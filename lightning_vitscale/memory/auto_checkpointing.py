@@ -25,7 +25,7 @@ from lightning_vitscale._utils import available_host_bytes, human_bytes
 from lightning_vitscale.memory.gradient_release import may_release_after_step
 from lightning_vitscale.memory.memory_plan import MemoryPlan
 from lightning_vitscale.memory.plan_search import BlockMode, BlockPlan
-from lightning_vitscale.memory.planner import DEFAULT_FRACTION, batch_size_of, choose
+from lightning_vitscale.memory.planner import batch_size_of, choose, resolve_budget
 from lightning_vitscale.memory.planning_batch import (
     EXAMPLE_INPUT,
     FIRST_STEP,
@@ -85,13 +85,6 @@ def device_memory(device: torch.device, local_ranks: int = 1) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return (available_host_bytes() or 0) // max(1, local_ranks)
-
-
-def resolve_budget(budget: int | float | None, total: int) -> int:
-    """``memory_budget`` -> bytes: an int is bytes, a float (or ``None`` = 0.9) a fraction of ``total``."""
-    if isinstance(budget, int) and not isinstance(budget, bool):
-        return budget
-    return int(total * (DEFAULT_FRACTION if budget is None else budget))
 
 
 def training_loop(module: nn.Module) -> TrainingLoop:

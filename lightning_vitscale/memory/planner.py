@@ -46,6 +46,16 @@ DEVICE_MEMORY: dict[str, int] = {
     "l40s-48gb": 48 * GIB,
 }
 DEFAULT_FRACTION = 0.9
+"""The share of a device's memory a step may use when ``memory_budget`` is not given (the rest is headroom for the
+allocator): the one place this factor lives."""
+
+
+def resolve_budget(budget: int | float | None, total: int) -> int:
+    """``memory_budget`` -> bytes: an int is bytes, a float (or ``None`` = :data:`DEFAULT_FRACTION`) a fraction
+    of ``total``."""
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        return budget
+    return int(total * (DEFAULT_FRACTION if budget is None else budget))
 
 
 def parse_memory(spec: str | int | float) -> int:

@@ -117,7 +117,8 @@ def _choose_units(
         offload=offloads(sharding, ranks.device),
         selective=frozenset(i for i, mode in enumerate(modes) if mode == "selective"),
     )
-    budget = resolve_budget(None, device_memory(ranks.device, ranks.ranks_per_node))
+    budget = resolve_budget(resolved.requested.checkpointing.memory_budget,
+                            device_memory(ranks.device, ranks.ranks_per_node))
     may_keep, rates = sharding.reshard_after_forward is None, rates_for(ranks.device)
     choice = choose_blocks_per_unit(measured, settings, budget, rates, may_keep)
     per_unit = -ranks.agree_max(-choice.per_unit)

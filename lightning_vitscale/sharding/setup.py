@@ -58,6 +58,7 @@ class ShardedModel:
         auto: ``activation_checkpointing="auto"``: its choice, or the meta twin waiting for the first batch.
         signature: the settings it was sharded with; another Trainer may reuse it only with the same ones.
         accumulation: whether micro-batches before the last skip the gradient sync; chosen at the first one.
+        memory_budget: the user's ``memory_budget`` (``accumulation="auto"`` keeps to it too).
     """
 
     outer: OuterUnit
@@ -67,6 +68,7 @@ class ShardedModel:
     auto: AutoCheckpointing | None
     signature: dict[str, Any]
     accumulation: AccumulationChoice | None = None
+    memory_budget: int | float | None = None
     _syncing: bool = field(default=True, repr=False)
 
     @property
@@ -121,7 +123,8 @@ class ShardedModel:
         measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         in_use = max(self.summary.predicted_peak or 0, measured)
         extra = unsharded_gradient_bytes(self.module, compute)
-        choice = choose_accumulation(mode, extra, in_use, device_memory(device, ranks.ranks_per_node))
+        choice = choose_accumulation(mode, extra, in_use, device_memory(device, ranks.ranks_per_node),
+                                     self.memory_budget)
         if mode == "auto" and ranks.agree_max(0 if choice.unsharded else 1):  # every rank must fit
             return AccumulationChoice(False, choice.reason.replace("fits", "fits here but not on every rank"))
         return choice
@@ -197,7 +200,8 @@ def _shard(
     #    step, as under DDP. Every unit exists and holds real (not meta) shards by here.
     if isinstance(outer, FSDPModule):
         initialize_fsdp_root(outer)
-    return ShardedModel(outer, done.plan, done.norms, done.router, auto, signature)
+    return ShardedModel(outer, done.plan, done.norms, done.router, auto, signature,
+                        memory_budget=resolved.requested.checkpointing.memory_budget)
 
 
 def _describe_layout(
