@@ -25,7 +25,7 @@ from lightning_vitscale._utils import available_host_bytes, human_bytes
 from lightning_vitscale.memory.gradient_release import may_release_after_step
 from lightning_vitscale.memory.memory_plan import MemoryPlan
 from lightning_vitscale.memory.plan_search import BlockMode, BlockPlan
-from lightning_vitscale.memory.planner import batch_size_of, choose, resolve_budget
+from lightning_vitscale.memory.planner import agree_on_unit_size, batch_size_of, choose, resolve_budget
 from lightning_vitscale.memory.planning_batch import (
     EXAMPLE_INPUT,
     FIRST_STEP,
@@ -238,9 +238,8 @@ class AutoCheckpointing:
                                  compare_units=self.units_left_to_planner and self.per_unit is not None)
 
         choice = decide(self.per_unit)
-        if self.per_unit is None:  # every rank groups alike: the fewest blocks per unit any rank chose (least memory)
-            per_unit = -agree(-choice.blocks.per_unit)
-            choice = choice if per_unit == choice.blocks.per_unit else decide(per_unit)
+        if self.per_unit is None:
+            choice = agree_on_unit_size(choice, choice.blocks.per_unit, decide, agree)
         if choice.warning is not None:
             rank_zero_warn(choice.warning)
         if choice.hint is not None:

@@ -12,8 +12,9 @@ per-rank batch that fits.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -56,6 +57,24 @@ def resolve_budget(budget: int | float | None, total: int) -> int:
     if isinstance(budget, int) and not isinstance(budget, bool):
         return budget
     return int(total * (DEFAULT_FRACTION if budget is None else budget))
+
+
+Agree = Callable[[int], int]
+"""The ranks' agreement: every rank passes its value and gets the largest any rank passed (``Ranks.agree_max``)."""
+T = TypeVar("T")
+
+
+def fewest(agree: Agree, value: int) -> int:
+    """The smallest ``value`` any rank passed (through the one agreement, :data:`Agree`)."""
+    return -agree(-value)
+
+
+def agree_on_unit_size(choice: T, per_unit: int, redo: Callable[[int], T], agree: Agree) -> T:
+    """Every rank groups its blocks alike: the fewest blocks per unit any rank chose (the least memory at once);
+    a rank that chose more redoes its choice for that size (``redo``). Free host memory differs by rank, so the
+    planner's choices may too; ``"auto"`` and ``blocks_per_unit=None`` agree through this and :func:`fewest`."""
+    agreed = fewest(agree, per_unit)
+    return choice if agreed == per_unit else redo(agreed)
 
 
 def parse_memory(spec: str | int | float) -> int:

@@ -20,9 +20,11 @@ from lightning_vitscale.memory import (
     PlanningBatch,
     StepInputs,
     StepSettings,
+    agree_on_unit_size,
     choose_blocks_per_unit,
     describe_prediction,
     device_memory,
+    fewest,
     measure_for_summary,
     planning_batch,
     rates_for,
@@ -121,10 +123,9 @@ def _choose_units(
                             device_memory(ranks.device, ranks.ranks_per_node))
     may_keep, rates = sharding.reshard_after_forward is None, rates_for(ranks.device)
     choice = choose_blocks_per_unit(measured, settings, budget, rates, may_keep)
-    per_unit = -ranks.agree_max(-choice.per_unit)
-    agreed = choice if per_unit == choice.per_unit else choose_blocks_per_unit(
-        measured, settings, budget, rates, may_keep, per_unit=per_unit)
-    kept_units = -ranks.agree_max(-agreed.kept_units)
+    agreed = agree_on_unit_size(choice, choice.per_unit, lambda k: choose_blocks_per_unit(
+        measured, settings, budget, rates, may_keep, per_unit=k), ranks.agree_max)
+    per_unit, kept_units = agreed.per_unit, fewest(ranks.agree_max, agreed.kept_units)
     line = choice.describe() if (per_unit, kept_units) == (choice.per_unit, choice.kept_units) else (
         "planner: the fewest blocks per unit and units kept gathered any rank chose")
     kept = dataclasses.replace(agreed, kept_units=kept_units).kept_gathered(len(names))

@@ -102,3 +102,16 @@ def test_the_planners_units_keep_to_memory_budget_without_auto(mesh):
 @pytest.mark.parametrize("budget", [0.5, 2**30])
 def test_memory_budget_is_accepted_without_auto(budget):
     assert CheckpointingPolicy(blocks=True, memory_budget=budget).memory_budget == budget
+
+
+def test_ranks_agree_on_the_fewest_blocks_per_unit_any_rank_chose():
+    """One agreement for "auto" and the grouping: a rank that chose larger units redoes its choice for the size
+    another rank chose; one that chose the fewest keeps its own."""
+    from lightning_vitscale.memory import agree_on_unit_size, fewest
+
+    def other_rank_chose_two(value: int) -> int:  # Ranks.agree_max with a second rank passing -2
+        return max(value, -2)
+
+    assert fewest(other_rank_chose_two, 4) == 2
+    assert agree_on_unit_size("mine", 4, lambda k: f"redone for {k}", other_rank_chose_two) == "redone for 2"
+    assert agree_on_unit_size("mine", 1, lambda k: f"redone for {k}", other_rank_chose_two) == "mine"
