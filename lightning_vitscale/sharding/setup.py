@@ -33,7 +33,7 @@ from lightning_vitscale.memory import (
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, VitScalePrecision
 from lightning_vitscale.sharding.activation_checkpointing import CHECKPOINT_MODES, apply_activation_checkpointing
 from lightning_vitscale.sharding.gradient_sync import gradient_sync_off, unsharded_gradient_bytes
-from lightning_vitscale.sharding.outer_unit import OuterUnit
+from lightning_vitscale.sharding.outer_unit import OuterUnit, reshard_units
 from lightning_vitscale.sharding.parallelize import parallelize
 from lightning_vitscale.sharding.planning import apply_auto_choice, plan_before_sharding, plans_from_batch
 from lightning_vitscale.sharding.ranks import Ranks
@@ -134,11 +134,11 @@ class ShardedModel:
         self.outer.release()
 
     def reshard(self) -> None:
-        """Back to the shards after an evaluation loop: FSDP2 keeps the outer unit gathered after forward for a
-        backward that never comes; users then see sharded DTensors again, and memory drops."""
+        """Back to the shards after an evaluation loop: FSDP2 keeps the outer unit, and every block unit kept
+        gathered for backward (the planner's choice), gathered after forward for a backward that never comes; users
+        then see sharded DTensors again, and memory drops."""
         self.outer.release()
-        if isinstance(self.outer, FSDPModule):
-            self.outer.reshard()
+        reshard_units(self.outer)
 
 
 def shard_lightning_module(
