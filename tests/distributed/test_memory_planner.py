@@ -33,7 +33,7 @@ TOLERANCE = 0.10
 
 @pytest.fixture(scope="module")
 def fit_steps(tmp_path_factory):
-    return launch_ranks(tmp_path_factory, "planner_fit", FIT_SCRIPT, CELLS, timeout=420, **MMAP_THRESHOLD_ENV)[1]
+    return launch_ranks(tmp_path_factory, "planner_fit", FIT_SCRIPT, CELLS, **MMAP_THRESHOLD_ENV)[1]
 
 
 @pytest.mark.parametrize("cell", AUTO_CELLS)
