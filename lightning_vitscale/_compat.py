@@ -52,7 +52,7 @@ from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 from torch.nn.modules.instancenorm import _InstanceNorm as InstanceNormBase
 from torch.optim.optimizer import _get_fused_kernels_supported_devices as fused_kernel_devices
 from torch.serialization import _get_layout as get_layout  # FSDP1 local files: a tensor's layout, pickled
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 # `dcp_load_into` reads a whole DCP checkpoint into one process with no process group, as `dcp_to_torch_save`
 # does (the public `dcp.load` fills a copy of the state dict, so the populated keys would be lost).
@@ -195,6 +195,13 @@ def checkpoint_dir(callback: Any, trainer: Any) -> str:
     return str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
 
 
+def train_dataloader(trainer: Any) -> Any:
+    """What ``Trainer.fit`` will train on (the ``train_dataloaders`` argument, the module's or datamodule's
+    ``train_dataloader()``), before Lightning sets it up; ``None`` when there is none."""
+    source = trainer.fit_loop._data_source
+    return source.dataloader() if source.is_defined() else None
+
+
 def compile_context(module: Any) -> Any:
     """The compile context Lightning's ``from_compiled`` left on a LightningModule (``None`` if not compiled)."""
     ctx = getattr(module, "_compiler_ctx", None)
@@ -253,6 +260,8 @@ __all__ = [
     "set_unshard_async",
     "setup_distributed",
     "timm_save_config_for_hf",
+    "tree_leaves",
     "tree_map",
+    "train_dataloader",
     "unit_parameters",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -39,6 +39,13 @@ def full_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def shard_rows(rows: int, shard_group: int) -> int:
     """Rows of dim 0 each rank holds: FSDP2 pads dim 0 to a multiple of the shard-group size (``torch.chunk``)."""
     return math.ceil(rows / shard_group)
+
+
+def shard_numel(shapes: Iterable[Sequence[int]], shard_group: int) -> int:
+    """Elements the fullest rank of a shard group holds: FSDP2 shards dim 0 and pads it to a multiple of the
+    group size (the padded total is ``shard_group`` times this). The one padded-numel count: the memory model and
+    the traffic report both use it."""
+    return sum(shard_rows(s[0] if len(s) else 1, shard_group) * math.prod(s[1:]) for s in shapes)
 
 
 def mib(n: float, digits: int = 1) -> str:

@@ -163,7 +163,9 @@ class VitScaleStrategy(ModelParallelStrategy):
         self.config = self.resolved.config_view()  # the request; `.kernels` the resolved policy, deprecated
         creation, self._creation = self._creation, None
         ranks = self._ranks()
-        self.sharded = shards.shard_lightning_module(module, self.resolved, self.precision_plugin, ranks, creation)
+        self.sharded = shards.shard_lightning_module(
+            module, self.resolved, self.precision_plugin, ranks, creation, fitting=trainer if fitting else None
+        )
         self.model = self.sharded.outer
         self.sharded.release()  # a copy gathered by a call after an earlier fit must not reach the optimizer
         self.barrier()

@@ -18,11 +18,11 @@ from lightning_vitscale.memory.auto_checkpointing import (
     describe_prediction,
     device_memory,
     measure_for_summary,
-    resolve_budget,
 )
 from lightning_vitscale.memory.gradient_release import may_release_after_step, release_gradients
 from lightning_vitscale.memory.memory_plan import MemoryPlan
-from lightning_vitscale.memory.planner import plan_memory
+from lightning_vitscale.memory.planner import agree_on_unit_size, fewest, plan_memory, resolve_budget
+from lightning_vitscale.memory.planning_batch import PlanningBatch, planning_batch
 from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
 from lightning_vitscale.memory.state_bytes import StateBytes, measure_state_bytes
 from lightning_vitscale.memory.step_cost import rates_for
@@ -35,19 +35,23 @@ __all__ = [
     "AccumulationMode",
     "AutoCheckpointing",
     "MemoryPlan",
+    "PlanningBatch",
     "SAVED_OPS",
     "StateBytes",
     "StepInputs",
     "StepSettings",
     "UnitChoice",
+    "agree_on_unit_size",
     "choose_accumulation",
     "choose_blocks_per_unit",
     "describe_prediction",
     "device_memory",
+    "fewest",
     "measure_for_summary",
     "may_release_after_step",
     "measure_state_bytes",
     "plan_memory",
+    "planning_batch",
     "rates_for",
     "release_gradients",
     "resolve_budget",

@@ -26,6 +26,8 @@ from lightning_vitscale.memory.op_costs import BlockWork, measure_work
 from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
 
 _CPU = torch.device("cpu")
+StepCall = Callable[[nn.Module, Any], Any]
+"""How the measured forward is run: ``call(model, fake_input)`` (default ``model(fake_input)``, a tuple unpacked)."""
 
 
 @dataclass(frozen=True)
@@ -192,8 +194,10 @@ def measure_activations(
     example_input: Any,
     compute: torch.dtype = torch.float32,
     norms: list[nn.Module] | None = None,
+    call: StepCall | None = None,
 ) -> ActivationProfile:
-    """Run ``model(example_input)`` and one backward on fake tensors; return what each block keeps and needs.
+    """Run ``model(example_input)`` (or ``call(model, example_input)``) and one backward on fake tensors; return
+    what each block keeps and needs.
 
     ``norms`` run in fp32 as the strategy runs them (inputs upcast, outputs cast back). Floating inputs are cast
     to ``compute`` as FSDP's root unit casts them. Nothing is allocated and ``model`` is left as it was.
@@ -211,7 +215,8 @@ def measure_activations(
             b.register_forward_pre_hook(recorder.enter(i)), b.register_forward_hook(recorder.leave))]
         try:
             with mode, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
-                out = model(*fake_input) if isinstance(fake_input, tuple) else model(fake_input)
+                out = (call(model, fake_input) if call is not None else
+                       model(*fake_input) if isinstance(fake_input, tuple) else model(fake_input))
         finally:
             for handle in handles:
                 handle.remove()

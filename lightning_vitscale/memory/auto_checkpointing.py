@@ -13,7 +13,6 @@ choice (``sharding/setup.py``).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +25,16 @@ from lightning_vitscale._utils import available_host_bytes, human_bytes
 from lightning_vitscale.memory.gradient_release import may_release_after_step
 from lightning_vitscale.memory.memory_plan import MemoryPlan
 from lightning_vitscale.memory.plan_search import BlockMode, BlockPlan
-from lightning_vitscale.memory.planner import DEFAULT_FRACTION, choose, step_inputs
+from lightning_vitscale.memory.planner import agree_on_unit_size, batch_size_of, choose, resolve_budget
+from lightning_vitscale.memory.planning_batch import (
+    EXAMPLE_INPUT,
+    FIRST_STEP,
+    PlanningBatch,
+    first_tensor_input,  # noqa: F401 - importable from here, as before it moved
+    measure_batch,
+    meta_twin,
+    planning_batch,
+)
 from lightning_vitscale.memory.step_cost import rates_for
 from lightning_vitscale.memory.step_model import StepInputs, StepSettings, TrainingLoop, predict_step
 
@@ -44,6 +52,8 @@ class AutoChoice:
     blocks: BlockPlan
     warning: str | None = None
     hint: str | None = None
+    measured: str = EXAMPLE_INPUT
+    """Where the batch came from and how it was run (:func:`~.planning_batch.measure_batch`)."""
 
     @property
     def modes(self) -> dict[str, BlockMode]:
@@ -64,7 +74,8 @@ class AutoChoice:
     def describe(self) -> str:
         p, n = self.plan, len(self.block_names)
         every, none = p.all_checkpointed.breakdown.peak, p.none_checkpointed.breakdown.peak
-        return (f"auto: {self.blocks.describe(n)}, predicted peak {human_bytes(p.chosen.breakdown.peak)} per rank"
+        return (f"auto: {self.blocks.describe(n)} (measured on {self.measured}),"
+                f" predicted peak {human_bytes(p.chosen.breakdown.peak)} per rank"
                 f" (budget {human_bytes(p.budget)}; every block full {human_bytes(every)}, none {human_bytes(none)});"
                 f" predicted step time it adds {p.extra_seconds * 1e3:.1f} ms (recompute, all-gathers, per unit)")
 
@@ -74,47 +85,6 @@ def device_memory(device: torch.device, local_ranks: int = 1) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return (available_host_bytes() or 0) // max(1, local_ranks)
-
-
-def resolve_budget(budget: int | float | None, total: int) -> int:
-    """``memory_budget`` -> bytes: an int is bytes, a float (or ``None`` = 0.9) a fraction of ``total``."""
-    if isinstance(budget, int) and not isinstance(budget, bool):
-        return budget
-    return int(total * (DEFAULT_FRACTION if budget is None else budget))
-
-
-def meta_twin(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` whose parameters and buffers are meta tensors: structure without data.
-
-    Tensors are mapped to meta stand-ins in ``deepcopy``'s memo, so no parameter is ever copied; anything the
-    module refers to that is not its own (trainer, device mesh) is shared, not copied.
-    """
-    memo: dict[int, Any] = {}
-    for tensor in [*module.parameters(), *module.buffers()]:
-        meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-    shared = {name: module.__dict__.get(name) for name in ("_trainer", "_device_mesh", "_fabric", "_metric_attributes")}
-    for value in shared.values():
-        if value is not None:
-            memo[id(value)] = value
-    twin = copy.deepcopy(module, memo)
-    # LightningModule.__getstate__ drops the trainer: put it back, the plan follows the Trainer's loop.
-    twin.__dict__.update({name: value for name, value in shared.items() if value is not None})
-    return twin
-
-
-def first_tensor_input(batch: Any) -> Any:
-    """The model input in a batch as Lightning passes it: a tensor, or the first element of a tuple/list/dict."""
-    if isinstance(batch, torch.Tensor):
-        return batch
-    if isinstance(batch, (tuple, list)) and batch:
-        return first_tensor_input(batch[0])
-    if isinstance(batch, dict) and batch:
-        return first_tensor_input(next(iter(batch.values())))
-    raise ValueError(
-        f"activation_checkpointing='auto' could not find the model input in a batch of type {type(batch).__name__}."
-        " Set `self.example_input_array` in the LightningModule, or pass activation_checkpointing=True."
-    )
 
 
 def training_loop(module: nn.Module) -> TrainingLoop:
@@ -162,28 +132,31 @@ def choose_blocks(
 ) -> AutoChoice:
     """Run ``model`` (the un-sharded module or its meta twin) on fake tensors and pick each block's checkpointing
     and reshard, for the offload setting that is on and the loop order of the Trainer ``model`` is attached to.
+    ``example_input``: fed to ``forward``, or a :class:`~.planning_batch.PlanningBatch` (a training batch runs
+    through ``training_step``).
     ``may_keep_gathered=False``: every block reshards after forward (the user chose ``reshard_after_forward``).
     ``per_unit``: the blocks per FSDP unit, or ``None`` to choose them too (only before the model is sharded).
     ``compare_units``: the blocks per unit are pinned only because the model is sharded already; say in
     :attr:`AutoChoice.hint` what a free choice would have saved."""
+    batch = example_input if isinstance(example_input, PlanningBatch) else PlanningBatch(example_input, EXAMPLE_INPUT)
     try:
-        inputs: StepInputs = step_inputs(model, example_input, world_size=world_size, precision=precision,
-                                         optimizer=optimizer, blocks=blocks, device=device,
-                                         loop=training_loop(model))
+        inputs, how = measure_batch(model, batch, world_size=world_size, precision=precision, optimizer=optimizer,
+                                    blocks=blocks, device=device, loop=training_loop(model))
     except Exception as error:  # a forward that cannot run on fake tensors must say what to do instead
         raise RuntimeError(
             f"activation_checkpointing='auto' could not measure {type(model).__name__} on fake tensors"
             f" ({type(error).__name__}: {error}). Pass activation_checkpointing=True (or an int / a predicate)."
         ) from error
-    batch = int(getattr(example_input, "shape", [1])[0]) if isinstance(example_input, torch.Tensor) else 1
+    batch_size = batch_size_of(batch.value)
+
     def plan_for(units: int | None) -> MemoryPlan:
-        return choose(inputs, budget, total, precision, batch, offload=offload, rates=rates_for(device),
+        return choose(inputs, budget, total, precision, batch_size, offload=offload, rates=rates_for(device),
                       reshard=None if may_keep_gathered else True, per_unit=units)
 
     plan = plan_for(per_unit)
     hint = grouping_hint(plan, plan_for(None)) if compare_units else None
     names = [b.name for b in inputs.profile.blocks]
-    return AutoChoice(plan, names, plan.blocks, unmet_budget(plan, inputs, offload), hint)
+    return AutoChoice(plan, names, plan.blocks, unmet_budget(plan, inputs, offload), hint, how)
 
 
 def grouping_hint(applied: MemoryPlan, free: MemoryPlan) -> str | None:
@@ -207,8 +180,9 @@ def optimizer_kind(optimizers: list[torch.optim.Optimizer]) -> str:
 
 
 class AutoCheckpointing:
-    """The ``"auto"`` lifecycle: decide at setup when the module has ``example_input_array``, else keep a meta
-    twin and decide at the first training step. ``choice`` holds the outcome for the caller to apply."""
+    """The ``"auto"`` lifecycle: decide at setup when a batch is known there (``example_input_array``, or one
+    batch of the train dataloader: :mod:`.planning_batch`), else keep a meta twin and decide at the first training
+    step. ``choice`` holds the outcome for the caller to apply."""
 
     def __init__(
         self,
@@ -233,20 +207,23 @@ class AutoCheckpointing:
     def pending(self) -> bool:
         return self.twin is not None and self.choice is None
 
-    def at_setup(self, module: nn.Module, device: torch.device, local_ranks: int, agree) -> AutoChoice | None:
-        """The choice to apply now, or ``None`` when the batch is not known yet (a meta twin is kept)."""
-        example = getattr(module, "example_input_array", None)
-        if example is None:
+    def at_setup(
+        self, module: nn.Module, device: torch.device, local_ranks: int, agree, batch: PlanningBatch | None = None
+    ) -> AutoChoice | None:
+        """The choice to apply now, or ``None`` when the batch is not known yet (a meta twin is kept). ``batch``:
+        what setup found (default: ``example_input_array``)."""
+        batch = batch or planning_batch(module, None)
+        if batch is None:
             self.twin = meta_twin(module)
             self.per_unit = self.per_unit or 1  # the units are made now, before the batch is known
             return None
-        return self._decide(module, example, device, local_ranks, agree, "adamw")
+        return self._decide(module, batch, device, local_ranks, agree, "adamw")
 
     def at_first_step(self, batch: Any, device: torch.device, local_ranks: int, agree, optimizers) -> AutoChoice:
         assert self.twin is not None
         try:
-            return self._decide(self.twin, first_tensor_input(batch), device, local_ranks, agree,
-                                optimizer_kind(optimizers))
+            return self._decide(self.twin, PlanningBatch(batch, FIRST_STEP, through_training_step=True), device,
+                                local_ranks, agree, optimizer_kind(optimizers))
         finally:
             self.twin = None
 
@@ -261,9 +238,8 @@ class AutoCheckpointing:
                                  compare_units=self.units_left_to_planner and self.per_unit is not None)
 
         choice = decide(self.per_unit)
-        if self.per_unit is None:  # every rank groups alike: the fewest blocks per unit any rank chose (least memory)
-            per_unit = -agree(-choice.blocks.per_unit)
-            choice = choice if per_unit == choice.blocks.per_unit else decide(per_unit)
+        if self.per_unit is None:
+            choice = agree_on_unit_size(choice, choice.blocks.per_unit, decide, agree)
         if choice.warning is not None:
             rank_zero_warn(choice.warning)
         if choice.hint is not None:
@@ -274,7 +250,8 @@ class AutoCheckpointing:
         full, checkpointed, resharded = agree(b.full), agree(b.full + b.selective), agree(b.resharded)
         self.per_unit = b.per_unit
         self.choice = AutoChoice(choice.plan, choice.block_names,
-                                 BlockPlan(full, checkpointed - full, resharded, b.per_unit), choice.warning)
+                                 BlockPlan(full, checkpointed - full, resharded, b.per_unit), choice.warning,
+                                 measured=choice.measured)
         return self.choice
 
     def describe(self) -> str:
@@ -285,18 +262,23 @@ class AutoCheckpointing:
 
 
 def measure_for_summary(
-    module: nn.Module, world_size: int, precision: str, blocks: Any, device: torch.device | None = None
-) -> StepInputs | None:
-    """Fake-tensor measurement for the setup summary's predicted peak, when ``example_input_array`` is set.
+    module: nn.Module,
+    batch: PlanningBatch | None,
+    world_size: int,
+    precision: str,
+    blocks: Any,
+    device: torch.device | None = None,
+) -> tuple[StepInputs, str] | None:
+    """Fake-tensor measurement of ``batch`` (see :func:`~.planning_batch.measure_batch`) for the setup summary's
+    predicted peak and the planner's grouping, and how it was measured.
 
-    Only informative: a module whose forward cannot run on fake tensors gets no prediction, not an error.
+    Only informative: a module whose step cannot run on fake tensors gets no prediction, not an error.
     """
-    example = getattr(module, "example_input_array", None)
-    if example is None:
+    if batch is None:
         return None
     try:
-        return step_inputs(module, example, world_size=world_size, precision=precision, blocks=blocks,
-                           device=device, loop=training_loop(module))
+        return measure_batch(module, batch, world_size=world_size, precision=precision, blocks=blocks,
+                             device=device, loop=training_loop(module))
     except Exception:  # noqa: BLE001 - see docstring
         return None
 
@@ -309,13 +291,14 @@ def describe_prediction(
     selective: Sequence[str] = (),
     blocks_per_unit: int = 1,
     kept_gathered: Sequence[str] = (),
+    measured_on: str = EXAMPLE_INPUT,
 ) -> tuple[int, str]:
     """The predicted peak for the settings the pipeline applied (``selective``: the blocks of ``checkpointed``
     checkpointed op-level; ``kept_gathered``: blocks whose unit stays gathered for backward), as bytes and as a
-    summary line."""
+    summary line (``measured_on``: the batch's source, see :func:`~.planning_batch.measure_batch`)."""
     names = [b.name for b in inputs.profile.blocks]
     indices = frozenset(i for i, name in enumerate(names) if name in set(checkpointed))
     chosen = frozenset(i for i in indices if names[i] in set(selective))
     kept = frozenset(i for i, name in enumerate(names) if name in set(kept_gathered))
     peak = predict_step(inputs, StepSettings(indices, reshard, offload, chosen, kept, blocks_per_unit))
-    return peak.peak, f"predicted peak {human_bytes(peak.peak)} per rank for example_input_array, at {peak.phase}"
+    return peak.peak, f"predicted peak {human_bytes(peak.peak)} per rank for {measured_on}, at {peak.phase}"

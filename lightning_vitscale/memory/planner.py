@@ -12,15 +12,17 @@ per-rank batch that fits.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
+from lightning_vitscale._compat import tree_leaves
 from lightning_vitscale._utils import GIB, MIB, human_bytes
 from lightning_vitscale.discovery import ModuleSelector, find_blocks, holds_parameters
-from lightning_vitscale.memory.activations import measure_activations
+from lightning_vitscale.memory.activations import StepCall, measure_activations
 from lightning_vitscale.memory.memory_plan import Candidate, MemoryPlan
 from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, search
 from lightning_vitscale.memory.step_cost import GPU_RATES, DeviceRates
@@ -45,6 +47,34 @@ DEVICE_MEMORY: dict[str, int] = {
     "l40s-48gb": 48 * GIB,
 }
 DEFAULT_FRACTION = 0.9
+"""The share of a device's memory a step may use when ``memory_budget`` is not given (the rest is headroom for the
+allocator): the one place this factor lives."""
+
+
+def resolve_budget(budget: int | float | None, total: int) -> int:
+    """``memory_budget`` -> bytes: an int is bytes, a float (or ``None`` = :data:`DEFAULT_FRACTION`) a fraction
+    of ``total``."""
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        return budget
+    return int(total * (DEFAULT_FRACTION if budget is None else budget))
+
+
+Agree = Callable[[int], int]
+"""The ranks' agreement: every rank passes its value and gets the largest any rank passed (``Ranks.agree_max``)."""
+T = TypeVar("T")
+
+
+def fewest(agree: Agree, value: int) -> int:
+    """The smallest ``value`` any rank passed (through the one agreement, :data:`Agree`)."""
+    return -agree(-value)
+
+
+def agree_on_unit_size(choice: T, per_unit: int, redo: Callable[[int], T], agree: Agree) -> T:
+    """Every rank groups its blocks alike: the fewest blocks per unit any rank chose (the least memory at once);
+    a rank that chose more redoes its choice for that size (``redo``). Free host memory differs by rank, so the
+    planner's choices may too; ``"auto"`` and ``blocks_per_unit=None`` agree through this and :func:`fewest`."""
+    agreed = fewest(agree, per_unit)
+    return choice if agreed == per_unit else redo(agreed)
 
 
 def parse_memory(spec: str | int | float) -> int:
@@ -108,7 +138,7 @@ def plan_memory(
     inputs = step_inputs(model, example_input, batch_size=batch_size, world_size=world_size, precision=precision,
                          optimizer=optimizer, blocks=blocks)
     device_bytes = parse_memory(device_memory)
-    planned_batch = batch_size or _batch_of(example_input)
+    planned_batch = batch_size or batch_size_of(example_input)
     return choose(inputs, int(device_bytes * memory_fraction), device_bytes, precision, planned_batch, per_unit=None)
 
 
@@ -123,12 +153,15 @@ def step_inputs(
     blocks: ModuleSelector | None = None,
     device: torch.device | str | None = None,
     loop: TrainingLoop | None = None,
+    call: StepCall | None = None,
 ) -> StepInputs:
     """Measure ``model`` on fake tensors and gather what :func:`predict_step` needs (see :func:`plan_memory`).
 
     ``device`` is where the step will run: on CPU the collectives' temporaries count (see
     :func:`~lightning_vitscale.memory.step_model.collective_copies`); ``None`` plans for a GPU with NCCL.
     ``loop`` says when gradients are alive (default: Lightning's automatic optimization, see :class:`TrainingLoop`).
+    ``call`` runs the measured step (default: ``model(example_input)``; :mod:`.planning_batch` runs
+    ``training_step`` on a training batch).
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not known; choose one of {', '.join(OPTIMIZER_STATES)}.")
@@ -136,8 +169,8 @@ def step_inputs(
         raise ValueError(f"world_size must be >= 1; got {world_size}.")
     policy = resolve_flag(precision)
     found, norms = model_parts(model, blocks, policy)
-    profile = measure_activations(model, found, example_input, policy.compute, norms)
-    measured_batch = _batch_of(example_input)
+    profile = measure_activations(model, found, example_input, policy.compute, norms, call)
+    measured_batch = batch_size_of(example_input)
     return StepInputs(
         layout=ModelLayout.of(model, [b for _, b in found], norms),
         profile=profile,
@@ -152,10 +185,8 @@ def step_inputs(
     )
 
 
-def _batch_of(example_input: Any) -> int:
-    first = example_input if isinstance(example_input, torch.Tensor) else next(
-        (t for t in example_input if isinstance(t, torch.Tensor)), None
-    )
+def batch_size_of(example_input: Any) -> int:
+    first = next((t for t in tree_leaves(example_input) if isinstance(t, torch.Tensor)), None)
     if first is None or first.dim() == 0:
         raise ValueError("example_input needs a tensor with a batch dimension first, e.g. torch.empty(8, 3, 224, 224).")
     return int(first.shape[0])

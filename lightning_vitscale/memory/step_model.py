@@ -19,7 +19,7 @@ from itertools import accumulate
 import torch
 from torch import nn
 
-from lightning_vitscale._utils import shard_rows
+from lightning_vitscale._utils import shard_numel
 from lightning_vitscale.memory.activations import ActivationProfile, BlockMemory
 
 # Optimizer state tensors per parameter, in the parameter's (master) dtype, as torch's optimizers keep them.
@@ -59,11 +59,6 @@ class ModelLayout:
 
 def _numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape) if shape else 1
-
-
-def shard_numel(shapes: list[tuple[int, ...]], world: int) -> int:
-    """Elements the fullest rank holds: FSDP2 shards dim 0 and pads it to a multiple of the world size."""
-    return sum(shard_rows(s[0] if s else 1, world) * _numel(s[1:]) for s in shapes)
 
 
 @dataclass(frozen=True)

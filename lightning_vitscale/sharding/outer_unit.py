@@ -95,7 +95,7 @@ class OuterUnit(nn.Module):
             return  # FSDP resharded it already (e.g. its state-dict hooks)
         for module, name in self._owned:
             getattr(module, name).grad = None  # the unsharded parameter: FSDP would add this to the next step
-        self.reshard()
+        reshard_units(self)
 
     def _is_sharded(self) -> bool:
         module, name = self._owned[0]
@@ -157,7 +157,16 @@ def _reshard_after_eval_step(outer: OuterUnit, args: Any, output: Any) -> None:
     # here (after FSDP's own post-forward) means callbacks between steps, such as on_validation_epoch_end, see
     # the sharded parameters they can update, at one outer-unit all-gather per evaluation step.
     if not torch.is_grad_enabled() and isinstance(outer, FSDPModule):
-        outer.reshard()
+        reshard_units(outer)
+
+
+def reshard_units(outer: nn.Module) -> None:
+    """Every FSDP unit under ``outer`` back to its shards: the outer unit, and the block units the planner keeps
+    gathered from forward to backward (``reshard_after_forward=False``), which a forward without a backward (an
+    evaluation step, a call outside a step) would otherwise leave gathered. Units already sharded are untouched."""
+    for unit in outer.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
 
 
 def _outer_unit_parameters(model: nn.Module) -> list[tuple[nn.Module, str]]:

@@ -1,7 +1,8 @@
 """What the planner decides before the pipeline runs, from the batch when it is known at setup
-(``example_input_array``): ``activation_checkpointing="auto"``'s plan (else a meta twin waits for the first
-batch) and, for checkpointing the user chose, ``blocks_per_unit=None``'s grouping; afterwards, how the choice is
-applied to the sharded units and described in the setup summary.
+(``example_input_array``, else one batch of the train dataloader: ``memory/planning_batch.py``):
+``activation_checkpointing="auto"``'s plan (else a meta twin waits for the first batch) and, for checkpointing the
+user chose, ``blocks_per_unit=None``'s grouping; afterwards, how the choice is applied to the sharded units and
+described in the setup summary.
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_vitscale.memory import (
     AutoCheckpointing,
+    PlanningBatch,
     StepInputs,
     StepSettings,
+    agree_on_unit_size,
     choose_blocks_per_unit,
     describe_prediction,
     device_memory,
+    fewest,
     measure_for_summary,
+    planning_batch,
     rates_for,
     resolve_budget,
 )
@@ -39,7 +44,8 @@ class Planned:
     Attributes:
         resolved: the resolved settings with ``"auto"``'s blocks and the blocks per unit chosen where they could be.
         auto: the ``"auto"`` lifecycle (its choice, or the meta twin waiting for the first batch); ``None`` if off.
-        measured: the fake-tensor measurement for the summary's predicted peak (``example_input_array``).
+        measured: the fake-tensor measurement for the summary's predicted peak (the batch known at setup).
+        measured_on: where that batch came from and what ran on it.
         units_choice: why the blocks per unit are what they are, where the planner chose them.
         kept_gathered: blocks whose unit the planner keeps gathered from forward to backward (their units'
             reshard left to it: ``reshard_after_forward=None``).
@@ -48,6 +54,7 @@ class Planned:
     resolved: ResolvedConfig
     auto: AutoCheckpointing | None = None
     measured: StepInputs | None = None
+    measured_on: str = ""
     units_choice: str | None = None
     kept_gathered: tuple[str, ...] = ()
 
@@ -63,23 +70,38 @@ class Planned:
             reshard = resolved.sharding.reshard_after_forward is not False
             summary.predicted_peak, summary.memory = describe_prediction(
                 self.measured, summary.checkpointed, reshard, offloads(resolved.sharding, device), summary.selective,
-                resolved.blocks_per_unit, self.kept_gathered,
+                resolved.blocks_per_unit, self.kept_gathered, self.measured_on,
             )
 
 
+def plans_from_batch(resolved: ResolvedConfig) -> bool:
+    """Whether the planner chooses anything from a batch (so that setup should find one in the training data):
+    under ``activation_checkpointing="auto"``, or to group blocks into units (``blocks_per_unit=None``)."""
+    return resolved.requested.checkpointing.is_auto or resolved.sharding.blocks_per_unit is None
+
+
 def plan_before_sharding(
-    module: nn.Module, resolved: ResolvedConfig, precision: PrecisionPolicy, ranks: Ranks
+    module: nn.Module,
+    resolved: ResolvedConfig,
+    precision: PrecisionPolicy,
+    ranks: Ranks,
+    batch: PlanningBatch | None = None,
 ) -> Planned:
-    """The planner's part of setup, before any unit exists (every rank calls it: it agrees by collectives)."""
-    auto, resolved = _auto_checkpointing(module, resolved, precision, ranks)
+    """The planner's part of setup, before any unit exists (every rank calls it: it agrees by collectives).
+    ``batch``: what it measures (``memory.planning_batch``); ``None``: ``example_input_array`` if set."""
+    auto, resolved = _auto_checkpointing(module, resolved, precision, ranks, batch)
     if auto is not None:
         return Planned(resolved, auto)
     sharding = resolved.sharding
-    measured = measure_for_summary(module, ranks.sharding_mesh.size(), precision.name, sharding.blocks, ranks.device)
-    if measured is None or sharding.blocks_per_unit is not None:  # the user chose the blocks per unit
-        return Planned(resolved, measured=measured)
+    found = measure_for_summary(module, batch or planning_batch(module, None), ranks.sharding_mesh.size(),
+                                precision.name, sharding.blocks, ranks.device)
+    if found is None:
+        return Planned(resolved)
+    measured, measured_on = found
+    if sharding.blocks_per_unit is not None:  # the user chose the blocks per unit
+        return Planned(resolved, measured=measured, measured_on=measured_on)
     resolved, line, kept = _choose_units(module, resolved, measured, ranks)
-    return Planned(resolved, measured=measured, units_choice=line, kept_gathered=kept)
+    return Planned(resolved, measured=measured, measured_on=measured_on, units_choice=line, kept_gathered=kept)
 
 
 def _choose_units(
@@ -97,13 +119,13 @@ def _choose_units(
         offload=offloads(sharding, ranks.device),
         selective=frozenset(i for i, mode in enumerate(modes) if mode == "selective"),
     )
-    budget = resolve_budget(None, device_memory(ranks.device, ranks.ranks_per_node))
+    budget = resolve_budget(resolved.requested.checkpointing.memory_budget,
+                            device_memory(ranks.device, ranks.ranks_per_node))
     may_keep, rates = sharding.reshard_after_forward is None, rates_for(ranks.device)
     choice = choose_blocks_per_unit(measured, settings, budget, rates, may_keep)
-    per_unit = -ranks.agree_max(-choice.per_unit)
-    agreed = choice if per_unit == choice.per_unit else choose_blocks_per_unit(
-        measured, settings, budget, rates, may_keep, per_unit=per_unit)
-    kept_units = -ranks.agree_max(-agreed.kept_units)
+    agreed = agree_on_unit_size(choice, choice.per_unit, lambda k: choose_blocks_per_unit(
+        measured, settings, budget, rates, may_keep, per_unit=k), ranks.agree_max)
+    per_unit, kept_units = agreed.per_unit, fewest(ranks.agree_max, agreed.kept_units)
     line = choice.describe() if (per_unit, kept_units) == (choice.per_unit, choice.kept_units) else (
         "planner: the fewest blocks per unit and units kept gathered any rank chose")
     kept = dataclasses.replace(agreed, kept_units=kept_units).kept_gathered(len(names))
@@ -116,7 +138,11 @@ def offloads(sharding: ShardingPolicy, device: torch.device) -> bool:
 
 
 def _auto_checkpointing(
-    module: nn.Module, resolved: ResolvedConfig, precision: PrecisionPolicy, ranks: Ranks
+    module: nn.Module,
+    resolved: ResolvedConfig,
+    precision: PrecisionPolicy,
+    ranks: Ranks,
+    batch: PlanningBatch | None = None,
 ) -> tuple[AutoCheckpointing | None, ResolvedConfig]:
     """The ``"auto"`` lifecycle and ``resolved`` with the blocks chosen at setup, if the choice could be made now."""
     requested = resolved.requested
@@ -128,7 +154,7 @@ def _auto_checkpointing(
         offload=offloads(requested.sharding, ranks.device),
         blocks_per_unit=requested.sharding.blocks_per_unit,
     )
-    choice = auto.at_setup(module, ranks.device, ranks.ranks_per_node, ranks.agree_max)
+    choice = auto.at_setup(module, ranks.device, ranks.ranks_per_node, ranks.agree_max, batch)
     if choice is None:
         return auto, resolved  # decided at the first training step, from its batch
     chosen = dataclasses.replace(resolved, checkpoint_choice=choice.modes, blocks_per_unit=choice.blocks.per_unit)

@@ -53,8 +53,9 @@ class ShardingPolicy:
         default=None,
         metadata={"doc": (
         "``None`` is the recipe: blocks free their gathered parameters after forward, the outer unit keeps its own"
-        " for backward; where the planner knows the batch at setup (``example_input_array``, with"
-        " ``blocks_per_unit=None`` or ``activation_checkpointing=\"auto\"``) the last units stay gathered for backward"
+        " for backward; where the planner knows the batch at setup (``example_input_array``, or one batch of the"
+        " train dataloader when fitting; with ``blocks_per_unit=None`` or ``activation_checkpointing=\"auto\"``)"
+        " the last units stay gathered for backward"
         " as far as the memory budget allows (one all-gather per unit fewer). ``True``/``False`` force it for every"
         " unit; an ``int`` reshards the blocks to that smaller world size (FSDP2 hybrid reshard)."
     )},
@@ -118,8 +119,8 @@ class ShardingPolicy:
         metadata={"doc": (
         "Consecutive blocks per FSDP unit (the last unit may hold fewer). ``1`` is the recipe (least gathered"
         " memory); ``k > 1`` runs one all-gather, reduce-scatter and set of FSDP hooks per ``k`` blocks, with up to"
-        " ``k`` blocks' parameters and gradients gathered at once. ``None``: 1, or the planner's choice where the"
-        " batch is known at setup (``example_input_array``)."
+        " ``k`` blocks' parameters and gradients gathered at once. ``None``: the planner's choice from the batch"
+        " known at setup (``example_input_array``, else one batch of the train dataloader when fitting), else 1."
     )},
     )
 
@@ -249,18 +250,19 @@ class CheckpointingPolicy:
             " memory); ``\"selective\"``: every block stores the matmul, convolution and attention outputs and"
             " recomputes only the cheap ops; ``False``: none; ``k``: every k-th block, fully; a predicate"
             " ``(name, module) -> True/False/\"full\"/\"selective\"`` per block; ``\"auto\"``: the plan (per block"
-            " none/selective/full, per unit resharded or kept gathered, and with ``example_input_array`` the blocks"
-            " per unit) with the least predicted extra step time whose predicted per-rank peak fits"
-            " ``memory_budget``, decided at setup from ``example_input_array``, else at the first training step"
-            " (docs/memory.md)."
+            " none/selective/full, per unit resharded or kept gathered, and the blocks per unit when decided at"
+            " setup) with the least predicted extra step time whose predicted per-rank peak fits ``memory_budget``,"
+            " decided at setup from ``example_input_array`` or one batch of the train dataloader (run through"
+            " ``training_step``), else at the first training step (docs/memory.md)."
         )},
     )
     memory_budget: int | float | None = field(
         default=None,
         metadata={"doc": (
-            "Only with ``activation_checkpointing=\"auto\"``: bytes a training step may use per rank (an ``int``), or"
-            " a fraction of the device's memory (a ``float`` in (0, 1]; on CPU of the host's available memory"
-            " divided among the local ranks). ``None`` is 0.9."
+            "Bytes a training step may use per rank (an ``int``), or a fraction of the device's memory (a ``float`` in"
+            " (0, 1]; on CPU of the host's available memory divided among the local ranks); ``None`` is 0.9. Every"
+            " choice the planner makes keeps to it: ``activation_checkpointing=\"auto\"``, the blocks per unit and"
+            " units kept gathered (``blocks_per_unit=None``) and ``accumulation=\"auto\"``."
         )},
     )
 
@@ -285,12 +287,6 @@ class CheckpointingPolicy:
         budget = self.memory_budget
         if budget is None:
             return
-        if self.blocks != "auto":
-            raise ValueError(
-                f"`memory_budget={budget!r}` is only used by activation_checkpointing='auto'; got"
-                f" activation_checkpointing={self.blocks!r}. Pass activation_checkpointing='auto' or drop"
-                " memory_budget."
-            )
         if isinstance(budget, bool) or not isinstance(budget, (int, float)):
             raise TypeError(f"`memory_budget` must be an int (bytes) or a float fraction in (0, 1]; got {budget!r}.")
         if isinstance(budget, float) and not 0.0 < budget <= 1.0:

@@ -25,15 +25,17 @@ from lightning_vitscale.memory import (
     AccumulationChoice,
     AccumulationMode,
     AutoCheckpointing,
+    PlanningBatch,
     choose_accumulation,
     device_memory,
+    planning_batch,
 )
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, VitScalePrecision
 from lightning_vitscale.sharding.activation_checkpointing import CHECKPOINT_MODES, apply_activation_checkpointing
 from lightning_vitscale.sharding.gradient_sync import gradient_sync_off, unsharded_gradient_bytes
-from lightning_vitscale.sharding.outer_unit import OuterUnit
+from lightning_vitscale.sharding.outer_unit import OuterUnit, reshard_units
 from lightning_vitscale.sharding.parallelize import parallelize
-from lightning_vitscale.sharding.planning import apply_auto_choice, plan_before_sharding
+from lightning_vitscale.sharding.planning import apply_auto_choice, plan_before_sharding, plans_from_batch
 from lightning_vitscale.sharding.ranks import Ranks
 from lightning_vitscale.sharding.resolved import ResolvedConfig
 from lightning_vitscale.sharding.reuse import check_reusable, sharding_signature
@@ -56,6 +58,7 @@ class ShardedModel:
         auto: ``activation_checkpointing="auto"``: its choice, or the meta twin waiting for the first batch.
         signature: the settings it was sharded with; another Trainer may reuse it only with the same ones.
         accumulation: whether micro-batches before the last skip the gradient sync; chosen at the first one.
+        memory_budget: the user's ``memory_budget`` (``accumulation="auto"`` keeps to it too).
     """
 
     outer: OuterUnit
@@ -65,6 +68,7 @@ class ShardedModel:
     auto: AutoCheckpointing | None
     signature: dict[str, Any]
     accumulation: AccumulationChoice | None = None
+    memory_budget: int | float | None = None
     _syncing: bool = field(default=True, repr=False)
 
     @property
@@ -72,7 +76,7 @@ class ShardedModel:
         return self.outer.module
 
     def before_training_step(self, batch: Any, ranks: Ranks, optimizers: list[torch.optim.Optimizer]) -> None:
-        """``activation_checkpointing="auto"`` without ``example_input_array``: decide from the first batch, then
+        """``activation_checkpointing="auto"`` without a batch at setup: decide from the first batch, then
         checkpoint the chosen blocks in place (they are FSDP units already: the patched forward runs inside
         the block's FSDP hooks, as when it is applied before ``fully_shard``)."""
         if self.auto is None or not self.auto.pending:
@@ -119,7 +123,8 @@ class ShardedModel:
         measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         in_use = max(self.summary.predicted_peak or 0, measured)
         extra = unsharded_gradient_bytes(self.module, compute)
-        choice = choose_accumulation(mode, extra, in_use, device_memory(device, ranks.ranks_per_node))
+        choice = choose_accumulation(mode, extra, in_use, device_memory(device, ranks.ranks_per_node),
+                                     self.memory_budget)
         if mode == "auto" and ranks.agree_max(0 if choice.unsharded else 1):  # every rank must fit
             return AccumulationChoice(False, choice.reason.replace("fits", "fits here but not on every rank"))
         return choice
@@ -129,11 +134,11 @@ class ShardedModel:
         self.outer.release()
 
     def reshard(self) -> None:
-        """Back to the shards after an evaluation loop: FSDP2 keeps the outer unit gathered after forward for a
-        backward that never comes; users then see sharded DTensors again, and memory drops."""
+        """Back to the shards after an evaluation loop: FSDP2 keeps the outer unit, and every block unit kept
+        gathered for backward (the planner's choice), gathered after forward for a backward that never comes; users
+        then see sharded DTensors again, and memory drops."""
         self.outer.release()
-        if isinstance(self.outer, FSDPModule):
-            self.outer.reshard()
+        reshard_units(self.outer)
 
 
 def shard_lightning_module(
@@ -142,8 +147,12 @@ def shard_lightning_module(
     precision: VitScalePrecision,
     ranks: Ranks,
     creation: Creation | None,
+    fitting: Any | None = None,
 ) -> ShardedModel:
     """Shard ``module`` once; later calls with the same settings return the same :class:`ShardedModel`.
+
+    ``fitting``: the Trainer when it is about to fit: the planner may then measure one batch of its training data
+    (``memory/planning_batch.py``) where the module sets no ``example_input_array``.
 
     Kept in the module's ``__dict__`` (not as a submodule): the LightningModule must not contain its own wrapper.
     A module sharded under other settings raises :class:`~lightning_vitscale.ShardedModuleReuseError`.
@@ -153,7 +162,9 @@ def shard_lightning_module(
     )
     sharded: ShardedModel | None = module.__dict__.get(_SHARDED_ATTR)
     if sharded is None:
-        sharded = module.__dict__[_SHARDED_ATTR] = _shard(module, resolved, precision, ranks, creation, signature)
+        batch = planning_batch(module, fitting if plans_from_batch(resolved) else None)
+        sharded = module.__dict__[_SHARDED_ATTR] = _shard(module, resolved, precision, ranks, creation, signature,
+                                                          batch)
         rank_zero_info(sharded.summary.summary())
     check_reusable(sharded.signature, signature)
     return sharded
@@ -166,14 +177,16 @@ def _shard(
     ranks: Ranks,
     creation: Creation | None,
     signature: dict[str, Any],
+    batch: PlanningBatch | None,
 ) -> ShardedModel:
     # 1. Master weights in the master dtype (norms keep theirs). No `module.to(device)`: FSDP moves each unit's
     #    shards to the device as it shards the unit, so no rank ever holds the whole model on the device.
     module = precision.convert_module(module)
     outer = OuterUnit(module)
-    # 2. The planner decides before the pipeline what it can from the input, if known (example_input_array):
-    #    "auto" checkpointing, blocks per unit. It measures the plain module: once sharded, running it would gather.
-    planned = plan_before_sharding(module, resolved, precision.policy, ranks)
+    # 2. The planner decides before the pipeline what it can from the batch, if known (example_input_array, or
+    #    one batch of the training data): "auto" checkpointing, blocks per unit, units kept gathered. It measures
+    #    the plain module (or its meta twin): once sharded, running it would gather.
+    planned = plan_before_sharding(module, resolved, precision.policy, ranks, batch)
     # 3. The recipe: norms, casts, attention routing, checkpointing, compile, block units, the outer unit.
     done = parallelize(
         outer, module, ranks.sharding_mesh, planned.resolved, precision.policy, ranks.device, creation,
@@ -190,7 +203,8 @@ def _shard(
     #    step, as under DDP. Every unit exists and holds real (not meta) shards by here.
     if isinstance(outer, FSDPModule):
         initialize_fsdp_root(outer)
-    return ShardedModel(outer, done.plan, done.norms, done.router, auto, signature)
+    return ShardedModel(outer, done.plan, done.norms, done.router, auto, signature,
+                        memory_budget=resolved.requested.checkpointing.memory_budget)
 
 
 def _describe_layout(

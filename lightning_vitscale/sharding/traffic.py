@@ -16,14 +16,13 @@ mesh, an all-reduce of the reduced shard across the replicas. fp32 norms add one
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_vitscale._utils import mib, shard_rows
+from lightning_vitscale._utils import mib, shard_numel
 from lightning_vitscale.precision import PrecisionPolicy
 from lightning_vitscale.sharding.settings import unit_reshard
 
@@ -65,11 +64,6 @@ def _own_params(module: nn.Module) -> list[nn.Parameter]:
     return params
 
 
-def _padded_numel(shapes: tuple[torch.Size, ...], shard: int) -> int:
-    """FSDP2 pads dim 0 of every parameter to a multiple of the shard-group size."""
-    return sum(shard_rows(shape[0] if len(shape) else 1, shard) * shard * math.prod(shape[1:]) for shape in shapes)
-
-
 def _ring(nbytes: float, ranks: int, reduce: bool = False) -> float:
     return (2.0 if reduce else 1.0) * nbytes * (ranks - 1) / ranks
 
@@ -108,7 +102,7 @@ def step_traffic(
     for unit in units:
         if not unit.shapes:
             continue
-        numel = _padded_numel(unit.shapes, shard_size)
+        numel = shard_numel(unit.shapes, shard_size) * shard_size  # dim 0 padded to the shard group
         tally.add(shard_group, numel * gather_bytes)  # forward all-gather
         if unit.reshard_after_forward is True:
             tally.add(shard_group, numel * gather_bytes)  # backward all-gather

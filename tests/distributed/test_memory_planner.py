@@ -17,12 +17,17 @@ FIT_SCRIPT = "tests/distributed/scripts/planner_fit.py"
 # gradients (kept through the next forward), and manual optimization (zero_grad first). Bigger models
 # (torchvision vit_b_16, timm vit_small) are in benchmarks/RESULTS.md (`python benchmarks/planner_trainer_fit.py`).
 # `auto-P`: activation_checkpointing="auto" under a budget P% of the way from every block checkpointed to none: a
-# plan mixing full, selective and no checkpointing (50), and one mixing resharded and gathered blocks (11);
-# `autok-P`: the same with example_input_array set, so the planner also groups blocks into units at setup (every
-# unit kept gathered, nothing checkpointed at 100; resharded and kept units of full and plain blocks at 11).
-AUTO_CELLS = ["deit_tiny:auto-50:32", "deit_tiny:auto-11:32", "deit_tiny:autok-100:32", "deit_tiny:autok-11:32"]
+# plan mixing full, selective and no checkpointing (50), and one mixing resharded and gathered blocks (11), decided
+# at setup from one batch of the train dataloader (no example_input_array), units included; `autok-P`: the same
+# from example_input_array (every unit kept gathered, nothing checkpointed at 100; resharded and kept units of full
+# and plain blocks at 11). `noforward`: a LightningModule without `forward` (training_step calls the network,
+# measured through training_step), under "auto" (50) and under `VitScaleStrategy()`'s defaults (`default`: every
+# block checkpointed, the planner's units).
+AUTO_CELLS = ["deit_tiny:auto-50:32:noforward", "deit_tiny:auto-11:32", "deit_tiny:autok-100:32",
+              "deit_tiny:autok-11:32"]
+DEFAULT_CELL = "deit_tiny:default:32:noforward"
 CELLS = ",".join([f"deit_tiny:{ac}:{batch}" for ac in ("off", "full", "selective") for batch in (8, 32)]
-                 + ["deit_tiny:off:8:observed", "deit_tiny:off:8:manual", *AUTO_CELLS])
+                 + ["deit_tiny:off:8:observed", "deit_tiny:off:8:manual", *AUTO_CELLS, DEFAULT_CELL])
 TOLERANCE = 0.10
 
 
@@ -33,9 +38,10 @@ def fit_steps(tmp_path_factory):
 
 @pytest.mark.parametrize("cell", AUTO_CELLS)
 def test_auto_applies_its_mixed_per_block_plan_and_trains_as_ddp(fit_steps, cell):
-    """The plan "auto" chose at the first step is what runs, block by block (checkpointing mode; gathered or
-    resharded between forward and backward), its losses are DDP's (fp32), and its predicted peak is the
-    planner's for that plan (the step's increment is checked against the measured one above)."""
+    """The plan "auto" chose at setup is what runs, block by block (checkpointing mode; gathered or resharded
+    between forward and backward) and unit by unit, with or without example_input_array and forward; its losses
+    are DDP's (fp32), and its predicted peak is the planner's for that plan (the step's increment is checked
+    against the measured one below)."""
     ac = cell.split(":")[1]
     # Modes each budget must mix (a subset: the planner may leave the last blocks unchecked where memory allows).
     expected_modes = {"auto-50": {"full", "selective"}, "auto-11": {"full"}, "autok-100": {None},
@@ -46,10 +52,15 @@ def test_auto_applies_its_mixed_per_block_plan_and_trains_as_ddp(fit_steps, cell
         assert (set(auto["modes"]) == {None}) is (ac == "autok-100"), auto["summary"]
         depth = len(auto["modes"])
         assert auto["gathered"] == auto["kept"], auto["summary"]
-        assert (0 < auto["resharded"] < depth) is (ac in ("auto-11", "autok-11")), auto["summary"]
-        # Blocks per unit: chosen at setup with example_input_array (the units made are the plan's), else 1.
+        # A tight budget mixes resharded and gathered units; with memory to spare every unit stays gathered.
+        assert 0 < auto["resharded"] < depth if ac.endswith("-11") else True, auto["summary"]
+        assert (auto["resharded"] == 0) is (ac == "autok-100"), auto["summary"]
+        # Blocks per unit: chosen at setup, from example_input_array or the train dataloader's first batch.
         per_unit = auto["per_unit"]
-        assert (per_unit > 1) is ac.startswith("autok") and auto["applied_per_unit"] == per_unit, auto["summary"]
+        assert per_unit > 1 and auto["applied_per_unit"] == per_unit, auto["summary"]
+        source = "example_input_array" if ac.startswith("autok") else "one batch of the train dataloader"
+        how = "through training_step)" if cell.endswith("noforward") else "through forward"
+        assert f"(measured on {source}, {how}" in auto["summary"], auto["summary"]
         assert auto["units"] == -(-depth // per_unit) + 1, auto["summary"]
         assert auto["predicted_peak"] == auto["planned_peak"] <= auto["budget"]
         full, selective = auto["modes"].count("full"), auto["modes"].count("selective")
@@ -74,8 +85,24 @@ def test_predicted_step_within_tolerance_of_a_trainer_fit_step(fit_steps, cell):
         # Automatic optimization with nothing observing gradients after the step: the strategy frees them there
         # (not after the next forward, where zero_grad would); a callback reading them, or manual optimization,
         # keeps them.
-        released = cell.split(":")[3:] in ([], ["acc2"])
+        released = cell.split(":")[3:] in ([], ["acc2"], ["noforward"])
         assert result["released"] is released and (result["grads_at_start"] == 0) is released, result
+
+
+def test_the_default_is_the_planners_grouping_without_example_input_array_or_forward(fit_steps):
+    """``VitScaleStrategy()`` as it comes on a LightningModule without ``forward`` and without
+    ``example_input_array``: the planner's blocks per unit and units kept gathered (every block checkpointed, the
+    host's memory to spare), from one batch of the train dataloader run through ``training_step``; the summary's
+    predicted peak is that of the units built, and the losses are DDP's."""
+    for rank in fit_steps:
+        default = rank[DEFAULT_CELL]["auto"]
+        depth = len(default["applied"])
+        assert default["applied"] == ["full"] * depth and default["per_unit"] > 1, default["summary"]
+        assert default["kept"] == list(range(depth)), default["summary"]  # the host's memory allows it
+        assert default["units"] == -(-depth // default["per_unit"]) + 1, default["summary"]
+        assert default["predicted_peak"] == default["planned_peak"], default["summary"]
+        assert "for one batch of the train dataloader, through training_step" in default["summary"]
+        assert default["losses"] == pytest.approx(default["ddp_losses"], rel=1e-5, abs=1e-6)
 
 
 def test_auto_applies_the_planners_choice_at_the_first_step(auto):

@@ -47,6 +47,7 @@ def _entry_points(strategy) -> dict:
     model = Gathering("encoder")
     t = trainer(strategy=strategy, max_steps=4, limit_val_batches=2, num_sanity_val_steps=1)
     t.fit(model, loader(), loader(n=16))
+    units_after_fit = t.strategy.plan.units if isinstance(strategy, VitScaleStrategy) else None
     logged_train_loss = float(t.callback_metrics["train_loss"])
     val = t.validate(model, loader(n=16), verbose=False)[0]
     test = t.test(model, loader(n=16), verbose=False)[0]
@@ -61,6 +62,7 @@ def _entry_points(strategy) -> dict:
     if isinstance(strategy, VitScaleStrategy):
         facts["params_are_dtensors"] = all(isinstance(p, DTensor) for p in model.parameters())
         facts["units_after_reuse"] = t.strategy.plan.units
+        facts["units_after_fit"] = units_after_fit
     return facts
 
 

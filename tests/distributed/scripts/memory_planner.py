@@ -88,8 +88,9 @@ def scenario(shape: str, ac: str, precision: str) -> dict:
 
 
 def auto_first_step() -> dict:
-    """``activation_checkpointing="auto"`` through Lightning, decided at the first step (no example_input_array),
-    under a budget halfway between every block and no block checkpointed."""
+    """``activation_checkpointing="auto"`` through Lightning, decided at the first step (no example_input_array,
+    and training data that is no ``DataLoader``, so no batch at setup), under a budget halfway between every block
+    and no block checkpointed."""
     import lightning as L
     from torch.utils.data import DataLoader
 
@@ -115,7 +116,7 @@ def auto_first_step() -> dict:
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     data = DataLoader(generated_images(n=64, image=64), batch_size=batch)
-    trainer.fit(model, data)
+    trainer.fit(model, Batches(data))
     # The default checkpointing with example_input_array set: the summary carries the predicted peak too.
     other = TinyViT(**kwargs)
     other.example_input_array = torch.randn(batch, 3, 64, 64)
@@ -140,6 +141,19 @@ def auto_first_step() -> dict:
                 expected_kept=sorted(kept),
                 every=predict_step(inputs, replace(all_blocks, blocks_per_unit=units.per_unit,
                                                    kept_gathered=kept)).peak)
+
+
+class Batches:
+    """A DataLoader's batches as a plain iterable: setup cannot read a batch from it without consuming it."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def __iter__(self):
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
 
 
 def resharded(block) -> bool:

@@ -1,13 +1,17 @@
 """Rank script: the memory planner's predicted step against a measured ``Trainer.fit`` step (Lightning's own loop).
 
 ``planner_fit.py OUT_DIR model:ac:batch[:loop],...`` e.g. ``deit_tiny:off:8`` or ``vit_b_16:full:16:manual``.
-``ac`` is ``off``, ``full``, ``selective`` or ``auto-P``: ``activation_checkpointing="auto"`` under a budget P% of
-the way from every block checkpointed (and resharded) to none (every block kept gathered), decided at the first
-step; ``autok-P`` the same with ``example_input_array`` set, so the planner also chooses ``blocks_per_unit`` at
-setup. These cells also train the same model under DDP for its losses. ``loop`` is ``auto`` (automatic
+``ac`` is ``off``, ``full``, ``selective`` (one block per unit, resharded: the step model's cells), ``auto-P``:
+``activation_checkpointing="auto"`` under a budget P% of the way from every block checkpointed (and resharded)
+to none (every block kept gathered), decided at setup from one batch of the train dataloader (the planner also
+chooses ``blocks_per_unit``); ``autok-P`` the same from ``example_input_array``; ``default``: ``VitScaleStrategy()``
+as it comes (every block checkpointed, the planner's units from the train dataloader's batch). ``auto`` and
+``default`` cells also train the same model under DDP for its losses. ``loop`` is ``auto`` (automatic
 optimization, the default: the strategy frees the gradients after the step), ``observed`` (the same with a
 callback reading gradients after the step: they are kept through the next forward), ``manual`` (zero_grad,
-forward, manual_backward, step) or ``acc2`` (automatic, ``accumulate_grad_batches=2``). Published architectures
+forward, manual_backward, step), ``acc2`` (automatic, ``accumulate_grad_batches=2``) or ``noforward``
+(automatic, a LightningModule without ``forward`` whose ``training_step`` calls the network: measured through
+``training_step``). Published architectures
 at random init (no download): torchvision ``vit_b_16`` and timm ``deit_tiny_patch16_224`` / ``vit_small_patch16_224``
 at a small image size, fp32, AdamW, ``VitScaleStrategy()``.
 
@@ -34,6 +38,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.memory import measure_state_bytes
 from lightning_vitscale.memory.planner import choose, step_inputs
+from lightning_vitscale.memory.planning_batch import TRAIN_BATCH, PlanningBatch, measure_batch
 from lightning_vitscale.memory.step_cost import CPU_RATES
 from lightning_vitscale.memory.step_model import StepInputs, StepSettings, TrainingLoop, predict_step
 from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
@@ -94,6 +99,26 @@ class Classifier(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
+class NoForward(Classifier):
+    """The same network called from ``training_step``, with no ``forward``: what the planner measures is what
+    ``training_step`` runs (losses kept as tensors: ``.item()`` cannot run on fake tensors)."""
+
+    forward = L.LightningModule.forward
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss)
+        self.losses.append(loss.detach())
+        if batch_idx == 0:
+            self.gathered = [not isinstance(b.attn.qkv.weight, DTensor) for b in self.net.blocks]
+        return loss
+
+
+def module_for(name: str, kind: str) -> Classifier:
+    return NoForward(name) if kind == "noforward" else Classifier(name, automatic=kind != "manual")
+
+
 class MeasuredStrategy(VitScaleStrategy):
     """``VitScaleStrategy`` measuring the RSS growth of optimizer steps ``MEASURED_STEP`` on (all their
     micro-batches), each from its first ``training_step`` to the end of its ``optimizer_step``, gradients alive at
@@ -133,20 +158,23 @@ def loop_of(kind: str) -> tuple[TrainingLoop, int]:
     """``auto`` / ``acc2``: automatic optimization, gradients released after the step (nothing observes them);
     ``observed``: the same with a callback reading them; ``manual``: zero_grad first."""
     accumulate = 2 if kind == "acc2" else 1
-    return TrainingLoop(kind != "manual", accumulate, released_after_step=kind in ("auto", "acc2")), accumulate
+    released = kind in ("auto", "acc2", "noforward")
+    return TrainingLoop(kind != "manual", accumulate, released_after_step=released), accumulate
 
 
 def planned_for(inputs: StepInputs, ac: str, batch: int) -> tuple[StepSettings, dict]:
-    """The settings a cell's step runs, and what "auto" planned (its budget and per-block plan)."""
+    """The settings a cell's step runs, and what "auto" planned (its budget and per-block plan); the default's
+    units are read from what the strategy built (see :func:`cell`)."""
     every = frozenset(range(len(inputs.profile.blocks)))
+    if ac == "default":
+        return StepSettings(every), {"budget": None}
     if not ac.startswith("auto"):
         return StepSettings(every if ac != "off" else frozenset(),
                             selective=every if ac == "selective" else frozenset()), {}
     least = predict_step(inputs, StepSettings(every)).peak
     most = predict_step(inputs, StepSettings(reshard_after_forward=False)).peak
     budget = least + (most - least) * int(ac.split("-")[1]) // 100
-    per_unit = None if ac.startswith("autok") else 1  # chosen at setup, or pinned to the units made before step 1
-    plan = choose(inputs, budget, budget, "32-true", batch, offload=False, rates=CPU_RATES, per_unit=per_unit)
+    plan = choose(inputs, budget, budget, "32-true", batch, offload=False, rates=CPU_RATES, per_unit=None)
     modes = [plan.blocks.mode(i) for i in range(len(every))]
     kept = [plan.chosen.settings.keeps(i) for i in range(len(every))]
     return plan.chosen.settings, dict(budget=budget, modes=modes, resharded=plan.blocks.resharded, kept=kept,
@@ -157,7 +185,7 @@ def fit(name: str, ac: str, batch: int, kind: str, strategy) -> Classifier:
     """``Trainer.fit`` of ``STEPS`` optimizer steps from seed 0 under ``strategy``."""
     accumulate = loop_of(kind)[1]
     L.seed_everything(0, verbose=False)
-    model = Classifier(name, automatic=kind != "manual")
+    model = module_for(name, kind)
     steps = STEPS * accumulate * WORLD  # one epoch: every rank takes its own batches
     image = model.image
     if ac.startswith("autok"):
@@ -174,32 +202,60 @@ def fit(name: str, ac: str, batch: int, kind: str, strategy) -> Classifier:
 def cell(name: str, ac: str, batch: int, kind: str = "auto") -> dict:
     loop, accumulate = loop_of(kind)
     with torch.device("meta"):
-        planned = Classifier(name)
-    image = planned.image
-    inputs = step_inputs(planned, torch.empty(batch, 3, image, image, device="meta"), world_size=WORLD,
-                         precision="32-true", device="cpu", loop=loop)
+        planned = module_for(name, kind)
+        image = planned.image
+        x, y = torch.empty(batch, 3, image, image), torch.empty(batch, dtype=torch.long)
+    if kind == "noforward":  # measured as the strategy measures it: training_step on the batch
+        inputs, _ = measure_batch(planned, PlanningBatch((x, y), TRAIN_BATCH, through_training_step=True),
+                                  world_size=WORLD, precision="32-true", device="cpu", loop=loop)
+    else:
+        inputs = step_inputs(planned, x, world_size=WORLD, precision="32-true", device="cpu", loop=loop)
     depth = len(inputs.profile.blocks)
     settings, auto = planned_for(inputs, ac, batch)
     predicted = predict_step(inputs, settings)
     resident = predicted.params + predicted.optimizer + predicted.norms + predicted.batch
     del planned
 
-    checkpointing = {"off": False, "full": True}.get(ac, "auto" if auto else ac)
-    strategy = MeasuredStrategy(accumulate, activation_checkpointing=checkpointing,
-                                memory_budget=auto.get("budget"))
+    if ac in ("off", "full", "selective"):  # the step model's cells: one block per unit, resharded, as before
+        options = dict(activation_checkpointing={"off": False, "full": True, "selective": "selective"}[ac],
+                       blocks_per_unit=1, reshard_after_forward=True)
+    else:
+        options = dict(activation_checkpointing=True if ac == "default" else "auto", memory_budget=auto["budget"])
+    strategy = MeasuredStrategy(accumulate, **options)
     model = fit(name, ac, batch, kind, strategy)
+    if ac == "default":  # the planner's units as built: predicted for them
+        kept = frozenset(i for i, gathered in enumerate(model.gathered) if gathered)
+        settings = StepSettings(every_block(depth), blocks_per_unit=strategy.plan.blocks_per_unit, kept_gathered=kept)
+        predicted = predict_step(inputs, settings)
+        resident = predicted.params + predicted.optimizer + predicted.norms + predicted.batch
+        auto.update(per_unit=strategy.plan.blocks_per_unit, kept=sorted(kept))
     if auto:  # what the strategy applied, and DDP's losses for the same seed and data
         auto.update(applied=[checkpoint_mode(b) for b in model.net.blocks], gathered=model.gathered,
                     summary=strategy.plan.summary(), predicted_peak=strategy.plan.predicted_peak,
-                    planned_peak=predicted.peak, losses=model.losses, units=strategy.plan.units,
+                    planned_peak=predicted.peak, losses=[float(v) for v in model.losses], units=strategy.plan.units,
                     applied_per_unit=strategy.plan.blocks_per_unit,
-                    ddp_losses=fit(name, ac, batch, kind, "ddp").losses)
+                    ddp_losses=ddp_losses(name, ac, batch, kind))
     assert len(strategy.growths) == MEASURED_REPEATS, strategy.growths
     return dict(measured=min(strategy.growths), growths=strategy.growths, predicted=predicted.peak - resident,
                 phase=predicted.phase,
                 grads_at_start=strategy.grads_at_start, depth=depth, released=strategy.released, auto=auto,
                 breakdown={k: getattr(predicted, k) for k in ("params", "grads", "optimizer", "norms", "gathered",
                                                                "activations", "transient", "batch")})
+
+
+DDP_LOSSES: dict[tuple[str, int, str], list[float]] = {}
+
+
+def ddp_losses(name: str, ac: str, batch: int, kind: str) -> list[float]:
+    """DDP's losses for the cell's model, seed and data (one fit per model, batch and loop: ``ac`` changes none)."""
+    key = (name, batch, kind)
+    if key not in DDP_LOSSES:
+        DDP_LOSSES[key] = [float(v) for v in fit(name, ac, batch, kind, "ddp").losses]
+    return DDP_LOSSES[key]
+
+
+def every_block(depth: int) -> frozenset[int]:
+    return frozenset(range(depth))
 
 
 def parse(spec: str) -> dict:

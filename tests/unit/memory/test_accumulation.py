@@ -20,6 +20,9 @@ def test_auto_keeps_unsharded_gradients_only_where_they_fit():
     assert not tight.unsharded and "does not fit" in tight.describe()
     assert choose_accumulation("unsharded", 10**12, 0, 1).unsharded
     assert not choose_accumulation("sharded", 0, 0, 10**12).unsharded
+    # The user's memory_budget replaces the default 0.9: as a fraction or as bytes.
+    assert not choose_accumulation("auto", 10 * MIB, 80 * MIB, 100 * MIB, memory_budget=0.8).unsharded
+    assert choose_accumulation("auto", 11 * MIB, 80 * MIB, 100 * MIB, memory_budget=95 * MIB).unsharded
 
 
 def test_unknown_accumulation_mode_fails_at_construction():

@@ -156,8 +156,8 @@ def test_cli_plans_an_example_config(capsys):
 
 
 def test_policy_errors_name_the_fix():
-    with pytest.raises(ValueError, match="only used by activation_checkpointing='auto'"):
-        VitScaleStrategy(memory_budget=0.5)
+    # One budget for every choice the planner makes (units, "auto", accumulation): accepted without "auto" too.
+    assert VitScaleStrategy(memory_budget=0.5).config.checkpointing.memory_budget == 0.5
     with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
         CheckpointingPolicy(blocks="auto", memory_budget=1.5)
     with pytest.raises(TypeError, match="int \\(bytes\\) or a float"):

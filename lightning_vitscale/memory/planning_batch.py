@@ -1,0 +1,157 @@
+"""The batch the planner measures, and how: ``example_input_array`` through ``forward``, or one batch of the
+training data through ``training_step``, so that the default ``VitScaleStrategy()`` gets the planner's choice
+without ``example_input_array`` and a LightningModule without ``forward`` (its ``training_step`` calls a
+backbone) gets it too.
+
+The training batch is fetched at setup, before the units are made (they cannot change afterwards, and a hook may
+call the model before the first step): the first ``batch_size`` samples of the train ``DataLoader``'s dataset,
+collated as the loader collates them, on every rank alike (no worker, no sampler, no random number drawn). It is
+measured as ``training_step(batch, 0)`` on a meta twin of the module (structure, no data: the real module's
+Python state is not touched) on fake tensors, with ``self.log`` silenced; a ``training_step`` that cannot run
+there (it reads a value, ``.item()``, or updates a metric) is measured through ``forward`` on the batch's first
+tensor where the module has one. Batch-transfer hooks (``on_after_batch_transfer``) are not applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_vitscale._compat import train_dataloader
+from lightning_vitscale.memory.planner import step_inputs
+from lightning_vitscale.memory.step_model import StepInputs
+
+EXAMPLE_INPUT = "example_input_array"
+TRAIN_BATCH = "one batch of the train dataloader"
+FIRST_STEP = "the first training batch"
+
+
+@dataclass(frozen=True)
+class PlanningBatch:
+    """What the planner measures: ``value`` fed to ``forward`` (``example_input_array``) or, with
+    ``through_training_step``, a batch as ``training_step`` receives it; ``source`` says where it came from."""
+
+    value: Any
+    source: str
+    through_training_step: bool = False
+
+
+def planning_batch(module: nn.Module, trainer: Any | None) -> PlanningBatch | None:
+    """``example_input_array`` when the module sets it; else, while fitting (``trainer`` given), the first batch
+    of the train ``DataLoader`` (see the module docstring); ``None`` when neither is there."""
+    example = getattr(module, "example_input_array", None)
+    if example is not None:
+        return PlanningBatch(example, EXAMPLE_INPUT)
+    if trainer is None:
+        return None
+    batch = first_batch(train_dataloader(trainer))
+    return None if batch is None else PlanningBatch(batch, TRAIN_BATCH, through_training_step=True)
+
+
+def first_batch(loader: Any) -> Any | None:
+    """The first ``batch_size`` samples of a ``DataLoader`` over a map-style dataset, collated; ``None`` for
+    anything else (an iterable may be consumed by reading it, a sampler draws random numbers)."""
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset) or not loader.batch_size:
+        return None
+    try:
+        size = min(loader.batch_size, len(loader.dataset))  # type: ignore[arg-type]
+    except TypeError:  # a dataset without len()
+        return None
+    return loader.collate_fn([loader.dataset[i] for i in range(size)]) if size else None
+
+
+def first_tensor_input(batch: Any) -> Any:
+    """The model input in a batch as Lightning passes it: a tensor, or the first element of a tuple/list/dict."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, (tuple, list)) and batch:
+        return first_tensor_input(batch[0])
+    if isinstance(batch, dict) and batch:
+        return first_tensor_input(next(iter(batch.values())))
+    raise ValueError(
+        f"activation_checkpointing='auto' could not find the model input in a batch of type {type(batch).__name__}."
+        " Set `self.example_input_array` in the LightningModule, or pass activation_checkpointing=True."
+    )
+
+
+def meta_twin(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are meta tensors: structure without data.
+
+    Tensors are mapped to meta stand-ins in ``deepcopy``'s memo, so no parameter is ever copied; anything the
+    module refers to that is not its own (trainer, device mesh) is shared, not copied.
+    """
+    memo: dict[int, Any] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    shared = {name: module.__dict__.get(name) for name in ("_trainer", "_device_mesh", "_fabric", "_metric_attributes")}
+    for value in shared.values():
+        if value is not None:
+            memo[id(value)] = value
+    twin = copy.deepcopy(module, memo)
+    # LightningModule.__getstate__ drops the trainer: put it back, the plan follows the Trainer's loop.
+    twin.__dict__.update({name: value for name, value in shared.items() if value is not None})
+    return twin
+
+
+def has_forward(module: nn.Module) -> bool:
+    """Whether ``module`` defines ``forward`` (a LightningModule need not: its ``training_step`` may call a
+    backbone)."""
+    forward = getattr(type(module), "forward", None)
+    return forward is not None and forward is not nn.Module.forward and (
+        not hasattr(module, "training_step") or is_overridden("forward", module))
+
+
+def runs_training_step(module: nn.Module) -> bool:
+    """Whether ``training_step`` can be measured: a LightningModule's own, under automatic optimization (a manual
+    one steps the optimizer itself)."""
+    return is_overridden("training_step", module) and bool(getattr(module, "automatic_optimization", True))
+
+
+def training_step_call(model: nn.Module, batch: Any) -> Any:
+    """``model.training_step(batch, 0)`` with ``self.log`` / ``self.log_dict`` silenced; its loss."""
+    with _silenced(model, ("log", "log_dict", "print")):
+        out = model.training_step(batch, 0)  # type: ignore[operator]
+    return out.get("loss") if isinstance(out, Mapping) else out
+
+
+@contextlib.contextmanager
+def _silenced(model: nn.Module, names: tuple[str, ...]) -> Iterator[None]:
+    """No-op instance attributes over ``names`` for the measurement (``model`` is the planner's own twin)."""
+    def nothing(*_: Any, **__: Any) -> None:
+        return None
+
+    for name in names:
+        object.__setattr__(model, name, nothing)
+    try:
+        yield
+    finally:
+        for name in names:
+            model.__dict__.pop(name, None)
+
+
+
+def measure_batch(model: nn.Module, batch: PlanningBatch, **step_kwargs: Any) -> tuple[StepInputs, str]:
+    """:func:`~.planner.step_inputs` for ``batch`` (keyword arguments passed on), and how it was measured (for the
+    summary). A training batch runs through ``training_step`` on a meta twin, else (a manual-optimization module,
+    or a ``training_step`` that cannot run on fake tensors) through ``forward`` on its first tensor; a module
+    with neither raises what the measurement raised."""
+    how = ""
+    if batch.through_training_step and runs_training_step(model):
+        try:
+            inputs = step_inputs(meta_twin(model), batch.value, call=training_step_call, **step_kwargs)
+            return inputs, f"{batch.source}, through training_step"
+        except Exception as error:
+            if not has_forward(model):
+                raise
+            how = f" (training_step could not run on fake tensors: {type(error).__name__})"
+    value = first_tensor_input(batch.value) if batch.through_training_step else batch.value
+    return step_inputs(model, value, **step_kwargs), f"{batch.source}, through forward{how}"

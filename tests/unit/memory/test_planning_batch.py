@@ -1,0 +1,117 @@
+"""The batch the planner measures without ``example_input_array``: one batch of the train dataloader, run through
+``training_step`` (modules without ``forward`` included), and the one ``memory_budget`` its choices keep to."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from lightning_vitscale.cli.demo import TinyViT
+from lightning_vitscale.memory.planner import step_inputs
+from lightning_vitscale.memory.planning_batch import (
+    TRAIN_BATCH,
+    PlanningBatch,
+    first_batch,
+    has_forward,
+    measure_batch,
+)
+from lightning_vitscale.precision.settings import resolve_flag
+from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig, resolve_config
+
+SMALL = dict(image=16, patch=4, dim=32, depth=2)
+
+
+class NoForward(L.LightningModule):
+    """A LightningModule whose ``training_step`` calls its backbone twice (no ``forward`` of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = TinyViT(**SMALL)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.backbone(x), y) + F.cross_entropy(self.backbone(x.flip(-1)), y)
+        self.log("loss", loss)
+        return {"loss": loss}
+
+
+def data(n: int = 12) -> TensorDataset:
+    return TensorDataset(torch.randn(n, 3, 16, 16), torch.randint(0, 10, (n,)))
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        yield from data()
+
+
+def test_the_first_batch_is_the_loaders_first_samples_collated_without_drawing_random_numbers():
+    dataset = data()
+    state = torch.get_rng_state()
+    x, y = first_batch(DataLoader(dataset, batch_size=4, shuffle=True))
+    assert torch.equal(torch.get_rng_state(), state)  # shuffling would have drawn from the global generator
+    assert torch.equal(x, dataset.tensors[0][:4]) and torch.equal(y, dataset.tensors[1][:4])
+    assert first_batch(DataLoader(dataset, batch_size=None)) is None  # no batch dimension the loader adds
+    assert first_batch(DataLoader(Stream(), batch_size=4)) is None  # reading it could consume it
+    assert first_batch([dataset[0]]) is None  # not a DataLoader
+
+
+def test_a_module_without_forward_is_measured_through_training_step():
+    model = NoForward()
+    assert not has_forward(model) and has_forward(TinyViT(**SMALL))
+    batch = PlanningBatch(first_batch(DataLoader(data(), batch_size=4)), TRAIN_BATCH, through_training_step=True)
+    inputs, how = measure_batch(model, batch, world_size=1, precision="32-true", device="cpu")
+    assert how == "one batch of the train dataloader, through training_step"
+    assert [b.name for b in inputs.profile.blocks] == ["backbone.blocks.0", "backbone.blocks.1"]
+    # The backbone runs twice per step: its blocks keep twice what one forward keeps.
+    once = step_inputs(model.backbone, batch.value[0], world_size=1, precision="32-true", device="cpu")
+    assert inputs.profile.blocks[0].saved == 2 * once.profile.blocks[0].saved
+    assert not any(isinstance(p, torch.Tensor) and p.is_meta for p in model.parameters())  # the module untouched
+
+
+def test_a_training_step_that_reads_values_falls_back_to_forward():
+    model = TinyViT(**SMALL)  # its training_step calls loss.item(): not on fake tensors
+    batch = PlanningBatch(first_batch(DataLoader(data(), batch_size=4)), TRAIN_BATCH, through_training_step=True)
+    inputs, how = measure_batch(model, batch, world_size=1, precision="32-true", device="cpu")
+    assert how.startswith("one batch of the train dataloader, through forward (training_step could not run")
+    plain = step_inputs(model, batch.value[0], world_size=1, precision="32-true", device="cpu")
+    assert inputs.profile.blocks == plain.profile.blocks
+
+
+def test_the_planners_units_keep_to_memory_budget_without_auto(mesh):
+    """``blocks_per_unit=None`` with the checkpointing the user chose: a budget below any grouping's peak leaves one
+    block per unit, nothing kept gathered; the default budget lets the planner group."""
+    from lightning_vitscale.distributed import RankContext
+    from lightning_vitscale.sharding.planning import plan_before_sharding
+
+    model = TinyViT(**SMALL)
+    model.example_input_array = torch.randn(4, 3, 16, 16)
+    ranks = RankContext(mesh=mesh, device=torch.device("cpu"))
+    chosen = {}
+    for budget in (None, 1):
+        asked = ParallelConfig(checkpointing=CheckpointingPolicy(blocks=True, memory_budget=budget))
+        resolved = resolve_config(asked, torch.device("cpu"))
+        planned = plan_before_sharding(model, resolved, resolve_flag("32-true"), ranks)
+        chosen[budget] = (planned.resolved.blocks_per_unit, planned.kept_gathered, planned.units_choice)
+    assert chosen[None][0] > 1 or chosen[None][1], chosen
+    assert chosen[1][:2] == (1, ()) and "no larger unit fits 0.0 MiB" in chosen[1][2], chosen
+
+
+@pytest.mark.parametrize("budget", [0.5, 2**30])
+def test_memory_budget_is_accepted_without_auto(budget):
+    assert CheckpointingPolicy(blocks=True, memory_budget=budget).memory_budget == budget
+
+
+def test_ranks_agree_on_the_fewest_blocks_per_unit_any_rank_chose():
+    """One agreement for "auto" and the grouping: a rank that chose larger units redoes its choice for the size
+    another rank chose; one that chose the fewest keeps its own."""
+    from lightning_vitscale.memory import agree_on_unit_size, fewest
+
+    def other_rank_chose_two(value: int) -> int:  # Ranks.agree_max with a second rank passing -2
+        return max(value, -2)
+
+    assert fewest(other_rank_chose_two, 4) == 2
+    assert agree_on_unit_size("mine", 4, lambda k: f"redone for {k}", other_rank_chose_two) == "redone for 2"
+    assert agree_on_unit_size("mine", 1, lambda k: f"redone for {k}", other_rank_chose_two) == "mine"
