@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from lightning_vitscale._utils import strip_wrapper_prefixes
+from lightning_vitscale._utils import packed_rows, reorder_packed, strip_wrapper_prefixes
 from lightning_vitscale.checkpoint.async_save import AsyncSaves, Gather
 from lightning_vitscale.checkpoint.commit import candidates, commit, recover, retire
 from lightning_vitscale.checkpoint.formats import META, partial_path, pop_sharded_entries
@@ -36,7 +36,11 @@ def model_state_dict(module: nn.Module, full: bool) -> dict[str, Any]:
 
     with sharded_state_dicts():  # DCP gathers (full) or saves the shards itself
         state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
-    return {strip_wrapper_prefixes(k): v for k, v in state.items()} if full else state
+    if not full:
+        return state  # DTensor shards: packed projections stay in per-rank order (the checkpoint records it)
+    state = {strip_wrapper_prefixes(k): v for k, v in state.items()}
+    reorder_packed(state, packed_rows(module), to_model=True)  # DDP's layout
+    return state
 
 
 def optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, full: bool, is_rank_zero: bool):
@@ -51,7 +55,10 @@ def optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, fu
         state["state"] = {}  # as DDP saves an optimizer that has not stepped yet
     if not full:
         return state
-    return to_torch_format(state) if is_rank_zero else {}
+    if not is_rank_zero:
+        return {}
+    reorder_packed(cast(dict[str, Any], state["state"]), packed_rows(module), to_model=True)  # momentum: as DDP
+    return to_torch_format(state)
 
 
 def save_checkpoint(

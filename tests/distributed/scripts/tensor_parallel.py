@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vitscale import VitScaleStrategy, measure_state_bytes
+from lightning_vitscale.checkpoint.consolidate import load_consolidated
 from lightning_vitscale.sharding import TensorLayoutError
 from tests.helpers.state import snapshot
 
@@ -71,9 +72,11 @@ class Model(L.LightningModule):
         self.backbone = BACKBONES[backbone]()
         self.losses: list[float] = []
         self.seen: list[int] = []
+        self.record_initial = False
 
     def on_train_start(self) -> None:
         self.restored = snapshot(self, self.trainer)  # after a resume: what the checkpoint restored
+        self.initial = self.state_dict() if self.record_initial else None  # after setup, before the first step
 
     def forward(self, x):
         out = self.backbone(x)
@@ -106,6 +109,7 @@ def fit(
 ) -> tuple[dict, Model, L.Trainer]:
     torch.manual_seed(dist.get_rank() + 1 if dist.is_initialized() else 1)  # different weights on every rank
     model = Model(backbone)
+    model.record_initial = backbone == "examples" and tp == 2
     L.seed_everything(0, verbose=False)
     ddp = "ddp_find_unused_parameters_true"  # DINOv2's mask token takes no part in classification
     checkpointing = CHECKPOINTING[backbone]
@@ -127,10 +131,10 @@ def fit(
 SAVED: dict[Path, dict[str, torch.Tensor]] = {}
 
 
-def resumes(out: Path, backbone: str, saved_under: int, resumed_under: int) -> dict:
+def resumes(out: Path, backbone: str, saved_under: int, resumed_under: int, suffix: str = "") -> dict:
     """Resume the checkpoint saved after ``STEPS`` under ``saved_under`` ranks of tensor parallelism for one step
     under ``resumed_under``; what it restored against what was saved."""
-    ckpt = out / f"{backbone}-{saved_under}.ckpt"
+    ckpt = out / f"{backbone}-{saved_under}{suffix}.ckpt"
     saved = SAVED[ckpt]
     try:
         _, resumed, trainer = fit(backbone, resumed_under, steps=STEPS + 1, ckpt=ckpt)
@@ -139,6 +143,53 @@ def resumes(out: Path, backbone: str, saved_under: int, resumed_under: int) -> d
     different = [k for k in saved if not torch.equal(saved[k], resumed.restored[k])]
     return {"keys": len(saved), "optimizer_keys": sum(k.startswith("o.") for k in saved), "different": different,
             "global_step": trainer.global_step}
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def momentum(optimizer_state: dict) -> dict[str, torch.Tensor]:
+    return {str(i): s["momentum_buffer"] for i, s in optimizer_state["state"].items()}
+
+
+def full_views(out: Path, model: Model, trainer: L.Trainer, ddp: dict) -> dict:
+    """The examples' ViT (packed qkv) after a TP=2 x FSDP=2 fit: every full view of its weights in the model's own
+    layout. ``ddp``: the same fit under DDP (weights and momentum, close to these up to reduction order)."""
+    torch.manual_seed(1)
+    initial = Model("examples").state_dict()  # rank 0's weights, which every rank takes at setup
+    state = model.state_dict()
+    full = out / "examples-2-full.ckpt"
+    trainer.strategy.state_dict_type = "full"
+    trainer.save_checkpoint(full)
+    trainer.strategy.state_dict_type = "sharded"
+    saved = torch.load(full, weights_only=True)
+    x = torch.randn(4, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(1))
+    plain = Model("examples")
+    plain.load_state_dict(saved["state_dict"], strict=True)  # as a DDP script loads it
+    with torch.no_grad():
+        outputs = (model.eval()(x), plain.eval()(x))
+    facts = {
+        "after_setup": max_difference(model.initial, initial),
+        "state_vs_file": max_difference(state, saved["state_dict"]),
+        "state_vs_ddp": max_difference(state, ddp["state"]), "layout_key": "vitscale_tensor_layout" in saved,
+        "momentum_vs_ddp": max_difference(momentum(saved["optimizer_states"][0]), momentum(ddp["optimizer"])),
+        "outputs": (outputs[0] - outputs[1]).abs().max().item(),
+    }
+    if dist.get_rank() == 0:
+        consolidated = load_consolidated(out / "examples-2.ckpt")
+        facts["consolidated_vs_file"] = max_difference(consolidated["state_dict"], saved["state_dict"])
+        facts["consolidated_momentum_vs_file"] = max_difference(
+            momentum(consolidated["optimizer_states"][0]), momentum(saved["optimizer_states"][0])
+        )
+    with torch.no_grad():  # a full state dict loads back into the split model (per-rank rows again)
+        for p in model.parameters():
+            p.zero_()
+    model.load_state_dict(state)
+    facts["state_round_trip"] = max_difference(model.state_dict(), state)
+    SAVED[full] = SAVED[out / "examples-2.ckpt"]  # the full file resumes as the sharded folder does
+    return facts
 
 
 def _block_fraction(model: Model, trainer: L.Trainer) -> float:
@@ -159,14 +210,19 @@ def main() -> None:
     for backbone in BACKBONES:
         for tp in (0, 2, 4) if backbone == "examples" else (0, 2):
             results[f"{backbone}-{tp}"], model, trainer = fit(backbone, tp)
+            if backbone == "examples" and tp == 0:
+                ddp = {"state": model.state_dict(), "optimizer": trainer.optimizers[0].state_dict()}
             if tp == 2 and backbone in ("examples", "hf"):  # saved for the resumes below
                 trainer.save_checkpoint(out / f"{backbone}-{tp}.ckpt")
                 SAVED[out / f"{backbone}-{tp}.ckpt"] = snapshot(model, trainer)
+            if tp == 2 and backbone == "examples":
+                results["full-views"] = full_views(out, model, trainer, ddp)
     for tp in (1, 2):  # bf16-mixed (O2, fp32 norms, the non-finite guard on): TP beside FSDP=4's recipe
         results[f"examples-{tp}-bf16"] = fit("examples", tp, precision="bf16-mixed")[0]
     results["resume-hf-2-to-1"] = resumes(out, "hf", 2, 1)
     results["resume-examples-2-to-2"] = resumes(out, "examples", 2, 2)
     results["resume-examples-2-to-1"] = resumes(out, "examples", 2, 1)
+    results["resume-examples-2-full-to-2"] = resumes(out, "examples", 2, 2, suffix="-full")
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
 
 
