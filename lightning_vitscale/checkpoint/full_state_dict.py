@@ -148,16 +148,22 @@ def full_tensor_on_cpu(value: DTensor) -> torch.Tensor:
     return value.full_tensor().cpu()
 
 
-def gather_sharded_entries(checkpoint: dict[str, Any], keep: bool) -> None:
+def gather_sharded_entries(
+    checkpoint: dict[str, Any], keep: bool, packed: dict[str, tuple[int, int]] | None = None
+) -> None:
     """Replace, in place, every ``DTensor`` in ``checkpoint``'s values by its whole tensor (host memory).
 
     For the one-file formats: rank 0's ``torch.save`` of a DTensor keeps rank 0's shard only (e.g. ShardedEMA's
     ``ema_state_dict``), which then loads as the wrong values or not at all. Every rank must call it (one gather
     per tensor, in the checkpoint's order, which is the same on every rank); ``keep=False`` (ranks that do not
-    write) drops each gathered tensor at once, so only the writer holds a full copy.
+    write) drops each gathered tensor at once, so only the writer holds a full copy. ``packed``
+    (``_utils.packed_rows`` of the model): projections whose gathered rows are turned into the model's own order.
     """
     for key, value in checkpoint.items():
+        sharded = isinstance(value, dict) and any(isinstance(v, DTensor) for v in value.values())
         checkpoint[key] = _gather_tree(value, keep)
+        if sharded and keep and packed:  # keyed like the model (the EMA): packed rows in the model's own order
+            reorder_packed(checkpoint[key], packed, to_model=True)
 
 
 def _gather_tree(value: Any, keep: bool) -> Any:

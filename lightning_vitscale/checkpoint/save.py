@@ -71,14 +71,16 @@ def save_checkpoint(
     storage_options: Any | None = None,
     group: RankContext | None = None,
     saves: AsyncSaves | None = None,
+    packed: dict[str, tuple[int, int]] | None = None,
 ) -> None:
     """``"sharded"``: every rank writes its own shards, atomically; ``"full"``: rank 0 writes one file with
     Lightning's CheckpointIO (``write_full``), as DDP does, with every sharded entry (e.g. ShardedEMA's) gathered
-    into whole tensors first, so the file holds what DDP's would."""
+    into whole tensors first, so the file holds what DDP's would (``packed``: ``_utils.packed_rows`` of the model,
+    whose per-rank rows those entries get back in the model's own order)."""
     if saves is not None:
         saves.wait()  # at most one in flight: the previous save commits before this one touches any folder
     if settings.full:
-        gather_sharded_entries(checkpoint, keep=is_rank_zero)
+        gather_sharded_entries(checkpoint, keep=is_rank_zero, packed=packed or {})
         save_full(location, is_rank_zero, write_full, barrier)
         return
     if storage_options is not None:

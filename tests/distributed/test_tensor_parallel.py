@@ -98,8 +98,10 @@ def test_every_full_view_of_a_packed_qkv_is_in_the_models_own_layout(ranks):
         facts = rank["full-views"]
         assert facts["after_setup"] == 0.0 and facts["state_vs_file"] == 0.0 and facts["state_round_trip"] == 0.0
         assert facts["state_vs_ddp"] < 1e-6 and facts["momentum_vs_ddp"] < 1e-6 and facts["outputs"] < 1e-6
+        assert facts["ema_vs_ddp"] < 1e-6 and facts["ema_round_trip"] == 0.0  # ShardedEMA's average too
         assert not facts["layout_key"]  # a full file holds the model's own layout: nothing to check on load
         resumed = rank["resume-examples-2-full-to-2"]
         assert resumed["different"] == [] and resumed["optimizer_keys"] > 0 and resumed["global_step"] == STEPS + 1
     assert ranks[0]["full-views"]["consolidated_vs_file"] == 0.0
     assert ranks[0]["full-views"]["consolidated_momentum_vs_file"] == 0.0
+    assert ranks[0]["full-views"]["consolidated_ema_vs_file"] == 0.0

@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_vitscale import VitScaleStrategy, measure_state_bytes
+from lightning_vitscale import ShardedEMA, VitScaleStrategy, measure_state_bytes
 from lightning_vitscale.checkpoint.consolidate import load_consolidated
 from lightning_vitscale.sharding import TensorLayoutError
+from tests.helpers.state import full as full_tensor
 from tests.helpers.state import snapshot
 
 warnings.filterwarnings("ignore")
@@ -109,7 +110,7 @@ def fit(
 ) -> tuple[dict, Model, L.Trainer]:
     torch.manual_seed(dist.get_rank() + 1 if dist.is_initialized() else 1)  # different weights on every rank
     model = Model(backbone)
-    model.record_initial = backbone == "examples" and tp == 2
+    model.record_initial = backbone == "examples" and tp == 2 and precision == "32-true"
     L.seed_everything(0, verbose=False)
     ddp = "ddp_find_unused_parameters_true"  # DINOv2's mask token takes no part in classification
     checkpointing = CHECKPOINTING[backbone]
@@ -118,7 +119,7 @@ def fit(
     trainer = L.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, gradient_clip_val=0.05, logger=False,
         precision=precision, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0,
+        num_sanity_val_steps=0, callbacks=[ShardedEMA(0.5)] if model.record_initial or (backbone, tp) == EMA else [],
     )
     trainer.fit(model, data(GLOBAL_BATCH // data_parallel), ckpt_path=str(ckpt) if ckpt else None)
     state = measure_state_bytes(model, trainer.optimizers)
@@ -129,6 +130,7 @@ def fit(
 
 
 SAVED: dict[Path, dict[str, torch.Tensor]] = {}
+EMA = ("examples", 0)  # the DDP side of the full views' EMA check
 
 
 def resumes(out: Path, backbone: str, saved_under: int, resumed_under: int, suffix: str = "") -> dict:
@@ -176,13 +178,19 @@ def full_views(out: Path, model: Model, trainer: L.Trainer, ddp: dict) -> dict:
         "state_vs_ddp": max_difference(state, ddp["state"]), "layout_key": "vitscale_tensor_layout" in saved,
         "momentum_vs_ddp": max_difference(momentum(saved["optimizer_states"][0]), momentum(ddp["optimizer"])),
         "outputs": (outputs[0] - outputs[1]).abs().max().item(),
+        "ema_vs_ddp": max_difference(saved["ema_state_dict"], ddp["ema"]),
     }
+    shards = next(c for c in trainer.callbacks if isinstance(c, ShardedEMA)).shards
+    ema = {k: full_tensor(v) for k, v in shards.state_dict().items()}
+    shards.load_full(saved["ema_state_dict"])  # as a resume from the full file does
+    facts["ema_round_trip"] = max_difference({k: full_tensor(v) for k, v in shards.state_dict().items()}, ema)
     if dist.get_rank() == 0:
         consolidated = load_consolidated(out / "examples-2.ckpt")
         facts["consolidated_vs_file"] = max_difference(consolidated["state_dict"], saved["state_dict"])
         facts["consolidated_momentum_vs_file"] = max_difference(
             momentum(consolidated["optimizer_states"][0]), momentum(saved["optimizer_states"][0])
         )
+        facts["consolidated_ema_vs_file"] = max_difference(consolidated["ema_state_dict"], saved["ema_state_dict"])
     with torch.no_grad():  # a full state dict loads back into the split model (per-rank rows again)
         for p in model.parameters():
             p.zero_()
@@ -211,7 +219,8 @@ def main() -> None:
         for tp in (0, 2, 4) if backbone == "examples" else (0, 2):
             results[f"{backbone}-{tp}"], model, trainer = fit(backbone, tp)
             if backbone == "examples" and tp == 0:
-                ddp = {"state": model.state_dict(), "optimizer": trainer.optimizers[0].state_dict()}
+                ema = next(c for c in trainer.callbacks if isinstance(c, ShardedEMA)).shards.state_dict()
+                ddp = {"state": model.state_dict(), "optimizer": trainer.optimizers[0].state_dict(), "ema": ema}
             if tp == 2 and backbone in ("examples", "hf"):  # saved for the resumes below
                 trainer.save_checkpoint(out / f"{backbone}-{tp}.ckpt")
                 SAVED[out / f"{backbone}-{tp}.ckpt"] = snapshot(model, trainer)
