@@ -261,8 +261,8 @@ class VitScaleStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """``"sharded"``: every rank writes its own shards, atomically; ``"full"``: rank 0 writes one file, as DDP."""
         layout = self._tensor_layout()
-        if layout is not None:  # packed projections saved in per-rank row order: a resume must know
-            checkpoint[shards.TENSOR_LAYOUT_KEY] = layout
+        if layout is not None and not self.checkpoints.settings.full:  # shards in per-rank row order: a resume
+            checkpoint[shards.TENSOR_LAYOUT_KEY] = layout  # must know (a full file holds the model's own layout)
         write = partial(self.checkpoint_io.save_checkpoint, checkpoint, filepath, storage_options=storage_options)
         self.checkpoints.save(
             checkpoint, filepath, ranks=self._ranks(), write_full=write, storage_options=storage_options,
@@ -288,7 +288,10 @@ class VitScaleStrategy(ModelParallelStrategy):
         :meth:`~lightning_vitscale.checkpoint.strategy_side.StrategyCheckpoints.load`."""
         module, ranks = self.lightning_module, self._ranks()
         loaded = self.checkpoints.load(checkpoint_path, module, self.optimizers, weights_only, ranks=ranks)
-        shards.check_tensor_layout(loaded.get(shards.TENSOR_LAYOUT_KEY), self._tensor_layout())
+        saved = loaded.get(shards.TENSOR_LAYOUT_KEY)
+        if saved is not None or not checkpoints.Location.of(str(checkpoint_path)).is_file():
+            # A file without the entry (DDP's, a full save, consolidate) is in the model's own layout, loaded so.
+            shards.check_tensor_layout(saved, self._tensor_layout())
         return loaded
 
     def _tensor_layout(self) -> dict[str, Any] | None:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_vitscale._utils import local_tensor, strip_wrapper_prefixes
+from lightning_vitscale._utils import interleaved_rows, local_tensor, packed_rows, strip_wrapper_prefixes
 
 
 @dataclass
@@ -43,6 +43,7 @@ class EmaShards:
         entries: list[tuple[str, torch.Tensor, bool]] = [(n, p, True) for n, p in module.named_parameters()]
         entries += [(n, b, False) for n, b in module.named_buffers() if n in persistent]
         self.names = [strip_wrapper_prefixes(n) for n, _, _ in entries]
+        self.packed = packed_rows(module)  # packed projections held in per-rank row order (tensor_parallel)
         self.sources: list[torch.Tensor] = [t for _, t, _ in entries]
         self.ema: list[torch.Tensor] = []
         keys: dict[tuple[Any, ...], _Group] = {}
@@ -115,6 +116,8 @@ class EmaShards:
             raise KeyError(f"{len(missing)} EMA tensor(s) missing from the checkpoint, e.g. {missing[:3]}")
         for name, source, ema in zip(self.names, self.sources, self.ema):
             value = full[name].to(local_tensor(source).device)
+            if name in self.packed:  # a full file holds the model's own row order
+                value = interleaved_rows(value, *self.packed[name])
             if isinstance(source, DTensor):  # src_data_rank=None: every rank holds the full tensor already
                 value = distribute_tensor(value, source.device_mesh, source.placements, src_data_rank=None)
                 value = value.to_local()

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_vitscale._utils import strip_wrapper_prefixes
+from lightning_vitscale._utils import TENSOR_LAYOUT_KEY, reorder_packed, strip_wrapper_prefixes
 from lightning_vitscale.checkpoint.errors import CheckpointError
 from lightning_vitscale.checkpoint.formats import (
     EMA_KEY,
@@ -95,18 +95,33 @@ def load_consolidated(
         raise ValueError(f"`weights` must be 'raw' or 'ema'; got {weights!r}.")
     state = load_all(source, weights_only)
     checkpoint = load_member(source, META, weights_only)
-    checkpoint["state_dict"] = _plain_keys(state.pop("state_dict"), dtype)
+    packed = _packed_rows(checkpoint.pop(TENSOR_LAYOUT_KEY, None))  # the file holds the model's own layout
+    checkpoint["state_dict"] = _plain_keys(state.pop("state_dict"), dtype, packed)
     optimizers = [state.pop(k) for k in sorted((k for k in state if is_own_entry(k)), key=_index)]
+    for optimizer in optimizers:
+        reorder_packed(optimizer.get("state", {}), packed, to_model=True)
     if optimizers or "lr_schedulers" in checkpoint:
         checkpoint["optimizer_states"] = [to_torch_format(o) for o in optimizers]
-    checkpoint.update({key: _plain_keys(entry, dtype) for key, entry in state.items()})
+    checkpoint.update({key: _plain_keys(entry, dtype, packed) for key, entry in state.items()})
     if weights == "ema":
         ema_as_weights(checkpoint, source.url)
     return checkpoint
 
 
-def _plain_keys(entry: dict[str, Any], dtype: torch.dtype | None) -> dict[str, Any]:
-    return {strip_wrapper_prefixes(key): as_full(value, dtype) for key, value in entry.items()}
+def _plain_keys(entry: dict[str, Any], dtype: torch.dtype | None, packed: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    plain = {strip_wrapper_prefixes(key): as_full(value, dtype) for key, value in entry.items()}
+    reorder_packed(plain, packed, to_model=True)
+    return plain
+
+
+def _packed_rows(layout: dict[str, Any] | None) -> dict[str, tuple[int, int]]:
+    """``{parameter name: (parts, ranks)}`` of the projections a sharded save recorded in per-rank row order
+    (``sharding.tensor_layout``: a packed ``[q; k; v]``, 3 parts, over ``tensor_parallel`` ranks)."""
+    if not layout:
+        return {}
+    spec = (int(layout.get("parts", 3)), int(layout["tensor_parallel"]))
+    names = [strip_wrapper_prefixes(name) for name in layout["interleaved"]]
+    return {f"{name}.{param}": spec for name in names for param in ("weight", "bias")}
 
 
 def ema_as_weights(checkpoint: dict[str, Any], src: str) -> None:

@@ -11,8 +11,9 @@ submodule (``install``) restore DDP's behaviour outside the strategy's own code:
   **CPU, not the device**: a model that only fits on the devices sharded has no room for a full copy next to
   its shards; a gathered tensor occupies the device only until it is copied (one full tensor beyond the shards
   at a time). It is what DDP hands out after ``fit`` too (Lightning moves the model to the CPU at teardown).
-  The host holds one full copy per rank, as under DDP. ``keep_vars=True`` asks for the module's own tensors,
-  so it returns the live sharded parameters.
+  The host holds one full copy per rank, as under DDP. A packed ``[q; k; v]`` projection that tensor parallelism
+  holds in per-rank row order comes out in the model's own order (and a loaded one goes back), as DDP's.
+  ``keep_vars=True`` asks for the module's own tensors, so it returns the live sharded parameters.
 - ``load_state_dict(full)``: each rank cuts its own shard out of the full tensor (no communication); keys,
   ``strict`` and shape mismatches are torch's own checks and messages.
 
@@ -39,6 +40,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_vitscale._utils import PACKED_ROWS, interleaved_rows, packed_rows, reorder_packed
 from lightning_vitscale.checkpoint.errors import StateDictGatherError
 from lightning_vitscale.distributed import collective_guard
 
@@ -113,6 +115,8 @@ def _gather_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: st
             state_dict[key] = _gathered(key, value)
         elif key.startswith(prefix) and torch.is_tensor(value):
             state_dict[key] = value.cpu()  # buffers FSDP leaves whole (BatchNorm statistics): all on the CPU
+    # Packed projections split by tensor parallelism: the model's own row order, as DDP's state dict holds it.
+    reorder_packed(state_dict, packed_rows(module), to_model=True, prefix=prefix)
 
 
 def _agree_on_gather(items: list[tuple[str, Any]]) -> None:
@@ -144,16 +148,22 @@ def full_tensor_on_cpu(value: DTensor) -> torch.Tensor:
     return value.full_tensor().cpu()
 
 
-def gather_sharded_entries(checkpoint: dict[str, Any], keep: bool) -> None:
+def gather_sharded_entries(
+    checkpoint: dict[str, Any], keep: bool, packed: dict[str, tuple[int, int]] | None = None
+) -> None:
     """Replace, in place, every ``DTensor`` in ``checkpoint``'s values by its whole tensor (host memory).
 
     For the one-file formats: rank 0's ``torch.save`` of a DTensor keeps rank 0's shard only (e.g. ShardedEMA's
     ``ema_state_dict``), which then loads as the wrong values or not at all. Every rank must call it (one gather
     per tensor, in the checkpoint's order, which is the same on every rank); ``keep=False`` (ranks that do not
-    write) drops each gathered tensor at once, so only the writer holds a full copy.
+    write) drops each gathered tensor at once, so only the writer holds a full copy. ``packed``
+    (``_utils.packed_rows`` of the model): projections whose gathered rows are turned into the model's own order.
     """
     for key, value in checkpoint.items():
+        sharded = isinstance(value, dict) and any(isinstance(v, DTensor) for v in value.values())
         checkpoint[key] = _gather_tree(value, keep)
+        if sharded and keep and packed:  # keyed like the model (the EMA): packed rows in the model's own order
+            reorder_packed(checkpoint[key], packed, to_model=True)
 
 
 def _gather_tree(value: Any, keep: bool) -> Any:
@@ -209,9 +219,11 @@ def _shard_loaded_values(
             and not isinstance(value, DTensor)
             and value.shape == target.shape
         ):
+            spec = module.__dict__.get(PACKED_ROWS)  # a packed projection: the full value is in the model's order
+            value = value.detach() if spec is None else interleaved_rows(value.detach(), *spec)
             # src_data_rank=None: every rank holds the full tensor, each keeps its own slice, no collective.
             state_dict[prefix + name] = distribute_tensor(
-                value.detach(), target.device_mesh, target.placements, src_data_rank=None
+                value, target.device_mesh, target.placements, src_data_rank=None
             )
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_vitscale._utils import TENSOR_LAYOUT_KEY, packed_rows, reorder_packed
 from lightning_vitscale.checkpoint.formats import (
     META,
     PathLike,
@@ -91,7 +92,14 @@ def load_full_into(
     checkpoint = load_full(Location.of(path), weights_only)
     require_optimizer_states("optimizer_states" in checkpoint, optimizers)
     options = StateDictOptions(full_state_dict=True, strict=strict)
-    set_model_state_dict(module, checkpoint.pop("state_dict"), options=options)
+    # A file without the tensor-layout entry holds packed projections in the model's own row order (DDP's, full
+    # saves, consolidate): into this run's per-rank order. One with it (written so) is loaded as it is.
+    packed = {} if TENSOR_LAYOUT_KEY in checkpoint else packed_rows(module)
+    weights = dict(checkpoint.pop("state_dict"))
+    reorder_packed(weights, packed, to_model=False)
+    set_model_state_dict(module, weights, options=options)
     for optimizer, state in zip(optimizers, checkpoint.pop("optimizer_states", [])):
-        set_optimizer_state(module, optimizer, rekey_by_position(state, optimizer, module), options)
+        state = rekey_by_position(state, optimizer, module)
+        reorder_packed(state["state"], packed, to_model=False)
+        set_optimizer_state(module, optimizer, state, options)
     return checkpoint

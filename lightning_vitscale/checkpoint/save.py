@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from lightning_vitscale._utils import strip_wrapper_prefixes
+from lightning_vitscale._utils import packed_rows, reorder_packed, strip_wrapper_prefixes
 from lightning_vitscale.checkpoint.async_save import AsyncSaves, Gather
 from lightning_vitscale.checkpoint.commit import candidates, commit, recover, retire
 from lightning_vitscale.checkpoint.formats import META, partial_path, pop_sharded_entries
@@ -36,7 +36,11 @@ def model_state_dict(module: nn.Module, full: bool) -> dict[str, Any]:
 
     with sharded_state_dicts():  # DCP gathers (full) or saves the shards itself
         state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
-    return {strip_wrapper_prefixes(k): v for k, v in state.items()} if full else state
+    if not full:
+        return state  # DTensor shards: packed projections stay in per-rank order (the checkpoint records it)
+    state = {strip_wrapper_prefixes(k): v for k, v in state.items()}
+    reorder_packed(state, packed_rows(module), to_model=True)  # DDP's layout
+    return state
 
 
 def optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, full: bool, is_rank_zero: bool):
@@ -51,7 +55,10 @@ def optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, fu
         state["state"] = {}  # as DDP saves an optimizer that has not stepped yet
     if not full:
         return state
-    return to_torch_format(state) if is_rank_zero else {}
+    if not is_rank_zero:
+        return {}
+    reorder_packed(cast(dict[str, Any], state["state"]), packed_rows(module), to_model=True)  # momentum: as DDP
+    return to_torch_format(state)
 
 
 def save_checkpoint(
@@ -64,14 +71,16 @@ def save_checkpoint(
     storage_options: Any | None = None,
     group: RankContext | None = None,
     saves: AsyncSaves | None = None,
+    packed: dict[str, tuple[int, int]] | None = None,
 ) -> None:
     """``"sharded"``: every rank writes its own shards, atomically; ``"full"``: rank 0 writes one file with
     Lightning's CheckpointIO (``write_full``), as DDP does, with every sharded entry (e.g. ShardedEMA's) gathered
-    into whole tensors first, so the file holds what DDP's would."""
+    into whole tensors first, so the file holds what DDP's would (``packed``: ``_utils.packed_rows`` of the model,
+    whose per-rank rows those entries get back in the model's own order)."""
     if saves is not None:
         saves.wait()  # at most one in flight: the previous save commits before this one touches any folder
     if settings.full:
-        gather_sharded_entries(checkpoint, keep=is_rank_zero)
+        gather_sharded_entries(checkpoint, keep=is_rank_zero, packed=packed or {})
         save_full(location, is_rank_zero, write_full, barrier)
         return
     if storage_options is not None:

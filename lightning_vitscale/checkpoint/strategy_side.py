@@ -17,6 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_vitscale._utils import packed_rows
 from lightning_vitscale.checkpoint.async_save import AsyncSaves
 from lightning_vitscale.checkpoint.consolidate import consolidate_command
 from lightning_vitscale.checkpoint.load import load_checkpoint
@@ -72,7 +73,7 @@ class StrategyCheckpoints:
         saves = self.saves if self._saves_in_background(trainer) else None
         save_checkpoint(
             checkpoint, location, self.settings, ranks.is_rank_zero, ranks.barrier, write_full, storage_options,
-            ranks, saves,
+            ranks, saves, packed_rows(module),
         )
         if not self.settings.full and not self._told_how_to_consolidate:
             self._told_how_to_consolidate = True

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from lightning_vitscale._utils import PACKED_ROWS, interleaved_rows
 from lightning_vitscale.sharding.tensor_plan import BlockPlan, TensorPlanSelector, plan_block
 
 Named = list[tuple[str, nn.Module]]
@@ -33,6 +34,8 @@ class PackedColwiseParallel(ColwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         assert isinstance(module, nn.Linear)
         interleave_rows(module, self.parts, device_mesh.size())
+        # Every full view of these rows (state dicts, full checkpoints) is turned back into the model's own order.
+        module.__dict__[PACKED_ROWS] = (self.parts, device_mesh.size())
         return super()._apply(module, device_mesh)
 
 
@@ -41,8 +44,7 @@ def interleave_rows(linear: nn.Linear, parts: int, ranks: int) -> None:
     """``[p_0 | p_1 | ...]`` (``parts`` blocks of rows) -> each rank's slice of every part, rank after rank."""
     for param in (linear.weight, linear.bias):
         if param is not None:
-            rest = param.shape[1:]
-            param.copy_(param.view(parts, ranks, -1, *rest).transpose(0, 1).reshape(param.shape))
+            param.copy_(interleaved_rows(param, parts, ranks))
 
 
 STYLES: dict[str, Any] = {

@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from torch import nn
 
+from lightning_vitscale._utils import TENSOR_LAYOUT_KEY as TENSOR_LAYOUT_KEY  # where it always was
+
 Role = Literal["colwise", "rowwise", "packed_colwise"]
 TensorPlanSelector = dict[str, Any] | Callable[[str, nn.Module], dict[str, Any]]
 """A user's plan: a dict of module-name patterns inside a block (``fnmatch``, e.g. ``"attn.qkv"``, ``"mlp.fc*"``)
@@ -25,10 +27,6 @@ to ``torch.distributed.tensor.parallel`` styles, or a callable ``(block name, bl
 
 HEAD_COUNTS = ("num_heads", "num_attention_heads")  # where attention modules keep their head count (timm, HF)
 HEAD_WIDTHS = ("attn_dim", "all_head_size")  # ... and, where they keep it, heads x head size (timm, older HF)
-
-
-TENSOR_LAYOUT_KEY = "vitscale_tensor_layout"
-"""The checkpoint entry naming projections saved in per-rank row order (absent: the model's own layout)."""
 
 
 class TensorPlanError(ValueError):

@@ -86,3 +86,22 @@ def test_packed_qkv_checkpoints_resume_under_their_own_layout_and_are_refused_un
         assert same["different"] == [] and same["optimizer_keys"] > 0 and same["global_step"] == STEPS + 1
         refused = rank["resume-examples-2-to-1"]["refused"]
         assert "holds tensor_parallel=2" in refused and "this run has the model's own layout" in refused
+
+
+def test_every_full_view_of_a_packed_qkv_is_in_the_models_own_layout(ranks):
+    """After setup ``state_dict()`` is exactly rank 0's plain initial model; after the fit a
+    ``state_dict_type="full"`` file equals ``state_dict()``, loads strictly into a plain model that computes what the
+    split one does, and is DDP's layout (weights and momentum within reduction-order noise of the DDP fit; a
+    permuted qkv row block differs by the weights' own size); ``consolidate`` of the sharded folder gives the same
+    file; a full state dict loads back into the split model (and so does the full file on resume, exactly)."""
+    for rank in ranks:
+        facts = rank["full-views"]
+        assert facts["after_setup"] == 0.0 and facts["state_vs_file"] == 0.0 and facts["state_round_trip"] == 0.0
+        assert facts["state_vs_ddp"] < 1e-6 and facts["momentum_vs_ddp"] < 1e-6 and facts["outputs"] < 1e-6
+        assert facts["ema_vs_ddp"] < 1e-6 and facts["ema_round_trip"] == 0.0  # ShardedEMA's average too
+        assert not facts["layout_key"]  # a full file holds the model's own layout: nothing to check on load
+        resumed = rank["resume-examples-2-full-to-2"]
+        assert resumed["different"] == [] and resumed["optimizer_keys"] > 0 and resumed["global_step"] == STEPS + 1
+    assert ranks[0]["full-views"]["consolidated_vs_file"] == 0.0
+    assert ranks[0]["full-views"]["consolidated_momentum_vs_file"] == 0.0
+    assert ranks[0]["full-views"]["consolidated_ema_vs_file"] == 0.0

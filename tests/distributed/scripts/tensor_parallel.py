@@ -22,8 +22,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_vitscale import VitScaleStrategy, measure_state_bytes
+from lightning_vitscale import ShardedEMA, VitScaleStrategy, measure_state_bytes
+from lightning_vitscale.checkpoint.consolidate import load_consolidated
 from lightning_vitscale.sharding import TensorLayoutError
+from tests.helpers.state import full as full_tensor
 from tests.helpers.state import snapshot
 
 warnings.filterwarnings("ignore")
@@ -71,9 +73,11 @@ class Model(L.LightningModule):
         self.backbone = BACKBONES[backbone]()
         self.losses: list[float] = []
         self.seen: list[int] = []
+        self.record_initial = False
 
     def on_train_start(self) -> None:
         self.restored = snapshot(self, self.trainer)  # after a resume: what the checkpoint restored
+        self.initial = self.state_dict() if self.record_initial else None  # after setup, before the first step
 
     def forward(self, x):
         out = self.backbone(x)
@@ -106,6 +110,7 @@ def fit(
 ) -> tuple[dict, Model, L.Trainer]:
     torch.manual_seed(dist.get_rank() + 1 if dist.is_initialized() else 1)  # different weights on every rank
     model = Model(backbone)
+    model.record_initial = backbone == "examples" and tp == 2 and precision == "32-true"
     L.seed_everything(0, verbose=False)
     ddp = "ddp_find_unused_parameters_true"  # DINOv2's mask token takes no part in classification
     checkpointing = CHECKPOINTING[backbone]
@@ -114,7 +119,7 @@ def fit(
     trainer = L.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, gradient_clip_val=0.05, logger=False,
         precision=precision, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0,
+        num_sanity_val_steps=0, callbacks=[ShardedEMA(0.5)] if model.record_initial or (backbone, tp) == EMA else [],
     )
     trainer.fit(model, data(GLOBAL_BATCH // data_parallel), ckpt_path=str(ckpt) if ckpt else None)
     state = measure_state_bytes(model, trainer.optimizers)
@@ -125,12 +130,13 @@ def fit(
 
 
 SAVED: dict[Path, dict[str, torch.Tensor]] = {}
+EMA = ("examples", 0)  # the DDP side of the full views' EMA check
 
 
-def resumes(out: Path, backbone: str, saved_under: int, resumed_under: int) -> dict:
+def resumes(out: Path, backbone: str, saved_under: int, resumed_under: int, suffix: str = "") -> dict:
     """Resume the checkpoint saved after ``STEPS`` under ``saved_under`` ranks of tensor parallelism for one step
     under ``resumed_under``; what it restored against what was saved."""
-    ckpt = out / f"{backbone}-{saved_under}.ckpt"
+    ckpt = out / f"{backbone}-{saved_under}{suffix}.ckpt"
     saved = SAVED[ckpt]
     try:
         _, resumed, trainer = fit(backbone, resumed_under, steps=STEPS + 1, ckpt=ckpt)
@@ -139,6 +145,59 @@ def resumes(out: Path, backbone: str, saved_under: int, resumed_under: int) -> d
     different = [k for k in saved if not torch.equal(saved[k], resumed.restored[k])]
     return {"keys": len(saved), "optimizer_keys": sum(k.startswith("o.") for k in saved), "different": different,
             "global_step": trainer.global_step}
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def momentum(optimizer_state: dict) -> dict[str, torch.Tensor]:
+    return {str(i): s["momentum_buffer"] for i, s in optimizer_state["state"].items()}
+
+
+def full_views(out: Path, model: Model, trainer: L.Trainer, ddp: dict) -> dict:
+    """The examples' ViT (packed qkv) after a TP=2 x FSDP=2 fit: every full view of its weights in the model's own
+    layout. ``ddp``: the same fit under DDP (weights and momentum, close to these up to reduction order)."""
+    torch.manual_seed(1)
+    initial = Model("examples").state_dict()  # rank 0's weights, which every rank takes at setup
+    state = model.state_dict()
+    full = out / "examples-2-full.ckpt"
+    trainer.strategy.state_dict_type = "full"
+    trainer.save_checkpoint(full)
+    trainer.strategy.state_dict_type = "sharded"
+    saved = torch.load(full, weights_only=True)
+    x = torch.randn(4, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(1))
+    plain = Model("examples")
+    plain.load_state_dict(saved["state_dict"], strict=True)  # as a DDP script loads it
+    with torch.no_grad():
+        outputs = (model.eval()(x), plain.eval()(x))
+    facts = {
+        "after_setup": max_difference(model.initial, initial),
+        "state_vs_file": max_difference(state, saved["state_dict"]),
+        "state_vs_ddp": max_difference(state, ddp["state"]), "layout_key": "vitscale_tensor_layout" in saved,
+        "momentum_vs_ddp": max_difference(momentum(saved["optimizer_states"][0]), momentum(ddp["optimizer"])),
+        "outputs": (outputs[0] - outputs[1]).abs().max().item(),
+        "ema_vs_ddp": max_difference(saved["ema_state_dict"], ddp["ema"]),
+    }
+    shards = next(c for c in trainer.callbacks if isinstance(c, ShardedEMA)).shards
+    ema = {k: full_tensor(v) for k, v in shards.state_dict().items()}
+    shards.load_full(saved["ema_state_dict"])  # as a resume from the full file does
+    facts["ema_round_trip"] = max_difference({k: full_tensor(v) for k, v in shards.state_dict().items()}, ema)
+    if dist.get_rank() == 0:
+        consolidated = load_consolidated(out / "examples-2.ckpt")
+        facts["consolidated_vs_file"] = max_difference(consolidated["state_dict"], saved["state_dict"])
+        facts["consolidated_momentum_vs_file"] = max_difference(
+            momentum(consolidated["optimizer_states"][0]), momentum(saved["optimizer_states"][0])
+        )
+        facts["consolidated_ema_vs_file"] = max_difference(consolidated["ema_state_dict"], saved["ema_state_dict"])
+    with torch.no_grad():  # a full state dict loads back into the split model (per-rank rows again)
+        for p in model.parameters():
+            p.zero_()
+    model.load_state_dict(state)
+    facts["state_round_trip"] = max_difference(model.state_dict(), state)
+    SAVED[full] = SAVED[out / "examples-2.ckpt"]  # the full file resumes as the sharded folder does
+    return facts
 
 
 def _block_fraction(model: Model, trainer: L.Trainer) -> float:
@@ -159,14 +218,20 @@ def main() -> None:
     for backbone in BACKBONES:
         for tp in (0, 2, 4) if backbone == "examples" else (0, 2):
             results[f"{backbone}-{tp}"], model, trainer = fit(backbone, tp)
+            if backbone == "examples" and tp == 0:
+                ema = next(c for c in trainer.callbacks if isinstance(c, ShardedEMA)).shards.state_dict()
+                ddp = {"state": model.state_dict(), "optimizer": trainer.optimizers[0].state_dict(), "ema": ema}
             if tp == 2 and backbone in ("examples", "hf"):  # saved for the resumes below
                 trainer.save_checkpoint(out / f"{backbone}-{tp}.ckpt")
                 SAVED[out / f"{backbone}-{tp}.ckpt"] = snapshot(model, trainer)
+            if tp == 2 and backbone == "examples":
+                results["full-views"] = full_views(out, model, trainer, ddp)
     for tp in (1, 2):  # bf16-mixed (O2, fp32 norms, the non-finite guard on): TP beside FSDP=4's recipe
         results[f"examples-{tp}-bf16"] = fit("examples", tp, precision="bf16-mixed")[0]
     results["resume-hf-2-to-1"] = resumes(out, "hf", 2, 1)
     results["resume-examples-2-to-2"] = resumes(out, "examples", 2, 2)
     results["resume-examples-2-to-1"] = resumes(out, "examples", 2, 1)
+    results["resume-examples-2-full-to-2"] = resumes(out, "examples", 2, 2, suffix="-full")
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
 
 
