@@ -155,6 +155,13 @@ def fsdp_param_groups(unit: FSDPModule) -> list[Any]:
     return [state._fsdp_param_group] if state._fsdp_param_group is not None else []  # torch <= 2.11
 
 
+def unit_keeps_gathered(unit: FSDPModule) -> bool:
+    """Whether ``unit`` keeps its gathered parameters from forward to backward as set now (FSDP2 holds no mesh to
+    reshard to after forward: ``post_forward_mesh_info`` is ``None``); ``False`` for a unit without parameters."""
+    groups = fsdp_param_groups(unit)
+    return bool(groups) and all(group.post_forward_mesh_info is None for group in groups)
+
+
 def unit_parameters(unit: FSDPModule) -> list[torch.nn.Parameter]:
     """The sharded parameters ``unit`` itself manages (not those of the units nested in it)."""
     return [p.sharded_param for group in fsdp_param_groups(unit) for p in group.fsdp_params]
@@ -263,5 +270,6 @@ __all__ = [
     "tree_leaves",
     "tree_map",
     "train_dataloader",
+    "unit_keeps_gathered",
     "unit_parameters",
 ]

@@ -5,7 +5,10 @@ backbone) gets it too.
 
 The training batch is fetched at setup, before the units are made (they cannot change afterwards, and a hook may
 call the model before the first step): the first ``batch_size`` samples of the train ``DataLoader``'s dataset,
-collated as the loader collates them, on every rank alike (no worker, no sampler, no random number drawn). It is
+collated as the loader collates them, on every rank alike (no worker, no sampler). A dataset's random transforms
+and a ``training_step``'s random calls do draw numbers, so reading and measuring run with the global generators
+(torch, Python's ``random``, NumPy's) saved and restored: training afterwards sees the same random numbers as
+under DDP, which plans nothing. It is
 measured as ``training_step(batch, 0)`` on a meta twin of the module (structure, no data: the real module's
 Python state is not touched) on fake tensors, with ``self.log`` silenced; a ``training_step`` that cannot run
 there (it reads a value, ``.item()``, or updates a metric) is measured through ``forward`` on the batch's first
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import random
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -65,7 +69,35 @@ def first_batch(loader: Any) -> Any | None:
         size = min(loader.batch_size, len(loader.dataset))  # type: ignore[arg-type]
     except TypeError:  # a dataset without len()
         return None
-    return loader.collate_fn([loader.dataset[i] for i in range(size)]) if size else None
+    if not size:
+        return None
+    with random_state_kept():  # random transforms (flips, crops) must not shift the training run's numbers
+        return loader.collate_fn([loader.dataset[i] for i in range(size)])
+
+
+@contextlib.contextmanager
+def random_state_kept() -> Iterator[None]:
+    """Run the body with torch's (CPU and initialised CUDA devices), Python's and NumPy's global random states
+    saved and restored."""
+    state = random.getstate()
+    numpy_random = _numpy_random()
+    numpy_state = numpy_random.get_state() if numpy_random is not None else None
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(state)
+        if numpy_random is not None:
+            numpy_random.set_state(numpy_state)
+
+
+def _numpy_random() -> Any | None:
+    try:
+        import numpy
+    except ImportError:  # NumPy is optional for torch
+        return None
+    return numpy.random
 
 
 def first_tensor_input(batch: Any) -> Any:
@@ -144,6 +176,11 @@ def measure_batch(model: nn.Module, batch: PlanningBatch, **step_kwargs: Any) ->
     summary). A training batch runs through ``training_step`` on a meta twin, else (a manual-optimization module,
     or a ``training_step`` that cannot run on fake tensors) through ``forward`` on its first tensor; a module
     with neither raises what the measurement raised."""
+    with random_state_kept():  # a training_step's random calls must not shift the training run's numbers
+        return _measure_batch(model, batch, **step_kwargs)
+
+
+def _measure_batch(model: nn.Module, batch: PlanningBatch, **step_kwargs: Any) -> tuple[StepInputs, str]:
     how = ""
     if batch.through_training_step and runs_training_step(model):
         try:

@@ -193,8 +193,9 @@ def _shard(
         tensor_mesh=ranks.tensor_mesh,
     )
     set_lightning_device(module, ranks.device)
-    _describe_layout(done.plan, outer, done.norms, precision.policy, resolved.sharding, ranks)
     planned.apply(module, done.plan, ranks.device)
+    # After the planner's choices are applied: units it keeps gathered send no all-gather in backward.
+    _describe_layout(done.plan, outer, done.norms, precision.policy, resolved.sharding, ranks)
     auto = planned.auto
     # 4. Drop-in behaviour: calls outside a step gather the outer unit; state_dict() gives DDP's full tensors.
     outer.enable_calls_outside_steps()

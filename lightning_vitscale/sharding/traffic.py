@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_vitscale._compat import unit_keeps_gathered
 from lightning_vitscale._utils import mib, shard_numel
 from lightning_vitscale.precision import PrecisionPolicy
 from lightning_vitscale.sharding.settings import unit_reshard
@@ -52,7 +53,10 @@ def fsdp_units(outer: nn.Module, ignored: set[nn.Parameter], reshard_after_forwa
     for module in outer.modules():
         if isinstance(module, FSDPModule):
             own = [p for p in _own_params(module) if p not in ignored]
-            units.append(Unit(tuple(p.shape for p in own), unit_reshard(reshard_after_forward, module is outer)))
+            reshard = unit_reshard(reshard_after_forward, module is outer)
+            if unit_keeps_gathered(module):  # the planner's choice for this unit (set after the request)
+                reshard = False
+            units.append(Unit(tuple(p.shape for p in own), reshard))
     return units
 
 
