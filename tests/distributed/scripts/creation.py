@@ -207,7 +207,10 @@ def _status_bytes(field: str) -> int:
 
 def memory() -> dict:
     model = Big(width=1024, depth=64)  # 64 x 1.05M params x 4 B = 269 MB
-    t = trainer(VitScaleStrategy(), max_steps=1)
+    # One block per unit, as the bound below assumes: rank 0 scatters its values unit by unit, so a rank also holds
+    # one unit's full values for a moment, and the planner's unit size (blocks_per_unit=None) follows the host
+    # memory free at the time (4 blocks of 4.2 MB here with 4.5 GiB free; more on an idler machine).
+    t = trainer(VitScaleStrategy(blocks_per_unit=1), max_steps=1)
     t.fit(model, loader(n=16))
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
