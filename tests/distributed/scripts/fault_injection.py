@@ -100,6 +100,10 @@ class Record(L.Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         step = trainer.global_step
         if step == self.kill.step:
+            # An asynchronous save of an earlier step may still be writing last.ckpt.partial in the background
+            # (on a loaded machine): armed now, it would die in that one. Let it commit first, as the strategy
+            # does anyway before the next save begins, so the kill lands in this step's save.
+            trainer.strategy.checkpoints.saves.wait()
             self.dying.armed = True
         if step in self.seen:
             return
