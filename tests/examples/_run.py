@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import csv
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.helpers.launch import rank_env, run_bounded
+from tests.helpers.launch import python_command, run_bounded
 
 CPU2 = ["--trainer.accelerator=cpu", "--trainer.devices=2"]
 
@@ -31,7 +30,8 @@ class Run:
 
 def run_example(task: str, args: list[str], log_dir: Path, timeout: float) -> Run:
     """Run one example with the CSV logger pointed at ``log_dir``; the shared launcher bounds it in time."""
-    cmd = [sys.executable, f"examples/{task}.py", "fit", *CPU2, f"--trainer.logger.init_args.save_dir={log_dir}", *args]
-    result = run_bounded(cmd, timeout, rank_env())
+    log = f"--trainer.logger.init_args.save_dir={log_dir}"
+    cmd, env = python_command(f"examples/{task}.py", "fit", *CPU2, log, *args)
+    result = run_bounded(cmd, timeout, env)
     output = result.output + (f"\n[killed after {timeout}s]" if result.timed_out else "")
     return Run(result.returncode, output, log_dir / task / "version_0" / "metrics.csv")

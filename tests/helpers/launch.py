@@ -125,18 +125,10 @@ def descendants(pid: int) -> list[int]:
 def torchrun(script: str | Path, *args: str, nprocs: int = 2, timeout: float = 240, **env: str) -> Finished:
     """Launch ``script`` on ``nprocs`` CPU ranks with torch's public elastic launcher.
 
-    Without extra ``env`` (which a fork could not honour), each rank is forked from a process that imported torch
-    and Lightning once (tests/helpers/zygote.py): the same launcher, ranks, environment and exit codes, without
-    ~8 s of imports per rank."""
-    from tests.helpers import zygote
-
-    socket_path = zygote.server_socket(rank_env(), REPO_ROOT) if zygote.enabled() and not env else None
-    if socket_path is not None:
-        args = (str(script), *args)
-        script = Path(zygote.__file__).with_name("zygote_client.py")
-        env = {"VITSCALE_TEST_ZYGOTE_SOCKET": socket_path}
-    cmd = [
-        sys.executable,
+    Without extra ``env`` (which a fork could not honour), the launcher and each rank are forked from a process
+    that imported torch and Lightning once (``python_command``): the same launcher, ranks, environment and exit
+    codes, without ~10 s of imports per rank and ~3 s per launcher."""
+    cmd, full_env = python_command(
         "-m",
         "torch.distributed.run",
         f"--nproc-per-node={nprocs}",
@@ -146,13 +138,40 @@ def torchrun(script: str | Path, *args: str, nprocs: int = 2, timeout: float = 2
         "--max-restarts=0",
         str(script),
         *args,
-    ]
-    return run_bounded(cmd, timeout, rank_env(**env))
+        **env,
+    )
+    return run_bounded(cmd, timeout, full_env)
+
+
+# Read by Lightning or torch.distributed when a job starts, not by Python or a library at import: a rank forked
+# from the zygote honours them as a fresh process would.
+_READ_AT_RUN_TIME = frozenset({"MASTER_PORT", "NODE_RANK"})
+
+
+def _zygote_socket() -> str | None:
+    from tests.helpers import zygote
+
+    return zygote.server_socket(rank_env(), REPO_ROOT) if zygote.enabled() else None
+
+
+def python_command(*args: str, **env: str) -> tuple[list[str], dict[str, str]]:
+    """``python *args`` as a user types it, with ``env`` over the ranks' base environment. Forked from the zygote
+    (tests/helpers/zygote.py), the ranks Lightning's launcher starts included, unless ``env`` holds something only
+    a fresh process reads: the same script, launcher and exit codes without ~10 s of imports per process."""
+    from tests.helpers import zygote
+
+    socket_path = _zygote_socket() if set(env) <= _READ_AT_RUN_TIME else None
+    if socket_path is None:
+        return [sys.executable, *args], rank_env(**env)
+    client = str(Path(zygote.__file__).with_name("zygote_client.py"))
+    extra = {zygote.SOCKET_VARIABLE: socket_path, zygote.RELAUNCH_VARIABLE: "1"}
+    return [sys.executable, client, *args], rank_env(**env, **extra)
 
 
 def lightning_launch(script: str | Path, *args: str, timeout: float = 240, **env: str) -> Finished:
     """Run ``script`` as a user would: Lightning's own launcher starts the other ranks."""
-    return run_bounded([sys.executable, str(script), *args], timeout, rank_env(MASTER_PORT=str(free_port()), **env))
+    cmd, full_env = python_command(str(script), *args, MASTER_PORT=str(free_port()), **env)
+    return run_bounded(cmd, timeout, full_env)
 
 
 def assert_ok(result: Finished) -> None:
@@ -228,14 +247,13 @@ def multinode_launch(
 
     def node_command(node: int) -> tuple[list[str], dict[str, str]]:
         if launcher == "torchrun":
-            cmd = [
-                sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
+            return python_command(
+                "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
                 f"--nproc-per-node={per_node}", "--master-addr=127.0.0.1", f"--master-port={port}",
                 "--max-restarts=0", str(script), *args,
-            ]
-            return cmd, rank_env()
+            )
         if launcher == "lightning":
-            return [sys.executable, str(script), *args], rank_env(NODE_RANK=str(node), MASTER_PORT=port)
+            return python_command(str(script), *args, NODE_RANK=str(node), MASTER_PORT=port)
         raise ValueError(f"launcher must be 'torchrun' or 'lightning'; got {launcher!r}")
 
     commands = [node_command(node) for node in range(nodes)]

@@ -7,10 +7,16 @@ environment, per-rank processes, failure handling, exit codes); only the program
 :mod:`tests.helpers.zygote_client`, a tiny process that hands its argv, environment, working folder and stdio to
 the server, which forks a child that runs the script as ``__main__`` exactly as ``python script.py`` would. The
 client forwards torchrun's signals to that child and exits with its status (the same signal if it was killed), and
-the child dies with the client (a timeout that SIGKILLs the launch's process tree reaches it too).
+the child dies with the client, taking its own processes along (a timeout that SIGKILLs the launch's process tree
+reaches them too). torch's elastic agent itself (``python -m torch.distributed.run``) is forked the same way, and
+its ranks (``python -u script``) come back here through the wrapper below.
 
-Launches that test something a fork cannot give (extra environment read at process start, such as glibc's
-``MALLOC_*``) start real processes: :func:`tests.helpers.launch.torchrun` routes only plain launches here.
+Launches through Lightning's own launcher (:func:`tests.helpers.launch.lightning_launch`, the examples' CLI runs)
+come here too: the script's process is forked the same way, and its ``sys.executable`` is a small wrapper
+(``python`` beside the socket) that runs the client, so the ranks Lightning's launcher starts with
+``Popen([sys.executable, script, *argv])`` (or ``-m module``) are forked as well, with the environment the launcher
+gave them. Launches that test something a fork cannot give (extra environment read at process start, such as
+glibc's ``MALLOC_*``) start real processes: the helpers route only plain launches here.
 ``VITSCALE_TEST_ZYGOTE=0`` turns it off for a whole run.
 """
 
@@ -29,7 +35,9 @@ import tempfile
 from pathlib import Path
 
 _PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "lightning", "lightning.pytorch",
-            "lightning_vitscale", "tests.helpers.models", "tests.helpers.scenarios")
+            "lightning.pytorch.cli", "lightning_vitscale", "tests.helpers.models", "tests.helpers.scenarios")
+SOCKET_VARIABLE = "VITSCALE_TEST_ZYGOTE_SOCKET"
+RELAUNCH_VARIABLE = "VITSCALE_TEST_ZYGOTE_RELAUNCH"  # set: the child's own Python subprocesses come back here
 _server: tuple[subprocess.Popen, str] | None = None
 
 
@@ -63,10 +71,24 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.stdout.close()
 
 
+def wrapper_for(socket_path: str) -> str:
+    """The ``python`` a relaunching child reports as ``sys.executable``: runs the client against this server."""
+    return os.path.join(os.path.dirname(socket_path), "python")
+
+
+def _write_wrapper(socket_path: str) -> None:
+    client = Path(__file__).with_name("zygote_client.py")
+    wrapper = wrapper_for(socket_path)
+    with open(wrapper, "w") as f:
+        variables = f'{SOCKET_VARIABLE}="{socket_path}" {RELAUNCH_VARIABLE}=1'
+        f.write(f'#!/bin/sh\n{variables} exec "{sys.executable}" "{client}" "$@"\n')
+    os.chmod(wrapper, 0o755)
+
+
 def _reset_per_process_state(argv: list[str]) -> None:
-    """What ``python script.py`` would have fresh that the server's imports already computed."""
+    """What ``python script.py`` (or ``python -m module``) would have fresh that the server's imports computed."""
     sys.argv = argv
-    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    sys.path[0] = os.getcwd() if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0]))
     from lightning.fabric.utilities import rank_zero as fabric_rank_zero
     from lightning_utilities.core import rank_zero as utils_rank_zero
 
@@ -74,9 +96,50 @@ def _reset_per_process_state(argv: list[str]) -> None:
     fabric_rank_zero.rank_zero_only.rank = utils_rank_zero.rank_zero_only.rank = fabric_rank_zero._get_rank() or 0
 
 
+def _die_with(conn: socket.socket) -> None:
+    """Thread body: once the client is gone (a timeout's kill reaches only it), SIGKILL this child's own processes
+    (the ranks an elastic agent started) and the child."""
+    while conn.recv(1):
+        pass
+    from tests.helpers.launch import descendants
+
+    for pid in descendants(os.getpid()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _run_main(argv: list[str]) -> None:
+    """Run ``argv`` as ``python *argv`` would (a script, or ``-m module``), printing an uncaught exception as Python
+    prints it, without the zygote's frames."""
+    import runpy
+
+    if argv[0] == "-u":  # how torch's elastic agent starts a rank; the ranks' environment is unbuffered already
+        argv = argv[1:]
+    _reset_per_process_state(argv)
+    main_file = os.path.abspath(argv[0]) if argv[0] != "-m" else ""
+    try:
+        if main_file:
+            runpy.run_path(main_file, run_name="__main__")
+        else:  # as `python -m`: argv[0] becomes the module's file, __main__.__spec__ its spec
+            sys.argv = argv[1:]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    except SystemExit:
+        raise
+    except BaseException as error:  # noqa: BLE001
+        import traceback
+
+        tb = error.__traceback__
+        while tb is not None and main_file and tb.tb_frame.f_code.co_filename != main_file:
+            tb = tb.tb_next
+        traceback.print_exception(type(error), error, tb or error.__traceback__)
+        sys.stderr.flush()
+        raise SystemExit(1) from None
+    raise SystemExit(0)
+
+
 def _child(conn: socket.socket, message: dict, fds: list[int]) -> None:
     """In the forked child: become the rank process, run its script, never return into the server's loop."""
-    import runpy
     import threading
 
     for target, fd in enumerate(fds):
@@ -87,28 +150,10 @@ def _child(conn: socket.socket, message: dict, fds: list[int]) -> None:
     os.chdir(message["cwd"])
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def die_with_the_client() -> None:
-        while conn.recv(1):
-            pass
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=die_with_the_client, daemon=True).start()
-    _reset_per_process_state(message["argv"])
-    try:
-        runpy.run_path(os.path.abspath(message["argv"][0]), run_name="__main__")
-    except SystemExit:
-        raise
-    except BaseException as error:  # noqa: BLE001 - printed as Python prints it, without the zygote's frames
-        import traceback
-
-        tb = error.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename != os.path.abspath(message["argv"][0]):
-            tb = tb.tb_next
-        traceback.print_exception(type(error), error, tb or error.__traceback__)
-        sys.stderr.flush()
-        raise SystemExit(1) from None
-    raise SystemExit(0)
+    threading.Thread(target=_die_with, args=(conn,), daemon=True).start()
+    if message.get("relaunch"):
+        sys.executable = wrapper_for(message["socket"])
+    _run_main(message["argv"])
 
 
 def serve(path: str) -> None:
@@ -120,6 +165,7 @@ def serve(path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
+    _write_wrapper(path)
     print("ready", flush=True)
     clients: dict[int, socket.socket] = {}
     parent = os.getppid()
@@ -136,7 +182,7 @@ def _fork_for(listener: socket.socket, clients: dict[int, socket.socket]) -> Non
     raw, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
     while not raw.endswith(b"\n"):  # a stream: a long environment may come in several pieces
         raw += conn.recv(1 << 16)
-    message = json.loads(raw)
+    message = json.loads(raw) | {"socket": listener.getsockname()}
     pid = os.fork()
     if pid == 0:
         listener.close()
