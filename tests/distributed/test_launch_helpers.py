@@ -1,18 +1,22 @@
 """The shared rank launcher (tests/helpers/launch.py, ranks forked by tests/helpers/zygote.py): each rank runs its
-script as ``python script.py`` under torchrun would, and torchrun sees each rank's own exit status."""
+script as ``python script.py`` under torchrun or Lightning's own launcher would, torchrun sees each rank's own exit
+status, and a launch's timeout ends every rank."""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.launch import REPO_ROOT, torchrun
+from tests.helpers import zygote
+from tests.helpers.launch import REPO_ROOT, assert_ok, lightning_launch, torchrun
 from tests.helpers.results import load_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 SCRIPT = "tests/distributed/scripts/rank_view.py"
+LIGHTNING_SCRIPT = "tests/distributed/scripts/lightning_rank_view.py"
 
 
 def test_each_rank_runs_its_script_as_main_with_its_own_rank_and_exit_status(tmp_path):
@@ -26,3 +30,26 @@ def test_each_rank_runs_its_script_as_main_with_its_own_rank_and_exit_status(tmp
         assert rank["argv"] == [str(tmp_path), "extra"] and rank["name"] == "__main__"
         assert Path(rank["file"]) == REPO_ROOT / SCRIPT and rank["cwd"] == str(REPO_ROOT)
     assert len({r["pid"] for r in ranks} | {os.getpid()}) == 3
+
+
+def test_lightning_launcher_starts_its_other_rank_as_python_script_py_would(tmp_path):
+    assert_ok(lightning_launch(LIGHTNING_SCRIPT, str(tmp_path), "return", timeout=200))
+    ranks = load_ranks(tmp_path)
+    assert [r["local_rank"] for r in ranks] == [0, 1]
+    for rank in ranks:
+        assert rank["argv"] == [str(tmp_path), "return"] and rank["name"] == "__main__"
+        assert Path(rank["file"]) == REPO_ROOT / LIGHTNING_SCRIPT
+    if zygote.enabled():  # rank 1 too came from the zygote (through the wrapper rank 0's launcher ran), not rank 0
+        assert ranks[0]["parent"] == ranks[1]["parent"] != os.getpid()
+
+
+def test_a_timeout_ends_the_launcher_and_every_rank(tmp_path):
+    timeout = 15 if zygote.enabled() else 60  # the ranks write their files within it (fresh imports: ~20 s)
+    result = torchrun(LIGHTNING_SCRIPT, str(tmp_path), "sleep", timeout=timeout)
+    assert result.timed_out and result.seconds < timeout + 10, f"{result.seconds:.0f}s: a rank held the output"
+    pids = [r["pid"] for r in load_ranks(tmp_path)]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while (alive := [pid for pid in pids if os.path.exists(f"/proc/{pid}")]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive, f"ranks {alive} outlived the launch"
