@@ -164,8 +164,7 @@ def python_command(*args: str, **env: str) -> tuple[list[str], dict[str, str]]:
     if socket_path is None:
         return [sys.executable, *args], rank_env(**env)
     client = str(Path(zygote.__file__).with_name("zygote_client.py"))
-    extra = {zygote.SOCKET_VARIABLE: socket_path, zygote.RELAUNCH_VARIABLE: "1"}
-    return [sys.executable, client, *args], rank_env(**env, **extra)
+    return [sys.executable, client, *args], rank_env(**env, **{zygote.SOCKET_VARIABLE: socket_path})
 
 
 def lightning_launch(script: str | Path, *args: str, timeout: float = 240, **env: str) -> Finished:

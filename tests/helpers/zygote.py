@@ -37,7 +37,6 @@ from pathlib import Path
 _PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "lightning", "lightning.pytorch",
             "lightning.pytorch.cli", "lightning_vitscale", "tests.helpers.models", "tests.helpers.scenarios")
 SOCKET_VARIABLE = "VITSCALE_TEST_ZYGOTE_SOCKET"
-RELAUNCH_VARIABLE = "VITSCALE_TEST_ZYGOTE_RELAUNCH"  # set: the child's own Python subprocesses come back here
 _server: tuple[subprocess.Popen, str] | None = None
 
 
@@ -72,7 +71,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def wrapper_for(socket_path: str) -> str:
-    """The ``python`` a relaunching child reports as ``sys.executable``: runs the client against this server."""
+    """The ``python`` every child reports as ``sys.executable``: runs the client against this server."""
     return os.path.join(os.path.dirname(socket_path), "python")
 
 
@@ -80,8 +79,7 @@ def _write_wrapper(socket_path: str) -> None:
     client = Path(__file__).with_name("zygote_client.py")
     wrapper = wrapper_for(socket_path)
     with open(wrapper, "w") as f:
-        variables = f'{SOCKET_VARIABLE}="{socket_path}" {RELAUNCH_VARIABLE}=1'
-        f.write(f'#!/bin/sh\n{variables} exec "{sys.executable}" "{client}" "$@"\n')
+        f.write(f'#!/bin/sh\n{SOCKET_VARIABLE}="{socket_path}" exec "{sys.executable}" "{client}" "$@"\n')
     os.chmod(wrapper, 0o755)
 
 
@@ -151,8 +149,7 @@ def _child(conn: socket.socket, message: dict, fds: list[int]) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=_die_with, args=(conn,), daemon=True).start()
-    if message.get("relaunch"):
-        sys.executable = wrapper_for(message["socket"])
+    sys.executable = wrapper_for(message["socket"])  # its own Python subprocesses (ranks) come back here
     _run_main(message["argv"])
 
 

@@ -1,6 +1,5 @@
-"""What torchrun starts for each rank under the zygote: ``zygote_client.py SCRIPT ARGS...`` (or ``-m MODULE
-ARGS...``; see zygote.py). With ``VITSCALE_TEST_ZYGOTE_RELAUNCH`` set, the child's own Python subprocesses (the
-ranks Lightning's launcher starts) come back through the zygote too.
+"""What a launch (and, through the zygote's ``python`` wrapper, each rank a launcher starts) runs under the zygote:
+``zygote_client.py SCRIPT ARGS...`` or ``zygote_client.py -m MODULE ARGS...`` (see zygote.py).
 
 Imports nothing heavy: hands argv, environment, working folder and stdio to the server's forked child, forwards
 the signals torchrun sends, and exits as the child did (with its code, or by the signal that ended it).
@@ -16,11 +15,8 @@ import sys
 def main() -> None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(os.environ["VITSCALE_TEST_ZYGOTE_SOCKET"])
-    ours = ("VITSCALE_TEST_ZYGOTE_SOCKET", "VITSCALE_TEST_ZYGOTE_RELAUNCH")
-    env = {k: v for k, v in os.environ.items() if k not in ours}
-    relaunch = bool(os.environ.get("VITSCALE_TEST_ZYGOTE_RELAUNCH"))
-    message = {"argv": sys.argv[1:], "env": env, "cwd": os.getcwd(), "relaunch": relaunch}
-    message = json.dumps(message).encode() + b"\n"
+    env = {k: v for k, v in os.environ.items() if k != "VITSCALE_TEST_ZYGOTE_SOCKET"}
+    message = json.dumps({"argv": sys.argv[1:], "env": env, "cwd": os.getcwd()}).encode() + b"\n"
     socket.send_fds(conn, [message], [0, 1, 2])
     reader = conn.makefile("rb")
     child = int(reader.readline())
