@@ -13,6 +13,7 @@ from lightning_vitscale.memory.accumulation import (
     AccumulationMode,
     choose_accumulation,
 )
+from lightning_vitscale.memory.activations import ModeOf
 from lightning_vitscale.memory.auto_checkpointing import (
     AutoCheckpointing,
     describe_prediction,
@@ -35,6 +36,7 @@ __all__ = [
     "AccumulationMode",
     "AutoCheckpointing",
     "MemoryPlan",
+    "ModeOf",
     "PlanningBatch",
     "SAVED_OPS",
     "StateBytes",

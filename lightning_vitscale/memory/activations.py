@@ -22,12 +22,17 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_vitscale._compat import FakeTensorMode, tree_map
-from lightning_vitscale.memory.op_costs import BlockWork, measure_work
+from lightning_vitscale.memory.block_identity import block_key
+from lightning_vitscale.memory.op_costs import BlockWork, OpWork
 from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
 
 _CPU = torch.device("cpu")
 StepCall = Callable[[nn.Module, Any], Any]
 """How the measured forward is run: ``call(model, fake_input)`` (default ``model(fake_input)``, a tuple unpacked)."""
+ModeOf = Callable[[int, str, nn.Module], "str | None"]
+"""The checkpointing a block will run: ``mode_of(index, name, block)`` -> ``"full"``, ``"selective"`` or ``None``."""
+ALL_MODES: frozenset[str] = frozenset({"none", "full", "selective"})
+"""What a block can be measured for: plain (``"none"``), fully and selectively checkpointed."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,8 @@ class BlockMemory:
         selective_saved: bytes a selectively checkpointed block keeps (its input and the expensive ops' outputs).
         selective_backward: what its backward allocates on top of that (the cheap ops' recompute included).
         work: what its forward computes (:mod:`.op_costs`): what checkpointing it repeats in backward.
+        modes: what it was measured for (:data:`ALL_MODES` unless the checkpointing was known): the fields of
+            the others are 0, and predicting a step that runs them is an error.
     """
 
     name: str
@@ -56,6 +63,7 @@ class BlockMemory:
     selective_saved: int = 0
     selective_backward: int = 0
     work: BlockWork = BlockWork()
+    modes: frozenset[str] = ALL_MODES
 
 
 @dataclass(frozen=True)
@@ -195,12 +203,15 @@ def measure_activations(
     compute: torch.dtype = torch.float32,
     norms: list[nn.Module] | None = None,
     call: StepCall | None = None,
+    mode_of: ModeOf | None = None,
 ) -> ActivationProfile:
     """Run ``model(example_input)`` (or ``call(model, example_input)``) and one backward on fake tensors; return
     what each block keeps and needs.
 
     ``norms`` run in fp32 as the strategy runs them (inputs upcast, outputs cast back). Floating inputs are cast
     to ``compute`` as FSDP's root unit casts them. Nothing is allocated and ``model`` is left as it was.
+    ``mode_of``: the checkpointing each block will run, when it is settled; each block is then measured for that
+    mode only (a third of the work). ``None``: for every mode (the planner chooses among them).
     """
     norms = norms or []
     norm_ids = {id(m) for m in norms}
@@ -221,8 +232,10 @@ def measure_activations(
             for handle in handles:
                 handle.remove()
         outputs = [t for t in _tensors(out) if t.is_floating_point()]
-        measured: dict[tuple, tuple[int, int]] = {}  # identical blocks are measured once per call
-        results = [_block_memory(name, block, recorder, i, mode, measured) for i, (name, block) in enumerate(blocks)]
+        measured: dict[tuple[Any, str], Any] = {}  # identical blocks are measured once per call
+        results = [_block_memory(name, block, recorder, i, mode, measured,
+                                 ALL_MODES if mode_of is None else frozenset({mode_of(i, name, block) or "none"}))
+                   for i, (name, block) in enumerate(blocks)]
     block_ids = {id(m) for _, b in blocks for m in b.modules()}
     outer_grads = sum(p.numel() for m in model.modules() if id(m) not in block_ids
                       for p in m.parameters(recurse=False)) * compute.itemsize
@@ -244,46 +257,63 @@ def _fake_like(value: Any, compute: torch.dtype) -> Any:
 
 
 def _block_memory(
-    name: str, block: nn.Module, recorder: _Recorder, index: int, mode: FakeTensorMode, measured: dict
+    name: str, block: nn.Module, recorder: _Recorder, index: int, mode: FakeTensorMode, measured: dict,
+    needed: frozenset[str],
 ) -> BlockMemory:
     params = sum(p.numel() * p.element_size() for p in block.parameters())
     x = recorder.inputs.get(index)
     if x is None:  # the block never ran in this forward: it costs nothing for this batch
         return BlockMemory(name, 0, 0, 0, 0, params)
-    backward, recompute, selective_saved, selective_backward, work = _backward_bytes(block, x, mode, measured)
+    passes = _measure_passes(block, x, mode, measured, needed)
+    size = x.untyped_storage().nbytes()
+    selective_saved, selective_backward = passes.get("selective", (0, 0))
     return BlockMemory(
         name,
         saved=recorder.saved_by(index),
-        input=x.untyped_storage().nbytes(),
-        backward=backward,
-        recompute=recompute,
+        input=size,
+        backward=passes.get("none", 0),
+        recompute=passes.get("full", 0),
         params=params,
         selective_saved=selective_saved,
         selective_backward=selective_backward,
-        work=work,
+        work=passes.get("work", BlockWork()),
+        modes=needed,
     )
 
 
-def _backward_bytes(block: nn.Module, x: torch.Tensor, mode: FakeTensorMode, measured: dict) -> tuple[Any, ...]:
-    """(peak of backward beyond what forward left alive, a checkpointed block's peak from its input alone,
-    a selectively checkpointed block's kept bytes, its backward's peak beyond them, and its forward's work).
+def _measure_passes(
+    block: nn.Module, x: torch.Tensor, mode: FakeTensorMode, measured: dict, needed: frozenset[str]
+) -> dict[str, Any]:
+    """One fake forward + backward of ``block`` per mode in ``needed``: ``"none"``, the peak of backward beyond
+    what forward left alive; ``"full"``, a checkpointed block's peak from its input alone; ``"selective"``, a
+    selectively checkpointed block's kept bytes and its backward's peak beyond them. With a checkpointed mode,
+    ``"work"``: its forward's work, counted in the first pass's forward (the ops a recompute repeats).
 
     Checkpointed runs go through ``torch.utils.checkpoint`` (non-reentrant) as the strategy applies it: a full
     recompute stops as far as the last tensor backward needs (early stop) and frees the recomputed tensors as
     backward proceeds; a selective one keeps :data:`~lightning_vitscale.memory.selective_ops.SAVED_OPS`' outputs.
-    All include the block's parameter gradients. Measured once per block shape (``measured``, one model).
+    All include the block's parameter gradients. Each pass runs once per structurally equal block
+    (:func:`~.block_identity.block_key`) in ``measured`` (one model).
     """
-    key = (type(block), tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()),
-           tuple(x.shape), x.dtype)
-    if key not in measured:
-        plain = _peak_beyond_forward(block, x, mode, None)
-        recomputed = _peak_beyond_forward(block, x, mode, torch.utils.checkpoint.noop_context_fn)
-        kept = SavedOpBytes()
-        with kept:  # below the checkpoint's own caching mode: sees every op it caches
-            selective = _peak_beyond_forward(block, x, mode, selective_contexts, kept.stop)
-        size = x.untyped_storage().nbytes()
-        measured[key] = (plain, recomputed + size, kept.forward + size, selective, measure_work(block, x, mode))
-    return measured[key]
+    key = block_key(block, x)
+    size = x.untyped_storage().nbytes()
+    wanted = [*sorted(needed), *(["work"] if needed & {"full", "selective"} else [])]
+    for name in sorted(needed):  # a checkpointed mode measured before had its work counted with it
+        if (key, name) in measured:
+            continue
+        work = OpWork() if "work" in wanted and (key, "work") not in measured else None
+        if name == "none":
+            measured[key, name] = _peak_beyond_forward(block, x, mode, None, work)
+        elif name == "full":
+            recomputed = _peak_beyond_forward(block, x, mode, torch.utils.checkpoint.noop_context_fn, work)
+            measured[key, name] = recomputed + size
+        else:
+            kept = SavedOpBytes()  # below the checkpoint's own caching mode: sees every op it caches
+            selective = _peak_beyond_forward(block, x, mode, selective_contexts, work, kept)
+            measured[key, name] = (kept.forward + size, selective)
+        if work is not None:
+            measured[key, "work"] = BlockWork(work.flops, work.cheap_bytes)
+    return {name: measured[key, name] for name in wanted}
 
 
 def _peak_beyond_forward(
@@ -291,24 +321,30 @@ def _peak_beyond_forward(
     x: torch.Tensor,
     mode: FakeTensorMode,
     checkpoint: Callable[[], Any] | None,
-    after_forward: Callable[[], None] = lambda: None,
+    *forward_only: OpWork | SavedOpBytes | None,
 ) -> int:
     """Peak bytes of the block's backward above what its forward left alive; ``checkpoint``: run the block under
-    ``torch.utils.checkpoint`` with that ``context_fn``. (Selective checkpointing's cached outputs are detached
-    aliases, which :class:`LiveBytes` does not follow: they count in neither term, :class:`SavedOpBytes` has them.)
+    ``torch.utils.checkpoint`` with that ``context_fn``. ``forward_only``: dispatch modes that count the forward's
+    ops, stopped before backward. (Selective checkpointing's cached outputs are detached aliases, which
+    :class:`LiveBytes` does not follow: they count in neither term, :class:`SavedOpBytes` has them.)
     """
-    with mode:
-        inp = torch.empty(x.shape, dtype=x.dtype, device=_CPU, requires_grad=True)
-        grad = torch.empty_like(inp)  # the incoming gradient exists before the block's backward starts
-        tracker = LiveBytes()
-        with tracker:
-            out = (block(inp) if checkpoint is None else
-                   torch.utils.checkpoint.checkpoint(block, inp, use_reentrant=False, context_fn=checkpoint))
-            first = next(t for t in _tensors(out) if t.requires_grad)
-            base = tracker.reset_peak()
-            after_forward()
-            torch.autograd.backward(first, grad.view_as(first) if grad.shape == first.shape else
-                                    torch.empty_like(first))
+    counters = [c for c in forward_only if c is not None]
+    with contextlib.ExitStack() as stack:
+        for counter in counters:  # entered first: below the checkpoint's own modes, they see every op it runs
+            stack.enter_context(counter)
+        with mode:
+            inp = torch.empty(x.shape, dtype=x.dtype, device=_CPU, requires_grad=True)
+            grad = torch.empty_like(inp)  # the incoming gradient exists before the block's backward starts
+            tracker = LiveBytes()
+            with tracker:
+                out = (block(inp) if checkpoint is None else
+                       torch.utils.checkpoint.checkpoint(block, inp, use_reentrant=False, context_fn=checkpoint))
+                first = next(t for t in _tensors(out) if t.requires_grad)
+                base = tracker.reset_peak()
+                for counter in counters:
+                    counter.stop()
+                torch.autograd.backward(first, grad.view_as(first) if grad.shape == first.shape else
+                                        torch.empty_like(first))
     for p in block.parameters():
         p.grad = None
     return tracker.peak - base

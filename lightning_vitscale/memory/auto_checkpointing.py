@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_vitscale._utils import available_host_bytes, human_bytes
+from lightning_vitscale.memory.activations import ModeOf
 from lightning_vitscale.memory.gradient_release import may_release_after_step
 from lightning_vitscale.memory.memory_plan import MemoryPlan
 from lightning_vitscale.memory.plan_search import BlockMode, BlockPlan
@@ -268,9 +269,11 @@ def measure_for_summary(
     precision: str,
     blocks: Any,
     device: torch.device | None = None,
+    mode_of: ModeOf | None = None,
 ) -> tuple[StepInputs, str] | None:
     """Fake-tensor measurement of ``batch`` (see :func:`~.planning_batch.measure_batch`) for the setup summary's
-    predicted peak and the planner's grouping, and how it was measured.
+    predicted peak and the planner's grouping, and how it was measured; ``mode_of``: each block's checkpointing,
+    settled by the user (each block is measured for it alone).
 
     Only informative: a module whose step cannot run on fake tensors gets no prediction, not an error.
     """
@@ -278,7 +281,7 @@ def measure_for_summary(
         return None
     try:
         return measure_batch(module, batch, world_size=world_size, precision=precision, blocks=blocks,
-                             device=device, loop=training_loop(module))
+                             device=device, loop=training_loop(module), mode_of=mode_of)
     except Exception:  # noqa: BLE001 - see docstring
         return None
 

@@ -5,7 +5,8 @@ ops it does not save (everything but :data:`~lightning_vitscale.memory.selective
 activations, dropout, residual adds, casts). The expensive ops are counted in FLOPs with torch's own formulas
 (``torch.utils.flop_counter.flop_registry``: matmuls, convolutions, attention); the cheap ones in the bytes they
 read and write, which is what bounds them. Views move nothing and count nothing. Counting needs no memory and
-no device: the block runs on fake tensors, under ``no_grad`` (the recompute runs the same ops).
+no device: it rides along the forward of the planner's fake-tensor pass over the block (:mod:`.activations`),
+autograd on, as a recompute runs it.
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from lightning_vitscale._compat import FakeTensorMode, tree_map
+from lightning_vitscale._compat import tree_map
 from lightning_vitscale.memory.selective_ops import SAVED_OPS
 
 
@@ -37,16 +37,22 @@ class BlockWork:
 
 class OpWork(TorchDispatchMode):
     """Sums the FLOPs of the ops torch has a formula for and the bytes moved by the ops selective checkpointing
-    recomputes, for every op dispatched while active."""
+    recomputes, for every op dispatched while active, until :meth:`stop` (a forward's ops, not its backward's)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.flops = 0
         self.cheap_bytes = 0
+        self.counting = True
+
+    def stop(self) -> None:
+        self.counting = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if not self.counting:
+            return out
         packet = func._overloadpacket
         if packet in flop_registry:
             self.flops += int(flop_registry[packet](*args, **kwargs, out_val=out))
@@ -68,13 +74,3 @@ def _bytes_moved(func: Any, args: Any, kwargs: Any, out: Any) -> int:
     if not func._schema.is_mutable and all(t.untyped_storage()._cdata in sources for t in outputs):
         return 0
     return sum(t.numel() * t.element_size() for t in [*inputs, *outputs])
-
-
-def measure_work(block: nn.Module, x: torch.Tensor, mode: FakeTensorMode) -> BlockWork:
-    """Count one forward of ``block`` on a fake input shaped like ``x`` (its parameters already fake)."""
-    counter = OpWork()
-    with mode, torch.no_grad():
-        inp = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        with counter:
-            block(inp)
-    return BlockWork(counter.flops, counter.cheap_bytes)

@@ -22,7 +22,7 @@ from torch import nn
 from lightning_vitscale._compat import tree_leaves
 from lightning_vitscale._utils import GIB, MIB, human_bytes
 from lightning_vitscale.discovery import ModuleSelector, find_blocks, holds_parameters
-from lightning_vitscale.memory.activations import StepCall, measure_activations
+from lightning_vitscale.memory.activations import ModeOf, StepCall, measure_activations
 from lightning_vitscale.memory.memory_plan import Candidate, MemoryPlan
 from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, search
 from lightning_vitscale.memory.step_cost import GPU_RATES, DeviceRates
@@ -154,6 +154,7 @@ def step_inputs(
     device: torch.device | str | None = None,
     loop: TrainingLoop | None = None,
     call: StepCall | None = None,
+    mode_of: ModeOf | None = None,
 ) -> StepInputs:
     """Measure ``model`` on fake tensors and gather what :func:`predict_step` needs (see :func:`plan_memory`).
 
@@ -161,7 +162,8 @@ def step_inputs(
     :func:`~lightning_vitscale.memory.step_model.collective_copies`); ``None`` plans for a GPU with NCCL.
     ``loop`` says when gradients are alive (default: Lightning's automatic optimization, see :class:`TrainingLoop`).
     ``call`` runs the measured step (default: ``model(example_input)``; :mod:`.planning_batch` runs
-    ``training_step`` on a training batch).
+    ``training_step`` on a training batch). ``mode_of``: the checkpointing each block will run, when it is settled
+    (:func:`~.activations.measure_activations`; the result then predicts that checkpointing only).
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not known; choose one of {', '.join(OPTIMIZER_STATES)}.")
@@ -169,7 +171,7 @@ def step_inputs(
         raise ValueError(f"world_size must be >= 1; got {world_size}.")
     policy = resolve_flag(precision)
     found, norms = model_parts(model, blocks, policy)
-    profile = measure_activations(model, found, example_input, policy.compute, norms, call)
+    profile = measure_activations(model, found, example_input, policy.compute, norms, call, mode_of)
     measured_batch = batch_size_of(example_input)
     return StepInputs(
         layout=ModelLayout.of(model, [b for _, b in found], norms),

@@ -209,16 +209,26 @@ def step_phases(inputs: StepInputs, settings: StepSettings) -> list[MemoryBreakd
 def _kept(block: BlockMemory, index: int, settings: StepSettings) -> int:
     """What a block keeps from forward to backward: everything saved, its input (full checkpointing), or its
     input and the expensive ops' outputs (selective)."""
-    if index in settings.selective:
+    mode = _measured_mode(block, index, settings)
+    if mode == "selective":
         return block.selective_saved
-    return block.input if index in settings.checkpointed else block.saved
+    return block.input if mode == "full" else block.saved
 
 
 def _inside(block: BlockMemory, index: int, settings: StepSettings) -> int:
     """What a block's backward allocates beyond what it kept (a full recompute starts from its input alone)."""
-    if index in settings.selective:
+    mode = _measured_mode(block, index, settings)
+    if mode == "selective":
         return block.selective_backward
-    return block.recompute - block.input if index in settings.checkpointed else block.backward
+    return block.recompute - block.input if mode == "full" else block.backward
+
+
+def _measured_mode(block: BlockMemory, index: int, settings: StepSettings) -> str:
+    mode = "selective" if index in settings.selective else "full" if index in settings.checkpointed else "none"
+    if mode not in block.modes:
+        raise ValueError(f"{block.name} was measured for {sorted(block.modes)} only, not {mode!r}: measure it with"
+                         " mode_of=None to predict other checkpointing.")
+    return mode
 
 
 def _forward_phases(inputs, settings, base, full_blocks, outer_full, kept) -> list[MemoryBreakdown]:

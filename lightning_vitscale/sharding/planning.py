@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_vitscale.memory import (
     AutoCheckpointing,
+    ModeOf,
     PlanningBatch,
     StepInputs,
     StepSettings,
@@ -94,7 +95,7 @@ def plan_before_sharding(
         return Planned(resolved, auto)
     sharding = resolved.sharding
     found = measure_for_summary(module, batch or planning_batch(module, None), ranks.sharding_mesh.size(),
-                                precision.name, sharding.blocks, ranks.device)
+                                precision.name, sharding.blocks, ranks.device, _mode_of(module, resolved))
     if found is None:
         return Planned(resolved)
     measured, measured_on = found
@@ -104,6 +105,12 @@ def plan_before_sharding(
     return Planned(resolved, measured=measured, measured_on=measured_on, units_choice=line, kept_gathered=kept)
 
 
+def _mode_of(module: nn.Module, resolved: ResolvedConfig) -> ModeOf:
+    """The checkpointing the user settled for each block, asked of ``module``'s own block (the measurement may run
+    on a meta twin)."""
+    return lambda index, name, _: resolved.checkpoint_mode(index, name, module.get_submodule(name))
+
+
 def _choose_units(
     module: nn.Module, resolved: ResolvedConfig, measured: StepInputs, ranks: Ranks
 ) -> tuple[ResolvedConfig, str, tuple[str, ...]]:
@@ -111,7 +118,8 @@ def _choose_units(
     chose, and with ``reshard_after_forward=None`` the units kept gathered. Every rank the same: the fewest blocks
     per unit any rank chose, then the fewest units kept any rank chose for it."""
     names = [block.name for block in measured.profile.blocks]
-    modes = [resolved.checkpoint_mode(i, name, module.get_submodule(name)) for i, name in enumerate(names)]
+    mode_of = _mode_of(module, resolved)
+    modes = [mode_of(i, name, module.get_submodule(name)) for i, name in enumerate(names)]
     sharding = resolved.sharding
     settings = StepSettings(
         checkpointed=frozenset(i for i, mode in enumerate(modes) if mode is not None),

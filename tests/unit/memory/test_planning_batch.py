@@ -94,6 +94,7 @@ def test_the_planners_units_keep_to_memory_budget_without_auto(mesh):
         asked = ParallelConfig(checkpointing=CheckpointingPolicy(blocks=True, memory_budget=budget))
         resolved = resolve_config(asked, torch.device("cpu"))
         planned = plan_before_sharding(model, resolved, resolve_flag("32-true"), ranks)
+        assert {b.modes for b in planned.measured.profile.blocks} == {frozenset({"full"})}  # only what will run
         chosen[budget] = (planned.resolved.blocks_per_unit, planned.kept_gathered, planned.units_choice)
     assert chosen[None][0] > 1 or chosen[None][1], chosen
     assert chosen[1][:2] == (1, ()) and "no larger unit fits 0.0 MiB" in chosen[1][2], chosen
