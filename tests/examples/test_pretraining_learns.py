@@ -5,17 +5,24 @@ digits, because an untrained ViT's features already sort digits somewhat (~0.45 
 chance" cannot catch it: the bar is the untrained teacher of the same run plus a margin. One process, the
 module's own Lightning loop (``Trainer.fit``/``validate`` through the example's CLI), a short schedule; the
 2-rank, ddp-vs-vitscale numbers of the full schedule are in examples/README.md.
+
+The run is a fresh process of its own, alone on the machine with every core (not the ranks' one thread each): in
+this process, after an in-process ``VitScaleStrategy`` fit earlier in the suite (test_finetune's), it took 83 s
+instead of ~50, and forked from the test zygote 63 s against a fresh process's 58 (10 of them imports).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
 
-from examples import pretraining
+from tests.helpers.launch import assert_ok, python_command, run_bounded
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+SCRIPT = "tests/examples/scripts/pretraining_learns.py"
 
 # 8 epochs with the default recipe, one process, 32 images per step (the 2-rank default's global batch): ~25 s.
 SHORT = ["--trainer.max_epochs=8", "--data.batch_size=32"]
@@ -28,10 +35,12 @@ MARGIN = 0.05
 
 
 def test_trained_teacher_beats_the_untrained_one(tmp_path: Path) -> None:
-    cli = pretraining.main([*QUIET, *SHORT, f"--trainer.default_root_dir={tmp_path}"], run=False)
-    cli.trainer.validate(cli.model, cli.datamodule, verbose=False)  # the teacher as built: untrained
-    untrained = float(cli.trainer.callback_metrics["knn_acc"])
-    cli.trainer.fit(cli.model, cli.datamodule)
-    trained = float(cli.trainer.callback_metrics["knn_acc"])
+    cores = str(len(os.sched_getaffinity(0)))
+    cmd, env = python_command(SCRIPT, *QUIET, *SHORT, f"--trainer.default_root_dir={tmp_path}",
+                              OMP_NUM_THREADS=cores, MKL_NUM_THREADS=cores)
+    run = run_bounded(cmd, 280, env)
+    assert_ok(run)
+    knn = json.loads(run.output.strip().splitlines()[-1])
+    untrained, trained = knn["untrained"], knn["trained"]
     print(f"knn_acc untrained {untrained:.3f} trained {trained:.3f}")
     assert trained > untrained + MARGIN, f"k-NN accuracy {trained:.3f}, untrained {untrained:.3f}: DINO did not learn"
