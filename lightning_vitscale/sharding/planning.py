@@ -106,8 +106,8 @@ def plan_before_sharding(
 
 
 def _mode_of(module: nn.Module, resolved: ResolvedConfig) -> ModeOf:
-    """The checkpointing the user settled for each block, asked of ``module``'s own block (the measurement may run
-    on a meta twin)."""
+    """``resolved.checkpoint_mode`` asked of ``module``'s own block: the measurement may run on a meta twin, whose
+    blocks a user's predicate has never seen."""
     return lambda index, name, _: resolved.checkpoint_mode(index, name, module.get_submodule(name))
 
 
@@ -118,8 +118,7 @@ def _choose_units(
     chose, and with ``reshard_after_forward=None`` the units kept gathered. Every rank the same: the fewest blocks
     per unit any rank chose, then the fewest units kept any rank chose for it."""
     names = [block.name for block in measured.profile.blocks]
-    mode_of = _mode_of(module, resolved)
-    modes = [mode_of(i, name, module.get_submodule(name)) for i, name in enumerate(names)]
+    modes = [resolved.checkpoint_mode(i, name, module.get_submodule(name)) for i, name in enumerate(names)]
     sharding = resolved.sharding
     settings = StepSettings(
         checkpointed=frozenset(i for i, mode in enumerate(modes) if mode is not None),
