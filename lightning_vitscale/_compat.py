@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_into
 from torch.distributed.fsdp import FSDPModule  # public: only for the annotations below (import it from torch)
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterComm  # FSDP2 custom comms
+from torch.fx.experimental.symbolic_shapes import ShapeEnv  # planner: a step's .item() on fake tensors
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 from torch.nn.modules.instancenorm import _InstanceNorm as InstanceNormBase
 from torch.optim.optimizer import _get_fused_kernels_supported_devices as fused_kernel_devices
@@ -231,6 +232,7 @@ __all__ = [
     "EmptyStateDictLoadPlanner",
     "FakeTensor",
     "FakeTensorMode",
+    "ShapeEnv",
     "FsspecReader",
     "FsspecWriter",
     "InstanceNormBase",

@@ -21,7 +21,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_vitscale._compat import FakeTensorMode, tree_map
+from lightning_vitscale._compat import FakeTensorMode, ShapeEnv, tree_map
 from lightning_vitscale.memory.block_identity import block_key
 from lightning_vitscale.memory.op_costs import BlockWork, OpWork
 from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
@@ -128,19 +128,17 @@ def fake_parameters(
     """Swap every parameter and floating buffer of ``model`` for a fake CPU tensor; restore them afterwards."""
     originals: list[tuple[dict, str, Any]] = []
     try:
-        for module in model.modules():
-            wanted = torch.float32 if keep_fp32(module) else dtype
-            for store in (module._parameters, module._buffers):
-                for name, value in list(store.items()):
-                    if value is None:
-                        continue
-                    originals.append((store, name, value))
-                    local = value.to_local() if hasattr(value, "to_local") else value
-                    shape = getattr(value, "shape", local.shape)
-                    kind = wanted if value.is_floating_point() else value.dtype
-                    with mode:
-                        fake = torch.empty(shape, dtype=kind, device=_CPU)
-                    store[name] = nn.Parameter(fake, value.requires_grad) if store is module._parameters else fake  # type: ignore[assignment]
+        with mode:  # entered once: entering per tensor cost more than making the tensor
+            for module in model.modules():
+                wanted = torch.float32 if keep_fp32(module) else dtype
+                for store in (module._parameters, module._buffers):
+                    for name, value in list(store.items()):
+                        if value is None:
+                            continue
+                        originals.append((store, name, value))
+                        kind = wanted if value.is_floating_point() else value.dtype
+                        fake = torch.empty(value.shape, dtype=kind, device=_CPU)  # a DTensor's shape is the full one
+                        store[name] = nn.Parameter(fake, value.requires_grad) if store is module._parameters else fake  # type: ignore[assignment]
         yield
     finally:
         for store, name, value in reversed(originals):
@@ -215,7 +213,9 @@ def measure_activations(
     """
     norms = norms or []
     norm_ids = {id(m) for m in norms}
-    mode = FakeTensorMode()
+    # Through a custom ``call`` (a LightningModule's training_step), a ``.item()`` (a loss appended to a list) gives
+    # a symbolic number instead of failing, so the step is measured as it runs; branching on it still fails.
+    mode = FakeTensorMode(shape_env=ShapeEnv()) if call is not None else FakeTensorMode()
     with fake_parameters(model, mode, compute, lambda m: id(m) in norm_ids), _fp32_norm_hooks(norms, compute):
         with mode:
             fake_input = tree_map(lambda v: _fake_like(v, compute), example_input)

@@ -10,9 +10,10 @@ and a ``training_step``'s random calls do draw numbers, so reading and measuring
 (torch, Python's ``random``, NumPy's) saved and restored: training afterwards sees the same random numbers as
 under DDP, which plans nothing. It is
 measured as ``training_step(batch, 0)`` on a meta twin of the module (structure, no data: the real module's
-Python state is not touched) on fake tensors, with ``self.log`` silenced; a ``training_step`` that cannot run
-there (it reads a value, ``.item()``, or updates a metric) is measured through ``forward`` on the batch's first
-tensor where the module has one. Batch-transfer hooks (``on_after_batch_transfer``) are not applied.
+Python state is not touched) on fake tensors, with ``self.log`` silenced, the module's torchmetrics metrics left
+out and ``.item()`` a symbolic number; a ``training_step`` that cannot run there (it branches on a value) is
+measured through ``forward`` on the batch's first tensor where the module has one. Batch-transfer hooks
+(``on_after_batch_transfer``) are not applied.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import random
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -149,25 +151,50 @@ def runs_training_step(module: nn.Module) -> bool:
 
 
 def training_step_call(model: nn.Module, batch: Any) -> Any:
-    """``model.training_step(batch, 0)`` with ``self.log`` / ``self.log_dict`` silenced; its loss."""
-    with _silenced(model, ("log", "log_dict", "print")):
+    """``model.training_step(batch, 0)`` with ``self.log`` / ``self.log_dict`` silenced and the module's
+    torchmetrics metrics left out (:func:`_metrics_silenced`); its loss."""
+    with _silenced(model, ("log", "log_dict", "print")), _metrics_silenced(model):
         out = model.training_step(batch, 0)  # type: ignore[operator]
     return out.get("loss") if isinstance(out, Mapping) else out
 
 
 @contextlib.contextmanager
+def _metrics_silenced(model: nn.Module) -> Iterator[None]:
+    """Calls to the twin's ``torchmetrics`` metrics (``self.train_acc(preds, y)``, ``.update``) do nothing.
+
+    Their states are plain tensors, not buffers, so the meta twin holds real ones that fake tensors cannot meet;
+    updating a metric in ``training_step`` is Lightning's most common pattern, and without this every such module
+    was measured a second time through ``forward``. What a metric keeps is a few numbers, not activations, and its
+    value only reaches ``self.log`` (silenced): a step that computes with it fails here and falls back as before."""
+    metric_class = getattr(sys.modules.get("torchmetrics"), "Metric", None)
+    metrics = [m for m in model.modules() if metric_class is not None and isinstance(m, metric_class)]
+    for metric in metrics:
+        _silenced_calls(metric, ("forward", "update"))
+    try:
+        yield
+    finally:
+        for metric in metrics:
+            for name in ("forward", "update"):
+                metric.__dict__.pop(name, None)
+
+
+@contextlib.contextmanager
 def _silenced(model: nn.Module, names: tuple[str, ...]) -> Iterator[None]:
     """No-op instance attributes over ``names`` for the measurement (``model`` is the planner's own twin)."""
-    def nothing(*_: Any, **__: Any) -> None:
-        return None
-
-    for name in names:
-        object.__setattr__(model, name, nothing)
+    _silenced_calls(model, names)
     try:
         yield
     finally:
         for name in names:
             model.__dict__.pop(name, None)
+
+
+def _silenced_calls(module: nn.Module, names: tuple[str, ...]) -> None:
+    def nothing(*_: Any, **__: Any) -> None:
+        return None
+
+    for name in names:
+        object.__setattr__(module, name, nothing)
 
 
 

@@ -61,7 +61,7 @@ def test_auto_applies_its_mixed_per_block_plan_and_trains_as_ddp(fit_steps, cell
         per_unit = auto["per_unit"]
         assert per_unit > 1 and auto["applied_per_unit"] == per_unit, auto["summary"]
         source = "example_input_array" if ac.startswith("autok") else "one batch of the train dataloader"
-        how = "through training_step)" if cell.endswith("noforward") else "through forward"
+        how = "through forward" if ac.startswith("autok") else "through training_step)"
         assert f"(measured on {source}, {how}" in auto["summary"], auto["summary"]
         assert auto["units"] == -(-depth // per_unit) + 1, auto["summary"]
         assert auto["predicted_peak"] == auto["planned_peak"] <= auto["budget"]

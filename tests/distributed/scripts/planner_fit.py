@@ -101,7 +101,7 @@ class Classifier(L.LightningModule):
 
 class NoForward(Classifier):
     """The same network called from ``training_step``, with no ``forward``: what the planner measures is what
-    ``training_step`` runs (losses kept as tensors: ``.item()`` cannot run on fake tensors)."""
+    ``training_step`` runs."""
 
     forward = L.LightningModule.forward
 
@@ -205,7 +205,7 @@ def cell(name: str, ac: str, batch: int, kind: str = "auto") -> dict:
         planned = module_for(name, kind)
         image = planned.image
         x, y = torch.empty(batch, 3, image, image), torch.empty(batch, dtype=torch.long)
-    if kind == "noforward":  # measured as the strategy measures it: training_step on the batch
+    if ac == "default" or ac.startswith("auto-"):  # measured as the strategy measures it: training_step on the batch
         inputs, _ = measure_batch(planned, PlanningBatch((x, y), TRAIN_BATCH, through_training_step=True),
                                   world_size=WORLD, precision="32-true", device="cpu", loop=loop)
     else:

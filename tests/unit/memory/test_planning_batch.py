@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lightning_vitscale.cli.demo import TinyViT
@@ -71,12 +74,49 @@ def test_a_module_without_forward_is_measured_through_training_step():
     assert not any(isinstance(p, torch.Tensor) and p.is_meta for p in model.parameters())  # the module untouched
 
 
-def test_a_training_step_that_reads_values_falls_back_to_forward():
-    model = TinyViT(**SMALL)  # its training_step calls loss.item(): not on fake tensors
+class WithMetric(NoForward):
+    """Lightning's most common step: a torchmetrics metric updated (and logged) in ``training_step``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.backbone(x)
+        self.train_acc(logits, y)
+        self.train_acc.update(logits, y)
+        self.log("train_acc", self.train_acc)
+        return F.cross_entropy(logits, y)
+
+
+def test_a_training_step_that_updates_a_metric_is_measured_through_training_step():
+    model = WithMetric()
     batch = PlanningBatch(first_batch(DataLoader(data(), batch_size=4)), TRAIN_BATCH, through_training_step=True)
     inputs, how = measure_batch(model, batch, world_size=1, precision="32-true", device="cpu")
-    assert how.startswith("one batch of the train dataloader, through forward (training_step could not run")
-    plain = step_inputs(model, batch.value[0], world_size=1, precision="32-true", device="cpu")
+    assert how == "one batch of the train dataloader, through training_step", how
+    once = step_inputs(model.backbone, batch.value[0], world_size=1, precision="32-true", device="cpu")
+    assert [dataclasses.replace(b, name="backbone." + b.name) for b in once.profile.blocks] == inputs.profile.blocks
+    assert model.train_acc.update_count == 0 and "forward" not in model.train_acc.__dict__  # the real one untouched
+
+
+class Branching(TinyViT):
+    """A ``training_step`` that decides on a value: fake tensors have none."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * 0.5 if loss.item() > 100 else loss
+
+
+def test_a_training_step_that_reads_a_value_is_measured_through_it_and_one_that_branches_on_it_through_forward():
+    batch = PlanningBatch(first_batch(DataLoader(data(), batch_size=4)), TRAIN_BATCH, through_training_step=True)
+    plain = step_inputs(TinyViT(**SMALL), batch.value[0], world_size=1, precision="32-true", device="cpu")
+    # TinyViT's training_step appends loss.item() to a list: a symbolic number on fake tensors, measured as it runs
+    inputs, how = measure_batch(TinyViT(**SMALL), batch, world_size=1, precision="32-true", device="cpu")
+    assert how == "one batch of the train dataloader, through training_step", how
+    assert inputs.profile.blocks == plain.profile.blocks
+    inputs, how = measure_batch(Branching(**SMALL), batch, world_size=1, precision="32-true", device="cpu")
+    assert how.startswith("one batch of the train dataloader, through forward (training_step could not run"), how
     assert inputs.profile.blocks == plain.profile.blocks
 
 
