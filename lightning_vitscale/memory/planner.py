@@ -12,6 +12,7 @@ per-rank batch that fits.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -23,6 +24,7 @@ from lightning_vitscale._compat import tree_leaves
 from lightning_vitscale._utils import GIB, MIB, human_bytes
 from lightning_vitscale.discovery import ModuleSelector, find_blocks, holds_parameters
 from lightning_vitscale.memory.activations import ModeOf, StepCall, measure_activations
+from lightning_vitscale.memory.devices import device_named, memory_names
 from lightning_vitscale.memory.memory_plan import Candidate, MemoryPlan
 from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, search
 from lightning_vitscale.memory.step_cost import GPU_RATES, DeviceRates
@@ -37,15 +39,6 @@ from lightning_vitscale.memory.step_model import (
 )
 from lightning_vitscale.precision import PrecisionPolicy, resolve_flag
 
-# Usable memory of named devices (the marketing figure; the allocator and CUDA context take a little more).
-DEVICE_MEMORY: dict[str, int] = {
-    "a100-40gb": 40 * GIB,
-    "a100-80gb": 80 * GIB,
-    "h100-80gb": 80 * GIB,
-    "h200-141gb": 141 * GIB,
-    "v100-32gb": 32 * GIB,
-    "l40s-48gb": 48 * GIB,
-}
 DEFAULT_FRACTION = 0.9
 """The share of a device's memory a step may use when ``memory_budget`` is not given (the rest is headroom for the
 allocator): the one place this factor lives."""
@@ -77,18 +70,27 @@ def agree_on_unit_size(choice: T, per_unit: int, redo: Callable[[int], T], agree
     return choice if agreed == per_unit else redo(agreed)
 
 
+def __getattr__(name: str) -> Any:
+    if name == "DEVICE_MEMORY":  # before the one device table: name -> bytes
+        warnings.warn("lightning_vitscale.memory.planner.DEVICE_MEMORY is deprecated: the named devices live in"
+                      " lightning_vitscale.memory.devices.DEVICES (memory_bytes); use parse_memory(name).",
+                      DeprecationWarning, stacklevel=2)
+        return {key: parse_memory(key) for key in memory_names()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def parse_memory(spec: str | int | float) -> int:
     """``"a100-40gb"``, ``"40"`` / ``40`` (GiB), ``"40GiB"``, ``"512MiB"`` -> bytes."""
     if isinstance(spec, (int, float)):
         return int(spec * GIB)
     key = spec.strip().lower()
-    if key in DEVICE_MEMORY:
-        return DEVICE_MEMORY[key]
+    if key in memory_names():
+        return int(device_named(key).memory_bytes or 0)
     match = re.fullmatch(r"([0-9.]+)\s*(gib|gb|g|mib|mb|m)?", key)
     if match is None:
         raise ValueError(
             f"device memory {spec!r} is not understood: give GiB (e.g. 40 or '40GiB'), MiB ('512MiB') or one of"
-            f" {', '.join(DEVICE_MEMORY)}."
+            f" {', '.join(memory_names())}."
         )
     unit = match.group(2) or "gib"
     return int(float(match.group(1)) * (GIB if unit.startswith("g") else MIB))
