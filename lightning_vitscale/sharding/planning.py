@@ -35,7 +35,7 @@ from lightning_vitscale.precision import PrecisionPolicy
 from lightning_vitscale.sharding.ranks import Ranks
 from lightning_vitscale.sharding.resolved import ResolvedConfig
 from lightning_vitscale.sharding.settings import ShardingPolicy
-from lightning_vitscale.sharding.summary import ParallelPlan
+from lightning_vitscale.sharding.summary import SetupSummary
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class Planned:
     units_choice: str | None = None
     kept_gathered: tuple[str, ...] = ()
 
-    def apply(self, module: nn.Module, summary: ParallelPlan, device: torch.device) -> None:
+    def apply(self, module: nn.Module, summary: SetupSummary, device: torch.device) -> None:
         """After the pipeline: blocks kept gathered where the planner chose so, and the summary's memory lines."""
         if self.units_choice is not None:
             summary.units_choice = self.units_choice
@@ -168,7 +168,7 @@ def _auto_checkpointing(
     return auto, chosen
 
 
-def apply_auto_choice(module: nn.Module, auto: AutoCheckpointing, summary: ParallelPlan) -> None:
+def apply_auto_choice(module: nn.Module, auto: AutoCheckpointing, summary: SetupSummary) -> None:
     """``"auto"``'s choice applied to the units (see :func:`keep_gathered`) and put into the summary."""
     choice = auto.choice
     if choice is not None:
