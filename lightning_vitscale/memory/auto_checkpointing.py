@@ -295,13 +295,19 @@ def describe_prediction(
     blocks_per_unit: int = 1,
     kept_gathered: Sequence[str] = (),
     measured_on: str = EXAMPLE_INPUT,
+    budget: int | None = None,
 ) -> tuple[int, str]:
     """The predicted peak for the settings the pipeline applied (``selective``: the blocks of ``checkpointed``
     checkpointed op-level; ``kept_gathered``: blocks whose unit stays gathered for backward), as bytes and as a
-    summary line (``measured_on``: the batch's source, see :func:`~.planning_batch.measure_batch`)."""
+    summary line (``measured_on``: the batch's source, see :func:`~.planning_batch.measure_batch`; ``budget``:
+    the resolved ``memory_budget``, named, and said to be exceeded where the peak is over it)."""
     names = [b.name for b in inputs.profile.blocks]
     indices = frozenset(i for i, name in enumerate(names) if name in set(checkpointed))
     chosen = frozenset(i for i in indices if names[i] in set(selective))
     kept = frozenset(i for i, name in enumerate(names) if name in set(kept_gathered))
     peak = predict_step(inputs, StepSettings(indices, reshard, offload, chosen, kept, blocks_per_unit))
-    return peak.peak, f"predicted peak {human_bytes(peak.peak)} per rank for {measured_on}, at {peak.phase}"
+    line = f"predicted peak {human_bytes(peak.peak)} per rank for {measured_on}, at {peak.phase}"
+    if budget is not None:
+        line += (f", over the memory_budget of {human_bytes(budget)}: checkpoint more blocks, a smaller batch or"
+                 " activation_checkpointing='auto'" if peak.peak > budget else f", memory_budget {human_bytes(budget)}")
+    return peak.peak, line

@@ -44,9 +44,27 @@ DEFAULT_FRACTION = 0.9
 allocator): the one place this factor lives."""
 
 
-def resolve_budget(budget: int | float | None, total: int) -> int:
+def check_budget(budget: object, name: str = "memory_budget") -> None:
+    """Raise unless ``budget`` is ``None``, bytes (an int >= 1) or a fraction of device memory (a float in (0, 1]):
+    the one check of every budget (``memory_budget``, ``plan_memory``'s ``memory_fraction``)."""
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"`{name}` must be an int (bytes) or a float fraction in (0, 1]; got {budget!r}.")
+    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+        raise ValueError(
+            f"`{name}={budget}` as a float is a fraction of device memory and must be in (0, 1];"
+            " give bytes as an int, e.g. memory_budget=30 * 2**30."
+        )
+    if isinstance(budget, int) and budget < 1:
+        raise ValueError(f"`{name}={budget}` bytes must be >= 1.")
+
+
+def resolve_budget(budget: int | float | None, total: int, name: str = "memory_budget") -> int:
     """``memory_budget`` -> bytes: an int is bytes, a float (or ``None`` = :data:`DEFAULT_FRACTION`) a fraction
-    of ``total``."""
+    of ``total``. Every choice by memory (``"auto"``, the blocks per unit, ``accumulation="auto"``, ``plan_memory``)
+    and the setup summary's budget come from here."""
+    check_budget(budget, name)
     if isinstance(budget, int) and not isinstance(budget, bool):
         return budget
     return int(total * (DEFAULT_FRACTION if budget is None else budget))
@@ -114,7 +132,7 @@ def plan_memory(
     device_memory: str | int | float = "a100-80gb",
     precision: str = "bf16-mixed",
     optimizer: str = "adamw",
-    memory_fraction: float = DEFAULT_FRACTION,
+    memory_fraction: int | float = DEFAULT_FRACTION,
     blocks: ModuleSelector | None = None,
 ) -> MemoryPlan:
     """Plan one rank's memory for ``model`` (real or on the meta device) fed ``example_input`` per step.
@@ -127,7 +145,8 @@ def plan_memory(
         device_memory: bytes (int), GiB (float/str) or a named GPU (``"a100-40gb"``, ``"h100-80gb"``, ...).
         precision: Trainer precision flag.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd-momentum"``, ``"sgd"``, ``"lion"`` or ``"adagrad"``.
-        memory_fraction: share of the device a step may use (the rest is headroom for the allocator).
+        memory_fraction: share of the device a step may use (the rest is headroom for the allocator), or bytes
+            (an int): what the strategy's ``memory_budget`` takes.
         blocks: the strategy's ``blocks=`` selector, if one is given.
 
     Example::
@@ -141,7 +160,8 @@ def plan_memory(
                          optimizer=optimizer, blocks=blocks)
     device_bytes = parse_memory(device_memory)
     planned_batch = batch_size or batch_size_of(example_input)
-    return choose(inputs, int(device_bytes * memory_fraction), device_bytes, precision, planned_batch, per_unit=None)
+    budget = resolve_budget(memory_fraction, device_bytes, "memory_fraction")
+    return choose(inputs, budget, device_bytes, precision, planned_batch, per_unit=None)
 
 
 def step_inputs(

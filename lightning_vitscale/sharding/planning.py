@@ -50,6 +50,8 @@ class Planned:
         units_choice: why the blocks per unit are what they are, where the planner chose them.
         kept_gathered: blocks whose unit the planner keeps gathered from forward to backward (their units'
             reshard left to it: ``reshard_after_forward=None``).
+        budget: ``memory_budget`` in bytes on this rank, resolved once (the grouping kept to it; the summary names
+            it, and says so when the predicted peak is over it).
     """
 
     resolved: ResolvedConfig
@@ -58,6 +60,7 @@ class Planned:
     measured_on: str = ""
     units_choice: str | None = None
     kept_gathered: tuple[str, ...] = ()
+    budget: int | None = None
 
     def apply(self, module: nn.Module, summary: SetupSummary, device: torch.device) -> None:
         """After the pipeline: blocks kept gathered where the planner chose so, and the summary's memory lines."""
@@ -71,7 +74,7 @@ class Planned:
             reshard = resolved.sharding.reshard_after_forward is not False
             summary.predicted_peak, summary.memory = describe_prediction(
                 self.measured, summary.checkpointed, reshard, offloads(resolved.sharding, device), summary.selective,
-                resolved.blocks_per_unit, self.kept_gathered, self.measured_on,
+                resolved.blocks_per_unit, self.kept_gathered, self.measured_on, self.budget,
             )
 
 
@@ -99,10 +102,13 @@ def plan_before_sharding(
     if found is None:
         return Planned(resolved)
     measured, measured_on = found
+    budget = resolve_budget(resolved.requested.checkpointing.memory_budget,
+                            device_memory(ranks.device, ranks.ranks_per_node))
     if sharding.blocks_per_unit is not None:  # the user chose the blocks per unit
-        return Planned(resolved, measured=measured, measured_on=measured_on)
-    resolved, line, kept = _choose_units(module, resolved, measured, ranks)
-    return Planned(resolved, measured=measured, measured_on=measured_on, units_choice=line, kept_gathered=kept)
+        return Planned(resolved, measured=measured, measured_on=measured_on, budget=budget)
+    resolved, line, kept = _choose_units(module, resolved, measured, ranks, budget)
+    return Planned(resolved, measured=measured, measured_on=measured_on, units_choice=line, kept_gathered=kept,
+                   budget=budget)
 
 
 def _mode_of(module: nn.Module, resolved: ResolvedConfig) -> ModeOf:
@@ -112,7 +118,7 @@ def _mode_of(module: nn.Module, resolved: ResolvedConfig) -> ModeOf:
 
 
 def _choose_units(
-    module: nn.Module, resolved: ResolvedConfig, measured: StepInputs, ranks: Ranks
+    module: nn.Module, resolved: ResolvedConfig, measured: StepInputs, ranks: Ranks, budget: int
 ) -> tuple[ResolvedConfig, str, tuple[str, ...]]:
     """``blocks_per_unit=None`` with the batch known at setup: the planner's grouping for the checkpointing the user
     chose, and with ``reshard_after_forward=None`` the units kept gathered. Every rank the same: the fewest blocks
@@ -126,8 +132,6 @@ def _choose_units(
         offload=offloads(sharding, ranks.device),
         selective=frozenset(i for i, mode in enumerate(modes) if mode == "selective"),
     )
-    budget = resolve_budget(resolved.requested.checkpointing.memory_budget,
-                            device_memory(ranks.device, ranks.ranks_per_node))
     may_keep, rates = sharding.reshard_after_forward is None, rates_for(ranks.device)
     choice = choose_blocks_per_unit(measured, settings, budget, rates, may_keep)
     agreed = agree_on_unit_size(choice, choice.per_unit, lambda k: choose_blocks_per_unit(
