@@ -11,8 +11,11 @@ Plain roofline arithmetic on what :mod:`.op_costs` counted, so every number can 
 - each FSDP unit: ``unit_s`` per step for its hooks and the collectives the step's thread waits for
   (``blocks_per_unit``: fewer, larger units pay it fewer times); where collectives overlap compute (GPU streams;
   CPU ranks' asynchronous gloo collectives, ``sharding/cpu_overlap.py``), the first unit's all-gather and the
-  last one's reduce-scatter have nothing to hide behind, so a larger unit exposes more bytes:
-  ``2 x unit bytes x (world - 1) / world / link_bytes_per_s``.
+  last one's reduce-scatter (and, with replicas, all-reduce) have nothing to hide behind, so a larger unit exposes
+  more bytes: what they send / ``link_bytes_per_s``.
+
+The collectives and their bytes are the one model the setup summary's traffic report uses too
+(:mod:`.collectives`: rings over their groups, dim 0 padded to the shard group, replicas for hybrid sharding).
 
 A recompute never hides. The rates are :class:`DeviceRates`, read from the device table (:mod:`.devices`); only
 their ratios steer the choice.
@@ -20,12 +23,12 @@ their ratios steer the choice.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from lightning_vitscale.memory.activations import BlockMemory
+from lightning_vitscale.memory.collectives import ring_bytes, unit_collectives
 from lightning_vitscale.memory.devices import DEFAULT_GPU, Device, device_named, device_of
 from lightning_vitscale.memory.step_model import StepInputs, StepSettings, unit_spans
 
@@ -90,25 +93,32 @@ def recompute_seconds(block: BlockMemory, mode: str | None, rates: DeviceRates, 
 def regather_seconds(gathered_bytes: int, world: int, rates: DeviceRates) -> float:
     """Seconds per step that resharding a block of ``gathered_bytes`` after forward adds (a second all-gather:
     its fixed cost, and its bytes where nothing overlaps them)."""
+    return _regather(ring_bytes(gathered_bytes, world), rates)
+
+
+def _regather(sent: float, rates: DeviceRates) -> float:
     if rates.regather_hidden:  # prefetched during the later unit's backward
         return rates.latency_s
-    return rates.latency_s + gathered_bytes * (world - 1) / world / rates.link_bytes_per_s
-
-
-def units_seconds(unit_bytes: list[int], world: int, rates: DeviceRates) -> float:
-    """Seconds per step that FSDP units of ``unit_bytes`` (gathered, in the compute dtype) cost by their number
-    and, where collectives overlap compute, by the largest one's exposed all-gather and reduce-scatter."""
-    exposed = 2 * max(unit_bytes, default=0) * (world - 1) / world / rates.link_bytes_per_s if rates.overlaps else 0.0
-    return len(unit_bytes) * rates.unit_s + exposed
+    return rates.latency_s + sent / rates.link_bytes_per_s
 
 
 def units_and_regather_seconds(inputs: StepInputs, settings: StepSettings, rates: DeviceRates) -> float:
-    """What the FSDP units of ``settings`` cost per step: their number (:func:`units_seconds`) and a second
-    all-gather for each unit that reshards after forward (:func:`regather_seconds`)."""
-    c, n = inputs.compute.itemsize, len(inputs.layout.blocks)
-    spans = unit_spans(n, settings.blocks_per_unit)
-    gathered = [sum(math.prod(s) for s in shapes) * c for shapes in inputs.layout.blocks]
-    units = [sum(gathered[i] for i in span) for span in spans]
-    regather = sum(regather_seconds(size, inputs.world, rates)
-                   for size, span in zip(units, spans) if not settings.keeps(span[0]))
-    return regather + units_seconds(units, inputs.world, rates)
+    """What the FSDP units of ``settings`` cost per step, from each unit's collectives (:mod:`.collectives`: padded,
+    per group, replicas included): ``unit_s`` each, a second all-gather for each unit that reshards after forward
+    (:func:`regather_seconds`) and, where collectives overlap compute, the largest unit's exposed all-gather,
+    reduce-scatter and all-reduce (the first unit's gather and the last one's reduction have nothing to hide
+    behind)."""
+    spans = unit_spans(len(inputs.layout.blocks), settings.blocks_per_unit)
+    seconds = exposed = 0.0
+    for span in spans:
+        collectives = unit_collectives(
+            [shape for i in span for shape in inputs.layout.blocks[i]], shard=inputs.world, replicas=inputs.replicas,
+            gather_itemsize=inputs.compute.itemsize, reduce_itemsize=inputs.reduce.itemsize,
+            reshard=not settings.keeps(span[0]),
+        )
+        seconds += rates.unit_s
+        seconds += sum(_regather(c.sent, rates) for c in collectives if c.kind == "regather")
+        if rates.overlaps:
+            sent = sum(c.sent for c in collectives if c.kind != "regather")
+            exposed = max(exposed, sent / rates.link_bytes_per_s)
+    return seconds + exposed

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.memory import (
     AutoCheckpointing,
     ModeOf,
@@ -97,8 +98,9 @@ def plan_before_sharding(
     if auto is not None:
         return Planned(resolved, auto)
     sharding = resolved.sharding
-    found = measure_for_summary(module, batch or planning_batch(module, None), ranks.sharding_mesh.size(),
-                                precision.name, sharding.blocks, ranks.device, _mode_of(module, resolved))
+    shard, replicas = _groups(ranks)
+    found = measure_for_summary(module, batch or planning_batch(module, None), shard, precision.name,
+                                sharding.blocks, ranks.device, _mode_of(module, resolved), replicas)
     if found is None:
         return Planned(resolved)
     measured, measured_on = found
@@ -109,6 +111,12 @@ def plan_before_sharding(
     resolved, line, kept = _choose_units(module, resolved, measured, ranks, budget)
     return Planned(resolved, measured=measured, measured_on=measured_on, units_choice=line, kept_gathered=kept,
                    budget=budget)
+
+
+def _groups(ranks: Ranks) -> tuple[int, int]:
+    """The ranks of one shard group and how many copies of it (hybrid sharding), as the layout report counts them."""
+    shard = shard_size(ranks.sharding_mesh)
+    return shard, ranks.sharding_mesh.size() // shard
 
 
 def _mode_of(module: nn.Module, resolved: ResolvedConfig) -> ModeOf:
@@ -159,11 +167,12 @@ def _auto_checkpointing(
     requested = resolved.requested
     if not requested.checkpointing.is_auto:
         return None, resolved
+    shard, replicas = _groups(ranks)
     auto = AutoCheckpointing(
-        requested.checkpointing.memory_budget, ranks.sharding_mesh.size(), precision.name, requested.sharding.blocks,
+        requested.checkpointing.memory_budget, shard, precision.name, requested.sharding.blocks,
         may_keep_gathered=requested.sharding.reshard_after_forward is None,
         offload=offloads(requested.sharding, ranks.device),
-        blocks_per_unit=requested.sharding.blocks_per_unit,
+        blocks_per_unit=requested.sharding.blocks_per_unit, replicas=replicas,
     )
     choice = auto.at_setup(module, ranks.device, ranks.ranks_per_node, ranks.agree_max, batch)
     if choice is None:
