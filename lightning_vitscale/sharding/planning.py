@@ -26,7 +26,6 @@ from lightning_vitscale.memory import (
     choose_blocks_per_unit,
     describe_prediction,
     device_memory,
-    fewest,
     measure_for_summary,
     planning_batch,
     rates_for,
@@ -130,7 +129,7 @@ def _choose_units(
 ) -> tuple[ResolvedConfig, str, tuple[str, ...]]:
     """``blocks_per_unit=None`` with the batch known at setup: the planner's grouping for the checkpointing the user
     chose, and with ``reshard_after_forward=None`` the units kept gathered. Every rank the same: the fewest blocks
-    per unit any rank chose, then the fewest units kept any rank chose for it."""
+    per unit any rank chose, then the most resharded blocks (the fewest units kept) any rank chose for it."""
     names = [block.name for block in measured.profile.blocks]
     modes = [resolved.checkpoint_mode(i, name, module.get_submodule(name)) for i, name in enumerate(names)]
     sharding = resolved.sharding
@@ -144,10 +143,10 @@ def _choose_units(
     choice = choose_blocks_per_unit(measured, settings, budget, rates, may_keep)
     agreed = agree_on_unit_size(choice, choice.per_unit, lambda k: choose_blocks_per_unit(
         measured, settings, budget, rates, may_keep, per_unit=k), ranks.agree_max)
-    per_unit, kept_units = agreed.per_unit, fewest(ranks.agree_max, agreed.kept_units)
-    line = choice.describe() if (per_unit, kept_units) == (choice.per_unit, choice.kept_units) else (
+    per_unit, resharded = agreed.per_unit, ranks.agree_max(agreed.resharded)
+    line = choice.describe() if (per_unit, resharded) == (choice.per_unit, choice.resharded) else (
         "planner: the fewest blocks per unit and units kept gathered any rank chose")
-    kept = dataclasses.replace(agreed, kept_units=kept_units).kept_gathered(len(names))
+    kept = dataclasses.replace(agreed, resharded=resharded).kept_gathered()
     return dataclasses.replace(resolved, blocks_per_unit=per_unit), line, tuple(names[i] for i in sorted(kept))
 
 
