@@ -1,5 +1,7 @@
 """lightning-vitscale: scale any Lightning vision model from one GPU to a cluster with one argument."""
 
+from typing import Any
+
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_vitscale.averaging import ShardedEMA
@@ -18,7 +20,7 @@ from lightning_vitscale.precision import NonFiniteTrainingError, VitScalePrecisi
 from lightning_vitscale.sharding import (
     NoBlocksMatchedError,
     OutsideStepCallError,
-    ParallelPlan,
+    SetupSummary,
     ShardedModuleReuseError,
 )
 from lightning_vitscale.strategy import VitScaleStrategy
@@ -39,7 +41,7 @@ __all__ = [
     "NoBlocksMatchedError",
     "NonFiniteTrainingError",
     "OutsideStepCallError",
-    "ParallelPlan",
+    "SetupSummary",
     "ShardedEMA",
     "ShardedModuleReuseError",
     "StateBytes",
@@ -52,3 +54,11 @@ __all__ = [
     "measure_state_bytes",
     "plan_memory",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ParallelPlan":  # deprecated: the setup summary's old name (warns)
+        from lightning_vitscale import sharding
+
+        return getattr(sharding, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -94,7 +94,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     """What setup resolved ``config`` to on this device (kernels, checkpointed blocks, prefetch); ``None`` before."""
 
     @property
-    def plan(self) -> shards.ParallelPlan | None:
+    def plan(self) -> shards.SetupSummary | None:
         """What setup did to the model (``print(strategy.plan.summary())``); ``None`` before setup."""
         return self.sharded.summary if self.sharded is not None else None
 

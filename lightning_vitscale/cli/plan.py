@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from lightning_vitscale.memory import MemoryPlan, plan_memory
-from lightning_vitscale.memory.planner import DEFAULT_FRACTION, DEVICE_MEMORY
+from lightning_vitscale.memory.devices import memory_names
+from lightning_vitscale.memory.planner import DEFAULT_FRACTION
 from lightning_vitscale.memory.step_model import OPTIMIZER_STATES
 from lightning_vitscale.precision import SUPPORTED_FLAGS
 
@@ -37,7 +38,7 @@ def plan_command_parser(subparsers: Any) -> None:
     plan.add_argument("--devices", type=int, help="devices per node (default: the config's, else 1)")
     plan.add_argument("--nodes", type=int, help="nodes (default: the config's num_nodes, else 1)")
     plan.add_argument("--memory", default="a100-80gb",
-                      help=f"device memory in GiB or a named GPU ({', '.join(DEVICE_MEMORY)})")
+                      help=f"device memory in GiB or a named GPU ({', '.join(memory_names())})")
     plan.add_argument("--precision", choices=SUPPORTED_FLAGS, help="default: the config's, else bf16-mixed")
     plan.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     plan.add_argument("--memory-fraction", type=float, default=DEFAULT_FRACTION,

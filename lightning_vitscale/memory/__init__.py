@@ -22,7 +22,7 @@ from lightning_vitscale.memory.auto_checkpointing import (
 )
 from lightning_vitscale.memory.gradient_release import may_release_after_step, release_gradients
 from lightning_vitscale.memory.memory_plan import MemoryPlan
-from lightning_vitscale.memory.planner import agree_on_unit_size, fewest, plan_memory, resolve_budget
+from lightning_vitscale.memory.planner import agree_on_unit_size, check_budget, fewest, plan_memory, resolve_budget
 from lightning_vitscale.memory.planning_batch import PlanningBatch, planning_batch
 from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
 from lightning_vitscale.memory.state_bytes import StateBytes, measure_state_bytes
@@ -44,6 +44,7 @@ __all__ = [
     "StepSettings",
     "UnitChoice",
     "agree_on_unit_size",
+    "check_budget",
     "choose_accumulation",
     "choose_blocks_per_unit",
     "describe_prediction",

@@ -13,6 +13,7 @@ choice (``sharding/setup.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -130,6 +131,7 @@ def choose_blocks(
     may_keep_gathered: bool = True,
     per_unit: int | None = 1,
     compare_units: bool = False,
+    replicas: int = 1,
 ) -> AutoChoice:
     """Run ``model`` (the un-sharded module or its meta twin) on fake tensors and pick each block's checkpointing
     and reshard, for the offload setting that is on and the loop order of the Trainer ``model`` is attached to.
@@ -138,11 +140,13 @@ def choose_blocks(
     ``may_keep_gathered=False``: every block reshards after forward (the user chose ``reshard_after_forward``).
     ``per_unit``: the blocks per FSDP unit, or ``None`` to choose them too (only before the model is sharded).
     ``compare_units``: the blocks per unit are pinned only because the model is sharded already; say in
-    :attr:`AutoChoice.hint` what a free choice would have saved."""
+    :attr:`AutoChoice.hint` what a free choice would have saved. ``world_size``: the ranks of one shard group;
+    ``replicas``: hybrid sharding's copies of it (their all-reduce is costed, :mod:`.collectives`)."""
     batch = example_input if isinstance(example_input, PlanningBatch) else PlanningBatch(example_input, EXAMPLE_INPUT)
     try:
         inputs, how = measure_batch(model, batch, world_size=world_size, precision=precision, optimizer=optimizer,
                                     blocks=blocks, device=device, loop=training_loop(model))
+        inputs = dataclasses.replace(inputs, replicas=replicas)
     except Exception as error:  # a forward that cannot run on fake tensors must say what to do instead
         raise RuntimeError(
             f"activation_checkpointing='auto' could not measure {type(model).__name__} on fake tensors"
@@ -194,8 +198,10 @@ class AutoCheckpointing:
         may_keep_gathered: bool,
         offload: bool = False,
         blocks_per_unit: int | None = None,
+        replicas: int = 1,
     ) -> None:
         self.budget, self.world_size, self.precision, self.blocks = budget, world_size, precision, blocks
+        self.replicas = replicas  # hybrid sharding: world_size is one shard group, replicated this many times
         # The user's blocks_per_unit, or None: chosen with the rest at setup; 1 when the batch comes only later.
         self.per_unit = blocks_per_unit
         self.units_left_to_planner = blocks_per_unit is None
@@ -236,7 +242,8 @@ class AutoCheckpointing:
                                  budget=resolve_budget(self.budget, total), total=total, optimizer=optimizer,
                                  blocks=self.blocks, device=device, offload=self.offload,
                                  may_keep_gathered=self.may_keep_gathered, per_unit=per_unit,
-                                 compare_units=self.units_left_to_planner and self.per_unit is not None)
+                                 compare_units=self.units_left_to_planner and self.per_unit is not None,
+                                 replicas=self.replicas)
 
         choice = decide(self.per_unit)
         if self.per_unit is None:
@@ -270,18 +277,21 @@ def measure_for_summary(
     blocks: Any,
     device: torch.device | None = None,
     mode_of: ModeOf | None = None,
+    replicas: int = 1,
 ) -> tuple[StepInputs, str] | None:
     """Fake-tensor measurement of ``batch`` (see :func:`~.planning_batch.measure_batch`) for the setup summary's
     predicted peak and the planner's grouping, and how it was measured; ``mode_of``: each block's checkpointing,
-    settled by the user (each block is measured for it alone).
+    settled by the user (each block is measured for it alone); ``world_size``: one shard group, ``replicas``:
+    hybrid sharding's copies of it.
 
     Only informative: a module whose step cannot run on fake tensors gets no prediction, not an error.
     """
     if batch is None:
         return None
     try:
-        return measure_batch(module, batch, world_size=world_size, precision=precision, blocks=blocks,
-                             device=device, loop=training_loop(module), mode_of=mode_of)
+        inputs, how = measure_batch(module, batch, world_size=world_size, precision=precision, blocks=blocks,
+                                    device=device, loop=training_loop(module), mode_of=mode_of)
+        return dataclasses.replace(inputs, replicas=replicas), how
     except Exception:  # noqa: BLE001 - see docstring
         return None
 
@@ -295,13 +305,19 @@ def describe_prediction(
     blocks_per_unit: int = 1,
     kept_gathered: Sequence[str] = (),
     measured_on: str = EXAMPLE_INPUT,
+    budget: int | None = None,
 ) -> tuple[int, str]:
     """The predicted peak for the settings the pipeline applied (``selective``: the blocks of ``checkpointed``
     checkpointed op-level; ``kept_gathered``: blocks whose unit stays gathered for backward), as bytes and as a
-    summary line (``measured_on``: the batch's source, see :func:`~.planning_batch.measure_batch`)."""
+    summary line (``measured_on``: the batch's source, see :func:`~.planning_batch.measure_batch`; ``budget``:
+    the resolved ``memory_budget``, named, and said to be exceeded where the peak is over it)."""
     names = [b.name for b in inputs.profile.blocks]
     indices = frozenset(i for i, name in enumerate(names) if name in set(checkpointed))
     chosen = frozenset(i for i in indices if names[i] in set(selective))
     kept = frozenset(i for i, name in enumerate(names) if name in set(kept_gathered))
     peak = predict_step(inputs, StepSettings(indices, reshard, offload, chosen, kept, blocks_per_unit))
-    return peak.peak, f"predicted peak {human_bytes(peak.peak)} per rank for {measured_on}, at {peak.phase}"
+    line = f"predicted peak {human_bytes(peak.peak)} per rank for {measured_on}, at {peak.phase}"
+    if budget is not None:
+        line += (f", over the memory_budget of {human_bytes(budget)}: checkpoint more blocks, a smaller batch or"
+                 " activation_checkpointing='auto'" if peak.peak > budget else f", memory_budget {human_bytes(budget)}")
+    return peak.peak, line

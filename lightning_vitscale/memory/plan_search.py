@@ -105,6 +105,13 @@ def unit_sizes(n: int, pinned: int | None) -> list[int]:
     return sorted(sizes.values())
 
 
+def reshard_boundaries(n: int, per_unit: int) -> list[int]:
+    """How many first blocks may reshard with ``per_unit`` blocks per unit, most first: whole units only (a unit
+    reshards if any of its blocks does). The one encoding of "which units stay gathered": ``"auto"``'s search and
+    the grouping under the user's checkpointing (:mod:`.unit_choice`) both walk these."""
+    return sorted({min(n, u * per_unit) for u in range(-(-n // per_unit) + 1)}, reverse=True)
+
+
 def least_memory(space: SearchSpace) -> BlockPlan:
     """Every block fully checkpointed and resharded (unless reshard is pinned to keeping), one block per unit
     (unless pinned)."""
@@ -124,7 +131,7 @@ def search(space: SearchSpace) -> BlockPlan:
 def _search_units(space: SearchSpace, per_unit: int) -> BlockPlan | None:
     """The fastest plan that fits with ``per_unit`` blocks per unit (``None``: none fits)."""
     n = space.n
-    boundaries = sorted({min(n, u * per_unit) for u in range(-(-n // per_unit) + 1)}, reverse=True)
+    boundaries = reshard_boundaries(n, per_unit)
     reshards = [n] if space.fixed_reshard else [0] if space.fixed_reshard is False else boundaries
     best: BlockPlan | None = None
     for full in range(n + 1):

@@ -12,6 +12,7 @@ per-rank batch that fits.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -23,6 +24,7 @@ from lightning_vitscale._compat import tree_leaves
 from lightning_vitscale._utils import GIB, MIB, human_bytes
 from lightning_vitscale.discovery import ModuleSelector, find_blocks, holds_parameters
 from lightning_vitscale.memory.activations import ModeOf, StepCall, measure_activations
+from lightning_vitscale.memory.devices import device_named, memory_names
 from lightning_vitscale.memory.memory_plan import Candidate, MemoryPlan
 from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, search
 from lightning_vitscale.memory.step_cost import GPU_RATES, DeviceRates
@@ -37,23 +39,32 @@ from lightning_vitscale.memory.step_model import (
 )
 from lightning_vitscale.precision import PrecisionPolicy, resolve_flag
 
-# Usable memory of named devices (the marketing figure; the allocator and CUDA context take a little more).
-DEVICE_MEMORY: dict[str, int] = {
-    "a100-40gb": 40 * GIB,
-    "a100-80gb": 80 * GIB,
-    "h100-80gb": 80 * GIB,
-    "h200-141gb": 141 * GIB,
-    "v100-32gb": 32 * GIB,
-    "l40s-48gb": 48 * GIB,
-}
 DEFAULT_FRACTION = 0.9
 """The share of a device's memory a step may use when ``memory_budget`` is not given (the rest is headroom for the
 allocator): the one place this factor lives."""
 
 
-def resolve_budget(budget: int | float | None, total: int) -> int:
+def check_budget(budget: object, name: str = "memory_budget") -> None:
+    """Raise unless ``budget`` is ``None``, bytes (an int >= 1) or a fraction of device memory (a float in (0, 1]):
+    the one check of every budget (``memory_budget``, ``plan_memory``'s ``memory_fraction``)."""
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"`{name}` must be an int (bytes) or a float fraction in (0, 1]; got {budget!r}.")
+    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+        raise ValueError(
+            f"`{name}={budget}` as a float is a fraction of device memory and must be in (0, 1];"
+            " give bytes as an int, e.g. memory_budget=30 * 2**30."
+        )
+    if isinstance(budget, int) and budget < 1:
+        raise ValueError(f"`{name}={budget}` bytes must be >= 1.")
+
+
+def resolve_budget(budget: int | float | None, total: int, name: str = "memory_budget") -> int:
     """``memory_budget`` -> bytes: an int is bytes, a float (or ``None`` = :data:`DEFAULT_FRACTION`) a fraction
-    of ``total``."""
+    of ``total``. Every choice by memory (``"auto"``, the blocks per unit, ``accumulation="auto"``, ``plan_memory``)
+    and the setup summary's budget come from here."""
+    check_budget(budget, name)
     if isinstance(budget, int) and not isinstance(budget, bool):
         return budget
     return int(total * (DEFAULT_FRACTION if budget is None else budget))
@@ -77,18 +88,27 @@ def agree_on_unit_size(choice: T, per_unit: int, redo: Callable[[int], T], agree
     return choice if agreed == per_unit else redo(agreed)
 
 
+def __getattr__(name: str) -> Any:
+    if name == "DEVICE_MEMORY":  # before the one device table: name -> bytes
+        warnings.warn("lightning_vitscale.memory.planner.DEVICE_MEMORY is deprecated: the named devices live in"
+                      " lightning_vitscale.memory.devices.DEVICES (memory_bytes); use parse_memory(name).",
+                      DeprecationWarning, stacklevel=2)
+        return {key: parse_memory(key) for key in memory_names()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def parse_memory(spec: str | int | float) -> int:
     """``"a100-40gb"``, ``"40"`` / ``40`` (GiB), ``"40GiB"``, ``"512MiB"`` -> bytes."""
     if isinstance(spec, (int, float)):
         return int(spec * GIB)
     key = spec.strip().lower()
-    if key in DEVICE_MEMORY:
-        return DEVICE_MEMORY[key]
+    if key in memory_names():
+        return int(device_named(key).memory_bytes or 0)
     match = re.fullmatch(r"([0-9.]+)\s*(gib|gb|g|mib|mb|m)?", key)
     if match is None:
         raise ValueError(
             f"device memory {spec!r} is not understood: give GiB (e.g. 40 or '40GiB'), MiB ('512MiB') or one of"
-            f" {', '.join(DEVICE_MEMORY)}."
+            f" {', '.join(memory_names())}."
         )
     unit = match.group(2) or "gib"
     return int(float(match.group(1)) * (GIB if unit.startswith("g") else MIB))
@@ -112,7 +132,7 @@ def plan_memory(
     device_memory: str | int | float = "a100-80gb",
     precision: str = "bf16-mixed",
     optimizer: str = "adamw",
-    memory_fraction: float = DEFAULT_FRACTION,
+    memory_fraction: int | float = DEFAULT_FRACTION,
     blocks: ModuleSelector | None = None,
 ) -> MemoryPlan:
     """Plan one rank's memory for ``model`` (real or on the meta device) fed ``example_input`` per step.
@@ -125,7 +145,8 @@ def plan_memory(
         device_memory: bytes (int), GiB (float/str) or a named GPU (``"a100-40gb"``, ``"h100-80gb"``, ...).
         precision: Trainer precision flag.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd-momentum"``, ``"sgd"``, ``"lion"`` or ``"adagrad"``.
-        memory_fraction: share of the device a step may use (the rest is headroom for the allocator).
+        memory_fraction: share of the device a step may use (the rest is headroom for the allocator), or bytes
+            (an int): what the strategy's ``memory_budget`` takes.
         blocks: the strategy's ``blocks=`` selector, if one is given.
 
     Example::
@@ -139,7 +160,8 @@ def plan_memory(
                          optimizer=optimizer, blocks=blocks)
     device_bytes = parse_memory(device_memory)
     planned_batch = batch_size or batch_size_of(example_input)
-    return choose(inputs, int(device_bytes * memory_fraction), device_bytes, precision, planned_batch, per_unit=None)
+    budget = resolve_budget(memory_fraction, device_bytes, "memory_fraction")
+    return choose(inputs, budget, device_bytes, precision, planned_batch, per_unit=None)
 
 
 def step_inputs(

@@ -11,20 +11,25 @@ Plain roofline arithmetic on what :mod:`.op_costs` counted, so every number can 
 - each FSDP unit: ``unit_s`` per step for its hooks and the collectives the step's thread waits for
   (``blocks_per_unit``: fewer, larger units pay it fewer times); where collectives overlap compute (GPU streams;
   CPU ranks' asynchronous gloo collectives, ``sharding/cpu_overlap.py``), the first unit's all-gather and the
-  last one's reduce-scatter have nothing to hide behind, so a larger unit exposes more bytes:
-  ``2 x unit bytes x (world - 1) / world / link_bytes_per_s``.
+  last one's reduce-scatter (and, with replicas, all-reduce) have nothing to hide behind, so a larger unit exposes
+  more bytes: what they send / ``link_bytes_per_s``.
 
-A recompute never hides. The rates are :class:`DeviceRates`; only their ratios steer the choice.
+The collectives and their bytes are the one model the setup summary's traffic report uses too
+(:mod:`.collectives`: rings over their groups, dim 0 padded to the shard group, replicas for hybrid sharding).
+
+A recompute never hides. The rates are :class:`DeviceRates`, read from the device table (:mod:`.devices`); only
+their ratios steer the choice.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from lightning_vitscale.memory.activations import BlockMemory
+from lightning_vitscale.memory.collectives import ring_bytes, unit_collectives
+from lightning_vitscale.memory.devices import DEFAULT_GPU, Device, device_named, device_of
 from lightning_vitscale.memory.step_model import StepInputs, StepSettings, unit_spans
 
 
@@ -53,30 +58,28 @@ class DeviceRates:
     regather_hidden: bool
 
 
-GPU_RATES = DeviceRates(flops_per_s=438e12, bytes_per_s=2e12, link_bytes_per_s=100e9, latency_s=50e-6,
-                        unit_s=1.7e-3, overlaps=True, regather_hidden=True)
-"""An H100/H200-class GPU in bf16. Measured on one H200 (torch 2.11, benchmarks/RESULTS.md, 2026-11-27):
-``flops_per_s``, what ViT-H/14 training reached at its largest batch with ``kernels="auto"`` (44.3% of the
-989 TFLOP/s dense bf16 peak; the same kernels run a recompute); ``unit_s``, the step time one FSDP unit added,
-exposed, next to plain AMP O1 on the same GPU (ViT-H/14, batch 64, ``kernels="eager"``, one block per unit:
-+55 ms over 33 units; FSDP2's per-unit hooks and copies, DTensor dispatch, and at that time the per-parameter
-non-finite check). Datasheet orders of magnitude, not measured: ``bytes_per_s`` (HBM), ``link_bytes_per_s``
-and ``latency_s`` (NVLink; one GPU has no link)."""
+def rates_of(device: Device, accelerator: bool = True) -> DeviceRates:
+    """The planner's rates from a row of the device table (:mod:`.devices`). ``accelerator``: a GPU, whose
+    collectives overlap compute on their own streams and whose prefetched re-gather hides; CPU ranks overlap
+    through gloo's threads (``sharding/cpu_overlap.py``), which share the cores with compute."""
+    return DeviceRates(flops_per_s=device.reached_flops_per_s, bytes_per_s=device.hbm_bytes_per_s,
+                       link_bytes_per_s=device.link_bytes_per_s, latency_s=device.latency_s, unit_s=device.unit_s,
+                       overlaps=True, regather_hidden=accelerator)
 
-CPU_RATES = DeviceRates(flops_per_s=100e9, bytes_per_s=10e9, link_bytes_per_s=0.6e9, latency_s=2e-3, unit_s=3e-3,
-                        overlaps=True, regather_hidden=False)
-"""One rank of the 2-core CPU with gloo in benchmarks/RESULTS.md ("where a step's time goes", "fewer, larger FSDP
-units", "CPU ranks overlap their collectives"): full recompute of the 6-block ViT ~55 ms for ~5 GFLOP; gloo moved
-0.5-0.75 GiB/s per rank; with the collectives asynchronous, one block per unit (6 units) cost ~20 ms a step more
-than 2 units of 3 blocks and one unit of all 6 ~20 ms more too (its gather and reduce-scatter exposed): ~3 ms
-per unit (before the overlap each unit cost 8-9 ms: its collectives' waits); keeping the 6 blocks gathered for
-backward saved 28 ms of a full-checkpointing step, about their bytes at the link rate: not hidden. Stated, not
-general."""
+
+GPU_RATES = rates_of(device_named(DEFAULT_GPU))
+"""The rates of a GPU the table does not name, and of plans made for no device: the measured H200's row."""
+CPU_RATES = rates_of(device_named("cpu"), accelerator=False)
+"""One rank of the 2-core CPU with gloo (the table's ``"cpu"`` row: stated, not general)."""
 
 
 def rates_for(device: torch.device | str | None) -> DeviceRates:
-    """The rates for a device type; ``None`` plans for a GPU, as the rest of the planner does."""
-    return CPU_RATES if device is not None and torch.device(device).type == "cpu" else GPU_RATES
+    """The rates for a device: its row of the device table (:func:`~.devices.device_of`); a GPU the table does
+    not name, and ``None``, plan as :data:`GPU_RATES`, as the rest of the planner does."""
+    row = device_of(device)
+    if row is None:
+        return GPU_RATES
+    return rates_of(row, accelerator=row.match is not None)
 
 
 def recompute_seconds(block: BlockMemory, mode: str | None, rates: DeviceRates, scale: float = 1.0) -> float:
@@ -90,25 +93,32 @@ def recompute_seconds(block: BlockMemory, mode: str | None, rates: DeviceRates, 
 def regather_seconds(gathered_bytes: int, world: int, rates: DeviceRates) -> float:
     """Seconds per step that resharding a block of ``gathered_bytes`` after forward adds (a second all-gather:
     its fixed cost, and its bytes where nothing overlaps them)."""
+    return _regather(ring_bytes(gathered_bytes, world), rates)
+
+
+def _regather(sent: float, rates: DeviceRates) -> float:
     if rates.regather_hidden:  # prefetched during the later unit's backward
         return rates.latency_s
-    return rates.latency_s + gathered_bytes * (world - 1) / world / rates.link_bytes_per_s
-
-
-def units_seconds(unit_bytes: list[int], world: int, rates: DeviceRates) -> float:
-    """Seconds per step that FSDP units of ``unit_bytes`` (gathered, in the compute dtype) cost by their number
-    and, where collectives overlap compute, by the largest one's exposed all-gather and reduce-scatter."""
-    exposed = 2 * max(unit_bytes, default=0) * (world - 1) / world / rates.link_bytes_per_s if rates.overlaps else 0.0
-    return len(unit_bytes) * rates.unit_s + exposed
+    return rates.latency_s + sent / rates.link_bytes_per_s
 
 
 def units_and_regather_seconds(inputs: StepInputs, settings: StepSettings, rates: DeviceRates) -> float:
-    """What the FSDP units of ``settings`` cost per step: their number (:func:`units_seconds`) and a second
-    all-gather for each unit that reshards after forward (:func:`regather_seconds`)."""
-    c, n = inputs.compute.itemsize, len(inputs.layout.blocks)
-    spans = unit_spans(n, settings.blocks_per_unit)
-    gathered = [sum(math.prod(s) for s in shapes) * c for shapes in inputs.layout.blocks]
-    units = [sum(gathered[i] for i in span) for span in spans]
-    regather = sum(regather_seconds(size, inputs.world, rates)
-                   for size, span in zip(units, spans) if not settings.keeps(span[0]))
-    return regather + units_seconds(units, inputs.world, rates)
+    """What the FSDP units of ``settings`` cost per step, from each unit's collectives (:mod:`.collectives`: padded,
+    per group, replicas included): ``unit_s`` each, a second all-gather for each unit that reshards after forward
+    (:func:`regather_seconds`) and, where collectives overlap compute, the largest unit's exposed all-gather,
+    reduce-scatter and all-reduce (the first unit's gather and the last one's reduction have nothing to hide
+    behind)."""
+    spans = unit_spans(len(inputs.layout.blocks), settings.blocks_per_unit)
+    seconds = exposed = 0.0
+    for span in spans:
+        collectives = unit_collectives(
+            [shape for i in span for shape in inputs.layout.blocks[i]], shard=inputs.world, replicas=inputs.replicas,
+            gather_itemsize=inputs.compute.itemsize, reduce_itemsize=inputs.reduce.itemsize,
+            reshard=not settings.keeps(span[0]),
+        )
+        seconds += rates.unit_s
+        seconds += sum(_regather(c.sent, rates) for c in collectives if c.kind == "regather")
+        if rates.overlaps:
+            sent = sum(c.sent for c in collectives if c.kind != "regather")
+            exposed = max(exposed, sent / rates.link_bytes_per_s)
+    return seconds + exposed

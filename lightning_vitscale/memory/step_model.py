@@ -163,6 +163,7 @@ class StepInputs:
     batch_scale: float = 1.0
     collective_copies: bool = False
     loop: TrainingLoop = TrainingLoop()
+    replicas: int = 1  # hybrid sharding's replica groups (``world`` is then one shard group): their all-reduce
 
 
 def collective_copies(device: torch.device | str | None) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from lightning_vitscale._utils import human_bytes
-from lightning_vitscale.memory.plan_search import unit_sizes
+from lightning_vitscale.memory.plan_search import reshard_boundaries, unit_sizes
 from lightning_vitscale.memory.step_cost import DeviceRates, units_and_regather_seconds
 from lightning_vitscale.memory.step_model import StepInputs, StepSettings, predict_step, unit_spans
 
@@ -27,7 +27,8 @@ from lightning_vitscale.memory.step_model import StepInputs, StepSettings, predi
 class UnitChoice:
     """The blocks per unit and the units kept gathered chosen, and what they were weighed by (for the summary).
 
-    ``kept_units``: how many of the last units keep their gathered parameters for backward (0 where the user's
+    ``resharded``: the first blocks that reshard after forward as the user's setting has it, the rest (whole last
+    units) kept gathered for backward: :class:`~.plan_search.BlockPlan`'s encoding (``blocks`` where the user's
     reshard is fixed, or nothing fits). ``saved_seconds``: against one block per unit, every unit as the user's
     reshard setting has it.
     """
@@ -36,12 +37,21 @@ class UnitChoice:
     saved_seconds: float
     peak: int
     budget: int
-    kept_units: int = 0
-    units: int = 1
+    resharded: int
+    blocks: int
 
-    def kept_gathered(self, n: int) -> frozenset[int]:
-        """The blocks (of ``n``) whose unit stays gathered from forward to backward."""
-        return kept_blocks(n, self.per_unit, self.kept_units)
+    @property
+    def units(self) -> int:
+        return len(unit_spans(self.blocks, self.per_unit))
+
+    @property
+    def kept_units(self) -> int:
+        """How many of the last units keep their gathered parameters for backward."""
+        return self.units - -(-self.resharded // self.per_unit)
+
+    def kept_gathered(self, n: int | None = None) -> frozenset[int]:
+        """The blocks whose unit stays gathered from forward to backward."""
+        return frozenset(range(self.resharded, self.blocks if n is None else n))
 
     def describe(self) -> str:
         if self.per_unit == 1 and self.kept_units == 0:
@@ -49,12 +59,6 @@ class UnitChoice:
         kept = f", {self.kept_units} of {self.units} units kept gathered for backward" if self.kept_units else ""
         return (f"planner{kept}: predicted {self.saved_seconds * 1e3:.1f} ms per step less than one block per unit,"
                 f" peak {human_bytes(self.peak)} of {human_bytes(self.budget)}")
-
-
-def kept_blocks(n: int, per_unit: int, kept_units: int) -> frozenset[int]:
-    """The blocks of the last ``kept_units`` units of ``per_unit`` blocks each (of ``n`` blocks)."""
-    spans = unit_spans(n, per_unit)
-    return frozenset(i for span in spans[len(spans) - kept_units:] for i in span) if kept_units else frozenset()
 
 
 def choose_blocks_per_unit(
@@ -66,23 +70,21 @@ def choose_blocks_per_unit(
     per_unit: int | None = None,
 ) -> UnitChoice:
     """The unit size (:func:`~.plan_search.unit_sizes`, or ``per_unit``) and, where ``may_keep`` (the user left
-    ``reshard_after_forward`` to the planner) and blocks reshard, the number of last units kept gathered, with the
-    least predicted step time whose peak fits ``budget``; ties go to less memory. One block per unit, nothing
-    kept, where nothing else fits."""
+    ``reshard_after_forward`` to the planner) and blocks reshard, how many first blocks reshard (whole units,
+    :func:`~.plan_search.reshard_boundaries`; the last units stay gathered), with the least predicted step time
+    whose peak fits ``budget``; ties go to less memory. One block per unit, nothing kept, where nothing else fits."""
     n = len(inputs.profile.blocks)
 
-    def planned(k: int, m: int) -> StepSettings:
-        return replace(settings, blocks_per_unit=k, kept_gathered=settings.kept_gathered | kept_blocks(n, k, m))
+    def planned(k: int, r: int) -> StepSettings:
+        return replace(settings, blocks_per_unit=k, kept_gathered=settings.kept_gathered | frozenset(range(r, n)))
 
-    def seconds(k: int, m: int) -> float:
-        return units_and_regather_seconds(inputs, planned(k, m), rates)
+    def seconds(k: int, r: int) -> float:
+        return units_and_regather_seconds(inputs, planned(k, r), rates)
 
     keeping = may_keep and settings.reshard_after_forward
-    candidates = [(k, m) for k in unit_sizes(n, per_unit)
-                  for m in (range(len(unit_spans(n, k)) + 1) if keeping else (0,))]
-    baseline = (per_unit or 1, 0)
+    candidates = [(k, r) for k in unit_sizes(n, per_unit) for r in (reshard_boundaries(n, k) if keeping else [n])]
+    baseline = (per_unit or 1, n)
     fitting = [c for c in candidates if c == baseline or predict_step(inputs, planned(*c)).peak <= budget]
-    best_k, best_m = min(fitting, key=lambda c: (seconds(*c), c[1], c[0]))
-    peak = predict_step(inputs, planned(best_k, best_m)).peak
-    return UnitChoice(best_k, seconds(1, 0) - seconds(best_k, best_m), peak, budget, best_m,
-                      len(unit_spans(n, best_k)))
+    best_k, best_r = min(fitting, key=lambda c: (seconds(*c), -c[1], c[0]))
+    peak = predict_step(inputs, planned(best_k, best_r)).peak
+    return UnitChoice(best_k, seconds(1, n) - seconds(best_k, best_r), peak, budget, best_r, n)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -14,35 +15,27 @@ from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
 
 from lightning_vitscale._utils import GIB
+from lightning_vitscale.memory.devices import DEVICES, gpu_named
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's data sheets, matched by substring of
-# `torch.cuda.get_device_name()` in this order: "H100 PCIe" before "H100", "A100" before "A10", "L40" before
-# "L4". V100 has no bf16: its fp16 figure. None: a GPU we have no trusted figure for (MFU is then not logged).
-PEAK_DENSE_BF16_FLOPS: tuple[tuple[str, float | None], ...] = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),  # SXM ("NVIDIA H100 80GB HBM3")
-    ("H200", 989e12),
-    ("A100", 312e12),
-    ("V100", 125e12),
-    ("L40S", 362e12),
-    ("L40", 181e12),
-    ("L4", 121e12),
-    ("A10G", None),
-    ("A10", 125e12),
-)
-
-
-
 def device_peak_flops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak in FLOP/s, or ``None`` (CPU, unknown GPU): MFU needs a trusted denominator."""
+    """The device's dense bf16 peak in FLOP/s from the device table (``memory/devices.py``), or ``None`` (CPU, a
+    GPU without a trusted figure): MFU needs a trusted denominator."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_DENSE_BF16_FLOPS if key in name), None)
+    row = gpu_named(torch.cuda.get_device_name(device))
+    return row.bf16_flops_per_s if row is not None else None
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PEAK_DENSE_BF16_FLOPS":  # before the one device table: (name substring, peak) pairs
+        warnings.warn("lightning_vitscale.monitoring.throughput.PEAK_DENSE_BF16_FLOPS is deprecated: the peaks"
+                      " live in lightning_vitscale.memory.devices.DEVICES (bf16_flops_per_s); use"
+                      " device_peak_flops(device).", DeprecationWarning, stacklevel=2)
+        return tuple((row.match, row.bf16_flops_per_s) for row in DEVICES if row.match is not None)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def first_dim(batch: Any) -> int:
@@ -110,7 +103,8 @@ class VitScaleThroughput(Callback):
 
     Args:
         batch_size_fn: ``batch -> samples on this rank``; default: dim 0 of the first tensor in the batch.
-        peak_flops: the device's peak FLOP/s; default: :data:`PEAK_DENSE_BF16_FLOPS` on CUDA, none on CPU.
+        peak_flops: the device's peak FLOP/s; default: the device table's dense bf16 peak on CUDA
+            (``memory/devices.py``), none on CPU.
         log_every_n_steps: batches per measurement window.
         warmup_steps: batches ignored before the first window (compilation, allocator warm-up).
 

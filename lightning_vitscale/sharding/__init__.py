@@ -7,7 +7,10 @@ The top of the concerns: may import ``memory``, ``checkpoint``, ``precision``, `
 ``discovery``, ``distributed``, ``_utils`` and ``_compat``; only the strategy and the CLI import it.
 """
 
+from typing import Any
+
 from lightning_vitscale.discovery import ModuleSelector
+from lightning_vitscale.sharding import summary
 from lightning_vitscale.sharding.outer_unit import OuterUnit, OutsideStepCallError
 from lightning_vitscale.sharding.parallelize import NoBlocksMatchedError, Parallelized, parallelize
 from lightning_vitscale.sharding.resolved import ResolvedConfig, resolve_config
@@ -22,7 +25,7 @@ from lightning_vitscale.sharding.settings import (
     shard_group_size,
 )
 from lightning_vitscale.sharding.setup import Ranks, ShardedModel, shard_lightning_module
-from lightning_vitscale.sharding.summary import ParallelPlan
+from lightning_vitscale.sharding.summary import SetupSummary
 from lightning_vitscale.sharding.sync_batchnorm import apply_sync_batchnorm
 from lightning_vitscale.sharding.tensor_plan import (
     TENSOR_LAYOUT_KEY,
@@ -50,10 +53,10 @@ __all__ = [
     "OuterUnit",
     "OutsideStepCallError",
     "ParallelConfig",
-    "ParallelPlan",
     "Parallelized",
     "Ranks",
     "ResolvedConfig",
+    "SetupSummary",
     "ShardedModel",
     "ShardedModuleReuseError",
     "ShardingLayout",
@@ -64,3 +67,9 @@ __all__ = [
     "shard_group_size",
     "shard_lightning_module",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ParallelPlan":  # deprecated: the setup summary's old name (warns)
+        return getattr(summary, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

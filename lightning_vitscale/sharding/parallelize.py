@@ -26,7 +26,7 @@ from lightning_vitscale.sharding.steps import (
     apply_prefetch,
     replicate_norms,
 )
-from lightning_vitscale.sharding.summary import ParallelPlan, plan_from_facts
+from lightning_vitscale.sharding.summary import SetupSummary, summary_from_facts
 from lightning_vitscale.sharding.tensor_parallel import apply_tp
 
 
@@ -39,7 +39,7 @@ class Parallelized:
     """What the pipeline leaves behind: the setup summary, the fp32 norms whose gradients need reducing, and the
     attention router still to decide for (``attention="auto"``)."""
 
-    plan: ParallelPlan
+    plan: SetupSummary
     norms: ReplicatedNorms | None
     router: AttentionRouter | None = None
 
@@ -106,7 +106,7 @@ def parallelize(
         kernels=resolved.kernels, tensor_core_misses=tensor_cores, units=units, overlap=overlap, init=init,
         params=list(model.parameters()), precision=precision.name, tensor=tensor,
     )
-    return Parallelized(plan_from_facts(facts), norms.replicated, router)
+    return Parallelized(summary_from_facts(facts), norms.replicated, router)
 
 
 def select_blocks(model: nn.Module, selector: ModuleSelector | None) -> Named:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.memory import (
     AutoCheckpointing,
     ModeOf,
@@ -25,7 +26,6 @@ from lightning_vitscale.memory import (
     choose_blocks_per_unit,
     describe_prediction,
     device_memory,
-    fewest,
     measure_for_summary,
     planning_batch,
     rates_for,
@@ -35,7 +35,7 @@ from lightning_vitscale.precision import PrecisionPolicy
 from lightning_vitscale.sharding.ranks import Ranks
 from lightning_vitscale.sharding.resolved import ResolvedConfig
 from lightning_vitscale.sharding.settings import ShardingPolicy
-from lightning_vitscale.sharding.summary import ParallelPlan
+from lightning_vitscale.sharding.summary import SetupSummary
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ class Planned:
         units_choice: why the blocks per unit are what they are, where the planner chose them.
         kept_gathered: blocks whose unit the planner keeps gathered from forward to backward (their units'
             reshard left to it: ``reshard_after_forward=None``).
+        budget: ``memory_budget`` in bytes on this rank, resolved once (the grouping kept to it; the summary names
+            it, and says so when the predicted peak is over it).
     """
 
     resolved: ResolvedConfig
@@ -58,8 +60,9 @@ class Planned:
     measured_on: str = ""
     units_choice: str | None = None
     kept_gathered: tuple[str, ...] = ()
+    budget: int | None = None
 
-    def apply(self, module: nn.Module, summary: ParallelPlan, device: torch.device) -> None:
+    def apply(self, module: nn.Module, summary: SetupSummary, device: torch.device) -> None:
         """After the pipeline: blocks kept gathered where the planner chose so, and the summary's memory lines."""
         if self.units_choice is not None:
             summary.units_choice = self.units_choice
@@ -71,7 +74,7 @@ class Planned:
             reshard = resolved.sharding.reshard_after_forward is not False
             summary.predicted_peak, summary.memory = describe_prediction(
                 self.measured, summary.checkpointed, reshard, offloads(resolved.sharding, device), summary.selective,
-                resolved.blocks_per_unit, self.kept_gathered, self.measured_on,
+                resolved.blocks_per_unit, self.kept_gathered, self.measured_on, self.budget,
             )
 
 
@@ -94,15 +97,25 @@ def plan_before_sharding(
     if auto is not None:
         return Planned(resolved, auto)
     sharding = resolved.sharding
-    found = measure_for_summary(module, batch or planning_batch(module, None), ranks.sharding_mesh.size(),
-                                precision.name, sharding.blocks, ranks.device, _mode_of(module, resolved))
+    shard, replicas = _groups(ranks)
+    found = measure_for_summary(module, batch or planning_batch(module, None), shard, precision.name,
+                                sharding.blocks, ranks.device, _mode_of(module, resolved), replicas)
     if found is None:
         return Planned(resolved)
     measured, measured_on = found
+    budget = resolve_budget(resolved.requested.checkpointing.memory_budget,
+                            device_memory(ranks.device, ranks.ranks_per_node))
     if sharding.blocks_per_unit is not None:  # the user chose the blocks per unit
-        return Planned(resolved, measured=measured, measured_on=measured_on)
-    resolved, line, kept = _choose_units(module, resolved, measured, ranks)
-    return Planned(resolved, measured=measured, measured_on=measured_on, units_choice=line, kept_gathered=kept)
+        return Planned(resolved, measured=measured, measured_on=measured_on, budget=budget)
+    resolved, line, kept = _choose_units(module, resolved, measured, ranks, budget)
+    return Planned(resolved, measured=measured, measured_on=measured_on, units_choice=line, kept_gathered=kept,
+                   budget=budget)
+
+
+def _groups(ranks: Ranks) -> tuple[int, int]:
+    """The ranks of one shard group and how many copies of it (hybrid sharding), as the layout report counts them."""
+    shard = shard_size(ranks.sharding_mesh)
+    return shard, ranks.sharding_mesh.size() // shard
 
 
 def _mode_of(module: nn.Module, resolved: ResolvedConfig) -> ModeOf:
@@ -112,11 +125,11 @@ def _mode_of(module: nn.Module, resolved: ResolvedConfig) -> ModeOf:
 
 
 def _choose_units(
-    module: nn.Module, resolved: ResolvedConfig, measured: StepInputs, ranks: Ranks
+    module: nn.Module, resolved: ResolvedConfig, measured: StepInputs, ranks: Ranks, budget: int
 ) -> tuple[ResolvedConfig, str, tuple[str, ...]]:
     """``blocks_per_unit=None`` with the batch known at setup: the planner's grouping for the checkpointing the user
     chose, and with ``reshard_after_forward=None`` the units kept gathered. Every rank the same: the fewest blocks
-    per unit any rank chose, then the fewest units kept any rank chose for it."""
+    per unit any rank chose, then the most resharded blocks (the fewest units kept) any rank chose for it."""
     names = [block.name for block in measured.profile.blocks]
     modes = [resolved.checkpoint_mode(i, name, module.get_submodule(name)) for i, name in enumerate(names)]
     sharding = resolved.sharding
@@ -126,16 +139,14 @@ def _choose_units(
         offload=offloads(sharding, ranks.device),
         selective=frozenset(i for i, mode in enumerate(modes) if mode == "selective"),
     )
-    budget = resolve_budget(resolved.requested.checkpointing.memory_budget,
-                            device_memory(ranks.device, ranks.ranks_per_node))
     may_keep, rates = sharding.reshard_after_forward is None, rates_for(ranks.device)
     choice = choose_blocks_per_unit(measured, settings, budget, rates, may_keep)
     agreed = agree_on_unit_size(choice, choice.per_unit, lambda k: choose_blocks_per_unit(
         measured, settings, budget, rates, may_keep, per_unit=k), ranks.agree_max)
-    per_unit, kept_units = agreed.per_unit, fewest(ranks.agree_max, agreed.kept_units)
-    line = choice.describe() if (per_unit, kept_units) == (choice.per_unit, choice.kept_units) else (
+    per_unit, resharded = agreed.per_unit, ranks.agree_max(agreed.resharded)
+    line = choice.describe() if (per_unit, resharded) == (choice.per_unit, choice.resharded) else (
         "planner: the fewest blocks per unit and units kept gathered any rank chose")
-    kept = dataclasses.replace(agreed, kept_units=kept_units).kept_gathered(len(names))
+    kept = dataclasses.replace(agreed, resharded=resharded).kept_gathered()
     return dataclasses.replace(resolved, blocks_per_unit=per_unit), line, tuple(names[i] for i in sorted(kept))
 
 
@@ -155,11 +166,12 @@ def _auto_checkpointing(
     requested = resolved.requested
     if not requested.checkpointing.is_auto:
         return None, resolved
+    shard, replicas = _groups(ranks)
     auto = AutoCheckpointing(
-        requested.checkpointing.memory_budget, ranks.sharding_mesh.size(), precision.name, requested.sharding.blocks,
+        requested.checkpointing.memory_budget, shard, precision.name, requested.sharding.blocks,
         may_keep_gathered=requested.sharding.reshard_after_forward is None,
         offload=offloads(requested.sharding, ranks.device),
-        blocks_per_unit=requested.sharding.blocks_per_unit,
+        blocks_per_unit=requested.sharding.blocks_per_unit, replicas=replicas,
     )
     choice = auto.at_setup(module, ranks.device, ranks.ranks_per_node, ranks.agree_max, batch)
     if choice is None:
@@ -168,7 +180,7 @@ def _auto_checkpointing(
     return auto, chosen
 
 
-def apply_auto_choice(module: nn.Module, auto: AutoCheckpointing, summary: ParallelPlan) -> None:
+def apply_auto_choice(module: nn.Module, auto: AutoCheckpointing, summary: SetupSummary) -> None:
     """``"auto"``'s choice applied to the units (see :func:`keep_gathered`) and put into the summary."""
     choice = auto.choice
     if choice is not None:

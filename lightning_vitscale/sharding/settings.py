@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_vitscale.discovery import ModuleSelector
 from lightning_vitscale.kernels.settings import KERNEL_MODES, KernelMode, KernelPolicy, unknown_kernel_mode
-from lightning_vitscale.memory import ACCUMULATION_MODES, AccumulationMode
+from lightning_vitscale.memory import ACCUMULATION_MODES, AccumulationMode, check_budget
 from lightning_vitscale.sharding.tensor_plan import TensorPlanSelector
 
 BlockCheckpointing = bool | Literal["full", "selective"]
@@ -262,13 +262,14 @@ class CheckpointingPolicy:
             "Bytes a training step may use per rank (an ``int``), or a fraction of the device's memory (a ``float`` in"
             " (0, 1]; on CPU of the host's available memory divided among the local ranks); ``None`` is 0.9. Every"
             " choice the planner makes keeps to it: ``activation_checkpointing=\"auto\"``, the blocks per unit and"
-            " units kept gathered (``blocks_per_unit=None``) and ``accumulation=\"auto\"``."
+            " units kept gathered (``blocks_per_unit=None``) and ``accumulation=\"auto\"``; the setup summary names it"
+            " and says when the predicted peak is over it."
         )},
     )
 
     def __post_init__(self) -> None:
         sel = self.blocks
-        self._check_budget()
+        check_budget(self.memory_budget)
         if sel in ("auto", *_MODE_WORDS) or isinstance(sel, bool) or callable(sel):
             return
         if isinstance(sel, int):
@@ -282,20 +283,6 @@ class CheckpointingPolicy:
             f"`activation_checkpointing` must be True, False, 'full', 'selective', an int k >= 1, a callable"
             f" (name, module) -> True/False/'full'/'selective', or 'auto'; got {sel!r}."
         )
-
-    def _check_budget(self) -> None:
-        budget = self.memory_budget
-        if budget is None:
-            return
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-            raise TypeError(f"`memory_budget` must be an int (bytes) or a float fraction in (0, 1]; got {budget!r}.")
-        if isinstance(budget, float) and not 0.0 < budget <= 1.0:
-            raise ValueError(
-                f"`memory_budget={budget}` as a float is a fraction of device memory and must be in (0, 1];"
-                " give bytes as an int, e.g. memory_budget=30 * 2**30."
-            )
-        if isinstance(budget, int) and budget < 1:
-            raise ValueError(f"`memory_budget={budget}` bytes must be >= 1.")
 
     @property
     def is_auto(self) -> bool:

@@ -40,7 +40,7 @@ from lightning_vitscale.sharding.ranks import Ranks
 from lightning_vitscale.sharding.resolved import ResolvedConfig
 from lightning_vitscale.sharding.reuse import check_reusable, sharding_signature
 from lightning_vitscale.sharding.settings import ShardingPolicy
-from lightning_vitscale.sharding.summary import ParallelPlan
+from lightning_vitscale.sharding.summary import SetupSummary
 from lightning_vitscale.sharding.traffic import layout_report
 
 _SHARDED_ATTR = "_vitscale_sharded_model"
@@ -62,7 +62,7 @@ class ShardedModel:
     """
 
     outer: OuterUnit
-    summary: ParallelPlan
+    summary: SetupSummary
     norms: ReplicatedNorms | None
     router: AttentionRouter | None
     auto: AutoCheckpointing | None
@@ -209,7 +209,7 @@ def _shard(
 
 
 def _describe_layout(
-    summary: ParallelPlan,
+    summary: SetupSummary,
     outer: nn.Module,
     norms: ReplicatedNorms | None,
     precision: PrecisionPolicy,

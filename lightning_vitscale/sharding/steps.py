@@ -1,5 +1,5 @@
 """The parallelize pipeline's steps (torchtitan's ``apply_*``): each applies one thing to explicit module lists and
-returns a small record of what it did, from which the setup summary is built (``summary.plan_from_facts``)."""
+returns a small record of what it did, from which the setup summary is built (``summary.summary_from_facts``)."""
 
 from __future__ import annotations
 
@@ -187,7 +187,7 @@ class InitFacts:
 
 @dataclass(frozen=True)
 class PipelineFacts:
-    """Everything the steps did, for :func:`~lightning_vitscale.sharding.summary.plan_from_facts`."""
+    """Everything the steps did, for :func:`~lightning_vitscale.sharding.summary.summary_from_facts`."""
 
     world_size: int
     model_class: str

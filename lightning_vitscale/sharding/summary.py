@@ -1,14 +1,15 @@
 """The setup summary: what the strategy did to the model, as data for tests and tools and as text for people.
 
-Its class keeps the public name ``ParallelPlan`` (``strategy.plan``); it records what setup did. What the memory
-planner predicts is a :class:`~lightning_vitscale.MemoryPlan` (``memory/``).
+:class:`SetupSummary` (``strategy.plan``, formerly ``ParallelPlan``, a name kept as a deprecated alias) records what
+setup did. What the memory planner predicts is a :class:`~lightning_vitscale.MemoryPlan` (``memory/``).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning_vitscale._utils import full_bytes, local_bytes, mib
 from lightning_vitscale.kernels import describe_router
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class ParallelPlan:
+class SetupSummary:
     """Facts about one parallelized model; ``VitScaleStrategy.plan`` after setup.
 
     Attributes:
@@ -155,10 +156,10 @@ class ParallelPlan:
         return lines
 
 
-def plan_from_facts(facts: PipelineFacts) -> ParallelPlan:
+def summary_from_facts(facts: PipelineFacts) -> SetupSummary:
     """The setup summary from what the pipeline's steps did (the later setup steps add layout, memory, ...)."""
     checkpointed = facts.checkpointing.modes
-    return ParallelPlan(
+    return SetupSummary(
         world_size=facts.world_size,
         blocks=facts.described,
         block_names=facts.blocks,
@@ -214,3 +215,11 @@ _INIT_PATHS = {
 def _abbrev(names: list[str], keep: int = 3) -> str:
     shown = ", ".join(names[:keep])
     return shown + (f", ... +{len(names) - keep}" if len(names) > keep else "")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ParallelPlan":  # the setup summary's name until it was named for what it is
+        warnings.warn("ParallelPlan is deprecated: it is the setup summary, now SetupSummary (same class; import"
+                      " lightning_vitscale.SetupSummary).", DeprecationWarning, stacklevel=2)
+        return SetupSummary
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

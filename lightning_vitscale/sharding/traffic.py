@@ -1,17 +1,14 @@
 """The bytes each rank sends per training step, inside its node and across nodes, for a layout.
 
 Computed from the FSDP units' parameter shapes, the precision policy's dtypes and the mesh layout (which ranks
-share a shard group, which ranks share a node). Conventions, so numbers compare across layouts:
+share a shard group, which ranks share a node), through the planner's one model of a unit's collectives
+(``memory/collectives.py``: rings, padded buffers, per group). Conventions, so numbers compare across layouts:
 
 - one forward and one backward per optimizer step (no gradient accumulation, one backbone call per step);
-- each collective counted as a ring over its group of ``n`` ranks: an all-gather or reduce-scatter of a
-  ``B``-byte buffer sends ``B (n - 1) / n`` bytes per rank, an all-reduce ``2 B (n - 1) / n``;
 - a collective whose group holds ranks of more than one node counts as across-node traffic in full (a ring
   moves every byte at the pace of its inter-node hops); one whose group sits inside a node, as intra-node.
 
-Per FSDP unit and step: an all-gather in forward (in the compute dtype), a second one in backward if the unit
-freed its parameters after forward, a reduce-scatter of the gradients (in the reduce dtype) and, on a hybrid
-mesh, an all-reduce of the reduced shard across the replicas. fp32 norms add one all-reduce per mesh dimension.
+fp32 norms add one all-reduce per mesh dimension.
 """
 
 from __future__ import annotations
@@ -23,7 +20,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_vitscale._compat import unit_keeps_gathered
-from lightning_vitscale._utils import mib, shard_numel
+from lightning_vitscale._utils import mib
+from lightning_vitscale.memory.collectives import ring_bytes, unit_collectives
 from lightning_vitscale.precision import PrecisionPolicy
 from lightning_vitscale.sharding.settings import unit_reshard
 
@@ -68,19 +66,14 @@ def _own_params(module: nn.Module) -> list[nn.Parameter]:
     return params
 
 
-def _ring(nbytes: float, ranks: int, reduce: bool = False) -> float:
-    return (2.0 if reduce else 1.0) * nbytes * (ranks - 1) / ranks
-
-
 class _Tally:
     def __init__(self, ranks_per_node: int) -> None:
         self.per_node = ranks_per_node
         self.intra = self.inter = 0.0
 
-    def add(self, group: list[int], nbytes: float, reduce: bool = False) -> None:
+    def add(self, group: list[int], sent: float) -> None:
         if len(group) < 2:
             return
-        sent = _ring(nbytes, len(group), reduce)
         if len({r // self.per_node for r in group}) > 1:
             self.inter += sent
         else:
@@ -100,25 +93,19 @@ def step_traffic(
     start = rank - rank % shard_size
     shard_group = list(range(start, start + shard_size))
     replica_group = list(range(rank % shard_size, world_size, shard_size))
-    gather_bytes = precision.compute.itemsize
-    reduce_bytes = precision.reduce.itemsize
     tally = _Tally(ranks_per_node)
     for unit in units:
-        if not unit.shapes:
-            continue
-        numel = shard_numel(unit.shapes, shard_size) * shard_size  # dim 0 padded to the shard group
-        tally.add(shard_group, numel * gather_bytes)  # forward all-gather
-        if unit.reshard_after_forward is True:
-            tally.add(shard_group, numel * gather_bytes)  # backward all-gather
-        elif unit.reshard_after_forward not in (False, None) and int(unit.reshard_after_forward) > 1:
-            size = int(unit.reshard_after_forward)  # backward all-gather within the smaller reshard group
+        for collective in unit_collectives(
+            unit.shapes, shard=shard_size, replicas=len(replica_group), gather_itemsize=precision.compute.itemsize,
+            reduce_itemsize=precision.reduce.itemsize, reshard=unit.reshard_after_forward,
+        ):
+            size = collective.ranks  # the reshard group: this rank's block of that size inside its shard group
             sub = start + (rank - start) // size * size
-            tally.add(list(range(sub, sub + size)), numel * gather_bytes)
-        tally.add(shard_group, numel * reduce_bytes)  # gradient reduce-scatter
-        tally.add(replica_group, numel // shard_size * reduce_bytes, reduce=True)  # HSDP all-reduce
+            groups = {"shard": shard_group, "replicate": replica_group, "reshard": list(range(sub, sub + size))}
+            tally.add(groups[collective.group], collective.sent)
     if norm_numel:
-        tally.add(shard_group, norm_numel * 4, reduce=True)
-        tally.add(replica_group, norm_numel * 4, reduce=True)
+        tally.add(shard_group, ring_bytes(norm_numel * 4, len(shard_group), reduce=True))
+        tally.add(replica_group, ring_bytes(norm_numel * 4, len(replica_group), reduce=True))
     return StepTraffic(round(tally.intra), round(tally.inter))
 
 

@@ -21,7 +21,7 @@ PUBLIC_NAMES = {
     "NoBlocksMatchedError",
     "NonFiniteTrainingError",
     "OutsideStepCallError",
-    "ParallelPlan",
+    "SetupSummary",
     "ShardedEMA",
     "ShardedModuleReuseError",
     "StateBytes",
@@ -84,6 +84,17 @@ def test_the_policies_path_keeps_its_names_for_one_release_and_warns_on_import()
         policies = importlib.import_module("lightning_vitscale.policies")
     assert policies.KernelPolicy is lightning_vitscale.KernelPolicy
     assert policies.ParallelConfig is sharding.ParallelConfig
+
+
+def test_the_setup_summary_keeps_its_old_name_for_one_release_and_warns():
+    from lightning_vitscale import sharding
+    from lightning_vitscale.sharding import summary
+
+    for module in (lightning_vitscale, sharding, summary):
+        with pytest.warns(DeprecationWarning, match="ParallelPlan is deprecated.*SetupSummary"):
+            assert module.ParallelPlan is lightning_vitscale.SetupSummary
+    with pytest.raises(AttributeError, match="NoSuchName"):
+        lightning_vitscale.NoSuchName  # noqa: B018
 
 
 def test_strategy_is_registered_under_its_name():

@@ -12,8 +12,10 @@ import torch.nn.functional as F
 import torchmetrics
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
+from lightning_vitscale._utils import GIB, MIB
 from lightning_vitscale.cli.demo import TinyViT
-from lightning_vitscale.memory.planner import step_inputs
+from lightning_vitscale.memory import describe_prediction, device_memory
+from lightning_vitscale.memory.planner import plan_memory, resolve_budget, step_inputs
 from lightning_vitscale.memory.planning_batch import (
     TRAIN_BATCH,
     PlanningBatch,
@@ -129,20 +131,34 @@ def test_the_planners_units_keep_to_memory_budget_without_auto(mesh):
     model = TinyViT(**SMALL)
     model.example_input_array = torch.randn(4, 3, 16, 16)
     ranks = RankContext(mesh=mesh, device=torch.device("cpu"))
-    chosen = {}
+    chosen, lines = {}, {}
     for budget in (None, 1):
         asked = ParallelConfig(checkpointing=CheckpointingPolicy(blocks=True, memory_budget=budget))
         resolved = resolve_config(asked, torch.device("cpu"))
         planned = plan_before_sharding(model, resolved, resolve_flag("32-true"), ranks)
         assert {b.modes for b in planned.measured.profile.blocks} == {frozenset({"full"})}  # only what will run
         chosen[budget] = (planned.resolved.blocks_per_unit, planned.kept_gathered, planned.units_choice)
+        assert planned.budget == resolve_budget(budget, device_memory(ranks.device, ranks.ranks_per_node))
+        every = [b.name for b in planned.measured.profile.blocks]
+        lines[budget] = describe_prediction(planned.measured, every, True, budget=planned.budget)[1]
     assert chosen[None][0] > 1 or chosen[None][1], chosen
     assert chosen[1][:2] == (1, ()) and "no larger unit fits 0.0 MiB" in chosen[1][2], chosen
+    # The setup summary names the one budget, and says when the predicted peak is over it.
+    assert "over the memory_budget of 0.0 MiB" in lines[1] and "over" not in lines[None], lines
 
 
 @pytest.mark.parametrize("budget", [0.5, 2**30])
 def test_memory_budget_is_accepted_without_auto(budget):
     assert CheckpointingPolicy(blocks=True, memory_budget=budget).memory_budget == budget
+
+
+def test_plan_memory_resolves_its_budget_as_memory_budget_does():
+    model = TinyViT(**SMALL)
+    x = torch.empty(4, 3, 16, 16, device="meta")
+    assert plan_memory(model, x, device_memory=1, memory_fraction=0.5).budget == resolve_budget(0.5, GIB) == GIB // 2
+    assert plan_memory(model, x, device_memory=1, memory_fraction=123 * MIB).budget == 123 * MIB  # bytes
+    with pytest.raises(ValueError, match=r"`memory_fraction=1.5` as a float is a fraction"):
+        plan_memory(model, x, device_memory=1, memory_fraction=1.5)
 
 
 def test_ranks_agree_on_the_fewest_blocks_per_unit_any_rank_chose():

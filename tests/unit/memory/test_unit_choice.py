@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_vitscale.cli.demo import TinyViT
+from lightning_vitscale.memory.plan_search import BlockPlan, reshard_boundaries
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_cost import CPU_RATES, GPU_RATES, units_and_regather_seconds
 from lightning_vitscale.memory.step_model import StepSettings, predict_step
@@ -83,7 +84,8 @@ def test_units_stay_gathered_for_backward_where_memory_allows_and_the_reshard_is
 
     def kept_peak(k: int, m: int) -> int:
         kept = choose_blocks_per_unit(inputs, EVERY, 2**40, CPU_RATES, may_keep=True, per_unit=k)
-        settings = replace(EVERY, blocks_per_unit=k, kept_gathered=replace(kept, kept_units=m).kept_gathered(DEPTH))
+        resharded = min(DEPTH, k * (kept.units - m))  # the last m units kept
+        settings = replace(EVERY, blocks_per_unit=k, kept_gathered=replace(kept, resharded=resharded).kept_gathered())
         return predict_step(inputs, settings).peak
 
     # Pinned to one block per unit, a budget that holds 4 kept units but not 5: the last four blocks stay gathered
@@ -92,3 +94,13 @@ def test_units_stay_gathered_for_backward_where_memory_allows_and_the_reshard_is
     assert kept_peak(1, 4) < kept_peak(1, 5)
     assert (between.per_unit, between.kept_units) == (1, 4) and between.peak <= kept_peak(1, 4)
     assert between.kept_gathered(DEPTH) == frozenset(range(DEPTH - 4, DEPTH))
+
+
+def test_the_grouping_speaks_autos_encoding(inputs):
+    """One encoding of the units kept gathered: the first ``resharded`` blocks reshard, whole units, as in
+    ``"auto"``'s :class:`BlockPlan`."""
+    between = choose_blocks_per_unit(inputs, EVERY, peak(inputs, 2), CPU_RATES, may_keep=True, per_unit=2)
+    assert between.resharded in reshard_boundaries(DEPTH, 2)
+    plan = BlockPlan(DEPTH, 0, between.resharded, between.per_unit)
+    assert plan.settings(DEPTH).kept_gathered == between.kept_gathered()
+    assert between.kept_units == between.units - between.resharded // 2
