@@ -58,12 +58,16 @@ class Device:
     source: str
 
 
-REACHED_SHARE = 438e12 / 989e12
+REACHED_SHARE = 442e12 / 989e12
 """The share of the dense bf16 peak a training step reached on one H200 (ViT-H/14, ``kernels="auto"``, its largest
-batch: 44.3%, benchmarks/RESULTS.md, 2026-11-27); GPUs not measured are assumed to reach the same share."""
-GPU_UNIT_S = 1.7e-3
-"""What one FSDP unit added to a step on that H200 (ViT-H/14, batch 64, ``kernels="eager"``: +55 ms over 33
-units, against plain AMP O1); host-side, taken for every GPU until another is measured."""
+batch: 44.7%, benchmarks/RESULTS.md, GPU run 3, 2026-11-27); GPUs not measured are assumed to reach the same
+share."""
+GPU_UNIT_S = 0.66e-3
+"""What one FSDP unit added to a step on that H200 (ViT-H/14, batch 32, ``kernels="eager"``, AC off: +21.7 ms over
+33 units against plain AMP O1, GPU run 3, with the fused non-finite guard; at batch 64 the GPU hides half of it,
++9.9 ms). The batch-32 figure is taken because there the step is host-bound and the cost is fully exposed; it is
+host-side, so it stands for every GPU until another is measured. (Run 1's 1.7 ms included the old guard's four
+kernels per gradient.)"""
 GPU_LATENCY_S = 50e-6  # an NVLink/PCIe collective's launch: an order of magnitude, not measured
 DATASHEET = "datasheet (reached FLOP/s and unit_s: the H200's measured share and per-unit cost)"
 
@@ -77,9 +81,9 @@ def _gpu(name: str, match: str, memory_gb: float, bf16: float | None, fp32: floa
                   latency_s=GPU_LATENCY_S, unit_s=GPU_UNIT_S, source=DATASHEET)
 
 
-H200_MEASURED = ("measured: memory (139.8 GiB, torch), reached FLOP/s (438 TFLOP/s, ViT-H/14 kernels='auto') and"
-                 " unit_s (1.7 ms) on one H200, torch 2.11, 2026-11-27 (benchmarks/RESULTS.md, GPU); peaks, HBM and"
-                 " NVLink datasheet")
+H200_MEASURED = ("measured: memory (139.8 GiB, torch), reached FLOP/s (442 TFLOP/s, ViT-H/14 kernels='auto') and"
+                 " unit_s (0.66 ms) on one H200, torch 2.11, 2026-11-27 (benchmarks/RESULTS.md, GPU run 3; an 8192^3"
+                 " bf16 matmul reached 784-791 TFLOP/s, 79-80% of the dense peak); peaks, HBM and NVLink datasheet")
 
 # Links: NVLink per direction (SXM: 900 GB/s both ways), PCIe Gen4/5 x16 for PCIe cards.
 DEVICES: tuple[Device, ...] = (
@@ -87,7 +91,7 @@ DEVICES: tuple[Device, ...] = (
     _gpu("h100-nvl-94gb", r"H100 NVL", 94, 835 * TB, 60 * TB, 3.9 * TB, 300 * GB),
     _gpu("h100-80gb", r"H100", 80, 989 * TB, 67 * TB, 3.35 * TB, 450 * GB),  # SXM ("NVIDIA H100 80GB HBM3")
     Device(name="h200-141gb", match=r"H200", memory_bytes=int(139.8 * GIB), bf16_flops_per_s=989 * TB,
-           fp32_flops_per_s=67 * TB, reached_flops_per_s=438 * TB, hbm_bytes_per_s=4.8 * TB,
+           fp32_flops_per_s=67 * TB, reached_flops_per_s=REACHED_SHARE * 989 * TB, hbm_bytes_per_s=4.8 * TB,
            link_bytes_per_s=450 * GB, latency_s=GPU_LATENCY_S, unit_s=GPU_UNIT_S, source=H200_MEASURED),
     _gpu("a100-40gb", r"A100.*40GB", 40, 312 * TB, 19.5 * TB, 1.555 * TB, 300 * GB),
     _gpu("a100-80gb", r"A100", 80, 312 * TB, 19.5 * TB, 2.039 * TB, 300 * GB),
