@@ -19,9 +19,13 @@ class Run:
 
     def last(self, column: str) -> float:
         """Last logged value of ``column`` in the CSV logger's metrics.csv (i.e. the final epoch)."""
-        rows = [r[column] for r in csv.DictReader(self.metrics_csv.open()) if r.get(column)]
-        assert rows, f"no {column!r} in {self.metrics_csv}"
-        return float(rows[-1])
+        return self.series(column)[-1]
+
+    def series(self, column: str) -> list[float]:
+        """Every logged value of ``column``, in order (one per epoch for the epoch-level validation metrics)."""
+        values = [float(r[column]) for r in csv.DictReader(self.metrics_csv.open()) if r.get(column)]
+        assert values, f"no {column!r} in {self.metrics_csv}"
+        return values
 
     def check(self) -> Run:
         assert self.returncode == 0, f"exit {self.returncode}\n{self.output[-4000:]}"

@@ -159,6 +159,7 @@ def serve(path: str) -> None:
 
     for name in _PRELOAD:
         importlib.import_module(name)
+    _warm()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -171,6 +172,22 @@ def serve(path: str) -> None:
         if readable:
             _fork_for(listener, clients)
         _report_ended(clients)
+
+
+def _warm() -> None:
+    """Lazy one-time work torch does in every rank that measures a step, done once here and inherited by each fork.
+
+    A ``ShapeEnv``'s first symbol (the planner measures ``training_step``'s ``.item()`` as one) imports
+    ``torch.export`` and the compiler's modules to list the files its stack summaries skip: ~0.4 s per process.
+    ``gc.freeze()`` then moves everything imported so far out of the collector's view, so each fork's collections
+    (the peak-memory helpers call ``gc.collect()`` per step) no longer walk torch's and Lightning's module objects.
+    """
+    import gc
+
+    from torch.fx.experimental.symbolic_shapes import uninteresting_files
+
+    uninteresting_files()
+    gc.freeze()
 
 
 def _fork_for(listener: socket.socket, clients: dict[int, socket.socket]) -> None:

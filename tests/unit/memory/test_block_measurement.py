@@ -90,3 +90,16 @@ def test_a_settled_checkpointing_is_measured_alone_and_predicts_as_the_full_meas
     other = StepSettings() if settled else StepSettings(frozenset(range(n)))
     with pytest.raises(ValueError, match="was measured for .* only"):
         predict_step(settled_only, other)
+
+
+def test_a_measurement_asks_once_whether_a_gpu_may_be_initialised(monkeypatch):
+    """FakeTensorMode asks ``torch.cuda.is_available()`` on every op it dispatches; under Lightning's
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` each call loads NVML (a failed library search without a GPU): the planner's
+    mode asks once per measurement."""
+    calls = []
+    available = torch.cuda.is_available
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: calls.append(1) or available())
+    model = TinyViT(depth=2)
+    blocks = [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
+    measure_activations(model, blocks, torch.randn(2, 3, 32, 32))
+    assert 1 <= len(calls) <= 2, len(calls)
