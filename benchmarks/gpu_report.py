@@ -61,14 +61,26 @@ def pytest_rows(path: Path) -> list[dict]:
 
 
 def pytest_rows_from_log(path: Path) -> list[dict]:
-    """The outcome lines ``pytest -v`` printed (``tests/gpu/x.py::test PASSED``), when the part was killed before
-    pytest wrote its XML report."""
+    """When the part was killed before pytest wrote its XML report: the line tests/gpu/conftest.py prints as each
+    test ends (``GPU-TEST-REPORT nodeid outcome 12.3s message``), else the outcome lines ``pytest -v`` printed."""
     if not path.is_file():
         return []
-    pattern = re.compile(r"^(tests/gpu/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)")
-    return [dict(test=m.group(1).replace("/", ".").replace(".py::", "::"), outcome=m.group(2).lower(), seconds=0.0,
+    lines = path.read_text(errors="replace").splitlines()
+    early = re.compile(r"^GPU-TEST-REPORT (tests/gpu/\S+::\S+) (passed|failed|skipped) ([0-9.]+)s ?(.*)$")
+    rows = [dict(test=_test_name(m.group(1)), outcome=m.group(2), seconds=float(m.group(3)),
+                 message=m.group(4)[:200] or "from the log: pytest was stopped before its report")
+            for line in lines if (m := early.match(line))]
+    if rows:
+        return rows
+    verbose = re.compile(r"^(tests/gpu/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)")
+    return [dict(test=_test_name(m.group(1)), outcome=m.group(2).lower(), seconds=0.0,
                  message="from the log: pytest was stopped before its report")
-            for line in path.read_text(errors="replace").splitlines() if (m := pattern.match(line))]
+            for line in lines if (m := verbose.match(line))]
+
+
+def _test_name(node_id: str) -> str:
+    """``tests/gpu/x.py::test`` as the JUnit report names it (``tests.gpu.x::test``)."""
+    return node_id.replace("/", ".").replace(".py::", "::")
 
 
 def throughput(work: Path, stem: str, log: list[dict]) -> dict | None:

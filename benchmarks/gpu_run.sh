@@ -83,9 +83,9 @@ if [[ ${#dry[@]} -eq 0 ]]; then
 fi
 part env 60 "$python" benchmarks/gpu_env.py "${dry[@]}" --out "$work/env.json"
 rows=(--rows single ddp eager_ac0 eager_ac1 auto_ac0 auto_ac1 auto_acplan)
-part vit_h14 225 "${vit[@]}" --stem vit_h14 --models vit-h14 "${rows[@]}" --tables same largest --batch 32 --second-batch 64 \
+part vit_h14 210 "${vit[@]}" --stem vit_h14 --models vit-h14 "${rows[@]}" --tables same largest --batch 32 --second-batch 64 \
     --search-limit 512 --memory-fraction 0.85 --warmup 3 --steps 4 --windows 3 --largest-steps 2 2 3 --timeout 150
-part pytest 165 "$python" -m pytest -m gpu tests/gpu -v -rfE -p no:cacheprovider --timeout 100 \
+part pytest 200 "$python" -m pytest -m gpu tests/gpu -v -rfE -p no:cacheprovider --timeout 100 \
     --junitxml "$work/pytest.xml"
 part planner 60 "${vit[@]}" --stem planner --planner --planner-model vit-l16 --planner-batches 32 64 \
     --warmup 2 --steps 2 --windows 1 --timeout 60

@@ -85,11 +85,18 @@ H200_MEASURED = ("measured: memory (139.8 GiB, torch), reached FLOP/s (442 TFLOP
                  " unit_s (0.66 ms) on one H200, torch 2.11, 2026-11-27 (benchmarks/RESULTS.md, GPU run 3; an 8192^3"
                  " bf16 matmul reached 784-791 TFLOP/s, 79-80% of the dense peak); peaks, HBM and NVLink datasheet")
 
+H100_MEASURED = ("measured: memory (79.2 GiB, torch) and reached FLOP/s (411 TFLOP/s, 41.6% of the dense peak,"
+                 " ViT-H/14 kernels='auto' at its largest batch) on one H100 80GB HBM3, torch 2.11, 2026-11-28"
+                 " (benchmarks/RESULTS.md, GPU run 4; an 8192^3 bf16 matmul reached 795 TFLOP/s); unit_s the H200's"
+                 " (that run's host-bound batch-32 steps were too noisy to read one); peaks, HBM and NVLink datasheet")
+
 # Links: NVLink per direction (SXM: 900 GB/s both ways), PCIe Gen4/5 x16 for PCIe cards.
 DEVICES: tuple[Device, ...] = (
     _gpu("h100-pcie-80gb", r"H100 PCIe", 80, 756 * TB, 51 * TB, 2.0 * TB, 64 * GB),
     _gpu("h100-nvl-94gb", r"H100 NVL", 94, 835 * TB, 60 * TB, 3.9 * TB, 300 * GB),
-    _gpu("h100-80gb", r"H100", 80, 989 * TB, 67 * TB, 3.35 * TB, 450 * GB),  # SXM ("NVIDIA H100 80GB HBM3")
+    Device(name="h100-80gb", match=r"H100", memory_bytes=int(79.2 * GIB), bf16_flops_per_s=989 * TB,  # SXM
+           fp32_flops_per_s=67 * TB, reached_flops_per_s=411 * TB, hbm_bytes_per_s=3.35 * TB,
+           link_bytes_per_s=450 * GB, latency_s=GPU_LATENCY_S, unit_s=GPU_UNIT_S, source=H100_MEASURED),
     Device(name="h200-141gb", match=r"H200", memory_bytes=int(139.8 * GIB), bf16_flops_per_s=989 * TB,
            fp32_flops_per_s=67 * TB, reached_flops_per_s=REACHED_SHARE * 989 * TB, hbm_bytes_per_s=4.8 * TB,
            link_bytes_per_s=450 * GB, latency_s=GPU_LATENCY_S, unit_s=GPU_UNIT_S, source=H200_MEASURED),
