@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import re
-import sys
 
 import pytest
 
-from tests.helpers.launch import assert_ok, rank_env, run_bounded
+from tests.helpers.launch import assert_ok, python_command, run_bounded
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
 
 def test_demo_prints_matching_losses_and_half_the_bytes():
-    result = run_bounded(
-        [sys.executable, "-m", "lightning_vitscale", "demo", "--steps", "4"], timeout=200, env=rank_env()
-    )
+    # as typed, forked from the test zygote like every launch (the rank Lightning starts too): not ~10 s of imports
+    cmd, env = python_command("-m", "lightning_vitscale", "demo", "--steps", "4")
+    result = run_bounded(cmd, 200, env)
     assert_ok(result)
     rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.e+-]+)$", result.output, flags=re.M)
     assert [int(r[0]) for r in rows] == [0, 1, 2, 3]

@@ -195,7 +195,10 @@ def launch_ranks(
     from tests.helpers.results import load_ranks
 
     out = tmp_path_factory.mktemp(name)
-    assert_ok(torchrun(script, str(out), *args, nprocs=nprocs, timeout=timeout, **env))
+    result = torchrun(script, str(out), *args, nprocs=nprocs, timeout=timeout, **env)
+    assert_ok(result)
+    # where the launch's time went (run_scenarios prints each scenario's seconds): `pytest -rP` shows it
+    print("\n".join(line for line in result.output.splitlines() if "scenario " in line and line.endswith(" s")))
     return out, (load_ranks(out, pattern) if pattern else [])
 
 
