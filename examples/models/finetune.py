@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from torch import Tensor, nn
 
@@ -51,7 +51,7 @@ def without_class_token(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return state
 
 
-def find_prefix(state: dict[str, object], names: set[str], path: str, key: str) -> str:
+def find_prefix(state: Mapping[str, object], names: set[str], path: str, key: str) -> str:
     """The prefix under which the most of ``names`` appear in ``state``; a tie fails asking for the module."""
     counts = Counter(k[: len(k) - len(n)] for k in state for n in names if k == n or k.endswith("." + n))
     if not counts:

@@ -8,7 +8,11 @@ folder written by the package's save path. Mutations seen failing: the teacher r
 ``DropPath`` active in eval; ``freeze_backbone`` leaving the blocks trainable.
 
 The detector (its ViTDet backbone from the same files; the pyramid and heads kept at init) is tested in-process
-alike, and once through its CLI under VitScaleStrategy (frozen backbone from the DINO folder, two steps).
+alike, and once through its CLI under VitScaleStrategy (frozen backbone from the DINO folder, two steps). Mutations
+seen failing: the class token kept, or the last position dropped instead of its; a classifier run's head not left
+out; the teacher read as the student; the whole detector as the load target; no or top-down layer decay; the
+pyramid frozen, or the backbone trainable; a tiny drop-path rate at 0; ``WindowBlock`` ignoring its rate; the
+detector's options unchecked at construction.
 """
 
 from __future__ import annotations
