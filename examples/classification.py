@@ -19,7 +19,7 @@ from examples.models.backbones import build_backbone, parse_spec
 from examples.models.classifier import ClassificationModule
 from examples.models.cli import run_cli
 from examples.models.datamodules import DigitsDataModule
-from examples.models.finetune import freeze_backbone, layer_decay_scale, load_pretrained
+from examples.models.finetune import check_options, freeze_backbone, layer_decay_lr_scale, load_pretrained
 from examples.models.optim import adamw_cosine
 from examples.models.shard_data import ShardImageDataModule  # noqa: F401  -- --data=ShardImageDataModule
 from examples.models.vit import VisionTransformer
@@ -72,6 +72,7 @@ class ViTClassifier(ClassificationModule):
                     "--model.weights_key, --model.weights_module and --model.drop_path apply to the built-in ViT"
                     " (fine-tuning from a run); for a published backbone give its weights file as --model.weights."
                 )
+        check_options(weights, weights_key, weights_module, layer_decay, drop_path)
 
     def configure_model(self) -> None:
         if self.net is None:
@@ -88,11 +89,8 @@ class ViTClassifier(ClassificationModule):
                 freeze_backbone(self.net)
 
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
-        decay = self.hparams["layer_decay"]
-        scales = layer_decay_scale([n for n, _ in self.named_parameters()], decay) if decay is not None else None
-        return adamw_cosine(
-            self, self.lr, self.weight_decay, self.warmup_frac, lr_scale=scales.__getitem__ if scales else None
-        )
+        lr_scale = layer_decay_lr_scale(self, self.hparams["layer_decay"])
+        return adamw_cosine(self, self.lr, self.weight_decay, self.warmup_frac, lr_scale=lr_scale)
 
 
 def main(args: ArgsType = None, run: bool = True) -> LightningCLI:

@@ -8,7 +8,7 @@ default ``strategy="vitscale"`` shards it, ``--trainer.strategy=ddp`` runs it un
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 if not __package__:  # run as `python examples/detection.py`: make the checkout's `examples` package importable
     import _checkout  # noqa: F401
@@ -20,12 +20,14 @@ from torch import Tensor
 from torchmetrics.detection import MeanAveragePrecision
 
 from examples.models.cli import run_cli
+from examples.models.finetune import check_options, freeze_backbone, layer_decay_lr_scale, load_pretrained
 from examples.models.optim import adamw_cosine
 from examples.models.shapes_coco import ShapesDetectionDataModule
 from examples.models.vit import VIT_SIZES
 from examples.models.vitdet import ViTDet
 
 Batch = tuple[Tensor, list[dict[str, Tensor]]]
+HEADS = ("pyramid", "head")  # ViTDet's detection-specific parts: trained on a frozen backbone
 
 
 class ViTDetector(pl.LightningModule):
@@ -36,6 +38,17 @@ class ViTDetector(pl.LightningModule):
     the attention windows in patches (ViTDet: 14); ``global_blocks`` the indices of the global-attention
     blocks (default: ViTDet's, the last block of each quarter of the depth). The network is
     built in ``configure_model`` so a sharding strategy can build it directly sharded.
+
+    Fine-tuning from a run (``examples/models/finetune.py``, the classification example's options): ``weights``
+    may be a pretraining or classification run's checkpoint (sharded folder or ``.ckpt``) or an exported file;
+    its ViT (patch and position embeddings, blocks, final norm; the class token and any classifier head left
+    out) starts the ViTDet backbone, the pyramid and heads keep their init. ``weights_key`` picks the run's
+    trained weights, its ``ShardedEMA`` average or its DINO ``teacher``, ``weights_module`` the submodule (found
+    by name when left out). Weights of another shape (patch size, channels, position grid) keep their init
+    (logged). ``layer_decay`` scales block ``i``'s learning rate by ``layer_decay ** (depth - i)``, the patch
+    and position embeddings by ``layer_decay ** (depth + 1)``, the pyramid and heads not at all; ``drop_path``
+    is the stochastic-depth rate of the last block (linear from 0); ``freeze_backbone`` trains the pyramid and
+    heads only.
     """
 
     def __init__(
@@ -53,10 +66,17 @@ class ViTDetector(pl.LightningModule):
         weight_decay: float = 0.05,
         warmup_frac: float = 0.05,
         iou_thresholds: list[float] | None = None,
+        weights: str | None = None,
+        weights_key: Literal["model", "ema", "teacher"] = "model",
+        weights_module: str | None = None,
+        layer_decay: float | None = None,
+        drop_path: float = 0.0,
+        freeze_backbone: bool = False,
     ) -> None:
         super().__init__()
         if size not in VIT_SIZES:
             raise ValueError(f"unknown size {size!r}; choose from {sorted(VIT_SIZES)}")
+        check_options(weights, weights_key, weights_module, layer_decay, drop_path)
         self.save_hyperparameters()
         self.net: ViTDet | None = None
         self.val_map = MeanAveragePrecision(
@@ -77,7 +97,12 @@ class ViTDetector(pl.LightningModule):
                 tuple(h.strides),
                 h.window_size,
                 blocks,
+                drop_path_rate=h.drop_path,
             )
+            if h.weights is not None:
+                load_pretrained(self.net.backbone, h.weights, h.weights_key, h.weights_module)
+            if h.freeze_backbone:
+                freeze_backbone(self.net, HEADS)
 
     def forward(self, x: Tensor) -> list[dict[str, Tensor]]:
         """Images -> per-image detections (boxes, scores, labels)."""
@@ -109,7 +134,8 @@ class ViTDetector(pl.LightningModule):
 
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         h: Any = self.hparams
-        return adamw_cosine(self, h.lr, h.weight_decay, h.warmup_frac)
+        lr_scale = layer_decay_lr_scale(self, h.layer_decay)
+        return adamw_cosine(self, h.lr, h.weight_decay, h.warmup_frac, lr_scale=lr_scale)
 
 
 def main(args: ArgsType = None, run: bool = True) -> LightningCLI:

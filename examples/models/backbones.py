@@ -42,9 +42,14 @@ def parse_spec(spec: str, weights: str | None = None) -> tuple[str, str]:
             f"backbone {spec!r}: expected '<source>:<name>' with source one of {SOURCES},"
             " e.g. 'timm:vit_base_patch16_224', 'torchvision:vit_b_16' or 'hf:/path/to/model_dir'"
         )
+    require_weights(weights)
+    return source, name
+
+
+def require_weights(weights: str | None) -> None:
+    """Fails at once on a ``--model.weights`` path that is not there (nothing is ever downloaded)."""
     if weights is not None and not Path(weights).exists():
         raise FileNotFoundError(f"--model.weights={weights}: no such file or directory (weights are never downloaded)")
-    return source, name
 
 
 def _timm(name: str, num_classes: int, in_chans: int, img_size: int, weights: str | None) -> nn.Module:

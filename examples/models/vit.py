@@ -121,11 +121,16 @@ class Block(nn.Module):
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
+def drop_path_rates(depth: int, drop_path_rate: float) -> list[float]:
+    """Each block's drop-path rate: linear from 0 at the first block to ``drop_path_rate`` at the last (timm's
+    and DeiT's rule)."""
+    return [drop_path_rate * (i / (depth - 1)) for i in range(depth)] if depth > 1 else [drop_path_rate] * depth
+
+
 def make_blocks(dim: int, depth: int, num_heads: int, mlp_dim: int, drop_path_rate: float = 0.0) -> nn.ModuleList:
-    """A stack of identical ``Block`` s: one class, one ModuleList, so it is auto-detected. Drop-path rises
-    linearly from 0 at the first block to ``drop_path_rate`` at the last (timm's and DeiT's rule)."""
-    rates = [drop_path_rate * (i / (depth - 1)) for i in range(depth)] if depth > 1 else [drop_path_rate] * depth
-    return nn.ModuleList(Block(dim, num_heads, mlp_dim, rate) for rate in rates)
+    """A stack of identical ``Block`` s: one class, one ModuleList, so it is auto-detected; drop-path by
+    ``drop_path_rates``."""
+    return nn.ModuleList(Block(dim, num_heads, mlp_dim, rate) for rate in drop_path_rates(depth, drop_path_rate))
 
 
 def init_vit_weights(module: nn.Module) -> None:

@@ -81,13 +81,23 @@ class ViTDet(nn.Module):
         strides: tuple[int, ...] = (4, 8, 16),
         window_size: int = 14,
         global_blocks: tuple[int, ...] | None = None,
+        drop_path_rate: float = 0.0,
     ) -> None:
         super().__init__()
         s = VIT_SIZES[size]
         patch = patch_size or s.patch_size
         self.num_classes, self.strides = num_classes, strides
         self.backbone = ViTDetBackbone(
-            img_size, patch, in_chans, s.embed_dim, s.depth, s.num_heads, s.mlp_dim, window_size, global_blocks
+            img_size,
+            patch,
+            in_chans,
+            s.embed_dim,
+            s.depth,
+            s.num_heads,
+            s.mlp_dim,
+            window_size,
+            global_blocks,
+            drop_path_rate,
         )
         self.pyramid = SimpleFeaturePyramid(s.embed_dim, fpn_dim, patch, strides)
         self.head = CenterHead(fpn_dim, num_classes)

@@ -6,6 +6,9 @@ to a multiple of the window, as in the paper). The absolute position embedding i
 ``pretrain_img_size`` grid and interpolated (bicubic) to whatever grid the input has, so images of any size,
 landscape or portrait, go through one network. Relative position biases are not included.
 
+``drop_path_rate`` is stochastic depth as in the ViT (``drop_path_rates``: 0 at the first block, the rate at the
+last); 0 leaves the forward pass as without it.
+
 Both kinds of block are the same class (``WindowBlock``, global when ``window_size == 0``) in one
 ``nn.ModuleList``, so the strategy finds and shards all of them as one repeated block type.
 """
@@ -16,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from examples.models.vit import Block, PatchEmbed, init_vit_weights
+from examples.models.vit import Block, PatchEmbed, drop_path_rates, init_vit_weights
 
 
 def default_global_blocks(depth: int) -> tuple[int, ...]:
@@ -46,8 +49,8 @@ def window_unpartition(x: Tensor, window: int, padded: tuple[int, int], size: tu
 class WindowBlock(Block):
     """Pre-norm transformer block on a (B, H, W, D) token grid; attention within windows, or global if 0."""
 
-    def __init__(self, dim: int, num_heads: int, mlp_dim: int, window_size: int) -> None:
-        super().__init__(dim, num_heads, mlp_dim)
+    def __init__(self, dim: int, num_heads: int, mlp_dim: int, window_size: int, drop_path: float = 0.0) -> None:
+        super().__init__(dim, num_heads, mlp_dim, drop_path)
         self.window_size = window_size
 
     def forward(self, x: Tensor) -> Tensor:
@@ -58,8 +61,8 @@ class WindowBlock(Block):
             y = window_unpartition(self.attn(windows), self.window_size, padded, (h, w))
         else:
             y = self.attn(y.reshape(b, h * w, d)).view(b, h, w, d)
-        x = x + y
-        return x + self.mlp(self.norm2(x))
+        x = x + self.drop_path(y)
+        return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
 class ViTDetBackbone(nn.Module):
@@ -76,6 +79,7 @@ class ViTDetBackbone(nn.Module):
         mlp_dim: int,
         window_size: int,
         global_blocks: tuple[int, ...] | None = None,
+        drop_path_rate: float = 0.0,
     ) -> None:
         super().__init__()
         if pretrain_img_size % patch_size:
@@ -87,7 +91,8 @@ class ViTDetBackbone(nn.Module):
         self.patch_embed = PatchEmbed(patch_size, in_chans, embed_dim)
         self.pos_embed = nn.Parameter(torch.empty(1, self.grid * self.grid, embed_dim))
         self.blocks = nn.ModuleList(
-            WindowBlock(embed_dim, num_heads, mlp_dim, 0 if i in global_blocks else window_size) for i in range(depth)
+            WindowBlock(embed_dim, num_heads, mlp_dim, 0 if i in global_blocks else window_size, rate)
+            for i, rate in enumerate(drop_path_rates(depth, drop_path_rate))
         )
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
         self.reset_parameters()
