@@ -31,6 +31,9 @@ RUN_BY: dict[str, tuple[str, tuple[str, ...]]] = {
     r"bash \.ci/run$": (".ci/run", ("python -m pytest -q", "lint-imports")),
     r"python -m pytest -m gpu$": ("benchmarks/gpu_run.sh", ("-m pytest -m gpu tests/gpu",)),
     r"bash benchmarks/gpu_run\.sh( OUT_DIR)?$": (".ci/run", ("bash benchmarks/gpu_run.sh",)),
+    r"bash benchmarks/gpu_run\.sh OUT_DIR --dry-run$": (
+        ".ci/run", ('bash benchmarks/gpu_run.sh "$gpu_dry_run" --dry-run',),
+    ),
     # The main job and the examples, launched as a user would (tests/examples/_run.py: CPU2 = the two flags).
     r"python examples/(classification|detection|video)\.py fit --trainer\.accelerator=cpu --trainer\.devices=2$": (
         "tests/examples/_run.py",
