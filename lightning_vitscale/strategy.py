@@ -162,11 +162,11 @@ class VitScaleStrategy(ModelParallelStrategy):
         self.resolved = shards.resolve_config(self.config, self.root_device, self._module_slot.compiler)
         self.config = self.resolved.config_view()  # the request; `.kernels` the resolved policy, deprecated
         creation, self._creation = self._creation, None
-        ranks = self._ranks()
         self.sharded = shards.shard_lightning_module(
-            module, self.resolved, self.precision_plugin, ranks, creation, fitting=trainer if fitting else None
+            module, self.resolved, self.precision_plugin, self._ranks(), creation, fitting=trainer if fitting else None
         )
         self.model = self.sharded.outer
+        self.checkpoints.tensor_layout = self.sharded.summary.tensor_layout  # what saves record, loads check
         self.sharded.release()  # a copy gathered by a call after an earlier fit must not reach the optimizer
         self.barrier()
         if fitting:
@@ -246,8 +246,7 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        # FSDP2 moves each unit's parameters to the mesh device when it shards them.
-        pass
+        """Nothing to do: FSDP2 moves each unit's parameters to the mesh device when it shards them."""
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -260,9 +259,6 @@ class VitScaleStrategy(ModelParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """``"sharded"``: every rank writes its own shards, atomically; ``"full"``: rank 0 writes one file, as DDP."""
-        layout = self._tensor_layout()
-        if layout is not None and not self.checkpoints.settings.full:  # shards in per-rank row order: a resume
-            checkpoint[shards.TENSOR_LAYOUT_KEY] = layout  # must know (a full file holds the model's own layout)
         write = partial(self.checkpoint_io.save_checkpoint, checkpoint, filepath, storage_options=storage_options)
         self.checkpoints.save(
             checkpoint, filepath, ranks=self._ranks(), write_full=write, storage_options=storage_options,
@@ -287,16 +283,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         """A sharded checkpoint (any world size) or a single file (from DDP, ``consolidate``): see
         :meth:`~lightning_vitscale.checkpoint.strategy_side.StrategyCheckpoints.load`."""
         module, ranks = self.lightning_module, self._ranks()
-        loaded = self.checkpoints.load(checkpoint_path, module, self.optimizers, weights_only, ranks=ranks)
-        saved = loaded.get(shards.TENSOR_LAYOUT_KEY)
-        if saved is not None or not checkpoints.Location.of(str(checkpoint_path)).is_file():
-            # A file without the entry (DDP's, a full save, consolidate) is in the model's own layout, loaded so.
-            shards.check_tensor_layout(saved, self._tensor_layout())
-        return loaded
-
-    def _tensor_layout(self) -> dict[str, Any] | None:
-        plan = self.plan
-        return None if plan is None else shards.tensor_layout(plan.tensor_parallel, plan.tensor_interleaved)
+        return self.checkpoints.load(checkpoint_path, module, self.optimizers, weights_only, ranks=ranks)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -306,11 +293,8 @@ class VitScaleStrategy(ModelParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="Nested FSDP2 + activation checkpointing + BF16 O2 with fp32 norms (lightning-vitscale)",
-        )
+        description = "Nested FSDP2 + activation checkpointing + BF16 O2 with fp32 norms (lightning-vitscale)"
+        strategy_registry.register(cls.strategy_name, cls, description=description)
 
 
 VitScaleStrategy.__doc__ = document(VitScaleStrategy)  # Args from the settings dataclasses (options.py)

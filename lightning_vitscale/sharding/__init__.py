@@ -9,6 +9,8 @@ The top of the concerns: may import ``memory``, ``checkpoint``, ``precision``, `
 
 from typing import Any
 
+from lightning_vitscale.checkpoint.errors import TensorLayoutError
+from lightning_vitscale.checkpoint.tensor_layout import check_tensor_layout
 from lightning_vitscale.discovery import ModuleSelector
 from lightning_vitscale.sharding import summary
 from lightning_vitscale.sharding.outer_unit import OuterUnit, OutsideStepCallError
@@ -30,10 +32,8 @@ from lightning_vitscale.sharding.sync_batchnorm import apply_sync_batchnorm
 from lightning_vitscale.sharding.tensor_plan import (
     TENSOR_LAYOUT_KEY,
     BlockPlan,
-    TensorLayoutError,
     TensorPlanError,
     TensorPlanSelector,
-    check_tensor_layout,
     tensor_layout,
 )
 

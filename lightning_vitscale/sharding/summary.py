@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_vitscale._utils import full_bytes, local_bytes, mib
 from lightning_vitscale.kernels import describe_router
+from lightning_vitscale.sharding.tensor_plan import tensor_layout
 from lightning_vitscale.sharding.traffic import LayoutReport
 
 if TYPE_CHECKING:
@@ -89,6 +90,11 @@ class SetupSummary:
     tensor_parallel: int = 1
     tensor_plans: dict[str, str] = field(default_factory=dict)
     tensor_interleaved: list[str] = field(default_factory=list)
+
+    @property
+    def tensor_layout(self) -> dict[str, Any] | None:
+        """What this run's sharded checkpoints record of its row order (``None``: the model's own layout)."""
+        return tensor_layout(self.tensor_parallel, self.tensor_interleaved)
 
     def summary(self) -> str:
         found = ", ".join(f"{name} x{count}" for name, count in self.blocks.items()) or "none (one outer unit)"

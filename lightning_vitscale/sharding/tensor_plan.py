@@ -33,29 +33,10 @@ class TensorPlanError(ValueError):
     """A block the automatic plan cannot split without changing model code: pass ``tensor_plan=``."""
 
 
-class TensorLayoutError(ValueError):
-    """A checkpoint's packed projections are in another row order than this run's (another ``tensor_parallel``)."""
-
-
 def tensor_layout(tensor_parallel: int, interleaved: list[str]) -> dict[str, Any] | None:
     """What a checkpoint records of the run's layout: its packed projections held in per-rank row order under
     ``tensor_parallel`` (``None``: every tensor is in the model's own layout, which any layout can load)."""
     return {"tensor_parallel": tensor_parallel, "interleaved": sorted(interleaved)} if interleaved else None
-
-
-def check_tensor_layout(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> None:
-    """Refuse a resume whose packed projections would be read in the wrong row order (a silent mix of heads)."""
-    if saved == current:
-        return
-    def says(layout: dict[str, Any] | None) -> str:
-        if layout is None:
-            return "the model's own layout"
-        return f"tensor_parallel={layout['tensor_parallel']} (packed rows per rank in {layout['interleaved'][:2]}...)"
-    raise TensorLayoutError(
-        f"This checkpoint holds {says(saved)} but this run has {says(current)}: its packed qkv rows would be read"
-        " in another order. Resume it with the tensor_parallel it was saved with (checkpoints of packed"
-        " projections do not move between tensor-parallel layouts yet)."
-    )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,30 @@
+"""The strategy stays glue: each hook calls one concern (issue 32), so the file stays short and imports only the
+concern subpackages (plus ``options``, which writes its docstring, and ``_compat``)."""
+
+import ast
+from pathlib import Path
+
+import lightning_vitscale
+
+PACKAGE = Path(lightning_vitscale.__file__).parent
+STRATEGY = PACKAGE / "strategy.py"
+
+
+def test_strategy_is_at_most_300_lines() -> None:
+    lines = STRATEGY.read_text().count("\n")
+    assert lines <= 300, f"strategy.py has {lines} lines: move the new logic into the concern it belongs to"
+
+
+def test_strategy_imports_only_concern_subpackages() -> None:
+    imported = set()
+    for node in ast.walk(ast.parse(STRATEGY.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_vitscale"):
+            parts = node.module.split(".")
+            imported.update([parts[1]] if len(parts) > 1 else [alias.name for alias in node.names])
+    subpackages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    not_concerns = imported - subpackages - {"options", "_compat"}
+    assert not not_concerns, f"strategy.py imports {sorted(not_concerns)}: import the concern's subpackage instead"
+    tree = ast.parse(STRATEGY.read_text())
+    modules = [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    deep = [name for name in modules if name.startswith("lightning_vitscale.") and name.count(".") > 1]
+    assert not deep, f"strategy.py reaches inside a concern: {deep}"
