@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,45 @@ def model_rows(tensor: torch.Tensor, parts: int, ranks: int) -> torch.Tensor:
     """The inverse of :func:`interleaved_rows`: per-rank row order -> the model's own ``[p_0 | p_1 | ...]``."""
     rest = tensor.shape[1:]
     return tensor.reshape(ranks, parts, -1, *rest).transpose(0, 1).reshape(tensor.shape)
+
+
+@dataclass(frozen=True)
+class RowPiece:
+    """Rows ``[local, local + length)`` of a rank's chunk of a packed projection (per-rank order) are rows
+    ``[model, model + length)`` of the model's own order."""
+
+    local: int
+    model: int
+    length: int
+
+
+def model_row_pieces(start: int, length: int, rows: int, parts: int, ranks: int) -> list[RowPiece]:
+    """Rows ``[start, start + length)`` of a packed projection held in per-rank order (:func:`interleaved_rows` of
+    ``rows`` rows, ``parts`` parts over ``ranks`` ranks) as contiguous row ranges of the model's own order.
+
+    Each rank's slice of each part (``rows / (parts * ranks)`` rows) is contiguous in both orders, so the range
+    splits at those boundaries only (adjacent ranges merged): a chunk that tensor parallelism and FSDP's dim-0
+    shards give one rank maps to at most ``parts`` ranges, which a checkpoint writes and reads at their own place.
+    """
+    if parts < 1 or ranks < 1 or rows % (parts * ranks):
+        raise ValueError(f"{rows} packed rows do not split into {parts} parts over {ranks} ranks")
+    if start < 0 or length < 0 or start + length > rows:
+        raise ValueError(f"rows [{start}, {start + length}) are outside a projection of {rows} rows")
+    slice_rows, part_rows = rows // (parts * ranks), rows // parts
+    pieces: list[RowPiece] = []
+    row, end = start, start + length
+    while row < end:
+        block = row // slice_rows  # the block of one rank's slice of one part, in per-rank order
+        rank, part = divmod(block, parts)
+        stop = min(end, (block + 1) * slice_rows)
+        model = part * part_rows + rank * slice_rows + row - block * slice_rows
+        last = pieces[-1] if pieces else None
+        if last is not None and last.model + last.length == model:
+            pieces[-1] = RowPiece(last.local, last.model, last.length + stop - row)
+        else:
+            pieces.append(RowPiece(row - start, model, stop - row))
+        row = stop
+    return pieces
 
 
 def packed_rows(module: torch.nn.Module) -> dict[str, tuple[int, int]]:

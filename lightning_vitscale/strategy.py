@@ -166,7 +166,7 @@ class VitScaleStrategy(ModelParallelStrategy):
             module, self.resolved, self.precision_plugin, self._ranks(), creation, fitting=trainer if fitting else None
         )
         self.model = self.sharded.outer
-        self.checkpoints.tensor_layout = self.sharded.summary.tensor_layout  # what saves record, loads check
+        self.checkpoints.tensor_layout = self.sharded.summary.tensor_layout  # what older folders must match
         self.sharded.release()  # a copy gathered by a call after an earlier fit must not reach the optimizer
         self.barrier()
         if fitting:

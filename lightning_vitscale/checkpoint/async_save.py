@@ -55,13 +55,15 @@ class AsyncSaves:
         staging: Location,
         location: Location,
         finish: Callable[[Any, Gather], None],
+        planner: Any = None,
     ) -> None:
         """Copy ``tensors`` into host memory now (every rank), write them into ``staging`` in the background, then
         run ``finish(dcp_metadata, gather)`` on every rank once every rank wrote (``gather`` runs on the background
-        group). Waits for the previous save first (raising its failure)."""
+        group). Waits for the previous save first (raising its failure). ``planner``: DCP's save planner (``None``:
+        DCP's default)."""
         self.wait()
         group = self._side_group()
-        upload = dcp.async_save(tensors, storage_writer=staging.writer(), process_group=group)
+        upload = dcp.async_save(tensors, storage_writer=staging.writer(), process_group=group, planner=planner)
         if not isinstance(upload, Future):  # a stager that copies in the background: wait for the write
             upload = upload.upload_completion
         if self._executor is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from lightning_vitscale._compat import METADATA_FILENAME
 from lightning_vitscale.checkpoint.errors import CheckpointError
 from lightning_vitscale.checkpoint.manifest import why_incomplete
+from lightning_vitscale.checkpoint.own_layout import PackedRows
 from lightning_vitscale.checkpoint.safe_reading import load_into, load_pickle, read_metadata
 from lightning_vitscale.checkpoint.storage import DCP_METADATA, Location
 
@@ -69,6 +70,8 @@ class ShardedEntry:
     location: Location
     key: str
     weights_only: bool | None = None
+    packed: PackedRows = field(default_factory=dict)
+    """The loading run's projections in per-rank row order, read from the model's own (``own_layout.py``)."""
 
     @property
     def path(self) -> str:
@@ -81,14 +84,18 @@ class ShardedEntry:
 
     def load_into(self, targets: dict[str, Any]) -> None:
         """Fill ``targets`` (same keys as saved; DTensors of any sharding) in place from the shards."""
-        load_into({self.key: targets}, self.location, self.weights_only)
+        load_into({self.key: targets}, self.location, self.weights_only, packed=self.packed)
 
 
-def sharded_entries(location: Location, weights_only: bool | None = None) -> dict[str, ShardedEntry]:
-    """The extra DCP entries of a sharded checkpoint (everything but ``state_dict`` and ``optimizer_<i>``)."""
+def sharded_entries(
+    location: Location, weights_only: bool | None = None, packed: PackedRows | None = None
+) -> dict[str, ShardedEntry]:
+    """The extra DCP entries of a sharded checkpoint (everything but ``state_dict`` and ``optimizer_<i>``);
+    ``packed``: the loading run's projections in per-rank row order."""
     metadata = read_metadata(location, weights_only)
     keys = {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
-    return {key: ShardedEntry(location, key, weights_only) for key in sorted(keys) if not is_own_entry(key)}
+    extra = [key for key in sorted(keys) if not is_own_entry(key)]
+    return {key: ShardedEntry(location, key, weights_only, dict(packed or {})) for key in extra}
 
 
 def checkpoint_shapes(path: PathLike, weights_only: bool | None = None) -> dict[str, torch.Size]:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vitscale._utils import TENSOR_LAYOUT_KEY, packed_rows, reorder_packed
+from lightning_vitscale._utils import packed_rows, reorder_packed
 from lightning_vitscale.checkpoint.formats import (
     META,
     PathLike,
@@ -28,6 +28,7 @@ from lightning_vitscale.checkpoint.optimizer_state import (
 )
 from lightning_vitscale.checkpoint.safe_reading import load_into, load_member, read_metadata
 from lightning_vitscale.checkpoint.storage import Location
+from lightning_vitscale.checkpoint.tensor_layout import rows_to_reorder
 
 
 def load_checkpoint(
@@ -36,13 +37,16 @@ def load_checkpoint(
     optimizers: list[torch.optim.Optimizer],
     strict: bool,
     weights_only: bool | None,
+    layout: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Validate on every rank before the first collective, then load a sharded folder or a single file."""
+    """Validate on every rank before the first collective, then load a sharded folder or a single file.
+    ``layout``: this run's tensor-parallel row order (``SetupSummary.tensor_layout``), which an earlier version's
+    sharded folder must match (``tensor_layout.py``)."""
     with sharded_state_dicts():  # DTensors report global shapes ungathered; DCP loads into the shards
         validate_against(location.url, model_shapes(module), strict=strict, weights_only=weights_only)
         if location.is_file():
-            return load_full_into(location.url, module, optimizers, strict=strict, weights_only=weights_only)
-        return load_sharded(location, module, optimizers, strict, weights_only)
+            return load_full_into(location.url, module, optimizers, strict, weights_only, layout)
+        return load_sharded(location, module, optimizers, strict, weights_only, layout)
 
 
 def load_sharded(
@@ -51,8 +55,11 @@ def load_sharded(
     optimizers: list[torch.optim.Optimizer],
     strict: bool,
     weights_only: bool | None,
+    layout: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Fill the module's and optimizers' shards from any world size's checkpoint; returns Lightning's metadata."""
+    """Fill the module's and optimizers' shards from any world size's and any layout's checkpoint; returns
+    Lightning's metadata. Packed projections are read from the model's own row order into this run's per-rank
+    order (``own_layout.py``), unless an earlier version saved them in this run's order."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -61,6 +68,8 @@ def load_sharded(
     )
 
     metadata = read_metadata(location, weights_only)
+    checkpoint = load_member(location, META, weights_only)
+    packed = rows_to_reorder(checkpoint, layout, packed_rows(module))  # refuses before any tensor is read
     request: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
     require_optimizer_states(bool(saved_entries(metadata, "optimizer_0", "param_groups")), optimizers)
     for i, optimizer in enumerate(optimizers):
@@ -70,12 +79,11 @@ def load_sharded(
             state["state"] = {}  # saved before its first step
         state["param_groups"] = saved_param_groups(metadata, f"optimizer_{i}", state["param_groups"])
         request[f"optimizer_{i}"] = state
-    load_into(request, location, weights_only, strict=strict)
+    load_into(request, location, weights_only, strict=strict, packed=packed)
     set_model_state_dict(module, request.pop("state_dict"), options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):
         set_optimizer_state(module, optimizer, request[f"optimizer_{i}"], StateDictOptions(cpu_offload=True))
-    checkpoint = load_member(location, META, weights_only)
-    checkpoint.update(sharded_entries(location, weights_only))  # their owners load them into their own DTensors
+    checkpoint.update(sharded_entries(location, weights_only, packed))  # their owners load them into their DTensors
     return checkpoint
 
 
@@ -85,6 +93,7 @@ def load_full_into(
     optimizers: list[torch.optim.Optimizer],
     strict: bool,
     weights_only: bool | None = None,
+    layout: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load a single-file checkpoint (e.g. written under DDP) into a sharded module; returns the rest."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -92,9 +101,9 @@ def load_full_into(
     checkpoint = load_full(Location.of(path), weights_only)
     require_optimizer_states("optimizer_states" in checkpoint, optimizers)
     options = StateDictOptions(full_state_dict=True, strict=strict)
-    # A file without the tensor-layout entry holds packed projections in the model's own row order (DDP's, full
-    # saves, consolidate): into this run's per-rank order. One with it (written so) is loaded as it is.
-    packed = {} if TENSOR_LAYOUT_KEY in checkpoint else packed_rows(module)
+    # Packed projections in the model's own row order (DDP's, full saves, consolidate): into this run's per-rank
+    # order; a file naming its per-rank order (written so) loads as it is under that layout only.
+    packed = rows_to_reorder(checkpoint, layout, packed_rows(module))
     weights = dict(checkpoint.pop("state_dict"))
     reorder_packed(weights, packed, to_model=False)
     set_model_state_dict(module, weights, options=options)

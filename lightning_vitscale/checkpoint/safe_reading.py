@@ -26,12 +26,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
 from lightning_vitscale._compat import EmptyStateDictLoadPlanner, FsspecReader, dcp_load_into
 from lightning_vitscale.checkpoint.confinement import check_storage, member
 from lightning_vitscale.checkpoint.errors import CheckpointError
+from lightning_vitscale.checkpoint.own_layout import OwnLayoutLoadPlanner, PackedRows
 from lightning_vitscale.checkpoint.storage import DCP_METADATA, Location
 
 
@@ -139,9 +139,12 @@ class _SafeBytesMixin:
         super().load_bytes(read_item, value)  # type: ignore[misc]
 
 
-class SafeLoadPlanner(_SafeBytesMixin, DefaultLoadPlanner):
-    def __init__(self, weights_only: bool | None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+class SafeLoadPlanner(_SafeBytesMixin, OwnLayoutLoadPlanner):
+    """DCP's default load planner under the ``weights_only`` rule; ``packed`` projections read from the model's
+    own row order into this run's per-rank order (``own_layout.py``)."""
+
+    def __init__(self, weights_only: bool | None, packed: PackedRows | None = None, **kwargs: Any) -> None:
+        super().__init__(packed, **kwargs)
         self.weights_only = resolve_weights_only(weights_only)
 
 
@@ -210,10 +213,17 @@ def read_metadata(location: Location, weights_only: bool | None) -> dcp_metadata
     return safe_reader(location, weights_only).read_metadata()
 
 
-def load_into(state: dict[str, Any], location: Location, weights_only: bool | None, strict: bool = True) -> None:
+def load_into(
+    state: dict[str, Any],
+    location: Location,
+    weights_only: bool | None,
+    strict: bool = True,
+    packed: PackedRows | None = None,
+) -> None:
     """``dcp.load`` of ``state`` (a collective over the default group): tensors filled in place, other values
-    replaced; ``strict=False`` leaves keys the checkpoint lacks untouched."""
-    planner = SafeLoadPlanner(weights_only, allow_partial_load=not strict)
+    replaced; ``strict=False`` leaves keys the checkpoint lacks untouched. ``packed``: this run's projections in
+    per-rank row order (``_utils.packed_rows``), read from the model's own order that the checkpoint holds."""
+    planner = SafeLoadPlanner(weights_only, packed, allow_partial_load=not strict)
     with named_failures(location):
         dcp.load(state, storage_reader=safe_reader(location, weights_only), planner=planner)
 

@@ -24,6 +24,7 @@ from lightning_vitscale.checkpoint.formats import META, partial_path, pop_sharde
 from lightning_vitscale.checkpoint.full_state_dict import gather_sharded_entries, sharded_state_dicts
 from lightning_vitscale.checkpoint.manifest import FileSum, file_sums
 from lightning_vitscale.checkpoint.optimizer_state import to_torch_format, untouched_if_fresh
+from lightning_vitscale.checkpoint.own_layout import OwnLayoutSavePlanner
 from lightning_vitscale.checkpoint.settings import CheckpointSettings
 from lightning_vitscale.checkpoint.storage import DCP_METADATA, Location, torch_save
 from lightning_vitscale.distributed.ranks import RankContext
@@ -37,7 +38,7 @@ def model_state_dict(module: nn.Module, full: bool) -> dict[str, Any]:
     with sharded_state_dicts():  # DCP gathers (full) or saves the shards itself
         state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
     if not full:
-        return state  # DTensor shards: packed projections stay in per-rank order (the checkpoint records it)
+        return state  # DTensor shards: DCP writes packed projections in the model's own order (own_layout.py)
     state = {strip_wrapper_prefixes(k): v for k, v in state.items()}
     reorder_packed(state, packed_rows(module), to_model=True)  # DDP's layout
     return state
@@ -88,7 +89,7 @@ def save_checkpoint(
             "VitScaleStrategy(state_dict_type='sharded') writes DCP shards and takes no storage_options;"
             " use state_dict_type='full' to save through the Trainer's CheckpointIO plugin."
         )
-    save_sharded(checkpoint, location, is_rank_zero, barrier, group, saves)
+    save_sharded(checkpoint, location, is_rank_zero, barrier, group, saves, packed)
 
 
 def save_sharded(
@@ -98,12 +99,15 @@ def save_sharded(
     barrier: Callable[[], None],
     group: RankContext | None = None,
     saves: AsyncSaves | None = None,
+    packed: dict[str, tuple[int, int]] | None = None,
 ) -> None:
     """Every rank writes its own shards into ``<path>.partial`` and hashes its share of the files; rank 0 writes
     Lightning's metadata and commits (``commit.py``). A crash at any point leaves the newest complete checkpoint
     findable (``ckpt_path="last"``, or ``path`` itself) and a ``.partial`` folder that never loads unless its
     save committed. With ``saves`` the shards are copied into host memory here and written, hashed and committed
-    in the background (``async_save.py``), the commit after every rank's write."""
+    in the background (``async_save.py``), the commit after every rank's write. ``packed`` projections (held in
+    per-rank row order) are written in the model's own order (``own_layout.py``): the folder loads under any
+    tensor-parallel layout."""
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     tensors.update(pop_sharded_entries(checkpoint))  # e.g. ShardedEMA's ema_state_dict
@@ -117,10 +121,11 @@ def save_sharded(
         torch_save(checkpoint, staging.child(META))  # Lightning's metadata: small, written now
     barrier()
     finish = partial(_hash_and_commit, staging, location, group, {"global_step": global_step})
+    planner = OwnLayoutSavePlanner(packed or {})
     if saves is not None:
-        saves.start(tensors, staging, location, finish)
+        saves.start(tensors, staging, location, finish, planner)
         return
-    metadata = dcp.save(tensors, storage_writer=staging.writer())  # collective; rank 0 writes .metadata last
+    metadata = dcp.save(tensors, storage_writer=staging.writer(), planner=planner)  # collective; .metadata last
     finish(metadata, group.all_gather_objects)
     barrier()
 

@@ -29,7 +29,6 @@ from lightning_vitscale.checkpoint.save import (
 )
 from lightning_vitscale.checkpoint.settings import CheckpointSettings, StateDictType
 from lightning_vitscale.checkpoint.storage import Location
-from lightning_vitscale.checkpoint.tensor_layout import check_loaded_layout, record_tensor_layout
 from lightning_vitscale.checkpoint.verified import verified_checkpoint
 from lightning_vitscale.distributed.ranks import RankContext
 
@@ -43,7 +42,8 @@ class StrategyCheckpoints:
         self._fallbacks: list[Location] = []
         self._told_how_to_consolidate = False
         self.tensor_layout: dict[str, Any] | None = None
-        """The run's tensor-parallel row order, set at setup (``None``: the model's own layout)."""
+        """The run's tensor-parallel row order, set at setup (``None``: the model's own layout): what an earlier
+        version's sharded folder, which holds that order, must match (``tensor_layout.py``)."""
 
     def resume_with_fallbacks(self, fallbacks: list[Location]) -> None:
         """Older complete checkpoints that ``auto_resume`` / ``ckpt_path="last"`` found (``resume.py``), tried in
@@ -70,9 +70,8 @@ class StrategyCheckpoints:
     ) -> None:
         """``"sharded"``: every rank writes its own shards, atomically; ``"full"``: rank 0 writes one file, as DDP
         (with Lightning's CheckpointIO: ``write_full``). ``module``: the LightningModule saved (its Trainer's state
-        says whether the save may run in the background). A sharded save records the run's tensor-parallel row
-        order (``tensor_layout.py``)."""
-        record_tensor_layout(checkpoint, self.tensor_layout, full=self.settings.full)
+        says whether the save may run in the background). Either holds the model's own layout: packed
+        projections' per-rank rows are written in the model's order (``own_layout.py``)."""
         location = Location.of(ranks.broadcast(str(filepath)))
         trainer = getattr(module, "_trainer", None)
         saves = self.saves if self._saves_in_background(trainer) else None
@@ -105,16 +104,15 @@ class StrategyCheckpoints:
         is torch's default (True), as under DDP, for every pickle read (files, ``meta.pt``, DCP metadata).
         A path whose save was interrupted loads the newest complete checkpoint saved to it; a sharded folder's
         CRC-32s are checked first, shared by the ranks (``verified.py``), falling back to the resume fallbacks.
-        A checkpoint in another tensor-parallel row order than this run's is refused (``tensor_layout.py``).
+        Any tensor-parallel layout loads any checkpoint this version saved (``own_layout.py``); an earlier version's
+        sharded folder in another per-rank row order than this run's is refused (``tensor_layout.py``).
         """
         assert module is not None
         self.saves.wait()
         location = Location.of(ranks.broadcast(str(checkpoint_path)))
         fallbacks, self._fallbacks = self._fallbacks, []
         location = verified_checkpoint(location, fallbacks, ranks)
-        loaded = load_checkpoint(location, module, optimizers, module.strict_loading, weights_only)
-        check_loaded_layout(loaded, location, self.tensor_layout)
-        return loaded
+        return load_checkpoint(location, module, optimizers, module.strict_loading, weights_only, self.tensor_layout)
 
     def remove(self, filepath: Any, *, ranks: RankContext) -> None:
         self.saves.wait()  # a folder still being written must not be deleted under the writer

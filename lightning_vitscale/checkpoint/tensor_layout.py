@@ -1,9 +1,12 @@
-"""A checkpoint's tensor-parallel row order: recorded by a sharded save, checked by every load.
+"""Which row order a checkpoint's packed projections are in, decided before any tensor is read.
 
-A run under ``tensor_parallel`` holds packed projections (``[q; k; v]``) in per-rank row order, and so do its
-sharded checkpoints' shards; the checkpoint says so under ``TENSOR_LAYOUT_KEY``, and a load under another layout is
-refused before any tensor is read in the wrong order. Full files (DDP's, ``state_dict_type="full"``,
-``consolidate``) hold the model's own layout, which any layout loads.
+Every checkpoint this package writes now holds the model's own layout: full files (DDP's, ``state_dict_type=
+"full"``, ``consolidate``) and sharded folders alike (``own_layout.py`` writes a run's per-rank rows at their own
+place), so any tensor-parallel layout loads it, turning the packed projections into its own per-rank order.
+
+Sharded folders of earlier versions hold a run's packed projections in its per-rank row order and say so under
+``TENSOR_LAYOUT_KEY``; those are read as they are under the layout they name, and refused under any other before
+a tensor is read in the wrong order (``consolidate`` turns them into a file in the model's own layout).
 """
 
 from __future__ import annotations
@@ -12,20 +15,18 @@ from typing import Any
 
 from lightning_vitscale._utils import TENSOR_LAYOUT_KEY
 from lightning_vitscale.checkpoint.errors import TensorLayoutError
-from lightning_vitscale.checkpoint.storage import Location
+from lightning_vitscale.checkpoint.own_layout import PackedRows
 
 
-def record_tensor_layout(checkpoint: dict[str, Any], layout: dict[str, Any] | None, *, full: bool) -> None:
-    """A sharded save of a run whose shards are in per-rank row order says so; a full one is in the model's own."""
-    if layout is not None and not full:
-        checkpoint[TENSOR_LAYOUT_KEY] = layout
-
-
-def check_loaded_layout(loaded: dict[str, Any], location: Location, current: dict[str, Any] | None) -> None:
-    """A file without the entry is in the model's own layout (DDP's, a full save, ``consolidate``): loaded so."""
-    saved = loaded.get(TENSOR_LAYOUT_KEY)
-    if saved is not None or not location.is_file():
-        check_tensor_layout(saved, current)
+def rows_to_reorder(checkpoint: dict[str, Any], current: dict[str, Any] | None, packed: PackedRows) -> PackedRows:
+    """The packed projections (of this run's ``packed``) that a load turns from the model's own row order into
+    this run's per-rank order: all of them, unless ``checkpoint`` (its Lightning metadata) names the per-rank
+    order an earlier version saved it in, which loads as it is under that layout only."""
+    saved = checkpoint.get(TENSOR_LAYOUT_KEY)
+    if saved is None:
+        return packed
+    check_tensor_layout(saved, current)
+    return {}
 
 
 def check_tensor_layout(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> None:
@@ -39,7 +40,8 @@ def check_tensor_layout(saved: dict[str, Any] | None, current: dict[str, Any] | 
         return f"tensor_parallel={layout['tensor_parallel']} (packed rows per rank in {layout['interleaved'][:2]}...)"
 
     raise TensorLayoutError(
-        f"This checkpoint holds {says(saved)} but this run has {says(current)}: its packed qkv rows would be read"
-        " in another order. Resume it with the tensor_parallel it was saved with (checkpoints of packed"
-        " projections do not move between tensor-parallel layouts yet)."
+        f"This checkpoint, saved by an earlier lightning-vitscale, holds {says(saved)} but this run has"
+        f" {says(current)}: its packed qkv rows would be read in another order. Resume it with the tensor_parallel"
+        " it was saved with (its next save keeps the model's own layout, which loads under any layout), or turn it"
+        " into one file in the model's own layout with `python -m lightning_vitscale consolidate SRC DST`."
     )

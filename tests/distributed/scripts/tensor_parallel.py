@@ -1,10 +1,13 @@
-"""Rank script for tensor parallelism on 4 CPU ranks: ``tensor_parallel.py OUT``.
+"""Rank script for tensor parallelism on 4 CPU ranks: ``tensor_parallel.py OUT``; ``tensor_parallel.py OUT2 SAVED``
+on 2 ranks resumes the 4-rank run's sharded checkpoints (in ``SAVED``) on another world size.
 
 For each backbone (the examples' ViT, timm's, HF ViT and DINOv2), DDP at a global batch of 8 (2 per rank), then
 ``VitScaleStrategy(tensor_parallel=2)`` (2 data-parallel ranks of 4 samples) and ``tensor_parallel=4`` (one of 8),
 all through ``Trainer.fit`` with gradient clipping; each rank starts from its own random weights, so only rank 0's
-broadcast makes them agree. Then checkpoints: HF ViT saved under TP=2 x FSDP=2 resumed under FSDP=4 (tensor_parallel=1),
-the examples' ViT (packed qkv) resumed under TP=2 and refused under TP=1. Writes ``rank{r}.json``: losses, the
+broadcast makes them agree. Then checkpoints: HF ViT saved under TP=2 x FSDP=2 resumed under FSDP=4 (tensor_parallel=1);
+the examples' ViT and timm's (packed qkv, with ShardedEMA) saved under TP=2 x FSDP=2 and resumed under FSDP=4, TP=4
+and DDP, whose own checkpoints are resumed under TP=2 again; a folder in an earlier version's per-rank order
+(with its tensor-layout entry) resumed under TP=2 and refused under TP=1. Writes ``rank{r}.json``: losses, the
 sampler split, state bytes, the plan summary, what each resume restored.
 """
 
@@ -14,6 +17,7 @@ import json
 import sys
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import lightning as L
 import torch
@@ -23,13 +27,18 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vitscale import ShardedEMA, VitScaleStrategy, measure_state_bytes
+from lightning_vitscale._utils import model_rows, packed_rows, strip_wrapper_prefixes
+from lightning_vitscale.checkpoint import save as saving
 from lightning_vitscale.checkpoint.consolidate import load_consolidated
-from lightning_vitscale.sharding import TensorLayoutError
+from lightning_vitscale.checkpoint.formats import META
+from lightning_vitscale.checkpoint.own_layout import OwnLayoutSavePlanner
+from lightning_vitscale.sharding import TENSOR_LAYOUT_KEY, TensorLayoutError
 from tests.helpers.state import full as full_tensor
 from tests.helpers.state import snapshot
 
 warnings.filterwarnings("ignore")
 IMAGE, PATCH, CLASSES, GLOBAL_BATCH, STEPS = 8, 4, 10, 8, 4
+WORLD = int(sys.argv[3]) if len(sys.argv) > 3 else 4  # ranks (devices) of this launch
 SIZE = {"embed_dim": 32, "depth": 2, "num_heads": 4}
 
 
@@ -74,14 +83,19 @@ class Model(L.LightningModule):
         self.losses: list[float] = []
         self.seen: list[int] = []
         self.record_initial = False
+        self.old_format = False
 
     def on_train_start(self) -> None:
-        self.restored = snapshot(self, self.trainer)  # after a resume: what the checkpoint restored
+        self.restored = in_model_order(with_ema(snapshot(self, self.trainer), self.trainer), self)  # what it restored
         self.initial = self.state_dict() if self.record_initial else None  # after setup, before the first step
 
     def forward(self, x):
         out = self.backbone(x)
         return out if isinstance(out, torch.Tensor) else out.logits
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if self.old_format:  # what an earlier version recorded with shards in per-rank order
+            checkpoint[TENSOR_LAYOUT_KEY] = self.trainer.strategy.checkpoints.tensor_layout
 
     def training_step(self, batch, batch_idx):
         x, y, index = batch
@@ -115,11 +129,12 @@ def fit(
     ddp = "ddp_find_unused_parameters_true"  # DINOv2's mask token takes no part in classification
     checkpointing = CHECKPOINTING[backbone]
     strategy = ddp if tp == 0 else VitScaleStrategy(tensor_parallel=tp, activation_checkpointing=checkpointing)
-    data_parallel = 4 if tp in (0, 1) else 4 // tp
+    data_parallel = WORLD if tp in (0, 1) else WORLD // tp
+    ema = backbone in ("examples", "timm") and precision == "32-true"  # every resume of a packed qkv: its EMA too
     trainer = L.Trainer(
-        accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, gradient_clip_val=0.05, logger=False,
+        accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=steps, gradient_clip_val=0.05, logger=False,
         precision=precision, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, callbacks=[ShardedEMA(0.5)] if model.record_initial or (backbone, tp) == EMA else [],
+        num_sanity_val_steps=0, callbacks=[ShardedEMA(0.5)] if ema else [],
     )
     trainer.fit(model, data(GLOBAL_BATCH // data_parallel), ckpt_path=str(ckpt) if ckpt else None)
     state = measure_state_bytes(model, trainer.optimizers)
@@ -130,21 +145,50 @@ def fit(
 
 
 SAVED: dict[Path, dict[str, torch.Tensor]] = {}
-EMA = ("examples", 0)  # the DDP side of the full views' EMA check
 
 
-def resumes(out: Path, backbone: str, saved_under: int, resumed_under: int, suffix: str = "") -> dict:
-    """Resume the checkpoint saved after ``STEPS`` under ``saved_under`` ranks of tensor parallelism for one step
-    under ``resumed_under``; what it restored against what was saved."""
-    ckpt = out / f"{backbone}-{saved_under}{suffix}.ckpt"
-    saved = SAVED[ckpt]
+def with_ema(state: dict[str, torch.Tensor], trainer: L.Trainer) -> dict[str, torch.Tensor]:
+    """``state`` and ShardedEMA's average (``e.<name>``, gathered), where the Trainer has one."""
+    ema = next((c for c in trainer.callbacks if isinstance(c, ShardedEMA)), None)
+    if ema is not None and ema.shards is not None:
+        state.update({f"e.{k}": full_tensor(v) for k, v in ema.shards.state_dict().items()})
+    return state
+
+
+def in_model_order(state: dict[str, torch.Tensor], model: Model) -> dict[str, torch.Tensor]:
+    """``state`` (``w.``, ``o.``, ``e.`` + name) with packed projections' rows gathered in per-rank order (under
+    tensor parallelism) put in the model's own order, so that snapshots of any two layouts compare."""
+    packed = packed_rows(model)
+    for key, value in state.items():
+        name = strip_wrapper_prefixes(key.split(".", 1)[1])
+        spec = next((packed[n] for n in packed if name == n or name.startswith(n + ".")), None)
+        if spec is not None and value.dim() > 0:
+            state[key] = model_rows(value, *spec)
+    return state
+
+
+def save(trainer: L.Trainer, model: Model, path: Path) -> None:
+    """A checkpoint (sharded folder, or DDP's file) and what it holds, gathered: weights, optimizer state, EMA."""
+    trainer.save_checkpoint(path)
+    SAVED[path] = in_model_order(with_ema(snapshot(model, trainer), trainer), model)
+    SAVED[path]["global_step"] = torch.tensor(trainer.global_step)
+
+
+def resumes(out: Path, backbone: str, name: str, resumed_under: int, save_as: str | None = None) -> dict:
+    """Resume the checkpoint ``name`` for one step under ``resumed_under`` ranks of tensor parallelism (0: DDP);
+    what it restored (weights, optimizer state, EMA) against what was saved; ``save_as``: its own checkpoint."""
+    ckpt = out / name
+    saved = dict(SAVED[ckpt])
+    step = int(saved.pop("global_step"))
     try:
-        _, resumed, trainer = fit(backbone, resumed_under, steps=STEPS + 1, ckpt=ckpt)
+        _, resumed, trainer = fit(backbone, resumed_under, steps=step + 1, ckpt=ckpt)
     except TensorLayoutError as error:
         return {"refused": str(error)}
-    different = [k for k in saved if not torch.equal(saved[k], resumed.restored[k])]
+    different = [k for k in saved if k not in resumed.restored or not torch.equal(saved[k], resumed.restored[k])]
+    if save_as:
+        save(trainer, resumed, out / save_as)
     return {"keys": len(saved), "optimizer_keys": sum(k.startswith("o.") for k in saved), "different": different,
-            "global_step": trainer.global_step}
+            "ema_keys": sum(k.startswith("e.") for k in saved), "steps_run": trainer.global_step - step}
 
 
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -191,6 +235,10 @@ def full_views(out: Path, model: Model, trainer: L.Trainer, ddp: dict) -> dict:
             momentum(consolidated["optimizer_states"][0]), momentum(saved["optimizer_states"][0])
         )
         facts["consolidated_ema_vs_file"] = max_difference(consolidated["ema_state_dict"], saved["ema_state_dict"])
+        loaded = Model.load_from_checkpoint(out / "examples-2.ckpt", backbone="examples")  # the sharded folder
+        facts["load_from_checkpoint_vs_file"] = max_difference(loaded.state_dict(), saved["state_dict"])
+        facts["load_from_checkpoint_vs_ddp"] = max_difference(loaded.state_dict(), ddp["state"])
+        facts["folder_layout_key"] = TENSOR_LAYOUT_KEY in torch.load(out / "examples-2.ckpt" / META, weights_only=True)
     with torch.no_grad():  # a full state dict loads back into the split model (per-rank rows again)
         for p in model.parameters():
             p.zero_()
@@ -214,6 +262,8 @@ def _block_fraction(model: Model, trainer: L.Trainer) -> float:
 def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
+    if WORLD != 4:
+        return other_world_size(out, Path(sys.argv[2]))
     results = {}
     for backbone in BACKBONES:
         for tp in (0, 2, 4) if backbone == "examples" else (0, 2):
@@ -221,17 +271,43 @@ def main() -> None:
             if backbone == "examples" and tp == 0:
                 ema = next(c for c in trainer.callbacks if isinstance(c, ShardedEMA)).shards.state_dict()
                 ddp = {"state": model.state_dict(), "optimizer": trainer.optimizers[0].state_dict(), "ema": ema}
-            if tp == 2 and backbone in ("examples", "hf"):  # saved for the resumes below
-                trainer.save_checkpoint(out / f"{backbone}-{tp}.ckpt")
-                SAVED[out / f"{backbone}-{tp}.ckpt"] = snapshot(model, trainer)
+            if tp == 2 and backbone in ("examples", "timm", "hf"):  # saved for the resumes below
+                save(trainer, model, out / f"{backbone}-{tp}.ckpt")
             if tp == 2 and backbone == "examples":
                 results["full-views"] = full_views(out, model, trainer, ddp)
+                model.old_format = True  # shards in per-rank order, as an earlier version wrote them
+                with mock.patch.object(saving, "OwnLayoutSavePlanner", lambda packed: OwnLayoutSavePlanner({})):
+                    save(trainer, model, out / "examples-2-old.ckpt")
+    if dist.get_rank() == 0:  # for the resumes on 2 ranks
+        for backbone in ("examples", "timm"):
+            torch.save(SAVED[out / f"{backbone}-2.ckpt"], out / f"{backbone}-2.snapshot.pt")
     for tp in (1, 2):  # bf16-mixed (O2, fp32 norms, the non-finite guard on): TP beside FSDP=4's recipe
         results[f"examples-{tp}-bf16"] = fit("examples", tp, precision="bf16-mixed")[0]
-    results["resume-hf-2-to-1"] = resumes(out, "hf", 2, 1)
-    results["resume-examples-2-to-2"] = resumes(out, "examples", 2, 2)
-    results["resume-examples-2-to-1"] = resumes(out, "examples", 2, 1)
-    results["resume-examples-2-full-to-2"] = resumes(out, "examples", 2, 2, suffix="-full")
+    results.update(resumes_across_layouts(out))
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+
+
+def resumes_across_layouts(out: Path) -> dict:
+    results = {"resume-hf-2-to-1": resumes(out, "hf", "hf-2.ckpt", 1)}
+    for backbone in ("examples", "timm"):  # packed qkv: saved under TP=2 x FSDP=2, resumed under any layout
+        for tp in (1, 4, 0):
+            save_as = f"{backbone}-2-to-{tp}.ckpt" if tp in (1, 0) else None
+            results[f"resume-{backbone}-2-to-{tp}"] = resumes(out, backbone, f"{backbone}-2.ckpt", tp, save_as)
+        for tp in (1, 0):  # and back: FSDP=4's sharded folder, DDP's file, resumed under TP=2
+            results[f"resume-{backbone}-{tp}-to-2"] = resumes(out, backbone, f"{backbone}-2-to-{tp}.ckpt", 2)
+    results["resume-examples-old-to-2"] = resumes(out, "examples", "examples-2-old.ckpt", 2)
+    results["resume-examples-old-to-1"] = resumes(out, "examples", "examples-2-old.ckpt", 1)
+    results["resume-examples-2-full-to-2"] = resumes(out, "examples", "examples-2-full.ckpt", 2)
+    return results
+
+
+def other_world_size(out: Path, saved: Path) -> None:
+    """On 2 ranks: the 4-rank run's TP=2 x FSDP=2 folders resumed under TP=2 x FSDP=1 (examples) and FSDP=2
+    (timm), against what the 4-rank run saved."""
+    results = {}
+    for backbone, tp in (("examples", 2), ("timm", 1)):
+        SAVED[saved / f"{backbone}-2.ckpt"] = torch.load(saved / f"{backbone}-2.snapshot.pt", weights_only=True)
+        results[f"resume-{backbone}-2-to-{tp}"] = resumes(saved, backbone, f"{backbone}-2.ckpt", tp)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
 
 
