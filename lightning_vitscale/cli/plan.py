@@ -43,6 +43,9 @@ def plan_command_parser(subparsers: Any) -> None:
     plan.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     plan.add_argument("--memory-fraction", type=float, default=DEFAULT_FRACTION,
                       help="share of device memory a step may use")
+    plan.add_argument("--tensor-parallel", type=int, default=1, metavar="K",
+                      help="VitScaleStrategy(tensor_parallel=K): each block split over K ranks (of devices x nodes);"
+                      " the batch is one data-parallel rank's")
     plan.set_defaults(command=plan_command)
 
 
@@ -71,7 +74,8 @@ def run_plan(args: argparse.Namespace) -> MemoryPlan:
     nodes = args.nodes or _int(trainer.get("num_nodes"), 1)
     precision = args.precision or trainer.get("precision") or "bf16-mixed"
     return plan_memory(module, example, batch_size=batch, world_size=devices * nodes, device_memory=args.memory,
-                       precision=str(precision), optimizer=args.optimizer, memory_fraction=args.memory_fraction)
+                       precision=str(precision), optimizer=args.optimizer, memory_fraction=args.memory_fraction,
+                       tensor_parallel=args.tensor_parallel)
 
 
 def _read_config(path: str | None) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Reading a model: its repeated blocks (the FSDP and checkpointing units) and its normalization layers.
+"""Reading a model: its repeated blocks (the FSDP and checkpointing units), its normalization layers and the
+tensor-parallel role of each module of a block (``tensor_plan.py``).
 
 Pure functions over ``nn.Module`` trees, shared by sharding, precision and the memory planner; imports no
 ``torch.distributed`` and no other concern.

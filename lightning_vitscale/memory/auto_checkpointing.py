@@ -132,6 +132,8 @@ def choose_blocks(
     per_unit: int | None = 1,
     compare_units: bool = False,
     replicas: int = 1,
+    tensor_parallel: int = 1,
+    tensor_plan: Any = None,
 ) -> AutoChoice:
     """Run ``model`` (the un-sharded module or its meta twin) on fake tensors and pick each block's checkpointing
     and reshard, for the offload setting that is on and the loop order of the Trainer ``model`` is attached to.
@@ -141,11 +143,14 @@ def choose_blocks(
     ``per_unit``: the blocks per FSDP unit, or ``None`` to choose them too (only before the model is sharded).
     ``compare_units``: the blocks per unit are pinned only because the model is sharded already; say in
     :attr:`AutoChoice.hint` what a free choice would have saved. ``world_size``: the ranks of one shard group;
-    ``replicas``: hybrid sharding's copies of it (their all-reduce is costed, :mod:`.collectives`)."""
+    ``replicas``: hybrid sharding's copies of it (their all-reduce is costed, :mod:`.collectives`);
+    ``tensor_parallel`` / ``tensor_plan``: the strategy's, each block planned as one tensor-parallel rank's share
+    (:mod:`.tensor_split`)."""
     batch = example_input if isinstance(example_input, PlanningBatch) else PlanningBatch(example_input, EXAMPLE_INPUT)
     try:
         inputs, how = measure_batch(model, batch, world_size=world_size, precision=precision, optimizer=optimizer,
-                                    blocks=blocks, device=device, loop=training_loop(model))
+                                    blocks=blocks, device=device, loop=training_loop(model),
+                                    tensor_parallel=tensor_parallel, tensor_plan=tensor_plan)
         inputs = dataclasses.replace(inputs, replicas=replicas)
     except Exception as error:  # a forward that cannot run on fake tensors must say what to do instead
         raise RuntimeError(
@@ -199,9 +204,12 @@ class AutoCheckpointing:
         offload: bool = False,
         blocks_per_unit: int | None = None,
         replicas: int = 1,
+        tensor_parallel: int = 1,
+        tensor_plan: Any = None,
     ) -> None:
         self.budget, self.world_size, self.precision, self.blocks = budget, world_size, precision, blocks
         self.replicas = replicas  # hybrid sharding: world_size is one shard group, replicated this many times
+        self.tensor_parallel, self.tensor_plan = tensor_parallel, tensor_plan  # each block split this many ways
         # The user's blocks_per_unit, or None: chosen with the rest at setup; 1 when the batch comes only later.
         self.per_unit = blocks_per_unit
         self.units_left_to_planner = blocks_per_unit is None
@@ -243,7 +251,8 @@ class AutoCheckpointing:
                                  blocks=self.blocks, device=device, offload=self.offload,
                                  may_keep_gathered=self.may_keep_gathered, per_unit=per_unit,
                                  compare_units=self.units_left_to_planner and self.per_unit is not None,
-                                 replicas=self.replicas)
+                                 replicas=self.replicas, tensor_parallel=self.tensor_parallel,
+                                 tensor_plan=self.tensor_plan)
 
         choice = decide(self.per_unit)
         if self.per_unit is None:
@@ -278,11 +287,13 @@ def measure_for_summary(
     device: torch.device | None = None,
     mode_of: ModeOf | None = None,
     replicas: int = 1,
+    tensor_parallel: int = 1,
+    tensor_plan: Any = None,
 ) -> tuple[StepInputs, str] | None:
     """Fake-tensor measurement of ``batch`` (see :func:`~.planning_batch.measure_batch`) for the setup summary's
     predicted peak and the planner's grouping, and how it was measured; ``mode_of``: each block's checkpointing,
     settled by the user (each block is measured for it alone); ``world_size``: one shard group, ``replicas``:
-    hybrid sharding's copies of it.
+    hybrid sharding's copies of it; ``tensor_parallel`` / ``tensor_plan``: one tensor-parallel rank's share.
 
     Only informative: a module whose step cannot run on fake tensors gets no prediction, not an error.
     """
@@ -290,7 +301,8 @@ def measure_for_summary(
         return None
     try:
         inputs, how = measure_batch(module, batch, world_size=world_size, precision=precision, blocks=blocks,
-                                    device=device, loop=training_loop(module), mode_of=mode_of)
+                                    device=device, loop=training_loop(module), mode_of=mode_of,
+                                    tensor_parallel=tensor_parallel, tensor_plan=tensor_plan)
         return dataclasses.replace(inputs, replicas=replicas), how
     except Exception:  # noqa: BLE001 - see docstring
         return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_vitscale._utils import human_bytes
+from lightning_vitscale._utils import human_bytes, mib
 from lightning_vitscale.memory.plan_search import BlockPlan
 from lightning_vitscale.memory.step_model import MemoryBreakdown, StepSettings
 
@@ -34,6 +34,10 @@ class MemoryPlan:
         reason: one line on why these settings.
         blocks: the chosen plan per block (checkpointing mode, reshard or stay gathered).
         extra_seconds: the step time it adds: recompute, second all-gathers and FSDP's fixed cost per unit.
+        tensor_parallel: ranks that split each block (``world_size`` counts them all; ``batch_size`` is one
+            data-parallel rank's, which each of its tensor-parallel ranks sees whole).
+        traffic: bytes one rank sends per step of ``chosen``, per mesh dimension (``"data_parallel"``,
+            ``"tensor_parallel"``: :func:`~.step_cost.traffic_per_dimension`).
     """
 
     world_size: int
@@ -52,6 +56,8 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     blocks: BlockPlan = field(default_factory=BlockPlan)
     extra_seconds: float = 0.0
+    tensor_parallel: int = 1
+    traffic: dict[str, float] = field(default_factory=dict)
 
     @property
     def checkpointed(self) -> int:
@@ -94,8 +100,12 @@ def settings_line(plan: MemoryPlan) -> str:
 
 
 def format_plan(plan: MemoryPlan) -> str:
+    tp = plan.tensor_parallel
+    ranks = f"{plan.world_size} rank(s)" if tp == 1 else (
+        f"{plan.world_size} ranks ({plan.world_size // tp} data parallel x {tp} tensor parallel)")
+    params = "parameters" if tp == 1 else "parameters per tensor-parallel rank"
     head = (
-        f"Memory plan: {plan.num_params / 1e9:,.3f}B parameters, {plan.num_blocks} blocks, {plan.world_size} rank(s),"
+        f"Memory plan: {plan.num_params / 1e9:,.3f}B {params}, {plan.num_blocks} blocks, {ranks},"
         f" {plan.precision}, batch {plan.batch_size} per rank; budget {human_bytes(plan.budget)} of"
         f" {human_bytes(plan.device_memory)}"
     )
@@ -113,5 +123,8 @@ def format_plan(plan: MemoryPlan) -> str:
         f"largest batch per rank that fits ({how}): {plan.max_batch}" if plan.max_batch
         else "no batch size fits on this many ranks: add ranks (devices/nodes)"
     )
+    if plan.traffic:
+        lines.append("traffic per step (sent by one rank): " + ", ".join(
+            f"{name.replace('_', ' ')} {mib(sent, 2)}" for name, sent in plan.traffic.items()))
     lines.extend(f"note: {note}" for note in plan.notes)
     return "\n".join(lines)

@@ -24,7 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_vitscale.memory.step_cost import DeviceRates, recompute_seconds, units_and_regather_seconds
+from lightning_vitscale.memory.step_cost import (
+    DeviceRates,
+    recompute_seconds,
+    tensor_parallel_seconds,
+    units_and_regather_seconds,
+)
 from lightning_vitscale.memory.step_model import StepInputs, StepSettings, predict_step
 
 BlockMode = Literal["full", "selective"]
@@ -88,7 +93,10 @@ class SearchSpace:
         inputs = self.inputs
         recompute = sum(recompute_seconds(b, plan.mode(i), self.rates, inputs.batch_scale)
                         for i, b in enumerate(inputs.profile.blocks))
-        return recompute + units_and_regather_seconds(inputs, plan.settings(self.n), self.rates)
+        # Tensor parallelism's recompute all-reduces only: the forward and backward ones are in every plan.
+        tensor = (tensor_parallel_seconds(inputs, [plan.mode(i) for i in range(self.n)], self.rates)
+                  - tensor_parallel_seconds(inputs, [None] * self.n, self.rates))
+        return recompute + tensor + units_and_regather_seconds(inputs, plan.settings(self.n), self.rates)
 
     def fits(self, plan: BlockPlan) -> bool:
         return predict_step(self.inputs, plan.settings(self.n, self.offload)).peak <= self.budget

@@ -23,11 +23,12 @@ from torch import nn
 from lightning_vitscale._compat import tree_leaves
 from lightning_vitscale._utils import GIB, MIB, human_bytes
 from lightning_vitscale.discovery import ModuleSelector, find_blocks, holds_parameters
+from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector
 from lightning_vitscale.memory.activations import ModeOf, StepCall, measure_activations
 from lightning_vitscale.memory.devices import device_named, memory_names
 from lightning_vitscale.memory.memory_plan import Candidate, MemoryPlan
 from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, search
-from lightning_vitscale.memory.step_cost import GPU_RATES, DeviceRates
+from lightning_vitscale.memory.step_cost import GPU_RATES, DeviceRates, traffic_per_dimension
 from lightning_vitscale.memory.step_model import (
     OPTIMIZER_STATES,
     ModelLayout,
@@ -37,6 +38,7 @@ from lightning_vitscale.memory.step_model import (
     collective_copies,
     predict_step,
 )
+from lightning_vitscale.memory.tensor_split import TensorSplit, measure_collectives, split_twin
 from lightning_vitscale.precision import PrecisionPolicy, resolve_flag
 
 DEFAULT_FRACTION = 0.9
@@ -134,6 +136,8 @@ def plan_memory(
     optimizer: str = "adamw",
     memory_fraction: int | float = DEFAULT_FRACTION,
     blocks: ModuleSelector | None = None,
+    tensor_parallel: int = 1,
+    tensor_plan: TensorPlanSelector | None = None,
 ) -> MemoryPlan:
     """Plan one rank's memory for ``model`` (real or on the meta device) fed ``example_input`` per step.
 
@@ -148,6 +152,10 @@ def plan_memory(
         memory_fraction: share of the device a step may use (the rest is headroom for the allocator), or bytes
             (an int): what the strategy's ``memory_budget`` takes.
         blocks: the strategy's ``blocks=`` selector, if one is given.
+        tensor_parallel: ranks that split each block (``VitScaleStrategy(tensor_parallel=k)``): the ``world_size``
+            ranks are ``world_size / k`` data-parallel ones, each block is planned as one tensor-parallel rank's
+            share (:mod:`.tensor_split`) and ``example_input`` is one data-parallel rank's batch.
+        tensor_plan: the strategy's ``tensor_plan=``, if one is given (else the automatic Megatron-style plan).
 
     Example::
 
@@ -156,12 +164,24 @@ def plan_memory(
         plan = plan_memory(net, torch.empty(32, 3, 224, 224, device="meta"), world_size=8, device_memory="a100-40gb")
         print(plan.summary())
     """
-    inputs = step_inputs(model, example_input, batch_size=batch_size, world_size=world_size, precision=precision,
-                         optimizer=optimizer, blocks=blocks)
+    data_parallel = data_parallel_ranks(world_size, tensor_parallel)
+    inputs = step_inputs(model, example_input, batch_size=batch_size, world_size=data_parallel, precision=precision,
+                         optimizer=optimizer, blocks=blocks, tensor_parallel=tensor_parallel, tensor_plan=tensor_plan)
     device_bytes = parse_memory(device_memory)
     planned_batch = batch_size or batch_size_of(example_input)
     budget = resolve_budget(memory_fraction, device_bytes, "memory_fraction")
     return choose(inputs, budget, device_bytes, precision, planned_batch, per_unit=None)
+
+
+def data_parallel_ranks(world_size: int, tensor_parallel: int) -> int:
+    """The data-parallel ranks of ``world_size`` ranks under ``tensor_parallel`` (as the strategy's mesh builds
+    them); a clear error where ``tensor_parallel`` does not divide the world."""
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be an int >= 1; got {tensor_parallel!r}.")
+    if world_size < 1 or world_size % tensor_parallel:
+        raise ValueError(f"tensor_parallel={tensor_parallel} does not divide world_size={world_size}: each block is"
+                         " split over tensor_parallel consecutive ranks. Choose a divisor of the world size.")
+    return world_size // tensor_parallel
 
 
 def step_inputs(
@@ -177,6 +197,8 @@ def step_inputs(
     loop: TrainingLoop | None = None,
     call: StepCall | None = None,
     mode_of: ModeOf | None = None,
+    tensor_parallel: int = 1,
+    tensor_plan: TensorPlanSelector | None = None,
 ) -> StepInputs:
     """Measure ``model`` on fake tensors and gather what :func:`predict_step` needs (see :func:`plan_memory`).
 
@@ -186,6 +208,8 @@ def step_inputs(
     ``call`` runs the measured step (default: ``model(example_input)``; :mod:`.planning_batch` runs
     ``training_step`` on a training batch). ``mode_of``: the checkpointing each block will run, when it is settled
     (:func:`~.activations.measure_activations`; the result then predicts that checkpointing only).
+    ``world_size``: one FSDP shard group (the data-parallel ranks); ``tensor_parallel > 1`` measures one
+    tensor-parallel rank's split twin of ``model`` (:mod:`.tensor_split`) and its all-reduces.
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not known; choose one of {', '.join(OPTIMIZER_STATES)}.")
@@ -193,6 +217,12 @@ def step_inputs(
         raise ValueError(f"world_size must be >= 1; got {world_size}.")
     policy = resolve_flag(precision)
     found, norms = model_parts(model, blocks, policy)
+    tensor = None
+    if tensor_parallel > 1:
+        model, found, roles, plans = split_twin(model, found, tensor_parallel, tensor_plan)
+        norms = model_parts(model, blocks, policy)[1]
+        all_reduces = measure_collectives(model, found, roles, example_input, policy.compute, norms, call)
+        tensor = TensorSplit(tensor_parallel, all_reduces, plans)
     profile = measure_activations(model, found, example_input, policy.compute, norms, call, mode_of)
     measured_batch = batch_size_of(example_input)
     return StepInputs(
@@ -206,6 +236,7 @@ def step_inputs(
         batch_scale=(batch_size or measured_batch) / measured_batch,
         collective_copies=collective_copies(device),
         loop=loop or TrainingLoop(),
+        tensor=tensor,
     )
 
 
@@ -255,8 +286,9 @@ def choose(
         states = OPTIMIZER_STATES[inputs.optimizer]
         notes.append(f"offload keeps {human_bytes(host * (2 + states))} of parameters, gradients and optimizer state"
                      " per rank in host memory (times the ranks per node)")
+    tp = inputs.tensor.ranks if inputs.tensor is not None else 1
     return MemoryPlan(
-        world_size=inputs.world,
+        world_size=inputs.world * inputs.replicas * tp,
         precision=precision,
         batch_size=batch_size,
         budget=budget,
@@ -272,6 +304,8 @@ def choose(
         notes=notes,
         blocks=blocks,
         extra_seconds=space.seconds(blocks),
+        tensor_parallel=tp,
+        traffic=traffic_per_dimension(inputs, settings),
     )
 
 

@@ -19,7 +19,6 @@ measured through ``forward`` on the batch's first tensor where the module has on
 from __future__ import annotations
 
 import contextlib
-import copy
 import random
 import sys
 from collections.abc import Iterator, Mapping
@@ -34,6 +33,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_vitscale._compat import train_dataloader
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_model import StepInputs
+from lightning_vitscale.memory.twin import meta_twin as meta_twin  # where it always was
 
 EXAMPLE_INPUT = "example_input_array"
 TRAIN_BATCH = "one batch of the train dataloader"
@@ -114,26 +114,6 @@ def first_tensor_input(batch: Any) -> Any:
         f"activation_checkpointing='auto' could not find the model input in a batch of type {type(batch).__name__}."
         " Set `self.example_input_array` in the LightningModule, or pass activation_checkpointing=True."
     )
-
-
-def meta_twin(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` whose parameters and buffers are meta tensors: structure without data.
-
-    Tensors are mapped to meta stand-ins in ``deepcopy``'s memo, so no parameter is ever copied; anything the
-    module refers to that is not its own (trainer, device mesh) is shared, not copied.
-    """
-    memo: dict[int, Any] = {}
-    for tensor in [*module.parameters(), *module.buffers()]:
-        meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-    shared = {name: module.__dict__.get(name) for name in ("_trainer", "_device_mesh", "_fabric", "_metric_attributes")}
-    for value in shared.values():
-        if value is not None:
-            memo[id(value)] = value
-    twin = copy.deepcopy(module, memo)
-    # LightningModule.__getstate__ drops the trainer: put it back, the plan follows the Trainer's loop.
-    twin.__dict__.update({name: value for name, value in shared.items() if value is not None})
-    return twin
 
 
 def has_forward(module: nn.Module) -> bool:

@@ -8,6 +8,9 @@ Plain roofline arithmetic on what :mod:`.op_costs` counted, so every number can 
 - resharding a unit after forward: its parameters are all-gathered again in backward: ``latency`` plus, unless
   the prefetched gather hides behind the later unit's backward (``regather_hidden``: GPU streams),
   ``gathered bytes x (world - 1) / world / link_bytes_per_s``; keeping it gathered costs nothing;
+- tensor parallelism: each all-reduce of activations (:mod:`.tensor_split`) waits on the critical path:
+  ``latency`` plus its ring bytes / ``link_bytes_per_s``; a checkpointed block's recompute runs its row-wise
+  all-reduces again;
 - each FSDP unit: ``unit_s`` per step for its hooks and the collectives the step's thread waits for
   (``blocks_per_unit``: fewer, larger units pay it fewer times); where collectives overlap compute (GPU streams;
   CPU ranks' asynchronous gloo collectives, ``sharding/cpu_overlap.py``), the first unit's all-gather and the
@@ -23,6 +26,7 @@ their ratios steer the choice.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +94,17 @@ def recompute_seconds(block: BlockMemory, mode: str | None, rates: DeviceRates, 
     return cheap if mode == "selective" else cheap + block.work.flops * scale / rates.flops_per_s
 
 
+def tensor_parallel_seconds(inputs: StepInputs, modes: list[str | None], rates: DeviceRates) -> float:
+    """Seconds per step of the tensor-parallel all-reduces (``inputs.tensor``; 0 without), block ``i``
+    checkpointed in ``modes[i]`` (a recompute repeats its row-wise all-reduces): each on the critical path (the
+    next op needs its result), ``latency_s`` plus what it sends / ``link_bytes_per_s``."""
+    split = inputs.tensor
+    if split is None:
+        return 0.0
+    calls = sum(b.calls for b in split.blocks)
+    return calls * rates.latency_s + split.sent(modes, inputs.batch_scale) / rates.link_bytes_per_s
+
+
 def regather_seconds(gathered_bytes: int, world: int, rates: DeviceRates) -> float:
     """Seconds per step that resharding a block of ``gathered_bytes`` after forward adds (a second all-gather:
     its fixed cost, and its bytes where nothing overlaps them)."""
@@ -122,3 +137,34 @@ def units_and_regather_seconds(inputs: StepInputs, settings: StepSettings, rates
             sent = sum(c.sent for c in collectives if c.kind != "regather")
             exposed = max(exposed, sent / rates.link_bytes_per_s)
     return seconds + exposed
+
+
+def block_modes(settings: StepSettings, n: int) -> list[str | None]:
+    """Each block's checkpointing under ``settings``: ``"full"``, ``"selective"`` or ``None``."""
+    return ["selective" if i in settings.selective else "full" if i in settings.checkpointed else None
+            for i in range(n)]
+
+
+def traffic_per_dimension(
+    inputs: StepInputs, settings: StepSettings, outer_reshards: bool = False
+) -> dict[str, float]:
+    """Bytes one rank sends per step on each mesh dimension: ``"data_parallel"`` (FSDP's all-gathers and
+    reduce-scatters of the block units and the outer unit, which stays gathered from forward to backward, hybrid
+    sharding's all-reduces across replicas, the replicated fp32 norms' all-reduce) and, under tensor parallelism,
+    ``"tensor_parallel"`` (the all-reduces of activations, :mod:`.tensor_split`). The same model of a unit's
+    collectives as the setup summary's traffic report (:mod:`.collectives`). ``outer_reshards``: the outer unit
+    reshards after forward too (``reshard_after_forward=True`` asked for every unit; the recipe keeps it)."""
+    lay = inputs.layout
+    spans = unit_spans(len(lay.blocks), settings.blocks_per_unit)
+    units = [([s for i in span for s in lay.blocks[i]], not settings.keeps(span[0])) for span in spans]
+    sent = 0.0
+    for shapes, reshard in [*units, (lay.outer, outer_reshards)]:
+        sent += sum(c.sent for c in unit_collectives(
+            shapes, shard=inputs.world, replicas=inputs.replicas, gather_itemsize=inputs.compute.itemsize,
+            reduce_itemsize=inputs.reduce.itemsize, reshard=reshard))
+    norm_bytes = sum(math.prod(s) for s in lay.norms) * 4
+    sent += ring_bytes(norm_bytes, inputs.world, reduce=True) + ring_bytes(norm_bytes, inputs.replicas, reduce=True)
+    out = {"data_parallel": sent}
+    if inputs.tensor is not None:
+        out["tensor_parallel"] = inputs.tensor.sent(block_modes(settings, len(lay.blocks)), inputs.batch_scale)
+    return out

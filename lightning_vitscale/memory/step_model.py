@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_vitscale._utils import shard_numel
 from lightning_vitscale.memory.activations import ActivationProfile, BlockMemory
+from lightning_vitscale.memory.tensor_split import TensorSplit
 
 # Optimizer state tensors per parameter, in the parameter's (master) dtype, as torch's optimizers keep them.
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "lion": 1, "sgd-momentum": 1, "sgd": 0, "adagrad": 1}
@@ -151,7 +152,12 @@ ZERO_GRAD_FIRST = TrainingLoop(automatic=False)
 
 @dataclass(frozen=True)
 class StepInputs:
-    """Everything the step model needs besides the settings."""
+    """Everything the step model needs besides the settings.
+
+    ``world`` is one FSDP shard group (the data-parallel ranks under tensor parallelism); with ``tensor`` the
+    layout and the activations were measured on one tensor-parallel rank's split twin (:mod:`.tensor_split`), so
+    everything below counts that rank's share, and ``tensor`` holds its all-reduces.
+    """
 
     layout: ModelLayout
     profile: ActivationProfile
@@ -164,6 +170,7 @@ class StepInputs:
     collective_copies: bool = False
     loop: TrainingLoop = TrainingLoop()
     replicas: int = 1  # hybrid sharding's replica groups (``world`` is then one shard group): their all-reduce
+    tensor: TensorSplit | None = None  # tensor_parallel=k: layout and profile are one TP rank's (a split twin's)
 
 
 def collective_copies(device: torch.device | str | None) -> bool:

@@ -62,6 +62,20 @@ class Planned:
     kept_gathered: tuple[str, ...] = ()
     budget: int | None = None
 
+    def tensor_sent(self, summary: SetupSummary) -> float | None:
+        """Bytes this rank sends per step over the tensor-parallel dimension for the checkpointing applied
+        (the all-reduces of activations, predicted for the planner's batch); ``None`` without tensor parallelism
+        or a batch measured at setup."""
+        if self.auto is not None:
+            plan = self.auto.choice.plan if self.auto.choice is not None else None
+            return None if plan is None else plan.traffic.get("tensor_parallel")
+        inputs = self.measured
+        if inputs is None or inputs.tensor is None:
+            return None
+        modes = ["selective" if b.name in summary.selective else "full" if b.name in summary.checkpointed else None
+                 for b in inputs.profile.blocks]
+        return inputs.tensor.sent(modes, inputs.batch_scale)
+
     def apply(self, module: nn.Module, summary: SetupSummary, device: torch.device) -> None:
         """After the pipeline: blocks kept gathered where the planner chose so, and the summary's memory lines."""
         if self.units_choice is not None:
@@ -99,7 +113,8 @@ def plan_before_sharding(
     sharding = resolved.sharding
     shard, replicas = _groups(ranks)
     found = measure_for_summary(module, batch or planning_batch(module, None), shard, precision.name,
-                                sharding.blocks, ranks.device, _mode_of(module, resolved), replicas)
+                                sharding.blocks, ranks.device, _mode_of(module, resolved), replicas,
+                                _tensor_parallel(ranks), sharding.tensor_plan)
     if found is None:
         return Planned(resolved)
     measured, measured_on = found
@@ -116,6 +131,11 @@ def _groups(ranks: Ranks) -> tuple[int, int]:
     """The ranks of one shard group and how many copies of it (hybrid sharding), as the layout report counts them."""
     shard = shard_size(ranks.sharding_mesh)
     return shard, ranks.sharding_mesh.size() // shard
+
+
+def _tensor_parallel(ranks: Ranks) -> int:
+    """The ranks that split each block (``tensor_parallel=k``): the planner measures one of them's share."""
+    return ranks.tensor_mesh.size() if ranks.tensor_mesh is not None else 1
 
 
 def _mode_of(module: nn.Module, resolved: ResolvedConfig) -> ModeOf:
@@ -172,6 +192,7 @@ def _auto_checkpointing(
         may_keep_gathered=requested.sharding.reshard_after_forward is None,
         offload=offloads(requested.sharding, ranks.device),
         blocks_per_unit=requested.sharding.blocks_per_unit, replicas=replicas,
+        tensor_parallel=_tensor_parallel(ranks), tensor_plan=requested.sharding.tensor_plan,
     )
     choice = auto.at_setup(module, ranks.device, ranks.ranks_per_node, ranks.agree_max, batch)
     if choice is None:

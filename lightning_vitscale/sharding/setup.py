@@ -195,7 +195,8 @@ def _shard(
     set_lightning_device(module, ranks.device)
     planned.apply(module, done.plan, ranks.device)
     # After the planner's choices are applied: units it keeps gathered send no all-gather in backward.
-    _describe_layout(done.plan, outer, done.norms, precision.policy, resolved.sharding, ranks)
+    _describe_layout(done.plan, outer, done.norms, precision.policy, resolved.sharding, ranks,
+                     planned.tensor_sent(done.plan))
     auto = planned.auto
     # 4. Drop-in behaviour: calls outside a step gather the outer unit; state_dict() gives DDP's full tensors.
     outer.enable_calls_outside_steps()
@@ -215,12 +216,15 @@ def _describe_layout(
     precision: PrecisionPolicy,
     sharding: ShardingPolicy,
     ranks: Ranks,
+    tensor_sent: float | None = None,
 ) -> None:
-    """Sharding layout, per-step traffic and offload in the summary."""
+    """Sharding layout, per-step traffic (per mesh dimension under tensor parallelism: ``tensor_sent``, the
+    planner's) and offload in the summary."""
     mesh = ranks.sharding_mesh
+    tp = ranks.tensor_mesh.size() if ranks.tensor_mesh is not None else 1
     summary.layout = layout_report(
         outer, norms.params if norms is not None else [], precision, sharding.reshard_after_forward, mesh.size(),
-        shard_size(mesh), ranks.ranks_per_node, ranks.rank,
+        shard_size(mesh), ranks.ranks_per_node, ranks.rank // tp, tp, tensor_sent,
     )
     if sharding.offload is not None:
         no_effect = " (no effect on accelerator='cpu': the state already lives in host memory)"

@@ -150,7 +150,7 @@ class SetupSummary:
         lines = []
         if self.layout is not None:
             lines.append(f"  sharding            : {self.layout.sharding}")
-            traffic = f"  traffic per step    : {self.layout.traffic.describe()} (sent by this rank)"
+            traffic = f"  traffic per step    : {self.layout.describe()}"
             if self.layout.hybrid_traffic is not None:
                 across = mib(self.layout.hybrid_traffic.inter_node, 2)
                 traffic += f"; sharding='hybrid' would send {across} across nodes"

@@ -9,6 +9,11 @@ share a shard group, which ranks share a node), through the planner's one model 
   moves every byte at the pace of its inter-node hops); one whose group sits inside a node, as intra-node.
 
 fp32 norms add one all-reduce per mesh dimension.
+
+Under tensor parallelism (``tensor_parallel=k``, TP innermost: ``k`` consecutive ranks, inside a node) the FSDP
+units and norms above run over the data-parallel dimension (counted on the data-parallel ranks, ``k`` to a
+group of consecutive ranks) and the tensor-parallel dimension carries the blocks' all-reduces of activations, which
+depend on the batch: the planner predicts them (``memory/tensor_split.py``) and the report states them beside.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import Shard
 
 from lightning_vitscale._compat import unit_keeps_gathered
 from lightning_vitscale._utils import mib
@@ -54,8 +60,23 @@ def fsdp_units(outer: nn.Module, ignored: set[nn.Parameter], reshard_after_forwa
             reshard = unit_reshard(reshard_after_forward, module is outer)
             if unit_keeps_gathered(module):  # the planner's choice for this unit (set after the request)
                 reshard = False
-            units.append(Unit(tuple(p.shape for p in own), reshard))
+            units.append(Unit(tuple(tensor_parallel_shape(p) for p in own), reshard))
     return units
+
+
+def tensor_parallel_shape(param: nn.Parameter) -> torch.Size:
+    """What FSDP shards of ``param``: its shape, or under tensor parallelism one tensor-parallel rank's share of
+    it (a DTensor's shape is the global one; its ``"tensor_parallel"`` mesh dimension's ``Shard(d)`` splits ``d``)."""
+    mesh = getattr(param, "device_mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if mesh is None or "tensor_parallel" not in names:
+        return param.shape
+    dim = names.index("tensor_parallel")
+    placement = param.placements[dim]  # type: ignore[attr-defined]
+    shape = list(param.shape)
+    if isinstance(placement, Shard):
+        shape[placement.dim] //= mesh.size(dim)
+    return torch.Size(shape)
 
 
 def _own_params(module: nn.Module) -> list[nn.Parameter]:
@@ -116,6 +137,17 @@ class LayoutReport:
     sharding: str
     traffic: StepTraffic
     hybrid_traffic: StepTraffic | None
+    tensor_parallel: int = 1
+    tensor_sent: float | None = None  # bytes per step over the tensor-parallel dimension, predicted for a batch
+
+    def describe(self) -> str:
+        """The summary's traffic line: by node, and under tensor parallelism by mesh dimension."""
+        if self.tensor_parallel == 1:
+            return f"{self.traffic.describe()} (sent by this rank)"
+        tensor = ("not predicted (no batch known at setup)" if self.tensor_sent is None else
+                  f"{mib(self.tensor_sent, 2)} within the node (all-reduces of activations, predicted for the"
+                  " planner's batch)")
+        return (f"data parallel {self.traffic.describe()}; tensor parallel {tensor} (sent by this rank)")
 
 
 def layout_report(
@@ -127,8 +159,14 @@ def layout_report(
     shard_size: int,
     ranks_per_node: int,
     rank: int,
+    tensor_parallel: int = 1,
+    tensor_sent: float | None = None,
 ) -> LayoutReport:
-    """Traffic of the chosen layout; on a fully sharded multi-node job also what ``sharding="hybrid"`` would send."""
+    """Traffic of the chosen layout; on a fully sharded multi-node job also what ``sharding="hybrid"`` would send.
+    ``world_size``, ``shard_size`` and ``rank`` count data-parallel ranks (``ranks_per_node`` all ranks): under
+    ``tensor_parallel`` a node holds ``ranks_per_node / tensor_parallel`` of them; ``tensor_sent``: the planner's
+    tensor-parallel bytes per step."""
+    ranks_per_node = max(1, ranks_per_node // tensor_parallel)
     units = fsdp_units(outer, set(norm_params), reshard_after_forward)
     norm_numel = sum(p.numel() for p in norm_params)
 
@@ -139,4 +177,4 @@ def layout_report(
     name = "full" if replicas == 1 else f"hybrid ({replicas} replicas x {shard_size}-rank shard groups)"
     multi_node = world_size > ranks_per_node and world_size % ranks_per_node == 0
     contrast = traffic(ranks_per_node) if multi_node and shard_size != ranks_per_node else None
-    return LayoutReport(name, traffic(shard_size), contrast)
+    return LayoutReport(name, traffic(shard_size), contrast, tensor_parallel, tensor_sent)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -76,8 +77,11 @@ def linear_bf16_share(calls: Counter) -> float:
 class TrafficRecorder:
     """Bytes this rank sends in the collectives really issued, split by whether the group spans nodes.
 
-    Wraps ``torch.distributed``'s collective functions (FSDP2 looks them up at call time) and reads the tensors
-    and the process group of each call. Each call counts as a ring over its group (all-gather / reduce-scatter:
+    Wraps ``torch.distributed``'s collective functions (FSDP2 looks them up at call time) and the functional
+    all-reduce DTensor's redistributions call (tensor parallelism's all-reduces of activations: ``funcol`` is
+    looked up at call time too), and reads the tensors and the process group of each call; ``by_group`` holds
+    the bytes per group (its global ranks), so that a 2-D mesh's traffic is counted per mesh dimension. Each call
+    counts as a ring over its group (all-gather / reduce-scatter:
     ``B (n - 1) / n`` of the unsharded buffer, all-reduce twice that), the convention the strategy's plan states.
     """
 
@@ -93,14 +97,26 @@ class TrafficRecorder:
         self.per_node = ranks_per_node
         self.intra = self.inter = 0.0
         self.calls: Counter[str] = Counter()
+        self.by_group: Counter[tuple[int, ...]] = Counter()
 
     def _count(self, name: str, fn, args: tuple, kwargs: dict) -> None:
         bound = inspect.signature(fn).bind(*args, **kwargs).arguments
         key, factor = self._SIZES[name]
         tensor, group = bound[key], bound.get("group")
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        self._add(name, ranks, factor * tensor.numel() * tensor.element_size())
+
+    def _count_functional(self, fn, args: tuple, kwargs: dict) -> None:
+        bound = inspect.signature(fn).bind(*args, **kwargs).arguments
+        tensor = bound["self"]
+        group = c10d._resolve_process_group(funcol._resolve_group_name(bound["group"], bound.get("tag", "")))
+        self._add("functional_all_reduce", dist.get_process_group_ranks(group),
+                  2.0 * tensor.numel() * tensor.element_size())
+
+    def _add(self, name: str, ranks: list[int], buffer: float) -> None:
         n = len(ranks)
-        sent = factor * tensor.numel() * tensor.element_size() * (n - 1) / n
+        sent = buffer * (n - 1) / n
+        self.by_group[tuple(ranks)] += sent
         if len({r // self.per_node for r in ranks}) > 1:
             self.inter += sent
         else:
@@ -120,8 +136,16 @@ class TrafficRecorder:
 
         for name, fn in originals.items():
             setattr(dist, name, wrap(name, fn))
+        functional = funcol.all_reduce
+
+        def functional_counted(*args, **kwargs):
+            self._count_functional(functional, args, kwargs)
+            return functional(*args, **kwargs)
+
+        funcol.all_reduce = functional_counted
         try:
             yield self
         finally:
+            funcol.all_reduce = functional
             for name, fn in originals.items():
                 setattr(dist, name, fn)

@@ -1,0 +1,198 @@
+"""Which module of a block gets which tensor-parallel role: found from the block's own structure (Megatron style),
+or given by the user. Policy only (roles, head counts, no ``torch.distributed``); ``tensor_parallel.py`` applies it.
+
+Megatron's split of a transformer block over ``k`` ranks: the attention's input projections and the MLP's first
+linear(s) column-wise (each rank computes its own heads and its own slice of the hidden layer, no communication),
+the attention output projection and the MLP's last linear row-wise (one all-reduce each, forward and backward),
+everything else (norms, layer scales, residuals) replicated. A packed ``[q; k; v]`` projection is split so that
+each rank holds its own heads' q, k and v rows (``packed_colwise``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from torch import nn
+
+from lightning_vitscale._utils import TENSOR_LAYOUT_KEY as TENSOR_LAYOUT_KEY  # where it always was
+
+Role = Literal["colwise", "rowwise", "packed_colwise"]
+TensorPlanSelector = dict[str, Any] | Callable[[str, nn.Module], dict[str, Any]]
+"""A user's plan: a dict of module-name patterns inside a block (``fnmatch``, e.g. ``"attn.qkv"``, ``"mlp.fc*"``)
+to ``torch.distributed.tensor.parallel`` styles, or a callable ``(block name, block) -> {module name: style}``
+(which also sets the block's per-rank head counts itself)."""
+
+HEAD_COUNTS = ("num_heads", "num_attention_heads")  # where attention modules keep their head count (timm, HF)
+HEAD_WIDTHS = ("attn_dim", "all_head_size")  # ... and, where they keep it, heads x head size (timm, older HF)
+
+
+class TensorPlanError(ValueError):
+    """A block the automatic plan cannot split without changing model code: pass ``tensor_plan=``."""
+
+
+def tensor_layout(tensor_parallel: int, interleaved: list[str]) -> dict[str, Any] | None:
+    """What a checkpoint records of the run's layout: its packed projections held in per-rank row order under
+    ``tensor_parallel`` (``None``: every tensor is in the model's own layout, which any layout can load)."""
+    return {"tensor_parallel": tensor_parallel, "interleaved": sorted(interleaved)} if interleaved else None
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """One block's plan: module name (inside the block) -> role or user style, and per-rank attribute values.
+
+    Attributes:
+        styles: ``"attn.qkv" -> "packed_colwise"``, ... (a user plan holds its ParallelStyle objects).
+        attributes: ``"attn.num_heads" -> 2``: the values this rank's modules must hold (heads per rank).
+        family: how the plan was found, for the summary.
+    """
+
+    styles: dict[str, Any]
+    attributes: dict[str, int] = field(default_factory=dict)
+    family: str = "automatic"
+
+    def describe(self) -> str:
+        """``attn.qkv packed colwise, attn.proj rowwise, ...; num_heads 4 -> 2 per rank``."""
+        roles = ", ".join(f"{name} {_role_name(style)}" for name, style in self.styles.items())
+        heads = "; ".join(f"{name} -> {value} per rank" for name, value in self.attributes.items())
+        return f"{roles}{'; ' + heads if heads else ''}"
+
+
+def _role_name(style: Any) -> str:
+    return style.replace("_", " ") if isinstance(style, str) else type(style).__name__
+
+
+def plan_block(name: str, block: nn.Module, ranks: int, user: TensorPlanSelector | None) -> BlockPlan:
+    """The plan for ``block`` (``name`` in the model) over ``ranks`` tensor-parallel ranks."""
+    if user is not None:
+        return _user_plan(name, block, user)
+    _refuse_packed_module_attention(block)
+    styles: dict[str, Any] = {}
+    attributes: dict[str, int] = {}
+    attention = [(n, m) for n, m in block.named_modules() if _head_count(m) is not None and _linears(m)]
+    inside_attention = {id(sub) for _, m in attention for sub in m.modules()}
+    for module_name, module in attention:
+        styles.update(_attention_roles(module_name, module, ranks, block))
+        attributes.update(_per_rank_heads(module_name, module, ranks))
+    for module_name, module in block.named_modules():
+        if id(module) not in inside_attention and len(_linears(module)) >= 2:
+            styles.update(_mlp_roles(module_name, module, ranks, block))
+    if not styles:
+        raise TensorPlanError(
+            f"{type(block).__name__} ({name}) holds no attention module (one keeping its head count as"
+            f" {' or '.join(HEAD_COUNTS)}) and no MLP (two or more Linear children) that the automatic"
+            " tensor-parallel plan knows. Pass tensor_plan={'attn.qkv': ColwiseParallel(), ...} (module-name"
+            " patterns inside the block) or a callable (block name, block) -> {name: style}, or tensor_parallel=1."
+        )
+    return BlockPlan(styles, attributes, "automatic (Megatron: input projections colwise, output rowwise)")
+
+
+def _user_plan(name: str, block: nn.Module, user: TensorPlanSelector) -> BlockPlan:
+    if callable(user):
+        return BlockPlan(dict(user(name, block)), family="user callable")
+    names = [n for n, _ in block.named_modules() if n]
+    styles = {n: style for pattern, style in user.items() for n in names if fnmatch.fnmatchcase(n, pattern)}
+    unmatched = [p for p in user if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if unmatched:
+        raise TensorPlanError(
+            f"tensor_plan patterns {unmatched} match no module of {type(block).__name__} ({name}), whose modules are"
+            f" {names[:12]}{' ...' if len(names) > 12 else ''}. Patterns are module names inside the block."
+        )
+    return BlockPlan(styles, family="user patterns")
+
+
+def _refuse_packed_module_attention(block: nn.Module) -> None:
+    for module_name, module in block.named_modules():
+        if isinstance(module, nn.MultiheadAttention):
+            raise TensorPlanError(
+                f"{type(block).__name__} uses nn.MultiheadAttention ({module_name or 'the block'}; torchvision's"
+                " EncoderBlock, nn.TransformerEncoderLayer): its packed in-projection is a raw parameter and its"
+                " forward checks the full width, so the automatic tensor-parallel plan cannot split its heads"
+                " without changing model code. Pass tensor_plan= (e.g. {'mlp.0': ColwiseParallel(), 'mlp.3':"
+                " RowwiseParallel()} for the MLP only) or a callable, or use tensor_parallel=1."
+            )
+
+
+def _linears(module: nn.Module) -> list[tuple[str, nn.Linear]]:
+    return [(n, c) for n, c in module.named_children() if isinstance(c, nn.Linear)]
+
+
+def _head_count(module: nn.Module) -> int | None:
+    for attr in HEAD_COUNTS:
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _joined(prefix: str, child: str) -> str:
+    return f"{prefix}.{child}" if prefix else child
+
+
+def _attention_roles(prefix: str, module: nn.Module, ranks: int, block: nn.Module) -> dict[str, Role]:
+    """Packed ``[qkv, proj]`` (timm, the examples) or separate ``[q, k, v, out]`` (HF): the output comes last."""
+    linears = _linears(module)
+    *inputs, (out_name, out) = linears
+    width = out.in_features
+    heads = _head_count(module) or 0
+    where = f"{type(block).__name__}.{_joined(prefix, '') or type(module).__name__}".rstrip(".")
+    if heads % ranks:
+        raise TensorPlanError(f"{where} has {heads} heads, not divisible by tensor_parallel={ranks}.")
+    _refuse_width_norms(module, width, where)
+    if len(inputs) == 1 and inputs[0][1].out_features == 3 * width:
+        return {_joined(prefix, inputs[0][0]): "packed_colwise", _joined(prefix, out_name): "rowwise"}
+    if len(inputs) == 3 and all(linear.out_features == width for _, linear in inputs):
+        roles: dict[str, Role] = {_joined(prefix, n): "colwise" for n, _ in inputs}
+        return {**roles, _joined(prefix, out_name): "rowwise"}
+    raise TensorPlanError(
+        f"{where}: the automatic tensor-parallel plan knows a packed [q; k; v] Linear or three q, k, v Linears"
+        f" followed by the output Linear; found {[n for n, _ in linears]} (a gate or extra projection?). Pass"
+        " tensor_plan= with a style per module, or tensor_parallel=1."
+    )
+
+
+def _refuse_width_norms(module: nn.Module, width: int, where: str) -> None:
+    """A norm over all heads' outputs (timm ``scale_norm``) would see only this rank's heads: refuse."""
+    for child_name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            continue
+        if any(p.dim() >= 1 and p.shape[-1] == width for p in child.parameters()) and width > 0:
+            head_dim = width // (_head_count(module) or 1)
+            if head_dim != width:
+                raise TensorPlanError(
+                    f"{where}.{child_name} normalises over all heads ({width} features), which tensor parallelism"
+                    " splits over ranks. Pass tensor_plan= or use tensor_parallel=1."
+                )
+
+
+def _per_rank_heads(prefix: str, module: nn.Module, ranks: int) -> dict[str, int]:
+    values = {}
+    for attr in (*HEAD_COUNTS, *HEAD_WIDTHS):
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            values[_joined(prefix, attr)] = value // ranks
+    return values
+
+
+def _mlp_roles(prefix: str, module: nn.Module, ranks: int, block: nn.Module) -> dict[str, Role]:
+    """``fc1 (, fc_gate) -> act -> fc2``: every Linear but the last column-wise, the last row-wise."""
+    *inputs, (out_name, out) = _linears(module)
+    hidden = out.in_features
+    where = f"{type(block).__name__}.{prefix or type(module).__name__}"
+    if any(linear.out_features != hidden for _, linear in inputs):
+        raise TensorPlanError(
+            f"{where}: an MLP whose first Linear(s) do not produce the last one's {hidden} inputs (a packed"
+            " SwiGLU?). Pass tensor_plan= with a style per module, or tensor_parallel=1."
+        )
+    if hidden % ranks:
+        raise TensorPlanError(f"{where} has a hidden width of {hidden}, not divisible by tensor_parallel={ranks}.")
+    for child_name, child in module.named_children():
+        if not isinstance(child, nn.Linear) and any(p.shape[-1] == hidden for p in child.parameters()):
+            raise TensorPlanError(
+                f"{where}.{child_name} holds parameters over the hidden width, which tensor parallelism splits."
+                " Pass tensor_plan= or use tensor_parallel=1."
+            )
+    roles: dict[str, Role] = {_joined(prefix, n): "colwise" for n, _ in inputs}
+    return {**roles, _joined(prefix, out_name): "rowwise"}
