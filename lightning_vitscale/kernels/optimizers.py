@@ -7,7 +7,6 @@ from collections.abc import Iterable
 import torch
 
 from lightning_vitscale._compat import fused_kernel_devices
-from lightning_vitscale.kernels.local_step import step_on_local_shards
 
 # SGD has a fused step too, but DTensor registers no sharding rule for `aten._fused_sgd_` (torch 2.14:
 # "does not have a sharding strategy registered"), so a sharded SGD would fail at its first step.
@@ -61,8 +60,7 @@ def prefer_foreach(optimizers: list[torch.optim.Optimizer]) -> None:
 
 def prepare_optimizers(optimizers: list[torch.optim.Optimizer], fused: bool) -> list[str]:
     """What setup does to the user's optimizers: fused Adam/AdamW if ``fused`` (the resolved ``KernelPolicy``
-    says so), foreach steps where the choice was left to torch, and elementwise optimizers stepping on their
-    parameters' local shards (``local_step.py``); returns one line per change."""
+    says so), then foreach steps where the choice was left to torch; returns one line per fused optimizer."""
     changed = fuse_optimizers(optimizers) if fused else []
     prefer_foreach(optimizers)
-    return changed + step_on_local_shards(optimizers)
+    return changed
