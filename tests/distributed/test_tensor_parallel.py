@@ -3,7 +3,9 @@ as DDP at the same global batch (fp32, gradient clipping on, every rank starting
 full, selective or no activation checkpointing), for the examples' ViT, timm's, HF ViT and DINOv2; bf16-mixed as
 close to DDP as FSDP's; the batch is split over data-parallel ranks only; the blocks' state is
 a quarter per rank; checkpoints resume exactly across layouts where every tensor keeps the model's own layout, and
-a packed qkv's per-rank row order is never read under another layout.
+a packed qkv's per-rank row order is never read under another layout. A backbone built in ``configure_model()``:
+``init="exact"`` is the ``__init__``-built run bit for bit, ``init="meta"`` replays the model's own init on the 2-D
+shards, and neither holds the model on ranks > 0 during setup.
 
 Mutations seen failing: the sampler split over all 4 ranks (each TP pair read different samples); clipping's norm
 missing the data-parallel sum of FSDP's strided shards of TP weights (rel 2e-4 from the second step); the packed
@@ -11,6 +13,8 @@ qkv split plainly column-wise (wrong heads: losses apart from the first step); r
 before the TP split; the layout check on load removed (the examples' checkpoint then loads under TP=1)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -21,6 +25,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 SCRIPT = "tests/distributed/scripts/tensor_parallel.py"
 STEPS = 4
 CASES = ["examples-2", "examples-4", "timm-2", "hf-2", "dinov2-2"]
+CONFIGURED = ["examples", "timm"]  # also built in configure_model() under TP=2 x FSDP=2
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +110,50 @@ def test_every_full_view_of_a_packed_qkv_is_in_the_models_own_layout(ranks):
     assert ranks[0]["full-views"]["consolidated_vs_file"] == 0.0
     assert ranks[0]["full-views"]["consolidated_momentum_vs_file"] == 0.0
     assert ranks[0]["full-views"]["consolidated_ema_vs_file"] == 0.0
+
+
+@pytest.mark.parametrize("backbone", CONFIGURED)
+def test_init_exact_under_tensor_parallelism_is_the_init_built_run_bit_for_bit(ranks, backbone):
+    """Built in ``configure_model()`` from the RNG state of the ``__init__`` run's rank 0: rank 0 builds it for
+    real, the others on meta; every rank splits meta tensors and receives its 2-D shards (packed qkv rows in
+    per-rank order) from rank 0 unit by unit. Losses, weights and optimizer state after the fit are the
+    ``__init__``-built TP run's bit for bit, and the losses DDP's.
+
+    Mutations seen failing: rank 0's full qkv sent in the model's own row order (losses and weights apart); each
+    data-parallel slice's values taken from its own first rank (ranks 1 and 3 meta there: the fit fails);
+    """
+    ddp = global_losses(ranks, f"{backbone}-0")
+    for rank in ranks:
+        exact = rank[f"{backbone}-2-exact"]
+        assert exact["init_path"] == "exact"
+        assert exact["losses"] == rank[f"{backbone}-2"]["losses"]
+        assert exact["keys"] == 64 and exact["different"] == []  # 32 weights and their momentum
+    assert max_relative_difference(global_losses(ranks, f"{backbone}-2-exact"), ddp) < 1e-5
+
+
+@pytest.mark.parametrize("backbone", CONFIGURED)
+def test_init_meta_under_tensor_parallelism_replays_the_models_own_init_on_the_2d_shards(ranks, backbone):
+    """Every rank builds on meta with its own seed; each piece of the 2-D layout replays the recorded init (the
+    blocks' ``trunc_normal_(std=0.02)`` weights, zero biases, unit norms; nn.Linear's default would be std 0.10)
+    with a seed per tensor and piece agreed over all ranks: pieces at the same place on two ranks are equal, pieces
+    at different places differ. The fit runs its steps with finite losses, other values than the exact path's."""
+    for rank in ranks:
+        meta = rank[f"{backbone}-2-meta"]
+        pieces = meta["pieces"]
+        assert meta["init_path"] == "meta"
+        assert pieces["replicas_agree"] and pieces["shards_differ"]
+        assert abs(pieces["weight_std"] - 0.02) < 0.001 and abs(pieces["weight_mean"]) < 0.001
+        assert pieces["bias_max"] == 0.0 and pieces["norm_values"] == [1.0]
+        assert len(meta["losses"]) == STEPS and all(math.isfinite(loss) for loss in meta["losses"])
+        assert meta["losses"] != rank[f"{backbone}-2-exact"]["losses"]
+
+
+def test_setup_under_tensor_parallelism_holds_the_model_on_rank_0_only(ranks):
+    """A 57 MiB ViT built in ``configure_model()`` under TP=2 x FSDP=2: peak host-memory growth from ``setup`` to
+    the first step. Exact: rank 0 its one full copy and its shards, the others a quarter of the model (their
+    shards) and one tensor in flight; meta: every rank its shards only."""
+    for index, rank in enumerate(ranks):
+        exact, meta = rank["setup-memory"]["exact"], rank["setup-memory"]["meta"]
+        assert exact["path"] == "exact" and meta["path"] == "meta" and exact["mib"] > 50
+        assert exact["growth"] <= (1.3 if index == 0 else 0.4), (index, exact["growth"])
+        assert meta["growth"] <= 0.4, (index, meta["growth"])
