@@ -75,8 +75,8 @@ class ShardingPolicy:
         " stays inside a node). ``k > 1`` makes a 2-D mesh (data parallel x tensor parallel): each block is split"
         " over the ``k`` ranks of its group (attention heads and MLP hidden units), then FSDP shards it over the"
         " ``world / k`` data-parallel ranks, which alone split the batch. The plan per block is found from the"
-        " block's structure (``tensor_plan=None``). Needs ``sharding=\"full\"`` and a model built in"
-        " ``__init__``; docs/sharding.md says when it pays."
+        " block's structure (``tensor_plan=None``). Needs ``sharding=\"full\"``; the model may be built in"
+        " ``__init__`` or in ``configure_model()`` (either ``init=`` path); docs/sharding.md says when it pays."
     )},
     )
     tensor_plan: TensorPlanSelector | None = field(

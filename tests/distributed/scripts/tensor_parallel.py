@@ -95,6 +95,8 @@ class Model(L.LightningModule):
         # process's peak RSS (VmHWM) restarts from here.
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         Path("/proc/self/clear_refs").write_text("5")
+        if self.record_pieces:  # each rank its own seed from here (as a per-rank augmentation seed would do)
+            torch.manual_seed(100 + self.global_rank)
         self.rss_before = _status_bytes("VmRSS")
 
     def configure_model(self) -> None:
@@ -144,13 +146,13 @@ def fit(
     init: str | None = None,
 ) -> tuple[dict, Model, L.Trainer]:
     """``init``: the backbone is built in ``configure_model()`` with ``VitScaleStrategy(init=init)``; on the meta
-    path every rank keeps its own seed (the shards' init must still agree where ranks hold the same piece)."""
+    path every rank is seeded differently at setup (the shards' init must still agree where ranks hold the same
+    piece)."""
     torch.manual_seed(dist.get_rank() + 1 if dist.is_initialized() else 1)  # different weights on every rank
     model = Model(backbone, in_configure_model=init is not None)
     model.record_initial = backbone == "examples" and tp == 2 and precision == "32-true" and init is None
     model.record_pieces = init == "meta"
-    if init != "meta":
-        L.seed_everything(0, verbose=False)
+    L.seed_everything(0, verbose=False)
     ddp = "ddp_find_unused_parameters_true"  # DINOv2's mask token takes no part in classification
     checkpointing = CHECKPOINTING[backbone]
     options = {} if init is None else {"init": init}
