@@ -165,6 +165,8 @@ class InitialWeights:
                 self._done.add(id(tensor))
                 if self.path == "meta" and was_meta:  # else real on every rank (built before setup): rank 0's
                     self._replay(owner, name, tensor, owners_to_reset)
+                elif self.split and self.path == "built":
+                    continue  # apply_tp broadcast rank 0's values before the split: fully_shard kept each rank's
                 elif boxes is not None:
                     scatter_boxes(_split_order(owner, source), tensor, [mine[index] for mine in boxes])
                 else:

@@ -165,3 +165,29 @@ def test_setup_under_tensor_parallelism_holds_the_model_on_rank_0_only(ranks):
         assert exact["path"] == "exact" and meta["path"] == "meta" and exact["mib"] > 50
         assert exact["growth"] <= (1.3 if index == 0 else 0.4), (index, exact["growth"])
         assert meta["growth"] <= 0.4, (index, meta["growth"])
+
+
+def test_hybrid_sharding_beside_tensor_parallelism_is_a_3d_mesh_that_trains_as_ddp(ranks):
+    """``sharding=2`` with ``tensor_parallel=2`` on 4 ranks: mesh (replicate 2, shard 1, tensor parallel 2), TP
+    innermost; FSDP's 2-D (replicate, shard) data-parallel mesh on top of the split blocks, so each rank holds half
+    of the blocks' state. The two data-parallel ranks (replicate x shard) split the batch, each TP pair reads the
+    same samples; losses are DDP's. Built in ``configure_model()``: exact is the ``__init__`` run bit for bit, meta
+    gives replicas (ranks 0 and 2, 1 and 3) the same pieces.
+
+    Mutations seen failing: the sampler's rank from the shard coordinate alone (both replicas read the same half);
+    the built path's values sent again after the split over the whole world from each data-parallel slice's first
+    rank (the fit fails)."""
+    ddp = global_losses(ranks, "examples-0")
+    assert max_relative_difference(global_losses(ranks, "examples-2-hybrid"), ddp) < 1e-5
+    seen = [sorted(rank["examples-2-hybrid"]["seen"]) for rank in ranks]
+    assert seen[0] == seen[1] and seen[2] == seen[3] and sorted(seen[0] + seen[2]) == list(range(32))
+    for rank in ranks:
+        hybrid = rank["examples-2-hybrid"]
+        assert hybrid["mesh"] == [[[0, 1]], [[2, 3]]]
+        assert hybrid["placements"][0] == "R" and hybrid["placements"][2] == "S(0)"  # [1]: FSDP's strided shard
+        assert hybrid["block_fraction"] == pytest.approx(0.5, rel=0.05)
+        assert "sharding            : hybrid (2 replicas x 1-rank shard groups)" in hybrid["summary"]
+        exact, meta = rank["examples-2-hybrid-exact"], rank["examples-2-hybrid-meta"]
+        assert exact["init_path"] == "exact" and exact["losses"] == hybrid["losses"]
+        assert meta["init_path"] == "meta" and meta["pieces"]["replicas_agree"] and meta["pieces"]["shards_differ"]
+        assert abs(meta["pieces"]["weight_std"] - 0.02) < 0.001

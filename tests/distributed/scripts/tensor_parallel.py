@@ -7,6 +7,8 @@ broadcast makes them agree. Then checkpoints: HF ViT saved under TP=2 x FSDP=2 r
 the examples' ViT (packed qkv) resumed under TP=2 and refused under TP=1. Then the examples' ViT and timm's built in
 ``configure_model()`` under TP=2 x FSDP=2: ``init="exact"`` (rank 0 real, the others on meta), ``init="meta"``
 (every rank on meta, each rank seeded differently), and host memory during setup for a 57 MiB ViT on both paths.
+The examples' ViT under ``sharding=2`` (a 3-D mesh: 2 replicas x 1-rank shard groups x 2 tensor parallel), built in
+``__init__`` and in ``configure_model()`` on both paths.
 Writes ``rank{r}.json``: losses, the sampler split, state bytes, the plan summary, what each resume restored.
 """
 
@@ -143,7 +145,7 @@ CHECKPOINTING = {"examples": True, "timm": "selective", "hf": False, "dinov2": T
 
 def fit(
     backbone: str, tp: int, steps: int = STEPS, ckpt: Path | None = None, precision: str = "32-true",
-    init: str | None = None,
+    init: str | None = None, sharding: str | int = "full",
 ) -> tuple[dict, Model, L.Trainer]:
     """``init``: the backbone is built in ``configure_model()`` with ``VitScaleStrategy(init=init)``; on the meta
     path every rank is seeded differently at setup (the shards' init must still agree where ranks hold the same
@@ -155,7 +157,9 @@ def fit(
     L.seed_everything(0, verbose=False)
     ddp = "ddp_find_unused_parameters_true"  # DINOv2's mask token takes no part in classification
     checkpointing = CHECKPOINTING[backbone]
-    options = {} if init is None else {"init": init}
+    options: dict = {} if init is None else {"init": init}
+    if sharding != "full":
+        options["sharding"] = sharding
     strategy = ddp if tp == 0 else VitScaleStrategy(tensor_parallel=tp, activation_checkpointing=checkpointing,
                                                     **options)
     data_parallel = 4 if tp in (0, 1) else 4 // tp
@@ -170,6 +174,9 @@ def fit(
     if tp:
         facts.update(block_fraction=_block_fraction(model, trainer), summary=trainer.strategy.plan.summary(),
                      init_path=trainer.strategy.plan.init_path)
+    if tp and backbone == "examples":  # the packed qkv's layout: the mesh and its placement on each dimension
+        qkv = model.backbone.blocks[0].attn.qkv.weight
+        facts.update(mesh=qkv.device_mesh.mesh.tolist(), placements=[str(p) for p in qkv.placements])
     return facts, model, trainer
 
 
@@ -334,6 +341,11 @@ def main() -> None:
                 results["full-views"] = full_views(out, model, trainer, ddp)
             if tp == 2 and backbone in ("examples", "timm"):  # the same backbones built in configure_model()
                 results.update(configured(backbone, built))
+    # Hybrid sharding beside tensor parallelism: a 3-D mesh, 2 replicas x 1-rank shard groups x 2 tensor parallel.
+    results["examples-2-hybrid"] = fit("examples", 2, sharding=2)[0]
+    results["examples-2-hybrid-exact"] = fit("examples", 2, sharding=2, init="exact")[0]
+    meta, model, _ = fit("examples", 2, sharding=2, init="meta")
+    results["examples-2-hybrid-meta"] = {**meta, "pieces": model.pieces}
     for tp in (1, 2):  # bf16-mixed (O2, fp32 norms, the non-finite guard on): TP beside FSDP=4's recipe
         results[f"examples-{tp}-bf16"] = fit("examples", tp, precision="bf16-mixed")[0]
     results["resume-hf-2-to-1"] = resumes(out, "hf", 2, 1)
