@@ -5,7 +5,7 @@ close to DDP as FSDP's; the batch is split over data-parallel ranks only; the bl
 a quarter per rank; checkpoints resume exactly across layouts where every tensor keeps the model's own layout, and
 a packed qkv's per-rank row order is never read under another layout. A backbone built in ``configure_model()``:
 ``init="exact"`` is the ``__init__``-built run bit for bit, ``init="meta"`` replays the model's own init on the 2-D
-shards, and neither holds the model on ranks > 0 during setup.
+shards, and neither holds the model on ranks > 0 during setup. Hybrid sharding beside TP (a 3-D mesh) trains as DDP.
 
 Mutations seen failing: the sampler split over all 4 ranks (each TP pair read different samples); clipping's norm
 missing the data-parallel sum of FSDP's strided shards of TP weights (rel 2e-4 from the second step); the packed
@@ -174,9 +174,9 @@ def test_hybrid_sharding_beside_tensor_parallelism_is_a_3d_mesh_that_trains_as_d
     same samples; losses are DDP's. Built in ``configure_model()``: exact is the ``__init__`` run bit for bit, meta
     gives replicas (ranks 0 and 2, 1 and 3) the same pieces.
 
-    Mutations seen failing: the sampler's rank from the shard coordinate alone (both replicas read the same half);
-    the built path's values sent again after the split over the whole world from each data-parallel slice's first
-    rank (the fit fails)."""
+    Mutations seen failing: the sampler's rank from the shard coordinate alone (both replicas read the same half:
+    losses apart from DDP's); the built path's values sent again after the split, over the whole world from each
+    data-parallel slice's first rank (mismatched broadcasts: the ranks hang until the launch's timeout)."""
     ddp = global_losses(ranks, "examples-0")
     assert max_relative_difference(global_losses(ranks, "examples-2-hybrid"), ddp) < 1e-5
     seen = [sorted(rank["examples-2-hybrid"]["seen"]) for rank in ranks]
