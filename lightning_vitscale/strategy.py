@@ -137,7 +137,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         # Every rank is data-parallel (ModelParallelStrategy's default would make every process a tensor-parallel
         # peer: no sharding, same data on every rank). 1-D mesh for "full", (replicate, shard) for hybrid layouts.
-        # With tensor_parallel=k: a 2-D (data_parallel, tensor_parallel) mesh, TP innermost (inside a node).
+        # tensor_parallel=k adds a last, innermost "tensor_parallel" dimension (a node): 2-D, or 3-D when hybrid.
         shard_group = partial(shards.shard_group_size, self.config.sharding.layout)
         distributed.start_process_group(
             self, self.lightning_module, self._timeout or DEFAULT_TIMEOUT, shard_group,

@@ -1,7 +1,10 @@
 """The device mesh for a sharding layout, and the collectives that work on a 1-D or a 2-D mesh alike.
 
 A 1-D mesh ``("data_parallel",)`` shards over every rank. A 2-D mesh ``("replicate", "shard")`` shards over each
-group of ``shard_size`` consecutive global ranks and replicates across the groups (HSDP). Lightning numbers ranks
+group of ``shard_size`` consecutive global ranks and replicates across the groups (HSDP). With tensor parallelism
+a last, innermost ``"tensor_parallel"`` dimension: ``("data_parallel", "tensor_parallel")``, or
+``("replicate", "shard", "tensor_parallel")`` where the shard groups are smaller than the world (a shard group's
+ranks, tensor-parallel ones included, share one copy of the state). Lightning numbers ranks
 ``node_rank * ranks_per_node + local_rank``, so with ``shard_size = ranks_per_node`` every shard group is one
 node: all-gathers and reduce-scatters stay on the fast intra-node links and only the replicate-dimension
 all-reduce crosses nodes.
@@ -19,30 +22,44 @@ from torch.distributed.tensor import Replicate
 FULL_DIMS = ("data_parallel",)
 HYBRID_DIMS = ("replicate", "shard")
 TENSOR_PARALLEL_DIMS = ("data_parallel", "tensor_parallel")
+HYBRID_TENSOR_PARALLEL_DIMS = ("replicate", "shard", "tensor_parallel")
 
 
 def build_mesh(device_type: str, world_size: int, shard_size: int, tensor_parallel: int = 1) -> DeviceMesh:
     """1-D over all ranks when ``shard_size == world_size``, else 2-D ``(world // shard_size, shard_size)``; with
     ``tensor_parallel=k > 1``, 2-D ``(world // k, k)`` (data parallel x tensor parallel, consecutive ranks in a
-    tensor-parallel group, so it stays inside a node)."""
+    tensor-parallel group, so it stays inside a node), or 3-D ``(world // shard_size, shard_size // k, k)`` where
+    ``shard_size`` ranks (``k`` of them per block) share one copy of the state."""
     if tensor_parallel > 1:
         if world_size % tensor_parallel:
             raise ValueError(
                 f"`tensor_parallel={tensor_parallel}` does not divide the world size {world_size}. Choose one of"
                 f" {[d for d in range(1, world_size + 1) if world_size % d == 0]}."
             )
-        shape = (world_size // tensor_parallel, tensor_parallel)
-        return init_device_mesh(device_type, shape, mesh_dim_names=TENSOR_PARALLEL_DIMS)
+        if shard_size % tensor_parallel:
+            raise ValueError(
+                f"`tensor_parallel={tensor_parallel}` does not divide the shard group of {shard_size} ranks (the"
+                " `sharding=` layout's ranks sharing one copy of the state, tensor-parallel ranks included). Choose a"
+                f" shard group that is a multiple of {tensor_parallel}, or tensor_parallel among"
+                f" {[d for d in range(1, shard_size + 1) if shard_size % d == 0]}."
+            )
+        if shard_size == world_size:
+            shape: tuple[int, ...] = (world_size // tensor_parallel, tensor_parallel)
+            return init_device_mesh(device_type, shape, mesh_dim_names=TENSOR_PARALLEL_DIMS)
+        shape = (world_size // shard_size, shard_size // tensor_parallel, tensor_parallel)
+        return init_device_mesh(device_type, shape, mesh_dim_names=HYBRID_TENSOR_PARALLEL_DIMS)
     if shard_size == world_size:
         return init_device_mesh(device_type, (world_size,), mesh_dim_names=FULL_DIMS)
     return init_device_mesh(device_type, (world_size // shard_size, shard_size), mesh_dim_names=HYBRID_DIMS)
 
 
 def split_tensor_parallel(mesh: DeviceMesh | None) -> tuple[DeviceMesh | None, DeviceMesh | None]:
-    """(the mesh data parallelism shards over, the tensor-parallel sub-mesh or ``None``)."""
-    if mesh is None or mesh.mesh_dim_names != TENSOR_PARALLEL_DIMS:
+    """(the mesh data parallelism shards over, the tensor-parallel sub-mesh or ``None``); under hybrid sharding
+    the data-parallel mesh is the 2-D ``("replicate", "shard")`` one, as without tensor parallelism."""
+    if mesh is None or mesh.mesh_dim_names not in (TENSOR_PARALLEL_DIMS, HYBRID_TENSOR_PARALLEL_DIMS):
         return mesh, None
-    return mesh["data_parallel"], mesh["tensor_parallel"]
+    data = mesh["data_parallel"] if mesh.ndim == 2 else mesh["replicate", "shard"]
+    return data, mesh["tensor_parallel"]
 
 
 def data_parallel_ranks(mesh: DeviceMesh | None, world_size: int, global_rank: int) -> dict[str, int]:
@@ -51,7 +68,12 @@ def data_parallel_ranks(mesh: DeviceMesh | None, world_size: int, global_rank: i
     data, tensor = split_tensor_parallel(mesh)
     if tensor is None or data is None:
         return {"num_replicas": world_size, "rank": global_rank}
-    return {"num_replicas": data.size(), "rank": data.get_local_rank()}
+    coordinate = data.get_coordinate()
+    assert coordinate is not None  # every rank belongs to its own data-parallel slice
+    rank = 0
+    for dim, index in enumerate(coordinate):  # (replicate, shard) -> replicate * shard ranks + shard
+        rank = rank * data.size(dim) + index
+    return {"num_replicas": data.size(), "rank": rank}
 
 
 def shard_size(mesh: DeviceMesh) -> int:

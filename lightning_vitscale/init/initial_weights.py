@@ -9,6 +9,11 @@ Three cases, decided once per model (``path``):
   copy of the unit right after. Peak: rank 0's one copy; the others, their shards plus one tensor in flight.
 - ``"meta"``: every rank built on meta; each shard replays the init the model's code recorded, with a seed per
   tensor and shard, so shards differ and replicas agree. What cannot be replayed is named in a warning.
+
+With tensor parallelism (``tensor_mesh``) the blocks are split before they are sharded, on meta tensors on every
+rank (rank 0's values of the blocks wait in :meth:`InitialWeights.hold`), and ``mesh`` is one data-parallel slice
+of the world. On the exact path only global rank 0 holds values, so every tensor is scattered from it over all
+ranks, each rank receiving its own box of the 2-D (tensor x data parallel) layout (``scatter.scatter_boxes``).
 """
 
 from __future__ import annotations
@@ -24,10 +29,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._utils import local_tensor
+from lightning_vitscale._utils import PACKED_ROWS, interleaved_rows, local_tensor
 from lightning_vitscale.init.creation import Creation, PeakRss
 from lightning_vitscale.init.replay import Recipe, replay, tensor_seed
-from lightning_vitscale.init.scatter import materialize_meta, scatter_from
+from lightning_vitscale.init.scatter import Box, gather_boxes, materialize_meta, scatter_boxes, scatter_from
 
 _INIT_METHODS = ("reset_parameters", "_reset_parameters")  # torch's MultiheadAttention only has the private one
 Slot = tuple[nn.Module, str, str, str, bool]  # owner, "param" | "buffer", attribute, qualified name, was meta
@@ -36,8 +41,17 @@ Slot = tuple[nn.Module, str, str, str, bool]  # owner, "param" | "buffer", attri
 class InitialWeights:
     """Starting values for a model that is being sharded unit by unit (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, device: torch.device, creation: Creation | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: DeviceMesh,
+        device: torch.device,
+        creation: Creation | None,
+        tensor_mesh: DeviceMesh | None = None,
+    ) -> None:
         self.mesh, self.device = mesh, device
+        # ``mesh`` is one data-parallel slice of the world: seeds are agreed, and values sent, over all ranks.
+        self.split = tensor_mesh is not None and tensor_mesh.size() > 1
         meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         self.path = creation.path if creation is not None else ("meta" if meta else "built")
         self.recipes: dict[str, Recipe | None] = creation.recipes if creation is not None else {}
@@ -47,10 +61,18 @@ class InitialWeights:
         self.base_seed = self._shared_seed() if self.path == "meta" else 0
         self.not_reproduced: dict[str, str] = {}  # name -> what was done instead
         self._done: set[int] = set()
+        self._held: dict[tuple[int, str], torch.Tensor] = {}  # (id(owner), attribute) -> rank 0's real values
+
+    @property
+    def from_rank0(self) -> bool:
+        """Exact path under tensor parallelism: global rank 0 alone holds values, every rank receives its box."""
+        return self.split and self.path == "exact"
 
     def _shared_seed(self) -> int:
         seed = [torch.initial_seed()]
-        if self.mesh.size() > 1:
+        if self.split:  # the data-parallel slices hold replicas of each other's shards: one seed for the world
+            dist.broadcast_object_list(seed, src=0)
+        elif self.mesh.size() > 1:
             group = self.mesh.get_group() if self.mesh.ndim == 1 else None  # a data-parallel slice: its group
             dist.broadcast_object_list(seed, src=int(self.mesh.mesh.flatten()[0]), group=group)
         return int(seed[0])
@@ -63,7 +85,9 @@ class InitialWeights:
             prefix = self.names.get(id(module), "")
             for kind, tensors in (("param", module._parameters), ("buffer", module._buffers)):
                 for attr, tensor in tensors.items():
-                    if tensor is None or isinstance(tensor, DTensor) or id(tensor) in self._done:
+                    # A DTensor is already sharded with its values, unless tensor parallelism split it on meta.
+                    done = isinstance(tensor, DTensor) and not tensor.is_meta
+                    if tensor is None or done or id(tensor) in self._done:
                         continue
                     found.append((module, kind, attr, f"{prefix}.{attr}" if prefix else attr, tensor.is_meta))
             for child in module.children() if recurse else ():
@@ -89,6 +113,29 @@ class InitialWeights:
             materialize_meta(module, self.device, recurse=False)
             self._fill(slots, full)
 
+    @torch.no_grad()
+    def hold(self, modules: list[nn.Module]) -> None:
+        """Before tensor parallelism splits ``modules`` on the exact path: rank 0's values leave them, kept here
+        until each unit's shards are delivered (no copy: the same storage), so that every rank splits meta
+        tensors alike, without communication. Parameters are swapped in place: ties and references stay valid."""
+        if not self.from_rank0 or self.rank != 0:
+            return
+        swapped: dict[int, torch.Tensor] = {}
+        for module in modules:
+            for owner in module.modules():
+                for attr, param in owner._parameters.items():
+                    if param is None or param.is_meta:
+                        continue
+                    if id(param) not in swapped:
+                        empty = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+                        torch.utils.swap_tensors(param, empty)  # `param` is meta now, `empty` holds the values
+                        swapped[id(param)] = empty.detach()
+                    self._held[(id(owner), attr)] = swapped[id(param)]
+                for attr, buffer in owner._buffers.items():
+                    if buffer is not None and not buffer.is_meta:
+                        self._held[(id(owner), attr)] = buffer
+                        owner._buffers[attr] = torch.empty_like(buffer, device="meta")
+
     @contextmanager
     def unit(self, unit: nn.Module) -> Iterator[None]:
         """Wrap the ``fully_shard`` of one unit: values are taken before and delivered to the shards after."""
@@ -100,25 +147,39 @@ class InitialWeights:
 
     def _full(self, slots: list[Slot]) -> list[torch.Tensor | None]:
         """The source rank's full tensors of a unit, held until its shards are delivered (one unit at a time)."""
-        if self.rank != int(self.mesh.mesh.flatten()[0]):
+        if self.rank != (0 if self.from_rank0 else int(self.mesh.mesh.flatten()[0])):
             return [None] * len(slots)
-        return [None if was_meta else getattr(owner, attr).detach() for owner, _, attr, _, was_meta in slots]
+        return [
+            self._held.pop((id(owner), attr), None) if was_meta else getattr(owner, attr).detach()
+            for owner, _, attr, _, was_meta in slots
+        ]
 
     @torch.no_grad()
     def _fill(self, slots: list[Slot], full: list[torch.Tensor | None]) -> None:
         forked = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=forked):
             owners_to_reset: dict[int, nn.Module] = {}
-            for (owner, _, attr, name, was_meta), source in zip(slots, full):
+            boxes = self._boxes(slots)
+            for index, ((owner, _, attr, name, was_meta), source) in enumerate(zip(slots, full)):
                 tensor = getattr(owner, attr)
                 self._done.add(id(tensor))
                 if self.path == "meta" and was_meta:  # else real on every rank (built before setup): rank 0's
                     self._replay(owner, name, tensor, owners_to_reset)
+                elif self.split and self.path == "built":
+                    continue  # apply_tp broadcast rank 0's values before the split: fully_shard kept each rank's
+                elif boxes is not None:
+                    scatter_boxes(_split_order(owner, source), tensor, [mine[index] for mine in boxes])
                 else:
                     scatter_from(source, tensor, self.mesh)
             for owner in owners_to_reset.values():
                 self._reset(owner)
         full.clear()
+
+    def _boxes(self, slots: list[Slot]) -> list[list[Box]] | None:
+        """Every rank's box of each slot where values come from global rank 0 alone (one collective per unit)."""
+        if not self.from_rank0 or not slots:
+            return None
+        return gather_boxes([getattr(owner, attr) for owner, _, attr, _, _ in slots])
 
     def _replay(self, owner: nn.Module, name: str, tensor: torch.Tensor, owners: dict[int, nn.Module]) -> None:
         recipe = self.recipes.get(name)
@@ -154,7 +215,22 @@ class InitialWeights:
 
 
 def _shard_index(tensor: torch.Tensor) -> int:
-    """Which piece of the tensor this rank holds: replicas share index 0, so they draw identical values."""
-    if not isinstance(tensor, DTensor) or all(p.is_replicate() for p in tensor.placements):
+    """Which piece of the tensor this rank holds, from its coordinates along the mesh dimensions that shard it:
+    replicas (ranks apart only along replicating dimensions: hybrid sharding's replicas, a tensor-parallel group
+    for what it does not split) share an index, so they draw identical values; every piece has its own."""
+    if not isinstance(tensor, DTensor):
         return 0
-    return tensor.device_mesh.get_rank()
+    mesh, index = tensor.device_mesh, 0
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None  # a rank holds a shard of a mesh it belongs to
+    for dim, placement in enumerate(tensor.placements):
+        if not (placement.is_replicate() or placement.is_partial()):
+            index = index * mesh.size(dim) + coordinate[dim]
+    return index
+
+
+def _split_order(owner: nn.Module, full: torch.Tensor | None) -> torch.Tensor | None:
+    """Rank 0's full values in the order the split tensor holds them: a packed projection's rows per rank
+    (``PackedColwiseParallel``), everything else as it is."""
+    packed = owner.__dict__.get(PACKED_ROWS)
+    return interleaved_rows(full, *packed) if full is not None and packed is not None else full

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_vitscale._utils import local_tensor
 
@@ -89,4 +92,74 @@ def _padded(piece: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros_like(like)
     if piece is not None:
         padded[: piece.shape[0]].copy_(piece)
+    return padded
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""A rank's piece of a full tensor: (local shape, offset of its first element in each dimension)."""
+
+
+def local_box(target: torch.Tensor) -> Box:
+    """Where this rank's part of ``target`` lies in the full tensor: a DTensor's local shard on any mesh and
+    placements (tensor-parallel ``Shard(0)``/``Shard(1)`` under FSDP's strided dim-0 shard), else the whole tensor.
+
+    Each of these pieces is one contiguous box of the full tensor: FSDP shards the tensor-parallel chunk, not
+    the full tensor, and ``compute_local_shape_and_global_offset`` follows that order (``_StridedShard``).
+    """
+    if isinstance(target, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        return tuple(shape), tuple(offset)
+    return tuple(target.shape), (0,) * target.dim()
+
+
+def gather_boxes(targets: list[torch.Tensor]) -> list[list[Box]]:
+    """Every rank's box of each of ``targets`` (one collective for a whole unit): ``[rank][target]``.
+
+    A rank's box depends on its own mesh (its data-parallel slice, its place in the tensor-parallel group), which
+    the source rank cannot see, so each rank says where its pieces lie.
+    """
+    mine = [local_box(t) for t in targets]
+    everyone: list[list[Box]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+@torch.no_grad()
+def scatter_boxes(full: torch.Tensor | None, target: torch.Tensor, boxes: list[Box], src: int = 0) -> None:
+    """Fill ``target``'s local part with its box of global rank ``src``'s ``full`` (``boxes``: every rank's, in
+    global rank order); each rank receives its own piece only (padded to the largest), over all ranks.
+
+    ``full`` is read on ``src`` only (``None`` elsewhere). For meshes whose first rank is not the one holding the
+    values: the data-parallel slices of a tensor-parallel job, where only global rank 0 built the model.
+    """
+    local = local_tensor(target)
+    shape, _ = boxes[dist.get_rank()]
+    if tuple(local.shape) != shape:
+        raise RuntimeError(f"a shard of shape {tuple(local.shape)} was told its box has shape {shape}")
+    numel = max(max(math.prod(s) for s, _ in boxes), 1)
+    if local.numel() == numel and local.is_contiguous():
+        received = local.view(-1)  # straight into the shard: no buffer per tensor left as a hole in the heap
+    else:
+        received = torch.empty(numel, dtype=local.dtype, device=local.device)
+    chunks = None
+    if dist.get_rank() == src:
+        assert full is not None
+        source = full.detach().to(local.device, local.dtype)
+        chunks = [_flat_padded(source[_slices(box)], numel) for box in boxes]
+    dist.scatter(received, chunks, src=src)
+    if received.data_ptr() != local.data_ptr():
+        local.copy_(received[: local.numel()].view(local.shape))
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    shape, offset = box
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape))
+
+
+def _flat_padded(piece: torch.Tensor, numel: int) -> torch.Tensor:
+    flat = piece.reshape(-1)
+    if flat.numel() == numel:
+        return flat.contiguous()
+    padded = torch.zeros(numel, dtype=piece.dtype, device=piece.device)
+    padded[: flat.numel()].copy_(flat)
     return padded

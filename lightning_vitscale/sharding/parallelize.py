@@ -66,12 +66,14 @@ def parallelize(
     described = describe_blocks(blocks)  # before FSDP renames the classes (FSDP<Block>)
     # 1. Starting weights: rank 0's everywhere (DDP's guarantee) or, on the meta path, the model's own init,
     #    delivered to each unit's shards as it is sharded (step 4), so no rank holds a second copy.
-    weights = InitialWeights(model, mesh, device, creation)
+    weights = InitialWeights(model, mesh, device, creation, tensor_mesh=tensor_mesh)
     # 1b. Tensor parallelism inside each block before anything wraps it (torch's composition: parallelize_module,
     #     then fully_shard over the data-parallel dimension); checkpointing and compile then see the split block.
+    #     A model from configure_model() is split on meta on every rank; its values arrive with FSDP's shards.
     tensor = None
     if tensor_mesh is not None:
         sharding = resolved.sharding
+        weights.hold([block for _, block in blocks])
         tensor = apply_tp(model, blocks, mesh=tensor_mesh, plan=sharding.tensor_plan, init_path=weights.path)
     # 2. Norm precision first: the fp32 norms must leave the low-precision units before FSDP sees them.
     norms = replicate_norms(model, mesh, precision, weights)

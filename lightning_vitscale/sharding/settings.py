@@ -75,8 +75,10 @@ class ShardingPolicy:
         " stays inside a node). ``k > 1`` makes a 2-D mesh (data parallel x tensor parallel): each block is split"
         " over the ``k`` ranks of its group (attention heads and MLP hidden units), then FSDP shards it over the"
         " ``world / k`` data-parallel ranks, which alone split the batch. The plan per block is found from the"
-        " block's structure (``tensor_plan=None``). Needs ``sharding=\"full\"`` and a model built in"
-        " ``__init__``; docs/sharding.md says when it pays."
+        " block's structure (``tensor_plan=None``). With ``sharding=\"hybrid\"`` or an int: a 3-D mesh (replicate x"
+        " shard x tensor parallel), the shard group's ranks (a multiple of ``k``, tensor-parallel ones included)"
+        " sharing one copy. The model may be built in ``__init__`` or in ``configure_model()`` (either ``init=``"
+        " path); docs/sharding.md says when it pays."
     )},
     )
     tensor_plan: TensorPlanSelector | None = field(
@@ -172,11 +174,6 @@ class ShardingPolicy:
         tp = self.tensor_parallel
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"`tensor_parallel={tp!r}` must be an int >= 1: ranks that split each block.")
-        if tp > 1 and self.layout != "full":
-            raise ValueError(
-                f"`tensor_parallel={tp}` with `sharding={self.layout!r}` (a 3-D mesh) is not supported yet: use"
-                " sharding='full' (FSDP over the data-parallel ranks) with tensor parallelism."
-            )
         plan = self.tensor_plan
         if plan is not None and not (callable(plan) or isinstance(plan, dict)):
             raise TypeError(

@@ -71,21 +71,19 @@ def apply_tp(
 ) -> TensorParallelFacts:
     """Split every block over ``mesh`` (the tensor-parallel dimension) by its plan; set per-rank head counts.
 
-    Every rank first takes global rank 0's values (DDP's guarantee): each block's shards are cut from its
-    tensor-parallel group's first rank, and the data-parallel shards from there. ``init_path`` is how the
-    weights were made (``InitialWeights.path``): only a model built before setup is split yet.
+    Every rank must end with global rank 0's values (DDP's guarantee). ``init_path`` says how the weights were
+    made (``InitialWeights.path``). ``"built"`` (the model built before setup, on every rank): rank 0's values are
+    broadcast first and each block's shards cut from its tensor-parallel group's first rank. ``"exact"`` and
+    ``"meta"`` (``configure_model()``): every rank splits meta tensors with no communication (rank 0's own values
+    wait in ``InitialWeights.hold``); each unit's 2-D shards get their values as FSDP shards it.
     """
-    if init_path != "built":
-        raise NotImplementedError(
-            "tensor_parallel needs the model built before setup (in the LightningModule's __init__): a model made on"
-            f" the meta device (configure_model(), init path {init_path!r}) is not split yet. Build it in __init__,"
-            " or use tensor_parallel=1."
-        )
+    built = init_path == "built"
     plans = [(name, block, plan_block(name, block, mesh.size(), plan)) for name, block in blocks]
-    _same_values_everywhere(model)
+    if built:
+        _same_values_everywhere(model)
     interleaved: list[str] = []
     for name, block, block_plan in plans:
-        parallelize_module(block, mesh, _styles(block_plan))
+        parallelize_module(block, mesh, _styles(block_plan), src_data_rank=0 if built else None)
         for attr_path, value in block_plan.attributes.items():
             owner, _, attr = attr_path.rpartition(".")
             setattr(block.get_submodule(owner), attr, value)

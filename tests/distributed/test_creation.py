@@ -14,7 +14,8 @@ KINDS = ("distinctive", "examples_vit", "timm", "hf")
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    scenarios = ",".join([*(f"exact/{kind}" for kind in KINDS), "meta_stats", "explicit_meta_refused", "reuse"])
+    scenarios = ",".join([*(f"exact/{kind}" for kind in KINDS), "meta_stats", "meta_hybrid", "explicit_meta_refused",
+                          "reuse"])
     return launch_ranks(tmp_path_factory, "creation", "tests/distributed/scripts/creation.py", scenarios)[1]
 
 
@@ -43,6 +44,15 @@ def test_meta_path_replays_the_models_own_init(ranks):
         assert abs(facts["vit_fc1_std"] - 0.02) < 0.002
     warnings = ranks[0]["meta_stats"]["warnings"]
     assert len(warnings) == 1 and "net.head.weight" in warnings[0] and "orthogonal_" in warnings[0]
+
+
+def test_meta_path_under_hybrid_sharding_gives_replicas_the_same_values(ranks):
+    """Two ranks, hybrid sharding with 1-rank shard groups: each rank holds a replica of the whole model.
+
+    Mutation seen failing: the seed's shard index taken from the global rank (the replicas then differ)."""
+    for rank in ranks:
+        facts = rank["meta_hybrid"]
+        assert facts["path"] == "meta" and facts["replicas_differ"] is False
 
 
 def test_exact_refuses_a_model_built_on_meta_by_hand(ranks):

@@ -5,6 +5,9 @@ close to DDP as FSDP's; the batch is split over data-parallel ranks only; the bl
 a quarter per rank; sharded checkpoints keep the model's own layout, so they resume exactly (weights, optimizer
 state, EMA) across tensor-parallel layouts, DDP and world sizes, packed qkv included; an earlier version's folder in
 per-rank row order is read under its own layout only.
+A backbone built in ``configure_model()``: ``init="exact"`` is the ``__init__``-built run bit for bit,
+``init="meta"`` replays the model's own init on the 2-D shards, and neither holds the model on ranks > 0 during
+setup. Hybrid sharding beside TP (a 3-D mesh) trains as DDP.
 
 Mutations seen failing: the sampler split over all 4 ranks (each TP pair read different samples); clipping's norm
 missing the data-parallel sum of FSDP's strided shards of TP weights (rel 2e-4 from the second step); the packed
@@ -17,6 +20,8 @@ under TP=4 and on 2 ranks under TP=2 x FSDP=1, FSDP=4's folders under TP=2)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tests.helpers.launch import launch_ranks
@@ -26,6 +31,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 SCRIPT = "tests/distributed/scripts/tensor_parallel.py"
 STEPS = 4
 CASES = ["examples-2", "examples-4", "timm-2", "hf-2", "dinov2-2"]
+CONFIGURED = ["examples", "timm"]  # also built in configure_model() under TP=2 x FSDP=2
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +170,84 @@ def test_every_full_view_of_a_packed_qkv_is_in_the_models_own_layout(ranks):
     assert ranks[0]["full-views"]["load_from_checkpoint_vs_file"] == 0.0
     assert ranks[0]["full-views"]["load_from_checkpoint_vs_ddp"] < 1e-6
     assert ranks[0]["full-views"]["folder_layout_key"] is False
+
+
+@pytest.mark.parametrize("backbone", CONFIGURED)
+def test_init_exact_under_tensor_parallelism_is_the_init_built_run_bit_for_bit(ranks, backbone):
+    """Built in ``configure_model()`` from the RNG state of the ``__init__`` run's rank 0: rank 0 builds it for
+    real, the others on meta; every rank splits meta tensors and receives its 2-D shards (packed qkv rows in
+    per-rank order) from rank 0 unit by unit. Losses, weights and optimizer state after the fit are the
+    ``__init__``-built TP run's bit for bit, and the losses DDP's.
+
+    Mutations seen failing: rank 0's full qkv sent in the model's own row order (losses and weights apart); each
+    data-parallel slice's values taken from its own first rank, as without tensor parallelism (ranks 1 and 3 hold
+    nothing to send: the fit fails).
+    """
+    ddp = global_losses(ranks, f"{backbone}-0")
+    for rank in ranks:
+        exact = rank[f"{backbone}-2-exact"]
+        assert exact["init_path"] == "exact"
+        assert exact["losses"] == rank[f"{backbone}-2"]["losses"]
+        assert exact["keys"] == 64 and exact["different"] == []  # 32 weights and their momentum
+    assert max_relative_difference(global_losses(ranks, f"{backbone}-2-exact"), ddp) < 1e-5
+
+
+@pytest.mark.parametrize("backbone", CONFIGURED)
+def test_init_meta_under_tensor_parallelism_replays_the_models_own_init_on_the_2d_shards(ranks, backbone):
+    """Every rank builds on meta with its own seed; each piece of the 2-D layout replays the recorded init (the
+    blocks' ``trunc_normal_(std=0.02)`` weights, zero biases, unit norms; nn.Linear's default would be std 0.10)
+    with a seed per tensor and piece agreed over all ranks: pieces at the same place on two ranks are equal, pieces
+    at different places differ. The fit runs its steps with finite losses, other values than the exact path's.
+
+    Mutations seen failing: the piece index taken from the global rank (the mesh's, as for a 1-D mesh: a
+    tensor-parallel group's replicas of the outer unit's shards differ); the base seed agreed within each
+    data-parallel slice only (the slices' replicas differ)."""
+    for rank in ranks:
+        meta = rank[f"{backbone}-2-meta"]
+        pieces = meta["pieces"]
+        assert meta["init_path"] == "meta"
+        assert pieces["replicas_agree"] and pieces["shards_differ"]
+        assert abs(pieces["weight_std"] - 0.02) < 0.001 and abs(pieces["weight_mean"]) < 0.001
+        assert pieces["bias_max"] == 0.0 and pieces["norm_values"] == [1.0]
+        assert len(meta["losses"]) == STEPS and all(math.isfinite(loss) for loss in meta["losses"])
+        assert meta["losses"] != rank[f"{backbone}-2-exact"]["losses"]
+
+
+def test_setup_under_tensor_parallelism_holds_the_model_on_rank_0_only(ranks):
+    """A 57 MiB ViT built in ``configure_model()`` under TP=2 x FSDP=2: peak host-memory growth from ``setup`` to
+    the first step. Exact: rank 0 its one full copy and its shards, the others a quarter of the model (their
+    shards) and one tensor in flight; meta: every rank its shards only (measured: 1.09x on rank 0 and 0.27x on the
+    others on the exact path, 0.26x everywhere on the meta path).
+
+    Mutation seen failing: the model materialised whole on every rank before the split (0.81x on the meta path)."""
+    for index, rank in enumerate(ranks):
+        exact, meta = rank["setup-memory"]["exact"], rank["setup-memory"]["meta"]
+        assert exact["path"] == "exact" and meta["path"] == "meta" and exact["mib"] > 50
+        assert exact["growth"] <= (1.3 if index == 0 else 0.4), (index, exact["growth"])
+        assert meta["growth"] <= 0.4, (index, meta["growth"])
+
+
+def test_hybrid_sharding_beside_tensor_parallelism_is_a_3d_mesh_that_trains_as_ddp(ranks):
+    """``sharding=2`` with ``tensor_parallel=2`` on 4 ranks: mesh (replicate 2, shard 1, tensor parallel 2), TP
+    innermost; FSDP's 2-D (replicate, shard) data-parallel mesh on top of the split blocks, so each rank holds half
+    of the blocks' state. The two data-parallel ranks (replicate x shard) split the batch, each TP pair reads the
+    same samples; losses are DDP's. Built in ``configure_model()``: exact is the ``__init__`` run bit for bit, meta
+    gives replicas (ranks 0 and 2, 1 and 3) the same pieces.
+
+    Mutations seen failing: the sampler's rank from the shard coordinate alone (both replicas read the same half:
+    losses apart from DDP's); the built path's values sent again after the split, over the whole world from each
+    data-parallel slice's first rank (mismatched broadcasts: the ranks hang until the launch's timeout)."""
+    ddp = global_losses(ranks, "examples-0")
+    assert max_relative_difference(global_losses(ranks, "examples-2-hybrid"), ddp) < 1e-5
+    seen = [sorted(rank["examples-2-hybrid"]["seen"]) for rank in ranks]
+    assert seen[0] == seen[1] and seen[2] == seen[3] and sorted(seen[0] + seen[2]) == list(range(32))
+    for rank in ranks:
+        hybrid = rank["examples-2-hybrid"]
+        assert hybrid["mesh"] == [[[0, 1]], [[2, 3]]]
+        assert hybrid["placements"][0] == "R" and hybrid["placements"][2] == "S(0)"  # [1]: FSDP's strided shard
+        assert hybrid["block_fraction"] == pytest.approx(0.5, rel=0.05)
+        assert "sharding            : hybrid (2 replicas x 1-rank shard groups)" in hybrid["summary"]
+        exact, meta = rank["examples-2-hybrid-exact"], rank["examples-2-hybrid-meta"]
+        assert exact["init_path"] == "exact" and exact["losses"] == hybrid["losses"]
+        assert meta["init_path"] == "meta" and meta["pieces"]["replicas_agree"] and meta["pieces"]["shards_differ"]
+        assert abs(meta["pieces"]["weight_std"] - 0.02) < 0.001

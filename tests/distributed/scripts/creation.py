@@ -144,6 +144,13 @@ def meta_stats() -> dict:
     }
 
 
+def meta_hybrid() -> dict:
+    """``init="meta"`` under hybrid sharding with 1-rank shard groups: the two ranks are replicas of each other and
+    must start from the same values (the seed per shard counts only the mesh dimensions that shard)."""
+    model, t = fit("distinctive", VitScaleStrategy(init="meta", sharding=1))
+    return {"path": t.strategy.plan.init_path, "replicas_differ": model.shards_differ}
+
+
 def explicit_meta_refused() -> dict:
     class OnMeta(Built):
         def configure_model(self) -> None:
@@ -221,7 +228,8 @@ def memory() -> dict:
 
 
 SCENARIOS = {f"exact/{kind}": (lambda kind=kind: exact(kind)) for kind in BUILDERS}
-SCENARIOS.update(meta_stats=meta_stats, explicit_meta_refused=explicit_meta_refused, reuse=reuse, memory=memory)
+SCENARIOS.update(meta_stats=meta_stats, meta_hybrid=meta_hybrid, explicit_meta_refused=explicit_meta_refused,
+                 reuse=reuse, memory=memory)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,17 @@ all through ``Trainer.fit`` with gradient clipping; each rank starts from its ow
 broadcast makes them agree. Then checkpoints: HF ViT saved under TP=2 x FSDP=2 resumed under FSDP=4 (tensor_parallel=1);
 the examples' ViT and timm's (packed qkv, with ShardedEMA) saved under TP=2 x FSDP=2 and resumed under FSDP=4, TP=4
 and DDP, whose own checkpoints are resumed under TP=2 again; a folder in an earlier version's per-rank order
-(with its tensor-layout entry) resumed under TP=2 and refused under TP=1. Writes ``rank{r}.json``: losses, the
-sampler split, state bytes, the plan summary, what each resume restored.
+(with its tensor-layout entry) resumed under TP=2 and refused under TP=1. Then the examples' ViT and timm's built in
+``configure_model()`` under TP=2 x FSDP=2: ``init="exact"`` (rank 0 real, the others on meta), ``init="meta"``
+(every rank on meta, each rank seeded differently), and host memory during setup for a 57 MiB ViT on both paths.
+The examples' ViT under ``sharding=2`` (a 3-D mesh: 2 replicas x 1-rank shard groups x 2 tensor parallel), built in
+``__init__`` and in ``configure_model()`` on both paths.
+Writes ``rank{r}.json``: losses, the sampler split, state bytes, the plan summary, what each resume restored.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import sys
 import warnings
@@ -32,6 +37,7 @@ from lightning_vitscale.checkpoint import save as saving
 from lightning_vitscale.checkpoint.consolidate import load_consolidated
 from lightning_vitscale.checkpoint.formats import META
 from lightning_vitscale.checkpoint.own_layout import OwnLayoutSavePlanner
+from lightning_vitscale.init.scatter import local_box
 from lightning_vitscale.sharding import TENSOR_LAYOUT_KEY, TensorLayoutError
 from tests.helpers.state import full as full_tensor
 from tests.helpers.state import snapshot
@@ -73,21 +79,53 @@ def hf_dinov2():
     return Dinov2ForImageClassification(hf_config(Dinov2Config, mlp_ratio=2))
 
 
-BACKBONES = {"examples": examples_vit, "timm": timm_vit, "hf": hf_vit, "dinov2": hf_dinov2}
+def big_vit():
+    """57 MiB of parameters (8 blocks of 384 wide): setup's host memory is measured against it."""
+    from examples.models.vit import VisionTransformer
+
+    return VisionTransformer(IMAGE, PATCH, 3, CLASSES, embed_dim=384, depth=8, num_heads=6, mlp_ratio=4.0)
+
+
+BACKBONES = {"examples": examples_vit, "timm": timm_vit, "hf": hf_vit, "dinov2": hf_dinov2, "big": big_vit}
 
 
 class Model(L.LightningModule):
-    def __init__(self, backbone: str) -> None:
+    """``in_configure_model``: the backbone is built in ``configure_model()`` instead of ``__init__``."""
+
+    def __init__(self, backbone: str, in_configure_model: bool = False) -> None:
         super().__init__()
-        self.backbone = BACKBONES[backbone]()
+        self.name = backbone
+        self.backbone = None if in_configure_model else BACKBONES[backbone]()
         self.losses: list[float] = []
         self.seen: list[int] = []
         self.record_initial = False
         self.old_format = False
+        self.record_pieces = False
+
+    def setup(self, stage: str) -> None:
+        # Memory earlier fits freed goes back to the system first, or this fit would reuse it unseen; then this
+        # process's peak RSS (VmHWM) restarts from here.
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")
+        if self.record_pieces:  # each rank its own seed from here (as a per-rank augmentation seed would do)
+            torch.manual_seed(100 + self.global_rank)
+        self.rss_before = _status_bytes("VmRSS")
+
+    def configure_model(self) -> None:
+        """From the RNG state rank 0 builds the ``__init__`` backbone with (seed 1): on the exact path the weights
+        are that backbone's; the generator then continues as before (a meta build draws nothing)."""
+        if self.backbone is None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(1)
+                self.backbone = BACKBONES[self.name]()
 
     def on_train_start(self) -> None:
+        self.setup_growth = _status_bytes("VmHWM") - self.rss_before
+        if self.name == "big":
+            return
         self.restored = in_model_order(with_ema(snapshot(self, self.trainer), self.trainer), self)  # what it restored
         self.initial = self.state_dict() if self.record_initial else None  # after setup, before the first step
+        self.pieces = pieces(self) if self.record_pieces else None
 
     def forward(self, x):
         out = self.backbone(x)
@@ -120,15 +158,24 @@ CHECKPOINTING = {"examples": True, "timm": "selective", "hf": False, "dinov2": T
 
 
 def fit(
-    backbone: str, tp: int, steps: int = STEPS, ckpt: Path | None = None, precision: str = "32-true"
+    backbone: str, tp: int, steps: int = STEPS, ckpt: Path | None = None, precision: str = "32-true",
+    init: str | None = None, sharding: str | int = "full",
 ) -> tuple[dict, Model, L.Trainer]:
+    """``init``: the backbone is built in ``configure_model()`` with ``VitScaleStrategy(init=init)``; on the meta
+    path every rank is seeded differently at setup (the shards' init must still agree where ranks hold the same
+    piece)."""
     torch.manual_seed(dist.get_rank() + 1 if dist.is_initialized() else 1)  # different weights on every rank
-    model = Model(backbone)
-    model.record_initial = backbone == "examples" and tp == 2 and precision == "32-true"
+    model = Model(backbone, in_configure_model=init is not None)
+    model.record_initial = backbone == "examples" and tp == 2 and precision == "32-true" and init is None
+    model.record_pieces = init == "meta"
     L.seed_everything(0, verbose=False)
     ddp = "ddp_find_unused_parameters_true"  # DINOv2's mask token takes no part in classification
     checkpointing = CHECKPOINTING[backbone]
-    strategy = ddp if tp == 0 else VitScaleStrategy(tensor_parallel=tp, activation_checkpointing=checkpointing)
+    options: dict = {} if init is None else {"init": init}
+    if sharding != "full":
+        options["sharding"] = sharding
+    strategy = ddp if tp == 0 else VitScaleStrategy(tensor_parallel=tp, activation_checkpointing=checkpointing,
+                                                    **options)
     data_parallel = WORLD if tp in (0, 1) else WORLD // tp
     ema = backbone in ("examples", "timm") and precision == "32-true"  # every resume of a packed qkv: its EMA too
     trainer = L.Trainer(
@@ -140,8 +187,73 @@ def fit(
     state = measure_state_bytes(model, trainer.optimizers)
     facts = {"losses": model.losses, "seen": model.seen, "fraction": state.sharded_fraction}
     if tp:
-        facts.update(block_fraction=_block_fraction(model, trainer), summary=trainer.strategy.plan.summary())
+        facts.update(block_fraction=_block_fraction(model, trainer), summary=trainer.strategy.plan.summary(),
+                     init_path=trainer.strategy.plan.init_path)
+    if tp and backbone == "examples":  # the packed qkv's layout: the mesh and its placement on each dimension
+        qkv = model.backbone.blocks[0].attn.qkv.weight
+        facts.update(mesh=qkv.device_mesh.mesh.tolist(), placements=[str(p) for p in qkv.placements])
     return facts, model, trainer
+
+
+CHECKPOINTING["big"] = False
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def pieces(model: Model) -> dict:
+    """Every rank's piece of every parameter, after setup: pieces at the same place (replicas: the ranks of a
+    tensor-parallel group for what it does not split, ...) must be equal, and weight pieces at different places
+    must differ (no copies of one draw); the blocks' weight and bias statistics, gathered whole."""
+    world = dist.get_world_size()
+    replicas_agree, shards_differ = True, True
+    for name, param in model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, (local_box(param), local.detach().clone()))
+        for i in range(world):
+            for j in range(i):
+                (box_i, piece_i), (box_j, piece_j) = everyone[i], everyone[j]
+                if box_i == box_j:
+                    replicas_agree &= torch.equal(piece_i, piece_j)
+                elif name.endswith("weight") and piece_i.dim() == 2 and piece_i.shape == piece_j.shape:
+                    shards_differ &= not torch.equal(piece_i, piece_j)
+    blocks = model.backbone.blocks
+    linears = [m for m in blocks.modules() if isinstance(m, torch.nn.Linear)]
+    weights = torch.cat([full_tensor(m.weight).flatten() for m in linears])
+    biases = torch.cat([full_tensor(m.bias).flatten() for m in linears])
+    norms = torch.cat([full_tensor(m.weight).flatten() for m in blocks.modules() if isinstance(m, torch.nn.LayerNorm)])
+    return {"replicas_agree": replicas_agree, "shards_differ": shards_differ, "weight_std": weights.std().item(),
+            "weight_mean": weights.mean().item(), "weight_max": weights.abs().max().item(),
+            "bias_max": biases.abs().max().item(), "norm_values": sorted(set(norms.tolist()))}
+
+
+def configured(backbone: str, built: dict[str, torch.Tensor]) -> dict:
+    """The backbone built in ``configure_model()`` under TP=2 x FSDP=2: ``init="exact"`` against the ``__init__``
+    run (``built``: its weights and optimizer state after the fit), ``init="meta"``'s pieces and statistics."""
+    exact, model, trainer = fit(backbone, 2, init="exact")
+    after = snapshot(model, trainer)
+    exact["different"] = [k for k in built if not torch.equal(built[k], after[k])]
+    exact["keys"] = len(built)
+    meta, model, _ = fit(backbone, 2, init="meta")
+    meta["pieces"] = model.pieces
+    return {f"{backbone}-2-exact": exact, f"{backbone}-2-meta": meta}
+
+
+def setup_memory() -> dict:
+    """Peak host-memory growth from ``setup`` to the first step for a 57 MiB ViT built in ``configure_model()``
+    under TP=2 x FSDP=2, on both paths, against the model's bytes."""
+    facts = {}
+    for init in ("exact", "meta"):
+        result, model, trainer = fit("big", 2, steps=1, init=init)
+        full = sum(p.numel() * p.element_size() for p in model.parameters())
+        facts[init] = {"growth": model.setup_growth / full, "losses": result["losses"],
+                       "path": result["init_path"], "mib": full / 2**20}
+    return facts
 
 
 SAVED: dict[Path, dict[str, torch.Tensor]] = {}
@@ -265,26 +377,52 @@ def main() -> None:
     if WORLD != 4:
         return other_world_size(out, Path(sys.argv[2]))
     results = {}
-    for backbone in BACKBONES:
+    for backbone in [b for b in BACKBONES if b != "big"]:
         for tp in (0, 2, 4) if backbone == "examples" else (0, 2):
             results[f"{backbone}-{tp}"], model, trainer = fit(backbone, tp)
             if backbone == "examples" and tp == 0:
                 ema = next(c for c in trainer.callbacks if isinstance(c, ShardedEMA)).shards.state_dict()
                 ddp = {"state": model.state_dict(), "optimizer": trainer.optimizers[0].state_dict(), "ema": ema}
-            if tp == 2 and backbone in ("examples", "timm", "hf"):  # saved for the resumes below
-                save(trainer, model, out / f"{backbone}-{tp}.ckpt")
-            if tp == 2 and backbone == "examples":
-                results["full-views"] = full_views(out, model, trainer, ddp)
-                model.old_format = True  # shards in per-rank order, as an earlier version wrote them
-                with mock.patch.object(saving, "OwnLayoutSavePlanner", lambda packed: OwnLayoutSavePlanner({})):
-                    save(trainer, model, out / "examples-2-old.ckpt")
+            if tp == 2:
+                results.update(after_tp2_fit(out, backbone, model, trainer, ddp))
     if dist.get_rank() == 0:  # for the resumes on 2 ranks
         for backbone in ("examples", "timm"):
             torch.save(SAVED[out / f"{backbone}-2.ckpt"], out / f"{backbone}-2.snapshot.pt")
+    results.update(hybrid())
     for tp in (1, 2):  # bf16-mixed (O2, fp32 norms, the non-finite guard on): TP beside FSDP=4's recipe
         results[f"examples-{tp}-bf16"] = fit("examples", tp, precision="bf16-mixed")[0]
     results.update(resumes_across_layouts(out))
+    results["setup-memory"] = setup_memory()
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+
+
+def after_tp2_fit(out: Path, backbone: str, model: Model, trainer: L.Trainer, ddp: dict) -> dict:
+    """What a TP=2 x FSDP=2 fit leaves for the checks: its checkpoint (and, for the examples' ViT, the full views
+    and a folder in an earlier version's per-rank order), and the same backbone built in ``configure_model()``."""
+    if backbone not in ("examples", "timm", "hf"):
+        return {}
+    results = {}
+    built = snapshot(model, trainer)
+    save(trainer, model, out / f"{backbone}-2.ckpt")  # for the resumes below
+    if backbone == "examples":
+        results["full-views"] = full_views(out, model, trainer, ddp)
+        model.old_format = True  # shards in per-rank order, as an earlier version wrote them
+        with mock.patch.object(saving, "OwnLayoutSavePlanner", lambda packed: OwnLayoutSavePlanner({})):
+            save(trainer, model, out / "examples-2-old.ckpt")
+    if backbone in ("examples", "timm"):
+        results.update(configured(backbone, built))
+    return results
+
+
+def hybrid() -> dict:
+    """Hybrid sharding beside tensor parallelism: a 3-D mesh, 2 replicas x 1-rank shard groups x 2 tensor parallel,
+    the examples' ViT built in ``__init__`` and in ``configure_model()`` on both paths."""
+    meta, model, _ = fit("examples", 2, sharding=2, init="meta")
+    return {
+        "examples-2-hybrid": fit("examples", 2, sharding=2)[0],
+        "examples-2-hybrid-exact": fit("examples", 2, sharding=2, init="exact")[0],
+        "examples-2-hybrid-meta": {**meta, "pieces": model.pieces},
+    }
 
 
 def resumes_across_layouts(out: Path) -> dict:

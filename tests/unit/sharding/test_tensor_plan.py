@@ -101,7 +101,16 @@ def test_interleaved_rows_give_each_rank_its_own_heads_q_k_v():
 def test_settings_refuse_bad_tensor_parallel_values():
     with pytest.raises(ValueError, match="must be an int >= 1"):
         ShardingPolicy(tensor_parallel=0)
-    with pytest.raises(ValueError, match="3-D mesh"):
-        ShardingPolicy(tensor_parallel=2, layout="hybrid")
+    ShardingPolicy(tensor_parallel=2, layout="hybrid")  # a 3-D mesh: accepted
     with pytest.raises(TypeError, match="tensor_plan"):
         ShardingPolicy(tensor_parallel=2, tensor_plan=["attn.qkv"])  # type: ignore[arg-type]
+
+
+def test_a_shard_group_that_tensor_parallelism_does_not_divide_is_refused_before_any_mesh_is_made():
+    """8 ranks in shard groups of 2 cannot hold tensor-parallel groups of 4 (no process group needed: refused first)."""
+    from lightning_vitscale.distributed.mesh import build_mesh
+
+    with pytest.raises(ValueError, match=r"does not divide the shard group of 2 ranks.*\[1, 2\]"):
+        build_mesh("cpu", 8, 2, tensor_parallel=4)
+    with pytest.raises(ValueError, match="does not divide the world size 6"):
+        build_mesh("cpu", 6, 6, tensor_parallel=4)
