@@ -36,6 +36,7 @@ VIT_SIZES: dict[str, ViTSize] = {
     "vit-G14": ViTSize(1664, 48, 16, 8192, 14),  # 1.843B
     "vit-5b": ViTSize(4096, 25, 32, 16384, 14),
     "vit-10b": ViTSize(5120, 32, 40, 20480, 14),
+    "vit-22b": ViTSize(6144, 48, 48, 24576, 14),  # ViT-22B's width, depth, heads and MLP (Dehghani et al. 2023)
     "vit-25b": ViTSize(8192, 31, 64, 32768, 14),
     "vit-60b": ViTSize(10240, 48, 80, 40960, 14),
     "vit-120b": ViTSize(12288, 66, 96, 49152, 14),

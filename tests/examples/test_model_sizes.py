@@ -18,6 +18,7 @@ EXPECTED = {
     "vit-G14": 1843e6,
     "vit-5b": 5e9,
     "vit-10b": 10e9,
+    "vit-22b": 21.7e9,  # ViT-22B's shape without its parallel layers and qk-norm: 21.7B (Dehghani et al. 2023)
     "vit-25b": 25e9,
     "vit-60b": 60e9,
     "vit-120b": 120e9,
@@ -36,7 +37,7 @@ def test_param_count_within_2_percent(name: str) -> None:
 def test_big_configs_use_multiples_of_8(name: str) -> None:
     s = VIT_SIZES[name]
     assert s.embed_dim % s.num_heads == 0
-    if name in ("vit-5b", "vit-10b", "vit-25b", "vit-60b", "vit-120b"):
+    if name in ("vit-5b", "vit-10b", "vit-22b", "vit-25b", "vit-60b", "vit-120b"):
         assert s.embed_dim % 8 == 0 and s.num_heads % 8 == 0 and s.mlp_dim % 8 == 0
 
 
