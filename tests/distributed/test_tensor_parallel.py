@@ -31,7 +31,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 SCRIPT = "tests/distributed/scripts/tensor_parallel.py"
 STEPS = 4
 CASES = ["examples-2", "examples-4", "timm-2", "hf-2", "dinov2-2"]
-CONFIGURED = ["examples", "timm"]  # also built in configure_model() under TP=2 x FSDP=2
+CONFIGURED = ["examples", "timm"]  # also built in configure_model() under TP=2 x FSDP=2 (init="exact")
+CONFIGURED_META = ["examples"]  # and init="meta" (its replay is per tensor, whatever the family)
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +113,8 @@ def exact(facts: dict, optimizer_keys: int, ema_keys: int) -> None:
 SIZES = {"examples": (32, 32, 32), "timm": (32, 32, 32)}  # weights, momentum buffers, EMA tensors
 
 
-@pytest.mark.parametrize("backbone", ["examples", "timm"])
-@pytest.mark.parametrize("resumed_under", [1, 4, 0])
+@pytest.mark.parametrize(("backbone", "resumed_under"), [("examples", 1), ("examples", 4), ("examples", 0),
+                                                       ("timm", 0)])
 def test_packed_qkv_saved_under_tp2_x_fsdp2_resumes_exactly_under_fsdp4_tp4_and_ddp(ranks, backbone, resumed_under):
     """A sharded folder of a packed-qkv model (TP=2 x FSDP=2, ShardedEMA on) under FSDP=4 (tensor_parallel=1), TP=4
     and strategy="ddp" (the folder read through the package's Lightning patches): 0.0 difference everywhere."""
@@ -124,8 +125,7 @@ def test_packed_qkv_saved_under_tp2_x_fsdp2_resumes_exactly_under_fsdp4_tp4_and_
         assert facts["keys"] == weights + momentum + ema
 
 
-@pytest.mark.parametrize("backbone", ["examples", "timm"])
-@pytest.mark.parametrize("saved_under", [1, 0])
+@pytest.mark.parametrize(("backbone", "saved_under"), [("examples", 1), ("examples", 0), ("timm", 0)])
 def test_fsdp4_folders_and_ddp_files_resume_exactly_under_tp2(ranks, backbone, saved_under):
     """The reverse: FSDP=4's sharded folder and DDP's own file, each saved by a resumed run above, under TP=2."""
     _, momentum, ema = SIZES[backbone]
@@ -192,7 +192,7 @@ def test_init_exact_under_tensor_parallelism_is_the_init_built_run_bit_for_bit(r
     assert max_relative_difference(global_losses(ranks, f"{backbone}-2-exact"), ddp) < 1e-5
 
 
-@pytest.mark.parametrize("backbone", CONFIGURED)
+@pytest.mark.parametrize("backbone", CONFIGURED_META)
 def test_init_meta_under_tensor_parallelism_replays_the_models_own_init_on_the_2d_shards(ranks, backbone):
     """Every rank builds on meta with its own seed; each piece of the 2-D layout replays the recorded init (the
     blocks' ``trunc_normal_(std=0.02)`` weights, zero biases, unit norms; nn.Linear's default would be std 0.10)
