@@ -114,13 +114,17 @@ def run(name: str, dim: int, steps: int) -> Result:
     result = Result(probe.times[WARM_UP:], state.params_local + state.optimizer_local, probe.sent[WARM_UP:])
     if isinstance(strategy, VitScaleStrategy):
         layout = strategy.plan.layout
-        result.planned = {"data_parallel": layout.traffic.intra_node + layout.traffic.inter_node,
-                          "tensor_parallel": layout.tensor_sent}
+        result.planned = {"data_parallel": layout.traffic.intra_node + layout.traffic.inter_node}
+        if TENSOR_PARALLEL[name] > 1:
+            result.planned["tensor_parallel"] = layout.tensor_sent
     return result
 
 
-def sent_cell(result: Result, dimension: str) -> str:
-    """Bytes per timed step on one dimension (the median; the range where steps differ), and the plan's."""
+def sent_cell(name: str, result: Result, dimension: str) -> str:
+    """Bytes per timed step on one dimension (the median; the range where steps differ), and the plan's; ``-``
+    where the strategy's mesh has no such dimension (no tensor parallelism)."""
+    if dimension == "tensor_parallel" and TENSOR_PARALLEL[name] == 1:
+        return "-"
     values = sorted(step.get(dimension, 0.0) for step in result.sent)
     cell = f"{statistics.median(values):,.0f} B"
     if values[0] != values[-1]:
@@ -157,7 +161,7 @@ def main() -> None:
     for name in STRATEGIES:
         last = results[name][-1]
         other = {k: v for step_sent in last.sent for k, v in step_sent.items() if k not in DIMENSIONS}
-        cells = " | ".join(sent_cell(last, d) for d in DIMENSIONS)
+        cells = " | ".join(sent_cell(name, last, d) for d in DIMENSIONS)
         print(f"| {LABELS[name]} | {step[name]:.3f} | {step[name] / step['ddp']:.2f} | {state[name] / 2**20:.1f} MiB"
               f" | {state[name] / state['ddp']:.2f} | {cells} |" + (f" outside the mesh: {other}" if other else ""))
 
