@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -123,6 +123,10 @@ class TrafficRecorder:
             self.intra += sent
         self.calls[name] += 1
 
+    def by_dimension(self, world: int, tensor_parallel: int = 1) -> dict[str, float]:
+        """The bytes of ``by_group`` summed per mesh dimension (:func:`per_dimension`)."""
+        return per_dimension(self.by_group, world, tensor_parallel)
+
     @contextlib.contextmanager
     def recording(self) -> Iterator[TrafficRecorder]:
         originals = {name: getattr(dist, name) for name in self._SIZES if hasattr(dist, name)}
@@ -149,3 +153,29 @@ class TrafficRecorder:
             funcol.all_reduce = functional
             for name, fn in originals.items():
                 setattr(dist, name, fn)
+
+
+def mesh_dimension(group: tuple[int, ...], world: int, tensor_parallel: int = 1) -> str:
+    """The mesh dimension a process group runs over. Without tensor parallelism every group is data parallel (the
+    world's: DDP, FSDP; its sub-groups: hybrid sharding). With ``tensor_parallel=k`` (mesh ``(world // k, k)``, TP
+    innermost) TP's groups are ``k`` consecutive ranks and the data-parallel ones stride ``k``; anything else (the
+    world's, e.g. a scalar all-reduce outside the mesh) is named ``"world"``."""
+    if tensor_parallel == 1:
+        return "data_parallel"
+    if len(group) == tensor_parallel and group == tuple(range(group[0], group[0] + tensor_parallel)):
+        return "tensor_parallel"
+    if len(group) == world // tensor_parallel and all(b - a == tensor_parallel for a, b in zip(group, group[1:])):
+        return "data_parallel"
+    return "world"
+
+
+def per_dimension(
+    by_group: Mapping[tuple[int, ...], float], world: int, tensor_parallel: int = 1
+) -> dict[str, float]:
+    """Bytes sent per process group (``TrafficRecorder.by_group``) summed per mesh dimension
+    (:func:`mesh_dimension`)."""
+    out: dict[str, float] = {}
+    for group, sent in by_group.items():
+        name = mesh_dimension(group, world, tensor_parallel)
+        out[name] = out.get(name, 0.0) + sent
+    return out

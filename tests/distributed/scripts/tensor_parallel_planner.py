@@ -31,7 +31,7 @@ from lightning_vitscale.memory.planning_batch import EXAMPLE_INPUT, PlanningBatc
 from lightning_vitscale.memory.step_cost import traffic_per_dimension
 from lightning_vitscale.memory.step_model import StepSettings, TrainingLoop, predict_step
 from tests.distributed.scripts.planner_fit import MeasuredStrategy
-from tests.helpers.recording import TrafficRecorder
+from tests.helpers.recording import TrafficRecorder, per_dimension
 from tests.helpers.scenarios import run_scenarios
 
 warnings.filterwarnings("ignore")
@@ -86,16 +86,6 @@ class CountedStrategy(MeasuredStrategy):
         return output
 
 
-def dimension_of(group: tuple[int, ...]) -> str:
-    """The mesh dimension a process group runs over: TP's groups are ``TP`` consecutive ranks, the data-parallel
-    ones stride ``TP`` (mesh ``(WORLD // TP, TP)``); anything else (the world's) is named as such."""
-    if len(group) == TP and group == tuple(range(group[0], group[0] + TP)):
-        return "tensor_parallel"
-    if len(group) == WORLD // TP and all(b - a == TP for a, b in zip(group, group[1:])):
-        return "data_parallel"
-    return "world"
-
-
 def predicted(ac: str, batch: int, tensor_parallel: int) -> tuple[int, int, dict[str, float], str]:
     """(peak, step increment, traffic per dimension, phase) the planner predicts for the cell's step."""
     loop = TrainingLoop(released_after_step=True)
@@ -127,12 +117,7 @@ def cell(ac: str, batch: int) -> dict:
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         precision="32-true")
     trainer.fit(model, DataLoader(data, batch_size=batch))
-    measured_traffic = []
-    for step in strategy.sent:
-        per_dimension: dict[str, float] = {}
-        for group, sent in step.items():
-            per_dimension[dimension_of(group)] = per_dimension.get(dimension_of(group), 0.0) + sent
-        measured_traffic.append(per_dimension)
+    measured_traffic = [per_dimension(step, WORLD, TP) for step in strategy.sent]
     return dict(measured=min(strategy.growths), growths=strategy.growths, predicted=increment, unsplit=unsplit,
                 phase=phase, planned_peak=peak, summary_peak=strategy.plan.predicted_peak,
                 summary=strategy.plan.summary(), traffic=traffic, measured_traffic=measured_traffic,
