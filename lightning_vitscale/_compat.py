@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_into
 from torch.distributed.fsdp import FSDPModule  # public: only for the annotations below (import it from torch)
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterComm  # FSDP2 custom comms
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # a DTensor shard's box (init/)
 from torch.fx.experimental.symbolic_shapes import ShapeEnv  # planner: a step's .item() on fake tensors
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 from torch.nn.modules.instancenorm import _InstanceNorm as InstanceNormBase
@@ -226,6 +227,7 @@ def timm_save_config_for_hf() -> Callable[..., None]:
     return save_config_for_hf
 
 __all__ = [
+    "compute_local_shape_and_global_offset",
     "BatchNormBase",
     "ChildProcessObserver",
     "CheckpointConnector",

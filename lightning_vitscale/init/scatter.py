@@ -9,8 +9,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from lightning_vitscale._compat import compute_local_shape_and_global_offset
 from lightning_vitscale._utils import local_tensor
 
 

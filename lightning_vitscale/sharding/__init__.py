@@ -12,6 +12,13 @@ from typing import Any
 from lightning_vitscale.checkpoint.errors import TensorLayoutError
 from lightning_vitscale.checkpoint.tensor_layout import check_tensor_layout
 from lightning_vitscale.discovery import ModuleSelector
+from lightning_vitscale.discovery.tensor_plan import (
+    TENSOR_LAYOUT_KEY,
+    BlockPlan,
+    TensorPlanError,
+    TensorPlanSelector,
+    tensor_layout,
+)
 from lightning_vitscale.sharding import summary
 from lightning_vitscale.sharding.outer_unit import OuterUnit, OutsideStepCallError
 from lightning_vitscale.sharding.parallelize import NoBlocksMatchedError, Parallelized, parallelize
@@ -29,13 +36,6 @@ from lightning_vitscale.sharding.settings import (
 from lightning_vitscale.sharding.setup import Ranks, ShardedModel, shard_lightning_module
 from lightning_vitscale.sharding.summary import SetupSummary
 from lightning_vitscale.sharding.sync_batchnorm import apply_sync_batchnorm
-from lightning_vitscale.sharding.tensor_plan import (
-    TENSOR_LAYOUT_KEY,
-    BlockPlan,
-    TensorPlanError,
-    TensorPlanSelector,
-    tensor_layout,
-)
 
 __all__ = [
     "TENSOR_LAYOUT_KEY",

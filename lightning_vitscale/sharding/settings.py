@@ -10,9 +10,9 @@ from typing import Literal
 from torch import nn
 
 from lightning_vitscale.discovery import ModuleSelector
+from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector
 from lightning_vitscale.kernels.settings import KERNEL_MODES, KernelMode, KernelPolicy, unknown_kernel_mode
 from lightning_vitscale.memory import ACCUMULATION_MODES, AccumulationMode, check_budget
-from lightning_vitscale.sharding.tensor_plan import TensorPlanSelector
 
 BlockCheckpointing = bool | Literal["full", "selective"]
 """One block's checkpointing: ``True``/``"full"`` recomputes its whole forward in backward, ``"selective"`` stores

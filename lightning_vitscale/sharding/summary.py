@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lightning_vitscale._utils import full_bytes, local_bytes, mib
+from lightning_vitscale.discovery.tensor_plan import tensor_layout
 from lightning_vitscale.kernels import describe_router
-from lightning_vitscale.sharding.tensor_plan import tensor_layout
 from lightning_vitscale.sharding.traffic import LayoutReport
 
 if TYPE_CHECKING:

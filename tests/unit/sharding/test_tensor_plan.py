@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel
 
+from lightning_vitscale.discovery.tensor_plan import plan_block
 from lightning_vitscale.sharding import ShardingPolicy, TensorPlanError
 from lightning_vitscale.sharding.tensor_parallel import interleave_rows
-from lightning_vitscale.sharding.tensor_plan import plan_block
 
 PACKED = {"attn.qkv": "packed_colwise", "attn.proj": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
 

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from lightning_vitscale import VitScaleStrategy
-from lightning_vitscale.sharding.tensor_plan import plan_block
+from lightning_vitscale.discovery.tensor_plan import plan_block
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIG = REPO / "examples/configs/classification_vit_22b_tp4.yaml"
