@@ -99,6 +99,7 @@ def build(model_name: str, variant: str, x):
     from lightning_vitscale.sharding.parallelize import parallelize
     from lightning_vitscale.sharding.planning import plan_before_sharding
     from lightning_vitscale.sharding.ranks import Ranks
+    from lightning_vitscale.sharding.resolved import resolve_config
 
     model = make_model(model_name)
     chosen = ""
@@ -115,8 +116,8 @@ def build(model_name: str, variant: str, x):
                                                         blocks_per_unit=per_unit),
                                 checkpointing=CheckpointingPolicy(blocks=ac))
         ranks = Ranks(mesh, cpu, dist.get_rank(), world, agree_max=_agree_max, world_size=world)
-        planned = plan_before_sharding(model, config, resolve_flag("32-true"), ranks)
-        done = parallelize(root, model, mesh, planned.config, resolve_flag("32-true"), cpu)
+        planned = plan_before_sharding(model, resolve_config(config, cpu), resolve_flag("32-true"), ranks)
+        done = parallelize(root, model, mesh, planned.resolved, resolve_flag("32-true"), cpu)
         planned.apply(model, done.plan, cpu)
         if variant.endswith(", sync"):
             synchronous_collectives(root)

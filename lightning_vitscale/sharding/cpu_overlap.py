@@ -14,6 +14,13 @@ all-reduce runs in gloo's worker thread during backward). Two changes give CPU r
   (an autograd final callback): a unit's reduce-scatter runs while the previous unit's backward computes, and
   no more gradient buffers are alive than under FSDP2's own (which frees a reduce-scatter's input at the next).
 
+gloo has no reduce-scatter of its own: ``ProcessGroupGloo.reduce_scatter_tensor_coalesced`` clones the input,
+all-reduces the clone and copies out this rank's chunk, so every reduce-scatter moves an all-reduce's bytes (twice
+a reduce-scatter's) and FSDP2 on CPU ranks moved 1.5x DDP's bytes per step. :class:`AllToAllReduction` is the
+reduce-scatter itself: gloo's all-to-all sends each rank its chunk of every other rank's input (a ring
+reduce-scatter's ``(n - 1) / n`` of the buffer), and this rank sums the ``n`` chunks it received when the work is
+waited for. Its one temporary (the received chunks) is the size of the input, as gloo's clone was.
+
 The reduce-scatter's output is FSDP2's new gradient shard, viewed (not copied) into ``param.grad``; it is read
 before backward ends only when FSDP2 adds it to a gradient that already exists (accumulation), casts it to
 another dtype, divides it after the collective (fp16), or hands it to a post-accumulate-grad hook (optimizer in
@@ -67,7 +74,7 @@ class OverlappedReduceScatter(ReduceScatterComm):
         # reduce-scatter's input only at the next one. Unbounded, every unit's input (the whole model's unsharded
         # gradients) would stay alive until backward ends.
         self.pending.wait_all()
-        work = reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=True)
+        work = reduce_scatter_on_gloo(output_tensor, input_tensor, op, group)
         if self._read_at_once(output_tensor.dtype):
             work.wait()
         else:
@@ -85,6 +92,40 @@ class OverlappedReduceScatter(ReduceScatterComm):
                    for param in self.params)
 
 
+class AllToAllReduction:
+    """A reduce-scatter in flight as gloo's all-to-all; :meth:`wait` sums the received chunks into the output.
+
+    ``input`` is ``n`` equal chunks, chunk ``r`` going to rank ``r`` (FSDP2's reduce-scatter input); after the
+    all-to-all, row ``s`` of ``received`` is rank ``s``'s chunk for this rank, so their sum (divided by ``n`` for
+    ``AVG``) is this rank's reduced shard, what ``reduce_scatter_tensor`` writes into ``output``.
+    """
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, average: bool, group: dist.ProcessGroup) -> None:
+        self.output, self.average, self.world = output, average, group.size()
+        self.received: torch.Tensor | None = torch.empty_like(input)
+        self.work: dist.Work | None = dist.all_to_all_single(self.received, input, group=group, async_op=True)
+
+    def wait(self) -> bool:
+        if self.work is None or self.received is None:
+            return True  # waited for already (wait is idempotent, like a Work's)
+        self.work.wait()
+        torch.sum(self.received.view(self.world, -1), dim=0, out=self.output)
+        if self.average:
+            self.output.div_(self.world)
+        self.work = self.received = None
+        return True
+
+
+def reduce_scatter_on_gloo(output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp | dist.ReduceOp.RedOpType,
+                           group: dist.ProcessGroup) -> AllToAllReduction | dist.Work:
+    """``reduce_scatter_tensor(output, input, op, group, async_op=True)`` moving a reduce-scatter's bytes, not an
+    all-reduce's (module docstring): the sum and the average; any other op (FSDP2's pre-multiplied sum for a custom
+    gradient divide factor) goes through gloo's own."""
+    if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) and input.is_contiguous() and output.is_contiguous():
+        return AllToAllReduction(output, input, average=op == dist.ReduceOp.AVG, group=group)
+    return reduce_scatter(output, input, op=op, group=group, async_op=True)
+
+
 class PendingReductions:
     """Reduce-scatters in flight in the current backward, waited for by an autograd final callback.
 
@@ -93,9 +134,9 @@ class PendingReductions:
     """
 
     def __init__(self) -> None:
-        self.works: list[dist.Work] = []
+        self.works: list[dist.Work | AllToAllReduction] = []
 
-    def add(self, work: dist.Work) -> None:
+    def add(self, work: dist.Work | AllToAllReduction) -> None:
         self.works.append(work)
         queue_end_of_backward(self.wait_all)
 

@@ -29,3 +29,16 @@ def test_gradients_and_losses_match_ddp_also_when_accumulating(ranks):
     for rank in ranks:
         assert max_relative_difference(rank["losses"]["ours"], rank["losses"]["ddp"]) < 1e-5
         assert max(rank["grad_differences"]) < 1e-5
+
+
+def test_reduce_scatters_move_a_reduce_scatters_bytes_and_equal_gloos(ranks):
+    """gloo's reduce-scatter is an all-reduce of a clone (twice a reduce-scatter's bytes): CPU ranks reduce-scatter
+    by gloo's all-to-all and a local sum instead, equal to gloo's for the sum and the average, fp32 and bf16;
+    any other op falls back to gloo's own."""
+    for rank in ranks:
+        collectives = rank["collectives"]
+        assert collectives.get("all_to_all_single", 0) == 5  # one per unit: 4 blocks and the outer unit
+        assert not any(name.startswith("reduce_scatter") for name in collectives), collectives
+        differences = rank["against_gloo"]
+        assert len(differences) == 6, differences  # sum, avg, max x fp32, bf16
+        assert all(value == 0.0 for value in differences.values()), differences

@@ -19,6 +19,7 @@ _COLLECTIVES = (
     "all_gather_into_tensor",
     "reduce_scatter_single",
     "reduce_scatter_tensor",
+    "all_to_all_single",  # CPU ranks' reduce-scatter (sharding/cpu_overlap.py: gloo's own is an all-reduce)
     "all_reduce",
     "all_gather",
     "broadcast",
@@ -90,6 +91,7 @@ class TrafficRecorder:
         "all_gather_into_tensor": ("output_tensor", 1.0),
         "reduce_scatter_single": ("input", 1.0),
         "reduce_scatter_tensor": ("input", 1.0),
+        "all_to_all_single": ("input", 1.0),  # CPU ranks' reduce-scatter: each rank sends (n - 1) / n of its input
         "all_reduce": ("tensor", 2.0),
     }
 

@@ -4,7 +4,8 @@
 (one block per unit, collectives asynchronous on CPU, prefetch 1) and, beside it, the same model under DDP.
 Three optimizer steps, the third accumulating two micro-batches without clearing gradients in between (FSDP2
 then adds each reduce-scatter's output to the existing gradient shard: the case that must wait at once).
-Writes losses, gradient differences and what a backward hook of the first block saw in flight.
+Writes losses, gradient differences, what a backward hook of the first block saw in flight, the collectives a step
+called, and ``reduce_scatter_on_gloo`` against gloo's own reduce-scatter for each op and dtype.
 """
 
 from __future__ import annotations
@@ -22,9 +23,25 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_vitscale._compat import fsdp_param_groups
 from lightning_vitscale.precision.settings import resolve_flag
 from lightning_vitscale.sharding import ParallelConfig
+from lightning_vitscale.sharding.cpu_overlap import reduce_scatter_on_gloo
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import parallelize
 from tests.helpers.models import EncoderClassifier
+from tests.helpers.recording import count_collectives
+
+
+def against_gloos_reduce_scatter(rank: int, world: int) -> dict[str, float]:
+    """Max absolute difference to ``reduce_scatter_tensor`` per op and dtype (inputs differ per rank)."""
+    ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}  # max: gloo's own
+    differences = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, op in ops.items():
+            x = torch.randn(world * 1000, generator=torch.Generator().manual_seed(rank)).to(dtype)
+            ours, theirs = torch.empty(1000, dtype=dtype), torch.empty(1000, dtype=dtype)
+            reduce_scatter_on_gloo(ours, x, op, dist.group.WORLD).wait()
+            dist.reduce_scatter_tensor(theirs, x, op=op)
+            differences[f"{name}-{dtype}"] = (ours.float() - theirs.float()).abs().max().item()
+    return differences
 
 
 def main(out: str) -> None:
@@ -53,8 +70,11 @@ def main(out: str) -> None:
         for _ in range(micro_batches):
             x, y = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
             for name, model in (("ours", root), ("ddp", ddp)):
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
+                with count_collectives() as counts:
+                    loss = F.cross_entropy(model(x), y)
+                    loss.backward()
+                if name == "ours":
+                    collectives = dict(counts)
                 losses[name].append(loss.item())
         left_in_flight = len(pending.works)
         grad_differences.append(max(
@@ -64,7 +84,8 @@ def main(out: str) -> None:
         for optimizer in optimizers:
             optimizer.step()
     result = {"losses": losses, "grad_differences": grad_differences, "in_flight": in_flight,
-              "left_in_flight": left_in_flight, "summary": done.plan.summary()}
+              "left_in_flight": left_in_flight, "summary": done.plan.summary(), "collectives": collectives,
+              "against_gloo": against_gloos_reduce_scatter(rank, dist.get_world_size())}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_vitscale import VitScaleStrategy, measure_state_bytes
 from lightning_vitscale._compat import REDUCE_SCATTER
 from tests.helpers.models import Classifier, loader
+from tests.helpers.recording import count_collectives
 
 warnings.filterwarnings("ignore")
 
@@ -38,20 +38,12 @@ STRATEGY = {"selective_accum4": {"activation_checkpointing": "selective"}, "grou
 
 @contextmanager
 def counting_reduce_scatters() -> Iterator[Counter[str]]:
-    """Counts FSDP2's reduce-scatters (``dist.reduce_scatter_single``, ``reduce_scatter_tensor`` on torch 2.11:
-    looked up at call time) while active."""
-    counts: Counter[str] = Counter()
-    original = getattr(dist, REDUCE_SCATTER)
-
-    def counted(*args, **kwargs):
-        counts["reduce_scatter"] += 1
-        return original(*args, **kwargs)
-
-    setattr(dist, REDUCE_SCATTER, counted)
-    try:
-        yield counts
-    finally:
-        setattr(dist, REDUCE_SCATTER, original)
+    """Counts FSDP2's reduce-scatters while active: ``dist.reduce_scatter_single`` (``reduce_scatter_tensor`` on
+    torch 2.11) and, on CPU ranks, the all-to-all that ``sharding/cpu_overlap.py`` reduce-scatters with."""
+    with count_collectives() as counts:
+        totals: Counter[str] = Counter()
+        yield totals
+        totals["reduce_scatter"] = counts[REDUCE_SCATTER] + counts["all_to_all_single"]
 
 
 def run(backbone: str, config: str, strategy: str) -> dict:
