@@ -3,6 +3,7 @@ single-file export, crash safety and bad input."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,12 @@ SCRIPT = "tests/distributed/scripts/checkpoints.py"
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("checkpoints")
     assert_ok(torchrun(SCRIPT, "two", str(out), timeout=300))
-    assert_ok(torchrun(SCRIPT, "one", str(out), nprocs=1, timeout=200))
-    killed = torchrun(SCRIPT, "kill", str(out), timeout=200)
+    # The 1-rank job (it reads "two"'s checkpoint) and the job killed mid-save (its own A/B checkpoints) have nothing
+    # in common: they run at the same time.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        one = pool.submit(torchrun, SCRIPT, "one", str(out), nprocs=1, timeout=200)
+        killed = pool.submit(torchrun, SCRIPT, "kill", str(out), timeout=200).result()
+        assert_ok(one.result())
     assert not killed.timed_out and killed.returncode != 0 and (out / "kill_started").exists()
     assert_ok(torchrun(SCRIPT, "again", str(out), timeout=300))
     return tuple([out] + [load_ranks(out, f"{mode}-rank*.json") for mode in ("two", "one", "again")])

@@ -3,6 +3,8 @@ VitScaleStrategy, through save, resume, a world-size change and export; no colle
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -18,7 +20,12 @@ TIGHT = 1e-6  # fp32: the same average up to the order of the roundings
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ema")
     assert_ok(torchrun(SCRIPT, "two", str(out), timeout=240))
-    assert_ok(torchrun(SCRIPT, "one", str(out), nprocs=1, timeout=120))
+    # Resumes of "two"'s checkpoints on 1 rank and on 4, at the same time (each writes its own files).
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        one = pool.submit(torchrun, SCRIPT, "one", str(out), nprocs=1, timeout=120)
+        four = pool.submit(torchrun, SCRIPT, "four", str(out), nprocs=4, timeout=120)
+        assert_ok(one.result())
+        assert_ok(four.result())
     return out, load_ranks(out, "two-rank*.json"), load_ranks(out, "one-rank*.json")
 
 
@@ -68,7 +75,6 @@ def test_a_full_format_checkpoint_holds_the_whole_ema_and_resumes_it_exactly_on_
     saved = torch.load(out / "vitscale-ema-step4-rank0.pt")
     in_file = torch.load(out / "vitscale-full-step4.ckpt")["ema_state_dict"]  # plain torch.load, weights_only
     assert largest_difference(in_file, saved) == 0.0
-    assert_ok(torchrun(SCRIPT, "four", str(out), nprocs=4, timeout=120))
     resumes = [("full_vitscale", 2), ("full_ddp", 2), ("full_1", 1), ("full_4", 4)]
     for tag, ranks in resumes:
         for rank in range(ranks):

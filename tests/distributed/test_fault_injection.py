@@ -10,12 +10,15 @@ explicit ``ckpt_path`` to it raise a ``CheckpointError`` naming the file.
 
 Launches: one per kill (Lightning's own launcher, so the strategy's failure teardown runs) and one resume run on 2
 ranks and one on 1, each checking every scenario in one process. (The 1-rank resumes once ran in the test process:
-a later in-process test, the DINO example's, then took 86 s instead of 43.)"""
+a later in-process test, the DINO example's, then took 86 s instead of 43.) The three kills run at the same time
+(each its own folder, port and job), then the two resumes (they only read the folders the kills left: each writes
+its own ``restored-<n>`` and ``damaged-*-<n>``): ~17 s instead of ~26 s one after the other."""
 
 from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -46,12 +49,17 @@ EXPECTED = {
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("faults")
-    killed = {}
-    for name in SCENARIOS:
-        result = lightning_launch(SCRIPT, "kill", name, str(out), timeout=150)
-        killed[name] = (result, time.time())
-    for devices in (2, 1):
-        assert_ok(torchrun(SCRIPT, "resume", str(devices), str(out), nprocs=devices, timeout=300))
+
+    def kill(name: str):
+        return lightning_launch(SCRIPT, "kill", name, str(out), timeout=150), time.time()
+
+    def resume(devices: int):
+        return torchrun(SCRIPT, "resume", str(devices), str(out), nprocs=devices, timeout=300)
+
+    with ThreadPoolExecutor(max_workers=len(SCENARIOS)) as pool:
+        killed = dict(zip(SCENARIOS, pool.map(kill, SCENARIOS)))
+        for resumed in pool.map(resume, (2, 1)):
+            assert_ok(resumed)
     return out, killed, {n: json.loads((out / f"resume{n}-rank0.json").read_text()) for n in (2, 1)}
 
 

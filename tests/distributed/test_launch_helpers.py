@@ -44,7 +44,9 @@ def test_lightning_launcher_starts_its_other_rank_as_python_script_py_would(tmp_
 
 
 def test_a_timeout_ends_the_launcher_and_every_rank(tmp_path):
-    timeout = 15 if zygote.enabled() else 60  # the ranks write their files within it (fresh imports: ~20 s)
+    # The ranks write their files well within it: forked from the zygote, a 2-rank torchrun launch that writes them
+    # and exits takes ~1.5 s (the test above); fresh imports ~20 s.
+    timeout = 8 if zygote.enabled() else 60
     result = torchrun(LIGHTNING_SCRIPT, str(tmp_path), "sleep", timeout=timeout)
     assert result.timed_out and result.seconds < timeout + 10, f"{result.seconds:.0f}s: a rank held the output"
     pids = [r["pid"] for r in load_ranks(tmp_path)]

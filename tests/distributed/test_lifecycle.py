@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from tests.helpers.launch import assert_ok, launch_ranks, lightning_launch, slurm_launch
@@ -54,39 +56,59 @@ def test_auto_attention_is_decided_alike_on_every_rank(ranks):
     assert [rank["attention_auto"]["stand_in_calls"] for rank in ranks] == [0, 0]
 
 
+LAUNCHER = "tests/distributed/scripts/launcher.py"
+
+
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
+def launches(tmp_path_factory) -> dict:
+    """The launcher tests' jobs, at the same time (each its own folder and port; ~1-2 s each, mostly process
+    start-up and teardown): the DDP oracle and the drop-in through Lightning's own launcher, world size 1 (a plain
+    process), and 2 processes started as srun would (SLURM_* variables)."""
+    out = {name: tmp_path_factory.mktemp(name) for name in ("ddp", "vitscale", "single", "slurm")}
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        lightning = {name: pool.submit(lightning_launch, LAUNCHER, name, str(out[name]), timeout=180)
+                     for name in ("ddp", "vitscale", "single")}
+        slurm = pool.submit(slurm_launch, LAUNCHER, "vitscale", str(out["slurm"]), timeout=180)
+        results = {name: future.result() for name, future in lightning.items()} | {"slurm": slurm.result()}
+    return {name: (results[name], out[name]) for name in out}
+
+
+@pytest.fixture(scope="module")
+def ddp_run(launches):
     """The DDP oracle run once, through Lightning's own launcher, for every launcher test below."""
-    out = tmp_path_factory.mktemp("ddp")
-    assert_ok(lightning_launch("tests/distributed/scripts/launcher.py", "ddp", str(out), timeout=180))
+    result, out = launches["ddp"]
+    assert_ok(result)
     return out
 
 
-def test_dropin_with_lightning_launcher_matches_ddp(tmp_path, ddp_run):
-    assert_ok(lightning_launch("tests/distributed/scripts/launcher.py", "vitscale", str(tmp_path), timeout=180))
+def test_dropin_with_lightning_launcher_matches_ddp(launches, ddp_run):
+    result, out = launches["vitscale"]
+    assert_ok(result)
     for rank in (0, 1):
         ddp = load_ranks(ddp_run, f"ddp_rank{rank}.json")[0]
-        ours = load_ranks(tmp_path, f"vitscale_rank{rank}.json")[0]
+        ours = load_ranks(out, f"vitscale_rank{rank}.json")[0]
         assert ours["strategy"] == "VitScaleStrategy"
         assert max_relative_difference(ours["losses"], ddp["losses"]) < 1e-5
         # The gloo group is destroyed before interpreter teardown (Lightning does so for NCCL only), so no
         # rank can abort at exit after a finished run.
-        assert (tmp_path / f"vitscale_exit_rank{rank}.txt").read_text() == "group destroyed"
+        assert (out / f"vitscale_exit_rank{rank}.txt").read_text() == "group destroyed"
 
 
-def test_world_size_one_matches_single_device(tmp_path):
-    assert_ok(lightning_launch("tests/distributed/scripts/launcher.py", "single", str(tmp_path), timeout=180))
-    facts = load_ranks(tmp_path, "single_rank0.json")[0]
+def test_world_size_one_matches_single_device(launches):
+    result, out = launches["single"]
+    assert_ok(result)
+    facts = load_ranks(out, "single_rank0.json")[0]
     assert facts["vitscale"]["strategy"] == "VitScaleStrategy"
     assert max_relative_difference(facts["vitscale"]["losses"], facts["single_device"]["losses"]) < 1e-6
 
 
-def test_under_slurm_matches_ddp(tmp_path, ddp_run):
+def test_under_slurm_matches_ddp(launches, ddp_run):
     """Processes started as srun would (SLURM_* variables): Lightning's SLURMEnvironment, our strategy."""
-    for result in slurm_launch("tests/distributed/scripts/launcher.py", "vitscale", str(tmp_path), timeout=180):
+    results, out = launches["slurm"]
+    for result in results:
         assert_ok(result)
     for rank in (0, 1):
         ddp = load_ranks(ddp_run, f"ddp_rank{rank}.json")[0]
-        ours = load_ranks(tmp_path, f"vitscale_rank{rank}.json")[0]
+        ours = load_ranks(out, f"vitscale_rank{rank}.json")[0]
         assert ours["cluster"] == "SLURMEnvironment"
         assert max_relative_difference(ours["losses"], ddp["losses"]) < 1e-5

@@ -28,7 +28,7 @@ def ranks(tmp_path_factory) -> list[dict]:
 def test_losses_match_ddp(ranks, backbone, config):
     for rank in ranks:
         ddp, ours = rank[f"{backbone}/{config}/ddp"], rank[f"{backbone}/{config}/vitscale"]
-        assert len(ours["losses"]) >= 8
+        assert len(ours["losses"]) >= 4  # 4 optimizer steps (8 micro-batches with accumulation)
         assert max_relative_difference(ours["losses"], ddp["losses"]) < 1e-5
         # ... with the CPU ranks' asynchronous collectives on (the default), through Trainer.fit.
         assert ours["overlap"] == "asynchronous on CPU (all-gathers, reduce-scatters), prefetch 1"
@@ -57,7 +57,7 @@ def test_selective_checkpointing_and_unsharded_accumulation_match_ddp(ranks):
     ``no_sync``), where a reduce-scatter per micro-batch would send four."""
     for rank in ranks:
         ddp, ours = rank["encoder/selective_accum4/ddp"], rank["encoder/selective_accum4/vitscale"]
-        assert len(ours["losses"]) == 32 and ours["optimizer_steps"] == 8
+        assert len(ours["losses"]) == 16 and ours["optimizer_steps"] == 4
         assert max_relative_difference(ours["losses"], ddp["losses"]) < 1e-5
         assert ours["selective"] == 4 and ours["recomputed_blocks"] == 4
         assert ours["reduce_scatters"] == ours["units"] * ours["optimizer_steps"]
@@ -70,7 +70,7 @@ def test_two_blocks_per_unit_match_ddp(ranks):
     where one unit per block would send 5."""
     for rank in ranks:
         ddp, ours = rank["timm/grouped_accum_clip/ddp"], rank["timm/grouped_accum_clip/vitscale"]
-        assert ours["optimizer_steps"] == 8 and ours["units"] == 3
+        assert ours["optimizer_steps"] == 4 and ours["units"] == 3
         assert max_relative_difference(ours["losses"], ddp["losses"]) < 1e-5
         assert ours["fsdp_blocks"] == 4 and ours["recomputed_blocks"] == 4
         assert ours["reduce_scatters"] == 3 * ours["optimizer_steps"]

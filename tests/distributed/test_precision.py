@@ -55,9 +55,9 @@ def test_master_weights_and_optimizer_state_dtypes(ranks):
 def test_fp32_norms_cost_at_most_one_extra_collective(ranks):
     for rank in ranks:
         with_norms, without = rank["collectives_fp32_norms"], rank["collectives_bf16_norms"]
-        assert with_norms["fp32"] == 49 and without["fp32"] == 0  # 24 blocks x 2 + final norm
-        # Measured: 74 vs 73 collectives per step (48 all-gathers, 25 reduce-scatters, +1 all-reduce for norms);
-        # one FSDP unit per norm would add ~2 x 49.
+        assert with_norms["fp32"] == 17 and without["fp32"] == 0  # 8 blocks x 2 + final norm
+        # Measured: 25 vs 24 collectives per step (15 all-gathers, 9 reduce-scatters, +1 all-reduce for norms);
+        # one FSDP unit per norm would add ~2 x 17.
         assert with_norms["total"] <= 1.1 * without["total"], (with_norms, without)
         assert with_norms["counts"].get("all_reduce", 0) == 1
 
@@ -74,7 +74,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(ranks):
 def test_bf16_mixed_converges_like_fp32_on_digits(ranks):
     fp32 = ranks[0]["convergence_fp32"]["accuracy"]
     bf16 = ranks[0]["convergence_bf16"]["accuracy"]
-    # Measured 0.967 (fp32) vs 0.970 (bf16-mixed) on 397 held-out scikit-learn digits after 8 epochs.
+    # Measured 0.962 (fp32) vs 0.962 (bf16-mixed) on 397 held-out scikit-learn digits after 4 epochs.
     assert fp32 >= 0.93
     assert bf16 >= fp32 - 0.02, (bf16, fp32)
 

@@ -203,19 +203,24 @@ def launch_ranks(
 
 
 def slurm_launch(script: str | Path, *args: str, ntasks: int = 2, timeout: float = 240) -> list[Finished]:
-    """Start ``ntasks`` processes the way ``srun --ntasks-per-node`` does (SLURM_* variables, no launcher)."""
+    """Start ``ntasks`` processes the way ``srun --ntasks-per-node`` does (SLURM_* variables, no launcher).
+
+    Each is ``python script`` forked from the zygote like the ranks of the other launches (``python_command``): the
+    SLURM_* variables are read when the Trainer starts (Lightning's SLURMEnvironment; its import-time rank is reset
+    in the fork from ``SLURM_PROCID``), and two fresh processes spent ~9 s of the test importing."""
     import time
 
     port = str(free_port())
+    cmd, base = python_command(str(script), *args)
     procs = []
     for rank in range(ntasks):
-        env = rank_env(
-            SLURM_NTASKS=str(ntasks), SLURM_NTASKS_PER_NODE=str(ntasks), SLURM_PROCID=str(rank),
+        env = dict(
+            base, SLURM_NTASKS=str(ntasks), SLURM_NTASKS_PER_NODE=str(ntasks), SLURM_PROCID=str(rank),
             SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_JOB_NAME="vitscale-test", SLURM_JOB_ID="4242",
             SLURM_NODELIST="127.0.0.1", MASTER_PORT=port,
         )
         procs.append(subprocess.Popen(
-            [sys.executable, str(script), *args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+            cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, start_new_session=True,
         ))
     start, results = time.monotonic(), []

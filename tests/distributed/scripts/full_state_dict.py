@@ -178,7 +178,7 @@ def one_rank_call() -> dict:
     model = Classifier("encoder")
     t = trainer("vitscale", max_steps=1)
     t.fit(model, loader(n=8))
-    return rank_zero_alone(model.state_dict)
+    return rank_zero_alone(model.state_dict, timeout=ALONE_TIMEOUT_S)
 
 
 class CallDuringTraining(Callback):
@@ -218,7 +218,9 @@ def during_training(calls: dict[int, Callable[[L.LightningModule], object]]) -> 
 
 
 MAIN_TIMEOUT_S = 20.0
-SIDE_TIMEOUT_S = 2.0
+# Bounds a call that can never succeed (the other rank joins no collective until it returned): 3 s before.
+ALONE_TIMEOUT_S = 1.5
+SIDE_TIMEOUT_S = 1.0  # the lone calls wait it out; the ranks that both call meet within milliseconds
 SCENARIOS = {
     "state_dicts/ddp": lambda: state_dicts("ddp"),  # first: the oracle
     "state_dicts/vitscale": lambda: state_dicts("vitscale"),

@@ -60,14 +60,15 @@ def strategy_for(name: str):
     return "ddp" if name == "ddp" else VitScaleStrategy(sharding=name)
 
 
-def fit(name: str, steps: int, nodes: int = NODES, precision: str = "32-true", ckpt: Path | None = None):
+def fit(name: str, steps: int, nodes: int = NODES, precision: str = "32-true", ckpt: Path | None = None,
+        devices: int = PER_NODE):
     # Each rank builds different initial weights: training can match DDP only if every rank (on both mesh
     # dimensions) starts from rank 0's, as DDP does. Then the same seed everywhere for data and dropout.
     torch.manual_seed(global_rank() + 1)
     model, probe = Resumable("encoder"), TrafficProbe()
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
-        accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", NODES * PER_NODE)) // nodes, num_nodes=nodes,
+        accelerator="cpu", devices=devices, num_nodes=nodes,
         strategy=strategy_for(name), max_steps=steps, precision=precision, gradient_clip_val=CLIP,
         callbacks=[probe], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
@@ -103,8 +104,8 @@ def parity_and_save(out: Path) -> dict:
     return results
 
 
-def resume(name: str, ckpt: Path, out: Path, tag: str, nodes: int = NODES) -> dict:
-    model, trainer, _ = fit(name, 9, nodes=nodes, ckpt=ckpt)  # restored state is captured at train start
+def resume(name: str, ckpt: Path, out: Path, tag: str, nodes: int = NODES, devices: int = PER_NODE) -> dict:
+    model, trainer, _ = fit(name, 9, nodes=nodes, ckpt=ckpt, devices=devices)  # restored state: at train start
     torch.save(model.restored, out / f"{tag}-restored-rank{trainer.global_rank}.pt")
     return {"global_step": trainer.global_step, "losses": model.losses}
 
@@ -151,8 +152,10 @@ def main() -> None:
     elif mode == "lightning":
         results = lightning_nodes(out)
     else:  # hybrid checkpoint written by 4 ranks, resumed under full sharding on 2 or 1 rank(s)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        results = resume("full", out / "hybrid.ckpt", out, f"hybrid_to_full_{world}", nodes=1)
+        # "one" is a plain process (Lightning's launcher, devices=1): it once took devices from WORLD_SIZE's
+        # default of 4, so Lightning's launcher started 3 more ranks and the "1 rank" resume ran on 4.
+        world = 2 if mode == "two" else 1
+        results = resume("full", out / "hybrid.ckpt", out, f"hybrid_to_full_{world}", nodes=1, devices=world)
     (out / f"{mode}-rank{dist.get_rank() if dist.is_initialized() else 0}.json").write_text(json.dumps(results))
 
 

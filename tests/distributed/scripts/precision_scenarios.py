@@ -57,11 +57,12 @@ def dtypes(flag: str) -> dict:
 
 
 class Deep(L.LightningModule):
-    """24 pre-norm blocks, 49 LayerNorms: the collective-count workload."""
+    """8 pre-norm blocks, 17 LayerNorms: the collective-count workload (one FSDP unit per norm would add ~2 x 17
+    collectives to ~24 per step; 24 blocks showed the same, 3x slower)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.net = TinyViT(image=8, patch=4, dim=32, depth=24)
+        self.net = TinyViT(image=8, patch=4, dim=32, depth=8)
 
     def training_step(self, batch, batch_idx):
         if batch_idx == 1:  # after lazy init, one whole optimizer step
@@ -201,7 +202,8 @@ def convergence(flag: str) -> dict:
     model = DigitsViT()
     # Checkpointing off: this test is about precision, and a 2-block model has no activations to save.
     strategy = VitScaleStrategy(activation_checkpointing=False)
-    t = trainer(precision=flag, max_epochs=8, check_val_every_n_epoch=8, strategy=strategy)
+    # 4 epochs: 0.962 accuracy under both precisions (8 epochs: 0.967, twice the time; 3 epochs: 0.92).
+    t = trainer(precision=flag, max_epochs=4, check_val_every_n_epoch=4, strategy=strategy)
     t.fit(model, DataLoader(train, batch_size=16, shuffle=True), DataLoader(val, batch_size=100))
     counts = t.strategy.reduce(torch.tensor([model.correct, model.total], dtype=torch.float64), reduce_op="sum")
     return {"accuracy": float(counts[0] / counts[1])}
