@@ -1,50 +1,26 @@
 """Every classification backbone source and the DINO pretraining example, through their CLIs, under ``"ddp"`` and
-``"vitscale"``: one launch of ``scripts/examples_matrix.py`` (2 CPU ranks) runs all ten fits.
+``"vitscale"``: one launch of ``scripts/examples_matrix.py`` (2 CPU ranks) runs all ten fits, and test_fast_dev_run.py's
+two (``example_fits``, tests/examples/conftest.py).
 
 The weights and configs are made here, locally: nothing is downloaded.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.helpers.launch import assert_ok, torchrun
-from tests.helpers.results import load_ranks
+from tests.examples.conftest import RUNS, SOURCES, STRATEGIES
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 
-SCRIPT = "tests/examples/scripts/examples_matrix.py"
-STRATEGIES = ("vitscale", "ddp")
-SOURCES = ("timm", "torchvision", "hf")
-
-
-def _local_backbone_files(work: Path) -> None:
-    """A timm ViT-Ti state dict saved for 7 classes at 32 px RGB (the run adapts it to digits: 10 classes, 16 px,
-    grey) and a tiny Hugging Face ViT config directory."""
-    import timm
-    from safetensors.torch import save_file
-    from transformers import ViTConfig
-
-    net = timm.create_model("vit_tiny_patch16_224", num_classes=7, img_size=32, in_chans=3)
-    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(work / "timm.safetensors"))
-    config = ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, patch_size=4)
-    config.save_pretrained(str(work / "hf_config"))
-
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out, work = tmp_path_factory.mktemp("matrix"), tmp_path_factory.mktemp("weights")
-    _local_backbone_files(work)
-    names = [f"{what}/{s}" for what in (*SOURCES, "dino") for s in STRATEGIES]
-    assert_ok(torchrun(SCRIPT, str(out), str(work), ",".join(names), timeout=360))
-    return load_ranks(out)[0]
+def runs(example_fits: tuple[list[dict], str]) -> dict:
+    return example_fits[0][0]  # rank 0's results
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("source", SOURCES)
-def test_backbone_fast_dev_run(runs: dict, source: str, strategy: str) -> None:
+@pytest.mark.parametrize(("source", "strategy"), [(w, s) for w in SOURCES for s in STRATEGIES if f"{w}/{s}" in RUNS])
+def test_backbone_fast_dev_run(runs: dict, source: str, strategy: str) -> None:  # RUNS: why not torchvision/ddp
     run = runs[f"{source}/{strategy}"]
     assert run["steps"] == 1
     if strategy == "vitscale":  # each library's repeated blocks are found and sharded, no hint given

@@ -1,8 +1,11 @@
-"""Rank script: the classification backbones and the pretraining example through their own CLIs, under ``"ddp"`` and
-``"vitscale"``, in one launch (the process group is made once; each fit is a few steps).
+"""Rank script: the classification backbones, the video example's MViTv2-S and the pretraining example through their
+own CLIs, under ``"ddp"`` and ``"vitscale"``, in one launch (the process group is made once; each fit is a few steps).
 
-``examples_matrix.py OUT_DIR WORK_DIR name1,name2``: WORK_DIR holds the local weights / configs the backbones read.
-Scenarios are named ``<what>/<strategy>``; results go to OUT_DIR/rank<R>.json via ``run_scenarios``.
+``examples_matrix.py OUT_DIR WORK_DIR name1,name2``: WORK_DIR holds the local weights / configs the backbones read,
+and the video data the MViTv2-S fits write once and read back. Scenarios are named ``<what>/<strategy>``; results
+go to OUT_DIR/rank<R>.json via ``run_scenarios``. (The MViTv2-S fits ran in a launch of their own,
+``example_clis.py``, with the other examples' ``fast_dev_run``; those are now checked by test_convergence.py's
+runs, launched as a user would, over a whole epoch of steps.)
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import lightning.pytorch as pl
 import torch
 from torch.distributed.tensor import DTensor
 
-from examples import classification, pretraining
+from examples import classification, pretraining, video
 from tests.helpers.scenarios import run_scenarios
 
 warnings.filterwarnings("ignore")
 WORK = sys.argv.pop(2)  # run_scenarios reads argv[1] (out dir) and argv[2] (names)
-QUIET = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.logger=false",
+CPU2 = ["--trainer.accelerator=cpu", "--trainer.devices=2"]
+QUIET = [*CPU2, "--trainer.logger=false",
          "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
          "--trainer.enable_model_summary=false"]  # fmt: skip
 BACKBONES = {
@@ -126,9 +130,52 @@ def dino(strategy: str) -> dict:
     }
 
 
+class Record(pl.Callback):
+    """Every training loss, and the validation batches run."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.val_batches = 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        self.val_batches += 1
+
+
+MVIT_STEPS = 4  # DDP's losses over a few fp32 optimizer steps, not only the first (and as many validation batches)
+# the written default, small: 8 batches of 4 per rank, 4 for validation, 4-frame clips (8 by default; any even
+# count works): the two fits took 29 s with 8 frames, 24 s with 4 (2026-11-28)
+MVIT = ["--model.backbone=mvit_v2_s", "--data.num_train=64", "--data.num_val=32", "--data.batch_size=4",
+        "--data.num_frames=4"]  # fmt: skip
+
+
+def mvit(strategy: str) -> dict:
+    """``python examples/video.py fit --model.backbone=mvit_v2_s``'s ``fast_dev_run``, on its written default data."""
+    out = f"{WORK}/runs/mvit_{strategy}"
+    args = [*CPU2, f"--trainer.strategy={strategy}", f"--trainer.fast_dev_run={MVIT_STEPS}", *MVIT,
+            f"--trainer.default_root_dir={out}", f"--trainer.logger.init_args.save_dir={out}",
+            f"--data.cache_dir={WORK}/cache"]  # fmt: skip
+    cli = video.main(args, run=False)
+    record = Record()
+    cli.trainer.callbacks.append(record)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    plan = getattr(cli.trainer.strategy, "plan", None)
+    return {
+        "strategy": type(cli.trainer.strategy).__name__,
+        "precision": cli.trainer.precision,
+        "steps": cli.trainer.global_step,
+        "losses": record.losses,
+        "val_batches": record.val_batches,
+        "blocks": plan.blocks if plan else None,
+    }
+
+
 STRATEGIES = ("vitscale", "ddp")
 SCENARIOS = {f"{src}/{s}": (lambda a=src, b=s: backbone(a, b)) for src in BACKBONES for s in STRATEGIES}
 SCENARIOS |= {f"dino/{s}": (lambda b=s: dino(b)) for s in STRATEGIES}
+SCENARIOS |= {f"video-mvit_v2_s/{s}": (lambda b=s: mvit(b)) for s in STRATEGIES}
 
 if __name__ == "__main__":
     run_scenarios(SCENARIOS)

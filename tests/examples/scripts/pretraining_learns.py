@@ -5,14 +5,18 @@ module's own Lightning loop: ``python tests/examples/scripts/pretraining_learns.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
+
+import torch
 
 from examples import pretraining
 
 
 def main(argv: list[str]) -> None:
     warnings.filterwarnings("ignore")
+    torch.set_num_threads(len(os.sched_getaffinity(0)))  # every core (forked from the test zygote: 1 thread before)
     cli = pretraining.main(argv, run=False)
     cli.trainer.validate(cli.model, cli.datamodule, verbose=False)  # the teacher as built: untrained
     untrained = float(cli.trainer.callback_metrics["knn_acc"])
