@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.launch import launch_ranks
-from tests.helpers.peak import MMAP_THRESHOLD_ENV
 
 # The fit launch (15 Trainer.fit runs) is ~100 s alone on CI's 2 cores; a test's bound (pytest-timeout's 300 s covers
 # its fixtures) is raised so that only the launch's own timeout ends a slow-but-live run.
@@ -35,7 +34,7 @@ TOLERANCE = 0.10
 
 @pytest.fixture(scope="module")
 def fit_steps(tmp_path_factory):
-    return launch_ranks(tmp_path_factory, "planner_fit", FIT_SCRIPT, CELLS, timeout=420, **MMAP_THRESHOLD_ENV)[1]
+    return launch_ranks(tmp_path_factory, "planner_fit", FIT_SCRIPT, CELLS, timeout=420)[1]
 
 
 @pytest.mark.parametrize("cell", AUTO_CELLS)
