@@ -280,4 +280,9 @@ if __name__ == "__main__":
     import sys
 
     mmap_large_allocations()
-    run_scenarios({spec: (lambda s=spec: parse(s)) for spec in sys.argv[2].split(",")})
+    scenarios = {spec: (lambda s=spec: parse(s)) for spec in sys.argv[2].split(",")}
+    if "auto" in scenarios:  # memory_planner.py's "auto" scenario (Lightning's own loop too): in the same launch
+        from tests.distributed.scripts.memory_planner import auto_first_step
+
+        scenarios["auto"] = auto_first_step
+    run_scenarios(scenarios)
