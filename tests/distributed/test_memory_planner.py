@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.launch import launch_ranks
-from tests.helpers.peak import MMAP_THRESHOLD_ENV
 
-# The fit launch (15 Trainer.fit runs) is ~100 s alone on CI's 2 cores; a test's bound (pytest-timeout's 300 s covers
-# its fixtures) is raised so that only the launch's own timeout ends a slow-but-live run.
+# The fit launch (15 Trainer.fit runs and the "auto" scenario) is ~45 s alone on CI's 2 cores; a test's bound
+# (pytest-timeout's 300 s covers its fixtures) is raised so that only the launch's own timeout ends a slow-but-live
+# run.
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
-SCRIPT = "tests/distributed/scripts/memory_planner.py"
+# The fit launch also runs memory_planner.py's "auto" scenario (``auto_first_step``): one launch for the module.
 FIT_SCRIPT = "tests/distributed/scripts/planner_fit.py"
 # timm's DeiT-Tiny (published, random init, 64 px: 16 tokens), fp32, 2 ranks: AC off, full and selective at two
 # batch sizes in Lightning's automatic optimization (gradients freed after the step), with a callback reading
@@ -35,7 +35,7 @@ TOLERANCE = 0.10
 
 @pytest.fixture(scope="module")
 def fit_steps(tmp_path_factory):
-    return launch_ranks(tmp_path_factory, "planner_fit", FIT_SCRIPT, CELLS, timeout=420, **MMAP_THRESHOLD_ENV)[1]
+    return launch_ranks(tmp_path_factory, "planner_fit", FIT_SCRIPT, CELLS + ",auto", timeout=420)[1]
 
 
 @pytest.mark.parametrize("cell", AUTO_CELLS)
@@ -71,8 +71,9 @@ def test_auto_applies_its_mixed_per_block_plan_and_trains_as_ddp(fit_steps, cell
 
 
 @pytest.fixture(scope="module")
-def auto(tmp_path_factory):
-    return launch_ranks(tmp_path_factory, "auto", SCRIPT, "auto")[1]
+def auto(fit_steps):
+    """memory_planner.py's "auto" scenario, run in the fit launch (one launch less)."""
+    return fit_steps
 
 
 @pytest.mark.parametrize("cell", CELLS.split(","))

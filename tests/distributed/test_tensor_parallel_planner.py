@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.launch import launch_ranks
-from tests.helpers.peak import MMAP_THRESHOLD_ENV
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 SCRIPT = "tests/distributed/scripts/tensor_parallel_planner.py"
@@ -29,7 +28,7 @@ SCALARS = 64
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     return launch_ranks(tmp_path_factory, "tensor_parallel_planner", SCRIPT, ",".join(CELLS), nprocs=4,
-                        timeout=500, **MMAP_THRESHOLD_ENV)[1]
+                        timeout=500)[1]
 
 
 @pytest.mark.parametrize("cell", MEMORY_CELLS)

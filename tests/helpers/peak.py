@@ -147,13 +147,25 @@ def status_bytes(field: str) -> int:
     raise KeyError(field)
 
 
-# Every allocation from this size up is its own mmap, unmapped when freed, so freed memory leaves RSS (glibc reads
-# the variable at process start: pass it in the environment of the launched ranks).
-MMAP_THRESHOLD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+# Every allocation from this size up is its own mmap, unmapped when freed, so freed memory leaves RSS.
+MMAP_THRESHOLD = 65536
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD_ENV = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}  # the same from process start (fresh processes)
+
+
+def mmap_large_allocations() -> None:
+    """Make every allocation of ``MMAP_THRESHOLD`` bytes or more its own mmap from now on: what
+    ``MALLOC_MMAP_THRESHOLD_=65536`` in the environment does at process start (glibc sets the same threshold and
+    turns its dynamic adjustment off), called by a rank script itself so that its launch can fork the ranks from
+    the test zygote (``tests/helpers/zygote.py``) instead of starting fresh processes for the variable."""
+    import ctypes
+
+    if not ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD):
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
 
 
 class RssWindow:
-    """Peak RSS growth over a window of a process whose large allocations are mmaps (``MMAP_THRESHOLD_ENV``).
+    """Peak RSS growth over a window of a process whose large allocations are mmaps (``mmap_large_allocations``).
 
     Counts what torch's profiler misses on CPU: frees on gloo's worker threads, and memory that is not a tensor
     storage (gloo's copies). ``start`` resets the kernel's high-water mark (``/proc/self/clear_refs``).
