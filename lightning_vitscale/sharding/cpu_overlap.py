@@ -119,8 +119,8 @@ class AllToAllReduction:
 def reduce_scatter_on_gloo(output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp | dist.ReduceOp.RedOpType,
                            group: dist.ProcessGroup) -> AllToAllReduction | dist.Work:
     """``reduce_scatter_tensor(output, input, op, group, async_op=True)`` moving a reduce-scatter's bytes, not an
-    all-reduce's (module docstring): the sum and the average; any other op (FSDP2's pre-multiplied sum for a custom
-    gradient divide factor) goes through gloo's own."""
+    all-reduce's (module docstring): the sum and the average; any other op goes through gloo's own call, which does
+    what it did before (gloo refuses FSDP2's pre-multiplied sum for a custom gradient divide factor, as it did)."""
     if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) and input.is_contiguous() and output.is_contiguous():
         return AllToAllReduction(output, input, average=op == dist.ReduceOp.AVG, group=group)
     return reduce_scatter(output, input, op=op, group=group, async_op=True)
