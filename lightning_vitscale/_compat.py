@@ -115,6 +115,19 @@ def after_closure(plugin: Precision, model: Any, optimizer: Any) -> None:
     plugin._after_closure(model, optimizer)
 
 
+def dtensor_local(tensor: Any) -> torch.Tensor:
+    """A DTensor's local tensor itself, with no autograd node (``to_local()`` records one while grad is on)."""
+    return tensor._local_tensor
+
+
+def dtensor_like(local: torch.Tensor, like: Any) -> Any:
+    """``local`` as a DTensor laid out as ``like`` (mesh, placements, global shape, strides, dtype), without
+    ``DTensor.from_local``'s autograd function and spec building: for gradients handed over every step."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, like._spec, requires_grad=False)
+
+
 def set_parameters(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
     """Put ``tensors`` in ``module``'s parameter slots as they are (plain tensors too), no ``nn.Parameter`` check."""
     module._parameters.update(tensors)  # type: ignore[arg-type]  # plain tensors on purpose
@@ -250,6 +263,8 @@ __all__ = [
     "amp_unscale_and_check",
     "compile_context",
     "dcp_load_into",
+    "dtensor_like",
+    "dtensor_local",
     "destroy_process_group_safely",
     "dynamo",
     "fsdp_param_groups",

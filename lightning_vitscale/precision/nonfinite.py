@@ -98,6 +98,7 @@ def _any_non_finite(tensors: list[torch.Tensor], device: torch.device) -> torch.
     return (found > 0).squeeze(0)
 
 
+@torch.no_grad()  # to_local() then records no autograd node per gradient
 def _non_finite_ranks(loss: torch.Tensor | None, grads: list[torch.Tensor]) -> tuple[list[int], list[int]]:
     """Ranks whose loss, and ranks whose gradient shards, hold an inf/NaN: each rank sets its own two slots of one
     tensor, and one SUM all-reduce tells every rank."""

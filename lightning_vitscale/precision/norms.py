@@ -5,18 +5,26 @@ fix (one FSDP unit per norm) triples the all-gathers. Instead, norm parameters l
 become fp32 DTensors *replicated* on every rank (they are tiny): optimizers, clipping and DCP see DTensors like
 every other parameter; a wrapped forward hands the module its local fp32 tensors and fp32 inputs, and casts
 the output back; one coalesced all-reduce per backward averages their gradients.
+
+In eager mode the forward computes on a plain fp32 leaf that aliases each parameter's local tensor, and a hook
+hands the leaf's gradient to the DTensor parameter: ``DTensor.to_local()`` would cost an autograd function per
+parameter per forward, and a ``DTensor.from_local`` per parameter in backward (a ViT-H has 130 norm parameters:
+~12 ms of host time per step on CPU, time a GPU waits for when the host is the bottleneck).
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_vitscale._compat import set_parameters, tree_map
+from lightning_vitscale._compat import dtensor_like, dtensor_local, set_parameters, tree_map
 from lightning_vitscale.distributed.mesh import all_reduce_over, replicated_placements
 
 _PARAMS = "_vitscale_fp32_params"
@@ -94,23 +102,79 @@ def _fp32_class(cls: type[nn.Module]) -> type[nn.Module]:
 def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A converted norm's forward: its own class's forward on local fp32 parameters and fp32 inputs.
 
-    to_local() is differentiable, so the gradient lands on the replicated DTensor parameter (its local part;
-    ``reduce_grads()`` averages it). ``finally``: a forward that raises must still give the module its DTensor
-    parameters back, or it would keep plain local tensors (wrong optimizer targets, wrong checkpoint) after the
-    exception. A forward, not hooks: an always-called forward hook makes dynamo guard on each norm's hook id,
-    so identical compiled blocks would no longer share one graph. For the same reason everything is read from
-    the module and its class (:func:`_fp32_class`): anything bound per norm gets an identity guard per norm.
+    The gradient lands on the replicated DTensor parameter (:func:`_compute_leaf` in eager mode; the differentiable
+    ``to_local()`` when compiled, where it costs nothing per call); ``reduce_grads()`` averages it. ``finally``: a
+    forward that raises must still give the module its DTensor parameters back, or it would keep plain local tensors
+    (wrong optimizer targets, wrong checkpoint) after the exception. A forward, not hooks: an always-called forward
+    hook makes dynamo guard on each norm's hook id, so identical compiled blocks would no longer share one graph.
+    For the same reason everything is read from the module and its class (:func:`_fp32_class`): anything bound per
+    norm gets an identity guard per norm. One tensor in, one out (every norm in the models we know) skips the
+    pytree walks: they were a third of this function's host time.
     """
     params: dict[str, DTensor] = getattr(module, _PARAMS)
-    out_dtype = _floating_input_dtype(args, kwargs)
-    to_norm_dtype = _caster(getattr(module, _DTYPE))
-    args, kwargs = tree_map(to_norm_dtype, args), tree_map(to_norm_dtype, kwargs)
-    set_parameters(module, {name: param.to_local() for name, param in params.items()})
+    norm_dtype: torch.dtype = getattr(module, _DTYPE)
+    single = not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor)
+    if single:
+        out_dtype = args[0].dtype if args[0].is_floating_point() else None
+        args = (args[0].to(norm_dtype),) if out_dtype is not None else args
+    else:
+        out_dtype = _floating_input_dtype(args, kwargs)
+        to_norm_dtype = _caster(norm_dtype)
+        args, kwargs = tree_map(to_norm_dtype, args), tree_map(to_norm_dtype, kwargs)
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        local = {name: param.to_local() for name, param in params.items()}  # no autograd node without grad
+    else:
+        local = {name: _compute_leaf(module, name, param) for name, param in params.items()}
+    set_parameters(module, local)
     try:
         output = getattr(type(module), _BASE).forward(module, *args, **kwargs)
     finally:
         set_parameters(module, params)
-    return tree_map(_caster(out_dtype), output) if out_dtype is not None else output
+    if out_dtype is None:
+        return output
+    if isinstance(output, torch.Tensor):
+        return output.to(out_dtype) if output.is_floating_point() else output
+    return tree_map(_caster(out_dtype), output)
+
+
+# A parameter's local tensor -> the leaf its norm computes with. Keyed by the local tensor, so a parameter whose
+# local tensor is replaced (``module.to()``, ``torch.utils.swap_tensors``, a deep copy) gets a new leaf, never a
+# stale alias; weak, so a dropped model takes its leaves with it.
+_LEAVES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _compute_leaf(module: nn.Module, name: str, param: DTensor) -> torch.Tensor:
+    """A leaf sharing ``param``'s local storage and version counter (in-place optimizer updates show, and
+    activation checkpointing's recompute sees the same tensor), requiring grad as ``param`` does now (a frozen
+    norm is followed): its accumulated gradient goes to ``param.grad`` (:func:`_hand_gradient`).
+
+    The hook finds the parameter through a weak reference to its module, not to the parameter: a weak reference
+    to a parameter would stop ``module.to()`` swapping it (``torch.utils.swap_tensors`` refuses weakly referenced
+    tensors)."""
+    local = dtensor_local(param)
+    leaf = _LEAVES.get(local)
+    if leaf is None:
+        leaf = _LEAVES[local] = local.detach()
+    if leaf.requires_grad != param.requires_grad:
+        leaf.requires_grad_(param.requires_grad)
+        if param.requires_grad and not getattr(leaf, "_vitscale_hooked", False):  # a hook needs requires_grad
+            leaf.register_post_accumulate_grad_hook(functools.partial(_hand_gradient, weakref.ref(module), name))
+            leaf._vitscale_hooked = True  # type: ignore[attr-defined]
+    return leaf
+
+
+def _hand_gradient(module_ref: weakref.ref, name: str, leaf: torch.Tensor) -> None:
+    """Move ``leaf``'s gradient onto its DTensor parameter, summing into one already there (accumulation over
+    micro-batches, ``zero_grad(set_to_none=False)``), as autograd would have on the parameter itself."""
+    grad, leaf.grad = leaf.grad, None
+    module = module_ref()
+    if grad is None or module is None:
+        return
+    param = getattr(module, _PARAMS)[name]
+    if param.grad is None:
+        param.grad = dtensor_like(grad, param)
+    else:
+        dtensor_local(param.grad).add_(grad)
 
 
 def _caster(dtype: torch.dtype | None):

@@ -42,3 +42,98 @@ def test_a_forward_that_raises_leaves_the_dtensor_parameters_in_place(mesh):
     torch.testing.assert_close(out, reference(x.float()).to(torch.bfloat16))
     out.float().sum().backward()
     assert all(isinstance(p.grad, DTensor) for p in norm.parameters())
+
+
+def _converted(mesh, dim: int = 8) -> tuple[nn.LayerNorm, nn.LayerNorm]:
+    torch.manual_seed(0)
+    norm, reference = nn.LayerNorm(dim), nn.LayerNorm(dim)
+    with torch.no_grad():
+        norm.weight.normal_(), norm.bias.normal_()
+    reference.load_state_dict(norm.state_dict())
+    ReplicatedNorms([norm], mesh, torch.float32)
+    return norm, reference
+
+
+def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for n, p in module.named_parameters()}
+
+
+def test_eager_forward_records_no_dtensor_conversion_and_grads_match_a_plain_norm(mesh):
+    """The eager path computes on plain leaves aliasing the parameters: no DTensor autograd function in the graph
+    (to_local/from_local per parameter per step was most of the norms' host time), same gradients."""
+    norm, reference = _converted(mesh)
+    x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    out = norm(x)
+    nodes, leaves, stack = set(), [], [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in nodes:
+            continue
+        nodes.add(node)
+        if hasattr(node, "variable"):
+            leaves.append(node.variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    assert not [type(n).__name__ for n in nodes if "Torch" in type(n).__name__ or "DTensor" in type(n).__name__]
+    aliases = [leaf for leaf in leaves if leaf is not x]
+    assert len(aliases) == 2 and not any(isinstance(leaf, DTensor) for leaf in aliases)
+    assert {a.data_ptr() for a in aliases} == {p.to_local().data_ptr() for p in norm.parameters()}
+
+    (out.float() * torch.arange(8.0)).sum().backward()
+    (reference(x.detach().float()).to(torch.bfloat16).float() * torch.arange(8.0)).sum().backward()
+    got, want = _grads(norm), _grads(reference)
+    assert all(isinstance(p.grad, DTensor) for p in norm.parameters())
+    assert all(leaf.grad is None for leaf in aliases)  # handed over, not kept twice
+    for name in want:
+        torch.testing.assert_close(got[name], want[name])
+
+
+def test_gradients_accumulate_follow_zero_grad_and_freezing_as_on_a_plain_parameter(mesh):
+    norm, reference = _converted(mesh)
+    x1, x2 = torch.randn(4, 8), torch.randn(4, 8)
+
+    def both(fn):
+        for module in (norm, reference):
+            fn(module)
+
+    both(lambda m: m(x1).pow(2).sum().backward())
+    both(lambda m: m(x2).sin().sum().backward())  # a second micro-batch: summed into the first
+    for name, grad in _grads(reference).items():
+        torch.testing.assert_close(_grads(norm)[name], grad)
+
+    both(lambda m: [p.grad.zero_() for p in m.parameters()])  # zero_grad(set_to_none=False): summed into zeros
+    both(lambda m: m(x2).pow(3).sum().backward())
+    for name, grad in _grads(reference).items():
+        torch.testing.assert_close(_grads(norm)[name], grad)
+
+    both(lambda m: [setattr(p, "grad", None) for p in m.parameters()])
+    both(lambda m: m.weight.requires_grad_(False))  # a frozen weight gets no gradient; the bias still does
+    both(lambda m: m(x1).pow(2).sum().backward())
+    assert norm.weight.grad is None and reference.weight.grad is None
+    torch.testing.assert_close(_grads(norm)["bias"], _grads(reference)["bias"])
+
+    both(lambda m: m.weight.requires_grad_(True))  # unfrozen: its gradient flows again
+    both(lambda m: m(x1).pow(2).sum().backward())
+    torch.testing.assert_close(_grads(norm)["weight"], _grads(reference)["weight"])
+
+
+def test_a_replaced_or_copied_parameter_is_computed_with_never_a_stale_alias(mesh):
+    import copy
+
+    norm, _ = _converted(mesh)
+    x = torch.randn(4, 8)
+    norm(x).sum().backward()  # builds the leaves of the current local tensors
+    norm._apply(lambda t: t.clone())  # DTensor parameters are swapped in place: new local tensors
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.fill_(2.0)
+            p.grad = None
+    torch.testing.assert_close(norm(x), nn.functional.layer_norm(x, (8,)) * 2.0 + 2.0)
+
+    twin = copy.deepcopy(norm)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.fill_(3.0)
+    torch.testing.assert_close(twin(x), nn.functional.layer_norm(x, (8,)) * 3.0 + 3.0)
+    twin(x).sum().backward()
+    assert all(p.grad is None for p in norm.parameters())  # the copy's gradients reach the copy only
+    assert all(isinstance(p.grad, DTensor) for p in twin.parameters())

@@ -1,0 +1,116 @@
+"""Host time per training step: what the strategy costs the CPU that drives the accelerator.
+
+Usage::
+
+    python benchmarks/host_overhead.py                       # CPU, 5 rounds
+    python benchmarks/host_overhead.py --accelerator cuda    # on a GPU machine: the host that feeds the GPU
+    python benchmarks/host_overhead.py --rounds 8 --json out.json
+
+On a GPU a step is host-bound when the host takes longer to issue its kernels than the GPU takes to run them (ViT-H
+at batch 32 in RESULTS.md's GPU runs). This script measures that host time alone: ViT-H's structure (32 blocks,
+65 norms, 390 parameters) with tiny widths (dim 64, 4 tokens, batch 2), so the arithmetic is negligible and a step
+is the host's work: the strategy's hooks, casts, DTensor dispatch, the optimizer. ``Trainer.fit`` on one device,
+``precision="bf16-mixed"``, AdamW; variants interleaved round by round in one process (one thread): plain
+single-device AMP O1 (``strategy="auto"``), ``VitScaleStrategy(activation_checkpointing=False)`` and
+``VitScaleStrategy()`` (every block checkpointed). Each fit's steps after ``--warmup`` are timed from
+``on_train_batch_start`` to ``on_train_batch_end``; median over every round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = ("single AMP O1", "VitScaleStrategy(activation_checkpointing=False)", "VitScaleStrategy()")
+
+
+class HugeShape(L.LightningModule):
+    """ViT-H/14's depth and layer count at width 64: every hook, cast and parameter of a ViT-H step, no FLOPs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from timm.models.vision_transformer import VisionTransformer
+
+        self.net = VisionTransformer(img_size=28, patch_size=14, embed_dim=64, depth=32, num_heads=4, num_classes=8)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class StepTimer(L.Callback):
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.seconds, self.start = device, [], 0.0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def on_train_batch_start(self, *args) -> None:
+        self._sync()
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(self, *args) -> None:
+        self._sync()
+        self.seconds.append(time.perf_counter() - self.start)
+
+
+def fit_times(variant: str, accelerator: str, steps: int, warmup: int) -> list[float]:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_vitscale import VitScaleStrategy
+
+    strategy = {VARIANTS[0]: lambda: "auto", VARIANTS[1]: lambda: VitScaleStrategy(activation_checkpointing=False),
+                VARIANTS[2]: lambda: VitScaleStrategy()}[variant]()
+    L.seed_everything(0, verbose=False)
+    n = 2 * (steps + warmup)
+    data = TensorDataset(torch.randn(n, 3, 28, 28), torch.randint(0, 8, (n,)))
+    device = torch.device("cuda" if accelerator == "cuda" else "cpu")
+    timer = StepTimer(device)
+    trainer = L.Trainer(accelerator=accelerator, devices=1, strategy=strategy, precision="bf16-mixed",
+                        max_steps=steps + warmup, callbacks=[timer], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0)
+    trainer.fit(HugeShape(), DataLoader(data, batch_size=2))
+    return timer.seconds[warmup:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per fit")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each fit")
+    parser.add_argument("--json", help="also write the numbers here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for r in range(args.rounds):
+        for variant in VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]:
+            times[variant] += fit_times(variant, args.accelerator, args.steps, args.warmup)
+    ms = {v: 1e3 * statistics.median(t) for v, t in times.items()}
+    print(f"| variant ({args.accelerator}, {args.rounds} rounds) | host ms/step | / single |")
+    print("|---|---|---|")
+    for variant, value in ms.items():
+        print(f"| {variant} | {value:.1f} | {value / ms[VARIANTS[0]]:.2f}x |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"accelerator": args.accelerator, "rounds": args.rounds,
+                                               "ms_per_step": ms}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
