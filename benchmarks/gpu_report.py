@@ -193,8 +193,14 @@ def report(work: Path, out: Path, command: str) -> dict:
         text.append("The planner's predicted peak against `torch.cuda.max_memory_allocated` over the timed steps"
                     " (Trainer.fit, `example_input_array` set, `kernels='eager'`):\n\n"
                     + planner_table(planner["planner"]))
+    host = read_json(work / "host.json")
+    if host:
+        from benchmarks.host_overhead import table as host_table
+
+        text.append("Host time per step, ViT-H's 32 blocks at width 64 (`benchmarks/host_overhead.py`: the CPU side of"
+                    " a step, no arithmetic to hide it):\n\n" + host_table(host))
     text.append(tests_table(tests))
-    merged = dict(env=env, parts=parts, throughput=results, planner=planner, tests=tests, command=command)
+    merged = dict(env=env, parts=parts, throughput=results, planner=planner, host=host, tests=tests, command=command)
     out.mkdir(parents=True, exist_ok=True)
     if any(res.get("same") for res in results.values()) and not plot(results, out / "gpu_throughput.png"):
         text.append(NO_PLOT)

@@ -9,6 +9,7 @@
 # fails or runs out of time is a row in the results, never the end of the run:
 #   env       nvidia-smi, versions, a bf16 matmul TFLOP/s probe                       (benchmarks/gpu_env.py)
 #   vit_h14   ViT-H/14 224 px, every row at batch 32 then 64, then at its largest batch (benchmarks/vit_gpu.py)
+#   host      host time per step of a ViT-H-shaped model at tiny widths: the CPU side alone (benchmarks/host_overhead.py)
 #   pytest    pytest -m gpu tests/gpu, per-test timeouts, JUnit XML
 #   planner   ViT-L/16 at batch 32 and 64, AC off/full/auto: predicted vs max_memory_allocated, Trainer.fit
 #   vit_b16   ViT-B/16 224 px, every row at batch 128
@@ -85,6 +86,11 @@ part env 60 "$python" benchmarks/gpu_env.py "${dry[@]}" --out "$work/env.json"
 rows=(--rows single ddp eager_ac0 eager_ac1 auto_ac0 auto_ac1 auto_acplan)
 part vit_h14 210 "${vit[@]}" --stem vit_h14 --models vit-h14 "${rows[@]}" --tables same largest --batch 32 --second-batch 64 \
     --search-limit 512 --memory-fraction 0.85 --warmup 3 --steps 4 --windows 3 --largest-steps 2 2 3 --timeout 150
+if [[ ${#dry[@]} -eq 0 ]]; then
+    part host 60 "$python" benchmarks/host_overhead.py --accelerator cuda --rounds 2 --steps 10 --json "$work/host.json"
+else
+    part host 60 "$python" benchmarks/host_overhead.py --dry-run --json "$work/host.json"
+fi
 part pytest 200 "$python" -m pytest -m gpu tests/gpu -v -rfE -p no:cacheprovider --timeout 100 \
     --junitxml "$work/pytest.xml"
 part planner 60 "${vit[@]}" --stem planner --planner --planner-model vit-l16 --planner-batches 32 64 \

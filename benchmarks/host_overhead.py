@@ -5,6 +5,7 @@ Usage::
     python benchmarks/host_overhead.py                       # CPU, 5 rounds
     python benchmarks/host_overhead.py --accelerator cuda    # on a GPU machine: the host that feeds the GPU
     python benchmarks/host_overhead.py --rounds 8 --json out.json
+    python benchmarks/host_overhead.py --dry-run              # 1 round of 2 steps on CPU (gpu_run.sh's dry run)
 
 On a GPU a step is host-bound when the host takes longer to issue its kernels than the GPU takes to run them (ViT-H
 at batch 32 in RESULTS.md's GPU runs). This script measures that host time alone: ViT-H's structure (32 blocks,
@@ -89,6 +90,16 @@ def fit_times(variant: str, accelerator: str, steps: int, warmup: int) -> list[f
     return timer.seconds[warmup:]
 
 
+def table(result: dict) -> str:
+    """The Markdown table of one run's ``--json`` (also gpu_report.py's)."""
+    ms = result["ms_per_step"]
+    single = ms[VARIANTS[0]]
+    lines = [f"| variant ({result['accelerator']}, {result['rounds']} rounds) | host ms/step | / single |",
+             "|---|---|---|"]
+    lines += [f"| {variant} | {value:.1f} | {value / single:.2f}x |" for variant, value in ms.items()]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"))
@@ -96,20 +107,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per fit")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each fit")
     parser.add_argument("--json", help="also write the numbers here")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, one round of 2 steps: checks the script")
     args = parser.parse_args()
+    if args.dry_run:
+        args.accelerator, args.rounds, args.steps, args.warmup = "cpu", 1, 2, 1
     torch.set_num_threads(1)
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for r in range(args.rounds):
         for variant in VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]:
             times[variant] += fit_times(variant, args.accelerator, args.steps, args.warmup)
-    ms = {v: 1e3 * statistics.median(t) for v, t in times.items()}
-    print(f"| variant ({args.accelerator}, {args.rounds} rounds) | host ms/step | / single |")
-    print("|---|---|---|")
-    for variant, value in ms.items():
-        print(f"| {variant} | {value:.1f} | {value / ms[VARIANTS[0]]:.2f}x |")
+    result = {"accelerator": args.accelerator, "rounds": args.rounds,
+              "ms_per_step": {v: 1e3 * statistics.median(t) for v, t in times.items()}}
+    print(table(result))
     if args.json:
-        Path(args.json).write_text(json.dumps({"accelerator": args.accelerator, "rounds": args.rounds,
-                                               "ms_per_step": ms}, indent=1))
+        Path(args.json).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

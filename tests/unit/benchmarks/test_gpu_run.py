@@ -87,6 +87,9 @@ def _cut_short_run(tmp_path: Path) -> tuple[Path, Path]:
         vit_gpu.summarize_phase(phase, 1, 1e9, None)
     row.update({k: v for k, v in row["phases"][0].items() if k != "batch"})
     (work / "vit_gpu_trials.jsonl").write_text(json.dumps(row) + "\n")
+    host = {"single AMP O1": 50.0, "VitScaleStrategy(activation_checkpointing=False)": 80.0,
+            "VitScaleStrategy()": 115.0}
+    (work / "host.json").write_text(json.dumps({"accelerator": "cuda", "rounds": 2, "ms_per_step": host}))
     (out).mkdir()
     (out / "gpu_run.log").write_text("tests/gpu/test_a.py::test_b PASSED [ 50%]\n"
                                      "tests/gpu/test_a.py::test_c FAILED [100%]\n")
@@ -99,6 +102,7 @@ def test_the_report_reads_what_a_cut_short_run_left(tmp_path: Path):
     text = (out / "gpu_results.md").read_text()
     assert "cut short by its timeout" in text and "| vit_h14 | timeout after 240s | 124 | 240 |" in text
     assert merged["throughput"]["vit_h14"]["largest"][0]["batch"] == 10
+    assert "| VitScaleStrategy(activation_checkpointing=False) | 80.0 | 1.60x |" in text  # the host part's table
     assert [(t["test"], t["outcome"]) for t in merged["tests"]] == [
         ("tests.gpu.test_a::test_b", "passed"), ("tests.gpu.test_a::test_c", "failed")]
     if importlib.util.find_spec("matplotlib") is None:  # CI installs only the test extras
