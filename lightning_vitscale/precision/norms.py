@@ -4,7 +4,8 @@ FAIR's finding: bf16 trains ViTs with fp32 hyper-parameters only if normalizatio
 fix (one FSDP unit per norm) triples the all-gathers. Instead, norm parameters leave the bf16 FSDP units and
 become fp32 DTensors *replicated* on every rank (they are tiny): optimizers, clipping and DCP see DTensors like
 every other parameter; a wrapped forward hands the module its local fp32 tensors and fp32 inputs, and casts
-the output back; one coalesced all-reduce per backward averages their gradients.
+the output back; one coalesced all-reduce per backward averages their gradients, queued at the end of any backward
+that handed one over (so a raw ``loss.backward()`` in manual optimization averages them too, as DDP's hooks do).
 
 In eager mode the forward computes on a plain fp32 leaf that aliases each parameter's local tensor, and a hook
 hands the leaf's gradient to the DTensor parameter: ``DTensor.to_local()`` would cost an autograd function per
@@ -24,12 +25,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_vitscale._compat import dtensor_like, dtensor_local, set_parameters, tree_map
+from lightning_vitscale._compat import dtensor_like, dtensor_local, queue_end_of_backward, set_parameters, tree_map
 from lightning_vitscale.distributed.mesh import all_reduce_over, replicated_placements
 
 _PARAMS = "_vitscale_fp32_params"
 _DTYPE = "_vitscale_norm_dtype"
 _BASE = "_vitscale_norm_class"  # on the fp32 class (_fp32_class): the norm's own class, whose forward runs
+_OWNER = "_vitscale_norms"  # on a converted norm: a weak reference to its ReplicatedNorms
 
 
 def _floating_input_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype | None:
@@ -45,8 +47,32 @@ class ReplicatedNorms:
     def __init__(self, modules: list[nn.Module], mesh: DeviceMesh, dtype: torch.dtype = torch.float32) -> None:
         self.mesh, self.dtype = mesh, dtype
         self.params: list[nn.Parameter] = []
+        self.syncing = True  # False on the micro-batches before the last of an accumulation window
+        self._queued = False  # an end-of-backward reduction is queued in the backward now running
+        self._reduced_at_end = False  # one ran since the last after_backward()
         for module in modules:
             self._convert(module)
+
+    def gradient_arrived(self) -> None:
+        """A norm's gradient was handed over (eager mode): average all of them when this backward ends, however
+        it was called (``manual_backward`` or a raw ``loss.backward()``). Once per backward."""
+        if not self._queued:
+            self._queued = True
+            queue_end_of_backward(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        if self.syncing:
+            self.reduce_grads()
+            self._reduced_at_end = True
+
+    def after_backward(self) -> None:
+        """Lightning's post-backward: average the gradients unless the backward's end did (compiled norms hand no
+        gradient over, so only this call reduces theirs)."""
+        if self._reduced_at_end:
+            self._reduced_at_end = False
+        elif self.syncing:
+            self.reduce_grads()
 
     def _convert(self, module: nn.Module) -> None:
         originals = {}
@@ -60,6 +86,7 @@ class ReplicatedNorms:
             originals[name] = replicated
             self.params.append(replicated)
         setattr(module, _PARAMS, originals)
+        setattr(module, _OWNER, weakref.ref(self))
         setattr(module, _DTYPE, self.dtype)
         module.__class__ = _fp32_class(type(module))
 
@@ -175,6 +202,9 @@ def _hand_gradient(module_ref: weakref.ref, name: str, leaf: torch.Tensor) -> No
         param.grad = dtensor_like(grad, param)
     else:
         dtensor_local(param.grad).add_(grad)
+    owner = getattr(module, _OWNER)()
+    if owner is not None:
+        owner.gradient_arrived()
 
 
 def _caster(dtype: torch.dtype | None):

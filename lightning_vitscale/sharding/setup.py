@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,7 +69,6 @@ class ShardedModel:
     signature: dict[str, Any]
     accumulation: AccumulationChoice | None = None
     memory_budget: int | float | None = None
-    _syncing: bool = field(default=True, repr=False)
 
     @property
     def module(self) -> nn.Module:
@@ -95,9 +94,9 @@ class ShardedModel:
         self.summary.kernels["attention"] = line
 
     def after_backward(self) -> None:
-        # fp32 norms live outside FSDP's units: average their gradients here, once per synced backward.
-        if self.norms is not None and self._syncing:
-            self.norms.reduce_grads()
+        # fp32 norms live outside FSDP's units: their gradients are averaged once per synced backward.
+        if self.norms is not None:
+            self.norms.after_backward()
 
     @contextmanager
     def accumulating(self, mode: AccumulationMode, ranks: Ranks, compute: torch.dtype) -> Generator[None, None, None]:
@@ -111,12 +110,14 @@ class ShardedModel:
         if not self.accumulation.unsharded:
             yield
             return
-        self._syncing = False
+        if self.norms is not None:
+            self.norms.syncing = False
         try:
             with gradient_sync_off(self.outer):
                 yield
         finally:
-            self._syncing = True
+            if self.norms is not None:
+                self.norms.syncing = True
 
     def _choose_accumulation(self, mode: AccumulationMode, ranks: Ranks, compute: torch.dtype) -> AccumulationChoice:
         device = ranks.device

@@ -20,6 +20,7 @@ SCENARIOS = [
     "nonfinite_bf16_skip",
     "nonfinite_bf16_stop",
     "nonfinite_fp32_off",
+    "raw_backward",
 ]
 
 
@@ -105,3 +106,11 @@ def test_fp32_steps_on_nan_as_ddp_does(ranks):
         facts = rank["nonfinite_fp32_off"]
         assert facts["error"] is None and facts["skipped"] is None
         assert facts["changed"][2] is True and not facts["finite_weights"]
+
+
+def test_a_raw_loss_backward_averages_the_fp32_norms_as_ddp_does(ranks):
+    """Manual optimization with ``loss.backward()`` (not ``manual_backward``): Lightning's post-backward hook never
+    runs, yet the fp32 norms' gradients are averaged, so every replica holds the same norm weights."""
+    first, second = (rank["raw_backward"] for rank in ranks)
+    assert first["fp32"] == 17
+    assert first["norm_values"] == second["norm_values"]

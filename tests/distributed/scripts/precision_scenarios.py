@@ -97,6 +97,29 @@ def collectives(norms: bool) -> dict:
     return {"counts": model.counts, "total": sum(model.counts.values()), "fp32": len(t.strategy.plan.fp32_modules)}
 
 
+class RawBackward(Deep):
+    """Manual optimization calling ``loss.backward()`` itself, not ``manual_backward``: under DDP its hooks still
+    average every gradient, so the replicas stay equal; the fp32 norms must be averaged too."""
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self.net(batch[0]), batch[1])
+        loss.backward()
+        self.optimizers().step()
+        self.optimizers().zero_grad()
+
+
+def raw_backward() -> dict:
+    """Each rank's norm weights after 3 steps on its own data (DistributedSampler): equal across ranks if the norm
+    gradients were averaged."""
+    L.seed_everything(0, verbose=False)
+    model = RawBackward()
+    data = TensorDataset(torch.randn(24, 3, 8, 8), torch.randint(0, 10, (24,)))
+    t = trainer(precision="bf16-mixed", max_steps=3)
+    t.fit(model, DataLoader(data, batch_size=4))
+    norms = [p for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()]
+    return {"fp32": len(t.strategy.plan.fp32_modules), "norm_values": [p.to_local().tolist() for p in norms]}
+
+
 class Overflowing(Classifier):
     """At step 2 only rank 1's loss overflows: every rank must skip that step, and the scale must drop."""
 
@@ -220,6 +243,7 @@ SCENARIOS = {
     "nonfinite_bf16_skip": lambda: nonfinite("bf16-mixed", {2}),
     "nonfinite_bf16_stop": lambda: nonfinite("bf16-mixed", {1, 2, 3, 4}, max_skipped=2),
     "nonfinite_fp32_off": lambda: nonfinite("32-true", {2}),
+    "raw_backward": raw_backward,
 }
 
 

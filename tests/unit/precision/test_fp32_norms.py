@@ -137,3 +137,27 @@ def test_a_replaced_or_copied_parameter_is_computed_with_never_a_stale_alias(mes
     twin(x).sum().backward()
     assert all(p.grad is None for p in norm.parameters())  # the copy's gradients reach the copy only
     assert all(isinstance(p.grad, DTensor) for p in twin.parameters())
+
+
+def test_the_norms_are_averaged_once_per_synced_backward_however_it_was_called(mesh):
+    """At the end of any backward that handed a norm gradient over (a raw ``loss.backward()`` too), once; Lightning's
+    post-backward then does not average again, but does when no gradient was handed over (compiled norms)."""
+    norm = nn.LayerNorm(8)
+    norms = ReplicatedNorms([norm], mesh, torch.float32)
+    calls: list[str] = []
+    norms.reduce_grads = lambda: calls.append("reduce") or 0  # type: ignore[method-assign]
+    x = torch.randn(4, 8)
+
+    norm(x).sum().backward()
+    assert calls == ["reduce"]  # at the end of the backward, not once per parameter
+    norms.after_backward()
+    assert calls == ["reduce"]  # already done for this backward
+
+    norms.syncing = False  # a micro-batch before the last of an accumulation window
+    norm(x).sum().backward()
+    norms.after_backward()
+    assert calls == ["reduce"]
+    norms.syncing = True
+
+    norms.after_backward()  # a backward that handed nothing over (compiled norms): Lightning's hook averages
+    assert calls == ["reduce", "reduce"]
