@@ -54,8 +54,9 @@ class ReplicatedNorms:
             self._convert(module)
 
     def gradient_arrived(self) -> None:
-        """A norm's gradient was handed over (eager mode): average all of them when this backward ends, however
-        it was called (``manual_backward`` or a raw ``loss.backward()``). Once per backward."""
+        """A norm's gradient arrived (handed over from its leaf in eager mode, accumulated on the parameter when
+        compiled): average all of them when this backward ends, however it was called (``manual_backward`` or a
+        raw ``loss.backward()``). Once per backward."""
         if not self._queued:
             self._queued = True
             queue_end_of_backward(self._end_of_backward)
@@ -67,8 +68,9 @@ class ReplicatedNorms:
             self._reduced_at_end = True
 
     def after_backward(self) -> None:
-        """Lightning's post-backward: average the gradients unless the backward's end did (compiled norms hand no
-        gradient over, so only this call reduces theirs)."""
+        """Lightning's post-backward: average the gradients unless the backward's end did (a backward in which no
+        norm gradient arrived, such as norms unused this step but holding a gradient: averaging equal values again
+        changes nothing)."""
         if self._reduced_at_end:
             self._reduced_at_end = False
         elif self.syncing:
@@ -79,9 +81,12 @@ class ReplicatedNorms:
         for name, param in list(module.named_parameters(recurse=False)):
             local = param.detach().to(self.dtype)
             replicated = nn.Parameter(
-                DTensor.from_local(local, self.mesh, replicated_placements(self.mesh), run_check=False),
-                requires_grad=param.requires_grad,
+                DTensor.from_local(local, self.mesh, replicated_placements(self.mesh), run_check=False)
             )
+            # Compiled norms accumulate here (eager ones hand over, _hand_gradient). Hooked while it requires grad
+            # (a hook needs it), kept when frozen, so a norm unfrozen later is followed.
+            replicated.register_post_accumulate_grad_hook(functools.partial(_arrived, weakref.ref(self)))
+            replicated.requires_grad_(param.requires_grad)
             module.register_parameter(name, replicated)
             originals[name] = replicated
             self.params.append(replicated)
@@ -202,7 +207,11 @@ def _hand_gradient(module_ref: weakref.ref, name: str, leaf: torch.Tensor) -> No
         param.grad = dtensor_like(grad, param)
     else:
         dtensor_local(param.grad).add_(grad)
-    owner = getattr(module, _OWNER)()
+    _arrived(getattr(module, _OWNER), param)
+
+
+def _arrived(owner_ref: weakref.ref, _param: torch.Tensor) -> None:
+    owner = owner_ref()
     if owner is not None:
         owner.gradient_arrived()
 

@@ -161,3 +161,22 @@ def test_the_norms_are_averaged_once_per_synced_backward_however_it_was_called(m
 
     norms.after_backward()  # a backward that handed nothing over (compiled norms): Lightning's hook averages
     assert calls == ["reduce", "reduce"]
+
+
+def test_compiled_norms_are_averaged_at_the_end_of_a_raw_backward_too(mesh):
+    """Compiled, a norm's gradient accumulates on its DTensor parameter (no leaf hands it over): the parameter's
+    own hook queues the average, once per backward; a norm frozen at setup and unfrozen later is followed."""
+    norm, frozen = nn.LayerNorm(8), nn.LayerNorm(8).requires_grad_(False)
+    norms = ReplicatedNorms([norm, frozen], mesh, torch.float32)
+    calls: list[str] = []
+    norms.reduce_grads = lambda: calls.append("reduce") or 0  # type: ignore[method-assign]
+    compiled, compiled_frozen = torch.compile(norm, backend="eager"), torch.compile(frozen, backend="eager")
+    x = torch.randn(4, 8, requires_grad=True)
+
+    compiled(x).sum().backward()
+    assert calls == ["reduce"] and isinstance(norm.weight.grad, DTensor)  # two gradients, one average
+    compiled_frozen(x).sum().backward()
+    assert calls == ["reduce"]  # nothing of the norms trained
+    frozen.weight.requires_grad_(True)
+    compiled_frozen(x).sum().backward()
+    assert calls == ["reduce", "reduce"] and isinstance(frozen.weight.grad, DTensor) and frozen.bias.grad is None
