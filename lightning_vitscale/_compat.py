@@ -50,6 +50,7 @@ from torch.distributed.fsdp import FSDPModule  # public: only for the annotation
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterComm  # FSDP2 custom comms
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # a DTensor shard's box (init/)
 from torch.fx.experimental.symbolic_shapes import ShapeEnv  # planner: a step's .item() on fake tensors
+from torch.multiprocessing.reductions import StorageWeakRef  # planner: a storage's life, whoever holds it
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 from torch.nn.modules.instancenorm import _InstanceNorm as InstanceNormBase
 from torch.optim.optimizer import _get_fused_kernels_supported_devices as fused_kernel_devices
@@ -248,6 +249,7 @@ __all__ = [
     "FakeTensor",
     "FakeTensorMode",
     "ShapeEnv",
+    "StorageWeakRef",
     "FsspecReader",
     "FsspecWriter",
     "InstanceNormBase",

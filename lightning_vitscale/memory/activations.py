@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +21,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_vitscale._compat import FakeTensorMode, ShapeEnv, tree_map
+from lightning_vitscale._compat import FakeTensorMode, ShapeEnv, StorageWeakRef, tree_map
 from lightning_vitscale.memory.block_identity import block_key
 from lightning_vitscale.memory.op_costs import BlockWork, OpWork
 from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
@@ -59,8 +58,8 @@ class BlockMemory:
         name: qualified name of the block.
         saved: bytes autograd keeps for its backward when the block is not checkpointed.
         input: bytes a checkpointed block keeps (its input).
-        backward: bytes its backward allocates on top of what it kept (activation and parameter gradients),
-            net of the saved tensors it frees on the way.
+        backward: bytes its backward holds on top of what it kept (the incoming gradient, activation and
+            parameter gradients), net of the saved tensors it frees on the way.
         recompute: a checkpointed block's peak from its input alone through recompute and backward.
         params: bytes of its parameters in the compute dtype (what one all-gather materialises).
         selective_saved: bytes a selectively checkpointed block keeps (its input and the expensive ops' outputs).
@@ -84,7 +83,17 @@ class BlockMemory:
 
 @dataclass(frozen=True)
 class ActivationProfile:
-    """Per-block and outer-layer activation bytes of one forward + backward, measured on fake tensors."""
+    """Per-block and outer-layer activation bytes of one forward + backward, measured on fake tensors.
+
+    Attributes:
+        outer_saved: bytes the layers outside the blocks keep for backward (the batch itself not included: it is
+            resident, counted once as ``batch_bytes``, unless the step casts it).
+        outer_saved_after: the part of it saved after the last block ran (the head's and final norm's inputs):
+            their backward frees it before any block's backward starts.
+        outer_backward: what the outer layers' backward holds while the blocks' run: the unsharded gradients of
+            the outer parameters used after the blocks (those used before, such as the patch embedding, get
+            theirs only after every block's backward) and the output's gradient.
+    """
 
     blocks: list[BlockMemory]
     outer_saved: int
@@ -92,22 +101,26 @@ class ActivationProfile:
     batch_bytes: int
     output_bytes: int
     notes: list[str] = field(default_factory=list)
+    outer_saved_after: int = 0
 
 
 class LiveBytes(TorchDispatchMode):
     """Tracks the bytes of live tensor storages created by ops while active, and their high-water mark.
 
     Allocator-free: each op's output storages are kept as weak references and counted while they live
-    (deduplicated by storage), so it works on fake tensors where there is no memory to read.
+    (deduplicated by storage), so it works on fake tensors where there is no memory to read. The references are to
+    the storages, not to the tensors: a checkpointed block's recomputed tensors are held by autograd alone, whose
+    Python tensors die while their storages live on (weak references to the tensors missed a third of a fully
+    checkpointed TinyViT block's backward peak against the allocator's own events).
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self._live: dict[int, tuple[weakref.ref, int]] = {}
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.peak = 0
 
     def current(self) -> int:
-        dead = [key for key, (ref, _) in self._live.items() if ref() is None]
+        dead = [key for key, (ref, _) in self._live.items() if ref.expired()]
         for key in dead:
             del self._live[key]
         return sum(nbytes for _, nbytes in self._live.values())
@@ -122,7 +135,8 @@ class LiveBytes(TorchDispatchMode):
             local = getattr(tensor, "_local_tensor", tensor)  # a DTensor holds its memory in its local shard
             key = _storage_key(local)
             if key not in self._live:
-                self._live[key] = (weakref.ref(local), local.untyped_storage().nbytes())
+                storage = local.untyped_storage()
+                self._live[key] = (StorageWeakRef(storage), storage.nbytes())
         self.peak = max(self.peak, self.current())
         return out
 
@@ -181,17 +195,21 @@ def _fp32_norm_hooks(norms: list[nn.Module], compute: torch.dtype) -> Iterator[N
 
 @dataclass
 class _Recorder:
-    """Saved-tensor bookkeeping of one forward: who saved each storage first, and each block's input."""
+    """Saved-tensor bookkeeping of one forward: who saved each storage first (and how many block forwards had
+    ended then), and each block's input."""
 
     excluded: set[int]
     current: int | None = None
     owner: dict[int, tuple[int | None, int]] = field(default_factory=dict)
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    blocks_done: int = 0  # block forwards ended so far
+    done_when_saved: dict[int, int] = field(default_factory=dict)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _storage_key(tensor)
         if key not in self.excluded and key not in self.owner:
             self.owner[key] = (self.current, tensor.untyped_storage().nbytes())
+            self.done_when_saved[key] = self.blocks_done
         return tensor
 
     def enter(self, index: int) -> Callable[..., None]:
@@ -205,9 +223,36 @@ class _Recorder:
 
     def leave(self, _: nn.Module, __: Any, ___: Any) -> None:
         self.current = None
+        self.blocks_done += 1
 
     def saved_by(self, index: int | None) -> int:
         return sum(nbytes for owner, nbytes in self.owner.values() if owner == index)
+
+    def saved_after_blocks(self) -> int:
+        """Bytes the outer layers saved after the last block's forward ended (none if no block ran)."""
+        return sum(nbytes for key, (owner, nbytes) in self.owner.items()
+                   if owner is None and self.blocks_done and self.done_when_saved[key] == self.blocks_done)
+
+
+class _OuterParameterUse(TorchDispatchMode):
+    """Which outer parameters an op uses after the last block's forward: their gradients come first in backward
+    and stay (unsharded, in the root unit) through every block's backward."""
+
+    def __init__(self, parameters: dict[int, int], recorder: _Recorder) -> None:
+        super().__init__()
+        self.parameters, self.recorder = parameters, recorder  # storage key -> bytes
+        self.done_when_used: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for tensor in _tensors((args, kwargs)):
+            key = _storage_key(tensor)
+            if key in self.parameters:
+                self.done_when_used[key] = self.recorder.blocks_done
+        return func(*args, **(kwargs or {}))
+
+    def used_after_blocks(self) -> int:
+        done = self.recorder.blocks_done
+        return sum(nbytes for key, nbytes in self.parameters.items() if done and self.done_when_used.get(key) == done)
 
 
 def measure_activations(
@@ -236,12 +281,19 @@ def measure_activations(
         with mode:
             fake_input = tree_map(lambda v: _fake_like(v, compute), example_input)
         batch_bytes = sum(t.numel() * t.element_size() for t in _tensors(example_input))
-        excluded = {_storage_key(p) for p in model.parameters()}
+        # The batch is resident before the step (``batch_bytes``): a layer saving it keeps nothing new, unless the
+        # step casts it to the compute dtype first (a copy, which counts).
+        uncast = [fake for real, fake in zip(_tensors(example_input), _tensors(fake_input)) if real.dtype == fake.dtype]
+        excluded = {_storage_key(p) for p in model.parameters()} | {_storage_key(t) for t in uncast}
         recorder = _Recorder(excluded)
+        block_ids = {id(m) for _, b in blocks for m in b.modules()}
+        outer_params = {_storage_key(p): p.numel() * compute.itemsize for m in model.modules() if id(m) not in block_ids
+                        for p in m.parameters(recurse=False) if p.requires_grad}
+        outer_use = _OuterParameterUse(outer_params, recorder)
         handles = [h for i, (_, b) in enumerate(blocks) for h in (
             b.register_forward_pre_hook(recorder.enter(i)), b.register_forward_hook(recorder.leave))]
         try:
-            with mode, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+            with mode, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), outer_use:
                 out = (call(model, fake_input) if call is not None else
                        model(*fake_input) if isinstance(fake_input, tuple) else model(fake_input))
         finally:
@@ -252,14 +304,12 @@ def measure_activations(
         results = [_block_memory(name, block, recorder, i, mode, measured,
                                  ALL_MODES if mode_of is None else frozenset({mode_of(i, name, block) or "none"}))
                    for i, (name, block) in enumerate(blocks)]
-    block_ids = {id(m) for _, b in blocks for m in b.modules()}
-    outer_grads = sum(p.numel() for m in model.modules() if id(m) not in block_ids
-                      for p in m.parameters(recurse=False)) * compute.itemsize
     output_bytes = sum(t.numel() * t.element_size() for t in outputs)
     return ActivationProfile(
         blocks=results,
         outer_saved=recorder.saved_by(None),
-        outer_backward=outer_grads + 2 * output_bytes,
+        outer_saved_after=recorder.saved_after_blocks(),
+        outer_backward=outer_use.used_after_blocks() + 2 * output_bytes,
         batch_bytes=batch_bytes,
         output_bytes=output_bytes,
     )
@@ -350,7 +400,6 @@ def _peak_beyond_forward(
             stack.enter_context(counter)
         with mode:
             inp = torch.empty(x.shape, dtype=x.dtype, device=_CPU, requires_grad=True)
-            grad = torch.empty_like(inp)  # the incoming gradient exists before the block's backward starts
             tracker = LiveBytes()
             with tracker:
                 out = (block(inp) if checkpoint is None else
@@ -359,8 +408,9 @@ def _peak_beyond_forward(
                 base = tracker.reset_peak()
                 for counter in counters:
                     counter.stop()
-                torch.autograd.backward(first, grad.view_as(first) if grad.shape == first.shape else
-                                        torch.empty_like(first))
+                # The gradient flowing in from the layers above is alive through the block's backward (a residual
+                # passes it on as it is): part of what the backward holds beyond the forward.
+                torch.autograd.backward(first, torch.empty_like(first))
     for p in block.parameters():
         p.grad = None
     return tracker.peak - base

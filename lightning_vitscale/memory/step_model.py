@@ -250,7 +250,9 @@ def _forward_phases(inputs, settings, base, full_blocks, outer_full, kept) -> li
     c, scale = inputs.compute.itemsize, inputs.batch_scale
     spans = unit_spans(len(full_blocks), settings.blocks_per_unit)
     grads = base["params"] if inputs.loop.grads_in_forward else 0  # sharded gradients: as many as parameters
-    outer_acts = int(inputs.profile.outer_saved * scale)
+    # The outer layers after the blocks (head, final norm) save theirs only at the end of the forward.
+    outer_acts = int((inputs.profile.outer_saved - inputs.profile.outer_saved_after) * scale)
+    outer_end = int(inputs.profile.outer_saved * scale)
     phases, kept_before, acts_before = [], 0, 0
     for u, span in enumerate(spans):
         unit = sum(full_blocks[i] for i in span) * c
@@ -260,20 +262,22 @@ def _forward_phases(inputs, settings, base, full_blocks, outer_full, kept) -> li
         phases += [
             MemoryBreakdown(grads=grads, gathered=gathered, activations=outer_acts + acts_before, transient=unit,
                             phase=f"all-gather of unit {u}", **base),
-            MemoryBreakdown(grads=grads, gathered=gathered, activations=outer_acts + acts_after, transient=0,
+            MemoryBreakdown(grads=grads, gathered=gathered, activations=(outer_end if last else outer_acts)
+                            + acts_after, transient=0,
                             phase="end of forward" if last else f"end of unit {u}'s forward", **base),
         ]
         kept_before += unit if settings.keeps(span[0]) else 0
         acts_before = acts_after
     if not spans:
-        phases.append(MemoryBreakdown(grads=grads, gathered=outer_full, activations=outer_acts, transient=0,
+        phases.append(MemoryBreakdown(grads=grads, gathered=outer_full, activations=outer_end, transient=0,
                                       phase="end of forward", **base))
     return phases
 
 
 def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kept, c, r, m, on_device):
     prof, scale = inputs.profile, inputs.batch_scale
-    outer_acts = int(prof.outer_saved * scale)
+    # The head's and final norm's saved tensors are freed by their backward, before any block's.
+    outer_acts = int((prof.outer_saved - prof.outer_saved_after) * scale)
     outer_grads = int(prof.outer_backward * scale)
     n = len(full_blocks)
     # Running sums (the planner's search predicts thousands of plans): blocks 0..i's kept gathered parameters and
