@@ -208,6 +208,12 @@ def keep_storage_data(writer: Any) -> Any:
     return writer
 
 
+def current_backward_id() -> int:
+    """The id of the backward pass running on this thread (-1 outside one): a new id per ``backward()`` call, so
+    state keyed by it cannot outlive a backward that raised (its queued callbacks never ran)."""
+    return int(torch._C._current_graph_task_id())
+
+
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the backward pass now running ends (autograd's final callbacks, as FSDP2's own)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
@@ -264,6 +270,7 @@ __all__ = [
     "checkpoint_dir",
     "amp_unscale_and_check",
     "compile_context",
+    "current_backward_id",
     "dcp_load_into",
     "dtensor_like",
     "dtensor_local",

@@ -25,7 +25,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_vitscale._compat import dtensor_like, dtensor_local, queue_end_of_backward, set_parameters, tree_map
+from lightning_vitscale._compat import (
+    current_backward_id,
+    dtensor_like,
+    dtensor_local,
+    queue_end_of_backward,
+    set_parameters,
+    tree_map,
+)
 from lightning_vitscale.distributed.mesh import all_reduce_over, replicated_placements
 
 _PARAMS = "_vitscale_fp32_params"
@@ -48,7 +55,7 @@ class ReplicatedNorms:
         self.mesh, self.dtype = mesh, dtype
         self.params: list[nn.Parameter] = []
         self.syncing = True  # False on the micro-batches before the last of an accumulation window
-        self._queued = False  # an end-of-backward reduction is queued in the backward now running
+        self._queued_in = -1  # the backward in which an end-of-backward reduction was queued (a raising one's too)
         self._reduced_at_end = False  # one ran since the last after_backward()
         for module in modules:
             self._convert(module)
@@ -57,12 +64,12 @@ class ReplicatedNorms:
         """A norm's gradient arrived (handed over from its leaf in eager mode, accumulated on the parameter when
         compiled): average all of them when this backward ends, however it was called (``manual_backward`` or a
         raw ``loss.backward()``). Once per backward."""
-        if not self._queued:
-            self._queued = True
+        backward = current_backward_id()
+        if backward != self._queued_in:
+            self._queued_in = backward
             queue_end_of_backward(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
-        self._queued = False
         if self.syncing:
             self.reduce_grads()
             self._reduced_at_end = True

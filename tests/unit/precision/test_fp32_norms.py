@@ -180,3 +180,24 @@ def test_compiled_norms_are_averaged_at_the_end_of_a_raw_backward_too(mesh):
     frozen.weight.requires_grad_(True)
     compiled_frozen(x).sum().backward()
     assert calls == ["reduce", "reduce"] and isinstance(frozen.weight.grad, DTensor) and frozen.bias.grad is None
+
+
+def test_a_backward_that_raises_does_not_stop_later_ones_averaging(mesh):
+    """The end-of-backward callback queued in a backward that raised never runs: the next backward must queue its
+    own (a flag left set would stop every later average, and the replicas would drift apart)."""
+    norm = nn.LayerNorm(8)
+    norms = ReplicatedNorms([norm], mesh, torch.float32)
+    calls: list[str] = []
+    norms.reduce_grads = lambda: calls.append("reduce") or 0  # type: ignore[method-assign]
+
+    def fail(_: torch.Tensor) -> None:
+        raise RuntimeError("boom")
+
+    x = torch.randn(4, 8, requires_grad=True)
+    handle = x.register_hook(fail)  # on the leaf below a multiplication: after the norm's gradients arrived
+    with pytest.raises(RuntimeError, match="boom"):
+        norm(x * 2).sum().backward()
+    assert calls == [] and isinstance(norm.weight.grad, DTensor)
+    handle.remove()
+    norm(x * 2).sum().backward()
+    assert calls == ["reduce"]
