@@ -200,16 +200,14 @@ class _Recorder:
 
     excluded: set[int]
     current: int | None = None
-    owner: dict[int, tuple[int | None, int]] = field(default_factory=dict)
+    owner: dict[int, tuple[int | None, int, int]] = field(default_factory=dict)  # block, bytes, blocks_done then
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     blocks_done: int = 0  # block forwards ended so far
-    done_when_saved: dict[int, int] = field(default_factory=dict)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _storage_key(tensor)
         if key not in self.excluded and key not in self.owner:
-            self.owner[key] = (self.current, tensor.untyped_storage().nbytes())
-            self.done_when_saved[key] = self.blocks_done
+            self.owner[key] = (self.current, tensor.untyped_storage().nbytes(), self.blocks_done)
         return tensor
 
     def enter(self, index: int) -> Callable[..., None]:
@@ -226,12 +224,12 @@ class _Recorder:
         self.blocks_done += 1
 
     def saved_by(self, index: int | None) -> int:
-        return sum(nbytes for owner, nbytes in self.owner.values() if owner == index)
+        return sum(nbytes for owner, nbytes, _ in self.owner.values() if owner == index)
 
     def saved_after_blocks(self) -> int:
         """Bytes the outer layers saved after the last block's forward ended (none if no block ran)."""
-        return sum(nbytes for key, (owner, nbytes) in self.owner.items()
-                   if owner is None and self.blocks_done and self.done_when_saved[key] == self.blocks_done)
+        done = self.blocks_done
+        return sum(nbytes for owner, nbytes, when in self.owner.values() if owner is None and done and when == done)
 
 
 class _OuterParameterUse(TorchDispatchMode):

@@ -104,11 +104,10 @@ def test_the_outer_layers_are_counted_as_a_real_step_holds_them():
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage().data_ptr()
-        if key not in skipped and key not in seen and owner[0] != "block":
-            seen.add(key)
-            saved[owner[0]] += t.untyped_storage().nbytes()
-        elif owner[0] == "block":
-            seen.add(key)
+        if key not in skipped and key not in seen:
+            seen.add(key)  # a storage counts for whoever saved it first
+            if owner[0] != "block":
+                saved[owner[0]] += t.untyped_storage().nbytes()
         return t
 
     real.blocks[0].register_forward_pre_hook(lambda *_: owner.__setitem__(0, "block"))
