@@ -1,10 +1,14 @@
-"""What verified checkpoints cost at save: each rank CRC-32s its share of the files the save just wrote.
+"""What verified checkpoints cost: at save (each rank CRC-32s its share of the files the save just wrote) and at
+a whole-folder read (``load_consolidated``, what ``consolidate``, ``export`` and ``load_from_checkpoint`` run, checks
+every file's CRC-32 before reading it).
 
 Run: ``python -m torch.distributed.run --nproc-per-node 2 benchmarks/checksum_cost.py`` (CPU, gloo). Every rank
 holds ``--mib`` MiB of its own fp32 tensors; ``save_sharded`` writes them to ``--dir`` (a sharded folder, as
 ``VitScaleStrategy`` saves) with the CRC-32s, interleaved with the same save whose hashing is replaced by a
 no-op, ``--repeats`` times each. Rank 0 prints the median save time of both, the difference (ms per save and %
-of the save), and zlib.crc32's single-core throughput on a buffer in memory.
+of the save), and zlib.crc32's single-core throughput on a buffer in memory. Then rank 0 alone reads the folder
+with ``load_consolidated`` with and without the check (``verify=True``/``False``), interleaved, ``--repeats`` times
+each, with the page cache warm (the files were just written and read) as a second read of a local disk is.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from lightning_vitscale.checkpoint import Location, manifest, save
+from lightning_vitscale.checkpoint import Location, load_consolidated, manifest, save
 from lightning_vitscale.checkpoint.save import save_sharded
 from lightning_vitscale.distributed import RankContext
 
@@ -37,6 +41,18 @@ def timed_save(location: Location, state: dict, group: RankContext) -> float:
     start = time.perf_counter()
     save_sharded({"state_dict": dict(state), "global_step": 0}, location, dist.get_rank() == 0, dist.barrier, group)
     return time.perf_counter() - start
+
+
+def timed_reads(location: Location, repeats: int) -> tuple[list[float], list[float]]:
+    """``load_consolidated`` of the folder with and without the CRC-32 check, interleaved (one warm-up each)."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(repeats + 1):
+        for verify in (True, False):
+            start = time.perf_counter()
+            load_consolidated(location.url, verify=verify)
+            if i:
+                times[verify].append(time.perf_counter() - start)
+    return times[True], times[False]
 
 
 def main() -> None:
@@ -72,6 +88,12 @@ def main() -> None:
               f" without {b * 1e3:.0f} ms: +{(a - b) * 1e3:.0f} ms per save ({(a - b) / b * 100:.1f}% of the save)")
         print(f"runs with CRC-32 (s): {[round(t, 3) for t in with_crc]}; without: {[round(t, 3) for t in without]}")
         print(f"zlib.crc32, one core, in memory: {crc_throughput_mb_s():.0f} MB/s")
+        checked, unchecked = timed_reads(location, args.repeats)
+        c, u = statistics.median(checked), statistics.median(unchecked)
+        print(f"load_consolidated of the folder: median with the check {c * 1e3:.0f} ms, without {u * 1e3:.0f} ms:"
+              f" +{(c - u) * 1e3:.0f} ms ({(c - u) / u * 100:.0f}% of the read; {total / (c - u):.0f} MiB/s checked)")
+        print(f"reads with the check (s): {[round(t, 3) for t in checked]};"
+              f" without: {[round(t, 3) for t in unchecked]}")
         Location.of(location.url).remove()
     dist.destroy_process_group()
 

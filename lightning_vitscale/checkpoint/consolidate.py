@@ -21,6 +21,7 @@ from lightning_vitscale.checkpoint.formats import (
     is_own_entry,
     sharded_shapes,
 )
+from lightning_vitscale.checkpoint.manifest import verify as verify_folder
 from lightning_vitscale.checkpoint.optimizer_state import to_torch_format
 from lightning_vitscale.checkpoint.safe_reading import load_all, load_member
 from lightning_vitscale.checkpoint.storage import Location, torch_save
@@ -39,6 +40,7 @@ def consolidate_checkpoint(
     dtype: torch.dtype | None = torch.float32,
     weights_only: bool | None = None,
     weights: Literal["raw", "ema"] = "raw",
+    verify: bool = True,
 ) -> PathLike:
     """Turn a sharded checkpoint into one ``torch.save`` file a plain LightningModule loads with ``strict=True``.
 
@@ -49,10 +51,11 @@ def consolidate_checkpoint(
     (``None``: torch's default, True); pass ``False`` only for checkpoints you trust. Paths may be fsspec URLs.
     ``weights="ema"`` puts the EMA of the weights (``ShardedEMA``) in ``state_dict`` instead: a file for
     inference or fine-tuning, without optimizer states, so that resuming from it fails instead of silently
-    training on from the average.
+    training on from the average. ``verify=False`` skips the CRC-32 check (:func:`load_consolidated`).
     """
     require_file_target(dst)
-    return write_file(load_consolidated(src, dtype=dtype, weights_only=weights_only, weights=weights), dst)
+    checkpoint = load_consolidated(src, dtype=dtype, weights_only=weights_only, weights=weights, verify=verify)
+    return write_file(checkpoint, dst)
 
 
 def require_file_target(dst: PathLike) -> None:
@@ -80,17 +83,23 @@ def load_consolidated(
     dtype: torch.dtype | None = None,
     weights_only: bool | None = None,
     weights: Literal["raw", "ema"] = "raw",
+    verify: bool = True,
 ) -> dict[str, Any]:
     """The checkpoint dict :func:`consolidate_checkpoint` writes, in memory: what ``torch.load`` of DDP's file
     returns (plain keys, full CPU tensors, torch-native optimizer states, Lightning's metadata). One process, no
     process group; ``weights_only`` and ``weights`` as in :func:`consolidate_checkpoint`. ``dtype=None`` (the
-    default here) keeps the saved dtypes, as a ``state_dict_type="full"`` file holds them.
+    default here) keeps the saved dtypes, as a ``state_dict_type="full"`` file holds them. ``verify``: every file
+    checked against the CRC-32 its save recorded first (``manifest.verify``; benchmarks/RESULTS.md: the cost), so a
+    corrupt shard fails naming itself instead of handing out wrong weights; ``False`` only for a folder you must
+    read despite a damaged file.
 
     ``optimizer_states`` is present only when the save had them (Lightning writes it together with
     ``lr_schedulers``): a weights-only save then fails a resumed fit with Lightning's own error, as under DDP,
     instead of resuming the weights with fresh optimizers."""
     source = Location.of(src)
     sharded_shapes(source, weights_only)  # complete and readable, or a clear error
+    if verify:
+        verify_folder(source, required=False)  # folders written without a manifest have nothing to check
     if weights not in ("raw", "ema"):
         raise ValueError(f"`weights` must be 'raw' or 'ema'; got {weights!r}.")
     state = load_all(source, weights_only)

@@ -41,19 +41,21 @@ def read_weights(
     module: str = "",
     dtype: torch.dtype | None = torch.float32,
     weights_only: bool | None = None,
+    verify: bool = True,
 ) -> Weights:
     """The state dict of submodule ``module`` ("" = the whole LightningModule) in ``src``, prefix stripped.
 
     ``weights``: ``"model"`` the trained weights, ``"ema"`` the ``ShardedEMA`` average (``ema_state_dict``),
     ``"teacher"`` the module's ``teacher`` submodule (the DINO example's EMA teacher: ``module`` is then looked up
     inside it). ``dtype`` casts floating tensors (``None`` keeps the saved dtypes). Fails naming the fix when
-    the checkpoint has no such weights or no such submodule.
+    the checkpoint has no such weights or no such submodule. A sharded folder's files are checked against their
+    CRC-32s first (``verify=False``: not), so a corrupt shard fails naming itself before anything is written.
     """
     if weights not in ("model", "ema", "teacher"):
         raise ValueError(f"`weights` must be 'model', 'ema' or 'teacher'; got {weights!r}.")
     location = Location.of(src)
     require_existing(location)
-    checkpoint, flat = _read(location, weights, dtype, weights_only)
+    checkpoint, flat = _read(location, weights, dtype, weights_only, verify)
     state = checkpoint["state_dict"]
     base = f"{TEACHER}." if weights == "teacher" and not flat else ""
     if base and not any(k.startswith(base) for k in state):
@@ -77,13 +79,15 @@ def read_weights(
 
 
 def _read(
-    location: Location, weights: WeightsChoice, dtype: torch.dtype | None, weights_only: bool | None
+    location: Location, weights: WeightsChoice, dtype: torch.dtype | None, weights_only: bool | None, verify: bool
 ) -> tuple[dict[str, Any], bool]:
     """``(checkpoint with a 'state_dict', flat)``; ``flat``: the file held one state dict (an export), already
     one choice of weights, which must be the one asked for."""
     if location.is_dir():
         choice = _raw_or_ema(weights)
-        return load_consolidated(location.url, dtype=dtype, weights_only=weights_only, weights=choice), False
+        checkpoint = load_consolidated(location.url, dtype=dtype, weights_only=weights_only, weights=choice,
+                                       verify=verify)
+        return checkpoint, False
     if location.url.endswith(".safetensors"):
         tensors, metadata = load_safetensors(location)
         return _flat({"state_dict": tensors, **metadata}, weights, location), True

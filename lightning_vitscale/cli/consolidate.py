@@ -1,5 +1,6 @@
-"""`python -m lightning_vitscale consolidate SRC DST`: a sharded checkpoint folder as one ``torch.save`` file;
-``consolidate --verify SRC``: only check every file against the sizes and CRC-32s its save recorded.
+"""`python -m lightning_vitscale consolidate SRC DST`: a sharded checkpoint folder as one ``torch.save`` file, every
+file of SRC first checked against the size and CRC-32 its save recorded (``--no-verify``: not); ``consolidate SRC``
+(no DST): only that check.
 
 Argument handling only; the conversion is ``checkpoint/consolidate.py``.
 """
@@ -21,10 +22,11 @@ def consolidate_command_parser(subparsers: Any) -> None:
         "consolidate", help="sharded checkpoint folder -> one torch.save file (plain module)"
     )
     export.add_argument("src", help="checkpoint folder written by VitScaleStrategy")
-    export.add_argument("dst", nargs="?", help="output file, e.g. model.ckpt (optional with --verify)")
+    export.add_argument("dst", nargs="?", help="output file, e.g. model.ckpt (none: only check SRC)")
     export.add_argument(
-        "--verify", action="store_true",
-        help="check every file of SRC against the sizes and CRC-32s its save recorded; with no DST, only check",
+        "--verify", action=argparse.BooleanOptionalAction, default=None,
+        help="check every file of SRC against the size and CRC-32 its save recorded, before writing DST (default for"
+        " --from vitscale); --no-verify: only to read a damaged folder anyway",
     )
     export.add_argument("--keep-dtype", action="store_true", help="keep saved dtypes instead of full fp32")
     export.add_argument(
@@ -51,16 +53,18 @@ def consolidate_command_parser(subparsers: Any) -> None:
 
 
 def consolidate_command(args: argparse.Namespace) -> int:
-    if args.dst is None and not args.verify:
-        print("error: give DST (the output file), or --verify to only check SRC", file=sys.stderr)
+    checks = args.verify if args.verify is not None else args.source_format == "vitscale"
+    if args.dst is None and not checks:
+        print("error: give DST (the output file); without DST, consolidate only verifies SRC", file=sys.stderr)
         return 2
     try:
-        if args.verify:
+        if checks and args.source_format != "vitscale":
+            raise CheckpointError("--verify applies to --from vitscale: FSDP1 saves recorded no CRC-32s.")
+        if args.dst is None:
             verify(Location.of(args.src))
             print(f"verified {args.src}: every file matches its size and CRC-32")
-        if args.dst is None:
             return 0
-        out = _convert(args)
+        out = _convert(args, checks)
     except (CheckpointError, OSError) as error:  # bad SRC or DST: the message names the path and the fix
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -68,7 +72,7 @@ def consolidate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _convert(args: argparse.Namespace) -> Any:
+def _convert(args: argparse.Namespace, checks: bool) -> Any:
     """SRC -> DST through the converter of SRC's format (``--from``)."""
     dtype = None if args.keep_dtype else torch.float32
     weights_only = False if args.unsafe else None
@@ -86,4 +90,6 @@ def _convert(args: argparse.Namespace) -> Any:
             )
         model = build_model(args.model)
         return convert_fsdp1_local_checkpoint(args.src, args.dst, model, dtype=dtype, weights_only=weights_only)
-    return consolidate_checkpoint(args.src, args.dst, dtype=dtype, weights_only=weights_only, weights=args.weights)
+    return consolidate_checkpoint(
+        args.src, args.dst, dtype=dtype, weights_only=weights_only, weights=args.weights, verify=checks
+    )

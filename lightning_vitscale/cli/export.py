@@ -51,6 +51,10 @@ def export_command_parser(subparsers: Any) -> None:
         "--unsafe", action="store_true",
         help="load every pickle in SRC with weights_only=False (runs any code it holds): only for trusted files",
     )
+    export.add_argument(
+        "--no-verify", dest="verify", action="store_false",
+        help="skip checking SRC's files against the CRC-32s its save recorded: only to read a damaged folder anyway",
+    )
     export.set_defaults(command=export_command)
 
 
@@ -77,7 +81,8 @@ def run_export(args: argparse.Namespace) -> Location:
         raise CheckpointError("--model applies to --format hf only (the other formats need no module instance).")
     dtype = EXPORT_DTYPES[args.dtype]
     weights = read_weights(
-        args.src, weights=args.weights, module=args.module, dtype=dtype, weights_only=False if args.unsafe else None
+        args.src, weights=args.weights, module=args.module, dtype=dtype, weights_only=False if args.unsafe else None,
+        verify=args.verify,
     )
     match args.format:
         case "safetensors":

@@ -169,11 +169,13 @@ def test_a_missing_truncated_or_garbled_shard_is_a_checkpoint_error_naming_the_f
     data = (tmp_path / "truncated.ckpt" / shard).read_bytes()
     (tmp_path / "truncated.ckpt" / shard).write_bytes(data[: len(data) // 2])
     (tmp_path / "garbled.ckpt" / shard).write_bytes(b"\0" * len(data))  # same length: only DCP's read fails
-    for case, message in (("missing", f"{shard} is missing"), ("truncated", f"{shard} is truncated: it has"),
-                          ("garbled", "could not be read")):
+    for case, message, verify in (("missing", f"{shard} is missing", True),
+                                  ("truncated", f"{shard} is truncated: it has", True),
+                                  ("garbled", f"{shard} fails its CRC-32 check", True),
+                                  ("garbled", "could not be read", False)):  # fmt: skip
         folder = tmp_path / f"{case}.ckpt"
         with pytest.raises(CheckpointError, match=message) as caught:
-            consolidate_checkpoint(folder, tmp_path / "out.ckpt")
+            consolidate_checkpoint(folder, tmp_path / "out.ckpt", verify=verify)
         assert str(folder) in str(caught.value)
     with pytest.raises(CheckpointError, match=f"{shard} is truncated"):
         checkpoint_shapes(tmp_path / "truncated.ckpt")  # what every strategy load checks before its collectives

@@ -30,6 +30,7 @@ from lightning_vitscale.checkpoint.lightning.loaders import load_sharded_as_full
 from lightning_vitscale.checkpoint.storage import Location
 from tests.helpers.exploit import Payload
 from tests.helpers.models import Classifier, loader
+from tests.helpers.saved_runs import restamp
 
 SHARD = "__0_0.distcp"
 VARIANTS = ("ema_bytes", "traversal", "absolute", "symlink")
@@ -100,6 +101,8 @@ def crafted(tmp_path_factory, mesh) -> dict[str, Path]:
     craft_paths(folders["absolute"], str(outside))
     (folders["symlink"] / SHARD).unlink()
     (folders["symlink"] / SHARD).symlink_to(outside)
+    for folder in folders.values():  # whoever crafts a folder can rewrite its CRC-32s too
+        restamp(folder)
     return {"good": out / "good.ckpt", "marker": out / "pwned", **folders}
 
 
