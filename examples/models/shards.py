@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import random
+import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -108,21 +109,31 @@ def stream_pieces(counts: list[int], order: list[int], start: int, stop: int) ->
 
 
 def read_pieces(urls: list[str], pieces: list[Piece]) -> Iterator[dict[str, Any]]:
-    """Raw samples (``{"__key__": ..., "png": bytes, "cls": bytes}``) of ``pieces``, read through fsspec."""
+    """Raw samples (``{"__key__": ..., "png": bytes, "cls": bytes}``) of ``pieces``, read through fsspec. A shard
+    that cannot be read or holds fewer samples than the index says fails naming it: it is damaged."""
     for piece in pieces:
         url, seen = urls[piece.shard], 0
-        with fsspec.open(url, "rb") as stream:
-            samples = group_by_keys(tar_file_expander([{"url": url, "stream": stream}]))
-            for seen, sample in enumerate(samples, 1):
-                if seen > piece.start:
-                    yield sample
-                if seen == piece.stop:
-                    break
+        try:
+            with fsspec.open(url, "rb") as stream:
+                samples = group_by_keys(tar_file_expander([{"url": url, "stream": stream}]))
+                for seen, sample in enumerate(samples, 1):
+                    if seen > piece.start:
+                        yield sample
+                    if seen == piece.stop:
+                        break
+        except (tarfile.TarError, EOFError) as error:  # WebDataset appends the stream and URL to the args
+            detail = error.args[0] if error.args else type(error).__name__
+            raise damaged_shard(url, f"it is not a readable tar file ({detail})") from None
         if seen < piece.stop:
-            raise ValueError(
-                f"{url} holds {seen} samples, the index says at least {piece.stop}: the shards changed after the "
-                "index was written; rewrite it: python -m examples.shards index ROOT"
-            )
+            raise damaged_shard(url, f"it ends after {seen} samples, index.json records at least {piece.stop}")
+
+
+def damaged_shard(url: str, problem: str) -> OSError:
+    return OSError(
+        f"Shard {url} is damaged: {problem} (truncated by an interrupted copy, or changed since index.json was"
+        " written). Restore it from a good copy, or rewrite the shards and their index (python -m examples.shards"
+        " write-shards SRC DEST); re-indexing alone would train without the lost samples."
+    )
 
 
 def shuffled(samples: Iterator[Any], buffer: int, rng: random.Random) -> Iterator[Any]:
@@ -234,22 +245,26 @@ class ShardLoader(DataLoader):
         return {"ranks": ds.world, "workers": ds.workers, "batch_size": ds.batch_size, "epoch_samples": sum(ds.counts)}
 
     def state_dict(self) -> dict[str, Any]:
-        """Epoch, batches and samples this rank took so far in it (the same on every rank), and the layout."""
+        """Epoch, batches and samples this rank took so far in it (the same on every rank), the epoch's batches and
+        the layout they were taken with."""
         done = consumed_per_worker(self._position, self.dataset.batches())
         samples = 0
         for worker, batches in enumerate(done):
             start, stop = worker_range(self.dataset.per_rank, self.dataset.batch_size, self.dataset.workers, worker)
             samples += min(batches * self.dataset.batch_size, stop - start)
-        return {"epoch": self._epoch, "batches": self._position, "samples": samples, **self._layout()}
+        position = {"epoch": self._epoch, "batches": self._position, "samples": samples, "epoch_batches": len(self)}
+        return {**position, **self._layout()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue epoch ``state["epoch"]`` after its first ``state["batches"]`` batches."""
+        """Continue epoch ``state["epoch"]`` after its first ``state["batches"]`` batches. A position at an epoch's
+        end (or start) resumes under any layout: the next epoch starts from its beginning."""
+        if not 0 < state["batches"] < state["epoch_batches"]:
+            return
         saved = {k: state.get(k) for k in self._layout()}
         if saved != self._layout():
             raise ValueError(
-                f"the checkpoint's stream position was taken with {saved}, this run has {self._layout()}: resume "
-                "mid-epoch with the same --trainer.devices, --data.num_workers, --data.batch_size and shards, or "
-                "resume from an end-of-epoch checkpoint"
+                f"the checkpoint's stream position, mid-epoch, was taken with {saved}, this run has {self._layout()}:"
+                " resume mid-epoch with the same --trainer.devices, --data.num_workers, --data.batch_size and shards,"
+                " or resume from an end-of-epoch checkpoint"
             )
-        if state["batches"] < len(self):
-            self._resume = (state["epoch"], state["batches"])
+        self._resume = (state["epoch"], state["batches"])

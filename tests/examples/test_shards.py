@@ -8,7 +8,9 @@ epoch's batches in another order); the decoded digits without ``Normalize`` (not
 
 from __future__ import annotations
 
+import io
 import json
+import tarfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -146,13 +148,63 @@ def test_resume_continues_the_same_batches_and_epochs_differ(tmp_path: Path, wor
     assert [b.tolist() for b in other] != full  # another epoch, another order
 
 
-def test_resume_with_another_layout_fails_naming_the_flags(tmp_path: Path) -> None:
+def test_an_end_of_epoch_position_resumes_under_any_layout_a_mid_epoch_one_only_under_its_own(tmp_path: Path):
+    """Issue 49: the layout was compared before the epoch's end was looked at, so an end-of-epoch checkpoint
+    refused another number of ranks, workers or batch size (mutation: the two checks swapped back)."""
     urls, counts = small_stream(tmp_path)
-    make = lambda world: ShardLoader(  # noqa: E731
-        ShardStream(urls, counts, Key(), rank=0, world=world, batch_size=4, workers=1, shuffle=False), num_workers=0
-    )
-    with pytest.raises(ValueError, match="--trainer.devices, --data.num_workers, --data.batch_size"):
-        make(1).load_state_dict(make(2).state_dict())
+
+    def make(world: int = 2, workers: int = 1, batch: int = 4) -> ShardLoader:
+        stream = ShardStream(urls, counts, Key(), rank=0, world=world, batch_size=batch, workers=workers,
+                             shuffle=True, shuffle_buffer=8, seed=0)  # fmt: skip
+        return ShardLoader(stream, num_workers=workers, epoch=lambda: 1)
+
+    def position(loader: ShardLoader, batches: int) -> dict[str, Any]:
+        it = iter(loader)
+        for _ in range(batches):
+            next(it)
+        return loader.state_dict()
+
+    ended, middle = position(make(), len(make())), position(make(), 3)
+    assert ended["batches"] == ended["epoch_batches"] == 9 and ended["samples"] == 33
+    for layout in ({"world": 1}, {"workers": 2}, {"batch": 5}, {"world": 3, "workers": 2, "batch": 2}):
+        fresh = [b.tolist() for b in make(**layout)]
+        resumed = make(**layout)
+        resumed.load_state_dict(ended)  # the next epoch starts from its beginning, as a fresh loader's
+        assert [b.tolist() for b in resumed] == fresh
+        with pytest.raises(ValueError, match="mid-epoch.*--trainer.devices, --data.num_workers, --data.batch_size"):
+            make(**layout).load_state_dict(middle)
+
+
+def write_tar(path: Path, samples: int) -> None:
+    with tarfile.open(path, "w") as tar:
+        for i in range(samples):
+            for ext, data in (("png", bytes(300)), ("cls", b"1")):
+                info = tarfile.TarInfo(f"{i:04d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.mark.parametrize("damage", ["cut-in-data", "cut-in-header", "short", "garbage"])
+def test_a_damaged_shard_fails_naming_it_and_what_to_do(tmp_path: Path, damage: str) -> None:
+    """Issue 49: a truncated tar surfaced as WebDataset's raw tuple, and a shard shorter than its index entry
+    advised re-indexing, which trains on without the lost samples."""
+    shard = tmp_path / "train-000000.tar"
+    write_tar(shard, 8)
+    data = shard.read_bytes()
+    if damage.startswith("cut"):  # each sample 2 members of 1024 bytes: inside the 6th's image, or its header
+        shard.write_bytes(data[: 5 * 2048 + (600 if damage == "cut-in-data" else 100)])
+    elif damage == "short":  # a valid tar of fewer samples
+        write_tar(shard, 5)
+    else:
+        shard.write_bytes(data[:512] + bytes(range(256)) * 4 + data[1536:])
+    stream = ShardStream([str(shard)], [8], lambda s: s["__key__"], rank=0, world=1, batch_size=2, workers=1,
+                         shuffle=False)  # fmt: skip
+    with pytest.raises(OSError, match="Shard .*train-000000.tar is damaged") as error:
+        list(ShardLoader(stream, num_workers=0))
+    message = str(error.value)
+    assert "Restore it" in message and "re-indexing alone would train without the lost samples" in message
+    # tarfile ends a stream at a cut or garbled header silently: the count the index records tells
+    assert ("not a readable tar" if damage == "cut-in-data" else "index.json records at least 8") in message
 
 
 def test_bad_input_fails_naming_the_fix(tmp_path: Path) -> None:

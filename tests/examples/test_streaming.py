@@ -4,6 +4,9 @@ rule names), both ranks run the same number of batches, a run resumed from a mid
 the batches the first run took after it, and both examples' CLIs train from the shards (at a ``file://`` URL; the
 built-in digits written once as shards).
 
+Then, on the same 2 ranks and on 1, the end-of-epoch checkpoint resumes the next epoch with another number of
+loader workers and batch size, and the mid-epoch one is refused under that layout.
+
 Mutations seen failing: the resume position ignored (``ShardLoader.__iter__`` with ``skip = 0``: the resumed run
 repeats the epoch's first batches); ranks not split (``rank=0`` in the datamodule's ``_loader``: both ranks read
 the same half). The split over workers is checked sample by sample in test_shards.py.
@@ -22,15 +25,23 @@ from tests.helpers.results import load_ranks
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 SCRIPT = "tests/examples/scripts/streaming.py"
-TRAIN, SHARD, BATCH, SAVE_AT = 1437, 256, 64, 5  # the digits' training split as written: shards of 256
+# the digits' training split as written: shards of 256
+TRAIN, SHARD, BATCH, SAVE_AT, OTHER_BATCH = 1437, 256, 64, 5, 128
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    out, work = tmp_path_factory.mktemp("streaming"), tmp_path_factory.mktemp("work")
-    names = "epoch-resume,cli-classification,cli-pretraining"
+def launches(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], list[dict]]:
+    """The 2-rank launch, then a 1-rank one resuming its checkpoints under another layout."""
+    out, one, work = (tmp_path_factory.mktemp(name) for name in ("streaming", "one-rank", "work"))
+    names = "epoch-resume,end-resume,cli-classification,cli-pretraining"
     assert_ok(torchrun(SCRIPT, str(out), str(work), names, timeout=280))
-    return load_ranks(out)
+    assert_ok(torchrun(SCRIPT, str(one), str(work), "end-resume,mid-refused", nprocs=1, timeout=200))
+    return load_ranks(out), load_ranks(one)
+
+
+@pytest.fixture(scope="module")
+def ranks(launches: tuple[list[dict], list[dict]]) -> list[dict]:
+    return launches[0]
 
 
 def test_one_epoch_visits_every_sample_once_and_pads_exactly_one(ranks: list[dict]) -> None:
@@ -47,9 +58,25 @@ def test_one_epoch_visits_every_sample_once_and_pads_exactly_one(ranks: list[dic
 
 def test_resumed_epoch_takes_the_rest_exactly(ranks: list[dict]) -> None:
     for run in (r["epoch-resume"] for r in ranks):
-        assert run["saved"][0] == {"epoch": 0, "batches": SAVE_AT, "samples": SAVE_AT * BATCH, "ranks": 2,
-                                   "workers": 2, "batch_size": BATCH, "epoch_samples": TRAIN}  # fmt: skip
+        assert run["saved"][0] == {"epoch": 0, "batches": SAVE_AT, "samples": SAVE_AT * BATCH, "epoch_batches": 12,
+                                   "ranks": 2, "workers": 2, "batch_size": BATCH, "epoch_samples": TRAIN}  # fmt: skip
         assert run["resumed"] == run["epoch"][SAVE_AT:]  # the same batches, in the same order
+
+
+def test_an_end_of_epoch_checkpoint_resumes_under_another_layout_a_mid_epoch_one_is_refused(launches) -> None:
+    """The next epoch, from the end-of-epoch checkpoint, with 1 loader worker instead of 2, batches of 128 instead
+    of 64, on 2 ranks and on 1: every sample of epoch 1 once (the padded one twice on 2 ranks), from its start.
+    The mid-epoch checkpoint under that layout is refused naming the flags (issue 49: both were refused)."""
+    for ranks in launches:
+        runs = [r["end-resume"] for r in ranks]
+        per_rank = -(-TRAIN // len(runs))
+        visits = Counter(key for run in runs for batch in run["epoch"] for key in batch)
+        assert set(visits) == set(range(TRAIN)) and sum(visits.values()) == per_rank * len(runs)
+        for run in runs:
+            assert len(run["epoch"]) == run["len"] == -(-per_rank // OTHER_BATCH)
+            assert run["step"] == 12 + run["len"]  # epoch 0's 12 steps, then all of epoch 1's
+    refused = launches[1][0]["mid-refused"]["error"]
+    assert refused is not None and "mid-epoch" in refused and "--data.num_workers, --data.batch_size" in refused
 
 
 @pytest.mark.parametrize("example", ["classification", "pretraining"])
