@@ -18,6 +18,8 @@ detector's options unchecked at construction.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,6 +33,7 @@ from examples.detection import ViTDetector
 from examples.models.finetune import load_pretrained
 from examples.models.vit import VisionTransformer
 from lightning_vitscale.__main__ import main as vitscale
+from lightning_vitscale.checkpoint import CheckpointError
 from lightning_vitscale.checkpoint.consolidate import load_consolidated
 from tests.helpers.saved_runs import save_dino_run, save_run
 
@@ -282,3 +285,18 @@ def test_a_frozen_detector_backbone_from_the_teacher_trains_under_the_strategy(d
         assert p.requires_grad == (not name.startswith("backbone.")), name
         assert (p.grad is not None) == p.requires_grad, name
     assert cli.trainer.global_step == 2
+
+
+@pytest.mark.parametrize("cls", [ViTClassifier, ViTDetector])
+def test_weights_from_a_folder_with_a_flipped_byte_are_refused_naming_the_file(dino, tmp_path, cls) -> None:
+    """``--model.weights=FOLDER`` checks the CRC-32s its save recorded (issue 49: a corrupt shard was read as weights).
+    Mutation seen failing: ``read_weights`` without ``verify`` passed on (the model started from the flipped value)."""
+    folder = tmp_path / "last.ckpt"
+    shutil.copytree(dino, folder)
+    shard = next(folder.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    model = cls(weights=str(folder), weights_key="teacher")
+    with pytest.raises(CheckpointError, match=re.escape(f"{shard} fails its CRC-32 check")):
+        model.configure_model()
