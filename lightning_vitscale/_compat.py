@@ -39,6 +39,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (
 )
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector as CheckpointConnector
+from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # memory planner: shapes without memory
 from torch._tensor import _rebuild_from_type_v2 as rebuild_from_type_v2  # FSDP1 local files: a tensor subclass
 from torch._utils import _rebuild_tensor_v2 as rebuild_tensor_v2  # FSDP1 local files: a plain tensor, pickled
@@ -222,6 +223,20 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
 def checkpoint_dir(callback: Any, trainer: Any) -> str:
     """The folder a ``ModelCheckpoint`` saves to (its ``dirpath``, or Lightning's default under the logger)."""
     return str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
+
+
+def sigterm_handlers_but_lightnings(handler: Any) -> list[Callable[..., Any]]:
+    """What Lightning's registered SIGTERM handler runs besides its own notifier (which broadcasts inside the
+    handler): the handler installed before it, if any; ``[handler]`` if ``handler`` is not Lightning's."""
+    if not isinstance(handler, _HandlersCompose):
+        return [handler] if callable(handler) else []
+    notifier = _SignalConnector._sigterm_notifier_fn
+    return [h for h in handler.signal_handlers if callable(h) and getattr(h, "__func__", None) is not notifier]
+
+
+def mark_sigterm_received(trainer: Any) -> None:
+    """What Lightning's SIGTERM notifier records: its loops raise ``SIGTERMException`` at the next batch boundary."""
+    trainer._signal_connector.received_sigterm = True
 
 
 def train_dataloader(trainer: Any) -> Any:

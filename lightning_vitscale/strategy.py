@@ -124,8 +124,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
-        # Lightning's connector hands a custom strategy a generic plugin for `Trainer(precision=...)`;
-        # translate it here so the user's flag keeps working after the drop-in from DDP.
+        # Lightning hands a custom strategy a generic plugin for `Trainer(precision=...)`: the user's flag, translated.
         self._precision_plugin = None if plugin is None else to_vitscale_precision(plugin)
 
     @override
@@ -135,9 +134,8 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # Every rank is data-parallel (ModelParallelStrategy's default would make every process a tensor-parallel
-        # peer: no sharding, same data on every rank). 1-D mesh for "full", (replicate, shard) for hybrid layouts.
-        # tensor_parallel=k adds a last, innermost "tensor_parallel" dimension (a node): 2-D, or 3-D when hybrid.
+        # Every rank is data-parallel (ModelParallelStrategy's default: every process a tensor-parallel peer, no
+        # sharding). 1-D mesh for "full", (replicate, shard) for hybrid; tensor_parallel=k adds a last, innermost dim.
         shard_group = partial(shards.shard_group_size, self.config.sharding.layout)
         distributed.start_process_group(
             self, self.lightning_module, self._timeout or DEFAULT_TIMEOUT, shard_group,
@@ -147,8 +145,8 @@ class VitScaleStrategy(ModelParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        # Every data-parallel rank reads its own data, whatever the sharding layout; the tensor-parallel ranks of a
-        # group read the same samples (Lightning's own looks up a "data_parallel" dim, which hybrid meshes lack).
+        # Each data-parallel rank its own data, in any layout; a group's TP ranks the same (Lightning's looks up a
+        # "data_parallel" dim, which hybrid meshes lack).
         return distributed.data_parallel_ranks(self.device_mesh, self.world_size, self.global_rank)
 
     @override
@@ -196,8 +194,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        fused_requested = self.resolved is not None and self.resolved.kernels.fused_optimizer
-        fused = prepare_optimizers(self.optimizers, fused_requested)
+        fused = prepare_optimizers(self.optimizers, self.resolved is not None and self.resolved.kernels.fused_optimizer)
         if self.plan is not None:
             self.plan.notes.extend(fused)
 
@@ -218,8 +215,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning's ``no_sync`` for micro-batches before the last: see ``ShardedModel.accumulating``."""
-        sharded, compute = self.sharded, self.precision_plugin.policy.compute
-        mode = self.config.sharding.accumulation
+        sharded, compute, mode = self.sharded, self.precision_plugin.policy.compute, self.config.sharding.accumulation
         with sharded.accumulating(mode, self._ranks(), compute) if sharded is not None else nullcontext():
             yield
 
@@ -236,6 +232,12 @@ class VitScaleStrategy(ModelParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         distributed.stop_local_ranks(self.launcher, exception, self.global_rank)
+
+    @override
+    def on_train_start(self) -> None:  # Lightning's SIGTERM handler runs a collective: a lone signal hangs the job
+        distributed.take_over_sigterm(self.lightning_module, self.launcher)
+
+    on_validation_start = on_test_start = on_predict_start = on_train_start
 
     @override
     def on_validation_end(self) -> None:
@@ -280,15 +282,13 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """A sharded checkpoint (any world size) or a single file (from DDP, ``consolidate``): see
-        :meth:`~lightning_vitscale.checkpoint.strategy_side.StrategyCheckpoints.load`."""
+        """A sharded folder (any world size) or one file (DDP's, ``consolidate``'s): ``StrategyCheckpoints.load``."""
         module, ranks = self.lightning_module, self._ranks()
         return self.checkpoints.load(checkpoint_path, module, self.optimizers, weights_only, ranks=ranks)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        # `lr_find` and ModelCheckpoint call this on every rank; a sharded folder goes only once all are done.
-        self.checkpoints.remove(filepath, ranks=self._ranks())
+        self.checkpoints.remove(filepath, ranks=self._ranks())  # called on every rank; removed once all are done
 
     @classmethod
     @override

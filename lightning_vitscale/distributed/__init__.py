@@ -1,5 +1,5 @@
 """Process groups and meshes: the device mesh of a sharding layout, collectives over it, the side-group handshake
-before gathers outside a step, and process-group teardown at exit.
+before gathers outside a step, SIGTERM without a collective in its handler, and process-group teardown at exit.
 
 The bottom layer: imports only ``_compat``, ``_utils``, torch and Lightning, never another concern.
 """
@@ -14,6 +14,7 @@ from lightning_vitscale.distributed.ranks import (
     mean_over_ranks,
     rank_context,
 )
+from lightning_vitscale.distributed.sigterm import take_over_sigterm
 from lightning_vitscale.distributed.teardown import destroy_process_group_at_exit, stop_local_ranks, watch_local_ranks
 
 __all__ = [
@@ -31,5 +32,6 @@ __all__ = [
     "check_accelerator",
     "start_process_group",
     "stop_local_ranks",
+    "take_over_sigterm",
     "watch_local_ranks",
 ]
