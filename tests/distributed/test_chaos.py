@@ -41,4 +41,4 @@ def test_sigterm_to_one_rank_ends_the_job_in_seconds(tmp_path):
     attempt = Attempt(1, {"attempt": 1, "kind": "step", "rank": 1, "at": 2, "signal": "SIGTERM"})
     run_attempt(run, args, attempt, timeout=90, start_job=launch)
     assert attempt.killed is not None and attempt.killed["step"] == 1, attempt.killed
-    assert attempt.returncode != 0 and attempt.ended_s is not None and attempt.ended_s < 20, attempt
+    assert attempt.returncode != 0 and attempt.ended_s is not None and attempt.ended_s < 30, attempt
