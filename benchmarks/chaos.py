@@ -108,21 +108,25 @@ def draw_plan(rng: random.Random, number: int, done: list[str], has_checkpoint: 
     return plan
 
 
-def alive(pid: int) -> bool:
+def alive(rank: tuple[int, str]) -> bool:
+    """Whether the rank process (pid, start time) still runs: not a zombie, not another process that got its pid."""
+    pid, started = rank
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
         return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited: only its parent has not reaped it yet
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    return fields[0] != "Z" and fields[19] == started
 
 
-def rank_pids(run: Path) -> dict[int, int]:
+def rank_pids(run: Path) -> dict[int, tuple[int, str]]:
+    """Each rank's pid and start time (``/proc`` clock ticks), as it wrote them at setup."""
     found = {}
     for rank in (0, 1):
         path = run / "pids" / f"rank{rank}"
-        if path.exists() and path.read_text().strip():
-            found[rank] = int(path.read_text())
+        words = path.read_text().split() if path.exists() else []
+        if len(words) == 2:
+            found[rank] = (int(words[0]), words[1])
     return found
 
 
@@ -141,7 +145,7 @@ def run_attempt(run: Path, job_args: list[str], attempt: Attempt, timeout: float
         try:
             proc.wait(max(1.0, timeout - (time.monotonic() - start)))
         except subprocess.TimeoutExpired:
-            kill_tree(proc, run)
+            kill_rest(proc, run)
             raise RuntimeError(f"attempt {attempt.number} outlived {timeout:.0f} s: a hang (log: {log.name})") from None
     attempt.returncode = proc.returncode
     pids = rank_pids(run)
@@ -149,8 +153,9 @@ def run_attempt(run: Path, job_args: list[str], attempt: Attempt, timeout: float
     while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.05)
     ended, ended_wall = time.monotonic(), time.time()
-    stragglers = [p for p in pids.values() if alive(p)]
-    kill_tree(proc, run)
+    stragglers = [pid for pid, started in pids.values() if alive((pid, started))]
+    if stragglers:
+        kill_rest(proc, run)
     attempt.seconds = ended - start
     attempt.finished = proc.returncode == 0 and all((run / f"done-rank{r}").exists() for r in (0, 1))
     if attempt.killed is None:
@@ -174,7 +179,7 @@ def timed_kill(run: Path, plan: dict[str, Any], proc: subprocess.Popen, start: f
         if proc.poll() is not None:
             return None
         time.sleep(0.01)
-    victim = rank_pids(run)[plan["rank"]]
+    victim, _ = rank_pids(run)[plan["rank"]]
     phase_file = run / f"phase-rank{plan['rank']}"
     try:
         phase = json.loads(phase_file.read_text())["phase"] if phase_file.exists() else "starting"
@@ -200,12 +205,14 @@ def own_kill(run: Path, number: int) -> dict[str, Any] | None:
     return next((m for m in moments if m.get("attempt") == number), None)
 
 
-def kill_tree(proc: subprocess.Popen, run: Path) -> None:
-    """Whatever of the attempt still runs (the launcher's group, ranks forked elsewhere, their loader workers)."""
+def kill_rest(proc: subprocess.Popen, run: Path) -> None:
+    """Whatever of a hung attempt still runs: the command's process tree, the ranks (forked elsewhere under the
+    zygote) and their loader workers; only processes still alive as themselves, never a pid reused since."""
     from tests.helpers.launch import descendants
 
-    pids = [proc.pid, *descendants(proc.pid), *rank_pids(run).values()]
-    for pid in pids + [d for p in rank_pids(run).values() for d in descendants(p)]:
+    ranks = [pid for pid, started in rank_pids(run).values() if alive((pid, started))]
+    job = [proc.pid, *descendants(proc.pid)] if proc.poll() is None else []
+    for pid in job + ranks + [d for p in ranks for d in descendants(p)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

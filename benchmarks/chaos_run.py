@@ -75,7 +75,9 @@ class Chaos(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.rank, self.trainer = trainer.global_rank, trainer
-        (self.run / "pids" / f"rank{self.rank}").write_text(str(os.getpid()))
+        with open("/proc/self/stat") as stat:  # the start time tells this process from a later one with its pid
+            started = stat.read().rsplit(")", 1)[1].split()[19]
+        (self.run / "pids" / f"rank{self.rank}").write_text(f"{os.getpid()} {started}")
         self.phase("setup")
 
     def phase(self, text: str) -> None:

@@ -60,8 +60,8 @@ RUN_BY: dict[str, tuple[str, tuple[str, ...]]] = {
     r"| <path> <stem>\.consolidated\.ckpt)?$": (
         "tests/unit/checkpoint/test_checkpoint_safety.py", ('main(["consolidate", str(tmp_path / "ok.ckpt")',),
     ),
-    r"python -m lightning_vitscale consolidate --verify SRC$": (
-        "tests/unit/checkpoint/test_verified.py", ('main(["consolidate", "--verify", str(folder)])',),
+    r"python -m lightning_vitscale consolidate SRC$": (
+        "tests/unit/checkpoint/test_verified.py", ('main(["consolidate", str(folder)])',),
     ),
     r"python -m lightning_vitscale consolidate SRC DST --weights ema$": (
         "tests/distributed/test_ema.py", ('"--weights", "ema"]) == 0',),

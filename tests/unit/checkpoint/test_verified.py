@@ -1,5 +1,5 @@
 """Verified checkpoints: every file's size and CRC-32 in the manifest, checked at load and by
-``consolidate --verify``; resolution skips what is incomplete or corrupt, saying which and why."""
+``consolidate SRC`` (no DST: only the check); resolution skips what is incomplete or corrupt, saying which and why."""
 
 from __future__ import annotations
 
@@ -55,13 +55,13 @@ def test_the_manifest_lists_every_file_with_its_size_and_crc(tmp_path):
 def test_a_damaged_shard_fails_loading_and_verify_naming_the_file(tmp_path, capsys, damage, message):
     folder = tmp_path / "a.ckpt"
     save(folder, 1)
-    assert main(["consolidate", "--verify", str(folder)]) == 0 and "verified" in capsys.readouterr().out
+    assert main(["consolidate", str(folder)]) == 0 and "verified" in capsys.readouterr().out
     victim = folder / shard(folder)
     flip_byte(victim) if damage == "flip" else victim.write_bytes(victim.read_bytes()[:10])
     with pytest.raises(CheckpointError, match=message) as error:
         verify(Location.of(folder))
     assert str(victim) in str(error.value)
-    assert main(["consolidate", "--verify", str(folder)]) == 1
+    assert main(["consolidate", str(folder)]) == 1
     err = capsys.readouterr().err
     assert str(victim) in err and message in err
 
