@@ -23,7 +23,7 @@ from lightning_vitscale.kernels import KernelMode, KernelPolicy, LightningModule
 from lightning_vitscale.memory import AccumulationMode, may_release_after_step, release_gradients
 from lightning_vitscale.options import document
 from lightning_vitscale.precision import VitScalePrecision, to_vitscale_precision
-from lightning_vitscale.sharding import CheckpointSelector, ModuleSelector, OffloadMode, ShardingLayout
+from lightning_vitscale.sharding import CheckpointSelector, ModuleSelector, OffloadMode, Priority, ShardingLayout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -51,7 +51,8 @@ class VitScaleStrategy(ModelParallelStrategy):
         self,
         *,
         blocks: ModuleSelector | None = None,
-        activation_checkpointing: CheckpointSelector = True,
+        priority: Priority = "speed",
+        activation_checkpointing: CheckpointSelector | None = None,
         memory_budget: int | float | None = None,
         reshard_after_forward: bool | int | None = None,
         kernels: KernelMode | KernelPolicy = "auto",
@@ -80,7 +81,7 @@ class VitScaleStrategy(ModelParallelStrategy):
                 tensor_parallel=tensor_parallel, tensor_plan=tensor_plan,
             ),
             checkpointing=shards.CheckpointingPolicy(blocks=activation_checkpointing, memory_budget=memory_budget),
-            kernels=kernels,
+            kernels=kernels, priority=priority,
         )
         settings = checkpoints.CheckpointSettings(state_dict_type, auto_resume, async_save)
         self.checkpoints = checkpoints.StrategyCheckpoints(settings, timeout)  # saves, loads, resume fallbacks
@@ -207,7 +208,8 @@ class VitScaleStrategy(ModelParallelStrategy):
         if args:
             self.sharded.before_training_step(args[0], self._ranks(), self.optimizers)
         mean = partial(distributed.mean_over_ranks, device=self.root_device)
-        return self.sharded.training_step(partial(super().training_step, *args, **kwargs), mean)
+        with self.sharded.out_of_memory_named():  # manual optimization: the whole step
+            return self.sharded.training_step(partial(super().training_step, *args, **kwargs), mean)
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -225,7 +227,8 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(*args, **kwargs)
+        with self.sharded.out_of_memory_named() if self.sharded is not None else nullcontext():
+            output = super().optimizer_step(*args, **kwargs)  # automatic optimization: forward and backward too
         if self.sharded is not None:
             self.sharded.release()  # a copy gathered by a callback before the update is stale now
         if self._release_after_step:  # zero_grad would free them only after the next forward
