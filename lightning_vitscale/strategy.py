@@ -32,10 +32,9 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
 class VitScaleStrategy(ModelParallelStrategy):
-    """Shard any LightningModule with nested FSDP2, activation checkpointing and BF16 O2 — no model changes.
+    """Shard any LightningModule with nested FSDP2, BF16 O2 and the fastest plan that fits — no model changes.
 
-    Every keyword argument is documented once, in the settings dataclasses; the Args below are generated from
-    them at import (``lightning_vitscale/options.py``).
+    Each keyword argument's text lives once, in its settings dataclass; the Args below are generated (options.py).
 
     Example::
 
@@ -72,8 +71,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     ) -> None:
         self._module_slot = LightningModuleSlot()  # before Strategy.__init__, which stores the module there
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
-        # Every setting is checked here, by its own dataclass; `config` stays the request, setup resolves it for
-        # the device into `resolved`.
+        # Each setting checked by its own dataclass; `config` stays the request, setup resolves it into `resolved`.
         self.config = shards.ParallelConfig(
             sharding=shards.ShardingPolicy(
                 blocks=blocks, reshard_after_forward=reshard_after_forward, layout=sharding, offload=offload,
@@ -208,8 +206,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         if args:
             self.sharded.before_training_step(args[0], self._ranks(), self.optimizers)
         mean = partial(distributed.mean_over_ranks, device=self.root_device)
-        with self.sharded.out_of_memory_named():  # manual optimization: the whole step
-            return self.sharded.training_step(partial(super().training_step, *args, **kwargs), mean)
+        return self.sharded.training_step(partial(super().training_step, *args, **kwargs), mean)
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:

@@ -17,14 +17,12 @@ from lightning_vitscale.memory.accumulation import (
 from lightning_vitscale.memory.activations import ModeOf
 from lightning_vitscale.memory.auto_checkpointing import (
     AutoCheckpointing,
-    AutoChoice,
     describe_prediction,
     device_memory,
     measure_for_summary,
 )
 from lightning_vitscale.memory.gradient_release import may_release_after_step, release_gradients
 from lightning_vitscale.memory.memory_plan import MemoryPlan
-from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, search
 from lightning_vitscale.memory.planner import check_budget, plan_memory, resolve_budget
 from lightning_vitscale.memory.planning_batch import PlanningBatch, planning_batch
 from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
@@ -37,13 +35,10 @@ __all__ = [
     "AccumulationChoice",
     "AccumulationMode",
     "AutoCheckpointing",
-    "AutoChoice",
-    "BlockPlan",
     "MemoryPlan",
     "ModeOf",
     "PlanningBatch",
     "SAVED_OPS",
-    "SearchSpace",
     "StateBytes",
     "StepInputs",
     "StepSettings",
@@ -57,7 +52,6 @@ __all__ = [
     "plan_memory",
     "planning_batch",
     "rates_for",
-    "search",
     "release_gradients",
     "resolve_budget",
     "selective_contexts",

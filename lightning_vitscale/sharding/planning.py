@@ -22,10 +22,8 @@ from lightning_vitscale._utils import human_bytes
 from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.memory import (
     AutoCheckpointing,
-    BlockPlan,
     ModeOf,
     PlanningBatch,
-    SearchSpace,
     StepInputs,
     describe_prediction,
     device_memory,
@@ -33,9 +31,8 @@ from lightning_vitscale.memory import (
     planning_batch,
     rates_for,
     resolve_budget,
-    search,
 )
-from lightning_vitscale.memory.plan_search import least_memory
+from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, least_memory, search
 from lightning_vitscale.precision import PrecisionPolicy
 from lightning_vitscale.sharding.ranks import Ranks
 from lightning_vitscale.sharding.resolved import ResolvedConfig

@@ -100,8 +100,10 @@ class ShardedModel:
         rank_zero_info(f"VitScaleStrategy activation checkpointing {self.summary.memory}")
 
     def training_step(self, step: Callable[[], Any], mean_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-        """Run ``step``; under ``attention="auto"`` the first steps also time the attention kernels."""
-        return auto_attention_step(self.router, step, mean_over_ranks, self._attention_decided)
+        """Run ``step`` (under manual optimization the whole step: its out-of-memory error named); under
+        ``attention="auto"`` the first steps also time the attention kernels."""
+        with self.out_of_memory_named():
+            return auto_attention_step(self.router, step, mean_over_ranks, self._attention_decided)
 
     @contextmanager
     def out_of_memory_named(self) -> Generator[None, None, None]:

@@ -169,7 +169,7 @@ def test_every_rank_plans_for_the_smallest_budget_and_applies_rank_zeros_plan(me
     0's, whatever this rank's search found (a first-step batch may differ by rank; the units must not).
     Mutation tried: the plan not broadcast (``ranks.broadcast`` dropped in ``_auto_checkpointing``)."""
     from lightning_vitscale.distributed import RankContext
-    from lightning_vitscale.memory import BlockPlan
+    from lightning_vitscale.memory.plan_search import BlockPlan
     from lightning_vitscale.sharding.planning import agreed_budget, plan_before_sharding
 
     poorer_rank = RankContext(mesh=mesh, agree_max=lambda value: max(value, -123 * MIB))  # another rank: 123 MiB
