@@ -184,3 +184,32 @@ def test_every_rank_plans_for_the_smallest_budget_and_applies_rank_zeros_plan(me
     assert planned.auto is not None and planned.auto.choice is not None
     assert planned.auto.choice.blocks == rank_zeros and planned.resolved.blocks_per_unit == 1
     assert planned.resolved.checkpoint_choice == {"blocks.0": "full", "blocks.1": "selective"}
+
+
+class ForwardBranching(TinyViT):
+    """A ``forward`` that decides on a value: its step cannot run on fake tensors at all."""
+
+    def forward(self, x):
+        return super().forward(x if x.sum() > 0 else -x)
+
+
+def test_the_default_takes_the_recipes_plan_where_the_step_cannot_be_measured_and_auto_raises(mesh):
+    """Nothing to plan from: ``VitScaleStrategy()``'s default warns and checkpoints every block, each its own unit,
+    resharded (the recipe); an explicit ``activation_checkpointing="auto"`` raises, naming the fix.
+    Mutation tried: the default's planner ``required`` (it raised)."""
+    from lightning_vitscale.distributed import RankContext
+    from lightning_vitscale.memory.auto_checkpointing import MeasurementError
+    from lightning_vitscale.sharding.planning import plan_before_sharding
+
+    model = ForwardBranching(**SMALL)
+    model.example_input_array = torch.randn(4, 3, 16, 16)
+    ranks, cpu, flag = RankContext(mesh=mesh), torch.device("cpu"), resolve_flag("32-true")
+    with pytest.warns(UserWarning, match=r"could not run ForwardBranching's step on fake tensors .* every block"):
+        planned = plan_before_sharding(model, resolve_config(ParallelConfig(), cpu), flag, ranks, 2**40)
+    assert planned.auto is not None and planned.auto.choice is not None
+    assert planned.auto.choice.blocks.modes == ("full", "full") and planned.auto.choice.blocks.resharded == 2
+    assert planned.resolved.blocks_per_unit == 1 and planned.auto.choice.plan is None
+    assert "auto: 2 full + 0 selective of 2 blocks checkpointed, 0 of 2 units kept" in planned.auto.describe()
+    asked = ParallelConfig(checkpointing=CheckpointingPolicy(blocks="auto"))
+    with pytest.raises(MeasurementError, match="could not measure ForwardBranching on fake tensors.*Pass activation"):
+        plan_before_sharding(model, resolve_config(asked, cpu), flag, ranks, 2**40)
