@@ -1,5 +1,7 @@
-"""Step time through ``Trainer.fit`` on CPU ranks: DDP against ``VitScaleStrategy()`` with no argument (and with
-checkpointing off), no ``example_input_array``: what a drop-in user gets (issue 33's acceptance measurement).
+"""Step time through ``Trainer.fit`` on CPU ranks: DDP against ``VitScaleStrategy()`` with no argument (the
+planner's speed-first plan) and against the recipe's memory-first plan one argument away
+(``VitScaleStrategy(priority="memory")``: every block checkpointed, its own unit, resharded), no
+``example_input_array``: what a drop-in user gets (issues 33 and 47).
 
 Usage::
 
@@ -36,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from lightning_vitscale.cli.demo import TinyViT  # noqa: E402 - after the checkout is importable
 
 MODELS = ("vit", "timm", "mha")
-VARIANTS = ("ddp", "VitScaleStrategy()", "VitScaleStrategy(activation_checkpointing=False)")
+VARIANTS = ("ddp", "VitScaleStrategy()", 'VitScaleStrategy(priority="memory")')
 
 
 class MhaBlock(nn.Module):
@@ -116,7 +118,7 @@ def fit_times(model_name: str, variant: str, steps: int, warmup: int) -> list[fl
             self.seconds.append(time.perf_counter() - self.start)
 
     strategy = {"ddp": lambda: "ddp", VARIANTS[1]: lambda: VitScaleStrategy(),
-                VARIANTS[2]: lambda: VitScaleStrategy(activation_checkpointing=False)}[variant]()
+                VARIANTS[2]: lambda: VitScaleStrategy(priority="memory")}[variant]()
     L.seed_everything(0, verbose=False)
     module = make_module(model_name)
     n = 8 * (steps + warmup) * 2  # one epoch: batch 8 on each of 2 ranks

@@ -97,7 +97,7 @@ def build(model_name: str, variant: str, x):
     from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig, ShardingPolicy
     from lightning_vitscale.sharding.outer_unit import OuterUnit
     from lightning_vitscale.sharding.parallelize import parallelize
-    from lightning_vitscale.sharding.planning import plan_before_sharding
+    from lightning_vitscale.sharding.planning import agreed_budget, plan_before_sharding
     from lightning_vitscale.sharding.ranks import Ranks
     from lightning_vitscale.sharding.resolved import resolve_config
 
@@ -114,9 +114,11 @@ def build(model_name: str, variant: str, x):
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
         config = ParallelConfig(sharding=ShardingPolicy(reshard_after_forward=reshard, prefetch=prefetch,
                                                         blocks_per_unit=per_unit),
-                                checkpointing=CheckpointingPolicy(blocks=ac))
+                                checkpointing=CheckpointingPolicy(blocks=ac),
+                                priority="speed" if per_unit is None else "memory")  # rows with units: as named
         ranks = Ranks(mesh, cpu, dist.get_rank(), world, agree_max=_agree_max, world_size=world)
-        planned = plan_before_sharding(model, resolve_config(config, cpu), resolve_flag("32-true"), ranks)
+        budget = agreed_budget(config.checkpointing.memory_budget, ranks)
+        planned = plan_before_sharding(model, resolve_config(config, cpu), resolve_flag("32-true"), ranks, budget)
         done = parallelize(root, model, mesh, planned.resolved, resolve_flag("32-true"), cpu)
         planned.apply(model, done.plan, cpu)
         if variant.endswith(", sync"):

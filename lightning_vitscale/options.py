@@ -75,6 +75,7 @@ class Option(NamedTuple):
 # In the order of VitScaleStrategy's signature.
 OPTIONS: tuple[Option, ...] = (
     Option("blocks", ShardingPolicy, "blocks"),
+    Option("priority", ParallelConfig, "priority"),
     Option("activation_checkpointing", CheckpointingPolicy, "blocks"),
     Option("memory_budget", CheckpointingPolicy, "memory_budget"),
     Option("reshard_after_forward", ShardingPolicy, "reshard_after_forward"),

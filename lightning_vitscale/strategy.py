@@ -23,7 +23,7 @@ from lightning_vitscale.kernels import KernelMode, KernelPolicy, LightningModule
 from lightning_vitscale.memory import AccumulationMode, may_release_after_step, release_gradients
 from lightning_vitscale.options import document
 from lightning_vitscale.precision import VitScalePrecision, to_vitscale_precision
-from lightning_vitscale.sharding import CheckpointSelector, ModuleSelector, OffloadMode, ShardingLayout
+from lightning_vitscale.sharding import CheckpointSelector, ModuleSelector, OffloadMode, Priority, ShardingLayout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -32,10 +32,9 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
 class VitScaleStrategy(ModelParallelStrategy):
-    """Shard any LightningModule with nested FSDP2, activation checkpointing and BF16 O2 — no model changes.
+    """Shard any LightningModule with nested FSDP2, BF16 O2 and the fastest plan that fits — no model changes.
 
-    Every keyword argument is documented once, in the settings dataclasses; the Args below are generated from
-    them at import (``lightning_vitscale/options.py``).
+    Each keyword argument's text lives once, in its settings dataclass; the Args below are generated (options.py).
 
     Example::
 
@@ -51,7 +50,8 @@ class VitScaleStrategy(ModelParallelStrategy):
         self,
         *,
         blocks: ModuleSelector | None = None,
-        activation_checkpointing: CheckpointSelector = True,
+        priority: Priority = "speed",
+        activation_checkpointing: CheckpointSelector | None = None,
         memory_budget: int | float | None = None,
         reshard_after_forward: bool | int | None = None,
         kernels: KernelMode | KernelPolicy = "auto",
@@ -71,8 +71,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     ) -> None:
         self._module_slot = LightningModuleSlot()  # before Strategy.__init__, which stores the module there
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
-        # Every setting is checked here, by its own dataclass; `config` stays the request, setup resolves it for
-        # the device into `resolved`.
+        # Each setting checked by its own dataclass; `config` stays the request, setup resolves it into `resolved`.
         self.config = shards.ParallelConfig(
             sharding=shards.ShardingPolicy(
                 blocks=blocks, reshard_after_forward=reshard_after_forward, layout=sharding, offload=offload,
@@ -80,7 +79,7 @@ class VitScaleStrategy(ModelParallelStrategy):
                 tensor_parallel=tensor_parallel, tensor_plan=tensor_plan,
             ),
             checkpointing=shards.CheckpointingPolicy(blocks=activation_checkpointing, memory_budget=memory_budget),
-            kernels=kernels,
+            kernels=kernels, priority=priority,
         )
         settings = checkpoints.CheckpointSettings(state_dict_type, auto_resume, async_save)
         self.checkpoints = checkpoints.StrategyCheckpoints(settings, timeout)  # saves, loads, resume fallbacks
@@ -221,7 +220,8 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(*args, **kwargs)
+        with self.sharded.out_of_memory_named() if self.sharded is not None else nullcontext():
+            output = super().optimizer_step(*args, **kwargs)  # automatic optimization: forward and backward too
         if self.sharded is not None:
             self.sharded.release()  # a copy gathered by a callback before the update is stale now
         if self._release_after_step:  # zero_grad would free them only after the next forward

@@ -1,6 +1,7 @@
 """Memory: exact per-rank state bytes, activations measured on fake tensors, the per-step memory model, the
-memory planner (``plan_memory`` -> :class:`MemoryPlan`), the choice behind ``activation_checkpointing="auto"``, the
-blocks per FSDP unit (``blocks_per_unit=None``) and whether gradient accumulation may keep unsharded gradients
+memory planner (``plan_memory`` -> :class:`MemoryPlan`) and its one search (:mod:`.plan_search`: the checkpointing
+of ``activation_checkpointing="auto"`` and of ``VitScaleStrategy()``'s default, the units kept gathered and the
+blocks per FSDP unit, each chosen or pinned), and whether gradient accumulation may keep unsharded gradients
 (``accumulation="auto"``).
 
 Predicts and chooses, never changes a model: may import ``discovery``, ``precision`` (dtype policies), ``_utils``
@@ -22,13 +23,12 @@ from lightning_vitscale.memory.auto_checkpointing import (
 )
 from lightning_vitscale.memory.gradient_release import may_release_after_step, release_gradients
 from lightning_vitscale.memory.memory_plan import MemoryPlan
-from lightning_vitscale.memory.planner import agree_on_unit_size, check_budget, fewest, plan_memory, resolve_budget
+from lightning_vitscale.memory.planner import check_budget, plan_memory, resolve_budget
 from lightning_vitscale.memory.planning_batch import PlanningBatch, planning_batch
 from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
 from lightning_vitscale.memory.state_bytes import StateBytes, measure_state_bytes
 from lightning_vitscale.memory.step_cost import rates_for
 from lightning_vitscale.memory.step_model import StepInputs, StepSettings
-from lightning_vitscale.memory.unit_choice import UnitChoice, choose_blocks_per_unit
 
 __all__ = [
     "ACCUMULATION_MODES",
@@ -42,14 +42,10 @@ __all__ = [
     "StateBytes",
     "StepInputs",
     "StepSettings",
-    "UnitChoice",
-    "agree_on_unit_size",
     "check_budget",
     "choose_accumulation",
-    "choose_blocks_per_unit",
     "describe_prediction",
     "device_memory",
-    "fewest",
     "measure_for_summary",
     "may_release_after_step",
     "measure_state_bytes",

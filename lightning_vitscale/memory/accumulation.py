@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lightning_vitscale._utils import human_bytes
-from lightning_vitscale.memory.planner import resolve_budget
 
 AccumulationMode = Literal["auto", "sharded", "unsharded"]
 ACCUMULATION_MODES: tuple[str, ...] = ("auto", "sharded", "unsharded")
@@ -31,17 +30,14 @@ class AccumulationChoice:
         return f"gradient accumulation: {how} ({self.reason})"
 
 
-def choose_accumulation(
-    mode: AccumulationMode, extra_bytes: int, in_use: int, device_bytes: int, memory_budget: int | float | None = None
-) -> AccumulationChoice:
+def choose_accumulation(mode: AccumulationMode, extra_bytes: int, in_use: int, budget: int) -> AccumulationChoice:
     """``"unsharded"``/``"sharded"`` as asked; ``"auto"``: unsharded when ``in_use`` (the step's predicted or
-    measured peak) plus ``extra_bytes`` (the unsharded gradients beyond this rank's shards) stays within the
-    budget (``memory_budget`` of ``device_bytes``, :func:`~.planner.resolve_budget`)."""
+    measured peak) plus ``extra_bytes`` (the unsharded gradients beyond this rank's shards) stays within
+    ``budget`` (bytes: ``memory_budget`` as setup resolved it)."""
     if mode == "unsharded":
         return AccumulationChoice(True, "accumulation='unsharded'")
     if mode == "sharded":
         return AccumulationChoice(False, "accumulation='sharded'")
-    budget = resolve_budget(memory_budget, device_bytes)
     need = in_use + extra_bytes
     fits = need <= budget
     verdict = "fits" if fits else "does not fit"

@@ -1,20 +1,21 @@
-"""``activation_checkpointing="auto"``: per block none / selective / full checkpointing and reshard, the fastest
-plan that keeps a step in budget.
+"""``activation_checkpointing="auto"`` (and ``VitScaleStrategy()``'s default, ``priority="speed"``): per block
+none / selective / full checkpointing, per unit reshard, and the blocks per unit: the fastest plan that keeps a step
+in budget.
 
 Checkpointing every block costs about a third more compute even where the activations would fit. Here the
 memory planner predicts the step's peak per rank from the real batch shape (measured on fake tensors, so no
-memory is spent finding out) and the extra time of each choice (:mod:`.step_cost`), and picks the plan with the
-least extra time whose peak fits the budget (:mod:`.plan_search`).
+memory is spent finding out) and the step time of each choice (:mod:`.step_cost`), and picks the plan with the
+least time whose peak fits the budget (:mod:`.plan_search`).
 The batch is known either at setup (``example_input_array``) or at the first training step; in the second case
 a meta-device twin of the module (same structure, no data) is kept from setup, because the sharded module's
-FSDP hooks would all-gather if it were run for measuring. Choosing lives here; the sharding setup applies the
-choice (``sharding/setup.py``).
+FSDP hooks would all-gather if it were run for measuring, and the units (made at setup) are one block each.
+Choosing lives here; the sharding setup applies the choice (``sharding/setup.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,29 +28,36 @@ from lightning_vitscale.memory.activations import ModeOf
 from lightning_vitscale.memory.gradient_release import may_release_after_step
 from lightning_vitscale.memory.memory_plan import MemoryPlan
 from lightning_vitscale.memory.plan_search import BlockMode, BlockPlan
-from lightning_vitscale.memory.planner import agree_on_unit_size, batch_size_of, choose, resolve_budget
+from lightning_vitscale.memory.planner import batch_size_of, choose, model_parts
 from lightning_vitscale.memory.planning_batch import (
     EXAMPLE_INPUT,
     FIRST_STEP,
     PlanningBatch,
-    first_tensor_input,  # noqa: F401 - importable from here, as before it moved
     measure_batch,
     meta_twin,
     planning_batch,
 )
 from lightning_vitscale.memory.step_cost import rates_for
 from lightning_vitscale.memory.step_model import StepInputs, StepSettings, TrainingLoop, predict_step
+from lightning_vitscale.precision import resolve_flag
+
+AgreePlan = Callable[[BlockPlan], BlockPlan]
+"""Every rank gets the same plan (``RankContext.broadcast``: rank 0's, searched for the budget every rank agreed)."""
+
+
+class MeasurementError(RuntimeError):
+    """The step could not run on fake tensors, so the planner has nothing to choose from."""
 
 
 @dataclass(frozen=True)
 class AutoChoice:
     """Each block's checkpointing mode and reshard, and the plan that chose them.
 
-    ``blocks`` is what is applied: the plan's own choice, or the ranks' agreement on one that needs at least as
-    little memory on every rank (see :meth:`AutoCheckpointing._decide`).
+    ``blocks`` is what is applied: the plan every rank agreed on. ``plan`` is ``None`` where the step could not be
+    measured and the default fell back to the recipe's plan (``warning`` says why).
     """
 
-    plan: MemoryPlan
+    plan: MemoryPlan | None
     block_names: list[str]
     blocks: BlockPlan
     warning: str | None = None
@@ -60,8 +68,7 @@ class AutoChoice:
     @property
     def modes(self) -> dict[str, BlockMode]:
         """Checkpointed block name -> ``"full"`` or ``"selective"``, in model order."""
-        found = ((name, self.blocks.mode(i)) for i, name in enumerate(self.block_names))
-        return {name: mode for name, mode in found if mode is not None}
+        return {name: mode for name, mode in zip(self.block_names, self.blocks.modes) if mode is not None}
 
     @property
     def names(self) -> list[str]:
@@ -70,13 +77,15 @@ class AutoChoice:
     @property
     def kept_gathered(self) -> list[str]:
         """Blocks that keep their gathered parameters from forward to backward: those whose whole unit does."""
-        settings = self.blocks.settings(len(self.block_names))
+        settings = self.blocks.settings()
         return [name for i, name in enumerate(self.block_names) if settings.keeps(i)]
 
     def describe(self) -> str:
-        p, n = self.plan, len(self.block_names)
+        p = self.plan
+        if p is None:
+            return f"auto: {self.blocks.describe()} ({self.warning})"
         every, none = p.all_checkpointed.breakdown.peak, p.none_checkpointed.breakdown.peak
-        return (f"auto: {self.blocks.describe(n)} (measured on {self.measured}),"
+        return (f"auto: {self.blocks.describe()} (measured on {self.measured}),"
                 f" predicted peak {human_bytes(p.chosen.breakdown.peak)} per rank"
                 f" (budget {human_bytes(p.budget)}; every block full {human_bytes(every)}, none {human_bytes(none)});"
                 f" predicted step time it adds {p.extra_seconds * 1e3:.1f} ms (recompute, all-gathers, per unit)")
@@ -123,12 +132,11 @@ def choose_blocks(
     world_size: int,
     precision: str,
     budget: int,
-    total: int,
     optimizer: str = "adamw",
     blocks: Any = None,
     device: torch.device | None = None,
     offload: bool = False,
-    may_keep_gathered: bool = True,
+    fixed_reshard: bool | None = None,
     per_unit: int | None = 1,
     compare_units: bool = False,
     replicas: int = 1,
@@ -138,14 +146,14 @@ def choose_blocks(
     """Run ``model`` (the un-sharded module or its meta twin) on fake tensors and pick each block's checkpointing
     and reshard, for the offload setting that is on and the loop order of the Trainer ``model`` is attached to.
     ``example_input``: fed to ``forward``, or a :class:`~.planning_batch.PlanningBatch` (a training batch runs
-    through ``training_step``).
-    ``may_keep_gathered=False``: every block reshards after forward (the user chose ``reshard_after_forward``).
-    ``per_unit``: the blocks per FSDP unit, or ``None`` to choose them too (only before the model is sharded).
-    ``compare_units``: the blocks per unit are pinned only because the model is sharded already; say in
-    :attr:`AutoChoice.hint` what a free choice would have saved. ``world_size``: the ranks of one shard group;
-    ``replicas``: hybrid sharding's copies of it (their all-reduce is costed, :mod:`.collectives`);
-    ``tensor_parallel`` / ``tensor_plan``: the strategy's, each block planned as one tensor-parallel rank's share
-    (:mod:`.tensor_split`)."""
+    through ``training_step``). ``budget``: bytes (resolved once per setup). ``fixed_reshard``: every unit's reshard
+    as the user pinned it (``None``: chosen per unit). ``per_unit``: the blocks per FSDP unit, or ``None`` to choose
+    them too (only before the model is sharded). ``compare_units``: the blocks per unit are pinned only because the
+    model is sharded already; say in :attr:`AutoChoice.hint` what a free choice would have saved. ``world_size``:
+    the ranks of one shard group; ``replicas``: hybrid sharding's copies of it (their all-reduce is costed,
+    :mod:`.collectives`); ``tensor_parallel`` / ``tensor_plan``: the strategy's, each block planned as one
+    tensor-parallel rank's share (:mod:`.tensor_split`). Raises :class:`MeasurementError` where the step cannot run
+    on fake tensors."""
     batch = example_input if isinstance(example_input, PlanningBatch) else PlanningBatch(example_input, EXAMPLE_INPUT)
     try:
         inputs, how = measure_batch(model, batch, world_size=world_size, precision=precision, optimizer=optimizer,
@@ -153,15 +161,15 @@ def choose_blocks(
                                     tensor_parallel=tensor_parallel, tensor_plan=tensor_plan)
         inputs = dataclasses.replace(inputs, replicas=replicas)
     except Exception as error:  # a forward that cannot run on fake tensors must say what to do instead
-        raise RuntimeError(
+        raise MeasurementError(
             f"activation_checkpointing='auto' could not measure {type(model).__name__} on fake tensors"
             f" ({type(error).__name__}: {error}). Pass activation_checkpointing=True (or an int / a predicate)."
         ) from error
     batch_size = batch_size_of(batch.value)
 
-    def plan_for(units: int | None) -> MemoryPlan:
-        return choose(inputs, budget, total, precision, batch_size, offload=offload, rates=rates_for(device),
-                      reshard=None if may_keep_gathered else True, per_unit=units)
+    def plan_for(units: int | None) -> MemoryPlan:  # the budget stands for the device's memory in the plan's table
+        return choose(inputs, budget, budget, precision, batch_size, offload=offload, rates=rates_for(device),
+                      reshard=fixed_reshard, per_unit=units)
 
     plan = plan_for(per_unit)
     hint = grouping_hint(plan, plan_for(None)) if compare_units else None
@@ -192,29 +200,35 @@ def optimizer_kind(optimizers: list[torch.optim.Optimizer]) -> str:
 class AutoCheckpointing:
     """The ``"auto"`` lifecycle: decide at setup when a batch is known there (``example_input_array``, or one
     batch of the train dataloader: :mod:`.planning_batch`), else keep a meta twin and decide at the first training
-    step. ``choice`` holds the outcome for the caller to apply."""
+    step. ``choice`` holds the outcome for the caller to apply.
+
+    ``budget``: bytes, the same on every rank; ``fixed_reshard``: every unit's reshard as pinned (``None``: chosen
+    per unit); ``blocks_per_unit``: pinned, or ``None``: chosen with the rest at setup (1 when the batch comes only
+    later); ``required``: the user asked for ``"auto"`` (a step that cannot be measured raises), else it is the
+    default's plan, which then falls back to the recipe's (every block full, resharded) with a warning.
+    """
 
     def __init__(
         self,
-        budget: int | float | None,
+        budget: int,
         world_size: int,
         precision: str,
         blocks: Any,
-        may_keep_gathered: bool,
+        fixed_reshard: bool | None = None,
         offload: bool = False,
         blocks_per_unit: int | None = None,
         replicas: int = 1,
         tensor_parallel: int = 1,
         tensor_plan: Any = None,
+        required: bool = True,
     ) -> None:
         self.budget, self.world_size, self.precision, self.blocks = budget, world_size, precision, blocks
         self.replicas = replicas  # hybrid sharding: world_size is one shard group, replicated this many times
         self.tensor_parallel, self.tensor_plan = tensor_parallel, tensor_plan  # each block split this many ways
-        # The user's blocks_per_unit, or None: chosen with the rest at setup; 1 when the batch comes only later.
         self.per_unit = blocks_per_unit
         self.units_left_to_planner = blocks_per_unit is None
         self.offload = offload  # offload="cpu" is on: plan with it; off: never assume it
-        self.may_keep_gathered = may_keep_gathered  # the user left reshard_after_forward to the recipe: per block
+        self.fixed_reshard, self.required = fixed_reshard, required
         self.twin: nn.Module | None = None
         self.choice: AutoChoice | None = None
 
@@ -222,9 +236,8 @@ class AutoCheckpointing:
     def pending(self) -> bool:
         return self.twin is not None and self.choice is None
 
-    def at_setup(
-        self, module: nn.Module, device: torch.device, local_ranks: int, agree, batch: PlanningBatch | None = None
-    ) -> AutoChoice | None:
+    def at_setup(self, module: nn.Module, device: torch.device, agree: AgreePlan,
+                 batch: PlanningBatch | None = None) -> AutoChoice | None:
         """The choice to apply now, or ``None`` when the batch is not known yet (a meta twin is kept). ``batch``:
         what setup found (default: ``example_input_array``)."""
         batch = batch or planning_batch(module, None)
@@ -232,44 +245,44 @@ class AutoCheckpointing:
             self.twin = meta_twin(module)
             self.per_unit = self.per_unit or 1  # the units are made now, before the batch is known
             return None
-        return self._decide(module, batch, device, local_ranks, agree, "adamw")
+        return self._decide(module, batch, device, agree, "adamw")
 
-    def at_first_step(self, batch: Any, device: torch.device, local_ranks: int, agree, optimizers) -> AutoChoice:
+    def at_first_step(self, batch: Any, device: torch.device, agree: AgreePlan, optimizers) -> AutoChoice:
         assert self.twin is not None
         try:
             return self._decide(self.twin, PlanningBatch(batch, FIRST_STEP, through_training_step=True), device,
-                                local_ranks, agree, optimizer_kind(optimizers))
+                                agree, optimizer_kind(optimizers))
         finally:
             self.twin = None
 
-    def _decide(self, model, example, device, local_ranks, agree, optimizer) -> AutoChoice:
-        total = device_memory(device, local_ranks)
-
-        def decide(per_unit: int | None) -> AutoChoice:
-            return choose_blocks(model, example, world_size=self.world_size, precision=self.precision,
-                                 budget=resolve_budget(self.budget, total), total=total, optimizer=optimizer,
-                                 blocks=self.blocks, device=device, offload=self.offload,
-                                 may_keep_gathered=self.may_keep_gathered, per_unit=per_unit,
-                                 compare_units=self.units_left_to_planner and self.per_unit is not None,
-                                 replicas=self.replicas, tensor_parallel=self.tensor_parallel,
-                                 tensor_plan=self.tensor_plan)
-
-        choice = decide(self.per_unit)
-        if self.per_unit is None:
-            choice = agree_on_unit_size(choice, choice.blocks.per_unit, decide, agree)
+    def _decide(self, model, example, device, agree: AgreePlan, optimizer) -> AutoChoice:
+        try:
+            choice = choose_blocks(
+                model, example, world_size=self.world_size, precision=self.precision, budget=self.budget,
+                optimizer=optimizer, blocks=self.blocks, device=device, offload=self.offload,
+                fixed_reshard=self.fixed_reshard, per_unit=self.per_unit,
+                compare_units=self.units_left_to_planner and self.per_unit is not None, replicas=self.replicas,
+                tensor_parallel=self.tensor_parallel, tensor_plan=self.tensor_plan)
+        except MeasurementError as error:
+            if self.required:
+                raise
+            choice = self._recipe(model, error.__cause__)
         if choice.warning is not None:
             rank_zero_warn(choice.warning)
         if choice.hint is not None:
             rank_zero_info(choice.hint)
-        # Every rank applies the same plan (free host memory differs by rank): the most any rank needs, counted
-        # from the earliest block: as many fully checkpointed, checkpointed at all and resharded blocks as any.
-        b = choice.blocks
-        full, checkpointed, resharded = agree(b.full), agree(b.full + b.selective), agree(b.resharded)
-        self.per_unit = b.per_unit
-        self.choice = AutoChoice(choice.plan, choice.block_names,
-                                 BlockPlan(full, checkpointed - full, resharded, b.per_unit), choice.warning,
-                                 measured=choice.measured)
+        self.choice = dataclasses.replace(choice, blocks=agree(choice.blocks))
+        self.per_unit = self.choice.blocks.per_unit
         return self.choice
+
+    def _recipe(self, model: nn.Module, cause: BaseException | None) -> AutoChoice:
+        """The recipe's plan where the default's step could not be measured: every block full, resharded."""
+        names = [name for name, _ in model_parts(model, self.blocks, resolve_flag(self.precision))[0]]
+        n = len(names)
+        plan = BlockPlan.prefix(n, n, 0, 0 if self.fixed_reshard is False else n, self.per_unit or 1)
+        why = (f"VitScaleStrategy could not run {type(model).__name__}'s step on fake tensors"
+               f" ({type(cause).__name__}: {cause}), so it cannot plan for speed: every block checkpointed")
+        return AutoChoice(None, names, plan, why)
 
     def describe(self) -> str:
         """The setup summary's line: the choice, or that it waits for the first training step's batch."""

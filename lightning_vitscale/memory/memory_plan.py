@@ -91,8 +91,8 @@ def breakdown_table(columns: dict[str, MemoryBreakdown]) -> list[str]:
 
 
 def settings_line(plan: MemoryPlan) -> str:
-    s, n = plan.chosen.settings, plan.num_blocks
-    parts = [f"activation_checkpointing: {plan.blocks.describe(n)}",
+    s = plan.chosen.settings
+    parts = [f"activation_checkpointing: {plan.blocks.describe()}",
              f"predicted step time it adds {plan.extra_seconds * 1e3:.1f} ms (recompute, all-gathers, per unit)"]
     if s.offload:
         parts.append("offload='cpu' (sharded state in host memory)")

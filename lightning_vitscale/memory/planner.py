@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -70,24 +69,6 @@ def resolve_budget(budget: int | float | None, total: int, name: str = "memory_b
     if isinstance(budget, int) and not isinstance(budget, bool):
         return budget
     return int(total * (DEFAULT_FRACTION if budget is None else budget))
-
-
-Agree = Callable[[int], int]
-"""The ranks' agreement: every rank passes its value and gets the largest any rank passed (``Ranks.agree_max``)."""
-T = TypeVar("T")
-
-
-def fewest(agree: Agree, value: int) -> int:
-    """The smallest ``value`` any rank passed (through the one agreement, :data:`Agree`)."""
-    return -agree(-value)
-
-
-def agree_on_unit_size(choice: T, per_unit: int, redo: Callable[[int], T], agree: Agree) -> T:
-    """Every rank groups its blocks alike: the fewest blocks per unit any rank chose (the least memory at once);
-    a rank that chose more redoes its choice for that size (``redo``). Free host memory differs by rank, so the
-    planner's choices may too; ``"auto"`` and ``blocks_per_unit=None`` agree through this and :func:`fewest`."""
-    agreed = fewest(agree, per_unit)
-    return choice if agreed == per_unit else redo(agreed)
 
 
 def __getattr__(name: str) -> Any:
@@ -274,7 +255,7 @@ def choose(
     if not space.fits(blocks) and offload is None:  # offload is recommended only when nothing else fits
         space = replace(space, offload=True)
         blocks = search(space)
-    settings = blocks.settings(n, space.offload)
+    settings = blocks.settings(space.offload)
     k = blocks.per_unit
     every = StepSettings(frozenset(range(n)), offload=on, blocks_per_unit=k)
     none = StepSettings(offload=on, blocks_per_unit=k)
@@ -314,7 +295,7 @@ def _reason(blocks: BlockPlan, n: int, fits: bool, offloaded: bool, offload_on: 
         return "does not fit even with every block checkpointed" + (" and CPU offload" if offloaded else "")
     if offloaded and not offload_on:
         return "does not fit even with every block checkpointed: CPU offload of the sharded state"
-    if blocks == BlockPlan() and n:
+    if n and not any(blocks.modes) and not blocks.resharded:
         return "everything fits: no checkpointing, blocks stay gathered for backward"
     return "the least predicted extra step time that fits the budget"
 

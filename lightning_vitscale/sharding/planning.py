@@ -1,8 +1,11 @@
 """What the planner decides before the pipeline runs, from the batch when it is known at setup
-(``example_input_array``, else one batch of the train dataloader: ``memory/planning_batch.py``):
-``activation_checkpointing="auto"``'s plan (else a meta twin waits for the first batch) and, for checkpointing the
-user chose, ``blocks_per_unit=None``'s grouping; afterwards, how the choice is applied to the sharded units and
-described in the setup summary.
+(``example_input_array``, else one batch of the train dataloader: ``memory/planning_batch.py``), by its one search
+(``memory/plan_search.py``): ``"auto"``'s plan (``activation_checkpointing="auto"``, or left to
+``priority="speed"``; else a meta twin waits for the first batch) and, for checkpointing the user chose, the blocks
+per unit and the units kept gathered that ``priority`` left to it. The budget it keeps to is resolved once per
+setup and is every rank's smallest (:func:`agreed_budget`); the ranks then apply one plan, rank 0's
+(``RankContext.broadcast``). Afterwards: how the choice is applied to the sharded units and described in the setup
+summary.
 """
 
 from __future__ import annotations
@@ -15,15 +18,13 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_vitscale._utils import human_bytes
 from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.memory import (
     AutoCheckpointing,
     ModeOf,
     PlanningBatch,
     StepInputs,
-    StepSettings,
-    agree_on_unit_size,
-    choose_blocks_per_unit,
     describe_prediction,
     device_memory,
     measure_for_summary,
@@ -31,6 +32,7 @@ from lightning_vitscale.memory import (
     rates_for,
     resolve_budget,
 )
+from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, least_memory, search
 from lightning_vitscale.precision import PrecisionPolicy
 from lightning_vitscale.sharding.ranks import Ranks
 from lightning_vitscale.sharding.resolved import ResolvedConfig
@@ -50,17 +52,17 @@ class Planned:
         units_choice: why the blocks per unit are what they are, where the planner chose them.
         kept_gathered: blocks whose unit the planner keeps gathered from forward to backward (their units'
             reshard left to it: ``reshard_after_forward=None``).
-        budget: ``memory_budget`` in bytes on this rank, resolved once (the grouping kept to it; the summary names
-            it, and says so when the predicted peak is over it).
+        budget: ``memory_budget`` in bytes, the same on every rank (:func:`agreed_budget`; the summary names it,
+            and says so when the predicted peak is over it).
     """
 
     resolved: ResolvedConfig
+    budget: int
     auto: AutoCheckpointing | None = None
     measured: StepInputs | None = None
     measured_on: str = ""
     units_choice: str | None = None
     kept_gathered: tuple[str, ...] = ()
-    budget: int | None = None
 
     def tensor_sent(self, summary: SetupSummary) -> float | None:
         """Bytes this rank sends per step over the tensor-parallel dimension for the checkpointing applied
@@ -94,8 +96,14 @@ class Planned:
 
 def plans_from_batch(resolved: ResolvedConfig) -> bool:
     """Whether the planner chooses anything from a batch (so that setup should find one in the training data):
-    under ``activation_checkpointing="auto"``, or to group blocks into units (``blocks_per_unit=None``)."""
-    return resolved.requested.checkpointing.is_auto or resolved.sharding.blocks_per_unit is None
+    the checkpointing (``"auto"``), the blocks per unit or the units kept gathered."""
+    return resolved.checkpointing.is_auto or resolved.planner_units or resolved.planner_keeps
+
+
+def agreed_budget(memory_budget: int | float | None, ranks: Ranks) -> int:
+    """``memory_budget`` in bytes, resolved once per setup: the smallest any rank resolved (free host memory differs
+    by rank), so that every rank's search, on the same batch shape, finds the same plan, one that fits on all."""
+    return -ranks.agree_max(-resolve_budget(memory_budget, device_memory(ranks.device, ranks.ranks_per_node)))
 
 
 def plan_before_sharding(
@@ -103,28 +111,28 @@ def plan_before_sharding(
     resolved: ResolvedConfig,
     precision: PrecisionPolicy,
     ranks: Ranks,
+    budget: int,
     batch: PlanningBatch | None = None,
 ) -> Planned:
     """The planner's part of setup, before any unit exists (every rank calls it: it agrees by collectives).
-    ``batch``: what it measures (``memory.planning_batch``); ``None``: ``example_input_array`` if set."""
-    auto, resolved = _auto_checkpointing(module, resolved, precision, ranks, batch)
+    ``budget``: :func:`agreed_budget`; ``batch``: what it measures (``memory.planning_batch``); ``None``:
+    ``example_input_array`` if set."""
+    auto, resolved = _auto_checkpointing(module, resolved, precision, ranks, budget, batch)
     if auto is not None:
-        return Planned(resolved, auto)
+        return Planned(resolved, budget, auto)
     sharding = resolved.sharding
     shard, replicas = _groups(ranks)
     found = measure_for_summary(module, batch or planning_batch(module, None), shard, precision.name,
                                 sharding.blocks, ranks.device, _mode_of(module, resolved), replicas,
                                 _tensor_parallel(ranks), sharding.tensor_plan)
     if found is None:
-        return Planned(resolved)
+        return Planned(resolved, budget)
     measured, measured_on = found
-    budget = resolve_budget(resolved.requested.checkpointing.memory_budget,
-                            device_memory(ranks.device, ranks.ranks_per_node))
-    if sharding.blocks_per_unit is not None:  # the user chose the blocks per unit
-        return Planned(resolved, measured=measured, measured_on=measured_on, budget=budget)
+    if not (resolved.planner_units or resolved.planner_keeps):
+        return Planned(resolved, budget, measured=measured, measured_on=measured_on)
     resolved, line, kept = _choose_units(module, resolved, measured, ranks, budget)
-    return Planned(resolved, measured=measured, measured_on=measured_on, units_choice=line, kept_gathered=kept,
-                   budget=budget)
+    return Planned(resolved, budget, measured=measured, measured_on=measured_on, units_choice=line,
+                   kept_gathered=kept)
 
 
 def _groups(ranks: Ranks) -> tuple[int, int]:
@@ -147,27 +155,34 @@ def _mode_of(module: nn.Module, resolved: ResolvedConfig) -> ModeOf:
 def _choose_units(
     module: nn.Module, resolved: ResolvedConfig, measured: StepInputs, ranks: Ranks, budget: int
 ) -> tuple[ResolvedConfig, str, tuple[str, ...]]:
-    """``blocks_per_unit=None`` with the batch known at setup: the planner's grouping for the checkpointing the user
-    chose, and with ``reshard_after_forward=None`` the units kept gathered. Every rank the same: the fewest blocks
-    per unit any rank chose, then the most resharded blocks (the fewest units kept) any rank chose for it."""
+    """For the checkpointing the user chose (pinned in the search): the blocks per unit and the units kept gathered
+    that ``priority`` left to the planner, rank 0's plan on every rank."""
     names = [block.name for block in measured.profile.blocks]
-    modes = [resolved.checkpoint_mode(i, name, module.get_submodule(name)) for i, name in enumerate(names)]
-    sharding = resolved.sharding
-    settings = StepSettings(
-        checkpointed=frozenset(i for i, mode in enumerate(modes) if mode is not None),
-        reshard_after_forward=sharding.reshard_after_forward is not False,
-        offload=offloads(sharding, ranks.device),
-        selective=frozenset(i for i, mode in enumerate(modes) if mode == "selective"),
+    space = SearchSpace(
+        measured, budget, rates_for(ranks.device), offloads(resolved.sharding, ranks.device), _fixed_reshard(resolved),
+        per_unit=None if resolved.planner_units else resolved.blocks_per_unit,
+        modes=tuple(resolved.checkpoint_mode(i, name, module.get_submodule(name)) for i, name in enumerate(names)),
     )
-    may_keep, rates = sharding.reshard_after_forward is None, rates_for(ranks.device)
-    choice = choose_blocks_per_unit(measured, settings, budget, rates, may_keep)
-    agreed = agree_on_unit_size(choice, choice.per_unit, lambda k: choose_blocks_per_unit(
-        measured, settings, budget, rates, may_keep, per_unit=k), ranks.agree_max)
-    per_unit, resharded = agreed.per_unit, ranks.agree_max(agreed.resharded)
-    line = choice.describe() if (per_unit, resharded) == (choice.per_unit, choice.resharded) else (
-        "planner: the fewest blocks per unit and units kept gathered any rank chose")
-    kept = dataclasses.replace(agreed, resharded=resharded).kept_gathered()
-    return dataclasses.replace(resolved, blocks_per_unit=per_unit), line, tuple(names[i] for i in sorted(kept))
+    plan = ranks.broadcast(search(space))
+    kept = tuple(names[plan.resharded:]) if plan.kept_units else ()
+    return dataclasses.replace(resolved, blocks_per_unit=plan.per_unit), _units_line(space, plan), kept
+
+
+def _units_line(space: SearchSpace, plan: BlockPlan) -> str:
+    """The setup summary's reason for the units: what the plan saves against the least-memory units, its peak."""
+    base = least_memory(space)
+    if plan == base:
+        return f"planner: no larger unit fits {human_bytes(space.budget)} or saves time"
+    kept = f", {plan.kept_units} of {plan.units} units kept gathered for backward" if plan.kept_units else ""
+    return (f"planner{kept}: predicted {(space.seconds(base) - space.seconds(plan)) * 1e3:.1f} ms per step less than"
+            f" {base.units} units of {base.per_unit} ({base.kept_units} kept), peak {human_bytes(space.peak(plan))}"
+            f" of {human_bytes(space.budget)}")
+
+
+def _fixed_reshard(resolved: ResolvedConfig) -> bool | None:
+    """Every block unit's reshard as pinned (``True``: resharded, also to a smaller world size; ``False``: kept),
+    or ``None``: the planner's, per unit."""
+    return None if resolved.planner_keeps else resolved.sharding.reshard_after_forward is not False
 
 
 def offloads(sharding: ShardingPolicy, device: torch.device) -> bool:
@@ -180,21 +195,21 @@ def _auto_checkpointing(
     resolved: ResolvedConfig,
     precision: PrecisionPolicy,
     ranks: Ranks,
+    budget: int,
     batch: PlanningBatch | None = None,
 ) -> tuple[AutoCheckpointing | None, ResolvedConfig]:
     """The ``"auto"`` lifecycle and ``resolved`` with the blocks chosen at setup, if the choice could be made now."""
-    requested = resolved.requested
-    if not requested.checkpointing.is_auto:
+    if not resolved.checkpointing.is_auto:
         return None, resolved
     shard, replicas = _groups(ranks)
+    sharding = resolved.sharding
     auto = AutoCheckpointing(
-        requested.checkpointing.memory_budget, shard, precision.name, requested.sharding.blocks,
-        may_keep_gathered=requested.sharding.reshard_after_forward is None,
-        offload=offloads(requested.sharding, ranks.device),
-        blocks_per_unit=requested.sharding.blocks_per_unit, replicas=replicas,
-        tensor_parallel=_tensor_parallel(ranks), tensor_plan=requested.sharding.tensor_plan,
+        budget, shard, precision.name, sharding.blocks, _fixed_reshard(resolved), offloads(sharding, ranks.device),
+        blocks_per_unit=None if resolved.planner_units else resolved.blocks_per_unit, replicas=replicas,
+        tensor_parallel=_tensor_parallel(ranks), tensor_plan=sharding.tensor_plan,
+        required=resolved.requested.checkpointing.blocks == "auto",
     )
-    choice = auto.at_setup(module, ranks.device, ranks.ranks_per_node, ranks.agree_max, batch)
+    choice = auto.at_setup(module, ranks.device, ranks.broadcast, batch)
     if choice is None:
         return auto, resolved  # decided at the first training step, from its batch
     chosen = dataclasses.replace(resolved, checkpoint_choice=choice.modes, blocks_per_unit=choice.blocks.per_unit)
@@ -207,7 +222,7 @@ def apply_auto_choice(module: nn.Module, auto: AutoCheckpointing, summary: Setup
     if choice is not None:
         summary.checkpointed = choice.names
         summary.selective = [name for name, mode in choice.modes.items() if mode == "selective"]
-        summary.predicted_peak = choice.plan.chosen.breakdown.peak
+        summary.predicted_peak = choice.plan.chosen.breakdown.peak if choice.plan is not None else None
         keep_gathered(module, choice.kept_gathered)
     summary.memory = auto.describe()
 

@@ -2,7 +2,8 @@
 
 :class:`~lightning_vitscale.ParallelConfig` is what the user asked for and never changes (``kernels="auto"`` stays
 ``"auto"``); :class:`ResolvedConfig` is what the pipeline builds (the :class:`KernelPolicy` ``"auto"`` became on this
-device, the blocks ``activation_checkpointing="auto"`` chose, the blocks per unit and the prefetch depth).
+device, what ``priority`` made of the settings left at ``None``, the blocks ``activation_checkpointing="auto"``
+chose, the blocks per unit and the prefetch depth).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 
 from lightning_vitscale.kernels import Compiler, KernelPolicy, resolve_kernels, usable_backends
 from lightning_vitscale.sharding.activation_checkpointing import CheckpointMode
-from lightning_vitscale.sharding.settings import ParallelConfig, ShardingPolicy
+from lightning_vitscale.sharding.settings import CheckpointingPolicy, ParallelConfig, ShardingPolicy, by_priority
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,10 @@ class ResolvedConfig:
         kernels: the kernel policy for this device (``kernels="auto"`` resolved, ``torch.compile(model)`` taken over).
         blocks_per_unit: consecutive blocks per FSDP unit: the user's, the planner's choice, or 1.
         prefetch: units each unit all-gathers ahead (the user's, else 1 on CPU ranks and 0 on GPUs).
+        checkpointing: the checkpointing settings with ``priority`` applied (``blocks`` never ``None``).
+        planner_units: the planner chooses ``blocks_per_unit`` (left at ``None`` under ``priority="speed"``).
+        planner_keeps: the planner may keep block units gathered for backward (``reshard_after_forward=None``
+            under ``priority="speed"``).
         checkpoint_choice: the blocks ``activation_checkpointing="auto"`` chose at setup (name -> mode; a block not
             named is not checkpointed); ``None``: the requested setting decides per block.
     """
@@ -38,6 +43,9 @@ class ResolvedConfig:
     kernels: KernelPolicy
     blocks_per_unit: int
     prefetch: int
+    checkpointing: CheckpointingPolicy
+    planner_units: bool
+    planner_keeps: bool
     checkpoint_choice: Mapping[str, CheckpointMode] | None = None
 
     @property
@@ -49,7 +57,7 @@ class ResolvedConfig:
         """How the ``index``-th block (0-based, model order) is checkpointed: ``"full"``, ``"selective"``, ``None``."""
         if self.checkpoint_choice is not None:
             return self.checkpoint_choice.get(name)
-        return self.requested.checkpointing.mode(index, name, module)
+        return self.checkpointing.mode(index, name, module)
 
     def config_view(self) -> ParallelConfig:
         """``strategy.config`` after setup, for one release: the requested settings, whose ``kernels`` still reads
@@ -68,8 +76,9 @@ def resolve_config(
     kernels = resolve_kernels(requested.kernels, device, usable_backends(device))
     if user_compiler is not None:
         kernels = dataclasses.replace(kernels, compile_blocks=True, compiler=user_compiler)
-    sharding = requested.sharding
-    return ResolvedConfig(requested, kernels, sharding.per_unit, sharding.prefetch_on(device.type))
+    left = by_priority(requested)
+    return ResolvedConfig(requested, kernels, left.blocks_per_unit or 1, requested.sharding.prefetch_on(device.type),
+                          left.checkpointing, left.blocks_per_unit is None, left.planner_keeps)
 
 
 _DEPRECATED_KERNELS = (
@@ -86,7 +95,8 @@ class _ConfigAfterSetup(ParallelConfig):
     def __init__(self, requested: ParallelConfig, kernels: KernelPolicy) -> None:
         # The fields set as the requested ones (already checked): no __post_init__, which would read `kernels`.
         for name, value in (("sharding", requested.sharding), ("checkpointing", requested.checkpointing),
-                            ("kernels", requested.kernels), ("requested", requested), ("_resolved_kernels", kernels)):
+                            ("kernels", requested.kernels), ("priority", requested.priority), ("requested", requested),
+                            ("_resolved_kernels", kernels)):
             object.__setattr__(self, name, value)
 
     def __getattribute__(self, name: str) -> Any:

@@ -44,6 +44,7 @@ def sharding_signature(
         "blocks_per_unit=": config.sharding.blocks_per_unit,
         "offload=": config.sharding.offload,
         "activation_checkpointing=": config.checkpointing.blocks,
+        "priority=": config.priority,
         "kernels=": kernels if kernels is not None else config.kernels,
         "precision": precision,
         "world size": world_size,

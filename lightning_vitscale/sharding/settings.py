@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -29,6 +30,10 @@ ShardingLayout = Literal["full", "hybrid"] | int
 shard over groups of that many consecutive ranks, replicate across the groups."""
 
 SHARDING_LAYOUTS: tuple[str, ...] = ("full", "hybrid")
+Priority = Literal["speed", "memory"]
+"""What the settings left at ``None`` aim for: ``"speed"`` (the planner's fastest plan within ``memory_budget``) or
+``"memory"`` (the recipe's memory-first plan)."""
+PRIORITIES: tuple[str, ...] = ("speed", "memory")
 OffloadMode = Literal["cpu"]
 """``"cpu"``: sharded parameters, gradients and optimizer state live in host memory between uses."""
 OFFLOAD_CHOICES: tuple[str | None, ...] = (None, "cpu")
@@ -46,18 +51,18 @@ class ShardingPolicy:
         default=None,
         metadata={"doc": (
         "``None`` finds the repeated blocks automatically; a set of block classes (``{MyBlock}``) or a predicate"
-        " ``(name, module) -> bool`` overrides the discovery. Each block becomes its own FSDP unit."
+        " ``(name, module) -> bool`` overrides the discovery. Blocks are grouped into FSDP units"
+        " (``blocks_per_unit``)."
     )},
     )
     reshard_after_forward: bool | int | None = field(
         default=None,
         metadata={"doc": (
-        "``None`` is the recipe: blocks free their gathered parameters after forward, the outer unit keeps its own"
-        " for backward; where the planner knows the batch at setup (``example_input_array``, or one batch of the"
-        " train dataloader when fitting; with ``blocks_per_unit=None`` or ``activation_checkpointing=\"auto\"``)"
-        " the last units stay gathered for backward"
-        " as far as the memory budget allows (one all-gather per unit fewer). ``True``/``False`` force it for every"
-        " unit; an ``int`` reshards the blocks to that smaller world size (FSDP2 hybrid reshard)."
+        "``None``: the outer unit keeps its gathered parameters for backward; block units as ``priority`` says:"
+        " ``\"speed\"``, the planner keeps the last units gathered for backward as far as ``memory_budget`` allows"
+        " (one all-gather per unit fewer), ``\"memory\"``, they free theirs after forward (the recipe)."
+        " ``True``/``False`` force it for every unit; an ``int`` reshards the blocks to that smaller world size"
+        " (FSDP2 hybrid reshard)."
     )},
     )
     layout: ShardingLayout = field(
@@ -121,8 +126,9 @@ class ShardingPolicy:
         metadata={"doc": (
         "Consecutive blocks per FSDP unit (the last unit may hold fewer). ``1`` is the recipe (least gathered"
         " memory); ``k > 1`` runs one all-gather, reduce-scatter and set of FSDP hooks per ``k`` blocks, with up to"
-        " ``k`` blocks' parameters and gradients gathered at once. ``None``: the planner's choice from the batch"
-        " known at setup (``example_input_array``, else one batch of the train dataloader when fitting), else 1."
+        " ``k`` blocks' parameters and gradients gathered at once. ``None``: as ``priority`` says: ``\"speed\"``, the"
+        " planner's choice (up to every block in one unit) from the batch known at setup (``example_input_array``,"
+        " else one batch of the train dataloader when fitting), else 1; ``\"memory\"``, 1."
     )},
     )
 
@@ -133,8 +139,7 @@ class ShardingPolicy:
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(
                 f"`blocks_per_unit={k!r}` must be None or an int >= 1: consecutive blocks per FSDP unit (1: each"
-                " block its own unit, the recipe; None: 1, or the planner's choice under"
-                " activation_checkpointing='auto')."
+                " block its own unit, the recipe; None: as `priority` says)."
             )
         p = self.prefetch
         if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 0):
@@ -188,10 +193,6 @@ class ShardingPolicy:
             return self.prefetch
         return 1 if device_type == "cpu" else 0
 
-    @property
-    def per_unit(self) -> int:
-        """The blocks per unit to build when nothing chose otherwise: the user's, else 1 (the recipe)."""
-        return self.blocks_per_unit or 1
 
 
 def _check_layout(layout: object) -> None:
@@ -240,34 +241,36 @@ class CheckpointingPolicy:
     :data:`CheckpointSelector`.
     """
 
-    blocks: CheckpointSelector = field(
-        default=True,
+    blocks: CheckpointSelector | None = field(
+        default=None,
         metadata={"doc": (
             "``True``/``\"full\"``: every block stores only its input and reruns its whole forward in backward (least"
             " memory); ``\"selective\"``: every block stores the matmul, convolution and attention outputs and"
             " recomputes only the cheap ops; ``False``: none; ``k``: every k-th block, fully; a predicate"
             " ``(name, module) -> True/False/\"full\"/\"selective\"`` per block; ``\"auto\"``: the plan (per block"
             " none/selective/full, per unit resharded or kept gathered, and the blocks per unit when decided at"
-            " setup) with the least predicted extra step time whose predicted per-rank peak fits ``memory_budget``,"
+            " setup) with the least predicted step time whose predicted per-rank peak fits ``memory_budget``,"
             " decided at setup from ``example_input_array`` or one batch of the train dataloader (run through"
-            " ``training_step``), else at the first training step (docs/memory.md)."
+            " ``training_step``), else at the first training step (docs/memory.md). ``None``: as ``priority`` says:"
+            " ``\"speed\"``, ``\"auto\"`` (the recipe's plan, with a warning, where the step cannot run on fake"
+            " tensors); ``\"memory\"``, ``True``."
         )},
     )
     memory_budget: int | float | None = field(
         default=None,
         metadata={"doc": (
             "Bytes a training step may use per rank (an ``int``), or a fraction of the device's memory (a ``float`` in"
-            " (0, 1]; on CPU of the host's available memory divided among the local ranks); ``None`` is 0.9. Every"
-            " choice the planner makes keeps to it: ``activation_checkpointing=\"auto\"``, the blocks per unit and"
-            " units kept gathered (``blocks_per_unit=None``) and ``accumulation=\"auto\"``; the setup summary names it"
-            " and says when the predicted peak is over it."
+            " (0, 1]; on CPU of the host's available memory divided among the local ranks, the smallest any rank"
+            " has); ``None`` is 0.9. Every choice the planner makes keeps to it: the checkpointing, the blocks per"
+            " unit and units kept gathered (``priority=\"speed\"``, ``activation_checkpointing=\"auto\"``) and"
+            " ``accumulation=\"auto\"``; the setup summary names it and says when the predicted peak is over it."
         )},
     )
 
     def __post_init__(self) -> None:
         sel = self.blocks
         check_budget(self.memory_budget)
-        if sel in ("auto", *_MODE_WORDS) or isinstance(sel, bool) or callable(sel):
+        if sel is None or sel in ("auto", *_MODE_WORDS) or isinstance(sel, bool) or callable(sel):
             return
         if isinstance(sel, int):
             if sel < 1:
@@ -293,10 +296,11 @@ class CheckpointingPolicy:
         """How the ``index``-th block (0-based, in model order) is checkpointed: ``"full"``, ``"selective"`` or
         ``None`` (not at all).
 
-        ``"auto"`` selects nothing here: the strategy checkpoints its chosen blocks once it knows the batch.
+        ``"auto"`` (and ``None``, left to ``priority``: see :func:`by_priority`) selects nothing here: the strategy
+        checkpoints its chosen blocks once it knows the batch.
         """
         sel = self.blocks
-        if sel == "auto":
+        if sel is None or sel == "auto":
             return None
         if isinstance(sel, bool):
             return "full" if sel else None
@@ -330,6 +334,17 @@ class ParallelConfig:
 
     sharding: ShardingPolicy = field(default_factory=ShardingPolicy)
     checkpointing: CheckpointingPolicy = field(default_factory=CheckpointingPolicy)
+    priority: Priority = field(
+        default="speed",
+        metadata={"doc": (
+            "What the settings left at ``None`` (``activation_checkpointing``, ``blocks_per_unit``,"
+            " ``reshard_after_forward``) aim for. ``\"speed\"``: the plan with the least predicted step time whose"
+            " predicted per-rank peak fits ``memory_budget`` (no checkpointing where the activations fit, selective"
+            " before full, blocks grouped into units and kept gathered for backward as memory allows), planned from"
+            " the batch (docs/memory.md); ``\"memory\"``: the recipe's memory-first plan (every block fully"
+            " checkpointed, its own FSDP unit, resharded after forward). Settings you pass win over either."
+        )},
+    )
     kernels: KernelMode | KernelPolicy = field(
         default_factory=KernelPolicy,
         metadata={
@@ -344,6 +359,34 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.kernels, KernelPolicy) and self.kernels not in KERNEL_MODES:
             raise unknown_kernel_mode(self.kernels)
+        by_priority(self)  # an unknown priority fails here, at construction
+
+
+@dataclass(frozen=True)
+class LeftToPriority:
+    """What ``priority`` made of the settings left at ``None``: the checkpointing (never ``None``), the blocks per
+    unit (``None``: the planner's) and whether the planner may keep block units gathered for backward."""
+
+    checkpointing: CheckpointingPolicy
+    blocks_per_unit: int | None
+    planner_keeps: bool
+
+
+def by_priority(config: ParallelConfig) -> LeftToPriority:
+    """The one place ``priority`` is read: the settings the user left at ``None`` resolved by it; the ones set win."""
+    sharding, checkpointing = config.sharding, config.checkpointing
+    blocks: CheckpointSelector
+    match config.priority:
+        case "speed":
+            blocks, per_unit, keeps = "auto", sharding.blocks_per_unit, sharding.reshard_after_forward is None
+        case "memory":
+            blocks, per_unit, keeps = True, sharding.blocks_per_unit or 1, False
+        case other:
+            raise ValueError(f"`priority={other!r}` is not supported. Choose one of: {PRIORITIES} (\"speed\": the"
+                             " fastest plan that fits memory_budget; \"memory\": the recipe's memory-first plan).")
+    if checkpointing.blocks is not None:
+        blocks = checkpointing.blocks
+    return LeftToPriority(dataclasses.replace(checkpointing, blocks=blocks), per_unit, keeps)
 
 
 def unit_reshard(requested: bool | int | None, outer: bool) -> bool | int:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_vitscale._compat import initialize_fsdp_root, set_lightning_device
+from lightning_vitscale._utils import human_bytes
 from lightning_vitscale.checkpoint import full_state_dict
 from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.init import Creation
@@ -27,7 +28,6 @@ from lightning_vitscale.memory import (
     AutoCheckpointing,
     PlanningBatch,
     choose_accumulation,
-    device_memory,
     planning_batch,
 )
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, VitScalePrecision
@@ -35,7 +35,12 @@ from lightning_vitscale.sharding.activation_checkpointing import CHECKPOINT_MODE
 from lightning_vitscale.sharding.gradient_sync import gradient_sync_off, unsharded_gradient_bytes
 from lightning_vitscale.sharding.outer_unit import OuterUnit, reshard_units
 from lightning_vitscale.sharding.parallelize import parallelize
-from lightning_vitscale.sharding.planning import apply_auto_choice, plan_before_sharding, plans_from_batch
+from lightning_vitscale.sharding.planning import (
+    agreed_budget,
+    apply_auto_choice,
+    plan_before_sharding,
+    plans_from_batch,
+)
 from lightning_vitscale.sharding.ranks import Ranks
 from lightning_vitscale.sharding.resolved import ResolvedConfig
 from lightning_vitscale.sharding.reuse import check_reusable, sharding_signature
@@ -44,6 +49,11 @@ from lightning_vitscale.sharding.summary import SetupSummary
 from lightning_vitscale.sharding.traffic import layout_report
 
 _SHARDED_ATTR = "_vitscale_sharded_model"
+
+
+class PlannedStepOutOfMemoryError(torch.OutOfMemoryError):
+    """The device ran out of memory in a step planned for speed: the planner's prediction was wrong for this run.
+    A ``torch.OutOfMemoryError`` still (its text included), so handlers of the original keep working."""
 
 
 @dataclass
@@ -57,8 +67,10 @@ class ShardedModel:
         router: the attention router still to decide for (``attention="auto"``), if any.
         auto: ``activation_checkpointing="auto"``: its choice, or the meta twin waiting for the first batch.
         signature: the settings it was sharded with; another Trainer may reuse it only with the same ones.
+        memory_budget: ``memory_budget`` in bytes as setup resolved it (``accumulation="auto"`` keeps to it too).
+        planned_for_speed: the planner chose settings ``priority="speed"`` left to it (an out-of-memory step then
+            names the fixes).
         accumulation: whether micro-batches before the last skip the gradient sync; chosen at the first one.
-        memory_budget: the user's ``memory_budget`` (``accumulation="auto"`` keeps to it too).
     """
 
     outer: OuterUnit
@@ -67,8 +79,9 @@ class ShardedModel:
     router: AttentionRouter | None
     auto: AutoCheckpointing | None
     signature: dict[str, Any]
+    memory_budget: int
+    planned_for_speed: bool = False
     accumulation: AccumulationChoice | None = None
-    memory_budget: int | float | None = None
 
     @property
     def module(self) -> nn.Module:
@@ -80,15 +93,36 @@ class ShardedModel:
         the block's FSDP hooks, as when it is applied before ``fully_shard``)."""
         if self.auto is None or not self.auto.pending:
             return
-        modes = self.auto.at_first_step(batch, ranks.device, ranks.ranks_per_node, ranks.agree_max, optimizers).modes
+        modes = self.auto.at_first_step(batch, ranks.device, ranks.broadcast, optimizers).modes
         for mode in CHECKPOINT_MODES:
             apply_activation_checkpointing([self.module.get_submodule(n) for n, m in modes.items() if m == mode], mode)
         apply_auto_choice(self.module, self.auto, self.summary)
         rank_zero_info(f"VitScaleStrategy activation checkpointing {self.summary.memory}")
 
     def training_step(self, step: Callable[[], Any], mean_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-        """Run ``step``; under ``attention="auto"`` the first steps also time the attention kernels."""
-        return auto_attention_step(self.router, step, mean_over_ranks, self._attention_decided)
+        """Run ``step`` (under manual optimization the whole step: its out-of-memory error named); under
+        ``attention="auto"`` the first steps also time the attention kernels."""
+        with self.out_of_memory_named():
+            return auto_attention_step(self.router, step, mean_over_ranks, self._attention_decided)
+
+    @contextmanager
+    def out_of_memory_named(self) -> Generator[None, None, None]:
+        """Run a step's part; a device out of memory in a step planned for speed raises
+        :class:`PlannedStepOutOfMemoryError`, naming the recipe's argument and a smaller budget."""
+        try:
+            yield
+        except torch.OutOfMemoryError as error:
+            if not self.planned_for_speed or isinstance(error, PlannedStepOutOfMemoryError):
+                raise
+            peak = human_bytes(self.summary.predicted_peak) if self.summary.predicted_peak else "not predicted"
+            raise PlannedStepOutOfMemoryError(
+                f"{error}\nVitScaleStrategy planned this step for speed within memory_budget ="
+                f" {human_bytes(self.memory_budget)} per rank (predicted peak {peak}: {self.summary.memory}), and the"
+                " device ran out of memory: the prediction was wrong for this run. Pass"
+                " VitScaleStrategy(priority=\"memory\") for the recipe's memory-first plan (every block checkpointed,"
+                f" its own FSDP unit, resharded after forward), or leave headroom with a smaller budget, e.g."
+                f" memory_budget={int(self.memory_budget * 0.8)} (bytes)."
+            ) from error
 
     def _attention_decided(self, line: str) -> None:
         self.summary.kernels["attention"] = line
@@ -124,8 +158,7 @@ class ShardedModel:
         measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         in_use = max(self.summary.predicted_peak or 0, measured)
         extra = unsharded_gradient_bytes(self.module, compute)
-        choice = choose_accumulation(mode, extra, in_use, device_memory(device, ranks.ranks_per_node),
-                                     self.memory_budget)
+        choice = choose_accumulation(mode, extra, in_use, self.memory_budget)
         if mode == "auto" and ranks.agree_max(0 if choice.unsharded else 1):  # every rank must fit
             return AccumulationChoice(False, choice.reason.replace("fits", "fits here but not on every rank"))
         return choice
@@ -187,7 +220,8 @@ def _shard(
     # 2. The planner decides before the pipeline what it can from the batch, if known (example_input_array, or
     #    one batch of the training data): "auto" checkpointing, blocks per unit, units kept gathered. It measures
     #    the plain module (or its meta twin): once sharded, running it would gather.
-    planned = plan_before_sharding(module, resolved, precision.policy, ranks, batch)
+    budget = agreed_budget(resolved.checkpointing.memory_budget, ranks)  # once: every choice by memory keeps to it
+    planned = plan_before_sharding(module, resolved, precision.policy, ranks, budget, batch)
     # 3. The recipe: norms, casts, attention routing, checkpointing, compile, block units, the outer unit.
     done = parallelize(
         outer, module, ranks.sharding_mesh, planned.resolved, precision.policy, ranks.device, creation,
@@ -206,8 +240,8 @@ def _shard(
     #    step, as under DDP. Every unit exists and holds real (not meta) shards by here.
     if isinstance(outer, FSDPModule):
         initialize_fsdp_root(outer)
-    return ShardedModel(outer, done.plan, done.norms, done.router, auto, signature,
-                        memory_budget=resolved.requested.checkpointing.memory_budget)
+    speed = plans_from_batch(resolved) and resolved.requested.priority == "speed"
+    return ShardedModel(outer, done.plan, done.norms, done.router, auto, signature, budget, planned_for_speed=speed)
 
 
 def _describe_layout(

@@ -20,12 +20,13 @@ FIT_SCRIPT = "tests/distributed/scripts/planner_fit.py"
 # (torchvision vit_b_16, timm vit_small) are in benchmarks/RESULTS.md (`python benchmarks/planner_trainer_fit.py`).
 # `auto-P`: activation_checkpointing="auto" under a budget P% of the way from every block checkpointed to none: a
 # plan mixing full, selective and no checkpointing (50), and one mixing resharded and gathered blocks (11), decided
-# at setup from one batch of the train dataloader (no example_input_array), units included; `autok-P`: the same
-# from example_input_array (every unit kept gathered, nothing checkpointed at 100; resharded and kept units of full
-# and plain blocks at 11). `noforward`: a LightningModule without `forward` (training_step calls the network,
-# measured through training_step), under "auto" (50) and under `VitScaleStrategy()`'s defaults (`default`: every
-# block checkpointed, the planner's units).
-AUTO_CELLS = ["deit_tiny:auto-50:32:noforward", "deit_tiny:auto-11:32", "deit_tiny:autok-100:32",
+# at setup from one batch of the train dataloader (no example_input_array), units included; `default-11`: the
+# second under `VitScaleStrategy(memory_budget=...)`'s default (priority="speed": the same planner); `autok-P`: the
+# same from example_input_array (every unit kept gathered, nothing checkpointed at 100; resharded and kept units of
+# full and plain blocks at 11). `noforward`: a LightningModule without `forward` (training_step calls the network,
+# measured through training_step), under "auto" (50) and under `VitScaleStrategy()` as it comes (`default`: the
+# host's memory to spare).
+AUTO_CELLS = ["deit_tiny:auto-50:32:noforward", "deit_tiny:default-11:32", "deit_tiny:autok-100:32",
               "deit_tiny:autok-11:32"]
 DEFAULT_CELL = "deit_tiny:default:32:noforward"
 CELLS = ",".join([f"deit_tiny:{ac}:{batch}" for ac in ("off", "full", "selective") for batch in (8, 32)]
@@ -46,7 +47,7 @@ def test_auto_applies_its_mixed_per_block_plan_and_trains_as_ddp(fit_steps, cell
     against the measured one below)."""
     ac = cell.split(":")[1]
     # Modes each budget must mix (a subset: the planner may leave the last blocks unchecked where memory allows).
-    expected_modes = {"auto-50": {"full", "selective"}, "auto-11": {"full"}, "autok-100": {None},
+    expected_modes = {"auto-50": {"full", "selective"}, "default-11": {"full"}, "autok-100": {None},
                       "autok-11": {"full"}}[ac]
     for rank in fit_steps:
         auto = rank[cell]["auto"]
@@ -62,6 +63,8 @@ def test_auto_applies_its_mixed_per_block_plan_and_trains_as_ddp(fit_steps, cell
         assert per_unit > 1 and auto["applied_per_unit"] == per_unit, auto["summary"]
         source = "example_input_array" if ac.startswith("autok") else "one batch of the train dataloader"
         how = "through forward" if ac.startswith("autok") else "through training_step)"
+        if ac == "default-11":  # the default under a budget that forces checkpointing: the step stays within it
+            assert rank[cell]["measured_peak"] <= auto["budget"], (rank[cell]["measured_peak"], auto["budget"])
         assert f"(measured on {source}, {how}" in auto["summary"], auto["summary"]
         assert auto["units"] == -(-depth // per_unit) + 1, auto["summary"]
         assert auto["predicted_peak"] == auto["planned_peak"] <= auto["budget"]
@@ -92,25 +95,30 @@ def test_predicted_step_within_tolerance_of_a_trainer_fit_step(fit_steps, cell):
         assert result["released"] is released and (result["grads_at_start"] == 0) is released, result
 
 
-def test_the_default_is_the_planners_grouping_without_example_input_array_or_forward(fit_steps):
+def test_the_default_checkpoints_nothing_and_groups_units_where_memory_allows(fit_steps):
     """``VitScaleStrategy()`` as it comes on a LightningModule without ``forward`` and without
-    ``example_input_array``: the planner's blocks per unit and units kept gathered (every block checkpointed, the
-    host's memory to spare), from one batch of the train dataloader run through ``training_step``; the summary's
-    predicted peak is that of the units built, and the losses are DDP's."""
+    ``example_input_array``, the host's memory to spare: speed first, so no block checkpointed, the blocks grouped
+    into units (more than one per unit) and every unit kept gathered for backward, from one batch of the train
+    dataloader run through ``training_step``; the summary's predicted peak is that of the plan built, and the losses
+    are DDP's. Mutation tried: ``priority``'s ``"speed"`` resolving ``None`` to ``True`` (every block checkpointed)."""
     for rank in fit_steps:
         default = rank[DEFAULT_CELL]["auto"]
         depth = len(default["applied"])
-        assert default["applied"] == ["full"] * depth and default["per_unit"] > 1, default["summary"]
+        assert default["applied"] == [None] * depth and default["per_unit"] > 1, default["summary"]
         assert default["kept"] == list(range(depth)), default["summary"]  # the host's memory allows it
         assert default["units"] == -(-depth // default["per_unit"]) + 1, default["summary"]
         assert default["predicted_peak"] == default["planned_peak"], default["summary"]
-        assert "for one batch of the train dataloader, through training_step" in default["summary"]
+        assert "(measured on one batch of the train dataloader, through training_step)" in default["summary"]
+        units = default["units"] - 1
+        assert f"auto: 0 full + 0 selective of {depth} blocks checkpointed, {units} of {units} units kept" in (
+            default["summary"])
         assert default["losses"] == pytest.approx(default["ddp_losses"], rel=1e-5, abs=1e-6)
 
 
 def test_auto_applies_the_planners_choice_at_the_first_step(auto):
-    """Decided from the first batch (no example_input_array) under a budget halfway between every block and no
-    block checkpointed: the planner's plan for that step (the Trainer's loop), applied block by block."""
+    """The default's plan decided from the first batch (no example_input_array, no batch at setup) under a budget
+    halfway between every block and no block checkpointed: the planner's plan for that step (the Trainer's loop,
+    one block per unit as made at setup), applied block by block."""
     for rank in auto:
         result = rank["auto"]
         full, selective, _ = result["expected"]

@@ -36,7 +36,8 @@ def test_losses_match_ddp(ranks, backbone, config):
 
 @pytest.mark.parametrize("backbone", BACKBONES)
 def test_every_block_is_its_own_unit_and_checkpointed(ranks, backbone):
-    """Each of the 4 blocks is an FSDP unit and recomputes its forward in backward; the root is a unit too."""
+    """The recipe (``priority="memory"``): each of the 4 blocks is an FSDP unit and recomputes its forward in
+    backward; the root is a unit too."""
     for rank in ranks:
         facts = rank[f"{backbone}/plain/vitscale"]
         assert facts["num_blocks"] == 4

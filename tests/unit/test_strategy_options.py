@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
+import torch
 from torch import nn
 
 from lightning_vitscale import KernelPolicy, VitScaleStrategy
-from lightning_vitscale.sharding import CheckpointingPolicy, ShardingPolicy
+from lightning_vitscale.sharding import CheckpointingPolicy, ShardingPolicy, resolve_config
+from lightning_vitscale.sharding.setup import PlannedStepOutOfMemoryError
 from tests.helpers.models import Classifier, loader
 
 
@@ -23,7 +25,8 @@ from tests.helpers.models import Classifier, loader
         ({"activation_checkpointing": "all"}, TypeError, "must be True, False, 'full', 'selective', an int k >= 1"),
         ({"blocks_per_unit": 0}, ValueError, r"`blocks_per_unit=0` must be None or an int >= 1"),
         ({"blocks_per_unit": True}, ValueError, r"`blocks_per_unit=True` must be None or an int >= 1"),
-        ({"blocks_per_unit": "auto"}, ValueError, r"None: 1, or the planner's choice"),
+        ({"blocks_per_unit": "auto"}, ValueError, r"None: as `priority` says"),
+        ({"priority": "throughput"}, ValueError, r"`priority='throughput'` is not supported.*\"memory\": the recipe"),
     ],
 )
 def test_strategy_rejects_bad_options(kwargs, error, message):
@@ -89,3 +92,43 @@ def test_config_stays_the_request_and_setup_resolves_it_apart(mesh):
     # README said `strategy.config.kernels` is the resolved policy after setup: kept one release, with a warning.
     with pytest.warns(DeprecationWarning, match="strategy.resolved.kernels"):
         assert strategy.config.kernels == KernelPolicy()
+
+
+def test_priority_resolves_the_settings_left_at_none_and_the_ones_set_win():
+    """``"speed"`` (the default) leaves checkpointing, units and reshard to the planner; ``"memory"`` is the recipe
+    (every block full, its own unit, resharded); a setting passed wins over either."""
+    def resolved(**kwargs):
+        return resolve_config(VitScaleStrategy(**kwargs).config, torch.device("cpu"))
+
+    speed, memory = resolved(), resolved(priority="memory")
+    assert (speed.checkpointing.blocks, speed.planner_units, speed.planner_keeps) == ("auto", True, True)
+    assert (memory.checkpointing.blocks, memory.blocks_per_unit, memory.planner_units, memory.planner_keeps) == (
+        True, 1, False, False)
+    pinned = resolved(priority="memory", activation_checkpointing="selective", blocks_per_unit=3)
+    assert (pinned.checkpointing.blocks, pinned.blocks_per_unit, pinned.planner_units) == ("selective", 3, False)
+    users = resolved(activation_checkpointing=True, reshard_after_forward=True)
+    assert (users.checkpointing.blocks, users.planner_units, users.planner_keeps) == (True, True, False)
+    assert VitScaleStrategy().config.checkpointing.blocks is None  # the request stays what was asked
+
+
+class OutOfMemoryInBackward(Classifier):
+    def backward(self, loss, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (a faked allocator failure)")
+
+
+@pytest.mark.parametrize("priority", ["speed", "memory"])
+def test_an_out_of_memory_step_planned_for_speed_names_the_fix(mesh, priority):
+    """Where the planner's prediction was wrong on a GPU, the step's out-of-memory error names the recipe's argument
+    and a smaller budget, and is still a ``torch.OutOfMemoryError`` with the allocator's text; under the recipe's
+    plan the error is torch's own. Mutation tried: ``optimizer_step`` without ``out_of_memory_named``."""
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(priority=priority), max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory. Tried to allocate 2.00 GiB") as raised:
+        trainer.fit(OutOfMemoryInBackward("encoder"), loader(n=4))
+    named = isinstance(raised.value, PlannedStepOutOfMemoryError)
+    assert named is (priority == "speed")
+    if named:
+        text = str(raised.value)
+        assert 'VitScaleStrategy(priority="memory")' in text and "memory_budget=" in text, text
+        assert "planned this step for speed within memory_budget =" in text and "auto: " in text, text

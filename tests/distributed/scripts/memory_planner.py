@@ -14,7 +14,6 @@ import gc
 import os
 import sys
 import warnings
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -88,18 +87,18 @@ def scenario(shape: str, ac: str, precision: str) -> dict:
 
 
 def auto_first_step() -> dict:
-    """``activation_checkpointing="auto"`` through Lightning, decided at the first step (no example_input_array,
-    and training data that is no ``DataLoader``, so no batch at setup), under a budget halfway between every block
-    and no block checkpointed."""
+    """``VitScaleStrategy()``'s default checkpointing (``"auto"``'s planner) through Lightning, decided at the first
+    step (no example_input_array, and training data that is no ``DataLoader``, so no batch at setup: one block per
+    unit, made at setup), under a budget halfway between every block and no block checkpointed."""
     import lightning as L
     from torch.utils.data import DataLoader
 
     from lightning_vitscale import VitScaleStrategy
     from lightning_vitscale.cli.demo import generated_images
     from lightning_vitscale.memory.auto_checkpointing import training_loop
+    from lightning_vitscale.memory.plan_search import SearchSpace, search
     from lightning_vitscale.memory.planner import choose
     from lightning_vitscale.memory.step_cost import CPU_RATES
-    from lightning_vitscale.memory.unit_choice import choose_blocks_per_unit
     from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
 
     kwargs, batch = SHAPES["long"]
@@ -111,36 +110,34 @@ def auto_first_step() -> dict:
     budget = (every + predict_step(inputs, StepSettings()).peak) // 2
     L.seed_everything(0, verbose=False)
     model = TinyViT(**kwargs)
-    strategy = VitScaleStrategy(activation_checkpointing="auto", memory_budget=budget)
+    strategy = VitScaleStrategy(memory_budget=budget)  # the default (priority="speed"): "auto"'s planner
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=2,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     data = DataLoader(generated_images(n=64, image=64), batch_size=batch)
     trainer.fit(model, Batches(data))
-    # The default checkpointing with example_input_array set: the summary carries the predicted peak too.
+    # The user's checkpointing with example_input_array set: the summary carries the predicted peak too.
     other = TinyViT(**kwargs)
     other.example_input_array = torch.randn(batch, 3, 64, 64)
-    default = VitScaleStrategy()
+    default = VitScaleStrategy(activation_checkpointing=True)
     L.Trainer(accelerator="cpu", devices=WORLD, strategy=default, max_steps=1, logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(other, data)
     # The planner's own choice for this step (the Trainer's loop: gradients released after the step, on CPU).
     inputs = step_inputs(planned, torch.empty(batch, 3, 64, 64, device="meta"), world_size=WORLD,
                          precision="32-true", device="cpu", loop=training_loop(model))
     expected = choose(inputs, budget, budget, "32-true", batch, offload=False, rates=CPU_RATES).blocks
-    # The default's blocks per unit and units kept gathered: the planner's for every block checkpointed, with the
-    # host's memory to spare.
-    all_blocks = StepSettings(frozenset(range(kwargs["depth"])))
-    units = choose_blocks_per_unit(inputs, all_blocks, 2**40, CPU_RATES, may_keep=True)
-    kept = units.kept_gathered(kwargs["depth"])
+    # Its blocks per unit and units kept gathered: the one search's with every block's checkpointing pinned to
+    # full, the host's memory to spare.
+    units = search(SearchSpace(inputs, 2**40, CPU_RATES, per_unit=None, modes=("full",) * kwargs["depth"]))
+    kept = units.settings().kept_gathered
     return dict(checkpointed=strategy.plan.checkpointed, summary=strategy.plan.summary(),
-                expected=[expected.full, expected.selective, expected.resharded],
+                expected=[expected.modes.count("full"), expected.modes.count("selective"), expected.resharded],
                 patched=[checkpoint_mode(b) for b in model.blocks], losses=model.losses,
                 default_summary=default.plan.summary(), default_peak=default.plan.predicted_peak,
                 default_per_unit=default.plan.blocks_per_unit, expected_per_unit=units.per_unit,
                 default_kept=[i for i, block in enumerate(other.blocks) if not resharded(block)],
                 expected_kept=sorted(kept),
-                every=predict_step(inputs, replace(all_blocks, blocks_per_unit=units.per_unit,
-                                                   kept_gathered=kept)).peak)
+                every=predict_step(inputs, units.settings()).peak)
 
 
 class Batches:

@@ -4,9 +4,10 @@
 ``ac`` is ``off``, ``full``, ``selective`` (one block per unit, resharded: the step model's cells), ``auto-P``:
 ``activation_checkpointing="auto"`` under a budget P% of the way from every block checkpointed (and resharded)
 to none (every block kept gathered), decided at setup from one batch of the train dataloader (the planner also
-chooses ``blocks_per_unit``); ``autok-P`` the same from ``example_input_array``; ``default``: ``VitScaleStrategy()``
-as it comes (every block checkpointed, the planner's units from the train dataloader's batch). ``auto`` and
-``default`` cells also train the same model under DDP for its losses. ``loop`` is ``auto`` (automatic
+chooses ``blocks_per_unit``); ``autok-P`` the same from ``example_input_array``; ``default-P`` the same under
+``VitScaleStrategy(memory_budget=...)``'s default (``priority="speed"``); ``default``: ``VitScaleStrategy()`` as it
+comes (the host's memory to spare: the planner's plan from the train dataloader's batch). ``auto`` and ``default``
+cells also train the same model under DDP for its losses. ``loop`` is ``auto`` (automatic
 optimization, the default: the strategy frees the gradients after the step), ``observed`` (the same with a
 callback reading gradients after the step: they are kept through the next forward), ``manual`` (zero_grad,
 forward, manual_backward, step), ``acc2`` (automatic, ``accumulate_grad_batches=2``) or ``noforward``
@@ -21,7 +22,9 @@ optimizer state exists, the previous step's gradients too unless released), each
 by the script first, ``tests.helpers.peak.mmap_large_allocations``: its ranks fork from the test zygote) so freed
 memory leaves RSS; the gradient shards alive at the start are added back (they are part of the step, not of the
 resident state). Predicted: the planner's peak for the same step
-minus the resident state (sharded parameters, optimizer state, replicated norms, the batch).
+minus the resident state (sharded parameters, optimizer state, replicated norms, the batch). The step's measured
+peak (``measured_peak``): the resident state as it is at the window's start (local parameter and optimizer bytes,
+the batch) plus the measured increment.
 """
 
 from __future__ import annotations
@@ -129,13 +132,14 @@ class MeasuredStrategy(VitScaleStrategy):
     def __init__(self, accumulate: int, **kwargs) -> None:
         super().__init__(**kwargs)
         self.window, self.accumulate, self.steps = RssWindow(), accumulate, 0
-        self.grads_at_start, self.growths = 0, []
+        self.grads_at_start, self.growths, self.resident = 0, [], 0
         self.released = False
 
     def training_step(self, *args, **kwargs):
         batch_idx = args[1] if len(args) > 1 else -1
         if batch_idx >= MEASURED_STEP * self.accumulate and batch_idx % self.accumulate == 0:
-            self.grads_at_start = measure_state_bytes(self.lightning_module).grads_local
+            state = measure_state_bytes(self.lightning_module, self.optimizers)
+            self.grads_at_start, self.resident = state.grads_local, state.params_local + state.optimizer_local
             self.window.start()
         return super().training_step(*args, **kwargs)
 
@@ -169,14 +173,14 @@ def planned_for(inputs: StepInputs, ac: str, batch: int) -> tuple[StepSettings, 
     every = frozenset(range(len(inputs.profile.blocks)))
     if ac == "default":
         return StepSettings(every), {"budget": None}
-    if not ac.startswith("auto"):
+    if not ac.startswith(("auto", "default-")):
         return StepSettings(every if ac != "off" else frozenset(),
                             selective=every if ac == "selective" else frozenset()), {}
     least = predict_step(inputs, StepSettings(every)).peak
     most = predict_step(inputs, StepSettings(reshard_after_forward=False)).peak
     budget = least + (most - least) * int(ac.split("-")[1]) // 100
     plan = choose(inputs, budget, budget, "32-true", batch, offload=False, rates=CPU_RATES, per_unit=None)
-    modes = [plan.blocks.mode(i) for i in range(len(every))]
+    modes = list(plan.blocks.modes)
     kept = [plan.chosen.settings.keeps(i) for i in range(len(every))]
     return plan.chosen.settings, dict(budget=budget, modes=modes, resharded=plan.blocks.resharded, kept=kept,
                                       per_unit=plan.blocks.per_unit)
@@ -212,7 +216,7 @@ def cell(name: str, ac: str, batch: int, kind: str = "auto") -> dict:
         image = planned.image
         x, y = torch.empty(batch, 3, image, image), torch.empty(batch, dtype=torch.long)
     # measured as the strategy measures it ("auto", the default: training_step on the batch) or from forward
-    through_training_step = ac == "default" or ac.startswith("auto-")
+    through_training_step = ac.startswith(("default", "auto-"))
     key = (name, batch, kind, through_training_step)  # what the measurement depends on (ac does not change it)
     if key not in MEASURED:
         if through_training_step:
@@ -232,13 +236,17 @@ def cell(name: str, ac: str, batch: int, kind: str = "auto") -> dict:
     if ac in ("off", "full", "selective"):  # the step model's cells: one block per unit, resharded, as before
         options = dict(activation_checkpointing={"off": False, "full": True, "selective": "selective"}[ac],
                        blocks_per_unit=1, reshard_after_forward=True)
-    else:
-        options = dict(activation_checkpointing=True if ac == "default" else "auto", memory_budget=auto["budget"])
+    else:  # "default": VitScaleStrategy() as it comes; "default-P" with a memory_budget
+        options = dict(memory_budget=auto["budget"]) if ac.startswith("default") else dict(
+            activation_checkpointing="auto", memory_budget=auto["budget"])
     strategy = MeasuredStrategy(accumulate, **options)
     model = fit(name, ac, batch, kind, strategy)
-    if ac == "default":  # the planner's units as built: predicted for them
+    if ac == "default":  # the planner's plan as built: predicted for it
         kept = frozenset(i for i, gathered in enumerate(model.gathered) if gathered)
-        settings = StepSettings(every_block(depth), blocks_per_unit=strategy.plan.blocks_per_unit, kept_gathered=kept)
+        modes = [checkpoint_mode(b) for b in model.net.blocks]
+        settings = StepSettings(frozenset(i for i, mode in enumerate(modes) if mode),
+                                selective=frozenset(i for i, mode in enumerate(modes) if mode == "selective"),
+                                kept_gathered=kept, blocks_per_unit=strategy.plan.blocks_per_unit)
         predicted = predict_step(inputs, settings)
         resident = predicted.params + predicted.optimizer + predicted.norms + predicted.batch
         auto.update(per_unit=strategy.plan.blocks_per_unit, kept=sorted(kept))
@@ -249,7 +257,9 @@ def cell(name: str, ac: str, batch: int, kind: str = "auto") -> dict:
                     applied_per_unit=strategy.plan.blocks_per_unit,
                     ddp_losses=ddp_losses(name, ac, batch, kind))
     assert len(strategy.growths) == MEASURED_REPEATS, strategy.growths
+    batch_bytes = batch * 3 * image * image * 4 + batch * 8  # the step's (x, y): fp32 images, int64 labels
     return dict(measured=min(strategy.growths), growths=strategy.growths, predicted=predicted.peak - resident,
+                measured_peak=strategy.resident + batch_bytes + min(strategy.growths),
                 phase=predicted.phase,
                 grads_at_start=strategy.grads_at_start, depth=depth, released=strategy.released, auto=auto,
                 breakdown={k: getattr(predicted, k) for k in ("params", "grads", "optimizer", "norms", "gathered",
@@ -265,10 +275,6 @@ def ddp_losses(name: str, ac: str, batch: int, kind: str) -> list[float]:
     if key not in DDP_LOSSES:
         DDP_LOSSES[key] = [float(v) for v in fit(name, ac, batch, kind, "ddp").losses]
     return DDP_LOSSES[key]
-
-
-def every_block(depth: int) -> frozenset[int]:
-    return frozenset(range(depth))
 
 
 def parse(spec: str) -> dict:

@@ -152,8 +152,9 @@ def test_auto_records_the_first_step_then_routes(mesh, stand_in_wins):
     model = Recorder(image=16, dim=32, depth=2)
     model.calls_before_step = []
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=VitScaleStrategy(kernels=KernelPolicy(attention="auto")),
-        max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=1, max_steps=3,  # every block checkpointed: its recompute is routed too
+        strategy=VitScaleStrategy(kernels=KernelPolicy(attention="auto"), activation_checkpointing=True),
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     with substituted(sdpa_ms=2.0, stand_in_ms=1.0 if stand_in_wins else 3.0) as backend, warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -171,7 +171,7 @@ def test_auto_checkpoints_about_half_under_a_half_budget_and_stays_within_it(mes
     every = predict_step(inputs, StepSettings(frozenset(range(4)))).peak
     none = predict_step(inputs, StepSettings()).peak
     budget = (every + none) // 2
-    choice = choose_blocks(planned, meta_input(), world_size=1, precision="32-true", budget=budget, total=budget)
+    choice = choose_blocks(planned, meta_input(), world_size=1, precision="32-true", budget=budget)
     assert len(choice.names) == 2, choice.describe()
     assert choice.names == ["blocks.0", "blocks.1"]
     assert measured_step_peak(mesh, set(choice.names)) <= budget
@@ -181,7 +181,7 @@ def test_auto_checkpoints_nothing_when_everything_fits(mesh):
     with torch.device("meta"):
         planned = TinyViT(**LONG)
     ample = 4 * 2**30
-    choice = choose_blocks(planned, meta_input(), world_size=1, precision="32-true", budget=ample, total=ample)
+    choice = choose_blocks(planned, meta_input(), world_size=1, precision="32-true", budget=ample)
     assert choice.names == []
     assert measured_step_peak(mesh, set()) <= ample
 
@@ -261,8 +261,8 @@ def test_auto_keeps_blocks_gathered_when_everything_fits(mesh):
     for ample in (False, True):
         model = TinyViT(**LONG)
         model.example_input_array = batch()[0]
-        auto = AutoCheckpointing(4 * 2**30 if ample else 1, 1, "32-true", None, may_keep_gathered=True)
-        names = auto.at_setup(model, torch.device("cpu"), 1, lambda n: n).names  # as the strategy: before sharding
+        auto = AutoCheckpointing(4 * 2**30 if ample else 1, 1, "32-true", None)
+        names = auto.at_setup(model, torch.device("cpu"), lambda plan: plan).names  # as the strategy: before sharding
         root = OuterUnit(model)
         config = ParallelConfig(checkpointing=CheckpointingPolicy(blocks=False))
         done = parallelize(root, model, mesh, config, resolve_flag("32-true"), torch.device("cpu"))

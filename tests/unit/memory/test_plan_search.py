@@ -1,7 +1,10 @@
-"""``activation_checkpointing="auto"``'s search on one process: per block none / selective / full and reshard, the
-fastest plan within the budget; the recompute-cost model it ranks plans by; per-block plans applied to a model."""
+"""The planner's one search on one process: per block none / selective / full and reshard, the blocks per unit, the
+fastest plan within the budget, each dimension chosen or pinned (``"auto"``, the default's grouping under the
+user's checkpointing); the cost model it ranks plans by; per-block plans applied to a model."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,9 +14,22 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_vitscale.cli.demo import TinyViT
 from lightning_vitscale.memory.auto_checkpointing import AutoChoice, choose_blocks
-from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, least_memory, search, unit_sizes
+from lightning_vitscale.memory.plan_search import (
+    BlockPlan,
+    SearchSpace,
+    least_memory,
+    reshard_boundaries,
+    search,
+    unit_sizes,
+)
 from lightning_vitscale.memory.planner import step_inputs
-from lightning_vitscale.memory.step_cost import CPU_RATES, GPU_RATES, recompute_seconds, regather_seconds
+from lightning_vitscale.memory.step_cost import (
+    CPU_RATES,
+    GPU_RATES,
+    recompute_seconds,
+    regather_seconds,
+    units_and_regather_seconds,
+)
 from lightning_vitscale.memory.step_model import StepSettings, predict_step, step_phases, unit_spans
 from lightning_vitscale.precision.settings import resolve_flag
 from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig
@@ -24,6 +40,9 @@ from lightning_vitscale.sharding.parallelize import parallelize
 
 WIDE = dict(image=32, patch=4, dim=256, depth=6)  # the 6-block ViT of benchmarks/RESULTS.md's step breakdown
 DEPTH = WIDE["depth"]
+RECIPE = BlockPlan.prefix(DEPTH, DEPTH, 0, DEPTH)  # every block full, resharded, one per unit: the least memory
+NOTHING = BlockPlan.prefix(DEPTH, 0)  # nothing checkpointed, every block kept gathered
+EVERY_FULL = ("full",) * DEPTH  # the user's activation_checkpointing=True, pinned
 
 
 @pytest.fixture(scope="module")
@@ -36,26 +55,27 @@ def inputs():
 
 def ends(inputs) -> tuple[int, int]:
     """Peaks of the least-memory plan (every block full and resharded) and of the fastest (none, all gathered)."""
-    least = predict_step(inputs, BlockPlan(DEPTH, 0, DEPTH).settings(DEPTH)).peak
-    return least, predict_step(inputs, BlockPlan().settings(DEPTH)).peak
+    least = predict_step(inputs, RECIPE.settings()).peak
+    return least, predict_step(inputs, NOTHING.settings()).peak
 
 
 def brute_force(space: SearchSpace) -> float:
     """The least predicted extra time of every plan of the search's shape that fits."""
-    plans = [BlockPlan(f, s, r) for f in range(DEPTH + 1) for s in range(DEPTH + 1 - f) for r in range(DEPTH + 1)]
+    plans = [BlockPlan.prefix(DEPTH, f, s, r) for f in range(DEPTH + 1) for s in range(DEPTH + 1 - f)
+             for r in range(DEPTH + 1)]
     return min(space.seconds(p) for p in plans if space.fits(p))
 
 
 def test_budgets_force_none_mixed_and_every_block_full(inputs):
     least, most = ends(inputs)
-    assert search(SearchSpace(inputs, most, CPU_RATES)) == BlockPlan()  # everything fits: fastest
+    assert search(SearchSpace(inputs, most, CPU_RATES)) == NOTHING  # everything fits: fastest
     tightest = SearchSpace(inputs, least, CPU_RATES)  # the least plan fits, and those that peak no higher
     tight = search(tightest)
     assert tightest.fits(tight) and tightest.seconds(tight) == pytest.approx(brute_force(tightest))
-    assert search(SearchSpace(inputs, least - 1, CPU_RATES)) == BlockPlan(DEPTH, 0, DEPTH)  # nothing fits
+    assert search(SearchSpace(inputs, least - 1, CPU_RATES)) == RECIPE  # nothing fits
     mixed = SearchSpace(inputs, least + (most - least) * 3 // 10, CPU_RATES)  # 3 full + 3 selective, 5 resharded
     plan = search(mixed)
-    assert {plan.mode(i) for i in range(DEPTH)} == {"full", "selective"} and 0 < plan.resharded < DEPTH, plan
+    assert set(plan.modes) == {"full", "selective"} and 0 < plan.resharded < DEPTH, plan
     assert mixed.fits(plan) and mixed.seconds(plan) == pytest.approx(brute_force(mixed))
     # The user's reshard_after_forward pins it for every block; the search still fits the budget.
     pinned = SearchSpace(inputs, least + (most - least) * 3 // 10, CPU_RATES, fixed_reshard=True)
@@ -74,12 +94,12 @@ def test_search_finds_the_fastest_plan_that_fits(inputs, fraction):
 def test_infeasible_budget_gives_the_least_memory_plan_and_a_warning(inputs):
     least, _ = ends(inputs)
     space = SearchSpace(inputs, least - 1, CPU_RATES)
-    assert search(space) == least_memory(space) == BlockPlan(DEPTH, 0, DEPTH) and not space.fits(search(space))
+    assert search(space) == least_memory(space) == RECIPE and not space.fits(search(space))
     with torch.device("meta"):
         planned = TinyViT(**WIDE)
     choice = choose_blocks(planned, torch.empty(8, 3, 32, 32, device="meta"), world_size=2, precision="32-true",
-                           budget=least - 1, total=least - 1, device=torch.device("cpu"))
-    assert choice.blocks == BlockPlan(DEPTH, 0, DEPTH) and not choice.plan.fits
+                           budget=least - 1, device=torch.device("cpu"))
+    assert choice.blocks == RECIPE and not choice.plan.fits
     assert choice.warning is not None and "no choice fits the memory budget" in choice.warning
 
 
@@ -126,7 +146,7 @@ def test_a_mixed_plan_is_applied_block_by_block_and_computes_the_same_gradients(
         asked = ParallelConfig(checkpointing=CheckpointingPolicy(blocks="auto", memory_budget=budget))
         ranks = RankContext(mesh=mesh, device=torch.device("cpu"))
         resolved = resolve_config(asked, torch.device("cpu"))
-        auto, config = _auto_checkpointing(model, resolved, resolve_flag("32-true"), ranks)  # as setup decides
+        auto, config = _auto_checkpointing(model, resolved, resolve_flag("32-true"), ranks, budget)  # as setup does
         root = OuterUnit(model)
         done = parallelize(root, model, mesh, config, resolve_flag("32-true"), torch.device("cpu"))
         apply_auto_choice(model, auto, done.plan)
@@ -136,14 +156,14 @@ def test_a_mixed_plan_is_applied_block_by_block_and_computes_the_same_gradients(
         grads.append([p.grad.full_tensor() for p in model.parameters()])
         assert auto is not None and auto.choice is not None
         plan = auto.choice.blocks
-        assert [checkpoint_mode(b) for b in model.blocks] == [plan.mode(i) for i in range(DEPTH)]
+        assert [checkpoint_mode(b) for b in model.blocks] == list(plan.modes)
         assert gathered[-1] == [i >= plan.resharded for i in range(DEPTH)]
-        assert f"auto: {plan.describe(DEPTH)}" in done.plan.summary()
+        assert f"auto: {plan.describe()}" in done.plan.summary()
         # example_input_array: the planner chose the blocks per unit at setup, and those are the units built.
         assert plan.per_unit > 1 and done.plan.blocks_per_unit == plan.per_unit, plan
         assert done.plan.units == -(-DEPTH // plan.per_unit) + 1
         if planned:
-            assert {plan.mode(i) for i in range(DEPTH)} != {None}, plan
+            assert set(plan.modes) != {None}, plan
     for planned_grad, plain_grad in zip(*grads):
         torch.testing.assert_close(planned_grad, plain_grad, rtol=1e-5, atol=1e-6)
 
@@ -152,7 +172,9 @@ def test_units_are_grouped_as_parallelize_groups_blocks():
     for n in (1, 5, 6, 12):
         for k in range(1, n + 1):
             assert [list(span) for span in unit_spans(n, k)] == group_blocks(list(range(n)), k)
-    assert unit_sizes(12, None) == [1, 2, 3, 4, 6] and unit_sizes(6, None) == [1, 2, 3, 6]
+    # Up to every block in one unit: the smallest size for each number of units.
+    assert unit_sizes(12, None) == [1, 2, 3, 4, 6, 12] and unit_sizes(6, None) == [1, 2, 3, 6]
+    assert unit_sizes(32, None) == [1, 2, 3, 4, 5, 6, 7, 8, 11, 16, 32]
     assert unit_sizes(12, 5) == [5] and unit_sizes(0, None) == [1]
 
 
@@ -189,7 +211,7 @@ def test_the_search_chooses_blocks_per_unit_exactly_when_free(inputs, fraction):
     budget = int(least + (most - least) * fraction)
     free = SearchSpace(inputs, budget, CPU_RATES, per_unit=None)
     plan = search(free)
-    plans = [BlockPlan(f, s, r, k) for k in unit_sizes(DEPTH, None) for f in range(DEPTH + 1)
+    plans = [BlockPlan.prefix(DEPTH, f, s, r, k) for k in unit_sizes(DEPTH, None) for f in range(DEPTH + 1)
              for s in range(DEPTH + 1 - f) for r in range(DEPTH + 1)]
     assert free.fits(plan) and free.seconds(plan) == pytest.approx(min(free.seconds(p) for p in plans if free.fits(p)))
     pinned = search(SearchSpace(inputs, budget, CPU_RATES))
@@ -200,12 +222,12 @@ def test_the_search_chooses_blocks_per_unit_exactly_when_free(inputs, fraction):
 
 
 def test_kept_blocks_are_whole_units():
-    """Ranks agree on the most resharded blocks any of them needs, which may end inside a unit: that unit reshards
-    (FSDP's reshard is a unit's setting), and only whole units after it stay gathered."""
+    """A plan whose resharded blocks end inside a unit: that unit reshards (FSDP's reshard is a unit's setting),
+    and only whole units after it stay gathered."""
     names = [f"blocks.{i}" for i in range(6)]
-    choice = AutoChoice(plan=None, block_names=names, blocks=BlockPlan(0, 0, resharded=4, per_unit=3))  # type: ignore[arg-type]
+    choice = AutoChoice(plan=None, block_names=names, blocks=BlockPlan.prefix(6, 0, resharded=4, per_unit=3))
     assert choice.kept_gathered == []
-    choice = AutoChoice(plan=None, block_names=names, blocks=BlockPlan(0, 0, resharded=3, per_unit=3))  # type: ignore[arg-type]
+    choice = AutoChoice(plan=None, block_names=names, blocks=BlockPlan.prefix(6, 0, resharded=3, per_unit=3))
     assert choice.kept_gathered == names[3:]
 
 
@@ -216,8 +238,83 @@ def test_units_chosen_only_at_the_first_step_are_named_as_a_hint(inputs):
     with torch.device("meta"):
         planned = TinyViT(**WIDE)
     choice = choose_blocks(planned, torch.empty(8, 3, 32, 32, device="meta"), world_size=2, precision="32-true",
-                           budget=4 * most, total=4 * most, device=torch.device("cpu"), per_unit=1,
+                           budget=4 * most, device=torch.device("cpu"), per_unit=1,
                            compare_units=True)
     assert choice.blocks.per_unit == 1 and choice.hint is not None
     # 6 blocks on CPU ranks (overlapped collectives): 3 units of 2 beat 6 units' fixed cost and 1 unit's exposed bytes
     assert "example_input_array" in choice.hint and "blocks_per_unit=2" in choice.hint
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.1, 0.5, 1.0])
+def test_the_plan_fits_wherever_the_recipes_plan_fits(inputs, fraction):
+    """The recipe's plan (every block full, its own unit, resharded) is in every space left free, and in the space
+    of the user's checkpointing pinned to it: from the recipe's own peak up, the plan chosen fits.
+    Mutation tried: ``least_memory`` with two blocks per unit (the recipe outside the space) fails at 0.0."""
+    least, most = ends(inputs)
+    budget = int(least + (most - least) * fraction)
+    for space in (SearchSpace(inputs, budget, CPU_RATES, per_unit=None),
+                  SearchSpace(inputs, budget, GPU_RATES, per_unit=None, modes=EVERY_FULL)):
+        assert least_memory(space) == RECIPE
+        assert space.fits(search(space)), (fraction, search(space))
+
+
+def test_the_users_checkpointing_is_a_pinned_dimension_of_the_one_search(inputs):
+    """``activation_checkpointing=True`` with the units left to the planner: where nothing overlaps the step's
+    collectives a unit's fixed cost is all there is, so every block in one unit when the budget allows it, the
+    largest that fits below that, one block per unit when nothing larger fits; the modes stay the user's."""
+    serial = replace(CPU_RATES, overlaps=False)
+
+    def plan(budget: int, rates=serial, **pinned) -> tuple[SearchSpace, BlockPlan]:
+        space = SearchSpace(inputs, budget, rates, fixed_reshard=pinned.pop("reshard", True),
+                            per_unit=pinned.pop("per_unit", None), modes=EVERY_FULL)
+        return space, search(space)
+
+    def peak(k: int) -> int:
+        return predict_step(inputs, replace(RECIPE, per_unit=k).settings()).peak
+
+    space, ample = plan(2**40)
+    assert ample.modes == EVERY_FULL and ample.per_unit == DEPTH
+    # 5 units fewer: their fixed cost and the fixed part of their second all-gather (blocks reshard); the bytes
+    # gathered again are the same whatever the grouping.
+    saved = space.seconds(least_memory(space)) - space.seconds(ample)
+    assert saved == pytest.approx((DEPTH - 1) * (serial.unit_s + serial.latency_s))
+    assert peak(1) < peak(2) < peak(3) < peak(DEPTH)
+    assert plan(peak(3))[1].per_unit == 3
+    assert plan(peak(2) - 1)[1] == RECIPE
+    # Where collectives overlap compute (GPU streams, CPU ranks' asynchronous gloo), a large unit exposes its
+    # all-gather and reduce-scatter: the choice is the formula's best, on the 2-core CPU neither extreme.
+    for rates in (GPU_RATES, CPU_RATES):
+        block = sum(torch.Size(s).numel() for s in inputs.layout.blocks[0]) * 4
+        seconds = {}
+        for k in unit_sizes(DEPTH, None):
+            units, exposed = -(-DEPTH // k), 2 * k * block * (2 - 1) / 2 / rates.link_bytes_per_s
+            regather = 0.0 if rates.regather_hidden else units * k * block / 2 / rates.link_bytes_per_s
+            seconds[k] = units * (rates.unit_s + rates.latency_s) + exposed + regather
+            settings = replace(RECIPE, per_unit=k).settings()
+            assert units_and_regather_seconds(inputs, settings, rates) == pytest.approx(seconds[k])
+        assert plan(2**40, rates)[1].per_unit == min(seconds, key=seconds.get)
+    assert min(seconds, key=seconds.get) == 2  # CPU_RATES: measured best on the 2-core CPU (RESULTS.md)
+
+
+def test_units_stay_gathered_for_backward_where_memory_allows_under_the_users_checkpointing(inputs):
+    """``reshard_after_forward=None``: with memory to spare every unit keeps its parameters (no second all-gather);
+    under a budget between, only the last units (their backward comes first), whole units; pinned, none."""
+    def plan(budget: int, reshard: bool | None, per_unit: int | None = None) -> BlockPlan:
+        return search(SearchSpace(inputs, budget, CPU_RATES, fixed_reshard=reshard, per_unit=per_unit,
+                                  modes=EVERY_FULL))
+
+    fixed, ample = plan(2**40, True), plan(2**40, None)
+    assert fixed.kept_units == 0 and ample.kept_units == ample.units == -(-DEPTH // ample.per_unit)
+    space = SearchSpace(inputs, 2**40, CPU_RATES, per_unit=None, modes=EVERY_FULL)
+    assert space.seconds(ample) < space.seconds(fixed)
+    assert ample.settings().kept_gathered == frozenset(range(DEPTH))
+
+    def kept_peak(m: int) -> int:  # one block per unit, the last m kept
+        return predict_step(inputs, BlockPlan(EVERY_FULL, DEPTH - m).settings()).peak
+
+    # Pinned to one block per unit, a budget that holds 4 kept units but not 5: the last four blocks stay gathered.
+    assert kept_peak(4) < kept_peak(5)
+    between = plan(kept_peak(4), None, per_unit=1)
+    assert (between.per_unit, between.kept_units, between.resharded) == (1, 4, DEPTH - 4)
+    two = plan(kept_peak(4), None, per_unit=2)
+    assert two.resharded in reshard_boundaries(DEPTH, 2)

@@ -124,9 +124,10 @@ def test_a_training_step_that_reads_a_value_is_measured_through_it_and_one_that_
 
 def test_the_planners_units_keep_to_memory_budget_without_auto(mesh):
     """``blocks_per_unit=None`` with the checkpointing the user chose: a budget below any grouping's peak leaves one
-    block per unit, nothing kept gathered; the default budget lets the planner group."""
+    block per unit, nothing kept gathered; the default budget lets the planner group. The budget is resolved once,
+    in bytes (one rank: its own)."""
     from lightning_vitscale.distributed import RankContext
-    from lightning_vitscale.sharding.planning import plan_before_sharding
+    from lightning_vitscale.sharding.planning import agreed_budget, plan_before_sharding
 
     model = TinyViT(**SMALL)
     model.example_input_array = torch.randn(4, 3, 16, 16)
@@ -135,10 +136,12 @@ def test_the_planners_units_keep_to_memory_budget_without_auto(mesh):
     for budget in (None, 1):
         asked = ParallelConfig(checkpointing=CheckpointingPolicy(blocks=True, memory_budget=budget))
         resolved = resolve_config(asked, torch.device("cpu"))
-        planned = plan_before_sharding(model, resolved, resolve_flag("32-true"), ranks)
+        resolved_budget = agreed_budget(budget, ranks)
+        assert resolved_budget == resolve_budget(budget, device_memory(ranks.device, ranks.ranks_per_node))
+        planned = plan_before_sharding(model, resolved, resolve_flag("32-true"), ranks, resolved_budget)
         assert {b.modes for b in planned.measured.profile.blocks} == {frozenset({"full"})}  # only what will run
         chosen[budget] = (planned.resolved.blocks_per_unit, planned.kept_gathered, planned.units_choice)
-        assert planned.budget == resolve_budget(budget, device_memory(ranks.device, ranks.ranks_per_node))
+        assert planned.budget == resolved_budget
         every = [b.name for b in planned.measured.profile.blocks]
         lines[budget] = describe_prediction(planned.measured, every, True, budget=planned.budget)[1]
     assert chosen[None][0] > 1 or chosen[None][1], chosen
@@ -161,14 +164,52 @@ def test_plan_memory_resolves_its_budget_as_memory_budget_does():
         plan_memory(model, x, device_memory=1, memory_fraction=1.5)
 
 
-def test_ranks_agree_on_the_fewest_blocks_per_unit_any_rank_chose():
-    """One agreement for "auto" and the grouping: a rank that chose larger units redoes its choice for the size
-    another rank chose; one that chose the fewest keeps its own."""
-    from lightning_vitscale.memory import agree_on_unit_size, fewest
+def test_every_rank_plans_for_the_smallest_budget_and_applies_rank_zeros_plan(mesh):
+    """One budget for the ranks: the smallest any rank resolved (free host memory differs by rank); one plan: rank
+    0's, whatever this rank's search found (a first-step batch may differ by rank; the units must not).
+    Mutation tried: the plan not broadcast (``ranks.broadcast`` dropped in ``_auto_checkpointing``)."""
+    from lightning_vitscale.distributed import RankContext
+    from lightning_vitscale.memory.plan_search import BlockPlan
+    from lightning_vitscale.sharding.planning import agreed_budget, plan_before_sharding
 
-    def other_rank_chose_two(value: int) -> int:  # Ranks.agree_max with a second rank passing -2
-        return max(value, -2)
+    poorer_rank = RankContext(mesh=mesh, agree_max=lambda value: max(value, -123 * MIB))  # another rank: 123 MiB
+    assert agreed_budget(None, poorer_rank) == agreed_budget(GIB, poorer_rank) == 123 * MIB
+    assert agreed_budget(10 * MIB, poorer_rank) == 10 * MIB
+    rank_zeros = BlockPlan(("full", "selective"), resharded=2, per_unit=1)
+    ranks = RankContext(mesh=mesh, broadcast=lambda plan: rank_zeros)
+    model = TinyViT(**SMALL)
+    model.example_input_array = torch.randn(4, 3, 16, 16)
+    planned = plan_before_sharding(model, resolve_config(ParallelConfig(), torch.device("cpu")),
+                                   resolve_flag("32-true"), ranks, 2**40)  # this rank alone: nothing checkpointed
+    assert planned.auto is not None and planned.auto.choice is not None
+    assert planned.auto.choice.blocks == rank_zeros and planned.resolved.blocks_per_unit == 1
+    assert planned.resolved.checkpoint_choice == {"blocks.0": "full", "blocks.1": "selective"}
 
-    assert fewest(other_rank_chose_two, 4) == 2
-    assert agree_on_unit_size("mine", 4, lambda k: f"redone for {k}", other_rank_chose_two) == "redone for 2"
-    assert agree_on_unit_size("mine", 1, lambda k: f"redone for {k}", other_rank_chose_two) == "mine"
+
+class ForwardBranching(TinyViT):
+    """A ``forward`` that decides on a value: its step cannot run on fake tensors at all."""
+
+    def forward(self, x):
+        return super().forward(x if x.sum() > 0 else -x)
+
+
+def test_the_default_takes_the_recipes_plan_where_the_step_cannot_be_measured_and_auto_raises(mesh):
+    """Nothing to plan from: ``VitScaleStrategy()``'s default warns and checkpoints every block, each its own unit,
+    resharded (the recipe); an explicit ``activation_checkpointing="auto"`` raises, naming the fix.
+    Mutation tried: the default's planner ``required`` (it raised)."""
+    from lightning_vitscale.distributed import RankContext
+    from lightning_vitscale.memory.auto_checkpointing import MeasurementError
+    from lightning_vitscale.sharding.planning import plan_before_sharding
+
+    model = ForwardBranching(**SMALL)
+    model.example_input_array = torch.randn(4, 3, 16, 16)
+    ranks, cpu, flag = RankContext(mesh=mesh), torch.device("cpu"), resolve_flag("32-true")
+    with pytest.warns(UserWarning, match=r"could not run ForwardBranching's step on fake tensors .* every block"):
+        planned = plan_before_sharding(model, resolve_config(ParallelConfig(), cpu), flag, ranks, 2**40)
+    assert planned.auto is not None and planned.auto.choice is not None
+    assert planned.auto.choice.blocks.modes == ("full", "full") and planned.auto.choice.blocks.resharded == 2
+    assert planned.resolved.blocks_per_unit == 1 and planned.auto.choice.plan is None
+    assert "auto: 2 full + 0 selective of 2 blocks checkpointed, 0 of 2 units kept" in planned.auto.describe()
+    asked = ParallelConfig(checkpointing=CheckpointingPolicy(blocks="auto"))
+    with pytest.raises(MeasurementError, match="could not measure ForwardBranching on fake tensors.*Pass activation"):
+        plan_before_sharding(model, resolve_config(asked, cpu), flag, ranks, 2**40)

@@ -60,20 +60,20 @@ def test_auto_warns_when_no_choice_meets_the_budget_and_never_assumes_offload():
     every = predict_step(inputs, StepSettings(frozenset(range(4))))
     budget = predict_step(inputs, StepSettings(frozenset(range(4)), offload=True)).peak  # met by offload alone
     assert budget < every.peak
-    choice = choose_blocks(model, x, world_size=2, precision="32-true", budget=budget, total=budget)
+    choice = choose_blocks(model, x, world_size=2, precision="32-true", budget=budget)
     assert choice.names == [f"blocks.{i}" for i in range(4)] and not choice.plan.chosen.settings.offload
     assert choice.plan.chosen.breakdown.peak == every.peak and not choice.plan.fits
     assert choice.warning is not None and "offload='cpu' (predicted" in choice.warning
     assert "a per-rank batch of" in choice.warning and "memory_budget" in choice.warning
-    hopeless = choose_blocks(model, x, world_size=2, precision="32-true", budget=1, total=1)
+    hopeless = choose_blocks(model, x, world_size=2, precision="32-true", budget=1)
     assert hopeless.warning is not None and "offload" not in hopeless.warning  # would not fit either
-    offloaded = choose_blocks(model, x, world_size=2, precision="32-true", budget=budget, total=budget, offload=True)
+    offloaded = choose_blocks(model, x, world_size=2, precision="32-true", budget=budget, offload=True)
     assert offloaded.plan.fits and offloaded.plan.chosen.settings.offload and offloaded.warning is None
 
     real = TinyViT(**LONG)
     real.example_input_array = torch.randn(8, 3, 64, 64)
-    auto = AutoCheckpointing(budget, 2, "32-true", None, may_keep_gathered=True)
+    auto = AutoCheckpointing(budget, 2, "32-true", None)
     with pytest.warns(UserWarning, match=r"no choice fits the memory budget .* offload='cpu' \(predicted"):
-        names = auto.at_setup(real, torch.device("cpu"), 1, lambda n: n).names
+        names = auto.at_setup(real, torch.device("cpu"), lambda plan: plan).names
     assert names == [f"blocks.{i}" for i in range(4)]
     assert auto.choice is not None and auto.choice.plan.chosen.breakdown.peak == every.peak
