@@ -5,6 +5,7 @@ Usage::
     python benchmarks/host_overhead.py                       # CPU, 5 rounds
     python benchmarks/host_overhead.py --accelerator cuda    # on a GPU machine: the host that feeds the GPU
     python benchmarks/host_overhead.py --rounds 8 --json out.json
+    python benchmarks/host_overhead.py --variants "single AMP O1" "off, blocks_per_unit=1"
     python benchmarks/host_overhead.py --dry-run              # 1 round of 2 steps on CPU (gpu_run.sh's dry run)
 
 On a GPU a step is host-bound when the host takes longer to issue its kernels than the GPU takes to run them (ViT-H
@@ -15,6 +16,8 @@ is the host's work: the strategy's hooks, casts, DTensor dispatch, the optimizer
 single-device AMP O1 (``strategy="auto"``), ``VitScaleStrategy(activation_checkpointing=False)`` and
 ``VitScaleStrategy()`` (the planner's speed-first plan: here one unit, nothing checkpointed). Each fit's steps
 after ``--warmup`` are timed from ``on_train_batch_start`` to ``on_train_batch_end``; median over every round.
+Variants pinning ``blocks_per_unit`` (1 and 8, with and without checkpointing) show the per-unit cost whatever
+grouping the planner picks.
 """
 
 from __future__ import annotations
@@ -33,7 +36,21 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = ("single AMP O1", "VitScaleStrategy(activation_checkpointing=False)", "VitScaleStrategy()")
+# name -> VitScaleStrategy's keyword arguments (None: plain single-device AMP O1, strategy="auto"). The pinned
+# layouts show the per-unit cost whatever the planner picks: the recipe's one block per unit resharded after
+# forward, and 8 blocks per unit kept gathered from forward to backward.
+_ONE = {"blocks_per_unit": 1, "reshard_after_forward": True}
+_EIGHT = {"blocks_per_unit": 8, "reshard_after_forward": False}
+STRATEGIES: dict[str, dict | None] = {
+    "single AMP O1": None,
+    "VitScaleStrategy(activation_checkpointing=False)": {"activation_checkpointing": False},
+    "VitScaleStrategy()": {},
+    "off, 1 block/unit, resharded": {"activation_checkpointing": False, **_ONE},
+    "off, 8 blocks/unit, kept gathered": {"activation_checkpointing": False, **_EIGHT},
+    "checkpointed, 1 block/unit, resharded": {"activation_checkpointing": True, **_ONE},
+    "checkpointed, 8 blocks/unit, kept gathered": {"activation_checkpointing": True, **_EIGHT},
+}
+VARIANTS = tuple(STRATEGIES)
 
 
 class HugeShape(L.LightningModule):
@@ -54,8 +71,11 @@ class HugeShape(L.LightningModule):
 
 
 class StepTimer(L.Callback):
+    """Wall time and this thread's CPU time of each step: on CPU the latter is the host's work alone, whatever else
+    shares the cores (on a GPU it also counts the spin of the synchronizing wait)."""
+
     def __init__(self, device: torch.device) -> None:
-        self.device, self.seconds, self.start = device, [], 0.0
+        self.device, self.seconds, self.cpu_seconds, self.start, self.cpu_start = device, [], [], 0.0, 0.0
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -63,20 +83,22 @@ class StepTimer(L.Callback):
 
     def on_train_batch_start(self, *args) -> None:
         self._sync()
-        self.start = time.perf_counter()
+        self.start, self.cpu_start = time.perf_counter(), time.thread_time()
 
     def on_train_batch_end(self, *args) -> None:
         self._sync()
         self.seconds.append(time.perf_counter() - self.start)
+        self.cpu_seconds.append(time.thread_time() - self.cpu_start)
 
 
-def fit_times(variant: str, accelerator: str, steps: int, warmup: int) -> list[float]:
+def fit_times(variant: str, accelerator: str, steps: int, warmup: int) -> tuple[list[float], list[float]]:
+    """Wall and CPU seconds of each step after ``warmup`` of one fit of ``variant``."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_vitscale import VitScaleStrategy
 
-    strategy = {VARIANTS[0]: lambda: "auto", VARIANTS[1]: lambda: VitScaleStrategy(activation_checkpointing=False),
-                VARIANTS[2]: lambda: VitScaleStrategy()}[variant]()
+    kwargs = STRATEGIES[variant]
+    strategy = "auto" if kwargs is None else VitScaleStrategy(**kwargs)
     L.seed_everything(0, verbose=False)
     n = 2 * (steps + warmup)
     data = TensorDataset(torch.randn(n, 3, 28, 28), torch.randint(0, 8, (n,)))
@@ -87,16 +109,18 @@ def fit_times(variant: str, accelerator: str, steps: int, warmup: int) -> list[f
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0)
     trainer.fit(HugeShape(), DataLoader(data, batch_size=2))
-    return timer.seconds[warmup:]
+    return timer.seconds[warmup:], timer.cpu_seconds[warmup:]
 
 
 def table(result: dict) -> str:
     """The Markdown table of one run's ``--json`` (also gpu_report.py's)."""
-    ms = result["ms_per_step"]
+    ms, cpu = result["ms_per_step"], result.get("cpu_ms_per_step")  # no CPU times in runs before 2026-12
     single = ms[VARIANTS[0]]
-    lines = [f"| variant ({result['accelerator']}, {result['rounds']} rounds) | host ms/step | / single |",
-             "|---|---|---|"]
-    lines += [f"| {variant} | {value:.1f} | {value / single:.2f}x |" for variant, value in ms.items()]
+    header = f"| variant ({result['accelerator']}, {result['rounds']} rounds) | host ms/step | / single |"
+    lines = [header + (" CPU ms/step | / single |" if cpu else ""), "|---|---|---|" + ("---|---|" if cpu else "")]
+    for variant, value in ms.items():
+        row = f"| {variant} | {value:.1f} | {value / single:.2f}x |"
+        lines.append(row + (f" {cpu[variant]:.1f} | {cpu[variant] / cpu[VARIANTS[0]]:.2f}x |" if cpu else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -106,18 +130,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per fit")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each fit")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), metavar="NAME",
+                        help=f"which variants to time (default: all of {', '.join(VARIANTS)})")
     parser.add_argument("--json", help="also write the numbers here")
     parser.add_argument("--dry-run", action="store_true", help="CPU, one round of 2 steps: checks the script")
     args = parser.parse_args()
     if args.dry_run:
         args.accelerator, args.rounds, args.steps, args.warmup = "cpu", 1, 2, 1
     torch.set_num_threads(1)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    variants = [v for v in VARIANTS if v in args.variants]
+    if VARIANTS[0] not in variants:
+        parser.error(f"--variants must include {VARIANTS[0]!r}: every ratio is to it")
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    cpu_times: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(args.rounds):
-        for variant in VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]:
-            times[variant] += fit_times(variant, args.accelerator, args.steps, args.warmup)
+        for variant in variants[r % len(variants):] + variants[:r % len(variants)]:
+            wall, cpu = fit_times(variant, args.accelerator, args.steps, args.warmup)
+            times[variant] += wall
+            cpu_times[variant] += cpu
     result = {"accelerator": args.accelerator, "rounds": args.rounds,
-              "ms_per_step": {v: 1e3 * statistics.median(t) for v, t in times.items()}}
+              "ms_per_step": {v: 1e3 * statistics.median(t) for v, t in times.items()},
+              "cpu_ms_per_step": {v: 1e3 * statistics.median(t) for v, t in cpu_times.items()}}
     print(table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -1,6 +1,6 @@
 """Which dtype where: the Lightning precision plugin (BF16 "O2"), its dtype policy, fp32 normalization layers
-kept outside the low-precision units, input casts, the sharded fp16 loss scaler, clipping across shards and the
-non-finite step guard.
+kept outside the low-precision units, input casts, the sharded fp16 loss scaler, clipping across shards, the
+non-finite step guard and the optimizer step on local shards.
 
 May import ``discovery`` (which modules are norms), ``distributed``, ``_utils`` and ``_compat``.
 """

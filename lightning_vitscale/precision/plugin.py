@@ -18,6 +18,7 @@ from typing_extensions import override
 from lightning_vitscale._compat import after_closure
 from lightning_vitscale.precision.clipping import clip_grad_norm
 from lightning_vitscale.precision.grad_scaler import ShardedGradScaler
+from lightning_vitscale.precision.local_step import on_local_shards, steps_locally
 from lightning_vitscale.precision.nonfinite import NonFiniteGuard
 from lightning_vitscale.precision.settings import (
     SUPPORTED_FLAGS,
@@ -127,8 +128,9 @@ class VitScalePrecision(Precision):
         self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         guard = None if isinstance(optimizer, torch.optim.LBFGS) else self.nonfinite_guard  # LBFGS re-evaluates
-        if self.scaler is None and guard is None:
+        if self.scaler is None and guard is None and not steps_locally(optimizer):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        # The closure first, then the step: the step may then run on the local shards (local_step.py).
         closure_result = closure()
         skipped_backward = closure_result is None and model.automatic_optimization
         if not skipped_backward and self.scaler is not None:
@@ -140,11 +142,14 @@ class VitScalePrecision(Precision):
             if self.scaler is not None:
                 self.scaler.update()  # the scale backs off as on an overflow the scaler saw itself
             return closure_result
-        if self.scaler is None:
-            return optimizer.step(**kwargs)
-        step_output = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]  # skipped on inf/nan
-        self.scaler.update()
-        return step_output
+        with on_local_shards(optimizer):  # type: ignore[arg-type]
+            if self.scaler is None:
+                step_output = optimizer.step(**kwargs)
+            else:
+                step_output = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]  # skipped on inf/nan
+        if self.scaler is not None:
+            self.scaler.update()
+        return closure_result if step_output is None else step_output  # as `optimizer.step(closure)` returns
 
     def _grads(self, optimizer: Optimizable) -> list[Tensor]:
         return [p.grad for p in self.main_params(optimizer) if p.grad is not None]  # type: ignore[arg-type]

@@ -1,0 +1,125 @@
+"""The optimizer step on each DTensor parameter's local shard, for optimizers that update element by element.
+
+An elementwise optimizer (SGD, Adam, AdamW, ...) updates every element from that element's gradient and state
+alone, so updating each parameter's local tensor from its gradient's local tensor is the DTensor step's own local
+computation: the same kernels on the same tensors, bit for bit. What it saves is DTensor's dispatch of every foreach
+op over the whole parameter list: host time every step, and seconds in the first, where DTensor propagates each
+op's shardings (ViT-H's 390 parameters on CPU: ~8.7 s; ``benchmarks/RESULTS.md``). On a GPU that is host time the
+GPU waits for.
+
+Optimizers whose update reads more than one element (Adafactor's row and column statistics, LAMB's per-tensor norms,
+LBFGS) would be silently wrong on shards, so only the exact classes in :data:`ELEMENTWISE` step locally (a subclass
+may override ``step``); every other optimizer steps on the DTensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from lightning_vitscale._compat import dtensor_like, dtensor_local
+
+ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.ASGD,
+)
+
+_Pairs = list[tuple[torch.Tensor, DTensor]]
+
+
+def steps_locally(optimizer: object) -> bool:
+    """Whether ``optimizer`` is one of the exact :data:`ELEMENTWISE` classes (its step may run on local shards)."""
+    return type(optimizer) in ELEMENTWISE
+
+
+@contextmanager
+def on_local_shards(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
+    """Within the block, ``optimizer`` holds its DTensor parameters' local tensors, with their gradients' and
+    state's local tensors; yields whether it does (an optimizer not in :data:`ELEMENTWISE`, a differentiable step,
+    or a gradient placed otherwise than its parameter keep the DTensors).
+
+    The local tensors are the DTensors' own storage: the update lands in the parameters and in the existing state
+    in place. State the step creates or replaces (the first step's moments) is wrapped as DTensors placed as the
+    parameter afterwards. Everything is put back even if the step raises.
+    """
+    swapped = _swap_in(optimizer) if steps_locally(optimizer) else None
+    if swapped is None:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        _swap_back(optimizer, *swapped)
+
+
+def _swap_in(optimizer: torch.optim.Optimizer) -> tuple[list[list[Any]], _Pairs] | None:
+    groups, state = optimizer.param_groups, optimizer.state
+    if any(group.get("differentiable") for group in groups):
+        return None  # a differentiable step needs the DTensor graph
+    pairs: _Pairs = []
+    local_groups = []
+    for group in groups:
+        params = []
+        for param in group["params"]:
+            if isinstance(param, DTensor):
+                grad = param.grad
+                if grad is not None and not (isinstance(grad, DTensor) and grad.placements == param.placements):
+                    return None
+                local = dtensor_local(param)
+                pairs.append((local, param))
+                param = local
+            params.append(param)
+        local_groups.append(params)
+    if not pairs:
+        return None
+    originals = [group["params"] for group in groups]
+    for group, params in zip(groups, local_groups):
+        group["params"] = params
+    for local, param in pairs:
+        grad = param.grad
+        local.grad = None if grad is None else dtensor_local(grad)
+        if param in state:
+            state[local] = {k: dtensor_local(v) if isinstance(v, DTensor) else v for k, v in state[param].items()}
+    return originals, pairs
+
+
+def _swap_back(optimizer: torch.optim.Optimizer, originals: list[list[Any]], pairs: _Pairs) -> None:
+    for group, params in zip(optimizer.param_groups, originals):
+        group["params"] = params
+    state = optimizer.state
+    for local, param in pairs:
+        local.grad = None
+        after = state.pop(local, None)
+        if after is not None:
+            state[param] = _as_dtensors(after, state.get(param, {}), param)
+
+
+def _as_dtensors(after: dict[str, Any], before: dict[str, Any], param: DTensor) -> dict[str, Any]:
+    """The step's state for ``param``'s local tensor, back under ``param``: the DTensors it had (updated in place
+    through their local tensors), new tensors of the shard's shape placed as ``param``, the rest (step counters) as
+    they are."""
+    merged: dict[str, Any] = {}
+    for key, value in after.items():
+        old = before.get(key)
+        if isinstance(old, DTensor) and dtensor_local(old) is value:
+            merged[key] = old
+        elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == dtensor_local(param).shape:
+            same_layout = value.dtype == param.dtype and value.stride() == dtensor_local(param).stride()
+            merged[key] = dtensor_like(value, param) if same_layout else DTensor.from_local(
+                value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+            )
+        else:
+            merged[key] = value
+    return merged
