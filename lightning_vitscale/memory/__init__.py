@@ -26,7 +26,7 @@ from lightning_vitscale.memory.planner import agree_on_unit_size, check_budget, 
 from lightning_vitscale.memory.planning_batch import PlanningBatch, planning_batch
 from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
 from lightning_vitscale.memory.state_bytes import StateBytes, measure_state_bytes
-from lightning_vitscale.memory.step_cost import rates_for
+from lightning_vitscale.memory.step_cost import StepTime, compile_pays, rates_for, step_time
 from lightning_vitscale.memory.step_model import StepInputs, StepSettings
 from lightning_vitscale.memory.unit_choice import UnitChoice, choose_blocks_per_unit
 
@@ -42,9 +42,11 @@ __all__ = [
     "StateBytes",
     "StepInputs",
     "StepSettings",
+    "StepTime",
     "UnitChoice",
     "agree_on_unit_size",
     "check_budget",
+    "compile_pays",
     "choose_accumulation",
     "choose_blocks_per_unit",
     "describe_prediction",
@@ -59,4 +61,5 @@ __all__ = [
     "release_gradients",
     "resolve_budget",
     "selective_contexts",
+    "step_time",
 ]

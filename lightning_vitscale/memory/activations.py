@@ -11,9 +11,9 @@ first block that saved it); a dispatch mode tracking live fake storages gives ea
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -370,7 +370,8 @@ def _measure_passes(
             measured[key, name] = _peak_beyond_forward(block, x, mode, None, work)
         elif name == "full":
             repeated = OpWork()  # the recompute's own context: what backward really reruns
-            recomputed = _peak_beyond_forward(block, x, mode, lambda: (contextlib.nullcontext(), repeated), work)
+            contexts = functools.partial(_recompute_counted, repeated)
+            recomputed = _peak_beyond_forward(block, x, mode, contexts, work)
             measured[key, name] = recomputed + size
             measured[key, "recompute"] = repeated.result()
         else:
@@ -381,6 +382,11 @@ def _measure_passes(
             measured[key, "work"] = work.result()
     work = dataclasses.replace(measured.get((key, "work"), BlockWork()), recompute=measured.get((key, "recompute")))
     return {**{name: measured[key, name] for name in needed}, "work": work}
+
+
+def _recompute_counted(counter: OpWork) -> tuple[Any, Any]:
+    """``torch.utils.checkpoint``'s ``context_fn``: nothing around the forward, ``counter`` around the recompute."""
+    return contextlib.nullcontext(), counter
 
 
 def _peak_beyond_forward(

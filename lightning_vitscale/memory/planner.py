@@ -306,6 +306,7 @@ def choose(
         extra_seconds=space.seconds(blocks),
         tensor_parallel=tp,
         traffic=traffic_per_dimension(inputs, settings),
+        inputs=inputs,
     )
 
 

@@ -242,12 +242,14 @@ class StepTime:
 
 def step_time(
     inputs: StepInputs, settings: StepSettings, rates: DeviceRates, *, compiled: bool = False,
-    baseline: Baseline | None = None,
+    fused_optimizer: bool | None = None, baseline: Baseline | None = None,
 ) -> StepTime:
-    """One step's time under ``settings`` (``compiled``: ``kernels="auto"``'s compiled blocks and fused optimizer),
-    or under a :data:`Baseline` (settings then ignored: nothing checkpointed, sharded or compiled)."""
+    """One step's time under ``settings`` (``compiled``: every block compiled; ``fused_optimizer``: a fused optimizer
+    step, by default with ``compiled``, as ``kernels="auto"`` sets both), or under a :data:`Baseline` (settings then
+    ignored: nothing checkpointed, sharded or compiled)."""
+    fused_optimizer = compiled if fused_optimizer is None else fused_optimizer
     n = len(inputs.profile.blocks)
-    modes = [None] * n if baseline else block_modes(settings, n)
+    modes: list[str | None] = [None] * n if baseline else block_modes(settings, n)
     fused = FUSED_SHARE if compiled else 0.0
     host = device = 0.0
     for block, mode in zip(inputs.profile.blocks, modes):
@@ -275,13 +277,20 @@ def step_time(
     device += units_and_regather_seconds(inputs, settings, rates) - len(spans) * rates.unit_s
     device += tensor_parallel_seconds(inputs, modes, rates)
     device += max(0.0, traffic_per_dimension(inputs, settings)["data_parallel"] / rates.link_bytes_per_s - device)
-    optimizer = _optimizer_bytes(inputs, params / inputs.world, fused=compiled) / rates.bytes_per_s
+    optimizer = _optimizer_bytes(inputs, params / inputs.world, fused=fused_optimizer) / rates.bytes_per_s
     return StepTime(host, device, TAIL_HOST_S * rates.host_scale + optimizer, rates.overlap)
 
 
-def images_per_second(time: StepTime, batch: int, world: int = 1) -> float:
-    """Throughput of ``world`` data-parallel ranks of ``batch`` each."""
-    return batch * world / time.seconds
+def compile_pays(inputs: StepInputs, settings: StepSettings, rates: DeviceRates) -> tuple[bool, str]:
+    """Whether compiling every block makes the step faster (``kernels="auto"``'s rule; its fused optimizer either
+    way): compiled blocks move fewer bytes on the device and cost the host more per block than their eager ops, so
+    they pay where the step is device-bound; and why, in the setup summary's words."""
+    eager = step_time(inputs, settings, rates, fused_optimizer=True)
+    compiled = step_time(inputs, settings, rates, compiled=True)
+    pays = compiled.seconds < eager.seconds
+    bound = "host-bound" if eager.host_bound else "device-bound"
+    return pays, (f"{'compiled' if pays else 'eager'}: the step at this batch is {bound}, predicted"
+                  f" {compiled.seconds * 1e3:.0f} ms compiled against {eager.seconds * 1e3:.0f} ms eager")
 
 
 def _recomputed_ops(work: BlockWork, mode: str | None) -> int:

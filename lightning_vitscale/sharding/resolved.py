@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vitscale.kernels import Compiler, KernelPolicy, resolve_kernels, usable_backends
+from lightning_vitscale.kernels import Compiler, KernelPolicy, resolve_kernels, usable_backends, with_compile_choice
+from lightning_vitscale.memory import StepInputs, StepSettings, compile_pays, rates_for
 from lightning_vitscale.sharding.activation_checkpointing import CheckpointMode
 from lightning_vitscale.sharding.settings import ParallelConfig, ShardingPolicy
 
@@ -70,6 +71,22 @@ def resolve_config(
         kernels = dataclasses.replace(kernels, compile_blocks=True, compiler=user_compiler)
     sharding = requested.sharding
     return ResolvedConfig(requested, kernels, sharding.per_unit, sharding.prefetch_on(device.type))
+
+
+def compile_where_it_pays(
+    resolved: ResolvedConfig, step: tuple[StepInputs, StepSettings] | None, device: torch.device
+) -> ResolvedConfig:
+    """``kernels="auto"`` on CUDA with the step measured at setup (``step``: the planner's inputs and the settings
+    to apply): the blocks compiled only where the planner's step model predicts it pays for this device and batch
+    (:func:`~lightning_vitscale.kernels.with_compile_choice`). A user's own policy or ``torch.compile(model)`` is
+    left as it is; without a batch, ``"auto"``'s default (compiled) stays, and the summary says why."""
+    kernels = resolved.kernels
+    if resolved.requested.kernels != "auto" or not kernels.compile_blocks or kernels.compiler is not None:
+        return resolved
+    if step is None:
+        return resolved
+    pays, why = compile_pays(*step, rates_for(device))
+    return dataclasses.replace(resolved, kernels=with_compile_choice(kernels, pays, why))
 
 
 _DEPRECATED_KERNELS = (

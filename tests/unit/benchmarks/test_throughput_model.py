@@ -3,9 +3,9 @@
 device and the model predicts each row from the device table.
 
 Mutations tried: each fitted constant cut by 30% (and the reached rate moved by 15%, the H200 machine's host by 30%)
-fails :func:`test_a_materially_changed_constant_misses_a_row`'s own check, which is this file's first test's; the
-recompute counted as the whole forward instead of torch's early stop put the checkpointed largest-batch rows 6-9%
-slow (the device-bound bound, 7%).
+fails the first test's check (the parametrized tests below assert so); the recompute counted as the whole forward
+instead of what torch's early stop reruns put the H100's checkpointed row at batch 512 9.0% slow (the device-bound
+rows' bound is 7%).
 """
 
 from __future__ import annotations
