@@ -14,9 +14,15 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from benchmarks import throughput_model
+from lightning_vitscale.kernels import KernelPolicy
+from lightning_vitscale.kernels.settings import NO_BATCH
 from lightning_vitscale.memory import devices, step_cost
+from lightning_vitscale.memory.step_model import StepSettings
+from lightning_vitscale.sharding import ParallelConfig
+from lightning_vitscale.sharding.resolved import compile_where_it_pays, resolve_config
 
 DEVICE_BOUND = 0.07  # each row's largest batch: the step waits on the device, timing windows within 1%
 
@@ -65,3 +71,32 @@ def test_the_rows_come_from_the_committed_json_and_every_device_row_names_its_so
     assert first["images_per_sec"] == pytest.approx(145.6, abs=0.05) and first["device"] == "NVIDIA H100 80GB HBM3"
     for name in ("h200-141gb", "h100-80gb"):
         assert devices.device_named(name).source.startswith("measured: ")
+
+
+@pytest.mark.parametrize("gpu", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_kernels_auto_compiles_where_the_model_predicts_a_device_bound_step(gpu: str):
+    """The rule against the runs: on the H200, ViT-H/14 at batch 32 compiled was 0.75x eager, at its largest batch
+    (336) 1.18x; compiled blocks cost the host more and the device less. (The H100's batch-32 rows, 156 against 146
+    images/s, lie inside their own windows' 10-35% spread: the rule says eager there too.) Mutation: compiling
+    wherever ``compile_pays`` is not consulted (the old rule) fails the batch-32 assertion."""
+    inputs = throughput_model.model_inputs("vit-h14")
+    rates = step_cost.rates_of(devices.gpu_named(gpu))
+    runs_settings = StepSettings()  # checkpointing off, every block its own unit, resharded: the runs' rows
+    small = step_cost.compile_pays(dataclasses.replace(inputs, batch_scale=32), runs_settings, rates)
+    large = step_cost.compile_pays(dataclasses.replace(inputs, batch_scale=336), runs_settings, rates)
+    assert small[0] is False and small[1].startswith("eager: the step at this batch is host-bound"), small
+    assert large[0] is True and large[1].startswith("compiled: the step at this batch is device-bound"), large
+
+
+def test_setup_applies_the_rule_only_to_kernels_auto_on_cuda_with_a_measured_step():
+    cuda = torch.device("cuda")
+    step = (dataclasses.replace(throughput_model.model_inputs("vit-h14"), batch_scale=32), StepSettings())
+    auto = resolve_config(ParallelConfig(kernels="auto"), cuda)
+    assert auto.kernels.compile_blocks and auto.kernels.reason == NO_BATCH  # no batch: the default, said so
+    assert compile_where_it_pays(auto, None, cuda) == auto
+    chosen = compile_where_it_pays(auto, step, cuda)
+    assert not chosen.kernels.compile_blocks and chosen.kernels.fused_optimizer
+    assert chosen.kernels.reason.startswith("eager: the step at this batch is host-bound")
+    own = resolve_config(ParallelConfig(kernels=KernelPolicy(compile_blocks=True)), cuda)
+    assert compile_where_it_pays(own, step, cuda) == own  # a user's policy is theirs
+    assert not resolve_config(ParallelConfig(kernels="auto"), torch.device("cpu")).kernels.compile_blocks
