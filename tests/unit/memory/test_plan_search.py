@@ -99,7 +99,7 @@ def test_recompute_cost_is_the_forward_for_full_and_the_cheap_ops_for_selective(
     # A full recompute reruns what backward needs (torch's early stop: not the MLP's last matmul), counted as it runs.
     repeated = block.work.repeated
     assert 0 < repeated.flops < block.work.flops and repeated.cheap_bytes > 0
-    assert full == pytest.approx((repeated.flops / CPU_RATES.flops_per_s + repeated.cheap_bytes / CPU_RATES.bytes_per_s))
+    assert full == pytest.approx(repeated.flops / CPU_RATES.flops_per_s + repeated.cheap_bytes / CPU_RATES.bytes_per_s)
     assert recompute_seconds(block, "full", CPU_RATES, scale=2.0) == pytest.approx(2 * full)
     # On CPU ranks the second gather's bytes count (gloo's threads share the cores); on a GPU they hide.
     assert regather_seconds(10**6, 1, CPU_RATES) == CPU_RATES.latency_s < regather_seconds(10**6, 2, CPU_RATES)
