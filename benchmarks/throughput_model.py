@@ -59,8 +59,12 @@ def measured_rows(data: dict[str, Any], run: int | str) -> list[dict[str, Any]]:
 
 
 def _row(run: int | str, device: str, trial: dict, batch: int, ips: float, table: str) -> dict[str, Any]:
+    """A timed phase with what its trial recorded of the plan (runs 1-4 recorded the checkpointed blocks and the
+    blocks per unit; later runs also the selective blocks, the units kept gathered and whether blocks compiled)."""
     return dict(run=run, device=device, model=trial["model"], row=trial["row"], batch=batch, images_per_sec=ips,
-                table=table, checkpointed=trial.get("checkpointed_blocks"), per_unit=trial.get("blocks_per_unit"))
+                table=table, checkpointed=trial.get("checkpointed_blocks"), per_unit=trial.get("blocks_per_unit"),
+                selective=trial.get("selective_blocks") or 0, kept=trial.get("kept_gathered") or 0,
+                compiled=trial.get("compiled_blocks"), cap=trial.get("memory_cap_gib"))
 
 
 def run_rows(runs: tuple[int, ...] = CURRENT) -> list[dict[str, Any]]:
@@ -69,15 +73,17 @@ def run_rows(runs: tuple[int, ...] = CURRENT) -> list[dict[str, Any]]:
 
 @functools.cache
 def model_inputs(model: str) -> Any:
-    """The planner's measurement of ``vit_gpu``'s model for one 224 px image, every checkpointing mode."""
+    """The planner's measurement of ``vit_gpu``'s model for one image, every checkpointing mode."""
     import torch
 
-    from benchmarks.vit_gpu import MODELS, build_vit
+    from benchmarks.vit_gpu import DRY_MODEL, MODELS, build_vit
     from lightning_vitscale.memory.planner import step_inputs
 
+    spec = MODELS.get(model, DRY_MODEL)  # the dry run's tiny ViT ("vit-dry")
     with torch.device("meta"):
-        net = build_vit(MODELS[model])
-    return step_inputs(net, torch.empty(1, 3, 224, 224, device="meta"), precision="bf16-mixed")
+        net = build_vit(spec)
+    image = spec["image"]
+    return step_inputs(net, torch.empty(1, 3, image, image, device="meta"), precision="bf16-mixed")
 
 
 def predict(row: dict[str, Any]) -> Any:
@@ -98,14 +104,21 @@ def predict(row: dict[str, Any]) -> Any:
         return step_time(inputs, StepSettings(), rates, compiled=settings.compile_model, baseline=settings.strategy
                          if settings.strategy == "ddp" else "single")
     n = len(inputs.profile.blocks)
-    if settings.ac not in (True, False):  # planned: the run's recorded plan (full blocks first, as the planner)
-        if row["checkpointed"] is None or row["per_unit"] is None:
-            return None
-        full = frozenset(range(row["checkpointed"]))
-    else:
-        full = frozenset(range(n)) if settings.ac else frozenset()
-    chosen = StepSettings(checkpointed=full, blocks_per_unit=row["per_unit"] or 1)
-    return step_time(inputs, chosen, rates, compiled=settings.kernels == "auto")
+    if settings.ac in (True, False) and not row["selective"] and not row["kept"]:
+        checkpointed = frozenset(range(n)) if settings.ac else frozenset()
+        selective: frozenset[int] = frozenset()
+    elif row["checkpointed"] is None or row["per_unit"] is None:  # planned, and no plan recorded
+        return None
+    else:  # the run's recorded plan, in the planner's shape: full blocks first, then selective ones
+        checkpointed = frozenset(range(row["checkpointed"]))
+        selective = frozenset(range(row["checkpointed"] - row["selective"], row["checkpointed"]))
+    per_unit = row["per_unit"] or 1
+    units = -(-n // per_unit)
+    kept = frozenset(range((units - row["kept"]) * per_unit, n))  # the planner keeps the last units gathered
+    chosen = StepSettings(checkpointed=checkpointed, selective=selective, kept_gathered=kept, blocks_per_unit=per_unit)
+    compiled = row["compiled"] != "off" and not row["compiled"].startswith("off (") if row["compiled"] else (
+        settings.kernels in ("auto", None))
+    return step_time(inputs, chosen, rates, compiled=compiled, fused_optimizer=settings.kernels != "eager")
 
 
 def errors(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

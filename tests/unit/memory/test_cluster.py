@@ -33,3 +33,18 @@ def test_cluster_names():
     for wrong in ("a100-40gb", "8xa100", "x8xa100-40gb"):
         with pytest.raises(SystemExit, match=r"\[NODESx\]DEVICESxGPU"):
             _cluster(wrong)
+
+
+def test_the_planner_counts_only_the_per_process_memory_fraction(monkeypatch: pytest.MonkeyPatch):
+    """A process capped by ``torch.cuda.set_per_process_memory_fraction`` (the GPU run's 40 GB table on an H200)
+    plans for its share: every budget comes from ``device_memory``. Mutation: the total alone gives 80 GiB."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lightning_vitscale._utils import GIB
+    from lightning_vitscale.memory import device_memory
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.5)
+    assert device_memory(torch.device("cuda")) == 40 * GIB
