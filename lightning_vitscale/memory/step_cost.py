@@ -288,9 +288,12 @@ def compile_pays(inputs: StepInputs, settings: StepSettings, rates: DeviceRates)
     eager = step_time(inputs, settings, rates, fused_optimizer=True)
     compiled = step_time(inputs, settings, rates, compiled=True)
     pays = compiled.seconds < eager.seconds
-    bound = "host-bound" if eager.host_bound else "device-bound"
-    return pays, (f"{'compiled' if pays else 'eager'}: the step at this batch is {bound}, predicted"
-                  f" {compiled.seconds * 1e3:.0f} ms compiled against {eager.seconds * 1e3:.0f} ms eager")
+
+    def said(time: StepTime) -> str:
+        return f"{time.seconds * 1e3:.0f} ms ({'host' if time.host_bound else 'device'}-bound)"
+
+    return pays, (f"{'compiled' if pays else 'eager'} at this batch: predicted step {said(compiled)} compiled against"
+                  f" {said(eager)} eager")
 
 
 def _recomputed_ops(work: BlockWork, mode: str | None) -> int:

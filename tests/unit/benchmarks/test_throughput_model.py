@@ -84,8 +84,8 @@ def test_kernels_auto_compiles_where_the_model_predicts_a_device_bound_step(gpu:
     runs_settings = StepSettings()  # checkpointing off, every block its own unit, resharded: the runs' rows
     small = step_cost.compile_pays(dataclasses.replace(inputs, batch_scale=32), runs_settings, rates)
     large = step_cost.compile_pays(dataclasses.replace(inputs, batch_scale=336), runs_settings, rates)
-    assert small[0] is False and small[1].startswith("eager: the step at this batch is host-bound"), small
-    assert large[0] is True and large[1].startswith("compiled: the step at this batch is device-bound"), large
+    assert small[0] is False and small[1].startswith("eager at this batch") and "(host-bound) eager" in small[1], small
+    assert large[0] is True and large[1].startswith("compiled at this batch") and "(device-bound) compiled" in large[1]
 
 
 def test_setup_applies_the_rule_only_to_kernels_auto_on_cuda_with_a_measured_step():
@@ -96,7 +96,7 @@ def test_setup_applies_the_rule_only_to_kernels_auto_on_cuda_with_a_measured_ste
     assert compile_where_it_pays(auto, None, cuda) == auto
     chosen = compile_where_it_pays(auto, step, cuda)
     assert not chosen.kernels.compile_blocks and chosen.kernels.fused_optimizer
-    assert chosen.kernels.reason.startswith("eager: the step at this batch is host-bound")
+    assert chosen.kernels.reason.startswith("eager at this batch: predicted step")
     own = resolve_config(ParallelConfig(kernels=KernelPolicy(compile_blocks=True)), cuda)
     assert compile_where_it_pays(own, step, cuda) == own  # a user's policy is theirs
     assert not resolve_config(ParallelConfig(kernels="auto"), torch.device("cpu")).kernels.compile_blocks
