@@ -28,7 +28,12 @@ if str(ROOT) not in sys.path:
 from benchmarks.search import OK  # noqa: E402
 from benchmarks.tables import MFU_FORMULA, fmt, markdown_table  # noqa: E402
 
-THROUGHPUT_PARTS = ("vit_h14", "vit_b16")  # gpu_run.sh's --stem of each vit_gpu.py call, in report order
+THROUGHPUT_PARTS = {  # gpu_run.sh's --stem of each vit_gpu.py call, in report order, and how its tables read
+    "vit_h14": "",
+    "cap40": " at a 40 GB cap per process (torch.cuda.set_per_process_memory_fraction: the A100-40GB regime)",
+    "vit_b16": "",
+}
+VITSCALE = ("default", "recipe", "eager_ac0", "eager_ac1", "auto_ac0", "auto_ac1", "auto_acplan")
 
 
 def read_json(path: Path) -> Any:
@@ -170,6 +175,65 @@ def plot(results: dict[str, dict], path: Path) -> bool:
     return True
 
 
+def _phase_ips(results: dict, stem: str, row: str, batch: int | None = None) -> float | None:
+    """Images/s of ``row`` in a part's same-batch table at ``batch`` (``None``: its largest-batch row)."""
+    part = results.get(stem) or {}
+    trials = part.get("largest" if batch is None else "same", [])
+    for trial in trials:
+        if trial.get("row") != row or trial.get("status") != OK:
+            continue
+        if batch is None:
+            return trial.get("images_per_sec")
+        return next((p["images_per_sec"] for p in trial["phases"] if p["batch"] == batch), None)
+    return None
+
+
+def acceptance(results: dict) -> list[str]:
+    """Issue 47's GPU targets, each PASS, FAIL or not measured, from this run's tables."""
+    lines = []
+
+    def check(what: str, value: float | None, target: float, unit: str = "x") -> None:
+        shown = "not measured" if value is None else (
+            f"{'PASS' if value >= target else 'FAIL'}: {value:.2f}{unit}" if unit == "x" else
+            f"{'PASS' if value >= target else 'FAIL'}: {value:.1%}")
+        goal = f">= {target:.2f}x" if unit == "x" else f">= {target:.0%}"
+        lines.append(f"- {what} ({goal}): {shown}")
+
+    def ratio(stem: str, row: str, batch: int | None) -> float | None:
+        a, b = _phase_ips(results, stem, row, batch), _phase_ips(results, stem, "single", batch)
+        return a / b if a and b else None
+
+    for batch in (32, 64):
+        check(f"ViT-H/14 batch {batch}: VitScaleStrategy() / plain AMP O1", ratio("vit_h14", "default", batch), 1.0)
+    check("ViT-B/16 batch 128: VitScaleStrategy() / plain AMP O1", ratio("vit_b16", "default", 128), 0.97)
+    capped = [(r, ratio("cap40", r, None)) for r in ("default", "recipe")]
+    best = max((c for c in capped if c[1] is not None), key=lambda c: c[1], default=(None, None))
+    check(f"40 GB cap, each at its largest batch: best VitScale row ({best[0]}) / plain AMP O1", best[1], 1.3)
+    mfus = [(t["row"], t.get("mfu")) for t in (results.get("vit_h14") or {}).get("largest", [])
+            if t.get("row") in VITSCALE and t.get("status") == OK and t.get("mfu") is not None]
+    top = max(mfus, key=lambda m: m[1], default=(None, None))
+    check(f"ViT-H/14 MFU at the largest batch, best VitScale row ({top[0]})", top[1], 0.45, unit="%")
+    return lines
+
+
+def model_table(results: dict) -> str:
+    """The planner's whole-step model against this run's rows (``benchmarks/throughput_model.py``)."""
+    from benchmarks import throughput_model
+
+    rows = throughput_model.measured_rows({"throughput": results}, "this run")
+    return throughput_model.table(throughput_model.errors(rows))
+
+
+def profile_table(profile: list[dict]) -> str:
+    """Per profiled row: host and kernel time per step, launches, and host time by kind (``gpu_profile.py``)."""
+    kinds = sorted({k for r in profile for k in r.get("host_by_kind", {})})
+    body = [[r["row"], r.get("batch"), fmt(r.get("host_ms_per_step"), ".1f"), fmt(r.get("kernel_ms_per_step"), ".1f"),
+             fmt(r.get("kernels_per_step"), ".0f"), *[fmt(r.get("host_by_kind", {}).get(k), ".1f") for k in kinds]]
+            if "error" not in r else [r["row"], None, None, None, None, *[None] * len(kinds)] for r in profile]
+    return markdown_table(["row", "batch", "host ms/step (profiled)", "kernel ms/step", "kernels/step",
+                           *[f"{k} ms" for k in kinds]], body)
+
+
 def report(work: Path, out: Path, command: str) -> dict:
     from benchmarks.vit_gpu import largest_table, planner_table, same_batch_table
 
@@ -182,13 +246,22 @@ def report(work: Path, out: Path, command: str) -> dict:
         {"planner": [r for r in log if r.get("stem") == "planner"], "cut_short": True} if log else None)
     text = [header(env, command), "Parts (each under its own timeout; a failure is a row, never the end):\n",
             parts_table(parts)]
-    for res in results.values():
-        note = " (cut short by its timeout: rebuilt from the trial log)" if res.get("cut_short") else ""
-        if res.get("same"):
+    text.append("Issue 47's GPU targets:\n\n" + "\n".join(acceptance(results)) + "\n")
+    for stem, res in results.items():
+        note = THROUGHPUT_PARTS[stem] + (" (cut short by its timeout: rebuilt from the trial log)"
+                                         if res.get("cut_short") else "")
+        if res.get("same") and stem != "cap40":
             text.append(f"Throughput, same batch for every row{note}:\n\n"
                         + same_batch_table(res["same"], res.get("skipped", {})))
         if res.get("largest"):
             text.append(f"Each row at its largest batch{note}:\n\n" + largest_table(res["largest"]))
+    if results:
+        text.append("The planner's whole-step model against these rows (predicted; `benchmarks/throughput_model.py`):"
+                    "\n\n" + model_table(results))
+    profile = read_json(work / "profile.json")
+    if profile:
+        text.append("Where ViT-B/16's step spends its host time (`gpu_profile.py`, torch.profiler, so inflated):\n\n"
+                    + profile_table(profile))
     if planner and planner.get("planner"):
         text.append("The planner's predicted peak against `torch.cuda.max_memory_allocated` over the timed steps"
                     " (Trainer.fit, `example_input_array` set, `kernels='eager'`):\n\n"
@@ -200,7 +273,8 @@ def report(work: Path, out: Path, command: str) -> dict:
         text.append("Host time per step, ViT-H's 32 blocks at width 64 (`benchmarks/host_overhead.py`: the CPU side of"
                     " a step, no arithmetic to hide it):\n\n" + host_table(host))
     text.append(tests_table(tests))
-    merged = dict(env=env, parts=parts, throughput=results, planner=planner, host=host, tests=tests, command=command)
+    merged = dict(env=env, parts=parts, throughput=results, planner=planner, host=host, profile=profile, tests=tests,
+                  command=command)
     out.mkdir(parents=True, exist_ok=True)
     if any(res.get("same") for res in results.values()) and not plot(results, out / "gpu_throughput.png"):
         text.append(NO_PLOT)

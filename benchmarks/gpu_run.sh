@@ -6,13 +6,17 @@
 #   bash benchmarks/gpu_run.sh OUT_DIR --budget 420 # seconds for all parts (default 540; the report after)
 #
 # Parts, most valuable first, each under its own `timeout` and never past the budget's deadline; a part that
-# fails or runs out of time is a row in the results, never the end of the run:
+# fails or runs out of time is a row in the results, never the end of the run (the last ones rarely fit: ~9 min):
 #   env       nvidia-smi, versions, a bf16 matmul TFLOP/s probe                       (benchmarks/gpu_env.py)
-#   vit_h14   ViT-H/14 224 px, every row at batch 32 then 64, then at its largest batch (benchmarks/vit_gpu.py)
+#   vit_h14   ViT-H/14 224 px, plain AMP O1, DDP, VitScaleStrategy() as written, the recipe's memory-first setting
+#             and kernels="auto" with checkpointing off, at batch 32 then 64, then at each one's largest batch
+#   cap40     the same model with every process capped at 40 GB (the seed's A100-40GB regime): plain AMP O1, DDP,
+#             VitScaleStrategy() and the recipe, each at its largest batch under the cap
+#   vit_b16   ViT-B/16 224 px, plain AMP O1, DDP and VitScaleStrategy() at batch 128
+#   profile   torch.profiler on ViT-B/16's VitScaleStrategy() row and plain AMP O1: where the host time goes
+#   planner   ViT-L/16 at batch 32 and 64, AC off/full/auto: predicted vs max_memory_allocated, Trainer.fit
 #   host      host time per step of a ViT-H-shaped model at tiny widths: the CPU side alone (benchmarks/host_overhead.py)
 #   pytest    pytest -m gpu tests/gpu, per-test timeouts, JUnit XML
-#   planner   ViT-L/16 at batch 32 and 64, AC off/full/auto: predicted vs max_memory_allocated, Trainer.fit
-#   vit_b16   ViT-B/16 224 px, every row at batch 128
 # OUT_DIR receives at most 4 files (the device tool brings back 8): gpu_results.json (every number),
 # gpu_results.md (the section for benchmarks/RESULTS.md), gpu_throughput.png and gpu_run.log.
 # Exit status: 0 when every part succeeded, 1 otherwise (after writing everything).
@@ -83,9 +87,18 @@ if [[ ${#dry[@]} -eq 0 ]]; then
     part nvidia-smi 20 nvidia-smi
 fi
 part env 60 "$python" benchmarks/gpu_env.py "${dry[@]}" --out "$work/env.json"
-rows=(--rows single ddp eager_ac0 eager_ac1 auto_ac0 auto_ac1 auto_acplan)
-part vit_h14 210 "${vit[@]}" --stem vit_h14 --models vit-h14 "${rows[@]}" --tables same largest --batch 32 --second-batch 64 \
-    --search-limit 512 --memory-fraction 0.85 --warmup 3 --steps 4 --windows 3 --largest-steps 2 2 3 --timeout 150
+part vit_h14 200 "${vit[@]}" --stem vit_h14 --models vit-h14 --rows single ddp default recipe auto_ac0 \
+    --tables same largest --batch 32 --second-batch 64 --search-limit 512 --memory-fraction 0.85 --warmup 3 --steps 4 \
+    --windows 3 --largest-steps 2 2 3 --timeout 150
+part cap40 170 "${vit[@]}" --stem cap40 --models vit-h14 --rows single ddp default recipe --memory-cap-gib 40 \
+    --tables largest --batch 32 --second-batch 48 --search-limit 512 --memory-fraction 0.9 --warmup 2 --steps 2 \
+    --windows 1 --largest-steps 2 2 3 --timeout 120
+part vit_b16 90 "${vit[@]}" --stem vit_b16 --models vit-b16 --rows single ddp default --tables same --batch 128 \
+    --warmup 3 --steps 4 --windows 3 --timeout 80
+part profile 90 "$python" benchmarks/gpu_profile.py "${dry[@]}" --model vit-b16 --batch 128 --rows single default \
+    --out "$work/profile.json"
+part planner 60 "${vit[@]}" --stem planner --planner --planner-model vit-l16 --planner-batches 32 64 \
+    --warmup 2 --steps 2 --windows 1 --timeout 60
 if [[ ${#dry[@]} -eq 0 ]]; then
     part host 60 "$python" benchmarks/host_overhead.py --accelerator cuda --rounds 2 --steps 10 --json "$work/host.json"
 else
@@ -93,11 +106,6 @@ else
 fi
 part pytest 200 "$python" -m pytest -m gpu tests/gpu -v -rfE -p no:cacheprovider --timeout 100 \
     --junitxml "$work/pytest.xml"
-part planner 60 "${vit[@]}" --stem planner --planner --planner-model vit-l16 --planner-batches 32 64 \
-    --warmup 2 --steps 2 --windows 1 --timeout 60
-part vit_b16 120 "${vit[@]}" --stem vit_b16 --models vit-b16 "${rows[@]}" --tables same --batch 128 --warmup 3 --steps 4 \
-    --windows 3 \
-    --timeout 90
 # The report runs whatever happened, past the budget too: it only reads files.
 timeout 120 "$python" benchmarks/gpu_report.py --work "$work" --out "$out" --command "$command" >>"$log" 2>&1 ||
     { echo "=== report failed" | tee -a "$log"; failed=1; }

@@ -12,6 +12,9 @@ Rows (all ``precision="bf16-mixed"``, AdamW, the examples' ``VisionTransformer``
 
     single        strategy="auto": plain single device, AMP O1 (autocast) - the honest 1-GPU baseline
     ddp           strategy="ddp": the same with DDP's wrapper (gradient buckets, all-reduce launches)
+    default       VitScaleStrategy() exactly as a user writes it: what a drop-in user gets
+    recipe        the recipe's memory-first setting (:data:`RECIPE`: every block checkpointed, its own FSDP unit,
+                  resharded after forward)
     ddp_compile   DDP + torch.compile of the model + AdamW(fused=True): what kernels="auto" adds, given to DDP
     eager_ac0/1   VitScaleStrategy(kernels="eager", activation_checkpointing=False/True): FSDP2 + O2 + fp32 norms
     auto_ac0/1    VitScaleStrategy(kernels="auto", ...): + per-block compile, fused AdamW, attention choice
@@ -56,7 +59,9 @@ from benchmarks.tables import MFU_FORMULA, fmt, markdown_table, mfu, train_flops
 
 @dataclass(frozen=True)
 class Row:
-    """One configuration: everything not named here is identical across rows."""
+    """One configuration: everything not named here is identical across rows. VitScale rows pass ``kernels`` and
+    ``activation_checkpointing`` only where set (``None``: the strategy's default), and :data:`RECIPE` with
+    ``recipe``."""
 
     label: str
     strategy: str  # "auto" | "ddp" | "vitscale"
@@ -64,11 +69,18 @@ class Row:
     ac: bool | str | None = None
     compile_model: bool = False
     fused_adamw: bool = False
+    recipe: bool = False
 
+
+RECIPE: dict[str, Any] = dict(activation_checkpointing=True, blocks_per_unit=1, reshard_after_forward=True)
+"""The recipe's memory-first setting, spelled out in the one place the benchmarks name it (every block checkpointed,
+its own FSDP unit, resharded after forward): the ``recipe`` row, and the 40 GB table's."""
 
 ROWS: dict[str, Row] = {
     "single": Row("single device, AMP O1", "auto"),
     "ddp": Row("DDP, AMP O1", "ddp"),
+    "default": Row("VitScaleStrategy() (the default)", "vitscale"),
+    "recipe": Row("VitScale recipe, memory-first", "vitscale", recipe=True),
     "ddp_compile": Row("DDP, AMP O1, compiled + fused AdamW", "ddp", compile_model=True, fused_adamw=True),
     "eager_ac0": Row("VitScale eager, AC off", "vitscale", "eager", False),
     "eager_ac1": Row("VitScale eager, AC on", "vitscale", "eager", True),
@@ -78,6 +90,7 @@ ROWS: dict[str, Row] = {
     "eager_acplan": Row("VitScale eager, AC planned", "vitscale", "eager", "auto"),
 }
 TABLE_ROWS = [key for key in ROWS if key != "eager_acplan"]  # the throughput tables' default rows
+CAP_ROWS = ["single", "ddp", "default", "recipe"]  # the table at a 40 GB cap (--memory-cap-gib)
 PLANNER_ROWS = ["eager_ac0", "eager_ac1", "eager_acplan"]
 
 # name -> (size in examples/models/vit.py VIT_SIZES or explicit ViTSize fields, image size, batch for table 1)
@@ -129,7 +142,9 @@ def make_strategy(row: Row):
 
     if row.strategy != "vitscale":
         return row.strategy
-    return VitScaleStrategy(kernels=row.kernels, activation_checkpointing=row.ac)
+    given = {key: value for key, value in (("kernels", row.kernels), ("activation_checkpointing", row.ac))
+             if value is not None}
+    return VitScaleStrategy(**given, **(RECIPE if row.recipe else {}))
 
 
 def trial(spec: dict[str, Any]) -> dict[str, Any]:
@@ -167,6 +182,9 @@ class Phases:
         self.device = torch.device(spec["device"])
         self.cuda = self.device.type == "cuda"
         self.fake = FakeMemory(*spec["fake_memory"]) if spec.get("fake_memory") else None
+        self.cap = spec.get("memory_cap_gib")
+        if self.cap and self.cuda:  # the A100-40GB regime on a larger GPU: the allocator and the planner see 40 GB
+            torch.cuda.set_per_process_memory_fraction(self.cap * 2**30 / torch.cuda.mem_get_info()[1])
         timing = dict(warmup=spec["warmup"], steps=spec["steps"], windows=spec["windows"])
         self.phases: list[dict[str, Any]] = [dict(batch=b, **timing) for b in spec.get("batches") or [spec["batch"]]]
         self.fixed = len(self.phases)
@@ -203,12 +221,12 @@ class Phases:
 
     def device_memory_gib(self) -> float | None:
         if self.fake is not None:
-            return self.fake.total_gib
+            return min(self.fake.total_gib, self.cap or self.fake.total_gib)
         if not self.cuda:
             return None
         import torch
 
-        return torch.cuda.mem_get_info()[1] / 2**30
+        return self.cap or torch.cuda.mem_get_info()[1] / 2**30
 
     def batch_of(self, index: int) -> int:
         """Phase ``index``'s batch; the largest-batch phase's from the two measured peaks, at its first step."""
@@ -261,11 +279,26 @@ class Phases:
         result.update(
             predicted_peak_gib=predicted / 2**30 if predicted else None,
             checkpointed_blocks=len(plan.checkpointed) if plan is not None else 0,
+            selective_blocks=len(plan.selective) if plan is not None else 0,
             blocks_per_unit=getattr(plan, "blocks_per_unit", None),
             attention=plan.kernels.get("attention") if plan is not None else None,
+            compiled_blocks=plan.kernels.get("compiled blocks") if plan is not None else None,
+            kept_gathered=_kept_gathered(getattr(strategy, "model", None)),
             memory_line=getattr(plan, "memory", None) or None,
+            memory_cap_gib=self.cap,
         )
         return result
+
+
+def _kept_gathered(outer: Any) -> int | None:
+    """Block units that stay gathered from forward to backward (FSDP2's ``reshard_after_forward=False``), for the
+    throughput model's settings of a planned row; ``None`` outside VitScale."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightning_vitscale._compat import unit_keeps_gathered
+
+    units = [m for m in outer.modules() if m is not outer and isinstance(m, FSDPModule)] if outer is not None else []
+    return sum(unit_keeps_gathered(unit) for unit in units) if units else None
 
 
 def bench_module(spec: dict[str, Any], phases: Phases) -> Any:
@@ -389,7 +422,7 @@ def measure(name: str, model: dict, row_key: str, batch: int, args: argparse.Nam
     else:
         spec = dict(model=model, row=asdict(ROWS[row_key]), batch=batch, batches=batches or [batch], steps=args.steps,
                     windows=args.windows, warmup=args.warmup, device=args.device, fake_oom_above=args.fake_oom_above,
-                    fake_memory=args.fake_memory, plan=plan)
+                    fake_memory=args.fake_memory, plan=plan, memory_cap_gib=args.memory_cap_gib)
         if largest:
             spec["largest"] = dict(memory_fraction=args.memory_fraction, granularity=args.search_granularity,
                                    limit=args.search_limit, **largest_timing(args))
@@ -642,6 +675,8 @@ def parse_args() -> argparse.Namespace:
                    help="table 2: extrapolate two measured peaks (one trial per row) or bisect (several)")
     p.add_argument("--memory-fraction", type=float, default=0.9, help="--largest fit: peak to aim for, of the"
                    " device's memory")
+    p.add_argument("--memory-cap-gib", type=float, help="each trial's process may allocate this much of the GPU"
+                   " (torch.cuda.set_per_process_memory_fraction; the planner plans for it too): 40 is an A100-40GB")
     p.add_argument("--fit-retries", type=int, default=2, help="--largest fit: 20%% smaller tries after an OOM")
     p.add_argument("--largest-steps", type=int, nargs=3, metavar=("WARMUP", "STEPS", "WINDOWS"),
                    help="--largest fit: the largest-batch phase's timing (default: --warmup, --steps, --windows)")

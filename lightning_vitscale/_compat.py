@@ -316,3 +316,10 @@ __all__ = [
     "unit_keeps_gathered",
     "unit_parameters",
 ]
+
+
+def cuda_memory_fraction(device: torch.device) -> float:
+    """The share of ``device``'s memory this process may allocate (``torch.cuda.set_per_process_memory_fraction``;
+    ``torch.cuda.get_per_process_memory_fraction`` is newer than some supported torch versions: 1.0 without it)."""
+    read = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return float(read(device)) if read is not None else 1.0

@@ -8,6 +8,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,8 @@ import torch
 from torch import nn
 
 from lightning_vitscale.memory import MemoryPlan, plan_memory
-from lightning_vitscale.memory.devices import memory_names
+from lightning_vitscale.memory.cluster import forecast_table
+from lightning_vitscale.memory.devices import device_named, memory_names
 from lightning_vitscale.memory.planner import DEFAULT_FRACTION
 from lightning_vitscale.memory.step_model import OPTIMIZER_STATES
 from lightning_vitscale.precision import SUPPORTED_FLAGS
@@ -38,7 +40,10 @@ def plan_command_parser(subparsers: Any) -> None:
     plan.add_argument("--devices", type=int, help="devices per node (default: the config's, else 1)")
     plan.add_argument("--nodes", type=int, help="nodes (default: the config's num_nodes, else 1)")
     plan.add_argument("--memory", default="a100-80gb",
-                      help=f"device memory in GiB or a named GPU ({', '.join(memory_names())})")
+                      help=f"device memory in GiB or a named GPU ({', '.join(memory_names())}); a named GPU also"
+                      " gets the predicted images/s of DDP + AMP O1, the plan and the recipe")
+    plan.add_argument("--cluster", metavar="[NODESx]DEVICESxGPU",
+                      help="a named cluster, e.g. 8xa100-40gb or 16x8xa100-80gb: sets --nodes, --devices and --memory")
     plan.add_argument("--precision", choices=SUPPORTED_FLAGS, help="default: the config's, else bf16-mixed")
     plan.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     plan.add_argument("--memory-fraction", type=float, default=DEFAULT_FRACTION,
@@ -50,11 +55,16 @@ def plan_command_parser(subparsers: Any) -> None:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    print(run_plan(args).summary())
+    plan = run_plan(args)
+    print(plan.summary())
+    if args.memory in memory_names():
+        print("\n" + forecast_table(plan, device_named(args.memory)))
     return 0
 
 
 def run_plan(args: argparse.Namespace) -> MemoryPlan:
+    if args.cluster:
+        args.nodes, args.devices, args.memory = _cluster(args.cluster)
     config = _read_config(args.config)
     trainer, data = config.get("trainer", {}) or {}, _init_args(config.get("data"))
     model_cfg = config.get("model", {}) or {}
@@ -76,6 +86,15 @@ def run_plan(args: argparse.Namespace) -> MemoryPlan:
     return plan_memory(module, example, batch_size=batch, world_size=devices * nodes, device_memory=args.memory,
                        precision=str(precision), optimizer=args.optimizer, memory_fraction=args.memory_fraction,
                        tensor_parallel=args.tensor_parallel)
+
+
+def _cluster(spec: str) -> tuple[int, int, str]:
+    """``"8xa100-40gb"`` -> (1 node, 8 devices, ``"a100-40gb"``); ``"16x8xa100-80gb"`` -> 16 nodes of 8."""
+    match = re.fullmatch(r"(?:(\d+)x)?(\d+)x(.+)", spec.strip().lower())
+    if match is None or match.group(3) not in memory_names():
+        raise SystemExit(f"error: --cluster takes [NODESx]DEVICESxGPU, e.g. 8xa100-40gb, with a GPU of"
+                         f" {', '.join(memory_names())}; got {spec!r}.")
+    return int(match.group(1) or 1), int(match.group(2)), match.group(3)
 
 
 def _read_config(path: str | None) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from lightning_vitscale.kernels.settings import (
     KernelMode,
     KernelPolicy,
     resolve_kernels,
+    with_compile_choice,
 )
 from lightning_vitscale.kernels.tensor_cores import tensor_core_report
 
@@ -33,6 +34,7 @@ __all__ = [
     "KernelPolicy",
     "apply_regional_compile",
     "auto_attention_step",
+    "with_compile_choice",
     "describe_router",
     "fuse_optimizers",
     "make_router",

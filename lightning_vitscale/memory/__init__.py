@@ -27,7 +27,7 @@ from lightning_vitscale.memory.planner import check_budget, plan_memory, resolve
 from lightning_vitscale.memory.planning_batch import PlanningBatch, planning_batch
 from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
 from lightning_vitscale.memory.state_bytes import StateBytes, measure_state_bytes
-from lightning_vitscale.memory.step_cost import rates_for
+from lightning_vitscale.memory.step_cost import StepTime, compile_pays, rates_for, step_time
 from lightning_vitscale.memory.step_model import StepInputs, StepSettings
 
 __all__ = [
@@ -42,7 +42,9 @@ __all__ = [
     "StateBytes",
     "StepInputs",
     "StepSettings",
+    "StepTime",
     "check_budget",
+    "compile_pays",
     "choose_accumulation",
     "describe_prediction",
     "device_memory",
@@ -55,4 +57,5 @@ __all__ = [
     "release_gradients",
     "resolve_budget",
     "selective_contexts",
+    "step_time",
 ]

@@ -11,6 +11,7 @@ first block that saved it); a dispatch mode tracking live fake storages gives ea
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -340,7 +341,7 @@ def _block_memory(
         params=params,
         selective_saved=selective_saved,
         selective_backward=selective_backward,
-        work=passes.get("work", BlockWork()),
+        work=passes["work"],
         modes=needed,
     )
 
@@ -350,8 +351,8 @@ def _measure_passes(
 ) -> dict[str, Any]:
     """One fake forward + backward of ``block`` per mode in ``needed``: ``"none"``, the peak of backward beyond
     what forward left alive; ``"full"``, a checkpointed block's peak from its input alone; ``"selective"``, a
-    selectively checkpointed block's kept bytes and its backward's peak beyond them. With a checkpointed mode,
-    ``"work"``: its forward's work, counted in the first pass's forward (the ops a recompute repeats).
+    selectively checkpointed block's kept bytes and its backward's peak beyond them; ``"work"``: its forward's
+    work, counted in the first pass's forward, with what a full recompute reruns where ``"full"`` was measured.
 
     Checkpointed runs go through ``torch.utils.checkpoint`` (non-reentrant) as the strategy applies it: a full
     recompute stops as far as the last tensor backward needs (early stop) and frees the recomputed tensors as
@@ -361,23 +362,31 @@ def _measure_passes(
     """
     key = block_key(block, x)
     size = x.untyped_storage().nbytes()
-    wanted = [*sorted(needed), *(["work"] if needed & {"full", "selective"} else [])]
-    for name in sorted(needed):  # a checkpointed mode measured before had its work counted with it
+    for name in sorted(needed):  # the first pass counts the forward's work; a full one its recompute's too
         if (key, name) in measured:
             continue
-        work = OpWork() if "work" in wanted and (key, "work") not in measured else None
+        work = OpWork() if (key, "work") not in measured else None
         if name == "none":
             measured[key, name] = _peak_beyond_forward(block, x, mode, None, work)
         elif name == "full":
-            recomputed = _peak_beyond_forward(block, x, mode, torch.utils.checkpoint.noop_context_fn, work)
+            repeated = OpWork()  # the recompute's own context: what backward really reruns
+            contexts = functools.partial(_recompute_counted, repeated)
+            recomputed = _peak_beyond_forward(block, x, mode, contexts, work)
             measured[key, name] = recomputed + size
+            measured[key, "recompute"] = repeated.result()
         else:
             kept = SavedOpBytes()  # below the checkpoint's own caching mode: sees every op it caches
             selective = _peak_beyond_forward(block, x, mode, selective_contexts, work, kept)
             measured[key, name] = (kept.forward + size, selective)
         if work is not None:
-            measured[key, "work"] = BlockWork(work.flops, work.cheap_bytes)
-    return {name: measured[key, name] for name in wanted}
+            measured[key, "work"] = work.result()
+    work = dataclasses.replace(measured.get((key, "work"), BlockWork()), recompute=measured.get((key, "recompute")))
+    return {**{name: measured[key, name] for name in needed}, "work": work}
+
+
+def _recompute_counted(counter: OpWork) -> tuple[Any, Any]:
+    """``torch.utils.checkpoint``'s ``context_fn``: nothing around the forward, ``counter`` around the recompute."""
+    return contextlib.nullcontext(), counter
 
 
 def _peak_beyond_forward(

@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_vitscale._compat import cuda_memory_fraction
 from lightning_vitscale._utils import available_host_bytes, human_bytes
 from lightning_vitscale.memory.activations import ModeOf
 from lightning_vitscale.memory.gradient_release import may_release_after_step
@@ -92,9 +93,10 @@ class AutoChoice:
 
 
 def device_memory(device: torch.device, local_ranks: int = 1) -> int:
-    """What one rank may count on: the GPU's memory, or the host's available memory shared by the local ranks."""
+    """What one rank may count on: the GPU's memory (its share under ``torch.cuda.set_per_process_memory_fraction``),
+    or the host's available memory shared by the local ranks."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
+        return int(torch.cuda.get_device_properties(device).total_memory * cuda_memory_fraction(device))
     return (available_host_bytes() or 0) // max(1, local_ranks)
 
 

@@ -1,13 +1,14 @@
-"""The one device table: each named device's memory, peak and reached FLOP/s, memory and link bandwidth and
-FSDP's fixed cost per unit, read by the planner's rates (:mod:`.step_cost`), the MFU report
-(``monitoring/throughput.py``) and the ``plan`` CLI's named memories.
+"""The one device table: each named device's memory, peak and reached FLOP/s, memory and link bandwidth and how
+fast its machine's host is, read by the planner's rates and whole-step model (:mod:`.step_cost`), the MFU report
+(``monitoring/throughput.py``) and the ``plan`` CLI's named devices; and the model's constants, each with where it
+was measured.
 
 Every row says where its numbers come from (``source``): ``"datasheet"`` (the vendor's figures; dense, no
-sparsity) or ``"measured: <what, where, when>"`` for the fields a run replaced. Two fields no datasheet gives are
-the same for every GPU until a GPU run measures them: ``reached_flops_per_s``, the share of the dense bf16 peak a
-training step reaches (:data:`REACHED_SHARE`, measured on one H200), and ``unit_s``, what one FSDP unit adds to a
-step (host-side hooks and copies, measured on the same H200). The CPU row is this repository's 2-core CPU with gloo:
-every number in it is what a step reached there (``benchmarks/RESULTS.md``, "Step time"), not a peak.
+sparsity) or ``"measured: <what, where, when>"`` for the fields a run replaced. Fields no datasheet gives are the
+measured H200's for every GPU until a GPU run measures them: ``reached_flops_per_s`` (its share of the dense bf16
+peak, :data:`REACHED_SHARE`) and ``host_scale`` (the host of the machine a GPU comes in). The CPU row is this
+repository's 2-core CPU with gloo: every number in it is what a step reached there (``benchmarks/RESULTS.md``,
+"Step time"), not a peak.
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ class Device:
         hbm_bytes_per_s: memory bandwidth, what the cheap elementwise ops of a recompute are bound by.
         link_bytes_per_s: per-rank bandwidth of an all-gather inside a node (one direction).
         latency_s: the fixed cost of one unit's all-gather (launch, FSDP's hooks and copies).
-        unit_s: the fixed cost of one FSDP unit per step (its hooks, the waits on its collectives).
+        unit_s: the host's cost of one FSDP unit per step (its hooks; on CPU ranks the waits on its collectives).
         source: ``"datasheet"`` or ``"measured: ..."`` (which fields, on what, when).
+        host_scale: the host's seconds for work this repository's CPU does in one (:data:`OP_HOST_S`): the CPU of the
+            machine the device comes in, and its kernel launches.
     """
 
     name: str
@@ -56,20 +59,55 @@ class Device:
     latency_s: float
     unit_s: float
     source: str
+    host_scale: float = 1.0
 
 
-REACHED_SHARE = 442e12 / 989e12
-"""The share of the dense bf16 peak a training step reached on one H200 (ViT-H/14, ``kernels="auto"``, its largest
-batch: 44.7%, benchmarks/RESULTS.md, GPU run 3, 2026-11-27); GPUs not measured are assumed to reach the same
-share."""
-GPU_UNIT_S = 0.66e-3
-"""What one FSDP unit added to a step on that H200 (ViT-H/14, batch 32, ``kernels="eager"``, AC off: +21.7 ms over
-33 units against plain AMP O1, GPU run 3, with the fused non-finite guard; at batch 64 the GPU hides half of it,
-+9.9 ms). The batch-32 figure is taken because there the step is host-bound and the cost is fully exposed; it is
-host-side, so it stands for every GPU until another is measured. (Run 1's 1.7 ms included the old guard's four
-kernels per gradient.)"""
+# The whole-step model's constants (:func:`~.step_cost.step_time`). Host work, measured on this repository's CPU by
+# benchmarks/host_overhead.py (ViT-H's 32 blocks at width 64, 113 ops per block's forward as the planner counts
+# them, Trainer.fit on one device, the code of GPU runs 3-4: results/cpu_2026-11-28_host_overhead_before.json) and,
+# for the split of plain AMP O1's step between its blocks and the rest, the same model at depth 4, 12 and 32
+# (7.6 ms + 3.0 ms per block on the loaded machine, 2026-12-01: the rest is 2.52 blocks' worth):
+STEP_HOST_S = 49.06e-3 * 2.52 / 34.52
+"""Host seconds per step beside the blocks: Lightning's loop, the outer layers, the loss."""
+OP_HOST_S = 49.06e-3 / 34.52 / 113
+"""Host seconds per op of a block's forward, its backward's and the optimizer's share included; a recomputed op
+costs about the same (every block checkpointed added 45.4 ms for 32 x 119 recomputed ops, 11.9 us each)."""
+UNIT_HOST_S = (94.58e-3 - 49.06e-3) / 33
+"""Host seconds per FSDP unit per step: what ``VitScaleStrategy(activation_checkpointing=False)`` added over plain
+AMP O1 for 33 units (hooks, copies, fp32 norms, DTensor optimizer, the guard)."""
+FSDP_COPY_BYTES = 14
+"""Bytes per parameter each all-gather or reduce-scatter moves through memory beside the wire (cast and copy in,
+the collective's own copy, copy out). Stated, not fitted."""
+# Fitted on the GPU rows of runs 3-4, each from the rows named (benchmarks/RESULTS.md, "throughput model"):
+REACHED_SHARE = 431e12 / 989e12
+"""The share of the dense bf16 peak a step's matmuls and attention reach; with :data:`ELEMENTWISE_PASSES`, from
+single-device AMP O1's time per image (ViT-H/14, batch 32 to the largest) on the H200 (2.57 ms) and the H100
+(2.70 ms), whose HBM differs (4.8 and 3.35 TB/s) and whose SMs do not: two equations, two unknowns. GPUs not
+measured are assumed to reach the same share."""
+ELEMENTWISE_PASSES = 2.0
+"""Times the cheap ops' forward bytes move in a step (forward, and backward's read of the incoming gradient and
+write of the outgoing): with :data:`REACHED_SHARE`, from the two GPUs' times per image."""
+STEP_DEVICE_S = 16e-3
+"""Device seconds per step beyond the FLOPs and the bytes (small kernels, the gaps between a step's thousands of
+launches): single AMP O1's time at batch 32 beyond its per-image time, ViT-H/14 and ViT-B/16 alike."""
+OVERLAP = 5.5
+"""How the host's and the device's forward and backward overlap: ``(host^p + device^p)^(1/p)``, between their sum
+(1) and their larger (infinity): nearly the larger, the host running ahead. VitScale eager at batch 32 and 64."""
+TAIL_HOST_S = 3.5e-3
+"""Host seconds (this repository's CPU's) after the step's sync before the device has work again: the optimizer's
+launches, Lightning's loop. VitScale's rows at the largest batch against single AMP O1's."""
+FUSED_SHARE = 0.78
+"""The share of the cheap ops' bytes a compiled block does not move (Inductor fuses them into fewer kernels):
+``kernels="auto"`` against ``"eager"`` at the largest batch, H200 and H100."""
+COMPILED_BLOCK_HOST_S = 2.0e-3
+"""Host seconds (this repository's CPU's) of one compiled block per step, forward and backward (guards, the graph's
+launches) in place of its ops: ``kernels="auto"`` at batch 32 and 64, H200 and H100."""
+H200_HOST_SCALE = 1.35
+"""The H200 machine's host time against this repository's CPU for the same work, its kernel launches included
+(VitScale eager at batch 32 and 64, run 3)."""
+GPU_UNIT_S = UNIT_HOST_S * H200_HOST_SCALE
 GPU_LATENCY_S = 50e-6  # an NVLink/PCIe collective's launch: an order of magnitude, not measured
-DATASHEET = "datasheet (reached FLOP/s and unit_s: the H200's measured share and per-unit cost)"
+DATASHEET = "datasheet (reached FLOP/s and the host: the H200's measured share and its machine's host)"
 
 
 def _gpu(name: str, match: str, memory_gb: float, bf16: float | None, fp32: float | None, hbm: float,
@@ -78,28 +116,31 @@ def _gpu(name: str, match: str, memory_gb: float, bf16: float | None, fp32: floa
     reached = REACHED_SHARE * (bf16 or plan_peak or 0.0)
     return Device(name=name, match=match, memory_bytes=int(memory_gb * GIB), bf16_flops_per_s=bf16,
                   fp32_flops_per_s=fp32, reached_flops_per_s=reached, hbm_bytes_per_s=hbm, link_bytes_per_s=link,
-                  latency_s=GPU_LATENCY_S, unit_s=GPU_UNIT_S, source=DATASHEET)
+                  latency_s=GPU_LATENCY_S, unit_s=GPU_UNIT_S, source=DATASHEET, host_scale=H200_HOST_SCALE)
 
 
-H200_MEASURED = ("measured: memory (139.8 GiB, torch), reached FLOP/s (442 TFLOP/s, ViT-H/14 kernels='auto') and"
-                 " unit_s (0.66 ms) on one H200, torch 2.11, 2026-11-27 (benchmarks/RESULTS.md, GPU run 3; an 8192^3"
-                 " bf16 matmul reached 784-791 TFLOP/s, 79-80% of the dense peak); peaks, HBM and NVLink datasheet")
+H200_MEASURED = ("measured: memory (139.8 GiB, torch), reached FLOP/s and its host (GPU runs 1-3) on one H200,"
+                 " torch 2.11, 2026-11-27 (benchmarks/RESULTS.md; an 8192^3 bf16 matmul reached 784-791 TFLOP/s,"
+                 " 79-80% of the dense peak); peaks, HBM and NVLink datasheet")
 
-H100_MEASURED = ("measured: memory (79.2 GiB, torch) and reached FLOP/s (411 TFLOP/s, 41.6% of the dense peak,"
-                 " ViT-H/14 kernels='auto' at its largest batch) on one H100 80GB HBM3, torch 2.11, 2026-11-28"
-                 " (benchmarks/RESULTS.md, GPU run 4; an 8192^3 bf16 matmul reached 795 TFLOP/s); unit_s the H200's"
-                 " (that run's host-bound batch-32 steps were too noisy to read one); peaks, HBM and NVLink datasheet")
+H100_HOST_SCALE = 1.9
+"""The H100 machine's (run 4's host-bound ViT-H rows: its CPU side was slower and noisier than the H200's)."""
+H100_MEASURED = ("measured: memory (79.2 GiB, torch), reached FLOP/s and its host (GPU run 4) on one H100 80GB"
+                 " HBM3, torch 2.11, 2026-11-28 (benchmarks/RESULTS.md; an 8192^3 bf16 matmul reached 795 TFLOP/s);"
+                 " peaks, HBM and NVLink datasheet")
 
 # Links: NVLink per direction (SXM: 900 GB/s both ways), PCIe Gen4/5 x16 for PCIe cards.
 DEVICES: tuple[Device, ...] = (
     _gpu("h100-pcie-80gb", r"H100 PCIe", 80, 756 * TB, 51 * TB, 2.0 * TB, 64 * GB),
     _gpu("h100-nvl-94gb", r"H100 NVL", 94, 835 * TB, 60 * TB, 3.9 * TB, 300 * GB),
     Device(name="h100-80gb", match=r"H100", memory_bytes=int(79.2 * GIB), bf16_flops_per_s=989 * TB,  # SXM
-           fp32_flops_per_s=67 * TB, reached_flops_per_s=411 * TB, hbm_bytes_per_s=3.35 * TB,
-           link_bytes_per_s=450 * GB, latency_s=GPU_LATENCY_S, unit_s=GPU_UNIT_S, source=H100_MEASURED),
+           fp32_flops_per_s=67 * TB, reached_flops_per_s=REACHED_SHARE * 989 * TB, hbm_bytes_per_s=3.35 * TB,
+           link_bytes_per_s=450 * GB, latency_s=GPU_LATENCY_S, unit_s=UNIT_HOST_S * H100_HOST_SCALE,
+           source=H100_MEASURED, host_scale=H100_HOST_SCALE),
     Device(name="h200-141gb", match=r"H200", memory_bytes=int(139.8 * GIB), bf16_flops_per_s=989 * TB,
            fp32_flops_per_s=67 * TB, reached_flops_per_s=REACHED_SHARE * 989 * TB, hbm_bytes_per_s=4.8 * TB,
-           link_bytes_per_s=450 * GB, latency_s=GPU_LATENCY_S, unit_s=GPU_UNIT_S, source=H200_MEASURED),
+           link_bytes_per_s=450 * GB, latency_s=GPU_LATENCY_S, unit_s=GPU_UNIT_S, source=H200_MEASURED,
+           host_scale=H200_HOST_SCALE),
     _gpu("a100-40gb", r"A100.*40GB", 40, 312 * TB, 19.5 * TB, 1.555 * TB, 300 * GB),
     _gpu("a100-80gb", r"A100", 80, 312 * TB, 19.5 * TB, 2.039 * TB, 300 * GB),
     _gpu("v100-32gb", r"V100", 32, 125 * TB, 15.7 * TB, 0.9 * TB, 150 * GB),

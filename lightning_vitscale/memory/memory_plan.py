@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from lightning_vitscale._utils import human_bytes, mib
 from lightning_vitscale.memory.plan_search import BlockPlan
-from lightning_vitscale.memory.step_model import MemoryBreakdown, StepSettings
+from lightning_vitscale.memory.step_model import MemoryBreakdown, StepInputs, StepSettings
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class MemoryPlan:
             data-parallel rank's, which each of its tensor-parallel ranks sees whole).
         traffic: bytes one rank sends per step of ``chosen``, per mesh dimension (``"data_parallel"``,
             ``"tensor_parallel"``: :func:`~.step_cost.traffic_per_dimension`).
+        inputs: the measured step the plan was made from (the throughput model's input, :mod:`.step_cost`).
     """
 
     world_size: int
@@ -58,6 +59,7 @@ class MemoryPlan:
     extra_seconds: float = 0.0
     tensor_parallel: int = 1
     traffic: dict[str, float] = field(default_factory=dict)
+    inputs: StepInputs | None = field(default=None, repr=False, compare=False)
 
     @property
     def checkpointed(self) -> int:

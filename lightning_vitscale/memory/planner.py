@@ -287,6 +287,7 @@ def choose(
         extra_seconds=space.seconds(blocks),
         tensor_parallel=tp,
         traffic=traffic_per_dimension(inputs, settings),
+        inputs=inputs,
     )
 
 
@@ -300,13 +301,15 @@ def _reason(blocks: BlockPlan, n: int, fits: bool, offloaded: bool, offload_on: 
     return "the least predicted extra step time that fits the budget"
 
 
-def largest_batch(inputs: StepInputs, budget: int, batch_size: int, offload: bool = False) -> int:
-    """Largest per-rank batch that fits with every block checkpointed (activations scale with the batch)."""
+def largest_batch(inputs: StepInputs, budget: int, batch_size: int, offload: bool = False,
+                  settings: StepSettings | None = None, extra: int = 0) -> int:
+    """Largest per-rank batch whose predicted peak (plus ``extra`` bytes) fits ``budget`` under ``settings`` (default:
+    every block checkpointed); activations scale with the batch."""
     per_sample = inputs.batch_scale / batch_size
-    every = StepSettings(frozenset(range(len(inputs.profile.blocks))), offload=offload)
+    chosen = settings or StepSettings(frozenset(range(len(inputs.profile.blocks))), offload=offload)
 
     def fits(b: int) -> bool:
-        return predict_step(replace(inputs, batch_scale=per_sample * b), every).peak <= budget
+        return predict_step(replace(inputs, batch_scale=per_sample * b), chosen).peak + extra <= budget
 
     if not fits(1):
         return 0
@@ -318,4 +321,3 @@ def largest_batch(inputs: StepInputs, budget: int, batch_size: int, offload: boo
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
-

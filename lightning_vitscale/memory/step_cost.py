@@ -20,21 +20,45 @@ Plain roofline arithmetic on what :mod:`.op_costs` counted, so every number can 
 The collectives and their bytes are the one model the setup summary's traffic report uses too
 (:mod:`.collectives`: rings over their groups, dim 0 padded to the shard group, replicas for hybrid sharding).
 
-A recompute never hides. The rates are :class:`DeviceRates`, read from the device table (:mod:`.devices`); only
-their ratios steer the choice.
+A recompute never hides. The rates are :class:`DeviceRates`, read from the device table (:mod:`.devices`).
+
+The whole step (:func:`step_time`): the device's work (forward and backward FLOPs at the reached rate, three passes
+of the cheap ops' bytes at memory bandwidth, fewer when compiled, the recompute, FSDP's copies, exposed
+collectives), the host's (each dispatched op, each FSDP unit, a recompute's ops again, or one call per compiled
+block) and how they overlap: the host runs ahead of the device until the step's one sync (the non-finite guard
+reads its flag before the optimizer step), so forward and backward take about the larger of the two
+(:data:`OVERLAP`), then the optimizer step and the loop follow. Plain AMP O1 and DDP (``baseline``) never sync,
+so their whole step overlaps. The host constants are measured on this repository's CPU and scaled by each GPU
+machine's ``host_scale``; the fitted ones say from which GPU rows (``benchmarks/RESULTS.md``, "throughput model").
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from lightning_vitscale.memory.activations import BlockMemory
 from lightning_vitscale.memory.collectives import ring_bytes, unit_collectives
-from lightning_vitscale.memory.devices import DEFAULT_GPU, Device, device_named, device_of
-from lightning_vitscale.memory.step_model import StepInputs, StepSettings, unit_spans
+from lightning_vitscale.memory.devices import (
+    COMPILED_BLOCK_HOST_S,
+    DEFAULT_GPU,
+    ELEMENTWISE_PASSES,
+    FSDP_COPY_BYTES,
+    FUSED_SHARE,
+    OP_HOST_S,
+    OVERLAP,
+    STEP_DEVICE_S,
+    STEP_HOST_S,
+    TAIL_HOST_S,
+    Device,
+    device_named,
+    device_of,
+)
+from lightning_vitscale.memory.op_costs import BlockWork
+from lightning_vitscale.memory.step_model import OPTIMIZER_STATES, StepInputs, StepSettings, unit_spans
 
 
 @dataclass(frozen=True)
@@ -51,6 +75,8 @@ class DeviceRates:
             ``sharding/cpu_overlap.py`` issues them asynchronously, as setup does on CPU ranks).
         regather_hidden: whether a resharded unit's backward all-gather costs only its ``latency_s`` (a GPU's
             copy engines and NVLink run beside the SMs); on CPU ranks gloo's threads share the cores with compute.
+        host_scale: the host's seconds for work this repository's CPU does in one (the machine's CPU and launches).
+        overlap: how host and device work overlap (:data:`OVERLAP` on a GPU; 1, none, on CPU: the same cores).
     """
 
     flops_per_s: float
@@ -60,6 +86,8 @@ class DeviceRates:
     unit_s: float
     overlaps: bool
     regather_hidden: bool
+    host_scale: float = 1.0
+    overlap: float = 1.0
 
 
 def rates_of(device: Device, accelerator: bool = True) -> DeviceRates:
@@ -68,7 +96,8 @@ def rates_of(device: Device, accelerator: bool = True) -> DeviceRates:
     through gloo's threads (``sharding/cpu_overlap.py``), which share the cores with compute."""
     return DeviceRates(flops_per_s=device.reached_flops_per_s, bytes_per_s=device.hbm_bytes_per_s,
                        link_bytes_per_s=device.link_bytes_per_s, latency_s=device.latency_s, unit_s=device.unit_s,
-                       overlaps=True, regather_hidden=accelerator)
+                       overlaps=True, regather_hidden=accelerator, host_scale=device.host_scale,
+                       overlap=OVERLAP if accelerator else 1.0)
 
 
 GPU_RATES = rates_of(device_named(DEFAULT_GPU))
@@ -86,12 +115,17 @@ def rates_for(device: torch.device | str | None) -> DeviceRates:
     return rates_of(row, accelerator=row.match is not None)
 
 
-def recompute_seconds(block: BlockMemory, mode: str | None, rates: DeviceRates, scale: float = 1.0) -> float:
-    """Seconds per step that checkpointing ``block`` in ``mode`` (``None``, ``"selective"``, ``"full"``) adds."""
+def recompute_seconds(
+    block: BlockMemory, mode: str | None, rates: DeviceRates, scale: float = 1.0, fused: float = 0.0
+) -> float:
+    """Device seconds per step that checkpointing ``block`` in ``mode`` (``None``, ``"selective"``, ``"full"``)
+    adds: the cheap ops again (selective), or what a full recompute reruns (:attr:`~.op_costs.BlockWork.repeated`);
+    ``fused``: the share of the cheap ops' bytes a compiled block does not move (:data:`FUSED_SHARE`)."""
     if mode is None:
         return 0.0
-    cheap = block.work.cheap_bytes * scale / rates.bytes_per_s
-    return cheap if mode == "selective" else cheap + block.work.flops * scale / rates.flops_per_s
+    work = block.work if mode == "selective" else block.work.repeated
+    cheap = work.cheap_bytes * (1.0 - fused) * scale / rates.bytes_per_s
+    return cheap if mode == "selective" else cheap + work.flops * scale / rates.flops_per_s
 
 
 def tensor_parallel_seconds(inputs: StepInputs, modes: list[str | None], rates: DeviceRates) -> float:
@@ -168,3 +202,118 @@ def traffic_per_dimension(
     if inputs.tensor is not None:
         out["tensor_parallel"] = inputs.tensor.sent(block_modes(settings, len(lay.blocks)), inputs.batch_scale)
     return out
+
+
+Baseline = Literal["single", "ddp"]
+"""The baselines :func:`step_time` predicts besides the recipe: plain single-device AMP O1 (``strategy="auto"``)
+and DDP + AMP O1, the model replicated in fp32 and cast per forward."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One training step's predicted seconds, by who spends them.
+
+    Attributes:
+        host_s: the host issuing forward and backward (Python, hooks, kernel launches).
+        device_s: the device running them (FLOPs, bytes, exposed collectives).
+        tail_s: after the step's sync, neither hidden: the host's loop and optimizer launches, the optimizer's bytes.
+        overlap: how ``host_s`` and ``device_s`` overlap (:attr:`DeviceRates.overlap`).
+    """
+
+    host_s: float
+    device_s: float
+    tail_s: float
+    overlap: float
+
+    @property
+    def seconds(self) -> float:
+        return (self.host_s**self.overlap + self.device_s**self.overlap) ** (1.0 / self.overlap) + self.tail_s
+
+    @property
+    def host_bound(self) -> bool:
+        """Whether the device waits on the host: issuing forward and backward takes longer than running them."""
+        return self.host_s > self.device_s
+
+    def describe(self) -> str:
+        bound = "host-bound" if self.host_bound else "device-bound"
+        return (f"{self.seconds * 1e3:.0f} ms per step ({bound}: host {self.host_s * 1e3:.0f} ms, device"
+                f" {self.device_s * 1e3:.0f} ms, then {self.tail_s * 1e3:.0f} ms after the step's sync)")
+
+
+def step_time(
+    inputs: StepInputs, settings: StepSettings, rates: DeviceRates, *, compiled: bool = False,
+    fused_optimizer: bool | None = None, baseline: Baseline | None = None,
+) -> StepTime:
+    """One step's time under ``settings`` (``compiled``: every block compiled; ``fused_optimizer``: a fused optimizer
+    step, by default with ``compiled``, as ``kernels="auto"`` sets both), or under a :data:`Baseline` (settings then
+    ignored: nothing checkpointed, sharded or compiled)."""
+    fused_optimizer = compiled if fused_optimizer is None else fused_optimizer
+    n = len(inputs.profile.blocks)
+    modes: list[str | None] = [None] * n if baseline else block_modes(settings, n)
+    fused = FUSED_SHARE if compiled else 0.0
+    host = device = 0.0
+    for block, mode in zip(inputs.profile.blocks, modes):
+        work = block.work
+        device += inputs.batch_scale * (3 * work.flops / rates.flops_per_s
+                                        + ELEMENTWISE_PASSES * work.cheap_bytes * (1.0 - fused) / rates.bytes_per_s)
+        device += recompute_seconds(block, mode, rates, inputs.batch_scale, fused)
+        host += COMPILED_BLOCK_HOST_S if compiled else (work.ops + _recomputed_ops(work, mode)) * OP_HOST_S
+    host = (host + STEP_HOST_S) * rates.host_scale
+    device += STEP_DEVICE_S if rates.overlap > 1 else 0.0
+    params = inputs.layout.num_params
+    if baseline is not None:  # AMP O1 casts the weights each forward and the gradients back: 14 bytes a parameter
+        copies = params * (14 + (16 if baseline == "ddp" else 0))  # DDP: gradients into its buckets and back
+        device += (copies + _optimizer_bytes(inputs, params, fused=False)) / rates.bytes_per_s
+        device += _ddp_exposed(inputs, params, device, rates) if baseline == "ddp" else 0.0
+        return StepTime(host, device, 0.0, rates.overlap)
+    spans = unit_spans(n, settings.blocks_per_unit)
+    # Per unit: hooks on the host; copies in and out of each all-gather and reduce-scatter through memory; the
+    # regathers' launches and the collectives nothing hides (the first gather, the last reduction, and all of
+    # them once they outlast the compute beside them).
+    host += (len(spans) + 1) * rates.unit_s
+    sizes = [sum(math.prod(s) for i in span for s in inputs.layout.blocks[i]) for span in spans]
+    copied = sum(size * (3 - settings.keeps(span[0])) for size, span in zip(sizes, spans))
+    device += (copied + 2 * sum(math.prod(s) for s in inputs.layout.outer)) * FSDP_COPY_BYTES / rates.bytes_per_s
+    device += units_and_regather_seconds(inputs, settings, rates) - len(spans) * rates.unit_s
+    device += tensor_parallel_seconds(inputs, modes, rates)
+    device += max(0.0, traffic_per_dimension(inputs, settings)["data_parallel"] / rates.link_bytes_per_s - device)
+    optimizer = _optimizer_bytes(inputs, params / inputs.world, fused=fused_optimizer) / rates.bytes_per_s
+    return StepTime(host, device, TAIL_HOST_S * rates.host_scale + optimizer, rates.overlap)
+
+
+def compile_pays(inputs: StepInputs, settings: StepSettings, rates: DeviceRates) -> tuple[bool, str]:
+    """Whether compiling every block makes the step faster (``kernels="auto"``'s rule; its fused optimizer either
+    way): compiled blocks move fewer bytes on the device and cost the host more per block than their eager ops, so
+    they pay where the step is device-bound; and why, in the setup summary's words."""
+    eager = step_time(inputs, settings, rates, fused_optimizer=True)
+    compiled = step_time(inputs, settings, rates, compiled=True)
+    pays = compiled.seconds < eager.seconds
+
+    def said(time: StepTime) -> str:
+        return f"{time.seconds * 1e3:.0f} ms ({'host' if time.host_bound else 'device'}-bound)"
+
+    return pays, (f"{'compiled' if pays else 'eager'} at this batch: predicted step {said(compiled)} compiled against"
+                  f" {said(eager)} eager")
+
+
+def _recomputed_ops(work: BlockWork, mode: str | None) -> int:
+    """Ops an eager recompute dispatches again (a compiled block's recompute is inside its backward graph)."""
+    return {None: 0, "selective": work.cheap_ops, "full": work.repeated.ops}[mode]
+
+
+def _optimizer_bytes(inputs: StepInputs, params: float, fused: bool) -> float:
+    """Bytes one optimizer step moves: parameter, gradient and states read, parameter and states written, once
+    fused; torch's foreach step passes over them about three times (AdamW: 82 bytes a parameter, counted)."""
+    states = OPTIMIZER_STATES[inputs.optimizer]
+    return (3 + 2 * states) * inputs.master.itemsize * params * (1 if fused else 3)
+
+
+def _ddp_exposed(inputs: StepInputs, params: int, device: float, rates: DeviceRates) -> float:
+    """DDP's gradient all-reduce (reduce dtype) over the world, overlapped with backward (two thirds of the step's
+    compute) but for its last 25 MiB bucket."""
+    ranks = inputs.world * inputs.replicas
+    if ranks < 2:
+        return 0.0
+    sent = ring_bytes(params * inputs.reduce.itemsize, ranks, reduce=True) / rates.link_bytes_per_s
+    last = ring_bytes(25 * 2**20, ranks, reduce=True) / rates.link_bytes_per_s + rates.latency_s
+    return max(last, sent - 2 * device / 3)

@@ -25,6 +25,7 @@ from lightning_vitscale.memory import (
     ModeOf,
     PlanningBatch,
     StepInputs,
+    StepSettings,
     describe_prediction,
     device_memory,
     measure_for_summary,
@@ -77,6 +78,24 @@ class Planned:
         modes = ["selective" if b.name in summary.selective else "full" if b.name in summary.checkpointed else None
                  for b in inputs.profile.blocks]
         return inputs.tensor.sent(modes, inputs.batch_scale)
+
+    def step(self, module: nn.Module) -> tuple[StepInputs, StepSettings] | None:
+        """The measured step and the settings setup will apply (what ``kernels="auto"`` predicts its choice from), or
+        ``None`` without a batch at setup."""
+        if self.auto is not None:
+            plan = self.auto.choice.plan if self.auto.choice is not None else None
+            return None if plan is None or plan.inputs is None else (plan.inputs, plan.chosen.settings)
+        if self.measured is None:
+            return None
+        names = [block.name for block in self.measured.profile.blocks]
+        modes = [self.resolved.checkpoint_mode(i, name, module.get_submodule(name)) for i, name in enumerate(names)]
+        return self.measured, StepSettings(
+            checkpointed=frozenset(i for i, mode in enumerate(modes) if mode is not None),
+            reshard_after_forward=self.resolved.sharding.reshard_after_forward is not False,
+            selective=frozenset(i for i, mode in enumerate(modes) if mode == "selective"),
+            kept_gathered=frozenset(i for i, name in enumerate(names) if name in self.kept_gathered),
+            blocks_per_unit=self.resolved.blocks_per_unit,
+        )
 
     def apply(self, module: nn.Module, summary: SetupSummary, device: torch.device) -> None:
         """After the pipeline: blocks kept gathered where the planner chose so, and the summary's memory lines."""

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vitscale.kernels import Compiler, KernelPolicy, resolve_kernels, usable_backends
+from lightning_vitscale.kernels import Compiler, KernelPolicy, resolve_kernels, usable_backends, with_compile_choice
+from lightning_vitscale.memory import StepInputs, StepSettings, compile_pays, rates_for
 from lightning_vitscale.sharding.activation_checkpointing import CheckpointMode
 from lightning_vitscale.sharding.settings import CheckpointingPolicy, ParallelConfig, ShardingPolicy, by_priority
 
@@ -79,6 +80,22 @@ def resolve_config(
     left = by_priority(requested)
     return ResolvedConfig(requested, kernels, left.blocks_per_unit or 1, requested.sharding.prefetch_on(device.type),
                           left.checkpointing, left.blocks_per_unit is None, left.planner_keeps)
+
+
+def compile_where_it_pays(
+    resolved: ResolvedConfig, step: tuple[StepInputs, StepSettings] | None, device: torch.device
+) -> ResolvedConfig:
+    """``kernels="auto"`` on CUDA with the step measured at setup (``step``: the planner's inputs and the settings
+    to apply): the blocks compiled only where the planner's step model predicts it pays for this device and batch
+    (:func:`~lightning_vitscale.kernels.with_compile_choice`). A user's own policy or ``torch.compile(model)`` is
+    left as it is; without a batch, ``"auto"``'s default (compiled) stays, and the summary says why."""
+    kernels = resolved.kernels
+    if resolved.requested.kernels != "auto" or not kernels.compile_blocks or kernels.compiler is not None:
+        return resolved
+    if step is None:
+        return resolved
+    pays, why = compile_pays(*step, rates_for(device))
+    return dataclasses.replace(resolved, kernels=with_compile_choice(kernels, pays, why))
 
 
 _DEPRECATED_KERNELS = (

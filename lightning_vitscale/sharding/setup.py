@@ -6,6 +6,7 @@ kept on the module so that a later ``validate``/``test``/``fit`` with the same s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from lightning_vitscale.sharding.planning import (
     plans_from_batch,
 )
 from lightning_vitscale.sharding.ranks import Ranks
-from lightning_vitscale.sharding.resolved import ResolvedConfig
+from lightning_vitscale.sharding.resolved import ResolvedConfig, compile_where_it_pays
 from lightning_vitscale.sharding.reuse import check_reusable, sharding_signature
 from lightning_vitscale.sharding.settings import ShardingPolicy
 from lightning_vitscale.sharding.summary import SetupSummary
@@ -222,6 +223,8 @@ def _shard(
     #    the plain module (or its meta twin): once sharded, running it would gather.
     budget = agreed_budget(resolved.checkpointing.memory_budget, ranks)  # once: every choice by memory keeps to it
     planned = plan_before_sharding(module, resolved, precision.policy, ranks, budget, batch)
+    planned = dataclasses.replace(planned, resolved=compile_where_it_pays(planned.resolved, planned.step(module),
+                                                                          ranks.device))
     # 3. The recipe: norms, casts, attention routing, checkpointing, compile, block units, the outer unit.
     done = parallelize(
         outer, module, ranks.sharding_mesh, planned.resolved, precision.policy, ranks.device, creation,

@@ -194,8 +194,9 @@ def summary_from_facts(facts: PipelineFacts) -> SetupSummary:
 
 def _kernel_lines(facts: PipelineFacts) -> dict[str, str]:
     counts = Counter(facts.compiled.block_classes)
+    compiled = ", ".join(f"{name} x{count}" for name, count in counts.items()) or "off"
     lines = {
-        "compiled blocks": ", ".join(f"{name} x{count}" for name, count in counts.items()) or "off",
+        "compiled blocks": compiled + (f" ({facts.kernels.reason})" if facts.kernels.reason else ""),
         "attention": describe_router(facts.router),
         "fused optimizer": "on" if facts.kernels.fused_optimizer else "off",
     }

@@ -15,14 +15,19 @@ import functools
 import pytest
 import torch
 
+from lightning_vitscale.kernels import KernelPolicy
 from lightning_vitscale.strategy import VitScaleStrategy
 from tests.helpers.models import largest_weight_difference, train_dropout_vit
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 
+COMPILED = KernelPolicy(compile_blocks=True, attention="auto", fused_optimizer=True)  # "auto" where it pays
+
+
 def train(kernels: str, checkpointing: bool) -> dict:
-    return train_dropout_vit(VitScaleStrategy(kernels=kernels, activation_checkpointing=checkpointing), "cuda")
+    policy = COMPILED if kernels == "auto" else kernels
+    return train_dropout_vit(VitScaleStrategy(kernels=policy, activation_checkpointing=checkpointing), "cuda")
 
 
 def test_compiled_checkpointed_blocks_replay_dropout_masks(monkeypatch):

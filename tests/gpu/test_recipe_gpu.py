@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_vitscale.cli.demo import TinyViT, generated_images
+from lightning_vitscale.kernels import KernelPolicy
 from lightning_vitscale.strategy import VitScaleStrategy
 from tests.helpers.recording import DtypeRecorder
 
@@ -37,15 +38,18 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters()}
 
 
-def test_default_auto_kernels_match_eager_at_bf16_tolerance():
-    """The default CUDA path (compiled blocks, fused AdamW, attention decision) trains like eager kernels."""
+def test_compiled_kernels_match_eager_at_bf16_tolerance():
+    """``kernels="auto"``'s compiled path (compiled blocks, fused AdamW, attention decision) trains like eager
+    kernels. Spelled out: ``"auto"`` compiles only where the planner predicts it pays, and TinyViT's step is
+    host-bound (tests/unit/benchmarks/test_throughput_model.py holds the rule)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     runs = {}
+    compiled = KernelPolicy(compile_blocks=True, attention="auto", fused_optimizer=True)
     for kernels in ("eager", "auto"):
         L.seed_everything(0, verbose=False)
         model = TinyViT(dim=128, depth=4)
-        strategy = VitScaleStrategy() if kernels == "auto" else VitScaleStrategy(kernels="eager")  # auto: default
+        strategy = VitScaleStrategy(kernels=compiled if kernels == "auto" else "eager")
         trainer = _fit(model, strategy, "bf16-mixed", 10, DataLoader(generated_images(320), batch_size=32))
         runs[kernels] = (model, trainer)
     (eager, eager_trainer), (auto, auto_trainer) = runs["eager"], runs["auto"]

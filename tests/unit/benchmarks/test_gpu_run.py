@@ -158,3 +158,38 @@ def test_a_killed_pytest_part_keeps_each_finished_tests_outcome_seconds_and_fail
         ("tests.gpu.test_x::test_ok", "passed"), ("tests.gpu.test_x::test_bad", "failed")]
     assert rows[0]["seconds"] >= 0.2
     assert "predicted/measured = 1.159" in rows[1]["message"]
+
+
+def test_a_capped_trial_fits_its_largest_batch_to_the_cap():
+    """``--memory-cap-gib``: the largest-batch fit aims at the cap (the dry run's 4 GiB stand-in capped at 3)."""
+    result = _trial(_spec(memory_cap_gib=3.0))
+    assert result["memory_cap_gib"] == 3.0 and result["device_memory_gib"] == 3.0
+    assert result["largest"]["fit"]["unbounded"] == 6  # (0.9 x 3 - 1) / 0.25, where 4 GiB gave 10
+
+
+def _trials(row: str, same: dict[int, float], largest: float | None = None, mfu: float | None = None) -> dict:
+    phases = [dict(batch=b, images_per_sec=ips) for b, ips in same.items()]
+    trial = dict(row=row, status=OK, phases=phases)
+    return dict(same=[trial], largest=[dict(row=row, status=OK, images_per_sec=largest, mfu=mfu)] if largest else [])
+
+
+def test_the_report_checks_issue_47s_gpu_targets():
+    def part(*trials: dict) -> dict:
+        return {"same": [t for x in trials for t in x["same"]], "largest": [t for x in trials for t in x["largest"]]}
+
+    results = {
+        "vit_h14": part(_trials("single", {32: 300, 64: 340}, 377, 0.38),
+                        _trials("default", {32: 310, 64: 330}, 440, 0.46)),
+        "cap40": part(_trials("single", {32: 1}, 300), _trials("recipe", {32: 1}, 420),
+                      _trials("default", {32: 1}, 360)),
+        "vit_b16": part(_trials("single", {128: 2500}), _trials("default", {128: 2400})),
+    }
+    lines = gpu_report.acceptance(results)
+    assert lines == [
+        "- ViT-H/14 batch 32: VitScaleStrategy() / plain AMP O1 (>= 1.00x): PASS: 1.03x",
+        "- ViT-H/14 batch 64: VitScaleStrategy() / plain AMP O1 (>= 1.00x): FAIL: 0.97x",
+        "- ViT-B/16 batch 128: VitScaleStrategy() / plain AMP O1 (>= 0.97x): FAIL: 0.96x",
+        "- 40 GB cap, each at its largest batch: best VitScale row (recipe) / plain AMP O1 (>= 1.30x): PASS: 1.40x",
+        "- ViT-H/14 MFU at the largest batch, best VitScale row (default) (>= 45%): PASS: 46.0%",
+    ]
+    assert all("not measured" in line for line in gpu_report.acceptance({}))

@@ -179,3 +179,13 @@ def test_rows_differ_only_in_their_named_factor():
         assert rows[f"{kernels}_ac0"].ac is False and rows[f"{kernels}_ac1"].ac is True
         assert rows[f"{kernels}_ac0"].kernels == rows[f"{kernels}_ac1"].kernels == kernels
     assert len({vit_gpu.MODELS[m]["image"] for m in vit_gpu.MODELS}) == 1
+
+
+def test_the_default_row_is_the_strategy_as_a_user_writes_it_and_the_recipe_row_its_memory_first_setting():
+    from lightning_vitscale import VitScaleStrategy
+
+    default = vit_gpu.make_strategy(vit_gpu.ROWS["default"])
+    assert default.config == VitScaleStrategy().config  # nothing passed: what a drop-in user gets
+    recipe = vit_gpu.make_strategy(vit_gpu.ROWS["recipe"])
+    assert recipe.config == VitScaleStrategy(**vit_gpu.RECIPE).config != default.config
+    assert vit_gpu.CAP_ROWS == ["single", "ddp", "default", "recipe"]
