@@ -3,6 +3,7 @@ pickles. Every scenario runs under DDP too, as the oracle."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,8 @@ import lightning_vitscale.checkpoint.load as checkpoint_load
 import lightning_vitscale.checkpoint.strategy_side as strategy_side
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.checkpoint import Location, remove_checkpoint
+from lightning_vitscale.checkpoint.manifest import file_sum
+from lightning_vitscale.checkpoint.storage import SHARDED_MARKER
 from tests.distributed.scripts.checkpoints import RANK, WORLD, equal, make_trainer, snapshot
 from tests.helpers.exploit import Payload
 from tests.helpers.models import Classifier, loader
@@ -149,6 +152,16 @@ def resumes() -> dict:
     }
 
 
+def reseal(folder: Path, name: str) -> None:
+    """Record a crafted file's size and CRC-32 in the folder's manifest, as whoever crafts it can: the checksums
+    catch damaged storage, not tampering, so the pickle must reach the safe reader and be refused there."""
+    marker = folder / SHARDED_MARKER
+    manifest = json.loads(marker.read_text())
+    written = file_sum(Location.of(str(folder / name)))
+    manifest["files"][name] = {"size": written.size, "crc32": f"{written.crc32:08x}"}
+    marker.write_text(json.dumps(manifest, indent=1))
+
+
 def crafted() -> dict:
     """A payload in a full file, in a sharded folder's meta.pt (resumed under our strategy and under DDP) and in its
     DCP .metadata: none may run. And a fit resumed from a weights-only checkpoint fails as under DDP."""
@@ -168,6 +181,8 @@ def crafted() -> dict:
         dcp_meta = pickle.loads((OUT / "crafted-dcp.ckpt" / ".metadata").read_bytes())
         dcp_meta.planner_data["x"] = Payload(marker)
         (OUT / "crafted-dcp.ckpt" / ".metadata").write_bytes(pickle.dumps(dcp_meta))
+        for folder, name in (("crafted-meta.ckpt", "meta.pt"), ("crafted-dcp.ckpt", ".metadata")):
+            reseal(OUT / folder, name)
     torch.distributed.barrier()
     errors = {}
     for label, name, path in [("ddp_full", "ddp", "crafted.ckpt"), ("vitscale_full", "vitscale", "crafted.ckpt"),
