@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import amp_unscale_and_check
+from lightning_vitscale._compat import amp_unscale_and_check, dtensor_local
 from lightning_vitscale.distributed.agreed import RaisedOnEveryRank
 
 
@@ -79,38 +79,34 @@ class NonFiniteGuard:
         return True
 
 
-def _any_non_finite(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Whether any element of ``tensors`` is inf/NaN, as a bool on ``device``, without waiting for the device.
-
-    GradScaler's fused multi-tensor check, a few kernels per device and dtype for the whole model: a per-tensor
-    ``isfinite().all()`` launched four kernels per parameter, ~1,600 a step on ViT-H, a share of the host time
-    that made a 1-GPU step host-bound on the H200 (benchmarks/RESULTS.md). Its multiply by ``inv_scale = 1``
-    leaves every value as it was (NaN, inf and -0.0 included)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for tensor in tensors:
-        groups[(tensor.device, tensor.dtype)].append(tensor)
-    found = torch.zeros(1, device=device)
-    with torch.no_grad():
-        for (group_device, _), group in groups.items():
-            flag = torch.zeros(1, device=group_device)
-            amp_unscale_and_check(group, flag, torch.ones(1, device=group_device))
-            found += flag.to(device)
-    return (found > 0).squeeze(0)
-
-
-@torch.no_grad()  # to_local() then records no autograd node per gradient
+@torch.no_grad()
 def _non_finite_ranks(loss: torch.Tensor | None, grads: list[torch.Tensor]) -> tuple[list[int], list[int]]:
     """Ranks whose loss, and ranks whose gradient shards, hold an inf/NaN: each rank sets its own two slots of one
-    tensor, and one SUM all-reduce tells every rank."""
-    device = loss.device if loss is not None else (grads[0].device if grads else torch.device("cpu"))
-    bad_loss = torch.zeros((), dtype=torch.bool, device=device)
+    tensor, one SUM all-reduce (none on one rank) tells every rank, and one read brings it to the host.
+
+    The gradients are checked by GradScaler's fused multi-tensor check, a few kernels per device and dtype for the
+    whole model: a per-tensor ``isfinite().all()`` launched four kernels per parameter, ~1,600 a step on ViT-H, a
+    share of the host time that made a 1-GPU step host-bound on the H200 (benchmarks/RESULTS.md). Its multiply by
+    ``inv_scale = 1`` leaves every value as it was (NaN, inf and -0.0 included)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for grad in grads:  # one pass: local shards (no autograd), grouped as the fused check needs
+        local = dtensor_local(grad) if isinstance(grad, DTensor) else grad
+        groups[(local.device, local.dtype)].append(local)
+    device = loss.device if loss is not None else next(iter(groups))[0] if groups else torch.device("cpu")
+    bad = torch.zeros(2, device=device)  # this rank's [loss, gradients], 1.0 where not finite
     if loss is not None:
-        bad_loss |= ~torch.isfinite(loss.detach()).all()
-    bad_grads = _any_non_finite([grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads], device)
-    distributed = dist.is_available() and dist.is_initialized()
-    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
-    flags = torch.zeros(2, world, dtype=torch.int32, device=device)
-    flags[0, rank], flags[1, rank] = bad_loss.to(torch.int32), bad_grads.to(torch.int32)
-    if distributed:
+        bad[0] = ~torch.isfinite(loss.detach()).all()
+    found_here = bad[1:]
+    for (group_device, _), group in groups.items():
+        found = found_here if group_device == device else torch.zeros(1, device=group_device)
+        amp_unscale_and_check(group, found, torch.ones(1, device=group_device))
+        if found is not found_here:
+            found_here += found.to(device)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    flags = bad.view(2, 1)
+    if world > 1:
+        flags = torch.zeros(2, world, device=device)
+        flags[:, dist.get_rank()] = bad
         dist.all_reduce(flags)  # SUM: slot r of each row is rank r's own flag
-    return torch.nonzero(flags[0]).flatten().tolist(), torch.nonzero(flags[1]).flatten().tolist()
+    loss_row, grad_row = flags.tolist()
+    return [r for r, v in enumerate(loss_row) if v], [r for r, v in enumerate(grad_row) if v]
