@@ -3,7 +3,11 @@ the real module (the planning batch's ``training_step``, the tensor-parallel spl
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,3 +32,45 @@ def meta_twin(module: nn.Module) -> nn.Module:
     # LightningModule.__getstate__ drops the trainer: put it back, the plan follows the Trainer's loop.
     twin.__dict__.update({name: value for name, value in shared.items() if value is not None})
     return twin
+
+
+_LRU_CACHE = type(functools.lru_cache(lambda: None))
+
+
+@contextlib.contextmanager
+def caches_left_real(model: nn.Module) -> Iterator[None]:
+    """Empty, after a fake-tensor run of ``model``, the ``functools.lru_cache`` s of its classes (and their modules)
+    that computed anything meanwhile: their new entries may hold fake tensors, which the real step would then get
+    (HF BEiT caches its relative position index per window size, and failed at the first step)."""
+    caches = _lru_caches(model)
+    misses = [cache.cache_info().misses for cache in caches]
+    try:
+        yield
+    finally:
+        for cache, before in zip(caches, misses, strict=True):
+            if cache.cache_info().misses != before:
+                cache.cache_clear()
+
+
+def _lru_caches(model: nn.Module) -> list[Any]:
+    """The caches in the namespaces of ``model``'s module classes and their Python modules, including those a
+    decorator hides in its wrapper's closure."""
+    classes = {cls for module in model.modules() for cls in type(module).__mro__ if cls.__module__ != "builtins"}
+    spaces = [vars(cls) for cls in classes] + [vars(m) for m in {sys.modules.get(c.__module__) for c in classes} if m]
+    found: dict[int, Any] = {}
+    for space in spaces:
+        for value in list(space.values()):
+            function = getattr(value, "__func__", value)  # staticmethod / classmethod
+            cells = getattr(function, "__closure__", None) or ()
+            for candidate in (function, *(cell.cell_contents for cell in cells if _filled(cell))):
+                if isinstance(candidate, _LRU_CACHE):
+                    found[id(candidate)] = candidate
+    return list(found.values())
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_vitscale.discovery.calls import Calls
 from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.memory import (
     AutoCheckpointing,
@@ -52,6 +53,8 @@ class Planned:
             reshard left to it: ``reshard_after_forward=None``).
         budget: ``memory_budget`` in bytes on this rank, resolved once (the grouping kept to it; the summary names
             it, and says so when the predicted peak is over it).
+        calls: what the measured step called (the units are what it runs), where a step was measured at setup.
+        unmeasured: why the step measured at setup gave no prediction (the summary says it), else empty.
     """
 
     resolved: ResolvedConfig
@@ -61,6 +64,8 @@ class Planned:
     units_choice: str | None = None
     kept_gathered: tuple[str, ...] = ()
     budget: int | None = None
+    calls: Calls | None = None
+    unmeasured: str = ""
 
     def tensor_sent(self, summary: SetupSummary) -> float | None:
         """Bytes this rank sends per step over the tensor-parallel dimension for the checkpointing applied
@@ -80,6 +85,8 @@ class Planned:
         """After the pipeline: blocks kept gathered where the planner chose so, and the summary's memory lines."""
         if self.units_choice is not None:
             summary.units_choice = self.units_choice
+        if self.unmeasured:
+            summary.memory = f"no prediction, units from the model's structure alone: {self.unmeasured}"
         if self.auto is not None:
             apply_auto_choice(module, self.auto, summary)
         elif self.measured is not None:
@@ -90,12 +97,6 @@ class Planned:
                 self.measured, summary.checkpointed, reshard, offloads(resolved.sharding, device), summary.selective,
                 resolved.blocks_per_unit, self.kept_gathered, self.measured_on, self.budget,
             )
-
-
-def plans_from_batch(resolved: ResolvedConfig) -> bool:
-    """Whether the planner chooses anything from a batch (so that setup should find one in the training data):
-    under ``activation_checkpointing="auto"``, or to group blocks into units (``blocks_per_unit=None``)."""
-    return resolved.requested.checkpointing.is_auto or resolved.sharding.blocks_per_unit is None
 
 
 def plan_before_sharding(
@@ -109,22 +110,24 @@ def plan_before_sharding(
     ``batch``: what it measures (``memory.planning_batch``); ``None``: ``example_input_array`` if set."""
     auto, resolved = _auto_checkpointing(module, resolved, precision, ranks, batch)
     if auto is not None:
-        return Planned(resolved, auto)
-    sharding = resolved.sharding
+        return Planned(resolved, auto, calls=auto.calls)
+    sharding, calls = resolved.sharding, Calls()
     shard, replicas = _groups(ranks)
     found = measure_for_summary(module, batch or planning_batch(module, None), shard, precision.name,
                                 sharding.blocks, ranks.device, _mode_of(module, resolved), replicas,
-                                _tensor_parallel(ranks), sharding.tensor_plan)
+                                _tensor_parallel(ranks), sharding.tensor_plan, calls)
     if found is None:
         return Planned(resolved)
     measured, measured_on = found
+    if measured is None:
+        return Planned(resolved, calls=calls, unmeasured=measured_on)
     budget = resolve_budget(resolved.requested.checkpointing.memory_budget,
                             device_memory(ranks.device, ranks.ranks_per_node))
     if sharding.blocks_per_unit is not None:  # the user chose the blocks per unit
-        return Planned(resolved, measured=measured, measured_on=measured_on, budget=budget)
+        return Planned(resolved, measured=measured, measured_on=measured_on, budget=budget, calls=calls)
     resolved, line, kept = _choose_units(module, resolved, measured, ranks, budget)
     return Planned(resolved, measured=measured, measured_on=measured_on, units_choice=line, kept_gathered=kept,
-                   budget=budget)
+                   budget=budget, calls=calls)
 
 
 def _groups(ranks: Ranks) -> tuple[int, int]:

@@ -35,7 +35,7 @@ from lightning_vitscale.sharding.activation_checkpointing import CHECKPOINT_MODE
 from lightning_vitscale.sharding.gradient_sync import gradient_sync_off, unsharded_gradient_bytes
 from lightning_vitscale.sharding.outer_unit import OuterUnit, reshard_units
 from lightning_vitscale.sharding.parallelize import parallelize
-from lightning_vitscale.sharding.planning import apply_auto_choice, plan_before_sharding, plans_from_batch
+from lightning_vitscale.sharding.planning import apply_auto_choice, plan_before_sharding
 from lightning_vitscale.sharding.ranks import Ranks
 from lightning_vitscale.sharding.resolved import ResolvedConfig
 from lightning_vitscale.sharding.reuse import check_reusable, sharding_signature
@@ -152,8 +152,9 @@ def shard_lightning_module(
 ) -> ShardedModel:
     """Shard ``module`` once; later calls with the same settings return the same :class:`ShardedModel`.
 
-    ``fitting``: the Trainer when it is about to fit: the planner may then measure one batch of its training data
-    (``memory/planning_batch.py``) where the module sets no ``example_input_array``.
+    ``fitting``: the Trainer when it is about to fit: setup then measures one batch of its training data
+    (``memory/planning_batch.py``) where the module sets no ``example_input_array``: for the planner, for which
+    modules the step calls (the units) and for the inputs each tensor-parallel plan is proven on.
 
     Kept in the module's ``__dict__`` (not as a submodule): the LightningModule must not contain its own wrapper.
     A module sharded under other settings raises :class:`~lightning_vitscale.ShardedModuleReuseError`.
@@ -163,7 +164,7 @@ def shard_lightning_module(
     )
     sharded: ShardedModel | None = module.__dict__.get(_SHARDED_ATTR)
     if sharded is None:
-        batch = planning_batch(module, fitting if plans_from_batch(resolved) else None)
+        batch = planning_batch(module, fitting)
         sharded = module.__dict__[_SHARDED_ATTR] = _shard(module, resolved, precision, ranks, creation, signature,
                                                           batch)
         rank_zero_info(sharded.summary.summary())
@@ -191,7 +192,7 @@ def _shard(
     # 3. The recipe: norms, casts, attention routing, checkpointing, compile, block units, the outer unit.
     done = parallelize(
         outer, module, ranks.sharding_mesh, planned.resolved, precision.policy, ranks.device, creation,
-        tensor_mesh=ranks.tensor_mesh,
+        tensor_mesh=ranks.tensor_mesh, calls=planned.calls,
     )
     set_lightning_device(module, ranks.device)
     planned.apply(module, done.plan, ranks.device)

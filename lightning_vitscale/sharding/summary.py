@@ -142,9 +142,10 @@ class SetupSummary:
 
     def _block_units(self) -> str:
         chosen = f" ({self.units_choice})" if self.units_choice else ""
-        if self.blocks_per_unit == 1:
-            return f"{len(self.block_names)} blocks{chosen}"
-        return f"{len(self.block_names)} blocks, up to {self.blocks_per_unit} per unit{chosen}"
+        if self.blocks_per_unit > 1:
+            return f"{len(self.block_names)} blocks, up to {self.blocks_per_unit} per unit{chosen}"
+        joined = f" in {self.units - 1} units" if self.units - 1 != len(self.block_names) else ""
+        return f"{len(self.block_names)} blocks{joined}{chosen}"
 
     def _layout_lines(self) -> list[str]:
         lines = []
@@ -206,6 +207,11 @@ def _kernel_lines(facts: PipelineFacts) -> dict[str, str]:
 
 def _notes(facts: PipelineFacts) -> list[str]:
     notes = [] if facts.blocks else [f"no repeated blocks in {facts.model_class}: one outer FSDP unit only"]
+    if facts.joined:
+        kinds = sorted({", ".join(classes) for classes in facts.joined.values()})
+        notes.append(f"{len(facts.joined)} repeated containers are never called themselves (their parent calls what"
+                     f" they hold): each is one FSDP unit over the modules of it that run ({'; '.join(kinds)}),"
+                     " each module a block of its own for checkpointing")
     if facts.init.not_reproduced:
         notes.append(f"{len(facts.init.not_reproduced)} meta tensor(s) whose init could not be reproduced (warned)")
     return notes
