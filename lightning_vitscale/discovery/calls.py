@@ -45,11 +45,7 @@ class Calls:
 
     def clear(self) -> None:
         """Forget an earlier run (a measurement retried another way records afresh)."""
-        self.called.clear()
-        self.inputs.clear()
-        self.running.clear()
-        self.outputs.clear()
-        self.error = ""
+        self.__dict__.update(Calls().__dict__)
 
     @property
     def where(self) -> str:

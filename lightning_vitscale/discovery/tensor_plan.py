@@ -68,12 +68,11 @@ class BlockPlan:
             "nothing replicated")
 
     def held_whole(self, block: nn.Module) -> str:
-        """Parameters of the split attention modules that stay whole (q/v biases, per-head bias tables), as a
-        sentence for a refusal (empty if none)."""
-        held = [f"{a}.{n}" if a else n for a in self.attention for n, p in block.get_submodule(a).named_parameters()
-                if not _in_planned(f"{a}.{n}" if a else n, self.styles) and p.dim() and not _is_norm_param(block, a, n)]
-        return (f" Its attention also holds {', '.join(held)}, which the plan keeps whole beside the split heads."
-                if held else "")
+        """A refusal's sentence on what the split attention modules keep whole (q/v biases, per-head tables)."""
+        names = [_joined(a, n) for a in self.attention for n, _ in block.get_submodule(a).named_parameters()]
+        held = [n for n in names if not _split_or_norm(block, n.rpartition(".")[0], self.styles)]
+        return f" Its attention also holds {', '.join(held)}, which the plan keeps whole beside the split heads." if (
+            held) else ""
 
 
 def _role_name(style: Any) -> str:
@@ -162,13 +161,8 @@ def _owns_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
 
 
-def _in_planned(parameter: str, styles: dict[str, Any]) -> bool:
-    return parameter.rpartition(".")[0] in styles
-
-
-def _is_norm_param(block: nn.Module, attention: str, parameter: str) -> bool:
-    owner = f"{attention}.{parameter}".strip(".").rpartition(".")[0]
-    return is_normalization(owner, block.get_submodule(owner))
+def _split_or_norm(block: nn.Module, owner: str, styles: dict[str, Any]) -> bool:
+    return owner in styles or is_normalization(owner, block.get_submodule(owner))
 
 
 def _head_count(module: nn.Module) -> int | None:

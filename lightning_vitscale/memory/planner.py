@@ -16,7 +16,7 @@ import re
 import warnings
 from collections.abc import Callable, Collection
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -42,7 +42,7 @@ from lightning_vitscale.memory.step_model import (
     predict_step,
 )
 from lightning_vitscale.memory.tensor_split import TensorSplit, measure_collectives, split_twin
-from lightning_vitscale.memory.twin import caches_left_real
+from lightning_vitscale.memory.twin import fresh_caches
 from lightning_vitscale.precision import PrecisionPolicy, resolve_flag
 
 DEFAULT_FRACTION = 0.9
@@ -226,16 +226,15 @@ def step_inputs(
     policy = resolve_flag(precision)
     record = calls if calls is not None else Calls()
     record.clear()
-    found, norms = model_parts(model, blocks, policy)
-    run = functools.partial(_measure, example_input=example_input, policy=policy, call=call, mode_of=mode_of,
-                            tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, calls=record)
-    measured, tensor, profile = run(model, model_parts(model, blocks, policy))
-    if any(name not in record.called for name, _ in measured[1]):  # a block the step never called: what of it ran
-        measured, tensor, profile = run(model, model_parts(model, blocks, policy, record.called))
+    run = functools.partial(_measure, model, example_input=example_input, policy=policy, call=call,
+                            mode_of=mode_of, tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, calls=record)
+    measured = run(*model_parts(model, blocks, policy))
+    if any(name not in record.called for name, _ in measured.blocks):  # a block the step never called: what of it ran
+        measured = run(*model_parts(model, blocks, policy, record.called))
     measured_batch = batch_size_of(example_input)
     return StepInputs(
-        layout=ModelLayout.of(measured[0], [b for _, b in measured[1]], measured[2]),
-        profile=profile,
+        layout=ModelLayout.of(measured.model, [b for _, b in measured.blocks], measured.norms),
+        profile=measured.profile,
         world=world_size,
         master=policy.master,
         compute=policy.compute,
@@ -244,27 +243,36 @@ def step_inputs(
         batch_scale=(batch_size or measured_batch) / measured_batch,
         collective_copies=collective_copies(device),
         loop=loop or TrainingLoop(),
-        tensor=tensor,
+        tensor=measured.tensor,
     )
 
 
+class _Measured(NamedTuple):
+    """What one measured step ran (under tensor parallelism the split twin, its blocks and norms) and found."""
+
+    model: nn.Module
+    blocks: Named
+    norms: list[nn.Module]
+    tensor: TensorSplit | None
+    profile: ActivationProfile
+
+
 def _measure(
-    model: nn.Module, parts: tuple[Named, list[nn.Module]], *, example_input: Any, policy: PrecisionPolicy,
+    model: nn.Module, found: Named, norms: list[nn.Module], *, example_input: Any, policy: PrecisionPolicy,
     call: StepCall | None, mode_of: ModeOf | None, tensor_parallel: int, tensor_plan: TensorPlanSelector | None,
     calls: Calls,
-) -> tuple[tuple[nn.Module, Named, list[nn.Module]], TensorSplit | None, ActivationProfile]:
-    """One measured step of ``model`` with its ``(blocks, norms)``; what was measured (under ``tensor_parallel > 1``
-    the split twin, its blocks and norms), the split's all-reduces and the activations."""
-    (found, norms), tensor = parts, None
+) -> _Measured:
+    """One measured step of ``model`` with ``found`` blocks and ``norms``, recording into ``calls``."""
+    tensor = None
     if tensor_parallel > 1:
         model, found, roles, plans = split_twin(model, found, tensor_parallel, tensor_plan)
         norms = model_parts(model, None, policy)[1]
-    with recording(model, calls, found), caches_left_real(model):
+    with recording(model, calls, found), fresh_caches(model):
         if tensor_parallel > 1:
             all_reduces = measure_collectives(model, found, roles, example_input, policy.compute, norms, call)
             tensor = TensorSplit(tensor_parallel, all_reduces, plans)
         profile = measure_activations(model, found, example_input, policy.compute, norms, call, mode_of)
-    return (model, found, norms), tensor, profile
+    return _Measured(model, found, norms, tensor, profile)
 
 
 def batch_size_of(example_input: Any) -> int:

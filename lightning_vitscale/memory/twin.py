@@ -38,33 +38,30 @@ _LRU_CACHE = type(functools.lru_cache(lambda: None))
 
 
 @contextlib.contextmanager
-def caches_left_real(model: nn.Module) -> Iterator[None]:
-    """Empty, after a fake-tensor run of ``model``, the ``functools.lru_cache`` s of its classes (and their modules)
-    that computed anything meanwhile: their new entries may hold fake tensors, which the real step would then get
-    (HF BEiT caches its relative position index per window size, and failed at the first step)."""
+def fresh_caches(model: nn.Module) -> Iterator[None]:
+    """Empty the ``functools.lru_cache`` s of ``model``'s code before and after a fake-tensor run of it: a real
+    entry meets fake tensors in the run, and a fake one would reach the real step (HF BEiT caches its relative
+    position index per window size, and failed at the first step)."""
     caches = _lru_caches(model)
-    misses = [cache.cache_info().misses for cache in caches]
+    for cache in caches:
+        cache.cache_clear()
     try:
         yield
     finally:
-        for cache, before in zip(caches, misses, strict=True):
-            if cache.cache_info().misses != before:
-                cache.cache_clear()
+        for cache in caches:
+            cache.cache_clear()
 
 
 def _lru_caches(model: nn.Module) -> list[Any]:
-    """The caches in the namespaces of ``model``'s module classes and their Python modules, including those a
-    decorator hides in its wrapper's closure."""
+    """The caches in the namespaces of ``model``'s classes and their Python modules, and in the closures of what
+    those hold (a decorator's wrapper: HF's ``compile_compatible_method_lru_cache``)."""
     classes = {cls for module in model.modules() for cls in type(module).__mro__ if cls.__module__ != "builtins"}
     spaces = [vars(cls) for cls in classes] + [vars(m) for m in {sys.modules.get(c.__module__) for c in classes} if m]
-    found: dict[int, Any] = {}
-    for space in spaces:
-        for value in list(space.values()):
-            function = getattr(value, "__func__", value)  # staticmethod / classmethod
-            cells = getattr(function, "__closure__", None) or ()
-            for candidate in (function, *(cell.cell_contents for cell in cells if _filled(cell))):
-                if isinstance(candidate, _LRU_CACHE):
-                    found[id(candidate)] = candidate
+    found = {}
+    for value in (value for space in spaces for value in list(space.values())):
+        function = getattr(value, "__func__", value)  # staticmethod / classmethod
+        cells = [cell.cell_contents for cell in getattr(function, "__closure__", None) or () if _filled(cell)]
+        found.update({id(c): c for c in (function, *cells) if isinstance(c, _LRU_CACHE)})
     return list(found.values())
 
 

@@ -1,9 +1,8 @@
-"""Every tensor-parallel plan proven before the first step: each distinct block split by its plan on the
-tensor-parallel group, run against a copy of itself unsplit, on the input a training step gives it (its shapes as
-the fake-tensor run at setup recorded them, the batch cut to 2, stand-in values). Output and input gradient must
-agree within fp32 rounding, and the attention's work must be split over the ranks (unless the user's
-``tensor_plan`` leaves it whole). Anything else is refused at setup on every rank, naming the block, the module and
-the fix: never a crash at the first step, never a silent difference.
+"""Every tensor-parallel plan proven before the first step: a copy of each distinct block split by its plan on the
+tensor-parallel group runs against an unsplit copy, on the input a training step gives it (the shapes the setup's
+fake-tensor step recorded, batch cut to 2, random values). Output and input gradient must agree within fp32
+rounding and (automatic plans) the attention's work must be split; anything else is refused at setup on every
+rank, naming the block, the module and the fix: never a crash at the first step, never a silent difference.
 """
 
 from __future__ import annotations
@@ -39,22 +38,22 @@ _ATTENTION = {F.scaled_dot_product_attention, F.softmax, torch.softmax, torch.Te
 
 @dataclass(frozen=True)
 class Run:
-    """One forward and backward of a block on the proof's input."""
+    """One forward and backward of a block: its output, input gradients, attention work (the elements of the
+    attention calls' first inputs on this rank) and each module's first output."""
 
     output: torch.Tensor
     gradients: list[torch.Tensor]
-    attention: int  # elements of the attention calls' first inputs (queries, scores) on this rank
-    outputs: dict[str, torch.Tensor]  # each module's first output, in order of return
+    attention: int
+    outputs: dict[str, torch.Tensor]
 
 
 def prove_plans(
     blocks: Named, *, plan: TensorPlanSelector | None, mesh: DeviceMesh, calls: Calls | None,
     device: torch.device, real_values: bool,
 ) -> dict[str, str]:
-    """Prove each distinct block's plan (see the module docstring); block class -> what the proof found, for the
-    summary. ``real_values``: the blocks hold the same real values on every rank (else seeded stand-ins are used);
-    ``calls``: the setup's fake-tensor run (``None``: none ran). Raises :class:`TensorPlanError` on every rank when
-    any rank's proof failed."""
+    """Block class -> what its proof found (for the summary); :class:`TensorPlanError` on every rank if any failed.
+    ``real_values``: every rank holds the blocks' real values (else seeded stand-ins); ``calls``: the setup's
+    fake-tensor step (``None``: none ran)."""
     found: dict[str, str] = {}
     proven: set[tuple[Any, ...]] = set()
     failure = ""
@@ -107,13 +106,13 @@ def _prove(
     if whole_attention and user is None:
         what = "leaves attention whole (each rank computes every head's scores)"
         raise TensorPlanError(_refusal(name, block, block_plan, ranks, shape, what, ""))
-    attention = "attention whole (tensor_plan)" if whole_attention else f"heads split over {ranks}"
+    attention = ("no attention" if not whole.attention else "attention whole (tensor_plan)" if whole_attention else
+                 f"heads split over {ranks}")
     return f"{attention}; proven on input {shape}: output {output:.0e}, input gradient {gradient:.0e} apart"
 
 
 def _reference_run(block: nn.Module, recorded: tuple[Any, ...], device: torch.device) -> tuple[Run, Any]:
-    """The unsplit block on the recorded input with its batch cut, or whole where the block needs it whole (a batch
-    dimension tied to a buffer's shape)."""
+    """The unsplit block on the recorded input, batch cut (else whole: a length tied to a buffer's shape)."""
     failure = ""
     for batch in (PROOF_BATCH, None):
         inputs = _stand_in(recorded, device, batch)
@@ -122,15 +121,11 @@ def _reference_run(block: nn.Module, recorded: tuple[Any, ...], device: torch.de
         except Exception as error:  # noqa: BLE001 - said below if the whole input fails too
             failure = f"fails ({type(error).__name__}: {error})"
             continue
-        if not all(torch.isfinite(t).all() for t in [whole.output, *whole.gradients]):
-            raise TensorPlanError(_unprovable(block, "gives non-finite values"))
-        return whole, inputs
-    raise TensorPlanError(_unprovable(block, failure))
-
-
-def _unprovable(block: nn.Module, what: str) -> str:
-    return (f"the tensor-parallel plan of {type(block).__name__} could not be proven: the unsplit block {what} on"
-            " stand-in values of the shapes a training step gives it. Use tensor_parallel=1.")
+        if all(torch.isfinite(t).all() for t in [whole.output, *whole.gradients]):
+            return whole, inputs
+        failure = "gives non-finite values"
+    raise TensorPlanError(f"the tensor-parallel plan of {type(block).__name__} could not be proven: the unsplit"
+                          f" block {failure} on random inputs of the recorded shapes. Use tensor_parallel=1.")
 
 
 def _run(module: nn.Module, inputs: Any, calls: Calls) -> Run:
@@ -165,9 +160,8 @@ class _AttentionWork(TorchFunctionMode):
 
 
 def _copy(block: nn.Module, device: torch.device, real_values: bool) -> nn.Module:
-    """An fp32 copy of ``block`` on ``device``: its own values, or (the block is on meta on some rank) seeded
-    stand-ins, the same on every rank and every call (floating buffers in [0.5, 1.5), integer ones zero: valid
-    indices)."""
+    """An fp32 copy of ``block`` on ``device``: its own values, or seeded stand-ins, the same on every rank and call
+    (floating buffers in [0.5, 1.5): a variance stays one; integer ones zero: valid indices)."""
     twin = copy.deepcopy(block)
     if real_values:
         return twin.to(device=device, dtype=torch.float32)
@@ -177,7 +171,7 @@ def _copy(block: nn.Module, device: torch.device, real_values: bool) -> nn.Modul
         for param in twin.parameters():
             scale = 1 / math.sqrt(param.shape[-1]) if param.dim() else 1.0
             param.copy_(torch.randn(param.shape, generator=generator) * scale)
-        for buffer in twin.buffers():  # positive floats: a BatchNorm's running variance stays one
+        for buffer in twin.buffers():
             buffer.copy_(torch.rand(buffer.shape, generator=generator) + 0.5) if buffer.is_floating_point() else (
                 buffer.zero_())
     return twin
@@ -209,7 +203,7 @@ def _apart(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _first_apart(got: Run, whole: Run) -> str:
-    """The first module (in order of return) whose output is the same shape on both sides and differs."""
+    """The first module (in order of return) whose output differs at the same shape."""
     for name, out in got.outputs.items():
         expected = whole.outputs.get(name)
         if expected is not None and not isinstance(out, DTensor) and _apart(out, expected) > TOLERANCE:
@@ -219,7 +213,7 @@ def _first_apart(got: Run, whole: Run) -> str:
 
 @contextlib.contextmanager
 def _exact_fp32() -> Iterator[None]:
-    """fp32 matmuls and convolutions in full precision (no TF32) while proving: the tolerance is fp32's."""
+    """No TF32 while proving: the tolerance is fp32's."""
     matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     torch.set_float32_matmul_precision("highest")
     torch.backends.cudnn.allow_tf32 = False
@@ -243,13 +237,8 @@ def _refusal(name: str, block: nn.Module, plan: BlockPlan, ranks: int, shape: tu
 
 
 def _unproven(name: str, block: nn.Module, ranks: int, calls: Calls | None) -> str:
-    if calls is None or not (calls.called or calls.error):
-        why = ("no training step was measured at setup: set `example_input_array` in the LightningModule (or fit on"
-               " a map-style dataset)")
-    elif calls.error:
-        where = f" in {calls.where}" if calls.where else ""
-        why = f"the training step measured on fake tensors at setup stopped before it{where} ({calls.error})"
-    else:
-        why = "a training step never calls it"
+    why = (f"the training step run on fake tensors at setup stopped first{f' in {calls.where}' if calls.where else ''}"
+           f" ({calls.error})" if calls is not None and calls.error else
+           "no training step was measured at setup: set `example_input_array` (or fit on a map-style dataset)")
     return (f"tensor_parallel={ranks}: the tensor-parallel plan of {type(block).__name__} ({name}) is proven at setup"
             f" on the input a training step gives it, and could not be: {why}. Or use tensor_parallel=1.")

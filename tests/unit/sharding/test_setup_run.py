@@ -14,8 +14,10 @@ step fails the same way); ``group_blocks`` ignoring ``unit_of`` (4 units of one 
 from __future__ import annotations
 
 import copy
+import functools
 
 import lightning as L
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -121,3 +123,50 @@ def test_a_setup_step_that_cannot_run_on_fake_tensors_is_said_in_the_summary_and
     assert "GuardOnDataDependentSymNode" in memory or "data-dependent" in memory, memory
     assert trainer.global_step == 2 and trainer.strategy.plan.units == 3
     assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
+
+
+class Reordered(nn.Module):
+    """Caches an index tensor per sequence length, as HF BEiT caches its relative position index per window size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.proj = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=2)
+    def order(n: int) -> torch.Tensor:
+        return torch.arange(n).flip(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(self.norm(x))[:, self.order(x.shape[1])]
+
+
+def test_the_fake_step_leaves_no_fake_tensor_in_the_models_caches_and_meets_none_of_its_real_ones():
+    """Measured first, the real forward got the fake index (HF BEiT failed at the first step so); run first, the
+    measurement met the real one.
+
+    Mutation seen failing: ``fresh_caches`` doing nothing (the real forward raises "Please convert all Tensors to
+    FakeTensors first"; the measurement after it reads a real tensor in fake mode)."""
+    model, x = nn.Sequential(Reordered(), Reordered()), torch.randn(2, 5, 8)
+    step_inputs(model, x, precision="32-true")
+    assert torch.isfinite(model(x)).all()  # the real step computes its own index
+    calls = Calls()
+    step_inputs(model, x, precision="32-true", calls=calls)  # after a real forward filled the cache
+    assert not calls.error
+
+
+def test_a_tensor_parallel_plan_without_the_steps_inputs_is_refused_saying_why(mesh):
+    """The proof needs what a training step gives each block: without a measured step (no batch at setup), or when
+    the fake-tensor step stopped early, setup stops, naming the fix or the step's error and where it happened.
+
+    Mutation seen failing: ``_prove`` accepting a block without recorded inputs (the plan goes unproven)."""
+    from lightning_vitscale.discovery import find_blocks
+    from lightning_vitscale.sharding import TensorPlanError
+    from lightning_vitscale.sharding.tensor_proof import prove_plans
+
+    blocks = find_blocks(LucidViT())
+    with pytest.raises(TensorPlanError, match=r"LucidAttention \(layers.0.0\) is proven at setup .* set `example_inp"):
+        prove_plans(blocks, plan=None, mesh=mesh, calls=None, device=torch.device("cpu"), real_values=True)
+    stopped = Calls(running=["layers.0.0"], error="RuntimeError: boom")
+    with pytest.raises(TensorPlanError, match=r"stopped first in layers.0.0 \(RuntimeError: boom\)"):
+        prove_plans(blocks, plan=None, mesh=mesh, calls=stopped, device=torch.device("cpu"), real_values=True)
