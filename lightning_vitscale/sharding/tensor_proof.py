@@ -206,7 +206,8 @@ def _first_apart(got: Run, whole: Run) -> str:
     """The first module (in order of return) whose output differs at the same shape."""
     for name, out in got.outputs.items():
         expected = whole.outputs.get(name)
-        if expected is not None and not isinstance(out, DTensor) and _apart(out, expected) > TOLERANCE:
+        if expected is not None and not isinstance(out, DTensor) and out.shape == expected.shape and (
+                _apart(out, expected) > TOLERANCE):
             return name or "the block itself"
     return ""
 

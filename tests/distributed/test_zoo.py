@@ -25,11 +25,12 @@ from tests.helpers.zoo import FAMILIES
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 SCRIPT = "tests/distributed/scripts/zoo.py"
 # What tensor_parallel=2 does to each family: split (the automatic plan, proven), or refused naming what fails.
-SPLIT = {"lucid_modulelist", "separate_qkv_nhead", "timm_vit", "hf_clip"}
+SPLIT = {"lucid_modulelist", "separate_qkv_nhead", "heads_from_shapes", "timm_vit", "hf_clip"}
 REFUSED = {
     "functional_linear": "aten.addmm.default got mixed torch.Tensor and DTensor",  # F.linear on a split weight
     "bias_table": "Its attention also holds attn.table",  # the per-head table stays whole: shapes differ
     "conv_attention": "leaves attention whole",  # Conv1d projections: only the MLP would be split
+    "unknown_head_attribute": "gives outputs",  # self.h heads of half the size: numbers differ, nothing raises
     "timm_beit": "Its attention also holds attn.q_bias, attn.v_bias, attn.relative_position_bias_table",
     "timm_swin": "Its attention also holds attn.relative_position_bias_table",
     "torchvision_swin": "aten.addmm.default got mixed torch.Tensor and DTensor",

@@ -2,7 +2,8 @@
 without downloads: timm, Hugging Face transformers, torchvision and torch constructors with random init, and
 hand-written layouts people copy (lucidrains' ``ModuleList([attention, feed-forward])`` iterated by its parent,
 attention calling ``F.linear`` on a module's weight, a per-head relative position bias table, head counts kept as
-``heads`` / ``n_heads`` / ``nhead``).
+``heads`` / ``n_heads`` / ``nhead``, read from the shapes or kept under a name no plan knows, 1x1-convolution
+projections).
 
 ``FAMILIES``: name -> builder of a module mapping ``(N, 3, 8, 8)`` images to ``(N, 10)`` logits.
 """
@@ -143,6 +144,22 @@ class SeparateQKV(nn.Module):
         return self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, -1))
 
 
+class HeadSizeAttention(nn.Module):
+    """No head count: the heads are read from the shapes (``reshape(..., -1, head_dim)``), or from an attribute of a
+    name no plan knows (``per_rank_heads=False``: ``self.h``, which splitting does not change)."""
+
+    def __init__(self, dim: int, per_rank_heads: bool = True) -> None:
+        super().__init__()
+        self.head_dim, self.h, self.per_rank_heads = 8, dim // 8, per_rank_heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        heads, size = (-1, self.head_dim) if self.per_rank_heads else (self.h, -1)
+        q, k, v = self.qkv(x).reshape(b, n, 3, heads, size).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, -1))
+
+
 class ConvAttention(nn.Module):
     """Projections as 1x1 convolutions over the tokens: a head count, but no Linear the plan could split."""
 
@@ -252,6 +269,8 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
     "bias_table": lambda: hand_written(BiasTableAttention),
     "separate_qkv_nhead": lambda: hand_written(SeparateQKV),
     "conv_attention": lambda: hand_written(ConvAttention),
+    "heads_from_shapes": lambda: hand_written(HeadSizeAttention),
+    "unknown_head_attribute": lambda: hand_written(lambda dim: HeadSizeAttention(dim, per_rank_heads=False)),
     "timm_vit": timm_vit,
     "timm_beit": timm_beit,
     "timm_swin": timm_swin,
