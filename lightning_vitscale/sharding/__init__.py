@@ -1,5 +1,6 @@
 """Sharding: what to wrap (settings) and what setup resolved it to (``resolved``), the ordered pipeline that applies
-the recipe (``parallelize``) through its ``apply_*`` steps (``steps``), the only ``fully_shard`` call site,
+the recipe (``parallelize``) through its ``apply_*`` steps (``steps``; tensor-parallel plans proven first:
+``tensor_proof``), the only ``fully_shard`` call site,
 activation checkpointing, the outer unit and calls outside a step, the layout's traffic, and the strategy's whole
 setup sequence (``setup.shard_lightning_module``).
 

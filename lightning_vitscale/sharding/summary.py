@@ -57,7 +57,8 @@ class SetupSummary:
         init_seconds: how long that took.
         overlap: how collectives overlap compute where the package arranges it (CPU ranks), else empty.
         tensor_parallel: ranks that split each block (``1``: none); ``world_size`` then counts data-parallel ranks.
-        tensor_plans: block class -> its tensor-parallel plan (module roles, per-rank head counts).
+        tensor_plans: block class -> its tensor-parallel plan (module roles, per-rank head counts), what it keeps
+            replicated and what its proof at setup measured.
         tensor_interleaved: packed projections whose rows are held in per-rank order (their checkpoints too).
     """
 

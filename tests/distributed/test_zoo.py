@@ -1,17 +1,17 @@
-"""Any backbone, proven: a zoo of 14 block families (tests/helpers/zoo.py: timm, HF transformers, torchvision, torch
+"""Any backbone, proven: a zoo of 16 block families (tests/helpers/zoo.py: timm, HF transformers, torchvision, torch
 and hand-written layouts) trains under ``VitScaleStrategy()`` with DDP's losses on 2 CPU ranks, and under
 ``tensor_parallel=2`` on 4 either with DDP's losses (the same global batch) or is refused at setup with a message
 naming the block, the module and the fix; never a failure after setup, never attention left whole unsaid.
 lucidrains' ``ModuleList([attention, feed-forward])`` layout trains as DDP for 6 steps: by default, with every block
 checkpointed, built in ``configure_model()``, and as ``nn.Sequential`` layers its parent iterates.
 
-Two launches (2 and 4 ranks) run every family; ~75 s together on the 2-core CI machine.
+Two launches (2 and 4 ranks) run every family; 50-70 s together on the 2-core CI machine.
 
-Mutations seen failing: units taken whole (a ModuleList layer as its own unit: the layout's step fails in
-``aten.native_layer_norm`` with mixed Tensor and DTensor; with the Sequential layers it fails the same way when the
-step's ``called`` names are not passed on); the proof's comparison dropped (timm's BEiT and Swin then crash at the
-first step with ``aten.addmm`` / a shape error, hf_beit and bias_table likewise); the attention-work check dropped
-(conv_attention then trains with its attention whole on every rank, the MLP alone split, nothing said).
+Mutations seen failing: units taken whole (the ModuleList layers become units: the 2-rank launch fails at the
+layout's first step); the step's ``called`` names not passed to ``parallelize`` (the Sequential layers become
+units: the launch fails the same way); the proof's comparison dropped (unknown_head_attribute, whose ``self.h``
+heads halve their size when split, trains with other numbers than DDP's and nothing said); the attention-work check
+dropped (conv_attention trains with its attention whole on every rank, the MLP alone split, nothing said).
 """
 
 from __future__ import annotations
