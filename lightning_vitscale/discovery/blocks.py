@@ -1,14 +1,20 @@
-"""Block discovery: find the repeated transformer (or residual) blocks of any model without being told their class."""
+"""Block discovery: find the repeated transformer (or residual) blocks of any model without being told their class,
+each as the modules of it whose ``forward`` runs (a ``ModuleList`` of sub-layers iterated by its parent is never
+called itself: its sub-layers are, and together they are one unit)."""
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 from torch import nn
 
 ModuleSelector = set[type[nn.Module]] | frozenset[type[nn.Module]] | Callable[[str, nn.Module], bool]
 """Block classes, or a predicate on (qualified name, module)."""
+Named = list[tuple[str, nn.Module]]
+"""``(qualified name, module)`` pairs in model order."""
+Unit = tuple[str, Named]
+"""A found block's name and the modules of it that run (the block itself, or a container's sub-layers)."""
 
 # Containers compare by structure, not class: two Sequentials are the same block only if they hold the same.
 _CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -77,24 +83,47 @@ def _discover(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]
             yield from _discover(child, f"{prefix}{name}.")
 
 
-def find_blocks(root: nn.Module, selector: ModuleSelector | None = None) -> list[tuple[str, nn.Module]]:
-    """Return ``(qualified_name, block)`` pairs in model order, outermost matches only.
+def find_units(
+    root: nn.Module, selector: ModuleSelector | None = None, called: Collection[str] | None = None
+) -> list[Unit]:
+    """The repeated blocks in model order, outermost matches only, each with the modules of it that run: the block
+    itself when its ``forward`` runs, else its children's (recursively), which then share one unit.
 
     Args:
         root: the model to search.
         selector: ``None`` for automatic discovery, a set of block classes, or a predicate ``(name, module)``.
+        called: qualified names of the modules whose ``forward`` a training step ran (measured at setup), or
+            ``None``: a module runs when its class defines ``forward`` (``ModuleList`` and ``ModuleDict`` do not).
+            A block none of whose modules ran is no unit.
     """
-    if selector is None:
-        return _dedup(_discover(root, ""))
     predicate: Callable[[str, nn.Module], bool]
-    if isinstance(selector, (set, frozenset)):
-        classes = tuple(selector)
-
-        def predicate(_: str, m: nn.Module) -> bool:
-            return isinstance(m, classes)
+    if selector is None:
+        candidates = _discover(root, "")
     else:
-        predicate = selector
-    return _dedup(_select_outermost(root, "", predicate))
+        if isinstance(selector, (set, frozenset)):
+            classes = tuple(selector)
+
+            def predicate(_: str, m: nn.Module) -> bool:
+                return isinstance(m, classes)
+        else:
+            predicate = selector
+        candidates = _select_outermost(root, "", predicate)
+    units = ((name, _running(name, block, called)) for name, block in _dedup(candidates))
+    return [(name, parts) for name, parts in units if parts]
+
+
+def find_blocks(
+    root: nn.Module, selector: ModuleSelector | None = None, called: Collection[str] | None = None
+) -> Named:
+    """``(qualified_name, module)`` pairs in model order: the modules of every unit of :func:`find_units`."""
+    return [pair for _, parts in find_units(root, selector, called) for pair in parts]
+
+
+def _running(name: str, module: nn.Module, called: Collection[str] | None) -> Named:
+    if type(module).forward is not nn.Module.forward and (called is None or name in called):
+        return [(name, module)]
+    return [pair for child, sub in module.named_children() if holds_parameters(sub)
+            for pair in _running(f"{name}.{child}", sub, called)]
 
 
 def _select_outermost(module: nn.Module, prefix: str, predicate) -> Iterator[tuple[str, nn.Module]]:

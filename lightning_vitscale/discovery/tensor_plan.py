@@ -18,6 +18,7 @@ from typing import Any, Literal
 from torch import nn
 
 from lightning_vitscale._utils import TENSOR_LAYOUT_KEY as TENSOR_LAYOUT_KEY  # where it always was
+from lightning_vitscale.discovery.norms import is_normalization
 
 Role = Literal["colwise", "rowwise", "packed_colwise"]
 TensorPlanSelector = dict[str, Any] | Callable[[str, nn.Module], dict[str, Any]]
@@ -25,7 +26,7 @@ TensorPlanSelector = dict[str, Any] | Callable[[str, nn.Module], dict[str, Any]]
 to ``torch.distributed.tensor.parallel`` styles, or a callable ``(block name, block) -> {module name: style}``
 (which also sets the block's per-rank head counts itself)."""
 
-HEAD_COUNTS = ("num_heads", "num_attention_heads")  # where attention modules keep their head count (timm, HF)
+HEAD_COUNTS = ("num_heads", "heads", "n_heads", "nhead", "num_attention_heads")  # timm, lucidrains, HF, ...
 HEAD_WIDTHS = ("attn_dim", "all_head_size")  # ... and, where they keep it, heads x head size (timm, older HF)
 
 
@@ -52,6 +53,7 @@ class BlockPlan:
     styles: dict[str, Any]
     attributes: dict[str, int] = field(default_factory=dict)
     family: str = "automatic"
+    attention: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """``attn.qkv packed colwise, attn.proj rowwise, ...; num_heads 4 -> 2 per rank``."""
@@ -59,19 +61,35 @@ class BlockPlan:
         heads = "; ".join(f"{name} -> {value} per rank" for name, value in self.attributes.items())
         return f"{roles}{'; ' + heads if heads else ''}"
 
+    def whole(self, block: nn.Module) -> str:
+        """``replicated: norm1, norm2, ls1``: the modules of ``block`` holding parameters that no style splits."""
+        kept = [n or "the block" for n, m in block.named_modules() if n not in self.styles and _owns_parameters(m)]
+        return f"replicated: {', '.join(kept[:8])}{f' +{len(kept) - 8}' if len(kept) > 8 else ''}" if kept else (
+            "nothing replicated")
+
+    def held_whole(self, block: nn.Module) -> str:
+        """A refusal's sentence on what the split attention modules keep whole (q/v biases, per-head tables)."""
+        names = [_joined(a, n) for a in self.attention for n, _ in block.get_submodule(a).named_parameters()]
+        held = [n for n in names if not _split_or_norm(block, n.rpartition(".")[0], self.styles)]
+        return f" Its attention also holds {', '.join(held)}, which the plan keeps whole beside the split heads." if (
+            held) else ""
+
 
 def _role_name(style: Any) -> str:
     return style.replace("_", " ") if isinstance(style, str) else type(style).__name__
 
 
 def plan_block(name: str, block: nn.Module, ranks: int, user: TensorPlanSelector | None) -> BlockPlan:
-    """The plan for ``block`` (``name`` in the model) over ``ranks`` tensor-parallel ranks."""
+    """The plan for ``block`` (``name`` in the model) over ``ranks`` tensor-parallel ranks (proven before use:
+    ``sharding/tensor_proof.py``)."""
     if user is not None:
         return _user_plan(name, block, user)
     _refuse_packed_module_attention(block)
     styles: dict[str, Any] = {}
     attributes: dict[str, int] = {}
-    attention = [(n, m) for n, m in block.named_modules() if _head_count(m) is not None and _linears(m)]
+    found = [(n, m) for n, m in block.named_modules() if _is_attention(m)]
+    ids = {id(m) for _, m in found}  # the innermost: a block keeping its own head count is no attention module
+    attention = [(n, m) for n, m in found if not any(id(sub) in ids for sub in list(m.modules())[1:])]
     inside_attention = {id(sub) for _, m in attention for sub in m.modules()}
     for module_name, module in attention:
         styles.update(_attention_roles(module_name, module, ranks, block))
@@ -82,11 +100,13 @@ def plan_block(name: str, block: nn.Module, ranks: int, user: TensorPlanSelector
     if not styles:
         raise TensorPlanError(
             f"{type(block).__name__} ({name}) holds no attention module (one keeping its head count as"
-            f" {' or '.join(HEAD_COUNTS)}) and no MLP (two or more Linear children) that the automatic"
-            " tensor-parallel plan knows. Pass tensor_plan={'attn.qkv': ColwiseParallel(), ...} (module-name"
-            " patterns inside the block) or a callable (block name, block) -> {name: style}, or tensor_parallel=1."
+            f" {', '.join(HEAD_COUNTS)}, or a packed q, k, v projection) and no MLP (two or more Linear children) that"
+            " the automatic tensor-parallel plan knows. Pass tensor_plan={'attn.qkv': ColwiseParallel(), ...}"
+            " (module-name patterns inside the block) or a callable (block name, block) -> {name: style}, or"
+            " tensor_parallel=1."
         )
-    return BlockPlan(styles, attributes, "automatic (Megatron: input projections colwise, output rowwise)")
+    return BlockPlan(styles, attributes, "automatic (Megatron: input projections colwise, output rowwise)",
+                     tuple(n for n, _ in attention))
 
 
 def _user_plan(name: str, block: nn.Module, user: TensorPlanSelector) -> BlockPlan:
@@ -119,6 +139,32 @@ def _linears(module: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(n, c) for n, c in module.named_children() if isinstance(c, nn.Linear)]
 
 
+def _projections(module: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """An attention module's Linears, nested ones included (lucidrains' ``to_out = Sequential(Linear, Dropout)``)."""
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear)]
+
+
+def _is_attention(module: nn.Module) -> bool:
+    """It keeps a head count and holds Linears, or (no head count: heads are then read from the shapes in its
+    forward, which the proof checks) its Linears are a packed ``[q; k; v]`` or q, k, v, then the output."""
+    linears = [linear for _, linear in _projections(module)]
+    if not linears:
+        return False
+    if _head_count(module) is not None:
+        return True
+    *inputs, out = linears
+    return ([i.out_features for i in inputs] == [3 * out.in_features] or
+            (len(inputs) == 3 and all(i.out_features == out.in_features for i in inputs)))
+
+
+def _owns_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
+
+
+def _split_or_norm(block: nn.Module, owner: str, styles: dict[str, Any]) -> bool:
+    return owner in styles or is_normalization(owner, block.get_submodule(owner))
+
+
 def _head_count(module: nn.Module) -> int | None:
     for attr in HEAD_COUNTS:
         value = getattr(module, attr, None)
@@ -133,14 +179,13 @@ def _joined(prefix: str, child: str) -> str:
 
 def _attention_roles(prefix: str, module: nn.Module, ranks: int, block: nn.Module) -> dict[str, Role]:
     """Packed ``[qkv, proj]`` (timm, the examples) or separate ``[q, k, v, out]`` (HF): the output comes last."""
-    linears = _linears(module)
+    linears = _projections(module)
     *inputs, (out_name, out) = linears
     width = out.in_features
     heads = _head_count(module) or 0
     where = f"{type(block).__name__}.{_joined(prefix, '') or type(module).__name__}".rstrip(".")
     if heads % ranks:
         raise TensorPlanError(f"{where} has {heads} heads, not divisible by tensor_parallel={ranks}.")
-    _refuse_width_norms(module, width, where)
     if len(inputs) == 1 and inputs[0][1].out_features == 3 * width:
         return {_joined(prefix, inputs[0][0]): "packed_colwise", _joined(prefix, out_name): "rowwise"}
     if len(inputs) == 3 and all(linear.out_features == width for _, linear in inputs):
@@ -151,20 +196,6 @@ def _attention_roles(prefix: str, module: nn.Module, ranks: int, block: nn.Modul
         f" followed by the output Linear; found {[n for n, _ in linears]} (a gate or extra projection?). Pass"
         " tensor_plan= with a style per module, or tensor_parallel=1."
     )
-
-
-def _refuse_width_norms(module: nn.Module, width: int, where: str) -> None:
-    """A norm over all heads' outputs (timm ``scale_norm``) would see only this rank's heads: refuse."""
-    for child_name, child in module.named_children():
-        if isinstance(child, nn.Linear):
-            continue
-        if any(p.dim() >= 1 and p.shape[-1] == width for p in child.parameters()) and width > 0:
-            head_dim = width // (_head_count(module) or 1)
-            if head_dim != width:
-                raise TensorPlanError(
-                    f"{where}.{child_name} normalises over all heads ({width} features), which tensor parallelism"
-                    " splits over ranks. Pass tensor_plan= or use tensor_parallel=1."
-                )
 
 
 def _per_rank_heads(prefix: str, module: nn.Module, ranks: int) -> dict[str, int]:
@@ -188,11 +219,5 @@ def _mlp_roles(prefix: str, module: nn.Module, ranks: int, block: nn.Module) -> 
         )
     if hidden % ranks:
         raise TensorPlanError(f"{where} has a hidden width of {hidden}, not divisible by tensor_parallel={ranks}.")
-    for child_name, child in module.named_children():
-        if not isinstance(child, nn.Linear) and any(p.shape[-1] == hidden for p in child.parameters()):
-            raise TensorPlanError(
-                f"{where}.{child_name} holds parameters over the hidden width, which tensor parallelism splits."
-                " Pass tensor_plan= or use tensor_parallel=1."
-            )
     roles: dict[str, Role] = {_joined(prefix, n): "colwise" for n, _ in inputs}
     return {**roles, _joined(prefix, out_name): "rowwise"}

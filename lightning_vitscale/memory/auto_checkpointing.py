@@ -25,6 +25,8 @@ from torch import nn
 
 from lightning_vitscale._compat import cuda_memory_fraction
 from lightning_vitscale._utils import available_host_bytes, human_bytes
+from lightning_vitscale.discovery.calls import Calls
+from lightning_vitscale.discovery.tensor_plan import TensorPlanError
 from lightning_vitscale.memory.activations import ModeOf
 from lightning_vitscale.memory.gradient_release import may_release_after_step
 from lightning_vitscale.memory.memory_plan import MemoryPlan
@@ -144,6 +146,7 @@ def choose_blocks(
     replicas: int = 1,
     tensor_parallel: int = 1,
     tensor_plan: Any = None,
+    calls: Calls | None = None,
 ) -> AutoChoice:
     """Run ``model`` (the un-sharded module or its meta twin) on fake tensors and pick each block's checkpointing
     and reshard, for the offload setting that is on and the loop order of the Trainer ``model`` is attached to.
@@ -155,13 +158,15 @@ def choose_blocks(
     the ranks of one shard group; ``replicas``: hybrid sharding's copies of it (their all-reduce is costed,
     :mod:`.collectives`); ``tensor_parallel`` / ``tensor_plan``: the strategy's, each block planned as one
     tensor-parallel rank's share (:mod:`.tensor_split`). Raises :class:`MeasurementError` where the step cannot run
-    on fake tensors."""
+    on fake tensors. ``calls``: what the step called (:func:`~.planner.step_inputs`)."""
     batch = example_input if isinstance(example_input, PlanningBatch) else PlanningBatch(example_input, EXAMPLE_INPUT)
     try:
         inputs, how = measure_batch(model, batch, world_size=world_size, precision=precision, optimizer=optimizer,
                                     blocks=blocks, device=device, loop=training_loop(model),
-                                    tensor_parallel=tensor_parallel, tensor_plan=tensor_plan)
+                                    tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, calls=calls)
         inputs = dataclasses.replace(inputs, replicas=replicas)
+    except TensorPlanError:  # the plan is refused: that, not the measurement, is what to fix
+        raise
     except Exception as error:  # a forward that cannot run on fake tensors must say what to do instead
         raise MeasurementError(
             f"activation_checkpointing='auto' could not measure {type(model).__name__} on fake tensors"
@@ -233,6 +238,7 @@ class AutoCheckpointing:
         self.fixed_reshard, self.required = fixed_reshard, required
         self.twin: nn.Module | None = None
         self.choice: AutoChoice | None = None
+        self.calls = Calls()  # what the measured step called: the units are what it runs
 
     @property
     def pending(self) -> bool:
@@ -264,7 +270,7 @@ class AutoCheckpointing:
                 optimizer=optimizer, blocks=self.blocks, device=device, offload=self.offload,
                 fixed_reshard=self.fixed_reshard, per_unit=self.per_unit,
                 compare_units=self.units_left_to_planner and self.per_unit is not None, replicas=self.replicas,
-                tensor_parallel=self.tensor_parallel, tensor_plan=self.tensor_plan)
+                tensor_parallel=self.tensor_parallel, tensor_plan=self.tensor_plan, calls=self.calls)
         except MeasurementError as error:
             if self.required:
                 raise
@@ -304,23 +310,29 @@ def measure_for_summary(
     replicas: int = 1,
     tensor_parallel: int = 1,
     tensor_plan: Any = None,
-) -> tuple[StepInputs, str] | None:
+    calls: Calls | None = None,
+) -> tuple[StepInputs | None, str] | None:
     """Fake-tensor measurement of ``batch`` (see :func:`~.planning_batch.measure_batch`) for the setup summary's
     predicted peak and the planner's grouping, and how it was measured; ``mode_of``: each block's checkpointing,
     settled by the user (each block is measured for it alone); ``world_size``: one shard group, ``replicas``:
-    hybrid sharding's copies of it; ``tensor_parallel`` / ``tensor_plan``: one tensor-parallel rank's share.
+    hybrid sharding's copies of it; ``tensor_parallel`` / ``tensor_plan``: one tensor-parallel rank's share;
+    ``calls``: what the step called (:func:`~.planner.step_inputs`). ``None`` without a batch.
 
-    Only informative: a module whose step cannot run on fake tensors gets no prediction, not an error.
+    A step that cannot run on fake tensors gives ``(None, why)``: nothing needs the prediction, the summary says why
+    it is missing. A refused tensor-parallel plan raises.
     """
     if batch is None:
         return None
     try:
         inputs, how = measure_batch(module, batch, world_size=world_size, precision=precision, blocks=blocks,
                                     device=device, loop=training_loop(module), mode_of=mode_of,
-                                    tensor_parallel=tensor_parallel, tensor_plan=tensor_plan)
+                                    tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, calls=calls)
         return dataclasses.replace(inputs, replicas=replicas), how
-    except Exception:  # noqa: BLE001 - see docstring
-        return None
+    except TensorPlanError:
+        raise
+    except Exception as error:  # noqa: BLE001 - said in the summary (see docstring)
+        where = f" in {calls.where}" if calls is not None and calls.where else ""
+        return None, f"{batch.source} could not run on fake tensors{where} ({type(error).__name__}: {error})"
 
 
 def describe_prediction(

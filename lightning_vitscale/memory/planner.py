@@ -11,10 +11,12 @@ per-rank batch that fits.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
+from collections.abc import Collection
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -22,8 +24,10 @@ from torch import nn
 from lightning_vitscale._compat import tree_leaves
 from lightning_vitscale._utils import GIB, MIB, human_bytes
 from lightning_vitscale.discovery import ModuleSelector, find_blocks, holds_parameters
+from lightning_vitscale.discovery.blocks import Named
+from lightning_vitscale.discovery.calls import Calls, recording
 from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector
-from lightning_vitscale.memory.activations import ModeOf, StepCall, measure_activations
+from lightning_vitscale.memory.activations import ActivationProfile, ModeOf, StepCall, measure_activations
 from lightning_vitscale.memory.devices import device_named, memory_names
 from lightning_vitscale.memory.memory_plan import Candidate, MemoryPlan
 from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, search
@@ -38,6 +42,7 @@ from lightning_vitscale.memory.step_model import (
     predict_step,
 )
 from lightning_vitscale.memory.tensor_split import TensorSplit, measure_collectives, split_twin
+from lightning_vitscale.memory.twin import fresh_caches
 from lightning_vitscale.precision import PrecisionPolicy, resolve_flag
 
 DEFAULT_FRACTION = 0.9
@@ -98,10 +103,11 @@ def parse_memory(spec: str | int | float) -> int:
 
 
 def model_parts(
-    model: nn.Module, blocks: ModuleSelector | None, precision: PrecisionPolicy
-) -> tuple[list[tuple[str, nn.Module]], list[nn.Module]]:
-    """The blocks the strategy would shard and the norms it would keep apart in fp32, as parallelize finds them."""
-    found = [(n, b) for n, b in find_blocks(model, blocks) if holds_parameters(b)]
+    model: nn.Module, blocks: ModuleSelector | None, precision: PrecisionPolicy, called: Collection[str] | None = None
+) -> tuple[Named, list[nn.Module]]:
+    """The blocks the strategy would shard and the norms it would keep apart in fp32, as parallelize finds them
+    (``called``: see :func:`~lightning_vitscale.discovery.find_blocks`)."""
+    found = [(n, b) for n, b in find_blocks(model, blocks, called) if holds_parameters(b)]
     norms = [m for _, m in precision.separate_norm_modules(model)]
     return found, norms
 
@@ -180,6 +186,7 @@ def step_inputs(
     mode_of: ModeOf | None = None,
     tensor_parallel: int = 1,
     tensor_plan: TensorPlanSelector | None = None,
+    calls: Calls | None = None,
 ) -> StepInputs:
     """Measure ``model`` on fake tensors and gather what :func:`predict_step` needs (see :func:`plan_memory`).
 
@@ -191,24 +198,25 @@ def step_inputs(
     (:func:`~.activations.measure_activations`; the result then predicts that checkpointing only).
     ``world_size``: one FSDP shard group (the data-parallel ranks); ``tensor_parallel > 1`` measures one
     tensor-parallel rank's split twin of ``model`` (:mod:`.tensor_split`) and its all-reduces.
+    ``calls``: filled with what the step called (:class:`~lightning_vitscale.discovery.calls.Calls`), even when it
+    raises; a block it never called is measured as the modules of it that ran (``find_blocks``'s ``called``).
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not known; choose one of {', '.join(OPTIMIZER_STATES)}.")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}.")
     policy = resolve_flag(precision)
-    found, norms = model_parts(model, blocks, policy)
-    tensor = None
-    if tensor_parallel > 1:
-        model, found, roles, plans = split_twin(model, found, tensor_parallel, tensor_plan)
-        norms = model_parts(model, blocks, policy)[1]
-        all_reduces = measure_collectives(model, found, roles, example_input, policy.compute, norms, call)
-        tensor = TensorSplit(tensor_parallel, all_reduces, plans)
-    profile = measure_activations(model, found, example_input, policy.compute, norms, call, mode_of)
+    record = calls if calls is not None else Calls()
+    record.clear()
+    run = functools.partial(_measure, model, example_input=example_input, policy=policy, call=call,
+                            mode_of=mode_of, tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, calls=record)
+    measured = run(*model_parts(model, blocks, policy))
+    if any(name not in record.called for name, _ in measured.blocks):  # a block the step never called: what of it ran
+        measured = run(*model_parts(model, blocks, policy, record.called))
     measured_batch = batch_size_of(example_input)
     return StepInputs(
-        layout=ModelLayout.of(model, [b for _, b in found], norms),
-        profile=profile,
+        layout=ModelLayout.of(measured.model, [b for _, b in measured.blocks], measured.norms),
+        profile=measured.profile,
         world=world_size,
         master=policy.master,
         compute=policy.compute,
@@ -217,8 +225,36 @@ def step_inputs(
         batch_scale=(batch_size or measured_batch) / measured_batch,
         collective_copies=collective_copies(device),
         loop=loop or TrainingLoop(),
-        tensor=tensor,
+        tensor=measured.tensor,
     )
+
+
+class _Measured(NamedTuple):
+    """What one measured step ran (under tensor parallelism the split twin, its blocks and norms) and found."""
+
+    model: nn.Module
+    blocks: Named
+    norms: list[nn.Module]
+    tensor: TensorSplit | None
+    profile: ActivationProfile
+
+
+def _measure(
+    model: nn.Module, found: Named, norms: list[nn.Module], *, example_input: Any, policy: PrecisionPolicy,
+    call: StepCall | None, mode_of: ModeOf | None, tensor_parallel: int, tensor_plan: TensorPlanSelector | None,
+    calls: Calls,
+) -> _Measured:
+    """One measured step of ``model`` with ``found`` blocks and ``norms``, recording into ``calls``."""
+    tensor = None
+    if tensor_parallel > 1:
+        model, found, roles, plans = split_twin(model, found, tensor_parallel, tensor_plan)
+        norms = model_parts(model, None, policy)[1]
+    with recording(model, calls, found), fresh_caches(model):
+        if tensor_parallel > 1:
+            all_reduces = measure_collectives(model, found, roles, example_input, policy.compute, norms, call)
+            tensor = TensorSplit(tensor_parallel, all_reduces, plans)
+        profile = measure_activations(model, found, example_input, policy.compute, norms, call, mode_of)
+    return _Measured(model, found, norms, tensor, profile)
 
 
 def batch_size_of(example_input: Any) -> int:

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_vitscale._compat import train_dataloader
+from lightning_vitscale.discovery.tensor_plan import TensorPlanError
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_model import StepInputs
 from lightning_vitscale.memory.twin import meta_twin as meta_twin  # where it always was
@@ -193,6 +194,8 @@ def _measure_batch(model: nn.Module, batch: PlanningBatch, **step_kwargs: Any) -
         try:
             inputs = step_inputs(meta_twin(model), batch.value, call=training_step_call, **step_kwargs)
             return inputs, f"{batch.source}, through training_step"
+        except TensorPlanError:
+            raise
         except Exception as error:
             if not has_forward(model):
                 raise

@@ -3,7 +3,11 @@ the real module (the planning batch's ``training_step``, the tensor-parallel spl
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,3 +32,42 @@ def meta_twin(module: nn.Module) -> nn.Module:
     # LightningModule.__getstate__ drops the trainer: put it back, the plan follows the Trainer's loop.
     twin.__dict__.update({name: value for name, value in shared.items() if value is not None})
     return twin
+
+
+_LRU_CACHE = type(functools.lru_cache(lambda: None))
+
+
+@contextlib.contextmanager
+def fresh_caches(model: nn.Module) -> Iterator[None]:
+    """Empty the ``functools.lru_cache`` s of ``model``'s code before and after a fake-tensor run of it: a real
+    entry meets fake tensors in the run, and a fake one would reach the real step (HF BEiT caches its relative
+    position index per window size, and failed at the first step)."""
+    caches = _lru_caches(model)
+    for cache in caches:
+        cache.cache_clear()
+    try:
+        yield
+    finally:
+        for cache in caches:
+            cache.cache_clear()
+
+
+def _lru_caches(model: nn.Module) -> list[Any]:
+    """The caches in the namespaces of ``model``'s classes and their Python modules, and in the closures of what
+    those hold (a decorator's wrapper: HF's ``compile_compatible_method_lru_cache``)."""
+    classes = {cls for module in model.modules() for cls in type(module).__mro__ if cls.__module__ != "builtins"}
+    spaces = [vars(cls) for cls in classes] + [vars(m) for m in {sys.modules.get(c.__module__) for c in classes} if m]
+    found = {}
+    for value in (value for space in spaces for value in list(space.values())):
+        function = getattr(value, "__func__", value)  # staticmethod / classmethod
+        cells = [cell.cell_contents for cell in getattr(function, "__closure__", None) or () if _filled(cell)]
+        found.update({id(c): c for c in (function, *cells) if isinstance(c, _LRU_CACHE)})
+    return list(found.values())
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True

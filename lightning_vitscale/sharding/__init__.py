@@ -1,7 +1,7 @@
 """Sharding: what to wrap (settings) and what setup resolved it to (``resolved``), the ordered pipeline that applies
-the recipe (``parallelize``) through its ``apply_*`` steps (``steps``), the only ``fully_shard`` call site,
-activation checkpointing, the outer unit and calls outside a step, the layout's traffic, and the strategy's whole
-setup sequence (``setup.shard_lightning_module``).
+the recipe (``parallelize``) through its ``apply_*`` steps (``steps``; tensor-parallel plans proven first:
+``tensor_proof``), the only ``fully_shard`` call site, activation checkpointing, the outer unit and calls outside a
+step, the layout's traffic, and the strategy's whole setup sequence (``setup.shard_lightning_module``).
 
 The top of the concerns: may import ``memory``, ``checkpoint``, ``precision``, ``kernels``, ``init``,
 ``discovery``, ``distributed``, ``_utils`` and ``_compat``; only the strategy and the CLI import it.

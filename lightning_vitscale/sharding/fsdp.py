@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import cast
+from collections.abc import Sequence
+from typing import TypeVar, cast
 
 import torch
 from torch import nn
@@ -10,6 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_vitscale.precision import PrecisionPolicy
+
+T = TypeVar("T")
 
 
 def mixed_precision_policy(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
@@ -50,13 +53,22 @@ def shard_module(
     return cast(FSDPModule, sharded[0] if isinstance(sharded, list) else sharded)
 
 
-def group_blocks(blocks: list[nn.Module], per_unit: int) -> list[list[nn.Module]]:
-    """Consecutive runs of ``per_unit`` blocks (in model order; the last run may be shorter), one FSDP unit each.
+def group_blocks(blocks: list[T], per_unit: int, unit_of: Sequence[int] | None = None) -> list[list[T]]:
+    """Consecutive runs of ``per_unit`` blocks (in model order; the last run may be shorter), one FSDP unit each;
+    ``unit_of[i]``: block ``i``'s unit as discovered (the modules of a container that is never called themselves
+    share one), which a run never splits (it may hold more than ``per_unit`` blocks then).
 
     Consecutive, so that a unit's blocks run back to back: FSDP2 gathers a list-unit at the first of its modules'
     forwards and reduce-scatters once after the last of their backwards.
     """
-    return [blocks[i : i + per_unit] for i in range(0, len(blocks), per_unit)]
+    unit_of = range(len(blocks)) if unit_of is None else unit_of
+    groups: list[list[T]] = []
+    for i, block in enumerate(blocks):
+        if groups and (len(groups[-1]) < per_unit or unit_of[i] == unit_of[i - 1]):
+            groups[-1].append(block)
+        else:
+            groups.append([block])
+    return groups
 
 
 def set_prefetch(units: list[FSDPModule], depth: int) -> None:

@@ -8,7 +8,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_vitscale.discovery import ModuleSelector, describe_blocks, find_blocks, holds_parameters
+from lightning_vitscale.discovery import ModuleSelector, describe_blocks, find_units, holds_parameters
+from lightning_vitscale.discovery.blocks import Unit
+from lightning_vitscale.discovery.calls import Calls
 from lightning_vitscale.init import Creation, InitialWeights
 from lightning_vitscale.kernels import AttentionRouter, tensor_core_report
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, cast_floating_inputs
@@ -24,10 +26,10 @@ from lightning_vitscale.sharding.steps import (
     apply_compile,
     apply_fsdp,
     apply_prefetch,
+    apply_tp,
     replicate_norms,
 )
 from lightning_vitscale.sharding.summary import SetupSummary, summary_from_facts
-from lightning_vitscale.sharding.tensor_parallel import apply_tp
 
 
 class NoBlocksMatchedError(ValueError):
@@ -53,6 +55,7 @@ def parallelize(
     device: torch.device,
     creation: Creation | None = None,
     tensor_mesh: DeviceMesh | None = None,
+    calls: Calls | None = None,
 ) -> Parallelized:
     """Apply the recipe to ``model`` (held by ``outer_unit``, the module Lightning actually calls).
 
@@ -60,9 +63,14 @@ def parallelize(
     ``creation`` says how ``configure_model()`` built meta parameters (``None``: the model existed before setup).
     ``precision`` and ``device`` are required: a default would silently run a bf16 GPU job as fp32 on CPU.
     ``tensor_mesh`` (``tensor_parallel=k``): the blocks are split over it first; ``mesh`` is the data-parallel one.
+    ``calls``: what a training step measured at setup called (the units are the modules it runs, and the inputs
+    on which each tensor-parallel plan is proven); ``None``: no step was measured.
     """
     resolved = config if isinstance(config, ResolvedConfig) else resolve_config(config, device)
-    blocks = select_blocks(model, resolved.sharding.blocks)  # before anything rewrites the tree
+    found = select_units(model, resolved.sharding.blocks, calls)  # before anything rewrites the tree
+    blocks = [pair for _, unit in found for pair in unit]
+    unit_of = [index for index, (_, unit) in enumerate(found) for _ in unit]
+    joined = {name: [type(m).__name__ for _, m in unit] for name, unit in found if [name] != [n for n, _ in unit]}
     described = describe_blocks(blocks)  # before FSDP renames the classes (FSDP<Block>)
     # 1. Starting weights: rank 0's everywhere (DDP's guarantee) or, on the meta path, the model's own init,
     #    delivered to each unit's shards as it is sharded (step 4), so no rank holds a second copy.
@@ -74,7 +82,8 @@ def parallelize(
     if tensor_mesh is not None:
         sharding = resolved.sharding
         weights.hold([block for _, block in blocks])
-        tensor = apply_tp(model, blocks, mesh=tensor_mesh, plan=sharding.tensor_plan, init_path=weights.path)
+        tensor = apply_tp(model, blocks, mesh=tensor_mesh, plan=sharding.tensor_plan, init_path=weights.path,
+                          calls=calls, device=device)
     # 2. Norm precision first: the fp32 norms must leave the low-precision units before FSDP sees them.
     norms = replicate_norms(model, mesh, precision, weights)
     #    Outer-unit layers take their inputs in the compute dtype even when a step made them in fp32.
@@ -96,7 +105,7 @@ def parallelize(
         outer_unit, [block for _, block in blocks], mesh=mesh, weights=weights,
         mp_policy=mixed_precision_policy(precision), offload=offload_policy(resolved.sharding.offload, device),
         reshard_after_forward=resolved.sharding.reshard_after_forward, blocks_per_unit=resolved.blocks_per_unit,
-        ignored=norms.ignored,
+        ignored=norms.ignored, unit_of=unit_of,
     )
     # 5. Explicit prefetch once every unit exists: each unit starts the next one's all-gather.
     overlap = apply_prefetch(units.all, resolved.prefetch, mesh, device)
@@ -107,21 +116,27 @@ def parallelize(
         described=described, norms=norms, checkpointing=checkpointing, compiled=compiled, router=router,
         kernels=resolved.kernels, tensor_core_misses=tensor_cores, units=units, overlap=overlap, init=init,
         params=list(model.parameters()), precision=precision.name, tensor=tensor,
+        joined=joined,
     )
     return Parallelized(summary_from_facts(facts), norms.replicated, router)
 
 
-def select_blocks(model: nn.Module, selector: ModuleSelector | None) -> Named:
-    """The blocks to shard, checkpoint and compile (each holding parameters); loud if the user's selector matched
-    nothing, or if the model has nothing to shard at all."""
+def select_units(model: nn.Module, selector: ModuleSelector | None, calls: Calls | None = None) -> list[Unit]:
+    """The blocks to shard, checkpoint and compile (each holding parameters), as the modules of each that a training
+    step runs (``calls``, where it ran to the end; else the model's structure says what can run); loud if the
+    user's selector matched nothing, or if the model has nothing to shard at all."""
     _check_has_parameters(model)
-    blocks = [(name, block) for name, block in find_blocks(model, selector) if holds_parameters(block)]
-    if selector is not None and not blocks:
+    called = calls.called if calls is not None and calls.called and not calls.error else None
+    found = [(name, [(n, b) for n, b in parts if holds_parameters(b)]) for name, parts in
+             find_units(model, selector, called)]
+    units = [(name, parts) for name, parts in found if parts]
+    if selector is not None and not units:
         raise NoBlocksMatchedError(
-            f"`blocks={selector!r}` matched no module with parameters in {type(model).__name__}."
+            f"`blocks={selector!r}` matched no module with parameters in {type(model).__name__}"
+            + (" that a training step calls" if called is not None else "") + "."
             " Pass the class of the repeated block (e.g. blocks={MyBlock}) or leave `blocks=None` to find them."
         )
-    return blocks
+    return units
 
 
 def _outer_layers(model: nn.Module, blocks: Named, norm_modules: Named) -> list[nn.Module]:

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_vitscale._utils import human_bytes
+from lightning_vitscale.discovery.calls import Calls
 from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.memory import (
     AutoCheckpointing,
@@ -55,6 +56,8 @@ class Planned:
             reshard left to it: ``reshard_after_forward=None``).
         budget: ``memory_budget`` in bytes, the same on every rank (:func:`agreed_budget`; the summary names it,
             and says so when the predicted peak is over it).
+        calls: what the measured step called (the units are what it runs), where a step was measured at setup.
+        unmeasured: why the step measured at setup gave no prediction (the summary says it), else empty.
     """
 
     resolved: ResolvedConfig
@@ -64,6 +67,8 @@ class Planned:
     measured_on: str = ""
     units_choice: str | None = None
     kept_gathered: tuple[str, ...] = ()
+    calls: Calls | None = None
+    unmeasured: str = ""
 
     def tensor_sent(self, summary: SetupSummary) -> float | None:
         """Bytes this rank sends per step over the tensor-parallel dimension for the checkpointing applied
@@ -101,6 +106,8 @@ class Planned:
         """After the pipeline: blocks kept gathered where the planner chose so, and the summary's memory lines."""
         if self.units_choice is not None:
             summary.units_choice = self.units_choice
+        if self.unmeasured:
+            summary.memory = f"no prediction, units from the model's structure alone: {self.unmeasured}"
         if self.auto is not None:
             apply_auto_choice(module, self.auto, summary)
         elif self.measured is not None:
@@ -138,20 +145,22 @@ def plan_before_sharding(
     ``example_input_array`` if set."""
     auto, resolved = _auto_checkpointing(module, resolved, precision, ranks, budget, batch)
     if auto is not None:
-        return Planned(resolved, budget, auto)
-    sharding = resolved.sharding
+        return Planned(resolved, budget, auto, calls=auto.calls)
+    sharding, calls = resolved.sharding, Calls()
     shard, replicas = _groups(ranks)
     found = measure_for_summary(module, batch or planning_batch(module, None), shard, precision.name,
                                 sharding.blocks, ranks.device, _mode_of(module, resolved), replicas,
-                                _tensor_parallel(ranks), sharding.tensor_plan)
+                                _tensor_parallel(ranks), sharding.tensor_plan, calls)
     if found is None:
         return Planned(resolved, budget)
     measured, measured_on = found
+    if measured is None:
+        return Planned(resolved, budget, calls=calls, unmeasured=measured_on)
     if not (resolved.planner_units or resolved.planner_keeps):
-        return Planned(resolved, budget, measured=measured, measured_on=measured_on)
+        return Planned(resolved, budget, measured=measured, measured_on=measured_on, calls=calls)
     resolved, line, kept = _choose_units(module, resolved, measured, ranks, budget)
     return Planned(resolved, budget, measured=measured, measured_on=measured_on, units_choice=line,
-                   kept_gathered=kept)
+                   kept_gathered=kept, calls=calls)
 
 
 def _groups(ranks: Ranks) -> tuple[int, int]:

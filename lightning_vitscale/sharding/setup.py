@@ -186,8 +186,9 @@ def shard_lightning_module(
 ) -> ShardedModel:
     """Shard ``module`` once; later calls with the same settings return the same :class:`ShardedModel`.
 
-    ``fitting``: the Trainer when it is about to fit: the planner may then measure one batch of its training data
-    (``memory/planning_batch.py``) where the module sets no ``example_input_array``.
+    ``fitting``: the Trainer when it is about to fit: setup then measures one batch of its training data
+    (``memory/planning_batch.py``) where the module sets no ``example_input_array``: for the planner, for which
+    modules the step calls (the units) and for the inputs each tensor-parallel plan is proven on.
 
     Kept in the module's ``__dict__`` (not as a submodule): the LightningModule must not contain its own wrapper.
     A module sharded under other settings raises :class:`~lightning_vitscale.ShardedModuleReuseError`.
@@ -197,7 +198,7 @@ def shard_lightning_module(
     )
     sharded: ShardedModel | None = module.__dict__.get(_SHARDED_ATTR)
     if sharded is None:
-        batch = planning_batch(module, fitting if plans_from_batch(resolved) else None)
+        batch = planning_batch(module, fitting)
         sharded = module.__dict__[_SHARDED_ATTR] = _shard(module, resolved, precision, ranks, creation, signature,
                                                           batch)
         rank_zero_info(sharded.summary.summary())
@@ -228,7 +229,7 @@ def _shard(
     # 3. The recipe: norms, casts, attention routing, checkpointing, compile, block units, the outer unit.
     done = parallelize(
         outer, module, ranks.sharding_mesh, planned.resolved, precision.policy, ranks.device, creation,
-        tensor_mesh=ranks.tensor_mesh,
+        tensor_mesh=ranks.tensor_mesh, calls=planned.calls,
     )
     set_lightning_device(module, ranks.device)
     planned.apply(module, done.plan, ranks.device)

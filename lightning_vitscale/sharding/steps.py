@@ -3,15 +3,19 @@ returns a small record of what it did, from which the setup summary is built (``
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
+from lightning_vitscale.discovery.blocks import Named
+from lightning_vitscale.discovery.calls import Calls
+from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector, plan_block
 from lightning_vitscale.init import InitialWeights
 from lightning_vitscale.kernels import AttentionRouter, KernelPolicy, apply_regional_compile, make_router, route_blocks
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms
@@ -24,10 +28,8 @@ from lightning_vitscale.sharding.activation_checkpointing import (
 from lightning_vitscale.sharding.cpu_overlap import overlap_collectives_on_cpu
 from lightning_vitscale.sharding.fsdp import group_blocks, set_prefetch, shard_module
 from lightning_vitscale.sharding.settings import unit_reshard
-from lightning_vitscale.sharding.tensor_parallel import TensorParallelFacts
-
-Named = list[tuple[str, nn.Module]]
-"""``(qualified name, module)`` pairs in model order."""
+from lightning_vitscale.sharding.tensor_parallel import same_values_everywhere, split_block
+from lightning_vitscale.sharding.tensor_proof import prove_plans
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,44 @@ class OverlapFacts:
     description: str
 
 
+@dataclass(frozen=True)
+class TensorParallelFacts:
+    """What ``apply_tp`` did: the tensor-parallel size, per block class its plan, what stays whole and what the
+    proof found, and which projections hold their packed rows interleaved per rank (``module names``)."""
+
+    size: int
+    plans: dict[str, str]
+    blocks: dict[str, int]
+    interleaved: list[str]
+
+
+def apply_tp(
+    model: nn.Module, blocks: Named, *, mesh: DeviceMesh, plan: TensorPlanSelector | None, init_path: str,
+    calls: Calls | None, device: torch.device,
+) -> TensorParallelFacts:
+    """Split every block over ``mesh`` (the tensor-parallel dimension) by its plan once each distinct block's plan
+    is proven (``tensor_proof.py``: on ``calls``' recorded inputs, on ``device``); set per-rank head counts.
+
+    Every rank must end with global rank 0's values (DDP's guarantee). ``init_path`` says how the weights were
+    made (``InitialWeights.path``). ``"built"`` (the model built before setup, on every rank): rank 0's values are
+    broadcast first and each block's shards cut from its tensor-parallel group's first rank. ``"exact"`` and
+    ``"meta"`` (``configure_model()``): every rank splits meta tensors with no communication (rank 0's own values
+    wait in ``InitialWeights.hold``); each unit's 2-D shards get their values as FSDP shards it.
+    """
+    built = init_path == "built"
+    if built:
+        same_values_everywhere(model)
+    proofs = prove_plans(blocks, plan=plan, mesh=mesh, calls=calls, device=device, real_values=built)
+    plans = [(name, block, plan_block(name, block, mesh.size(), plan)) for name, block in blocks]
+    interleaved: list[str] = []
+    for name, block, block_plan in plans:
+        split_block(block, mesh, block_plan, values_everywhere=built)
+        interleaved += [f"{name}.{n}" for n, role in block_plan.styles.items() if role == "packed_colwise"]
+    described = {type(b).__name__: f"{p.describe()}; {p.whole(b)}; {proofs[type(b).__name__]}" for _, b, p in plans}
+    counts = Counter(type(block).__name__ for _, block in blocks)
+    return TensorParallelFacts(mesh.size(), described, dict(counts), interleaved)
+
+
 def apply_attention_routing(blocks: Named, attention: str, device: torch.device) -> AttentionRouter | None:
     """Route each block's SDPA calls (``attention=``) inside its own forward, so checkpointing's recompute is too."""
     router = make_router(attention, device)
@@ -128,13 +168,15 @@ def apply_fsdp(
     reshard_after_forward: bool | int | None,
     blocks_per_unit: int,
     ignored: set[nn.Parameter] | None,
+    unit_of: list[int] | None = None,
 ) -> UnitFacts:
-    """One FSDP unit per ``blocks_per_unit`` consecutive blocks, bottom-up, then the outer unit around the rest.
+    """One FSDP unit per ``blocks_per_unit`` consecutive blocks (never splitting the modules of one discovered unit,
+    ``unit_of``: see :func:`~.fsdp.group_blocks`), bottom-up, then the outer unit around the rest.
 
     Each unit's starting values are taken before it is sharded and delivered to its shards right after
     (``weights``), so no rank holds a second copy of the model.
     """
-    groups = group_blocks(blocks, blocks_per_unit)
+    groups = group_blocks(blocks, blocks_per_unit, unit_of)
     block_units = []
     for group in groups:
         with ExitStack() as stack:
@@ -205,3 +247,5 @@ class PipelineFacts:
     params: list[nn.Parameter]
     precision: str
     tensor: TensorParallelFacts | None = None
+    joined: dict[str, list[str]] = field(default_factory=dict)
+    """Found blocks never called themselves -> the classes of their modules that run, one unit together."""

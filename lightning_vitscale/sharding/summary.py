@@ -57,7 +57,8 @@ class SetupSummary:
         init_seconds: how long that took.
         overlap: how collectives overlap compute where the package arranges it (CPU ranks), else empty.
         tensor_parallel: ranks that split each block (``1``: none); ``world_size`` then counts data-parallel ranks.
-        tensor_plans: block class -> its tensor-parallel plan (module roles, per-rank head counts).
+        tensor_plans: block class -> its tensor-parallel plan (module roles, per-rank head counts), what it keeps
+            replicated and what its proof at setup measured.
         tensor_interleaved: packed projections whose rows are held in per-rank order (their checkpoints too).
     """
 
@@ -142,9 +143,10 @@ class SetupSummary:
 
     def _block_units(self) -> str:
         chosen = f" ({self.units_choice})" if self.units_choice else ""
-        if self.blocks_per_unit == 1:
-            return f"{len(self.block_names)} blocks{chosen}"
-        return f"{len(self.block_names)} blocks, up to {self.blocks_per_unit} per unit{chosen}"
+        if self.blocks_per_unit > 1:
+            return f"{len(self.block_names)} blocks, up to {self.blocks_per_unit} per unit{chosen}"
+        joined = f" in {self.units - 1} units" if self.units - 1 != len(self.block_names) else ""
+        return f"{len(self.block_names)} blocks{joined}{chosen}"
 
     def _layout_lines(self) -> list[str]:
         lines = []
@@ -207,6 +209,11 @@ def _kernel_lines(facts: PipelineFacts) -> dict[str, str]:
 
 def _notes(facts: PipelineFacts) -> list[str]:
     notes = [] if facts.blocks else [f"no repeated blocks in {facts.model_class}: one outer FSDP unit only"]
+    if facts.joined:
+        kinds = sorted({", ".join(classes) for classes in facts.joined.values()})
+        notes.append(f"{len(facts.joined)} repeated containers are never called themselves (their parent calls what"
+                     f" they hold): each is one FSDP unit over the modules of it that run ({'; '.join(kinds)}),"
+                     " each module a block of its own for checkpointing")
     if facts.init.not_reproduced:
         notes.append(f"{len(facts.init.not_reproduced)} meta tensor(s) whose init could not be reproduced (warned)")
     return notes

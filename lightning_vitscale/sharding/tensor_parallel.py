@@ -1,11 +1,10 @@
-"""Tensor parallelism inside the blocks: the ``parallelize_module`` calls of each block's plan (``tensor_plan.py``),
-on the tensor-parallel sub-mesh, before FSDP shards the blocks over the data-parallel one (torch's documented
-composition: TP first, then ``fully_shard`` over the other mesh dimension)."""
+"""Tensor parallelism inside the blocks: the ``parallelize_module`` call of a block's plan (``tensor_plan.py``) on the
+tensor-parallel sub-mesh, before FSDP shards the blocks over the data-parallel one (torch's documented composition:
+TP first, then ``fully_shard`` over the other mesh dimension); ``steps.apply_tp`` splits every block with it once
+``tensor_proof.py`` proved each plan."""
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,9 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_vitscale._utils import PACKED_ROWS, interleaved_rows
-from lightning_vitscale.discovery.tensor_plan import BlockPlan, TensorPlanSelector, plan_block
-
-Named = list[tuple[str, nn.Module]]
+from lightning_vitscale.discovery.tensor_plan import BlockPlan
 
 
 class PackedColwiseParallel(ColwiseParallel):
@@ -52,52 +49,19 @@ STYLES: dict[str, Any] = {
 }
 
 
-@dataclass(frozen=True)
-class TensorParallelFacts:
-    """What ``apply_tp`` did: the tensor-parallel size, the plan per block class, and which projections hold
-    their packed rows interleaved per rank (``module names``)."""
-
-    size: int
-    plans: dict[str, str]
-    blocks: dict[str, int]
-    interleaved: list[str]
-
-    def describe(self) -> list[str]:
-        return [f"{cls} x{self.blocks[cls]}: {plan}" for cls, plan in self.plans.items()]
-
-
-def apply_tp(
-    model: nn.Module, blocks: Named, *, mesh: DeviceMesh, plan: TensorPlanSelector | None, init_path: str
-) -> TensorParallelFacts:
-    """Split every block over ``mesh`` (the tensor-parallel dimension) by its plan; set per-rank head counts.
-
-    Every rank must end with global rank 0's values (DDP's guarantee). ``init_path`` says how the weights were
-    made (``InitialWeights.path``). ``"built"`` (the model built before setup, on every rank): rank 0's values are
-    broadcast first and each block's shards cut from its tensor-parallel group's first rank. ``"exact"`` and
-    ``"meta"`` (``configure_model()``): every rank splits meta tensors with no communication (rank 0's own values
-    wait in ``InitialWeights.hold``); each unit's 2-D shards get their values as FSDP shards it.
-    """
-    built = init_path == "built"
-    plans = [(name, block, plan_block(name, block, mesh.size(), plan)) for name, block in blocks]
-    if built:
-        _same_values_everywhere(model)
-    interleaved: list[str] = []
-    for name, block, block_plan in plans:
-        parallelize_module(block, mesh, _styles(block_plan), src_data_rank=0 if built else None)
-        for attr_path, value in block_plan.attributes.items():
-            owner, _, attr = attr_path.rpartition(".")
-            setattr(block.get_submodule(owner), attr, value)
-        interleaved += [f"{name}.{n}" for n, role in block_plan.styles.items() if role == "packed_colwise"]
-    described = {type(block).__name__: block_plan.describe() for _, block, block_plan in plans}
-    counts = Counter(type(block).__name__ for _, block in blocks)
-    return TensorParallelFacts(mesh.size(), described, dict(counts), interleaved)
-
-
-def _styles(plan: BlockPlan) -> dict[str, Any]:
-    return {name: STYLES[role]() if isinstance(role, str) else role for name, role in plan.styles.items()}
+def split_block(block: nn.Module, mesh: DeviceMesh, plan: BlockPlan, values_everywhere: bool) -> None:
+    """Split ``block`` over ``mesh`` by ``plan`` and set its per-rank attributes (head counts). ``values_everywhere``:
+    every rank holds global rank 0's values, and each piece is cut from its tensor-parallel group's first rank's
+    (else each rank cuts its own tensors, meta ones included, with no communication)."""
+    styles = {name: STYLES[role]() if isinstance(role, str) else role for name, role in plan.styles.items()}
+    parallelize_module(block, mesh, styles, src_data_rank=0 if values_everywhere else None)
+    for attr_path, value in plan.attributes.items():
+        owner, _, attr = attr_path.rpartition(".")
+        setattr(block.get_submodule(owner), attr, value)
 
 
 @torch.no_grad()
-def _same_values_everywhere(model: nn.Module) -> None:
+def same_values_everywhere(model: nn.Module) -> None:
+    """Every rank takes global rank 0's values (DDP's broadcast)."""
     for tensor in [*model.parameters(), *model.buffers()]:
         dist.broadcast(tensor.data, src=0)

@@ -1,0 +1,103 @@
+"""What a run of a model called: the modules whose ``forward`` ran, the first arguments of chosen ones, the module
+running when it raised, and the first outputs per module. Read from forward hooks while the run lasts (torch's
+global module hooks for every module, the chosen modules' own hooks for keyword arguments); nothing stays behind."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+from lightning_vitscale._compat import tree_map
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor argument as recorded: its shape and dtype (the values of a fake run mean nothing)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class Calls:
+    """What one run called.
+
+    Attributes:
+        called: qualified names of the modules whose ``forward`` ran.
+        inputs: each watched module's first ``(args, kwargs)``, tensors as :class:`TensorSpec`.
+        running: the modules whose ``forward`` had begun and not ended, outermost first: where a run that raised
+            was (``running[-1]``, the innermost).
+        outputs: with ``keep_outputs``, each module's first floating output tensor, detached, in order of return.
+        error: what the run raised (``"Type: message"``), if it did.
+    """
+
+    called: set[str] = field(default_factory=set)
+    inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict)
+    running: list[str] = field(default_factory=list)
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    error: str = ""
+
+    def clear(self) -> None:
+        """Forget an earlier run (a measurement retried another way records afresh)."""
+        self.__dict__.update(Calls().__dict__)
+
+    @property
+    def where(self) -> str:
+        """The innermost module running when the run raised (``""``: none, or it did not raise)."""
+        return self.running[-1] if self.error and self.running else ""
+
+
+@contextlib.contextmanager
+def recording(
+    model: nn.Module, calls: Calls, watch: Sequence[tuple[str, nn.Module]] = (), keep_outputs: bool = False
+) -> Iterator[Calls]:
+    """Record into ``calls`` what ``model`` calls while the body runs; ``watch``: ``(name, module)`` pairs whose first
+    arguments are kept. An exception from the body is recorded in ``calls.error`` and raised on."""
+    names = {id(m): name for name, m in model.named_modules()}
+
+    def enter(module: nn.Module, _: Any) -> None:
+        name = names.get(id(module))
+        if name is not None:
+            calls.called.add(name)
+            calls.running.append(name)
+
+    def leave(module: nn.Module, _: Any, out: Any) -> None:
+        name = names.get(id(module))
+        if name is not None and calls.running and calls.running[-1] == name:
+            calls.running.pop()
+            first = _first_floating(out)
+            if keep_outputs and first is not None and name not in calls.outputs:
+                calls.outputs[name] = first.detach().clone()
+
+    def keep_inputs(name: str):
+        def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            calls.inputs.setdefault(name, (tree_map(_spec, args), tree_map(_spec, kwargs)))
+
+        return hook
+
+    handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+    handles += [m.register_forward_pre_hook(keep_inputs(n), with_kwargs=True) for n, m in watch]
+    try:
+        yield calls
+    except Exception as error:
+        calls.error = f"{type(error).__name__}: {error}"
+        raise
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _spec(value: Any) -> Any:
+    return TensorSpec(tuple(int(s) for s in value.shape), value.dtype) if isinstance(value, torch.Tensor) else value
+
+
+def _first_floating(tree: Any) -> torch.Tensor | None:
+    found: list[torch.Tensor] = []
+    tree_map(lambda v: found.append(v) if isinstance(v, torch.Tensor) and v.is_floating_point() else None, tree)
+    return found[0] if found else None

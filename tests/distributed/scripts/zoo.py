@@ -1,0 +1,133 @@
+"""Rank script for the block zoo (tests/helpers/zoo.py): ``zoo.py OUT name,...``.
+
+Each family through ``Trainer.fit`` for 3 steps from the same seed and data at a global batch of 8 (2 data-parallel
+ranks of 4): on 2 CPU ranks ``strategy="ddp"`` and ``VitScaleStrategy()``; on 4, ``VitScaleStrategy(tensor_parallel=2)``
+(TP=2 x FSDP=2), whose refusal at setup is recorded with its message. On 2 CPU ranks ``layout`` also trains
+lucidrains' ``ModuleList([attention, feed-forward])`` layout for 6 steps under DDP and under ``VitScaleStrategy()``:
+by default, with every block checkpointed (one unit per layer), built in ``configure_model()``, and with each layer
+an ``nn.Sequential`` the parent iterates (found from the modules the setup's fake-tensor step called), then calls
+the backbone outside a step. Writes ``rank{r}.json``: losses, refusals, setup summaries, what became of the layers.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_vitscale import VitScaleStrategy
+from lightning_vitscale.sharding import TensorPlanError
+from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
+from tests.helpers.scenarios import run_scenarios
+from tests.helpers.zoo import CLASSES, FAMILIES, IMAGE, LucidViT
+
+warnings.filterwarnings("ignore")
+GLOBAL_BATCH = 8
+DDP = "ddp_find_unused_parameters_true"  # a family may hold parameters its classification does not use
+
+
+class Model(L.LightningModule):
+    """``family`` (tests/helpers/zoo.py), or a ``LucidViT`` with ``container`` layers; built in ``configure_model()``
+    with ``configured``."""
+
+    def __init__(self, family: str, container: type[nn.Module] = nn.ModuleList, configured: bool = False) -> None:
+        super().__init__()
+        self.family, self.container = family, container
+        torch.manual_seed(0)  # every strategy's run starts from the same weights
+        self.backbone = None if configured else self.build()
+        self.losses: list[float] = []
+
+    def build(self) -> nn.Module:
+        return FAMILIES[self.family]() if self.family != "lucid" else LucidViT(container=self.container)
+
+    def configure_model(self) -> None:
+        if self.backbone is None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)  # the weights the __init__-built model starts from
+                self.backbone = self.build()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.backbone(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def data(batch_size: int, steps: int) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    n = GLOBAL_BATCH * steps
+    images, labels = torch.randn(n, 3, IMAGE, IMAGE, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
+    return DataLoader(TensorDataset(images, labels), batch_size=batch_size, shuffle=False)
+
+
+def fit(model: Model, strategy, data_parallel: int, steps: int) -> tuple[dict, L.Trainer]:
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    try:
+        trainer.fit(model, data(GLOBAL_BATCH // data_parallel, steps))
+    except TensorPlanError as error:
+        return {"refused": str(error), "losses": model.losses}, trainer
+    facts = {"losses": model.losses}
+    if strategy != DDP:
+        facts["summary"] = trainer.strategy.plan.summary()
+    return facts, trainer
+
+
+# The fix a refusal names: a plan of the user's own, here the MLP only (its attention then stays whole, as it says).
+USER_PLANS = {"torchvision_vit": {"mlp.0": ColwiseParallel(), "mlp.3": RowwiseParallel()}}
+
+
+def family(name: str) -> dict:
+    """On 2 ranks DDP and ``VitScaleStrategy()``; on 4, ``tensor_parallel=2`` (2 data-parallel ranks, as DDP's 2)."""
+    if WORLD == 2:
+        return {"ddp": fit(Model(name), DDP, 2, 3)[0], "fsdp": fit(Model(name), VitScaleStrategy(), 2, 3)[0]}
+    found = {"tp2": fit(Model(name), VitScaleStrategy(tensor_parallel=2), 2, 3)[0]}
+    if name in USER_PLANS:
+        found["tp2_plan"] = fit(Model(name), VitScaleStrategy(tensor_parallel=2, tensor_plan=USER_PLANS[name]), 2, 3)[0]
+    return found
+
+
+def layout() -> dict:
+    """Six steps each; after the fit the backbone is called outside a step, as a callback or user would."""
+    runs = {
+        "ddp": (Model("lucid"), DDP),
+        "default": (Model("lucid"), VitScaleStrategy()),
+        "checkpointed": (Model("lucid"), VitScaleStrategy(activation_checkpointing=True, blocks_per_unit=1)),
+        "configured": (Model("lucid", configured=True), VitScaleStrategy()),
+        "sequential": (Model("lucid", container=nn.Sequential), VitScaleStrategy()),
+    }
+    probe = torch.randn(2, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(1))
+    found = {}
+    for name, (model, strategy) in runs.items():
+        facts, trainer = fit(model, strategy, 2, 6)
+        with torch.no_grad():
+            facts["outside"] = model.backbone(probe).sum().item()
+        parts = [m for n, m in model.backbone.named_modules() if n.count(".") == 2 and n.startswith("layers.")]
+        facts["units"] = [isinstance(m, FSDPModule) for m in parts]
+        facts["checkpointed"] = [checkpoint_mode(m) for m in parts]
+        facts["fsdp_units"] = trainer.strategy.plan.units if strategy != DDP else 0
+        found[name] = facts
+    return found
+
+
+WORLD = 4  # set from the launch in main
+
+
+def scenarios() -> dict:
+    return {"layout": layout, **{name: (lambda name=name: family(name)) for name in FAMILIES}}
+
+
+if __name__ == "__main__":
+    import os
+
+    WORLD = int(os.environ["WORLD_SIZE"])
+    run_scenarios(scenarios())

@@ -1,0 +1,110 @@
+"""Any backbone, proven: a zoo of 16 block families (tests/helpers/zoo.py: timm, HF transformers, torchvision, torch
+and hand-written layouts) trains under ``VitScaleStrategy()`` with DDP's losses on 2 CPU ranks, and under
+``tensor_parallel=2`` on 4 either with DDP's losses (the same global batch) or is refused at setup with a message
+naming the block, the module and the fix; never a failure after setup, never attention left whole unsaid.
+lucidrains' ``ModuleList([attention, feed-forward])`` layout trains as DDP for 6 steps: by default, with every block
+checkpointed, built in ``configure_model()``, and as ``nn.Sequential`` layers its parent iterates.
+
+Two launches (2 and 4 ranks) run every family; 50-70 s together on the 2-core CI machine.
+
+Mutations seen failing: units taken whole (the ModuleList layers become units: the 2-rank launch fails at the
+layout's first step); the step's ``called`` names not passed to ``parallelize`` (the Sequential layers become
+units: the launch fails the same way); the proof's comparison dropped (unknown_head_attribute, whose ``self.h``
+heads halve their size when split, trains with other numbers than DDP's and nothing said); the attention-work check
+dropped (conv_attention trains with its attention whole on every rank, the MLP alone split, nothing said).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.launch import launch_ranks
+from tests.helpers.results import max_relative_difference
+from tests.helpers.zoo import FAMILIES
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
+SCRIPT = "tests/distributed/scripts/zoo.py"
+# What tensor_parallel=2 does to each family: split (the automatic plan, proven), or refused naming what fails.
+SPLIT = {"lucid_modulelist", "separate_qkv_nhead", "heads_from_shapes", "timm_vit", "hf_clip"}
+REFUSED = {
+    "functional_linear": "aten.addmm.default got mixed torch.Tensor and DTensor",  # F.linear on a split weight
+    "bias_table": "Its attention also holds attn.table",  # the per-head table stays whole: shapes differ
+    "conv_attention": "leaves attention whole",  # Conv1d projections: only the MLP would be split
+    "unknown_head_attribute": "gives outputs",  # self.h heads of half the size: numbers differ, nothing raises
+    "timm_beit": "Its attention also holds attn.q_bias, attn.v_bias, attn.relative_position_bias_table",
+    "timm_swin": "Its attention also holds attn.relative_position_bias_table",
+    "torchvision_swin": "aten.addmm.default got mixed torch.Tensor and DTensor",
+    "hf_swin": "relative_position_bias_table, which the plan keeps whole",
+    "hf_beit": "must match the size of tensor b (4)",  # its bias of every head beside this rank's scores
+    "torchvision_vit": "uses nn.MultiheadAttention",
+    "torch_encoder": "uses nn.MultiheadAttention",
+}
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory) -> list[dict]:
+    names = ",".join(["layout", *FAMILIES])
+    return launch_ranks(tmp_path_factory, "zoo_2", SCRIPT, names, nprocs=2, timeout=300)[1]
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory) -> list[dict]:
+    return launch_ranks(tmp_path_factory, "zoo_4", SCRIPT, ",".join(FAMILIES), nprocs=4, timeout=300)[1]
+
+
+def losses(ranks: list[dict], family: str, run: str) -> list[float]:
+    """Each step's loss over the global batch: the mean of every rank's (a tensor-parallel pair holds the same)."""
+    found = [rank[family][run]["losses"] for rank in ranks]
+    return [sum(rank[i] for rank in found) / len(found) for i in range(len(found[0]))]
+
+
+def test_the_zoo_covers_the_families_the_issue_asks_for():
+    assert len(FAMILIES) >= 12 and SPLIT | set(REFUSED) == set(FAMILIES) and not SPLIT & set(REFUSED)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_trains_under_the_default_strategy_as_ddp(two, family):
+    ddp = losses(two, family, "ddp")
+    assert len(ddp) == 3 and max_relative_difference(losses(two, family, "fsdp"), ddp) < 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_under_tensor_parallelism_a_family_trains_as_ddp_or_is_refused_at_setup_naming_the_fix(two, four, family):
+    run = four[0][family]["tp2"]
+    if family in SPLIT:
+        assert "refused" not in run, run.get("refused")
+        assert max_relative_difference(losses(four, family, "tp2"), losses(two, family, "ddp")) < 1e-5
+        plans = [line for line in run["summary"].splitlines() if line.startswith("    ")]
+        assert plans and all("; proven on input" in line and "replicated: " in line for line in plans), plans
+        assert any("heads split over 2" in line for line in plans) and not any("whole" in line for line in plans)
+        return
+    refused = run["refused"]
+    assert all(rank[family]["tp2"]["losses"] == [] for rank in four)  # at setup: no step ran
+    assert REFUSED[family] in refused and "tensor_plan=" in refused and "tensor_parallel=1" in refused, refused
+    if "proven" not in refused and "MultiheadAttention" not in refused:  # the proof names the block and module
+        assert "run split on the tensor-parallel group at setup" in refused and " in attn" in refused or (
+            " in attention" in refused or "leaves attention whole" in refused), refused
+
+
+def test_the_fix_a_refusal_names_trains_as_ddp_and_says_the_attention_stays_whole(two, four):
+    """torchvision's ViT with ``tensor_plan=`` splitting its MLP only: DDP's losses; the summary says its
+    ``nn.MultiheadAttention`` stays whole by that plan, and is replicated."""
+    ddp = losses(two, "torchvision_vit", "ddp")
+    assert max_relative_difference(losses(four, "torchvision_vit", "tp2_plan"), ddp) < 1e-5
+    line = next(x for x in four[0]["torchvision_vit"]["tp2_plan"]["summary"].splitlines() if "EncoderBlock:" in x)
+    assert "mlp.0 ColwiseParallel, mlp.3 RowwiseParallel" in line and "attention whole (tensor_plan)" in line
+    assert "replicated: ln_1, self_attention, self_attention.out_proj, ln_2" in line
+
+
+@pytest.mark.parametrize("run", ["default", "checkpointed", "configured", "sequential"])
+def test_the_modulelist_layout_trains_as_ddp_each_layer_one_unit_over_what_runs(two, run):
+    ddp, ours = two[0]["layout"]["ddp"], two[0]["layout"][run]
+    for rank in two:
+        assert len(rank["layout"][run]["losses"]) == 6
+        assert max_relative_difference(rank["layout"][run]["losses"], rank["layout"]["ddp"]["losses"]) < 1e-5
+    assert ours["units"] == [True] * 4  # attention, feed-forward, twice: FSDP modules, each layer's in one unit
+    assert "2 repeated containers are never called themselves" in ours["summary"]
+    if run == "checkpointed":  # each module checkpointed on its own, one unit per layer
+        assert ours["checkpointed"] == ["full"] * 4
+        assert ours["fsdp_units"] == 3 and "4 blocks in 2 units" in ours["summary"]
+    assert ours["outside"] == pytest.approx(ddp["outside"], rel=1e-5)  # the backbone called after fit

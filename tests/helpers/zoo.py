@@ -1,0 +1,284 @@
+"""A zoo of transformer block families, each a tiny image classifier (8x8 images, width 16-32, 2 blocks), built
+without downloads: timm, Hugging Face transformers, torchvision and torch constructors with random init, and
+hand-written layouts people copy (lucidrains' ``ModuleList([attention, feed-forward])`` iterated by its parent,
+attention calling ``F.linear`` on a module's weight, a per-head relative position bias table, head counts kept as
+``heads`` / ``n_heads`` / ``nhead``, read from the shapes or kept under a name no plan knows, 1x1-convolution
+projections).
+
+``FAMILIES``: name -> builder of a module mapping ``(N, 3, 8, 8)`` images to ``(N, 10)`` logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IMAGE, PATCH, CLASSES = 8, 4, 10
+TOKENS = (IMAGE // PATCH) ** 2
+
+
+class PatchClassifier(nn.Module):
+    """Patch embedding, ``layers`` (called by ``run``), a final norm and a head: the hand-written families' frame."""
+
+    def __init__(self, dim: int, layers: nn.Module) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(3, dim, PATCH, PATCH)
+        self.pos = nn.Parameter(torch.randn(1, TOKENS, dim) * 0.02)
+        self.layers = layers
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, CLASSES)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.embed(images).flatten(2).transpose(1, 2) + self.pos
+        return self.head(self.norm(self.run(x)).mean(1))
+
+
+# lucidrains/vit-pytorch's layout (einops written out): the layer is a ModuleList the parent iterates.
+class LucidAttention(nn.Module):
+    def __init__(self, dim: int, heads: int = 4, dim_head: int = 8) -> None:
+        super().__init__()
+        inner = heads * dim_head
+        self.heads, self.scale = heads, dim_head**-0.5
+        self.norm = nn.LayerNorm(dim)
+        self.to_qkv = nn.Linear(dim, inner * 3, bias=False)
+        self.to_out = nn.Sequential(nn.Linear(inner, dim), nn.Dropout(0.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x)
+        b, n, _ = x.shape
+        q, k, v = (t.reshape(b, n, self.heads, -1).transpose(1, 2) for t in self.to_qkv(x).chunk(3, -1))
+        attn = (torch.matmul(q, k.transpose(-1, -2)) * self.scale).softmax(-1)
+        return self.to_out(torch.matmul(attn, v).transpose(1, 2).reshape(b, n, -1))
+
+
+class LucidFeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Dropout(0.0),
+                                 nn.Linear(hidden, dim), nn.Dropout(0.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class LucidViT(PatchClassifier):
+    """``for attn, ff in self.layers: x = attn(x) + x; x = ff(x) + x``; ``container``: what holds a layer
+    (``nn.ModuleList`` as lucidrains writes it, or ``nn.Sequential``, whose own forward is never called either)."""
+
+    def __init__(self, dim: int = 32, depth: int = 2, container: type[nn.Module] = nn.ModuleList) -> None:
+        pair = lambda: [LucidAttention(dim), LucidFeedForward(dim, 2 * dim)]  # noqa: E731
+        layers = [container(*pair()) if container is nn.Sequential else container(pair()) for _ in range(depth)]
+        super().__init__(dim, nn.ModuleList(layers))
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        for attn, ff in self.layers:
+            x = attn(x) + x
+            x = ff(x) + x
+        return x
+
+
+class Block(nn.Module):
+    """A pre-norm block around ``attn`` with an MLP of ``fc1``, ``fc2``."""
+
+    def __init__(self, dim: int, attn: nn.Module) -> None:
+        super().__init__()
+        self.norm1, self.attn, self.norm2 = nn.LayerNorm(dim), attn, nn.LayerNorm(dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class FunctionalAttention(nn.Module):
+    """Projections applied with ``F.linear`` on the modules' weights (as timm's BEiT or torchvision's Swin do)."""
+
+    def __init__(self, dim: int, num_heads: int = 4) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        qkv = F.linear(x, self.qkv.weight, self.qkv.bias).reshape(b, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(*qkv.unbind(0)).transpose(1, 2).reshape(b, n, -1)
+        return F.linear(out, self.proj.weight, self.proj.bias)
+
+
+class BiasTableAttention(nn.Module):
+    """A learned relative position bias per head (a table indexed by token offsets), head count as ``n_heads``."""
+
+    def __init__(self, dim: int, n_heads: int = 4) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.table = nn.Parameter(torch.randn(2 * TOKENS - 1, n_heads) * 0.02)
+        offsets = torch.arange(TOKENS)[:, None] - torch.arange(TOKENS)[None, :] + TOKENS - 1
+        self.register_buffer("index", offsets, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        bias = self.table[self.index].permute(2, 0, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class SeparateQKV(nn.Module):
+    """Separate q, k, v projections and an output one; head count as ``nhead``."""
+
+    def __init__(self, dim: int, nhead: int = 4) -> None:
+        super().__init__()
+        self.nhead = nhead
+        self.q, self.k, self.v, self.out = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = (p(x).reshape(b, n, self.nhead, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        return self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, -1))
+
+
+class HeadSizeAttention(nn.Module):
+    """No head count: the heads are read from the shapes (``reshape(..., -1, head_dim)``), or from an attribute of a
+    name no plan knows (``per_rank_heads=False``: ``self.h``, which splitting does not change)."""
+
+    def __init__(self, dim: int, per_rank_heads: bool = True) -> None:
+        super().__init__()
+        self.head_dim, self.h, self.per_rank_heads = 8, dim // 8, per_rank_heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        heads, size = (-1, self.head_dim) if self.per_rank_heads else (self.h, -1)
+        q, k, v = self.qkv(x).reshape(b, n, 3, heads, size).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, -1))
+
+
+class ConvAttention(nn.Module):
+    """Projections as 1x1 convolutions over the tokens: a head count, but no Linear the plan could split."""
+
+    def __init__(self, dim: int, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Conv1d(dim, 3 * dim, 1), nn.Conv1d(dim, dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        qkv = self.qkv(x.transpose(1, 2)).transpose(1, 2).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(*qkv.unbind(0)).transpose(1, 2).reshape(b, n, -1)
+        return self.proj(out.transpose(1, 2)).transpose(1, 2)
+
+
+def hand_written(attention: Callable[[int], nn.Module], dim: int = 32) -> nn.Module:
+    return PatchClassifier(dim, nn.Sequential(*(Block(dim, attention(dim)) for _ in range(2))))
+
+
+class Logits(nn.Module):
+    """A library model whose forward returns a ModelOutput or a tensor: logits either way."""
+
+    def __init__(self, model: nn.Module, keyword: str | None = None) -> None:
+        super().__init__()
+        self.model, self.keyword = model, keyword
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.model(**{self.keyword: x}) if self.keyword else self.model(x)
+        return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def timm_vit() -> nn.Module:
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(img_size=IMAGE, patch_size=PATCH, embed_dim=32, depth=2, num_heads=4, mlp_ratio=2,
+                             num_classes=CLASSES, init_values=0.1, qk_norm=True)
+
+
+def timm_beit() -> nn.Module:
+    from timm.models.beit import Beit
+
+    return Beit(img_size=IMAGE, patch_size=PATCH, embed_dim=32, depth=2, num_heads=4, mlp_ratio=2,
+                num_classes=CLASSES, use_rel_pos_bias=True, init_values=0.1)
+
+
+def timm_swin() -> nn.Module:
+    from timm.models.swin_transformer import SwinTransformer
+
+    return SwinTransformer(img_size=IMAGE, patch_size=2, window_size=2, embed_dim=16, depths=(2,), num_heads=(4,),
+                           num_classes=CLASSES)
+
+
+def torchvision_vit() -> nn.Module:
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(image_size=IMAGE, patch_size=PATCH, num_layers=2, num_heads=4, hidden_dim=32,
+                             mlp_dim=64, num_classes=CLASSES)
+
+
+def torchvision_swin() -> nn.Module:
+    from torchvision.models.swin_transformer import SwinTransformer
+
+    return SwinTransformer(patch_size=[2, 2], embed_dim=16, depths=[2], num_heads=[4], window_size=[2, 2],
+                           num_classes=CLASSES)
+
+
+def hf(config_name: str, model_name: str, **config) -> nn.Module:
+    import transformers
+
+    made = getattr(transformers, config_name)(image_size=IMAGE, num_labels=CLASSES, **config)
+    return Logits(getattr(transformers, model_name)(made), "pixel_values")
+
+
+HF_VIT = {"patch_size": PATCH, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "intermediate_size": 64, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+
+
+def hf_swin() -> nn.Module:
+    return hf("SwinConfig", "SwinForImageClassification", patch_size=2, embed_dim=16, depths=[2], num_heads=[4],
+              window_size=2)
+
+
+def torch_encoder(dim: int = 32) -> nn.Module:
+    """``nn.TransformerEncoderLayer`` x2 (``nn.MultiheadAttention`` inside)."""
+    layer = nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True, norm_first=True)
+    return PatchClassifier(dim, nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
+
+
+class HFClip(nn.Module):
+    """HF CLIP's vision tower (``CLIPEncoderLayer``: separate q, k, v, out projections) with a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import CLIPVisionConfig, CLIPVisionModel
+
+        config = CLIPVisionConfig(image_size=IMAGE, patch_size=PATCH, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=64)
+        self.tower, self.head = CLIPVisionModel(config), nn.Linear(32, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tower(pixel_values=x).pooler_output)
+
+
+FAMILIES: dict[str, Callable[[], nn.Module]] = {
+    "lucid_modulelist": LucidViT,
+    "functional_linear": lambda: hand_written(FunctionalAttention),
+    "bias_table": lambda: hand_written(BiasTableAttention),
+    "separate_qkv_nhead": lambda: hand_written(SeparateQKV),
+    "conv_attention": lambda: hand_written(ConvAttention),
+    "heads_from_shapes": lambda: hand_written(HeadSizeAttention),
+    "unknown_head_attribute": lambda: hand_written(lambda dim: HeadSizeAttention(dim, per_rank_heads=False)),
+    "timm_vit": timm_vit,
+    "timm_beit": timm_beit,
+    "timm_swin": timm_swin,
+    "torchvision_vit": torchvision_vit,
+    "torchvision_swin": torchvision_swin,
+    "torch_encoder": torch_encoder,
+    "hf_beit": lambda: hf("BeitConfig", "BeitForImageClassification", **HF_VIT, use_relative_position_bias=True,
+                          layer_scale_init_value=0.1),
+    "hf_swin": hf_swin,
+    "hf_clip": HFClip,
+}

@@ -1,0 +1,172 @@
+"""The setup-time fake-tensor step. Units are what runs: a repeated container never called itself (lucidrains'
+``ModuleList([attention, feed-forward])`` iterated by its parent) is one unit over the modules of it that run,
+found from the model's structure (a ``ModuleList`` has no ``forward``) or, for a container that has one
+(``nn.Sequential``), from the modules the setup's fake-tensor step called; the planner measures those modules;
+nothing is a unit whose forward never runs. A step that cannot run on fake tensors is said in the summary. On a
+world-size-1 mesh, in-process.
+
+Mutations seen failing: ``find_units`` taking every found block whole (the ModuleList a unit: the sharded step fails
+in ``aten.native_layer_norm`` with mixed Tensor and DTensor, and the planner measures two blocks of 0 bytes); the
+measured run's ``called`` not passed to ``parallelize`` (the Sequential containers become units and the sharded
+step fails the same way); ``group_blocks`` ignoring ``unit_of`` (4 units of one module each).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from lightning_vitscale.discovery import find_units
+from lightning_vitscale.discovery.calls import Calls
+from lightning_vitscale.memory.planner import step_inputs
+from lightning_vitscale.precision.settings import resolve_flag
+from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig, ShardingPolicy
+from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
+from lightning_vitscale.sharding.outer_unit import OuterUnit
+from lightning_vitscale.sharding.parallelize import parallelize
+from tests.helpers.zoo import LucidViT
+
+PARTS = ["layers.0.0", "layers.0.1", "layers.1.0", "layers.1.1"]
+
+
+def names(units) -> list[tuple[str, list[str]]]:
+    return [(name, [n for n, _ in parts]) for name, parts in units]
+
+
+def test_a_modulelist_layer_is_one_unit_over_its_attention_and_feed_forward():
+    expected = [("layers.0", PARTS[:2]), ("layers.1", PARTS[2:])]
+    assert names(find_units(LucidViT())) == expected  # from the structure: a ModuleList has no forward
+    sequential = LucidViT(container=nn.Sequential)
+    assert names(find_units(sequential)) == [("layers.0", ["layers.0"]), ("layers.1", ["layers.1"])]
+    called = {"layers.0.0", "layers.0.1", "layers.1.0", "layers.1.1", "layers.0.0.to_qkv"}
+    assert names(find_units(sequential, called=called)) == expected
+    assert find_units(sequential, called={"embed"}) == []  # blocks the step never calls are no units
+
+
+def test_the_measured_step_records_what_it_called_and_measures_the_modules_that_ran():
+    calls = Calls()
+    inputs = step_inputs(LucidViT(container=nn.Sequential), torch.randn(4, 3, 8, 8), precision="32-true", calls=calls)
+    assert [b.name for b in inputs.profile.blocks] == PARTS  # remeasured as the modules the step called
+    assert all(b.saved > 0 and b.input > 0 for b in inputs.profile.blocks)
+    assert {"layers.0.0", "layers.1.1"} <= calls.called and "layers.0" not in calls.called
+    assert calls.inputs["layers.0.0"][0][0].shape == (4, 4, 32) and not calls.error
+
+
+def shard(model: nn.Module, mesh, calls: Calls | None = None):
+    config = ParallelConfig(sharding=ShardingPolicy(blocks_per_unit=1), checkpointing=CheckpointingPolicy(True))
+    root = OuterUnit(model)
+    return root, parallelize(root, model, mesh, config, resolve_flag("32-true"), torch.device("cpu"), calls=calls)
+
+
+def test_the_sharded_layers_train_as_the_plain_model(mesh):
+    """Both layouts: two FSDP units of two checkpointed modules each; forward and backward equal the plain model's."""
+    for container in (nn.ModuleList, nn.Sequential):
+        torch.manual_seed(0)
+        model = LucidViT(container=container)
+        plain = copy.deepcopy(model)
+        calls = Calls()
+        step_inputs(copy.deepcopy(model), torch.randn(2, 3, 8, 8), precision="32-true", calls=calls)
+        root, done = shard(model, mesh, calls if container is nn.Sequential else None)
+        assert done.plan.block_names == PARTS and done.plan.units == 3
+        assert "FSDP units          : 3 (4 blocks in 2 units + 1 outer)" in done.plan.summary()
+        assert "2 repeated containers are never called themselves" in done.plan.summary()
+        assert all(isinstance(model.get_submodule(n), FSDPModule) for n in PARTS)
+        assert [checkpoint_mode(model.get_submodule(n)) for n in PARTS] == ["full"] * 4
+        x, y = torch.randn(2, 3, 8, 8), torch.tensor([1, 2])
+        loss = F.cross_entropy(root(x), y)
+        loss.backward()
+        expected = F.cross_entropy(plain(x), y)
+        expected.backward()
+        assert torch.allclose(loss, expected, rtol=1e-6)
+        grad = model.layers[0][0].to_qkv.weight.grad
+        assert torch.allclose(grad.full_tensor(), plain.layers[0][0].to_qkv.weight.grad, atol=1e-7)
+
+
+class Branching(L.LightningModule):
+    """No ``forward``, and a ``training_step`` that branches on a value: it cannot run on fake tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = LucidViT()
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self.backbone(batch[0]), batch[1])
+        return loss * 0.5 if loss.item() > 100 else loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_setup_step_that_cannot_run_on_fake_tensors_is_said_in_the_summary_and_training_goes_on(caplog):
+    """Nothing depends on the prediction here (one block per unit, the units from the structure): the summary's
+    memory line says what could not be measured and why, torch logs no traceback of its own, and the fit trains.
+
+    Mutation seen failing: ``measure_for_summary`` returning ``None`` on the error, as before (the line is empty)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_vitscale import VitScaleStrategy
+
+    data = TensorDataset(torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,)))
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(), max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Branching(), DataLoader(data, batch_size=4))
+    memory = trainer.strategy.plan.memory
+    assert memory.startswith("no prediction, units from the model's structure alone: one batch of the train"
+                             " dataloader could not run on fake tensors"), memory
+    assert "GuardOnDataDependentSymNode" in memory or "data-dependent" in memory, memory
+    assert trainer.global_step == 2 and trainer.strategy.plan.units == 3
+    assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
+
+
+class Reordered(nn.Module):
+    """Caches an index tensor per sequence length, as HF BEiT caches its relative position index per window size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.proj = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=2)
+    def order(n: int) -> torch.Tensor:
+        return torch.arange(n).flip(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(self.norm(x))[:, self.order(x.shape[1])]
+
+
+def test_the_fake_step_leaves_no_fake_tensor_in_the_models_caches_and_meets_none_of_its_real_ones():
+    """Measured first, the real forward got the fake index (HF BEiT failed at the first step so); run first, the
+    measurement met the real one.
+
+    Mutation seen failing: ``fresh_caches`` doing nothing (the real forward raises "Please convert all Tensors to
+    FakeTensors first"; the measurement after it reads a real tensor in fake mode)."""
+    model, x = nn.Sequential(Reordered(), Reordered()), torch.randn(2, 5, 8)
+    step_inputs(model, x, precision="32-true")
+    assert torch.isfinite(model(x)).all()  # the real step computes its own index
+    calls = Calls()
+    step_inputs(model, x, precision="32-true", calls=calls)  # after a real forward filled the cache
+    assert not calls.error
+
+
+def test_a_tensor_parallel_plan_without_the_steps_inputs_is_refused_saying_why(mesh):
+    """The proof needs what a training step gives each block: without a measured step (no batch at setup), or when
+    the fake-tensor step stopped early, setup stops, naming the fix or the step's error and where it happened.
+
+    Mutation seen failing: ``_prove`` accepting a block without recorded inputs (the plan goes unproven)."""
+    from lightning_vitscale.discovery import find_blocks
+    from lightning_vitscale.sharding import TensorPlanError
+    from lightning_vitscale.sharding.tensor_proof import prove_plans
+
+    blocks = find_blocks(LucidViT())
+    with pytest.raises(TensorPlanError, match=r"LucidAttention \(layers.0.0\) is proven at setup .* set `example_inp"):
+        prove_plans(blocks, plan=None, mesh=mesh, calls=None, device=torch.device("cpu"), real_values=True)
+    stopped = Calls(running=["layers.0.0"], error="RuntimeError: boom")
+    with pytest.raises(TensorPlanError, match=r"stopped first in layers.0.0 \(RuntimeError: boom\)"):
+        prove_plans(blocks, plan=None, mesh=mesh, calls=stopped, device=torch.device("cpu"), real_values=True)
