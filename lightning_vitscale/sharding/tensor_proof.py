@@ -140,8 +140,9 @@ def _run(module: nn.Module, inputs: Any, calls: Calls) -> Run:
     first = next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
     first = first.full_tensor() if isinstance(first, DTensor) else first
     weight = torch.randn(first.shape, generator=torch.Generator().manual_seed(0)).to(first.device)
-    (first * weight).sum().backward()
-    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+    # The input gradients alone: no parameter gradient is accumulated (setup memory holds one block copy, no more).
+    found = torch.autograd.grad((first * weight).sum(), leaves, allow_unused=True) if leaves else ()
+    grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(found, leaves, strict=True)]
     return Run(first.detach(), grads, attention.elements, calls.outputs)
 
 

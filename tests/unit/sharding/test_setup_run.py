@@ -105,8 +105,10 @@ class Branching(L.LightningModule):
 
 
 def test_a_setup_step_that_cannot_run_on_fake_tensors_is_said_in_the_summary_and_training_goes_on(caplog):
-    """Nothing depends on the prediction here (one block per unit, the units from the structure): the summary's
-    memory line says what could not be measured and why, torch logs no traceback of its own, and the fit trains.
+    """Nothing depends on the prediction here (the recipe's plan: one block per unit, every block checkpointed, the
+    units from the structure; the speed-first default falls back to it with a warning, test_strategy_options): the
+    summary's memory line says what could not be measured and why, torch logs no traceback of its own, and the fit
+    trains.
 
     Mutation seen failing: ``measure_for_summary`` returning ``None`` on the error, as before (the line is empty)."""
     from torch.utils.data import DataLoader, TensorDataset
@@ -114,8 +116,8 @@ def test_a_setup_step_that_cannot_run_on_fake_tensors_is_said_in_the_summary_and
     from lightning_vitscale import VitScaleStrategy
 
     data = TensorDataset(torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,)))
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(), max_steps=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(priority="memory"), max_steps=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Branching(), DataLoader(data, batch_size=4))
     memory = trainer.strategy.plan.memory
     assert memory.startswith("no prediction, units from the model's structure alone: one batch of the train"
