@@ -1,14 +1,14 @@
 """Checkpoints: the sharded folder and DDP's single-file formats, the one safe reader every load goes through,
 the strategy's save/load/remove, the atomic commit of a save, resuming from the newest complete checkpoint
 (``ckpt_path="last"``, ``auto_resume``), consolidation into one file, export of a submodule's weights to published
-formats (``export.py``, ``export_targets.py``), Lightning's own loaders reading sharded
+formats (``export/``), Lightning's own loaders reading sharded
 folders, and ``model.state_dict()`` as DDP's full tensors.
 
-Three rooms: the core (save, commit, manifest, storage; verified load, load, formats; the safe reader and its
-confinement; ``strategy_side.py``, what the strategy's hooks call), ``lightning/`` (Lightning's loaders and every
-patch of Lightning, ``lightning/patches.py``) and ``fsdp1/`` (importing FSDP1 / FairScale-era checkpoints). The
-core imports neither sub-room, and loading never imports saving (import-linter contracts in pyproject.toml).
-Every error class is in ``errors.py``.
+Four rooms: the core (save, commit, manifest, storage; verified load, load, formats; the safe reader and its
+confinement; ``strategy_side.py``, what the strategy's hooks call), ``export/`` (a checkpoint's weights in
+published formats), ``lightning/`` (Lightning's loaders and every patch of Lightning, ``lightning/patches.py``)
+and ``fsdp1/`` (importing FSDP1 / FairScale-era checkpoints). The core imports no sub-room, and loading never
+imports saving (import-linter contracts in pyproject.toml). Every error class is in ``errors.py``.
 
 May import ``distributed`` (the side-group handshake before a gather), ``_utils`` and ``_compat``.
 """

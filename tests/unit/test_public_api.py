@@ -47,9 +47,7 @@ DOCUMENTED_PATHS = {
     "lightning_vitscale.checkpoint.fsdp1": {
         "convert_fsdp1_checkpoint", "load_fsdp1_state_dict", "load_fsdp1_local_state_dict",
     },
-    # the README's earlier paths, deprecated (they warn) for one release
-    "lightning_vitscale.checkpoint.legacy_fsdp1": {"convert_fsdp1_checkpoint", "load_fsdp1_state_dict"},
-    "lightning_vitscale.checkpoint.legacy_fsdp1_local": {"load_fsdp1_local_state_dict"},
+    "lightning_vitscale.checkpoint.export": {"read_weights", "WeightsChoice"},  # examples/models/finetune.py
     "lightning_vitscale.__main__": {"main"},
 }
 
