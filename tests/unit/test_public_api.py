@@ -26,10 +26,12 @@ PUBLIC_NAMES = {
     "ShardedModuleReuseError",
     "StateBytes",
     "StateDictGatherError",
+    "VitScaleCheckpointIO",
     "VitScalePrecision",
     "VitScaleStrategy",
     "VitScaleThroughput",
     "consolidate_checkpoint",
+    "consolidated",
     "find_blocks",
     "measure_state_bytes",
     "plan_memory",
@@ -38,7 +40,7 @@ PUBLIC_NAMES = {
 # module path -> names the README / CHANGELOG tell users to import from it
 DOCUMENTED_PATHS = {
     "lightning_vitscale.checkpoint": {
-        "consolidate_checkpoint", "load_consolidated", "CheckpointError", "AsyncSaveError", "verify",
+        "consolidate_checkpoint", "consolidated", "load_consolidated", "CheckpointError", "AsyncSaveError", "verify",
     },
     "lightning_vitscale.policies": {
         "ParallelConfig", "ShardingPolicy", "CheckpointingPolicy", "KernelPolicy", "PrecisionPolicy", "EMAPolicy",
