@@ -105,7 +105,6 @@ def test_a_checkpoint_saved_under_tp2_x_fsdp2_resumes_exactly_under_fsdp4(ranks)
 
 def exact(facts: dict, optimizer_keys: int, ema_keys: int) -> None:
     """A resume restored every weight, optimizer tensor and EMA tensor bit for bit, then trained on."""
-    assert facts.get("refused") is None, facts["refused"]
     assert (facts["optimizer_keys"], facts["ema_keys"]) == (optimizer_keys, ema_keys)
     assert facts["different"] == [] and facts["steps_run"] == 1
 

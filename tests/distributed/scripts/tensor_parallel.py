@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_vitscale import ShardedEMA, VitScaleCheckpointIO, VitScaleStrategy, measure_state_bytes
+from lightning_vitscale import ShardedEMA, VitScaleCheckpointIO, VitScaleStrategy, consolidated, measure_state_bytes
 from lightning_vitscale._utils import strip_wrapper_prefixes
 from lightning_vitscale.checkpoint.consolidate import load_consolidated
 from lightning_vitscale.init.scatter import local_box
@@ -336,12 +336,12 @@ def full_views(out: Path, model: Model, trainer: L.Trainer, ddp: dict) -> dict:
     shards.load_full(saved["ema_state_dict"])  # as a resume from the full file does
     facts["ema_round_trip"] = max_difference({k: full_tensor(v) for k, v in shards.state_dict().items()}, ema)
     if dist.get_rank() == 0:
-        consolidated = load_consolidated(out / "examples-2.ckpt")
-        facts["consolidated_vs_file"] = max_difference(consolidated["state_dict"], saved["state_dict"])
+        whole = load_consolidated(out / "examples-2.ckpt")
+        facts["consolidated_vs_file"] = max_difference(whole["state_dict"], saved["state_dict"])
         facts["consolidated_momentum_vs_file"] = max_difference(
-            momentum(consolidated["optimizer_states"][0]), momentum(saved["optimizer_states"][0])
+            momentum(whole["optimizer_states"][0]), momentum(saved["optimizer_states"][0])
         )
-        facts["consolidated_ema_vs_file"] = max_difference(consolidated["ema_state_dict"], saved["ema_state_dict"])
+        facts["consolidated_ema_vs_file"] = max_difference(whole["ema_state_dict"], saved["ema_state_dict"])
         loaded = Model.load_from_checkpoint(consolidated(out / "examples-2.ckpt"), backbone="examples")  # the folder
         facts["load_from_checkpoint_vs_file"] = max_difference(loaded.state_dict(), saved["state_dict"])
         facts["load_from_checkpoint_vs_ddp"] = max_difference(loaded.state_dict(), ddp["state"])
