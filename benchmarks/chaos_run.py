@@ -155,7 +155,7 @@ class Chaos(pl.Callback):
 
         def retire_removed(location: Any) -> None:
             retire_on_remove(location)
-            if location.exists() is False and not str(location.url).endswith((".partial", ".old")):
+            if location.exists() is False and not str(location.url).endswith(".partial"):
                 self.occurred("remove", f"removing {location.url}")
 
         dcp_filesystem._write_item = _write_item

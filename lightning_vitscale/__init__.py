@@ -10,8 +10,9 @@ from lightning_vitscale.checkpoint import (
     CheckpointError,
     StateDictGatherError,
     consolidate_checkpoint,
-    install_import_patches,
+    consolidated,
 )
+from lightning_vitscale.checkpoint.lightning import VitScaleCheckpointIO
 from lightning_vitscale.discovery import find_blocks
 from lightning_vitscale.kernels import KernelPolicy
 from lightning_vitscale.memory import MemoryPlan, StateBytes, measure_state_bytes, plan_memory
@@ -25,11 +26,10 @@ from lightning_vitscale.sharding import (
 )
 from lightning_vitscale.strategy import VitScaleStrategy
 
+# Lightning's public registry of strategy names: `Trainer(strategy="vitscale")`. The import changes nothing else of
+# Lightning (tests/unit/checkpoint/test_import_side_effects.py).
 if VitScaleStrategy.strategy_name not in StrategyRegistry:
     VitScaleStrategy.register_strategies(StrategyRegistry)
-# The one change to Lightning at import (checkpoint/lightning/patches.py says what and why): its loaders read our
-# sharded folders, and ckpt_path="last" finds their newest complete copy; every other path stays Lightning's.
-install_import_patches()
 
 __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (setuptools dynamic version)
 
@@ -46,10 +46,12 @@ __all__ = [
     "ShardedModuleReuseError",
     "StateBytes",
     "StateDictGatherError",
+    "VitScaleCheckpointIO",
     "VitScalePrecision",
     "VitScaleStrategy",
     "VitScaleThroughput",
     "consolidate_checkpoint",
+    "consolidated",
     "find_blocks",
     "measure_state_bytes",
     "plan_memory",

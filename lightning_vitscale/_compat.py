@@ -5,6 +5,7 @@ torch where they are used, not through this module."""
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,19 +27,17 @@ if TORCH_VERSION < TORCH_API_MIN:  # pragma: no cover - pyproject requires a new
 # in this file only, see pyproject.toml).
 import torch._dynamo as dynamo  # regional compilation's dynamo options (kernels/compile.py)
 import torch.distributed as dist
-from lightning.fabric.plugins.io import torch_io as lightning_torch_io
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver as ChildProcessObserver
 from lightning.fabric.utilities.distributed import _destroy_dist_connection as destroy_process_group_safely
 from lightning.fabric.utilities.load import _METADATA_FILENAME as METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.core import saving as lightning_saving
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
 )
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
-from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector as CheckpointConnector
 from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # memory planner: shapes without memory
 from torch._tensor import _rebuild_from_type_v2 as rebuild_from_type_v2  # FSDP1 local files: a tensor subclass
@@ -69,18 +68,12 @@ _PRIVATE_HOOKS = (
     (ModelParallelStrategy, "_setup_distributed"),
     (Precision, "_after_closure"),
     (torch.amp.GradScaler, "_unscale_grads_"),
-    # checkpoint/lightning/patches.py wraps these two: how `ckpt_path="last"` lists its candidates, how `fit()` turns
-    # `ckpt_path` into a path (where `auto_resume` supplies one).
-    (ModelCheckpoint, "_find_last_checkpoints"),
-    (CheckpointConnector, "_parse_ckpt_path"),
     (ModelCheckpoint, "_ModelCheckpoint__resolve_ckpt_dir"),
+    (Trainer, "_fit_impl"),  # what `fit` hands the strategy's launcher, with `ckpt_path` (see `with_ckpt_path`)
 )
-# Lightning opens every checkpoint path with `lightning.fabric.utilities.cloud_io._load`, bound as `pl_load` in
-# the two modules that call it: `LightningModule.load_from_checkpoint` (core/saving.py) and
-# `TorchCheckpointIO.load_checkpoint` (DDP's and single-device resume). checkpoint/lightning/patches.py wraps both.
-PL_LOAD_MODULES = (lightning_saving, lightning_torch_io)
 _missing = [f"{cls.__name__}.{name}" for cls, name in _PRIVATE_HOOKS if not hasattr(cls, name)]
-_missing += [f"{m.__name__}.pl_load" for m in PL_LOAD_MODULES if not callable(getattr(m, "pl_load", None))]
+if hasattr(Trainer, "_fit_impl") and "ckpt_path" not in inspect.signature(Trainer._fit_impl).parameters:
+    _missing.append("Trainer._fit_impl(ckpt_path=)")
 _missing += [] if hasattr(torch.serialization, "_get_restore_location") else [
     "torch.serialization._get_restore_location"]
 if _missing:  # pragma: no cover - depends on the installed torch/Lightning
@@ -225,6 +218,19 @@ def checkpoint_dir(callback: Any, trainer: Any) -> str:
     return str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
 
 
+def with_ckpt_path(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], resolve: Callable[[Any], Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments a launcher hands ``function`` (the Trainer's private ``_fit_impl``, ``_validate_impl``, ...),
+    with its ``ckpt_path`` argument replaced by ``resolve(ckpt_path)``; unchanged for a function without one."""
+    bound = inspect.signature(function).bind(*args, **kwargs)
+    bound.apply_defaults()
+    if "ckpt_path" not in bound.arguments:
+        return args, kwargs
+    bound.arguments["ckpt_path"] = resolve(bound.arguments["ckpt_path"])
+    return bound.args, bound.kwargs
+
+
 def sigterm_handlers_but_lightnings(handler: Any) -> list[Callable[..., Any]]:
     """What Lightning's registered SIGTERM handler runs besides its own notifier (which broadcasts inside the
     handler): the handler installed before it, if any; ``[handler]`` if ``handler`` is not Lightning's."""
@@ -265,7 +271,6 @@ __all__ = [
     "compute_local_shape_and_global_offset",
     "BatchNormBase",
     "ChildProcessObserver",
-    "CheckpointConnector",
     "EmptyStateDictLoadPlanner",
     "FakeTensor",
     "FakeTensorMode",
@@ -276,7 +281,6 @@ __all__ = [
     "InstanceNormBase",
     "METADATA_FILENAME",
     "ModelParallelStrategy",
-    "PL_LOAD_MODULES",
     "ReduceScatterComm",
     "StorageInfo",
     "SubprocessScriptLauncher",
@@ -315,6 +319,7 @@ __all__ = [
     "train_dataloader",
     "unit_keeps_gathered",
     "unit_parameters",
+    "with_ckpt_path",
 ]
 
 

@@ -18,6 +18,7 @@ from lightning_vitscale import distributed
 from lightning_vitscale import sharding as shards
 from lightning_vitscale._compat import ModelParallelStrategy, optimizers_to_device
 from lightning_vitscale.averaging import shard_averaged_copies
+from lightning_vitscale.checkpoint.lightning import ResumeLauncher
 from lightning_vitscale.init import Creation, InitMode, InitSettings, ModelCreation, host_copies
 from lightning_vitscale.kernels import KernelMode, KernelPolicy, LightningModuleSlot, prepare_optimizers
 from lightning_vitscale.memory import AccumulationMode, may_release_after_step, release_gradients
@@ -83,7 +84,6 @@ class VitScaleStrategy(ModelParallelStrategy):
         )
         settings = checkpoints.CheckpointSettings(state_dict_type, auto_resume, async_save)
         self.checkpoints = checkpoints.StrategyCheckpoints(settings, timeout)  # saves, loads, resume fallbacks
-        checkpoints.install_strategy_patches()  # auto_resume's `ckpt_path` (checkpoint/lightning/patches.py)
         self.init_settings = InitSettings(init)
         self.sharded: shards.ShardedModel | None = None
         self._creation: Creation | None = None
@@ -129,7 +129,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         distributed.check_accelerator(self.accelerator)
-        super()._configure_launcher()
+        self._launcher = ResumeLauncher(self.cluster_environment, self.num_processes, self.num_nodes, self.checkpoints)
 
     @override
     def setup_environment(self) -> None:
@@ -163,7 +163,6 @@ class VitScaleStrategy(ModelParallelStrategy):
             module, self.resolved, self.precision_plugin, self._ranks(), creation, fitting=trainer if fitting else None
         )
         self.model = self.sharded.outer
-        self.checkpoints.tensor_layout = self.sharded.summary.tensor_layout  # what older folders must match
         self.sharded.release()  # a copy gathered by a call after an earlier fit must not reach the optimizer
         self.barrier()
         if fitting:
@@ -264,7 +263,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         write = partial(self.checkpoint_io.save_checkpoint, checkpoint, filepath, storage_options=storage_options)
         self.checkpoints.save(
             checkpoint, filepath, ranks=self._ranks(), write_full=write, storage_options=storage_options,
-            module=self.lightning_module,
+            trainer=self.lightning_module.trainer,  # type: ignore[union-attr]  # set: a Trainer is saving it
         )
 
     @override

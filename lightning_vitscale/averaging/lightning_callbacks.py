@@ -9,6 +9,7 @@ ones DDP computes, and the copy costs 1/N of the memory per rank instead of a wh
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,9 +23,9 @@ def shard_averaged_copies(
 ) -> int:
     """Shard the averaged copy of every weight-averaging callback like ``model``; returns how many were sharded.
 
-    Their checkpoint state is refused (at once if ``checkpointing``, else at the first save): Lightning stores the
-    averaged and current weights outside the model's state dict, in the part of the checkpoint that rank 0 writes
-    alone, so every other rank's shards would be silently missing from it.
+    Their checkpoint state is refused (at once if ``checkpointing``, else at the first save, when the callback asks
+    its copy for its ``state_dict()``): Lightning stores the averaged and current weights outside the model's state
+    dict, in the part of the checkpoint that rank 0 writes alone, so every other rank's shards would be lost.
     """
     sharded = 0
     for callback in callbacks:
@@ -33,8 +34,7 @@ def shard_averaged_copies(
             continue
         if checkpointing:
             raise ValueError(_NO_CHECKPOINTS.format(name=type(callback).__name__))
-        callback.on_save_checkpoint = _refuse_checkpoint  # type: ignore[method-assign]
-        callback.state_dict = _refuse_checkpoint  # type: ignore[method-assign]
+        copy.register_state_dict_pre_hook(partial(_refuse_checkpoint, type(callback).__name__))
         wanted = getattr(callback, "_device", None)
         if wanted is not None and torch.device(wanted).type != device.type:
             raise ValueError(
@@ -55,8 +55,8 @@ _NO_CHECKPOINTS = (
 )
 
 
-def _refuse_checkpoint(*args: Any, **kwargs: Any) -> Any:
-    raise ValueError(_NO_CHECKPOINTS.format(name="A weight-averaging callback"))
+def _refuse_checkpoint(name: str, *args: Any) -> None:
+    raise ValueError(_NO_CHECKPOINTS.format(name=name))
 
 
 def _averaged_copy(callback: Callback) -> nn.Module | None:

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_vitscale._utils import interleaved_rows, local_tensor, packed_rows, strip_wrapper_prefixes
+from lightning_vitscale._utils import local_tensor, strip_wrapper_prefixes
+from lightning_vitscale.row_layout import interleaved_rows, packed_rows
 
 
 @dataclass

@@ -1,27 +1,30 @@
-"""Checkpoints: the sharded folder and DDP's single-file formats, the one safe reader every load goes through,
-the strategy's save/load/remove, the atomic commit of a save, resuming from the newest complete checkpoint
-(``ckpt_path="last"``, ``auto_resume``), consolidation into one file, export of a submodule's weights to published
-formats (``export.py``, ``export_targets.py``), Lightning's own loaders reading sharded
-folders, and ``model.state_dict()`` as DDP's full tensors.
+"""Checkpoints: the sharded folder and DDP's single-file formats, the one safe reader every load goes through, the
+strategy's save/load/remove, the atomic commit of a save, resuming from the newest complete checkpoint, consolidation
+into one file, and ``model.state_dict()`` as DDP's full tensors.
 
-Three rooms: the core (save, commit, manifest, storage; verified load, load, formats; the safe reader and its
-confinement; ``strategy_side.py``, what the strategy's hooks call), ``lightning/`` (Lightning's loaders and every
-patch of Lightning, ``lightning/patches.py``) and ``fsdp1/`` (importing FSDP1 / FairScale-era checkpoints). The
-core imports neither sub-room, and loading never imports saving (import-linter contracts in pyproject.toml).
-Every error class is in ``errors.py``.
+This face is the core's: save (``save.py``, ``async_save.py``, ``commit.py``, ``manifest.py``, ``storage.py``),
+load (``load.py``, ``verified.py``, ``formats.py``, ``optimizer_state.py``, ``safe_reading.py`` with its
+``confinement.py``), ``consolidate.py``, ``resume.py`` (``ckpt_path="last"``, ``auto_resume``),
+``full_state_dict.py`` (DDP's ``state_dict()`` on a sharded model; the core's saves and loads ask it for shards)
+and ``strategy_side.py``, what the strategy's hooks call. Every error class is in ``errors.py``. Three sub-rooms
+with their own faces: ``export/`` (a checkpoint's weights in published formats), ``lightning/`` (the strategy's
+launcher, DDP's IO plugin for sharded folders) and ``fsdp1/`` (importing FSDP1 / FairScale-era checkpoints). The
+core, this ``__init__`` included, imports none of them, and loading never imports saving (import-linter
+contracts in pyproject.toml).
 
-May import ``distributed`` (the side-group handshake before a gather), ``_utils`` and ``_compat``.
+May import ``row_layout`` (packed projections' rows), ``distributed`` (the side-group handshake before a gather),
+``_utils`` and ``_compat``.
 """
-
-import dataclasses
-import warnings
-from typing import Any
 
 from lightning_vitscale.checkpoint.async_save import AsyncSaves
 from lightning_vitscale.checkpoint.commit import commit, newest_complete
-from lightning_vitscale.checkpoint.consolidate import consolidate_checkpoint, consolidate_command, load_consolidated
+from lightning_vitscale.checkpoint.consolidate import (
+    consolidate_checkpoint,
+    consolidate_command,
+    consolidated,
+    load_consolidated,
+)
 from lightning_vitscale.checkpoint.errors import AsyncSaveError, CheckpointError, StateDictGatherError
-from lightning_vitscale.checkpoint.lightning.patches import install_import_patches, install_strategy_patches
 from lightning_vitscale.checkpoint.load import load_checkpoint
 from lightning_vitscale.checkpoint.manifest import verify
 from lightning_vitscale.checkpoint.save import (
@@ -34,50 +37,12 @@ from lightning_vitscale.checkpoint.settings import CheckpointSettings, StateDict
 from lightning_vitscale.checkpoint.storage import Location
 from lightning_vitscale.checkpoint.strategy_side import OnCheckpointSide, StrategyCheckpoints, sharded_save_hint
 from lightning_vitscale.checkpoint.verified import verified_checkpoint
-from lightning_vitscale.distributed.ranks import RankContext
-
-
-def install_checkpoint_loader() -> None:
-    """Deprecated alias: importing ``lightning_vitscale`` installs what is needed (``lightning/patches.py``)."""
-    warnings.warn(
-        "install_checkpoint_loader() is deprecated: `import lightning_vitscale` installs the pl_load wrappers"
-        " (lightning_vitscale/checkpoint/lightning/patches.py).",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    install_import_patches()
-
-
-def install_resume_hooks() -> None:
-    """Deprecated alias: the import and ``VitScaleStrategy()`` install them (``lightning/patches.py``)."""
-    warnings.warn(
-        "install_resume_hooks() is deprecated: `import lightning_vitscale` wraps `ckpt_path=\"last\"` and creating"
-        " a VitScaleStrategy wraps auto_resume's ckpt_path (lightning_vitscale/checkpoint/lightning/patches.py).",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    install_import_patches()
-    install_strategy_patches()
-
-
-def HashGroup(rank: int = 0, world_size: int = 1, gather: Any = None) -> RankContext:  # noqa: N802 - the old class
-    """Deprecated: checkpoints take the one rank context, :class:`lightning_vitscale.distributed.RankContext`."""
-    warnings.warn(
-        "lightning_vitscale.checkpoint.HashGroup is deprecated; pass a lightning_vitscale.distributed.RankContext"
-        " (rank=, world_size=, all_gather_objects=) instead.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    context = RankContext(rank=rank, world_size=world_size)
-    return context if gather is None else dataclasses.replace(context, all_gather_objects=gather)
-
 
 __all__ = [
     "AsyncSaveError",
     "AsyncSaves",
     "CheckpointError",
     "CheckpointSettings",
-    "HashGroup",
     "Location",
     "OnCheckpointSide",
     "StateDictGatherError",
@@ -86,10 +51,7 @@ __all__ = [
     "commit",
     "consolidate_checkpoint",
     "consolidate_command",
-    "install_checkpoint_loader",
-    "install_import_patches",
-    "install_resume_hooks",
-    "install_strategy_patches",
+    "consolidated",
     "load_checkpoint",
     "load_consolidated",
     "model_state_dict",

@@ -4,9 +4,8 @@ A save writes everything into ``<path>.partial``; its marker (``manifest.py``), 
 Publishing then swaps the folder into ``<path>``: the old folder's marker goes first, then the rest of it, then
 one move of the staging folder. At every instant one of ``<path>.partial`` and ``<path>`` is complete (a move on
 an object store is copy + delete: the copy is complete before the source goes), so readers resolve a path to the
-newest complete one of ``<path>.partial``, ``<path>`` and ``<path>.old`` (what saves before version 2 left
-between their two renames), and the next save first finishes an interrupted publish (:func:`recover`) before it
-clears the staging folder, so its own cleanup never deletes the only complete copy.
+newer complete one of ``<path>.partial`` and ``<path>``, and the next save first finishes an interrupted publish
+(:func:`recover`) before it clears the staging folder, so its own cleanup never deletes the only complete copy.
 """
 
 from __future__ import annotations
@@ -16,8 +15,6 @@ from typing import Any
 from lightning_vitscale.checkpoint.formats import PARTIAL_SUFFIX, partial_path
 from lightning_vitscale.checkpoint.manifest import FileSum, why_incomplete, write_manifest
 from lightning_vitscale.checkpoint.storage import SHARDED_MARKER, Location
-
-OLD_SUFFIX = ".old"  # the previous folder, left by a crash between the two renames of saves before version 2
 
 
 def commit(staging: Location, location: Location, files: dict[str, FileSum], saved: dict[str, Any]) -> None:
@@ -47,7 +44,7 @@ def retire(location: Location) -> None:
 def candidates(location: Location) -> list[Location]:
     """Where the checkpoint saved to ``location`` can be, newest first: a staging folder is complete only once its
     save committed, after the folder it replaces."""
-    return [partial_path(location), location, location.with_suffix(OLD_SUFFIX)]
+    return [partial_path(location), location]
 
 
 def is_complete(location: Location, checksums: bool) -> str | None:
@@ -75,8 +72,8 @@ def newest_complete(location: Location, checksums: bool = False) -> tuple[Locati
 def recover(location: Location) -> None:
     """Before a new save to ``location`` (rank 0): finish the publish a crash interrupted, then drop leftovers.
 
-    Afterwards ``location`` holds the newest complete checkpoint if there is one, and no staging or old folder is
-    left, so the new save may clear its staging folder without losing anything.
+    Afterwards ``location`` holds the newest complete checkpoint if there is one, and no staging folder is left, so
+    the new save may clear its staging folder without losing anything.
     """
     newest, _ = newest_complete(location)
     if newest is not None and newest != location:
@@ -87,9 +84,8 @@ def recover(location: Location) -> None:
 
 
 def target_of(location: Location) -> Location:
-    """The path a staging or old folder was saved for (``last.ckpt.partial`` -> ``last.ckpt``)."""
-    for suffix in (PARTIAL_SUFFIX, OLD_SUFFIX):
-        if location.url.rstrip("/").endswith(suffix):
-            return Location(location.fs, location.path.rstrip("/")[: -len(suffix)],
-                            location.url.rstrip("/")[: -len(suffix)])
-    return location
+    """The path a staging folder was saved for (``last.ckpt.partial`` -> ``last.ckpt``)."""
+    if not location.url.rstrip("/").endswith(PARTIAL_SUFFIX):
+        return location
+    cut = -len(PARTIAL_SUFFIX)
+    return Location(location.fs, location.path.rstrip("/")[:cut], location.url.rstrip("/")[:cut])

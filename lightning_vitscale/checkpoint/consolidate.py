@@ -1,8 +1,10 @@
-"""A sharded checkpoint as one ``torch.save`` file (or the dict it holds), in one process with no process group:
-what ``python -m lightning_vitscale consolidate`` and Lightning's loaders of sharded folders use."""
+"""A sharded checkpoint as one ``torch.save`` file (or the dict it holds, or its bytes in memory), in one process
+with no process group: what ``python -m lightning_vitscale consolidate``, ``load_from_checkpoint`` and
+``VitScaleCheckpointIO`` read."""
 
 from __future__ import annotations
 
+import io
 import os
 import posixpath
 from pathlib import Path
@@ -10,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_vitscale._utils import TENSOR_LAYOUT_KEY, reorder_packed, strip_wrapper_prefixes
+from lightning_vitscale._utils import strip_wrapper_prefixes
 from lightning_vitscale.checkpoint.errors import CheckpointError
 from lightning_vitscale.checkpoint.formats import (
     EMA_KEY,
@@ -56,6 +58,17 @@ def consolidate_checkpoint(
     require_file_target(dst)
     checkpoint = load_consolidated(src, dtype=dtype, weights_only=weights_only, weights=weights, verify=verify)
     return write_file(checkpoint, dst)
+
+
+def consolidated(src: PathLike, weights_only: bool | None = None, verify: bool = True) -> io.BytesIO:
+    """The consolidated file of the sharded folder ``src``, in memory, with the saved dtypes (what DDP's file holds):
+    ``MyModule.load_from_checkpoint(consolidated(folder))`` loads it in any script, like DDP's file. ``weights_only``
+    and ``verify`` as in :func:`load_consolidated` (pass the same ``weights_only`` to ``load_from_checkpoint``).
+    Holds the checkpoint twice in host memory while it is read; :func:`consolidate_checkpoint` writes a file."""
+    buffer = io.BytesIO()
+    torch.save(load_consolidated(src, weights_only=weights_only, verify=verify), buffer)
+    buffer.seek(0)
+    return buffer
 
 
 def require_file_target(dst: PathLike) -> None:
@@ -104,33 +117,18 @@ def load_consolidated(
         raise ValueError(f"`weights` must be 'raw' or 'ema'; got {weights!r}.")
     state = load_all(source, weights_only)
     checkpoint = load_member(source, META, weights_only)
-    packed = _packed_rows(checkpoint.pop(TENSOR_LAYOUT_KEY, None))  # the file holds the model's own layout
-    checkpoint["state_dict"] = _plain_keys(state.pop("state_dict"), dtype, packed)
+    checkpoint["state_dict"] = _plain_keys(state.pop("state_dict"), dtype)
     optimizers = [state.pop(k) for k in sorted((k for k in state if is_own_entry(k)), key=_index)]
-    for optimizer in optimizers:
-        reorder_packed(optimizer.get("state", {}), packed, to_model=True)
     if optimizers or "lr_schedulers" in checkpoint:
         checkpoint["optimizer_states"] = [to_torch_format(o) for o in optimizers]
-    checkpoint.update({key: _plain_keys(entry, dtype, packed) for key, entry in state.items()})
+    checkpoint.update({key: _plain_keys(entry, dtype) for key, entry in state.items()})
     if weights == "ema":
         ema_as_weights(checkpoint, source.url)
     return checkpoint
 
 
-def _plain_keys(entry: dict[str, Any], dtype: torch.dtype | None, packed: dict[str, tuple[int, int]]) -> dict[str, Any]:
-    plain = {strip_wrapper_prefixes(key): as_full(value, dtype) for key, value in entry.items()}
-    reorder_packed(plain, packed, to_model=True)
-    return plain
-
-
-def _packed_rows(layout: dict[str, Any] | None) -> dict[str, tuple[int, int]]:
-    """``{parameter name: (parts, ranks)}`` of the projections a sharded save recorded in per-rank row order
-    (``sharding.tensor_layout``: a packed ``[q; k; v]``, 3 parts, over ``tensor_parallel`` ranks)."""
-    if not layout:
-        return {}
-    spec = (int(layout.get("parts", 3)), int(layout["tensor_parallel"]))
-    names = [strip_wrapper_prefixes(name) for name in layout["interleaved"]]
-    return {f"{name}.{param}": spec for name in names for param in ("weight", "bias")}
+def _plain_keys(entry: dict[str, Any], dtype: torch.dtype | None) -> dict[str, Any]:
+    return {strip_wrapper_prefixes(key): as_full(value, dtype) for key, value in entry.items()}
 
 
 def ema_as_weights(checkpoint: dict[str, Any], src: str) -> None:

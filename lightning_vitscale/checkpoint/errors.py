@@ -11,7 +11,3 @@ class AsyncSaveError(CheckpointError):
 
 class StateDictGatherError(RuntimeError):
     """Gathering a sharded model's ``state_dict()`` failed, most often because not every rank called it."""
-
-
-class TensorLayoutError(CheckpointError):
-    """A checkpoint's packed projections are in another row order than this run's (another ``tensor_parallel``)."""

@@ -16,9 +16,9 @@ from torch.distributed.tensor import DTensor
 from lightning_vitscale._compat import METADATA_FILENAME
 from lightning_vitscale.checkpoint.errors import CheckpointError
 from lightning_vitscale.checkpoint.manifest import why_incomplete
-from lightning_vitscale.checkpoint.own_layout import PackedRows
 from lightning_vitscale.checkpoint.safe_reading import load_into, load_pickle, read_metadata
 from lightning_vitscale.checkpoint.storage import DCP_METADATA, Location
+from lightning_vitscale.row_layout import PackedRows
 
 META = METADATA_FILENAME
 
@@ -71,7 +71,7 @@ class ShardedEntry:
     key: str
     weights_only: bool | None = None
     packed: PackedRows = field(default_factory=dict)
-    """The loading run's projections in per-rank row order, read from the model's own (``own_layout.py``)."""
+    """The loading run's projections in per-rank row order, read from the model's own (``row_layout.py``)."""
 
     @property
     def path(self) -> str:

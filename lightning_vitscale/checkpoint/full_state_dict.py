@@ -40,9 +40,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_vitscale._utils import PACKED_ROWS, interleaved_rows, packed_rows, reorder_packed
 from lightning_vitscale.checkpoint.errors import StateDictGatherError
 from lightning_vitscale.distributed import collective_guard
+from lightning_vitscale.row_layout import PACKED_ROWS, interleaved_rows, packed_rows, reorder_packed
 
 _MARK = "_vitscale_full_state_dict"
 
@@ -157,7 +157,7 @@ def gather_sharded_entries(
     ``ema_state_dict``), which then loads as the wrong values or not at all. Every rank must call it (one gather
     per tensor, in the checkpoint's order, which is the same on every rank); ``keep=False`` (ranks that do not
     write) drops each gathered tensor at once, so only the writer holds a full copy. ``packed``
-    (``_utils.packed_rows`` of the model): projections whose gathered rows are turned into the model's own order.
+    (``row_layout.packed_rows`` of the model): projections whose gathered rows are turned into the model's own order.
     """
     for key, value in checkpoint.items():
         sharded = isinstance(value, dict) and any(isinstance(v, DTensor) for v in value.values())

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vitscale._utils import packed_rows, reorder_packed
 from lightning_vitscale.checkpoint.formats import (
     META,
     PathLike,
@@ -28,7 +27,7 @@ from lightning_vitscale.checkpoint.optimizer_state import (
 )
 from lightning_vitscale.checkpoint.safe_reading import load_into, load_member, read_metadata
 from lightning_vitscale.checkpoint.storage import Location
-from lightning_vitscale.checkpoint.tensor_layout import rows_to_reorder
+from lightning_vitscale.row_layout import packed_rows, reorder_packed
 
 
 def load_checkpoint(
@@ -37,16 +36,13 @@ def load_checkpoint(
     optimizers: list[torch.optim.Optimizer],
     strict: bool,
     weights_only: bool | None,
-    layout: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Validate on every rank before the first collective, then load a sharded folder or a single file.
-    ``layout``: this run's tensor-parallel row order (``SetupSummary.tensor_layout``), which an earlier version's
-    sharded folder must match (``tensor_layout.py``)."""
+    """Validate on every rank before the first collective, then load a sharded folder or a single file."""
     with sharded_state_dicts():  # DTensors report global shapes ungathered; DCP loads into the shards
         validate_against(location.url, model_shapes(module), strict=strict, weights_only=weights_only)
         if location.is_file():
-            return load_full_into(location.url, module, optimizers, strict, weights_only, layout)
-        return load_sharded(location, module, optimizers, strict, weights_only, layout)
+            return load_full_into(location.url, module, optimizers, strict, weights_only)
+        return load_sharded(location, module, optimizers, strict, weights_only)
 
 
 def load_sharded(
@@ -55,11 +51,10 @@ def load_sharded(
     optimizers: list[torch.optim.Optimizer],
     strict: bool,
     weights_only: bool | None,
-    layout: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Fill the module's and optimizers' shards from any world size's and any layout's checkpoint; returns
     Lightning's metadata. Packed projections are read from the model's own row order into this run's per-rank
-    order (``own_layout.py``), unless an earlier version saved them in this run's order."""
+    order (``row_layout.py``)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -69,7 +64,7 @@ def load_sharded(
 
     metadata = read_metadata(location, weights_only)
     checkpoint = load_member(location, META, weights_only)
-    packed = rows_to_reorder(checkpoint, layout, packed_rows(module))  # refuses before any tensor is read
+    packed = packed_rows(module)
     request: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
     require_optimizer_states(bool(saved_entries(metadata, "optimizer_0", "param_groups")), optimizers)
     for i, optimizer in enumerate(optimizers):
@@ -93,7 +88,6 @@ def load_full_into(
     optimizers: list[torch.optim.Optimizer],
     strict: bool,
     weights_only: bool | None = None,
-    layout: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load a single-file checkpoint (e.g. written under DDP) into a sharded module; returns the rest."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -101,9 +95,7 @@ def load_full_into(
     checkpoint = load_full(Location.of(path), weights_only)
     require_optimizer_states("optimizer_states" in checkpoint, optimizers)
     options = StateDictOptions(full_state_dict=True, strict=strict)
-    # Packed projections in the model's own row order (DDP's, full saves, consolidate): into this run's per-rank
-    # order; a file naming its per-rank order (written so) loads as it is under that layout only.
-    packed = rows_to_reorder(checkpoint, layout, packed_rows(module))
+    packed = packed_rows(module)  # in the model's own row order in the file: into this run's per-rank order
     weights = dict(checkpoint.pop("state_dict"))
     reorder_packed(weights, packed, to_model=False)
     set_model_state_dict(module, weights, options=options)

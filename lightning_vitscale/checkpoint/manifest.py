@@ -3,8 +3,7 @@
 Written last (``commit.py``), so a folder is complete exactly when its marker exists and every file it lists is
 there with its size; a flipped byte or a truncated shard shows as a checksum or size mismatch naming the file.
 CRC-32 (``zlib``, ~1.4 GB/s on one core, see benchmarks/RESULTS.md) catches storage corruption, not tampering:
-the safe reader still guards against crafted pickles. Folders saved before version 2 have a marker without
-files: complete when the marker exists, with nothing to verify.
+the safe reader still guards against crafted pickles.
 """
 
 from __future__ import annotations
@@ -59,7 +58,8 @@ def read_manifest(folder: Location) -> dict[str, Any] | None:
             manifest = json.loads(f.read().decode())
     except (OSError, ValueError):
         return None
-    return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
+    ours = isinstance(manifest, dict) and manifest.get("format") == FORMAT and isinstance(manifest.get("files"), dict)
+    return manifest if ours else None
 
 
 def why_incomplete(folder: Location, checksums: bool) -> str | None:
@@ -71,7 +71,7 @@ def why_incomplete(folder: Location, checksums: bool) -> str | None:
     if manifest is None:
         return f"no readable {SHARDED_MARKER}: its save never completed"
     sizes = {PurePath(e["name"].rstrip("/")).name: e.get("size") for e in folder.fs.ls(folder.path, detail=True)}
-    for name, expected in manifest.get("files", {}).items():
+    for name, expected in manifest["files"].items():
         problem = file_problem(folder, name, expected, sizes.get(name), checksums)
         if problem is not None:
             return problem
@@ -90,9 +90,9 @@ def file_problem(folder: Location, name: str, expected: dict[str, Any], size: in
 
 
 def listed_files(folder: Location) -> dict[str, dict[str, Any]]:
-    """The files the manifest lists, with their saved size and CRC-32 (empty for folders saved before version 2)."""
+    """The files the manifest lists, with their saved size and CRC-32 (empty without a readable manifest)."""
     manifest = read_manifest(folder)
-    return dict(manifest.get("files", {})) if manifest else {}
+    return dict(manifest["files"]) if manifest else {}
 
 
 RESUME_FIX = "Resume from another checkpoint (ckpt_path='last' picks the newest complete one) or re-save it."

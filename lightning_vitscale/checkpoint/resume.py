@@ -1,19 +1,16 @@
 """``fit(ckpt_path="last")`` and ``VitScaleStrategy(auto_resume=True)`` find the newest *complete* checkpoint.
 
-Lightning resolves ``"last"`` in ``_CheckpointConnector._parse_ckpt_path`` from
-``ModelCheckpoint._find_last_checkpoints`` (the ``last*.ckpt`` names in each ModelCheckpoint's folder; the newest
-modification time wins), on every rank alone, before any strategy or CheckpointIO code runs. ``lightning/patches.py``
-routes both here:
+The strategy's launcher (``lightning/launcher.py``) asks here before Lightning resolves the path:
 
-* ``_find_last_checkpoints``: each ``last*.ckpt`` name, also one present only as the ``.partial``/``.old`` folder
-  an interrupted save left, becomes its newest complete checkpoint (``commit.newest_complete``); incomplete ones
-  are skipped with a log line saying why. Names that are Lightning's own files come back unchanged. Under the
-  strategy the folder's other complete checkpoints become the load's fallbacks (a corrupt ``last.ckpt`` then
-  loads the newest intact save), and when a ``last*.ckpt`` was saved but no copy of it is complete, the newest
-  complete checkpoint there stands in for it, with a warning, rather than a silent start from scratch.
-* ``_parse_ckpt_path``: only under ``VitScaleStrategy(auto_resume=True)`` when fitting. Like Composer's
-  ``autoresume``, a complete checkpoint found in the ModelCheckpoint folders wins over ``ckpt_path`` (the same
-  command resubmitted after a failure resumes where it stopped); ``ckpt_path`` is used only when none is found.
+* ``"last"`` (:func:`last_path`): each ``last*.ckpt`` name in the ModelCheckpoint folders, also one present only as
+  the ``.partial`` folder an interrupted save left, becomes its newest complete checkpoint
+  (``commit.newest_complete``); incomplete ones are skipped with a log line saying why. The folder's other
+  complete checkpoints become the load's fallbacks (a corrupt ``last.ckpt`` then loads the newest intact save),
+  and when a ``last*.ckpt`` was saved but no copy of it is complete, the newest complete checkpoint there stands in
+  for it, with a warning, rather than a silent start from scratch.
+* ``auto_resume`` (:func:`auto_resume_path`), when fitting: like Composer's ``autoresume``, a complete checkpoint
+  found in the ModelCheckpoint folders wins over ``ckpt_path`` (the same command resubmitted after a failure
+  resumes where it stopped); ``ckpt_path`` is used only when none is found.
 
 Both check presence and sizes here; CRC-32s are checked when the strategy loads (``verified.py``), shared by the
 ranks, falling back to the next-newest complete candidate named here if a file is corrupt.
@@ -26,9 +23,10 @@ from collections.abc import Callable
 from pathlib import PurePath
 from typing import Any
 
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_vitscale._compat import checkpoint_dir
 from lightning_vitscale.checkpoint.commit import newest_complete, target_of
 from lightning_vitscale.checkpoint.storage import SHARDED_MARKER, Location
 
@@ -36,8 +34,8 @@ CHECKPOINT_EXTENSION = ModelCheckpoint.FILE_EXTENSION
 
 
 def complete_checkpoints(folder: Location, accept: Callable[[str], bool]) -> list[Location]:
-    """The newest complete checkpoint of every name in ``folder`` that ``accept`` takes (a ``.partial``/``.old``
-    folder counts for the name it was saved for), newest save first; skipped candidates are logged."""
+    """The newest complete checkpoint of every name in ``folder`` that ``accept`` takes (a ``.partial`` folder
+    counts for the name it was saved for), newest save first; skipped candidates are logged."""
     if not folder.is_dir():
         return []
     targets = {target_of(folder.child(name)) for name in folder.names()}
@@ -79,16 +77,30 @@ def _names_last(callback: ModelCheckpoint, folder: Location) -> bool:
     return any(_is_last(callback, PurePath(target_of(folder.child(n)).path).name) for n in folder.names())
 
 
-def last_with_fallbacks(
-    callback: ModelCheckpoint, folder: Location, wanted: bool
-) -> tuple[list[Location], list[Location]]:
-    """``ckpt_path="last"``'s complete candidates in ``folder`` and, when ``wanted``, the other complete checkpoints
+def last_path(trainer: Any) -> tuple[Location | None, list[Location]]:
+    """``ckpt_path="last"``'s newest complete candidate in the trainer's ModelCheckpoint folders (with the
+    ``OnExceptionCheckpoint`` files, which Lightning counts too; ``None``: none), and the folders' other complete
+    checkpoints, newest first (the load's fallbacks)."""
+    last: list[Location] = []
+    others: list[Location] = []
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            found, rest = last_with_fallbacks(callback, Location.of(checkpoint_dir(callback, trainer)))
+            last, others = last + found, others + rest
+    for callback in trainer.callbacks:
+        if isinstance(callback, OnExceptionCheckpoint):
+            newest, _ = newest_complete(Location.of(callback.ckpt_path))
+            last += [newest] if newest is not None else []
+    last.sort(key=saved_time, reverse=True)
+    return (last[0] if last else None), last[1:] + sorted(others, key=saved_time, reverse=True)
+
+
+def last_with_fallbacks(callback: ModelCheckpoint, folder: Location) -> tuple[list[Location], list[Location]]:
+    """The complete ``last*.ckpt`` candidates of ``callback`` in ``folder`` and the other complete checkpoints
     there (newest first), to load if the chosen one fails its CRC-32 check. When ``last*.ckpt`` was saved but no
     copy of it is complete (a truncated shard, an interrupted first save), the newest other complete checkpoint
     stands in for it, with a warning: DDP would fail on the damaged file, never silently start from scratch."""
     last = complete_checkpoints(folder, functools.partial(_is_last, callback))
-    if last and not wanted:
-        return last, []
     others = complete_checkpoints(folder, lambda name: _is_checkpoint(name) and not _is_last(callback, name))
     if not last and others and _names_last(callback, folder):
         rank_zero_warn(
@@ -96,7 +108,7 @@ def last_with_fallbacks(
             f" lines above say why); resuming from the newest complete checkpoint there instead: {others[0]}."
         )
         return others[:1], others[1:]
-    return last, others if wanted else []
+    return last, others
 
 
 def auto_resume_path(trainer: Any) -> tuple[Location | None, list[Location]]:

@@ -28,11 +28,11 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from lightning_vitscale._compat import EmptyStateDictLoadPlanner, FsspecReader, dcp_load_into
+from lightning_vitscale._compat import EmptyStateDictLoadPlanner, FsspecReader, StorageInfo, dcp_load_into, get_layout
 from lightning_vitscale.checkpoint.confinement import check_storage, member
 from lightning_vitscale.checkpoint.errors import CheckpointError
-from lightning_vitscale.checkpoint.own_layout import OwnLayoutLoadPlanner, PackedRows
 from lightning_vitscale.checkpoint.storage import DCP_METADATA, Location
+from lightning_vitscale.row_layout import OwnLayoutLoadPlanner, PackedRows
 
 
 def resolve_weights_only(weights_only: bool | None) -> bool:
@@ -56,8 +56,8 @@ _METADATA_CLASSES = {
     for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
                  "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
 } | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
+    (StorageInfo.__module__, StorageInfo.__name__),  # private torch classes DCP pickles: named by _compat
+    (get_layout.__module__, get_layout.__name__),
     ("torch", "Size"),
     ("pathlib", "PosixPath"),
     ("pathlib", "WindowsPath"),
@@ -141,7 +141,7 @@ class _SafeBytesMixin:
 
 class SafeLoadPlanner(_SafeBytesMixin, OwnLayoutLoadPlanner):
     """DCP's default load planner under the ``weights_only`` rule; ``packed`` projections read from the model's
-    own row order into this run's per-rank order (``own_layout.py``)."""
+    own row order into this run's per-rank order (``row_layout.py``)."""
 
     def __init__(self, weights_only: bool | None, packed: PackedRows | None = None, **kwargs: Any) -> None:
         super().__init__(packed, **kwargs)
@@ -222,7 +222,7 @@ def load_into(
 ) -> None:
     """``dcp.load`` of ``state`` (a collective over the default group): tensors filled in place, other values
     replaced; ``strict=False`` leaves keys the checkpoint lacks untouched. ``packed``: this run's projections in
-    per-rank row order (``_utils.packed_rows``), read from the model's own order that the checkpoint holds."""
+    per-rank row order (``row_layout.packed_rows``), read from the model's own order that the checkpoint holds."""
     planner = SafeLoadPlanner(weights_only, packed, allow_partial_load=not strict)
     with named_failures(location):
         dcp.load(state, storage_reader=safe_reader(location, weights_only), planner=planner)

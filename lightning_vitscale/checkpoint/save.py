@@ -15,19 +15,20 @@ from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 
-from lightning_vitscale._utils import packed_rows, reorder_packed, strip_wrapper_prefixes
+from lightning_vitscale._utils import strip_wrapper_prefixes
 from lightning_vitscale.checkpoint.async_save import AsyncSaves, Gather
 from lightning_vitscale.checkpoint.commit import candidates, commit, recover, retire
 from lightning_vitscale.checkpoint.formats import META, partial_path, pop_sharded_entries
 from lightning_vitscale.checkpoint.full_state_dict import gather_sharded_entries, sharded_state_dicts
 from lightning_vitscale.checkpoint.manifest import FileSum, file_sums
 from lightning_vitscale.checkpoint.optimizer_state import to_torch_format, untouched_if_fresh
-from lightning_vitscale.checkpoint.own_layout import OwnLayoutSavePlanner
 from lightning_vitscale.checkpoint.settings import CheckpointSettings
 from lightning_vitscale.checkpoint.storage import DCP_METADATA, Location, torch_save
 from lightning_vitscale.distributed.ranks import RankContext
+from lightning_vitscale.row_layout import OwnLayoutSavePlanner, packed_rows, reorder_packed
 
 
 def model_state_dict(module: nn.Module, full: bool) -> dict[str, Any]:
@@ -38,7 +39,7 @@ def model_state_dict(module: nn.Module, full: bool) -> dict[str, Any]:
     with sharded_state_dicts():  # DCP gathers (full) or saves the shards itself
         state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
     if not full:
-        return state  # DTensor shards: DCP writes packed projections in the model's own order (own_layout.py)
+        return state  # DTensor shards: DCP writes packed projections in the model's own order (row_layout.py)
     state = {strip_wrapper_prefixes(k): v for k, v in state.items()}
     reorder_packed(state, packed_rows(module), to_model=True)  # DDP's layout
     return state
@@ -48,7 +49,8 @@ def optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, fu
     """Sharded and keyed by parameter name (DCP), or ``full``: torch's native format on rank 0, as DDP saves it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer -> torch optimizer
+    if isinstance(optimizer, LightningOptimizer):  # what a LightningModule's `self.optimizers()` hands out
+        optimizer = optimizer.optimizer
     options = StateDictOptions(full_state_dict=full, cpu_offload=True)
     with untouched_if_fresh(optimizer) as fresh, sharded_state_dicts():
         state = get_optimizer_state_dict(module, optimizer, options=options)
@@ -76,7 +78,7 @@ def save_checkpoint(
 ) -> None:
     """``"sharded"``: every rank writes its own shards, atomically; ``"full"``: rank 0 writes one file with
     Lightning's CheckpointIO (``write_full``), as DDP does, with every sharded entry (e.g. ShardedEMA's) gathered
-    into whole tensors first, so the file holds what DDP's would (``packed``: ``_utils.packed_rows`` of the model,
+    into whole tensors first, so the file holds what DDP's would (``packed``: ``row_layout.packed_rows`` of the model,
     whose per-rank rows those entries get back in the model's own order)."""
     if saves is not None:
         saves.wait()  # at most one in flight: the previous save commits before this one touches any folder
@@ -106,7 +108,7 @@ def save_sharded(
     findable (``ckpt_path="last"``, or ``path`` itself) and a ``.partial`` folder that never loads unless its
     save committed. With ``saves`` the shards are copied into host memory here and written, hashed and committed
     in the background (``async_save.py``), the commit after every rank's write. ``packed`` projections (held in
-    per-rank row order) are written in the model's own order (``own_layout.py``): the folder loads under any
+    per-rank row order) are written in the model's own order (``row_layout.py``): the folder loads under any
     tensor-parallel layout."""
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})

@@ -17,7 +17,6 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_vitscale._utils import packed_rows
 from lightning_vitscale.checkpoint.async_save import AsyncSaves
 from lightning_vitscale.checkpoint.consolidate import consolidate_command
 from lightning_vitscale.checkpoint.load import load_checkpoint
@@ -31,6 +30,7 @@ from lightning_vitscale.checkpoint.settings import CheckpointSettings, StateDict
 from lightning_vitscale.checkpoint.storage import Location
 from lightning_vitscale.checkpoint.verified import verified_checkpoint
 from lightning_vitscale.distributed.ranks import RankContext
+from lightning_vitscale.row_layout import packed_rows
 
 
 class StrategyCheckpoints:
@@ -41,9 +41,6 @@ class StrategyCheckpoints:
         self.saves = AsyncSaves(timeout)
         self._fallbacks: list[Location] = []
         self._told_how_to_consolidate = False
-        self.tensor_layout: dict[str, Any] | None = None
-        """The run's tensor-parallel row order, set at setup (``None``: the model's own layout): what an earlier
-        version's sharded folder, which holds that order, must match (``tensor_layout.py``)."""
 
     def resume_with_fallbacks(self, fallbacks: list[Location]) -> None:
         """Older complete checkpoints that ``auto_resume`` / ``ckpt_path="last"`` found (``resume.py``), tried in
@@ -66,18 +63,17 @@ class StrategyCheckpoints:
 
     def save(
         self, checkpoint: dict[str, Any], filepath: Any, *, ranks: RankContext, write_full: Any,
-        storage_options: Any | None, module: Any,
+        storage_options: Any | None, trainer: Any,
     ) -> None:
         """``"sharded"``: every rank writes its own shards, atomically; ``"full"``: rank 0 writes one file, as DDP
-        (with Lightning's CheckpointIO: ``write_full``). ``module``: the LightningModule saved (its Trainer's state
-        says whether the save may run in the background). Either holds the model's own layout: packed
-        projections' per-rank rows are written in the model's order (``own_layout.py``)."""
+        (with Lightning's CheckpointIO: ``write_full``). ``trainer``: the Trainer saving its LightningModule, whose
+        state says whether the save may run in the background. Either holds the model's own layout: packed
+        projections' per-rank rows are written in the model's order (``row_layout.py``)."""
         location = Location.of(ranks.broadcast(str(filepath)))
-        trainer = getattr(module, "_trainer", None)
         saves = self.saves if self._saves_in_background(trainer) else None
         save_checkpoint(
             checkpoint, location, self.settings, ranks.is_rank_zero, ranks.barrier, write_full, storage_options,
-            ranks, saves, packed_rows(module),
+            ranks, saves, packed_rows(trainer.lightning_module),
         )
         if not self.settings.full and not self._told_how_to_consolidate:
             self._told_how_to_consolidate = True
@@ -104,15 +100,14 @@ class StrategyCheckpoints:
         is torch's default (True), as under DDP, for every pickle read (files, ``meta.pt``, DCP metadata).
         A path whose save was interrupted loads the newest complete checkpoint saved to it; a sharded folder's
         CRC-32s are checked first, shared by the ranks (``verified.py``), falling back to the resume fallbacks.
-        Any tensor-parallel layout loads any checkpoint this version saved (``own_layout.py``); an earlier version's
-        sharded folder in another per-rank row order than this run's is refused (``tensor_layout.py``).
+        Any tensor-parallel layout loads any checkpoint (``row_layout.py``).
         """
         assert module is not None
         self.saves.wait()
         location = Location.of(ranks.broadcast(str(checkpoint_path)))
         fallbacks, self._fallbacks = self._fallbacks, []
         location = verified_checkpoint(location, fallbacks, ranks)
-        return load_checkpoint(location, module, optimizers, module.strict_loading, weights_only, self.tensor_layout)
+        return load_checkpoint(location, module, optimizers, module.strict_loading, weights_only)
 
     def remove(self, filepath: Any, *, ranks: RankContext) -> None:
         self.saves.wait()  # a folder still being written must not be deleted under the writer
@@ -153,17 +148,11 @@ class OnCheckpointSide(Generic[T]):
             side.settings = dataclasses.replace(side.settings, state_dict_type=cast(StateDictType, value))
 
 
-def strategy_checkpoints(strategy: object) -> StrategyCheckpoints | None:
-    """The checkpoint side of ``strategy`` (``None`` for Lightning's own strategies, whose checkpoints we leave be)."""
-    side = getattr(strategy, "checkpoints", None)
-    return side if isinstance(side, StrategyCheckpoints) else None
-
-
 def sharded_save_hint(location: Location) -> str:
     """Said once per strategy after its first sharded save: how other tools read the folder."""
     return (
-        f"Sharded checkpoint folder written: {location}. `MyModule.load_from_checkpoint(path)` and a resume"
-        " under strategy='ddp' read it in any process that has imported lightning_vitscale. One torch.save"
-        f" file for other tools: `{consolidate_command(location.url)}`, or VitScaleStrategy(state_dict_type="
-        "'full')."
+        f"Sharded checkpoint folder written: {location}. Outside VitScaleStrategy:"
+        " `MyModule.load_from_checkpoint(lightning_vitscale.consolidated(path))`; a resume under strategy='ddp':"
+        " `Trainer(plugins=[lightning_vitscale.VitScaleCheckpointIO()])`. One torch.save file for other tools:"
+        f" `{consolidate_command(location.url)}`, or VitScaleStrategy(state_dict_type='full')."
     )

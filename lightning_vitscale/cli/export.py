@@ -1,7 +1,7 @@
 """`python -m lightning_vitscale export SRC DST --format safetensors|hf|timm|torchvision`: one submodule's weights
 (trained, EMA or DINO teacher) out of a checkpoint, in the format people publish and load.
 
-Argument handling only; the reading is ``checkpoint/export.py``, the formats ``checkpoint/export_targets.py``.
+Argument handling only; the reading and the formats are ``checkpoint/export/``.
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ import sys
 from typing import Any
 
 from lightning_vitscale.checkpoint import CheckpointError
-from lightning_vitscale.checkpoint.export import EXPORT_DTYPES, read_weights, write_safetensors
-from lightning_vitscale.checkpoint.export_targets import (
+from lightning_vitscale.checkpoint.export import (
+    EXPORT_DTYPES,
     build_submodule,
     parse_arch_args,
+    read_weights,
     write_hf,
+    write_safetensors,
     write_timm,
     write_torchvision,
 )

@@ -17,7 +17,6 @@ from typing import Any, Literal
 
 from torch import nn
 
-from lightning_vitscale._utils import TENSOR_LAYOUT_KEY as TENSOR_LAYOUT_KEY  # where it always was
 from lightning_vitscale.discovery.norms import is_normalization
 
 Role = Literal["colwise", "rowwise", "packed_colwise"]
@@ -32,12 +31,6 @@ HEAD_WIDTHS = ("attn_dim", "all_head_size")  # ... and, where they keep it, head
 
 class TensorPlanError(ValueError):
     """A block the automatic plan cannot split without changing model code: pass ``tensor_plan=``."""
-
-
-def tensor_layout(tensor_parallel: int, interleaved: list[str]) -> dict[str, Any] | None:
-    """What a checkpoint records of the run's layout: its packed projections held in per-rank row order under
-    ``tensor_parallel`` (``None``: every tensor is in the model's own layout, which any layout can load)."""
-    return {"tensor_parallel": tensor_parallel, "interleaved": sorted(interleaved)} if interleaved else None
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._utils import PACKED_ROWS, interleaved_rows, local_tensor
+from lightning_vitscale._utils import local_tensor
 from lightning_vitscale.init.creation import Creation, PeakRss
 from lightning_vitscale.init.replay import Recipe, replay, tensor_seed
 from lightning_vitscale.init.scatter import Box, gather_boxes, materialize_meta, scatter_boxes, scatter_from
+from lightning_vitscale.row_layout import PACKED_ROWS, interleaved_rows
 
 _INIT_METHODS = ("reset_parameters", "_reset_parameters")  # torch's MultiheadAttention only has the private one
 Slot = tuple[nn.Module, str, str, str, bool]  # owner, "param" | "buffer", attribute, qualified name, was meta

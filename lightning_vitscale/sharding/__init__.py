@@ -9,16 +9,8 @@ The top of the concerns: may import ``memory``, ``checkpoint``, ``precision``, `
 
 from typing import Any
 
-from lightning_vitscale.checkpoint.errors import TensorLayoutError
-from lightning_vitscale.checkpoint.tensor_layout import check_tensor_layout
 from lightning_vitscale.discovery import ModuleSelector
-from lightning_vitscale.discovery.tensor_plan import (
-    TENSOR_LAYOUT_KEY,
-    BlockPlan,
-    TensorPlanError,
-    TensorPlanSelector,
-    tensor_layout,
-)
+from lightning_vitscale.discovery.tensor_plan import BlockPlan, TensorPlanError, TensorPlanSelector
 from lightning_vitscale.sharding import summary
 from lightning_vitscale.sharding.outer_unit import OuterUnit, OutsideStepCallError
 from lightning_vitscale.sharding.parallelize import NoBlocksMatchedError, Parallelized, parallelize
@@ -39,11 +31,7 @@ from lightning_vitscale.sharding.summary import SetupSummary
 from lightning_vitscale.sharding.sync_batchnorm import apply_sync_batchnorm
 
 __all__ = [
-    "TENSOR_LAYOUT_KEY",
     "BlockPlan",
-    "TensorLayoutError",
-    "check_tensor_layout",
-    "tensor_layout",
     "TensorPlanError",
     "TensorPlanSelector",
     "CheckpointSelector",

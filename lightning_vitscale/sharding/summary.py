@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lightning_vitscale._utils import full_bytes, local_bytes, mib
-from lightning_vitscale.discovery.tensor_plan import tensor_layout
 from lightning_vitscale.kernels import describe_router
 from lightning_vitscale.sharding.traffic import LayoutReport
 
@@ -59,7 +58,7 @@ class SetupSummary:
         tensor_parallel: ranks that split each block (``1``: none); ``world_size`` then counts data-parallel ranks.
         tensor_plans: block class -> its tensor-parallel plan (module roles, per-rank head counts), what it keeps
             replicated and what its proof at setup measured.
-        tensor_interleaved: packed projections whose rows are held in per-rank order (their checkpoints too).
+        tensor_interleaved: packed projections whose rows are held in per-rank order (checkpoints: the model's).
     """
 
     world_size: int
@@ -91,11 +90,6 @@ class SetupSummary:
     tensor_parallel: int = 1
     tensor_plans: dict[str, str] = field(default_factory=dict)
     tensor_interleaved: list[str] = field(default_factory=list)
-
-    @property
-    def tensor_layout(self) -> dict[str, Any] | None:
-        """What this run's sharded checkpoints record of its row order (``None``: the model's own layout)."""
-        return tensor_layout(self.tensor_parallel, self.tensor_interleaved)
 
     def summary(self) -> str:
         found = ", ".join(f"{name} x{count}" for name, count in self.blocks.items()) or "none (one outer unit)"

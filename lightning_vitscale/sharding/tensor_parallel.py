@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lightning_vitscale._utils import PACKED_ROWS, interleaved_rows
 from lightning_vitscale.discovery.tensor_plan import BlockPlan
+from lightning_vitscale.row_layout import PACKED_ROWS, interleaved_rows
 
 
 class PackedColwiseParallel(ColwiseParallel):

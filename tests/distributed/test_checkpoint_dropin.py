@@ -1,11 +1,13 @@
 """Checkpoint habits from DDP on 2 gloo ranks, DDP as the oracle: lr_find, full single files and sharded folders
-that ``load_from_checkpoint`` reads and DDP resumes from, sharded checkpoints on fsspec URLs, crafted pickles."""
+that ``load_from_checkpoint`` reads and DDP resumes from (a folder through ``consolidated`` and
+``VitScaleCheckpointIO``), sharded checkpoints on fsspec URLs, crafted pickles."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import lightning_vitscale
 from lightning_vitscale.__main__ import main
 from tests.distributed.scripts.checkpoints import FIXED
 from tests.helpers.launch import launch_ranks
@@ -53,7 +55,7 @@ def test_full_checkpoint_is_a_ddp_checkpoint(run):
 
 
 def logits(path) -> torch.Tensor:
-    model = Classifier.load_from_checkpoint(path, map_location="cpu")
+    model = Classifier.load_from_checkpoint(path, map_location="cpu")  # a file, or a folder's consolidated()
     model.eval()
     with torch.no_grad():
         return model(FIXED)
@@ -70,19 +72,20 @@ def test_load_from_checkpoint_reads_a_sharded_folder_like_ddps_file(run):
     told = [m for m in ranks[0]["save_formats"]["told"] if "consolidate" in m]
     assert len(told) == 1  # once per strategy, not at every save
     command = f"python -m lightning_vitscale consolidate {url} file://{out}/sharded.consolidated.ckpt"
-    assert f"`{command}`" in told[0] and "load_from_checkpoint(path)" in told[0]
+    assert f"`{command}`" in told[0] and "load_from_checkpoint(lightning_vitscale.consolidated(path))" in told[0]
+    assert "plugins=[lightning_vitscale.VitScaleCheckpointIO()]" in told[0]
     assert main(command.split()[3:]) == 0
     consolidated = logits(out / "sharded.consolidated.ckpt")
     torch.testing.assert_close(consolidated, logits(out / "ddp.ckpt"), rtol=1e-5, atol=1e-6)
     for path in (out / "sharded.ckpt", url):
-        assert torch.equal(logits(path), consolidated)
+        assert torch.equal(logits(lightning_vitscale.consolidated(path)), consolidated)
 
 
 def test_fsspec_url_checkpoint_is_complete_and_atomic(run):
     _, ranks = run
     facts = ranks[0]["save_formats"]
     assert facts["sharded"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "lightning_vitscale.json", "meta.pt"]
-    assert facts["stray"] == []  # neither .partial nor .old left by the second save's swap
+    assert facts["stray"] == []  # no .partial left by the second save's swap
 
 
 def test_resumes_from_full_files_and_urls_continue_like_ddp(run):

@@ -26,10 +26,12 @@ PUBLIC_NAMES = {
     "ShardedModuleReuseError",
     "StateBytes",
     "StateDictGatherError",
+    "VitScaleCheckpointIO",
     "VitScalePrecision",
     "VitScaleStrategy",
     "VitScaleThroughput",
     "consolidate_checkpoint",
+    "consolidated",
     "find_blocks",
     "measure_state_bytes",
     "plan_memory",
@@ -38,7 +40,7 @@ PUBLIC_NAMES = {
 # module path -> names the README / CHANGELOG tell users to import from it
 DOCUMENTED_PATHS = {
     "lightning_vitscale.checkpoint": {
-        "consolidate_checkpoint", "load_consolidated", "CheckpointError", "AsyncSaveError", "verify",
+        "consolidate_checkpoint", "consolidated", "load_consolidated", "CheckpointError", "AsyncSaveError", "verify",
     },
     "lightning_vitscale.policies": {
         "ParallelConfig", "ShardingPolicy", "CheckpointingPolicy", "KernelPolicy", "PrecisionPolicy", "EMAPolicy",
@@ -47,9 +49,7 @@ DOCUMENTED_PATHS = {
     "lightning_vitscale.checkpoint.fsdp1": {
         "convert_fsdp1_checkpoint", "load_fsdp1_state_dict", "load_fsdp1_local_state_dict",
     },
-    # the README's earlier paths, deprecated (they warn) for one release
-    "lightning_vitscale.checkpoint.legacy_fsdp1": {"convert_fsdp1_checkpoint", "load_fsdp1_state_dict"},
-    "lightning_vitscale.checkpoint.legacy_fsdp1_local": {"load_fsdp1_local_state_dict"},
+    "lightning_vitscale.checkpoint.export": {"read_weights", "WeightsChoice"},  # examples/models/finetune.py
     "lightning_vitscale.__main__": {"main"},
 }
 

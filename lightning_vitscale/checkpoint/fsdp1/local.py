@@ -77,7 +77,7 @@ def convert_fsdp1_local_checkpoint(
     weights_only: bool | None = None, aligned_numel: int | None = None,
 ) -> PathLike:
     """Write ``{"state_dict": ...}`` of :func:`load_fsdp1_local_state_dict` to ``dst`` (weights to start a run
-    from, as :func:`~lightning_vitscale.checkpoint.legacy_fsdp1.convert_fsdp1_checkpoint` writes)."""
+    from, as :func:`~lightning_vitscale.checkpoint.fsdp1.convert_fsdp1_checkpoint` writes)."""
     require_file_target(dst)
     state = load_fsdp1_local_state_dict(src, model, dtype, weights_only, aligned_numel)
     return write_file({"state_dict": state}, dst)

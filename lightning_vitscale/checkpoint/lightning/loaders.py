@@ -1,9 +1,9 @@
-"""What Lightning's own loaders get for this package's sharded checkpoint folders: DDP's single-file dict.
+"""A sharded folder where Lightning reads DDP's file: :class:`VitScaleCheckpointIO`, a ``TorchCheckpointIO`` for
+``strategy="ddp"`` or single-device runs that resume from one.
 
-``patches.py`` routes ``pl_load`` here for a folder holding this package's marker file
-(``checkpoint.storage.SHARDED_MARKER``, written last by every sharded save), and only for such a folder.
-
-A marked folder is read in one process with no process group (each DDP rank reads it all, as it reads DDP's
+Only a folder holding this package's marker file (``checkpoint.storage.SHARDED_MARKER``, written last by every
+sharded save) is read here; files and other folders go to Lightning's ``TorchCheckpointIO`` unchanged. A marked
+folder is read in one process with no process group (each DDP rank reads it all, as it reads DDP's
 file) into the dict ``torch.load`` returns for the consolidated file: the same weights, hyper-parameters,
 torch-native optimizer states and loop state, under the same ``weights_only`` rule (torch's safe default, so a
 crafted pickle never runs).
@@ -16,10 +16,31 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from typing_extensions import override
 
 from lightning_vitscale._compat import restore_location, tree_map
 from lightning_vitscale.checkpoint.consolidate import load_consolidated
 from lightning_vitscale.checkpoint.storage import Location, has_sharded_marker
+
+
+class VitScaleCheckpointIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO`` that also reads ``VitScaleStrategy``'s sharded folders, as the dict
+    ``torch.load`` gives for their consolidated file: a DDP or single-device run resumes from one
+    (``fit(ckpt_path=folder)``, ``ckpt_path="last"``) with weights, optimizer and loop state.
+
+    Example::
+
+        trainer = Trainer(strategy="ddp", plugins=[VitScaleCheckpointIO()])
+        trainer.fit(model, ckpt_path="checkpoints/last.ckpt")  # a folder VitScaleStrategy saved
+    """
+
+    @override
+    def load_checkpoint(self, path: Any, map_location: Any = lambda storage, loc: storage,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        if is_sharded_checkpoint(path):
+            return load_sharded_as_full(path, map_location=map_location, weights_only=weights_only)
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
 
 def is_sharded_checkpoint(path: Any) -> bool:

@@ -6,8 +6,7 @@ For each backbone (the examples' ViT, timm's, HF ViT and DINOv2), DDP at a globa
 all through ``Trainer.fit`` with gradient clipping; each rank starts from its own random weights, so only rank 0's
 broadcast makes them agree. Then checkpoints: HF ViT saved under TP=2 x FSDP=2 resumed under FSDP=4 (tensor_parallel=1);
 the examples' ViT and timm's (packed qkv, with ShardedEMA) saved under TP=2 x FSDP=2 and resumed under FSDP=4, TP=4
-and DDP, whose own checkpoints are resumed under TP=2 again; a folder in an earlier version's per-rank order
-(with its tensor-layout entry) resumed under TP=2 and refused under TP=1. Then the examples' ViT and timm's built in
+and DDP, whose own checkpoints are resumed under TP=2 again. Then the examples' ViT and timm's built in
 ``configure_model()`` under TP=2 x FSDP=2: ``init="exact"`` (rank 0 real, the others on meta), ``init="meta"``
 (every rank on meta, each rank seeded differently), and host memory during setup for a 57 MiB ViT on both paths.
 The examples' ViT under ``sharding=2`` (a 3-D mesh: 2 replicas x 1-rank shard groups x 2 tensor parallel), built in
@@ -22,7 +21,6 @@ import json
 import sys
 import warnings
 from pathlib import Path
-from unittest import mock
 
 import lightning as L
 import torch
@@ -31,14 +29,11 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_vitscale import ShardedEMA, VitScaleStrategy, measure_state_bytes
-from lightning_vitscale._utils import model_rows, packed_rows, strip_wrapper_prefixes
-from lightning_vitscale.checkpoint import save as saving
+from lightning_vitscale import ShardedEMA, VitScaleCheckpointIO, VitScaleStrategy, consolidated, measure_state_bytes
+from lightning_vitscale._utils import strip_wrapper_prefixes
 from lightning_vitscale.checkpoint.consolidate import load_consolidated
-from lightning_vitscale.checkpoint.formats import META
-from lightning_vitscale.checkpoint.own_layout import OwnLayoutSavePlanner
 from lightning_vitscale.init.scatter import local_box
-from lightning_vitscale.sharding import TENSOR_LAYOUT_KEY, TensorLayoutError
+from lightning_vitscale.row_layout import model_rows, packed_rows
 from tests.helpers.peak import mmap_large_allocations
 from tests.helpers.state import full as full_tensor
 from tests.helpers.state import snapshot
@@ -100,7 +95,6 @@ class Model(L.LightningModule):
         self.losses: list[float] = []
         self.seen: list[int] = []
         self.record_initial = False
-        self.old_format = False
         self.record_pieces = False
 
     def setup(self, stage: str) -> None:
@@ -131,10 +125,6 @@ class Model(L.LightningModule):
     def forward(self, x):
         out = self.backbone(x)
         return out if isinstance(out, torch.Tensor) else out.logits
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        if self.old_format:  # what an earlier version recorded with shards in per-rank order
-            checkpoint[TENSOR_LAYOUT_KEY] = self.trainer.strategy.checkpoints.tensor_layout
 
     def training_step(self, batch, batch_idx):
         x, y, index = batch
@@ -183,6 +173,7 @@ def fit(
         accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=steps, gradient_clip_val=0.05, logger=False,
         precision=precision, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, callbacks=[ShardedEMA(0.5)] if ema else [],
+        plugins=[VitScaleCheckpointIO()] if tp == 0 else None,  # DDP resumes from sharded folders through it
     )
     trainer.fit(model, data(GLOBAL_BATCH // data_parallel), ckpt_path=str(ckpt) if ckpt else None)
     state = measure_state_bytes(model, trainer.optimizers)
@@ -299,10 +290,7 @@ def resumes(out: Path, backbone: str, name: str, resumed_under: int, save_as: st
     ckpt = out / name
     saved = dict(SAVED[ckpt])
     step = int(saved.pop("global_step"))
-    try:
-        _, resumed, trainer = fit(backbone, resumed_under, steps=step + 1, ckpt=ckpt)
-    except TensorLayoutError as error:
-        return {"refused": str(error)}
+    _, resumed, trainer = fit(backbone, resumed_under, steps=step + 1, ckpt=ckpt)
     different = [k for k in saved if k not in resumed.restored or not torch.equal(saved[k], resumed.restored[k])]
     if save_as:
         save(trainer, resumed, out / save_as)
@@ -338,7 +326,7 @@ def full_views(out: Path, model: Model, trainer: L.Trainer, ddp: dict) -> dict:
     facts = {
         "after_setup": max_difference(model.initial, initial),
         "state_vs_file": max_difference(state, saved["state_dict"]),
-        "state_vs_ddp": max_difference(state, ddp["state"]), "layout_key": "vitscale_tensor_layout" in saved,
+        "state_vs_ddp": max_difference(state, ddp["state"]),
         "momentum_vs_ddp": max_difference(momentum(saved["optimizer_states"][0]), momentum(ddp["optimizer"])),
         "outputs": (outputs[0] - outputs[1]).abs().max().item(),
         "ema_vs_ddp": max_difference(saved["ema_state_dict"], ddp["ema"]),
@@ -348,16 +336,15 @@ def full_views(out: Path, model: Model, trainer: L.Trainer, ddp: dict) -> dict:
     shards.load_full(saved["ema_state_dict"])  # as a resume from the full file does
     facts["ema_round_trip"] = max_difference({k: full_tensor(v) for k, v in shards.state_dict().items()}, ema)
     if dist.get_rank() == 0:
-        consolidated = load_consolidated(out / "examples-2.ckpt")
-        facts["consolidated_vs_file"] = max_difference(consolidated["state_dict"], saved["state_dict"])
+        whole = load_consolidated(out / "examples-2.ckpt")
+        facts["consolidated_vs_file"] = max_difference(whole["state_dict"], saved["state_dict"])
         facts["consolidated_momentum_vs_file"] = max_difference(
-            momentum(consolidated["optimizer_states"][0]), momentum(saved["optimizer_states"][0])
+            momentum(whole["optimizer_states"][0]), momentum(saved["optimizer_states"][0])
         )
-        facts["consolidated_ema_vs_file"] = max_difference(consolidated["ema_state_dict"], saved["ema_state_dict"])
-        loaded = Model.load_from_checkpoint(out / "examples-2.ckpt", backbone="examples")  # the sharded folder
+        facts["consolidated_ema_vs_file"] = max_difference(whole["ema_state_dict"], saved["ema_state_dict"])
+        loaded = Model.load_from_checkpoint(consolidated(out / "examples-2.ckpt"), backbone="examples")  # the folder
         facts["load_from_checkpoint_vs_file"] = max_difference(loaded.state_dict(), saved["state_dict"])
         facts["load_from_checkpoint_vs_ddp"] = max_difference(loaded.state_dict(), ddp["state"])
-        facts["folder_layout_key"] = TENSOR_LAYOUT_KEY in torch.load(out / "examples-2.ckpt" / META, weights_only=True)
     with torch.no_grad():  # a full state dict loads back into the split model (per-rank rows again)
         for p in model.parameters():
             p.zero_()
@@ -404,8 +391,8 @@ def main() -> None:
 
 
 def after_tp2_fit(out: Path, backbone: str, model: Model, trainer: L.Trainer, ddp: dict) -> dict:
-    """What a TP=2 x FSDP=2 fit leaves for the checks: its checkpoint (and, for the examples' ViT, the full views
-    and a folder in an earlier version's per-rank order), and the same backbone built in ``configure_model()``."""
+    """What a TP=2 x FSDP=2 fit leaves for the checks: its checkpoint (and, for the examples' ViT, the full views),
+    and the same backbone built in ``configure_model()``."""
     if backbone not in ("examples", "timm", "hf"):
         return {}
     results = {}
@@ -413,9 +400,6 @@ def after_tp2_fit(out: Path, backbone: str, model: Model, trainer: L.Trainer, dd
     save(trainer, model, out / f"{backbone}-2.ckpt")  # for the resumes below
     if backbone == "examples":
         results["full-views"] = full_views(out, model, trainer, ddp)
-        model.old_format = True  # shards in per-rank order, as an earlier version wrote them
-        with mock.patch.object(saving, "OwnLayoutSavePlanner", lambda packed: OwnLayoutSavePlanner({})):
-            save(trainer, model, out / "examples-2-old.ckpt")
     if backbone in ("examples", "timm"):
         results.update(configured(backbone, built))
     return results
@@ -445,8 +429,6 @@ def resumes_across_layouts(out: Path) -> dict:
             results[f"resume-{backbone}-2-to-{tp}"] = resumes(out, backbone, f"{backbone}-2.ckpt", tp, save_as)
         for tp in (t for t in layouts if t in (1, 0)):
             results[f"resume-{backbone}-{tp}-to-2"] = resumes(out, backbone, f"{backbone}-2-to-{tp}.ckpt", 2)
-    results["resume-examples-old-to-2"] = resumes(out, "examples", "examples-2-old.ckpt", 2)
-    results["resume-examples-old-to-1"] = resumes(out, "examples", "examples-2-old.ckpt", 1)
     results["resume-examples-2-full-to-2"] = resumes(out, "examples", "examples-2-full.ckpt", 2)
     return results
 

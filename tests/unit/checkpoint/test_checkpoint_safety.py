@@ -109,7 +109,7 @@ def test_sharded_checkpoints_on_an_fsspec_url(tmp_path):
     write_sharded(url)
     model = write_sharded(url)  # the second save swaps over the first one
     assert dict(checkpoint_shapes(url)) == {k: v.shape for k, v in model.state_dict().items()}
-    assert not Location.of(url + ".partial").exists() and not Location.of(url + ".old").exists()
+    assert not Location.of(url + ".partial").exists()
     consolidate_checkpoint(url, "memory://vitscale-test/run/model.ckpt")
     with Location.of("memory://vitscale-test/run/model.ckpt").open("rb") as f:
         full = torch.load(f, weights_only=True)

@@ -22,11 +22,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from lightning_vitscale import CheckpointError, ShardedEMA, VitScaleStrategy
+from lightning_vitscale import CheckpointError, ShardedEMA, VitScaleCheckpointIO, VitScaleStrategy, consolidated
 from lightning_vitscale.__main__ import main
 from lightning_vitscale._compat import StorageInfo
 from lightning_vitscale.checkpoint.formats import EMA_KEY, sharded_entries
-from lightning_vitscale.checkpoint.lightning.loaders import load_sharded_as_full
+from lightning_vitscale.checkpoint.lightning import load_sharded_as_full
 from lightning_vitscale.checkpoint.storage import Location
 from tests.helpers.exploit import Payload
 from tests.helpers.models import Classifier, loader
@@ -153,8 +153,9 @@ def test_the_sharded_entries_api_refuses(crafted, variant):
 
 @each_variant
 def test_load_from_checkpoint_and_a_single_device_resume_refuse(crafted, variant):
-    refused(crafted, variant, Classifier.load_from_checkpoint)
-    refused(crafted, variant, lambda folder: make_trainer("auto", 4).fit(Classifier(), loader(n=16), ckpt_path=folder))
+    refused(crafted, variant, lambda folder: Classifier.load_from_checkpoint(consolidated(folder)))
+    refused(crafted, variant, lambda folder: make_trainer("auto", 4, plugins=[VitScaleCheckpointIO()]).fit(
+        Classifier(), loader(n=16), ckpt_path=folder))  # DDP's route to a sharded folder
 
 
 @each_variant

@@ -1,6 +1,7 @@
-"""Lightning's own loaders read a sharded folder in a plain process: ``load_from_checkpoint`` and a single-device
-resume give what the same run's full (DDP-format) file and its consolidated file give; crafted pickles never
-run; folders that are not ours fail as before."""
+"""A sharded folder where Lightning reads DDP's file, through the public routes: ``load_from_checkpoint(consolidated(
+folder))`` and a single-device resume with ``VitScaleCheckpointIO`` give what the same run's full (DDP-format) file
+and its consolidated file give; crafted pickles never run; folders that are not ours fail as Lightning fails, and so
+does a plain ``load_from_checkpoint(folder)`` (nothing of Lightning is patched)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_vitscale import CheckpointError, VitScaleStrategy, consolidate_checkpoint
-from lightning_vitscale._compat import PL_LOAD_MODULES
-from lightning_vitscale.checkpoint import install_import_patches
-from lightning_vitscale.checkpoint.lightning.loaders import is_sharded_checkpoint, load_sharded_as_full
+from lightning_vitscale import (
+    CheckpointError,
+    VitScaleCheckpointIO,
+    VitScaleStrategy,
+    consolidate_checkpoint,
+    consolidated,
+)
+from lightning_vitscale.checkpoint.lightning import is_sharded_checkpoint, load_sharded_as_full
 from tests.helpers.exploit import Payload
 from tests.helpers.models import Classifier, loader
 from tests.helpers.saved_runs import restamp
@@ -25,10 +30,10 @@ FIXED = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(7))
 URL = "memory://vitscale-loader/sharded.ckpt"
 
 
-def make_trainer(strategy, steps: int) -> L.Trainer:
+def make_trainer(strategy, steps: int, plugins=None) -> L.Trainer:
     return L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     limit_val_batches=0, enable_checkpointing=False)
+                     limit_val_batches=0, enable_checkpointing=False, plugins=plugins)
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +68,9 @@ def test_load_from_checkpoint_reads_a_sharded_folder_like_the_full_and_consolida
     full = Classifier.load_from_checkpoint(saved / "full.ckpt")
     assert_same_model(Classifier.load_from_checkpoint(saved / "consolidated.ckpt"), full)
     for path in (saved / "sharded.ckpt", str(saved / "sharded.ckpt"), f"file://{saved}/url.ckpt", URL):
-        model = Classifier.load_from_checkpoint(path, map_location="cpu", strict=True, weights_only=True)
+        model = Classifier.load_from_checkpoint(consolidated(path), map_location="cpu", strict=True, weights_only=True)
         assert_same_model(model, full)
-    overridden = Classifier.load_from_checkpoint(saved / "sharded.ckpt", lr=0.5)
+    overridden = Classifier.load_from_checkpoint(consolidated(saved / "sharded.ckpt"), lr=0.5)
     assert overridden.hparams.lr == 0.5 and overridden.hparams.backbone == "encoder"
 
 
@@ -101,7 +106,7 @@ def test_a_single_device_fit_resumes_from_the_folder_like_from_the_full_file(sav
         model = Classifier("encoder")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            make_trainer("auto", 8).fit(model, loader(n=32), ckpt_path=saved / name)
+            make_trainer("auto", 8, [VitScaleCheckpointIO()]).fit(model, loader(n=32), ckpt_path=saved / name)
         losses[name] = model.losses
     assert len(losses["full.ckpt"]) == 4  # steps 5-8: the loop state came back
     assert losses["sharded.ckpt"] == losses["full.ckpt"]  # and the optimizer's moments and the scheduler's LR
@@ -111,8 +116,9 @@ def test_a_weights_only_folder_refuses_to_resume_a_fit_as_a_weights_only_file_do
     assert "optimizer_states" not in load_sharded_as_full(saved / "weights-only.ckpt")
     with pytest.raises(KeyError, match="save_weights_only"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        make_trainer("auto", 8).fit(Classifier("encoder"), loader(n=32), ckpt_path=saved / "weights-only.ckpt")
-    assert_same_model(Classifier.load_from_checkpoint(saved / "weights-only.ckpt"),
+        trainer = make_trainer("auto", 8, [VitScaleCheckpointIO()])
+        trainer.fit(Classifier("encoder"), loader(n=32), ckpt_path=saved / "weights-only.ckpt")
+    assert_same_model(Classifier.load_from_checkpoint(consolidated(saved / "weights-only.ckpt")),
                       Classifier.load_from_checkpoint(saved / "full.ckpt"))
 
 
@@ -130,12 +136,12 @@ def test_crafted_pickles_in_a_folder_never_run_through_load_from_checkpoint(save
     for folder in (meta_case, dcp_case):  # whoever crafts a file can rewrite its CRC-32 too
         restamp(folder)
     with pytest.raises(CheckpointError, match=r"refuses \(posix.system\).*weights_only=False"):
-        Classifier.load_from_checkpoint(meta_case)
+        Classifier.load_from_checkpoint(consolidated(meta_case))
     with pytest.raises(CheckpointError, match="refers to posix.system.*refusing"):
-        Classifier.load_from_checkpoint(dcp_case, weights_only=True)
+        VitScaleCheckpointIO().load_checkpoint(dcp_case, weights_only=True)
     assert not marker.exists()
     with pytest.raises(KeyError):  # the opt-in for trusted files really unpickles: backbone=0, the payload's result
-        Classifier.load_from_checkpoint(meta_case, weights_only=False)
+        Classifier.load_from_checkpoint(consolidated(meta_case, weights_only=False), weights_only=False)
     assert marker.exists()
 
 
@@ -146,14 +152,8 @@ def test_folders_that_are_not_ours_fail_as_lightning_fails(saved, tmp_path):
     for folder in (foreign, tmp_path):
         assert not is_sharded_checkpoint(folder)
         with pytest.raises(IsADirectoryError):
-            Classifier.load_from_checkpoint(folder)
+            VitScaleCheckpointIO().load_checkpoint(folder)  # Lightning's TorchCheckpointIO answers
+    with pytest.raises(IsADirectoryError):  # Lightning's own loader, untouched: the folder needs consolidated()
+        Classifier.load_from_checkpoint(saved / "sharded.ckpt")
     assert is_sharded_checkpoint(saved / "sharded.ckpt") and is_sharded_checkpoint(URL)
     assert not is_sharded_checkpoint(saved / "full.ckpt") and not is_sharded_checkpoint("memory://nowhere")
-
-
-def test_the_wrapper_is_installed_once_around_lightnings_loader():
-    from lightning.fabric.utilities import cloud_io
-
-    install_import_patches()  # a second call (e.g. a reload) must not stack wrappers
-    for module in PL_LOAD_MODULES:
-        assert module.pl_load.__wrapped__ is cloud_io._load

@@ -15,10 +15,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_vitscale._utils import interleaved_rows, model_row_pieces, model_rows
-from lightning_vitscale.checkpoint.own_layout import OwnLayoutSavePlanner, packed_spec
 from lightning_vitscale.checkpoint.safe_reading import load_all, load_into, read_metadata
 from lightning_vitscale.checkpoint.storage import Location
+from lightning_vitscale.row_layout import (
+    OwnLayoutSavePlanner,
+    interleaved_rows,
+    model_row_pieces,
+    model_rows,
+    packed_spec,
+)
 
 
 def fsdp_chunks(rows: int, ranks: int, data_parallel: int) -> list[tuple[int, int]]:

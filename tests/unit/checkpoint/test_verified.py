@@ -10,7 +10,6 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.__main__ import main
@@ -22,6 +21,7 @@ from lightning_vitscale.checkpoint import (
     verified_checkpoint,
     verify,
 )
+from lightning_vitscale.checkpoint.lightning import resolve_ckpt_path
 from lightning_vitscale.checkpoint.resume import complete_checkpoints
 from lightning_vitscale.checkpoint.storage import SHARDED_MARKER
 from lightning_vitscale.distributed import RankContext
@@ -89,17 +89,16 @@ def test_resolution_skips_incomplete_folders_with_a_log_line(tmp_path, caplog):
     assert "epoch=2.ckpt.partial" in caplog.text and "never completed" in caplog.text
 
 
-def resolve_last(folder, strategy) -> tuple[str | None, Trainer]:
-    """``fit(ckpt_path="last")``'s choice, resolved by Lightning's own code."""
+def resolve_last(folder) -> tuple[str, Trainer]:
+    """``fit(ckpt_path="last")``'s choice under the strategy: the path its launcher hands Lightning."""
     trainer = Trainer(
         callbacks=[ModelCheckpoint(dirpath=folder, save_last=True)], logger=False, enable_progress_bar=False,
-        enable_model_summary=False, accelerator="cpu", devices=1, strategy=strategy,
+        enable_model_summary=False, accelerator="cpu", devices=1, strategy=VitScaleStrategy(),
     )
-    return trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False), trainer
+    return resolve_ckpt_path(trainer, "last", trainer.strategy.checkpoints), trainer
 
 
-@pytest.mark.parametrize("strategy", ["auto", "vitscale"])
-def test_last_without_a_complete_copy_resumes_from_the_newest_complete_save_with_a_warning(tmp_path, strategy):
+def test_last_without_a_complete_copy_resumes_from_the_newest_complete_save_with_a_warning(tmp_path):
     # DDP fails on a damaged last.ckpt; a silent start from scratch (Lightning's answer to "no last*.ckpt") would
     # throw away the run, so the newest complete save in the folder stands in for it.
     save(tmp_path / "step=1.ckpt", 1)
@@ -108,11 +107,9 @@ def test_last_without_a_complete_copy_resumes_from_the_newest_complete_save_with
     victim = tmp_path / "last.ckpt" / shard(tmp_path / "last.ckpt")
     victim.write_bytes(victim.read_bytes()[:10])
     with pytest.warns(UserWarning, match=r"no complete last.ckpt .*instead: .*step=2.ckpt"):
-        path, trainer = resolve_last(tmp_path, VitScaleStrategy() if strategy == "vitscale" else strategy)
+        path, trainer = resolve_last(tmp_path)
     assert path == str(tmp_path / "step=2.ckpt")
-    if strategy == "vitscale":
-        fallbacks = [Location.of(str(tmp_path / n)) for n in ("step=2.ckpt", "step=1.ckpt")]
-        assert trainer.strategy.checkpoints.resume_fallbacks == fallbacks
+    assert trainer.strategy.checkpoints.resume_fallbacks == [Location.of(str(tmp_path / "step=1.ckpt"))]
 
 
 def test_a_corrupt_last_falls_back_to_the_newest_intact_save_in_its_folder(tmp_path):
@@ -120,9 +117,9 @@ def test_a_corrupt_last_falls_back_to_the_newest_intact_save_in_its_folder(tmp_p
     save(tmp_path / "step=2.ckpt", 2)
     save(tmp_path / "last.ckpt", 2)
     flip_byte(tmp_path / "last.ckpt" / shard(tmp_path / "last.ckpt"))
-    path, trainer = resolve_last(tmp_path, VitScaleStrategy())
+    path, trainer = resolve_last(tmp_path)
     assert path == str(tmp_path / "last.ckpt")  # sizes are fine: only the CRC-32 check at load sees the flip
     fallbacks = trainer.strategy.checkpoints.resume_fallbacks
-    assert fallbacks == [Location.of(str(tmp_path / n)) for n in ("last.ckpt", "step=2.ckpt", "step=1.ckpt")]
+    assert fallbacks == [Location.of(str(tmp_path / n)) for n in ("step=2.ckpt", "step=1.ckpt")]  # older ones
     with pytest.warns(UserWarning, match=r"skipped .*last.ckpt.*fails its CRC-32 check"):
-        assert verified_checkpoint(Location.of(path), fallbacks, RankContext()) == fallbacks[1]
+        assert verified_checkpoint(Location.of(path), fallbacks, RankContext()) == fallbacks[0]

@@ -1,6 +1,6 @@
 """Every read of a whole sharded folder for use elsewhere checks the CRC-32s its marker records: ``export``,
 ``consolidate`` (no flag needed), ``read_weights`` (the examples' ``--model.weights``) and Lightning's
-``load_from_checkpoint`` of a folder refuse one flipped byte with one line naming the file, and write nothing;
+``load_from_checkpoint(consolidated(folder))`` refuse one flipped byte with one line naming the file, and write nothing;
 ``--no-verify`` / ``verify=False`` read it anyway.
 
 Mutation seen failing: ``load_consolidated`` without its ``verify_folder`` call (every refusal here: export wrote
@@ -16,9 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-import lightning_vitscale  # noqa: F401 - Lightning's loaders read sharded folders
 from lightning_vitscale.__main__ import main
-from lightning_vitscale.checkpoint import CheckpointError, load_consolidated
+from lightning_vitscale.checkpoint import CheckpointError, consolidated, load_consolidated
 from lightning_vitscale.checkpoint.export import read_weights
 from tests.helpers.saved_runs import save_run
 
@@ -64,7 +63,7 @@ def test_no_verify_reads_the_damaged_folder(damaged, tmp_path):
 def test_python_reads_refuse_it_too(damaged):
     folder, shard = damaged
     for read in (lambda: read_weights(folder), lambda: load_consolidated(folder),
-                 lambda: Net.load_from_checkpoint(folder)):  # fmt: skip
+                 lambda: Net.load_from_checkpoint(consolidated(folder))):  # fmt: skip
         with pytest.raises(CheckpointError, match="fails its CRC-32 check") as error:
             read()
         assert str(shard) in str(error.value)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_vitscale._utils import PACKED_ROWS, interleaved_rows, model_rows, packed_rows, reorder_packed
+from lightning_vitscale.row_layout import PACKED_ROWS, interleaved_rows, model_rows, packed_rows, reorder_packed
 from lightning_vitscale.sharding.tensor_parallel import interleave_rows
 
 

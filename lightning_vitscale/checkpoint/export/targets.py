@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from lightning_vitscale._compat import timm_save_config_for_hf
 from lightning_vitscale.checkpoint.errors import CheckpointError
-from lightning_vitscale.checkpoint.export import (
+from lightning_vitscale.checkpoint.export.weights import (
     TEACHER,
     Weights,
     WeightsChoice,

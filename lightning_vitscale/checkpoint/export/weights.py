@@ -2,7 +2,7 @@
 stripped), the trained, EMA-averaged or DINO-teacher weights, as a ``safetensors`` file with provenance metadata.
 
 Reads a sharded folder (through :func:`load_consolidated`), a Lightning ``.ckpt`` file or a plain state-dict file
-(``torch.save`` or ``.safetensors``) through the one safe reader. ``export_targets.py`` writes the other formats
+(``torch.save`` or ``.safetensors``) through the one safe reader. ``targets.py`` writes the other formats
 (an HF folder, timm, torchvision) from what :func:`read_weights` returns.
 """
 
