@@ -18,7 +18,10 @@ from benchmarks.chaos import ENDED_WITHIN_S, Attempt, chaos, job, launch, run_at
 from benchmarks.chaos_run import KINDS
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
-KILLS, STEPS = 8, 48  # 4 epochs of 12 steps
+# 3 epochs of 12 steps (48 until issue 50): seed 8's 8 kills all land by step 18-22 (measured twice), so the last
+# attempt still runs 14+ steps through validations, saves, removals and an epoch end; the test took 83 s alone
+# (48 steps: 109 s in issue 49's smoke run of the same seed, 130 s in the full suite of cf2c4b0).
+KILLS, STEPS = 8, 36
 SEED = int(os.environ.get("VITSCALE_CHAOS_SEED", "8"))  # another seed: another set of moments
 
 
