@@ -14,8 +14,9 @@ at batch 32 in RESULTS.md's GPU runs). This script measures that host time alone
 is the host's work: the strategy's hooks, casts, DTensor dispatch, the optimizer. ``Trainer.fit`` on one device,
 ``precision="bf16-mixed"``, AdamW; variants interleaved round by round in one process (one thread): plain
 single-device AMP O1 (``strategy="auto"``), ``VitScaleStrategy(activation_checkpointing=False)`` and
-``VitScaleStrategy()`` (the planner's speed-first plan: here one unit, nothing checkpointed). Each fit's steps
-after ``--warmup`` are timed from ``on_train_batch_start`` to ``on_train_batch_end``; median over every round.
+``VitScaleStrategy()`` (the planner's speed-first plan: here the blocks in the outer unit, nothing checkpointed).
+Each fit's steps after ``--warmup`` are timed from ``on_train_batch_start`` to ``on_train_batch_end``; median over
+every round.
 Variants pinning ``blocks_per_unit`` (1 and 8, with and without checkpointing) show the per-unit cost whatever
 grouping the planner picks.
 """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ from lightning_vitscale.kernels import AttentionRouter, tensor_core_report
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, cast_floating_inputs
 from lightning_vitscale.sharding.fsdp import mixed_precision_policy, offload_policy
 from lightning_vitscale.sharding.resolved import ResolvedConfig, resolve_config
-from lightning_vitscale.sharding.settings import ParallelConfig
+from lightning_vitscale.sharding.settings import ParallelConfig, unit_reshard
 from lightning_vitscale.sharding.steps import (
     InitFacts,
     Named,
@@ -56,6 +57,7 @@ def parallelize(
     creation: Creation | None = None,
     tensor_mesh: DeviceMesh | None = None,
     calls: Calls | None = None,
+    kept_gathered: Collection[str] = (),
 ) -> Parallelized:
     """Apply the recipe to ``model`` (held by ``outer_unit``, the module Lightning actually calls).
 
@@ -64,7 +66,8 @@ def parallelize(
     ``precision`` and ``device`` are required: a default would silently run a bf16 GPU job as fp32 on CPU.
     ``tensor_mesh`` (``tensor_parallel=k``): the blocks are split over it first; ``mesh`` is the data-parallel one.
     ``calls``: what a training step measured at setup called (the units are the modules it runs, and the inputs
-    on which each tensor-parallel plan is proven); ``None``: no step was measured.
+    on which each tensor-parallel plan is proven); ``None``: no step was measured. ``kept_gathered``: the blocks
+    whose units the planner keeps gathered from forward to backward.
     """
     resolved = config if isinstance(config, ResolvedConfig) else resolve_config(config, device)
     found = select_units(model, resolved.sharding.blocks, calls)  # before anything rewrites the tree
@@ -105,7 +108,8 @@ def parallelize(
         outer_unit, [block for _, block in blocks], mesh=mesh, weights=weights,
         mp_policy=mixed_precision_policy(precision), offload=offload_policy(resolved.sharding.offload, device),
         reshard_after_forward=resolved.sharding.reshard_after_forward, blocks_per_unit=resolved.blocks_per_unit,
-        ignored=norms.ignored, unit_of=unit_of,
+        ignored=norms.ignored, unit_of=unit_of, one_unit=_sharding_buys_nothing(mesh, tensor, resolved, blocks,
+                                                                               kept_gathered),
     )
     # 5. Explicit prefetch once every unit exists: each unit starts the next one's all-gather.
     overlap = apply_prefetch(units.all, resolved.prefetch, mesh, device)
@@ -137,6 +141,14 @@ def select_units(model: nn.Module, selector: ModuleSelector | None, calls: Calls
             " Pass the class of the repeated block (e.g. blocks={MyBlock}) or leave `blocks=None` to find them."
         )
     return units
+
+
+def _sharding_buys_nothing(
+    mesh: DeviceMesh, tensor: object, resolved: ResolvedConfig, blocks: Named, kept: Collection[str]
+) -> bool:
+    """One rank, no tensor parallelism, every block kept gathered for backward: a unit of its own saves nothing."""
+    keeps = unit_reshard(resolved.sharding.reshard_after_forward, outer=False) is False
+    return mesh.size() == 1 and tensor is None and (keeps or {name for name, _ in blocks} <= set(kept))
 
 
 def _outer_layers(model: nn.Module, blocks: Named, norm_modules: Named) -> list[nn.Module]:

@@ -102,6 +102,13 @@ class Planned:
             blocks_per_unit=self.resolved.blocks_per_unit,
         )
 
+    @property
+    def kept_at_setup(self) -> tuple[str, ...]:
+        """The blocks whose units are kept gathered, as known before the pipeline (``"auto"`` may decide later)."""
+        if self.auto is not None:
+            return tuple(self.auto.choice.kept_gathered) if self.auto.choice is not None else ()
+        return self.kept_gathered
+
     def apply(self, module: nn.Module, summary: SetupSummary, device: torch.device) -> None:
         """After the pipeline: blocks kept gathered where the planner chose so, and the summary's memory lines."""
         if self.units_choice is not None:
@@ -260,5 +267,5 @@ def keep_gathered(module: nn.Module, names: Sequence[str]) -> None:
     unit fewer; a unit's FSDP setting, shared by the blocks of a unit)."""
     for name in names:
         block = module.get_submodule(name)
-        assert isinstance(block, FSDPModule), f"{name} is not an FSDP unit"
-        block.set_reshard_after_forward(False, recurse=False)
+        if isinstance(block, FSDPModule):  # else in the outer unit (one rank), never resharded after forward
+            block.set_reshard_after_forward(False, recurse=False)

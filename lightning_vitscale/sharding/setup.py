@@ -229,7 +229,7 @@ def _shard(
     # 3. The recipe: norms, casts, attention routing, checkpointing, compile, block units, the outer unit.
     done = parallelize(
         outer, module, ranks.sharding_mesh, planned.resolved, precision.policy, ranks.device, creation,
-        tensor_mesh=ranks.tensor_mesh, calls=planned.calls,
+        tensor_mesh=ranks.tensor_mesh, calls=planned.calls, kept_gathered=planned.kept_at_setup,
     )
     set_lightning_device(module, ranks.device)
     planned.apply(module, done.plan, ranks.device)

@@ -169,14 +169,20 @@ def apply_fsdp(
     blocks_per_unit: int,
     ignored: set[nn.Parameter] | None,
     unit_of: list[int] | None = None,
+    one_unit: bool = False,
 ) -> UnitFacts:
     """One FSDP unit per ``blocks_per_unit`` consecutive blocks (never splitting the modules of one discovered unit,
     ``unit_of``: see :func:`~.fsdp.group_blocks`), bottom-up, then the outer unit around the rest.
+
+    ``one_unit``: a single block unit would be kept gathered on one rank, where nothing overlaps and the memory is
+    the same: the blocks join the outer unit instead (FSDP2 runs one pre-forward hook per step, not one per block).
 
     Each unit's starting values are taken before it is sharded and delivered to its shards right after
     (``weights``), so no rank holds a second copy of the model.
     """
     groups = group_blocks(blocks, blocks_per_unit, unit_of)
+    if one_unit and len(groups) == 1:
+        groups = []
     block_units = []
     for group in groups:
         with ExitStack() as stack:

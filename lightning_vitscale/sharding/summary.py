@@ -97,7 +97,8 @@ class SetupSummary:
         lines = [
             f"VitScaleStrategy: {self._ranks()}, precision {self.precision}",
             f"  blocks found        : {found}",
-            f"  FSDP units          : {self.units} ({self._block_units()} + 1 outer)",
+            f"  FSDP units          : {self.units} ({self._block_units()}"
+            + (")" if self.units == 1 and self.block_names else " + 1 outer)"),
             f"  checkpointed blocks : {len(self.checkpointed)} of {len(self.block_names)}"
             + (f", {len(self.selective)} selective (matmuls and attention kept)" if self.selective else "")
             + (f" ({self.memory})" if self.memory else ""),
@@ -137,6 +138,8 @@ class SetupSummary:
 
     def _block_units(self) -> str:
         chosen = f" ({self.units_choice})" if self.units_choice else ""
+        if self.units == 1 and self.block_names:
+            return f"the outer unit, with the {len(self.block_names)} blocks: one rank, all kept gathered{chosen}"
         if self.blocks_per_unit > 1:
             return f"{len(self.block_names)} blocks, up to {self.blocks_per_unit} per unit{chosen}"
         joined = f" in {self.units - 1} units" if self.units - 1 != len(self.block_names) else ""

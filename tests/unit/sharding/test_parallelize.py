@@ -129,6 +129,31 @@ def test_sharded_model_computes_what_the_plain_one_does(mesh):
     torch.testing.assert_close(root(x), plain(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kept", ["reshard_after_forward=False", "the planner's kept_gathered"])
+def test_one_rank_keeps_one_gathered_unit_inside_the_outer_unit(mesh, kept):
+    """One rank, all blocks in one unit kept gathered (nothing to overlap, the same memory): the blocks join the
+    outer unit, so FSDP2 runs one pre-forward hook per step instead of one per block, and the step computes what
+    the plain model does. Mutation tried: apply_fsdp ignoring ``one_unit`` (4 units, every block an FSDPModule)."""
+    torch.manual_seed(0)
+    plain = SmallResNet()
+    model = copy.deepcopy(plain)
+    blocks = [name for name, m in model.named_modules() if isinstance(m, ResidualBlock)]
+    pinned = kept.startswith("reshard")
+    config = ParallelConfig(sharding=ShardingPolicy(blocks_per_unit=len(blocks), reshard_after_forward=False
+                                                    if pinned else None))
+    root = OuterUnit(model)
+    done = parallelize(root, model, mesh, config, resolve_flag("32-true"), torch.device("cpu"),
+                       kept_gathered=() if pinned else blocks)
+    assert done.plan.units == 1 and not any(isinstance(model.get_submodule(n), FSDPModule) for n in blocks)
+    assert f"FSDP units          : 1 (the outer unit, with the {len(blocks)} blocks" in done.plan.summary()
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(root(x), plain(x), rtol=0, atol=0)
+    root(x).sum().backward()
+    plain(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+
+
 def test_keys_are_unchanged_by_checkpointing_and_sharding(mesh):
     model = SmallResNet()
     keys = list(model.state_dict())
