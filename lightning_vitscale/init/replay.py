@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_vitscale._compat import TRUNC_NORMAL_IMPL, TorchDispatchMode, storage_id
 
 # In-place ops that set every element from scalars alone: they replay on any slice of the tensor.
 _OVERWRITES = frozenset({"uniform_", "normal_", "fill_", "zero_", "random_", "bernoulli_", "exponential_",
@@ -67,7 +68,7 @@ class Recipe:
 
 
 def _key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
+    return storage_id(tensor)
 
 
 def _covers_storage(tensor: torch.Tensor) -> bool:
@@ -174,12 +175,12 @@ class InitRecorder(TorchDispatchMode):
 def recording() -> Iterator[InitRecorder]:
     """Record init recipes; also sees the ``nn.init`` functions that return early on meta tensors."""
     recorder = InitRecorder()
-    originals = {name: getattr(nn.init, name) for name in ("_no_grad_trunc_normal_", *_NOT_ELEMENTWISE)}
+    originals = {name: getattr(nn.init, name) for name in (TRUNC_NORMAL_IMPL, *_NOT_ELEMENTWISE)}
 
     def trunc_normal(tensor, mean, std, a, b, generator=None):  # type: ignore[no-untyped-def]
         recorder.mark(tensor, ("trunc_normal_", (mean, std, a, b), {}))
         with recorder.paused():
-            return originals["_no_grad_trunc_normal_"](tensor, mean, std, a, b, generator)
+            return originals[TRUNC_NORMAL_IMPL](tensor, mean, std, a, b, generator)
 
     def refusing(name: str):  # type: ignore[no-untyped-def]
         def init(tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -189,7 +190,7 @@ def recording() -> Iterator[InitRecorder]:
 
         return init
 
-    patched = {"_no_grad_trunc_normal_": trunc_normal, **{name: refusing(name) for name in _NOT_ELEMENTWISE}}
+    patched = {TRUNC_NORMAL_IMPL: trunc_normal, **{name: refusing(name) for name in _NOT_ELEMENTWISE}}
     try:
         for name, fn in patched.items():
             setattr(nn.init, name, fn)

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from lightning_vitscale._compat import compute_local_shape_and_global_offset
+from lightning_vitscale._compat import buffer_slots, compute_local_shape_and_global_offset, parameter_slots
 from lightning_vitscale._utils import local_tensor
 
 
@@ -23,15 +23,16 @@ def materialize_meta(module: nn.Module, device: torch.device, recurse: bool = Tr
     made = []
     modules = module.named_modules() if recurse else [("", module)]
     for prefix, owner in modules:
-        for name, param in list(owner._parameters.items()):
+        for name, param in list(parameter_slots(owner).items()):
             if param is not None and param.is_meta:
                 new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
                 torch.utils.swap_tensors(param, new)
                 made.append((f"{prefix}.{name}" if prefix else name, param))
-        for name, buffer in list(owner._buffers.items()):
+        buffers = buffer_slots(owner)
+        for name, buffer in list(buffers.items()):
             if buffer is not None and buffer.is_meta:
-                owner._buffers[name] = torch.empty_like(buffer, device=device)
-                made.append((f"{prefix}.{name}" if prefix else name, owner._buffers[name]))
+                buffers[name] = torch.empty_like(buffer, device=device)
+                made.append((f"{prefix}.{name}" if prefix else name, buffers[name]))
     return made
 
 

@@ -15,7 +15,7 @@ from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_vitscale._compat import after_closure
+from lightning_vitscale._compat import after_closure, unscales_in_step
 from lightning_vitscale.precision.clipping import clip_grad_norm
 from lightning_vitscale.precision.grad_scaler import ShardedGradScaler
 from lightning_vitscale.precision.local_step import on_local_shards, steps_locally
@@ -161,7 +161,7 @@ class VitScalePrecision(Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        if clip_val > 0 and self.scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+        if clip_val > 0 and self.scaler is not None and unscales_in_step(optimizer):
             raise RuntimeError(
                 f"{type(optimizer).__name__} unscales gradients inside step(), so they cannot be clipped before it."
                 " Use a non-fused optimizer with precision='16-mixed' and gradient clipping."

@@ -80,7 +80,7 @@ def _unit_entries(
     claimed.update(own)
     seen: set[nn.Parameter] = set()
     for _, submodule in unit.named_modules(remove_duplicate=False):
-        for param in submodule._parameters.values():
+        for param in submodule.parameters(recurse=False):
             if param is not None and param in own and param not in seen:
                 seen.add(param)
                 yield FlatEntry(tuple(aliases[param]), param.shape)
