@@ -5,7 +5,6 @@ from __future__ import annotations
 import resource
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
 
 from lightning_vitscale._utils import GIB
-from lightning_vitscale.memory.devices import DEVICES, gpu_named
+from lightning_vitscale.memory.devices import gpu_named
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -27,15 +26,6 @@ def device_peak_flops(device: torch.device) -> float | None:
         return None
     row = gpu_named(torch.cuda.get_device_name(device))
     return row.bf16_flops_per_s if row is not None else None
-
-
-def __getattr__(name: str) -> Any:
-    if name == "PEAK_DENSE_BF16_FLOPS":  # before the one device table: (name substring, peak) pairs
-        warnings.warn("lightning_vitscale.monitoring.throughput.PEAK_DENSE_BF16_FLOPS is deprecated: the peaks"
-                      " live in lightning_vitscale.memory.devices.DEVICES (bf16_flops_per_s); use"
-                      " device_peak_flops(device).", DeprecationWarning, stacklevel=2)
-        return tuple((row.match, row.bf16_flops_per_s) for row in DEVICES if row.match is not None)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def first_dim(batch: Any) -> int:
