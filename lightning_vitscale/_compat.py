@@ -380,80 +380,19 @@ def timm_save_config_for_hf() -> Callable[..., None]:
 
     return save_config_for_hf
 
+
+
+# The names imported above for other modules (the functions defined here need no listing).
 __all__ = [
-    "compute_local_shape_and_global_offset",
-    "BatchNormBase",
-    "ChildProcessObserver",
-    "CheckpointConnector",
-    "EmptyStateDictLoadPlanner",
-    "FakeTensor",
-    "FakeTensorMode",
-    "ShapeEnv",
-    "StorageWeakRef",
-    "FsspecReader",
-    "FsspecWriter",
-    "InstanceNormBase",
-    "METADATA_FILENAME",
-    "ModelParallelStrategy",
-    "PL_LOAD_MODULES",
-    "ReduceScatterComm",
-    "StorageInfo",
-    "SubprocessScriptLauncher",
-    "TORCH_VERSION",
-    "after_closure",
-    "checkpoint_dir",
-    "amp_unscale_and_check",
-    "compile_context",
-    "current_backward_id",
-    "dcp_load_into",
-    "dtensor_like",
-    "dtensor_local",
-    "destroy_process_group_safely",
-    "dynamo",
-    "TorchDispatchMode",
-    "averaged_model",
-    "averaging_device",
-    "buffer_slots",
-    "foreach_add_",
-    "foreach_copy_",
-    "foreach_lerp_",
-    "foreach_mul_",
-    "has_post_accumulate_grad_hooks",
-    "hook_counts",
-    "INIT_METHODS",
-    "op_mutates",
-    "parameter_slots",
-    "process_group_timeout",
-    "storage_id",
-    "TRUNC_NORMAL_IMPL",
-    "unscales_in_step",
-    "fsdp_param_groups",
-    "fused_kernel_devices",
-    "get_layout",
-    "initialize_fsdp_root",
-    "on_child_failure",
-    "optimizers_to_device",
-    "queue_end_of_backward",
-    "rebuild_from_type_v2",
-    "rebuild_tensor_v2",
-    "reduce_scatter",
-    "restore_location",
-    "set_device_mesh",
-    "set_lightning_device",
-    "set_parameters",
-    "set_unshard_async",
-    "setup_distributed",
-    "timm_save_config_for_hf",
-    "tree_leaves",
-    "tree_map",
-    "train_dataloader",
-    "unit_keeps_gathered",
-    "unit_parameters",
+    "dynamo", "ChildProcessObserver", "CheckpointConnector", "destroy_process_group_safely", "METADATA_FILENAME",
+    "optimizers_to_device", "SubprocessScriptLauncher", "ModelParallelStrategy", "FakeTensor", "FakeTensorMode",
+    "rebuild_from_type_v2", "rebuild_tensor_v2", "FsspecReader", "FsspecWriter", "StorageInfo",
+    "EmptyStateDictLoadPlanner", "dcp_load_into", "ReduceScatterComm", "compute_local_shape_and_global_offset",
+    "ShapeEnv", "StorageWeakRef", "BatchNormBase", "InstanceNormBase", "fused_kernel_devices", "get_layout",
+    "TorchDispatchMode", "tree_leaves", "tree_map",
 ]
 
 
 def cuda_memory_fraction(device: torch.device) -> float:
-    """The share of ``device``'s memory this process may allocate (``torch.cuda.set_per_process_memory_fraction``;
-    ``torch.cuda.get_per_process_memory_fraction`` is newer than some supported torch versions: 1.0 without it)."""
-    read = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    return float(read(device)) if read is not None else 1.0
+    """The share of ``device``'s memory this process may allocate (``torch.cuda.set_per_process_memory_fraction``)."""
+    return float(torch.cuda.get_per_process_memory_fraction(device))
