@@ -31,14 +31,8 @@ from lightning_vitscale.init.settings import InitSettings
 
 @dataclass
 class Creation:
-    """How ``configure_model()`` built the model on this rank; read by the sharding pipeline.
-
-    Attributes:
-        path: ``"exact"`` (rank 0 real, the others meta: shards come from rank 0) or ``"meta"`` (own init replayed).
-        recipes: meta path: qualified tensor name -> its recorded init (``None``: nothing set its values).
-        created_bytes: bytes of the tensors ``configure_model()`` created (unsharded).
-        peak: samples host memory from the start of ``configure_model()`` until sharding is done.
-    """
+    """How ``configure_model()`` built the model on this rank (``path``: ``"exact"`` or ``"meta"``; ``recipes``,
+    meta path: tensor name -> its recorded init, ``None`` if nothing set it); read by the sharding pipeline."""
 
     path: str
     recipes: dict[str, Recipe | None] = field(default_factory=dict)
@@ -47,10 +41,8 @@ class Creation:
 
 
 class PeakRss:
-    """Peak growth of this process's resident memory, sampled every ``interval`` seconds in a thread.
-
-    Sampling (rather than resetting the kernel's VmHWM) leaves the process-wide peak counter to the user.
-    """
+    """Peak growth of this process's resident memory, sampled in a thread (resetting the kernel's VmHWM instead
+    would take the process-wide peak counter from the user)."""
 
     def __init__(self, interval: float = 0.002) -> None:
         self.interval = interval
@@ -107,14 +99,7 @@ def host_copies(device: torch.device, ranks_per_node: int, world_size: int) -> f
 
 class ModelCreation:
     """The ``model_sharded_context()`` of the strategy: builds, records and reports one ``configure_model()``.
-
-    Args:
-        module: the LightningModule whose hook runs.
-        init: the strategy's ``init=`` (see :class:`~lightning_vitscale.init.settings.InitSettings`).
-        rank, world_size: this process's place in the job.
-        host_copies: how many full-model copies rank 0's host would hold on the exact path (its full copy and the
-            shards of the host's ranks that keep them in host memory).
-    """
+    ``host_copies``: full-model copies rank 0's host would hold on the exact path (:func:`host_copies`)."""
 
     def __init__(self, module: nn.Module, init: InitSettings, rank: int, world_size: int, host_copies: float) -> None:
         self.module, self.init, self.rank, self.world_size = module, init, rank, world_size
@@ -159,11 +144,9 @@ class ModelCreation:
         return self.init.resolve(int(size[0]), available_host_bytes(), self.host_copies)
 
     def _agree(self, path: str, created: list[tuple[str, torch.Tensor]], nbytes: int, digest: str) -> str:
-        """After building: rank 1 reports its size ("auto"), rank 0 the path and, on the exact path, its RNG state.
-
-        On the exact path the other ranks skipped the random draws rank 0 made; where their generator was in
-        rank 0's state before (``seed_everything``), they continue from rank 0's state after, as under DDP.
-        """
+        """After building: rank 1 reports its size ("auto"), rank 0 the path and its RNG state: on the exact path
+        ranks that were in rank 0's state before (``seed_everything``) skipped its draws, and continue from its
+        state after, as under DDP."""
         if self.world_size == 1:
             return self._checked(path, created)
         if self.mode == "auto" and self.rank != 0:
