@@ -17,7 +17,6 @@ from typing import Any, Literal
 
 from torch import nn
 
-from lightning_vitscale._utils import TENSOR_LAYOUT_KEY as TENSOR_LAYOUT_KEY  # where it always was
 from lightning_vitscale.discovery.norms import is_normalization
 
 Role = Literal["colwise", "rowwise", "packed_colwise"]

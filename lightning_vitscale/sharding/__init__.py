@@ -9,11 +9,11 @@ The top of the concerns: may import ``memory``, ``checkpoint``, ``precision``, `
 
 from typing import Any
 
+from lightning_vitscale._utils import TENSOR_LAYOUT_KEY
 from lightning_vitscale.checkpoint.errors import TensorLayoutError
 from lightning_vitscale.checkpoint.tensor_layout import check_tensor_layout
 from lightning_vitscale.discovery import ModuleSelector
 from lightning_vitscale.discovery.tensor_plan import (
-    TENSOR_LAYOUT_KEY,
     BlockPlan,
     TensorPlanError,
     TensorPlanSelector,
