@@ -41,13 +41,8 @@ def tensor_layout(tensor_parallel: int, interleaved: list[str]) -> dict[str, Any
 
 @dataclass(frozen=True)
 class BlockPlan:
-    """One block's plan: module name (inside the block) -> role or user style, and per-rank attribute values.
-
-    Attributes:
-        styles: ``"attn.qkv" -> "packed_colwise"``, ... (a user plan holds its ParallelStyle objects).
-        attributes: ``"attn.num_heads" -> 2``: the values this rank's modules must hold (heads per rank).
-        family: how the plan was found, for the summary.
-    """
+    """One block's plan: ``styles`` (module name inside the block -> role, ``"attn.qkv" -> "packed_colwise"``, or a
+    user's ParallelStyle) and ``attributes`` (``"attn.num_heads" -> 2``: what this rank's modules must hold)."""
 
     styles: dict[str, Any]
     attributes: dict[str, int] = field(default_factory=dict)

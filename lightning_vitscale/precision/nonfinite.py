@@ -1,15 +1,10 @@
 """The non-finite step guard of reduced-precision runs: every rank skips an optimizer step whose loss or gradients
 are not finite on *any* rank, and the run stops after ``max_consecutive`` such steps in a row.
 
-Why: in bf16 a single inf/NaN gradient (one bad batch on one rank) is reduced into every rank's shards and the
-optimizer writes NaN into the weights, then into every checkpoint after it; under DDP the same happens. fp16 has
-the loss scaler, which skips overflowing steps on its own (and must, while it calibrates its scale), so there the
-guard only watches the loss. The decision is one all-reduce of one flag per rank, so all ranks skip together and
-raise together: no rank steps alone, none waits for another.
-
-Lightning's ``SpikeDetection`` (``lightning.fabric.utilities.spike``) watches *finite* loss spikes against a
-running mean and needs a ``Fabric`` object; it does not skip steps. It is not reused here: this guard handles only
-non-finite values, which need no threshold.
+Why: in bf16 one inf/NaN gradient on one rank is reduced into every rank's shards and the optimizer writes NaN into
+the weights and every checkpoint after (as under DDP). Under fp16 the loss scaler skips overflowing steps itself, so
+the guard watches only the loss. One all-reduce decides: all ranks skip, and raise, together. (Lightning's
+``SpikeDetection`` watches finite spikes, needs a ``Fabric`` and skips nothing.)
 """
 
 from __future__ import annotations
@@ -34,12 +29,8 @@ class NonFiniteTrainingError(RaisedOnEveryRank, RuntimeError):
 
 @dataclass
 class NonFiniteGuard:
-    """Skip optimizer steps with a non-finite loss (and, ``check_gradients``, gradients) on any rank.
-
-    Args:
-        max_consecutive: stop the run with :class:`NonFiniteTrainingError` after this many skipped steps in a row.
-        check_gradients: also look at the gradients (bf16, fp32); ``False`` under fp16, whose scaler owns them.
-    """
+    """Skip optimizer steps with a non-finite loss (and, ``check_gradients``, gradients: not under fp16, whose
+    scaler owns them) on any rank; :class:`NonFiniteTrainingError` after ``max_consecutive`` in a row."""
 
     max_consecutive: int = 3
     check_gradients: bool = True
