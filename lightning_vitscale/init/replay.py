@@ -67,10 +67,6 @@ class Recipe:
         return Recipe(list(self.steps), self.broken)
 
 
-def _key(tensor: torch.Tensor) -> int:
-    return storage_id(tensor)
-
-
 def _covers_storage(tensor: torch.Tensor) -> bool:
     whole = tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
     return bool(tensor.storage_offset() == 0 and whole)  # bool(): SymBool on symbolic shapes
@@ -101,7 +97,7 @@ class InitRecorder(TorchDispatchMode):
         return out
 
     def _track(self, tensor: torch.Tensor, recipe: Recipe) -> None:
-        self.recipes[_key(tensor)] = recipe
+        self.recipes[storage_id(tensor)] = recipe
         self._alive.append(tensor)
 
     def _observe(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -116,27 +112,27 @@ class InitRecorder(TorchDispatchMode):
         elif isinstance(first, torch.Tensor) and first.is_meta and name in _ELEMENTWISE | {"copy_"}:
             self._in_place(name, first, args[1:], kwargs)
         elif name in _DERIVED and isinstance(first, torch.Tensor) and first.is_meta and isinstance(out, torch.Tensor):
-            parent = self.recipes.get(_key(first))
+            parent = self.recipes.get(storage_id(first))
             if parent is not None and _scalars_only(args[1:]) and _scalars_only(kwargs.values()):
                 derived = parent.copy()
                 derived.add(_DERIVED[name], tuple(args[1:]), kwargs)
                 self._track(out, derived)
         elif name in _COPIES and isinstance(first, torch.Tensor) and first.is_meta and isinstance(out, torch.Tensor):
-            if (parent := self.recipes.get(_key(first))) is not None:
+            if (parent := self.recipes.get(storage_id(first))) is not None:
                 self._track(out, parent.copy())
 
     def _in_place(self, name: str, target: torch.Tensor, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        recipe = self.recipes.setdefault(_key(target), Recipe())
+        recipe = self.recipes.setdefault(storage_id(target), Recipe())
         self._alive.append(target)
         if not _covers_storage(target):
             recipe.broken = f"`{name}` wrote only part of the tensor"
         elif name == "copy_":
             source = rest[0]
-            parent = self.recipes.get(_key(source)) if source.is_meta else None
+            parent = self.recipes.get(storage_id(source)) if source.is_meta else None
             if parent is None or not _covers_storage(source):
                 recipe.broken = "its values were copied from another tensor"
             else:
-                self.recipes[_key(target)] = parent.copy()
+                self.recipes[storage_id(target)] = parent.copy()
         elif not (_scalars_only(rest) and _scalars_only(kwargs.values())):
             recipe.broken = f"`{name}` took a tensor argument"
         else:
@@ -146,7 +142,7 @@ class InitRecorder(TorchDispatchMode):
         """Record a step (or a reason it cannot be replayed) that torch skips on meta tensors."""
         if not tensor.is_meta:
             return
-        recipe = self.recipes.setdefault(_key(tensor), Recipe())
+        recipe = self.recipes.setdefault(storage_id(tensor), Recipe())
         self._alive.append(tensor)
         if isinstance(step, str):
             recipe.broken = step
@@ -168,7 +164,7 @@ class InitRecorder(TorchDispatchMode):
             self._paused = False
 
     def recipe_of(self, tensor: torch.Tensor) -> Recipe | None:
-        return self.recipes.get(_key(tensor)) if tensor.is_meta else None
+        return self.recipes.get(storage_id(tensor)) if tensor.is_meta else None
 
 
 @contextmanager
