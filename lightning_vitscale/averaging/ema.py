@@ -44,9 +44,9 @@ class ShardedEMA(Callback):
         decay: weight of the old average at each update (``0.999`` to ``0.9999`` in ViT recipes).
         warmup: use ``min(decay, (1 + n) / (10 + n))`` at the ``n``-th update, so the early average forgets the
             initial weights fast (TensorFlow's ``ExponentialMovingAverage(num_updates=...)``).
-        update_every_n_steps, update_starting_at_step: update after optimizer step index ``i`` (0-based) when
-            ``i >= update_starting_at_step`` and ``i % update_every_n_steps == 0`` (Lightning's
-            ``EMAWeightAveraging`` semantics). The first update copies the weights.
+        update_every_n_steps, update_starting_at_step: update after optimizer step ``i`` (0-based) when
+            ``i >= update_starting_at_step`` and ``i % update_every_n_steps == 0`` (as ``EMAWeightAveraging``).
+            The first update copies the weights.
         buffers: ``"average"`` (floating buffers such as BatchNorm statistics averaged like the weights, integer
             ones copied) or ``"copy"`` (the EMA model takes the current buffers).
         evaluate: ``"both"`` runs validation/test twice: first with the EMA weights, the module's own metrics

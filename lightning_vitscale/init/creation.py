@@ -1,11 +1,9 @@
 """Where ``configure_model()`` builds the model on each rank, so no rank builds all of it needlessly.
 
-Lightning runs ``configure_model()`` inside the strategy's ``model_sharded_context()``. There, rank 0 builds the
-model for real on the host (``init="exact"``) while the other ranks build it on the meta device; the sharding
-pipeline then scatters each unit's shards from rank 0 as it shards the unit (``initial_weights.py``), so the
-weights equal DDP's and only rank 0 ever holds a full copy. Where one copy does not fit in rank 0's host memory
-(``init="meta"``, or ``"auto"`` deciding so from the meta model's bytes), every rank builds on meta and the
-init its code ran is recorded (``init_replay.py``) to be replayed on the shards.
+Inside the strategy's ``model_sharded_context()``, rank 0 builds the model for real on the host (``init="exact"``)
+and the other ranks on meta; each unit's shards are then scattered from rank 0 as it is sharded
+(``initial_weights.py``): DDP's weights, one full copy on rank 0 only. Where that copy does not fit (``"meta"``, or
+``"auto"`` deciding so), every rank builds on meta and the init its code ran is recorded (``replay.py``).
 """
 
 from __future__ import annotations
