@@ -42,11 +42,13 @@ from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompo
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # memory planner: shapes without memory
 from torch._tensor import _rebuild_from_type_v2 as rebuild_from_type_v2  # FSDP1 local files: a tensor subclass
 from torch._utils import _rebuild_tensor_v2 as rebuild_tensor_v2  # FSDP1 local files: a plain tensor, pickled
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # s3://, gs://, memory://
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo  # where a DCP value lies in a file
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_into
 from torch.distributed.fsdp import FSDPModule  # public: only for the annotations below (import it from torch)
+from torch.distributed.fsdp._common_utils import FSDP_PREFIX
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterComm  # FSDP2 custom comms
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # a DTensor shard's box (init/)
 from torch.fx.experimental.symbolic_shapes import ShapeEnv  # planner: a step's .item() on fake tensors
@@ -136,8 +138,15 @@ PRIVATE_NAMES = {
     "lightning.pytorch.loops.fit_loop._FitLoop._data_source": "what `fit` will train on, before setup",
     "lightning.pytorch.trainer.connectors.checkpoint_connector._CheckpointConnector._parse_ckpt_path": "wrapped",
     "lightning.pytorch.callbacks.ModelCheckpoint._find_last_checkpoints": "wrapped: `ckpt_path=\"last\"`",
+    "torch._dynamo.eval_frame.OptimizedModule._orig_mod": "torch.compile's prefix of parameter names, stripped",
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper._CHECKPOINT_PREFIX": "its prefix, stripped",
+    "torch.distributed.fsdp._common_utils.FSDP_PREFIX": "FSDP1's prefix of parameter names, stripped",
+    "lightning.fabric.wrappers._FabricModule._forward_module": "Fabric's prefix of parameter names, stripped",
     "timm.models._hub.save_config_for_hf": "`export --format timm`: a model folder's config.json (timm optional)",
 }
+
+# Prefixes that wrappers add to parameter names: torch.compile, torch's checkpoint wrapper, FSDP1, Fabric.
+WRAPPER_PREFIXES = ("_orig_mod.", _CHECKPOINT_PREFIX, FSDP_PREFIX, "_forward_module.")
 
 # `dcp_load_into` reads a whole DCP checkpoint into one process with no process group, as `dcp_to_torch_save`
 # does (the public `dcp.load` fills a copy of the state dict, so the populated keys would be lost).

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from lightning_vitscale._compat import WRAPPER_PREFIXES
+
 GIB = 2**30
 MIB = 2**20
 
-# Prefixes that wrappers add to parameter names: torch.compile, torch's checkpoint wrapper, FSDP1, Lightning.
-WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_forward_module.")
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
