@@ -4,7 +4,7 @@ docstring and README's options table must agree with those texts.
 Mutations seen failing: a new keyword in ``__init__`` without an ``Option``; an ``Args:`` entry written by hand in
 the class docstring; one word of README's table edited by hand; a default changed in the signature only; docs/
 sharding.md's "The default, `None`," of ``prefetch`` changed to `1`; an error message restating an option's text by
-hand (``blocks_per_unit``'s once contradicted its field)."""
+hand (``blocks_per_unit``'s once contradicted its field); docs/init.md's link to README's table removed."""
 
 from __future__ import annotations
 
@@ -98,6 +98,14 @@ def test_docs_state_each_options_default_as_the_settings_do():
     )
     covered = {name for pairs in stated.values() for name, _ in pairs}
     assert {"prefetch", "blocks_per_unit", "accumulation", "auto_resume", "init", "kernels", "sharding"} <= covered
+
+
+def test_docs_pages_naming_an_option_link_the_options_table():
+    names = {option.name for option in OPTIONS}
+    unlinked = [page.name for page in sorted(DOCS.glob("*.md"))
+                if names & set(re.findall(r"`(\w+)=", page.read_text()))
+                and "../README.md#options" not in page.read_text()]
+    assert not unlinked, f"docs/ pages naming strategy options without linking README's options table: {unlinked}"
 
 
 def test_a_changed_default_in_the_docs_is_caught():
