@@ -34,6 +34,7 @@ from lightning_vitscale._compat import (
     tree_map,
 )
 from lightning_vitscale.distributed.mesh import all_reduce_over, replicated_placements
+from lightning_vitscale.precision.casting import to_dtype
 
 _PARAMS = "_vitscale_fp32_params"
 _DTYPE = "_vitscale_norm_dtype"
@@ -150,7 +151,7 @@ def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         args = (args[0].to(norm_dtype),) if out_dtype is not None else args
     else:
         out_dtype = _floating_input_dtype(args, kwargs)
-        to_norm_dtype = _caster(norm_dtype)
+        to_norm_dtype = to_dtype(norm_dtype)
         args, kwargs = tree_map(to_norm_dtype, args), tree_map(to_norm_dtype, kwargs)
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():
         local = {name: param.to_local() for name, param in params.items()}  # no autograd node without grad
@@ -165,7 +166,7 @@ def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return output
     if isinstance(output, torch.Tensor):
         return output.to(out_dtype) if output.is_floating_point() else output
-    return tree_map(_caster(out_dtype), output)
+    return tree_map(to_dtype(out_dtype), output)
 
 
 # A parameter's local tensor -> the leaf its norm computes with. Keyed by the local tensor, so a parameter whose
@@ -210,12 +211,3 @@ def _arrived(owner_ref: weakref.ref, _param: torch.Tensor) -> None:
     owner = owner_ref()
     if owner is not None:
         owner.gradient_arrived()
-
-
-def _caster(dtype: torch.dtype | None):
-    def cast(value: Any) -> Any:
-        if dtype is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.to(dtype)
-        return value
-
-    return cast

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_vitscale._compat import after_closure, unscales_in_step
+from lightning_vitscale.precision.casting import to_dtype
 from lightning_vitscale.precision.clipping import clip_grad_norm
 from lightning_vitscale.precision.grad_scaler import ShardedGradScaler
 from lightning_vitscale.precision.local_step import on_local_shards, steps_locally
@@ -106,11 +107,11 @@ class VitScalePrecision(Precision):
     @override
     def convert_input(self, data: Any) -> Any:
         """Floating batch tensors enter in the compute dtype; integer targets are left alone."""
-        return _cast_floating(data, self.policy.compute)
+        return apply_to_collection(data, function=to_dtype(self.policy.compute), dtype=Tensor)
 
     @override
     def convert_output(self, data: Any) -> Any:
-        return _cast_floating(data, torch.get_default_dtype())
+        return apply_to_collection(data, function=to_dtype(torch.get_default_dtype()), dtype=Tensor)
 
     @contextmanager
     @override
@@ -194,11 +195,3 @@ def to_vitscale_precision(plugin: Precision) -> VitScalePrecision:
         f"VitScaleStrategy cannot use {type(plugin).__name__}(precision={flag!r}). Use Trainer(precision=...) with"
         f" one of {', '.join(SUPPORTED_FLAGS)}, or pass plugins=[VitScalePrecision(...)]."
     )
-
-
-def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
-    def cast(t: Tensor) -> Tensor:
-        return t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t
-
-    return apply_to_collection(data, function=cast, dtype=Tensor)
-
