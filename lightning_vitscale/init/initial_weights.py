@@ -2,18 +2,16 @@
 
 Three cases, decided once per model (``path``):
 
-- ``"built"``: the model existed before setup (built in ``__init__``, the DDP habit). Every rank holds a copy;
-  each unit, as it is sharded, receives rank 0's values (DDP's broadcast, one unit at a time, onto the device).
-- ``"exact"``: ``configure_model()`` ran for real on rank 0 only (``creation.py``); the other ranks' units are
-  meta until sharded, then get storage for their shards only and receive them from rank 0, which drops its full
-  copy of the unit right after. Peak: rank 0's one copy; the others, their shards plus one tensor in flight.
-- ``"meta"``: every rank built on meta; each shard replays the init the model's code recorded, with a seed per
-  tensor and shard, so shards differ and replicas agree. What cannot be replayed is named in a warning.
+- ``"built"``: the model existed before setup (built in ``__init__``, the DDP habit): each unit, as it is sharded,
+  receives rank 0's values (DDP's broadcast, one unit at a time).
+- ``"exact"``: ``configure_model()`` ran for real on rank 0 only (``creation.py``); the others' units get storage
+  for their shards only, filled from rank 0, which drops the unit's full copy right after.
+- ``"meta"``: every rank built on meta; each shard replays the recorded init with a seed per tensor and shard
+  (shards differ, replicas agree); what cannot be replayed is named in a warning.
 
-With tensor parallelism (``tensor_mesh``) the blocks are split before they are sharded, on meta tensors on every
-rank (rank 0's values of the blocks wait in :meth:`InitialWeights.hold`), and ``mesh`` is one data-parallel slice
-of the world. On the exact path only global rank 0 holds values, so every tensor is scattered from it over all
-ranks, each rank receiving its own box of the 2-D (tensor x data parallel) layout (``scatter.scatter_boxes``).
+With tensor parallelism the blocks are split on meta tensors before they are sharded (rank 0's values wait in
+:meth:`InitialWeights.hold`); on the exact path every rank then receives its own box of the (tensor x data
+parallel) layout from global rank 0 (``scatter.scatter_boxes``).
 """
 
 from __future__ import annotations
