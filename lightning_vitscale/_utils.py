@@ -1,8 +1,5 @@
-"""Small helpers several concerns share: local shards, byte counts and their text, wrapper prefixes, host memory.
-
-Each lived in two to five modules before; one home keeps their rules (FSDP's padding, the key prefixes wrappers
-add) from drifting apart. Imports nothing of the package but ``_compat``.
-"""
+"""Small helpers several concerns share (local shards, byte counts and their text, wrapper prefixes, host memory),
+in one home so their rules (FSDP's padding, wrappers' key prefixes) cannot drift apart. Imports only ``_compat``."""
 
 from __future__ import annotations
 

@@ -26,16 +26,9 @@ class TensorSpec:
 
 @dataclass
 class Calls:
-    """What one run called.
-
-    Attributes:
-        called: qualified names of the modules whose ``forward`` ran.
-        inputs: each watched module's first ``(args, kwargs)``, tensors as :class:`TensorSpec`.
-        running: the modules whose ``forward`` had begun and not ended, outermost first: where a run that raised
-            was (``running[-1]``, the innermost).
-        outputs: with ``keep_outputs``, each module's first floating output tensor, detached, in order of return.
-        error: what the run raised (``"Type: message"``), if it did.
-    """
+    """What one run called: ``called`` modules (qualified names), each watched module's first ``inputs`` (tensors
+    as :class:`TensorSpec`), the modules still ``running`` (outermost first: where a run that raised was), with
+    ``keep_outputs`` each module's first floating ``outputs``, and the ``error`` it raised (``"Type: message"``)."""
 
     called: set[str] = field(default_factory=set)
     inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict)
