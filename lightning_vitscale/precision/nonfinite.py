@@ -9,17 +9,16 @@ the guard watches only the loss. One all-reduce decides: all ranks skip, and rai
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import amp_unscale_and_check, dtensor_local
+from lightning_vitscale._compat import amp_unscale_and_check
 from lightning_vitscale.distributed.agreed import RaisedOnEveryRank
+from lightning_vitscale.precision.grad_scaler import local_groups
 
 
 class NonFiniteTrainingError(RaisedOnEveryRank, RuntimeError):
@@ -79,10 +78,7 @@ def _non_finite_ranks(loss: torch.Tensor | None, grads: list[torch.Tensor]) -> t
     whole model: a per-tensor ``isfinite().all()`` launched four kernels per parameter, ~1,600 a step on ViT-H, a
     share of the host time that made a 1-GPU step host-bound on the H200 (benchmarks/RESULTS.md). Its multiply by
     ``inv_scale = 1`` leaves every value as it was (NaN, inf and -0.0 included)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for grad in grads:  # one pass: local shards (no autograd), grouped as the fused check needs
-        local = dtensor_local(grad) if isinstance(grad, DTensor) else grad
-        groups[(local.device, local.dtype)].append(local)
+    groups = local_groups(grads)
     device = loss.device if loss is not None else next(iter(groups))[0] if groups else torch.device("cpu")
     bad = torch.zeros(2, device=device)  # this rank's [loss, gradients], 1.0 where not finite
     if loss is not None:
