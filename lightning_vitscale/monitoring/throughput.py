@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
 
+from lightning_vitscale._compat import tree_leaves
 from lightning_vitscale._utils import GIB
 from lightning_vitscale.memory.devices import gpu_named
 
@@ -29,15 +30,9 @@ def device_peak_flops(device: torch.device) -> float | None:
 
 
 def first_dim(batch: Any) -> int:
-    """Default batch size: dim 0 of the first tensor found in the batch (tuples, lists and dicts searched)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
-    for item in items:
-        size = first_dim(item)
-        if size:
-            return size
-    return 0
+    """Default batch size: dim 0 of the first tensor in the batch (0 without one)."""
+    first = next((leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)), None)
+    return 0 if first is None else first.shape[0] if first.dim() else 1
 
 
 def peak_memory_gib(device: torch.device) -> tuple[str, float]:
