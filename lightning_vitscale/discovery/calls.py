@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from lightning_vitscale._compat import tree_map
+from lightning_vitscale._compat import tree_leaves, tree_map
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,4 @@ def _spec(value: Any) -> Any:
 
 
 def _first_floating(tree: Any) -> torch.Tensor | None:
-    found: list[torch.Tensor] = []
-    tree_map(lambda v: found.append(v) if isinstance(v, torch.Tensor) and v.is_floating_point() else None, tree)
-    return found[0] if found else None
+    return next((v for v in tree_leaves(tree) if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
