@@ -247,20 +247,18 @@ def _under(event, prefixes: tuple[str, ...]) -> bool:
 def count_reduce_scatters(step: Callable[[], None]) -> int:
     import torch.distributed as dist
 
-    from lightning_vitscale._compat import REDUCE_SCATTER
-
     calls = [0]
-    original = getattr(dist, REDUCE_SCATTER)
+    original = dist.reduce_scatter_single
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return original(*args, **kwargs)
 
-    setattr(dist, REDUCE_SCATTER, counted)
+    dist.reduce_scatter_single = counted
     try:
         step()
     finally:
-        setattr(dist, REDUCE_SCATTER, original)
+        dist.reduce_scatter_single = original
     return calls[0]
 
 

@@ -14,13 +14,12 @@ import torch
 from packaging.version import Version
 
 TORCH_VERSION = Version(torch.__version__.split("+")[0])
-# The oldest torch whose API the code uses: `fully_shard(..., ignored_params=)` (fp32 norms kept out of the bf16
-# units) arrived in 2.7. pyproject's floor is higher: the oldest torch the test suite has passed on (see README).
-TORCH_API_MIN = Version("2.7")
-if TORCH_VERSION < TORCH_API_MIN:  # pragma: no cover - pyproject requires a newer torch: a clear message if not
+# pyproject's floor: the oldest torch the test suite has passed on, and the one whose private names this file uses.
+TORCH_API_MIN = Version("2.14")
+if TORCH_VERSION < TORCH_API_MIN:  # pragma: no cover - pyproject requires it: a clear message if not
     raise ImportError(
-        f"lightning-vitscale needs torch>={TORCH_API_MIN} for FSDP2 `fully_shard(..., ignored_params=)`;"
-        f" found {torch.__version__}. Upgrade torch: `pip install -U 'torch>=2.14'` (the oldest version tested)."
+        f"lightning-vitscale needs torch>={TORCH_API_MIN}; found {torch.__version__}."
+        f" Upgrade torch: `pip install -U 'torch>={TORCH_API_MIN}'`."
     )
 
 # Below the gate, so an old torch fails with the message above rather than on a missing name (ruff: E402 allowed
@@ -42,11 +41,13 @@ from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompo
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # memory planner: shapes without memory
 from torch._tensor import _rebuild_from_type_v2 as rebuild_from_type_v2  # FSDP1 local files: a tensor subclass
 from torch._utils import _rebuild_tensor_v2 as rebuild_tensor_v2  # FSDP1 local files: a plain tensor, pickled
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # s3://, gs://, memory://
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo  # where a DCP value lies in a file
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_into
 from torch.distributed.fsdp import FSDPModule  # public: only for the annotations below (import it from torch)
+from torch.distributed.fsdp._common_utils import FSDP_PREFIX
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterComm  # FSDP2 custom comms
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # a DTensor shard's box (init/)
 from torch.fx.experimental.symbolic_shapes import ShapeEnv  # planner: a step's .item() on fake tensors
@@ -55,7 +56,95 @@ from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 from torch.nn.modules.instancenorm import _InstanceNorm as InstanceNormBase
 from torch.optim.optimizer import _get_fused_kernels_supported_devices as fused_kernel_devices
 from torch.serialization import _get_layout as get_layout  # FSDP1 local files: a tensor's layout, pickled
+from torch.utils._python_dispatch import TorchDispatchMode  # planner and init replay: every op on tensors
 from torch.utils._pytree import tree_leaves, tree_map
+
+# Every private torch/Lightning name the package uses, with what it is for; tests/unit/test_compat.py resolves each
+# on the installed torch/Lightning (naming it and the versions when one is gone) and checks that no other module
+# uses one. Only the names a subclass overrides (marked) appear outside this file, in the subclass.
+PRIVATE_NAMES = {
+    "torch._dynamo": "regional compilation's dynamo options (kernels/compile.py)",
+    "torch._subclasses.fake_tensor.FakeTensor": "memory planner: shapes without memory",
+    "torch._subclasses.fake_tensor.FakeTensorMode": "memory planner: shapes without memory",
+    "torch._tensor._rebuild_from_type_v2": "FSDP1 local files: a pickled tensor subclass",
+    "torch._utils._rebuild_tensor_v2": "FSDP1 local files: a pickled plain tensor",
+    "torch.utils._pytree.tree_leaves": "the tensors in a nested structure",
+    "torch.utils._pytree.tree_map": "a function over the tensors in a nested structure",
+    "torch.utils._python_dispatch.TorchDispatchMode": "planner and init replay: every op on tensors",
+    "torch.serialization._get_layout": "FSDP1 local files: a pickled tensor's layout",
+    "torch.serialization._get_restore_location": "torch.load's `map_location` rule, applied to one storage",
+    "torch.distributed.checkpoint._fsspec_filesystem.FsspecReader": "DCP at a URL (s3://, gs://, memory://)",
+    "torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter": "DCP at a URL (s3://, gs://, memory://)",
+    "torch.distributed.checkpoint.filesystem._StorageInfo": "where a DCP value lies in a file",
+    "torch.distributed.checkpoint.format_utils._EmptyStateDictLoadPlanner": "a whole DCP checkpoint, one process",
+    "torch.distributed.checkpoint.state_dict_loader._load_state_dict": "a whole DCP checkpoint, one process",
+    "torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter": "FSDP2 custom reduce-scatter (CPU overlap)",
+    "torch.distributed.fsdp.FSDPModule._get_fsdp_state": "a unit's FSDP2 state (the four names below)",
+    "torch.distributed.fsdp.FSDPModule._set_unshard_async_op": "CPU: prefetched all-gathers overlap compute",
+    "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._lazy_init": "the root fixed before a child's call",
+    "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_groups": "a unit's own parameters",
+    "torch.distributed.tensor._utils.compute_local_shape_and_global_offset": "a DTensor shard's box (init/)",
+    "torch.distributed.tensor.DTensor._local_tensor": "the local shard without an autograd node",
+    "torch.distributed.tensor.DTensor._spec": "a gradient laid out as its parameter, every step",
+    "torch.nn.modules.batchnorm._BatchNorm": "norm detection and SyncBatchNorm conversion",
+    "torch.nn.modules.instancenorm._InstanceNorm": "norm detection",
+    "torch.nn.Module._parameters": "a module's own parameter slots, written without the nn.Parameter check",
+    "torch.nn.Module._buffers": "a module's own buffer slots",
+    "torch.nn.Module._forward_pre_hooks": "planner: blocks with the same hooks are alike",
+    "torch.nn.Module._forward_hooks": "planner: blocks with the same hooks are alike",
+    "torch.nn.Module._backward_pre_hooks": "planner: blocks with the same hooks are alike",
+    "torch.nn.Module._backward_hooks": "planner: blocks with the same hooks are alike",
+    "torch.nn.MultiheadAttention._reset_parameters": "init replay: its only re-initialiser",
+    "torch.nn.init._no_grad_trunc_normal_": "init replay: `trunc_normal_`, which returns early on meta tensors",
+    "torch.UntypedStorage._cdata": "a storage's identity (fake and meta tensors have no data pointer)",
+    "torch._ops.OpOverload._schema": "planner: whether an op writes its inputs",
+    "torch.optim.optimizer._get_fused_kernels_supported_devices": "fused optimizer steps",
+    "torch.optim.Adam._step_supports_amp_scaling": "an optimizer that unscales inside its own step",
+    "torch.Tensor._post_accumulate_grad_hooks": "CPU overlap: a parameter whose gradient is taken by a hook",
+    "torch._amp_foreach_non_finite_check_and_unscale_": "GradScaler's fused unscale and check, on local shards",
+    "torch._foreach_copy_": "ShardedEMA: one kernel per step",
+    "torch._foreach_lerp_": "ShardedEMA: one kernel per step",
+    "torch._foreach_mul_": "ShardedEMA: one kernel per step",
+    "torch._foreach_add_": "ShardedEMA: one kernel per step",
+    "torch.amp.GradScaler._unscale_grads_": "overridden by precision/grad_scaler.py: DTensor gradients",
+    "torch._C._current_graph_task_id": "the id of the running backward",
+    "torch.autograd.Variable._execution_engine": "a callback at the end of the running backward",
+    "torch.distributed.tensor.parallel.ParallelStyle._apply": "overridden by sharding/tensor_parallel.py",
+    "lightning.fabric.strategies.launchers.subprocess_script._ChildProcessObserver": "a failed child: our teardown",
+    "lightning.fabric.strategies.launchers.subprocess_script._ChildProcessObserver._child_processes": "its children",
+    "lightning.fabric.strategies.launchers.subprocess_script._ChildProcessObserver._terminate_all": "replaced",
+    "lightning.fabric.utilities.distributed._destroy_dist_connection": "process-group teardown",
+    "lightning.fabric.utilities.load._METADATA_FILENAME": "the file that marks a DCP folder",
+    "lightning.fabric.utilities.optimizer._optimizers_to_device": "optimizer state to the device, as Lightning",
+    "lightning.pytorch.core.module.LightningModule._device": "what `LightningModule.device` reports",
+    "lightning.pytorch.core.module.LightningModule._device_mesh": "what `LightningModule.device_mesh` reports",
+    "lightning.pytorch.utilities.compile.from_compiled._compiler_ctx": "the compile context it leaves on a module",
+    "lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher": "its launcher, kept",
+    "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy._configure_launcher": "overridden",
+    "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy._setup_distributed": "the process group",
+    "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy._device_mesh": "the strategy's mesh",
+    "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy._timeout": "the process groups' timeout",
+    "lightning.pytorch.strategies.strategy.Strategy._precision_plugin": "overridden by strategy.py: its plugin",
+    "lightning.pytorch.plugins.precision.Precision._after_closure": "a precision plugin's own optimizer step",
+    "lightning.pytorch.callbacks.ModelCheckpoint._ModelCheckpoint__resolve_ckpt_dir": "a ModelCheckpoint's folder",
+    "lightning.pytorch.callbacks.WeightAveraging._average_model": "its averaged copy, sharded like the model",
+    "lightning.pytorch.callbacks.WeightAveraging._device": "the device it keeps the copy on",
+    "lightning.pytorch.callbacks.StochasticWeightAveraging._average_model": "its averaged copy, sharded",
+    "lightning.pytorch.trainer.connectors.signal_connector._HandlersCompose": "Lightning's SIGTERM handler",
+    "lightning.pytorch.trainer.connectors.signal_connector._SignalConnector._sigterm_notifier_fn": "its notifier",
+    "lightning.pytorch.trainer.connectors.signal_connector._SignalConnector.received_sigterm": "SIGTERM seen",
+    "lightning.pytorch.trainer.trainer.Trainer._signal_connector": "where the SIGTERM flag is",
+    "lightning.pytorch.loops.fit_loop._FitLoop._data_source": "what `fit` will train on, before setup",
+    "lightning.pytorch.trainer.trainer.Trainer._fit_impl": "what `fit` hands the launcher, with `ckpt_path`",
+    "torch._dynamo.eval_frame.OptimizedModule._orig_mod": "torch.compile's prefix of parameter names, stripped",
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper._CHECKPOINT_PREFIX": "its prefix, stripped",
+    "torch.distributed.fsdp._common_utils.FSDP_PREFIX": "FSDP1's prefix of parameter names, stripped",
+    "lightning.fabric.wrappers._FabricModule._forward_module": "Fabric's prefix of parameter names, stripped",
+    "timm.models._hub.save_config_for_hf": "`export --format timm`: a model folder's config.json (timm optional)",
+}
+
+# Prefixes that wrappers add to parameter names: torch.compile, torch's checkpoint wrapper, FSDP1, Fabric.
+WRAPPER_PREFIXES = ("_orig_mod.", _CHECKPOINT_PREFIX, FSDP_PREFIX, "_forward_module.")
 
 # `dcp_load_into` reads a whole DCP checkpoint into one process with no process group, as `dcp_to_torch_save`
 # does (the public `dcp.load` fills a copy of the state dict, so the populated keys would be lost).
@@ -128,6 +217,68 @@ def set_parameters(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor])
     module._parameters.update(tensors)  # type: ignore[arg-type]  # plain tensors on purpose
 
 
+def parameter_slots(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s own parameters by attribute name (``None`` for a registered empty slot), writable in place."""
+    return module._parameters
+
+
+def buffer_slots(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s own buffers by attribute name, writable in place (no ``register_buffer`` checks)."""
+    return module._buffers
+
+
+def hook_counts(module: torch.nn.Module) -> tuple[int, int, int, int]:
+    """How many forward-pre, forward, backward and backward-pre hooks ``module`` itself has."""
+    return (len(module._forward_pre_hooks), len(module._forward_hooks), len(module._backward_hooks),
+            len(module._backward_pre_hooks))
+
+
+def storage_id(tensor: torch.Tensor) -> int:
+    """Identity of ``tensor``'s storage, shared by its views; also on fake and meta tensors (no data pointer)."""
+    return int(tensor.untyped_storage()._cdata)
+
+
+def op_mutates(func: Any) -> bool:
+    """Whether the aten op ``func`` writes one of its inputs (its schema marks an argument mutable)."""
+    return bool(func._schema.is_mutable)
+
+
+# `nn.init.trunc_normal_`'s body, the one a meta-device recorder must see (the public function returns early on
+# meta tensors); `MultiheadAttention` re-initialises only through the private `_reset_parameters`.
+TRUNC_NORMAL_IMPL = "_no_grad_trunc_normal_"
+INIT_METHODS = ("reset_parameters", "_reset_parameters")
+
+
+def unscales_in_step(optimizer: Any) -> bool:
+    """Whether ``optimizer``'s own ``step`` unscales AMP-scaled gradients (it takes the scaler's state)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def has_post_accumulate_grad_hooks(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "_post_accumulate_grad_hooks", None))
+
+
+foreach_copy_ = torch._foreach_copy_
+foreach_lerp_ = torch._foreach_lerp_
+foreach_mul_ = torch._foreach_mul_
+foreach_add_ = torch._foreach_add_
+
+
+def process_group_timeout(strategy: ModelParallelStrategy) -> Any:
+    """The ``timeout`` a ``ModelParallelStrategy`` was built with (``None`` for Lightning's default)."""
+    return strategy._timeout
+
+
+def averaged_model(callback: Any) -> Any:
+    """A ``WeightAveraging``/``StochasticWeightAveraging`` callback's averaged copy (``None`` before setup)."""
+    return callback._average_model
+
+
+def averaging_device(callback: Any) -> Any:
+    """The ``device`` a ``WeightAveraging`` callback keeps its copy on (``None``: the model's)."""
+    return getattr(callback, "_device", None)
+
+
 def on_child_failure(procs: list[Any], terminate: Callable[[], None]) -> int:
     """Make Lightning's watcher thread of ``procs`` call ``terminate`` once a child exits non-zero, instead of its
     own ``_terminate_all`` (SIGKILL to every child and to this process at once); returns how many it found."""
@@ -156,13 +307,8 @@ def set_unshard_async(unit: FSDPModule, async_op: bool) -> None:
 
 
 def fsdp_param_groups(unit: FSDPModule) -> list[Any]:
-    """FSDP2's parameter groups of ``unit`` itself (none for a unit that holds no parameter of its own): a list
-    since torch 2.12 (``_fsdp_param_groups``), one optional group before (``_fsdp_param_group``)."""
-    state = unit._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []  # torch <= 2.11
+    """FSDP2's parameter groups of ``unit`` itself (none for a unit that holds no parameter of its own)."""
+    return list(unit._get_fsdp_state()._fsdp_param_groups)
 
 
 def unit_keeps_gathered(unit: FSDPModule) -> bool:
@@ -177,29 +323,10 @@ def unit_parameters(unit: FSDPModule) -> list[torch.nn.Parameter]:
     return [p.sharded_param for group in fsdp_param_groups(unit) for p in group.fsdp_params]
 
 
-# The name FSDP2 calls its reduce-scatter by (``reduce_scatter_single`` since torch 2.12; it deprecates the older
-# ``reduce_scatter_tensor``): looked up on ``torch.distributed`` at each call, as FSDP2 does, so tools that wrap
-# the collective (tests counting them) see ours too.
-REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
-
-
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, group: Any, async_op: bool) -> Any:
-    """``torch.distributed``'s tensor reduce-scatter under this torch's name for it (:data:`REDUCE_SCATTER`)."""
-    return getattr(dist, REDUCE_SCATTER)(output, input, op=op, group=group, async_op=async_op)
-
-
-def keep_storage_data(writer: Any) -> Any:
-    """``writer`` whose ``finish`` also records which file holds each value (``storage_data``) on the
-    ``Metadata`` object that ``dcp.save`` returns, as torch >= 2.12 does itself: torch 2.11's
-    ``FileSystemWriter.finish`` fills a copy (``dataclasses.replace``), so the returned one lists no file."""
-    finish = writer.finish
-
-    def finish_keeping_storage_data(metadata: Any, results: Any) -> None:
-        metadata.storage_data = {result.index: result.storage_data for batch in results for result in batch}
-        finish(metadata=metadata, results=results)
-
-    writer.finish = finish_keeping_storage_data
-    return writer
+    """``dist.reduce_scatter_single``, the name FSDP2 calls: looked up at each call, as FSDP2 does, so tools that
+    wrap the collective (tests counting them) see ours too."""
+    return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
 def current_backward_id() -> int:
@@ -267,64 +394,19 @@ def timm_save_config_for_hf() -> Callable[..., None]:
 
     return save_config_for_hf
 
+
+
+# The names imported above for other modules (the functions defined here need no listing).
 __all__ = [
-    "compute_local_shape_and_global_offset",
-    "BatchNormBase",
-    "ChildProcessObserver",
-    "EmptyStateDictLoadPlanner",
-    "FakeTensor",
-    "FakeTensorMode",
-    "ShapeEnv",
-    "StorageWeakRef",
-    "FsspecReader",
-    "FsspecWriter",
-    "InstanceNormBase",
-    "METADATA_FILENAME",
-    "ModelParallelStrategy",
-    "ReduceScatterComm",
-    "StorageInfo",
-    "SubprocessScriptLauncher",
-    "TORCH_VERSION",
-    "after_closure",
-    "checkpoint_dir",
-    "amp_unscale_and_check",
-    "compile_context",
-    "current_backward_id",
-    "dcp_load_into",
-    "dtensor_like",
-    "dtensor_local",
-    "destroy_process_group_safely",
-    "dynamo",
-    "fsdp_param_groups",
-    "fused_kernel_devices",
-    "get_layout",
-    "initialize_fsdp_root",
-    "keep_storage_data",
-    "on_child_failure",
-    "optimizers_to_device",
-    "queue_end_of_backward",
-    "rebuild_from_type_v2",
-    "rebuild_tensor_v2",
-    "REDUCE_SCATTER",
-    "reduce_scatter",
-    "restore_location",
-    "set_device_mesh",
-    "set_lightning_device",
-    "set_parameters",
-    "set_unshard_async",
-    "setup_distributed",
-    "timm_save_config_for_hf",
-    "tree_leaves",
-    "tree_map",
-    "train_dataloader",
-    "unit_keeps_gathered",
-    "unit_parameters",
-    "with_ckpt_path",
+    "dynamo", "ChildProcessObserver", "destroy_process_group_safely", "METADATA_FILENAME",
+    "optimizers_to_device", "SubprocessScriptLauncher", "ModelParallelStrategy", "FakeTensor", "FakeTensorMode",
+    "rebuild_from_type_v2", "rebuild_tensor_v2", "FsspecReader", "FsspecWriter", "StorageInfo",
+    "EmptyStateDictLoadPlanner", "dcp_load_into", "ReduceScatterComm", "compute_local_shape_and_global_offset",
+    "ShapeEnv", "StorageWeakRef", "BatchNormBase", "InstanceNormBase", "fused_kernel_devices", "get_layout",
+    "TorchDispatchMode", "tree_leaves", "tree_map",
 ]
 
 
 def cuda_memory_fraction(device: torch.device) -> float:
-    """The share of ``device``'s memory this process may allocate (``torch.cuda.set_per_process_memory_fraction``;
-    ``torch.cuda.get_per_process_memory_fraction`` is newer than some supported torch versions: 1.0 without it)."""
-    read = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    return float(read(device)) if read is not None else 1.0
+    """The share of ``device``'s memory this process may allocate (``torch.cuda.set_per_process_memory_fraction``)."""
+    return float(torch.cuda.get_per_process_memory_fraction(device))

@@ -1,8 +1,5 @@
-"""Small helpers several concerns share: local shards, byte counts and their text, wrapper prefixes, host memory.
-
-Each lived in two to five modules before; one home keeps their rules (FSDP's padding, the key prefixes wrappers
-add) from drifting apart. Imports nothing of the package but ``_compat``.
-"""
+"""Small helpers several concerns share (local shards, byte counts and their text, wrapper prefixes, host memory),
+in one home so their rules (FSDP's padding, wrappers' key prefixes) cannot drift apart. Imports only ``_compat``."""
 
 from __future__ import annotations
 
@@ -14,11 +11,11 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from lightning_vitscale._compat import WRAPPER_PREFIXES
+
 GIB = 2**30
 MIB = 2**20
 
-# Prefixes that wrappers add to parameter names: torch.compile, torch's checkpoint wrapper, FSDP1, Lightning.
-WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_forward_module.")
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing_extensions import override
 from lightning_vitscale import checkpoint as checkpoints
 from lightning_vitscale import distributed
 from lightning_vitscale import sharding as shards
-from lightning_vitscale._compat import ModelParallelStrategy, optimizers_to_device
+from lightning_vitscale._compat import ModelParallelStrategy, optimizers_to_device, process_group_timeout
 from lightning_vitscale.averaging import shard_averaged_copies
 from lightning_vitscale.checkpoint.lightning import ResumeLauncher
 from lightning_vitscale.init import Creation, InitMode, InitSettings, ModelCreation, host_copies
@@ -137,7 +137,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         # sharding). 1-D mesh for "full", (replicate, shard) for hybrid; tensor_parallel=k adds a last, innermost dim.
         shard_group = partial(shards.shard_group_size, self.config.sharding.layout)
         distributed.start_process_group(
-            self, self.lightning_module, self._timeout or DEFAULT_TIMEOUT, shard_group,
+            self, self.lightning_module, process_group_timeout(self) or DEFAULT_TIMEOUT, shard_group,
             tensor_parallel=self.config.sharding.tensor_parallel,
         )
 

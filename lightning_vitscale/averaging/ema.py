@@ -36,20 +36,17 @@ _ACT_ON_VALIDATION_END = (Checkpoint, EarlyStopping)
 class ShardedEMA(Callback):
     """Exponential moving average of the weights, kept sharded like the parameters; fp32 under every precision.
 
-    After each optimizer step (see ``update_every_n_steps``), every rank updates its own shards
-    ``ema = decay * ema + (1 - decay) * weights`` with one foreach op per device/dtype group and no collective:
-    4 bytes per parameter / world size. The EMA is saved in sharded checkpoints (and resharded to any world
-    size on load), in DDP checkpoints as full tensors, and exported by
-    ``python -m lightning_vitscale consolidate SRC DST --weights ema``. Under ``strategy="ddp"`` the same callback
-    works on the whole tensors.
+    Every rank updates its own shards (``ema = decay * ema + (1 - decay) * weights``, one foreach op per group, no
+    collective: 4 bytes per parameter / world size). Saved in sharded checkpoints (resharded on load), in DDP's as
+    full tensors; ``python -m lightning_vitscale consolidate SRC DST --weights ema`` exports it.
 
     Args:
         decay: weight of the old average at each update (``0.999`` to ``0.9999`` in ViT recipes).
         warmup: use ``min(decay, (1 + n) / (10 + n))`` at the ``n``-th update, so the early average forgets the
             initial weights fast (TensorFlow's ``ExponentialMovingAverage(num_updates=...)``).
-        update_every_n_steps, update_starting_at_step: update after optimizer step index ``i`` (0-based) when
-            ``i >= update_starting_at_step`` and ``i % update_every_n_steps == 0`` (Lightning's
-            ``EMAWeightAveraging`` semantics). The first update copies the weights.
+        update_every_n_steps, update_starting_at_step: update after optimizer step ``i`` (0-based) when
+            ``i >= update_starting_at_step`` and ``i % update_every_n_steps == 0`` (as ``EMAWeightAveraging``).
+            The first update copies the weights.
         buffers: ``"average"`` (floating buffers such as BatchNorm statistics averaged like the weights, integer
             ones copied) or ``"copy"`` (the EMA model takes the current buffers).
         evaluate: ``"both"`` runs validation/test twice: first with the EMA weights, the module's own metrics
@@ -228,13 +225,9 @@ def _evaluation_loops(trainer: pl.Trainer) -> tuple[Any, ...]:
 def _wrap_evaluation_loops(
     trainer: pl.Trainer, run_evaluation: Callable[[pl.Trainer, Callable[[], list[dict[str, Any]]]], Any]
 ) -> None:
-    """Route each evaluation loop's ``run`` through ``run_evaluation(trainer, original_run)``.
-
-    Why the loops' ``run`` and no hook: ``evaluate="both"`` must run a whole validation/test pass twice (EMA
-    weights, then raw) with callbacks held back in between, and Lightning has no hook around a whole pass that
-    may re-run it. The wrapper is an instance attribute, so the class and other Trainers are untouched, and
-    :func:`_unwrap_evaluation_loops` (at teardown) leaves the loops exactly as Lightning made them.
-    """
+    """Route each evaluation loop's ``run`` through ``run_evaluation(trainer, original_run)``: ``evaluate="both"``
+    runs a whole pass twice, and Lightning has no hook around a pass that may re-run it. An instance attribute,
+    removed at teardown: the class and other Trainers are untouched."""
     for loop in _evaluation_loops(trainer):
         if "run" not in vars(loop):
             vars(loop)["run"] = functools.partial(run_evaluation, trainer, type(loop).run.__get__(loop))

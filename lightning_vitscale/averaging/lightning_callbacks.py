@@ -17,6 +17,8 @@ from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, Wei
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_vitscale._compat import averaged_model, averaging_device
+
 
 def shard_averaged_copies(
     callbacks: list[Callback], model: nn.Module, device: torch.device, checkpointing: bool = False
@@ -35,7 +37,7 @@ def shard_averaged_copies(
         if checkpointing:
             raise ValueError(_NO_CHECKPOINTS.format(name=type(callback).__name__))
         copy.register_state_dict_pre_hook(partial(_refuse_checkpoint, type(callback).__name__))
-        wanted = getattr(callback, "_device", None)
+        wanted = averaging_device(callback)
         if wanted is not None and torch.device(wanted).type != device.type:
             raise ValueError(
                 f"{type(callback).__name__}(device={wanted!r}) cannot keep its averaged copy on another device under"
@@ -61,10 +63,10 @@ def _refuse_checkpoint(name: str, *args: Any) -> None:
 
 def _averaged_copy(callback: Callback) -> nn.Module | None:
     if isinstance(callback, WeightAveraging):
-        averaged = callback._average_model
+        averaged = averaged_model(callback)
         return None if averaged is None else averaged.module
     if isinstance(callback, StochasticWeightAveraging):
-        return callback._average_model
+        return averaged_model(callback)
     return None
 
 

@@ -11,20 +11,8 @@ EMABuffers = Literal["average", "copy"]
 
 @dataclass(frozen=True)
 class EMAPolicy:
-    """When and how :class:`~lightning_vitscale.ShardedEMA` averages the weights (pure arithmetic, no tensors).
-
-    Attributes:
-        decay: ``ema = decay * ema + (1 - decay) * weights`` at each update, in [0, 1].
-        warmup: use ``min(decay, (1 + n) / (10 + n))`` instead, ``n`` = updates done so far (TensorFlow's
-            ``ExponentialMovingAverage(num_updates=...)``): early averages forget the random init quickly.
-        update_every_n_steps, update_starting_at_step: update after optimizer step index ``i`` (0-based) when
-            ``i >= update_starting_at_step`` and ``i % update_every_n_steps == 0``, as Lightning's
-            ``EMAWeightAveraging``; the first update copies the weights.
-        buffers: ``"average"`` floating buffers like the weights (integer ones are copied), or ``"copy"`` them.
-        evaluate: which weights validation/test use: ``"ema"``, ``"raw"`` or ``"both"`` (an EMA pass logged
-            under ``ema/``, then the usual pass).
-        offload: keep the EMA shards in CPU memory instead of next to the parameters.
-    """
+    """When and how :class:`~lightning_vitscale.ShardedEMA` averages the weights: its arguments of the same names
+    (documented there), checked."""
 
     decay: float = 0.999
     warmup: bool = False

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_vitscale._compat import foreach_add_, foreach_copy_, foreach_lerp_, foreach_mul_
 from lightning_vitscale._utils import local_tensor, strip_wrapper_prefixes
 from lightning_vitscale.row_layout import interleaved_rows, packed_rows
 
@@ -73,12 +74,12 @@ class EmaShards:
             if ema[0].device != src[0].device:  # offload: blocking copies, the CPU reads them right away
                 src = [s.to(ema[0].device) for s in src]
             if decay == 0.0 or not group.average:
-                torch._foreach_copy_(ema, src)
+                foreach_copy_(ema, src)
             elif group.same_dtype:
-                torch._foreach_lerp_(ema, src, 1.0 - decay)
+                foreach_lerp_(ema, src, 1.0 - decay)
             else:  # low-precision master weights: accumulate into the fp32 EMA without a rounded temporary
-                torch._foreach_mul_(ema, decay)
-                torch._foreach_add_(ema, src, alpha=1.0 - decay)
+                foreach_mul_(ema, decay)
+                foreach_add_(ema, src, alpha=1.0 - decay)
 
     @contextmanager
     @torch.no_grad()
@@ -90,11 +91,11 @@ class EmaShards:
         """
         sources = self.locals()
         backup = [s.clone() for s in sources]
-        torch._foreach_copy_(sources, self.ema)
+        foreach_copy_(sources, self.ema)
         try:
             yield
         finally:
-            torch._foreach_copy_(self.locals(), backup)
+            foreach_copy_(self.locals(), backup)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The EMA keyed like the model's state dict: DTensors sharded like their parameters (DCP reshards them

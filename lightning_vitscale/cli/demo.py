@@ -7,7 +7,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import lightning as L
 import torch
@@ -132,7 +132,7 @@ def demo_command_parser(subparsers: Any) -> None:
     demo.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
     demo.add_argument("--devices", type=int, default=None, help="processes (default: all GPUs, or 2 on CPU)")
     demo.add_argument("--steps", type=int, default=10)
-    demo.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "bf16-true"])
+    demo.add_argument("--precision", default="32-true", choices=get_args(DemoPrecision))
     demo.set_defaults(command=demo_command)
 
 

@@ -87,15 +87,10 @@ def find_units(
     root: nn.Module, selector: ModuleSelector | None = None, called: Collection[str] | None = None
 ) -> list[Unit]:
     """The repeated blocks in model order, outermost matches only, each with the modules of it that run: the block
-    itself when its ``forward`` runs, else its children's (recursively), which then share one unit.
-
-    Args:
-        root: the model to search.
-        selector: ``None`` for automatic discovery, a set of block classes, or a predicate ``(name, module)``.
-        called: qualified names of the modules whose ``forward`` a training step ran (measured at setup), or
-            ``None``: a module runs when its class defines ``forward`` (``ModuleList`` and ``ModuleDict`` do not).
-            A block none of whose modules ran is no unit.
-    """
+    itself when its ``forward`` runs, else its children's (recursively), which then share one unit. ``selector``:
+    ``None`` discovers them. ``called``: the modules a training step ran (measured at setup), or ``None``: those
+    whose class defines ``forward`` (``ModuleList``/``ModuleDict`` do not); a block none of whose modules ran is no
+    unit."""
     predicate: Callable[[str, nn.Module], bool]
     if selector is None:
         candidates = _discover(root, "")

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from lightning_vitscale._compat import tree_map
+from lightning_vitscale._compat import tree_leaves, tree_map
 
 
 @dataclass(frozen=True)
@@ -26,16 +26,9 @@ class TensorSpec:
 
 @dataclass
 class Calls:
-    """What one run called.
-
-    Attributes:
-        called: qualified names of the modules whose ``forward`` ran.
-        inputs: each watched module's first ``(args, kwargs)``, tensors as :class:`TensorSpec`.
-        running: the modules whose ``forward`` had begun and not ended, outermost first: where a run that raised
-            was (``running[-1]``, the innermost).
-        outputs: with ``keep_outputs``, each module's first floating output tensor, detached, in order of return.
-        error: what the run raised (``"Type: message"``), if it did.
-    """
+    """What one run called: ``called`` modules (qualified names), each watched module's first ``inputs`` (tensors
+    as :class:`TensorSpec`), the modules still ``running`` (outermost first: where a run that raised was), with
+    ``keep_outputs`` each module's first floating ``outputs``, and the ``error`` it raised (``"Type: message"``)."""
 
     called: set[str] = field(default_factory=set)
     inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict)
@@ -98,6 +91,4 @@ def _spec(value: Any) -> Any:
 
 
 def _first_floating(tree: Any) -> torch.Tensor | None:
-    found: list[torch.Tensor] = []
-    tree_map(lambda v: found.append(v) if isinstance(v, torch.Tensor) and v.is_floating_point() else None, tree)
-    return found[0] if found else None
+    return next((v for v in tree_leaves(tree) if isinstance(v, torch.Tensor) and v.is_floating_point()), None)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from torch import nn
 
+from lightning_vitscale.discovery.blocks import holds_parameters
 from lightning_vitscale.discovery.norms import is_normalization
 
 Role = Literal["colwise", "rowwise", "packed_colwise"]
@@ -35,13 +36,8 @@ class TensorPlanError(ValueError):
 
 @dataclass(frozen=True)
 class BlockPlan:
-    """One block's plan: module name (inside the block) -> role or user style, and per-rank attribute values.
-
-    Attributes:
-        styles: ``"attn.qkv" -> "packed_colwise"``, ... (a user plan holds its ParallelStyle objects).
-        attributes: ``"attn.num_heads" -> 2``: the values this rank's modules must hold (heads per rank).
-        family: how the plan was found, for the summary.
-    """
+    """One block's plan: ``styles`` (module name inside the block -> role, ``"attn.qkv" -> "packed_colwise"``, or a
+    user's ParallelStyle) and ``attributes`` (``"attn.num_heads" -> 2``: what this rank's modules must hold)."""
 
     styles: dict[str, Any]
     attributes: dict[str, int] = field(default_factory=dict)
@@ -56,7 +52,8 @@ class BlockPlan:
 
     def whole(self, block: nn.Module) -> str:
         """``replicated: norm1, norm2, ls1``: the modules of ``block`` holding parameters that no style splits."""
-        kept = [n or "the block" for n, m in block.named_modules() if n not in self.styles and _owns_parameters(m)]
+        kept = [n or "the block" for n, m in block.named_modules()
+                if n not in self.styles and holds_parameters(m, recurse=False)]
         return f"replicated: {', '.join(kept[:8])}{f' +{len(kept) - 8}' if len(kept) > 8 else ''}" if kept else (
             "nothing replicated")
 
@@ -148,10 +145,6 @@ def _is_attention(module: nn.Module) -> bool:
     *inputs, out = linears
     return ([i.out_features for i in inputs] == [3 * out.in_features] or
             (len(inputs) == 3 and all(i.out_features == out.in_features for i in inputs)))
-
-
-def _owns_parameters(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters(recurse=False))
 
 
 def _split_or_norm(block: nn.Module, owner: str, styles: dict[str, Any]) -> bool:

@@ -1,20 +1,14 @@
 """A handshake on a side process group before a gather outside a step: every rank agrees, or nothing is sent.
 
-Calling the sharded model, or ``state_dict()``, outside a step gathers shards: collectives on the model's process
-group that every rank must join. The DDP habit ``if trainer.is_global_zero: ...`` makes them on one rank only.
-After ``fit`` the other ranks join nothing and the gather times out. During training they go on to their next
-step, where the gather meets their FSDP all-gather on the same group. Measured on 2 gloo ranks without this
-handshake: both ranks wait out the whole timeout and then the training dies on every rank ("Application timeout
-caused pair closure"); when two ranks gather different things, gloo aborts the process ("Received data size
-doesn't match expected size"). NCCL hangs or corrupts memory.
+Calling the sharded model, or ``state_dict()``, outside a step gathers shards on the model's process group, which
+every rank must join; the DDP habit ``if trainer.is_global_zero: ...`` joins one. Measured on 2 gloo ranks: the
+gather waits out the timeout and training dies on every rank ("Application timeout caused pair closure"), or,
+meeting another rank's FSDP all-gather, gloo aborts ("Received data size doesn't match expected size"); NCCL hangs.
 
-So every rank first makes one tiny all-reduce on a gloo group kept for this alone, carrying a code of what it is
-about to gather. Only when every rank joins with the same code does the gather run on the model's group. If one
-rank is missing, the all-reduce times out; if the codes differ, every rank sees it. Either way nothing was sent on
-the model's group, which stays in step, and the caller raises its own error naming the fix.
-
-Gloo closes a group's connections when an operation on it times out: later handshakes on that group then fail
-at once, and the next strategy setup (``fit``, ``validate``, ...) opens a fresh group on every rank.
+So every rank first makes one tiny all-reduce, on a gloo group kept for this, of a code of what it will gather;
+the gather runs only when all codes agree. A missing rank times out, a different code shows on every rank; either
+way the model's group saw nothing and stays in step, and the caller raises its own error naming the fix. (A timed
+out gloo group fails at once afterwards; the next strategy setup opens a fresh one.)
 """
 
 from __future__ import annotations
@@ -41,11 +35,8 @@ class _Side:
 
 
 def open_side_group(timeout: timedelta) -> None:
-    """Make the side group (collective: every rank calls it, at setup), dropping the one an earlier setup made.
-
-    Gloo whatever the model's backend: the handshake's few integers live on the CPU, and gloo bounds every
-    operation by ``timeout``, also under NCCL.
-    """
+    """Make the side group (collective, at setup), dropping an earlier one. Gloo whatever the model's backend:
+    the handshake's few integers live on the CPU, and gloo bounds every operation by ``timeout``."""
     close_side_group()
     if dist.get_world_size() == 1:
         return  # a lone rank always agrees with itself: no handshake
@@ -75,11 +66,9 @@ def fingerprint(names: Iterable[str]) -> int:
 
 
 def agree(operation: int, count: int, check: int) -> None:
-    """Every rank states what it is about to gather (``operation``, ``count`` tensors, ``check``sum); return when
-    all agree, else raise :class:`NotJoinedError` (nothing sent on the model's group).
-
-    One all-reduce (MAX) of ``[code, -code]``: every rank gets the largest and smallest code, equal iff all agree.
-    """
+    """Return when every rank states the same gather (``operation``, ``count`` tensors, ``check``sum), else raise
+    :class:`NotJoinedError`. One all-reduce (MAX) of ``[code, -code]``: the largest and smallest code, equal iff
+    all agree."""
     group = side_group()
     if group is None:
         return

@@ -1,13 +1,9 @@
 """The device mesh for a sharding layout, and the collectives that work on a 1-D or a 2-D mesh alike.
 
-A 1-D mesh ``("data_parallel",)`` shards over every rank. A 2-D mesh ``("replicate", "shard")`` shards over each
-group of ``shard_size`` consecutive global ranks and replicates across the groups (HSDP). With tensor parallelism
-a last, innermost ``"tensor_parallel"`` dimension: ``("data_parallel", "tensor_parallel")``, or
-``("replicate", "shard", "tensor_parallel")`` where the shard groups are smaller than the world (a shard group's
-ranks, tensor-parallel ones included, share one copy of the state). Lightning numbers ranks
-``node_rank * ranks_per_node + local_rank``, so with ``shard_size = ranks_per_node`` every shard group is one
-node: all-gathers and reduce-scatters stay on the fast intra-node links and only the replicate-dimension
-all-reduce crosses nodes.
+``("data_parallel",)`` shards over every rank; ``("replicate", "shard")`` over each group of ``shard_size``
+consecutive ranks, replicated across groups (HSDP); tensor parallelism adds a last ``"tensor_parallel"`` dimension.
+Lightning numbers ranks ``node_rank * ranks_per_node + local_rank``, so with ``shard_size = ranks_per_node`` a shard
+group is one node: only the replicate dimension's all-reduce crosses nodes.
 """
 
 from __future__ import annotations
@@ -97,12 +93,8 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
 def all_reduce_over(
     tensor: torch.Tensor, mesh: DeviceMesh, dims: list[int] | None = None, op: Any = dist.ReduceOp.SUM
 ) -> None:
-    """All-reduce ``tensor`` in place over the given mesh dimensions (default: all, i.e. every rank of ``mesh``).
-
-    One collective per dimension, innermost first: on a hybrid mesh the intra-node reduction runs before the
-    one that crosses nodes (a hierarchical all-reduce). A tensor on another device than the mesh's (CPU
-    offload) travels through the mesh's device.
-    """
+    """All-reduce ``tensor`` in place over the given mesh dimensions (default: all), innermost first: on a hybrid
+    mesh within the node before across nodes. An offloaded tensor travels through the mesh's device."""
     device = mesh_device(mesh)
     work = tensor if tensor.device == device else tensor.to(device)
     for dim in reversed(range(mesh.ndim) if dims is None else sorted(dims)):

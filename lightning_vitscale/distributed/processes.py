@@ -31,9 +31,8 @@ def start_process_group(
     shard_group: Callable[[int, int], int],
     tensor_parallel: int = 1,
 ) -> None:
-    """The device, ranks and process group of ``strategy`` (with ``timeout`` on every collective), and its mesh
-    (also ``module``'s): ``shard_group(world_size, ranks_per_node)`` ranks share one copy of the state, and
-    ``tensor_parallel`` consecutive ranks split each block (``mesh.build_mesh``)."""
+    """The device, ranks and process group of ``strategy``, and its mesh (also ``module``'s): ``shard_group(world_size,
+    ranks_per_node)`` ranks share one copy of the state, ``tensor_parallel`` consecutive ranks split each block."""
     setup_distributed(strategy)
     destroy_process_group_at_exit()
     watch_local_ranks(strategy.launcher)  # a child rank's death leaves this rank's own `except`/`finally` to run

@@ -14,49 +14,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_vitscale.distributed.mesh import split_tensor_parallel
 
 
-def _largest_alone(value: int) -> int:
-    return value
-
-
-def _gather_alone(value: Any) -> list[Any]:
-    return [value]
-
-
-def _broadcast_alone(value: Any) -> Any:
-    return value
-
-
-def _barrier_alone() -> None:
-    return None
-
-
 @dataclass(frozen=True)
 class RankContext:
-    """The mesh, this rank's device and place, and how the ranks agree. The defaults are one process alone.
-
-    Args:
-        mesh: the sharding mesh (``None`` outside a sharded model, e.g. a checkpoint read by one process).
-        device: this rank's device.
-        rank: this rank's global rank.
-        ranks_per_node: how many ranks share this host (they divide its memory).
-        agree_max: the largest of every rank's value, on every rank (a collective): free memory differs by rank,
-            and every rank must still make the same choice.
-        world_size: how many ranks there are.
-        all_gather_objects: every rank's object, on every rank (a collective).
-        broadcast: rank 0's object, on every rank (a collective).
-        barrier: returns once every rank called it.
-        tensor_mesh: the tensor-parallel sub-mesh (``tensor_parallel=k``; ``mesh`` is then the data-parallel one).
-    """
+    """The mesh, this rank's device and place, and how the ranks agree (collectives; the defaults are one process
+    alone). ``mesh``: ``None`` outside a sharded model (a checkpoint read by one process); ``ranks_per_node``
+    divide the host's memory; ``agree_max``: free memory differs by rank, yet every rank must choose the same;
+    ``tensor_mesh``: the tensor-parallel sub-mesh (``mesh`` is then the data-parallel one)."""
 
     mesh: DeviceMesh | None = None
     device: torch.device = torch.device("cpu")
     rank: int = 0
     ranks_per_node: int = 1
-    agree_max: Callable[[int], int] = _largest_alone
+    agree_max: Callable[[int], int] = lambda value: value
     world_size: int = 1
-    all_gather_objects: Callable[[Any], list[Any]] = _gather_alone
-    broadcast: Callable[[Any], Any] = _broadcast_alone
-    barrier: Callable[[], None] = _barrier_alone
+    all_gather_objects: Callable[[Any], list[Any]] = lambda value: [value]
+    broadcast: Callable[[Any], Any] = lambda value: value
+    barrier: Callable[[], None] = lambda: None
     tensor_mesh: DeviceMesh | None = None
 
     @property

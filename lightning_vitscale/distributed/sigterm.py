@@ -1,15 +1,11 @@
 """SIGTERM without a collective inside the signal handler.
 
-Lightning 2.6's SIGTERM handler broadcasts from rank 0 *inside the handler*. A rank signalled alone (a cluster
-preempting one task, a ``kill`` by hand), or at another point of its collectives than rank 0, pairs that broadcast
-with whatever collective the other ranks issue next, and the job hangs until the process group's timeout (10
-minutes by default), under DDP as well: the chaos run (benchmarks/chaos.py, SIGTERM to rank 1 as a step began)
-found it. Once Lightning has registered its handler (the strategy's stage-start hooks), :func:`take_over_sigterm`
-puts this one in its place for the stage. It does what Lightning's does but the broadcast: forwards the signal to
-the local ranks the launcher started (once), marks the trainer so that its loops stop at the next batch boundary
-(rank 0's mark reaches every rank through the loop's own per-batch broadcast; a rank signalled alone stops alone,
-and the others fail at their next collective with it), and runs the handler that was there before Lightning's.
-Lightning's teardown restores the process's own handler at the end of the stage.
+Lightning 2.6's SIGTERM handler broadcasts from rank 0 *inside the handler*: a rank signalled alone, or at another
+point of its collectives, pairs it with the others' next collective and the job hangs until the timeout, under DDP
+too (found by benchmarks/chaos.py). :func:`take_over_sigterm` replaces it for the stage with one doing the rest:
+the signal forwarded to the local ranks (once), the trainer marked so its loops stop at the next batch boundary
+(rank 0's mark reaches every rank through the loop's own per-batch broadcast), and the handler that was there
+before Lightning's run. Lightning's teardown restores the process's own handler.
 """
 
 from __future__ import annotations

@@ -41,12 +41,9 @@ _agreed_exception = threading.Event()
 def destroy_process_group_at_exit() -> None:
     """Destroy the process group, and let gloo's worker threads settle, while Python is still fully alive.
 
-    Lightning registers the destroy for NCCL only. Under gloo the *worker thread* releases a finished
-    collective's work object; if its reference is the last one and the release comes once interpreter teardown
-    has begun, freeing the work's tensors needs a GIL it can no longer take and the process aborts ("terminate
-    called without an active exception", SIGABRT in ``AsyncAllgatherWork::~AsyncAllgatherWork``; caught in a
-    core dump of this project's demo on an oversubscribed 2-core machine). Gloo has no shutdown that joins its
-    threads, so the exit handler gives them a short grace period to drop those references first.
+    Lightning registers the destroy for NCCL only. A gloo worker thread that drops a collective's last reference
+    once interpreter teardown has begun aborts the process (SIGABRT in ``AsyncAllgatherWork::~AsyncAllgatherWork``,
+    seen in a core dump of the demo on 2 cores); gloo cannot join its threads, so they get a short grace period.
     """
     global _registered_exit_cleanup
     if not _registered_exit_cleanup:
@@ -63,12 +60,9 @@ def _exit_cleanup() -> None:
 def watch_local_ranks(launcher: object) -> None:
     """Let the launching rank finish its own exception handling when a child rank dies.
 
-    Lightning's watcher thread SIGKILLs this process (exit code 137, which reads as an out-of-memory kill) within
-    5 s of any child exiting non-zero, even while the user's ``except``/``finally`` around ``fit`` runs (a log
-    upload cut off mid-way). Here it kills the other children (unless this process raised an error every rank
-    raised: then they end through their own handling), then gives this process ``NOTICE_GRACE_S`` to start
-    handling an exception of its own (under gloo a collective with the dead peer fails at once); only if it does
-    not is it killed, as before, so a rank stuck without a collective still ends.
+    Lightning's watcher SIGKILLs this process (exit code 137, read as out-of-memory) within 5 s of a child's
+    failure, even inside the user's ``except``/``finally`` around ``fit``. Here the failure goes to
+    :func:`_on_child_failure` instead.
     """
     if isinstance(launcher, SubprocessScriptLauncher) and launcher.procs:
         _handling_exception.clear()
@@ -78,11 +72,10 @@ def watch_local_ranks(launcher: object) -> None:
 
 
 def _on_child_failure(procs: list[Popen], grace: float) -> None:
-    """A child rank exited non-zero. If this process raised an error every rank raised (within a few seconds: the
-    ranks raise it at the same step), the other children are ending through their own handling, and
-    ``stop_local_ranks`` bounds them. Otherwise it was a lone failure: the other children are blocked in a
-    collective and are killed; this process is killed too unless it starts handling an exception of its own
-    within ``grace`` (under gloo a collective with the dead peer fails at once)."""
+    """A child rank exited non-zero. After an error every rank raised (at the same step) the other children end
+    through their own handling (``stop_local_ranks`` bounds them). A lone failure leaves them blocked in a
+    collective: they are killed, and so is this process unless it starts handling an exception of its own within
+    ``grace`` (a collective with the dead peer fails at once), so a rank stuck outside collectives still ends."""
     if _handling_exception.wait(min(_AGREEMENT_WINDOW_S, grace)) and _agreed_exception.is_set():
         return
     _kill(procs)

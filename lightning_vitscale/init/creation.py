@@ -1,11 +1,9 @@
 """Where ``configure_model()`` builds the model on each rank, so no rank builds all of it needlessly.
 
-Lightning runs ``configure_model()`` inside the strategy's ``model_sharded_context()``. There, rank 0 builds the
-model for real on the host (``init="exact"``) while the other ranks build it on the meta device; the sharding
-pipeline then scatters each unit's shards from rank 0 as it shards the unit (``initial_weights.py``), so the
-weights equal DDP's and only rank 0 ever holds a full copy. Where one copy does not fit in rank 0's host memory
-(``init="meta"``, or ``"auto"`` deciding so from the meta model's bytes), every rank builds on meta and the
-init its code ran is recorded (``init_replay.py``) to be replayed on the shards.
+Inside the strategy's ``model_sharded_context()``, rank 0 builds the model for real on the host (``init="exact"``)
+and the other ranks on meta; each unit's shards are then scattered from rank 0 as it is sharded
+(``initial_weights.py``): DDP's weights, one full copy on rank 0 only. Where that copy does not fit (``"meta"``, or
+``"auto"`` deciding so), every rank builds on meta and the init its code ran is recorded (``replay.py``).
 """
 
 from __future__ import annotations
@@ -31,14 +29,8 @@ from lightning_vitscale.init.settings import InitSettings
 
 @dataclass
 class Creation:
-    """How ``configure_model()`` built the model on this rank; read by the sharding pipeline.
-
-    Attributes:
-        path: ``"exact"`` (rank 0 real, the others meta: shards come from rank 0) or ``"meta"`` (own init replayed).
-        recipes: meta path: qualified tensor name -> its recorded init (``None``: nothing set its values).
-        created_bytes: bytes of the tensors ``configure_model()`` created (unsharded).
-        peak: samples host memory from the start of ``configure_model()`` until sharding is done.
-    """
+    """How ``configure_model()`` built the model on this rank (``path``: ``"exact"`` or ``"meta"``; ``recipes``,
+    meta path: tensor name -> its recorded init, ``None`` if nothing set it); read by the sharding pipeline."""
 
     path: str
     recipes: dict[str, Recipe | None] = field(default_factory=dict)
@@ -47,10 +39,8 @@ class Creation:
 
 
 class PeakRss:
-    """Peak growth of this process's resident memory, sampled every ``interval`` seconds in a thread.
-
-    Sampling (rather than resetting the kernel's VmHWM) leaves the process-wide peak counter to the user.
-    """
+    """Peak growth of this process's resident memory, sampled in a thread (resetting the kernel's VmHWM instead
+    would take the process-wide peak counter from the user)."""
 
     def __init__(self, interval: float = 0.002) -> None:
         self.interval = interval
@@ -107,14 +97,7 @@ def host_copies(device: torch.device, ranks_per_node: int, world_size: int) -> f
 
 class ModelCreation:
     """The ``model_sharded_context()`` of the strategy: builds, records and reports one ``configure_model()``.
-
-    Args:
-        module: the LightningModule whose hook runs.
-        init: the strategy's ``init=`` (see :class:`~lightning_vitscale.init.settings.InitSettings`).
-        rank, world_size: this process's place in the job.
-        host_copies: how many full-model copies rank 0's host would hold on the exact path (its full copy and the
-            shards of the host's ranks that keep them in host memory).
-    """
+    ``host_copies``: full-model copies rank 0's host would hold on the exact path (:func:`host_copies`)."""
 
     def __init__(self, module: nn.Module, init: InitSettings, rank: int, world_size: int, host_copies: float) -> None:
         self.module, self.init, self.rank, self.world_size = module, init, rank, world_size
@@ -159,11 +142,9 @@ class ModelCreation:
         return self.init.resolve(int(size[0]), available_host_bytes(), self.host_copies)
 
     def _agree(self, path: str, created: list[tuple[str, torch.Tensor]], nbytes: int, digest: str) -> str:
-        """After building: rank 1 reports its size ("auto"), rank 0 the path and, on the exact path, its RNG state.
-
-        On the exact path the other ranks skipped the random draws rank 0 made; where their generator was in
-        rank 0's state before (``seed_everything``), they continue from rank 0's state after, as under DDP.
-        """
+        """After building: rank 1 reports its size ("auto"), rank 0 the path and its RNG state: on the exact path
+        ranks that were in rank 0's state before (``seed_everything``) skipped its draws, and continue from its
+        state after, as under DDP."""
         if self.world_size == 1:
             return self._checked(path, created)
         if self.mode == "auto" and self.rank != 0:

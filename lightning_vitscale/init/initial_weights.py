@@ -2,18 +2,16 @@
 
 Three cases, decided once per model (``path``):
 
-- ``"built"``: the model existed before setup (built in ``__init__``, the DDP habit). Every rank holds a copy;
-  each unit, as it is sharded, receives rank 0's values (DDP's broadcast, one unit at a time, onto the device).
-- ``"exact"``: ``configure_model()`` ran for real on rank 0 only (``creation.py``); the other ranks' units are
-  meta until sharded, then get storage for their shards only and receive them from rank 0, which drops its full
-  copy of the unit right after. Peak: rank 0's one copy; the others, their shards plus one tensor in flight.
-- ``"meta"``: every rank built on meta; each shard replays the init the model's code recorded, with a seed per
-  tensor and shard, so shards differ and replicas agree. What cannot be replayed is named in a warning.
+- ``"built"``: the model existed before setup (built in ``__init__``, the DDP habit): each unit, as it is sharded,
+  receives rank 0's values (DDP's broadcast, one unit at a time).
+- ``"exact"``: ``configure_model()`` ran for real on rank 0 only (``creation.py``); the others' units get storage
+  for their shards only, filled from rank 0, which drops the unit's full copy right after.
+- ``"meta"``: every rank built on meta; each shard replays the recorded init with a seed per tensor and shard
+  (shards differ, replicas agree); what cannot be replayed is named in a warning.
 
-With tensor parallelism (``tensor_mesh``) the blocks are split before they are sharded, on meta tensors on every
-rank (rank 0's values of the blocks wait in :meth:`InitialWeights.hold`), and ``mesh`` is one data-parallel slice
-of the world. On the exact path only global rank 0 holds values, so every tensor is scattered from it over all
-ranks, each rank receiving its own box of the 2-D (tensor x data parallel) layout (``scatter.scatter_boxes``).
+With tensor parallelism the blocks are split on meta tensors before they are sharded (rank 0's values wait in
+:meth:`InitialWeights.hold`); on the exact path every rank then receives its own box of the (tensor x data
+parallel) layout from global rank 0 (``scatter.scatter_boxes``).
 """
 
 from __future__ import annotations
@@ -29,13 +27,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_vitscale._compat import INIT_METHODS, buffer_slots, parameter_slots
 from lightning_vitscale._utils import local_tensor
 from lightning_vitscale.init.creation import Creation, PeakRss
 from lightning_vitscale.init.replay import Recipe, replay, tensor_seed
 from lightning_vitscale.init.scatter import Box, gather_boxes, materialize_meta, scatter_boxes, scatter_from
 from lightning_vitscale.row_layout import PACKED_ROWS, interleaved_rows
 
-_INIT_METHODS = ("reset_parameters", "_reset_parameters")  # torch's MultiheadAttention only has the private one
 Slot = tuple[nn.Module, str, str, str, bool]  # owner, "param" | "buffer", attribute, qualified name, was meta
 
 
@@ -84,7 +82,7 @@ class InitialWeights:
 
         def visit(module: nn.Module) -> None:
             prefix = self.names.get(id(module), "")
-            for kind, tensors in (("param", module._parameters), ("buffer", module._buffers)):
+            for kind, tensors in (("param", parameter_slots(module)), ("buffer", buffer_slots(module))):
                 for attr, tensor in tensors.items():
                     # A DTensor is already sharded with its values, unless tensor parallelism split it on meta.
                     done = isinstance(tensor, DTensor) and not tensor.is_meta
@@ -110,7 +108,7 @@ class InitialWeights:
                     if kind == "param":
                         torch.utils.swap_tensors(tensor, nn.Parameter(moved, requires_grad=tensor.requires_grad))
                     else:
-                        owner._buffers[attr] = moved
+                        buffer_slots(owner)[attr] = moved
             materialize_meta(module, self.device, recurse=False)
             self._fill(slots, full)
 
@@ -124,7 +122,7 @@ class InitialWeights:
         swapped: dict[int, torch.Tensor] = {}
         for module in modules:
             for owner in module.modules():
-                for attr, param in owner._parameters.items():
+                for attr, param in parameter_slots(owner).items():
                     if param is None or param.is_meta:
                         continue
                     if id(param) not in swapped:
@@ -132,10 +130,11 @@ class InitialWeights:
                         torch.utils.swap_tensors(param, empty)  # `param` is meta now, `empty` holds the values
                         swapped[id(param)] = empty.detach()
                     self._held[(id(owner), attr)] = swapped[id(param)]
-                for attr, buffer in owner._buffers.items():
+                buffers = buffer_slots(owner)
+                for attr, buffer in buffers.items():
                     if buffer is not None and not buffer.is_meta:
                         self._held[(id(owner), attr)] = buffer
-                        owner._buffers[attr] = torch.empty_like(buffer, device="meta")
+                        buffers[attr] = torch.empty_like(buffer, device="meta")
 
     @contextmanager
     def unit(self, unit: nn.Module) -> Iterator[None]:
@@ -190,7 +189,7 @@ class InitialWeights:
             return
         local.zero_()  # never uninitialised memory, whatever happens next
         reason = recipe.broken if recipe is not None and recipe.broken else "no init call set its values"
-        if any(callable(getattr(owner, m, None)) for m in _INIT_METHODS):
+        if any(callable(getattr(owner, m, None)) for m in INIT_METHODS):
             owners[id(owner)] = owner
             if self.recipes:  # without any recording (built on meta outside configure_model) this is the init
                 self.not_reproduced[name] = f"{reason}; re-initialised by {type(owner).__name__}.reset_parameters()"
@@ -199,7 +198,7 @@ class InitialWeights:
 
     def _reset(self, owner: nn.Module) -> None:
         torch.manual_seed(tensor_seed(self.base_seed, self.names.get(id(owner), ""), self.rank))
-        next(getattr(owner, m) for m in _INIT_METHODS if callable(getattr(owner, m, None)))()
+        next(getattr(owner, m) for m in INIT_METHODS if callable(getattr(owner, m, None)))()
 
     def finish(self) -> tuple[str, int, float]:
         """Warn about what could not be reproduced; returns (path, peak host bytes, seconds) for the summary."""

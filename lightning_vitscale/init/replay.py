@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_vitscale._compat import TRUNC_NORMAL_IMPL, TorchDispatchMode, storage_id
 
 # In-place ops that set every element from scalars alone: they replay on any slice of the tensor.
 _OVERWRITES = frozenset({"uniform_", "normal_", "fill_", "zero_", "random_", "bernoulli_", "exponential_",
@@ -66,10 +67,6 @@ class Recipe:
         return Recipe(list(self.steps), self.broken)
 
 
-def _key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
-
-
 def _covers_storage(tensor: torch.Tensor) -> bool:
     whole = tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
     return bool(tensor.storage_offset() == 0 and whole)  # bool(): SymBool on symbolic shapes
@@ -100,7 +97,7 @@ class InitRecorder(TorchDispatchMode):
         return out
 
     def _track(self, tensor: torch.Tensor, recipe: Recipe) -> None:
-        self.recipes[_key(tensor)] = recipe
+        self.recipes[storage_id(tensor)] = recipe
         self._alive.append(tensor)
 
     def _observe(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -115,27 +112,27 @@ class InitRecorder(TorchDispatchMode):
         elif isinstance(first, torch.Tensor) and first.is_meta and name in _ELEMENTWISE | {"copy_"}:
             self._in_place(name, first, args[1:], kwargs)
         elif name in _DERIVED and isinstance(first, torch.Tensor) and first.is_meta and isinstance(out, torch.Tensor):
-            parent = self.recipes.get(_key(first))
+            parent = self.recipes.get(storage_id(first))
             if parent is not None and _scalars_only(args[1:]) and _scalars_only(kwargs.values()):
                 derived = parent.copy()
                 derived.add(_DERIVED[name], tuple(args[1:]), kwargs)
                 self._track(out, derived)
         elif name in _COPIES and isinstance(first, torch.Tensor) and first.is_meta and isinstance(out, torch.Tensor):
-            if (parent := self.recipes.get(_key(first))) is not None:
+            if (parent := self.recipes.get(storage_id(first))) is not None:
                 self._track(out, parent.copy())
 
     def _in_place(self, name: str, target: torch.Tensor, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        recipe = self.recipes.setdefault(_key(target), Recipe())
+        recipe = self.recipes.setdefault(storage_id(target), Recipe())
         self._alive.append(target)
         if not _covers_storage(target):
             recipe.broken = f"`{name}` wrote only part of the tensor"
         elif name == "copy_":
             source = rest[0]
-            parent = self.recipes.get(_key(source)) if source.is_meta else None
+            parent = self.recipes.get(storage_id(source)) if source.is_meta else None
             if parent is None or not _covers_storage(source):
                 recipe.broken = "its values were copied from another tensor"
             else:
-                self.recipes[_key(target)] = parent.copy()
+                self.recipes[storage_id(target)] = parent.copy()
         elif not (_scalars_only(rest) and _scalars_only(kwargs.values())):
             recipe.broken = f"`{name}` took a tensor argument"
         else:
@@ -145,7 +142,7 @@ class InitRecorder(TorchDispatchMode):
         """Record a step (or a reason it cannot be replayed) that torch skips on meta tensors."""
         if not tensor.is_meta:
             return
-        recipe = self.recipes.setdefault(_key(tensor), Recipe())
+        recipe = self.recipes.setdefault(storage_id(tensor), Recipe())
         self._alive.append(tensor)
         if isinstance(step, str):
             recipe.broken = step
@@ -167,19 +164,19 @@ class InitRecorder(TorchDispatchMode):
             self._paused = False
 
     def recipe_of(self, tensor: torch.Tensor) -> Recipe | None:
-        return self.recipes.get(_key(tensor)) if tensor.is_meta else None
+        return self.recipes.get(storage_id(tensor)) if tensor.is_meta else None
 
 
 @contextmanager
 def recording() -> Iterator[InitRecorder]:
     """Record init recipes; also sees the ``nn.init`` functions that return early on meta tensors."""
     recorder = InitRecorder()
-    originals = {name: getattr(nn.init, name) for name in ("_no_grad_trunc_normal_", *_NOT_ELEMENTWISE)}
+    originals = {name: getattr(nn.init, name) for name in (TRUNC_NORMAL_IMPL, *_NOT_ELEMENTWISE)}
 
     def trunc_normal(tensor, mean, std, a, b, generator=None):  # type: ignore[no-untyped-def]
         recorder.mark(tensor, ("trunc_normal_", (mean, std, a, b), {}))
         with recorder.paused():
-            return originals["_no_grad_trunc_normal_"](tensor, mean, std, a, b, generator)
+            return originals[TRUNC_NORMAL_IMPL](tensor, mean, std, a, b, generator)
 
     def refusing(name: str):  # type: ignore[no-untyped-def]
         def init(tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -189,7 +186,7 @@ def recording() -> Iterator[InitRecorder]:
 
         return init
 
-    patched = {"_no_grad_trunc_normal_": trunc_normal, **{name: refusing(name) for name in _NOT_ELEMENTWISE}}
+    patched = {TRUNC_NORMAL_IMPL: trunc_normal, **{name: refusing(name) for name in _NOT_ELEMENTWISE}}
     try:
         for name, fn in patched.items():
             setattr(nn.init, name, fn)

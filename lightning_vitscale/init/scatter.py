@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from lightning_vitscale._compat import compute_local_shape_and_global_offset
+from lightning_vitscale._compat import buffer_slots, compute_local_shape_and_global_offset, parameter_slots
 from lightning_vitscale._utils import local_tensor
 
 
@@ -23,26 +23,24 @@ def materialize_meta(module: nn.Module, device: torch.device, recurse: bool = Tr
     made = []
     modules = module.named_modules() if recurse else [("", module)]
     for prefix, owner in modules:
-        for name, param in list(owner._parameters.items()):
+        for name, param in list(parameter_slots(owner).items()):
             if param is not None and param.is_meta:
                 new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
                 torch.utils.swap_tensors(param, new)
                 made.append((f"{prefix}.{name}" if prefix else name, param))
-        for name, buffer in list(owner._buffers.items()):
+        buffers = buffer_slots(owner)
+        for name, buffer in list(buffers.items()):
             if buffer is not None and buffer.is_meta:
-                owner._buffers[name] = torch.empty_like(buffer, device=device)
-                made.append((f"{prefix}.{name}" if prefix else name, owner._buffers[name]))
+                buffers[name] = torch.empty_like(buffer, device=device)
+                made.append((f"{prefix}.{name}" if prefix else name, buffers[name]))
     return made
 
 
 @torch.no_grad()
 def scatter_from(full: torch.Tensor | None, target: torch.Tensor, mesh: DeviceMesh) -> None:
-    """Fill ``target`` (a DTensor shard, or a whole tensor) with its part of the mesh's first rank's ``full``.
-
-    A dim-0 sharded DTensor on a 1-D mesh receives exactly its chunk (``dist.scatter``: each rank gets 1/N of
-    the bytes). Other layouts (replicated norms, plain buffers, a 2-D mesh) receive the whole tensor and keep
-    their part of it. ``full`` is read on the source rank only (pass ``None`` elsewhere).
-    """
+    """Fill ``target`` (a DTensor shard, or a whole tensor) with its part of the mesh's first rank's ``full`` (read
+    there only): a dim-0 shard on a 1-D mesh receives exactly its chunk (``dist.scatter``), other layouts
+    (replicated norms, plain buffers, a 2-D mesh) the whole tensor, keeping their part."""
     if mesh.size() == 1:
         return
     src = int(mesh.mesh.flatten()[0])
@@ -101,11 +99,8 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 def local_box(target: torch.Tensor) -> Box:
     """Where this rank's part of ``target`` lies in the full tensor: a DTensor's local shard on any mesh and
-    placements (tensor-parallel ``Shard(0)``/``Shard(1)`` under FSDP's strided dim-0 shard), else the whole tensor.
-
-    Each of these pieces is one contiguous box of the full tensor: FSDP shards the tensor-parallel chunk, not
-    the full tensor, and ``compute_local_shape_and_global_offset`` follows that order (``_StridedShard``).
-    """
+    placements, else the whole tensor. One contiguous box even under tensor parallelism: FSDP shards the
+    tensor-parallel chunk, and ``compute_local_shape_and_global_offset`` follows that order."""
     if isinstance(target, DTensor):
         shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
         return tuple(shape), tuple(offset)
@@ -113,11 +108,8 @@ def local_box(target: torch.Tensor) -> Box:
 
 
 def gather_boxes(targets: list[torch.Tensor]) -> list[list[Box]]:
-    """Every rank's box of each of ``targets`` (one collective for a whole unit): ``[rank][target]``.
-
-    A rank's box depends on its own mesh (its data-parallel slice, its place in the tensor-parallel group), which
-    the source rank cannot see, so each rank says where its pieces lie.
-    """
+    """Every rank's box of each of ``targets``, ``[rank][target]``, in one collective per unit: a box depends on
+    the rank's own mesh, which the source rank cannot see."""
     mine = [local_box(t) for t in targets]
     everyone: list[list[Box]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(everyone, mine)
@@ -126,12 +118,9 @@ def gather_boxes(targets: list[torch.Tensor]) -> list[list[Box]]:
 
 @torch.no_grad()
 def scatter_boxes(full: torch.Tensor | None, target: torch.Tensor, boxes: list[Box], src: int = 0) -> None:
-    """Fill ``target``'s local part with its box of global rank ``src``'s ``full`` (``boxes``: every rank's, in
-    global rank order); each rank receives its own piece only (padded to the largest), over all ranks.
-
-    ``full`` is read on ``src`` only (``None`` elsewhere). For meshes whose first rank is not the one holding the
-    values: the data-parallel slices of a tensor-parallel job, where only global rank 0 built the model.
-    """
+    """Fill ``target``'s local part with its box (``boxes``: every rank's) of global rank ``src``'s ``full`` (read
+    there only), each rank receiving its piece only: for a tensor-parallel job, where only global rank 0 built the
+    model and no data-parallel slice's first rank holds values."""
     local = local_tensor(target)
     shape, _ = boxes[dist.get_rank()]
     if tuple(local.shape) != shape:

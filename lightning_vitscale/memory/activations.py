@@ -20,9 +20,19 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import FakeTensorMode, ShapeEnv, StorageWeakRef, tree_map
+from lightning_vitscale._compat import (
+    FakeTensorMode,
+    ShapeEnv,
+    StorageWeakRef,
+    TorchDispatchMode,
+    buffer_slots,
+    dtensor_local,
+    parameter_slots,
+    storage_id,
+    tree_map,
+)
 from lightning_vitscale.memory.block_identity import block_key
 from lightning_vitscale.memory.op_costs import BlockWork, OpWork
 from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
@@ -133,7 +143,7 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in _tensors(out):
-            local = getattr(tensor, "_local_tensor", tensor)  # a DTensor holds its memory in its local shard
+            local = dtensor_local(tensor) if isinstance(tensor, DTensor) else tensor  # its memory: the local shard
             key = _storage_key(local)
             if key not in self._live:
                 storage = local.untyped_storage()
@@ -149,7 +159,7 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
+    return storage_id(tensor)
 
 
 @contextlib.contextmanager
@@ -162,14 +172,15 @@ def fake_parameters(
         with mode:  # entered once: entering per tensor cost more than making the tensor
             for module in model.modules():
                 wanted = torch.float32 if keep_fp32(module) else dtype
-                for store in (module._parameters, module._buffers):
+                params = parameter_slots(module)
+                for store in (params, buffer_slots(module)):
                     for name, value in list(store.items()):
                         if value is None:
                             continue
                         originals.append((store, name, value))
                         kind = wanted if value.is_floating_point() else value.dtype
                         fake = torch.empty(value.shape, dtype=kind, device=_CPU)  # a DTensor's shape is the full one
-                        store[name] = nn.Parameter(fake, value.requires_grad) if store is module._parameters else fake  # type: ignore[assignment]
+                        store[name] = nn.Parameter(fake, value.requires_grad) if store is params else fake  # type: ignore[assignment]
         yield
     finally:
         for store, name, value in reversed(originals):

@@ -19,23 +19,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_vitscale._compat import hook_counts
+
 _PLAIN = (bool, int, str, type(None))
 
 
 def block_key(block: nn.Module, x: torch.Tensor) -> Hashable:
     """Equal for two blocks (with their inputs) that run the same ops on the same shapes."""
     modules = tuple(
-        (name, type(m).__qualname__, m.training, _hooks(m), _attributes(m),
+        (name, type(m).__qualname__, m.training, hook_counts(m), _attributes(m),
          tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in m.named_parameters(recurse=False)),
          tuple((n, tuple(b.shape), b.dtype) for n, b in m.named_buffers(recurse=False)))
         for name, m in block.named_modules()
     )
     return type(block), modules, tuple(x.shape), x.dtype
-
-
-def _hooks(module: nn.Module) -> tuple[int, ...]:
-    return (len(module._forward_pre_hooks), len(module._forward_hooks), len(module._backward_hooks),
-            len(module._backward_pre_hooks))
 
 
 def _attributes(module: nn.Module) -> tuple[tuple[str, Hashable], ...]:

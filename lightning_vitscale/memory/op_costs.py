@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from lightning_vitscale._compat import tree_map
+from lightning_vitscale._compat import TorchDispatchMode, op_mutates, storage_id, tree_map
 from lightning_vitscale.memory.selective_ops import SAVED_OPS
 
 
@@ -69,7 +68,7 @@ class OpWork(TorchDispatchMode):
         if not self.counting:
             return out
         self.ops += 1
-        packet = func._overloadpacket
+        packet = func.overloadpacket
         if packet in flop_registry:
             self.flops += int(flop_registry[packet](*args, **kwargs, out_val=out))
         if func not in SAVED_OPS:
@@ -87,7 +86,7 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 def _bytes_moved(func: Any, args: Any, kwargs: Any, out: Any) -> int:
     """Bytes an op reads and writes: its tensor inputs and outputs; nothing for a view (output aliases input)."""
     inputs, outputs = _tensors((args, kwargs)), _tensors(out)
-    sources = {t.untyped_storage()._cdata for t in inputs}
-    if not func._schema.is_mutable and all(t.untyped_storage()._cdata in sources for t in outputs):
+    sources = {storage_id(t) for t in inputs}
+    if not op_mutates(func) and all(storage_id(t) in sources for t in outputs):
         return 0
     return sum(t.numel() * t.element_size() for t in [*inputs, *outputs])

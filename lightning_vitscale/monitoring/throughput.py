@@ -5,7 +5,6 @@ from __future__ import annotations
 import resource
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -14,8 +13,9 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
 
+from lightning_vitscale._compat import tree_leaves
 from lightning_vitscale._utils import GIB
-from lightning_vitscale.memory.devices import DEVICES, gpu_named
+from lightning_vitscale.memory.devices import gpu_named
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -29,25 +29,10 @@ def device_peak_flops(device: torch.device) -> float | None:
     return row.bf16_flops_per_s if row is not None else None
 
 
-def __getattr__(name: str) -> Any:
-    if name == "PEAK_DENSE_BF16_FLOPS":  # before the one device table: (name substring, peak) pairs
-        warnings.warn("lightning_vitscale.monitoring.throughput.PEAK_DENSE_BF16_FLOPS is deprecated: the peaks"
-                      " live in lightning_vitscale.memory.devices.DEVICES (bf16_flops_per_s); use"
-                      " device_peak_flops(device).", DeprecationWarning, stacklevel=2)
-        return tuple((row.match, row.bf16_flops_per_s) for row in DEVICES if row.match is not None)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def first_dim(batch: Any) -> int:
-    """Default batch size: dim 0 of the first tensor found in the batch (tuples, lists and dicts searched)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
-    for item in items:
-        size = first_dim(item)
-        if size:
-            return size
-    return 0
+    """Default batch size: dim 0 of the first tensor in the batch (0 without one)."""
+    first = next((leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)), None)
+    return 0 if first is None else first.shape[0] if first.dim() else 1
 
 
 def peak_memory_gib(device: torch.device) -> tuple[str, float]:
@@ -60,13 +45,8 @@ def peak_memory_gib(device: torch.device) -> tuple[str, float]:
 
 
 class WindowClock:
-    """Device time between two edges without synchronising the device in between.
-
-    On CUDA an edge is an event recorded on the current stream (recording does not wait for the GPU), and reading
-    an interval waits for its end event only; elsewhere an edge is ``time.perf_counter()``. Synchronising after
-    every step instead would drain the queue the host keeps ahead of the GPU and charge launch overhead that real
-    training hides.
-    """
+    """Device time between two edges (CUDA events; elsewhere ``time.perf_counter()``) with no synchronisation in
+    between: one per step would drain the queue the host keeps ahead of the GPU and charge hidden launch overhead."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -89,22 +69,15 @@ class VitScaleThroughput(Callback):
     """Log ``throughput/samples_per_sec`` (all ranks), ``throughput/tflops_per_sec`` and ``throughput/mfu``
     (per device) and peak memory (the largest over ranks) every ``log_every_n_steps`` training batches.
 
-    Named apart from Lightning's ``lightning.pytorch.callbacks.ThroughputMonitor`` (which needs the user's FLOPs
-    and batch sizes): this one counts model FLOPs itself. FLOPs are counted once, on the first training batch,
-    with ``FlopCounterMode`` around the forward only (entered at batch start, left when backward starts) and
-    multiplied by 3 for forward + backward. This is *model* FLOPs, the usual MFU convention: activation-
-    checkpointing recompute and the optimizer are not counted, so MFU compares recipes fairly. FLOPs are counted
-    per sample, so a short last batch is fine. Compiled regions run eagerly while the counter is active (dynamo
-    is told to run eagerly for that forward), so keep ``warmup_steps`` >= 2 when compiling: compilation then
-    happens inside the warm-up.
-
-    Time is device time between window edges (:class:`WindowClock`): the device is synchronised once per window,
-    never per step. On CUDA the allocator's peak is reset when warm-up ends, so peak memory covers measured steps.
+    Unlike Lightning's ``ThroughputMonitor`` it counts FLOPs itself: once, on the first training batch's forward
+    (``FlopCounterMode``), times 3 for forward + backward, per sample. *Model* FLOPs, the usual MFU convention:
+    recompute and the optimizer are not counted, so MFU compares recipes fairly. That forward runs eagerly
+    (dynamo is told so), so keep ``warmup_steps >= 2`` when compiling. Time is device time per window
+    (:class:`WindowClock`); on CUDA the allocator's peak is reset when warm-up ends.
 
     Args:
         batch_size_fn: ``batch -> samples on this rank``; default: dim 0 of the first tensor in the batch.
-        peak_flops: the device's peak FLOP/s; default: the device table's dense bf16 peak on CUDA
-            (``memory/devices.py``), none on CPU.
+        peak_flops: the device's peak FLOP/s; default: the device table's dense bf16 peak on CUDA, none on CPU.
         log_every_n_steps: batches per measurement window.
         warmup_steps: batches ignored before the first window (compilation, allocator warm-up).
 

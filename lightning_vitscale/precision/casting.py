@@ -8,6 +8,7 @@ A pre-hook on each such layer restores the drop-in behaviour.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,13 +17,20 @@ from torch import nn
 from lightning_vitscale._compat import tree_map
 
 
-def cast_floating_inputs(modules: list[nn.Module], dtype: torch.dtype) -> None:
-    """Register a forward pre-hook on each module casting floating tensor inputs to ``dtype``."""
+def to_dtype(dtype: torch.dtype | None) -> Callable[[Any], Any]:
+    """The cast of one value: a floating tensor to ``dtype`` (``None``: unchanged), anything else as it is."""
 
     def cast(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+        if dtype is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
             return value.to(dtype)
         return value
+
+    return cast
+
+
+def cast_floating_inputs(modules: list[nn.Module], dtype: torch.dtype) -> None:
+    """Register a forward pre-hook on each module casting floating tensor inputs to ``dtype``."""
+    cast = to_dtype(dtype)
 
     def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
         return tree_map(cast, args), tree_map(cast, kwargs)

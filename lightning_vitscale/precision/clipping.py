@@ -34,15 +34,10 @@ def _partial_norm(tensors: list[torch.Tensor], norm_type: float, device: torch.d
 
 @torch.no_grad()
 def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all gradients as if unsharded, identical on every rank.
-
-    Sharded gradients contribute their local part, summed over the mesh dimensions they are sharded along
-    (on a hybrid mesh the replicate dimension holds copies and is not summed); replicated or plain gradients
-    (already equal on all ranks) are counted once. ``torch.nn.utils.clip_grad_norm_`` cannot mix plain tensors
-    and DTensors, which is why this exists. Everything stays on the gradients' device (offloaded gradients
-    meet in the mesh's device for the collective): one collective per sharded mesh dimension, no
-    per-parameter host sync.
-    """
+    """The norm of all gradients as if unsharded, identical on every rank (``clip_grad_norm_`` cannot mix plain
+    tensors and DTensors). Sharded gradients' local parts are summed over the mesh dimensions they are sharded
+    along (not a hybrid mesh's replicas); replicated and plain ones count once. One collective per sharded mesh
+    dimension, on the gradients' device, no per-parameter host sync."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float32)

@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import amp_unscale_and_check
+from lightning_vitscale._compat import amp_unscale_and_check, dtensor_local
 from lightning_vitscale.distributed.mesh import all_reduce_over
+
+
+def local_groups(grads: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """The gradients' local shards (no autograd node) grouped by device and dtype, as fused multi-tensor ops take
+    them (also the non-finite guard's check)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for grad in grads:
+        local = dtensor_local(grad) if isinstance(grad, DTensor) else grad
+        groups[(local.device, local.dtype)].append(local)
+    return groups
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -22,24 +33,15 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def _unscale_grads_(  # type: ignore[override]
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-        mesh = None
-        for param_group in optimizer.param_groups:
-            for param in param_group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
-                if not allow_fp16 and grad.dtype == torch.float16:
-                    raise ValueError("Attempting to unscale FP16 gradients; keep master weights in fp32 (16-mixed).")
-                if isinstance(grad, DTensor):
-                    mesh = grad.device_mesh
-                    grad = grad.to_local()
-                groups[(grad.device, grad.dtype)].append(grad)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not allow_fp16 and any(grad.dtype == torch.float16 for grad in grads):
+            raise ValueError("Attempting to unscale FP16 gradients; keep master weights in fp32 (16-mixed).")
+        mesh = next((grad.device_mesh for grad in grads if isinstance(grad, DTensor)), None)
         found_per_device: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
-            for (device, _), grads in groups.items():
+            for (device, _), group in local_groups(grads).items():
                 found = found_per_device.setdefault(device, found_inf.to(device).clone())
-                amp_unscale_and_check(grads, found, inv_scale.to(device))
+                amp_unscale_and_check(group, found, inv_scale.to(device))
             if mesh is not None and mesh.size() > 1:  # every mesh dimension: 1-D and hybrid meshes alike
                 for found in found_per_device.values():
                     all_reduce_over(found, mesh, op=dist.ReduceOp.MAX)

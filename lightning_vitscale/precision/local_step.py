@@ -1,15 +1,10 @@
 """The optimizer step on each DTensor parameter's local shard, for optimizers that update element by element.
 
-An elementwise optimizer (SGD, Adam, AdamW, ...) updates every element from that element's gradient and state
-alone, so updating each parameter's local tensor from its gradient's local tensor is the DTensor step's own local
-computation: the same kernels on the same tensors, bit for bit. What it saves is DTensor's dispatch of every foreach
-op over the whole parameter list: host time every step, and seconds in the first, where DTensor propagates each
-op's shardings (ViT-H's 390 parameters on CPU: ~8.7 s; ``benchmarks/RESULTS.md``). On a GPU that is host time the
-GPU waits for.
-
-Optimizers whose update reads more than one element (Adafactor's row and column statistics, LAMB's per-tensor norms,
-LBFGS) would be silently wrong on shards, so only the exact classes in :data:`ELEMENTWISE` step locally (a subclass
-may override ``step``); every other optimizer steps on the DTensors.
+An elementwise optimizer (SGD, Adam, AdamW, ...) updates each element from its own gradient and state, so the step
+on local tensors is the DTensor step's own computation, bit for bit, without DTensor's dispatch of every foreach op:
+host time every step, seconds in the first (ViT-H's 390 parameters on CPU: ~8.7 s; ``benchmarks/RESULTS.md``).
+Updates that read several elements (Adafactor, LAMB, LBFGS) would be wrong on shards: only the exact classes in
+:data:`ELEMENTWISE` step locally (a subclass may override ``step``).
 """
 
 from __future__ import annotations
@@ -46,14 +41,10 @@ def steps_locally(optimizer: object) -> bool:
 
 @contextmanager
 def on_local_shards(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
-    """Within the block, ``optimizer`` holds its DTensor parameters' local tensors, with their gradients' and
-    state's local tensors; yields whether it does (an optimizer not in :data:`ELEMENTWISE`, a differentiable step,
-    or a gradient placed otherwise than its parameter keep the DTensors).
-
-    The local tensors are the DTensors' own storage: the update lands in the parameters and in the existing state
-    in place. State the step creates or replaces (the first step's moments) is wrapped as DTensors placed as the
-    parameter afterwards. Everything is put back even if the step raises.
-    """
+    """Within the block, ``optimizer`` holds its DTensor parameters', gradients' and state's local tensors (their
+    own storage: updates land in place); yields whether it does (not for an optimizer outside :data:`ELEMENTWISE`,
+    a differentiable step, or a gradient placed otherwise). State the step creates (the first moments) is wrapped
+    as DTensors placed as the parameter; everything is put back even if the step raises."""
     swapped = _swap_in(optimizer) if steps_locally(optimizer) else None
     if swapped is None:
         yield False

@@ -1,30 +1,24 @@
 """The non-finite step guard of reduced-precision runs: every rank skips an optimizer step whose loss or gradients
 are not finite on *any* rank, and the run stops after ``max_consecutive`` such steps in a row.
 
-Why: in bf16 a single inf/NaN gradient (one bad batch on one rank) is reduced into every rank's shards and the
-optimizer writes NaN into the weights, then into every checkpoint after it; under DDP the same happens. fp16 has
-the loss scaler, which skips overflowing steps on its own (and must, while it calibrates its scale), so there the
-guard only watches the loss. The decision is one all-reduce of one flag per rank, so all ranks skip together and
-raise together: no rank steps alone, none waits for another.
-
-Lightning's ``SpikeDetection`` (``lightning.fabric.utilities.spike``) watches *finite* loss spikes against a
-running mean and needs a ``Fabric`` object; it does not skip steps. It is not reused here: this guard handles only
-non-finite values, which need no threshold.
+Why: in bf16 one inf/NaN gradient on one rank is reduced into every rank's shards and the optimizer writes NaN into
+the weights and every checkpoint after (as under DDP). Under fp16 the loss scaler skips overflowing steps itself, so
+the guard watches only the loss. One all-reduce decides: all ranks skip, and raise, together. (Lightning's
+``SpikeDetection`` watches finite spikes, needs a ``Fabric`` and skips nothing.)
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import amp_unscale_and_check, dtensor_local
+from lightning_vitscale._compat import amp_unscale_and_check
 from lightning_vitscale.distributed.agreed import RaisedOnEveryRank
+from lightning_vitscale.precision.grad_scaler import local_groups
 
 
 class NonFiniteTrainingError(RaisedOnEveryRank, RuntimeError):
@@ -34,12 +28,8 @@ class NonFiniteTrainingError(RaisedOnEveryRank, RuntimeError):
 
 @dataclass
 class NonFiniteGuard:
-    """Skip optimizer steps with a non-finite loss (and, ``check_gradients``, gradients) on any rank.
-
-    Args:
-        max_consecutive: stop the run with :class:`NonFiniteTrainingError` after this many skipped steps in a row.
-        check_gradients: also look at the gradients (bf16, fp32); ``False`` under fp16, whose scaler owns them.
-    """
+    """Skip optimizer steps with a non-finite loss (and, ``check_gradients``, gradients: not under fp16, whose
+    scaler owns them) on any rank; :class:`NonFiniteTrainingError` after ``max_consecutive`` in a row."""
 
     max_consecutive: int = 3
     check_gradients: bool = True
@@ -88,10 +78,7 @@ def _non_finite_ranks(loss: torch.Tensor | None, grads: list[torch.Tensor]) -> t
     whole model: a per-tensor ``isfinite().all()`` launched four kernels per parameter, ~1,600 a step on ViT-H, a
     share of the host time that made a 1-GPU step host-bound on the H200 (benchmarks/RESULTS.md). Its multiply by
     ``inv_scale = 1`` leaves every value as it was (NaN, inf and -0.0 included)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for grad in grads:  # one pass: local shards (no autograd), grouped as the fused check needs
-        local = dtensor_local(grad) if isinstance(grad, DTensor) else grad
-        groups[(local.device, local.dtype)].append(local)
+    groups = local_groups(grads)
     device = loss.device if loss is not None else next(iter(groups))[0] if groups else torch.device("cpu")
     bad = torch.zeros(2, device=device)  # this rank's [loss, gradients], 1.0 where not finite
     if loss is not None:

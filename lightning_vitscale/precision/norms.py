@@ -34,6 +34,7 @@ from lightning_vitscale._compat import (
     tree_map,
 )
 from lightning_vitscale.distributed.mesh import all_reduce_over, replicated_placements
+from lightning_vitscale.precision.casting import to_dtype
 
 _PARAMS = "_vitscale_fp32_params"
 _DTYPE = "_vitscale_norm_dtype"
@@ -75,9 +76,8 @@ class ReplicatedNorms:
             self._reduced_at_end = True
 
     def after_backward(self) -> None:
-        """Lightning's post-backward: average the gradients unless the backward's end did (a backward in which no
-        norm gradient arrived, such as norms unused this step but holding a gradient: averaging equal values again
-        changes nothing)."""
+        """Lightning's post-backward: average the gradients unless the backward's end did (none arrived: averaging
+        equal values again changes nothing)."""
         if self._reduced_at_end:
             self._reduced_at_end = False
         elif self.syncing:
@@ -125,13 +125,9 @@ _FP32_CLASSES: dict[type, type] = {}
 
 
 def _fp32_class(cls: type[nn.Module]) -> type[nn.Module]:
-    """``cls`` with :func:`_fp32_forward` as its forward, one class per norm class (as FSDP2 swaps a unit's class
-    to ``FSDP<cls>``): still an instance of ``cls`` for ``isinstance``, and ``type(m).__name__`` unchanged.
-
-    A class, not a per-instance ``forward`` attribute: dynamo guards on the identity of an instance's forward
-    (a ``functools.partial`` per norm on torch 2.11), so every compiled block after the first recompiled; a
-    forward on the class is guarded by the class, which identical blocks share.
-    """
+    """``cls`` with :func:`_fp32_forward` as its forward (as FSDP2 swaps a unit's class to ``FSDP<cls>``): still
+    an instance of ``cls``, same ``__name__``. A class, not a per-instance ``forward``: dynamo guards on an
+    instance forward's identity, so every compiled block after the first recompiled."""
     if cls not in _FP32_CLASSES:
         attrs = {"forward": _fp32_forward, _BASE: cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
         _FP32_CLASSES[cls] = type(cls.__name__, (cls,), attrs)
@@ -139,16 +135,13 @@ def _fp32_class(cls: type[nn.Module]) -> type[nn.Module]:
 
 
 def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A converted norm's forward: its own class's forward on local fp32 parameters and fp32 inputs.
+    """A converted norm's forward: its own class's forward on local fp32 parameters and fp32 inputs; the gradient
+    lands on the DTensor parameter (:func:`_compute_leaf` eager, the free ``to_local()`` compiled).
 
-    The gradient lands on the replicated DTensor parameter (:func:`_compute_leaf` in eager mode; the differentiable
-    ``to_local()`` when compiled, where it costs nothing per call); ``reduce_grads()`` averages it. ``finally``: a
-    forward that raises must still give the module its DTensor parameters back, or it would keep plain local tensors
-    (wrong optimizer targets, wrong checkpoint) after the exception. A forward, not hooks: an always-called forward
-    hook makes dynamo guard on each norm's hook id, so identical compiled blocks would no longer share one graph.
-    For the same reason everything is read from the module and its class (:func:`_fp32_class`): anything bound per
-    norm gets an identity guard per norm. One tensor in, one out (every norm in the models we know) skips the
-    pytree walks: they were a third of this function's host time.
+    A forward, not hooks, and everything read from the module and its class: dynamo guards on anything bound per
+    norm (an always-called hook's id), so identical compiled blocks would stop sharing one graph. ``finally``: a
+    forward that raises must not leave plain local tensors as parameters (wrong optimizer targets and checkpoint).
+    The one-tensor path skips the pytree walks, a third of this function's host time.
     """
     params: dict[str, DTensor] = getattr(module, _PARAMS)
     norm_dtype: torch.dtype = getattr(module, _DTYPE)
@@ -158,7 +151,7 @@ def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         args = (args[0].to(norm_dtype),) if out_dtype is not None else args
     else:
         out_dtype = _floating_input_dtype(args, kwargs)
-        to_norm_dtype = _caster(norm_dtype)
+        to_norm_dtype = to_dtype(norm_dtype)
         args, kwargs = tree_map(to_norm_dtype, args), tree_map(to_norm_dtype, kwargs)
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():
         local = {name: param.to_local() for name, param in params.items()}  # no autograd node without grad
@@ -173,7 +166,7 @@ def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return output
     if isinstance(output, torch.Tensor):
         return output.to(out_dtype) if output.is_floating_point() else output
-    return tree_map(_caster(out_dtype), output)
+    return tree_map(to_dtype(out_dtype), output)
 
 
 # A parameter's local tensor -> the leaf its norm computes with. Keyed by the local tensor, so a parameter whose
@@ -183,13 +176,10 @@ _LEAVES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _compute_leaf(module: nn.Module, name: str, param: DTensor) -> torch.Tensor:
-    """A leaf sharing ``param``'s local storage and version counter (in-place optimizer updates show, and
-    activation checkpointing's recompute sees the same tensor), requiring grad as ``param`` does now (a frozen
-    norm is followed): its accumulated gradient goes to ``param.grad`` (:func:`_hand_gradient`).
-
-    The hook finds the parameter through a weak reference to its module, not to the parameter: a weak reference
-    to a parameter would stop ``module.to()`` swapping it (``torch.utils.swap_tensors`` refuses weakly referenced
-    tensors)."""
+    """A leaf sharing ``param``'s local storage and version counter (optimizer updates show, checkpointing's
+    recompute sees the same tensor), requiring grad as ``param`` does now; its gradient goes to ``param.grad``.
+    The hook holds a weak reference to the module, not the parameter: ``torch.utils.swap_tensors`` (``module.to()``)
+    refuses weakly referenced tensors."""
     local = dtensor_local(param)
     leaf = _LEAVES.get(local)
     if leaf is None:
@@ -221,12 +211,3 @@ def _arrived(owner_ref: weakref.ref, _param: torch.Tensor) -> None:
     owner = owner_ref()
     if owner is not None:
         owner.gradient_arrived()
-
-
-def _caster(dtype: torch.dtype | None):
-    def cast(value: Any) -> Any:
-        if dtype is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.to(dtype)
-        return value
-
-    return cast

@@ -15,7 +15,8 @@ from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_vitscale._compat import after_closure
+from lightning_vitscale._compat import after_closure, unscales_in_step
+from lightning_vitscale.precision.casting import to_dtype
 from lightning_vitscale.precision.clipping import clip_grad_norm
 from lightning_vitscale.precision.grad_scaler import ShardedGradScaler
 from lightning_vitscale.precision.local_step import on_local_shards, steps_locally
@@ -106,11 +107,11 @@ class VitScalePrecision(Precision):
     @override
     def convert_input(self, data: Any) -> Any:
         """Floating batch tensors enter in the compute dtype; integer targets are left alone."""
-        return _cast_floating(data, self.policy.compute)
+        return apply_to_collection(data, function=to_dtype(self.policy.compute), dtype=Tensor)
 
     @override
     def convert_output(self, data: Any) -> Any:
-        return _cast_floating(data, torch.get_default_dtype())
+        return apply_to_collection(data, function=to_dtype(torch.get_default_dtype()), dtype=Tensor)
 
     @contextmanager
     @override
@@ -161,7 +162,7 @@ class VitScalePrecision(Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        if clip_val > 0 and self.scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+        if clip_val > 0 and self.scaler is not None and unscales_in_step(optimizer):
             raise RuntimeError(
                 f"{type(optimizer).__name__} unscales gradients inside step(), so they cannot be clipped before it."
                 " Use a non-fused optimizer with precision='16-mixed' and gradient clipping."
@@ -194,11 +195,3 @@ def to_vitscale_precision(plugin: Precision) -> VitScalePrecision:
         f"VitScaleStrategy cannot use {type(plugin).__name__}(precision={flag!r}). Use Trainer(precision=...) with"
         f" one of {', '.join(SUPPORTED_FLAGS)}, or pass plugins=[VitScalePrecision(...)]."
     )
-
-
-def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
-    def cast(t: Tensor) -> Tensor:
-        return t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t
-
-    return apply_to_collection(data, function=cast, dtype=Tensor)
-

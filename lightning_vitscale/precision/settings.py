@@ -17,18 +17,9 @@ SUPPORTED_FLAGS: tuple[str, ...] = get_args(PrecisionFlag)
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    """Which dtype where.
-
-    Attributes:
-        name: the Trainer-style flag this came from.
-        master: dtype of the sharded parameters the optimizer updates (and of its state).
-        compute: dtype units compute in (their parameters are all-gathered in it).
-        reduce: dtype gradients are reduced in across ranks.
-        norm_dtype: dtype normalization layers keep for parameters and compute; ``None`` lets them follow
-            the rest of the model.
-        norms: which modules are normalization layers (predicate on (name, module)).
-        loss_scaling: whether gradients need a dynamic loss scaler (fp16).
-    """
+    """Which dtype where: ``master`` (the sharded parameters and optimizer state), ``compute`` (units gather their
+    parameters in it), ``reduce`` (gradients across ranks), ``norm_dtype`` (normalization layers; ``None``: as the
+    rest); ``norms``: which modules those are; ``loss_scaling``: fp16's dynamic loss scaler."""
 
     name: str
     master: torch.dtype

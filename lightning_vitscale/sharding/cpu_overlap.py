@@ -39,6 +39,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_vitscale._compat import (
     ReduceScatterComm,
+    has_post_accumulate_grad_hooks,
     queue_end_of_backward,
     reduce_scatter,
     set_unshard_async,
@@ -88,7 +89,7 @@ class OverlappedReduceScatter(ReduceScatterComm):
         if self.param_dtypes - {reduce_dtype}:
             return True  # FSDP2 casts the output to the parameters' dtype
         # An existing gradient (accumulation) or a hook registered at any time since setup: checked per call.
-        return any(param.grad is not None or getattr(param, "_post_accumulate_grad_hooks", None)
+        return any(param.grad is not None or has_post_accumulate_grad_hooks(param)
                    for param in self.params)
 
 

@@ -39,6 +39,12 @@ OffloadMode = Literal["cpu"]
 OFFLOAD_CHOICES: tuple[str | None, ...] = (None, "cpu")
 
 
+def _invalid(settings: object, name: str, requirement: str) -> ValueError:
+    """The error for an invalid ``name``, ending with the field's own text (restated by hand, it drifted)."""
+    doc = next(f.metadata["doc"] for f in dataclasses.fields(settings) if f.name == name)  # type: ignore[arg-type]
+    return ValueError(f"`{name}={getattr(settings, name)!r}` {requirement}. `{name}`: {doc}")
+
+
 @dataclass(frozen=True)
 class ShardingPolicy:
     """Which modules become their own FSDP unit and when they free gathered parameters.
@@ -137,28 +143,15 @@ class ShardingPolicy:
     def __post_init__(self) -> None:
         _check_layout(self.layout)
         self._check_tensor_parallel()
-        k = self.blocks_per_unit
+        k, p = self.blocks_per_unit, self.prefetch
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(
-                f"`blocks_per_unit={k!r}` must be None or an int >= 1: consecutive blocks per FSDP unit (1: each"
-                " block its own unit, the recipe; None: as `priority` says)."
-            )
-        p = self.prefetch
+            raise _invalid(self, "blocks_per_unit", "must be None or an int >= 1")
         if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 0):
-            raise ValueError(
-                f"`prefetch={p!r}` must be None or an int >= 0: units to all-gather ahead (1: the next block;"
-                " 0: FSDP2's implicit prefetch; None: 1 on CPU ranks, 0 on GPUs)."
-            )
+            raise _invalid(self, "prefetch", "must be None or an int >= 0")
         if self.accumulation not in ACCUMULATION_MODES:
-            raise ValueError(
-                f"`accumulation={self.accumulation!r}` is not supported. Choose one of: {ACCUMULATION_MODES}"
-                " (\"unsharded\": one reduce-scatter per optimizer step; \"sharded\": one per micro-batch)."
-            )
+            raise _invalid(self, "accumulation", f"is not supported. Choose one of: {ACCUMULATION_MODES}")
         if self.offload not in OFFLOAD_CHOICES:
-            raise ValueError(
-                f"`offload={self.offload!r}` is not supported. Choose one of: {OFFLOAD_CHOICES} (\"cpu\" keeps sharded"
-                " parameters, gradients and optimizer state in host memory)."
-            )
+            raise _invalid(self, "offload", f"is not supported. Choose one of: {OFFLOAD_CHOICES}")
         if self.blocks is not None and not (callable(self.blocks) or isinstance(self.blocks, (set, frozenset))):
             raise TypeError(
                 f"`blocks` must be None, a set of nn.Module classes or a callable (name, module) -> bool;"

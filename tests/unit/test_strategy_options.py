@@ -25,7 +25,7 @@ from tests.helpers.models import Classifier, loader
         ({"activation_checkpointing": "all"}, TypeError, "must be True, False, 'full', 'selective', an int k >= 1"),
         ({"blocks_per_unit": 0}, ValueError, r"`blocks_per_unit=0` must be None or an int >= 1"),
         ({"blocks_per_unit": True}, ValueError, r"`blocks_per_unit=True` must be None or an int >= 1"),
-        ({"blocks_per_unit": "auto"}, ValueError, r"None: as `priority` says"),
+        ({"blocks_per_unit": "auto"}, ValueError, r"``None``: as ``priority`` says"),
         ({"priority": "throughput"}, ValueError, r"`priority='throughput'` is not supported.*\"memory\": the recipe"),
     ],
 )

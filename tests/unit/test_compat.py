@@ -1,0 +1,101 @@
+"""Every private torch/Lightning name the package uses is listed in ``_compat.PRIVATE_NAMES``, exists in the
+installed torch/Lightning, and is used nowhere else (mutations tried: a misspelt entry fails the first test with its
+name and the versions; a new `torch._x` import in kernels/, or `module._buffers` in init/, fails the third; a
+private name added to _compat without an entry fails the second)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import re
+from pathlib import Path
+
+import lightning
+import pytest
+import torch
+
+from lightning_vitscale import _compat
+
+PACKAGE = Path(_compat.__file__).parent
+PRIVATE = {name.rsplit(".", 1)[-1] for name in _compat.PRIVATE_NAMES}
+# A subclass defines these itself (an override), so they appear where the subclass is.
+OVERRIDDEN = {name.rsplit(".", 1)[-1] for name, why in _compat.PRIVATE_NAMES.items() if why.startswith("overridden")}
+
+
+def _resolve(name: str) -> None:
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:cut]))
+            break
+        except ImportError:
+            continue
+    for i, attr in enumerate(parts[cut:], cut):
+        if hasattr(owner, attr):
+            owner = getattr(owner, attr)
+        elif i == len(parts) - 1 and re.search(rf"\.{attr}\b *[:=]|[\"']{attr}[\"']", _source(owner)):
+            return  # an instance attribute, set in the code of the class (or function) that owns it
+        else:
+            raise AttributeError(".".join(parts[: i + 1]))
+
+
+def _source(owner: object) -> str:
+    """The code of a function, or of a class and its bases: where an instance attribute is assigned."""
+    if not inspect.isclass(owner):
+        return inspect.getsource(owner) if inspect.isfunction(owner) else ""
+    return "".join(inspect.getsource(c) for c in owner.__mro__ if c.__module__.startswith(("torch", "lightning")))
+
+
+@pytest.mark.parametrize("name", sorted(_compat.PRIVATE_NAMES))
+def test_each_private_name_exists_in_the_installed_torch_and_lightning(name):
+    if name.startswith("timm."):
+        pytest.importorskip("timm")
+    try:
+        _resolve(name)
+    except (ImportError, AttributeError, OSError, TypeError) as error:
+        pytest.fail(
+            f"{name} ({_compat.PRIVATE_NAMES[name]}) is missing from torch {torch.__version__} / lightning"
+            f" {lightning.__version__} ({error!r}): update lightning_vitscale/_compat.py for this version"
+        )
+
+
+def _private_words(path: Path) -> tuple[set[str], set[str]]:
+    """Private names ``path`` imports from torch/Lightning (or reads off ``torch``), and every private attribute
+    name it reads (``x._name``, ``getattr(x, "_name")``)."""
+    imported: set[str] = set()
+    other: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("torch", "lightning"):
+            imported |= {*node.module.split("."), *(alias.name for alias in node.names)}  # type: ignore[union-attr]
+        elif isinstance(node, ast.Import):
+            imported |= {p for a in node.names if a.name.startswith(("torch", "lightning")) for p in a.name.split(".")}
+        elif isinstance(node, ast.Attribute):
+            (imported if isinstance(node.value, ast.Name) and node.value.id == "torch" else other).add(node.attr)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr"):
+            other |= {a.value for a in node.args[1:2] if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+
+    def private(words: set[str]) -> set[str]:
+        return {w for w in words if w.startswith("_") and not w.startswith("__")}
+
+    return private(imported), private(other)
+
+
+def test_compat_lists_every_private_name_it_uses_and_no_other():
+    used = set().union(*_private_words(PACKAGE / "_compat.py"))
+    listed = {part for name in _compat.PRIVATE_NAMES for part in name.split(".")}
+    unlisted = sorted(used - listed)
+    assert not unlisted, f"private names in _compat.py with no PRIVATE_NAMES entry saying what they are for: {unlisted}"
+    everywhere = "".join(path.read_text() for path in PACKAGE.rglob("*.py"))
+    stale = sorted(name for name in PRIVATE if not re.search(rf"\b{name}\b", everywhere))
+    assert not stale, f"PRIVATE_NAMES entries the package no longer uses: {stale}"
+
+
+def test_no_module_but_compat_uses_a_private_torch_or_lightning_name():
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path != PACKAGE / "_compat.py":
+            imported, other = _private_words(path)
+            if names := imported | (other & (PRIVATE - OVERRIDDEN)):
+                found[path.relative_to(PACKAGE).as_posix()] = sorted(names)
+    assert not found, f"private torch/Lightning names outside lightning_vitscale/_compat.py (use it): {found}"
