@@ -1,19 +1,10 @@
 """Asynchronous sharded saves: the training step pays only the copy of this rank's shards into host memory.
 
-A sharded save blocks every rank for the whole write (seconds to minutes for a large model). As torchtitan's
-``async_mode`` does, DCP's ``async_save`` first copies the state dict into host memory (its blocking stager: the
-next optimizer step may then change the parameters in place), then writes from a background thread. Here:
-
-- **at most one save in flight**: a new save, a removal or a load first waits for the previous one;
-- **commit only after every rank's write finished**: DCP's save returns once the coordinator has every rank's
-  write result and has written ``.metadata``; the ranks then exchange their outcomes, and only when all of them
-  wrote does ``finish`` run on every rank (save.py: each hashes its share of the files, rank 0 commits);
-- **failures reported on the next step**: the outcome (every rank's, so all ranks fail alike) is kept, and
-  :meth:`AsyncSaves.raise_if_failed` raises it at the next training step that begins after it arrived;
-- **fit waits for the last save**: the strategy calls :meth:`AsyncSaves.wait` at the end of training.
-
-The background collectives run on a gloo group of their own: the training's collectives go on meanwhile on the
-default group, and two threads must never issue collectives on the same group.
+As torchtitan's ``async_mode``, DCP's ``async_save`` stages the state dict in host memory (the next optimizer step
+may then change the parameters) and writes from a background thread. At most one save is in flight (a new save, a
+removal or a load waits for it); it commits only after every rank wrote (the ranks exchange their outcomes); a
+failure, every rank's alike, is raised at the next training step; ``fit`` waits for the last save. The background
+collectives run on a gloo group of their own: two threads must never issue collectives on one group.
 """
 
 from __future__ import annotations
@@ -57,10 +48,8 @@ class AsyncSaves:
         finish: Callable[[Any, Gather], None],
         planner: Any = None,
     ) -> None:
-        """Copy ``tensors`` into host memory now (every rank), write them into ``staging`` in the background, then
-        run ``finish(dcp_metadata, gather)`` on every rank once every rank wrote (``gather`` runs on the background
-        group). Waits for the previous save first (raising its failure). ``planner``: DCP's save planner (``None``:
-        DCP's default)."""
+        """Stage ``tensors`` in host memory now, write them into ``staging`` in the background, then run
+        ``finish(dcp_metadata, gather)`` on every rank once all wrote (``gather`` on the background group)."""
         self.wait()
         group = self._side_group()
         upload = dcp.async_save(tensors, storage_writer=staging.writer(), process_group=group, planner=planner)
@@ -83,7 +72,7 @@ class AsyncSaves:
             in_flight.done.result()
 
     def close(self) -> None:
-        """Wait for the save in flight without raising (the caller is already handling an error), stop the thread."""
+        """Wait for the save in flight without raising (the caller may be handling an error), stop the thread."""
         try:
             self.wait()
         except AsyncSaveError:
@@ -120,14 +109,8 @@ def _outcome(run: Callable[[], Any]) -> str | None:
     except dcp.CheckpointException as error:  # a BaseException: the writes that failed, by rank, on every rank
         return "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in sorted(error.failures.items()))
     except Exception as error:  # noqa: BLE001 - reported to every rank, raised there
-        return f"rank {_rank(None)}: {type(error).__name__}: {error}"
+        return f"rank {dist.get_rank() if dist.is_initialized() else 0}: {type(error).__name__}: {error}"
     return None
-
-
-def _rank(group: Any) -> int:
-    if not dist.is_initialized():
-        return 0
-    return dist.get_rank(group) if group is not None else dist.get_rank()
 
 
 def _exchange(error: str | None, group: Any) -> list[str]:

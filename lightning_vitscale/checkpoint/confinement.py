@@ -1,11 +1,9 @@
 """Every file a checkpoint folder names stays inside that folder, and is there and long enough before DCP reads.
 
-DCP's ``.metadata`` says, for each stored value, which file holds it (``relative_path``), at which offset and how
-many bytes. DCP joins that path to the folder as given, so a crafted ``.metadata`` naming ``../../x`` or ``/x``
-(or a shard that is a symlink out of the folder) makes a load read any file the process can read into a weight.
-And a missing or truncated shard fails inside DCP as a bare ``CheckpointException`` (a ``BaseException``) that
-does not name the file. Checking the whole storage table once, when the metadata is read (every rank reads it
-before the first collective), refuses both with a ``CheckpointError`` naming the file.
+DCP joins each ``relative_path`` of its ``.metadata`` to the folder as given: a crafted ``../../x`` (or a symlink
+out) would read any file into a weight, and a missing or truncated shard fails as a bare ``CheckpointException``
+not naming the file. The whole storage table is checked once, when every rank reads the metadata, before the
+first collective.
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ from lightning_vitscale.checkpoint.storage import Location
 
 
 def member(folder: Location, name: str) -> Location:
-    """``folder/name``, refused unless it names a file inside ``folder`` (no absolute path, no ``..``, no
-    symlink that resolves outside the folder)."""
+    """``folder/name``, refused unless inside ``folder`` (no absolute path, no ``..``, no symlink out)."""
     parts = PurePosixPath(name).parts
     if (
         not name

@@ -26,7 +26,7 @@ from lightning_vitscale.checkpoint.formats import (
 from lightning_vitscale.checkpoint.manifest import verify as verify_folder
 from lightning_vitscale.checkpoint.optimizer_state import to_torch_format
 from lightning_vitscale.checkpoint.safe_reading import load_all, load_member
-from lightning_vitscale.checkpoint.storage import Location, torch_save
+from lightning_vitscale.checkpoint.storage import Location
 
 
 def consolidate_command(path: PathLike) -> str:
@@ -78,12 +78,17 @@ def require_file_target(dst: PathLike) -> None:
         )
 
 
-def write_file(checkpoint: dict[str, Any], dst: PathLike) -> PathLike:
-    """``torch.save`` to a temporary name beside ``dst``, then moved: an interrupted write leaves no ``dst``."""
+def write_file(checkpoint: dict[str, Any] | bytes, dst: PathLike) -> PathLike:
+    """``torch.save`` of ``checkpoint`` (bytes: as they are) to a temporary name beside ``dst``, then moved: an
+    interrupted write leaves no ``dst``."""
     target = Location.of(dst)
     target.fs.makedirs(posixpath.dirname(target.path), exist_ok=True)
     tmp = target.with_suffix(PARTIAL_SUFFIX)
-    torch_save(checkpoint, tmp)
+    with tmp.open("wb") as stream:
+        if isinstance(checkpoint, bytes):
+            stream.write(checkpoint)
+        else:
+            torch.save(checkpoint, stream)
     tmp.move_to(target)
     return dst if target.is_url else Path(dst)
 

@@ -1,5 +1,4 @@
-"""Loading into a sharded LightningModule: what the strategy's ``load_checkpoint`` runs, for a sharded folder of
-any world size or a single file (DDP's, or ``consolidate``'s)."""
+"""Loading into a sharded LightningModule: what the strategy's ``load_checkpoint`` runs."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from torch import nn
 
 from lightning_vitscale.checkpoint.formats import (
     META,
-    PathLike,
     load_full,
     model_shapes,
     sharded_entries,
@@ -37,12 +35,26 @@ def load_checkpoint(
     strict: bool,
     weights_only: bool | None,
 ) -> dict[str, Any]:
-    """Validate on every rank before the first collective, then load a sharded folder or a single file."""
+    """Validate on every rank before the first collective, then load a sharded folder or a single file (DDP's
+    format, packed projections in the model's own row order); returns Lightning's metadata."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     with sharded_state_dicts():  # DTensors report global shapes ungathered; DCP loads into the shards
         validate_against(location.url, model_shapes(module), strict=strict, weights_only=weights_only)
-        if location.is_file():
-            return load_full_into(location.url, module, optimizers, strict, weights_only)
-        return load_sharded(location, module, optimizers, strict, weights_only)
+        if not location.is_file():
+            return load_sharded(location, module, optimizers, strict, weights_only)
+        checkpoint = load_full(location, weights_only)
+        require_optimizer_states("optimizer_states" in checkpoint, optimizers)
+        options = StateDictOptions(full_state_dict=True, strict=strict)
+        packed = packed_rows(module)
+        weights = dict(checkpoint.pop("state_dict"))
+        reorder_packed(weights, packed, to_model=False)
+        set_model_state_dict(module, weights, options=options)
+        for optimizer, state in zip(optimizers, checkpoint.pop("optimizer_states", [])):
+            state = rekey_by_position(state, optimizer, module)
+            reorder_packed(state["state"], packed, to_model=False)
+            set_optimizer_state(module, optimizer, state, options)
+        return checkpoint
 
 
 def load_sharded(
@@ -52,9 +64,7 @@ def load_sharded(
     strict: bool,
     weights_only: bool | None,
 ) -> dict[str, Any]:
-    """Fill the module's and optimizers' shards from any world size's and any layout's checkpoint; returns
-    Lightning's metadata. Packed projections are read from the model's own row order into this run's per-rank
-    order (``row_layout.py``)."""
+    """Fill the module's and optimizers' shards from any world size's and any layout's checkpoint."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -79,28 +89,4 @@ def load_sharded(
     for i, optimizer in enumerate(optimizers):
         set_optimizer_state(module, optimizer, request[f"optimizer_{i}"], StateDictOptions(cpu_offload=True))
     checkpoint.update(sharded_entries(location, weights_only, packed))  # their owners load them into their DTensors
-    return checkpoint
-
-
-def load_full_into(
-    path: PathLike,
-    module: nn.Module,
-    optimizers: list[torch.optim.Optimizer],
-    strict: bool,
-    weights_only: bool | None = None,
-) -> dict[str, Any]:
-    """Load a single-file checkpoint (e.g. written under DDP) into a sharded module; returns the rest."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    checkpoint = load_full(Location.of(path), weights_only)
-    require_optimizer_states("optimizer_states" in checkpoint, optimizers)
-    options = StateDictOptions(full_state_dict=True, strict=strict)
-    packed = packed_rows(module)  # in the model's own row order in the file: into this run's per-rank order
-    weights = dict(checkpoint.pop("state_dict"))
-    reorder_packed(weights, packed, to_model=False)
-    set_model_state_dict(module, weights, options=options)
-    for optimizer, state in zip(optimizers, checkpoint.pop("optimizer_states", [])):
-        state = rekey_by_position(state, optimizer, module)
-        reorder_packed(state["state"], packed, to_model=False)
-        set_optimizer_state(module, optimizer, state, options)
     return checkpoint

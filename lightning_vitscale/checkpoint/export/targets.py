@@ -29,7 +29,7 @@ from lightning_vitscale.checkpoint.export.weights import (
     write_bytes,
     write_safetensors,
 )
-from lightning_vitscale.checkpoint.formats import PathLike
+from lightning_vitscale.checkpoint.formats import PathLike, mismatch, model_shapes
 from lightning_vitscale.checkpoint.storage import Location
 
 WEIGHTS_FILE = "model.safetensors"  # the name transformers and timm look for in a folder
@@ -37,17 +37,10 @@ WEIGHTS_FILE = "model.safetensors"  # the name transformers and timm look for in
 
 def check_fits(state: dict[str, Tensor], model: nn.Module, what: str) -> None:
     """Every name and shape of ``model.state_dict()`` in ``state`` and nothing else, or an error naming them."""
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    missing = sorted(expected.keys() - state.keys())
-    unexpected = sorted(state.keys() - expected.keys())
-    shapes = sorted(
-        f"{k}: export {tuple(state[k].shape)} vs {tuple(expected[k])}"
-        for k in expected.keys() & state.keys()
-        if tuple(state[k].shape) != tuple(expected[k])
-    )
-    if missing or unexpected or shapes:
+    detail = mismatch(model_shapes(model), {k: v.shape for k, v in state.items()})
+    if detail:
         raise CheckpointError(
-            f"the weights do not fit {what}: missing {missing[:5]}, unexpected {unexpected[:5]}, shapes {shapes[:5]}."
+            f"the weights do not fit {what}: {detail}."
             " Pick the submodule that is this architecture (--module), or the architecture and its arguments that"
             " build this submodule (--arch, --arch-args)."
         )

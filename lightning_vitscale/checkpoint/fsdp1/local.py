@@ -22,7 +22,7 @@ from torch import nn
 from lightning_vitscale._utils import strip_wrapper_prefixes
 from lightning_vitscale.checkpoint.consolidate import require_file_target, write_file
 from lightning_vitscale.checkpoint.errors import CheckpointError
-from lightning_vitscale.checkpoint.formats import PathLike, as_full
+from lightning_vitscale.checkpoint.formats import PathLike, as_full, mismatch, model_shapes
 from lightning_vitscale.checkpoint.fsdp1.flat_layout import choose_alignment, flat_units, offsets, split
 from lightning_vitscale.checkpoint.fsdp1.sharded import MODEL_ENTRIES
 from lightning_vitscale.checkpoint.fsdp1.sharded_tensor_pickle import (
@@ -195,16 +195,8 @@ def _whole(key: str, shards: list[LocalShards]) -> torch.Tensor:
 
 def _in_model_order(state: dict[str, Any], model: nn.Module, src: PathLike) -> dict[str, Any]:
     """``state`` keyed and ordered as ``model.state_dict()``, every shape checked; anything else an error."""
-    expected = model.state_dict()
-    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    wrong = [key for key in expected if key in state and state[key].shape != expected[key].shape]
-    if missing or extra or wrong:
-        detail = "; ".join(
-            f"{label}: {keys[:5]}"
-            for label, keys in (("missing", missing), ("unexpected", extra), ("other shape", wrong))
-            if keys
-        )
-        raise CheckpointError(
-            f"{src} does not match the model ({detail}). Pass the model FSDP1 wrapped, built the same way."
-        )
+    expected = model_shapes(model)
+    detail = mismatch(expected, {key: value.shape for key, value in state.items()})
+    if detail:
+        raise CheckpointError(f"{src} does not match the model ({detail}). Pass the model FSDP1 wrapped, built alike.")
     return {key: state[key] for key in expected}
