@@ -1,11 +1,7 @@
-"""The library formats of an export: an HF folder ``from_pretrained`` reads, a timm folder
-(``timm.create_model("local-dir:DIR")`` or ``pretrained_cfg_overlay=dict(file=DIR/model.safetensors)``) and a
-torchvision state-dict file, each checked name by name and shape by shape against the model its own library builds.
-
-Where each format's description comes from: an HF folder's ``config.json`` is the ``config`` of the submodule
-itself, built on the meta device from the LightningModule class and the checkpoint's saved hyper-parameters
-(:func:`build_submodule`); timm and torchvision name their architecture (``arch``, ``arch_args``): timm writes its
-own ``config.json`` for it (``save_config_for_hf``), torchvision files are plain state dicts, as its hub's.
+"""The library formats of an export, each checked name by name and shape by shape against the model its own
+library builds: an HF folder ``from_pretrained`` reads (``config.json`` from the submodule itself, built on the
+meta device: :func:`build_submodule`), a timm folder (``timm.create_model("local-dir:DIR")``) and a torchvision
+state-dict file (both named by ``arch``, ``arch_args``).
 """
 
 from __future__ import annotations
@@ -49,9 +45,8 @@ def check_fits(state: dict[str, Tensor], model: nn.Module, what: str) -> None:
 def build_submodule(
     class_path: str, hyper_parameters: dict[str, Any], module: str, weights: WeightsChoice
 ) -> nn.Module:
-    """The LightningModule ``class_path`` (``pkg.module:Class``) built on the meta device from the checkpoint's
-    ``hyper_parameters`` (its ``configure_model`` run), and its submodule ``module`` (inside ``teacher`` for
-    ``weights="teacher"``): the object whose own description (an HF ``config``) a format needs."""
+    """Submodule ``module`` (inside ``teacher`` for ``weights="teacher"``) of the LightningModule ``class_path``
+    built on the meta device from the saved ``hyper_parameters``: whose own ``config`` an HF folder needs."""
     module_name, sep, attr = class_path.partition(":")
     if not sep:
         module_name, _, attr = class_path.rpartition(".")
@@ -75,8 +70,7 @@ def build_submodule(
 
 
 def write_hf(weights: Weights, dst: PathLike, submodule: nn.Module, dtype: torch.dtype) -> Location:
-    """``dst/config.json`` (the submodule's own ``config``) + ``dst/model.safetensors``: what ``from_pretrained``
-    of the submodule's class (and ``AutoModel``\\* of its config) reads."""
+    """``dst/config.json`` (the submodule's own ``config``) + ``dst/model.safetensors``, for ``from_pretrained``."""
     from transformers import PreTrainedModel
 
     if not isinstance(submodule, PreTrainedModel):

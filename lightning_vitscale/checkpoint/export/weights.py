@@ -1,9 +1,6 @@
 """Published weights out of a checkpoint: one submodule's own state dict (``--module net``: the ``net.`` prefix
 stripped), the trained, EMA-averaged or DINO-teacher weights, as a ``safetensors`` file with provenance metadata.
-
-Reads a sharded folder (through :func:`load_consolidated`), a Lightning ``.ckpt`` file or a plain state-dict file
-(``torch.save`` or ``.safetensors``) through the one safe reader. ``targets.py`` writes the other formats
-(an HF folder, timm, torchvision) from what :func:`read_weights` returns.
+Reads a sharded folder, a Lightning ``.ckpt`` or a plain state-dict file through the one safe reader.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """FSDP1 ``LOCAL_STATE_DICT`` checkpoints (one ``torch.save`` file per rank, e.g. DINOv2's
 ``model_0012499.rank_<N>.pth``) as one plain state dict, given the model definition.
 
-Each rank's file holds, per FSDP1 unit, ``<unit>._flat_param``: a ``ShardedTensor`` whose local shard is that
-rank's slice of the unit's flattened, padded parameters; with ``use_orig_params=True`` also each parameter's
-local slice under its own name (dropped here: the flat parameter is the whole truth). Buffers and parameters no
-unit managed are plain tensors. The names and shapes inside a flat parameter are not in the files: they come
-from the model (``flat_layout.py``). Reading goes through the safe reader, which turns each
-``ShardedTensor`` into an inert record of its local shards without a process group.
+Each rank's file holds, per FSDP1 unit, ``<unit>._flat_param``: a ``ShardedTensor`` of that rank's slice of the
+unit's flattened, padded parameters (with ``use_orig_params=True`` also each parameter's slice, dropped here), and
+plain tensors for the rest. The names and shapes inside a flat parameter come from the model (``flat_layout.py``).
 """
 
 from __future__ import annotations
@@ -46,11 +43,10 @@ def load_fsdp1_local_state_dict(
     """The full state dict of FSDP1 ``LOCAL_STATE_DICT`` rank files, keyed as ``model.state_dict()``.
 
     Args:
-        src: a folder holding exactly the rank files, or a pattern such as ``run/model_0012499.rank_*.pth``
-            (or the one file of a one-rank run).
-        model: the plain module FSDP1 wrapped (built on the meta device is enough: only names and shapes count).
-        dtype: cast floating tensors to it; ``None`` keeps the saved dtypes.
-        weights_only: as in ``torch.load`` (``None``: torch's default, True).
+        src: the rank files' folder, or a pattern such as ``run/model_0012499.rank_*.pth``.
+        model: the plain module FSDP1 wrapped (on the meta device is enough: names and shapes count).
+        dtype: floating tensors' dtype; ``None`` keeps the saved dtypes.
+        weights_only: as in ``torch.load``.
         aligned_numel: FSDP1's alignment when the files fit several (0: ``use_orig_params=False``; 4: fp32, 8:
             bf16/fp16 mixed precision); ``None`` infers it.
 
@@ -76,8 +72,7 @@ def convert_fsdp1_local_checkpoint(
     src: PathLike, dst: PathLike, model: nn.Module, dtype: torch.dtype | None = torch.float32,
     weights_only: bool | None = None, aligned_numel: int | None = None,
 ) -> PathLike:
-    """Write ``{"state_dict": ...}`` of :func:`load_fsdp1_local_state_dict` to ``dst`` (weights to start a run
-    from, as :func:`~lightning_vitscale.checkpoint.fsdp1.convert_fsdp1_checkpoint` writes)."""
+    """Write ``{"state_dict": ...}`` of :func:`load_fsdp1_local_state_dict` to ``dst``: weights to start from."""
     require_file_target(dst)
     state = load_fsdp1_local_state_dict(src, model, dtype, weights_only, aligned_numel)
     return write_file({"state_dict": state}, dst)
@@ -103,7 +98,7 @@ def build_model(spec: str) -> nn.Module:
 
 
 def rank_files(src: PathLike) -> list[Location]:
-    """The files of ``src``: a folder's files, those matching a ``*``/``?`` pattern in its last part, or one file."""
+    """A folder's files, those matching a ``*``/``?`` pattern in the last part, or the one file ``src``."""
     text = str(src)
     if any(char in posixpath.basename(text) for char in "*?["):
         folder, pattern = Location.of(posixpath.dirname(text) or "."), posixpath.basename(text)
@@ -127,7 +122,7 @@ def rank_files(src: PathLike) -> list[Location]:
 
 
 def _read_ranks(src: PathLike, weights_only: bool | None) -> list[dict[str, Any]]:
-    """Each rank's model state dict (flat parameters as :class:`LocalShards`), in rank order, all ranks present."""
+    """Each rank's model state dict (flat parameters as :class:`LocalShards`), all ranks, in rank order."""
     by_rank: dict[int, dict[str, Any]] = {}
     world_sizes: set[int] = set()
     for location in rank_files(src):
@@ -165,8 +160,7 @@ def _model_entry(loaded: Any, location: Location) -> dict[str, Any]:
 
 
 def _gather(ranks: list[dict[str, Any]]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Each unit's whole flat parameter (all ranks' shards at their offsets), keyed by the unit's module name,
-    and rank 0's other entries under plain names."""
+    """Each unit's whole flat parameter by the unit's module name, and rank 0's other tensors by plain name."""
     flats: dict[str, torch.Tensor] = {}
     plain: dict[str, Any] = {}
     for key, value in ranks[0].items():
