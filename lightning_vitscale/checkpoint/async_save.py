@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -25,12 +24,6 @@ from lightning_vitscale.checkpoint.storage import Location
 Gather = Callable[[Any], list[Any]]  # every rank's object, on every rank (a collective)
 
 
-@dataclass
-class _InFlight:
-    location: Location
-    done: Future[None]
-
-
 class AsyncSaves:
     """One rank's asynchronous saves: the background thread, its process group and the save in flight."""
 
@@ -38,7 +31,7 @@ class AsyncSaves:
         self.timeout = timeout
         self._group: dist.ProcessGroup | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._in_flight: _InFlight | None = None
+        self._in_flight: Future[None] | None = None  # the background thread's hash-and-commit
 
     def start(
         self,
@@ -57,19 +50,18 @@ class AsyncSaves:
             upload = upload.upload_completion
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitscale-async-save")
-        done = self._executor.submit(_finish, upload, finish, group, location)
-        self._in_flight = _InFlight(location, done)
+        self._in_flight = self._executor.submit(_finish, upload, finish, group, location)
 
     def raise_if_failed(self) -> None:
         """Raise a finished save's failure (not blocking: a save still writing is left alone)."""
-        if self._in_flight is not None and self._in_flight.done.done():
+        if self._in_flight is not None and self._in_flight.done():
             self.wait()
 
     def wait(self) -> None:
         """Block until the save in flight is committed (or raise its failure); then none is in flight."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
-            in_flight.done.result()
+            in_flight.result()
 
     def close(self) -> None:
         """Wait for the save in flight without raising (the caller may be handling an error), stop the thread."""

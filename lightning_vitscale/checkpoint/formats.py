@@ -130,12 +130,7 @@ def sharded_shapes(location: Location, weights_only: bool | None = None) -> dict
             f"{location} is a folder but not a checkpoint (no DCP shards, no {DCP_METADATA}). Pass the folder that"
             " trainer.save_checkpoint() or ModelCheckpoint wrote, or a single .ckpt file."
         )
-    try:
-        metadata = read_metadata(location, weights_only)
-    except CheckpointError:
-        raise
-    except Exception as error:  # noqa: BLE001 - any unreadable metadata means the same thing to the user
-        raise CheckpointError(f"{location} is not a readable checkpoint: {error}") from error
+    metadata = read_metadata(location, weights_only)
     prefix = "state_dict."
     return {
         key[len(prefix) :]: meta.size

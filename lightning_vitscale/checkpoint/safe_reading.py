@@ -47,12 +47,8 @@ _METADATA_CLASSES = {
     (StorageInfo.__module__, StorageInfo.__name__),  # private torch classes DCP pickles: named by _compat
     (get_layout.__module__, get_layout.__name__),
     ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib._local", "PosixPath"),  # Python >= 3.13
-    ("pathlib._local", "WindowsPath"),
     ("collections", "OrderedDict"),
-}
+} | {(module, path) for module in ("pathlib", "pathlib._local") for path in ("PosixPath", "WindowsPath")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -103,8 +99,11 @@ class _SafeBytesMixin:
     caller's rule first and hand DCP a re-saved copy. Bytes where the caller has a tensor are refused (DCP would
     replace the tensor in its dict, leaving the caller's silently unloaded)."""
 
-    weights_only: bool
     state_dict: dict[str, Any]
+
+    def __init__(self, weights_only: bool | None, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.weights_only = resolve_weights_only(weights_only)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
@@ -124,15 +123,9 @@ class _SafeBytesMixin:
 class SafeLoadPlanner(_SafeBytesMixin, OwnLayoutLoadPlanner):
     """DCP's default load planner under the ``weights_only`` rule, packed rows read in the model's own order."""
 
-    def __init__(self, weights_only: bool | None, packed: PackedRows | None = None, **kwargs: Any) -> None:
-        super().__init__(packed, **kwargs)
-        self.weights_only = resolve_weights_only(weights_only)
-
 
 class SafeEmptyLoadPlanner(_SafeBytesMixin, EmptyStateDictLoadPlanner):
-    def __init__(self, weights_only: bool | None) -> None:
-        super().__init__()
-        self.weights_only = resolve_weights_only(weights_only)
+    """DCP's whole-checkpoint load planner under the ``weights_only`` rule."""
 
 
 def safe_reader(location: Location, weights_only: bool | None) -> FileSystemReader:
@@ -191,7 +184,12 @@ def _unsafe_globals(location: Location) -> list[str]:
 
 def read_metadata(location: Location, weights_only: bool | None) -> dcp_metadata.Metadata:
     """DCP's ``.metadata`` of the folder ``location``, under the ``weights_only`` rule, its files checked."""
-    return safe_reader(location, weights_only).read_metadata()
+    try:
+        return safe_reader(location, weights_only).read_metadata()
+    except CheckpointError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a refused or garbled pickle means the same thing to the user
+        raise CheckpointError(f"{location} is not a readable checkpoint: {error}") from error
 
 
 def load_into(

@@ -30,7 +30,7 @@ def load_fsdp1_state_dict(
     process (``weights_only`` as in ``torch.load``; ``dtype=None`` keeps the saved dtypes)."""
     source = Location.of(src)
     _require_dcp_folder(source)
-    _require_readable(source, weights_only)
+    read_metadata(source, weights_only)  # readable, every shard present: a clear error before any value is read
     state = load_all(source, weights_only)
     model = _model_entry(state, source)
     return {strip_wrapper_prefixes(key): as_full(value, dtype) for key, value in model.items()}
@@ -52,16 +52,6 @@ def _require_dcp_folder(location: Location) -> None:
             f"{location} is not an FSDP1 SHARDED_STATE_DICT folder (no {DCP_METADATA}). Pass the folder that"
             " torch.distributed.checkpoint.save wrote; a FULL_STATE_DICT file needs no conversion (torch.load it)."
         )
-
-
-def _require_readable(location: Location, weights_only: bool | None) -> None:
-    """Readable metadata, every shard present: a clear error before any value is read."""
-    try:
-        read_metadata(location, weights_only)
-    except CheckpointError:
-        raise
-    except Exception as error:  # noqa: BLE001 - a refused or garbled pickle means the same thing to the user
-        raise CheckpointError(f"{location} is not a readable FSDP1 checkpoint: {error}") from error
 
 
 def _model_entry(state: dict[str, Any], location: Location) -> dict[str, Any]:

@@ -45,24 +45,12 @@ class ShardedTensorRecord(_Record):
     process_group: Any
 
 
-class ShardRecord(_Record):
-    pass
-
-
-class ShardMetadataRecord(_Record):
-    pass
-
-
-class ShardedTensorMetadataRecord(_Record):
-    pass
-
-
 _SHARD = "torch.distributed._shard"
 _RECORDS: dict[tuple[str, str], type] = {
     (f"{_SHARD}.sharded_tensor.api", "ShardedTensor"): ShardedTensorRecord,
-    (f"{_SHARD}.sharded_tensor.shard", "Shard"): ShardRecord,
-    (f"{_SHARD}.metadata", "ShardMetadata"): ShardMetadataRecord,
-    (f"{_SHARD}.sharded_tensor.metadata", "ShardedTensorMetadata"): ShardedTensorMetadataRecord,
+    (f"{_SHARD}.sharded_tensor.shard", "Shard"): type("Shard", (_Record,), {}),
+    (f"{_SHARD}.metadata", "ShardMetadata"): type("ShardMetadata", (_Record,), {}),
+    (f"{_SHARD}.sharded_tensor.metadata", "ShardedTensorMetadata"): type("ShardedTensorMetadata", (_Record,), {}),
     (f"{_SHARD}.sharded_tensor.metadata", "TensorProperties"): type("TensorProperties", (_Record,), {}),
     (f"{_SHARD}.sharding_spec.chunk_sharding_spec", "ChunkShardingSpec"): type("ChunkShardingSpec", (_Record,), {}),
     ("torch.distributed.remote_device", "_remote_device"): type("RemoteDevice", (_Record,), {}),
