@@ -44,8 +44,7 @@ def model_rows(tensor: torch.Tensor, parts: int, ranks: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class RowPiece:
-    """Rows ``[local, local + length)`` of a rank's chunk of a packed projection (per-rank order) are rows
-    ``[model, model + length)`` of the model's own order."""
+    """Rows ``local..local + length`` of a rank's chunk are rows ``model..model + length`` in the model's order."""
 
     local: int
     model: int

@@ -74,13 +74,12 @@ def require_file_target(dst: PathLike) -> None:
     target = Location.of(dst)
     if target.is_dir():
         raise IsADirectoryError(
-            f"{dst} is an existing folder; consolidate writes one file. Name it, e.g. {target.child('model.ckpt')}"
+            f"{dst} is an existing folder; this command writes one file. Name it, e.g. {target.child('model.ckpt')}"
         )
 
 
 def write_file(checkpoint: dict[str, Any] | bytes, dst: PathLike) -> PathLike:
-    """``torch.save`` of ``checkpoint`` (bytes: as they are) to a temporary name beside ``dst``, then moved: an
-    interrupted write leaves no ``dst``."""
+    """Atomic: ``torch.save`` of ``checkpoint`` (bytes as they are) beside ``dst``, then moved there."""
     target = Location.of(dst)
     target.fs.makedirs(posixpath.dirname(target.path), exist_ok=True)
     tmp = target.with_suffix(PARTIAL_SUFFIX)

@@ -38,10 +38,8 @@ def is_own_entry(key: str) -> bool:
     return bool(_OWN_ENTRY.match(key))
 
 
-
 def pop_sharded_entries(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """Top-level entries holding DTensors (``ema_state_dict``): DCP writes them (rank 0's ``torch.save`` of the
-    metadata would keep its own shards only)."""
+    """Top-level entries holding DTensors: DCP writes them (a ``torch.save`` keeps rank 0's shards only)."""
     sharded = [key for key, value in checkpoint.items() if _holds_dtensor(value)]
     return {key: checkpoint.pop(key) for key in sharded}
 
@@ -63,10 +61,6 @@ class ShardedEntry:
     key: str
     weights_only: bool | None = None
     packed: PackedRows = field(default_factory=dict)
-
-    @property
-    def path(self) -> str:
-        return self.location.url
 
     def names(self) -> set[str]:
         metadata = read_metadata(self.location, self.weights_only)
@@ -108,8 +102,7 @@ def require_existing(location: Location) -> None:
 
 
 def sharded_shapes(location: Location, weights_only: bool | None = None) -> dict[str, torch.Size]:
-    """The model's tensor shapes in a complete sharded folder, or a ``CheckpointError`` saying what it is instead
-    (a single file, an interrupted save, a folder that is no checkpoint, a missing or truncated shard)."""
+    """The model's tensor shapes in a complete sharded folder, or a ``CheckpointError`` saying what it is instead."""
     require_existing(location)
     if not location.is_dir():
         raise CheckpointError(

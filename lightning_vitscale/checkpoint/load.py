@@ -35,8 +35,7 @@ def load_checkpoint(
     strict: bool,
     weights_only: bool | None,
 ) -> dict[str, Any]:
-    """Validate on every rank before the first collective, then load a sharded folder or a single file (DDP's
-    format, packed projections in the model's own row order); returns Lightning's metadata."""
+    """Validate on every rank before the first collective, then load a folder or a file; Lightning's metadata."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     with sharded_state_dicts():  # DTensors report global shapes ungathered; DCP loads into the shards

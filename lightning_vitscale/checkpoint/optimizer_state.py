@@ -48,8 +48,7 @@ def untouched_if_fresh(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
 
 
 def set_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], options) -> None:
-    """Like ``optimizer.load_state_dict`` under DDP: the saved param groups replace the current ones, and a state
-    saved before the first step stays empty."""
+    """Like ``optimizer.load_state_dict`` under DDP: the saved param groups win; a never-stepped state stays empty."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     if state["state"]:

@@ -65,8 +65,7 @@ def path_for_lightning(location: Location) -> str:
 
 
 def last_path(trainer: Any) -> tuple[Location | None, list[Location]]:
-    """``ckpt_path="last"``'s newest complete candidate (``OnExceptionCheckpoint``'s files count too, as for
-    Lightning) and the load's fallbacks, newest first."""
+    """``ckpt_path="last"``'s newest complete candidate (``OnExceptionCheckpoint``'s too) and the fallbacks."""
     last: list[Location] = []
     others: list[Location] = []
     for callback in trainer.checkpoint_callbacks:

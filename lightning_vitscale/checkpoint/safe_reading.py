@@ -222,8 +222,7 @@ def load_member(folder: Location, name: str, weights_only: bool | None) -> Any:
 
 @contextmanager
 def named_failures(location: Location) -> Iterator[None]:
-    """DCP's ``CheckpointException`` (a ``BaseException``, any rank's failure on every rank) as a
-    ``CheckpointError`` naming the path, the cause and the fix."""
+    """DCP's ``CheckpointException`` (a ``BaseException``) as a ``CheckpointError`` naming path, cause and fix."""
     try:
         yield
     except CheckpointException as error:

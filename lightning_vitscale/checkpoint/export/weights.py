@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_vitscale.checkpoint.consolidate import ema_as_weights, load_consolidated, write_file
+from lightning_vitscale.checkpoint.consolidate import ema_as_weights, load_consolidated, require_file_target, write_file
 from lightning_vitscale.checkpoint.errors import CheckpointError
 from lightning_vitscale.checkpoint.formats import PathLike, as_full, require_existing
 from lightning_vitscale.checkpoint.safe_reading import load_pickle, load_safetensors
@@ -56,7 +56,7 @@ def read_weights(
     if base and not any(k.startswith(base) for k in state):
         raise CheckpointError(
             f"{src} has no teacher weights (no keys under '{TEACHER}.'): --weights teacher takes the DINO example's"
-            f" EMA teacher. Its submodules: {_children(state, '')}. Use --weights model or --weights ema."
+            f" EMA teacher. Its submodules: {sorted({k.split('.', 1)[0] for k in state})}. Use --weights model or ema."
         )
     prefix = base + (module.strip(".") + "." if module.strip(".") else "")
     selected = {k[len(prefix) :]: as_full(v, dtype) for k, v in state.items() if k.startswith(prefix)}
@@ -116,12 +116,6 @@ def _hint(state: dict[str, Any], base: str, module: str) -> str:
     )
 
 
-def _children(state: dict[str, Any], base: str) -> list[str]:
-    """The first names after ``base`` of the keys (the submodules one could pass as ``--module``)."""
-    names = {k[len(base) :].split(".", 1)[0] for k in state if k.startswith(base)}
-    return sorted(names) or ["(none)"]
-
-
 def safetensors_bytes(state: dict[str, Tensor], metadata: dict[str, str]) -> bytes:
     """``state`` serialised as safetensors (contiguous copies: safetensors refuses views and shared storage)."""
     from safetensors.torch import save
@@ -132,12 +126,9 @@ def safetensors_bytes(state: dict[str, Tensor], metadata: dict[str, str]) -> byt
 
 def write_bytes(data: bytes, dst: PathLike) -> Location:
     """``data`` written atomically to the file ``dst`` (``consolidate.write_file``)."""
-    target = Location.of(dst)
-    if target.is_dir():
-        raise IsADirectoryError(f"{dst} is an existing folder; this format writes one file. Name it, e.g."
-                                f" {target.child('model.safetensors')}")
+    require_file_target(dst)
     write_file(data, dst)
-    return target
+    return Location.of(dst)
 
 
 def write_safetensors(weights: Weights, dst: PathLike) -> Location:

@@ -26,8 +26,7 @@ MODEL_ENTRIES = ("model", "state_dict", "module")
 def load_fsdp1_state_dict(
     src: PathLike, dtype: torch.dtype | None = None, weights_only: bool | None = None
 ) -> dict[str, torch.Tensor]:
-    """The full model state dict of an FSDP1 ``SHARDED_STATE_DICT`` folder: plain keys, whole CPU tensors, in one
-    process (``weights_only`` as in ``torch.load``; ``dtype=None`` keeps the saved dtypes)."""
+    """An FSDP1 ``SHARDED_STATE_DICT`` folder's model as plain keys and whole CPU tensors (``dtype=None``: saved)."""
     source = Location.of(src)
     _require_dcp_folder(source)
     read_metadata(source, weights_only)  # readable, every shard present: a clear error before any value is read

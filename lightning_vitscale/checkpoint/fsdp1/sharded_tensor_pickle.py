@@ -99,8 +99,7 @@ _FUNCTIONS[(f"{_SHARD}.sharded_tensor.metadata", "MEM_FORMAT_ENCODING")] = int
 
 
 def record_pickle_module(weights_only: bool) -> types.ModuleType:
-    """A pickle module for ``torch.load`` whose unpickler builds the records above; ``weights_only``: it refuses
-    every other global, else (the user's opt-out) imports them as pickle does."""
+    """A pickle module for ``torch.load`` building the records; ``weights_only``: every other global refused."""
     module = types.ModuleType("lightning_vitscale_record_pickle")
 
     class Unpickler(RecordUnpickler):
