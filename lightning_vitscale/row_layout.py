@@ -119,22 +119,21 @@ def packed_spec(path: tuple[Any, ...], packed: PackedRows) -> tuple[int, int] | 
     return None
 
 
-def own_layout_pieces(tensor: DTensor, spec: tuple[int, int]) -> list[Piece]:
-    """This rank's chunk of ``tensor`` as pieces: each one's rows locally and its chunk in the model's order."""
-    (chunk,) = tensor.__create_chunk_list__()  # DCP's own: this rank's offsets and sizes in the global tensor
-    rest_offsets, rest_sizes = tuple(chunk.offsets[1:]), tuple(chunk.sizes[1:])
-    return [
-        (piece, ChunkStorageMetadata(torch.Size((piece.model, *rest_offsets)), torch.Size((piece.length, *rest_sizes))))
-        for piece in model_row_pieces(chunk.offsets[0], chunk.sizes[0], tensor.shape[0], *spec)
-    ]
-
-
 def _pieces(state_dict: dict[str, Any], mappings: dict[str, Any], packed: PackedRows, fqn: str) -> list[Piece] | None:
+    """This rank's chunk of a packed ``DTensor`` as pieces: each one's rows locally and its chunk in the model's
+    order; ``None`` for any other value."""
     value = state_dict.get(fqn)
     if not packed or not isinstance(value, DTensor) or value.dim() == 0:
         return None
     spec = packed_spec(tuple(mappings.get(fqn, (fqn,))), packed)
-    return None if spec is None else own_layout_pieces(value, spec)
+    if spec is None:
+        return None
+    (chunk,) = value.__create_chunk_list__()  # DCP's own: this rank's offsets and sizes in the global tensor
+    rest_offsets, rest_sizes = tuple(chunk.offsets[1:]), tuple(chunk.sizes[1:])
+    return [
+        (piece, ChunkStorageMetadata(torch.Size((piece.model, *rest_offsets)), torch.Size((piece.length, *rest_sizes))))
+        for piece in model_row_pieces(chunk.offsets[0], chunk.sizes[0], value.shape[0], *spec)
+    ]
 
 
 class OwnLayoutSavePlanner(DefaultSavePlanner):

@@ -107,8 +107,6 @@ def _outcome(run: Callable[[], Any]) -> str | None:
 
 def _exchange(error: str | None, group: Any) -> list[str]:
     """Every rank's failures, on every rank (each said once: DCP reports one rank's failure on all of them)."""
-    if group is None:
-        return [] if error is None else [error]
     return list(dict.fromkeys(e for e in _gather(error, group) if e is not None))
 
 

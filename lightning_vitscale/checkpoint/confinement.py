@@ -59,25 +59,22 @@ def check_storage(folder: Location, storage_data: Any) -> None:
             raise CheckpointError(f"{folder}: its DCP metadata stores {index} at {info!r}; the checkpoint is corrupt.")
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     for name, end in sorted(ends.items()):
-        _check_length(member(folder, name), end)
+        file = member(folder, name)
+        try:
+            size = int(file.fs.size(file.path))
+        except FileNotFoundError:
+            size = -1
+        if size < 0 or not file.is_file():
+            raise CheckpointError(
+                f"{file} is missing: the checkpoint's metadata stores values in it. The folder is incomplete (a copy"
+                " that stopped early?); copy it again, or resume from an earlier checkpoint."
+            )
+        if size < end:
+            raise CheckpointError(
+                f"{file} is truncated: it has {size} bytes, the checkpoint's metadata stores values up to byte {end}."
+                " Copy the folder again, or resume from an earlier checkpoint."
+            )
 
 
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _check_length(file: Location, end: int) -> None:
-    try:
-        size = int(file.fs.size(file.path))
-    except FileNotFoundError:
-        size = -1
-    if size < 0 or not file.is_file():
-        raise CheckpointError(
-            f"{file} is missing: the checkpoint's metadata stores values in it. The folder is incomplete (a copy"
-            " that stopped early?); copy it again, or resume from an earlier checkpoint."
-        )
-    if size < end:
-        raise CheckpointError(
-            f"{file} is truncated: it has {size} bytes, the checkpoint's metadata stores values up to byte {end}."
-            " Copy the folder again, or resume from an earlier checkpoint."
-        )

@@ -95,10 +95,8 @@ def checkpoint_shapes(path: PathLike, weights_only: bool | None = None) -> dict[
 def require_existing(location: Location) -> None:
     if not location.exists():
         partial = partial_path(location)
-        hint = (
-            f" An interrupted save left {partial}; it is incomplete and cannot be loaded." if partial.exists() else ""
-        )
-        raise FileNotFoundError(f"No checkpoint at {location}.{hint}")
+        hint = f" An interrupted save left {partial}; it is incomplete and cannot be loaded."
+        raise FileNotFoundError(f"No checkpoint at {location}.{hint if partial.exists() else ''}")
 
 
 def sharded_shapes(location: Location, weights_only: bool | None = None) -> dict[str, torch.Size]:

@@ -93,7 +93,10 @@ def _gather_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: st
     _agree_on_gather([(key, value) for key, value in state_dict.items() if key.startswith(prefix)])
     for key, value in state_dict.items():
         if key.startswith(prefix) and isinstance(value, DTensor):
-            state_dict[key] = _gathered(key, value)
+            try:
+                state_dict[key] = full_tensor_on_cpu(value)
+            except RuntimeError as error:
+                raise _gather_error(key, error) from error
         elif key.startswith(prefix) and torch.is_tensor(value):
             state_dict[key] = value.cpu()  # buffers FSDP leaves whole (BatchNorm statistics): all on the CPU
     # Packed projections split by tensor parallelism: the model's own row order, as DDP's state dict holds it.
@@ -110,14 +113,6 @@ def _agree_on_gather(items: list[tuple[str, Any]]) -> None:
         collective_guard.agree(collective_guard.STATE_DICT, len(sharded), check)
     except RuntimeError as error:
         raise _gather_error(sharded[0][0], error) from error
-
-
-@torch.no_grad()
-def _gathered(key: str, value: DTensor) -> torch.Tensor:
-    try:
-        return full_tensor_on_cpu(value)
-    except RuntimeError as error:
-        raise _gather_error(key, error) from error
 
 
 @torch.no_grad()
