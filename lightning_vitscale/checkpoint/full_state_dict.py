@@ -1,16 +1,11 @@
 """``model.state_dict()`` / ``load_state_dict()`` of a sharded model as under DDP: plain full tensors.
 
-Under DDP ``torch.save(model.state_dict(), path)`` writes weights any plain model loads; FSDP2 hands out
-``DTensor`` shards instead (one rank's slices: the weights are lost). Hooks on every submodule (:func:`install`)
-gather each sharded tensor, one at a time, to the **CPU** (a model that only fits sharded has no device room for a
-full copy; DDP's model is on the CPU after ``fit`` too), packed ``[q; k; v]`` rows in the model's own order; a
-loaded full tensor is cut into this rank's shard (no communication, torch's own key and shape checks).
-``keep_vars=True`` returns the live shards (``ShardedEMA`` reads names that way).
-
-Gathering is a collective: before the first tensor every rank states what it gathers in one handshake on a side
-group (distributed/collective_guard.py), so a call on one rank fails with :class:`StateDictGatherError` (within
-the strategy's ``timeout``) naming the fixes, with nothing sent on the model's group. The strategy's own
-checkpoint code wants shards (DCP reshards them): it runs inside :func:`sharded_state_dicts`.
+FSDP2 hands out ``DTensor`` shards, so ``torch.save(model.state_dict(), path)`` would keep one rank's slices.
+Hooks (:func:`install`) gather each sharded tensor, one at a time, to the **CPU** (a model that only fits sharded
+has no device room for a full copy); a loaded full tensor is cut into this rank's shard (no communication).
+``keep_vars=True`` returns the live shards. Gathering is a collective: one handshake on a side group first
+(distributed/collective_guard.py), so a call on one rank fails with :class:`StateDictGatherError` naming the
+fixes, nothing sent on the model's group. The strategy's own DCP code runs inside :func:`sharded_state_dicts`.
 """
 
 from __future__ import annotations

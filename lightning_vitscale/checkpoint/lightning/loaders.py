@@ -53,10 +53,6 @@ def load_sharded_as_full(path: Any, map_location: Any = None, weights_only: bool
     """What ``torch.load(path, map_location, weights_only)`` returns for the consolidated file of ``path``, every
     tensor's saved location being ``"cpu"`` (DDP's file records the device it was saved from instead)."""
     checkpoint = load_consolidated(path, dtype=None, weights_only=weights_only)
-    return map_tensors(checkpoint, map_location)
-
-
-def map_tensors(checkpoint: dict[str, Any], map_location: Any) -> dict[str, Any]:
     if map_location is None:
         return checkpoint
     restore = restore_location(map_location)
