@@ -22,7 +22,6 @@ def commit(staging: Location, location: Location, files: dict[str, FileSum], sav
 
 
 def publish(complete: Location, location: Location) -> None:
-    """Replace ``location`` by the complete folder ``complete``."""
     retire(location)
     complete.move_to(location)
 

@@ -1,12 +1,9 @@
 """``fit(ckpt_path="last")`` and ``VitScaleStrategy(auto_resume=True)`` find the newest *complete* checkpoint; the
 strategy's launcher (``lightning/launcher.py``) asks here before Lightning resolves the path.
 
-``"last"``: each ``last*.ckpt`` name in the ModelCheckpoint folders (also one present only as a ``.partial``
-folder) becomes its newest complete checkpoint, skips logged saying why; when no copy of a saved ``last*.ckpt`` is
-complete, the newest other complete checkpoint stands in, with a warning, never a silent start from scratch.
-``auto_resume`` (like Composer's ``autoresume``): a complete checkpoint in those folders wins over ``ckpt_path``.
-The other complete checkpoints become the load's fallbacks should the chosen one fail its CRC-32 check
-(``verified.py``); only presence and sizes are checked here.
+Incomplete candidates are skipped with a log line saying why; when no copy of a saved ``last*.ckpt`` is complete,
+the newest other complete checkpoint stands in, with a warning, never a silent start from scratch. The others
+become the load's fallbacks should the chosen one fail its CRC-32 check (``verified.py``).
 """
 
 from __future__ import annotations

@@ -99,22 +99,17 @@ def build_model(spec: str) -> nn.Module:
 
 def rank_files(src: PathLike) -> list[Location]:
     """A folder's files, those matching a ``*``/``?`` pattern in the last part, or the one file ``src``."""
-    text = str(src)
-    if any(char in posixpath.basename(text) for char in "*?["):
-        folder, pattern = Location.of(posixpath.dirname(text) or "."), posixpath.basename(text)
-        if not folder.is_dir():
-            raise CheckpointError(f"{folder} is not a folder: no rank files match {src}.")
-        names = [name for name in folder.names() if fnmatch.fnmatch(name, pattern)]
-    elif Location.of(src).is_file():
-        return [Location.of(src)]  # one rank's file: an error below unless the world had one rank
-    else:
-        folder = Location.of(src)
-        if not folder.is_dir():
-            raise CheckpointError(
-                f"{src} does not exist; pass the folder of FSDP1 LOCAL_STATE_DICT rank files or a pattern such as"
-                " run/model_0012499.rank_*.pth."
-            )
-        names = folder.names()
+    folder, pattern = Location.of(src), "*"
+    if any(char in posixpath.basename(str(src)) for char in "*?["):
+        folder, pattern = Location.of(posixpath.dirname(str(src)) or "."), posixpath.basename(str(src))
+    elif folder.is_file():
+        return [folder]  # one rank's file: an error below unless the world had one rank
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"{folder} is not a folder: no rank files match {src}. Pass the folder of FSDP1 LOCAL_STATE_DICT rank"
+            " files or a pattern such as run/model_0012499.rank_*.pth."
+        )
+    names = [name for name in folder.names() if fnmatch.fnmatch(name, pattern)]
     files = [folder.child(name) for name in sorted(names) if folder.child(name).is_file()]
     if not files:
         raise CheckpointError(f"no files match {src}: pass the rank files' folder or a pattern matching them.")

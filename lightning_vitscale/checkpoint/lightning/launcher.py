@@ -1,9 +1,8 @@
 """The strategy's launcher, which turns ``ckpt_path="last"`` and ``auto_resume`` into the newest complete checkpoint.
 
-Lightning resolves ``ckpt_path`` inside ``fit``/``validate``/... before any strategy hook runs; the one strategy
-object that sees the call first is its launcher. This is Lightning's own launcher that first replaces the run's
-``ckpt_path`` by what ``checkpoint/resume.py`` finds, so Lightning resolves a plain path. Nothing of Lightning is
-changed: other trainers, and this one under another strategy, keep its rules.
+Lightning resolves ``ckpt_path`` before any strategy hook runs; only the launcher sees the call first. This is
+Lightning's own launcher, first replacing the run's ``ckpt_path`` by what ``checkpoint/resume.py`` finds. Nothing
+of Lightning is changed: other trainers, and this one under another strategy, keep its rules.
 """
 
 from __future__ import annotations
