@@ -35,35 +35,8 @@ def load_checkpoint(
     strict: bool,
     weights_only: bool | None,
 ) -> dict[str, Any]:
-    """Validate on every rank before the first collective, then load a folder or a file; Lightning's metadata."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    with sharded_state_dicts():  # DTensors report global shapes ungathered; DCP loads into the shards
-        validate_against(location.url, model_shapes(module), strict=strict, weights_only=weights_only)
-        if not location.is_file():
-            return load_sharded(location, module, optimizers, strict, weights_only)
-        checkpoint = load_full(location, weights_only)
-        require_optimizer_states("optimizer_states" in checkpoint, optimizers)
-        options = StateDictOptions(full_state_dict=True, strict=strict)
-        packed = packed_rows(module)
-        weights = dict(checkpoint.pop("state_dict"))
-        reorder_packed(weights, packed, to_model=False)
-        set_model_state_dict(module, weights, options=options)
-        for optimizer, state in zip(optimizers, checkpoint.pop("optimizer_states", [])):
-            state = rekey_by_position(state, optimizer, module)
-            reorder_packed(state["state"], packed, to_model=False)
-            set_optimizer_state(module, optimizer, state, options)
-        return checkpoint
-
-
-def load_sharded(
-    location: Location,
-    module: nn.Module,
-    optimizers: list[torch.optim.Optimizer],
-    strict: bool,
-    weights_only: bool | None,
-) -> dict[str, Any]:
-    """Fill the module's and optimizers' shards from any world size's and any layout's checkpoint."""
+    """Validate on every rank before the first collective, then fill the module's and optimizers' shards from a
+    folder of any world size and layout, or from a file; returns Lightning's metadata."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -71,21 +44,44 @@ def load_sharded(
         set_model_state_dict,
     )
 
-    metadata = read_metadata(location, weights_only)
-    checkpoint = load_member(location, META, weights_only)
+    with sharded_state_dicts():  # DTensors report global shapes ungathered; DCP loads into the shards
+        validate_against(location.url, model_shapes(module), strict=strict, weights_only=weights_only)
+        if location.is_file():
+            return _load_file(load_full(location, weights_only), module, optimizers, strict)
+        metadata = read_metadata(location, weights_only)
+        checkpoint = load_member(location, META, weights_only)
+        packed = packed_rows(module)
+        request: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
+        require_optimizer_states(bool(saved_entries(metadata, "optimizer_0", "param_groups")), optimizers)
+        for i, optimizer in enumerate(optimizers):
+            with untouched_if_fresh(optimizer):
+                state: dict[str, Any] = dict(get_optimizer_state_dict(module, optimizer))
+            if not saved_entries(metadata, f"optimizer_{i}", "state"):
+                state["state"] = {}  # saved before its first step
+            state["param_groups"] = saved_param_groups(metadata, f"optimizer_{i}", state["param_groups"])
+            request[f"optimizer_{i}"] = state
+        load_into(request, location, weights_only, strict=strict, packed=packed)
+        set_model_state_dict(module, request.pop("state_dict"), options=StateDictOptions(strict=strict))
+        for i, optimizer in enumerate(optimizers):
+            set_optimizer_state(module, optimizer, request[f"optimizer_{i}"], StateDictOptions(cpu_offload=True))
+        checkpoint.update(sharded_entries(location, weights_only, packed))  # their owners load them
+        return checkpoint
+
+
+def _load_file(
+    checkpoint: dict[str, Any], module: nn.Module, optimizers: list[torch.optim.Optimizer], strict: bool
+) -> dict[str, Any]:
+    """DDP's one-file format: packed projections' rows from the model's own order into this run's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    require_optimizer_states("optimizer_states" in checkpoint, optimizers)
+    options = StateDictOptions(full_state_dict=True, strict=strict)
     packed = packed_rows(module)
-    request: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
-    require_optimizer_states(bool(saved_entries(metadata, "optimizer_0", "param_groups")), optimizers)
-    for i, optimizer in enumerate(optimizers):
-        with untouched_if_fresh(optimizer):
-            state: dict[str, Any] = dict(get_optimizer_state_dict(module, optimizer))
-        if not saved_entries(metadata, f"optimizer_{i}", "state"):
-            state["state"] = {}  # saved before its first step
-        state["param_groups"] = saved_param_groups(metadata, f"optimizer_{i}", state["param_groups"])
-        request[f"optimizer_{i}"] = state
-    load_into(request, location, weights_only, strict=strict, packed=packed)
-    set_model_state_dict(module, request.pop("state_dict"), options=StateDictOptions(strict=strict))
-    for i, optimizer in enumerate(optimizers):
-        set_optimizer_state(module, optimizer, request[f"optimizer_{i}"], StateDictOptions(cpu_offload=True))
-    checkpoint.update(sharded_entries(location, weights_only, packed))  # their owners load them into their DTensors
+    weights = dict(checkpoint.pop("state_dict"))
+    reorder_packed(weights, packed, to_model=False)
+    set_model_state_dict(module, weights, options=options)
+    for optimizer, state in zip(optimizers, checkpoint.pop("optimizer_states", [])):
+        state = rekey_by_position(state, optimizer, module)
+        reorder_packed(state["state"], packed, to_model=False)
+        set_optimizer_state(module, optimizer, state, options)
     return checkpoint
