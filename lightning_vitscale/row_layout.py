@@ -87,9 +87,7 @@ def packed_rows(module: torch.nn.Module) -> PackedRows:
     return found
 
 
-def reorder_packed(
-    tensors: dict[str, Any], packed: PackedRows, to_model: bool, prefix: str = ""
-) -> None:
+def reorder_packed(tensors: dict[str, Any], packed: PackedRows, to_model: bool, prefix: str = "") -> None:
     """In place: each full tensor (or optimizer state dict of them) that ``packed`` lists under ``prefix`` + name,
     into the model's own row order (``to_model``) or into per-rank order."""
     reorder = model_rows if to_model else interleaved_rows
