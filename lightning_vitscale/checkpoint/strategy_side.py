@@ -43,6 +43,10 @@ class StrategyCheckpoints:
         """Older complete checkpoints (``resume.py``) the next load tries if the chosen one fails its CRC-32s."""
         self._fallbacks = list(fallbacks)
 
+    @property
+    def resume_fallbacks(self) -> list[Location]:
+        return list(self._fallbacks)
+
     def model_state(self, module: nn.Module | None) -> dict[str, Any]:
         assert module is not None
         return model_state_dict(module, full=self.settings.full)
