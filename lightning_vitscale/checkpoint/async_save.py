@@ -1,10 +1,8 @@
-"""Asynchronous sharded saves: the training step pays only the copy of this rank's shards into host memory.
-
-As torchtitan's ``async_mode``, DCP's ``async_save`` stages the state dict in host memory (the next optimizer step
-may then change the parameters) and writes from a background thread. At most one save is in flight (a new save, a
-removal or a load waits for it); it commits only after every rank wrote (the ranks exchange their outcomes); a
-failure, every rank's alike, is raised at the next training step; ``fit`` waits for the last save. The background
-collectives run on a gloo group of their own: two threads must never issue collectives on one group.
+"""Asynchronous sharded saves (torchtitan's ``async_mode``): the step pays only the copy of this rank's shards
+into host memory; DCP writes from a background thread. One save in flight at most (a save, removal or load waits
+for it); committed only once every rank wrote; a failure, every rank's alike, raised at the next training step;
+``fit`` waits for the last save. Background collectives use a gloo group of their own: two threads must never
+issue collectives on one group.
 """
 
 from __future__ import annotations

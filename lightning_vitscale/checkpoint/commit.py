@@ -1,9 +1,8 @@
 """Committing a sharded save, and finding the newest complete checkpoint a crash left: no crash point loses one.
 
-A save writes into ``<path>.partial``; its manifest (written last) is the commit point. Publishing retires the old
-``<path>`` (marker first) and moves the staging folder in, so at every instant one of the two is complete (an
-object store's move copies before it deletes): readers take the newer complete one, and the next save first
-finishes an interrupted publish (:func:`recover`), so its cleanup never deletes the only complete copy.
+A save writes into ``<path>.partial``; its manifest, written last, commits it. Publishing retires ``<path>`` (marker
+first) and moves the staging folder in: one of the two is always complete (an object store's move copies before
+it deletes), readers take the newer complete one, and the next save first finishes an interrupted publish.
 """
 
 from __future__ import annotations

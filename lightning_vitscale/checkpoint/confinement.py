@@ -1,9 +1,7 @@
-"""Every file a checkpoint folder names stays inside that folder, and is there and long enough before DCP reads.
-
-DCP joins each ``relative_path`` of its ``.metadata`` to the folder as given: a crafted ``../../x`` (or a symlink
-out) would read any file into a weight, and a missing or truncated shard fails as a bare ``CheckpointException``
-not naming the file. The whole storage table is checked once, when every rank reads the metadata, before the
-first collective.
+"""Every file a checkpoint folder names stays inside that folder, and is there and long enough before DCP reads:
+DCP joins each ``relative_path`` of its ``.metadata`` to the folder as given (a crafted ``../../x`` or a symlink
+out would read any file into a weight), and a missing or truncated shard fails as a bare ``CheckpointException``
+not naming the file. Checked once, when every rank reads the metadata, before the first collective.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""A sharded folder where Lightning reads DDP's file: :class:`VitScaleCheckpointIO`, a ``TorchCheckpointIO`` for
-``strategy="ddp"`` or single-device runs that resume from one.
-
-Only a folder holding this package's marker file (``storage.SHARDED_MARKER``) is read here, in one process with no
-process group, into the dict ``torch.load`` returns for its consolidated file, under the same ``weights_only``
-rule; files and other folders go to ``TorchCheckpointIO`` unchanged.
+"""A sharded folder where Lightning reads DDP's file: :class:`VitScaleCheckpointIO` reads a folder holding this
+package's marker (``storage.SHARDED_MARKER``) in one process, as ``torch.load`` of its consolidated file, under the
+same ``weights_only`` rule; files and other folders go to Lightning's ``TorchCheckpointIO`` unchanged.
 """
 
 from __future__ import annotations
