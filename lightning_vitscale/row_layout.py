@@ -2,10 +2,9 @@
 checkpoint planners that keep sharded folders in the model's own order.
 
 A packed ``[q; k; v]`` projection split by tensor parallelism holds its rows rank after rank, each rank's slice of
-every part (:func:`interleaved_rows`). Every full view (``state_dict()``, full checkpoints, ``consolidate``, the
-EMA) is turned back into the model's own order (:func:`reorder_packed`), and DCP writes and reads each rank's chunk
-as at most ``parts`` ranges of the model's rows (:func:`model_row_pieces`), so a folder saved under one layout
-loads under any other. The optimizer's state and ``ShardedEMA``'s average of such a parameter are held like it.
+every part (:func:`interleaved_rows`), as do its optimizer state and EMA. Every full view (``state_dict()``, full
+checkpoints, ``consolidate``) is in the model's own order (:func:`reorder_packed`), and DCP writes and reads each
+rank's chunk as ranges of the model's rows (:func:`model_row_pieces`): a folder loads under any other layout.
 
 Below ``init``, ``sharding``, ``averaging`` and ``checkpoint``, which all use it; imports only ``_utils``.
 """

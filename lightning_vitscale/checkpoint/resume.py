@@ -1,9 +1,8 @@
-"""``fit(ckpt_path="last")`` and ``VitScaleStrategy(auto_resume=True)`` find the newest *complete* checkpoint; the
-strategy's launcher (``lightning/launcher.py``) asks here before Lightning resolves the path.
-
-Incomplete candidates are skipped with a log line saying why; when no copy of a saved ``last*.ckpt`` is complete,
-the newest other complete checkpoint stands in, with a warning, never a silent start from scratch. The others
-become the load's fallbacks should the chosen one fail its CRC-32 check (``verified.py``).
+"""``fit(ckpt_path="last")`` and ``VitScaleStrategy(auto_resume=True)`` find the newest *complete* checkpoint, for
+the strategy's launcher (``lightning/launcher.py``), before Lightning resolves the path. Incomplete candidates are
+skipped with a log line saying why; when no copy of a saved ``last*.ckpt`` is complete, the newest other complete
+checkpoint stands in, with a warning, never a silent start from scratch. The others become the load's fallbacks
+should the chosen one fail its CRC-32 check (``verified.py``).
 """
 
 from __future__ import annotations

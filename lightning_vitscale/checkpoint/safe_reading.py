@@ -1,10 +1,9 @@
 """The one safe reader: every read of a checkpoint (files, DCP metadata, DCP values) honours ``weights_only`` and
 stays inside the checkpoint folder.
 
-``weights_only=None`` is torch's default (``True`` unless ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``), so a crafted file
-cannot run code on load. DCP itself unpickles its ``.metadata`` and non-tensor values unrestricted and reads any
-file its metadata names; the reader and planners here apply the rule to every pickle and confine every file to the
-folder (``confinement.py``). DCP's failures (a ``BaseException``) come out as a ``CheckpointError`` naming the path.
+``weights_only=None`` is torch's default (``True`` unless ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``). DCP itself
+unpickles its ``.metadata`` and non-tensor values unrestricted and reads any file its metadata names; the reader
+and planners here apply the rule to every pickle and confine every file to the folder (``confinement.py``).
 """
 
 from __future__ import annotations
