@@ -1,11 +1,9 @@
-"""Where each parameter lies inside FSDP1's flat parameters, rebuilt from the plain model: the names and shapes
-that FSDP1's ``LOCAL_STATE_DICT`` files do not hold.
+"""Where each parameter lies inside FSDP1's flat parameters, rebuilt from the plain model (the files do not say).
 
 FSDP1's rules (``FlatParamHandle._init_flat_param_and_metadata``): units wrap bottom-up, each flattening its
-subtree's parameters no nested unit claimed, in ``named_modules(remove_duplicate=False)`` order, a shared one once.
-With ``use_orig_params=True`` each parameter starts at a multiple of 16 bytes of the forward dtype and the whole is
-padded to a multiple of the world size. The file does not say which was used: every candidate is tried against
-the recorded sizes, and an ambiguity is an error, not a guess.
+subtree's parameters no nested unit claimed, in ``named_modules(remove_duplicate=False)`` order, a shared one once;
+with ``use_orig_params=True`` each starts at a multiple of 16 bytes and the whole is padded to a multiple of the
+world size. Every candidate layout is tried against the recorded sizes; an ambiguity is an error, not a guess.
 """
 
 from __future__ import annotations

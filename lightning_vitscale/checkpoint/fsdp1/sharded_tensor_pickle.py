@@ -1,10 +1,7 @@
 """What the safe reader builds in place of a pickled ``ShardedTensor`` (FSDP1's ``LOCAL_STATE_DICT`` files): inert
-records of its local shards, made without a process group and without running any of torch's rebuild code.
-
-torch's own unpickling of a ``ShardedTensor`` needs a process group of the saved world size, and its weights-only
-unpickler refuses the classes and the ``builtins.getattr`` the pickle uses. :class:`RecordUnpickler` maps exactly
-those globals (by name, nothing imported) onto plain records and refuses every other one under ``weights_only``
-(Python's "restricting globals" unpickler).
+records of its local shards. torch's own unpickling needs a process group of the saved world size, and its
+weights-only unpickler refuses the classes and ``builtins.getattr`` the pickle uses: :class:`RecordUnpickler` maps
+exactly those globals (by name, nothing imported) onto plain records; under ``weights_only`` it refuses the rest.
 """
 
 from __future__ import annotations
