@@ -1,16 +1,10 @@
 """Tensor parallelism's row layout of packed projections, in one place: the rows, every full view of them, and the
 checkpoint planners that keep sharded folders in the model's own order.
 
-A packed ``[q; k; v]`` projection split by tensor parallelism holds its rows in per-rank order: rank after rank,
-each rank's slice of every part (:func:`interleaved_rows`). Every full view of its weights (``state_dict()``, full
-checkpoints, ``consolidate``, the EMA) is turned back into the model's own order (:func:`reorder_packed`). DCP
-writes a rank's chunk at its offset in per-rank order; the planners here write and read it in the model's own order
-instead: a rank's chunk (a contiguous range of per-rank rows, after the tensor-parallel split and FSDP's dim-0
-shard) is at most ``parts`` contiguous ranges of the model's rows (:func:`model_row_pieces`), each one DCP chunk at
-its own offset. DCP then reshards as for any tensor, so a folder saved under one layout loads under any other
-(tensor_parallel=1, another world size, DDP through ``consolidate``). The same applies to every tensor of a packed
-parameter's shape held like it: the optimizer's state (``optimizer_<i>.state.<name>.<key>``) and ``ShardedEMA``'s
-average (``ema_state_dict.<name>``).
+A packed ``[q; k; v]`` projection split by tensor parallelism holds its rows rank after rank, each rank's slice of
+every part (:func:`interleaved_rows`), as do its optimizer state and EMA. Every full view (``state_dict()``, full
+checkpoints, ``consolidate``) is in the model's own order (:func:`reorder_packed`), and DCP writes and reads each
+rank's chunk as ranges of the model's rows (:func:`model_row_pieces`): a folder loads under any other layout.
 
 Below ``init``, ``sharding``, ``averaging`` and ``checkpoint``, which all use it; imports only ``_utils``.
 """
@@ -44,14 +38,12 @@ def interleaved_rows(tensor: torch.Tensor, parts: int, ranks: int) -> torch.Tens
 
 def model_rows(tensor: torch.Tensor, parts: int, ranks: int) -> torch.Tensor:
     """The inverse of :func:`interleaved_rows`: per-rank row order -> the model's own ``[p_0 | p_1 | ...]``."""
-    rest = tensor.shape[1:]
-    return tensor.reshape(ranks, parts, -1, *rest).transpose(0, 1).reshape(tensor.shape)
+    return interleaved_rows(tensor, ranks, parts)
 
 
 @dataclass(frozen=True)
 class RowPiece:
-    """Rows ``[local, local + length)`` of a rank's chunk of a packed projection (per-rank order) are rows
-    ``[model, model + length)`` of the model's own order."""
+    """Rows ``local..local + length`` of a rank's chunk are rows ``model..model + length`` in the model's order."""
 
     local: int
     model: int
@@ -59,13 +51,9 @@ class RowPiece:
 
 
 def model_row_pieces(start: int, length: int, rows: int, parts: int, ranks: int) -> list[RowPiece]:
-    """Rows ``[start, start + length)`` of a packed projection held in per-rank order (:func:`interleaved_rows` of
-    ``rows`` rows, ``parts`` parts over ``ranks`` ranks) as contiguous row ranges of the model's own order.
-
-    Each rank's slice of each part (``rows / (parts * ranks)`` rows) is contiguous in both orders, so the range
-    splits at those boundaries only (adjacent ranges merged): a chunk that tensor parallelism and FSDP's dim-0
-    shards give one rank maps to at most ``parts`` ranges, which a checkpoint writes and reads at their own place.
-    """
+    """Rows ``[start, start + length)`` of a packed projection in per-rank order as contiguous ranges of the
+    model's own order: split only where a rank's slice of a part ends (contiguous in both orders), adjacent ranges
+    merged, so one rank's chunk is at most ``parts`` ranges."""
     if parts < 1 or ranks < 1 or rows % (parts * ranks):
         raise ValueError(f"{rows} packed rows do not split into {parts} parts over {ranks} ranks")
     if start < 0 or length < 0 or start + length > rows:
@@ -98,12 +86,9 @@ def packed_rows(module: torch.nn.Module) -> PackedRows:
     return found
 
 
-def reorder_packed(
-    tensors: dict[str, Any], packed: PackedRows, to_model: bool, prefix: str = ""
-) -> None:
-    """In place: each full tensor of ``tensors`` (keyed ``prefix`` + parameter name) that ``packed`` lists, or a
-    dict of such tensors (an optimizer's per-parameter state: tensors of the parameter's shape), turned into the
-    model's own row order (``to_model``) or into per-rank order."""
+def reorder_packed(tensors: dict[str, Any], packed: PackedRows, to_model: bool, prefix: str = "") -> None:
+    """In place: each full tensor (or optimizer state dict of them) that ``packed`` lists under ``prefix`` + name,
+    into the model's own row order (``to_model``) or into per-rank order."""
     reorder = model_rows if to_model else interleaved_rows
     for key, value in tensors.items():
         spec = packed.get(strip_wrapper_prefixes(key[len(prefix):])) if key.startswith(prefix) else None
@@ -122,8 +107,7 @@ Piece = tuple[RowPiece, ChunkStorageMetadata]
 
 
 def packed_spec(path: tuple[Any, ...], packed: PackedRows) -> tuple[int, int] | None:
-    """``(parts, ranks)`` when the state-dict entry at ``path`` (DCP's flattening: the top-level key, then the
-    keys inside) belongs to a packed parameter: the parameter itself, or its optimizer state or EMA."""
+    """``(parts, ranks)`` when DCP's flattened ``path`` names a packed parameter, its optimizer state or EMA."""
     for key in path[1:]:
         if isinstance(key, str):
             spec = packed.get(strip_wrapper_prefixes(key))
@@ -132,23 +116,21 @@ def packed_spec(path: tuple[Any, ...], packed: PackedRows) -> tuple[int, int] | 
     return None
 
 
-def own_layout_pieces(tensor: DTensor, spec: tuple[int, int]) -> list[Piece]:
-    """This rank's chunk of ``tensor`` (per-rank rows) as pieces: where each lies in the local tensor, and its
-    chunk of the tensor in the model's own row order."""
-    (chunk,) = tensor.__create_chunk_list__()  # DCP's own: this rank's offsets and sizes in the global tensor
-    rest_offsets, rest_sizes = tuple(chunk.offsets[1:]), tuple(chunk.sizes[1:])
-    return [
-        (piece, ChunkStorageMetadata(torch.Size((piece.model, *rest_offsets)), torch.Size((piece.length, *rest_sizes))))
-        for piece in model_row_pieces(chunk.offsets[0], chunk.sizes[0], tensor.shape[0], *spec)
-    ]
-
-
 def _pieces(state_dict: dict[str, Any], mappings: dict[str, Any], packed: PackedRows, fqn: str) -> list[Piece] | None:
+    """This rank's chunk of a packed ``DTensor`` as pieces: each one's rows locally and its chunk in the model's
+    order; ``None`` for any other value."""
     value = state_dict.get(fqn)
     if not packed or not isinstance(value, DTensor) or value.dim() == 0:
         return None
     spec = packed_spec(tuple(mappings.get(fqn, (fqn,))), packed)
-    return None if spec is None else own_layout_pieces(value, spec)
+    if spec is None:
+        return None
+    (chunk,) = value.__create_chunk_list__()  # DCP's own: this rank's offsets and sizes in the global tensor
+    rest_offsets, rest_sizes = tuple(chunk.offsets[1:]), tuple(chunk.sizes[1:])
+    return [
+        (piece, ChunkStorageMetadata(torch.Size((piece.model, *rest_offsets)), torch.Size((piece.length, *rest_sizes))))
+        for piece in model_row_pieces(chunk.offsets[0], chunk.sizes[0], value.shape[0], *spec)
+    ]
 
 
 class OwnLayoutSavePlanner(DefaultSavePlanner):

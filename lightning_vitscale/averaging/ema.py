@@ -212,7 +212,7 @@ class ShardedEMA(Callback):
         missing = sorted(set(shards.names) - entry.names())
         if missing:
             raise CheckpointError(
-                f"The EMA in {entry.path} lacks {len(missing)} of this model's tensors (e.g. {missing[:3]}):"
+                f"The EMA in {entry.location} lacks {len(missing)} of this model's tensors (e.g. {missing[:3]}):"
                 " it was saved for another model. Remove ShardedEMA to load the weights alone."
             )
         entry.load_into(shards.state_dict())

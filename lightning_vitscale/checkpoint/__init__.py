@@ -2,18 +2,11 @@
 strategy's save/load/remove, the atomic commit of a save, resuming from the newest complete checkpoint, consolidation
 into one file, and ``model.state_dict()`` as DDP's full tensors.
 
-This face is the core's: save (``save.py``, ``async_save.py``, ``commit.py``, ``manifest.py``, ``storage.py``),
-load (``load.py``, ``verified.py``, ``formats.py``, ``optimizer_state.py``, ``safe_reading.py`` with its
-``confinement.py``), ``consolidate.py``, ``resume.py`` (``ckpt_path="last"``, ``auto_resume``),
-``full_state_dict.py`` (DDP's ``state_dict()`` on a sharded model; the core's saves and loads ask it for shards)
-and ``strategy_side.py``, what the strategy's hooks call. Every error class is in ``errors.py``. Three sub-rooms
-with their own faces: ``export/`` (a checkpoint's weights in published formats), ``lightning/`` (the strategy's
-launcher, DDP's IO plugin for sharded folders) and ``fsdp1/`` (importing FSDP1 / FairScale-era checkpoints). The
-core, this ``__init__`` included, imports none of them, and loading never imports saving (import-linter
-contracts in pyproject.toml).
+This face is the core's (save, load, formats, safe reading, ``strategy_side.py`` for the strategy's hooks; every
+error class in ``errors.py``). Sub-rooms with their own faces: ``export/``, ``lightning/`` and ``fsdp1/``. The
+core, this ``__init__`` included, imports none of them, and loading never imports saving (import-linter).
 
-May import ``row_layout`` (packed projections' rows), ``distributed`` (the side-group handshake before a gather),
-``_utils`` and ``_compat``.
+May import ``row_layout``, ``distributed`` (the side-group handshake before a gather), ``_utils`` and ``_compat``.
 """
 
 from lightning_vitscale.checkpoint.async_save import AsyncSaves

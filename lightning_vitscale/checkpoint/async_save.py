@@ -1,26 +1,14 @@
-"""Asynchronous sharded saves: the training step pays only the copy of this rank's shards into host memory.
-
-A sharded save blocks every rank for the whole write (seconds to minutes for a large model). As torchtitan's
-``async_mode`` does, DCP's ``async_save`` first copies the state dict into host memory (its blocking stager: the
-next optimizer step may then change the parameters in place), then writes from a background thread. Here:
-
-- **at most one save in flight**: a new save, a removal or a load first waits for the previous one;
-- **commit only after every rank's write finished**: DCP's save returns once the coordinator has every rank's
-  write result and has written ``.metadata``; the ranks then exchange their outcomes, and only when all of them
-  wrote does ``finish`` run on every rank (save.py: each hashes its share of the files, rank 0 commits);
-- **failures reported on the next step**: the outcome (every rank's, so all ranks fail alike) is kept, and
-  :meth:`AsyncSaves.raise_if_failed` raises it at the next training step that begins after it arrived;
-- **fit waits for the last save**: the strategy calls :meth:`AsyncSaves.wait` at the end of training.
-
-The background collectives run on a gloo group of their own: the training's collectives go on meanwhile on the
-default group, and two threads must never issue collectives on the same group.
+"""Asynchronous sharded saves (torchtitan's ``async_mode``): the step pays only the copy of this rank's shards
+into host memory; DCP writes from a background thread. One save in flight at most (a save, removal or load waits
+for it); committed only once every rank wrote; a failure, every rank's alike, raised at the next training step;
+``fit`` waits for the last save. Background collectives use a gloo group of their own: two threads must never
+issue collectives on one group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -34,12 +22,6 @@ from lightning_vitscale.checkpoint.storage import Location
 Gather = Callable[[Any], list[Any]]  # every rank's object, on every rank (a collective)
 
 
-@dataclass
-class _InFlight:
-    location: Location
-    done: Future[None]
-
-
 class AsyncSaves:
     """One rank's asynchronous saves: the background thread, its process group and the save in flight."""
 
@@ -47,7 +29,7 @@ class AsyncSaves:
         self.timeout = timeout
         self._group: dist.ProcessGroup | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._in_flight: _InFlight | None = None
+        self._in_flight: Future[None] | None = None  # the background thread's hash-and-commit
 
     def start(
         self,
@@ -57,10 +39,8 @@ class AsyncSaves:
         finish: Callable[[Any, Gather], None],
         planner: Any = None,
     ) -> None:
-        """Copy ``tensors`` into host memory now (every rank), write them into ``staging`` in the background, then
-        run ``finish(dcp_metadata, gather)`` on every rank once every rank wrote (``gather`` runs on the background
-        group). Waits for the previous save first (raising its failure). ``planner``: DCP's save planner (``None``:
-        DCP's default)."""
+        """Stage ``tensors`` in host memory now, write them into ``staging`` in the background, then run
+        ``finish(dcp_metadata, gather)`` on every rank once all wrote (``gather`` on the background group)."""
         self.wait()
         group = self._side_group()
         upload = dcp.async_save(tensors, storage_writer=staging.writer(), process_group=group, planner=planner)
@@ -68,22 +48,21 @@ class AsyncSaves:
             upload = upload.upload_completion
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitscale-async-save")
-        done = self._executor.submit(_finish, upload, finish, group, location)
-        self._in_flight = _InFlight(location, done)
+        self._in_flight = self._executor.submit(_finish, upload, finish, group, location)
 
     def raise_if_failed(self) -> None:
         """Raise a finished save's failure (not blocking: a save still writing is left alone)."""
-        if self._in_flight is not None and self._in_flight.done.done():
+        if self._in_flight is not None and self._in_flight.done():
             self.wait()
 
     def wait(self) -> None:
         """Block until the save in flight is committed (or raise its failure); then none is in flight."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
-            in_flight.done.result()
+            in_flight.result()
 
     def close(self) -> None:
-        """Wait for the save in flight without raising (the caller is already handling an error), stop the thread."""
+        """Wait for the save in flight without raising (the caller may be handling an error), stop the thread."""
         try:
             self.wait()
         except AsyncSaveError:
@@ -120,20 +99,12 @@ def _outcome(run: Callable[[], Any]) -> str | None:
     except dcp.CheckpointException as error:  # a BaseException: the writes that failed, by rank, on every rank
         return "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in sorted(error.failures.items()))
     except Exception as error:  # noqa: BLE001 - reported to every rank, raised there
-        return f"rank {_rank(None)}: {type(error).__name__}: {error}"
+        return f"rank {dist.get_rank() if dist.is_initialized() else 0}: {type(error).__name__}: {error}"
     return None
-
-
-def _rank(group: Any) -> int:
-    if not dist.is_initialized():
-        return 0
-    return dist.get_rank(group) if group is not None else dist.get_rank()
 
 
 def _exchange(error: str | None, group: Any) -> list[str]:
     """Every rank's failures, on every rank (each said once: DCP reports one rank's failure on all of them)."""
-    if group is None:
-        return [] if error is None else [error]
     return list(dict.fromkeys(e for e in _gather(error, group) if e is not None))
 
 

@@ -1,11 +1,8 @@
 """Committing a sharded save, and finding the newest complete checkpoint a crash left: no crash point loses one.
 
-A save writes everything into ``<path>.partial``; its marker (``manifest.py``), written last, is the commit point.
-Publishing then swaps the folder into ``<path>``: the old folder's marker goes first, then the rest of it, then
-one move of the staging folder. At every instant one of ``<path>.partial`` and ``<path>`` is complete (a move on
-an object store is copy + delete: the copy is complete before the source goes), so readers resolve a path to the
-newer complete one of ``<path>.partial`` and ``<path>``, and the next save first finishes an interrupted publish
-(:func:`recover`) before it clears the staging folder, so its own cleanup never deletes the only complete copy.
+A save writes into ``<path>.partial``; its manifest, written last, commits it. Publishing retires ``<path>`` (marker
+first) and moves the staging folder in: one of the two is always complete (an object store's move copies before
+it deletes), readers take the newer complete one, and the next save first finishes an interrupted publish.
 """
 
 from __future__ import annotations
@@ -18,18 +15,12 @@ from lightning_vitscale.checkpoint.storage import SHARDED_MARKER, Location
 
 
 def commit(staging: Location, location: Location, files: dict[str, FileSum], saved: dict[str, Any]) -> None:
-    """Run once (rank 0) after every rank wrote its shards and Lightning's metadata into ``staging``.
-
-    ``files``: every file of ``staging`` with its size and CRC-32 (each rank hashes its own share). Writing the
-    manifest commits the save; publishing moves it to ``location``. Whatever point a crash stops this at,
-    :func:`newest_complete` finds this save or the previous one, and :func:`recover` finishes the publish.
-    """
+    """Rank 0, once every file of ``staging`` is written and hashed (``files``): write the manifest, publish."""
     write_manifest(staging, files, saved)
     publish(staging, location)
 
 
 def publish(complete: Location, location: Location) -> None:
-    """Replace ``location`` by the complete folder ``complete``: retire the old one marker first, then move."""
     retire(location)
     complete.move_to(location)
 
@@ -42,27 +33,18 @@ def retire(location: Location) -> None:
 
 
 def candidates(location: Location) -> list[Location]:
-    """Where the checkpoint saved to ``location`` can be, newest first: a staging folder is complete only once its
-    save committed, after the folder it replaces."""
+    """Where the checkpoint saved to ``location`` can be, newest first."""
     return [partial_path(location), location]
 
 
-def is_complete(location: Location, checksums: bool) -> str | None:
-    """``None`` when ``location`` is a loadable checkpoint, else why not. Single files are Lightning's (DDP's,
-    ``state_dict_type="full"``) and complete as its CheckpointIO wrote them; folders are checked by manifest."""
-    if location.is_file():
-        return None
-    return why_incomplete(location, checksums)
-
-
 def newest_complete(location: Location, checksums: bool = False) -> tuple[Location | None, list[str]]:
-    """The newest complete checkpoint saved to ``location`` (itself, or what an interrupted save left), and one
-    line per newer candidate skipped, saying why. ``checksums``: read every byte to check its CRC-32 too."""
+    """The newest complete checkpoint saved to ``location`` and why each newer candidate was skipped. Files are
+    complete as Lightning's CheckpointIO wrote them; folders by manifest (``checksums``: every byte's CRC-32)."""
     skipped: list[str] = []
     for candidate in candidates(location):
         if not candidate.exists():
             continue
-        problem = is_complete(candidate, checksums)
+        problem = None if candidate.is_file() else why_incomplete(candidate, checksums)
         if problem is None:
             return candidate, skipped
         skipped.append(f"skipped {candidate}: {problem}")
@@ -70,11 +52,7 @@ def newest_complete(location: Location, checksums: bool = False) -> tuple[Locati
 
 
 def recover(location: Location) -> None:
-    """Before a new save to ``location`` (rank 0): finish the publish a crash interrupted, then drop leftovers.
-
-    Afterwards ``location`` holds the newest complete checkpoint if there is one, and no staging folder is left, so
-    the new save may clear its staging folder without losing anything.
-    """
+    """Before a new save to ``location`` (rank 0): finish a publish a crash interrupted, drop the leftovers."""
     newest, _ = newest_complete(location)
     if newest is not None and newest != location:
         publish(newest, location)

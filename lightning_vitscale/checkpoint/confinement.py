@@ -1,11 +1,7 @@
-"""Every file a checkpoint folder names stays inside that folder, and is there and long enough before DCP reads.
-
-DCP's ``.metadata`` says, for each stored value, which file holds it (``relative_path``), at which offset and how
-many bytes. DCP joins that path to the folder as given, so a crafted ``.metadata`` naming ``../../x`` or ``/x``
-(or a shard that is a symlink out of the folder) makes a load read any file the process can read into a weight.
-And a missing or truncated shard fails inside DCP as a bare ``CheckpointException`` (a ``BaseException``) that
-does not name the file. Checking the whole storage table once, when the metadata is read (every rank reads it
-before the first collective), refuses both with a ``CheckpointError`` naming the file.
+"""Every file a checkpoint folder names stays inside that folder, and is there and long enough before DCP reads:
+DCP joins each ``relative_path`` of its ``.metadata`` to the folder as given (a crafted ``../../x`` or a symlink
+out would read any file into a weight), and a missing or truncated shard fails as a bare ``CheckpointException``
+not naming the file. Checked once, when every rank reads the metadata, before the first collective.
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ from lightning_vitscale.checkpoint.storage import Location
 
 
 def member(folder: Location, name: str) -> Location:
-    """``folder/name``, refused unless it names a file inside ``folder`` (no absolute path, no ``..``, no
-    symlink that resolves outside the folder)."""
+    """``folder/name``, refused unless inside ``folder`` (no absolute path, no ``..``, no symlink out)."""
     parts = PurePosixPath(name).parts
     if (
         not name
@@ -62,25 +57,22 @@ def check_storage(folder: Location, storage_data: Any) -> None:
             raise CheckpointError(f"{folder}: its DCP metadata stores {index} at {info!r}; the checkpoint is corrupt.")
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     for name, end in sorted(ends.items()):
-        _check_length(member(folder, name), end)
+        file = member(folder, name)
+        try:
+            size = int(file.fs.size(file.path))
+        except FileNotFoundError:
+            size = -1
+        if size < 0 or not file.is_file():
+            raise CheckpointError(
+                f"{file} is missing: the checkpoint's metadata stores values in it. The folder is incomplete (a copy"
+                " that stopped early?); copy it again, or resume from an earlier checkpoint."
+            )
+        if size < end:
+            raise CheckpointError(
+                f"{file} is truncated: it has {size} bytes, the checkpoint's metadata stores values up to byte {end}."
+                " Copy the folder again, or resume from an earlier checkpoint."
+            )
 
 
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _check_length(file: Location, end: int) -> None:
-    try:
-        size = int(file.fs.size(file.path))
-    except FileNotFoundError:
-        size = -1
-    if size < 0 or not file.is_file():
-        raise CheckpointError(
-            f"{file} is missing: the checkpoint's metadata stores values in it. The folder is incomplete (a copy"
-            " that stopped early?); copy it again, or resume from an earlier checkpoint."
-        )
-    if size < end:
-        raise CheckpointError(
-            f"{file} is truncated: it has {size} bytes, the checkpoint's metadata stores values up to byte {end}."
-            " Copy the folder again, or resume from an earlier checkpoint."
-        )

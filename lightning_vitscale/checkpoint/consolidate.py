@@ -26,7 +26,7 @@ from lightning_vitscale.checkpoint.formats import (
 from lightning_vitscale.checkpoint.manifest import verify as verify_folder
 from lightning_vitscale.checkpoint.optimizer_state import to_torch_format
 from lightning_vitscale.checkpoint.safe_reading import load_all, load_member
-from lightning_vitscale.checkpoint.storage import Location, torch_save
+from lightning_vitscale.checkpoint.storage import Location
 
 
 def consolidate_command(path: PathLike) -> str:
@@ -44,16 +44,15 @@ def consolidate_checkpoint(
     weights: Literal["raw", "ema"] = "raw",
     verify: bool = True,
 ) -> PathLike:
-    """Turn a sharded checkpoint into one ``torch.save`` file a plain LightningModule loads with ``strict=True``.
+    """Turn a sharded checkpoint into one ``torch.save`` file, as DDP's: ``MyModule.load_from_checkpoint(dst)``
+    reads it and a ``strategy="ddp"`` run resumes from it. One process, no process group; paths may be fsspec URLs.
 
-    Runs in one process, no process group. Model keys are free of wrapper/compile prefixes and floating
-    tensors are full ``dtype`` tensors (``None`` keeps the saved dtypes). Optimizer states are renumbered to
-    torch's native format, so the file also resumes training under ``strategy="ddp"`` (with its EMA, if any) and
-    ``MyModule.load_from_checkpoint(dst)`` reads it. ``weights_only`` applies to every pickle in ``src``
-    (``None``: torch's default, True); pass ``False`` only for checkpoints you trust. Paths may be fsspec URLs.
-    ``weights="ema"`` puts the EMA of the weights (``ShardedEMA``) in ``state_dict`` instead: a file for
-    inference or fine-tuning, without optimizer states, so that resuming from it fails instead of silently
-    training on from the average. ``verify=False`` skips the CRC-32 check (:func:`load_consolidated`).
+    Args:
+        dtype: floating tensors' dtype; ``None`` keeps the saved dtypes.
+        weights_only: for every pickle in ``src`` (``None``: torch's default, True); ``False`` only if trusted.
+        weights: ``"ema"`` puts ``ShardedEMA``'s average in ``state_dict`` and drops the optimizer states (resuming
+            from it fails instead of silently training on from the average).
+        verify: check every file's CRC-32 first (:func:`load_consolidated`).
     """
     require_file_target(dst)
     checkpoint = load_consolidated(src, dtype=dtype, weights_only=weights_only, weights=weights, verify=verify)
@@ -61,10 +60,9 @@ def consolidate_checkpoint(
 
 
 def consolidated(src: PathLike, weights_only: bool | None = None, verify: bool = True) -> io.BytesIO:
-    """The consolidated file of the sharded folder ``src``, in memory, with the saved dtypes (what DDP's file holds):
-    ``MyModule.load_from_checkpoint(consolidated(folder))`` loads it in any script, like DDP's file. ``weights_only``
-    and ``verify`` as in :func:`load_consolidated` (pass the same ``weights_only`` to ``load_from_checkpoint``).
-    Holds the checkpoint twice in host memory while it is read; :func:`consolidate_checkpoint` writes a file."""
+    """The consolidated file of ``src`` in memory, saved dtypes kept: ``MyModule.load_from_checkpoint(
+    consolidated(folder))`` loads it like DDP's file (pass it the same ``weights_only``). Holds the checkpoint
+    twice in host memory while it is read."""
     buffer = io.BytesIO()
     torch.save(load_consolidated(src, weights_only=weights_only, verify=verify), buffer)
     buffer.seek(0)
@@ -72,21 +70,24 @@ def consolidated(src: PathLike, weights_only: bool | None = None, verify: bool =
 
 
 def require_file_target(dst: PathLike) -> None:
-    """Fail before reading anything when ``dst`` is an existing folder: fsspec's move would put the file inside
-    it, under the temporary name."""
+    """Fail before reading when ``dst`` is a folder (fsspec's move would put the temporary file inside it)."""
     target = Location.of(dst)
     if target.is_dir():
         raise IsADirectoryError(
-            f"{dst} is an existing folder; consolidate writes one file. Name it, e.g. {target.child('model.ckpt')}"
+            f"{dst} is an existing folder; this command writes one file. Name it, e.g. {target.child('model.ckpt')}"
         )
 
 
-def write_file(checkpoint: dict[str, Any], dst: PathLike) -> PathLike:
-    """``torch.save`` to a temporary name beside ``dst``, then moved: an interrupted write leaves no ``dst``."""
+def write_file(checkpoint: dict[str, Any] | bytes, dst: PathLike) -> PathLike:
+    """Atomic: ``torch.save`` of ``checkpoint`` (bytes as they are) beside ``dst``, then moved there."""
     target = Location.of(dst)
     target.fs.makedirs(posixpath.dirname(target.path), exist_ok=True)
     tmp = target.with_suffix(PARTIAL_SUFFIX)
-    torch_save(checkpoint, tmp)
+    with tmp.open("wb") as stream:
+        if isinstance(checkpoint, bytes):
+            stream.write(checkpoint)
+        else:
+            torch.save(checkpoint, stream)
     tmp.move_to(target)
     return dst if target.is_url else Path(dst)
 
@@ -98,17 +99,10 @@ def load_consolidated(
     weights: Literal["raw", "ema"] = "raw",
     verify: bool = True,
 ) -> dict[str, Any]:
-    """The checkpoint dict :func:`consolidate_checkpoint` writes, in memory: what ``torch.load`` of DDP's file
-    returns (plain keys, full CPU tensors, torch-native optimizer states, Lightning's metadata). One process, no
-    process group; ``weights_only`` and ``weights`` as in :func:`consolidate_checkpoint`. ``dtype=None`` (the
-    default here) keeps the saved dtypes, as a ``state_dict_type="full"`` file holds them. ``verify``: every file
-    checked against the CRC-32 its save recorded first (``manifest.verify``; benchmarks/RESULTS.md: the cost), so a
-    corrupt shard fails naming itself instead of handing out wrong weights; ``False`` only for a folder you must
-    read despite a damaged file.
-
-    ``optimizer_states`` is present only when the save had them (Lightning writes it together with
-    ``lr_schedulers``): a weights-only save then fails a resumed fit with Lightning's own error, as under DDP,
-    instead of resuming the weights with fresh optimizers."""
+    """The dict :func:`consolidate_checkpoint` writes, as ``torch.load`` of DDP's file returns it; arguments as
+    there (``dtype=None`` here). ``verify``: a corrupt shard fails naming itself instead of handing out wrong
+    weights (cost: benchmarks/RESULTS.md). ``optimizer_states`` only when the save had them (with
+    ``lr_schedulers``): resuming a weights-only save fails with Lightning's own error, as under DDP."""
     source = Location.of(src)
     sharded_shapes(source, weights_only)  # complete and readable, or a clear error
     if verify:
@@ -118,7 +112,7 @@ def load_consolidated(
     state = load_all(source, weights_only)
     checkpoint = load_member(source, META, weights_only)
     checkpoint["state_dict"] = _plain_keys(state.pop("state_dict"), dtype)
-    optimizers = [state.pop(k) for k in sorted((k for k in state if is_own_entry(k)), key=_index)]
+    optimizers = [state.pop(k) for k in sorted((k for k in state if is_own_entry(k)), key=lambda k: int(k[10:]))]
     if optimizers or "lr_schedulers" in checkpoint:
         checkpoint["optimizer_states"] = [to_torch_format(o) for o in optimizers]
     checkpoint.update({key: _plain_keys(entry, dtype) for key, entry in state.items()})
@@ -132,7 +126,7 @@ def _plain_keys(entry: dict[str, Any], dtype: torch.dtype | None) -> dict[str, A
 
 
 def ema_as_weights(checkpoint: dict[str, Any], src: str) -> None:
-    """Replace ``state_dict`` by the ``ShardedEMA`` average (keys it lacks keep the raw value), drop the optimizers."""
+    """``state_dict`` replaced by ``ShardedEMA``'s average (keys it lacks stay raw), the optimizers dropped."""
     ema = checkpoint.pop(EMA_KEY, None)
     if ema is None:
         raise CheckpointError(
@@ -143,7 +137,3 @@ def ema_as_weights(checkpoint: dict[str, Any], src: str) -> None:
     checkpoint["state_dict"] = {k: ema.get(k, v) for k, v in checkpoint["state_dict"].items()}
     checkpoint.pop("optimizer_states", None)
     checkpoint.pop("lr_schedulers", None)
-
-
-def _index(key: str) -> int:
-    return int(key.split("_")[-1])

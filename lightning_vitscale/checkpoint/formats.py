@@ -21,12 +21,9 @@ from lightning_vitscale.checkpoint.storage import DCP_METADATA, Location
 from lightning_vitscale.row_layout import PackedRows
 
 META = METADATA_FILENAME
-
-
 PARTIAL_SUFFIX = ".partial"
-
-
 PathLike = str | os.PathLike
+EMA_KEY = "ema_state_dict"
 
 
 def partial_path(location: Location) -> Location:
@@ -41,12 +38,8 @@ def is_own_entry(key: str) -> bool:
     return bool(_OWN_ENTRY.match(key))
 
 
-EMA_KEY = "ema_state_dict"
-
-
 def pop_sharded_entries(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """Top-level checkpoint entries holding DTensors (e.g. ``ema_state_dict``): they must go through DCP, since
-    rank 0's ``torch.save`` of the metadata would keep rank 0's shards only."""
+    """Top-level entries holding DTensors: DCP writes them (a ``torch.save`` keeps rank 0's shards only)."""
     sharded = [key for key, value in checkpoint.items() if _holds_dtensor(value)]
     return {key: checkpoint.pop(key) for key in sharded}
 
@@ -61,21 +54,13 @@ def _holds_dtensor(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class ShardedEntry:
-    """A top-level entry of a sharded checkpoint other than the model and optimizers, left in the DCP shards.
-
-    Loading needs target DTensors sharded for *this* world size, which only the entry's owner has (e.g.
-    ``ShardedEMA``): the owner calls :meth:`load_into` on every rank (a collective) with its own tensors.
-    """
+    """An extra entry of a sharded checkpoint, left in the shards: only its owner (``ShardedEMA``) has targets
+    sharded for this world size, and calls :meth:`load_into` with them on every rank (a collective)."""
 
     location: Location
     key: str
     weights_only: bool | None = None
     packed: PackedRows = field(default_factory=dict)
-    """The loading run's projections in per-rank row order, read from the model's own (``row_layout.py``)."""
-
-    @property
-    def path(self) -> str:
-        return self.location.url
 
     def names(self) -> set[str]:
         metadata = read_metadata(self.location, self.weights_only)
@@ -90,8 +75,7 @@ class ShardedEntry:
 def sharded_entries(
     location: Location, weights_only: bool | None = None, packed: PackedRows | None = None
 ) -> dict[str, ShardedEntry]:
-    """The extra DCP entries of a sharded checkpoint (everything but ``state_dict`` and ``optimizer_<i>``);
-    ``packed``: the loading run's projections in per-rank row order."""
+    """The extra DCP entries of a sharded checkpoint (all but ``state_dict`` and ``optimizer_<i>``)."""
     metadata = read_metadata(location, weights_only)
     keys = {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
     extra = [key for key in sorted(keys) if not is_own_entry(key)]
@@ -111,31 +95,12 @@ def checkpoint_shapes(path: PathLike, weights_only: bool | None = None) -> dict[
 def require_existing(location: Location) -> None:
     if not location.exists():
         partial = partial_path(location)
-        hint = (
-            f" An interrupted save left {partial}; it is incomplete and cannot be loaded." if partial.exists() else ""
-        )
-        raise FileNotFoundError(f"No checkpoint at {location}.{hint}")
+        hint = f" An interrupted save left {partial}; it is incomplete and cannot be loaded."
+        raise FileNotFoundError(f"No checkpoint at {location}.{hint if partial.exists() else ''}")
 
 
 def sharded_shapes(location: Location, weights_only: bool | None = None) -> dict[str, torch.Size]:
-    """The model's tensor shapes in a complete sharded folder, or a ``CheckpointError`` saying what it is instead
-    (a single file, an interrupted save, a folder that is no checkpoint, a missing or truncated shard)."""
-    require_sharded_folder(location)
-    try:
-        metadata = read_metadata(location, weights_only)
-    except CheckpointError:
-        raise
-    except Exception as error:  # noqa: BLE001 - any unreadable metadata means the same thing to the user
-        raise CheckpointError(f"{location} is not a readable checkpoint: {error}") from error
-    prefix = "state_dict."
-    return {
-        key[len(prefix) :]: meta.size
-        for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
-    }
-
-
-def require_sharded_folder(location: Location) -> None:
+    """The model's tensor shapes in a complete sharded folder, or a ``CheckpointError`` saying what it is instead."""
     require_existing(location)
     if not location.is_dir():
         raise CheckpointError(
@@ -156,6 +121,13 @@ def require_sharded_folder(location: Location) -> None:
             f"{location} is a folder but not a checkpoint (no DCP shards, no {DCP_METADATA}). Pass the folder that"
             " trainer.save_checkpoint() or ModelCheckpoint wrote, or a single .ckpt file."
         )
+    metadata = read_metadata(location, weights_only)
+    prefix = "state_dict."
+    return {
+        key[len(prefix) :]: meta.size
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
 
 
 def load_full(location: Location, weights_only: bool | None) -> dict[str, Any]:
@@ -170,7 +142,13 @@ def validate_against(
     path: PathLike, expected: dict[str, torch.Size], strict: bool = True, weights_only: bool | None = None
 ) -> None:
     """Raise a CheckpointError listing missing/unexpected keys and shape mismatches, before any collective."""
-    found = checkpoint_shapes(path, weights_only)
+    detail = mismatch(expected, checkpoint_shapes(path, weights_only), strict)
+    if detail:
+        raise CheckpointError(f"Checkpoint {path} does not match the model: {detail}.")
+
+
+def mismatch(expected: dict[str, torch.Size], found: dict[str, torch.Size], strict: bool = True) -> str:
+    """The missing and unexpected keys (``strict``) and other shapes of ``found``, five of each; "" if none."""
     missing = sorted(expected.keys() - found.keys()) if strict else []
     unexpected = sorted(found.keys() - expected.keys()) if strict else []
     shapes = sorted(
@@ -178,11 +156,8 @@ def validate_against(
         for k in expected.keys() & found.keys()
         if tuple(found[k]) != tuple(expected[k])
     )
-    problems = [(label, items) for label, items in (("missing", missing), ("unexpected", unexpected),
-                                                     ("shape mismatch", shapes)) if items]
-    if problems:
-        detail = "; ".join(f"{label} ({len(items)}): {', '.join(items[:5])}" for label, items in problems)
-        raise CheckpointError(f"Checkpoint {path} does not match the model: {detail}.")
+    problems = [("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)]
+    return "; ".join(f"{label} ({len(items)}): {', '.join(items[:5])}" for label, items in problems if items)
 
 
 def model_shapes(module: nn.Module) -> dict[str, torch.Size]:

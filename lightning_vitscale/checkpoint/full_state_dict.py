@@ -1,29 +1,11 @@
-"""``model.state_dict()`` / ``model.load_state_dict()`` of a sharded model as under DDP: plain full tensors.
+"""``model.state_dict()`` / ``load_state_dict()`` of a sharded model as under DDP: plain full tensors.
 
-Under ``strategy="ddp"`` a user saves ``torch.save(model.state_dict(), path)`` after ``fit`` (or in a callback) and
-loads that file into a plain model in any script; ``model.load_state_dict(weights)`` loads plain weights into the
-trained model. FSDP2 makes both hand out or expect ``DTensor`` shards: the saved file then holds one rank's
-slices and fails to load into a plain model, so the weights are lost. Hooks on the LightningModule and every
-submodule (``install``) restore DDP's behaviour outside the strategy's own code:
-
-- ``state_dict()``: after the outermost module's own state dict is built (FSDP's keys are the plain module's),
-  each sharded tensor is gathered, one at a time, and copied to the CPU, as are the buffers FSDP leaves whole.
-  **CPU, not the device**: a model that only fits on the devices sharded has no room for a full copy next to
-  its shards; a gathered tensor occupies the device only until it is copied (one full tensor beyond the shards
-  at a time). It is what DDP hands out after ``fit`` too (Lightning moves the model to the CPU at teardown).
-  The host holds one full copy per rank, as under DDP. A packed ``[q; k; v]`` projection that tensor parallelism
-  holds in per-rank row order comes out in the model's own order (and a loaded one goes back), as DDP's.
-  ``keep_vars=True`` asks for the module's own tensors, so it returns the live sharded parameters.
-- ``load_state_dict(full)``: each rank cuts its own shard out of the full tensor (no communication); keys,
-  ``strict`` and shape mismatches are torch's own checks and messages.
-
-Gathering is a collective: every rank must call ``state_dict()``. Before the first tensor, every rank states what
-it gathers in one handshake on a side group (distributed/collective_guard.py): a call on one rank, even during
-training while the others go on to their next step, or different calls on different ranks, fail with
-:class:`StateDictGatherError` (within the strategy's ``timeout``), which names the fixes, and nothing is sent on
-the model's process group. The strategy's checkpoint code wants the sharded form (DCP saves, loads and reshards
-it): it runs inside :func:`sharded_state_dicts`. ``ShardedEMA`` reads the names with ``keep_vars=True``, which
-gathers nothing either.
+FSDP2 hands out ``DTensor`` shards, so ``torch.save(model.state_dict(), path)`` would keep one rank's slices.
+Hooks (:func:`install`) gather each sharded tensor, one at a time, to the **CPU** (a model that only fits sharded
+has no device room for a full copy); a loaded full tensor is cut into this rank's shard (no communication).
+``keep_vars=True`` returns the live shards. Gathering is a collective: one handshake on a side group first
+(distributed/collective_guard.py), so a call on one rank fails with :class:`StateDictGatherError` naming the
+fixes, nothing sent on the model's group. The strategy's own DCP code runs inside :func:`sharded_state_dicts`.
 """
 
 from __future__ import annotations
@@ -59,11 +41,7 @@ _OUTER: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.W
 
 @contextmanager
 def sharded_state_dicts() -> Iterator[None]:
-    """Inside the block, ``state_dict()`` / ``load_state_dict()`` of hooked modules are FSDP2's: ``DTensor`` shards.
-
-    For the strategy's own code (DCP checkpoints, ``get_model_state_dict``, shape checks): it saves, loads and
-    reshards shards, and must not gather the model.
-    """
+    """Inside the block, hooked modules' state dicts are FSDP2's ``DTensor`` shards (the strategy's DCP code)."""
     _local.internal += 1
     try:
         yield
@@ -72,12 +50,10 @@ def sharded_state_dicts() -> Iterator[None]:
 
 
 def install(model: nn.Module, outer_unit: nn.Module | None = None) -> None:
-    """Hook ``model`` and its submodules so their state dicts are DDP's outside :func:`sharded_state_dicts`.
+    """Hook ``model``'s submodules so their state dicts are DDP's outside :func:`sharded_state_dicts`; idempotent.
 
-    ``outer_unit``: the outer FSDP unit around ``model``; a load first frees what a forward left gathered (plain tensors
-    in the parameter slots, e.g. a call outside a step with gradients on), so it fills the shards. Module-level
-    functions as hooks: a deep copy of the model (e.g. by a weight-averaging callback) keeps working hooks and
-    holds no reference to the strategy. Idempotent.
+    ``outer_unit``: a load first frees what a forward left gathered there, so it fills the shards. Module-level
+    hooks: a deep copy of the model (weight averaging) keeps working hooks and no reference to the strategy.
     """
     for module in model.modules():
         if next(module.parameters(), None) is None:
@@ -112,7 +88,10 @@ def _gather_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: st
     _agree_on_gather([(key, value) for key, value in state_dict.items() if key.startswith(prefix)])
     for key, value in state_dict.items():
         if key.startswith(prefix) and isinstance(value, DTensor):
-            state_dict[key] = _gathered(key, value)
+            try:
+                state_dict[key] = full_tensor_on_cpu(value)
+            except RuntimeError as error:
+                raise _gather_error(key, error) from error
         elif key.startswith(prefix) and torch.is_tensor(value):
             state_dict[key] = value.cpu()  # buffers FSDP leaves whole (BatchNorm statistics): all on the CPU
     # Packed projections split by tensor parallelism: the model's own row order, as DDP's state dict holds it.
@@ -132,14 +111,6 @@ def _agree_on_gather(items: list[tuple[str, Any]]) -> None:
 
 
 @torch.no_grad()
-def _gathered(key: str, value: DTensor) -> torch.Tensor:
-    try:
-        return full_tensor_on_cpu(value)
-    except RuntimeError as error:
-        raise _gather_error(key, error) from error
-
-
-@torch.no_grad()
 def full_tensor_on_cpu(value: DTensor) -> torch.Tensor:
     """The whole tensor behind ``value`` in host memory: a collective every rank of its mesh joins."""
     mesh_device = value.device_mesh.device_type
@@ -151,14 +122,9 @@ def full_tensor_on_cpu(value: DTensor) -> torch.Tensor:
 def gather_sharded_entries(
     checkpoint: dict[str, Any], keep: bool, packed: dict[str, tuple[int, int]] | None = None
 ) -> None:
-    """Replace, in place, every ``DTensor`` in ``checkpoint``'s values by its whole tensor (host memory).
-
-    For the one-file formats: rank 0's ``torch.save`` of a DTensor keeps rank 0's shard only (e.g. ShardedEMA's
-    ``ema_state_dict``), which then loads as the wrong values or not at all. Every rank must call it (one gather
-    per tensor, in the checkpoint's order, which is the same on every rank); ``keep=False`` (ranks that do not
-    write) drops each gathered tensor at once, so only the writer holds a full copy. ``packed``
-    (``row_layout.packed_rows`` of the model): projections whose gathered rows are turned into the model's own order.
-    """
+    """Every ``DTensor`` in ``checkpoint`` replaced in place by its whole CPU tensor (rank 0's ``torch.save`` of a
+    DTensor keeps its own shard only); a collective. ``keep=False``: gathered and dropped (ranks that do not
+    write). ``packed``: projections whose rows go back to the model's own order."""
     for key, value in checkpoint.items():
         sharded = isinstance(value, dict) and any(isinstance(v, DTensor) for v in value.values())
         checkpoint[key] = _gather_tree(value, keep)
@@ -200,11 +166,8 @@ def _shard_loaded_values(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
-    """A full plain tensor for a sharded slot becomes this rank's shard of it (torch's load then copies shards).
-
-    Values whose shape differs from the slot's stay as they are, so torch reports its usual size mismatch.
-    ``torch.nn.Module.load_state_dict`` loads from its own copy of the dict: the caller's dict is unchanged.
-    """
+    """A full plain tensor for a sharded slot becomes this rank's shard of it; other shapes stay for torch's own
+    size-mismatch error (torch loads from its own copy of the dict: the caller's is unchanged)."""
     if _local.internal:
         return
     slots = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]

@@ -1,5 +1,4 @@
-"""Loading into a sharded LightningModule: what the strategy's ``load_checkpoint`` runs, for a sharded folder of
-any world size or a single file (DDP's, or ``consolidate``'s)."""
+"""Loading into a sharded LightningModule: what the strategy's ``load_checkpoint`` runs."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from torch import nn
 
 from lightning_vitscale.checkpoint.formats import (
     META,
-    PathLike,
     load_full,
     model_shapes,
     sharded_entries,
@@ -37,24 +35,8 @@ def load_checkpoint(
     strict: bool,
     weights_only: bool | None,
 ) -> dict[str, Any]:
-    """Validate on every rank before the first collective, then load a sharded folder or a single file."""
-    with sharded_state_dicts():  # DTensors report global shapes ungathered; DCP loads into the shards
-        validate_against(location.url, model_shapes(module), strict=strict, weights_only=weights_only)
-        if location.is_file():
-            return load_full_into(location.url, module, optimizers, strict, weights_only)
-        return load_sharded(location, module, optimizers, strict, weights_only)
-
-
-def load_sharded(
-    location: Location,
-    module: nn.Module,
-    optimizers: list[torch.optim.Optimizer],
-    strict: bool,
-    weights_only: bool | None,
-) -> dict[str, Any]:
-    """Fill the module's and optimizers' shards from any world size's and any layout's checkpoint; returns
-    Lightning's metadata. Packed projections are read from the model's own row order into this run's per-rank
-    order (``row_layout.py``)."""
+    """Validate on every rank before the first collective, then fill the module's and optimizers' shards from a
+    folder of any world size and layout, or from a file; returns Lightning's metadata."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -62,40 +44,39 @@ def load_sharded(
         set_model_state_dict,
     )
 
-    metadata = read_metadata(location, weights_only)
-    checkpoint = load_member(location, META, weights_only)
-    packed = packed_rows(module)
-    request: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
-    require_optimizer_states(bool(saved_entries(metadata, "optimizer_0", "param_groups")), optimizers)
-    for i, optimizer in enumerate(optimizers):
-        with untouched_if_fresh(optimizer):
-            state: dict[str, Any] = dict(get_optimizer_state_dict(module, optimizer))
-        if not saved_entries(metadata, f"optimizer_{i}", "state"):
-            state["state"] = {}  # saved before its first step
-        state["param_groups"] = saved_param_groups(metadata, f"optimizer_{i}", state["param_groups"])
-        request[f"optimizer_{i}"] = state
-    load_into(request, location, weights_only, strict=strict, packed=packed)
-    set_model_state_dict(module, request.pop("state_dict"), options=StateDictOptions(strict=strict))
-    for i, optimizer in enumerate(optimizers):
-        set_optimizer_state(module, optimizer, request[f"optimizer_{i}"], StateDictOptions(cpu_offload=True))
-    checkpoint.update(sharded_entries(location, weights_only, packed))  # their owners load them into their DTensors
-    return checkpoint
+    with sharded_state_dicts():  # DTensors report global shapes ungathered; DCP loads into the shards
+        validate_against(location.url, model_shapes(module), strict=strict, weights_only=weights_only)
+        if location.is_file():
+            return _load_file(load_full(location, weights_only), module, optimizers, strict)
+        metadata = read_metadata(location, weights_only)
+        checkpoint = load_member(location, META, weights_only)
+        packed = packed_rows(module)
+        request: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
+        require_optimizer_states(bool(saved_entries(metadata, "optimizer_0", "param_groups")), optimizers)
+        for i, optimizer in enumerate(optimizers):
+            with untouched_if_fresh(optimizer):
+                state: dict[str, Any] = dict(get_optimizer_state_dict(module, optimizer))
+            if not saved_entries(metadata, f"optimizer_{i}", "state"):
+                state["state"] = {}  # saved before its first step
+            state["param_groups"] = saved_param_groups(metadata, f"optimizer_{i}", state["param_groups"])
+            request[f"optimizer_{i}"] = state
+        load_into(request, location, weights_only, strict=strict, packed=packed)
+        set_model_state_dict(module, request.pop("state_dict"), options=StateDictOptions(strict=strict))
+        for i, optimizer in enumerate(optimizers):
+            set_optimizer_state(module, optimizer, request[f"optimizer_{i}"], StateDictOptions(cpu_offload=True))
+        checkpoint.update(sharded_entries(location, weights_only, packed))  # their owners load them
+        return checkpoint
 
 
-def load_full_into(
-    path: PathLike,
-    module: nn.Module,
-    optimizers: list[torch.optim.Optimizer],
-    strict: bool,
-    weights_only: bool | None = None,
+def _load_file(
+    checkpoint: dict[str, Any], module: nn.Module, optimizers: list[torch.optim.Optimizer], strict: bool
 ) -> dict[str, Any]:
-    """Load a single-file checkpoint (e.g. written under DDP) into a sharded module; returns the rest."""
+    """DDP's one-file format: packed projections' rows from the model's own order into this run's."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    checkpoint = load_full(Location.of(path), weights_only)
     require_optimizer_states("optimizer_states" in checkpoint, optimizers)
     options = StateDictOptions(full_state_dict=True, strict=strict)
-    packed = packed_rows(module)  # in the model's own row order in the file: into this run's per-rank order
+    packed = packed_rows(module)
     weights = dict(checkpoint.pop("state_dict"))
     reorder_packed(weights, packed, to_model=False)
     set_model_state_dict(module, weights, options=options)

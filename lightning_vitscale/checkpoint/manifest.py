@@ -1,9 +1,8 @@
 """The marker file of a sharded folder as its manifest: which files a complete save holds, their sizes and CRC-32s.
 
-Written last (``commit.py``), so a folder is complete exactly when its marker exists and every file it lists is
-there with its size; a flipped byte or a truncated shard shows as a checksum or size mismatch naming the file.
-CRC-32 (``zlib``, ~1.4 GB/s on one core, see benchmarks/RESULTS.md) catches storage corruption, not tampering:
-the safe reader still guards against crafted pickles.
+Written last (``commit.py``): a folder is complete exactly when its marker exists and every listed file is there
+with its size. CRC-32 (``zlib``, ~1.4 GB/s on one core, benchmarks/RESULTS.md) catches storage corruption, not
+tampering: the safe reader still guards against crafted pickles.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ def file_sums(folder: Location, names: list[str]) -> dict[str, FileSum]:
 
 
 def write_manifest(folder: Location, files: dict[str, FileSum], saved: dict[str, Any]) -> None:
-    """The commit point of a save: written last, after every file it lists is complete."""
     listed = {name: {"size": s.size, "crc32": f"{s.crc32:08x}"} for name, s in sorted(files.items())}
     text = json.dumps({"format": FORMAT, "version": VERSION, **saved, "files": listed}, indent=1)
     with folder.child(SHARDED_MARKER).open("wb") as f:
@@ -51,7 +49,7 @@ def write_manifest(folder: Location, files: dict[str, FileSum], saved: dict[str,
 
 
 def read_manifest(folder: Location) -> dict[str, Any] | None:
-    """The marker's content; ``None`` when there is none or it is unreadable (a save that never committed)."""
+    """The marker's content; ``None`` when missing or unreadable (a save that never committed)."""
     marker = folder.child(SHARDED_MARKER)
     try:
         with marker.open("rb") as f:
@@ -63,8 +61,7 @@ def read_manifest(folder: Location) -> dict[str, Any] | None:
 
 
 def why_incomplete(folder: Location, checksums: bool) -> str | None:
-    """``None`` for a complete folder, else what is wrong, naming the file: no marker (the save never committed),
-    a listed file missing or of another size, or (``checksums``: every byte read) a CRC-32 mismatch."""
+    """``None`` for a complete folder, else what is wrong, naming the file (``checksums``: CRC-32s too)."""
     if not folder.is_dir():
         return "no such folder"
     manifest = read_manifest(folder)
@@ -79,7 +76,7 @@ def why_incomplete(folder: Location, checksums: bool) -> str | None:
 
 
 def file_problem(folder: Location, name: str, expected: dict[str, Any], size: int | None, checksum: bool) -> str | None:
-    """What is wrong with one listed file (``size``: as listed by the filesystem, ``None`` when missing)."""
+    """What is wrong with one listed file (``size``: the filesystem's, ``None`` when missing)."""
     if size is None:
         return f"{folder.child(name)} is missing"
     if size != expected["size"]:
@@ -90,7 +87,6 @@ def file_problem(folder: Location, name: str, expected: dict[str, Any], size: in
 
 
 def listed_files(folder: Location) -> dict[str, dict[str, Any]]:
-    """The files the manifest lists, with their saved size and CRC-32 (empty without a readable manifest)."""
     manifest = read_manifest(folder)
     return dict(manifest["files"]) if manifest else {}
 
@@ -104,9 +100,7 @@ READ_FIX = (
 
 def verify(folder: Location, required: bool = True, fix: str = READ_FIX) -> None:
     """Raise a ``CheckpointError`` naming the first missing, truncated or corrupt file of ``folder`` (every byte
-    read: ~1.4 GB/s), or (when ``required``) a folder without a manifest; ``required=False`` passes folders that have
-    none. Every whole-checkpoint read for use elsewhere (consolidate, export, fine-tuning weights, Lightning's
-    loaders) calls it before reading; ``fix``: what the user does next."""
+    read: ~1.4 GB/s), or a folder without a manifest unless not ``required``; ``fix``: what the user does next."""
     if not required and read_manifest(folder) is None:
         return
     problem = why_incomplete(folder, checksums=True)

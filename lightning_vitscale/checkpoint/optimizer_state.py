@@ -16,11 +16,8 @@ from lightning_vitscale.checkpoint.formats import as_full
 
 
 def rekey_by_position(optimizer_state: dict[str, Any], optimizer: torch.optim.Optimizer, module: nn.Module):
-    """torch-native optimizer state (params numbered across groups) -> keyed by parameter name, as DCP wants.
-
-    Numbers follow the optimizer's own parameter order, which is how torch assigned them when the checkpoint
-    was written by the same `configure_optimizers` (robust to param groups, unlike `model.parameters()` order).
-    """
+    """torch-native optimizer state -> keyed by parameter name, as DCP wants; numbers follow the optimizer's own
+    parameter order, as torch assigned them (not ``model.parameters()``'s, which param groups reorder)."""
     names = {id(p): n for n, p in module.named_parameters()}
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     state = {order[i] if isinstance(i, int) else i: v for i, v in optimizer_state["state"].items()}
@@ -40,9 +37,8 @@ def require_optimizer_states(present: bool, optimizers: list[torch.optim.Optimiz
 
 @contextmanager
 def untouched_if_fresh(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
-    """torch's optimizer state-dict functions initialise an optimizer that has never stepped by running a step
-    with zero gradients (Adam's step count becomes 1, so the first real step is bias-corrected as the second).
-    Under DDP a save before the first step (``lr_find`` does one) changes nothing: clear that state again."""
+    """torch's optimizer state-dict functions step a fresh optimizer with zero gradients (Adam's first real step
+    is then bias-corrected as the second); under DDP a save before the first step (``lr_find``) changes nothing."""
     fresh = not optimizer.state
     try:
         yield fresh
@@ -52,8 +48,7 @@ def untouched_if_fresh(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
 
 
 def set_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], options) -> None:
-    """Like ``optimizer.load_state_dict`` under DDP: the saved param groups replace the current ones (keys added
-    since the save, such as a scheduler's ``initial_lr``, go), and a state saved before the first step stays empty."""
+    """Like ``optimizer.load_state_dict`` under DDP: the saved param groups win; a never-stepped state stays empty."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     if state["state"]:
@@ -83,9 +78,8 @@ def to_torch_format(optimizer_state: dict[str, Any]) -> dict[str, Any]:
 
 
 def saved_param_groups(metadata: Metadata, key: str, current: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Request exactly the param-group entries the checkpoint holds, as ``Optimizer.load_state_dict`` takes the
-    saved groups under DDP. A key added since the save (an LR scheduler's ``initial_lr``, attached by
-    ``lr_find`` after its temporary save) is dropped instead of failing DCP's strict load."""
+    """Request exactly the param-group entries the checkpoint holds: a key added since the save (a scheduler's
+    ``initial_lr``, after ``lr_find``'s temporary save) is dropped instead of failing DCP's strict load."""
     saved: dict[int, set[str]] = {}
     for path in saved_entries(metadata, key, "param_groups"):
         if len(path) == 4:

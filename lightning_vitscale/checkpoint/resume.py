@@ -1,19 +1,8 @@
-"""``fit(ckpt_path="last")`` and ``VitScaleStrategy(auto_resume=True)`` find the newest *complete* checkpoint.
-
-The strategy's launcher (``lightning/launcher.py``) asks here before Lightning resolves the path:
-
-* ``"last"`` (:func:`last_path`): each ``last*.ckpt`` name in the ModelCheckpoint folders, also one present only as
-  the ``.partial`` folder an interrupted save left, becomes its newest complete checkpoint
-  (``commit.newest_complete``); incomplete ones are skipped with a log line saying why. The folder's other
-  complete checkpoints become the load's fallbacks (a corrupt ``last.ckpt`` then loads the newest intact save),
-  and when a ``last*.ckpt`` was saved but no copy of it is complete, the newest complete checkpoint there stands in
-  for it, with a warning, rather than a silent start from scratch.
-* ``auto_resume`` (:func:`auto_resume_path`), when fitting: like Composer's ``autoresume``, a complete checkpoint
-  found in the ModelCheckpoint folders wins over ``ckpt_path`` (the same command resubmitted after a failure
-  resumes where it stopped); ``ckpt_path`` is used only when none is found.
-
-Both check presence and sizes here; CRC-32s are checked when the strategy loads (``verified.py``), shared by the
-ranks, falling back to the next-newest complete candidate named here if a file is corrupt.
+"""``fit(ckpt_path="last")`` and ``VitScaleStrategy(auto_resume=True)`` find the newest *complete* checkpoint, for
+the strategy's launcher (``lightning/launcher.py``), before Lightning resolves the path. Incomplete candidates are
+skipped with a log line saying why; when no copy of a saved ``last*.ckpt`` is complete, the newest other complete
+checkpoint stands in, with a warning, never a silent start from scratch. The others become the load's fallbacks
+should the chosen one fail its CRC-32 check (``verified.py``).
 """
 
 from __future__ import annotations
@@ -34,8 +23,7 @@ CHECKPOINT_EXTENSION = ModelCheckpoint.FILE_EXTENSION
 
 
 def complete_checkpoints(folder: Location, accept: Callable[[str], bool]) -> list[Location]:
-    """The newest complete checkpoint of every name in ``folder`` that ``accept`` takes (a ``.partial`` folder
-    counts for the name it was saved for), newest save first; skipped candidates are logged."""
+    """The newest complete checkpoint of every name in ``folder`` that ``accept`` takes, newest save first."""
     if not folder.is_dir():
         return []
     targets = {target_of(folder.child(name)) for name in folder.names()}
@@ -52,7 +40,7 @@ def complete_checkpoints(folder: Location, accept: Callable[[str], bool]) -> lis
 
 
 def saved_time(location: Location) -> float:
-    """When a checkpoint was completed: its marker's modification time (folders), else the file's."""
+    """When a checkpoint was completed: its marker's modification time, or a file's own."""
     marker = location.child(SHARDED_MARKER)
     stamped = marker if location.is_dir() and marker.exists() else location
     return float(stamped.fs.modified(stamped.path).timestamp())
@@ -72,15 +60,8 @@ def path_for_lightning(location: Location) -> str:
     return location.path if not location.is_url else location.url
 
 
-def _names_last(callback: ModelCheckpoint, folder: Location) -> bool:
-    """Whether ``folder`` holds anything saved as a ``last*.ckpt``, complete or not."""
-    return any(_is_last(callback, PurePath(target_of(folder.child(n)).path).name) for n in folder.names())
-
-
 def last_path(trainer: Any) -> tuple[Location | None, list[Location]]:
-    """``ckpt_path="last"``'s newest complete candidate in the trainer's ModelCheckpoint folders (with the
-    ``OnExceptionCheckpoint`` files, which Lightning counts too; ``None``: none), and the folders' other complete
-    checkpoints, newest first (the load's fallbacks)."""
+    """``ckpt_path="last"``'s newest complete candidate (``OnExceptionCheckpoint``'s too) and the fallbacks."""
     last: list[Location] = []
     others: list[Location] = []
     for callback in trainer.checkpoint_callbacks:
@@ -96,13 +77,11 @@ def last_path(trainer: Any) -> tuple[Location | None, list[Location]]:
 
 
 def last_with_fallbacks(callback: ModelCheckpoint, folder: Location) -> tuple[list[Location], list[Location]]:
-    """The complete ``last*.ckpt`` candidates of ``callback`` in ``folder`` and the other complete checkpoints
-    there (newest first), to load if the chosen one fails its CRC-32 check. When ``last*.ckpt`` was saved but no
-    copy of it is complete (a truncated shard, an interrupted first save), the newest other complete checkpoint
-    stands in for it, with a warning: DDP would fail on the damaged file, never silently start from scratch."""
+    """The complete ``last*.ckpt`` candidates of ``callback`` in ``folder`` and the other complete checkpoints."""
     last = complete_checkpoints(folder, functools.partial(_is_last, callback))
     others = complete_checkpoints(folder, lambda name: _is_checkpoint(name) and not _is_last(callback, name))
-    if not last and others and _names_last(callback, folder):
+    saved_last = any(_is_last(callback, PurePath(target_of(folder.child(n)).path).name) for n in folder.names())
+    if not last and others and saved_last:
         rank_zero_warn(
             f"ckpt_path='last': no complete {callback.CHECKPOINT_NAME_LAST}{CHECKPOINT_EXTENSION} in {folder} (the"
             f" lines above say why); resuming from the newest complete checkpoint there instead: {others[0]}."
@@ -112,8 +91,7 @@ def last_with_fallbacks(callback: ModelCheckpoint, folder: Location) -> tuple[li
 
 
 def auto_resume_path(trainer: Any) -> tuple[Location | None, list[Location]]:
-    """The newest complete checkpoint in the folders of the trainer's ModelCheckpoint callbacks (``None``: none),
-    and the older complete ones, newest first (the load's fallbacks)."""
+    """The newest complete checkpoint in the ModelCheckpoint folders and the load's fallbacks, newest first."""
     callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
     if not callbacks or any(cb.dirpath is None for cb in callbacks):
         raise ValueError(

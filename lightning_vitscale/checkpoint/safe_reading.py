@@ -1,14 +1,9 @@
 """The one safe reader: every read of a checkpoint (files, DCP metadata, DCP values) honours ``weights_only`` and
 stays inside the checkpoint folder.
 
-Reading follows torch's rule for ``weights_only``: ``None`` means torch's default (``True`` unless
-``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is set), so a crafted file cannot run code on load. DCP itself unpickles its
-``.metadata`` and its non-tensor values without restriction (its default load planner uses
-``weights_only=False``) and reads whatever file its metadata names; the reader and planners here apply the
-``weights_only`` rule to every pickle and confine every file to the folder (``confinement.py``). Every loader of
-the package reads through :func:`read_metadata`, :func:`load_into`, :func:`load_all`, :func:`load_pickle` and
-:func:`load_safetensors`, and
-every failure inside DCP comes out as a ``CheckpointError`` naming the path (DCP raises a ``BaseException``).
+``weights_only=None`` is torch's default (``True`` unless ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``). DCP itself
+unpickles its ``.metadata`` and non-tensor values unrestricted and reads any file its metadata names; the reader
+and planners here apply the rule to every pickle and confine every file to the folder (``confinement.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ import os
 import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import IO, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -42,14 +37,6 @@ def resolve_weights_only(weights_only: bool | None) -> bool:
     return os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() not in ("1", "y", "yes", "true")
 
 
-def torch_load(location: Location, weights_only: bool | None, mmap: bool = False) -> Any:
-    """``torch.load`` of one file, local or remote; ``weights_only`` passed through to torch as given."""
-    if mmap and not location.is_url:
-        return torch.load(location.path, mmap=True, map_location="cpu", weights_only=weights_only)
-    with location.open("rb") as f:
-        return torch.load(f, map_location="cpu", weights_only=weights_only)
-
-
 # What DCP's own `.metadata` pickle is made of; anything else (an os.system call, a user class) is refused.
 _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -59,12 +46,8 @@ _METADATA_CLASSES = {
     (StorageInfo.__module__, StorageInfo.__name__),  # private torch classes DCP pickles: named by _compat
     (get_layout.__module__, get_layout.__name__),
     ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib._local", "PosixPath"),  # Python >= 3.13
-    ("pathlib._local", "WindowsPath"),
     ("collections", "OrderedDict"),
-}
+} | {(module, path) for module in ("pathlib", "pathlib._local") for path in ("PosixPath", "WindowsPath")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -83,13 +66,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def read_dcp_metadata(stream: IO[bytes], weights_only: bool) -> dcp_metadata.Metadata:
-    metadata = _MetadataUnpickler(stream).load() if weights_only else pickle.load(stream)
-    if not isinstance(metadata, dcp_metadata.Metadata):
-        raise pickle.UnpicklingError(f"{DCP_METADATA} holds a {type(metadata).__name__}, not DCP metadata.")
-    return metadata
-
-
 class _SafeMetadataMixin:
     weights_only: bool
     location: Location
@@ -99,7 +75,9 @@ class _SafeMetadataMixin:
         rank = kwargs.get("rank")
         name = DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
         with member(self.location, name).open("rb") as stream:
-            metadata = read_dcp_metadata(stream, self.weights_only)
+            metadata = _MetadataUnpickler(stream).load() if self.weights_only else pickle.load(stream)
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise pickle.UnpicklingError(f"{DCP_METADATA} holds a {type(metadata).__name__}, not DCP metadata.")
         check_storage(self.location, metadata.storage_data)  # before any collective: every rank reads it
         storage_meta = getattr(metadata, "storage_meta", None) or dcp_metadata.StorageMeta()
         storage_meta.load_id = self.load_id
@@ -116,13 +94,15 @@ class _SafeFsspecReader(_SafeMetadataMixin, FsspecReader):
 
 
 class _SafeBytesMixin:
-    """DCP stores every non-tensor value (param-group hyper-parameters, ...) with ``torch.save`` and loads it with
-    ``weights_only=False``; load it under the caller's rule first, and hand DCP only a re-saved safe copy. A value
-    the metadata declares as bytes where the caller asked for a tensor is refused: DCP would replace the tensor
-    in its dict by whatever the bytes hold, and the caller's tensor would silently keep its old value."""
+    """DCP loads non-tensor values (param-group hyper-parameters) with ``weights_only=False``: load them under the
+    caller's rule first and hand DCP a re-saved copy. Bytes where the caller has a tensor are refused (DCP would
+    replace the tensor in its dict, leaving the caller's silently unloaded)."""
 
-    weights_only: bool
     state_dict: dict[str, Any]
+
+    def __init__(self, weights_only: bool | None, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.weights_only = resolve_weights_only(weights_only)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
@@ -140,23 +120,15 @@ class _SafeBytesMixin:
 
 
 class SafeLoadPlanner(_SafeBytesMixin, OwnLayoutLoadPlanner):
-    """DCP's default load planner under the ``weights_only`` rule; ``packed`` projections read from the model's
-    own row order into this run's per-rank order (``row_layout.py``)."""
-
-    def __init__(self, weights_only: bool | None, packed: PackedRows | None = None, **kwargs: Any) -> None:
-        super().__init__(packed, **kwargs)
-        self.weights_only = resolve_weights_only(weights_only)
+    """DCP's default load planner under the ``weights_only`` rule, packed rows read in the model's own order."""
 
 
 class SafeEmptyLoadPlanner(_SafeBytesMixin, EmptyStateDictLoadPlanner):
-    def __init__(self, weights_only: bool | None) -> None:
-        super().__init__()
-        self.weights_only = resolve_weights_only(weights_only)
+    """DCP's whole-checkpoint load planner under the ``weights_only`` rule."""
 
 
 def safe_reader(location: Location, weights_only: bool | None) -> FileSystemReader:
-    """DCP's storage reader for ``location`` whose ``.metadata`` is unpickled under the ``weights_only`` rule and
-    whose storage table is confined to the folder (every file inside it, present and long enough)."""
+    """DCP's storage reader, its ``.metadata`` unpickled under the ``weights_only`` rule, its files confined."""
     safe = resolve_weights_only(weights_only)
     reader = _SafeFsspecReader(location.url) if location.is_url else _SafeFileSystemReader(location.path)
     reader.weights_only = safe
@@ -167,7 +139,10 @@ def safe_reader(location: Location, weights_only: bool | None) -> FileSystemRead
 def load_pickle(location: Location, weights_only: bool | None, mmap: bool = False) -> Any:
     """``torch.load`` whose failure says whether the file is unreadable or holds objects weights_only refuses."""
     try:
-        return torch_load(location, weights_only, mmap=mmap)
+        if mmap and not location.is_url:
+            return torch.load(location.path, mmap=True, map_location="cpu", weights_only=weights_only)
+        with location.open("rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=weights_only)
     except Exception as error:  # noqa: BLE001
         unsafe = _unsafe_globals(location)
         if unsafe:
@@ -176,14 +151,12 @@ def load_pickle(location: Location, weights_only: bool | None, mmap: bool = Fals
                 " Only if you trust this file: pass weights_only=False (e.g. trainer.fit(model, ckpt_path=...,"
                 " weights_only=False)), or allow the classes with torch.serialization.add_safe_globals([...])."
             ) from error
-        raise CheckpointError(
-            f"{location} is not a readable checkpoint file (truncated or foreign?): {error}"
-        ) from error
+        detail = f"{location} is not a readable checkpoint file (truncated or foreign?): {error}"
+        raise CheckpointError(detail) from error
 
 
 def load_safetensors(location: Location) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """A ``.safetensors`` file's tensors (CPU) and its string metadata. The format holds tensors and a JSON header
-    only, nothing to execute, so ``weights_only`` has nothing to restrict; a garbled file names itself."""
+    """A ``.safetensors`` file's CPU tensors and string metadata (nothing to execute: no ``weights_only``)."""
     from safetensors import SafetensorError
     from safetensors.torch import load
 
@@ -210,7 +183,12 @@ def _unsafe_globals(location: Location) -> list[str]:
 
 def read_metadata(location: Location, weights_only: bool | None) -> dcp_metadata.Metadata:
     """DCP's ``.metadata`` of the folder ``location``, under the ``weights_only`` rule, its files checked."""
-    return safe_reader(location, weights_only).read_metadata()
+    try:
+        return safe_reader(location, weights_only).read_metadata()
+    except CheckpointError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a refused or garbled pickle means the same thing to the user
+        raise CheckpointError(f"{location} is not a readable checkpoint: {error}") from error
 
 
 def load_into(
@@ -220,9 +198,8 @@ def load_into(
     strict: bool = True,
     packed: PackedRows | None = None,
 ) -> None:
-    """``dcp.load`` of ``state`` (a collective over the default group): tensors filled in place, other values
-    replaced; ``strict=False`` leaves keys the checkpoint lacks untouched. ``packed``: this run's projections in
-    per-rank row order (``row_layout.packed_rows``), read from the model's own order that the checkpoint holds."""
+    """``dcp.load`` of ``state`` (a collective): tensors filled in place, other values replaced; ``strict=False``
+    leaves keys the checkpoint lacks untouched. ``packed``: ``row_layout.packed_rows`` of the loading model."""
     planner = SafeLoadPlanner(weights_only, packed, allow_partial_load=not strict)
     with named_failures(location):
         dcp.load(state, storage_reader=safe_reader(location, weights_only), planner=planner)
@@ -244,8 +221,7 @@ def load_member(folder: Location, name: str, weights_only: bool | None) -> Any:
 
 @contextmanager
 def named_failures(location: Location) -> Iterator[None]:
-    """DCP re-raises any rank's failure as a ``CheckpointException`` (a ``BaseException``: ``except Exception``
-    misses it) on every rank; raise a ``CheckpointError`` naming the path, the cause and the fix instead."""
+    """DCP's ``CheckpointException`` (a ``BaseException``) as a ``CheckpointError`` naming path, cause and fix."""
     try:
         yield
     except CheckpointException as error:
@@ -253,7 +229,7 @@ def named_failures(location: Location) -> Iterator[None]:
         own = next((cause for cause in causes if isinstance(cause, CheckpointError)), None)
         if own is not None:
             raise CheckpointError(str(own)) from error
-        if any(_refused_global(cause) for cause in causes):
+        if any("Weights only load failed" in str(c) and "global" in str(c).lower() for c in causes):  # not garbled
             raise CheckpointError(
                 f"{location} holds a value that loading with weights_only=True refuses: {error}. Only if you trust"
                 " this checkpoint: pass weights_only=False (CLI: `python -m lightning_vitscale consolidate"
@@ -265,17 +241,9 @@ def named_failures(location: Location) -> Iterator[None]:
         ) from error
 
 
-def _refused_global(cause: BaseException) -> bool:
-    """A pickle weights-only loading refused for what it would build (not for garbled bytes)."""
-    text = str(cause)
-    return "Weights only load failed" in text and "global" in text.lower()
-
-
 def load_restricted(location: Location, pickle_module: Any) -> Any:
-    """``torch.load`` of one file through ``pickle_module``, a restricted unpickler its caller built (the FSDP1
-    import's inert ``ShardedTensor`` records, ``fsdp1/sharded_tensor_pickle.py``): every checkpoint read still goes
-    through this module. ``weights_only=False`` here is what lets torch take a custom unpickler; the restriction is
-    the unpickler's own. A refused global or garbled bytes raise a ``CheckpointError`` naming the file."""
+    """``torch.load`` through ``pickle_module``, a restricted unpickler its caller built (``fsdp1/``):
+    ``weights_only=False`` is what lets torch take it; the restriction is the unpickler's own."""
     try:
         with location.open("rb") as f:
             return torch.load(f, map_location="cpu", pickle_module=pickle_module, weights_only=False)

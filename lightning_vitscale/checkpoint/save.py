@@ -1,14 +1,12 @@
 """Saving a sharded LightningModule: what the strategy's ``save_checkpoint`` and ``remove_checkpoint`` run.
 
-Two formats. ``"sharded"`` (default): every rank writes its own DCP shards and hashes them, nobody gathers the
-model, and ``commit.py`` makes the save atomic. ``"full"``: one ``torch.save`` file in DDP's format (plain
-LightningModule keys, torch-native optimizer state), gathered one tensor at a time so no device ever holds more
-than one full parameter beyond its shards.
+``"sharded"`` (default): every rank writes and hashes its own DCP shards, nobody gathers the model, ``commit.py``
+makes the save atomic. ``"full"``: one file in DDP's format, gathered one tensor at a time (no device holds more
+than one full parameter beyond its shards).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from functools import partial
 from typing import Any, cast
@@ -32,8 +30,7 @@ from lightning_vitscale.row_layout import OwnLayoutSavePlanner, packed_rows, reo
 
 
 def model_state_dict(module: nn.Module, full: bool) -> dict[str, Any]:
-    """Keyed like the plain LightningModule. ``full``: gathered tensor by tensor (each ``full_tensor()`` is a
-    collective every rank joins), copied to CPU on rank 0 only; the other ranks return an empty dict."""
+    """Keyed like the plain LightningModule; ``full``: gathered tensor by tensor (a collective) to the CPU."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     with sharded_state_dicts():  # DCP gathers (full) or saves the shards itself
@@ -76,15 +73,18 @@ def save_checkpoint(
     saves: AsyncSaves | None = None,
     packed: dict[str, tuple[int, int]] | None = None,
 ) -> None:
-    """``"sharded"``: every rank writes its own shards, atomically; ``"full"``: rank 0 writes one file with
-    Lightning's CheckpointIO (``write_full``), as DDP does, with every sharded entry (e.g. ShardedEMA's) gathered
-    into whole tensors first, so the file holds what DDP's would (``packed``: ``row_layout.packed_rows`` of the model,
-    whose per-rank rows those entries get back in the model's own order)."""
+    """``"sharded"``: :func:`save_sharded`; ``"full"``: rank 0 writes one file with Lightning's CheckpointIO
+    (``write_full``), as DDP does, every sharded entry (ShardedEMA's) gathered first, as DDP's file holds it.
+    ``packed``: ``row_layout.packed_rows`` of the model."""
     if saves is not None:
         saves.wait()  # at most one in flight: the previous save commits before this one touches any folder
     if settings.full:
         gather_sharded_entries(checkpoint, keep=is_rank_zero, packed=packed or {})
-        save_full(location, is_rank_zero, write_full, barrier)
+        if is_rank_zero:
+            if location.is_dir():
+                retire(location)  # a sharded folder from an earlier save under the same name
+            write_full()
+        barrier()
         return
     if storage_options is not None:
         raise TypeError(
@@ -103,13 +103,10 @@ def save_sharded(
     saves: AsyncSaves | None = None,
     packed: dict[str, tuple[int, int]] | None = None,
 ) -> None:
-    """Every rank writes its own shards into ``<path>.partial`` and hashes its share of the files; rank 0 writes
-    Lightning's metadata and commits (``commit.py``). A crash at any point leaves the newest complete checkpoint
-    findable (``ckpt_path="last"``, or ``path`` itself) and a ``.partial`` folder that never loads unless its
-    save committed. With ``saves`` the shards are copied into host memory here and written, hashed and committed
-    in the background (``async_save.py``), the commit after every rank's write. ``packed`` projections (held in
-    per-rank row order) are written in the model's own order (``row_layout.py``): the folder loads under any
-    tensor-parallel layout."""
+    """Every rank writes its shards into ``<path>.partial`` and hashes its share of the files; rank 0 writes
+    Lightning's metadata and commits (``commit.py``: no crash point loses the newest complete checkpoint). With
+    ``saves`` the shards are copied to host memory here and written, hashed and committed in the background.
+    ``packed`` projections are written in the model's own row order: the folder loads under any layout."""
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     tensors.update(pop_sharded_entries(checkpoint))  # e.g. ShardedEMA's ema_state_dict
@@ -140,40 +137,21 @@ def _hash_and_commit(
     metadata: Any,
     gather: Gather,
 ) -> None:
-    """Every rank, once every rank's shards and DCP's ``.metadata`` are in ``staging``: hash this rank's share of
-    the files (``gather``: every rank's sums, on every rank), then rank 0 commits."""
-    files = hash_share(staging, metadata, dataclasses.replace(group, all_gather_objects=gather))
+    """Every rank, once all shards and DCP's ``.metadata`` are in ``staging``: hash every ``world_size``-th file
+    (rank 0 also both metadata files), right after it was written, while it is cached; share the sums through
+    ``gather``; rank 0 commits."""
+    shards = sorted({info.relative_path for info in metadata.storage_data.values()})
+    mine = shards[group.rank :: group.world_size] + ([DCP_METADATA, META] if group.rank == 0 else [])
+    files: dict[str, FileSum] = {}
+    for sums in gather(file_sums(staging, mine)):
+        files.update(sums)
     if group.rank == 0:
         commit(staging, location, files, saved)
 
 
-def hash_share(staging: Location, metadata: Any, group: RankContext) -> dict[str, FileSum]:
-    """Every rank hashes every ``world_size``-th shard file (rank 0 also DCP's and Lightning's metadata, which it
-    wrote); all ranks' sums, merged. Each file is read once, right after it was written, while it is cached."""
-    shards = sorted({info.relative_path for info in metadata.storage_data.values()})
-    mine = shards[group.rank :: group.world_size] + ([DCP_METADATA, META] if group.rank == 0 else [])
-    merged: dict[str, FileSum] = {}
-    for sums in group.all_gather_objects(file_sums(staging, mine)):
-        merged.update(sums)
-    return merged
-
-
-def save_full(location: Location, is_rank_zero: bool, write: Callable[[], None], barrier: Callable[[], None]) -> None:
-    """Rank 0 writes the gathered checkpoint with Lightning's CheckpointIO (``write``), exactly as DDP does."""
-    if is_rank_zero and location.is_dir():
-        retire(location)  # a sharded folder from an earlier save under the same name
-    if is_rank_zero:
-        write()
-    barrier()
-
-
 def remove_checkpoint(location: Location, is_rank_zero: bool, barrier: Callable[[], None]) -> None:
-    """Remove a checkpoint file or sharded folder once every rank is done with it (rank 0 deletes).
-
-    The first barrier waits for ranks still reading or writing the folder; the caller's broadcast of the path
-    does that only on gloo (whose broadcast returns on the root once every rank joined it), not on NCCL, which
-    does not wait on the host. The second one keeps any rank from going on while the folder still exists.
-    """
+    """Rank 0 removes a checkpoint between two barriers: the first waits for ranks still using it (the caller's
+    broadcast of the path does only on gloo, not NCCL), the second keeps every rank until it is gone."""
     barrier()
     if is_rank_zero:
         for candidate in candidates(location):  # with what an interrupted save to it left

@@ -47,10 +47,9 @@ class CheckpointSettings:
                 " per-rank shards, the default) or 'full' (one file in DDP's format that"
                 " `MyModule.load_from_checkpoint` reads)."
             )
-        if not isinstance(self.auto_resume, bool):
-            raise TypeError(f"`auto_resume` must be True or False; got {self.auto_resume!r}.")
-        if not isinstance(self.async_save, bool):
-            raise TypeError(f"`async_save` must be True or False; got {self.async_save!r}.")
+        for name, value in (("auto_resume", self.auto_resume), ("async_save", self.async_save)):
+            if not isinstance(value, bool):
+                raise TypeError(f"`{name}` must be True or False; got {value!r}.")
         if self.async_save and self.full:
             raise ValueError(
                 "`async_save=True` writes sharded checkpoints in the background; state_dict_type='full' gathers the"

@@ -1,8 +1,5 @@
-"""Where checkpoints live: local paths or fsspec URLs (``s3://``, ``gs://``, ``memory://``), written atomically.
-
-Lightning saves through fsspec, so a checkpoint location is an fsspec filesystem plus a path. Reading goes
-through ``safe_reading.py`` only.
-"""
+"""Where checkpoints live: local paths or fsspec URLs (``s3://``, ``gs://``, ``memory://``), as Lightning saves.
+Reading goes through ``safe_reading.py`` only."""
 
 from __future__ import annotations
 
@@ -21,9 +18,7 @@ from lightning_vitscale._compat import FsspecWriter
 DCP_METADATA = ".metadata"
 
 
-# Written last into every sharded folder this package saves (its manifest: checkpoint/manifest.py): what tells
-# Lightning's loaders (lightning/loaders.py) that a folder is ours, without unpickling anything; Lightning's own
-# FSDP folders and others lack it.
+# The manifest (manifest.py), written last: tells Lightning's loaders a folder is ours without unpickling anything.
 SHARDED_MARKER = "lightning_vitscale.json"
 
 
@@ -77,7 +72,7 @@ class Location:
         return self.fs.open(self.path, mode)
 
     def writer(self) -> FileSystemWriter:
-        """DCP's writer for this folder; the ``Metadata`` that ``dcp.save`` returns lists the written files."""
+        """DCP's writer; the ``Metadata`` its ``dcp.save`` returns lists the written files (``storage_data``)."""
         return FsspecWriter(self.url) if self.is_url else FileSystemWriter(self.path)
 
 

@@ -1,9 +1,6 @@
-"""The strategy's checkpoint side: each checkpoint hook of ``VitScaleStrategy`` calls one method of this object.
-
-It owns the checkpoint settings, the async saves (one in flight at most, raised at the next training step, waited
-for at the end of ``fit`` and before any load or removal), the resume fallbacks that ``checkpoint/resume.py``
-hands it, the broadcast of every path from rank 0 (the ranks may have formatted it differently), how the ranks
-share the hashing of a save (the rank context) and whether a save runs in the background.
+"""The strategy's checkpoint side: each checkpoint hook of ``VitScaleStrategy`` calls one method of this object,
+which owns the settings, the async saves, the resume fallbacks and the broadcast of every path from rank 0 (the
+ranks may have formatted it differently).
 """
 
 from __future__ import annotations
@@ -43,8 +40,7 @@ class StrategyCheckpoints:
         self._told_how_to_consolidate = False
 
     def resume_with_fallbacks(self, fallbacks: list[Location]) -> None:
-        """Older complete checkpoints that ``auto_resume`` / ``ckpt_path="last"`` found (``resume.py``), tried in
-        order if the chosen one fails its CRC-32 check at the next load, which consumes them."""
+        """Older complete checkpoints (``resume.py``) the next load tries if the chosen one fails its CRC-32s."""
         self._fallbacks = list(fallbacks)
 
     @property
@@ -65,10 +61,7 @@ class StrategyCheckpoints:
         self, checkpoint: dict[str, Any], filepath: Any, *, ranks: RankContext, write_full: Any,
         storage_options: Any | None, trainer: Any,
     ) -> None:
-        """``"sharded"``: every rank writes its own shards, atomically; ``"full"``: rank 0 writes one file, as DDP
-        (with Lightning's CheckpointIO: ``write_full``). ``trainer``: the Trainer saving its LightningModule, whose
-        state says whether the save may run in the background. Either holds the model's own layout: packed
-        projections' per-rank rows are written in the model's order (``row_layout.py``)."""
+        """``trainer``'s state says whether the save may run in the background (``save.save_checkpoint``)."""
         location = Location.of(ranks.broadcast(str(filepath)))
         saves = self.saves if self._saves_in_background(trainer) else None
         save_checkpoint(
@@ -80,8 +73,7 @@ class StrategyCheckpoints:
             rank_zero_info(sharded_save_hint(location))
 
     def _saves_in_background(self, trainer: Any) -> bool:
-        """``async_save`` applies while ``fit`` runs, which waits for the last save; any other save (after ``fit``,
-        from ``validate``) is written before it returns, as without the option."""
+        """Only while ``fit`` runs (which waits for the last save); other saves are written before returning."""
         return (
             self.settings.async_save
             and trainer is not None
@@ -93,15 +85,9 @@ class StrategyCheckpoints:
         self, checkpoint_path: Any, module: Any, optimizers: list[torch.optim.Optimizer], weights_only: bool | None,
         *, ranks: RankContext,
     ) -> dict[str, Any]:
-        """Load a sharded checkpoint (any world size) or a single file (e.g. from DDP or ``consolidate``).
-
-        Every rank validates keys and shapes before the first collective, so a wrong path or model fails
-        with the same message everywhere instead of leaving ranks waiting on each other. ``weights_only=None``
-        is torch's default (True), as under DDP, for every pickle read (files, ``meta.pt``, DCP metadata).
-        A path whose save was interrupted loads the newest complete checkpoint saved to it; a sharded folder's
-        CRC-32s are checked first, shared by the ranks (``verified.py``), falling back to the resume fallbacks.
-        Any tensor-parallel layout loads any checkpoint (``row_layout.py``).
-        """
+        """A sharded folder (any world size or layout) or a single file (DDP's, ``consolidate``'s): the newest
+        complete checkpoint saved to the path, its CRC-32s checked (``verified.py``), keys and shapes validated on
+        every rank before the first collective (a wrong path fails alike everywhere, no rank left waiting)."""
         assert module is not None
         self.saves.wait()
         location = Location.of(ranks.broadcast(str(checkpoint_path)))
@@ -128,8 +114,7 @@ T = TypeVar("T")
 
 
 class OnCheckpointSide(Generic[T]):
-    """A public strategy attribute kept on its checkpoint side (``strategy.checkpoints``): ``"settings"`` (the
-    strategy's ``checkpoint_settings``) or ``"state_dict_type"``, read and set there."""
+    """A public strategy attribute (``checkpoint_settings``, ``state_dict_type``) kept on its checkpoint side."""
 
     def __init__(self, field: Literal["settings", "state_dict_type"]) -> None:
         self.field = field

@@ -21,10 +21,8 @@ def checksum_problem(folder: Location, group: RankContext) -> str | None:
 
 
 def verified_checkpoint(location: Location, fallbacks: list[Location], group: RankContext) -> Location:
-    """``location``'s newest complete checkpoint (an interrupted save may have left it as ``.partial``), CRC-checked;
-    if it is corrupt, the first intact one of ``fallbacks`` (what ``auto_resume``/``"last"`` also found), each
-    skip logged. Raises a ``CheckpointError`` naming the corrupt file when nothing intact is left; a path with
-    no complete checkpoint at all goes on to the loader, whose error names it."""
+    """``location``'s newest complete checkpoint, CRC-checked, else the first intact one of ``fallbacks``; a
+    ``CheckpointError`` naming the corrupt file when none is left. No complete one at all: the loader says so."""
     candidates = [location, *(f for f in fallbacks if f != location)]
     for candidate in candidates:
         newest, skipped = newest_complete(candidate)

@@ -1,9 +1,8 @@
-"""A checkpoint's weights as published files: one submodule's trained, EMA-averaged or DINO-teacher weights read
-from a sharded folder, a ``.ckpt`` or a state-dict file (``weights.py``: :func:`read_weights`, the ``safetensors``
-file) and written as an HF folder, a timm folder or a torchvision file, each checked against the model its own
-library builds (``targets.py``). What ``python -m lightning_vitscale export`` and the examples' fine-tuning read.
+"""A checkpoint's weights as published files: one submodule's trained, EMA or DINO-teacher weights
+(``weights.py``) as ``safetensors``, an HF folder, a timm folder or a torchvision file (``targets.py``). What
+``python -m lightning_vitscale export`` and the examples' fine-tuning read.
 
-May import the core checkpoint modules (the safe reader, consolidation) and ``_compat``; the core never imports it.
+May import the core checkpoint modules and ``_compat``; the core never imports it.
 """
 
 from lightning_vitscale.checkpoint.export.targets import (

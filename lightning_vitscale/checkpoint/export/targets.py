@@ -1,11 +1,7 @@
-"""The library formats of an export: an HF folder ``from_pretrained`` reads, a timm folder
-(``timm.create_model("local-dir:DIR")`` or ``pretrained_cfg_overlay=dict(file=DIR/model.safetensors)``) and a
-torchvision state-dict file, each checked name by name and shape by shape against the model its own library builds.
-
-Where each format's description comes from: an HF folder's ``config.json`` is the ``config`` of the submodule
-itself, built on the meta device from the LightningModule class and the checkpoint's saved hyper-parameters
-(:func:`build_submodule`); timm and torchvision name their architecture (``arch``, ``arch_args``): timm writes its
-own ``config.json`` for it (``save_config_for_hf``), torchvision files are plain state dicts, as its hub's.
+"""The library formats of an export, each checked name by name and shape by shape against the model its own
+library builds: an HF folder ``from_pretrained`` reads (``config.json`` from the submodule itself, built on the
+meta device: :func:`build_submodule`), a timm folder (``timm.create_model("local-dir:DIR")``) and a torchvision
+state-dict file (both named by ``arch``, ``arch_args``).
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ from lightning_vitscale.checkpoint.export.weights import (
     write_bytes,
     write_safetensors,
 )
-from lightning_vitscale.checkpoint.formats import PathLike
+from lightning_vitscale.checkpoint.formats import PathLike, mismatch, model_shapes
 from lightning_vitscale.checkpoint.storage import Location
 
 WEIGHTS_FILE = "model.safetensors"  # the name transformers and timm look for in a folder
@@ -37,17 +33,10 @@ WEIGHTS_FILE = "model.safetensors"  # the name transformers and timm look for in
 
 def check_fits(state: dict[str, Tensor], model: nn.Module, what: str) -> None:
     """Every name and shape of ``model.state_dict()`` in ``state`` and nothing else, or an error naming them."""
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    missing = sorted(expected.keys() - state.keys())
-    unexpected = sorted(state.keys() - expected.keys())
-    shapes = sorted(
-        f"{k}: export {tuple(state[k].shape)} vs {tuple(expected[k])}"
-        for k in expected.keys() & state.keys()
-        if tuple(state[k].shape) != tuple(expected[k])
-    )
-    if missing or unexpected or shapes:
+    detail = mismatch(model_shapes(model), {k: v.shape for k, v in state.items()})
+    if detail:
         raise CheckpointError(
-            f"the weights do not fit {what}: missing {missing[:5]}, unexpected {unexpected[:5]}, shapes {shapes[:5]}."
+            f"the weights do not fit {what}: {detail}."
             " Pick the submodule that is this architecture (--module), or the architecture and its arguments that"
             " build this submodule (--arch, --arch-args)."
         )
@@ -56,9 +45,8 @@ def check_fits(state: dict[str, Tensor], model: nn.Module, what: str) -> None:
 def build_submodule(
     class_path: str, hyper_parameters: dict[str, Any], module: str, weights: WeightsChoice
 ) -> nn.Module:
-    """The LightningModule ``class_path`` (``pkg.module:Class``) built on the meta device from the checkpoint's
-    ``hyper_parameters`` (its ``configure_model`` run), and its submodule ``module`` (inside ``teacher`` for
-    ``weights="teacher"``): the object whose own description (an HF ``config``) a format needs."""
+    """Submodule ``module`` (inside ``teacher`` for ``weights="teacher"``) of the LightningModule ``class_path``
+    built on the meta device from the saved ``hyper_parameters``: whose own ``config`` an HF folder needs."""
     module_name, sep, attr = class_path.partition(":")
     if not sep:
         module_name, _, attr = class_path.rpartition(".")
@@ -82,8 +70,7 @@ def build_submodule(
 
 
 def write_hf(weights: Weights, dst: PathLike, submodule: nn.Module, dtype: torch.dtype) -> Location:
-    """``dst/config.json`` (the submodule's own ``config``) + ``dst/model.safetensors``: what ``from_pretrained``
-    of the submodule's class (and ``AutoModel``\\* of its config) reads."""
+    """``dst/config.json`` (the submodule's own ``config``) + ``dst/model.safetensors``, for ``from_pretrained``."""
     from transformers import PreTrainedModel
 
     if not isinstance(submodule, PreTrainedModel):

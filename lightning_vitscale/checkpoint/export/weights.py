@@ -1,9 +1,6 @@
 """Published weights out of a checkpoint: one submodule's own state dict (``--module net``: the ``net.`` prefix
 stripped), the trained, EMA-averaged or DINO-teacher weights, as a ``safetensors`` file with provenance metadata.
-
-Reads a sharded folder (through :func:`load_consolidated`), a Lightning ``.ckpt`` file or a plain state-dict file
-(``torch.save`` or ``.safetensors``) through the one safe reader. ``targets.py`` writes the other formats
-(an HF folder, timm, torchvision) from what :func:`read_weights` returns.
+Reads a sharded folder, a Lightning ``.ckpt`` or a plain state-dict file through the one safe reader.
 """
 
 from __future__ import annotations
@@ -14,9 +11,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_vitscale.checkpoint.consolidate import ema_as_weights, load_consolidated
+from lightning_vitscale.checkpoint.consolidate import ema_as_weights, load_consolidated, require_file_target, write_file
 from lightning_vitscale.checkpoint.errors import CheckpointError
-from lightning_vitscale.checkpoint.formats import PARTIAL_SUFFIX, PathLike, require_existing
+from lightning_vitscale.checkpoint.formats import PathLike, as_full, require_existing
 from lightning_vitscale.checkpoint.safe_reading import load_pickle, load_safetensors
 from lightning_vitscale.checkpoint.storage import Location
 
@@ -45,11 +42,9 @@ def read_weights(
 ) -> Weights:
     """The state dict of submodule ``module`` ("" = the whole LightningModule) in ``src``, prefix stripped.
 
-    ``weights``: ``"model"`` the trained weights, ``"ema"`` the ``ShardedEMA`` average (``ema_state_dict``),
-    ``"teacher"`` the module's ``teacher`` submodule (the DINO example's EMA teacher: ``module`` is then looked up
-    inside it). ``dtype`` casts floating tensors (``None`` keeps the saved dtypes). Fails naming the fix when
-    the checkpoint has no such weights or no such submodule. A sharded folder's files are checked against their
-    CRC-32s first (``verify=False``: not), so a corrupt shard fails naming itself before anything is written.
+    ``weights``: ``"model"`` the trained weights, ``"ema"`` ``ShardedEMA``'s average, ``"teacher"`` the DINO
+    example's EMA teacher (``module`` looked up inside it). ``dtype``: ``None`` keeps the saved dtypes. A sharded
+    folder's CRC-32s are checked first (``verify``), so a corrupt shard fails before anything is written.
     """
     if weights not in ("model", "ema", "teacher"):
         raise ValueError(f"`weights` must be 'model', 'ema' or 'teacher'; got {weights!r}.")
@@ -61,10 +56,10 @@ def read_weights(
     if base and not any(k.startswith(base) for k in state):
         raise CheckpointError(
             f"{src} has no teacher weights (no keys under '{TEACHER}.'): --weights teacher takes the DINO example's"
-            f" EMA teacher. Its submodules: {_children(state, '')}. Use --weights model or --weights ema."
+            f" EMA teacher. Its submodules: {sorted({k.split('.', 1)[0] for k in state})}. Use --weights model or ema."
         )
     prefix = base + (module.strip(".") + "." if module.strip(".") else "")
-    selected = {k[len(prefix) :]: _cast(v, dtype) for k, v in state.items() if k.startswith(prefix)}
+    selected = {k[len(prefix) :]: as_full(v, dtype) for k, v in state.items() if k.startswith(prefix)}
     if not selected:
         where = " in the teacher" if base else ""
         raise CheckpointError(f"{src} has no submodule {module!r}{where}: {_hint(state, base, module)}")
@@ -81,13 +76,10 @@ def read_weights(
 def _read(
     location: Location, weights: WeightsChoice, dtype: torch.dtype | None, weights_only: bool | None, verify: bool
 ) -> tuple[dict[str, Any], bool]:
-    """``(checkpoint with a 'state_dict', flat)``; ``flat``: the file held one state dict (an export), already
-    one choice of weights, which must be the one asked for."""
+    """``(checkpoint with a 'state_dict', flat)``; ``flat``: one state dict (an export), one choice of weights."""
     if location.is_dir():
-        choice = _raw_or_ema(weights)
-        checkpoint = load_consolidated(location.url, dtype=dtype, weights_only=weights_only, weights=choice,
-                                       verify=verify)
-        return checkpoint, False
+        choice: Literal["raw", "ema"] = "ema" if weights == "ema" else "raw"
+        return load_consolidated(location.url, dtype, weights_only, weights=choice, verify=verify), False
     if location.url.endswith(".safetensors"):
         tensors, metadata = load_safetensors(location)
         return _flat({"state_dict": tensors, **metadata}, weights, location), True
@@ -112,10 +104,6 @@ def _flat(checkpoint: dict[str, Any], weights: WeightsChoice, location: Location
     return checkpoint
 
 
-def _raw_or_ema(weights: WeightsChoice) -> Literal["raw", "ema"]:
-    return "ema" if weights == "ema" else "raw"
-
-
 def _hint(state: dict[str, Any], base: str, module: str) -> str:
     """Where the weights are: the submodules at the top (of the teacher), those ending in ``module`` first."""
     inner = {k[len(base) :] for k in state if k.startswith(base)}
@@ -128,18 +116,6 @@ def _hint(state: dict[str, Any], base: str, module: str) -> str:
     )
 
 
-def _children(state: dict[str, Any], base: str) -> list[str]:
-    """The first names after ``base`` of the keys (the submodules one could pass as ``--module``)."""
-    names = {k[len(base) :].split(".", 1)[0] for k in state if k.startswith(base)}
-    return sorted(names) or ["(none)"]
-
-
-def _cast(value: Any, dtype: torch.dtype | None) -> Any:
-    if torch.is_tensor(value) and dtype is not None and value.is_floating_point():
-        return value.to(dtype)
-    return value
-
-
 def safetensors_bytes(state: dict[str, Tensor], metadata: dict[str, str]) -> bytes:
     """``state`` serialised as safetensors (contiguous copies: safetensors refuses views and shared storage)."""
     from safetensors.torch import save
@@ -149,18 +125,10 @@ def safetensors_bytes(state: dict[str, Tensor], metadata: dict[str, str]) -> byt
 
 
 def write_bytes(data: bytes, dst: PathLike) -> Location:
-    """Write to a temporary name beside ``dst``, then move: an interrupted export leaves no ``dst``."""
-    target = Location.of(dst)
-    if target.is_dir():
-        raise IsADirectoryError(f"{dst} is an existing folder; this format writes one file. Name it, e.g."
-                                f" {target.child('model.safetensors')}")
-    tmp = target.with_suffix(PARTIAL_SUFFIX)
-    parent = target.url.rsplit("/", 1)[0] if "/" in target.url else "."
-    target.fs.makedirs(Location.of(parent).path, exist_ok=True)
-    with tmp.open("wb") as stream:
-        stream.write(data)
-    tmp.move_to(target)
-    return target
+    """``data`` written atomically to the file ``dst`` (``consolidate.write_file``)."""
+    require_file_target(dst)
+    write_file(data, dst)
+    return Location.of(dst)
 
 
 def write_safetensors(weights: Weights, dst: PathLike) -> Location:

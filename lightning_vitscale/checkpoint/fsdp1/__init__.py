@@ -1,9 +1,8 @@
-"""Importing FSDP1 / FairScale-era checkpoints: ``SHARDED_STATE_DICT`` folders (``sharded.py``) and per-rank
-``LOCAL_STATE_DICT`` files (``local.py``, with FSDP1's flat-parameter layout in ``flat_layout.py`` and the inert
-reading of pickled ``ShardedTensor`` s in ``sharded_tensor_pickle.py``), into DDP's plain state dict.
+"""Importing FSDP1 / FairScale-era checkpoints into DDP's plain state dict: ``SHARDED_STATE_DICT`` folders
+(``sharded.py``) and per-rank ``LOCAL_STATE_DICT`` files (``local.py``, ``flat_layout.py``,
+``sharded_tensor_pickle.py``).
 
-May import the core checkpoint modules (the safe reader, formats, consolidation's writer) and ``_compat``; the
-core modules never import this sub-room.
+May import the core checkpoint modules and ``_compat``; the core never imports this sub-room.
 """
 
 from lightning_vitscale.checkpoint.fsdp1.local import (

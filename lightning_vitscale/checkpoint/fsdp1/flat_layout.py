@@ -1,14 +1,9 @@
-"""Where each parameter lies inside FSDP1's flat parameters, rebuilt from the plain model: the names and shapes
-that FSDP1's ``LOCAL_STATE_DICT`` files do not hold.
+"""Where each parameter lies inside FSDP1's flat parameters, rebuilt from the plain model (the files do not say).
 
-The rules are FSDP1's own (``torch/distributed/fsdp/_flat_param.py``, ``FlatParamHandle._init_flat_param_and_
-metadata``): units are wrapped bottom-up (children before their parent), and a unit flattens the parameters of
-its subtree that no nested unit claimed, in ``named_modules(remove_duplicate=False)`` x ``named_parameters(
-recurse=False)`` order, a shared parameter once (at its first name). With ``use_orig_params=True`` each
-parameter starts at a multiple of 16 bytes of the forward dtype (``aligned_numel`` = 16 / its size: 4 for fp32,
-8 for bf16/fp16 mixed precision) and the whole is padded to a multiple of the world size; both paddings are
-inside the size FSDP1 records. Without it there is no padding inside that size. The file does not say which
-was used: every candidate is tried against the recorded sizes, and an ambiguity is an error, not a guess.
+FSDP1's rules (``FlatParamHandle._init_flat_param_and_metadata``): units wrap bottom-up, each flattening its
+subtree's parameters no nested unit claimed, in ``named_modules(remove_duplicate=False)`` order, a shared one once;
+with ``use_orig_params=True`` each starts at a multiple of 16 bytes and the whole is padded to a multiple of the
+world size. Every candidate layout is tried against the recorded sizes; an ambiguity is an error, not a guess.
 """
 
 from __future__ import annotations
@@ -46,7 +41,7 @@ class Unit:
 
 
 def flat_units(model: nn.Module, unit_names: set[str]) -> list[Unit]:
-    """The units named ``unit_names`` (modules of ``model``), each with the parameters FSDP1 flattened into it."""
+    """The units named ``unit_names``, each with the parameters FSDP1 flattened into it."""
     modules = dict(model.named_modules())
     unknown = sorted(unit_names - set(modules))
     if unknown:

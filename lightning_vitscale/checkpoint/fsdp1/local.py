@@ -1,12 +1,9 @@
 """FSDP1 ``LOCAL_STATE_DICT`` checkpoints (one ``torch.save`` file per rank, e.g. DINOv2's
 ``model_0012499.rank_<N>.pth``) as one plain state dict, given the model definition.
 
-Each rank's file holds, per FSDP1 unit, ``<unit>._flat_param``: a ``ShardedTensor`` whose local shard is that
-rank's slice of the unit's flattened, padded parameters; with ``use_orig_params=True`` also each parameter's
-local slice under its own name (dropped here: the flat parameter is the whole truth). Buffers and parameters no
-unit managed are plain tensors. The names and shapes inside a flat parameter are not in the files: they come
-from the model (``flat_layout.py``). Reading goes through the safe reader, which turns each
-``ShardedTensor`` into an inert record of its local shards without a process group.
+Each rank's file holds, per FSDP1 unit, ``<unit>._flat_param``: a ``ShardedTensor`` of that rank's slice of the
+unit's flattened, padded parameters (with ``use_orig_params=True`` also each parameter's slice, dropped here), and
+plain tensors for the rest. The names and shapes inside a flat parameter come from the model (``flat_layout.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from torch import nn
 from lightning_vitscale._utils import strip_wrapper_prefixes
 from lightning_vitscale.checkpoint.consolidate import require_file_target, write_file
 from lightning_vitscale.checkpoint.errors import CheckpointError
-from lightning_vitscale.checkpoint.formats import PathLike, as_full
+from lightning_vitscale.checkpoint.formats import PathLike, as_full, mismatch, model_shapes
 from lightning_vitscale.checkpoint.fsdp1.flat_layout import choose_alignment, flat_units, offsets, split
 from lightning_vitscale.checkpoint.fsdp1.sharded import MODEL_ENTRIES
 from lightning_vitscale.checkpoint.fsdp1.sharded_tensor_pickle import (
@@ -46,11 +43,10 @@ def load_fsdp1_local_state_dict(
     """The full state dict of FSDP1 ``LOCAL_STATE_DICT`` rank files, keyed as ``model.state_dict()``.
 
     Args:
-        src: a folder holding exactly the rank files, or a pattern such as ``run/model_0012499.rank_*.pth``
-            (or the one file of a one-rank run).
-        model: the plain module FSDP1 wrapped (built on the meta device is enough: only names and shapes count).
-        dtype: cast floating tensors to it; ``None`` keeps the saved dtypes.
-        weights_only: as in ``torch.load`` (``None``: torch's default, True).
+        src: the rank files' folder, or a pattern such as ``run/model_0012499.rank_*.pth``.
+        model: the plain module FSDP1 wrapped (on the meta device is enough: names and shapes count).
+        dtype: floating tensors' dtype; ``None`` keeps the saved dtypes.
+        weights_only: as in ``torch.load``.
         aligned_numel: FSDP1's alignment when the files fit several (0: ``use_orig_params=False``; 4: fp32, 8:
             bf16/fp16 mixed precision); ``None`` infers it.
 
@@ -76,8 +72,7 @@ def convert_fsdp1_local_checkpoint(
     src: PathLike, dst: PathLike, model: nn.Module, dtype: torch.dtype | None = torch.float32,
     weights_only: bool | None = None, aligned_numel: int | None = None,
 ) -> PathLike:
-    """Write ``{"state_dict": ...}`` of :func:`load_fsdp1_local_state_dict` to ``dst`` (weights to start a run
-    from, as :func:`~lightning_vitscale.checkpoint.fsdp1.convert_fsdp1_checkpoint` writes)."""
+    """Write ``{"state_dict": ...}`` of :func:`load_fsdp1_local_state_dict` to ``dst``: weights to start from."""
     require_file_target(dst)
     state = load_fsdp1_local_state_dict(src, model, dtype, weights_only, aligned_numel)
     return write_file({"state_dict": state}, dst)
@@ -103,23 +98,18 @@ def build_model(spec: str) -> nn.Module:
 
 
 def rank_files(src: PathLike) -> list[Location]:
-    """The files of ``src``: a folder's files, those matching a ``*``/``?`` pattern in its last part, or one file."""
-    text = str(src)
-    if any(char in posixpath.basename(text) for char in "*?["):
-        folder, pattern = Location.of(posixpath.dirname(text) or "."), posixpath.basename(text)
-        if not folder.is_dir():
-            raise CheckpointError(f"{folder} is not a folder: no rank files match {src}.")
-        names = [name for name in folder.names() if fnmatch.fnmatch(name, pattern)]
-    elif Location.of(src).is_file():
-        return [Location.of(src)]  # one rank's file: an error below unless the world had one rank
-    else:
-        folder = Location.of(src)
-        if not folder.is_dir():
-            raise CheckpointError(
-                f"{src} does not exist; pass the folder of FSDP1 LOCAL_STATE_DICT rank files or a pattern such as"
-                " run/model_0012499.rank_*.pth."
-            )
-        names = folder.names()
+    """A folder's files, those matching a ``*``/``?`` pattern in the last part, or the one file ``src``."""
+    folder, pattern = Location.of(src), "*"
+    if any(char in posixpath.basename(str(src)) for char in "*?["):
+        folder, pattern = Location.of(posixpath.dirname(str(src)) or "."), posixpath.basename(str(src))
+    elif folder.is_file():
+        return [folder]  # one rank's file: an error below unless the world had one rank
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"{folder} is not a folder: no rank files match {src}. Pass the folder of FSDP1 LOCAL_STATE_DICT rank"
+            " files or a pattern such as run/model_0012499.rank_*.pth."
+        )
+    names = [name for name in folder.names() if fnmatch.fnmatch(name, pattern)]
     files = [folder.child(name) for name in sorted(names) if folder.child(name).is_file()]
     if not files:
         raise CheckpointError(f"no files match {src}: pass the rank files' folder or a pattern matching them.")
@@ -127,7 +117,7 @@ def rank_files(src: PathLike) -> list[Location]:
 
 
 def _read_ranks(src: PathLike, weights_only: bool | None) -> list[dict[str, Any]]:
-    """Each rank's model state dict (flat parameters as :class:`LocalShards`), in rank order, all ranks present."""
+    """Each rank's model state dict (flat parameters as :class:`LocalShards`), all ranks, in rank order."""
     by_rank: dict[int, dict[str, Any]] = {}
     world_sizes: set[int] = set()
     for location in rank_files(src):
@@ -165,8 +155,7 @@ def _model_entry(loaded: Any, location: Location) -> dict[str, Any]:
 
 
 def _gather(ranks: list[dict[str, Any]]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Each unit's whole flat parameter (all ranks' shards at their offsets), keyed by the unit's module name,
-    and rank 0's other entries under plain names."""
+    """Each unit's whole flat parameter by the unit's module name, and rank 0's other tensors by plain name."""
     flats: dict[str, torch.Tensor] = {}
     plain: dict[str, Any] = {}
     for key, value in ranks[0].items():
@@ -195,16 +184,8 @@ def _whole(key: str, shards: list[LocalShards]) -> torch.Tensor:
 
 def _in_model_order(state: dict[str, Any], model: nn.Module, src: PathLike) -> dict[str, Any]:
     """``state`` keyed and ordered as ``model.state_dict()``, every shape checked; anything else an error."""
-    expected = model.state_dict()
-    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    wrong = [key for key in expected if key in state and state[key].shape != expected[key].shape]
-    if missing or extra or wrong:
-        detail = "; ".join(
-            f"{label}: {keys[:5]}"
-            for label, keys in (("missing", missing), ("unexpected", extra), ("other shape", wrong))
-            if keys
-        )
-        raise CheckpointError(
-            f"{src} does not match the model ({detail}). Pass the model FSDP1 wrapped, built the same way."
-        )
+    expected = model_shapes(model)
+    detail = mismatch(expected, {key: value.shape for key, value in state.items()})
+    if detail:
+        raise CheckpointError(f"{src} does not match the model ({detail}). Pass the model FSDP1 wrapped, built alike.")
     return {key: state[key] for key in expected}

@@ -1,12 +1,8 @@
-"""FSDP1-era sharded checkpoints (``StateDictType.SHARDED_STATE_DICT`` saved with ``torch.distributed.checkpoint``)
-as one plain ``torch.save`` file that ``strategy="ddp"``, a plain module or ``VitScaleStrategy`` loads.
+"""FSDP1-era sharded checkpoints (``SHARDED_STATE_DICT`` saved with ``torch.distributed.checkpoint``) as one plain
+``torch.save`` file that ``strategy="ddp"``, a plain module or ``VitScaleStrategy`` loads.
 
-FSDP1 saved each parameter as a ``ShardedTensor`` whose chunks (dim-0 slices, one per rank) DCP writes to the
-``__<rank>_0.distcp`` files, with their offsets in ``.metadata``. Reading the folder through the safe reader in
-one process puts the chunks back at their offsets: full tensors, no process group, no FSDP1 import. What stays
-to do here is to find the model's entry among what the user saved (``dcp.save(model.state_dict())`` or
-``dcp.save({"model": ..., "optim": ...})``) and to drop the wrapper prefixes of FSDP1, activation checkpointing
-and ``torch.compile``, so the keys are the plain model's.
+The safe reader puts FSDP1's ``ShardedTensor`` chunks back at their offsets in one process (no process group, no
+FSDP1 import); what is left is finding the model's entry in what the user saved and dropping wrapper prefixes.
 """
 
 from __future__ import annotations
@@ -30,14 +26,10 @@ MODEL_ENTRIES = ("model", "state_dict", "module")
 def load_fsdp1_state_dict(
     src: PathLike, dtype: torch.dtype | None = None, weights_only: bool | None = None
 ) -> dict[str, torch.Tensor]:
-    """The full model state dict of an FSDP1 ``SHARDED_STATE_DICT`` folder: plain keys, whole CPU tensors.
-
-    One process, no process group; every file read through the safe reader (``weights_only`` as in
-    ``torch.load``: ``None`` is torch's default, True). ``dtype=None`` keeps the saved dtypes.
-    """
+    """An FSDP1 ``SHARDED_STATE_DICT`` folder's model as plain keys and whole CPU tensors (``dtype=None``: saved)."""
     source = Location.of(src)
     _require_dcp_folder(source)
-    _require_readable(source, weights_only)
+    read_metadata(source, weights_only)  # readable, every shard present: a clear error before any value is read
     state = load_all(source, weights_only)
     model = _model_entry(state, source)
     return {strip_wrapper_prefixes(key): as_full(value, dtype) for key, value in model.items()}
@@ -46,12 +38,8 @@ def load_fsdp1_state_dict(
 def convert_fsdp1_checkpoint(
     src: PathLike, dst: PathLike, dtype: torch.dtype | None = torch.float32, weights_only: bool | None = None
 ) -> PathLike:
-    """Write ``{"state_dict": ...}`` of :func:`load_fsdp1_state_dict` to ``dst``: a file a plain module loads with
-    ``load_state_dict(torch.load(dst)["state_dict"], strict=True)``: the weights to start a run from.
-
-    The optimizer states FSDP1 saved are not converted, and the file has none of Lightning's loop state: it is
-    not a ``ckpt_path`` to resume from (Lightning refuses it), so nothing resumes with fresh optimizers.
-    """
+    """Write ``{"state_dict": ...}`` of :func:`load_fsdp1_state_dict` to ``dst``: weights to start a run from,
+    not a ``ckpt_path`` to resume (no optimizer or loop state: Lightning refuses it, nothing resumes half-fresh)."""
     require_file_target(dst)
     return write_file({"state_dict": load_fsdp1_state_dict(src, dtype=dtype, weights_only=weights_only)}, dst)
 
@@ -63,17 +51,6 @@ def _require_dcp_folder(location: Location) -> None:
             f"{location} is not an FSDP1 SHARDED_STATE_DICT folder (no {DCP_METADATA}). Pass the folder that"
             " torch.distributed.checkpoint.save wrote; a FULL_STATE_DICT file needs no conversion (torch.load it)."
         )
-
-
-def _require_readable(location: Location, weights_only: bool | None) -> None:
-    """Readable metadata (under the ``weights_only`` rule), every shard file present: a clear error before any
-    value is read."""
-    try:
-        read_metadata(location, weights_only)
-    except CheckpointError:
-        raise
-    except Exception as error:  # noqa: BLE001 - a refused or garbled pickle means the same thing to the user
-        raise CheckpointError(f"{location} is not a readable FSDP1 checkpoint: {error}") from error
 
 
 def _model_entry(state: dict[str, Any], location: Location) -> dict[str, Any]:

@@ -1,14 +1,7 @@
 """What the safe reader builds in place of a pickled ``ShardedTensor`` (FSDP1's ``LOCAL_STATE_DICT`` files): inert
-records of its local shards, made without a process group and without running any of torch's rebuild code.
-
-A ``ShardedTensor`` pickles as ``torch._tensor._rebuild_from_type_v2`` of ``_rebuild_wrapper_subclass`` with the
-state ``(local shards, metadata, process-group state, sharding spec, init_rrefs)``; torch's own unpickling needs
-an initialized process group of the saved world size, and torch's weights-only unpickler refuses the classes and
-the ``builtins.getattr`` the pickle uses. :class:`RecordUnpickler` maps exactly those globals (by name) onto the
-plain record classes below: nothing named here is imported, ``getattr`` is answered only for
-``ShardedTensor.ProcessGroupState``, and every other global is refused under ``weights_only`` (Python's documented
-"restricting globals" unpickler). :func:`load_local_shards` hands it to ``torch.load`` as the pickle module, so
-torch still reads the storages.
+records of its local shards. torch's own unpickling needs a process group of the saved world size, and its
+weights-only unpickler refuses the classes and ``builtins.getattr`` the pickle uses: :class:`RecordUnpickler` maps
+exactly those globals (by name, nothing imported) onto plain records; under ``weights_only`` it refuses the rest.
 """
 
 from __future__ import annotations
@@ -49,24 +42,12 @@ class ShardedTensorRecord(_Record):
     process_group: Any
 
 
-class ShardRecord(_Record):
-    pass
-
-
-class ShardMetadataRecord(_Record):
-    pass
-
-
-class ShardedTensorMetadataRecord(_Record):
-    pass
-
-
 _SHARD = "torch.distributed._shard"
 _RECORDS: dict[tuple[str, str], type] = {
     (f"{_SHARD}.sharded_tensor.api", "ShardedTensor"): ShardedTensorRecord,
-    (f"{_SHARD}.sharded_tensor.shard", "Shard"): ShardRecord,
-    (f"{_SHARD}.metadata", "ShardMetadata"): ShardMetadataRecord,
-    (f"{_SHARD}.sharded_tensor.metadata", "ShardedTensorMetadata"): ShardedTensorMetadataRecord,
+    (f"{_SHARD}.sharded_tensor.shard", "Shard"): type("Shard", (_Record,), {}),
+    (f"{_SHARD}.metadata", "ShardMetadata"): type("ShardMetadata", (_Record,), {}),
+    (f"{_SHARD}.sharded_tensor.metadata", "ShardedTensorMetadata"): type("ShardedTensorMetadata", (_Record,), {}),
     (f"{_SHARD}.sharded_tensor.metadata", "TensorProperties"): type("TensorProperties", (_Record,), {}),
     (f"{_SHARD}.sharding_spec.chunk_sharding_spec", "ChunkShardingSpec"): type("ChunkShardingSpec", (_Record,), {}),
     ("torch.distributed.remote_device", "_remote_device"): type("RemoteDevice", (_Record,), {}),
@@ -115,8 +96,7 @@ _FUNCTIONS[(f"{_SHARD}.sharded_tensor.metadata", "MEM_FORMAT_ENCODING")] = int
 
 
 def record_pickle_module(weights_only: bool) -> types.ModuleType:
-    """A pickle module for ``torch.load(..., pickle_module=...)`` whose unpickler builds the records above; with
-    ``weights_only`` it refuses every other global, without (the user's opt-out) it imports them as pickle does."""
+    """A pickle module for ``torch.load`` building the records; ``weights_only``: every other global refused."""
     module = types.ModuleType("lightning_vitscale_record_pickle")
 
     class Unpickler(RecordUnpickler):
@@ -162,8 +142,7 @@ class LocalShards:
 
 
 def as_local_shards(record: ShardedTensorRecord, key: str) -> LocalShards:
-    """The checked content of a record: a 1-D size, tensors for shards, integer offsets; else the file is not
-    FSDP1's."""
+    """The checked content of a record (1-D size, tensor shards, integer offsets), else not FSDP1's."""
     try:
         size = tuple(int(n) for n in record.size)
         pieces = tuple((int(s.metadata.shard_offsets[0]), s.tensor) for s in record.local_shards)
@@ -178,9 +157,6 @@ def as_local_shards(record: ShardedTensorRecord, key: str) -> LocalShards:
 
 
 def load_local_shards(location: Location, weights_only: bool | None) -> Any:
-    """One rank's FSDP1 ``LOCAL_STATE_DICT`` file: its ``ShardedTensor`` s come back as inert records of their local
-    shards (no process group, none of torch's rebuild code), read by an unpickler that admits only the globals
-    such a file holds under the ``weights_only`` rule (:class:`RecordUnpickler`); torch still reads the storages.
-    ``weights_only=False`` here means the restricted unpickler, not plain pickle: it is what lets torch take a
-    custom unpickler, and the restriction is the unpickler's own."""
+    """One rank's FSDP1 ``LOCAL_STATE_DICT`` file, its ``ShardedTensor`` s as inert records (:class:`RecordUnpickler`
+    under the ``weights_only`` rule; torch still reads the storages)."""
     return load_restricted(location, record_pickle_module(resolve_weights_only(weights_only)))

@@ -1,9 +1,8 @@
-"""Lightning's side of checkpoints: the strategy's launcher, which resolves ``ckpt_path="last"`` and
-``auto_resume`` to the newest complete checkpoint before Lightning does (``launcher.py``), and
-:class:`VitScaleCheckpointIO`, which lets DDP and single-device runs resume from a sharded folder (``loaders.py``).
-Nothing here changes Lightning: users pass the IO plugin, the strategy configures its launcher.
+"""Lightning's side of checkpoints: the strategy's launcher, resolving ``ckpt_path="last"`` and ``auto_resume``
+(``launcher.py``), and :class:`VitScaleCheckpointIO`, letting DDP runs resume from a sharded folder
+(``loaders.py``). Nothing here changes Lightning: users pass the IO plugin, the strategy configures its launcher.
 
-May import the core checkpoint modules, ``_compat`` and Lightning; the core modules never import this sub-room.
+May import the core checkpoint modules, ``_compat`` and Lightning; the core never imports this sub-room.
 """
 
 from lightning_vitscale.checkpoint.lightning.launcher import ResumeLauncher, resolve_ckpt_path

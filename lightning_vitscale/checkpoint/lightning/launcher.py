@@ -1,11 +1,8 @@
 """The strategy's launcher, which turns ``ckpt_path="last"`` and ``auto_resume`` into the newest complete checkpoint.
 
-Lightning turns ``ckpt_path`` into a path (``"last"``: the newest ``last*.ckpt`` name in each ModelCheckpoint
-folder) inside ``fit``/``validate``/``test``/``predict``, before any strategy hook runs; the one strategy object
-that sees the call first is its launcher, which Lightning hands the run to start. This one is Lightning's own
-launcher (it starts the local ranks, or nothing where the cluster starts them) that first replaces the run's
-``ckpt_path`` by what ``checkpoint/resume.py`` finds, so Lightning then resolves a plain path, as if the user had
-passed it. Nothing of Lightning is changed: other trainers, and this one under another strategy, keep its rules.
+Lightning resolves ``ckpt_path`` before any strategy hook runs; only the launcher sees the call first. This is
+Lightning's own launcher, first replacing the run's ``ckpt_path`` by what ``checkpoint/resume.py`` finds. Nothing
+of Lightning is changed: other trainers, and this one under another strategy, keep its rules.
 """
 
 from __future__ import annotations
@@ -47,10 +44,8 @@ class ResumeLauncher(SubprocessScriptLauncher):
 
 
 def resolve_ckpt_path(trainer: Any, ckpt_path: Any, side: StrategyCheckpoints) -> Any:
-    """What the run loads instead of ``ckpt_path``: under ``auto_resume`` when fitting, the newest complete
-    checkpoint in the ModelCheckpoint folders (over ``ckpt_path``, like Composer's ``autoresume``); for ``"last"``,
-    the newest complete ``last*.ckpt``. The older complete ones become the load's fallbacks. Anything else, or
-    nothing found: ``ckpt_path`` itself, for Lightning's own rules."""
+    """What the run loads instead of ``ckpt_path`` (``resume.py``: ``auto_resume`` when fitting, ``"last"``); the
+    older complete ones become the load's fallbacks. Anything else, or nothing found: ``ckpt_path`` itself."""
     if trainer.state.fn == TrainerFn.FITTING and side.settings.auto_resume:
         found, fallbacks = auto_resume_path(trainer)
         if found is not None:

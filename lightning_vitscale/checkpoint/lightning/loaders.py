@@ -1,12 +1,6 @@
-"""A sharded folder where Lightning reads DDP's file: :class:`VitScaleCheckpointIO`, a ``TorchCheckpointIO`` for
-``strategy="ddp"`` or single-device runs that resume from one.
-
-Only a folder holding this package's marker file (``checkpoint.storage.SHARDED_MARKER``, written last by every
-sharded save) is read here; files and other folders go to Lightning's ``TorchCheckpointIO`` unchanged. A marked
-folder is read in one process with no process group (each DDP rank reads it all, as it reads DDP's
-file) into the dict ``torch.load`` returns for the consolidated file: the same weights, hyper-parameters,
-torch-native optimizer states and loop state, under the same ``weights_only`` rule (torch's safe default, so a
-crafted pickle never runs).
+"""A sharded folder where Lightning reads DDP's file: :class:`VitScaleCheckpointIO` reads a folder holding this
+package's marker (``storage.SHARDED_MARKER``) in one process, as ``torch.load`` of its consolidated file, under the
+same ``weights_only`` rule; files and other folders go to Lightning's ``TorchCheckpointIO`` unchanged.
 """
 
 from __future__ import annotations
@@ -25,9 +19,8 @@ from lightning_vitscale.checkpoint.storage import Location, has_sharded_marker
 
 
 class VitScaleCheckpointIO(TorchCheckpointIO):
-    """Lightning's ``TorchCheckpointIO`` that also reads ``VitScaleStrategy``'s sharded folders, as the dict
-    ``torch.load`` gives for their consolidated file: a DDP or single-device run resumes from one
-    (``fit(ckpt_path=folder)``, ``ckpt_path="last"``) with weights, optimizer and loop state.
+    """Lightning's ``TorchCheckpointIO`` that also reads ``VitScaleStrategy``'s sharded folders: a DDP or
+    single-device run resumes from one with weights, optimizer and loop state.
 
     Example::
 
@@ -54,15 +47,9 @@ def is_sharded_checkpoint(path: Any) -> bool:
 
 
 def load_sharded_as_full(path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-    """What ``torch.load(path, map_location, weights_only)`` returns for the consolidated file of ``path``.
-
-    ``map_location`` follows ``torch.load``'s rule, with every tensor's saved location being ``"cpu"`` (the shards
-    are read to CPU; DDP's file records the device each tensor was saved from instead)."""
+    """What ``torch.load(path, map_location, weights_only)`` returns for the consolidated file of ``path``, every
+    tensor's saved location being ``"cpu"`` (DDP's file records the device it was saved from instead)."""
     checkpoint = load_consolidated(path, dtype=None, weights_only=weights_only)
-    return map_tensors(checkpoint, map_location)
-
-
-def map_tensors(checkpoint: dict[str, Any], map_location: Any) -> dict[str, Any]:
     if map_location is None:
         return checkpoint
     restore = restore_location(map_location)

@@ -80,7 +80,7 @@ class WaitForFailure(L.Callback):
         if trainer.global_step == 5:
             in_flight = trainer.strategy.checkpoints.saves._in_flight
             deadline = time.monotonic() + HOLD_S
-            while in_flight is not None and not in_flight.done.done() and time.monotonic() < deadline:
+            while in_flight is not None and not in_flight.done() and time.monotonic() < deadline:
                 time.sleep(0.01)
 
 

@@ -190,7 +190,7 @@ def test_consolidate_names_what_src_and_dst_are_instead(tmp_path, capsys):
         (["single.ckpt", "out.ckpt"], "is a single file, not a sharded checkpoint folder: it needs no consolidation"),
         (["killed.ckpt.partial", "out.ckpt"], "is an incomplete sharded checkpoint .* its save was interrupted"),
         (["killed.ckpt", "out.ckpt"], "No checkpoint at .*killed.ckpt. An interrupted save left"),
-        (["ok.ckpt", "existing"], "existing is an existing folder; consolidate writes one file. Name it"),
+        (["ok.ckpt", "existing"], "existing is an existing folder; this command writes one file. Name it"),
     ):
         assert main(["consolidate", *(str(tmp_path / a) for a in args)]) == 1
         assert re.search(message, capsys.readouterr().err), message
