@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -102,15 +103,15 @@ def device_memory(device: torch.device, local_ranks: int = 1) -> int:
     return (available_host_bytes() or 0) // max(1, local_ranks)
 
 
-def training_loop(module: nn.Module) -> TrainingLoop:
+def training_loop(module: nn.Module, trainer: pl.Trainer | None) -> TrainingLoop:
     """When Lightning's loop keeps ``module``'s gradients alive: its optimization mode, the Trainer's
     ``accumulate_grad_batches`` and whether the strategy frees them after the step (:mod:`.gradient_release`).
-    A plain module, or one not attached to a Trainer: automatic, no accumulation, nothing released."""
-    trainer = getattr(module, "_trainer", None)
-    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
-    return TrainingLoop(automatic=bool(getattr(module, "automatic_optimization", True)),
-                        accumulate=accumulate if isinstance(accumulate, int) else 1,
-                        released_after_step=may_release_after_step(module, getattr(trainer, "optimizers", ())))
+    Without a Trainer (a plain planning call): automatic, no accumulation, nothing released."""
+    automatic = bool(getattr(module, "automatic_optimization", True))
+    if trainer is None:
+        return TrainingLoop(automatic=automatic)
+    return TrainingLoop(automatic=automatic, accumulate=trainer.accumulate_grad_batches,
+                        released_after_step=may_release_after_step(module, trainer))
 
 
 def unmet_budget(plan: MemoryPlan, inputs: StepInputs, offload: bool) -> str | None:
@@ -147,6 +148,7 @@ def choose_blocks(
     tensor_parallel: int = 1,
     tensor_plan: Any = None,
     calls: Calls | None = None,
+    trainer: pl.Trainer | None = None,
 ) -> AutoChoice:
     """Run ``model`` (the un-sharded module or its meta twin) on fake tensors and pick each block's checkpointing
     and reshard, for the offload setting that is on and the loop order of the Trainer ``model`` is attached to.
@@ -158,11 +160,12 @@ def choose_blocks(
     the ranks of one shard group; ``replicas``: hybrid sharding's copies of it (their all-reduce is costed,
     :mod:`.collectives`); ``tensor_parallel`` / ``tensor_plan``: the strategy's, each block planned as one
     tensor-parallel rank's share (:mod:`.tensor_split`). Raises :class:`MeasurementError` where the step cannot run
-    on fake tensors. ``calls``: what the step called (:func:`~.planner.step_inputs`)."""
+    on fake tensors. ``calls``: what the step called (:func:`~.planner.step_inputs`); ``trainer``: the one whose
+    loop the step runs in (:func:`training_loop`)."""
     batch = example_input if isinstance(example_input, PlanningBatch) else PlanningBatch(example_input, EXAMPLE_INPUT)
     try:
         inputs, how = measure_batch(model, batch, world_size=world_size, precision=precision, optimizer=optimizer,
-                                    blocks=blocks, device=device, loop=training_loop(model),
+                                    blocks=blocks, device=device, loop=training_loop(model, trainer),
                                     tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, calls=calls)
         inputs = dataclasses.replace(inputs, replicas=replicas)
     except TensorPlanError:  # the plan is refused: that, not the measurement, is what to fix
@@ -228,6 +231,7 @@ class AutoCheckpointing:
         tensor_parallel: int = 1,
         tensor_plan: Any = None,
         required: bool = True,
+        trainer: pl.Trainer | None = None,
     ) -> None:
         self.budget, self.world_size, self.precision, self.blocks = budget, world_size, precision, blocks
         self.replicas = replicas  # hybrid sharding: world_size is one shard group, replicated this many times
@@ -235,7 +239,7 @@ class AutoCheckpointing:
         self.per_unit = blocks_per_unit
         self.units_left_to_planner = blocks_per_unit is None
         self.offload = offload  # offload="cpu" is on: plan with it; off: never assume it
-        self.fixed_reshard, self.required = fixed_reshard, required
+        self.fixed_reshard, self.required, self.trainer = fixed_reshard, required, trainer
         self.twin: nn.Module | None = None
         self.choice: AutoChoice | None = None
         self.calls = Calls()  # what the measured step called: the units are what it runs
@@ -270,7 +274,8 @@ class AutoCheckpointing:
                 optimizer=optimizer, blocks=self.blocks, device=device, offload=self.offload,
                 fixed_reshard=self.fixed_reshard, per_unit=self.per_unit,
                 compare_units=self.units_left_to_planner and self.per_unit is not None, replicas=self.replicas,
-                tensor_parallel=self.tensor_parallel, tensor_plan=self.tensor_plan, calls=self.calls)
+                tensor_parallel=self.tensor_parallel, tensor_plan=self.tensor_plan, calls=self.calls,
+                trainer=self.trainer)
         except MeasurementError as error:
             if self.required:
                 raise
@@ -311,6 +316,7 @@ def measure_for_summary(
     tensor_parallel: int = 1,
     tensor_plan: Any = None,
     calls: Calls | None = None,
+    trainer: pl.Trainer | None = None,
 ) -> tuple[StepInputs | None, str] | None:
     """Fake-tensor measurement of ``batch`` (see :func:`~.planning_batch.measure_batch`) for the setup summary's
     predicted peak and the planner's grouping, and how it was measured; ``mode_of``: each block's checkpointing,
@@ -325,7 +331,7 @@ def measure_for_summary(
         return None
     try:
         inputs, how = measure_batch(module, batch, world_size=world_size, precision=precision, blocks=blocks,
-                                    device=device, loop=training_loop(module), mode_of=mode_of,
+                                    device=device, loop=training_loop(module, trainer), mode_of=mode_of,
                                     tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, calls=calls)
         return dataclasses.replace(inputs, replicas=replicas), how
     except TensorPlanError:

@@ -13,9 +13,9 @@ so). The planner counts it (:class:`~lightning_vitscale.memory.step_model.Traini
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch import Callback, LightningModule
 
@@ -28,18 +28,17 @@ def _overrides(obj: object, base: type, hooks: tuple[str, ...]) -> bool:
     return any(getattr(type(obj), hook, None) is not getattr(base, hook) for hook in hooks)
 
 
-def may_release_after_step(module: Any, optimizers: Iterable[torch.optim.Optimizer] = ()) -> bool:
-    """Whether the gradients of ``module`` (a LightningModule attached to a Trainer) may be freed right after the
-    optimizer step without anything observable changing (see the module docstring)."""
-    trainer = getattr(module, "_trainer", None)
-    if trainer is None or not isinstance(module, LightningModule) or not module.automatic_optimization:
+def may_release_after_step(module: Any, trainer: pl.Trainer) -> bool:
+    """Whether the gradients of ``module`` may be freed right after the optimizer step of ``trainer`` (its callbacks
+    and optimizers) without anything observable changing (see the module docstring)."""
+    if not isinstance(module, LightningModule) or not module.automatic_optimization:
         return False
     if _overrides(module, LightningModule, _MODULE_HOOKS):
         return False
-    if any(_overrides(cb, Callback, _CALLBACK_HOOKS) for cb in trainer.callbacks
+    if any(_overrides(cb, Callback, _CALLBACK_HOOKS) for cb in trainer.callbacks  # type: ignore[attr-defined]
            if not type(cb).__module__.startswith(_TRUSTED)):
         return False
-    inner = [getattr(o, "_optimizer", o) for o in optimizers]
+    inner = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
     return all(type(o).zero_grad is torch.optim.Optimizer.zero_grad for o in inner)
 
 

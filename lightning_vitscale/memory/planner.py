@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import re
-import warnings
 from collections.abc import Collection
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -74,15 +73,6 @@ def resolve_budget(budget: int | float | None, total: int, name: str = "memory_b
     if isinstance(budget, int) and not isinstance(budget, bool):
         return budget
     return int(total * (DEFAULT_FRACTION if budget is None else budget))
-
-
-def __getattr__(name: str) -> Any:
-    if name == "DEVICE_MEMORY":  # before the one device table: name -> bytes
-        warnings.warn("lightning_vitscale.memory.planner.DEVICE_MEMORY is deprecated: the named devices live in"
-                      " lightning_vitscale.memory.devices.DEVICES (memory_bytes); use parse_memory(name).",
-                      DeprecationWarning, stacklevel=2)
-        return {key: parse_memory(key) for key in memory_names()}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def parse_memory(spec: str | int | float) -> int:

@@ -34,7 +34,7 @@ from lightning_vitscale._compat import train_dataloader
 from lightning_vitscale.discovery.tensor_plan import TensorPlanError
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_model import StepInputs
-from lightning_vitscale.memory.twin import meta_twin as meta_twin  # where it always was
+from lightning_vitscale.memory.twin import meta_twin
 
 EXAMPLE_INPUT = "example_input_array"
 TRAIN_BATCH = "one batch of the train dataloader"

@@ -10,28 +10,39 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch import LightningModule
 from torch import nn
 
 
 def meta_twin(module: nn.Module) -> nn.Module:
     """A copy of ``module`` whose parameters and buffers are meta tensors: structure without data.
 
-    Tensors are mapped to meta stand-ins in ``deepcopy``'s memo, so no parameter is ever copied; anything the
-    module refers to that is not its own (trainer, device mesh) is shared, not copied.
+    Tensors are mapped to meta stand-ins in ``deepcopy``'s memo, so no parameter is ever copied; the device mesh,
+    Fabric and metric names a LightningModule refers to are shared, not copied.
     """
     memo: dict[int, Any] = {}
     for tensor in [*module.parameters(), *module.buffers()]:
         meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
         memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-    shared = {name: module.__dict__.get(name) for name in ("_trainer", "_device_mesh", "_fabric", "_metric_attributes")}
-    for value in shared.values():
+    for value in (module.__dict__.get(name) for name in ("_device_mesh", "_fabric", "_metric_attributes")):
         if value is not None:
             memo[id(value)] = value
     twin = copy.deepcopy(module, memo)
-    # LightningModule.__getstate__ drops the trainer: put it back, the plan follows the Trainer's loop.
-    twin.__dict__.update({name: value for name, value in shared.items() if value is not None})
+    if isinstance(twin, LightningModule) and twin.fabric is None:  # Fabric's, shared, stands for a Trainer
+        # __getstate__ dropped the Trainer: a training_step measured on the twin may read self.trainer.
+        twin.trainer = attached_trainer(module)
     return twin
+
+
+def attached_trainer(module: nn.Module) -> pl.Trainer | None:
+    """``module``'s Trainer, or ``None`` where no Trainer holds it (``LightningModule.trainer`` raises then): the
+    planner also measures modules outside a run (``plan_memory``, the CLI's ``plan``)."""
+    try:
+        return module.trainer if isinstance(module, LightningModule) else None
+    except RuntimeError:
+        return None
 
 
 _LRU_CACHE = type(functools.lru_cache(lambda: None))

@@ -124,7 +124,7 @@ def auto_first_step() -> dict:
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(other, data)
     # The planner's own choice for this step (the Trainer's loop: gradients released after the step, on CPU).
     inputs = step_inputs(planned, torch.empty(batch, 3, 64, 64, device="meta"), world_size=WORLD,
-                         precision="32-true", device="cpu", loop=training_loop(model))
+                         precision="32-true", device="cpu", loop=training_loop(model, trainer))
     expected = choose(inputs, budget, budget, "32-true", batch, offload=False, rates=CPU_RATES).blocks
     # Its blocks per unit and units kept gathered: the one search's with every block's checkpointing pinned to
     # full, the host's memory to spare.

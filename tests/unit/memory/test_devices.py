@@ -87,15 +87,3 @@ def test_cpu_unknown_gpu_and_sources() -> None:
     assert device_named("h200-141gb").source.startswith("measured: ")  # issue 31's H200 run
     with pytest.raises(ValueError, match="h100-80gb"):
         device_named("h900")
-
-
-def test_old_table_names_warn_and_read_the_table() -> None:
-    from lightning_vitscale.memory import planner
-    from lightning_vitscale.monitoring import throughput
-
-    with pytest.warns(DeprecationWarning, match="device_peak_flops"):
-        peaks = dict(throughput.PEAK_DENSE_BF16_FLOPS)
-    assert peaks["H200"] == device_named("h200-141gb").bf16_flops_per_s and peaks["A10G"] is None
-    with pytest.warns(DeprecationWarning, match="parse_memory"):
-        memory = planner.DEVICE_MEMORY
-    assert memory["a100-40gb"] == 40 * GIB == device_named("a100-40gb").memory_bytes

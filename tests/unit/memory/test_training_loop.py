@@ -48,7 +48,23 @@ def test_accumulation_and_zeroed_gradients_keep_every_shard_through_backward():
     for loop in (TrainingLoop(accumulate=2), TrainingLoop(set_to_none=False), TrainingLoop(False, 4)):
         _, kept = planned(loop, every)
         assert kept.grads == kept.params and kept.peak > once.peak, loop
-    assert training_loop(torch.nn.Linear(1, 1)) == TrainingLoop()
+    assert training_loop(torch.nn.Linear(1, 1), None) == TrainingLoop()
+
+
+def test_the_loop_is_the_trainers_it_is_given():
+    """The Trainer is passed, not read off the module: its accumulation, and whether a callback's hook between the
+    optimizer step and zero_grad keeps the gradients. Mutation seen failing: ``training_loop`` ignoring ``trainer``
+    (the module attached to none)."""
+    import lightning as L
+
+    class ReadsGradients(L.Callback):
+        def on_train_batch_end(self, *args) -> None: ...
+
+    model = TinyViT(**LONG)
+    plain = L.Trainer(accelerator="cpu", accumulate_grad_batches=3, logger=False, enable_checkpointing=False)
+    assert training_loop(model, plain) == TrainingLoop(accumulate=3, released_after_step=True)
+    watched = L.Trainer(accelerator="cpu", callbacks=[ReadsGradients()], logger=False, enable_checkpointing=False)
+    assert training_loop(model, watched) == TrainingLoop()
 
 
 def test_auto_warns_when_no_choice_meets_the_budget_and_never_assumes_offload():
