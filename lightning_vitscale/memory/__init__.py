@@ -1,8 +1,6 @@
-"""Memory: exact per-rank state bytes, activations measured on fake tensors, the per-step memory model, the
-memory planner (``plan_memory`` -> :class:`MemoryPlan`) and its one search (:mod:`.plan_search`: the checkpointing
-of ``activation_checkpointing="auto"`` and of ``VitScaleStrategy()``'s default, the units kept gathered and the
-blocks per FSDP unit, each chosen or pinned), and whether gradient accumulation may keep unsharded gradients
-(``accumulation="auto"``).
+"""Memory: per-rank state bytes, activations measured on fake tensors, the per-step memory and time models, the
+planner (``plan_memory`` -> :class:`MemoryPlan`) and its one search (checkpointing, units kept gathered, blocks per
+unit), and ``accumulation="auto"``'s choice.
 
 Predicts and chooses, never changes a model: may import ``discovery``, ``precision`` (dtype policies), ``_utils``
 and ``_compat``; the sharding setup applies what it chooses.

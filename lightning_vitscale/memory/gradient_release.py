@@ -1,14 +1,10 @@
 """Free the gradient shards right after the optimizer step where nothing can see them before ``zero_grad``.
 
-Lightning's automatic optimization runs ``training_step`` (the whole forward) before ``zero_grad(set_to_none=True)``,
-so the previous step's gradient shards (as large as the sharded parameters) would stay alive through the next
-forward, which is often the step's peak. Between the optimizer step and that ``zero_grad`` Lightning calls
-``on_train_batch_end``, ``on_train_batch_start``, ``training_step`` and ``on_before_zero_grad``: where neither the
-module nor a user callback overrides one of those hooks (Lightning's and this package's own callbacks never read
-gradients) and ``zero_grad`` is torch's and Lightning's default, the gradients are freed at once, exactly as the
-coming ``zero_grad`` would free them. Reading ``.grad`` elsewhere before that ``zero_grad`` (inside ``training_step``,
-in a validation hook during ``fit``, after ``fit``) sees ``None`` instead of the stale values (the README says
-so). The planner counts it (:class:`~lightning_vitscale.memory.step_model.TrainingLoop` ``released_after_step``).
+Lightning's automatic optimization runs the next forward (often the step's peak) before ``zero_grad``, so the last
+step's gradient shards would live through it. Where neither the module nor a user callback overrides a hook called
+in between (Lightning's and this package's callbacks never read gradients) and ``zero_grad`` is the default, they
+are freed at once, as that ``zero_grad`` would; ``.grad`` read elsewhere before it sees ``None`` (the README says
+so). The planner counts it (``TrainingLoop.released_after_step``).
 """
 
 from __future__ import annotations
@@ -43,7 +39,7 @@ def may_release_after_step(module: Any, trainer: pl.Trainer) -> bool:
 
 
 def release_gradients(optimizer: torch.optim.Optimizer) -> None:
-    """What ``optimizer.zero_grad(set_to_none=True)`` does: its parameters' gradients become ``None``."""
+    """``optimizer.zero_grad(set_to_none=True)``."""
     optimizer = getattr(optimizer, "_optimizer", optimizer)
     for group in optimizer.param_groups:
         for param in group["params"]:

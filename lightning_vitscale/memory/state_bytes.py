@@ -34,7 +34,7 @@ class StateBytes:
 
     @property
     def sharded_fraction(self) -> float:
-        """Local share of (parameters + optimizer state): ~1/world_size when sharding works."""
+        """Local share of parameters and optimizer state: ~1/world_size when sharding works."""
         full = self.params_full + self.optimizer_full
         return (self.params_local + self.optimizer_local) / full if full else 1.0
 

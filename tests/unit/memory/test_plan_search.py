@@ -14,6 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_vitscale.cli.demo import TinyViT
 from lightning_vitscale.memory.auto_checkpointing import AutoChoice, choose_blocks
+from lightning_vitscale.memory.collectives import ring_bytes
 from lightning_vitscale.memory.plan_search import (
     BlockPlan,
     SearchSpace,
@@ -122,8 +123,9 @@ def test_recompute_cost_is_the_forward_for_full_and_the_cheap_ops_for_selective(
     assert full == pytest.approx(repeated.flops / CPU_RATES.flops_per_s + repeated.cheap_bytes / CPU_RATES.bytes_per_s)
     assert recompute_seconds(block, "full", CPU_RATES, scale=2.0) == pytest.approx(2 * full)
     # On CPU ranks the second gather's bytes count (gloo's threads share the cores); on a GPU they hide.
-    assert regather_seconds(10**6, 1, CPU_RATES) == CPU_RATES.latency_s < regather_seconds(10**6, 2, CPU_RATES)
-    assert regather_seconds(10**6, 2, GPU_RATES) == GPU_RATES.latency_s
+    one, two = ring_bytes(10**6, 1), ring_bytes(10**6, 2)
+    assert regather_seconds(one, CPU_RATES) == CPU_RATES.latency_s < regather_seconds(two, CPU_RATES)
+    assert regather_seconds(two, GPU_RATES) == GPU_RATES.latency_s
 
 
 def test_per_block_kept_gathered_is_between_the_two_global_settings(inputs):
