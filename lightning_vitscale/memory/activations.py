@@ -24,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_vitscale._compat import FakeTensorMode, ShapeEnv, StorageWeakRef, tree_map
 from lightning_vitscale.memory.block_identity import block_key
 from lightning_vitscale.memory.op_costs import BlockWork, OpWork, tensors_of
-from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
+from lightning_vitscale.memory.selective_ops import selective_contexts
 
 _CPU = torch.device("cpu")
 
@@ -120,10 +120,6 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def first_float(args: Any) -> torch.Tensor | None:
-    return next((t for t in tensors_of(args) if t.is_floating_point()), None)
-
-
 def removing(handles: list[RemovableHandle]) -> contextlib.ExitStack:
     """A context that removes ``handles`` on exit."""
     stack = contextlib.ExitStack()
@@ -184,7 +180,8 @@ def fake_step(model: nn.Module, example_input: Any, compute: torch.dtype, norms:
     mode = _FakeMode(shape_env=ShapeEnv()) if call is not None else _FakeMode()
     with fake_parameters(model, mode, compute, lambda m: id(m) in norm_ids), _fp32_norm_hooks(norms, compute):
         with mode:
-            fake_input = tree_map(lambda v: _fake_like(v, compute), example_input)
+            fake_input = tree_map(lambda v: v if not isinstance(v, torch.Tensor) else torch.empty(
+                v.shape, dtype=compute if v.is_floating_point() else v.dtype, device=_CPU), example_input)
         yield mode, fake_input
 
 
@@ -213,7 +210,7 @@ class _Recorder:
     def enter(self, index: int) -> Callable[..., None]:
         def hook(_: nn.Module, args: tuple[Any, ...]) -> None:
             self.current = index
-            first = first_float(args)
+            first = next((t for t in tensors_of(args) if t.is_floating_point()), None)
             if first is not None:
                 self.inputs.setdefault(index, first)
 
@@ -296,13 +293,6 @@ def measure_activations(
     )
 
 
-def _fake_like(value: Any, compute: torch.dtype) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
-    dtype = compute if value.is_floating_point() else value.dtype
-    return torch.empty(value.shape, dtype=dtype, device=_CPU)
-
-
 def _block_memory(
     name: str, block: nn.Module, recorder: _Recorder, index: int, mode: FakeTensorMode, measured: dict,
     needed: frozenset[str],
@@ -340,7 +330,8 @@ def _measure_passes(
     for name in sorted(needed):  # the first pass counts the forward's work; a full one its recompute's too
         if (key, name) in measured:
             continue
-        work = OpWork() if (key, "work") not in measured else None
+        # Below the checkpoint's own caching mode, the counter sees every op it caches (selective's saved bytes).
+        work = OpWork() if (key, "work") not in measured or name == "selective" else None
         if name == "none":
             measured[key, name] = _peak_beyond_forward(block, x, mode, None, work)
         elif name == "full":
@@ -350,11 +341,11 @@ def _measure_passes(
             measured[key, name] = recomputed + size
             measured[key, "recompute"] = repeated.result()
         else:
-            kept = SavedOpBytes()  # below the checkpoint's own caching mode: sees every op it caches
-            selective = _peak_beyond_forward(block, x, mode, selective_contexts, work, kept)
-            measured[key, name] = (kept.forward + size, selective)
+            assert work is not None
+            selective = _peak_beyond_forward(block, x, mode, selective_contexts, work)
+            measured[key, name] = (work.saved_bytes + size, selective)
         if work is not None:
-            measured[key, "work"] = work.result()
+            measured.setdefault((key, "work"), work.result())
     work = dataclasses.replace(measured.get((key, "work"), BlockWork()), recompute=measured.get((key, "recompute")))
     return {**{name: measured[key, name] for name in needed}, "work": work}
 
@@ -369,15 +360,12 @@ def _peak_beyond_forward(
     x: torch.Tensor,
     mode: FakeTensorMode,
     checkpoint: Callable[[], Any] | None,
-    *forward_only: OpWork | SavedOpBytes | None,
+    work: OpWork | None = None,
 ) -> int:
     """Peak bytes of the block's backward above what its forward left alive; ``checkpoint``: the ``context_fn`` it
-    runs under ``torch.utils.checkpoint`` with. ``forward_only``: dispatch modes counting the forward's ops. Selective
-    checkpointing's cached outputs are detached aliases :class:`LiveBytes` misses: :class:`SavedOpBytes` has them."""
-    counters = [c for c in forward_only if c is not None]
-    with contextlib.ExitStack() as stack:
-        for counter in counters:  # entered first: below the checkpoint's own modes, they see every op it runs
-            stack.enter_context(counter)
+    runs under ``torch.utils.checkpoint`` with; ``work``: counts the forward. Selective checkpointing's cached outputs
+    are detached aliases :class:`LiveBytes` misses: ``work.saved_bytes`` has them."""
+    with work if work is not None else contextlib.nullcontext():  # first: below the checkpoint's own modes
         with mode:
             inp = torch.empty(x.shape, dtype=x.dtype, device=_CPU, requires_grad=True)
             tracker = LiveBytes()
@@ -386,30 +374,11 @@ def _peak_beyond_forward(
                        torch.utils.checkpoint.checkpoint(block, inp, use_reentrant=False, context_fn=checkpoint))
                 first = next(t for t in tensors_of(out) if t.requires_grad)
                 base = tracker.reset_peak()
-                for counter in counters:
-                    counter.stop()
+                if work is not None:
+                    work.stop()
                 # The gradient flowing in from the layers above is alive through the block's backward (a residual
                 # passes it on as it is): part of what the backward holds beyond the forward.
                 torch.autograd.backward(first, torch.empty_like(first))
     for p in block.parameters():
         p.grad = None
     return tracker.peak - base
-
-
-class SavedOpBytes(TorchDispatchMode):
-    """Bytes of the outputs of :data:`~.selective_ops.SAVED_OPS` in the forward (until :meth:`stop`): what selective
-    checkpointing keeps."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.forward = 0
-        self.counting = True
-
-    def stop(self) -> None:
-        self.counting = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if self.counting and func in SAVED_OPS:
-            self.forward += sum(t.untyped_storage().nbytes() for t in tensors_of(out))
-        return out

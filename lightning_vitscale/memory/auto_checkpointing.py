@@ -119,54 +119,17 @@ def unmet_budget(plan: MemoryPlan, inputs: StepInputs, offload: bool) -> str | N
             f" To fit, use {', or '.join(fixes)}.")
 
 
-def choose_blocks(
-    model: nn.Module,
-    example_input: Any,
-    *,
-    world_size: int,
-    precision: str,
-    budget: int,
-    optimizer: str = "adamw",
-    blocks: Any = None,
-    device: torch.device | None = None,
-    offload: bool = False,
-    fixed_reshard: bool | None = None,
-    per_unit: int | None = 1,
-    compare_units: bool = False,
-    replicas: int = 1,
-    tensor_parallel: int = 1,
-    tensor_plan: Any = None,
-    calls: Calls | None = None,
-    trainer: pl.Trainer | None = None,
-) -> AutoChoice:
-    """Measure ``model`` (un-sharded, or its meta twin) on fake tensors and plan each block, for the offload that is
-    on and ``trainer``'s loop; :class:`MeasurementError` where the step cannot run there. ``example_input``: fed to
-    ``forward``, or a :class:`~.planning_batch.PlanningBatch`; ``fixed_reshard`` / ``per_unit``: pinned (``None``:
-    chosen); ``compare_units``: ``per_unit`` is pinned only because the model is sharded already, the hint says
-    what a free choice would save; ``world_size``: one shard group, ``replicas``: hybrid sharding's copies of it."""
-    batch = example_input if isinstance(example_input, PlanningBatch) else PlanningBatch(example_input, EXAMPLE_INPUT)
+def _measure(module: nn.Module, batch: PlanningBatch, *, trainer: pl.Trainer | None, replicas: int,
+             **step_kwargs: Any) -> tuple[StepInputs, str]:
+    """:func:`~.planning_batch.measure_batch` in ``trainer``'s loop; :class:`MeasurementError` (its cause chained)
+    where the step cannot run on fake tensors. A refused tensor-parallel plan is what to fix: it raises as it is."""
     try:
-        inputs, how = measure_batch(model, batch, world_size=world_size, precision=precision, optimizer=optimizer,
-                                    blocks=blocks, device=device, loop=training_loop(model, trainer),
-                                    tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, calls=calls)
-        inputs = dataclasses.replace(inputs, replicas=replicas)
-    except TensorPlanError:  # the plan is refused: that, not the measurement, is what to fix
+        inputs, how = measure_batch(module, batch, loop=training_loop(module, trainer), **step_kwargs)
+    except TensorPlanError:
         raise
-    except Exception as error:  # a forward that cannot run on fake tensors must say what to do instead
-        raise MeasurementError(
-            f"activation_checkpointing='auto' could not measure {type(model).__name__} on fake tensors"
-            f" ({type(error).__name__}: {error}). Pass activation_checkpointing=True (or an int / a predicate)."
-        ) from error
-    batch_size = batch_size_of(batch.value)
-
-    def plan_for(units: int | None) -> MemoryPlan:  # the budget stands for the device's memory in the plan's table
-        return choose(inputs, budget, budget, precision, batch_size, offload=offload, rates=rates_for(device),
-                      reshard=fixed_reshard, per_unit=units)
-
-    plan = plan_for(per_unit)
-    hint = grouping_hint(plan, plan_for(None)) if compare_units else None
-    names = [b.name for b in inputs.profile.blocks]
-    return AutoChoice(plan, names, plan.blocks, unmet_budget(plan, inputs, offload), hint, how)
+    except Exception as error:
+        raise MeasurementError(f"{type(error).__name__}: {error}") from error
+    return dataclasses.replace(inputs, replicas=replicas), how
 
 
 def grouping_hint(applied: MemoryPlan, free: MemoryPlan) -> str | None:
@@ -239,15 +202,37 @@ class AutoCheckpointing:
         finally:
             self.twin = None
 
+    def choose(self, model: nn.Module, batch: Any, device: torch.device | None = None,
+               optimizer: str = "adamw") -> AutoChoice:
+        """Measure ``model`` (un-sharded, or its meta twin) fed ``batch`` (or a :class:`~.planning_batch.PlanningBatch`)
+        and plan each block; :class:`MeasurementError` where the step cannot run on fake tensors. Blocks per unit
+        pinned only because the units exist already: the hint says what a free choice would have saved."""
+        batch = batch if isinstance(batch, PlanningBatch) else PlanningBatch(batch, EXAMPLE_INPUT)
+        try:
+            inputs, how = _measure(model, batch, trainer=self.trainer, replicas=self.replicas,
+                                   world_size=self.world_size, precision=self.precision, optimizer=optimizer,
+                                   blocks=self.blocks, device=device, tensor_parallel=self.tensor_parallel,
+                                   tensor_plan=self.tensor_plan, calls=self.calls)
+        except MeasurementError as error:  # what to do instead
+            raise MeasurementError(
+                f"activation_checkpointing='auto' could not measure {type(model).__name__} on fake tensors ({error})."
+                " Pass activation_checkpointing=True (or an int / a predicate)."
+            ) from error.__cause__
+        batch_size = batch_size_of(batch.value)
+
+        def plan_for(units: int | None) -> MemoryPlan:  # the budget stands for the device's memory in the table
+            return choose(inputs, self.budget, self.budget, self.precision, batch_size, offload=self.offload,
+                          rates=rates_for(device), reshard=self.fixed_reshard, per_unit=units)
+
+        plan = plan_for(self.blocks_per_unit)
+        compare = self.units_left_to_planner and self.blocks_per_unit is not None
+        hint = grouping_hint(plan, plan_for(None)) if compare else None
+        names = [b.name for b in inputs.profile.blocks]
+        return AutoChoice(plan, names, plan.blocks, unmet_budget(plan, inputs, self.offload), hint, how)
+
     def _decide(self, model, example, device, agree: AgreePlan, optimizer) -> AutoChoice:
         try:
-            choice = choose_blocks(
-                model, example, world_size=self.world_size, precision=self.precision, budget=self.budget,
-                optimizer=optimizer, blocks=self.blocks, device=device, offload=self.offload,
-                fixed_reshard=self.fixed_reshard, per_unit=self.blocks_per_unit,
-                compare_units=self.units_left_to_planner and self.blocks_per_unit is not None, replicas=self.replicas,
-                tensor_parallel=self.tensor_parallel, tensor_plan=self.tensor_plan, calls=self.calls,
-                trainer=self.trainer)
+            choice = self.choose(model, example, device, optimizer)
         except MeasurementError as error:
             if self.required:
                 raise
@@ -295,15 +280,12 @@ def measure_for_summary(
     if batch is None:
         return None
     try:
-        inputs, how = measure_batch(module, batch, world_size=world_size, precision=precision, blocks=blocks,
-                                    device=device, loop=training_loop(module, trainer), mode_of=mode_of,
-                                    tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, calls=calls)
-        return dataclasses.replace(inputs, replicas=replicas), how
-    except TensorPlanError:
-        raise
-    except Exception as error:  # noqa: BLE001 - said in the summary (see docstring)
+        return _measure(module, batch, trainer=trainer, replicas=replicas, world_size=world_size, precision=precision,
+                        blocks=blocks, device=device, mode_of=mode_of, tensor_parallel=tensor_parallel,
+                        tensor_plan=tensor_plan, calls=calls)
+    except MeasurementError as error:  # said in the summary
         where = f" in {calls.where}" if calls is not None and calls.where else ""
-        return None, f"{batch.source} could not run on fake tensors{where} ({type(error).__name__}: {error})"
+        return None, f"{batch.source} could not run on fake tensors{where} ({error})"
 
 
 def describe_prediction(

@@ -23,7 +23,7 @@ from lightning_vitscale.memory.selective_ops import SAVED_OPS
 class BlockWork:
     """One forward of one block for the measured batch: the expensive ops' ``flops``, the cheap ops' bytes and count
     (what selective checkpointing recomputes), all ``ops``; ``recompute``: a full recompute's (``None``: the whole
-    forward)."""
+    forward). :class:`OpWork` also counts the expensive ops' output bytes: what selective checkpointing keeps."""
 
     flops: int = 0
     cheap_bytes: int = 0
@@ -42,7 +42,7 @@ class OpWork(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.flops = self.cheap_bytes = self.ops = self.cheap_ops = 0
+        self.flops = self.cheap_bytes = self.ops = self.cheap_ops = self.saved_bytes = 0
         self.counting = True
 
     def stop(self) -> None:
@@ -60,7 +60,9 @@ class OpWork(TorchDispatchMode):
         packet = func._overloadpacket
         if packet in flop_registry:
             self.flops += int(flop_registry[packet](*args, **kwargs, out_val=out))
-        if func not in SAVED_OPS:
+        if func in SAVED_OPS:
+            self.saved_bytes += sum(t.untyped_storage().nbytes() for t in tensors_of(out))
+        else:
             self.cheap_ops += 1
             self.cheap_bytes += _bytes_moved(func, args, kwargs, out)
         return out

@@ -121,46 +121,33 @@ def runs_training_step(module: nn.Module) -> bool:
 
 
 def training_step_call(model: nn.Module, batch: Any) -> Any:
-    """``model.training_step(batch, 0)``'s loss, ``self.log`` and the torchmetrics metrics silenced."""
-    with _silenced(model, ("log", "log_dict", "print")), _metrics_silenced(model):
+    """``model.training_step(batch, 0)``'s loss, with ``self.log`` and ``print`` silenced and the module's
+    ``torchmetrics`` metrics left out: their states are plain tensors (not buffers) that fake tensors cannot meet, and
+    Lightning's most common step updates one (each such module was measured a second time through ``forward``). A
+    metric keeps a few numbers, not activations; a step computing with its value falls back."""
+    metric_class = getattr(sys.modules.get("torchmetrics"), "Metric", None)
+    metrics = [m for m in model.modules() if metric_class is not None and isinstance(m, metric_class)]
+    with _silenced([(model, ("log", "log_dict", "print")), *((m, ("forward", "update")) for m in metrics)]):
         out = model.training_step(batch, 0)  # type: ignore[operator]
     return out.get("loss") if isinstance(out, Mapping) else out
 
 
-@contextlib.contextmanager
-def _metrics_silenced(model: nn.Module) -> Iterator[None]:
-    """Calls to the twin's ``torchmetrics`` metrics do nothing: their states are plain tensors (not buffers) that fake
-    tensors cannot meet, and Lightning's most common step updates one (each such module was measured a second time
-    through ``forward``). A metric keeps a few numbers, not activations; a step computing with its value falls back."""
-    metric_class = getattr(sys.modules.get("torchmetrics"), "Metric", None)
-    metrics = [m for m in model.modules() if metric_class is not None and isinstance(m, metric_class)]
-    for metric in metrics:
-        _silenced_calls(metric, ("forward", "update"))
-    try:
-        yield
-    finally:
-        for metric in metrics:
-            for name in ("forward", "update"):
-                metric.__dict__.pop(name, None)
+def _nothing(*_: Any, **__: Any) -> None:
+    return None
 
 
 @contextlib.contextmanager
-def _silenced(model: nn.Module, names: tuple[str, ...]) -> Iterator[None]:
-    """No-op instance attributes over ``names`` for the measurement (on the planner's own twin)."""
-    _silenced_calls(model, names)
-    try:
-        yield
-    finally:
+def _silenced(calls: list[tuple[nn.Module, tuple[str, ...]]]) -> Iterator[None]:
+    """No-op instance attributes over each module's ``names`` (on the planner's own twin) for the body."""
+    for module, names in calls:
         for name in names:
-            model.__dict__.pop(name, None)
-
-
-def _silenced_calls(module: nn.Module, names: tuple[str, ...]) -> None:
-    def nothing(*_: Any, **__: Any) -> None:
-        return None
-
-    for name in names:
-        object.__setattr__(module, name, nothing)
+            object.__setattr__(module, name, _nothing)
+    try:
+        yield
+    finally:
+        for module, names in calls:
+            for name in names:
+                module.__dict__.pop(name, None)
 
 
 def measure_batch(model: nn.Module, batch: PlanningBatch, **step_kwargs: Any) -> tuple[StepInputs, str]:

@@ -43,7 +43,6 @@ from lightning_vitscale.memory.devices import (
     device_named,
     device_of,
 )
-from lightning_vitscale.memory.op_costs import BlockWork
 from lightning_vitscale.memory.step_model import OPTIMIZER_STATES, StepInputs, StepSettings, unit_spans
 
 
@@ -207,7 +206,8 @@ def step_time(
         device += inputs.batch_scale * (3 * work.flops / rates.flops_per_s
                                         + ELEMENTWISE_PASSES * work.cheap_bytes * (1.0 - fused) / rates.bytes_per_s)
         device += recompute_seconds(block, mode, rates, inputs.batch_scale, fused)
-        host += COMPILED_BLOCK_HOST_S if compiled else (work.ops + _recomputed_ops(work, mode)) * OP_HOST_S
+        again = {None: 0, "selective": work.cheap_ops, "full": work.repeated.ops}[mode]  # an eager recompute's ops
+        host += COMPILED_BLOCK_HOST_S if compiled else (work.ops + again) * OP_HOST_S
     host = (host + STEP_HOST_S) * rates.host_scale
     device += STEP_DEVICE_S if rates.overlap > 1 else 0.0
     params = inputs.layout.num_params
@@ -243,10 +243,6 @@ def compile_pays(inputs: StepInputs, settings: StepSettings, rates: DeviceRates)
 
     return pays, (f"{'compiled' if pays else 'eager'} at this batch: predicted step {said(compiled)} compiled against"
                   f" {said(eager)} eager")
-
-
-def _recomputed_ops(work: BlockWork, mode: str | None) -> int:
-    return {None: 0, "selective": work.cheap_ops, "full": work.repeated.ops}[mode]
 
 
 def _optimizer_bytes(inputs: StepInputs, params: float, fused: bool) -> float:

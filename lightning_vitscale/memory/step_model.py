@@ -169,7 +169,7 @@ def step_phases(inputs: StepInputs, settings: StepSettings) -> list[MemoryBreakd
     norms = norm_numel * 4 * (2 + states)
     full_blocks = [sum(_numel(s) for s in b) for b in lay.blocks]
     outer_full = sum(_numel(s) for s in lay.outer) * c
-    kept = [int(_kept(b, i, settings) * scale) for i, b in enumerate(prof.blocks)]
+    kept = [int(_kept_and_inside(b, i, settings)[0] * scale) for i, b in enumerate(prof.blocks)]
     batch = int(prof.batch_bytes * scale)
     base = dict(params=params * on_device, optimizer=params * states * on_device, norms=norms, batch=batch)
     return [
@@ -181,26 +181,15 @@ def step_phases(inputs: StepInputs, settings: StepSettings) -> list[MemoryBreakd
     ]
 
 
-def _kept(block: BlockMemory, index: int, settings: StepSettings) -> int:
-    mode = _measured_mode(block, index, settings)
-    if mode == "selective":
-        return block.selective_saved
-    return block.input if mode == "full" else block.saved
-
-
-def _inside(block: BlockMemory, index: int, settings: StepSettings) -> int:
-    mode = _measured_mode(block, index, settings)
-    if mode == "selective":
-        return block.selective_backward
-    return block.recompute - block.input if mode == "full" else block.backward
-
-
-def _measured_mode(block: BlockMemory, index: int, settings: StepSettings) -> str:
+def _kept_and_inside(block: BlockMemory, index: int, settings: StepSettings) -> tuple[int, int]:
+    """What a block keeps from forward to backward, and what its backward allocates beyond that."""
     mode = "selective" if index in settings.selective else "full" if index in settings.checkpointed else "none"
     if mode not in block.modes:
         raise ValueError(f"{block.name} was measured for {sorted(block.modes)} only, not {mode!r}: measure it with"
                          " mode_of=None to predict other checkpointing.")
-    return mode
+    if mode == "selective":
+        return block.selective_saved, block.selective_backward
+    return (block.input, block.recompute - block.input) if mode == "full" else (block.saved, block.backward)
 
 
 def _forward_phases(inputs, settings, base, full_blocks, outer_full, kept) -> list[MemoryBreakdown]:
@@ -276,7 +265,7 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
 def _block_backward(block: BlockMemory, index: int, settings: StepSettings, held: int, scale: float, r: int) -> int:
     """What block ``index``'s backward allocates beyond what it kept; ``held``: the elements of the later unit's
     reduce-scatter input FSDP still holds."""
-    compute = int(_inside(block, index, settings) * scale)
+    compute = int(_kept_and_inside(block, index, settings)[1] * scale)
     if index in settings.checkpointed and index not in settings.selective and not settings.keeps(index):
         # Measured `Trainer.fit` steps (benchmarks/RESULTS.md, "against Trainer.fit") hold the later unit's
         # reduce-scatter input too while a fully checkpointed block recomputes (FSDP2 frees it at the next

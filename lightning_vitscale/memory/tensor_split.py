@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_vitscale.discovery.tensor_plan import TensorPlanError, TensorPlanSelector, plan_block
-from lightning_vitscale.memory.activations import StepCall, fake_step, first_float, removing, run_step
+from lightning_vitscale.memory.activations import StepCall, _Recorder, fake_step, removing, run_step
 from lightning_vitscale.memory.block_identity import block_key
 from lightning_vitscale.memory.collectives import ring_bytes
 from lightning_vitscale.memory.op_costs import tensors_of
@@ -173,19 +173,9 @@ def measure_collectives(
 ) -> list[BlockAllReduces]:
     """Each block's all-reduces per step: the twin's forward on fake tensors (as the activations are measured) gives
     the forward and backward ones, a checkpointed pass per mode of each distinct block its recompute's."""
-    log = _AllReduceLog()
-    inputs: dict[int, torch.Tensor] = {}
-
-    def keep_input(index: int):
-        def hook(_: nn.Module, args: tuple[Any, ...]) -> None:
-            first = first_float(args)
-            if first is not None:
-                inputs.setdefault(index, first)
-
-        return hook
-
+    log, recorder = _AllReduceLog(), _Recorder(set())  # the recorder: each block's input
     with fake_step(twin, example_input, compute, norms or [], call) as (mode, fake_input):
-        handles = [b.register_forward_pre_hook(keep_input(i)) for i, (_, b) in enumerate(blocks)]
+        handles = [b.register_forward_pre_hook(recorder.enter(i)) for i, (_, b) in enumerate(blocks)]
         with removing(handles), mode, torch.no_grad(), log.watching(blocks, roles):
             run_step(twin, fake_input, call)
         recomputed: dict[Any, dict[str, int]] = {}
@@ -194,7 +184,7 @@ def measure_collectives(
             forward = sum(n for i, n in log.rows if i == index)
             backward = sum(n for i, n in log.cols if i == index)
             calls = sum(i == index for i, _ in log.rows) + sum(i == index for i, _ in log.cols)
-            x = inputs.get(index)
+            x = recorder.inputs.get(index)
             again: dict[str, int] = {}
             if x is not None:
                 key = block_key(block, x)

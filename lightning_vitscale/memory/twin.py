@@ -7,9 +7,8 @@ import copy
 import functools
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
-import lightning.pytorch as pl
 import torch
 from lightning.pytorch import LightningModule
 from torch import nn
@@ -26,19 +25,12 @@ def meta_twin(module: nn.Module) -> nn.Module:
         if value is not None:
             memo[id(value)] = value
     twin = copy.deepcopy(module, memo)
-    if isinstance(twin, LightningModule) and twin.fabric is None:  # Fabric's, shared, stands for a Trainer
-        # __getstate__ dropped the Trainer: a training_step measured on the twin may read self.trainer.
-        twin.trainer = attached_trainer(module)
+    if isinstance(twin, LightningModule) and twin.fabric is None:  # a Fabric's shim stands for the Trainer
+        # __getstate__ dropped the Trainer: a training_step measured on the twin may read self.trainer. Where no
+        # Trainer holds the module (plan_memory, the CLI's plan), the public property raises.
+        with contextlib.suppress(RuntimeError):
+            twin.trainer = cast(LightningModule, module).trainer
     return twin
-
-
-def attached_trainer(module: nn.Module) -> pl.Trainer | None:
-    """``module``'s Trainer, or ``None`` where no Trainer holds it (``LightningModule.trainer`` raises then): the
-    planner also measures modules outside a run (``plan_memory``, the CLI's ``plan``)."""
-    try:
-        return module.trainer if isinstance(module, LightningModule) else None
-    except RuntimeError:
-        return None
 
 
 _LRU_CACHE = type(functools.lru_cache(lambda: None))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_vitscale.cli.demo import TinyViT
-from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, choose_blocks, training_loop
+from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, training_loop
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_model import ZERO_GRAD_FIRST, StepSettings, TrainingLoop, predict_step, step_phases
 
@@ -76,14 +76,14 @@ def test_auto_warns_when_no_choice_meets_the_budget_and_never_assumes_offload():
     every = predict_step(inputs, StepSettings(frozenset(range(4))))
     budget = predict_step(inputs, StepSettings(frozenset(range(4)), offload=True)).peak  # met by offload alone
     assert budget < every.peak
-    choice = choose_blocks(model, x, world_size=2, precision="32-true", budget=budget)
+    choice = AutoCheckpointing(budget, 2, "32-true", None, blocks_per_unit=1).choose(model, x)
     assert choice.names == [f"blocks.{i}" for i in range(4)] and not choice.plan.chosen.settings.offload
     assert choice.plan.chosen.breakdown.peak == every.peak and not choice.plan.fits
     assert choice.warning is not None and "offload='cpu' (predicted" in choice.warning
     assert "a per-rank batch of" in choice.warning and "memory_budget" in choice.warning
-    hopeless = choose_blocks(model, x, world_size=2, precision="32-true", budget=1)
+    hopeless = AutoCheckpointing(1, 2, "32-true", None, blocks_per_unit=1).choose(model, x)
     assert hopeless.warning is not None and "offload" not in hopeless.warning  # would not fit either
-    offloaded = choose_blocks(model, x, world_size=2, precision="32-true", budget=budget, offload=True)
+    offloaded = AutoCheckpointing(budget, 2, "32-true", None, offload=True, blocks_per_unit=1).choose(model, x)
     assert offloaded.plan.fits and offloaded.plan.chosen.settings.offload and offloaded.warning is None
 
     real = TinyViT(**LONG)
