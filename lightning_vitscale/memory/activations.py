@@ -52,9 +52,8 @@ class BlockMemory:
 
     ``saved``: kept for backward when not checkpointed; ``input``: kept when checkpointed; ``backward``: what its
     backward holds beyond what it kept (incoming gradient, activation and parameter gradients), net of what it
-    frees; ``recompute``: a checkpointed block's peak from its input through recompute and backward; ``params``: in
-    the compute dtype (one all-gather); ``selective_*``: kept (input and expensive ops' outputs) and its backward
-    beyond that; ``work``: its forward's work (:mod:`.op_costs`).
+    frees; ``recompute``: a checkpointed block's peak from its input through recompute and backward;
+    ``selective_*``: kept (input and expensive ops' outputs) and its backward beyond that; ``work``: its forward's.
     """
 
     name: str
@@ -62,7 +61,6 @@ class BlockMemory:
     input: int
     backward: int
     recompute: int
-    params: int
     selective_saved: int = 0
     selective_backward: int = 0
     work: BlockWork = BlockWork()
@@ -83,8 +81,6 @@ class ActivationProfile:
     outer_saved: int
     outer_backward: int
     batch_bytes: int
-    output_bytes: int
-    notes: list[str] = field(default_factory=list)
     outer_saved_after: int = 0
 
 
@@ -282,14 +278,13 @@ def measure_activations(
         results = [_block_memory(name, block, recorder, i, mode, measured,
                                  ALL_MODES if mode_of is None else frozenset({mode_of(i, name, block) or "none"}))
                    for i, (name, block) in enumerate(blocks)]
-    output_bytes = sum(t.numel() * t.element_size() for t in outputs)
+    output_bytes = sum(t.numel() * t.element_size() for t in outputs)  # its gradient, held through backward
     return ActivationProfile(
         blocks=results,
         outer_saved=recorder.saved_by(None),
         outer_saved_after=recorder.saved_after_blocks(),
         outer_backward=outer_use.used_after_blocks() + 2 * output_bytes,
         batch_bytes=batch_bytes,
-        output_bytes=output_bytes,
     )
 
 
@@ -297,10 +292,9 @@ def _block_memory(
     name: str, block: nn.Module, recorder: _Recorder, index: int, mode: FakeTensorMode, measured: dict,
     needed: frozenset[str],
 ) -> BlockMemory:
-    params = sum(p.numel() * p.element_size() for p in block.parameters())
     x = recorder.inputs.get(index)
     if x is None:  # the block never ran in this forward: it costs nothing for this batch
-        return BlockMemory(name, 0, 0, 0, 0, params)
+        return BlockMemory(name, 0, 0, 0, 0)
     passes = _measure_passes(block, x, mode, measured, needed)
     size = x.untyped_storage().nbytes()
     selective_saved, selective_backward = passes.get("selective", (0, 0))
@@ -310,7 +304,6 @@ def _block_memory(
         input=size,
         backward=passes.get("none", 0),
         recompute=passes.get("full", 0),
-        params=params,
         selective_saved=selective_saved,
         selective_backward=selective_backward,
         work=passes["work"],

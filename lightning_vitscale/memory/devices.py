@@ -9,7 +9,7 @@ run measures them; the CPU row is what a step reached on this repository's 2-cor
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -116,14 +116,9 @@ H100_MEASURED = ("measured: memory (79.2 GiB, torch), reached FLOP/s and its hos
 DEVICES: tuple[Device, ...] = (
     _gpu("h100-pcie-80gb", r"H100 PCIe", 80, 756 * TB, 51 * TB, 2.0 * TB, 64 * GB),
     _gpu("h100-nvl-94gb", r"H100 NVL", 94, 835 * TB, 60 * TB, 3.9 * TB, 300 * GB),
-    Device(name="h100-80gb", match=r"H100", memory_bytes=int(79.2 * GIB), bf16_flops_per_s=989 * TB,  # SXM
-           fp32_flops_per_s=67 * TB, reached_flops_per_s=REACHED_SHARE * 989 * TB, hbm_bytes_per_s=3.35 * TB,
-           link_bytes_per_s=450 * GB, latency_s=GPU_LATENCY_S, unit_s=UNIT_HOST_S * H100_HOST_SCALE,
-           source=H100_MEASURED, host_scale=H100_HOST_SCALE),
-    Device(name="h200-141gb", match=r"H200", memory_bytes=int(139.8 * GIB), bf16_flops_per_s=989 * TB,
-           fp32_flops_per_s=67 * TB, reached_flops_per_s=REACHED_SHARE * 989 * TB, hbm_bytes_per_s=4.8 * TB,
-           link_bytes_per_s=450 * GB, latency_s=GPU_LATENCY_S, unit_s=GPU_UNIT_S, source=H200_MEASURED,
-           host_scale=H200_HOST_SCALE),
+    replace(_gpu("h100-80gb", r"H100", 79.2, 989 * TB, 67 * TB, 3.35 * TB, 450 * GB),  # SXM
+            unit_s=UNIT_HOST_S * H100_HOST_SCALE, source=H100_MEASURED, host_scale=H100_HOST_SCALE),
+    replace(_gpu("h200-141gb", r"H200", 139.8, 989 * TB, 67 * TB, 4.8 * TB, 450 * GB), source=H200_MEASURED),
     _gpu("a100-40gb", r"A100.*40GB", 40, 312 * TB, 19.5 * TB, 1.555 * TB, 300 * GB),
     _gpu("a100-80gb", r"A100", 80, 312 * TB, 19.5 * TB, 2.039 * TB, 300 * GB),
     _gpu("v100-32gb", r"V100", 32, 125 * TB, 15.7 * TB, 0.9 * TB, 150 * GB),

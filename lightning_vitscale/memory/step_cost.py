@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 
 from lightning_vitscale.memory.activations import BlockMemory
-from lightning_vitscale.memory.collectives import ring_bytes, unit_collectives
+from lightning_vitscale.memory.collectives import Collective, ring_bytes, unit_collectives
 from lightning_vitscale.memory.devices import (
     COMPILED_BLOCK_HOST_S,
     DEFAULT_GPU,
@@ -119,20 +119,26 @@ def regather_seconds(sent: float, rates: DeviceRates) -> float:
 def units_and_regather_seconds(inputs: StepInputs, settings: StepSettings, rates: DeviceRates) -> float:
     """The FSDP units' cost per step: ``unit_s`` each, a second all-gather where one reshards, and where collectives
     overlap compute, the largest unit's exposed collectives (see the module docstring)."""
-    spans = unit_spans(len(inputs.layout.blocks), settings.blocks_per_unit)
     seconds = exposed = 0.0
-    for span in spans:
-        collectives = unit_collectives(
-            [shape for i in span for shape in inputs.layout.blocks[i]], shard=inputs.world, replicas=inputs.replicas,
-            gather_itemsize=inputs.compute.itemsize, reduce_itemsize=inputs.reduce.itemsize,
-            reshard=not settings.keeps(span[0]),
-        )
+    for collectives in _collectives(inputs, _block_units(inputs, settings)):
         seconds += rates.unit_s
         seconds += sum(regather_seconds(c.sent, rates) for c in collectives if c.kind == "regather")
         if rates.overlaps:
             sent = sum(c.sent for c in collectives if c.kind != "regather")
             exposed = max(exposed, sent / rates.link_bytes_per_s)
     return seconds + exposed
+
+
+def _block_units(inputs: StepInputs, settings: StepSettings) -> list[tuple[list[tuple[int, ...]], bool]]:
+    """Each block unit's parameter shapes and whether it reshards after forward."""
+    spans = unit_spans(len(inputs.layout.blocks), settings.blocks_per_unit)
+    return [([s for i in span for s in inputs.layout.blocks[i]], not settings.keeps(span[0])) for span in spans]
+
+
+def _collectives(inputs: StepInputs, units: list[tuple[list[tuple[int, ...]], bool]]) -> list[list[Collective]]:
+    return [unit_collectives(shapes, shard=inputs.world, replicas=inputs.replicas, reshard=reshard,
+                             gather_itemsize=inputs.compute.itemsize, reduce_itemsize=inputs.reduce.itemsize)
+            for shapes, reshard in units]
 
 
 def block_modes(settings: StepSettings, n: int) -> list[str | None]:
@@ -147,13 +153,8 @@ def traffic_per_dimension(
     norms' all-reduce) and, under tensor parallelism, ``"tensor_parallel"``. ``outer_reshards``: the outer unit
     reshards after forward too (``reshard_after_forward=True``; the recipe keeps it gathered)."""
     lay = inputs.layout
-    spans = unit_spans(len(lay.blocks), settings.blocks_per_unit)
-    units = [([s for i in span for s in lay.blocks[i]], not settings.keeps(span[0])) for span in spans]
-    sent = 0.0
-    for shapes, reshard in [*units, (lay.outer, outer_reshards)]:
-        sent += sum(c.sent for c in unit_collectives(
-            shapes, shard=inputs.world, replicas=inputs.replicas, gather_itemsize=inputs.compute.itemsize,
-            reduce_itemsize=inputs.reduce.itemsize, reshard=reshard))
+    units = [*_block_units(inputs, settings), (lay.outer, outer_reshards)]
+    sent = sum(c.sent for collectives in _collectives(inputs, units) for c in collectives)
     norm_bytes = sum(math.prod(s) for s in lay.norms) * 4
     sent += ring_bytes(norm_bytes, inputs.world, reduce=True) + ring_bytes(norm_bytes, inputs.replicas, reduce=True)
     out = {"data_parallel": sent}

@@ -121,10 +121,6 @@ class TrainingLoop:
         return self.accumulate > 1 or not self.set_to_none
 
 
-# The order a hand-written loop (and Lightning's manual optimization as documented) runs: zero_grad first.
-ZERO_GRAD_FIRST = TrainingLoop(automatic=False)
-
-
 @dataclass(frozen=True)
 class StepInputs:
     """Everything the step model needs besides the settings. ``world``: one FSDP shard group; with ``tensor`` the

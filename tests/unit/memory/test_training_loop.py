@@ -12,7 +12,7 @@ import torch
 from lightning_vitscale.cli.demo import TinyViT
 from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, training_loop
 from lightning_vitscale.memory.planner import step_inputs
-from lightning_vitscale.memory.step_model import ZERO_GRAD_FIRST, StepSettings, TrainingLoop, predict_step, step_phases
+from lightning_vitscale.memory.step_model import StepSettings, TrainingLoop, predict_step, step_phases
 
 LONG = dict(image=64, patch=4, dim=96, depth=4)
 WIDE = dict(image=32, patch=4, dim=256, depth=6)  # parameter-heavy: the gradients decide where the peak is
@@ -33,7 +33,7 @@ def test_automatic_optimization_keeps_the_previous_gradients_through_the_forward
     """Lightning runs training_step before zero_grad: the gradient shards of the last step live through the
     forward, so the forward's peak carries them; zero_grad first (manual optimization) frees them before."""
     inputs, automatic = planned(TrainingLoop())
-    _, manual = planned(ZERO_GRAD_FIRST)
+    _, manual = planned(TrainingLoop(automatic=False))  # zero_grad first, as a hand-written loop
     forward = [b for b in step_phases(inputs, StepSettings()) if b.phase == "end of forward"][0]
     assert forward.grads == forward.params > 0  # the forward carries the last step's gradient shards
     assert automatic.phase != manual.phase
