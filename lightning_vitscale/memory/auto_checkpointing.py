@@ -33,11 +33,11 @@ from lightning_vitscale.memory.planning_batch import (
     FIRST_STEP,
     PlanningBatch,
     measure_batch,
-    meta_twin,
     planning_batch,
 )
 from lightning_vitscale.memory.step_cost import rates_for
 from lightning_vitscale.memory.step_model import StepInputs, StepSettings, TrainingLoop, predict_step
+from lightning_vitscale.memory.twin import meta_twin
 from lightning_vitscale.precision import resolve_flag
 
 AgreePlan = Callable[[BlockPlan], BlockPlan]

@@ -1,10 +1,9 @@
 """Free the gradient shards right after the optimizer step where nothing can see them before ``zero_grad``.
 
-Lightning's automatic optimization runs the next forward (often the step's peak) before ``zero_grad``, so the last
-step's gradient shards would live through it. Where neither the module nor a user callback overrides a hook called
-in between (Lightning's and this package's callbacks never read gradients) and ``zero_grad`` is the default, they
-are freed at once, as that ``zero_grad`` would; ``.grad`` read elsewhere before it sees ``None`` (the README says
-so). The planner counts it (``TrainingLoop.released_after_step``).
+Lightning runs the next forward (often the step's peak) before ``zero_grad``. Where neither the module nor a user
+callback overrides a hook called in between (Lightning's and this package's never read gradients) and ``zero_grad``
+is the default, the shards are freed at once, as it would; ``.grad`` read elsewhere before it sees ``None`` (the
+README says so).
 """
 
 from __future__ import annotations

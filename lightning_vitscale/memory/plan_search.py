@@ -2,15 +2,12 @@
 and the blocks per FSDP unit, each chosen or pinned (:class:`SearchSpace`); the least predicted step time whose
 predicted peak fits the budget.
 
-Plans have one shape, :class:`BlockPlan`: chosen checkpointing earliest first (the first blocks fully, the next
-selectively: the first block's activations live longest, so it saves memory in the most phases), the first
-``resharded`` blocks resharded, ``per_unit`` blocks per unit. The search is exact over that shape: per unit size
-(:func:`unit_sizes`) and number of full and of resharded blocks, the fewest selective ones that fit (memory only
-falls as blocks go selective or resharded: a bisection, then a two-pointer walk); of those, the fastest. A count of
-full blocks whose time alone is no better than the best found ends a size's walk, and the most promising sizes go
-first: a tight budget on 32 blocks takes about 2,000 predictions (3 s on a loaded 2-core CPU). Where nothing fits,
-the plan is the least memory one and the caller warns; the recipe's plan (every block full, its own unit,
-resharded) is in every unpinned space, so a chosen plan fits wherever the recipe's would.
+Plans have one shape, :class:`BlockPlan`: checkpointing earliest first (the first block's activations live
+longest), the first ``resharded`` blocks resharded. Exact over that shape: per unit size and number of full and of
+resharded blocks, the fewest selective ones that fit (a bisection, then a two-pointer walk: memory only falls as
+blocks go selective or resharded); of those, the fastest. Bounds end a walk early: a tight budget on 32 blocks
+takes about 2,000 predictions (3 s on a loaded 2-core CPU). Where nothing fits, the least memory plan (the caller
+warns); the recipe's plan is in every unpinned space, so a chosen plan fits wherever the recipe's would.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """What a setting costs in step time, by roofline arithmetic on what :mod:`.op_costs` counted (checkable by hand):
 
-- ``"selective"`` checkpointing reruns the cheap ops: ``cheap_bytes / bytes_per_s``; ``"full"`` the forward too:
-  ``+ flops / flops_per_s``. A recompute never hides;
-- a unit resharded after forward is all-gathered again in backward: ``latency`` plus, unless the prefetch hides it
-  (``regather_hidden``: GPU streams), its ring bytes / ``link_bytes_per_s``;
-- tensor parallelism's all-reduces (:mod:`.tensor_split`) wait on the critical path; a recompute repeats the
-  row-wise ones;
-- each FSDP unit costs ``unit_s`` (hooks, waits); where collectives overlap compute, the first unit's all-gather
-  and the last one's reduce-scatter (and all-reduce) have nothing to hide behind: a larger unit exposes more.
-
-The collectives are :mod:`.collectives`' model, as the setup summary's traffic report counts them.
+- ``"selective"`` checkpointing reruns the cheap ops (``cheap_bytes / bytes_per_s``), ``"full"`` the forward too
+  (``+ flops / flops_per_s``); a recompute never hides;
+- a resharded unit is all-gathered again in backward: ``latency`` plus, unless the prefetch hides it (GPU
+  streams), its bytes / ``link_bytes_per_s`` (:mod:`.collectives`' model);
+- tensor parallelism's all-reduces wait on the critical path, a recompute repeats the row-wise ones;
+- each FSDP unit costs ``unit_s``; where collectives overlap compute, the first gather and the last reduction have
+  nothing to hide behind: a larger unit exposes more.
 
 The whole step (:func:`step_time`): the device's work (FLOPs, the cheap ops' bytes, recompute, FSDP's copies,
 exposed collectives) and the host's (each op, each unit, or one call per compiled block) overlap until the step's
@@ -154,7 +151,9 @@ def traffic_per_dimension(
     reshards after forward too (``reshard_after_forward=True``; the recipe keeps it gathered)."""
     lay = inputs.layout
     units = [*_block_units(inputs, settings), (lay.outer, outer_reshards)]
-    sent = sum(c.sent for collectives in _collectives(inputs, units) for c in collectives)
+    sent = 0.0
+    for collectives in _collectives(inputs, units):  # unit by unit: the same float sums as the summary's report
+        sent += sum(c.sent for c in collectives)
     norm_bytes = sum(math.prod(s) for s in lay.norms) * 4
     sent += ring_bytes(norm_bytes, inputs.world, reduce=True) + ring_bytes(norm_bytes, inputs.replicas, reduce=True)
     out = {"data_parallel": sent}
