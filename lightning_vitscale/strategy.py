@@ -160,7 +160,8 @@ class VitScaleStrategy(ModelParallelStrategy):
         self.config = self.resolved.config_view()  # the request; `.kernels` the resolved policy, deprecated
         creation, self._creation = self._creation, None
         self.sharded = shards.shard_lightning_module(
-            module, self.resolved, self.precision_plugin, self._ranks(), creation, fitting=trainer if fitting else None
+            module, self.resolved, self.precision_plugin, self._ranks(), creation, fitting=trainer if fitting else None,
+            trainer=trainer,
         )
         self.model = self.sharded.outer
         self.sharded.release()  # a copy gathered by a call after an earlier fit must not reach the optimizer
@@ -173,7 +174,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         if fitting and self.config.sharding.offload is None:
             optimizers_to_device(self.optimizers, self.root_device)  # offloaded state stays in host memory
         # Which hooks the user overrides is known now: decided once, not at every optimizer step.
-        self._release_after_step = fitting and may_release_after_step(module, self.optimizers)
+        self._release_after_step = fitting and may_release_after_step(module, trainer)
 
     def _ranks(self) -> distributed.RankContext:
         return distributed.rank_context(self)

@@ -1,8 +1,6 @@
-"""Memory: exact per-rank state bytes, activations measured on fake tensors, the per-step memory model, the
-memory planner (``plan_memory`` -> :class:`MemoryPlan`) and its one search (:mod:`.plan_search`: the checkpointing
-of ``activation_checkpointing="auto"`` and of ``VitScaleStrategy()``'s default, the units kept gathered and the
-blocks per FSDP unit, each chosen or pinned), and whether gradient accumulation may keep unsharded gradients
-(``accumulation="auto"``).
+"""Memory: per-rank state bytes, activations measured on fake tensors, the per-step memory and time models, the
+planner (``plan_memory`` -> :class:`MemoryPlan`) and its one search (checkpointing, units kept gathered, blocks per
+unit), and ``accumulation="auto"``'s choice.
 
 Predicts and chooses, never changes a model: may import ``discovery``, ``precision`` (dtype policies), ``_utils``
 and ``_compat``; the sharding setup applies what it chooses.
@@ -25,9 +23,9 @@ from lightning_vitscale.memory.gradient_release import may_release_after_step, r
 from lightning_vitscale.memory.memory_plan import MemoryPlan
 from lightning_vitscale.memory.planner import check_budget, plan_memory, resolve_budget
 from lightning_vitscale.memory.planning_batch import PlanningBatch, planning_batch
-from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
+from lightning_vitscale.memory.selective_ops import selective_contexts
 from lightning_vitscale.memory.state_bytes import StateBytes, measure_state_bytes
-from lightning_vitscale.memory.step_cost import StepTime, compile_pays, rates_for, step_time
+from lightning_vitscale.memory.step_cost import compile_pays, rates_for
 from lightning_vitscale.memory.step_model import StepInputs, StepSettings
 
 __all__ = [
@@ -38,11 +36,9 @@ __all__ = [
     "MemoryPlan",
     "ModeOf",
     "PlanningBatch",
-    "SAVED_OPS",
     "StateBytes",
     "StepInputs",
     "StepSettings",
-    "StepTime",
     "check_budget",
     "compile_pays",
     "choose_accumulation",
@@ -57,5 +53,4 @@ __all__ = [
     "release_gradients",
     "resolve_budget",
     "selective_contexts",
-    "step_time",
 ]

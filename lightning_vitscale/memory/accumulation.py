@@ -1,10 +1,8 @@
 """Gradient accumulation without a reduce-scatter per micro-batch, when memory allows: the choice.
 
-Under DDP, ``accumulate_grad_batches=k`` all-reduces once per optimizer step (Lightning wraps the first k-1
-micro-batches in ``no_sync``). FSDP2 can do the same (``set_requires_gradient_sync(False)``), but then every rank
-keeps the *unsharded* gradients of every unit between micro-batches: the whole model's gradients in the compute
-dtype instead of 1/world of them. ``accumulation="auto"`` takes that only where it fits; this module says whether
-it does, the sharding setup applies it (``sharding/gradient_sync.py``).
+DDP all-reduces once per optimizer step; FSDP2 can too (``set_requires_gradient_sync(False)``), but then every rank
+keeps the whole model's *unsharded* gradients between micro-batches. ``accumulation="auto"`` takes that only where
+it fits; ``sharding/gradient_sync.py`` applies it.
 """
 
 from __future__ import annotations
@@ -31,9 +29,8 @@ class AccumulationChoice:
 
 
 def choose_accumulation(mode: AccumulationMode, extra_bytes: int, in_use: int, budget: int) -> AccumulationChoice:
-    """``"unsharded"``/``"sharded"`` as asked; ``"auto"``: unsharded when ``in_use`` (the step's predicted or
-    measured peak) plus ``extra_bytes`` (the unsharded gradients beyond this rank's shards) stays within
-    ``budget`` (bytes: ``memory_budget`` as setup resolved it)."""
+    """``"unsharded"``/``"sharded"`` as asked; ``"auto"``: unsharded when ``in_use`` (the step's peak) plus
+    ``extra_bytes`` (the unsharded gradients) stays within ``budget``."""
     if mode == "unsharded":
         return AccumulationChoice(True, "accumulation='unsharded'")
     if mode == "sharded":

@@ -1,11 +1,9 @@
 """Measure a model's activation memory per block on fake tensors (no real memory, any model size).
 
-The model (real, meta or already built on the meta device) runs one forward and backward under
-``FakeTensorMode`` with its parameters temporarily swapped for fake ones in the compute dtype. Autograd's
-``saved_tensors_hooks`` count what each block keeps for backward (deduplicated by storage, attributed to the
-first block that saved it); a dispatch mode tracking live fake storages gives each block's backward transient
-(activation gradients + its parameter gradients). Fake CPU tensors pick the same SDPA kernel family as CUDA
-(flash-style: output + log-sum-exp, no N x N matrix), so one measurement serves CPU and GPU plans.
+One forward and backward under ``FakeTensorMode``, parameters swapped for fake ones in the compute dtype:
+``saved_tensors_hooks`` count what each block keeps for backward (by storage, for the first block that saved it),
+a dispatch mode tracking live storages each block's backward transient. Fake CPU tensors pick the same SDPA kernel
+family as CUDA (no N x N matrix), so one measurement serves CPU and GPU plans.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
 from lightning_vitscale._compat import (
     FakeTensorMode,
@@ -34,8 +33,8 @@ from lightning_vitscale._compat import (
     tree_map,
 )
 from lightning_vitscale.memory.block_identity import block_key
-from lightning_vitscale.memory.op_costs import BlockWork, OpWork
-from lightning_vitscale.memory.selective_ops import SAVED_OPS, selective_contexts
+from lightning_vitscale.memory.op_costs import BlockWork, OpWork, tensors_of
+from lightning_vitscale.memory.selective_ops import selective_contexts
 
 _CPU = torch.device("cpu")
 
@@ -44,17 +43,12 @@ StepCall = Callable[[nn.Module, Any], Any]
 ModeOf = Callable[[int, str, nn.Module], "str | None"]
 """The checkpointing a block will run: ``mode_of(index, name, block)`` -> ``"full"``, ``"selective"`` or ``None``."""
 ALL_MODES: frozenset[str] = frozenset({"none", "full", "selective"})
-"""What a block can be measured for: plain (``"none"``), fully and selectively checkpointed."""
 
 
 class _FakeMode(FakeTensorMode):
-    """``FakeTensorMode`` that asks once, not on every op, whether a GPU may be initialised.
-
-    Lightning sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` when imported; under it ``torch.cuda.is_available()`` loads
-    NVML with ``ctypes`` on each call (a failed library search on a machine without a GPU, never cached before CUDA
-    is initialised), and ``FakeTensorMode`` asks on every op it dispatches: ~8% of the planner's CPU time in a profile
-    of the test suite.
-    """
+    """``FakeTensorMode`` that asks once whether a GPU may be initialised: under Lightning's
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` each ``torch.cuda.is_available()`` loads NVML, and it asked on every op
+    (~8% of the planner's CPU time in a profile of the test suite)."""
 
     @functools.cached_property
     def avoid_device_init(self) -> bool:  # type: ignore[override]
@@ -63,21 +57,13 @@ class _FakeMode(FakeTensorMode):
 
 @dataclass(frozen=True)
 class BlockMemory:
-    """What one block costs in activations for the measured batch.
+    """One block's activation bytes for the measured batch (``modes``: what it was measured for; the others' fields
+    are 0 and predicting them is an error).
 
-    Attributes:
-        name: qualified name of the block.
-        saved: bytes autograd keeps for its backward when the block is not checkpointed.
-        input: bytes a checkpointed block keeps (its input).
-        backward: bytes its backward holds on top of what it kept (the incoming gradient, activation and
-            parameter gradients), net of the saved tensors it frees on the way.
-        recompute: a checkpointed block's peak from its input alone through recompute and backward.
-        params: bytes of its parameters in the compute dtype (what one all-gather materialises).
-        selective_saved: bytes a selectively checkpointed block keeps (its input and the expensive ops' outputs).
-        selective_backward: what its backward allocates on top of that (the cheap ops' recompute included).
-        work: what its forward computes (:mod:`.op_costs`): what checkpointing it repeats in backward.
-        modes: what it was measured for (:data:`ALL_MODES` unless the checkpointing was known): the fields of
-            the others are 0, and predicting a step that runs them is an error.
+    ``saved``: kept for backward when not checkpointed; ``input``: kept when checkpointed; ``backward``: what its
+    backward holds beyond what it kept (incoming gradient, activation and parameter gradients), net of what it
+    frees; ``recompute``: a checkpointed block's peak from its input through recompute and backward;
+    ``selective_*``: kept (input and expensive ops' outputs) and its backward beyond that; ``work``: its forward's.
     """
 
     name: str
@@ -85,7 +71,6 @@ class BlockMemory:
     input: int
     backward: int
     recompute: int
-    params: int
     selective_saved: int = 0
     selective_backward: int = 0
     work: BlockWork = BlockWork()
@@ -94,36 +79,25 @@ class BlockMemory:
 
 @dataclass(frozen=True)
 class ActivationProfile:
-    """Per-block and outer-layer activation bytes of one forward + backward, measured on fake tensors.
+    """Per-block and outer-layer activation bytes of one forward + backward.
 
-    Attributes:
-        outer_saved: bytes the layers outside the blocks keep for backward (the batch itself not included: it is
-            resident, counted once as ``batch_bytes``, unless the step casts it).
-        outer_saved_after: the part of it saved after the last block ran (the head's and final norm's inputs):
-            their backward frees it before any block's backward starts.
-        outer_backward: what the outer layers' backward holds while the blocks' run: the unsharded gradients of
-            the outer parameters used after the blocks (those used before, such as the patch embedding, get
-            theirs only after every block's backward) and the output's gradient.
+    ``outer_saved``: what the layers outside the blocks keep (not the resident batch, ``batch_bytes``, unless the
+    step casts it), ``outer_saved_after`` of it after the last block (head, final norm: freed before any block's
+    backward); ``outer_backward``: held through the blocks' backward: the output's gradient and the unsharded
+    gradients of outer parameters used after the blocks (the patch embedding's come after every block's).
     """
 
     blocks: list[BlockMemory]
     outer_saved: int
     outer_backward: int
     batch_bytes: int
-    output_bytes: int
-    notes: list[str] = field(default_factory=list)
     outer_saved_after: int = 0
 
 
 class LiveBytes(TorchDispatchMode):
-    """Tracks the bytes of live tensor storages created by ops while active, and their high-water mark.
-
-    Allocator-free: each op's output storages are kept as weak references and counted while they live
-    (deduplicated by storage), so it works on fake tensors where there is no memory to read. The references are to
-    the storages, not to the tensors: a checkpointed block's recomputed tensors are held by autograd alone, whose
-    Python tensors die while their storages live on (weak references to the tensors missed a third of a fully
-    checkpointed TinyViT block's backward peak against the allocator's own events).
-    """
+    """Bytes of the live storages ops created while active, and their high-water mark, through weak references to
+    the storages (no allocator on fake tensors). Not to the tensors: a recompute's tensors are held by autograd alone,
+    their Python tensors die early (that missed a third of a checkpointed TinyViT block's backward peak)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -142,7 +116,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for tensor in _tensors(out):
+        for tensor in tensors_of(out):
             local = dtensor_local(tensor) if isinstance(tensor, DTensor) else tensor  # its memory: the local shard
             key = _storage_key(local)
             if key not in self._live:
@@ -152,10 +126,12 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    tree_map(lambda v: found.append(v) if isinstance(v, torch.Tensor) else None, tree)
-    return found
+def removing(handles: list[RemovableHandle]) -> contextlib.ExitStack:
+    """A context that removes ``handles`` on exit."""
+    stack = contextlib.ExitStack()
+    for handle in handles:
+        stack.enter_context(handle)
+    return stack
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -166,7 +142,7 @@ def _storage_key(tensor: torch.Tensor) -> int:
 def fake_parameters(
     model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype, keep_fp32: Callable[[nn.Module], bool]
 ) -> Iterator[None]:
-    """Swap every parameter and floating buffer of ``model`` for a fake CPU tensor; restore them afterwards."""
+    """Every parameter and floating buffer of ``model`` a fake CPU tensor inside; restored afterwards."""
     originals: list[tuple[dict, str, Any]] = []
     try:
         with mode:  # entered once: entering per tensor cost more than making the tensor
@@ -189,7 +165,7 @@ def fake_parameters(
 
 @contextlib.contextmanager
 def _fp32_norm_hooks(norms: list[nn.Module], compute: torch.dtype) -> Iterator[None]:
-    """As precision/norms.py does at run time: fp32 inputs into each norm, its output back in the compute dtype."""
+    """As precision/norms.py runs them: fp32 inputs into each norm, its output back in the compute dtype."""
 
     def enter(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         return tree_map(lambda v: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v, args)
@@ -197,18 +173,34 @@ def _fp32_norm_hooks(norms: list[nn.Module], compute: torch.dtype) -> Iterator[N
     def leave(_: nn.Module, __: Any, out: Any) -> Any:
         return tree_map(lambda v: v.to(compute) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, out)
 
-    handles = [h for m in norms for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
-    try:
+    with removing([h for m in norms for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
+
+
+@contextlib.contextmanager
+def fake_step(model: nn.Module, example_input: Any, compute: torch.dtype, norms: list[nn.Module],
+              call: StepCall | None) -> Iterator[tuple[FakeTensorMode, Any]]:
+    """``model`` with fake parameters, ``norms`` in fp32 as the strategy runs them, and the fake mode and input
+    (floating inputs in ``compute``, as FSDP's root unit casts them). Through a custom ``call`` (a training_step) a
+    ``.item()`` (a loss appended to a list) gives a symbolic number instead of failing; branching on it still fails."""
+    norm_ids = {id(m) for m in norms}
+    mode = _FakeMode(shape_env=ShapeEnv()) if call is not None else _FakeMode()
+    with fake_parameters(model, mode, compute, lambda m: id(m) in norm_ids), _fp32_norm_hooks(norms, compute):
+        with mode:
+            fake_input = tree_map(lambda v: v if not isinstance(v, torch.Tensor) else torch.empty(
+                v.shape, dtype=compute if v.is_floating_point() else v.dtype, device=_CPU), example_input)
+        yield mode, fake_input
+
+
+def run_step(model: nn.Module, fake_input: Any, call: StepCall | None) -> Any:
+    if call is not None:
+        return call(model, fake_input)
+    return model(*fake_input) if isinstance(fake_input, tuple) else model(fake_input)
 
 
 @dataclass
 class _Recorder:
-    """Saved-tensor bookkeeping of one forward: who saved each storage first (and how many block forwards had
-    ended then), and each block's input."""
+    """Who saved each storage first (and how many block forwards had ended then), and each block's input."""
 
     excluded: set[int]
     current: int | None = None
@@ -225,7 +217,7 @@ class _Recorder:
     def enter(self, index: int) -> Callable[..., None]:
         def hook(_: nn.Module, args: tuple[Any, ...]) -> None:
             self.current = index
-            first = next((t for t in _tensors(args) if t.is_floating_point()), None)
+            first = next((t for t in tensors_of(args) if t.is_floating_point()), None)
             if first is not None:
                 self.inputs.setdefault(index, first)
 
@@ -238,15 +230,14 @@ class _Recorder:
     def saved_by(self, index: int | None) -> int:
         return sum(nbytes for owner, nbytes, _ in self.owner.values() if owner == index)
 
-    def saved_after_blocks(self) -> int:
-        """Bytes the outer layers saved after the last block's forward ended (none if no block ran)."""
+    def saved_after_blocks(self) -> int:  # by the outer layers, after the last block's forward (if any ran)
         done = self.blocks_done
         return sum(nbytes for owner, nbytes, when in self.owner.values() if owner is None and done and when == done)
 
 
 class _OuterParameterUse(TorchDispatchMode):
-    """Which outer parameters an op uses after the last block's forward: their gradients come first in backward
-    and stay (unsharded, in the root unit) through every block's backward."""
+    """The outer parameters used after the last block: their gradients come first in backward and stay (unsharded,
+    in the root unit) through every block's backward."""
 
     def __init__(self, parameters: dict[int, int], recorder: _Recorder) -> None:
         super().__init__()
@@ -254,7 +245,7 @@ class _OuterParameterUse(TorchDispatchMode):
         self.done_when_used: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        for tensor in _tensors((args, kwargs)):
+        for tensor in tensors_of((args, kwargs)):
             key = _storage_key(tensor)
             if key in self.parameters:
                 self.done_when_used[key] = self.recorder.blocks_done
@@ -274,26 +265,15 @@ def measure_activations(
     call: StepCall | None = None,
     mode_of: ModeOf | None = None,
 ) -> ActivationProfile:
-    """Run ``model(example_input)`` (or ``call(model, example_input)``) and one backward on fake tensors; return
-    what each block keeps and needs.
-
-    ``norms`` run in fp32 as the strategy runs them (inputs upcast, outputs cast back). Floating inputs are cast
-    to ``compute`` as FSDP's root unit casts them. Nothing is allocated and ``model`` is left as it was.
-    ``mode_of``: the checkpointing each block will run, when it is settled; each block is then measured for that
-    mode only (a third of the work). ``None``: for every mode (the planner chooses among them).
-    """
-    norms = norms or []
-    norm_ids = {id(m) for m in norms}
-    # Through a custom ``call`` (a LightningModule's training_step), a ``.item()`` (a loss appended to a list) gives
-    # a symbolic number instead of failing, so the step is measured as it runs; branching on it still fails.
-    mode = _FakeMode(shape_env=ShapeEnv()) if call is not None else _FakeMode()
-    with fake_parameters(model, mode, compute, lambda m: id(m) in norm_ids), _fp32_norm_hooks(norms, compute):
-        with mode:
-            fake_input = tree_map(lambda v: _fake_like(v, compute), example_input)
-        batch_bytes = sum(t.numel() * t.element_size() for t in _tensors(example_input))
+    """Run ``model(example_input)`` (or ``call(model, example_input)``) and one backward on fake tensors (see
+    :func:`fake_step`); what each block keeps and needs. ``model`` is left as it was. ``mode_of``: each block's
+    settled checkpointing, measured for it alone (a third of the work); ``None``: for every mode."""
+    with fake_step(model, example_input, compute, norms or [], call) as (mode, fake_input):
+        real = tensors_of(example_input)
+        batch_bytes = sum(t.numel() * t.element_size() for t in real)
         # The batch is resident before the step (``batch_bytes``): a layer saving it keeps nothing new, unless the
         # step casts it to the compute dtype first (a copy, which counts).
-        uncast = [fake for real, fake in zip(_tensors(example_input), _tensors(fake_input)) if real.dtype == fake.dtype]
+        uncast = [fake for t, fake in zip(real, tensors_of(fake_input)) if t.dtype == fake.dtype]
         excluded = {_storage_key(p) for p in model.parameters()} | {_storage_key(t) for t in uncast}
         recorder = _Recorder(excluded)
         block_ids = {id(m) for _, b in blocks for m in b.modules()}
@@ -302,44 +282,30 @@ def measure_activations(
         outer_use = _OuterParameterUse(outer_params, recorder)
         handles = [h for i, (_, b) in enumerate(blocks) for h in (
             b.register_forward_pre_hook(recorder.enter(i)), b.register_forward_hook(recorder.leave))]
-        try:
-            with mode, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), outer_use:
-                out = (call(model, fake_input) if call is not None else
-                       model(*fake_input) if isinstance(fake_input, tuple) else model(fake_input))
-        finally:
-            for handle in handles:
-                handle.remove()
-        outputs = [t for t in _tensors(out) if t.is_floating_point()]
+        with removing(handles), mode, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), outer_use:
+            out = run_step(model, fake_input, call)
+        outputs = [t for t in tensors_of(out) if t.is_floating_point()]
         measured: dict[tuple[Any, str], Any] = {}  # identical blocks are measured once per call
         results = [_block_memory(name, block, recorder, i, mode, measured,
                                  ALL_MODES if mode_of is None else frozenset({mode_of(i, name, block) or "none"}))
                    for i, (name, block) in enumerate(blocks)]
-    output_bytes = sum(t.numel() * t.element_size() for t in outputs)
+    output_bytes = sum(t.numel() * t.element_size() for t in outputs)  # its gradient, held through backward
     return ActivationProfile(
         blocks=results,
         outer_saved=recorder.saved_by(None),
         outer_saved_after=recorder.saved_after_blocks(),
         outer_backward=outer_use.used_after_blocks() + 2 * output_bytes,
         batch_bytes=batch_bytes,
-        output_bytes=output_bytes,
     )
-
-
-def _fake_like(value: Any, compute: torch.dtype) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
-    dtype = compute if value.is_floating_point() else value.dtype
-    return torch.empty(value.shape, dtype=dtype, device=_CPU)
 
 
 def _block_memory(
     name: str, block: nn.Module, recorder: _Recorder, index: int, mode: FakeTensorMode, measured: dict,
     needed: frozenset[str],
 ) -> BlockMemory:
-    params = sum(p.numel() * p.element_size() for p in block.parameters())
     x = recorder.inputs.get(index)
     if x is None:  # the block never ran in this forward: it costs nothing for this batch
-        return BlockMemory(name, 0, 0, 0, 0, params)
+        return BlockMemory(name, 0, 0, 0, 0)
     passes = _measure_passes(block, x, mode, measured, needed)
     size = x.untyped_storage().nbytes()
     selective_saved, selective_backward = passes.get("selective", (0, 0))
@@ -349,7 +315,6 @@ def _block_memory(
         input=size,
         backward=passes.get("none", 0),
         recompute=passes.get("full", 0),
-        params=params,
         selective_saved=selective_saved,
         selective_backward=selective_backward,
         work=passes["work"],
@@ -360,23 +325,17 @@ def _block_memory(
 def _measure_passes(
     block: nn.Module, x: torch.Tensor, mode: FakeTensorMode, measured: dict, needed: frozenset[str]
 ) -> dict[str, Any]:
-    """One fake forward + backward of ``block`` per mode in ``needed``: ``"none"``, the peak of backward beyond
-    what forward left alive; ``"full"``, a checkpointed block's peak from its input alone; ``"selective"``, a
-    selectively checkpointed block's kept bytes and its backward's peak beyond them; ``"work"``: its forward's
-    work, counted in the first pass's forward, with what a full recompute reruns where ``"full"`` was measured.
-
-    Checkpointed runs go through ``torch.utils.checkpoint`` (non-reentrant) as the strategy applies it: a full
-    recompute stops as far as the last tensor backward needs (early stop) and frees the recomputed tensors as
-    backward proceeds; a selective one keeps :data:`~lightning_vitscale.memory.selective_ops.SAVED_OPS`' outputs.
-    All include the block's parameter gradients. Each pass runs once per structurally equal block
-    (:func:`~.block_identity.block_key`) in ``measured`` (one model).
-    """
+    """One fake forward + backward of ``block`` per mode in ``needed`` (the fields of :class:`BlockMemory`), and
+    ``"work"``: its forward's, with what a full recompute reruns. Checkpointed runs go through
+    ``torch.utils.checkpoint`` (non-reentrant, early stop) as the strategy applies it. Once per structurally equal
+    block (:func:`~.block_identity.block_key`) in ``measured`` (one model)."""
     key = block_key(block, x)
     size = x.untyped_storage().nbytes()
     for name in sorted(needed):  # the first pass counts the forward's work; a full one its recompute's too
         if (key, name) in measured:
             continue
-        work = OpWork() if (key, "work") not in measured else None
+        # Below the checkpoint's own caching mode, the counter sees every op it caches (selective's saved bytes).
+        work = OpWork() if (key, "work") not in measured or name == "selective" else None
         if name == "none":
             measured[key, name] = _peak_beyond_forward(block, x, mode, None, work)
         elif name == "full":
@@ -386,11 +345,11 @@ def _measure_passes(
             measured[key, name] = recomputed + size
             measured[key, "recompute"] = repeated.result()
         else:
-            kept = SavedOpBytes()  # below the checkpoint's own caching mode: sees every op it caches
-            selective = _peak_beyond_forward(block, x, mode, selective_contexts, work, kept)
-            measured[key, name] = (kept.forward + size, selective)
+            assert work is not None
+            selective = _peak_beyond_forward(block, x, mode, selective_contexts, work)
+            measured[key, name] = (work.saved_bytes + size, selective)
         if work is not None:
-            measured[key, "work"] = work.result()
+            measured.setdefault((key, "work"), work.result())
     work = dataclasses.replace(measured.get((key, "work"), BlockWork()), recompute=measured.get((key, "recompute")))
     return {**{name: measured[key, name] for name in needed}, "work": work}
 
@@ -405,49 +364,25 @@ def _peak_beyond_forward(
     x: torch.Tensor,
     mode: FakeTensorMode,
     checkpoint: Callable[[], Any] | None,
-    *forward_only: OpWork | SavedOpBytes | None,
+    work: OpWork | None = None,
 ) -> int:
-    """Peak bytes of the block's backward above what its forward left alive; ``checkpoint``: run the block under
-    ``torch.utils.checkpoint`` with that ``context_fn``. ``forward_only``: dispatch modes that count the forward's
-    ops, stopped before backward. (Selective checkpointing's cached outputs are detached aliases, which
-    :class:`LiveBytes` does not follow: they count in neither term, :class:`SavedOpBytes` has them.)
-    """
-    counters = [c for c in forward_only if c is not None]
-    with contextlib.ExitStack() as stack:
-        for counter in counters:  # entered first: below the checkpoint's own modes, they see every op it runs
-            stack.enter_context(counter)
+    """Peak bytes of the block's backward above what its forward left alive; ``checkpoint``: the ``context_fn`` it
+    runs under ``torch.utils.checkpoint`` with; ``work``: counts the forward. Selective checkpointing's cached outputs
+    are detached aliases :class:`LiveBytes` misses: ``work.saved_bytes`` has them."""
+    with work if work is not None else contextlib.nullcontext():  # first: below the checkpoint's own modes
         with mode:
             inp = torch.empty(x.shape, dtype=x.dtype, device=_CPU, requires_grad=True)
             tracker = LiveBytes()
             with tracker:
                 out = (block(inp) if checkpoint is None else
                        torch.utils.checkpoint.checkpoint(block, inp, use_reentrant=False, context_fn=checkpoint))
-                first = next(t for t in _tensors(out) if t.requires_grad)
+                first = next(t for t in tensors_of(out) if t.requires_grad)
                 base = tracker.reset_peak()
-                for counter in counters:
-                    counter.stop()
+                if work is not None:
+                    work.stop()
                 # The gradient flowing in from the layers above is alive through the block's backward (a residual
                 # passes it on as it is): part of what the backward holds beyond the forward.
                 torch.autograd.backward(first, torch.empty_like(first))
     for p in block.parameters():
         p.grad = None
     return tracker.peak - base
-
-
-class SavedOpBytes(TorchDispatchMode):
-    """Bytes of the outputs of :data:`~lightning_vitscale.memory.selective_ops.SAVED_OPS` in the first pass
-    (what selective checkpointing keeps from the forward); ops in backward (after :meth:`stop`) are not counted."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.forward = 0
-        self.counting = True
-
-    def stop(self) -> None:
-        self.counting = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if self.counting and func in SAVED_OPS:
-            self.forward += sum(t.untyped_storage().nbytes() for t in _tensors(out))
-        return out

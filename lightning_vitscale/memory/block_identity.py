@@ -1,13 +1,9 @@
-"""When two blocks cost the same: a structural key, so that identical blocks are measured once.
+"""A structural key, so that identical blocks are measured once (measuring was most of the planner's setup time).
 
-A ViT's blocks are one class repeated with the same shapes, and measuring each on fake tensors repeats the same
-dispatch work (most of the planner's setup time). But blocks of one class can run different code: ViTDet keeps
-``window_size`` 14 in most blocks and 0 (global attention) in a few, with the same parameters; a drop-path rate
-of 0 skips the op that a positive one runs. So the key holds each submodule's type, train/eval mode, hook counts
-and plain attributes (ints, strings, bools, dtypes, callables by name) besides parameter and buffer shapes.
-Floats count only as zero or not: rates and scales (dropout ``p``, drop-path, ``eps``, layer-scale init) change
-neither shapes nor the ops that run unless they are zero, and a model whose drop-path grows block by block would
-otherwise be measured block by block.
+Blocks of one class can run different code (ViTDet's ``window_size`` 14 in most blocks, 0 in a few; a drop-path
+rate of 0 skips an op), so the key holds each submodule's type, mode, hook counts and plain attributes besides
+parameter and buffer shapes. Floats count only as zero or not: rates and scales change no op unless zero, and a
+drop-path growing block by block would otherwise be measured block by block.
 """
 
 from __future__ import annotations

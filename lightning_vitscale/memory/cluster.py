@@ -1,9 +1,6 @@
-"""What a named cluster is predicted to reach: DDP + AMP O1 against the recipe and the plan, in images/s, from the
-planner's whole-step model (:func:`~.step_cost.step_time`) on the device table's row (:mod:`.devices`).
-
-A prediction, never a measurement: the model reproduces one H200's and one H100's measured rows within 15%
-(``benchmarks/RESULTS.md``, "throughput model"); other GPUs are their datasheet with the H200's reached share of the
-bf16 peak and its machine's host. Every row of the table says where its numbers come from.
+"""What a named cluster is predicted to reach in images/s, DDP + AMP O1 against the recipe and the plan, by the
+whole-step model (:func:`~.step_cost.step_time`): a prediction, within 15% of one H200's and one H100's measured
+rows (``benchmarks/RESULTS.md``, "throughput model"); other GPUs are their datasheet rows.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ BATCH_LIMIT = 4096
 
 @dataclass(frozen=True)
 class Forecast:
-    """One setting on the cluster: its per-GPU batch, predicted step and whether its blocks compile."""
 
     setting: str
     batch: int
@@ -40,9 +36,8 @@ class Forecast:
 
 
 def forecast(plan: MemoryPlan, device: Device) -> list[Forecast]:
-    """DDP + AMP O1 at the planned batch and at its largest, the plan (``VitScaleStrategy()``'s choice) at the planned
-    batch, and the recipe's memory-first setting (every block checkpointed, its own unit, resharded after forward)
-    at its largest batch; ``kernels="auto"``'s choice per VitScale row. ``plan`` must hold its measured inputs."""
+    """DDP + AMP O1 at the planned batch and at its largest, the plan at the planned batch and the recipe's
+    memory-first setting at its largest; ``kernels="auto"``'s choice per VitScale row."""
     if plan.inputs is None:
         raise ValueError("the plan holds no measured inputs (plan_memory's plans do)")
     inputs, batch, rates = plan.inputs, plan.batch_size, rates_of(device)
@@ -76,7 +71,7 @@ def _vitscale(setting: str, inputs: StepInputs, batch: int, ranks: int, settings
 
 
 def forecast_table(plan: MemoryPlan, device: Device) -> str:
-    """The plan CLI's lines: a Markdown table of :func:`forecast`, marked as a prediction with the row's source."""
+    """The plan CLI's Markdown table of :func:`forecast`, marked as a prediction with the row's source."""
     rows = forecast(plan, device)
     ddp = next((r.images_per_second for r in rows if r.compiled is None and "largest" in r.setting), None)
     lines = [f"predicted throughput on {plan.world_size} x {device.name} (a PREDICTION of the planner's step model,"

@@ -1,20 +1,15 @@
-"""The one device table: each named device's memory, peak and reached FLOP/s, memory and link bandwidth and how
-fast its machine's host is, read by the planner's rates and whole-step model (:mod:`.step_cost`), the MFU report
-(``monitoring/throughput.py``) and the ``plan`` CLI's named devices; and the model's constants, each with where it
-was measured.
+"""The one device table (each device's memory, FLOP/s, bandwidths and host speed: read by the planner's rates,
+the MFU report and the ``plan`` CLI) and the step model's constants, each with where it was measured.
 
-Every row says where its numbers come from (``source``): ``"datasheet"`` (the vendor's figures; dense, no
-sparsity) or ``"measured: <what, where, when>"`` for the fields a run replaced. Fields no datasheet gives are the
-measured H200's for every GPU until a GPU run measures them: ``reached_flops_per_s`` (its share of the dense bf16
-peak, :data:`REACHED_SHARE`) and ``host_scale`` (the host of the machine a GPU comes in). The CPU row is this
-repository's 2-core CPU with gloo: every number in it is what a step reached there (``benchmarks/RESULTS.md``,
-"Step time"), not a peak.
+Every row says where its numbers come from (``source``): the vendor's datasheet (dense) or ``"measured: ..."``.
+Fields no datasheet gives (``reached_flops_per_s``, ``host_scale``) are the measured H200's for every GPU until a
+run measures them; the CPU row is what a step reached on this repository's 2-core CPU with gloo, not a peak.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,24 +23,12 @@ GB = 1e9
 class Device:
     """One device's figures.
 
-    Attributes:
-        name: the key (``"h100-80gb"``): what ``python -m lightning_vitscale plan --memory`` and
-            ``plan_memory(device_memory=...)`` accept.
-        match: a regular expression searched in ``torch.cuda.get_device_name()`` (rows are tried in table order:
-            ``"H100 PCIe"`` before ``"H100"``); ``None`` for the CPU row.
-        memory_bytes: the device's memory (``None``: the host's, read at run time).
-        bf16_flops_per_s: dense bf16 tensor-core peak, MFU's denominator (``None``: no trusted figure, MFU is not
-            logged). V100 has no bf16: its fp16 figure.
-        fp32_flops_per_s: dense fp32 peak (no TF32).
-        reached_flops_per_s: what a training step's matmuls and attention reach in the compute dtype: the
-            planner's recompute rate.
-        hbm_bytes_per_s: memory bandwidth, what the cheap elementwise ops of a recompute are bound by.
-        link_bytes_per_s: per-rank bandwidth of an all-gather inside a node (one direction).
-        latency_s: the fixed cost of one unit's all-gather (launch, FSDP's hooks and copies).
-        unit_s: the host's cost of one FSDP unit per step (its hooks; on CPU ranks the waits on its collectives).
-        source: ``"datasheet"`` or ``"measured: ..."`` (which fields, on what, when).
-        host_scale: the host's seconds for work this repository's CPU does in one (:data:`OP_HOST_S`): the CPU of the
-            machine the device comes in, and its kernel launches.
+    ``name``: what ``plan --memory`` and ``plan_memory(device_memory=...)`` accept; ``match``: searched in
+    ``torch.cuda.get_device_name()``, rows in table order (``"H100 PCIe"`` before ``"H100"``); ``memory_bytes``:
+    ``None`` for the host's; ``bf16_flops_per_s``: dense peak, MFU's denominator (``None``: no trusted figure; V100's
+    fp16); ``reached_flops_per_s``: what a step's matmuls and attention reach; ``link_bytes_per_s``: an all-gather's
+    per rank inside a node; ``latency_s``: a unit all-gather's fixed cost; ``unit_s``: one FSDP unit's host cost per
+    step; ``host_scale``: the machine's host seconds for one of this repository's CPU's (:data:`OP_HOST_S`).
     """
 
     name: str
@@ -133,14 +116,9 @@ H100_MEASURED = ("measured: memory (79.2 GiB, torch), reached FLOP/s and its hos
 DEVICES: tuple[Device, ...] = (
     _gpu("h100-pcie-80gb", r"H100 PCIe", 80, 756 * TB, 51 * TB, 2.0 * TB, 64 * GB),
     _gpu("h100-nvl-94gb", r"H100 NVL", 94, 835 * TB, 60 * TB, 3.9 * TB, 300 * GB),
-    Device(name="h100-80gb", match=r"H100", memory_bytes=int(79.2 * GIB), bf16_flops_per_s=989 * TB,  # SXM
-           fp32_flops_per_s=67 * TB, reached_flops_per_s=REACHED_SHARE * 989 * TB, hbm_bytes_per_s=3.35 * TB,
-           link_bytes_per_s=450 * GB, latency_s=GPU_LATENCY_S, unit_s=UNIT_HOST_S * H100_HOST_SCALE,
-           source=H100_MEASURED, host_scale=H100_HOST_SCALE),
-    Device(name="h200-141gb", match=r"H200", memory_bytes=int(139.8 * GIB), bf16_flops_per_s=989 * TB,
-           fp32_flops_per_s=67 * TB, reached_flops_per_s=REACHED_SHARE * 989 * TB, hbm_bytes_per_s=4.8 * TB,
-           link_bytes_per_s=450 * GB, latency_s=GPU_LATENCY_S, unit_s=GPU_UNIT_S, source=H200_MEASURED,
-           host_scale=H200_HOST_SCALE),
+    replace(_gpu("h100-80gb", r"H100", 79.2, 989 * TB, 67 * TB, 3.35 * TB, 450 * GB),  # SXM
+            unit_s=UNIT_HOST_S * H100_HOST_SCALE, source=H100_MEASURED, host_scale=H100_HOST_SCALE),
+    replace(_gpu("h200-141gb", r"H200", 139.8, 989 * TB, 67 * TB, 4.8 * TB, 450 * GB), source=H200_MEASURED),
     _gpu("a100-40gb", r"A100.*40GB", 40, 312 * TB, 19.5 * TB, 1.555 * TB, 300 * GB),
     _gpu("a100-80gb", r"A100", 80, 312 * TB, 19.5 * TB, 2.039 * TB, 300 * GB),
     _gpu("v100-32gb", r"V100", 32, 125 * TB, 15.7 * TB, 0.9 * TB, 150 * GB),
@@ -157,14 +135,12 @@ DEVICES: tuple[Device, ...] = (
                   " benchmarks/RESULTS.md 2026-11-26"),
 )
 DEFAULT_GPU = "h200-141gb"
-"""The row for a GPU the table does not name, and for plans made with no device (``plan_memory``): the measured
-one."""
+"""The row for a GPU the table does not name, and for plans made for no device: the measured one."""
 
 _BY_NAME = {device.name: device for device in DEVICES}
 
 
 def device_named(name: str) -> Device:
-    """The row keyed ``name`` (case-insensitive)."""
     row = _BY_NAME.get(name.strip().lower())
     if row is None:
         raise ValueError(f"no device named {name!r} in the device table; named: {', '.join(_BY_NAME)}.")
@@ -172,13 +148,12 @@ def device_named(name: str) -> Device:
 
 
 def gpu_named(cuda_name: str) -> Device | None:
-    """The first row whose ``match`` is found in a ``torch.cuda.get_device_name()`` string, or ``None``."""
+    """The first row whose ``match`` is in a ``torch.cuda.get_device_name()`` string, or ``None``."""
     return next((d for d in DEVICES if d.match is not None and re.search(d.match, cuda_name)), None)
 
 
 def device_of(device: torch.device | str | None) -> Device | None:
-    """The row of a torch device: the CPU row, the named GPU's, or ``None`` for a GPU the table lacks (and for
-    ``None``)."""
+    """The row of a torch device, or ``None`` (a GPU the table lacks, or no device)."""
     if device is None:
         return None
     device = torch.device(device)
@@ -190,5 +165,4 @@ def device_of(device: torch.device | str | None) -> Device | None:
 
 
 def memory_names() -> tuple[str, ...]:
-    """The names with a memory size (every GPU row)."""
     return tuple(d.name for d in DEVICES if d.memory_bytes is not None)

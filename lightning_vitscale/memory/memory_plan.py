@@ -1,5 +1,4 @@
-"""The memory planner's answer (:class:`MemoryPlan`) and how it reads to people: a per-rank breakdown table and
-the recommended settings."""
+"""The memory planner's answer (:class:`MemoryPlan`) and how it reads: a per-rank breakdown table, the settings."""
 
 from __future__ import annotations
 
@@ -18,27 +17,14 @@ class Candidate:
 
 @dataclass
 class MemoryPlan:
-    """The planner's answer for one rank. ``summary()`` prints it; the fields are for code.
+    """The planner's answer for one rank: ``summary()`` prints it.
 
-    Attributes:
-        world_size: ranks (devices x nodes).
-        precision: the precision flag planned for.
-        batch_size: per-rank batch planned for.
-        budget: bytes a step may use per rank.
-        device_memory: bytes of the device (``budget`` is a fraction of it).
-        num_blocks: blocks found (each its own FSDP unit).
-        chosen: the recommended settings and their predicted breakdown.
-        all_checkpointed / none_checkpointed: the two ends, for comparison.
-        fits: whether ``chosen`` fits the budget.
-        max_batch: the largest per-rank batch that fits with every block checkpointed (0: none fits).
-        reason: one line on why these settings.
-        blocks: the chosen plan per block (checkpointing mode, reshard or stay gathered).
-        extra_seconds: the step time it adds: recompute, second all-gathers and FSDP's fixed cost per unit.
-        tensor_parallel: ranks that split each block (``world_size`` counts them all; ``batch_size`` is one
-            data-parallel rank's, which each of its tensor-parallel ranks sees whole).
-        traffic: bytes one rank sends per step of ``chosen``, per mesh dimension (``"data_parallel"``,
-            ``"tensor_parallel"``: :func:`~.step_cost.traffic_per_dimension`).
-        inputs: the measured step the plan was made from (the throughput model's input, :mod:`.step_cost`).
+    ``chosen``: the recommended settings and their breakdown, against both ends (``all_checkpointed``,
+    ``none_checkpointed``); ``max_batch``: the largest per-rank batch that fits with every block checkpointed (0:
+    none); ``extra_seconds``: the step time ``blocks`` adds (recompute, second all-gathers, per unit);
+    ``tensor_parallel``: ranks splitting each block (``world_size`` counts them all, ``batch_size`` is one
+    data-parallel rank's); ``traffic``: bytes one rank sends per step, per mesh dimension; ``inputs``: the measured
+    step (the throughput model's input).
     """
 
     world_size: int

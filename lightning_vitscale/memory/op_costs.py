@@ -1,14 +1,9 @@
-"""What one block's forward does, counted op by op on fake tensors: the work a step runs and a checkpointed block
-repeats.
+"""What one block's forward does, counted op by op on fake tensors (riding along :mod:`.activations`' passes): the
+work a step runs and a checkpointed block repeats.
 
-A fully checkpointed block reruns its forward in backward, as far as backward needs (torch's early stop: a block
-ending in a matmul whose output nothing saves does not rerun it); a selectively checkpointed one reruns only the
-ops it does not save (everything but :data:`~lightning_vitscale.memory.selective_ops.SAVED_OPS`: norms,
-activations, dropout, residual adds, casts). The expensive ops are counted in FLOPs with torch's own formulas
-(``torch.utils.flop_counter.flop_registry``: matmuls, convolutions, attention); the cheap ones in the bytes they
-read and write, which is what bounds them; every op, views included, once in ``ops``: what the host dispatches.
-Views move nothing and count no bytes. Counting needs no memory and no device: it rides along the forward of the
-planner's fake-tensor pass over the block (:mod:`.activations`), autograd on, and along a full recompute.
+A full recompute reruns the forward as far as backward needs (torch's early stop); a selective one the ops it does
+not save (all but :data:`~.selective_ops.SAVED_OPS`). Expensive ops count in FLOPs by torch's ``flop_registry``,
+cheap ones in the bytes they read and write (views none), every op in ``ops``: what the host dispatches.
 """
 
 from __future__ import annotations
@@ -25,15 +20,9 @@ from lightning_vitscale.memory.selective_ops import SAVED_OPS
 
 @dataclass(frozen=True)
 class BlockWork:
-    """One forward of one block for the measured batch, and what a full recompute of it repeats.
-
-    Attributes:
-        flops: floating-point operations of its expensive ops (what selective checkpointing saves).
-        cheap_bytes: bytes read and written by the other ops (what selective checkpointing recomputes).
-        ops: ops dispatched (views included): the host's work, whatever the batch.
-        cheap_ops: of them, the ops selective checkpointing recomputes.
-        recompute: a full recompute's own count (early stop included); ``None``: not measured, the whole forward.
-    """
+    """One forward of one block for the measured batch: the expensive ops' ``flops``, the cheap ops' bytes and count
+    (what selective checkpointing recomputes), all ``ops``; ``recompute``: a full recompute's (``None``: the whole
+    forward). :class:`OpWork` also counts the expensive ops' output bytes: what selective checkpointing keeps."""
 
     flops: int = 0
     cheap_bytes: int = 0
@@ -48,12 +37,11 @@ class BlockWork:
 
 
 class OpWork(TorchDispatchMode):
-    """Sums the FLOPs of the ops torch has a formula for, the bytes moved by the ops selective checkpointing
-    recomputes and the ops dispatched while active, until :meth:`stop` (a forward's ops, not its backward's)."""
+    """Counts :class:`BlockWork` while active, until :meth:`stop` (a forward's ops, not its backward's)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.flops = self.cheap_bytes = self.ops = self.cheap_ops = 0
+        self.flops = self.cheap_bytes = self.ops = self.cheap_ops = self.saved_bytes = 0
         self.counting = True
 
     def stop(self) -> None:
@@ -71,13 +59,15 @@ class OpWork(TorchDispatchMode):
         packet = func.overloadpacket
         if packet in flop_registry:
             self.flops += int(flop_registry[packet](*args, **kwargs, out_val=out))
-        if func not in SAVED_OPS:
+        if func in SAVED_OPS:
+            self.saved_bytes += sum(t.untyped_storage().nbytes() for t in tensors_of(out))
+        else:
             self.cheap_ops += 1
             self.cheap_bytes += _bytes_moved(func, args, kwargs, out)
         return out
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
+def tensors_of(tree: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     tree_map(lambda v: found.append(v) if isinstance(v, torch.Tensor) else None, tree)
     return found
@@ -85,7 +75,7 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 def _bytes_moved(func: Any, args: Any, kwargs: Any, out: Any) -> int:
     """Bytes an op reads and writes: its tensor inputs and outputs; nothing for a view (output aliases input)."""
-    inputs, outputs = _tensors((args, kwargs)), _tensors(out)
+    inputs, outputs = tensors_of((args, kwargs)), tensors_of(out)
     sources = {storage_id(t) for t in inputs}
     if not op_mutates(func) and all(storage_id(t) in sources for t in outputs):
         return 0

@@ -1,26 +1,13 @@
-"""The planner's one search: per block none / selective / full checkpointing, per unit reshard-after-forward or stay
-gathered, and the blocks per FSDP unit; the least predicted step time whose predicted peak fits the budget.
+"""The planner's one search: per block none / selective / full checkpointing, per unit reshard or stay gathered,
+and the blocks per FSDP unit, each chosen or pinned (:class:`SearchSpace`); the least predicted step time whose
+predicted peak fits the budget.
 
-Each of the three is chosen or pinned (:class:`SearchSpace`): ``activation_checkpointing="auto"`` leaves the
-checkpointing to the search, any other setting pins it (the user's blocks and modes); ``reshard_after_forward=None``
-leaves the reshard, ``True``/``False`` pin it; ``blocks_per_unit=None`` leaves the unit size, an int (or units made
-before the batch was known) pins it. Plans have one shape, :class:`BlockPlan`: each block's mode; the first
-``resharded`` blocks reshard after forward, the rest stay gathered; ``per_unit`` consecutive blocks share one FSDP
-unit (fewer units pay FSDP's per-unit cost fewer times, at the price of more parameters and unsharded gradients
-alive at once: up to every block in one unit). Chosen checkpointing is earliest first (the first blocks fully,
-the next selectively): a block's saved activations (and its kept parameters) live from its forward to its
-backward, the first block's the longest, so it saves memory in the most phases; the blocks of one model are alike.
-
-The search is exact over that shape, by the predicted peak (:mod:`.step_model`) and step time (:mod:`.step_cost`):
-for each unit size (:func:`unit_sizes`) and every number of fully checkpointed blocks and of resharded ones, the
-fewest selective blocks that fit (memory only falls as a block goes from none to selective, or from gathered to
-resharded: a bisection, then a two-pointer walk); of those, the fastest. Bounds cut the walk: a number of fully
-checkpointed blocks whose time without any other recompute or re-gather is no better than the best plan found
-ends it at that size (more of them only cost more), and the sizes whose fastest plan promises most go first. A
-tight budget on 32 blocks takes about 2,000 predictions (3 s on a loaded 2-core CPU; an ample one, 0.05 s).
-Where the budget cannot be met at all, the plan is the one with the least memory (every block fully checkpointed,
-or as pinned, and resharded) and the caller warns. The recipe's plan (every block full, its own unit, resharded)
-is in every space whose dimensions are not pinned otherwise, so a chosen plan fits wherever the recipe's would.
+Plans have one shape, :class:`BlockPlan`: checkpointing earliest first (the first block's activations live
+longest), the first ``resharded`` blocks resharded. Exact over that shape: per unit size and number of full and of
+resharded blocks, the fewest selective ones that fit (a bisection, then a two-pointer walk: memory only falls as
+blocks go selective or resharded); of those, the fastest. Bounds end a walk early: a tight budget on 32 blocks
+takes about 2,000 predictions (3 s on a loaded 2-core CPU). Where nothing fits, the least memory plan (the caller
+warns); the recipe's plan is in every unpinned space, so a chosen plan fits wherever the recipe's would.
 """
 
 from __future__ import annotations
@@ -43,9 +30,8 @@ Modes = tuple[BlockMode | None, ...]
 
 @dataclass(frozen=True)
 class BlockPlan:
-    """Each block's checkpointing (``modes``, model order; ``None``: not checkpointed); the first ``resharded``
-    blocks reshard after forward, the rest stay gathered (a unit that holds any of the first ``resharded``
-    reshards); ``per_unit`` consecutive blocks per FSDP unit."""
+    """Each block's checkpointing (``None``: none); the first ``resharded`` blocks reshard after forward (and any
+    unit holding one), the rest stay gathered; ``per_unit`` consecutive blocks per FSDP unit."""
 
     modes: Modes = ()
     resharded: int = 0
@@ -88,9 +74,8 @@ class BlockPlan:
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """What the search may change: ``modes`` pins each block's checkpointing (``None``: chosen); ``fixed_reshard``
-    pins every unit's reshard (``True``: resharded, ``False``: kept gathered; ``None``: chosen per unit);
-    ``per_unit`` pins the blocks per unit (``None``: chosen)."""
+    """What the search may change: ``modes``, ``fixed_reshard`` (every unit's) and ``per_unit`` pin, ``None``
+    leaves to it."""
 
     inputs: StepInputs
     budget: int
@@ -105,8 +90,7 @@ class SearchSpace:
         return len(self.inputs.profile.blocks)
 
     def seconds(self, plan: BlockPlan) -> float:
-        """Predicted extra time per step of ``plan`` over no checkpointing with every block gathered, plus what
-        its FSDP units cost by their number."""
+        """Predicted time per step of ``plan`` beyond no checkpointing with every block gathered, units' cost in."""
         inputs = self.inputs
         recompute = sum(recompute_seconds(b, plan.modes[i], self.rates, inputs.batch_scale)
                         for i, b in enumerate(inputs.profile.blocks))
@@ -122,35 +106,30 @@ class SearchSpace:
         return self.peak(plan) <= self.budget
 
     def plan(self, full: int, selective: int, resharded: int, per_unit: int) -> BlockPlan:
-        """A plan of this space: the pinned modes, else the first ``full`` blocks full and the next ``selective``."""
         if self.modes is not None:
             return BlockPlan(self.modes, resharded, per_unit)
         return BlockPlan.prefix(self.n, full, selective, resharded, per_unit)
 
     def reshards(self, per_unit: int) -> list[int]:
-        """How many first blocks may reshard, most first (:func:`reshard_boundaries`, or as pinned)."""
         if self.fixed_reshard is not None:
             return [self.n if self.fixed_reshard else 0]
         return reshard_boundaries(self.n, per_unit)
 
 
 def unit_sizes(n: int, pinned: int | None) -> list[int]:
-    """Blocks per unit to try: ``pinned`` alone, or the smallest size for each number of units, up to every block in
-    one unit (a larger size with as many units only holds more at once): about 2 sqrt(n) sizes."""
+    """Blocks per unit to try: ``pinned``, or the smallest size for each number of units (about 2 sqrt(n) sizes)."""
     if pinned is not None:
         return [pinned]
     return sorted({-(-n // units) for units in range(1, n + 1)}) if n else [1]
 
 
 def reshard_boundaries(n: int, per_unit: int) -> list[int]:
-    """How many first blocks may reshard with ``per_unit`` blocks per unit, most first: whole units only (a unit
-    reshards if any of its blocks does)."""
+    """How many first blocks may reshard, most first: whole units only."""
     return sorted({min(n, u * per_unit) for u in range(-(-n // per_unit) + 1)}, reverse=True)
 
 
 def least_memory(space: SearchSpace) -> BlockPlan:
-    """Every block fully checkpointed (unless pinned) and resharded (unless pinned to keeping), one block per unit
-    (unless pinned): the recipe's plan."""
+    """The recipe's plan, as far as not pinned: every block full, resharded, its own unit."""
     return space.plan(space.n, 0, space.reshards(1)[0], space.per_unit or 1)
 
 
@@ -174,9 +153,8 @@ def search(space: SearchSpace) -> BlockPlan:
 
 
 def _fitting(space: SearchSpace, per_unit: int, beats: Callable[[BlockPlan], bool]) -> Iterator[BlockPlan]:
-    """With ``per_unit`` blocks per unit: for each number of fully checkpointed blocks (pinned modes: once) and of
-    resharded ones, the plan with the fewest selective blocks that fits; none once no plan with as many fully
-    checkpointed blocks ``beats`` the best found (more of them only cost more)."""
+    """Per number of full blocks (pinned modes: once) and of resharded ones, the fitting plan with the fewest
+    selective blocks; until none with as many full blocks ``beats`` the best found."""
     n, reshards = space.n, space.reshards(per_unit)
     for full in range(n + 1) if space.modes is None else [0]:
         if not beats(space.plan(full, 0, reshards[-1], per_unit)):
@@ -195,8 +173,7 @@ def _fitting(space: SearchSpace, per_unit: int, beats: Callable[[BlockPlan], boo
 
 
 def _fewest_selective(space: SearchSpace, full: int, resharded: int, per_unit: int) -> int:
-    """The fewest selective blocks after ``full`` fully checkpointed ones that fit (``n - full + 1``: none),
-    by bisection (memory falls with each block made selective); 0 under pinned modes."""
+    """The fewest selective blocks after ``full`` ones that fit (``n - full + 1``: none), by bisection."""
     if space.modes is not None:
         return 0
     low, high = 0, space.n - full + 1

@@ -1,19 +1,14 @@
 """The memory planner: will this model, at this batch size, fit on these devices, and what should be turned on?
 
-``plan_memory`` measures the model's activations on fake tensors (any size, no device needed), predicts each
-rank's peak for candidate settings and picks, per block, checkpointing none / selective / full, whether the
-block keeps its gathered parameters from forward to backward (one all-gather fewer) or reshards, and how many
-consecutive blocks share one FSDP unit (``blocks_per_unit``): the plan with the
-least predicted extra step time (recompute and all-gathers, :mod:`.step_cost`) whose peak fits the budget
-(:mod:`.plan_search`); CPU offload of the sharded state only when nothing else fits. It also reports the largest
-per-rank batch that fits.
+``plan_memory`` measures the model on fake tensors (any size, no device), predicts each rank's peak and picks per
+block checkpointing, reshard and the blocks per unit: the least predicted step time that fits (:mod:`.plan_search`);
+CPU offload only when nothing else fits; and the largest per-rank batch that fits.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-import warnings
 from collections.abc import Collection
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -46,13 +41,11 @@ from lightning_vitscale.memory.twin import fresh_caches
 from lightning_vitscale.precision import PrecisionPolicy, resolve_flag
 
 DEFAULT_FRACTION = 0.9
-"""The share of a device's memory a step may use when ``memory_budget`` is not given (the rest is headroom for the
-allocator): the one place this factor lives."""
+"""The share of a device's memory a step may use when ``memory_budget`` is not given (headroom for the allocator)."""
 
 
 def check_budget(budget: object, name: str = "memory_budget") -> None:
-    """Raise unless ``budget`` is ``None``, bytes (an int >= 1) or a fraction of device memory (a float in (0, 1]):
-    the one check of every budget (``memory_budget``, ``plan_memory``'s ``memory_fraction``)."""
+    """Raise unless ``budget`` is ``None``, bytes (an int >= 1) or a fraction of device memory (a float in (0, 1])."""
     if budget is None:
         return
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
@@ -67,22 +60,12 @@ def check_budget(budget: object, name: str = "memory_budget") -> None:
 
 
 def resolve_budget(budget: int | float | None, total: int, name: str = "memory_budget") -> int:
-    """``memory_budget`` -> bytes: an int is bytes, a float (or ``None`` = :data:`DEFAULT_FRACTION`) a fraction
-    of ``total``. Every choice by memory (``"auto"``, the blocks per unit, ``accumulation="auto"``, ``plan_memory``)
-    and the setup summary's budget come from here."""
+    """``memory_budget`` -> bytes: an int is bytes, a float (``None``: :data:`DEFAULT_FRACTION`) a share of ``total``;
+    the one resolution of every budget."""
     check_budget(budget, name)
     if isinstance(budget, int) and not isinstance(budget, bool):
         return budget
     return int(total * (DEFAULT_FRACTION if budget is None else budget))
-
-
-def __getattr__(name: str) -> Any:
-    if name == "DEVICE_MEMORY":  # before the one device table: name -> bytes
-        warnings.warn("lightning_vitscale.memory.planner.DEVICE_MEMORY is deprecated: the named devices live in"
-                      " lightning_vitscale.memory.devices.DEVICES (memory_bytes); use parse_memory(name).",
-                      DeprecationWarning, stacklevel=2)
-        return {key: parse_memory(key) for key in memory_names()}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def parse_memory(spec: str | int | float) -> int:
@@ -105,8 +88,7 @@ def parse_memory(spec: str | int | float) -> int:
 def model_parts(
     model: nn.Module, blocks: ModuleSelector | None, precision: PrecisionPolicy, called: Collection[str] | None = None
 ) -> tuple[Named, list[nn.Module]]:
-    """The blocks the strategy would shard and the norms it would keep apart in fp32, as parallelize finds them
-    (``called``: see :func:`~lightning_vitscale.discovery.find_blocks`)."""
+    """The blocks the strategy would shard and the norms it would keep in fp32, as parallelize finds them."""
     found = [(n, b) for n, b in find_blocks(model, blocks, called) if holds_parameters(b)]
     norms = [m for _, m in precision.separate_norm_modules(model)]
     return found, norms
@@ -130,19 +112,14 @@ def plan_memory(
 
     Args:
         model: the network the strategy will shard (e.g. a LightningModule after ``configure_model``).
-        example_input: one rank's input batch (tensor or tuple of tensors; meta tensors are fine).
-        batch_size: per-rank batch size planned for; ``None`` takes dim 0 of the first input tensor.
+        example_input: one (data-parallel) rank's input batch; meta tensors are fine.
+        batch_size: per-rank batch planned for; ``None``: dim 0 of the first input tensor.
         world_size: all ranks (devices x nodes).
-        device_memory: bytes (int), GiB (float/str) or a named GPU (``"a100-40gb"``, ``"h100-80gb"``, ...).
-        precision: Trainer precision flag.
-        optimizer: ``"adamw"``, ``"adam"``, ``"sgd-momentum"``, ``"sgd"``, ``"lion"`` or ``"adagrad"``.
-        memory_fraction: share of the device a step may use (the rest is headroom for the allocator), or bytes
-            (an int): what the strategy's ``memory_budget`` takes.
-        blocks: the strategy's ``blocks=`` selector, if one is given.
-        tensor_parallel: ranks that split each block (``VitScaleStrategy(tensor_parallel=k)``): the ``world_size``
-            ranks are ``world_size / k`` data-parallel ones, each block is planned as one tensor-parallel rank's
-            share (:mod:`.tensor_split`) and ``example_input`` is one data-parallel rank's batch.
-        tensor_plan: the strategy's ``tensor_plan=``, if one is given (else the automatic Megatron-style plan).
+        device_memory: bytes (int), GiB (float/str) or a named GPU (``"a100-40gb"``, ...).
+        optimizer: one of ``OPTIMIZER_STATES`` (``"adamw"``, ``"sgd"``, ...).
+        memory_fraction: what the strategy's ``memory_budget`` takes.
+        blocks, tensor_parallel, tensor_plan: the strategy's (under ``tensor_parallel=k`` each block is planned as
+            one tensor-parallel rank's share, :mod:`.tensor_split`).
 
     Example::
 
@@ -161,8 +138,6 @@ def plan_memory(
 
 
 def data_parallel_ranks(world_size: int, tensor_parallel: int) -> int:
-    """The data-parallel ranks of ``world_size`` ranks under ``tensor_parallel`` (as the strategy's mesh builds
-    them); a clear error where ``tensor_parallel`` does not divide the world."""
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise ValueError(f"tensor_parallel must be an int >= 1; got {tensor_parallel!r}.")
     if world_size < 1 or world_size % tensor_parallel:
@@ -190,16 +165,11 @@ def step_inputs(
 ) -> StepInputs:
     """Measure ``model`` on fake tensors and gather what :func:`predict_step` needs (see :func:`plan_memory`).
 
-    ``device`` is where the step will run: on CPU the collectives' temporaries count (see
-    :func:`~lightning_vitscale.memory.step_model.collective_copies`); ``None`` plans for a GPU with NCCL.
-    ``loop`` says when gradients are alive (default: Lightning's automatic optimization, see :class:`TrainingLoop`).
-    ``call`` runs the measured step (default: ``model(example_input)``; :mod:`.planning_batch` runs
-    ``training_step`` on a training batch). ``mode_of``: the checkpointing each block will run, when it is settled
-    (:func:`~.activations.measure_activations`; the result then predicts that checkpointing only).
-    ``world_size``: one FSDP shard group (the data-parallel ranks); ``tensor_parallel > 1`` measures one
-    tensor-parallel rank's split twin of ``model`` (:mod:`.tensor_split`) and its all-reduces.
-    ``calls``: filled with what the step called (:class:`~lightning_vitscale.discovery.calls.Calls`), even when it
-    raises; a block it never called is measured as the modules of it that ran (``find_blocks``'s ``called``).
+    ``device``: where the step runs (:func:`~.step_model.collective_copies`; ``None``: a GPU); ``loop``: when
+    gradients are alive; ``call``: runs the step (default ``model(example_input)``); ``mode_of``: each block's
+    settled checkpointing (:func:`~.activations.measure_activations`); ``world_size``: one FSDP shard group.
+    ``calls``: filled with what the step called, even when it raises; a block it never called is measured as the
+    modules of it that ran.
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not known; choose one of {', '.join(OPTIMIZER_STATES)}.")
@@ -230,7 +200,7 @@ def step_inputs(
 
 
 class _Measured(NamedTuple):
-    """What one measured step ran (under tensor parallelism the split twin, its blocks and norms) and found."""
+    """What one measured step ran (under tensor parallelism the split twin) and found."""
 
     model: nn.Module
     blocks: Named
@@ -244,7 +214,6 @@ def _measure(
     call: StepCall | None, mode_of: ModeOf | None, tensor_parallel: int, tensor_plan: TensorPlanSelector | None,
     calls: Calls,
 ) -> _Measured:
-    """One measured step of ``model`` with ``found`` blocks and ``norms``, recording into ``calls``."""
     tensor = None
     if tensor_parallel > 1:
         model, found, roles, plans = split_twin(model, found, tensor_parallel, tensor_plan)
@@ -275,15 +244,8 @@ def choose(
     reshard: bool | None = None,
     per_unit: int | None = 1,
 ) -> MemoryPlan:
-    """Pick the settings for ``budget``: per block checkpointing mode and reshard, the least predicted extra
-    step time that fits (:mod:`.plan_search`); CPU offload only when nothing else fits.
-
-    ``offload``: ``None`` lets the planner recommend CPU offload when nothing else fits; ``True`` / ``False``
-    say it is on / off (``activation_checkpointing="auto"`` plans for what the strategy really runs).
-    ``reshard``: ``None`` chooses per block; ``True`` / ``False`` pin every block (the user's setting).
-    ``per_unit``: blocks per FSDP unit, pinned (the user's ``blocks_per_unit``, or the one applied at setup), or
-    ``None`` to choose it as well.
-    """
+    """The plan for ``budget`` (:mod:`.plan_search`). ``offload``: ``None`` recommends CPU offload where nothing
+    else fits, ``True`` / ``False`` say it is on / off; ``reshard`` and ``per_unit`` pin (``None``: chosen)."""
     n = len(inputs.profile.blocks)
     on = bool(offload)
     space = SearchSpace(inputs, budget, rates, on, reshard, per_unit)
@@ -340,7 +302,7 @@ def _reason(blocks: BlockPlan, n: int, fits: bool, offloaded: bool, offload_on: 
 def largest_batch(inputs: StepInputs, budget: int, batch_size: int, offload: bool = False,
                   settings: StepSettings | None = None, extra: int = 0) -> int:
     """Largest per-rank batch whose predicted peak (plus ``extra`` bytes) fits ``budget`` under ``settings`` (default:
-    every block checkpointed); activations scale with the batch."""
+    every block checkpointed)."""
     per_sample = inputs.batch_scale / batch_size
     chosen = settings or StepSettings(frozenset(range(len(inputs.profile.blocks))), offload=offload)
 

@@ -1,19 +1,13 @@
 """The batch the planner measures, and how: ``example_input_array`` through ``forward``, or one batch of the
-training data through ``training_step``, so that the default ``VitScaleStrategy()`` gets the planner's choice
-without ``example_input_array`` and a LightningModule without ``forward`` (its ``training_step`` calls a
-backbone) gets it too.
+training data through ``training_step`` (so the default gets a plan without ``example_input_array``, and a module
+without ``forward`` too).
 
-The training batch is fetched at setup, before the units are made (they cannot change afterwards, and a hook may
-call the model before the first step): the first ``batch_size`` samples of the train ``DataLoader``'s dataset,
-collated as the loader collates them, on every rank alike (no worker, no sampler). A dataset's random transforms
-and a ``training_step``'s random calls do draw numbers, so reading and measuring run with the global generators
-(torch, Python's ``random``, NumPy's) saved and restored: training afterwards sees the same random numbers as
-under DDP, which plans nothing. It is
-measured as ``training_step(batch, 0)`` on a meta twin of the module (structure, no data: the real module's
-Python state is not touched) on fake tensors, with ``self.log`` silenced, the module's torchmetrics metrics left
-out and ``.item()`` a symbolic number; a ``training_step`` that cannot run there (it branches on a value) is
-measured through ``forward`` on the batch's first tensor where the module has one. Batch-transfer hooks
-(``on_after_batch_transfer``) are not applied.
+The training batch is read at setup, before the units are made: the first ``batch_size`` samples of the train
+``DataLoader``'s dataset, collated, alike on every rank (no worker, no sampler). It runs as
+``training_step(batch, 0)`` on a meta twin (the real module's Python state is not touched) with ``self.log``
+silenced, torchmetrics metrics left out and ``.item()`` symbolic; a step that branches on a value is measured
+through ``forward`` on the batch's first tensor. Reading and measuring keep the global random states (torch,
+Python, NumPy), so training sees DDP's random numbers. Batch-transfer hooks are not applied.
 """
 
 from __future__ import annotations
@@ -34,7 +28,7 @@ from lightning_vitscale._compat import train_dataloader
 from lightning_vitscale.discovery.tensor_plan import TensorPlanError
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_model import StepInputs
-from lightning_vitscale.memory.twin import meta_twin as meta_twin  # where it always was
+from lightning_vitscale.memory.twin import meta_twin
 
 EXAMPLE_INPUT = "example_input_array"
 TRAIN_BATCH = "one batch of the train dataloader"
@@ -43,8 +37,7 @@ FIRST_STEP = "the first training batch"
 
 @dataclass(frozen=True)
 class PlanningBatch:
-    """What the planner measures: ``value`` fed to ``forward`` (``example_input_array``) or, with
-    ``through_training_step``, a batch as ``training_step`` receives it; ``source`` says where it came from."""
+    """``value`` fed to ``forward``, or with ``through_training_step`` a batch as ``training_step`` receives it."""
 
     value: Any
     source: str
@@ -52,8 +45,7 @@ class PlanningBatch:
 
 
 def planning_batch(module: nn.Module, trainer: Any | None) -> PlanningBatch | None:
-    """``example_input_array`` when the module sets it; else, while fitting (``trainer`` given), the first batch
-    of the train ``DataLoader`` (see the module docstring); ``None`` when neither is there."""
+    """``example_input_array``; else, while fitting (``trainer`` given), the train ``DataLoader``'s first batch."""
     example = getattr(module, "example_input_array", None)
     if example is not None:
         return PlanningBatch(example, EXAMPLE_INPUT)
@@ -64,8 +56,8 @@ def planning_batch(module: nn.Module, trainer: Any | None) -> PlanningBatch | No
 
 
 def first_batch(loader: Any) -> Any | None:
-    """The first ``batch_size`` samples of a ``DataLoader`` over a map-style dataset, collated; ``None`` for
-    anything else (an iterable may be consumed by reading it, a sampler draws random numbers)."""
+    """The first ``batch_size`` samples of a ``DataLoader`` over a map-style dataset, collated; ``None`` for anything
+    else (an iterable may be consumed by reading it)."""
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset) or not loader.batch_size:
         return None
     try:
@@ -80,8 +72,7 @@ def first_batch(loader: Any) -> Any | None:
 
 @contextlib.contextmanager
 def random_state_kept() -> Iterator[None]:
-    """Run the body with torch's (CPU and initialised CUDA devices), Python's and NumPy's global random states
-    saved and restored."""
+    """torch's (CPU, initialised CUDA devices), Python's and NumPy's global random states restored after the body."""
     state = random.getstate()
     numpy_random = _numpy_random()
     numpy_state = numpy_random.get_state() if numpy_random is not None else None
@@ -118,72 +109,50 @@ def first_tensor_input(batch: Any) -> Any:
 
 
 def has_forward(module: nn.Module) -> bool:
-    """Whether ``module`` defines ``forward`` (a LightningModule need not: its ``training_step`` may call a
-    backbone)."""
+    """Whether ``module`` defines ``forward`` (a LightningModule's ``training_step`` may call a backbone instead)."""
     forward = getattr(type(module), "forward", None)
     return forward is not None and forward is not nn.Module.forward and (
         not hasattr(module, "training_step") or is_overridden("forward", module))
 
 
 def runs_training_step(module: nn.Module) -> bool:
-    """Whether ``training_step`` can be measured: a LightningModule's own, under automatic optimization (a manual
-    one steps the optimizer itself)."""
+    """Whether ``training_step`` can be measured: overridden, under automatic optimization (a manual one steps)."""
     return is_overridden("training_step", module) and bool(getattr(module, "automatic_optimization", True))
 
 
 def training_step_call(model: nn.Module, batch: Any) -> Any:
-    """``model.training_step(batch, 0)`` with ``self.log`` / ``self.log_dict`` silenced and the module's
-    torchmetrics metrics left out (:func:`_metrics_silenced`); its loss."""
-    with _silenced(model, ("log", "log_dict", "print")), _metrics_silenced(model):
+    """``model.training_step(batch, 0)``'s loss, with ``self.log`` and ``print`` silenced and the module's
+    ``torchmetrics`` metrics left out: their states are plain tensors (not buffers) that fake tensors cannot meet, and
+    Lightning's most common step updates one (each such module was measured a second time through ``forward``). A
+    metric keeps a few numbers, not activations; a step computing with its value falls back."""
+    metric_class = getattr(sys.modules.get("torchmetrics"), "Metric", None)
+    metrics = [m for m in model.modules() if metric_class is not None and isinstance(m, metric_class)]
+    with _silenced([(model, ("log", "log_dict", "print")), *((m, ("forward", "update")) for m in metrics)]):
         out = model.training_step(batch, 0)  # type: ignore[operator]
     return out.get("loss") if isinstance(out, Mapping) else out
 
 
-@contextlib.contextmanager
-def _metrics_silenced(model: nn.Module) -> Iterator[None]:
-    """Calls to the twin's ``torchmetrics`` metrics (``self.train_acc(preds, y)``, ``.update``) do nothing.
-
-    Their states are plain tensors, not buffers, so the meta twin holds real ones that fake tensors cannot meet;
-    updating a metric in ``training_step`` is Lightning's most common pattern, and without this every such module
-    was measured a second time through ``forward``. What a metric keeps is a few numbers, not activations, and its
-    value only reaches ``self.log`` (silenced): a step that computes with it fails here and falls back as before."""
-    metric_class = getattr(sys.modules.get("torchmetrics"), "Metric", None)
-    metrics = [m for m in model.modules() if metric_class is not None and isinstance(m, metric_class)]
-    for metric in metrics:
-        _silenced_calls(metric, ("forward", "update"))
-    try:
-        yield
-    finally:
-        for metric in metrics:
-            for name in ("forward", "update"):
-                metric.__dict__.pop(name, None)
+def _nothing(*_: Any, **__: Any) -> None:
+    return None
 
 
 @contextlib.contextmanager
-def _silenced(model: nn.Module, names: tuple[str, ...]) -> Iterator[None]:
-    """No-op instance attributes over ``names`` for the measurement (``model`` is the planner's own twin)."""
-    _silenced_calls(model, names)
-    try:
-        yield
-    finally:
+def _silenced(calls: list[tuple[nn.Module, tuple[str, ...]]]) -> Iterator[None]:
+    """No-op instance attributes over each module's ``names`` (on the planner's own twin) for the body."""
+    for module, names in calls:
         for name in names:
-            model.__dict__.pop(name, None)
-
-
-def _silenced_calls(module: nn.Module, names: tuple[str, ...]) -> None:
-    def nothing(*_: Any, **__: Any) -> None:
-        return None
-
-    for name in names:
-        object.__setattr__(module, name, nothing)
-
+            object.__setattr__(module, name, _nothing)
+    try:
+        yield
+    finally:
+        for module, names in calls:
+            for name in names:
+                module.__dict__.pop(name, None)
 
 
 def measure_batch(model: nn.Module, batch: PlanningBatch, **step_kwargs: Any) -> tuple[StepInputs, str]:
-    """:func:`~.planner.step_inputs` for ``batch`` (keyword arguments passed on), and how it was measured (for the
-    summary). A training batch runs through ``training_step`` on a meta twin, else (a manual-optimization module,
-    or a ``training_step`` that cannot run on fake tensors) through ``forward`` on its first tensor; a module
-    with neither raises what the measurement raised."""
+    """:func:`~.planner.step_inputs` for ``batch``, and how it was measured: a training batch through
+    ``training_step`` on a meta twin, else through ``forward`` on its first tensor (see the module docstring)."""
     with random_state_kept():  # a training_step's random calls must not shift the training run's numbers
         return _measure_batch(model, batch, **step_kwargs)
 

@@ -1,6 +1,5 @@
-"""Which ops selective activation checkpointing stores (the expensive ones) and the context pair that makes
-``torch.utils.checkpoint`` do it. Here, below the sharding setup that applies it, because the planner measures a
-selective block on fake tensors with the same policy (``activations.py``)."""
+"""Which ops selective activation checkpointing stores (the expensive ones), and the context pair that does it: here,
+below the sharding setup, because the planner measures a selective block with the same policy."""
 
 from __future__ import annotations
 
@@ -26,9 +25,7 @@ _SAVED_OP_NAMES = (
 SAVED_OPS: frozenset[Any] = frozenset(
     getattr(_aten, name).default for name in _SAVED_OP_NAMES if hasattr(_aten, name)
 )
-"""Ops whose outputs selective checkpointing stores: the ones that cost FLOPs (``aten.linear`` reaches the
-dispatcher as ``mm``/``addmm``; ``F.scaled_dot_product_attention`` as one of the fused kernels, or ``bmm`` on
-its math path). Everything else is recomputed."""
+"""Ops that cost FLOPs (``linear`` reaches the dispatcher as ``mm``/``addmm``, SDPA as a fused kernel or ``bmm``)."""
 
 
 def _save_expensive_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -37,7 +34,6 @@ def _save_expensive_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpo
 
 
 def selective_contexts() -> tuple[Any, Any]:
-    """The (forward, recompute) context pair that makes ``torch.utils.checkpoint`` save :data:`SAVED_OPS`."""
     return create_selective_checkpoint_contexts(_save_expensive_ops)
 
 

@@ -11,16 +11,6 @@ from torch import nn
 from lightning_vitscale._utils import full_bytes, local_bytes
 
 
-def optimizer_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
-    return [
-        value
-        for optimizer in optimizers
-        for state in optimizer.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor) and value.dim() > 0
-    ]
-
-
 @dataclass(frozen=True)
 class StateBytes:
     """Local and unsharded bytes of parameters, gradients and optimizer state on one rank."""
@@ -34,7 +24,7 @@ class StateBytes:
 
     @property
     def sharded_fraction(self) -> float:
-        """Local share of (parameters + optimizer state): ~1/world_size when sharding works."""
+        """Local share of parameters and optimizer state: ~1/world_size when sharding works."""
         full = self.params_full + self.optimizer_full
         return (self.params_local + self.optimizer_local) / full if full else 1.0
 
@@ -42,7 +32,8 @@ class StateBytes:
 def measure_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> StateBytes:
     params = list(module.parameters())
     grads = [p.grad for p in params if p.grad is not None]
-    states = optimizer_tensors(optimizers)
+    states = [value for optimizer in optimizers for state in optimizer.state.values() for value in state.values()
+              if isinstance(value, torch.Tensor) and value.dim() > 0]
     return StateBytes(
         params_local=local_bytes(params),
         params_full=full_bytes(params),

@@ -1,35 +1,18 @@
-"""What a memory-saving setting costs in step time: a block's recompute and a resharded block's second all-gather.
+"""What a setting costs in step time, by roofline arithmetic on what :mod:`.op_costs` counted (checkable by hand):
 
-Plain roofline arithmetic on what :mod:`.op_costs` counted, so every number can be checked by hand:
+- ``"selective"`` checkpointing reruns the cheap ops (``cheap_bytes / bytes_per_s``), ``"full"`` the forward too
+  (``+ flops / flops_per_s``); a recompute never hides;
+- a resharded unit is all-gathered again in backward: ``latency`` plus, unless the prefetch hides it (GPU
+  streams), its bytes / ``link_bytes_per_s`` (:mod:`.collectives`' model);
+- tensor parallelism's all-reduces wait on the critical path, a recompute repeats the row-wise ones;
+- each FSDP unit costs ``unit_s``; where collectives overlap compute, the first gather and the last reduction have
+  nothing to hide behind: a larger unit exposes more.
 
-- no checkpointing: nothing is repeated;
-- ``"selective"``: the cheap ops run again, bounded by memory bandwidth: ``cheap_bytes / bytes_per_s``;
-- ``"full"``: the whole forward runs again: ``flops / flops_per_s`` plus the cheap ops as above;
-- resharding a unit after forward: its parameters are all-gathered again in backward: ``latency`` plus, unless
-  the prefetched gather hides behind the later unit's backward (``regather_hidden``: GPU streams),
-  ``gathered bytes x (world - 1) / world / link_bytes_per_s``; keeping it gathered costs nothing;
-- tensor parallelism: each all-reduce of activations (:mod:`.tensor_split`) waits on the critical path:
-  ``latency`` plus its ring bytes / ``link_bytes_per_s``; a checkpointed block's recompute runs its row-wise
-  all-reduces again;
-- each FSDP unit: ``unit_s`` per step for its hooks and the collectives the step's thread waits for
-  (``blocks_per_unit``: fewer, larger units pay it fewer times); where collectives overlap compute (GPU streams;
-  CPU ranks' asynchronous gloo collectives, ``sharding/cpu_overlap.py``), the first unit's all-gather and the
-  last one's reduce-scatter (and, with replicas, all-reduce) have nothing to hide behind, so a larger unit exposes
-  more bytes: what they send / ``link_bytes_per_s``.
-
-The collectives and their bytes are the one model the setup summary's traffic report uses too
-(:mod:`.collectives`: rings over their groups, dim 0 padded to the shard group, replicas for hybrid sharding).
-
-A recompute never hides. The rates are :class:`DeviceRates`, read from the device table (:mod:`.devices`).
-
-The whole step (:func:`step_time`): the device's work (forward and backward FLOPs at the reached rate, three passes
-of the cheap ops' bytes at memory bandwidth, fewer when compiled, the recompute, FSDP's copies, exposed
-collectives), the host's (each dispatched op, each FSDP unit, a recompute's ops again, or one call per compiled
-block) and how they overlap: the host runs ahead of the device until the step's one sync (the non-finite guard
-reads its flag before the optimizer step), so forward and backward take about the larger of the two
-(:data:`OVERLAP`), then the optimizer step and the loop follow. Plain AMP O1 and DDP (``baseline``) never sync,
-so their whole step overlaps. The host constants are measured on this repository's CPU and scaled by each GPU
-machine's ``host_scale``; the fitted ones say from which GPU rows (``benchmarks/RESULTS.md``, "throughput model").
+The whole step (:func:`step_time`): the device's work (FLOPs, the cheap ops' bytes, recompute, FSDP's copies,
+exposed collectives) and the host's (each op, each unit, or one call per compiled block) overlap until the step's
+one sync (the non-finite guard), so forward and backward take about the larger (:data:`OVERLAP`), then the
+optimizer and the loop follow; AMP O1 and DDP (``baseline``) never sync. Host constants are this repository's CPU's
+scaled by each GPU machine's ``host_scale`` (``benchmarks/RESULTS.md``, "throughput model").
 """
 
 from __future__ import annotations
@@ -41,7 +24,7 @@ from typing import Literal
 import torch
 
 from lightning_vitscale.memory.activations import BlockMemory
-from lightning_vitscale.memory.collectives import ring_bytes, unit_collectives
+from lightning_vitscale.memory.collectives import Collective, ring_bytes, unit_collectives
 from lightning_vitscale.memory.devices import (
     COMPILED_BLOCK_HOST_S,
     DEFAULT_GPU,
@@ -57,26 +40,16 @@ from lightning_vitscale.memory.devices import (
     device_named,
     device_of,
 )
-from lightning_vitscale.memory.op_costs import BlockWork
 from lightning_vitscale.memory.step_model import OPTIMIZER_STATES, StepInputs, StepSettings, unit_spans
 
 
 @dataclass(frozen=True)
 class DeviceRates:
-    """Throughputs a step's extra work runs at, per rank.
+    """Throughputs a step's work runs at, per rank (fields as :class:`~.devices.Device`'s).
 
-    Attributes:
-        flops_per_s: what matmuls and attention reach in the compute dtype.
-        bytes_per_s: memory bandwidth the cheap elementwise ops are bound by.
-        link_bytes_per_s: per-rank bandwidth of an all-gather.
-        latency_s: fixed cost of one unit's all-gather (launch, FSDP's hooks and copies).
-        unit_s: fixed cost of one FSDP unit per step (its forward/backward hooks, the waits on its collectives).
-        overlaps: whether collectives run beside compute (CUDA streams; gloo's worker threads once
-            ``sharding/cpu_overlap.py`` issues them asynchronously, as setup does on CPU ranks).
-        regather_hidden: whether a resharded unit's backward all-gather costs only its ``latency_s`` (a GPU's
-            copy engines and NVLink run beside the SMs); on CPU ranks gloo's threads share the cores with compute.
-        host_scale: the host's seconds for work this repository's CPU does in one (the machine's CPU and launches).
-        overlap: how host and device work overlap (:data:`OVERLAP` on a GPU; 1, none, on CPU: the same cores).
+    ``overlaps``: collectives run beside compute (CUDA streams; gloo's threads, ``sharding/cpu_overlap.py``);
+    ``regather_hidden``: a resharded unit's backward all-gather costs only ``latency_s`` (GPU copy engines; on CPU
+    gloo's threads share the cores); ``overlap``: host and device work's (:data:`OVERLAP` on a GPU, none on CPU).
     """
 
     flops_per_s: float
@@ -91,9 +64,7 @@ class DeviceRates:
 
 
 def rates_of(device: Device, accelerator: bool = True) -> DeviceRates:
-    """The planner's rates from a row of the device table (:mod:`.devices`). ``accelerator``: a GPU, whose
-    collectives overlap compute on their own streams and whose prefetched re-gather hides; CPU ranks overlap
-    through gloo's threads (``sharding/cpu_overlap.py``), which share the cores with compute."""
+    """The planner's rates from a row of the device table; ``accelerator``: a GPU (its prefetched re-gather hides)."""
     return DeviceRates(flops_per_s=device.reached_flops_per_s, bytes_per_s=device.hbm_bytes_per_s,
                        link_bytes_per_s=device.link_bytes_per_s, latency_s=device.latency_s, unit_s=device.unit_s,
                        overlaps=True, regather_hidden=accelerator, host_scale=device.host_scale,
@@ -101,14 +72,13 @@ def rates_of(device: Device, accelerator: bool = True) -> DeviceRates:
 
 
 GPU_RATES = rates_of(device_named(DEFAULT_GPU))
-"""The rates of a GPU the table does not name, and of plans made for no device: the measured H200's row."""
+"""A GPU the table does not name, and plans made for no device: the measured H200's row."""
 CPU_RATES = rates_of(device_named("cpu"), accelerator=False)
 """One rank of the 2-core CPU with gloo (the table's ``"cpu"`` row: stated, not general)."""
 
 
 def rates_for(device: torch.device | str | None) -> DeviceRates:
-    """The rates for a device: its row of the device table (:func:`~.devices.device_of`); a GPU the table does
-    not name, and ``None``, plan as :data:`GPU_RATES`, as the rest of the planner does."""
+    """The rates of a device's row (:func:`~.devices.device_of`); :data:`GPU_RATES` where there is none."""
     row = device_of(device)
     if row is None:
         return GPU_RATES
@@ -118,9 +88,8 @@ def rates_for(device: torch.device | str | None) -> DeviceRates:
 def recompute_seconds(
     block: BlockMemory, mode: str | None, rates: DeviceRates, scale: float = 1.0, fused: float = 0.0
 ) -> float:
-    """Device seconds per step that checkpointing ``block`` in ``mode`` (``None``, ``"selective"``, ``"full"``)
-    adds: the cheap ops again (selective), or what a full recompute reruns (:attr:`~.op_costs.BlockWork.repeated`);
-    ``fused``: the share of the cheap ops' bytes a compiled block does not move (:data:`FUSED_SHARE`)."""
+    """Device seconds per step that checkpointing ``block`` in ``mode`` adds; ``fused``: the share of the cheap ops'
+    bytes a compiled block does not move (:data:`FUSED_SHARE`)."""
     if mode is None:
         return 0.0
     work = block.work if mode == "selective" else block.work.repeated
@@ -129,9 +98,7 @@ def recompute_seconds(
 
 
 def tensor_parallel_seconds(inputs: StepInputs, modes: list[str | None], rates: DeviceRates) -> float:
-    """Seconds per step of the tensor-parallel all-reduces (``inputs.tensor``; 0 without), block ``i``
-    checkpointed in ``modes[i]`` (a recompute repeats its row-wise all-reduces): each on the critical path (the
-    next op needs its result), ``latency_s`` plus what it sends / ``link_bytes_per_s``."""
+    """Seconds per step of the tensor-parallel all-reduces (0 without), block ``i`` checkpointed in ``modes[i]``."""
     split = inputs.tensor
     if split is None:
         return 0.0
@@ -139,42 +106,39 @@ def tensor_parallel_seconds(inputs: StepInputs, modes: list[str | None], rates: 
     return calls * rates.latency_s + split.sent(modes, inputs.batch_scale) / rates.link_bytes_per_s
 
 
-def regather_seconds(gathered_bytes: int, world: int, rates: DeviceRates) -> float:
-    """Seconds per step that resharding a block of ``gathered_bytes`` after forward adds (a second all-gather:
-    its fixed cost, and its bytes where nothing overlaps them)."""
-    return _regather(ring_bytes(gathered_bytes, world), rates)
-
-
-def _regather(sent: float, rates: DeviceRates) -> float:
+def regather_seconds(sent: float, rates: DeviceRates) -> float:
+    """A second all-gather's seconds (of ``sent`` bytes per rank): its fixed cost, and its bytes where not hidden."""
     if rates.regather_hidden:  # prefetched during the later unit's backward
         return rates.latency_s
     return rates.latency_s + sent / rates.link_bytes_per_s
 
 
 def units_and_regather_seconds(inputs: StepInputs, settings: StepSettings, rates: DeviceRates) -> float:
-    """What the FSDP units of ``settings`` cost per step, from each unit's collectives (:mod:`.collectives`: padded,
-    per group, replicas included): ``unit_s`` each, a second all-gather for each unit that reshards after forward
-    (:func:`regather_seconds`) and, where collectives overlap compute, the largest unit's exposed all-gather,
-    reduce-scatter and all-reduce (the first unit's gather and the last one's reduction have nothing to hide
-    behind)."""
-    spans = unit_spans(len(inputs.layout.blocks), settings.blocks_per_unit)
+    """The FSDP units' cost per step: ``unit_s`` each, a second all-gather where one reshards, and where collectives
+    overlap compute, the largest unit's exposed collectives (see the module docstring)."""
     seconds = exposed = 0.0
-    for span in spans:
-        collectives = unit_collectives(
-            [shape for i in span for shape in inputs.layout.blocks[i]], shard=inputs.world, replicas=inputs.replicas,
-            gather_itemsize=inputs.compute.itemsize, reduce_itemsize=inputs.reduce.itemsize,
-            reshard=not settings.keeps(span[0]),
-        )
+    for collectives in _collectives(inputs, _block_units(inputs, settings)):
         seconds += rates.unit_s
-        seconds += sum(_regather(c.sent, rates) for c in collectives if c.kind == "regather")
+        seconds += sum(regather_seconds(c.sent, rates) for c in collectives if c.kind == "regather")
         if rates.overlaps:
             sent = sum(c.sent for c in collectives if c.kind != "regather")
             exposed = max(exposed, sent / rates.link_bytes_per_s)
     return seconds + exposed
 
 
+def _block_units(inputs: StepInputs, settings: StepSettings) -> list[tuple[list[tuple[int, ...]], bool]]:
+    """Each block unit's parameter shapes and whether it reshards after forward."""
+    spans = unit_spans(len(inputs.layout.blocks), settings.blocks_per_unit)
+    return [([s for i in span for s in inputs.layout.blocks[i]], not settings.keeps(span[0])) for span in spans]
+
+
+def _collectives(inputs: StepInputs, units: list[tuple[list[tuple[int, ...]], bool]]) -> list[list[Collective]]:
+    return [unit_collectives(shapes, shard=inputs.world, replicas=inputs.replicas, reshard=reshard,
+                             gather_itemsize=inputs.compute.itemsize, reduce_itemsize=inputs.reduce.itemsize)
+            for shapes, reshard in units]
+
+
 def block_modes(settings: StepSettings, n: int) -> list[str | None]:
-    """Each block's checkpointing under ``settings``: ``"full"``, ``"selective"`` or ``None``."""
     return ["selective" if i in settings.selective else "full" if i in settings.checkpointed else None
             for i in range(n)]
 
@@ -182,20 +146,14 @@ def block_modes(settings: StepSettings, n: int) -> list[str | None]:
 def traffic_per_dimension(
     inputs: StepInputs, settings: StepSettings, outer_reshards: bool = False
 ) -> dict[str, float]:
-    """Bytes one rank sends per step on each mesh dimension: ``"data_parallel"`` (FSDP's all-gathers and
-    reduce-scatters of the block units and the outer unit, which stays gathered from forward to backward, hybrid
-    sharding's all-reduces across replicas, the replicated fp32 norms' all-reduce) and, under tensor parallelism,
-    ``"tensor_parallel"`` (the all-reduces of activations, :mod:`.tensor_split`). The same model of a unit's
-    collectives as the setup summary's traffic report (:mod:`.collectives`). ``outer_reshards``: the outer unit
-    reshards after forward too (``reshard_after_forward=True`` asked for every unit; the recipe keeps it)."""
+    """Bytes one rank sends per step on each mesh dimension: ``"data_parallel"`` (the units' collectives, the fp32
+    norms' all-reduce) and, under tensor parallelism, ``"tensor_parallel"``. ``outer_reshards``: the outer unit
+    reshards after forward too (``reshard_after_forward=True``; the recipe keeps it gathered)."""
     lay = inputs.layout
-    spans = unit_spans(len(lay.blocks), settings.blocks_per_unit)
-    units = [([s for i in span for s in lay.blocks[i]], not settings.keeps(span[0])) for span in spans]
+    units = [*_block_units(inputs, settings), (lay.outer, outer_reshards)]
     sent = 0.0
-    for shapes, reshard in [*units, (lay.outer, outer_reshards)]:
-        sent += sum(c.sent for c in unit_collectives(
-            shapes, shard=inputs.world, replicas=inputs.replicas, gather_itemsize=inputs.compute.itemsize,
-            reduce_itemsize=inputs.reduce.itemsize, reshard=reshard))
+    for collectives in _collectives(inputs, units):  # unit by unit: the same float sums as the summary's report
+        sent += sum(c.sent for c in collectives)
     norm_bytes = sum(math.prod(s) for s in lay.norms) * 4
     sent += ring_bytes(norm_bytes, inputs.world, reduce=True) + ring_bytes(norm_bytes, inputs.replicas, reduce=True)
     out = {"data_parallel": sent}
@@ -205,20 +163,13 @@ def traffic_per_dimension(
 
 
 Baseline = Literal["single", "ddp"]
-"""The baselines :func:`step_time` predicts besides the recipe: plain single-device AMP O1 (``strategy="auto"``)
-and DDP + AMP O1, the model replicated in fp32 and cast per forward."""
+"""Plain single-device AMP O1 (``strategy="auto"``) and DDP + AMP O1, for comparison."""
 
 
 @dataclass(frozen=True)
 class StepTime:
-    """One training step's predicted seconds, by who spends them.
-
-    Attributes:
-        host_s: the host issuing forward and backward (Python, hooks, kernel launches).
-        device_s: the device running them (FLOPs, bytes, exposed collectives).
-        tail_s: after the step's sync, neither hidden: the host's loop and optimizer launches, the optimizer's bytes.
-        overlap: how ``host_s`` and ``device_s`` overlap (:attr:`DeviceRates.overlap`).
-    """
+    """One step's predicted seconds: the host issuing forward and backward, the device running them, and after the
+    step's sync (``tail_s``, nothing hidden) the loop and the optimizer."""
 
     host_s: float
     device_s: float
@@ -231,7 +182,6 @@ class StepTime:
 
     @property
     def host_bound(self) -> bool:
-        """Whether the device waits on the host: issuing forward and backward takes longer than running them."""
         return self.host_s > self.device_s
 
     def describe(self) -> str:
@@ -244,9 +194,8 @@ def step_time(
     inputs: StepInputs, settings: StepSettings, rates: DeviceRates, *, compiled: bool = False,
     fused_optimizer: bool | None = None, baseline: Baseline | None = None,
 ) -> StepTime:
-    """One step's time under ``settings`` (``compiled``: every block compiled; ``fused_optimizer``: a fused optimizer
-    step, by default with ``compiled``, as ``kernels="auto"`` sets both), or under a :data:`Baseline` (settings then
-    ignored: nothing checkpointed, sharded or compiled)."""
+    """One step's time under ``settings`` (``compiled``: every block; ``fused_optimizer``: by default with
+    ``compiled``, as ``kernels="auto"`` sets both), or a :data:`Baseline`'s (``settings`` ignored)."""
     fused_optimizer = compiled if fused_optimizer is None else fused_optimizer
     n = len(inputs.profile.blocks)
     modes: list[str | None] = [None] * n if baseline else block_modes(settings, n)
@@ -257,7 +206,8 @@ def step_time(
         device += inputs.batch_scale * (3 * work.flops / rates.flops_per_s
                                         + ELEMENTWISE_PASSES * work.cheap_bytes * (1.0 - fused) / rates.bytes_per_s)
         device += recompute_seconds(block, mode, rates, inputs.batch_scale, fused)
-        host += COMPILED_BLOCK_HOST_S if compiled else (work.ops + _recomputed_ops(work, mode)) * OP_HOST_S
+        again = {None: 0, "selective": work.cheap_ops, "full": work.repeated.ops}[mode]  # an eager recompute's ops
+        host += COMPILED_BLOCK_HOST_S if compiled else (work.ops + again) * OP_HOST_S
     host = (host + STEP_HOST_S) * rates.host_scale
     device += STEP_DEVICE_S if rates.overlap > 1 else 0.0
     params = inputs.layout.num_params
@@ -282,9 +232,8 @@ def step_time(
 
 
 def compile_pays(inputs: StepInputs, settings: StepSettings, rates: DeviceRates) -> tuple[bool, str]:
-    """Whether compiling every block makes the step faster (``kernels="auto"``'s rule; its fused optimizer either
-    way): compiled blocks move fewer bytes on the device and cost the host more per block than their eager ops, so
-    they pay where the step is device-bound; and why, in the setup summary's words."""
+    """Whether compiling every block makes the step faster (``kernels="auto"``'s rule): compiled blocks move fewer
+    bytes but cost the host more, so they pay where the step is device-bound; and why, for the setup summary."""
     eager = step_time(inputs, settings, rates, fused_optimizer=True)
     compiled = step_time(inputs, settings, rates, compiled=True)
     pays = compiled.seconds < eager.seconds
@@ -296,21 +245,15 @@ def compile_pays(inputs: StepInputs, settings: StepSettings, rates: DeviceRates)
                   f" {said(eager)} eager")
 
 
-def _recomputed_ops(work: BlockWork, mode: str | None) -> int:
-    """Ops an eager recompute dispatches again (a compiled block's recompute is inside its backward graph)."""
-    return {None: 0, "selective": work.cheap_ops, "full": work.repeated.ops}[mode]
-
-
 def _optimizer_bytes(inputs: StepInputs, params: float, fused: bool) -> float:
-    """Bytes one optimizer step moves: parameter, gradient and states read, parameter and states written, once
-    fused; torch's foreach step passes over them about three times (AdamW: 82 bytes a parameter, counted)."""
+    """Bytes one optimizer step moves: parameter, gradient and states read, parameter and states written, once fused;
+    a foreach step about three times (AdamW: 82 bytes a parameter, counted)."""
     states = OPTIMIZER_STATES[inputs.optimizer]
     return (3 + 2 * states) * inputs.master.itemsize * params * (1 if fused else 3)
 
 
 def _ddp_exposed(inputs: StepInputs, params: int, device: float, rates: DeviceRates) -> float:
-    """DDP's gradient all-reduce (reduce dtype) over the world, overlapped with backward (two thirds of the step's
-    compute) but for its last 25 MiB bucket."""
+    """DDP's gradient all-reduce, hidden behind backward (two thirds of the compute) but for its last 25 MiB bucket."""
     ranks = inputs.world * inputs.replicas
     if ranks < 2:
         return 0.0

@@ -1,13 +1,9 @@
-"""Per-rank memory of one training step under the recipe: what lives when, and the step's predicted peak.
+"""Per-rank memory of one training step under the recipe, phase by phase as FSDP2 runs it, and its peak.
 
-The step is walked phase by phase as FSDP2 runs it: the outer unit gathered from forward to the end of backward
-(``reshard_after_forward``'s default for the root), one block gathered (+ its all-gather buffer) in forward,
-the current and the prefetched block gathered in backward with the current block's unsharded gradients and
-reduce-scatter buffer, activations freed block by block as backward proceeds, sharded gradients growing, and
-the optimizer step (foreach AdamW needs one temporary the size of the local parameters). On CPU, gloo's
-collectives copy through a temporary the size of the gathered tensor (:func:`collective_copies`): one more block
-while a block is gathered, and a block's reduce-scatter holds its input twice (on 2+ ranks). Activations come from
-:mod:`lightning_vitscale.memory.activations` (measured on fake tensors); everything else is counted from shapes.
+The outer unit stays gathered through the step; one unit is gathered (+ its all-gather buffer) at a time in
+forward, the current and the prefetched one in backward with the current unit's unsharded gradients and
+reduce-scatter buffer; activations are freed block by block, sharded gradients grow, and the optimizer step needs
+its temporaries. Activations are measured (:mod:`.activations`); everything else is counted from shapes.
 """
 
 from __future__ import annotations
@@ -23,21 +19,15 @@ from lightning_vitscale._utils import shard_numel
 from lightning_vitscale.memory.activations import ActivationProfile, BlockMemory
 from lightning_vitscale.memory.tensor_split import TensorSplit
 
-# Optimizer state tensors per parameter, in the parameter's (master) dtype, as torch's optimizers keep them.
+# Optimizer state tensors per parameter (master dtype), and the temporaries its step allocates (foreach AdamW:
+# sqrt(v) + denominator).
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "lion": 1, "sgd-momentum": 1, "sgd": 0, "adagrad": 1}
-# Temporaries of one parameter size that the optimizer's step allocates (foreach AdamW: sqrt(v) + denominator).
 OPTIMIZER_TEMPORARIES: dict[str, int] = {"adamw": 1, "adam": 1, "lion": 1, "sgd-momentum": 0, "sgd": 0, "adagrad": 1}
 
 
 @dataclass(frozen=True)
 class ModelLayout:
-    """Parameter shapes by FSDP unit: what sharding and gathering cost, independent of the batch.
-
-    Attributes:
-        blocks: each block's FSDP-managed parameter shapes (norms excluded when they are kept apart).
-        outer: the outer unit's parameter shapes.
-        norms: shapes of the fp32 norms held replicated outside the units (empty when norms are not separate).
-    """
+    """Parameter shapes per block, of the outer unit and of the fp32 norms kept replicated outside the units."""
 
     blocks: list[list[tuple[int, ...]]]
     outer: list[tuple[int, ...]]
@@ -64,14 +54,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 @dataclass(frozen=True)
 class StepSettings:
-    """The knobs the planner turns: which blocks recompute, and whether blocks stay gathered for backward.
-
-    ``reshard_after_forward=False`` keeps every block gathered; with ``True`` the blocks in ``kept_gathered``
-    still keep theirs (a per-unit choice, as ``activation_checkpointing="auto"`` makes it). ``blocks_per_unit``
-    consecutive blocks share one FSDP unit (``VitScaleStrategy(blocks_per_unit=...)``): they are gathered together,
-    and their unsharded gradients wait for one reduce-scatter after the last of their backwards. Reshard is a
-    unit's setting: a unit keeps its parameters when its first block is in ``kept_gathered``.
-    """
+    """The knobs the planner turns. ``reshard_after_forward=False`` keeps every block gathered; with ``True`` a unit
+    whose first block is in ``kept_gathered`` keeps its parameters. ``blocks_per_unit`` consecutive blocks share one
+    FSDP unit: gathered together, their unsharded gradients wait for one reduce-scatter."""
 
     checkpointed: frozenset[int] = frozenset()
     reshard_after_forward: bool = True
@@ -87,8 +72,7 @@ class StepSettings:
 
 
 def unit_spans(n: int, per_unit: int) -> list[range]:
-    """The block indices of each FSDP unit: consecutive runs of ``per_unit`` (the last may be shorter), as
-    ``sharding.fsdp.group_blocks`` groups them."""
+    """The block indices of each FSDP unit, as ``sharding.fsdp.group_blocks`` groups them."""
     return [range(start, min(start + per_unit, n)) for start in range(0, n, per_unit)]
 
 
@@ -114,20 +98,12 @@ class MemoryBreakdown:
 
 @dataclass(frozen=True)
 class TrainingLoop:
-    """When the sharded gradients are alive, as the training loop orders ``zero_grad``, forward and backward.
+    """When the sharded gradients are alive, as the loop orders ``zero_grad``, forward and backward.
 
-    Lightning's automatic optimization runs ``training_step`` (the forward), *then* ``zero_grad``, then
-    ``backward``: the previous step's gradient shards live through the forward unless the strategy released them
-    after the optimizer step (``released_after_step``, see ``VitScaleStrategy.optimizer_step``). Manual
-    optimization is planned for the order Lightning documents (``zero_grad``, forward, ``manual_backward``,
-    ``step``). With gradient accumulation every micro-batch after the first runs forward and backward with the
-    full gradient shards alive, and so does ``zero_grad(set_to_none=False)`` (gradients are zeroed, never freed).
-
-    Attributes:
-        automatic: ``LightningModule.automatic_optimization``.
-        accumulate: ``Trainer(accumulate_grad_batches=...)``.
-        set_to_none: whether ``zero_grad`` frees the gradients (torch's and Lightning's default).
-        released_after_step: the strategy frees the gradient shards right after the optimizer step.
+    Lightning's automatic optimization runs the forward *before* ``zero_grad``: the last step's gradient shards live
+    through it unless the strategy ``released_after_step`` (:mod:`.gradient_release`). Manual optimization is
+    planned for the order Lightning documents (``zero_grad`` first). With ``accumulate > 1`` or
+    ``zero_grad(set_to_none=False)`` every shard is alive through forward and backward.
     """
 
     automatic: bool = True
@@ -137,27 +113,18 @@ class TrainingLoop:
 
     @property
     def grads_in_forward(self) -> bool:
-        """Whether all gradient shards are alive while the forward runs (some micro-batch's forward)."""
         return self.grads_in_backward or (self.automatic and not self.released_after_step)
 
     @property
     def grads_in_backward(self) -> bool:
-        """Whether all gradient shards are alive from the start of backward (else they grow block by block)."""
+        """Whether all gradient shards are alive from the start of backward (else they grow unit by unit)."""
         return self.accumulate > 1 or not self.set_to_none
-
-
-# The order a hand-written loop (and Lightning's manual optimization as documented) runs: zero_grad first.
-ZERO_GRAD_FIRST = TrainingLoop(automatic=False)
 
 
 @dataclass(frozen=True)
 class StepInputs:
-    """Everything the step model needs besides the settings.
-
-    ``world`` is one FSDP shard group (the data-parallel ranks under tensor parallelism); with ``tensor`` the
-    layout and the activations were measured on one tensor-parallel rank's split twin (:mod:`.tensor_split`), so
-    everything below counts that rank's share, and ``tensor`` holds its all-reduces.
-    """
+    """Everything the step model needs besides the settings. ``world``: one FSDP shard group; with ``tensor`` the
+    layout and activations are one tensor-parallel rank's share (:mod:`.tensor_split`)."""
 
     layout: ModelLayout
     profile: ActivationProfile
@@ -169,18 +136,14 @@ class StepInputs:
     batch_scale: float = 1.0
     collective_copies: bool = False
     loop: TrainingLoop = TrainingLoop()
-    replicas: int = 1  # hybrid sharding's replica groups (``world`` is then one shard group): their all-reduce
-    tensor: TensorSplit | None = None  # tensor_parallel=k: layout and profile are one TP rank's (a split twin's)
+    replicas: int = 1  # hybrid sharding's copies of the shard group: their all-reduce
+    tensor: TensorSplit | None = None
 
 
 def collective_copies(device: torch.device | str | None) -> bool:
-    """Whether the process group on ``device`` copies each all-gather / reduce-scatter through a temporary.
-
-    gloo (CPU) does: torch's profiler (allocator events, 1/2/4 ranks, fp32 and bf16, sync and async) shows
-    ``all_gather_into_tensor`` allocating one temporary the size of the gathered output (twice in a row, never
-    both live) and ``reduce_scatter_tensor`` one the size of its unsharded input, freed when the call returns.
-    NCCL reads and writes FSDP's own buffers in place, so CUDA devices (and an unknown device) get none.
-    """
+    """Whether the process group on ``device`` copies each all-gather / reduce-scatter through a temporary: gloo
+    (CPU) does (the profiler's allocator events: one of the gathered output's size, one of the unsharded input's),
+    NCCL works in FSDP's buffers in place."""
     return device is not None and torch.device(device).type == "cpu"
 
 
@@ -202,7 +165,7 @@ def step_phases(inputs: StepInputs, settings: StepSettings) -> list[MemoryBreakd
     norms = norm_numel * 4 * (2 + states)
     full_blocks = [sum(_numel(s) for s in b) for b in lay.blocks]
     outer_full = sum(_numel(s) for s in lay.outer) * c
-    kept = [int(_kept(b, i, settings) * scale) for i, b in enumerate(prof.blocks)]
+    kept = [int(_kept_and_inside(b, i, settings)[0] * scale) for i, b in enumerate(prof.blocks)]
     batch = int(prof.batch_bytes * scale)
     base = dict(params=params * on_device, optimizer=params * states * on_device, norms=norms, batch=batch)
     return [
@@ -214,39 +177,20 @@ def step_phases(inputs: StepInputs, settings: StepSettings) -> list[MemoryBreakd
     ]
 
 
-def _kept(block: BlockMemory, index: int, settings: StepSettings) -> int:
-    """What a block keeps from forward to backward: everything saved, its input (full checkpointing), or its
-    input and the expensive ops' outputs (selective)."""
-    mode = _measured_mode(block, index, settings)
-    if mode == "selective":
-        return block.selective_saved
-    return block.input if mode == "full" else block.saved
-
-
-def _inside(block: BlockMemory, index: int, settings: StepSettings) -> int:
-    """What a block's backward allocates beyond what it kept (a full recompute starts from its input alone)."""
-    mode = _measured_mode(block, index, settings)
-    if mode == "selective":
-        return block.selective_backward
-    return block.recompute - block.input if mode == "full" else block.backward
-
-
-def _measured_mode(block: BlockMemory, index: int, settings: StepSettings) -> str:
+def _kept_and_inside(block: BlockMemory, index: int, settings: StepSettings) -> tuple[int, int]:
+    """What a block keeps from forward to backward, and what its backward allocates beyond that."""
     mode = "selective" if index in settings.selective else "full" if index in settings.checkpointed else "none"
     if mode not in block.modes:
         raise ValueError(f"{block.name} was measured for {sorted(block.modes)} only, not {mode!r}: measure it with"
                          " mode_of=None to predict other checkpointing.")
-    return mode
+    if mode == "selective":
+        return block.selective_saved, block.selective_backward
+    return (block.input, block.recompute - block.input) if mode == "full" else (block.saved, block.backward)
 
 
 def _forward_phases(inputs, settings, base, full_blocks, outer_full, kept) -> list[MemoryBreakdown]:
-    """Each unit's all-gather and the end of its forward, the last one's being the end of the forward.
-
-    While a unit is gathered, its all-gather output and one more unit-sized tensor are alive: gloo's temporary
-    during the collective, then the unsharded parameters FSDP copies out into (the output is freed after that).
-    At the end of a unit's forward, its parameters are still gathered, with every activation saved so far.
-    Units that stay gathered for backward pile up.
-    """
+    """Each unit's all-gather (its output and one more unit-sized tensor: gloo's temporary, then FSDP's copy-out)
+    and the end of its forward (still gathered, every activation so far); units kept for backward pile up."""
     c, scale = inputs.compute.itemsize, inputs.batch_scale
     spans = unit_spans(len(full_blocks), settings.blocks_per_unit)
     grads = base["params"] if inputs.loop.grads_in_forward else 0  # sharded gradients: as many as parameters
@@ -293,10 +237,8 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
         # resharded (a unit stays gathered until its last block's backward is done).
         resharded = sum(unit_fulls[v] for v in (u, u - 1) if v >= 0 and not settings.keeps(spans[v][0]))
         gathered = outer_full + (kept_gathered[span[-1]] + resharded) * c
-        # FSDP copies the unit's unsharded gradients into the reduce-scatter input (both live for the copy-in);
-        # gloo then holds that input and its own copy of it (the gradients are freed after the copy-in). That is
-        # after the unit's first block's backward: its activations and compute transients are gone by then, and
-        # the unit's new gradient shards exist. FSDP copies instead of reduce-scattering on one rank.
+        # The reduce-scatter, after the unit's first block's backward (its activations gone, its shards there):
+        # FSDP's copy-in holds gradients and input at once, gloo then the input and its own copy of it.
         collective = unit_full * (c + r)
         if inputs.collective_copies and inputs.world > 1:
             collective = max(collective, 2 * unit_full * r)
@@ -317,17 +259,13 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
 
 
 def _block_backward(block: BlockMemory, index: int, settings: StepSettings, held: int, scale: float, r: int) -> int:
-    """What block ``index``'s backward allocates beyond what it kept, its unsharded parameter gradients included
-    (a checkpointed block holds its input, then recomputes and runs its backward); ``held``: the elements of the
-    later unit's reduce-scatter input that FSDP still holds."""
-    compute = int(_inside(block, index, settings) * scale)
+    """What block ``index``'s backward allocates beyond what it kept; ``held``: the elements of the later unit's
+    reduce-scatter input FSDP still holds."""
+    compute = int(_kept_and_inside(block, index, settings)[1] * scale)
     if index in settings.checkpointed and index not in settings.selective and not settings.keeps(index):
-        # Measured `Trainer.fit` steps (benchmarks/RESULTS.md, "against Trainer.fit") hold one more block of
-        # gradient size while a fully checkpointed block recomputes and runs its backward than the fake-tensor
-        # run of that block alone shows (7-12% of the step's increment without it, on DeiT-Tiny and ViT-S;
-        # selective blocks were 4-9% over with it): the later unit's reduce-scatter input, which FSDP2 frees only
-        # when the next reduce-scatter is issued (with 3 blocks per unit, 3 blocks' worth: DeiT-Tiny's grouped
-        # auto cell). Not where the block stayed gathered (no all-gather in its backward): DeiT-Tiny's auto cell
-        # with kept, fully checkpointed blocks is 14% over with it.
+        # Measured `Trainer.fit` steps (benchmarks/RESULTS.md, "against Trainer.fit") hold the later unit's
+        # reduce-scatter input too while a fully checkpointed block recomputes (FSDP2 frees it at the next
+        # reduce-scatter): 7-12% under without it on DeiT-Tiny and ViT-S; selective blocks were 4-9% over with it,
+        # and kept blocks (no all-gather in backward) 14% over.
         compute += held * r
     return compute

@@ -1,5 +1,4 @@
-"""A meta-device twin of a module: its structure without its data, for measuring on fake tensors without touching
-the real module (the planning batch's ``training_step``, the tensor-parallel split of :mod:`.tensor_split`)."""
+"""A meta-device twin of a module, to measure on fake tensors without touching the real one, and its caches."""
 
 from __future__ import annotations
 
@@ -8,29 +7,29 @@ import copy
 import functools
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
+from lightning.pytorch import LightningModule
 from torch import nn
 
 
 def meta_twin(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` whose parameters and buffers are meta tensors: structure without data.
-
-    Tensors are mapped to meta stand-ins in ``deepcopy``'s memo, so no parameter is ever copied; anything the
-    module refers to that is not its own (trainer, device mesh) is shared, not copied.
-    """
+    """A copy of ``module`` whose parameters and buffers are meta tensors (meta stand-ins in ``deepcopy``'s memo: no
+    parameter is copied); a LightningModule's device mesh and Fabric are shared."""
     memo: dict[int, Any] = {}
     for tensor in [*module.parameters(), *module.buffers()]:
         meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
         memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-    shared = {name: module.__dict__.get(name) for name in ("_trainer", "_device_mesh", "_fabric", "_metric_attributes")}
-    for value in shared.values():
+    for value in (module.__dict__.get(name) for name in ("_device_mesh", "_fabric", "_metric_attributes")):
         if value is not None:
             memo[id(value)] = value
     twin = copy.deepcopy(module, memo)
-    # LightningModule.__getstate__ drops the trainer: put it back, the plan follows the Trainer's loop.
-    twin.__dict__.update({name: value for name, value in shared.items() if value is not None})
+    if isinstance(twin, LightningModule) and twin.fabric is None:  # a Fabric's shim stands for the Trainer
+        # __getstate__ dropped the Trainer: a training_step measured on the twin may read self.trainer. Where no
+        # Trainer holds the module (plan_memory, the CLI's plan), the public property raises.
+        with contextlib.suppress(RuntimeError):
+            twin.trainer = cast(LightningModule, module).trainer
     return twin
 
 
@@ -39,9 +38,8 @@ _LRU_CACHE = type(functools.lru_cache(lambda: None))
 
 @contextlib.contextmanager
 def fresh_caches(model: nn.Module) -> Iterator[None]:
-    """Empty the ``functools.lru_cache`` s of ``model``'s code before and after a fake-tensor run of it: a real
-    entry meets fake tensors in the run, and a fake one would reach the real step (HF BEiT caches its relative
-    position index per window size, and failed at the first step)."""
+    """Empty the ``lru_cache`` s of ``model``'s code around a fake-tensor run: a real entry would meet fake tensors, a
+    fake one the real step (HF BEiT caches its relative position index per window size, and failed)."""
     caches = _lru_caches(model)
     for cache in caches:
         cache.cache_clear()
@@ -53,8 +51,8 @@ def fresh_caches(model: nn.Module) -> Iterator[None]:
 
 
 def _lru_caches(model: nn.Module) -> list[Any]:
-    """The caches in the namespaces of ``model``'s classes and their Python modules, and in the closures of what
-    those hold (a decorator's wrapper: HF's ``compile_compatible_method_lru_cache``)."""
+    """The caches in ``model``'s classes and their modules, and in closures there (HF's
+    ``compile_compatible_method_lru_cache``)."""
     classes = {cls for module in model.modules() for cls in type(module).__mro__ if cls.__module__ != "builtins"}
     spaces = [vars(cls) for cls in classes] + [vars(m) for m in {sys.modules.get(c.__module__) for c in classes} if m]
     found = {}

@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -146,18 +147,19 @@ def plan_before_sharding(
     ranks: Ranks,
     budget: int,
     batch: PlanningBatch | None = None,
+    trainer: pl.Trainer | None = None,
 ) -> Planned:
     """The planner's part of setup, before any unit exists (every rank calls it: it agrees by collectives).
     ``budget``: :func:`agreed_budget`; ``batch``: what it measures (``memory.planning_batch``); ``None``:
-    ``example_input_array`` if set."""
-    auto, resolved = _auto_checkpointing(module, resolved, precision, ranks, budget, batch)
+    ``example_input_array`` if set; ``trainer``: whose loop the step runs in (when gradients are alive)."""
+    auto, resolved = _auto_checkpointing(module, resolved, precision, ranks, budget, batch, trainer)
     if auto is not None:
         return Planned(resolved, budget, auto, calls=auto.calls)
     sharding, calls = resolved.sharding, Calls()
     shard, replicas = _groups(ranks)
     found = measure_for_summary(module, batch or planning_batch(module, None), shard, precision.name,
                                 sharding.blocks, ranks.device, _mode_of(module, resolved), replicas,
-                                _tensor_parallel(ranks), sharding.tensor_plan, calls)
+                                _tensor_parallel(ranks), sharding.tensor_plan, calls, trainer)
     if found is None:
         return Planned(resolved, budget)
     measured, measured_on = found
@@ -232,6 +234,7 @@ def _auto_checkpointing(
     ranks: Ranks,
     budget: int,
     batch: PlanningBatch | None = None,
+    trainer: pl.Trainer | None = None,
 ) -> tuple[AutoCheckpointing | None, ResolvedConfig]:
     """The ``"auto"`` lifecycle and ``resolved`` with the blocks chosen at setup, if the choice could be made now."""
     if not resolved.checkpointing.is_auto:
@@ -242,7 +245,7 @@ def _auto_checkpointing(
         budget, shard, precision.name, sharding.blocks, _fixed_reshard(resolved), offloads(sharding, ranks.device),
         blocks_per_unit=None if resolved.planner_units else resolved.blocks_per_unit, replicas=replicas,
         tensor_parallel=_tensor_parallel(ranks), tensor_plan=sharding.tensor_plan,
-        required=resolved.requested.checkpointing.blocks == "auto",
+        required=resolved.requested.checkpointing.blocks == "auto", trainer=trainer,
     )
     choice = auto.at_setup(module, ranks.device, ranks.broadcast, batch)
     if choice is None:

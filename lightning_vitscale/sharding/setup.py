@@ -183,12 +183,14 @@ def shard_lightning_module(
     ranks: Ranks,
     creation: Creation | None,
     fitting: Any | None = None,
+    trainer: Any | None = None,
 ) -> ShardedModel:
     """Shard ``module`` once; later calls with the same settings return the same :class:`ShardedModel`.
 
     ``fitting``: the Trainer when it is about to fit: setup then measures one batch of its training data
     (``memory/planning_batch.py``) where the module sets no ``example_input_array``: for the planner, for which
-    modules the step calls (the units) and for the inputs each tensor-parallel plan is proven on.
+    modules the step calls (the units) and for the inputs each tensor-parallel plan is proven on. ``trainer``: the
+    one the module runs under (fitting or not): the planner follows its loop.
 
     Kept in the module's ``__dict__`` (not as a submodule): the LightningModule must not contain its own wrapper.
     A module sharded under other settings raises :class:`~lightning_vitscale.ShardedModuleReuseError`.
@@ -200,7 +202,7 @@ def shard_lightning_module(
     if sharded is None:
         batch = planning_batch(module, fitting)
         sharded = module.__dict__[_SHARDED_ATTR] = _shard(module, resolved, precision, ranks, creation, signature,
-                                                          batch)
+                                                          batch, trainer)
         rank_zero_info(sharded.summary.summary())
     check_reusable(sharded.signature, signature)
     return sharded
@@ -214,6 +216,7 @@ def _shard(
     creation: Creation | None,
     signature: dict[str, Any],
     batch: PlanningBatch | None,
+    trainer: Any | None = None,
 ) -> ShardedModel:
     # 1. Master weights in the master dtype (norms keep theirs). No `module.to(device)`: FSDP moves each unit's
     #    shards to the device as it shards the unit, so no rank ever holds the whole model on the device.
@@ -223,7 +226,7 @@ def _shard(
     #    one batch of the training data): "auto" checkpointing, blocks per unit, units kept gathered. It measures
     #    the plain module (or its meta twin): once sharded, running it would gather.
     budget = agreed_budget(resolved.checkpointing.memory_budget, ranks)  # once: every choice by memory keeps to it
-    planned = plan_before_sharding(module, resolved, precision.policy, ranks, budget, batch)
+    planned = plan_before_sharding(module, resolved, precision.policy, ranks, budget, batch, trainer)
     planned = dataclasses.replace(planned, resolved=compile_where_it_pays(planned.resolved, planned.step(module),
                                                                           ranks.device))
     # 3. The recipe: norms, casts, attention routing, checkpointing, compile, block units, the outer unit.

@@ -4,8 +4,8 @@
 shards it with the strategy's pipeline, takes two warm-up steps (optimizer state exists, as in any later step),
 then measures a step in the order of Lightning's manual optimization as documented: zero_grad(set_to_none) ->
 forward -> backward -> step, each of the three phases from its own baseline (see ``tests/helpers/peak.py``); the
-planner is told that order (``ZERO_GRAD_FIRST``). Lightning's automatic order is checked through ``Trainer.fit``
-in ``planner_fit.py``.
+planner is told that order (``TrainingLoop(automatic=False)``). Lightning's automatic order is checked through
+``Trainer.fit`` in ``planner_fit.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from lightning_vitscale._compat import fsdp_param_groups
 from lightning_vitscale.cli.demo import TinyViT
 from lightning_vitscale.kernels.optimizers import prefer_foreach
 from lightning_vitscale.memory.planner import step_inputs
-from lightning_vitscale.memory.step_model import ZERO_GRAD_FIRST, StepSettings, predict_step
+from lightning_vitscale.memory.step_model import StepSettings, TrainingLoop, predict_step
 from lightning_vitscale.precision.settings import resolve_flag
 from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig
 from lightning_vitscale.sharding.outer_unit import OuterUnit
@@ -49,7 +49,7 @@ def scenario(shape: str, ac: str, precision: str) -> dict:
     with torch.device("meta"):
         planned = TinyViT(**kwargs)
     inputs = step_inputs(planned, torch.empty(batch, 3, kwargs["image"], kwargs["image"], device="meta"),
-                         world_size=world, precision=precision, device="cpu", loop=ZERO_GRAD_FIRST)
+                         world_size=world, precision=precision, device="cpu", loop=TrainingLoop(automatic=False))
     checkpointed = frozenset(range(kwargs["depth"])) if ac == "on" else frozenset()
     predicted = predict_step(inputs, StepSettings(checkpointed))
     del planned, inputs
@@ -124,7 +124,7 @@ def auto_first_step() -> dict:
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(other, data)
     # The planner's own choice for this step (the Trainer's loop: gradients released after the step, on CPU).
     inputs = step_inputs(planned, torch.empty(batch, 3, 64, 64, device="meta"), world_size=WORLD,
-                         precision="32-true", device="cpu", loop=training_loop(model))
+                         precision="32-true", device="cpu", loop=training_loop(model, trainer))
     expected = choose(inputs, budget, budget, "32-true", batch, offload=False, rates=CPU_RATES).blocks
     # Its blocks per unit and units kept gathered: the one search's with every block's checkpointing pinned to
     # full, the host's memory to spare.

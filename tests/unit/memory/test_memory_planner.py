@@ -13,10 +13,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_vitscale.cli.demo import TinyViT
 from lightning_vitscale.kernels.optimizers import prefer_foreach
-from lightning_vitscale.memory.auto_checkpointing import choose_blocks, meta_twin
+from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing
 from lightning_vitscale.memory.plan_search import BlockPlan
 from lightning_vitscale.memory.planner import parse_memory, plan_memory, step_inputs
 from lightning_vitscale.memory.step_model import StepSettings, collective_copies, predict_step
+from lightning_vitscale.memory.twin import meta_twin
 from lightning_vitscale.precision.settings import resolve_flag
 from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig
 from lightning_vitscale.sharding.activation_checkpointing import apply_activation_checkpointing
@@ -171,7 +172,7 @@ def test_auto_checkpoints_about_half_under_a_half_budget_and_stays_within_it(mes
     every = predict_step(inputs, StepSettings(frozenset(range(4)))).peak
     none = predict_step(inputs, StepSettings()).peak
     budget = (every + none) // 2
-    choice = choose_blocks(planned, meta_input(), world_size=1, precision="32-true", budget=budget)
+    choice = AutoCheckpointing(budget, 1, "32-true", None, blocks_per_unit=1).choose(planned, meta_input())
     assert len(choice.names) == 2, choice.describe()
     assert choice.names == ["blocks.0", "blocks.1"]
     assert measured_step_peak(mesh, set(choice.names)) <= budget
@@ -181,7 +182,7 @@ def test_auto_checkpoints_nothing_when_everything_fits(mesh):
     with torch.device("meta"):
         planned = TinyViT(**LONG)
     ample = 4 * 2**30
-    choice = choose_blocks(planned, meta_input(), world_size=1, precision="32-true", budget=ample)
+    choice = AutoCheckpointing(ample, 1, "32-true", None, blocks_per_unit=1).choose(planned, meta_input())
     assert choice.names == []
     assert measured_step_peak(mesh, set()) <= ample
 
@@ -208,6 +209,12 @@ def test_meta_twin_copies_structure_not_data():
     assert all(p.is_meta for p in twin.parameters())
     assert not any(p.is_meta for p in model.parameters())
     assert [n for n, _ in twin.named_parameters()] == [n for n, _ in model.named_parameters()]
+    with pytest.raises(RuntimeError, match="not attached"):
+        twin.trainer  # noqa: B018 - a module no Trainer holds gives a twin no Trainer holds
+    import lightning as L
+
+    model.trainer = trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    assert meta_twin(model).trainer is trainer  # a training_step measured on the twin may read self.trainer
 
 
 def test_plan_names_the_settings_for_a_large_vit():

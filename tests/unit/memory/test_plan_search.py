@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_vitscale.cli.demo import TinyViT
-from lightning_vitscale.memory.auto_checkpointing import AutoChoice, choose_blocks
+from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, AutoChoice
+from lightning_vitscale.memory.collectives import ring_bytes
 from lightning_vitscale.memory.plan_search import (
     BlockPlan,
     SearchSpace,
@@ -100,8 +101,8 @@ def test_infeasible_budget_gives_the_least_memory_plan_and_a_warning(inputs):
     assert search(space) == least_memory(space) == RECIPE and not space.fits(search(space))
     with torch.device("meta"):
         planned = TinyViT(**WIDE)
-    choice = choose_blocks(planned, torch.empty(8, 3, 32, 32, device="meta"), world_size=2, precision="32-true",
-                           budget=least - 1, device=torch.device("cpu"))
+    auto = AutoCheckpointing(least - 1, 2, "32-true", None, blocks_per_unit=1)
+    choice = auto.choose(planned, torch.empty(8, 3, 32, 32, device="meta"), torch.device("cpu"))
     assert choice.blocks == RECIPE and not choice.plan.fits
     assert choice.warning is not None and "no choice fits the memory budget" in choice.warning
 
@@ -122,8 +123,9 @@ def test_recompute_cost_is_the_forward_for_full_and_the_cheap_ops_for_selective(
     assert full == pytest.approx(repeated.flops / CPU_RATES.flops_per_s + repeated.cheap_bytes / CPU_RATES.bytes_per_s)
     assert recompute_seconds(block, "full", CPU_RATES, scale=2.0) == pytest.approx(2 * full)
     # On CPU ranks the second gather's bytes count (gloo's threads share the cores); on a GPU they hide.
-    assert regather_seconds(10**6, 1, CPU_RATES) == CPU_RATES.latency_s < regather_seconds(10**6, 2, CPU_RATES)
-    assert regather_seconds(10**6, 2, GPU_RATES) == GPU_RATES.latency_s
+    one, two = ring_bytes(10**6, 1), ring_bytes(10**6, 2)
+    assert regather_seconds(one, CPU_RATES) == CPU_RATES.latency_s < regather_seconds(two, CPU_RATES)
+    assert regather_seconds(two, GPU_RATES) == GPU_RATES.latency_s
 
 
 def test_per_block_kept_gathered_is_between_the_two_global_settings(inputs):
@@ -243,9 +245,9 @@ def test_units_chosen_only_at_the_first_step_are_named_as_a_hint(inputs):
     _, most = ends(inputs)
     with torch.device("meta"):
         planned = TinyViT(**WIDE)
-    choice = choose_blocks(planned, torch.empty(8, 3, 32, 32, device="meta"), world_size=2, precision="32-true",
-                           budget=4 * most, device=torch.device("cpu"), per_unit=1,
-                           compare_units=True)
+    auto = AutoCheckpointing(4 * most, 2, "32-true", None)  # the units left to it, but made before the batch:
+    auto.blocks_per_unit = 1
+    choice = auto.choose(planned, torch.empty(8, 3, 32, 32, device="meta"), torch.device("cpu"))
     assert choice.blocks.per_unit == 1 and choice.hint is not None
     # 6 blocks on CPU ranks (overlapped collectives): 3 units of 2 beat 6 units' fixed cost and 1 unit's exposed bytes
     assert "example_input_array" in choice.hint and "blocks_per_unit=2" in choice.hint
