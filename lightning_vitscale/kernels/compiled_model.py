@@ -30,21 +30,5 @@ def take_over_compiled(module: Any) -> Compiler | None:
     compiler = compile_context(module)
     if compiler is not None:
         to_uncompiled(module)
+        rank_zero_info(TAKEN_OVER)
     return compiler
-
-
-class LightningModuleSlot:
-    """The strategy's ``_lightning_module``: ``Trainer.fit(torch.compile(model))`` stores the unwrapped module there,
-    then refuses every strategy outside its own list, so the compile is taken over as the module is stored (the
-    blocks are compiled instead, with ``compiler``: the user's compile context, ``None`` when not compiled)."""
-
-    def __init__(self) -> None:
-        self.module: Any = None
-        self.compiler: Compiler | None = None
-
-    def store(self, module: Any) -> None:
-        compiler = take_over_compiled(module)
-        if compiler is not None:
-            rank_zero_info(TAKEN_OVER)
-            self.compiler = compiler
-        self.module = module

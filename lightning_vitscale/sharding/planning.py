@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_vitscale._utils import human_bytes
 from lightning_vitscale.discovery.calls import Calls
+from lightning_vitscale.distributed import RankContext
 from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.memory import (
     AutoCheckpointing,
@@ -36,7 +37,6 @@ from lightning_vitscale.memory import (
 )
 from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, least_memory, search
 from lightning_vitscale.precision import PrecisionPolicy
-from lightning_vitscale.sharding.ranks import Ranks
 from lightning_vitscale.sharding.resolved import ResolvedConfig
 from lightning_vitscale.sharding.settings import ShardingPolicy
 from lightning_vitscale.sharding.summary import SetupSummary
@@ -126,7 +126,7 @@ def plans_from_batch(resolved: ResolvedConfig) -> bool:
     return resolved.checkpointing.is_auto or resolved.planner_units or resolved.planner_keeps
 
 
-def agreed_budget(memory_budget: int | float | None, ranks: Ranks) -> int:
+def agreed_budget(memory_budget: int | float | None, ranks: RankContext) -> int:
     """``memory_budget`` in bytes, resolved once per setup: the smallest any rank resolved (free host memory differs
     by rank), so that every rank's search, on the same batch shape, finds the same plan, one that fits on all."""
     return -ranks.agree_max(-resolve_budget(memory_budget, device_memory(ranks.device, ranks.ranks_per_node)))
@@ -136,7 +136,7 @@ def plan_before_sharding(
     module: nn.Module,
     resolved: ResolvedConfig,
     precision: PrecisionPolicy,
-    ranks: Ranks,
+    ranks: RankContext,
     budget: int,
     batch: PlanningBatch | None = None,
 ) -> Planned:
@@ -163,13 +163,13 @@ def plan_before_sharding(
                    kept_gathered=kept, calls=calls)
 
 
-def _groups(ranks: Ranks) -> tuple[int, int]:
+def _groups(ranks: RankContext) -> tuple[int, int]:
     """The ranks of one shard group and how many copies of it (hybrid sharding), as the layout report counts them."""
     shard = shard_size(ranks.sharding_mesh)
     return shard, ranks.sharding_mesh.size() // shard
 
 
-def _tensor_parallel(ranks: Ranks) -> int:
+def _tensor_parallel(ranks: RankContext) -> int:
     """The ranks that split each block (``tensor_parallel=k``): the planner measures one of them's share."""
     return ranks.tensor_mesh.size() if ranks.tensor_mesh is not None else 1
 
@@ -181,7 +181,7 @@ def _mode_of(module: nn.Module, resolved: ResolvedConfig) -> ModeOf:
 
 
 def _choose_units(
-    module: nn.Module, resolved: ResolvedConfig, measured: StepInputs, ranks: Ranks, budget: int
+    module: nn.Module, resolved: ResolvedConfig, measured: StepInputs, ranks: RankContext, budget: int
 ) -> tuple[ResolvedConfig, str, tuple[str, ...]]:
     """For the checkpointing the user chose (pinned in the search): the blocks per unit and the units kept gathered
     that ``priority`` left to the planner, rank 0's plan on every rank."""
@@ -222,7 +222,7 @@ def _auto_checkpointing(
     module: nn.Module,
     resolved: ResolvedConfig,
     precision: PrecisionPolicy,
-    ranks: Ranks,
+    ranks: RankContext,
     budget: int,
     batch: PlanningBatch | None = None,
 ) -> tuple[AutoCheckpointing | None, ResolvedConfig]:

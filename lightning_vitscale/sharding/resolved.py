@@ -9,10 +9,8 @@ chose, the blocks per unit and the prefetch depth).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -60,11 +58,6 @@ class ResolvedConfig:
             return self.checkpoint_choice.get(name)
         return self.checkpointing.mode(index, name, module)
 
-    def config_view(self) -> ParallelConfig:
-        """``strategy.config`` after setup, for one release: the requested settings, whose ``kernels`` still reads
-        as the resolved policy (with a :class:`DeprecationWarning`), as README documented before."""
-        return _ConfigAfterSetup(self.requested, self.kernels)
-
 
 def resolve_config(
     config: ParallelConfig, device: torch.device, user_compiler: Compiler | None = None
@@ -73,12 +66,11 @@ def resolve_config(
 
     ``trainer.fit(torch.compile(model))`` brings the user's compile settings, applied block by block.
     """
-    requested = config.requested if isinstance(config, _ConfigAfterSetup) else config
-    kernels = resolve_kernels(requested.kernels, device, usable_backends(device))
+    kernels = resolve_kernels(config.kernels, device, usable_backends(device))
     if user_compiler is not None:
         kernels = dataclasses.replace(kernels, compile_blocks=True, compiler=user_compiler)
-    left = by_priority(requested)
-    return ResolvedConfig(requested, kernels, left.blocks_per_unit or 1, requested.sharding.prefetch_on(device.type),
+    left = by_priority(config)
+    return ResolvedConfig(config, kernels, left.blocks_per_unit or 1, config.sharding.prefetch_on(device.type),
                           left.checkpointing, left.blocks_per_unit is None, left.planner_keeps)
 
 
@@ -97,36 +89,3 @@ def compile_where_it_pays(
     pays, why = compile_pays(*step, rates_for(device))
     return dataclasses.replace(resolved, kernels=with_compile_choice(kernels, pays, why))
 
-
-_DEPRECATED_KERNELS = (
-    "`strategy.config.kernels` after setup is the resolved KernelPolicy only for one more release; read"
-    " `strategy.resolved.kernels` instead. `strategy.config` will then always hold what you asked for."
-)
-
-
-class _ConfigAfterSetup(ParallelConfig):
-    """The requested settings, except that reading ``kernels`` gives the resolved policy and warns (deprecated)."""
-
-    requested: ParallelConfig
-
-    def __init__(self, requested: ParallelConfig, kernels: KernelPolicy) -> None:
-        # The fields set as the requested ones (already checked): no __post_init__, which would read `kernels`.
-        for name, value in (("sharding", requested.sharding), ("checkpointing", requested.checkpointing),
-                            ("kernels", requested.kernels), ("priority", requested.priority), ("requested", requested),
-                            ("_resolved_kernels", kernels)):
-            object.__setattr__(self, name, value)
-
-    def __getattribute__(self, name: str) -> Any:
-        if name == "kernels":
-            warnings.warn(_DEPRECATED_KERNELS, DeprecationWarning, stacklevel=2)
-            return object.__getattribute__(self, "_resolved_kernels")
-        return object.__getattribute__(self, name)
-
-    def __eq__(self, other: object) -> bool:
-        return self.requested == (other.requested if isinstance(other, _ConfigAfterSetup) else other)
-
-    def __hash__(self) -> int:
-        return hash(self.requested)
-
-    def __repr__(self) -> str:
-        return repr(self.requested)

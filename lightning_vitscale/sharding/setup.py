@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from lightning_vitscale._compat import initialize_fsdp_root, set_lightning_device
 from lightning_vitscale._utils import human_bytes
 from lightning_vitscale.checkpoint import full_state_dict
+from lightning_vitscale.distributed import RankContext
 from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.init import Creation
 from lightning_vitscale.kernels import AttentionRouter, auto_attention_step
@@ -42,7 +43,6 @@ from lightning_vitscale.sharding.planning import (
     plan_before_sharding,
     plans_from_batch,
 )
-from lightning_vitscale.sharding.ranks import Ranks
 from lightning_vitscale.sharding.resolved import ResolvedConfig, compile_where_it_pays
 from lightning_vitscale.sharding.reuse import check_reusable, sharding_signature
 from lightning_vitscale.sharding.settings import ShardingPolicy
@@ -88,7 +88,7 @@ class ShardedModel:
     def module(self) -> nn.Module:
         return self.outer.module
 
-    def before_training_step(self, batch: Any, ranks: Ranks, optimizers: list[torch.optim.Optimizer]) -> None:
+    def before_training_step(self, batch: Any, ranks: RankContext, optimizers: list[torch.optim.Optimizer]) -> None:
         """``activation_checkpointing="auto"`` without a batch at setup: decide from the first batch, then
         checkpoint the chosen blocks in place (they are FSDP units already: the patched forward runs inside
         the block's FSDP hooks, as when it is applied before ``fully_shard``)."""
@@ -134,7 +134,9 @@ class ShardedModel:
             self.norms.after_backward()
 
     @contextmanager
-    def accumulating(self, mode: AccumulationMode, ranks: Ranks, compute: torch.dtype) -> Generator[None, None, None]:
+    def accumulating(
+        self, mode: AccumulationMode, ranks: RankContext, compute: torch.dtype
+    ) -> Generator[None, None, None]:
         """A micro-batch before the last of an accumulation window (Lightning's ``block_backward_sync``): skip
         the gradient sync where :attr:`accumulation` says so. Every rank enters it at the same micro-batch, so
         ``"auto"`` may agree on its choice with a collective the first time."""
@@ -154,7 +156,9 @@ class ShardedModel:
             if self.norms is not None:
                 self.norms.syncing = True
 
-    def _choose_accumulation(self, mode: AccumulationMode, ranks: Ranks, compute: torch.dtype) -> AccumulationChoice:
+    def _choose_accumulation(
+        self, mode: AccumulationMode, ranks: RankContext, compute: torch.dtype
+    ) -> AccumulationChoice:
         device = ranks.device
         measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         in_use = max(self.summary.predicted_peak or 0, measured)
@@ -180,7 +184,7 @@ def shard_lightning_module(
     module: nn.Module,
     resolved: ResolvedConfig,
     precision: VitScalePrecision,
-    ranks: Ranks,
+    ranks: RankContext,
     creation: Creation | None,
     fitting: Any | None = None,
 ) -> ShardedModel:
@@ -210,7 +214,7 @@ def _shard(
     module: nn.Module,
     resolved: ResolvedConfig,
     precision: VitScalePrecision,
-    ranks: Ranks,
+    ranks: RankContext,
     creation: Creation | None,
     signature: dict[str, Any],
     batch: PlanningBatch | None,
@@ -254,7 +258,7 @@ def _describe_layout(
     norms: ReplicatedNorms | None,
     precision: PrecisionPolicy,
     sharding: ShardingPolicy,
-    ranks: Ranks,
+    ranks: RankContext,
     tensor_sent: float | None = None,
 ) -> None:
     """Sharding layout, per-step traffic (per mesh dimension under tensor parallelism: ``tensor_sent``, the

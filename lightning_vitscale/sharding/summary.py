@@ -1,12 +1,11 @@
 """The setup summary: what the strategy did to the model, as data for tests and tools and as text for people.
 
-:class:`SetupSummary` (``strategy.plan``, formerly ``ParallelPlan``, a name kept as a deprecated alias) records what
+:class:`SetupSummary` (``strategy.plan``) records what
 setup did. What the memory planner predicts is a :class:`~lightning_vitscale.MemoryPlan` (``memory/``).
 """
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -230,10 +229,3 @@ def _abbrev(names: list[str], keep: int = 3) -> str:
     shown = ", ".join(names[:keep])
     return shown + (f", ... +{len(names) - keep}" if len(names) > keep else "")
 
-
-def __getattr__(name: str) -> Any:
-    if name == "ParallelPlan":  # the setup summary's name until it was named for what it is
-        warnings.warn("ParallelPlan is deprecated: it is the setup summary, now SetupSummary (same class; import"
-                      " lightning_vitscale.SetupSummary).", DeprecationWarning, stacklevel=2)
-        return SetupSummary
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
