@@ -188,7 +188,7 @@ def label_recompute(model) -> None:
 
     import torch
 
-    from lightning_vitscale.sharding.activation_checkpointing import is_checkpointed
+    from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
 
     def labelled(forward, *args, **kwargs):
         if torch._C._current_graph_task_id() == -1:  # not inside backward: the first forward
@@ -197,7 +197,7 @@ def label_recompute(model) -> None:
             return forward(*args, **kwargs)
 
     for block in model.blocks:
-        if is_checkpointed(block):
+        if checkpoint_mode(block) is not None:
             patched = block.forward  # functools.partial(_checkpointed_forward, inner forward, mode)
             inner = functools.partial(labelled, patched.args[0])
             block.forward = functools.partial(patched.func, inner, *patched.args[1:])

@@ -1,11 +1,8 @@
-"""What the planner decides before the pipeline runs, from the batch when it is known at setup
-(``example_input_array``, else one batch of the train dataloader: ``memory/planning_batch.py``), by its one search
-(``memory/plan_search.py``): ``"auto"``'s plan (``activation_checkpointing="auto"``, or left to
-``priority="speed"``; else a meta twin waits for the first batch) and, for checkpointing the user chose, the blocks
-per unit and the units kept gathered that ``priority`` left to it. The budget it keeps to is resolved once per
-setup and is every rank's smallest (:func:`agreed_budget`); the ranks then apply one plan, rank 0's
-(``RankContext.broadcast``). Afterwards: how the choice is applied to the sharded units and described in the setup
-summary.
+"""What the planner decides before the pipeline runs, by its one search (``memory/plan_search.py``), from the batch
+known at setup (``memory/planning_batch.py``): ``"auto"``'s plan (else a meta twin waits for the first batch) and,
+for checkpointing the user chose, the blocks per unit and units kept gathered that ``priority`` left to it. Every
+rank keeps to the smallest budget (:func:`agreed_budget`) and applies rank 0's plan. Then: how the choice is applied
+to the sharded units and described in the setup summary.
 """
 
 from __future__ import annotations
@@ -47,17 +44,12 @@ class Planned:
     """The settings to shard with (the planner's choices filled in) and what to apply once the units exist.
 
     Attributes:
-        resolved: the resolved settings with ``"auto"``'s blocks and the blocks per unit chosen where they could be.
+        resolved: with ``"auto"``'s blocks and the blocks per unit chosen where they could be.
         auto: the ``"auto"`` lifecycle (its choice, or the meta twin waiting for the first batch); ``None`` if off.
-        measured: the fake-tensor measurement for the summary's predicted peak (the batch known at setup).
-        measured_on: where that batch came from and what ran on it.
-        units_choice: why the blocks per unit are what they are, where the planner chose them.
-        kept_gathered: blocks whose unit the planner keeps gathered from forward to backward (their units'
-            reshard left to it: ``reshard_after_forward=None``).
-        budget: ``memory_budget`` in bytes, the same on every rank (:func:`agreed_budget`; the summary names it,
-            and says so when the predicted peak is over it).
-        calls: what the measured step called (the units are what it runs), where a step was measured at setup.
-        unmeasured: why the step measured at setup gave no prediction (the summary says it), else empty.
+        measured, measured_on: the measurement at setup for the summary's predicted peak, and what it ran on.
+        kept_gathered: blocks whose unit stays gathered from forward to backward (the planner's choice).
+        calls: what the measured step called (the units are what it runs).
+        unmeasured: why the measurement gave no prediction (the summary says it).
     """
 
     resolved: ResolvedConfig
@@ -141,13 +133,21 @@ def plan_before_sharding(
     batch: PlanningBatch | None = None,
 ) -> Planned:
     """The planner's part of setup, before any unit exists (every rank calls it: it agrees by collectives).
-    ``budget``: :func:`agreed_budget`; ``batch``: what it measures (``memory.planning_batch``); ``None``:
-    ``example_input_array`` if set."""
-    auto, resolved = _auto_checkpointing(module, resolved, precision, ranks, budget, batch)
-    if auto is not None:
+    ``budget``: :func:`agreed_budget`; ``batch``: what it measures; ``None``: ``example_input_array`` if set."""
+    sharding, (shard, replicas) = resolved.sharding, _groups(ranks)
+    if resolved.checkpointing.is_auto:
+        auto = AutoCheckpointing(
+            budget, shard, precision.name, sharding.blocks, _fixed_reshard(resolved), offloads(sharding, ranks.device),
+            blocks_per_unit=None if resolved.planner_units else resolved.blocks_per_unit, replicas=replicas,
+            tensor_parallel=_tensor_parallel(ranks), tensor_plan=sharding.tensor_plan,
+            required=resolved.requested.checkpointing.blocks == "auto",
+        )
+        choice = auto.at_setup(module, ranks.device, ranks.broadcast, batch)
+        if choice is not None:  # else decided at the first training step, from its batch
+            resolved = dataclasses.replace(resolved, checkpoint_choice=choice.modes,
+                                           blocks_per_unit=choice.blocks.per_unit)
         return Planned(resolved, budget, auto, calls=auto.calls)
-    sharding, calls = resolved.sharding, Calls()
-    shard, replicas = _groups(ranks)
+    calls = Calls()
     found = measure_for_summary(module, batch or planning_batch(module, None), shard, precision.name,
                                 sharding.blocks, ranks.device, _mode_of(module, resolved), replicas,
                                 _tensor_parallel(ranks), sharding.tensor_plan, calls)
@@ -216,32 +216,6 @@ def _fixed_reshard(resolved: ResolvedConfig) -> bool | None:
 def offloads(sharding: ShardingPolicy, device: torch.device) -> bool:
     """Whether the sharded state leaves the device (``offload="cpu"`` on a CPU rank changes nothing)."""
     return sharding.offload is not None and device.type != "cpu"
-
-
-def _auto_checkpointing(
-    module: nn.Module,
-    resolved: ResolvedConfig,
-    precision: PrecisionPolicy,
-    ranks: RankContext,
-    budget: int,
-    batch: PlanningBatch | None = None,
-) -> tuple[AutoCheckpointing | None, ResolvedConfig]:
-    """The ``"auto"`` lifecycle and ``resolved`` with the blocks chosen at setup, if the choice could be made now."""
-    if not resolved.checkpointing.is_auto:
-        return None, resolved
-    shard, replicas = _groups(ranks)
-    sharding = resolved.sharding
-    auto = AutoCheckpointing(
-        budget, shard, precision.name, sharding.blocks, _fixed_reshard(resolved), offloads(sharding, ranks.device),
-        blocks_per_unit=None if resolved.planner_units else resolved.blocks_per_unit, replicas=replicas,
-        tensor_parallel=_tensor_parallel(ranks), tensor_plan=sharding.tensor_plan,
-        required=resolved.requested.checkpointing.blocks == "auto",
-    )
-    choice = auto.at_setup(module, ranks.device, ranks.broadcast, batch)
-    if choice is None:
-        return auto, resolved  # decided at the first training step, from its batch
-    chosen = dataclasses.replace(resolved, checkpoint_choice=choice.modes, blocks_per_unit=choice.blocks.per_unit)
-    return auto, chosen
 
 
 def apply_auto_choice(module: nn.Module, auto: AutoCheckpointing, summary: SetupSummary) -> None:

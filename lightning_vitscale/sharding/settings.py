@@ -290,10 +290,6 @@ class CheckpointingPolicy:
     def is_auto(self) -> bool:
         return self.blocks == "auto"
 
-    def selects(self, index: int, name: str, module: nn.Module) -> bool:
-        """Whether the ``index``-th block (0-based, in model order) is checkpointed, in either mode."""
-        return self.mode(index, name, module) is not None
-
     def mode(self, index: int, name: str, module: nn.Module) -> Literal["full", "selective"] | None:
         """How the ``index``-th block (0-based, in model order) is checkpointed: ``"full"``, ``"selective"`` or
         ``None`` (not at all).

@@ -63,13 +63,11 @@ class ShardedModel:
 
     Attributes:
         outer: the outer FSDP unit around the module: what Lightning calls (``strategy.model``).
-        summary: what setup did (``strategy.plan``).
         norms: the fp32 norms kept outside the units, whose gradients are averaged after each backward.
         router: the attention router still to decide for (``attention="auto"``), if any.
         auto: ``activation_checkpointing="auto"``: its choice, or the meta twin waiting for the first batch.
         signature: the settings it was sharded with; another Trainer may reuse it only with the same ones.
-        memory_budget: ``memory_budget`` in bytes as setup resolved it (``accumulation="auto"`` keeps to it too).
-        planned_for_speed: the planner chose settings ``priority="speed"`` left to it (an out-of-memory step then
+        planned_for_speed: the planner chose what ``priority="speed"`` left to it (an out-of-memory step then
             names the fixes).
         accumulation: whether micro-batches before the last skip the gradient sync; chosen at the first one.
     """
@@ -89,9 +87,8 @@ class ShardedModel:
         return self.outer.module
 
     def before_training_step(self, batch: Any, ranks: RankContext, optimizers: list[torch.optim.Optimizer]) -> None:
-        """``activation_checkpointing="auto"`` without a batch at setup: decide from the first batch, then
-        checkpoint the chosen blocks in place (they are FSDP units already: the patched forward runs inside
-        the block's FSDP hooks, as when it is applied before ``fully_shard``)."""
+        """``activation_checkpointing="auto"`` without a batch at setup: decide from the first batch, then checkpoint
+        the chosen blocks in place (inside their FSDP hooks, as when applied before ``fully_shard``)."""
         if self.auto is None or not self.auto.pending:
             return
         modes = self.auto.at_first_step(batch, ranks.device, ranks.broadcast, optimizers).modes
@@ -188,14 +185,14 @@ def shard_lightning_module(
     creation: Creation | None,
     fitting: Any | None = None,
 ) -> ShardedModel:
-    """Shard ``module`` once; later calls with the same settings return the same :class:`ShardedModel`.
+    """Shard ``module`` once; later calls with the same settings return the same :class:`ShardedModel`, others
+    raise :class:`~lightning_vitscale.ShardedModuleReuseError`.
 
-    ``fitting``: the Trainer when it is about to fit: setup then measures one batch of its training data
-    (``memory/planning_batch.py``) where the module sets no ``example_input_array``: for the planner, for which
-    modules the step calls (the units) and for the inputs each tensor-parallel plan is proven on.
+    ``fitting``: the Trainer about to fit, whose training data gives one batch (``memory/planning_batch.py``) where
+    the module sets no ``example_input_array``: for the planner, the units and the tensor-parallel proofs.
 
-    Kept in the module's ``__dict__`` (not as a submodule): the LightningModule must not contain its own wrapper.
-    A module sharded under other settings raises :class:`~lightning_vitscale.ShardedModuleReuseError`.
+    Kept in the module's ``__dict__``, not as a submodule (the LightningModule must not contain its own wrapper):
+    a registry keyed weakly by the module would leak both, as the value holds the module.
     """
     signature = sharding_signature(
         resolved.requested, precision.policy, ranks.sharding_mesh.size(), ranks.device, kernels=resolved.kernels
@@ -261,8 +258,8 @@ def _describe_layout(
     ranks: RankContext,
     tensor_sent: float | None = None,
 ) -> None:
-    """Sharding layout, per-step traffic (per mesh dimension under tensor parallelism: ``tensor_sent``, the
-    planner's) and offload in the summary."""
+    """Sharding layout, per-step traffic (``tensor_sent``: the planner's, over the tensor-parallel dimension) and
+    offload in the summary."""
     mesh = ranks.sharding_mesh
     tp = ranks.tensor_mesh.size() if ranks.tensor_mesh is not None else 1
     summary.layout = layout_report(

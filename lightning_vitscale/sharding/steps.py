@@ -54,8 +54,7 @@ class CheckpointFacts:
 
 @dataclass(frozen=True)
 class CompileFacts:
-    """Modules compiled in place: the blocks' class names (one per block) and the outer sub-modules' names (``None``:
-    ``compile_outer`` off)."""
+    """Compiled in place: one class name per block, the outer sub-modules' names (``None``: ``compile_outer`` off)."""
 
     block_classes: list[str]
     outer: list[str] | None
@@ -84,8 +83,7 @@ class OverlapFacts:
 
 @dataclass(frozen=True)
 class TensorParallelFacts:
-    """What ``apply_tp`` did: the tensor-parallel size, per block class its plan, what stays whole and what the
-    proof found, and which projections hold their packed rows interleaved per rank (``module names``)."""
+    """What ``apply_tp`` did: per block class its plan, what stays whole and the proof; packed projections."""
 
     size: int
     plans: dict[str, str]
@@ -97,14 +95,12 @@ def apply_tp(
     model: nn.Module, blocks: Named, *, mesh: DeviceMesh, plan: TensorPlanSelector | None, init_path: str,
     calls: Calls | None, device: torch.device,
 ) -> TensorParallelFacts:
-    """Split every block over ``mesh`` (the tensor-parallel dimension) by its plan once each distinct block's plan
-    is proven (``tensor_proof.py``: on ``calls``' recorded inputs, on ``device``); set per-rank head counts.
+    """Split every block over ``mesh`` (the tensor-parallel dimension) by its plan, each distinct plan proven first
+    (``tensor_proof.py``, on ``calls``' recorded inputs).
 
-    Every rank must end with global rank 0's values (DDP's guarantee). ``init_path`` says how the weights were
-    made (``InitialWeights.path``). ``"built"`` (the model built before setup, on every rank): rank 0's values are
-    broadcast first and each block's shards cut from its tensor-parallel group's first rank. ``"exact"`` and
-    ``"meta"`` (``configure_model()``): every rank splits meta tensors with no communication (rank 0's own values
-    wait in ``InitialWeights.hold``); each unit's 2-D shards get their values as FSDP shards it.
+    Every rank ends with global rank 0's values (DDP's guarantee): ``init_path="built"`` broadcasts them first;
+    ``"exact"``/``"meta"`` split meta tensors (rank 0's values wait in ``InitialWeights.hold``), and each unit's
+    2-D shards get their values as FSDP shards it.
     """
     built = init_path == "built"
     if built:
@@ -170,12 +166,9 @@ def apply_fsdp(
     ignored: set[nn.Parameter] | None,
     unit_of: list[int] | None = None,
 ) -> UnitFacts:
-    """One FSDP unit per ``blocks_per_unit`` consecutive blocks (never splitting the modules of one discovered unit,
-    ``unit_of``: see :func:`~.fsdp.group_blocks`), bottom-up, then the outer unit around the rest.
-
-    Each unit's starting values are taken before it is sharded and delivered to its shards right after
-    (``weights``), so no rank holds a second copy of the model.
-    """
+    """One FSDP unit per ``blocks_per_unit`` consecutive blocks (``unit_of``: :func:`~.fsdp.group_blocks`),
+    bottom-up, then the outer unit; ``weights`` delivers each unit's values to its shards as it is made, so no rank
+    holds a second copy of the model."""
     groups = group_blocks(blocks, blocks_per_unit, unit_of)
     block_units = []
     for group in groups:
@@ -218,8 +211,7 @@ def replicate_norms(
 
 @dataclass(frozen=True)
 class InitFacts:
-    """How the starting weights were made (``"exact"``, ``"meta"``, ``"built"``), the host-memory peak growth and
-    seconds it took, and the meta tensors whose init could not be reproduced."""
+    """How the starting weights were made, the host-memory peak growth, seconds, and inits not reproduced."""
 
     path: str
     peak_bytes: int

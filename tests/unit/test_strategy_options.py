@@ -45,12 +45,12 @@ def test_keyword_only_constructor():
 )
 def test_every_kth_block(selector, expected):
     policy = CheckpointingPolicy(selector)
-    assert [i for i in range(6) if policy.selects(i, f"b{i}", nn.Identity())] == expected
+    assert [i for i in range(6) if policy.mode(i, f"b{i}", nn.Identity()) is not None] == expected
 
 
 def test_predicate_checkpointing():
     policy = CheckpointingPolicy(lambda name, module: name.endswith("1"))
-    assert [i for i in range(3) if policy.selects(i, f"blocks.{i}", nn.Identity())] == [1]
+    assert [i for i in range(3) if policy.mode(i, f"blocks.{i}", nn.Identity()) is not None] == [1]
 
 
 def test_checkpointing_modes_per_block():
