@@ -7,16 +7,8 @@ The top of the concerns: may import ``memory``, ``checkpoint``, ``precision``, `
 ``discovery``, ``distributed``, ``_utils`` and ``_compat``; only the strategy and the CLI import it.
 """
 
-from lightning_vitscale.checkpoint.errors import TensorLayoutError
-from lightning_vitscale.checkpoint.tensor_layout import check_tensor_layout
 from lightning_vitscale.discovery import ModuleSelector
-from lightning_vitscale.discovery.tensor_plan import (
-    TENSOR_LAYOUT_KEY,
-    BlockPlan,
-    TensorPlanError,
-    TensorPlanSelector,
-    tensor_layout,
-)
+from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector
 from lightning_vitscale.sharding.outer_unit import OuterUnit, OutsideStepCallError
 from lightning_vitscale.sharding.parallelize import NoBlocksMatchedError, Parallelized, parallelize
 from lightning_vitscale.sharding.resolved import ResolvedConfig, resolve_config
@@ -36,12 +28,6 @@ from lightning_vitscale.sharding.summary import SetupSummary
 from lightning_vitscale.sharding.sync_batchnorm import apply_sync_batchnorm
 
 __all__ = [
-    "TENSOR_LAYOUT_KEY",
-    "BlockPlan",
-    "TensorLayoutError",
-    "check_tensor_layout",
-    "tensor_layout",
-    "TensorPlanError",
     "TensorPlanSelector",
     "CheckpointSelector",
     "CheckpointingPolicy",

@@ -74,14 +74,6 @@ class UnitFacts:
 
 
 @dataclass(frozen=True)
-class OverlapFacts:
-    """The explicit prefetch depth set, and how collectives overlap where the package arranges it (else empty)."""
-
-    prefetch: int
-    description: str
-
-
-@dataclass(frozen=True)
 class TensorParallelFacts:
     """What ``apply_tp`` did: per block class its plan, what stays whole and the proof; packed projections."""
 
@@ -183,15 +175,16 @@ def apply_fsdp(
     return UnitFacts(outer, block_units, blocks_per_unit)
 
 
-def apply_prefetch(units: list[FSDPModule], prefetch: int, mesh: DeviceMesh, device: torch.device) -> OverlapFacts:
+def apply_prefetch(units: list[FSDPModule], prefetch: int, mesh: DeviceMesh, device: torch.device) -> str:
     """Each unit starts the next ``prefetch`` units' all-gathers once its own is done; on CPU the collectives are
-    made asynchronous too (gloo's worker threads), or nothing would overlap there."""
+    made asynchronous too (gloo's worker threads), or nothing would overlap there. Returns how they overlap where
+    the package arranges it (else empty)."""
     set_prefetch(units, prefetch)
     if device.type != "cpu" or mesh.size() <= 1:
-        return OverlapFacts(prefetch, "")
+        return ""
     overlap_collectives_on_cpu(units, reduce_scatters=mesh.ndim == 1)
     gathers = "all-gathers" + ("" if mesh.ndim > 1 else ", reduce-scatters")
-    return OverlapFacts(prefetch, f"asynchronous on CPU ({gathers}), prefetch {prefetch}")
+    return f"asynchronous on CPU ({gathers}), prefetch {prefetch}"
 
 
 def replicate_norms(
@@ -234,7 +227,7 @@ class PipelineFacts:
     kernels: KernelPolicy
     tensor_core_misses: list[str]
     units: UnitFacts
-    overlap: OverlapFacts
+    overlap: str
     init: InitFacts
     params: list[nn.Parameter]
     precision: str

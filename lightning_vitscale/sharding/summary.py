@@ -166,7 +166,7 @@ def summary_from_facts(facts: PipelineFacts) -> SetupSummary:
         init_path=facts.init.path,
         init_peak_bytes=facts.init.peak_bytes,
         init_seconds=facts.init.seconds,
-        overlap=facts.overlap.description,
+        overlap=facts.overlap,
         tensor_parallel=facts.tensor.size if facts.tensor else 1,
         tensor_plans=facts.tensor.plans if facts.tensor else {},
         tensor_interleaved=facts.tensor.interleaved if facts.tensor else [],

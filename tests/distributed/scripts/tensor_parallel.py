@@ -32,13 +32,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vitscale import ShardedEMA, VitScaleStrategy, measure_state_bytes
-from lightning_vitscale._utils import model_rows, packed_rows, strip_wrapper_prefixes
+from lightning_vitscale._utils import TENSOR_LAYOUT_KEY, model_rows, packed_rows, strip_wrapper_prefixes
 from lightning_vitscale.checkpoint import save as saving
 from lightning_vitscale.checkpoint.consolidate import load_consolidated
+from lightning_vitscale.checkpoint.errors import TensorLayoutError
 from lightning_vitscale.checkpoint.formats import META
 from lightning_vitscale.checkpoint.own_layout import OwnLayoutSavePlanner
 from lightning_vitscale.init.scatter import local_box
-from lightning_vitscale.sharding import TENSOR_LAYOUT_KEY, TensorLayoutError
 from tests.helpers.peak import mmap_large_allocations
 from tests.helpers.state import full as full_tensor
 from tests.helpers.state import snapshot

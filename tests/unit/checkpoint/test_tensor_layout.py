@@ -8,9 +8,10 @@ into per-rank order a second time)."""
 
 import pytest
 
+from lightning_vitscale._utils import TENSOR_LAYOUT_KEY
 from lightning_vitscale.checkpoint.errors import CheckpointError, TensorLayoutError
 from lightning_vitscale.checkpoint.tensor_layout import rows_to_reorder
-from lightning_vitscale.sharding import TENSOR_LAYOUT_KEY, SetupSummary
+from lightning_vitscale.sharding import SetupSummary
 
 TP2 = {"tensor_parallel": 2, "interleaved": ["blocks.0.attn.qkv"]}
 PACKED = {"blocks.0.attn.qkv.weight": (3, 2), "blocks.0.attn.qkv.bias": (3, 2)}
