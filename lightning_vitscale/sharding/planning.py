@@ -134,12 +134,14 @@ def plan_before_sharding(
 ) -> Planned:
     """The planner's part of setup, before any unit exists (every rank calls it: it agrees by collectives).
     ``budget``: :func:`agreed_budget`; ``batch``: what it measures; ``None``: ``example_input_array`` if set."""
-    sharding, (shard, replicas) = resolved.sharding, _groups(ranks)
+    sharding, shard = resolved.sharding, shard_size(ranks.sharding_mesh)
+    replicas = ranks.sharding_mesh.size() // shard  # copies of a shard group (hybrid), as the layout report counts
+    tp = ranks.tensor_mesh.size() if ranks.tensor_mesh is not None else 1  # it measures one TP rank's share
     if resolved.checkpointing.is_auto:
         auto = AutoCheckpointing(
             budget, shard, precision.name, sharding.blocks, _fixed_reshard(resolved), offloads(sharding, ranks.device),
             blocks_per_unit=None if resolved.planner_units else resolved.blocks_per_unit, replicas=replicas,
-            tensor_parallel=_tensor_parallel(ranks), tensor_plan=sharding.tensor_plan,
+            tensor_parallel=tp, tensor_plan=sharding.tensor_plan,
             required=resolved.requested.checkpointing.blocks == "auto",
         )
         choice = auto.at_setup(module, ranks.device, ranks.broadcast, batch)
@@ -150,7 +152,7 @@ def plan_before_sharding(
     calls = Calls()
     found = measure_for_summary(module, batch or planning_batch(module, None), shard, precision.name,
                                 sharding.blocks, ranks.device, _mode_of(module, resolved), replicas,
-                                _tensor_parallel(ranks), sharding.tensor_plan, calls)
+                                tp, sharding.tensor_plan, calls)
     if found is None:
         return Planned(resolved, budget)
     measured, measured_on = found
@@ -161,17 +163,6 @@ def plan_before_sharding(
     resolved, line, kept = _choose_units(module, resolved, measured, ranks, budget)
     return Planned(resolved, budget, measured=measured, measured_on=measured_on, units_choice=line,
                    kept_gathered=kept, calls=calls)
-
-
-def _groups(ranks: RankContext) -> tuple[int, int]:
-    """The ranks of one shard group and how many copies of it (hybrid sharding), as the layout report counts them."""
-    shard = shard_size(ranks.sharding_mesh)
-    return shard, ranks.sharding_mesh.size() // shard
-
-
-def _tensor_parallel(ranks: RankContext) -> int:
-    """The ranks that split each block (``tensor_parallel=k``): the planner measures one of them's share."""
-    return ranks.tensor_mesh.size() if ranks.tensor_mesh is not None else 1
 
 
 def _mode_of(module: nn.Module, resolved: ResolvedConfig) -> ModeOf:
