@@ -3,7 +3,6 @@ returns a small record of what it did, from which the setup summary is built (``
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -79,7 +78,6 @@ class TensorParallelFacts:
 
     size: int
     plans: dict[str, str]
-    blocks: dict[str, int]
     interleaved: list[str]
 
 
@@ -104,8 +102,7 @@ def apply_tp(
         split_block(block, mesh, block_plan, values_everywhere=built)
         interleaved += [f"{name}.{n}" for n, role in block_plan.styles.items() if role == "packed_colwise"]
     described = {type(b).__name__: f"{p.describe()}; {p.whole(b)}; {proofs[type(b).__name__]}" for _, b, p in plans}
-    counts = Counter(type(block).__name__ for _, block in blocks)
-    return TensorParallelFacts(mesh.size(), described, dict(counts), interleaved)
+    return TensorParallelFacts(mesh.size(), described, interleaved)
 
 
 def apply_attention_routing(blocks: Named, attention: str, device: torch.device) -> AttentionRouter | None:
