@@ -1,11 +1,9 @@
 """``trainer.fit(torch.compile(model))``: compile each repeated block with the user's settings instead.
 
-Lightning unwraps the compiled module (``from_compiled``: the LightningModule's ``forward`` and ``*_step`` methods
-become compiled functions) and then accepts it only under single-device, DDP and FSDP strategies. A whole compiled
-step would trace FSDP2's hooks and collectives; the recipe compiles each block inside its FSDP unit instead
-(regional compilation, ``KernelPolicy(compile_blocks=True)``), with FSDP's hooks eager between blocks. So the
-strategy takes the compile over: it restores the plain methods and compiles the blocks with the user's
-``torch.compile`` context (same backend, mode and options).
+Lightning's ``from_compiled`` makes the LightningModule's ``forward`` and ``*_step`` compiled functions; a whole
+compiled step would trace FSDP2's hooks and collectives. The recipe compiles each block inside its FSDP unit instead
+(``KernelPolicy(compile_blocks=True)``), so the strategy restores the plain methods and compiles the blocks with the
+user's ``torch.compile`` context (same backend, mode and options).
 """
 
 from __future__ import annotations
