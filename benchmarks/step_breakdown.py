@@ -92,13 +92,13 @@ def build(model_name: str, variant: str, x):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel
 
+    from lightning_vitscale.distributed import RankContext
     from lightning_vitscale.kernels.optimizers import prefer_foreach
     from lightning_vitscale.precision.settings import resolve_flag
     from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig, ShardingPolicy
     from lightning_vitscale.sharding.outer_unit import OuterUnit
     from lightning_vitscale.sharding.parallelize import parallelize
     from lightning_vitscale.sharding.planning import agreed_budget, plan_before_sharding
-    from lightning_vitscale.sharding.ranks import Ranks
     from lightning_vitscale.sharding.resolved import resolve_config
 
     model = make_model(model_name)
@@ -116,7 +116,7 @@ def build(model_name: str, variant: str, x):
                                                         blocks_per_unit=per_unit),
                                 checkpointing=CheckpointingPolicy(blocks=ac),
                                 priority="speed" if per_unit is None else "memory")  # rows with units: as named
-        ranks = Ranks(mesh, cpu, dist.get_rank(), world, agree_max=_agree_max, world_size=world)
+        ranks = RankContext(mesh, cpu, dist.get_rank(), world, agree_max=_agree_max, world_size=world)
         budget = agreed_budget(config.checkpointing.memory_budget, ranks)
         planned = plan_before_sharding(model, resolve_config(config, cpu), resolve_flag("32-true"), ranks, budget)
         done = parallelize(root, model, mesh, planned.resolved, resolve_flag("32-true"), cpu)
@@ -188,7 +188,7 @@ def label_recompute(model) -> None:
 
     import torch
 
-    from lightning_vitscale.sharding.activation_checkpointing import is_checkpointed
+    from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
 
     def labelled(forward, *args, **kwargs):
         if torch._C._current_graph_task_id() == -1:  # not inside backward: the first forward
@@ -197,7 +197,7 @@ def label_recompute(model) -> None:
             return forward(*args, **kwargs)
 
     for block in model.blocks:
-        if is_checkpointed(block):
+        if checkpoint_mode(block) is not None:
             patched = block.forward  # functools.partial(_checkpointed_forward, inner forward, mode)
             inner = functools.partial(labelled, patched.args[0])
             block.forward = functools.partial(patched.func, inner, *patched.args[1:])

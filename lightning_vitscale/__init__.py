@@ -1,7 +1,5 @@
 """lightning-vitscale: scale any Lightning vision model from one GPU to a cluster with one argument."""
 
-from typing import Any
-
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_vitscale.averaging import ShardedEMA
@@ -57,10 +55,3 @@ __all__ = [
     "plan_memory",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name == "ParallelPlan":  # deprecated: the setup summary's old name (warns)
-        from lightning_vitscale import sharding
-
-        return getattr(sharding, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

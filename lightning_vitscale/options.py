@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import textwrap
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -107,23 +108,13 @@ def _show(value: object) -> str:
     return f'"{value}"' if isinstance(value, str) else repr(value)
 
 
-def _wrap(text: str, indent: str) -> list[str]:
-    lines: list[str] = []
-    line = ""
-    for word in text.split():
-        if line and len(indent) + len(line) + 1 + len(word) > _WIDTH:
-            lines.append(indent + line)
-            line = word
-        else:
-            line = f"{line} {word}" if line else word
-    return [*lines, indent + line]
-
-
 def args_section() -> str:
     """The Google-style ``Args:`` section of the strategy's docstring: one entry per option, with its default."""
     out = ["Args:"]
     for option in OPTIONS:
-        first, *rest = _wrap(f"{option.name}: {option.doc} Default: ``{_show(option.default)}``.", "    ")
+        text = f"{option.name}: {option.doc} Default: ``{_show(option.default)}``."
+        first, *rest = textwrap.wrap(text, _WIDTH, initial_indent="    ", subsequent_indent="    ",
+                                     break_long_words=False, break_on_hyphens=False)
         out += [first, *("    " + line for line in rest)]
     return "\n".join(out)
 

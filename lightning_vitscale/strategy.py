@@ -20,7 +20,7 @@ from lightning_vitscale._compat import ModelParallelStrategy, optimizers_to_devi
 from lightning_vitscale.averaging import shard_averaged_copies
 from lightning_vitscale.checkpoint.lightning import ResumeLauncher
 from lightning_vitscale.init import Creation, InitMode, InitSettings, ModelCreation, host_copies
-from lightning_vitscale.kernels import KernelMode, KernelPolicy, LightningModuleSlot, prepare_optimizers
+from lightning_vitscale.kernels import Compiler, KernelMode, KernelPolicy, prepare_optimizers, take_over_compiled
 from lightning_vitscale.memory import AccumulationMode, may_release_after_step, release_gradients
 from lightning_vitscale.options import document
 from lightning_vitscale.precision import VitScalePrecision, to_vitscale_precision
@@ -70,10 +70,10 @@ class VitScaleStrategy(ModelParallelStrategy):
         auto_resume: bool = False,
         async_save: bool = False,
     ) -> None:
-        self._module_slot = LightningModuleSlot()  # before Strategy.__init__, which stores the module there
+        self._module: pl.LightningModule | None = None  # before Strategy.__init__, which stores the module there
+        self._compiler: Compiler | None = None  # `Trainer.fit(torch.compile(model))`'s settings, for the blocks
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
-        # Each setting checked by its own dataclass; `config` stays the request, setup resolves it into `resolved`.
-        self.config = shards.ParallelConfig(
+        self.config = shards.ParallelConfig(  # the request, each setting checked by its dataclass
             sharding=shards.ShardingPolicy(
                 blocks=blocks, reshard_after_forward=reshard_after_forward, layout=sharding, offload=offload,
                 accumulation=accumulation, prefetch=prefetch, blocks_per_unit=blocks_per_unit,
@@ -85,12 +85,10 @@ class VitScaleStrategy(ModelParallelStrategy):
         settings = checkpoints.CheckpointSettings(state_dict_type, auto_resume, async_save)
         self.checkpoints = checkpoints.StrategyCheckpoints(settings, timeout)  # saves, loads, resume fallbacks
         self.init_settings = InitSettings(init)
+        self.resolved: shards.ResolvedConfig | None = None  # what setup made of `config` on this device
         self.sharded: shards.ShardedModel | None = None
         self._creation: Creation | None = None
         self._release_after_step = False  # decided at setup: see memory/gradient_release.py
-
-    resolved: shards.ResolvedConfig | None = None
-    """What setup resolved ``config`` to on this device (kernels, checkpointed blocks, prefetch); ``None`` before."""
 
     @property
     def plan(self) -> shards.SetupSummary | None:
@@ -101,13 +99,17 @@ class VitScaleStrategy(ModelParallelStrategy):
     checkpoint_settings = checkpoints.OnCheckpointSide[checkpoints.CheckpointSettings]("settings")
     state_dict_type = checkpoints.OnCheckpointSide[checkpoints.StateDictType]("state_dict_type")
 
+    # No public hook runs in time for `Trainer.fit(torch.compile(model))`: fit stores the unwrapped module here, then
+    # refuses it under any strategy but SingleDevice/DDP/FSDP (`_verify_strategy_supports_compile`) before `connect`
+    # or any hook. So the compile is taken over as it is stored (kernels/compiled_model.py).
     @property  # type: ignore[override]
     def _lightning_module(self) -> pl.LightningModule | None:
-        return self._module_slot.module
+        return self._module
 
     @_lightning_module.setter
     def _lightning_module(self, module: pl.LightningModule | None) -> None:
-        self._module_slot.store(module)  # takes `Trainer.fit(torch.compile(model))` over (kernels/compiled_model.py)
+        self._compiler = take_over_compiled(module) or self._compiler
+        self._module = module
 
     @property
     def is_distributed(self) -> bool:
@@ -156,8 +158,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:  # as DDP: only when fitting
             shards.apply_sync_batchnorm(self._layer_sync, module, self.root_device)
-        self.resolved = shards.resolve_config(self.config, self.root_device, self._module_slot.compiler)
-        self.config = self.resolved.config_view()  # the request; `.kernels` the resolved policy, deprecated
+        self.resolved = shards.resolve_config(self.config, self.root_device, self._compiler)
         creation, self._creation = self._creation, None
         self.sharded = shards.shard_lightning_module(
             module, self.resolved, self.precision_plugin, self._ranks(), creation, fitting=trainer if fitting else None,
@@ -173,8 +174,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if fitting and self.config.sharding.offload is None:
             optimizers_to_device(self.optimizers, self.root_device)  # offloaded state stays in host memory
-        # Which hooks the user overrides is known now: decided once, not at every optimizer step.
-        self._release_after_step = fitting and may_release_after_step(module, trainer)
+        self._release_after_step = fitting and may_release_after_step(module, trainer)  # decided once per setup
 
     def _ranks(self) -> distributed.RankContext:
         return distributed.rank_context(self)

@@ -14,7 +14,7 @@ from lightning_vitscale.kernels.attention import (
 )
 from lightning_vitscale.kernels.attention_choice import auto_attention_step
 from lightning_vitscale.kernels.compile import apply_regional_compile
-from lightning_vitscale.kernels.compiled_model import TAKEN_OVER, LightningModuleSlot, take_over_compiled
+from lightning_vitscale.kernels.compiled_model import take_over_compiled
 from lightning_vitscale.kernels.optimizers import fuse_optimizers, prefer_foreach, prepare_optimizers
 from lightning_vitscale.kernels.settings import (
     Compiler,
@@ -26,8 +26,6 @@ from lightning_vitscale.kernels.settings import (
 from lightning_vitscale.kernels.tensor_cores import tensor_core_report
 
 __all__ = [
-    "TAKEN_OVER",
-    "LightningModuleSlot",
     "AttentionRouter",
     "Compiler",
     "KernelMode",

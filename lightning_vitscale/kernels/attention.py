@@ -1,15 +1,10 @@
 """Attention routing: send the blocks' ``F.scaled_dot_product_attention`` calls to another kernel, no model edits.
 
-Models call SDPA by name (timm, HF ``attn_implementation="sdpa"``, hand-written blocks), so the only way to
-swap the kernel without touching their code is to intercept the call. :class:`AttentionRouter` is a
-``TorchFunctionMode`` entered around each block's own forward (see :func:`route_blocks`), inside activation
-checkpointing: the recomputation in backward runs under it too, so forward and recompute use one kernel.
-Dynamo traces the mode into a compiled block, so compiled blocks pay nothing for it; in eager mode a mode
-costs a Python call per op, which is why a router that has nothing to do is never entered.
-
-``"auto"`` does not guess: the first training step runs eagerly and records the SDPA shapes the blocks really
-use; :func:`measure` then times each candidate on exactly those shapes, and the strategy picks the one with
-the least total time, agreed across ranks.
+Models call SDPA by name (timm, HF ``attn_implementation="sdpa"``, hand-written blocks), so the kernel is swapped
+by intercepting the call: :class:`AttentionRouter`, a ``TorchFunctionMode`` entered around each block's own forward
+inside activation checkpointing, so the recompute uses the same kernel. Dynamo traces the mode into a compiled block
+(free); eagerly a mode costs a Python call per op, so a router with nothing to do is never entered. ``"auto"``
+records the SDPA shapes of the first (eager) training step and times each candidate on exactly those.
 """
 
 from __future__ import annotations
@@ -110,11 +105,8 @@ def usable_backends(device: torch.device) -> tuple[str, ...]:
 
 
 def make_router(choice: str, device: torch.device) -> AttentionRouter | None:
-    """The router for ``KernelPolicy.attention`` on ``device``; ``None`` means SDPA everywhere, no mode at all.
-
-    What ``choice`` means here is decided by :func:`~lightning_vitscale.kernels.settings.resolve_attention`; CPU runs
-    and GPU runs without xformers get no router and pay nothing.
-    """
+    """The router for ``KernelPolicy.attention`` on ``device`` (:func:`~.settings.resolve_attention`); ``None``:
+    SDPA everywhere, no mode at all."""
     usable = usable_backends(device)
     match resolve_attention(choice, usable, device):
         case "sdpa":
@@ -153,11 +145,9 @@ def _bind_sdpa(
 
 
 def routable(args: tuple, kwargs: dict) -> AttentionCall | None:
-    """The call's description if a stand-in computes exactly what SDPA would, else ``None`` (SDPA keeps it).
-
-    Kept on SDPA: masks, grouped-query attention, non-4-D layouts, mismatched batch/head/dtype, causal
-    attention between sequences of different lengths (the two libraries align the triangle differently).
-    """
+    """The call's description if a stand-in computes exactly what SDPA would, else ``None``: masks, grouped-query
+    attention, non-4-D layouts, mismatched batch/head/dtype, causal attention between sequences of different lengths
+    (the libraries align the triangle differently) stay on SDPA."""
     q, k, v, mask, dropout_p, is_causal, scale, gqa = _bind_sdpa(*args, **kwargs)
     if mask is not None or gqa or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         return None
@@ -174,11 +164,8 @@ def routable(args: tuple, kwargs: dict) -> AttentionCall | None:
 
 
 class AttentionRouter(TorchFunctionMode):
-    """Intercepts SDPA inside the blocks; records calls, or hands routable ones to ``backend``.
-
-    SDPA calls made inside ``nn.MultiheadAttention`` stay on SDPA: ``F.multi_head_attention_forward`` reaches
-    the mode as one call and runs with the mode off. SDPA itself already uses flash/memory-efficient kernels.
-    """
+    """Intercepts SDPA inside the blocks; records calls, or hands routable ones to ``backend``. Calls inside
+    ``nn.MultiheadAttention`` stay on SDPA (``F.multi_head_attention_forward`` reaches the mode as one call)."""
 
     def __init__(self, backend: AttentionBackend | None = None, candidates: tuple[AttentionBackend, ...] = ()) -> None:
         super().__init__()
@@ -227,10 +214,8 @@ def _routed_forward(router: AttentionRouter, forward: Callable[..., Any], *args:
 
 
 def route_blocks(blocks: list[nn.Module], router: AttentionRouter) -> None:
-    """Run each block's own forward under ``router``; call before activation checkpointing wraps the forward.
-
-    Patching the instance's ``forward`` keeps parameter names (and checkpoint keys); applying twice is a no-op.
-    """
+    """Run each block's own forward under ``router``, before activation checkpointing wraps it (the instance's
+    ``forward`` patched: parameter names stay; applying twice is a no-op)."""
     for block in blocks:
         if getattr(block, _MARK, False):
             continue
@@ -272,10 +257,7 @@ def call_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) 
 
 
 def measure(calls: Counter[AttentionCall], backends: list[AttentionBackend]) -> dict[str, float]:
-    """Milliseconds per training step each kernel would spend on ``calls`` (each shape timed once, times its count).
-
-    SDPA is always measured, and comes first, as the baseline the others must beat (ties keep it).
-    """
+    """Milliseconds per training step each kernel would spend on ``calls``; SDPA first, the baseline (ties keep it)."""
     fns: dict[str, AttentionFn] = {SDPA: call_sdpa, **{b.name: b.fn for b in backends}}
     totals = dict.fromkeys(fns, 0.0)
     for call, count in calls.items():

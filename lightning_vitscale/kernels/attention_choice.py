@@ -17,13 +17,9 @@ def auto_attention_step(
     mean_over_ranks: Callable[[torch.Tensor], torch.Tensor],
     decided: Callable[[str], None],
 ) -> Any:
-    """Run one training ``step``; on the first, record the blocks' SDPA shapes, before the second, decide.
-
-    Nothing to decide (no router, or already decided) costs one attribute check. The first step runs eagerly,
-    so recording the shapes is plain Python; compiled blocks meet the router only once it is decided (then
-    retrace once if it routes). ``mean_over_ranks`` averages a tensor over all ranks, so every rank routes the
-    same way even when their local timings disagree. ``decided`` receives the summary line of the choice.
-    """
+    """Run one training ``step``; on the first (eager: recording is plain Python), record the blocks' SDPA shapes;
+    before the second, decide, the timings averaged over ranks (``mean_over_ranks``) so every rank routes alike.
+    ``decided`` receives the summary line."""
     if router is None or router.decided:
         return step()
     if not router.recorded:
@@ -36,10 +32,7 @@ def auto_attention_step(
 
 
 def decide_attention(router: AttentionRouter, mean_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> str:
-    """Time each kernel on the recorded shapes, average the timings over ranks, route to the fastest.
-
-    Returns the summary line. Ties, and no calls at all, keep SDPA (``measure``'s first key).
-    """
+    """Route to the fastest kernel on the recorded shapes, timings averaged over ranks; ties keep SDPA."""
     local = measure(router.calls, list(router.candidates))
     averaged = mean_over_ranks(torch.tensor(list(local.values()), dtype=torch.float64))
     totals = {name: float(ms) for name, ms in zip(local, averaged.tolist())}

@@ -21,23 +21,14 @@ _COMPILED = "_vitscale_compiled"
 def apply_regional_compile(
     modules: list[nn.Module], mode: str | None = None, compiler: Compiler | None = None
 ) -> dict[str, int]:
-    """Compile each module's ``forward`` (the blocks, and the outer layers if asked) in place; returns class
-    name -> count.
+    """Compile each module's ``forward`` in place (keys keep their names: ``torch.compile(module)`` would add
+    ``_orig_mod.``); returns class name -> count.
 
-    The instance's ``forward`` is replaced, so parameter names (and checkpoint keys) stay as they are
-    (``torch.compile(module)`` would add ``_orig_mod.`` to every key). It is ``forward`` and not
-    ``nn.Module.compile()``'s ``_call_impl`` that is compiled: ``_call_impl`` runs the module's hooks, and
-    FSDP2's hooks (added later by ``fully_shard``) are ``dynamo.disable``-d, so every call would graph-break
-    there; where the block's forward is torch's own code (``nn.TransformerEncoderLayer``) dynamo then ran the
-    rest eagerly - compiled blocks without activation checkpointing compiled nothing. Like torchtitan's
-    compile-then-shard, FSDP's hooks now run eagerly around the compiled forward. Call it after activation
-    checkpointing (dynamo traces the checkpoint into a recompute region, so the memory saving survives).
-    Identical blocks share compiled code through dynamo's cache: one compile per class (plus one variant
-    when only the first block's input does not require grad). ``mode`` is checked by
-    :class:`~lightning_vitscale.kernels.settings.KernelPolicy`. Each compiled call runs under two dynamo options, see
-    :func:`dynamo_options`; they are set only while these modules run, never process-wide. ``compiler`` (the
-    context of a user's ``torch.compile(model, ...)``) replaces ``torch.compile(mode=mode)``, keeping the user's
-    backend and options.
+    ``forward``, not ``nn.Module.compile()``'s ``_call_impl``: that runs FSDP2's ``dynamo.disable``-d hooks, so
+    every call graph-broke there, and torch's own block forwards then ran eagerly (compiled blocks without
+    checkpointing compiled nothing). As torchtitan's compile-then-shard, FSDP's hooks run eagerly around it. Call
+    after activation checkpointing (traced into a recompute region). Identical blocks share dynamo's cache: one
+    compile per class. ``compiler``: a user's ``torch.compile(model, ...)`` context, used instead of ``mode``.
     """
     counts = Counter(type(module).__name__ for module in modules)
     compile_call = compiler if compiler is not None else functools.partial(torch.compile, mode=mode)
@@ -56,22 +47,15 @@ def is_compiled(module: nn.Module) -> bool:
 
 
 def dynamo_options(num_classes: int) -> dict[str, object]:
-    """The only dynamo config the package changes, applied around each compiled module's call.
+    """The only dynamo config the package changes, patched around each compiled call (dynamo reads it at call
+    time), never process-wide.
 
-    Dynamo reads these when a compiled module is called (tracing happens at the first call, the recompile
-    budget is checked at every call), not at ``compile()``; so :func:`apply_regional_compile` patches them
-    around each call and restores the user's settings afterwards.
-
-    1. ``recompile_limit``: every checkpointed block runs through one wrapper function, so all block classes
-       share its budget of compiled variants; give each class its own, or dynamo silently runs the extra ones
-       eagerly.
-    2. ``skip_fwd_side_effects_in_bwd_under_checkpoint``: the fp32-norm forwards (precision/norms.py) swap a norm's
-       parameters for local tensors in forward and swap them back. Dynamo refuses such side effects inside a
-       checkpoint region (it could not replay them on recompute), so without this the whole block
-       graph-breaks and runs eagerly: measured here, a bf16 block compiled to nothing. The attention router
-       (kernels/attention.py) entering its mode inside the block is the same kind of side effect. Not replaying is
-       right for these net-zero changes, and for user side effects (a counter) it avoids counting twice,
-       which eager recompute does.
+    1. ``recompile_limit``: checkpointed blocks share one wrapper function and so its budget of variants; past
+       it dynamo silently runs the extra classes eagerly.
+    2. ``skip_fwd_side_effects_in_bwd_under_checkpoint``: the fp32-norm forwards (precision/norms.py) and the
+       attention router swap state in and out within a checkpoint region; without it the block graph-breaks
+       (measured: a bf16 block compiled to nothing). Not replaying is right for these net-zero changes, and
+       avoids counting a user's side effect twice, as eager recompute does.
     """
     needed = _VARIANTS_PER_CLASS * max(num_classes, 1)
     return {

@@ -1,11 +1,9 @@
 """``trainer.fit(torch.compile(model))``: compile each repeated block with the user's settings instead.
 
-Lightning unwraps the compiled module (``from_compiled``: the LightningModule's ``forward`` and ``*_step`` methods
-become compiled functions) and then accepts it only under single-device, DDP and FSDP strategies. A whole compiled
-step would trace FSDP2's hooks and collectives; the recipe compiles each block inside its FSDP unit instead
-(regional compilation, ``KernelPolicy(compile_blocks=True)``), with FSDP's hooks eager between blocks. So the
-strategy takes the compile over: it restores the plain methods and compiles the blocks with the user's
-``torch.compile`` context (same backend, mode and options).
+Lightning's ``from_compiled`` makes the LightningModule's ``forward`` and ``*_step`` compiled functions; a whole
+compiled step would trace FSDP2's hooks and collectives. The recipe compiles each block inside its FSDP unit instead
+(``KernelPolicy(compile_blocks=True)``), so the strategy restores the plain methods and compiles the blocks with the
+user's ``torch.compile`` context (same backend, mode and options).
 """
 
 from __future__ import annotations
@@ -30,21 +28,5 @@ def take_over_compiled(module: Any) -> Compiler | None:
     compiler = compile_context(module)
     if compiler is not None:
         to_uncompiled(module)
+        rank_zero_info(TAKEN_OVER)
     return compiler
-
-
-class LightningModuleSlot:
-    """The strategy's ``_lightning_module``: ``Trainer.fit(torch.compile(model))`` stores the unwrapped module there,
-    then refuses every strategy outside its own list, so the compile is taken over as the module is stored (the
-    blocks are compiled instead, with ``compiler``: the user's compile context, ``None`` when not compiled)."""
-
-    def __init__(self) -> None:
-        self.module: Any = None
-        self.compiler: Compiler | None = None
-
-    def store(self, module: Any) -> None:
-        compiler = take_over_compiled(module)
-        if compiler is not None:
-            rank_zero_info(TAKEN_OVER)
-            self.compiler = compiler
-        self.module = module

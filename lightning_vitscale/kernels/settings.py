@@ -26,18 +26,14 @@ class KernelPolicy:
     """Which faster kernels the pipeline turns on.
 
     Attributes:
-        compile_blocks: ``torch.compile`` each repeated block in place (regional compilation): identical blocks
-            share one compiled graph, so compile time is one block's, not the whole model's.
-        compile_outer: also compile the largest sub-modules outside the blocks (patch embedding, head, ...),
-            each in place. Off in every preset: they are a small share of the time, and each is one more compile.
-        attention: ``"sdpa"`` keeps ``F.scaled_dot_product_attention`` (which itself picks flash /
-            memory-efficient kernels); ``"xformers"`` routes the blocks' SDPA calls to xformers; ``"auto"``
-            times SDPA against xformers on the shapes the first training step used and keeps the faster
-            (only where xformers can run: CUDA with the extra installed; elsewhere it is SDPA at no cost).
-        fused_optimizer: switch Adam/AdamW to their fused (single-kernel) step where the user left it open.
-        compile_mode: passed to ``torch.compile``; one of :data:`COMPILE_MODES`.
-        compiler: compiles each module's call instead of ``torch.compile(mode=compile_mode)``; set when the user
-            passes ``trainer.fit(torch.compile(model, ...))``, so their backend and options apply per block.
+        compile_blocks: ``torch.compile`` each repeated block in place: identical blocks share one graph, so
+            compile time is one block's.
+        compile_outer: also compile the largest sub-modules outside the blocks (patch embedding, head, ...). Off in
+            every preset: a small share of the time, each one more compile.
+        attention: ``"sdpa"``, ``"xformers"`` (the blocks' SDPA calls routed to it) or ``"auto"`` (both timed on
+            the first training step's shapes, where xformers can run: :func:`resolve_attention`).
+        fused_optimizer: switch Adam/AdamW to their fused step where the user left it open.
+        compiler: used instead of ``torch.compile(mode=compile_mode)``: a user's ``torch.compile(model, ...)``.
         reason: why ``kernels="auto"`` compiles the blocks or not (the setup summary's words).
     """
 
@@ -65,15 +61,12 @@ EAGER = KernelPolicy()
 def resolve_kernels(
     spec: KernelMode | KernelPolicy, device: torch.device, attention_backends: tuple[str, ...]
 ) -> KernelPolicy:
-    """Turn ``kernels=`` into a policy for ``device``; with :func:`resolve_attention`, the one place that decides
-    what ``"auto"`` means.
+    """``kernels=`` as a policy for ``device``; with :func:`resolve_attention`, the one place ``"auto"`` is decided.
 
-    ``"auto"`` on CUDA fuses the optimizer, times the attention kernels and compiles each block, unless the planner
-    predicts at setup that compiled blocks make the step slower (:func:`with_compile_choice`). On CPU it is eager:
-    the first compile of a block costs 30-60 s on a 2-core CPU for ~1.1-1.3x afterwards, and a fused optimizer rounds
-    differently from DDP's foreach step, which would break the bit-exact DDP parity that CPU runs are used to check.
-    Pass a :class:`KernelPolicy` to choose otherwise. ``attention_backends`` names the attention kernels that can run
-    on ``device`` (see ``kernels.attention.usable_backends``). Resolving a resolved policy returns it unchanged.
+    ``"auto"`` on CUDA fuses the optimizer, times the attention kernels and compiles each block unless the planner
+    predicts it slower (:func:`with_compile_choice`). On CPU it is eager: a block's first compile costs 30-60 s on 2
+    cores for ~1.1-1.3x, and a fused optimizer rounds unlike DDP's foreach step (CPU runs check bit-exact parity).
+    ``attention_backends``: those that can run on ``device``. A resolved policy resolves to itself.
     """
     policy = spec if isinstance(spec, KernelPolicy) else _preset(spec, device)
     attention = resolve_attention(policy.attention, attention_backends, device)
@@ -110,13 +103,9 @@ def unknown_kernel_mode(mode: object) -> ValueError:
 
 
 def resolve_attention(choice: str, usable: tuple[str, ...], device: torch.device) -> AttentionChoice:
-    """What ``attention=choice`` means where the kernels named in ``usable`` can run.
-
-    ``"sdpa"`` needs nothing: SDPA already dispatches to flash / memory-efficient kernels. ``"auto"`` stays
-    ``"auto"`` (timed against SDPA after the first step) only where some candidate can run (xformers: CUDA with
-    the extra installed); elsewhere it is SDPA at no cost. A named backend that cannot run is an error now, not
-    a silent fallback.
-    """
+    """What ``attention=choice`` means where the kernels named in ``usable`` can run: ``"auto"`` stays (timed
+    after the first step) only where a candidate can run, else SDPA at no cost; a named backend that cannot run is
+    an error now, not a silent fallback."""
     match choice:
         case "sdpa":
             return "sdpa"

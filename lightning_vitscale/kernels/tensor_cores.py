@@ -10,11 +10,8 @@ _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2
 
 
 def tensor_core_report(model: nn.Module, multiple: int = 8) -> list[str]:
-    """One line per Linear/Conv/attention dimension of ``model`` that is not a multiple of ``multiple``.
-
-    Tensor cores run GEMMs whose sizes are multiples of 8 (bf16/fp16) at full speed; other sizes are padded or
-    fall back to slower kernels, and flash attention needs head dims that are multiples of 8. Reads only module
-    attributes, so it works on a meta-device model before anything is allocated. An empty list means clean.
+    """One line per Linear/Conv/attention dimension of ``model`` that is not a multiple of ``multiple`` (tensor
+    cores and flash attention run those at full speed); reads only module attributes, so meta models work too.
 
     Example::
 

@@ -7,11 +7,8 @@ The top of the concerns: may import ``memory``, ``checkpoint``, ``precision``, `
 ``discovery``, ``distributed``, ``_utils`` and ``_compat``; only the strategy and the CLI import it.
 """
 
-from typing import Any
-
 from lightning_vitscale.discovery import ModuleSelector
-from lightning_vitscale.discovery.tensor_plan import BlockPlan, TensorPlanError, TensorPlanSelector
-from lightning_vitscale.sharding import summary
+from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector
 from lightning_vitscale.sharding.outer_unit import OuterUnit, OutsideStepCallError
 from lightning_vitscale.sharding.parallelize import NoBlocksMatchedError, Parallelized, parallelize
 from lightning_vitscale.sharding.resolved import ResolvedConfig, resolve_config
@@ -26,13 +23,11 @@ from lightning_vitscale.sharding.settings import (
     ShardingPolicy,
     shard_group_size,
 )
-from lightning_vitscale.sharding.setup import Ranks, ShardedModel, shard_lightning_module
+from lightning_vitscale.sharding.setup import ShardedModel, shard_lightning_module
 from lightning_vitscale.sharding.summary import SetupSummary
 from lightning_vitscale.sharding.sync_batchnorm import apply_sync_batchnorm
 
 __all__ = [
-    "BlockPlan",
-    "TensorPlanError",
     "TensorPlanSelector",
     "CheckpointSelector",
     "CheckpointingPolicy",
@@ -44,7 +39,6 @@ __all__ = [
     "ParallelConfig",
     "Parallelized",
     "Priority",
-    "Ranks",
     "ResolvedConfig",
     "SetupSummary",
     "ShardedModel",
@@ -58,8 +52,3 @@ __all__ = [
     "shard_lightning_module",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name == "ParallelPlan":  # deprecated: the setup summary's old name (warns)
-        return getattr(summary, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -53,10 +53,6 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: CheckpointMode
         setattr(block, _MARK, mode)
 
 
-def is_checkpointed(block: nn.Module) -> bool:
-    return bool(getattr(block, _MARK, None))
-
-
 def checkpoint_mode(block: nn.Module) -> CheckpointMode | None:
     """``"full"``, ``"selective"``, or ``None`` when the block is not checkpointed by this package."""
     return getattr(block, _MARK, None) or None

@@ -1,31 +1,20 @@
 """Collectives that overlap compute on CPU ranks, as CUDA streams make them overlap on a GPU.
 
-On a GPU, FSDP2 issues its all-gathers and reduce-scatters on side streams: the host returns at once and the
-compute of the next block runs while NCCL moves the bytes. On CPU there are no streams: FSDP2 calls gloo
-synchronously, so the step's thread waits for every collective (measured on 2 CPU ranks: ~20 ms in
-reduce-scatters and ~13 ms in all-gathers of a 245 ms ViT step, the bulk of the gap to DDP, whose gloo
-all-reduce runs in gloo's worker thread during backward). Two changes give CPU ranks the GPU's overlap:
+On CPU FSDP2 calls gloo synchronously: the step waits for every collective (measured on 2 CPU ranks: ~20 ms in
+reduce-scatters and ~13 ms in all-gathers of a 245 ms ViT step, the bulk of the gap to DDP, whose all-reduce runs
+in gloo's worker thread during backward). So:
 
-- all-gathers: FSDP2's ``unshard_async_op`` makes the pre-forward/pre-backward and prefetched all-gathers
-  asynchronous (a ``Work`` waited for at the unit's first use), so a prefetched gather runs during the previous
-  unit's compute;
-- reduce-scatters: :class:`OverlappedReduceScatter`, set as every unit's reduce-scatter, issues the collective
-  with ``async_op=True`` and waits for it when the next unit's reduce-scatter is issued, or when backward ends
-  (an autograd final callback): a unit's reduce-scatter runs while the previous unit's backward computes, and
-  no more gradient buffers are alive than under FSDP2's own (which frees a reduce-scatter's input at the next).
+- all-gathers: FSDP2's ``unshard_async_op`` (a ``Work`` waited for at the unit's first use), so a prefetched
+  gather runs during the previous unit's compute;
+- reduce-scatters: :class:`OverlappedReduceScatter` issues each asynchronously and waits for it at the next unit's
+  or when backward ends, so no more gradient buffers are alive than under FSDP2's own.
 
-gloo has no reduce-scatter of its own: ``ProcessGroupGloo.reduce_scatter_tensor_coalesced`` clones the input,
-all-reduces the clone and copies out this rank's chunk, so every reduce-scatter moves an all-reduce's bytes (twice
-a reduce-scatter's) and FSDP2 on CPU ranks moved 1.5x DDP's bytes per step. :class:`AllToAllReduction` is the
-reduce-scatter itself: gloo's all-to-all sends each rank its chunk of every other rank's input (a ring
-reduce-scatter's ``(n - 1) / n`` of the buffer), and this rank sums the ``n`` chunks it received when the work is
-waited for. Its one temporary (the received chunks) is the size of the input, as gloo's clone was.
+gloo's ``reduce_scatter_tensor_coalesced`` all-reduces a clone (twice a reduce-scatter's bytes: FSDP2 on CPU
+moved 1.5x DDP's bytes per step); :class:`AllToAllReduction` sends each rank its chunks by all-to-all and sums
+them on wait, with one temporary the size of the input, as gloo's clone.
 
-The reduce-scatter's output is FSDP2's new gradient shard, viewed (not copied) into ``param.grad``; it is read
-before backward ends only when FSDP2 adds it to a gradient that already exists (accumulation), casts it to
-another dtype, divides it after the collective (fp16), or hands it to a post-accumulate-grad hook (optimizer in
-backward). Those cases wait at once, so the values FSDP2 computes are the same bytes as with its own
-reduce-scatter.
+The output (FSDP2's new gradient shard) is read before backward ends only to accumulate, cast, divide (fp16) or
+feed a post-accumulate-grad hook; those cases wait at once, so FSDP2 computes the same bytes as with its own.
 """
 
 from __future__ import annotations
@@ -48,12 +37,8 @@ from lightning_vitscale._compat import (
 
 
 class OverlappedReduceScatter(ReduceScatterComm):
-    """One FSDP unit's reduce-scatter, asynchronous unless the unit's gradient shard is read before backward ends.
-
-    ``pending`` is shared by every unit of a model: the one work still in flight, waited for when the next unit's
-    reduce-scatter starts or when backward ends. ``params`` are the unit's parameters, checked at each call for the
-    cases that read the output at once.
-    """
+    """One FSDP unit's reduce-scatter, asynchronous unless the unit's gradient shard is read before backward ends;
+    ``pending``: the work in flight, shared by every unit of a model."""
 
     def __init__(self, pending: PendingReductions, params: Sequence[nn.Parameter]) -> None:
         self.pending = pending
@@ -71,9 +56,8 @@ class OverlappedReduceScatter(ReduceScatterComm):
         op: dist.ReduceOp | dist.ReduceOp.RedOpType,
         async_op: bool = False,
     ) -> dist.Work | None:
-        # At most one in flight: the previous unit's finishes before this one starts, as FSDP2 itself frees a
-        # reduce-scatter's input only at the next one. Unbounded, every unit's input (the whole model's unsharded
-        # gradients) would stay alive until backward ends.
+        # At most one in flight (FSDP2 frees a reduce-scatter's input at the next one): unbounded, the whole
+        # model's unsharded gradients would stay alive until backward ends.
         self.pending.wait_all()
         work = reduce_scatter_on_gloo(output_tensor, input_tensor, op, group)
         if self._read_at_once(output_tensor.dtype):
@@ -94,12 +78,8 @@ class OverlappedReduceScatter(ReduceScatterComm):
 
 
 class AllToAllReduction:
-    """A reduce-scatter in flight as gloo's all-to-all; :meth:`wait` sums the received chunks into the output.
-
-    ``input`` is ``n`` equal chunks, chunk ``r`` going to rank ``r`` (FSDP2's reduce-scatter input); after the
-    all-to-all, row ``s`` of ``received`` is rank ``s``'s chunk for this rank, so their sum (divided by ``n`` for
-    ``AVG``) is this rank's reduced shard, what ``reduce_scatter_tensor`` writes into ``output``.
-    """
+    """A reduce-scatter in flight as gloo's all-to-all; :meth:`wait` sums the received chunks (row ``s``: rank
+    ``s``'s chunk for this rank) into the output, divided by ``n`` for ``AVG``."""
 
     def __init__(self, output: torch.Tensor, input: torch.Tensor, average: bool, group: dist.ProcessGroup) -> None:
         self.output, self.average, self.world = output, average, group.size()
@@ -119,20 +99,16 @@ class AllToAllReduction:
 
 def reduce_scatter_on_gloo(output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp | dist.ReduceOp.RedOpType,
                            group: dist.ProcessGroup) -> AllToAllReduction | dist.Work:
-    """``reduce_scatter_tensor(output, input, op, group, async_op=True)`` moving a reduce-scatter's bytes, not an
-    all-reduce's (module docstring): the sum and the average; any other op goes through gloo's own call, which does
-    what it did before (gloo refuses FSDP2's pre-multiplied sum for a custom gradient divide factor, as it did)."""
+    """``reduce_scatter_tensor(..., async_op=True)`` at a reduce-scatter's bytes for the sum and the average; any
+    other op through gloo's own call (which refuses FSDP2's pre-multiplied sum, as before)."""
     if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) and input.is_contiguous() and output.is_contiguous():
         return AllToAllReduction(output, input, average=op == dist.ReduceOp.AVG, group=group)
     return reduce_scatter(output, input, op=op, group=group, async_op=True)
 
 
 class PendingReductions:
-    """Reduce-scatters in flight in the current backward, waited for by an autograd final callback.
-
-    Each one queues the callback (a few per step, and idempotent): a flag "already queued" would stay set for
-    good when a backward fails after one was queued, since autograd drops the callbacks of a failed pass.
-    """
+    """Reduce-scatters in flight in the current backward, waited for by an autograd final callback, queued by each
+    (idempotent): a flag "already queued" would stay set after a failed backward, whose callbacks autograd drops."""
 
     def __init__(self) -> None:
         self.works: list[dist.Work | AllToAllReduction] = []
@@ -149,9 +125,8 @@ class PendingReductions:
 
 
 def overlap_collectives_on_cpu(units: Iterable[FSDPModule], reduce_scatters: bool) -> None:
-    """Make ``units`` (every FSDP unit of one model on CPU ranks) overlap their collectives with compute: the
-    all-gathers always, the reduce-scatters where ``reduce_scatters`` (a 1-D mesh: under hybrid sharding FSDP2
-    all-reduces the reduce-scatter's output at once). The units share one :class:`PendingReductions`."""
+    """Every FSDP unit of one model on CPU ranks overlaps its all-gathers, and its reduce-scatters on a 1-D mesh
+    (``reduce_scatters``: under hybrid sharding FSDP2 all-reduces the output at once)."""
     pending = PendingReductions()
     for unit in units:
         if reduce_scatters:

@@ -38,10 +38,9 @@ def shard_module(
     ignored_params: set[nn.Parameter] | None = None,
     offload_policy: OffloadPolicy | None = None,
 ) -> FSDPModule:
-    """Make ``module`` (or a list of consecutive modules, together) one FSDP unit over ``mesh`` (1-D: fully sharded;
-    2-D: hybrid, sharded along the last dimension). ``reshard_after_forward`` is explicit (see
-    ``settings.unit_reshard``): no FSDP default decides. Returns the unit (a list's first module: FSDP2 gives
-    every module of the list the one shared state, so any of them stands for the unit)."""
+    """Make ``module`` (or consecutive modules, together) one FSDP unit over ``mesh`` (2-D: hybrid);
+    ``reshard_after_forward`` explicit (``settings.unit_reshard``). Returns the unit (a list's first module: its
+    modules share one FSDP state)."""
     sharded = fully_shard(
         module if not isinstance(module, list) or len(module) > 1 else module[0],
         mesh=mesh,
@@ -54,13 +53,9 @@ def shard_module(
 
 
 def group_blocks(blocks: list[T], per_unit: int, unit_of: Sequence[int] | None = None) -> list[list[T]]:
-    """Consecutive runs of ``per_unit`` blocks (in model order; the last run may be shorter), one FSDP unit each;
-    ``unit_of[i]``: block ``i``'s unit as discovered (the modules of a container that is never called themselves
-    share one), which a run never splits (it may hold more than ``per_unit`` blocks then).
-
-    Consecutive, so that a unit's blocks run back to back: FSDP2 gathers a list-unit at the first of its modules'
-    forwards and reduce-scatters once after the last of their backwards.
-    """
+    """Runs of ``per_unit`` consecutive blocks, one FSDP unit each (consecutive: FSDP2 gathers a list-unit at its
+    first forward and reduce-scatters after its last backward); never splitting a discovered unit (``unit_of[i]``:
+    block ``i``'s; the modules of a container never called themselves share one)."""
     unit_of = range(len(blocks)) if unit_of is None else unit_of
     groups: list[list[T]] = []
     for i, block in enumerate(blocks):
@@ -72,14 +67,9 @@ def group_blocks(blocks: list[T], per_unit: int, unit_of: Sequence[int] | None =
 
 
 def set_prefetch(units: list[FSDPModule], depth: int) -> None:
-    """Explicit prefetch along the model order ``units`` (outer unit first, then the blocks in forward order).
-
-    Each unit issues the all-gathers of the next ``depth`` units in forward right after its own, and of the
-    previous ``depth`` blocks in backward: the collective then runs (NCCL stream, or gloo's worker thread on
-    CPU) while this unit computes, instead of being issued when the next unit's pre-forward hook runs, where
-    the caller then waits for it. ``depth=0`` leaves FSDP2's implicit behaviour (backward prefetch of one unit
-    by the reverse post-forward order; none in forward on CPU). More than 1 holds more gathered copies at once.
-    """
+    """Each unit of ``units`` (outer first, then the blocks in forward order) issues the next ``depth`` units'
+    all-gathers in forward right after its own, and the previous ``depth`` blocks' in backward, so they run while it
+    computes. ``depth=0`` leaves FSDP2's implicit prefetch (none in forward on CPU)."""
     if depth <= 0:
         return
     for index, unit in enumerate(units):

@@ -17,11 +17,8 @@ from torch.distributed.fsdp import FSDPModule
 
 
 def unsharded_gradient_bytes(module: nn.Module, compute_dtype: torch.dtype) -> int:
-    """Bytes of every unit's unsharded gradients alive at once: what skipping the sync costs in memory.
-
-    FSDP2 accumulates unsharded gradients in the dtype parameters are gathered in (the compute dtype); with the
-    sync on, only one unit's exist at a time, and Lightning frees the sharded ones at ``zero_grad``.
-    """
+    """Bytes of every unit's unsharded gradients (in the compute dtype) alive at once: what skipping the sync costs
+    (with it on, one unit's exist at a time)."""
     numel = sum(p.numel() for p in module.parameters() if p.requires_grad)  # DTensor.numel(): the full size
     return numel * torch.empty((), dtype=compute_dtype).element_size()
 

@@ -1,22 +1,15 @@
 """The outer FSDP unit, and calls to the sharded model outside a step (callbacks, after ``fit``) that gather it.
 
 Lightning calls ``training_step``, never ``forward``, so the outer unit sits on :class:`OuterUnit`, whose forward
-runs the step: FSDP's hooks gather the outer unit around the whole step. Outside a step (a callback's
-``on_train_end``, the user's script after ``fit``) nobody calls that forward, so the outer unit's own parameters
-stay sharded DTensors and ``pl_module(x)`` fails inside torch ("got mixed torch.Tensor and DTensor"). Under DDP
-the same call just works. Here, forward hooks on the modules that hold outer-unit parameters gather the outer
-unit when such a call comes from outside a step; repeated blocks are their own units and gather themselves.
+runs the step. Outside a step nobody calls that forward, so the outer unit's parameters stay sharded DTensors and
+``pl_module(x)`` fails inside torch ("got mixed torch.Tensor and DTensor"), where DDP just works. So forward hooks
+on the modules holding outer-unit parameters gather it for such a call (blocks gather themselves). The copy is
+freed when the outermost call returns under ``no_grad``/``inference_mode``; with gradients on it is kept (a
+backward may follow) until the next step, optimizer step or setup (:meth:`OuterUnit.release`).
 
-What it costs and when it is freed:
-- under ``torch.no_grad()`` / ``inference_mode()`` the gathered copy is freed when the outermost call returns;
-- with gradients enabled it is kept (a backward may follow) until the next step, optimizer step or setup,
-  where :meth:`OuterUnit.release` drops it and any gradients computed on it. Nothing stays gathered in training.
-
-Such a call is a collective: every rank must make it. Before it gathers anything, every rank states which module
-it calls in a handshake on a side group (distributed/collective_guard.py): a call on one rank, even during
-training while the others go on to their next step, or different calls on different ranks, fail with
-:class:`OutsideStepCallError`
-(within the strategy's ``timeout``), and nothing is sent on the model's process group.
+Such a call is a collective: every rank first states which module it calls on a side group
+(distributed/collective_guard.py); a call on one rank, or different calls, fail with :class:`OutsideStepCallError`
+within the strategy's ``timeout``, and nothing is sent on the model's process group.
 """
 
 from __future__ import annotations
@@ -37,12 +30,8 @@ class OutsideStepCallError(RuntimeError):
 
 
 class OuterUnit(nn.Module):
-    """The outer FSDP unit around the LightningModule.
-
-    Lightning's forward redirection calls this module, whose ``forward`` runs the step: FSDP's hooks fire around
-    the whole step, and a ``self(x)`` inside the step does not re-enter them. After ``fully_shard``, call
-    :meth:`enable_calls_outside_steps` so the model can also be called from callbacks and after ``fit``.
-    """
+    """The outer FSDP unit around the LightningModule: Lightning's forward redirection calls it, so FSDP's hooks fire
+    around the whole step (a ``self(x)`` inside it does not re-enter them)."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
@@ -65,11 +54,8 @@ class OuterUnit(nn.Module):
     # --- calls outside a step ---------------------------------------------------------------------------
 
     def enable_calls_outside_steps(self) -> None:
-        """Hook the modules holding outer-unit parameters (and their ancestors); idempotent.
-
-        Call after ``fully_shard(self)``: the outer unit's parameters are then the sharded DTensors (``Shard``
-        placements) outside the block units; fp32 norms are ``Replicate`` DTensors with their own hooks.
-        """
+        """After ``fully_shard(self)``: hook the modules holding outer-unit parameters (``Shard``-placed DTensors
+        outside the block units) and their ancestors; idempotent."""
         if self._hooks or not isinstance(self, FSDPModule):
             return
         self._owned = _outer_unit_parameters(self.module)
@@ -161,9 +147,8 @@ def _reshard_after_eval_step(outer: OuterUnit, args: Any, output: Any) -> None:
 
 
 def reshard_units(outer: nn.Module) -> None:
-    """Every FSDP unit under ``outer`` back to its shards: the outer unit, and the block units the planner keeps
-    gathered from forward to backward (``reshard_after_forward=False``), which a forward without a backward (an
-    evaluation step, a call outside a step) would otherwise leave gathered. Units already sharded are untouched."""
+    """Every FSDP unit under ``outer`` back to its shards, also those kept gathered for backward, which a forward
+    without a backward (evaluation, a call outside a step) would leave gathered."""
     for unit in outer.modules():
         if isinstance(unit, FSDPModule):
             unit.reshard()

@@ -61,13 +61,11 @@ def parallelize(
 ) -> Parallelized:
     """Apply the recipe to ``model`` (held by ``outer_unit``, the module Lightning actually calls).
 
-    ``config`` is what setup resolved (a requested :class:`ParallelConfig` is resolved for ``device`` here).
-    ``creation`` says how ``configure_model()`` built meta parameters (``None``: the model existed before setup).
-    ``precision`` and ``device`` are required: a default would silently run a bf16 GPU job as fp32 on CPU.
-    ``tensor_mesh`` (``tensor_parallel=k``): the blocks are split over it first; ``mesh`` is the data-parallel one.
-    ``calls``: what a training step measured at setup called (the units are the modules it runs, and the inputs
-    on which each tensor-parallel plan is proven); ``None``: no step was measured. ``kept_gathered``: the blocks
-    whose units the planner keeps gathered from forward to backward.
+    ``config``: what setup resolved (a :class:`ParallelConfig` is resolved here). ``creation``: how
+    ``configure_model()`` built meta parameters (``None``: built before setup). ``precision`` and ``device`` have no
+    default: one would silently run a bf16 GPU job as fp32 on CPU. ``tensor_mesh``: the blocks are split over it
+    first. ``calls``: what a step measured at setup called (the units, the tensor-parallel proofs' inputs).
+    ``kept_gathered``: blocks whose units the planner keeps gathered from forward to backward.
     """
     resolved = config if isinstance(config, ResolvedConfig) else resolve_config(config, device)
     found = select_units(model, resolved.sharding.blocks, calls)  # before anything rewrites the tree
@@ -119,8 +117,7 @@ def parallelize(
         world_size=mesh.size(), model_class=type(model).__name__, blocks=[name for name, _ in blocks],
         described=described, norms=norms, checkpointing=checkpointing, compiled=compiled, router=router,
         kernels=resolved.kernels, tensor_core_misses=tensor_cores, units=units, overlap=overlap, init=init,
-        params=list(model.parameters()), precision=precision.name, tensor=tensor,
-        joined=joined,
+        params=list(model.parameters()), precision=precision.name, tensor=tensor, joined=joined,
     )
     return Parallelized(summary_from_facts(facts), norms.replicated, router)
 
@@ -129,7 +126,11 @@ def select_units(model: nn.Module, selector: ModuleSelector | None, calls: Calls
     """The blocks to shard, checkpoint and compile (each holding parameters), as the modules of each that a training
     step runs (``calls``, where it ran to the end; else the model's structure says what can run); loud if the
     user's selector matched nothing, or if the model has nothing to shard at all."""
-    _check_has_parameters(model)
+    if not holds_parameters(model):
+        raise ValueError(
+            f"{type(model).__name__} has no parameters, so there is nothing to shard. Create the layers in"
+            " `__init__` or in `configure_model()` (which VitScaleStrategy calls before sharding)."
+        )
     called = calls.called if calls is not None and calls.called and not calls.error else None
     found = [(name, [(n, b) for n, b in parts if holds_parameters(b)]) for name, parts in
              find_units(model, selector, called)]
@@ -162,11 +163,8 @@ def _outer_layers(model: nn.Module, blocks: Named, norm_modules: Named) -> list[
 
 
 def _outer_subtrees(model: nn.Module, blocks: Named, norm_modules: Named) -> Named:
-    """The largest sub-modules holding parameters and no block: what ``compile_outer`` compiles.
-
-    Largest, so that e.g. a patch embedding compiles as one graph; norms on their own are skipped (one kernel
-    already, and their fp32 forwards belong to precision/norms.py).
-    """
+    """The largest sub-modules holding parameters and no block (a patch embedding: one graph), what
+    ``compile_outer`` compiles; no norm on its own (one kernel already, its fp32 forward is precision/norms.py's)."""
     block_ids = {id(block) for _, block in blocks}
     skipped = {id(m) for _, m in norm_modules}
     holds_block: set[int] = set()
@@ -187,12 +185,4 @@ def _outer_subtrees(model: nn.Module, blocks: Named, norm_modules: Named) -> Nam
 
     visit("", model)
     return found
-
-
-def _check_has_parameters(model: nn.Module) -> None:
-    if not holds_parameters(model):
-        raise ValueError(
-            f"{type(model).__name__} has no parameters, so there is nothing to shard. Create the layers in"
-            " `__init__` or in `configure_model()` (which VitScaleStrategy calls before sharding)."
-        )
 

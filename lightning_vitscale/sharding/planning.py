@@ -1,11 +1,8 @@
-"""What the planner decides before the pipeline runs, from the batch when it is known at setup
-(``example_input_array``, else one batch of the train dataloader: ``memory/planning_batch.py``), by its one search
-(``memory/plan_search.py``): ``"auto"``'s plan (``activation_checkpointing="auto"``, or left to
-``priority="speed"``; else a meta twin waits for the first batch) and, for checkpointing the user chose, the blocks
-per unit and the units kept gathered that ``priority`` left to it. The budget it keeps to is resolved once per
-setup and is every rank's smallest (:func:`agreed_budget`); the ranks then apply one plan, rank 0's
-(``RankContext.broadcast``). Afterwards: how the choice is applied to the sharded units and described in the setup
-summary.
+"""What the planner decides before the pipeline runs, by its one search (``memory/plan_search.py``), from the batch
+known at setup (``memory/planning_batch.py``): ``"auto"``'s plan (else a meta twin waits for the first batch) and,
+for checkpointing the user chose, the blocks per unit and units kept gathered that ``priority`` left to it. Every
+rank keeps to the smallest budget (:func:`agreed_budget`) and applies rank 0's plan. Then: how the choice is applied
+to the sharded units and described in the setup summary.
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_vitscale._utils import human_bytes
 from lightning_vitscale.discovery.calls import Calls
+from lightning_vitscale.distributed import RankContext
 from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.memory import (
     AutoCheckpointing,
@@ -37,7 +35,6 @@ from lightning_vitscale.memory import (
 )
 from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, least_memory, search
 from lightning_vitscale.precision import PrecisionPolicy
-from lightning_vitscale.sharding.ranks import Ranks
 from lightning_vitscale.sharding.resolved import ResolvedConfig
 from lightning_vitscale.sharding.settings import ShardingPolicy
 from lightning_vitscale.sharding.summary import SetupSummary
@@ -48,17 +45,12 @@ class Planned:
     """The settings to shard with (the planner's choices filled in) and what to apply once the units exist.
 
     Attributes:
-        resolved: the resolved settings with ``"auto"``'s blocks and the blocks per unit chosen where they could be.
+        resolved: with ``"auto"``'s blocks and the blocks per unit chosen where they could be.
         auto: the ``"auto"`` lifecycle (its choice, or the meta twin waiting for the first batch); ``None`` if off.
-        measured: the fake-tensor measurement for the summary's predicted peak (the batch known at setup).
-        measured_on: where that batch came from and what ran on it.
-        units_choice: why the blocks per unit are what they are, where the planner chose them.
-        kept_gathered: blocks whose unit the planner keeps gathered from forward to backward (their units'
-            reshard left to it: ``reshard_after_forward=None``).
-        budget: ``memory_budget`` in bytes, the same on every rank (:func:`agreed_budget`; the summary names it,
-            and says so when the predicted peak is over it).
-        calls: what the measured step called (the units are what it runs), where a step was measured at setup.
-        unmeasured: why the step measured at setup gave no prediction (the summary says it), else empty.
+        measured, measured_on: the measurement at setup for the summary's predicted peak, and what it ran on.
+        kept_gathered: blocks whose unit stays gathered from forward to backward (the planner's choice).
+        calls: what the measured step called (the units are what it runs).
+        unmeasured: why the measurement gave no prediction (the summary says it).
     """
 
     resolved: ResolvedConfig
@@ -134,7 +126,7 @@ def plans_from_batch(resolved: ResolvedConfig) -> bool:
     return resolved.checkpointing.is_auto or resolved.planner_units or resolved.planner_keeps
 
 
-def agreed_budget(memory_budget: int | float | None, ranks: Ranks) -> int:
+def agreed_budget(memory_budget: int | float | None, ranks: RankContext) -> int:
     """``memory_budget`` in bytes, resolved once per setup: the smallest any rank resolved (free host memory differs
     by rank), so that every rank's search, on the same batch shape, finds the same plan, one that fits on all."""
     return -ranks.agree_max(-resolve_budget(memory_budget, device_memory(ranks.device, ranks.ranks_per_node)))
@@ -144,22 +136,33 @@ def plan_before_sharding(
     module: nn.Module,
     resolved: ResolvedConfig,
     precision: PrecisionPolicy,
-    ranks: Ranks,
+    ranks: RankContext,
     budget: int,
     batch: PlanningBatch | None = None,
     trainer: pl.Trainer | None = None,
 ) -> Planned:
     """The planner's part of setup, before any unit exists (every rank calls it: it agrees by collectives).
-    ``budget``: :func:`agreed_budget`; ``batch``: what it measures (``memory.planning_batch``); ``None``:
-    ``example_input_array`` if set; ``trainer``: whose loop the step runs in (when gradients are alive)."""
-    auto, resolved = _auto_checkpointing(module, resolved, precision, ranks, budget, batch, trainer)
-    if auto is not None:
+    ``budget``: :func:`agreed_budget`; ``batch``: what it measures; ``None``: ``example_input_array`` if set;
+    ``trainer``: whose loop the step runs in (when gradients are alive)."""
+    sharding, shard = resolved.sharding, shard_size(ranks.sharding_mesh)
+    replicas = ranks.sharding_mesh.size() // shard  # copies of a shard group (hybrid), as the layout report counts
+    tp = ranks.tensor_mesh.size() if ranks.tensor_mesh is not None else 1  # it measures one TP rank's share
+    if resolved.checkpointing.is_auto:
+        auto = AutoCheckpointing(
+            budget, shard, precision.name, sharding.blocks, _fixed_reshard(resolved), offloads(sharding, ranks.device),
+            blocks_per_unit=None if resolved.planner_units else resolved.blocks_per_unit, replicas=replicas,
+            tensor_parallel=tp, tensor_plan=sharding.tensor_plan,
+            required=resolved.requested.checkpointing.blocks == "auto", trainer=trainer,
+        )
+        choice = auto.at_setup(module, ranks.device, ranks.broadcast, batch)
+        if choice is not None:  # else decided at the first training step, from its batch
+            resolved = dataclasses.replace(resolved, checkpoint_choice=choice.modes,
+                                           blocks_per_unit=choice.blocks.per_unit)
         return Planned(resolved, budget, auto, calls=auto.calls)
-    sharding, calls = resolved.sharding, Calls()
-    shard, replicas = _groups(ranks)
+    calls = Calls()
     found = measure_for_summary(module, batch or planning_batch(module, None), shard, precision.name,
                                 sharding.blocks, ranks.device, _mode_of(module, resolved), replicas,
-                                _tensor_parallel(ranks), sharding.tensor_plan, calls, trainer)
+                                tp, sharding.tensor_plan, calls, trainer)
     if found is None:
         return Planned(resolved, budget)
     measured, measured_on = found
@@ -172,17 +175,6 @@ def plan_before_sharding(
                    kept_gathered=kept, calls=calls)
 
 
-def _groups(ranks: Ranks) -> tuple[int, int]:
-    """The ranks of one shard group and how many copies of it (hybrid sharding), as the layout report counts them."""
-    shard = shard_size(ranks.sharding_mesh)
-    return shard, ranks.sharding_mesh.size() // shard
-
-
-def _tensor_parallel(ranks: Ranks) -> int:
-    """The ranks that split each block (``tensor_parallel=k``): the planner measures one of them's share."""
-    return ranks.tensor_mesh.size() if ranks.tensor_mesh is not None else 1
-
-
 def _mode_of(module: nn.Module, resolved: ResolvedConfig) -> ModeOf:
     """``resolved.checkpoint_mode`` asked of ``module``'s own block: the measurement may run on a meta twin, whose
     blocks a user's predicate has never seen."""
@@ -190,7 +182,7 @@ def _mode_of(module: nn.Module, resolved: ResolvedConfig) -> ModeOf:
 
 
 def _choose_units(
-    module: nn.Module, resolved: ResolvedConfig, measured: StepInputs, ranks: Ranks, budget: int
+    module: nn.Module, resolved: ResolvedConfig, measured: StepInputs, ranks: RankContext, budget: int
 ) -> tuple[ResolvedConfig, str, tuple[str, ...]]:
     """For the checkpointing the user chose (pinned in the search): the blocks per unit and the units kept gathered
     that ``priority`` left to the planner, rank 0's plan on every rank."""
@@ -225,33 +217,6 @@ def _fixed_reshard(resolved: ResolvedConfig) -> bool | None:
 def offloads(sharding: ShardingPolicy, device: torch.device) -> bool:
     """Whether the sharded state leaves the device (``offload="cpu"`` on a CPU rank changes nothing)."""
     return sharding.offload is not None and device.type != "cpu"
-
-
-def _auto_checkpointing(
-    module: nn.Module,
-    resolved: ResolvedConfig,
-    precision: PrecisionPolicy,
-    ranks: Ranks,
-    budget: int,
-    batch: PlanningBatch | None = None,
-    trainer: pl.Trainer | None = None,
-) -> tuple[AutoCheckpointing | None, ResolvedConfig]:
-    """The ``"auto"`` lifecycle and ``resolved`` with the blocks chosen at setup, if the choice could be made now."""
-    if not resolved.checkpointing.is_auto:
-        return None, resolved
-    shard, replicas = _groups(ranks)
-    sharding = resolved.sharding
-    auto = AutoCheckpointing(
-        budget, shard, precision.name, sharding.blocks, _fixed_reshard(resolved), offloads(sharding, ranks.device),
-        blocks_per_unit=None if resolved.planner_units else resolved.blocks_per_unit, replicas=replicas,
-        tensor_parallel=_tensor_parallel(ranks), tensor_plan=sharding.tensor_plan,
-        required=resolved.requested.checkpointing.blocks == "auto", trainer=trainer,
-    )
-    choice = auto.at_setup(module, ranks.device, ranks.broadcast, batch)
-    if choice is None:
-        return auto, resolved  # decided at the first training step, from its batch
-    chosen = dataclasses.replace(resolved, checkpoint_choice=choice.modes, blocks_per_unit=choice.blocks.per_unit)
-    return auto, chosen
 
 
 def apply_auto_choice(module: nn.Module, auto: AutoCheckpointing, summary: SetupSummary) -> None:

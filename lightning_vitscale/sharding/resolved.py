@@ -1,18 +1,10 @@
-"""What setup resolved from the requested settings: made once, for one device, with a concrete type per field.
-
-:class:`~lightning_vitscale.ParallelConfig` is what the user asked for and never changes (``kernels="auto"`` stays
-``"auto"``); :class:`ResolvedConfig` is what the pipeline builds (the :class:`KernelPolicy` ``"auto"`` became on this
-device, what ``priority`` made of the settings left at ``None``, the blocks ``activation_checkpointing="auto"``
-chose, the blocks per unit and the prefetch depth).
-"""
+"""What setup resolved from the request (``ParallelConfig``, never changed): made once, for one device."""
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -28,16 +20,12 @@ class ResolvedConfig:
     """The settings the pipeline runs with; ``VitScaleStrategy.resolved`` after setup.
 
     Attributes:
-        requested: what the user asked for (``strategy.config``), unchanged.
-        kernels: the kernel policy for this device (``kernels="auto"`` resolved, ``torch.compile(model)`` taken over).
-        blocks_per_unit: consecutive blocks per FSDP unit: the user's, the planner's choice, or 1.
-        prefetch: units each unit all-gathers ahead (the user's, else 1 on CPU ranks and 0 on GPUs).
-        checkpointing: the checkpointing settings with ``priority`` applied (``blocks`` never ``None``).
-        planner_units: the planner chooses ``blocks_per_unit`` (left at ``None`` under ``priority="speed"``).
-        planner_keeps: the planner may keep block units gathered for backward (``reshard_after_forward=None``
-            under ``priority="speed"``).
-        checkpoint_choice: the blocks ``activation_checkpointing="auto"`` chose at setup (name -> mode; a block not
-            named is not checkpointed); ``None``: the requested setting decides per block.
+        requested: what the user asked for (``strategy.config``).
+        kernels: the policy for this device (``"auto"`` resolved, ``torch.compile(model)`` taken over).
+        checkpointing: with ``priority`` applied (``blocks`` never ``None``).
+        planner_units, planner_keeps: ``priority="speed"`` left ``blocks_per_unit``, or which block units stay
+            gathered for backward, to the planner.
+        checkpoint_choice: name -> mode of the blocks ``"auto"`` chose at setup; ``None``: the request decides.
     """
 
     requested: ParallelConfig
@@ -60,73 +48,28 @@ class ResolvedConfig:
             return self.checkpoint_choice.get(name)
         return self.checkpointing.mode(index, name, module)
 
-    def config_view(self) -> ParallelConfig:
-        """``strategy.config`` after setup, for one release: the requested settings, whose ``kernels`` still reads
-        as the resolved policy (with a :class:`DeprecationWarning`), as README documented before."""
-        return _ConfigAfterSetup(self.requested, self.kernels)
-
 
 def resolve_config(
     config: ParallelConfig, device: torch.device, user_compiler: Compiler | None = None
 ) -> ResolvedConfig:
-    """What ``config`` means on ``device`` (known only once processes are set up).
-
-    ``trainer.fit(torch.compile(model))`` brings the user's compile settings, applied block by block.
-    """
-    requested = config.requested if isinstance(config, _ConfigAfterSetup) else config
-    kernels = resolve_kernels(requested.kernels, device, usable_backends(device))
+    """What ``config`` means on ``device``; ``user_compiler``: ``trainer.fit(torch.compile(model))``'s settings."""
+    kernels = resolve_kernels(config.kernels, device, usable_backends(device))
     if user_compiler is not None:
         kernels = dataclasses.replace(kernels, compile_blocks=True, compiler=user_compiler)
-    left = by_priority(requested)
-    return ResolvedConfig(requested, kernels, left.blocks_per_unit or 1, requested.sharding.prefetch_on(device.type),
+    left = by_priority(config)
+    return ResolvedConfig(config, kernels, left.blocks_per_unit or 1, config.sharding.prefetch_on(device.type),
                           left.checkpointing, left.blocks_per_unit is None, left.planner_keeps)
 
 
 def compile_where_it_pays(
     resolved: ResolvedConfig, step: tuple[StepInputs, StepSettings] | None, device: torch.device
 ) -> ResolvedConfig:
-    """``kernels="auto"`` on CUDA with the step measured at setup (``step``: the planner's inputs and the settings
-    to apply): the blocks compiled only where the planner's step model predicts it pays for this device and batch
-    (:func:`~lightning_vitscale.kernels.with_compile_choice`). A user's own policy or ``torch.compile(model)`` is
-    left as it is; without a batch, ``"auto"``'s default (compiled) stays, and the summary says why."""
+    """``kernels="auto"`` with the step measured at setup (``step``): the blocks compiled only where the step model
+    predicts it pays (:func:`~lightning_vitscale.kernels.with_compile_choice`). A user's own policy or
+    ``torch.compile(model)`` stays; without a batch, ``"auto"``'s default (compiled) stays."""
     kernels = resolved.kernels
-    if resolved.requested.kernels != "auto" or not kernels.compile_blocks or kernels.compiler is not None:
-        return resolved
-    if step is None:
+    if resolved.requested.kernels != "auto" or not kernels.compile_blocks or kernels.compiler is not None or not step:
         return resolved
     pays, why = compile_pays(*step, rates_for(device))
     return dataclasses.replace(resolved, kernels=with_compile_choice(kernels, pays, why))
 
-
-_DEPRECATED_KERNELS = (
-    "`strategy.config.kernels` after setup is the resolved KernelPolicy only for one more release; read"
-    " `strategy.resolved.kernels` instead. `strategy.config` will then always hold what you asked for."
-)
-
-
-class _ConfigAfterSetup(ParallelConfig):
-    """The requested settings, except that reading ``kernels`` gives the resolved policy and warns (deprecated)."""
-
-    requested: ParallelConfig
-
-    def __init__(self, requested: ParallelConfig, kernels: KernelPolicy) -> None:
-        # The fields set as the requested ones (already checked): no __post_init__, which would read `kernels`.
-        for name, value in (("sharding", requested.sharding), ("checkpointing", requested.checkpointing),
-                            ("kernels", requested.kernels), ("priority", requested.priority), ("requested", requested),
-                            ("_resolved_kernels", kernels)):
-            object.__setattr__(self, name, value)
-
-    def __getattribute__(self, name: str) -> Any:
-        if name == "kernels":
-            warnings.warn(_DEPRECATED_KERNELS, DeprecationWarning, stacklevel=2)
-            return object.__getattribute__(self, "_resolved_kernels")
-        return object.__getattribute__(self, name)
-
-    def __eq__(self, other: object) -> bool:
-        return self.requested == (other.requested if isinstance(other, _ConfigAfterSetup) else other)
-
-    def __hash__(self) -> int:
-        return hash(self.requested)
-
-    def __repr__(self) -> str:
-        return repr(self.requested)

@@ -47,11 +47,8 @@ def _invalid(settings: object, name: str, requirement: str) -> ValueError:
 
 @dataclass(frozen=True)
 class ShardingPolicy:
-    """Which modules become their own FSDP unit and when they free gathered parameters.
-
-    Each field's text is in its ``metadata["doc"]``: the one source of ``VitScaleStrategy``'s Args and README's
-    options table (``lightning_vitscale/options.py``).
-    """
+    """Which modules become their own FSDP unit and when they free gathered parameters; each field's text is in its
+    ``metadata["doc"]``, the one source of the strategy's Args and README's options table (``options.py``)."""
 
     blocks: ModuleSelector | None = field(
         default=None,
@@ -182,8 +179,8 @@ class ShardingPolicy:
             )
 
     def prefetch_on(self, device_type: str) -> int:
-        """The prefetch depth to build on ``device_type``: the user's, else 1 on CPU, where FSDP2 has no streams and
-        only an explicit, asynchronous prefetch overlaps a gather with compute, and 0 (FSDP2's own) elsewhere."""
+        """The user's prefetch, else 1 on CPU (no streams: only an explicit, asynchronous prefetch overlaps a gather
+        with compute), 0 (FSDP2's own) elsewhere."""
         if self.prefetch is not None:
             return self.prefetch
         return 1 if device_type == "cpu" else 0
@@ -203,13 +200,8 @@ def _check_layout(layout: object) -> None:
 
 
 def shard_group_size(layout: ShardingLayout, world_size: int, ranks_per_node: int) -> int:
-    """How many ranks shard one copy of the state: the one place that says what each layout means.
-
-    ``"full"`` shards over all ranks (least memory: 1/world of the state per rank, but every unit's all-gather
-    and reduce-scatter spans the nodes). ``"hybrid"`` shards over the ranks of one node (fast intra-node links
-    carry every all-gather and reduce-scatter; only one gradient all-reduce of each rank's shard crosses
-    nodes) and keeps a replica per node. An int must divide ``world_size``.
-    """
+    """How many ranks shard one copy of the state: the one place that says what each layout means (``"full"``:
+    all; ``"hybrid"``: one node's, a replica per node; an int must divide ``world_size``)."""
     _check_layout(layout)
     match layout:
         case "full":
@@ -230,11 +222,7 @@ def shard_group_size(layout: ShardingLayout, world_size: int, ranks_per_node: in
 
 @dataclass(frozen=True)
 class CheckpointingPolicy:
-    """Which blocks recompute their activations in backward instead of storing them.
-
-    Each field's text is in its ``metadata["doc"]`` (``lightning_vitscale/options.py``); see also
-    :data:`CheckpointSelector`.
-    """
+    """Which blocks recompute their activations in backward; each field's text is in its ``metadata["doc"]``."""
 
     blocks: CheckpointSelector | None = field(
         default=None,
@@ -283,17 +271,9 @@ class CheckpointingPolicy:
     def is_auto(self) -> bool:
         return self.blocks == "auto"
 
-    def selects(self, index: int, name: str, module: nn.Module) -> bool:
-        """Whether the ``index``-th block (0-based, in model order) is checkpointed, in either mode."""
-        return self.mode(index, name, module) is not None
-
     def mode(self, index: int, name: str, module: nn.Module) -> Literal["full", "selective"] | None:
         """How the ``index``-th block (0-based, in model order) is checkpointed: ``"full"``, ``"selective"`` or
-        ``None`` (not at all).
-
-        ``"auto"`` (and ``None``, left to ``priority``: see :func:`by_priority`) selects nothing here: the strategy
-        checkpoints its chosen blocks once it knows the batch.
-        """
+        ``None``; ``"auto"`` and ``None`` select nothing here (setup applies the planner's choice)."""
         sel = self.blocks
         if sel is None or sel == "auto":
             return None
@@ -320,12 +300,8 @@ def _block_mode(answer: object, name: str) -> Literal["full", "selective"] | Non
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """What the user asked for, grouped so the strategy constructor stays short; never changed by setup.
-
-    ``kernels`` is the request (``"auto"``, ``"eager"`` or a :class:`KernelPolicy`); what it means on the device,
-    like the blocks ``"auto"`` checkpointing chose, is in :class:`~lightning_vitscale.sharding.ResolvedConfig`
-    (``VitScaleStrategy.resolved``), made once at setup.
-    """
+    """What the user asked for (``strategy.config``), never changed by setup: what it means on the device is a
+    :class:`~lightning_vitscale.sharding.ResolvedConfig` (``strategy.resolved``)."""
 
     sharding: ShardingPolicy = field(default_factory=ShardingPolicy)
     checkpointing: CheckpointingPolicy = field(default_factory=CheckpointingPolicy)
@@ -385,12 +361,9 @@ def by_priority(config: ParallelConfig) -> LeftToPriority:
 
 
 def unit_reshard(requested: bool | int | None, outer: bool) -> bool | int:
-    """What ``reshard_after_forward`` one unit gets: the one place the recipe's rule lives.
-
-    ``None`` is the recipe: blocks free their gathered parameters after forward (one all-gather more in backward,
-    one block's parameters alive at a time); the outer unit keeps its own, which backward needs at once.
-    ``True``/``False`` apply to every unit; an ``int`` (reshard to a smaller group) to the blocks only.
-    """
+    """What ``reshard_after_forward`` one unit gets. ``None`` is the recipe: blocks free their gathered parameters
+    after forward (one block's alive at a time), the outer unit keeps its own, which backward needs at once; an
+    ``int`` (reshard to a smaller group) applies to the blocks only."""
     if requested is None:
         return not outer
     return bool(requested) if outer else requested

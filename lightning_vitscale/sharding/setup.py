@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from lightning_vitscale._compat import initialize_fsdp_root, set_lightning_device
 from lightning_vitscale._utils import human_bytes
 from lightning_vitscale.checkpoint import full_state_dict
+from lightning_vitscale.distributed import RankContext
 from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.init import Creation
 from lightning_vitscale.kernels import AttentionRouter, auto_attention_step
@@ -42,7 +43,6 @@ from lightning_vitscale.sharding.planning import (
     plan_before_sharding,
     plans_from_batch,
 )
-from lightning_vitscale.sharding.ranks import Ranks
 from lightning_vitscale.sharding.resolved import ResolvedConfig, compile_where_it_pays
 from lightning_vitscale.sharding.reuse import check_reusable, sharding_signature
 from lightning_vitscale.sharding.settings import ShardingPolicy
@@ -63,13 +63,11 @@ class ShardedModel:
 
     Attributes:
         outer: the outer FSDP unit around the module: what Lightning calls (``strategy.model``).
-        summary: what setup did (``strategy.plan``).
         norms: the fp32 norms kept outside the units, whose gradients are averaged after each backward.
         router: the attention router still to decide for (``attention="auto"``), if any.
         auto: ``activation_checkpointing="auto"``: its choice, or the meta twin waiting for the first batch.
         signature: the settings it was sharded with; another Trainer may reuse it only with the same ones.
-        memory_budget: ``memory_budget`` in bytes as setup resolved it (``accumulation="auto"`` keeps to it too).
-        planned_for_speed: the planner chose settings ``priority="speed"`` left to it (an out-of-memory step then
+        planned_for_speed: the planner chose what ``priority="speed"`` left to it (an out-of-memory step then
             names the fixes).
         accumulation: whether micro-batches before the last skip the gradient sync; chosen at the first one.
     """
@@ -88,10 +86,9 @@ class ShardedModel:
     def module(self) -> nn.Module:
         return self.outer.module
 
-    def before_training_step(self, batch: Any, ranks: Ranks, optimizers: list[torch.optim.Optimizer]) -> None:
-        """``activation_checkpointing="auto"`` without a batch at setup: decide from the first batch, then
-        checkpoint the chosen blocks in place (they are FSDP units already: the patched forward runs inside
-        the block's FSDP hooks, as when it is applied before ``fully_shard``)."""
+    def before_training_step(self, batch: Any, ranks: RankContext, optimizers: list[torch.optim.Optimizer]) -> None:
+        """``activation_checkpointing="auto"`` without a batch at setup: decide from the first batch, then checkpoint
+        the chosen blocks in place (inside their FSDP hooks, as when applied before ``fully_shard``)."""
         if self.auto is None or not self.auto.pending:
             return
         modes = self.auto.at_first_step(batch, ranks.device, ranks.broadcast, optimizers).modes
@@ -134,7 +131,9 @@ class ShardedModel:
             self.norms.after_backward()
 
     @contextmanager
-    def accumulating(self, mode: AccumulationMode, ranks: Ranks, compute: torch.dtype) -> Generator[None, None, None]:
+    def accumulating(
+        self, mode: AccumulationMode, ranks: RankContext, compute: torch.dtype
+    ) -> Generator[None, None, None]:
         """A micro-batch before the last of an accumulation window (Lightning's ``block_backward_sync``): skip
         the gradient sync where :attr:`accumulation` says so. Every rank enters it at the same micro-batch, so
         ``"auto"`` may agree on its choice with a collective the first time."""
@@ -154,7 +153,9 @@ class ShardedModel:
             if self.norms is not None:
                 self.norms.syncing = True
 
-    def _choose_accumulation(self, mode: AccumulationMode, ranks: Ranks, compute: torch.dtype) -> AccumulationChoice:
+    def _choose_accumulation(
+        self, mode: AccumulationMode, ranks: RankContext, compute: torch.dtype
+    ) -> AccumulationChoice:
         device = ranks.device
         measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         in_use = max(self.summary.predicted_peak or 0, measured)
@@ -180,20 +181,20 @@ def shard_lightning_module(
     module: nn.Module,
     resolved: ResolvedConfig,
     precision: VitScalePrecision,
-    ranks: Ranks,
+    ranks: RankContext,
     creation: Creation | None,
     fitting: Any | None = None,
     trainer: Any | None = None,
 ) -> ShardedModel:
-    """Shard ``module`` once; later calls with the same settings return the same :class:`ShardedModel`.
+    """Shard ``module`` once; later calls with the same settings return the same :class:`ShardedModel`, others
+    raise :class:`~lightning_vitscale.ShardedModuleReuseError`.
 
-    ``fitting``: the Trainer when it is about to fit: setup then measures one batch of its training data
-    (``memory/planning_batch.py``) where the module sets no ``example_input_array``: for the planner, for which
-    modules the step calls (the units) and for the inputs each tensor-parallel plan is proven on. ``trainer``: the
-    one the module runs under (fitting or not): the planner follows its loop.
+    ``fitting``: the Trainer about to fit, whose training data gives one batch (``memory/planning_batch.py``) where
+    the module sets no ``example_input_array``: for the planner, the units and the tensor-parallel proofs.
+    ``trainer``: the one the module runs under (fitting or not): the planner follows its loop.
 
-    Kept in the module's ``__dict__`` (not as a submodule): the LightningModule must not contain its own wrapper.
-    A module sharded under other settings raises :class:`~lightning_vitscale.ShardedModuleReuseError`.
+    Kept in the module's ``__dict__``, not as a submodule (the LightningModule must not contain its own wrapper):
+    a registry keyed weakly by the module would leak both, as the value holds the module.
     """
     signature = sharding_signature(
         resolved.requested, precision.policy, ranks.sharding_mesh.size(), ranks.device, kernels=resolved.kernels
@@ -212,7 +213,7 @@ def _shard(
     module: nn.Module,
     resolved: ResolvedConfig,
     precision: VitScalePrecision,
-    ranks: Ranks,
+    ranks: RankContext,
     creation: Creation | None,
     signature: dict[str, Any],
     batch: PlanningBatch | None,
@@ -257,11 +258,11 @@ def _describe_layout(
     norms: ReplicatedNorms | None,
     precision: PrecisionPolicy,
     sharding: ShardingPolicy,
-    ranks: Ranks,
+    ranks: RankContext,
     tensor_sent: float | None = None,
 ) -> None:
-    """Sharding layout, per-step traffic (per mesh dimension under tensor parallelism: ``tensor_sent``, the
-    planner's) and offload in the summary."""
+    """Sharding layout, per-step traffic (``tensor_sent``: the planner's, over the tensor-parallel dimension) and
+    offload in the summary."""
     mesh = ranks.sharding_mesh
     tp = ranks.tensor_mesh.size() if ranks.tensor_mesh is not None else 1
     summary.layout = layout_report(

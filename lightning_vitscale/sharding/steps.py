@@ -3,7 +3,6 @@ returns a small record of what it did, from which the setup summary is built (``
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -54,8 +53,7 @@ class CheckpointFacts:
 
 @dataclass(frozen=True)
 class CompileFacts:
-    """Modules compiled in place: the blocks' class names (one per block) and the outer sub-modules' names (``None``:
-    ``compile_outer`` off)."""
+    """Compiled in place: one class name per block, the outer sub-modules' names (``None``: ``compile_outer`` off)."""
 
     block_classes: list[str]
     outer: list[str] | None
@@ -75,21 +73,11 @@ class UnitFacts:
 
 
 @dataclass(frozen=True)
-class OverlapFacts:
-    """The explicit prefetch depth set, and how collectives overlap where the package arranges it (else empty)."""
-
-    prefetch: int
-    description: str
-
-
-@dataclass(frozen=True)
 class TensorParallelFacts:
-    """What ``apply_tp`` did: the tensor-parallel size, per block class its plan, what stays whole and what the
-    proof found, and which projections hold their packed rows interleaved per rank (``module names``)."""
+    """What ``apply_tp`` did: per block class its plan, what stays whole and the proof; packed projections."""
 
     size: int
     plans: dict[str, str]
-    blocks: dict[str, int]
     interleaved: list[str]
 
 
@@ -97,14 +85,12 @@ def apply_tp(
     model: nn.Module, blocks: Named, *, mesh: DeviceMesh, plan: TensorPlanSelector | None, init_path: str,
     calls: Calls | None, device: torch.device,
 ) -> TensorParallelFacts:
-    """Split every block over ``mesh`` (the tensor-parallel dimension) by its plan once each distinct block's plan
-    is proven (``tensor_proof.py``: on ``calls``' recorded inputs, on ``device``); set per-rank head counts.
+    """Split every block over ``mesh`` (the tensor-parallel dimension) by its plan, each distinct plan proven first
+    (``tensor_proof.py``, on ``calls``' recorded inputs).
 
-    Every rank must end with global rank 0's values (DDP's guarantee). ``init_path`` says how the weights were
-    made (``InitialWeights.path``). ``"built"`` (the model built before setup, on every rank): rank 0's values are
-    broadcast first and each block's shards cut from its tensor-parallel group's first rank. ``"exact"`` and
-    ``"meta"`` (``configure_model()``): every rank splits meta tensors with no communication (rank 0's own values
-    wait in ``InitialWeights.hold``); each unit's 2-D shards get their values as FSDP shards it.
+    Every rank ends with global rank 0's values (DDP's guarantee): ``init_path="built"`` broadcasts them first;
+    ``"exact"``/``"meta"`` split meta tensors (rank 0's values wait in ``InitialWeights.hold``), and each unit's
+    2-D shards get their values as FSDP shards it.
     """
     built = init_path == "built"
     if built:
@@ -116,8 +102,7 @@ def apply_tp(
         split_block(block, mesh, block_plan, values_everywhere=built)
         interleaved += [f"{name}.{n}" for n, role in block_plan.styles.items() if role == "packed_colwise"]
     described = {type(b).__name__: f"{p.describe()}; {p.whole(b)}; {proofs[type(b).__name__]}" for _, b, p in plans}
-    counts = Counter(type(block).__name__ for _, block in blocks)
-    return TensorParallelFacts(mesh.size(), described, dict(counts), interleaved)
+    return TensorParallelFacts(mesh.size(), described, interleaved)
 
 
 def apply_attention_routing(blocks: Named, attention: str, device: torch.device) -> AttentionRouter | None:
@@ -171,15 +156,10 @@ def apply_fsdp(
     unit_of: list[int] | None = None,
     one_unit: bool = False,
 ) -> UnitFacts:
-    """One FSDP unit per ``blocks_per_unit`` consecutive blocks (never splitting the modules of one discovered unit,
-    ``unit_of``: see :func:`~.fsdp.group_blocks`), bottom-up, then the outer unit around the rest.
-
-    ``one_unit``: a single block unit would be kept gathered on one rank, where nothing overlaps and the memory is
-    the same: the blocks join the outer unit instead (FSDP2 runs one pre-forward hook per step, not one per block).
-
-    Each unit's starting values are taken before it is sharded and delivered to its shards right after
-    (``weights``), so no rank holds a second copy of the model.
-    """
+    """One FSDP unit per ``blocks_per_unit`` consecutive blocks (``unit_of``: :func:`~.fsdp.group_blocks`),
+    bottom-up, then the outer unit; ``weights`` delivers each unit's values to its shards as it is made, so no rank
+    holds a second copy of the model. ``one_unit``: a single block unit kept gathered on one rank overlaps nothing
+    and saves no memory: the blocks join the outer unit (one FSDP2 pre-forward hook per step, not one per block)."""
     groups = group_blocks(blocks, blocks_per_unit, unit_of)
     if one_unit and len(groups) == 1:
         groups = []
@@ -196,15 +176,16 @@ def apply_fsdp(
     return UnitFacts(outer, block_units, blocks_per_unit)
 
 
-def apply_prefetch(units: list[FSDPModule], prefetch: int, mesh: DeviceMesh, device: torch.device) -> OverlapFacts:
+def apply_prefetch(units: list[FSDPModule], prefetch: int, mesh: DeviceMesh, device: torch.device) -> str:
     """Each unit starts the next ``prefetch`` units' all-gathers once its own is done; on CPU the collectives are
-    made asynchronous too (gloo's worker threads), or nothing would overlap there."""
+    made asynchronous too (gloo's worker threads), or nothing would overlap there. Returns how they overlap where
+    the package arranges it (else empty)."""
     set_prefetch(units, prefetch)
     if device.type != "cpu" or mesh.size() <= 1:
-        return OverlapFacts(prefetch, "")
+        return ""
     overlap_collectives_on_cpu(units, reduce_scatters=mesh.ndim == 1)
     gathers = "all-gathers" + ("" if mesh.ndim > 1 else ", reduce-scatters")
-    return OverlapFacts(prefetch, f"asynchronous on CPU ({gathers}), prefetch {prefetch}")
+    return f"asynchronous on CPU ({gathers}), prefetch {prefetch}"
 
 
 def replicate_norms(
@@ -224,8 +205,7 @@ def replicate_norms(
 
 @dataclass(frozen=True)
 class InitFacts:
-    """How the starting weights were made (``"exact"``, ``"meta"``, ``"built"``), the host-memory peak growth and
-    seconds it took, and the meta tensors whose init could not be reproduced."""
+    """How the starting weights were made, the host-memory peak growth, seconds, and inits not reproduced."""
 
     path: str
     peak_bytes: int
@@ -248,7 +228,7 @@ class PipelineFacts:
     kernels: KernelPolicy
     tensor_core_misses: list[str]
     units: UnitFacts
-    overlap: OverlapFacts
+    overlap: str
     init: InitFacts
     params: list[nn.Parameter]
     precision: str

@@ -1,15 +1,11 @@
-"""The setup summary: what the strategy did to the model, as data for tests and tools and as text for people.
-
-:class:`SetupSummary` (``strategy.plan``, formerly ``ParallelPlan``, a name kept as a deprecated alias) records what
-setup did. What the memory planner predicts is a :class:`~lightning_vitscale.MemoryPlan` (``memory/``).
-"""
+"""The setup summary (``strategy.plan``): what setup did to the model, as data for tests and tools and as text for
+people. What the planner predicts is a :class:`~lightning_vitscale.MemoryPlan` (``memory/``)."""
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lightning_vitscale._utils import full_bytes, local_bytes, mib
 from lightning_vitscale.kernels import describe_router
@@ -23,42 +19,25 @@ if TYPE_CHECKING:
 class SetupSummary:
     """Facts about one parallelized model; ``VitScaleStrategy.plan`` after setup.
 
-    Attributes:
-        world_size: ranks the model is sharded over.
+    Attributes (those whose name does not say it all):
+        world_size: data-parallel ranks the model is sharded over.
         blocks: block class name -> count, as discovered or selected.
-        block_names: qualified names of the blocks.
-        units: number of FSDP units (block units + the outer unit).
-        blocks_per_unit: consecutive blocks per block unit (``1``: each block its own unit).
-        units_choice: why, where the planner chose ``blocks_per_unit`` (``blocks_per_unit=None``).
-        checkpointed: blocks whose activations are recomputed in backward (fully or selectively).
-        selective: those of ``checkpointed`` that recompute only their cheap ops (``"selective"``).
-        self_checkpointed: blocks that already checkpoint themselves (e.g. HF gradient checkpointing): left alone.
+        units: FSDP units (block units + the outer unit).
+        units_choice: why, where the planner chose ``blocks_per_unit``.
+        checkpointed: blocks recomputed in backward; ``selective`` those that recompute only their cheap ops.
+        self_checkpointed: blocks that checkpoint themselves (e.g. HF gradient checkpointing): left alone.
         fp32_modules: modules kept in fp32 inside a low-precision model (normalization layers).
-        num_params: parameters in the model (unsharded count).
-        param_bytes_full: bytes of all parameters unsharded.
-        param_bytes_local: bytes of parameters this rank holds.
-        precision: the precision recipe in force.
-        notes: other facts worth a line in the summary.
-        kernels: kernel choices (compiled blocks, attention, fused optimizer).
         tensor_core_misses: Linear/Conv/attention dimensions that are not multiples of 8, with module names.
-        layout: the sharding layout and the bytes this rank sends per step within its node and across nodes
-            (see ``sharding/traffic.py`` for the conventions).
-        offload: where the sharded state lives between uses (``"cpu"``), or ``None`` (on the device).
-        predicted_peak: the memory planner's predicted per-rank peak of a training step (bytes), where known.
-        memory: one line on the predicted memory and, under ``activation_checkpointing="auto"``, the choice.
+        layout: the sharding layout and bytes sent per step within and across nodes (``sharding/traffic.py``).
+        predicted_peak: the planner's predicted per-rank peak of a training step (bytes), where known.
+        memory: the predicted memory and, under ``activation_checkpointing="auto"``, the choice.
         accumulation: under ``accumulate_grad_batches > 1``, whether micro-batches reduce-scatter (set at the
-            first accumulating micro-batch; empty before).
-        init_path: how the starting weights were made: ``"exact"`` (``configure_model()`` on rank 0, shards
-            scattered unit by unit), ``"meta"`` (every rank on meta, the model's own init replayed on the shards)
-            or ``"built"`` (the model existed before setup; rank 0's values scattered unit by unit).
-        init_peak_bytes: peak growth of this rank's host memory (sampled RSS) from ``configure_model()`` (or the
-            start of sharding) until every unit had its values.
-        init_seconds: how long that took.
+            first accumulating micro-batch).
+        init_path: how the starting weights were made: ``"exact"``, ``"meta"`` or ``"built"`` (``_INIT_PATHS``).
+        init_peak_bytes: peak growth of this rank's host memory (sampled RSS) until every unit had its values.
         overlap: how collectives overlap compute where the package arranges it (CPU ranks), else empty.
-        tensor_parallel: ranks that split each block (``1``: none); ``world_size`` then counts data-parallel ranks.
-        tensor_plans: block class -> its tensor-parallel plan (module roles, per-rank head counts), what it keeps
-            replicated and what its proof at setup measured.
-        tensor_interleaved: packed projections whose rows are held in per-rank order (checkpoints: the model's).
+        tensor_plans: block class -> its tensor-parallel plan, what it keeps whole and what its proof measured.
+        tensor_interleaved: packed projections whose rows are held in per-rank order (their checkpoints too).
     """
 
     world_size: int
@@ -184,7 +163,7 @@ def summary_from_facts(facts: PipelineFacts) -> SetupSummary:
         init_path=facts.init.path,
         init_peak_bytes=facts.init.peak_bytes,
         init_seconds=facts.init.seconds,
-        overlap=facts.overlap.description,
+        overlap=facts.overlap,
         tensor_parallel=facts.tensor.size if facts.tensor else 1,
         tensor_plans=facts.tensor.plans if facts.tensor else {},
         tensor_interleaved=facts.tensor.interleaved if facts.tensor else [],
@@ -227,10 +206,3 @@ def _abbrev(names: list[str], keep: int = 3) -> str:
     shown = ", ".join(names[:keep])
     return shown + (f", ... +{len(names) - keep}" if len(names) > keep else "")
 
-
-def __getattr__(name: str) -> Any:
-    if name == "ParallelPlan":  # the setup summary's name until it was named for what it is
-        warnings.warn("ParallelPlan is deprecated: it is the setup summary, now SetupSummary (same class; import"
-                      " lightning_vitscale.SetupSummary).", DeprecationWarning, stacklevel=2)
-        return SetupSummary
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

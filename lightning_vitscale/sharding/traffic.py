@@ -1,19 +1,11 @@
 """The bytes each rank sends per training step, inside its node and across nodes, for a layout.
 
-Computed from the FSDP units' parameter shapes, the precision policy's dtypes and the mesh layout (which ranks
-share a shard group, which ranks share a node), through the planner's one model of a unit's collectives
-(``memory/collectives.py``: rings, padded buffers, per group). Conventions, so numbers compare across layouts:
-
-- one forward and one backward per optimizer step (no gradient accumulation, one backbone call per step);
-- a collective whose group holds ranks of more than one node counts as across-node traffic in full (a ring
-  moves every byte at the pace of its inter-node hops); one whose group sits inside a node, as intra-node.
-
-fp32 norms add one all-reduce per mesh dimension.
-
-Under tensor parallelism (``tensor_parallel=k``, TP innermost: ``k`` consecutive ranks, inside a node) the FSDP
-units and norms above run over the data-parallel dimension (counted on the data-parallel ranks, ``k`` to a
-group of consecutive ranks) and the tensor-parallel dimension carries the blocks' all-reduces of activations, which
-depend on the batch: the planner predicts them (``memory/tensor_split.py``) and the report states them beside.
+From the FSDP units' parameter shapes, the precision's dtypes and the mesh, through the planner's one model of a
+unit's collectives (``memory/collectives.py``). Conventions, so numbers compare across layouts: one forward and one
+backward per optimizer step; a collective whose group spans nodes counts in full as across-node traffic (a ring
+moves every byte at the pace of its inter-node hops); fp32 norms add one all-reduce per mesh dimension. Under
+tensor parallelism (innermost, inside a node) the above counts the data-parallel ranks; the tensor-parallel
+all-reduces of activations depend on the batch: the planner predicts them (``memory/tensor_split.py``).
 """
 
 from __future__ import annotations
@@ -65,8 +57,7 @@ def fsdp_units(outer: nn.Module, ignored: set[nn.Parameter], reshard_after_forwa
 
 
 def tensor_parallel_shape(param: nn.Parameter) -> torch.Size:
-    """What FSDP shards of ``param``: its shape, or under tensor parallelism one tensor-parallel rank's share of
-    it (a DTensor's shape is the global one; its ``"tensor_parallel"`` mesh dimension's ``Shard(d)`` splits ``d``)."""
+    """What FSDP shards of ``param``: its shape, or under tensor parallelism one tensor-parallel rank's share."""
     mesh = getattr(param, "device_mesh", None)
     names = getattr(mesh, "mesh_dim_names", None) or ()
     if mesh is None or "tensor_parallel" not in names:
@@ -163,9 +154,7 @@ def layout_report(
     tensor_sent: float | None = None,
 ) -> LayoutReport:
     """Traffic of the chosen layout; on a fully sharded multi-node job also what ``sharding="hybrid"`` would send.
-    ``world_size``, ``shard_size`` and ``rank`` count data-parallel ranks (``ranks_per_node`` all ranks): under
-    ``tensor_parallel`` a node holds ``ranks_per_node / tensor_parallel`` of them; ``tensor_sent``: the planner's
-    tensor-parallel bytes per step."""
+    ``world_size``, ``shard_size`` and ``rank`` count data-parallel ranks, ``ranks_per_node`` all ranks."""
     ranks_per_node = max(1, ranks_per_node // tensor_parallel)
     units = fsdp_units(outer, set(norm_params), reshard_after_forward)
     norm_numel = sum(p.numel() for p in norm_params)

@@ -49,7 +49,7 @@ def test_compiled_module_is_taken_over_before_lightning_refuses_it():
     _verify_strategy_supports_compile(unwrapped, strategy)  # accepted now
     assert strategy.lightning_module is model
     assert model.training_step == plain_step and model._compiler_ctx is None  # the whole step is not compiled
-    assert strategy._module_slot.compiler is compiled.dynamo_ctx  # the blocks get the user's compile settings
+    assert strategy._compiler is compiled.dynamo_ctx  # the blocks get the user's compile settings
 
 
 def test_sync_batchnorm_converts_where_torch_runs_it():

@@ -42,9 +42,6 @@ DOCUMENTED_PATHS = {
     "lightning_vitscale.checkpoint": {
         "consolidate_checkpoint", "consolidated", "load_consolidated", "CheckpointError", "AsyncSaveError", "verify",
     },
-    "lightning_vitscale.policies": {
-        "ParallelConfig", "ShardingPolicy", "CheckpointingPolicy", "KernelPolicy", "PrecisionPolicy", "EMAPolicy",
-    },
     "lightning_vitscale.strategy": {"VitScaleStrategy"},
     "lightning_vitscale.checkpoint.fsdp1": {
         "convert_fsdp1_checkpoint", "load_fsdp1_state_dict", "load_fsdp1_local_state_dict",
@@ -74,27 +71,6 @@ def test_documented_names_are_the_same_objects_everywhere():
 
     assert consolidate_checkpoint is lightning_vitscale.consolidate_checkpoint
     assert KernelPolicy is lightning_vitscale.KernelPolicy
-
-
-def test_the_policies_path_keeps_its_names_for_one_release_and_warns_on_import():
-    from lightning_vitscale import sharding
-
-    sys.modules.pop("lightning_vitscale.policies", None)  # the warning is raised when the module first runs
-    with pytest.warns(DeprecationWarning, match="lightning_vitscale.policies.*deprecated"):
-        policies = importlib.import_module("lightning_vitscale.policies")
-    assert policies.KernelPolicy is lightning_vitscale.KernelPolicy
-    assert policies.ParallelConfig is sharding.ParallelConfig
-
-
-def test_the_setup_summary_keeps_its_old_name_for_one_release_and_warns():
-    from lightning_vitscale import sharding
-    from lightning_vitscale.sharding import summary
-
-    for module in (lightning_vitscale, sharding, summary):
-        with pytest.warns(DeprecationWarning, match="ParallelPlan is deprecated.*SetupSummary"):
-            assert module.ParallelPlan is lightning_vitscale.SetupSummary
-    with pytest.raises(AttributeError, match="NoSuchName"):
-        lightning_vitscale.NoSuchName  # noqa: B018
 
 
 def test_strategy_is_registered_under_its_name():

@@ -45,12 +45,12 @@ def test_keyword_only_constructor():
 )
 def test_every_kth_block(selector, expected):
     policy = CheckpointingPolicy(selector)
-    assert [i for i in range(6) if policy.selects(i, f"b{i}", nn.Identity())] == expected
+    assert [i for i in range(6) if policy.mode(i, f"b{i}", nn.Identity()) is not None] == expected
 
 
 def test_predicate_checkpointing():
     policy = CheckpointingPolicy(lambda name, module: name.endswith("1"))
-    assert [i for i in range(3) if policy.selects(i, f"blocks.{i}", nn.Identity())] == [1]
+    assert [i for i in range(3) if policy.mode(i, f"blocks.{i}", nn.Identity()) is not None] == [1]
 
 
 def test_checkpointing_modes_per_block():
@@ -88,10 +88,7 @@ def test_config_stays_the_request_and_setup_resolves_it_apart(mesh):
     assert resolved is not None and resolved.requested is requested  # the request, unchanged
     assert resolved.kernels == KernelPolicy()  # "auto" on CPU: eager, SDPA, the user's optimizer
     assert (resolved.blocks_per_unit, resolved.prefetch) == (1, 1)  # CPU: one unit ahead
-    assert strategy.config == requested and strategy.config.checkpointing.blocks == 2
-    # README said `strategy.config.kernels` is the resolved policy after setup: kept one release, with a warning.
-    with pytest.warns(DeprecationWarning, match="strategy.resolved.kernels"):
-        assert strategy.config.kernels == KernelPolicy()
+    assert strategy.config is requested and strategy.config.kernels == "auto"
 
 
 def test_priority_resolves_the_settings_left_at_none_and_the_ones_set_win():

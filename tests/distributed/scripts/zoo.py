@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vitscale import VitScaleStrategy
-from lightning_vitscale.sharding import TensorPlanError
+from lightning_vitscale.discovery.tensor_plan import TensorPlanError
 from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
 from tests.helpers.scenarios import run_scenarios
 from tests.helpers.zoo import CLASSES, FAMILIES, IMAGE, LucidViT

@@ -254,7 +254,7 @@ def test_policy_errors_name_the_fix():
         CheckpointingPolicy(blocks="some")
     with pytest.raises(ValueError, match="a100-40gb"):
         parse_memory("lots")
-    assert CheckpointingPolicy(blocks="auto").selects(0, "b", copy.copy(torch.nn.Linear(1, 1))) is False
+    assert CheckpointingPolicy(blocks="auto").mode(0, "b", copy.copy(torch.nn.Linear(1, 1))) is None
 
 
 def test_auto_keeps_blocks_gathered_when_everything_fits(mesh):

@@ -141,7 +141,7 @@ def test_a_mixed_plan_is_applied_block_by_block_and_computes_the_same_gradients(
     gathered for backward; gradients equal an unplanned model's."""
     from lightning_vitscale.distributed import RankContext
     from lightning_vitscale.sharding import resolve_config
-    from lightning_vitscale.sharding.planning import _auto_checkpointing, apply_auto_choice
+    from lightning_vitscale.sharding.planning import apply_auto_choice, plan_before_sharding
 
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
     grads, gathered = [], []
@@ -154,7 +154,8 @@ def test_a_mixed_plan_is_applied_block_by_block_and_computes_the_same_gradients(
         asked = ParallelConfig(checkpointing=CheckpointingPolicy(blocks="auto", memory_budget=budget))
         ranks = RankContext(mesh=mesh, device=torch.device("cpu"))
         resolved = resolve_config(asked, torch.device("cpu"))
-        auto, config = _auto_checkpointing(model, resolved, resolve_flag("32-true"), ranks, budget)  # as setup does
+        before = plan_before_sharding(model, resolved, resolve_flag("32-true"), ranks, budget)  # as setup does
+        auto, config = before.auto, before.resolved
         root = OuterUnit(model)
         done = parallelize(root, model, mesh, config, resolve_flag("32-true"), torch.device("cpu"))
         apply_auto_choice(model, auto, done.plan)

@@ -167,7 +167,7 @@ def test_plan_memory_resolves_its_budget_as_memory_budget_does():
 def test_every_rank_plans_for_the_smallest_budget_and_applies_rank_zeros_plan(mesh):
     """One budget for the ranks: the smallest any rank resolved (free host memory differs by rank); one plan: rank
     0's, whatever this rank's search found (a first-step batch may differ by rank; the units must not).
-    Mutation tried: the plan not broadcast (``ranks.broadcast`` dropped in ``_auto_checkpointing``)."""
+    Mutation tried: the plan not broadcast (``ranks.broadcast`` dropped in ``plan_before_sharding``)."""
     from lightning_vitscale.distributed import RankContext
     from lightning_vitscale.memory.plan_search import BlockPlan
     from lightning_vitscale.sharding.planning import agreed_budget, plan_before_sharding

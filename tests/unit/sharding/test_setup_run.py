@@ -163,7 +163,7 @@ def test_a_tensor_parallel_plan_without_the_steps_inputs_is_refused_saying_why(m
 
     Mutation seen failing: ``_prove`` accepting a block without recorded inputs (the plan goes unproven)."""
     from lightning_vitscale.discovery import find_blocks
-    from lightning_vitscale.sharding import TensorPlanError
+    from lightning_vitscale.discovery.tensor_plan import TensorPlanError
     from lightning_vitscale.sharding.tensor_proof import prove_plans
 
     blocks = find_blocks(LucidViT())

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel
 
-from lightning_vitscale.discovery.tensor_plan import plan_block
-from lightning_vitscale.sharding import ShardingPolicy, TensorPlanError
+from lightning_vitscale.discovery.tensor_plan import TensorPlanError, plan_block
+from lightning_vitscale.sharding import ShardingPolicy
 from lightning_vitscale.sharding.tensor_parallel import interleave_rows
 
 PACKED = {"attn.qkv": "packed_colwise", "attn.proj": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
