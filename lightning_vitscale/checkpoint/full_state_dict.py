@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -144,16 +143,13 @@ def _gather_tree(value: Any, keep: bool) -> Any:
 
 
 def _gather_error(key: str, error: RuntimeError) -> StateDictGatherError:
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return StateDictGatherError(
-        f"state_dict() of a model sharded by VitScaleStrategy gathers every sharded tensor (here `{key}`), a"
-        f" collective that every rank must join; on rank {rank} it failed: {error}. Call `state ="
-        " model.state_dict()` on every rank and save on rank 0 only (`if trainer.is_global_zero:"
+    return StateDictGatherError(collective_guard.not_joined(
+        f"state_dict() of a model sharded by VitScaleStrategy gathers every sharded tensor (here `{key}`)", error,
+        "Call `state = model.state_dict()` on every rank and save on rank 0 only (`if trainer.is_global_zero:"
         " torch.save(state, path)`), or save with `trainer.save_checkpoint(path)` (one file in DDP's format"
         " with VitScaleStrategy(state_dict_type='full')), or turn a sharded checkpoint into one file with"
-        " `python -m lightning_vitscale consolidate SRC DST`. A call the other ranks never make fails after"
-        " VitScaleStrategy(timeout=...)."
-    )
+        " `python -m lightning_vitscale consolidate SRC DST`.",
+    ))
 
 
 def _shard_loaded_values(

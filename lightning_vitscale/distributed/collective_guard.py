@@ -100,3 +100,10 @@ def _describe(code: torch.Tensor) -> str:
     operation, count, _ = (int(v) for v in code)
     what = _WHAT.get(operation, f"operation {operation}")
     return f"{what} of {count} sharded tensor(s)" if operation == STATE_DICT else what
+
+
+def not_joined(what: str, error: BaseException, fix: str) -> str:
+    """The message for a gather that failed because the other ranks did not join it: this rank, the cause, the fix."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return (f"{what}, a collective that every rank must join; on rank {rank} it failed: {error}. {fix} A call the"
+            " other ranks never make fails after VitScaleStrategy(timeout=...).")

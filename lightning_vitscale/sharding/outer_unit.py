@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
@@ -125,13 +124,11 @@ class OuterUnit(nn.Module):
 
 
 def _outside_step_error(error: RuntimeError) -> OutsideStepCallError:
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return OutsideStepCallError(
-        f"Calling the sharded model outside a training/validation step gathers its outer FSDP unit, a"
-        f" collective that every rank must join; on rank {rank} it failed: {error}. Make the same call on"
-        " every rank (not under `if trainer.is_global_zero:` or `@rank_zero_only`), or make it inside a"
-        " `*_step`. A call that the other ranks never make fails after VitScaleStrategy(timeout=...)."
-    )
+    return OutsideStepCallError(collective_guard.not_joined(
+        "Calling the sharded model outside a training/validation step gathers its outer FSDP unit", error,
+        "Make the same call on every rank (not under `if trainer.is_global_zero:` or `@rank_zero_only`), or make it"
+        " inside a `*_step`.",
+    ))
 
 
 def _release_before_step(outer: OuterUnit, args: Any) -> None:
