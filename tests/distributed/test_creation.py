@@ -78,5 +78,7 @@ def test_four_ranks_hold_one_copy_at_most_during_setup(tmp_path):
         facts = rank["memory"]
         assert facts["path"] == "exact" and facts["trained"] == 1 and facts["all_dtensors"]
         assert facts["local"] == facts["full"] // 4
-        limit = 1.15 if index == 0 else 0.40
+        # Rank 0: its one full copy and its shards, never a second copy (2x). Measured 1.08x typically, once 1.155x
+        # in a CI run (sampled RSS catches a transient unit in flight): 1.25x keeps the margin, and the copy caught.
+        limit = 1.25 if index == 0 else 0.40
         assert facts["growth"] <= limit * facts["full"], (index, facts["growth"] / facts["full"])
