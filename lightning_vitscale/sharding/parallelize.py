@@ -106,7 +106,7 @@ def parallelize(
         outer_unit, [block for _, block in blocks], mesh=mesh, weights=weights,
         mp_policy=mixed_precision_policy(precision), offload=offload_policy(resolved.sharding.offload, device),
         reshard_after_forward=resolved.sharding.reshard_after_forward, blocks_per_unit=resolved.blocks_per_unit,
-        ignored=norms.ignored, unit_of=unit_of, one_unit=_sharding_buys_nothing(mesh, tensor, resolved, blocks,
+        ignored=norms.ignored, unit_of=unit_of, one_unit=_sharding_buys_nothing(mesh, tensor_mesh, resolved, blocks,
                                                                                kept_gathered),
     )
     # 5. Explicit prefetch once every unit exists: each unit starts the next one's all-gather.
@@ -145,11 +145,11 @@ def select_units(model: nn.Module, selector: ModuleSelector | None, calls: Calls
 
 
 def _sharding_buys_nothing(
-    mesh: DeviceMesh, tensor: object, resolved: ResolvedConfig, blocks: Named, kept: Collection[str]
+    mesh: DeviceMesh, tensor_mesh: DeviceMesh | None, resolved: ResolvedConfig, blocks: Named, kept: Collection[str]
 ) -> bool:
     """One rank, no tensor parallelism, every block kept gathered for backward: a unit of its own saves nothing."""
     keeps = unit_reshard(resolved.sharding.reshard_after_forward, outer=False) is False
-    return mesh.size() == 1 and tensor is None and (keeps or {name for name, _ in blocks} <= set(kept))
+    return mesh.size() == 1 and tensor_mesh is None and (keeps or {name for name, _ in blocks} <= set(kept))
 
 
 def _outer_layers(model: nn.Module, blocks: Named, norm_modules: Named) -> list[nn.Module]:
