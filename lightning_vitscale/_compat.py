@@ -30,8 +30,6 @@ from lightning.fabric.strategies.launchers.subprocess_script import _ChildProces
 from lightning.fabric.utilities.distributed import _destroy_dist_connection as destroy_process_group_safely
 from lightning.fabric.utilities.load import _METADATA_FILENAME as METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
-from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
@@ -60,8 +58,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # planner and init r
 from torch.utils._pytree import tree_leaves, tree_map
 
 # Every private torch/Lightning name the package uses, with what it is for; tests/unit/test_compat.py resolves each
-# on the installed torch/Lightning (naming it and the versions when one is gone) and checks that no other module
-# uses one. Only the names a subclass overrides (marked) appear outside this file, in the subclass.
+# on the installed torch/Lightning (a missing one fails naming it, the versions and this file) and checks that no
+# other module uses one. Only the names a subclass overrides (marked) appear outside this file, in the subclass.
 PRIVATE_NAMES = {
     "torch._dynamo": "regional compilation's dynamo options (kernels/compile.py)",
     "torch._subclasses.fake_tensor.FakeTensor": "memory planner: shapes without memory",
@@ -77,6 +75,7 @@ PRIVATE_NAMES = {
     "torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter": "DCP at a URL (s3://, gs://, memory://)",
     "torch.distributed.checkpoint.filesystem._StorageInfo": "where a DCP value lies in a file",
     "torch.distributed.checkpoint.format_utils._EmptyStateDictLoadPlanner": "a whole DCP checkpoint, one process",
+    # Not the public `dcp.load`, which fills a copy of the state dict: the keys it populates would be lost.
     "torch.distributed.checkpoint.state_dict_loader._load_state_dict": "a whole DCP checkpoint, one process",
     "torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter": "FSDP2 custom reduce-scatter (CPU overlap)",
     "torch.distributed.fsdp.FSDPModule._get_fsdp_state": "a unit's FSDP2 state (the four names below)",
@@ -146,39 +145,11 @@ PRIVATE_NAMES = {
 # Prefixes that wrappers add to parameter names: torch.compile, torch's checkpoint wrapper, FSDP1, Fabric.
 WRAPPER_PREFIXES = ("_orig_mod.", _CHECKPOINT_PREFIX, FSDP_PREFIX, "_forward_module.")
 
-# `dcp_load_into` reads a whole DCP checkpoint into one process with no process group, as `dcp_to_torch_save`
-# does (the public `dcp.load` fills a copy of the state dict, so the populated keys would be lost).
-
-# Private hooks this package overrides (strategy.py, precision/grad_scaler.py) or calls (below): fail at import,
-# naming the hook, rather than mid-training, if an upgrade removes one. (`Strategy._precision_plugin`, the slot
-# behind the `precision_plugin` property that strategy.py overrides, is an instance attribute: not checkable here.)
-_PRIVATE_HOOKS = (
-    (ModelParallelStrategy, "_configure_launcher"),
-    (ModelParallelStrategy, "_setup_distributed"),
-    (Precision, "_after_closure"),
-    (torch.amp.GradScaler, "_unscale_grads_"),
-    (ModelCheckpoint, "_ModelCheckpoint__resolve_ckpt_dir"),
-    (Trainer, "_fit_impl"),  # what `fit` hands the strategy's launcher, with `ckpt_path` (see `with_ckpt_path`)
-)
-_missing = [f"{cls.__name__}.{name}" for cls, name in _PRIVATE_HOOKS if not hasattr(cls, name)]
-if hasattr(Trainer, "_fit_impl") and "ckpt_path" not in inspect.signature(Trainer._fit_impl).parameters:
-    _missing.append("Trainer._fit_impl(ckpt_path=)")
-_missing += [] if hasattr(torch.serialization, "_get_restore_location") else [
-    "torch.serialization._get_restore_location"]
-if _missing:  # pragma: no cover - depends on the installed torch/Lightning
-    raise ImportError(
-        f"lightning-vitscale relies on {', '.join(_missing)}, which this torch/Lightning install lacks."
-        " Install a supported pair: `pip install 'torch>=2.14' 'lightning>=2.5,<3'`."
-    )
-
-# The fused unscale + inf/nan check GradScaler itself uses, applied to DTensor gradients' local shards.
 amp_unscale_and_check = torch._amp_foreach_non_finite_check_and_unscale_
-# torch.load's rule for `map_location` (device, string, dict or callable) applied to one storage.
 restore_location = torch.serialization._get_restore_location
 
 
 def setup_distributed(strategy: ModelParallelStrategy) -> None:
-    """Lightning's process-group setup for ``strategy``: device, ranks and the process group with its timeout."""
     strategy._setup_distributed()
 
 
@@ -189,8 +160,7 @@ def set_device_mesh(strategy: ModelParallelStrategy, module: Any, mesh: Any) -> 
 
 
 def set_lightning_device(module: torch.nn.Module, device: torch.device) -> None:
-    """What ``LightningModule.device`` reports: Lightning's device mixin keeps it in ``_device``, updated only by
-    ``module.to(...)``, which a strategy that shards instead of moving never calls."""
+    """What ``LightningModule.device`` reports: only ``module.to()`` sets it, which a sharding strategy never calls."""
     module._device = device  # type: ignore[assignment]
 
 
@@ -200,20 +170,17 @@ def after_closure(plugin: Precision, model: Any, optimizer: Any) -> None:
 
 
 def dtensor_local(tensor: Any) -> torch.Tensor:
-    """A DTensor's local tensor itself, with no autograd node (``to_local()`` records one while grad is on)."""
     return tensor._local_tensor
 
 
 def dtensor_like(local: torch.Tensor, like: Any) -> Any:
-    """``local`` as a DTensor laid out as ``like`` (mesh, placements, global shape, strides, dtype), without
-    ``DTensor.from_local``'s autograd function and spec building: for gradients handed over every step."""
+    """``local`` as a DTensor laid out as ``like``, without ``DTensor.from_local``'s autograd function and spec."""
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, like._spec, requires_grad=False)
 
 
 def set_parameters(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Put ``tensors`` in ``module``'s parameter slots as they are (plain tensors too), no ``nn.Parameter`` check."""
     module._parameters.update(tensors)  # type: ignore[arg-type]  # plain tensors on purpose
 
 
@@ -223,34 +190,27 @@ def parameter_slots(module: torch.nn.Module) -> dict[str, Any]:
 
 
 def buffer_slots(module: torch.nn.Module) -> dict[str, Any]:
-    """``module``'s own buffers by attribute name, writable in place (no ``register_buffer`` checks)."""
     return module._buffers
 
 
 def hook_counts(module: torch.nn.Module) -> tuple[int, int, int, int]:
-    """How many forward-pre, forward, backward and backward-pre hooks ``module`` itself has."""
     return (len(module._forward_pre_hooks), len(module._forward_hooks), len(module._backward_hooks),
             len(module._backward_pre_hooks))
 
 
 def storage_id(tensor: torch.Tensor) -> int:
-    """Identity of ``tensor``'s storage, shared by its views; also on fake and meta tensors (no data pointer)."""
     return int(tensor.untyped_storage()._cdata)
 
 
 def op_mutates(func: Any) -> bool:
-    """Whether the aten op ``func`` writes one of its inputs (its schema marks an argument mutable)."""
     return bool(func._schema.is_mutable)
 
 
-# `nn.init.trunc_normal_`'s body, the one a meta-device recorder must see (the public function returns early on
-# meta tensors); `MultiheadAttention` re-initialises only through the private `_reset_parameters`.
 TRUNC_NORMAL_IMPL = "_no_grad_trunc_normal_"
 INIT_METHODS = ("reset_parameters", "_reset_parameters")
 
 
 def unscales_in_step(optimizer: Any) -> bool:
-    """Whether ``optimizer``'s own ``step`` unscales AMP-scaled gradients (it takes the scaler's state)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
@@ -280,8 +240,8 @@ def averaging_device(callback: Any) -> Any:
 
 
 def on_child_failure(procs: list[Any], terminate: Callable[[], None]) -> int:
-    """Make Lightning's watcher thread of ``procs`` call ``terminate`` once a child exits non-zero, instead of its
-    own ``_terminate_all`` (SIGKILL to every child and to this process at once); returns how many it found."""
+    """Make Lightning's watcher of ``procs`` call ``terminate`` when a child fails, instead of SIGKILLing every child
+    and this process at once; returns how many watchers it found."""
     observers = [
         thread
         for thread in threading.enumerate()
@@ -293,27 +253,22 @@ def on_child_failure(procs: list[Any], terminate: Callable[[], None]) -> int:
 
 
 def initialize_fsdp_root(root: FSDPModule) -> None:
-    """FSDP2's lazy initialisation, now, with ``root`` as the root: it fixes which unit is the root (and wires the
-    shared communication state) at the first forward of *any* unit, so a first call of a child unit, made before
-    the first step (``pl_module.net(x)`` in ``on_train_start``), would make that child a root and break the step
-    (``FSDP state has already been lazily initialized for ...``). No-op once initialised."""
+    """FSDP2's lazy initialisation, now, with ``root`` as the root: else a child unit called first (``pl_module.net(x)``
+    in ``on_train_start``) becomes a root and breaks the step ("FSDP state has already been lazily initialized")."""
     root._get_fsdp_state()._lazy_init()
 
 
 def set_unshard_async(unit: FSDPModule, async_op: bool) -> None:
-    """FSDP2's all-gathers of ``unit`` and the units below it issued with ``async_op`` (a ``Work`` waited for at
-    the unit's first use): on CPU, where there are no streams, the only way a prefetched gather overlaps compute."""
+    """All-gathers of ``unit`` and the units below it issued async: on CPU (no streams) the only overlap of a gather."""
     unit._set_unshard_async_op(async_op)
 
 
 def fsdp_param_groups(unit: FSDPModule) -> list[Any]:
-    """FSDP2's parameter groups of ``unit`` itself (none for a unit that holds no parameter of its own)."""
     return list(unit._get_fsdp_state()._fsdp_param_groups)
 
 
 def unit_keeps_gathered(unit: FSDPModule) -> bool:
-    """Whether ``unit`` keeps its gathered parameters from forward to backward as set now (FSDP2 holds no mesh to
-    reshard to after forward: ``post_forward_mesh_info`` is ``None``); ``False`` for a unit without parameters."""
+    """Whether ``unit`` keeps its gathered parameters from forward to backward (``False``: it holds none itself)."""
     groups = fsdp_param_groups(unit)
     return bool(groups) and all(group.post_forward_mesh_info is None for group in groups)
 
@@ -324,8 +279,7 @@ def unit_parameters(unit: FSDPModule) -> list[torch.nn.Parameter]:
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, group: Any, async_op: bool) -> Any:
-    """``dist.reduce_scatter_single``, the name FSDP2 calls: looked up at each call, as FSDP2 does, so tools that
-    wrap the collective (tests counting them) see ours too."""
+    """``dist.reduce_scatter_single`` looked up at each call, as FSDP2 does: tools wrapping it see ours too."""
     return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
@@ -336,7 +290,6 @@ def current_backward_id() -> int:
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the backward pass now running ends (autograd's final callbacks, as FSDP2's own)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
@@ -373,27 +326,22 @@ def mark_sigterm_received(trainer: Any) -> None:
 
 
 def train_dataloader(trainer: Any) -> Any:
-    """What ``Trainer.fit`` will train on (the ``train_dataloaders`` argument, the module's or datamodule's
-    ``train_dataloader()``), before Lightning sets it up; ``None`` when there is none."""
+    """What ``Trainer.fit`` will train on, before Lightning sets it up (``None``: nothing)."""
     source = trainer.fit_loop._data_source
     return source.dataloader() if source.is_defined() else None
 
 
 def compile_context(module: Any) -> Any:
-    """The compile context Lightning's ``from_compiled`` left on a LightningModule (``None`` if not compiled)."""
     ctx = getattr(module, "_compiler_ctx", None)
     return None if ctx is None else ctx["dynamo_ctx"]
 
 
-
 def timm_save_config_for_hf() -> Callable[..., None]:
-    """timm's writer of a model folder's ``config.json`` (architecture, ``model_args``, ``pretrained_cfg``), the file
-    ``timm.create_model("local-dir:...")`` reads; private (``timm.models._hub``): public only inside ``save_for_hf``,
-    which also writes the weights itself. timm is optional: imported on call (``export --format timm``)."""
+    """timm's writer of the ``config.json`` that ``timm.create_model("local-dir:...")`` reads (public only inside
+    ``save_for_hf``, which also writes the weights); timm is optional: imported on call."""
     from timm.models._hub import save_config_for_hf
 
     return save_config_for_hf
-
 
 
 # The names imported above for other modules (the functions defined here need no listing).
@@ -405,8 +353,3 @@ __all__ = [
     "ShapeEnv", "StorageWeakRef", "BatchNormBase", "InstanceNormBase", "fused_kernel_devices", "get_layout",
     "TorchDispatchMode", "tree_leaves", "tree_map",
 ]
-
-
-def cuda_memory_fraction(device: torch.device) -> float:
-    """The share of ``device``'s memory this process may allocate (``torch.cuda.set_per_process_memory_fraction``)."""
-    return float(torch.cuda.get_per_process_memory_fraction(device))

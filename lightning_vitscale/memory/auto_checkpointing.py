@@ -19,7 +19,6 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_vitscale._compat import cuda_memory_fraction
 from lightning_vitscale._utils import available_host_bytes, human_bytes
 from lightning_vitscale.discovery.calls import Calls
 from lightning_vitscale.discovery.tensor_plan import TensorPlanError
@@ -89,7 +88,8 @@ def device_memory(device: torch.device, local_ranks: int = 1) -> int:
     """What one rank may count on: its share of the GPU (``set_per_process_memory_fraction``), or of the host's
     available memory."""
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory * cuda_memory_fraction(device))
+        share = torch.cuda.get_per_process_memory_fraction(device)
+        return int(torch.cuda.get_device_properties(device).total_memory * share)
     return (available_host_bytes() or 0) // max(1, local_ranks)
 
 

@@ -99,3 +99,15 @@ def test_no_module_but_compat_uses_a_private_torch_or_lightning_name():
             if names := imported | (other & (PRIVATE - OVERRIDDEN)):
                 found[path.relative_to(PACKAGE).as_posix()] = sorted(names)
     assert not found, f"private torch/Lightning names outside lightning_vitscale/_compat.py (use it): {found}"
+
+
+def test_fit_impl_takes_ckpt_path():
+    """``with_ckpt_path`` rewrites the ``ckpt_path`` that ``Trainer.fit`` hands the launcher; one without it would
+    leave ``ckpt_path="last"`` to Lightning's resolution (mutation tried: checking for ``ckpt_paths`` fails)."""
+    from lightning.pytorch import Trainer
+
+    parameters = inspect.signature(Trainer._fit_impl).parameters
+    assert "ckpt_path" in parameters, (
+        f"Trainer._fit_impl of lightning {lightning.__version__} takes no `ckpt_path`: update"
+        " lightning_vitscale/_compat.py's with_ckpt_path for this version"
+    )
