@@ -13,13 +13,11 @@ from lightning_vitscale.cli.demo import demo_command_parser
 from lightning_vitscale.cli.export import export_command_parser
 from lightning_vitscale.cli.plan import plan_command_parser
 
-DESCRIPTION = """Command line: `python -m lightning_vitscale demo`, `... consolidate SRC DST [--weights raw|ema]
-[--unsafe] [--from vitscale|fsdp1]`, `... export SRC DST --format safetensors|hf|timm|torchvision [--module NAME]
-[--weights model|ema|teacher] [--dtype fp32|bf16]` and `... plan` (memory planner)."""
-
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="python -m lightning_vitscale", description=DESCRIPTION)
+    top = argparse.ArgumentParser(
+        prog="python -m lightning_vitscale", description="`python -m lightning_vitscale COMMAND --help`: its options."
+    )
     subparsers = top.add_subparsers(dest="name", required=True)
     demo_command_parser(subparsers)
     consolidate_command_parser(subparsers)

@@ -4,6 +4,7 @@ LightningCLI config and print its memory plan. Only argument handling lives here
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import inspect
 import json
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from torch import nn
 
 from lightning_vitscale.memory import MemoryPlan, plan_memory
@@ -65,7 +67,7 @@ def plan_command(args: argparse.Namespace) -> int:
 def run_plan(args: argparse.Namespace) -> MemoryPlan:
     if args.cluster:
         args.nodes, args.devices, args.memory = _cluster(args.cluster)
-    config = _read_config(args.config)
+    config = (yaml.safe_load(Path(args.config).read_text()) or {}) if args.config else {}
     trainer, data = config.get("trainer", {}) or {}, _init_args(config.get("data"))
     model_cfg = config.get("model", {}) or {}
     target = args.model or (model_cfg.get("class_path") if isinstance(model_cfg, dict) else None)
@@ -97,14 +99,6 @@ def _cluster(spec: str) -> tuple[int, int, str]:
     return int(match.group(1) or 1), int(match.group(2)), match.group(3)
 
 
-def _read_config(path: str | None) -> dict[str, Any]:
-    if path is None:
-        return {}
-    import yaml
-
-    return yaml.safe_load(Path(path).read_text()) or {}
-
-
 def _init_args(section: Any) -> dict[str, Any]:
     if not isinstance(section, dict):
         return {}
@@ -114,14 +108,12 @@ def _init_args(section: Any) -> dict[str, Any]:
 
 
 def _import(target: str) -> type:
-    if ":" not in target:
-        target = target.rsplit(".", 1)[0] + ":" + target.rsplit(".", 1)[1] if "." in target else target
-    module_name, _, attr = target.partition(":")
+    module_name, _, attr = target.partition(":") if ":" in target else target.rpartition(".")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # `examples.models...` and the user's own package from a checkout
     try:
         return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as error:
+    except (ImportError, AttributeError, ValueError) as error:
         raise SystemExit(f"error: cannot import {target!r} ({error}); give it as 'pkg.module:Class'.") from error
 
 
@@ -145,15 +137,13 @@ def _linked_from_data(cls: type, section: Any, data: dict[str, Any], given: dict
     accepted = inspect.signature(cls).parameters
     data_cls = None
     if isinstance(section, dict) and "class_path" in section:
-        try:
+        with contextlib.suppress(SystemExit):
             data_cls = _import(section["class_path"])
-        except SystemExit:
-            data_cls = None
     linked = {}
     for name in _LINKED:
         if name in given or name not in accepted:
             continue
-        value = data.get(name, getattr(data_cls, name, None) if data_cls is not None else None)
+        value = data.get(name, getattr(data_cls, name, None))
         if isinstance(value, int):
             linked[name] = value
     return linked
@@ -164,10 +154,8 @@ def _example_input(module: nn.Module, shape: str | None, kwargs: dict[str, Any],
         dims = tuple(int(d) for d in shape.split(","))
         return torch.empty(batch or 1, *dims, device="meta")
     example = getattr(module, "example_input_array", None)
-    if isinstance(example, torch.Tensor):
-        if batch and example.shape[0] != batch:
-            return torch.empty(batch, *example.shape[1:], device="meta")
-        return example
+    if isinstance(example, torch.Tensor) and batch and example.shape[0] != batch:
+        return torch.empty(batch, *example.shape[1:], device="meta")
     if example is not None:
         return example
     if "img_size" in kwargs:
