@@ -4,7 +4,7 @@ called itself: its sub-layers are, and together they are one unit)."""
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 
 from torch import nn
@@ -42,7 +42,6 @@ def _signature(module: nn.Module) -> object:
 
 
 def _repeated_children(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
-    """Direct children whose class occurs at least twice among the siblings and which hold parameters."""
     named = [(f"{prefix}{name}", child) for name, child in module.named_children()]
     counts = Counter(_signature(child) for _, child in named if _is_composite(child))
     return [(name, child) for name, child in named if _is_composite(child) and counts[_signature(child)] >= 2]
@@ -68,11 +67,8 @@ def _is_stack(module: nn.Module) -> bool:
 
 
 def _discover(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
-    """Top-down walk; at each level take the repeated siblings, then prefer their own inner repetition.
-
-    The innermost level wins when it carries most of the parameters: a Swin/MViT *stage* repeats, but its
-    blocks are the unit the recipe wants (one block's parameters gathered at a time).
-    """
+    """Top-down walk: at each level the repeated siblings, or their own inner repetition when it carries most of
+    the parameters (a Swin/MViT *stage* repeats, but its blocks are the unit the recipe wants)."""
     repeated = _repeated_children(module, prefix)
     repeated_ids = {id(m) for _, m in repeated}
     for name, child in repeated:
@@ -91,18 +87,13 @@ def find_units(
     ``None`` discovers them. ``called``: the modules a training step ran (measured at setup), or ``None``: those
     whose class defines ``forward`` (``ModuleList``/``ModuleDict`` do not); a block none of whose modules ran is no
     unit."""
-    predicate: Callable[[str, nn.Module], bool]
     if selector is None:
         candidates = _discover(root, "")
+    elif isinstance(selector, (set, frozenset)):
+        classes = tuple(selector)
+        candidates = _select_outermost(root, "", lambda _, m: isinstance(m, classes))
     else:
-        if isinstance(selector, (set, frozenset)):
-            classes = tuple(selector)
-
-            def predicate(_: str, m: nn.Module) -> bool:
-                return isinstance(m, classes)
-        else:
-            predicate = selector
-        candidates = _select_outermost(root, "", predicate)
+        candidates = _select_outermost(root, "", selector)
     units = ((name, _running(name, block, called)) for name, block in _dedup(candidates))
     return [(name, parts) for name, parts in units if parts]
 
@@ -110,7 +101,7 @@ def find_units(
 def find_blocks(
     root: nn.Module, selector: ModuleSelector | None = None, called: Collection[str] | None = None
 ) -> Named:
-    """``(qualified_name, module)`` pairs in model order: the modules of every unit of :func:`find_units`."""
+    """The modules of every unit of :func:`find_units`, in model order."""
     return [pair for _, parts in find_units(root, selector, called) for pair in parts]
 
 
@@ -152,7 +143,4 @@ def find_modules(root: nn.Module, predicate: Callable[[str, nn.Module], bool]) -
 
 def describe_blocks(blocks: list[tuple[str, nn.Module]]) -> dict[str, int]:
     """Class name -> count, in first-seen order, for the setup summary."""
-    counts: dict[str, int] = defaultdict(int)
-    for _, module in blocks:
-        counts[type(module).__name__] += 1
-    return dict(counts)
+    return dict(Counter(type(module).__name__ for _, module in blocks))

@@ -24,12 +24,8 @@ _NORM_NAME = re.compile(r"(Layer|Group|RMS|Rms|Batch|Instance)Norm")
 
 
 def is_normalization(name: str, module: nn.Module) -> bool:
-    """Normalization layers, including third-party ones that do not subclass torch's.
-
-    A module counts if it is a torch norm, if its own ``forward`` calls a norm functional (``F.layer_norm``,
-    ``F.group_norm``, ...), or if its class is named like one (HF/timm ``...RMSNorm``, ``LayerNorm2d``) — and
-    it holds its parameters itself (a block that merely contains norms is not one).
-    """
+    """A torch norm, a module whose own ``forward`` calls a norm functional (``F.layer_norm``, ...), or one named
+    like a norm (HF/timm ``...RMSNorm``, ``LayerNorm2d``), holding its parameters itself (not a block of norms)."""
     if any(True for _ in (p for child in module.children() for p in child.parameters())):
         return False
     if isinstance(module, _NORM_TYPES):

@@ -151,12 +151,12 @@ def _split_or_norm(block: nn.Module, owner: str, styles: dict[str, Any]) -> bool
     return owner in styles or is_normalization(owner, block.get_submodule(owner))
 
 
+def _int_attributes(module: nn.Module, names: tuple[str, ...]) -> dict[str, int]:
+    return {a: v for a in names if isinstance(v := getattr(module, a, None), int) and not isinstance(v, bool)}
+
+
 def _head_count(module: nn.Module) -> int | None:
-    for attr in HEAD_COUNTS:
-        value = getattr(module, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
+    return next(iter(_int_attributes(module, HEAD_COUNTS).values()), None)
 
 
 def _joined(prefix: str, child: str) -> str:
@@ -185,12 +185,7 @@ def _attention_roles(prefix: str, module: nn.Module, ranks: int, block: nn.Modul
 
 
 def _per_rank_heads(prefix: str, module: nn.Module, ranks: int) -> dict[str, int]:
-    values = {}
-    for attr in (*HEAD_COUNTS, *HEAD_WIDTHS):
-        value = getattr(module, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            values[_joined(prefix, attr)] = value // ranks
-    return values
+    return {_joined(prefix, a): v // ranks for a, v in _int_attributes(module, (*HEAD_COUNTS, *HEAD_WIDTHS)).items()}
 
 
 def _mlp_roles(prefix: str, module: nn.Module, ranks: int, block: nn.Module) -> dict[str, Role]:

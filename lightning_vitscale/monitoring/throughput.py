@@ -35,34 +35,21 @@ def first_dim(batch: Any) -> int:
     return 0 if first is None else first.shape[0] if first.dim() else 1
 
 
-def peak_memory_gib(device: torch.device) -> tuple[str, float]:
-    """Peak memory of this rank: allocator peak on CUDA, the process's peak resident set size on CPU."""
-    if device.type == "cuda":
-        return "memory/peak_allocated_gib", torch.cuda.max_memory_allocated(device) / GIB
-    # ru_maxrss is KiB on Linux, bytes on macOS.
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return "memory/peak_rss_gib", rss / GIB
+def _edge(device: torch.device) -> Any:
+    """A window's edge: a CUDA event recorded with no synchronisation (one per step would drain the queue the host
+    keeps ahead of the GPU and charge hidden launch overhead), elsewhere ``time.perf_counter()``."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
-class WindowClock:
-    """Device time between two edges (CUDA events; elsewhere ``time.perf_counter()``) with no synchronisation in
-    between: one per step would drain the queue the host keeps ahead of the GPU and charge hidden launch overhead."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def mark(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, start: Any, end: Any) -> float:
-        if not self.cuda:
-            return end - start
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+def _seconds(start: Any, end: Any) -> float:
+    if isinstance(end, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 class VitScaleThroughput(Callback):
@@ -72,8 +59,8 @@ class VitScaleThroughput(Callback):
     Unlike Lightning's ``ThroughputMonitor`` it counts FLOPs itself: once, on the first training batch's forward
     (``FlopCounterMode``), times 3 for forward + backward, per sample. *Model* FLOPs, the usual MFU convention:
     recompute and the optimizer are not counted, so MFU compares recipes fairly. That forward runs eagerly
-    (dynamo is told so), so keep ``warmup_steps >= 2`` when compiling. Time is device time per window
-    (:class:`WindowClock`); on CUDA the allocator's peak is reset when warm-up ends.
+    (dynamo is told so), so keep ``warmup_steps >= 2`` when compiling. Time is device time per window; on CUDA the
+    allocator's peak is reset when warm-up ends.
 
     Args:
         batch_size_fn: ``batch -> samples on this rank``; default: dim 0 of the first tensor in the batch.
@@ -110,7 +97,6 @@ class VitScaleThroughput(Callback):
         self._eager: Any = None  # torch.compiler.set_stance("force_eager") while the counter is on
         self._counted_samples = 0
         self._batches = 0
-        self._clock: WindowClock | None = None
         self._window_start: Any = None
         self._window_samples = 0
         self._window_batches = 0
@@ -127,10 +113,8 @@ class VitScaleThroughput(Callback):
             self._eager = torch.compiler.set_stance("force_eager")  # sets it now; __exit__ restores the previous
             self._counter = FlopCounterMode(display=False)
             self._counter.__enter__()
-        if self._clock is None:
-            self._clock = WindowClock(pl_module.device)
-            if self.warmup_steps == 0:
-                self._start_window(pl_module.device)
+        if self.warmup_steps == 0 and self._window_start is None:
+            self._start_window(pl_module.device)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -149,17 +133,15 @@ class VitScaleThroughput(Callback):
         self._window_samples += self.batch_size_fn(batch)
         self._window_batches += 1
         if self._window_batches >= self.log_every_n_steps:
-            assert self._clock is not None
-            end = self._clock.mark()
-            self._log(trainer, pl_module, self._clock.seconds(self._window_start, end))
+            end = _edge(pl_module.device)
+            self._log(trainer, pl_module, _seconds(self._window_start, end))
             self._window_start, self._window_samples, self._window_batches = end, 0, 0
 
     def _start_window(self, device: torch.device) -> None:
         """Warm-up is over: start the clock, and let the allocator's peak cover the measured steps only."""
-        assert self._clock is not None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        self._window_start = self._clock.mark()
+        self._window_start = _edge(device)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -176,9 +158,14 @@ class VitScaleThroughput(Callback):
         self.flops_per_sample = 3 * counter.get_total_flops() / max(self._counted_samples, 1)
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seconds: float) -> None:
-        metrics = self.compute(self._window_samples, seconds, trainer.world_size, pl_module.device)
-        key, gib = peak_memory_gib(pl_module.device)
-        peak = torch.tensor(gib, device=pl_module.device)
+        device = pl_module.device
+        metrics = self.compute(self._window_samples, seconds, trainer.world_size, device)
+        if device.type == "cuda":
+            key, gib = "memory/peak_allocated_gib", torch.cuda.max_memory_allocated(device) / GIB
+        else:  # the process's peak resident set size: ru_maxrss is KiB on Linux, bytes on macOS
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+            key, gib = "memory/peak_rss_gib", rss / GIB
+        peak = torch.tensor(gib, device=device)
         metrics[key] = float(trainer.strategy.reduce(peak, reduce_op="max")) if trainer.world_size > 1 else gib
         self.metrics = metrics
         self.history.append(metrics)
