@@ -5,10 +5,9 @@ every rank must join; the DDP habit ``if trainer.is_global_zero: ...`` joins one
 gather waits out the timeout and training dies on every rank ("Application timeout caused pair closure"), or,
 meeting another rank's FSDP all-gather, gloo aborts ("Received data size doesn't match expected size"); NCCL hangs.
 
-So every rank first makes one tiny all-reduce, on a gloo group kept for this, of a code of what it will gather;
-the gather runs only when all codes agree. A missing rank times out, a different code shows on every rank; either
-way the model's group saw nothing and stays in step, and the caller raises its own error naming the fix. (A timed
-out gloo group fails at once afterwards; the next strategy setup opens a fresh one.)
+So every rank first all-reduces, on a gloo side group, a code of what it will gather; the gather runs only when all
+codes agree. A missing rank times out, a different code shows on every rank; either way the model's group saw
+nothing and stays in step. (A timed out gloo group fails at once afterwards; the next setup opens a fresh one.)
 """
 
 from __future__ import annotations
@@ -35,8 +34,8 @@ class _Side:
 
 
 def open_side_group(timeout: timedelta) -> None:
-    """Make the side group (collective, at setup), dropping an earlier one. Gloo whatever the model's backend:
-    the handshake's few integers live on the CPU, and gloo bounds every operation by ``timeout``."""
+    """Make the side group (collective, at setup), dropping an earlier one: gloo, which bounds every operation by
+    ``timeout``, whatever the model's backend."""
     close_side_group()
     if dist.get_world_size() == 1:
         return  # a lone rank always agrees with itself: no handshake
@@ -47,17 +46,16 @@ def open_side_group(timeout: timedelta) -> None:
 
 def close_side_group() -> None:
     """Destroy the side group, if the process group it was made under is still the current one (local)."""
-    group, world = _Side.group, _Side.world
+    group = side_group()
     _Side.group = _Side.world = None
-    if group is not None and dist.is_initialized() and dist.group.WORLD is world:
+    if group is not None:
         dist.destroy_process_group(group)
 
 
 def side_group() -> dist.ProcessGroup | None:
-    """The group the handshakes run on (``None``: not set up, or one rank)."""
-    if _Side.group is not None and dist.is_initialized() and dist.group.WORLD is _Side.world:
-        return _Side.group
-    return None
+    """The group the handshakes run on (``None``: not set up, one rank, or made under an earlier process group)."""
+    current = _Side.group is not None and dist.is_initialized() and dist.group.WORLD is _Side.world
+    return _Side.group if current else None
 
 
 def fingerprint(names: Iterable[str]) -> int:
@@ -66,9 +64,8 @@ def fingerprint(names: Iterable[str]) -> int:
 
 
 def agree(operation: int, count: int, check: int) -> None:
-    """Return when every rank states the same gather (``operation``, ``count`` tensors, ``check``sum), else raise
-    :class:`NotJoinedError`. One all-reduce (MAX) of ``[code, -code]``: the largest and smallest code, equal iff
-    all agree."""
+    """Return when every rank states the same gather, else raise :class:`NotJoinedError`. One all-reduce (MAX) of
+    ``[code, -code]``: the largest and smallest code, equal iff all agree."""
     group = side_group()
     if group is None:
         return

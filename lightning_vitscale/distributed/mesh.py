@@ -15,17 +15,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate
 
-FULL_DIMS = ("data_parallel",)
-HYBRID_DIMS = ("replicate", "shard")
-TENSOR_PARALLEL_DIMS = ("data_parallel", "tensor_parallel")
-HYBRID_TENSOR_PARALLEL_DIMS = ("replicate", "shard", "tensor_parallel")
-
 
 def build_mesh(device_type: str, world_size: int, shard_size: int, tensor_parallel: int = 1) -> DeviceMesh:
-    """1-D over all ranks when ``shard_size == world_size``, else 2-D ``(world // shard_size, shard_size)``; with
-    ``tensor_parallel=k > 1``, 2-D ``(world // k, k)`` (data parallel x tensor parallel, consecutive ranks in a
-    tensor-parallel group, so it stays inside a node), or 3-D ``(world // shard_size, shard_size // k, k)`` where
-    ``shard_size`` ranks (``k`` of them per block) share one copy of the state."""
+    """``("data_parallel",)`` when ``shard_size == world_size``, else ``("replicate", "shard")`` of shape
+    ``(world // shard_size, shard_size)``; ``tensor_parallel=k > 1`` splits the last dimension by ``k`` and adds
+    ``"tensor_parallel"`` of size ``k`` (consecutive ranks in a tensor-parallel group, so it stays inside a node)."""
     if tensor_parallel > 1:
         if world_size % tensor_parallel:
             raise ValueError(
@@ -39,20 +33,18 @@ def build_mesh(device_type: str, world_size: int, shard_size: int, tensor_parall
                 f" shard group that is a multiple of {tensor_parallel}, or tensor_parallel among"
                 f" {[d for d in range(1, shard_size + 1) if shard_size % d == 0]}."
             )
-        if shard_size == world_size:
-            shape: tuple[int, ...] = (world_size // tensor_parallel, tensor_parallel)
-            return init_device_mesh(device_type, shape, mesh_dim_names=TENSOR_PARALLEL_DIMS)
-        shape = (world_size // shard_size, shard_size // tensor_parallel, tensor_parallel)
-        return init_device_mesh(device_type, shape, mesh_dim_names=HYBRID_TENSOR_PARALLEL_DIMS)
-    if shard_size == world_size:
-        return init_device_mesh(device_type, (world_size,), mesh_dim_names=FULL_DIMS)
-    return init_device_mesh(device_type, (world_size // shard_size, shard_size), mesh_dim_names=HYBRID_DIMS)
+    hybrid = shard_size != world_size
+    dims = {"replicate": world_size // shard_size} if hybrid else {}
+    dims["shard" if hybrid else "data_parallel"] = shard_size // tensor_parallel
+    if tensor_parallel > 1:
+        dims["tensor_parallel"] = tensor_parallel
+    return init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
 
 
 def split_tensor_parallel(mesh: DeviceMesh | None) -> tuple[DeviceMesh | None, DeviceMesh | None]:
     """(the mesh data parallelism shards over, the tensor-parallel sub-mesh or ``None``); under hybrid sharding
     the data-parallel mesh is the 2-D ``("replicate", "shard")`` one, as without tensor parallelism."""
-    if mesh is None or mesh.mesh_dim_names not in (TENSOR_PARALLEL_DIMS, HYBRID_TENSOR_PARALLEL_DIMS):
+    if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()):
         return mesh, None
     data = mesh["data_parallel"] if mesh.ndim == 2 else mesh["replicate", "shard"]
     return data, mesh["tensor_parallel"]
@@ -64,12 +56,8 @@ def data_parallel_ranks(mesh: DeviceMesh | None, world_size: int, global_rank: i
     data, tensor = split_tensor_parallel(mesh)
     if tensor is None or data is None:
         return {"num_replicas": world_size, "rank": global_rank}
-    coordinate = data.get_coordinate()
-    assert coordinate is not None  # every rank belongs to its own data-parallel slice
-    rank = 0
-    for dim, index in enumerate(coordinate):  # (replicate, shard) -> replicate * shard ranks + shard
-        rank = rank * data.size(dim) + index
-    return {"num_replicas": data.size(), "rank": rank}
+    # This rank's place in its data-parallel slice, row-major: (replicate, shard) -> replicate * shard ranks + shard.
+    return {"num_replicas": data.size(), "rank": data.mesh.flatten().tolist().index(global_rank)}
 
 
 def shard_size(mesh: DeviceMesh) -> int:
@@ -78,7 +66,6 @@ def shard_size(mesh: DeviceMesh) -> int:
 
 
 def replicated_placements(mesh: DeviceMesh) -> list[Replicate]:
-    """Placements of a tensor held whole on every rank, for a mesh of any dimension."""
     return [Replicate() for _ in range(mesh.ndim)]
 
 

@@ -1,11 +1,10 @@
 """SIGTERM without a collective inside the signal handler.
 
-Lightning 2.6's SIGTERM handler broadcasts from rank 0 *inside the handler*: a rank signalled alone, or at another
-point of its collectives, pairs it with the others' next collective and the job hangs until the timeout, under DDP
-too (found by benchmarks/chaos.py). :func:`take_over_sigterm` replaces it for the stage with one doing the rest:
-the signal forwarded to the local ranks (once), the trainer marked so its loops stop at the next batch boundary
-(rank 0's mark reaches every rank through the loop's own per-batch broadcast), and the handler that was there
-before Lightning's run. Lightning's teardown restores the process's own handler.
+Lightning 2.6's SIGTERM handler broadcasts from rank 0 *inside the handler*: a rank signalled alone pairs it with
+the others' next collective and the job hangs until the timeout, under DDP too (found by benchmarks/chaos.py).
+:func:`take_over_sigterm` replaces it for the stage with the rest of its work: the signal forwarded to the local
+ranks (once), the trainer marked so its loops stop at the next batch boundary (the loop's own per-batch broadcast
+carries rank 0's mark), and the handler from before Lightning's run. Lightning's teardown restores the original.
 """
 
 from __future__ import annotations

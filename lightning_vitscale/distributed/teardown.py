@@ -6,6 +6,7 @@ own handling runs to its end too."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import threading
@@ -19,18 +20,13 @@ from lightning_vitscale.distributed.agreed import RaisedOnEveryRank
 from lightning_vitscale.distributed.collective_guard import close_side_group
 
 _registered_exit_cleanup = False
-# How long exiting waits for gloo's worker threads to drop the work objects of the last collectives.
-_EXIT_GRACE_S = 0.1
-# How long the launching rank has, once a child rank died, to notice (a collective with the dead peer fails) and
-# start its own exception handling before it is killed as Lightning's watcher would: bounded, never a hang.
+_EXIT_GRACE_S = 0.1  # for gloo's worker threads to drop the work objects of the last collectives
+# The launching rank's time, once a child died, to start its own exception handling before it is killed.
 NOTICE_GRACE_S = 30.0
-# How long stopping the local ranks waits for the killed children to be reaped.
-_REAP_S = 10.0
-# How long the other local ranks have to finish their own exception handling after an error every rank raised,
-# before they are killed: bounded, as DDP's is not.
+_REAP_S = 10.0  # for the killed children to be reaped
+# The other local ranks' time to end through their own handling after an error every rank raised (DDP: unbounded).
 AGREED_GRACE_S = 60.0
-# How long a child's failure waits to see whether this process raised the same agreed error before killing the
-# other children (lone failures: they are blocked in a collective).
+# How long a child's failure waits to see whether this process raised the same agreed error.
 _AGREEMENT_WINDOW_S = 5.0
 # Set once this process handles an exception from the trainer: its watcher then leaves it alone.
 _handling_exception = threading.Event()
@@ -39,12 +35,9 @@ _agreed_exception = threading.Event()
 
 
 def destroy_process_group_at_exit() -> None:
-    """Destroy the process group, and let gloo's worker threads settle, while Python is still fully alive.
-
-    Lightning registers the destroy for NCCL only. A gloo worker thread that drops a collective's last reference
-    once interpreter teardown has begun aborts the process (SIGABRT in ``AsyncAllgatherWork::~AsyncAllgatherWork``,
-    seen in a core dump of the demo on 2 cores); gloo cannot join its threads, so they get a short grace period.
-    """
+    """Destroy the process group, and let gloo's worker threads settle, while Python is still fully alive:
+    Lightning does so for NCCL only, and a gloo thread dropping a collective's last reference during interpreter
+    teardown aborts the process (SIGABRT in ``AsyncAllgatherWork::~AsyncAllgatherWork``, seen in the demo)."""
     global _registered_exit_cleanup
     if not _registered_exit_cleanup:
         atexit.register(_exit_cleanup)
@@ -58,12 +51,8 @@ def _exit_cleanup() -> None:
 
 
 def watch_local_ranks(launcher: object) -> None:
-    """Let the launching rank finish its own exception handling when a child rank dies.
-
-    Lightning's watcher SIGKILLs this process (exit code 137, read as out-of-memory) within 5 s of a child's
-    failure, even inside the user's ``except``/``finally`` around ``fit``. Here the failure goes to
-    :func:`_on_child_failure` instead.
-    """
+    """Let the launching rank finish its own exception handling when a child rank dies: Lightning's watcher SIGKILLs
+    it (exit code 137, read as out-of-memory) within 5 s, even inside the user's ``except``/``finally``."""
     if isinstance(launcher, SubprocessScriptLauncher) and launcher.procs:
         _handling_exception.clear()
         _agreed_exception.clear()
@@ -97,30 +86,23 @@ def stop_local_ranks(launcher: object, exception: BaseException, rank: int) -> N
         rank_zero_warn(f"{type(exception).__name__} on every rank: each ends through its own exception handling"
                        f" (the other local ranks are stopped if still running after {AGREED_GRACE_S:.0f} s).")
         # Not a daemon: this process's exit waits for it, so no child outlives the bound.
-        threading.Thread(target=_reap, args=(launcher.procs, AGREED_GRACE_S), name="vitscale-reap").start()
+        threading.Thread(target=_kill, args=(launcher.procs, AGREED_GRACE_S), name="vitscale-reap").start()
         return
     rank_zero_warn(f"{type(exception).__name__} on rank {rank}: stopping the other local ranks.")
     _kill(launcher.procs)
 
 
-def _reap(procs: list[Popen], grace: float) -> None:
-    """Wait up to ``grace`` seconds for ``procs`` to exit by themselves, then kill what still runs."""
-    deadline = time.monotonic() + grace
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except TimeoutExpired:
-            break
-    _kill(procs)
-
-
-def _kill(procs: list[Popen]) -> None:
+def _kill(procs: list[Popen], grace: float = 0.0) -> None:
+    """Wait up to ``grace`` seconds for ``procs`` to exit by themselves, then SIGKILL and reap what still runs."""
+    _wait(procs, grace)
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
-    deadline = time.monotonic() + _REAP_S
+    _wait(procs, _REAP_S)  # SIGKILL cannot be caught: only an uninterruptible wait delays it
+
+
+def _wait(procs: list[Popen], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
     for proc in procs:
-        try:
+        with contextlib.suppress(TimeoutExpired):
             proc.wait(max(0.0, deadline - time.monotonic()))
-        except TimeoutExpired:  # pragma: no cover - SIGKILL cannot be caught; only an uninterruptible wait delays it
-            pass

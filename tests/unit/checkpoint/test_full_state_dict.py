@@ -140,9 +140,7 @@ def test_hybrid_mesh_state_dict_and_load(mesh):
     """A 2-D (replicate, shard) mesh: DTensors with two placements gather and load the same way."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_vitscale.distributed.mesh import HYBRID_DIMS
-
-    hybrid = init_device_mesh("cpu", (1, 1), mesh_dim_names=HYBRID_DIMS)
+    hybrid = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
     root, model, reference = sharded(hybrid)
     assert model.head.weight.device_mesh.ndim == 2
     assert_same_state(model.state_dict(), reference.state_dict())
