@@ -17,7 +17,6 @@ GIB = 2**30
 MIB = 2**20
 
 
-
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this rank stores: a DTensor's local shard, any other tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -39,9 +38,7 @@ def shard_rows(rows: int, shard_group: int) -> int:
 
 
 def shard_numel(shapes: Iterable[Sequence[int]], shard_group: int) -> int:
-    """Elements the fullest rank of a shard group holds: FSDP2 shards dim 0 and pads it to a multiple of the
-    group size (the padded total is ``shard_group`` times this). The one padded-numel count: the memory model and
-    the traffic report both use it."""
+    """Elements the fullest rank of a shard group holds (the padded total is ``shard_group`` times this)."""
     return sum(shard_rows(s[0] if len(s) else 1, shard_group) * math.prod(s[1:]) for s in shapes)
 
 

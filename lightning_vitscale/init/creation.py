@@ -9,12 +9,12 @@ and the other ranks on meta; each unit's shards are then scattered from rank 0 a
 from __future__ import annotations
 
 import hashlib
-import os
+import mmap
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,27 +23,27 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_vitscale._utils import available_host_bytes
-from lightning_vitscale.init.replay import InitRecorder, Recipe, recording
+from lightning_vitscale.init.replay import Recipe, recording
 from lightning_vitscale.init.settings import InitSettings
 
 
 @dataclass
 class Creation:
-    """How ``configure_model()`` built the model on this rank (``path``: ``"exact"`` or ``"meta"``; ``recipes``,
-    meta path: tensor name -> its recorded init, ``None`` if nothing set it); read by the sharding pipeline."""
+    """How ``configure_model()`` built the model on this rank (``recipes``, meta path: tensor name -> its recorded
+    init, ``None`` if nothing set it); read by the sharding pipeline."""
 
-    path: str
-    recipes: dict[str, Recipe | None] = field(default_factory=dict)
-    created_bytes: int = 0
-    peak: PeakRss | None = None
+    path: str  # "exact" or "meta"
+    recipes: dict[str, Recipe | None]
+    peak: PeakRss
 
 
 class PeakRss:
     """Peak growth of this process's resident memory, sampled in a thread (resetting the kernel's VmHWM instead
     would take the process-wide peak counter from the user)."""
 
-    def __init__(self, interval: float = 0.002) -> None:
-        self.interval = interval
+    INTERVAL_S = 0.002
+
+    def __init__(self) -> None:
         self.start_time = time.perf_counter()
         self.base = self.peak = _rss_bytes() or 0
         self.seconds: float | None = None
@@ -52,7 +52,7 @@ class PeakRss:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.wait(self.INTERVAL_S):
             self.peak = max(self.peak, _rss_bytes() or 0)
 
     def stop(self) -> tuple[int, float]:
@@ -67,15 +67,9 @@ class PeakRss:
 
 def _rss_bytes() -> int | None:
     try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * _PAGE
+        return int(Path("/proc/self/statm").read_text().split()[1]) * mmap.PAGESIZE
     except (OSError, IndexError, ValueError):
         return None
-
-
-try:
-    _PAGE = os.sysconf("SC_PAGE_SIZE")
-except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-    _PAGE = 4096
 
 
 def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -83,10 +77,6 @@ def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
         *module.named_parameters(remove_duplicate=False),
         *((n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None),
     ]
-
-
-def _rng_digest() -> str:
-    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
 
 
 def host_copies(device: torch.device, ranks_per_node: int, world_size: int) -> float:
@@ -109,7 +99,7 @@ class ModelCreation:
     def context(self) -> Iterator[None]:
         peak = PeakRss()
         before = {id(t) for _, t in _tensors(self.module)}
-        digest = _rng_digest()
+        digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
         path = self._decide_before_building()
         # Recording on every rank (also where the build is real): a `configure_model()` that builds on meta by
         # itself then leaves every rank the same recipes.
@@ -126,8 +116,8 @@ class ModelCreation:
         if not created:
             peak.stop()
             return
-        recipes = _recipes(created, recorder) if path == "meta" else {}
-        self.result = Creation(path, recipes, nbytes, peak)
+        recipes = {name: recorder.recipe_of(t) for name, t in created if t.is_meta} if path == "meta" else {}
+        self.result = Creation(path, recipes, peak)
 
     def _decide_before_building(self) -> str:
         """Rank 0 must know the path before it builds; the size comes from rank 1's meta build ("auto")."""
@@ -145,38 +135,30 @@ class ModelCreation:
         """After building: rank 1 reports its size ("auto"), rank 0 the path and its RNG state: on the exact path
         ranks that were in rank 0's state before (``seed_everything``) skipped its draws, and continue from its
         state after, as under DDP."""
-        if self.world_size == 1:
-            return self._checked(path, created)
-        if self.mode == "auto" and self.rank != 0:
-            dist.broadcast_object_list([nbytes], src=1)
         if self.rank == 0:
-            path = self._checked(path, created, raise_now=False)
-        message: list[Any] = [path, digest, torch.get_rng_state()]
-        dist.broadcast_object_list(message, src=0)
-        path, digest0, state0 = message
+            path = self._checked(path, created)
+        if self.world_size > 1:
+            if self.mode == "auto" and self.rank != 0:
+                dist.broadcast_object_list([nbytes], src=1)
+            message: list[Any] = [path, digest, torch.get_rng_state()]
+            dist.broadcast_object_list(message, src=0)
+            path, digest0, state0 = message
+            if path == "exact" and self.rank != 0 and digest == digest0:
+                torch.set_rng_state(state0)
         if path.startswith("error:"):
             raise ValueError(path.removeprefix("error:"))
-        if path == "exact" and self.rank != 0 and digest == digest0:
-            torch.set_rng_state(state0)
         return path
 
-    def _checked(self, path: str, created: list[tuple[str, torch.Tensor]], raise_now: bool = True) -> str:
-        """A ``configure_model()`` that builds on meta itself leaves nothing to copy: the meta path, or an error."""
+    def _checked(self, path: str, created: list[tuple[str, torch.Tensor]]) -> str:
+        """A ``configure_model()`` that builds on meta itself leaves nothing to copy: the meta path, or an error
+        (``"error:..."``, raised on every rank)."""
         if path != "exact" or not any(t.is_meta for _, t in created):
             return path
         if self.mode != "exact":
             return "meta"
-        message = (
-            "VitScaleStrategy(init='exact') needs `configure_model()` to build real tensors on rank 0, but it built"
-            " them on the meta device. Remove the `with torch.device('meta')` (the strategy builds the other ranks"
-            " on meta itself) or pass init='meta' to initialise the shards with the model's own init code."
+        return (
+            "error:VitScaleStrategy(init='exact') needs `configure_model()` to build real tensors on rank 0, but it"
+            " built them on the meta device. Remove the `with torch.device('meta')` (the strategy builds the other"
+            " ranks on meta itself) or pass init='meta' to initialise the shards with the model's own init code."
         )
-        if raise_now:
-            raise ValueError(message)
-        return "error:" + message
 
-
-def _recipes(created: list[tuple[str, torch.Tensor]], recorder: InitRecorder | None) -> dict[str, Recipe | None]:
-    if recorder is None:
-        return {}
-    return {name: recorder.recipe_of(tensor) for name, tensor in created if tensor.is_meta}

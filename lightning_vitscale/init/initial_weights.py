@@ -31,7 +31,7 @@ from lightning_vitscale._compat import INIT_METHODS, buffer_slots, parameter_slo
 from lightning_vitscale._utils import local_tensor
 from lightning_vitscale.init.creation import Creation, PeakRss
 from lightning_vitscale.init.replay import Recipe, replay, tensor_seed
-from lightning_vitscale.init.scatter import Box, gather_boxes, materialize_meta, scatter_boxes, scatter_from
+from lightning_vitscale.init.scatter import gather_boxes, materialize_meta, scatter_boxes, scatter_from
 from lightning_vitscale.row_layout import PACKED_ROWS, interleaved_rows
 
 Slot = tuple[nn.Module, str, str, str, bool]  # owner, "param" | "buffer", attribute, qualified name, was meta
@@ -54,18 +54,15 @@ class InitialWeights:
         meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         self.path = creation.path if creation is not None else ("meta" if meta else "built")
         self.recipes: dict[str, Recipe | None] = creation.recipes if creation is not None else {}
-        self.peak = creation.peak if creation is not None and creation.peak is not None else PeakRss()
+        self.peak = creation.peak if creation is not None else PeakRss()
         self.names = {id(m): name for name, m in model.named_modules()}
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.base_seed = self._shared_seed() if self.path == "meta" else 0
         self.not_reproduced: dict[str, str] = {}  # name -> what was done instead
         self._done: set[int] = set()
         self._held: dict[tuple[int, str], torch.Tensor] = {}  # (id(owner), attribute) -> rank 0's real values
-
-    @property
-    def from_rank0(self) -> bool:
-        """Exact path under tensor parallelism: global rank 0 alone holds values, every rank receives its box."""
-        return self.split and self.path == "exact"
+        # Exact path under tensor parallelism: global rank 0 alone holds values, every rank receives its box.
+        self.from_rank0 = self.split and self.path == "exact"
 
     def _shared_seed(self) -> int:
         seed = [torch.initial_seed()]
@@ -159,7 +156,8 @@ class InitialWeights:
         forked = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=forked):
             owners_to_reset: dict[int, nn.Module] = {}
-            boxes = self._boxes(slots)
+            # Every rank's box of each slot, where values come from global rank 0 alone (one collective per unit).
+            boxes = gather_boxes([getattr(o, a) for o, _, a, _, _ in slots]) if self.from_rank0 and slots else None
             for index, ((owner, _, attr, name, was_meta), source) in enumerate(zip(slots, full)):
                 tensor = getattr(owner, attr)
                 self._done.add(id(tensor))
@@ -174,12 +172,6 @@ class InitialWeights:
             for owner in owners_to_reset.values():
                 self._reset(owner)
         full.clear()
-
-    def _boxes(self, slots: list[Slot]) -> list[list[Box]] | None:
-        """Every rank's box of each slot where values come from global rank 0 alone (one collective per unit)."""
-        if not self.from_rank0 or not slots:
-            return None
-        return gather_boxes([getattr(owner, attr) for owner, _, attr, _, _ in slots])
 
     def _replay(self, owner: nn.Module, name: str, tensor: torch.Tensor, owners: dict[int, nn.Module]) -> None:
         recipe = self.recipes.get(name)

@@ -154,9 +154,7 @@ class InitRecorder(TorchDispatchMode):
     @contextmanager
     def paused(self) -> Iterator[None]:
         """Ops run meanwhile are not recorded: the inside of an ``nn.init`` function already recorded whole by
-        :meth:`mark` (torch 2.11 runs ``trunc_normal_``'s ``uniform_``, ``erfinv_``, ... and ``orthogonal_``'s
-        ``mul_`` by a tensor on meta tensors, later releases return early), so the recipe, or the reason it
-        cannot replay, is the same on every torch."""
+        :meth:`mark` (``trunc_normal_``'s ``uniform_``, ``erfinv_``, ...)."""
         self._paused = True
         try:
             yield

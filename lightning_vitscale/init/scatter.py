@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -11,15 +12,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_vitscale._compat import buffer_slots, compute_local_shape_and_global_offset, parameter_slots
-from lightning_vitscale._utils import local_tensor
+from lightning_vitscale._utils import local_tensor, shard_rows
 
 
 def materialize_meta(module: nn.Module, device: torch.device, recurse: bool = True) -> list[tuple[str, torch.Tensor]]:
     """Give ``module``'s meta parameters and buffers (uninitialised) storage on ``device``; returns them by name.
-
-    A sharded DTensor gets its local shard only. Parameters are swapped in place, so objects that FSDP, the fp32
-    norms or an optimizer already hold stay valid; FSDP re-pads the new shards at its lazy init.
-    """
+    A DTensor gets its local shard only. Parameters are swapped in place, so objects that FSDP, the fp32 norms or
+    an optimizer already hold stay valid; FSDP re-pads the new shards at its lazy init."""
     made = []
     modules = module.named_modules() if recurse else [("", module)]
     for prefix, owner in modules:
@@ -38,20 +37,18 @@ def materialize_meta(module: nn.Module, device: torch.device, recurse: bool = Tr
 
 @torch.no_grad()
 def scatter_from(full: torch.Tensor | None, target: torch.Tensor, mesh: DeviceMesh) -> None:
-    """Fill ``target`` (a DTensor shard, or a whole tensor) with its part of the mesh's first rank's ``full`` (read
-    there only): a dim-0 shard on a 1-D mesh receives exactly its chunk (``dist.scatter``), other layouts
-    (replicated norms, plain buffers, a 2-D mesh) the whole tensor, keeping their part."""
+    """Fill ``target`` with its part of the mesh's first rank's ``full`` (read there only): a dim-0 shard on a 1-D
+    mesh receives only its rows, other layouts (replicated norms, buffers, a 2-D mesh) the whole tensor."""
     if mesh.size() == 1:
         return
     src = int(mesh.mesh.flatten()[0])
     # A 1-D mesh may be one data-parallel slice of a larger mesh (tensor parallelism): its own group, not the world.
     group = mesh.get_group() if mesh.ndim == 1 else None
-    is_src = dist.get_rank() == src
-    local = local_tensor(target)
     if isinstance(target, DTensor) and target.placements == (Shard(0),) and mesh.ndim == 1 and target.dim():
-        _scatter_rows(full, target, local, mesh.get_group(), src)
+        scatter_boxes(full, target, _row_boxes(target.shape, mesh.size()), src, group)
         return
-    if is_src:
+    local = local_tensor(target)
+    if dist.get_rank() == src:
         assert full is not None
         whole = full.detach().to(local.device, local.dtype).contiguous()
     elif isinstance(target, DTensor):
@@ -65,46 +62,24 @@ def scatter_from(full: torch.Tensor | None, target: torch.Tensor, mesh: DeviceMe
         local.copy_(whole)
 
 
-def _scatter_rows(full: torch.Tensor | None, target: DTensor, local: torch.Tensor, group, src: int) -> None:  # type: ignore[no-untyped-def]
-    """FSDP2's dim-0 chunks (``torch.chunk`` sizes, padded to equal rows) scattered from ``src``."""
-    world = dist.get_world_size(group)
-    rows = -(-target.shape[0] // world)
-    if local.shape[0] == rows and local.is_contiguous():
-        received = local  # straight into the shard: a buffer per tensor piles up while gloo still holds the last
-    else:
-        received = torch.empty((rows, *target.shape[1:]), dtype=local.dtype, device=local.device)
-    chunks = None
-    if dist.get_rank() == src:
-        assert full is not None
-        pieces = list(full.detach().chunk(world))
-        chunks = [_padded(pieces[i] if i < len(pieces) else None, received) for i in range(world)]
-    dist.scatter(received, chunks, src=src, group=group)
-    if received is not local:
-        local.copy_(received[: local.shape[0]])
-
-
-def _padded(piece: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """A chunk as ``scatter`` wants it: contiguous, on the target device, of the padded shard size."""
-    if piece is not None and piece.shape == like.shape:
-        return piece.to(like.device, like.dtype).contiguous()
-    padded = torch.zeros_like(like)
-    if piece is not None:
-        padded[: piece.shape[0]].copy_(piece)
-    return padded
-
-
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """A rank's piece of a full tensor: (local shape, offset of its first element in each dimension)."""
 
 
 def local_box(target: torch.Tensor) -> Box:
-    """Where this rank's part of ``target`` lies in the full tensor: a DTensor's local shard on any mesh and
-    placements, else the whole tensor. One contiguous box even under tensor parallelism: FSDP shards the
-    tensor-parallel chunk, and ``compute_local_shape_and_global_offset`` follows that order."""
+    """Where this rank's part of ``target`` lies in the full tensor: one box on any mesh and placements, since FSDP
+    shards the tensor-parallel chunk, and ``compute_local_shape_and_global_offset`` follows that order."""
     if isinstance(target, DTensor):
         shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
         return tuple(shape), tuple(offset)
     return tuple(target.shape), (0,) * target.dim()
+
+
+def _row_boxes(shape: torch.Size, ranks: int) -> list[Box]:
+    """FSDP2's dim-0 shards (``torch.chunk`` sizes) by group rank, as boxes."""
+    rows = shard_rows(shape[0], ranks)
+    starts = [min(rank * rows, shape[0]) for rank in range(ranks)]
+    return [((min(rows, shape[0] - start), *shape[1:]), (start, *[0] * (len(shape) - 1))) for start in starts]
 
 
 def gather_boxes(targets: list[torch.Tensor]) -> list[list[Box]]:
@@ -117,12 +92,13 @@ def gather_boxes(targets: list[torch.Tensor]) -> list[list[Box]]:
 
 
 @torch.no_grad()
-def scatter_boxes(full: torch.Tensor | None, target: torch.Tensor, boxes: list[Box], src: int = 0) -> None:
-    """Fill ``target``'s local part with its box (``boxes``: every rank's) of global rank ``src``'s ``full`` (read
-    there only), each rank receiving its piece only: for a tensor-parallel job, where only global rank 0 built the
-    model and no data-parallel slice's first rank holds values."""
+def scatter_boxes(
+    full: torch.Tensor | None, target: torch.Tensor, boxes: list[Box], src: int = 0, group: Any = None
+) -> None:
+    """Fill ``target``'s local part with its box (``boxes``: every rank's of ``group``) of global rank ``src``'s
+    ``full`` (read there only), each rank receiving its piece only."""
     local = local_tensor(target)
-    shape, _ = boxes[dist.get_rank()]
+    shape, _ = boxes[dist.get_rank(group)]
     if tuple(local.shape) != shape:
         raise RuntimeError(f"a shard of shape {tuple(local.shape)} was told its box has shape {shape}")
     numel = max(max(math.prod(s) for s, _ in boxes), 1)
@@ -135,7 +111,7 @@ def scatter_boxes(full: torch.Tensor | None, target: torch.Tensor, boxes: list[B
         assert full is not None
         source = full.detach().to(local.device, local.dtype)
         chunks = [_flat_padded(source[_slices(box)], numel) for box in boxes]
-    dist.scatter(received, chunks, src=src)
+    dist.scatter(received, chunks, src=src, group=group)
     if received.data_ptr() != local.data_ptr():
         local.copy_(received[: local.numel()].view(local.shape))
 

@@ -12,9 +12,7 @@ InitPath = Literal["exact", "meta"]
 
 @dataclass(frozen=True)
 class InitSettings:
-    """``VitScaleStrategy(init=...)``, checked when the strategy is made; ``mode``'s text is in its
-    ``metadata["doc"]`` (the one source of the strategy's Args and README's table, ``lightning_vitscale/options.py``);
-    ``"auto"``: see :meth:`resolve`."""
+    """``VitScaleStrategy(init=...)``, checked when the strategy is made (``mode``'s text: ``options.py``)."""
 
     mode: InitMode = field(
         default="auto",
@@ -35,14 +33,11 @@ class InitSettings:
             )
 
     def resolve(self, full_bytes: int = 0, available_bytes: int | None = None, host_copies: float = 1.0) -> InitPath:
-        """The path to take: ``"auto"`` is exact when ``host_copies`` x the model (rank 0's full copy plus the
-        shards the host's other ranks keep in host memory) fits in 80% of the host's available memory, else
-        meta; unknown memory means exact."""
+        """``"auto"``: exact when ``host_copies`` x the model (:func:`~.creation.host_copies`) fits in 80% of the host's
+        available memory, else meta; unknown memory means exact."""
         match self.mode:
-            case "exact":
-                return "exact"
-            case "meta":
-                return "meta"
+            case "exact" | "meta":
+                return self.mode
             case _:
                 fits = available_bytes is None or full_bytes * host_copies <= 0.8 * available_bytes
                 return "exact" if fits else "meta"
