@@ -1,10 +1,6 @@
-"""Where ``configure_model()`` builds the model on each rank, so no rank builds all of it needlessly.
-
-Inside the strategy's ``model_sharded_context()``, rank 0 builds the model for real on the host (``init="exact"``)
-and the other ranks on meta; each unit's shards are then scattered from rank 0 as it is sharded
-(``initial_weights.py``): DDP's weights, one full copy on rank 0 only. Where that copy does not fit (``"meta"``, or
-``"auto"`` deciding so), every rank builds on meta and the init its code ran is recorded (``replay.py``).
-"""
+"""Where ``configure_model()`` builds the model on each rank, so no rank builds all of it needlessly: on the exact
+path rank 0 for real on the host and the others on meta (``initial_weights.py`` scatters rank 0's values), on the
+meta path every rank on meta, recording the init its code runs (``replay.py``)."""
 
 from __future__ import annotations
 
@@ -86,12 +82,10 @@ def host_copies(device: torch.device, ranks_per_node: int, world_size: int) -> f
 
 
 class ModelCreation:
-    """The ``model_sharded_context()`` of the strategy: builds, records and reports one ``configure_model()``.
-    ``host_copies``: full-model copies rank 0's host would hold on the exact path (:func:`host_copies`)."""
+    """The ``model_sharded_context()`` of the strategy: builds, records and reports one ``configure_model()``."""
 
     def __init__(self, module: nn.Module, init: InitSettings, rank: int, world_size: int, host_copies: float) -> None:
         self.module, self.init, self.rank, self.world_size = module, init, rank, world_size
-        self.mode = init.mode
         self.host_copies = host_copies
         self.result: Creation | None = None
 
@@ -122,8 +116,8 @@ class ModelCreation:
     def _decide_before_building(self) -> str:
         """Rank 0 must know the path before it builds; the size comes from rank 1's meta build ("auto")."""
         if self.world_size == 1:
-            return "meta" if self.mode == "meta" else "exact"
-        if self.mode != "auto":
+            return "meta" if self.init.mode == "meta" else "exact"
+        if self.init.mode != "auto":
             return self.init.resolve()
         if self.rank != 0:
             return "exact"  # the others build on meta either way; rank 0 tells them the outcome afterwards
@@ -138,7 +132,7 @@ class ModelCreation:
         if self.rank == 0:
             path = self._checked(path, created)
         if self.world_size > 1:
-            if self.mode == "auto" and self.rank != 0:
+            if self.init.mode == "auto" and self.rank != 0:
                 dist.broadcast_object_list([nbytes], src=1)
             message: list[Any] = [path, digest, torch.get_rng_state()]
             dist.broadcast_object_list(message, src=0)
@@ -154,7 +148,7 @@ class ModelCreation:
         (``"error:..."``, raised on every rank)."""
         if path != "exact" or not any(t.is_meta for _, t in created):
             return path
-        if self.mode != "exact":
+        if self.init.mode != "exact":
             return "meta"
         return (
             "error:VitScaleStrategy(init='exact') needs `configure_model()` to build real tensors on rank 0, but it"

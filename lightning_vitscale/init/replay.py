@@ -17,6 +17,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -176,15 +177,12 @@ def recording() -> Iterator[InitRecorder]:
         with recorder.paused():
             return originals[TRUNC_NORMAL_IMPL](tensor, mean, std, a, b, generator)
 
-    def refusing(name: str):  # type: ignore[no-untyped-def]
-        def init(tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
-            recorder.mark(tensor, f"`nn.init.{name}` is not elementwise")
-            with recorder.paused():
-                return originals[name](tensor, *args, **kwargs)
+    def refusing(name, tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+        recorder.mark(tensor, f"`nn.init.{name}` is not elementwise")
+        with recorder.paused():
+            return originals[name](tensor, *args, **kwargs)
 
-        return init
-
-    patched = {TRUNC_NORMAL_IMPL: trunc_normal, **{name: refusing(name) for name in _NOT_ELEMENTWISE}}
+    patched = {TRUNC_NORMAL_IMPL: trunc_normal, **{name: partial(refusing, name) for name in _NOT_ELEMENTWISE}}
     try:
         for name, fn in patched.items():
             setattr(nn.init, name, fn)

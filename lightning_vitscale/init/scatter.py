@@ -15,24 +15,19 @@ from lightning_vitscale._compat import buffer_slots, compute_local_shape_and_glo
 from lightning_vitscale._utils import local_tensor, shard_rows
 
 
-def materialize_meta(module: nn.Module, device: torch.device, recurse: bool = True) -> list[tuple[str, torch.Tensor]]:
-    """Give ``module``'s meta parameters and buffers (uninitialised) storage on ``device``; returns them by name.
-    A DTensor gets its local shard only. Parameters are swapped in place, so objects that FSDP, the fp32 norms or
-    an optimizer already hold stay valid; FSDP re-pads the new shards at its lazy init."""
-    made = []
-    modules = module.named_modules() if recurse else [("", module)]
-    for prefix, owner in modules:
-        for name, param in list(parameter_slots(owner).items()):
+def materialize_meta(module: nn.Module, device: torch.device, recurse: bool = True) -> None:
+    """Give ``module``'s meta parameters and buffers (uninitialised) storage on ``device``; a DTensor its local shard
+    only. Parameters are swapped in place, so objects that FSDP, the fp32 norms or an optimizer already hold stay
+    valid; FSDP re-pads the new shards at its lazy init."""
+    for owner in module.modules() if recurse else [module]:
+        for param in parameter_slots(owner).values():
             if param is not None and param.is_meta:
                 new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
                 torch.utils.swap_tensors(param, new)
-                made.append((f"{prefix}.{name}" if prefix else name, param))
         buffers = buffer_slots(owner)
         for name, buffer in list(buffers.items()):
             if buffer is not None and buffer.is_meta:
                 buffers[name] = torch.empty_like(buffer, device=device)
-                made.append((f"{prefix}.{name}" if prefix else name, buffers[name]))
-    return made
 
 
 @torch.no_grad()
@@ -110,15 +105,10 @@ def scatter_boxes(
     if dist.get_rank() == src:
         assert full is not None
         source = full.detach().to(local.device, local.dtype)
-        chunks = [_flat_padded(source[_slices(box)], numel) for box in boxes]
+        chunks = [_flat_padded(source[tuple(slice(o, o + n) for n, o in zip(*box))], numel) for box in boxes]
     dist.scatter(received, chunks, src=src, group=group)
     if received.data_ptr() != local.data_ptr():
         local.copy_(received[: local.numel()].view(local.shape))
-
-
-def _slices(box: Box) -> tuple[slice, ...]:
-    shape, offset = box
-    return tuple(slice(start, start + size) for start, size in zip(offset, shape))
 
 
 def _flat_padded(piece: torch.Tensor, numel: int) -> torch.Tensor:
