@@ -57,13 +57,9 @@ def _inner_blocks(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
         return found
     # A large head (DINO's prototypes) can outweigh a small backbone's blocks; the networks are still no blocks:
     # one of them as a unit would gather a whole model at once. Attribute siblings (a decoder layer's self- and
-    # cross-attention) are no stack: that layer stays the unit.
-    return found if any(_is_stack(m) for m in module.modules()) else []
-
-
-def _is_stack(module: nn.Module) -> bool:
-    """A ModuleList/Sequential holding two or more alike blocks: a network's layer stack."""
-    return isinstance(module, (nn.ModuleList, nn.Sequential)) and len(_repeated_children(module, "")) >= 2
+    # cross-attention) are no stack (a ModuleList/Sequential of two or more alike blocks): that layer stays the unit.
+    stacks = (m for m in module.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)))
+    return found if any(len(_repeated_children(m, "")) >= 2 for m in stacks) else []
 
 
 def _discover(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
@@ -123,13 +119,10 @@ def _select_outermost(module: nn.Module, prefix: str, predicate) -> Iterator[tup
 
 def _dedup(pairs) -> list[tuple[str, nn.Module]]:
     """A module registered twice (shared weights) is one block."""
-    seen: set[int] = set()
-    out = []
+    first: dict[int, tuple[str, nn.Module]] = {}
     for name, module in pairs:
-        if id(module) not in seen:
-            seen.add(id(module))
-            out.append((name, module))
-    return out
+        first.setdefault(id(module), (name, module))
+    return list(first.values())
 
 
 def find_modules(root: nn.Module, predicate: Callable[[str, nn.Module], bool]) -> list[tuple[str, nn.Module]]:

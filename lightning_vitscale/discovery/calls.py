@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -64,18 +65,15 @@ def recording(
         name = names.get(id(module))
         if name is not None and calls.running and calls.running[-1] == name:
             calls.running.pop()
-            first = _first_floating(out)
+            first = next((v for v in tree_leaves(out) if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
             if keep_outputs and first is not None and name not in calls.outputs:
                 calls.outputs[name] = first.detach().clone()
 
-    def keep_inputs(name: str):
-        def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            calls.inputs.setdefault(name, (tree_map(_spec, args), tree_map(_spec, kwargs)))
-
-        return hook
+    def keep_inputs(name: str, _: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        calls.inputs.setdefault(name, (tree_map(_spec, args), tree_map(_spec, kwargs)))
 
     handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
-    handles += [m.register_forward_pre_hook(keep_inputs(n), with_kwargs=True) for n, m in watch]
+    handles += [m.register_forward_pre_hook(partial(keep_inputs, n), with_kwargs=True) for n, m in watch]
     try:
         yield calls
     except Exception as error:
@@ -88,7 +86,3 @@ def recording(
 
 def _spec(value: Any) -> Any:
     return TensorSpec(tuple(int(s) for s in value.shape), value.dtype) if isinstance(value, torch.Tensor) else value
-
-
-def _first_floating(tree: Any) -> torch.Tensor | None:
-    return next((v for v in tree_leaves(tree) if isinstance(v, torch.Tensor) and v.is_floating_point()), None)

@@ -46,7 +46,8 @@ class BlockPlan:
 
     def describe(self) -> str:
         """``attn.qkv packed colwise, attn.proj rowwise, ...; num_heads 4 -> 2 per rank``."""
-        roles = ", ".join(f"{name} {_role_name(style)}" for name, style in self.styles.items())
+        roles = ", ".join(f"{name} {s.replace('_', ' ') if isinstance(s, str) else type(s).__name__}"
+                          for name, s in self.styles.items())
         heads = "; ".join(f"{name} -> {value} per rank" for name, value in self.attributes.items())
         return f"{roles}{'; ' + heads if heads else ''}"
 
@@ -60,13 +61,10 @@ class BlockPlan:
     def held_whole(self, block: nn.Module) -> str:
         """A refusal's sentence on what the split attention modules keep whole (q/v biases, per-head tables)."""
         names = [_joined(a, n) for a in self.attention for n, _ in block.get_submodule(a).named_parameters()]
-        held = [n for n in names if not _split_or_norm(block, n.rpartition(".")[0], self.styles)]
+        owners = {n: n.rpartition(".")[0] for n in names}
+        held = [n for n, o in owners.items() if not (o in self.styles or is_normalization(o, block.get_submodule(o)))]
         return f" Its attention also holds {', '.join(held)}, which the plan keeps whole beside the split heads." if (
             held) else ""
-
-
-def _role_name(style: Any) -> str:
-    return style.replace("_", " ") if isinstance(style, str) else type(style).__name__
 
 
 def plan_block(name: str, block: nn.Module, ranks: int, user: TensorPlanSelector | None) -> BlockPlan:
@@ -83,7 +81,8 @@ def plan_block(name: str, block: nn.Module, ranks: int, user: TensorPlanSelector
     inside_attention = {id(sub) for _, m in attention for sub in m.modules()}
     for module_name, module in attention:
         styles.update(_attention_roles(module_name, module, ranks, block))
-        attributes.update(_per_rank_heads(module_name, module, ranks))
+        heads = _int_attributes(module, (*HEAD_COUNTS, *HEAD_WIDTHS))
+        attributes.update({_joined(module_name, attr): value // ranks for attr, value in heads.items()})
     for module_name, module in block.named_modules():
         if id(module) not in inside_attention and len(_linears(module)) >= 2:
             styles.update(_mlp_roles(module_name, module, ranks, block))
@@ -147,10 +146,6 @@ def _is_attention(module: nn.Module) -> bool:
             (len(inputs) == 3 and all(i.out_features == out.in_features for i in inputs)))
 
 
-def _split_or_norm(block: nn.Module, owner: str, styles: dict[str, Any]) -> bool:
-    return owner in styles or is_normalization(owner, block.get_submodule(owner))
-
-
 def _int_attributes(module: nn.Module, names: tuple[str, ...]) -> dict[str, int]:
     return {a: v for a in names if isinstance(v := getattr(module, a, None), int) and not isinstance(v, bool)}
 
@@ -169,7 +164,7 @@ def _attention_roles(prefix: str, module: nn.Module, ranks: int, block: nn.Modul
     *inputs, (out_name, out) = linears
     width = out.in_features
     heads = _head_count(module) or 0
-    where = f"{type(block).__name__}.{_joined(prefix, '') or type(module).__name__}".rstrip(".")
+    where = f"{type(block).__name__}.{prefix or type(module).__name__}"
     if heads % ranks:
         raise TensorPlanError(f"{where} has {heads} heads, not divisible by tensor_parallel={ranks}.")
     if len(inputs) == 1 and inputs[0][1].out_features == 3 * width:
@@ -182,10 +177,6 @@ def _attention_roles(prefix: str, module: nn.Module, ranks: int, block: nn.Modul
         f" followed by the output Linear; found {[n for n, _ in linears]} (a gate or extra projection?). Pass"
         " tensor_plan= with a style per module, or tensor_parallel=1."
     )
-
-
-def _per_rank_heads(prefix: str, module: nn.Module, ranks: int) -> dict[str, int]:
-    return {_joined(prefix, a): v // ranks for a, v in _int_attributes(module, (*HEAD_COUNTS, *HEAD_WIDTHS)).items()}
 
 
 def _mlp_roles(prefix: str, module: nn.Module, ranks: int, block: nn.Module) -> dict[str, Role]:
