@@ -115,18 +115,6 @@ def format_table(ddp: RunResult, ours: RunResult) -> str:
     return "\n".join(lines)
 
 
-def run_demo(
-    accelerator: str = "auto", devices: int | None = None, steps: int = 10, precision: DemoPrecision = "32-true"
-) -> str:
-    warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    if accelerator == "auto":
-        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
-    n = devices or (torch.cuda.device_count() if accelerator == "cuda" else 2)
-    ddp = train("ddp", accelerator, n, steps, precision)
-    ours = train(VitScaleStrategy(), accelerator, n, steps, precision)
-    return format_table(ddp, ours)
-
-
 def demo_command_parser(subparsers: Any) -> None:
     demo = subparsers.add_parser("demo", help="train a small ViT with DDP and with VitScaleStrategy and compare")
     demo.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
@@ -137,7 +125,13 @@ def demo_command_parser(subparsers: Any) -> None:
 
 
 def demo_command(args: argparse.Namespace) -> int:
-    table = run_demo(args.accelerator, args.devices, args.steps, args.precision)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    accelerator = args.accelerator
+    if accelerator == "auto":
+        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    n = args.devices or (torch.cuda.device_count() if accelerator == "cuda" else 2)
+    ddp = train("ddp", accelerator, n, args.steps, args.precision)
+    ours = train(VitScaleStrategy(), accelerator, n, args.steps, args.precision)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0:
-        print("\n" + table)
+        print("\n" + format_table(ddp, ours))
     return 0

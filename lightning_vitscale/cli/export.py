@@ -96,7 +96,8 @@ def run_export(args: argparse.Namespace) -> Location:
                     f"--format hf needs the LightningModule class to build the submodule's config: pass --model"
                     f" package.module:Class (the class that trained {args.src}; its saved hyper-parameters are used)."
                 )
-            _cwd_importable()
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())  # `examples.models...` and the user's own package from a checkout
             submodule = build_submodule(class_path, weights.hyper_parameters, args.module, args.weights)
             return write_hf(weights, args.dst, submodule, dtype)
         case "timm":
@@ -105,8 +106,3 @@ def run_export(args: argparse.Namespace) -> Location:
             return write_torchvision(weights, args.dst, args.arch, parse_arch_args(args.arch_args))
         case _:
             raise ValueError(f"unknown --format {args.format!r}")
-
-
-def _cwd_importable() -> None:
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # `examples.models...` and the user's own package from a checkout

@@ -102,9 +102,7 @@ def _cluster(spec: str) -> tuple[int, int, str]:
 def _init_args(section: Any) -> dict[str, Any]:
     if not isinstance(section, dict):
         return {}
-    if "class_path" in section:
-        return dict(section.get("init_args") or {})
-    return dict(section)
+    return dict(section.get("init_args") or {}) if "class_path" in section else dict(section)
 
 
 def _import(target: str) -> type:
@@ -139,14 +137,9 @@ def _linked_from_data(cls: type, section: Any, data: dict[str, Any], given: dict
     if isinstance(section, dict) and "class_path" in section:
         with contextlib.suppress(SystemExit):
             data_cls = _import(section["class_path"])
-    linked = {}
-    for name in _LINKED:
-        if name in given or name not in accepted:
-            continue
-        value = data.get(name, getattr(data_cls, name, None))
-        if isinstance(value, int):
-            linked[name] = value
-    return linked
+    wanted = [name for name in _LINKED if name not in given and name in accepted]
+    values = {name: data.get(name, getattr(data_cls, name, None)) for name in wanted}
+    return {name: value for name, value in values.items() if isinstance(value, int)}
 
 
 def _example_input(module: nn.Module, shape: str | None, kwargs: dict[str, Any], batch: int | None) -> Any:
