@@ -81,22 +81,17 @@ def agree(operation: int, count: int, check: int) -> None:
     largest, smallest = both[:3], -both[3:]
     if torch.equal(largest, smallest):
         return
+    what = _WHAT.get(operation, f"operation {operation}")
+    this = f"{what} of {count} sharded tensor(s)" if operation == STATE_DICT else what
     if largest[0] != smallest[0]:  # fields are reduced one by one: only the operation is one rank's own
         others = f"{_WHAT.get(int(smallest[0]))} on some ranks, {_WHAT.get(int(largest[0]))} on others"
         raise NotJoinedError(
-            f"the ranks made different calls at this point ({others}; this rank: {_describe(code)}), so nothing"
-            " was gathered"
+            f"the ranks made different calls at this point ({others}; this rank: {this}), so nothing was gathered"
         )
     raise NotJoinedError(
-        f"the ranks made {_WHAT.get(operation)} at this point, but of different modules or tensors (this rank:"
-        f" {_describe(code)}), so nothing was gathered"
+        f"the ranks made {what} at this point, but of different modules or tensors (this rank: {this}), so nothing"
+        " was gathered"
     )
-
-
-def _describe(code: torch.Tensor) -> str:
-    operation, count, _ = (int(v) for v in code)
-    what = _WHAT.get(operation, f"operation {operation}")
-    return f"{what} of {count} sharded tensor(s)" if operation == STATE_DICT else what
 
 
 def not_joined(what: str, error: BaseException, fix: str) -> str:

@@ -1,9 +1,10 @@
 """The device mesh for a sharding layout, and the collectives that work on a 1-D or a 2-D mesh alike.
 
 ``("data_parallel",)`` shards over every rank; ``("replicate", "shard")`` over each group of ``shard_size``
-consecutive ranks, replicated across groups (HSDP); tensor parallelism adds a last ``"tensor_parallel"`` dimension.
-Lightning numbers ranks ``node_rank * ranks_per_node + local_rank``, so with ``shard_size = ranks_per_node`` a shard
-group is one node: only the replicate dimension's all-reduce crosses nodes.
+consecutive ranks, replicated across groups (HSDP); tensor parallelism splits the last dimension into a last
+``"tensor_parallel"`` one of consecutive ranks (inside a node). Lightning numbers ranks ``node_rank *
+ranks_per_node + local_rank``, so with ``shard_size = ranks_per_node`` a shard group is one node: only the replicate
+dimension's all-reduce crosses nodes.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ from torch.distributed.tensor import Replicate
 
 
 def build_mesh(device_type: str, world_size: int, shard_size: int, tensor_parallel: int = 1) -> DeviceMesh:
-    """``("data_parallel",)`` when ``shard_size == world_size``, else ``("replicate", "shard")`` of shape
-    ``(world // shard_size, shard_size)``; ``tensor_parallel=k > 1`` splits the last dimension by ``k`` and adds
-    ``"tensor_parallel"`` of size ``k`` (consecutive ranks in a tensor-parallel group, so it stays inside a node)."""
+    """The mesh of the layout (module docstring) ``shard_size`` and ``tensor_parallel`` ask for."""
     if tensor_parallel > 1:
         if world_size % tensor_parallel:
             raise ValueError(
