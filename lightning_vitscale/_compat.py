@@ -44,9 +44,10 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo  # where a DCP value lies in a file
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_into
-from torch.distributed.fsdp import FSDPModule  # public: only for the annotations below (import it from torch)
+from torch.distributed.fsdp import FSDPModule  # public: for the code below only (import it from torch)
 from torch.distributed.fsdp._common_utils import FSDP_PREFIX
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterComm  # FSDP2 custom comms
+from torch.distributed.tensor import DTensor  # public: for the code below only (import it from torch)
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # a DTensor shard's box (init/)
 from torch.fx.experimental.symbolic_shapes import ShapeEnv  # planner: a step's .item() on fake tensors
 from torch.multiprocessing.reductions import StorageWeakRef  # planner: a storage's life, whoever holds it
@@ -175,8 +176,6 @@ def dtensor_local(tensor: Any) -> torch.Tensor:
 
 def dtensor_like(local: torch.Tensor, like: Any) -> Any:
     """``local`` as a DTensor laid out as ``like``, without ``DTensor.from_local``'s autograd function and spec."""
-    from torch.distributed.tensor import DTensor
-
     return DTensor(local, like._spec, requires_grad=False)
 
 
@@ -239,17 +238,12 @@ def averaging_device(callback: Any) -> Any:
     return getattr(callback, "_device", None)
 
 
-def on_child_failure(procs: list[Any], terminate: Callable[[], None]) -> int:
+def on_child_failure(procs: list[Any], terminate: Callable[[], None]) -> None:
     """Make Lightning's watcher of ``procs`` call ``terminate`` when a child fails, instead of SIGKILLing every child
-    and this process at once; returns how many watchers it found."""
-    observers = [
-        thread
-        for thread in threading.enumerate()
-        if isinstance(thread, ChildProcessObserver) and thread._child_processes is procs
-    ]
-    for observer in observers:
-        observer._terminate_all = terminate  # type: ignore[method-assign]
-    return len(observers)
+    and this process at once."""
+    for thread in threading.enumerate():
+        if isinstance(thread, ChildProcessObserver) and thread._child_processes is procs:
+            thread._terminate_all = terminate  # type: ignore[method-assign]
 
 
 def initialize_fsdp_root(root: FSDPModule) -> None:

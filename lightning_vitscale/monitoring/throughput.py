@@ -152,9 +152,7 @@ class VitScaleThroughput(Callback):
             return
         counter, self._counter = self._counter, None
         counter.__exit__(None, None, None)
-        if self._eager is not None:
-            self._eager.__exit__(None, None, None)
-            self._eager = None
+        self._eager.__exit__(None, None, None)  # entered with the counter
         self.flops_per_sample = 3 * counter.get_total_flops() / max(self._counted_samples, 1)
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seconds: float) -> None:
