@@ -61,10 +61,9 @@ def watch_local_ranks(launcher: object) -> None:
 
 
 def _on_child_failure(procs: list[Popen], grace: float) -> None:
-    """A child rank exited non-zero. After an error every rank raised (at the same step) the other children end
-    through their own handling (``stop_local_ranks`` bounds them). A lone failure leaves them blocked in a
-    collective: they are killed, and so is this process unless it starts handling an exception of its own within
-    ``grace`` (a collective with the dead peer fails at once), so a rank stuck outside collectives still ends."""
+    """A child rank exited non-zero. After an error every rank raised the other children end through their own
+    handling (``stop_local_ranks`` bounds them); a lone failure leaves them blocked in a collective: they are killed,
+    and so is this process unless it starts handling an exception of its own within ``grace``."""
     if _handling_exception.wait(min(_AGREEMENT_WINDOW_S, grace)) and _agreed_exception.is_set():
         return
     _kill(procs)
