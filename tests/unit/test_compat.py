@@ -103,7 +103,7 @@ def test_no_module_but_compat_uses_a_private_torch_or_lightning_name():
 
 def test_fit_impl_takes_ckpt_path():
     """``with_ckpt_path`` rewrites the ``ckpt_path`` that ``Trainer.fit`` hands the launcher; one without it would
-    leave ``ckpt_path="last"`` to Lightning's resolution (mutation tried: checking for ``ckpt_paths`` fails)."""
+    leave ``ckpt_path="last"`` to Lightning's resolution (mutation tried: a ``_fit_impl`` without it patched in)."""
     from lightning.pytorch import Trainer
 
     parameters = inspect.signature(Trainer._fit_impl).parameters
