@@ -45,14 +45,12 @@ class RankContext:
 
 
 def all_gather_objects(value: Any) -> list[Any]:
-    """Every rank's ``value``, on every rank, over the default process group."""
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     return gathered
 
 
 def largest_over_ranks(value: int, device: torch.device) -> int:
-    """The largest of every rank's ``value``, on every rank (``RankContext.agree_max`` of a process group)."""
     tensor = torch.tensor(value, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return int(tensor.item())

@@ -201,7 +201,6 @@ def tensor_seed(base: int, name: str, shard: int) -> int:
 
 @torch.no_grad()
 def replay(local: torch.Tensor, recipe: Recipe, seed: int) -> None:
-    """Apply ``recipe`` to ``local`` (a shard or the whole tensor) with the default generator seeded by ``seed``."""
     torch.manual_seed(seed)
     for name, args, kwargs in recipe.steps:
         if name == "trunc_normal_":
