@@ -52,8 +52,7 @@ def prove_plans(
     device: torch.device, real_values: bool,
 ) -> dict[str, str]:
     """Block class -> what its proof found (for the summary); :class:`TensorPlanError` on every rank if any failed.
-    ``real_values``: every rank holds the blocks' real values (else seeded stand-ins); ``calls``: the setup's
-    fake-tensor step (``None``: none ran)."""
+    ``real_values``: every rank holds the blocks' real values (else seeded stand-ins)."""
     found: dict[str, str] = {}
     proven: set[tuple[Any, ...]] = set()
     failure = ""
