@@ -9,30 +9,26 @@ import dataclasses
 import inspect
 import re
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from lightning_vitscale.checkpoint.settings import CheckpointSettings
 from lightning_vitscale.init.settings import InitSettings
-from lightning_vitscale.sharding.settings import CheckpointingPolicy, ParallelConfig, ShardingPolicy
+from lightning_vitscale.sharding.settings import CheckpointingPolicy, ParallelConfig, ShardingPolicy, documented
 
 
 @dataclass(frozen=True)
 class ProcessGroupSettings:
     """What ``VitScaleStrategy`` passes on to Lightning's process-group setup unchanged."""
 
-    timeout: timedelta = field(
-        default=timedelta(minutes=10),
-        metadata={"doc": (
-            "Bound on every collective, so a rank that dies or hangs cannot leave the others waiting forever; also"
-            " how long a rank waits before an ``OutsideStepCallError``/``StateDictGatherError``."
-        )},
-    )
-    process_group_backend: str | None = field(
-        default=None,
-        metadata={"doc": "``None`` picks NCCL on CUDA and gloo on CPU; any backend name torch knows otherwise."},
+    timeout: timedelta = documented(timedelta(minutes=10), (
+        "Bound on every collective, so a rank that dies or hangs cannot leave the others waiting forever; also"
+        " how long a rank waits before an ``OutsideStepCallError``/``StateDictGatherError``."
+    ))
+    process_group_backend: str | None = documented(
+        None, "``None`` picks NCCL on CUDA and gloo on CPU; any backend name torch knows otherwise."
     )
 
 

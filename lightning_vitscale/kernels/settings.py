@@ -97,9 +97,8 @@ def unknown_kernel_mode(mode: object) -> ValueError:
 
 
 def resolve_attention(choice: str, usable: tuple[str, ...], device: torch.device) -> AttentionChoice:
-    """What ``attention=choice`` means where the kernels named in ``usable`` can run: ``"auto"`` stays (timed
-    after the first step) only where a candidate can run, else SDPA at no cost; a named backend that cannot run is
-    an error now, not a silent fallback."""
+    """What ``attention=choice`` means where ``usable`` kernels can run: ``"auto"`` only where a candidate can, else
+    SDPA at no cost; a named backend that cannot run is an error now, not a silent fallback."""
     match choice:
         case "sdpa":
             return "sdpa"

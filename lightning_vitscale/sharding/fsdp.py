@@ -62,9 +62,8 @@ def group_blocks(blocks: list[T], per_unit: int, unit_of: Sequence[int] | None =
 
 
 def set_prefetch(units: list[FSDPModule], depth: int) -> None:
-    """Each unit of ``units`` (outer first, then the blocks in forward order) issues the next ``depth`` units'
-    all-gathers in forward right after its own, and the previous ``depth`` blocks' in backward, so they run while it
-    computes. ``depth=0`` leaves FSDP2's implicit prefetch (none in forward on CPU)."""
+    """Each unit (outer first, then the blocks in forward order) issues the next ``depth`` units' all-gathers in
+    forward, and the previous ``depth`` blocks' in backward; ``0`` leaves FSDP2's implicit prefetch."""
     if depth <= 0:
         return
     for index, unit in enumerate(units):

@@ -52,8 +52,7 @@ class OuterUnit(nn.Module):
     # --- calls outside a step ---------------------------------------------------------------------------
 
     def enable_calls_outside_steps(self) -> None:
-        """After ``fully_shard(self)``: hook the modules holding outer-unit parameters (``Shard``-placed DTensors
-        outside the block units) and their ancestors; idempotent."""
+        """After ``fully_shard(self)``: hook the modules holding outer-unit parameters and their ancestors."""
         if self._hooks or not isinstance(self, FSDPModule):
             return
         self._owned = _outer_unit_parameters(self.module)

@@ -32,7 +32,7 @@ OFFLOAD_CHOICES: tuple[str | None, ...] = (None, "cpu")
 T = TypeVar("T")
 
 
-def option(default: T, doc: str) -> T:
+def documented(default: T, doc: str) -> T:
     """A settings field documented once: ``doc`` is the option's text (options.py renders it)."""
     return cast(T, field(default=default, metadata={"doc": doc}))
 
@@ -45,27 +45,26 @@ def _invalid(settings: object, name: str, requirement: str) -> ValueError:
 
 @dataclass(frozen=True)
 class ShardingPolicy:
-    """Which modules become their own FSDP unit and when they free gathered parameters; each field's text is in its
-    ``metadata["doc"]``, the one source of the strategy's Args and README's options table (``options.py``)."""
+    """Which modules become their own FSDP unit and when they free gathered parameters (field texts: options.py)."""
 
-    blocks: ModuleSelector | None = option(None, (
+    blocks: ModuleSelector | None = documented(None, (
         "``None`` finds the repeated blocks automatically; a set of block classes (``{MyBlock}``) or a predicate"
         " ``(name, module) -> bool`` overrides the discovery. Blocks are grouped into FSDP units"
         " (``blocks_per_unit``)."
     ))
-    reshard_after_forward: bool | int | None = option(None, (
+    reshard_after_forward: bool | int | None = documented(None, (
         "``None``: the outer unit keeps its gathered parameters for backward; block units as ``priority`` says:"
         " ``\"speed\"``, the planner keeps the last units gathered for backward as far as ``memory_budget`` allows"
         " (one all-gather per unit fewer), ``\"memory\"``, they free theirs after forward (the recipe)."
         " ``True``/``False`` force it for every unit; an ``int`` reshards the blocks to that smaller world size"
         " (FSDP2 hybrid reshard)."
     ))
-    layout: ShardingLayout = option("full", (
+    layout: ShardingLayout = documented("full", (
         "``\"full\"`` shards over every rank (least memory); ``\"hybrid\"`` shards inside each node and replicates"
         " across nodes (all-gathers and reduce-scatters stay on intra-node links; only one gradient all-reduce per"
         " unit crosses nodes); an ``int`` sets the shard-group size (consecutive ranks; it must divide the world)."
     ))
-    tensor_parallel: int = option(1, (
+    tensor_parallel: int = documented(1, (
         "Ranks that split each block's matmuls (tensor parallelism, Megatron style; consecutive ranks, so a group"
         " stays inside a node). ``k > 1`` makes a 2-D mesh (data parallel x tensor parallel): each block's attention"
         " heads and MLP hidden units are split over its group's ``k`` ranks, then FSDP shards it over the ``world /"
@@ -73,7 +72,7 @@ class ShardingPolicy:
         " (replicate x shard x tensor parallel, shard groups of a multiple of ``k`` ranks). Either ``init=`` path"
         " works; docs/sharding.md says when it pays."
     ))
-    tensor_plan: TensorPlanSelector | None = option(None, (
+    tensor_plan: TensorPlanSelector | None = documented(None, (
         "With ``tensor_parallel > 1``: ``None`` finds each block's plan (attention input projections and the MLP's"
         " first linear column-wise, output projections row-wise, head counts per rank, norms replicated); else a"
         " dict of module-name patterns inside a block to ``torch.distributed.tensor.parallel`` styles, or a"
@@ -81,23 +80,23 @@ class ShardingPolicy:
         " against the unsplit block on a training step's input: one that fails, differs or (automatic plans)"
         " leaves the attention whole is refused, naming the block, the module and the fix."
     ))
-    offload: OffloadMode | None = option(None, (
+    offload: OffloadMode | None = documented(None, (
         "``\"cpu\"`` keeps sharded parameters, gradients and optimizer state in host memory (FSDP2's"
         " ``CPUOffloadPolicy``; the optimizer steps on the CPU); on ``accelerator=\"cpu\"`` they already are, and it"
         " changes nothing."
     ))
-    accumulation: AccumulationMode = option("auto", (
+    accumulation: AccumulationMode = documented("auto", (
         "With ``accumulate_grad_batches > 1``: ``\"auto\"`` keeps unsharded gradients across the micro-batches of an"
         " optimizer step (one reduce-scatter per step, as DDP's ``no_sync``) where they fit in memory, else"
         " ``\"sharded\"`` (a reduce-scatter per micro-batch, least memory); ``\"unsharded\"`` forces the first."
     ))
-    prefetch: int | None = option(None, (
+    prefetch: int | None = documented(None, (
         "How many units ahead each unit all-gathers explicitly (forward: the next blocks; backward: the previous"
         " ones), so the collective overlaps this unit's compute; ``0`` leaves FSDP2's implicit prefetch. ``None``:"
         " 1 on CPU ranks (whose gloo collectives are made asynchronous, ``sharding/cpu_overlap.py``), 0 on GPUs"
         " (FSDP2's streams)."
     ))
-    blocks_per_unit: int | None = option(None, (
+    blocks_per_unit: int | None = documented(None, (
         "Consecutive blocks per FSDP unit (the last unit may hold fewer). ``1`` is the recipe (least gathered"
         " memory); ``k > 1`` runs one all-gather, reduce-scatter and set of FSDP hooks per ``k`` blocks, with up to"
         " ``k`` blocks' parameters and gradients gathered at once. ``None``: as ``priority`` says: ``\"speed\"``, the"
@@ -147,8 +146,7 @@ class ShardingPolicy:
             )
 
     def prefetch_on(self, device_type: str) -> int:
-        """The user's prefetch, else 1 on CPU (no streams: only an explicit, asynchronous prefetch overlaps a gather
-        with compute), 0 (FSDP2's own) elsewhere."""
+        """The user's prefetch, else 1 on CPU (no streams: only an explicit, asynchronous prefetch overlaps), else 0."""
         if self.prefetch is not None:
             return self.prefetch
         return 1 if device_type == "cpu" else 0
@@ -167,8 +165,7 @@ def _check_layout(layout: object) -> None:
 
 
 def shard_group_size(layout: ShardingLayout, world_size: int, ranks_per_node: int) -> int:
-    """How many ranks shard one copy of the state: the one place that says what each layout means (``"full"``:
-    all; ``"hybrid"``: one node's, a replica per node; an int must divide ``world_size``)."""
+    """How many ranks shard one copy of the state: the one place that says what each layout means."""
     _check_layout(layout)
     match layout:
         case "full":
@@ -191,7 +188,7 @@ def shard_group_size(layout: ShardingLayout, world_size: int, ranks_per_node: in
 class CheckpointingPolicy:
     """Which blocks recompute their activations in backward; each field's text is in its ``metadata["doc"]``."""
 
-    blocks: CheckpointSelector | None = option(None, (
+    blocks: CheckpointSelector | None = documented(None, (
         "``True``/``\"full\"``: every block stores only its input and reruns its forward in backward (least"
         " memory); ``\"selective\"``: every block keeps its matmul, convolution and attention outputs and recomputes"
         " only the cheap ops; ``False``: none; ``k``: every k-th block, fully; a predicate ``(name, module) ->"
@@ -202,7 +199,7 @@ class CheckpointingPolicy:
         " says: ``\"speed\"``, ``\"auto\"`` (the recipe's plan, with a warning, where the step cannot run on fake"
         " tensors); ``\"memory\"``, ``True``."
     ))
-    memory_budget: int | float | None = option(None, (
+    memory_budget: int | float | None = documented(None, (
         "Bytes a training step may use per rank (an ``int``), or a fraction of the device's memory (a ``float`` in"
         " (0, 1]; on CPU of the host's available memory divided among the local ranks, the smallest any rank"
         " has); ``None`` is 0.9. Every choice the planner makes keeps to it: the checkpointing, the blocks per"
@@ -232,8 +229,7 @@ class CheckpointingPolicy:
         return self.blocks == "auto"
 
     def mode(self, index: int, name: str, module: nn.Module) -> Literal["full", "selective"] | None:
-        """How the ``index``-th block (0-based, in model order) is checkpointed; ``"auto"`` and ``None`` select
-        nothing here (setup applies the planner's choice)."""
+        """How the ``index``-th block (model order) is checkpointed; ``"auto"``'s choice is applied by setup."""
         sel = self.blocks
         if sel is None or sel == "auto":
             return None
@@ -255,7 +251,7 @@ class ParallelConfig:
 
     sharding: ShardingPolicy = field(default_factory=ShardingPolicy)
     checkpointing: CheckpointingPolicy = field(default_factory=CheckpointingPolicy)
-    priority: Priority = option("speed", (
+    priority: Priority = documented("speed", (
         "What the settings left at ``None`` (``activation_checkpointing``, ``blocks_per_unit``,"
         " ``reshard_after_forward``) aim for. ``\"speed\"``: the plan with the least predicted step time whose"
         " predicted per-rank peak fits ``memory_budget`` (no checkpointing where the activations fit, selective"
@@ -282,8 +278,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class LeftToPriority:
-    """What ``priority`` made of the settings left at ``None``: the checkpointing (never ``None``), the blocks per
-    unit (``None``: the planner's) and whether the planner may keep block units gathered for backward."""
+    """What ``priority`` made of the settings left at ``None`` (``blocks_per_unit=None``: the planner's)."""
 
     checkpointing: CheckpointingPolicy
     blocks_per_unit: int | None
