@@ -117,8 +117,7 @@ class Planned:
 
 
 def plans_from_batch(resolved: ResolvedConfig) -> bool:
-    """Whether the planner chooses anything from a batch (so that setup should find one in the training data):
-    the checkpointing (``"auto"``), the blocks per unit or the units kept gathered."""
+    """Whether the planner chooses anything from a batch (so that setup should find one in the training data)."""
     return resolved.checkpointing.is_auto or resolved.planner_units or resolved.planner_keeps
 
 
@@ -173,8 +172,7 @@ def _mode_of(module: nn.Module, resolved: ResolvedConfig) -> ModeOf:
 def _choose_units(
     module: nn.Module, resolved: ResolvedConfig, measured: StepInputs, ranks: RankContext, budget: int
 ) -> tuple[ResolvedConfig, str, tuple[str, ...]]:
-    """For the checkpointing the user chose (pinned in the search): the blocks per unit and the units kept gathered
-    that ``priority`` left to the planner, rank 0's plan on every rank."""
+    """The blocks per unit and units kept gathered ``priority`` left to the planner, for the checkpointing chosen."""
     names = [block.name for block in measured.profile.blocks]
     space = SearchSpace(
         measured, budget, rates_for(ranks.device), offloads(resolved.sharding, ranks.device), _fixed_reshard(resolved),
@@ -219,8 +217,7 @@ def apply_auto_choice(module: nn.Module, auto: AutoCheckpointing, summary: Setup
 
 
 def keep_gathered(module: nn.Module, names: Sequence[str]) -> None:
-    """The units of blocks ``names`` keep their gathered parameters from forward to backward (one all-gather per
-    unit fewer; a unit's FSDP setting, shared by the blocks of a unit)."""
+    """The units of blocks ``names`` keep their gathered parameters from forward to backward (one all-gather fewer)."""
     for name in names:
         block = module.get_submodule(name)
         if isinstance(block, FSDPModule):  # else in the outer unit (one rank), never resharded after forward

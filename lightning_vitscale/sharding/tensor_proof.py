@@ -38,8 +38,7 @@ _ATTENTION = {F.scaled_dot_product_attention, F.softmax, torch.softmax, torch.Te
 
 @dataclass(frozen=True)
 class Run:
-    """One forward and backward of a block: its output, input gradients, attention work (the elements of the
-    attention calls' first inputs on this rank) and each module's first output."""
+    """One forward and backward of a block; ``attention``: the elements of the attention calls' first inputs."""
 
     output: torch.Tensor
     gradients: list[torch.Tensor]
