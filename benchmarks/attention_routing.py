@@ -19,14 +19,15 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_vitscale.cli.demo import Block
-from lightning_vitscale.kernels.attention import XFORMERS, AttentionBackend, AttentionRouter, call_sdpa, route_blocks
+from lightning_vitscale.kernels.attention import XFORMERS, AttentionBackend, AttentionRouter, route_blocks
 from lightning_vitscale.kernels.compile import apply_regional_compile
 from lightning_vitscale.sharding.activation_checkpointing import apply_activation_checkpointing
 
-PASS_THROUGH = AttentionBackend("route", call_sdpa, lambda device: True)
+PASS_THROUGH = AttentionBackend("route", F.scaled_dot_product_attention, lambda device: True)
 
 
 def build(variant: str, compiled: bool, args: argparse.Namespace) -> nn.Module:

@@ -1,11 +1,7 @@
-"""Every ``VitScaleStrategy`` option, documented once: where its text lives, and what is generated from it.
-
-Each option's text is the ``metadata["doc"]`` of the settings-dataclass field that holds it (``ShardingPolicy``,
-``CheckpointingPolicy``, ``ParallelConfig``, ``CheckpointSettings``, ``InitSettings``, and
-:class:`ProcessGroupSettings` here for the two arguments passed on to Lightning). From those texts come the
-strategy's docstring Args (at import, so ``help(VitScaleStrategy)`` and IDEs show them) and README's options table
-(``tests/unit/test_options_doc.py`` compares them; regenerate README's with :func:`write_readme`).
-"""
+"""Every ``VitScaleStrategy`` option, documented once: its text is the ``metadata["doc"]`` of the settings field
+that holds it (:data:`OPTIONS`). From those texts come the strategy's docstring Args (at import, so
+``help(VitScaleStrategy)`` and IDEs show them) and README's options table (:func:`write_readme`; compared by
+``tests/unit/test_options_doc.py``)."""
 
 from __future__ import annotations
 
@@ -13,30 +9,26 @@ import dataclasses
 import inspect
 import re
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from lightning_vitscale.checkpoint.settings import CheckpointSettings
 from lightning_vitscale.init.settings import InitSettings
-from lightning_vitscale.sharding.settings import CheckpointingPolicy, ParallelConfig, ShardingPolicy
+from lightning_vitscale.sharding.settings import CheckpointingPolicy, ParallelConfig, ShardingPolicy, documented
 
 
 @dataclass(frozen=True)
 class ProcessGroupSettings:
     """What ``VitScaleStrategy`` passes on to Lightning's process-group setup unchanged."""
 
-    timeout: timedelta = field(
-        default=timedelta(minutes=10),
-        metadata={"doc": (
-            "Bound on every collective, so a rank that dies or hangs cannot leave the others waiting forever; also"
-            " how long a rank waits before an ``OutsideStepCallError``/``StateDictGatherError``."
-        )},
-    )
-    process_group_backend: str | None = field(
-        default=None,
-        metadata={"doc": "``None`` picks NCCL on CUDA and gloo on CPU; any backend name torch knows otherwise."},
+    timeout: timedelta = documented(timedelta(minutes=10), (
+        "Bound on every collective, so a rank that dies or hangs cannot leave the others waiting forever; also"
+        " how long a rank waits before an ``OutsideStepCallError``/``StateDictGatherError``."
+    ))
+    process_group_backend: str | None = documented(
+        None, "``None`` picks NCCL on CUDA and gloo on CPU; any backend name torch knows otherwise."
     )
 
 
@@ -120,7 +112,7 @@ def args_section() -> str:
 
 
 def document(cls: type) -> str:
-    """``cls``'s own docstring (which holds no Args) with :func:`args_section` before its ``Example::``."""
+    """``cls``'s own docstring with :func:`args_section` before its ``Example::``."""
     doc = inspect.cleandoc(cls.__doc__ or "")
     head, sep, tail = doc.partition("Example::")
     return f"{head.rstrip()}\n\n{args_section()}\n\n{sep}{tail}" if sep else f"{doc}\n\n{args_section()}\n"

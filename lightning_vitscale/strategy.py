@@ -101,7 +101,7 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     # No public hook runs in time for `Trainer.fit(torch.compile(model))`: fit stores the unwrapped module here, then
     # refuses it under any strategy but SingleDevice/DDP/FSDP (`_verify_strategy_supports_compile`) before `connect`
-    # or any hook. So the compile is taken over as it is stored (kernels/compiled_model.py).
+    # or any hook. So the compile is taken over as it is stored (kernels/compile.py).
     @property  # type: ignore[override]
     def _lightning_module(self) -> pl.LightningModule | None:
         return self._module
@@ -165,7 +165,7 @@ class VitScaleStrategy(ModelParallelStrategy):
             trainer=trainer,
         )
         self.model = self.sharded.outer
-        self.sharded.release()  # a copy gathered by a call after an earlier fit must not reach the optimizer
+        self.sharded.outer.release()  # a copy gathered by a call after an earlier fit must not reach the optimizer
         self.barrier()
         if fitting:
             callbacks = trainer.callbacks  # type: ignore[attr-defined]  # WeightAveraging & co.: copies sharded too
@@ -223,7 +223,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         with self.sharded.out_of_memory_named() if self.sharded is not None else nullcontext():
             output = super().optimizer_step(*args, **kwargs)  # automatic optimization: forward and backward too
         if self.sharded is not None:
-            self.sharded.release()  # a copy gathered by a callback before the update is stale now
+            self.sharded.outer.release()  # a copy gathered by a callback before the update is stale now
         if self._release_after_step:  # zero_grad would free them only after the next forward
             release_gradients(args[0] if args else kwargs["optimizer"])
         return output

@@ -7,15 +7,14 @@ May import ``_utils`` and ``_compat`` only: what to compile or route is handed i
 
 from lightning_vitscale.kernels.attention import (
     AttentionRouter,
+    auto_attention_step,
     describe_router,
     make_router,
     route_blocks,
     usable_backends,
 )
-from lightning_vitscale.kernels.attention_choice import auto_attention_step
-from lightning_vitscale.kernels.compile import apply_regional_compile
-from lightning_vitscale.kernels.compiled_model import take_over_compiled
-from lightning_vitscale.kernels.optimizers import fuse_optimizers, prefer_foreach, prepare_optimizers
+from lightning_vitscale.kernels.compile import apply_regional_compile, take_over_compiled
+from lightning_vitscale.kernels.optimizers import prepare_optimizers
 from lightning_vitscale.kernels.settings import (
     Compiler,
     KernelMode,
@@ -34,9 +33,7 @@ __all__ = [
     "auto_attention_step",
     "with_compile_choice",
     "describe_router",
-    "fuse_optimizers",
     "make_router",
-    "prefer_foreach",
     "prepare_optimizers",
     "resolve_kernels",
     "route_blocks",

@@ -4,7 +4,8 @@ Models call SDPA by name (timm, HF ``attn_implementation="sdpa"``, hand-written 
 by intercepting the call: :class:`AttentionRouter`, a ``TorchFunctionMode`` entered around each block's own forward
 inside activation checkpointing, so the recompute uses the same kernel. Dynamo traces the mode into a compiled block
 (free); eagerly a mode costs a Python call per op, so a router with nothing to do is never entered. ``"auto"``
-records the SDPA shapes of the first (eager) training step and times each candidate on exactly those.
+records the SDPA shapes of the first (eager) training step, times each candidate on exactly those, and every rank
+routes to the fastest on average (:func:`auto_attention_step`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -61,9 +63,6 @@ class AttentionCall:
         return f"q{list(self.q)} {dtype}{extras}"
 
 
-# --- xformers (optional extra) ------------------------------------------------------------------------
-
-
 def xformers_available(device: torch.device | None = None) -> bool:
     """Whether the optional ``xformers`` extra imports; it has no CPU kernels, so only CUDA devices count."""
     if device is not None and device.type != "cuda":
@@ -76,12 +75,7 @@ def xformers_available(device: torch.device | None = None) -> bool:
 
 
 def sdpa_via_xformers(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    dropout_p: float = 0.0,
-    scale: float | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0, scale: float | None = None,
     is_causal: bool = False,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v)`` computed by xformers; (batch, heads, seq, dim) in and out."""
@@ -105,8 +99,7 @@ def usable_backends(device: torch.device) -> tuple[str, ...]:
 
 
 def make_router(choice: str, device: torch.device) -> AttentionRouter | None:
-    """The router for ``KernelPolicy.attention`` on ``device`` (:func:`~.settings.resolve_attention`); ``None``:
-    SDPA everywhere, no mode at all."""
+    """The router for ``KernelPolicy.attention`` on ``device``; ``None``: SDPA everywhere, no mode at all."""
     usable = usable_backends(device)
     match resolve_attention(choice, usable, device):
         case "sdpa":
@@ -128,18 +121,9 @@ def describe_router(router: AttentionRouter | None) -> str:
     return f"auto: {SDPA} vs {names}, timed on the blocks' real shapes after the first training step"
 
 
-# --- which calls can be routed -----------------------------------------------------------------------
-
-
 def _bind_sdpa(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float, bool, float | None, bool]:
     return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
@@ -158,9 +142,6 @@ def routable(args: tuple, kwargs: dict) -> AttentionCall | None:
     return AttentionCall(
         tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, bool(is_causal), float(dropout_p), scale
     )
-
-
-# --- the router ------------------------------------------------------------------------------------------
 
 
 class AttentionRouter(TorchFunctionMode):
@@ -223,9 +204,6 @@ def route_blocks(blocks: list[nn.Module], router: AttentionRouter) -> None:
         setattr(block, _MARK, True)
 
 
-# --- measuring --------------------------------------------------------------------------------------------
-
-
 def time_attention(fn: AttentionFn, call: AttentionCall, iters: int = 10, warmup: int = 3) -> float:
     """Median milliseconds of one forward+backward of ``fn`` on random tensors shaped like ``call``."""
     make = functools.partial(torch.randn, dtype=call.dtype, device=call.device, requires_grad=True)
@@ -251,14 +229,9 @@ def _timed(step: Callable[[], None], device: torch.device) -> float:
     return (time.perf_counter() - begin) * 1e3
 
 
-def call_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-    """SDPA as an :data:`AttentionFn`: the baseline every candidate is timed against."""
-    return F.scaled_dot_product_attention(q, k, v, **kwargs)
-
-
 def measure(calls: Counter[AttentionCall], backends: list[AttentionBackend]) -> dict[str, float]:
     """Milliseconds per training step each kernel would spend on ``calls``; SDPA first, the baseline (ties keep it)."""
-    fns: dict[str, AttentionFn] = {SDPA: call_sdpa, **{b.name: b.fn for b in backends}}
+    fns: dict[str, AttentionFn] = {SDPA: F.scaled_dot_product_attention, **{b.name: b.fn for b in backends}}
     totals = dict.fromkeys(fns, 0.0)
     for call, count in calls.items():
         for name, fn in fns.items():
@@ -273,3 +246,26 @@ def describe_choice(choice: str, totals: dict[str, float], calls: Counter[Attent
     timings = ", ".join(f"{name} {ms:.3f} ms" for name, ms in totals.items())
     shapes = "; ".join(f"{count} x {call.describe()}" for call, count in calls.items())
     return f"{choice} (measured attention fwd+bwd per step: {timings}; on {shapes})"
+
+
+def auto_attention_step(
+    router: AttentionRouter | None, step: Callable[[], Any],
+    mean_over_ranks: Callable[[torch.Tensor], torch.Tensor], decided: Callable[[str], None],
+) -> Any:
+    """Run one training ``step``; on the first (eager: recording is plain Python), record the blocks' SDPA shapes;
+    before the second, route to the fastest kernel on them, the timings averaged over ranks so every rank routes
+    alike (ties keep SDPA); ``decided`` receives the summary line."""
+    if router is None or router.decided:
+        return step()
+    if not router.recorded:
+        with router.record(), torch.compiler.set_stance("force_eager"):
+            return step()
+    local = measure(router.calls, list(router.candidates))
+    averaged = mean_over_ranks(torch.tensor(list(local.values()), dtype=torch.float64))
+    totals = {name: float(ms) for name, ms in zip(local, averaged.tolist())}
+    choice = min(totals, key=totals.__getitem__)
+    router.decide(choice)
+    line = describe_choice(choice, totals, router.calls)
+    decided(line)
+    rank_zero_info(f"VitScaleStrategy attention: {line}")
+    return step()

@@ -1,4 +1,7 @@
-"""Regional compilation: each repeated block's ``forward`` compiled in place, under the only dynamo config we set."""
+"""Regional compilation: each repeated block's ``forward`` compiled in place, under the only dynamo config we set;
+also for ``trainer.fit(torch.compile(model))``: Lightning's ``from_compiled`` compiles the LightningModule's
+``forward`` and ``*_step``, and a whole compiled step would trace FSDP2's hooks and collectives, so the strategy
+restores the plain methods and compiles the blocks with the user's ``torch.compile`` settings instead."""
 
 from __future__ import annotations
 
@@ -8,27 +11,41 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.compile import to_uncompiled
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_vitscale._compat import dynamo
+from lightning_vitscale._compat import compile_context, dynamo
 from lightning_vitscale.kernels.settings import Compiler
 
 # dynamo's default number of compiled variants per code object (requires_grad, shapes, ...), per block class.
 _VARIANTS_PER_CLASS = 8
 
 _COMPILED = "_vitscale_compiled"
+TAKEN_OVER = (
+    "VitScaleStrategy: `torch.compile(model)` is applied to each repeated block instead of the whole LightningModule"
+    " (regional compilation, with your torch.compile settings; FSDP's gathers stay eager between blocks), as"
+    " `VitScaleStrategy(kernels=KernelPolicy(compile_blocks=True))` does. Pass the plain model to silence this."
+)
+
+
+def take_over_compiled(module: Any) -> Compiler | None:
+    """Undo Lightning's ``from_compiled`` on ``module``; return the user's compile context (``None``: not compiled)."""
+    compiler = compile_context(module)
+    if compiler is not None:
+        to_uncompiled(module)
+        rank_zero_info(TAKEN_OVER)
+    return compiler
+
 
 def apply_regional_compile(
     modules: list[nn.Module], mode: str | None = None, compiler: Compiler | None = None
 ) -> dict[str, int]:
     """Compile each module's ``forward`` in place (keys keep their names: ``torch.compile(module)`` would add
-    ``_orig_mod.``); returns class name -> count.
-
-    ``forward``, not ``nn.Module.compile()``'s ``_call_impl``: that runs FSDP2's ``dynamo.disable``-d hooks, so
-    every call graph-broke there, and torch's own block forwards then ran eagerly (compiled blocks without
-    checkpointing compiled nothing). As torchtitan's compile-then-shard, FSDP's hooks run eagerly around it. Call
-    after activation checkpointing (traced into a recompute region). Identical blocks share dynamo's cache: one
-    compile per class. ``compiler``: a user's ``torch.compile(model, ...)`` context, used instead of ``mode``.
+    ``_orig_mod.``); returns class name -> count. ``forward``, not ``nn.Module.compile()``'s ``_call_impl``: that
+    runs FSDP2's ``dynamo.disable``-d hooks, so every call graph-broke there, and torch's own block forwards then ran
+    eagerly (compiled blocks without checkpointing compiled nothing). Call after activation checkpointing (traced
+    into a recompute region). ``compiler``: a user's ``torch.compile(model, ...)`` context, used instead of ``mode``.
     """
     counts = Counter(type(module).__name__ for module in modules)
     compile_call = compiler if compiler is not None else functools.partial(torch.compile, mode=mode)

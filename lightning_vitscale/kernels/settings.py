@@ -26,14 +26,13 @@ class KernelPolicy:
     """Which faster kernels the pipeline turns on.
 
     Attributes:
-        compile_blocks: ``torch.compile`` each repeated block in place: identical blocks share one graph, so
-            compile time is one block's.
-        compile_outer: also compile the largest sub-modules outside the blocks (patch embedding, head, ...). Off in
-            every preset: a small share of the time, each one more compile.
+        compile_blocks: ``torch.compile`` each repeated block in place (identical blocks share one graph).
+        compile_outer: also the largest sub-modules outside the blocks (patch embedding, head, ...). Off in every
+            preset: a small share of the time, each one more compile.
         attention: ``"sdpa"``, ``"xformers"`` (the blocks' SDPA calls routed to it) or ``"auto"`` (both timed on
-            the first training step's shapes, where xformers can run: :func:`resolve_attention`).
+            the first training step's shapes, where xformers can run).
         fused_optimizer: switch Adam/AdamW to their fused step where the user left it open.
-        compiler: used instead of ``torch.compile(mode=compile_mode)``: a user's ``torch.compile(model, ...)``.
+        compiler: a user's ``torch.compile(model, ...)``, used instead of ``torch.compile(mode=compile_mode)``.
         reason: why ``kernels="auto"`` compiles the blocks or not (the setup summary's words).
     """
 
@@ -62,12 +61,9 @@ def resolve_kernels(
     spec: KernelMode | KernelPolicy, device: torch.device, attention_backends: tuple[str, ...]
 ) -> KernelPolicy:
     """``kernels=`` as a policy for ``device``; with :func:`resolve_attention`, the one place ``"auto"`` is decided.
-
     ``"auto"`` on CUDA fuses the optimizer, times the attention kernels and compiles each block unless the planner
     predicts it slower (:func:`with_compile_choice`). On CPU it is eager: a block's first compile costs 30-60 s on 2
-    cores for ~1.1-1.3x, and a fused optimizer rounds unlike DDP's foreach step (CPU runs check bit-exact parity).
-    ``attention_backends``: those that can run on ``device``. A resolved policy resolves to itself.
-    """
+    cores for ~1.1-1.3x, and a fused optimizer rounds unlike DDP's foreach step (CPU runs check bit-exact parity)."""
     policy = spec if isinstance(spec, KernelPolicy) else _preset(spec, device)
     attention = resolve_attention(policy.attention, attention_backends, device)
     return policy if attention == policy.attention else replace(policy, attention=attention)
@@ -75,11 +71,9 @@ def resolve_kernels(
 
 def _preset(mode: str, device: torch.device) -> KernelPolicy:
     match mode:
-        case "eager":
-            return EAGER
         case "auto" if device.type == "cuda":
             return KernelPolicy(compile_blocks=True, attention="auto", fused_optimizer=True, reason=NO_BATCH)
-        case "auto":
+        case "auto" | "eager":
             return EAGER
         case _:
             raise unknown_kernel_mode(mode)
@@ -103,9 +97,8 @@ def unknown_kernel_mode(mode: object) -> ValueError:
 
 
 def resolve_attention(choice: str, usable: tuple[str, ...], device: torch.device) -> AttentionChoice:
-    """What ``attention=choice`` means where the kernels named in ``usable`` can run: ``"auto"`` stays (timed
-    after the first step) only where a candidate can run, else SDPA at no cost; a named backend that cannot run is
-    an error now, not a silent fallback."""
+    """What ``attention=choice`` means where ``usable`` kernels can run: ``"auto"`` only where a candidate can, else
+    SDPA at no cost; a named backend that cannot run is an error now, not a silent fallback."""
     match choice:
         case "sdpa":
             return "sdpa"

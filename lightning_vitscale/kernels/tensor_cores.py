@@ -11,13 +11,8 @@ _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2
 
 def tensor_core_report(model: nn.Module, multiple: int = 8) -> list[str]:
     """One line per Linear/Conv/attention dimension of ``model`` that is not a multiple of ``multiple`` (tensor
-    cores and flash attention run those at full speed); reads only module attributes, so meta models work too.
-
-    Example::
-
-        >>> tensor_core_report(nn.Sequential(nn.Linear(768, 10)))
-        ['1: Linear out_features=10 (not a multiple of 8)']
-    """
+    cores and flash attention run those at full speed), e.g. ``"1: Linear out_features=10 (not a multiple of 8)"``;
+    reads only module attributes, so meta models work too."""
     if multiple < 1:
         raise ValueError(f"`multiple` must be >= 1; got {multiple}.")
     lines = []

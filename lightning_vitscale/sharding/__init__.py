@@ -9,10 +9,9 @@ The top of the concerns: may import ``memory``, ``checkpoint``, ``precision``, `
 
 from lightning_vitscale.discovery import ModuleSelector
 from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector
-from lightning_vitscale.sharding.outer_unit import OuterUnit, OutsideStepCallError
-from lightning_vitscale.sharding.parallelize import NoBlocksMatchedError, Parallelized, parallelize
+from lightning_vitscale.sharding.outer_unit import OutsideStepCallError
+from lightning_vitscale.sharding.parallelize import NoBlocksMatchedError
 from lightning_vitscale.sharding.resolved import ResolvedConfig, resolve_config
-from lightning_vitscale.sharding.reuse import ShardedModuleReuseError
 from lightning_vitscale.sharding.settings import (
     CheckpointingPolicy,
     CheckpointSelector,
@@ -23,7 +22,7 @@ from lightning_vitscale.sharding.settings import (
     ShardingPolicy,
     shard_group_size,
 )
-from lightning_vitscale.sharding.setup import ShardedModel, shard_lightning_module
+from lightning_vitscale.sharding.setup import ShardedModel, ShardedModuleReuseError, shard_lightning_module
 from lightning_vitscale.sharding.summary import SetupSummary
 from lightning_vitscale.sharding.sync_batchnorm import apply_sync_batchnorm
 
@@ -34,10 +33,8 @@ __all__ = [
     "ModuleSelector",
     "NoBlocksMatchedError",
     "OffloadMode",
-    "OuterUnit",
     "OutsideStepCallError",
     "ParallelConfig",
-    "Parallelized",
     "Priority",
     "ResolvedConfig",
     "SetupSummary",
@@ -46,7 +43,6 @@ __all__ = [
     "ShardingLayout",
     "ShardingPolicy",
     "apply_sync_batchnorm",
-    "parallelize",
     "resolve_config",
     "shard_group_size",
     "shard_lightning_module",

@@ -1,11 +1,6 @@
-"""Activation checkpointing of blocks: keep each block's inputs, recompute its inside during backward.
-
-Two modes per block. ``"full"`` stores only the block's inputs and reruns its whole forward in backward (least
-memory, one extra forward). ``"selective"`` (op-level, as torchtitan's op-SAC) also stores the outputs of the
-expensive ops (:data:`SAVED_OPS`: matmuls, convolutions, attention kernels) and recomputes only the cheap ones
-(norms, activations, dropout with its RNG state, elementwise ops): almost no extra FLOPs, and the memory of the
-matmul outputs instead of everything.
-"""
+"""Activation checkpointing of blocks: ``"full"`` keeps each block's inputs and reruns its forward in backward;
+``"selective"`` (torchtitan's op-SAC) also keeps the expensive ops' outputs (``memory.selective_contexts``) and
+recomputes only the cheap ones: almost no extra FLOPs, the memory of the matmul outputs instead of everything."""
 
 from __future__ import annotations
 
@@ -22,6 +17,8 @@ CheckpointMode = Literal["full", "selective"]
 CHECKPOINT_MODES: tuple[CheckpointMode, ...] = ("full", "selective")
 
 _MARK = "_vitscale_checkpointed"
+
+
 def is_self_checkpointing(block: nn.Module) -> bool:
     """HF `transformers` layers checkpoint their own forward when `gradient_checkpointing_enable()` is on."""
     return any(getattr(m, "gradient_checkpointing", False) is True for m in block.modules())
@@ -39,11 +36,8 @@ def _checkpointed_forward(original_forward, mode: CheckpointMode, *args: Any, **
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module], mode: CheckpointMode = "full") -> None:
-    """Checkpoint each module's forward in place, in ``mode`` (``"full"`` or ``"selective"``).
-
-    Patching the instance's ``forward`` (rather than wrapping the module) keeps parameter names, and so
-    checkpoint keys, unchanged; applying again is a no-op (the first mode stays).
-    """
+    """Checkpoint each module's forward in place: patching the instance's ``forward`` (not wrapping the module)
+    keeps parameter names, and so checkpoint keys; applying again is a no-op (the first mode stays)."""
     if mode not in CHECKPOINT_MODES:
         raise ValueError(f"Activation checkpointing mode must be one of {CHECKPOINT_MODES}; got {mode!r}.")
     for block in blocks:

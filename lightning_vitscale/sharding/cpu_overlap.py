@@ -4,8 +4,7 @@ On CPU FSDP2 calls gloo synchronously: the step waits for every collective (meas
 reduce-scatters and ~13 ms in all-gathers of a 245 ms ViT step, the bulk of the gap to DDP, whose all-reduce runs
 in gloo's worker thread during backward). So:
 
-- all-gathers: FSDP2's ``unshard_async_op`` (a ``Work`` waited for at the unit's first use), so a prefetched
-  gather runs during the previous unit's compute;
+- all-gathers: FSDP2's ``unshard_async_op``, so a prefetched gather runs during the previous unit's compute;
 - reduce-scatters: :class:`OverlappedReduceScatter` issues each asynchronously and waits for it at the next unit's
   or when backward ends, so no more gradient buffers are alive than under FSDP2's own.
 
@@ -49,12 +48,8 @@ class OverlappedReduceScatter(ReduceScatterComm):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
-        async_op: bool = False,
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType, async_op: bool = False,
     ) -> dist.Work | None:
         # At most one in flight (FSDP2 frees a reduce-scatter's input at the next one): unbounded, the whole
         # model's unsharded gradients would stay alive until backward ends.
@@ -125,8 +120,8 @@ class PendingReductions:
 
 
 def overlap_collectives_on_cpu(units: Iterable[FSDPModule], reduce_scatters: bool) -> None:
-    """Every FSDP unit of one model on CPU ranks overlaps its all-gathers, and its reduce-scatters on a 1-D mesh
-    (``reduce_scatters``: under hybrid sharding FSDP2 all-reduces the output at once)."""
+    """Every FSDP unit of one model overlaps its all-gathers, and its reduce-scatters where ``reduce_scatters`` (a
+    1-D mesh: under hybrid sharding FSDP2 all-reduces the output at once)."""
     pending = PendingReductions()
     for unit in units:
         if reduce_scatters:

@@ -23,24 +23,19 @@ def mixed_precision_policy(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
 
 
 def offload_policy(offload: str | None, device: torch.device) -> OffloadPolicy:
-    """FSDP2's offload policy for ``offload=``: ``"cpu"`` keeps sharded parameters, gradients and optimizer state
-    in host memory (pinned on CUDA, so copies overlap with compute); ``None`` keeps them on the device."""
+    """FSDP2's policy for ``offload=``: host memory pinned on CUDA, so copies overlap with compute."""
     if offload == "cpu":
         return CPUOffloadPolicy(pin_memory=device.type == "cuda")
     return OffloadPolicy()
 
 
 def shard_module(
-    module: nn.Module | list[nn.Module],
-    mesh: DeviceMesh,
-    mp_policy: MixedPrecisionPolicy,
-    reshard_after_forward: bool | int,
-    ignored_params: set[nn.Parameter] | None = None,
+    module: nn.Module | list[nn.Module], mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool | int, ignored_params: set[nn.Parameter] | None = None,
     offload_policy: OffloadPolicy | None = None,
 ) -> FSDPModule:
-    """Make ``module`` (or consecutive modules, together) one FSDP unit over ``mesh`` (2-D: hybrid);
-    ``reshard_after_forward`` explicit (``settings.unit_reshard``). Returns the unit (a list's first module: its
-    modules share one FSDP state)."""
+    """Make ``module`` (or consecutive modules, together) one FSDP unit over ``mesh`` (2-D: hybrid). Returns the
+    unit (a list's first module: its modules share one FSDP state)."""
     sharded = fully_shard(
         module if not isinstance(module, list) or len(module) > 1 else module[0],
         mesh=mesh,
@@ -67,9 +62,8 @@ def group_blocks(blocks: list[T], per_unit: int, unit_of: Sequence[int] | None =
 
 
 def set_prefetch(units: list[FSDPModule], depth: int) -> None:
-    """Each unit of ``units`` (outer first, then the blocks in forward order) issues the next ``depth`` units'
-    all-gathers in forward right after its own, and the previous ``depth`` blocks' in backward, so they run while it
-    computes. ``depth=0`` leaves FSDP2's implicit prefetch (none in forward on CPU)."""
+    """Each unit (outer first, then the blocks in forward order) issues the next ``depth`` units' all-gathers in
+    forward, and the previous ``depth`` blocks' in backward; ``0`` leaves FSDP2's implicit prefetch."""
     if depth <= 0:
         return
     for index, unit in enumerate(units):

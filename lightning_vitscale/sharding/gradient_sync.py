@@ -1,10 +1,6 @@
-"""Skipping gradient reduction on micro-batches before the last: FSDP2's ``set_requires_gradient_sync``.
-
-Lightning enters ``strategy.block_backward_sync()`` around every micro-batch but the last of an accumulation
-window (DDP's ``no_sync``). Here every FSDP unit stops reduce-scattering (it accumulates unsharded gradients
-instead) and the fp32 norms outside the units stop all-reducing; the last micro-batch reduces the sum once.
-Averaging is linear, so the result equals reducing each micro-batch: the gradients DDP produces.
-"""
+"""Skipping gradient reduction on micro-batches before the last (Lightning's ``block_backward_sync``, DDP's
+``no_sync``): every FSDP unit accumulates unsharded gradients, the last micro-batch reduces the sum once. Averaging
+is linear, so the result equals reducing each micro-batch: the gradients DDP produces."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """The outer FSDP unit, and calls to the sharded model outside a step (callbacks, after ``fit``) that gather it.
 
 Lightning calls ``training_step``, never ``forward``, so the outer unit sits on :class:`OuterUnit`, whose forward
-runs the step. Outside a step nobody calls that forward, so the outer unit's parameters stay sharded DTensors and
-``pl_module(x)`` fails inside torch ("got mixed torch.Tensor and DTensor"), where DDP just works. So forward hooks
-on the modules holding outer-unit parameters gather it for such a call (blocks gather themselves). The copy is
-freed when the outermost call returns under ``no_grad``/``inference_mode``; with gradients on it is kept (a
-backward may follow) until the next step, optimizer step or setup (:meth:`OuterUnit.release`).
+runs the step. Outside a step the outer unit's parameters stay sharded and ``pl_module(x)`` fails inside torch
+("got mixed torch.Tensor and DTensor"), where DDP just works; so forward hooks on the modules holding outer-unit
+parameters gather it for such a call (blocks gather themselves). The copy is freed when the outermost call returns
+under ``no_grad``; with gradients on it is kept (a backward may follow) until the next step, optimizer step or setup.
 
 Such a call is a collective: every rank first states which module it calls on a side group
 (distributed/collective_guard.py); a call on one rank, or different calls, fail with :class:`OutsideStepCallError`
@@ -53,8 +52,7 @@ class OuterUnit(nn.Module):
     # --- calls outside a step ---------------------------------------------------------------------------
 
     def enable_calls_outside_steps(self) -> None:
-        """After ``fully_shard(self)``: hook the modules holding outer-unit parameters (``Shard``-placed DTensors
-        outside the block units) and their ancestors; idempotent."""
+        """After ``fully_shard(self)``: hook the modules holding outer-unit parameters and their ancestors."""
         if self._hooks or not isinstance(self, FSDPModule):
             return
         self._owned = _outer_unit_parameters(self.module)
@@ -72,7 +70,7 @@ class OuterUnit(nn.Module):
             self._hooks.append(module.register_forward_hook(self._leave, always_call=True))
 
     def release(self) -> None:
-        """Free an outer unit gathered by a call outside a step, with any gradients computed on it (local)."""
+        """Free an outer unit gathered by a call outside a step, with any gradients computed on it."""
         if not self._gathered_on_demand:
             return
         self._gathered_on_demand = False
@@ -153,15 +151,12 @@ def reshard_units(outer: nn.Module) -> None:
 
 def _outer_unit_parameters(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """(module, name) of the parameters the outer unit shards: Shard-placed DTensors outside block units."""
-    owned = []
-    for module in _modules_outside_blocks(model):
-        for name, param in module.named_parameters(recurse=False):
-            if isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements):
-                owned.append((module, name))
-    return owned
+    return [(module, name) for module in modules_outside_units(model)
+            for name, param in module.named_parameters(recurse=False)
+            if isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements)]
 
 
-def _modules_outside_blocks(model: nn.Module) -> list[nn.Module]:
+def modules_outside_units(model: nn.Module) -> list[nn.Module]:
     """``model`` and its sub-modules, not descending into modules that are FSDP units of their own."""
     found, stack = [], [model]
     while stack:

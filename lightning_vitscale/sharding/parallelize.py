@@ -39,8 +39,7 @@ class NoBlocksMatchedError(ValueError):
 
 @dataclass
 class Parallelized:
-    """What the pipeline leaves behind: the setup summary, the fp32 norms whose gradients need reducing, and the
-    attention router still to decide for (``attention="auto"``)."""
+    """What the pipeline leaves behind: the summary, the fp32 norms, the attention router still to decide."""
 
     plan: SetupSummary
     norms: ReplicatedNorms | None
@@ -48,24 +47,15 @@ class Parallelized:
 
 
 def parallelize(
-    outer_unit: nn.Module,
-    model: nn.Module,
-    mesh: DeviceMesh,
-    config: ResolvedConfig | ParallelConfig,
-    precision: PrecisionPolicy,
-    device: torch.device,
-    creation: Creation | None = None,
-    tensor_mesh: DeviceMesh | None = None,
-    calls: Calls | None = None,
-    kept_gathered: Collection[str] = (),
+    outer_unit: nn.Module, model: nn.Module, mesh: DeviceMesh, config: ResolvedConfig | ParallelConfig,
+    precision: PrecisionPolicy, device: torch.device, creation: Creation | None = None,
+    tensor_mesh: DeviceMesh | None = None, calls: Calls | None = None, kept_gathered: Collection[str] = (),
 ) -> Parallelized:
     """Apply the recipe to ``model`` (held by ``outer_unit``, the module Lightning actually calls).
 
-    ``config``: what setup resolved (a :class:`ParallelConfig` is resolved here). ``creation``: how
-    ``configure_model()`` built meta parameters (``None``: built before setup). ``precision`` and ``device`` have no
-    default: one would silently run a bf16 GPU job as fp32 on CPU. ``tensor_mesh``: the blocks are split over it
-    first. ``calls``: what a step measured at setup called (the units, the tensor-parallel proofs' inputs).
-    ``kept_gathered``: blocks whose units the planner keeps gathered from forward to backward.
+    ``creation``: how ``configure_model()`` built meta parameters (``None``: built before setup). ``precision`` and
+    ``device`` have no default: one would silently run a bf16 GPU job as fp32 on CPU. ``calls``: what a step measured
+    at setup called (the units, the tensor-parallel proofs' inputs); ``kept_gathered``: the planner's choice.
     """
     resolved = config if isinstance(config, ResolvedConfig) else resolve_config(config, device)
     found = select_units(model, resolved.sharding.blocks, calls)  # before anything rewrites the tree

@@ -45,10 +45,8 @@ class Planned:
     """The settings to shard with (the planner's choices filled in) and what to apply once the units exist.
 
     Attributes:
-        resolved: with ``"auto"``'s blocks and the blocks per unit chosen where they could be.
         auto: the ``"auto"`` lifecycle (its choice, or the meta twin waiting for the first batch); ``None`` if off.
         measured, measured_on: the measurement at setup for the summary's predicted peak, and what it ran on.
-        kept_gathered: blocks whose unit stays gathered from forward to backward (the planner's choice).
         calls: what the measured step called (the units are what it runs).
         unmeasured: why the measurement gave no prediction (the summary says it).
     """
@@ -64,9 +62,8 @@ class Planned:
     unmeasured: str = ""
 
     def tensor_sent(self, summary: SetupSummary) -> float | None:
-        """Bytes this rank sends per step over the tensor-parallel dimension for the checkpointing applied
-        (the all-reduces of activations, predicted for the planner's batch); ``None`` without tensor parallelism
-        or a batch measured at setup."""
+        """Bytes this rank sends per step over the tensor-parallel dimension (activations' all-reduces, predicted
+        for the planner's batch and the checkpointing applied); ``None`` without one or a batch at setup."""
         if self.auto is not None:
             plan = self.auto.choice.plan if self.auto.choice is not None else None
             return None if plan is None else plan.traffic.get("tensor_parallel")
@@ -78,8 +75,7 @@ class Planned:
         return inputs.tensor.sent(modes, inputs.batch_scale)
 
     def step(self, module: nn.Module) -> tuple[StepInputs, StepSettings] | None:
-        """The measured step and the settings setup will apply (what ``kernels="auto"`` predicts its choice from), or
-        ``None`` without a batch at setup."""
+        """The measured step and the settings setup applies (``kernels="auto"`` predicts from them), if measured."""
         if self.auto is not None:
             plan = self.auto.choice.plan if self.auto.choice is not None else None
             return None if plan is None or plan.inputs is None else (plan.inputs, plan.chosen.settings)
@@ -103,7 +99,7 @@ class Planned:
         return self.kept_gathered
 
     def apply(self, module: nn.Module, summary: SetupSummary, device: torch.device) -> None:
-        """After the pipeline: blocks kept gathered where the planner chose so, and the summary's memory lines."""
+        """After the pipeline: blocks kept gathered where the planner chose so; the summary's memory lines."""
         if self.units_choice is not None:
             summary.units_choice = self.units_choice
         if self.unmeasured:
@@ -121,8 +117,7 @@ class Planned:
 
 
 def plans_from_batch(resolved: ResolvedConfig) -> bool:
-    """Whether the planner chooses anything from a batch (so that setup should find one in the training data):
-    the checkpointing (``"auto"``), the blocks per unit or the units kept gathered."""
+    """Whether the planner chooses anything from a batch (so that setup should find one in the training data)."""
     return resolved.checkpointing.is_auto or resolved.planner_units or resolved.planner_keeps
 
 
@@ -133,17 +128,11 @@ def agreed_budget(memory_budget: int | float | None, ranks: RankContext) -> int:
 
 
 def plan_before_sharding(
-    module: nn.Module,
-    resolved: ResolvedConfig,
-    precision: PrecisionPolicy,
-    ranks: RankContext,
-    budget: int,
-    batch: PlanningBatch | None = None,
-    trainer: pl.Trainer | None = None,
+    module: nn.Module, resolved: ResolvedConfig, precision: PrecisionPolicy, ranks: RankContext, budget: int,
+    batch: PlanningBatch | None = None, trainer: pl.Trainer | None = None,
 ) -> Planned:
     """The planner's part of setup, before any unit exists (every rank calls it: it agrees by collectives).
-    ``budget``: :func:`agreed_budget`; ``batch``: what it measures; ``None``: ``example_input_array`` if set;
-    ``trainer``: whose loop the step runs in (when gradients are alive)."""
+    ``batch``: what it measures (``None``: ``example_input_array`` if set); ``trainer``: whose loop the step runs in."""
     sharding, shard = resolved.sharding, shard_size(ranks.sharding_mesh)
     replicas = ranks.sharding_mesh.size() // shard  # copies of a shard group (hybrid), as the layout report counts
     tp = ranks.tensor_mesh.size() if ranks.tensor_mesh is not None else 1  # it measures one TP rank's share
@@ -176,16 +165,14 @@ def plan_before_sharding(
 
 
 def _mode_of(module: nn.Module, resolved: ResolvedConfig) -> ModeOf:
-    """``resolved.checkpoint_mode`` asked of ``module``'s own block: the measurement may run on a meta twin, whose
-    blocks a user's predicate has never seen."""
+    """Modes asked of ``module``'s own blocks: the measurement may run on a meta twin a user's predicate never saw."""
     return lambda index, name, _: resolved.checkpoint_mode(index, name, module.get_submodule(name))
 
 
 def _choose_units(
     module: nn.Module, resolved: ResolvedConfig, measured: StepInputs, ranks: RankContext, budget: int
 ) -> tuple[ResolvedConfig, str, tuple[str, ...]]:
-    """For the checkpointing the user chose (pinned in the search): the blocks per unit and the units kept gathered
-    that ``priority`` left to the planner, rank 0's plan on every rank."""
+    """The blocks per unit and units kept gathered ``priority`` left to the planner, for the checkpointing chosen."""
     names = [block.name for block in measured.profile.blocks]
     space = SearchSpace(
         measured, budget, rates_for(ranks.device), offloads(resolved.sharding, ranks.device), _fixed_reshard(resolved),
@@ -209,8 +196,7 @@ def _units_line(space: SearchSpace, plan: BlockPlan) -> str:
 
 
 def _fixed_reshard(resolved: ResolvedConfig) -> bool | None:
-    """Every block unit's reshard as pinned (``True``: resharded, also to a smaller world size; ``False``: kept),
-    or ``None``: the planner's, per unit."""
+    """Every block unit's reshard as pinned (``True`` also for a smaller world size), or ``None``: the planner's."""
     return None if resolved.planner_keeps else resolved.sharding.reshard_after_forward is not False
 
 
@@ -231,8 +217,7 @@ def apply_auto_choice(module: nn.Module, auto: AutoCheckpointing, summary: Setup
 
 
 def keep_gathered(module: nn.Module, names: Sequence[str]) -> None:
-    """The units of blocks ``names`` keep their gathered parameters from forward to backward (one all-gather per
-    unit fewer; a unit's FSDP setting, shared by the blocks of a unit)."""
+    """The units of blocks ``names`` keep their gathered parameters from forward to backward (one all-gather fewer)."""
     for name in names:
         block = module.get_submodule(name)
         if isinstance(block, FSDPModule):  # else in the outer unit (one rank), never resharded after forward

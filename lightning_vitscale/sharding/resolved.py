@@ -17,16 +17,9 @@ from lightning_vitscale.sharding.settings import CheckpointingPolicy, ParallelCo
 
 @dataclass(frozen=True)
 class ResolvedConfig:
-    """The settings the pipeline runs with; ``VitScaleStrategy.resolved`` after setup.
-
-    Attributes:
-        requested: what the user asked for (``strategy.config``).
-        kernels: the policy for this device (``"auto"`` resolved, ``torch.compile(model)`` taken over).
-        checkpointing: with ``priority`` applied (``blocks`` never ``None``).
-        planner_units, planner_keeps: ``priority="speed"`` left ``blocks_per_unit``, or which block units stay
-            gathered for backward, to the planner.
-        checkpoint_choice: name -> mode of the blocks ``"auto"`` chose at setup; ``None``: the request decides.
-    """
+    """The settings the pipeline runs with (``VitScaleStrategy.resolved``): ``kernels`` for this device,
+    ``checkpointing`` with ``priority`` applied; ``planner_units``/``planner_keeps``: ``priority="speed"`` left the
+    blocks per unit / the units kept gathered to the planner; ``checkpoint_choice``: ``"auto"``'s, made at setup."""
 
     requested: ParallelConfig
     kernels: KernelPolicy
@@ -39,11 +32,10 @@ class ResolvedConfig:
 
     @property
     def sharding(self) -> ShardingPolicy:
-        """The requested sharding settings (what to wrap, reshard, layout, offload, accumulation)."""
         return self.requested.sharding
 
     def checkpoint_mode(self, index: int, name: str, module: nn.Module) -> CheckpointMode | None:
-        """How the ``index``-th block (0-based, model order) is checkpointed: ``"full"``, ``"selective"``, ``None``."""
+        """How the ``index``-th block (0-based, model order) is checkpointed."""
         if self.checkpoint_choice is not None:
             return self.checkpoint_choice.get(name)
         return self.checkpointing.mode(index, name, module)

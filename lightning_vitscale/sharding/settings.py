@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar, cast
 
 from torch import nn
 
@@ -16,27 +16,25 @@ from lightning_vitscale.kernels.settings import KERNEL_MODES, KernelMode, Kernel
 from lightning_vitscale.memory import ACCUMULATION_MODES, AccumulationMode, check_budget
 
 BlockCheckpointing = bool | Literal["full", "selective"]
-"""One block's checkpointing: ``True``/``"full"`` recomputes its whole forward in backward, ``"selective"`` stores
-the matmul and attention outputs and recomputes only the cheap ops, ``False`` stores everything."""
+"""One block's checkpointing, as an ``activation_checkpointing`` callable returns it."""
 CheckpointSelector = bool | int | Literal["auto", "full", "selective"] | Callable[[str, nn.Module], BlockCheckpointing]
-"""``True``/``"full"``: every block, fully; ``"selective"``: every block, op-level (matmuls and attention saved);
-``False``: none; ``k``: every k-th block (1-based), fully; callable: per block, returning a
-:data:`BlockCheckpointing`; ``"auto"``: the fewest blocks that keep the predicted step peak within
-``memory_budget`` (chosen once the batch is known)."""
+"""What ``activation_checkpointing=`` takes: :attr:`CheckpointingPolicy.blocks`' text says each choice."""
 _MODE_WORDS: tuple[str, ...] = ("full", "selective")
 
 ShardingLayout = Literal["full", "hybrid"] | int
-"""``"full"``: shard over every rank; ``"hybrid"``: shard inside each node, replicate across nodes; an ``int``:
-shard over groups of that many consecutive ranks, replicate across the groups."""
-
+"""What ``sharding=`` takes: :attr:`ShardingPolicy.layout`'s text says each choice."""
 SHARDING_LAYOUTS: tuple[str, ...] = ("full", "hybrid")
 Priority = Literal["speed", "memory"]
-"""What the settings left at ``None`` aim for: ``"speed"`` (the planner's fastest plan within ``memory_budget``) or
-``"memory"`` (the recipe's memory-first plan)."""
 PRIORITIES: tuple[str, ...] = ("speed", "memory")
 OffloadMode = Literal["cpu"]
-"""``"cpu"``: sharded parameters, gradients and optimizer state live in host memory between uses."""
 OFFLOAD_CHOICES: tuple[str | None, ...] = (None, "cpu")
+
+T = TypeVar("T")
+
+
+def documented(default: T, doc: str) -> T:
+    """A settings field documented once: ``doc`` is the option's text (options.py renders it)."""
+    return cast(T, field(default=default, metadata={"doc": doc}))
 
 
 def _invalid(settings: object, name: str, requirement: str) -> ValueError:
@@ -47,95 +45,64 @@ def _invalid(settings: object, name: str, requirement: str) -> ValueError:
 
 @dataclass(frozen=True)
 class ShardingPolicy:
-    """Which modules become their own FSDP unit and when they free gathered parameters; each field's text is in its
-    ``metadata["doc"]``, the one source of the strategy's Args and README's options table (``options.py``)."""
+    """Which modules become their own FSDP unit and when they free gathered parameters (field texts: options.py)."""
 
-    blocks: ModuleSelector | None = field(
-        default=None,
-        metadata={"doc": (
+    blocks: ModuleSelector | None = documented(None, (
         "``None`` finds the repeated blocks automatically; a set of block classes (``{MyBlock}``) or a predicate"
         " ``(name, module) -> bool`` overrides the discovery. Blocks are grouped into FSDP units"
         " (``blocks_per_unit``)."
-    )},
-    )
-    reshard_after_forward: bool | int | None = field(
-        default=None,
-        metadata={"doc": (
+    ))
+    reshard_after_forward: bool | int | None = documented(None, (
         "``None``: the outer unit keeps its gathered parameters for backward; block units as ``priority`` says:"
         " ``\"speed\"``, the planner keeps the last units gathered for backward as far as ``memory_budget`` allows"
         " (one all-gather per unit fewer), ``\"memory\"``, they free theirs after forward (the recipe)."
         " ``True``/``False`` force it for every unit; an ``int`` reshards the blocks to that smaller world size"
         " (FSDP2 hybrid reshard)."
-    )},
-    )
-    layout: ShardingLayout = field(
-        default="full",
-        metadata={"doc": (
+    ))
+    layout: ShardingLayout = documented("full", (
         "``\"full\"`` shards over every rank (least memory); ``\"hybrid\"`` shards inside each node and replicates"
         " across nodes (all-gathers and reduce-scatters stay on intra-node links; only one gradient all-reduce per"
         " unit crosses nodes); an ``int`` sets the shard-group size (consecutive ranks; it must divide the world)."
-    )},
-    )
-    tensor_parallel: int = field(
-        default=1,
-        metadata={"doc": (
+    ))
+    tensor_parallel: int = documented(1, (
         "Ranks that split each block's matmuls (tensor parallelism, Megatron style; consecutive ranks, so a group"
-        " stays inside a node). ``k > 1`` makes a 2-D mesh (data parallel x tensor parallel): each block is split"
-        " over the ``k`` ranks of its group (attention heads and MLP hidden units), then FSDP shards it over the"
-        " ``world / k`` data-parallel ranks, which alone split the batch. The plan per block is found from the"
-        " block's structure (``tensor_plan=None``). With ``sharding=\"hybrid\"`` or an int: a 3-D mesh (replicate x"
-        " shard x tensor parallel), the shard group's ranks (a multiple of ``k``, tensor-parallel ones included)"
-        " sharing one copy. The model may be built in ``__init__`` or in ``configure_model()`` (either ``init=``"
-        " path); docs/sharding.md says when it pays."
-    )},
-    )
-    tensor_plan: TensorPlanSelector | None = field(
-        default=None,
-        metadata={"doc": (
+        " stays inside a node). ``k > 1`` makes a 2-D mesh (data parallel x tensor parallel): each block's attention"
+        " heads and MLP hidden units are split over its group's ``k`` ranks, then FSDP shards it over the ``world /"
+        " k`` data-parallel ranks, which alone split the batch; with ``sharding=\"hybrid\"`` or an int a 3-D mesh"
+        " (replicate x shard x tensor parallel, shard groups of a multiple of ``k`` ranks). Either ``init=`` path"
+        " works; docs/sharding.md says when it pays."
+    ))
+    tensor_plan: TensorPlanSelector | None = documented(None, (
         "With ``tensor_parallel > 1``: ``None`` finds each block's plan (attention input projections and the MLP's"
-        " first linear column-wise, the output projections row-wise, per-rank head counts set, norms replicated);"
-        " a dict of module-name patterns inside a block to ``torch.distributed.tensor.parallel`` styles; or a"
-        " callable ``(block name, block) -> {module name: style}``. Every plan is proven at setup: each distinct"
-        " block runs split against itself unsplit on the input a training step gives it, and one that fails,"
-        " differs or (automatic plans) leaves the attention whole is refused naming the block, the module and"
-        " the fix."
-    )},
-    )
-    offload: OffloadMode | None = field(
-        default=None,
-        metadata={"doc": (
+        " first linear column-wise, output projections row-wise, head counts per rank, norms replicated); else a"
+        " dict of module-name patterns inside a block to ``torch.distributed.tensor.parallel`` styles, or a"
+        " callable ``(block name, block) -> {module name: style}``. Each distinct block's plan is proven at setup"
+        " against the unsplit block on a training step's input: one that fails, differs or (automatic plans)"
+        " leaves the attention whole is refused, naming the block, the module and the fix."
+    ))
+    offload: OffloadMode | None = documented(None, (
         "``\"cpu\"`` keeps sharded parameters, gradients and optimizer state in host memory (FSDP2's"
         " ``CPUOffloadPolicy``; the optimizer steps on the CPU); on ``accelerator=\"cpu\"`` they already are, and it"
         " changes nothing."
-    )},
-    )
-    accumulation: AccumulationMode = field(
-        default="auto",
-        metadata={"doc": (
+    ))
+    accumulation: AccumulationMode = documented("auto", (
         "With ``accumulate_grad_batches > 1``: ``\"auto\"`` keeps unsharded gradients across the micro-batches of an"
         " optimizer step (one reduce-scatter per step, as DDP's ``no_sync``) where they fit in memory, else"
         " ``\"sharded\"`` (a reduce-scatter per micro-batch, least memory); ``\"unsharded\"`` forces the first."
-    )},
-    )
-    prefetch: int | None = field(
-        default=None,
-        metadata={"doc": (
+    ))
+    prefetch: int | None = documented(None, (
         "How many units ahead each unit all-gathers explicitly (forward: the next blocks; backward: the previous"
         " ones), so the collective overlaps this unit's compute; ``0`` leaves FSDP2's implicit prefetch. ``None``:"
         " 1 on CPU ranks (whose gloo collectives are made asynchronous, ``sharding/cpu_overlap.py``), 0 on GPUs"
         " (FSDP2's streams)."
-    )},
-    )
-    blocks_per_unit: int | None = field(
-        default=None,
-        metadata={"doc": (
+    ))
+    blocks_per_unit: int | None = documented(None, (
         "Consecutive blocks per FSDP unit (the last unit may hold fewer). ``1`` is the recipe (least gathered"
         " memory); ``k > 1`` runs one all-gather, reduce-scatter and set of FSDP hooks per ``k`` blocks, with up to"
         " ``k`` blocks' parameters and gradients gathered at once. ``None``: as ``priority`` says: ``\"speed\"``, the"
         " planner's choice (up to every block in one unit) from the batch known at setup (``example_input_array``,"
         " else one batch of the train dataloader when fitting), else 1; ``\"memory\"``, 1."
-    )},
-    )
+    ))
 
     def __post_init__(self) -> None:
         _check_layout(self.layout)
@@ -179,12 +146,10 @@ class ShardingPolicy:
             )
 
     def prefetch_on(self, device_type: str) -> int:
-        """The user's prefetch, else 1 on CPU (no streams: only an explicit, asynchronous prefetch overlaps a gather
-        with compute), 0 (FSDP2's own) elsewhere."""
+        """The user's prefetch, else 1 on CPU (no streams: only an explicit, asynchronous prefetch overlaps), else 0."""
         if self.prefetch is not None:
             return self.prefetch
         return 1 if device_type == "cpu" else 0
-
 
 
 def _check_layout(layout: object) -> None:
@@ -200,8 +165,7 @@ def _check_layout(layout: object) -> None:
 
 
 def shard_group_size(layout: ShardingLayout, world_size: int, ranks_per_node: int) -> int:
-    """How many ranks shard one copy of the state: the one place that says what each layout means (``"full"``:
-    all; ``"hybrid"``: one node's, a replica per node; an int must divide ``world_size``)."""
+    """How many ranks shard one copy of the state: the one place that says what each layout means."""
     _check_layout(layout)
     match layout:
         case "full":
@@ -224,31 +188,24 @@ def shard_group_size(layout: ShardingLayout, world_size: int, ranks_per_node: in
 class CheckpointingPolicy:
     """Which blocks recompute their activations in backward; each field's text is in its ``metadata["doc"]``."""
 
-    blocks: CheckpointSelector | None = field(
-        default=None,
-        metadata={"doc": (
-            "``True``/``\"full\"``: every block stores only its input and reruns its whole forward in backward (least"
-            " memory); ``\"selective\"``: every block stores the matmul, convolution and attention outputs and"
-            " recomputes only the cheap ops; ``False``: none; ``k``: every k-th block, fully; a predicate"
-            " ``(name, module) -> True/False/\"full\"/\"selective\"`` per block; ``\"auto\"``: the plan (per block"
-            " none/selective/full, per unit resharded or kept gathered, and the blocks per unit when decided at"
-            " setup) with the least predicted step time whose predicted per-rank peak fits ``memory_budget``,"
-            " decided at setup from ``example_input_array`` or one batch of the train dataloader (run through"
-            " ``training_step``), else at the first training step (docs/memory.md). ``None``: as ``priority`` says:"
-            " ``\"speed\"``, ``\"auto\"`` (the recipe's plan, with a warning, where the step cannot run on fake"
-            " tensors); ``\"memory\"``, ``True``."
-        )},
-    )
-    memory_budget: int | float | None = field(
-        default=None,
-        metadata={"doc": (
-            "Bytes a training step may use per rank (an ``int``), or a fraction of the device's memory (a ``float`` in"
-            " (0, 1]; on CPU of the host's available memory divided among the local ranks, the smallest any rank"
-            " has); ``None`` is 0.9. Every choice the planner makes keeps to it: the checkpointing, the blocks per"
-            " unit and units kept gathered (``priority=\"speed\"``, ``activation_checkpointing=\"auto\"``) and"
-            " ``accumulation=\"auto\"``; the setup summary names it and says when the predicted peak is over it."
-        )},
-    )
+    blocks: CheckpointSelector | None = documented(None, (
+        "``True``/``\"full\"``: every block stores only its input and reruns its forward in backward (least"
+        " memory); ``\"selective\"``: every block keeps its matmul, convolution and attention outputs and recomputes"
+        " only the cheap ops; ``False``: none; ``k``: every k-th block, fully; a predicate ``(name, module) ->"
+        " True/False/\"full\"/\"selective\"`` per block; ``\"auto\"``: the plan (per block none/selective/full,"
+        " units kept gathered or resharded, blocks per unit) with the least predicted step time whose per-rank"
+        " peak fits ``memory_budget``, decided at setup from ``example_input_array`` or one train batch (run"
+        " through ``training_step``), else at the first training step (docs/memory.md). ``None``: as ``priority``"
+        " says: ``\"speed\"``, ``\"auto\"`` (the recipe's plan, with a warning, where the step cannot run on fake"
+        " tensors); ``\"memory\"``, ``True``."
+    ))
+    memory_budget: int | float | None = documented(None, (
+        "Bytes a training step may use per rank (an ``int``), or a fraction of the device's memory (a ``float`` in"
+        " (0, 1]; on CPU of the host's available memory divided among the local ranks, the smallest any rank"
+        " has); ``None`` is 0.9. Every choice the planner makes keeps to it: the checkpointing, the blocks per"
+        " unit and units kept gathered (``priority=\"speed\"``, ``activation_checkpointing=\"auto\"``) and"
+        " ``accumulation=\"auto\"``; the setup summary names it and says when the predicted peak is over it."
+    ))
 
     def __post_init__(self) -> None:
         sel = self.blocks
@@ -272,30 +229,19 @@ class CheckpointingPolicy:
         return self.blocks == "auto"
 
     def mode(self, index: int, name: str, module: nn.Module) -> Literal["full", "selective"] | None:
-        """How the ``index``-th block (0-based, in model order) is checkpointed: ``"full"``, ``"selective"`` or
-        ``None``; ``"auto"`` and ``None`` select nothing here (setup applies the planner's choice)."""
+        """How the ``index``-th block (model order) is checkpointed; ``"auto"``'s choice is applied by setup."""
         sel = self.blocks
         if sel is None or sel == "auto":
             return None
-        if isinstance(sel, bool):
-            return "full" if sel else None
-        if isinstance(sel, str):
-            return "selective" if sel == "selective" else "full"
-        if isinstance(sel, int):
+        if isinstance(sel, int) and not isinstance(sel, bool):
             return "full" if (index + 1) % sel == 0 else None
-        return _block_mode(sel(name, module), name)
-
-
-def _block_mode(answer: object, name: str) -> Literal["full", "selective"] | None:
-    """A callable's answer for one block: a mode word, or anything else read as a bool (as before modes existed)."""
-    if isinstance(answer, str):
-        if answer not in _MODE_WORDS:
+        answer = sel(name, module) if callable(sel) else sel  # a callable's answer: a mode word, or read as a bool
+        if isinstance(answer, str) and answer not in _MODE_WORDS:
             raise ValueError(
                 f"The `activation_checkpointing` callable returned {answer!r} for block {name!r}; a string must be"
                 " 'full' or 'selective' (or return True/False)."
             )
-        return "selective" if answer == "selective" else "full"
-    return "full" if answer else None
+        return "selective" if answer == "selective" else "full" if answer else None
 
 
 @dataclass(frozen=True)
@@ -305,17 +251,14 @@ class ParallelConfig:
 
     sharding: ShardingPolicy = field(default_factory=ShardingPolicy)
     checkpointing: CheckpointingPolicy = field(default_factory=CheckpointingPolicy)
-    priority: Priority = field(
-        default="speed",
-        metadata={"doc": (
-            "What the settings left at ``None`` (``activation_checkpointing``, ``blocks_per_unit``,"
-            " ``reshard_after_forward``) aim for. ``\"speed\"``: the plan with the least predicted step time whose"
-            " predicted per-rank peak fits ``memory_budget`` (no checkpointing where the activations fit, selective"
-            " before full, blocks grouped into units and kept gathered for backward as memory allows), planned from"
-            " the batch (docs/memory.md); ``\"memory\"``: the recipe's memory-first plan (every block fully"
-            " checkpointed, its own FSDP unit, resharded after forward). Settings you pass win over either."
-        )},
-    )
+    priority: Priority = documented("speed", (
+        "What the settings left at ``None`` (``activation_checkpointing``, ``blocks_per_unit``,"
+        " ``reshard_after_forward``) aim for. ``\"speed\"``: the plan with the least predicted step time whose"
+        " predicted per-rank peak fits ``memory_budget`` (no checkpointing where the activations fit, selective"
+        " before full, blocks grouped into units and kept gathered for backward as memory allows), planned from"
+        " the batch (docs/memory.md); ``\"memory\"``: the recipe's memory-first plan (every block fully"
+        " checkpointed, its own FSDP unit, resharded after forward). Settings you pass win over either."
+    ))
     kernels: KernelMode | KernelPolicy = field(
         default_factory=KernelPolicy,
         metadata={
@@ -335,8 +278,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class LeftToPriority:
-    """What ``priority`` made of the settings left at ``None``: the checkpointing (never ``None``), the blocks per
-    unit (``None``: the planner's) and whether the planner may keep block units gathered for backward."""
+    """What ``priority`` made of the settings left at ``None`` (``blocks_per_unit=None``: the planner's)."""
 
     checkpointing: CheckpointingPolicy
     blocks_per_unit: int | None

@@ -1,8 +1,5 @@
-"""Sharding a LightningModule once, as the strategy's ``setup`` does, and what its steps still need from it.
-
-:func:`shard_lightning_module` is the whole setup sequence in order; :class:`ShardedModel` is its named result,
-kept on the module so that a later ``validate``/``test``/``fit`` with the same settings reuses the same units.
-"""
+"""Sharding a LightningModule once (the strategy's ``setup``: :func:`shard_lightning_module`, in order), reused by a
+later Trainer only under the same settings; :class:`ShardedModel`, its result: what the steps still need from it."""
 
 from __future__ import annotations
 
@@ -23,7 +20,7 @@ from lightning_vitscale.checkpoint import full_state_dict
 from lightning_vitscale.distributed import RankContext
 from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.init import Creation
-from lightning_vitscale.kernels import AttentionRouter, auto_attention_step
+from lightning_vitscale.kernels import AttentionRouter, KernelPolicy, auto_attention_step
 from lightning_vitscale.memory import (
     AccumulationChoice,
     AccumulationMode,
@@ -44,12 +41,47 @@ from lightning_vitscale.sharding.planning import (
     plans_from_batch,
 )
 from lightning_vitscale.sharding.resolved import ResolvedConfig, compile_where_it_pays
-from lightning_vitscale.sharding.reuse import check_reusable, sharding_signature
-from lightning_vitscale.sharding.settings import ShardingPolicy
+from lightning_vitscale.sharding.settings import ParallelConfig, ShardingPolicy
 from lightning_vitscale.sharding.summary import SetupSummary
 from lightning_vitscale.sharding.traffic import layout_report
 
 _SHARDED_ATTR = "_vitscale_sharded_model"
+
+
+class ShardedModuleReuseError(RuntimeError):
+    """A LightningModule sharded under some settings was handed to a Trainer with other settings."""
+
+
+def check_reusable(used: dict[str, Any], wanted: dict[str, Any]) -> None:
+    """A sharded module is rebuilt by nobody: FSDP units, checkpointing and casts are in place. Refuse to pretend."""
+    changed = [f"{key} {used[key]!r} -> {wanted[key]!r}" for key in wanted if used.get(key) != wanted[key]]
+    if changed:
+        raise ShardedModuleReuseError(
+            "This LightningModule was already sharded by a VitScaleStrategy with other settings ("
+            + "; ".join(changed)
+            + "). Its FSDP units, activation checkpointing and precision casts cannot be undone in place. Build a"
+            " new LightningModule instance for this Trainer, or pass the same strategy settings as before."
+        )
+
+
+def sharding_signature(
+    config: ParallelConfig, precision: PrecisionPolicy, world_size: int, device: torch.device,
+    kernels: KernelPolicy | None = None,
+) -> dict[str, Any]:
+    """The settings a module is sharded with; ``kernels``: ``config.kernels`` resolved on ``device``, where known."""
+    return {
+        "blocks=": config.sharding.blocks,
+        "reshard_after_forward=": config.sharding.reshard_after_forward,
+        "sharding=": config.sharding.layout,
+        "blocks_per_unit=": config.sharding.blocks_per_unit,
+        "offload=": config.sharding.offload,
+        "activation_checkpointing=": config.checkpointing.blocks,
+        "priority=": config.priority,
+        "kernels=": kernels if kernels is not None else config.kernels,
+        "precision": precision,
+        "world size": world_size,
+        "device": device,
+    }
 
 
 class PlannedStepOutOfMemoryError(torch.OutOfMemoryError):
@@ -63,12 +95,9 @@ class ShardedModel:
 
     Attributes:
         outer: the outer FSDP unit around the module: what Lightning calls (``strategy.model``).
-        norms: the fp32 norms kept outside the units, whose gradients are averaged after each backward.
-        router: the attention router still to decide for (``attention="auto"``), if any.
+        norms: the fp32 norms outside the units, whose gradients are averaged after each backward.
         auto: ``activation_checkpointing="auto"``: its choice, or the meta twin waiting for the first batch.
-        signature: the settings it was sharded with; another Trainer may reuse it only with the same ones.
-        planned_for_speed: the planner chose what ``priority="speed"`` left to it (an out-of-memory step then
-            names the fixes).
+        planned_for_speed: ``priority="speed"``'s planner chose (an out-of-memory step then names the fixes).
         accumulation: whether micro-batches before the last skip the gradient sync; chosen at the first one.
     """
 
@@ -98,15 +127,13 @@ class ShardedModel:
         rank_zero_info(f"VitScaleStrategy activation checkpointing {self.summary.memory}")
 
     def training_step(self, step: Callable[[], Any], mean_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-        """Run ``step`` (under manual optimization the whole step: its out-of-memory error named); under
-        ``attention="auto"`` the first steps also time the attention kernels."""
+        """Run ``step`` (its out-of-memory error named); under ``attention="auto"`` the first steps time the kernels."""
         with self.out_of_memory_named():
             return auto_attention_step(self.router, step, mean_over_ranks, self._attention_decided)
 
     @contextmanager
     def out_of_memory_named(self) -> Generator[None, None, None]:
-        """Run a step's part; a device out of memory in a step planned for speed raises
-        :class:`PlannedStepOutOfMemoryError`, naming the recipe's argument and a smaller budget."""
+        """A step planned for speed that runs out of memory raises :class:`PlannedStepOutOfMemoryError`."""
         try:
             yield
         except torch.OutOfMemoryError as error:
@@ -165,36 +192,32 @@ class ShardedModel:
             return AccumulationChoice(False, choice.reason.replace("fits", "fits here but not on every rank"))
         return choice
 
-    def release(self) -> None:
-        """Free a copy gathered by a call outside a step: stale after an optimizer step, never for the optimizer."""
-        self.outer.release()
-
     def reshard(self) -> None:
-        """Back to the shards after an evaluation loop: FSDP2 keeps the outer unit, and every block unit kept
-        gathered for backward (the planner's choice), gathered after forward for a backward that never comes; users
-        then see sharded DTensors again, and memory drops."""
+        """Back to the shards after an evaluation loop: FSDP2 keeps the outer unit and the units kept gathered for
+        backward gathered after forward, for a backward that never comes."""
         self.outer.release()
         reshard_units(self.outer)
 
 
 def shard_lightning_module(
-    module: nn.Module,
-    resolved: ResolvedConfig,
-    precision: VitScalePrecision,
-    ranks: RankContext,
-    creation: Creation | None,
-    fitting: Any | None = None,
-    trainer: Any | None = None,
+    module: nn.Module, resolved: ResolvedConfig, precision: VitScalePrecision, ranks: RankContext,
+    creation: Creation | None, fitting: Any | None = None, trainer: Any | None = None,
 ) -> ShardedModel:
     """Shard ``module`` once; later calls with the same settings return the same :class:`ShardedModel`, others
     raise :class:`~lightning_vitscale.ShardedModuleReuseError`.
 
     ``fitting``: the Trainer about to fit, whose training data gives one batch (``memory/planning_batch.py``) where
-    the module sets no ``example_input_array``: for the planner, the units and the tensor-parallel proofs.
-    ``trainer``: the one the module runs under (fitting or not): the planner follows its loop.
+    the module sets no ``example_input_array``. ``trainer``: the one the module runs under: the planner follows its
+    loop.
 
-    Kept in the module's ``__dict__``, not as a submodule (the LightningModule must not contain its own wrapper):
-    a registry keyed weakly by the module would leak both, as the value holds the module.
+    Why the module's ``__dict__`` keeps the result: ``Trainer(...).fit(m)`` then ``Trainer(...).test(m)`` gives the
+    second, fresh strategy only ``m``, so ``m`` must lead to the first's units and settings after the first
+    strategy is gone. The module's structure does not: its blocks are ``FSDPModule``s (Lightning's FSDP strategies
+    detect wrapping so, by type), but the outer unit is a parent of ``m`` (the LightningModule must not contain its
+    own wrapper), and the settings signature, the planner's choices and the fp32 norms exist nowhere else. A
+    registry keyed weakly by ``m`` would never drop an entry, as the value holds ``m`` through the outer unit, and
+    one holding the value weakly would lose it with the first Trainer. torch's ``fully_shard`` keeps its own state
+    in the module's ``__dict__`` for the same reason (``_composable/contract.py``).
     """
     signature = sharding_signature(
         resolved.requested, precision.policy, ranks.sharding_mesh.size(), ranks.device, kernels=resolved.kernels
@@ -210,14 +233,8 @@ def shard_lightning_module(
 
 
 def _shard(
-    module: nn.Module,
-    resolved: ResolvedConfig,
-    precision: VitScalePrecision,
-    ranks: RankContext,
-    creation: Creation | None,
-    signature: dict[str, Any],
-    batch: PlanningBatch | None,
-    trainer: Any | None = None,
+    module: nn.Module, resolved: ResolvedConfig, precision: VitScalePrecision, ranks: RankContext,
+    creation: Creation | None, signature: dict[str, Any], batch: PlanningBatch | None, trainer: Any | None = None,
 ) -> ShardedModel:
     # 1. Master weights in the master dtype (norms keep theirs). No `module.to(device)`: FSDP moves each unit's
     #    shards to the device as it shards the unit, so no rank ever holds the whole model on the device.
@@ -240,7 +257,6 @@ def _shard(
     # After the planner's choices are applied: units it keeps gathered send no all-gather in backward.
     _describe_layout(done.plan, outer, done.norms, precision.policy, resolved.sharding, ranks,
                      planned.tensor_sent(done.plan))
-    auto = planned.auto
     # 4. Drop-in behaviour: calls outside a step gather the outer unit; state_dict() gives DDP's full tensors.
     outer.enable_calls_outside_steps()
     full_state_dict.install(module, outer)
@@ -249,20 +265,15 @@ def _shard(
     if isinstance(outer, FSDPModule):
         initialize_fsdp_root(outer)
     speed = plans_from_batch(resolved) and resolved.requested.priority == "speed"
-    return ShardedModel(outer, done.plan, done.norms, done.router, auto, signature, budget, planned_for_speed=speed)
+    return ShardedModel(outer, done.plan, done.norms, done.router, planned.auto, signature, budget,
+                        planned_for_speed=speed)
 
 
 def _describe_layout(
-    summary: SetupSummary,
-    outer: nn.Module,
-    norms: ReplicatedNorms | None,
-    precision: PrecisionPolicy,
-    sharding: ShardingPolicy,
-    ranks: RankContext,
-    tensor_sent: float | None = None,
+    summary: SetupSummary, outer: nn.Module, norms: ReplicatedNorms | None, precision: PrecisionPolicy,
+    sharding: ShardingPolicy, ranks: RankContext, tensor_sent: float | None = None,
 ) -> None:
-    """Sharding layout, per-step traffic (``tensor_sent``: the planner's, over the tensor-parallel dimension) and
-    offload in the summary."""
+    """Sharding layout, per-step traffic and offload in the summary."""
     mesh = ranks.sharding_mesh
     tp = ranks.tensor_mesh.size() if ranks.tensor_mesh is not None else 1
     summary.layout = layout_report(

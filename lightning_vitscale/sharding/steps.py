@@ -61,7 +61,7 @@ class CompileFacts:
 
 @dataclass(frozen=True)
 class UnitFacts:
-    """The FSDP units made: the outer unit, then one per group of ``blocks_per_unit`` consecutive blocks."""
+    """The FSDP units made: the outer unit, then the block units."""
 
     outer: FSDPModule
     block_units: list[FSDPModule]
@@ -74,7 +74,7 @@ class UnitFacts:
 
 @dataclass(frozen=True)
 class TensorParallelFacts:
-    """What ``apply_tp`` did: per block class its plan, what stays whole and the proof; packed projections."""
+    """Per block class its plan, what stays whole and the proof; the packed projections."""
 
     size: int
     plans: dict[str, str]
@@ -86,12 +86,9 @@ def apply_tp(
     calls: Calls | None, device: torch.device,
 ) -> TensorParallelFacts:
     """Split every block over ``mesh`` (the tensor-parallel dimension) by its plan, each distinct plan proven first
-    (``tensor_proof.py``, on ``calls``' recorded inputs).
-
-    Every rank ends with global rank 0's values (DDP's guarantee): ``init_path="built"`` broadcasts them first;
-    ``"exact"``/``"meta"`` split meta tensors (rank 0's values wait in ``InitialWeights.hold``), and each unit's
-    2-D shards get their values as FSDP shards it.
-    """
+    (``tensor_proof.py``). Every rank ends with global rank 0's values (DDP's guarantee): ``init_path="built"``
+    broadcasts them first; ``"exact"``/``"meta"`` split meta tensors, and each unit's 2-D shards get their values
+    as FSDP shards it (``InitialWeights.hold``)."""
     built = init_path == "built"
     if built:
         same_values_everywhere(model)
@@ -114,8 +111,8 @@ def apply_attention_routing(blocks: Named, attention: str, device: torch.device)
 
 
 def apply_ac(blocks: Named, mode_of: Callable[[int, str, nn.Module], CheckpointMode | None]) -> CheckpointFacts:
-    """Checkpoint each block in the mode ``mode_of(index, name, block)`` gives, skipping blocks that checkpoint
-    themselves (no double recompute). ``mode_of`` is asked for every block, in model order."""
+    """Checkpoint each block in the mode ``mode_of`` gives (asked for every block, in model order), skipping blocks
+    that checkpoint themselves (no double recompute)."""
     self_ckpt = [name for name, block in blocks if is_self_checkpointing(block)]
     modes = {name: mode_of(index, name, block) for index, (name, block) in enumerate(blocks)}
     chosen: dict[str, CheckpointMode] = {
@@ -128,14 +125,11 @@ def apply_ac(blocks: Named, mode_of: Callable[[int, str, nn.Module], CheckpointM
 
 
 def apply_compile(blocks: Named, outer: Named, kernels: KernelPolicy) -> CompileFacts:
-    """``torch.compile`` each block in place (identical blocks share one graph) and, with ``compile_outer``, each
-    of the ``outer`` sub-modules."""
+    """``torch.compile`` each block in place (identical blocks share one graph); ``outer`` with ``compile_outer``."""
     compiled_blocks = [block for _, block in blocks] if kernels.compile_blocks else []
     compiled_outer = outer if kernels.compile_outer else []
-    if compiled_blocks or compiled_outer:
-        apply_regional_compile(
-            compiled_blocks + [module for _, module in compiled_outer], kernels.compile_mode, kernels.compiler
-        )
+    apply_regional_compile(compiled_blocks + [module for _, module in compiled_outer], kernels.compile_mode,
+                           kernels.compiler)
     return CompileFacts(
         [type(block).__name__ for block in compiled_blocks],
         [name for name, _ in compiled_outer] if kernels.compile_outer else None,
@@ -143,18 +137,9 @@ def apply_compile(blocks: Named, outer: Named, kernels: KernelPolicy) -> Compile
 
 
 def apply_fsdp(
-    outer_unit: nn.Module,
-    blocks: list[nn.Module],
-    *,
-    mesh: DeviceMesh,
-    weights: InitialWeights,
-    mp_policy: MixedPrecisionPolicy,
-    offload: OffloadPolicy,
-    reshard_after_forward: bool | int | None,
-    blocks_per_unit: int,
-    ignored: set[nn.Parameter] | None,
-    unit_of: list[int] | None = None,
-    one_unit: bool = False,
+    outer_unit: nn.Module, blocks: list[nn.Module], *, mesh: DeviceMesh, weights: InitialWeights,
+    mp_policy: MixedPrecisionPolicy, offload: OffloadPolicy, reshard_after_forward: bool | int | None,
+    blocks_per_unit: int, ignored: set[nn.Parameter] | None, unit_of: list[int] | None = None, one_unit: bool = False,
 ) -> UnitFacts:
     """One FSDP unit per ``blocks_per_unit`` consecutive blocks (``unit_of``: :func:`~.fsdp.group_blocks`),
     bottom-up, then the outer unit; ``weights`` delivers each unit's values to its shards as it is made, so no rank
@@ -178,8 +163,7 @@ def apply_fsdp(
 
 def apply_prefetch(units: list[FSDPModule], prefetch: int, mesh: DeviceMesh, device: torch.device) -> str:
     """Each unit starts the next ``prefetch`` units' all-gathers once its own is done; on CPU the collectives are
-    made asynchronous too (gloo's worker threads), or nothing would overlap there. Returns how they overlap where
-    the package arranges it (else empty)."""
+    made asynchronous too (gloo's worker threads), or nothing would overlap there. Returns the summary's words."""
     set_prefetch(units, prefetch)
     if device.type != "cpu" or mesh.size() <= 1:
         return ""

@@ -21,21 +21,13 @@ class SetupSummary:
 
     Attributes (those whose name does not say it all):
         world_size: data-parallel ranks the model is sharded over.
-        blocks: block class name -> count, as discovered or selected.
-        units: FSDP units (block units + the outer unit).
-        units_choice: why, where the planner chose ``blocks_per_unit``.
-        checkpointed: blocks recomputed in backward; ``selective`` those that recompute only their cheap ops.
+        units: FSDP units (block units + the outer unit); ``units_choice``: why, where the planner chose.
+        selective: the checkpointed blocks that recompute only their cheap ops.
         self_checkpointed: blocks that checkpoint themselves (e.g. HF gradient checkpointing): left alone.
         fp32_modules: modules kept in fp32 inside a low-precision model (normalization layers).
-        tensor_core_misses: Linear/Conv/attention dimensions that are not multiples of 8, with module names.
         layout: the sharding layout and bytes sent per step within and across nodes (``sharding/traffic.py``).
-        predicted_peak: the planner's predicted per-rank peak of a training step (bytes), where known.
         memory: the predicted memory and, under ``activation_checkpointing="auto"``, the choice.
-        accumulation: under ``accumulate_grad_batches > 1``, whether micro-batches reduce-scatter (set at the
-            first accumulating micro-batch).
-        init_path: how the starting weights were made: ``"exact"``, ``"meta"`` or ``"built"`` (``_INIT_PATHS``).
         init_peak_bytes: peak growth of this rank's host memory (sampled RSS) until every unit had its values.
-        overlap: how collectives overlap compute where the package arranges it (CPU ranks), else empty.
         tensor_plans: block class -> its tensor-parallel plan, what it keeps whole and what its proof measured.
         tensor_interleaved: packed projections whose rows are held in per-rank order (their checkpoints too).
     """
@@ -87,25 +79,29 @@ class SetupSummary:
             f" +{mib(self.init_peak_bytes)} on this rank ({self.init_peak_bytes / max(self.param_bytes_full, 1):.2f}x"
             f" the model), {self.init_seconds:.1f} s",
         ]
-        lines.extend(self._layout_lines())
-        if self.tensor_parallel > 1:
-            lines.append(
-                f"  tensor parallel     : {self.tensor_parallel} ranks per block (mesh {self.world_size} data parallel"
-                f" x {self.tensor_parallel} tensor parallel; the batch is split over the {self.world_size})"
-            )
-            lines.extend(f"    {cls}: {plan}" for cls, plan in self.tensor_plans.items())
-        if self.overlap:
-            lines.append(f"  collectives         : {self.overlap}")
-        if self.self_checkpointed:
-            lines.append(f"  self-checkpointing  : {len(self.self_checkpointed)} blocks (left as the model set them)")
-        if self.fp32_modules:
-            lines.append(f"  fp32 modules        : {len(self.fp32_modules)} ({_abbrev(self.fp32_modules)})")
-        lines.extend(f"  {key:<20}: {value}" for key, value in self.kernels.items())
-        if self.tensor_core_misses:
-            lines.append(
-                f"  tensor cores        : {len(self.tensor_core_misses)} dims not multiples of 8"
-                f" ({_abbrev(self.tensor_core_misses, 2)})"
-            )
+        layout, hybrid = self.layout, self.layout.hybrid_traffic if self.layout is not None else None
+        labelled = {  # printed where set, in this order
+            "sharding": layout.sharding if layout is not None else "",
+            "traffic per step": (layout.describe() if layout is not None else "") + (
+                f"; sharding='hybrid' would send {mib(hybrid.inter_node, 2)} across nodes" if hybrid else ""),
+            "offload": self.offload,
+            "accumulation": self.accumulation,
+            "tensor parallel": f"{self.tensor_parallel} ranks per block (mesh {self.world_size} data parallel x"
+            f" {self.tensor_parallel} tensor parallel; the batch is split over the {self.world_size})"
+            if self.tensor_parallel > 1 else "",
+        }
+        lines.extend(f"  {key:<20}: {value}" for key, value in labelled.items() if value)
+        lines.extend(f"    {cls}: {plan}" for cls, plan in self.tensor_plans.items() if self.tensor_parallel > 1)
+        labelled = {
+            "collectives": self.overlap,
+            "self-checkpointing": f"{len(self.self_checkpointed)} blocks (left as the model set them)"
+            if self.self_checkpointed else "",
+            "fp32 modules": f"{len(self.fp32_modules)} ({_abbrev(self.fp32_modules)})" if self.fp32_modules else "",
+            **self.kernels,
+            "tensor cores": f"{len(self.tensor_core_misses)} dims not multiples of 8"
+            f" ({_abbrev(self.tensor_core_misses, 2)})" if self.tensor_core_misses else "",
+        }
+        lines.extend(f"  {key:<20}: {value}" for key, value in labelled.items() if value)
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
 
@@ -123,21 +119,6 @@ class SetupSummary:
             return f"{len(self.block_names)} blocks, up to {self.blocks_per_unit} per unit{chosen}"
         joined = f" in {self.units - 1} units" if self.units - 1 != len(self.block_names) else ""
         return f"{len(self.block_names)} blocks{joined}{chosen}"
-
-    def _layout_lines(self) -> list[str]:
-        lines = []
-        if self.layout is not None:
-            lines.append(f"  sharding            : {self.layout.sharding}")
-            traffic = f"  traffic per step    : {self.layout.describe()}"
-            if self.layout.hybrid_traffic is not None:
-                across = mib(self.layout.hybrid_traffic.inter_node, 2)
-                traffic += f"; sharding='hybrid' would send {across} across nodes"
-            lines.append(traffic)
-        if self.offload is not None:
-            lines.append(f"  offload             : {self.offload}")
-        if self.accumulation:
-            lines.append(f"  accumulation        : {self.accumulation}")
-        return lines
 
 
 def summary_from_facts(facts: PipelineFacts) -> SetupSummary:

@@ -22,7 +22,8 @@ def apply_sync_batchnorm(layer_sync: LayerSync | None, module: nn.Module, device
     """Convert ``module``'s BatchNorm layers with Lightning's layer-sync plugin; refuse where torch cannot run it."""
     if layer_sync is None:
         return module
-    plain = [name for name, m in module.named_modules() if _is_plain_batchnorm(m)]
+    plain = [name for name, m in module.named_modules()
+             if isinstance(m, BatchNormBase) and not isinstance(m, nn.SyncBatchNorm)]
     if not plain:
         return module
     if device.type not in SYNC_BATCHNORM_DEVICES:
@@ -40,7 +41,3 @@ def apply_sync_batchnorm(layer_sync: LayerSync | None, module: nn.Module, device
             " Trainer that runs this model (or convert with torch.nn.SyncBatchNorm.convert_sync_batchnorm first)."
         )
     return layer_sync.apply(module)
-
-
-def _is_plain_batchnorm(module: nn.Module) -> bool:
-    return isinstance(module, BatchNormBase) and not isinstance(module, nn.SyncBatchNorm)

@@ -18,11 +18,8 @@ from lightning_vitscale.row_layout import PACKED_ROWS, interleaved_rows
 
 
 class PackedColwiseParallel(ColwiseParallel):
-    """Column-wise for a packed ``[q; k; v]`` projection: each rank holds its own heads' q, k and v rows.
-
-    The rows are reordered ``[q_0; k_0; v_0; q_1; k_1; v_1; ...]`` (``r``: rank) before the usual dim-0 split, so
-    the rank's output reshapes to ``(3, heads per rank, head size)`` as the module's forward expects.
-    """
+    """Column-wise for a packed ``[q; k; v]`` projection: rows reordered ``[q_0; k_0; v_0; q_1; ...]`` (by rank)
+    before the usual dim-0 split, so a rank's output reshapes to ``(3, heads per rank, head size)`` as before."""
 
     def __init__(self, parts: int = 3) -> None:
         super().__init__()

@@ -38,8 +38,7 @@ _ATTENTION = {F.scaled_dot_product_attention, F.softmax, torch.softmax, torch.Te
 
 @dataclass(frozen=True)
 class Run:
-    """One forward and backward of a block: its output, input gradients, attention work (the elements of the
-    attention calls' first inputs on this rank) and each module's first output."""
+    """One forward and backward of a block; ``attention``: the elements of the attention calls' first inputs."""
 
     output: torch.Tensor
     gradients: list[torch.Tensor]
@@ -52,8 +51,7 @@ def prove_plans(
     device: torch.device, real_values: bool,
 ) -> dict[str, str]:
     """Block class -> what its proof found (for the summary); :class:`TensorPlanError` on every rank if any failed.
-    ``real_values``: every rank holds the blocks' real values (else seeded stand-ins); ``calls``: the setup's
-    fake-tensor step (``None``: none ran)."""
+    ``real_values``: every rank holds the blocks' real values (else seeded stand-ins)."""
     found: dict[str, str] = {}
     proven: set[tuple[Any, ...]] = set()
     failure = ""

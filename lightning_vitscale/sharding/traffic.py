@@ -21,6 +21,7 @@ from lightning_vitscale._compat import unit_keeps_gathered
 from lightning_vitscale._utils import mib
 from lightning_vitscale.memory.collectives import ring_bytes, unit_collectives
 from lightning_vitscale.precision import PrecisionPolicy
+from lightning_vitscale.sharding.outer_unit import modules_outside_units
 from lightning_vitscale.sharding.settings import unit_reshard
 
 
@@ -48,7 +49,7 @@ def fsdp_units(outer: nn.Module, ignored: set[nn.Parameter], reshard_after_forwa
     units = []
     for module in outer.modules():
         if isinstance(module, FSDPModule):
-            own = [p for p in _own_params(module) if p not in ignored]
+            own = [p for m in modules_outside_units(module) for p in m.parameters(recurse=False) if p not in ignored]
             reshard = unit_reshard(reshard_after_forward, module is outer)
             if unit_keeps_gathered(module):  # the planner's choice for this unit (set after the request)
                 reshard = False
@@ -70,42 +71,20 @@ def tensor_parallel_shape(param: nn.Parameter) -> torch.Size:
     return torch.Size(shape)
 
 
-def _own_params(module: nn.Module) -> list[nn.Parameter]:
-    params = list(module.parameters(recurse=False))
-    for child in module.children():
-        if not isinstance(child, FSDPModule):
-            params.extend(_own_params(child))
-    return params
-
-
-class _Tally:
-    def __init__(self, ranks_per_node: int) -> None:
-        self.per_node = ranks_per_node
-        self.intra = self.inter = 0.0
-
-    def add(self, group: list[int], sent: float) -> None:
-        if len(group) < 2:
-            return
-        if len({r // self.per_node for r in group}) > 1:
-            self.inter += sent
-        else:
-            self.intra += sent
-
-
 def step_traffic(
-    units: list[Unit],
-    norm_numel: int,
-    precision: PrecisionPolicy,
-    world_size: int,
-    shard_size: int,
-    ranks_per_node: int,
-    rank: int,
+    units: list[Unit], norm_numel: int, precision: PrecisionPolicy, world_size: int, shard_size: int,
+    ranks_per_node: int, rank: int,
 ) -> StepTraffic:
     """Bytes ``rank`` sends per step for shard groups of ``shard_size`` consecutive ranks (replicas across them)."""
     start = rank - rank % shard_size
     shard_group = list(range(start, start + shard_size))
     replica_group = list(range(rank % shard_size, world_size, shard_size))
-    tally = _Tally(ranks_per_node)
+    sent_by = {False: 0.0, True: 0.0}  # across nodes?
+
+    def add(group: list[int], sent: float) -> None:
+        if len(group) > 1:
+            sent_by[len({r // ranks_per_node for r in group}) > 1] += sent
+
     for unit in units:
         for collective in unit_collectives(
             unit.shapes, shard=shard_size, replicas=len(replica_group), gather_itemsize=precision.compute.itemsize,
@@ -114,11 +93,11 @@ def step_traffic(
             size = collective.ranks  # the reshard group: this rank's block of that size inside its shard group
             sub = start + (rank - start) // size * size
             groups = {"shard": shard_group, "replicate": replica_group, "reshard": list(range(sub, sub + size))}
-            tally.add(groups[collective.group], collective.sent)
+            add(groups[collective.group], collective.sent)
     if norm_numel:
-        tally.add(shard_group, ring_bytes(norm_numel * 4, len(shard_group), reduce=True))
-        tally.add(replica_group, ring_bytes(norm_numel * 4, len(replica_group), reduce=True))
-    return StepTraffic(round(tally.intra), round(tally.inter))
+        add(shard_group, ring_bytes(norm_numel * 4, len(shard_group), reduce=True))
+        add(replica_group, ring_bytes(norm_numel * 4, len(replica_group), reduce=True))
+    return StepTraffic(round(sent_by[False]), round(sent_by[True]))
 
 
 @dataclass(frozen=True)
@@ -142,16 +121,9 @@ class LayoutReport:
 
 
 def layout_report(
-    outer: nn.Module,
-    norm_params: list[nn.Parameter],
-    precision: PrecisionPolicy,
-    reshard_after_forward: bool | int | None,
-    world_size: int,
-    shard_size: int,
-    ranks_per_node: int,
-    rank: int,
-    tensor_parallel: int = 1,
-    tensor_sent: float | None = None,
+    outer: nn.Module, norm_params: list[nn.Parameter], precision: PrecisionPolicy,
+    reshard_after_forward: bool | int | None, world_size: int, shard_size: int, ranks_per_node: int, rank: int,
+    tensor_parallel: int = 1, tensor_sent: float | None = None,
 ) -> LayoutReport:
     """Traffic of the chosen layout; on a fully sharded multi-node job also what ``sharding="hybrid"`` would send.
     ``world_size``, ``shard_size`` and ``rank`` count data-parallel ranks, ``ranks_per_node`` all ranks."""

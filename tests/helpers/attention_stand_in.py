@@ -37,6 +37,6 @@ def substituted(sdpa_ms: float, stand_in_ms: float) -> Iterator[AttentionBackend
     backend = stand_in()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(attention, "CANDIDATES", (backend,))
-        ms = {attention.call_sdpa: sdpa_ms, backend.fn: stand_in_ms}
+        ms = {F.scaled_dot_product_attention: sdpa_ms, backend.fn: stand_in_ms}
         patch.setattr(attention, "time_attention", lambda fn, call: ms[fn])
         yield backend

@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_vitscale import VitScaleStrategy
-from lightning_vitscale.sharding.reuse import ShardedModuleReuseError
+from lightning_vitscale import ShardedModuleReuseError, VitScaleStrategy
 from tests.helpers.models import HFViT, loader, timm_vit
 from tests.helpers.scenarios import run_scenarios
 

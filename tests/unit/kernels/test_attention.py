@@ -9,6 +9,7 @@ from collections import Counter
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -126,8 +127,8 @@ def test_measure_times_each_shape_once_and_weights_it_by_its_count(monkeypatch):
     totals = measure(calls, [backend])  # real timings, on tiny CPU shapes
     assert set(totals) == {"sdpa", "math"} and all(ms > 0 for ms in totals.values())
     fake_ms = {
-        (attention.call_sdpa, small): 1.0,
-        (attention.call_sdpa, large): 10.0,
+        (F.scaled_dot_product_attention, small): 1.0,
+        (F.scaled_dot_product_attention, large): 10.0,
         (backend.fn, small): 2.0,
         (backend.fn, large): 5.0,
     }

@@ -201,7 +201,7 @@ def test_compile_outer_compiles_the_largest_subtrees_outside_the_blocks(mesh, ma
 
 
 def test_a_module_sharded_with_other_blocks_per_unit_is_not_reused():
-    from lightning_vitscale.sharding.reuse import ShardedModuleReuseError, check_reusable, sharding_signature
+    from lightning_vitscale.sharding.setup import ShardedModuleReuseError, check_reusable, sharding_signature
 
     precision, cpu = resolve_flag("32-true"), torch.device("cpu")
     used = sharding_signature(ParallelConfig(), precision, 2, cpu)
