@@ -1,9 +1,7 @@
 """ShardedEMA: a Lightning callback keeping an exponential moving average of the weights, sharded like the weights.
 
-Lightning's ``WeightAveraging`` keeps a whole second model per device and fails on sharded models; gathering a
-10B model at every step to average it would undo the sharding. Here each rank averages its own shards (see
-``averaging/shards.py``): the same code runs on FSDP2 DTensor shards under ``VitScaleStrategy`` and on whole tensors
-under ``strategy="ddp"``, and gives the same numbers.
+Lightning's ``WeightAveraging`` keeps a whole second model per device and fails on sharded models. Here each rank
+averages its own shards (``shards.py``): the same code on FSDP2 shards and on DDP's whole tensors, same numbers.
 """
 
 from __future__ import annotations
@@ -182,10 +180,8 @@ class ShardedEMA(Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        # DTensors under VitScaleStrategy (its save_checkpoint routes them through DCP, or gathers them into whole
-        # tensors for state_dict_type="full"), whole tensors under DDP.
         if self.shards is not None or self._pending is not None:
-            checkpoint[EMA_KEY] = self._ensure(pl_module).state_dict()
+            checkpoint[EMA_KEY] = self._ensure(pl_module).state_dict()  # DTensors under VitScaleStrategy
 
     @override
     def on_load_checkpoint(
@@ -200,15 +196,12 @@ class ShardedEMA(Callback):
             )
             return
         self._updates = max(self._updates, 1)  # the next update averages into what was loaded
-        if isinstance(entry, ShardedEntry):  # DCP shards: read straight into this world size's shards
-            self._load_sharded(entry, self._ensure(pl_module))
-        else:  # whole tensors (DDP or consolidated file): applied once the shards exist (DDP restores before setup)
-            self._pending = entry
+        if not isinstance(entry, ShardedEntry):  # whole tensors (DDP, one file): once the shards exist
+            self._pending = entry  # (DDP restores before setup)
             if self.shards is not None:
                 self._ensure(pl_module)
-
-    @staticmethod
-    def _load_sharded(entry: ShardedEntry, shards: EmaShards) -> None:
+            return
+        shards = self._ensure(pl_module)  # DCP shards: read straight into this world size's shards
         missing = sorted(set(shards.names) - entry.names())
         if missing:
             raise CheckpointError(
@@ -247,7 +240,6 @@ def _reshard(model: nn.Module) -> None:
 
 @contextmanager
 def _held_back(trainer: pl.Trainer) -> Iterator[None]:
-    # Lightning's CallbackConnector sets `Trainer.callbacks` without declaring it on the class.
     callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
     trainer.callbacks = [c for c in callbacks if not isinstance(c, _ACT_ON_VALIDATION_END)]  # type: ignore[attr-defined]
     try:

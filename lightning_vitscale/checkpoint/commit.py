@@ -7,17 +7,9 @@ it deletes), readers take the newer complete one, and the next save first finish
 
 from __future__ import annotations
 
-from typing import Any
-
 from lightning_vitscale.checkpoint.formats import PARTIAL_SUFFIX, partial_path
-from lightning_vitscale.checkpoint.manifest import FileSum, why_incomplete, write_manifest
+from lightning_vitscale.checkpoint.manifest import why_incomplete
 from lightning_vitscale.checkpoint.storage import SHARDED_MARKER, Location
-
-
-def commit(staging: Location, location: Location, files: dict[str, FileSum], saved: dict[str, Any]) -> None:
-    """Rank 0, once every file of ``staging`` is written and hashed (``files``): write the manifest, publish."""
-    write_manifest(staging, files, saved)
-    publish(staging, location)
 
 
 def publish(complete: Location, location: Location) -> None:

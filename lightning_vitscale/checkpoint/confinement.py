@@ -58,15 +58,12 @@ def check_storage(folder: Location, storage_data: Any) -> None:
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     for name, end in sorted(ends.items()):
         file = member(folder, name)
-        try:
-            size = int(file.fs.size(file.path))
-        except FileNotFoundError:
-            size = -1
-        if size < 0 or not file.is_file():
+        if not file.is_file():
             raise CheckpointError(
                 f"{file} is missing: the checkpoint's metadata stores values in it. The folder is incomplete (a copy"
                 " that stopped early?); copy it again, or resume from an earlier checkpoint."
             )
+        size = int(file.fs.size(file.path))
         if size < end:
             raise CheckpointError(
                 f"{file} is truncated: it has {size} bytes, the checkpoint's metadata stores values up to byte {end}."

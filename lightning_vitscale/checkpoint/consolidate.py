@@ -1,6 +1,5 @@
 """A sharded checkpoint as one ``torch.save`` file (or the dict it holds, or its bytes in memory), in one process
-with no process group: what ``python -m lightning_vitscale consolidate``, ``load_from_checkpoint`` and
-``VitScaleCheckpointIO`` read."""
+with no process group."""
 
 from __future__ import annotations
 
@@ -99,10 +98,9 @@ def load_consolidated(
     weights: Literal["raw", "ema"] = "raw",
     verify: bool = True,
 ) -> dict[str, Any]:
-    """The dict :func:`consolidate_checkpoint` writes, as ``torch.load`` of DDP's file returns it; arguments as
-    there (``dtype=None`` here). ``verify``: a corrupt shard fails naming itself instead of handing out wrong
-    weights (cost: benchmarks/RESULTS.md). ``optimizer_states`` only when the save had them (with
-    ``lr_schedulers``): resuming a weights-only save fails with Lightning's own error, as under DDP."""
+    """The dict :func:`consolidate_checkpoint` writes, as ``torch.load`` of DDP's file returns it. ``verify``: a
+    corrupt shard fails naming itself, never wrong weights (cost: benchmarks/RESULTS.md). ``optimizer_states`` only
+    when the save had them (or ``lr_schedulers``): resuming a weights-only save fails as under DDP."""
     source = Location.of(src)
     sharded_shapes(source, weights_only)  # complete and readable, or a clear error
     if verify:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import METADATA_FILENAME
+from lightning_vitscale._compat import METADATA_FILENAME, tree_leaves
 from lightning_vitscale.checkpoint.errors import CheckpointError
 from lightning_vitscale.checkpoint.manifest import why_incomplete
 from lightning_vitscale.checkpoint.safe_reading import load_into, load_pickle, read_metadata
@@ -30,26 +30,15 @@ def partial_path(location: Location) -> Location:
     return location.with_suffix(PARTIAL_SUFFIX)
 
 
-_OWN_ENTRY = re.compile(r"^(state_dict|optimizer_\d+)$")
-
-
 def is_own_entry(key: str) -> bool:
     """The model's and the optimizers' entries of a sharded checkpoint (``state_dict``, ``optimizer_<i>``)."""
-    return bool(_OWN_ENTRY.match(key))
+    return re.fullmatch(r"state_dict|optimizer_\d+", key) is not None
 
 
 def pop_sharded_entries(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """Top-level entries holding DTensors: DCP writes them (a ``torch.save`` keeps rank 0's shards only)."""
-    sharded = [key for key, value in checkpoint.items() if _holds_dtensor(value)]
+    sharded = [key for key, value in checkpoint.items() if any(isinstance(v, DTensor) for v in tree_leaves(value))]
     return {key: checkpoint.pop(key) for key in sharded}
-
-
-def _holds_dtensor(value: Any) -> bool:
-    if isinstance(value, dict):
-        return any(_holds_dtensor(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_dtensor(v) for v in value)
-    return isinstance(value, DTensor)
 
 
 @dataclass(frozen=True)
@@ -138,17 +127,11 @@ def load_full(location: Location, weights_only: bool | None) -> dict[str, Any]:
     return checkpoint
 
 
-def validate_against(
-    path: PathLike, expected: dict[str, torch.Size], strict: bool = True, weights_only: bool | None = None
+def require_match(
+    expected: dict[str, torch.Size], found: dict[str, torch.Size], what: str, fix: str = "", strict: bool = True
 ) -> None:
-    """Raise a CheckpointError listing missing/unexpected keys and shape mismatches, before any collective."""
-    detail = mismatch(expected, checkpoint_shapes(path, weights_only), strict)
-    if detail:
-        raise CheckpointError(f"Checkpoint {path} does not match the model: {detail}.")
-
-
-def mismatch(expected: dict[str, torch.Size], found: dict[str, torch.Size], strict: bool = True) -> str:
-    """The missing and unexpected keys (``strict``) and other shapes of ``found``, five of each; "" if none."""
+    """A ``CheckpointError`` "``what``: <the missing and unexpected keys (``strict``) and other shapes of ``found``,
+    five of each>. ``fix``", unless it matches ``expected``."""
     missing = sorted(expected.keys() - found.keys()) if strict else []
     unexpected = sorted(found.keys() - expected.keys()) if strict else []
     shapes = sorted(
@@ -157,7 +140,9 @@ def mismatch(expected: dict[str, torch.Size], found: dict[str, torch.Size], stri
         if tuple(found[k]) != tuple(expected[k])
     )
     problems = [("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)]
-    return "; ".join(f"{label} ({len(items)}): {', '.join(items[:5])}" for label, items in problems if items)
+    detail = "; ".join(f"{label} ({len(items)}): {', '.join(items[:5])}" for label, items in problems if items)
+    if detail:
+        raise CheckpointError(f"{what}: {detail}. {fix}".rstrip())
 
 
 def model_shapes(module: nn.Module) -> dict[str, torch.Size]:

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_vitscale._compat import tree_map
 from lightning_vitscale.checkpoint.errors import StateDictGatherError
 from lightning_vitscale.distributed import collective_guard
 from lightning_vitscale.row_layout import PACKED_ROWS, interleaved_rows, packed_rows, reorder_packed
@@ -124,22 +125,14 @@ def gather_sharded_entries(
     """Every ``DTensor`` in ``checkpoint`` replaced in place by its whole CPU tensor (rank 0's ``torch.save`` of a
     DTensor keeps its own shard only); a collective. ``keep=False``: gathered and dropped (ranks that do not
     write). ``packed``: projections whose rows go back to the model's own order."""
+    def gather(value: Any) -> Any:
+        return (full_tensor_on_cpu(value) if keep else None) if isinstance(value, DTensor) else value
+
     for key, value in checkpoint.items():
         sharded = isinstance(value, dict) and any(isinstance(v, DTensor) for v in value.values())
-        checkpoint[key] = _gather_tree(value, keep)
+        checkpoint[key] = tree_map(gather, value)
         if sharded and keep and packed:  # keyed like the model (the EMA): packed rows in the model's own order
             reorder_packed(checkpoint[key], packed, to_model=True)
-
-
-def _gather_tree(value: Any, keep: bool) -> Any:
-    if isinstance(value, DTensor):
-        full = full_tensor_on_cpu(value)
-        return full if keep else None
-    if isinstance(value, dict):
-        return {k: _gather_tree(v, keep) for k, v in value.items()}
-    if isinstance(value, list) or type(value) is tuple:
-        return type(value)(_gather_tree(v, keep) for v in value)
-    return value
 
 
 def _gather_error(key: str, error: RuntimeError) -> StateDictGatherError:

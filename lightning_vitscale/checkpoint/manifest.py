@@ -86,27 +86,19 @@ def file_problem(folder: Location, name: str, expected: dict[str, Any], size: in
     return None
 
 
-def listed_files(folder: Location) -> dict[str, dict[str, Any]]:
-    manifest = read_manifest(folder)
-    return dict(manifest["files"]) if manifest else {}
-
-
-RESUME_FIX = "Resume from another checkpoint (ckpt_path='last' picks the newest complete one) or re-save it."
-READ_FIX = (
-    "Read another checkpoint of the run; only if you must use what is left, turn the check off: `--no-verify`"
-    " (python -m lightning_vitscale export/consolidate) or `verify=False`."
-)
-
-
-def verify(folder: Location, required: bool = True, fix: str = READ_FIX) -> None:
+def verify(folder: Location, required: bool = True) -> None:
     """Raise a ``CheckpointError`` naming the first missing, truncated or corrupt file of ``folder`` (every byte
-    read: ~1.4 GB/s), or a folder without a manifest unless not ``required``; ``fix``: what the user does next."""
+    read: ~1.4 GB/s), or a folder without a manifest unless not ``required``."""
     if not required and read_manifest(folder) is None:
         return
     problem = why_incomplete(folder, checksums=True)
     if problem is not None:
-        raise damaged(folder, problem, fix)
+        raise damaged(folder, problem, fix=(
+            "Read another checkpoint of the run; only if you must use what is left, turn the check off:"
+            " `--no-verify` (python -m lightning_vitscale export/consolidate) or `verify=False`."
+        ))
 
 
-def damaged(folder: Location, problem: str, fix: str = RESUME_FIX) -> CheckpointError:
+def damaged(folder: Location, problem: str, fix: str = "") -> CheckpointError:
+    fix = fix or "Resume from another checkpoint (ckpt_path='last' picks the newest complete one) or re-save it."
     return CheckpointError(f"Checkpoint {folder} is damaged: {problem}. {fix}")

@@ -47,17 +47,8 @@ def saved_time(location: Location) -> float:
 
 
 def _is_last(callback: ModelCheckpoint, name: str) -> bool:
-    stem = name[: -len(CHECKPOINT_EXTENSION)] if name.endswith(CHECKPOINT_EXTENSION) else None
-    return stem is not None and (stem == callback.CHECKPOINT_NAME_LAST or
-                                 stem.startswith(f"{callback.CHECKPOINT_NAME_LAST}-"))
-
-
-def _is_checkpoint(name: str) -> bool:
-    return name.endswith(CHECKPOINT_EXTENSION)
-
-
-def path_for_lightning(location: Location) -> str:
-    return location.path if not location.is_url else location.url
+    last = callback.CHECKPOINT_NAME_LAST
+    return name.endswith(CHECKPOINT_EXTENSION) and (name == last + CHECKPOINT_EXTENSION or name.startswith(f"{last}-"))
 
 
 def last_path(trainer: Any) -> tuple[Location | None, list[Location]]:
@@ -79,7 +70,7 @@ def last_path(trainer: Any) -> tuple[Location | None, list[Location]]:
 def last_with_fallbacks(callback: ModelCheckpoint, folder: Location) -> tuple[list[Location], list[Location]]:
     """The complete ``last*.ckpt`` candidates of ``callback`` in ``folder`` and the other complete checkpoints."""
     last = complete_checkpoints(folder, functools.partial(_is_last, callback))
-    others = complete_checkpoints(folder, lambda name: _is_checkpoint(name) and not _is_last(callback, name))
+    others = complete_checkpoints(folder, lambda n: n.endswith(CHECKPOINT_EXTENSION) and not _is_last(callback, n))
     saved_last = any(_is_last(callback, PurePath(target_of(folder.child(n)).path).name) for n in folder.names())
     if not last and others and saved_last:
         rank_zero_warn(
@@ -101,6 +92,6 @@ def auto_resume_path(trainer: Any) -> tuple[Location | None, list[Location]]:
         )
     found: list[Location] = []
     for callback in callbacks:
-        found += complete_checkpoints(Location.of(str(callback.dirpath)), _is_checkpoint)
+        found += complete_checkpoints(Location.of(str(callback.dirpath)), lambda n: n.endswith(CHECKPOINT_EXTENSION))
     found.sort(key=saved_time, reverse=True)
     return (found[0] if found else None), found[1:]

@@ -6,14 +6,15 @@ from __future__ import annotations
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_vitscale.checkpoint.commit import newest_complete
-from lightning_vitscale.checkpoint.manifest import damaged, file_problem, listed_files
+from lightning_vitscale.checkpoint.manifest import damaged, file_problem, read_manifest
 from lightning_vitscale.checkpoint.storage import Location
 from lightning_vitscale.distributed.ranks import RankContext
 
 
 def checksum_problem(folder: Location, group: RankContext) -> str | None:
     """The first CRC-32 mismatch in ``folder`` (``None``: none, or not a folder with a manifest); a collective."""
-    listed = listed_files(folder) if folder.is_dir() else {}
+    manifest = read_manifest(folder) if folder.is_dir() else None
+    listed = manifest["files"] if manifest else {}
     names = sorted(listed)[group.rank :: group.world_size]
     mine = [file_problem(folder, n, listed[n], listed[n]["size"], checksum=True) for n in names]
     found = sorted(p for share in group.all_gather_objects([p for p in mine if p]) for p in share)

@@ -14,7 +14,6 @@ from lightning_vitscale.checkpoint.export.targets import (
 )
 from lightning_vitscale.checkpoint.export.weights import (
     EXPORT_DTYPES,
-    Weights,
     WeightsChoice,
     read_weights,
     write_safetensors,
@@ -22,7 +21,6 @@ from lightning_vitscale.checkpoint.export.weights import (
 
 __all__ = [
     "EXPORT_DTYPES",
-    "Weights",
     "WeightsChoice",
     "build_submodule",
     "parse_arch_args",

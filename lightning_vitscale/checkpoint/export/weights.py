@@ -116,14 +116,6 @@ def _hint(state: dict[str, Any], base: str, module: str) -> str:
     )
 
 
-def safetensors_bytes(state: dict[str, Tensor], metadata: dict[str, str]) -> bytes:
-    """``state`` serialised as safetensors (contiguous copies: safetensors refuses views and shared storage)."""
-    from safetensors.torch import save
-
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items() if torch.is_tensor(v)}
-    return save(tensors, metadata={"format": "pt", **metadata})
-
-
 def write_bytes(data: bytes, dst: PathLike) -> Location:
     """``data`` written atomically to the file ``dst`` (``consolidate.write_file``)."""
     require_file_target(dst)
@@ -132,5 +124,9 @@ def write_bytes(data: bytes, dst: PathLike) -> Location:
 
 
 def write_safetensors(weights: Weights, dst: PathLike) -> Location:
-    """The ``safetensors`` export: the submodule's own key names, the provenance in the file's metadata."""
-    return write_bytes(safetensors_bytes(weights.state, weights.metadata), dst)
+    """The submodule's own key names, the provenance in the file's metadata; contiguous copies (safetensors refuses
+    views and shared storage)."""
+    from safetensors.torch import save
+
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in weights.state.items() if torch.is_tensor(v)}
+    return write_bytes(save(tensors, metadata={"format": "pt", **weights.metadata}), dst)

@@ -19,7 +19,7 @@ from torch import nn
 from lightning_vitscale._utils import strip_wrapper_prefixes
 from lightning_vitscale.checkpoint.consolidate import require_file_target, write_file
 from lightning_vitscale.checkpoint.errors import CheckpointError
-from lightning_vitscale.checkpoint.formats import PathLike, as_full, mismatch, model_shapes
+from lightning_vitscale.checkpoint.formats import PathLike, as_full, model_shapes, require_match
 from lightning_vitscale.checkpoint.fsdp1.flat_layout import choose_alignment, flat_units, offsets, split
 from lightning_vitscale.checkpoint.fsdp1.sharded import MODEL_ENTRIES
 from lightning_vitscale.checkpoint.fsdp1.sharded_tensor_pickle import (
@@ -40,15 +40,10 @@ def load_fsdp1_local_state_dict(
     weights_only: bool | None = None,
     aligned_numel: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The full state dict of FSDP1 ``LOCAL_STATE_DICT`` rank files, keyed as ``model.state_dict()``.
-
-    Args:
-        src: the rank files' folder, or a pattern such as ``run/model_0012499.rank_*.pth``.
-        model: the plain module FSDP1 wrapped (on the meta device is enough: names and shapes count).
-        dtype: floating tensors' dtype; ``None`` keeps the saved dtypes.
-        weights_only: as in ``torch.load``.
-        aligned_numel: FSDP1's alignment when the files fit several (0: ``use_orig_params=False``; 4: fp32, 8:
-            bf16/fp16 mixed precision); ``None`` infers it.
+    """The full state dict of FSDP1 ``LOCAL_STATE_DICT`` rank files (``src``: their folder, or a pattern such as
+    ``run/model_0012499.rank_*.pth``), keyed as ``model.state_dict()`` of the plain module FSDP1 wrapped (on the
+    meta device is enough). ``dtype=None`` keeps the saved dtypes. ``aligned_numel``: FSDP1's alignment when the
+    files fit several (0: ``use_orig_params=False``; 4: fp32, 8: bf16/fp16 mixed precision); ``None`` infers it.
 
     Example::
 
@@ -109,8 +104,7 @@ def rank_files(src: PathLike) -> list[Location]:
             f"{folder} is not a folder: no rank files match {src}. Pass the folder of FSDP1 LOCAL_STATE_DICT rank"
             " files or a pattern such as run/model_0012499.rank_*.pth."
         )
-    names = [name for name in folder.names() if fnmatch.fnmatch(name, pattern)]
-    files = [folder.child(name) for name in sorted(names) if folder.child(name).is_file()]
+    files = [folder.child(n) for n in sorted(fnmatch.filter(folder.names(), pattern)) if folder.child(n).is_file()]
     if not files:
         raise CheckpointError(f"no files match {src}: pass the rank files' folder or a pattern matching them.")
     return files
@@ -185,7 +179,6 @@ def _whole(key: str, shards: list[LocalShards]) -> torch.Tensor:
 def _in_model_order(state: dict[str, Any], model: nn.Module, src: PathLike) -> dict[str, Any]:
     """``state`` keyed and ordered as ``model.state_dict()``, every shape checked; anything else an error."""
     expected = model_shapes(model)
-    detail = mismatch(expected, {key: value.shape for key, value in state.items()})
-    if detail:
-        raise CheckpointError(f"{src} does not match the model ({detail}). Pass the model FSDP1 wrapped, built alike.")
+    shapes = {key: value.shape for key, value in state.items()}
+    require_match(expected, shapes, f"{src} does not match the model", "Pass the model FSDP1 wrapped, built alike.")
     return {key: state[key] for key in expected}

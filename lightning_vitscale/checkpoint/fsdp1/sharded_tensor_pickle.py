@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from lightning_vitscale._compat import get_layout, rebuild_from_type_v2, rebuild_tensor_v2
-from lightning_vitscale.checkpoint.safe_reading import load_restricted, resolve_weights_only
+from lightning_vitscale.checkpoint.safe_reading import load_pickle, resolve_weights_only
 from lightning_vitscale.checkpoint.storage import Location
 
 
@@ -89,10 +89,8 @@ _FUNCTIONS: dict[tuple[str, str], Any] = {
     ("torch", "Size"): torch.Size,
     ("torch", "Tensor"): torch.Tensor,
     ("torch", "device"): torch.device,
+    (f"{_SHARD}.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"): int,  # the enum's value is all the record needs
 }
-
-# ``MEM_FORMAT_ENCODING(0)``: the enum's value is all the record needs.
-_FUNCTIONS[(f"{_SHARD}.sharded_tensor.metadata", "MEM_FORMAT_ENCODING")] = int
 
 
 def record_pickle_module(weights_only: bool) -> types.ModuleType:
@@ -159,4 +157,4 @@ def as_local_shards(record: ShardedTensorRecord, key: str) -> LocalShards:
 def load_local_shards(location: Location, weights_only: bool | None) -> Any:
     """One rank's FSDP1 ``LOCAL_STATE_DICT`` file, its ``ShardedTensor`` s as inert records (:class:`RecordUnpickler`
     under the ``weights_only`` rule; torch still reads the storages)."""
-    return load_restricted(location, record_pickle_module(resolve_weights_only(weights_only)))
+    return load_pickle(location, None, pickle_module=record_pickle_module(resolve_weights_only(weights_only)))

@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from lightning_vitscale._compat import restore_location, tree_map
 from lightning_vitscale.checkpoint.consolidate import load_consolidated
-from lightning_vitscale.checkpoint.storage import Location, has_sharded_marker
+from lightning_vitscale.checkpoint.storage import SHARDED_MARKER, Location
 
 
 class VitScaleCheckpointIO(TorchCheckpointIO):
@@ -41,7 +41,8 @@ def is_sharded_checkpoint(path: Any) -> bool:
     if not isinstance(path, (str, os.PathLike)) or str(path).startswith("http"):
         return False  # buffers and http URLs: Lightning's own branches
     try:
-        return has_sharded_marker(Location.of(path))
+        folder = Location.of(path)
+        return folder.is_dir() and folder.child(SHARDED_MARKER).is_file()
     except Exception:  # noqa: BLE001 - an unknown protocol, a missing fsspec backend: Lightning reports it as before
         return False
 

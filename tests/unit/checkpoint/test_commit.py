@@ -83,7 +83,7 @@ class Killer:
 
 def save(url: str, step: int) -> None:
     checkpoint = {"state_dict": {"w": torch.full((4,), float(step))}, "global_step": step}
-    save_checkpoint(checkpoint, Location.of(url), CheckpointSettings(), True, lambda: None, lambda: None)
+    save_checkpoint(checkpoint, Location.of(url), CheckpointSettings(), lambda: None)
 
 
 def save_killed_at(url: str, step: int, at: int, shards_only: bool = False) -> bool:

@@ -29,7 +29,7 @@ from lightning_vitscale.distributed import RankContext
 
 def save(path, step: int) -> Location:
     checkpoint = {"state_dict": {"w": torch.arange(4096.0) + step}, "global_step": step}
-    save_checkpoint(checkpoint, Location.of(path), CheckpointSettings(), True, lambda: None, lambda: None)
+    save_checkpoint(checkpoint, Location.of(path), CheckpointSettings(), lambda: None)
     return Location.of(path)
 
 
