@@ -78,15 +78,10 @@ class ShardedEMA(Callback):
         self.prefix = prefix
         self.shards: EmaShards | None = None
         self._module: nn.Module | None = None
-        self._updates = 0
+        self.updates = 0  # done so far (the first one copied the weights)
         self._last_step = 0
         self._pending: dict[str, Any] | None = None
         self._ema_missing = False
-
-    @property
-    def updates(self) -> int:
-        """Updates done so far (the first one copied the weights)."""
-        return self._updates
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -97,7 +92,7 @@ class ShardedEMA(Callback):
                 " Remove the extra ShardedEMA from `callbacks`."
             )
         if self._module is not pl_module:  # a new model: the old average does not belong to it
-            self.shards, self._module, self._updates, self._last_step = None, pl_module, 0, 0
+            self.shards, self._module, self.updates, self._last_step = None, pl_module, 0, 0
         _wrap_evaluation_loops(trainer, self._run_evaluation)
 
     @override
@@ -122,15 +117,15 @@ class ShardedEMA(Callback):
             return
         self._last_step = step
         if self.policy.should_update(step - 1):
-            self._ensure(pl_module).update(self.policy.decay_at(self._updates))
-            self._updates += 1
+            self._ensure(pl_module).update(self.policy.decay_at(self.updates))
+            self.updates += 1
 
     @contextmanager
     def averaged(self, trainer: pl.Trainer) -> Iterator[None]:
         """Run the block with the EMA weights in the model (local shards copied in place, no gather), then
         restore the raw weights, e.g. to evaluate or save the EMA model with your own code."""
         shards = self._ensure(trainer.lightning_module)
-        if self._updates == 0 and not trainer.sanity_checking:
+        if self.updates == 0 and not trainer.sanity_checking:
             rank_zero_warn("ShardedEMA: evaluating an average with no update yet: it equals the starting weights.")
         model = trainer.strategy.model or trainer.lightning_module
         _reshard(model)  # a gathered unit would keep serving the raw weights
@@ -169,12 +164,12 @@ class ShardedEMA(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"updates": self._updates, "last_step": self._last_step}
+        return {"updates": self.updates, "last_step": self._last_step}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_step = state_dict["last_step"]
-        self._updates = 0 if self._ema_missing else state_dict["updates"]
+        self.updates = 0 if self._ema_missing else state_dict["updates"]
 
     @override
     def on_save_checkpoint(
@@ -195,7 +190,7 @@ class ShardedEMA(Callback):
                 " at the next update."
             )
             return
-        self._updates = max(self._updates, 1)  # the next update averages into what was loaded
+        self.updates = max(self.updates, 1)  # the next update averages into what was loaded
         if not isinstance(entry, ShardedEntry):  # whole tensors (DDP, one file): once the shards exist
             self._pending = entry  # (DDP restores before setup)
             if self.shards is not None:

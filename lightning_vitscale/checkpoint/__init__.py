@@ -7,19 +7,12 @@ This face is the core's. Sub-rooms with their own faces: ``export/``, ``lightnin
 ``row_layout``, ``distributed`` (the side-group handshake before a gather), ``_utils`` and ``_compat``.
 """
 
-from lightning_vitscale.checkpoint.consolidate import (
-    consolidate_checkpoint,
-    consolidate_command,
-    consolidated,
-    load_consolidated,
-)
+from lightning_vitscale.checkpoint.consolidate import consolidate_checkpoint, consolidated, load_consolidated
 from lightning_vitscale.checkpoint.errors import AsyncSaveError, CheckpointError, StateDictGatherError
 from lightning_vitscale.checkpoint.manifest import verify
-from lightning_vitscale.checkpoint.save import remove_checkpoint, save_checkpoint
 from lightning_vitscale.checkpoint.settings import CheckpointSettings, StateDictType
 from lightning_vitscale.checkpoint.storage import Location
 from lightning_vitscale.checkpoint.strategy_side import OnCheckpointSide, StrategyCheckpoints
-from lightning_vitscale.checkpoint.verified import verified_checkpoint
 
 __all__ = [
     "AsyncSaveError",
@@ -31,11 +24,7 @@ __all__ = [
     "StateDictType",
     "StrategyCheckpoints",
     "consolidate_checkpoint",
-    "consolidate_command",
     "consolidated",
     "load_consolidated",
-    "remove_checkpoint",
-    "save_checkpoint",
-    "verified_checkpoint",
     "verify",
 ]

@@ -29,14 +29,14 @@ def candidates(location: Location) -> list[Location]:
     return [partial_path(location), location]
 
 
-def newest_complete(location: Location, checksums: bool = False) -> tuple[Location | None, list[str]]:
+def newest_complete(location: Location) -> tuple[Location | None, list[str]]:
     """The newest complete checkpoint saved to ``location`` and why each newer candidate was skipped. Files are
-    complete as Lightning's CheckpointIO wrote them; folders by manifest (``checksums``: every byte's CRC-32)."""
+    complete as Lightning's CheckpointIO wrote them; folders by manifest (sizes, not CRC-32s)."""
     skipped: list[str] = []
     for candidate in candidates(location):
         if not candidate.exists():
             continue
-        problem = None if candidate.is_file() else why_incomplete(candidate, checksums)
+        problem = None if candidate.is_file() else why_incomplete(candidate, checksums=False)
         if problem is None:
             return candidate, skipped
         skipped.append(f"skipped {candidate}: {problem}")

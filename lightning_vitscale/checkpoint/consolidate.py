@@ -59,9 +59,8 @@ def consolidate_checkpoint(
 
 
 def consolidated(src: PathLike, weights_only: bool | None = None, verify: bool = True) -> io.BytesIO:
-    """The consolidated file of ``src`` in memory, saved dtypes kept: ``MyModule.load_from_checkpoint(
-    consolidated(folder))`` loads it like DDP's file (pass it the same ``weights_only``). Holds the checkpoint
-    twice in host memory while it is read."""
+    """The consolidated file of ``src`` in memory, saved dtypes kept, for ``MyModule.load_from_checkpoint(
+    consolidated(folder))`` (same ``weights_only``); holds the checkpoint twice in host memory while read."""
     buffer = io.BytesIO()
     torch.save(load_consolidated(src, weights_only=weights_only, verify=verify), buffer)
     buffer.seek(0)

@@ -1,11 +1,10 @@
 """``model.state_dict()`` / ``load_state_dict()`` of a sharded model as under DDP: plain full tensors.
 
-FSDP2 hands out ``DTensor`` shards, so ``torch.save(model.state_dict(), path)`` would keep one rank's slices.
 Hooks (:func:`install`) gather each sharded tensor, one at a time, to the **CPU** (a model that only fits sharded
 has no device room for a full copy); a loaded full tensor is cut into this rank's shard (no communication).
-``keep_vars=True`` returns the live shards. Gathering is a collective: one handshake on a side group first
-(distributed/collective_guard.py), so a call on one rank fails with :class:`StateDictGatherError` naming the
-fixes, nothing sent on the model's group. The strategy's own DCP code runs inside :func:`sharded_state_dicts`.
+``keep_vars=True`` returns the live shards. A gather is a collective: a side-group handshake first
+(``distributed/collective_guard.py``), so a call on one rank fails with :class:`StateDictGatherError`, nothing sent
+on the model's group. The strategy's own DCP code runs inside :func:`sharded_state_dicts`.
 """
 
 from __future__ import annotations
@@ -51,10 +50,8 @@ def sharded_state_dicts() -> Iterator[None]:
 
 def install(model: nn.Module, outer_unit: nn.Module | None = None) -> None:
     """Hook ``model``'s submodules so their state dicts are DDP's outside :func:`sharded_state_dicts`; idempotent.
-
-    ``outer_unit``: a load first frees what a forward left gathered there, so it fills the shards. Module-level
-    hooks: a deep copy of the model (weight averaging) keeps working hooks and no reference to the strategy.
-    """
+    ``outer_unit``: a load first frees what a forward left gathered there. Module-level hooks: a deep copy of the
+    model (weight averaging) keeps working hooks and no reference to the strategy."""
     for module in model.modules():
         if next(module.parameters(), None) is None:
             # Nothing sharded below (metrics, activations, parameter-free containers). Hooking it anyway would
@@ -123,8 +120,7 @@ def gather_sharded_entries(
     checkpoint: dict[str, Any], keep: bool, packed: dict[str, tuple[int, int]] | None = None
 ) -> None:
     """Every ``DTensor`` in ``checkpoint`` replaced in place by its whole CPU tensor (rank 0's ``torch.save`` of a
-    DTensor keeps its own shard only); a collective. ``keep=False``: gathered and dropped (ranks that do not
-    write). ``packed``: projections whose rows go back to the model's own order."""
+    DTensor keeps its own shard only); a collective. ``keep=False``: gathered and dropped (ranks that do not write)."""
     def gather(value: Any) -> Any:
         return (full_tensor_on_cpu(value) if keep else None) if isinstance(value, DTensor) else value
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 import zlib
-from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Any
+from typing import Any, NamedTuple
 
 from lightning_vitscale.checkpoint.errors import CheckpointError
 from lightning_vitscale.checkpoint.storage import SHARDED_MARKER, Location
@@ -21,8 +20,7 @@ VERSION = 2
 _CHUNK = 8 << 20  # zlib releases the GIL on large buffers; 8 MiB keeps memory flat on any shard size
 
 
-@dataclass(frozen=True)
-class FileSum:
+class FileSum(NamedTuple):
     """One file of a sharded folder: its size in bytes and its CRC-32."""
 
     size: int
@@ -50,9 +48,8 @@ def write_manifest(folder: Location, files: dict[str, FileSum], saved: dict[str,
 
 def read_manifest(folder: Location) -> dict[str, Any] | None:
     """The marker's content; ``None`` when missing or unreadable (a save that never committed)."""
-    marker = folder.child(SHARDED_MARKER)
     try:
-        with marker.open("rb") as f:
+        with folder.child(SHARDED_MARKER).open("rb") as f:
             manifest = json.loads(f.read().decode())
     except (OSError, ValueError):
         return None

@@ -1,9 +1,7 @@
-"""The one safe reader: every read of a checkpoint (files, DCP metadata, DCP values) honours ``weights_only`` and
-stays inside the checkpoint folder.
-
-``weights_only=None`` is torch's default (``True`` unless ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``). DCP itself
-unpickles its ``.metadata`` and non-tensor values unrestricted and reads any file its metadata names; the reader
-and planners here apply the rule to every pickle and confine every file to the folder (``confinement.py``).
+"""The one safe reader: every read of a checkpoint (files, DCP metadata, DCP values) honours ``weights_only``
+(``None``: torch's default) and stays inside the checkpoint folder. DCP itself unpickles its ``.metadata`` and
+non-tensor values unrestricted and reads any file its metadata names; the reader and planners here apply the rule
+to every pickle and confine every file to the folder (``confinement.py``).
 """
 
 from __future__ import annotations
@@ -129,9 +127,8 @@ class SafeEmptyLoadPlanner(_SafeBytesMixin, EmptyStateDictLoadPlanner):
 
 def safe_reader(location: Location, weights_only: bool | None) -> FileSystemReader:
     """DCP's storage reader, its ``.metadata`` unpickled under the ``weights_only`` rule, its files confined."""
-    safe = resolve_weights_only(weights_only)
     reader = _SafeFsspecReader(location.url) if location.is_url else _SafeFileSystemReader(location.path)
-    reader.weights_only = safe
+    reader.weights_only = resolve_weights_only(weights_only)
     reader.location = location
     return reader
 

@@ -1,8 +1,6 @@
 """Saving a sharded LightningModule: what the strategy's ``save_checkpoint`` and ``remove_checkpoint`` run.
-
-``"sharded"`` (default): every rank writes and hashes its own DCP shards, nobody gathers the model, ``commit.py``
-makes the save atomic. ``"full"``: one file in DDP's format, gathered one tensor at a time (no device holds more
-than one full parameter beyond its shards).
+``"sharded"``: every rank writes and hashes its own DCP shards, nobody gathers the model. ``"full"``: one file in
+DDP's format, gathered one tensor at a time (no device holds more than one full parameter beyond its shards).
 """
 
 from __future__ import annotations

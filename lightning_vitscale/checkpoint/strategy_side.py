@@ -17,6 +17,7 @@ from torch import nn
 from lightning_vitscale.checkpoint.async_save import AsyncSaves
 from lightning_vitscale.checkpoint.consolidate import consolidate_command
 from lightning_vitscale.checkpoint.load import load_checkpoint
+from lightning_vitscale.checkpoint.resume import verified_checkpoint
 from lightning_vitscale.checkpoint.save import (
     model_state_dict,
     optimizer_state_dict,
@@ -25,7 +26,6 @@ from lightning_vitscale.checkpoint.save import (
 )
 from lightning_vitscale.checkpoint.settings import CheckpointSettings, StateDictType
 from lightning_vitscale.checkpoint.storage import Location
-from lightning_vitscale.checkpoint.verified import verified_checkpoint
 from lightning_vitscale.distributed.ranks import RankContext
 from lightning_vitscale.row_layout import packed_rows
 
@@ -75,7 +75,7 @@ class StrategyCheckpoints:
         self, checkpoint_path: Any, module: Any, optimizers: list[torch.optim.Optimizer], weights_only: bool | None,
         *, ranks: RankContext,
     ) -> dict[str, Any]:
-        """The newest complete checkpoint saved to the path, CRC-32s checked (``verified.py``), validated on every
+        """The newest complete checkpoint saved to the path, CRC-32s checked (``resume.py``), validated on every
         rank before the first collective (a wrong path fails alike everywhere, no rank left waiting)."""
         assert module is not None
         self.saves.wait()

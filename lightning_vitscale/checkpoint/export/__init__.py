@@ -1,6 +1,5 @@
 """A checkpoint's weights as published files: one submodule's trained, EMA or DINO-teacher weights
-(``weights.py``) as ``safetensors``, an HF folder, a timm folder or a torchvision file (``targets.py``). What
-``python -m lightning_vitscale export`` and the examples' fine-tuning read.
+(``weights.py``) as ``safetensors``, an HF folder, a timm folder or a torchvision file (``targets.py``).
 
 May import the core checkpoint modules and ``_compat``; the core never imports it.
 """

@@ -1,7 +1,6 @@
 """The library formats of an export, each checked name by name and shape by shape against the model its own
-library builds: an HF folder ``from_pretrained`` reads (``config.json`` from the submodule itself, built on the
-meta device: :func:`build_submodule`), a timm folder (``timm.create_model("local-dir:DIR")``) and a torchvision
-state-dict file (both named by ``arch``, ``arch_args``).
+library builds: an HF folder (``config.json`` from the submodule, built on the meta device), a timm folder
+(``timm.create_model("local-dir:DIR")``) and a torchvision state-dict file (both named by ``arch``, ``arch_args``).
 """
 
 from __future__ import annotations

@@ -40,12 +40,9 @@ def read_weights(
     weights_only: bool | None = None,
     verify: bool = True,
 ) -> Weights:
-    """The state dict of submodule ``module`` ("" = the whole LightningModule) in ``src``, prefix stripped.
-
-    ``weights``: ``"model"`` the trained weights, ``"ema"`` ``ShardedEMA``'s average, ``"teacher"`` the DINO
-    example's EMA teacher (``module`` looked up inside it). ``dtype``: ``None`` keeps the saved dtypes. A sharded
-    folder's CRC-32s are checked first (``verify``), so a corrupt shard fails before anything is written.
-    """
+    """The state dict of submodule ``module`` ("" = the whole LightningModule) in ``src``, prefix stripped:
+    ``"model"`` the trained weights, ``"ema"`` ``ShardedEMA``'s average, ``"teacher"`` the DINO example's EMA
+    teacher (``module`` looked up inside it). A sharded folder's CRC-32s are checked first (``verify``)."""
     if weights not in ("model", "ema", "teacher"):
         raise ValueError(f"`weights` must be 'model', 'ema' or 'teacher'; got {weights!r}.")
     location = Location.of(src)
@@ -63,13 +60,8 @@ def read_weights(
     if not selected:
         where = " in the teacher" if base else ""
         raise CheckpointError(f"{src} has no submodule {module!r}{where}: {_hint(state, base, module)}")
-    metadata = {
-        "source": str(src),
-        "weights": weights if not flat else checkpoint.get("weights", weights),
-        "module": module,
-        "global_step": str(checkpoint.get("global_step", "")),
-        "epoch": str(checkpoint.get("epoch", "")),
-    }
+    metadata = {"source": str(src), "weights": checkpoint.get("weights", weights) if flat else weights}
+    metadata |= {"module": module} | {key: str(checkpoint.get(key, "")) for key in ("global_step", "epoch")}
     return Weights(selected, metadata, dict(checkpoint.get("hyper_parameters") or {}))
 
 

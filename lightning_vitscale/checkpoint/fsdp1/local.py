@@ -1,9 +1,8 @@
 """FSDP1 ``LOCAL_STATE_DICT`` checkpoints (one ``torch.save`` file per rank, e.g. DINOv2's
-``model_0012499.rank_<N>.pth``) as one plain state dict, given the model definition.
-
-Each rank's file holds, per FSDP1 unit, ``<unit>._flat_param``: a ``ShardedTensor`` of that rank's slice of the
-unit's flattened, padded parameters (with ``use_orig_params=True`` also each parameter's slice, dropped here), and
-plain tensors for the rest. The names and shapes inside a flat parameter come from the model (``flat_layout.py``).
+``model_0012499.rank_<N>.pth``) as one plain state dict, given the model definition. Each rank's file holds, per
+FSDP1 unit, ``<unit>._flat_param``: a ``ShardedTensor`` of that rank's slice of the unit's flattened, padded
+parameters (with ``use_orig_params=True`` also each parameter's slice, dropped here), and plain tensors for the
+rest. The names and shapes inside a flat parameter come from the model (``flat_layout.py``).
 """
 
 from __future__ import annotations
@@ -60,7 +59,10 @@ def load_fsdp1_local_state_dict(
     for unit in units:
         state.update(split(unit, flats[unit.name], offsets(unit, alignment, group)[0]))
     state.update({key: value for key, value in plain.items() if key not in state})
-    return {key: as_full(value, dtype) for key, value in _in_model_order(state, model, src).items()}
+    expected = model_shapes(model)  # keyed and ordered as model.state_dict(), every shape checked
+    shapes = {key: value.shape for key, value in state.items()}
+    require_match(expected, shapes, f"{src} does not match the model", "Pass the model FSDP1 wrapped, built alike.")
+    return {key: as_full(state[key], dtype) for key in expected}
 
 
 def convert_fsdp1_local_checkpoint(
@@ -175,10 +177,3 @@ def _whole(key: str, shards: list[LocalShards]) -> torch.Tensor:
         raise CheckpointError(f"{key}: the rank files cover {int(covered.sum())} of its {numel} elements.")
     return flat
 
-
-def _in_model_order(state: dict[str, Any], model: nn.Module, src: PathLike) -> dict[str, Any]:
-    """``state`` keyed and ordered as ``model.state_dict()``, every shape checked; anything else an error."""
-    expected = model_shapes(model)
-    shapes = {key: value.shape for key, value in state.items()}
-    require_match(expected, shapes, f"{src} does not match the model", "Pass the model FSDP1 wrapped, built alike.")
-    return {key: state[key] for key in expected}

@@ -1,6 +1,5 @@
-"""A sharded folder where Lightning reads DDP's file: :class:`VitScaleCheckpointIO` reads a folder holding this
-package's marker (``storage.SHARDED_MARKER``) in one process, as ``torch.load`` of its consolidated file, under the
-same ``weights_only`` rule; files and other folders go to Lightning's ``TorchCheckpointIO`` unchanged.
+"""A sharded folder where Lightning reads DDP's file: :class:`VitScaleCheckpointIO` reads a folder with this
+package's marker in one process, as ``torch.load`` of its consolidated file; anything else is Lightning's.
 """
 
 from __future__ import annotations

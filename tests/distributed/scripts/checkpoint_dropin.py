@@ -16,8 +16,9 @@ from lightning.pytorch.tuner import Tuner
 import lightning_vitscale.checkpoint.load as checkpoint_load
 import lightning_vitscale.checkpoint.strategy_side as strategy_side
 from lightning_vitscale import VitScaleCheckpointIO, VitScaleStrategy
-from lightning_vitscale.checkpoint import Location, remove_checkpoint
+from lightning_vitscale.checkpoint import Location
 from lightning_vitscale.checkpoint.manifest import file_sum
+from lightning_vitscale.checkpoint.save import remove_checkpoint
 from lightning_vitscale.checkpoint.storage import SHARDED_MARKER
 from lightning_vitscale.distributed.ranks import RankContext
 from tests.distributed.scripts.checkpoints import RANK, WORLD, equal, make_trainer, snapshot

@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_vitscale import CheckpointError, consolidate_checkpoint
 from lightning_vitscale.__main__ import main
-from lightning_vitscale.checkpoint import consolidate_command
+from lightning_vitscale.checkpoint.consolidate import consolidate_command
 from lightning_vitscale.checkpoint.formats import checkpoint_shapes
 from lightning_vitscale.checkpoint.optimizer_state import saved_param_groups
 from lightning_vitscale.checkpoint.safe_reading import resolve_weights_only, safe_reader

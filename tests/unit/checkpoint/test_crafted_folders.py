@@ -26,7 +26,7 @@ from lightning_vitscale import CheckpointError, ShardedEMA, VitScaleCheckpointIO
 from lightning_vitscale.__main__ import main
 from lightning_vitscale._compat import StorageInfo
 from lightning_vitscale.checkpoint.formats import EMA_KEY, sharded_entries
-from lightning_vitscale.checkpoint.lightning import load_sharded_as_full
+from lightning_vitscale.checkpoint.lightning.loaders import load_sharded_as_full
 from lightning_vitscale.checkpoint.storage import Location
 from tests.helpers.exploit import Payload
 from tests.helpers.models import Classifier, loader

@@ -21,7 +21,7 @@ from lightning_vitscale import (
     consolidate_checkpoint,
     consolidated,
 )
-from lightning_vitscale.checkpoint.lightning import is_sharded_checkpoint, load_sharded_as_full
+from lightning_vitscale.checkpoint.lightning.loaders import is_sharded_checkpoint, load_sharded_as_full
 from tests.helpers.exploit import Payload
 from tests.helpers.models import Classifier, loader
 from tests.helpers.saved_runs import restamp

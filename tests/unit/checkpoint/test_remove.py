@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_vitscale.checkpoint import Location, remove_checkpoint
+from lightning_vitscale.checkpoint import Location
+from lightning_vitscale.checkpoint.save import remove_checkpoint
 from lightning_vitscale.distributed.ranks import RankContext
 
 
