@@ -61,16 +61,9 @@ class ShardedEMA(Callback):
     """
 
     def __init__(
-        self,
-        decay: float = 0.999,
-        *,
-        warmup: bool = False,
-        update_every_n_steps: int = 1,
-        update_starting_at_step: int = 0,
-        buffers: EMABuffers = "average",
-        evaluate: EMAEvaluate = "both",
-        offload: bool = False,
-        prefix: str = "ema/",
+        self, decay: float = 0.999, *, warmup: bool = False, update_every_n_steps: int = 1,
+        update_starting_at_step: int = 0, buffers: EMABuffers = "average", evaluate: EMAEvaluate = "both",
+        offload: bool = False, prefix: str = "ema/",
     ) -> None:
         self.policy = EMAPolicy(
             decay, warmup, update_every_n_steps, update_starting_at_step, buffers, evaluate, offload

@@ -80,6 +80,5 @@ def shard_like(copy: nn.Module, model: nn.Module) -> None:
             )
         full = param.detach().to(target.device)
         local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
-        owner_name, _, attr = name.rpartition(".")
-        owner = copy.get_submodule(owner_name)
-        owner.register_parameter(attr, nn.Parameter(local, requires_grad=param.requires_grad))
+        owner, _, attr = name.rpartition(".")
+        copy.get_submodule(owner).register_parameter(attr, nn.Parameter(local, requires_grad=param.requires_grad))

@@ -32,11 +32,7 @@ class AsyncSaves:
         self._in_flight: Future[None] | None = None  # the background thread's hash-and-commit
 
     def start(
-        self,
-        tensors: dict[str, Any],
-        staging: Location,
-        location: Location,
-        finish: Callable[[Any, Gather], None],
+        self, tensors: dict[str, Any], staging: Location, location: Location, finish: Callable[[Any, Gather], None],
         planner: Any = None,
     ) -> None:
         """Stage ``tensors`` in host memory now, write them into ``staging`` in the background, then run

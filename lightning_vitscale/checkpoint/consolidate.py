@@ -36,12 +36,8 @@ def consolidate_command(path: PathLike) -> str:
 
 
 def consolidate_checkpoint(
-    src: PathLike,
-    dst: PathLike,
-    dtype: torch.dtype | None = torch.float32,
-    weights_only: bool | None = None,
-    weights: Literal["raw", "ema"] = "raw",
-    verify: bool = True,
+    src: PathLike, dst: PathLike, dtype: torch.dtype | None = torch.float32, weights_only: bool | None = None,
+    weights: Literal["raw", "ema"] = "raw", verify: bool = True,
 ) -> PathLike:
     """Turn a sharded checkpoint into one ``torch.save`` file, as DDP's: ``MyModule.load_from_checkpoint(dst)``
     reads it and a ``strategy="ddp"`` run resumes from it. One process, no process group; paths may be fsspec URLs.
@@ -91,11 +87,8 @@ def write_file(checkpoint: dict[str, Any] | bytes, dst: PathLike) -> PathLike:
 
 
 def load_consolidated(
-    src: PathLike,
-    dtype: torch.dtype | None = None,
-    weights_only: bool | None = None,
-    weights: Literal["raw", "ema"] = "raw",
-    verify: bool = True,
+    src: PathLike, dtype: torch.dtype | None = None, weights_only: bool | None = None,
+    weights: Literal["raw", "ema"] = "raw", verify: bool = True,
 ) -> dict[str, Any]:
     """The dict :func:`consolidate_checkpoint` writes, as ``torch.load`` of DDP's file returns it. ``verify``: a
     corrupt shard fails naming itself, never wrong weights (cost: benchmarks/RESULTS.md). ``optimizer_states`` only

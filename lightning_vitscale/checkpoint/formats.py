@@ -65,10 +65,8 @@ def sharded_entries(
     location: Location, weights_only: bool | None = None, packed: PackedRows | None = None
 ) -> dict[str, ShardedEntry]:
     """The extra DCP entries of a sharded checkpoint (all but ``state_dict`` and ``optimizer_<i>``)."""
-    metadata = read_metadata(location, weights_only)
-    keys = {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
-    extra = [key for key in sorted(keys) if not is_own_entry(key)]
-    return {key: ShardedEntry(location, key, weights_only, dict(packed or {})) for key in extra}
+    keys = sorted({k.split(".", 1)[0] for k in read_metadata(location, weights_only).state_dict_metadata})
+    return {key: ShardedEntry(location, key, weights_only, dict(packed or {})) for key in keys if not is_own_entry(key)}
 
 
 def checkpoint_shapes(path: PathLike, weights_only: bool | None = None) -> dict[str, torch.Size]:
@@ -77,8 +75,7 @@ def checkpoint_shapes(path: PathLike, weights_only: bool | None = None) -> dict[
     require_existing(location)
     if location.is_dir():
         return sharded_shapes(location, weights_only)
-    checkpoint = load_full(location, weights_only)
-    return {k: v.shape for k, v in checkpoint.get("state_dict", {}).items() if torch.is_tensor(v)}
+    return {k: v.shape for k, v in load_full(location, weights_only)["state_dict"].items() if torch.is_tensor(v)}
 
 
 def require_existing(location: Location) -> None:
@@ -110,13 +107,9 @@ def sharded_shapes(location: Location, weights_only: bool | None = None) -> dict
             f"{location} is a folder but not a checkpoint (no DCP shards, no {DCP_METADATA}). Pass the folder that"
             " trainer.save_checkpoint() or ModelCheckpoint wrote, or a single .ckpt file."
         )
-    metadata = read_metadata(location, weights_only)
-    prefix = "state_dict."
-    return {
-        key[len(prefix) :]: meta.size
-        for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
-    }
+    metadata = read_metadata(location, weights_only).state_dict_metadata
+    return {key.removeprefix("state_dict."): meta.size for key, meta in metadata.items()
+            if key.startswith("state_dict.") and isinstance(meta, TensorStorageMetadata)}
 
 
 def load_full(location: Location, weights_only: bool | None) -> dict[str, Any]:
@@ -134,11 +127,8 @@ def require_match(
     five of each>. ``fix``", unless it matches ``expected``."""
     missing = sorted(expected.keys() - found.keys()) if strict else []
     unexpected = sorted(found.keys() - expected.keys()) if strict else []
-    shapes = sorted(
-        f"{k}: checkpoint {tuple(found[k])} vs model {tuple(expected[k])}"
-        for k in expected.keys() & found.keys()
-        if tuple(found[k]) != tuple(expected[k])
-    )
+    shapes = sorted(f"{k}: checkpoint {tuple(found[k])} vs model {tuple(expected[k])}"
+                    for k in expected.keys() & found.keys() if tuple(found[k]) != tuple(expected[k]))
     problems = [("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)]
     detail = "; ".join(f"{label} ({len(items)}): {', '.join(items[:5])}" for label, items in problems if items)
     if detail:

@@ -142,14 +142,8 @@ def _gather_error(key: str, error: RuntimeError) -> StateDictGatherError:
 
 
 def _shard_loaded_values(
-    module: nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    local_metadata: Any,
-    strict: bool,
-    missing_keys: list[str],
-    unexpected_keys: list[str],
-    error_msgs: list[str],
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+    missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
 ) -> None:
     """A full plain tensor for a sharded slot becomes this rank's shard of it; other shapes stay for torch's own
     size-mismatch error (torch loads from its own copy of the dict: the caller's is unchanged)."""

@@ -36,10 +36,7 @@ from lightning_vitscale.row_layout import packed_rows, reorder_packed
 
 
 def load_checkpoint(
-    location: Location,
-    module: nn.Module,
-    optimizers: list[torch.optim.Optimizer],
-    strict: bool,
+    location: Location, module: nn.Module, optimizers: list[torch.optim.Optimizer], strict: bool,
     weights_only: bool | None,
 ) -> dict[str, Any]:
     """Validate on every rank before the first collective, then fill the module's and optimizers' shards from a

@@ -31,9 +31,7 @@ def complete_checkpoints(folder: Location, accept: Callable[[str], bool]) -> lis
         return []
     targets = {target_of(folder.child(name)) for name in folder.names()}
     found = []
-    for target in sorted(targets, key=lambda t: t.url):
-        if not accept(PurePath(target.path).name):
-            continue
+    for target in sorted((t for t in targets if accept(PurePath(t.path).name)), key=lambda t: t.url):
         newest, skipped = newest_complete(target)
         for line in skipped:
             rank_zero_info(f"lightning_vitscale resume: {line}")

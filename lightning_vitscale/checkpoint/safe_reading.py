@@ -194,10 +194,7 @@ def read_metadata(location: Location, weights_only: bool | None) -> dcp_metadata
 
 
 def load_into(
-    state: dict[str, Any],
-    location: Location,
-    weights_only: bool | None,
-    strict: bool = True,
+    state: dict[str, Any], location: Location, weights_only: bool | None, strict: bool = True,
     packed: PackedRows | None = None,
 ) -> None:
     """``dcp.load`` of ``state`` (a collective): tensors filled in place, other values replaced; ``strict=False``

@@ -20,7 +20,7 @@ from lightning_vitscale.checkpoint.async_save import AsyncSaves, Gather
 from lightning_vitscale.checkpoint.commit import candidates, publish, recover, retire
 from lightning_vitscale.checkpoint.formats import META, partial_path, pop_sharded_entries
 from lightning_vitscale.checkpoint.full_state_dict import gather_sharded_entries, sharded_state_dicts
-from lightning_vitscale.checkpoint.manifest import FileSum, file_sums, write_manifest
+from lightning_vitscale.checkpoint.manifest import file_sums, write_manifest
 from lightning_vitscale.checkpoint.optimizer_state import to_torch_format, untouched_if_fresh
 from lightning_vitscale.checkpoint.settings import CheckpointSettings
 from lightning_vitscale.checkpoint.storage import DCP_METADATA, Location
@@ -57,13 +57,8 @@ def optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, fu
 
 
 def save_checkpoint(
-    checkpoint: dict[str, Any],
-    location: Location,
-    settings: CheckpointSettings,
-    write_full: Callable[[], None],
-    ranks: RankContext | None = None,
-    storage_options: Any | None = None,
-    saves: AsyncSaves | None = None,
+    checkpoint: dict[str, Any], location: Location, settings: CheckpointSettings, write_full: Callable[[], None],
+    ranks: RankContext | None = None, storage_options: Any | None = None, saves: AsyncSaves | None = None,
     packed: PackedRows | None = None,
 ) -> None:
     """``"sharded"``: :func:`save_sharded`; ``"full"``: rank 0 writes one file with Lightning's CheckpointIO
@@ -88,10 +83,7 @@ def save_checkpoint(
 
 
 def save_sharded(
-    checkpoint: dict[str, Any],
-    location: Location,
-    ranks: RankContext | None = None,
-    saves: AsyncSaves | None = None,
+    checkpoint: dict[str, Any], location: Location, ranks: RankContext | None = None, saves: AsyncSaves | None = None,
     packed: PackedRows | None = None,
 ) -> None:
     """Every rank writes its shards into ``<path>.partial`` and hashes its share of the files; rank 0 writes
@@ -127,9 +119,7 @@ def _hash_and_commit(
     (rank 0 also both metadata files), right after it was written, while it is cached; rank 0 commits."""
     shards = sorted({info.relative_path for info in metadata.storage_data.values()})
     mine = shards[rank::world_size] + ([DCP_METADATA, META] if rank == 0 else [])
-    files: dict[str, FileSum] = {}
-    for sums in gather(file_sums(staging, mine)):
-        files.update(sums)
+    files = {name: s for sums in gather(file_sums(staging, mine)) for name, s in sums.items()}
     if rank == 0:
         write_manifest(staging, files, {"global_step": global_step})  # written last, it commits the folder
         publish(staging, location)

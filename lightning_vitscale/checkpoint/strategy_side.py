@@ -57,10 +57,8 @@ class StrategyCheckpoints:
         # In the background only while fit runs (it waits for the last save); other saves finish before returning.
         fitting = trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
         saves = self.saves if self.settings.async_save and fitting else None
-        save_checkpoint(
-            checkpoint, location, self.settings, write_full, ranks, storage_options, saves,
-            packed_rows(trainer.lightning_module),
-        )
+        packed = packed_rows(trainer.lightning_module)
+        save_checkpoint(checkpoint, location, self.settings, write_full, ranks, storage_options, saves, packed)
         if not self.settings.full and not self._told_how_to_consolidate:  # once: how other tools read the folder
             self._told_how_to_consolidate = True
             rank_zero_info(

@@ -33,12 +33,8 @@ class Weights:
 
 
 def read_weights(
-    src: PathLike,
-    weights: WeightsChoice = "model",
-    module: str = "",
-    dtype: torch.dtype | None = torch.float32,
-    weights_only: bool | None = None,
-    verify: bool = True,
+    src: PathLike, weights: WeightsChoice = "model", module: str = "", dtype: torch.dtype | None = torch.float32,
+    weights_only: bool | None = None, verify: bool = True,
 ) -> Weights:
     """The state dict of submodule ``module`` ("" = the whole LightningModule) in ``src``, prefix stripped:
     ``"model"`` the trained weights, ``"ema"`` ``ShardedEMA``'s average, ``"teacher"`` the DINO example's EMA

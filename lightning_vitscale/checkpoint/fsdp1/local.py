@@ -8,6 +8,7 @@ rest. The names and shapes inside a flat parameter come from the model (``flat_l
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import posixpath
 from collections.abc import Callable
 from typing import Any
@@ -33,10 +34,7 @@ FLAT_PARAM_NAMES = ("_flat_param", "flat_param")  # torch >= 2.0; torch 1.12-1.1
 
 
 def load_fsdp1_local_state_dict(
-    src: PathLike,
-    model: nn.Module,
-    dtype: torch.dtype | None = None,
-    weights_only: bool | None = None,
+    src: PathLike, model: nn.Module, dtype: torch.dtype | None = None, weights_only: bool | None = None,
     aligned_numel: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """The full state dict of FSDP1 ``LOCAL_STATE_DICT`` rank files (``src``: their folder, or a pattern such as
@@ -77,8 +75,6 @@ def convert_fsdp1_local_checkpoint(
 
 def build_model(spec: str) -> nn.Module:
     """``package.module:callable`` -> the module it builds, on the meta device (names and shapes only)."""
-    import importlib
-
     module_name, _, attr = spec.partition(":")
     try:
         factory: Callable[[], Any] = getattr(importlib.import_module(module_name), attr)

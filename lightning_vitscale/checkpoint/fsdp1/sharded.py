@@ -35,8 +35,7 @@ def load_fsdp1_state_dict(
             " torch.distributed.checkpoint.save wrote; a FULL_STATE_DICT file needs no conversion (torch.load it)."
         )
     read_metadata(source, weights_only)  # readable, every shard present: a clear error before any value is read
-    state = load_all(source, weights_only)
-    model = _model_entry(state, source)
+    model = _model_entry(load_all(source, weights_only), source)
     return {strip_wrapper_prefixes(key): as_full(value, dtype) for key, value in model.items()}
 
 

@@ -35,11 +35,6 @@ class _Record:
 
 class ShardedTensorRecord(_Record):
     ProcessGroupState: type = type("ProcessGroupState", (_Record,), {})
-    size: Any
-    dtype: Any
-    local_shards: Any
-    metadata: Any
-    process_group: Any
 
 
 _SHARD = "torch.distributed._shard"
@@ -66,7 +61,7 @@ def _from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
         return rebuild_from_type_v2(func, new_type, args, state)
     if func is not _wrapper_subclass or new_type is not ShardedTensorRecord or not isinstance(state, tuple):
         raise pickle.UnpicklingError("the file rebuilds a tensor subclass other than ShardedTensor; refusing it")
-    record = ShardedTensorRecord()
+    record: Any = ShardedTensorRecord()  # untrusted data: its attributes are checked where they are read
     _, record.dtype, record.size = func(*args)
     record.local_shards, record.metadata, record.process_group = state[:3]
     return record
@@ -139,7 +134,7 @@ class LocalShards:
     group_size: int  # FSDP1's sharding group (the world, unless hybrid sharding): what its padding counts
 
 
-def as_local_shards(record: ShardedTensorRecord, key: str) -> LocalShards:
+def as_local_shards(record: Any, key: str) -> LocalShards:
     """The checked content of a record (1-D size, tensor shards, integer offsets), else not FSDP1's."""
     try:
         size = tuple(int(n) for n in record.size)

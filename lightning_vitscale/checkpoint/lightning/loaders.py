@@ -30,9 +30,15 @@ class VitScaleCheckpointIO(TorchCheckpointIO):
     @override
     def load_checkpoint(self, path: Any, map_location: Any = lambda storage, loc: storage,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        if is_sharded_checkpoint(path):
-            return load_sharded_as_full(path, map_location=map_location, weights_only=weights_only)
-        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        """A folder: what ``torch.load(path, map_location, weights_only)`` returns for its consolidated file, every
+        tensor's saved location being ``"cpu"`` (DDP's file records the device it was saved from instead)."""
+        if not is_sharded_checkpoint(path):
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        checkpoint = load_consolidated(path, dtype=None, weights_only=weights_only)
+        if map_location is None:
+            return checkpoint
+        restore = restore_location(map_location)
+        return tree_map(lambda value: _restored(value, restore) if torch.is_tensor(value) else value, checkpoint)
 
 
 def is_sharded_checkpoint(path: Any) -> bool:
@@ -44,16 +50,6 @@ def is_sharded_checkpoint(path: Any) -> bool:
         return folder.is_dir() and folder.child(SHARDED_MARKER).is_file()
     except Exception:  # noqa: BLE001 - an unknown protocol, a missing fsspec backend: Lightning reports it as before
         return False
-
-
-def load_sharded_as_full(path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-    """What ``torch.load(path, map_location, weights_only)`` returns for the consolidated file of ``path``, every
-    tensor's saved location being ``"cpu"`` (DDP's file records the device it was saved from instead)."""
-    checkpoint = load_consolidated(path, dtype=None, weights_only=weights_only)
-    if map_location is None:
-        return checkpoint
-    restore = restore_location(map_location)
-    return tree_map(lambda value: _restored(value, restore) if torch.is_tensor(value) else value, checkpoint)
 
 
 def _restored(tensor: torch.Tensor, restore: Callable[[Any, str], Any]) -> torch.Tensor:
