@@ -48,9 +48,7 @@ def recover(location: Location) -> None:
     newest, _ = newest_complete(location)
     if newest is not None and newest != location:
         publish(newest, location)
-    for leftover in candidates(location):
-        if leftover != location:
-            leftover.remove()
+    partial_path(location).remove()  # the other candidate
 
 
 def target_of(location: Location) -> Location:

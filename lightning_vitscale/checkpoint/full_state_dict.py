@@ -122,7 +122,10 @@ def gather_sharded_entries(
     """Every ``DTensor`` in ``checkpoint`` replaced in place by its whole CPU tensor (rank 0's ``torch.save`` of a
     DTensor keeps its own shard only); a collective. ``keep=False``: gathered and dropped (ranks that do not write)."""
     def gather(value: Any) -> Any:
-        return (full_tensor_on_cpu(value) if keep else None) if isinstance(value, DTensor) else value
+        if not isinstance(value, DTensor):
+            return value
+        full = full_tensor_on_cpu(value)  # a collective: every rank gathers, `keep` keeps
+        return full if keep else None
 
     for key, value in checkpoint.items():
         sharded = isinstance(value, dict) and any(isinstance(v, DTensor) for v in value.values())

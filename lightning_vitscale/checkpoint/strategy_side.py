@@ -75,7 +75,6 @@ class StrategyCheckpoints:
     ) -> dict[str, Any]:
         """The newest complete checkpoint saved to the path, CRC-32s checked (``resume.py``), validated on every
         rank before the first collective (a wrong path fails alike everywhere, no rank left waiting)."""
-        assert module is not None
         self.saves.wait()
         location = Location.of(ranks.broadcast(str(checkpoint_path)))
         fallbacks, self.resume_fallbacks = self.resume_fallbacks, []
