@@ -47,7 +47,7 @@ from examples.models.shard_data import ShardImageDataModule
 from lightning_vitscale import ShardedEMA, VitScaleStrategy
 from lightning_vitscale.checkpoint.storage import SHARDED_MARKER
 
-# by module path: `lightning_vitscale.checkpoint` exports a function named `commit`
+# the modules whose `retire` the chaos wraps: each looks it up in its own globals
 commit_module = importlib.import_module("lightning_vitscale.checkpoint.commit")
 save_module = importlib.import_module("lightning_vitscale.checkpoint.save")
 

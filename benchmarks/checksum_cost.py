@@ -39,7 +39,7 @@ def crc_throughput_mb_s(mib: int = 256) -> float:
 def timed_save(location: Location, state: dict, group: RankContext) -> float:
     dist.barrier()
     start = time.perf_counter()
-    save_sharded({"state_dict": dict(state), "global_step": 0}, location, dist.get_rank() == 0, dist.barrier, group)
+    save_sharded({"state_dict": dict(state), "global_step": 0}, location, group)
     return time.perf_counter() - start
 
 
@@ -70,7 +70,7 @@ def main() -> None:
         dist.all_gather_object(out, value)
         return out
 
-    group = RankContext(rank=rank, world_size=world, all_gather_objects=gather)
+    group = RankContext(rank=rank, world_size=world, all_gather_objects=gather, barrier=dist.barrier)
     state = {f"rank{rank}.w{i}": torch.randn(args.mib << 16) for i in range(4)}  # 4 tensors of mib/4 MiB
     location = Location.of(f"{args.dir}/checksum_cost.ckpt")
     fake = {"size": 0, "crc32": 0}

@@ -1,19 +1,16 @@
-"""Tensor parallelism's row layout of packed projections, in one place: the rows, every full view of them, and the
-checkpoint planners that keep sharded folders in the model's own order.
+"""Tensor parallelism's row layout of packed projections, in one place.
 
 A packed ``[q; k; v]`` projection split by tensor parallelism holds its rows rank after rank, each rank's slice of
 every part (:func:`interleaved_rows`), as do its optimizer state and EMA. Every full view (``state_dict()``, full
 checkpoints, ``consolidate``) is in the model's own order (:func:`reorder_packed`), and DCP writes and reads each
 rank's chunk as ranges of the model's rows (:func:`model_row_pieces`): a folder loads under any other layout.
-
-Below ``init``, ``sharding``, ``averaging`` and ``checkpoint``, which all use it; imports only ``_utils``.
+Below ``init``, ``sharding``, ``averaging`` and ``checkpoint``; imports only ``_utils``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -26,8 +23,7 @@ from lightning_vitscale._utils import strip_wrapper_prefixes
 
 # A Linear split so carries ``(parts, ranks)`` under this attribute (``sharding/tensor_parallel.py`` sets it).
 PACKED_ROWS = "_vitscale_packed_rows"
-PackedRows = dict[str, tuple[int, int]]
-"""``{parameter name: (parts, ranks)}`` of the projections held in per-rank row order (:func:`packed_rows`)."""
+PackedRows = dict[str, tuple[int, int]]  # {parameter name: (parts, ranks)}: :func:`packed_rows`
 
 
 def interleaved_rows(tensor: torch.Tensor, parts: int, ranks: int) -> torch.Tensor:
@@ -37,12 +33,11 @@ def interleaved_rows(tensor: torch.Tensor, parts: int, ranks: int) -> torch.Tens
 
 
 def model_rows(tensor: torch.Tensor, parts: int, ranks: int) -> torch.Tensor:
-    """The inverse of :func:`interleaved_rows`: per-rank row order -> the model's own ``[p_0 | p_1 | ...]``."""
+    """The inverse of :func:`interleaved_rows`."""
     return interleaved_rows(tensor, ranks, parts)
 
 
-@dataclass(frozen=True)
-class RowPiece:
+class RowPiece(NamedTuple):
     """Rows ``local..local + length`` of a rank's chunk are rows ``model..model + length`` in the model's order."""
 
     local: int
@@ -76,7 +71,7 @@ def model_row_pieces(start: int, length: int, rows: int, parts: int, ranks: int)
 
 
 def packed_rows(module: torch.nn.Module) -> PackedRows:
-    """``{parameter name (wrapper prefixes stripped): (parts, ranks)}`` of every packed projection in ``module``."""
+    """``(parts, ranks)`` of every packed projection in ``module``, by parameter name (wrapper prefixes stripped)."""
     found: PackedRows = {}
     for name, sub in module.named_modules():
         spec = sub.__dict__.get(PACKED_ROWS)
@@ -117,8 +112,7 @@ def packed_spec(path: tuple[Any, ...], packed: PackedRows) -> tuple[int, int] | 
 
 
 def _pieces(state_dict: dict[str, Any], mappings: dict[str, Any], packed: PackedRows, fqn: str) -> list[Piece] | None:
-    """This rank's chunk of a packed ``DTensor`` as pieces: each one's rows locally and its chunk in the model's
-    order; ``None`` for any other value."""
+    """This rank's chunk of a packed ``DTensor`` as (local rows, chunk in the model's order); ``None`` otherwise."""
     value = state_dict.get(fqn)
     if not packed or not isinstance(value, DTensor) or value.dim() == 0:
         return None

@@ -6,6 +6,5 @@ May import ``checkpoint`` (the EMA rides in sharded checkpoints), ``_utils`` and
 
 from lightning_vitscale.averaging.ema import ShardedEMA
 from lightning_vitscale.averaging.lightning_callbacks import shard_averaged_copies
-from lightning_vitscale.averaging.settings import EMAPolicy
 
-__all__ = ["EMAPolicy", "ShardedEMA", "shard_averaged_copies"]
+__all__ = ["ShardedEMA", "shard_averaged_copies"]

@@ -1,9 +1,7 @@
 """ShardedEMA: a Lightning callback keeping an exponential moving average of the weights, sharded like the weights.
 
-Lightning's ``WeightAveraging`` keeps a whole second model per device and fails on sharded models; gathering a
-10B model at every step to average it would undo the sharding. Here each rank averages its own shards (see
-``averaging/shards.py``): the same code runs on FSDP2 DTensor shards under ``VitScaleStrategy`` and on whole tensors
-under ``strategy="ddp"``, and gives the same numbers.
+Lightning's ``WeightAveraging`` keeps a whole second model per device and fails on sharded models. Here each rank
+averages its own shards (``shards.py``): the same code on FSDP2 shards and on DDP's whole tensors, same numbers.
 """
 
 from __future__ import annotations
@@ -63,16 +61,9 @@ class ShardedEMA(Callback):
     """
 
     def __init__(
-        self,
-        decay: float = 0.999,
-        *,
-        warmup: bool = False,
-        update_every_n_steps: int = 1,
-        update_starting_at_step: int = 0,
-        buffers: EMABuffers = "average",
-        evaluate: EMAEvaluate = "both",
-        offload: bool = False,
-        prefix: str = "ema/",
+        self, decay: float = 0.999, *, warmup: bool = False, update_every_n_steps: int = 1,
+        update_starting_at_step: int = 0, buffers: EMABuffers = "average", evaluate: EMAEvaluate = "both",
+        offload: bool = False, prefix: str = "ema/",
     ) -> None:
         self.policy = EMAPolicy(
             decay, warmup, update_every_n_steps, update_starting_at_step, buffers, evaluate, offload
@@ -80,15 +71,10 @@ class ShardedEMA(Callback):
         self.prefix = prefix
         self.shards: EmaShards | None = None
         self._module: nn.Module | None = None
-        self._updates = 0
+        self.updates = 0  # done so far (the first one copied the weights)
         self._last_step = 0
         self._pending: dict[str, Any] | None = None
         self._ema_missing = False
-
-    @property
-    def updates(self) -> int:
-        """Updates done so far (the first one copied the weights)."""
-        return self._updates
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -99,7 +85,7 @@ class ShardedEMA(Callback):
                 " Remove the extra ShardedEMA from `callbacks`."
             )
         if self._module is not pl_module:  # a new model: the old average does not belong to it
-            self.shards, self._module, self._updates, self._last_step = None, pl_module, 0, 0
+            self.shards, self._module, self.updates, self._last_step = None, pl_module, 0, 0
         _wrap_evaluation_loops(trainer, self._run_evaluation)
 
     @override
@@ -124,15 +110,15 @@ class ShardedEMA(Callback):
             return
         self._last_step = step
         if self.policy.should_update(step - 1):
-            self._ensure(pl_module).update(self.policy.decay_at(self._updates))
-            self._updates += 1
+            self._ensure(pl_module).update(self.policy.decay_at(self.updates))
+            self.updates += 1
 
     @contextmanager
     def averaged(self, trainer: pl.Trainer) -> Iterator[None]:
         """Run the block with the EMA weights in the model (local shards copied in place, no gather), then
         restore the raw weights, e.g. to evaluate or save the EMA model with your own code."""
         shards = self._ensure(trainer.lightning_module)
-        if self._updates == 0 and not trainer.sanity_checking:
+        if self.updates == 0 and not trainer.sanity_checking:
             rank_zero_warn("ShardedEMA: evaluating an average with no update yet: it equals the starting weights.")
         model = trainer.strategy.model or trainer.lightning_module
         _reshard(model)  # a gathered unit would keep serving the raw weights
@@ -171,21 +157,19 @@ class ShardedEMA(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"updates": self._updates, "last_step": self._last_step}
+        return {"updates": self.updates, "last_step": self._last_step}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_step = state_dict["last_step"]
-        self._updates = 0 if self._ema_missing else state_dict["updates"]
+        self.updates = 0 if self._ema_missing else state_dict["updates"]
 
     @override
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        # DTensors under VitScaleStrategy (its save_checkpoint routes them through DCP, or gathers them into whole
-        # tensors for state_dict_type="full"), whole tensors under DDP.
         if self.shards is not None or self._pending is not None:
-            checkpoint[EMA_KEY] = self._ensure(pl_module).state_dict()
+            checkpoint[EMA_KEY] = self._ensure(pl_module).state_dict()  # DTensors under VitScaleStrategy
 
     @override
     def on_load_checkpoint(
@@ -199,16 +183,13 @@ class ShardedEMA(Callback):
                 " at the next update."
             )
             return
-        self._updates = max(self._updates, 1)  # the next update averages into what was loaded
-        if isinstance(entry, ShardedEntry):  # DCP shards: read straight into this world size's shards
-            self._load_sharded(entry, self._ensure(pl_module))
-        else:  # whole tensors (DDP or consolidated file): applied once the shards exist (DDP restores before setup)
-            self._pending = entry
+        self.updates = max(self.updates, 1)  # the next update averages into what was loaded
+        if not isinstance(entry, ShardedEntry):  # whole tensors (DDP, one file): once the shards exist
+            self._pending = entry  # (DDP restores before setup)
             if self.shards is not None:
                 self._ensure(pl_module)
-
-    @staticmethod
-    def _load_sharded(entry: ShardedEntry, shards: EmaShards) -> None:
+            return
+        shards = self._ensure(pl_module)  # DCP shards: read straight into this world size's shards
         missing = sorted(set(shards.names) - entry.names())
         if missing:
             raise CheckpointError(
@@ -247,7 +228,6 @@ def _reshard(model: nn.Module) -> None:
 
 @contextmanager
 def _held_back(trainer: pl.Trainer) -> Iterator[None]:
-    # Lightning's CallbackConnector sets `Trainer.callbacks` without declaring it on the class.
     callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
     trainer.callbacks = [c for c in callbacks if not isinstance(c, _ACT_ON_VALIDATION_END)]  # type: ignore[attr-defined]
     try:

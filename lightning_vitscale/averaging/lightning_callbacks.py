@@ -1,10 +1,8 @@
 """Lightning's ``WeightAveraging`` (EMA/SWA via ``torch.optim.swa_utils``) and ``StochasticWeightAveraging``, sharded.
 
-Both callbacks deep-copy the LightningModule in their ``setup`` (before the strategy shards it), then ``copy_`` /
-average between the copy's and the model's parameters, pairing them by position. Once the model's parameters are
-sharded DTensors, the plain copy fails ("aten.copy_.default got mixed torch.Tensor and DTensor"). Sharding the
-copy exactly like the model makes every one of those ops a local op on matching shards: the averages are the
-ones DDP computes, and the copy costs 1/N of the memory per rank instead of a whole model.
+Both deep-copy the LightningModule in ``setup`` (before the strategy shards it), then average between the copy's
+and the model's parameters by position: a plain copy fails on DTensors ("got mixed torch.Tensor and DTensor"). The
+copy sharded like the model makes each op local on matching shards: DDP's averages, at 1/N of a model per rank.
 """
 
 from __future__ import annotations
@@ -24,11 +22,7 @@ def shard_averaged_copies(
     callbacks: list[Callback], model: nn.Module, device: torch.device, checkpointing: bool = False
 ) -> int:
     """Shard the averaged copy of every weight-averaging callback like ``model``; returns how many were sharded.
-
-    Their checkpoint state is refused (at once if ``checkpointing``, else at the first save, when the callback asks
-    its copy for its ``state_dict()``): Lightning stores the averaged and current weights outside the model's state
-    dict, in the part of the checkpoint that rank 0 writes alone, so every other rank's shards would be lost.
-    """
+    Their checkpoint state is refused (at once if ``checkpointing``, else at the first save): ``_NO_CHECKPOINTS``."""
     sharded = 0
     for callback in callbacks:
         copy = _averaged_copy(callback)
@@ -72,11 +66,8 @@ def _averaged_copy(callback: Callback) -> nn.Module | None:
 
 @torch.no_grad()
 def shard_like(copy: nn.Module, model: nn.Module) -> None:
-    """Replace each parameter of ``copy`` by the local shard of its own values, placed like ``model``'s.
-
-    Parameter names match (FSDP2, checkpointing and norms keep them), and registering under the same name keeps
-    the positions that the callbacks pair parameters by. Every rank keeps only its slice: no communication.
-    """
+    """Each parameter of ``copy`` replaced by this rank's shard of its values, placed like ``model``'s (no
+    communication), registered under its name: the positions the callbacks pair parameters by stay."""
     targets = dict(model.named_parameters())
     for name, param in list(copy.named_parameters()):
         target = targets.get(name)
@@ -89,6 +80,5 @@ def shard_like(copy: nn.Module, model: nn.Module) -> None:
             )
         full = param.detach().to(target.device)
         local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
-        owner_name, _, attr = name.rpartition(".")
-        owner = copy.get_submodule(owner_name)
-        owner.register_parameter(attr, nn.Parameter(local, requires_grad=param.requires_grad))
+        owner, _, attr = name.rpartition(".")
+        copy.get_submodule(owner).register_parameter(attr, nn.Parameter(local, requires_grad=param.requires_grad))

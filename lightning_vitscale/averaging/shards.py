@@ -31,14 +31,9 @@ class _Group:
 
 
 class EmaShards:
-    """The EMA of ``module``'s parameters and persistent buffers, one local fp32 tensor per entry.
-
-    Args:
-        module: the (possibly sharded) module; its tensors are looked up again at each update, because FSDP2 may
-            replace a parameter's local tensor (e.g. when it loads a state dict), never the parameter itself.
-        average_buffers: average floating buffers (BatchNorm running stats) like the weights, or copy them.
-        offload: keep the EMA in CPU memory; each update copies the local shards there first.
-    """
+    """The EMA of ``module``'s parameters and persistent buffers, one local fp32 tensor per entry. Local tensors are
+    looked up again at each update: FSDP2 may replace a parameter's local tensor (loading a state dict), never the
+    parameter itself. ``average_buffers``: floating buffers (BatchNorm statistics) averaged, else copied."""
 
     def __init__(self, module: nn.Module, average_buffers: bool = True, offload: bool = False) -> None:
         persistent = set(module.state_dict(keep_vars=True))
@@ -61,7 +56,6 @@ class EmaShards:
         self.groups = list(keys.values())
 
     def locals(self) -> list[torch.Tensor]:
-        """This rank's part of each parameter and buffer, as the optimizer updates it."""
         return [local_tensor(t).detach() for t in self.sources]
 
     @torch.no_grad()
@@ -84,11 +78,8 @@ class EmaShards:
     @contextmanager
     @torch.no_grad()
     def swapped_in(self) -> Iterator[None]:
-        """Run the block with the EMA in the module's own tensors (rounded to their dtype), then restore them.
-
-        Copies local shards in place (FSDP2 all-gathers from the parameters' own storage), so the next forward
-        gathers the EMA; the raw weights wait in a local backup of the same size as the shards.
-        """
+        """Run the block with the EMA copied into the module's local shards (rounded to their dtype; FSDP2 gathers
+        from that storage), the raw weights in a local backup meanwhile."""
         sources = self.locals()
         backup = [s.clone() for s in sources]
         foreach_copy_(sources, self.ema)
@@ -126,5 +117,4 @@ class EmaShards:
             ema.copy_(value)
 
     def tensors(self) -> list[torch.Tensor]:
-        """The EMA storage itself (this rank's shards), e.g. for memory accounting."""
         return list(self.ema)

@@ -1,39 +1,21 @@
 """Checkpoints: the sharded folder and DDP's single-file formats, the one safe reader every load goes through, the
-strategy's save/load/remove, the atomic commit of a save, resuming from the newest complete checkpoint, consolidation
-into one file, and ``model.state_dict()`` as DDP's full tensors.
+strategy's save/load/remove (``strategy_side.py``), the atomic commit of a save, resuming from the newest complete
+checkpoint, consolidation into one file, and ``model.state_dict()`` as DDP's full tensors.
 
-This face is the core's (save, load, formats, safe reading, ``strategy_side.py`` for the strategy's hooks; every
-error class in ``errors.py``). Sub-rooms with their own faces: ``export/``, ``lightning/`` and ``fsdp1/``. The
-core, this ``__init__`` included, imports none of them, and loading never imports saving (import-linter).
-
-May import ``row_layout``, ``distributed`` (the side-group handshake before a gather), ``_utils`` and ``_compat``.
+This face is the core's. Sub-rooms with their own faces: ``export/``, ``lightning/`` and ``fsdp1/``; the core, this
+``__init__`` included, imports none of them, and loading never imports saving (import-linter). May import
+``row_layout``, ``distributed`` (the side-group handshake before a gather), ``_utils`` and ``_compat``.
 """
 
-from lightning_vitscale.checkpoint.async_save import AsyncSaves
-from lightning_vitscale.checkpoint.commit import commit, newest_complete
-from lightning_vitscale.checkpoint.consolidate import (
-    consolidate_checkpoint,
-    consolidate_command,
-    consolidated,
-    load_consolidated,
-)
+from lightning_vitscale.checkpoint.consolidate import consolidate_checkpoint, consolidated, load_consolidated
 from lightning_vitscale.checkpoint.errors import AsyncSaveError, CheckpointError, StateDictGatherError
-from lightning_vitscale.checkpoint.load import load_checkpoint
 from lightning_vitscale.checkpoint.manifest import verify
-from lightning_vitscale.checkpoint.save import (
-    model_state_dict,
-    optimizer_state_dict,
-    remove_checkpoint,
-    save_checkpoint,
-)
 from lightning_vitscale.checkpoint.settings import CheckpointSettings, StateDictType
 from lightning_vitscale.checkpoint.storage import Location
-from lightning_vitscale.checkpoint.strategy_side import OnCheckpointSide, StrategyCheckpoints, sharded_save_hint
-from lightning_vitscale.checkpoint.verified import verified_checkpoint
+from lightning_vitscale.checkpoint.strategy_side import OnCheckpointSide, StrategyCheckpoints
 
 __all__ = [
     "AsyncSaveError",
-    "AsyncSaves",
     "CheckpointError",
     "CheckpointSettings",
     "Location",
@@ -41,18 +23,8 @@ __all__ = [
     "StateDictGatherError",
     "StateDictType",
     "StrategyCheckpoints",
-    "commit",
     "consolidate_checkpoint",
-    "consolidate_command",
     "consolidated",
-    "load_checkpoint",
     "load_consolidated",
-    "model_state_dict",
-    "newest_complete",
-    "optimizer_state_dict",
-    "remove_checkpoint",
-    "save_checkpoint",
-    "sharded_save_hint",
-    "verified_checkpoint",
     "verify",
 ]

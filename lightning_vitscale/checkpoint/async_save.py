@@ -1,12 +1,12 @@
 """Asynchronous sharded saves (torchtitan's ``async_mode``): the step pays only the copy of this rank's shards
-into host memory; DCP writes from a background thread. One save in flight at most (a save, removal or load waits
-for it); committed only once every rank wrote; a failure, every rank's alike, raised at the next training step;
-``fit`` waits for the last save. Background collectives use a gloo group of their own: two threads must never
-issue collectives on one group.
+into host memory; DCP writes from a background thread, one save in flight at most, committed once every rank wrote,
+a failure raised on every rank at the next training step. Background collectives use a gloo group of their own:
+two threads must never issue collectives on one group.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -32,11 +32,7 @@ class AsyncSaves:
         self._in_flight: Future[None] | None = None  # the background thread's hash-and-commit
 
     def start(
-        self,
-        tensors: dict[str, Any],
-        staging: Location,
-        location: Location,
-        finish: Callable[[Any, Gather], None],
+        self, tensors: dict[str, Any], staging: Location, location: Location, finish: Callable[[Any, Gather], None],
         planner: Any = None,
     ) -> None:
         """Stage ``tensors`` in host memory now, write them into ``staging`` in the background, then run
@@ -63,14 +59,11 @@ class AsyncSaves:
 
     def close(self) -> None:
         """Wait for the save in flight without raising (the caller may be handling an error), stop the thread."""
-        try:
+        with contextlib.suppress(AsyncSaveError):
             self.wait()
-        except AsyncSaveError:
-            pass
-        finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-            self._executor = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        self._executor = None
 
     def _side_group(self) -> dist.ProcessGroup | None:
         if self._group is None and dist.is_initialized():

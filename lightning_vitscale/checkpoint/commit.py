@@ -7,17 +7,9 @@ it deletes), readers take the newer complete one, and the next save first finish
 
 from __future__ import annotations
 
-from typing import Any
-
 from lightning_vitscale.checkpoint.formats import PARTIAL_SUFFIX, partial_path
-from lightning_vitscale.checkpoint.manifest import FileSum, why_incomplete, write_manifest
+from lightning_vitscale.checkpoint.manifest import why_incomplete
 from lightning_vitscale.checkpoint.storage import SHARDED_MARKER, Location
-
-
-def commit(staging: Location, location: Location, files: dict[str, FileSum], saved: dict[str, Any]) -> None:
-    """Rank 0, once every file of ``staging`` is written and hashed (``files``): write the manifest, publish."""
-    write_manifest(staging, files, saved)
-    publish(staging, location)
 
 
 def publish(complete: Location, location: Location) -> None:
@@ -37,14 +29,14 @@ def candidates(location: Location) -> list[Location]:
     return [partial_path(location), location]
 
 
-def newest_complete(location: Location, checksums: bool = False) -> tuple[Location | None, list[str]]:
+def newest_complete(location: Location) -> tuple[Location | None, list[str]]:
     """The newest complete checkpoint saved to ``location`` and why each newer candidate was skipped. Files are
-    complete as Lightning's CheckpointIO wrote them; folders by manifest (``checksums``: every byte's CRC-32)."""
+    complete as Lightning's CheckpointIO wrote them; folders by manifest (sizes, not CRC-32s)."""
     skipped: list[str] = []
     for candidate in candidates(location):
         if not candidate.exists():
             continue
-        problem = None if candidate.is_file() else why_incomplete(candidate, checksums)
+        problem = None if candidate.is_file() else why_incomplete(candidate, checksums=False)
         if problem is None:
             return candidate, skipped
         skipped.append(f"skipped {candidate}: {problem}")
@@ -56,9 +48,7 @@ def recover(location: Location) -> None:
     newest, _ = newest_complete(location)
     if newest is not None and newest != location:
         publish(newest, location)
-    for leftover in candidates(location):
-        if leftover != location:
-            leftover.remove()
+    partial_path(location).remove()  # the other candidate
 
 
 def target_of(location: Location) -> Location:

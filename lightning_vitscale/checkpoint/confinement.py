@@ -19,14 +19,8 @@ from lightning_vitscale.checkpoint.storage import Location
 
 def member(folder: Location, name: str) -> Location:
     """``folder/name``, refused unless inside ``folder`` (no absolute path, no ``..``, no symlink out)."""
-    parts = PurePosixPath(name).parts
-    if (
-        not name
-        or "\\" in name
-        or PurePosixPath(name).is_absolute()
-        or PureWindowsPath(name).drive
-        or any(part in ("..", ".") for part in parts)
-    ):
+    path = PurePosixPath(name)
+    if not name or "\\" in name or path.is_absolute() or PureWindowsPath(name).drive or {"..", "."} & set(path.parts):
         raise CheckpointError(
             f"{folder} names the file {name!r}, which is not a plain path inside the checkpoint folder (absolute"
             " or with '..'): the checkpoint is crafted or corrupt; refusing to read outside the folder."
@@ -48,25 +42,18 @@ def check_storage(folder: Location, storage_data: Any) -> None:
         raise CheckpointError(f"{folder}: its DCP metadata has no storage table; the checkpoint is corrupt.")
     ends: dict[str, int] = {}
     for index, info in storage_data.items():
-        if not (
-            isinstance(info, StorageInfo)
-            and isinstance(info.relative_path, str)
-            and _is_count(info.offset)
-            and _is_count(info.length)
-        ):
+        stored = isinstance(info, StorageInfo) and isinstance(info.relative_path, str)
+        if not (stored and _is_count(info.offset) and _is_count(info.length)):
             raise CheckpointError(f"{folder}: its DCP metadata stores {index} at {info!r}; the checkpoint is corrupt.")
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     for name, end in sorted(ends.items()):
         file = member(folder, name)
-        try:
-            size = int(file.fs.size(file.path))
-        except FileNotFoundError:
-            size = -1
-        if size < 0 or not file.is_file():
+        if not file.is_file():
             raise CheckpointError(
                 f"{file} is missing: the checkpoint's metadata stores values in it. The folder is incomplete (a copy"
                 " that stopped early?); copy it again, or resume from an earlier checkpoint."
             )
+        size = int(file.fs.size(file.path))
         if size < end:
             raise CheckpointError(
                 f"{file} is truncated: it has {size} bytes, the checkpoint's metadata stores values up to byte {end}."

@@ -1,6 +1,5 @@
 """A sharded checkpoint as one ``torch.save`` file (or the dict it holds, or its bytes in memory), in one process
-with no process group: what ``python -m lightning_vitscale consolidate``, ``load_from_checkpoint`` and
-``VitScaleCheckpointIO`` read."""
+with no process group."""
 
 from __future__ import annotations
 
@@ -37,12 +36,8 @@ def consolidate_command(path: PathLike) -> str:
 
 
 def consolidate_checkpoint(
-    src: PathLike,
-    dst: PathLike,
-    dtype: torch.dtype | None = torch.float32,
-    weights_only: bool | None = None,
-    weights: Literal["raw", "ema"] = "raw",
-    verify: bool = True,
+    src: PathLike, dst: PathLike, dtype: torch.dtype | None = torch.float32, weights_only: bool | None = None,
+    weights: Literal["raw", "ema"] = "raw", verify: bool = True,
 ) -> PathLike:
     """Turn a sharded checkpoint into one ``torch.save`` file, as DDP's: ``MyModule.load_from_checkpoint(dst)``
     reads it and a ``strategy="ddp"`` run resumes from it. One process, no process group; paths may be fsspec URLs.
@@ -60,9 +55,8 @@ def consolidate_checkpoint(
 
 
 def consolidated(src: PathLike, weights_only: bool | None = None, verify: bool = True) -> io.BytesIO:
-    """The consolidated file of ``src`` in memory, saved dtypes kept: ``MyModule.load_from_checkpoint(
-    consolidated(folder))`` loads it like DDP's file (pass it the same ``weights_only``). Holds the checkpoint
-    twice in host memory while it is read."""
+    """The consolidated file of ``src`` in memory, saved dtypes kept, for ``MyModule.load_from_checkpoint(
+    consolidated(folder))`` (same ``weights_only``); holds the checkpoint twice in host memory while read."""
     buffer = io.BytesIO()
     torch.save(load_consolidated(src, weights_only=weights_only, verify=verify), buffer)
     buffer.seek(0)
@@ -93,16 +87,12 @@ def write_file(checkpoint: dict[str, Any] | bytes, dst: PathLike) -> PathLike:
 
 
 def load_consolidated(
-    src: PathLike,
-    dtype: torch.dtype | None = None,
-    weights_only: bool | None = None,
-    weights: Literal["raw", "ema"] = "raw",
-    verify: bool = True,
+    src: PathLike, dtype: torch.dtype | None = None, weights_only: bool | None = None,
+    weights: Literal["raw", "ema"] = "raw", verify: bool = True,
 ) -> dict[str, Any]:
-    """The dict :func:`consolidate_checkpoint` writes, as ``torch.load`` of DDP's file returns it; arguments as
-    there (``dtype=None`` here). ``verify``: a corrupt shard fails naming itself instead of handing out wrong
-    weights (cost: benchmarks/RESULTS.md). ``optimizer_states`` only when the save had them (with
-    ``lr_schedulers``): resuming a weights-only save fails with Lightning's own error, as under DDP."""
+    """The dict :func:`consolidate_checkpoint` writes, as ``torch.load`` of DDP's file returns it. ``verify``: a
+    corrupt shard fails naming itself, never wrong weights (cost: benchmarks/RESULTS.md). ``optimizer_states`` only
+    when the save had them (or ``lr_schedulers``): resuming a weights-only save fails as under DDP."""
     source = Location.of(src)
     sharded_shapes(source, weights_only)  # complete and readable, or a clear error
     if verify:

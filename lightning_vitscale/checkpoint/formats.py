@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import METADATA_FILENAME
+from lightning_vitscale._compat import METADATA_FILENAME, tree_leaves
 from lightning_vitscale.checkpoint.errors import CheckpointError
 from lightning_vitscale.checkpoint.manifest import why_incomplete
 from lightning_vitscale.checkpoint.safe_reading import load_into, load_pickle, read_metadata
@@ -30,26 +30,15 @@ def partial_path(location: Location) -> Location:
     return location.with_suffix(PARTIAL_SUFFIX)
 
 
-_OWN_ENTRY = re.compile(r"^(state_dict|optimizer_\d+)$")
-
-
 def is_own_entry(key: str) -> bool:
     """The model's and the optimizers' entries of a sharded checkpoint (``state_dict``, ``optimizer_<i>``)."""
-    return bool(_OWN_ENTRY.match(key))
+    return re.fullmatch(r"state_dict|optimizer_\d+", key) is not None
 
 
 def pop_sharded_entries(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """Top-level entries holding DTensors: DCP writes them (a ``torch.save`` keeps rank 0's shards only)."""
-    sharded = [key for key, value in checkpoint.items() if _holds_dtensor(value)]
+    sharded = [key for key, value in checkpoint.items() if any(isinstance(v, DTensor) for v in tree_leaves(value))]
     return {key: checkpoint.pop(key) for key in sharded}
-
-
-def _holds_dtensor(value: Any) -> bool:
-    if isinstance(value, dict):
-        return any(_holds_dtensor(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_dtensor(v) for v in value)
-    return isinstance(value, DTensor)
 
 
 @dataclass(frozen=True)
@@ -76,10 +65,8 @@ def sharded_entries(
     location: Location, weights_only: bool | None = None, packed: PackedRows | None = None
 ) -> dict[str, ShardedEntry]:
     """The extra DCP entries of a sharded checkpoint (all but ``state_dict`` and ``optimizer_<i>``)."""
-    metadata = read_metadata(location, weights_only)
-    keys = {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
-    extra = [key for key in sorted(keys) if not is_own_entry(key)]
-    return {key: ShardedEntry(location, key, weights_only, dict(packed or {})) for key in extra}
+    keys = sorted({k.split(".", 1)[0] for k in read_metadata(location, weights_only).state_dict_metadata})
+    return {key: ShardedEntry(location, key, weights_only, dict(packed or {})) for key in keys if not is_own_entry(key)}
 
 
 def checkpoint_shapes(path: PathLike, weights_only: bool | None = None) -> dict[str, torch.Size]:
@@ -88,8 +75,7 @@ def checkpoint_shapes(path: PathLike, weights_only: bool | None = None) -> dict[
     require_existing(location)
     if location.is_dir():
         return sharded_shapes(location, weights_only)
-    checkpoint = load_full(location, weights_only)
-    return {k: v.shape for k, v in checkpoint.get("state_dict", {}).items() if torch.is_tensor(v)}
+    return {k: v.shape for k, v in load_full(location, weights_only)["state_dict"].items() if torch.is_tensor(v)}
 
 
 def require_existing(location: Location) -> None:
@@ -121,13 +107,9 @@ def sharded_shapes(location: Location, weights_only: bool | None = None) -> dict
             f"{location} is a folder but not a checkpoint (no DCP shards, no {DCP_METADATA}). Pass the folder that"
             " trainer.save_checkpoint() or ModelCheckpoint wrote, or a single .ckpt file."
         )
-    metadata = read_metadata(location, weights_only)
-    prefix = "state_dict."
-    return {
-        key[len(prefix) :]: meta.size
-        for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
-    }
+    metadata = read_metadata(location, weights_only).state_dict_metadata
+    return {key.removeprefix("state_dict."): meta.size for key, meta in metadata.items()
+            if key.startswith("state_dict.") and isinstance(meta, TensorStorageMetadata)}
 
 
 def load_full(location: Location, weights_only: bool | None) -> dict[str, Any]:
@@ -138,26 +120,19 @@ def load_full(location: Location, weights_only: bool | None) -> dict[str, Any]:
     return checkpoint
 
 
-def validate_against(
-    path: PathLike, expected: dict[str, torch.Size], strict: bool = True, weights_only: bool | None = None
+def require_match(
+    expected: dict[str, torch.Size], found: dict[str, torch.Size], what: str, fix: str = "", strict: bool = True
 ) -> None:
-    """Raise a CheckpointError listing missing/unexpected keys and shape mismatches, before any collective."""
-    detail = mismatch(expected, checkpoint_shapes(path, weights_only), strict)
-    if detail:
-        raise CheckpointError(f"Checkpoint {path} does not match the model: {detail}.")
-
-
-def mismatch(expected: dict[str, torch.Size], found: dict[str, torch.Size], strict: bool = True) -> str:
-    """The missing and unexpected keys (``strict``) and other shapes of ``found``, five of each; "" if none."""
+    """A ``CheckpointError`` "``what``: <the missing and unexpected keys (``strict``) and other shapes of ``found``,
+    five of each>. ``fix``", unless it matches ``expected``."""
     missing = sorted(expected.keys() - found.keys()) if strict else []
     unexpected = sorted(found.keys() - expected.keys()) if strict else []
-    shapes = sorted(
-        f"{k}: checkpoint {tuple(found[k])} vs model {tuple(expected[k])}"
-        for k in expected.keys() & found.keys()
-        if tuple(found[k]) != tuple(expected[k])
-    )
+    shapes = sorted(f"{k}: checkpoint {tuple(found[k])} vs model {tuple(expected[k])}"
+                    for k in expected.keys() & found.keys() if tuple(found[k]) != tuple(expected[k]))
     problems = [("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)]
-    return "; ".join(f"{label} ({len(items)}): {', '.join(items[:5])}" for label, items in problems if items)
+    detail = "; ".join(f"{label} ({len(items)}): {', '.join(items[:5])}" for label, items in problems if items)
+    if detail:
+        raise CheckpointError(f"{what}: {detail}. {fix}".rstrip())
 
 
 def model_shapes(module: nn.Module) -> dict[str, torch.Size]:

@@ -1,11 +1,10 @@
 """``model.state_dict()`` / ``load_state_dict()`` of a sharded model as under DDP: plain full tensors.
 
-FSDP2 hands out ``DTensor`` shards, so ``torch.save(model.state_dict(), path)`` would keep one rank's slices.
 Hooks (:func:`install`) gather each sharded tensor, one at a time, to the **CPU** (a model that only fits sharded
 has no device room for a full copy); a loaded full tensor is cut into this rank's shard (no communication).
-``keep_vars=True`` returns the live shards. Gathering is a collective: one handshake on a side group first
-(distributed/collective_guard.py), so a call on one rank fails with :class:`StateDictGatherError` naming the
-fixes, nothing sent on the model's group. The strategy's own DCP code runs inside :func:`sharded_state_dicts`.
+``keep_vars=True`` returns the live shards. A gather is a collective: a side-group handshake first
+(``distributed/collective_guard.py``), so a call on one rank fails with :class:`StateDictGatherError`, nothing sent
+on the model's group. The strategy's own DCP code runs inside :func:`sharded_state_dicts`.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_vitscale._compat import tree_map
 from lightning_vitscale.checkpoint.errors import StateDictGatherError
 from lightning_vitscale.distributed import collective_guard
 from lightning_vitscale.row_layout import PACKED_ROWS, interleaved_rows, packed_rows, reorder_packed
@@ -50,10 +50,8 @@ def sharded_state_dicts() -> Iterator[None]:
 
 def install(model: nn.Module, outer_unit: nn.Module | None = None) -> None:
     """Hook ``model``'s submodules so their state dicts are DDP's outside :func:`sharded_state_dicts`; idempotent.
-
-    ``outer_unit``: a load first frees what a forward left gathered there, so it fills the shards. Module-level
-    hooks: a deep copy of the model (weight averaging) keeps working hooks and no reference to the strategy.
-    """
+    ``outer_unit``: a load first frees what a forward left gathered there. Module-level hooks: a deep copy of the
+    model (weight averaging) keeps working hooks and no reference to the strategy."""
     for module in model.modules():
         if next(module.parameters(), None) is None:
             # Nothing sharded below (metrics, activations, parameter-free containers). Hooking it anyway would
@@ -122,24 +120,18 @@ def gather_sharded_entries(
     checkpoint: dict[str, Any], keep: bool, packed: dict[str, tuple[int, int]] | None = None
 ) -> None:
     """Every ``DTensor`` in ``checkpoint`` replaced in place by its whole CPU tensor (rank 0's ``torch.save`` of a
-    DTensor keeps its own shard only); a collective. ``keep=False``: gathered and dropped (ranks that do not
-    write). ``packed``: projections whose rows go back to the model's own order."""
+    DTensor keeps its own shard only); a collective. ``keep=False``: gathered and dropped (ranks that do not write)."""
+    def gather(value: Any) -> Any:
+        if not isinstance(value, DTensor):
+            return value
+        full = full_tensor_on_cpu(value)  # a collective: every rank gathers, `keep` keeps
+        return full if keep else None
+
     for key, value in checkpoint.items():
         sharded = isinstance(value, dict) and any(isinstance(v, DTensor) for v in value.values())
-        checkpoint[key] = _gather_tree(value, keep)
+        checkpoint[key] = tree_map(gather, value)
         if sharded and keep and packed:  # keyed like the model (the EMA): packed rows in the model's own order
             reorder_packed(checkpoint[key], packed, to_model=True)
-
-
-def _gather_tree(value: Any, keep: bool) -> Any:
-    if isinstance(value, DTensor):
-        full = full_tensor_on_cpu(value)
-        return full if keep else None
-    if isinstance(value, dict):
-        return {k: _gather_tree(v, keep) for k, v in value.items()}
-    if isinstance(value, list) or type(value) is tuple:
-        return type(value)(_gather_tree(v, keep) for v in value)
-    return value
 
 
 def _gather_error(key: str, error: RuntimeError) -> StateDictGatherError:
@@ -153,14 +145,8 @@ def _gather_error(key: str, error: RuntimeError) -> StateDictGatherError:
 
 
 def _shard_loaded_values(
-    module: nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    local_metadata: Any,
-    strict: bool,
-    missing_keys: list[str],
-    unexpected_keys: list[str],
-    error_msgs: list[str],
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+    missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
 ) -> None:
     """A full plain tensor for a sharded slot becomes this rank's shard of it; other shapes stay for torch's own
     size-mismatch error (torch loads from its own copy of the dict: the caller's is unchanged)."""

@@ -6,13 +6,20 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+)
 
 from lightning_vitscale.checkpoint.formats import (
     META,
+    checkpoint_shapes,
     load_full,
     model_shapes,
+    require_match,
     sharded_entries,
-    validate_against,
 )
 from lightning_vitscale.checkpoint.full_state_dict import sharded_state_dicts
 from lightning_vitscale.checkpoint.optimizer_state import (
@@ -29,23 +36,14 @@ from lightning_vitscale.row_layout import packed_rows, reorder_packed
 
 
 def load_checkpoint(
-    location: Location,
-    module: nn.Module,
-    optimizers: list[torch.optim.Optimizer],
-    strict: bool,
+    location: Location, module: nn.Module, optimizers: list[torch.optim.Optimizer], strict: bool,
     weights_only: bool | None,
 ) -> dict[str, Any]:
     """Validate on every rank before the first collective, then fill the module's and optimizers' shards from a
     folder of any world size and layout, or from a file; returns Lightning's metadata."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-    )
-
     with sharded_state_dicts():  # DTensors report global shapes ungathered; DCP loads into the shards
-        validate_against(location.url, model_shapes(module), strict=strict, weights_only=weights_only)
+        found = checkpoint_shapes(location.url, weights_only)
+        require_match(model_shapes(module), found, f"Checkpoint {location} does not match the model", strict=strict)
         if location.is_file():
             return _load_file(load_full(location, weights_only), module, optimizers, strict)
         metadata = read_metadata(location, weights_only)
@@ -72,8 +70,6 @@ def _load_file(
     checkpoint: dict[str, Any], module: nn.Module, optimizers: list[torch.optim.Optimizer], strict: bool
 ) -> dict[str, Any]:
     """DDP's one-file format: packed projections' rows from the model's own order into this run's."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     require_optimizer_states("optimizer_states" in checkpoint, optimizers)
     options = StateDictOptions(full_state_dict=True, strict=strict)
     packed = packed_rows(module)

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 import zlib
-from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Any
+from typing import Any, NamedTuple
 
 from lightning_vitscale.checkpoint.errors import CheckpointError
 from lightning_vitscale.checkpoint.storage import SHARDED_MARKER, Location
@@ -21,8 +20,7 @@ VERSION = 2
 _CHUNK = 8 << 20  # zlib releases the GIL on large buffers; 8 MiB keeps memory flat on any shard size
 
 
-@dataclass(frozen=True)
-class FileSum:
+class FileSum(NamedTuple):
     """One file of a sharded folder: its size in bytes and its CRC-32."""
 
     size: int
@@ -50,9 +48,8 @@ def write_manifest(folder: Location, files: dict[str, FileSum], saved: dict[str,
 
 def read_manifest(folder: Location) -> dict[str, Any] | None:
     """The marker's content; ``None`` when missing or unreadable (a save that never committed)."""
-    marker = folder.child(SHARDED_MARKER)
     try:
-        with marker.open("rb") as f:
+        with folder.child(SHARDED_MARKER).open("rb") as f:
             manifest = json.loads(f.read().decode())
     except (OSError, ValueError):
         return None
@@ -86,27 +83,19 @@ def file_problem(folder: Location, name: str, expected: dict[str, Any], size: in
     return None
 
 
-def listed_files(folder: Location) -> dict[str, dict[str, Any]]:
-    manifest = read_manifest(folder)
-    return dict(manifest["files"]) if manifest else {}
-
-
-RESUME_FIX = "Resume from another checkpoint (ckpt_path='last' picks the newest complete one) or re-save it."
-READ_FIX = (
-    "Read another checkpoint of the run; only if you must use what is left, turn the check off: `--no-verify`"
-    " (python -m lightning_vitscale export/consolidate) or `verify=False`."
-)
-
-
-def verify(folder: Location, required: bool = True, fix: str = READ_FIX) -> None:
+def verify(folder: Location, required: bool = True) -> None:
     """Raise a ``CheckpointError`` naming the first missing, truncated or corrupt file of ``folder`` (every byte
-    read: ~1.4 GB/s), or a folder without a manifest unless not ``required``; ``fix``: what the user does next."""
+    read: ~1.4 GB/s), or a folder without a manifest unless not ``required``."""
     if not required and read_manifest(folder) is None:
         return
     problem = why_incomplete(folder, checksums=True)
     if problem is not None:
-        raise damaged(folder, problem, fix)
+        raise damaged(folder, problem, fix=(
+            "Read another checkpoint of the run; only if you must use what is left, turn the check off:"
+            " `--no-verify` (python -m lightning_vitscale export/consolidate) or `verify=False`."
+        ))
 
 
-def damaged(folder: Location, problem: str, fix: str = RESUME_FIX) -> CheckpointError:
+def damaged(folder: Location, problem: str, fix: str = "") -> CheckpointError:
+    fix = fix or "Resume from another checkpoint (ckpt_path='last' picks the newest complete one) or re-save it."
     return CheckpointError(f"Checkpoint {folder} is damaged: {problem}. {fix}")

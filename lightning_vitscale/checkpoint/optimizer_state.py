@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
 from lightning_vitscale.checkpoint.errors import CheckpointError
 from lightning_vitscale.checkpoint.formats import as_full
@@ -49,8 +50,6 @@ def untouched_if_fresh(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
 
 def set_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], options) -> None:
     """Like ``optimizer.load_state_dict`` under DDP: the saved param groups win; a never-stepped state stays empty."""
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
     if state["state"]:
         set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=options)
         return

@@ -2,7 +2,8 @@
 the strategy's launcher (``lightning/launcher.py``), before Lightning resolves the path. Incomplete candidates are
 skipped with a log line saying why; when no copy of a saved ``last*.ckpt`` is complete, the newest other complete
 checkpoint stands in, with a warning, never a silent start from scratch. The others become the load's fallbacks
-should the chosen one fail its CRC-32 check (``verified.py``).
+should the chosen one fail its CRC-32 check, checked by all ranks together (each reads every ``world_size``-th
+file), so a corrupt file fails on every rank alike (:func:`verified_checkpoint`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_vitscale._compat import checkpoint_dir
 from lightning_vitscale.checkpoint.commit import newest_complete, target_of
+from lightning_vitscale.checkpoint.manifest import damaged, file_problem, read_manifest
 from lightning_vitscale.checkpoint.storage import SHARDED_MARKER, Location
+from lightning_vitscale.distributed.ranks import RankContext
 
 CHECKPOINT_EXTENSION = ModelCheckpoint.FILE_EXTENSION
 
@@ -28,9 +31,7 @@ def complete_checkpoints(folder: Location, accept: Callable[[str], bool]) -> lis
         return []
     targets = {target_of(folder.child(name)) for name in folder.names()}
     found = []
-    for target in sorted(targets, key=lambda t: t.url):
-        if not accept(PurePath(target.path).name):
-            continue
+    for target in sorted((t for t in targets if accept(PurePath(t.path).name)), key=lambda t: t.url):
         newest, skipped = newest_complete(target)
         for line in skipped:
             rank_zero_info(f"lightning_vitscale resume: {line}")
@@ -47,17 +48,8 @@ def saved_time(location: Location) -> float:
 
 
 def _is_last(callback: ModelCheckpoint, name: str) -> bool:
-    stem = name[: -len(CHECKPOINT_EXTENSION)] if name.endswith(CHECKPOINT_EXTENSION) else None
-    return stem is not None and (stem == callback.CHECKPOINT_NAME_LAST or
-                                 stem.startswith(f"{callback.CHECKPOINT_NAME_LAST}-"))
-
-
-def _is_checkpoint(name: str) -> bool:
-    return name.endswith(CHECKPOINT_EXTENSION)
-
-
-def path_for_lightning(location: Location) -> str:
-    return location.path if not location.is_url else location.url
+    last = callback.CHECKPOINT_NAME_LAST
+    return name.endswith(CHECKPOINT_EXTENSION) and (name == last + CHECKPOINT_EXTENSION or name.startswith(f"{last}-"))
 
 
 def last_path(trainer: Any) -> tuple[Location | None, list[Location]]:
@@ -79,7 +71,7 @@ def last_path(trainer: Any) -> tuple[Location | None, list[Location]]:
 def last_with_fallbacks(callback: ModelCheckpoint, folder: Location) -> tuple[list[Location], list[Location]]:
     """The complete ``last*.ckpt`` candidates of ``callback`` in ``folder`` and the other complete checkpoints."""
     last = complete_checkpoints(folder, functools.partial(_is_last, callback))
-    others = complete_checkpoints(folder, lambda name: _is_checkpoint(name) and not _is_last(callback, name))
+    others = complete_checkpoints(folder, lambda n: n.endswith(CHECKPOINT_EXTENSION) and not _is_last(callback, n))
     saved_last = any(_is_last(callback, PurePath(target_of(folder.child(n)).path).name) for n in folder.names())
     if not last and others and saved_last:
         rank_zero_warn(
@@ -101,6 +93,37 @@ def auto_resume_path(trainer: Any) -> tuple[Location | None, list[Location]]:
         )
     found: list[Location] = []
     for callback in callbacks:
-        found += complete_checkpoints(Location.of(str(callback.dirpath)), _is_checkpoint)
+        found += complete_checkpoints(Location.of(str(callback.dirpath)), lambda n: n.endswith(CHECKPOINT_EXTENSION))
     found.sort(key=saved_time, reverse=True)
     return (found[0] if found else None), found[1:]
+
+
+def checksum_problem(folder: Location, group: RankContext) -> str | None:
+    """The first CRC-32 mismatch in ``folder`` (``None``: none, or not a folder with a manifest); a collective."""
+    manifest = read_manifest(folder) if folder.is_dir() else None
+    listed = manifest["files"] if manifest else {}
+    names = sorted(listed)[group.rank :: group.world_size]
+    mine = [file_problem(folder, n, listed[n], listed[n]["size"], checksum=True) for n in names]
+    found = sorted(p for share in group.all_gather_objects([p for p in mine if p]) for p in share)
+    return found[0] if found else None
+
+
+def verified_checkpoint(location: Location, fallbacks: list[Location], group: RankContext) -> Location:
+    """``location``'s newest complete checkpoint, CRC-checked, else the first intact one of ``fallbacks``; a
+    ``CheckpointError`` naming the corrupt file when none is left. No complete one at all: the loader says so."""
+    candidates = [location, *(f for f in fallbacks if f != location)]
+    for candidate in candidates:
+        newest, skipped = newest_complete(candidate)
+        for line in skipped:
+            rank_zero_info(f"lightning_vitscale load: {line}")
+        if newest is None:
+            continue
+        problem = checksum_problem(newest, group)
+        if problem is None:
+            if newest != location:
+                rank_zero_info(f"lightning_vitscale load: loading {newest}, the newest complete checkpoint found")
+            return newest
+        if candidate is candidates[-1]:
+            raise damaged(newest, problem)
+        rank_zero_warn(f"lightning_vitscale load: skipped {newest}: {problem}")
+    return location

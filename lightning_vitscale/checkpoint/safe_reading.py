@@ -1,9 +1,7 @@
-"""The one safe reader: every read of a checkpoint (files, DCP metadata, DCP values) honours ``weights_only`` and
-stays inside the checkpoint folder.
-
-``weights_only=None`` is torch's default (``True`` unless ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``). DCP itself
-unpickles its ``.metadata`` and non-tensor values unrestricted and reads any file its metadata names; the reader
-and planners here apply the rule to every pickle and confine every file to the folder (``confinement.py``).
+"""The one safe reader: every read of a checkpoint (files, DCP metadata, DCP values) honours ``weights_only``
+(``None``: torch's default) and stays inside the checkpoint folder. DCP itself unpickles its ``.metadata`` and
+non-tensor values unrestricted and reads any file its metadata names; the reader and planners here apply the rule
+to every pickle and confine every file to the folder (``confinement.py``).
 """
 
 from __future__ import annotations
@@ -120,31 +118,37 @@ class _SafeBytesMixin:
 
 
 class SafeLoadPlanner(_SafeBytesMixin, OwnLayoutLoadPlanner):
-    """DCP's default load planner under the ``weights_only`` rule, packed rows read in the model's own order."""
+    pass
 
 
 class SafeEmptyLoadPlanner(_SafeBytesMixin, EmptyStateDictLoadPlanner):
-    """DCP's whole-checkpoint load planner under the ``weights_only`` rule."""
+    pass
 
 
 def safe_reader(location: Location, weights_only: bool | None) -> FileSystemReader:
     """DCP's storage reader, its ``.metadata`` unpickled under the ``weights_only`` rule, its files confined."""
-    safe = resolve_weights_only(weights_only)
     reader = _SafeFsspecReader(location.url) if location.is_url else _SafeFileSystemReader(location.path)
-    reader.weights_only = safe
+    reader.weights_only = resolve_weights_only(weights_only)
     reader.location = location
     return reader
 
 
-def load_pickle(location: Location, weights_only: bool | None, mmap: bool = False) -> Any:
-    """``torch.load`` whose failure says whether the file is unreadable or holds objects weights_only refuses."""
+def load_pickle(location: Location, weights_only: bool | None, mmap: bool = False, pickle_module: Any = None) -> Any:
+    """``torch.load`` whose failure says whether the file is unreadable or holds objects weights_only refuses.
+    ``pickle_module``: a restricted unpickler its caller built (``fsdp1/``), the only rule then (torch takes one only
+    with ``weights_only=False``)."""
+    rule: dict[str, Any] = {"weights_only": weights_only}
+    if pickle_module is not None:
+        rule = {"weights_only": False, "pickle_module": pickle_module}
     try:
         if mmap and not location.is_url:
-            return torch.load(location.path, mmap=True, map_location="cpu", weights_only=weights_only)
+            return torch.load(location.path, mmap=True, map_location="cpu", **rule)
         with location.open("rb") as f:
-            return torch.load(f, map_location="cpu", weights_only=weights_only)
+            return torch.load(f, map_location="cpu", **rule)
     except Exception as error:  # noqa: BLE001
-        unsafe = _unsafe_globals(location)
+        if pickle_module is not None and "refusing" in str(error):  # the restricted unpickler's own refusal
+            raise CheckpointError(f"{location}: {error}") from error
+        unsafe = _unsafe_globals(location) if pickle_module is None else []
         if unsafe:
             raise CheckpointError(
                 f"{location} holds objects that loading with weights_only=True refuses ({', '.join(unsafe[:5])})."
@@ -167,9 +171,8 @@ def load_safetensors(location: Location) -> tuple[dict[str, torch.Tensor], dict[
         metadata = json.loads(data[8 : 8 + header]).get("__metadata__") or {}
         return load(data), dict(metadata)
     except (SafetensorError, ValueError, OSError) as error:
-        raise CheckpointError(f"{location} is not a readable safetensors file (truncated or foreign?): {error}") from (
-            error
-        )
+        detail = f"{location} is not a readable safetensors file (truncated or foreign?): {error}"
+        raise CheckpointError(detail) from error
 
 
 def _unsafe_globals(location: Location) -> list[str]:
@@ -182,7 +185,6 @@ def _unsafe_globals(location: Location) -> list[str]:
 
 
 def read_metadata(location: Location, weights_only: bool | None) -> dcp_metadata.Metadata:
-    """DCP's ``.metadata`` of the folder ``location``, under the ``weights_only`` rule, its files checked."""
     try:
         return safe_reader(location, weights_only).read_metadata()
     except CheckpointError:
@@ -192,14 +194,11 @@ def read_metadata(location: Location, weights_only: bool | None) -> dcp_metadata
 
 
 def load_into(
-    state: dict[str, Any],
-    location: Location,
-    weights_only: bool | None,
-    strict: bool = True,
+    state: dict[str, Any], location: Location, weights_only: bool | None, strict: bool = True,
     packed: PackedRows | None = None,
 ) -> None:
     """``dcp.load`` of ``state`` (a collective): tensors filled in place, other values replaced; ``strict=False``
-    leaves keys the checkpoint lacks untouched. ``packed``: ``row_layout.packed_rows`` of the loading model."""
+    leaves keys the checkpoint lacks untouched."""
     planner = SafeLoadPlanner(weights_only, packed, allow_partial_load=not strict)
     with named_failures(location):
         dcp.load(state, storage_reader=safe_reader(location, weights_only), planner=planner)
@@ -215,7 +214,6 @@ def load_all(location: Location, weights_only: bool | None) -> dict[str, Any]:
 
 
 def load_member(folder: Location, name: str, weights_only: bool | None) -> Any:
-    """:func:`load_pickle` of the file ``name`` inside ``folder`` (refused if it resolves outside)."""
     return load_pickle(member(folder, name), weights_only)
 
 
@@ -240,17 +238,3 @@ def named_failures(location: Location) -> Iterator[None]:
             f"{location} could not be read (a shard corrupt or changed since the save?): {detail}"
         ) from error
 
-
-def load_restricted(location: Location, pickle_module: Any) -> Any:
-    """``torch.load`` through ``pickle_module``, a restricted unpickler its caller built (``fsdp1/``):
-    ``weights_only=False`` is what lets torch take it; the restriction is the unpickler's own."""
-    try:
-        with location.open("rb") as f:
-            return torch.load(f, map_location="cpu", pickle_module=pickle_module, weights_only=False)
-    except Exception as error:  # noqa: BLE001 - garbled zip or pickle: the same to the user
-        if isinstance(error, pickle.UnpicklingError) and "refusing" in str(error):
-            raise CheckpointError(f"{location}: {error}") from error
-        detail = f"{type(error).__name__}: {error}"
-        raise CheckpointError(f"{location} is not a readable checkpoint file (truncated or foreign?): {detail}") from (
-            error
-        )

@@ -6,9 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import PurePath
-from typing import IO, Any
+from typing import IO
 
-import torch
 from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from torch.distributed.checkpoint import FileSystemWriter
@@ -75,11 +74,3 @@ class Location:
         """DCP's writer; the ``Metadata`` its ``dcp.save`` returns lists the written files (``storage_data``)."""
         return FsspecWriter(self.url) if self.is_url else FileSystemWriter(self.path)
 
-
-def has_sharded_marker(folder: Location) -> bool:
-    return folder.is_dir() and folder.child(SHARDED_MARKER).is_file()
-
-
-def torch_save(obj: Any, location: Location) -> None:
-    with location.open("wb") as f:
-        torch.save(obj, f)

@@ -17,6 +17,7 @@ from torch import nn
 from lightning_vitscale.checkpoint.async_save import AsyncSaves
 from lightning_vitscale.checkpoint.consolidate import consolidate_command
 from lightning_vitscale.checkpoint.load import load_checkpoint
+from lightning_vitscale.checkpoint.resume import verified_checkpoint
 from lightning_vitscale.checkpoint.save import (
     model_state_dict,
     optimizer_state_dict,
@@ -25,7 +26,6 @@ from lightning_vitscale.checkpoint.save import (
 )
 from lightning_vitscale.checkpoint.settings import CheckpointSettings, StateDictType
 from lightning_vitscale.checkpoint.storage import Location
-from lightning_vitscale.checkpoint.verified import verified_checkpoint
 from lightning_vitscale.distributed.ranks import RankContext
 from lightning_vitscale.row_layout import packed_rows
 
@@ -36,16 +36,8 @@ class StrategyCheckpoints:
     def __init__(self, settings: CheckpointSettings, timeout: timedelta) -> None:
         self.settings = settings
         self.saves = AsyncSaves(timeout)
-        self._fallbacks: list[Location] = []
+        self.resume_fallbacks: list[Location] = []  # ``resume.py``'s older ones: the next load tries them in turn
         self._told_how_to_consolidate = False
-
-    def resume_with_fallbacks(self, fallbacks: list[Location]) -> None:
-        """Older complete checkpoints (``resume.py``) the next load tries if the chosen one fails its CRC-32s."""
-        self._fallbacks = list(fallbacks)
-
-    @property
-    def resume_fallbacks(self) -> list[Location]:
-        return list(self._fallbacks)
 
     def model_state(self, module: nn.Module | None) -> dict[str, Any]:
         assert module is not None
@@ -61,44 +53,38 @@ class StrategyCheckpoints:
         self, checkpoint: dict[str, Any], filepath: Any, *, ranks: RankContext, write_full: Any,
         storage_options: Any | None, trainer: Any,
     ) -> None:
-        """``trainer``'s state says whether the save may run in the background (``save.save_checkpoint``)."""
         location = Location.of(ranks.broadcast(str(filepath)))
-        saves = self.saves if self._saves_in_background(trainer) else None
-        save_checkpoint(
-            checkpoint, location, self.settings, ranks.is_rank_zero, ranks.barrier, write_full, storage_options,
-            ranks, saves, packed_rows(trainer.lightning_module),
-        )
-        if not self.settings.full and not self._told_how_to_consolidate:
+        # In the background only while fit runs (it waits for the last save); other saves finish before returning.
+        fitting = trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
+        saves = self.saves if self.settings.async_save and fitting else None
+        packed = packed_rows(trainer.lightning_module)
+        save_checkpoint(checkpoint, location, self.settings, write_full, ranks, storage_options, saves, packed)
+        if not self.settings.full and not self._told_how_to_consolidate:  # once: how other tools read the folder
             self._told_how_to_consolidate = True
-            rank_zero_info(sharded_save_hint(location))
-
-    def _saves_in_background(self, trainer: Any) -> bool:
-        """Only while ``fit`` runs (which waits for the last save); other saves are written before returning."""
-        return (
-            self.settings.async_save
-            and trainer is not None
-            and trainer.state.fn == TrainerFn.FITTING
-            and trainer.state.status == TrainerStatus.RUNNING
-        )
+            rank_zero_info(
+                f"Sharded checkpoint folder written: {location}. Outside VitScaleStrategy:"
+                " `MyModule.load_from_checkpoint(lightning_vitscale.consolidated(path))`; a resume under"
+                " strategy='ddp': `Trainer(plugins=[lightning_vitscale.VitScaleCheckpointIO()])`. One torch.save"
+                f" file for other tools: `{consolidate_command(location.url)}`, or"
+                " VitScaleStrategy(state_dict_type='full')."
+            )
 
     def load(
         self, checkpoint_path: Any, module: Any, optimizers: list[torch.optim.Optimizer], weights_only: bool | None,
         *, ranks: RankContext,
     ) -> dict[str, Any]:
-        """A sharded folder (any world size or layout) or a single file (DDP's, ``consolidate``'s): the newest
-        complete checkpoint saved to the path, its CRC-32s checked (``verified.py``), keys and shapes validated on
-        every rank before the first collective (a wrong path fails alike everywhere, no rank left waiting)."""
-        assert module is not None
+        """The newest complete checkpoint saved to the path, CRC-32s checked (``resume.py``), validated on every
+        rank before the first collective (a wrong path fails alike everywhere, no rank left waiting)."""
         self.saves.wait()
         location = Location.of(ranks.broadcast(str(checkpoint_path)))
-        fallbacks, self._fallbacks = self._fallbacks, []
+        fallbacks, self.resume_fallbacks = self.resume_fallbacks, []
         location = verified_checkpoint(location, fallbacks, ranks)
         return load_checkpoint(location, module, optimizers, module.strict_loading, weights_only)
 
     def remove(self, filepath: Any, *, ranks: RankContext) -> None:
         self.saves.wait()  # a folder still being written must not be deleted under the writer
         location = Location.of(ranks.broadcast(str(filepath)))
-        remove_checkpoint(location, ranks.is_rank_zero, ranks.barrier)
+        remove_checkpoint(location, ranks)
 
     def before_train_batch(self) -> None:
         self.saves.raise_if_failed()  # a background save that failed since the last step
@@ -132,12 +118,3 @@ class OnCheckpointSide(Generic[T]):
         else:  # validated again, with the other settings: CheckpointSettings.__post_init__
             side.settings = dataclasses.replace(side.settings, state_dict_type=cast(StateDictType, value))
 
-
-def sharded_save_hint(location: Location) -> str:
-    """Said once per strategy after its first sharded save: how other tools read the folder."""
-    return (
-        f"Sharded checkpoint folder written: {location}. Outside VitScaleStrategy:"
-        " `MyModule.load_from_checkpoint(lightning_vitscale.consolidated(path))`; a resume under strategy='ddp':"
-        " `Trainer(plugins=[lightning_vitscale.VitScaleCheckpointIO()])`. One torch.save file for other tools:"
-        f" `{consolidate_command(location.url)}`, or VitScaleStrategy(state_dict_type='full')."
-    )

@@ -22,7 +22,7 @@ def save_run(path: Path, module: nn.Module, ema_scale: float | None = None, **me
         checkpoint["ema_state_dict"] = {k: v * ema_scale for k, v in state.items() if v.is_floating_point()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no process group: assuming a single process"
-        save_sharded(checkpoint, Location.of(path), is_rank_zero=True, barrier=lambda: None)
+        save_sharded(checkpoint, Location.of(path))
     return path
 
 

@@ -1,6 +1,5 @@
 """A checkpoint's weights as published files: one submodule's trained, EMA or DINO-teacher weights
-(``weights.py``) as ``safetensors``, an HF folder, a timm folder or a torchvision file (``targets.py``). What
-``python -m lightning_vitscale export`` and the examples' fine-tuning read.
+(``weights.py``) as ``safetensors``, an HF folder, a timm folder or a torchvision file (``targets.py``).
 
 May import the core checkpoint modules and ``_compat``; the core never imports it.
 """
@@ -14,7 +13,6 @@ from lightning_vitscale.checkpoint.export.targets import (
 )
 from lightning_vitscale.checkpoint.export.weights import (
     EXPORT_DTYPES,
-    Weights,
     WeightsChoice,
     read_weights,
     write_safetensors,
@@ -22,7 +20,6 @@ from lightning_vitscale.checkpoint.export.weights import (
 
 __all__ = [
     "EXPORT_DTYPES",
-    "Weights",
     "WeightsChoice",
     "build_submodule",
     "parse_arch_args",

@@ -1,7 +1,6 @@
 """The library formats of an export, each checked name by name and shape by shape against the model its own
-library builds: an HF folder ``from_pretrained`` reads (``config.json`` from the submodule itself, built on the
-meta device: :func:`build_submodule`), a timm folder (``timm.create_model("local-dir:DIR")``) and a torchvision
-state-dict file (both named by ``arch``, ``arch_args``).
+library builds: an HF folder (``config.json`` from the submodule, built on the meta device), a timm folder
+(``timm.create_model("local-dir:DIR")``) and a torchvision state-dict file (both named by ``arch``, ``arch_args``).
 """
 
 from __future__ import annotations
@@ -21,11 +20,10 @@ from lightning_vitscale.checkpoint.export.weights import (
     TEACHER,
     Weights,
     WeightsChoice,
-    safetensors_bytes,
     write_bytes,
     write_safetensors,
 )
-from lightning_vitscale.checkpoint.formats import PathLike, mismatch, model_shapes
+from lightning_vitscale.checkpoint.formats import PathLike, model_shapes, require_match
 from lightning_vitscale.checkpoint.storage import Location
 
 WEIGHTS_FILE = "model.safetensors"  # the name transformers and timm look for in a folder
@@ -33,13 +31,11 @@ WEIGHTS_FILE = "model.safetensors"  # the name transformers and timm look for in
 
 def check_fits(state: dict[str, Tensor], model: nn.Module, what: str) -> None:
     """Every name and shape of ``model.state_dict()`` in ``state`` and nothing else, or an error naming them."""
-    detail = mismatch(model_shapes(model), {k: v.shape for k, v in state.items()})
-    if detail:
-        raise CheckpointError(
-            f"the weights do not fit {what}: {detail}."
-            " Pick the submodule that is this architecture (--module), or the architecture and its arguments that"
-            " build this submodule (--arch, --arch-args)."
-        )
+    require_match(
+        model_shapes(model), {k: v.shape for k, v in state.items()}, f"the weights do not fit {what}",
+        "Pick the submodule that is this architecture (--module), or the architecture and its arguments that build"
+        " this submodule (--arch, --arch-args).",
+    )
 
 
 def build_submodule(
@@ -99,7 +95,7 @@ def write_timm(weights: Weights, dst: PathLike, arch: str, arch_args: dict[str, 
         raise CheckpointError("--format timm writes a local folder (timm writes its config.json itself).")
     folder.fs.makedirs(folder.path, exist_ok=True)
     timm_save_config_for_hf()(model, folder.child("config.json").path, model_args=arch_args)
-    return write_bytes(safetensors_bytes(weights.state, weights.metadata), folder.child(WEIGHTS_FILE).url)
+    return write_safetensors(weights, folder.child(WEIGHTS_FILE).url)
 
 
 def write_torchvision(weights: Weights, dst: PathLike, arch: str, arch_args: dict[str, Any]) -> Location:

@@ -33,19 +33,12 @@ class Weights:
 
 
 def read_weights(
-    src: PathLike,
-    weights: WeightsChoice = "model",
-    module: str = "",
-    dtype: torch.dtype | None = torch.float32,
-    weights_only: bool | None = None,
-    verify: bool = True,
+    src: PathLike, weights: WeightsChoice = "model", module: str = "", dtype: torch.dtype | None = torch.float32,
+    weights_only: bool | None = None, verify: bool = True,
 ) -> Weights:
-    """The state dict of submodule ``module`` ("" = the whole LightningModule) in ``src``, prefix stripped.
-
-    ``weights``: ``"model"`` the trained weights, ``"ema"`` ``ShardedEMA``'s average, ``"teacher"`` the DINO
-    example's EMA teacher (``module`` looked up inside it). ``dtype``: ``None`` keeps the saved dtypes. A sharded
-    folder's CRC-32s are checked first (``verify``), so a corrupt shard fails before anything is written.
-    """
+    """The state dict of submodule ``module`` ("" = the whole LightningModule) in ``src``, prefix stripped:
+    ``"model"`` the trained weights, ``"ema"`` ``ShardedEMA``'s average, ``"teacher"`` the DINO example's EMA
+    teacher (``module`` looked up inside it). A sharded folder's CRC-32s are checked first (``verify``)."""
     if weights not in ("model", "ema", "teacher"):
         raise ValueError(f"`weights` must be 'model', 'ema' or 'teacher'; got {weights!r}.")
     location = Location.of(src)
@@ -63,13 +56,8 @@ def read_weights(
     if not selected:
         where = " in the teacher" if base else ""
         raise CheckpointError(f"{src} has no submodule {module!r}{where}: {_hint(state, base, module)}")
-    metadata = {
-        "source": str(src),
-        "weights": weights if not flat else checkpoint.get("weights", weights),
-        "module": module,
-        "global_step": str(checkpoint.get("global_step", "")),
-        "epoch": str(checkpoint.get("epoch", "")),
-    }
+    metadata = {"source": str(src), "weights": checkpoint.get("weights", weights) if flat else weights}
+    metadata |= {"module": module} | {key: str(checkpoint.get(key, "")) for key in ("global_step", "epoch")}
     return Weights(selected, metadata, dict(checkpoint.get("hyper_parameters") or {}))
 
 
@@ -116,14 +104,6 @@ def _hint(state: dict[str, Any], base: str, module: str) -> str:
     )
 
 
-def safetensors_bytes(state: dict[str, Tensor], metadata: dict[str, str]) -> bytes:
-    """``state`` serialised as safetensors (contiguous copies: safetensors refuses views and shared storage)."""
-    from safetensors.torch import save
-
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items() if torch.is_tensor(v)}
-    return save(tensors, metadata={"format": "pt", **metadata})
-
-
 def write_bytes(data: bytes, dst: PathLike) -> Location:
     """``data`` written atomically to the file ``dst`` (``consolidate.write_file``)."""
     require_file_target(dst)
@@ -132,5 +112,9 @@ def write_bytes(data: bytes, dst: PathLike) -> Location:
 
 
 def write_safetensors(weights: Weights, dst: PathLike) -> Location:
-    """The ``safetensors`` export: the submodule's own key names, the provenance in the file's metadata."""
-    return write_bytes(safetensors_bytes(weights.state, weights.metadata), dst)
+    """The submodule's own key names, the provenance in the file's metadata; contiguous copies (safetensors refuses
+    views and shared storage)."""
+    from safetensors.torch import save
+
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in weights.state.items() if torch.is_tensor(v)}
+    return write_bytes(save(tensors, metadata={"format": "pt", **weights.metadata}), dst)

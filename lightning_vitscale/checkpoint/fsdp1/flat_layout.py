@@ -27,10 +27,6 @@ class FlatEntry:
     names: tuple[str, ...]
     shape: torch.Size
 
-    @property
-    def numel(self) -> int:
-        return self.shape.numel()
-
 
 @dataclass(frozen=True)
 class Unit:
@@ -88,7 +84,7 @@ def offsets(unit: Unit, aligned_numel: int, world_size: int) -> tuple[list[int],
         if aligned_numel:
             total += -total % aligned_numel
         starts.append(total)
-        total += entry.numel
+        total += entry.shape.numel()
     if aligned_numel:
         total += -total % world_size
     return starts, total
@@ -113,7 +109,7 @@ def choose_alignment(units: list[Unit], sizes: dict[str, int], world_size: int, 
 def _mismatch(units: list[Unit], sizes: dict[str, int], world_size: int, candidates: tuple[int, ...]) -> str:
     """Which unit differs, by how much: the model is not the one FSDP1 wrapped."""
     for unit in units:
-        plain = sum(entry.numel for entry in unit.entries)
+        plain = sum(entry.shape.numel() for entry in unit.entries)
         if all(offsets(unit, a, world_size)[1] != sizes[unit.name] for a in candidates):
             return (
                 f"FSDP1 unit {unit.name or '<root>'!r}: the model's parameters there hold {plain} elements"
@@ -129,6 +125,6 @@ def split(unit: Unit, flat: torch.Tensor, starts: list[int]) -> dict[str, torch.
     """The unit's parameters cut out of its whole flat parameter, each under every name it has (own storage)."""
     out = {}
     for entry, start in zip(unit.entries, starts, strict=True):
-        value = flat[start : start + entry.numel].view(entry.shape).clone()
+        value = flat[start : start + entry.shape.numel()].view(entry.shape).clone()
         out.update(dict.fromkeys(entry.names, value))
     return out

@@ -1,14 +1,14 @@
 """FSDP1 ``LOCAL_STATE_DICT`` checkpoints (one ``torch.save`` file per rank, e.g. DINOv2's
-``model_0012499.rank_<N>.pth``) as one plain state dict, given the model definition.
-
-Each rank's file holds, per FSDP1 unit, ``<unit>._flat_param``: a ``ShardedTensor`` of that rank's slice of the
-unit's flattened, padded parameters (with ``use_orig_params=True`` also each parameter's slice, dropped here), and
-plain tensors for the rest. The names and shapes inside a flat parameter come from the model (``flat_layout.py``).
+``model_0012499.rank_<N>.pth``) as one plain state dict, given the model definition. Each rank's file holds, per
+FSDP1 unit, ``<unit>._flat_param``: a ``ShardedTensor`` of that rank's slice of the unit's flattened, padded
+parameters (with ``use_orig_params=True`` also each parameter's slice, dropped here), and plain tensors for the
+rest. The names and shapes inside a flat parameter come from the model (``flat_layout.py``).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import posixpath
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +19,7 @@ from torch import nn
 from lightning_vitscale._utils import strip_wrapper_prefixes
 from lightning_vitscale.checkpoint.consolidate import require_file_target, write_file
 from lightning_vitscale.checkpoint.errors import CheckpointError
-from lightning_vitscale.checkpoint.formats import PathLike, as_full, mismatch, model_shapes
+from lightning_vitscale.checkpoint.formats import PathLike, as_full, model_shapes, require_match
 from lightning_vitscale.checkpoint.fsdp1.flat_layout import choose_alignment, flat_units, offsets, split
 from lightning_vitscale.checkpoint.fsdp1.sharded import MODEL_ENTRIES
 from lightning_vitscale.checkpoint.fsdp1.sharded_tensor_pickle import (
@@ -34,21 +34,13 @@ FLAT_PARAM_NAMES = ("_flat_param", "flat_param")  # torch >= 2.0; torch 1.12-1.1
 
 
 def load_fsdp1_local_state_dict(
-    src: PathLike,
-    model: nn.Module,
-    dtype: torch.dtype | None = None,
-    weights_only: bool | None = None,
+    src: PathLike, model: nn.Module, dtype: torch.dtype | None = None, weights_only: bool | None = None,
     aligned_numel: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The full state dict of FSDP1 ``LOCAL_STATE_DICT`` rank files, keyed as ``model.state_dict()``.
-
-    Args:
-        src: the rank files' folder, or a pattern such as ``run/model_0012499.rank_*.pth``.
-        model: the plain module FSDP1 wrapped (on the meta device is enough: names and shapes count).
-        dtype: floating tensors' dtype; ``None`` keeps the saved dtypes.
-        weights_only: as in ``torch.load``.
-        aligned_numel: FSDP1's alignment when the files fit several (0: ``use_orig_params=False``; 4: fp32, 8:
-            bf16/fp16 mixed precision); ``None`` infers it.
+    """The full state dict of FSDP1 ``LOCAL_STATE_DICT`` rank files (``src``: their folder, or a pattern such as
+    ``run/model_0012499.rank_*.pth``), keyed as ``model.state_dict()`` of the plain module FSDP1 wrapped (on the
+    meta device is enough). ``dtype=None`` keeps the saved dtypes. ``aligned_numel``: FSDP1's alignment when the
+    files fit several (0: ``use_orig_params=False``; 4: fp32, 8: bf16/fp16 mixed precision); ``None`` infers it.
 
     Example::
 
@@ -65,7 +57,10 @@ def load_fsdp1_local_state_dict(
     for unit in units:
         state.update(split(unit, flats[unit.name], offsets(unit, alignment, group)[0]))
     state.update({key: value for key, value in plain.items() if key not in state})
-    return {key: as_full(value, dtype) for key, value in _in_model_order(state, model, src).items()}
+    expected = model_shapes(model)  # keyed and ordered as model.state_dict(), every shape checked
+    shapes = {key: value.shape for key, value in state.items()}
+    require_match(expected, shapes, f"{src} does not match the model", "Pass the model FSDP1 wrapped, built alike.")
+    return {key: as_full(state[key], dtype) for key in expected}
 
 
 def convert_fsdp1_local_checkpoint(
@@ -80,8 +75,6 @@ def convert_fsdp1_local_checkpoint(
 
 def build_model(spec: str) -> nn.Module:
     """``package.module:callable`` -> the module it builds, on the meta device (names and shapes only)."""
-    import importlib
-
     module_name, _, attr = spec.partition(":")
     try:
         factory: Callable[[], Any] = getattr(importlib.import_module(module_name), attr)
@@ -109,8 +102,7 @@ def rank_files(src: PathLike) -> list[Location]:
             f"{folder} is not a folder: no rank files match {src}. Pass the folder of FSDP1 LOCAL_STATE_DICT rank"
             " files or a pattern such as run/model_0012499.rank_*.pth."
         )
-    names = [name for name in folder.names() if fnmatch.fnmatch(name, pattern)]
-    files = [folder.child(name) for name in sorted(names) if folder.child(name).is_file()]
+    files = [folder.child(n) for n in sorted(fnmatch.filter(folder.names(), pattern)) if folder.child(n).is_file()]
     if not files:
         raise CheckpointError(f"no files match {src}: pass the rank files' folder or a pattern matching them.")
     return files
@@ -181,11 +173,3 @@ def _whole(key: str, shards: list[LocalShards]) -> torch.Tensor:
         raise CheckpointError(f"{key}: the rank files cover {int(covered.sum())} of its {numel} elements.")
     return flat
 
-
-def _in_model_order(state: dict[str, Any], model: nn.Module, src: PathLike) -> dict[str, Any]:
-    """``state`` keyed and ordered as ``model.state_dict()``, every shape checked; anything else an error."""
-    expected = model_shapes(model)
-    detail = mismatch(expected, {key: value.shape for key, value in state.items()})
-    if detail:
-        raise CheckpointError(f"{src} does not match the model ({detail}). Pass the model FSDP1 wrapped, built alike.")
-    return {key: state[key] for key in expected}

@@ -28,10 +28,14 @@ def load_fsdp1_state_dict(
 ) -> dict[str, torch.Tensor]:
     """An FSDP1 ``SHARDED_STATE_DICT`` folder's model as plain keys and whole CPU tensors (``dtype=None``: saved)."""
     source = Location.of(src)
-    _require_dcp_folder(source)
+    require_existing(source)
+    if not source.is_dir() or DCP_METADATA not in source.names():
+        raise CheckpointError(
+            f"{source} is not an FSDP1 SHARDED_STATE_DICT folder (no {DCP_METADATA}). Pass the folder that"
+            " torch.distributed.checkpoint.save wrote; a FULL_STATE_DICT file needs no conversion (torch.load it)."
+        )
     read_metadata(source, weights_only)  # readable, every shard present: a clear error before any value is read
-    state = load_all(source, weights_only)
-    model = _model_entry(state, source)
+    model = _model_entry(load_all(source, weights_only), source)
     return {strip_wrapper_prefixes(key): as_full(value, dtype) for key, value in model.items()}
 
 
@@ -44,21 +48,9 @@ def convert_fsdp1_checkpoint(
     return write_file({"state_dict": load_fsdp1_state_dict(src, dtype=dtype, weights_only=weights_only)}, dst)
 
 
-def _require_dcp_folder(location: Location) -> None:
-    require_existing(location)
-    if not location.is_dir() or DCP_METADATA not in location.names():
-        raise CheckpointError(
-            f"{location} is not an FSDP1 SHARDED_STATE_DICT folder (no {DCP_METADATA}). Pass the folder that"
-            " torch.distributed.checkpoint.save wrote; a FULL_STATE_DICT file needs no conversion (torch.load it)."
-        )
-
-
 def _model_entry(state: dict[str, Any], location: Location) -> dict[str, Any]:
     """The model's tensors: the whole dict when it holds only tensors, else its ``model``-like entry."""
-    if state and all(torch.is_tensor(value) for value in state.values()):
-        return state
-    for name in MODEL_ENTRIES:
-        entry = state.get(name)
+    for entry in (state, *(state.get(name) for name in MODEL_ENTRIES)):
         if isinstance(entry, dict) and entry and all(torch.is_tensor(v) for v in entry.values()):
             return entry
     raise CheckpointError(

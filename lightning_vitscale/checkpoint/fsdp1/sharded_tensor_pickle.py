@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from lightning_vitscale._compat import get_layout, rebuild_from_type_v2, rebuild_tensor_v2
-from lightning_vitscale.checkpoint.safe_reading import load_restricted, resolve_weights_only
+from lightning_vitscale.checkpoint.safe_reading import load_pickle, resolve_weights_only
 from lightning_vitscale.checkpoint.storage import Location
 
 
@@ -35,11 +35,6 @@ class _Record:
 
 class ShardedTensorRecord(_Record):
     ProcessGroupState: type = type("ProcessGroupState", (_Record,), {})
-    size: Any
-    dtype: Any
-    local_shards: Any
-    metadata: Any
-    process_group: Any
 
 
 _SHARD = "torch.distributed._shard"
@@ -66,7 +61,7 @@ def _from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
         return rebuild_from_type_v2(func, new_type, args, state)
     if func is not _wrapper_subclass or new_type is not ShardedTensorRecord or not isinstance(state, tuple):
         raise pickle.UnpicklingError("the file rebuilds a tensor subclass other than ShardedTensor; refusing it")
-    record = ShardedTensorRecord()
+    record: Any = ShardedTensorRecord()  # untrusted data: its attributes are checked where they are read
     _, record.dtype, record.size = func(*args)
     record.local_shards, record.metadata, record.process_group = state[:3]
     return record
@@ -89,10 +84,8 @@ _FUNCTIONS: dict[tuple[str, str], Any] = {
     ("torch", "Size"): torch.Size,
     ("torch", "Tensor"): torch.Tensor,
     ("torch", "device"): torch.device,
+    (f"{_SHARD}.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"): int,  # the enum's value is all the record needs
 }
-
-# ``MEM_FORMAT_ENCODING(0)``: the enum's value is all the record needs.
-_FUNCTIONS[(f"{_SHARD}.sharded_tensor.metadata", "MEM_FORMAT_ENCODING")] = int
 
 
 def record_pickle_module(weights_only: bool) -> types.ModuleType:
@@ -141,7 +134,7 @@ class LocalShards:
     group_size: int  # FSDP1's sharding group (the world, unless hybrid sharding): what its padding counts
 
 
-def as_local_shards(record: ShardedTensorRecord, key: str) -> LocalShards:
+def as_local_shards(record: Any, key: str) -> LocalShards:
     """The checked content of a record (1-D size, tensor shards, integer offsets), else not FSDP1's."""
     try:
         size = tuple(int(n) for n in record.size)
@@ -159,4 +152,4 @@ def as_local_shards(record: ShardedTensorRecord, key: str) -> LocalShards:
 def load_local_shards(location: Location, weights_only: bool | None) -> Any:
     """One rank's FSDP1 ``LOCAL_STATE_DICT`` file, its ``ShardedTensor`` s as inert records (:class:`RecordUnpickler`
     under the ``weights_only`` rule; torch still reads the storages)."""
-    return load_restricted(location, record_pickle_module(resolve_weights_only(weights_only)))
+    return load_pickle(location, None, pickle_module=record_pickle_module(resolve_weights_only(weights_only)))

@@ -5,17 +5,7 @@
 May import the core checkpoint modules, ``_compat`` and Lightning; the core never imports this sub-room.
 """
 
-from lightning_vitscale.checkpoint.lightning.launcher import ResumeLauncher, resolve_ckpt_path
-from lightning_vitscale.checkpoint.lightning.loaders import (
-    VitScaleCheckpointIO,
-    is_sharded_checkpoint,
-    load_sharded_as_full,
-)
+from lightning_vitscale.checkpoint.lightning.launcher import ResumeLauncher
+from lightning_vitscale.checkpoint.lightning.loaders import VitScaleCheckpointIO
 
-__all__ = [
-    "ResumeLauncher",
-    "VitScaleCheckpointIO",
-    "is_sharded_checkpoint",
-    "load_sharded_as_full",
-    "resolve_ckpt_path",
-]
+__all__ = ["ResumeLauncher", "VitScaleCheckpointIO"]

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_vitscale._compat import SubprocessScriptLauncher, with_ckpt_path
-from lightning_vitscale.checkpoint.resume import auto_resume_path, last_path, path_for_lightning
+from lightning_vitscale.checkpoint.resume import auto_resume_path, last_path
 from lightning_vitscale.checkpoint.strategy_side import StrategyCheckpoints
 
 
@@ -49,13 +49,15 @@ def resolve_ckpt_path(trainer: Any, ckpt_path: Any, side: StrategyCheckpoints) -
     if trainer.state.fn == TrainerFn.FITTING and side.settings.auto_resume:
         found, fallbacks = auto_resume_path(trainer)
         if found is not None:
-            side.resume_with_fallbacks(fallbacks)
+            side.resume_fallbacks = fallbacks
             ignored = f" (ckpt_path={ckpt_path!r} is ignored: there is a run to resume)" if ckpt_path else ""
             rank_zero_info(f"auto_resume: resuming from {found}{ignored}")
-            return path_for_lightning(found)
+            return found.url if found.is_url else found.path
         rank_zero_warn(f"auto_resume: no complete checkpoint found; starting from ckpt_path={ckpt_path!r}.")
     if ckpt_path != "last":
         return ckpt_path
     found, fallbacks = last_path(trainer)
-    side.resume_with_fallbacks(fallbacks)
-    return ckpt_path if found is None else path_for_lightning(found)
+    side.resume_fallbacks = fallbacks
+    if found is None:
+        return ckpt_path
+    return found.url if found.is_url else found.path

@@ -1,6 +1,5 @@
-"""A sharded folder where Lightning reads DDP's file: :class:`VitScaleCheckpointIO` reads a folder holding this
-package's marker (``storage.SHARDED_MARKER``) in one process, as ``torch.load`` of its consolidated file, under the
-same ``weights_only`` rule; files and other folders go to Lightning's ``TorchCheckpointIO`` unchanged.
+"""A sharded folder where Lightning reads DDP's file: :class:`VitScaleCheckpointIO` reads a folder with this
+package's marker in one process, as ``torch.load`` of its consolidated file; anything else is Lightning's.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from typing_extensions import override
 
 from lightning_vitscale._compat import restore_location, tree_map
 from lightning_vitscale.checkpoint.consolidate import load_consolidated
-from lightning_vitscale.checkpoint.storage import Location, has_sharded_marker
+from lightning_vitscale.checkpoint.storage import SHARDED_MARKER, Location
 
 
 class VitScaleCheckpointIO(TorchCheckpointIO):
@@ -31,9 +30,15 @@ class VitScaleCheckpointIO(TorchCheckpointIO):
     @override
     def load_checkpoint(self, path: Any, map_location: Any = lambda storage, loc: storage,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        if is_sharded_checkpoint(path):
-            return load_sharded_as_full(path, map_location=map_location, weights_only=weights_only)
-        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        """A folder: what ``torch.load(path, map_location, weights_only)`` returns for its consolidated file, every
+        tensor's saved location being ``"cpu"`` (DDP's file records the device it was saved from instead)."""
+        if not is_sharded_checkpoint(path):
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        checkpoint = load_consolidated(path, dtype=None, weights_only=weights_only)
+        if map_location is None:
+            return checkpoint
+        restore = restore_location(map_location)
+        return tree_map(lambda value: _restored(value, restore) if torch.is_tensor(value) else value, checkpoint)
 
 
 def is_sharded_checkpoint(path: Any) -> bool:
@@ -41,19 +46,10 @@ def is_sharded_checkpoint(path: Any) -> bool:
     if not isinstance(path, (str, os.PathLike)) or str(path).startswith("http"):
         return False  # buffers and http URLs: Lightning's own branches
     try:
-        return has_sharded_marker(Location.of(path))
+        folder = Location.of(path)
+        return folder.is_dir() and folder.child(SHARDED_MARKER).is_file()
     except Exception:  # noqa: BLE001 - an unknown protocol, a missing fsspec backend: Lightning reports it as before
         return False
-
-
-def load_sharded_as_full(path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-    """What ``torch.load(path, map_location, weights_only)`` returns for the consolidated file of ``path``, every
-    tensor's saved location being ``"cpu"`` (DDP's file records the device it was saved from instead)."""
-    checkpoint = load_consolidated(path, dtype=None, weights_only=weights_only)
-    if map_location is None:
-        return checkpoint
-    restore = restore_location(map_location)
-    return tree_map(lambda value: _restored(value, restore) if torch.is_tensor(value) else value, checkpoint)
 
 
 def _restored(tensor: torch.Tensor, restore: Callable[[Any, str], Any]) -> torch.Tensor:

@@ -16,9 +16,11 @@ from lightning.pytorch.tuner import Tuner
 import lightning_vitscale.checkpoint.load as checkpoint_load
 import lightning_vitscale.checkpoint.strategy_side as strategy_side
 from lightning_vitscale import VitScaleCheckpointIO, VitScaleStrategy
-from lightning_vitscale.checkpoint import Location, remove_checkpoint
+from lightning_vitscale.checkpoint import Location
 from lightning_vitscale.checkpoint.manifest import file_sum
+from lightning_vitscale.checkpoint.save import remove_checkpoint
 from lightning_vitscale.checkpoint.storage import SHARDED_MARKER
+from lightning_vitscale.distributed.ranks import RankContext
 from tests.distributed.scripts.checkpoints import RANK, WORLD, equal, make_trainer, snapshot
 from tests.helpers.exploit import Payload
 from tests.helpers.models import Classifier, loader
@@ -101,11 +103,10 @@ def remove_while_reading() -> dict:
     trainer.fit(model, loader(n=64))
     strategy = trainer.strategy
     folder = OUT / "remove"
+    ranks = RankContext(rank=RANK, barrier=strategy.barrier)
     return {
         "strategy": _load_then_remove(trainer, folder / "a.ckpt", strategy.remove_checkpoint),
-        "function": _load_then_remove(
-            trainer, folder / "b.ckpt", lambda p: remove_checkpoint(Location.of(str(p)), RANK == 0, strategy.barrier)
-        ),
+        "function": _load_then_remove(trainer, folder / "b.ckpt", lambda p: remove_checkpoint(Location.of(p), ranks)),
     }
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_vitscale import ShardedEMA
-from lightning_vitscale.averaging import EMAPolicy
+from lightning_vitscale.averaging.settings import EMAPolicy
 from lightning_vitscale.averaging.shards import EmaShards
 
 pytestmark = pytest.mark.timeout(120)

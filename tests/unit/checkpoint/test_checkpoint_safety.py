@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_vitscale import CheckpointError, consolidate_checkpoint
 from lightning_vitscale.__main__ import main
-from lightning_vitscale.checkpoint import consolidate_command
+from lightning_vitscale.checkpoint.consolidate import consolidate_command
 from lightning_vitscale.checkpoint.formats import checkpoint_shapes
 from lightning_vitscale.checkpoint.optimizer_state import saved_param_groups
 from lightning_vitscale.checkpoint.safe_reading import resolve_weights_only, safe_reader
@@ -48,7 +48,7 @@ def write_sharded(path: str | Path, **extra) -> nn.Module:
     checkpoint.update(lightning_metadata(**extra))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no process group: assuming a single process"
-        save_sharded(checkpoint, Location.of(path), is_rank_zero=True, barrier=lambda: None)
+        save_sharded(checkpoint, Location.of(path))
     return model
 
 
@@ -94,7 +94,7 @@ def test_consolidate_cli_refuses_crafted_metadata_and_values_unless_unsafe(tmp_p
     checkpoint.update(lightning_metadata())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        save_sharded(checkpoint, Location.of(tmp_path / "value.ckpt"), is_rank_zero=True, barrier=lambda: None)
+        save_sharded(checkpoint, Location.of(tmp_path / "value.ckpt"))
     assert main(["consolidate", str(tmp_path / "value.ckpt"), str(tmp_path / "out.ckpt")]) == 1
     assert "holds a value that loading with weights_only=True refuses" in capsys.readouterr().err
     assert not marker.exists()
@@ -139,7 +139,7 @@ def test_saving_before_the_first_step_leaves_the_optimizer_as_ddp_would(tmp_path
     checkpoint.update(lightning_metadata())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        save_sharded(checkpoint, Location.of(tmp_path / "fresh.ckpt"), is_rank_zero=True, barrier=lambda: None)
+        save_sharded(checkpoint, Location.of(tmp_path / "fresh.ckpt"))
     consolidate_checkpoint(tmp_path / "fresh.ckpt", tmp_path / "fresh-full.ckpt")
     (saved,) = torch.load(tmp_path / "fresh-full.ckpt", weights_only=True)["optimizer_states"]
     assert saved["state"] == {} and saved["param_groups"][0]["params"] == [0, 1]  # what DDP writes before a step

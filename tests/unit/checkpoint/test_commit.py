@@ -22,8 +22,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint import FileSystemWriter
 
 from lightning_vitscale import VitScaleStrategy
-from lightning_vitscale.checkpoint import CheckpointSettings, Location, load_consolidated, save_checkpoint
-from lightning_vitscale.checkpoint.lightning import resolve_ckpt_path
+from lightning_vitscale.checkpoint import CheckpointSettings, Location, load_consolidated
+from lightning_vitscale.checkpoint.lightning.launcher import resolve_ckpt_path
+from lightning_vitscale.checkpoint.save import save_checkpoint
 from lightning_vitscale.checkpoint.storage import SHARDED_MARKER
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="fork and SIGKILL")
@@ -83,7 +84,7 @@ class Killer:
 
 def save(url: str, step: int) -> None:
     checkpoint = {"state_dict": {"w": torch.full((4,), float(step))}, "global_step": step}
-    save_checkpoint(checkpoint, Location.of(url), CheckpointSettings(), True, lambda: None, lambda: None)
+    save_checkpoint(checkpoint, Location.of(url), CheckpointSettings(), lambda: None)
 
 
 def save_killed_at(url: str, step: int, at: int, shards_only: bool = False) -> bool:

@@ -26,7 +26,6 @@ from lightning_vitscale import CheckpointError, ShardedEMA, VitScaleCheckpointIO
 from lightning_vitscale.__main__ import main
 from lightning_vitscale._compat import StorageInfo
 from lightning_vitscale.checkpoint.formats import EMA_KEY, sharded_entries
-from lightning_vitscale.checkpoint.lightning import load_sharded_as_full
 from lightning_vitscale.checkpoint.storage import Location
 from tests.helpers.exploit import Payload
 from tests.helpers.models import Classifier, loader
@@ -141,7 +140,8 @@ def test_validate_with_a_checkpoint_refuses(crafted, variant):
 
 @each_variant
 def test_the_sharded_entries_api_refuses(crafted, variant):
-    targets = {k: torch.zeros_like(v) for k, v in load_sharded_as_full(crafted["good"])[EMA_KEY].items()}
+    ema = VitScaleCheckpointIO().load_checkpoint(crafted["good"])[EMA_KEY]
+    targets = {k: torch.zeros_like(v) for k, v in ema.items()}
 
     def load(folder: Path) -> None:
         sharded_entries(Location.of(folder))[EMA_KEY].load_into(dict(targets))
@@ -180,6 +180,7 @@ def test_a_tensor_declared_as_a_pickled_value_is_refused_not_silently_skipped(cr
     folder = tmp_path / "tensor_bytes.ckpt"
     shutil.copytree(crafted["good"], folder)
     craft_ema_bytes(folder, torch.ones(3))
-    targets = {k: torch.zeros_like(v) for k, v in load_sharded_as_full(crafted["good"])[EMA_KEY].items()}
+    ema = VitScaleCheckpointIO().load_checkpoint(crafted["good"])[EMA_KEY]
+    targets = {k: torch.zeros_like(v) for k, v in ema.items()}
     with pytest.raises(CheckpointError, match=r"stores ema_state_dict\.\S+ as a pickled value, not as a tensor"):
         sharded_entries(Location.of(folder))[EMA_KEY].load_into(targets)

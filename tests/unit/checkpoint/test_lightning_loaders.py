@@ -21,7 +21,7 @@ from lightning_vitscale import (
     consolidate_checkpoint,
     consolidated,
 )
-from lightning_vitscale.checkpoint.lightning import is_sharded_checkpoint, load_sharded_as_full
+from lightning_vitscale.checkpoint.lightning.loaders import is_sharded_checkpoint
 from tests.helpers.exploit import Payload
 from tests.helpers.models import Classifier, loader
 from tests.helpers.saved_runs import restamp
@@ -75,7 +75,7 @@ def test_load_from_checkpoint_reads_a_sharded_folder_like_the_full_and_consolida
 
 
 def test_the_folder_reads_as_the_dict_torch_load_gives_for_the_full_file(saved):
-    ours = load_sharded_as_full(saved / "sharded.ckpt")
+    ours = VitScaleCheckpointIO().load_checkpoint(saved / "sharded.ckpt")
     full = torch.load(saved / "full.ckpt", weights_only=True)
     assert ours.keys() == full.keys()
     for key, value in full["state_dict"].items():
@@ -89,13 +89,15 @@ def test_the_folder_reads_as_the_dict_torch_load_gives_for_the_full_file(saved):
 
 
 def test_map_location_follows_torch_load(saved):
-    meta = load_sharded_as_full(saved / "sharded.ckpt", map_location="meta")
+    meta = VitScaleCheckpointIO().load_checkpoint(saved / "sharded.ckpt", map_location="meta")
     reference = torch.load(saved / "full.ckpt", map_location="meta", weights_only=True)
     assert {t.device.type for t in meta["state_dict"].values()} == {"meta"}
     assert meta["optimizer_states"][0]["state"][0]["exp_avg"].device == reference["optimizer_states"][0]["state"][0][
         "exp_avg"].device
     seen: list[str] = []
-    kept = load_sharded_as_full(saved / "sharded.ckpt", map_location=lambda storage, tag: seen.append(tag))
+    kept = VitScaleCheckpointIO().load_checkpoint(
+        saved / "sharded.ckpt", map_location=lambda storage, tag: seen.append(tag)
+    )
     assert set(seen) == {"cpu"} and all(t.device.type == "cpu" for t in kept["state_dict"].values())
 
 
@@ -113,7 +115,7 @@ def test_a_single_device_fit_resumes_from_the_folder_like_from_the_full_file(sav
 
 
 def test_a_weights_only_folder_refuses_to_resume_a_fit_as_a_weights_only_file_does(saved):
-    assert "optimizer_states" not in load_sharded_as_full(saved / "weights-only.ckpt")
+    assert "optimizer_states" not in VitScaleCheckpointIO().load_checkpoint(saved / "weights-only.ckpt")
     with pytest.raises(KeyError, match="save_weights_only"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = make_trainer("auto", 8, [VitScaleCheckpointIO()])

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_vitscale.checkpoint import Location, remove_checkpoint
+from lightning_vitscale.checkpoint import Location
+from lightning_vitscale.checkpoint.save import remove_checkpoint
+from lightning_vitscale.distributed.ranks import RankContext
 
 
 def _sharded_folder(tmp_path: Path) -> Path:
@@ -26,7 +28,9 @@ def _sharded_folder(tmp_path: Path) -> Path:
 def test_rank_zero_deletes_between_two_barriers(tmp_path: Path, rank_zero: bool):
     folder = _sharded_folder(tmp_path)
     seen: list[bool] = []  # at each barrier: does the checkpoint still exist?
-    remove_checkpoint(Location.of(str(folder)), rank_zero, lambda: seen.append(folder.exists()))
+    remove_checkpoint(
+        Location.of(str(folder)), RankContext(rank=0 if rank_zero else 1, barrier=lambda: seen.append(folder.exists()))
+    )
     # first barrier: other ranks may still read or write it, so it must still be there; the second: rank 0 is
     # done, so no rank goes on while it exists
     assert seen == ([True, False] if rank_zero else [True, True])

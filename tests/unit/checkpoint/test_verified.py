@@ -13,23 +13,17 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.__main__ import main
-from lightning_vitscale.checkpoint import (
-    CheckpointError,
-    CheckpointSettings,
-    Location,
-    save_checkpoint,
-    verified_checkpoint,
-    verify,
-)
-from lightning_vitscale.checkpoint.lightning import resolve_ckpt_path
-from lightning_vitscale.checkpoint.resume import complete_checkpoints
+from lightning_vitscale.checkpoint import CheckpointError, CheckpointSettings, Location, verify
+from lightning_vitscale.checkpoint.lightning.launcher import resolve_ckpt_path
+from lightning_vitscale.checkpoint.resume import complete_checkpoints, verified_checkpoint
+from lightning_vitscale.checkpoint.save import save_checkpoint
 from lightning_vitscale.checkpoint.storage import SHARDED_MARKER
 from lightning_vitscale.distributed import RankContext
 
 
 def save(path, step: int) -> Location:
     checkpoint = {"state_dict": {"w": torch.arange(4096.0) + step}, "global_step": step}
-    save_checkpoint(checkpoint, Location.of(path), CheckpointSettings(), True, lambda: None, lambda: None)
+    save_checkpoint(checkpoint, Location.of(path), CheckpointSettings(), lambda: None)
     return Location.of(path)
 
 
