@@ -59,30 +59,19 @@ def _swap_in(optimizer: torch.optim.Optimizer) -> tuple[list[list[Any]], _Pairs]
     groups, state = optimizer.param_groups, optimizer.state
     if any(group.get("differentiable") for group in groups):
         return None  # a differentiable step needs the DTensor graph
-    pairs: _Pairs = []
-    local_groups = []
-    for group in groups:
-        params = []
-        for param in group["params"]:
-            if isinstance(param, DTensor):
-                grad = param.grad
-                if grad is not None and not (isinstance(grad, DTensor) and grad.placements == param.placements):
-                    return None
-                local = dtensor_local(param)
-                pairs.append((local, param))
-                param = local
-            params.append(param)
-        local_groups.append(params)
-    if not pairs:
-        return None
     originals = [group["params"] for group in groups]
-    for group, params in zip(groups, local_groups):
-        group["params"] = params
-    for local, param in pairs:
-        grad = param.grad
+    pairs: _Pairs = [(dtensor_local(p), p) for params in originals for p in params if isinstance(p, DTensor)]
+    grads = [param.grad for _, param in pairs]
+    if not pairs or any(g is not None and not (isinstance(g, DTensor) and g.placements == p.placements)
+                        for g, (_, p) in zip(grads, pairs)):
+        return None
+    for group, params in zip(groups, originals):
+        group["params"] = [dtensor_local(p) if isinstance(p, DTensor) else p for p in params]
+    for (local, param), grad in zip(pairs, grads):
         local.grad = None if grad is None else dtensor_local(grad)
-        if param in state:
-            state[local] = {k: dtensor_local(v) if isinstance(v, DTensor) else v for k, v in state[param].items()}
+        before = state.get(param)  # one lookup, no defaultdict entry
+        if before is not None:
+            state[local] = {k: dtensor_local(v) if isinstance(v, DTensor) else v for k, v in before.items()}
     return originals, pairs
 
 
