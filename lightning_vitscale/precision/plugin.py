@@ -38,10 +38,8 @@ _TRANSLATABLE: tuple[type[Precision], ...] = (Precision, MixedPrecision, HalfPre
 
 
 class VitScalePrecision(Precision):
-    """BF16 "O2" for sharded models: low-precision compute on fp32 master weights, norms kept in fp32.
-
-    Selected by ``Trainer(precision=...)`` when the strategy is VitScaleStrategy; construct it yourself for
-    finer control.
+    """BF16 "O2" for sharded models: low-precision compute on fp32 master weights, norms kept in fp32. Made from
+    ``Trainer(precision=...)`` under VitScaleStrategy; construct it yourself for finer control.
 
     Args:
         precision: ``"32-true"``, ``"bf16-mixed"`` (O2), ``"bf16-true"`` or ``"16-mixed"`` (O2 in fp16 with a
@@ -131,7 +129,6 @@ class VitScalePrecision(Precision):
         guard = None if isinstance(optimizer, torch.optim.LBFGS) else self.nonfinite_guard  # LBFGS re-evaluates
         if self.scaler is None and guard is None and not steps_locally(optimizer):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        # The closure first, then the step: the step may then run on the local shards (local_step.py).
         closure_result = closure()
         skipped_backward = closure_result is None and model.automatic_optimization
         if not skipped_backward and self.scaler is not None:
@@ -139,11 +136,12 @@ class VitScalePrecision(Precision):
         after_closure(self, model, optimizer)
         if skipped_backward:
             return closure_result
-        if guard is not None and guard.should_skip(closure_result, self._grads(optimizer), model.trainer.global_step):
-            if self.scaler is not None:
-                self.scaler.update()  # the scale backs off as on an overflow the scaler saw itself
-            return closure_result
-        with on_local_shards(optimizer):  # type: ignore[arg-type]
+        with on_local_shards(optimizer):  # type: ignore[arg-type]  # the guard then reads plain local gradients
+            if guard is not None and guard.should_skip(closure_result, self._grads(optimizer),
+                                                       model.trainer.global_step):
+                if self.scaler is not None:
+                    self.scaler.update()  # the scale backs off as on an overflow the scaler saw itself
+                return closure_result
             if self.scaler is None:
                 step_output = optimizer.step(**kwargs)
             else:
@@ -152,8 +150,8 @@ class VitScalePrecision(Precision):
             self.scaler.update()
         return closure_result if step_output is None else step_output  # as `optimizer.step(closure)` returns
 
-    def _grads(self, optimizer: Optimizable) -> list[Tensor]:
-        return [p.grad for p in self.main_params(optimizer) if p.grad is not None]  # type: ignore[arg-type]
+    def _grads(self, optimizer: Optimizable) -> Iterator[Tensor]:  # read only where the guard checks gradients
+        return (p.grad for p in self.main_params(optimizer) if p.grad is not None)  # type: ignore[arg-type]
 
     @override
     def clip_gradients(
