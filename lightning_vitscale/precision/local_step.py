@@ -1,10 +1,9 @@
 """The optimizer step on each DTensor parameter's local shard, for optimizers that update element by element.
 
-An elementwise optimizer (SGD, Adam, AdamW, ...) updates each element from its own gradient and state, so the step
-on local tensors is the DTensor step's own computation, bit for bit, without DTensor's dispatch of every foreach op:
-host time every step, seconds in the first (ViT-H's 390 parameters on CPU: ~8.7 s; ``benchmarks/RESULTS.md``).
-Updates that read several elements (Adafactor, LAMB, LBFGS) would be wrong on shards: only the exact classes in
-:data:`ELEMENTWISE` step locally (a subclass may override ``step``).
+An elementwise optimizer (SGD, Adam, ...) updates each element from its own gradient and state, so the step on local
+tensors is the DTensor step, bit for bit, without DTensor's dispatch of every foreach op (host time every step,
+seconds in the first: ViT-H on CPU ~8.7 s). Updates reading several elements (Adafactor, LAMB, LBFGS) would be
+wrong on shards: only the exact classes in :data:`ELEMENTWISE` step locally (a subclass may override ``step``).
 """
 
 from __future__ import annotations
@@ -41,10 +40,9 @@ def steps_locally(optimizer: object) -> bool:
 
 @contextmanager
 def on_local_shards(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
-    """Within the block, ``optimizer`` holds its DTensor parameters', gradients' and state's local tensors (their
-    own storage: updates land in place); yields whether it does (not for an optimizer outside :data:`ELEMENTWISE`,
-    a differentiable step, or a gradient placed otherwise). State the step creates (the first moments) is wrapped
-    as DTensors placed as the parameter; everything is put back even if the step raises."""
+    """Within the block, ``optimizer`` holds its DTensor parameters', gradients' and state's local tensors (updates
+    land in place); yields whether it does (not outside :data:`ELEMENTWISE`, differentiable, or a gradient placed
+    otherwise). State the step creates is wrapped as DTensors placed as the parameter; all is put back on raise."""
     swapped = _swap_in(optimizer) if steps_locally(optimizer) else None
     if swapped is None:
         yield False
@@ -87,9 +85,8 @@ def _swap_back(optimizer: torch.optim.Optimizer, originals: list[list[Any]], pai
 
 
 def _as_dtensors(after: dict[str, Any], before: dict[str, Any], param: DTensor) -> dict[str, Any]:
-    """The step's state for ``param``'s local tensor, back under ``param``: the DTensors it had (updated in place
-    through their local tensors), new tensors of the shard's shape placed as ``param``, the rest (step counters) as
-    they are."""
+    """The step's state for ``param``'s local tensor, back under ``param``: the DTensors it had (updated in place),
+    new shard-shaped tensors placed as ``param``, the rest (step counters) as they are."""
     merged: dict[str, Any] = {}
     for key, value in after.items():
         old = before.get(key)
