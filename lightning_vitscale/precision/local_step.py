@@ -18,16 +18,8 @@ from torch.distributed.tensor import DTensor
 from lightning_vitscale._compat import dtensor_like, dtensor_local
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.RMSprop,
-    torch.optim.Adagrad,
-    torch.optim.Adadelta,
-    torch.optim.ASGD,
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.ASGD,
 )
 
 _Pairs = list[tuple[torch.Tensor, DTensor]]

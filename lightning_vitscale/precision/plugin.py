@@ -74,13 +74,9 @@ class VitScalePrecision(Precision):
     ) -> None:
         base = resolve_flag(precision)
         self.precision = precision  # type: ignore[assignment]
-        self.policy = dataclasses.replace(
-            base,
-            compute=compute_dtype or base.compute,
-            reduce=reduce_dtype or base.reduce,
-            norm_dtype=norm_dtype,
-            norms=norm_predicate(norms),
-        )
+        self.policy = dataclasses.replace(base, compute=compute_dtype or base.compute,
+                                          reduce=reduce_dtype or base.reduce, norm_dtype=norm_dtype,
+                                          norms=norm_predicate(norms))
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.scaler: ShardedGradScaler | None = ShardedGradScaler(device) if base.loss_scaling else None
         guard = NonFiniteGuard(max_skipped_steps, check_gradients=self.scaler is None)  # validates it always
@@ -154,12 +150,8 @@ class VitScalePrecision(Precision):
         return (p.grad for p in self.main_params(optimizer) if p.grad is not None)  # type: ignore[arg-type]
 
     @override
-    def clip_gradients(
-        self,
-        optimizer: torch.optim.Optimizer,
-        clip_val: int | float = 0.0,
-        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
-    ) -> None:
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, clip_val: int | float = 0.0,
+                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
         if clip_val > 0 and self.scaler is not None and unscales_in_step(optimizer):
             raise RuntimeError(
                 f"{type(optimizer).__name__} unscales gradients inside step(), so they cannot be clipped before it."
