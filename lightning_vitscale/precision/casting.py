@@ -1,9 +1,8 @@
-"""Layers of the outer unit cast floating inputs to the compute dtype, as FSDP does at each unit.
+"""Layers of the outer unit cast floating inputs to the compute dtype, as FSDP does at each unit's forward.
 
-Under O2 the outer unit's layers (patch embedding, head, ...) hold bf16 parameters while they compute. FSDP casts
-the inputs of each unit's forward, but a tensor made *inside* a step (a mask, noise, a second view) reaches
-these layers in fp32 and fails ("Input type (float) and bias type (BFloat16)"); autocast users never see this.
-A pre-hook on each such layer restores the drop-in behaviour.
+Under O2 the outer unit's layers (patch embedding, head) compute with bf16 parameters, and a tensor made *inside* a
+step (a mask, noise) reaches them in fp32 and fails ("Input type (float) and bias type (BFloat16)"), which autocast
+users never see: a pre-hook on each such layer restores the drop-in behaviour.
 """
 
 from __future__ import annotations

@@ -15,8 +15,7 @@ from lightning_vitscale.distributed.mesh import all_reduce_over, mesh_device
 
 
 def _splits(placement: Placement) -> bool:
-    """Whether ``placement`` splits the tensor over its mesh dimension: ``Shard``, and also the strided shard FSDP
-    makes of a tensor-parallel shard (``_StridedShard``, whose ``is_shard()`` is False)."""
+    """``Shard``, and also FSDP's strided shard of a tensor-parallel shard (whose ``is_shard()`` is False)."""
     return not placement.is_replicate() and not placement.is_partial()
 
 
@@ -35,9 +34,8 @@ def _partial_norm(tensors: list[torch.Tensor], norm_type: float, device: torch.d
 @torch.no_grad()
 def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all gradients as if unsharded, identical on every rank (``clip_grad_norm_`` cannot mix plain
-    tensors and DTensors). Sharded gradients' local parts are summed over the mesh dimensions they are sharded
-    along (not a hybrid mesh's replicas); replicated and plain ones count once. One collective per sharded mesh
-    dimension, on the gradients' device, no per-parameter host sync."""
+    tensors and DTensors): sharded parts summed over the mesh dimensions they are sharded along (not a hybrid
+    mesh's replicas), replicated and plain ones once. One collective per sharded layout, no host sync."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
@@ -46,23 +44,18 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float =
     other = [local_tensor(g) for g in grads if not _is_sharded(g)]
     shard_part = torch.zeros((), dtype=torch.float32, device=device)
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-    for (mesh, dims), members in _by_shard_layout(sharded).items():
-        part = _partial_norm([local_tensor(g) for g in members], norm_type, device)
+    layouts: dict[tuple, list[torch.Tensor]] = {}  # (mesh, the mesh dimensions sharded along) -> local parts
+    for grad in sharded:
+        dims = tuple(i for i, placement in enumerate(grad.placements) if _splits(placement))
+        layouts.setdefault((grad.device_mesh, dims), []).append(local_tensor(grad))
+    for (mesh, dims), members in layouts.items():
+        part = _partial_norm(members, norm_type, device)
         all_reduce_over(part, mesh, dims, op)
         shard_part = torch.maximum(shard_part, part) if math.isinf(norm_type) else shard_part + part
     other_part = _partial_norm(other, norm_type, device)
     if math.isinf(norm_type):
         return torch.maximum(shard_part, other_part)
     return (shard_part + other_part).pow(1.0 / norm_type)
-
-
-def _by_shard_layout(sharded: list[DTensor]) -> dict[tuple, list[DTensor]]:
-    """Gradients grouped by (mesh, the mesh dimensions they are sharded along)."""
-    groups: dict[tuple, list[DTensor]] = {}
-    for grad in sharded:
-        dims = tuple(i for i, placement in enumerate(grad.placements) if _splits(placement))
-        groups.setdefault((grad.device_mesh, dims), []).append(grad)
-    return groups
 
 
 @torch.no_grad()

@@ -14,8 +14,7 @@ from lightning_vitscale.distributed.mesh import all_reduce_over
 
 
 def local_groups(grads: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    """The gradients' local shards (no autograd node) grouped by device and dtype, as fused multi-tensor ops take
-    them (also the non-finite guard's check)."""
+    """The gradients' local shards grouped by device and dtype, as fused multi-tensor ops take them."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for grad in grads:
         local = dtensor_local(grad) if isinstance(grad, DTensor) else grad
@@ -24,11 +23,8 @@ def local_groups(grads: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torc
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` for DTensor gradients.
-
-    Unscales each rank's local shards, then takes the max of "found inf/nan" across the mesh: a rank whose
-    shard overflowed must make every rank skip the step and lower the scale, or the replicas drift apart.
-    """
+    """``torch.amp.GradScaler`` for DTensor gradients: unscales local shards, then the max of "found inf/nan" over
+    the mesh (one rank's overflow skips the step everywhere, or the replicas drift apart)."""
 
     def _unscale_grads_(  # type: ignore[override]
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool

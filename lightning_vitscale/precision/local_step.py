@@ -1,10 +1,9 @@
 """The optimizer step on each DTensor parameter's local shard, for optimizers that update element by element.
 
-An elementwise optimizer (SGD, Adam, AdamW, ...) updates each element from its own gradient and state, so the step
-on local tensors is the DTensor step's own computation, bit for bit, without DTensor's dispatch of every foreach op:
-host time every step, seconds in the first (ViT-H's 390 parameters on CPU: ~8.7 s; ``benchmarks/RESULTS.md``).
-Updates that read several elements (Adafactor, LAMB, LBFGS) would be wrong on shards: only the exact classes in
-:data:`ELEMENTWISE` step locally (a subclass may override ``step``).
+An elementwise optimizer (SGD, Adam, ...) updates each element from its own gradient and state, so the step on local
+tensors is the DTensor step, bit for bit, without DTensor's dispatch of every foreach op (host time every step,
+seconds in the first: ViT-H on CPU ~8.7 s). Updates reading several elements (Adafactor, LAMB, LBFGS) would be
+wrong on shards: only the exact classes in :data:`ELEMENTWISE` step locally (a subclass may override ``step``).
 """
 
 from __future__ import annotations
@@ -19,16 +18,8 @@ from torch.distributed.tensor import DTensor
 from lightning_vitscale._compat import dtensor_like, dtensor_local
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.RMSprop,
-    torch.optim.Adagrad,
-    torch.optim.Adadelta,
-    torch.optim.ASGD,
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.ASGD,
 )
 
 _Pairs = list[tuple[torch.Tensor, DTensor]]
@@ -41,10 +32,9 @@ def steps_locally(optimizer: object) -> bool:
 
 @contextmanager
 def on_local_shards(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
-    """Within the block, ``optimizer`` holds its DTensor parameters', gradients' and state's local tensors (their
-    own storage: updates land in place); yields whether it does (not for an optimizer outside :data:`ELEMENTWISE`,
-    a differentiable step, or a gradient placed otherwise). State the step creates (the first moments) is wrapped
-    as DTensors placed as the parameter; everything is put back even if the step raises."""
+    """Within the block, ``optimizer`` holds its DTensor parameters', gradients' and state's local tensors (updates
+    land in place); yields whether it does (not outside :data:`ELEMENTWISE`, differentiable, or a gradient placed
+    otherwise). State the step creates is wrapped as DTensors placed as the parameter; all is put back on raise."""
     swapped = _swap_in(optimizer) if steps_locally(optimizer) else None
     if swapped is None:
         yield False
@@ -59,30 +49,19 @@ def _swap_in(optimizer: torch.optim.Optimizer) -> tuple[list[list[Any]], _Pairs]
     groups, state = optimizer.param_groups, optimizer.state
     if any(group.get("differentiable") for group in groups):
         return None  # a differentiable step needs the DTensor graph
-    pairs: _Pairs = []
-    local_groups = []
-    for group in groups:
-        params = []
-        for param in group["params"]:
-            if isinstance(param, DTensor):
-                grad = param.grad
-                if grad is not None and not (isinstance(grad, DTensor) and grad.placements == param.placements):
-                    return None
-                local = dtensor_local(param)
-                pairs.append((local, param))
-                param = local
-            params.append(param)
-        local_groups.append(params)
-    if not pairs:
-        return None
     originals = [group["params"] for group in groups]
-    for group, params in zip(groups, local_groups):
-        group["params"] = params
-    for local, param in pairs:
-        grad = param.grad
+    pairs: _Pairs = [(dtensor_local(p), p) for params in originals for p in params if isinstance(p, DTensor)]
+    grads = [param.grad for _, param in pairs]
+    if not pairs or any(g is not None and not (isinstance(g, DTensor) and g.placements == p.placements)
+                        for g, (_, p) in zip(grads, pairs)):
+        return None
+    for group, params in zip(groups, originals):
+        group["params"] = [dtensor_local(p) if isinstance(p, DTensor) else p for p in params]
+    for (local, param), grad in zip(pairs, grads):
         local.grad = None if grad is None else dtensor_local(grad)
-        if param in state:
-            state[local] = {k: dtensor_local(v) if isinstance(v, DTensor) else v for k, v in state[param].items()}
+        before = state.get(param)  # one lookup, no defaultdict entry
+        if before is not None:
+            state[local] = {k: dtensor_local(v) if isinstance(v, DTensor) else v for k, v in before.items()}
     return originals, pairs
 
 
@@ -98,9 +77,8 @@ def _swap_back(optimizer: torch.optim.Optimizer, originals: list[list[Any]], pai
 
 
 def _as_dtensors(after: dict[str, Any], before: dict[str, Any], param: DTensor) -> dict[str, Any]:
-    """The step's state for ``param``'s local tensor, back under ``param``: the DTensors it had (updated in place
-    through their local tensors), new tensors of the shard's shape placed as ``param``, the rest (step counters) as
-    they are."""
+    """The step's state for ``param``'s local tensor, back under ``param``: the DTensors it had (updated in place),
+    new shard-shaped tensors placed as ``param``, the rest (step counters) as they are."""
     merged: dict[str, Any] = {}
     for key, value in after.items():
         old = before.get(key)

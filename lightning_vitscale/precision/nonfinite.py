@@ -1,10 +1,9 @@
 """The non-finite step guard of reduced-precision runs: every rank skips an optimizer step whose loss or gradients
-are not finite on *any* rank, and the run stops after ``max_consecutive`` such steps in a row.
+are not finite on *any* rank; the run stops after ``max_consecutive`` such steps in a row.
 
-Why: in bf16 one inf/NaN gradient on one rank is reduced into every rank's shards and the optimizer writes NaN into
-the weights and every checkpoint after (as under DDP). Under fp16 the loss scaler skips overflowing steps itself, so
-the guard watches only the loss. One all-reduce decides: all ranks skip, and raise, together. (Lightning's
-``SpikeDetection`` watches finite spikes, needs a ``Fabric`` and skips nothing.)
+Why: in bf16 one rank's inf/NaN gradient is reduced into every shard and the optimizer writes NaN into the weights
+and every later checkpoint. Under fp16 the loss scaler skips overflows itself: the guard watches only the loss. One
+all-reduce decides, so all ranks skip, and raise, together (Lightning's ``SpikeDetection`` skips nothing).
 """
 
 from __future__ import annotations
@@ -71,13 +70,12 @@ class NonFiniteGuard:
 
 @torch.no_grad()
 def _non_finite_ranks(loss: torch.Tensor | None, grads: list[torch.Tensor]) -> tuple[list[int], list[int]]:
-    """Ranks whose loss, and ranks whose gradient shards, hold an inf/NaN: each rank sets its own two slots of one
-    tensor, one SUM all-reduce (none on one rank) tells every rank, and one read brings it to the host.
+    """Ranks whose loss, and ranks whose gradient shards, hold an inf/NaN: each rank sets its two slots of one
+    tensor, one SUM all-reduce (none on one rank) tells all, one read brings it to the host.
 
-    The gradients are checked by GradScaler's fused multi-tensor check, a few kernels per device and dtype for the
-    whole model: a per-tensor ``isfinite().all()`` launched four kernels per parameter, ~1,600 a step on ViT-H, a
-    share of the host time that made a 1-GPU step host-bound on the H200 (benchmarks/RESULTS.md). Its multiply by
-    ``inv_scale = 1`` leaves every value as it was (NaN, inf and -0.0 included)."""
+    GradScaler's fused multi-tensor check, a few kernels per device and dtype: a per-tensor ``isfinite().all()``
+    launched ~1,600 kernels a step on ViT-H, host time that made a 1-GPU step host-bound on the H200. Its multiply
+    by ``inv_scale = 1`` changes no value (NaN, inf and -0.0 included)."""
     groups = local_groups(grads)
     device = loss.device if loss is not None else next(iter(groups))[0] if groups else torch.device("cpu")
     bad = torch.zeros(2, device=device)  # this rank's [loss, gradients], 1.0 where not finite

@@ -1,16 +1,14 @@
 """Normalization layers kept in fp32 inside a low-precision model, at one extra collective per step.
 
-FAIR's finding: bf16 trains ViTs with fp32 hyper-parameters only if normalization layers stay in fp32. The usual
-fix (one FSDP unit per norm) triples the all-gathers. Instead, norm parameters leave the bf16 FSDP units and
-become fp32 DTensors *replicated* on every rank (they are tiny): optimizers, clipping and DCP see DTensors like
-every other parameter; a wrapped forward hands the module its local fp32 tensors and fp32 inputs, and casts
-the output back; one coalesced all-reduce per backward averages their gradients, queued at the end of any backward
-that handed one over (so a raw ``loss.backward()`` in manual optimization averages them too, as DDP's hooks do).
+FAIR's finding: bf16 trains ViTs with fp32 hyper-parameters only if norms stay in fp32. One FSDP unit per norm
+would triple the all-gathers; instead norm parameters leave the bf16 units as fp32 DTensors *replicated* on every
+rank (tiny; optimizers, clipping and DCP see DTensors as elsewhere). A wrapped forward computes on local fp32
+tensors and inputs and casts the output back; one coalesced all-reduce averages the gradients at the end of any
+backward that handed one over (a raw ``loss.backward()`` too, as DDP's hooks do).
 
-In eager mode the forward computes on a plain fp32 leaf that aliases each parameter's local tensor, and a hook
-hands the leaf's gradient to the DTensor parameter: ``DTensor.to_local()`` would cost an autograd function per
-parameter per forward, and a ``DTensor.from_local`` per parameter in backward (a ViT-H has 130 norm parameters:
-~12 ms of host time per step on CPU, time a GPU waits for when the host is the bottleneck).
+Eager, the forward computes on a plain fp32 leaf aliasing each parameter's local tensor, and a hook hands its
+gradient over: ``to_local()``/``from_local`` cost an autograd function per parameter each way (ViT-H's 130 norm
+parameters: ~12 ms of host time per step on CPU).
 """
 
 from __future__ import annotations
@@ -42,13 +40,6 @@ _BASE = "_vitscale_norm_class"  # on the fp32 class (_fp32_class): the norm's ow
 _OWNER = "_vitscale_norms"  # on a converted norm: a weak reference to its ReplicatedNorms
 
 
-def _floating_input_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype | None:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.dtype
-    return None
-
-
 class ReplicatedNorms:
     """fp32 norm layers held outside the FSDP units; owns their fp32 forward and their gradient reduction."""
 
@@ -62,9 +53,8 @@ class ReplicatedNorms:
             self._convert(module)
 
     def gradient_arrived(self) -> None:
-        """A norm's gradient arrived (handed over from its leaf in eager mode, accumulated on the parameter when
-        compiled): average all of them when this backward ends, however it was called (``manual_backward`` or a
-        raw ``loss.backward()``). Once per backward."""
+        """A norm's gradient arrived (handed over eager, accumulated compiled): average them all when this backward
+        ends, however it was called. Once per backward."""
         backward = current_backward_id()
         if backward != self._queued_in:
             self._queued_in = backward
@@ -76,8 +66,7 @@ class ReplicatedNorms:
             self._reduced_at_end = True
 
     def after_backward(self) -> None:
-        """Lightning's post-backward: average the gradients unless the backward's end did (none arrived: averaging
-        equal values again changes nothing)."""
+        """Lightning's post-backward: average unless the backward's end did (averaging equal values is harmless)."""
         if self._reduced_at_end:
             self._reduced_at_end = False
         elif self.syncing:
@@ -90,8 +79,8 @@ class ReplicatedNorms:
             replicated = nn.Parameter(
                 DTensor.from_local(local, self.mesh, replicated_placements(self.mesh), run_check=False)
             )
-            # Compiled norms accumulate here (eager ones hand over, _hand_gradient). Hooked while it requires grad
-            # (a hook needs it), kept when frozen, so a norm unfrozen later is followed.
+            # Compiled norms accumulate here (eager ones: _hand_gradient). Hooked while requiring grad (a hook needs
+            # it), then frozen as the original: a norm unfrozen later is followed.
             replicated.register_post_accumulate_grad_hook(functools.partial(_arrived, weakref.ref(self)))
             replicated.requires_grad_(param.requires_grad)
             module.register_parameter(name, replicated)
@@ -107,11 +96,12 @@ class ReplicatedNorms:
 
     @torch.no_grad()
     def reduce_grads(self) -> int:
-        """Average the norm gradients over every rank of the mesh, one coalesced collective per mesh dimension
-        (a hybrid mesh: within the node, then across nodes); returns how many collectives ran."""
-        # The parameters are DTensors, so are their gradients.
-        grads = [cast(DTensor, p.grad).to_local() for p in self.params if p.grad is not None]
-        if not grads or self.mesh.size() == 1:
+        """Average the norm gradients over the mesh, one coalesced collective per mesh dimension; returns how
+        many ran."""
+        if self.mesh.size() == 1:
+            return 0
+        grads = [cast(DTensor, p.grad).to_local() for p in self.params if p.grad is not None]  # DTensors' grads
+        if not grads:
             return 0
         flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
         all_reduce_over(flat, self.mesh)  # SUM: gloo has no AVG
@@ -125,9 +115,8 @@ _FP32_CLASSES: dict[type, type] = {}
 
 
 def _fp32_class(cls: type[nn.Module]) -> type[nn.Module]:
-    """``cls`` with :func:`_fp32_forward` as its forward (as FSDP2 swaps a unit's class to ``FSDP<cls>``): still
-    an instance of ``cls``, same ``__name__``. A class, not a per-instance ``forward``: dynamo guards on an
-    instance forward's identity, so every compiled block after the first recompiled."""
+    """``cls`` with :func:`_fp32_forward` as its forward (as FSDP2's ``FSDP<cls>``), same ``__name__``. A class,
+    not an instance ``forward``: dynamo guards on its identity, so every compiled block after the first recompiled."""
     if cls not in _FP32_CLASSES:
         attrs = {"forward": _fp32_forward, _BASE: cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
         _FP32_CLASSES[cls] = type(cls.__name__, (cls,), attrs)
@@ -135,13 +124,12 @@ def _fp32_class(cls: type[nn.Module]) -> type[nn.Module]:
 
 
 def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A converted norm's forward: its own class's forward on local fp32 parameters and fp32 inputs; the gradient
-    lands on the DTensor parameter (:func:`_compute_leaf` eager, the free ``to_local()`` compiled).
+    """A converted norm's forward: its class's forward on local fp32 parameters and inputs; the gradient lands on
+    the DTensor parameter (:func:`_compute_leaf` eager, the free ``to_local()`` compiled).
 
-    A forward, not hooks, and everything read from the module and its class: dynamo guards on anything bound per
-    norm (an always-called hook's id), so identical compiled blocks would stop sharing one graph. ``finally``: a
-    forward that raises must not leave plain local tensors as parameters (wrong optimizer targets and checkpoint).
-    The one-tensor path skips the pytree walks, a third of this function's host time.
+    A forward, not hooks, all read from the module and its class: dynamo guards on anything bound per norm, so
+    identical compiled blocks would stop sharing a graph. ``finally``: a raising forward must not leave local tensors
+    as parameters. The one-tensor path skips the pytree walks (a third of this function's host time).
     """
     params: dict[str, DTensor] = getattr(module, _PARAMS)
     norm_dtype: torch.dtype = getattr(module, _DTYPE)
@@ -150,7 +138,8 @@ def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         out_dtype = args[0].dtype if args[0].is_floating_point() else None
         args = (args[0].to(norm_dtype),) if out_dtype is not None else args
     else:
-        out_dtype = _floating_input_dtype(args, kwargs)
+        floating = (v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.is_floating_point())
+        out_dtype = next((v.dtype for v in floating), None)
         to_norm_dtype = to_dtype(norm_dtype)
         args, kwargs = tree_map(to_norm_dtype, args), tree_map(to_norm_dtype, kwargs)
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():
@@ -169,17 +158,15 @@ def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return tree_map(to_dtype(out_dtype), output)
 
 
-# A parameter's local tensor -> the leaf its norm computes with. Keyed by the local tensor, so a parameter whose
-# local tensor is replaced (``module.to()``, ``torch.utils.swap_tensors``, a deep copy) gets a new leaf, never a
-# stale alias; weak, so a dropped model takes its leaves with it.
+# A parameter's local tensor -> its norm's leaf. Keyed by the local tensor, so a replaced one (``module.to()``,
+# ``swap_tensors``, a deep copy) gets a new leaf, never a stale alias; weak, so a dropped model takes its leaves.
 _LEAVES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _compute_leaf(module: nn.Module, name: str, param: DTensor) -> torch.Tensor:
-    """A leaf sharing ``param``'s local storage and version counter (optimizer updates show, checkpointing's
-    recompute sees the same tensor), requiring grad as ``param`` does now; its gradient goes to ``param.grad``.
-    The hook holds a weak reference to the module, not the parameter: ``torch.utils.swap_tensors`` (``module.to()``)
-    refuses weakly referenced tensors."""
+    """A leaf sharing ``param``'s local storage and version counter (updates show, recompute sees the same tensor),
+    requiring grad as ``param`` does now. Its hook refers weakly to the module, not the parameter:
+    ``swap_tensors`` (``module.to()``) refuses weakly referenced tensors."""
     local = dtensor_local(param)
     leaf = _LEAVES.get(local)
     if leaf is None:
@@ -193,8 +180,7 @@ def _compute_leaf(module: nn.Module, name: str, param: DTensor) -> torch.Tensor:
 
 
 def _hand_gradient(module_ref: weakref.ref, name: str, leaf: torch.Tensor) -> None:
-    """Move ``leaf``'s gradient onto its DTensor parameter, summing into one already there (accumulation over
-    micro-batches, ``zero_grad(set_to_none=False)``), as autograd would have on the parameter itself."""
+    """Move ``leaf``'s gradient onto its DTensor parameter, summing into one already there, as autograd would."""
     grad, leaf.grad = leaf.grad, None
     module = module_ref()
     if grad is None or module is None:

@@ -38,10 +38,8 @@ _TRANSLATABLE: tuple[type[Precision], ...] = (Precision, MixedPrecision, HalfPre
 
 
 class VitScalePrecision(Precision):
-    """BF16 "O2" for sharded models: low-precision compute on fp32 master weights, norms kept in fp32.
-
-    Selected by ``Trainer(precision=...)`` when the strategy is VitScaleStrategy; construct it yourself for
-    finer control.
+    """BF16 "O2" for sharded models: low-precision compute on fp32 master weights, norms kept in fp32. Made from
+    ``Trainer(precision=...)`` under VitScaleStrategy; construct it yourself for finer control.
 
     Args:
         precision: ``"32-true"``, ``"bf16-mixed"`` (O2), ``"bf16-true"`` or ``"16-mixed"`` (O2 in fp16 with a
@@ -76,13 +74,9 @@ class VitScalePrecision(Precision):
     ) -> None:
         base = resolve_flag(precision)
         self.precision = precision  # type: ignore[assignment]
-        self.policy = dataclasses.replace(
-            base,
-            compute=compute_dtype or base.compute,
-            reduce=reduce_dtype or base.reduce,
-            norm_dtype=norm_dtype,
-            norms=norm_predicate(norms),
-        )
+        self.policy = dataclasses.replace(base, compute=compute_dtype or base.compute,
+                                          reduce=reduce_dtype or base.reduce, norm_dtype=norm_dtype,
+                                          norms=norm_predicate(norms))
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.scaler: ShardedGradScaler | None = ShardedGradScaler(device) if base.loss_scaling else None
         guard = NonFiniteGuard(max_skipped_steps, check_gradients=self.scaler is None)  # validates it always
@@ -131,7 +125,6 @@ class VitScalePrecision(Precision):
         guard = None if isinstance(optimizer, torch.optim.LBFGS) else self.nonfinite_guard  # LBFGS re-evaluates
         if self.scaler is None and guard is None and not steps_locally(optimizer):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        # The closure first, then the step: the step may then run on the local shards (local_step.py).
         closure_result = closure()
         skipped_backward = closure_result is None and model.automatic_optimization
         if not skipped_backward and self.scaler is not None:
@@ -139,11 +132,12 @@ class VitScalePrecision(Precision):
         after_closure(self, model, optimizer)
         if skipped_backward:
             return closure_result
-        if guard is not None and guard.should_skip(closure_result, self._grads(optimizer), model.trainer.global_step):
-            if self.scaler is not None:
-                self.scaler.update()  # the scale backs off as on an overflow the scaler saw itself
-            return closure_result
-        with on_local_shards(optimizer):  # type: ignore[arg-type]
+        with on_local_shards(optimizer):  # type: ignore[arg-type]  # the guard then reads plain local gradients
+            if guard is not None and guard.should_skip(closure_result, self._grads(optimizer),
+                                                       model.trainer.global_step):
+                if self.scaler is not None:
+                    self.scaler.update()  # the scale backs off as on an overflow the scaler saw itself
+                return closure_result
             if self.scaler is None:
                 step_output = optimizer.step(**kwargs)
             else:
@@ -152,16 +146,12 @@ class VitScalePrecision(Precision):
             self.scaler.update()
         return closure_result if step_output is None else step_output  # as `optimizer.step(closure)` returns
 
-    def _grads(self, optimizer: Optimizable) -> list[Tensor]:
-        return [p.grad for p in self.main_params(optimizer) if p.grad is not None]  # type: ignore[arg-type]
+    def _grads(self, optimizer: Optimizable) -> Iterator[Tensor]:  # read only where the guard checks gradients
+        return (p.grad for p in self.main_params(optimizer) if p.grad is not None)  # type: ignore[arg-type]
 
     @override
-    def clip_gradients(
-        self,
-        optimizer: torch.optim.Optimizer,
-        clip_val: int | float = 0.0,
-        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
-    ) -> None:
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, clip_val: int | float = 0.0,
+                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
         if clip_val > 0 and self.scaler is not None and unscales_in_step(optimizer):
             raise RuntimeError(
                 f"{type(optimizer).__name__} unscales gradients inside step(), so they cannot be clipped before it."
