@@ -139,9 +139,8 @@ def measure_batch(model: nn.Module, batch: PlanningBatch, **step_kwargs: Any) ->
     ``training_step`` on a meta twin, else through ``forward`` on its first tensor (see the module docstring)."""
     how = ""
     with random_state_kept():  # a training_step's random calls must not shift the training run's numbers
-        # An overridden training_step, under automatic optimization (a manual one steps the optimizer).
-        measurable = is_overridden("training_step", model) and getattr(model, "automatic_optimization", True)
-        if batch.through_training_step and measurable:
+        measurable = batch.through_training_step and is_overridden("training_step", model)
+        if measurable and getattr(model, "automatic_optimization", True):  # a manual one steps the optimizer
             try:
                 inputs = step_inputs(meta_twin(model), batch.value, call=training_step_call, **step_kwargs)
                 return inputs, f"{batch.source}, through training_step"
