@@ -15,9 +15,9 @@ from lightning_vitscale.memory.accumulation import (
 from lightning_vitscale.memory.activations import ModeOf
 from lightning_vitscale.memory.auto_checkpointing import (
     AutoCheckpointing,
+    Measurement,
     describe_prediction,
     device_memory,
-    measure_for_summary,
 )
 from lightning_vitscale.memory.gradient_release import may_release_after_step, release_gradients
 from lightning_vitscale.memory.memory_plan import MemoryPlan
@@ -33,6 +33,7 @@ __all__ = [
     "AccumulationChoice",
     "AccumulationMode",
     "AutoCheckpointing",
+    "Measurement",
     "MemoryPlan",
     "ModeOf",
     "PlanningBatch",
@@ -44,7 +45,6 @@ __all__ = [
     "choose_accumulation",
     "describe_prediction",
     "device_memory",
-    "measure_for_summary",
     "may_release_after_step",
     "measure_state_bytes",
     "plan_memory",

@@ -35,10 +35,6 @@ def choose_accumulation(mode: AccumulationMode, extra_bytes: int, in_use: int, b
         return AccumulationChoice(True, "accumulation='unsharded'")
     if mode == "sharded":
         return AccumulationChoice(False, "accumulation='sharded'")
-    need = in_use + extra_bytes
-    fits = need <= budget
-    verdict = "fits" if fits else "does not fit"
-    return AccumulationChoice(
-        fits, f"auto: {human_bytes(extra_bytes)} of unsharded gradients on top of {human_bytes(in_use)} {verdict}"
-        f" in {human_bytes(budget)}"
-    )
+    fits = in_use + extra_bytes <= budget
+    return AccumulationChoice(fits, f"auto: {human_bytes(extra_bytes)} of unsharded gradients on top of"
+                              f" {human_bytes(in_use)} {'fits' if fits else 'does not fit'} in {human_bytes(budget)}")

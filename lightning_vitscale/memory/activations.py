@@ -13,7 +13,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils.checkpoint
@@ -35,6 +35,9 @@ from lightning_vitscale._compat import (
 from lightning_vitscale.memory.block_identity import block_key
 from lightning_vitscale.memory.op_costs import BlockWork, OpWork, tensors_of
 from lightning_vitscale.memory.selective_ops import selective_contexts
+
+if TYPE_CHECKING:
+    from lightning_vitscale.memory.tensor_split import AllReduceLog
 
 _CPU = torch.device("cpu")
 
@@ -63,7 +66,8 @@ class BlockMemory:
     ``saved``: kept for backward when not checkpointed; ``input``: kept when checkpointed; ``backward``: what its
     backward holds beyond what it kept (incoming gradient, activation and parameter gradients), net of what it
     frees; ``recompute``: a checkpointed block's peak from its input through recompute and backward;
-    ``selective_*``: kept (input and expensive ops' outputs) and its backward beyond that; ``work``: its forward's.
+    ``selective_*``: kept (input and expensive ops' outputs) and its backward beyond that; ``work``: its forward's;
+    ``resent``: per checkpointing mode, the row-wise bytes its recompute all-reduces again (tensor parallelism).
     """
 
     name: str
@@ -75,6 +79,7 @@ class BlockMemory:
     selective_backward: int = 0
     work: BlockWork = BlockWork()
     modes: frozenset[str] = ALL_MODES
+    resent: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -102,13 +107,12 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
+        self.peak = self._bound = 0  # live bytes at the last count and created since: at least those alive now
 
     def current(self) -> int:
-        dead = [key for key, (ref, _) in self._live.items() if ref.expired()]
-        for key in dead:
-            del self._live[key]
-        return sum(nbytes for _, nbytes in self._live.values())
+        self._live = {key: entry for key, entry in self._live.items() if not entry[0].expired()}
+        self._bound = sum(nbytes for _, nbytes in self._live.values())
+        return self._bound
 
     def reset_peak(self) -> int:
         self.peak = self.current()
@@ -118,11 +122,13 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for tensor in tensors_of(out):
             local = dtensor_local(tensor) if isinstance(tensor, DTensor) else tensor  # its memory: the local shard
-            key = _storage_key(local)
-            if key not in self._live:
+            key = storage_id(local)
+            if key not in self._live or self._live[key][0].expired():  # an address freed since the last count
                 storage = local.untyped_storage()
                 self._live[key] = (StorageWeakRef(storage), storage.nbytes())
-        self.peak = max(self.peak, self.current())
+                self._bound += storage.nbytes()
+        if self._bound > self.peak:  # else no new peak: counting the live storages is most of this mode's time
+            self.peak = max(self.peak, self.current())
         return out
 
 
@@ -132,10 +138,6 @@ def removing(handles: list[RemovableHandle]) -> contextlib.ExitStack:
     for handle in handles:
         stack.enter_context(handle)
     return stack
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    return storage_id(tensor)
 
 
 @contextlib.contextmanager
@@ -177,27 +179,6 @@ def _fp32_norm_hooks(norms: list[nn.Module], compute: torch.dtype) -> Iterator[N
         yield
 
 
-@contextlib.contextmanager
-def fake_step(model: nn.Module, example_input: Any, compute: torch.dtype, norms: list[nn.Module],
-              call: StepCall | None) -> Iterator[tuple[FakeTensorMode, Any]]:
-    """``model`` with fake parameters, ``norms`` in fp32 as the strategy runs them, and the fake mode and input
-    (floating inputs in ``compute``, as FSDP's root unit casts them). Through a custom ``call`` (a training_step) a
-    ``.item()`` (a loss appended to a list) gives a symbolic number instead of failing; branching on it still fails."""
-    norm_ids = {id(m) for m in norms}
-    mode = _FakeMode(shape_env=ShapeEnv()) if call is not None else _FakeMode()
-    with fake_parameters(model, mode, compute, lambda m: id(m) in norm_ids), _fp32_norm_hooks(norms, compute):
-        with mode:
-            fake_input = tree_map(lambda v: v if not isinstance(v, torch.Tensor) else torch.empty(
-                v.shape, dtype=compute if v.is_floating_point() else v.dtype, device=_CPU), example_input)
-        yield mode, fake_input
-
-
-def run_step(model: nn.Module, fake_input: Any, call: StepCall | None) -> Any:
-    if call is not None:
-        return call(model, fake_input)
-    return model(*fake_input) if isinstance(fake_input, tuple) else model(fake_input)
-
-
 @dataclass
 class _Recorder:
     """Who saved each storage first (and how many block forwards had ended then), and each block's input."""
@@ -209,7 +190,7 @@ class _Recorder:
     blocks_done: int = 0  # block forwards ended so far
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
+        key = storage_id(tensor)
         if key not in self.excluded and key not in self.owner:
             self.owner[key] = (self.current, tensor.untyped_storage().nbytes(), self.blocks_done)
         return tensor
@@ -246,7 +227,7 @@ class _OuterParameterUse(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for tensor in tensors_of((args, kwargs)):
-            key = _storage_key(tensor)
+            key = storage_id(tensor)
             if key in self.parameters:
                 self.done_when_used[key] = self.recorder.blocks_done
         return func(*args, **(kwargs or {}))
@@ -264,31 +245,45 @@ def measure_activations(
     norms: list[nn.Module] | None = None,
     call: StepCall | None = None,
     mode_of: ModeOf | None = None,
+    all_reduces: AllReduceLog | None = None,
 ) -> ActivationProfile:
-    """Run ``model(example_input)`` (or ``call(model, example_input)``) and one backward on fake tensors (see
-    :func:`fake_step`); what each block keeps and needs. ``model`` is left as it was. ``mode_of``: each block's
-    settled checkpointing, measured for it alone (a third of the work); ``None``: for every mode."""
-    with fake_step(model, example_input, compute, norms or [], call) as (mode, fake_input):
+    """Run ``model(example_input)`` (or ``call(model, example_input)``) and one backward on fake tensors, ``norms``
+    in fp32 as the strategy runs them, floating inputs in ``compute`` (as FSDP's root unit casts them); what each
+    block keeps and needs. ``model`` is left as it was. ``mode_of``: each block's settled checkpointing, measured for
+    it alone (a third of the work); ``None``: for every mode. ``all_reduces``: logs tensor parallelism's all-reduces
+    in the same passes."""
+    norm_ids = {id(m) for m in norms or []}
+    # Through a custom ``call`` (a training_step) a ``.item()`` (a loss appended to a list) gives a symbolic number
+    # instead of failing; branching on it still fails.
+    mode = _FakeMode(shape_env=ShapeEnv()) if call is not None else _FakeMode()
+    with fake_parameters(model, mode, compute, lambda m: id(m) in norm_ids), _fp32_norm_hooks(norms or [], compute):
+        with mode:
+            fake_input = tree_map(lambda v: v if not isinstance(v, torch.Tensor) else torch.empty(
+                v.shape, dtype=compute if v.is_floating_point() else v.dtype, device=_CPU), example_input)
         real = tensors_of(example_input)
         batch_bytes = sum(t.numel() * t.element_size() for t in real)
         # The batch is resident before the step (``batch_bytes``): a layer saving it keeps nothing new, unless the
         # step casts it to the compute dtype first (a copy, which counts).
         uncast = [fake for t, fake in zip(real, tensors_of(fake_input)) if t.dtype == fake.dtype]
-        excluded = {_storage_key(p) for p in model.parameters()} | {_storage_key(t) for t in uncast}
+        excluded = {storage_id(p) for p in model.parameters()} | {storage_id(t) for t in uncast}
         recorder = _Recorder(excluded)
         block_ids = {id(m) for _, b in blocks for m in b.modules()}
-        outer_params = {_storage_key(p): p.numel() * compute.itemsize for m in model.modules() if id(m) not in block_ids
+        outer_params = {storage_id(p): p.numel() * compute.itemsize for m in model.modules() if id(m) not in block_ids
                         for p in m.parameters(recurse=False) if p.requires_grad}
         outer_use = _OuterParameterUse(outer_params, recorder)
         handles = [h for i, (_, b) in enumerate(blocks) for h in (
             b.register_forward_pre_hook(recorder.enter(i)), b.register_forward_hook(recorder.leave))]
+        handles += [h for i, (_, b) in enumerate(blocks) for h in (all_reduces.watching(i, b) if all_reduces else [])]
         with removing(handles), mode, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), outer_use:
-            out = run_step(model, fake_input, call)
+            if call is not None:
+                out = call(model, fake_input)
+            else:
+                out = model(*fake_input) if isinstance(fake_input, tuple) else model(fake_input)
         outputs = [t for t in tensors_of(out) if t.is_floating_point()]
         measured: dict[tuple[Any, str], Any] = {}  # identical blocks are measured once per call
         results = [_block_memory(name, block, recorder, i, mode, measured,
-                                 ALL_MODES if mode_of is None else frozenset({mode_of(i, name, block) or "none"}))
-                   for i, (name, block) in enumerate(blocks)]
+                                 ALL_MODES if mode_of is None else frozenset({mode_of(i, name, block) or "none"}),
+                                 all_reduces) for i, (name, block) in enumerate(blocks)]
     output_bytes = sum(t.numel() * t.element_size() for t in outputs)  # its gradient, held through backward
     return ActivationProfile(
         blocks=results,
@@ -301,13 +296,38 @@ def measure_activations(
 
 def _block_memory(
     name: str, block: nn.Module, recorder: _Recorder, index: int, mode: FakeTensorMode, measured: dict,
-    needed: frozenset[str],
+    needed: frozenset[str], all_reduces: AllReduceLog | None,
 ) -> BlockMemory:
+    """One fake forward + backward of ``block`` per checkpointing in ``needed``, and its forward's work with what a
+    full recompute reruns. Checkpointed runs go through ``torch.utils.checkpoint`` (non-reentrant, early stop) as
+    the strategy applies it. Once per structurally equal block (:func:`~.block_identity.block_key`) in ``measured``
+    (one model)."""
     x = recorder.inputs.get(index)
     if x is None:  # the block never ran in this forward: it costs nothing for this batch
         return BlockMemory(name, 0, 0, 0, 0)
-    passes = _measure_passes(block, x, mode, measured, needed)
-    size = x.untyped_storage().nbytes()
+    key, size = block_key(block, x), x.untyped_storage().nbytes()
+    for kind in sorted(needed):  # the first pass counts the forward's work; a full one its recompute's too
+        if (key, kind) in measured:
+            continue
+        # Below the checkpoint's own caching mode, the counter sees every op it caches (selective's saved bytes).
+        work = OpWork() if (key, "work") not in measured or kind == "selective" else None
+        resent: list[int] = []
+        watch = None if all_reduces is None else functools.partial(all_reduces.resending, index, block, resent)
+        if kind == "none":
+            measured[key, kind] = _peak_beyond_forward(block, x, mode, None, work)
+        elif kind == "full":
+            repeated = OpWork()  # the recompute's own context: what backward really reruns
+            contexts = functools.partial(lambda r: (contextlib.nullcontext(), r), repeated)
+            measured[key, kind] = _peak_beyond_forward(block, x, mode, contexts, work, watch) + size
+            measured[key, "recompute"] = repeated.result()
+        else:
+            assert work is not None
+            selective = _peak_beyond_forward(block, x, mode, selective_contexts, work, watch)
+            measured[key, kind] = (work.saved_bytes + size, selective)
+        measured[key, "resent", kind] = sum(resent)
+        if work is not None:
+            measured.setdefault((key, "work"), work.result())
+    passes = {kind: measured[key, kind] for kind in needed}
     selective_saved, selective_backward = passes.get("selective", (0, 0))
     return BlockMemory(
         name,
@@ -317,46 +337,10 @@ def _block_memory(
         recompute=passes.get("full", 0),
         selective_saved=selective_saved,
         selective_backward=selective_backward,
-        work=passes["work"],
+        work=dataclasses.replace(measured.get((key, "work"), BlockWork()), recompute=measured.get((key, "recompute"))),
         modes=needed,
+        resent={kind: measured[key, "resent", kind] for kind in needed if kind != "none"},
     )
-
-
-def _measure_passes(
-    block: nn.Module, x: torch.Tensor, mode: FakeTensorMode, measured: dict, needed: frozenset[str]
-) -> dict[str, Any]:
-    """One fake forward + backward of ``block`` per mode in ``needed`` (the fields of :class:`BlockMemory`), and
-    ``"work"``: its forward's, with what a full recompute reruns. Checkpointed runs go through
-    ``torch.utils.checkpoint`` (non-reentrant, early stop) as the strategy applies it. Once per structurally equal
-    block (:func:`~.block_identity.block_key`) in ``measured`` (one model)."""
-    key = block_key(block, x)
-    size = x.untyped_storage().nbytes()
-    for name in sorted(needed):  # the first pass counts the forward's work; a full one its recompute's too
-        if (key, name) in measured:
-            continue
-        # Below the checkpoint's own caching mode, the counter sees every op it caches (selective's saved bytes).
-        work = OpWork() if (key, "work") not in measured or name == "selective" else None
-        if name == "none":
-            measured[key, name] = _peak_beyond_forward(block, x, mode, None, work)
-        elif name == "full":
-            repeated = OpWork()  # the recompute's own context: what backward really reruns
-            contexts = functools.partial(_recompute_counted, repeated)
-            recomputed = _peak_beyond_forward(block, x, mode, contexts, work)
-            measured[key, name] = recomputed + size
-            measured[key, "recompute"] = repeated.result()
-        else:
-            assert work is not None
-            selective = _peak_beyond_forward(block, x, mode, selective_contexts, work)
-            measured[key, name] = (work.saved_bytes + size, selective)
-        if work is not None:
-            measured.setdefault((key, "work"), work.result())
-    work = dataclasses.replace(measured.get((key, "work"), BlockWork()), recompute=measured.get((key, "recompute")))
-    return {**{name: measured[key, name] for name in needed}, "work": work}
-
-
-def _recompute_counted(counter: OpWork) -> tuple[Any, Any]:
-    """``torch.utils.checkpoint``'s ``context_fn``: nothing around the forward, ``counter`` around the recompute."""
-    return contextlib.nullcontext(), counter
 
 
 def _peak_beyond_forward(
@@ -365,10 +349,12 @@ def _peak_beyond_forward(
     mode: FakeTensorMode,
     checkpoint: Callable[[], Any] | None,
     work: OpWork | None = None,
+    watch: Callable[[], list[RemovableHandle]] | None = None,
 ) -> int:
     """Peak bytes of the block's backward above what its forward left alive; ``checkpoint``: the ``context_fn`` it
-    runs under ``torch.utils.checkpoint`` with; ``work``: counts the forward. Selective checkpointing's cached outputs
-    are detached aliases :class:`LiveBytes` misses: ``work.saved_bytes`` has them."""
+    runs under ``torch.utils.checkpoint`` with; ``work``: counts the forward; ``watch``: hooks for the backward (the
+    recompute). Selective checkpointing's cached outputs are detached aliases :class:`LiveBytes` misses:
+    ``work.saved_bytes`` has them."""
     with work if work is not None else contextlib.nullcontext():  # first: below the checkpoint's own modes
         with mode:
             inp = torch.empty(x.shape, dtype=x.dtype, device=_CPU, requires_grad=True)
@@ -379,10 +365,11 @@ def _peak_beyond_forward(
                 first = next(t for t in tensors_of(out) if t.requires_grad)
                 base = tracker.reset_peak()
                 if work is not None:
-                    work.stop()
+                    work.counting = False
                 # The gradient flowing in from the layers above is alive through the block's backward (a residual
                 # passes it on as it is): part of what the backward holds beyond the forward.
-                torch.autograd.backward(first, torch.empty_like(first))
+                with removing(watch() if watch is not None else []):
+                    torch.autograd.backward(first, torch.empty_like(first))
     for p in block.parameters():
         p.grad = None
     return tracker.peak - base

@@ -23,7 +23,7 @@ from lightning_vitscale._utils import available_host_bytes, human_bytes
 from lightning_vitscale.discovery.calls import Calls
 from lightning_vitscale.discovery.tensor_plan import TensorPlanError
 from lightning_vitscale.memory.activations import ModeOf
-from lightning_vitscale.memory.gradient_release import may_release_after_step
+from lightning_vitscale.memory.gradient_release import may_release_after_step, unwrapped
 from lightning_vitscale.memory.memory_plan import MemoryPlan
 from lightning_vitscale.memory.plan_search import BlockMode, BlockPlan
 from lightning_vitscale.memory.planner import batch_size_of, choose, model_parts
@@ -119,32 +119,48 @@ def unmet_budget(plan: MemoryPlan, inputs: StepInputs, offload: bool) -> str | N
             f" To fit, use {', or '.join(fixes)}.")
 
 
-def _measure(module: nn.Module, batch: PlanningBatch, *, trainer: pl.Trainer | None, replicas: int,
-             **step_kwargs: Any) -> tuple[StepInputs, str]:
-    """:func:`~.planning_batch.measure_batch` in ``trainer``'s loop; :class:`MeasurementError` (its cause chained)
-    where the step cannot run on fake tensors. A refused tensor-parallel plan is what to fix: it raises as it is."""
-    try:
-        inputs, how = measure_batch(module, batch, loop=training_loop(module, trainer), **step_kwargs)
-    except TensorPlanError:
-        raise
-    except Exception as error:
-        raise MeasurementError(f"{type(error).__name__}: {error}") from error
-    return dataclasses.replace(inputs, replicas=replicas), how
+@dataclass(frozen=True)
+class Measurement:
+    """How setup measures a batch, for ``"auto"``'s plan and for the summary's prediction alike: ``world_size``, one
+    shard group, ``replicas`` times (hybrid sharding); the step in ``trainer``'s loop; ``calls``: what it called."""
 
+    world_size: int
+    precision: str
+    blocks: Any = None
+    replicas: int = 1
+    tensor_parallel: int = 1
+    tensor_plan: Any = None
+    trainer: pl.Trainer | None = None
+    calls: Calls = field(default_factory=Calls)
 
-def grouping_hint(applied: MemoryPlan, free: MemoryPlan) -> str | None:
-    k, saved = free.blocks.per_unit, applied.extra_seconds - free.extra_seconds
-    if k == applied.blocks.per_unit or saved <= 0:
-        return None
-    return (f"activation_checkpointing='auto': {k} blocks per FSDP unit would save a predicted {saved * 1e3:.1f} ms"
-            f" per step, but units are made at setup, before the first batch. Set `self.example_input_array` in"
-            f" the LightningModule so the planner chooses them at setup, or pass blocks_per_unit={k}.")
+    def __call__(self, module: nn.Module, batch: PlanningBatch, device: torch.device | None = None,
+                 mode_of: ModeOf | None = None, optimizer: str = "adamw") -> tuple[StepInputs, str]:
+        """:func:`~.planning_batch.measure_batch`; :class:`MeasurementError` (its cause chained) where the step cannot
+        run on fake tensors. A refused tensor-parallel plan is what to fix: it raises as it is."""
+        try:
+            inputs, how = measure_batch(
+                module, batch, loop=training_loop(module, self.trainer), world_size=self.world_size,
+                precision=self.precision, optimizer=optimizer, blocks=self.blocks, device=device, mode_of=mode_of,
+                tensor_parallel=self.tensor_parallel, tensor_plan=self.tensor_plan, calls=self.calls)
+        except TensorPlanError:
+            raise
+        except Exception as error:
+            raise MeasurementError(f"{type(error).__name__}: {error}") from error
+        return dataclasses.replace(inputs, replicas=self.replicas), how
+
+    def or_why(self, module: nn.Module, batch: PlanningBatch, device: torch.device,
+               mode_of: ModeOf) -> tuple[StepInputs | None, str]:
+        """For the summary's predicted peak: a step that cannot run on fake tensors gives ``(None, why)``."""
+        try:
+            return self(module, batch, device, mode_of)
+        except MeasurementError as error:
+            where = f" in {self.calls.where}" if self.calls.where else ""
+            return None, f"{batch.source} could not run on fake tensors{where} ({error})"
 
 
 def optimizer_kind(optimizers: list[torch.optim.Optimizer]) -> str:
     """The planner's name for the user's optimizer's state (AdamW, the larger, when unknown)."""
-    for optimizer in optimizers:
-        inner = getattr(optimizer, "_optimizer", optimizer)
+    for inner in map(unwrapped, optimizers):
         if isinstance(inner, torch.optim.SGD):
             momentum = any(group.get("momentum", 0) for group in inner.param_groups)
             return "sgd-momentum" if momentum else "sgd"
@@ -155,27 +171,17 @@ def optimizer_kind(optimizers: list[torch.optim.Optimizer]) -> str:
 class AutoCheckpointing:
     """The ``"auto"`` lifecycle: decide at setup when a batch is known there (:mod:`.planning_batch`), else keep a
     meta twin and decide at the first training step; ``choice`` holds the outcome for the caller to apply.
-
-    ``budget``: bytes, the same on every rank; ``blocks_per_unit``: pinned, or ``None``: chosen at setup (1 when the
-    batch comes later); ``required``: the user asked for ``"auto"`` (an unmeasurable step raises), else the default
-    falls back to the recipe's plan with a warning; ``trainer``: whose loop the plan follows.
-    """
+    ``blocks_per_unit``: ``None``: chosen at setup (1 when the batch comes later); ``required``: the user asked for
+    ``"auto"`` (an unmeasurable step raises), else the default falls back to the recipe's plan with a warning."""
 
     budget: int
-    world_size: int  # one shard group, ``replicas`` times (hybrid sharding)
-    precision: str
-    blocks: Any
+    measure: Measurement
     fixed_reshard: bool | None = None
     offload: bool = False  # offload="cpu" is on: plan with it; off: never assume it
     blocks_per_unit: int | None = None
-    replicas: int = 1
-    tensor_parallel: int = 1
-    tensor_plan: Any = None
     required: bool = True
-    trainer: pl.Trainer | None = None
     twin: nn.Module | None = field(default=None, init=False)
     choice: AutoChoice | None = field(default=None, init=False)
-    calls: Calls = field(default_factory=Calls, init=False)  # what the measured step called: the units' blocks
 
     def __post_init__(self) -> None:
         self.units_left_to_planner = self.blocks_per_unit is None
@@ -209,10 +215,7 @@ class AutoCheckpointing:
         pinned only because the units exist already: the hint says what a free choice would have saved."""
         batch = batch if isinstance(batch, PlanningBatch) else PlanningBatch(batch, EXAMPLE_INPUT)
         try:
-            inputs, how = _measure(model, batch, trainer=self.trainer, replicas=self.replicas,
-                                   world_size=self.world_size, precision=self.precision, optimizer=optimizer,
-                                   blocks=self.blocks, device=device, tensor_parallel=self.tensor_parallel,
-                                   tensor_plan=self.tensor_plan, calls=self.calls)
+            inputs, how = self.measure(model, batch, device, optimizer=optimizer)
         except MeasurementError as error:  # what to do instead
             raise MeasurementError(
                 f"activation_checkpointing='auto' could not measure {type(model).__name__} on fake tensors ({error})."
@@ -221,12 +224,18 @@ class AutoCheckpointing:
         batch_size = batch_size_of(batch.value)
 
         def plan_for(units: int | None) -> MemoryPlan:  # the budget stands for the device's memory in the table
-            return choose(inputs, self.budget, self.budget, self.precision, batch_size, offload=self.offload,
+            return choose(inputs, self.budget, self.budget, self.measure.precision, batch_size, offload=self.offload,
                           rates=rates_for(device), reshard=self.fixed_reshard, per_unit=units)
 
-        plan = plan_for(self.blocks_per_unit)
-        compare = self.units_left_to_planner and self.blocks_per_unit is not None
-        hint = grouping_hint(plan, plan_for(None)) if compare else None
+        plan, hint = plan_for(self.blocks_per_unit), None
+        if self.units_left_to_planner and self.blocks_per_unit is not None:
+            free = plan_for(None)
+            k, saved = free.blocks.per_unit, plan.extra_seconds - free.extra_seconds
+            if k != plan.blocks.per_unit and saved > 0:
+                hint = (f"activation_checkpointing='auto': {k} blocks per FSDP unit would save a predicted"
+                        f" {saved * 1e3:.1f} ms per step, but units are made at setup, before the first batch. Set"
+                        " `self.example_input_array` in the LightningModule so the planner chooses them at setup,"
+                        f" or pass blocks_per_unit={k}.")
         names = [b.name for b in inputs.profile.blocks]
         return AutoChoice(plan, names, plan.blocks, unmet_budget(plan, inputs, self.offload), hint, how)
 
@@ -247,7 +256,7 @@ class AutoCheckpointing:
 
     def _recipe(self, model: nn.Module, cause: BaseException | None) -> AutoChoice:
         """The recipe's plan where the default's step could not be measured: every block full, resharded."""
-        names = [name for name, _ in model_parts(model, self.blocks, resolve_flag(self.precision))[0]]
+        names = [name for name, _ in model_parts(model, self.measure.blocks, resolve_flag(self.measure.precision))[0]]
         n = len(names)
         plan = BlockPlan.prefix(n, n, 0, 0 if self.fixed_reshard is False else n, self.blocks_per_unit or 1)
         why = (f"VitScaleStrategy could not run {type(model).__name__}'s step on fake tensors"
@@ -258,34 +267,6 @@ class AutoCheckpointing:
         if self.choice is None:
             return "auto: decided at the first training step, from its batch"
         return self.choice.describe()
-
-
-def measure_for_summary(
-    module: nn.Module,
-    batch: PlanningBatch | None,
-    world_size: int,
-    precision: str,
-    blocks: Any,
-    device: torch.device | None = None,
-    mode_of: ModeOf | None = None,
-    replicas: int = 1,
-    tensor_parallel: int = 1,
-    tensor_plan: Any = None,
-    calls: Calls | None = None,
-    trainer: pl.Trainer | None = None,
-) -> tuple[StepInputs | None, str] | None:
-    """``batch`` measured (:func:`~.planning_batch.measure_batch`) for the summary's predicted peak and the planner's
-    units, and how; ``None`` without a batch. A step that cannot run on fake tensors gives ``(None, why)`` (the
-    summary says it); a refused tensor-parallel plan raises. ``mode_of``: each block's settled checkpointing."""
-    if batch is None:
-        return None
-    try:
-        return _measure(module, batch, trainer=trainer, replicas=replicas, world_size=world_size, precision=precision,
-                        blocks=blocks, device=device, mode_of=mode_of, tensor_parallel=tensor_parallel,
-                        tensor_plan=tensor_plan, calls=calls)
-    except MeasurementError as error:  # said in the summary
-        where = f" in {calls.where}" if calls is not None and calls.where else ""
-        return None, f"{batch.source} could not run on fake tensors{where} ({error})"
 
 
 def describe_prediction(
@@ -301,11 +282,11 @@ def describe_prediction(
 ) -> tuple[int, str]:
     """The predicted peak for the settings the pipeline applied, as bytes and as the summary's line (naming the
     ``budget``, and saying so where the peak is over it)."""
-    names = [b.name for b in inputs.profile.blocks]
-    indices = frozenset(i for i, name in enumerate(names) if name in set(checkpointed))
-    chosen = frozenset(i for i in indices if names[i] in set(selective))
-    kept = frozenset(i for i, name in enumerate(names) if name in set(kept_gathered))
-    peak = predict_step(inputs, StepSettings(indices, reshard, offload, chosen, kept, blocks_per_unit))
+    def at(names: Sequence[str]) -> frozenset[int]:
+        return frozenset(i for i, block in enumerate(inputs.profile.blocks) if block.name in set(names))
+
+    settings = StepSettings(at(checkpointed), reshard, offload, at(selective), at(kept_gathered), blocks_per_unit)
+    peak = predict_step(inputs, settings)
     line = f"predicted peak {human_bytes(peak.peak)} per rank for {measured_on}, at {peak.phase}"
     if budget is not None:
         line += (f", over the memory_budget of {human_bytes(budget)}: checkpoint more blocks, a smaller batch or"

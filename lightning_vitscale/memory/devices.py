@@ -35,7 +35,6 @@ class Device:
     match: str | None
     memory_bytes: int | None
     bf16_flops_per_s: float | None
-    fp32_flops_per_s: float | None
     reached_flops_per_s: float
     hbm_bytes_per_s: float
     link_bytes_per_s: float
@@ -93,12 +92,12 @@ GPU_LATENCY_S = 50e-6  # an NVLink/PCIe collective's launch: an order of magnitu
 DATASHEET = "datasheet (reached FLOP/s and the host: the H200's measured share and its machine's host)"
 
 
-def _gpu(name: str, match: str, memory_gb: float, bf16: float | None, fp32: float | None, hbm: float,
-         link: float, plan_peak: float | None = None) -> Device:
+def _gpu(name: str, match: str, memory_gb: float, bf16: float | None, hbm: float, link: float,
+         plan_peak: float | None = None) -> Device:
     """A datasheet row; ``plan_peak``: the peak the planner scales where MFU has no trusted one."""
     reached = REACHED_SHARE * (bf16 or plan_peak or 0.0)
     return Device(name=name, match=match, memory_bytes=int(memory_gb * GIB), bf16_flops_per_s=bf16,
-                  fp32_flops_per_s=fp32, reached_flops_per_s=reached, hbm_bytes_per_s=hbm, link_bytes_per_s=link,
+                  reached_flops_per_s=reached, hbm_bytes_per_s=hbm, link_bytes_per_s=link,
                   latency_s=GPU_LATENCY_S, unit_s=GPU_UNIT_S, source=DATASHEET, host_scale=H200_HOST_SCALE)
 
 
@@ -114,21 +113,21 @@ H100_MEASURED = ("measured: memory (79.2 GiB, torch), reached FLOP/s and its hos
 
 # Links: NVLink per direction (SXM: 900 GB/s both ways), PCIe Gen4/5 x16 for PCIe cards.
 DEVICES: tuple[Device, ...] = (
-    _gpu("h100-pcie-80gb", r"H100 PCIe", 80, 756 * TB, 51 * TB, 2.0 * TB, 64 * GB),
-    _gpu("h100-nvl-94gb", r"H100 NVL", 94, 835 * TB, 60 * TB, 3.9 * TB, 300 * GB),
-    replace(_gpu("h100-80gb", r"H100", 79.2, 989 * TB, 67 * TB, 3.35 * TB, 450 * GB),  # SXM
+    _gpu("h100-pcie-80gb", r"H100 PCIe", 80, 756 * TB, 2.0 * TB, 64 * GB),
+    _gpu("h100-nvl-94gb", r"H100 NVL", 94, 835 * TB, 3.9 * TB, 300 * GB),
+    replace(_gpu("h100-80gb", r"H100", 79.2, 989 * TB, 3.35 * TB, 450 * GB),  # SXM
             unit_s=UNIT_HOST_S * H100_HOST_SCALE, source=H100_MEASURED, host_scale=H100_HOST_SCALE),
-    replace(_gpu("h200-141gb", r"H200", 139.8, 989 * TB, 67 * TB, 4.8 * TB, 450 * GB), source=H200_MEASURED),
-    _gpu("a100-40gb", r"A100.*40GB", 40, 312 * TB, 19.5 * TB, 1.555 * TB, 300 * GB),
-    _gpu("a100-80gb", r"A100", 80, 312 * TB, 19.5 * TB, 2.039 * TB, 300 * GB),
-    _gpu("v100-32gb", r"V100", 32, 125 * TB, 15.7 * TB, 0.9 * TB, 150 * GB),
-    _gpu("l40s-48gb", r"L40S", 48, 362 * TB, 91.6 * TB, 0.864 * TB, 32 * GB),
-    _gpu("l40-48gb", r"L40", 48, 181 * TB, 90.5 * TB, 0.864 * TB, 32 * GB),
-    _gpu("l4-24gb", r"L4", 24, 121 * TB, 30.3 * TB, 0.3 * TB, 32 * GB),
+    replace(_gpu("h200-141gb", r"H200", 139.8, 989 * TB, 4.8 * TB, 450 * GB), source=H200_MEASURED),
+    _gpu("a100-40gb", r"A100.*40GB", 40, 312 * TB, 1.555 * TB, 300 * GB),
+    _gpu("a100-80gb", r"A100", 80, 312 * TB, 2.039 * TB, 300 * GB),
+    _gpu("v100-32gb", r"V100", 32, 125 * TB, 0.9 * TB, 150 * GB),
+    _gpu("l40s-48gb", r"L40S", 48, 362 * TB, 0.864 * TB, 32 * GB),
+    _gpu("l40-48gb", r"L40", 48, 181 * TB, 0.864 * TB, 32 * GB),
+    _gpu("l4-24gb", r"L4", 24, 121 * TB, 0.3 * TB, 32 * GB),
     # No trusted bf16 figure: MFU is not logged; the planner takes an A10's for its ratios.
-    _gpu("a10g-24gb", r"A10G", 24, None, None, 0.6 * TB, 32 * GB, plan_peak=125 * TB),
-    _gpu("a10-24gb", r"A10", 24, 125 * TB, 31.2 * TB, 0.6 * TB, 32 * GB),
-    Device(name="cpu", match=None, memory_bytes=None, bf16_flops_per_s=None, fp32_flops_per_s=None,
+    _gpu("a10g-24gb", r"A10G", 24, None, 0.6 * TB, 32 * GB, plan_peak=125 * TB),
+    _gpu("a10-24gb", r"A10", 24, 125 * TB, 0.6 * TB, 32 * GB),
+    Device(name="cpu", match=None, memory_bytes=None, bf16_flops_per_s=None,
            reached_flops_per_s=100e9, hbm_bytes_per_s=10e9, link_bytes_per_s=0.6e9, latency_s=2e-3, unit_s=3e-3,
            source="measured: one rank of the 2-core CPU with gloo (full recompute of the 6-block ViT ~55 ms for"
                   " ~5 GFLOP; gloo 0.5-0.75 GiB/s per rank; ~3 ms per unit with asynchronous collectives),"

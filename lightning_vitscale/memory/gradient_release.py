@@ -13,6 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch.core.optimizer import LightningOptimizer
 
 _MODULE_HOOKS = ("optimizer_zero_grad", "on_before_zero_grad", "on_train_batch_end", "on_train_batch_start")
 _CALLBACK_HOOKS = ("on_before_zero_grad", "on_train_batch_end", "on_train_batch_start")
@@ -33,13 +34,16 @@ def may_release_after_step(module: Any, trainer: pl.Trainer) -> bool:
     if any(_overrides(cb, Callback, _CALLBACK_HOOKS) for cb in trainer.callbacks  # type: ignore[attr-defined]
            if not type(cb).__module__.startswith(_TRUSTED)):
         return False
-    inner = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
-    return all(type(o).zero_grad is torch.optim.Optimizer.zero_grad for o in inner)
+    return all(type(unwrapped(o)).zero_grad is torch.optim.Optimizer.zero_grad for o in trainer.optimizers)
+
+
+def unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer behind a ``LightningOptimizer`` (what ``self.optimizers()`` hands out)."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def release_gradients(optimizer: torch.optim.Optimizer) -> None:
     """``optimizer.zero_grad(set_to_none=True)``."""
-    optimizer = getattr(optimizer, "_optimizer", optimizer)
-    for group in optimizer.param_groups:
+    for group in unwrapped(optimizer).param_groups:
         for param in group["params"]:
             param.grad = None

@@ -78,15 +78,6 @@ def breakdown_table(columns: dict[str, MemoryBreakdown]) -> list[str]:
     return lines
 
 
-def settings_line(plan: MemoryPlan) -> str:
-    s = plan.chosen.settings
-    parts = [f"activation_checkpointing: {plan.blocks.describe()}",
-             f"predicted step time it adds {plan.extra_seconds * 1e3:.1f} ms (recompute, all-gathers, per unit)"]
-    if s.offload:
-        parts.append("offload='cpu' (sharded state in host memory)")
-    return ", ".join(parts)
-
-
 def format_plan(plan: MemoryPlan) -> str:
     tp = plan.tensor_parallel
     ranks = f"{plan.world_size} rank(s)" if tp == 1 else (
@@ -105,7 +96,9 @@ def format_plan(plan: MemoryPlan) -> str:
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     lines = [head, "", *breakdown_table(columns), ""]
     lines.append(f"{verdict}: {human_bytes(plan.chosen.breakdown.peak)} predicted peak per rank ({plan.reason})")
-    lines.append(f"recommended: {settings_line(plan)}")
+    offload = ", offload='cpu' (sharded state in host memory)" if plan.chosen.settings.offload else ""
+    lines.append(f"recommended: activation_checkpointing: {plan.blocks.describe()}, predicted step time it adds"
+                 f" {plan.extra_seconds * 1e3:.1f} ms (recompute, all-gathers, per unit){offload}")
     how = "every block checkpointed" + (", state offloaded" if plan.chosen.settings.offload else "")
     lines.append(
         f"largest batch per rank that fits ({how}): {plan.max_batch}" if plan.max_batch

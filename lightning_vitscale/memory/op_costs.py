@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from lightning_vitscale._compat import TorchDispatchMode, op_mutates, storage_id, tree_map
+from lightning_vitscale._compat import TorchDispatchMode, op_mutates, storage_id, tree_leaves
 from lightning_vitscale.memory.selective_ops import SAVED_OPS
 
 
@@ -37,18 +37,15 @@ class BlockWork:
 
 
 class OpWork(TorchDispatchMode):
-    """Counts :class:`BlockWork` while active, until :meth:`stop` (a forward's ops, not its backward's)."""
+    """Counts :class:`BlockWork` while active and ``counting`` (a forward's ops, not its backward's)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.flops = self.cheap_bytes = self.ops = self.cheap_ops = self.saved_bytes = 0
         self.counting = True
 
-    def stop(self) -> None:
-        self.counting = False
-
-    def result(self, recompute: BlockWork | None = None) -> BlockWork:
-        return BlockWork(self.flops, self.cheap_bytes, self.ops, self.cheap_ops, recompute)
+    def result(self) -> BlockWork:
+        return BlockWork(self.flops, self.cheap_bytes, self.ops, self.cheap_ops)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -68,9 +65,7 @@ class OpWork(TorchDispatchMode):
 
 
 def tensors_of(tree: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    tree_map(lambda v: found.append(v) if isinstance(v, torch.Tensor) else None, tree)
-    return found
+    return [v for v in tree_leaves(tree) if isinstance(v, torch.Tensor)]
 
 
 def _bytes_moved(func: Any, args: Any, kwargs: Any, out: Any) -> int:

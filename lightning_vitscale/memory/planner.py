@@ -7,11 +7,10 @@ CPU offload only when nothing else fits; and the largest per-rank batch that fit
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Collection
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,7 +21,7 @@ from lightning_vitscale.discovery import ModuleSelector, find_blocks, holds_para
 from lightning_vitscale.discovery.blocks import Named
 from lightning_vitscale.discovery.calls import Calls, recording
 from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector
-from lightning_vitscale.memory.activations import ActivationProfile, ModeOf, StepCall, measure_activations
+from lightning_vitscale.memory.activations import ModeOf, StepCall, measure_activations
 from lightning_vitscale.memory.devices import device_named, memory_names
 from lightning_vitscale.memory.memory_plan import Candidate, MemoryPlan
 from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, search
@@ -36,7 +35,7 @@ from lightning_vitscale.memory.step_model import (
     collective_copies,
     predict_step,
 )
-from lightning_vitscale.memory.tensor_split import TensorSplit, measure_collectives, split_twin
+from lightning_vitscale.memory.tensor_split import split_twin
 from lightning_vitscale.memory.twin import fresh_caches
 from lightning_vitscale.precision import PrecisionPolicy, resolve_flag
 
@@ -163,14 +162,9 @@ def step_inputs(
     tensor_plan: TensorPlanSelector | None = None,
     calls: Calls | None = None,
 ) -> StepInputs:
-    """Measure ``model`` on fake tensors and gather what :func:`predict_step` needs (see :func:`plan_memory`).
-
-    ``device``: where the step runs (:func:`~.step_model.collective_copies`; ``None``: a GPU); ``loop``: when
-    gradients are alive; ``call``: runs the step (default ``model(example_input)``); ``mode_of``: each block's
-    settled checkpointing (:func:`~.activations.measure_activations`); ``world_size``: one FSDP shard group.
-    ``calls``: filled with what the step called, even when it raises; a block it never called is measured as the
-    modules of it that ran.
-    """
+    """Measure ``model`` on fake tensors for :func:`predict_step` (see :func:`plan_memory`; ``world_size``: one
+    FSDP shard group; ``device``: where the step runs, ``None``: a GPU). ``calls``: filled with what the step called,
+    even when it raises; a block it never called is measured as the modules of it that ran."""
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not known; choose one of {', '.join(OPTIMIZER_STATES)}.")
     if world_size < 1:
@@ -178,52 +172,33 @@ def step_inputs(
     policy = resolve_flag(precision)
     record = calls if calls is not None else Calls()
     record.clear()
-    run = functools.partial(_measure, model, example_input=example_input, policy=policy, call=call,
-                            mode_of=mode_of, tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, calls=record)
-    measured = run(*model_parts(model, blocks, policy))
-    if any(name not in record.called for name, _ in measured.blocks):  # a block the step never called: what of it ran
-        measured = run(*model_parts(model, blocks, policy, record.called))
     measured_batch = batch_size_of(example_input)
-    return StepInputs(
-        layout=ModelLayout.of(measured.model, [b for _, b in measured.blocks], measured.norms),
-        profile=measured.profile,
-        world=world_size,
-        master=policy.master,
-        compute=policy.compute,
-        reduce=policy.reduce,
-        optimizer=optimizer,
-        batch_scale=(batch_size or measured_batch) / measured_batch,
-        collective_copies=collective_copies(device),
-        loop=loop or TrainingLoop(),
-        tensor=measured.tensor,
-    )
 
+    def measure(called: Collection[str] | None = None) -> StepInputs:
+        twin, (found, norms), log = model, model_parts(model, blocks, policy, called), None
+        if tensor_parallel > 1:  # one tensor-parallel rank's share
+            twin, found, log = split_twin(model, found, tensor_parallel, tensor_plan)
+            norms = model_parts(twin, None, policy)[1]
+        with recording(twin, record, found), fresh_caches(twin):
+            profile = measure_activations(twin, found, example_input, policy.compute, norms, call, mode_of, log)
+        return StepInputs(
+            layout=ModelLayout.of(twin, [b for _, b in found], norms),
+            profile=profile,
+            world=world_size,
+            master=policy.master,
+            compute=policy.compute,
+            reduce=policy.reduce,
+            optimizer=optimizer,
+            batch_scale=(batch_size or measured_batch) / measured_batch,
+            collective_copies=collective_copies(device),
+            loop=loop or TrainingLoop(),
+            tensor=None if log is None else log.split([b.resent for b in profile.blocks]),
+        )
 
-class _Measured(NamedTuple):
-    """What one measured step ran (under tensor parallelism the split twin) and found."""
-
-    model: nn.Module
-    blocks: Named
-    norms: list[nn.Module]
-    tensor: TensorSplit | None
-    profile: ActivationProfile
-
-
-def _measure(
-    model: nn.Module, found: Named, norms: list[nn.Module], *, example_input: Any, policy: PrecisionPolicy,
-    call: StepCall | None, mode_of: ModeOf | None, tensor_parallel: int, tensor_plan: TensorPlanSelector | None,
-    calls: Calls,
-) -> _Measured:
-    tensor = None
-    if tensor_parallel > 1:
-        model, found, roles, plans = split_twin(model, found, tensor_parallel, tensor_plan)
-        norms = model_parts(model, None, policy)[1]
-    with recording(model, calls, found), fresh_caches(model):
-        if tensor_parallel > 1:
-            all_reduces = measure_collectives(model, found, roles, example_input, policy.compute, norms, call)
-            tensor = TensorSplit(tensor_parallel, all_reduces, plans)
-        profile = measure_activations(model, found, example_input, policy.compute, norms, call, mode_of)
-    return _Measured(model, found, norms, tensor, profile)
+    inputs = measure()
+    if any(b.name not in record.called for b in inputs.profile.blocks):  # a block never called: what of it ran
+        inputs = measure(record.called)
+    return inputs
 
 
 def batch_size_of(example_input: Any) -> int:

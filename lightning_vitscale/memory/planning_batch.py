@@ -74,7 +74,9 @@ def first_batch(loader: Any) -> Any | None:
 def random_state_kept() -> Iterator[None]:
     """torch's (CPU, initialised CUDA devices), Python's and NumPy's global random states restored after the body."""
     state = random.getstate()
-    numpy_random = _numpy_random()
+    numpy_random: Any = None
+    with contextlib.suppress(ImportError):  # NumPy is optional for torch
+        import numpy.random as numpy_random
     numpy_state = numpy_random.get_state() if numpy_random is not None else None
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
@@ -84,14 +86,6 @@ def random_state_kept() -> Iterator[None]:
         random.setstate(state)
         if numpy_random is not None:
             numpy_random.set_state(numpy_state)
-
-
-def _numpy_random() -> Any | None:
-    try:
-        import numpy
-    except ImportError:  # NumPy is optional for torch
-        return None
-    return numpy.random
 
 
 def first_tensor_input(batch: Any) -> Any:
@@ -115,11 +109,6 @@ def has_forward(module: nn.Module) -> bool:
         not hasattr(module, "training_step") or is_overridden("forward", module))
 
 
-def runs_training_step(module: nn.Module) -> bool:
-    """Whether ``training_step`` can be measured: overridden, under automatic optimization (a manual one steps)."""
-    return is_overridden("training_step", module) and bool(getattr(module, "automatic_optimization", True))
-
-
 def training_step_call(model: nn.Module, batch: Any) -> Any:
     """``model.training_step(batch, 0)``'s loss, with ``self.log`` and ``print`` silenced and the module's
     ``torchmetrics`` metrics left out: their states are plain tensors (not buffers) that fake tensors cannot meet, and
@@ -132,42 +121,34 @@ def training_step_call(model: nn.Module, batch: Any) -> Any:
     return out.get("loss") if isinstance(out, Mapping) else out
 
 
-def _nothing(*_: Any, **__: Any) -> None:
-    return None
-
-
 @contextlib.contextmanager
 def _silenced(calls: list[tuple[nn.Module, tuple[str, ...]]]) -> Iterator[None]:
     """No-op instance attributes over each module's ``names`` (on the planner's own twin) for the body."""
-    for module, names in calls:
-        for name in names:
-            object.__setattr__(module, name, _nothing)
+    silenced = [(module, name) for module, names in calls for name in names]
+    for module, name in silenced:
+        object.__setattr__(module, name, lambda *_, **__: None)
     try:
         yield
     finally:
-        for module, names in calls:
-            for name in names:
-                module.__dict__.pop(name, None)
+        for module, name in silenced:
+            module.__dict__.pop(name, None)
 
 
 def measure_batch(model: nn.Module, batch: PlanningBatch, **step_kwargs: Any) -> tuple[StepInputs, str]:
     """:func:`~.planner.step_inputs` for ``batch``, and how it was measured: a training batch through
     ``training_step`` on a meta twin, else through ``forward`` on its first tensor (see the module docstring)."""
-    with random_state_kept():  # a training_step's random calls must not shift the training run's numbers
-        return _measure_batch(model, batch, **step_kwargs)
-
-
-def _measure_batch(model: nn.Module, batch: PlanningBatch, **step_kwargs: Any) -> tuple[StepInputs, str]:
     how = ""
-    if batch.through_training_step and runs_training_step(model):
-        try:
-            inputs = step_inputs(meta_twin(model), batch.value, call=training_step_call, **step_kwargs)
-            return inputs, f"{batch.source}, through training_step"
-        except TensorPlanError:
-            raise
-        except Exception as error:
-            if not has_forward(model):
+    with random_state_kept():  # a training_step's random calls must not shift the training run's numbers
+        measurable = batch.through_training_step and is_overridden("training_step", model)
+        if measurable and getattr(model, "automatic_optimization", True):  # a manual one steps the optimizer
+            try:
+                inputs = step_inputs(meta_twin(model), batch.value, call=training_step_call, **step_kwargs)
+                return inputs, f"{batch.source}, through training_step"
+            except TensorPlanError:
                 raise
-            how = f" (training_step could not run on fake tensors: {type(error).__name__})"
-    value = first_tensor_input(batch.value) if batch.through_training_step else batch.value
-    return step_inputs(model, value, **step_kwargs), f"{batch.source}, through forward{how}"
+            except Exception as error:
+                if not has_forward(model):
+                    raise
+                how = f" (training_step could not run on fake tensors: {type(error).__name__})"
+        value = first_tensor_input(batch.value) if batch.through_training_step else batch.value
+        return step_inputs(model, value, **step_kwargs), f"{batch.source}, through forward{how}"

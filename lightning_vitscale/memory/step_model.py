@@ -45,11 +45,7 @@ class ModelLayout:
 
     @property
     def num_params(self) -> int:
-        return sum(_numel(s) for unit in [*self.blocks, self.outer, self.norms] for s in unit)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape) if shape else 1
+        return sum(math.prod(s) for unit in [*self.blocks, self.outer, self.norms] for s in unit)
 
 
 @dataclass(frozen=True)
@@ -161,10 +157,10 @@ def step_phases(inputs: StepInputs, settings: StepSettings) -> list[MemoryBreakd
     outer_shard = shard_numel(lay.outer, inputs.world)
     params = (sum(shards) + outer_shard) * m
     on_device = 0 if settings.offload else 1  # offloaded state lives in host memory, not on the device
-    norm_numel = sum(_numel(s) for s in lay.norms)
+    norm_numel = sum(math.prod(s) for s in lay.norms)
     norms = norm_numel * 4 * (2 + states)
-    full_blocks = [sum(_numel(s) for s in b) for b in lay.blocks]
-    outer_full = sum(_numel(s) for s in lay.outer) * c
+    full_blocks = [sum(math.prod(s) for s in b) for b in lay.blocks]
+    outer_full = sum(math.prod(s) for s in lay.outer) * c
     kept = [int(_kept_and_inside(b, i, settings)[0] * scale) for i, b in enumerate(prof.blocks)]
     batch = int(prof.batch_bytes * scale)
     base = dict(params=params * on_device, optimizer=params * states * on_device, norms=norms, batch=batch)

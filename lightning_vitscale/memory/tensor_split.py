@@ -6,32 +6,26 @@ Megatron-style plan (``discovery/tensor_plan.py``; :func:`split_twin`: a column-
 a row-wise one ``in / k`` columns and its whole bias, attention modules their per-rank head counts) and measures the
 twin as any model: its layout is this rank's share before FSDP's split, its activations this rank's.
 
-The all-reduces (:func:`measure_collectives`, hooks where ``parallelize_module`` puts them): a row-wise module's
-output after each forward call (a checkpointed block's recompute runs them again as far as it goes), a column-wise
-module's input gradient once per backward (HF's separate q, k, v Linears send three); rings over the ``k`` ranks.
+The all-reduces (:class:`AllReduceLog`, counted in the activations' passes): a row-wise module's output after each
+forward call (a checkpointed block's recompute runs them again as far as it goes), a column-wise module's input
+gradient once per backward (HF's separate q, k, v Linears send three); rings over the ``k`` ranks.
 """
 
 from __future__ import annotations
 
-import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.utils.hooks import RemovableHandle
 
 from lightning_vitscale.discovery.tensor_plan import TensorPlanError, TensorPlanSelector, plan_block
-from lightning_vitscale.memory.activations import StepCall, _Recorder, fake_step, removing, run_step
-from lightning_vitscale.memory.block_identity import block_key
 from lightning_vitscale.memory.collectives import ring_bytes
 from lightning_vitscale.memory.op_costs import tensors_of
-from lightning_vitscale.memory.selective_ops import selective_contexts
 from lightning_vitscale.memory.twin import meta_twin
-
-_CPU = torch.device("cpu")
-CHECKPOINT_CONTEXTS = {"full": torch.utils.checkpoint.noop_context_fn, "selective": selective_contexts}
 
 
 @dataclass(frozen=True)
@@ -44,9 +38,6 @@ class BlockAllReduces:
     backward: int
     recompute: dict[str, int] = field(default_factory=dict)
     calls: int = 0
-
-    def buffer_bytes(self, mode: str | None) -> int:
-        return self.forward + self.backward + (self.recompute.get(mode, 0) if mode else 0)
 
 
 @dataclass(frozen=True)
@@ -61,7 +52,8 @@ class TensorSplit:
     def sent(self, modes: list[str | None], scale: float = 1.0) -> float:
         """Bytes one rank sends per step, block ``i`` checkpointed in ``modes[i]``, the batch ``scale`` times the
         measured one."""
-        total = sum(block.buffer_bytes(mode) for block, mode in zip(self.blocks, modes, strict=True)) * scale
+        total = sum(b.forward + b.backward + (b.recompute.get(mode, 0) if mode else 0)
+                    for b, mode in zip(self.blocks, modes, strict=True)) * scale
         return ring_bytes(total, self.ranks, reduce=True)
 
 
@@ -71,9 +63,9 @@ Roles = dict[str, str]
 
 def split_twin(
     model: nn.Module, blocks: list[tuple[str, nn.Module]], ranks: int, plan: TensorPlanSelector | None
-) -> tuple[nn.Module, list[tuple[str, nn.Module]], list[Roles], dict[str, str]]:
+) -> tuple[nn.Module, list[tuple[str, nn.Module]], AllReduceLog]:
     """A meta twin of ``model`` whose blocks hold one tensor-parallel rank's share by each block's plan; its blocks,
-    each block's roles, and each block class's plan described."""
+    and the log for their all-reduces (each block's roles, each block class's plan described)."""
     twin = meta_twin(model)
     found = [(name, twin.get_submodule(name)) for name, _ in blocks]
     roles: list[Roles] = []
@@ -88,7 +80,7 @@ def split_twin(
             owner, _, attr = attr_path.rpartition(".")
             setattr(block.get_submodule(owner), attr, value)
         roles.append(block_roles)
-    return twin, found, roles, described
+    return twin, found, AllReduceLog(ranks, roles, described)
 
 
 def _role(style: Any, block: str, module: str) -> str:
@@ -126,86 +118,39 @@ def _shrink(module: nn.Module, role: str, ranks: int, where: str) -> None:
         module.in_features = shape[1]
 
 
-class _AllReduceLog:
-    """Hooks where ``parallelize_module`` puts the collectives: after a row-wise module's forward (its output),
-    before a column-wise module's forward (its input, whose gradient is all-reduced once in backward)."""
+class AllReduceLog:
+    """Hooks where ``parallelize_module`` puts the all-reduces, on the blocks of the activations' passes."""
 
-    def __init__(self) -> None:
+    def __init__(self, ranks: int, roles: list[Roles], plans: dict[str, str]) -> None:
+        self.ranks, self.roles, self.plans = ranks, roles, plans
         self.rows: list[tuple[int, int]] = []
         self.cols: list[tuple[int, int]] = []
 
-    def watching(self, blocks: list[tuple[str, nn.Module]], roles: list[Roles]) -> contextlib.ExitStack:
+    def watching(self, index: int, block: nn.Module) -> list[RemovableHandle]:
+        return self._hooks(index, block, lambda n: self.rows.append((index, n)), lambda n: self.cols.append((index, n)))
+
+    def resending(self, index: int, block: nn.Module, into: list[int]) -> list[RemovableHandle]:
+        return self._hooks(index, block, into.append, None)
+
+    def _hooks(self, index: int, block: nn.Module, row: Callable[[int], None],
+               col: Callable[[int], None] | None) -> list[RemovableHandle]:
         handles = []
-        for index, ((_, block), block_roles) in enumerate(zip(blocks, roles, strict=True)):
-            for module_name, role in block_roles.items():
-                module = block.get_submodule(module_name)
-                if role == "rowwise":
-                    handles.append(module.register_forward_hook(self._row(index)))
-                else:
-                    handles.append(module.register_forward_pre_hook(self._col(index)))
-        return removing(handles)
+        for name, role in self.roles[index].items():
+            module = block.get_submodule(name)
+            if role == "rowwise":
+                handles.append(module.register_forward_hook(lambda _, __, out: row(_float_bytes(out))))
+            elif col is not None:
+                handles.append(module.register_forward_pre_hook(lambda _, args: col(_float_bytes(args[:1]))))
+        return handles
 
-    def _row(self, index: int):
-        def hook(_: nn.Module, __: Any, out: Any) -> None:
-            self.rows.append((index, _float_bytes(out)))
-
-        return hook
-
-    def _col(self, index: int):
-        def hook(_: nn.Module, args: tuple[Any, ...]) -> None:
-            self.cols.append((index, _float_bytes(args[:1])))
-
-        return hook
+    def split(self, resent: list[dict[str, int]]) -> TensorSplit:
+        """Each block's all-reduces per step, as the measured step ran them; ``resent``: each block's recompute's."""
+        out = []
+        for index, again in enumerate(resent):
+            rows, cols = [n for i, n in self.rows if i == index], [n for i, n in self.cols if i == index]
+            out.append(BlockAllReduces(sum(rows), sum(cols), again, len(rows) + len(cols)))
+        return TensorSplit(self.ranks, out, self.plans)
 
 
 def _float_bytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors_of(tree) if t.is_floating_point())
-
-
-def measure_collectives(
-    twin: nn.Module,
-    blocks: list[tuple[str, nn.Module]],
-    roles: list[Roles],
-    example_input: Any,
-    compute: torch.dtype,
-    norms: list[nn.Module] | None = None,
-    call: StepCall | None = None,
-) -> list[BlockAllReduces]:
-    """Each block's all-reduces per step: the twin's forward on fake tensors (as the activations are measured) gives
-    the forward and backward ones, a checkpointed pass per mode of each distinct block its recompute's."""
-    log, recorder = _AllReduceLog(), _Recorder(set())  # the recorder: each block's input
-    with fake_step(twin, example_input, compute, norms or [], call) as (mode, fake_input):
-        handles = [b.register_forward_pre_hook(recorder.enter(i)) for i, (_, b) in enumerate(blocks)]
-        with removing(handles), mode, torch.no_grad(), log.watching(blocks, roles):
-            run_step(twin, fake_input, call)
-        recomputed: dict[Any, dict[str, int]] = {}
-        result = []
-        for index, (_, block) in enumerate(blocks):
-            forward = sum(n for i, n in log.rows if i == index)
-            backward = sum(n for i, n in log.cols if i == index)
-            calls = sum(i == index for i, _ in log.rows) + sum(i == index for i, _ in log.cols)
-            x = recorder.inputs.get(index)
-            again: dict[str, int] = {}
-            if x is not None:
-                key = block_key(block, x)
-                if key not in recomputed:
-                    recomputed[key] = {m: _recompute_bytes(block, roles[index], x, mode, m) for m in
-                                       CHECKPOINT_CONTEXTS}
-                again = recomputed[key]
-            result.append(BlockAllReduces(forward, backward, again, calls))
-    return result
-
-
-def _recompute_bytes(block: nn.Module, roles: Roles, x: torch.Tensor, mode: Any, checkpointing: str) -> int:
-    """Row-wise outputs all-reduced again while backward recomputes ``block`` checkpointed as ``checkpointing``."""
-    log = _AllReduceLog()
-    with mode, log.watching([("", block)], [roles]):
-        inp = torch.empty(x.shape, dtype=x.dtype, device=_CPU, requires_grad=True)
-        out = torch.utils.checkpoint.checkpoint(block, inp, use_reentrant=False,
-                                                context_fn=CHECKPOINT_CONTEXTS[checkpointing])
-        first = next(t for t in tensors_of(out) if t.requires_grad)
-        in_forward = len(log.rows)
-        torch.autograd.backward(first, torch.empty_like(first))
-    for p in block.parameters():
-        p.grad = None
-    return sum(n for _, n in log.rows[in_forward:])

@@ -22,13 +22,13 @@ from lightning_vitscale.distributed import RankContext
 from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.memory import (
     AutoCheckpointing,
+    Measurement,
     ModeOf,
     PlanningBatch,
     StepInputs,
     StepSettings,
     describe_prediction,
     device_memory,
-    measure_for_summary,
     planning_batch,
     rates_for,
     resolve_budget,
@@ -136,25 +136,23 @@ def plan_before_sharding(
     sharding, shard = resolved.sharding, shard_size(ranks.sharding_mesh)
     replicas = ranks.sharding_mesh.size() // shard  # copies of a shard group (hybrid), as the layout report counts
     tp = ranks.tensor_mesh.size() if ranks.tensor_mesh is not None else 1  # it measures one TP rank's share
+    measure = Measurement(shard, precision.name, sharding.blocks, replicas, tp, sharding.tensor_plan, trainer)
     if resolved.checkpointing.is_auto:
         auto = AutoCheckpointing(
-            budget, shard, precision.name, sharding.blocks, _fixed_reshard(resolved), offloads(sharding, ranks.device),
-            blocks_per_unit=None if resolved.planner_units else resolved.blocks_per_unit, replicas=replicas,
-            tensor_parallel=tp, tensor_plan=sharding.tensor_plan,
-            required=resolved.requested.checkpointing.blocks == "auto", trainer=trainer,
+            budget, measure, _fixed_reshard(resolved), offloads(sharding, ranks.device),
+            blocks_per_unit=None if resolved.planner_units else resolved.blocks_per_unit,
+            required=resolved.requested.checkpointing.blocks == "auto",
         )
         choice = auto.at_setup(module, ranks.device, ranks.broadcast, batch)
         if choice is not None:  # else decided at the first training step, from its batch
             resolved = dataclasses.replace(resolved, checkpoint_choice=choice.modes,
                                            blocks_per_unit=choice.blocks.per_unit)
-        return Planned(resolved, budget, auto, calls=auto.calls)
-    calls = Calls()
-    found = measure_for_summary(module, batch or planning_batch(module, None), shard, precision.name,
-                                sharding.blocks, ranks.device, _mode_of(module, resolved), replicas,
-                                tp, sharding.tensor_plan, calls, trainer)
-    if found is None:
+        return Planned(resolved, budget, auto, calls=measure.calls)
+    batch = batch or planning_batch(module, None)
+    if batch is None:
         return Planned(resolved, budget)
-    measured, measured_on = found
+    calls = measure.calls
+    measured, measured_on = measure.or_why(module, batch, ranks.device, _mode_of(module, resolved))
     if measured is None:
         return Planned(resolved, budget, calls=calls, unmeasured=measured_on)
     if not (resolved.planner_units or resolved.planner_keeps):

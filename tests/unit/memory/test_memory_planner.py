@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_vitscale.cli.demo import TinyViT
 from lightning_vitscale.kernels.optimizers import prefer_foreach
-from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing
+from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, Measurement
 from lightning_vitscale.memory.plan_search import BlockPlan
 from lightning_vitscale.memory.planner import parse_memory, plan_memory, step_inputs
 from lightning_vitscale.memory.step_model import StepSettings, collective_copies, predict_step
@@ -172,7 +172,7 @@ def test_auto_checkpoints_about_half_under_a_half_budget_and_stays_within_it(mes
     every = predict_step(inputs, StepSettings(frozenset(range(4)))).peak
     none = predict_step(inputs, StepSettings()).peak
     budget = (every + none) // 2
-    choice = AutoCheckpointing(budget, 1, "32-true", None, blocks_per_unit=1).choose(planned, meta_input())
+    choice = AutoCheckpointing(budget, Measurement(1, "32-true"), blocks_per_unit=1).choose(planned, meta_input())
     assert len(choice.names) == 2, choice.describe()
     assert choice.names == ["blocks.0", "blocks.1"]
     assert measured_step_peak(mesh, set(choice.names)) <= budget
@@ -182,7 +182,7 @@ def test_auto_checkpoints_nothing_when_everything_fits(mesh):
     with torch.device("meta"):
         planned = TinyViT(**LONG)
     ample = 4 * 2**30
-    choice = AutoCheckpointing(ample, 1, "32-true", None, blocks_per_unit=1).choose(planned, meta_input())
+    choice = AutoCheckpointing(ample, Measurement(1, "32-true"), blocks_per_unit=1).choose(planned, meta_input())
     assert choice.names == []
     assert measured_step_peak(mesh, set()) <= ample
 
@@ -262,13 +262,13 @@ def test_auto_keeps_blocks_gathered_when_everything_fits(mesh):
     all-gather); a tight one: every block checkpointed and resharded after forward as the recipe does."""
     from torch.distributed.tensor import DTensor
 
-    from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing
+    from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, Measurement
     from lightning_vitscale.sharding.planning import apply_auto_choice
 
     for ample in (False, True):
         model = TinyViT(**LONG)
         model.example_input_array = batch()[0]
-        auto = AutoCheckpointing(4 * 2**30 if ample else 1, 1, "32-true", None)
+        auto = AutoCheckpointing(4 * 2**30 if ample else 1, Measurement(1, "32-true"))
         names = auto.at_setup(model, torch.device("cpu"), lambda plan: plan).names  # as the strategy: before sharding
         root = OuterUnit(model)
         config = ParallelConfig(checkpointing=CheckpointingPolicy(blocks=False))

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_vitscale.cli.demo import TinyViT
-from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, AutoChoice
+from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, AutoChoice, Measurement
 from lightning_vitscale.memory.collectives import ring_bytes
 from lightning_vitscale.memory.plan_search import (
     BlockPlan,
@@ -101,7 +101,7 @@ def test_infeasible_budget_gives_the_least_memory_plan_and_a_warning(inputs):
     assert search(space) == least_memory(space) == RECIPE and not space.fits(search(space))
     with torch.device("meta"):
         planned = TinyViT(**WIDE)
-    auto = AutoCheckpointing(least - 1, 2, "32-true", None, blocks_per_unit=1)
+    auto = AutoCheckpointing(least - 1, Measurement(2, "32-true"), blocks_per_unit=1)
     choice = auto.choose(planned, torch.empty(8, 3, 32, 32, device="meta"), torch.device("cpu"))
     assert choice.blocks == RECIPE and not choice.plan.fits
     assert choice.warning is not None and "no choice fits the memory budget" in choice.warning
@@ -246,7 +246,7 @@ def test_units_chosen_only_at_the_first_step_are_named_as_a_hint(inputs):
     _, most = ends(inputs)
     with torch.device("meta"):
         planned = TinyViT(**WIDE)
-    auto = AutoCheckpointing(4 * most, 2, "32-true", None)  # the units left to it, but made before the batch:
+    auto = AutoCheckpointing(4 * most, Measurement(2, "32-true"))  # the units left to it, but made before the batch:
     auto.blocks_per_unit = 1
     choice = auto.choose(planned, torch.empty(8, 3, 32, 32, device="meta"), torch.device("cpu"))
     assert choice.blocks.per_unit == 1 and choice.hint is not None

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_vitscale.cli.demo import TinyViT
-from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, training_loop
+from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, Measurement, training_loop
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_model import StepSettings, TrainingLoop, predict_step, step_phases
 
@@ -76,19 +76,19 @@ def test_auto_warns_when_no_choice_meets_the_budget_and_never_assumes_offload():
     every = predict_step(inputs, StepSettings(frozenset(range(4))))
     budget = predict_step(inputs, StepSettings(frozenset(range(4)), offload=True)).peak  # met by offload alone
     assert budget < every.peak
-    choice = AutoCheckpointing(budget, 2, "32-true", None, blocks_per_unit=1).choose(model, x)
+    choice = AutoCheckpointing(budget, Measurement(2, "32-true"), blocks_per_unit=1).choose(model, x)
     assert choice.names == [f"blocks.{i}" for i in range(4)] and not choice.plan.chosen.settings.offload
     assert choice.plan.chosen.breakdown.peak == every.peak and not choice.plan.fits
     assert choice.warning is not None and "offload='cpu' (predicted" in choice.warning
     assert "a per-rank batch of" in choice.warning and "memory_budget" in choice.warning
-    hopeless = AutoCheckpointing(1, 2, "32-true", None, blocks_per_unit=1).choose(model, x)
+    hopeless = AutoCheckpointing(1, Measurement(2, "32-true"), blocks_per_unit=1).choose(model, x)
     assert hopeless.warning is not None and "offload" not in hopeless.warning  # would not fit either
-    offloaded = AutoCheckpointing(budget, 2, "32-true", None, offload=True, blocks_per_unit=1).choose(model, x)
+    offloaded = AutoCheckpointing(budget, Measurement(2, "32-true"), offload=True, blocks_per_unit=1).choose(model, x)
     assert offloaded.plan.fits and offloaded.plan.chosen.settings.offload and offloaded.warning is None
 
     real = TinyViT(**LONG)
     real.example_input_array = torch.randn(8, 3, 64, 64)
-    auto = AutoCheckpointing(budget, 2, "32-true", None)
+    auto = AutoCheckpointing(budget, Measurement(2, "32-true"))
     with pytest.warns(UserWarning, match=r"no choice fits the memory budget .* offload='cpu' \(predicted"):
         names = auto.at_setup(real, torch.device("cpu"), lambda plan: plan).names
     assert names == [f"blocks.{i}" for i in range(4)]

@@ -110,7 +110,7 @@ def test_a_setup_step_that_cannot_run_on_fake_tensors_is_said_in_the_summary_and
     summary's memory line says what could not be measured and why, torch logs no traceback of its own, and the fit
     trains.
 
-    Mutation seen failing: ``measure_for_summary`` returning ``None`` on the error, as before (the line is empty)."""
+    Mutation seen failing: ``Measurement.or_why`` returning ``None`` on the error, as before (the line is empty)."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_vitscale import VitScaleStrategy
