@@ -29,6 +29,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """One line per test as soon as it ends: outcome, seconds and why it failed. benchmarks/gpu_run.sh runs these
     tests under a time limit, and pytest prints failures only at the end: twice (H200 run 3, H100 run 4) the part was
     killed first and a failure's message was lost. benchmarks/gpu_report.py reads these lines from the log."""
+    if not report.nodeid.startswith("tests/gpu/"):  # the hook sees every test of the run (all of them under -n)
+        return
     if report.when == "call" or report.outcome != "passed":
         message = ""
         if report.outcome != "passed":
