@@ -28,7 +28,8 @@ RUN_BY: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     r'pip install -e "\.\[test,examples\]"$': (".ci/run", ('pip install --quiet -e ".[test,examples]"',)),
     r"python -m pytest -q$": (".ci/run", ("python -m pytest -q",)),
-    r"bash \.ci/run$": (".ci/run", ("python -m pytest -q", "lint-imports")),
+    r"python -m pytest -q -n 2 --dist loadgroup$": (".ci/run", ("python -m pytest -q -n 2 --dist loadgroup",)),
+    r"bash \.ci/run$": (".ci/run", ("python -m pytest -q -n 2 --dist loadgroup", "lint-imports")),
     r"python -m pytest -m gpu$": ("benchmarks/gpu_run.sh", ("-m pytest -m gpu tests/gpu",)),
     r"bash benchmarks/gpu_run\.sh( OUT_DIR)?$": (".ci/run", ("bash benchmarks/gpu_run.sh",)),
     r"bash benchmarks/gpu_run\.sh OUT_DIR --dry-run$": (
@@ -136,7 +137,7 @@ def documented_commands() -> dict[str, str]:
 
 def test_the_pages_give_commands():
     commands = documented_commands()
-    assert "python -m pytest -q" in commands and len(commands) >= 15, sorted(commands)
+    assert "python -m pytest -q -n 2 --dist loadgroup" in commands and len(commands) >= 15, sorted(commands)
 
 
 def test_every_documented_command_is_run_by_a_test_or_ci():
