@@ -10,6 +10,7 @@ import torch
 _SERIAL = ("distributed", "slow", "gpu")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups off the marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.pluginmanager.hasplugin("xdist"):
         # `-n 2 --dist loadgroup` (README's test command): a rank launch takes both cores and some bound their
