@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Sequence
+from dataclasses import field
 from pathlib import Path
+from typing import TypeVar, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -15,6 +17,12 @@ from lightning_vitscale._compat import WRAPPER_PREFIXES
 
 GIB = 2**30
 MIB = 2**20
+T = TypeVar("T")
+
+
+def documented(default: T, doc: str) -> T:
+    """A settings field documented once: ``doc`` is the option's text (options.py renders it)."""
+    return cast(T, field(default=default, metadata={"doc": doc}))
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
