@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -177,10 +177,6 @@ def dtensor_local(tensor: Any) -> torch.Tensor:
 def dtensor_like(local: torch.Tensor, like: Any) -> Any:
     """``local`` as a DTensor laid out as ``like``, without ``DTensor.from_local``'s autograd function and spec."""
     return DTensor(local, like._spec, requires_grad=False)
-
-
-def set_parameters(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    module._parameters.update(tensors)  # type: ignore[arg-type]  # plain tensors on purpose
 
 
 def parameter_slots(module: torch.nn.Module) -> dict[str, Any]:
