@@ -170,8 +170,10 @@ def after_closure(plugin: Precision, model: Any, optimizer: Any) -> None:
     plugin._after_closure(model, optimizer)
 
 
-def dtensor_local(tensor: Any) -> torch.Tensor:
-    return tensor._local_tensor
+def dtensor_local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank stores: a DTensor's local shard (without ``to_local()``'s autograd node, so
+    for writes under ``no_grad`` and reads of detached values), any other tensor itself."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def dtensor_like(local: torch.Tensor, like: Any) -> Any:

@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import TypeVar, cast
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import WRAPPER_PREFIXES
+from lightning_vitscale._compat import WRAPPER_PREFIXES, dtensor_local
 
 GIB = 2**30
 MIB = 2**20
@@ -25,14 +24,9 @@ def documented(default: T, doc: str) -> T:
     return cast(T, field(default=default, metadata={"doc": doc}))
 
 
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of ``tensor`` this rank stores: a DTensor's local shard, any other tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes this rank actually stores for ``tensors`` (a DTensor counts its local shard only)."""
-    return sum(local_tensor(t).numel() * t.element_size() for t in tensors)
+    return sum(dtensor_local(t).numel() * t.element_size() for t in tensors)
 
 
 def full_bytes(tensors: Iterable[torch.Tensor]) -> int:
