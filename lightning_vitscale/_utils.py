@@ -1,4 +1,4 @@
-"""Small helpers several concerns share (local shards, byte counts and their text, wrapper prefixes, host memory),
+"""Small helpers several concerns share (option texts, byte counts and their text, wrapper prefixes, host memory),
 in one home so their rules (FSDP's padding, wrappers' key prefixes) cannot drift apart. Imports only ``_compat``."""
 
 from __future__ import annotations
