@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -170,17 +170,15 @@ def after_closure(plugin: Precision, model: Any, optimizer: Any) -> None:
     plugin._after_closure(model, optimizer)
 
 
-def dtensor_local(tensor: Any) -> torch.Tensor:
-    return tensor._local_tensor
+def dtensor_local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank stores: a DTensor's local shard (without ``to_local()``'s autograd node, so
+    for writes under ``no_grad`` and reads of detached values), any other tensor itself."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def dtensor_like(local: torch.Tensor, like: Any) -> Any:
     """``local`` as a DTensor laid out as ``like``, without ``DTensor.from_local``'s autograd function and spec."""
     return DTensor(local, like._spec, requires_grad=False)
-
-
-def set_parameters(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    module._parameters.update(tensors)  # type: ignore[arg-type]  # plain tensors on purpose
 
 
 def parameter_slots(module: torch.nn.Module) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Small helpers several concerns share (local shards, byte counts and their text, wrapper prefixes, host memory),
+"""Small helpers several concerns share (option texts, byte counts and their text, wrapper prefixes, host memory),
 in one home so their rules (FSDP's padding, wrappers' key prefixes) cannot drift apart. Imports only ``_compat``."""
 
 from __future__ import annotations
@@ -6,25 +6,27 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Sequence
+from dataclasses import field
 from pathlib import Path
+from typing import TypeVar, cast
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import WRAPPER_PREFIXES
+from lightning_vitscale._compat import WRAPPER_PREFIXES, dtensor_local
 
 GIB = 2**30
 MIB = 2**20
+T = TypeVar("T")
 
 
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of ``tensor`` this rank stores: a DTensor's local shard, any other tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+def documented(default: T, doc: str) -> T:
+    """A settings field documented once: ``doc`` is the option's text (options.py renders it)."""
+    return cast(T, field(default=default, metadata={"doc": doc}))
 
 
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes this rank actually stores for ``tensors`` (a DTensor counts its local shard only)."""
-    return sum(local_tensor(t).numel() * t.element_size() for t in tensors)
+    return sum(dtensor_local(t).numel() * t.element_size() for t in tensors)
 
 
 def full_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -14,9 +14,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from lightning_vitscale._utils import documented
 from lightning_vitscale.checkpoint.settings import CheckpointSettings
 from lightning_vitscale.init.settings import InitSettings
-from lightning_vitscale.sharding.settings import CheckpointingPolicy, ParallelConfig, ShardingPolicy, documented
+from lightning_vitscale.sharding.settings import CheckpointingPolicy, ParallelConfig, ShardingPolicy
 
 
 @dataclass(frozen=True)

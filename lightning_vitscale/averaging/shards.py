@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_vitscale._compat import foreach_add_, foreach_copy_, foreach_lerp_, foreach_mul_
-from lightning_vitscale._utils import local_tensor, strip_wrapper_prefixes
+from lightning_vitscale._compat import dtensor_local, foreach_add_, foreach_copy_, foreach_lerp_, foreach_mul_
+from lightning_vitscale._utils import strip_wrapper_prefixes
 from lightning_vitscale.row_layout import interleaved_rows, packed_rows
 
 
@@ -45,7 +45,7 @@ class EmaShards:
         self.ema: list[torch.Tensor] = []
         keys: dict[tuple[Any, ...], _Group] = {}
         for index, (_, tensor, is_param) in enumerate(entries):
-            local = local_tensor(tensor).detach()
+            local = dtensor_local(tensor).detach()
             floating = local.is_floating_point()
             ema = local.to(device="cpu" if offload else local.device, dtype=torch.float32 if floating else local.dtype)
             self.ema.append(ema.clone() if ema.data_ptr() == local.data_ptr() else ema)
@@ -56,7 +56,7 @@ class EmaShards:
         self.groups = list(keys.values())
 
     def locals(self) -> list[torch.Tensor]:
-        return [local_tensor(t).detach() for t in self.sources]
+        return [dtensor_local(t).detach() for t in self.sources]
 
     @torch.no_grad()
     def update(self, decay: float) -> None:
@@ -108,7 +108,7 @@ class EmaShards:
         if missing:
             raise KeyError(f"{len(missing)} EMA tensor(s) missing from the checkpoint, e.g. {missing[:3]}")
         for name, source, ema in zip(self.names, self.sources, self.ema):
-            value = full[name].to(local_tensor(source).device)
+            value = full[name].to(dtensor_local(source).device)
             if name in self.packed:  # a full file holds the model's own row order
                 value = interleaved_rows(value, *self.packed[name])
             if isinstance(source, DTensor):  # src_data_rank=None: every rank holds the full tensor already

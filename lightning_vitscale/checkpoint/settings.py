@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, get_args
+
+from lightning_vitscale._utils import documented
 
 StateDictType = Literal["sharded", "full"]
 
@@ -13,32 +15,23 @@ class CheckpointSettings:
     """How checkpoints are written and found. Each field's text is in its ``metadata["doc"]`` (the one source of
     ``VitScaleStrategy``'s Args and README's options table, ``lightning_vitscale/options.py``)."""
 
-    state_dict_type: StateDictType = field(
-        default="sharded",
-        metadata={"doc": (
-            "``\"sharded\"``: checkpoints are folders, each rank writes its own shards; ``\"full\"``: rank 0 writes"
-            " one file in DDP's format (gathered one tensor at a time), which ``MyModule.load_from_checkpoint`` reads"
-            " and a ``strategy=\"ddp\"`` run resumes from."
-        )},
-    )
-    auto_resume: bool = field(
-        default=False,
-        metadata={"doc": (
-            "``fit()`` resumes from the newest complete checkpoint in the ``ModelCheckpoint(dirpath=...)`` folder"
-            " (skipping interrupted, incomplete and corrupt ones, checkpoint/resume.py), and starts from"
-            " ``ckpt_path`` (or from scratch) only when there is none: resubmitting the same command after a"
-            " failure continues the run."
-        )},
-    )
-    async_save: bool = field(
-        default=False,
-        metadata={"doc": (
-            "Sharded saves during ``fit`` copy this rank's shards into host memory and return; DCP writes them in"
-            " the background (one save in flight at most, checkpoint/async_save.py), the checkpoint is committed"
-            " once every rank wrote, a failure is raised at the next training step, and ``fit`` waits for the last"
-            " save."
-        )},
-    )
+    state_dict_type: StateDictType = documented("sharded", (
+        "``\"sharded\"``: checkpoints are folders, each rank writes its own shards; ``\"full\"``: rank 0 writes"
+        " one file in DDP's format (gathered one tensor at a time), which ``MyModule.load_from_checkpoint`` reads"
+        " and a ``strategy=\"ddp\"`` run resumes from."
+    ))
+    auto_resume: bool = documented(False, (
+        "``fit()`` resumes from the newest complete checkpoint in the ``ModelCheckpoint(dirpath=...)`` folder"
+        " (skipping interrupted, incomplete and corrupt ones, checkpoint/resume.py), and starts from"
+        " ``ckpt_path`` (or from scratch) only when there is none: resubmitting the same command after a"
+        " failure continues the run."
+    ))
+    async_save: bool = documented(False, (
+        "Sharded saves during ``fit`` copy this rank's shards into host memory and return; DCP writes them in"
+        " the background (one save in flight at most, checkpoint/async_save.py), the checkpoint is committed"
+        " once every rank wrote, a failure is raised at the next training step, and ``fit`` waits for the last"
+        " save."
+    ))
 
     def __post_init__(self) -> None:
         if self.state_dict_type not in get_args(StateDictType):

@@ -1,7 +1,6 @@
 """How a run's processes end: the process group destroyed while Python is still alive (gloo's exit crash), and
 the other local ranks stopped when one raises, without cutting short the launching rank's own exception handling;
-when every rank raised together (:class:`~lightning_vitscale.distributed.agreed.RaisedOnEveryRank`), each rank's
-own handling runs to its end too."""
+when every rank raised together (:class:`RaisedOnEveryRank`), each rank's own handling runs to its end too."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from subprocess import Popen, TimeoutExpired
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_vitscale._compat import SubprocessScriptLauncher, destroy_process_group_safely, on_child_failure
-from lightning_vitscale.distributed.agreed import RaisedOnEveryRank
 from lightning_vitscale.distributed.collective_guard import close_side_group
 
 _registered_exit_cleanup = False
@@ -32,6 +30,11 @@ _AGREEMENT_WINDOW_S = 5.0
 _handling_exception = threading.Event()
 # Set with it when that exception was raised on every rank: the other local ranks are then left to end themselves.
 _agreed_exception = threading.Event()
+
+
+class RaisedOnEveryRank(Exception):
+    """Mixin for an exception every rank raises at the same point, decided by a collective (e.g. the non-finite
+    guard's all-reduce): no rank is blocked in a collective, so each may end through its own handling, as under DDP."""
 
 
 def destroy_process_group_at_exit() -> None:

@@ -27,8 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import INIT_METHODS, buffer_slots, parameter_slots
-from lightning_vitscale._utils import local_tensor
+from lightning_vitscale._compat import INIT_METHODS, buffer_slots, dtensor_local, parameter_slots
 from lightning_vitscale.init.creation import Creation, PeakRss
 from lightning_vitscale.init.replay import Recipe, replay, tensor_seed
 from lightning_vitscale.init.scatter import gather_boxes, materialize_meta, scatter_boxes, scatter_from
@@ -175,7 +174,7 @@ class InitialWeights:
 
     def _replay(self, owner: nn.Module, name: str, tensor: torch.Tensor, owners: dict[int, nn.Module]) -> None:
         recipe = self.recipes.get(name)
-        local = local_tensor(tensor)
+        local = dtensor_local(tensor)
         if recipe is not None and recipe.initialised:
             replay(local, recipe, tensor_seed(self.base_seed, name, _shard_index(tensor)))
             return

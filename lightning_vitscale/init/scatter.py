@@ -11,8 +11,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from lightning_vitscale._compat import buffer_slots, compute_local_shape_and_global_offset, parameter_slots
-from lightning_vitscale._utils import local_tensor, shard_rows
+from lightning_vitscale._compat import (
+    buffer_slots,
+    compute_local_shape_and_global_offset,
+    dtensor_local,
+    parameter_slots,
+)
+from lightning_vitscale._utils import shard_rows
 
 
 def materialize_meta(module: nn.Module, device: torch.device, recurse: bool = True) -> None:
@@ -42,7 +47,7 @@ def scatter_from(full: torch.Tensor | None, target: torch.Tensor, mesh: DeviceMe
     if isinstance(target, DTensor) and target.placements == (Shard(0),) and mesh.ndim == 1 and target.dim():
         scatter_boxes(full, target, _row_boxes(target.shape, mesh.size()), src, group)
         return
-    local = local_tensor(target)
+    local = dtensor_local(target)
     if dist.get_rank() == src:
         assert full is not None
         whole = full.detach().to(local.device, local.dtype).contiguous()
@@ -92,7 +97,7 @@ def scatter_boxes(
 ) -> None:
     """Fill ``target``'s local part with its box (``boxes``: every rank's of ``group``) of global rank ``src``'s
     ``full`` (read there only), each rank receiving its piece only."""
-    local = local_tensor(target)
+    local = dtensor_local(target)
     shape, _ = boxes[dist.get_rank(group)]
     if tuple(local.shape) != shape:
         raise RuntimeError(f"a shard of shape {tuple(local.shape)} was told its box has shape {shape}")

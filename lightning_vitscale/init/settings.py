@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, get_args
+
+from lightning_vitscale._utils import documented
 
 InitMode = Literal["auto", "exact", "meta"]
 INIT_MODES: tuple[str, ...] = get_args(InitMode)
@@ -14,16 +16,13 @@ InitPath = Literal["exact", "meta"]
 class InitSettings:
     """``VitScaleStrategy(init=...)``, checked when the strategy is made (``mode``'s text: ``options.py``)."""
 
-    mode: InitMode = field(
-        default="auto",
-        metadata={"doc": (
-            "How a model built in ``configure_model()`` gets its starting weights: ``\"exact\"`` (rank 0 builds it,"
-            " the others build on meta and receive their shards from rank 0 unit by unit: DDP's weights bit for bit,"
-            " one full copy in rank 0's host memory), ``\"meta\"`` (every rank builds on meta and runs the model's"
-            " own init on its shards: same distributions, other values) or ``\"auto\"`` (exact when that copy fits"
-            " in 80% of rank 0's host memory)."
-        )},
-    )
+    mode: InitMode = documented("auto", (
+        "How a model built in ``configure_model()`` gets its starting weights: ``\"exact\"`` (rank 0 builds it,"
+        " the others build on meta and receive their shards from rank 0 unit by unit: DDP's weights bit for bit,"
+        " one full copy in rank 0's host memory), ``\"meta\"`` (every rank builds on meta and runs the model's"
+        " own init on its shards: same distributions, other values) or ``\"auto\"`` (exact when that copy fits"
+        " in 80% of rank 0's host memory)."
+    ))
 
     def __post_init__(self) -> None:
         if self.mode not in INIT_MODES:

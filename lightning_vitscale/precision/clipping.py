@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Placement
 
-from lightning_vitscale._utils import local_tensor
+from lightning_vitscale._compat import dtensor_local
 from lightning_vitscale.distributed.mesh import all_reduce_over, mesh_device
 
 
@@ -40,14 +40,14 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float =
     if not grads:
         return torch.zeros((), dtype=torch.float32)
     sharded = [cast(DTensor, g) for g in grads if _is_sharded(g)]
-    device = mesh_device(sharded[0].device_mesh) if sharded else local_tensor(grads[0]).device
-    other = [local_tensor(g) for g in grads if not _is_sharded(g)]
+    device = mesh_device(sharded[0].device_mesh) if sharded else dtensor_local(grads[0]).device
+    other = [dtensor_local(g) for g in grads if not _is_sharded(g)]
     shard_part = torch.zeros((), dtype=torch.float32, device=device)
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
     layouts: dict[tuple, list[torch.Tensor]] = {}  # (mesh, the mesh dimensions sharded along) -> local parts
     for grad in sharded:
         dims = tuple(i for i, placement in enumerate(grad.placements) if _splits(placement))
-        layouts.setdefault((grad.device_mesh, dims), []).append(local_tensor(grad))
+        layouts.setdefault((grad.device_mesh, dims), []).append(dtensor_local(grad))
     for (mesh, dims), members in layouts.items():
         part = _partial_norm(members, norm_type, device)
         all_reduce_over(part, mesh, dims, op)
@@ -64,6 +64,6 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float, no
     params = [p for p in parameters if p.grad is not None]
     total = total_grad_norm(params, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for local in [local_tensor(p.grad) for p in params if p.grad is not None]:
+    for local in [dtensor_local(p.grad) for p in params if p.grad is not None]:
         local.mul_(coef.to(device=local.device, dtype=local.dtype))
     return total

@@ -17,7 +17,7 @@ def local_groups(grads: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torc
     """The gradients' local shards grouped by device and dtype, as fused multi-tensor ops take them."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for grad in grads:
-        local = dtensor_local(grad) if isinstance(grad, DTensor) else grad
+        local = dtensor_local(grad)
         groups[(local.device, local.dtype)].append(local)
     return groups
 

@@ -56,7 +56,7 @@ def _swap_in(optimizer: torch.optim.Optimizer) -> tuple[list[list[Any]], _Pairs]
                         for g, (_, p) in zip(grads, pairs)):
         return None
     for group, params in zip(groups, originals):
-        group["params"] = [dtensor_local(p) if isinstance(p, DTensor) else p for p in params]
+        group["params"] = [dtensor_local(p) for p in params]
     for (local, param), grad in zip(pairs, grads):
         local.grad = None if grad is None else dtensor_local(grad)
         before = state.get(param)  # one lookup, no defaultdict entry

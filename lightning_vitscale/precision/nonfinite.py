@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_vitscale._compat import amp_unscale_and_check
-from lightning_vitscale.distributed.agreed import RaisedOnEveryRank
+from lightning_vitscale.distributed.teardown import RaisedOnEveryRank
 from lightning_vitscale.precision.grad_scaler import local_groups
 
 

@@ -27,8 +27,8 @@ from lightning_vitscale._compat import (
     current_backward_id,
     dtensor_like,
     dtensor_local,
+    parameter_slots,
     queue_end_of_backward,
-    set_parameters,
     tree_map,
 )
 from lightning_vitscale.distributed.mesh import all_reduce_over, replicated_placements
@@ -146,11 +146,11 @@ def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         local = {name: param.to_local() for name, param in params.items()}  # no autograd node without grad
     else:
         local = {name: _compute_leaf(module, name, param) for name, param in params.items()}
-    set_parameters(module, local)
+    parameter_slots(module).update(local)
     try:
         output = getattr(type(module), _BASE).forward(module, *args, **kwargs)
     finally:
-        set_parameters(module, params)
+        parameter_slots(module).update(params)
     if out_dtype is None:
         return output
     if isinstance(output, torch.Tensor):

@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar, cast
+from typing import Literal
 
 from torch import nn
 
+from lightning_vitscale._utils import documented
 from lightning_vitscale.discovery import ModuleSelector
 from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector
 from lightning_vitscale.kernels.settings import KERNEL_MODES, KernelMode, KernelPolicy, unknown_kernel_mode
@@ -28,14 +29,6 @@ Priority = Literal["speed", "memory"]
 PRIORITIES: tuple[str, ...] = ("speed", "memory")
 OffloadMode = Literal["cpu"]
 OFFLOAD_CHOICES: tuple[str | None, ...] = (None, "cpu")
-
-T = TypeVar("T")
-
-
-def documented(default: T, doc: str) -> T:
-    """A settings field documented once: ``doc`` is the option's text (options.py renders it)."""
-    return cast(T, field(default=default, metadata={"doc": doc}))
-
 
 def _invalid(settings: object, name: str, requirement: str) -> ValueError:
     """The error for an invalid ``name``, ending with the field's own text (restated by hand, it drifted)."""
