@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 _SERIAL = ("distributed", "slow", "gpu")
 
 
