@@ -25,10 +25,7 @@ def check_accelerator(accelerator: object) -> None:
 
 
 def start_process_group(
-    strategy: ModelParallelStrategy,
-    module: Any,
-    timeout: timedelta,
-    shard_group: Callable[[int, int], int],
+    strategy: ModelParallelStrategy, module: Any, timeout: timedelta, shard_group: Callable[[int, int], int],
     tensor_parallel: int = 1,
 ) -> None:
     """The device, ranks and process group of ``strategy``, and its mesh (also ``module``'s): ``shard_group(world_size,

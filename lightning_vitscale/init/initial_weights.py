@@ -40,11 +40,7 @@ class InitialWeights:
     """Starting values for a model that is being sharded unit by unit (see the module docstring)."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        mesh: DeviceMesh,
-        device: torch.device,
-        creation: Creation | None,
+        self, model: nn.Module, mesh: DeviceMesh, device: torch.device, creation: Creation | None,
         tensor_mesh: DeviceMesh | None = None,
     ) -> None:
         self.mesh, self.device = mesh, device
