@@ -73,8 +73,6 @@ def rates_of(device: Device, accelerator: bool = True) -> DeviceRates:
 
 GPU_RATES = rates_of(device_named(DEFAULT_GPU))
 """A GPU the table does not name, and plans made for no device: the measured H200's row."""
-CPU_RATES = rates_of(device_named("cpu"), accelerator=False)
-"""One rank of the 2-core CPU with gloo (the table's ``"cpu"`` row: stated, not general)."""
 
 
 def rates_for(device: torch.device | str | None) -> DeviceRates:
