@@ -114,10 +114,6 @@ class LiveBytes(TorchDispatchMode):
         self._bound = sum(nbytes for _, nbytes in self._live.values())
         return self._bound
 
-    def reset_peak(self) -> int:
-        self.peak = self.current()
-        return self.peak
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in tensors_of(out):
@@ -133,7 +129,6 @@ class LiveBytes(TorchDispatchMode):
 
 
 def removing(handles: list[RemovableHandle]) -> contextlib.ExitStack:
-    """A context that removes ``handles`` on exit."""
     stack = contextlib.ExitStack()
     for handle in handles:
         stack.enter_context(handle)
@@ -363,7 +358,7 @@ def _peak_beyond_forward(
                 out = (block(inp) if checkpoint is None else
                        torch.utils.checkpoint.checkpoint(block, inp, use_reentrant=False, context_fn=checkpoint))
                 first = next(t for t in tensors_of(out) if t.requires_grad)
-                base = tracker.reset_peak()
+                base = tracker.peak = tracker.current()
                 if work is not None:
                     work.counting = False
                 # The gradient flowing in from the layers above is alive through the block's backward (a residual

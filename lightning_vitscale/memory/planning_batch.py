@@ -73,19 +73,16 @@ def first_batch(loader: Any) -> Any | None:
 @contextlib.contextmanager
 def random_state_kept() -> Iterator[None]:
     """torch's (CPU, initialised CUDA devices), Python's and NumPy's global random states restored after the body."""
-    state = random.getstate()
-    numpy_random: Any = None
-    with contextlib.suppress(ImportError):  # NumPy is optional for torch
-        import numpy.random as numpy_random
-    numpy_state = numpy_random.get_state() if numpy_random is not None else None
+    import numpy.random  # torchmetrics requires NumPy
+
+    state, numpy_state = random.getstate(), numpy.random.get_state()
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=devices):
             yield
     finally:
         random.setstate(state)
-        if numpy_random is not None:
-            numpy_random.set_state(numpy_state)
+        numpy.random.set_state(numpy_state)
 
 
 def first_tensor_input(batch: Any) -> Any:

@@ -84,12 +84,8 @@ def split_twin(
 
 
 def _role(style: Any, block: str, module: str) -> str:
-    if isinstance(style, str):
-        return "rowwise" if style == "rowwise" else "colwise"
-    if isinstance(style, ColwiseParallel):
-        return "colwise"
-    if isinstance(style, RowwiseParallel):
-        return "rowwise"
+    if isinstance(style, (str, ColwiseParallel, RowwiseParallel)):
+        return "rowwise" if style == "rowwise" or isinstance(style, RowwiseParallel) else "colwise"
     raise TensorPlanError(
         f"the memory planner knows ColwiseParallel and RowwiseParallel styles; {block}.{module} has"
         f" {type(style).__name__}. Plan without it (tensor_parallel=1), or give those styles in tensor_plan=."
