@@ -242,11 +242,9 @@ def measure_activations(
     mode_of: ModeOf | None = None,
     all_reduces: AllReduceLog | None = None,
 ) -> ActivationProfile:
-    """Run ``model(example_input)`` (or ``call(model, example_input)``) and one backward on fake tensors, ``norms``
-    in fp32 as the strategy runs them, floating inputs in ``compute`` (as FSDP's root unit casts them); what each
-    block keeps and needs. ``model`` is left as it was. ``mode_of``: each block's settled checkpointing, measured for
-    it alone (a third of the work); ``None``: for every mode. ``all_reduces``: logs tensor parallelism's all-reduces
-    in the same passes."""
+    """What each block keeps and needs, from one forward (``call``, default ``model(example_input)``) and backward on
+    fake tensors, ``norms`` in fp32 and floating inputs in ``compute`` (FSDP's root unit casts them). ``mode_of``:
+    each block's settled checkpointing, measured alone (a third of the work; ``None``: every mode)."""
     norm_ids = {id(m) for m in norms or []}
     # Through a custom ``call`` (a training_step) a ``.item()`` (a loss appended to a list) gives a symbolic number
     # instead of failing; branching on it still fails.
@@ -307,7 +305,7 @@ def _block_memory(
         # Below the checkpoint's own caching mode, the counter sees every op it caches (selective's saved bytes).
         work = OpWork() if (key, "work") not in measured or kind == "selective" else None
         resent: list[int] = []
-        watch = None if all_reduces is None else functools.partial(all_reduces.resending, index, block, resent)
+        watch = None if all_reduces is None else functools.partial(all_reduces.watching, index, block, resent)
         if kind == "none":
             measured[key, kind] = _peak_beyond_forward(block, x, mode, None, work)
         elif kind == "full":

@@ -135,14 +135,12 @@ class Measurement:
 
     def __call__(self, module: nn.Module, batch: PlanningBatch, device: torch.device | None = None,
                  mode_of: ModeOf | None = None, optimizer: str = "adamw") -> tuple[StepInputs, str]:
-        """:func:`~.planning_batch.measure_batch`; :class:`MeasurementError` (its cause chained) where the step cannot
-        run on fake tensors. A refused tensor-parallel plan is what to fix: it raises as it is."""
         try:
             inputs, how = measure_batch(
                 module, batch, loop=training_loop(module, self.trainer), world_size=self.world_size,
                 precision=self.precision, optimizer=optimizer, blocks=self.blocks, device=device, mode_of=mode_of,
                 tensor_parallel=self.tensor_parallel, tensor_plan=self.tensor_plan, calls=self.calls)
-        except TensorPlanError:
+        except TensorPlanError:  # a refused tensor-parallel plan is what to fix
             raise
         except Exception as error:
             raise MeasurementError(f"{type(error).__name__}: {error}") from error

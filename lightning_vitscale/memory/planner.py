@@ -127,22 +127,18 @@ def plan_memory(
         plan = plan_memory(net, torch.empty(32, 3, 224, 224, device="meta"), world_size=8, device_memory="a100-40gb")
         print(plan.summary())
     """
-    data_parallel = data_parallel_ranks(world_size, tensor_parallel)
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be an int >= 1; got {tensor_parallel!r}.")
+    if world_size < 1 or world_size % tensor_parallel:
+        raise ValueError(f"tensor_parallel={tensor_parallel} does not divide world_size={world_size}: each block is"
+                         " split over tensor_parallel consecutive ranks. Choose a divisor of the world size.")
+    data_parallel = world_size // tensor_parallel
     inputs = step_inputs(model, example_input, batch_size=batch_size, world_size=data_parallel, precision=precision,
                          optimizer=optimizer, blocks=blocks, tensor_parallel=tensor_parallel, tensor_plan=tensor_plan)
     device_bytes = parse_memory(device_memory)
     planned_batch = batch_size or batch_size_of(example_input)
     budget = resolve_budget(memory_fraction, device_bytes, "memory_fraction")
     return choose(inputs, budget, device_bytes, precision, planned_batch, per_unit=None)
-
-
-def data_parallel_ranks(world_size: int, tensor_parallel: int) -> int:
-    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
-        raise ValueError(f"tensor_parallel must be an int >= 1; got {tensor_parallel!r}.")
-    if world_size < 1 or world_size % tensor_parallel:
-        raise ValueError(f"tensor_parallel={tensor_parallel} does not divide world_size={world_size}: each block is"
-                         " split over tensor_parallel consecutive ranks. Choose a divisor of the world size.")
-    return world_size // tensor_parallel
 
 
 def step_inputs(

@@ -107,10 +107,9 @@ def has_forward(module: nn.Module) -> bool:
 
 
 def training_step_call(model: nn.Module, batch: Any) -> Any:
-    """``model.training_step(batch, 0)``'s loss, with ``self.log`` and ``print`` silenced and the module's
-    ``torchmetrics`` metrics left out: their states are plain tensors (not buffers) that fake tensors cannot meet, and
-    Lightning's most common step updates one (each such module was measured a second time through ``forward``). A
-    metric keeps a few numbers, not activations; a step computing with its value falls back."""
+    """``model.training_step(batch, 0)``'s loss. Metrics are left out: their states are plain tensors (not buffers)
+    that fake tensors cannot meet, Lightning's most common step updates one (each such module was measured a second
+    time through ``forward``), and they keep a few numbers, not activations; a step computing with one falls back."""
     metric_class = getattr(sys.modules.get("torchmetrics"), "Metric", None)
     metrics = [m for m in model.modules() if metric_class is not None and isinstance(m, metric_class)]
     with _silenced([(model, ("log", "log_dict", "print")), *((m, ("forward", "update")) for m in metrics)]):
@@ -132,8 +131,7 @@ def _silenced(calls: list[tuple[nn.Module, tuple[str, ...]]]) -> Iterator[None]:
 
 
 def measure_batch(model: nn.Module, batch: PlanningBatch, **step_kwargs: Any) -> tuple[StepInputs, str]:
-    """:func:`~.planner.step_inputs` for ``batch``, and how it was measured: a training batch through
-    ``training_step`` on a meta twin, else through ``forward`` on its first tensor (see the module docstring)."""
+    """:func:`~.planner.step_inputs` for ``batch``, and how it was measured (see the module docstring)."""
     how = ""
     with random_state_kept():  # a training_step's random calls must not shift the training run's numbers
         measurable = batch.through_training_step and is_overridden("training_step", model)

@@ -76,7 +76,6 @@ GPU_RATES = rates_of(device_named(DEFAULT_GPU))
 
 
 def rates_for(device: torch.device | str | None) -> DeviceRates:
-    """The rates of a device's row (:func:`~.devices.device_of`); :data:`GPU_RATES` where there is none."""
     row = device_of(device)
     if row is None:
         return GPU_RATES
