@@ -291,10 +291,9 @@ def _block_memory(
     name: str, block: nn.Module, recorder: _Recorder, index: int, mode: FakeTensorMode, measured: dict,
     needed: frozenset[str], all_reduces: AllReduceLog | None,
 ) -> BlockMemory:
-    """One fake forward + backward of ``block`` per checkpointing in ``needed``, and its forward's work with what a
-    full recompute reruns. Checkpointed runs go through ``torch.utils.checkpoint`` (non-reentrant, early stop) as
-    the strategy applies it. Once per structurally equal block (:func:`~.block_identity.block_key`) in ``measured``
-    (one model)."""
+    """One fake forward + backward of ``block`` per checkpointing in ``needed`` (``torch.utils.checkpoint``,
+    non-reentrant, early stop, as the strategy applies it) and its forward's work with what a full recompute reruns;
+    once per structurally equal block (:func:`~.block_identity.block_key`) in ``measured``."""
     x = recorder.inputs.get(index)
     if x is None:  # the block never ran in this forward: it costs nothing for this batch
         return BlockMemory(name, 0, 0, 0, 0)

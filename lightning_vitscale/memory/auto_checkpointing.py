@@ -85,8 +85,7 @@ class AutoChoice:
 
 
 def device_memory(device: torch.device, local_ranks: int = 1) -> int:
-    """What one rank may count on: its share of the GPU (``set_per_process_memory_fraction``), or of the host's
-    available memory."""
+    """One rank's share of the GPU (``set_per_process_memory_fraction``) or of the host's available memory."""
     if device.type == "cuda":
         share = torch.cuda.get_per_process_memory_fraction(device)
         return int(torch.cuda.get_device_properties(device).total_memory * share)

@@ -59,8 +59,7 @@ def check_budget(budget: object, name: str = "memory_budget") -> None:
 
 
 def resolve_budget(budget: int | float | None, total: int, name: str = "memory_budget") -> int:
-    """``memory_budget`` -> bytes: an int is bytes, a float (``None``: :data:`DEFAULT_FRACTION`) a share of ``total``;
-    the one resolution of every budget."""
+    """``memory_budget`` -> bytes: an int is bytes, a float (``None``: :data:`DEFAULT_FRACTION`) of ``total``."""
     check_budget(budget, name)
     if isinstance(budget, int) and not isinstance(budget, bool):
         return budget
@@ -272,8 +271,7 @@ def _reason(blocks: BlockPlan, n: int, fits: bool, offloaded: bool, offload_on: 
 
 def largest_batch(inputs: StepInputs, budget: int, batch_size: int, offload: bool = False,
                   settings: StepSettings | None = None, extra: int = 0) -> int:
-    """Largest per-rank batch whose predicted peak (plus ``extra`` bytes) fits ``budget`` under ``settings`` (default:
-    every block checkpointed)."""
+    """Largest per-rank batch whose peak plus ``extra`` bytes fits ``budget`` (``settings``: every block full)."""
     per_sample = inputs.batch_scale / batch_size
     chosen = settings or StepSettings(frozenset(range(len(inputs.profile.blocks))), offload=offload)
 

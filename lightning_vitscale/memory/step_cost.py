@@ -111,8 +111,7 @@ def regather_seconds(sent: float, rates: DeviceRates) -> float:
 
 
 def units_and_regather_seconds(inputs: StepInputs, settings: StepSettings, rates: DeviceRates) -> float:
-    """The FSDP units' cost per step: ``unit_s`` each, a second all-gather where one reshards, and where collectives
-    overlap compute, the largest unit's exposed collectives (see the module docstring)."""
+    """The FSDP units' cost per step: ``unit_s`` each, regathers, exposed collectives (see the module docstring)."""
     seconds = exposed = 0.0
     for collectives in _collectives(inputs, _block_units(inputs, settings)):
         seconds += rates.unit_s

@@ -50,8 +50,7 @@ class TensorSplit:
     plans: dict[str, str] = field(default_factory=dict)
 
     def sent(self, modes: list[str | None], scale: float = 1.0) -> float:
-        """Bytes one rank sends per step, block ``i`` checkpointed in ``modes[i]``, the batch ``scale`` times the
-        measured one."""
+        """Bytes one rank sends per step, block ``i`` checkpointed in ``modes[i]``, at ``scale`` times the batch."""
         total = sum(b.forward + b.backward + (b.recompute.get(mode, 0) if mode else 0)
                     for b, mode in zip(self.blocks, modes, strict=True)) * scale
         return ring_bytes(total, self.ranks, reduce=True)
