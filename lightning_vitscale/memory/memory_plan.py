@@ -56,11 +56,9 @@ class MemoryPlan:
         ranks = f"{self.world_size} rank(s)" if tp == 1 else (
             f"{self.world_size} ranks ({self.world_size // tp} data parallel x {tp} tensor parallel)")
         params = "parameters" if tp == 1 else "parameters per tensor-parallel rank"
-        head = (
-            f"Memory plan: {self.num_params / 1e9:,.3f}B {params}, {self.num_blocks} blocks, {ranks},"
-            f" {self.precision}, batch {self.batch_size} per rank; budget {human_bytes(self.budget)} of"
-            f" {human_bytes(self.device_memory)}"
-        )
+        head = (f"Memory plan: {self.num_params / 1e9:,.3f}B {params}, {self.num_blocks} blocks, {ranks},"
+                f" {self.precision}, batch {self.batch_size} per rank; budget {human_bytes(self.budget)} of"
+                f" {human_bytes(self.device_memory)}")
         columns = {"chosen": self.chosen.breakdown, "AC on every block": self.all_checkpointed.breakdown,
                    "AC off": self.none_checkpointed.breakdown}
         verdict = "fits" if self.fits else "DOES NOT FIT"

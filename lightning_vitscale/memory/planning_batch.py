@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,16 +58,11 @@ def planning_batch(module: nn.Module, trainer: Any | None) -> PlanningBatch | No
 def first_batch(loader: Any) -> Any | None:
     """The first ``batch_size`` samples of a ``DataLoader`` over a map-style dataset, collated; ``None`` for anything
     else (an iterable may be consumed by reading it)."""
-    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset) or not loader.batch_size:
-        return None
-    try:
-        size = min(loader.batch_size, len(loader.dataset))  # type: ignore[arg-type]
-    except TypeError:  # a dataset without len()
-        return None
-    if not size:
+    dataset = loader.dataset if isinstance(loader, DataLoader) and loader.batch_size else None
+    if isinstance(dataset, IterableDataset) or not isinstance(dataset, Sized) or not len(dataset):
         return None
     with random_state_kept():  # random transforms (flips, crops) must not shift the training run's numbers
-        return loader.collate_fn([loader.dataset[i] for i in range(size)])
+        return loader.collate_fn([dataset[i] for i in range(min(loader.batch_size, len(dataset)))])
 
 
 @contextlib.contextmanager
