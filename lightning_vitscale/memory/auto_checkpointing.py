@@ -93,8 +93,7 @@ def device_memory(device: torch.device, local_ranks: int = 1) -> int:
 
 
 def training_loop(module: nn.Module, trainer: pl.Trainer | None) -> TrainingLoop:
-    """When ``trainer``'s loop keeps ``module``'s gradients alive (``None``, a plain planning call: automatic, no
-    accumulation, nothing released)."""
+    """When ``trainer``'s loop keeps ``module``'s gradients alive (``None``: a plain planning call's defaults)."""
     automatic = bool(getattr(module, "automatic_optimization", True))
     if trainer is None:
         return TrainingLoop(automatic=automatic)
