@@ -29,8 +29,7 @@ class AccumulationChoice:
 
 
 def choose_accumulation(mode: AccumulationMode, extra_bytes: int, in_use: int, budget: int) -> AccumulationChoice:
-    """``"unsharded"``/``"sharded"`` as asked; ``"auto"``: unsharded when ``in_use`` (the step's peak) plus
-    ``extra_bytes`` (the unsharded gradients) stays within ``budget``."""
+    """``"auto"``: unsharded where ``in_use`` (the step's peak) plus ``extra_bytes`` (unsharded gradients) fit."""
     if mode == "unsharded":
         return AccumulationChoice(True, "accumulation='unsharded'")
     if mode == "sharded":

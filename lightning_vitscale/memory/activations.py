@@ -114,10 +114,6 @@ class LiveBytes(TorchDispatchMode):
         self._bound = sum(nbytes for _, nbytes in self._live.values())
         return self._bound
 
-    def reset_peak(self) -> int:
-        self.peak = self.current()
-        return self.peak
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in tensors_of(out):
@@ -133,7 +129,6 @@ class LiveBytes(TorchDispatchMode):
 
 
 def removing(handles: list[RemovableHandle]) -> contextlib.ExitStack:
-    """A context that removes ``handles`` on exit."""
     stack = contextlib.ExitStack()
     for handle in handles:
         stack.enter_context(handle)
@@ -247,11 +242,9 @@ def measure_activations(
     mode_of: ModeOf | None = None,
     all_reduces: AllReduceLog | None = None,
 ) -> ActivationProfile:
-    """Run ``model(example_input)`` (or ``call(model, example_input)``) and one backward on fake tensors, ``norms``
-    in fp32 as the strategy runs them, floating inputs in ``compute`` (as FSDP's root unit casts them); what each
-    block keeps and needs. ``model`` is left as it was. ``mode_of``: each block's settled checkpointing, measured for
-    it alone (a third of the work); ``None``: for every mode. ``all_reduces``: logs tensor parallelism's all-reduces
-    in the same passes."""
+    """What each block keeps and needs, from one forward (``call``, default ``model(example_input)``) and backward on
+    fake tensors, ``norms`` in fp32 and floating inputs in ``compute`` (FSDP's root unit casts them). ``mode_of``:
+    each block's settled checkpointing, measured alone (a third of the work; ``None``: every mode)."""
     norm_ids = {id(m) for m in norms or []}
     # Through a custom ``call`` (a training_step) a ``.item()`` (a loss appended to a list) gives a symbolic number
     # instead of failing; branching on it still fails.
@@ -298,10 +291,9 @@ def _block_memory(
     name: str, block: nn.Module, recorder: _Recorder, index: int, mode: FakeTensorMode, measured: dict,
     needed: frozenset[str], all_reduces: AllReduceLog | None,
 ) -> BlockMemory:
-    """One fake forward + backward of ``block`` per checkpointing in ``needed``, and its forward's work with what a
-    full recompute reruns. Checkpointed runs go through ``torch.utils.checkpoint`` (non-reentrant, early stop) as
-    the strategy applies it. Once per structurally equal block (:func:`~.block_identity.block_key`) in ``measured``
-    (one model)."""
+    """One fake forward + backward of ``block`` per checkpointing in ``needed`` (``torch.utils.checkpoint``,
+    non-reentrant, early stop, as the strategy applies it) and its forward's work with what a full recompute reruns;
+    once per structurally equal block (:func:`~.block_identity.block_key`) in ``measured``."""
     x = recorder.inputs.get(index)
     if x is None:  # the block never ran in this forward: it costs nothing for this batch
         return BlockMemory(name, 0, 0, 0, 0)
@@ -312,7 +304,7 @@ def _block_memory(
         # Below the checkpoint's own caching mode, the counter sees every op it caches (selective's saved bytes).
         work = OpWork() if (key, "work") not in measured or kind == "selective" else None
         resent: list[int] = []
-        watch = None if all_reduces is None else functools.partial(all_reduces.resending, index, block, resent)
+        watch = None if all_reduces is None else functools.partial(all_reduces.watching, index, block, resent)
         if kind == "none":
             measured[key, kind] = _peak_beyond_forward(block, x, mode, None, work)
         elif kind == "full":
@@ -363,7 +355,7 @@ def _peak_beyond_forward(
                 out = (block(inp) if checkpoint is None else
                        torch.utils.checkpoint.checkpoint(block, inp, use_reentrant=False, context_fn=checkpoint))
                 first = next(t for t in tensors_of(out) if t.requires_grad)
-                base = tracker.reset_peak()
+                base = tracker.peak = tracker.current()
                 if work is not None:
                     work.counting = False
                 # The gradient flowing in from the layers above is alive through the block's backward (a residual

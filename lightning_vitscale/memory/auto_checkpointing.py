@@ -85,8 +85,7 @@ class AutoChoice:
 
 
 def device_memory(device: torch.device, local_ranks: int = 1) -> int:
-    """What one rank may count on: its share of the GPU (``set_per_process_memory_fraction``), or of the host's
-    available memory."""
+    """One rank's share of the GPU (``set_per_process_memory_fraction``) or of the host's available memory."""
     if device.type == "cuda":
         share = torch.cuda.get_per_process_memory_fraction(device)
         return int(torch.cuda.get_device_properties(device).total_memory * share)
@@ -94,8 +93,7 @@ def device_memory(device: torch.device, local_ranks: int = 1) -> int:
 
 
 def training_loop(module: nn.Module, trainer: pl.Trainer | None) -> TrainingLoop:
-    """When ``trainer``'s loop keeps ``module``'s gradients alive (``None``, a plain planning call: automatic, no
-    accumulation, nothing released)."""
+    """When ``trainer``'s loop keeps ``module``'s gradients alive (``None``: a plain planning call's defaults)."""
     automatic = bool(getattr(module, "automatic_optimization", True))
     if trainer is None:
         return TrainingLoop(automatic=automatic)
@@ -135,14 +133,12 @@ class Measurement:
 
     def __call__(self, module: nn.Module, batch: PlanningBatch, device: torch.device | None = None,
                  mode_of: ModeOf | None = None, optimizer: str = "adamw") -> tuple[StepInputs, str]:
-        """:func:`~.planning_batch.measure_batch`; :class:`MeasurementError` (its cause chained) where the step cannot
-        run on fake tensors. A refused tensor-parallel plan is what to fix: it raises as it is."""
         try:
             inputs, how = measure_batch(
                 module, batch, loop=training_loop(module, self.trainer), world_size=self.world_size,
                 precision=self.precision, optimizer=optimizer, blocks=self.blocks, device=device, mode_of=mode_of,
                 tensor_parallel=self.tensor_parallel, tensor_plan=self.tensor_plan, calls=self.calls)
-        except TensorPlanError:
+        except TensorPlanError:  # a refused tensor-parallel plan is what to fix
             raise
         except Exception as error:
             raise MeasurementError(f"{type(error).__name__}: {error}") from error

@@ -23,7 +23,6 @@ BATCH_LIMIT = 4096
 
 @dataclass(frozen=True)
 class Forecast:
-
     setting: str
     batch: int
     ranks: int

@@ -35,10 +35,6 @@ def ring_bytes(nbytes: float, ranks: int, reduce: bool = False) -> float:
     return (2.0 if reduce else 1.0) * nbytes * (ranks - 1) / ranks
 
 
-def gathered_numel(shapes: Sequence[Sequence[int]], shard: int) -> int:
-    return shard_numel(shapes, shard) * shard
-
-
 def unit_collectives(
     shapes: Sequence[Sequence[int]],
     *,
@@ -51,7 +47,7 @@ def unit_collectives(
     """The collectives one unit of parameter ``shapes`` runs per step (``reshard``: an ``int`` is a smaller group)."""
     if not shapes:
         return []
-    numel = gathered_numel(shapes, shard)
+    numel = shard_numel(shapes, shard) * shard  # dim 0 padded to the shard group
     gathered = numel * gather_itemsize
     out = [Collective("all_gather", "shard", shard, ring_bytes(gathered, shard))]
     if reshard is True:

@@ -87,9 +87,6 @@ launches) in place of its ops: ``kernels="auto"`` at batch 32 and 64, H200 and H
 H200_HOST_SCALE = 1.35
 """The H200 machine's host time against this repository's CPU for the same work, its kernel launches included
 (VitScale eager at batch 32 and 64, run 3)."""
-GPU_UNIT_S = UNIT_HOST_S * H200_HOST_SCALE
-GPU_LATENCY_S = 50e-6  # an NVLink/PCIe collective's launch: an order of magnitude, not measured
-DATASHEET = "datasheet (reached FLOP/s and the host: the H200's measured share and its machine's host)"
 
 
 def _gpu(name: str, match: str, memory_gb: float, bf16: float | None, hbm: float, link: float,
@@ -98,7 +95,9 @@ def _gpu(name: str, match: str, memory_gb: float, bf16: float | None, hbm: float
     reached = REACHED_SHARE * (bf16 or plan_peak or 0.0)
     return Device(name=name, match=match, memory_bytes=int(memory_gb * GIB), bf16_flops_per_s=bf16,
                   reached_flops_per_s=reached, hbm_bytes_per_s=hbm, link_bytes_per_s=link,
-                  latency_s=GPU_LATENCY_S, unit_s=GPU_UNIT_S, source=DATASHEET, host_scale=H200_HOST_SCALE)
+                  latency_s=50e-6,  # an NVLink/PCIe collective's launch: an order of magnitude, not measured
+                  unit_s=UNIT_HOST_S * H200_HOST_SCALE, host_scale=H200_HOST_SCALE,
+                  source="datasheet (reached FLOP/s and the host: the H200's measured share and its machine's host)")
 
 
 H200_MEASURED = ("measured: memory (139.8 GiB, torch), reached FLOP/s and its host (GPU runs 1-3) on one H200,"

@@ -25,8 +25,7 @@ def _overrides(obj: object, base: type, hooks: tuple[str, ...]) -> bool:
 
 
 def may_release_after_step(module: Any, trainer: pl.Trainer) -> bool:
-    """Whether the gradients of ``module`` may be freed right after the optimizer step of ``trainer`` (its callbacks
-    and optimizers) without anything observable changing (see the module docstring)."""
+    """Whether ``module``'s gradients may be freed right after ``trainer``'s optimizer step (module docstring)."""
     if not isinstance(module, LightningModule) or not module.automatic_optimization:
         return False
     if _overrides(module, LightningModule, _MODULE_HOOKS):

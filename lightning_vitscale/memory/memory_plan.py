@@ -52,7 +52,31 @@ class MemoryPlan:
         return len(self.chosen.settings.checkpointed)
 
     def summary(self) -> str:
-        return format_plan(self)
+        tp = self.tensor_parallel
+        ranks = f"{self.world_size} rank(s)" if tp == 1 else (
+            f"{self.world_size} ranks ({self.world_size // tp} data parallel x {tp} tensor parallel)")
+        params = "parameters" if tp == 1 else "parameters per tensor-parallel rank"
+        head = (f"Memory plan: {self.num_params / 1e9:,.3f}B {params}, {self.num_blocks} blocks, {ranks},"
+                f" {self.precision}, batch {self.batch_size} per rank; budget {human_bytes(self.budget)} of"
+                f" {human_bytes(self.device_memory)}")
+        columns = {"chosen": self.chosen.breakdown, "AC on every block": self.all_checkpointed.breakdown,
+                   "AC off": self.none_checkpointed.breakdown}
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        lines = [head, "", *breakdown_table(columns), ""]
+        lines.append(f"{verdict}: {human_bytes(self.chosen.breakdown.peak)} predicted peak per rank ({self.reason})")
+        offload = ", offload='cpu' (sharded state in host memory)" if self.chosen.settings.offload else ""
+        lines.append(f"recommended: activation_checkpointing: {self.blocks.describe()}, predicted step time it adds"
+                     f" {self.extra_seconds * 1e3:.1f} ms (recompute, all-gathers, per unit){offload}")
+        how = "every block checkpointed" + (", state offloaded" if self.chosen.settings.offload else "")
+        lines.append(
+            f"largest batch per rank that fits ({how}): {self.max_batch}" if self.max_batch
+            else "no batch size fits on this many ranks: add ranks (devices/nodes)"
+        )
+        if self.traffic:
+            lines.append("traffic per step (sent by one rank): " + ", ".join(
+                f"{name.replace('_', ' ')} {mib(sent, 2)}" for name, sent in self.traffic.items()))
+        lines.extend(f"note: {note}" for note in self.notes)
+        return "\n".join(lines)
 
 
 _ROWS = (
@@ -76,36 +100,3 @@ def breakdown_table(columns: dict[str, MemoryBreakdown]) -> list[str]:
     lines.append("| **peak** | " + " | ".join(f"**{human_bytes(columns[n].peak)}**" for n in names) + " |")
     lines.append("| at | " + " | ".join(columns[n].phase for n in names) + " |")
     return lines
-
-
-def format_plan(plan: MemoryPlan) -> str:
-    tp = plan.tensor_parallel
-    ranks = f"{plan.world_size} rank(s)" if tp == 1 else (
-        f"{plan.world_size} ranks ({plan.world_size // tp} data parallel x {tp} tensor parallel)")
-    params = "parameters" if tp == 1 else "parameters per tensor-parallel rank"
-    head = (
-        f"Memory plan: {plan.num_params / 1e9:,.3f}B {params}, {plan.num_blocks} blocks, {ranks},"
-        f" {plan.precision}, batch {plan.batch_size} per rank; budget {human_bytes(plan.budget)} of"
-        f" {human_bytes(plan.device_memory)}"
-    )
-    columns = {
-        "chosen": plan.chosen.breakdown,
-        "AC on every block": plan.all_checkpointed.breakdown,
-        "AC off": plan.none_checkpointed.breakdown,
-    }
-    verdict = "fits" if plan.fits else "DOES NOT FIT"
-    lines = [head, "", *breakdown_table(columns), ""]
-    lines.append(f"{verdict}: {human_bytes(plan.chosen.breakdown.peak)} predicted peak per rank ({plan.reason})")
-    offload = ", offload='cpu' (sharded state in host memory)" if plan.chosen.settings.offload else ""
-    lines.append(f"recommended: activation_checkpointing: {plan.blocks.describe()}, predicted step time it adds"
-                 f" {plan.extra_seconds * 1e3:.1f} ms (recompute, all-gathers, per unit){offload}")
-    how = "every block checkpointed" + (", state offloaded" if plan.chosen.settings.offload else "")
-    lines.append(
-        f"largest batch per rank that fits ({how}): {plan.max_batch}" if plan.max_batch
-        else "no batch size fits on this many ranks: add ranks (devices/nodes)"
-    )
-    if plan.traffic:
-        lines.append("traffic per step (sent by one rank): " + ", ".join(
-            f"{name.replace('_', ' ')} {mib(sent, 2)}" for name, sent in plan.traffic.items()))
-    lines.extend(f"note: {note}" for note in plan.notes)
-    return "\n".join(lines)

@@ -74,8 +74,7 @@ class BlockPlan:
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """What the search may change: ``modes``, ``fixed_reshard`` (every unit's) and ``per_unit`` pin, ``None``
-    leaves to it."""
+    """What the search may change: ``modes``, ``fixed_reshard`` (every unit's) and ``per_unit`` pin; ``None`` frees."""
 
     inputs: StepInputs
     budget: int

@@ -59,8 +59,7 @@ def check_budget(budget: object, name: str = "memory_budget") -> None:
 
 
 def resolve_budget(budget: int | float | None, total: int, name: str = "memory_budget") -> int:
-    """``memory_budget`` -> bytes: an int is bytes, a float (``None``: :data:`DEFAULT_FRACTION`) a share of ``total``;
-    the one resolution of every budget."""
+    """``memory_budget`` -> bytes: an int is bytes, a float (``None``: :data:`DEFAULT_FRACTION`) of ``total``."""
     check_budget(budget, name)
     if isinstance(budget, int) and not isinstance(budget, bool):
         return budget
@@ -127,22 +126,18 @@ def plan_memory(
         plan = plan_memory(net, torch.empty(32, 3, 224, 224, device="meta"), world_size=8, device_memory="a100-40gb")
         print(plan.summary())
     """
-    data_parallel = data_parallel_ranks(world_size, tensor_parallel)
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be an int >= 1; got {tensor_parallel!r}.")
+    if world_size < 1 or world_size % tensor_parallel:
+        raise ValueError(f"tensor_parallel={tensor_parallel} does not divide world_size={world_size}: each block is"
+                         " split over tensor_parallel consecutive ranks. Choose a divisor of the world size.")
+    data_parallel = world_size // tensor_parallel
     inputs = step_inputs(model, example_input, batch_size=batch_size, world_size=data_parallel, precision=precision,
                          optimizer=optimizer, blocks=blocks, tensor_parallel=tensor_parallel, tensor_plan=tensor_plan)
     device_bytes = parse_memory(device_memory)
     planned_batch = batch_size or batch_size_of(example_input)
     budget = resolve_budget(memory_fraction, device_bytes, "memory_fraction")
     return choose(inputs, budget, device_bytes, precision, planned_batch, per_unit=None)
-
-
-def data_parallel_ranks(world_size: int, tensor_parallel: int) -> int:
-    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
-        raise ValueError(f"tensor_parallel must be an int >= 1; got {tensor_parallel!r}.")
-    if world_size < 1 or world_size % tensor_parallel:
-        raise ValueError(f"tensor_parallel={tensor_parallel} does not divide world_size={world_size}: each block is"
-                         " split over tensor_parallel consecutive ranks. Choose a divisor of the world size.")
-    return world_size // tensor_parallel
 
 
 def step_inputs(
@@ -276,8 +271,7 @@ def _reason(blocks: BlockPlan, n: int, fits: bool, offloaded: bool, offload_on: 
 
 def largest_batch(inputs: StepInputs, budget: int, batch_size: int, offload: bool = False,
                   settings: StepSettings | None = None, extra: int = 0) -> int:
-    """Largest per-rank batch whose predicted peak (plus ``extra`` bytes) fits ``budget`` under ``settings`` (default:
-    every block checkpointed)."""
+    """Largest per-rank batch whose peak plus ``extra`` bytes fits ``budget`` (``settings``: every block full)."""
     per_sample = inputs.batch_scale / batch_size
     chosen = settings or StepSettings(frozenset(range(len(inputs.profile.blocks))), offload=offload)
 

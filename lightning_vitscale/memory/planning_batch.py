@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,34 +58,26 @@ def planning_batch(module: nn.Module, trainer: Any | None) -> PlanningBatch | No
 def first_batch(loader: Any) -> Any | None:
     """The first ``batch_size`` samples of a ``DataLoader`` over a map-style dataset, collated; ``None`` for anything
     else (an iterable may be consumed by reading it)."""
-    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset) or not loader.batch_size:
-        return None
-    try:
-        size = min(loader.batch_size, len(loader.dataset))  # type: ignore[arg-type]
-    except TypeError:  # a dataset without len()
-        return None
-    if not size:
+    dataset = loader.dataset if isinstance(loader, DataLoader) and loader.batch_size else None
+    if isinstance(dataset, IterableDataset) or not isinstance(dataset, Sized) or not len(dataset):
         return None
     with random_state_kept():  # random transforms (flips, crops) must not shift the training run's numbers
-        return loader.collate_fn([loader.dataset[i] for i in range(size)])
+        return loader.collate_fn([dataset[i] for i in range(min(loader.batch_size, len(dataset)))])
 
 
 @contextlib.contextmanager
 def random_state_kept() -> Iterator[None]:
     """torch's (CPU, initialised CUDA devices), Python's and NumPy's global random states restored after the body."""
-    state = random.getstate()
-    numpy_random: Any = None
-    with contextlib.suppress(ImportError):  # NumPy is optional for torch
-        import numpy.random as numpy_random
-    numpy_state = numpy_random.get_state() if numpy_random is not None else None
+    import numpy.random  # torchmetrics requires NumPy
+
+    state, numpy_state = random.getstate(), numpy.random.get_state()
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=devices):
             yield
     finally:
         random.setstate(state)
-        if numpy_random is not None:
-            numpy_random.set_state(numpy_state)
+        numpy.random.set_state(numpy_state)
 
 
 def first_tensor_input(batch: Any) -> Any:
@@ -110,10 +102,9 @@ def has_forward(module: nn.Module) -> bool:
 
 
 def training_step_call(model: nn.Module, batch: Any) -> Any:
-    """``model.training_step(batch, 0)``'s loss, with ``self.log`` and ``print`` silenced and the module's
-    ``torchmetrics`` metrics left out: their states are plain tensors (not buffers) that fake tensors cannot meet, and
-    Lightning's most common step updates one (each such module was measured a second time through ``forward``). A
-    metric keeps a few numbers, not activations; a step computing with its value falls back."""
+    """``model.training_step(batch, 0)``'s loss. Metrics are left out: their states are plain tensors (not buffers)
+    that fake tensors cannot meet, Lightning's most common step updates one (each such module was measured a second
+    time through ``forward``), and they keep a few numbers, not activations; a step computing with one falls back."""
     metric_class = getattr(sys.modules.get("torchmetrics"), "Metric", None)
     metrics = [m for m in model.modules() if metric_class is not None and isinstance(m, metric_class)]
     with _silenced([(model, ("log", "log_dict", "print")), *((m, ("forward", "update")) for m in metrics)]):
@@ -135,8 +126,7 @@ def _silenced(calls: list[tuple[nn.Module, tuple[str, ...]]]) -> Iterator[None]:
 
 
 def measure_batch(model: nn.Module, batch: PlanningBatch, **step_kwargs: Any) -> tuple[StepInputs, str]:
-    """:func:`~.planner.step_inputs` for ``batch``, and how it was measured: a training batch through
-    ``training_step`` on a meta twin, else through ``forward`` on its first tensor (see the module docstring)."""
+    """:func:`~.planner.step_inputs` for ``batch``, and how it was measured (see the module docstring)."""
     how = ""
     with random_state_kept():  # a training_step's random calls must not shift the training run's numbers
         measurable = batch.through_training_step and is_overridden("training_step", model)

@@ -73,12 +73,9 @@ def rates_of(device: Device, accelerator: bool = True) -> DeviceRates:
 
 GPU_RATES = rates_of(device_named(DEFAULT_GPU))
 """A GPU the table does not name, and plans made for no device: the measured H200's row."""
-CPU_RATES = rates_of(device_named("cpu"), accelerator=False)
-"""One rank of the 2-core CPU with gloo (the table's ``"cpu"`` row: stated, not general)."""
 
 
 def rates_for(device: torch.device | str | None) -> DeviceRates:
-    """The rates of a device's row (:func:`~.devices.device_of`); :data:`GPU_RATES` where there is none."""
     row = device_of(device)
     if row is None:
         return GPU_RATES
@@ -114,8 +111,7 @@ def regather_seconds(sent: float, rates: DeviceRates) -> float:
 
 
 def units_and_regather_seconds(inputs: StepInputs, settings: StepSettings, rates: DeviceRates) -> float:
-    """The FSDP units' cost per step: ``unit_s`` each, a second all-gather where one reshards, and where collectives
-    overlap compute, the largest unit's exposed collectives (see the module docstring)."""
+    """The FSDP units' cost per step: ``unit_s`` each, regathers, exposed collectives (see the module docstring)."""
     seconds = exposed = 0.0
     for collectives in _collectives(inputs, _block_units(inputs, settings)):
         seconds += rates.unit_s

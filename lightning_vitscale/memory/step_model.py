@@ -154,11 +154,9 @@ def step_phases(inputs: StepInputs, settings: StepSettings) -> list[MemoryBreakd
     m, c, r = inputs.master.itemsize, inputs.compute.itemsize, inputs.reduce.itemsize
     states = OPTIMIZER_STATES[inputs.optimizer]
     shards = [shard_numel(b, inputs.world) for b in lay.blocks]
-    outer_shard = shard_numel(lay.outer, inputs.world)
-    params = (sum(shards) + outer_shard) * m
+    params = (sum(shards) + shard_numel(lay.outer, inputs.world)) * m
     on_device = 0 if settings.offload else 1  # offloaded state lives in host memory, not on the device
-    norm_numel = sum(math.prod(s) for s in lay.norms)
-    norms = norm_numel * 4 * (2 + states)
+    norms = sum(math.prod(s) for s in lay.norms) * 4 * (2 + states)
     full_blocks = [sum(math.prod(s) for s in b) for b in lay.blocks]
     outer_full = sum(math.prod(s) for s in lay.outer) * c
     kept = [int(_kept_and_inside(b, i, settings)[0] * scale) for i, b in enumerate(prof.blocks)]

@@ -50,8 +50,7 @@ class TensorSplit:
     plans: dict[str, str] = field(default_factory=dict)
 
     def sent(self, modes: list[str | None], scale: float = 1.0) -> float:
-        """Bytes one rank sends per step, block ``i`` checkpointed in ``modes[i]``, the batch ``scale`` times the
-        measured one."""
+        """Bytes one rank sends per step, block ``i`` checkpointed in ``modes[i]``, at ``scale`` times the batch."""
         total = sum(b.forward + b.backward + (b.recompute.get(mode, 0) if mode else 0)
                     for b, mode in zip(self.blocks, modes, strict=True)) * scale
         return ring_bytes(total, self.ranks, reduce=True)
@@ -64,8 +63,7 @@ Roles = dict[str, str]
 def split_twin(
     model: nn.Module, blocks: list[tuple[str, nn.Module]], ranks: int, plan: TensorPlanSelector | None
 ) -> tuple[nn.Module, list[tuple[str, nn.Module]], AllReduceLog]:
-    """A meta twin of ``model`` whose blocks hold one tensor-parallel rank's share by each block's plan; its blocks,
-    and the log for their all-reduces (each block's roles, each block class's plan described)."""
+    """A meta twin of ``model`` whose blocks hold one rank's share by each block's plan, and the all-reduces' log."""
     twin = meta_twin(model)
     found = [(name, twin.get_submodule(name)) for name, _ in blocks]
     roles: list[Roles] = []
@@ -84,12 +82,8 @@ def split_twin(
 
 
 def _role(style: Any, block: str, module: str) -> str:
-    if isinstance(style, str):
-        return "rowwise" if style == "rowwise" else "colwise"
-    if isinstance(style, ColwiseParallel):
-        return "colwise"
-    if isinstance(style, RowwiseParallel):
-        return "rowwise"
+    if isinstance(style, (str, ColwiseParallel, RowwiseParallel)):
+        return "rowwise" if style == "rowwise" or isinstance(style, RowwiseParallel) else "colwise"
     raise TensorPlanError(
         f"the memory planner knows ColwiseParallel and RowwiseParallel styles; {block}.{module} has"
         f" {type(style).__name__}. Plan without it (tensor_parallel=1), or give those styles in tensor_plan=."
@@ -126,21 +120,17 @@ class AllReduceLog:
         self.rows: list[tuple[int, int]] = []
         self.cols: list[tuple[int, int]] = []
 
-    def watching(self, index: int, block: nn.Module) -> list[RemovableHandle]:
-        return self._hooks(index, block, lambda n: self.rows.append((index, n)), lambda n: self.cols.append((index, n)))
-
-    def resending(self, index: int, block: nn.Module, into: list[int]) -> list[RemovableHandle]:
-        return self._hooks(index, block, into.append, None)
-
-    def _hooks(self, index: int, block: nn.Module, row: Callable[[int], None],
-               col: Callable[[int], None] | None) -> list[RemovableHandle]:
+    def watching(self, index: int, block: nn.Module, resent: list[int] | None = None) -> list[RemovableHandle]:
+        """Hooks logging block ``index``'s all-reduces; with ``resent``, a recompute's there (row-wise outputs)."""
+        row: Callable[[int], None] = resent.append if resent is not None else lambda n: self.rows.append((index, n))
         handles = []
         for name, role in self.roles[index].items():
             module = block.get_submodule(name)
             if role == "rowwise":
                 handles.append(module.register_forward_hook(lambda _, __, out: row(_float_bytes(out))))
-            elif col is not None:
-                handles.append(module.register_forward_pre_hook(lambda _, args: col(_float_bytes(args[:1]))))
+            elif resent is None:
+                handles.append(module.register_forward_pre_hook(
+                    lambda _, args: self.cols.append((index, _float_bytes(args[:1])))))
         return handles
 
     def split(self, resent: list[dict[str, int]]) -> TensorSplit:

@@ -51,8 +51,7 @@ def fresh_caches(model: nn.Module) -> Iterator[None]:
 
 
 def _lru_caches(model: nn.Module) -> list[Any]:
-    """The caches in ``model``'s classes and their modules, and in closures there (HF's
-    ``compile_compatible_method_lru_cache``)."""
+    """The caches in ``model``'s classes, their modules and closures (HF's ``compile_compatible_method_lru_cache``)."""
     classes = {cls for module in model.modules() for cls in type(module).__mro__ if cls.__module__ != "builtins"}
     spaces = [vars(cls) for cls in classes] + [vars(m) for m in {sys.modules.get(c.__module__) for c in classes} if m]
     found = {}

@@ -98,7 +98,7 @@ def auto_first_step() -> dict:
     from lightning_vitscale.memory.auto_checkpointing import training_loop
     from lightning_vitscale.memory.plan_search import SearchSpace, search
     from lightning_vitscale.memory.planner import choose
-    from lightning_vitscale.memory.step_cost import CPU_RATES
+    from lightning_vitscale.memory.step_cost import rates_for
     from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
 
     kwargs, batch = SHAPES["long"]
@@ -125,10 +125,10 @@ def auto_first_step() -> dict:
     # The planner's own choice for this step (the Trainer's loop: gradients released after the step, on CPU).
     inputs = step_inputs(planned, torch.empty(batch, 3, 64, 64, device="meta"), world_size=WORLD,
                          precision="32-true", device="cpu", loop=training_loop(model, trainer))
-    expected = choose(inputs, budget, budget, "32-true", batch, offload=False, rates=CPU_RATES).blocks
+    expected = choose(inputs, budget, budget, "32-true", batch, offload=False, rates=rates_for("cpu")).blocks
     # Its blocks per unit and units kept gathered: the one search's with every block's checkpointing pinned to
     # full, the host's memory to spare.
-    units = search(SearchSpace(inputs, 2**40, CPU_RATES, per_unit=None, modes=("full",) * kwargs["depth"]))
+    units = search(SearchSpace(inputs, 2**40, rates_for("cpu"), per_unit=None, modes=("full",) * kwargs["depth"]))
     kept = units.settings().kept_gathered
     return dict(checkpointed=strategy.plan.checkpointed, summary=strategy.plan.summary(),
                 expected=[expected.modes.count("full"), expected.modes.count("selective"), expected.resharded],

@@ -43,7 +43,7 @@ from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.memory import measure_state_bytes
 from lightning_vitscale.memory.planner import choose, step_inputs
 from lightning_vitscale.memory.planning_batch import TRAIN_BATCH, PlanningBatch, measure_batch
-from lightning_vitscale.memory.step_cost import CPU_RATES
+from lightning_vitscale.memory.step_cost import rates_for
 from lightning_vitscale.memory.step_model import StepInputs, StepSettings, TrainingLoop, predict_step
 from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
 from tests.helpers.peak import RssWindow, mmap_large_allocations
@@ -179,7 +179,7 @@ def planned_for(inputs: StepInputs, ac: str, batch: int) -> tuple[StepSettings, 
     least = predict_step(inputs, StepSettings(every)).peak
     most = predict_step(inputs, StepSettings(reshard_after_forward=False)).peak
     budget = least + (most - least) * int(ac.split("-")[1]) // 100
-    plan = choose(inputs, budget, budget, "32-true", batch, offload=False, rates=CPU_RATES, per_unit=None)
+    plan = choose(inputs, budget, budget, "32-true", batch, offload=False, rates=rates_for("cpu"), per_unit=None)
     modes = list(plan.blocks.modes)
     kept = [plan.chosen.settings.keeps(i) for i in range(len(every))]
     return plan.chosen.settings, dict(budget=budget, modes=modes, resharded=plan.blocks.resharded, kept=kept,

@@ -8,15 +8,17 @@ from dataclasses import replace
 import pytest
 import torch
 
+from lightning_vitscale._utils import shard_numel
 from lightning_vitscale.cli.demo import TinyViT
-from lightning_vitscale.memory.collectives import gathered_numel, unit_collectives
+from lightning_vitscale.memory.collectives import unit_collectives
 from lightning_vitscale.memory.planner import step_inputs
-from lightning_vitscale.memory.step_cost import CPU_RATES, units_and_regather_seconds
+from lightning_vitscale.memory.step_cost import rates_for, units_and_regather_seconds
 from lightning_vitscale.memory.step_model import StepSettings
 from lightning_vitscale.precision import resolve_flag
 from lightning_vitscale.sharding.traffic import Unit, step_traffic
 
 DEPTH = 3
+CPU_RATES = rates_for("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,7 @@ def _sent(inputs, shard: int, replicas: int, reshard: bool) -> float:
 @pytest.mark.parametrize(("shard", "replicas"), [(2, 1), (3, 1), (2, 2)])  # on 3 ranks dim 0 is padded
 def test_the_planners_collectives_are_the_traffic_reports(inputs, shard, replicas):
     grouped = replace(inputs, world=shard, replicas=replicas)
-    padded = any(gathered_numel(shapes, shard) > sum(torch.Size(s).numel() for s in shapes)
+    padded = any(shard_numel(shapes, shard) * shard > sum(torch.Size(s).numel() for s in shapes)
                  for shapes in inputs.layout.blocks)
     assert padded == (shard == 3)
     link, rates = CPU_RATES.link_bytes_per_s, replace(CPU_RATES, regather_hidden=False, overlaps=False)

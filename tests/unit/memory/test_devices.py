@@ -13,7 +13,7 @@ from lightning_vitscale.cli.plan import plan_command_parser
 from lightning_vitscale.memory import devices
 from lightning_vitscale.memory.devices import DEVICES, Device, device_named, gpu_named
 from lightning_vitscale.memory.planner import parse_memory
-from lightning_vitscale.memory.step_cost import CPU_RATES, GPU_RATES, rates_for
+from lightning_vitscale.memory.step_cost import GPU_RATES, rates_for
 from lightning_vitscale.monitoring.throughput import device_peak_flops
 
 CUDA = torch.device("cuda")
@@ -78,8 +78,8 @@ def test_a_changed_row_changes_every_consumer(monkeypatch: pytest.MonkeyPatch) -
 
 def test_cpu_unknown_gpu_and_sources() -> None:
     cpu = device_named("cpu")
-    assert rates_for("cpu") == CPU_RATES and CPU_RATES.flops_per_s == cpu.reached_flops_per_s
-    assert not CPU_RATES.regather_hidden and device_peak_flops(torch.device("cpu")) is None
+    assert rates_for("cpu").flops_per_s == cpu.reached_flops_per_s
+    assert not rates_for("cpu").regather_hidden and device_peak_flops(torch.device("cpu")) is None
     assert rates_for(None) == GPU_RATES and GPU_RATES.flops_per_s == device_named("h200-141gb").reached_flops_per_s
     assert gpu_named("Some Future GPU") is None
     for row in DEVICES:

@@ -25,8 +25,8 @@ from lightning_vitscale.memory.plan_search import (
 )
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_cost import (
-    CPU_RATES,
     GPU_RATES,
+    rates_for,
     recompute_seconds,
     regather_seconds,
     units_and_regather_seconds,
@@ -39,6 +39,7 @@ from lightning_vitscale.sharding.fsdp import group_blocks
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import parallelize
 
+CPU_RATES = rates_for("cpu")  # one rank of the 2-core CPU with gloo (the table's "cpu" row)
 WIDE = dict(image=32, patch=4, dim=256, depth=6)  # the 6-block ViT of benchmarks/RESULTS.md's step breakdown
 DEPTH = WIDE["depth"]
 RECIPE = BlockPlan.prefix(DEPTH, DEPTH, 0, DEPTH)  # every block full, resharded, one per unit: the least memory
