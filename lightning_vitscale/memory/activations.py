@@ -233,13 +233,8 @@ class _OuterParameterUse(TorchDispatchMode):
 
 
 def measure_activations(
-    model: nn.Module,
-    blocks: list[tuple[str, nn.Module]],
-    example_input: Any,
-    compute: torch.dtype = torch.float32,
-    norms: list[nn.Module] | None = None,
-    call: StepCall | None = None,
-    mode_of: ModeOf | None = None,
+    model: nn.Module, blocks: list[tuple[str, nn.Module]], example_input: Any, compute: torch.dtype = torch.float32,
+    norms: list[nn.Module] | None = None, call: StepCall | None = None, mode_of: ModeOf | None = None,
     all_reduces: AllReduceLog | None = None,
 ) -> ActivationProfile:
     """What each block keeps and needs, from one forward (``call``, default ``model(example_input)``) and backward on
@@ -336,12 +331,8 @@ def _block_memory(
 
 
 def _peak_beyond_forward(
-    block: nn.Module,
-    x: torch.Tensor,
-    mode: FakeTensorMode,
-    checkpoint: Callable[[], Any] | None,
-    work: OpWork | None = None,
-    watch: Callable[[], list[RemovableHandle]] | None = None,
+    block: nn.Module, x: torch.Tensor, mode: FakeTensorMode, checkpoint: Callable[[], Any] | None,
+    work: OpWork | None = None, watch: Callable[[], list[RemovableHandle]] | None = None,
 ) -> int:
     """Peak bytes of the block's backward above what its forward left alive; ``checkpoint``: the ``context_fn`` it
     runs under ``torch.utils.checkpoint`` with; ``work``: counts the forward; ``watch``: hooks for the backward (the

@@ -266,14 +266,8 @@ class AutoCheckpointing:
 
 
 def describe_prediction(
-    inputs: StepInputs,
-    checkpointed: list[str],
-    reshard: bool,
-    offload: bool = False,
-    selective: Sequence[str] = (),
-    blocks_per_unit: int = 1,
-    kept_gathered: Sequence[str] = (),
-    measured_on: str = EXAMPLE_INPUT,
+    inputs: StepInputs, checkpointed: list[str], reshard: bool, offload: bool = False, selective: Sequence[str] = (),
+    blocks_per_unit: int = 1, kept_gathered: Sequence[str] = (), measured_on: str = EXAMPLE_INPUT,
     budget: int | None = None,
 ) -> tuple[int, str]:
     """The predicted peak for the settings the pipeline applied, as bytes and as the summary's line (naming the

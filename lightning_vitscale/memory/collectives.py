@@ -36,12 +36,7 @@ def ring_bytes(nbytes: float, ranks: int, reduce: bool = False) -> float:
 
 
 def unit_collectives(
-    shapes: Sequence[Sequence[int]],
-    *,
-    shard: int,
-    replicas: int = 1,
-    gather_itemsize: int,
-    reduce_itemsize: int,
+    shapes: Sequence[Sequence[int]], *, shard: int, replicas: int = 1, gather_itemsize: int, reduce_itemsize: int,
     reshard: bool | int | None,
 ) -> list[Collective]:
     """The collectives one unit of parameter ``shapes`` runs per step (``reshard``: an ``int`` is a smaller group)."""

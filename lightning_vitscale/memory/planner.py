@@ -93,17 +93,9 @@ def model_parts(
 
 
 def plan_memory(
-    model: nn.Module,
-    example_input: Any,
-    *,
-    batch_size: int | None = None,
-    world_size: int = 1,
-    device_memory: str | int | float = "a100-80gb",
-    precision: str = "bf16-mixed",
-    optimizer: str = "adamw",
-    memory_fraction: int | float = DEFAULT_FRACTION,
-    blocks: ModuleSelector | None = None,
-    tensor_parallel: int = 1,
+    model: nn.Module, example_input: Any, *, batch_size: int | None = None, world_size: int = 1,
+    device_memory: str | int | float = "a100-80gb", precision: str = "bf16-mixed", optimizer: str = "adamw",
+    memory_fraction: int | float = DEFAULT_FRACTION, blocks: ModuleSelector | None = None, tensor_parallel: int = 1,
     tensor_plan: TensorPlanSelector | None = None,
 ) -> MemoryPlan:
     """Plan one rank's memory for ``model`` (real or on the meta device) fed ``example_input`` per step.
@@ -141,20 +133,10 @@ def plan_memory(
 
 
 def step_inputs(
-    model: nn.Module,
-    example_input: Any,
-    *,
-    batch_size: int | None = None,
-    world_size: int = 1,
-    precision: str = "bf16-mixed",
-    optimizer: str = "adamw",
-    blocks: ModuleSelector | None = None,
-    device: torch.device | str | None = None,
-    loop: TrainingLoop | None = None,
-    call: StepCall | None = None,
-    mode_of: ModeOf | None = None,
-    tensor_parallel: int = 1,
-    tensor_plan: TensorPlanSelector | None = None,
+    model: nn.Module, example_input: Any, *, batch_size: int | None = None, world_size: int = 1,
+    precision: str = "bf16-mixed", optimizer: str = "adamw", blocks: ModuleSelector | None = None,
+    device: torch.device | str | None = None, loop: TrainingLoop | None = None, call: StepCall | None = None,
+    mode_of: ModeOf | None = None, tensor_parallel: int = 1, tensor_plan: TensorPlanSelector | None = None,
     calls: Calls | None = None,
 ) -> StepInputs:
     """Measure ``model`` on fake tensors for :func:`predict_step` (see :func:`plan_memory`; ``world_size``: one
@@ -204,15 +186,8 @@ def batch_size_of(example_input: Any) -> int:
 
 
 def choose(
-    inputs: StepInputs,
-    budget: int,
-    device_bytes: int,
-    precision: str,
-    batch_size: int,
-    offload: bool | None = None,
-    rates: DeviceRates = GPU_RATES,
-    reshard: bool | None = None,
-    per_unit: int | None = 1,
+    inputs: StepInputs, budget: int, device_bytes: int, precision: str, batch_size: int, offload: bool | None = None,
+    rates: DeviceRates = GPU_RATES, reshard: bool | None = None, per_unit: int | None = 1,
 ) -> MemoryPlan:
     """The plan for ``budget`` (:mod:`.plan_search`). ``offload``: ``None`` recommends CPU offload where nothing
     else fits, ``True`` / ``False`` say it is on / off; ``reshard`` and ``per_unit`` pin (``None``: chosen)."""

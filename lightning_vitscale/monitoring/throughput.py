@@ -76,11 +76,8 @@ class VitScaleThroughput(Callback):
     """
 
     def __init__(
-        self,
-        batch_size_fn: Callable[[Any], int] | None = None,
-        peak_flops: float | None = None,
-        log_every_n_steps: int = 10,
-        warmup_steps: int = 3,
+        self, batch_size_fn: Callable[[Any], int] | None = None, peak_flops: float | None = None,
+        log_every_n_steps: int = 10, warmup_steps: int = 3,
     ) -> None:
         if log_every_n_steps < 1 or warmup_steps < 0:
             raise ValueError(
