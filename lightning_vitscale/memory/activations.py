@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from lightning_vitscale._compat import (
@@ -117,7 +116,7 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in tensors_of(out):
-            local = dtensor_local(tensor) if isinstance(tensor, DTensor) else tensor  # its memory: the local shard
+            local = dtensor_local(tensor)  # its memory: a DTensor's local shard
             key = storage_id(local)
             if key not in self._live or self._live[key][0].expired():  # an address freed since the last count
                 storage = local.untyped_storage()

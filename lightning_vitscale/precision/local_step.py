@@ -50,13 +50,15 @@ def _swap_in(optimizer: torch.optim.Optimizer) -> tuple[list[list[Any]], _Pairs]
     if any(group.get("differentiable") for group in groups):
         return None  # a differentiable step needs the DTensor graph
     originals = [group["params"] for group in groups]
-    pairs: _Pairs = [(dtensor_local(p), p) for params in originals for p in params if isinstance(p, DTensor)]
+    local_groups = [[dtensor_local(p) for p in params] for params in originals]
+    pairs: _Pairs = [(local, p) for params, locals_ in zip(originals, local_groups)
+                     for local, p in zip(locals_, params) if local is not p]
     grads = [param.grad for _, param in pairs]
     if not pairs or any(g is not None and not (isinstance(g, DTensor) and g.placements == p.placements)
                         for g, (_, p) in zip(grads, pairs)):
         return None
-    for group, params in zip(groups, originals):
-        group["params"] = [dtensor_local(p) for p in params]
+    for group, params in zip(groups, local_groups):
+        group["params"] = params
     for (local, param), grad in zip(pairs, grads):
         local.grad = None if grad is None else dtensor_local(grad)
         before = state.get(param)  # one lookup, no defaultdict entry
