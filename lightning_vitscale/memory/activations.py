@@ -1,9 +1,7 @@
-"""Measure a model's activation memory per block on fake tensors (no real memory, any model size).
-
-One forward and backward under ``FakeTensorMode``, parameters swapped for fake ones in the compute dtype:
-``saved_tensors_hooks`` count what each block keeps for backward (by storage, for the first block that saved it),
-a dispatch mode tracking live storages each block's backward transient. Fake CPU tensors pick the same SDPA kernel
-family as CUDA (no N x N matrix), so one measurement serves CPU and GPU plans.
+"""A model's activation memory per block on fake tensors (no real memory, any model size): one forward and
+backward, parameters fake in the compute dtype; ``saved_tensors_hooks`` count what each block keeps (by storage,
+for the first block that saved it), a dispatch mode each block's backward transient. Fake CPU tensors pick CUDA's
+SDPA kernel family (no N x N matrix): one measurement serves CPU and GPU plans.
 """
 
 from __future__ import annotations
@@ -11,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -231,6 +229,10 @@ class _OuterParameterUse(TorchDispatchMode):
         return sum(nbytes for key, nbytes in self.parameters.items() if done and self.done_when_used.get(key) == done)
 
 
+_PASSES: dict[Hashable, dict[Any, Any]] = {}  # each block pass of this process, by context, then block_key: a later
+# setup of the same architecture (a second fit, a sweep) runs only the whole forward again. Numbers, never a module.
+
+
 def measure_activations(
     model: nn.Module, blocks: list[tuple[str, nn.Module]], example_input: Any, compute: torch.dtype = torch.float32,
     norms: list[nn.Module] | None = None, call: StepCall | None = None, mode_of: ModeOf | None = None,
@@ -267,7 +269,10 @@ def measure_activations(
             else:
                 out = model(*fake_input) if isinstance(fake_input, tuple) else model(fake_input)
         outputs = [t for t in tensors_of(out) if t.is_floating_point()]
-        measured: dict[tuple[Any, str], Any] = {}  # identical blocks are measured once per call
+        context = (compute, call is not None, torch.are_deterministic_algorithms_enabled())
+        if sum(map(len, _PASSES.values())) > 20_000:  # bounded: a long sweep over ever new architectures
+            _PASSES.clear()
+        measured = _PASSES.setdefault(context, {})
         results = [_block_memory(name, block, recorder, i, mode, measured,
                                  ALL_MODES if mode_of is None else frozenset({mode_of(i, name, block) or "none"}),
                                  all_reduces) for i, (name, block) in enumerate(blocks)]
@@ -285,13 +290,13 @@ def _block_memory(
     name: str, block: nn.Module, recorder: _Recorder, index: int, mode: FakeTensorMode, measured: dict,
     needed: frozenset[str], all_reduces: AllReduceLog | None,
 ) -> BlockMemory:
-    """One fake forward + backward of ``block`` per checkpointing in ``needed`` (``torch.utils.checkpoint``,
-    non-reentrant, early stop, as the strategy applies it) and its forward's work with what a full recompute reruns;
-    once per structurally equal block (:func:`~.block_identity.block_key`) in ``measured``."""
+    """A fake forward + backward of ``block`` per checkpointing in ``needed`` (non-reentrant, early stop, as the
+    strategy applies it), its forward's work and a full recompute's; once per equal block in ``measured``."""
     x = recorder.inputs.get(index)
     if x is None:  # the block never ran in this forward: it costs nothing for this batch
         return BlockMemory(name, 0, 0, 0, 0)
-    key, size = block_key(block, x), x.untyped_storage().nbytes()
+    size = x.untyped_storage().nbytes()  # a view's whole storage is what a checkpoint keeps
+    key = block_key(block, x), size, None if all_reduces is None else tuple(sorted(all_reduces.roles[index].items()))
     for kind in sorted(needed):  # the first pass counts the forward's work; a full one its recompute's too
         if (key, kind) in measured:
             continue

@@ -165,10 +165,9 @@ def optimizer_kind(optimizers: list[torch.optim.Optimizer]) -> str:
 
 @dataclass(eq=False)  # one lifecycle per setup: compared by identity
 class AutoCheckpointing:
-    """The ``"auto"`` lifecycle: decide at setup when a batch is known there (:mod:`.planning_batch`), else keep a
-    meta twin and decide at the first training step; ``choice`` holds the outcome for the caller to apply.
-    ``blocks_per_unit``: ``None``: chosen at setup (1 when the batch comes later); ``required``: the user asked for
-    ``"auto"`` (an unmeasurable step raises), else the default falls back to the recipe's plan with a warning."""
+    """The ``"auto"`` lifecycle: decide at setup with a batch there (:mod:`.planning_batch`), else at the first step
+    from a meta twin; ``choice``: the outcome. ``blocks_per_unit``: ``None``: chosen at setup (1 when the batch comes
+    later); ``required``: the user asked for ``"auto"`` (an unmeasurable step raises; the default warns, recipe's)."""
 
     budget: int
     measure: Measurement

@@ -1,13 +1,14 @@
-"""A structural key, so that identical blocks are measured once (measuring was most of the planner's setup time).
+"""A structural key, so that identical blocks are measured once per process (most of the planner's setup time).
 
 Blocks of one class can run different code (ViTDet's ``window_size`` 14 in most blocks, 0 in a few; a drop-path
-rate of 0 skips an op), so the key holds each submodule's type, mode, hook counts and plain attributes besides
-parameter and buffer shapes. Floats count only as zero or not: rates and scales change no op unless zero, and a
-drop-path growing block by block would otherwise be measured block by block.
+rate of 0 skips an op), so the key holds each submodule's class and ``forward`` (patched: measured anew), mode, hook
+counts and plain attributes besides parameter and buffer shapes. Floats count only as zero or not: rates and scales
+change no op unless zero, and a drop-path growing block by block would otherwise be measured block by block.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Hashable
 from typing import Any
@@ -23,12 +24,12 @@ _PLAIN = (bool, int, str, type(None))
 def block_key(block: nn.Module, x: torch.Tensor) -> Hashable:
     """Equal for two blocks (with their inputs) that run the same ops on the same shapes."""
     modules = tuple(
-        (name, type(m).__qualname__, m.training, hook_counts(m), _attributes(m),
+        (name, type(m), type(m).forward, m.training, hook_counts(m), _attributes(m),
          tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in m.named_parameters(recurse=False)),
          tuple((n, tuple(b.shape), b.dtype) for n, b in m.named_buffers(recurse=False)))
         for name, m in block.named_modules()
     )
-    return type(block), modules, tuple(x.shape), x.dtype
+    return modules, tuple(x.shape), x.dtype
 
 
 def _attributes(module: nn.Module) -> tuple[tuple[str, Hashable], ...]:
@@ -49,6 +50,8 @@ def _value_key(value: Any) -> Hashable:
         return str(value)
     if isinstance(value, torch.Tensor):
         return "tensor", tuple(value.shape), value.dtype
+    if isinstance(value, functools.partial):  # e.g. an activation with its approximation bound
+        return "partial", _value_key(value.func), _value_key(list(value.args)), _value_key(value.keywords)
     if callable(value):
         return "callable", getattr(value, "__module__", None), getattr(value, "__qualname__", type(value).__qualname__)
     return "object", type(value).__qualname__

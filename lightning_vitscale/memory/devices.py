@@ -1,9 +1,8 @@
-"""The one device table (each device's memory, FLOP/s, bandwidths and host speed: read by the planner's rates,
-the MFU report and the ``plan`` CLI) and the step model's constants, each with where it was measured.
-
-Every row says where its numbers come from (``source``): the vendor's datasheet (dense) or ``"measured: ..."``.
-Fields no datasheet gives (``reached_flops_per_s``, ``host_scale``) are the measured H200's for every GPU until a
-run measures them; the CPU row is what a step reached on this repository's 2-core CPU with gloo, not a peak.
+"""The one device table (memory, FLOP/s, bandwidths, host speed: for the planner's rates, the MFU report and the
+``plan`` CLI) and the step model's constants. Every row says where its numbers come from (``source``): the vendor's
+datasheet (dense) or ``"measured: ..."``. Fields no datasheet gives (``reached_flops_per_s``, ``host_scale``) are
+the measured H200's for every GPU until a run measures them; the CPU row is what a step reached on this
+repository's 2-core CPU with gloo, not a peak.
 """
 
 from __future__ import annotations

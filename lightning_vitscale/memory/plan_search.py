@@ -1,6 +1,5 @@
 """The planner's one search: per block none / selective / full checkpointing, per unit reshard or stay gathered,
-and the blocks per FSDP unit, each chosen or pinned (:class:`SearchSpace`); the least predicted step time whose
-predicted peak fits the budget.
+and blocks per FSDP unit, each chosen or pinned (:class:`SearchSpace`): the least predicted step time that fits.
 
 Plans have one shape, :class:`BlockPlan`: checkpointing earliest first (the first block's activations live
 longest), the first ``resharded`` blocks resharded. Exact over that shape: per unit size and number of full and of

@@ -1,8 +1,7 @@
-"""The memory planner: will this model, at this batch size, fit on these devices, and what should be turned on?
-
-``plan_memory`` measures the model on fake tensors (any size, no device), predicts each rank's peak and picks per
-block checkpointing, reshard and the blocks per unit: the least predicted step time that fits (:mod:`.plan_search`);
-CPU offload only when nothing else fits; and the largest per-rank batch that fits.
+"""Will this model, at this batch size, fit on these devices, and what should be turned on? ``plan_memory``
+measures it on fake tensors (any size, no device), predicts each rank's peak and picks per block checkpointing,
+reshard and blocks per unit: the least predicted step time that fits (:mod:`.plan_search`); CPU offload only when
+nothing else fits; and the largest per-rank batch that fits.
 """
 
 from __future__ import annotations

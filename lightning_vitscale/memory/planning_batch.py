@@ -1,13 +1,11 @@
-"""The batch the planner measures, and how: ``example_input_array`` through ``forward``, or one batch of the
-training data through ``training_step`` (so the default gets a plan without ``example_input_array``, and a module
-without ``forward`` too).
+"""The batch the planner measures: ``example_input_array`` through ``forward``, or one training batch through
+``training_step`` (the default plans without ``example_input_array``, and without ``forward``).
 
-The training batch is read at setup, before the units are made: the first ``batch_size`` samples of the train
-``DataLoader``'s dataset, collated, alike on every rank (no worker, no sampler). It runs as
-``training_step(batch, 0)`` on a meta twin (the real module's Python state is not touched) with ``self.log``
-silenced, torchmetrics metrics left out and ``.item()`` symbolic; a step that branches on a value is measured
-through ``forward`` on the batch's first tensor. Reading and measuring keep the global random states (torch,
-Python, NumPy), so training sees DDP's random numbers. Batch-transfer hooks are not applied.
+The training batch is read at setup, before the units are made: the train ``DataLoader``'s first ``batch_size``
+samples, collated, alike on every rank (no worker, no sampler). It runs as ``training_step(batch, 0)`` on a meta
+twin (the module's Python state untouched), ``self.log`` silenced, torchmetrics metrics left out, ``.item()``
+symbolic; a step that branches on a value is measured through ``forward`` on the batch's first tensor. The global
+random states (torch, Python, NumPy) are kept: training sees DDP's random numbers. Batch-transfer hooks are not run.
 """
 
 from __future__ import annotations

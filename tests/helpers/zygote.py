@@ -34,8 +34,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+# timm and HF's ViT: imported by most rank scripts' models, ~0.5 s each time a forked rank did it itself (a profile
+# of the rank-launching tests: 13 s of CPU in all).
 _PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "lightning", "lightning.pytorch",
-            "lightning.pytorch.cli", "lightning_vitscale", "tests.helpers.models", "tests.helpers.scenarios")
+            "lightning.pytorch.cli", "lightning_vitscale", "tests.helpers.models", "tests.helpers.scenarios", "timm",
+            "transformers.models.vit.modeling_vit")
 SOCKET_VARIABLE = "VITSCALE_TEST_ZYGOTE_SOCKET"
 _server: tuple[subprocess.Popen, str] | None = None
 

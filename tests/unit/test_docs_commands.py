@@ -19,11 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# README's test command, which .ci/run runs as written: the single-process tests on two workers, then the rest.
-TEST_COMMAND = (
-    'python -m pytest -q -n 2 -m "not (distributed or slow or gpu)"'
-    ' && python -m pytest -q -m "distributed or slow or gpu"'
-)
+# README's test command, which .ci/run runs as written: every test on two workers, a file at a time.
+TEST_COMMAND = "python -m pytest -q -n 2 --dist loadfile"
 
 # command pattern (re.match on the whitespace-normalised command) -> (file that runs it, strings that file holds)
 RUN_BY: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -33,8 +30,7 @@ RUN_BY: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     r'pip install -e "\.\[test,examples\]"$': (".ci/run", ('pip install --quiet -e ".[test,examples]"',)),
     r"python -m pytest -q$": (".ci/run", ("python -m pytest -q",)),
-    r'python -m pytest -q -n 2 -m "not \(distributed or slow or gpu\)" && python -m pytest -q -m "distributed or slow'
-    r' or gpu"$': (".ci/run", (TEST_COMMAND,)),
+    r"python -m pytest -q -n 2 --dist loadfile$": (".ci/run", (TEST_COMMAND,)),
     r"bash \.ci/run$": (".ci/run", (TEST_COMMAND, "lint-imports")),
     r"python -m pytest -m gpu$": ("benchmarks/gpu_run.sh", ("-m pytest -m gpu tests/gpu",)),
     r"bash benchmarks/gpu_run\.sh( OUT_DIR)?$": (".ci/run", ("bash benchmarks/gpu_run.sh",)),

@@ -16,7 +16,10 @@ from examples import pretraining
 
 def main(argv: list[str]) -> None:
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(len(os.sched_getaffinity(0)))  # every core (forked from the test zygote: 1 thread before)
+    # Its share of the cores (forked from the test zygote: 1 thread before): every core alone, one of two beside
+    # another pytest-xdist worker's ranks, whose one thread each 2 spinning OpenMP threads slowed 8x (32 -> 252 s).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
     cli = pretraining.main(argv, run=False)
     cli.trainer.validate(cli.model, cli.datamodule, verbose=False)  # the teacher as built: untrained
     untrained = float(cli.trainer.callback_metrics["knn_acc"])

@@ -3,6 +3,8 @@ ones once, and a block whose checkpointing is settled only for that checkpointin
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -43,7 +45,9 @@ def attention_flops(group: int) -> int:
 
 
 def count_passes(monkeypatch) -> list[None]:
+    """Counts block passes from an empty process cache of them."""
     calls: list[None] = []
+    monkeypatch.setattr(activations, "_PASSES", {})
     real = activations._peak_beyond_forward
 
     def counted(*args, **kwargs):
@@ -70,7 +74,35 @@ def test_equal_blocks_are_measured_once_whatever_their_nonzero_rates(monkeypatch
     assert len(calls) == 3  # none, full, selective: once for the three
     calls.clear()
     profile([Attending(4, drop=0.1), Attending(4, drop=0.0)])
-    assert len(calls) == 6
+    assert len(calls) == 3  # the zero rate's block: the other one is known from the first measurement
+
+
+def test_a_later_measurement_of_the_same_architecture_runs_no_block_pass_and_gives_the_same_profile(monkeypatch):
+    """The process keeps what each block pass measured (a second fit, a sweep); what differs in the ops it runs is
+    measured anew: another input size, a class whose forward was patched, an activation's bound argument, a
+    tensor-parallel split."""
+    calls = count_passes(monkeypatch)
+    first = profile([Attending(4), Attending(4)])
+    assert len(calls) == 3
+    calls.clear()
+    assert profile([Attending(4), Attending(4)]) == first and not calls
+    monkeypatch.setattr(activations, "_PASSES", {})
+    assert profile([Attending(4), Attending(4)]) == first and len(calls) == 3  # the cache changes no number
+    calls.clear()
+    block = Attending(4)
+    measure_activations(nn.Sequential(block), [("0", block)], torch.empty(BATCH, 2 * TOKENS, DIM))
+    assert len(calls) == 3  # another input shape
+    calls.clear()
+    real = Attending.forward
+    monkeypatch.setattr(Attending, "forward", lambda self, x: real(self, x) * 2)
+    profile([Attending(4)])
+    assert len(calls) == 3
+    calls.clear()
+    gelu = [nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)]
+    for block, approximate in zip(gelu, ("none", "tanh")):
+        block.act = functools.partial(nn.functional.gelu, approximate=approximate)
+    profile(gelu)
+    assert len(calls) == 6  # the two bound approximations are two blocks
 
 
 @pytest.mark.parametrize("settled", ["full", "selective", None])
