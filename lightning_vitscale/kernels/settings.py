@@ -27,10 +27,9 @@ class KernelPolicy:
 
     Attributes:
         compile_blocks: ``torch.compile`` each repeated block in place (identical blocks share one graph).
-        compile_outer: also the largest sub-modules outside the blocks (patch embedding, head, ...). Off in every
-            preset: a small share of the time, each one more compile.
-        attention: ``"sdpa"``, ``"xformers"`` (the blocks' SDPA calls routed to it) or ``"auto"`` (both timed on
-            the first training step's shapes, where xformers can run).
+        compile_outer: the largest sub-modules outside the blocks too (off in every preset: little time, more compiles).
+        attention: ``"sdpa"``, ``"xformers"`` (the blocks' SDPA calls routed to it) or ``"auto"`` (both timed on the
+            first step's shapes, where xformers runs).
         fused_optimizer: switch Adam/AdamW to their fused step where the user left it open.
         compiler: a user's ``torch.compile(model, ...)``, used instead of ``torch.compile(mode=compile_mode)``.
         reason: why ``kernels="auto"`` compiles the blocks or not (the setup summary's words).

@@ -1,15 +1,14 @@
-"""``activation_checkpointing="auto"`` (and ``VitScaleStrategy()``'s default, ``priority="speed"``): the fastest plan
-(:mod:`.plan_search`) that keeps a step in budget, from the real batch shape measured on fake tensors. Checkpointing
-every block costs about a third more compute even where the activations would fit.
-
-The batch is known at setup (``example_input_array``, one batch of the training data) or at the first training
-step; then a meta twin of the module is kept from setup (the sharded module's FSDP hooks would all-gather if run
-for measuring) and the units, made at setup, are one block each. The sharding setup applies the choice.
+"""``activation_checkpointing="auto"`` (``VitScaleStrategy()``'s default): the fastest plan (:mod:`.plan_search`)
+that keeps a step in budget, from the batch measured on fake tensors (checkpointing every block costs a third more
+compute even where the activations fit). The batch is known at setup (``example_input_array``, a training batch)
+or at the first step: then a meta twin is kept from setup (the sharded module's FSDP hooks would all-gather) and
+the units, made at setup, are one block each. The sharding setup applies the choice.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +38,7 @@ from lightning_vitscale.memory.step_model import StepInputs, StepSettings, Train
 from lightning_vitscale.memory.twin import meta_twin
 from lightning_vitscale.precision import resolve_flag
 
-AgreePlan = Callable[[BlockPlan], BlockPlan]
+AgreePlan = Callable[[Any], Any]
 """Every rank gets the same plan (``RankContext.broadcast``: rank 0's, searched for the budget every rank agreed)."""
 
 
@@ -154,6 +153,13 @@ class Measurement:
             return None, f"{batch.source} could not run on fake tensors{where} ({error})"
 
 
+def _picklable(value: Any) -> bool:
+    try:
+        return bool(pickle.dumps(value))
+    except Exception:  # a recorded argument or an error that cannot travel: each rank measures for itself
+        return False
+
+
 def optimizer_kind(optimizers: list[torch.optim.Optimizer]) -> str:
     """The planner's name for the user's optimizer's state (AdamW, the larger, when unknown)."""
     for inner in map(unwrapped, optimizers):
@@ -175,6 +181,7 @@ class AutoCheckpointing:
     offload: bool = False  # offload="cpu" is on: plan with it; off: never assume it
     blocks_per_unit: int | None = None
     required: bool = True
+    measures: bool = True  # this rank measures; else it takes rank 0's outcome
     twin: nn.Module | None = field(default=None, init=False)
     choice: AutoChoice | None = field(default=None, init=False)
 
@@ -235,12 +242,13 @@ class AutoCheckpointing:
         return AutoChoice(plan, names, plan.blocks, unmet_budget(plan, inputs, self.offload), hint, how)
 
     def _decide(self, model, example, device, agree: AgreePlan, optimizer) -> AutoChoice:
-        try:
-            choice = self.choose(model, example, device, optimizer)
-        except MeasurementError as error:
-            if self.required:
-                raise
-            choice = self._recipe(model, error.__cause__)
+        # Every rank would measure the same shapes: rank 0 does, the others take its outcome (or measure: unpicklable)
+        mine = self._outcome(model, example, device, optimizer) if self.measures else None
+        shared = agree(mine if mine is None or _picklable(mine) else None)
+        choice, calls = mine or shared or self._outcome(model, example, device, optimizer)
+        vars(self.measure.calls).update(vars(calls))
+        if isinstance(choice, BaseException):
+            raise choice  # on every rank, so that none waits in a collective
         if choice.warning is not None:
             rank_zero_warn(choice.warning)
         if choice.hint is not None:
@@ -248,6 +256,15 @@ class AutoCheckpointing:
         self.choice = dataclasses.replace(choice, blocks=agree(choice.blocks))
         self.blocks_per_unit = self.choice.blocks.per_unit
         return self.choice
+
+    def _outcome(self, model, example, device, optimizer) -> tuple[AutoChoice | Exception, Calls]:
+        """The choice (the recipe's where the default's step cannot be measured), or the error to raise."""
+        try:
+            return self.choose(model, example, device, optimizer), self.measure.calls
+        except MeasurementError as error:
+            return (error if self.required else self._recipe(model, error.__cause__)), self.measure.calls
+        except Exception as error:  # a refused tensor plan, a bug: raised by every rank
+            return error, self.measure.calls
 
     def _recipe(self, model: nn.Module, cause: BaseException | None) -> AutoChoice:
         """The recipe's plan where the default's step could not be measured: every block full, resharded."""

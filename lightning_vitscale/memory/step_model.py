@@ -1,9 +1,8 @@
-"""Per-rank memory of one training step under the recipe, phase by phase as FSDP2 runs it, and its peak.
-
-The outer unit stays gathered through the step; one unit is gathered (+ its all-gather buffer) at a time in
-forward, the current and the prefetched one in backward with the current unit's unsharded gradients and
-reduce-scatter buffer; activations are freed block by block, sharded gradients grow, and the optimizer step needs
-its temporaries. Activations are measured (:mod:`.activations`); everything else is counted from shapes.
+"""Per-rank memory of one training step under the recipe, phase by phase as FSDP2 runs it, and its peak. The
+outer unit stays gathered through the step; one unit is gathered (+ its all-gather buffer) at a time in forward,
+the current and the prefetched one in backward with the current unit's unsharded gradients and reduce-scatter
+buffer; activations are freed block by block, sharded gradients grow, the optimizer step needs its temporaries.
+Activations are measured (:mod:`.activations`); everything else is counted from shapes.
 """
 
 from __future__ import annotations

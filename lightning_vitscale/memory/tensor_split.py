@@ -1,10 +1,7 @@
 """Tensor parallelism as the planner sees it: one tensor-parallel rank's share of each block, measured, and the
-all-reduces of activations its step runs.
-
-The planner does not derive what ``tensor_parallel=k`` changes: it splits a meta twin of the model by the same
-Megatron-style plan (``discovery/tensor_plan.py``; :func:`split_twin`: a column-wise Linear keeps ``out / k`` rows,
-a row-wise one ``in / k`` columns and its whole bias, attention modules their per-rank head counts) and measures the
-twin as any model: its layout is this rank's share before FSDP's split, its activations this rank's.
+all-reduces of activations its step runs. Not derived: a meta twin is split by the same Megatron-style plan
+(``discovery/tensor_plan.py``; :func:`split_twin`: a column-wise Linear keeps ``out / k`` rows, a row-wise one
+``in / k`` columns and its whole bias, attention modules their per-rank head counts) and measured as any model.
 
 The all-reduces (:class:`AllReduceLog`, counted in the activations' passes): a row-wise module's output after each
 forward call (a checkpointed block's recompute runs them again as far as it goes), a column-wise module's input

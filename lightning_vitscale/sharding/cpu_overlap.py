@@ -1,16 +1,13 @@
-"""Collectives that overlap compute on CPU ranks, as CUDA streams make them overlap on a GPU.
-
-On CPU FSDP2 calls gloo synchronously: the step waits for every collective (measured on 2 CPU ranks: ~20 ms in
-reduce-scatters and ~13 ms in all-gathers of a 245 ms ViT step, the bulk of the gap to DDP, whose all-reduce runs
-in gloo's worker thread during backward). So:
+"""Collectives that overlap compute on CPU ranks, as CUDA streams make them overlap on a GPU. On CPU FSDP2 calls
+gloo synchronously (2 CPU ranks: ~20 ms in reduce-scatters and ~13 ms in all-gathers of a 245 ms ViT step, the
+bulk of the gap to DDP, whose all-reduce runs in gloo's worker thread during backward). So:
 
 - all-gathers: FSDP2's ``unshard_async_op``, so a prefetched gather runs during the previous unit's compute;
 - reduce-scatters: :class:`OverlappedReduceScatter` issues each asynchronously and waits for it at the next unit's
   or when backward ends, so no more gradient buffers are alive than under FSDP2's own.
 
-gloo's ``reduce_scatter_tensor_coalesced`` all-reduces a clone (twice a reduce-scatter's bytes: FSDP2 on CPU
-moved 1.5x DDP's bytes per step); :class:`AllToAllReduction` sends each rank its chunks by all-to-all and sums
-them on wait, with one temporary the size of the input, as gloo's clone.
+gloo's ``reduce_scatter_tensor_coalesced`` all-reduces a clone (FSDP2 on CPU moved 1.5x DDP's bytes per step);
+:class:`AllToAllReduction` sends each rank its chunks by all-to-all and sums them on wait (one input-sized temporary).
 
 The output (FSDP2's new gradient shard) is read before backward ends only to accumulate, cast, divide (fp16) or
 feed a post-accumulate-grad hook; those cases wait at once, so FSDP2 computes the same bytes as with its own.

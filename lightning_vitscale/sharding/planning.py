@@ -1,8 +1,6 @@
-"""What the planner decides before the pipeline runs, by its one search (``memory/plan_search.py``), from the batch
-known at setup (``memory/planning_batch.py``): ``"auto"``'s plan (else a meta twin waits for the first batch) and,
-for checkpointing the user chose, the blocks per unit and units kept gathered that ``priority`` left to it. Every
-rank keeps to the smallest budget (:func:`agreed_budget`) and applies rank 0's plan. Then: how the choice is applied
-to the sharded units and described in the setup summary.
+"""What the planner decides before the pipeline runs, from the batch known at setup: ``"auto"``'s plan (else a
+meta twin waits for the first batch) or, for checkpointing the user chose, what ``priority`` left to it. Every
+rank keeps to the smallest budget (:func:`agreed_budget`) and applies rank 0's plan. Then: how it is applied.
 """
 
 from __future__ import annotations
@@ -42,14 +40,9 @@ from lightning_vitscale.sharding.summary import SetupSummary
 
 @dataclass(frozen=True)
 class Planned:
-    """The settings to shard with (the planner's choices filled in) and what to apply once the units exist.
-
-    Attributes:
-        auto: the ``"auto"`` lifecycle (its choice, or the meta twin waiting for the first batch); ``None`` if off.
-        measured, measured_on: the measurement at setup for the summary's predicted peak, and what it ran on.
-        calls: what the measured step called (the units are what it runs).
-        unmeasured: why the measurement gave no prediction (the summary says it).
-    """
+    """The settings to shard with (the planner's choices in) and what to apply once the units exist: ``auto``'s
+    lifecycle (``None``: off), the setup's measurement for the summary and what it ran on, what the measured step
+    called (the units are what it runs), why nothing was measured."""
 
     resolved: ResolvedConfig
     budget: int
@@ -141,7 +134,7 @@ def plan_before_sharding(
         auto = AutoCheckpointing(
             budget, measure, _fixed_reshard(resolved), offloads(sharding, ranks.device),
             blocks_per_unit=None if resolved.planner_units else resolved.blocks_per_unit,
-            required=resolved.requested.checkpointing.blocks == "auto",
+            required=resolved.requested.checkpointing.blocks == "auto", measures=ranks.is_rank_zero,
         )
         choice = auto.at_setup(module, ranks.device, ranks.broadcast, batch)
         if choice is not None:  # else decided at the first training step, from its batch

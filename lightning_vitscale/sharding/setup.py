@@ -206,18 +206,16 @@ def shard_lightning_module(
     """Shard ``module`` once; later calls with the same settings return the same :class:`ShardedModel`, others
     raise :class:`~lightning_vitscale.ShardedModuleReuseError`.
 
-    ``fitting``: the Trainer about to fit, whose training data gives one batch (``memory/planning_batch.py``) where
-    the module sets no ``example_input_array``. ``trainer``: the one the module runs under: the planner follows its
-    loop.
+    ``fitting``: the Trainer about to fit, whose training data gives a batch where the module sets no
+    ``example_input_array``; ``trainer``: the one the module runs under (the planner follows its loop).
 
     Why the module's ``__dict__`` keeps the result: ``Trainer(...).fit(m)`` then ``Trainer(...).test(m)`` gives the
-    second, fresh strategy only ``m``, so ``m`` must lead to the first's units and settings after the first
-    strategy is gone. The module's structure does not: its blocks are ``FSDPModule``s (Lightning's FSDP strategies
-    detect wrapping so, by type), but the outer unit is a parent of ``m`` (the LightningModule must not contain its
-    own wrapper), and the settings signature, the planner's choices and the fp32 norms exist nowhere else. A
-    registry keyed weakly by ``m`` would never drop an entry, as the value holds ``m`` through the outer unit, and
-    one holding the value weakly would lose it with the first Trainer. torch's ``fully_shard`` keeps its own state
-    in the module's ``__dict__`` for the same reason (``_composable/contract.py``).
+    second, fresh strategy only ``m``, which must lead to the first's units and settings after the first strategy
+    is gone. Its structure does not: its blocks are ``FSDPModule``s, but the outer unit is a parent of ``m`` (a
+    LightningModule must not contain its own wrapper), and the settings, the planner's choices and the fp32 norms
+    exist nowhere else. A registry keyed weakly by ``m`` would never drop an entry (the value holds ``m`` through
+    the outer unit); one holding the value weakly would lose it with the first Trainer. torch's ``fully_shard``
+    keeps its own state in the module's ``__dict__`` for the same reason (``_composable/contract.py``).
     """
     signature = sharding_signature(
         resolved.requested, precision.policy, ranks.sharding_mesh.size(), ranks.device, kernels=resolved.kernels

@@ -299,3 +299,36 @@ def test_gloo_collective_copies_count_on_cpu_only():
     block = sum(p.numel() for p in planned.blocks[0].parameters()) * 4  # fp32 reduce dtype
     assert cpu.phase.startswith("reduce-scatter") and cpu.peak > gpu.peak
     assert cpu.peak - gpu.peak <= block
+
+
+def test_only_rank_zero_measures_and_every_rank_applies_or_raises_its_outcome(monkeypatch):
+    """Every rank would measure the same shapes: rank 0 does, the others take its choice and what its step called
+    (tensor_proof reads them), or raise its error (none left waiting in a collective). Mutation seen failing: each
+    rank measuring (a measurement counted on rank 1)."""
+    from lightning_vitscale.discovery.calls import Calls
+    from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, Measurement, MeasurementError
+
+    model = TinyViT(**LONG)
+    model.example_input_array = batch()[0]
+    sent: list = []
+
+    def broadcast(value):  # rank 0's side of the collective: what it sends
+        sent.append(value)
+        return value
+
+    zero = AutoCheckpointing(4 * 2**30, Measurement(1, "32-true"))
+    chosen = zero.at_setup(model, torch.device("cpu"), broadcast)
+    measured = []
+    monkeypatch.setattr(Measurement, "__call__", lambda *args, **kwargs: measured.append(args) or 1 / 0)
+    one = AutoCheckpointing(4 * 2**30, Measurement(1, "32-true"), measures=False)
+    received = iter(sent)
+    other = TinyViT(**LONG)
+    other.example_input_array = batch()[0]
+    assert one.at_setup(other, torch.device("cpu"), lambda _: next(received)) == chosen and not measured
+    assert one.measure.calls.called == zero.measure.calls.called and one.measure.calls.inputs
+    failed = MeasurementError("could not run on fake tensors")
+    for rank in (True, False):
+        auto = AutoCheckpointing(1, Measurement(1, "32-true"), measures=rank)
+        monkeypatch.setattr(auto, "choose", lambda *args: (_ for _ in ()).throw(failed))
+        with pytest.raises(MeasurementError, match="could not run"):
+            auto.at_setup(model, torch.device("cpu"), lambda value: value or (failed, Calls()))
