@@ -39,7 +39,7 @@ from lightning_vitscale.memory.twin import meta_twin
 from lightning_vitscale.precision import resolve_flag
 
 AgreePlan = Callable[[Any], Any]
-"""Every rank gets the same plan (``RankContext.broadcast``: rank 0's, searched for the budget every rank agreed)."""
+"""Every rank gets rank 0's value (``RankContext.broadcast``): its measured outcome, then the plan every rank keeps."""
 
 
 class MeasurementError(RuntimeError):

@@ -332,3 +332,20 @@ def test_only_rank_zero_measures_and_every_rank_applies_or_raises_its_outcome(mo
         monkeypatch.setattr(auto, "choose", lambda *args: (_ for _ in ()).throw(failed))
         with pytest.raises(MeasurementError, match="could not run"):
             auto.at_setup(model, torch.device("cpu"), lambda value: value or (failed, Calls()))
+
+
+def test_an_outcome_that_cannot_be_pickled_is_measured_by_every_rank(monkeypatch):
+    """Rank 0 sends nothing where its outcome cannot travel (an unusual recorded argument); the other ranks then
+    measure for themselves and reach the same choice. Mutation seen failing: sending it anyway."""
+    from lightning_vitscale.memory import auto_checkpointing
+    from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, Measurement
+
+    assert not auto_checkpointing._picklable(lambda: 0) and auto_checkpointing._picklable((1, "a"))
+    monkeypatch.setattr(auto_checkpointing, "_picklable", lambda value: False)
+    choices, sent = [], []
+    for measures in (True, False):
+        model = TinyViT(**LONG)
+        model.example_input_array = batch()[0]
+        auto = AutoCheckpointing(4 * 2**30, Measurement(1, "32-true"), measures=measures)
+        choices.append(auto.at_setup(model, torch.device("cpu"), lambda value: sent.append(value) or value))
+    assert sent[0] is None and choices[0] == choices[1] and choices[1].plan is not None
