@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import zygote
-from tests.helpers.launch import REPO_ROOT, assert_ok, lightning_launch, torchrun
+from tests.helpers.launch import REPO_ROOT, assert_ok, launch_ranks, lightning_launch, torchrun
 from tests.helpers.results import load_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 SCRIPT = "tests/distributed/scripts/rank_view.py"
 LIGHTNING_SCRIPT = "tests/distributed/scripts/lightning_rank_view.py"
+CRASH_SCRIPT = "tests/distributed/scripts/crash_once.py"
 
 
 def test_each_rank_runs_its_script_as_main_with_its_own_rank_and_exit_status(tmp_path):
@@ -55,3 +56,17 @@ def test_a_timeout_ends_the_launcher_and_every_rank(tmp_path):
     while (alive := [pid for pid in pids if os.path.exists(f"/proc/{pid}")]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not alive, f"ranks {alive} outlived the launch"
+
+
+def test_a_rank_that_crashes_once_is_reported_and_the_launch_runs_again(tmp_path, tmp_path_factory):
+    """A native crash (gloo's abort) says where each crashed rank's threads were, then the launch runs once more."""
+    marker = tmp_path / "crashed"
+    said = r"(?s)a rank crashed; launched again.*Fatal Python error: Aborted.*crash_once"
+    with pytest.warns(UserWarning, match=said):
+        _, ranks = launch_ranks(tmp_path_factory, "crash_once", CRASH_SCRIPT, str(marker), timeout=120)
+    assert marker.exists() and len(ranks) == 2
+
+
+def test_a_rank_that_crashes_again_fails_the_launch_with_its_report_first(tmp_path_factory):
+    with pytest.warns(UserWarning), pytest.raises(AssertionError, match=r"^exit code 1:\nFatal Python error: Aborted"):
+        launch_ranks(tmp_path_factory, "crash_always", CRASH_SCRIPT, "always", timeout=120)

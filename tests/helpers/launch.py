@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -42,6 +43,7 @@ def rank_env(**extra: str) -> dict[str, str]:
         GLOO_SOCKET_IFNAME="lo",
         MASTER_ADDR="127.0.0.1",
         PYTHONUNBUFFERED="1",
+        PYTHONFAULTHANDLER="1",  # a rank that crashes (SIGABRT, SIGSEGV) prints each thread's Python stack
         TOKENIZERS_PARALLELISM="false",
     )
     env.update(extra)
@@ -173,8 +175,15 @@ def lightning_launch(script: str | Path, *args: str, timeout: float = 240, **env
     return run_bounded(cmd, timeout, full_env)
 
 
+def crash_reports(output: str) -> str:
+    """Each crashed rank's stacks (faulthandler's "Fatal Python error" report, without its list of extension
+    modules): a tail of the output shows the peers' errors and the launcher's summary, not what crashed first."""
+    reports = re.findall(r"Fatal Python error.*?(?=\n\s*Extension modules|\Z)", output, flags=re.DOTALL)
+    return "".join(f"{report[:4000]}\n...\n" for report in reports)
+
+
 def assert_ok(result: Finished) -> None:
-    tail = result.output[-6000:]
+    tail = crash_reports(result.output) + result.output[-6000:]
     assert not result.timed_out, f"timed out after {result.seconds:.0f}s:\n{tail}"
     assert result.returncode == 0, f"exit code {result.returncode}:\n{tail}"
 
@@ -196,6 +205,13 @@ def launch_ranks(
 
     out = tmp_path_factory.mktemp(name)
     result = torchrun(script, str(out), *args, nprocs=nprocs, timeout=timeout, **env)
+    crashed = crash_reports(result.output) if result.returncode != 0 and not result.timed_out else ""
+    if crashed:  # a native crash (once in CI: SIGABRT in gloo, never reproduced): said, then run once more
+        import warnings
+
+        warnings.warn(f"{script}: a rank crashed; launched again. Its report:\n{crashed[:3000]}", stacklevel=2)
+        out = tmp_path_factory.mktemp(name)
+        result = torchrun(script, str(out), *args, nprocs=nprocs, timeout=timeout, **env)
     assert_ok(result)
     # where the launch's time went (run_scenarios prints each scenario's seconds): `pytest -rP` shows it
     print("\n".join(line for line in result.output.splitlines() if "scenario " in line and line.endswith(" s")))
