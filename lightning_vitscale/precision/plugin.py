@@ -85,17 +85,17 @@ class VitScalePrecision(Precision):
 
     @override
     def convert_module(self, module: _M) -> _M:
-        """Master weights in the master dtype (norms keep theirs); compute casts happen inside FSDP's all-gather."""
-        master = self.policy.master
-        if master == torch.float32:
-            return module
-        keep = {id(m) for _, m in self.policy.separate_norm_modules(module)}
-        for submodule in module.modules():
-            if id(submodule) in keep:
-                continue
-            for tensor in [*submodule.parameters(recurse=False), *submodule.buffers(recurse=False)]:
-                if tensor.is_floating_point():
-                    tensor.data = tensor.data.to(master)
+        """Master weights in the master dtype (norms keep theirs), cast for compute by FSDP's all-gather, which casts
+        no buffer: a constant a step meets (timm BEiT's zero key bias, Swin's window mask), cast by autocast under
+        DDP, needs the compute dtype. Non-persistent floating buffers take it; persistent ones (checkpoints) do not."""
+        keep, policy = {id(m) for _, m in self.policy.separate_norm_modules(module)}, self.policy
+        for submodule in (m for m in module.modules() if id(m) not in keep):
+            buffers = [b for b in submodule.buffers(recurse=False) if b.is_floating_point()]
+            saved = {id(t) for t in submodule.state_dict(keep_vars=True).values()} if buffers else set()
+            for tensor in [*submodule.parameters(recurse=False), *buffers]:
+                dtype = policy.master if id(tensor) in saved or isinstance(tensor, nn.Parameter) else policy.compute
+                if tensor.is_floating_point() and dtype != torch.float32:  # (fp32: as the module was built)
+                    tensor.data = tensor.data.to(dtype)
         return module
 
     @override

@@ -117,3 +117,47 @@ def test_norm_selector_forms():
     assert not norm_predicate({nn.LayerNorm})("x", nn.GroupNorm(1, 2))
     with pytest.raises(TypeError, match="`norms` must be"):
         norm_predicate("layernorm")  # type: ignore[arg-type]
+
+
+class _Buffers(torch.nn.Module):
+    """A persistent floating buffer beside a non-persistent one, and a BatchNorm (a norm: its statistics stay fp32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+        self.register_buffer("offset", torch.zeros(4), persistent=False)
+        self.norm = torch.nn.BatchNorm1d(4)
+
+
+def _timm(kind: str) -> torch.nn.Module:
+    """timm's BEiT (a zero key bias buffer joined to the bf16 query and value biases) or a shifted-window Swin (an
+    additive window mask held by a block that has no parameters of its own)."""
+    if kind == "beit":
+        from timm.models.beit import Beit
+
+        return Beit(img_size=8, patch_size=4, embed_dim=16, depth=1, num_heads=2, num_classes=3)
+    from timm.models.swin_transformer import SwinTransformer
+
+    return SwinTransformer(img_size=8, patch_size=2, window_size=2, embed_dim=16, depths=(2,), num_heads=(2,),
+                           num_classes=3)
+
+
+@pytest.mark.parametrize("kind", ["beit", "swin"])
+def test_o2_gives_the_constants_a_step_meets_the_compute_dtype(mesh, kind):
+    """FSDP casts parameters, not buffers: under autocast (DDP) a constant met beside bf16 weights is cast at its use,
+    under O2 without this a matmul of mixed dtypes raises. Non-persistent floating buffers take the compute dtype;
+    persistent ones (checkpoints), norms' statistics and the master weights keep fp32."""
+    torch.manual_seed(0)
+    plugin = VitScalePrecision("bf16-mixed")
+    model = plugin.convert_module(_timm(kind))
+    persistent = set(model.state_dict())
+    floating = {n: b.dtype for n, b in model.named_buffers() if b.is_floating_point() and n not in persistent}
+    assert floating and set(floating.values()) == {torch.bfloat16}, floating
+    root = OuterUnit(model)
+    parallelize(root, model, mesh, ParallelConfig(), plugin.policy, torch.device("cpu"))
+    root(plugin.convert_input(torch.randn(2, 3, 8, 8))).float().sum().backward()
+    assert {p.to_local().dtype for p in model.parameters()} == {torch.float32}
+    buffers = plugin.convert_module(_Buffers())
+    assert (buffers.scale.dtype, buffers.offset.dtype) == (torch.float32, torch.bfloat16)
+    assert buffers.norm.running_mean.dtype == torch.float32 and buffers.lin.weight.dtype == torch.float32
