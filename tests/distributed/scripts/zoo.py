@@ -69,9 +69,10 @@ def data(batch_size: int, steps: int) -> DataLoader:
     return DataLoader(TensorDataset(images, labels), batch_size=batch_size, shuffle=False)
 
 
-def fit(model: Model, strategy, data_parallel: int, steps: int) -> tuple[dict, L.Trainer]:
+def fit(model: Model, strategy, data_parallel: int, steps: int, precision: str = "32-true") -> tuple[dict, L.Trainer]:
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                        precision=precision, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
     try:
         trainer.fit(model, data(GLOBAL_BATCH // data_parallel, steps))
     except TensorPlanError as error:
@@ -87,9 +88,13 @@ USER_PLANS = {"torchvision_vit": {"mlp.0": ColwiseParallel(), "mlp.3": RowwisePa
 
 
 def family(name: str) -> dict:
-    """On 2 ranks DDP and ``VitScaleStrategy()``; on 4, ``tensor_parallel=2`` (2 data-parallel ranks, as DDP's 2)."""
+    """On 2 ranks DDP and ``VitScaleStrategy()``, then under ``bf16-mixed`` DDP (AMP O1) and the recipe (O2,
+    ``priority="memory"``); on 4, ``tensor_parallel=2`` (2 data-parallel ranks, as DDP's 2)."""
     if WORLD == 2:
-        return {"ddp": fit(Model(name), DDP, 2, 3)[0], "fsdp": fit(Model(name), VitScaleStrategy(), 2, 3)[0]}
+        bf16 = "bf16-mixed"
+        return {"ddp": fit(Model(name), DDP, 2, 3)[0], "fsdp": fit(Model(name), VitScaleStrategy(), 2, 3)[0],
+                "ddp_bf16": fit(Model(name), DDP, 2, 3, bf16)[0],
+                "recipe_bf16": fit(Model(name), VitScaleStrategy(priority="memory"), 2, 3, bf16)[0]}
     found = {"tp2": fit(Model(name), VitScaleStrategy(tensor_parallel=2), 2, 3)[0]}
     if name in USER_PLANS:
         found["tp2_plan"] = fit(Model(name), VitScaleStrategy(tensor_parallel=2, tensor_plan=USER_PLANS[name]), 2, 3)[0]
