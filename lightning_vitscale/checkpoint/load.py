@@ -54,8 +54,8 @@ def load_checkpoint(
         for i, optimizer in enumerate(optimizers):
             with untouched_if_fresh(optimizer):
                 state: dict[str, Any] = dict(get_optimizer_state_dict(module, optimizer))
-            if not saved_entries(metadata, f"optimizer_{i}", "state"):
-                state["state"] = {}  # saved before its first step
+            saved = {path[2] for path in saved_entries(metadata, f"optimizer_{i}", "state")}  # as DDP's file: no
+            state["state"] = {n: s for n, s in state["state"].items() if n in saved}  # state before a first gradient
             state["param_groups"] = saved_param_groups(metadata, f"optimizer_{i}", state["param_groups"])
             request[f"optimizer_{i}"] = state
         load_into(request, location, weights_only, strict=strict, packed=packed)

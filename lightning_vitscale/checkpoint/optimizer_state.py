@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -49,9 +50,10 @@ def untouched_if_fresh(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
 
 
 def set_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], options) -> None:
-    """Like ``optimizer.load_state_dict`` under DDP: the saved param groups win; a never-stepped state stays empty."""
+    """Like ``optimizer.load_state_dict`` under DDP: the saved param groups win; a never-stepped state stays empty;
+    a parameter saved without state (no gradient yet: an unused mask token) loads, where DCP's strict load refuses."""
     if state["state"]:
-        set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=options)
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=replace(options, strict=False))
         return
     if len(state["param_groups"]) != len(optimizer.param_groups):
         raise CheckpointError(

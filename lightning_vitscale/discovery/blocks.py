@@ -81,8 +81,7 @@ def find_units(
     """The repeated blocks in model order, outermost matches only, each with the modules of it that run: the block
     itself when its ``forward`` runs, else its children's (recursively), which then share one unit. ``selector``:
     ``None`` discovers them. ``called``: the modules a training step ran (measured at setup), or ``None``: those
-    whose class defines ``forward`` (``ModuleList``/``ModuleDict`` do not); a block none of whose modules ran is no
-    unit."""
+    whose class defines ``forward`` (``ModuleList``/``ModuleDict`` do not); a block none of whose modules ran: none."""
     if selector is None:
         candidates = _discover(root, "")
     elif isinstance(selector, (set, frozenset)):

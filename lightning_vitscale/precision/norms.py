@@ -96,8 +96,7 @@ class ReplicatedNorms:
 
     @torch.no_grad()
     def reduce_grads(self) -> int:
-        """Average the norm gradients over the mesh, one coalesced collective per mesh dimension; returns how
-        many ran."""
+        """Average the norm gradients over the mesh, one coalesced collective per mesh dimension; returns how many."""
         if self.mesh.size() == 1:
             return 0
         grads = [cast(DTensor, p.grad).to_local() for p in self.params if p.grad is not None]  # DTensors' grads
