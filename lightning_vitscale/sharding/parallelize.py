@@ -77,9 +77,11 @@ def parallelize(
                           calls=calls, device=device)
     # 2. Norm precision first: the fp32 norms must leave the low-precision units before FSDP sees them.
     norms = replicate_norms(model, mesh, precision, weights)
-    #    Outer-unit layers take their inputs in the compute dtype even when a step made them in fp32.
+    #    Outer-unit layers take inputs in the compute dtype even when made in fp32 (blocks in the outer unit too).
+    one_unit = _sharding_buys_nothing(mesh, tensor_mesh, resolved, blocks, kept_gathered)
     if precision.compute != torch.float32:
-        cast_floating_inputs(_outer_layers(model, blocks, norms.modules), precision.compute)
+        outer_layers = _outer_layers(model, blocks, norms.modules)
+        cast_floating_inputs(outer_layers + [b for _, b in blocks if one_unit], precision.compute)
     #    Attention routing inside each block's own forward, so checkpointing's recompute is routed as well.
     router = apply_attention_routing(blocks, resolved.kernels.attention, device)
     # 3. Activation checkpointing patches the block forwards before FSDP registers its hooks around them.
@@ -96,8 +98,7 @@ def parallelize(
         outer_unit, [block for _, block in blocks], mesh=mesh, weights=weights,
         mp_policy=mixed_precision_policy(precision), offload=offload_policy(resolved.sharding.offload, device),
         reshard_after_forward=resolved.sharding.reshard_after_forward, blocks_per_unit=resolved.blocks_per_unit,
-        ignored=norms.ignored, unit_of=unit_of, one_unit=_sharding_buys_nothing(mesh, tensor_mesh, resolved, blocks,
-                                                                               kept_gathered),
+        ignored=norms.ignored, unit_of=unit_of, one_unit=one_unit,
     )
     # 5. Explicit prefetch once every unit exists: each unit starts the next one's all-gather.
     overlap = apply_prefetch(units.all, resolved.prefetch, mesh, device)
@@ -145,11 +146,8 @@ def _sharding_buys_nothing(
 def _outer_layers(model: nn.Module, blocks: Named, norm_modules: Named) -> list[nn.Module]:
     """Sub-modules with their own parameters that belong to no block and are no norm: the outer unit's layers."""
     inside = {id(m) for _, block in blocks for m in block.modules()} | {id(m) for _, m in norm_modules}
-    return [
-        module
-        for name, module in model.named_modules()
-        if name and id(module) not in inside and any(True for _ in module.parameters(recurse=False))
-    ]
+    outside = (module for name, module in model.named_modules() if name and id(module) not in inside)
+    return [module for module in outside if any(True for _ in module.parameters(recurse=False))]
 
 
 def _outer_subtrees(model: nn.Module, blocks: Named, norm_modules: Named) -> Named:

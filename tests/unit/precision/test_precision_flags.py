@@ -161,3 +161,32 @@ def test_o2_gives_the_constants_a_step_meets_the_compute_dtype(mesh, kind):
     buffers = plugin.convert_module(_Buffers())
     assert (buffers.scale.dtype, buffers.offset.dtype) == (torch.float32, torch.bfloat16)
     assert buffers.norm.running_mean.dtype == torch.float32 and buffers.lin.weight.dtype == torch.float32
+
+
+class _TimmViT(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.helpers.zoo import timm_vit
+
+        torch.manual_seed(0)
+        self.net = timm_vit()
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("priority", ["speed", "memory"])
+def test_a_block_called_by_hand_with_fp32_input_runs_whether_or_not_it_is_its_own_unit(priority):
+    """On one device the speed-first plan joins the blocks to the outer unit, so no unit of theirs casts their inputs
+    as FSDP's does: a block called outside a step with an fp32 tensor (as under DDP) met its bf16 weights."""
+    model = _TimmViT()
+    data = torch.utils.data.TensorDataset(torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,)))
+    fit = trainer(strategy=VitScaleStrategy(priority=priority), precision="bf16-mixed", max_steps=1,
+                  enable_checkpointing=False, enable_model_summary=False)
+    fit.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
+    assert fit.strategy.plan.units == (1 if priority == "speed" else 3)  # blocks in the outer unit, or their own 2
+    with torch.no_grad():
+        assert model.net.blocks[0](torch.randn(2, 5, 32)).dtype == torch.bfloat16
