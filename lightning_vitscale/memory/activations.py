@@ -32,6 +32,7 @@ from lightning_vitscale._compat import (
 from lightning_vitscale.memory.block_identity import block_key
 from lightning_vitscale.memory.op_costs import BlockWork, OpWork, tensors_of
 from lightning_vitscale.memory.selective_ops import selective_contexts
+from lightning_vitscale.precision.casting import floating_buffers
 
 if TYPE_CHECKING:
     from lightning_vitscale.memory.tensor_split import AllReduceLog
@@ -136,19 +137,22 @@ def removing(handles: list[RemovableHandle]) -> contextlib.ExitStack:
 def fake_parameters(
     model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype, keep_fp32: Callable[[nn.Module], bool]
 ) -> Iterator[None]:
-    """Every parameter and floating buffer of ``model`` a fake CPU tensor inside; restored afterwards."""
+    """Every parameter and buffer of ``model`` a fake CPU tensor inside, in the dtype the step meets it in (FSDP casts
+    parameters; saved buffers keep theirs, unsaved ones take ``dtype``: :func:`floating_buffers`); restored after."""
     originals: list[tuple[dict, str, Any]] = []
     try:
         with mode:  # entered once: entering per tensor cost more than making the tensor
             for module in model.modules():
-                wanted = torch.float32 if keep_fp32(module) else dtype
-                params = parameter_slots(module)
+                norm = keep_fp32(module)
+                wanted, params = torch.float32 if norm else dtype, parameter_slots(module)
+                saved = set() if norm else set(floating_buffers(module)[1])  # a norm's: as its parameters
                 for store in (params, buffer_slots(module)):
                     for name, value in list(store.items()):
                         if value is None:
                             continue
                         originals.append((store, name, value))
-                        kind = wanted if value.is_floating_point() else value.dtype
+                        keeps = not value.is_floating_point() or (store is not params and name in saved)
+                        kind = value.dtype if keeps else wanted
                         fake = torch.empty(value.shape, dtype=kind, device=_CPU)  # a DTensor's shape is the full one
                         store[name] = nn.Parameter(fake, value.requires_grad) if store is params else fake  # type: ignore[assignment]
         yield

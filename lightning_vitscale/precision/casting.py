@@ -1,6 +1,9 @@
-"""The outer unit's layers (and blocks joined to it) cast floating inputs to the compute dtype, as FSDP does at each
+"""Casts that keep O2's bf16 compute from meeting an fp32 tensor that DDP's autocast would have cast at its use.
+
+The outer unit's layers (and blocks joined to it) cast floating inputs to the compute dtype, as FSDP does at each
 unit's forward: under O2 they compute with bf16 parameters, and a tensor made in a step (a mask, noise) or passed by
 hand reaches them in fp32 and fails ("Input type (float) and bias type (BFloat16)"), which autocast users never see.
+FSDP casts parameters, not buffers: unsaved ones take the compute dtype once, saved ones meet it under autocast.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vitscale._compat import tree_map
+from lightning_vitscale._compat import buffer_slots, tree_map, unsaved_buffer_names
 
 
 def to_dtype(dtype: torch.dtype | None) -> Callable[[Any], Any]:
@@ -37,3 +40,36 @@ def cast_floating_inputs(modules: list[nn.Module], dtype: torch.dtype) -> None:
 
     for module in modules:
         module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def floating_buffers(module: nn.Module) -> tuple[list[str], list[str]]:
+    """``module``'s own floating buffers, as (unsaved, saved). Unsaved (non-persistent) ones are constants a step
+    meets (BEiT's zero key bias, Swin's window mask): they take the compute dtype at setup. Saved ones keep the master
+    dtype: a checkpoint holds them, and one updated in place (a running centre) must not round to bf16."""
+    unsaved = unsaved_buffer_names(module)
+    names = [name for name, b in buffer_slots(module).items() if b is not None and b.is_floating_point()]
+    return [n for n in names if n in unsaved], [n for n in names if n not in unsaved]
+
+
+def autocast_around(modules: list[nn.Module], dtype: torch.dtype) -> None:
+    """Run each module's forward under autocast in ``dtype``, its floating outputs back in its input's dtype: a saved
+    fp32 buffer it owns then meets a bf16 matmul as under DDP's autocast (cast at its use), where O2 alone fails
+    ("expected m1 and m2 to have the same dtype"). The exit runs when the forward raises too (``always_call``)."""
+    entered: list[tuple[torch.autocast, torch.dtype | None]] = []  # nested forwards exit in reverse order
+
+    def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.is_floating_point()),
+                     None)
+        device = next(b.device for b in buffer_slots(module).values() if b is not None and b.is_floating_point())
+        context = torch.autocast(device.type, dtype=dtype)
+        context.__enter__()
+        entered.append((context, None if first is None else first.dtype))
+
+    def leave(_: nn.Module, __: tuple[Any, ...], ___: dict[str, Any], output: Any) -> Any:
+        context, out_dtype = entered.pop()
+        context.__exit__(None, None, None)
+        return output if out_dtype is None else tree_map(to_dtype(out_dtype), output)
+
+    for module in modules:
+        module.register_forward_pre_hook(enter, with_kwargs=True)
+        module.register_forward_hook(leave, with_kwargs=True, always_call=True)

@@ -15,8 +15,8 @@ from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_vitscale._compat import after_closure, unscales_in_step
-from lightning_vitscale.precision.casting import to_dtype
+from lightning_vitscale._compat import after_closure, buffer_slots, unscales_in_step
+from lightning_vitscale.precision.casting import autocast_around, floating_buffers, to_dtype
 from lightning_vitscale.precision.clipping import clip_grad_norm
 from lightning_vitscale.precision.grad_scaler import ShardedGradScaler
 from lightning_vitscale.precision.local_step import on_local_shards, steps_locally
@@ -86,16 +86,21 @@ class VitScalePrecision(Precision):
     @override
     def convert_module(self, module: _M) -> _M:
         """Master weights in the master dtype (norms keep theirs), cast for compute by FSDP's all-gather, which casts
-        no buffer: a constant a step meets (timm BEiT's zero key bias, Swin's window mask), cast by autocast under
-        DDP, needs the compute dtype. Non-persistent floating buffers take it; persistent ones (checkpoints) do not."""
+        no buffer: unsaved floating buffers take the compute dtype, saved ones keep the master dtype and their
+        owners compute under autocast (:func:`floating_buffers`, :func:`autocast_around`)."""
         keep, policy = {id(m) for _, m in self.policy.separate_norm_modules(module)}, self.policy
+        under_autocast = []
         for submodule in (m for m in module.modules() if id(m) not in keep):
-            buffers = [b for b in submodule.buffers(recurse=False) if b.is_floating_point()]
-            saved = {id(t) for t in submodule.state_dict(keep_vars=True).values()} if buffers else set()
-            for tensor in [*submodule.parameters(recurse=False), *buffers]:
-                dtype = policy.master if id(tensor) in saved or isinstance(tensor, nn.Parameter) else policy.compute
-                if tensor.is_floating_point() and dtype != torch.float32:  # (fp32: as the module was built)
-                    tensor.data = tensor.data.to(dtype)
+            unsaved, saved = floating_buffers(submodule)
+            buffers, params = buffer_slots(submodule), list(submodule.parameters(recurse=False))
+            for dtype, tensors in ((policy.compute, [buffers[n] for n in unsaved]),
+                                   (policy.master, [*params, *(buffers[n] for n in saved)])):
+                for tensor in tensors:
+                    if tensor.is_floating_point() and dtype != torch.float32:  # (fp32: as the module was built)
+                        tensor.data = tensor.data.to(dtype)
+            if policy.compute != policy.master and saved:
+                under_autocast.append(submodule)
+        autocast_around(under_autocast, policy.compute)
         return module
 
     @override

@@ -349,3 +349,18 @@ def test_an_outcome_that_cannot_be_pickled_is_measured_by_every_rank(monkeypatch
         auto = AutoCheckpointing(4 * 2**30, Measurement(1, "32-true"), measures=measures)
         choices.append(auto.at_setup(model, torch.device("cpu"), lambda value: sent.append(value) or value))
     assert sent[0] is None and choices[0] == choices[1] and choices[1].plan is not None
+
+
+def test_the_fake_step_meets_each_buffer_in_the_dtype_the_real_step_does():
+    """The planner's fake step mirrors convert_module's rule: parameters in the compute dtype (FSDP casts them),
+    unsaved buffers in it too, saved ones in their own (fp32, half again the bytes they were counted at), norms fp32."""
+    from lightning_vitscale.memory.activations import _FakeMode, fake_parameters
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    model[0].register_buffer("saved", torch.ones(4))
+    model[0].register_buffer("unsaved", torch.ones(4), persistent=False)
+    with fake_parameters(model, _FakeMode(), torch.bfloat16, lambda m: isinstance(m, torch.nn.BatchNorm1d)):
+        assert (model[0].weight.dtype, model[0].unsaved.dtype, model[0].saved.dtype) == (torch.bfloat16,) * 2 + (
+            torch.float32,)
+        assert model[1].weight.dtype == model[1].running_mean.dtype == torch.float32
+    assert model[0].saved.dtype == torch.float32 and not isinstance(model[0].saved, torch._subclasses.FakeTensor)

@@ -190,3 +190,68 @@ def test_a_block_called_by_hand_with_fp32_input_runs_whether_or_not_it_is_its_ow
     assert fit.strategy.plan.units == (1 if priority == "speed" else 3)  # blocks in the outer unit, or their own 2
     with torch.no_grad():
         assert model.net.blocks[0](torch.randn(2, 5, 32)).dtype == torch.bfloat16
+
+
+class _SavedBufferBlock(torch.nn.Module):
+    """A saved fp32 mixing matrix in a matmul, and a saved running centre updated in place in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc = torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)
+        self.register_buffer("mix", torch.eye(16) * 0.5 + 0.01 * torch.randn(16, 16))
+        self.register_buffer("center", torch.zeros(16))
+
+    def forward(self, x):
+        if self.training:
+            self.center.mul_(0.9).add_(x.detach().float().mean((0, 1)), alpha=0.1)
+        return x + self.fc(self.norm(x)) @ self.mix
+
+
+class _SavedBuffers(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.blocks = torch.nn.ModuleList(_SavedBufferBlock() for _ in range(2))
+
+    def training_step(self, batch, batch_idx):
+        x = self.inp(batch[0])
+        for block in self.blocks:
+            x = block(x)
+        loss = torch.nn.functional.cross_entropy(self.head(x).mean(1), batch[1])
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("priority", ["speed"])
+def test_a_saved_fp32_buffer_meets_bf16_compute_as_under_ddp_autocast(priority):
+    """A saved (persistent) floating buffer keeps fp32: a checkpoint holds it and an in-place running centre must not
+    round to bf16. O2 alone then fed a bf16 matmul an fp32 operand ("expected m1 and m2 to have the same dtype") where
+    DDP's autocast casts it at its use: its owner now computes under autocast, as under DDP."""
+    torch.manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(24, 5, 8), torch.randint(0, 4, (24,)))
+    losses, centres = {}, {}
+    for name, strategy in (("ddp", "ddp"), ("vitscale", VitScaleStrategy(priority=priority))):
+        model = _SavedBuffers()
+        model.losses = []
+        fit = trainer(strategy=strategy, precision="bf16-mixed", max_steps=6, enable_checkpointing=False,
+                      enable_model_summary=False)
+        fit.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
+        losses[name], centres[name] = model.losses, model.blocks[1].center.clone()
+        assert {b.dtype for b in model.buffers()} == {torch.float32}  # saved and updated in fp32, not rounded
+        assert model.state_dict()["blocks.0.mix"].dtype == torch.float32
+    assert len(losses["vitscale"]) == 6
+    torch.testing.assert_close(losses["vitscale"], losses["ddp"], rtol=0.02, atol=0.0)  # O2 against O1: rounding
+    torch.testing.assert_close(centres["vitscale"], centres["ddp"], rtol=0.02, atol=1e-3)
+    assert centres["vitscale"].abs().sum() > 0  # the in-place update reached the buffer, not a copy
+
+
+def test_the_autocast_around_a_buffer_owner_ends_when_its_forward_raises():
+    model = VitScalePrecision("bf16-mixed").convert_module(_SavedBufferBlock())
+    with pytest.raises(RuntimeError):
+        model(torch.randn(2, 3, 7))  # wrong width: the forward raises inside the autocast
+    assert not torch.is_autocast_enabled("cpu")
+    assert model(torch.randn(2, 3, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16  # leaves in its input's dtype
