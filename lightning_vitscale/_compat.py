@@ -91,6 +91,7 @@ PRIVATE_NAMES = {
     "torch.nn.Module._parameters": "a module's own parameter slots, written without the nn.Parameter check",
     "torch.nn.Module._buffers": "a module's own buffer slots",
     "torch.nn.Module._non_persistent_buffers_set": "a module's buffers its state_dict leaves out",
+    "torch.Tensor._version": "a buffer updated in place by a checkpointed forward",
     "torch.nn.Module._forward_pre_hooks": "planner: blocks with the same hooks are alike",
     "torch.nn.Module._forward_hooks": "planner: blocks with the same hooks are alike",
     "torch.nn.Module._backward_pre_hooks": "planner: blocks with the same hooks are alike",
@@ -193,6 +194,10 @@ def buffer_slots(module: torch.nn.Module) -> dict[str, Any]:
 
 def unsaved_buffer_names(module: torch.nn.Module) -> set[str]:
     return module._non_persistent_buffers_set
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    return tensor._version
 
 
 def hook_counts(module: torch.nn.Module) -> tuple[int, int, int, int]:

@@ -1,16 +1,23 @@
 """Activation checkpointing of blocks: ``"full"`` keeps each block's inputs and reruns its forward in backward;
 ``"selective"`` (torchtitan's op-SAC) also keeps the expensive ops' outputs (``memory.selective_contexts``) and
-recomputes only the cheap ones: almost no extra FLOPs, the memory of the matmul outputs instead of everything."""
+recomputes only the cheap ones: almost no extra FLOPs, the memory of the matmul outputs instead of everything.
+
+A recompute reruns the forward's side effects too: a buffer it updates (BatchNorm's running statistics, a running
+centre) would be updated twice a step, unlike under DDP, where nothing is checkpointed unless the user asks. What the
+forward changed in a block's buffers is noted, and put back as the forward left it after the recompute."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from lightning_vitscale._compat import BatchNormBase, InstanceNormBase, buffer_slots, tensor_version
 from lightning_vitscale.memory import selective_contexts
 
 CheckpointMode = Literal["full", "selective"]
@@ -24,15 +31,57 @@ def is_self_checkpointing(block: nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) is True for m in block.modules())
 
 
-def _checkpointed_forward(original_forward, mode: CheckpointMode, *args: Any, **kwargs: Any) -> Any:
+def _checkpointed_forward(original_forward, mode: CheckpointMode, owners: list[nn.Module], *args: Any,
+                          **kwargs: Any) -> Any:
     # Non-reentrant: works with keyword arguments, inputs that do not require grad, and FSDP2's hooks
     # (the block's pre-backward hook gathers its parameters before autograd recomputes it).
     # preserve_rng_state (the default) replays the same dropout masks on recompute, in both modes.
-    if mode == "selective":
-        return torch.utils.checkpoint.checkpoint(
-            original_forward, *args, use_reentrant=False, context_fn=selective_contexts, **kwargs
-        )
-    return torch.utils.checkpoint.checkpoint(original_forward, *args, use_reentrant=False, **kwargs)
+    contexts = {"context_fn": selective_contexts} if mode == "selective" else {}  # compiled: only these two forms
+    if owners and not torch.compiler.is_compiling():  # compiled, AOT autograd applies a buffer's update once
+        inner = contexts.get("context_fn", torch.utils.checkpoint.noop_context_fn)
+        contexts = {"context_fn": functools.partial(_keeping_buffers, owners, inner)}
+    return torch.utils.checkpoint.checkpoint(original_forward, *args, use_reentrant=False, **contexts, **kwargs)
+
+
+# A buffer slot, its name, the tensor the forward left there, whether to restore it whatever its version says.
+_Changed = list[tuple[dict[str, Any], str, torch.Tensor, bool]]
+_STATISTICS = ("running_mean", "running_var")  # batch_norm updates them inside the kernel: no version bump
+
+
+def _keeping_buffers(owners: list[nn.Module], inner: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+    """``inner``'s forward and recompute contexts, the first noting which buffers of ``owners`` the forward updated
+    or rebound, the second putting those back after the recompute as the forward left them."""
+    forward_context, recompute_context = inner()
+    changed: _Changed = []
+    return _noting_changes(owners, forward_context, changed), _undoing_changes(recompute_context, changed)
+
+
+@contextmanager
+def _noting_changes(owners: list[nn.Module], inner: Any, changed: _Changed) -> Iterator[None]:
+    before = [(slots, name, tensor, tensor_version(tensor)) for slots in map(buffer_slots, owners)
+              for name, tensor in slots.items() if tensor is not None]
+    with inner:
+        yield
+    statistics = {id(slots) for m in owners if isinstance(m, (BatchNormBase, InstanceNormBase)) and m.training
+                  and m.track_running_stats for slots in [buffer_slots(m)]}
+    changed.extend((slots, name, slots[name], always) for slots, name, tensor, version in before
+                   for always in [id(slots) in statistics and name in _STATISTICS]
+                   if always or slots[name] is not tensor or tensor_version(tensor) != version)
+
+
+@contextmanager
+def _undoing_changes(inner: Any, changed: _Changed) -> Iterator[None]:
+    kept = [(slots, name, tensor, tensor_version(tensor) if not always else -1, tensor.detach().clone())
+            for slots, name, tensor, always in changed]
+    try:
+        with inner:
+            yield
+    finally:  # torch stops a recompute early by raising once it has every tensor backward needs
+        with torch.no_grad():
+            for slots, name, tensor, version, value in kept:
+                slots[name] = tensor  # a forward that rebinds (``self.center = ...``) made another in the recompute
+                if tensor_version(tensor) != version:  # updated in place again (statistics: always)
+                    tensor.copy_(value)
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module], mode: CheckpointMode = "full") -> None:
@@ -43,7 +92,9 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: CheckpointMode
     for block in blocks:
         if getattr(block, _MARK, None):
             continue
-        block.forward = functools.partial(_checkpointed_forward, block.forward, mode)  # type: ignore[method-assign]
+        owners = [m for m in block.modules() if buffer_slots(m)]  # modules with buffers a recompute could update
+        block.forward = functools.partial(  # type: ignore[method-assign]
+            _checkpointed_forward, block.forward, mode, owners)
         setattr(block, _MARK, mode)
 
 

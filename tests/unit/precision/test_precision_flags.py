@@ -226,7 +226,7 @@ class _SavedBuffers(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-@pytest.mark.parametrize("priority", ["speed"])
+@pytest.mark.parametrize("priority", ["speed", "memory"])
 def test_a_saved_fp32_buffer_meets_bf16_compute_as_under_ddp_autocast(priority):
     """A saved (persistent) floating buffer keeps fp32: a checkpoint holds it and an in-place running centre must not
     round to bf16. O2 alone then fed a bf16 matmul an fp32 operand ("expected m1 and m2 to have the same dtype") where

@@ -117,3 +117,37 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
+
+
+class _StatefulBlock(nn.Module):
+    """Buffers a forward updates (BatchNorm's statistics in place, a centre rebound), beside an index buffer that
+    autograd saves for backward (it must not be written to, or backward fails its version check)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(8)
+        self.table = nn.Parameter(torch.randn(4, 8))
+        self.register_buffer("index", torch.tensor([0, 3, 1, 2, 0, 1, 3, 2]))
+        self.register_buffer("center", torch.zeros(8))
+
+    def forward(self, x):
+        self.center = 0.9 * self.center + 0.1 * x.detach().mean(0)
+        return self.bn(self.fc(x)) + self.table[self.index].sum(0)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_recompute_does_not_update_a_blocks_buffers_a_second_time(mode):
+    """DDP checkpoints nothing unless asked: BatchNorm's running statistics and a running centre must be updated
+    once per step, as there, not again by the recompute (its momentum applied twice)."""
+    torch.manual_seed(0)
+    plain = _StatefulBlock()
+    ckpt = copy.deepcopy(plain)
+    apply_activation_checkpointing([ckpt], mode)
+    for step in range(3):
+        x = torch.randn(6, 8, requires_grad=True)
+        plain(x).pow(2).sum().backward()
+        ckpt(x).pow(2).sum().backward()
+        for name, value in plain.named_buffers():
+            assert torch.equal(value, ckpt.get_buffer(name)), (step, name)
+        for p, q in zip(plain.parameters(), ckpt.parameters()):
+            assert torch.equal(p.grad, q.grad)
