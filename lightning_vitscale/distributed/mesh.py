@@ -88,3 +88,17 @@ def all_reduce_over(
             dist.all_reduce(work, op=op, group=mesh.get_group(dim))
     if work is not tensor:
         tensor.copy_(work)
+
+
+def broadcast_from_rank_zero(tensors: list[torch.Tensor]) -> None:
+    """Global rank 0's values into ``tensors`` on every rank, one broadcast per dtype and device (DDP's buffer sync)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    with torch.no_grad():
+        for group in groups.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            dist.broadcast(flat, src=0)
+            if dist.get_rank() != 0:
+                for tensor, chunk in zip(group, flat.split([t.numel() for t in group])):
+                    tensor.copy_(chunk.view_as(tensor))

@@ -36,7 +36,7 @@ def _checkpointed_forward(original_forward, mode: CheckpointMode, owners: list[n
     # Non-reentrant: works with keyword arguments, inputs that do not require grad, and FSDP2's hooks
     # (the block's pre-backward hook gathers its parameters before autograd recomputes it).
     # preserve_rng_state (the default) replays the same dropout masks on recompute, in both modes.
-    contexts = {"context_fn": selective_contexts} if mode == "selective" else {}  # compiled: only these two forms
+    contexts: dict[str, Any] = {"context_fn": selective_contexts} if mode == "selective" else {}  # compiled: these two
     if owners and not torch.compiler.is_compiling():  # compiled, AOT autograd applies a buffer's update once
         inner = contexts.get("context_fn", torch.utils.checkpoint.noop_context_fn)
         contexts = {"context_fn": functools.partial(_keeping_buffers, owners, inner)}

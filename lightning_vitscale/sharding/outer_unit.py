@@ -13,6 +13,7 @@ within the strategy's ``timeout``, and nothing is sent on the model's process gr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,8 +42,11 @@ class OuterUnit(nn.Module):
         self._owned: list[tuple[nn.Module, str]] = []  # (module, name) of each outer-unit parameter
         self._entries: dict[int, str] = {}  # id -> qualified name of each hooked module (what a call names)
         self._hooks: list[Any] = []
+        self.sync_buffers: Callable[[], None] | None = None  # set per setup: see setup.py's buffer_sync
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.sync_buffers is not None:
+            self.sync_buffers()
         self._in_step = True
         try:
             return self.module(*args, **kwargs)

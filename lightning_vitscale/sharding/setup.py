@@ -31,6 +31,7 @@ from lightning_vitscale.memory import (
 )
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, VitScalePrecision
 from lightning_vitscale.sharding.activation_checkpointing import CHECKPOINT_MODES, apply_activation_checkpointing
+from lightning_vitscale.sharding.buffer_sync import buffer_sync
 from lightning_vitscale.sharding.gradient_sync import gradient_sync_off, unsharded_gradient_bytes
 from lightning_vitscale.sharding.outer_unit import OuterUnit, reshard_units
 from lightning_vitscale.sharding.parallelize import parallelize
@@ -227,7 +228,9 @@ def shard_lightning_module(
                                                           batch, trainer)
         rank_zero_info(sharded.summary.summary())
     check_reusable(sharded.signature, signature)
+    sharded.outer.sync_buffers = buffer_sync(module) if fitting is not None and ranks.world_size > 1 else None
     return sharded
+
 
 
 def _shard(

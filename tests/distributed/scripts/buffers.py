@@ -1,0 +1,82 @@
+"""Rank script: a BatchNorm model's buffers under DDP and ``VitScaleStrategy`` (``buffers.py OUT batchnorm``).
+
+Four training steps and two validations on 2 CPU ranks, fp32, from the same weights: DDP, the default plan, and the
+recipe's every block checkpointed. Writes each rank's losses, validation losses, the logged validation metric and
+the running statistics after the fit.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_vitscale import VitScaleStrategy
+from tests.helpers.scenarios import run_scenarios
+
+warnings.filterwarnings("ignore")
+
+
+class ConvBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return x + F.relu(self.bn(self.conv(x)))
+
+
+class BatchNormNet(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem, self.head = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 4)
+        self.blocks = nn.Sequential(*[ConvBlock() for _ in range(3)])
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self(batch[0]), batch[1])
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self(batch[0]), batch[1])
+        self.log("val_loss", loss, sync_dist=True)
+        self.val_losses.append(loss.item())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    images, labels = torch.randn(64, 3, 8, 8, generator=g) * 3 + 1, torch.randint(0, 4, (64,), generator=g)
+    return DataLoader(TensorDataset(images, labels), batch_size=4)
+
+
+def batchnorm() -> dict:
+    found = {}
+    for name, strategy in (("ddp", "ddp"), ("default", VitScaleStrategy()),
+                           ("checkpointed", VitScaleStrategy(priority="memory"))):
+        model = BatchNormNet()
+        trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=4,
+                            val_check_interval=2, limit_val_batches=2, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, loader(), loader())
+        found[name] = {"losses": model.losses, "val_losses": model.val_losses,
+                       "logged": float(trainer.callback_metrics["val_loss"]),
+                       "statistics": [b.tolist() for n, b in model.named_buffers() if "running" in n]}
+    return found
+
+
+if __name__ == "__main__":
+    run_scenarios({"batchnorm": batchnorm})

@@ -1,0 +1,29 @@
+"""Buffers as under DDP on 2 CPU ranks: BatchNorm's running statistics are rank 0's on every rank (DDP broadcasts
+them at each step's forward), and a checkpointed block updates them once per step, not again in its recompute.
+
+Mutations seen failing: the outer unit's buffer sync removed (rank 1's statistics and validation losses, and the
+logged metric, differ from DDP's); the recompute's restore removed (the checkpointed run's statistics differ)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.launch import launch_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    return launch_ranks(tmp_path_factory, "buffers", "tests/distributed/scripts/buffers.py", "batchnorm")[1]
+
+
+@pytest.mark.parametrize("run", ["default", "checkpointed"])
+def test_batchnorm_statistics_and_validation_are_ddps_on_every_rank(ranks, run):
+    for rank in ranks:
+        ours, ddp = rank["batchnorm"][run], rank["batchnorm"]["ddp"]
+        assert len(ours["losses"]) == 4 and len(ours["val_losses"]) == 6  # the sanity check's 2, then 2 x 2
+        assert ours["losses"] == ddp["losses"]  # training normalises with each batch's own statistics
+        assert ours["statistics"] == ddp["statistics"]
+        assert ours["val_losses"] == ddp["val_losses"]
+        assert ours["logged"] == ddp["logged"]
