@@ -4,7 +4,8 @@ recomputes only the cheap ones: almost no extra FLOPs, the memory of the matmul 
 
 A recompute reruns the forward's side effects too: a buffer it updates (BatchNorm's running statistics, a running
 centre) would be updated twice a step, unlike under DDP, where nothing is checkpointed unless the user asks. What the
-forward changed in a block's buffers is noted, and put back as the forward left it after the recompute."""
+forward changed in a block's buffers is noted, and put back as the forward left it after the recompute (a compiled
+block needs nothing: ``kernels/compile.py`` tells dynamo not to replay a forward's side effects)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def _checkpointed_forward(original_forward, mode: CheckpointMode, owners: list[n
     # (the block's pre-backward hook gathers its parameters before autograd recomputes it).
     # preserve_rng_state (the default) replays the same dropout masks on recompute, in both modes.
     contexts: dict[str, Any] = {"context_fn": selective_contexts} if mode == "selective" else {}  # compiled: these two
-    if owners and not torch.compiler.is_compiling():  # compiled, AOT autograd applies a buffer's update once
+    if owners and not torch.compiler.is_compiling():  # compiled: dynamo replays no side effect (compile.py)
         inner = contexts.get("context_fn", torch.utils.checkpoint.noop_context_fn)
         contexts = {"context_fn": functools.partial(_keeping_buffers, owners, inner)}
     return torch.utils.checkpoint.checkpoint(original_forward, *args, use_reentrant=False, **contexts, **kwargs)

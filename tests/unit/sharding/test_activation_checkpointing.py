@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from collections import Counter
 
 import pytest
@@ -11,6 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_vitscale.kernels.compile import apply_regional_compile
 from lightning_vitscale.sharding.activation_checkpointing import (
     apply_activation_checkpointing,
     checkpoint_mode,
@@ -135,14 +137,17 @@ class _StatefulBlock(nn.Module):
         return self.bn(self.fc(x)) + self.table[self.index].sum(0)
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "compiled"])
 def test_a_recompute_does_not_update_a_blocks_buffers_a_second_time(mode):
     """DDP checkpoints nothing unless asked: BatchNorm's running statistics and a running centre must be updated
-    once per step, as there, not again by the recompute (its momentum applied twice)."""
+    once per step, as there, not again by the recompute (its momentum applied twice). Compiled as the package
+    compiles blocks, dynamo replays no side effect in the recompute (``kernels/compile.py: dynamo_options``)."""
     torch.manual_seed(0)
     plain = _StatefulBlock()
     ckpt = copy.deepcopy(plain)
-    apply_activation_checkpointing([ckpt], mode)
+    apply_activation_checkpointing([ckpt], "full" if mode == "compiled" else mode)
+    if mode == "compiled":
+        apply_regional_compile([ckpt], compiler=functools.partial(torch.compile, backend="aot_eager"))
     for step in range(3):
         x = torch.randn(6, 8, requires_grad=True)
         plain(x).pow(2).sum().backward()
