@@ -46,6 +46,11 @@ ModeOf = Callable[[int, str, nn.Module], "str | None"]
 ALL_MODES: frozenset[str] = frozenset({"none", "full", "selective"})
 
 
+class SelectiveCheckpointingError(ValueError):
+    """A block asked to checkpoint selectively changes in place an output selective checkpointing keeps: what to fix,
+    raised at setup (the step would fail at its first backward)."""
+
+
 class _FakeMode(FakeTensorMode):
     """``FakeTensorMode`` that asks once whether a GPU may be initialised: under Lightning's
     ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` each ``torch.cuda.is_available()`` loads NVML, and it asked on every op
@@ -317,11 +322,25 @@ def _block_memory(
             measured[key, "recompute"] = repeated.result()
         else:
             assert work is not None
-            selective = _peak_beyond_forward(block, x, mode, selective_contexts, work, watch)
+            try:
+                selective = _peak_beyond_forward(block, x, mode, selective_contexts, work, watch)
+            except RuntimeError as error:  # an in-place op on an output it keeps (torchvision's SE: SiLU(inplace))
+                if "selective activation checkpoint" not in str(error):
+                    raise
+                if needed == {"selective"}:  # asked for: it would fail at the first backward
+                    raise SelectiveCheckpointingError(
+                        f"{name} cannot be checkpointed selectively: its forward changes in place an output that"
+                        f" selective checkpointing keeps ({error}; e.g. an inplace activation after a convolution)."
+                        " Give it activation_checkpointing='full' (a callable may choose per block), or build its"
+                        " activation with inplace=False."
+                    ) from error
+                measured[key, kind], measured[key, "resent", kind] = None, 0
+                continue
             measured[key, kind] = (work.saved_bytes + size, selective)
         measured[key, "resent", kind] = sum(resent)
         if work is not None:
             measured.setdefault((key, "work"), work.result())
+    needed = frozenset(kind for kind in needed if measured[key, kind] is not None)  # what the block can run
     passes = {kind: measured[key, kind] for kind in needed}
     selective_saved, selective_backward = passes.get("selective", (0, 0))
     return BlockMemory(

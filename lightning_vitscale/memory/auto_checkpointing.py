@@ -21,7 +21,7 @@ from torch import nn
 from lightning_vitscale._utils import available_host_bytes, human_bytes
 from lightning_vitscale.discovery.calls import Calls
 from lightning_vitscale.discovery.tensor_plan import TensorPlanError
-from lightning_vitscale.memory.activations import ModeOf
+from lightning_vitscale.memory.activations import ModeOf, SelectiveCheckpointingError
 from lightning_vitscale.memory.gradient_release import may_release_after_step, unwrapped
 from lightning_vitscale.memory.memory_plan import MemoryPlan
 from lightning_vitscale.memory.plan_search import BlockMode, BlockPlan
@@ -137,7 +137,7 @@ class Measurement:
                 module, batch, loop=training_loop(module, self.trainer), world_size=self.world_size,
                 precision=self.precision, optimizer=optimizer, blocks=self.blocks, device=device, mode_of=mode_of,
                 tensor_parallel=self.tensor_parallel, tensor_plan=self.tensor_plan, calls=self.calls)
-        except TensorPlanError:  # a refused tensor-parallel plan is what to fix
+        except (TensorPlanError, SelectiveCheckpointingError):  # a refused plan is what to fix
             raise
         except Exception as error:
             raise MeasurementError(f"{type(error).__name__}: {error}") from error

@@ -87,6 +87,12 @@ class SearchSpace:
     def n(self) -> int:
         return len(self.inputs.profile.blocks)
 
+    @property
+    def selective_runs(self) -> bool:
+        """Whether every block can run selectively: one that mutates an output selective checkpointing keeps
+        cannot (measured so), and a plan's selective blocks are a run of them."""
+        return all("selective" in block.modes for block in self.inputs.profile.blocks)
+
     def seconds(self, plan: BlockPlan) -> float:
         """Predicted time per step of ``plan`` beyond no checkpointing with every block gathered, units' cost in."""
         inputs = self.inputs
@@ -164,7 +170,7 @@ def _fitting(space: SearchSpace, per_unit: int, beats: Callable[[BlockPlan], boo
             while full + selective <= n and not space.fits(space.plan(full, selective, resharded, per_unit)):
                 if space.modes is not None:
                     return  # pinned modes: no fewer resharded blocks fit either
-                selective += 1
+                selective += 1 if space.selective_runs else n + 1
             if full + selective > n:
                 break  # no fewer resharded blocks fit with this many full ones either
             yield space.plan(full, selective, resharded, per_unit)
@@ -174,6 +180,8 @@ def _fewest_selective(space: SearchSpace, full: int, resharded: int, per_unit: i
     """The fewest selective blocks after ``full`` ones that fit (``n - full + 1``: none), by bisection."""
     if space.modes is not None:
         return 0
+    if not space.selective_runs:
+        return 0 if space.fits(space.plan(full, 0, resharded, per_unit)) else space.n - full + 1
     low, high = 0, space.n - full + 1
     while low < high:
         middle = (low + high) // 2

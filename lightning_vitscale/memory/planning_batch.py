@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_vitscale._compat import train_dataloader
 from lightning_vitscale.discovery.tensor_plan import TensorPlanError
+from lightning_vitscale.memory.activations import SelectiveCheckpointingError
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_model import StepInputs
 from lightning_vitscale.memory.twin import meta_twin
@@ -132,7 +133,7 @@ def measure_batch(model: nn.Module, batch: PlanningBatch, **step_kwargs: Any) ->
             try:
                 inputs = step_inputs(meta_twin(model), batch.value, call=training_step_call, **step_kwargs)
                 return inputs, f"{batch.source}, through training_step"
-            except TensorPlanError:
+            except (TensorPlanError, SelectiveCheckpointingError):
                 raise
             except Exception as error:
                 if not has_forward(model):

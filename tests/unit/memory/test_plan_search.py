@@ -328,3 +328,39 @@ def test_units_stay_gathered_for_backward_where_memory_allows_under_the_users_ch
     assert (between.per_unit, between.kept_units, between.resharded) == (1, 4, DEPTH - 4)
     two = plan(kept_peak(4), None, per_unit=2)
     assert two.resharded in reshard_boundaries(DEPTH, 2)
+
+
+class _InplaceAfterConv(torch.nn.Module):
+    """torchvision's squeeze-excitation pattern: an inplace activation on a convolution's output, which selective
+    checkpointing keeps ("Tensor cached during selective activation checkpoint has been mutated")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 1)
+        self.act = torch.nn.SiLU(inplace=True)
+
+    def forward(self, x):
+        return x + self.act(self.conv(x))
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 0.6, 1.0])
+def test_blocks_that_cannot_run_selectively_get_none_or_full_the_fastest_that_fits(inputs, fraction):
+    """EfficientNet's blocks: measured without ``selective`` (their step fails under it), the search keeps to none
+    and full; the speed-first plan had given up and checkpointed every block."""
+    from lightning_vitscale.memory.activations import SelectiveCheckpointingError, measure_activations
+
+    blocks = [_InplaceAfterConv() for _ in range(2)]
+    measured = measure_activations(torch.nn.Sequential(*blocks), [(str(i), b) for i, b in enumerate(blocks)],
+                                   torch.empty(2, 4, 8, 8))
+    assert [b.modes for b in measured.blocks] == [frozenset({"none", "full"})] * 2
+    with pytest.raises(SelectiveCheckpointingError, match="0 cannot be checkpointed selectively.*'full'"):
+        measure_activations(torch.nn.Sequential(*blocks), [(str(i), b) for i, b in enumerate(blocks)],
+                            torch.empty(2, 4, 8, 6), mode_of=lambda *_: "selective")
+    no_selective = replace(inputs, profile=replace(inputs.profile, blocks=[
+        replace(b, modes=frozenset({"none", "full"})) for b in inputs.profile.blocks]))
+    least, most = ends(inputs)
+    space = SearchSpace(no_selective, int(least + (most - least) * fraction), CPU_RATES)
+    plan = search(space)
+    plans = [BlockPlan.prefix(DEPTH, f, 0, r) for f in range(DEPTH + 1) for r in range(DEPTH + 1)]
+    assert "selective" not in plan.modes and space.fits(plan)
+    assert space.seconds(plan) == pytest.approx(min(space.seconds(p) for p in plans if space.fits(p)))
