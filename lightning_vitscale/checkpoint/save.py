@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor
 
 from lightning_vitscale._utils import strip_wrapper_prefixes
 from lightning_vitscale.checkpoint.async_save import AsyncSaves, Gather
@@ -94,6 +95,8 @@ def save_sharded(
     tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     tensors.update(pop_sharded_entries(checkpoint))  # e.g. ShardedEMA's ema_state_dict
     ranks = ranks or RankContext()
+    if not ranks.is_rank_zero:
+        tensors = _without_plain_tensors(tensors)
     staging = partial_path(location)
     if ranks.is_rank_zero:
         recover(location)  # an earlier save's interrupted publish first: the newest complete copy stays
@@ -110,6 +113,14 @@ def save_sharded(
     metadata = dcp.save(tensors, storage_writer=staging.writer(), planner=planner)  # collective; .metadata last
     finish(metadata, ranks.all_gather_objects)
     ranks.barrier()
+
+
+def _without_plain_tensors(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` less its plain (not DTensor) tensors: DCP writes one rank's copy of each, the rank that balances
+    the writes, and a buffer differs by rank (BatchNorm's statistics after a step's own batch): rank 0's is the
+    one DDP saves. Dictionaries only: a list keeps its positions."""
+    return {key: _without_plain_tensors(value) if isinstance(value, dict) else value for key, value in state.items()
+            if not (isinstance(value, torch.Tensor) and not isinstance(value, DTensor))}
 
 
 def _hash_and_commit(

@@ -1,8 +1,11 @@
 """Buffers as under DDP on 2 CPU ranks: BatchNorm's running statistics are rank 0's on every rank (DDP broadcasts
 them at each step's forward), and a checkpointed block updates them once per step, not again in its recompute.
 
+A sharded checkpoint holds rank 0's buffers, as DDP's file does.
+
 Mutations seen failing: the outer unit's buffer sync removed (rank 1's statistics and validation losses, and the
-logged metric, differ from DDP's); the recompute's restore removed (the checkpointed run's statistics differ)."""
+logged metric, differ from DDP's); the recompute's restore removed (the checkpointed run's statistics differ); the
+sharded save's plain tensors left to every rank (DCP wrote rank 1's statistics: the resumed run's differ)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    return launch_ranks(tmp_path_factory, "buffers", "tests/distributed/scripts/buffers.py", "batchnorm")[1]
+    return launch_ranks(tmp_path_factory, "buffers", "tests/distributed/scripts/buffers.py", "batchnorm,resume")[1]
 
 
 @pytest.mark.parametrize("run", ["default", "checkpointed"])
@@ -27,3 +30,11 @@ def test_batchnorm_statistics_and_validation_are_ddps_on_every_rank(ranks, run):
         assert ours["statistics"] == ddp["statistics"]
         assert ours["val_losses"] == ddp["val_losses"]
         assert ours["logged"] == ddp["logged"]
+
+
+@pytest.mark.parametrize("layout", ["sharded", "full"])
+def test_a_resumed_run_continues_from_the_statistics_ddp_saved(ranks, layout):
+    for rank in ranks:
+        ours, ddp = rank["resume"][layout], rank["resume"]["ddp"]
+        assert len(ours["losses"]) == 2 and ours["losses"] == ddp["losses"]
+        assert ours["statistics"] == ddp["statistics"]

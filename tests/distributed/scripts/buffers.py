@@ -1,18 +1,21 @@
-"""Rank script: a BatchNorm model's buffers under DDP and ``VitScaleStrategy`` (``buffers.py OUT batchnorm``).
+"""Rank script: a BatchNorm model's buffers under DDP and ``VitScaleStrategy`` (``buffers.py OUT batchnorm,resume``).
 
-Four training steps and two validations on 2 CPU ranks, fp32, from the same weights: DDP, the default plan, and the
-recipe's every block checkpointed. Writes each rank's losses, validation losses, the logged validation metric and
-the running statistics after the fit.
+``batchnorm``: four training steps and two validations on 2 CPU ranks, fp32, from the same weights: DDP, the default
+plan, and the recipe's every block checkpointed. ``resume``: two steps saved by ``ModelCheckpoint``, then a fit to
+four resumed from it, under DDP and under the sharded and the full layout. Writes each rank's losses, validation
+losses, the logged validation metric and the running statistics after the fit.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -74,9 +77,31 @@ def batchnorm() -> dict:
         trainer.fit(model, loader(), loader())
         found[name] = {"losses": model.losses, "val_losses": model.val_losses,
                        "logged": float(trainer.callback_metrics["val_loss"]),
-                       "statistics": [b.tolist() for n, b in model.named_buffers() if "running" in n]}
+                       "statistics": statistics(model)}
+    return found
+
+
+def statistics(model: nn.Module) -> list[list[float]]:
+    return [b.tolist() for n, b in model.named_buffers() if "running" in n]
+
+
+def strategy_for(layout: str):
+    return "ddp" if layout == "ddp" else VitScaleStrategy(state_dict_type=layout)
+
+
+def resume() -> dict:
+    folder, found = os.path.join(os.path.dirname(sys.argv[1].rstrip("/")), "resume"), {}
+    common = dict(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, limit_val_batches=0)
+    for name in ("ddp", "sharded", "full"):
+        saver = ModelCheckpoint(dirpath=os.path.join(folder, name), save_last=True, every_n_train_steps=2)
+        L.Trainer(strategy=strategy_for(name), max_steps=2, callbacks=[saver], **common).fit(BatchNormNet(), loader())
+        model = BatchNormNet()
+        L.Trainer(strategy=strategy_for(name), max_steps=4, enable_checkpointing=False, **common).fit(
+            model, loader(), ckpt_path=saver.last_model_path)
+        found[name] = {"losses": model.losses, "statistics": statistics(model)}
     return found
 
 
 if __name__ == "__main__":
-    run_scenarios({"batchnorm": batchnorm})
+    run_scenarios({"batchnorm": batchnorm, "resume": resume})
