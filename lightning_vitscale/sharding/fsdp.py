@@ -29,6 +29,18 @@ def offload_policy(offload: str | None, device: torch.device) -> OffloadPolicy:
     return OffloadPolicy()
 
 
+def contiguous_parameters(model: nn.Module) -> list[str]:
+    """Make every parameter contiguous, in place; returns the names of those that were not. FSDP2 shards rows of
+    contiguous parameters only ("does not support non-contiguous parameters yet"), and
+    ``model.to(memory_format=torch.channels_last)``, a convolutional network's speed habit under DDP, leaves its
+    convolution weights strided: same values, standard layout (convolutions still run channels_last when their
+    inputs are)."""
+    strided = [(name, p) for name, p in model.named_parameters() if not p.is_contiguous()]
+    for _, param in strided:
+        param.data = param.data.contiguous()
+    return [name for name, _ in strided]
+
+
 def shard_module(
     module: nn.Module | list[nn.Module], mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
     reshard_after_forward: bool | int, ignored_params: set[nn.Parameter] | None = None,

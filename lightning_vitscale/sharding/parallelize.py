@@ -15,7 +15,7 @@ from lightning_vitscale.discovery.calls import Calls
 from lightning_vitscale.init import Creation, InitialWeights
 from lightning_vitscale.kernels import AttentionRouter, tensor_core_report
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, cast_floating_inputs
-from lightning_vitscale.sharding.fsdp import mixed_precision_policy, offload_policy
+from lightning_vitscale.sharding.fsdp import contiguous_parameters, mixed_precision_policy, offload_policy
 from lightning_vitscale.sharding.resolved import ResolvedConfig, resolve_config
 from lightning_vitscale.sharding.settings import ParallelConfig, unit_reshard
 from lightning_vitscale.sharding.steps import (
@@ -65,6 +65,7 @@ def parallelize(
     described = describe_blocks(blocks)  # before FSDP renames the classes (FSDP<Block>)
     # 1. Starting weights: rank 0's everywhere (DDP's guarantee) or, on the meta path, the model's own init,
     #    delivered to each unit's shards as it is sharded (step 4), so no rank holds a second copy.
+    made_contiguous = contiguous_parameters(model)  # FSDP2 shards contiguous parameters only (channels_last)
     weights = InitialWeights(model, mesh, device, creation, tensor_mesh=tensor_mesh)
     # 1b. Tensor parallelism inside each block before anything wraps it (torch's composition: parallelize_module,
     #     then fully_shard over the data-parallel dimension); checkpointing and compile then see the split block.
@@ -109,6 +110,7 @@ def parallelize(
         described=described, norms=norms, checkpointing=checkpointing, compiled=compiled, router=router,
         kernels=resolved.kernels, tensor_core_misses=tensor_cores, units=units, overlap=overlap, init=init,
         params=list(model.parameters()), precision=precision.name, tensor=tensor, joined=joined,
+        made_contiguous=made_contiguous,
     )
     return Parallelized(summary_from_facts(facts), norms.replicated, router)
 

@@ -219,3 +219,5 @@ class PipelineFacts:
     tensor: TensorParallelFacts | None = None
     joined: dict[str, list[str]] = field(default_factory=dict)
     """Found blocks never called themselves -> the classes of their modules that run, one unit together."""
+    made_contiguous: list[str] = field(default_factory=list)
+    """Parameters that were not contiguous (channels_last), made so for FSDP."""

@@ -171,6 +171,10 @@ def _notes(facts: PipelineFacts) -> list[str]:
         notes.append(f"{len(facts.joined)} repeated containers are never called themselves (their parent calls what"
                      f" they hold): each is one FSDP unit over the modules of it that run ({'; '.join(kinds)}),"
                      " each module a block of its own for checkpointing")
+    if facts.made_contiguous:
+        notes.append(f"{len(facts.made_contiguous)} channels_last parameter(s) made contiguous for FSDP"
+                     f" ({_abbrev(facts.made_contiguous)}): same values; convolutions run channels_last when their"
+                     " inputs are (x.to(memory_format=torch.channels_last))")
     if facts.init.not_reproduced:
         notes.append(f"{len(facts.init.not_reproduced)} meta tensor(s) whose init could not be reproduced (warned)")
     return notes

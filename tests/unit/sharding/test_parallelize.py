@@ -129,6 +129,20 @@ def test_sharded_model_computes_what_the_plain_one_does(mesh):
     torch.testing.assert_close(root(x), plain(x), rtol=0, atol=0)
 
 
+def test_a_channels_last_model_is_sharded_with_its_values_and_a_note(mesh):
+    """``model.to(memory_format=torch.channels_last)``, DDP users' speed habit for convolutional networks, made
+    FSDP2 refuse at setup ("does not support non-contiguous parameters yet")."""
+    torch.manual_seed(0)
+    plain = SmallResNet().to(memory_format=torch.channels_last)
+    sharded = copy.deepcopy(plain)
+    root, plan = run(sharded, mesh)
+    assert any("channels_last parameter(s) made contiguous" in note for note in plan.notes), plan.notes
+    for (name, p), q in zip(sharded.named_parameters(), plain.parameters()):
+        assert torch.equal(p.full_tensor(), q), name
+    x = torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last)
+    torch.testing.assert_close(root(x), plain(x), rtol=1e-5, atol=1e-6)  # other convolution kernels: rounding
+
+
 @pytest.mark.parametrize("kept", ["reshard_after_forward=False", "the planner's kept_gathered"])
 def test_one_rank_keeps_one_gathered_unit_inside_the_outer_unit(mesh, kept):
     """One rank, all blocks in one unit kept gathered (nothing to overlap, the same memory): the blocks join the
