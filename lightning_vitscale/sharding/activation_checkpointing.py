@@ -44,14 +44,16 @@ def _checkpointed_forward(original_forward, mode: CheckpointMode, owners: list[n
     return torch.utils.checkpoint.checkpoint(original_forward, *args, use_reentrant=False, **contexts, **kwargs)
 
 
-# A buffer slot, its name, the tensor the forward left there, whether to restore it whatever its version says.
-_Changed = list[tuple[dict[str, Any], str, torch.Tensor, bool]]
+# A buffer slot, its name, the tensor there before the forward, its version and values then, the tensor the forward
+# left there, and whether to restore values whatever the versions say.
+_Changed = list[tuple[dict[str, Any], str, torch.Tensor, int, torch.Tensor, torch.Tensor, bool]]
 _STATISTICS = ("running_mean", "running_var")  # batch_norm updates them inside the kernel: no version bump
 
 
 def _keeping_buffers(owners: list[nn.Module], inner: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
     """``inner``'s forward and recompute contexts, the first noting which buffers of ``owners`` the forward updated
-    or rebound, the second putting those back after the recompute as the forward left them."""
+    or rebound, the second running the recompute from them as they were before the forward (spectral norm's weight
+    depends on its power iteration's buffers) and putting them back as the forward left them."""
     forward_context, recompute_context = inner()
     changed: _Changed = []
     return _noting_changes(owners, forward_context, changed), _undoing_changes(recompute_context, changed)
@@ -59,30 +61,36 @@ def _keeping_buffers(owners: list[nn.Module], inner: Callable[[], tuple[Any, Any
 
 @contextmanager
 def _noting_changes(owners: list[nn.Module], inner: Any, changed: _Changed) -> Iterator[None]:
-    before = [(slots, name, tensor, tensor_version(tensor)) for slots in map(buffer_slots, owners)
-              for name, tensor in slots.items() if tensor is not None]
+    before = [(slots, name, tensor, tensor_version(tensor), tensor.detach().clone())
+              for slots in map(buffer_slots, owners) for name, tensor in slots.items() if tensor is not None]
     with inner:
         yield
     statistics = {id(slots) for m in owners if isinstance(m, (BatchNormBase, InstanceNormBase)) and m.training
                   and m.track_running_stats for slots in [buffer_slots(m)]}
-    changed.extend((slots, name, slots[name], always) for slots, name, tensor, version in before
-                   for always in [id(slots) in statistics and name in _STATISTICS]
-                   if always or slots[name] is not tensor or tensor_version(tensor) != version)
+    for slots, name, tensor, version, value in before:
+        always = id(slots) in statistics and name in _STATISTICS
+        if always or slots[name] is not tensor or tensor_version(tensor) != version:
+            changed.append((slots, name, tensor, version, value, slots[name], always))
 
 
 @contextmanager
 def _undoing_changes(inner: Any, changed: _Changed) -> Iterator[None]:
-    kept = [(slots, name, tensor, tensor_version(tensor) if not always else -1, tensor.detach().clone())
-            for slots, name, tensor, always in changed]
+    left = [(slots, name, after, after.detach().clone(), always) for slots, name, _, _, _, after, always in changed]
+    with torch.no_grad():
+        for slots, name, before, version, value, _, always in changed:
+            slots[name] = before
+            if always or tensor_version(before) != version:  # updated in place: its values before the forward
+                before.copy_(value)
+    versions = [tensor_version(after) for _, _, after, _, _ in left]
     try:
         with inner:
             yield
     finally:  # torch stops a recompute early by raising once it has every tensor backward needs
         with torch.no_grad():
-            for slots, name, tensor, version, value in kept:
-                slots[name] = tensor  # a forward that rebinds (``self.center = ...``) made another in the recompute
-                if tensor_version(tensor) != version:  # updated in place again (statistics: always)
-                    tensor.copy_(value)
+            for (slots, name, after, value, always), version in zip(left, versions):
+                slots[name] = after  # a forward that rebinds (``self.center = ...``) made another in the recompute
+                if always or tensor_version(after) != version:
+                    after.copy_(value)
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module], mode: CheckpointMode = "full") -> None:

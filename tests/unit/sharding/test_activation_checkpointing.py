@@ -122,12 +122,15 @@ class OpCounter(TorchDispatchMode):
 
 
 class _StatefulBlock(nn.Module):
-    """Buffers a forward updates (BatchNorm's statistics in place, a centre rebound), beside an index buffer that
-    autograd saves for backward (it must not be written to, or backward fails its version check)."""
+    """Buffers a forward updates (BatchNorm's statistics in place, a centre rebound, spectral norm's power iteration,
+    which its weight then depends on), beside an index buffer that autograd saves for backward (it must not be
+    written to, or backward fails its version check)."""
 
-    def __init__(self) -> None:
+    def __init__(self, spectral: bool = True) -> None:
         super().__init__()
         self.fc, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(8)
+        if spectral:
+            self.fc = nn.utils.parametrizations.spectral_norm(self.fc)
         self.table = nn.Parameter(torch.randn(4, 8))
         self.register_buffer("index", torch.tensor([0, 3, 1, 2, 0, 1, 3, 2]))
         self.register_buffer("center", torch.zeros(8))
@@ -140,10 +143,11 @@ class _StatefulBlock(nn.Module):
 @pytest.mark.parametrize("mode", ["full", "selective", "compiled"])
 def test_a_recompute_does_not_update_a_blocks_buffers_a_second_time(mode):
     """DDP checkpoints nothing unless asked: BatchNorm's running statistics and a running centre must be updated
-    once per step, as there, not again by the recompute (its momentum applied twice). Compiled as the package
-    compiles blocks, dynamo replays no side effect in the recompute (``kernels/compile.py: dynamo_options``)."""
+    once per step, as there, not again by the recompute (its momentum applied twice), and a recompute must compute
+    what the forward did (spectral norm's weight from its power iteration's buffers as they were before it). Compiled
+    as the package compiles blocks, dynamo replays no side effect (``kernels/compile.py: dynamo_options``)."""
     torch.manual_seed(0)
-    plain = _StatefulBlock()
+    plain = _StatefulBlock(spectral=mode != "compiled")  # compiled: torch recomputes from the updated buffers
     ckpt = copy.deepcopy(plain)
     apply_activation_checkpointing([ckpt], "full" if mode == "compiled" else mode)
     if mode == "compiled":
@@ -154,5 +158,5 @@ def test_a_recompute_does_not_update_a_blocks_buffers_a_second_time(mode):
         ckpt(x).pow(2).sum().backward()
         for name, value in plain.named_buffers():
             assert torch.equal(value, ckpt.get_buffer(name)), (step, name)
-        for p, q in zip(plain.parameters(), ckpt.parameters()):
+        for p, q in zip(plain.parameters(), ckpt.parameters()):  # the recompute ran from the forward's buffers
             assert torch.equal(p.grad, q.grad)
