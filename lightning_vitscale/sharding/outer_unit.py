@@ -13,7 +13,6 @@ within the strategy's ``timeout``, and nothing is sent on the model's process gr
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_vitscale.distributed import collective_guard
+from lightning_vitscale.sharding.buffer_sync import BufferSync
 
 
 class OutsideStepCallError(RuntimeError):
@@ -42,16 +42,20 @@ class OuterUnit(nn.Module):
         self._owned: list[tuple[nn.Module, str]] = []  # (module, name) of each outer-unit parameter
         self._entries: dict[int, str] = {}  # id -> qualified name of each hooked module (what a call names)
         self._hooks: list[Any] = []
-        self.sync_buffers: Callable[[], None] | None = None  # set per setup: see setup.py's buffer_sync
+        self.buffer_sync: BufferSync | None = None  # a fit's, given by its setup (sharding/buffer_sync.py)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.sync_buffers is not None:
-            self.sync_buffers()
+        sync = self.buffer_sync
+        if sync is not None:
+            sync.before_forward()
         self._in_step = True
         try:
-            return self.module(*args, **kwargs)
+            output = self.module(*args, **kwargs)
         finally:
             self._in_step = False
+        if sync is not None:
+            sync.after_forward(not getattr(self.module, "automatic_optimization", True))
+        return output
 
     # --- calls outside a step ---------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ from lightning_vitscale.memory import (
 )
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, VitScalePrecision
 from lightning_vitscale.sharding.activation_checkpointing import CHECKPOINT_MODES, apply_activation_checkpointing
-from lightning_vitscale.sharding.buffer_sync import buffer_sync
+from lightning_vitscale.sharding.buffer_sync import BufferSync
 from lightning_vitscale.sharding.gradient_sync import gradient_sync_off, unsharded_gradient_bytes
 from lightning_vitscale.sharding.outer_unit import OuterUnit, reshard_units
 from lightning_vitscale.sharding.parallelize import parallelize
@@ -169,13 +169,15 @@ class ShardedModel:
             self.accumulation = self._choose_accumulation(mode, ranks, compute)
             self.summary.accumulation = self.accumulation.describe()
             rank_zero_info(f"VitScaleStrategy {self.summary.accumulation}")
+        buffers = self.outer.buffer_sync.gradients_unsynced() if self.outer.buffer_sync else nullcontext()
         if not self.accumulation.unsharded:
-            yield
+            with buffers:  # DDP's no_sync, whatever is done with the gradients here
+                yield
             return
         if self.norms is not None:
             self.norms.syncing = False
         try:
-            with gradient_sync_off(self.outer):
+            with gradient_sync_off(self.outer), buffers:
                 yield
         finally:
             if self.norms is not None:
@@ -228,7 +230,10 @@ def shard_lightning_module(
                                                           batch, trainer)
         rank_zero_info(sharded.summary.summary())
     check_reusable(sharded.signature, signature)
-    sharded.outer.sync_buffers = buffer_sync(module) if fitting is not None and ranks.world_size > 1 else None
+    sync = BufferSync.of(module) if ranks.world_size > 1 else None
+    sharded.outer.buffer_sync = sync if fitting is not None else None
+    if sync is not None and fitting is None:
+        sync.sync()  # as Lightning's DDP sets up to evaluate: rank 0's buffers, once
     return sharded
 
 

@@ -21,15 +21,20 @@ def ranks(tmp_path_factory) -> list[dict]:
     return launch_ranks(tmp_path_factory, "buffers", "tests/distributed/scripts/buffers.py", "batchnorm,resume")[1]
 
 
+@pytest.mark.parametrize("loop", ["automatic", "accumulating", "manual"])
 @pytest.mark.parametrize("run", ["default", "checkpointed"])
-def test_batchnorm_statistics_and_validation_are_ddps_on_every_rank(ranks, run):
+def test_batchnorm_statistics_and_validation_are_ddps_on_every_rank(ranks, run, loop):
+    """Rank 0's buffers where DDP has them: before a forward that follows a synced training step (not after a
+    micro-batch in ``no_sync``, an evaluation step, or, under manual optimization, ever after the first), and once
+    when ``validate`` sets up after the fit (Lightning's ``_sync_module_states``)."""
     for rank in ranks:
-        ours, ddp = rank["batchnorm"][run], rank["batchnorm"]["ddp"]
-        assert len(ours["losses"]) == 4 and len(ours["val_losses"]) == 6  # the sanity check's 2, then 2 x 2
+        ours, ddp = rank["batchnorm"][loop][run], rank["batchnorm"][loop]["ddp"]
+        assert len(ours["losses"]) == 3 * (2 if loop == "accumulating" else 1) and len(ours["val_losses"]) >= 6
         assert ours["losses"] == ddp["losses"]  # training normalises with each batch's own statistics
+        assert ours["seen"] == ddp["seen"]  # after each batch, training and validation
         assert ours["statistics"] == ddp["statistics"]
         assert ours["val_losses"] == ddp["val_losses"]
-        assert ours["logged"] == ddp["logged"]
+        assert ours["logged"] == ddp["logged"] and ours["validated"] == ddp["validated"]
 
 
 @pytest.mark.parametrize("layout", ["sharded", "full"])

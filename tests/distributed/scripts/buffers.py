@@ -1,7 +1,8 @@
 """Rank script: a BatchNorm model's buffers under DDP and ``VitScaleStrategy`` (``buffers.py OUT batchnorm,resume``).
 
-``batchnorm``: four training steps and two validations on 2 CPU ranks, fp32, from the same weights: DDP, the default
-plan, and the recipe's every block checkpointed. ``resume``: two steps saved by ``ModelCheckpoint``, then a fit to
+``batchnorm``: three training steps and two validations on 2 CPU ranks, fp32, from the same weights, then
+``validate``, per kind of loop (automatic, accumulating, manual): DDP, the default plan, and the recipe's every block
+checkpointed. ``resume``: two steps saved by ``ModelCheckpoint``, then a fit to
 four resumed from it, under DDP and under the sharded and the full layout. Writes each rank's losses, validation
 losses, the logged validation metric and the running statistics after the fit.
 """
@@ -66,18 +67,52 @@ def loader() -> DataLoader:
     return DataLoader(TensorDataset(images, labels), batch_size=4)
 
 
+class ManualBatchNormNet(BatchNormNet):
+    """Manual optimization, two forwards a step (Lightning's DDP turns the gradient sync off around its forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        loss = F.cross_entropy(self(batch[0]), batch[1]) + 0.5 * F.cross_entropy(self(batch[0].flip(-1)), batch[1])
+        self.manual_backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        self.losses.append(loss.item())
+
+
+class Trace(L.Callback):
+    """Every rank's running means after each training and validation batch: when DDP syncs them shows here."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[float]] = []
+
+    def on_train_batch_end(self, trainer, module, *args) -> None:
+        self.seen.append([float(b.double().sum()) for n, b in module.named_buffers() if "running_mean" in n])
+
+    on_validation_batch_end = on_train_batch_end
+
+
 def batchnorm() -> dict:
-    found = {}
-    for name, strategy in (("ddp", "ddp"), ("default", VitScaleStrategy()),
-                           ("checkpointed", VitScaleStrategy(priority="memory"))):
-        model = BatchNormNet()
-        trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=4,
-                            val_check_interval=2, limit_val_batches=2, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False)
-        trainer.fit(model, loader(), loader())
-        found[name] = {"losses": model.losses, "val_losses": model.val_losses,
-                       "logged": float(trainer.callback_metrics["val_loss"]),
-                       "statistics": statistics(model)}
+    """Per kind of loop (automatic, accumulating 2 micro-batches, manual), DDP and VitScaleStrategy's default and
+    every-block-checkpointed plans: a fit with validation, then ``validate`` on the same Trainer."""
+    found: dict = {}
+    for loop in ("automatic", "accumulating", "manual"):
+        for name, strategy in (("ddp", "ddp"), ("default", VitScaleStrategy()),
+                               ("checkpointed", VitScaleStrategy(priority="memory"))):
+            model, trace = (ManualBatchNormNet() if loop == "manual" else BatchNormNet()), Trace()
+            trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy,
+                                max_steps=3, val_check_interval=2, limit_val_batches=2, logger=False,
+                                accumulate_grad_batches=2 if loop == "accumulating" else 1, callbacks=[trace],
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+            trainer.fit(model, loader(), loader())
+            logged = float(trainer.callback_metrics["val_loss"])
+            validated = trainer.validate(model, loader(), verbose=False)[0]["val_loss"]
+            found.setdefault(loop, {})[name] = {
+                "losses": model.losses, "val_losses": model.val_losses, "logged": logged, "validated": validated,
+                "statistics": statistics(model), "seen": trace.seen}
     return found
 
 
