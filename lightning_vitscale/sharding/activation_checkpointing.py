@@ -56,7 +56,7 @@ def _keeping_buffers(owners: list[nn.Module], inner: Callable[[], tuple[Any, Any
     depends on its power iteration's buffers) and putting them back as the forward left them."""
     forward_context, recompute_context = inner()
     changed: _Changed = []
-    return _noting_changes(owners, forward_context, changed), _undoing_changes(recompute_context, changed)
+    return _noting_changes(owners, forward_context, changed), _UndoingChanges(recompute_context, changed)
 
 
 @contextmanager
@@ -73,24 +73,33 @@ def _noting_changes(owners: list[nn.Module], inner: Any, changed: _Changed) -> I
             changed.append((slots, name, tensor, version, value, slots[name], always))
 
 
-@contextmanager
-def _undoing_changes(inner: Any, changed: _Changed) -> Iterator[None]:
-    left = [(slots, name, after, after.detach().clone(), always) for slots, name, _, _, _, after, always in changed]
-    with torch.no_grad():
-        for slots, name, before, version, value, _, always in changed:
-            slots[name] = before
-            if always or tensor_version(before) != version:  # updated in place: its values before the forward
-                before.copy_(value)
-    versions = [tensor_version(after) for _, _, after, _, _ in left]
-    try:
-        with inner:
-            yield
-    finally:  # torch stops a recompute early by raising once it has every tensor backward needs
+class _UndoingChanges:  # entered once per recompute: a second backward (retain_graph) reruns it
+    """Around a recompute: the changed buffers as the forward found them, then as it left them."""
+
+    def __init__(self, inner: Any, changed: _Changed) -> None:
+        self.inner, self.changed = inner, changed
+        self.left: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor, bool, int]] = []
+
+    def __enter__(self) -> None:
+        self.left = [(slots, name, after, after.detach().clone(), always, 0)
+                     for slots, name, _, _, _, after, always in self.changed]
         with torch.no_grad():
-            for (slots, name, after, value, always), version in zip(left, versions):
-                slots[name] = after  # a forward that rebinds (``self.center = ...``) made another in the recompute
-                if always or tensor_version(after) != version:
-                    after.copy_(value)
+            for slots, name, before, version, value, _, always in self.changed:
+                slots[name] = before
+                if always or tensor_version(before) != version:  # updated in place: its values before the forward
+                    before.copy_(value)
+        self.left = [(*entry[:5], tensor_version(entry[2])) for entry in self.left]
+        self.inner.__enter__()
+
+    def __exit__(self, *raised: Any) -> Any:  # also when torch stops a recompute early (by raising)
+        try:
+            return self.inner.__exit__(*raised)
+        finally:
+            with torch.no_grad():
+                for slots, name, after, value, always, version in self.left:
+                    slots[name] = after  # a forward that rebinds (``self.center = ...``) made another in the recompute
+                    if always or tensor_version(after) != version:
+                        after.copy_(value)
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module], mode: CheckpointMode = "full") -> None:

@@ -160,3 +160,21 @@ def test_a_recompute_does_not_update_a_blocks_buffers_a_second_time(mode):
             assert torch.equal(value, ckpt.get_buffer(name)), (step, name)
         for p, q in zip(plain.parameters(), ckpt.parameters()):  # the recompute ran from the forward's buffers
             assert torch.equal(p.grad, q.grad)
+
+
+def test_a_block_with_buffers_recomputes_again_for_a_second_backward():
+    """``backward(retain_graph=True)`` then ``backward()`` recomputes the block twice: the buffers' context is
+    entered twice (a generator-based one could be entered once)."""
+    torch.manual_seed(0)
+    plain = _StatefulBlock()
+    ckpt = copy.deepcopy(plain)
+    apply_activation_checkpointing([ckpt], "full")
+    x = torch.randn(6, 8, requires_grad=True)
+    for module in (plain, ckpt):
+        loss = module(x).pow(2).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    for name, value in plain.named_buffers():
+        assert torch.equal(value, ckpt.get_buffer(name)), name
+    for p, q in zip(plain.parameters(), ckpt.parameters()):
+        assert torch.equal(p.grad, q.grad)
