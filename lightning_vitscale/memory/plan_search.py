@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 from lightning_vitscale.memory.step_cost import (
@@ -87,7 +88,7 @@ class SearchSpace:
     def n(self) -> int:
         return len(self.inputs.profile.blocks)
 
-    @property
+    @cached_property
     def selective_runs(self) -> bool:
         """Whether every block can run selectively: one that mutates an output selective checkpointing keeps
         cannot (measured so), and a plan's selective blocks are a run of them."""

@@ -28,6 +28,12 @@ def to_dtype(dtype: torch.dtype | None) -> Callable[[Any], Any]:
     return cast
 
 
+def first_floating_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype | None:
+    """The dtype of a call's first floating tensor argument (``None``: none): what its output goes back to."""
+    return next((v.dtype for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.is_floating_point()),
+                None)
+
+
 def cast_floating_inputs(modules: list[nn.Module], dtype: torch.dtype) -> None:
     """Register a forward pre-hook on each module casting floating tensor inputs to ``dtype``."""
     cast = to_dtype(dtype)
@@ -58,12 +64,10 @@ def autocast_around(modules: list[nn.Module], dtype: torch.dtype) -> None:
     entered: list[tuple[torch.autocast, torch.dtype | None]] = []  # nested forwards exit in reverse order
 
     def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.is_floating_point()),
-                     None)
         device = next(b.device for b in buffer_slots(module).values() if b is not None and b.is_floating_point())
         context = torch.autocast(device.type, dtype=dtype)
         context.__enter__()
-        entered.append((context, None if first is None else first.dtype))
+        entered.append((context, first_floating_dtype(args, kwargs)))
 
     def leave(_: nn.Module, __: tuple[Any, ...], ___: dict[str, Any], output: Any) -> Any:
         context, out_dtype = entered.pop()

@@ -32,7 +32,7 @@ from lightning_vitscale._compat import (
     tree_map,
 )
 from lightning_vitscale.distributed.mesh import all_reduce_over, replicated_placements
-from lightning_vitscale.precision.casting import to_dtype
+from lightning_vitscale.precision.casting import first_floating_dtype, to_dtype
 
 _PARAMS = "_vitscale_fp32_params"
 _DTYPE = "_vitscale_norm_dtype"
@@ -137,8 +137,7 @@ def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         out_dtype = args[0].dtype if args[0].is_floating_point() else None
         args = (args[0].to(norm_dtype),) if out_dtype is not None else args
     else:
-        floating = (v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.is_floating_point())
-        out_dtype = next((v.dtype for v in floating), None)
+        out_dtype = first_floating_dtype(args, kwargs)
         to_norm_dtype = to_dtype(norm_dtype)
         args, kwargs = tree_map(to_norm_dtype, args), tree_map(to_norm_dtype, kwargs)
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():

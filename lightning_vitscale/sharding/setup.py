@@ -237,7 +237,6 @@ def shard_lightning_module(
     return sharded
 
 
-
 def _shard(
     module: nn.Module, resolved: ResolvedConfig, precision: VitScalePrecision, ranks: RankContext,
     creation: Creation | None, signature: dict[str, Any], batch: PlanningBatch | None, trainer: Any | None = None,
