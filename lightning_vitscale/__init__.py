@@ -17,6 +17,7 @@ from lightning_vitscale.memory import MemoryPlan, StateBytes, measure_state_byte
 from lightning_vitscale.monitoring import VitScaleThroughput
 from lightning_vitscale.precision import NonFiniteTrainingError, VitScalePrecision
 from lightning_vitscale.sharding import (
+    ForwardAfterBackwardError,
     NoBlocksMatchedError,
     OutsideStepCallError,
     SetupSummary,
@@ -34,6 +35,7 @@ __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (setupt
 __all__ = [
     "AsyncSaveError",
     "CheckpointError",
+    "ForwardAfterBackwardError",
     "KernelPolicy",
     "MemoryPlan",
     "NoBlocksMatchedError",

@@ -92,8 +92,8 @@ PRIVATE_NAMES = {
     "torch.nn.Module._buffers": "a module's own buffer slots",
     "torch.nn.Module._non_persistent_buffers_set": "a module's buffers its state_dict leaves out",
     "torch.Tensor._version": "a buffer updated in place by a checkpointed forward",
-    "torch.nn.Module._forward_pre_hooks": "planner: blocks with the same hooks are alike",
-    "torch.nn.Module._forward_hooks": "planner: blocks with the same hooks are alike",
+    "torch.nn.Module._forward_pre_hooks": "planner: blocks with the same hooks are alike; outer-unit entry hooks",
+    "torch.nn.Module._forward_hooks": "planner: blocks with the same hooks are alike; outer-unit entry hooks",
     "torch.nn.Module._backward_pre_hooks": "planner: blocks with the same hooks are alike",
     "torch.nn.Module._backward_hooks": "planner: blocks with the same hooks are alike",
     "torch.nn.MultiheadAttention._reset_parameters": "init replay: its only re-initialiser",
@@ -186,6 +186,12 @@ def dtensor_like(local: torch.Tensor, like: Any) -> Any:
 def parameter_slots(module: torch.nn.Module) -> dict[str, Any]:
     """``module``'s own parameters by attribute name (``None`` for a registered empty slot), writable in place."""
     return module._parameters
+
+
+def forward_hook_dicts(module: torch.nn.Module) -> tuple[Any, Any]:
+    """``module``'s forward pre-hooks and forward hooks (ordered dicts, id -> hook), for taking a hook out and back
+    in without a new handle."""
+    return module._forward_pre_hooks, module._forward_hooks
 
 
 def buffer_slots(module: torch.nn.Module) -> dict[str, Any]:

@@ -221,6 +221,9 @@ def _unwrap_evaluation_loops(trainer: pl.Trainer) -> None:
 
 def _reshard(model: nn.Module) -> None:
     """Free gathered FSDP2 parameters (a local operation), so the sharded ones are what the next forward sees."""
+    release = getattr(model, "release", None)
+    if callable(release):
+        release()  # the outer unit: also one rank's compute copies (sharding/compute_copies.py)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()

@@ -142,6 +142,14 @@ def collective_copies(device: torch.device | str | None) -> bool:
     return device is not None and torch.device(device).type == "cpu"
 
 
+def computes_on_copies(inputs: StepInputs, settings: StepSettings) -> bool:
+    """One rank, one unit kept gathered, nothing offloaded: the step computes on copies made in one foreach copy
+    straight into their buffer, and casts the gradients one by one (``sharding/compute_copies.py``), not FSDP2's
+    all-gather and reduce-scatter with their temporaries."""
+    single = inputs.world == 1 and inputs.replicas == 1 and inputs.tensor is None and not settings.offload
+    return single and settings.blocks_per_unit >= len(inputs.layout.blocks) and settings.keeps(0)
+
+
 def predict_step(inputs: StepInputs, settings: StepSettings) -> MemoryBreakdown:
     """The peak of one steady-state step (optimizer state exists; gradients alive as ``inputs.loop`` orders)."""
     return max(step_phases(inputs, settings), key=lambda b: b.peak)
@@ -191,14 +199,15 @@ def _forward_phases(inputs, settings, base, full_blocks, outer_full, kept) -> li
     outer_acts = int((inputs.profile.outer_saved - inputs.profile.outer_saved_after) * scale)
     outer_end = int(inputs.profile.outer_saved * scale)
     phases, kept_before, acts_before = [], 0, 0
+    copies = computes_on_copies(inputs, settings)
     for u, span in enumerate(spans):
         unit = sum(full_blocks[i] for i in span) * c
         gathered = outer_full + kept_before + unit
         acts_after = acts_before + sum(kept[i] for i in span)
         last = u == len(spans) - 1
         phases += [
-            MemoryBreakdown(grads=grads, gathered=gathered, activations=outer_acts + acts_before, transient=unit,
-                            phase=f"all-gather of unit {u}", **base),
+            MemoryBreakdown(grads=grads, gathered=gathered, activations=outer_acts + acts_before,
+                            transient=0 if copies else unit, phase=f"all-gather of unit {u}", **base),
             MemoryBreakdown(grads=grads, gathered=gathered, activations=(outer_end if last else outer_acts)
                             + acts_after, transient=0,
                             phase="end of forward" if last else f"end of unit {u}'s forward", **base),
@@ -232,7 +241,7 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
         gathered = outer_full + (kept_gathered[span[-1]] + resharded) * c
         # The reduce-scatter, after the unit's first block's backward (its activations gone, its shards there):
         # FSDP's copy-in holds gradients and input at once, gloo then the input and its own copy of it.
-        collective = unit_full * (c + r)
+        collective = unit_full * (c if computes_on_copies(inputs, settings) else c + r)  # copies: cast one by one
         if inputs.collective_copies and inputs.world > 1:
             collective = max(collective, 2 * unit_full * r)
         # Sharded gradients exist for the units after this one: their reduce-scatters are done.

@@ -140,15 +140,19 @@ def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         out_dtype = first_floating_dtype(args, kwargs)
         to_norm_dtype = to_dtype(norm_dtype)
         args, kwargs = tree_map(to_norm_dtype, args), tree_map(to_norm_dtype, kwargs)
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
-        local = {name: param.to_local() for name, param in params.items()}  # no autograd node without grad
-    else:
-        local = {name: _compute_leaf(module, name, param) for name, param in params.items()}
-    parameter_slots(module).update(local)
-    try:
+    slots = parameter_slots(module)
+    if not isinstance(slots.get(next(iter(params), "")), DTensor):  # one rank's compute copies are in place
         output = getattr(type(module), _BASE).forward(module, *args, **kwargs)
-    finally:
-        parameter_slots(module).update(params)
+    else:
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            local = {name: param.to_local() for name, param in params.items()}  # no autograd node without grad
+        else:
+            local = {name: _compute_leaf(module, name, param) for name, param in params.items()}
+        slots.update(local)
+        try:
+            output = getattr(type(module), _BASE).forward(module, *args, **kwargs)
+        finally:
+            slots.update(params)
     if out_dtype is None:
         return output
     if isinstance(output, torch.Tensor):

@@ -9,7 +9,7 @@ The top of the concerns: may import ``memory``, ``checkpoint``, ``precision``, `
 
 from lightning_vitscale.discovery import ModuleSelector
 from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector
-from lightning_vitscale.sharding.outer_unit import OutsideStepCallError
+from lightning_vitscale.sharding.outer_unit import ForwardAfterBackwardError, OutsideStepCallError
 from lightning_vitscale.sharding.parallelize import NoBlocksMatchedError
 from lightning_vitscale.sharding.resolved import ResolvedConfig, resolve_config
 from lightning_vitscale.sharding.settings import (
@@ -30,6 +30,7 @@ __all__ = [
     "TensorPlanSelector",
     "CheckpointSelector",
     "CheckpointingPolicy",
+    "ForwardAfterBackwardError",
     "ModuleSelector",
     "NoBlocksMatchedError",
     "OffloadMode",

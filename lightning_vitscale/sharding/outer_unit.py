@@ -20,12 +20,18 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_vitscale._compat import forward_hook_dicts
 from lightning_vitscale.distributed import collective_guard
 from lightning_vitscale.sharding.buffer_sync import BufferSync
+from lightning_vitscale.sharding.compute_copies import ComputeCopies
 
 
 class OutsideStepCallError(RuntimeError):
     """Gathering the outer unit for a call outside a step failed, most often because not every rank called."""
+
+
+class ForwardAfterBackwardError(RuntimeError):
+    """A forward after a backward in the same step found the outer unit resharded (several ranks, FSDP2's path)."""
 
 
 class OuterUnit(nn.Module):
@@ -42,15 +48,24 @@ class OuterUnit(nn.Module):
         self._owned: list[tuple[nn.Module, str]] = []  # (module, name) of each outer-unit parameter
         self._entries: dict[int, str] = {}  # id -> qualified name of each hooked module (what a call names)
         self._hooks: list[Any] = []
+        self._entry_hooks: list[tuple[Any, int, Any, bool]] = []  # (hook dict, id, hook, first): toggled with copies
+        self._entry_hooks_on = True
         self.buffer_sync: BufferSync | None = None  # a fit's, given by its setup (sharding/buffer_sync.py)
+        self.compute_copies: ComputeCopies | None = None  # one rank, nothing to shard (sharding/compute_copies.py)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         sync = self.buffer_sync
         if sync is not None:
             sync.before_forward()
         self._in_step = True
+        if self.compute_copies is not None:
+            self._gather_for_step()
         try:
             output = self.module(*args, **kwargs)
+        except BaseException:
+            if self.compute_copies is not None:
+                self.compute_copies.release()  # what the fit's caller sees next are the parameters
+            raise
         finally:
             self._in_step = False
         if sync is not None:
@@ -76,9 +91,38 @@ class OuterUnit(nn.Module):
             self._entries[id(module)] = names.get(id(module), "")
             self._hooks.append(module.register_forward_pre_hook(self._enter, prepend=True))
             self._hooks.append(module.register_forward_hook(self._leave, always_call=True))
+            pre_hooks, hooks = forward_hook_dicts(module)
+            self._entry_hooks += [(pre_hooks, self._hooks[-2].id, self._enter, True),
+                                  (hooks, self._hooks[-1].id, self._leave, False)]
+        if self.compute_copies is not None:
+            self.compute_copies.on_release = self._toggle_entry_hooks
+
+    def _gather_for_step(self) -> None:
+        """One rank's compute copies in, for this step; the entry hooks out until they are released (the end of
+        backward): in a step they would only return, at a few microseconds per module call."""
+        assert self.compute_copies is not None
+        self.compute_copies.gather()
+        self._toggle_entry_hooks(on=False)
+
+    def _toggle_entry_hooks(self, on: bool = True) -> None:
+        if on == self._entry_hooks_on:
+            return
+        self._entry_hooks_on = on
+        for hooks, key, hook, first in self._entry_hooks:
+            if not on:
+                hooks.pop(key, None)
+                continue
+            hooks[key] = hook
+            if first:
+                hooks.move_to_end(key, last=False)
 
     def release(self) -> None:
-        """Free an outer unit gathered by a call outside a step, with any gradients computed on it."""
+        """Free an outer unit gathered by a call outside a step, with any gradients computed on it; one rank's
+        compute copies however they were gathered (a step without backward leaves them in)."""
+        if self.compute_copies is not None:
+            self._gathered_on_demand = False
+            self.compute_copies.release()
+            return
         if not self._gathered_on_demand:
             return
         self._gathered_on_demand = False
@@ -94,6 +138,17 @@ class OuterUnit(nn.Module):
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         if self._in_step:
+            if self.compute_copies is not None and not self.compute_copies.gathered:
+                self._gather_for_step()  # a forward after a backward (and optimizer step) in the same step
+            elif self.compute_copies is None and self._is_sharded():
+                raise ForwardAfterBackwardError(
+                    "A forward after a backward in the same `training_step` (manual optimization updating twice, e.g."
+                    " a GAN's generator then discriminator) is not supported by VitScaleStrategy on several ranks"
+                    " yet: FSDP2 resharded the outer unit at the end of that backward, and nothing inside the step"
+                    " gathers it again (DDP has no such state). Run each update in its own `training_step` (e.g."
+                    " alternate them by `batch_idx`), or train this module with strategy='ddp' or on one device,"
+                    " where VitScaleStrategy supports it."
+                )
             return
         self._depth += 1
         if self._depth != 1:
@@ -123,6 +178,9 @@ class OuterUnit(nn.Module):
     @torch.compiler.disable
     def _gather(self) -> None:
         assert isinstance(self, FSDPModule)
+        if self.compute_copies is not None:
+            self.compute_copies.gather()
+            return
         try:
             self.unshard()
         except RuntimeError as error:
@@ -155,6 +213,9 @@ def reshard_units(outer: nn.Module) -> None:
     for unit in outer.modules():
         if isinstance(unit, FSDPModule):
             unit.reshard()
+        copies = getattr(unit, "compute_copies", None)
+        if copies is not None:
+            copies.release()
 
 
 def _outer_unit_parameters(model: nn.Module) -> list[tuple[nn.Module, str]]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
 from lightning_vitscale.discovery.blocks import Named
 from lightning_vitscale.discovery.calls import Calls
@@ -24,8 +24,10 @@ from lightning_vitscale.sharding.activation_checkpointing import (
     apply_activation_checkpointing,
     is_self_checkpointing,
 )
+from lightning_vitscale.sharding.compute_copies import ComputeCopies, to_row_shards
 from lightning_vitscale.sharding.cpu_overlap import overlap_collectives_on_cpu
 from lightning_vitscale.sharding.fsdp import group_blocks, set_prefetch, shard_module
+from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.settings import unit_reshard
 from lightning_vitscale.sharding.tensor_parallel import same_values_everywhere, split_block
 from lightning_vitscale.sharding.tensor_proof import prove_plans
@@ -66,6 +68,8 @@ class UnitFacts:
     outer: FSDPModule
     block_units: list[FSDPModule]
     blocks_per_unit: int
+    copies: bool = False
+    """One rank, one unit: compute copies instead of FSDP2's per-parameter path (sharding/compute_copies.py)."""
 
     @property
     def all(self) -> list[FSDPModule]:
@@ -155,10 +159,21 @@ def apply_fsdp(
                 stack.enter_context(weights.unit(block))
             reshard = unit_reshard(reshard_after_forward, outer=False)
             block_units.append(shard_module(group, mesh, mp_policy, reshard, ignored, offload))
+    # One rank and one unit: compute copies instead of FSDP2's per-parameter path (sharding/compute_copies.py).
+    # FSDP2 still makes the root (its hooks cast the step's inputs), ignoring every parameter.
+    copies = not block_units and one_unit and isinstance(outer_unit, OuterUnit)
+    copies = copies and not isinstance(offload, CPUOffloadPolicy)
+    norm_params = list(ignored or ())
     with weights.unit(outer_unit):
         reshard = unit_reshard(reshard_after_forward, outer=True)
+        if copies:
+            sharded = to_row_shards(outer_unit, mesh, weights.device, {id(p) for p in norm_params})
+            ignored = set(norm_params) | set(sharded)
         outer = shard_module(outer_unit, mesh, mp_policy, reshard, ignored, offload)
-    return UnitFacts(outer, block_units, blocks_per_unit)
+    if copies and isinstance(outer_unit, OuterUnit):
+        compute = mp_policy.param_dtype or (sharded[0].dtype if sharded else torch.float32)
+        outer_unit.compute_copies = ComputeCopies(outer_unit, sharded + norm_params, compute)
+    return UnitFacts(outer, block_units, blocks_per_unit, copies)
 
 
 def apply_prefetch(units: list[FSDPModule], prefetch: int, mesh: DeviceMesh, device: torch.device) -> str:

@@ -57,6 +57,8 @@ class SetupSummary:
     init_seconds: float = 0.0
     blocks_per_unit: int = 1
     units_choice: str = ""
+    copies: bool = False
+    """One rank: the outer unit's step computes on copies, not through FSDP2 (``sharding/compute_copies.py``)."""
     overlap: str = ""
     tensor_parallel: int = 1
     tensor_plans: dict[str, str] = field(default_factory=dict)
@@ -113,8 +115,12 @@ class SetupSummary:
 
     def _block_units(self) -> str:
         chosen = f" ({self.units_choice})" if self.units_choice else ""
+        copies = "; no FSDP2 per-parameter work: the step computes on copies made in one foreach copy" * self.copies
         if self.units == 1 and self.block_names:
-            return f"the outer unit, with the {len(self.block_names)} blocks: one rank, all kept gathered{chosen}"
+            blocks = f"the outer unit, with the {len(self.block_names)} blocks"
+            return f"{blocks}: one rank, all kept gathered{chosen}{copies}"
+        if self.units == 1 and self.copies:
+            return f"the outer unit, no blocks{copies}"
         if self.blocks_per_unit > 1:
             return f"{len(self.block_names)} blocks, up to {self.blocks_per_unit} per unit{chosen}"
         joined = f" in {self.units - 1} units" if self.units - 1 != len(self.block_names) else ""
@@ -129,6 +135,7 @@ def summary_from_facts(facts: PipelineFacts) -> SetupSummary:
         blocks=facts.described,
         block_names=facts.blocks,
         units=len(facts.units.all),
+        copies=facts.units.copies,
         blocks_per_unit=facts.units.blocks_per_unit,
         checkpointed=list(checkpointed),
         selective=[name for name, mode in checkpointed.items() if mode == "selective"],

@@ -16,6 +16,7 @@ from lightning_vitscale.cli import parser
 PUBLIC_NAMES = {
     "AsyncSaveError",
     "CheckpointError",
+    "ForwardAfterBackwardError",
     "KernelPolicy",
     "MemoryPlan",
     "NoBlocksMatchedError",

@@ -4,7 +4,9 @@ step's measured peak, checkpointing applied to already-sharded blocks, the CLI a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
+import math
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from lightning_vitscale.kernels.optimizers import prefer_foreach
 from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, Measurement
 from lightning_vitscale.memory.plan_search import BlockPlan
 from lightning_vitscale.memory.planner import parse_memory, plan_memory, step_inputs
-from lightning_vitscale.memory.step_model import StepSettings, collective_copies, predict_step
+from lightning_vitscale.memory.step_model import StepSettings, collective_copies, predict_step, step_phases
 from lightning_vitscale.memory.twin import meta_twin
 from lightning_vitscale.precision.settings import resolve_flag
 from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig
@@ -364,3 +366,20 @@ def test_the_fake_step_meets_each_buffer_in_the_dtype_the_real_step_does():
             torch.float32,)
         assert model[1].weight.dtype == model[1].running_mean.dtype == torch.float32
     assert model[0].saved.dtype == torch.float32 and not isinstance(model[0].saved, torch._subclasses.FakeTensor)
+
+
+def test_one_rank_with_one_kept_unit_is_predicted_without_fsdps_collective_buffers():
+    """On one rank with every block in one unit kept gathered, the step computes on copies (sharding/
+    compute_copies.py): filled in place (no all-gather temporary) and their gradients cast one by one into the fp32
+    ones (no reduce-scatter input). A replicated shard group (hybrid sharding) still runs FSDP2's path."""
+    with torch.device("meta"):
+        planned = TinyViT(**LONG)
+    inputs = step_inputs(planned, meta_input(), precision="bf16-mixed")
+    one_unit = StepSettings(reshard_after_forward=False, blocks_per_unit=4)
+    copies = {phase.phase: phase for phase in step_phases(inputs, one_unit)}
+    fsdp = {phase.phase: phase for phase in step_phases(dataclasses.replace(inputs, replicas=2), one_unit)}
+    blocks = sum(math.prod(shape) for block in inputs.layout.blocks for shape in block)  # the fp32 norms apart
+    assert fsdp["all-gather of unit 0"].transient - copies["all-gather of unit 0"].transient == blocks * 2
+    assert fsdp["reduce-scatter of unit 0"].transient - copies["reduce-scatter of unit 0"].transient == blocks * 4
+    resharded = StepSettings(blocks_per_unit=4)  # gathered again for backward: FSDP2's units
+    assert step_phases(inputs, resharded) == step_phases(dataclasses.replace(inputs, replicas=2), resharded)

@@ -1,0 +1,167 @@
+"""One rank, nothing to shard: the step computes on copies of the parameters made in one foreach copy per dtype, and
+their gradients come back in one, instead of FSDP2's per-parameter path.
+
+On one rank FSDP2 still runs its whole machinery per parameter each step: cast and copy into a gathered buffer,
+re-register the unsharded parameter, concatenate the gradients, "reduce-scatter" (a copy), re-wrap each as a DTensor
+and reshard: most of the host time a ViT-H-deep step spent beyond plain AMP's (benchmarks/RESULTS.md, issue 47).
+Here the parameters stay fp32 DTensors on the one-rank mesh (checkpoints, clipping, EMA and the optimizer see what
+they see on N ranks) and FSDP2 ignores them. For a step the modules hold :class:`ComputeCopies`' ``nn.Parameter``
+views of one flat buffer per dtype (FSDP2's own trick: the buffer's storage is freed between steps, the views stay
+valid): the compute dtype's copies, and the fp32 norms' in fp32 (their forward then only casts the input). At the end
+of each backward the gradients are cast into fp32 DTensor gradients in one flat buffer (or added to an accumulation
+window's) and the modules get their DTensor parameters back. The numbers are FSDP2's bit for bit: the same casts,
+fp32 sums in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_vitscale._compat import (
+    current_backward_id,
+    dtensor_like,
+    dtensor_local,
+    foreach_add_,
+    foreach_copy_,
+    parameter_slots,
+    queue_end_of_backward,
+)
+
+Slot = tuple[nn.Module, str, int]  # owner, attribute, index of its parameter
+
+
+def to_row_shards(root: nn.Module, mesh: DeviceMesh, device: torch.device, skip: set[int]) -> list[nn.Parameter]:
+    """Every parameter under ``root`` not in ``skip`` (ids) made a DTensor laid out as ``fully_shard`` lays it out on
+    a 1-D mesh (``Shard(0)``), on ``device``, values aliased; a tied parameter stays one. Returns them."""
+    made: dict[int, nn.Parameter] = {}
+    for module in root.modules():
+        params = parameter_slots(module)
+        for name, param in list(params.items()):
+            if param is None or id(param) in skip or isinstance(param, DTensor):
+                continue
+            if id(param) not in made:
+                if param.dim() == 0:
+                    raise ValueError(
+                        f"{type(module).__name__}.{name} is a scalar parameter, which FSDP2 cannot shard. Make it a"
+                        " 1-D tensor with one element (`nn.Parameter(torch.tensor([value]))`)."
+                    )
+                local = param.detach() if param.is_meta else param.detach().to(device)  # meta: the init fills it
+                sharded = DTensor.from_local(local, mesh, (Shard(0),), run_check=False)
+                made[id(param)] = nn.Parameter(sharded, requires_grad=param.requires_grad)
+            params[name] = made[id(param)]
+    return list(made.values())
+
+
+class _Group:
+    """The copies of one dtype: views of one flat buffer, whose storage exists only while gathered."""
+
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype) -> None:
+        self.params = params
+        sizes = [p.numel() for p in params]
+        self.flat = torch.empty(sum(sizes), dtype=dtype, device=dtensor_local(params[0]).device)
+        self.nbytes = self.flat.untyped_storage().nbytes()
+        self.copies: list[torch.Tensor] = [nn.Parameter(view.view(p.shape), requires_grad=p.requires_grad)
+                                           for view, p in zip(self.flat.split(sizes), params)]
+        self.flat.untyped_storage().resize_(0)
+
+    @torch.no_grad()
+    def fill(self) -> None:
+        storage = self.flat.untyped_storage()
+        if storage.nbytes() != self.nbytes:
+            storage.resize_(self.nbytes)
+        foreach_copy_(self.copies, [dtensor_local(p) for p in self.params])
+
+    def free(self) -> None:
+        self.flat.untyped_storage().resize_(0)
+
+
+class ComputeCopies:
+    """The copies a one-rank step computes on (see the module docstring). ``gathered``: the modules hold them, from
+    :meth:`gather` to :meth:`release` (a step's forward to the end of its backward, an evaluation step, a call
+    outside a step). ``on_release``: called after each release (the outer unit's hooks for calls outside steps)."""
+
+    def __init__(self, root: nn.Module, params: list[nn.Parameter], compute: torch.dtype) -> None:
+        """``params``: the DTensor parameters under ``root`` to stand in for. Row-sharded ones (the low-precision
+        layers') compute in ``compute``; replicated ones (the fp32 norms, ``precision/norms.py``) in their own dtype."""
+        index = {id(p): i for i, p in enumerate(params)}
+        self._slots: list[Slot] = [(m, n, index[id(p)]) for m in root.modules()
+                                   for n, p in parameter_slots(m).items() if p is not None and id(p) in index]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, param in enumerate(params):
+            row_sharded = isinstance(param, DTensor) and isinstance(param.placements[0], Shard)
+            by_dtype.setdefault(compute if row_sharded else param.dtype, []).append(i)
+        self.params = params
+        self._groups = [_Group([params[i] for i in members], dtype) for dtype, members in by_dtype.items()]
+        self.copies: list[torch.Tensor] = [torch.empty(0)] * len(params)
+        for group, members in zip(self._groups, by_dtype.values()):
+            for i, copy in zip(members, group.copies):
+                self.copies[i] = copy
+        self._hooked: set[int] = set()
+        self._queued_in = -1
+        self.gathered = False
+        self.on_release: Callable[[], None] | None = None
+
+    def gather(self) -> None:
+        """The modules compute on fresh copies of the parameters' current values (also when already gathered: a step
+        whose backward never came, or an optimizer step since, must not leave stale copies)."""
+        for group in self._groups:
+            group.fill()
+        for copy, param in zip(self.copies, self.params):
+            if copy.requires_grad != param.requires_grad:  # frozen or unfrozen since (a fine-tuning callback)
+                copy.requires_grad_(param.requires_grad)
+            if param.requires_grad and id(copy) not in self._hooked:  # a hook needs requires_grad
+                copy.register_post_accumulate_grad_hook(self._arrived)
+                self._hooked.add(id(copy))
+        copies = self.copies
+        for module, name, index in self._slots:
+            parameter_slots(module)[name] = copies[index]
+        self.gathered = True
+
+    def release(self) -> None:
+        """The modules get their DTensor parameters back; the copies' memory is freed."""
+        if not self.gathered:
+            return
+        params = self.params
+        for module, name, index in self._slots:
+            parameter_slots(module)[name] = params[index]
+        for copy in self.copies:
+            copy.grad = None  # handed over at the end of backward, or left by a backward that raised: dropped
+        for group in self._groups:
+            group.free()
+        self.gathered = False
+        if self.on_release is not None:
+            self.on_release()
+
+    def _arrived(self, _copy: torch.Tensor) -> None:
+        backward = current_backward_id()
+        if backward != self._queued_in:  # once per backward, however it was called (a raw loss.backward() too)
+            self._queued_in = backward
+            queue_end_of_backward(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self.hand_over_gradients()
+        self.release()
+
+    @torch.no_grad()
+    def hand_over_gradients(self) -> None:
+        """The copies' gradients, cast to each parameter's dtype, onto the DTensor parameters (summed into any there,
+        as autograd would). One cast per tensor: on CPU a foreach copy into a flat buffer costs more (it is no fused
+        kernel there), and the views of one would cost a call each."""
+        onto: list[torch.Tensor] = []
+        added: list[torch.Tensor] = []
+        for param, copy in zip(self.params, self.copies):
+            grad = copy.grad
+            if grad is None:
+                continue
+            if param.grad is None:
+                param.grad = dtensor_like(grad.to(param.dtype), param)
+            else:
+                onto.append(dtensor_local(param.grad))
+                added.append(grad)
+        if added:
+            foreach_add_(onto, added)
