@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_vitscale._compat import (
     current_backward_id,
@@ -36,9 +36,11 @@ Slot = tuple[nn.Module, str, int]  # owner, attribute, index of its parameter
 
 
 def to_row_shards(root: nn.Module, mesh: DeviceMesh, device: torch.device, skip: set[int]) -> list[nn.Parameter]:
-    """Every parameter under ``root`` not in ``skip`` (ids) made a DTensor laid out as ``fully_shard`` lays it out on
-    a 1-D mesh (``Shard(0)``), on ``device``, values aliased; a tied parameter stays one. Returns them."""
+    """Every parameter under ``root`` not in ``skip`` (ids) made a DTensor laid out as ``fully_shard`` lays it out
+    (``Shard(0)``, replicated along a 2-D mesh's first dimension), on ``device``, values aliased; a tied parameter
+    stays one. Returns them."""
     made: dict[int, nn.Parameter] = {}
+    placements = (*(Replicate() for _ in range(mesh.ndim - 1)), Shard(0))  # a 2-D mesh: hybrid sharding's
     for module in root.modules():
         params = parameter_slots(module)
         for name, param in list(params.items()):
@@ -51,7 +53,7 @@ def to_row_shards(root: nn.Module, mesh: DeviceMesh, device: torch.device, skip:
                         " 1-D tensor with one element (`nn.Parameter(torch.tensor([value]))`)."
                     )
                 local = param.detach() if param.is_meta else param.detach().to(device)  # meta: the init fills it
-                sharded = DTensor.from_local(local, mesh, (Shard(0),), run_check=False)
+                sharded = DTensor.from_local(local, mesh, placements, run_check=False)
                 made[id(param)] = nn.Parameter(sharded, requires_grad=param.requires_grad)
             params[name] = made[id(param)]
     return list(made.values())
@@ -93,7 +95,7 @@ class ComputeCopies:
                                    for n, p in parameter_slots(m).items() if p is not None and id(p) in index]
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, param in enumerate(params):
-            row_sharded = isinstance(param, DTensor) and isinstance(param.placements[0], Shard)
+            row_sharded = isinstance(param, DTensor) and isinstance(param.placements[-1], Shard)
             by_dtype.setdefault(compute if row_sharded else param.dtype, []).append(i)
         self.params = params
         self._groups = [_Group([params[i] for i in members], dtype) for dtype, members in by_dtype.items()]

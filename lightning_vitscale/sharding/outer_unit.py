@@ -6,6 +6,10 @@ runs the step. Outside a step the outer unit's parameters stay sharded and ``pl_
 parameters gather it for such a call (blocks gather themselves). The copy is freed when the outermost call returns
 under ``no_grad``; with gradients on it is kept (a backward may follow) until the next step, optimizer step or setup.
 
+On one rank with one unit the outer unit holds :class:`~.compute_copies.ComputeCopies` instead: a step swaps them in
+(and takes the entry hooks out, which inside a step would only return), a call outside a step swaps them in as it
+would gather, and the end of a backward swaps the parameters back.
+
 Such a call is a collective: every rank first states which module it calls on a side group
 (distributed/collective_guard.py); a call on one rank, or different calls, fail with :class:`OutsideStepCallError`
 within the strategy's ``timeout``, and nothing is sent on the model's process group.
