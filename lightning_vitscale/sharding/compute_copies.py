@@ -107,6 +107,7 @@ class ComputeCopies:
         self._queued_in = -1
         self.gathered = False
         self.on_release: Callable[[], None] | None = None
+        self.keep_memory = False  # the outer unit's step: a backward in it (manual optimization) may be run again
 
     def gather(self) -> None:
         """The modules compute on fresh copies of the parameters' current values (also when already gathered: a step
@@ -125,19 +126,28 @@ class ComputeCopies:
         self.gathered = True
 
     def release(self) -> None:
-        """The modules get their DTensor parameters back; the copies' memory is freed."""
+        """The modules get their DTensor parameters back; the copies' memory is freed, unless :attr:`keep_memory`
+        (a backward inside a step: :meth:`free` at the step's end)."""
         if not self.gathered:
             return
         params = self.params
         for module, name, index in self._slots:
             parameter_slots(module)[name] = params[index]
         for copy in self.copies:
-            copy.grad = None  # handed over at the end of backward, or left by a backward that raised: dropped
-        for group in self._groups:
-            group.free()
+            if copy.grad is not None:  # left by a backward that raised: dropped
+                copy.grad = None
         self.gathered = False
+        if not self.keep_memory:
+            self.free()
         if self.on_release is not None:
             self.on_release()
+
+    def free(self) -> None:
+        """The copies' memory, unless the modules hold them. A graph kept for a second backward
+        (``manual_backward(loss, retain_graph=True)``) saved the copies: freed, they could not be read again."""
+        if not self.gathered:
+            for group in self._groups:
+                group.free()
 
     def _arrived(self, _copy: torch.Tensor) -> None:
         backward = current_backward_id()
@@ -160,6 +170,7 @@ class ComputeCopies:
             grad = copy.grad
             if grad is None:
                 continue
+            copy.grad = None  # not summed into the next backward's (a second one through a kept graph comes later)
             if param.grad is None:
                 param.grad = dtensor_like(grad.to(param.dtype), param)
             else:

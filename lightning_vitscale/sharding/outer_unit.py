@@ -62,16 +62,21 @@ class OuterUnit(nn.Module):
         if sync is not None:
             sync.before_forward()
         self._in_step = True
-        if self.compute_copies is not None:
+        copies = self.compute_copies
+        if copies is not None:
             self._gather_for_step()
+            copies.keep_memory = True  # until the step's end, for a second backward through its graph
         try:
             output = self.module(*args, **kwargs)
         except BaseException:
-            if self.compute_copies is not None:
-                self.compute_copies.release()  # what the fit's caller sees next are the parameters
+            if copies is not None:
+                copies.release()  # what the fit's caller sees next are the parameters
             raise
         finally:
             self._in_step = False
+            if copies is not None:
+                copies.keep_memory = False
+                copies.free()
         if sync is not None:
             sync.after_forward(not getattr(self.module, "automatic_optimization", True))
         return output

@@ -90,6 +90,17 @@ def test_modules_hold_copies_in_a_step_and_fp32_dtensors_with_their_gradients_ou
     assert module.seen["batch end"] == {(True, torch.float32, True)}  # zero_grad frees them before the next backward
 
 
+def test_the_copies_memory_is_freed_before_the_optimizer_step_of_automatic_optimization():
+    held = []
+
+    class Probe(L.Callback):
+        def on_before_optimizer_step(self, trainer, *args):
+            held.append(trainer.strategy.model.compute_copies.copies[0].untyped_storage().nbytes())
+
+    fit(Classifier(), VitScaleStrategy(**COPIES), steps=2, callbacks=[Probe()])
+    assert held == [0, 0]  # as FSDP2 frees its gathered parameters after backward
+
+
 class TwoUpdatesPerStep(Classifier):
     """Manual optimization updating twice in one ``training_step``: the second forward must see the first update."""
 
@@ -118,6 +129,35 @@ def test_a_forward_after_a_backward_and_update_in_the_same_step_computes_on_the_
     fit(plain, "ddp", "32-true", steps=3)
     assert module.losses == plain.losses  # fp32 copies compute what DDP computes
     assert len(set(module.losses)) == len(module.losses)
+
+
+class BackwardTwice(Classifier):
+    """Manual optimization with a second backward through a kept graph (``retain_graph=True``), as DDP allows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.losses.append(loss.item())
+        optimizer.zero_grad()
+        self.manual_backward(loss, retain_graph=True)
+        self.manual_backward(loss * 0.5)
+        optimizer.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_second_backward_through_a_kept_graph_sums_its_gradients_as_ddp_does():
+    module, plain = without_dropout(BackwardTwice()), without_dropout(BackwardTwice())
+    plain.load_state_dict(module.state_dict())
+    fit(module, VitScaleStrategy(**COPIES), "32-true", steps=3)  # the copies' memory outlives the first backward
+    fit(plain, "ddp", "32-true", steps=3)
+    assert module.losses == plain.losses  # the third: no gradient of a step carried into the next one's
 
 
 def test_fsdps_path_refuses_a_forward_after_a_backward_in_the_same_step_naming_the_fix():
