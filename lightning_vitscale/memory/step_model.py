@@ -232,6 +232,7 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
     kept_acts = list(accumulate(kept))
     later_shards = [*reversed(list(accumulate(reversed(shards[1:])))), 0]
     spans = unit_spans(n, settings.blocks_per_unit)
+    cast_one_by_one = computes_on_copies(inputs, settings)  # no reduce-scatter input
     unit_fulls = [sum(full_blocks[j] for j in span) for span in spans]
     for u in reversed(range(len(spans))):
         span, unit_full = spans[u], unit_fulls[u]
@@ -241,7 +242,7 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
         gathered = outer_full + (kept_gathered[span[-1]] + resharded) * c
         # The reduce-scatter, after the unit's first block's backward (its activations gone, its shards there):
         # FSDP's copy-in holds gradients and input at once, gloo then the input and its own copy of it.
-        collective = unit_full * (c if computes_on_copies(inputs, settings) else c + r)  # copies: cast one by one
+        collective = unit_full * (c if cast_one_by_one else c + r)
         if inputs.collective_copies and inputs.world > 1:
             collective = max(collective, 2 * unit_full * r)
         # Sharded gradients exist for the units after this one: their reduce-scatters are done.

@@ -8,8 +8,8 @@ Here the parameters stay fp32 DTensors on the one-rank mesh (checkpoints, clippi
 they see on N ranks) and FSDP2 ignores them. For a step the modules hold :class:`ComputeCopies`' ``nn.Parameter``
 views of one flat buffer per dtype (FSDP2's own trick: the buffer's storage is freed between steps, the views stay
 valid): the compute dtype's copies, and the fp32 norms' in fp32 (their forward then only casts the input). At the end
-of each backward the gradients are cast into fp32 DTensor gradients in one flat buffer (or added to an accumulation
-window's) and the modules get their DTensor parameters back. The numbers are FSDP2's bit for bit: the same casts,
+of each backward each gradient is cast onto its fp32 DTensor parameter (or added to an accumulation window's) and
+the modules get their DTensor parameters back. The numbers are FSDP2's bit for bit: the same casts,
 fp32 sums in the same order.
 """
 
@@ -104,6 +104,8 @@ class ComputeCopies:
             for i, copy in zip(members, group.copies):
                 self.copies[i] = copy
         self._hooked: set[int] = set()
+        for copy in self.copies:
+            self._follow_requires_grad(copy, copy.requires_grad)
         self._queued_in = -1
         self.gathered = False
         self.on_release: Callable[[], None] | None = None
@@ -116,14 +118,17 @@ class ComputeCopies:
             group.fill()
         for copy, param in zip(self.copies, self.params):
             if copy.requires_grad != param.requires_grad:  # frozen or unfrozen since (a fine-tuning callback)
-                copy.requires_grad_(param.requires_grad)
-            if param.requires_grad and id(copy) not in self._hooked:  # a hook needs requires_grad
-                copy.register_post_accumulate_grad_hook(self._arrived)
-                self._hooked.add(id(copy))
+                self._follow_requires_grad(copy, param.requires_grad)
         copies = self.copies
         for module, name, index in self._slots:
             parameter_slots(module)[name] = copies[index]
         self.gathered = True
+
+    def _follow_requires_grad(self, copy: torch.Tensor, requires_grad: bool) -> None:
+        copy.requires_grad_(requires_grad)
+        if requires_grad and id(copy) not in self._hooked:  # a hook needs requires_grad: registered when it first does
+            copy.register_post_accumulate_grad_hook(self._arrived)
+            self._hooked.add(id(copy))
 
     def release(self) -> None:
         """The modules get their DTensor parameters back; the copies' memory is freed, unless :attr:`keep_memory`

@@ -161,19 +161,19 @@ def apply_fsdp(
             block_units.append(shard_module(group, mesh, mp_policy, reshard, ignored, offload))
     # One rank and one unit: compute copies instead of FSDP2's per-parameter path (sharding/compute_copies.py).
     # FSDP2 still makes the root (its hooks cast the step's inputs), ignoring every parameter.
-    copies = not block_units and one_unit and isinstance(outer_unit, OuterUnit)
-    copies = copies and not isinstance(offload, CPUOffloadPolicy)
+    copies = not block_units and one_unit and not isinstance(offload, CPUOffloadPolicy)
+    copies_owner = outer_unit if copies and isinstance(outer_unit, OuterUnit) else None
     norm_params = list(ignored or ())
     with weights.unit(outer_unit):
         reshard = unit_reshard(reshard_after_forward, outer=True)
-        if copies:
+        if copies_owner is not None:
             sharded = to_row_shards(outer_unit, mesh, weights.device, {id(p) for p in norm_params})
             ignored = set(norm_params) | set(sharded)
         outer = shard_module(outer_unit, mesh, mp_policy, reshard, ignored, offload)
-    if copies and isinstance(outer_unit, OuterUnit):
+    if copies_owner is not None:
         compute = mp_policy.param_dtype or (sharded[0].dtype if sharded else torch.float32)
-        outer_unit.compute_copies = ComputeCopies(outer_unit, sharded + norm_params, compute)
-    return UnitFacts(outer, block_units, blocks_per_unit, copies)
+        copies_owner.compute_copies = ComputeCopies(copies_owner, sharded + norm_params, compute)
+    return UnitFacts(outer, block_units, blocks_per_unit, copies_owner is not None)
 
 
 def apply_prefetch(units: list[FSDPModule], prefetch: int, mesh: DeviceMesh, device: torch.device) -> str:

@@ -84,7 +84,7 @@ class Observed(Classifier):
 
 def test_modules_hold_copies_in_a_step_and_fp32_dtensors_with_their_gradients_outside():
     module = Observed()
-    fit(module, VitScaleStrategy(**COPIES))
+    assert copies_of(fit(module, VitScaleStrategy(**COPIES))) is not None
     assert module.seen["step"] == {(False, torch.bfloat16, False)}  # as FSDP2's gathered parameters
     assert module.seen["after backward"] == {(True, torch.float32, True)}
     assert module.seen["batch end"] == {(True, torch.float32, True)}  # zero_grad frees them before the next backward
@@ -101,12 +101,17 @@ def test_the_copies_memory_is_freed_before_the_optimizer_step_of_automatic_optim
     assert held == [0, 0]  # as FSDP2 frees its gathered parameters after backward
 
 
-class TwoUpdatesPerStep(Classifier):
-    """Manual optimization updating twice in one ``training_step``: the second forward must see the first update."""
-
+class ManualSGD(Classifier):
     def __init__(self) -> None:
         super().__init__()
         self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class TwoUpdatesPerStep(ManualSGD):
+    """Manual optimization updating twice in one ``training_step``: the second forward must see the first update."""
 
     def training_step(self, batch, batch_idx):
         optimizer = self.optimizers()
@@ -118,9 +123,6 @@ class TwoUpdatesPerStep(Classifier):
             self.manual_backward(loss)
             optimizer.step()
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
 
 def test_a_forward_after_a_backward_and_update_in_the_same_step_computes_on_the_updated_weights():
     module, plain = without_dropout(TwoUpdatesPerStep()), without_dropout(TwoUpdatesPerStep())
@@ -131,12 +133,8 @@ def test_a_forward_after_a_backward_and_update_in_the_same_step_computes_on_the_
     assert len(set(module.losses)) == len(module.losses)
 
 
-class BackwardTwice(Classifier):
+class BackwardTwice(ManualSGD):
     """Manual optimization with a second backward through a kept graph (``retain_graph=True``), as DDP allows."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
 
     def training_step(self, batch, batch_idx):
         optimizer = self.optimizers()
@@ -147,9 +145,6 @@ class BackwardTwice(Classifier):
         self.manual_backward(loss, retain_graph=True)
         self.manual_backward(loss * 0.5)
         optimizer.step()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 def test_a_second_backward_through_a_kept_graph_sums_its_gradients_as_ddp_does():
