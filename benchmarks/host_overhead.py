@@ -15,6 +15,12 @@ is the host's work: the strategy's hooks, casts, DTensor dispatch, the optimizer
 ``precision="bf16-mixed"``, AdamW; variants interleaved round by round in one process (one thread): plain
 single-device AMP O1 (``strategy="auto"``), ``VitScaleStrategy(activation_checkpointing=False)`` and
 ``VitScaleStrategy()`` (the planner's speed-first plan: here the blocks in the outer unit, nothing checkpointed).
+Every variant runs on one intra-op thread: ``OMP_NUM_THREADS=1`` is set before any fit, or Lightning's launcher (a
+``strategy="ddp"`` run's too) sets ``torch.set_num_threads(cpus // processes)`` for the strategies and not for
+``strategy="auto"``, and the strategies' tiny kernels pay for a second thread's synchronization (before 2026-12-03 they
+did: 2 threads against plain AMP's 1 on this 2-core machine). On CPU, AdamW's default is its per-tensor loop, on a
+GPU its foreach step (the strategies pick foreach everywhere): "single AMP O1, foreach AdamW" is plain AMP O1 as a
+GPU user runs it, the stricter reference for host work.
 Each fit's steps after ``--warmup`` are timed from ``on_train_batch_start`` to ``on_train_batch_end``; median over
 every round.
 Variants pinning ``blocks_per_unit`` (1 and 8, with and without checkpointing) show the per-unit cost whatever
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -37,13 +44,16 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# name -> VitScaleStrategy's keyword arguments (None: plain single-device AMP O1, strategy="auto"). The pinned
+# name -> VitScaleStrategy's keyword arguments (None: plain single-device AMP O1, strategy="auto"; FOREACH: the same
+# with AdamW(foreach=True), a GPU's default). The pinned
 # layouts show the per-unit cost whatever the planner picks: the recipe's one block per unit resharded after
 # forward, and 8 blocks per unit kept gathered from forward to backward.
 _ONE = {"blocks_per_unit": 1, "reshard_after_forward": True}
 _EIGHT = {"blocks_per_unit": 8, "reshard_after_forward": False}
+FOREACH = {"foreach AdamW": True}
 STRATEGIES: dict[str, dict | None] = {
     "single AMP O1": None,
+    "single AMP O1, foreach AdamW": FOREACH,
     "VitScaleStrategy(activation_checkpointing=False)": {"activation_checkpointing": False},
     "VitScaleStrategy()": {},
     "off, 1 block/unit, resharded": {"activation_checkpointing": False, **_ONE},
@@ -57,8 +67,9 @@ VARIANTS = tuple(STRATEGIES)
 class HugeShape(L.LightningModule):
     """ViT-H/14's depth and layer count at width 64: every hook, cast and parameter of a ViT-H step, no FLOPs."""
 
-    def __init__(self) -> None:
+    def __init__(self, foreach: bool | None = None) -> None:
         super().__init__()
+        self.foreach = foreach
         from timm.models.vision_transformer import VisionTransformer
 
         self.net = VisionTransformer(img_size=28, patch_size=14, embed_dim=64, depth=32, num_heads=4, num_classes=8)
@@ -68,7 +79,7 @@ class HugeShape(L.LightningModule):
         return F.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=self.foreach)
 
 
 class StepTimer(L.Callback):
@@ -99,7 +110,8 @@ def fit_times(variant: str, accelerator: str, steps: int, warmup: int) -> tuple[
     from lightning_vitscale import VitScaleStrategy
 
     kwargs = STRATEGIES[variant]
-    strategy = "auto" if kwargs is None else VitScaleStrategy(**kwargs)
+    plain = kwargs is None or kwargs is FOREACH
+    strategy = "auto" if plain else VitScaleStrategy(**kwargs)
     L.seed_everything(0, verbose=False)
     n = 2 * (steps + warmup)
     data = TensorDataset(torch.randn(n, 3, 28, 28), torch.randint(0, 8, (n,)))
@@ -109,19 +121,36 @@ def fit_times(variant: str, accelerator: str, steps: int, warmup: int) -> tuple[
                         max_steps=steps + warmup, callbacks=[timer], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0)
-    trainer.fit(HugeShape(), DataLoader(data, batch_size=2))
+    trainer.fit(HugeShape(foreach=True if kwargs is FOREACH else None), DataLoader(data, batch_size=2))
     return timer.seconds[warmup:], timer.cpu_seconds[warmup:]
 
 
 def table(result: dict) -> str:
-    """The Markdown table of one run's ``--json`` (also gpu_report.py's)."""
+    """The Markdown table of one run's ``--json`` (also gpu_report.py's); with the foreach reference timed, a last
+    column of CPU time over it."""
     ms, cpu = result["ms_per_step"], result.get("cpu_ms_per_step")  # no CPU times in runs before 2026-12
     single = ms[VARIANTS[0]]
+    foreach = cpu.get(VARIANTS[1]) if cpu else None
     header = f"| variant ({result['accelerator']}, {result['rounds']} rounds) | host ms/step | / single |"
-    lines = [header + (" CPU ms/step | / single |" if cpu else ""), "|---|---|---|" + ("---|---|" if cpu else "")]
+    header += (" CPU ms/step | / single |" if cpu else "") + (" / foreach AMP |" if foreach else "")
+    lines = [header, "|---|---|---|" + ("---|---|" if cpu else "") + ("---|" if foreach else "")]
     for variant, value in ms.items():
         row = f"| {variant} | {value:.1f} | {value / single:.2f}x |"
-        lines.append(row + (f" {cpu[variant]:.1f} | {cpu[variant] / cpu[VARIANTS[0]]:.2f}x |" if cpu else ""))
+        row += f" {cpu[variant]:.1f} | {cpu[variant] / cpu[VARIANTS[0]]:.2f}x |" if cpu else ""
+        lines.append(row + (f" {cpu[variant] / foreach:.2f}x |" if foreach else ""))
+    return "\n".join(lines) + "\n"
+
+
+def round_ratios(result: dict) -> str:
+    """Each variant's CPU time over plain AMP O1's in the same round, median over rounds: the steal time of a shared
+    machine moves whole fits by +-20%, and a round's fits run back to back."""
+    per_round = result["cpu_ms_per_round"]
+    single = per_round[VARIANTS[0]]
+    lines = []
+    for variant, values in per_round.items():
+        ratios = [v / s for v, s in zip(values, single)]
+        lines.append(f"{variant}: median per-round ratio {statistics.median(ratios):.2f}x"
+                     f" ({', '.join(f'{r:.2f}' for r in ratios)})")
     return "\n".join(lines) + "\n"
 
 
@@ -138,21 +167,27 @@ def main() -> None:
     args = parser.parse_args()
     if args.dry_run:
         args.accelerator, args.rounds, args.steps, args.warmup = "cpu", 1, 2, 1
+    os.environ["OMP_NUM_THREADS"] = "1"  # Lightning's launcher then leaves the one thread alone (module docstring)
     torch.set_num_threads(1)
     variants = [v for v in VARIANTS if v in args.variants]
     if VARIANTS[0] not in variants:
         parser.error(f"--variants must include {VARIANTS[0]!r}: every ratio is to it")
     times: dict[str, list[float]] = {v: [] for v in variants}
     cpu_times: dict[str, list[float]] = {v: [] for v in variants}
+    rounds: dict[str, list[list[float]]] = {v: [] for v in variants}  # each fit's CPU ms per timed step
     for r in range(args.rounds):
         for variant in variants[r % len(variants):] + variants[:r % len(variants)]:
             wall, cpu = fit_times(variant, args.accelerator, args.steps, args.warmup)
             times[variant] += wall
             cpu_times[variant] += cpu
+            rounds[variant].append([round(1e3 * c, 3) for c in cpu])
     result = {"accelerator": args.accelerator, "rounds": args.rounds,
               "ms_per_step": {v: 1e3 * statistics.median(t) for v, t in times.items()},
-              "cpu_ms_per_step": {v: 1e3 * statistics.median(t) for v, t in cpu_times.items()}}
+              "cpu_ms_per_step": {v: 1e3 * statistics.median(t) for v, t in cpu_times.items()},
+              "cpu_ms_per_round": {v: [statistics.median(steps) for steps in fits] for v, fits in rounds.items()},
+              "cpu_ms_steps": rounds}
     print(table(result))
+    print(round_ratios(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 

@@ -20,6 +20,7 @@ from lightning_vitscale.sharding import (
     ForwardAfterBackwardError,
     NoBlocksMatchedError,
     OutsideStepCallError,
+    SecondBackwardError,
     SetupSummary,
     ShardedModuleReuseError,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "NoBlocksMatchedError",
     "NonFiniteTrainingError",
     "OutsideStepCallError",
+    "SecondBackwardError",
     "SetupSummary",
     "ShardedEMA",
     "ShardedModuleReuseError",

@@ -15,14 +15,15 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import dtensor_like, dtensor_local
+from lightning_vitscale._compat import dtensor_like, dtensor_local, same_placements
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
     torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.ASGD,
 )
 
-_Pairs = list[tuple[torch.Tensor, DTensor]]
+# (local tensor, its DTensor parameter, the state swapped in for it or None, the ids of that state's values)
+_Swapped = list[tuple[torch.Tensor, DTensor, dict[str, Any] | None, tuple[int, ...]]]
 
 
 def steps_locally(optimizer: object) -> bool:
@@ -45,37 +46,41 @@ def on_local_shards(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
         _swap_back(optimizer, *swapped)
 
 
-def _swap_in(optimizer: torch.optim.Optimizer) -> tuple[list[list[Any]], _Pairs] | None:
+def _swap_in(optimizer: torch.optim.Optimizer) -> tuple[list[list[Any]], _Swapped] | None:
     groups, state = optimizer.param_groups, optimizer.state
     if any(group.get("differentiable") for group in groups):
         return None  # a differentiable step needs the DTensor graph
     originals = [group["params"] for group in groups]
     local_groups = [[dtensor_local(p) for p in params] for params in originals]
-    pairs: _Pairs = [(local, p) for params, locals_ in zip(originals, local_groups)
-                     for local, p in zip(locals_, params) if local is not p]
+    pairs = [(local, p) for params, locals_ in zip(originals, local_groups)
+             for local, p in zip(locals_, params) if local is not p]
     grads = [param.grad for _, param in pairs]
-    if not pairs or any(g is not None and not (isinstance(g, DTensor) and g.placements == p.placements)
-                        for g, (_, p) in zip(grads, pairs)):
+    if not pairs or any(g is not None and not same_placements(g, p) for g, (_, p) in zip(grads, pairs)):
         return None
     for group, params in zip(groups, local_groups):
         group["params"] = params
+    swapped: _Swapped = []
     for (local, param), grad in zip(pairs, grads):
         local.grad = None if grad is None else dtensor_local(grad)
         before = state.get(param)  # one lookup, no defaultdict entry
-        if before is not None:
-            state[local] = {k: dtensor_local(v) if isinstance(v, DTensor) else v for k, v in before.items()}
-    return originals, pairs
+        if before is None:
+            swapped.append((local, param, None, ()))
+            continue
+        made = state[local] = {k: dtensor_local(v) if isinstance(v, DTensor) else v for k, v in before.items()}
+        swapped.append((local, param, made, tuple(map(id, made.values()))))
+    return originals, swapped
 
 
-def _swap_back(optimizer: torch.optim.Optimizer, originals: list[list[Any]], pairs: _Pairs) -> None:
+def _swap_back(optimizer: torch.optim.Optimizer, originals: list[list[Any]], swapped: _Swapped) -> None:
     for group, params in zip(optimizer.param_groups, originals):
         group["params"] = params
     state = optimizer.state
-    for local, param in pairs:
+    for local, param, made, ids in swapped:
         local.grad = None
         after = state.pop(local, None)
-        if after is not None:
-            state[param] = _as_dtensors(after, state.get(param, {}), param)
+        if after is None or (made is not None and after is made and tuple(map(id, made.values())) == ids):
+            continue  # updated in place (every step of Adam's after its first): the DTensors hold it already
+        state[param] = _as_dtensors(after, state.get(param, {}), param)
 
 
 def _as_dtensors(after: dict[str, Any], before: dict[str, Any], param: DTensor) -> dict[str, Any]:

@@ -9,7 +9,7 @@ The top of the concerns: may import ``memory``, ``checkpoint``, ``precision``, `
 
 from lightning_vitscale.discovery import ModuleSelector
 from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector
-from lightning_vitscale.sharding.outer_unit import ForwardAfterBackwardError, OutsideStepCallError
+from lightning_vitscale.sharding.outer_unit import ForwardAfterBackwardError, OutsideStepCallError, SecondBackwardError
 from lightning_vitscale.sharding.parallelize import NoBlocksMatchedError
 from lightning_vitscale.sharding.resolved import ResolvedConfig, resolve_config
 from lightning_vitscale.sharding.settings import (
@@ -38,6 +38,7 @@ __all__ = [
     "ParallelConfig",
     "Priority",
     "ResolvedConfig",
+    "SecondBackwardError",
     "SetupSummary",
     "ShardedModel",
     "ShardedModuleReuseError",

@@ -98,6 +98,7 @@ class ComputeCopies:
             row_sharded = isinstance(param, DTensor) and isinstance(param.placements[-1], Shard)
             by_dtype.setdefault(compute if row_sharded else param.dtype, []).append(i)
         self.params = params
+        self._dtypes = [param.dtype for param in params]  # the gradients' (a parameter's dtype never changes here)
         self._groups = [_Group([params[i] for i in members], dtype) for dtype, members in by_dtype.items()]
         self.copies: list[torch.Tensor] = [torch.empty(0)] * len(params)
         for group, members in zip(self._groups, by_dtype.values()):
@@ -171,15 +172,16 @@ class ComputeCopies:
         kernel there), and the views of one would cost a call each."""
         onto: list[torch.Tensor] = []
         added: list[torch.Tensor] = []
-        for param, copy in zip(self.params, self.copies):
+        for param, copy, dtype in zip(self.params, self.copies, self._dtypes):
             grad = copy.grad
             if grad is None:
                 continue
             copy.grad = None  # not summed into the next backward's (a second one through a kept graph comes later)
-            if param.grad is None:
-                param.grad = dtensor_like(grad.to(param.dtype), param)
+            held = param.grad
+            if held is None:
+                param.grad = dtensor_like(grad.to(dtype), param)
             else:
-                onto.append(dtensor_local(param.grad))
+                onto.append(dtensor_local(held))
                 added.append(grad)
         if added:
             foreach_add_(onto, added)

@@ -38,6 +38,11 @@ class ForwardAfterBackwardError(RuntimeError):
     """A forward after a backward in the same step found the outer unit resharded (several ranks, FSDP2's path)."""
 
 
+class SecondBackwardError(RuntimeError):
+    """A second backward through a graph kept with ``retain_graph=True`` found the parameters it saved freed
+    (several ranks, FSDP2's path)."""
+
+
 class OuterUnit(nn.Module):
     """The outer FSDP unit around the LightningModule: Lightning's forward redirection calls it, so FSDP's hooks fire
     around the whole step (a ``self(x)`` inside it does not re-enter them)."""

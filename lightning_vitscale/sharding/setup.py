@@ -33,7 +33,7 @@ from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, VitSc
 from lightning_vitscale.sharding.activation_checkpointing import CHECKPOINT_MODES, apply_activation_checkpointing
 from lightning_vitscale.sharding.buffer_sync import BufferSync
 from lightning_vitscale.sharding.gradient_sync import gradient_sync_off, unsharded_gradient_bytes
-from lightning_vitscale.sharding.outer_unit import OuterUnit, reshard_units
+from lightning_vitscale.sharding.outer_unit import OuterUnit, SecondBackwardError, reshard_units
 from lightning_vitscale.sharding.parallelize import parallelize
 from lightning_vitscale.sharding.planning import (
     agreed_budget,
@@ -111,6 +111,7 @@ class ShardedModel:
     memory_budget: int
     planned_for_speed: bool = False
     accumulation: AccumulationChoice | None = None
+    backwards_in_step: int = 0  # backwards through the strategy since the training step began
 
     @property
     def module(self) -> nn.Module:
@@ -129,7 +130,8 @@ class ShardedModel:
 
     def training_step(self, step: Callable[[], Any], mean_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         """Run ``step`` (its out-of-memory error named); under ``attention="auto"`` the first steps time the kernels."""
-        with self.out_of_memory_named():
+        self.backwards_in_step = 0
+        with self.out_of_memory_named(), self.second_backward_named():
             return auto_attention_step(self.router, step, mean_over_ranks, self._attention_decided)
 
     @contextmanager
@@ -154,9 +156,30 @@ class ShardedModel:
         self.summary.kernels["attention"] = line
 
     def after_backward(self) -> None:
+        self.backwards_in_step += 1
         # fp32 norms live outside FSDP's units: their gradients are averaged once per synced backward.
         if self.norms is not None:
             self.norms.after_backward()
+
+    @contextmanager
+    def second_backward_named(self) -> Generator[None, None, None]:
+        """Torch's "out of bounds for storage of size 0" from a second ``manual_backward`` in a training step on
+        FSDP2's path, which freed the gathered parameters the kept graph saved at the end of the first (one rank
+        computing on copies keeps them: ``compute_copies.py``), raised as :class:`SecondBackwardError`."""
+        try:
+            yield
+        except RuntimeError as error:
+            fsdp_path = self.outer.compute_copies is None
+            if not (fsdp_path and self.backwards_in_step and "storage of size 0" in str(error)):
+                raise
+            raise SecondBackwardError(
+                f"{error}\nA second backward through a graph kept with `retain_graph=True` in the same"
+                " `training_step` is not supported by VitScaleStrategy where FSDP2 runs the step (several ranks, or"
+                " one rank with several units): FSDP2 freed the gathered parameters that graph saved at the end of"
+                " the first backward (DDP has no such state). Call `manual_backward` once on the sum of the losses"
+                " (`self.manual_backward(loss_a + loss_b)`: the same gradients), or train this module with"
+                " strategy='ddp'."
+            ) from error
 
     @contextmanager
     def accumulating(

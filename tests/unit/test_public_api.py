@@ -22,6 +22,7 @@ PUBLIC_NAMES = {
     "NoBlocksMatchedError",
     "NonFiniteTrainingError",
     "OutsideStepCallError",
+    "SecondBackwardError",
     "SetupSummary",
     "ShardedEMA",
     "ShardedModuleReuseError",

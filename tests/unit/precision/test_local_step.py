@@ -5,7 +5,8 @@ step), so checkpoints and ``ShardedEMA`` see what they saw before; everything is
 optimizers that are not elementwise, and gradients placed otherwise than their parameter, keep the DTensor step.
 Mutations seen failing: the new state left as plain tensors (the first test), the param groups not restored in
 ``finally`` (the raising step), ``type(...) in`` widened to ``isinstance`` (the subclass), the placements check
-removed (the mismatched gradient), the plugin stepping outside the block or returning the step's ``None`` (the last).
+removed (the mismatched gradient), the plugin stepping outside the block or returning the step's ``None`` (the last),
+the swap back's in-place check reduced to the state dict's identity (the replaced state).
 """
 
 from __future__ import annotations
@@ -85,6 +86,29 @@ def test_a_step_that_raises_puts_everything_back(mesh) -> None:
     assert optimizer.param_groups[0]["params"] == params and all(isinstance(p, DTensor) for p in params)
     assert set(optimizer.state) == set(state) and all(isinstance(k, DTensor) for k in optimizer.state)
     assert all(p._local_tensor.grad is None for p in params)
+
+
+def test_state_replaced_during_a_step_reaches_the_dtensor_state(mesh) -> None:
+    """Swapping back skips the merge where the step updated the state in place (Adam after its first step); a value
+    the step replaced, or a key it added, must still come back as the parameter's DTensor state."""
+    model = _sharded(mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _train(model, optimizer, 2, local=True)
+    param = next(model.parameters())
+    before = optimizer.state[param]["exp_avg"]
+    model(torch.randn(4, 6)).square().mean().backward()
+    with on_local_shards(optimizer):
+        optimizer.step()
+        local_state = optimizer.state[param._local_tensor]
+        local_state["exp_avg"] = torch.full_like(local_state["exp_avg"], 7.0)
+        local_state["seen"] = 1
+    after = optimizer.state[param]
+    assert isinstance(after["exp_avg"], DTensor) and after["exp_avg"].placements == param.placements
+    assert after["exp_avg"] is not before and torch.equal(after["exp_avg"]._local_tensor,
+                                                          torch.full_like(before._local_tensor, 7.0))
+    assert after["seen"] == 1
+    untouched = optimizer.state[list(model.parameters())[1]]["exp_avg"]
+    assert isinstance(untouched, DTensor)
 
 
 def test_other_optimizers_and_gradients_placed_otherwise_keep_the_dtensor_step(mesh) -> None:

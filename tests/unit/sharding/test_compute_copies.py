@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_vitscale import VitScaleStrategy
-from lightning_vitscale.sharding.outer_unit import ForwardAfterBackwardError, OuterUnit
+from lightning_vitscale.sharding.outer_unit import ForwardAfterBackwardError, OuterUnit, SecondBackwardError
 from tests.helpers.models import Classifier, loader
 
 COPIES = {"activation_checkpointing": False}
@@ -160,6 +160,14 @@ def test_fsdps_path_refuses_a_forward_after_a_backward_in_the_same_step_naming_t
     the end of the first backward: torch's "mixed torch.Tensor and DTensor" said nothing of why or what to do."""
     with pytest.raises(ForwardAfterBackwardError, match="its own `training_step`"):
         fit(without_dropout(TwoUpdatesPerStep()), VitScaleStrategy(**FSDP_PATH), "32-true", steps=2)
+
+
+def test_fsdps_path_refuses_a_second_backward_through_a_kept_graph_naming_the_fix():
+    """FSDP2 frees the gathered parameters a kept graph saved at the end of the first backward: torch's "setStorage:
+    ... out of bounds for storage of size 0" said nothing of why or what to do."""
+    with pytest.raises(SecondBackwardError, match="manual_backward` once on the sum of the losses") as raised:
+        fit(without_dropout(BackwardTwice()), VitScaleStrategy(**FSDP_PATH), "32-true", steps=2)
+    assert "storage of size 0" in str(raised.value.__cause__)
 
 
 class FrozenHeadAtFirst(L.Callback):
