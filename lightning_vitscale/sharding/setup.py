@@ -129,7 +129,8 @@ class ShardedModel:
         rank_zero_info(f"VitScaleStrategy activation checkpointing {self.summary.memory}")
 
     def training_step(self, step: Callable[[], Any], mean_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-        """Run ``step`` (its out-of-memory error named); under ``attention="auto"`` the first steps time the kernels."""
+        """Run ``step`` (an out-of-memory error and a second backward's freed storage named); under
+        ``attention="auto"`` the first steps time the kernels."""
         self.backwards_in_step = 0
         with self.out_of_memory_named(), self.second_backward_named():
             return auto_attention_step(self.router, step, mean_over_ranks, self._attention_decided)
