@@ -5,7 +5,7 @@ Usage::
     python benchmarks/host_overhead.py                       # CPU, 5 rounds
     python benchmarks/host_overhead.py --accelerator cuda    # on a GPU machine: the host that feeds the GPU
     python benchmarks/host_overhead.py --rounds 8 --json out.json
-    python benchmarks/host_overhead.py --variants "single AMP O1" "off, blocks_per_unit=1"
+    python benchmarks/host_overhead.py --variants "single AMP O1" "off, 1 block/unit, resharded"
     python benchmarks/host_overhead.py --dry-run              # 1 round of 2 steps on CPU (gpu_run.sh's dry run)
 
 On a GPU a step is host-bound when the host takes longer to issue its kernels than the GPU takes to run them (ViT-H
