@@ -44,16 +44,16 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# name -> VitScaleStrategy's keyword arguments (None: plain single-device AMP O1, strategy="auto"; FOREACH: the same
-# with AdamW(foreach=True), a GPU's default). The pinned
-# layouts show the per-unit cost whatever the planner picks: the recipe's one block per unit resharded after
-# forward, and 8 blocks per unit kept gathered from forward to backward.
+# name -> VitScaleStrategy's keyword arguments (None: plain single-device AMP O1, strategy="auto"; FOREACH_AMP's
+# AdamW takes foreach=True, a GPU's default). The pinned layouts show the per-unit cost whatever the planner picks:
+# the recipe's one block per unit resharded after forward, and 8 blocks per unit kept gathered from forward to
+# backward.
 _ONE = {"blocks_per_unit": 1, "reshard_after_forward": True}
 _EIGHT = {"blocks_per_unit": 8, "reshard_after_forward": False}
-FOREACH = {"foreach AdamW": True}
+FOREACH_AMP = "single AMP O1, foreach AdamW"
 STRATEGIES: dict[str, dict | None] = {
     "single AMP O1": None,
-    "single AMP O1, foreach AdamW": FOREACH,
+    FOREACH_AMP: None,
     "VitScaleStrategy(activation_checkpointing=False)": {"activation_checkpointing": False},
     "VitScaleStrategy()": {},
     "off, 1 block/unit, resharded": {"activation_checkpointing": False, **_ONE},
@@ -110,8 +110,7 @@ def fit_times(variant: str, accelerator: str, steps: int, warmup: int) -> tuple[
     from lightning_vitscale import VitScaleStrategy
 
     kwargs = STRATEGIES[variant]
-    plain = kwargs is None or kwargs is FOREACH
-    strategy = "auto" if plain else VitScaleStrategy(**kwargs)
+    strategy = "auto" if kwargs is None else VitScaleStrategy(**kwargs)
     L.seed_everything(0, verbose=False)
     n = 2 * (steps + warmup)
     data = TensorDataset(torch.randn(n, 3, 28, 28), torch.randint(0, 8, (n,)))
@@ -121,7 +120,7 @@ def fit_times(variant: str, accelerator: str, steps: int, warmup: int) -> tuple[
                         max_steps=steps + warmup, callbacks=[timer], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0)
-    trainer.fit(HugeShape(foreach=True if kwargs is FOREACH else None), DataLoader(data, batch_size=2))
+    trainer.fit(HugeShape(foreach=True if variant == FOREACH_AMP else None), DataLoader(data, batch_size=2))
     return timer.seconds[warmup:], timer.cpu_seconds[warmup:]
 
 
@@ -130,7 +129,7 @@ def table(result: dict) -> str:
     column of CPU time over it."""
     ms, cpu = result["ms_per_step"], result.get("cpu_ms_per_step")  # no CPU times in runs before 2026-12
     single = ms[VARIANTS[0]]
-    foreach = cpu.get(VARIANTS[1]) if cpu else None
+    foreach = cpu.get(FOREACH_AMP) if cpu else None
     header = f"| variant ({result['accelerator']}, {result['rounds']} rounds) | host ms/step | / single |"
     header += (" CPU ms/step | / single |" if cpu else "") + (" / foreach AMP |" if foreach else "")
     lines = [header, "|---|---|---|" + ("---|---|" if cpu else "") + ("---|" if foreach else "")]
@@ -144,7 +143,7 @@ def table(result: dict) -> str:
 def round_ratios(result: dict) -> str:
     """Each variant's CPU time over plain AMP O1's in the same round, median over rounds: the steal time of a shared
     machine moves whole fits by +-20%, and a round's fits run back to back."""
-    per_round = result["cpu_ms_per_round"]
+    per_round = {v: [statistics.median(steps) for steps in fits] for v, fits in result["cpu_ms_steps"].items()}
     single = per_round[VARIANTS[0]]
     lines = []
     for variant, values in per_round.items():
@@ -171,7 +170,7 @@ def main() -> None:
     torch.set_num_threads(1)
     variants = [v for v in VARIANTS if v in args.variants]
     if args.accelerator == "cuda" and args.variants == list(VARIANTS):
-        variants.remove(VARIANTS[1])  # AdamW's default on a GPU is its foreach step: plain AMP O1 already
+        variants.remove(FOREACH_AMP)  # AdamW's default on a GPU is its foreach step: plain AMP O1 already
     if VARIANTS[0] not in variants:
         parser.error(f"--variants must include {VARIANTS[0]!r}: every ratio is to it")
     times: dict[str, list[float]] = {v: [] for v in variants}
@@ -186,7 +185,6 @@ def main() -> None:
     result = {"accelerator": args.accelerator, "rounds": args.rounds,
               "ms_per_step": {v: 1e3 * statistics.median(t) for v, t in times.items()},
               "cpu_ms_per_step": {v: 1e3 * statistics.median(t) for v, t in cpu_times.items()},
-              "cpu_ms_per_round": {v: [statistics.median(steps) for steps in fits] for v, fits in rounds.items()},
               "cpu_ms_steps": rounds}
     print(table(result))
     print(round_ratios(result))
