@@ -79,10 +79,11 @@ PRIVATE_NAMES = {
     # Not the public `dcp.load`, which fills a copy of the state dict: the keys it populates would be lost.
     "torch.distributed.checkpoint.state_dict_loader._load_state_dict": "a whole DCP checkpoint, one process",
     "torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter": "FSDP2 custom reduce-scatter (CPU overlap)",
-    "torch.distributed.fsdp.FSDPModule._get_fsdp_state": "a unit's FSDP2 state (the four names below)",
+    "torch.distributed.fsdp.FSDPModule._get_fsdp_state": "a unit's FSDP2 state (the FSDP names below)",
     "torch.distributed.fsdp.FSDPModule._set_unshard_async_op": "CPU: prefetched all-gathers overlap compute",
     "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._lazy_init": "the root fixed before a child's call",
     "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_groups": "a unit's own parameters",
+    "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam._unsharded_param": "deepcopy: a gathered parameter",
     "torch.distributed.tensor._utils.compute_local_shape_and_global_offset": "a DTensor shard's box (init/)",
     "torch.distributed.tensor.DTensor._local_tensor": "the local shard without an autograd node",
     "torch.distributed.tensor.DTensor._spec": "a gradient laid out as its parameter, every step",
@@ -205,6 +206,11 @@ def forward_hook_dicts(module: torch.nn.Module) -> tuple[Any, Any]:
     return module._forward_pre_hooks, module._forward_hooks
 
 
+def hook_dicts(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s hook dicts by attribute name (id -> hook, or id -> flag: ``_forward_hooks_with_kwargs``, ...)."""
+    return {name: value for name, value in module.__dict__.items() if "hooks" in name and isinstance(value, dict)}
+
+
 def buffer_slots(module: torch.nn.Module) -> dict[str, Any]:
     return module._buffers
 
@@ -295,6 +301,12 @@ def unit_keeps_gathered(unit: FSDPModule) -> bool:
 def unit_parameters(unit: FSDPModule) -> list[torch.nn.Parameter]:
     """The sharded parameters ``unit`` itself manages (not those of the units nested in it)."""
     return [p.sharded_param for group in fsdp_param_groups(unit) for p in group.fsdp_params]
+
+
+def gathered_to_sharded(unit: FSDPModule) -> dict[int, Any]:
+    """By id, each gathered parameter ``unit`` made (registered on its modules while gathered) -> its DTensor."""
+    params = [p for group in fsdp_param_groups(unit) for p in group.fsdp_params]
+    return {id(p._unsharded_param): p.sharded_param for p in params if getattr(p, "_unsharded_param", None) is not None}
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, group: Any, async_op: bool) -> Any:

@@ -10,4 +10,5 @@ class AsyncSaveError(CheckpointError):
 
 
 class StateDictGatherError(RuntimeError):
-    """Gathering a sharded model's ``state_dict()`` failed, most often because not every rank called it."""
+    """Gathering a sharded model's ``state_dict()`` (or its ``copy.deepcopy``) failed, most often because not every
+    rank called it."""

@@ -21,7 +21,9 @@ import torch.distributed as dist
 
 STATE_DICT = 1  # state_dict(): gathers each sharded tensor of the state dict
 MODEL_CALL = 2  # a call of the model or a submodule outside a step: gathers the outer unit, then the blocks
-_WHAT = {STATE_DICT: "state_dict()", MODEL_CALL: "a call of the model (or a submodule) outside a step"}
+DEEPCOPY = 3  # copy.deepcopy() of the model or a submodule: gathers each parameter whole
+_WHAT = {STATE_DICT: "state_dict()", MODEL_CALL: "a call of the model (or a submodule) outside a step",
+         DEEPCOPY: "copy.deepcopy() of the model (or a submodule)"}
 
 
 class NotJoinedError(RuntimeError):

@@ -122,6 +122,11 @@ def _fp32_class(cls: type[nn.Module]) -> type[nn.Module]:
     return _FP32_CLASSES[cls]
 
 
+def plain_norm_class(cls: type) -> type:
+    """The norm's own class behind an fp32 class (:func:`_fp32_class`); any other class as it is."""
+    return vars(cls).get(_BASE, cls)
+
+
 def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A converted norm's forward: its class's forward on local fp32 parameters and inputs; the gradient lands on
     the DTensor parameter (:func:`_compute_leaf` eager, the free ``to_local()`` compiled).

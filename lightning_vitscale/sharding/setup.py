@@ -30,6 +30,7 @@ from lightning_vitscale.memory import (
     planning_batch,
 )
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, VitScalePrecision
+from lightning_vitscale.sharding import plain_copy
 from lightning_vitscale.sharding.activation_checkpointing import CHECKPOINT_MODES, apply_activation_checkpointing
 from lightning_vitscale.sharding.buffer_sync import BufferSync
 from lightning_vitscale.sharding.gradient_sync import gradient_sync_off, unsharded_gradient_bytes
@@ -268,6 +269,7 @@ def _shard(
     # 1. Master weights in the master dtype (norms keep theirs). No `module.to(device)`: FSDP moves each unit's
     #    shards to the device as it shards the unit, so no rank ever holds the whole model on the device.
     module = precision.convert_module(module)
+    forwards = plain_copy.record_forwards(module)  # before checkpointing, compilation and routing wrap some
     outer = OuterUnit(module)
     # 2. The planner decides before the pipeline what it can from the batch, if known (example_input_array, or
     #    one batch of the training data): "auto" checkpointing, blocks per unit, units kept gathered. It measures
@@ -289,6 +291,7 @@ def _shard(
     # 4. Drop-in behaviour: calls outside a step gather the outer unit; state_dict() gives DDP's full tensors.
     outer.enable_calls_outside_steps()
     full_state_dict.install(module, outer)
+    plain_copy.install(forwards, outer)  # copy.deepcopy(model): DDP's plain module, whole parameters
     # 5. FSDP's root fixed now, not at the first forward: a hook may call the model or any child before the first
     #    step, as under DDP. Every unit exists and holds real (not meta) shards by here.
     if isinstance(outer, FSDPModule):

@@ -19,7 +19,7 @@ COMPARED = (
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
     names = [f"{name}/{strategy}" for name in COMPARED for strategy in ("ddp", "vitscale")]
-    scenarios = ",".join([*names, "one_rank_call/vitscale"])
+    scenarios = ",".join([*names, "one_rank_call/vitscale", "one_rank_deepcopy/vitscale"])
     return launch_ranks(tmp_path_factory, "dropin", SCRIPT, scenarios, timeout=300)[1]
 
 
@@ -44,6 +44,23 @@ def test_model_callable_from_callbacks_and_after_fit_like_ddp(runs):
         assert ours["val_after"] == ddp["val_after"]
         # A no_grad call leaves nothing gathered; an eval loop reshards what a call with gradients kept.
         assert ours["nothing_gathered_after_no_grad_call"] and ours["nothing_gathered_after_validate"]
+
+
+def test_deep_copies_are_ddps_plain_modules(runs):
+    """``copy.deepcopy`` of the model after fit, of a child in a callback (timm's ``ModelEmaV3(model.backbone)``)
+    and of the model mid-step (between forward and backward, the weights gathered): plain parameters, no hooks
+    (checked in the script), DDP's outputs; training goes on with DDP's losses. Mutation tried: no unit class
+    unwrapped (FSDP2 refuses the copy: the launch fails). In this fp32 run a gathered weight holds its shards'
+    values: the mid-step mapping to them is held by ``tests/unit/sharding/test_plain_copy.py`` under bf16."""
+    for ours, ddp in _pairs(runs, "outside_steps"):
+        _assert_same_numbers(ours, ddp, ["deepcopy_after_fit", "deepcopy_child", "deepcopy_in_step", "losses"])
+
+
+def test_deep_copy_on_one_rank_fails_within_timeout_saying_why(runs):
+    facts = runs[0]["one_rank_deepcopy/vitscale"]
+    assert facts["error"].startswith("StateDictGatherError: copy.deepcopy() of a model sharded by VitScaleStrategy")
+    assert "on every rank" in facts["error"] and "timeout" in facts["error"]
+    assert facts["seconds"] < 30  # the process-group timeout was 1.5 s
 
 
 def test_model_callable_before_the_first_step_like_ddp(runs):

@@ -7,6 +7,7 @@ One launch for both strategies: the process group is made once.
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 
@@ -67,12 +68,18 @@ class Probe(Callback):
             with torch.no_grad():
                 self.facts["after_update"] = values(pl_module(PROBE))
             pl_module.train()
+        if batch_idx == 2:  # timm's ModelEmaV3(pl_module.backbone): a deep copy of a child
+            self.facts["deepcopy_child"] = plain_copy_output(copy.deepcopy(pl_module.backbone))
         if batch_idx == 2:  # the common case: no_grad, a child module
             pl_module.eval()
             with torch.no_grad():
                 self.facts["batch_end_child"] = values(pl_module.backbone(PROBE))
             pl_module.train()
             self.facts["nothing_gathered_after_no_grad_call"] = sharded_or_plain(pl_module)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if trainer.fit_loop.epoch_loop.batch_idx == 4:  # mid-step: the modules hold gathered (not sharded) weights
+            self.facts["deepcopy_in_step"] = plain_copy_output(copy.deepcopy(pl_module))
 
     def on_after_backward(self, trainer, pl_module) -> None:
         # Gradients on, no backward: the gathered copy is kept; the update then makes it stale.
@@ -90,6 +97,16 @@ class Probe(Callback):
             self.facts["fit_end"] = values(pl_module(PROBE))
 
 
+def plain_copy_output(twin: torch.nn.Module) -> list[float]:
+    """The copy's output on PROBE, after checking it is DDP's kind of copy: plain parameters, no hooks."""
+    assert not any(isinstance(p, DTensor) for p in twin.parameters()), "a deep copy holds DTensors"
+    assert not any(len(hooks) for m in twin.modules() for name, hooks in vars(m).items() if name.endswith("_hooks")
+                   and isinstance(hooks, dict)), "a deep copy kept hooks"
+    twin.eval()
+    with torch.no_grad():
+        return values(twin(PROBE))
+
+
 def outside_steps() -> dict:
     L.seed_everything(0, verbose=False)
     model, probe = Classifier("encoder"), Probe()
@@ -103,6 +120,7 @@ def outside_steps() -> dict:
     out.sum().backward()
     grad = model.backbone.head.weight.grad  # FSDP reduces it as in a step: sharded, averaged over ranks
     facts["after_fit_grad"] = values(grad.full_tensor() if isinstance(grad, DTensor) else grad)
+    facts["deepcopy_after_fit"] = plain_copy_output(copy.deepcopy(model))
     t.limit_val_batches = 2
     facts["val_after"] = t.validate(model, loader(n=16), verbose=False)[0]["val_loss"]
     facts["nothing_gathered_after_validate"] = sharded_or_plain(model)
@@ -238,6 +256,14 @@ def one_rank_call() -> dict:
     return rank_zero_alone(probe, timeout=1.5)  # bounds a call that can never succeed (3 s before)
 
 
+def one_rank_deepcopy() -> dict:
+    """Only rank 0 deep-copies the model after fit: a gather, so it fails within the timeout, saying why."""
+    L.seed_everything(0, verbose=False)
+    model = Classifier("encoder")
+    trainer(max_steps=1).fit(model, loader(n=8))
+    return rank_zero_alone(lambda: copy.deepcopy(model), timeout=1.5)
+
+
 def under(name: str, scenario):
     def run() -> dict:
         global STRATEGY
@@ -256,7 +282,8 @@ COMPARED = {
     "sync_batchnorm": sync_batchnorm,
 }
 SCENARIOS = {f"{name}/{s}": under(s, fn) for name, fn in COMPARED.items() for s in ("ddp", "vitscale")}
-SCENARIOS["one_rank_call/vitscale"] = under("vitscale", one_rank_call)  # last: it times out
+SCENARIOS["one_rank_call/vitscale"] = under("vitscale", one_rank_call)  # last: these time out
+SCENARIOS["one_rank_deepcopy/vitscale"] = under("vitscale", one_rank_deepcopy)
 
 
 if __name__ == "__main__":

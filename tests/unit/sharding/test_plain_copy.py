@@ -1,0 +1,110 @@
+"""``copy.deepcopy`` of a sharded model is DDP's: the plain module with whole parameters (``sharding/plain_copy.py``),
+on the one-rank compute copies' path and on FSDP2's, after ``fit``, between steps and in the middle of a step.
+Two ranks, against DDP: ``tests/distributed/test_dropin.py``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_vitscale import VitScaleStrategy
+from tests.helpers.models import Classifier, random_images
+from tests.unit.sharding.test_compute_copies import COPIES, fit, without_dropout
+
+# FSDP2's path on one rank: every block its own unit, checkpointed, kept gathered between forward and backward.
+FSDP_PATH = {"activation_checkpointing": True, "blocks_per_unit": 1, "reshard_after_forward": False}
+LAYOUTS = pytest.mark.parametrize("layout", [COPIES, FSDP_PATH], ids=["compute copies", "fsdp2 units"])
+PROBE = random_images(4, seed=7).tensors[0]
+
+
+def strategy_leftovers(module: nn.Module) -> list[str]:
+    """What a plain module never has: DTensors, hooks, the strategy's attributes, classes made by FSDP2 or the
+    fp32 norms, instance forwards."""
+    found = [name for name, p in module.named_parameters() if isinstance(p, DTensor)]
+    for name, sub in module.named_modules():
+        plain_class = type(sub).__mro__[1] if "FSDP" in type(sub).__name__ or "_vitscale_norm_class" in vars(
+            type(sub)) else type(sub)
+        found += [f"{name}: class {type(sub).__name__}"] * (plain_class is not type(sub))
+        found += [f"{name}.{key}" for key in vars(sub) if key.startswith(("_vitscale", "__composable", "_fsdp",
+                                                                            "_is_fsdp", "forward", "__deepcopy__"))]
+        found += [f"{name}.{key}" for key, value in vars(sub).items() if key.endswith("_hooks") and value]
+    return found
+
+
+def output(module: nn.Module) -> torch.Tensor:
+    module.eval()
+    with torch.no_grad():
+        return module(PROBE)
+
+
+@LAYOUTS
+def test_a_deep_copy_after_fit_is_the_plain_module_with_whole_parameters(layout):
+    """What DDP's ``copy.deepcopy(model)`` gives: the user's classes, plain fp32 parameters equal to
+    ``model.state_dict()`` (DDP's), its forward; and the original trains on, sharded. Mutations tried: no class
+    unwrapped (FSDP2 refuses the copy; the fp32 norm class stays); the strategy's hooks kept."""
+    module = without_dropout(Classifier())
+    fit(module, VitScaleStrategy(**layout), steps=2)
+    state = module.state_dict()
+    twin = copy.deepcopy(module)
+    assert type(twin) is Classifier and strategy_leftovers(twin) == []
+    assert all(type(p) is nn.Parameter and p.dtype == torch.float32 for p in twin.parameters())
+    assert list(twin.state_dict()) == list(state)
+    assert all(torch.equal(twin.state_dict()[key], value) for key, value in state.items())
+    plain = Classifier()
+    plain.load_state_dict(state)
+    assert torch.equal(output(twin), output(plain))
+    child = copy.deepcopy(module.backbone)  # timm's ModelEmaV3(model.backbone)
+    assert strategy_leftovers(child) == [] and torch.equal(output(child), output(plain.backbone))
+    # The copy trains as a plain module; the original is untouched and trains on under the strategy.
+    twin.train()
+    nn.functional.cross_entropy(twin(PROBE), torch.zeros(4, dtype=torch.long)).backward()
+    assert all(p.grad is not None for p in twin.parameters())
+    assert all(isinstance(p, DTensor) for p in module.parameters()) and strategy_leftovers(module) != []
+    fit(module, VitScaleStrategy(**layout), steps=2)
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in module.losses[-2:])
+
+
+class CopiedInTheStep(Classifier):
+    """Deep-copies itself before the step's forward and between its forward and backward (the weights gathered)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: dict[str, nn.Module] = {}
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if batch_idx == 1:
+            self.copies["before forward"] = copy.deepcopy(self)
+
+    def on_before_backward(self, loss):
+        if not self.copies.get("mid-step"):
+            self.copies["mid-step"] = copy.deepcopy(self) if len(self.losses) == 2 else None
+
+
+@LAYOUTS
+def test_a_deep_copy_in_the_middle_of_a_step_holds_the_fp32_weights_not_the_gathered_bf16_ones(layout):
+    """Between forward and backward the modules hold bf16 copies (or FSDP2's gathered bf16 parameters); DDP's copy
+    there holds the fp32 weights, the same as before the forward. Mutation tried: gathered weights not mapped to
+    their fp32 shards (the copy held bf16 values)."""
+    module = without_dropout(CopiedInTheStep())
+    fit(module, VitScaleStrategy(**layout), steps=3)
+    before, mid = module.copies["before forward"], module.copies["mid-step"]
+    for twin in (before, mid):
+        assert strategy_leftovers(twin) == [] and {p.dtype for p in twin.parameters()} == {torch.float32}
+    assert all(torch.equal(a, b) for a, b in zip(before.state_dict().values(), mid.state_dict().values()))
+    assert torch.equal(output(before), output(mid))
+
+
+def test_a_meta_twin_of_a_sharded_model_keeps_its_stand_ins():
+    """The planner's meta twin (``memory/twin.py``) passes meta stand-ins in deepcopy's memo: nothing is gathered
+    for them, and the twin is on meta."""
+    from lightning_vitscale.memory.twin import meta_twin
+
+    module = without_dropout(Classifier())
+    fit(module, VitScaleStrategy(**COPIES), steps=1)
+    twin = meta_twin(module)
+    assert all(p.is_meta for p in twin.parameters())
+    assert [p.shape for p in twin.parameters()] == [p.shape for p in module.parameters()]
