@@ -51,7 +51,11 @@ def install(before: list[tuple[nn.Module, Any]], outer: nn.Module) -> None:
     (its compute copies, its FSDP units' gathered parameters)."""
     outer_ref = weakref.ref(outer)
     for module, forward in before:
-        module.__dict__[_COPIER] = _PlainCopier(module, forward, outer_ref)
+        # Not where nothing is sharded below (metrics, activations): a copy of those is a plain one, and a weak
+        # reference kept to a torchmetrics metric, whose hash follows its state, would keep a stale hash for torch's
+        # WeakKeyDictionary lookups (ModuleTracker: KeyError) once the metric updates.
+        if next(module.parameters(), None) is not None:
+            module.__dict__[_COPIER] = _PlainCopier(module, forward, outer_ref)
 
 
 class _PlainCopier:
