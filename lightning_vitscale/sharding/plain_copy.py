@@ -3,7 +3,8 @@
 The habit it serves: ``ema = copy.deepcopy(model)`` (timm's ``ModelEmaV3``), ``best = copy.deepcopy(model)`` in a
 callback or after ``fit``. Sharded, the modules carry the strategy: FSDP2's unit classes (whose ``__deepcopy__``
 refuses), the fp32 norms' class, hooks, wrapped ``forward`` s, DTensor parameters (and, inside a step, the
-compute copies or FSDP2's gathered parameters); a copy of that refused, or would compute on shards.
+compute copies or FSDP2's gathered parameters; tensor parallelism's per-rank head counts and row order); a copy of
+that refused, or would compute on shards.
 
 Every module of the sharded model gets an instance ``__deepcopy__`` (``copy.deepcopy`` looks there before the
 class): it gathers each parameter whole onto its device (a collective: after the handshake ``state_dict()`` makes,
@@ -31,11 +32,13 @@ from lightning_vitscale.checkpoint.full_state_dict import full_tensor_on_cpu
 from lightning_vitscale.distributed import collective_guard
 from lightning_vitscale.precision.norms import plain_norm_class
 from lightning_vitscale.row_layout import PACKED_ROWS, model_rows
+from lightning_vitscale.sharding.tensor_parallel import SPLIT_ATTRIBUTES
 
 _COPIER = "__deepcopy__"
 _ABSENT = object()  # no instance ``forward`` before sharding
 # What the strategy and FSDP2 leave in a module's __dict__: a plain module has none of it.
-_STRATEGY_PREFIXES = ("_vitscale", "__composable_api_state_key_", "_is_fsdp_managed_module", "_fsdp_use_orig_params")
+_STRATEGY_PREFIXES = ("_vitscale", "__composable_api_state_key_", "_is_fsdp_managed_module", "_fsdp_use_orig_params",
+                      "_distribute_module_applied")
 # Hooks whose code lives here are the strategy's (FSDP2's, tensor parallelism's, ours): a plain copy has none.
 _STRATEGY_CODE = ("lightning_vitscale.", "torch.distributed.")
 
@@ -134,7 +137,10 @@ def _shown_plain(modules: list[nn.Module]) -> Iterator[None]:
         for module in modules:
             state = module.__dict__
             copier = state.get(_COPIER)
+            split = state.get(SPLIT_ATTRIBUTES, {})  # per-rank head counts of tensor parallelism: the model's own
             saved = {key: state.pop(key) for key in [k for k in state if k.startswith(_STRATEGY_PREFIXES)]}
+            for attribute, value in split.items():
+                saved[attribute], state[attribute] = state[attribute], value
             if isinstance(copier, _PlainCopier):
                 saved[_COPIER] = state.pop(_COPIER)
                 if "forward" in state:

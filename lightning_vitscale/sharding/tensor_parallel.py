@@ -41,6 +41,8 @@ def interleave_rows(linear: nn.Linear, parts: int, ranks: int) -> None:
             param.copy_(interleaved_rows(param, parts, ranks))
 
 
+SPLIT_ATTRIBUTES = "_vitscale_split_attributes"  # on a split module: {attribute: its value before the split}
+
 STYLES: dict[str, Any] = {
     "colwise": ColwiseParallel, "rowwise": RowwiseParallel, "packed_colwise": PackedColwiseParallel,
 }
@@ -54,7 +56,9 @@ def split_block(block: nn.Module, mesh: DeviceMesh, plan: BlockPlan, values_ever
     parallelize_module(block, mesh, styles, src_data_rank=0 if values_everywhere else None)
     for attr_path, value in plan.attributes.items():
         owner, _, attr = attr_path.rpartition(".")
-        setattr(block.get_submodule(owner), attr, value)
+        module = block.get_submodule(owner)
+        module.__dict__.setdefault(SPLIT_ATTRIBUTES, {}).setdefault(attr, getattr(module, attr))  # a plain copy's
+        setattr(module, attr, value)
 
 
 @torch.no_grad()

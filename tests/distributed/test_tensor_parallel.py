@@ -147,9 +147,12 @@ def test_every_full_view_of_a_packed_qkv_is_in_the_models_own_layout(ranks):
     split one does, and is DDP's layout (weights and momentum within reduction-order noise of the DDP fit; a
     permuted qkv row block differs by the weights' own size); ``consolidate`` of the sharded folder gives the same
     file, and so does ``load_from_checkpoint(consolidated(folder))`` (its shards are in the model's own order); a
-    full state dict loads back into the split model (and so does the full file on resume, exactly)."""
+    full state dict loads back into the split model (and so does the full file on resume, exactly); a
+    ``copy.deepcopy`` of the split model is the plain model of that file (its rows, its head counts: it computes
+    what the plain model does, exactly). Mutation tried: the head counts left split (the copy's forward failed)."""
     for rank in ranks:
         facts = rank["full-views"]
+        assert facts["deepcopy_plain"] and facts["deepcopy_vs_file"] == 0.0 and facts["deepcopy_outputs"] == 0.0
         assert facts["after_setup"] == 0.0 and facts["state_vs_file"] == 0.0 and facts["state_round_trip"] == 0.0
         assert facts["state_vs_ddp"] < 1e-6 and facts["momentum_vs_ddp"] < 1e-6 and facts["outputs"] < 1e-6
         assert facts["ema_vs_ddp"] < 1e-6 and facts["ema_round_trip"] == 0.0  # ShardedEMA's average too

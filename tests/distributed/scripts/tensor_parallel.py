@@ -16,6 +16,7 @@ Writes ``rank{r}.json``: losses, the sampler split, state bytes, the plan summar
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import json
 import sys
@@ -323,7 +324,13 @@ def full_views(out: Path, model: Model, trainer: L.Trainer, ddp: dict) -> dict:
     plain.load_state_dict(saved["state_dict"], strict=True)  # as a DDP script loads it
     with torch.no_grad():
         outputs = (model.eval()(x), plain.eval()(x))
+    twin = copy.deepcopy(model)  # DDP's plain copy: whole weights in the model's rows, the model's head counts
+    with torch.no_grad():
+        twin_output = twin.eval()(x)
     facts = {
+        "deepcopy_vs_file": max_difference(twin.state_dict(), saved["state_dict"]),
+        "deepcopy_outputs": (twin_output - outputs[1]).abs().max().item(),
+        "deepcopy_plain": not any(isinstance(p, DTensor) for p in twin.parameters()),
         "after_setup": max_difference(model.initial, initial),
         "state_vs_file": max_difference(state, saved["state_dict"]),
         "state_vs_ddp": max_difference(state, ddp["state"]),
