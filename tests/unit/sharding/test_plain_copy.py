@@ -108,3 +108,24 @@ def test_a_meta_twin_of_a_sharded_model_keeps_its_stand_ins():
     twin = meta_twin(module)
     assert all(p.is_meta for p in twin.parameters())
     assert [p.shape for p in twin.parameters()] == [p.shape for p in module.parameters()]
+
+
+def test_modules_whose_hash_follows_their_state_get_no_copier():
+    """A copier's weak reference to a torchmetrics metric (hashed by its state) caches the metric's first hash, and
+    ``ModuleTracker``'s lookups missed it after the next update (``KeyError`` in the examples' steps, as once for
+    ``full_state_dict``'s hooks). Modules with nothing sharded below get no copier; a plain deep copy suits them.
+    Mutation tried: a copier on every module (the tracker raised)."""
+    from torch.utils.module_tracker import ModuleTracker
+    from torchmetrics.classification import MulticlassAccuracy
+
+    from lightning_vitscale.sharding import plain_copy
+
+    model = nn.Module()
+    model.linear, model.accuracy = nn.Linear(4, 3), MulticlassAccuracy(num_classes=3)
+    plain_copy.install(plain_copy.record_forwards(model), model)
+    assert "__deepcopy__" in vars(model.linear) and "__deepcopy__" not in vars(model.accuracy)
+    target = torch.tensor([0, 2])
+    for _ in range(2):  # the first pass hashes the metric, the update changes its hash, the second looks it up
+        with ModuleTracker():
+            model.accuracy(model.linear(torch.randn(2, 4)).argmax(-1), target)
+    assert model.accuracy.update_count == 2
