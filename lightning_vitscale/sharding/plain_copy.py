@@ -6,8 +6,8 @@ refuses), the fp32 norms' class, hooks, wrapped ``forward`` s, DTensor parameter
 compute copies or FSDP2's gathered parameters; tensor parallelism's per-rank head counts and row order); a copy of
 that refused, or would compute on shards.
 
-Every module of the sharded model gets an instance ``__deepcopy__`` (``copy.deepcopy`` looks there before the
-class): it gathers each parameter whole onto its device (a collective: after the handshake ``state_dict()`` makes,
+Every module of the sharded model with a parameter below it gets an instance ``__deepcopy__`` (``copy.deepcopy``
+looks there before the class; the others copy as they are): it gathers each parameter whole onto its device (a collective: after the handshake ``state_dict()`` makes,
 so a call on one rank fails, nothing sent), shows the modules as they were before sharding for the length of the
 copy (class, ``forward``, none of the strategy's hooks or attributes), and puts everything back.
 """
