@@ -7,9 +7,10 @@ compute copies or FSDP2's gathered parameters; tensor parallelism's per-rank hea
 that refused, or would compute on shards.
 
 Every module of the sharded model with a parameter below it gets an instance ``__deepcopy__`` (``copy.deepcopy``
-looks there before the class; the others copy as they are): it gathers each parameter whole onto its device (a collective: after the handshake ``state_dict()`` makes,
-so a call on one rank fails, nothing sent), shows the modules as they were before sharding for the length of the
-copy (class, ``forward``, none of the strategy's hooks or attributes), and puts everything back.
+looks there before the class; the others copy as they are): it gathers each parameter whole onto its device (a
+collective: after the handshake ``state_dict()`` makes, so a call on one rank fails, nothing sent), shows the
+modules as they were before sharding for the length of the copy (class, ``forward``, none of the strategy's hooks
+or attributes), and puts everything back.
 """
 
 from __future__ import annotations
