@@ -1,10 +1,10 @@
 """``copy.deepcopy`` of a sharded model gives what DDP's gives: the plain module, whole parameters, no strategy.
 
-The habit it serves: ``ema = copy.deepcopy(model)`` (timm's ``ModelEmaV3``), ``best = copy.deepcopy(model)`` in a
-callback or after ``fit``. Sharded, the modules carry the strategy: FSDP2's unit classes (whose ``__deepcopy__``
-refuses), the fp32 norms' class, hooks, wrapped ``forward`` s, DTensor parameters (and, inside a step, the
-compute copies or FSDP2's gathered parameters; tensor parallelism's per-rank head counts and row order); a copy of
-that refused, or would compute on shards.
+The habits it serves: ``ema = copy.deepcopy(model)`` (timm's ``ModelEmaV3``), ``best = copy.deepcopy(model)`` in a
+callback or after ``fit``, ``torch.save(model, path)`` (pickle: the file holds the plain module). Sharded, the modules
+carry the strategy: FSDP2's unit classes (whose ``__deepcopy__`` refuses), the fp32 norms' class, hooks, wrapped
+``forward`` s, DTensor parameters (and, inside a step, the compute copies or FSDP2's gathered parameters; tensor
+parallelism's per-rank head counts and row order); a copy of that refused, or would compute on shards.
 
 Every module of the sharded model with a parameter below it gets an instance ``__deepcopy__`` (``copy.deepcopy``
 looks there before the class; the others copy as they are): it gathers each parameter whole onto its device (a
@@ -36,6 +36,7 @@ from lightning_vitscale.row_layout import PACKED_ROWS, model_rows
 from lightning_vitscale.sharding.tensor_parallel import SPLIT_ATTRIBUTES
 
 _COPIER = "__deepcopy__"
+_REDUCER = "__reduce_ex__"  # pickle (torch.save(model)) and copy.copy look it up on the instance too
 _ABSENT = object()  # no instance ``forward`` before sharding
 # What the strategy and FSDP2 leave in a module's __dict__: a plain module has none of it.
 _STRATEGY_PREFIXES = ("_vitscale", "__composable_api_state_key_", "_is_fsdp_managed_module", "_fsdp_use_orig_params",
@@ -59,7 +60,8 @@ def install(before: list[tuple[nn.Module, Any]], outer: nn.Module) -> None:
         # reference kept to a torchmetrics metric, whose hash follows its state, would keep a stale hash for torch's
         # WeakKeyDictionary lookups (ModuleTracker: KeyError) once the metric updates.
         if next(module.parameters(), None) is not None:
-            module.__dict__[_COPIER] = _PlainCopier(module, forward, outer_ref)
+            copier = module.__dict__[_COPIER] = _PlainCopier(module, forward, outer_ref)
+            module.__dict__[_REDUCER] = copier.reduce
 
 
 class _PlainCopier:
@@ -77,6 +79,11 @@ class _PlainCopier:
             _gather_into(memo, modules, self.outer())
         with _shown_plain(modules):
             return copy.deepcopy(module, memo)
+
+    def reduce(self, protocol: int) -> Any:
+        """``torch.save(model)`` (pickle) and ``copy.copy``: the plain copy's reduction, so the file holds DDP's plain
+        module (a shallow copy is a plain one too: a sharded one would share the strategy's hooks and shards)."""
+        return self({}).__reduce_ex__(protocol)
 
 
 def _gather_into(memo: dict[int, Any], modules: list[nn.Module], outer: nn.Module | None) -> None:
@@ -100,7 +107,8 @@ def _gather_into(memo: dict[int, Any], modules: list[nn.Module], outer: nn.Modul
             memo[key] = nn.Parameter(_whole(sharded, module), requires_grad=sharded.requires_grad)
     except RuntimeError as error:
         raise StateDictGatherError(collective_guard.not_joined(
-            "copy.deepcopy() of a model sharded by VitScaleStrategy gathers every parameter whole", error,
+            "copy.deepcopy() (or torch.save(model), copy.copy) of a model sharded by VitScaleStrategy gathers every"
+            " parameter whole", error,
             "Make the copy on every rank (as each rank's model is copied under DDP), or make it before the strategy"
             " shards the model (in `setup()`), or build the module and load `model.state_dict()` (called on every"
             " rank) into it.",
@@ -136,24 +144,9 @@ def _shown_plain(modules: list[nn.Module]) -> Iterator[None]:
     undo: list[tuple[nn.Module, type, dict[str, Any], dict[str, list[tuple[Any, Any]]]]] = []
     try:
         for module in modules:
-            state = module.__dict__
-            copier = state.get(_COPIER)
-            split = state.get(SPLIT_ATTRIBUTES, {})  # per-rank head counts of tensor parallelism: the model's own
-            saved = {key: state.pop(key) for key in [k for k in state if k.startswith(_STRATEGY_PREFIXES)]}
-            for attribute, value in split.items():
-                saved[attribute], state[attribute] = state[attribute], value
-            if isinstance(copier, _PlainCopier):
-                saved[_COPIER] = state.pop(_COPIER)
-                if "forward" in state:
-                    saved["forward"] = state.pop("forward")
-                if copier.forward is not _ABSENT:
-                    state["forward"] = copier.forward
-            hooks = _drop_strategy_hooks(module)
-            cls = type(module)
+            cls, saved, hooks = type(module), _strategy_attributes_out(module.__dict__), _drop_strategy_hooks(module)
             undo.append((module, cls, saved, hooks))
             module.__class__ = _plain_class(cls)
-            if "_device_mesh" in state:  # LightningModule.device_mesh: None under DDP
-                saved["_device_mesh"], state["_device_mesh"] = state["_device_mesh"], None
         yield
     finally:
         for module, cls, saved, hooks in reversed(undo):
@@ -165,6 +158,23 @@ def _shown_plain(modules: list[nn.Module]) -> Iterator[None]:
                 held = module.__dict__[name]
                 held.clear()
                 held.update(items)
+
+
+def _strategy_attributes_out(state: dict[str, Any]) -> dict[str, Any]:
+    """Take the strategy's attributes out of a module's ``__dict__`` and give back what it replaced (the forward
+    before sharding, tensor parallelism's head counts, no device mesh); returns what to put back."""
+    copier = state.get(_COPIER)
+    split = state.get(SPLIT_ATTRIBUTES, {})  # per-rank head counts of tensor parallelism: the model's own
+    saved = {key: state.pop(key) for key in [k for k in state if k.startswith(_STRATEGY_PREFIXES)]}
+    for attribute, value in split.items():
+        saved[attribute], state[attribute] = state[attribute], value
+    if isinstance(copier, _PlainCopier):
+        saved.update({key: state.pop(key) for key in (_COPIER, _REDUCER, "forward") if key in state})
+        if copier.forward is not _ABSENT:
+            state["forward"] = copier.forward
+    if "_device_mesh" in state:  # LightningModule.device_mesh: None under DDP
+        saved["_device_mesh"], state["_device_mesh"] = state["_device_mesh"], None
+    return saved
 
 
 def _drop_strategy_hooks(module: nn.Module) -> dict[str, list[tuple[Any, Any]]]:

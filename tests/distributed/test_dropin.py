@@ -58,7 +58,7 @@ def test_deep_copies_are_ddps_plain_modules(runs):
 
 def test_deep_copy_on_one_rank_fails_within_timeout_saying_why(runs):
     facts = runs[0]["one_rank_deepcopy/vitscale"]
-    assert facts["error"].startswith("StateDictGatherError: copy.deepcopy() of a model sharded by VitScaleStrategy")
+    assert facts["error"].startswith("StateDictGatherError: copy.deepcopy() (or torch.save(model), copy.copy)")
     assert "on every rank" in facts["error"] and "timeout" in facts["error"]
     assert facts["seconds"] < 30  # the process-group timeout was 1.5 s
 

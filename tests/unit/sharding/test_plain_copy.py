@@ -129,3 +129,22 @@ def test_modules_whose_hash_follows_their_state_get_no_copier():
         with ModuleTracker():
             model.accuracy(model.linear(torch.randn(2, 4)).argmax(-1), target)
     assert model.accuracy.update_count == 2
+
+
+@LAYOUTS
+def test_torch_save_of_the_model_holds_the_plain_module(layout, tmp_path):
+    """``torch.save(model, path)`` after fit (pickle) writes DDP's plain module: it loads in a process without the
+    strategy (``weights_only=False``, the user's opt-in for a pickled module) with the model's state and forward;
+    the model stays sharded. Before, pickle refused FSDP2's unit class. Mutation tried: no instance
+    ``__reduce_ex__`` (the PicklingError again)."""
+    module = without_dropout(Classifier())
+    fit(module, VitScaleStrategy(**layout), steps=2)
+    torch.save(module, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert type(loaded) is Classifier and strategy_leftovers(loaded) == []
+    state = module.state_dict()
+    assert all(torch.equal(loaded.state_dict()[key], value) for key, value in state.items())
+    plain = Classifier()
+    plain.load_state_dict(state)
+    assert torch.equal(output(loaded), output(plain))
+    assert all(isinstance(p, DTensor) for p in module.parameters())
