@@ -34,6 +34,14 @@ class OutsideStepCallError(RuntimeError):
     """Gathering the outer unit for a call outside a step failed, most often because not every rank called."""
 
 
+TRACE_REFUSED = (
+    "torch.jit.trace / torch.export / torch.onnx.export of a model sharded by VitScaleStrategy would record its"
+    " shards and the strategy's gathers. Trace DDP's plain module instead: `plain = copy.deepcopy(model).eval()`"
+    " (on every rank: it gathers the parameters), then `torch.jit.trace(plain, x)`, `torch.export.export(plain,"
+    " (x,))` or `torch.onnx.export(plain, ...)`; for a checkpoint folder, `python -m lightning_vitscale export`."
+)
+
+
 class ForwardAfterBackwardError(RuntimeError):
     """A forward after a backward in the same step found the outer unit resharded (several ranks, FSDP2's path)."""
 
@@ -164,6 +172,8 @@ class OuterUnit(nn.Module):
                     " where VitScaleStrategy supports it."
                 )
             return
+        if torch.jit.is_tracing() or torch.compiler.is_exporting():  # would bake gathers and hooks into the graph
+            raise RuntimeError(TRACE_REFUSED)
         self._depth += 1
         if self._depth != 1:
             return

@@ -148,3 +148,22 @@ def test_torch_save_of_the_model_holds_the_plain_module(layout, tmp_path):
     plain.load_state_dict(state)
     assert torch.equal(output(loaded), output(plain))
     assert all(isinstance(p, DTensor) for p in module.parameters())
+
+
+def test_tracing_or_exporting_the_sharded_model_names_the_plain_copy_which_traces():
+    """``torch.jit.trace`` (Lightning's ``to_torchscript``, ONNX's old exporter) and ``torch.export`` would record
+    the shards and the strategy's gathers: refused at the first call, naming the fix, which works. Before, torch
+    failed deep inside ("Cannot insert a Tensor that requires grad as a constant"; a DTensor in export). Mutation
+    tried: the check removed (torch's own errors again)."""
+    module = without_dropout(Classifier())
+    fit(module, VitScaleStrategy(**COPIES), steps=1)
+    module.eval()
+    with pytest.raises(RuntimeError, match=r"copy\.deepcopy\(model\)\.eval\(\)"):
+        torch.jit.trace(module.backbone, PROBE)
+    with pytest.raises(RuntimeError, match=r"copy\.deepcopy\(model\)\.eval\(\)"):
+        torch.export.export(module, (PROBE,))
+    plain = copy.deepcopy(module.backbone).eval()  # as under DDP: a LightningModule itself traces by to_torchscript
+    traced = torch.jit.trace(plain, PROBE, check_trace=False)  # nn.TransformerEncoder's eval fast path varies
+    with torch.no_grad():  # traced with autograd on: not the encoder's fused eval path, so not bit-equal
+        torch.testing.assert_close(traced(PROBE), output(plain))
+        torch.testing.assert_close(torch.export.export(plain, (PROBE,)).module()(PROBE), output(plain))
