@@ -298,14 +298,19 @@ def unit_keeps_gathered(unit: FSDPModule) -> bool:
     return bool(groups) and all(group.post_forward_mesh_info is None for group in groups)
 
 
+def _fsdp_params(unit: FSDPModule) -> list[Any]:
+    """FSDP2's record of each parameter ``unit`` itself manages (not those of the units nested in it)."""
+    return [p for group in fsdp_param_groups(unit) for p in group.fsdp_params]
+
+
 def unit_parameters(unit: FSDPModule) -> list[torch.nn.Parameter]:
     """The sharded parameters ``unit`` itself manages (not those of the units nested in it)."""
-    return [p.sharded_param for group in fsdp_param_groups(unit) for p in group.fsdp_params]
+    return [p.sharded_param for p in _fsdp_params(unit)]
 
 
 def gathered_to_sharded(unit: FSDPModule) -> dict[int, Any]:
     """By id, each gathered parameter ``unit`` made (registered on its modules while gathered) -> its DTensor."""
-    params = [p for group in fsdp_param_groups(unit) for p in group.fsdp_params]
+    params = _fsdp_params(unit)
     return {id(p._unsharded_param): p.sharded_param for p in params if getattr(p, "_unsharded_param", None) is not None}
 
 

@@ -110,10 +110,16 @@ def _agree_on_gather(items: list[tuple[str, Any]]) -> None:
 @torch.no_grad()
 def full_tensor_on_cpu(value: DTensor) -> torch.Tensor:
     """The whole tensor behind ``value`` in host memory: a collective every rank of its mesh joins."""
+    return full_tensor_on(value, torch.device("cpu"))
+
+
+@torch.no_grad()
+def full_tensor_on(value: DTensor, device: torch.device) -> torch.Tensor:
+    """The whole tensor behind ``value`` on ``device``: a collective every rank of its mesh joins."""
     mesh_device = value.device_mesh.device_type
     if value.device.type != mesh_device:  # offload="cpu": host shards, gathered by the device's backend (NCCL)
         value = cast(DTensor, value.to(mesh_device))
-    return value.full_tensor().cpu()
+    return value.full_tensor().to(device)
 
 
 def gather_sharded_entries(

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_vitscale._compat import gathered_to_sharded, hook_dicts, parameter_slots
 from lightning_vitscale.checkpoint.errors import StateDictGatherError
-from lightning_vitscale.checkpoint.full_state_dict import full_tensor_on_cpu
+from lightning_vitscale.checkpoint.full_state_dict import full_tensor_on
 from lightning_vitscale.distributed import collective_guard
 from lightning_vitscale.precision.norms import plain_norm_class
 from lightning_vitscale.row_layout import PACKED_ROWS, model_rows
@@ -52,8 +52,9 @@ def record_forwards(model: nn.Module) -> list[tuple[nn.Module, Any]]:
 
 
 def install(before: list[tuple[nn.Module, Any]], outer: nn.Module) -> None:
-    """Give every module recorded by :func:`record_forwards` its plain ``__deepcopy__``; ``outer``: the outer unit
-    (its compute copies, its FSDP units' gathered parameters)."""
+    """Give every module recorded by :func:`record_forwards` with a parameter below it its plain ``__deepcopy__``
+    and ``__reduce_ex__`` (pickle, ``copy.copy``); ``outer``: the outer unit (its compute copies, its FSDP units'
+    gathered parameters)."""
     outer_ref = weakref.ref(outer)
     for module, forward in before:
         # Not where nothing is sharded below (metrics, activations): a copy of those is a plain one, and a weak
@@ -117,8 +118,7 @@ def _gather_into(memo: dict[int, Any], modules: list[nn.Module], outer: nn.Modul
 
 def _whole(sharded: DTensor, module: nn.Module) -> torch.Tensor:
     """The whole parameter on the device its shard is on (host memory for ``offload="cpu"``), in the model's rows."""
-    mesh_device = sharded.device_mesh.device_type
-    whole = full_tensor_on_cpu(sharded) if sharded.device.type != mesh_device else sharded.full_tensor()
+    whole = full_tensor_on(sharded, sharded.device)
     packed = module.__dict__.get(PACKED_ROWS)  # a projection packed for tensor parallelism: per-rank row order
     return (model_rows(whole, *packed) if packed is not None else whole).detach().clone()
 
