@@ -122,12 +122,16 @@ def test_a_training_step_that_reads_a_value_is_measured_through_it_and_one_that_
     assert inputs.profile.blocks == plain.profile.blocks
 
 
-def test_the_planners_units_keep_to_memory_budget_without_auto(mesh):
+def test_the_planners_units_keep_to_memory_budget_without_auto(mesh, monkeypatch):
     """``blocks_per_unit=None`` with the checkpointing the user chose: a budget below any grouping's peak leaves one
     block per unit, nothing kept gathered; the default budget lets the planner group. The budget is resolved once,
-    in bytes (one rank: its own)."""
+    in bytes (one rank: its own). The host's free memory is pinned: read twice, it moved with other processes."""
     from lightning_vitscale.distributed import RankContext
+    from lightning_vitscale.sharding import planning
     from lightning_vitscale.sharding.planning import agreed_budget, plan_before_sharding
+
+    host = device_memory(torch.device("cpu"), 1)
+    monkeypatch.setattr(planning, "device_memory", lambda device, ranks_per_node: host)
 
     model = TinyViT(**SMALL)
     model.example_input_array = torch.randn(4, 3, 16, 16)
@@ -137,7 +141,7 @@ def test_the_planners_units_keep_to_memory_budget_without_auto(mesh):
         asked = ParallelConfig(checkpointing=CheckpointingPolicy(blocks=True, memory_budget=budget))
         resolved = resolve_config(asked, torch.device("cpu"))
         resolved_budget = agreed_budget(budget, ranks)
-        assert resolved_budget == resolve_budget(budget, device_memory(ranks.device, ranks.ranks_per_node))
+        assert resolved_budget == resolve_budget(budget, host)
         planned = plan_before_sharding(model, resolved, resolve_flag("32-true"), ranks, resolved_budget)
         assert {b.modes for b in planned.measured.profile.blocks} == {frozenset({"full"})}  # only what will run
         chosen[budget] = (planned.resolved.blocks_per_unit, planned.kept_gathered, planned.units_choice)
