@@ -85,7 +85,7 @@ PRIVATE_NAMES = {
     "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_groups": "a unit's own parameters",
     "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam._unsharded_param": "deepcopy: a gathered parameter",
     "torch.distributed.tensor._utils.compute_local_shape_and_global_offset": "a DTensor shard's box (init/)",
-    "torch.distributed.tensor.DTensor._local_tensor": "the local shard without an autograd node",
+    "torch.distributed.tensor.DTensor._local_tensor": "the local shard without an autograd node; flat masters",
     "torch.distributed.tensor.DTensor._spec": "a gradient laid out as its parameter, every step",
     "torch.nn.modules.batchnorm._BatchNorm": "norm detection and SyncBatchNorm conversion",
     "torch.nn.modules.instancenorm._InstanceNorm": "norm detection",
@@ -177,6 +177,12 @@ def dtensor_local(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this rank stores: a DTensor's local shard (without ``to_local()``'s autograd node, so
     for writes under ``no_grad`` and reads of detached values), any other tensor itself."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def rebind_local(param: DTensor, local: torch.Tensor) -> None:
+    """``param`` stores ``local`` from now on (same shape, dtype and device), as FSDP2 rebinds its sharded
+    parameters: the same parameter object, so optimizers, hooks and state keyed by it keep working."""
+    param._local_tensor = local
 
 
 def dtensor_like(local: torch.Tensor, like: Any) -> Any:

@@ -193,9 +193,9 @@ class VitScaleStrategy(ModelParallelStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        fused = prepare_optimizers(self.optimizers, self.resolved is not None and self.resolved.kernels.fused_optimizer)
-        if self.plan is not None:
-            self.plan.notes.extend(fused)
+        notes = prepare_optimizers(self.optimizers, self.resolved is not None and self.resolved.kernels.fused_optimizer)
+        if self.sharded is not None:  # its summary is the plan
+            self.sharded.summary.notes.extend(notes + self.sharded.step_flat(self.optimizers))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -119,7 +119,10 @@ def full_tensor_on(value: DTensor, device: torch.device) -> torch.Tensor:
     mesh_device = value.device_mesh.device_type
     if value.device.type != mesh_device:  # offload="cpu": host shards, gathered by the device's backend (NCCL)
         value = cast(DTensor, value.to(mesh_device))
-    return value.full_tensor().to(device)
+    whole = value.full_tensor().to(device)
+    # One rank: the local tensor itself, maybe a view of the flat masters (precision/flat_step.py), whose shared
+    # storage safetensors refuses and torch.save would write whole: a tensor of its own instead.
+    return whole.clone() if whole._base is not None else whole
 
 
 def gather_sharded_entries(

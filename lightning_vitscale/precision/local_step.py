@@ -1,9 +1,9 @@
 """The optimizer step on each DTensor parameter's local shard, for optimizers that update element by element.
 
-An elementwise optimizer (SGD, Adam, ...) updates each element from its own gradient and state, so the step on local
-tensors is the DTensor step, bit for bit, without DTensor's dispatch of every foreach op (host time every step,
-seconds in the first: ViT-H on CPU ~8.7 s). Updates reading several elements (Adafactor, LAMB, LBFGS) would be
-wrong on shards: only the exact classes in :data:`ELEMENTWISE` step locally (a subclass may override ``step``).
+An elementwise optimizer (SGD, Adam, ...: ``precision/elementwise.py``) updates each element from its own gradient
+and state, so the step on local tensors is the DTensor step, bit for bit, without DTensor's dispatch of every foreach
+op (host time every step, seconds in the first: ViT-H on CPU ~8.7 s). Groups laid out flat on one rank
+(``precision/flat_step.py``) step as one tensor each instead.
 """
 
 from __future__ import annotations
@@ -16,25 +16,17 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_vitscale._compat import dtensor_like, dtensor_local, same_placements
-
-ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-    torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.ASGD,
-)
+from lightning_vitscale.precision import flat_step
+from lightning_vitscale.precision.elementwise import steps_locally
 
 # (local tensor, its DTensor parameter, the state swapped in for it or None, the ids of that state's values)
 _Swapped = list[tuple[torch.Tensor, DTensor, dict[str, Any] | None, tuple[int, ...]]]
 
 
-def steps_locally(optimizer: object) -> bool:
-    """Whether ``optimizer`` is one of the exact :data:`ELEMENTWISE` classes (its step may run on local shards)."""
-    return type(optimizer) in ELEMENTWISE
-
-
 @contextmanager
 def on_local_shards(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
     """Within the block, ``optimizer`` holds its DTensor parameters', gradients' and state's local tensors (updates
-    land in place); yields whether it does (not outside :data:`ELEMENTWISE`, differentiable, or a gradient placed
+    land in place); yields whether it does (not outside ``ELEMENTWISE``, differentiable, or a gradient placed
     otherwise). State the step creates is wrapped as DTensors placed as the parameter; all is put back on raise."""
     swapped = _swap_in(optimizer) if steps_locally(optimizer) else None
     if swapped is None:
@@ -46,16 +38,22 @@ def on_local_shards(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
         _swap_back(optimizer, *swapped)
 
 
-def _swap_in(optimizer: torch.optim.Optimizer) -> tuple[list[list[Any]], _Swapped] | None:
+def _swap_in(optimizer: torch.optim.Optimizer) -> tuple[list[list[Any]], _Swapped, list[Any]] | None:
     groups, state = optimizer.param_groups, optimizer.state
     if any(group.get("differentiable") for group in groups):
         return None  # a differentiable step needs the DTensor graph
     originals = [group["params"] for group in groups]
-    local_groups = [[dtensor_local(p) for p in params] for params in originals]
-    pairs = [(local, p) for params, locals_ in zip(originals, local_groups)
+    flat = flat_step.enter(optimizer)  # those groups hold their flat masters now
+    per_tensor = [group["params"] is params for group, params in zip(groups, originals)]
+    local_groups = [[dtensor_local(p) for p in params] if own else group["params"]
+                    for group, params, own in zip(groups, originals, per_tensor)]
+    pairs = [(local, p) for params, locals_, own in zip(originals, local_groups, per_tensor) if own
              for local, p in zip(locals_, params) if local is not p]
     grads = [param.grad for _, param in pairs]
-    if not pairs or any(g is not None and not same_placements(g, p) for g, (_, p) in zip(grads, pairs)):
+    if (not pairs and not flat) or any(g is not None and not same_placements(g, p) for g, (_, p) in zip(grads, pairs)):
+        for group, params in zip(groups, originals):
+            group["params"] = params
+        flat_step.leave(optimizer, flat, stepped=False)  # the optimizer steps the DTensors themselves
         return None
     for group, params in zip(groups, local_groups):
         group["params"] = params
@@ -68,12 +66,14 @@ def _swap_in(optimizer: torch.optim.Optimizer) -> tuple[list[list[Any]], _Swappe
             continue
         made = state[local] = {k: dtensor_local(v) if isinstance(v, DTensor) else v for k, v in before.items()}
         swapped.append((local, param, made, tuple(map(id, made.values()))))
-    return originals, swapped
+    return originals, swapped, flat
 
 
-def _swap_back(optimizer: torch.optim.Optimizer, originals: list[list[Any]], swapped: _Swapped) -> None:
+def _swap_back(optimizer: torch.optim.Optimizer, originals: list[list[Any]], swapped: _Swapped,
+               flat: list[Any]) -> None:
     for group, params in zip(optimizer.param_groups, originals):
         group["params"] = params
+    flat_step.leave(optimizer, flat)
     state = optimizer.state
     for local, param, made, ids in swapped:
         local.grad = None

@@ -18,8 +18,9 @@ from typing_extensions import override
 from lightning_vitscale._compat import after_closure, buffer_slots, unscales_in_step
 from lightning_vitscale.precision.casting import autocast_around, floating_buffers, to_dtype
 from lightning_vitscale.precision.clipping import clip_grad_norm
+from lightning_vitscale.precision.elementwise import steps_locally
 from lightning_vitscale.precision.grad_scaler import ShardedGradScaler
-from lightning_vitscale.precision.local_step import on_local_shards, steps_locally
+from lightning_vitscale.precision.local_step import on_local_shards
 from lightning_vitscale.precision.nonfinite import NonFiniteGuard
 from lightning_vitscale.precision.settings import (
     SUPPORTED_FLAGS,

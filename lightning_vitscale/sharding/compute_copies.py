@@ -15,7 +15,7 @@ fp32 sums in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ from lightning_vitscale._compat import (
     parameter_slots,
     queue_end_of_backward,
 )
+from lightning_vitscale.precision.flat_step import FlatGroup
 
 Slot = tuple[nn.Module, str, int]  # owner, attribute, index of its parameter
 
@@ -107,10 +108,18 @@ class ComputeCopies:
         self._hooked: set[int] = set()
         for copy in self.copies:
             self._follow_requires_grad(copy, copy.requires_grad)
+        self._flat: list[tuple[list[int], FlatGroup]] = []  # param groups stepped flat (precision/flat_step.py)
         self._queued_in = -1
         self.gathered = False
         self.on_release: Callable[[], None] | None = None
         self.keep_memory = False  # the outer unit's step: a backward in it (manual optimization) may be run again
+
+    def use_flat_gradients(self, groups: Sequence[FlatGroup]) -> None:
+        """The gradients of each of ``groups``' parameters handed over into views of one buffer laid out as its flat
+        masters, so the optimizer steps the group as one tensor (``precision/flat_step.py``); per tensor where one
+        of them has no gradient or already holds one (accumulation onto a gradient kept from before)."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self._flat = [([index[id(p)] for p in g.params], g) for g in groups if all(id(p) in index for p in g.params)]
 
     def gather(self) -> None:
         """The modules compute on fresh copies of the parameters' current values (also when already gathered: a step
@@ -168,11 +177,21 @@ class ComputeCopies:
     @torch.no_grad()
     def hand_over_gradients(self) -> None:
         """The copies' gradients, cast to each parameter's dtype, onto the DTensor parameters (summed into any there,
-        as autograd would). One cast per tensor: on CPU a foreach copy into a flat buffer costs more (it is no fused
-        kernel there), and the views of one would cost a call each."""
+        as autograd would): a flat group's into views of one buffer (one foreach cast), the others one cast per
+        tensor (on CPU a foreach copy is no fused kernel, and views of a buffer would cost a call each)."""
+        copies, params = self.copies, self.params
+        for members, group in self._flat:
+            grads = [g for g in (copies[i].grad for i in members) if g is not None]
+            if len(grads) != len(members) or any(params[i].grad is not None for i in members):
+                continue
+            views = group.gradient_views()
+            foreach_copy_(views, grads)
+            for i, view in zip(members, views):
+                copies[i].grad = None
+                params[i].grad = dtensor_like(view, params[i])
         onto: list[torch.Tensor] = []
         added: list[torch.Tensor] = []
-        for param, copy, dtype in zip(self.params, self.copies, self._dtypes):
+        for param, copy, dtype in zip(params, copies, self._dtypes):
             grad = copy.grad
             if grad is None:
                 continue

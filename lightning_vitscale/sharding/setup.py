@@ -29,7 +29,7 @@ from lightning_vitscale.memory import (
     choose_accumulation,
     planning_batch,
 )
-from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, VitScalePrecision
+from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, VitScalePrecision, flat_step
 from lightning_vitscale.sharding import plain_copy
 from lightning_vitscale.sharding.activation_checkpointing import CHECKPOINT_MODES, apply_activation_checkpointing
 from lightning_vitscale.sharding.buffer_sync import BufferSync
@@ -128,6 +128,16 @@ class ShardedModel:
             apply_activation_checkpointing([self.module.get_submodule(n) for n, m in modes.items() if m == mode], mode)
         apply_auto_choice(self.module, self.auto, self.summary)
         rank_zero_info(f"VitScaleStrategy activation checkpointing {self.summary.memory}")
+
+    def step_flat(self, optimizers: list[torch.optim.Optimizer]) -> list[str]:
+        """One rank computing on copies: elementwise param groups stepped as one flat tensor each
+        (``precision/flat_step.py``), their gradients handed over into its layout. Returns the summary's notes."""
+        copies = self.outer.compute_copies
+        if copies is None:
+            return []
+        groups = flat_step.lay_out(optimizers, copies.params)
+        copies.use_flat_gradients(groups)
+        return flat_step.describe(groups)
 
     def training_step(self, step: Callable[[], Any], mean_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         """Run ``step`` (an out-of-memory error and a second backward's freed storage named); under
