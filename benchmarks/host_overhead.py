@@ -14,7 +14,8 @@ at batch 32 in RESULTS.md's GPU runs). This script measures that host time alone
 is the host's work: the strategy's hooks, casts, DTensor dispatch, the optimizer. ``Trainer.fit`` on one device,
 ``precision="bf16-mixed"``, AdamW; variants interleaved round by round in one process (one thread): plain
 single-device AMP O1 (``strategy="auto"``), ``VitScaleStrategy(activation_checkpointing=False)`` and
-``VitScaleStrategy()`` (the planner's speed-first plan: here the blocks in the outer unit, nothing checkpointed).
+``VitScaleStrategy()`` (the planner's speed-first plan: here the blocks in the outer unit, nothing checkpointed),
+and checkpointing off with the optimizer stepping per tensor (without ``precision/flat_step.py``'s flat groups).
 Every variant runs on one intra-op thread: ``OMP_NUM_THREADS=1`` is set before any fit, or Lightning's launcher (a
 ``strategy="ddp"`` run's too) sets ``torch.set_num_threads(cpus // processes)`` for the strategies and not for
 ``strategy="auto"``, and the strategies' tiny kernels pay for a second thread's synchronization (before 2026-12-03 they
@@ -30,12 +31,14 @@ grouping the planner picks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import lightning as L
 import torch
@@ -51,10 +54,14 @@ sys.path.insert(0, str(ROOT))
 _ONE = {"blocks_per_unit": 1, "reshard_after_forward": True}
 _EIGHT = {"blocks_per_unit": 8, "reshard_after_forward": False}
 FOREACH_AMP = "single AMP O1, foreach AdamW"
+# Checkpointing off with the optimizer stepping each parameter's tensor, as before flat groups
+# (precision/flat_step.py): what the flat step saves, in the same run.
+PER_TENSOR = "VitScaleStrategy(activation_checkpointing=False), per-tensor step"
 STRATEGIES: dict[str, dict | None] = {
     "single AMP O1": None,
     FOREACH_AMP: None,
     "VitScaleStrategy(activation_checkpointing=False)": {"activation_checkpointing": False},
+    PER_TENSOR: {"activation_checkpointing": False},
     "VitScaleStrategy()": {},
     "off, 1 block/unit, resharded": {"activation_checkpointing": False, **_ONE},
     "off, 8 blocks/unit, kept gathered": {"activation_checkpointing": False, **_EIGHT},
@@ -120,7 +127,11 @@ def fit_times(variant: str, accelerator: str, steps: int, warmup: int) -> tuple[
                         max_steps=steps + warmup, callbacks=[timer], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0)
-    trainer.fit(HugeShape(foreach=True if variant == FOREACH_AMP else None), DataLoader(data, batch_size=2))
+    from lightning_vitscale.precision import flat_step
+
+    no_flat_groups = mock.patch.object(flat_step, "lay_out", lambda optimizers, eligible: [])
+    with no_flat_groups if variant == PER_TENSOR else contextlib.nullcontext():
+        trainer.fit(HugeShape(foreach=True if variant == FOREACH_AMP else None), DataLoader(data, batch_size=2))
     return timer.seconds[warmup:], timer.cpu_seconds[warmup:]
 
 
@@ -171,6 +182,7 @@ def main() -> None:
     variants = [v for v in VARIANTS if v in args.variants]
     if args.accelerator == "cuda" and args.variants == list(VARIANTS):
         variants.remove(FOREACH_AMP)  # AdamW's default on a GPU is its foreach step: plain AMP O1 already
+        variants.remove(PER_TENSOR)  # gpu_run.sh's minute for this part: named with --variants when wanted
     if VARIANTS[0] not in variants:
         parser.error(f"--variants must include {VARIANTS[0]!r}: every ratio is to it")
     times: dict[str, list[float]] = {v: [] for v in variants}

@@ -86,6 +86,7 @@ PRIVATE_NAMES = {
     "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam._unsharded_param": "deepcopy: a gathered parameter",
     "torch.distributed.tensor._utils.compute_local_shape_and_global_offset": "a DTensor shard's box (init/)",
     "torch.distributed.tensor.DTensor._local_tensor": "the local shard without an autograd node; flat masters",
+    "torch._utils._unflatten_dense_tensors": "flat groups: views shaped as each parameter in one C++ call",
     "torch.distributed.tensor.DTensor._spec": "a gradient laid out as its parameter, every step",
     "torch.nn.modules.batchnorm._BatchNorm": "norm detection and SyncBatchNorm conversion",
     "torch.nn.modules.instancenorm._InstanceNorm": "norm detection",
@@ -177,6 +178,12 @@ def dtensor_local(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this rank stores: a DTensor's local shard (without ``to_local()``'s autograd node, so
     for writes under ``no_grad`` and reads of detached values), any other tensor itself."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def shaped_views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive views of 1-D ``flat`` shaped as each of ``like``, made in one C++ call (a Python ``view`` each
+    cost ~4 us on CPU: 1.7 ms a step for ViT-H's 390 gradients, against 0.9 ms here)."""
+    return list(torch._utils._unflatten_dense_tensors(flat, like))
 
 
 def rebind_local(param: DTensor, local: torch.Tensor) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import dtensor_like, dtensor_local, foreach_copy_, rebind_local
+from lightning_vitscale._compat import dtensor_like, dtensor_local, foreach_copy_, rebind_local, shaped_views
 from lightning_vitscale.precision.elementwise import steps_locally
 
 _State = dict[str, Any]
@@ -44,6 +44,7 @@ class FlatGroup:
     def __init__(self, params: list[DTensor]) -> None:
         self.params = params
         locals_ = [dtensor_local(p) for p in params]
+        self._like = locals_  # their shapes, until the views below stand in
         self.shapes = [t.shape for t in locals_]
         self.sizes = [t.numel() for t in locals_]
         self.offsets = list(accumulate(self.sizes[:-1], initial=0))
@@ -53,6 +54,7 @@ class FlatGroup:
             foreach_copy_(self.views, locals_)
         for param, view in zip(params, self.views):
             rebind_local(param, view)
+        self._like = self.views  # the tensors before are freed: no second copy of the masters
         self._state: _State | None = None  # the flat state, once a step made it or it was copied in
         self._state_values: list[Any] = []
         self._counters: dict[str, torch.Tensor] = {}  # per counter key, one element per parameter (their views)
@@ -61,22 +63,20 @@ class FlatGroup:
         self._shown_values: list[Any] = []
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [part.view(shape) for part, shape in zip(flat.split(self.sizes), self.shapes)]
+        return shaped_views(flat, self._like)
 
     def gradient_views(self) -> list[torch.Tensor]:
         """Views, shaped as the parameters, of a fresh buffer laid out as the masters: the hand-over casts the
         gradients into them. The buffer lives as long as any of them (``zero_grad`` frees it)."""
         return self._views(torch.empty_like(self.masters))
 
-    def enter(self, group: dict[str, Any], state: dict[Any, _State]) -> bool:
-        """Whether this step runs on the flat tensors; if so the group holds the flat masters, their gradient and
-        state until :meth:`leave`."""
-        params = group["params"]
+    def enter(self, params: list[Any], state: dict[Any, _State]) -> bool:
+        """Whether the group (``params``) steps on the flat tensors this time; if so, until :meth:`leave`, the flat
+        masters hold their gradient and ``state`` their state: the caller gives the group ``[self.masters]``."""
         gradient = self._flat_gradient(params) if self._laid_out(params) else None
         if gradient is None or not self._state_ready(state):
             self._stale = True  # this step runs per tensor, on the per-parameter views
             return False
-        group["params"] = [self.masters]
         self.masters.grad = gradient
         if self._state is not None:
             state[self.masters] = self._state
@@ -238,19 +238,26 @@ def _one_kind(params: list[Any]) -> bool:
     )
 
 
-def enter(optimizer: torch.optim.Optimizer) -> list[FlatGroup]:
-    """The optimizer's flat groups that step flat this time (each group holds its flat masters)."""
+def enter(optimizer: torch.optim.Optimizer) -> dict[int, FlatGroup]:
+    """The optimizer's groups (by index) that step flat this time: the caller gives each its ``[masters]``."""
     layout = _LAYOUTS.get(optimizer)
+    entered: dict[int, FlatGroup] = {}
     if not layout:
-        return []
+        return entered
     state = optimizer.state
-    return [flat for flat, group in zip(layout, optimizer.param_groups)
-            if flat is not None and flat.enter(group, state)]
+    try:
+        for index, (flat, group) in enumerate(zip(layout, optimizer.param_groups)):
+            if flat is not None and flat.enter(group["params"], state):
+                entered[index] = flat
+    except BaseException:
+        leave(optimizer, entered, stepped=False)
+        raise
+    return entered
 
 
-def leave(optimizer: torch.optim.Optimizer, entered: list[FlatGroup], stepped: bool = True) -> None:
+def leave(optimizer: torch.optim.Optimizer, entered: dict[int, FlatGroup], stepped: bool = True) -> None:
     """After the step, the groups holding their parameters again (``stepped=False``: they step otherwise)."""
-    for flat in entered:
+    for flat in entered.values():
         flat.leave(optimizer.state, stepped)
 
 

@@ -38,21 +38,18 @@ def on_local_shards(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
         _swap_back(optimizer, *swapped)
 
 
-def _swap_in(optimizer: torch.optim.Optimizer) -> tuple[list[list[Any]], _Swapped, list[Any]] | None:
+def _swap_in(optimizer: torch.optim.Optimizer) -> tuple[list[list[Any]], _Swapped, dict[int, Any]] | None:
     groups, state = optimizer.param_groups, optimizer.state
     if any(group.get("differentiable") for group in groups):
         return None  # a differentiable step needs the DTensor graph
     originals = [group["params"] for group in groups]
-    flat = flat_step.enter(optimizer)  # those groups hold their flat masters now
-    per_tensor = [group["params"] is params for group, params in zip(groups, originals)]
-    local_groups = [[dtensor_local(p) for p in params] if own else group["params"]
-                    for group, params, own in zip(groups, originals, per_tensor)]
-    pairs = [(local, p) for params, locals_, own in zip(originals, local_groups, per_tensor) if own
+    flat = flat_step.enter(optimizer)  # these groups step their flat masters
+    local_groups = [[flat[i].masters] if i in flat else [dtensor_local(p) for p in params]
+                    for i, params in enumerate(originals)]
+    pairs = [(local, p) for i, (params, locals_) in enumerate(zip(originals, local_groups)) if i not in flat
              for local, p in zip(locals_, params) if local is not p]
     grads = [param.grad for _, param in pairs]
     if (not pairs and not flat) or any(g is not None and not same_placements(g, p) for g, (_, p) in zip(grads, pairs)):
-        for group, params in zip(groups, originals):
-            group["params"] = params
         flat_step.leave(optimizer, flat, stepped=False)  # the optimizer steps the DTensors themselves
         return None
     for group, params in zip(groups, local_groups):
@@ -70,7 +67,7 @@ def _swap_in(optimizer: torch.optim.Optimizer) -> tuple[list[list[Any]], _Swappe
 
 
 def _swap_back(optimizer: torch.optim.Optimizer, originals: list[list[Any]], swapped: _Swapped,
-               flat: list[Any]) -> None:
+               flat: dict[int, Any]) -> None:
     for group, params in zip(optimizer.param_groups, originals):
         group["params"] = params
     flat_step.leave(optimizer, flat)

@@ -108,7 +108,7 @@ class ComputeCopies:
         self._hooked: set[int] = set()
         for copy in self.copies:
             self._follow_requires_grad(copy, copy.requires_grad)
-        self._flat: list[tuple[list[int], FlatGroup]] = []  # param groups stepped flat (precision/flat_step.py)
+        self._flat: list[tuple[list[torch.Tensor], FlatGroup]] = []  # groups stepped flat: their params' copies
         self._queued_in = -1
         self.gathered = False
         self.on_release: Callable[[], None] | None = None
@@ -118,8 +118,9 @@ class ComputeCopies:
         """The gradients of each of ``groups``' parameters handed over into views of one buffer laid out as its flat
         masters, so the optimizer steps the group as one tensor (``precision/flat_step.py``); per tensor where one
         of them has no gradient or already holds one (accumulation onto a gradient kept from before)."""
-        index = {id(p): i for i, p in enumerate(self.params)}
-        self._flat = [([index[id(p)] for p in g.params], g) for g in groups if all(id(p) in index for p in g.params)]
+        copy_of = {id(p): copy for p, copy in zip(self.params, self.copies)}
+        self._flat = [([copy_of[id(p)] for p in group.params], group) for group in groups
+                      if all(id(p) in copy_of for p in group.params)]
 
     def gather(self) -> None:
         """The modules compute on fresh copies of the parameters' current values (also when already gathered: a step
@@ -179,19 +180,18 @@ class ComputeCopies:
         """The copies' gradients, cast to each parameter's dtype, onto the DTensor parameters (summed into any there,
         as autograd would): a flat group's into views of one buffer (one foreach cast), the others one cast per
         tensor (on CPU a foreach copy is no fused kernel, and views of a buffer would cost a call each)."""
-        copies, params = self.copies, self.params
-        for members, group in self._flat:
-            grads = [g for g in (copies[i].grad for i in members) if g is not None]
-            if len(grads) != len(members) or any(params[i].grad is not None for i in members):
+        for copies, group in self._flat:
+            grads = [g for g in (copy.grad for copy in copies) if g is not None]
+            if len(grads) != len(copies) or any(p.grad is not None for p in group.params):
                 continue
             views = group.gradient_views()
             foreach_copy_(views, grads)
-            for i, view in zip(members, views):
-                copies[i].grad = None
-                params[i].grad = dtensor_like(view, params[i])
+            for copy, master, view in zip(copies, group.params, views):
+                copy.grad = None
+                master.grad = dtensor_like(view, master)
         onto: list[torch.Tensor] = []
         added: list[torch.Tensor] = []
-        for param, copy, dtype in zip(params, copies, self._dtypes):
+        for param, copy, dtype in zip(self.params, self.copies, self._dtypes):
             grad = copy.grad
             if grad is None:
                 continue

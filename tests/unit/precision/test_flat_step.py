@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
 from lightning_vitscale import VitScaleStrategy
+from lightning_vitscale._compat import dtensor_like
 from lightning_vitscale.precision import flat_step
 from tests.helpers.models import Classifier, loader
 from tests.helpers.state import snapshot
@@ -210,3 +211,22 @@ def test_the_masters_moved_into_flat_buffers_leave_no_second_copy(monkeypatch):
     gc.collect()
     assert before and not [ref for ref in before if ref() is not None]
     assert all(p._local_tensor._base is not None for p in module.parameters())  # they live in the flat buffers
+
+
+def test_a_group_that_fails_to_enter_leaves_the_groups_entered_before_it_as_they_were(monkeypatch):
+    module, run, _ = fit(Grouped, steps=2)
+    optimizer = run.optimizers[0]
+    first, second = flat_step._LAYOUTS[optimizer]
+    for flat in (first, second):  # gradients laid out as the hand-over lays them out
+        for param, view in zip(flat.params, flat.gradient_views()):
+            param.grad = dtensor_like(view.normal_(), param)
+    assert first.enter(first.params, optimizer.state)  # it can step flat
+    first.leave(optimizer.state, stepped=False)
+
+    def failing(state):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(second, "_state_ready", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        flat_step.enter(optimizer)
+    assert first.masters.grad is None and first.masters not in optimizer.state
