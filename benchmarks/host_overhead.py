@@ -7,6 +7,7 @@ Usage::
     python benchmarks/host_overhead.py --rounds 8 --json out.json
     python benchmarks/host_overhead.py --variants "single AMP O1" "off, 1 block/unit, resharded"
     python benchmarks/host_overhead.py --dry-run              # 1 round of 2 steps on CPU (gpu_run.sh's dry run)
+    python benchmarks/host_overhead.py --time-calls           # also each call of the one-rank step's own parts
 
 On a GPU a step is host-bound when the host takes longer to issue its kernels than the GPU takes to run them (ViT-H
 at batch 32 in RESULTS.md's GPU runs). This script measures that host time alone: ViT-H's structure (32 blocks,
@@ -37,6 +38,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -110,7 +112,41 @@ class StepTimer(L.Callback):
         self.cpu_seconds.append(time.thread_time() - self.cpu_start)
 
 
-def fit_times(variant: str, accelerator: str, steps: int, warmup: int) -> tuple[list[float], list[float]]:
+class CallTimer:
+    """This thread's CPU time in each call of the one-rank step's own parts (``--time-calls``): the optimizer
+    section (the swap to local tensors and back, the non-finite check, the step, as ``precision/plugin.py`` runs
+    it) and the gradient hand-over at the end of each backward (``sharding/compute_copies.py``)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, list[float]] = {"optimizer section": [], "gradient hand-over": []}
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        from lightning_vitscale.precision import plugin
+        from lightning_vitscale.sharding.compute_copies import ComputeCopies
+
+        section, hand_over = plugin.on_local_shards, ComputeCopies.hand_over_gradients
+        record = self.seconds
+
+        @contextlib.contextmanager
+        def timed_section(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
+            start = time.thread_time()
+            with section(optimizer) as swapped:
+                yield swapped
+            record["optimizer section"].append(time.thread_time() - start)
+
+        def timed_hand_over(copies: ComputeCopies) -> None:
+            start = time.thread_time()
+            hand_over(copies)
+            record["gradient hand-over"].append(time.thread_time() - start)
+
+        with mock.patch.object(plugin, "on_local_shards", timed_section), \
+                mock.patch.object(ComputeCopies, "hand_over_gradients", timed_hand_over):
+            yield
+
+
+def fit_times(variant: str, accelerator: str, steps: int, warmup: int,
+              calls: CallTimer | None = None) -> tuple[list[float], list[float]]:
     """Wall and CPU seconds of each step after ``warmup`` of one fit of ``variant``."""
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -130,8 +166,13 @@ def fit_times(variant: str, accelerator: str, steps: int, warmup: int) -> tuple[
     from lightning_vitscale.precision import flat_step
 
     no_flat_groups = mock.patch.object(flat_step, "lay_out", lambda optimizers, eligible: [])
-    with no_flat_groups if variant == PER_TENSOR else contextlib.nullcontext():
+    timed = CallTimer()
+    with no_flat_groups if variant == PER_TENSOR else contextlib.nullcontext(), \
+            timed.installed() if calls is not None else contextlib.nullcontext():
         trainer.fit(HugeShape(foreach=True if variant == FOREACH_AMP else None), DataLoader(data, batch_size=2))
+    if calls is not None:
+        for name, seconds in timed.seconds.items():
+            calls.seconds[name] += seconds[warmup:]
     return timer.seconds[warmup:], timer.cpu_seconds[warmup:]
 
 
@@ -173,6 +214,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), metavar="NAME",
                         help=f"which variants to time (default: all of {', '.join(VARIANTS)})")
     parser.add_argument("--json", help="also write the numbers here")
+    parser.add_argument("--time-calls", action="store_true",
+                        help="also time the one-rank step's optimizer section and gradient hand-over per call")
     parser.add_argument("--dry-run", action="store_true", help="CPU, one round of 2 steps: checks the script")
     args = parser.parse_args()
     if args.dry_run:
@@ -188,9 +231,10 @@ def main() -> None:
     times: dict[str, list[float]] = {v: [] for v in variants}
     cpu_times: dict[str, list[float]] = {v: [] for v in variants}
     rounds: dict[str, list[list[float]]] = {v: [] for v in variants}  # each fit's CPU ms per timed step
+    calls = {v: CallTimer() for v in variants} if args.time_calls else {}
     for r in range(args.rounds):
         for variant in variants[r % len(variants):] + variants[:r % len(variants)]:
-            wall, cpu = fit_times(variant, args.accelerator, args.steps, args.warmup)
+            wall, cpu = fit_times(variant, args.accelerator, args.steps, args.warmup, calls.get(variant))
             times[variant] += wall
             cpu_times[variant] += cpu
             rounds[variant].append([round(1e3 * c, 3) for c in cpu])
@@ -198,8 +242,14 @@ def main() -> None:
               "ms_per_step": {v: 1e3 * statistics.median(t) for v, t in times.items()},
               "cpu_ms_per_step": {v: 1e3 * statistics.median(t) for v, t in cpu_times.items()},
               "cpu_ms_steps": rounds}
+    if calls:
+        result["cpu_ms_per_call"] = {v: {name: 1e3 * statistics.median(t) for name, t in timer.seconds.items() if t}
+                                     for v, timer in calls.items()}
     print(table(result))
     print(round_ratios(result))
+    for variant, parts in result.get("cpu_ms_per_call", {}).items():
+        if parts:
+            print(f"{variant}: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in parts.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 
