@@ -23,6 +23,8 @@ from tests.helpers.state import snapshot
 Make = Callable[[list[dict]], torch.optim.Optimizer]
 OPTIMIZERS: dict[str, Make] = {
     "AdamW": lambda groups: torch.optim.AdamW(groups, lr=1e-3),
+    "AdamW fused": lambda groups: torch.optim.AdamW(groups, lr=1e-3, fused=True),  # a GPU's default: counters on
+    # the parameters' device
     "SGD momentum": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9),
     "SGD": lambda groups: torch.optim.SGD(groups, lr=0.1),
     "Adagrad": lambda groups: torch.optim.Adagrad(groups, lr=0.05),  # state made in its constructor
@@ -48,12 +50,12 @@ class AtEnd(Callback):
         self.state = snapshot(pl_module, trainer)
 
 
-def fit(make: Callable[[], L.LightningModule], steps: int = 5, ckpt_path=None, callbacks=(),
+def fit(make: Callable[[], L.LightningModule], steps: int = 5, ckpt_path=None, callbacks=(), accelerator: str = "cpu",
         **trainer) -> tuple[L.LightningModule, L.Trainer, dict]:
     L.seed_everything(0, verbose=False)
     module = make()
     at_end = AtEnd()
-    run = L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(activation_checkpointing=False),
+    run = L.Trainer(accelerator=accelerator, devices=1, strategy=VitScaleStrategy(activation_checkpointing=False),
                     precision="bf16-mixed", max_steps=steps, logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                     limit_val_batches=0, callbacks=[at_end, *callbacks], **trainer)
