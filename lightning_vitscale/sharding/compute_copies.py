@@ -178,8 +178,8 @@ class ComputeCopies:
     @torch.no_grad()
     def hand_over_gradients(self) -> None:
         """The copies' gradients, cast to each parameter's dtype, onto the DTensor parameters (summed into any there,
-        as autograd would): a flat group's into views of one buffer (one foreach cast), the others one cast per
-        tensor (on CPU a foreach copy is no fused kernel, and views of a buffer would cost a call each)."""
+        as autograd would): a flat group's into views of one buffer laid out as its masters (one foreach cast), the
+        others one cast per tensor (on CPU a foreach copy is no fused kernel: the casts cost the same either way)."""
         for copies, group in self._flat:
             grads = [g for g in (copy.grad for copy in copies) if g is not None]
             if len(grads) != len(copies) or any(p.grad is not None for p in group.params):
