@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
 from lightning_vitscale._compat import dtensor_like, dtensor_local, foreach_copy_, rebind_local, shaped_views
 from lightning_vitscale.precision.elementwise import steps_locally
@@ -36,6 +37,8 @@ _State = dict[str, Any]
 
 # Per optimizer, per param group (by index): its flat layout, or None where the group steps per tensor.
 _LAYOUTS: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[FlatGroup | None]] = weakref.WeakKeyDictionary()
+# Per laid-out optimizer, its step post-hook (_stepped): one, however often it is laid out.
+_HOOKS: weakref.WeakKeyDictionary[torch.optim.Optimizer, RemovableHandle] = weakref.WeakKeyDictionary()
 
 
 class FlatGroup:
@@ -59,6 +62,7 @@ class FlatGroup:
         self._state_values: list[Any] = []
         self._counters: dict[str, torch.Tensor] = {}  # per counter key, one element per parameter (their views)
         self._stale = False  # a step since ran per tensor: the per-parameter state is the truth
+        self._inside = False  # between enter and leave
         self._shown: list[_State] = []  # the per-parameter dicts showing it in `optimizer.state`
         self._shown_values: list[Any] = []
 
@@ -80,12 +84,14 @@ class FlatGroup:
         self.masters.grad = gradient
         if self._state is not None:
             state[self.masters] = self._state
+        self._inside = True
         return True
 
     def leave(self, state: dict[Any, _State], stepped: bool = True) -> None:
         """After the step (the group holds its parameters again): the state the step made, shown per parameter.
         ``stepped=False``: no flat step ran; the parameters step some other way."""
         self.masters.grad = None
+        self._inside = False
         after = state.pop(self.masters, None)
         if not stepped:
             self._stale = True
@@ -226,7 +232,18 @@ def lay_out(optimizers: Sequence[torch.optim.Optimizer], eligible: Sequence[torc
                 made.append(flat)
             layout.append(flat)
         _LAYOUTS[optimizer] = layout
+        if optimizer not in _HOOKS and any(layout):
+            _HOOKS[optimizer] = optimizer.register_step_post_hook(_stepped)
     return made
+
+
+def _stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After every ``optimizer.step()``: a flat group not stepping flat in it (a raw ``optimizer.step()`` that
+    bypassed Lightning's, on the per-parameter views) takes its per-parameter state as the truth at its next flat
+    step, whose counters may no longer agree."""
+    for flat in _LAYOUTS.get(optimizer) or ():
+        if flat is not None and not flat._inside:
+            flat._stale = True
 
 
 def _one_kind(params: list[Any]) -> bool:

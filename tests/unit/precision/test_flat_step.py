@@ -110,9 +110,13 @@ def assert_equal(a: dict, b: dict) -> None:
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-def test_param_groups_step_flat_bit_for_bit_as_per_tensor(optimizer, per_tensor, flat_steps):
+def test_param_groups_step_flat_bit_for_bit_as_per_tensor(optimizer, per_tensor, flat_steps, monkeypatch):
+    copied_in: list[int] = []
+    copy_in = flat_step.FlatGroup._copy_in
+    monkeypatch.setattr(flat_step.FlatGroup, "_copy_in", lambda *args: copied_in.append(1) or copy_in(*args))
     module, run, flat = fit(lambda: Grouped(optimizer))
     assert flat_steps == [2] * 5  # both groups, every step
+    assert len(copied_in) == (2 if optimizer == "Adagrad" else 0)  # its constructor's state, once per group
     assert any("stepped as one flat tensor" in note for note in run.strategy.plan.notes)
     if optimizer != "SGD":  # SGD keeps no state
         assert state_is_flat(run)
@@ -174,11 +178,34 @@ class ReplacedCounter(Callback):
             optimizer.state[pl_module.backbone.head.weight]["step"] = torch.tensor(10.0)
 
 
+class RawStep(Grouped):
+    """Manual optimization that once steps the torch optimizer itself, bypassing Lightning's step, on all parameters
+    but one (legal under DDP): the counters then disagree, and the flat step must notice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        self.losses.append(loss.item())
+        self.manual_backward(loss)
+        if batch_idx == 1:
+            self.backbone.head.weight.grad = None
+            optimizer.optimizer.step()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+
+
 @pytest.mark.parametrize(("make", "callbacks", "expected_flat"), [
     (UnusedParameter, (), [1] * 5),  # the decay group lacks the mask token's gradient; the other group is flat
     (Grouped, (ReplacedGradient(),), [2, 2, 1, 2, 2]),
     (Grouped, (ReplacedCounter(),), [2, 2, 1, 1, 1]),
-], ids=["no gradient", "replaced gradient", "disagreeing counters"])
+    (RawStep, (), [2, 1, 1, 1, 1]),  # the raw step (one more batch) enters nothing; then the decay group disagrees
+], ids=["no gradient", "replaced gradient", "disagreeing counters", "raw optimizer step"])
 def test_what_does_not_match_the_layout_steps_per_tensor_as_before(make, callbacks, expected_flat, per_tensor,
                                                                     flat_steps):
     module, _, flat = fit(make, callbacks=callbacks)
