@@ -12,7 +12,7 @@ An elementwise update of a flat tensor is the per-tensor update of each of its v
 
 A step that does not match the layout steps per tensor, as before:
 - a gradient missing or replaced;
-- a parameter's tensor rebound;
+- a parameter's local tensor rebound since;
 - state whose counters differ between parameters.
 State replaced from outside (a resume, ``Adagrad``'s constructor) is copied into flat buffers first, when its
 elementwise values have the parameters' shapes and its counters agree, so a resumed run steps flat again.
@@ -105,8 +105,8 @@ class FlatGroup:
             counters[1:].fill_(counters[0])
 
     def _laid_out(self, params: list[Any]) -> bool:
-        """The group's parameters are still the laid-out ones, each still holding its view of the masters (not
-        rebound since by ``param.data = ...``)."""
+        """The group's parameters are still the laid-out ones, each still holding its view of the masters (its
+        local tensor not rebound since, as a later layout or FSDP2 would)."""
         return (len(params) == len(self.params) and all(map(operator.is_, params, self.params))
                 and all(map(operator.is_, (dtensor_local(p) for p in params), self.views)))
 
