@@ -100,9 +100,9 @@ part profile 90 "$python" benchmarks/gpu_profile.py "${dry[@]}" --model vit-b16 
 part planner 60 "${vit[@]}" --stem planner --planner --planner-model vit-l16 --planner-batches 32 64 \
     --warmup 2 --steps 2 --windows 1 --timeout 60
 if [[ ${#dry[@]} -eq 0 ]]; then
-    part host 60 "$python" benchmarks/host_overhead.py --accelerator cuda --rounds 2 --steps 10 --json "$work/host.json"
+    part host 60 "$python" benchmarks/host_overhead.py --accelerator cuda --rounds 2 --steps 10 --time-calls --json "$work/host.json"
 else
-    part host 60 "$python" benchmarks/host_overhead.py --dry-run --json "$work/host.json"
+    part host 60 "$python" benchmarks/host_overhead.py --dry-run --time-calls --json "$work/host.json"
 fi
 part pytest 200 "$python" -m pytest -m gpu tests/gpu -v -rfE -p no:cacheprovider --timeout 100 \
     --junitxml "$work/pytest.xml"

@@ -215,7 +215,8 @@ def main() -> None:
                         help=f"which variants to time (default: all of {', '.join(VARIANTS)})")
     parser.add_argument("--json", help="also write the numbers here")
     parser.add_argument("--time-calls", action="store_true",
-                        help="also time the one-rank step's optimizer section and gradient hand-over per call")
+                        help="also time the one-rank step's optimizer section and gradient hand-over per call"
+                             " (this thread's CPU time: on a GPU it includes a synchronizing wait's spin)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, one round of 2 steps: checks the script")
     args = parser.parse_args()
     if args.dry_run:

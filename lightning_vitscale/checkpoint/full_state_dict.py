@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_vitscale._compat import tree_map
+from lightning_vitscale._compat import dtensor_local, tree_map
 from lightning_vitscale.checkpoint.errors import StateDictGatherError
 from lightning_vitscale.distributed import collective_guard
 from lightning_vitscale.row_layout import PACKED_ROWS, interleaved_rows, packed_rows, reorder_packed
@@ -120,9 +120,11 @@ def full_tensor_on(value: DTensor, device: torch.device) -> torch.Tensor:
     if value.device.type != mesh_device:  # offload="cpu": host shards, gathered by the device's backend (NCCL)
         value = cast(DTensor, value.to(mesh_device))
     whole = value.full_tensor().to(device)
-    # One rank: the local tensor itself, maybe a view of the flat masters (precision/flat_step.py), whose shared
-    # storage safetensors refuses and torch.save would write whole: a tensor of its own instead.
-    return whole.clone() if whole._base is not None else whole
+    # One rank: the local tensor itself (the live parameter, or a view of the flat masters of precision/flat_step.py,
+    # whose shared storage safetensors refuses): a tensor of its own instead, as every rank gets on N ranks.
+    if whole.untyped_storage().data_ptr() == dtensor_local(value).untyped_storage().data_ptr():
+        whole = whole.clone()
+    return whole
 
 
 def gather_sharded_entries(

@@ -118,9 +118,9 @@ def _gather_into(memo: dict[int, Any], modules: list[nn.Module], outer: nn.Modul
 
 def _whole(sharded: DTensor, module: nn.Module) -> torch.Tensor:
     """The whole parameter on the device its shard is on (host memory for ``offload="cpu"``), in the model's rows."""
-    whole = full_tensor_on(sharded, sharded.device)
+    whole = full_tensor_on(sharded, sharded.device)  # a tensor of its own, never the live shard
     packed = module.__dict__.get(PACKED_ROWS)  # a projection packed for tensor parallelism: per-rank row order
-    return (model_rows(whole, *packed) if packed is not None else whole).detach().clone()
+    return (model_rows(whole, *packed) if packed is not None else whole).detach()
 
 
 def _gathered_to_sharded(outer: nn.Module | None) -> dict[int, DTensor]:

@@ -223,6 +223,8 @@ def test_the_state_dict_gives_tensors_of_their_own_not_views_of_the_flat_masters
     state = module.state_dict()
     storages = [value.untyped_storage().data_ptr() for value in state.values()]
     assert len(set(storages)) == len(storages)  # safetensors refuses tensors that share storage
+    live = {p._local_tensor.untyped_storage().data_ptr() for p in module.parameters()}
+    assert not live & set(storages)  # nor the live parameters' (as every rank's on N ranks)
 
 
 def test_the_masters_moved_into_flat_buffers_leave_no_second_copy(monkeypatch):

@@ -54,6 +54,8 @@ def test_a_deep_copy_after_fit_is_the_plain_module_with_whole_parameters(layout)
     assert all(type(p) is nn.Parameter and p.dtype == torch.float32 for p in twin.parameters())
     assert list(twin.state_dict()) == list(state)
     assert all(torch.equal(twin.state_dict()[key], value) for key, value in state.items())
+    live = {p._local_tensor.untyped_storage().data_ptr() for p in module.parameters()}
+    assert not live & {p.untyped_storage().data_ptr() for p in twin.parameters()}  # its own memory, as DDP's copy
     plain = Classifier()
     plain.load_state_dict(state)
     assert torch.equal(output(twin), output(plain))
