@@ -19,10 +19,12 @@ from lightning_vitscale._compat import tree_leaves, tree_map
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A tensor argument as recorded: its shape and dtype (the values of a fake run mean nothing)."""
+    """A tensor argument as recorded: its shape and dtype (the values of a fake run mean nothing), and whether the
+    step's autograd flows through it (the planner replays a block's backward as the step runs it)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    requires_grad: bool = False
 
 
 @dataclass

@@ -29,6 +29,7 @@ from lightning_vitscale._compat import (
     storage_id,
     tree_map,
 )
+from lightning_vitscale.discovery.calls import TensorSpec
 from lightning_vitscale.memory.block_identity import block_key
 from lightning_vitscale.memory.op_costs import BlockWork, OpWork, tensors_of
 from lightning_vitscale.memory.selective_ops import selective_contexts
@@ -180,14 +181,21 @@ def _fp32_norm_hooks(norms: list[nn.Module], compute: torch.dtype) -> Iterator[N
         yield
 
 
+Arguments = tuple[tuple[Any, ...], dict[str, Any]]
+"""A block's positional and keyword arguments as its first call got them, tensors as :class:`TensorSpec`."""
+
+
 @dataclass
 class _Recorder:
-    """Who saved each storage first (and how many block forwards had ended then), and each block's input."""
+    """Who saved each storage first (and how many block forwards had ended then), and each block's input (its first
+    floating tensor argument) and whole arguments (``block(x, thw)``, ``layer(hidden, mask=...)``: a block is
+    measured alone on what the step gave it)."""
 
     excluded: set[int]
     current: int | None = None
     owner: dict[int, tuple[int | None, int, int]] = field(default_factory=dict)  # block, bytes, blocks_done then
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    arguments: dict[int, Arguments] = field(default_factory=dict)
     blocks_done: int = 0  # block forwards ended so far
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -197,11 +205,12 @@ class _Recorder:
         return tensor
 
     def enter(self, index: int) -> Callable[..., None]:
-        def hook(_: nn.Module, args: tuple[Any, ...]) -> None:
+        def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             self.current = index
-            first = next((t for t in tensors_of(args) if t.is_floating_point()), None)
-            if first is not None:
-                self.inputs.setdefault(index, first)
+            first = next((t for t in tensors_of((args, kwargs)) if t.is_floating_point()), None)
+            if first is not None and index not in self.inputs:
+                self.inputs[index] = first
+                self.arguments[index] = tree_map(functools.partial(_spec, first=first), (args, kwargs))
 
         return hook
 
@@ -270,7 +279,7 @@ def measure_activations(
                         for p in m.parameters(recurse=False) if p.requires_grad}
         outer_use = _OuterParameterUse(outer_params, recorder)
         handles = [h for i, (_, b) in enumerate(blocks) for h in (
-            b.register_forward_pre_hook(recorder.enter(i)), b.register_forward_hook(recorder.leave))]
+            b.register_forward_pre_hook(recorder.enter(i), with_kwargs=True), b.register_forward_hook(recorder.leave))]
         handles += [h for i, (_, b) in enumerate(blocks) for h in (all_reduces.watching(i, b) if all_reduces else [])]
         with removing(handles), mode, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), outer_use:
             if call is not None:
@@ -301,11 +310,12 @@ def _block_memory(
 ) -> BlockMemory:
     """A fake forward + backward of ``block`` per checkpointing in ``needed`` (non-reentrant, early stop, as the
     strategy applies it), its forward's work and a full recompute's; once per equal block in ``measured``."""
-    x = recorder.inputs.get(index)
-    if x is None:  # the block never ran in this forward: it costs nothing for this batch
+    x, arguments = recorder.inputs.get(index), recorder.arguments.get(index)
+    if x is None or arguments is None:  # the block never ran in this forward: it costs nothing for this batch
         return BlockMemory(name, 0, 0, 0, 0)
     size = x.untyped_storage().nbytes()  # a view's whole storage is what a checkpoint keeps
-    key = block_key(block, x), size, None if all_reduces is None else tuple(sorted(all_reduces.roles[index].items()))
+    roles = None if all_reduces is None else tuple(sorted(all_reduces.roles[index].items()))
+    key = block_key(block, arguments), size, roles
     for kind in sorted(needed):  # the first pass counts the forward's work; a full one its recompute's too
         if (key, kind) in measured:
             continue
@@ -314,16 +324,16 @@ def _block_memory(
         resent: list[int] = []
         watch = None if all_reduces is None else functools.partial(all_reduces.watching, index, block, resent)
         if kind == "none":
-            measured[key, kind] = _peak_beyond_forward(block, x, mode, None, work)
+            measured[key, kind] = _peak_beyond_forward(block, arguments, mode, None, work)
         elif kind == "full":
             repeated = OpWork()  # the recompute's own context: what backward really reruns
             contexts = functools.partial(lambda r: (contextlib.nullcontext(), r), repeated)
-            measured[key, kind] = _peak_beyond_forward(block, x, mode, contexts, work, watch) + size
+            measured[key, kind] = _peak_beyond_forward(block, arguments, mode, contexts, work, watch) + size
             measured[key, "recompute"] = repeated.result()
         else:
             assert work is not None
             try:
-                selective = _peak_beyond_forward(block, x, mode, selective_contexts, work, watch)
+                selective = _peak_beyond_forward(block, arguments, mode, selective_contexts, work, watch)
             except RuntimeError as error:  # an in-place op on an output it keeps (torchvision's SE: SiLU(inplace))
                 if "selective activation checkpoint" not in str(error):
                     raise
@@ -358,20 +368,23 @@ def _block_memory(
 
 
 def _peak_beyond_forward(
-    block: nn.Module, x: torch.Tensor, mode: FakeTensorMode, checkpoint: Callable[[], Any] | None,
+    block: nn.Module, arguments: torch.Tensor | Arguments, mode: FakeTensorMode, checkpoint: Callable[[], Any] | None,
     work: OpWork | None = None, watch: Callable[[], list[RemovableHandle]] | None = None,
 ) -> int:
-    """Peak bytes of the block's backward above what its forward left alive; ``checkpoint``: the ``context_fn`` it
-    runs under ``torch.utils.checkpoint`` with; ``work``: counts the forward; ``watch``: hooks for the backward (the
-    recompute). Selective checkpointing's cached outputs are detached aliases :class:`LiveBytes` misses:
-    ``work.saved_bytes`` has them."""
+    """Peak bytes of the block's backward above what its forward left alive, called on ``arguments`` (or a tensor
+    alone); ``checkpoint``: the ``context_fn`` it runs under ``torch.utils.checkpoint`` with; ``work``: counts the
+    forward; ``watch``: hooks for the backward (the recompute). Selective checkpointing's cached outputs are detached
+    aliases :class:`LiveBytes` misses: ``work.saved_bytes`` has them."""
+    if isinstance(arguments, torch.Tensor):
+        arguments = ((_spec(arguments, arguments),), {})
+    with mode:
+        args, kwargs = _made(arguments)  # not the block's work
     with work if work is not None else contextlib.nullcontext():  # first: below the checkpoint's own modes
         with mode:
-            inp = torch.empty(x.shape, dtype=x.dtype, device=_CPU, requires_grad=True)
             tracker = LiveBytes()
             with tracker:
-                out = (block(inp) if checkpoint is None else
-                       torch.utils.checkpoint.checkpoint(block, inp, use_reentrant=False, context_fn=checkpoint))
+                out = (block(*args, **kwargs) if checkpoint is None else torch.utils.checkpoint.checkpoint(
+                    block, *args, use_reentrant=False, context_fn=checkpoint, **kwargs))
                 first = next(t for t in tensors_of(out) if t.requires_grad)
                 base = tracker.peak = tracker.current()
                 if work is not None:
@@ -383,3 +396,18 @@ def _peak_beyond_forward(
     for p in block.parameters():
         p.grad = None
     return tracker.peak - base
+
+
+def _spec(value: Any, first: torch.Tensor) -> Any:
+    """A recorded argument: a tensor as its :class:`TensorSpec`; ``first`` (the block's input) requires grad, as the
+    step's activations do (the model's input, the first block's, need not: blocks alike are measured once)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    grad = value is first or (value.requires_grad and value.is_floating_point())
+    return TensorSpec(tuple(value.shape), value.dtype, grad)
+
+
+def _made(arguments: Arguments) -> Arguments:
+    """Fresh fake tensors for the recorded ``arguments``, with no autograd history from the whole forward."""
+    return tree_map(lambda v: torch.empty(v.shape, dtype=v.dtype, device=_CPU, requires_grad=v.requires_grad)
+                    if isinstance(v, TensorSpec) else v, arguments)

@@ -17,19 +17,21 @@ import torch
 from torch import nn
 
 from lightning_vitscale._compat import hook_counts
+from lightning_vitscale.discovery.calls import TensorSpec
 
 _PLAIN = (bool, int, str, type(None))
 
 
-def block_key(block: nn.Module, x: torch.Tensor) -> Hashable:
-    """Equal for two blocks (with their inputs) that run the same ops on the same shapes."""
+def block_key(block: nn.Module, arguments: Any) -> Hashable:
+    """Equal for two blocks (with their arguments: tensors as ``TensorSpec``) that run the same ops on the same
+    shapes."""
     modules = tuple(
         (name, type(m), type(m).forward, m.training, hook_counts(m), _attributes(m),
          tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in m.named_parameters(recurse=False)),
          tuple((n, tuple(b.shape), b.dtype) for n, b in m.named_buffers(recurse=False)))
         for name, m in block.named_modules()
     )
-    return modules, tuple(x.shape), x.dtype
+    return modules, _value_key(arguments)
 
 
 def _attributes(module: nn.Module) -> tuple[tuple[str, Hashable], ...]:
@@ -50,6 +52,8 @@ def _value_key(value: Any) -> Hashable:
         return str(value)
     if isinstance(value, torch.Tensor):
         return "tensor", tuple(value.shape), value.dtype
+    if isinstance(value, TensorSpec):
+        return value
     if isinstance(value, functools.partial):  # e.g. an activation with its approximation bound
         return "partial", _value_key(value.func), _value_key(list(value.args)), _value_key(value.keywords)
     if callable(value):

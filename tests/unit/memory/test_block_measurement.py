@@ -1,13 +1,17 @@
 """What the planner measures per block, and how often: blocks that run different code are measured apart, equal
-ones once, and a block whose checkpointing is settled only for that checkpointing (a third of the setup work)."""
+ones once, and a block whose checkpointing is settled only for that checkpointing (a third of the setup work).
+A block is measured on the arguments the step gave it, not its input alone (MViT's ``block(x, thw)``)."""
 
 from __future__ import annotations
 
 import functools
 
+import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vitscale.cli.demo import TinyViT
 from lightning_vitscale.memory import activations
@@ -135,3 +139,94 @@ def test_a_measurement_asks_once_whether_a_gpu_may_be_initialised(monkeypatch):
     blocks = [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
     measure_activations(model, blocks, torch.randn(2, 3, 32, 32))
     assert 1 <= len(calls) <= 2, len(calls)
+
+
+class Told(nn.Module):
+    """MViT's pattern: ``block(x, thw)`` returns ``(x, thw)`` and its ops depend on the shape it is told (windows of
+    ``thw[1]`` tokens here); a keyword tensor without a gradient (an additive bias, as HF's attention masks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, thw: tuple[int, int], bias: torch.Tensor | None = None):
+        b, n, d = x.shape
+        groups = x.reshape(b * thw[0], thw[1], d)
+        mixed = (groups @ groups.transpose(-1, -2)).softmax(-1) @ groups
+        out = self.proj(mixed.reshape(b, n, d))
+        return (out if bias is None else out + bias), thw
+
+
+class Baked(Told):
+    """The same block told nothing: its shape and bias are its own."""
+
+    def __init__(self, thw: tuple[int, int]) -> None:
+        super().__init__()
+        self.thw = thw
+        self.register_buffer("bias", torch.zeros(DIM))
+
+    def forward(self, x: torch.Tensor):  # type: ignore[override]
+        return super().forward(x, self.thw, bias=self.bias)[0]
+
+
+class TellingNet(nn.Module):
+    """Passes each block its window shape, and a bias by keyword; ``baked``: the same net of :class:`Baked` blocks."""
+
+    def __init__(self, shapes: list[tuple[int, int]], baked: bool = False) -> None:
+        super().__init__()
+        self.shapes = shapes
+        self.blocks = nn.ModuleList(Baked(s) if baked else Told() for s in shapes)
+        self.register_buffer("bias", torch.zeros(DIM))
+        self.baked = baked
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block, thw in zip(self.blocks, self.shapes, strict=True):
+            x = block(x) if self.baked else block(x, thw, bias=self.bias)[0]
+        return x
+
+
+SHAPES = [(4, TOKENS // 4), (TOKENS, 1)]  # 4 windows of 8 tokens, then 32 windows of one: other attention work
+
+
+def test_a_block_called_with_more_arguments_is_measured_on_them_as_the_same_block_told_nothing(monkeypatch):
+    """Before, a block was measured alone on its first input: ``block(x)`` raised on MViT's ``block(x, thw)``, so
+    ``VitScaleStrategy()`` could not plan for speed and checkpointed every block. Blocks told other shapes run other
+    ops and are measured apart. Mutations seen failing: the block replayed on its input alone (TypeError); the
+    pass's key without the arguments (the second block's work is the first's)."""
+    monkeypatch.setattr(activations, "_PASSES", {})
+    example = torch.empty(BATCH, TOKENS, DIM)
+    told, baked = TellingNet(SHAPES), TellingNet(SHAPES, baked=True)
+    measured = [measure_activations(net, [(f"blocks.{i}", b) for i, b in enumerate(net.blocks)], example).blocks
+                for net in (told, baked)]
+    assert measured[0] == measured[1]
+    linear = 2 * BATCH * TOKENS * DIM * DIM
+    assert [b.work.flops for b in measured[0]] == [attention_flops(TOKENS // 4) + linear, attention_flops(1) + linear]
+    assert all(b.recompute > 0 and b.backward > 0 and b.selective_backward > 0 for b in measured[0])
+
+
+class TellingClassifier(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.head = TellingNet(SHAPES), nn.Linear(DIM, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.head(self.net(x).mean(1)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_the_default_plans_for_speed_a_model_whose_blocks_take_more_arguments():
+    """Through ``Trainer.fit``: ``VitScaleStrategy()`` measures the step and takes the planner's plan (memory to
+    spare: nothing checkpointed), not the recipe's fallback for a step it could not measure."""
+    from lightning_vitscale import VitScaleStrategy
+
+    data = TensorDataset(torch.randn(8, TOKENS, DIM), torch.randint(0, 4, (8,)))
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(), max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(TellingClassifier(), DataLoader(data, batch_size=4))
+    summary = trainer.strategy.plan.summary()
+    assert "could not" not in summary and "through training_step" in summary, summary
+    assert "checkpointed blocks : 0 of 2" in summary, summary
+    assert trainer.global_step == 2
