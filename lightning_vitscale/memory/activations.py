@@ -262,7 +262,9 @@ def measure_activations(
     norm_ids = {id(m) for m in norms or []}
     # Through a custom ``call`` (a training_step) a ``.item()`` (a loss appended to a list) gives a symbolic number
     # instead of failing; branching on it still fails.
-    mode = _FakeMode(shape_env=ShapeEnv()) if call is not None else _FakeMode()
+    # A plain tensor attribute (neither parameter nor buffer: HF VideoMAE's position table) stays real; an op meeting
+    # it takes it as a constant instead of failing the measurement.
+    mode = _FakeMode(shape_env=ShapeEnv() if call is not None else None, allow_non_fake_inputs=True)
     with fake_parameters(model, mode, compute, lambda m: id(m) in norm_ids), _fp32_norm_hooks(norms or [], compute):
         with mode:
             fake_input = tree_map(lambda v: v if not isinstance(v, torch.Tensor) else torch.empty(

@@ -204,10 +204,26 @@ def test_a_block_called_with_more_arguments_is_measured_on_them_as_the_same_bloc
     assert all(b.recompute > 0 and b.backward > 0 and b.selective_backward > 0 for b in measured[0])
 
 
-class TellingClassifier(L.LightningModule):
+class PlainTableNet(nn.Module):
+    """HF VideoMAE's pattern: a fixed position table kept as a plain tensor attribute (neither a parameter nor a
+    buffer: the measurement's fake tensors do not replace it), added in ``forward``."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.net, self.head = TellingNet(SHAPES), nn.Linear(DIM, 4)
+        self.table = torch.randn(1, TOKENS, DIM)
+        self.blocks = nn.ModuleList([Attending(4), Attending(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.table.detach().to(x.device)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class TellingClassifier(L.LightningModule):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net, self.head = net, nn.Linear(DIM, 4)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -217,15 +233,18 @@ class TellingClassifier(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_the_default_plans_for_speed_a_model_whose_blocks_take_more_arguments():
+@pytest.mark.parametrize("net", [functools.partial(TellingNet, SHAPES), PlainTableNet], ids=["told", "plain_table"])
+def test_the_default_plans_for_speed_a_model_whose_blocks_take_more_arguments_or_that_holds_a_plain_tensor(net):
     """Through ``Trainer.fit``: ``VitScaleStrategy()`` measures the step and takes the planner's plan (memory to
-    spare: nothing checkpointed), not the recipe's fallback for a step it could not measure."""
+    spare: nothing checkpointed), not the recipe's fallback for a step it could not measure. A plain tensor
+    attribute met a fake tensor in an op and failed the measurement until 2026-12-03 (HF's VideoMAE).
+    Mutation seen failing: the fake mode without ``allow_non_fake_inputs`` (plain_table: "could not run")."""
     from lightning_vitscale import VitScaleStrategy
 
     data = TensorDataset(torch.randn(8, TOKENS, DIM), torch.randint(0, 4, (8,)))
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(), max_steps=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(TellingClassifier(), DataLoader(data, batch_size=4))
+    trainer.fit(TellingClassifier(net()), DataLoader(data, batch_size=4))
     summary = trainer.strategy.plan.summary()
     assert "could not" not in summary and "through training_step" in summary, summary
     assert "checkpointed blocks : 0 of 2" in summary, summary
