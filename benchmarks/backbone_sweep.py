@@ -1,8 +1,8 @@
 """Any backbone, tried: published vision architectures (timm, Hugging Face transformers, torchvision) at random init,
-each trained 2 fp32 steps under DDP and under ``VitScaleStrategy()`` with no argument on 2 CPU ranks, from the same
-weights and data. Per architecture: the largest relative difference of the two runs' losses, whether the planner
-measured the step (the speed-first default) or fell back (its summary says "could not run"), the units it built,
-and any error, either strategy's.
+each trained 2 steps (fp32, or ``--precision bf16-mixed``: DDP's AMP O1 against the recipe's O2) under DDP and under
+``VitScaleStrategy()`` with no argument on 2 CPU ranks, from the same weights and data. Per architecture: the
+largest relative difference of the two runs' losses, whether the planner measured the step (the speed-first
+default) or fell back (its summary says "could not run"), the units it built, and any error, either strategy's.
 
 Usage (ranks started by torch's launcher; ~10 min for the 58 architectures on 2 cores)::
 
@@ -133,7 +133,7 @@ class Classifier(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
-def fit(architecture: Architecture, strategy) -> tuple[list[float], str]:
+def fit(architecture: Architecture, strategy, precision: str) -> tuple[list[float], str]:
     make, shape = architecture
     torch.manual_seed(0)
     model = Classifier(make)
@@ -141,18 +141,19 @@ def fit(architecture: Architecture, strategy) -> tuple[list[float], str]:
     n = BATCH * STEPS * 2
     data = TensorDataset(torch.randn(n, *shape, generator=g), torch.randint(0, CLASSES, (n,), generator=g))
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        precision=precision)
     trainer.fit(model, DataLoader(data, batch_size=BATCH))
     plan = getattr(trainer.strategy, "plan", None)
     return model.losses, plan.summary() if plan is not None else ""
 
 
-def run(name: str) -> dict:
+def run(name: str, precision: str) -> dict:
     row: dict = {"name": name}
     start = time.monotonic()
     for key, strategy in (("ddp", "ddp"), ("vitscale", VitScaleStrategy())):
         try:
-            row[key], summary = fit(ARCHITECTURES[name], strategy)
+            row[key], summary = fit(ARCHITECTURES[name], strategy, precision)
         except Exception as error:  # noqa: BLE001 - a failure is a row of the table
             row[f"{key}_error"] = f"{type(error).__name__}: {error}"[:500]
             row[f"{key}_trace"] = traceback.format_exc()[-2000:]
@@ -171,6 +172,7 @@ def run(name: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", action="append", default=[], help="names starting with this (repeatable)")
+    parser.add_argument("--precision", default="32-true", help="both strategies' (bf16-mixed: DDP's is AMP O1)")
     parser.add_argument("--json", help="rank 0 writes every row here")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -181,7 +183,7 @@ def main() -> None:
     for name in ARCHITECTURES:
         if args.only and not any(name.startswith(prefix) for prefix in args.only):
             continue
-        row = run(name)
+        row = run(name, args.precision)
         rows.append(row)
         if rank0:
             difference = row.get("max_relative_difference")
@@ -191,7 +193,8 @@ def main() -> None:
                   flush=True)
     if rank0 and args.json:
         with open(args.json, "w") as file:
-            json.dump({"torch": torch.__version__, "lightning": L.__version__, "rows": rows}, file, indent=1)
+            json.dump({"torch": torch.__version__, "lightning": L.__version__, "precision": args.precision,
+                       "rows": rows}, file, indent=1)
 
 
 if __name__ == "__main__":

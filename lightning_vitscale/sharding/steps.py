@@ -149,7 +149,7 @@ def apply_fsdp(
     bottom-up, then the outer unit; ``weights`` delivers each unit's values to its shards as it is made, so no rank
     holds a second copy of the model. ``one_unit``: a single block unit kept gathered on one rank overlaps nothing
     and saves no memory: the blocks join the outer unit (one FSDP2 pre-forward hook per step, not one per block)."""
-    groups = group_blocks(blocks, blocks_per_unit, unit_of)
+    groups = [unit for group in group_blocks(blocks, blocks_per_unit, unit_of) for unit in _shared_apart(group)]
     if one_unit and len(groups) == 1:
         groups = []
     block_units = []
@@ -174,6 +174,17 @@ def apply_fsdp(
         compute = mp_policy.param_dtype or (sharded[0].dtype if sharded else torch.float32)
         copies_owner.compute_copies = ComputeCopies(copies_owner, sharded + norm_params, compute)
     return UnitFacts(outer, block_units, blocks_per_unit, copies_owner is not None)
+
+
+def _shared_apart(group: list[nn.Module]) -> list[list[nn.Module]]:
+    """``group`` as FSDP2 can make it: a member that is also a submodule of another member (timm CoaT's position
+    encodings, shared by the blocks that call them) gets no unit of its own in a list-unit, so a later unit (another
+    block sharing it, the outer unit) would shard its parameters again (DTensor's "Cannot concatenate overlapping
+    meshes"). Each such member is its own unit first; the blocks that call it find it nested."""
+    inside = {id(sub) for member in group for sub in member.modules() if sub is not member}
+    shared = [member for member in group if id(member) in inside]
+    rest = [member for member in group if id(member) not in inside]
+    return [[member] for member in shared] + ([rest] if rest else [])
 
 
 def apply_prefetch(units: list[FSDPModule], prefetch: int, mesh: DeviceMesh, device: torch.device) -> str:

@@ -172,3 +172,75 @@ def test_a_tensor_parallel_plan_without_the_steps_inputs_is_refused_saying_why(m
     stopped = Calls(running=["layers.0.0"], error="RuntimeError: boom")
     with pytest.raises(TensorPlanError, match=r"stopped first in layers.0.0 \(RuntimeError: boom\)"):
         prove_plans(blocks, plan=None, mesh=mesh, calls=stopped, device=torch.device("cpu"), real_values=True)
+
+
+class PositionEncoding(nn.Module):
+    """timm CoaT's ``ConvPosEnc``: one instance per stage, owned by the model and shared by that stage's blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(x)
+
+
+class SharingBlock(nn.Module):
+    def __init__(self, shared: PositionEncoding) -> None:
+        super().__init__()
+        self.shared, self.norm, self.mlp = shared, nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.shared(x)
+        return x + self.mlp(self.norm(x))
+
+
+class SharingNet(L.LightningModule):
+    """Two stages, each a position encoding shared by two blocks (CoaT's layout): the found blocks are the two
+    encodings and the four blocks, a shared encoding inside its users."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos1, self.pos2 = PositionEncoding(), PositionEncoding()
+        self.blocks = nn.ModuleList([SharingBlock(self.pos1), SharingBlock(self.pos1), SharingBlock(self.pos2),
+                                     SharingBlock(self.pos2)])
+        self.head = nn.Linear(8, 3)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x.mean(1)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit_losses(strategy, steps: int = 3) -> list[float]:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    model = SharingNet()
+    losses: list[float] = []
+    model.on_train_batch_end = lambda outputs, *_: losses.append(float(outputs["loss"]))  # type: ignore[method-assign]
+    data = TensorDataset(torch.randn(4 * steps, 5, 8), torch.randint(0, 3, (4 * steps,)))
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, DataLoader(data, batch_size=4))
+    return losses
+
+
+@pytest.mark.parametrize("per_unit", [3, 6])  # pos1 with blocks.0; everything in one unit
+def test_a_module_shared_by_blocks_in_one_unit_is_its_own_unit_and_trains_as_ddp(per_unit):
+    """Grouped with the blocks that call it, a shared module got no unit of its own (FSDP2 registers a list-unit on
+    its members that no other member contains), and the next unit sharded its parameters again: "Cannot
+    concatenate overlapping meshes" at setup (timm's CoaT-Lite under bf16-mixed, where the planner grouped 20 blocks
+    in one unit). Mutation seen failing: ``_shared_apart`` returning the group whole (both cases raise)."""
+    from lightning_vitscale import VitScaleStrategy
+
+    strategy = VitScaleStrategy(blocks_per_unit=per_unit, activation_checkpointing=False)
+    losses = fit_losses(strategy)
+    assert losses == pytest.approx(fit_losses("ddp"), rel=1e-6)  # DDP on one device: the same sampler
+    model = strategy.lightning_module
+    assert isinstance(model.pos1, FSDPModule) and isinstance(model.pos2, FSDPModule)
+    assert "blocks found        : PositionEncoding x2, SharingBlock x4" in strategy.plan.summary()
