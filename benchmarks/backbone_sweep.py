@@ -148,10 +148,12 @@ def fit(architecture: Architecture, strategy, precision: str) -> tuple[list[floa
     return model.losses, plan.summary() if plan is not None else ""
 
 
-def run(name: str, precision: str) -> dict:
+def run(name: str, precision: str, checkpointing: str | None = None) -> dict:
     row: dict = {"name": name}
     start = time.monotonic()
-    for key, strategy in (("ddp", "ddp"), ("vitscale", VitScaleStrategy())):
+    options = {} if checkpointing is None else {"activation_checkpointing": {"full": True}.get(checkpointing,
+                                                                                                 checkpointing)}
+    for key, strategy in (("ddp", "ddp"), ("vitscale", VitScaleStrategy(**options))):
         try:
             row[key], summary = fit(ARCHITECTURES[name], strategy, precision)
         except Exception as error:  # noqa: BLE001 - a failure is a row of the table
@@ -173,6 +175,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", action="append", default=[], help="names starting with this (repeatable)")
     parser.add_argument("--precision", default="32-true", help="both strategies' (bf16-mixed: DDP's is AMP O1)")
+    parser.add_argument("--checkpointing", choices=["full", "selective"],
+                        help="VitScaleStrategy(activation_checkpointing=...) instead of no argument")
     parser.add_argument("--json", help="rank 0 writes every row here")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -183,7 +187,7 @@ def main() -> None:
     for name in ARCHITECTURES:
         if args.only and not any(name.startswith(prefix) for prefix in args.only):
             continue
-        row = run(name, args.precision)
+        row = run(name, args.precision, args.checkpointing)
         rows.append(row)
         if rank0:
             difference = row.get("max_relative_difference")
@@ -194,7 +198,7 @@ def main() -> None:
     if rank0 and args.json:
         with open(args.json, "w") as file:
             json.dump({"torch": torch.__version__, "lightning": L.__version__, "precision": args.precision,
-                       "rows": rows}, file, indent=1)
+                       "checkpointing": args.checkpointing, "rows": rows}, file, indent=1)
 
 
 if __name__ == "__main__":

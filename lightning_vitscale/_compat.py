@@ -101,7 +101,7 @@ PRIVATE_NAMES = {
     "torch.nn.MultiheadAttention._reset_parameters": "init replay: its only re-initialiser",
     "torch.nn.init._no_grad_trunc_normal_": "init replay: `trunc_normal_`, which returns early on meta tensors",
     "torch.UntypedStorage._cdata": "a storage's identity (fake and meta tensors have no data pointer)",
-    "torch._ops.OpOverload._schema": "planner: whether an op writes its inputs",
+    "torch._ops.OpOverload._schema": "planner and selective checkpointing: whether and which inputs an op writes",
     "torch.optim.optimizer._get_fused_kernels_supported_devices": "fused optimizer steps",
     "torch.optim.Adam._step_supports_amp_scaling": "an optimizer that unscales inside its own step",
     "torch.Tensor._post_accumulate_grad_hooks": "CPU overlap: a parameter whose gradient is taken by a hook",
@@ -247,6 +247,12 @@ def storage_id(tensor: torch.Tensor) -> int:
 
 def op_mutates(func: Any) -> bool:
     return bool(func._schema.is_mutable)
+
+
+def written_arguments(func: Any, args: tuple[Any, ...]) -> list[Any]:
+    """The positional arguments an op writes in place (``copy_``'s ``self``, an ``out=`` given by position)."""
+    return [value for argument, value in zip(func._schema.arguments, args)
+            if argument.alias_info is not None and argument.alias_info.is_write]
 
 
 TRUNC_NORMAL_IMPL = "_no_grad_trunc_normal_"

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from lightning_vitscale._compat import op_mutates, storage_id, tree_leaves, written_arguments
+
 _aten = torch.ops.aten
 _SAVED_OP_NAMES = (
     "mm",
@@ -28,12 +30,35 @@ SAVED_OPS: frozenset[Any] = frozenset(
 """Ops that cost FLOPs (``linear`` reaches the dispatcher as ``mm``/``addmm``, SDPA as a fused kernel or ``bmm``)."""
 
 
-def _save_expensive_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    # MUST_SAVE, not PREFER_SAVE: torch.compile's partitioner may otherwise recompute a matmul to save memory.
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+class _SaveExpensiveOps:
+    """The policy of one checkpointed call: the expensive ops' outputs kept (``MUST_SAVE``, not ``PREFER_SAVE``:
+    torch.compile's partitioner may otherwise recompute a matmul to save memory), everything else recomputed.
+
+    It refuses a forward that writes in place into a kept output's storage. torch checks a kept tensor's version
+    counter, which such a write can pass by: ``matmul`` returns its ``bmm`` output through ``_unsafe_view``, a
+    tensor with a counter of its own, so timm MViTv2's ``attn[:, :, 1:, 1:] = ...`` (relative positions added in
+    place) left the kept ``bmm`` output changed, the recompute added them a second time, and the gradients were
+    silently wrong. Raised here, the planner measures the block as unable to run selectively."""
+
+    def __init__(self) -> None:
+        self.kept: set[int] = set()  # storages of the outputs kept in this call's forward
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in SAVED_OPS:
+            if not ctx.is_recompute:
+                self.kept.update(storage_id(t) for t in tree_leaves(ctx.op_output) if isinstance(t, torch.Tensor))
+            return CheckpointPolicy.MUST_SAVE
+        if self.kept and not ctx.is_recompute and op_mutates(op):
+            written = written_arguments(op, args)
+            if any(isinstance(t, torch.Tensor) and storage_id(t) in self.kept for t in tree_leaves(written)):
+                raise RuntimeError(
+                    f"{op} writes in place into the output of a matmul or convolution that selective activation"
+                    " checkpointing keeps; the recompute would run on the changed value."
+                )
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def selective_contexts() -> tuple[Any, Any]:
-    return create_selective_checkpoint_contexts(_save_expensive_ops)
+    return create_selective_checkpoint_contexts(_SaveExpensiveOps())
 
 

@@ -364,3 +364,46 @@ def test_blocks_that_cannot_run_selectively_get_none_or_full_the_fastest_that_fi
     plans = [BlockPlan.prefix(DEPTH, f, 0, r) for f in range(DEPTH + 1) for r in range(DEPTH + 1)]
     assert "selective" not in plan.modes and space.fits(plan)
     assert space.seconds(plan) == pytest.approx(min(space.seconds(p) for p in plans if space.fits(p)))
+
+
+class _RelativePositionsInPlace(torch.nn.Module):
+    """timm MViTv2's attention: relative positions added in place into the scores ``q @ k^T``, a 4-D matmul whose
+    ``bmm`` output comes back through ``_unsafe_view`` (a version counter of its own: torch's check of the kept
+    tensor does not see the write)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk = torch.nn.Linear(8, 16)
+        self.rel = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        q, k = self.qk(x).reshape(2, 2, 4, 4, 2).unbind(-1)  # (batch, heads, tokens, dim) twice
+        attn = q @ k.transpose(-2, -1)
+        attn[:, :, 1:, 1:] = attn[:, :, 1:, 1:] + self.rel[1:, 1:]
+        return x + (attn.softmax(-1) @ q).transpose(1, 2).reshape(2, 4, 8)
+
+
+def test_a_block_writing_in_place_into_a_kept_matmul_output_is_refused_selective_checkpointing():
+    """Selectively checkpointed, the block's recompute ran on the kept scores that already held the relative
+    positions and added them again: gradients silently wrong (timm MViTv2: its losses left DDP's from the second
+    step). The policy refuses the write, so the planner measures the block without ``selective`` (as the
+    in-place activation above) and a run asking for it fails at setup, never with other gradients.
+    Mutation seen failing: the write check removed (the gradients differ, the block is measured selective)."""
+    from lightning_vitscale.memory.activations import measure_activations
+    from lightning_vitscale.memory.selective_ops import selective_contexts
+
+    torch.manual_seed(0)
+    block, x = _RelativePositionsInPlace(), torch.randn(2, 4, 8)
+    block(x).pow(2).sum().backward()
+    expected = block.rel.grad.clone()
+    block.zero_grad()
+    try:
+        out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, context_fn=selective_contexts)
+        out.pow(2).sum().backward()
+        raised = None
+    except RuntimeError as error:
+        raised = str(error)
+    assert raised is not None and "writes in place into the output of a matmul" in raised, block.rel.grad
+    assert expected.abs().sum() > 0
+    measured = measure_activations(torch.nn.Sequential(block), [("0", block)], x)
+    assert measured.blocks[0].modes == frozenset({"none", "full"})
