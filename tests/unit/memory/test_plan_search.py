@@ -407,3 +407,35 @@ def test_a_block_writing_in_place_into_a_kept_matmul_output_is_refused_selective
     assert expected.abs().sum() > 0
     measured = measure_activations(torch.nn.Sequential(block), [("0", block)], x)
     assert measured.blocks[0].modes == frozenset({"none", "full"})
+
+
+def test_asking_selective_for_such_a_block_fails_at_setup_through_trainer_fit():
+    """The user's path: ``activation_checkpointing="selective"`` on that block stops at setup, naming the block and
+    the fix, before any step could train on other gradients."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_vitscale import VitScaleStrategy
+    from lightning_vitscale.memory.activations import SelectiveCheckpointingError
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([_RelativePositionsInPlace(), _RelativePositionsInPlace()])
+
+        def training_step(self, batch, batch_idx):
+            x = batch[0]
+            for block in self.blocks:
+                x = block(x)
+            return x.pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = DataLoader(TensorDataset(torch.randn(4, 4, 8)), batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        strategy=VitScaleStrategy(activation_checkpointing="selective"))
+    with pytest.raises(SelectiveCheckpointingError, match=r"blocks.0 cannot be checkpointed selectively.*'full'"):
+        trainer.fit(Module(), data)
+    assert trainer.global_step == 0
