@@ -23,7 +23,11 @@ from lightning_vitscale.memory.gradient_release import may_release_after_step, r
 from lightning_vitscale.memory.memory_plan import MemoryPlan
 from lightning_vitscale.memory.planner import check_budget, plan_memory, resolve_budget
 from lightning_vitscale.memory.planning_batch import PlanningBatch, planning_batch
-from lightning_vitscale.memory.selective_ops import selective_contexts
+from lightning_vitscale.memory.selective_ops import (
+    SelectiveCheckpointingError,
+    refuse_selective_calling_blocks,
+    selective_contexts,
+)
 from lightning_vitscale.memory.state_bytes import StateBytes, measure_state_bytes
 from lightning_vitscale.memory.step_cost import compile_pays, rates_for
 from lightning_vitscale.memory.step_model import StepInputs, StepSettings
@@ -37,6 +41,7 @@ __all__ = [
     "MemoryPlan",
     "ModeOf",
     "PlanningBatch",
+    "SelectiveCheckpointingError",
     "StateBytes",
     "StepInputs",
     "StepSettings",
@@ -50,6 +55,7 @@ __all__ = [
     "plan_memory",
     "planning_batch",
     "rates_for",
+    "refuse_selective_calling_blocks",
     "release_gradients",
     "resolve_budget",
     "selective_contexts",

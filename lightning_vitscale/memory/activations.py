@@ -32,7 +32,12 @@ from lightning_vitscale._compat import (
 from lightning_vitscale.discovery.calls import TensorSpec
 from lightning_vitscale.memory.block_identity import block_key
 from lightning_vitscale.memory.op_costs import BlockWork, OpWork, tensors_of
-from lightning_vitscale.memory.selective_ops import selective_contexts
+from lightning_vitscale.memory.selective_ops import (
+    SelectiveCheckpointingError,
+    blocks_calling_blocks,
+    calls_another_block_error,
+    selective_contexts,
+)
 from lightning_vitscale.precision.casting import floating_buffers
 
 if TYPE_CHECKING:
@@ -45,11 +50,6 @@ StepCall = Callable[[nn.Module, Any], Any]
 ModeOf = Callable[[int, str, nn.Module], "str | None"]
 """The checkpointing a block will run: ``mode_of(index, name, block)`` -> ``"full"``, ``"selective"`` or ``None``."""
 ALL_MODES: frozenset[str] = frozenset({"none", "full", "selective"})
-
-
-class SelectiveCheckpointingError(ValueError):
-    """A block asked to checkpoint selectively changes in place an output selective checkpointing keeps: what to fix,
-    raised at setup (the step would fail at its first backward)."""
 
 
 class _FakeMode(FakeTensorMode):
@@ -293,9 +293,11 @@ def measure_activations(
         if sum(map(len, _PASSES.values())) > 20_000:  # bounded: a long sweep over ever new architectures
             _PASSES.clear()
         measured = _PASSES.setdefault(context, {})
+        calling = blocks_calling_blocks(blocks)
+        settled = [(mode_of(i, name, block) or "none") if mode_of else None for i, (name, block) in enumerate(blocks)]
         results = [_block_memory(name, block, recorder, i, mode, measured,
-                                 ALL_MODES if mode_of is None else frozenset({mode_of(i, name, block) or "none"}),
-                                 all_reduces) for i, (name, block) in enumerate(blocks)]
+                                 _modes_to_measure(name, settled[i], calling), all_reduces)
+                   for i, (name, block) in enumerate(blocks)]
     output_bytes = sum(t.numel() * t.element_size() for t in outputs)  # its gradient, held through backward
     return ActivationProfile(
         blocks=results,
@@ -304,6 +306,16 @@ def measure_activations(
         outer_backward=outer_use.used_after_blocks() + 2 * output_bytes,
         batch_bytes=batch_bytes,
     )
+
+
+def _modes_to_measure(name: str, settled: str | None, calling: dict[str, str]) -> frozenset[str]:
+    """The ``settled`` mode (``"none"``, ``"full"``, ``"selective"``); with ``None`` (the planner chooses) every mode,
+    but selective for a block that calls another (:func:`blocks_calling_blocks`), which is an error when settled."""
+    if name in calling and settled == "selective":
+        raise calls_another_block_error(name, calling[name])
+    if settled is not None:
+        return frozenset({settled})
+    return ALL_MODES - {"selective"} if name in calling else ALL_MODES
 
 
 def _block_memory(

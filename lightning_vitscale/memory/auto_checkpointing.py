@@ -21,7 +21,7 @@ from torch import nn
 from lightning_vitscale._utils import available_host_bytes, human_bytes
 from lightning_vitscale.discovery.calls import Calls
 from lightning_vitscale.discovery.tensor_plan import TensorPlanError
-from lightning_vitscale.memory.activations import ModeOf, SelectiveCheckpointingError
+from lightning_vitscale.memory.activations import ModeOf
 from lightning_vitscale.memory.gradient_release import may_release_after_step, unwrapped
 from lightning_vitscale.memory.memory_plan import MemoryPlan
 from lightning_vitscale.memory.plan_search import BlockMode, BlockPlan
@@ -33,6 +33,7 @@ from lightning_vitscale.memory.planning_batch import (
     measure_batch,
     planning_batch,
 )
+from lightning_vitscale.memory.selective_ops import SelectiveCheckpointingError
 from lightning_vitscale.memory.step_cost import rates_for
 from lightning_vitscale.memory.step_model import StepInputs, StepSettings, TrainingLoop, predict_step
 from lightning_vitscale.memory.twin import meta_twin

@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_vitscale._compat import train_dataloader
 from lightning_vitscale.discovery.tensor_plan import TensorPlanError
-from lightning_vitscale.memory.activations import SelectiveCheckpointingError
 from lightning_vitscale.memory.planner import step_inputs
+from lightning_vitscale.memory.selective_ops import SelectiveCheckpointingError
 from lightning_vitscale.memory.step_model import StepInputs
 from lightning_vitscale.memory.twin import meta_twin
 

@@ -30,6 +30,11 @@ SAVED_OPS: frozenset[Any] = frozenset(
 """Ops that cost FLOPs (``linear`` reaches the dispatcher as ``mm``/``addmm``, SDPA as a fused kernel or ``bmm``)."""
 
 
+class SelectiveCheckpointingError(ValueError):
+    """A block asked to checkpoint selectively cannot run so (it changes in place an output selective checkpointing
+    keeps, or calls another block): what to fix, raised at setup (the step would fail at its first backward)."""
+
+
 class _SaveExpensiveOps:
     """The policy of one checkpointed call: the expensive ops' outputs kept (``MUST_SAVE``, not ``PREFER_SAVE``:
     torch.compile's partitioner may otherwise recompute a matmul to save memory), everything else recomputed.
@@ -56,6 +61,36 @@ class _SaveExpensiveOps:
                     " checkpointing keeps; the recompute would run on the changed value."
                 )
         return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def blocks_calling_blocks(blocks: list[tuple[str, torch.nn.Module]]) -> dict[str, str]:
+    """Each block that holds another block (timm CoaT's position encodings, shared by the blocks that call them) ->
+    that block's name. The inner block is a unit of its own, so its parameters are gathered inside the outer block's
+    forward, and not again in the recompute where they are still gathered, or again where they are not: selective
+    checkpointing, which replays the forward's ops by count, fails at the first backward (torch: "aten.empty...
+    encountered during backward but not found in storage"). Full checkpointing counts no ops and runs them."""
+    names = {id(block): name for name, block in blocks}
+    calling = {}
+    for name, block in blocks:
+        inner = next((names[id(m)] for m in block.modules() if m is not block and id(m) in names), None)
+        if inner is not None:
+            calling[name] = inner
+    return calling
+
+
+def calls_another_block_error(name: str, inner: str) -> SelectiveCheckpointingError:
+    return SelectiveCheckpointingError(
+        f"{name} cannot be checkpointed selectively: it calls {inner}, a block with a unit of its own, whose"
+        " parameters are gathered inside its forward, and the recompute would gather them where its forward did"
+        " not. Give it activation_checkpointing='full' (a callable may choose per block).")
+
+
+def refuse_selective_calling_blocks(blocks: list[tuple[str, torch.nn.Module]], selective: list[str]) -> None:
+    """At setup, for a plan the planner could not measure: a block of ``selective`` calling another is the error."""
+    calling = blocks_calling_blocks(blocks)
+    for name in selective:
+        if name in calling:
+            raise calls_another_block_error(name, calling[name])
 
 
 def selective_contexts() -> tuple[Any, Any]:

@@ -17,6 +17,7 @@ from lightning_vitscale.discovery.calls import Calls
 from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector, plan_block
 from lightning_vitscale.init import InitialWeights
 from lightning_vitscale.kernels import AttentionRouter, KernelPolicy, apply_regional_compile, make_router, route_blocks
+from lightning_vitscale.memory import refuse_selective_calling_blocks
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms
 from lightning_vitscale.sharding.activation_checkpointing import (
     CHECKPOINT_MODES,
@@ -122,6 +123,7 @@ def apply_ac(blocks: Named, mode_of: Callable[[int, str, nn.Module], CheckpointM
     chosen: dict[str, CheckpointMode] = {
         name: mode for name, mode in modes.items() if name not in self_ckpt and mode is not None
     }
+    refuse_selective_calling_blocks(blocks, [name for name, mode in chosen.items() if mode == "selective"])
     by_name = dict(blocks)
     for mode in CHECKPOINT_MODES:
         apply_activation_checkpointing([by_name[name] for name, m in chosen.items() if m == mode], mode)

@@ -244,3 +244,47 @@ def test_a_module_shared_by_blocks_in_one_unit_is_its_own_unit_and_trains_as_ddp
     model = strategy.lightning_module
     assert isinstance(model.pos1, FSDPModule) and isinstance(model.pos2, FSDPModule)
     assert "blocks found        : PositionEncoding x2, SharingBlock x4" in strategy.plan.summary()
+
+
+def _full_for_callers(name: str, block: nn.Module) -> str:
+    return "full" if name.startswith("blocks.") else "selective"
+
+
+def test_a_block_calling_a_shared_block_is_refused_selective_and_the_planner_never_picks_it():
+    """The shared encoding is a unit of its own inside its callers' forward: selectively checkpointed, a caller's
+    recompute gathered the encoding's parameters where its forward had not, and torch's op-replay stopped the first
+    backward ("aten.empty.memory_format encountered during backward but not found in storage": timm's CoaT-Lite).
+    Asked for, it fails at setup naming the block and the fix; the planner measures callers without selective; full
+    for the callers, selective for the encodings trains as DDP. Mutation seen failing: ``blocks_calling_blocks``
+    finding none (the fit stops at its first backward, the callers are measured selective)."""
+    from lightning_vitscale import VitScaleStrategy
+    from lightning_vitscale.memory.activations import ALL_MODES, SelectiveCheckpointingError, measure_activations
+
+    strategy = VitScaleStrategy(blocks_per_unit=1, activation_checkpointing="selective")
+    with pytest.raises(SelectiveCheckpointingError, match=r"blocks.0 cannot be checkpointed selectively: it calls"
+                                                          r" pos1.*activation_checkpointing='full'"):
+        fit_losses(strategy)
+    assert strategy.lightning_module.trainer.global_step == 0
+    mixed = VitScaleStrategy(blocks_per_unit=1, activation_checkpointing=_full_for_callers)
+    assert fit_losses(mixed) == pytest.approx(fit_losses("ddp"), rel=1e-6)
+    modes = {name: checkpoint_mode(block) for name, block in mixed.lightning_module.named_modules()}
+    assert [modes[n] for n in ("pos1", "pos2", "blocks.0", "blocks.3")] == ["selective", "selective", "full", "full"]
+
+    model = SharingNet()
+    blocks = [("pos1", model.pos1), ("pos2", model.pos2), *model.blocks.named_children()]
+    blocks = [(n if n.startswith("pos") else f"blocks.{n}", b) for n, b in blocks]
+    measured = measure_activations(nn.Sequential(*model.blocks), blocks, torch.empty(4, 5, 8))
+    assert [b.modes for b in measured.blocks] == [ALL_MODES] * 2 + [frozenset({"none", "full"})] * 4
+
+
+def test_the_refusal_holds_where_the_planner_could_not_measure():
+    """``apply_ac`` checks the plan again at setup: a model the fake-tensor step cannot run is not measured."""
+    from lightning_vitscale.memory.activations import SelectiveCheckpointingError
+    from lightning_vitscale.sharding.steps import apply_ac
+
+    model = SharingNet()
+    blocks = [("pos1", model.pos1), *((f"blocks.{n}", b) for n, b in model.blocks.named_children())]
+    with pytest.raises(SelectiveCheckpointingError, match="blocks.0 cannot be checkpointed selectively"):
+        apply_ac(blocks, lambda *_: "selective")
+    facts = apply_ac(blocks, lambda index, name, block: _full_for_callers(name, block))
+    assert checkpoint_mode(model.pos1) == "selective" and checkpoint_mode(model.blocks[0]) == "full", facts
