@@ -79,9 +79,11 @@ class OuterUnit(nn.Module):
         if copies is not None:
             self._gather_for_step()
             copies.keep_memory = True  # until the step's end, for a second backward through its graph
+        failed = False
         try:
             output = self.module(*args, **kwargs)
         except BaseException:
+            failed = True
             if copies is not None:
                 copies.release()  # what the fit's caller sees next are the parameters
             raise
@@ -89,7 +91,8 @@ class OuterUnit(nn.Module):
             self._in_step = False
             if copies is not None:
                 copies.keep_memory = False
-                copies.free()
+                if not failed:  # a failed step's frames (its traceback: pytest's report, a debugger) hold the copies:
+                    copies.free()  # their storage resized to 0 under them, printing one read freed memory (a crash)
         if sync is not None:
             sync.after_forward(not getattr(self.module, "automatic_optimization", True))
         return output

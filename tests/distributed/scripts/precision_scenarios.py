@@ -232,7 +232,16 @@ def convergence(flag: str) -> dict:
     return {"accuracy": float(counts[0] / counts[1])}
 
 
+def o2_by_hand(flag: str = "bf16-mixed") -> dict:
+    """``Trainer.fit`` under ``precision=flag`` and the recipe's O2 written out by hand, from the same weights and
+    data: each step's loss and, after the last, every parameter and saved buffer."""
+    from tests.helpers.o2_reference import compare_with_o2_by_hand
+
+    return compare_with_o2_by_hand(trainer, flag)
+
+
 SCENARIOS = {
+    "o2_by_hand": o2_by_hand,
     "dtypes_bf16_mixed": lambda: dtypes("bf16-mixed"),
     "dtypes_bf16_true": lambda: dtypes("bf16-true"),
     "collectives_fp32_norms": lambda: collectives(True),

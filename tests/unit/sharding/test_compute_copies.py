@@ -208,6 +208,30 @@ def test_a_raising_step_leaves_the_parameters_and_calls_outside_a_step_working()
     assert isinstance(module.backbone.head.weight, DTensor)
 
 
+def _fails_on(weight: torch.Tensor) -> None:
+    raise ValueError("boom, with the weight in this frame")
+
+
+class RaisesHoldingACopy(Classifier):
+    def training_step(self, batch, batch_idx):
+        _fails_on(self.backbone.head.weight)  # inside the step: the bf16 copy, as pytest's report shows arguments
+
+
+def test_a_raising_steps_traceback_can_still_print_the_copies_it_holds():
+    """pytest's report of a failing test prints the arguments of each frame, a debugger the locals: under DDP those
+    are parameters; here the step's compute copies, whose storage the step's end freed under them, so printing one
+    read freed memory (pytest's worker died of a segmentation fault). A failed step keeps their memory. Mutation seen
+    failing: freeing after a failed step (the process crashes in ``repr``)."""
+    module = RaisesHoldingACopy()
+    with pytest.raises(ValueError, match="boom") as raised:
+        fit(module, VitScaleStrategy(**COPIES), "bf16-mixed")
+    held = [v for tb in raised.traceback for v in tb.frame.f_locals.values() if isinstance(v, torch.Tensor)]
+    copy = next(v for v in held if v.dtype == torch.bfloat16 and v.shape == module.backbone.head.weight.shape)
+    assert "tensor(" in repr(copy) and torch.equal(copy.float(), module.backbone.head.weight.full_tensor().bfloat16()
+                                                   .float())
+    assert isinstance(module.backbone.head.weight, DTensor)
+
+
 class Built(Classifier):
     """Built in ``configure_model`` (on meta under the strategy): the copies stand for shards the init filled."""
 
