@@ -8,6 +8,11 @@ Usage (ranks started by torch's launcher; ~10 min for the 58 architectures on 2 
 
     python -m torch.distributed.run --nproc-per-node=2 benchmarks/backbone_sweep.py --json sweep.json
     python -m torch.distributed.run --nproc-per-node=2 benchmarks/backbone_sweep.py --only hf/ --only tv/swin_t
+    python -m torch.distributed.run --nproc-per-node=2 benchmarks/backbone_sweep.py --o2-by-hand --json o2.json
+
+``--o2-by-hand`` runs bf16-mixed and, beside it, the recipe's O2 written out by hand (the tests' oracle,
+``tests/helpers/o2_reference.py``): a gap to DDP's AMP O1 is then O2's own arithmetic if VitScaleStrategy's losses and
+state equal the hand-written O2's bit for bit.
 
 What the zoo of ``tests/distributed/test_zoo.py`` checks on every CI run (16 layouts, bf16 and tensor parallelism
 included) this widens to the architectures users bring, too slow for CI. Small configurations keep each fit in
@@ -130,16 +135,27 @@ class Classifier(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return _sgd(self.parameters())
 
 
-def fit(architecture: Architecture, strategy, precision: str) -> tuple[list[float], str]:
+def _data(shape: tuple[int, ...]) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    n = BATCH * STEPS * 2
+    return TensorDataset(torch.randn(n, *shape, generator=g), torch.randint(0, CLASSES, (n,), generator=g))
+
+
+def _sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def fit(architecture: Architecture, strategy, precision: str, made: list | None = None) -> tuple[list[float], str]:
+    """``made``: the LightningModule is appended there (its state after the fit)."""
     make, shape = architecture
     torch.manual_seed(0)
     model = Classifier(make)
-    g = torch.Generator().manual_seed(1)
-    n = BATCH * STEPS * 2
-    data = TensorDataset(torch.randn(n, *shape, generator=g), torch.randint(0, CLASSES, (n,), generator=g))
+    if made is not None:
+        made.append(model)
+    data = _data(shape)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         precision=precision)
@@ -148,14 +164,55 @@ def fit(architecture: Architecture, strategy, precision: str) -> tuple[list[floa
     return model.losses, plan.summary() if plan is not None else ""
 
 
-def run(name: str, precision: str, checkpointing: str | None = None) -> dict:
+class _Logits(nn.Module):
+    """The network as :class:`Classifier` holds it (``net``), returning logits (an HF model returns an output)."""
+
+    def __init__(self, make: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self.net = make()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        return getattr(out, "logits", out)
+
+
+def o2_by_hand(name: str, row: dict, model: nn.Module) -> None:
+    """The recipe's O2 written out by hand (the tests' oracle, ``tests/helpers/o2_reference.py``) from the same
+    weights and data, against the bf16-mixed ``model`` VitScaleStrategy trained: losses, and the state's entries
+    that differ."""
+    import sys
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    root = str(Path(__file__).resolve().parents[1])  # run as a script: the repository, for the tests' helper
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from tests.helpers.o2_reference import train_o2_by_hand
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    make, shape = ARCHITECTURES[name]
+    torch.manual_seed(0)
+    row["o2_by_hand"], expected = train_o2_by_hand(functools.partial(_Logits, make), _data(shape), batch_size=BATCH,
+                                                   steps=STEPS, optimizer=_sgd)
+    state = model.state_dict()
+    row["state_entries_different"] = [k for k, v in expected.items() if k not in state or state[k].dtype != v.dtype
+                                      or not torch.equal(state[k].cpu(), v)]
+    row["state_entries_compared"] = len(expected)
+    row["vitscale_vs_o2_by_hand"] = max(abs(a - b) / max(abs(b), 1e-12)
+                                        for a, b in zip(row["vitscale"], row["o2_by_hand"], strict=True))
+
+
+def run(name: str, precision: str, checkpointing: str | None = None, by_hand: bool = False) -> dict:
     row: dict = {"name": name}
     start = time.monotonic()
     options = {} if checkpointing is None else {"activation_checkpointing": {"full": True}.get(checkpointing,
                                                                                                  checkpointing)}
+    made: list[nn.Module] = []
     for key, strategy in (("ddp", "ddp"), ("vitscale", VitScaleStrategy(**options))):
         try:
-            row[key], summary = fit(ARCHITECTURES[name], strategy, precision)
+            row[key], summary = fit(ARCHITECTURES[name], strategy, precision, made)
         except Exception as error:  # noqa: BLE001 - a failure is a row of the table
             row[f"{key}_error"] = f"{type(error).__name__}: {error}"[:500]
             row[f"{key}_trace"] = traceback.format_exc()[-2000:]
@@ -164,6 +221,11 @@ def run(name: str, precision: str, checkpointing: str | None = None) -> dict:
             row["measured"] = "could not run" not in summary
             row["units"] = next((line.split(":", 1)[1].strip() for line in summary.splitlines()
                                  if line.strip().startswith("FSDP units")), "")
+    if by_hand and "vitscale" in row:
+        try:
+            o2_by_hand(name, row, made[-1])
+        except Exception as error:  # noqa: BLE001 - a failure is a row of the table
+            row["o2_by_hand_error"] = f"{type(error).__name__}: {error}"[:500]
     if "ddp" in row and "vitscale" in row:
         row["max_relative_difference"] = max(abs(a - b) / max(abs(b), 1e-12)
                                              for a, b in zip(row["vitscale"], row["ddp"], strict=True))
@@ -177,8 +239,13 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true", help="both strategies' (bf16-mixed: DDP's is AMP O1)")
     parser.add_argument("--checkpointing", choices=["full", "selective"],
                         help="VitScaleStrategy(activation_checkpointing=...) instead of no argument")
+    parser.add_argument("--o2-by-hand", action="store_true",
+                        help="bf16-mixed, and the recipe's O2 written out by hand (the tests' oracle) beside: does"
+                             " VitScaleStrategy's O2 give its losses and state, bit for bit?")
     parser.add_argument("--json", help="rank 0 writes every row here")
     args = parser.parse_args()
+    if args.o2_by_hand:
+        args.precision = "bf16-mixed"
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
@@ -187,18 +254,22 @@ def main() -> None:
     for name in ARCHITECTURES:
         if args.only and not any(name.startswith(prefix) for prefix in args.only):
             continue
-        row = run(name, args.precision, args.checkpointing)
+        row = run(name, args.precision, args.checkpointing, args.o2_by_hand)
         rows.append(row)
         if rank0:
             difference = row.get("max_relative_difference")
             said = "" if difference is None else f"{difference:.1e}"
-            error = row.get("vitscale_error") or row.get("ddp_error") or ""
-            print(f"{name:45s} {said:>8s}  measured={row.get('measured')}  {row['seconds']:5.1f} s  {error[:120]}",
-                  flush=True)
+            error = row.get("vitscale_error") or row.get("ddp_error") or row.get("o2_by_hand_error") or ""
+            hand = "" if "o2_by_hand" not in row else (
+                f"  by hand: losses {row['vitscale_vs_o2_by_hand']:.1e}, state entries different"
+                f" {len(row['state_entries_different'])} of {row['state_entries_compared']}")
+            print(f"{name:45s} {said:>8s}  measured={row.get('measured')}  {row['seconds']:5.1f} s  {error[:120]}"
+                  f"{hand}", flush=True)
     if rank0 and args.json:
         with open(args.json, "w") as file:
             json.dump({"torch": torch.__version__, "lightning": L.__version__, "precision": args.precision,
-                       "checkpointing": args.checkpointing, "rows": rows}, file, indent=1)
+                       "checkpointing": args.checkpointing, "o2_by_hand": args.o2_by_hand, "rows": rows}, file,
+                      indent=1)
 
 
 if __name__ == "__main__":

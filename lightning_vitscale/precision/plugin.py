@@ -15,7 +15,13 @@ from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_vitscale._compat import after_closure, buffer_slots, unscales_in_step
+from lightning_vitscale._compat import (
+    BatchNormBase,
+    InstanceNormBase,
+    after_closure,
+    buffer_slots,
+    unscales_in_step,
+)
 from lightning_vitscale.precision.casting import autocast_around, floating_buffers, to_dtype
 from lightning_vitscale.precision.clipping import clip_grad_norm
 from lightning_vitscale.precision.elementwise import steps_locally
@@ -90,6 +96,8 @@ class VitScalePrecision(Precision):
         no buffer: unsaved floating buffers take the compute dtype, saved ones keep the master dtype and their
         owners compute under autocast (:func:`floating_buffers`, :func:`autocast_around`)."""
         keep, policy = {id(m) for _, m in self.policy.separate_norm_modules(module)}, self.policy
+        if policy.compute != policy.master:
+            _refuse_low_precision_statistics(module, keep, policy.compute)
         under_autocast = []
         for submodule in (m for m in module.modules() if id(m) not in keep):
             unsaved, saved = floating_buffers(submodule)
@@ -178,6 +186,20 @@ class VitScalePrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and state_dict:
             self.scaler.load_state_dict(state_dict)
+
+
+def _refuse_low_precision_statistics(module: nn.Module, keep: set[int], compute: torch.dtype) -> None:
+    """A batch or instance norm left to compute in ``compute`` (``norm_dtype=None``, or not among ``norms``) would
+    meet its saved fp32 running statistics with low-precision weights, which torch's ``batch_norm`` refuses at the
+    first step ("expected scalar type BFloat16 but found Float"): said at setup, with the fix."""
+    for name, m in module.named_modules():
+        if (id(m) not in keep and isinstance(m, (BatchNormBase, InstanceNormBase)) and m.affine
+                and m.track_running_stats):
+            raise ValueError(
+                f"{name} ({type(m).__name__}) would compute in {compute} with its running statistics kept in"
+                " torch.float32, which torch's batch_norm refuses. Keep normalization layers in fp32:"
+                " VitScalePrecision(norm_dtype=torch.float32) (the default), with this layer among `norms`."
+            )
 
 
 def to_vitscale_precision(plugin: Precision) -> VitScalePrecision:

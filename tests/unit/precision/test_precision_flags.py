@@ -255,3 +255,23 @@ def test_the_autocast_around_a_buffer_owner_ends_when_its_forward_raises():
         model(torch.randn(2, 3, 7))  # wrong width: the forward raises inside the autocast
     assert not torch.is_autocast_enabled("cpu")
     assert model(torch.randn(2, 3, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16  # leaves in its input's dtype
+
+
+@pytest.mark.parametrize("plugin", [dict(norm_dtype=None), dict(norms=False)], ids=["norm_dtype_none", "no_norms"])
+def test_a_batchnorm_left_in_bf16_with_fp32_statistics_is_refused_at_setup_naming_the_fix(plugin):
+    """bf16 weights against the fp32 running statistics O2 keeps: torch's batch_norm refused them at the first step
+    ("expected scalar type BFloat16 but found Float"); said at setup instead, naming the layer and the fix.
+    ``"bf16-true"`` keeps the statistics in bf16 too, and trains. Mutation seen failing: the check removed."""
+    from tests.helpers.models import Classifier, loader
+
+    def fit(precision: VitScalePrecision) -> L.Trainer:
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(), plugins=[precision],
+                            max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, num_sanity_val_steps=0)
+        trainer.fit(Classifier("resnet"), loader(n=8))
+        return trainer
+
+    with pytest.raises(ValueError, match=r"backbone.stem.1 \(BatchNorm2d\) would compute in torch.bfloat16 with its"
+                                         r" running statistics kept in torch.float32.*norm_dtype=torch.float32"):
+        fit(VitScalePrecision("bf16-mixed", **plugin))
+    assert fit(VitScalePrecision("bf16-true", **plugin)).global_step == 1
