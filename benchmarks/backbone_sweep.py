@@ -200,6 +200,9 @@ def o2_by_hand(name: str, row: dict, model: nn.Module) -> None:
     row["state_entries_different"] = [k for k, v in expected.items() if k not in state or state[k].dtype != v.dtype
                                       or not torch.equal(state[k].cpu(), v)]
     row["state_entries_compared"] = len(expected)
+    row["state_max_relative_difference"] = max(
+        ((state[k].cpu().double() - v.double()).norm() / v.double().norm().clamp_min(1e-30)).item()
+        for k, v in expected.items() if k in state and v.is_floating_point())
     row["vitscale_vs_o2_by_hand"] = max(abs(a - b) / max(abs(b), 1e-12)
                                         for a, b in zip(row["vitscale"], row["o2_by_hand"], strict=True))
 
@@ -262,7 +265,8 @@ def main() -> None:
             error = row.get("vitscale_error") or row.get("ddp_error") or row.get("o2_by_hand_error") or ""
             hand = "" if "o2_by_hand" not in row else (
                 f"  by hand: losses {row['vitscale_vs_o2_by_hand']:.1e}, state entries different"
-                f" {len(row['state_entries_different'])} of {row['state_entries_compared']}")
+                f" {len(row['state_entries_different'])} of {row['state_entries_compared']}"
+                f" (largest relative difference {row['state_max_relative_difference']:.1e})")
             print(f"{name:45s} {said:>8s}  measured={row.get('measured')}  {row['seconds']:5.1f} s  {error[:120]}"
                   f"{hand}", flush=True)
     if rank0 and args.json:
