@@ -97,7 +97,7 @@ class VitScalePrecision(Precision):
         owners compute under autocast (:func:`floating_buffers`, :func:`autocast_around`)."""
         keep, policy = {id(m) for _, m in self.policy.separate_norm_modules(module)}, self.policy
         if policy.compute != policy.master:
-            _refuse_low_precision_statistics(module, keep, policy.compute)
+            _refuse_low_precision_statistics(module, keep, policy.compute, policy.master)
         under_autocast = []
         for submodule in (m for m in module.modules() if id(m) not in keep):
             unsaved, saved = floating_buffers(submodule)
@@ -188,16 +188,17 @@ class VitScalePrecision(Precision):
             self.scaler.load_state_dict(state_dict)
 
 
-def _refuse_low_precision_statistics(module: nn.Module, keep: set[int], compute: torch.dtype) -> None:
+def _refuse_low_precision_statistics(module: nn.Module, keep: set[int], compute: torch.dtype,
+                                     master: torch.dtype) -> None:
     """A batch or instance norm left to compute in ``compute`` (``norm_dtype=None``, or not among ``norms``) would
-    meet its saved fp32 running statistics with low-precision weights, which torch's ``batch_norm`` refuses at the
-    first step ("expected scalar type BFloat16 but found Float"): said at setup, with the fix."""
+    meet its running statistics, saved buffers kept in ``master``, with weights of another dtype, which torch's
+    ``batch_norm`` refuses at the first step ("expected scalar type BFloat16 but found Float"): said at setup."""
     for name, m in module.named_modules():
         if (id(m) not in keep and isinstance(m, (BatchNormBase, InstanceNormBase)) and m.affine
                 and m.track_running_stats):
             raise ValueError(
                 f"{name} ({type(m).__name__}) would compute in {compute} with its running statistics kept in"
-                " torch.float32, which torch's batch_norm refuses. Keep normalization layers in fp32:"
+                f" {master}, which torch's batch_norm refuses. Keep normalization layers in fp32:"
                 " VitScalePrecision(norm_dtype=torch.float32) (the default), with this layer among `norms`."
             )
 
