@@ -121,8 +121,8 @@ def test_bf16_mixed_is_the_recipes_o2_written_out_by_hand_bit_for_bit(ranks):
     """Two ranks, FSDP2 units: every step's loss and, after three AdamW steps, every parameter and saved buffer
     (BatchNorm's running statistics included) equal those of O2 by hand (``tests/helpers/o2_reference.py``): bf16
     compute copies, fp32 norms, fp32 masters, gradients averaged in fp32. The same check over 58 published
-    architectures (``backbone_sweep.py --o2-by-hand``) is in benchmarks/RESULTS.md. Mutations seen failing: norms left in bf16 (``norm_dtype=None`` by
-    default), gradients reduced in bf16."""
+    architectures (``backbone_sweep.py --o2-by-hand``) is in benchmarks/RESULTS.md. Mutations seen failing: norms
+    left in bf16 (``norm_dtype=None`` by default), gradients reduced in bf16."""
     for rank in ranks:
         facts = rank["o2_by_hand"]
         assert facts["losses"] == facts["by_hand"] and len(facts["losses"]) == 3, facts
