@@ -15,13 +15,7 @@ from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_vitscale._compat import (
-    BatchNormBase,
-    InstanceNormBase,
-    after_closure,
-    buffer_slots,
-    unscales_in_step,
-)
+from lightning_vitscale._compat import BatchNormBase, after_closure, buffer_slots, unscales_in_step
 from lightning_vitscale.precision.casting import autocast_around, floating_buffers, to_dtype
 from lightning_vitscale.precision.clipping import clip_grad_norm
 from lightning_vitscale.precision.elementwise import steps_locally
@@ -190,12 +184,12 @@ class VitScalePrecision(Precision):
 
 def _refuse_low_precision_statistics(module: nn.Module, keep: set[int], compute: torch.dtype,
                                      master: torch.dtype) -> None:
-    """A batch or instance norm left to compute in ``compute`` (``norm_dtype=None``, or not among ``norms``) would
-    meet its running statistics, saved buffers kept in ``master``, with weights of another dtype, which torch's
-    ``batch_norm`` refuses at the first step ("expected scalar type BFloat16 but found Float"): said at setup."""
+    """A batch norm left to compute in ``compute`` (``norm_dtype=None``, or not among ``norms``) would meet its
+    running statistics, saved buffers kept in ``master``, with weights of another dtype, which torch's ``batch_norm``
+    refuses at the first step ("expected scalar type BFloat16 but found Float"): said at setup. (Run on CPU: without
+    weights it runs, and so does an instance norm with both, whose weights are expanded per sample first.)"""
     for name, m in module.named_modules():
-        if (id(m) not in keep and isinstance(m, (BatchNormBase, InstanceNormBase)) and m.affine
-                and m.track_running_stats):
+        if id(m) not in keep and isinstance(m, BatchNormBase) and m.affine and m.track_running_stats:
             raise ValueError(
                 f"{name} ({type(m).__name__}) would compute in {compute} with its running statistics kept in"
                 f" {master}, which torch's batch_norm refuses. Keep normalization layers in fp32:"

@@ -261,15 +261,25 @@ def test_the_autocast_around_a_buffer_owner_ends_when_its_forward_raises():
 def test_a_batchnorm_left_in_bf16_with_fp32_statistics_is_refused_at_setup_naming_the_fix(plugin):
     """bf16 weights against the fp32 running statistics O2 keeps: torch's batch_norm refused them at the first step
     ("expected scalar type BFloat16 but found Float"); said at setup instead, naming the layer and the fix.
-    ``"bf16-true"`` keeps the statistics in bf16 too, and trains. Mutation seen failing: the check removed."""
+    ``"bf16-true"`` keeps the statistics in bf16 too, and trains; so does an instance norm with weights and running
+    statistics (torch expands its weights per sample first), which is not refused. Mutation seen failing: the check
+    removed; the check extended to instance norms."""
     from tests.helpers.models import Classifier, loader
 
-    def fit(precision: VitScalePrecision) -> L.Trainer:
+    def fit(precision: VitScalePrecision, module: L.LightningModule | None = None) -> L.Trainer:
         trainer = L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(), plugins=[precision],
                             max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, num_sanity_val_steps=0)
-        trainer.fit(Classifier("resnet"), loader(n=8))
+        trainer.fit(module or Classifier("resnet"), loader(n=8))
         return trainer
+
+    instance_norms = Classifier("resnet")
+    for parent in instance_norms.modules():
+        for child_name, child in parent.named_children():
+            if isinstance(child, torch.nn.BatchNorm2d):
+                setattr(parent, child_name, torch.nn.InstanceNorm2d(child.num_features, affine=True,
+                                                                    track_running_stats=True))
+    assert fit(VitScalePrecision("bf16-mixed", **plugin), instance_norms).global_step == 1
 
     with pytest.raises(ValueError, match=r"backbone.stem.1 \(BatchNorm2d\) would compute in torch.bfloat16 with its"
                                          r" running statistics kept in torch.float32.*norm_dtype=torch.float32"):
