@@ -188,7 +188,7 @@ def o2_by_hand(name: str, row: dict, model: nn.Module) -> None:
     root = str(Path(__file__).resolve().parents[1])  # run as a script: the repository, for the tests' helper
     if root not in sys.path:
         sys.path.insert(0, root)
-    from tests.helpers.o2_reference import train_o2_by_hand
+    from tests.helpers.o2_reference import differing_entries, train_o2_by_hand
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
@@ -197,14 +197,16 @@ def o2_by_hand(name: str, row: dict, model: nn.Module) -> None:
     row["o2_by_hand"], expected = train_o2_by_hand(functools.partial(_Logits, make), _data(shape), batch_size=BATCH,
                                                    steps=STEPS, optimizer=_sgd)
     state = model.state_dict()
-    row["state_entries_different"] = [k for k, v in expected.items() if k not in state or state[k].dtype != v.dtype
-                                      or not torch.equal(state[k].cpu(), v)]
+    row["state_entries_different"] = differing_entries(state, expected)
     row["state_entries_compared"] = len(expected)
     row["state_max_relative_difference"] = max(
         ((state[k].cpu().double() - v.double()).norm() / v.double().norm().clamp_min(1e-30)).item()
         for k, v in expected.items() if k in state and v.is_floating_point())
-    row["vitscale_vs_o2_by_hand"] = max(abs(a - b) / max(abs(b), 1e-12)
-                                        for a, b in zip(row["vitscale"], row["o2_by_hand"], strict=True))
+    row["vitscale_vs_o2_by_hand"] = _max_relative_difference(row["vitscale"], row["o2_by_hand"])
+
+
+def _max_relative_difference(ours: list[float], reference: list[float]) -> float:
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, reference, strict=True))
 
 
 def run(name: str, precision: str, checkpointing: str | None = None, by_hand: bool = False) -> dict:
@@ -230,8 +232,7 @@ def run(name: str, precision: str, checkpointing: str | None = None, by_hand: bo
         except Exception as error:  # noqa: BLE001 - a failure is a row of the table
             row["o2_by_hand_error"] = f"{type(error).__name__}: {error}"[:500]
     if "ddp" in row and "vitscale" in row:
-        row["max_relative_difference"] = max(abs(a - b) / max(abs(b), 1e-12)
-                                             for a, b in zip(row["vitscale"], row["ddp"], strict=True))
+        row["max_relative_difference"] = _max_relative_difference(row["vitscale"], row["ddp"])
     row["seconds"] = round(time.monotonic() - start, 1)
     return row
 
@@ -239,7 +240,7 @@ def run(name: str, precision: str, checkpointing: str | None = None, by_hand: bo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", action="append", default=[], help="names starting with this (repeatable)")
-    parser.add_argument("--precision", default="32-true", help="both strategies' (bf16-mixed: DDP's is AMP O1)")
+    parser.add_argument("--precision", help="both strategies' (default 32-true; bf16-mixed: DDP's is AMP O1)")
     parser.add_argument("--checkpointing", choices=["full", "selective"],
                         help="VitScaleStrategy(activation_checkpointing=...) instead of no argument")
     parser.add_argument("--o2-by-hand", action="store_true",
@@ -247,8 +248,9 @@ def main() -> None:
                              " VitScaleStrategy's O2 give its losses and state, bit for bit?")
     parser.add_argument("--json", help="rank 0 writes every row here")
     args = parser.parse_args()
-    if args.o2_by_hand:
-        args.precision = "bf16-mixed"
+    if args.o2_by_hand and args.precision not in (None, "bf16-mixed"):
+        parser.error("--o2-by-hand compares bf16-mixed with O2 by hand; leave --precision out")
+    args.precision = args.precision or ("bf16-mixed" if args.o2_by_hand else "32-true")
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
