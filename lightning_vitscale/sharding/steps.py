@@ -71,6 +71,8 @@ class UnitFacts:
     blocks_per_unit: int
     copies: bool = False
     """One rank, one unit: compute copies instead of FSDP2's per-parameter path (sharding/compute_copies.py)."""
+    tied: int = 0
+    """Blocks left in the outer unit because a weight of theirs is tied to another unit's or the model's."""
 
     @property
     def all(self) -> list[FSDPModule]:
@@ -152,6 +154,9 @@ def apply_fsdp(
     holds a second copy of the model. ``one_unit``: a single block unit kept gathered on one rank overlaps nothing
     and saves no memory: the blocks join the outer unit (one FSDP2 pre-forward hook per step, not one per block)."""
     groups = [unit for group in group_blocks(blocks, blocks_per_unit, unit_of) for unit in _shared_apart(group)]
+    untied = _without_tied_parameters(groups, outer_unit)
+    tied = sum(map(len, groups)) - sum(map(len, untied))
+    groups = untied
     if one_unit and len(groups) == 1:
         groups = []
     block_units = []
@@ -175,7 +180,7 @@ def apply_fsdp(
     if copies_owner is not None:
         compute = mp_policy.param_dtype or (sharded[0].dtype if sharded else torch.float32)
         copies_owner.compute_copies = ComputeCopies(copies_owner, sharded + norm_params, compute)
-    return UnitFacts(outer, block_units, blocks_per_unit, copies_owner is not None)
+    return UnitFacts(outer, block_units, blocks_per_unit, copies_owner is not None, tied)
 
 
 def _shared_apart(group: list[nn.Module]) -> list[list[nn.Module]]:
@@ -187,6 +192,27 @@ def _shared_apart(group: list[nn.Module]) -> list[list[nn.Module]]:
     shared = [member for member in group if id(member) in inside]
     rest = [member for member in group if id(member) not in inside]
     return [[member] for member in shared] + ([rest] if rest else [])
+
+
+def _without_tied_parameters(groups: list[list[nn.Module]], model: nn.Module) -> list[list[nn.Module]]:
+    """The groups that own no parameter another group or the rest of the model also uses (weights tied across
+    blocks, or a head tied to a block's weight): FSDP2 lets one unit manage a parameter, so those blocks join the
+    outer unit, which manages both uses, where DDP trains the tie as one parameter."""
+    owner_of: dict[int, set[int]] = {}
+    claimed: set[int] = set()  # a module an earlier unit holds is nested in a later one, not shared with it
+    for index, group in enumerate(groups):
+        for sub in {id(sub): sub for member in group for sub in member.modules()}.values():
+            if id(sub) in claimed:
+                continue
+            claimed.add(id(sub))
+            for param in sub.parameters(recurse=False):
+                owner_of.setdefault(id(param), set()).add(index)
+    for module in model.modules():
+        if id(module) not in claimed:
+            for param in module.parameters(recurse=False):
+                owner_of.setdefault(id(param), set()).add(-1)
+    tied = {index for owners in owner_of.values() if len(owners) > 1 for index in owners}
+    return [group for index, group in enumerate(groups) if index not in tied]
 
 
 def apply_prefetch(units: list[FSDPModule], prefetch: int, mesh: DeviceMesh, device: torch.device) -> str:

@@ -178,6 +178,9 @@ def _notes(facts: PipelineFacts) -> list[str]:
         notes.append(f"{len(facts.joined)} repeated containers are never called themselves (their parent calls what"
                      f" they hold): each is one FSDP unit over the modules of it that run ({'; '.join(kinds)}),"
                      " each module a block of its own for checkpointing")
+    if facts.units.tied:
+        notes.append(f"{facts.units.tied} block(s) share a weight with another unit or the rest of the model (tied):"
+                     " left in the outer unit, which manages every use of it (FSDP2 lets one unit manage a weight)")
     if facts.made_contiguous:
         notes.append(f"{len(facts.made_contiguous)} channels_last parameter(s) made contiguous for FSDP"
                      f" ({_abbrev(facts.made_contiguous)}): same values; convolutions run channels_last when their"
