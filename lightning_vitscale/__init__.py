@@ -23,6 +23,7 @@ from lightning_vitscale.sharding import (
     SecondBackwardError,
     SetupSummary,
     ShardedModuleReuseError,
+    SkippedBlocksError,
 )
 from lightning_vitscale.strategy import VitScaleStrategy
 
@@ -46,6 +47,7 @@ __all__ = [
     "SetupSummary",
     "ShardedEMA",
     "ShardedModuleReuseError",
+    "SkippedBlocksError",
     "StateBytes",
     "StateDictGatherError",
     "VitScaleCheckpointIO",

@@ -81,6 +81,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("accumulation", ShardingPolicy, "accumulation"),
     Option("prefetch", ShardingPolicy, "prefetch"),
     Option("blocks_per_unit", ShardingPolicy, "blocks_per_unit"),
+    Option("find_unused_parameters", ShardingPolicy, "find_unused_parameters"),
     Option("timeout", ProcessGroupSettings, "timeout"),
     Option("process_group_backend", ProcessGroupSettings, "process_group_backend"),
     Option("state_dict_type", CheckpointSettings, "state_dict_type"),

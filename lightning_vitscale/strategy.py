@@ -21,7 +21,7 @@ from lightning_vitscale.averaging import shard_averaged_copies
 from lightning_vitscale.checkpoint.lightning import ResumeLauncher
 from lightning_vitscale.init import Creation, InitMode, InitSettings, ModelCreation, host_copies
 from lightning_vitscale.kernels import Compiler, KernelMode, KernelPolicy, prepare_optimizers, take_over_compiled
-from lightning_vitscale.memory import AccumulationMode, may_release_after_step, release_gradients
+from lightning_vitscale.memory import AccumulationMode, may_release_after_step
 from lightning_vitscale.options import document
 from lightning_vitscale.precision import VitScalePrecision, to_vitscale_precision
 from lightning_vitscale.sharding import CheckpointSelector, ModuleSelector, OffloadMode, Priority, ShardingLayout
@@ -63,6 +63,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         accumulation: AccumulationMode = "auto",
         prefetch: int | None = None,
         blocks_per_unit: int | None = None,
+        find_unused_parameters: bool = False,
         timeout: timedelta = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
         state_dict_type: checkpoints.StateDictType = "sharded",
@@ -77,7 +78,7 @@ class VitScaleStrategy(ModelParallelStrategy):
             sharding=shards.ShardingPolicy(
                 blocks=blocks, reshard_after_forward=reshard_after_forward, layout=sharding, offload=offload,
                 accumulation=accumulation, prefetch=prefetch, blocks_per_unit=blocks_per_unit,
-                tensor_parallel=tensor_parallel, tensor_plan=tensor_plan,
+                find_unused_parameters=find_unused_parameters, tensor_parallel=tensor_parallel, tensor_plan=tensor_plan,
             ),
             checkpointing=shards.CheckpointingPolicy(blocks=activation_checkpointing, memory_budget=memory_budget),
             kernels=kernels, priority=priority,
@@ -99,9 +100,8 @@ class VitScaleStrategy(ModelParallelStrategy):
     checkpoint_settings = checkpoints.OnCheckpointSide[checkpoints.CheckpointSettings]("settings")
     state_dict_type = checkpoints.OnCheckpointSide[checkpoints.StateDictType]("state_dict_type")
 
-    # No public hook runs in time for `Trainer.fit(torch.compile(model))`: fit stores the unwrapped module here, then
-    # refuses it under any strategy but SingleDevice/DDP/FSDP (`_verify_strategy_supports_compile`) before `connect`
-    # or any hook. So the compile is taken over as it is stored (kernels/compile.py).
+    # `Trainer.fit(torch.compile(model))` stores the unwrapped module here, then refuses it for our strategy before any
+    # hook runs (`_verify_strategy_supports_compile`): the compile is taken over as it is stored (kernels/compile.py).
     @property  # type: ignore[override]
     def _lightning_module(self) -> pl.LightningModule | None:
         return self._module
@@ -113,8 +113,7 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        # Tells Lightning to inject DistributedSampler and honour `sync_dist` (see accelerator_connector).
-        return True
+        return True  # Lightning then injects DistributedSampler and honours `sync_dist` (accelerator_connector)
 
     @property  # type: ignore[override]
     @override
@@ -135,8 +134,7 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # Every rank is data-parallel (ModelParallelStrategy's default: every process a tensor-parallel peer, no
-        # sharding). 1-D mesh for "full", (replicate, shard) for hybrid; tensor_parallel=k adds a last, innermost dim.
+        # Every rank data-parallel (ModelParallelStrategy's: all tensor-parallel); tensor_parallel=k: a last mesh dim.
         shard_group = partial(shards.shard_group_size, self.config.sharding.layout)
         distributed.start_process_group(
             self, self.lightning_module, process_group_timeout(self) or DEFAULT_TIMEOUT, shard_group,
@@ -200,10 +198,14 @@ class VitScaleStrategy(ModelParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.sharded is not None
-        if args:
-            self.sharded.before_training_step(args[0], self._ranks(), self.optimizers)
+        self.sharded.before_training_step(args[0] if args else None, self._ranks(), self.optimizers)
         mean = partial(distributed.mean_over_ranks, device=self.root_device)
         return self.sharded.training_step(partial(super().training_step, *args, **kwargs), mean)
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.sharded is not None:
+            self.sharded.before_backward()
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -222,10 +224,8 @@ class VitScaleStrategy(ModelParallelStrategy):
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.sharded.out_of_memory_named() if self.sharded is not None else nullcontext():
             output = super().optimizer_step(*args, **kwargs)  # automatic optimization: forward and backward too
-        if self.sharded is not None:
-            self.sharded.outer.release()  # a copy gathered by a callback before the update is stale now
-        if self._release_after_step:  # zero_grad would free them only after the next forward
-            release_gradients(args[0] if args else kwargs["optimizer"])
+        if self.sharded is not None:  # zero_grad would free the gradients only after the next forward
+            self.sharded.after_optimizer_step(args[0] if args else kwargs["optimizer"], self._release_after_step)
         return output
 
     @override

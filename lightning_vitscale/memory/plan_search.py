@@ -67,7 +67,8 @@ class BlockPlan:
 
     def describe(self) -> str:
         n, full, selective = self.n, self.modes.count("full"), self.modes.count("selective")
-        units = f", {self.per_unit} blocks per unit" if self.per_unit > 1 else ""
+        units = ", all in one unit" if self.per_unit >= n > 1 else f", {self.per_unit} blocks per unit" * (
+            self.per_unit > 1)
         return (f"{full} full + {selective} selective of {n} blocks checkpointed,"
                 f" {self.kept_units} of {self.units} units kept gathered for backward{units}")
 

@@ -49,6 +49,8 @@ class ReplicatedNorms:
         self.syncing = True  # False on the micro-batches before the last of an accumulation window
         self._queued_in = -1  # the backward in which an end-of-backward reduction was queued (a raising one's too)
         self._reduced_at_end = False  # one ran since the last after_backward()
+        self.zero_unused = False  # find_unused_parameters=True: a norm unused here sends a zero gradient
+        self.filled: list[bool] = []  # which params the last reduction gave zeros (unused here), in `params` order
         for module in modules:
             self._convert(module)
 
@@ -99,6 +101,11 @@ class ReplicatedNorms:
         """Average the norm gradients over the mesh, one coalesced collective per mesh dimension; returns how many."""
         if self.mesh.size() == 1:
             return 0
+        if self.zero_unused:  # every rank sends every norm's gradient, or the all-reduces differ in size
+            self.filled = [param.grad is None and param.requires_grad for param in self.params]
+            for param, fill in zip(self.params, self.filled):
+                if fill:
+                    param.grad = torch.zeros_like(param)
         grads = [cast(DTensor, p.grad).to_local() for p in self.params if p.grad is not None]  # DTensors' grads
         if not grads:
             return 0

@@ -23,6 +23,7 @@ from lightning_vitscale.sharding.settings import (
     shard_group_size,
 )
 from lightning_vitscale.sharding.setup import ShardedModel, ShardedModuleReuseError, shard_lightning_module
+from lightning_vitscale.sharding.skipped_blocks import SkippedBlocksError
 from lightning_vitscale.sharding.summary import SetupSummary
 from lightning_vitscale.sharding.sync_batchnorm import apply_sync_batchnorm
 
@@ -39,6 +40,7 @@ __all__ = [
     "Priority",
     "ResolvedConfig",
     "SecondBackwardError",
+    "SkippedBlocksError",
     "SetupSummary",
     "ShardedModel",
     "ShardedModuleReuseError",

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_vitscale._compat import forward_hook_dicts
+from lightning_vitscale._compat import current_backward_id, forward_hook_dicts
 from lightning_vitscale.distributed import collective_guard
 from lightning_vitscale.sharding.buffer_sync import BufferSync
 from lightning_vitscale.sharding.compute_copies import ComputeCopies
@@ -103,7 +103,7 @@ class OuterUnit(nn.Module):
         """After ``fully_shard(self)``: hook the modules holding outer-unit parameters and their ancestors."""
         if self._hooks or not isinstance(self, FSDPModule):
             return
-        self._owned = _outer_unit_parameters(self.module)
+        self._owned = outer_unit_parameters(self.module)
         if not self._owned:
             return  # every parameter lives in a block unit: nothing of the outer unit to gather
         # Before FSDP's own pre-forward (prepend): a step starts from the sharded parameters the optimizer
@@ -175,6 +175,8 @@ class OuterUnit(nn.Module):
                     " where VitScaleStrategy supports it."
                 )
             return
+        if current_backward_id() != -1:  # checkpointing's recompute of a block in this unit: inside a step
+            return
         if torch.jit.is_tracing() or torch.compiler.is_exporting():  # would bake gathers and hooks into the graph
             raise RuntimeError(TRACE_REFUSED)
         self._depth += 1
@@ -245,7 +247,7 @@ def reshard_units(outer: nn.Module) -> None:
             copies.release()
 
 
-def _outer_unit_parameters(model: nn.Module) -> list[tuple[nn.Module, str]]:
+def outer_unit_parameters(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """(module, name) of the parameters the outer unit shards: Shard-placed DTensors outside block units."""
     return [(module, name) for module in modules_outside_units(model)
             for name, param in module.named_parameters(recurse=False)

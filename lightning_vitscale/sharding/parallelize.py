@@ -100,6 +100,7 @@ def parallelize(
         mp_policy=mixed_precision_policy(precision), offload=offload_policy(resolved.sharding.offload, device),
         reshard_after_forward=resolved.sharding.reshard_after_forward, blocks_per_unit=resolved.blocks_per_unit,
         ignored=norms.ignored, unit_of=unit_of, one_unit=one_unit,
+        skippable=resolved.sharding.find_unused_parameters,
     )
     # 5. Explicit prefetch once every unit exists: each unit starts the next one's all-gather.
     overlap = apply_prefetch(units.all, resolved.prefetch, mesh, device)

@@ -27,6 +27,8 @@ ShardingLayout = Literal["full", "hybrid"] | int
 SHARDING_LAYOUTS: tuple[str, ...] = ("full", "hybrid")
 Priority = Literal["speed", "memory"]
 PRIORITIES: tuple[str, ...] = ("speed", "memory")
+EVERY_BLOCK = 2**31 - 1
+"""``blocks_per_unit`` under ``find_unused_parameters=True``: every block in one unit (the outer one), gathered."""
 OffloadMode = Literal["cpu"]
 OFFLOAD_CHOICES: tuple[str | None, ...] = (None, "cpu")
 
@@ -96,6 +98,14 @@ class ShardingPolicy:
         " planner's choice (up to every block in one unit) from the batch known at setup (``example_input_array``,"
         " else one batch of the train dataloader when fitting), else 1; ``\"memory\"``, 1."
     ))
+    find_unused_parameters: bool = documented(False, (
+        "``True`` for a model whose ranks may skip blocks or other parameters in a training step (LayerDrop drawn"
+        " per rank, a branch on the data, experts), as DDP's ``find_unused_parameters``: every block stays in the"
+        " outer unit (a block one rank skips cannot be a unit: its collectives would pair with another block's),"
+        " a parameter unused on a rank is reduced as a zero gradient, and one no rank used keeps no gradient (the"
+        " optimizer skips it). ``False``: a block holding trainable parameters that does not run in a training"
+        " step's forward raises ``SkippedBlocksError`` before any gradient is sent, as DDP's default refuses it."
+    ))
 
     def __post_init__(self) -> None:
         _check_layout(self.layout)
@@ -127,7 +137,7 @@ class ShardingPolicy:
         if isinstance(rf, int) and not isinstance(rf, bool) and rf < 1:
             raise ValueError(f"`reshard_after_forward` as an int is a world size and must be >= 1; got {rf}.")
 
-    def _check_tensor_parallel(self) -> None:
+    def _check_tensor_parallel(self) -> None:  # and find_unused_parameters, which it rules out
         tp = self.tensor_parallel
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"`tensor_parallel={tp!r}` must be an int >= 1: ranks that split each block.")
@@ -137,6 +147,26 @@ class ShardingPolicy:
                 f"`tensor_plan` must be None, a dict of module-name patterns to ParallelStyles, or a callable"
                 f" (block name, block) -> {{name: style}}; got {type(plan).__name__}."
             )
+        if not isinstance(self.find_unused_parameters, bool):
+            raise _invalid(self, "find_unused_parameters", "must be True or False")
+        if self.find_unused_parameters:
+            self._every_block_in_the_outer_unit()
+        if self.find_unused_parameters and self.tensor_parallel > 1:
+            raise _invalid(self, "find_unused_parameters", (
+                "is not supported with tensor_parallel > 1: a skipped block's split matmuls would leave its tensor"
+                " group's collectives unmatched. Pass tensor_parallel=1, or make every rank run every block"))
+
+    def _every_block_in_the_outer_unit(self) -> None:
+        """What ``find_unused_parameters=True`` means for the units, set here so that the planner, the traffic
+        report and the summary all see it: every block in one unit that stays gathered (the outer unit's blocks)."""
+        if self.blocks_per_unit not in (None, EVERY_BLOCK) or self.reshard_after_forward not in (None, False):
+            raise ValueError(
+                f"`find_unused_parameters=True` keeps every block in the outer unit, so `blocks_per_unit="
+                f"{self.blocks_per_unit!r}` and `reshard_after_forward={self.reshard_after_forward!r}` cannot apply:"
+                " leave them unset, or make every rank run every block and drop find_unused_parameters."
+            )
+        object.__setattr__(self, "blocks_per_unit", EVERY_BLOCK)  # frozen: set once, while being made
+        object.__setattr__(self, "reshard_after_forward", False)
 
     def prefetch_on(self, device_type: str) -> int:
         """The user's prefetch, else 1 on CPU (no streams: only an explicit, asynchronous prefetch overlaps), else 0."""

@@ -28,14 +28,15 @@ from lightning_vitscale.memory import (
     PlanningBatch,
     choose_accumulation,
     planning_batch,
+    release_gradients,
 )
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, VitScalePrecision, flat_step
 from lightning_vitscale.sharding import plain_copy
 from lightning_vitscale.sharding.activation_checkpointing import CHECKPOINT_MODES, apply_activation_checkpointing
 from lightning_vitscale.sharding.buffer_sync import BufferSync
 from lightning_vitscale.sharding.gradient_sync import gradient_sync_off, unsharded_gradient_bytes
-from lightning_vitscale.sharding.outer_unit import OuterUnit, SecondBackwardError, reshard_units
-from lightning_vitscale.sharding.parallelize import parallelize
+from lightning_vitscale.sharding.outer_unit import OuterUnit, SecondBackwardError, outer_unit_parameters, reshard_units
+from lightning_vitscale.sharding.parallelize import Parallelized, parallelize
 from lightning_vitscale.sharding.planning import (
     agreed_budget,
     apply_auto_choice,
@@ -44,6 +45,7 @@ from lightning_vitscale.sharding.planning import (
 )
 from lightning_vitscale.sharding.resolved import ResolvedConfig, compile_where_it_pays
 from lightning_vitscale.sharding.settings import ParallelConfig, ShardingPolicy
+from lightning_vitscale.sharding.skipped_blocks import SkippedBlockCheck, UnusedParameters
 from lightning_vitscale.sharding.summary import SetupSummary
 from lightning_vitscale.sharding.traffic import layout_report
 
@@ -113,6 +115,7 @@ class ShardedModel:
     planned_for_speed: bool = False
     accumulation: AccumulationChoice | None = None
     backwards_in_step: int = 0  # backwards through the strategy since the training step began
+    skipped: SkippedBlockCheck | UnusedParameters | None = None  # several ranks: blocks a rank skips
 
     @property
     def module(self) -> nn.Module:
@@ -121,7 +124,7 @@ class ShardedModel:
     def before_training_step(self, batch: Any, ranks: RankContext, optimizers: list[torch.optim.Optimizer]) -> None:
         """``activation_checkpointing="auto"`` without a batch at setup: decide from the first batch, then checkpoint
         the chosen blocks in place (inside their FSDP hooks, as when applied before ``fully_shard``)."""
-        if self.auto is None or not self.auto.pending:
+        if batch is None or self.auto is None or not self.auto.pending:
             return
         modes = self.auto.at_first_step(batch, ranks.device, ranks.broadcast, optimizers).modes
         for mode in CHECKPOINT_MODES:
@@ -143,6 +146,8 @@ class ShardedModel:
         """Run ``step`` (an out-of-memory error and a second backward's freed storage named); under
         ``attention="auto"`` the first steps time the kernels."""
         self.backwards_in_step = 0
+        if isinstance(self.skipped, SkippedBlockCheck):
+            self.skipped.reset()
         with self.out_of_memory_named(), self.second_backward_named():
             return auto_attention_step(self.router, step, mean_over_ranks, self._attention_decided)
 
@@ -167,11 +172,26 @@ class ShardedModel:
     def _attention_decided(self, line: str) -> None:
         self.summary.kernels["attention"] = line
 
+    def before_backward(self) -> None:
+        """A rank that skipped a block raises before it sends a gradient (``skipped_blocks.py``)."""
+        if self.skipped is not None:
+            self.skipped.before_backward()
+
     def after_backward(self) -> None:
         self.backwards_in_step += 1
         # fp32 norms live outside FSDP's units: their gradients are averaged once per synced backward.
         if self.norms is not None:
             self.norms.after_backward()
+        if isinstance(self.skipped, UnusedParameters):  # after the norms': they reduce zeros for the unused
+            self.skipped.after_backward()
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer, release_gradients_now: bool) -> None:
+        """``release_gradients_now``: nothing reads the gradients after the step (``memory/gradient_release.py``)."""
+        self.outer.release()  # a copy gathered by a callback before the update is stale now
+        if release_gradients_now:
+            release_gradients(optimizer)
+        if isinstance(self.skipped, UnusedParameters):
+            self.skipped.after_optimizer_step()
 
     @contextmanager
     def second_backward_named(self) -> Generator[None, None, None]:
@@ -308,7 +328,20 @@ def _shard(
         initialize_fsdp_root(outer)
     speed = plans_from_batch(resolved) and resolved.requested.priority == "speed"
     return ShardedModel(outer, done.plan, done.norms, done.router, planned.auto, signature, budget,
-                        planned_for_speed=speed)
+                        planned_for_speed=speed, skipped=_skipped_blocks(module, done, resolved, ranks))
+
+
+def _skipped_blocks(
+    module: nn.Module, done: Parallelized, resolved: ResolvedConfig, ranks: RankContext
+) -> SkippedBlockCheck | UnusedParameters | None:
+    """Several ranks: refuse a block a rank skips, or, with ``find_unused_parameters=True``, train it as DDP does.
+    One rank sends no collective to mismatch: nothing to watch."""
+    if ranks.world_size == 1:
+        return None
+    blocks = [(name, module.get_submodule(name)) for name in done.plan.block_names]
+    if not resolved.sharding.find_unused_parameters:
+        return SkippedBlockCheck(blocks, ranks.rank, ranks.world_size) if blocks else None
+    return UnusedParameters(outer_unit_parameters(module), done.norms)
 
 
 def _describe_layout(

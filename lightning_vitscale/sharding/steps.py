@@ -30,6 +30,7 @@ from lightning_vitscale.sharding.cpu_overlap import overlap_collectives_on_cpu
 from lightning_vitscale.sharding.fsdp import group_blocks, set_prefetch, shard_module
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.settings import unit_reshard
+from lightning_vitscale.sharding.skipped_blocks import zero_gradients_for_unused
 from lightning_vitscale.sharding.tensor_parallel import same_values_everywhere, split_block
 from lightning_vitscale.sharding.tensor_proof import prove_plans
 
@@ -73,6 +74,8 @@ class UnitFacts:
     """One rank, one unit: compute copies instead of FSDP2's per-parameter path (sharding/compute_copies.py)."""
     tied: int = 0
     """Blocks left in the outer unit because a weight of theirs is tied to another unit's or the model's."""
+    skippable: int = 0
+    """Blocks left in the outer unit because ``find_unused_parameters=True`` lets ranks skip them."""
 
     @property
     def all(self) -> list[FSDPModule]:
@@ -148,15 +151,18 @@ def apply_fsdp(
     outer_unit: nn.Module, blocks: list[nn.Module], *, mesh: DeviceMesh, weights: InitialWeights,
     mp_policy: MixedPrecisionPolicy, offload: OffloadPolicy, reshard_after_forward: bool | int | None,
     blocks_per_unit: int, ignored: set[nn.Parameter] | None, unit_of: list[int] | None = None, one_unit: bool = False,
+    skippable: bool = False,
 ) -> UnitFacts:
     """One FSDP unit per ``blocks_per_unit`` consecutive blocks (``unit_of``: :func:`~.fsdp.group_blocks`),
     bottom-up, then the outer unit; ``weights`` delivers each unit's values to its shards as it is made, so no rank
     holds a second copy of the model. ``one_unit``: a single block unit kept gathered on one rank overlaps nothing
-    and saves no memory: the blocks join the outer unit (one FSDP2 pre-forward hook per step, not one per block)."""
+    and saves no memory: the blocks join the outer unit (one FSDP2 pre-forward hook per step, not one per block).
+    ``skippable`` (``find_unused_parameters=True``): ranks may skip blocks, so every block joins the outer unit, whose
+    forward every rank runs, and an unused parameter is reduced as a zero gradient (``skipped_blocks.py``)."""
     groups = [unit for group in group_blocks(blocks, blocks_per_unit, unit_of) for unit in _shared_apart(group)]
     untied = _without_tied_parameters(groups, outer_unit)
     tied = sum(map(len, groups)) - sum(map(len, untied))
-    groups = untied
+    groups = [] if skippable else untied
     if one_unit and len(groups) == 1:
         groups = []
     block_units = []
@@ -177,10 +183,13 @@ def apply_fsdp(
             sharded = to_row_shards(outer_unit, mesh, weights.device, {id(p) for p in norm_params})
             ignored = set(norm_params) | set(sharded)
         outer = shard_module(outer_unit, mesh, mp_policy, reshard, ignored, offload)
+    if skippable and mesh.size() > 1:
+        zero_gradients_for_unused(outer)
     if copies_owner is not None:
         compute = mp_policy.param_dtype or (sharded[0].dtype if sharded else torch.float32)
         copies_owner.compute_copies = ComputeCopies(copies_owner, sharded + norm_params, compute)
-    return UnitFacts(outer, block_units, blocks_per_unit, copies_owner is not None, tied)
+    skipped = sum(map(len, untied)) if skippable else 0
+    return UnitFacts(outer, block_units, blocks_per_unit, copies_owner is not None, tied, skipped)
 
 
 def _shared_apart(group: list[nn.Module]) -> list[list[nn.Module]]:

@@ -57,6 +57,8 @@ class SetupSummary:
     init_seconds: float = 0.0
     blocks_per_unit: int = 1
     units_choice: str = ""
+    outer_blocks: int = 0
+    """Blocks in the outer unit though several ranks shard it (tied weights, ``find_unused_parameters=True``)."""
     copies: bool = False
     """One rank: the outer unit's step computes on copies, not through FSDP2 (``sharding/compute_copies.py``)."""
     overlap: str = ""
@@ -71,7 +73,7 @@ class SetupSummary:
             f"VitScaleStrategy: {self._ranks()}, precision {self.precision}",
             f"  blocks found        : {found}",
             f"  FSDP units          : {self.units} ({self._block_units()}"
-            + (")" if self.units == 1 and self.block_names else " + 1 outer)"),
+            + (")" if self.units == 1 and self.block_names else f" + 1 outer{self._outer_holds()})"),
             f"  checkpointed blocks : {len(self.checkpointed)} of {len(self.block_names)}"
             + (f", {len(self.selective)} selective (matmuls and attention kept)" if self.selective else "")
             + (f" ({self.memory})" if self.memory else ""),
@@ -116,15 +118,22 @@ class SetupSummary:
     def _block_units(self) -> str:
         chosen = f" ({self.units_choice})" if self.units_choice else ""
         copies = "; no FSDP2 per-parameter work: the step computes on copies made in one foreach copy" * self.copies
+        if self.units == 1 and self.outer_blocks:
+            return f"the outer unit, with the {len(self.block_names)} blocks{chosen}"
         if self.units == 1 and self.block_names:
             blocks = f"the outer unit, with the {len(self.block_names)} blocks"
             return f"{blocks}: one rank, all kept gathered{chosen}{copies}"
         if self.units == 1 and self.copies:
             return f"the outer unit, no blocks{copies}"
+        in_units = len(self.block_names) - self.outer_blocks
+        blocks = f"{in_units} of the {len(self.block_names)} blocks" if self.outer_blocks else f"{in_units} blocks"
         if self.blocks_per_unit > 1:
-            return f"{len(self.block_names)} blocks, up to {self.blocks_per_unit} per unit{chosen}"
-        joined = f" in {self.units - 1} units" if self.units - 1 != len(self.block_names) else ""
-        return f"{len(self.block_names)} blocks{joined}{chosen}"
+            return f"{blocks}, up to {self.blocks_per_unit} per unit{chosen}"
+        joined = f" in {self.units - 1} units" if self.units - 1 != in_units else ""
+        return f"{blocks}{joined}{chosen}"
+
+    def _outer_holds(self) -> str:
+        return f" with the other {self.outer_blocks}" if self.outer_blocks else ""
 
 
 def summary_from_facts(facts: PipelineFacts) -> SetupSummary:
@@ -136,6 +145,7 @@ def summary_from_facts(facts: PipelineFacts) -> SetupSummary:
         block_names=facts.blocks,
         units=len(facts.units.all),
         copies=facts.units.copies,
+        outer_blocks=facts.units.tied + facts.units.skippable,
         blocks_per_unit=facts.units.blocks_per_unit,
         checkpointed=list(checkpointed),
         selective=[name for name, mode in checkpointed.items() if mode == "selective"],
@@ -181,6 +191,10 @@ def _notes(facts: PipelineFacts) -> list[str]:
     if facts.units.tied:
         notes.append(f"{facts.units.tied} block(s) share a weight with another unit or the rest of the model (tied):"
                      " left in the outer unit, which manages every use of it (FSDP2 lets one unit manage a weight)")
+    if facts.units.skippable:
+        notes.append(f"find_unused_parameters=True: the {facts.units.skippable} blocks stay in the outer unit (a block"
+                     " some ranks skip cannot be a unit); a parameter unused on a rank is reduced as a zero gradient,"
+                     " one no rank used keeps no gradient")
     if facts.made_contiguous:
         notes.append(f"{len(facts.made_contiguous)} channels_last parameter(s) made contiguous for FSDP"
                      f" ({_abbrev(facts.made_contiguous)}): same values; convolutions run channels_last when their"

@@ -26,6 +26,7 @@ PUBLIC_NAMES = {
     "SetupSummary",
     "ShardedEMA",
     "ShardedModuleReuseError",
+    "SkippedBlocksError",
     "StateBytes",
     "StateDictGatherError",
     "VitScaleCheckpointIO",

@@ -6,11 +6,12 @@
 to none (every block kept gathered), decided at setup from one batch of the train dataloader (the planner also
 chooses ``blocks_per_unit``); ``autok-P`` the same from ``example_input_array``; ``default-P`` the same under
 ``VitScaleStrategy(memory_budget=...)``'s default (``priority="speed"``); ``default``: ``VitScaleStrategy()`` as it
-comes (the host's memory to spare: the planner's plan from the train dataloader's batch). ``auto`` and ``default``
-cells also train the same model under DDP for its losses. ``loop`` is ``auto`` (automatic
-optimization, the default: the strategy frees the gradients after the step), ``observed`` (the same with a
-callback reading gradients after the step: they are kept through the next forward), ``manual`` (zero_grad,
-forward, manual_backward, step), ``acc2`` (automatic, ``accumulate_grad_batches=2``) or ``noforward``
+comes (the host's memory to spare: the planner's plan from the train dataloader's batch); ``unused``: the same with
+``find_unused_parameters=True`` (every block in the outer unit).
+``auto``, ``default`` and ``unused`` cells also train the same model under DDP for its losses. ``loop`` is
+``auto`` (automatic optimization, the default: the strategy frees the gradients after the step), ``observed``
+(the same with a callback reading gradients after the step: they are kept through the next forward), ``manual``
+(zero_grad, forward, manual_backward, step), ``acc2`` (automatic, ``accumulate_grad_batches=2``) or ``noforward``
 (automatic, a LightningModule without ``forward`` whose ``training_step`` calls the network: measured through
 ``training_step``). Published architectures
 at random init (no download): torchvision ``vit_b_16`` and timm ``deit_tiny_patch16_224`` / ``vit_small_patch16_224``
@@ -171,7 +172,7 @@ def planned_for(inputs: StepInputs, ac: str, batch: int) -> tuple[StepSettings, 
     """The settings a cell's step runs, and what "auto" planned (its budget and per-block plan); the default's
     units are read from what the strategy built (see :func:`cell`)."""
     every = frozenset(range(len(inputs.profile.blocks)))
-    if ac == "default":
+    if ac in ("default", "unused"):
         return StepSettings(every), {"budget": None}
     if not ac.startswith(("auto", "default-")):
         return StepSettings(every if ac != "off" else frozenset(),
@@ -216,7 +217,7 @@ def cell(name: str, ac: str, batch: int, kind: str = "auto") -> dict:
         image = planned.image
         x, y = torch.empty(batch, 3, image, image), torch.empty(batch, dtype=torch.long)
     # measured as the strategy measures it ("auto", the default: training_step on the batch) or from forward
-    through_training_step = ac.startswith(("default", "auto-"))
+    through_training_step = ac.startswith(("default", "auto-")) or ac == "unused"
     key = (name, batch, kind, through_training_step)  # what the measurement depends on (ac does not change it)
     if key not in MEASURED:
         if through_training_step:
@@ -236,12 +237,14 @@ def cell(name: str, ac: str, batch: int, kind: str = "auto") -> dict:
     if ac in ("off", "full", "selective"):  # the step model's cells: one block per unit, resharded, as before
         options = dict(activation_checkpointing={"off": False, "full": True, "selective": "selective"}[ac],
                        blocks_per_unit=1, reshard_after_forward=True)
+    elif ac == "unused":  # every block in the outer unit, kept gathered: the planner must predict that
+        options = dict(find_unused_parameters=True)
     else:  # "default": VitScaleStrategy() as it comes; "default-P" with a memory_budget
         options = dict(memory_budget=auto["budget"]) if ac.startswith("default") else dict(
             activation_checkpointing="auto", memory_budget=auto["budget"])
     strategy = MeasuredStrategy(accumulate, **options)
     model = fit(name, ac, batch, kind, strategy)
-    if ac == "default":  # the planner's plan as built: predicted for it
+    if ac in ("default", "unused"):  # the planner's plan as built: predicted for it
         kept = frozenset(i for i, gathered in enumerate(model.gathered) if gathered)
         modes = [checkpoint_mode(b) for b in model.net.blocks]
         settings = StepSettings(frozenset(i for i, mode in enumerate(modes) if mode),

@@ -327,3 +327,6 @@ def test_blocks_with_tied_weights_join_the_outer_unit_and_train_as_ddp(tie, own_
     assert losses == pytest.approx(fit_losses("ddp", make=functools.partial(TiedNet, tie)), rel=1e-6)
     assert [isinstance(b, FSDPModule) for b in strategy.lightning_module.blocks] == own_units
     assert f"{own_units.count(False)} block(s) share a weight" in strategy.plan.summary()
+    kept = own_units.count(False)  # the units line counts them in the outer unit, not as units of their own
+    assert f"FSDP units          : {5 - kept} ({4 - kept} of the 4 blocks + 1 outer with the other {kept})" in (
+        strategy.plan.summary())

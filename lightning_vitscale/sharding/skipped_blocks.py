@@ -1,0 +1,167 @@
+"""Blocks a rank skips in a training step (LayerDrop drawn per rank, a branch on the data): refused before any
+gradient is reduced, or trained as DDP's ``find_unused_parameters=True`` trains them.
+
+FSDP2 gathers and reduces each unit's parameters with collectives that every rank joins in the same order. A block
+one rank skips breaks that order. Measured on 2 gloo ranks (4 blocks, each skipped with p=0.5 drawn per rank, one
+outer unit): the ranks' reduce-scatters differed in size, the step waited out the collective timeout and ended in
+gloo's "Connection closed by peer" inside FSDP2's ``foreach_reduce``, naming nothing. With the blocks their own units,
+a skipped block's all-gather pairs with the next block's on the other ranks. DDP's default fails at once, naming
+``find_unused_parameters=True``.
+
+So, by default, each block's forward pre-hook marks it as run. A mark counts only with gradients on and outside
+backward, so evaluation and checkpointing's recompute do not count. Before each backward, a rank on which a block
+holding trainable parameters did not run raises :class:`SkippedBlocksError`, before it sends any gradient. A model
+that skips the same blocks on every rank is refused too, as DDP refuses it. The launcher then stops the ranks left
+waiting (``distributed.stop_local_ranks``).
+
+With ``find_unused_parameters=True`` the blocks stay in the outer unit, whose forward every rank runs, so no
+per-block collective can pair wrongly. FSDP2 reduce-scatters a zero gradient for a parameter this rank did not use.
+The replicated fp32 norms do the same. A parameter is used on a rank when autograd accumulated a gradient into it
+there, seen by a hook on each gathered parameter of the outer unit (exact, as DDP's walk of the autograd graph). After
+each backward, one all-reduce on the gloo side group finds which parameters any rank used since the last optimizer
+step. The others get their gradient back to ``None``, as DDP leaves them, so an optimizer skips them: AdamW neither
+decays nor moves them. A first version marked each module whose forward ran instead; it cleared gradients
+``nn.MultiheadAttention`` had put into ``out_proj``, which it uses without calling it (seen).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_vitscale._compat import current_backward_id
+from lightning_vitscale.distributed.collective_guard import side_group
+from lightning_vitscale.precision import ReplicatedNorms
+
+
+class SkippedBlocksError(RuntimeError):
+    """A block holding trainable parameters did not run in a training step's forward on this rank."""
+
+
+def _trainable(module: nn.Module) -> bool:
+    return any(param.requires_grad for param in module.parameters())
+
+
+class ForwardMarks:
+    """Which of ``modules`` ran a training forward (gradients on, not a recompute) since the last :meth:`take`."""
+
+    def __init__(self, modules: list[tuple[str, nn.Module]]) -> None:
+        self.names = [name for name, _ in modules]
+        self.modules = [module for _, module in modules]
+        self.ran = [False] * len(modules)
+        for index, module in enumerate(self.modules):
+            module.register_forward_pre_hook(functools.partial(self._mark, index))
+
+    def _mark(self, index: int, module: nn.Module, args: object) -> None:
+        if torch.is_grad_enabled() and current_backward_id() == -1:  # not in a recompute
+            self.ran[index] = True
+
+    def take(self) -> list[bool]:
+        """The marks so far, and a fresh start."""
+        ran, self.ran = self.ran, [False] * len(self.ran)
+        return ran
+
+
+class SkippedBlockCheck:
+    """``find_unused_parameters=False``: every block holding trainable parameters ran before each backward."""
+
+    def __init__(self, blocks: list[tuple[str, nn.Module]], rank: int, world_size: int) -> None:
+        self.marks = ForwardMarks(blocks)
+        self.rank, self.world_size = rank, world_size
+
+    def before_backward(self) -> None:
+        ran = self.marks.take()
+        skipped = [name for name, did, block in zip(self.marks.names, ran, self.marks.modules)
+                   if not did and _trainable(block)]
+        if not skipped:
+            return
+        shown = ", ".join(skipped[:6]) + (f" and {len(skipped) - 6} more" if len(skipped) > 6 else "")
+        raise SkippedBlocksError(
+            f"VitScaleStrategy: {len(skipped)} of {len(ran)} blocks ({shown}) did not run in this training step's"
+            f" forward on rank {self.rank} of {self.world_size}, though they hold trainable parameters. FSDP"
+            " gathers and reduces each block's parameters with collectives every rank must join, so a block some"
+            " ranks skip (LayerDrop, a branch on the data) would hang the step or mix one block's parameters with"
+            " another's. DDP refuses such a model too. Pass VitScaleStrategy(find_unused_parameters=True), as"
+            " strategy='ddp_find_unused_parameters_true' under DDP: the blocks then stay in the outer unit and"
+            " unused parameters are reduced as zeros. If the blocks are not trained, set requires_grad=False on"
+            " their parameters instead."
+        )
+
+    def reset(self) -> None:
+        """A training step starts: marks from calls outside it (a callback's) do not count."""
+        self.marks.take()
+
+
+class UnusedParameters:
+    """``find_unused_parameters=True``: the parameters no rank used since the last optimizer step keep no gradient,
+    as DDP leaves them. ``owned``: (module, name) of each outer-unit parameter; ``norms``: the replicated fp32 norms.
+
+    Used means autograd accumulated a gradient into the parameter on this rank, seen by a hook on each gathered
+    parameter. FSDP2 reuses the same gathered tensor every step, so each is hooked once; one not gathered when a
+    backward starts cannot be watched and counts as used. A norm is used where it holds a gradient before the
+    zeros are filled in (``ReplicatedNorms.filled``)."""
+
+    def __init__(self, owned: list[tuple[nn.Module, str]], norms: ReplicatedNorms | None) -> None:
+        self.owned, self.norms = owned, norms
+        self.used = [False] * len(owned)
+        self.watched = [False] * len(owned)
+        self._hooked: dict[int, torch.Tensor] = {}  # id -> the gathered tensor, kept so that its id stays its own
+        if norms is not None:
+            norms.zero_unused = True
+
+    def before_backward(self) -> None:
+        """Hook the gathered parameters, the first time each is seen."""
+        for index, (module, name) in enumerate(self.owned):
+            tensor = getattr(module, name)
+            if isinstance(tensor, DTensor) or not tensor.requires_grad or id(tensor) in self._hooked:
+                continue
+            self._hooked[id(tensor)] = tensor
+            tensor.register_post_accumulate_grad_hook(functools.partial(self._accumulated, index))
+            self.watched[index] = True
+
+    def _accumulated(self, index: int, tensor: torch.Tensor) -> None:
+        self.used[index] = True
+
+    def after_backward(self) -> int:
+        """Clear the gradients of the parameters no rank used; returns how many were cleared."""
+        params = [getattr(module, name) for module, name in self.owned]
+        flags = [used or not watched for used, watched in zip(self.used, self.watched)]
+        if self.norms is not None and self.norms.filled:  # this backward reduced the norms
+            params += self.norms.params
+            flags += [not zeroed for zeroed in self.norms.filled]
+            self.norms.filled = []
+        cleared = 0
+        for param, anywhere in zip(params, _on_any_rank(flags)):
+            if not anywhere and param.grad is not None:
+                param.grad = None
+                cleared += 1
+        return cleared
+
+    def after_optimizer_step(self) -> None:
+        self.used = [False] * len(self.used)
+
+
+def _on_any_rank(flags: list[bool]) -> list[bool]:
+    """``flags`` OR-ed over the ranks, on the gloo side group (a host tensor: no device sync)."""
+    group = side_group()
+    if group is None or not flags:
+        return flags
+    values = torch.tensor(flags, dtype=torch.uint8)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return [bool(value) for value in values.tolist()]
+
+
+def zero_gradients_for_unused(outer: object) -> None:
+    """FSDP2 reduce-scatters a zero gradient for a parameter this rank did not use, so every rank's collective has
+    the same size (FSDP2's ``set_reduce_scatter_unused_params``, which torch 2.14 has)."""
+    setter = getattr(outer, "set_reduce_scatter_unused_params", None)
+    if setter is None:
+        raise RuntimeError(
+            f"VitScaleStrategy(find_unused_parameters=True) needs FSDP2's set_reduce_scatter_unused_params, which"
+            f" torch {torch.__version__} lacks: upgrade torch (it is in 2.14), or make every rank run every block."
+        )
+    setter(True)

@@ -1,0 +1,131 @@
+"""Rank script: a model that skips whole blocks in some training steps (LayerDrop), as DDP's
+``find_unused_parameters=True`` trains it and as ``VitScaleStrategy(find_unused_parameters=True)`` must.
+
+``skipped_blocks.py OUT name1,name2``: each scenario ``<config>/<strategy>`` (``CONFIGS``) trains 4 steps with the
+same weights and data and records this rank's losses and the final weights' sums. Schedules: ``per_rank``, rank r
+skips block (step + r) % 4 (each rank one block per step, a different one, so the ranks' collectives would line up
+in count and pair wrong blocks); ``uneven``, rank 0 skips block step % 4 and rank 1 none; ``same``, every rank skips
+block 3 always (AdamW must leave it untouched, as DDP leaves a parameter no rank used without a gradient) and block
+step % 3.
+
+``skipped_blocks.py OUT refuse PRIORITY``, under Lightning's own launcher, ``find_unused_parameters=False``: rank 1
+skips block 1 from the second step while rank 0 runs all four. Rank 1 must raise ``SkippedBlocksError`` before that
+backward sends anything, and the job must end at once, not when rank 0's collective times out.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from lightning_vitscale import VitScaleStrategy
+from tests.helpers.models import CLASSES, loader
+from tests.helpers.scenarios import run_scenarios
+
+warnings.filterwarnings("ignore")
+DEPTH, DIM, PATCH = 4, 32, 8
+
+
+class LayerDropNet(L.LightningModule):
+    """Patch embedding, 4 encoder blocks of which the schedule skips some per training step, a head."""
+
+    def __init__(self, schedule: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.schedule = schedule
+        self.embed = nn.Conv2d(3, DIM, PATCH, PATCH)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(DIM, 4, DIM * 2, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(DEPTH)
+        )
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, CLASSES)
+        self.step_index = 0
+        self.losses: list[float] = []
+
+    def skipped(self) -> set[int]:
+        rank, step = self.global_rank, self.step_index
+        if self.schedule == "per_rank":
+            return {(step + rank) % DEPTH}
+        if self.schedule == "uneven":  # rank 0 skips block step % 4, rank 1 none: the ranks' unused counts differ
+            return {step % DEPTH} if rank == 0 else set()
+        if self.schedule == "one_rank":  # rank 1 skips block 1 from the second step; rank 0 runs every block
+            return {1} if rank == 1 and step >= 1 else set()
+        return {DEPTH - 1, step % (DEPTH - 1)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skipped = self.skipped() if self.training and torch.is_grad_enabled() else set()
+        x = self.embed(x).flatten(2).transpose(1, 2)
+        for index, block in enumerate(self.blocks):
+            if index not in skipped:
+                x = block(x)
+        return self.head(self.norm(x).mean(1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.step_index += 1
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def fit(schedule: str, strategy, steps: int = 4, **trainer_kwargs) -> tuple[LayerDropNet, L.Trainer]:
+    model = LayerDropNet(schedule)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", 2)), strategy=strategy, max_steps=steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, num_sanity_val_steps=0, **trainer_kwargs,
+    )
+    trainer.fit(model, loader(n=64, batch_size=4))
+    return model, trainer
+
+
+# Each config's schedule and Trainer settings. "accum2": 2 micro-batches per optimizer step, each skipping its own
+# blocks (a parameter unused in one micro-batch but used in the other must keep its gradient); "uneven_bf16": the
+# fp32 norms are replicated outside FSDP and all-reduce their own gradients, and rank 0 lacks two of them per step
+# where rank 1 lacks none (with equal counts, as "per_rank" has, a missing zero-fill pairs wrong norms silently).
+CONFIGS = {
+    "per_rank": ("per_rank", {}),
+    "same": ("same", {}),
+    "per_rank_accum2": ("per_rank", {"accumulate_grad_batches": 2}),
+    "same_accum2": ("same", {"accumulate_grad_batches": 2}),
+    "uneven_bf16": ("uneven", {"precision": "bf16-mixed"}),
+}
+
+
+def scenario(config: str, strategy_name: str) -> dict:
+    schedule, trainer_kwargs = CONFIGS[config]
+    strategy = ("ddp_find_unused_parameters_true" if strategy_name == "ddp"
+                else VitScaleStrategy(find_unused_parameters=True, priority="memory"))
+    model, trainer = fit(schedule, strategy, **trainer_kwargs)
+    facts: dict = {
+        "losses": model.losses,
+        "weights": {name: float(value.double().sum()) for name, value in model.state_dict().items()},
+    }
+    if strategy_name == "vitscale":
+        facts["block_units"] = sum(isinstance(block, FSDPModule) for block in model.blocks)
+        facts["summary"] = trainer.strategy.plan.summary()
+    return facts
+
+
+def refuse(priority: str) -> None:
+    """Lightning's launcher starts rank 1; rank 1 skips a block rank 0 runs: SkippedBlocksError, job ends."""
+    fit("one_rank", VitScaleStrategy(priority=priority))
+
+
+if __name__ == "__main__":
+    if sys.argv[2] == "refuse":
+        refuse(sys.argv[3])
+    else:
+        run_scenarios({f"{config}/{name}": (lambda c=config, n=name: scenario(c, n))
+                       for config in CONFIGS for name in ("ddp", "vitscale")})

@@ -1,0 +1,64 @@
+"""Blocks that ranks skip (LayerDrop): ``find_unused_parameters=True`` trains them with the losses and weights of
+DDP's ``ddp_find_unused_parameters_true``; without it, the rank that skipped raises ``SkippedBlocksError`` naming
+the fix before its backward sends anything, and the job ends at once instead of waiting out the collective timeout
+(it did: > 200 s, then gloo's "Connection closed by peer", naming nothing)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.helpers.launch import Finished, launch_ranks, lightning_launch
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+SCRIPT = "tests/distributed/scripts/skipped_blocks.py"
+CONFIGS = ("per_rank", "same", "per_rank_accum2", "same_accum2", "uneven_bf16")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> list[dict]:
+    scenarios = ",".join(f"{config}/{strategy}" for config in CONFIGS for strategy in ("ddp", "vitscale"))
+    return launch_ranks(tmp_path_factory, "skipped_blocks", SCRIPT, scenarios, timeout=240)[1]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_skipped_blocks_train_as_ddp_find_unused_parameters(runs, config):
+    """fp32: DDP's losses on each rank and DDP's final weights. ``same`` skips block 3 on every rank at every step:
+    its weights must stay as made (AdamW with weight decay would shrink them had it got zero gradients; seen:
+    norm weights 32.0 -> 31.87 with a module-level count). bf16-mixed, rank 0 skipping a block rank 1 runs: the
+    replicated fp32 norms reduce a zero gradient for the norms unused on rank 0; the losses are within bf16's
+    resolution of DDP's AMP. Mutation seen failing: no zero-fill for the norms (their all-reduces differ in size).
+    """
+    tolerance = 3e-2 if "bf16" in config else 1e-6
+    for rank in runs:
+        ours, ddp = rank[f"{config}/vitscale"], rank[f"{config}/ddp"]
+        assert len(ours["losses"]) == len(ddp["losses"]) > 0
+        assert ours["losses"] == pytest.approx(ddp["losses"], rel=tolerance, abs=tolerance)
+        if "bf16" not in config:  # AdamW's near-sign updates of tiny bf16 gradients: weights differ by ~lr anyway
+            for name, value in ddp["weights"].items():
+                assert ours["weights"][name] == pytest.approx(value, rel=1e-5, abs=1e-4), name
+        assert ours["block_units"] == 0  # a block a rank skips cannot be its own unit
+        # "same": block 3 never runs, so it is no block (the planner's trace finds what a step calls)
+        blocks = 3 if config.startswith("same") else 4
+        assert f"find_unused_parameters=True: the {blocks} blocks stay in the outer unit" in ours["summary"]
+
+
+def test_a_block_one_rank_skips_fails_at_once_naming_the_fix(tmp_path):
+    """Rank 1 skips a block rank 0 runs, with the default plan (one outer unit here) and with every block its own
+    unit (``priority="memory"``, where rank 0 waits in a block's all-gather): Lightning's launcher, both end within
+    seconds of start-up, rank 1's error names the cause and ``find_unused_parameters=True``."""
+
+    def launch(priority: str) -> Finished:
+        return lightning_launch(SCRIPT, str(tmp_path), "refuse", priority, timeout=150)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(launch, ("speed", "memory")))
+    for result in results:
+        assert not result.timed_out, result.output[-3000:]
+        assert result.returncode != 0
+        assert result.seconds < 90, f"took {result.seconds:.0f}s"
+        assert "SkippedBlocksError: VitScaleStrategy: 1 of 4 blocks (blocks.1) did not run" in result.output
+        assert "on rank 1 of 2" in result.output
+        assert "VitScaleStrategy(find_unused_parameters=True)" in result.output
