@@ -29,7 +29,9 @@ FIT_SCRIPT = "tests/distributed/scripts/planner_fit.py"
 AUTO_CELLS = ["deit_tiny:auto-50:32:noforward", "deit_tiny:default-11:32", "deit_tiny:autok-100:32",
               "deit_tiny:autok-11:32"]
 DEFAULT_CELL = "deit_tiny:default:32:noforward"
-UNUSED_CELL = "deit_tiny:unused:32"  # find_unused_parameters=True: the planner predicts every block in the outer unit
+# find_unused_parameters=True under a budget halfway from every block checkpointed (and resharded) to none: the
+# blocks stay in the outer unit, gathered, so the planner must checkpoint where it would otherwise reshard.
+UNUSED_CELL = "deit_tiny:unused-50:32"
 CELLS = ",".join([f"deit_tiny:{ac}:{batch}" for ac in ("off", "full", "selective") for batch in (8, 32)]
                  + ["deit_tiny:off:8:observed", "deit_tiny:off:8:manual", *AUTO_CELLS, DEFAULT_CELL, UNUSED_CELL])
 TOLERANCE = 0.10
@@ -117,17 +119,22 @@ def test_the_default_checkpoints_nothing_and_groups_units_where_memory_allows(fi
 
 
 def test_find_unused_parameters_plans_every_block_in_the_outer_unit(fit_steps):
-    """``find_unused_parameters=True`` keeps every block in the outer unit, gathered for the whole step: the plan is
-    one unit of every block, kept gathered, the summary's predicted peak is that plan's, the step's increment is
-    within tolerance of the measured one (``test_predicted_step_within_tolerance_of_a_trainer_fit_step``), and the
-    losses are DDP's (this model runs every block)."""
+    """``find_unused_parameters=True`` keeps every block in the outer unit, gathered for the whole step. Under a
+    budget that forces checkpointing the planner plans that unit: the summary's predicted peak is the built plan's
+    and within the budget, the measured step stays within it, and the step's increment is within tolerance of the
+    measured one (``test_predicted_step_within_tolerance_of_a_trainer_fit_step``; it was 1.38x before the step
+    model freed a unit's gathered parameters before its reduce-scatter); the losses are DDP's (this model runs
+    every block). The planner left free to choose units picked the same memory here (4 blocks per unit, all kept):
+    ``tests/unit/sharding/test_skipped_blocks.py`` holds the settings that pin it."""
     for rank in fit_steps:
         unused = rank[UNUSED_CELL]["auto"]
         depth = len(unused["applied"])
         assert unused["units"] == 1 and unused["kept"] == list(range(depth)), unused["summary"]
         assert f"FSDP units          : 1 (the outer unit, with the {depth} blocks)" in unused["summary"]
-        assert "1 of 1 units kept gathered for backward, all in one unit" in unused["summary"]
-        assert unused["predicted_peak"] == unused["planned_peak"], unused["summary"]
+        assert "units kept gathered for backward, all in one unit" in unused["summary"]
+        assert unused["predicted_peak"] == unused["planned_peak"] <= unused["budget"], unused["summary"]
+        assert rank[UNUSED_CELL]["measured_peak"] <= unused["budget"], unused["summary"]
+        assert any(unused["applied"]), unused["summary"]  # the budget forced checkpointing
         assert unused["losses"] == pytest.approx(unused["ddp_losses"], rel=1e-5, abs=1e-6)
 
 

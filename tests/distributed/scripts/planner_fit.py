@@ -6,8 +6,8 @@
 to none (every block kept gathered), decided at setup from one batch of the train dataloader (the planner also
 chooses ``blocks_per_unit``); ``autok-P`` the same from ``example_input_array``; ``default-P`` the same under
 ``VitScaleStrategy(memory_budget=...)``'s default (``priority="speed"``); ``default``: ``VitScaleStrategy()`` as it
-comes (the host's memory to spare: the planner's plan from the train dataloader's batch); ``unused``: the same with
-``find_unused_parameters=True`` (every block in the outer unit).
+comes (the host's memory to spare: the planner's plan from the train dataloader's batch); ``unused-P``: ``default-P``
+with ``find_unused_parameters=True`` (every block in the outer unit, gathered).
 ``auto``, ``default`` and ``unused`` cells also train the same model under DDP for its losses. ``loop`` is
 ``auto`` (automatic optimization, the default: the strategy frees the gradients after the step), ``observed``
 (the same with a callback reading gradients after the step: they are kept through the next forward), ``manual``
@@ -172,14 +172,16 @@ def planned_for(inputs: StepInputs, ac: str, batch: int) -> tuple[StepSettings, 
     """The settings a cell's step runs, and what "auto" planned (its budget and per-block plan); the default's
     units are read from what the strategy built (see :func:`cell`)."""
     every = frozenset(range(len(inputs.profile.blocks)))
-    if ac in ("default", "unused"):
+    if ac == "default":
         return StepSettings(every), {"budget": None}
-    if not ac.startswith(("auto", "default-")):
+    if not ac.startswith(("auto", "default-", "unused-")):
         return StepSettings(every if ac != "off" else frozenset(),
                             selective=every if ac == "selective" else frozenset()), {}
     least = predict_step(inputs, StepSettings(every)).peak
     most = predict_step(inputs, StepSettings(reshard_after_forward=False)).peak
     budget = least + (most - least) * int(ac.split("-")[1]) // 100
+    if ac.startswith("unused-"):  # the budget only: the plan is read from what the strategy built (see cell)
+        return StepSettings(every), {"budget": budget}
     plan = choose(inputs, budget, budget, "32-true", batch, offload=False, rates=rates_for("cpu"), per_unit=None)
     modes = list(plan.blocks.modes)
     kept = [plan.chosen.settings.keeps(i) for i in range(len(every))]
@@ -217,7 +219,7 @@ def cell(name: str, ac: str, batch: int, kind: str = "auto") -> dict:
         image = planned.image
         x, y = torch.empty(batch, 3, image, image), torch.empty(batch, dtype=torch.long)
     # measured as the strategy measures it ("auto", the default: training_step on the batch) or from forward
-    through_training_step = ac.startswith(("default", "auto-")) or ac == "unused"
+    through_training_step = ac.startswith(("default", "auto-", "unused-"))
     key = (name, batch, kind, through_training_step)  # what the measurement depends on (ac does not change it)
     if key not in MEASURED:
         if through_training_step:
@@ -237,14 +239,14 @@ def cell(name: str, ac: str, batch: int, kind: str = "auto") -> dict:
     if ac in ("off", "full", "selective"):  # the step model's cells: one block per unit, resharded, as before
         options = dict(activation_checkpointing={"off": False, "full": True, "selective": "selective"}[ac],
                        blocks_per_unit=1, reshard_after_forward=True)
-    elif ac == "unused":  # every block in the outer unit, kept gathered: the planner must predict that
-        options = dict(find_unused_parameters=True)
+    elif ac.startswith("unused-"):  # every block in the outer unit, kept gathered: the planner must plan that
+        options = dict(find_unused_parameters=True, memory_budget=auto["budget"])
     else:  # "default": VitScaleStrategy() as it comes; "default-P" with a memory_budget
         options = dict(memory_budget=auto["budget"]) if ac.startswith("default") else dict(
             activation_checkpointing="auto", memory_budget=auto["budget"])
     strategy = MeasuredStrategy(accumulate, **options)
     model = fit(name, ac, batch, kind, strategy)
-    if ac in ("default", "unused"):  # the planner's plan as built: predicted for it
+    if ac == "default" or ac.startswith("unused-"):  # the planner's plan as built: predicted for it
         kept = frozenset(i for i, gathered in enumerate(model.gathered) if gathered)
         modes = [checkpoint_mode(b) for b in model.net.blocks]
         settings = StepSettings(frozenset(i for i, mode in enumerate(modes) if mode),
