@@ -82,13 +82,13 @@ class SkippedBlockCheck:
         shown = ", ".join(skipped[:6]) + (f" and {len(skipped) - 6} more" if len(skipped) > 6 else "")
         raise SkippedBlocksError(
             f"VitScaleStrategy: {len(skipped)} of {len(ran)} blocks ({shown}) did not run in this training step's"
-            f" forward on rank {self.rank} of {self.world_size}, though they hold trainable parameters. FSDP"
-            " gathers and reduces each block's parameters with collectives every rank must join, so a block some"
-            " ranks skip (LayerDrop, a branch on the data) would hang the step or mix one block's parameters with"
-            " another's. DDP refuses such a model too. Pass VitScaleStrategy(find_unused_parameters=True), as"
-            " strategy='ddp_find_unused_parameters_true' under DDP: the blocks then stay in the outer unit and"
-            " unused parameters are reduced as zeros. If the blocks are not trained, set requires_grad=False on"
-            " their parameters instead."
+            f" forward on rank {self.rank} of {self.world_size} (or ran only without gradients), though they hold"
+            " trainable parameters. FSDP gathers and reduces each block's parameters with collectives every rank"
+            " must join, so a block some ranks skip (LayerDrop, a branch on the data) would hang the step or mix one"
+            " block's parameters with another's. DDP refuses such a model too. Pass"
+            " VitScaleStrategy(find_unused_parameters=True), as strategy='ddp_find_unused_parameters_true' under DDP:"
+            " the blocks then stay in the outer unit and unused parameters are reduced as zeros. If the blocks are"
+            " not trained, set requires_grad=False on their parameters instead."
         )
 
     def reset(self) -> None:

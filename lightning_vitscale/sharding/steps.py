@@ -160,9 +160,12 @@ def apply_fsdp(
     ``skippable`` (``find_unused_parameters=True``): ranks may skip blocks, so every block joins the outer unit, whose
     forward every rank runs, and an unused parameter is reduced as a zero gradient (``skipped_blocks.py``)."""
     groups = [unit for group in group_blocks(blocks, blocks_per_unit, unit_of) for unit in _shared_apart(group)]
-    untied = _without_tied_parameters(groups, outer_unit)
-    tied = sum(map(len, groups)) - sum(map(len, untied))
-    groups = [] if skippable else untied
+    in_groups = sum(map(len, groups))
+    if skippable:  # every block to the outer unit (find_unused_parameters=True), tied or not
+        groups, tied, skipped = [], 0, in_groups
+    else:
+        groups = _without_tied_parameters(groups, outer_unit)
+        tied, skipped = in_groups - sum(map(len, groups)), 0
     if one_unit and len(groups) == 1:
         groups = []
     block_units = []
@@ -188,7 +191,6 @@ def apply_fsdp(
     if copies_owner is not None:
         compute = mp_policy.param_dtype or (sharded[0].dtype if sharded else torch.float32)
         copies_owner.compute_copies = ComputeCopies(copies_owner, sharded + norm_params, compute)
-    skipped = sum(map(len, untied)) if skippable else 0
     return UnitFacts(outer, block_units, blocks_per_unit, copies_owner is not None, tied, skipped)
 
 
