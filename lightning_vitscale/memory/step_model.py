@@ -251,6 +251,12 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
         held = unit_fulls[u + 1] if u + 1 < len(spans) else unit_full
         for i in reversed(span):
             compute = _block_backward(prof.blocks[i], i, settings, held, scale, r)
+            if u + 1 < len(spans) and inputs.collective_copies and inputs.world > 1 and i not in settings.checkpointed:
+                # On CPU the later unit's reduce-scatter is still in flight (cpu_overlap.py waits for it at this
+                # unit's), its input and gloo's copy of it alive through this unit's backward: RSS read at each
+                # post_backward of a DeiT-Tiny step (2 ranks, nothing checkpointed) peaks in block 10's backward,
+                # 2.9 MiB over the model without them (0.88-0.91x). A checkpointed block counts the input already.
+                compute += 2 * held * r
             # The unit's blocks whose backward is done hold their unsharded gradients until its reduce-scatter.
             pending = sum(full_blocks[j] for j in span if j > i) * c
             yield MemoryBreakdown(grads=grads, gathered=gathered, activations=outer_acts + kept_acts[i],

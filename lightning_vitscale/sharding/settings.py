@@ -99,12 +99,14 @@ class ShardingPolicy:
         " else one batch of the train dataloader when fitting), else 1; ``\"memory\"``, 1."
     ))
     find_unused_parameters: bool = documented(False, (
-        "``True`` for a model whose ranks may skip blocks or other parameters in a training step (LayerDrop drawn"
-        " per rank, a branch on the data, experts), as DDP's ``find_unused_parameters``: every block stays in the"
-        " outer unit (a block one rank skips cannot be a unit: its collectives would pair with another block's),"
-        " a parameter unused on a rank is reduced as a zero gradient, and one no rank used keeps no gradient (the"
-        " optimizer skips it). ``False``: a block holding trainable parameters that does not run in a training"
-        " step's forward raises ``SkippedBlocksError`` before any gradient is sent, as DDP's default refuses it."
+        "``True`` for a model whose ranks may skip whole blocks in a training step (LayerDrop, blocks chosen per"
+        " sample or per rank), as DDP's ``find_unused_parameters``: every block stays in the outer unit (a block one"
+        " rank skips cannot be a unit: its collectives would pair with another block's). ``False``: a block holding"
+        " trainable parameters that does not run in a training step's forward raises ``SkippedBlocksError`` before"
+        " any gradient is sent, as DDP's default refuses it. Either way, on several ranks a parameter unused on a"
+        " rank (an expert, a mask token) is reduced as a zero gradient. ``True`` also leaves a parameter no rank used"
+        " without a gradient, as DDP's flag does (one small all-reduce per backward); ``False`` gives it a zero"
+        " gradient."
     ))
 
     def __post_init__(self) -> None:

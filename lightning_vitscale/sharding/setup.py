@@ -115,7 +115,8 @@ class ShardedModel:
     planned_for_speed: bool = False
     accumulation: AccumulationChoice | None = None
     backwards_in_step: int = 0  # backwards through the strategy since the training step began
-    skipped: SkippedBlockCheck | UnusedParameters | None = None  # several ranks: blocks a rank skips
+    skipped: SkippedBlockCheck | None = None  # several ranks: a block a rank skips is refused
+    unused: UnusedParameters | None = None  # several ranks: parameters no rank used keep no gradient
 
     @property
     def module(self) -> nn.Module:
@@ -146,7 +147,7 @@ class ShardedModel:
         """Run ``step`` (an out-of-memory error and a second backward's freed storage named); under
         ``attention="auto"`` the first steps time the kernels."""
         self.backwards_in_step = 0
-        if isinstance(self.skipped, SkippedBlockCheck):
+        if self.skipped is not None:
             self.skipped.reset()
         with self.out_of_memory_named(), self.second_backward_named():
             return auto_attention_step(self.router, step, mean_over_ranks, self._attention_decided)
@@ -182,16 +183,16 @@ class ShardedModel:
         # fp32 norms live outside FSDP's units: their gradients are averaged once per synced backward.
         if self.norms is not None:
             self.norms.after_backward()
-        if isinstance(self.skipped, UnusedParameters):  # after the norms': they reduce zeros for the unused
-            self.skipped.after_backward()
+        if self.unused is not None:  # after the norms': they reduce zeros for the unused
+            self.unused.after_backward()
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer, release_gradients_now: bool) -> None:
         """``release_gradients_now``: nothing reads the gradients after the step (``memory/gradient_release.py``)."""
         self.outer.release()  # a copy gathered by a callback before the update is stale now
         if release_gradients_now:
             release_gradients(optimizer)
-        if isinstance(self.skipped, UnusedParameters):
-            self.skipped.after_optimizer_step()
+        if self.unused is not None:
+            self.unused.after_optimizer_step()
 
     @contextmanager
     def second_backward_named(self) -> Generator[None, None, None]:
@@ -327,21 +328,27 @@ def _shard(
     if isinstance(outer, FSDPModule):
         initialize_fsdp_root(outer)
     speed = plans_from_batch(resolved) and resolved.requested.priority == "speed"
+    skipped, unused = _skipped_blocks(module, outer, done, resolved, ranks)
     return ShardedModel(outer, done.plan, done.norms, done.router, planned.auto, signature, budget,
-                        planned_for_speed=speed, skipped=_skipped_blocks(module, done, resolved, ranks))
+                        planned_for_speed=speed, skipped=skipped, unused=unused)
 
 
 def _skipped_blocks(
-    module: nn.Module, done: Parallelized, resolved: ResolvedConfig, ranks: RankContext
-) -> SkippedBlockCheck | UnusedParameters | None:
-    """Several ranks: refuse a block a rank skips, or, with ``find_unused_parameters=True``, train it as DDP does.
-    One rank sends no collective to mismatch: nothing to watch."""
+    module: nn.Module, outer: OuterUnit, done: Parallelized, resolved: ResolvedConfig, ranks: RankContext
+) -> tuple[SkippedBlockCheck | None, UnusedParameters | None]:
+    """Several ranks: a block a rank skips is refused, unless ``find_unused_parameters=True`` keeps every block in
+    the outer unit and leaves a parameter no rank used without a gradient, as DDP's flag does (a collective per
+    backward). Either way a parameter a rank leaves unused is reduced as zeros (``steps.apply_fsdp``; the norms
+    here). One rank sends no collective to mismatch: nothing to watch."""
     if ranks.world_size == 1:
-        return None
-    blocks = [(name, module.get_submodule(name)) for name in done.plan.block_names]
+        return None, None
+    if done.norms is not None:
+        done.norms.zero_unused = True
     if not resolved.sharding.find_unused_parameters:
-        return SkippedBlockCheck(blocks, ranks.rank, ranks.world_size) if blocks else None
-    return UnusedParameters(outer_unit_parameters(module), done.norms)
+        blocks = [(name, module.get_submodule(name)) for name in done.plan.block_names]
+        return (SkippedBlockCheck(blocks, ranks.rank, ranks.world_size) if blocks else None), None
+    units = [unit for unit in outer.modules() if isinstance(unit, FSDPModule)]
+    return None, UnusedParameters([(unit, outer_unit_parameters(unit)) for unit in units], done.norms)
 
 
 def _describe_layout(

@@ -15,13 +15,20 @@ that skips the same blocks on every rank is refused too, as DDP refuses it. The 
 waiting (``distributed.stop_local_ranks``).
 
 With ``find_unused_parameters=True`` the blocks stay in the outer unit, whose forward every rank runs, so no
-per-block collective can pair wrongly. FSDP2 reduce-scatters a zero gradient for a parameter this rank did not use.
-The replicated fp32 norms do the same. A parameter is used on a rank when autograd accumulated a gradient into it
-there, seen by a hook on each gathered parameter of the outer unit (exact, as DDP's walk of the autograd graph). After
-each backward, one all-reduce on the gloo side group finds which parameters any rank used since the last optimizer
-step. The others get their gradient back to ``None``, as DDP leaves them, so an optimizer skips them: AdamW neither
-decays nor moves them. A first version marked each module whose forward ran instead; it cleared gradients
-``nn.MultiheadAttention`` had put into ``out_proj``, which it uses without calling it (seen).
+per-block collective can pair wrongly, and nothing is refused.
+
+Inside the units, a parameter one rank leaves unused (an expert another rank routes to, a mask token) would shift
+that rank's reduce-scatter against the others': with equal sizes the ranks reduced different tensors into each
+other (measured: experts picked per rank, weights wrong from the second step, no error). So on several ranks FSDP2
+always reduce-scatters a zero gradient for a parameter this rank did not use, and the replicated fp32 norms do the
+same: DDP's ``find_unused_parameters=True`` gradients, at no cost where every parameter is used. A parameter no
+rank used then holds a zero gradient (AdamW still decays it), where DDP's flag leaves it none; telling the two apart
+takes a collective per backward, which only ``find_unused_parameters=True`` pays: a hook on each gathered parameter
+sees whether autograd accumulated into it on this rank (exact, as DDP's walk of the autograd graph), one all-reduce
+on the gloo side group ORs that over the ranks, and the parameters no rank used since the last optimizer step get
+their gradient back to ``None``, so an optimizer skips them. A first version marked each module whose forward ran
+instead; it cleared gradients ``nn.MultiheadAttention`` had put into ``out_proj``, which it uses without calling it
+(seen).
 """
 
 from __future__ import annotations
@@ -97,25 +104,33 @@ class SkippedBlockCheck:
 
 
 class UnusedParameters:
-    """``find_unused_parameters=True``: the parameters no rank used since the last optimizer step keep no gradient,
-    as DDP leaves them. ``owned``: (module, name) of each outer-unit parameter; ``norms``: the replicated fp32 norms.
+    """Several ranks, ``find_unused_parameters=True``: the parameters no rank used since the last optimizer step
+    keep no gradient, as DDP leaves them. ``units``: each FSDP unit and (module, name) of each
+    parameter it shards; ``norms``: the replicated fp32 norms.
 
     Used means autograd accumulated a gradient into the parameter on this rank, seen by a hook on each gathered
-    parameter. FSDP2 reuses the same gathered tensor every step, so each is hooked once; one not gathered when a
-    backward starts cannot be watched and counts as used. A norm is used where it holds a gradient before the
-    zeros are filled in (``ReplicatedNorms.filled``)."""
+    parameter, hooked from its unit's forward pre-hook (after FSDP2's, so the module holds the gathered tensor).
+    FSDP2 reuses the same gathered tensor every step, so each is hooked once; one never seen gathered counts as used.
+    A norm is used where it holds a gradient before the zeros are filled in (``ReplicatedNorms.filled``)."""
 
-    def __init__(self, owned: list[tuple[nn.Module, str]], norms: ReplicatedNorms | None) -> None:
-        self.owned, self.norms = owned, norms
-        self.used = [False] * len(owned)
-        self.watched = [False] * len(owned)
+    def __init__(self, units: list[tuple[nn.Module, list[tuple[nn.Module, str]]]], norms: ReplicatedNorms | None):
+        self.owned = [slot for _, slots in units for slot in slots]
+        self.norms = norms
+        self.used = [False] * len(self.owned)
+        self.watched = [False] * len(self.owned)
         self._hooked: dict[int, torch.Tensor] = {}  # id -> the gathered tensor, kept so that its id stays its own
+        first = 0
+        for unit, slots in units:
+            unit.register_forward_pre_hook(functools.partial(self._watch, range(first, first + len(slots))))
+            first += len(slots)
         if norms is not None:
             norms.zero_unused = True
 
-    def before_backward(self) -> None:
-        """Hook the gathered parameters, the first time each is seen."""
-        for index, (module, name) in enumerate(self.owned):
+    def _watch(self, indices: range, unit: nn.Module, args: object) -> None:
+        for index in indices:
+            if self.watched[index]:
+                continue
+            module, name = self.owned[index]
             tensor = getattr(module, name)
             if isinstance(tensor, DTensor) or not tensor.requires_grad or id(tensor) in self._hooked:
                 continue
@@ -155,13 +170,15 @@ def _on_any_rank(flags: list[bool]) -> list[bool]:
     return [bool(value) for value in values.tolist()]
 
 
-def zero_gradients_for_unused(outer: object) -> None:
-    """FSDP2 reduce-scatters a zero gradient for a parameter this rank did not use, so every rank's collective has
-    the same size (FSDP2's ``set_reduce_scatter_unused_params``, which torch 2.14 has)."""
+def zero_gradients_for_unused(outer: object, required: bool) -> None:
+    """FSDP2 reduce-scatters a zero gradient for a parameter this rank did not use, in every unit, so every rank's
+    collectives have the same sizes in the same order (FSDP2's ``set_reduce_scatter_unused_params``, which torch
+    2.14 has). ``required``: ``find_unused_parameters=True``, which cannot work without it."""
     setter = getattr(outer, "set_reduce_scatter_unused_params", None)
-    if setter is None:
+    if setter is not None:
+        setter(True)
+    elif required:
         raise RuntimeError(
             f"VitScaleStrategy(find_unused_parameters=True) needs FSDP2's set_reduce_scatter_unused_params, which"
             f" torch {torch.__version__} lacks: upgrade torch (it is in 2.14), or make every rank run every block."
         )
-    setter(True)

@@ -186,8 +186,8 @@ def apply_fsdp(
             sharded = to_row_shards(outer_unit, mesh, weights.device, {id(p) for p in norm_params})
             ignored = set(norm_params) | set(sharded)
         outer = shard_module(outer_unit, mesh, mp_policy, reshard, ignored, offload)
-    if skippable and mesh.size() > 1:
-        zero_gradients_for_unused(outer)
+    if mesh.size() > 1:  # a parameter one rank leaves unused cannot shift the others' reduce-scatters
+        zero_gradients_for_unused(outer, required=skippable)
     if copies_owner is not None:
         compute = mp_policy.param_dtype or (sharded[0].dtype if sharded else torch.float32)
         copies_owner.compute_copies = ComputeCopies(copies_owner, sharded + norm_params, compute)

@@ -193,8 +193,7 @@ def _notes(facts: PipelineFacts) -> list[str]:
                      " left in the outer unit, which manages every use of it (FSDP2 lets one unit manage a weight)")
     if facts.units.skippable:
         notes.append(f"find_unused_parameters=True: the {facts.units.skippable} blocks stay in the outer unit (a block"
-                     " some ranks skip cannot be a unit); a parameter unused on a rank is reduced as a zero gradient,"
-                     " one no rank used keeps no gradient")
+                     " some ranks skip cannot be a unit)")
     if facts.made_contiguous:
         notes.append(f"{len(facts.made_contiguous)} channels_last parameter(s) made contiguous for FSDP"
                      f" ({_abbrev(facts.made_contiguous)}): same values; convolutions run channels_last when their"

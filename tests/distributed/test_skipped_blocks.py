@@ -14,7 +14,7 @@ from tests.helpers.launch import Finished, launch_ranks, lightning_launch
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 SCRIPT = "tests/distributed/scripts/skipped_blocks.py"
-CONFIGS = ("per_rank", "same", "per_rank_accum2", "same_accum2", "uneven_bf16")
+CONFIGS = ("per_rank", "same", "per_rank_accum2", "same_accum2", "uneven_bf16", "experts", "experts_units")
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +30,10 @@ def test_skipped_blocks_train_as_ddp_find_unused_parameters(runs, config):
     norm weights 32.0 -> 31.87 with a module-level count). bf16-mixed, rank 0 skipping a block rank 1 runs: the
     replicated fp32 norms reduce a zero gradient for the norms unused on rank 0; the losses are within bf16's
     resolution of DDP's AMP. Mutation seen failing: no zero-fill for the norms (their all-reduces differ in size).
+    ``experts``: no flag, every block runs, the ranks pick different experts (and none picks the third): DDP's
+    weights, the third expert only decayed (a zero gradient: DDP's flag leaves it none). Mutation seen failing: no
+    zero-fill in the units (silently different weights from the second step: the reduce-scatters paired different
+    experts of equal size).
     """
     tolerance = 3e-2 if "bf16" in config else 1e-6
     for rank in runs:
@@ -38,7 +42,14 @@ def test_skipped_blocks_train_as_ddp_find_unused_parameters(runs, config):
         assert ours["losses"] == pytest.approx(ddp["losses"], rel=tolerance, abs=tolerance)
         if "bf16" not in config:  # AdamW's near-sign updates of tiny bf16 gradients: weights differ by ~lr anyway
             for name, value in ddp["weights"].items():
+                if config.startswith("experts") and ".experts.2." in name:
+                    # No rank uses it: DDP's flag leaves it no gradient; without ours it gets zeros, so AdamW
+                    # only decays it, by (1 - lr * weight_decay) per step, 4 steps.
+                    value *= (1 - 1e-2 * 0.1) ** 4
                 assert ours["weights"][name] == pytest.approx(value, rel=1e-5, abs=1e-4), name
+        if config.startswith("experts"):  # no flag: the experts unused on a rank are inside FSDP units
+            assert ours["block_units"] == 4, ours["summary"]  # one grouped unit as it comes; four with "memory"
+            continue
         assert ours["block_units"] == 0  # a block a rank skips cannot be its own unit
         # "same": block 3 never runs, so it is no block (the planner's trace finds what a step calls)
         blocks = 3 if config.startswith("same") else 4

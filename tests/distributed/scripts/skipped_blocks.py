@@ -79,8 +79,36 @@ class LayerDropNet(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
 
 
+class Experts(nn.Module):
+    """A block with three expert MLPs, of which the caller picks one (mixture-of-experts routing, simplified)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return x + self.experts[expert](self.norm(x))
+
+
+class ExpertsNet(LayerDropNet):
+    """Every block runs on every rank, each with the expert (rank + block + step) % 2: the ranks use different
+    parameters inside the same units, and expert 2 is never used."""
+
+    def __init__(self, schedule: str) -> None:
+        super().__init__(schedule)
+        torch.manual_seed(1)
+        self.blocks = nn.ModuleList(Experts() for _ in range(DEPTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x).flatten(2).transpose(1, 2)
+        for index, block in enumerate(self.blocks):
+            x = block(x, (self.global_rank + index + self.step_index) % 2)
+        return self.head(self.norm(x).mean(1))
+
+
 def fit(schedule: str, strategy, steps: int = 4, **trainer_kwargs) -> tuple[LayerDropNet, L.Trainer]:
-    model = LayerDropNet(schedule)
+    model = ExpertsNet(schedule) if schedule == "experts" else LayerDropNet(schedule)
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", 2)), strategy=strategy, max_steps=steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -94,19 +122,25 @@ def fit(schedule: str, strategy, steps: int = 4, **trainer_kwargs) -> tuple[Laye
 # blocks (a parameter unused in one micro-batch but used in the other must keep its gradient); "uneven_bf16": the
 # fp32 norms are replicated outside FSDP and all-reduce their own gradients, and rank 0 lacks two of them per step
 # where rank 1 lacks none (with equal counts, as "per_rank" has, a missing zero-fill pairs wrong norms silently).
+# "experts": ExpertsNet under VitScaleStrategy without the flag, as it comes (the 4 blocks in one unit here) and
+# with every block its own unit: no block is skipped, so none is refused, and the experts the ranks leave unused
+# are reduced as zeros (before, the ranks' reduce-scatters held different experts of equal size: silently wrong
+# gradients).
+SKIPPABLE = {"find_unused_parameters": True, "priority": "memory"}
 CONFIGS = {
-    "per_rank": ("per_rank", {}),
-    "same": ("same", {}),
-    "per_rank_accum2": ("per_rank", {"accumulate_grad_batches": 2}),
-    "same_accum2": ("same", {"accumulate_grad_batches": 2}),
-    "uneven_bf16": ("uneven", {"precision": "bf16-mixed"}),
+    "per_rank": ("per_rank", {}, SKIPPABLE),
+    "same": ("same", {}, SKIPPABLE),
+    "per_rank_accum2": ("per_rank", {"accumulate_grad_batches": 2}, SKIPPABLE),
+    "same_accum2": ("same", {"accumulate_grad_batches": 2}, SKIPPABLE),
+    "uneven_bf16": ("uneven", {"precision": "bf16-mixed"}, SKIPPABLE),
+    "experts": ("experts", {}, {}),
+    "experts_units": ("experts", {}, {"priority": "memory"}),
 }
 
 
 def scenario(config: str, strategy_name: str) -> dict:
-    schedule, trainer_kwargs = CONFIGS[config]
-    strategy = ("ddp_find_unused_parameters_true" if strategy_name == "ddp"
-                else VitScaleStrategy(find_unused_parameters=True, priority="memory"))
+    schedule, trainer_kwargs, options = CONFIGS[config]
+    strategy = "ddp_find_unused_parameters_true" if strategy_name == "ddp" else VitScaleStrategy(**options)
     model, trainer = fit(schedule, strategy, **trainer_kwargs)
     facts: dict = {
         "losses": model.losses,
