@@ -123,8 +123,6 @@ class UnusedParameters:
         for unit, slots in units:
             unit.register_forward_pre_hook(functools.partial(self._watch, range(first, first + len(slots))))
             first += len(slots)
-        if norms is not None:
-            norms.zero_unused = True
 
     def _watch(self, indices: range, unit: nn.Module, args: object) -> None:
         for index in indices:
