@@ -31,6 +31,9 @@ def test_each_rank_runs_its_script_as_main_with_its_own_rank_and_exit_status(tmp
         assert rank["argv"] == [str(tmp_path), "extra"] and rank["name"] == "__main__"
         assert Path(rank["file"]) == REPO_ROOT / SCRIPT and rank["cwd"] == str(REPO_ROOT)
     assert len({r["pid"] for r in ranks} | {os.getpid()}) == 3
+    # its exit waited for its non-daemon thread, then ran its atexit handler (a forked rank skips only the teardown)
+    assert (tmp_path / "thread1.txt").read_text() == "written"
+    assert (tmp_path / "atexit1.txt").read_text() == "thread done: True"
 
 
 def test_lightning_launcher_starts_its_other_rank_as_python_script_py_would(tmp_path):
