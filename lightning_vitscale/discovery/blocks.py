@@ -5,7 +5,7 @@ called itself: its sub-layers are, and together they are one unit)."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 
 from torch import nn
 
@@ -122,6 +122,23 @@ def _dedup(pairs) -> list[tuple[str, nn.Module]]:
     for name, module in pairs:
         first.setdefault(id(module), (name, module))
     return list(first.values())
+
+
+def reused_modules(root: nn.Module, counts: Mapping[str, int]) -> list[tuple[str, nn.Module, int]]:
+    """The outermost modules with parameters in their children that one call of ``root`` ran two or more times
+    (``counts``: calls per qualified name, ``root`` as ``""``), each with its calls per call of ``root``. A block
+    whose weights every layer shares (ALBERT's, a universal transformer's) is one module, so :func:`find_units`
+    finds no repetition; named by the caller as the fix (``blocks={ItsClass}``), it becomes a unit checkpointed at
+    each call."""
+    per_run = max(counts.get("", 1), 1)
+    found: list[tuple[str, nn.Module, int]] = []
+    for name, module in root.named_modules():
+        if not name or any(name.startswith(f"{outer}.") for outer, _, _ in found):
+            continue
+        times = counts.get(name, 0) // per_run
+        if times >= 2 and _is_composite(module):
+            found.append((name, module, times))
+    return found
 
 
 def find_modules(root: nn.Module, predicate: Callable[[str, nn.Module], bool]) -> list[tuple[str, nn.Module]]:

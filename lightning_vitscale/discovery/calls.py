@@ -5,6 +5,7 @@ global module hooks for every module, the chosen modules' own hooks for keyword 
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -29,11 +30,13 @@ class TensorSpec:
 
 @dataclass
 class Calls:
-    """What one run called: ``called`` modules (qualified names), each watched module's first ``inputs`` (tensors
-    as :class:`TensorSpec`), the modules still ``running`` (outermost first: where a run that raised was), with
+    """What one run called: ``called`` modules (qualified names) and how many times each ran (``counts``: a block
+    whose weights serve every layer runs once per layer), each watched module's first ``inputs`` (tensors as
+    :class:`TensorSpec`), the modules still ``running`` (outermost first: where a run that raised was), with
     ``keep_outputs`` each module's first floating ``outputs``, and the ``error`` it raised (``"Type: message"``)."""
 
     called: set[str] = field(default_factory=set)
+    counts: Counter[str] = field(default_factory=Counter)
     inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict)
     running: list[str] = field(default_factory=list)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -61,6 +64,7 @@ def recording(
         name = names.get(id(module))
         if name is not None:
             calls.called.add(name)
+            calls.counts[name] += 1
             calls.running.append(name)
 
     def leave(module: nn.Module, _: Any, out: Any) -> None:

@@ -6,11 +6,12 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_vitscale.discovery import ModuleSelector, describe_blocks, find_units, holds_parameters
-from lightning_vitscale.discovery.blocks import Unit
+from lightning_vitscale.discovery.blocks import Unit, reused_modules
 from lightning_vitscale.discovery.calls import Calls
 from lightning_vitscale.init import Creation, InitialWeights
 from lightning_vitscale.kernels import AttentionRouter, tensor_core_report
@@ -30,7 +31,7 @@ from lightning_vitscale.sharding.steps import (
     apply_tp,
     replicate_norms,
 )
-from lightning_vitscale.sharding.summary import SetupSummary, summary_from_facts
+from lightning_vitscale.sharding.summary import SetupSummary, reused_blocks_fix, summary_from_facts
 
 
 class NoBlocksMatchedError(ValueError):
@@ -59,6 +60,7 @@ def parallelize(
     """
     resolved = config if isinstance(config, ResolvedConfig) else resolve_config(config, device)
     found = select_units(model, resolved.sharding.blocks, calls)  # before anything rewrites the tree
+    reused = _reused_instead_of_blocks(model, found, resolved, calls)
     blocks = [pair for _, unit in found for pair in unit]
     unit_of = [index for index, (_, unit) in enumerate(found) for _ in unit]
     joined = {name: [type(m).__name__ for _, m in unit] for name, unit in found if [name] != [n for n, _ in unit]}
@@ -111,7 +113,7 @@ def parallelize(
         described=described, norms=norms, checkpointing=checkpointing, compiled=compiled, router=router,
         kernels=resolved.kernels, tensor_core_misses=tensor_cores, units=units, overlap=overlap, init=init,
         params=list(model.parameters()), precision=precision.name, tensor=tensor, joined=joined,
-        made_contiguous=made_contiguous,
+        made_contiguous=made_contiguous, reused=reused,
     )
     return Parallelized(summary_from_facts(facts), norms.replicated, router)
 
@@ -136,6 +138,25 @@ def select_units(model: nn.Module, selector: ModuleSelector | None, calls: Calls
             " Pass the class of the repeated block (e.g. blocks={MyBlock}) or leave `blocks=None` to find them."
         )
     return units
+
+
+def _reused_instead_of_blocks(
+    model: nn.Module, found: list[Unit], resolved: ResolvedConfig, calls: Calls | None
+) -> list[tuple[str, str, int]]:
+    """Where discovery found no repeated blocks, the modules the measured step ran several times each (a block
+    whose weights every layer shares): ``(name, class, calls per step)``, named in the summary's notes as the fix.
+    Warned as well where ``activation_checkpointing`` asked for checkpointing, which then has no block to act on."""
+    if found or resolved.sharding.blocks is not None or calls is None or not calls.counts or calls.error:
+        return []
+    reused = [(name, type(module).__name__, times) for name, module, times in reused_modules(model, calls.counts)]
+    asked = resolved.requested.checkpointing.blocks
+    if asked is not None and asked is not False and asked != "auto":
+        rank_zero_warn(
+            f"VitScaleStrategy(activation_checkpointing={asked!r}): {type(model).__name__} has no repeated blocks,"
+            " so nothing is checkpointed." + (f" {reused_blocks_fix(reused)}" if reused else
+            " Name the class of the block to checkpoint: VitScaleStrategy(blocks={MyBlock}).")
+        )
+    return reused
 
 
 def _sharding_buys_nothing(

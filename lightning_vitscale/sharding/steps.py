@@ -286,3 +286,5 @@ class PipelineFacts:
     """Found blocks never called themselves -> the classes of their modules that run, one unit together."""
     made_contiguous: list[str] = field(default_factory=list)
     """Parameters that were not contiguous (channels_last), made so for FSDP."""
+    reused: list[tuple[str, str, int]] = field(default_factory=list)
+    """No repeated blocks found: the modules a step ran several times each (name, class, calls per step)."""

@@ -181,8 +181,17 @@ def _kernel_lines(facts: PipelineFacts) -> dict[str, str]:
     return lines
 
 
+def reused_blocks_fix(reused: list[tuple[str, str, int]]) -> str:
+    """What to do about a block every layer reuses: name its class, so it becomes a unit checkpointed per call."""
+    named = ", ".join(f"{name} ({cls}) runs {times} times per step" for name, cls, times in reused)
+    classes = ", ".join(sorted({cls for _, cls, _ in reused}))
+    return (f"{named}: if it is a block whose weights its layers share, pass blocks={{{classes}}} to make it a unit"
+            " of its own, checkpointed at each call where activation checkpointing is on")
+
+
 def _notes(facts: PipelineFacts) -> list[str]:
-    notes = [] if facts.blocks else [f"no repeated blocks in {facts.model_class}: one outer FSDP unit only"]
+    notes = [] if facts.blocks else [f"no repeated blocks in {facts.model_class}: one outer FSDP unit only"
+                                     + (f"; {reused_blocks_fix(facts.reused)}" if facts.reused else "")]
     if facts.joined:
         kinds = sorted({", ".join(classes) for classes in facts.joined.values()})
         notes.append(f"{len(facts.joined)} repeated containers are never called themselves (their parent calls what"

@@ -6,7 +6,8 @@ naming the block, the module and the fix; never a failure after setup, never att
 lucidrains' ``ModuleList([attention, feed-forward])`` layout trains as DDP for 6 steps: by default, with every block
 checkpointed, built in ``configure_model()``, and as ``nn.Sequential`` layers its parent iterates.
 
-Two launches (2 and 4 ranks) run every family; 50-70 s together on the 2-core CI machine.
+Two launches (2 and 4 ranks) run every family; 50-70 s together on the 2-core CI machine. A block every layer
+shares (ALBERT's layout) trains as DDP, and checkpointing asked of it says what to name.
 
 Mutations seen failing: units taken whole (the ModuleList layers become units: the 2-rank launch fails at the
 layout's first step); the step's ``called`` names not passed to ``parallelize`` (the Sequential layers become
@@ -44,7 +45,7 @@ REFUSED = {
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory) -> list[dict]:
-    names = ",".join(["layout", *FAMILIES])
+    names = ",".join(["layout", "reused", *FAMILIES])
     return launch_ranks(tmp_path_factory, "zoo_2", SCRIPT, names, nprocs=2, timeout=300)[1]
 
 
@@ -123,3 +124,26 @@ def test_the_modulelist_layout_trains_as_ddp_each_layer_one_unit_over_what_runs(
         assert ours["checkpointed"] == ["full"] * 4
         assert ours["fsdp_units"] == 3 and "4 blocks in 2 units" in ours["summary"]
     assert ours["outside"] == pytest.approx(ddp["outside"], rel=1e-5)  # the backbone called after fit
+
+
+@pytest.mark.parametrize("family", ["shared", "shared_listed"])
+def test_a_block_every_layer_shares_trains_as_ddp_and_checkpointing_asked_for_names_the_fix(two, family):
+    """ALBERT's layout: one block called 4 times a step is no repetition in the model's structure, so
+    ``activation_checkpointing=True`` has no block to checkpoint: it says so (a warning, and the summary's note
+    naming the module, its calls per step and ``blocks={Block}``) instead of training with nothing checkpointed
+    unsaid. With ``blocks={Block}`` the shared block is a unit of its own (all-gathered and resharded at each of its
+    4 calls) checkpointed at each call: DDP's losses either way. Mutation seen failing:
+    the call counts not recorded (no warning, no note)."""
+    ddp = losses(two, "reused", f"{family}:ddp")
+    asked, named = (two[0]["reused"][f"{family}:{run}"] for run in ("asked", "named"))
+    block = "backbone.layers.0" if family == "shared_listed" else "backbone.layers"
+    assert len(ddp) == 4
+    for run in ("asked", "named"):
+        assert max_relative_difference(losses(two, "reused", f"{family}:{run}"), ddp) < 1e-5, run
+    fix = (f"{block} (Block) runs 4 times per step: if it is a block whose weights its layers share,"
+           " pass blocks={Block}")
+    assert asked["units"] == [] and asked["checkpointed"] == [None], asked  # in the outer unit (the module's own)
+    assert len(asked["warnings"]) == 1 and "nothing is checkpointed" in asked["warnings"][0], asked["warnings"]
+    assert fix in asked["warnings"][0] and fix in asked["summary"], asked["summary"]
+    assert named["units"] == [block.removeprefix("backbone.")] and named["checkpointed"] == ["full"], named
+    assert not named["warnings"] and "runs 4 times" not in named["summary"]

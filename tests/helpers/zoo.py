@@ -179,6 +179,22 @@ def hand_written(attention: Callable[[int], nn.Module], dim: int = 32) -> nn.Mod
     return PatchClassifier(dim, nn.Sequential(*(Block(dim, attention(dim)) for _ in range(2))))
 
 
+class SharedBlockViT(PatchClassifier):
+    """ALBERT's layout in a ViT: one ``Block`` whose weights every layer shares, called ``depth`` times per forward
+    (one module, so nothing repeats in the model's structure); ``listed``: held ``depth`` times in a ``ModuleList``
+    (the same module each time: ``named_children`` lists it once)."""
+
+    def __init__(self, dim: int = 32, depth: int = 4, listed: bool = False) -> None:
+        block = Block(dim, nn.Identity())
+        super().__init__(dim, nn.ModuleList([block] * depth) if listed else block)
+        self.depth = depth
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers if isinstance(self.layers, nn.ModuleList) else [self.layers] * self.depth:
+            x = layer(x)
+        return x
+
+
 class Logits(nn.Module):
     """A library model whose forward returns a ModelOutput or a tensor: logits either way."""
 

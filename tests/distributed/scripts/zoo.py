@@ -25,7 +25,7 @@ from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.discovery.tensor_plan import TensorPlanError
 from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
 from tests.helpers.scenarios import run_scenarios
-from tests.helpers.zoo import CLASSES, FAMILIES, IMAGE, LucidViT
+from tests.helpers.zoo import CLASSES, FAMILIES, IMAGE, Block, LucidViT, SharedBlockViT
 
 warnings.filterwarnings("ignore")
 GLOBAL_BATCH = 8
@@ -44,6 +44,8 @@ class Model(L.LightningModule):
         self.losses: list[float] = []
 
     def build(self) -> nn.Module:
+        if self.family.startswith("shared"):
+            return SharedBlockViT(listed=self.family == "shared_listed")
         return FAMILIES[self.family]() if self.family != "lucid" else LucidViT(container=self.container)
 
     def configure_model(self) -> None:
@@ -124,11 +126,32 @@ def layout() -> dict:
     return found
 
 
+def reused() -> dict:
+    """One block every layer shares (``SharedBlockViT``, called 4 times a step), alone and held 4 times in a
+    ``ModuleList``: DDP; ``VitScaleStrategy(activation_checkpointing=True)`` as it comes (no repeated block: its
+    warning and note); and with the fix they name, ``blocks={Block}``: the block its own unit, resharded after each
+    call and checkpointed at each."""
+    found = {}
+    for family in ("shared", "shared_listed"):
+        runs = {"ddp": DDP, "asked": VitScaleStrategy(activation_checkpointing=True),
+                "named": VitScaleStrategy(blocks={Block}, activation_checkpointing=True, reshard_after_forward=True)}
+        for name, strategy in runs.items():
+            model = Model(family)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                facts, trainer = fit(model, strategy, 2, 4)
+            facts["warnings"] = [str(w.message) for w in caught if "VitScaleStrategy(" in str(w.message)]
+            facts["units"] = [n for n, m in model.backbone.named_modules() if isinstance(m, FSDPModule)]
+            facts["checkpointed"] = [checkpoint_mode(m) for m in model.backbone.modules() if isinstance(m, Block)]
+            found[f"{family}:{name}"] = facts
+    return found
+
+
 WORLD = 4  # set from the launch in main
 
 
 def scenarios() -> dict:
-    return {"layout": layout, **{name: (lambda name=name: family(name)) for name in FAMILIES}}
+    return {"layout": layout, "reused": reused, **{name: (lambda name=name: family(name)) for name in FAMILIES}}
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_vitscale.discovery.blocks import describe_blocks, find_blocks
+from lightning_vitscale.discovery.blocks import describe_blocks, find_blocks, reused_modules
+from lightning_vitscale.discovery.calls import Calls, recording
 from tests.helpers.models import EncoderClassifier, HFViT, ResidualBlock, SmallResNet, timm_vit
 
 
@@ -104,3 +105,23 @@ def test_shared_module_counts_once():
     shared = ResidualBlock(4)
     model = nn.Sequential(shared, shared, ResidualBlock(4))
     assert len(find_blocks(model)) == 2
+
+
+def test_a_block_every_layer_shares_is_named_with_its_calls_per_run_outermost_only():
+    """ALBERT's layout: no repetition in the structure (no block found), but the shared block runs once per layer;
+    counted per call of the model (a measurement may run it twice), outermost (its Linear layers ran 4 times too),
+    never a parameter-free module or a lone layer."""
+    from tests.helpers.zoo import SharedBlockViT
+
+    model, calls = SharedBlockViT(depth=3), Calls()
+    assert find_blocks(model) == []
+    with recording(model, calls):
+        for _ in range(2):
+            model(torch.randn(2, 3, 8, 8))
+    assert calls.counts[""] == 2 and calls.counts["layers.fc1"] == 6
+    assert [(name, type(m).__name__, times) for name, m, times in reused_modules(model, calls.counts)] == [
+        ("layers", "Block", 3)]
+    plain, calls = SharedBlockViT(depth=1), Calls()
+    with recording(plain, calls):
+        plain(torch.randn(2, 3, 8, 8))
+    assert reused_modules(plain, calls.counts) == []
