@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -67,11 +68,13 @@ class BlockMemory:
     """One block's activation bytes for the measured batch (``modes``: what it was measured for; the others' fields
     are 0 and predicting them is an error).
 
-    ``saved``: kept for backward when not checkpointed; ``input``: kept when checkpointed; ``backward``: what its
-    backward holds beyond what it kept (incoming gradient, activation and parameter gradients), net of what it
-    frees; ``recompute``: a checkpointed block's peak from its input through recompute and backward;
-    ``selective_*``: kept (input and expensive ops' outputs) and its backward beyond that; ``work``: its forward's;
-    ``resent``: per checkpointing mode, the row-wise bytes its recompute all-reduces again (tensor parallelism).
+    ``saved``: kept for backward when not checkpointed (by all its calls); ``input``: kept when checkpointed, per
+    call; ``backward``: what its backward holds beyond what it kept (incoming gradient, activation and parameter
+    gradients), net of what it frees; ``recompute``: a checkpointed block's peak from its input through recompute
+    and backward; ``selective_*``: kept per call (input and expensive ops' outputs) and its backward beyond that;
+    ``work``: its forward's, every call's; ``resent``: per checkpointing mode, the row-wise bytes its recompute
+    all-reduces again (tensor parallelism); ``calls``: how many times the step ran it (a block every layer shares
+    runs once per layer: each call keeps its own input, and backward recomputes one call at a time).
     """
 
     name: str
@@ -84,6 +87,7 @@ class BlockMemory:
     work: BlockWork = BlockWork()
     modes: frozenset[str] = ALL_MODES
     resent: dict[str, int] = field(default_factory=dict)
+    calls: int = 1
 
 
 @dataclass(frozen=True)
@@ -196,6 +200,7 @@ class _Recorder:
     owner: dict[int, tuple[int | None, int, int]] = field(default_factory=dict)  # block, bytes, blocks_done then
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     arguments: dict[int, Arguments] = field(default_factory=dict)
+    calls: Counter[int] = field(default_factory=Counter)  # forwards of each block
     blocks_done: int = 0  # block forwards ended so far
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -207,6 +212,7 @@ class _Recorder:
     def enter(self, index: int) -> Callable[..., None]:
         def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             self.current = index
+            self.calls[index] += 1
             first = next((t for t in tensors_of((args, kwargs)) if t.is_floating_point()), None)
             if first is not None and index not in self.inputs:
                 self.inputs[index] = first
@@ -327,6 +333,7 @@ def _block_memory(
     x, arguments = recorder.inputs.get(index), recorder.arguments.get(index)
     if x is None or arguments is None:  # the block never ran in this forward: it costs nothing for this batch
         return BlockMemory(name, 0, 0, 0, 0)
+    calls = recorder.calls[index]
     size = x.untyped_storage().nbytes()  # a view's whole storage is what a checkpoint keeps
     roles = None if all_reduces is None else tuple(sorted(all_reduces.roles[index].items()))
     key = block_key(block, arguments), size, roles
@@ -375,9 +382,11 @@ def _block_memory(
         recompute=passes.get("full", 0),
         selective_saved=selective_saved,
         selective_backward=selective_backward,
-        work=dataclasses.replace(measured.get((key, "work"), BlockWork()), recompute=measured.get((key, "recompute"))),
+        work=dataclasses.replace(measured.get((key, "work"), BlockWork()),
+                                 recompute=measured.get((key, "recompute"))).times(calls),
         modes=needed,
-        resent={kind: measured[key, "resent", kind] for kind in needed if kind != "none"},
+        resent={kind: measured[key, "resent", kind] * calls for kind in needed if kind != "none"},
+        calls=calls,
     )
 
 

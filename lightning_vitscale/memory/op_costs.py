@@ -35,6 +35,13 @@ class BlockWork:
         """What a full recompute runs."""
         return self.recompute if self.recompute is not None else self
 
+    def times(self, calls: int) -> BlockWork:
+        """The work of ``calls`` forwards (a block every layer shares runs once per layer), recompute included."""
+        if calls == 1:
+            return self
+        again = None if self.recompute is None else self.recompute.times(calls)
+        return BlockWork(self.flops * calls, self.cheap_bytes * calls, self.ops * calls, self.cheap_ops * calls, again)
+
 
 class OpWork(TorchDispatchMode):
     """Counts :class:`BlockWork` while active and ``counting`` (a forward's ops, not its backward's)."""

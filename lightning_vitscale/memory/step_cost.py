@@ -123,9 +123,17 @@ def units_and_regather_seconds(inputs: StepInputs, settings: StepSettings, rates
 
 
 def _block_units(inputs: StepInputs, settings: StepSettings) -> list[tuple[list[tuple[int, ...]], bool]]:
-    """Each block unit's parameter shapes and whether it reshards after forward."""
+    """Each block unit's parameter shapes and whether it reshards after forward, once per call of it a step makes:
+    FSDP2 gathers, regathers and reduce-scatters a unit whose block every layer shares at each of its calls."""
     spans = unit_spans(len(inputs.layout.blocks), settings.blocks_per_unit)
-    return [([s for i in span for s in inputs.layout.blocks[i]], not settings.keeps(span[0])) for span in spans]
+    return [([s for i in span for s in inputs.layout.blocks[i]], not settings.keeps(span[0]))
+            for span in spans for _ in range(unit_calls(inputs, span))]
+
+
+def unit_calls(inputs: StepInputs, span: range | list[int]) -> int:
+    """How many times a step runs the unit of the blocks in ``span`` (1 but for a block every layer shares)."""
+    blocks = inputs.profile.blocks
+    return max((blocks[i].calls for i in span if i < len(blocks)), default=1)
 
 
 def _collectives(inputs: StepInputs, units: list[tuple[list[tuple[int, ...]], bool]]) -> list[list[Collective]]:
@@ -218,7 +226,7 @@ def step_time(
     # them once they outlast the compute beside them).
     host += (len(spans) + 1) * rates.unit_s
     sizes = [sum(math.prod(s) for i in span for s in inputs.layout.blocks[i]) for span in spans]
-    copied = sum(size * (3 - settings.keeps(span[0])) for size, span in zip(sizes, spans))
+    copied = sum(size * (3 - settings.keeps(span[0])) * unit_calls(inputs, span) for size, span in zip(sizes, spans))
     device += (copied + 2 * sum(math.prod(s) for s in inputs.layout.outer)) * FSDP_COPY_BYTES / rates.bytes_per_s
     device += units_and_regather_seconds(inputs, settings, rates) - len(spans) * rates.unit_s
     device += tensor_parallel_seconds(inputs, modes, rates)

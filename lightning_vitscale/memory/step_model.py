@@ -184,9 +184,12 @@ def _kept_and_inside(block: BlockMemory, index: int, settings: StepSettings) -> 
     if mode not in block.modes:
         raise ValueError(f"{block.name} was measured for {sorted(block.modes)} only, not {mode!r}: measure it with"
                          " mode_of=None to predict other checkpointing.")
+    # Checkpointed, each call keeps its own input (selective: and outputs); backward recomputes one call at a time.
     if mode == "selective":
-        return block.selective_saved, block.selective_backward
-    return (block.input, block.recompute - block.input) if mode == "full" else (block.saved, block.backward)
+        return block.selective_saved * block.calls, block.selective_backward
+    if mode == "full":
+        return block.input * block.calls, block.recompute - block.input
+    return block.saved, block.backward
 
 
 def _forward_phases(inputs, settings, base, full_blocks, outer_full, kept) -> list[MemoryBreakdown]:
@@ -257,6 +260,11 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
                 # post_backward of a DeiT-Tiny step (2 ranks, nothing checkpointed) peaks in block 10's backward,
                 # 2.9 MiB over the model without them (0.88-0.91x). A checkpointed block counts the input already.
                 compute += 2 * held * r
+            if prof.blocks[i].calls > 1:
+                # A block run several times a step (shared by every layer): FSDP2 reduce-scatters after each call's
+                # backward, and the previous call's reduce-scatter input (with gloo's copy on CPU) is alive through
+                # the next call's backward.
+                compute += (2 if inputs.collective_copies and inputs.world > 1 else 1) * unit_full * r
             # The unit's blocks whose backward is done hold their unsharded gradients until its reduce-scatter.
             pending = sum(full_blocks[j] for j in span if j > i) * c
             yield MemoryBreakdown(grads=grads, gathered=gathered, activations=outer_acts + kept_acts[i],

@@ -70,8 +70,19 @@ def build(name: str) -> tuple[nn.Module, int]:
         return vit_b_16(image_size=96, num_classes=10), 96
     import timm
 
+    if name == "shared_tiny":  # ALBERT's layout: DeiT-Tiny's first block, its weights shared by all 12 layers
+        net = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=64, num_classes=10, depth=1)
+        net.blocks = nn.Sequential(*[net.blocks[0]] * 12)  # one module, called 12 times a forward
+        return net, 64
     timm_name, image = {"deit_tiny": ("deit_tiny_patch16_224", 64), "vit_small": ("vit_small_patch16_224", 96)}[name]
     return timm.create_model(timm_name, pretrained=False, img_size=image, num_classes=10), image
+
+
+def blocks_of(name: str) -> set[type[nn.Module]] | None:
+    """The block class to name where discovery finds none (a block every layer shares), else ``None``."""
+    from timm.models.vision_transformer import Block
+
+    return {Block} if name == "shared_tiny" else None
 
 
 class Classifier(L.LightningModule):
@@ -228,7 +239,8 @@ def cell(name: str, ac: str, batch: int, kind: str = "auto") -> dict:
                 precision="32-true", device="cpu", loop=loop,
             )[0]
         else:
-            MEASURED[key] = step_inputs(planned, x, world_size=WORLD, precision="32-true", device="cpu", loop=loop)
+            MEASURED[key] = step_inputs(planned, x, world_size=WORLD, precision="32-true", device="cpu", loop=loop,
+                                        blocks=blocks_of(name))
     inputs = MEASURED[key]
     depth = len(inputs.profile.blocks)
     settings, auto = planned_for(inputs, ac, batch)
@@ -244,7 +256,7 @@ def cell(name: str, ac: str, batch: int, kind: str = "auto") -> dict:
     else:  # "default": VitScaleStrategy() as it comes; "default-P" with a memory_budget
         options = dict(memory_budget=auto["budget"]) if ac.startswith("default") else dict(
             activation_checkpointing="auto", memory_budget=auto["budget"])
-    strategy = MeasuredStrategy(accumulate, **options)
+    strategy = MeasuredStrategy(accumulate, blocks=blocks_of(name), **options)
     model = fit(name, ac, batch, kind, strategy)
     if ac == "default" or ac.startswith("unused-"):  # the planner's plan as built: predicted for it
         kept = frozenset(i for i, gathered in enumerate(model.gathered) if gathered)
