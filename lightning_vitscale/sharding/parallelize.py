@@ -146,9 +146,10 @@ def _reused_instead_of_blocks(
     """Where discovery found no repeated blocks, the modules the measured step ran several times each (a block
     whose weights every layer shares): ``(name, class, calls per step)``, named in the summary's notes as the fix.
     Warned as well where ``activation_checkpointing`` asked for checkpointing, which then has no block to act on."""
-    if found or resolved.sharding.blocks is not None or calls is None or not calls.counts or calls.error:
+    if found or resolved.sharding.blocks is not None:
         return []
-    reused = [(name, type(module).__name__, times) for name, module, times in reused_modules(model, calls.counts)]
+    counts = calls.counts if calls is not None and not calls.error else {}
+    reused = [(name, type(module).__name__, times) for name, module, times in reused_modules(model, counts)]
     asked = resolved.requested.checkpointing.blocks
     if asked is not None and asked is not False and asked != "auto":
         rank_zero_warn(

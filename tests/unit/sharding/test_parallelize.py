@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -95,6 +96,18 @@ def test_no_blocks_means_one_outer_unit_and_a_note(mesh):
     _, plan = run(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), mesh)
     assert plan.units == 1 and plan.blocks == {}
     assert "no repeated blocks" in plan.summary()
+
+
+@pytest.mark.parametrize("asked", [True, "selective", 2, None, False, "auto"])
+def test_checkpointing_asked_of_a_model_without_blocks_warns_that_nothing_is_checkpointed(mesh, asked):
+    """No step measured (no call counts): the warning names the fix all the same; left to the plan, nothing."""
+    with pytest.warns(UserWarning, match="nothing is checkpointed") if asked not in (None, False, "auto") else (
+            warnings.catch_warnings()):
+        if asked in (None, False, "auto"):
+            warnings.simplefilter("error")
+        _, plan = run(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), mesh,
+                      checkpointing={"blocks": asked})
+    assert plan.units == 1 and "no repeated blocks" in plan.summary()
 
 
 def test_selector_that_matches_nothing_is_loud(mesh):
