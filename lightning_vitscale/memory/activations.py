@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections import Counter
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -74,7 +73,9 @@ class BlockMemory:
     and backward; ``selective_*``: kept per call (input and expensive ops' outputs) and its backward beyond that;
     ``work``: its forward's, every call's; ``resent``: per checkpointing mode, the row-wise bytes its recompute
     all-reduces again (tensor parallelism); ``calls``: how many times the step ran it (a block every layer shares
-    runs once per layer: each call keeps its own input, and backward recomputes one call at a time).
+    runs once per layer, a backbone DINO runs on each crop size once per size: each call keeps its own input, and
+    backward recomputes one call at a time); ``share``: those calls' inputs over the measured call's (the largest),
+    what the per-call fields scale by to count them all (every call alike: ``calls``).
     """
 
     name: str
@@ -88,6 +89,7 @@ class BlockMemory:
     modes: frozenset[str] = ALL_MODES
     resent: dict[str, int] = field(default_factory=dict)
     calls: int = 1
+    share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -193,14 +195,16 @@ Arguments = tuple[tuple[Any, ...], dict[str, Any]]
 class _Recorder:
     """Who saved each storage first (and how many block forwards had ended then), and each block's input (its first
     floating tensor argument) and whole arguments (``block(x, thw)``, ``layer(hidden, mask=...)``: a block is
-    measured alone on what the step gave it)."""
+    measured alone on what the step gave it). A block the step calls several times (a block every layer shares; a
+    backbone run on each crop size, as DINO's) is measured on its largest call, and ``sizes`` has every call's
+    input bytes."""
 
     excluded: set[int]
     current: int | None = None
     owner: dict[int, tuple[int | None, int, int]] = field(default_factory=dict)  # block, bytes, blocks_done then
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     arguments: dict[int, Arguments] = field(default_factory=dict)
-    calls: Counter[int] = field(default_factory=Counter)  # forwards of each block
+    sizes: dict[int, list[int]] = field(default_factory=dict)  # each forward's input bytes, per block
     blocks_done: int = 0  # block forwards ended so far
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -212,11 +216,15 @@ class _Recorder:
     def enter(self, index: int) -> Callable[..., None]:
         def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             self.current = index
-            self.calls[index] += 1
             first = next((t for t in tensors_of((args, kwargs)) if t.is_floating_point()), None)
-            if first is not None and index not in self.inputs:
+            if first is None:
+                return
+            size = first.untyped_storage().nbytes()
+            sizes = self.sizes.setdefault(index, [])
+            if not sizes or size > max(sizes):
                 self.inputs[index] = first
                 self.arguments[index] = tree_map(functools.partial(_spec, first=first), (args, kwargs))
+            sizes.append(size)
 
         return hook
 
@@ -333,7 +341,8 @@ def _block_memory(
     x, arguments = recorder.inputs.get(index), recorder.arguments.get(index)
     if x is None or arguments is None:  # the block never ran in this forward: it costs nothing for this batch
         return BlockMemory(name, 0, 0, 0, 0)
-    calls = recorder.calls[index]
+    sizes = recorder.sizes[index]
+    share = sum(sizes) / max(sizes)  # the step's calls in units of the measured one (2 of 2 alike: 2.0)
     size = x.untyped_storage().nbytes()  # a view's whole storage is what a checkpoint keeps
     roles = None if all_reduces is None else tuple(sorted(all_reduces.roles[index].items()))
     key = block_key(block, arguments), size, roles
@@ -383,10 +392,11 @@ def _block_memory(
         selective_saved=selective_saved,
         selective_backward=selective_backward,
         work=dataclasses.replace(measured.get((key, "work"), BlockWork()),
-                                 recompute=measured.get((key, "recompute"))).times(calls),
+                                 recompute=measured.get((key, "recompute"))).times(share),
         modes=needed,
-        resent={kind: measured[key, "resent", kind] * calls for kind in needed if kind != "none"},
-        calls=calls,
+        resent={kind: round(measured[key, "resent", kind] * share) for kind in needed if kind != "none"},
+        calls=len(sizes),
+        share=share,
     )
 
 

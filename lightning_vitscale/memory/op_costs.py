@@ -35,12 +35,15 @@ class BlockWork:
         """What a full recompute runs."""
         return self.recompute if self.recompute is not None else self
 
-    def times(self, calls: int) -> BlockWork:
-        """The work of ``calls`` forwards (a block every layer shares runs once per layer), recompute included."""
-        if calls == 1:
+    def times(self, share: float) -> BlockWork:
+        """The work of a step's calls of the block, ``share`` of this one's (a block every layer shares runs once
+        per layer; smaller calls count as fractions), recompute included. Ops are launched once per call: the
+        caller counts them by ``share`` too, rounded (the host time is an estimate)."""
+        if share == 1:
             return self
-        again = None if self.recompute is None else self.recompute.times(calls)
-        return BlockWork(self.flops * calls, self.cheap_bytes * calls, self.ops * calls, self.cheap_ops * calls, again)
+        again = None if self.recompute is None else self.recompute.times(share)
+        return BlockWork(round(self.flops * share), round(self.cheap_bytes * share), round(self.ops * share),
+                         round(self.cheap_ops * share), again)
 
 
 class OpWork(TorchDispatchMode):

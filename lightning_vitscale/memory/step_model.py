@@ -184,11 +184,12 @@ def _kept_and_inside(block: BlockMemory, index: int, settings: StepSettings) -> 
     if mode not in block.modes:
         raise ValueError(f"{block.name} was measured for {sorted(block.modes)} only, not {mode!r}: measure it with"
                          " mode_of=None to predict other checkpointing.")
-    # Checkpointed, each call keeps its own input (selective: and outputs); backward recomputes one call at a time.
+    # Checkpointed, each call keeps its own input (selective: and outputs); backward recomputes one call at a time,
+    # each as large as the measured (largest) call at most.
     if mode == "selective":
-        return block.selective_saved * block.calls, block.selective_backward
+        return round(block.selective_saved * block.share), block.selective_backward
     if mode == "full":
-        return block.input * block.calls, block.recompute - block.input
+        return round(block.input * block.share), block.recompute - block.input
     return block.saved, block.backward
 
 

@@ -287,3 +287,31 @@ def test_a_block_every_layer_shares_is_predicted_as_its_layers_unrolled(checkpoi
     assert work[0] == work[1] > 0
     times = [step_time(i, settings(i), rates_for("cpu")) for i in found]
     assert times[0].seconds == pytest.approx(times[1].seconds, rel=0.05)
+
+
+def test_blocks_run_on_two_crop_sizes_keep_both_inputs_and_are_measured_on_the_larger():
+    """DINO's student runs its backbone once per crop size (batched by size): every block runs twice a step, on
+    inputs of different sizes. Checkpointed, each keeps both calls' inputs, and its recompute is at most the larger
+    call's; the work is both calls'. Here the smaller call comes first: measured on it and counted once (before
+    shared blocks were counted), the kept inputs were a third of the step's."""
+    from lightning_vitscale.memory.step_model import _kept_and_inside
+    from tests.helpers.zoo import Block
+
+    class TwoSizes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.Sequential(*(Block(32, nn.Identity()) for _ in range(2)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # local crops (half the tokens), then global ones
+            return self.blocks(x[:, :8].contiguous()).mean() + self.blocks(x).mean()
+
+    model, x = TwoSizes(), torch.randn(4, 16, 32)
+    inputs = step_inputs(model, x, world_size=1, precision="32-true", device="cpu")
+    alone = step_inputs(nn.Sequential(model.blocks), x, world_size=1, precision="32-true", device="cpu")
+    full = StepSettings(frozenset(range(2)))
+    large = 4 * 16 * 32 * 4
+    for block, once in zip(inputs.profile.blocks, alone.profile.blocks):
+        assert block.calls == 2 and block.share == pytest.approx(1.5)
+        assert block.input == once.input == large and block.recompute == once.recompute  # the larger call's
+        assert _kept_and_inside(block, 0, full)[0] == large * 3 // 2
+        assert block.work.flops == pytest.approx(1.5 * once.work.flops, rel=0.01)
