@@ -70,6 +70,9 @@ def build(name: str) -> tuple[nn.Module, int]:
         return vit_b_16(image_size=96, num_classes=10), 96
     import timm
 
+    if name == "twocrop_tiny":  # DINO's multi-crop: the backbone on the 64 px images, then on 32 px crops of them
+        return TwoCrops(timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=64, num_classes=10,
+                                          dynamic_img_size=True)), 64
     if name == "shared_tiny":  # ALBERT's layout: DeiT-Tiny's first block, its weights shared by all 12 layers
         net = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=64, num_classes=10, depth=1)
         net.blocks = nn.Sequential(*[net.blocks[0]] * 12)  # one module, called 12 times a forward
@@ -83,6 +86,21 @@ def blocks_of(name: str) -> set[type[nn.Module]] | None:
     from timm.models.vision_transformer import Block
 
     return {Block} if name == "shared_tiny" else None
+
+
+class TwoCrops(nn.Module):
+    """Every block runs twice a step, on inputs of two sizes (16 and 4 tokens a crop, class token aside)."""
+
+    def __init__(self, vit: nn.Module) -> None:
+        super().__init__()
+        self.vit = vit
+
+    @property
+    def blocks(self) -> nn.Module:
+        return self.vit.blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.vit(x) + self.vit(x[..., 16:48, 16:48])
 
 
 class Classifier(L.LightningModule):
