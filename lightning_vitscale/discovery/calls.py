@@ -35,12 +35,15 @@ class Calls:
     :class:`TensorSpec`), the modules still ``running`` (outermost first: where a run that raised was), with
     ``keep_outputs`` each module's first floating ``outputs``, and the ``error`` it raised (``"Type: message"``)."""
 
-    called: set[str] = field(default_factory=set)
     counts: Counter[str] = field(default_factory=Counter)
     inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict)
     running: list[str] = field(default_factory=list)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
     error: str = ""
+
+    @property
+    def called(self) -> set[str]:
+        return set(self.counts)
 
     def clear(self) -> None:
         """Forget an earlier run (a measurement retried another way records afresh)."""
@@ -63,7 +66,6 @@ def recording(
     def enter(module: nn.Module, _: Any) -> None:
         name = names.get(id(module))
         if name is not None:
-            calls.called.add(name)
             calls.counts[name] += 1
             calls.running.append(name)
 

@@ -132,8 +132,7 @@ def _block_units(inputs: StepInputs, settings: StepSettings) -> list[tuple[list[
 
 def unit_calls(inputs: StepInputs, span: range | list[int]) -> int:
     """How many times a step runs the unit of the blocks in ``span`` (1 but for a block every layer shares)."""
-    blocks = inputs.profile.blocks
-    return max((blocks[i].calls for i in span if i < len(blocks)), default=1)
+    return max((inputs.profile.blocks[i].calls for i in span), default=1)
 
 
 def _collectives(inputs: StepInputs, units: list[tuple[list[tuple[int, ...]], bool]]) -> list[list[Collective]]:
