@@ -45,7 +45,9 @@ class ShardingPolicy:
     blocks: ModuleSelector | None = documented(None, (
         "``None`` finds the repeated blocks automatically; a set of block classes (``{MyBlock}``) or a predicate"
         " ``(name, module) -> bool`` overrides the discovery. Blocks are grouped into FSDP units"
-        " (``blocks_per_unit``)."
+        " (``blocks_per_unit``). A block whose weights every layer shares (one module called once per layer, as"
+        " ALBERT's) repeats in no structure: name its class to make it a unit checkpointed at each call (the"
+        " setup summary names it)."
     ))
     reshard_after_forward: bool | int | None = documented(None, (
         "``None``: the outer unit keeps its gathered parameters for backward; block units as ``priority`` says:"
