@@ -248,17 +248,19 @@ def count_reduce_scatters(step: Callable[[], None]) -> int:
     import torch.distributed as dist
 
     calls = [0]
-    original = dist.reduce_scatter_single
+    from lightning_vitscale._compat import REDUCE_SCATTER
+
+    original = getattr(dist, REDUCE_SCATTER)
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return original(*args, **kwargs)
 
-    dist.reduce_scatter_single = counted
+    setattr(dist, REDUCE_SCATTER, counted)
     try:
         step()
     finally:
-        dist.reduce_scatter_single = original
+        setattr(dist, REDUCE_SCATTER, original)
     return calls[0]
 
 

@@ -12,7 +12,7 @@ from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from torch.distributed.checkpoint import FileSystemWriter
 
-from lightning_vitscale._compat import FsspecWriter
+from lightning_vitscale._compat import FsspecWriter, keep_storage_data
 
 DCP_METADATA = ".metadata"
 
@@ -71,6 +71,7 @@ class Location:
         return self.fs.open(self.path, mode)
 
     def writer(self) -> FileSystemWriter:
-        """DCP's writer; the ``Metadata`` its ``dcp.save`` returns lists the written files (``storage_data``)."""
-        return FsspecWriter(self.url) if self.is_url else FileSystemWriter(self.path)
+        """DCP's writer; the ``Metadata`` its ``dcp.save`` returns lists the written files (``storage_data``) on
+        every torch the package runs on (``_compat.keep_storage_data``)."""
+        return keep_storage_data(FsspecWriter(self.url) if self.is_url else FileSystemWriter(self.path))
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import lightning
 import pytest
 import torch
+from packaging.specifiers import SpecifierSet
 
 from lightning_vitscale import _compat
 
@@ -51,6 +52,10 @@ def _source(owner: object) -> str:
 def test_each_private_name_exists_in_the_installed_torch_and_lightning(name):
     if name.startswith("timm."):
         pytest.importorskip("timm")
+    if name in _compat.PRIVATE_NAMES_TORCH and _compat.TORCH_VERSION not in SpecifierSet(
+        _compat.PRIVATE_NAMES_TORCH[name]
+    ):
+        pytest.skip(f"{name} exists on torch{_compat.PRIVATE_NAMES_TORCH[name]} only")
     try:
         _resolve(name)
     except (ImportError, AttributeError, OSError, TypeError) as error:
@@ -111,3 +116,45 @@ def test_fit_impl_takes_ckpt_path():
         f"Trainer._fit_impl of lightning {lightning.__version__} takes no `ckpt_path`: update"
         " lightning_vitscale/_compat.py's with_ckpt_path for this version"
     )
+
+
+def test_fsdp_param_groups_reads_torch_2_11s_single_group():
+    """The GPU image's torch (2.11) holds one optional group (``_fsdp_param_group``), later ones a list (mutation
+    tried: the 2.11 branch removed fails the first two asserts with an AttributeError)."""
+    from types import SimpleNamespace
+
+    def unit(**state: object) -> SimpleNamespace:
+        return SimpleNamespace(_get_fsdp_state=lambda: SimpleNamespace(**state))
+
+    group = object()
+    assert _compat.fsdp_param_groups(unit(_fsdp_param_group=group)) == [group]  # type: ignore[arg-type]
+    assert _compat.fsdp_param_groups(unit(_fsdp_param_group=None)) == []  # type: ignore[arg-type]
+    assert _compat.fsdp_param_groups(unit(_fsdp_param_groups=[group, group])) == [group, group]  # type: ignore[arg-type]
+
+
+def test_reduce_scatter_is_the_name_fsdp2_calls_on_this_torch():
+    """FSDP2 calls ``reduce_scatter_single`` where it exists (torch >= 2.12), ``reduce_scatter_tensor`` on 2.11."""
+    import torch.distributed as dist
+
+    expected = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    assert _compat.REDUCE_SCATTER == expected
+
+
+def test_keep_storage_data_records_the_written_files_on_the_returned_metadata():
+    """torch 2.11's ``FileSystemWriter.finish`` fills a copy of the metadata, so the object ``dcp.save`` returns
+    would list no file (checkpoint/save.py reads it); the wrapper records them on the caller's object (mutation
+    tried: the wrapper returning the writer unchanged fails)."""
+    from types import SimpleNamespace
+
+    seen = []
+
+    class CopyingWriter:  # torch 2.11's behaviour: the metadata it is given is not the one it writes
+        def finish(self, metadata: object, results: object) -> None:
+            seen.append((metadata, results))
+
+    metadata = SimpleNamespace(storage_data=None)
+    results = [[SimpleNamespace(index="a", storage_data="shard0")], [SimpleNamespace(index="b", storage_data="shard1")]]
+    writer = _compat.keep_storage_data(CopyingWriter())
+    writer.finish(metadata=metadata, results=results)
+    assert metadata.storage_data == {"a": "shard0", "b": "shard1"}
+    assert seen == [(metadata, results)]

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_vitscale import VitScaleStrategy, measure_state_bytes
+from lightning_vitscale._compat import REDUCE_SCATTER
 from tests.helpers.models import Classifier, loader
 from tests.helpers.recording import count_collectives
 
@@ -45,7 +46,7 @@ def counting_reduce_scatters() -> Iterator[Counter[str]]:
     with count_collectives() as counts:
         totals: Counter[str] = Counter()
         yield totals
-        totals["reduce_scatter"] = counts["reduce_scatter_single"] + counts["all_to_all_single"]
+        totals["reduce_scatter"] = counts[REDUCE_SCATTER] + counts["all_to_all_single"]
 
 
 def ddp_fit(config: str) -> tuple:
