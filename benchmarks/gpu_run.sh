@@ -8,11 +8,12 @@
 # Parts, most valuable first, each under its own `timeout` and never past the budget's deadline; a part that
 # fails or runs out of time is a row in the results, never the end of the run (the last ones rarely fit: ~9 min):
 #   env       nvidia-smi, versions, a bf16 matmul TFLOP/s probe                       (benchmarks/gpu_env.py)
-#   vit_h14   ViT-H/14 224 px, plain AMP O1, DDP, VitScaleStrategy() as written, the recipe's memory-first setting
+#   vit_h14   ViT-H/14 224 px, plain AMP O1, VitScaleStrategy() as written, DDP, the recipe's memory-first setting
 #             and kernels="auto" with checkpointing off, at batch 32 then 64, then at each one's largest batch
-#   cap40     the same model with every process capped at 40 GB (the seed's A100-40GB regime): plain AMP O1, DDP,
-#             VitScaleStrategy() and the recipe, each at its largest batch under the cap
-#   vit_b16   ViT-B/16 224 px, plain AMP O1, DDP and VitScaleStrategy() at batch 128
+#   cap40     the same model with every process capped at 40 GB (the seed's A100-40GB regime): plain AMP O1,
+#             VitScaleStrategy(), DDP and the recipe, each at its largest batch under the cap
+#   vit_b16   ViT-B/16 224 px, plain AMP O1, VitScaleStrategy() and DDP at batch 128 (the targets' rows first:
+#             a part cut by its limit has measured them)
 #   profile   torch.profiler on ViT-B/16's VitScaleStrategy() row and plain AMP O1: where the host time goes
 #   planner   ViT-L/16 at batch 32 and 64, AC off/full/auto: predicted vs max_memory_allocated, Trainer.fit
 #   host      host time per step of a ViT-H-shaped model at tiny widths: the CPU side alone (benchmarks/host_overhead.py)
@@ -87,13 +88,13 @@ if [[ ${#dry[@]} -eq 0 ]]; then
     part nvidia-smi 20 nvidia-smi
 fi
 part env 60 "$python" benchmarks/gpu_env.py "${dry[@]}" --out "$work/env.json"
-part vit_h14 200 "${vit[@]}" --stem vit_h14 --models vit-h14 --rows single ddp default recipe auto_ac0 \
+part vit_h14 200 "${vit[@]}" --stem vit_h14 --models vit-h14 --rows single default ddp recipe auto_ac0 \
     --tables same largest --batch 32 --second-batch 64 --search-limit 512 --memory-fraction 0.85 --warmup 3 --steps 4 \
     --windows 3 --largest-steps 2 2 3 --timeout 150
-part cap40 170 "${vit[@]}" --stem cap40 --models vit-h14 --rows single ddp default recipe --memory-cap-gib 40 \
+part cap40 170 "${vit[@]}" --stem cap40 --models vit-h14 --rows single default ddp recipe --memory-cap-gib 40 \
     --tables largest --batch 32 --second-batch 48 --search-limit 512 --memory-fraction 0.9 --warmup 2 --steps 2 \
     --windows 1 --largest-steps 2 2 3 --timeout 120
-part vit_b16 90 "${vit[@]}" --stem vit_b16 --models vit-b16 --rows single ddp default --tables same --batch 128 \
+part vit_b16 90 "${vit[@]}" --stem vit_b16 --models vit-b16 --rows single default ddp --tables same --batch 128 \
     --warmup 3 --steps 4 --windows 3 --timeout 80
 part profile 90 "$python" benchmarks/gpu_profile.py "${dry[@]}" --model vit-b16 --batch 128 --rows single default \
     --out "$work/profile.json"

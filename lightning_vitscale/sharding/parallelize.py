@@ -51,12 +51,14 @@ def parallelize(
     outer_unit: nn.Module, model: nn.Module, mesh: DeviceMesh, config: ResolvedConfig | ParallelConfig,
     precision: PrecisionPolicy, device: torch.device, creation: Creation | None = None,
     tensor_mesh: DeviceMesh | None = None, calls: Calls | None = None, kept_gathered: Collection[str] = (),
+    keep_every_unit: bool = False,
 ) -> Parallelized:
     """Apply the recipe to ``model`` (held by ``outer_unit``, the module Lightning actually calls).
 
     ``creation``: how ``configure_model()`` built meta parameters (``None``: built before setup). ``precision`` and
     ``device`` have no default: one would silently run a bf16 GPU job as fp32 on CPU. ``calls``: what a step measured
-    at setup called (the units, the tensor-parallel proofs' inputs); ``kept_gathered``: the planner's choice.
+    at setup called (the units, the tensor-parallel proofs' inputs); ``kept_gathered``: the planner's choice;
+    ``keep_every_unit``: every block kept gathered (one rank without a batch at setup: ``planning.one_rank_keeps``).
     """
     resolved = config if isinstance(config, ResolvedConfig) else resolve_config(config, device)
     found = select_units(model, resolved.sharding.blocks, calls)  # before anything rewrites the tree
@@ -81,7 +83,7 @@ def parallelize(
     # 2. Norm precision first: the fp32 norms must leave the low-precision units before FSDP sees them.
     norms = replicate_norms(model, mesh, precision, weights)
     #    Outer-unit layers take inputs in the compute dtype even when made in fp32 (blocks in the outer unit too).
-    one_unit = _sharding_buys_nothing(mesh, tensor_mesh, resolved, blocks, kept_gathered)
+    one_unit = _sharding_buys_nothing(mesh, tensor_mesh, resolved, blocks, kept_gathered, keep_every_unit)
     if precision.compute != torch.float32:
         outer_layers = _outer_layers(model, blocks, norms.modules)
         cast_floating_inputs(outer_layers + [b for _, b in blocks if one_unit], precision.compute)
@@ -100,7 +102,8 @@ def parallelize(
     units = apply_fsdp(
         outer_unit, [block for _, block in blocks], mesh=mesh, weights=weights,
         mp_policy=mixed_precision_policy(precision), offload=offload_policy(resolved.sharding.offload, device),
-        reshard_after_forward=resolved.sharding.reshard_after_forward, blocks_per_unit=resolved.blocks_per_unit,
+        reshard_after_forward=resolved.sharding.reshard_after_forward,
+        blocks_per_unit=max(1, len(blocks)) if keep_every_unit else resolved.blocks_per_unit,
         ignored=norms.ignored, unit_of=unit_of, one_unit=one_unit,
         skippable=resolved.sharding.find_unused_parameters,
     )
@@ -161,10 +164,11 @@ def _reused_instead_of_blocks(
 
 
 def _sharding_buys_nothing(
-    mesh: DeviceMesh, tensor_mesh: DeviceMesh | None, resolved: ResolvedConfig, blocks: Named, kept: Collection[str]
+    mesh: DeviceMesh, tensor_mesh: DeviceMesh | None, resolved: ResolvedConfig, blocks: Named, kept: Collection[str],
+    keep_every_unit: bool = False,
 ) -> bool:
     """One rank, no tensor parallelism, every block kept gathered for backward: a unit of its own saves nothing."""
-    keeps = unit_reshard(resolved.sharding.reshard_after_forward, outer=False) is False
+    keeps = keep_every_unit or unit_reshard(resolved.sharding.reshard_after_forward, outer=False) is False
     return mesh.size() == 1 and tensor_mesh is None and (keeps or {name for name, _ in blocks} <= set(kept))
 
 

@@ -53,6 +53,7 @@ class Planned:
     kept_gathered: tuple[str, ...] = ()
     calls: Calls | None = None
     unmeasured: str = ""
+    keeps_every_unit: bool = False  # one rank, no batch at setup: every block in the outer unit (one_rank_keeps)
 
     def tensor_sent(self, summary: SetupSummary) -> float | None:
         """Bytes this rank sends per step over the tensor-parallel dimension (activations' all-reduces, predicted
@@ -140,10 +141,16 @@ def plan_before_sharding(
         if choice is not None:  # else decided at the first training step, from its batch
             resolved = dataclasses.replace(resolved, checkpoint_choice=choice.modes,
                                            blocks_per_unit=choice.blocks.per_unit)
-        return Planned(resolved, budget, auto, calls=measure.calls)
+            return Planned(resolved, budget, auto, calls=measure.calls)
+        keeps = one_rank_keeps(module, resolved, precision, ranks, budget)
+        if keeps is not None:
+            auto.fixed_reshard = False  # the first step's plan: every block's parameters kept from forward to backward
+            auto.units_left_to_planner = False  # one unit: no hint for other units
+        return Planned(resolved, budget, auto, calls=measure.calls, units_choice=keeps, keeps_every_unit=bool(keeps))
     batch = batch or planning_batch(module, None)
     if batch is None:
-        return Planned(resolved, budget)
+        keeps = one_rank_keeps(module, resolved, precision, ranks, budget)
+        return Planned(resolved, budget, units_choice=keeps, keeps_every_unit=bool(keeps))
     calls = measure.calls
     measured, measured_on = measure.or_why(module, batch, ranks.device, _mode_of(module, resolved))
     if measured is None:
@@ -153,6 +160,31 @@ def plan_before_sharding(
     resolved, line, kept = _choose_units(module, resolved, measured, ranks, budget)
     return Planned(resolved, budget, measured=measured, measured_on=measured_on, units_choice=line,
                    kept_gathered=kept, calls=calls)
+
+
+# One rank without a batch at setup keeps every block's compute copy gathered when the copies take at most this share
+# of the memory budget: the model state (fp32 weights, gradients, AdamW's two moments: 8x a bf16 copy) then fits in
+# half of it, and the first step's plan keeps the rest for activations (checkpointing blocks where they do not fit).
+KEPT_COPIES_SHARE = 1 / 16
+
+
+def one_rank_keeps(
+    module: nn.Module, resolved: ResolvedConfig, precision: PrecisionPolicy, ranks: RankContext, budget: int
+) -> str | None:
+    """Why one rank keeps every block gathered (one unit, the step on compute copies: ``steps.apply_fsdp``) when no
+    batch is known at setup to plan the units with, or ``None``. One rank shards nothing: a block's unit of its own
+    only frees its compute copy after forward, for a gather and FSDP2's hooks per unit and step (the GPU runs: 13
+    units made ViT-B/16's step host-bound where the data loader gave setup no batch). ``priority="memory"``, a
+    pinned ``reshard_after_forward`` or ``blocks_per_unit``, offload and tensor parallelism keep the units."""
+    if ranks.world_size > 1 or ranks.tensor_mesh is not None or not (resolved.planner_keeps and resolved.planner_units):
+        return None
+    if offloads(resolved.sharding, ranks.device):
+        return None
+    copies = sum(p.numel() for p in module.parameters()) * precision.compute.itemsize
+    if copies > budget * KEPT_COPIES_SHARE:
+        return None
+    return (f"one rank, no batch at setup to plan units with: every block kept gathered, its compute copies"
+            f" {human_bytes(copies)} (at most 1/{round(1 / KEPT_COPIES_SHARE)} of the {human_bytes(budget)} budget)")
 
 
 def _mode_of(module: nn.Module, resolved: ResolvedConfig) -> ModeOf:

@@ -313,8 +313,11 @@ def _shard(
     done = parallelize(
         outer, module, ranks.sharding_mesh, planned.resolved, precision.policy, ranks.device, creation,
         tensor_mesh=ranks.tensor_mesh, calls=planned.calls, kept_gathered=planned.kept_at_setup,
+        keep_every_unit=planned.keeps_every_unit,
     )
     set_lightning_device(module, ranks.device)
+    if planned.keeps_every_unit and planned.auto is not None:  # the first step's plan: the one unit made
+        planned.auto.blocks_per_unit = max(1, len(done.plan.block_names))
     planned.apply(module, done.plan, ranks.device)
     # After the planner's choices are applied: units it keeps gathered send no all-gather in backward.
     _describe_layout(done.plan, outer, done.norms, precision.policy, resolved.sharding, ranks,

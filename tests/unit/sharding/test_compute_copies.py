@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.sharding.outer_unit import ForwardAfterBackwardError, OuterUnit, SecondBackwardError
-from tests.helpers.models import Classifier, loader
+from tests.helpers.models import Classifier, loader, random_images
 
 COPIES = {"activation_checkpointing": False}
 FSDP_PATH = {"activation_checkpointing": False, "blocks_per_unit": 1, "reshard_after_forward": False}
@@ -275,3 +276,54 @@ def test_the_outer_unit_entry_hooks_are_out_during_a_step_only():
     out = module(x)  # gathered on demand, with gradients: kept for a backward
     out.sum().backward()  # the gradient reaches the fp32 parameter, as under DDP
     assert isinstance(module.backbone.head.weight, DTensor) and isinstance(module.backbone.head.weight.grad, DTensor)
+
+
+class Batches(IterableDataset):
+    """Batches streamed (as from tar shards): setup reads none, so the units are made before a batch is known."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+
+    def __iter__(self):
+        images, labels = random_images(128).tensors
+        for start in range(0, len(images), self.batch_size):
+            yield images[start:start + self.batch_size], labels[start:start + self.batch_size]
+
+
+def fit_streamed(module: L.LightningModule, strategy, batch_size: int = 4) -> L.Trainer:
+    L.seed_everything(0, verbose=False)
+    run = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=4, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    num_sanity_val_steps=0, limit_val_batches=0)
+    run.fit(module, DataLoader(Batches(batch_size), batch_size=None))
+    return run
+
+
+def test_one_rank_without_a_batch_at_setup_keeps_every_block_in_one_unit_and_checkpoints_at_the_first_step():
+    """The default on one rank with streamed data (no batch at setup): one unit on compute copies, not a unit per
+    block (the GPU runs: 13 units made ViT-B/16's step host-bound), with DDP's numbers (FSDP2's per-block path, which
+    the first test holds to the plain model); a budget too small for the activations checkpoints at the first step
+    inside the one unit (mutation tried: `one_rank_keeps` returning None fails the first assert)."""
+    results = {}
+    for name, strategy, batch_size in [
+        ("default", VitScaleStrategy(), 4), ("fsdp path", VitScaleStrategy(**FSDP_PATH), 4),
+        ("tight", VitScaleStrategy(memory_budget=6_000_000), 32), ("tight, default", VitScaleStrategy(), 32),
+    ]:
+        L.seed_everything(0, verbose=False)
+        module = Classifier()
+        run = fit_streamed(module, strategy, batch_size)
+        results[name] = (module.losses, copies_of(run) is not None, run.strategy.plan)
+    losses, copied, plan = results["default"]
+    assert copied and "no batch at setup to plan units with" in plan.summary() and plan.checkpointed == []
+    assert losses == results["fsdp path"][0] and not results["fsdp path"][1]
+    losses, copied, plan = results["tight"]
+    assert copied and plan.checkpointed, plan.summary()  # the activations did not fit 6 MB: blocks checkpointed
+    assert losses == results["tight, default"][0]
+
+
+@pytest.mark.parametrize("strategy", [
+    VitScaleStrategy(priority="memory"), VitScaleStrategy(blocks_per_unit=1), VitScaleStrategy(memory_budget=3_000_000),
+], ids=["memory first", "units pinned", "copies over 1/16 of the budget"])
+def test_one_rank_without_a_batch_keeps_the_units_where_the_user_or_the_budget_says_so(strategy):
+    run = fit_streamed(Classifier(), strategy)
+    assert copies_of(run) is None and "no batch at setup" not in run.strategy.plan.summary()
