@@ -16,6 +16,7 @@ from lightning_vitscale.kernels.attention import (
 from lightning_vitscale.kernels.compile import apply_regional_compile, take_over_compiled
 from lightning_vitscale.kernels.optimizers import prepare_optimizers
 from lightning_vitscale.kernels.settings import (
+    NO_BATCH,
     Compiler,
     KernelMode,
     KernelPolicy,
@@ -25,6 +26,7 @@ from lightning_vitscale.kernels.settings import (
 from lightning_vitscale.kernels.tensor_cores import tensor_core_report
 
 __all__ = [
+    "NO_BATCH",
     "AttentionRouter",
     "Compiler",
     "KernelMode",

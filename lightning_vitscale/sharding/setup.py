@@ -20,14 +20,22 @@ from lightning_vitscale.checkpoint import full_state_dict
 from lightning_vitscale.distributed import RankContext
 from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.init import Creation
-from lightning_vitscale.kernels import AttentionRouter, KernelPolicy, auto_attention_step
+from lightning_vitscale.kernels import (
+    NO_BATCH,
+    AttentionRouter,
+    KernelPolicy,
+    apply_regional_compile,
+    auto_attention_step,
+)
 from lightning_vitscale.memory import (
     AccumulationChoice,
     AccumulationMode,
     AutoCheckpointing,
     PlanningBatch,
     choose_accumulation,
+    compile_pays,
     planning_batch,
+    rates_for,
     release_gradients,
 )
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, VitScalePrecision, flat_step
@@ -43,7 +51,7 @@ from lightning_vitscale.sharding.planning import (
     plan_before_sharding,
     plans_from_batch,
 )
-from lightning_vitscale.sharding.resolved import ResolvedConfig, compile_where_it_pays
+from lightning_vitscale.sharding.resolved import ResolvedConfig, compile_at_first_step, compile_where_it_pays
 from lightning_vitscale.sharding.settings import ParallelConfig, ShardingPolicy
 from lightning_vitscale.sharding.skipped_blocks import SkippedBlockCheck, UnusedParameters
 from lightning_vitscale.sharding.summary import SetupSummary
@@ -117,6 +125,7 @@ class ShardedModel:
     backwards_in_step: int = 0  # backwards through the strategy since the training step began
     skipped: SkippedBlockCheck | None = None  # several ranks: a block a rank skips is refused
     unused: UnusedParameters | None = None  # several ranks: parameters no rank used keep no gradient
+    compile_pending: KernelPolicy | None = None  # kernels="auto" without a batch: compiled at the first step if it pays
 
     @property
     def module(self) -> nn.Module:
@@ -132,6 +141,24 @@ class ShardedModel:
             apply_activation_checkpointing([self.module.get_submodule(n) for n, m in modes.items() if m == mode], mode)
         apply_auto_choice(self.module, self.auto, self.summary)
         rank_zero_info(f"VitScaleStrategy activation checkpointing {self.summary.memory}")
+        if self.compile_pending is not None:  # after checkpointing, as at setup: the recompute is traced too
+            self._compile_where_it_pays(self.compile_pending, ranks.device)
+            self.compile_pending = None
+
+    def _compile_where_it_pays(self, kernels: KernelPolicy, device: torch.device) -> None:
+        """``kernels="auto"`` without a batch at setup: the blocks compiled now, before their first call, where the
+        first step's plan predicts it pays (the rule setup applies with a batch: ``compile_where_it_pays``); a step
+        the planner could not measure keeps ``"auto"``'s default (compiled). Every rank applies the same plan."""
+        plan = self.auto.choice.plan if self.auto is not None and self.auto.choice is not None else None
+        if plan is None or plan.inputs is None:
+            pays, why = True, NO_BATCH
+        else:
+            pays, why = compile_pays(plan.inputs, plan.chosen.settings, rates_for(device))
+        blocks = [self.module.get_submodule(name) for name in self.summary.block_names]
+        compiled = apply_regional_compile(blocks, kernels.compile_mode, kernels.compiler) if pays and blocks else {}
+        named = ", ".join(f"{name.removeprefix('FSDP')} x{count}" for name, count in compiled.items()) or "off"
+        self.summary.kernels["compiled blocks"] = f"{named} ({why}; decided at the first training step)"
+        rank_zero_info(f"VitScaleStrategy compiled blocks: {self.summary.kernels['compiled blocks']}")
 
     def step_flat(self, optimizers: list[torch.optim.Optimizer]) -> list[str]:
         """One rank computing on copies: elementwise param groups stepped as one flat tensor each
@@ -309,6 +336,9 @@ def _shard(
     planned = plan_before_sharding(module, resolved, precision.policy, ranks, budget, batch, trainer)
     planned = dataclasses.replace(planned, resolved=compile_where_it_pays(planned.resolved, planned.step(module),
                                                                           ranks.device))
+    pending = planned.auto is not None and planned.auto.pending  # the plan waits for the first training batch
+    resolved_now, compile_later = compile_at_first_step(planned.resolved, pending)
+    planned = dataclasses.replace(planned, resolved=resolved_now)
     # 3. The recipe: norms, casts, attention routing, checkpointing, compile, block units, the outer unit.
     done = parallelize(
         outer, module, ranks.sharding_mesh, planned.resolved, precision.policy, ranks.device, creation,
@@ -333,7 +363,7 @@ def _shard(
     speed = plans_from_batch(resolved) and resolved.requested.priority == "speed"
     skipped, unused = _skipped_blocks(module, outer, done, resolved, ranks)
     return ShardedModel(outer, done.plan, done.norms, done.router, planned.auto, signature, budget,
-                        planned_for_speed=speed, skipped=skipped, unused=unused)
+                        planned_for_speed=speed, skipped=skipped, unused=unused, compile_pending=compile_later)
 
 
 def _skipped_blocks(

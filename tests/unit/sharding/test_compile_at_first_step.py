@@ -1,0 +1,76 @@
+"""``kernels="auto"`` with no batch at setup: the blocks are compiled, or not, at the first training step from its
+plan (``ShardedModel.before_training_step``), not blindly at setup. On CPU ``"auto"`` never compiles, so the tests
+give ``"auto"`` CUDA's preset and count ``torch.compile``'s calls (an identity: the numbers stay eager's) through
+``Trainer.fit`` with streamed data, which gives setup no batch."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_vitscale import VitScaleStrategy
+from lightning_vitscale.kernels import KernelPolicy, settings
+from lightning_vitscale.kernels.compile import is_compiled
+from lightning_vitscale.sharding import setup as sharding_setup
+from lightning_vitscale.sharding.resolved import COMPILE_AT_FIRST_STEP
+from tests.helpers.models import Classifier, loader
+from tests.unit.sharding.test_compute_copies import fit_streamed
+
+
+@pytest.fixture
+def compiles(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """``"auto"`` resolved as on CUDA (compile, no batch yet); ``torch.compile`` recorded and left out."""
+    calls: list[object] = []
+
+    def recorded(fn, **_):
+        calls.append(fn)
+        return fn
+
+    cuda_auto = KernelPolicy(compile_blocks=True, reason=settings.NO_BATCH)
+    original = settings._preset
+
+    def preset(mode, device):
+        return cuda_auto if mode == "auto" else original(mode, device)
+
+    monkeypatch.setattr(settings, "_preset", preset)
+    monkeypatch.setattr(torch, "compile", recorded)
+    return calls
+
+
+def blocks_of(run: L.Trainer) -> list[torch.nn.Module]:
+    module = run.strategy.lightning_module
+    return [module.get_submodule(name) for name in run.strategy.plan.block_names]
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_the_first_steps_plan_decides_whether_the_blocks_compile(compiles, monkeypatch, pays):
+    """Mutation tried: setup leaving ``"auto"``'s blind default (no ``compile_at_first_step``) compiles at setup
+    whatever the plan says, and fails the ``pays=False`` case."""
+    decided = []
+
+    def rule(inputs, settings_, rates):
+        decided.append(inputs.batch_scale)
+        return pays, "the test's answer"
+
+    monkeypatch.setattr(sharding_setup, "compile_pays", rule)
+    run = fit_streamed(Classifier(), VitScaleStrategy(kernels="auto"))
+    blocks = blocks_of(run)
+    assert decided, "the first step's plan was not consulted"
+    assert [is_compiled(block) for block in blocks] == [pays] * len(blocks) and len(compiles) == pays * len(blocks)
+    line = run.strategy.plan.kernels["compiled blocks"]
+    assert line.endswith("(the test's answer; decided at the first training step)")
+    assert line.startswith(f"{type(blocks[0]).__name__} x{len(blocks)}" if pays else "off")
+
+
+def test_a_batch_at_setup_decides_there_and_a_users_policy_is_kept(compiles, monkeypatch):
+    monkeypatch.setattr(sharding_setup, "compile_pays", lambda *args: pytest.fail("decided again at the first step"))
+    L.seed_everything(0, verbose=False)
+    module = Classifier()  # a map-style loader: the batch is read at setup, the rule applied there
+    run = L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(kernels="auto"), max_steps=2,
+                    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    num_sanity_val_steps=0, limit_val_batches=0)
+    run.fit(module, loader(16, batch_size=4))
+    assert COMPILE_AT_FIRST_STEP not in run.strategy.plan.summary()
+    own = fit_streamed(Classifier(), VitScaleStrategy(kernels=KernelPolicy(compile_blocks=True)))
+    assert all(is_compiled(block) for block in blocks_of(own))  # compiled at setup, as asked
