@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.helpers.launch import Finished, launch_ranks, lightning_launch
+from tests.helpers.torch_features import needs_unused_parameter_reduction
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -23,6 +24,7 @@ def runs(tmp_path_factory) -> list[dict]:
     return launch_ranks(tmp_path_factory, "skipped_blocks", SCRIPT, scenarios, timeout=240)[1]
 
 
+@needs_unused_parameter_reduction
 @pytest.mark.parametrize("config", CONFIGS)
 def test_skipped_blocks_train_as_ddp_find_unused_parameters(runs, config):
     """fp32: DDP's losses on each rank and DDP's final weights. ``same`` skips block 3 on every rank at every step:

@@ -38,6 +38,7 @@ from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
 from lightning_vitscale.sharding.fsdp import group_blocks
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import parallelize
+from tests.helpers.torch_features import needs_policy_outputs
 
 CPU_RATES = rates_for("cpu")  # one rank of the 2-core CPU with gloo (the table's "cpu" row)
 WIDE = dict(image=32, patch=4, dim=256, depth=6)  # the 6-block ViT of benchmarks/RESULTS.md's step breakdown
@@ -386,6 +387,7 @@ class _RelativePositionsInPlace(torch.nn.Module):
         return x + (attn.softmax(-1) @ q).transpose(1, 2).reshape(2, 4, 8)
 
 
+@needs_policy_outputs
 def test_a_block_writing_in_place_into_a_kept_matmul_output_is_refused_selective_checkpointing():
     """Selectively checkpointed, the block's recompute ran on the kept scores that already held the relative
     positions and added them again: gradients silently wrong (timm MViTv2: its losses left DDP's from the second
@@ -412,6 +414,7 @@ def test_a_block_writing_in_place_into_a_kept_matmul_output_is_refused_selective
     assert measured.blocks[0].modes == frozenset({"none", "full"})
 
 
+@needs_policy_outputs
 def test_asking_selective_for_such_a_block_fails_at_setup_through_trainer_fit():
     """The user's path: ``activation_checkpointing="selective"`` on that block stops at setup, naming the block and
     the fix, before any step could train on other gradients."""
