@@ -18,23 +18,30 @@ TORCH_VERSION = Version(torch.__version__.split("+")[0])
 TORCH_TESTED_MIN = Version("2.14")
 # The oldest torch this package runs on: the lent GPU image's (2.11, preinstalled, no network, used through
 # `PYTHONPATH=.`). The names that differ below the floor go through the version branches marked "torch 2.11" below;
-# tests/unit/test_compat.py resolves each name on the torch it applies to.
+# tests/unit/test_compat.py resolves each name on the torch it applies to, and holds the gate to the GPU image.
 TORCH_API_MIN = Version("2.11")
-if TORCH_VERSION < TORCH_API_MIN:  # pragma: no cover - pyproject requires a newer torch: a clear message if not
-    raise ImportError(
-        f"lightning-vitscale needs torch>={TORCH_API_MIN}; found {torch.__version__}."
-        f" Upgrade torch: `pip install -U 'torch>={TORCH_TESTED_MIN}'` (the oldest version the whole suite passed on)."
-    )
-if TORCH_VERSION < TORCH_TESTED_MIN:  # pragma: no cover - CI runs the floor
+
+
+def torch_below_floor(version: str) -> str | None:
+    """What to warn about ``torch`` ``version`` (``None``: nothing); an ``ImportError`` below what the package runs
+    on. The gate once stood at the tested floor and refused every GPU run (that image has 2.11): keep them apart."""
+    found = Version(version.split("+")[0])
+    if found < TORCH_API_MIN:
+        raise ImportError(
+            f"lightning-vitscale needs torch>={TORCH_API_MIN}; found {version}. Upgrade torch:"
+            f" `pip install -U 'torch>={TORCH_TESTED_MIN}'` (the oldest version the whole suite passed on)."
+        )
+    if found < TORCH_TESTED_MIN:
+        return (f"lightning-vitscale: torch {version} is below {TORCH_TESTED_MIN}, the oldest torch the whole test"
+                f" suite has passed on (see the README's table of what ran where). It runs; upgrade torch"
+                f" (`pip install -U 'torch>={TORCH_TESTED_MIN}'`) for the tested stack.")
+    return None
+
+
+if (_below := torch_below_floor(torch.__version__)) is not None:  # pragma: no cover - CI runs the floor
     import warnings
 
-    warnings.warn(
-        f"lightning-vitscale: torch {torch.__version__} is below {TORCH_TESTED_MIN}, the oldest torch the whole"
-        f" test suite has passed on (see the README's table of what ran where). It runs; upgrade torch"
-        f" (`pip install -U 'torch>={TORCH_TESTED_MIN}'`) for the tested stack.",
-        UserWarning,
-        stacklevel=2,
-    )
+    warnings.warn(_below, UserWarning, stacklevel=2)
 
 # Below the gate, so an old torch fails with the message above rather than on a missing name (ruff: E402 allowed
 # in this file only, see pyproject.toml).

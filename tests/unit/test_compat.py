@@ -158,3 +158,13 @@ def test_keep_storage_data_records_the_written_files_on_the_returned_metadata():
     writer.finish(metadata=metadata, results=results)
     assert metadata.storage_data == {"a": "shard0", "b": "shard1"}
     assert seen == [(metadata, results)]
+
+
+def test_the_gpu_images_torch_imports_with_a_warning_and_an_older_one_is_refused():
+    """The lent GPU machine has torch 2.11 preinstalled and no network (the device tool's README): a gate at the
+    tested floor (2.14) made every part of a GPU run fail at import, one session's whole GPU time (mutation tried:
+    TORCH_API_MIN = 2.14 fails the first assert)."""
+    assert "below 2.14" in _compat.torch_below_floor("2.11.0+cu130")
+    assert _compat.torch_below_floor("2.14.1+cu130") is None
+    with pytest.raises(ImportError, match=r"needs torch>=2.11; found 2.10.0"):
+        _compat.torch_below_floor("2.10.0")
