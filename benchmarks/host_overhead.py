@@ -70,6 +70,12 @@ STRATEGIES: dict[str, dict | None] = {
     "checkpointed, 1 block/unit, resharded": {"activation_checkpointing": True, **_ONE},
     "checkpointed, 8 blocks/unit, kept gathered": {"activation_checkpointing": True, **_EIGHT},
 }
+# `VitScaleStrategy()` fed batches from an IterableDataset, as streamed data (tar shards) or GPU run 5's benchmark:
+# setup reads no batch, so the plan waits for the first step. BEFORE_ONE_UNIT: the same with one unit per block, as
+# one rank got it before 902fbdc (what made run 5's ViT-B/16 step host-bound).
+STREAMED = "VitScaleStrategy(), streamed data"
+BEFORE_ONE_UNIT = "VitScaleStrategy(), streamed data, a unit per block (before 902fbdc)"
+STRATEGIES |= {STREAMED: {}, BEFORE_ONE_UNIT: {}}
 VARIANTS = tuple(STRATEGIES)
 
 
@@ -145,6 +151,17 @@ class CallTimer:
             yield
 
 
+class _Streamed(torch.utils.data.IterableDataset):
+    """``dataset`` in batches of ``batch_size``, streamed: a ``DataLoader`` over it gives setup no batch."""
+
+    def __init__(self, dataset: torch.utils.data.TensorDataset, batch_size: int) -> None:
+        self.tensors, self.batch_size = dataset.tensors, batch_size
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        for start in range(0, len(self.tensors[0]), self.batch_size):
+            yield tuple(t[start:start + self.batch_size] for t in self.tensors)
+
+
 def fit_times(variant: str, accelerator: str, steps: int, warmup: int,
               calls: CallTimer | None = None) -> tuple[list[float], list[float]]:
     """Wall and CPU seconds of each step after ``warmup`` of one fit of ``variant``."""
@@ -164,12 +181,18 @@ def fit_times(variant: str, accelerator: str, steps: int, warmup: int,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0)
     from lightning_vitscale.precision import flat_step
+    from lightning_vitscale.sharding import planning
 
     no_flat_groups = mock.patch.object(flat_step, "lay_out", lambda optimizers, eligible: [])
+    units_per_block = mock.patch.object(planning, "one_rank_keeps", lambda *args: None)
+    loader = DataLoader(data, batch_size=2)
+    if variant in (STREAMED, BEFORE_ONE_UNIT):
+        loader = DataLoader(_Streamed(data, 2), batch_size=None)
     timed = CallTimer()
     with no_flat_groups if variant == PER_TENSOR else contextlib.nullcontext(), \
+            units_per_block if variant == BEFORE_ONE_UNIT else contextlib.nullcontext(), \
             timed.installed() if calls is not None else contextlib.nullcontext():
-        trainer.fit(HugeShape(foreach=True if variant == FOREACH_AMP else None), DataLoader(data, batch_size=2))
+        trainer.fit(HugeShape(foreach=True if variant == FOREACH_AMP else None), loader)
     if calls is not None:
         for name, seconds in timed.seconds.items():
             calls.seconds[name] += seconds[warmup:]
@@ -227,6 +250,7 @@ def main() -> None:
     if args.accelerator == "cuda" and args.variants == list(VARIANTS):
         variants.remove(FOREACH_AMP)  # AdamW's default on a GPU is its foreach step: plain AMP O1 already
         variants.remove(PER_TENSOR)  # gpu_run.sh's minute for this part: named with --variants when wanted
+        variants.remove(BEFORE_ONE_UNIT)
     if VARIANTS[0] not in variants:
         parser.error(f"--variants must include {VARIANTS[0]!r}: every ratio is to it")
     times: dict[str, list[float]] = {v: [] for v in variants}
