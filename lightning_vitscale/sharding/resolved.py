@@ -69,9 +69,13 @@ def compile_where_it_pays(
     kernels = resolved.kernels
     if resolved.requested.kernels != "auto" or not kernels.compile_blocks or kernels.compiler is not None or not step:
         return resolved
-    pays, why = compile_pays(*step, rates_for(device))
-    return dataclasses.replace(resolved, kernels=with_compile_choice(kernels, pays, why))
+    return dataclasses.replace(resolved, kernels=with_compile_choice(kernels, *compile_choice(step, device)))
 
+
+def compile_choice(step: tuple[StepInputs, StepSettings] | None, device: torch.device) -> tuple[bool, str]:
+    """``kernels="auto"``'s rule, at setup or at the first step: compile the blocks where the planner's step model
+    predicts the compiled step faster (``compile_pays``), and why; a step not measured keeps the default (compiled)."""
+    return compile_pays(*step, rates_for(device)) if step else (True, NO_BATCH)
 
 
 COMPILE_AT_FIRST_STEP = "no batch known at setup: compiled or not at the first training step, from its plan"

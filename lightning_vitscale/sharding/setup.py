@@ -21,7 +21,6 @@ from lightning_vitscale.distributed import RankContext
 from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.init import Creation
 from lightning_vitscale.kernels import (
-    NO_BATCH,
     AttentionRouter,
     KernelPolicy,
     apply_regional_compile,
@@ -33,9 +32,7 @@ from lightning_vitscale.memory import (
     AutoCheckpointing,
     PlanningBatch,
     choose_accumulation,
-    compile_pays,
     planning_batch,
-    rates_for,
     release_gradients,
 )
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, VitScalePrecision, flat_step
@@ -51,7 +48,12 @@ from lightning_vitscale.sharding.planning import (
     plan_before_sharding,
     plans_from_batch,
 )
-from lightning_vitscale.sharding.resolved import ResolvedConfig, compile_at_first_step, compile_where_it_pays
+from lightning_vitscale.sharding.resolved import (
+    ResolvedConfig,
+    compile_at_first_step,
+    compile_choice,
+    compile_where_it_pays,
+)
 from lightning_vitscale.sharding.settings import ParallelConfig, ShardingPolicy
 from lightning_vitscale.sharding.skipped_blocks import SkippedBlockCheck, UnusedParameters
 from lightning_vitscale.sharding.summary import SetupSummary
@@ -150,13 +152,13 @@ class ShardedModel:
         first step's plan predicts it pays (the rule setup applies with a batch: ``compile_where_it_pays``); a step
         the planner could not measure keeps ``"auto"``'s default (compiled). Every rank applies the same plan."""
         plan = self.auto.choice.plan if self.auto is not None and self.auto.choice is not None else None
-        if plan is None or plan.inputs is None:
-            pays, why = True, NO_BATCH
-        else:
-            pays, why = compile_pays(plan.inputs, plan.chosen.settings, rates_for(device))
+        pays, why = compile_choice(None if plan is None or plan.inputs is None else (plan.inputs, plan.chosen.settings),
+                                   device)
         blocks = [self.module.get_submodule(name) for name in self.summary.block_names]
-        compiled = apply_regional_compile(blocks, kernels.compile_mode, kernels.compiler) if pays and blocks else {}
-        named = ", ".join(f"{name.removeprefix('FSDP')} x{count}" for name, count in compiled.items()) or "off"
+        named = "off"
+        if pays and blocks:
+            apply_regional_compile(blocks, kernels.compile_mode, kernels.compiler)
+            named = ", ".join(f"{name} x{count}" for name, count in self.summary.blocks.items())
         self.summary.kernels["compiled blocks"] = f"{named} ({why}; decided at the first training step)"
         rank_zero_info(f"VitScaleStrategy compiled blocks: {self.summary.kernels['compiled blocks']}")
 

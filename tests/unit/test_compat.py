@@ -132,14 +132,6 @@ def test_fsdp_param_groups_reads_torch_2_11s_single_group():
     assert _compat.fsdp_param_groups(unit(_fsdp_param_groups=[group, group])) == [group, group]  # type: ignore[arg-type]
 
 
-def test_reduce_scatter_is_the_name_fsdp2_calls_on_this_torch():
-    """FSDP2 calls ``reduce_scatter_single`` where it exists (torch >= 2.12), ``reduce_scatter_tensor`` on 2.11."""
-    import torch.distributed as dist
-
-    expected = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
-    assert _compat.REDUCE_SCATTER == expected
-
-
 def test_keep_storage_data_records_the_written_files_on_the_returned_metadata():
     """torch 2.11's ``FileSystemWriter.finish`` fills a copy of the metadata, so the object ``dcp.save`` returns
     would list no file (checkpoint/save.py reads it); the wrapper records them on the caller's object (mutation

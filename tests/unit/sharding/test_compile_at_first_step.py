@@ -12,6 +12,7 @@ import torch
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.kernels import KernelPolicy, settings
 from lightning_vitscale.kernels.compile import is_compiled
+from lightning_vitscale.sharding import resolved
 from lightning_vitscale.sharding import setup as sharding_setup
 from lightning_vitscale.sharding.resolved import COMPILE_AT_FIRST_STEP
 from tests.helpers.models import Classifier, loader
@@ -53,7 +54,7 @@ def test_the_first_steps_plan_decides_whether_the_blocks_compile(compiles, monke
         decided.append(inputs.batch_scale)
         return pays, "the test's answer"
 
-    monkeypatch.setattr(sharding_setup, "compile_pays", rule)
+    monkeypatch.setattr(resolved, "compile_pays", rule)
     run = fit_streamed(Classifier(), VitScaleStrategy(kernels="auto"))
     blocks = blocks_of(run)
     assert decided, "the first step's plan was not consulted"
@@ -64,7 +65,7 @@ def test_the_first_steps_plan_decides_whether_the_blocks_compile(compiles, monke
 
 
 def test_a_batch_at_setup_decides_there_and_a_users_policy_is_kept(compiles, monkeypatch):
-    monkeypatch.setattr(sharding_setup, "compile_pays", lambda *args: pytest.fail("decided again at the first step"))
+    monkeypatch.setattr(sharding_setup, "compile_choice", lambda *args: pytest.fail("decided again at the first step"))
     L.seed_everything(0, verbose=False)
     module = Classifier()  # a map-style loader: the batch is read at setup, the rule applied there
     run = L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(kernels="auto"), max_steps=2,

@@ -321,6 +321,13 @@ def test_one_rank_without_a_batch_at_setup_keeps_every_block_in_one_unit_and_che
     assert losses == results["tight, default"][0]
 
 
+def test_one_rank_without_a_batch_keeps_one_unit_with_checkpointing_chosen_too():
+    """The same without ``"auto"`` (checkpointing chosen, so nothing waits for the first step): planned at setup
+    (mutation tried: the rule left out of that path fails the assert)."""
+    run = fit_streamed(Classifier(), VitScaleStrategy(activation_checkpointing=False))
+    assert copies_of(run) is not None and "no batch at setup to plan units with" in run.strategy.plan.summary()
+
+
 @pytest.mark.parametrize("strategy", [
     VitScaleStrategy(priority="memory"), VitScaleStrategy(blocks_per_unit=1), VitScaleStrategy(memory_budget=3_000_000),
 ], ids=["memory first", "units pinned", "copies over 1/16 of the budget"])
