@@ -286,8 +286,16 @@ class Phases:
             kept_gathered=_kept_gathered(getattr(strategy, "model", None)),
             memory_line=getattr(plan, "memory", None) or None,
             memory_cap_gib=self.cap,
+            guard_on_device=_guard_on_device(strategy),
         )
         return result
+
+
+def _guard_on_device(strategy: Any) -> bool | None:
+    """Whether the non-finite guard handed its decisions to a fused step (no host sync per step), for the
+    throughput model; ``None`` outside VitScale or without the guard."""
+    guard = getattr(getattr(strategy, "precision_plugin", None), "nonfinite_guard", None)
+    return None if guard is None else guard.decided_on_device > 0
 
 
 def _kept_gathered(outer: Any) -> int | None:

@@ -273,6 +273,9 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
+        guard = self.precision_plugin.nonfinite_guard
+        if guard is not None:
+            guard.settle()  # the last step's flags, where a fused step skipped on the device
         self.checkpoints.after_fit()
 
     @override

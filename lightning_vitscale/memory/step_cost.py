@@ -195,11 +195,15 @@ class StepTime:
 
 def step_time(
     inputs: StepInputs, settings: StepSettings, rates: DeviceRates, *, compiled: bool = False,
-    fused_optimizer: bool | None = None, baseline: Baseline | None = None,
+    fused_optimizer: bool | None = None, baseline: Baseline | None = None, synced: bool | None = None,
 ) -> StepTime:
     """One step's time under ``settings`` (``compiled``: every block; ``fused_optimizer``: by default with
-    ``compiled``, as ``kernels="auto"`` sets both), or a :data:`Baseline`'s (``settings`` ignored)."""
+    ``compiled``, as ``kernels="auto"`` sets both), or a :data:`Baseline`'s (``settings`` ignored). ``synced``: the
+    non-finite guard reads its decision on the host before the optimizer step, so the loop's host work and the
+    optimizer wait for a drained queue; by default only without a fused optimizer, whose step takes the decision
+    on the device (``precision/nonfinite.py``; runs 1-5 measured the guard synced with every optimizer)."""
     fused_optimizer = compiled if fused_optimizer is None else fused_optimizer
+    synced = not fused_optimizer if synced is None else synced
     n = len(inputs.profile.blocks)
     modes: list[str | None] = [None] * n if baseline else block_modes(settings, n)
     fused = FUSED_SHARE if compiled else 0.0
@@ -231,6 +235,8 @@ def step_time(
     device += tensor_parallel_seconds(inputs, modes, rates)
     device += max(0.0, traffic_per_dimension(inputs, settings)["data_parallel"] / rates.link_bytes_per_s - device)
     optimizer = _optimizer_bytes(inputs, params / inputs.world, fused=fused_optimizer) / rates.bytes_per_s
+    if not synced and rates.overlap > 1:  # nothing drains the queue: the tail overlaps as AMP O1's does
+        return StepTime(host + TAIL_HOST_S * rates.host_scale, device + optimizer, 0.0, rates.overlap)
     return StepTime(host, device, TAIL_HOST_S * rates.host_scale + optimizer, rates.overlap)
 
 

@@ -18,3 +18,18 @@ ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
 def steps_locally(optimizer: object) -> bool:
     """Whether ``optimizer`` is one of the exact :data:`ELEMENTWISE` classes (its step may run on local shards)."""
     return type(optimizer) in ELEMENTWISE
+
+
+# torch's optimizers whose fused step takes ``found_inf`` (an attribute, as ``GradScaler`` sets it) and then leaves
+# the weights and the state (step counters included) as they were where it is nonzero: checked on torch 2.11-2.14.
+_SKIP_ON_DEVICE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+)
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every param group of ``optimizer`` steps fused, so a non-finite step can be skipped by the kernel
+    itself (no host read of the decision); exact classes, as a subclass may override ``step``."""
+    groups = optimizer.param_groups
+    return (type(optimizer) in _SKIP_ON_DEVICE and bool(groups)
+            and all(g.get("fused") and not g.get("differentiable") for g in groups))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from lightning.fabric.utilities.types import Optimizable
@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning_vitscale._compat import BatchNormBase, after_closure, buffer_slots, unscales_in_step
 from lightning_vitscale.precision.casting import autocast_around, floating_buffers, to_dtype
 from lightning_vitscale.precision.clipping import clip_grad_norm
-from lightning_vitscale.precision.elementwise import steps_locally
+from lightning_vitscale.precision.elementwise import skips_on_device, steps_locally
 from lightning_vitscale.precision.grad_scaler import ShardedGradScaler
 from lightning_vitscale.precision.local_step import on_local_shards
 from lightning_vitscale.precision.nonfinite import NonFiniteGuard
@@ -140,16 +140,21 @@ class VitScalePrecision(Precision):
         after_closure(self, model, optimizer)
         if skipped_backward:
             return closure_result
-        with on_local_shards(optimizer):  # type: ignore[arg-type]  # the guard then reads plain local gradients
-            if guard is not None and guard.should_skip(closure_result, self._grads(optimizer),
-                                                       model.trainer.global_step):
+        torch_optimizer = cast(torch.optim.Optimizer, optimizer)
+        with on_local_shards(torch_optimizer) as local:  # the guard then reads plain local gradients
+            step = model.trainer.global_step
+            if guard is not None and local and self.scaler is None and skips_on_device(torch_optimizer):
+                # the fused step takes the decision as found_inf: no host read of it (a device sync) this step
+                found = guard.skip_on_device(closure_result, self._grads(optimizer), step, _device_of(torch_optimizer))
+                step_output = _step_unless_found(torch_optimizer, found, kwargs)
+            elif guard is not None and guard.should_skip(closure_result, self._grads(optimizer), step):
                 if self.scaler is not None:
                     self.scaler.update()  # the scale backs off as on an overflow the scaler saw itself
                 return closure_result
-            if self.scaler is None:
+            elif self.scaler is None:
                 step_output = optimizer.step(**kwargs)
             else:
-                step_output = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]  # skipped on inf/nan
+                step_output = self.scaler.step(torch_optimizer, **kwargs)  # skipped on inf/nan
         if self.scaler is not None:
             self.scaler.update()
         return closure_result if step_output is None else step_output  # as `optimizer.step(closure)` returns
@@ -180,6 +185,20 @@ class VitScalePrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and state_dict:
             self.scaler.load_state_dict(state_dict)
+
+
+def _device_of(optimizer: torch.optim.Optimizer) -> torch.device:
+    return next(p.device for group in optimizer.param_groups for p in group["params"])
+
+
+def _step_unless_found(optimizer: torch.optim.Optimizer, found: Tensor, kwargs: dict[str, Any]) -> Any:
+    """A fused step that leaves weights and state as they were where ``found`` is nonzero, as ``GradScaler`` runs
+    it (the attributes are read by torch's fused ``step`` and removed after it)."""
+    optimizer.found_inf, optimizer.grad_scale = found, None  # type: ignore[attr-defined]
+    try:
+        return optimizer.step(**kwargs)
+    finally:
+        del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
 
 
 def _refuse_low_precision_statistics(module: nn.Module, keep: set[int], compute: torch.dtype,

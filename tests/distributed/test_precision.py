@@ -21,6 +21,8 @@ SCENARIOS = [
     "nonfinite_bf16_skip",
     "nonfinite_bf16_stop",
     "nonfinite_fp32_off",
+    "nonfinite_bf16_skip_fused",
+    "nonfinite_bf16_stop_fused",
     "raw_backward",
 ]
 
@@ -87,7 +89,7 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank(ranks):
         facts = rank["nonfinite_bf16_skip"]
         assert facts["error"] is None
         assert facts["changed"] == [True, True, False, True, True]
-        assert facts["skipped"] == 1 and facts["finite_weights"]
+        assert facts["skipped"] == 1 and facts["finite_weights"] and facts["decided_on_device"] == 0
 
 
 def test_consecutive_non_finite_steps_stop_the_run_on_every_rank(ranks):
@@ -99,6 +101,25 @@ def test_consecutive_non_finite_steps_stop_the_run_on_every_rank(ranks):
         assert "global step 2: loss on rank(s) [1]; gradients on rank(s) [0, 1])" in facts["error"]
         assert "max_skipped_steps" in facts["error"]
         assert facts["changed"] == [True, False] and facts["skipped"] == 2 and facts["finite_weights"]
+
+
+def test_a_fused_step_skips_on_the_device_on_every_rank(ranks):
+    """AdamW(fused=True): the all-reduced decision goes to the fused step as ``found_inf`` on both ranks (no host
+    read per step); the skip is counted a step later, and after the last step when fit ends."""
+    for rank in ranks:
+        facts = rank["nonfinite_bf16_skip_fused"]
+        assert facts["error"] is None and facts["decided_on_device"] == 5
+        assert facts["changed"] == [True, True, False, True, True]
+        assert facts["skipped"] == 1 and facts["finite_weights"]
+
+
+def test_a_fused_run_stops_one_step_later_on_every_rank_with_weights_finite(ranks):
+    """As above with NaN on rank 1 from batch 1 on: the stop is read at batch 3's step (batch 3 applies nothing)."""
+    for rank in ranks:
+        facts = rank["nonfinite_bf16_stop_fused"]
+        assert facts["error"].startswith("NonFiniteTrainingError: Non-finite values at 2 optimizer steps in a row")
+        assert "global step 2: loss on rank(s) [1]; gradients on rank(s) [0, 1])" in facts["error"]
+        assert facts["changed"] == [True, False, False] and facts["skipped"] == 2 and facts["finite_weights"]
 
 
 def test_fp32_steps_on_nan_as_ddp_does(ranks):

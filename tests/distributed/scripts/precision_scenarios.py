@@ -153,10 +153,15 @@ def fp16_overflow() -> dict:
 class NaNOnRank1(Classifier):
     """Rank 1's loss is NaN at the listed batches only (the other rank's is finite)."""
 
-    def __init__(self, nan_batches: set[int]) -> None:
+    def __init__(self, nan_batches: set[int], fused: bool = False) -> None:
         super().__init__("encoder")
-        self.nan_batches = nan_batches
+        self.nan_batches, self.fused = nan_batches, fused
         self.changed: list[bool] = []
+
+    def configure_optimizers(self):
+        if not self.fused:
+            return super().configure_optimizers()
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.05, fused=True)
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
@@ -169,9 +174,10 @@ class NaNOnRank1(Classifier):
         self.changed.append(any(not torch.equal(a, p.to_local()) for a, p in zip(self.before, self.parameters())))
 
 
-def nonfinite(flag: str, nan_batches: set[int], max_skipped: int = 3) -> dict:
+def nonfinite(flag: str, nan_batches: set[int], max_skipped: int = 3, fused: bool = False) -> dict:
+    """``fused``: the guard hands its decision to the fused step (``found_inf``) and reads it a step later."""
     L.seed_everything(0, verbose=False)
-    model = NaNOnRank1(nan_batches)
+    model = NaNOnRank1(nan_batches, fused)
     plugin = VitScalePrecision(flag, max_skipped_steps=max_skipped)
     t = trainer(plugins=[plugin], max_steps=5, limit_val_batches=0)
     error = None
@@ -183,6 +189,7 @@ def nonfinite(flag: str, nan_batches: set[int], max_skipped: int = 3) -> dict:
         "changed": model.changed,
         "error": error,
         "skipped": plugin.nonfinite_guard.skipped if plugin.nonfinite_guard is not None else None,
+        "decided_on_device": plugin.nonfinite_guard.decided_on_device if plugin.nonfinite_guard is not None else 0,
         "finite_weights": all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters()),
     }
 
@@ -252,6 +259,8 @@ SCENARIOS = {
     "nonfinite_bf16_skip": lambda: nonfinite("bf16-mixed", {2}),
     "nonfinite_bf16_stop": lambda: nonfinite("bf16-mixed", {1, 2, 3, 4}, max_skipped=2),
     "nonfinite_fp32_off": lambda: nonfinite("32-true", {2}),
+    "nonfinite_bf16_skip_fused": lambda: nonfinite("bf16-mixed", {2}, fused=True),
+    "nonfinite_bf16_stop_fused": lambda: nonfinite("bf16-mixed", {1, 2, 3, 4}, max_skipped=2, fused=True),
     "raw_backward": raw_backward,
 }
 

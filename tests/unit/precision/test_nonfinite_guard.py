@@ -96,3 +96,33 @@ def test_the_gradient_check_runs_a_fixed_number_of_ops_whatever_the_number_of_pa
             NonFiniteGuard().should_skip(torch.tensor(1.0), grads, step=0)
         counts.append(counter.ops)
     assert counts[0] == counts[1] < 40, counts
+
+
+def test_skip_on_device_gives_found_inf_now_and_counts_at_the_next_call():
+    """The fused path's decision stays on the device (``found_inf``); the host reads it one call later."""
+    guard = NonFiniteGuard(max_consecutive=3)
+    finite, nan, cpu = torch.tensor(1.0), torch.tensor(float("nan")), torch.device("cpu")
+    found = guard.skip_on_device(nan, [torch.ones(3)], step=0, device=cpu)
+    assert found.dtype == torch.float32 and found.item() == 1.0
+    assert guard.skipped == 0  # not read yet
+    with pytest.warns(UserWarning, match="at global step 0 .*skipped on every rank"):
+        found = guard.skip_on_device(finite, [torch.tensor([1.0, float("inf")])], step=1, device=cpu)
+    assert found.item() == 1.0 and guard.skipped == 1
+    with pytest.warns(UserWarning, match="at global step 1 \\(gradients on rank"):
+        guard.settle()
+    assert guard.skipped == 2 and guard.consecutive == 2
+    guard.settle()  # read once, not twice
+    assert guard.skipped == 2
+
+
+def test_skip_on_device_stops_one_call_after_the_last_of_k_in_a_row():
+    guard = NonFiniteGuard(max_consecutive=2)
+    nan, cpu = torch.tensor(float("nan")), torch.device("cpu")
+    assert guard.skip_on_device(torch.tensor(1.0), [torch.ones(2)], step=0, device=cpu).item() == 0.0
+    with pytest.warns(UserWarning):
+        guard.skip_on_device(nan, [], step=1, device=cpu)
+        guard.skip_on_device(nan, [], step=2, device=cpu)
+    with pytest.raises(NonFiniteTrainingError, match=r"2 optimizer steps in a row \(the last at global step 2"):
+        guard.skip_on_device(torch.tensor(1.0), [], step=3, device=cpu)
+    guard.settle()  # nothing left to read after the stop
+    assert guard.skipped == 2
