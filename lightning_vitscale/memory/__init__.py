@@ -21,7 +21,7 @@ from lightning_vitscale.memory.auto_checkpointing import (
 )
 from lightning_vitscale.memory.gradient_release import may_release_after_step, release_gradients
 from lightning_vitscale.memory.memory_plan import MemoryPlan
-from lightning_vitscale.memory.planner import check_budget, plan_memory, resolve_budget
+from lightning_vitscale.memory.planner import batch_size_of, check_budget, plan_memory, resolve_budget
 from lightning_vitscale.memory.planning_batch import PlanningBatch, planning_batch
 from lightning_vitscale.memory.selective_ops import (
     SelectiveCheckpointingError,
@@ -45,6 +45,7 @@ __all__ = [
     "StateBytes",
     "StepInputs",
     "StepSettings",
+    "batch_size_of",
     "check_budget",
     "compile_pays",
     "choose_accumulation",

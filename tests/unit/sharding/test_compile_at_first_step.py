@@ -15,7 +15,7 @@ from lightning_vitscale.kernels.compile import is_compiled
 from lightning_vitscale.sharding import resolved
 from lightning_vitscale.sharding import setup as sharding_setup
 from lightning_vitscale.sharding.resolved import COMPILE_AT_FIRST_STEP
-from tests.helpers.models import Classifier, loader
+from tests.helpers.models import Classifier, loader, random_images
 from tests.unit.sharding.test_compute_copies import fit_streamed
 
 
@@ -75,3 +75,41 @@ def test_a_batch_at_setup_decides_there_and_a_users_policy_is_kept(compiles, mon
     assert COMPILE_AT_FIRST_STEP not in run.strategy.plan.summary()
     own = fit_streamed(Classifier(), VitScaleStrategy(kernels=KernelPolicy(compile_blocks=True)))
     assert all(is_compiled(block) for block in blocks_of(own))  # compiled at setup, as asked
+
+
+class GrowingBatches(torch.utils.data.IterableDataset):
+    """Streamed batches of 2, then 8, then 4 (a ramp-up, then a smaller tail)."""
+
+    def __iter__(self):
+        images, labels = random_images(64).tensors
+        start = 0
+        for size in (2, 2, 8, 8, 8, 4):
+            yield images[start:start + size], labels[start:start + size]
+            start += size
+
+
+@pytest.mark.parametrize("pays_from", [4.0, None])  # the first step's measured batch (2) scaled by 4: batch 8
+def test_blocks_left_eager_compile_at_the_first_step_of_a_batch_where_it_pays(compiles, monkeypatch, pays_from):
+    """Decided at the first step (batch 2: eager), again once at the first step of batch 8 (the first step's plan
+    scaled to it), never for a smaller batch. Mutations tried: no re-decision (``_compile_if_the_batch_grew``
+    returning at once) fails ``pays_from=4.0``; re-deciding at every step fails the count of decisions."""
+    decided: list[float] = []
+
+    def rule(inputs, settings_, rates):
+        decided.append(inputs.batch_scale)
+        return pays_from is not None and inputs.batch_scale >= pays_from, f"scale {inputs.batch_scale:g}"
+
+    monkeypatch.setattr(resolved, "compile_pays", rule)
+    L.seed_everything(0, verbose=False)
+    run = L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(kernels="auto"), precision="bf16-mixed",
+                    max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    run.fit(Classifier(), torch.utils.data.DataLoader(GrowingBatches(), batch_size=None))
+    blocks = blocks_of(run)
+    assert decided == [1.0, 4.0]  # the first step's plan as measured (batch 2), then scaled to batch 8, once
+    assert [is_compiled(block) for block in blocks] == [pays_from is not None] * len(blocks)
+    line = run.strategy.plan.kernels["compiled blocks"]
+    if pays_from is None:
+        assert line == "off (scale 1; decided at the first training step)"
+    else:
+        assert line.endswith("(scale 4; decided at the first step of batch 8)") and len(compiles) == len(blocks)
