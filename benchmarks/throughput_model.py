@@ -5,6 +5,7 @@ Usage::
     python benchmarks/throughput_model.py                     # runs 3-4 (the code as it is): each row's error
     python benchmarks/throughput_model.py --runs 1 2 3 4      # runs 1-2 too (the old per-gradient guard)
     python benchmarks/throughput_model.py --json OUT/gpu_results.json   # a new run's rows (gpu_report.py does it)
+    python benchmarks/throughput_model.py --cap 40                 # predicted: ViT-H/14 on one H200 capped at 40 GB
 
 Each measured row of ``benchmarks/results/*.json`` (``vit_gpu.py``'s rows: the examples' ViT, 224 px, AdamW,
 ``bf16-mixed``, one GPU) is predicted from the planner's own fake-tensor measurement of the model (one image on the
@@ -164,11 +165,67 @@ def table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(headers, body) + f"\n\nWorst |error|: {worst:.1%} over {len(rows)} rows."
 
 
+AUTOCAST_COPY_BYTES = 2
+"""Bytes per parameter plain AMP O1 holds beyond the unsharded fp32 state: autocast's bf16 copy of each weight (run 5,
+ViT-H/14 on one H200: plain AMP O1's fitted base 10.74 GiB against VitScale's 10.76 and DDP's 13.11, whose 4 bytes
+more a parameter are its gradient buckets: ``memory/cluster.py``'s ``DDP_EXTRA_BYTES``)."""
+
+
+def cap_forecast(model: str, gpu: str, cap_gib: float, batches: list[int]) -> str:
+    """What the planner predicts at a memory cap on one GPU (run 5's ``cap40`` regime): plain AMP O1 at its largest
+    batch under the cap, and ``VitScaleStrategy()``'s plan (checkpointing as it chooses, compiled where it pays, the
+    guard on the device) at each of ``batches``; a prediction, each ratio against plain AMP O1's largest batch."""
+    import dataclasses
+
+    import torch
+
+    from benchmarks.vit_gpu import MODELS, build_vit
+    from lightning_vitscale.memory.devices import gpu_named
+    from lightning_vitscale.memory.planner import DEFAULT_FRACTION, largest_batch, plan_memory
+    from lightning_vitscale.memory.step_cost import compile_pays, rates_of, step_time
+    from lightning_vitscale.memory.step_model import StepSettings
+
+    spec = MODELS[model]
+    with torch.device("meta"):
+        net = build_vit(spec)
+    rates = rates_of(gpu_named(gpu))
+
+    @functools.cache
+    def plan_at(batch: int) -> Any:
+        example = torch.empty(batch, 3, spec["image"], spec["image"], device="meta")
+        return plan_memory(net, example, batch_size=batch, device_memory=cap_gib, memory_fraction=DEFAULT_FRACTION)
+
+    first = plan_at(batches[0])
+    inputs = first.inputs
+    plain = largest_batch(inputs, first.budget, batches[0], settings=StepSettings(reshard_after_forward=False),
+                          extra=AUTOCAST_COPY_BYTES * inputs.layout.num_params)
+    scaled = dataclasses.replace(inputs, batch_scale=inputs.batch_scale * plain / batches[0])
+    plain_rate = plain / step_time(scaled, StepSettings(), rates, baseline="single").seconds
+    body: list[list[Any]] = [["plain AMP O1, its largest batch", plain, f"{plain_rate:.0f}", "1.00x", "-", "eager"]]
+    for batch in batches:
+        plan = plan_at(batch)
+        settings = plan.chosen.settings
+        compiled = compile_pays(plan.inputs, settings, rates)[0]
+        time = step_time(plan.inputs, settings, rates, compiled=compiled, fused_optimizer=True)
+        checkpointed = f"{len(settings.checkpointed)} ({len(settings.selective)} selective)"
+        body.append(["VitScaleStrategy()", batch, f"{batch / time.seconds:.0f}",
+                     f"{batch / time.seconds / plain_rate:.2f}x", checkpointed,
+                     "compiled" if compiled else "eager"])
+    headers = ["setting", "batch", "predicted images/s", "vs plain AMP O1", "blocks checkpointed", "blocks"]
+    return (f"{model} on one {gpu} capped at {cap_gib:g} GiB (a PREDICTION of the planner's step model):\n\n"
+            + markdown_table(headers, body))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, nargs="+", default=list(CURRENT), choices=sorted(RUNS))
     parser.add_argument("--json", type=Path, help="a gpu_run.sh result (gpu_results.json) instead of the runs")
+    parser.add_argument("--cap", type=float, metavar="GIB",
+                        help="instead: the forecast at this memory cap on one H200 (ViT-H/14, batches 64-512)")
     args = parser.parse_args()
+    if args.cap:
+        print(cap_forecast("vit-h14", "NVIDIA H200", args.cap, [64, 96, 128, 192, 256, 384, 512]))
+        return
     rows = (measured_rows(json.loads(args.json.read_text()), args.json.stem) if args.json
             else run_rows(tuple(args.runs)))
     print(table(errors(rows)))

@@ -127,3 +127,14 @@ def test_a_fused_step_taking_the_guard_on_the_device_overlaps_the_steps_tail():
     row = next(r for r in throughput_model.run_rows((5,)) if r["row"] == "default")
     assert row["guard_on_device"] is False
     assert throughput_model.predict(row).tail_s > 0 == throughput_model.predict(dict(row, guard_on_device=True)).tail_s
+
+
+def test_the_cap_forecast_puts_plain_amps_largest_batch_where_run_5_measured_it():
+    """Run 5's 40 GB cap: plain AMP O1's peaks extrapolated to batch 70 (base 10.74 GiB, 0.357 GiB an image, 90% of
+    40 GiB). The forecast's memory for it (the planner's, plus autocast's bf16 weight copy) says 68; without the
+    copy's 2 bytes a parameter, 71 (mutation seen failing)."""
+    table = throughput_model.cap_forecast("vit-h14", "NVIDIA H200", 40, [64])
+    plain = next(line for line in table.splitlines() if line.startswith("| plain AMP O1"))
+    batch = int(plain.split("|")[2])
+    assert 63 <= batch <= 77 and batch < 71, table
+    assert "| VitScaleStrategy() | 64 |" in table and "PREDICTION" in table
