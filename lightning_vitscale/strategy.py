@@ -100,8 +100,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     checkpoint_settings = checkpoints.OnCheckpointSide[checkpoints.CheckpointSettings]("settings")
     state_dict_type = checkpoints.OnCheckpointSide[checkpoints.StateDictType]("state_dict_type")
 
-    # `Trainer.fit(torch.compile(model))` stores the unwrapped module here, then refuses it for our strategy before any
-    # hook runs (`_verify_strategy_supports_compile`): the compile is taken over as it is stored (kernels/compile.py).
+    # `Trainer.fit(torch.compile(model))` stores the unwrapped module here; its compile taken over (kernels/compile.py)
     @property  # type: ignore[override]
     def _lightning_module(self) -> pl.LightningModule | None:
         return self._module
@@ -273,9 +272,7 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
-        guard = self.precision_plugin.nonfinite_guard
-        if guard is not None:
-            guard.settle()  # the last step's flags, where a fused step skipped on the device
+        self.precision_plugin.on_train_end()  # the last fused step's non-finite flags, read before fit returns
         self.checkpoints.after_fit()
 
     @override

@@ -159,6 +159,12 @@ class VitScalePrecision(Precision):
             self.scaler.update()
         return closure_result if step_output is None else step_output  # as `optimizer.step(closure)` returns
 
+    def on_train_end(self) -> None:
+        """The strategy's ``on_train_end``: the non-finite flags of the last steps a fused step decided on the device
+        are read (and counted, warned about, raised on) before ``fit`` returns."""
+        if self.nonfinite_guard is not None:
+            self.nonfinite_guard.settle()
+
     def _grads(self, optimizer: Optimizable) -> Iterator[Tensor]:  # read only where the guard checks gradients
         return (p.grad for p in self.main_params(optimizer) if p.grad is not None)  # type: ignore[arg-type]
 
