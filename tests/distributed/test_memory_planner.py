@@ -167,3 +167,11 @@ def test_auto_applies_the_planners_choice_at_the_first_step(auto):
         units = -(-4 // result["default_per_unit"])
         assert f"up to {result['default_per_unit']} per unit (planner, {units} of {units} units kept" in summary
         assert result["default_peak"] == result["every"]
+        # VitScaleStrategy() on the same streamed data with the host's memory: the blocks grouped into units at
+        # setup by the collectives' cost (several_ranks_units; mutation seen failing: a unit per block), the first
+        # step's plan made for those units, DDP's losses.
+        grouped = result["grouped_summary"]
+        assert result["grouped_per_unit"] > 1 and "no batch at setup to plan units with" in grouped, grouped
+        assert f"FSDP units          : {-(-4 // result['grouped_per_unit']) + 1} (" in grouped, grouped
+        assert "units kept gathered for backward" in grouped, grouped
+        assert result["grouped_losses"] == pytest.approx(result["ddp_losses"], rel=1e-5, abs=1e-6)

@@ -130,7 +130,19 @@ def auto_first_step() -> dict:
     # full, the host's memory to spare.
     units = search(SearchSpace(inputs, 2**40, rates_for("cpu"), per_unit=None, modes=("full",) * kwargs["depth"]))
     kept = units.settings().kept_gathered
+    # The default with the host's memory on the same streamed data: blocks grouped into units at setup (from the
+    # collectives' cost alone), the first step's plan made for those units; DDP on the same batches.
+    L.seed_everything(0, verbose=False)
+    grouped_model, grouped = TinyViT(**kwargs), VitScaleStrategy()
+    L.Trainer(accelerator="cpu", devices=WORLD, strategy=grouped, max_steps=2, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False).fit(grouped_model, Batches(data))
+    L.seed_everything(0, verbose=False)
+    ddp_model = TinyViT(**kwargs)
+    L.Trainer(accelerator="cpu", devices=WORLD, strategy="ddp", max_steps=2, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False).fit(ddp_model, Batches(data))
     return dict(checkpointed=strategy.plan.checkpointed, summary=strategy.plan.summary(),
+                grouped_summary=grouped.plan.summary(), grouped_per_unit=grouped.plan.blocks_per_unit,
+                grouped_losses=grouped_model.losses, ddp_losses=ddp_model.losses,
                 expected=[expected.modes.count("full"), expected.modes.count("selective"), expected.resharded],
                 patched=[checkpoint_mode(b) for b in model.blocks], losses=model.losses,
                 default_summary=default.plan.summary(), default_peak=default.plan.predicted_peak,

@@ -334,3 +334,48 @@ def test_one_rank_without_a_batch_keeps_one_unit_with_checkpointing_chosen_too()
 def test_one_rank_without_a_batch_keeps_the_units_where_the_user_or_the_budget_says_so(strategy):
     run = fit_streamed(Classifier(), strategy)
     assert copies_of(run) is None and "no batch at setup" not in run.strategy.plan.summary()
+
+
+class _Mesh:
+    """A 1-D mesh of ``size`` ranks, as ``shard_size`` reads it."""
+
+    def __init__(self, size: int) -> None:
+        self.ndim, self._size = 1, size
+
+    def size(self, dim: int | None = None) -> int:
+        return self._size
+
+
+def _ranks(world: int):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(world_size=world, tensor_mesh=None, device=torch.device("cpu"), sharding_mesh=_Mesh(world))
+
+
+@pytest.mark.parametrize(("backbone", "per_unit"), [("demo", 2), ("timm", 4)])
+def test_several_ranks_without_a_batch_group_blocks_as_the_planner_would_with_one(backbone, per_unit):
+    """The collectives' cost alone (per-unit hooks against the exposed first gather and last reduction) picks, on
+    this CPU's gloo rates, the blocks per unit the planner's search picks with a batch for these models
+    (benchmarks/RESULTS.md, default_fit_speed: 2 for the demo ViT, 4 for timm's vit_tiny); one rank, a budget too
+    small for two units' copies, ``priority="memory"`` or pinned units keep a unit per block."""
+    from lightning_vitscale.cli.demo import TinyViT
+    from lightning_vitscale.precision import resolve_flag
+    from lightning_vitscale.sharding.planning import several_ranks_units
+    from lightning_vitscale.sharding.resolved import resolve_config
+    from lightning_vitscale.sharding.settings import ParallelConfig, ShardingPolicy
+
+    if backbone == "demo":
+        module = TinyViT(image=32, patch=4, dim=256, depth=6)
+    else:  # default_fit_speed.py's
+        import timm
+
+        module = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=4, num_classes=10)
+    fp32, cpu = resolve_flag("32-true"), torch.device("cpu")
+    speed = resolve_config(ParallelConfig(), cpu)
+    grouped, why = several_ranks_units(module, speed, fp32, _ranks(2), 2**33)
+    assert grouped.blocks_per_unit == per_unit and why.startswith("no batch at setup to plan units with"), why
+    for resolved, ranks, budget in [(speed, _ranks(1), 2**33), (speed, _ranks(2), 2**20),
+                                    (resolve_config(ParallelConfig(priority="memory"), cpu), _ranks(2), 2**33),
+                                    (resolve_config(ParallelConfig(sharding=ShardingPolicy(blocks_per_unit=1)), cpu),
+                                     _ranks(2), 2**33)]:
+        assert several_ranks_units(module, resolved, fp32, ranks, budget) == (resolved, None)
