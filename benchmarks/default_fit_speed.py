@@ -7,6 +7,7 @@ Usage::
 
     python benchmarks/default_fit_speed.py                          # the three models, 3 rounds
     python benchmarks/default_fit_speed.py --models mha --rounds 5 --json out.json
+    python benchmarks/default_fit_speed.py --streamed                # no batch at setup: units from the collectives
 
 Models (fp32, AdamW, batch 8 per rank, 32 px, patch 4: 64 tokens): ``vit`` the demo ViT (dim 256, 6 blocks, the
 benchmark's own), ``timm`` timm's ``vit_tiny_patch16_224`` at 32 px, ``mha`` a hand-written ViT whose blocks are
@@ -39,6 +40,22 @@ from lightning_vitscale.cli.demo import TinyViT  # noqa: E402 - after the checko
 
 MODELS = ("vit", "timm", "mha")
 VARIANTS = ("ddp", "VitScaleStrategy()", 'VitScaleStrategy(priority="memory")')
+# --streamed: the training data a plain iterable (setup reads no batch), and the default against a unit per block,
+# what it made there before 5f74f1b (the first step's plan still chooses checkpointing and units kept gathered).
+STREAMED_VARIANTS = ("ddp", "VitScaleStrategy()", "VitScaleStrategy(blocks_per_unit=1)")
+
+
+class Streamed:
+    """A DataLoader's batches as a plain iterable: Lightning gives setup no batch to plan with (as from tar shards)."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def __iter__(self):
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
 
 
 class MhaBlock(nn.Module):
@@ -100,7 +117,7 @@ def make_module(name: str) -> L.LightningModule:
     return Classifier(MhaViT())
 
 
-def fit_times(model_name: str, variant: str, steps: int, warmup: int) -> list[float]:
+def fit_times(model_name: str, variant: str, steps: int, warmup: int, streamed: bool = False) -> list[float]:
     """One ``Trainer.fit`` of ``warmup + steps`` steps; the timed steps' seconds on this rank."""
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -118,7 +135,8 @@ def fit_times(model_name: str, variant: str, steps: int, warmup: int) -> list[fl
             self.seconds.append(time.perf_counter() - self.start)
 
     strategy = {"ddp": lambda: "ddp", VARIANTS[1]: lambda: VitScaleStrategy(),
-                VARIANTS[2]: lambda: VitScaleStrategy(priority="memory")}[variant]()
+                VARIANTS[2]: lambda: VitScaleStrategy(priority="memory"),
+                STREAMED_VARIANTS[2]: lambda: VitScaleStrategy(blocks_per_unit=1)}[variant]()
     L.seed_everything(0, verbose=False)
     module = make_module(model_name)
     n = 8 * (steps + warmup) * 2  # one epoch: batch 8 on each of 2 ranks
@@ -127,23 +145,25 @@ def fit_times(model_name: str, variant: str, steps: int, warmup: int) -> list[fl
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps + warmup,
                         callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
-    trainer.fit(module, DataLoader(data, batch_size=8))
+    loader = DataLoader(data, batch_size=8)
+    trainer.fit(module, Streamed(loader) if streamed else loader)
     summary = getattr(trainer.strategy, "plan", None)
     if summary is not None and trainer.global_rank == 0:
         print(f"{model_name} / {variant}:\n{summary.summary()}", flush=True)
     return timer.seconds[warmup:]
 
 
-def worker(out: str, models: list[str], rounds: int, steps: int, warmup: int) -> None:
+def worker(out: str, models: list[str], rounds: int, steps: int, warmup: int, streamed: bool = False) -> None:
     import os
 
     torch.set_num_threads(1)
-    times: dict[str, dict[str, list[float]]] = {m: {v: [] for v in VARIANTS} for m in models}
+    variants = STREAMED_VARIANTS if streamed else VARIANTS
+    times: dict[str, dict[str, list[float]]] = {m: {v: [] for v in variants} for m in models}
     for model_name in models:
         for r in range(rounds):
-            order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+            order = variants[r % len(variants):] + variants[:r % len(variants)]
             for variant in order:
-                times[model_name][variant] += fit_times(model_name, variant, steps, warmup)
+                times[model_name][variant] += fit_times(model_name, variant, steps, warmup, streamed)
     result = {m: {v: 1e3 * statistics.median(t) for v, t in per.items()} for m, per in times.items()}
     Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
 
@@ -155,24 +175,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per fit")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each fit")
     parser.add_argument("--json", help="also write the merged numbers here")
+    parser.add_argument("--streamed", action="store_true",
+                        help="data as a plain iterable (no batch at setup); the default against a unit per block")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.models, args.rounds, args.steps, args.warmup)
+        worker(args.worker, args.models, args.rounds, args.steps, args.warmup, args.streamed)
         return
+    variants = STREAMED_VARIANTS if args.streamed else VARIANTS
     from tests.helpers.launch import assert_ok, torchrun
 
     with tempfile.TemporaryDirectory() as out:
         result = torchrun(Path(__file__), "--worker", out, "--models", *args.models, "--rounds", str(args.rounds),
-                          "--steps", str(args.steps), "--warmup", str(args.warmup), nprocs=2, timeout=1800)
+                          "--steps", str(args.steps), "--warmup", str(args.warmup),
+                          *(["--streamed"] if args.streamed else []), nprocs=2, timeout=1800)
         assert_ok(result)
         print("\n".join(line for line in result.output.splitlines() if not line.startswith("[rank")))
         ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
-    merged = {m: {v: max(r[m][v] for r in ranks) for v in VARIANTS} for m in args.models}
-    print("| model | " + " | ".join(f"{v}: ms/step | / DDP" for v in VARIANTS) + " |")
-    print("|---|" + "---|---|" * len(VARIANTS))
+    merged = {m: {v: max(r[m][v] for r in ranks) for v in variants} for m in args.models}
+    print("| model | " + " | ".join(f"{v}: ms/step | / DDP" for v in variants) + " |")
+    print("|---|" + "---|---|" * len(variants))
     for m, per in merged.items():
-        cells = " | ".join(f"{per[v]:.1f} | {per[v] / per['ddp']:.2f}x" for v in VARIANTS)
+        cells = " | ".join(f"{per[v]:.1f} | {per[v] / per['ddp']:.2f}x" for v in variants)
         print(f"| {m} | {cells} |")
     if args.json:
         Path(args.json).write_text(json.dumps(merged, indent=1))
