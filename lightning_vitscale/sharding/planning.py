@@ -204,9 +204,9 @@ def several_ranks_units(
     the last reduce-scatter, which nothing overlaps: the blocks per unit minimise the sum, with two units' gathered
     compute copies (the one running, the one prefetched) at most 1/16 of the budget. On this CPU's gloo rates it
     picks what the planner's search picks with a batch (2 blocks per unit for the demo ViT, 4 for timm's
-    ``vit_tiny``); a unit per block was 13 FSDP units for ViT-B/16. Units kept gathered stay the first step's
-    choice (``"auto"``); ``priority="memory"``, pinned units, offload and tensor parallelism keep a unit per
-    block."""
+    ``vit_tiny``; benchmarks/RESULTS.md: timm's step 1.25x DDP's with a unit per block, 1.11x so). Units kept
+    gathered stay the first step's choice (``"auto"``); ``priority="memory"``, pinned units, offload and tensor
+    parallelism keep a unit per block."""
     if ranks.world_size == 1 or ranks.tensor_mesh is not None or not resolved.planner_units or offloads(
             resolved.sharding, ranks.device):
         return resolved, None
