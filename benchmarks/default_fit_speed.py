@@ -45,19 +45,6 @@ VARIANTS = ("ddp", "VitScaleStrategy()", 'VitScaleStrategy(priority="memory")')
 STREAMED_VARIANTS = ("ddp", "VitScaleStrategy()", "VitScaleStrategy(blocks_per_unit=1)")
 
 
-class Streamed:
-    """A DataLoader's batches as a plain iterable: Lightning gives setup no batch to plan with (as from tar shards)."""
-
-    def __init__(self, loader) -> None:
-        self.loader = loader
-
-    def __iter__(self):
-        return iter(self.loader)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-
 class MhaBlock(nn.Module):
     """A pre-norm ViT block on ``nn.MultiheadAttention`` (packed in-projection): the held-out block family."""
 
@@ -122,6 +109,7 @@ def fit_times(model_name: str, variant: str, steps: int, warmup: int, streamed: 
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_vitscale import VitScaleStrategy
+    from tests.helpers.models import Streamed
 
     class StepTimer(L.Callback):
         def __init__(self) -> None:

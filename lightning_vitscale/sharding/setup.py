@@ -31,6 +31,8 @@ from lightning_vitscale.memory import (
     AccumulationMode,
     AutoCheckpointing,
     PlanningBatch,
+    StepInputs,
+    StepSettings,
     batch_size_of,
     choose_accumulation,
     planning_batch,
@@ -128,9 +130,11 @@ class ShardedModel:
     backwards_in_step: int = 0  # backwards through the strategy since the training step began
     skipped: SkippedBlockCheck | None = None  # several ranks: a block a rank skips is refused
     unused: UnusedParameters | None = None  # several ranks: parameters no rank used keep no gradient
-    compile_pending: KernelPolicy | None = None  # kernels="auto" without a batch: compiled at the first step if it pays
-    compile_later: KernelPolicy | None = None  # ...and eager there: decided again at the first step of a larger batch
-    compile_decided_at: int = 0  # the largest batch the compile decision was made for
+    # kernels="auto" without a batch at setup: the policy the blocks compile with once a step's plan predicts it pays
+    # (decided at the first step, then again at the first step of each larger batch), and the largest batch decided
+    # for (0: the first step has not decided yet).
+    compile_with: KernelPolicy | None = None
+    compile_decided_at: int = 0
 
     @property
     def module(self) -> nn.Module:
@@ -139,7 +143,7 @@ class ShardedModel:
     def before_training_step(self, batch: Any, ranks: RankContext, optimizers: list[torch.optim.Optimizer]) -> None:
         """``activation_checkpointing="auto"`` without a batch at setup: decide from the first batch, then checkpoint
         the chosen blocks in place (inside their FSDP hooks, as when applied before ``fully_shard``)."""
-        if batch is not None and self.compile_later is not None:
+        if batch is not None and self.compile_with is not None and self.compile_decided_at:
             self._compile_if_the_batch_grew(batch, ranks.device)
         if batch is None or self.auto is None or not self.auto.pending:
             return
@@ -148,19 +152,20 @@ class ShardedModel:
             apply_activation_checkpointing([self.module.get_submodule(n) for n, m in modes.items() if m == mode], mode)
         apply_auto_choice(self.module, self.auto, self.summary)
         rank_zero_info(f"VitScaleStrategy activation checkpointing {self.summary.memory}")
-        if self.compile_pending is not None:  # after checkpointing, as at setup: the recompute is traced too
-            self._compile_where_it_pays(self.compile_pending, ranks.device)
-            self.compile_pending = None
+        if self.compile_with is not None:  # after checkpointing, as at setup: the recompute is traced too
+            self._compile_where_it_pays(self.compile_with, ranks.device)
 
     def _compile_where_it_pays(self, kernels: KernelPolicy, device: torch.device) -> None:
         """``kernels="auto"`` without a batch at setup: the blocks compiled now, before their first call, where the
         first step's plan predicts it pays (the rule setup applies with a batch: ``compile_where_it_pays``); a step
         the planner could not measure keeps ``"auto"``'s default (compiled). Every rank applies the same plan."""
-        plan = self._first_step_plan()
-        pays, why = compile_choice(None if plan is None else (plan.inputs, plan.chosen.settings), device)
+        measured = self._first_step_measured()
+        pays, why = compile_choice(None if measured is None else measured[:2], device)
         self._compile_blocks(kernels, pays, f"{why}; decided at the first training step")
-        if not pays and plan is not None:
-            self.compile_later, self.compile_decided_at = kernels, plan.batch_size
+        if pays or measured is None:
+            self.compile_with = None
+        else:  # eager for now: decided again at a larger batch
+            self.compile_decided_at = measured[2]
 
     def _compile_if_the_batch_grew(self, batch: Any, device: torch.device) -> None:
         """A batch larger than any the blocks were left eager for (a batch ramp-up, a benchmark's larger phase):
@@ -170,19 +175,21 @@ class ShardedModel:
             size = batch_size_of(batch)
         except ValueError:
             return
-        plan = self._first_step_plan()
-        if size <= self.compile_decided_at or plan is None or self.compile_later is None:
+        measured = self._first_step_measured()
+        if size <= self.compile_decided_at or measured is None or self.compile_with is None:
             return
         self.compile_decided_at = size
-        scaled = dataclasses.replace(plan.inputs, batch_scale=plan.inputs.batch_scale * size / plan.batch_size)
-        pays, why = compile_choice((scaled, plan.chosen.settings), device)
+        inputs, settings, planned_batch = measured
+        scaled = dataclasses.replace(inputs, batch_scale=inputs.batch_scale * size / planned_batch)
+        pays, why = compile_choice((scaled, settings), device)
         if pays:
-            self._compile_blocks(self.compile_later, True, f"{why}; decided at the first step of batch {size}")
-            self.compile_later = None
+            self._compile_blocks(self.compile_with, True, f"{why}; decided at the first step of batch {size}")
+            self.compile_with = None
 
-    def _first_step_plan(self) -> Any:
+    def _first_step_measured(self) -> tuple[StepInputs, StepSettings, int] | None:
+        """The step the first step's plan measured, the settings it chose and the batch it measured, if any."""
         plan = self.auto.choice.plan if self.auto is not None and self.auto.choice is not None else None
-        return None if plan is None or plan.inputs is None else plan
+        return None if plan is None or plan.inputs is None else (plan.inputs, plan.chosen.settings, plan.batch_size)
 
     def _compile_blocks(self, kernels: KernelPolicy, pays: bool, why: str) -> None:
         blocks = [self.module.get_submodule(name) for name in self.summary.block_names]
@@ -370,7 +377,7 @@ def _shard(
     planned = dataclasses.replace(planned, resolved=compile_where_it_pays(planned.resolved, planned.step(module),
                                                                           ranks.device))
     pending = planned.auto is not None and planned.auto.pending  # the plan waits for the first training batch
-    resolved_now, compile_later = compile_at_first_step(planned.resolved, pending)
+    resolved_now, compile_with = compile_at_first_step(planned.resolved, pending)
     planned = dataclasses.replace(planned, resolved=resolved_now)
     # 3. The recipe: norms, casts, attention routing, checkpointing, compile, block units, the outer unit.
     done = parallelize(
@@ -396,7 +403,7 @@ def _shard(
     speed = plans_from_batch(resolved) and resolved.requested.priority == "speed"
     skipped, unused = _skipped_blocks(module, outer, done, resolved, ranks)
     return ShardedModel(outer, done.plan, done.norms, done.router, planned.auto, signature, budget,
-                        planned_for_speed=speed, skipped=skipped, unused=unused, compile_pending=compile_later)
+                        planned_for_speed=speed, skipped=skipped, unused=unused, compile_with=compile_with)
 
 
 def _skipped_blocks(

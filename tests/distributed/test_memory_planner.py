@@ -175,3 +175,7 @@ def test_auto_applies_the_planners_choice_at_the_first_step(auto):
         assert f"FSDP units          : {-(-4 // result['grouped_per_unit']) + 1} (" in grouped, grouped
         assert "units kept gathered for backward" in grouped, grouped
         assert result["grouped_losses"] == pytest.approx(result["ddp_losses"], rel=1e-5, abs=1e-6)
+        pinned = result["pinned_summary"]
+        assert result["pinned_per_unit"] > 1 and "no batch at setup to plan units with" in pinned, pinned
+        assert "checkpointed blocks : 4 of 4" in pinned, pinned
+        assert result["pinned_losses"] == pytest.approx(result["ddp_losses"], rel=1e-5, abs=1e-6)

@@ -157,6 +157,20 @@ def loader(n: int = 64, batch_size: int = 4, seed: int = 0) -> DataLoader:
     return DataLoader(random_images(n, seed), batch_size=batch_size, shuffle=False)
 
 
+class Streamed:
+    """A DataLoader's batches as a plain iterable: setup cannot read a batch from it without consuming it, so
+    VitScaleStrategy gets none to plan with (as from tar shards)."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+
+    def __iter__(self):
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
 class DropoutViT(TinyViT):
     """The demo ViT with stock ``nn.TransformerEncoderLayer`` blocks, dropout everywhere (attention, MLP,
     residual), and plain SGD with a large step so that a wrong dropout mask shows in the weights."""

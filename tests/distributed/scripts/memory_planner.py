@@ -29,6 +29,7 @@ from lightning_vitscale.precision.settings import resolve_flag
 from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import parallelize
+from tests.helpers.models import Streamed
 from tests.helpers.peak import phased_step_peak
 from tests.helpers.scenarios import run_scenarios
 
@@ -115,7 +116,7 @@ def auto_first_step() -> dict:
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     data = DataLoader(generated_images(n=64, image=64), batch_size=batch)
-    trainer.fit(model, Batches(data))
+    trainer.fit(model, Streamed(data))
     # The user's checkpointing with example_input_array set: the summary carries the predicted peak too.
     other = TinyViT(**kwargs)
     other.example_input_array = torch.randn(batch, 3, 64, 64)
@@ -131,18 +132,25 @@ def auto_first_step() -> dict:
     units = search(SearchSpace(inputs, 2**40, rates_for("cpu"), per_unit=None, modes=("full",) * kwargs["depth"]))
     kept = units.settings().kept_gathered
     # The default with the host's memory on the same streamed data: blocks grouped into units at setup (from the
-    # collectives' cost alone), the first step's plan made for those units; DDP on the same batches.
+    # collectives' cost alone), the first step's plan made for those units; the same with every block checkpointed
+    # (no first-step plan: the units are all setup chooses); DDP on the same batches.
     L.seed_everything(0, verbose=False)
     grouped_model, grouped = TinyViT(**kwargs), VitScaleStrategy()
     L.Trainer(accelerator="cpu", devices=WORLD, strategy=grouped, max_steps=2, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False).fit(grouped_model, Batches(data))
+              enable_progress_bar=False, enable_model_summary=False).fit(grouped_model, Streamed(data))
+    L.seed_everything(0, verbose=False)
+    pinned_model, pinned = TinyViT(**kwargs), VitScaleStrategy(activation_checkpointing=True)
+    L.Trainer(accelerator="cpu", devices=WORLD, strategy=pinned, max_steps=2, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False).fit(pinned_model, Streamed(data))
     L.seed_everything(0, verbose=False)
     ddp_model = TinyViT(**kwargs)
     L.Trainer(accelerator="cpu", devices=WORLD, strategy="ddp", max_steps=2, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False).fit(ddp_model, Batches(data))
+              enable_progress_bar=False, enable_model_summary=False).fit(ddp_model, Streamed(data))
     return dict(checkpointed=strategy.plan.checkpointed, summary=strategy.plan.summary(),
                 grouped_summary=grouped.plan.summary(), grouped_per_unit=grouped.plan.blocks_per_unit,
                 grouped_losses=grouped_model.losses, ddp_losses=ddp_model.losses,
+                pinned_summary=pinned.plan.summary(), pinned_per_unit=pinned.plan.blocks_per_unit,
+                pinned_losses=pinned_model.losses,
                 expected=[expected.modes.count("full"), expected.modes.count("selective"), expected.resharded],
                 patched=[checkpoint_mode(b) for b in model.blocks], losses=model.losses,
                 default_summary=default.plan.summary(), default_peak=default.plan.predicted_peak,
@@ -150,19 +158,6 @@ def auto_first_step() -> dict:
                 default_kept=[i for i, block in enumerate(other.blocks) if not resharded(block)],
                 expected_kept=sorted(kept),
                 every=predict_step(inputs, units.settings()).peak)
-
-
-class Batches:
-    """A DataLoader's batches as a plain iterable: setup cannot read a batch from it without consuming it."""
-
-    def __init__(self, loader) -> None:
-        self.loader = loader
-
-    def __iter__(self):
-        return iter(self.loader)
-
-    def __len__(self) -> int:
-        return len(self.loader)
 
 
 def resharded(block) -> bool:
