@@ -106,7 +106,20 @@ class NonFiniteGuard:
             pending = self._pending.popleft()
             self._count(pending.read(), pending.step)
 
-    def _count(self, flags: list[list[float]], step: int) -> bool:
+    def close(self) -> None:
+        """At the end of a fit, even one ended by an exception: the flags still pending are counted and warned about
+        but raise nothing (the fit is over; a stop would hide its own error), so a next fit with this guard reads
+        none of them as its own. Flags a failed device cannot hand back are dropped with that fit."""
+        while self._pending:
+            pending = self._pending.popleft()
+            try:
+                flags = pending.read()
+            except RuntimeError:  # the device failed with the fit (a CUDA error is sticky): nothing left to count
+                self._pending.clear()
+                return
+            self._count(flags, pending.step, stop=False)
+
+    def _count(self, flags: list[list[float]], step: int, stop: bool = True) -> bool:
         loss_row, grad_row = flags
         loss_ranks = [r for r, v in enumerate(loss_row) if v]
         grad_ranks = [r for r, v in enumerate(grad_row) if v]
@@ -119,7 +132,7 @@ class NonFiniteGuard:
         where = "; ".join(
             f"{what} on rank(s) {ranks}" for what, ranks in (("loss", loss_ranks), ("gradients", grad_ranks)) if ranks
         )
-        if self.consecutive >= self.max_consecutive:
+        if stop and self.consecutive >= self.max_consecutive:
             self._pending.clear()
             raise NonFiniteTrainingError(
                 f"Non-finite values at {self.consecutive} optimizer steps in a row (the last at global step {step}:"

@@ -165,6 +165,14 @@ class VitScalePrecision(Precision):
         if self.nonfinite_guard is not None:
             self.nonfinite_guard.settle()
 
+    @override
+    def teardown(self) -> None:
+        """After every fit, also one ended by an exception (Lightning tears down then too): the flags of steps decided
+        on the device and not read yet are counted now, not at the next fit's first step as if they were its own."""
+        if self.nonfinite_guard is not None:
+            self.nonfinite_guard.close()
+        super().teardown()
+
     def _grads(self, optimizer: Optimizable) -> Iterator[Tensor]:  # read only where the guard checks gradients
         return (p.grad for p in self.main_params(optimizer) if p.grad is not None)  # type: ignore[arg-type]
 

@@ -3,10 +3,13 @@ fused step itself (``found_inf``), the host reads the decision a step later (no 
 
 Mutations seen failing: the plugin taking the synced path for fused optimizers (``should_skip`` refused below); the
 ``found_inf`` not handed to the step (the NaN step changes the weights); no ``settle`` at the end of fit (the last
-step's skip uncounted).
+step's skip uncounted); no ``close`` at teardown (a failed fit's pending step counted by the next fit); ``close``
+raising the stop (the failed fit's own error hidden).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import lightning as L
 import pytest
@@ -92,3 +95,49 @@ def test_a_foreach_optimizer_keeps_the_synced_guard():
         plugin = fit(model, steps=3)
     assert model.changed == [True, True, False] and plugin.nonfinite_guard.skipped == 1
     assert plugin.nonfinite_guard.decided_on_device == 0
+
+
+class Interrupted(Exception):
+    pass
+
+
+class StopsAt(NaNAt):
+    """Raises at the start of one batch: the step before it was decided on the device and not read yet."""
+
+    def __init__(self, nan_batches: set[int], stop_at: int | None) -> None:
+        super().__init__(nan_batches)
+        self.stop_at = stop_at
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if batch_idx == self.stop_at:
+            raise Interrupted
+        super().on_train_batch_start(batch, batch_idx)
+
+
+def test_a_fit_ended_by_an_exception_counts_its_pending_step_and_leaves_none_to_the_next_fit(no_synced_guard):
+    plugin = VitScalePrecision("bf16-mixed", max_skipped_steps=3)
+
+    def fit_with(model: NaNAt, steps: int) -> None:
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(kernels="eager"),
+                            plugins=[plugin], max_steps=steps, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, loader(n=64))
+
+    with pytest.warns(UserWarning, match="global step 2 "), pytest.raises(Interrupted):
+        fit_with(StopsAt({2}, stop_at=3), steps=5)  # step 2's NaN is read as the fit tears down
+    guard = plugin.nonfinite_guard
+    assert guard.skipped == 1 and guard.consecutive == 1
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Non-finite values")  # a stale step 2 would warn here
+        fit_with(StopsAt(set(), stop_at=None), steps=2)
+    assert guard.skipped == 1 and guard.consecutive == 0
+
+
+def test_a_stop_reached_by_the_pending_step_of_a_failed_fit_does_not_hide_its_error(no_synced_guard):
+    plugin = VitScalePrecision("bf16-mixed", max_skipped_steps=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(kernels="eager"), plugins=[plugin],
+                        max_steps=5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with pytest.warns(UserWarning, match="global step 2 .*2 in a row"), pytest.raises(Interrupted):
+        trainer.fit(StopsAt({1, 2}, stop_at=3), loader(n=64))
+    assert plugin.nonfinite_guard.skipped == 2
