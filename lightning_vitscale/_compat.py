@@ -68,6 +68,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as d
 from torch.distributed.fsdp import FSDPModule  # public: for the code below only (import it from torch)
 from torch.distributed.fsdp._common_utils import FSDP_PREFIX
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterComm  # FSDP2 custom comms
+from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState  # units of several modules (torch 2.11)
 from torch.distributed.tensor import DTensor  # public: for the code below only (import it from torch)
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # a DTensor shard's box (init/)
 from torch.fx.experimental.symbolic_shapes import ShapeEnv  # planner: a step's .item() on fake tensors
@@ -105,6 +106,13 @@ PRIVATE_NAMES = {
     "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._lazy_init": "the root fixed before a child's call",
     "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_groups": "a unit's own parameters",
     "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_group": "the same on torch 2.11",
+    "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState": "torch 2.11: units of several modules completed",
+    "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._force_complete_incomplete_states": "whether it must",
+    "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._modules": "torch 2.11: the modules of one unit",
+    "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._modules_to_run_forward": "torch 2.11: a unit run part",
+    "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._register_pre_backward_hook": "torch 2.11: completed",
+    "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._training_state": "torch 2.11: completed, idle",
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup._training_state": "torch 2.11: idle",
     "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam._unsharded_param": "deepcopy: a gathered parameter",
     "torch.distributed.tensor._utils.compute_local_shape_and_global_offset": "a DTensor shard's box (init/)",
     "torch.distributed.tensor.DTensor._local_tensor": "the local shard without an autograd node; flat masters",
@@ -174,6 +182,7 @@ PRIVATE_NAMES = {
 PRIVATE_NAMES_TORCH = {
     "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_groups": ">=2.12",
     "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_group": "<2.12",
+    "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._force_complete_incomplete_states": ">=2.14",
 }
 
 # Prefixes that wrappers add to parameter names: torch.compile, torch's checkpoint wrapper, FSDP1, Fabric.
@@ -335,6 +344,58 @@ def initialize_fsdp_root(root: FSDPModule) -> None:
     """FSDP2's lazy initialisation, now, with ``root`` as the root: else a child unit called first (``pl_module.net(x)``
     in ``on_train_start``) becomes a root and breaks the step ("FSDP state has already been lazily initialized")."""
     root._get_fsdp_state()._lazy_init()
+
+
+# torch 2.14's FSDP2 root completes, at its post-forward, a unit of several modules (``fully_shard([a, b])``) whose
+# forward ran only some of them, and runs such a unit's pre-forward at every module; torch 2.11's does neither.
+_COMPLETES_PARTIAL_UNITS = hasattr(FSDPState, "_force_complete_incomplete_states")
+
+
+def grouped_unit_states(root: torch.nn.Module) -> list[Any]:
+    """The FSDP2 states under ``root`` shared by several modules (a unit of consecutive blocks), deepest first; none
+    where torch completes such units itself (see :func:`complete_partial_forwards`)."""
+    if _COMPLETES_PARTIAL_UNITS:
+        return []
+    states: dict[int, Any] = {}
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            if len(getattr(state, "_modules", ())) > 1:
+                states[id(state)] = state
+    return list(reversed(states.values()))
+
+
+def complete_partial_forwards(states: list[Any], output: Any) -> Any:
+    """torch 2.11: a unit of several blocks whose forward ran only some of them (one block called from a callback, a
+    forward that skips a block) never ran its post-forward, and FSDP2 then skips its pre-forward at every later call,
+    so the next forward meets its sharded parameters ("got mixed torch.Tensor and DTensor"). Finish it as torch 2.14's
+    root does (``_force_complete_incomplete_states``): reshard, the pre-backward hook on ``output``, idle again."""
+    for state in states:
+        if not state._modules_to_run_forward:
+            continue
+        group = state._fsdp_param_group
+        if group is not None:
+            output = group.post_forward(None, None, output)
+        output = state._register_pre_backward_hook(output)
+        state._training_state = type(state._training_state).IDLE
+        state._modules_to_run_forward.clear()
+    return output
+
+
+def drop_partial_forwards(states: list[Any]) -> None:
+    """torch 2.11, before a new forward: a unit left part-run by an earlier call (one of its blocks called alone) is
+    resharded, so the new forward gathers it afresh (not the copy of before an optimizer step) and runs its
+    pre-forward, which FSDP2 would skip."""
+    for state in states:
+        if not state._modules_to_run_forward:
+            continue
+        idle = type(state._training_state).IDLE
+        group = state._fsdp_param_group
+        if group is not None:
+            group._training_state = idle  # a unit kept gathered after forward skips a reshard asked in FORWARD
+            group.reshard()
+        state._training_state = idle
+        state._modules_to_run_forward.clear()
 
 
 def set_unshard_async(unit: FSDPModule, async_op: bool) -> None:

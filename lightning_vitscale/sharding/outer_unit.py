@@ -24,7 +24,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_vitscale._compat import current_backward_id, forward_hook_dicts
+from lightning_vitscale._compat import (
+    complete_partial_forwards,
+    current_backward_id,
+    drop_partial_forwards,
+    forward_hook_dicts,
+    grouped_unit_states,
+)
 from lightning_vitscale.distributed import collective_guard
 from lightning_vitscale.sharding.buffer_sync import BufferSync
 from lightning_vitscale.sharding.compute_copies import ComputeCopies
@@ -69,6 +75,7 @@ class OuterUnit(nn.Module):
         self._entry_hooks_on = True
         self.buffer_sync: BufferSync | None = None  # a fit's, given by its setup (sharding/buffer_sync.py)
         self.compute_copies: ComputeCopies | None = None  # one rank, nothing to shard (sharding/compute_copies.py)
+        self._grouped_states: list[Any] | None = None  # torch 2.11: units of several blocks (_compat)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         sync = self.buffer_sync
@@ -95,7 +102,25 @@ class OuterUnit(nn.Module):
                     copies.free()  # their storage resized to 0 under them, printing one read freed memory (a crash)
         if sync is not None:
             sync.after_forward(not getattr(self.module, "automatic_optimization", True))
-        return output
+        return self._complete_partial_units(output)
+
+    def _complete_partial_units(self, output: Any) -> Any:
+        """torch 2.11: a unit of several blocks that ran only some of them in this call is finished here, or its
+        next forward would skip gathering it (``_compat.complete_partial_forwards``); nothing to do on later torch."""
+        states = self._grouped_unit_states()
+        return complete_partial_forwards(states, output) if states else output
+
+    def _drop_partial_units(self) -> None:
+        """torch 2.11, as a call starts: a unit one of whose blocks was called alone since (no call of ours ended
+        after it) is resharded and forgotten, so this call gathers it (``_compat.drop_partial_forwards``)."""
+        states = self._grouped_unit_states()
+        if states:
+            drop_partial_forwards(states)
+
+    def _grouped_unit_states(self) -> list[Any]:
+        if self._grouped_states is None:
+            self._grouped_states = grouped_unit_states(self)
+        return self._grouped_states
 
     # --- calls outside a step ---------------------------------------------------------------------------
 
@@ -103,6 +128,8 @@ class OuterUnit(nn.Module):
         """After ``fully_shard(self)``: hook the modules holding outer-unit parameters and their ancestors."""
         if self._hooks or not isinstance(self, FSDPModule):
             return
+        if self._grouped_unit_states():  # torch 2.11 only; before FSDP's pre-forward, which prefetches a block unit
+            self._hooks.append(self.register_forward_pre_hook(_drop_partial_units_before_step, prepend=True))
         self._owned = outer_unit_parameters(self.module)
         if not self._owned:
             return  # every parameter lives in a block unit: nothing of the outer unit to gather
@@ -184,17 +211,22 @@ class OuterUnit(nn.Module):
             return
         # Blocks gather themselves as the call runs, also when the outer unit is still gathered: always agree first.
         self._agree_on(module)
+        self._drop_partial_units()
         if self._is_sharded():
             self._gather()
             self._gathered_on_demand = True
             self._keep_gathered = torch.is_grad_enabled()
 
-    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self._in_step or self._depth == 0:
-            return
+            return None
         self._depth -= 1
-        if self._depth == 0 and not self._keep_gathered:
+        if self._depth != 0:
+            return None
+        output = self._complete_partial_units(output)  # one block of a unit called from a callback, say
+        if not self._keep_gathered:
             self.release()
+        return output
 
     @torch.compiler.disable
     def _agree_on(self, module: nn.Module) -> None:
@@ -222,6 +254,10 @@ def _outside_step_error(error: RuntimeError) -> OutsideStepCallError:
         "Make the same call on every rank (not under `if trainer.is_global_zero:` or `@rank_zero_only`), or make it"
         " inside a `*_step`.",
     ))
+
+
+def _drop_partial_units_before_step(outer: OuterUnit, args: Any) -> None:
+    outer._drop_partial_units()
 
 
 def _release_before_step(outer: OuterUnit, args: Any) -> None:
