@@ -238,6 +238,7 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
     spans = unit_spans(n, settings.blocks_per_unit)
     cast_one_by_one = computes_on_copies(inputs, settings)  # no reduce-scatter input
     unit_fulls = [sum(full_blocks[j] for j in span) for span in spans]
+    held = _held_by_autograd(prof.blocks, full_blocks, c)
     for u in reversed(range(len(spans))):
         span, unit_full = spans[u], unit_fulls[u]
         # Units up to this one that stayed gathered, plus this unit and the prefetched previous one if they
@@ -252,15 +253,15 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
         # Sharded gradients exist for the units after this one: their reduce-scatters are done.
         grads = base["params"] if inputs.loop.grads_in_backward else later_shards[span[-1]] * m * on_device
         # FSDP keeps the later unit's reduce-scatter input alive until this unit's reduce-scatter is issued.
-        held = unit_fulls[u + 1] if u + 1 < len(spans) else unit_full
+        in_flight = unit_fulls[u + 1] if u + 1 < len(spans) else unit_full
         for i in reversed(span):
-            compute = _block_backward(prof.blocks[i], i, settings, held, scale, r)
+            compute = _block_backward(prof.blocks[i], i, settings, in_flight, scale, r) + held[i]
             if u + 1 < len(spans) and inputs.collective_copies and inputs.world > 1 and i not in settings.checkpointed:
                 # On CPU the later unit's reduce-scatter is still in flight (cpu_overlap.py waits for it at this
                 # unit's), its input and gloo's copy of it alive through this unit's backward: RSS read at each
                 # post_backward of a DeiT-Tiny step (2 ranks, nothing checkpointed) peaks in block 10's backward,
                 # 2.9 MiB over the model without them (0.88-0.91x). A checkpointed block counts the input already.
-                compute += 2 * held * r
+                compute += 2 * in_flight * r
             if prof.blocks[i].calls > 1:
                 # A block run several times a step (shared by every layer): FSDP2 reduce-scatters after each call's
                 # backward, and the previous call's reduce-scatter input (with gloo's copy on CPU) is alive through
@@ -276,8 +277,23 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
         # parameters, kept or not, are gone by then. Counting them over-predicted a 12-block unit kept gathered
         # with every block checkpointed by 38% (DeiT-Tiny, 2 CPU ranks). Copies on one rank live to the step's end.
         gathered -= 0 if cast_one_by_one else unit_full * c
+        held_before = held[span[0] - 1] if span[0] > 0 else 0
         yield MemoryBreakdown(grads=grads + new_shards, gathered=gathered, activations=outer_acts + before,
-                              transient=collective + outer_grads, phase=f"reduce-scatter of unit {u}", **base)
+                              transient=collective + outer_grads + held_before, phase=f"reduce-scatter of unit {u}",
+                              **base)
+
+
+def _held_by_autograd(blocks: list[BlockMemory], full_blocks: list[int], c: int) -> list[int]:
+    """Per block ``i``: the unsharded gradients autograd holds at its backward, of blocks ``0..i``, where the backbone
+    runs several times a step on separate passes (DINO's crops: every block called once a pass). Autograd sums a
+    parameter's gradient over its calls and writes it once, at the last backward pass (the first call's), so FSDP2
+    reduces nothing in the earlier passes: each block's gradient is alive from the first pass's backward until the
+    last pass reaches it (counted by patching ``post_backward``: no gradient at the first pass's, all of them at the
+    second's; RSS grew ~2.3 MiB a DeiT-Tiny unit through the first pass). A block every layer shares (one block, its
+    calls in one pass) is counted by its own term in :func:`_backward_peaks`."""
+    if sum(block.calls > 1 for block in blocks) < 2:
+        return [0] * len(blocks)
+    return list(accumulate(full * c if block.calls > 1 else 0 for block, full in zip(blocks, full_blocks)))
 
 
 def _block_backward(block: BlockMemory, index: int, settings: StepSettings, held: int, scale: float, r: int) -> int:

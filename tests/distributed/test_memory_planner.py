@@ -37,15 +37,22 @@ UNUSED_CELL = "deit_tiny:unused-50:32"
 # keeps its own input (selective: and outputs), and FSDP2 reduce-scatters the unit after each call's backward.
 # Predicted once per block, the checkpointed cells read 1.6x (full) and 4.1x (selective) under the measured step.
 SHARED_CELLS = [f"shared_tiny:{ac}:8" for ac in ("off", "full", "selective")]
+# DINO's multi-crop: DeiT-Tiny on the images, then on crops of them, every block its own unit. Autograd writes each
+# block's gradient once, at the last backward pass, so every block's unsharded gradient is alive from the first
+# pass's backward until the second reaches it: predicted without it, the step measured 1.66x (off) and 2.0x (full)
+# the prediction; with it 0.89-1.22x (benchmarks/RESULTS.md), within TWO_PASS_TOLERANCE, not yet TOLERANCE.
+TWO_PASS_CELLS = [f"twocrop_tiny:{ac}:8" for ac in ("off", "full")]
 CELLS = ",".join([f"deit_tiny:{ac}:{batch}" for ac in ("off", "full", "selective") for batch in (8, 32)]
                  + ["deit_tiny:off:8:observed", "deit_tiny:off:8:manual", *AUTO_CELLS, DEFAULT_CELL,
                     *([UNUSED_CELL] if REDUCES_UNUSED_PARAMETERS else []), *SHARED_CELLS])
 TOLERANCE = 0.10
+TWO_PASS_TOLERANCE = 0.25
 
 
 @pytest.fixture(scope="module")
 def fit_steps(tmp_path_factory):
-    return launch_ranks(tmp_path_factory, "planner_fit", FIT_SCRIPT, CELLS + ",auto", timeout=420)[1]
+    cells = ",".join([CELLS, *TWO_PASS_CELLS, "auto"])
+    return launch_ranks(tmp_path_factory, "planner_fit", FIT_SCRIPT, cells, timeout=420)[1]
 
 
 @pytest.mark.parametrize("cell", AUTO_CELLS)
@@ -102,6 +109,18 @@ def test_predicted_step_within_tolerance_of_a_trainer_fit_step(fit_steps, cell):
         # keeps them.
         released = cell.split(":")[3:] in ([], ["acc2"], ["noforward"])
         assert result["released"] is released and (result["grads_at_start"] == 0) is released, result
+
+
+@pytest.mark.parametrize("cell", TWO_PASS_CELLS)
+def test_a_backbone_run_twice_a_step_is_predicted_with_its_gradients_held_between_passes(fit_steps, cell):
+    """A backbone run on two crop sizes a step (each block called once a pass, a unit each): within
+    ``TWO_PASS_TOLERANCE`` of the measured ``Trainer.fit`` step. Mutation seen failing: the gradients autograd holds
+    between the passes not counted (``step_model._held_by_autograd`` returning zeros: predicted/measured 0.50-0.61)."""
+    for rank in fit_steps:
+        result = rank[cell]
+        ratio = result["predicted"] / result["measured"]
+        print(f"{cell}: predicted/measured = {ratio:.3f}")
+        assert abs(ratio - 1) <= TWO_PASS_TOLERANCE, f"{cell}: predicted/measured = {ratio:.3f} ({result})"
 
 
 def test_the_default_checkpoints_nothing_and_groups_units_where_memory_allows(fit_steps):

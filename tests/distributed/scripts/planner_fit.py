@@ -17,7 +17,7 @@ with ``find_unused_parameters=True`` (every block in the outer unit, gathered).
 at random init (no download): torchvision ``vit_b_16`` and timm ``deit_tiny_patch16_224`` / ``vit_small_patch16_224``
 at a small image size, fp32, AdamW, ``VitScaleStrategy()``; ``shared_tiny``: DeiT-Tiny's first block shared by its 12
 layers (named with ``blocks=``); ``twocrop_tiny``: DeiT-Tiny run on the images and on crops of them (DINO's
-multi-crop; predicted low, not in CI: benchmarks/RESULTS.md).
+multi-crop; its blocks' gradients held between the passes: benchmarks/RESULTS.md).
 
 Measured: peak RSS growth over the second and third optimizer steps, the smaller kept (``MEASURED_REPEATS``;
 optimizer state exists, the previous step's gradients too unless released), each from its first
