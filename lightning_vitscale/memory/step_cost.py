@@ -122,12 +122,16 @@ def units_and_regather_seconds(inputs: StepInputs, settings: StepSettings, rates
     return seconds + exposed
 
 
-def _block_units(inputs: StepInputs, settings: StepSettings) -> list[tuple[list[tuple[int, ...]], bool]]:
-    """Each block unit's parameter shapes and whether it reshards after forward, once per call of it a step makes:
-    FSDP2 gathers, regathers and reduce-scatters a unit whose block every layer shares at each of its calls."""
+_Unit = tuple[list[tuple[int, ...]], bool, bool]  # parameter shapes, resharded after forward, reduced at this call
+
+
+def _block_units(inputs: StepInputs, settings: StepSettings) -> list[_Unit]:
+    """Each block unit's parameter shapes, whether it reshards after forward and whether it reduces, once per call
+    of it a step makes: FSDP2 gathers and regathers a unit whose block every layer shares (or a backbone run on each
+    crop size) at each of its calls, and reduce-scatters it once (``sharding/deferred_reduction.py``)."""
     spans = unit_spans(len(inputs.layout.blocks), settings.blocks_per_unit)
-    return [([s for i in span for s in inputs.layout.blocks[i]], not settings.keeps(span[0]))
-            for span in spans for _ in range(unit_calls(inputs, span))]
+    return [([s for i in span for s in inputs.layout.blocks[i]], not settings.keeps(span[0]), call == 0)
+            for span in spans for call in range(unit_calls(inputs, span))]
 
 
 def unit_calls(inputs: StepInputs, span: range | list[int]) -> int:
@@ -135,10 +139,12 @@ def unit_calls(inputs: StepInputs, span: range | list[int]) -> int:
     return max((inputs.profile.blocks[i].calls for i in span), default=1)
 
 
-def _collectives(inputs: StepInputs, units: list[tuple[list[tuple[int, ...]], bool]]) -> list[list[Collective]]:
-    return [unit_collectives(shapes, shard=inputs.world, replicas=inputs.replicas, reshard=reshard,
-                             gather_itemsize=inputs.compute.itemsize, reduce_itemsize=inputs.reduce.itemsize)
-            for shapes, reshard in units]
+def _collectives(inputs: StepInputs, units: list[_Unit]) -> list[list[Collective]]:
+    gathers = ("all_gather", "regather")
+    return [[c for c in unit_collectives(shapes, shard=inputs.world, replicas=inputs.replicas, reshard=reshard,
+                                         gather_itemsize=inputs.compute.itemsize,
+                                         reduce_itemsize=inputs.reduce.itemsize) if reduced or c.kind in gathers]
+            for shapes, reshard, reduced in units]
 
 
 def block_modes(settings: StepSettings, n: int) -> list[str | None]:
@@ -153,7 +159,7 @@ def traffic_per_dimension(
     norms' all-reduce) and, under tensor parallelism, ``"tensor_parallel"``. ``outer_reshards``: the outer unit
     reshards after forward too (``reshard_after_forward=True``; the recipe keeps it gathered)."""
     lay = inputs.layout
-    units = [*_block_units(inputs, settings), (lay.outer, outer_reshards)]
+    units = [*_block_units(inputs, settings), (lay.outer, outer_reshards, True)]
     sent = 0.0
     for collectives in _collectives(inputs, units):  # unit by unit: the same float sums as the summary's report
         sent += sum(c.sent for c in collectives)

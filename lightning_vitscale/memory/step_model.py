@@ -253,7 +253,7 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
         # Sharded gradients exist for the units after this one: their reduce-scatters are done.
         grads = base["params"] if inputs.loop.grads_in_backward else later_shards[span[-1]] * m * on_device
         # FSDP keeps the later unit's reduce-scatter input alive until this unit's reduce-scatter is issued.
-        in_flight = unit_fulls[u + 1] if u + 1 < len(spans) else unit_full
+        in_flight = unit_fulls[u + 1] if u + 1 < len(spans) else 0  # none before the first unit's backward
         for i in reversed(span):
             compute = _block_backward(prof.blocks[i], i, settings, in_flight, scale, r) + held[i]
             if u + 1 < len(spans) and inputs.collective_copies and inputs.world > 1 and i not in settings.checkpointed:
@@ -262,11 +262,6 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
                 # post_backward of a DeiT-Tiny step (2 ranks, nothing checkpointed) peaks in block 10's backward,
                 # 2.9 MiB over the model without them (0.88-0.91x). A checkpointed block counts the input already.
                 compute += 2 * in_flight * r
-            if prof.blocks[i].calls > 1:
-                # A block run several times a step (shared by every layer): FSDP2 reduce-scatters after each call's
-                # backward, and the previous call's reduce-scatter input (with gloo's copy on CPU) is alive through
-                # the next call's backward.
-                compute += (2 if inputs.collective_copies and inputs.world > 1 else 1) * unit_full * r
             # The unit's blocks whose backward is done hold their unsharded gradients until its reduce-scatter.
             pending = sum(full_blocks[j] for j in span if j > i) * c
             yield MemoryBreakdown(grads=grads, gathered=gathered, activations=outer_acts + kept_acts[i],
@@ -284,15 +279,12 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
 
 
 def _held_by_autograd(blocks: list[BlockMemory], full_blocks: list[int], c: int) -> list[int]:
-    """Per block ``i``: the unsharded gradients autograd holds at its backward, of blocks ``0..i``, where the backbone
-    runs several times a step on separate passes (DINO's crops: every block called once a pass). Autograd sums a
-    parameter's gradient over its calls and writes it once, at the last backward pass (the first call's), so FSDP2
-    reduces nothing in the earlier passes: each block's gradient is alive from the first pass's backward until the
-    last pass reaches it (counted by patching ``post_backward``: no gradient at the first pass's, all of them at the
-    second's; RSS grew ~2.3 MiB a DeiT-Tiny unit through the first pass). A block every layer shares (one block, its
-    calls in one pass) is counted by its own term in :func:`_backward_peaks`."""
-    if sum(block.calls > 1 for block in blocks) < 2:
-        return [0] * len(blocks)
+    """Per block ``i``: the unsharded gradients autograd holds at its backward, of the blocks ``0..i`` a step runs
+    more than once (a backbone run on each crop size, a block every layer shares). Autograd sums a parameter's
+    gradient over its calls and writes it once, after the first call's backward (the last to run), so FSDP2 reduces
+    nothing before (``sharding/deferred_reduction.py``): each such block's gradient is alive from its last call's
+    backward until its first call's (counted by patching ``post_backward``: no gradient in a two-pass backbone's
+    first pass, all of them in the second; RSS grew ~2.3 MiB a DeiT-Tiny unit through the first pass)."""
     return list(accumulate(full * c if block.calls > 1 else 0 for block, full in zip(blocks, full_blocks)))
 
 

@@ -45,7 +45,7 @@ REFUSED = {
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory) -> list[dict]:
-    names = ",".join(["layout", "reused", *FAMILIES])
+    names = ",".join(["layout", "reused", "two_pass", *FAMILIES])
     return launch_ranks(tmp_path_factory, "zoo_2", SCRIPT, names, nprocs=2, timeout=300)[1]
 
 
@@ -146,4 +146,22 @@ def test_a_block_every_layer_shares_trains_as_ddp_and_checkpointing_asked_for_na
     assert len(asked["warnings"]) == 1 and "nothing is checkpointed" in asked["warnings"][0], asked["warnings"]
     assert fix in asked["warnings"][0] and fix in asked["summary"], asked["summary"]
     assert named["units"] == [block.removeprefix("backbone.")] and named["checkpointed"] == ["full"], named
+    # Each unit reduce-scatters once a step (the block's gradient, summed over its 4 calls by autograd), not a zero
+    # gradient after each later call's backward (sharding/deferred_reduction.py): 4 steps x (block + outer unit).
+    assert named["reduce_scatters"] == 4 * named["fsdp_units"] == 8, named["reduce_scatters"]
     assert not named["warnings"] and "runs 4 times" not in named["summary"]
+
+
+def test_a_backbone_run_twice_a_step_trains_as_ddp_reducing_each_unit_once_a_step(two):
+    """DINO's multi-crop in miniature (every block called on all tokens, then on half of them): DDP's losses, and
+    each FSDP unit reduce-scatters once a step. Autograd writes a block's gradient once, after its first call's
+    backward; before sharding/deferred_reduction.py FSDP2 reduce-scattered a zero gradient after the second call's
+    too (the default's 2 units: 12 reduce-scatters in 4 steps, not 8; a unit per block: 36, not 20). Mutation seen
+    failing: DeferredZeroGradients not installed."""
+    ddp = losses(two, "two_pass", "ddp")
+    for run in ("default", "per_block"):
+        assert max_relative_difference(losses(two, "two_pass", run), ddp) < 1e-5, run
+        for rank in two:
+            facts = rank["two_pass"][run]
+            assert facts["reduce_scatters"] == 4 * facts["fsdp_units"], (run, facts["reduce_scatters"])
+    assert two[0]["two_pass"]["per_block"]["fsdp_units"] == 5  # 4 blocks and the outer unit

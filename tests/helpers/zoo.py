@@ -195,6 +195,17 @@ class SharedBlockViT(PatchClassifier):
         return x
 
 
+class TwoPassViT(PatchClassifier):
+    """DINO's multi-crop in miniature: every block runs twice a step, on all tokens and then on the first half of
+    them (a crop), each pass's features classified."""
+
+    def __init__(self, dim: int = 32, depth: int = 4) -> None:
+        super().__init__(dim, nn.Sequential(*[Block(dim, nn.Identity()) for _ in range(depth)]))
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.layers(x), self.layers(x[:, : x.shape[1] // 2])], dim=1)
+
+
 class Logits(nn.Module):
     """A library model whose forward returns a ModelOutput or a tensor: logits either way."""
 

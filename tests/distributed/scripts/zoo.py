@@ -6,7 +6,9 @@ ranks of 4): on 2 CPU ranks ``strategy="ddp"`` and ``VitScaleStrategy()``; on 4,
 lucidrains' ``ModuleList([attention, feed-forward])`` layout for 6 steps under DDP and under ``VitScaleStrategy()``:
 by default, with every block checkpointed (one unit per layer), built in ``configure_model()``, and with each layer
 an ``nn.Sequential`` the parent iterates (found from the modules the setup's fake-tensor step called), then calls
-the backbone outside a step. Writes ``rank{r}.json``: losses, refusals, setup summaries, what became of the layers.
+the backbone outside a step; ``reused`` a block every layer shares, ``two_pass`` a backbone run twice a step (each
+with the reduce-scatters its fit sent). Writes ``rank{r}.json``: losses, refusals, setup summaries, what became of
+the layers.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.discovery.tensor_plan import TensorPlanError
 from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
+from tests.helpers.recording import count_collectives
 from tests.helpers.scenarios import run_scenarios
-from tests.helpers.zoo import CLASSES, FAMILIES, IMAGE, Block, LucidViT, SharedBlockViT
+from tests.helpers.zoo import CLASSES, FAMILIES, IMAGE, Block, LucidViT, SharedBlockViT, TwoPassViT
 
 warnings.filterwarnings("ignore")
 GLOBAL_BATCH = 8
@@ -46,6 +49,8 @@ class Model(L.LightningModule):
     def build(self) -> nn.Module:
         if self.family.startswith("shared"):
             return SharedBlockViT(listed=self.family == "shared_listed")
+        if self.family == "two_pass":
+            return TwoPassViT()
         return FAMILIES[self.family]() if self.family != "lucid" else LucidViT(container=self.container)
 
     def configure_model(self) -> None:
@@ -137,9 +142,11 @@ def reused() -> dict:
                 "named": VitScaleStrategy(blocks={Block}, activation_checkpointing=True, reshard_after_forward=True)}
         for name, strategy in runs.items():
             model = Model(family)
-            with warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings(record=True) as caught, count_collectives() as sent:
                 warnings.simplefilter("always")
                 facts, trainer = fit(model, strategy, 2, 4)
+            facts["reduce_scatters"] = sent["all_to_all_single"]  # CPU ranks reduce-scatter by all-to-all
+            facts["fsdp_units"] = trainer.strategy.plan.units if strategy != DDP else 0
             facts["warnings"] = [str(w.message) for w in caught if "VitScaleStrategy(" in str(w.message)]
             facts["units"] = [n for n, m in model.backbone.named_modules() if isinstance(m, FSDPModule)]
             facts["checkpointed"] = [checkpoint_mode(m) for m in model.backbone.modules() if isinstance(m, Block)]
@@ -147,11 +154,26 @@ def reused() -> dict:
     return found
 
 
+def two_pass() -> dict:
+    """A backbone run twice a step (``TwoPassViT``), DDP against ``VitScaleStrategy()`` and a unit per block: the
+    reduce-scatters each step sends (each unit once a step, not once a pass)."""
+    found = {}
+    for name, strategy in {"ddp": DDP, "default": VitScaleStrategy(),
+                           "per_block": VitScaleStrategy(blocks_per_unit=1, reshard_after_forward=True)}.items():
+        with count_collectives() as sent:
+            facts, trainer = fit(Model("two_pass"), strategy, 2, 4)
+        facts["reduce_scatters"] = sent["all_to_all_single"]
+        facts["fsdp_units"] = trainer.strategy.plan.units if strategy != DDP else 0
+        found[name] = facts
+    return found
+
+
 WORLD = 4  # set from the launch in main
 
 
 def scenarios() -> dict:
-    return {"layout": layout, "reused": reused, **{name: (lambda name=name: family(name)) for name in FAMILIES}}
+    families = {name: (lambda name=name: family(name)) for name in FAMILIES}
+    return {"layout": layout, "reused": reused, "two_pass": two_pass, **families}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,106 @@
+"""A unit called several times a step (a backbone run on each crop size, a block every layer shares) reduces its
+gradients once, after the backward of its first call, instead of a zero gradient after each later call's.
+
+Autograd sums a parameter's gradient over the calls that used it and writes it once, when the last backward reaching
+it is done: the first call's (the calls' backward runs last call first). So FSDP2's post-backward of every later call
+finds no gradient at all. On several ranks ``set_reduce_scatter_unused_params`` is on (``skipped_blocks.py``: a
+parameter one rank leaves unused must not shift the others' reduce-scatters), and FSDP2 then reduce-scatters zeros
+there: one whole reduction of the unit per extra call (DeiT-Tiny on two crop sizes, 2 ranks: 25 reduce-scatters a
+step where DDP's reduction needs 13, the first pass's all zeros; benchmarks/RESULTS.md).
+
+So every call of a unit after its first in a step turns the zeros off for its own post-backward and on again right
+after it; the first call's post-backward, the last to run, still reduces a zero for a parameter no call used. Every
+rank makes the same calls (or FSDP2's gathers would not match either), so every rank skips the same reductions.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from lightning_vitscale._compat import current_backward_id, queue_end_of_backward
+
+
+class _AroundPostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs ``callback``: after FSDP2's post-backward of that call where
+    applied before FSDP2's pre-forward (farther from the unit), before it where applied after."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)
+
+
+class DeferredZeroGradients:
+    """Per step, the calls of each block unit with gradients on; see the module docstring. ``root``: the module every
+    step's forward enters first (the outer unit), where the count starts again."""
+
+    def __init__(self, root: FSDPModule, units: list[FSDPModule]) -> None:
+        self._calls: dict[int, int] = {}
+        self._off: dict[int, FSDPModule] = {}  # units whose zeros are off now (a failed backward leaves them so)
+        self._handles = [cast(nn.Module, root).register_forward_pre_hook(self._new_step)]
+        for unit in units:
+            module = cast(nn.Module, unit)
+            self._handles += [
+                module.register_forward_pre_hook(functools.partial(self._before_fsdp, unit), prepend=True,
+                                                 with_kwargs=True),
+                module.register_forward_pre_hook(functools.partial(self._after_fsdp, unit), with_kwargs=True),
+            ]
+
+    def _new_step(self, *unused: Any) -> None:
+        self._calls.clear()
+        for unit in self._off.values():
+            unit.set_reduce_scatter_unused_params(True, recurse=False)
+        self._off.clear()
+
+    def _before_fsdp(self, unit: FSDPModule, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if not torch.is_grad_enabled() or current_backward_id() != -1:  # no backward to come; a recompute
+            return None
+        first_in_backward = not self._calls
+        calls = self._calls[id(unit)] = self._calls.get(id(unit), 0) + 1
+        if calls > 1:
+            return _wrapped(args, kwargs, functools.partial(self._zeros, unit, True))
+        # The first unit a forward calls: its backward ends the count (manual optimization's next forward, after a
+        # backward in the same step, counts afresh). One autograd node a forward, not one a unit.
+        return _wrapped(args, kwargs, self._count_again_after_backward) if first_in_backward else None
+
+    def _after_fsdp(self, unit: FSDPModule, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if not torch.is_grad_enabled() or current_backward_id() != -1 or self._calls.get(id(unit), 0) < 2:
+            return None
+        return _wrapped(args, kwargs, functools.partial(self._zeros, unit, False))
+
+    def _zeros(self, unit: FSDPModule, on: bool) -> None:
+        unit.set_reduce_scatter_unused_params(on, recurse=False)
+        if on:
+            self._off.pop(id(unit), None)
+            return
+        self._off[id(unit)] = unit
+
+    def _count_again_after_backward(self) -> None:
+        queue_end_of_backward(self._new_step)
+
+
+def _wrapped(args: tuple, kwargs: dict, callback: Callable[[], None]) -> tuple[tuple, dict] | None:
+    """``args``/``kwargs`` with their tensors that require gradients passed through one :class:`_AroundPostBackward`
+    (FSDP2 registers its post-backward the same way, on the same tensors); ``None`` where none does."""
+    positions = [i for i, value in enumerate(args) if isinstance(value, torch.Tensor) and value.requires_grad]
+    names = [k for k, value in kwargs.items() if isinstance(value, torch.Tensor) and value.requires_grad]
+    if not positions and not names:
+        return None
+    outputs = _AroundPostBackward.apply(callback, *(args[i] for i in positions), *(kwargs[k] for k in names))
+    new_args, new_kwargs = list(args), dict(kwargs)
+    for i, value in zip(positions, outputs[: len(positions)]):
+        new_args[i] = value
+    for k, value in zip(names, outputs[len(positions):]):
+        new_kwargs[k] = value
+    return tuple(new_args), new_kwargs
