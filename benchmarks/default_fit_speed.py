@@ -8,14 +8,17 @@ Usage::
     python benchmarks/default_fit_speed.py                          # the three models, 3 rounds
     python benchmarks/default_fit_speed.py --models mha --rounds 5 --json out.json
     python benchmarks/default_fit_speed.py --streamed                # no batch at setup: units from the collectives
+    python benchmarks/default_fit_speed.py --two-pass                # a backbone run on two crop sizes a step
 
 Models (fp32, AdamW, batch 8 per rank, 32 px, patch 4: 64 tokens): ``vit`` the demo ViT (dim 256, 6 blocks, the
 benchmark's own), ``timm`` timm's ``vit_tiny_patch16_224`` at 32 px, ``mha`` a hand-written ViT whose blocks are
-built on ``nn.MultiheadAttention`` (dim 256, 6 blocks). One launch (torch's elastic launcher, gloo, one thread per
-rank) runs, per model and round, one ``Trainer.fit`` per variant (the order rotating between rounds, so a drifting
-machine charges every variant alike); each fit's steps after ``--warmup`` are timed from Lightning's
-``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, optimizer step). Median over every round's
-timed steps, slowest rank.
+built on ``nn.MultiheadAttention`` (dim 256, 6 blocks); ``--two-pass``: ``timm2``, timm's model run on the images
+and on 16 px crops of them each step (DINO's multi-crop), the default against itself sending a zero reduce-scatter
+after every later call of a unit, as before 5b46358 (``sharding/deferred_reduction.py`` patched out). One launch
+(torch's elastic launcher, gloo, one thread per rank) runs, per model and round, one ``Trainer.fit`` per variant
+(the order rotating between rounds, so a drifting machine charges every variant alike); each fit's steps after
+``--warmup`` are timed from Lightning's ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward,
+optimizer step). Median over every round's timed steps, slowest rank.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ VARIANTS = ("ddp", "VitScaleStrategy()", 'VitScaleStrategy(priority="memory")')
 # --streamed: the training data a plain iterable (setup reads no batch), and the default against a unit per block,
 # what it made there before 5f74f1b (the first step's plan still chooses checkpointing and units kept gathered).
 STREAMED_VARIANTS = ("ddp", "VitScaleStrategy()", "VitScaleStrategy(blocks_per_unit=1)")
+TWO_PASS_VARIANTS = ("ddp", "VitScaleStrategy()", "VitScaleStrategy(), zeros after every call (before 5b46358)")
 
 
 class MhaBlock(nn.Module):
@@ -93,7 +97,23 @@ class Classifier(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+class TwoCrops(nn.Module):
+    """The backbone on the images, then on their central 16 px crops: every block runs twice a step."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) + self.net(x[..., 8:24, 8:24])
+
+
 def make_module(name: str) -> L.LightningModule:
+    if name == "timm2":
+        import timm
+
+        return Classifier(TwoCrops(timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32,
+                                                     patch_size=4, num_classes=10, dynamic_img_size=True)))
     if name == "vit":
         return TinyViT(image=32, patch=4, dim=256, depth=6)
     if name == "timm":
@@ -122,9 +142,15 @@ def fit_times(model_name: str, variant: str, steps: int, warmup: int, streamed: 
         def on_train_batch_end(self, *args) -> None:
             self.seconds.append(time.perf_counter() - self.start)
 
+    from lightning_vitscale.sharding import steps as sharding_steps
+
     strategy = {"ddp": lambda: "ddp", VARIANTS[1]: lambda: VitScaleStrategy(),
                 VARIANTS[2]: lambda: VitScaleStrategy(priority="memory"),
-                STREAMED_VARIANTS[2]: lambda: VitScaleStrategy(blocks_per_unit=1)}[variant]()
+                STREAMED_VARIANTS[2]: lambda: VitScaleStrategy(blocks_per_unit=1),
+                TWO_PASS_VARIANTS[2]: lambda: VitScaleStrategy()}[variant]()
+    deferral = sharding_steps.DeferredZeroGradients
+    if variant == TWO_PASS_VARIANTS[2]:  # setup installs nothing: every later call's post-backward sends zeros
+        sharding_steps.DeferredZeroGradients = lambda *args: None  # type: ignore[assignment,misc]
     L.seed_everything(0, verbose=False)
     module = make_module(model_name)
     n = 8 * (steps + warmup) * 2  # one epoch: batch 8 on each of 2 ranks
@@ -134,18 +160,26 @@ def fit_times(model_name: str, variant: str, steps: int, warmup: int, streamed: 
                         callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
     loader = DataLoader(data, batch_size=8)
-    trainer.fit(module, Streamed(loader) if streamed else loader)
+    try:
+        trainer.fit(module, Streamed(loader) if streamed else loader)
+    finally:
+        sharding_steps.DeferredZeroGradients = deferral  # type: ignore[misc]
     summary = getattr(trainer.strategy, "plan", None)
     if summary is not None and trainer.global_rank == 0:
         print(f"{model_name} / {variant}:\n{summary.summary()}", flush=True)
     return timer.seconds[warmup:]
 
 
-def worker(out: str, models: list[str], rounds: int, steps: int, warmup: int, streamed: bool = False) -> None:
+def variants_for(streamed: bool, two_pass: bool) -> tuple[str, ...]:
+    return STREAMED_VARIANTS if streamed else TWO_PASS_VARIANTS if two_pass else VARIANTS
+
+
+def worker(out: str, models: list[str], rounds: int, steps: int, warmup: int, streamed: bool = False,
+           two_pass: bool = False) -> None:
     import os
 
     torch.set_num_threads(1)
-    variants = STREAMED_VARIANTS if streamed else VARIANTS
+    variants = variants_for(streamed, two_pass)
     times: dict[str, dict[str, list[float]]] = {m: {v: [] for v in variants} for m in models}
     for model_name in models:
         for r in range(rounds):
@@ -158,25 +192,30 @@ def worker(out: str, models: list[str], rounds: int, steps: int, warmup: int, st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--models", nargs="+", choices=[*MODELS, "timm2"], default=None,
+                        help="default: the three models (timm2 with --two-pass)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per fit")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each fit")
     parser.add_argument("--json", help="also write the merged numbers here")
     parser.add_argument("--streamed", action="store_true",
                         help="data as a plain iterable (no batch at setup); the default against a unit per block")
+    parser.add_argument("--two-pass", action="store_true",
+                        help="timm2 (a backbone run twice a step): the default against zeros after every call")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.models = args.models or (["timm2"] if args.two_pass else list(MODELS))
     if args.worker:
-        worker(args.worker, args.models, args.rounds, args.steps, args.warmup, args.streamed)
+        worker(args.worker, args.models, args.rounds, args.steps, args.warmup, args.streamed, args.two_pass)
         return
-    variants = STREAMED_VARIANTS if args.streamed else VARIANTS
+    variants = variants_for(args.streamed, args.two_pass)
     from tests.helpers.launch import assert_ok, torchrun
 
     with tempfile.TemporaryDirectory() as out:
         result = torchrun(Path(__file__), "--worker", out, "--models", *args.models, "--rounds", str(args.rounds),
                           "--steps", str(args.steps), "--warmup", str(args.warmup),
-                          *(["--streamed"] if args.streamed else []), nprocs=2, timeout=1800)
+                          *(["--streamed"] if args.streamed else []), *(["--two-pass"] if args.two_pass else []),
+                          nprocs=2, timeout=1800)
         assert_ok(result)
         print("\n".join(line for line in result.output.splitlines() if not line.startswith("[rank")))
         ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
