@@ -223,7 +223,7 @@ class OuterUnit(nn.Module):
         self._depth -= 1
         if self._depth != 0:
             return None
-        output = self._complete_partial_units(output)  # one block of a unit called from a callback, say
+        output = self._complete_partial_units(output)  # a call that ran only some blocks of a unit (torch 2.11)
         if not self._keep_gathered:
             self.release()
         return output
