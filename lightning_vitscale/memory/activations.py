@@ -75,7 +75,9 @@ class BlockMemory:
     all-reduces again (tensor parallelism); ``calls``: how many times the step ran it (a block every layer shares
     runs once per layer, a backbone DINO runs on each crop size once per size: each call keeps its own input, and
     backward recomputes one call at a time); ``share``: those calls' inputs over the measured call's (the largest),
-    what the per-call fields scale by to count them all (every call alike: ``calls``).
+    what the per-call fields scale by to count them all (every call alike: ``calls``); ``first_saved`` and
+    ``first_share``: the first call's alone (its backward runs last: a backbone run on two crop sizes holds only the
+    first pass's activations by then).
     """
 
     name: str
@@ -90,6 +92,8 @@ class BlockMemory:
     resent: dict[str, int] = field(default_factory=dict)
     calls: int = 1
     share: float = 1.0
+    first_saved: int | None = None  # what the first call saved, not checkpointed (``None``: one call, ``saved``)
+    first_share: float = 1.0  # the first call's input over the measured call's
 
 
 @dataclass(frozen=True)
@@ -201,26 +205,28 @@ class _Recorder:
 
     excluded: set[int]
     current: int | None = None
-    owner: dict[int, tuple[int | None, int, int]] = field(default_factory=dict)  # block, bytes, blocks_done then
+    owner: dict[int, tuple[int | None, int, int, int]] = field(default_factory=dict)  # block, bytes, done, call
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     arguments: dict[int, Arguments] = field(default_factory=dict)
     sizes: dict[int, list[int]] = field(default_factory=dict)  # each forward's input bytes, per block
     blocks_done: int = 0  # block forwards ended so far
+    call: int = 0  # which call of the current block this is (0: its first)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = storage_id(tensor)
         if key not in self.excluded and key not in self.owner:
-            self.owner[key] = (self.current, tensor.untyped_storage().nbytes(), self.blocks_done)
+            self.owner[key] = (self.current, tensor.untyped_storage().nbytes(), self.blocks_done, self.call)
         return tensor
 
     def enter(self, index: int) -> Callable[..., None]:
         def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             self.current = index
+            sizes = self.sizes.setdefault(index, [])
+            self.call = len(sizes)
             first = next((t for t in tensors_of((args, kwargs)) if t.is_floating_point()), None)
             if first is None:
                 return
             size = first.untyped_storage().nbytes()
-            sizes = self.sizes.setdefault(index, [])
             if not sizes or size > max(sizes):
                 self.inputs[index] = first
                 self.arguments[index] = tree_map(functools.partial(_spec, first=first), (args, kwargs))
@@ -232,12 +238,14 @@ class _Recorder:
         self.current = None
         self.blocks_done += 1
 
-    def saved_by(self, index: int | None) -> int:
-        return sum(nbytes for owner, nbytes, _ in self.owner.values() if owner == index)
+    def saved_by(self, index: int | None, call: int | None = None) -> int:
+        """What block ``index`` saved for backward: in all its calls, or in its ``call``-th."""
+        return sum(nbytes for owner, nbytes, _, c in self.owner.values() if owner == index and call in (None, c))
 
     def saved_after_blocks(self) -> int:  # by the outer layers, after the last block's forward (if any ran)
         done = self.blocks_done
-        return sum(nbytes for owner, nbytes, when in self.owner.values() if owner is None and done and when == done)
+        return sum(nbytes for owner, nbytes, when, _ in self.owner.values()
+                   if owner is None and done and when == done)
 
 
 class _OuterParameterUse(TorchDispatchMode):
@@ -397,6 +405,8 @@ def _block_memory(
         resent={kind: round(measured[key, "resent", kind] * share) for kind in needed if kind != "none"},
         calls=len(sizes),
         share=share,
+        first_saved=recorder.saved_by(index, call=0) if len(sizes) > 1 else None,
+        first_share=sizes[0] / max(sizes),
     )
 
 
