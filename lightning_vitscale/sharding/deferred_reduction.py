@@ -9,8 +9,9 @@ there: one whole reduction of the unit per extra call (DeiT-Tiny on two crop siz
 step where DDP's reduction needs 13, the first pass's all zeros; benchmarks/RESULTS.md).
 
 So every call of a unit after its first in a step turns the zeros off for its own post-backward and on again right
-after it; the first call's post-backward, the last to run, still reduces a zero for a parameter no call used. Every
-rank makes the same calls (or FSDP2's gathers would not match either), so every rank skips the same reductions.
+after it (watched from setup; where the first backward finds every unit called once, the hooks are removed); the
+first call's post-backward, the last to run, still reduces a zero for a parameter no call used. Every rank makes the
+same calls (or FSDP2's gathers would not match either), so every rank skips the same reductions.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class DeferredZeroGradients:
         self._calls: dict[int, int] = {}
         self._off: dict[int, FSDPModule] = {}  # units whose zeros are off now (a failed backward leaves them so)
         self._handles = [cast(nn.Module, root).register_forward_pre_hook(self._new_step)]
+        self.watching = True  # until a forward with gradients ran each unit at most once: then the hooks go
         for unit in units:
             module = cast(nn.Module, unit)
             self._handles += [
@@ -58,6 +60,8 @@ class DeferredZeroGradients:
             ]
 
     def _new_step(self, *unused: Any) -> None:
+        if self._calls and max(self._calls.values()) == 1:  # a forward with gradients called every unit once
+            self._stop_watching()
         self._calls.clear()
         for unit in self._off.values():
             unit.set_reduce_scatter_unused_params(True, recurse=False)
@@ -88,6 +92,15 @@ class DeferredZeroGradients:
 
     def _count_again_after_backward(self) -> None:
         queue_end_of_backward(self._new_step)
+
+    def _stop_watching(self) -> None:
+        """The model calls each unit once a step (the common case): nothing to defer, so no hook per unit call and
+        no autograd node per forward from here on (a model that calls a unit twice only later keeps FSDP2's zeros
+        then, which cost bytes, not correctness)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.watching = False
 
 
 def _wrapped(args: tuple, kwargs: dict, callback: Callable[[], None]) -> tuple[tuple, dict] | None:

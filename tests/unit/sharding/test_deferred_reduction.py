@@ -2,7 +2,8 @@
 its first call's post-backward, the last to run and the only one autograd has written a gradient for by then
 (``sharding/deferred_reduction.py``); every later call's post-backward runs with it off, and it is on again after.
 On the installed torch's FSDP2 (one gloo rank); the reduce-scatters it saves are counted on two ranks in
-``tests/distributed/test_zoo.py``. Mutations seen failing: the flag never turned off; never turned back on."""
+``tests/distributed/test_zoo.py``. Mutations seen failing: the flag never turned off; never turned back on; the
+hooks kept after a step that called every unit once (or removed after one that called a unit twice)."""
 
 from __future__ import annotations
 
@@ -70,3 +71,16 @@ def test_a_backward_per_call_counts_afresh(mesh, seen):
     net(x).sum().backward()
     net[1](net[0](2 * x)).sum().backward()
     assert [call[2] for call in seen if call[0] in ("0", "1")] == [True, True, True, True], seen
+
+
+def test_the_hooks_go_once_a_step_calls_every_unit_once_and_stay_where_one_runs_twice(mesh, seen):
+    once, deferral = _net(mesh)
+    hooks = {id(m): len(m._forward_pre_hooks) for m in (once[0], once[1], once)}
+    once(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    assert not deferral.watching  # nothing to defer: no per-call hook or autograd node from here on
+    assert all(len(m._forward_pre_hooks) == hooks[id(m)] - (1 if m is once else 2) for m in (once[0], once[1], once))
+    twice, deferral = _net(mesh)
+    x = torch.randn(3, 4, requires_grad=True)
+    for _ in range(2):  # two steps, each calling the units twice: still watched
+        (twice(x).sum() + twice[1](twice[0](2 * x)).sum()).backward()
+    assert deferral.watching
