@@ -148,9 +148,9 @@ def fit_times(model_name: str, variant: str, steps: int, warmup: int, streamed: 
                 VARIANTS[2]: lambda: VitScaleStrategy(priority="memory"),
                 STREAMED_VARIANTS[2]: lambda: VitScaleStrategy(blocks_per_unit=1),
                 TWO_PASS_VARIANTS[2]: lambda: VitScaleStrategy()}[variant]()
-    deferral = sharding_steps.DeferredZeroGradients
+    deferral = sharding_steps.DeferredReduction
     if variant == TWO_PASS_VARIANTS[2]:  # setup installs nothing: every later call's post-backward sends zeros
-        sharding_steps.DeferredZeroGradients = lambda *args: None  # type: ignore[assignment,misc]
+        sharding_steps.DeferredReduction = lambda *args: None  # type: ignore[assignment,misc]
     L.seed_everything(0, verbose=False)
     module = make_module(model_name)
     n = 8 * (steps + warmup) * 2  # one epoch: batch 8 on each of 2 ranks
@@ -163,7 +163,7 @@ def fit_times(model_name: str, variant: str, steps: int, warmup: int, streamed: 
     try:
         trainer.fit(module, Streamed(loader) if streamed else loader)
     finally:
-        sharding_steps.DeferredZeroGradients = deferral  # type: ignore[misc]
+        sharding_steps.DeferredReduction = deferral  # type: ignore[misc]
     summary = getattr(trainer.strategy, "plan", None)
     if summary is not None and trainer.global_rank == 0:
         print(f"{model_name} / {variant}:\n{summary.summary()}", flush=True)

@@ -414,6 +414,11 @@ def fsdp_param_groups(unit: FSDPModule) -> list[Any]:
     return [group] if group is not None else []
 
 
+def requires_gradient_sync(unit: FSDPModule) -> bool:
+    """What ``unit.set_requires_gradient_sync`` last set for ``unit`` itself (FSDP2 has no getter)."""
+    return all(group.reduce_grads for group in fsdp_param_groups(unit))
+
+
 def unit_keeps_gathered(unit: FSDPModule) -> bool:
     """Whether ``unit`` keeps its gathered parameters from forward to backward (``False``: it holds none itself)."""
     groups = fsdp_param_groups(unit)

@@ -1,17 +1,19 @@
 """A unit called several times a step (a backbone run on each crop size, a block every layer shares) reduces its
-gradients once, after the backward of its first call, instead of a zero gradient after each later call's.
+gradients once, after the backward of its first call, not after each call's.
 
 Autograd sums a parameter's gradient over the calls that used it and writes it once, when the last backward reaching
 it is done: the first call's (the calls' backward runs last call first). So FSDP2's post-backward of every later call
-finds no gradient at all. On several ranks ``set_reduce_scatter_unused_params`` is on (``skipped_blocks.py``: a
-parameter one rank leaves unused must not shift the others' reduce-scatters), and FSDP2 then reduce-scatters zeros
-there: one whole reduction of the unit per extra call (DeiT-Tiny on two crop sizes, 2 ranks: 25 reduce-scatters a
-step where DDP's reduction needs 13, the first pass's all zeros; benchmarks/RESULTS.md).
+finds no gradient of this micro-batch. It reduced there anyway: on several ranks ``set_reduce_scatter_unused_params``
+is on (``skipped_blocks.py``: a parameter one rank leaves unused must not shift the others' reduce-scatters), so a
+zero gradient (DeiT-Tiny on two crop sizes, 2 ranks: 25 reduce-scatters a step where DDP's reduction needs 13, the
+first pass's all zeros; benchmarks/RESULTS.md), and, accumulating micro-batches, the earlier micro-batches' sum
+(reduced in two parts, each unit twice a step).
 
-So every call of a unit after its first in a step turns the zeros off for its own post-backward and on again right
-after it (watched from setup; where the first backward finds every unit called once, the hooks are removed); the
-first call's post-backward, the last to run, still reduces a zero for a parameter no call used. Every rank makes the
-same calls (or FSDP2's gathers would not match either), so every rank skips the same reductions.
+So every call of a unit after its first in a step turns the unit's gradient sync off for its own post-backward (FSDP2
+then keeps what it has, as on a no-sync micro-batch) and restores it right after; the first call's post-backward, the
+last to run, reduces everything once, a zero for a parameter no call used included. Watched from setup: where the
+first backward finds every unit called once, the hooks are removed. Every rank makes the same calls (or FSDP2's
+gathers would not match either), so every rank defers the same reductions.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_vitscale._compat import current_backward_id, queue_end_of_backward
+from lightning_vitscale._compat import current_backward_id, queue_end_of_backward, requires_gradient_sync
 
 
 class _AroundPostBackward(torch.autograd.Function):
@@ -42,13 +44,14 @@ class _AroundPostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-class DeferredZeroGradients:
+class DeferredReduction:
     """Per step, the calls of each block unit with gradients on; see the module docstring. ``root``: the module every
     step's forward enters first (the outer unit), where the count starts again."""
 
     def __init__(self, root: FSDPModule, units: list[FSDPModule]) -> None:
         self._calls: dict[int, int] = {}
-        self._off: dict[int, FSDPModule] = {}  # units whose zeros are off now (a failed backward leaves them so)
+        # units whose sync is off now, with what to restore (a failed backward leaves them so until the next step)
+        self._deferred: dict[int, tuple[FSDPModule, bool]] = {}
         self._handles = [cast(nn.Module, root).register_forward_pre_hook(self._new_step)]
         self.watching = True  # until a forward with gradients ran each unit at most once: then the hooks go
         for unit in units:
@@ -63,9 +66,9 @@ class DeferredZeroGradients:
         if self._calls and max(self._calls.values()) == 1:  # a forward with gradients called every unit once
             self._stop_watching()
         self._calls.clear()
-        for unit in self._off.values():
-            unit.set_reduce_scatter_unused_params(True, recurse=False)
-        self._off.clear()
+        for unit, sync in self._deferred.values():
+            unit.set_requires_gradient_sync(sync, recurse=False)
+        self._deferred.clear()
 
     def _before_fsdp(self, unit: FSDPModule, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if not torch.is_grad_enabled() or current_backward_id() != -1:  # no backward to come; a recompute
@@ -73,7 +76,7 @@ class DeferredZeroGradients:
         first_in_backward = not self._calls
         calls = self._calls[id(unit)] = self._calls.get(id(unit), 0) + 1
         if calls > 1:
-            return _wrapped(args, kwargs, functools.partial(self._zeros, unit, True))
+            return _wrapped(args, kwargs, functools.partial(self._restore, unit))
         # The first unit a forward calls: its backward ends the count (manual optimization's next forward, after a
         # backward in the same step, counts afresh). One autograd node a forward, not one a unit.
         return _wrapped(args, kwargs, self._count_again_after_backward) if first_in_backward else None
@@ -81,14 +84,16 @@ class DeferredZeroGradients:
     def _after_fsdp(self, unit: FSDPModule, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if not torch.is_grad_enabled() or current_backward_id() != -1 or self._calls.get(id(unit), 0) < 2:
             return None
-        return _wrapped(args, kwargs, functools.partial(self._zeros, unit, False))
+        return _wrapped(args, kwargs, functools.partial(self._defer, unit))
 
-    def _zeros(self, unit: FSDPModule, on: bool) -> None:
-        unit.set_reduce_scatter_unused_params(on, recurse=False)
-        if on:
-            self._off.pop(id(unit), None)
-            return
-        self._off[id(unit)] = unit
+    def _defer(self, unit: FSDPModule) -> None:
+        self._deferred[id(unit)] = unit, requires_gradient_sync(unit)
+        unit.set_requires_gradient_sync(False, recurse=False)
+
+    def _restore(self, unit: FSDPModule) -> None:
+        deferred = self._deferred.pop(id(unit), None)
+        if deferred is not None:
+            unit.set_requires_gradient_sync(deferred[1], recurse=False)
 
     def _count_again_after_backward(self) -> None:
         queue_end_of_backward(self._new_step)

@@ -168,17 +168,15 @@ def _on_any_rank(flags: list[bool]) -> list[bool]:
     return [bool(value) for value in values.tolist()]
 
 
-def zero_gradients_for_unused(outer: object, required: bool) -> bool:
+def zero_gradients_for_unused(outer: object, required: bool) -> None:
     """FSDP2 reduce-scatters a zero gradient for a parameter this rank did not use, in every unit, so every rank's
     collectives have the same sizes in the same order (FSDP2's ``set_reduce_scatter_unused_params``, which torch
-    2.14 has); whether it does. ``required``: ``find_unused_parameters=True``, which cannot work without it."""
+    2.14 has). ``required``: ``find_unused_parameters=True``, which cannot work without it."""
     setter = getattr(outer, "set_reduce_scatter_unused_params", None)
     if setter is not None:
         setter(True)
-        return True
-    if required:
+    elif required:
         raise RuntimeError(
             f"VitScaleStrategy(find_unused_parameters=True) needs FSDP2's set_reduce_scatter_unused_params, which"
             f" torch {torch.__version__} lacks: upgrade torch (it is in 2.14), or make every rank run every block."
         )
-    return False

@@ -27,7 +27,7 @@ from lightning_vitscale.sharding.activation_checkpointing import (
 )
 from lightning_vitscale.sharding.compute_copies import ComputeCopies, to_row_shards
 from lightning_vitscale.sharding.cpu_overlap import overlap_collectives_on_cpu
-from lightning_vitscale.sharding.deferred_reduction import DeferredZeroGradients
+from lightning_vitscale.sharding.deferred_reduction import DeferredReduction
 from lightning_vitscale.sharding.fsdp import group_blocks, set_prefetch, shard_module
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.settings import unit_reshard
@@ -187,10 +187,10 @@ def apply_fsdp(
             sharded = to_row_shards(outer_unit, mesh, weights.device, {id(p) for p in norm_params})
             ignored = set(norm_params) | set(sharded)
         outer = shard_module(outer_unit, mesh, mp_policy, reshard, ignored, offload)
-    # A parameter one rank leaves unused cannot shift the others' reduce-scatters; a unit called again in a step
-    # sends no zeros before its gradient exists (deferred_reduction.py).
-    if mesh.size() > 1 and zero_gradients_for_unused(outer, required=skippable) and block_units:
-        DeferredZeroGradients(outer, block_units)
+    if mesh.size() > 1:  # a parameter one rank leaves unused cannot shift the others' reduce-scatters
+        zero_gradients_for_unused(outer, required=skippable)
+        if block_units:  # a unit called again in a step reduces once, after its first call's backward
+            DeferredReduction(outer, block_units)
     if copies_owner is not None:
         compute = mp_policy.param_dtype or (sharded[0].dtype if sharded else torch.float32)
         copies_owner.compute_copies = ComputeCopies(copies_owner, sharded + norm_params, compute)

@@ -156,12 +156,14 @@ def test_a_backbone_run_twice_a_step_trains_as_ddp_reducing_each_unit_once_a_ste
     """DINO's multi-crop in miniature (every block called on all tokens, then on half of them): DDP's losses, and
     each FSDP unit reduce-scatters once a step. Autograd writes a block's gradient once, after its first call's
     backward; before sharding/deferred_reduction.py FSDP2 reduce-scattered a zero gradient after the second call's
-    too (the default's 2 units: 12 reduce-scatters in 4 steps, not 8; a unit per block: 36, not 20). Mutation seen
-    failing: DeferredZeroGradients not installed."""
-    ddp = losses(two, "two_pass", "ddp")
-    for run in ("default", "per_block"):
+    too (the default's 2 units: 12 reduce-scatters in 4 steps, not 8; a unit per block: 36, not 20). Also with 2
+    micro-batches a step (Lightning's no-sync micro-batch first). Mutation seen failing: DeferredReduction not
+    installed."""
+    for run, ddp_run in (("default", "ddp"), ("per_block", "ddp"), ("per_block_acc2", "ddp_acc2")):
+        ddp = losses(two, "two_pass", ddp_run)
+        assert len(ddp) == 4 * (2 if ddp_run == "ddp_acc2" else 1)
         assert max_relative_difference(losses(two, "two_pass", run), ddp) < 1e-5, run
-        for rank in two:
+        for rank in two:  # accumulating: reduced at the step's last micro-batch only
             facts = rank["two_pass"][run]
             assert facts["reduce_scatters"] == 4 * facts["fsdp_units"], (run, facts["reduce_scatters"])
     assert two[0]["two_pass"]["per_block"]["fsdp_units"] == 5  # 4 blocks and the outer unit

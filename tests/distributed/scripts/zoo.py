@@ -76,12 +76,13 @@ def data(batch_size: int, steps: int) -> DataLoader:
     return DataLoader(TensorDataset(images, labels), batch_size=batch_size, shuffle=False)
 
 
-def fit(model: Model, strategy, data_parallel: int, steps: int, precision: str = "32-true") -> tuple[dict, L.Trainer]:
+def fit(model: Model, strategy, data_parallel: int, steps: int, precision: str = "32-true",
+        accumulate: int = 1) -> tuple[dict, L.Trainer]:
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=steps, logger=False,
                         precision=precision, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+                        enable_model_summary=False, accumulate_grad_batches=accumulate)
     try:
-        trainer.fit(model, data(GLOBAL_BATCH // data_parallel, steps))
+        trainer.fit(model, data(GLOBAL_BATCH // data_parallel // accumulate, steps * accumulate))
     except TensorPlanError as error:
         return {"refused": str(error), "losses": model.losses}, trainer
     facts = {"losses": model.losses}
@@ -155,13 +156,18 @@ def reused() -> dict:
 
 
 def two_pass() -> dict:
-    """A backbone run twice a step (``TwoPassViT``), DDP against ``VitScaleStrategy()`` and a unit per block: the
-    reduce-scatters each step sends (each unit once a step, not once a pass)."""
+    """A backbone run twice a step (``TwoPassViT``), DDP against ``VitScaleStrategy()`` and a unit per block (also
+    accumulating 2 micro-batches a step): the reduce-scatters each step sends (each unit once a step, not once a
+    pass)."""
     found = {}
-    for name, strategy in {"ddp": DDP, "default": VitScaleStrategy(),
-                           "per_block": VitScaleStrategy(blocks_per_unit=1, reshard_after_forward=True)}.items():
+    def per_block() -> VitScaleStrategy:
+        return VitScaleStrategy(blocks_per_unit=1, reshard_after_forward=True)
+
+    runs = {"ddp": (DDP, 1), "default": (VitScaleStrategy(), 1), "per_block": (per_block(), 1),
+            "ddp_acc2": (DDP, 2), "per_block_acc2": (per_block(), 2)}
+    for name, (strategy, accumulate) in runs.items():
         with count_collectives() as sent:
-            facts, trainer = fit(Model("two_pass"), strategy, 2, 4)
+            facts, trainer = fit(Model("two_pass"), strategy, 2, 4, accumulate=accumulate)
         facts["reduce_scatters"] = sent["all_to_all_single"]
         facts["fsdp_units"] = trainer.strategy.plan.units if strategy != DDP else 0
         found[name] = facts
