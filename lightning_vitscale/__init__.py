@@ -15,7 +15,7 @@ from lightning_vitscale.discovery import find_blocks
 from lightning_vitscale.kernels import KernelPolicy
 from lightning_vitscale.memory import MemoryPlan, StateBytes, measure_state_bytes, plan_memory
 from lightning_vitscale.monitoring import VitScaleThroughput
-from lightning_vitscale.precision import NonFiniteTrainingError, VitScalePrecision
+from lightning_vitscale.precision import NonFiniteTrainingError, VitScalePrecision, grad_norm
 from lightning_vitscale.sharding import (
     ForwardAfterBackwardError,
     NoBlocksMatchedError,
@@ -57,6 +57,7 @@ __all__ = [
     "consolidate_checkpoint",
     "consolidated",
     "find_blocks",
+    "grad_norm",
     "measure_state_bytes",
     "plan_memory",
 ]

@@ -221,7 +221,7 @@ class VitScaleStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.sharded.out_of_memory_named() if self.sharded is not None else nullcontext():
+        with self.sharded.step_errors_named() if self.sharded is not None else nullcontext():
             output = super().optimizer_step(*args, **kwargs)  # automatic optimization: forward and backward too
         if self.sharded is not None:  # zero_grad would free the gradients only after the next forward
             self.sharded.after_optimizer_step(args[0] if args else kwargs["optimizer"], self._release_after_step)

@@ -6,6 +6,7 @@ May import ``discovery`` (which modules are norms), ``distributed``, ``_utils`` 
 """
 
 from lightning_vitscale.precision.casting import cast_floating_inputs
+from lightning_vitscale.precision.clipping import grad_norm, lightning_grad_norm_named
 from lightning_vitscale.precision.nonfinite import NonFiniteGuard, NonFiniteTrainingError
 from lightning_vitscale.precision.norms import ReplicatedNorms
 from lightning_vitscale.precision.plugin import VitScalePrecision, to_vitscale_precision
@@ -20,6 +21,8 @@ __all__ = [
     "ReplicatedNorms",
     "VitScalePrecision",
     "cast_floating_inputs",
+    "grad_norm",
+    "lightning_grad_norm_named",
     "resolve_flag",
     "to_vitscale_precision",
 ]

@@ -1,13 +1,17 @@
-"""Gradient-norm clipping across shards: one all-reduce, works for sharded DTensor, replicated and plain grads."""
+"""Gradient norms across shards (clipping, Lightning's ``grad_norm``): one all-reduce per layout, works for sharded
+DTensor, replicated and plain grads."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import traceback
+from collections.abc import Generator, Iterable
+from contextlib import contextmanager
 from typing import cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor, Placement
 
 from lightning_vitscale._compat import dtensor_local
@@ -23,39 +27,62 @@ def _is_sharded(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor) and any(_splits(p) for p in t.placements)
 
 
-def _partial_norm(tensors: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """sum |g|^p (or max |g| for p=inf) over local tensors, in fp32, on ``device`` (no host sync per tensor)."""
-    if not tensors:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=torch.float32).to(device) for t in tensors])
-    return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+def _parts(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Each gradient's sum |g|^p (max |g| for p=inf) as if unsharded, in fp32, identical on every rank: the local
+    parts of the sharded ones summed over the mesh dimensions they are sharded along (not a hybrid mesh's replicas),
+    one all-reduce of a vector per layout; replicated and plain ones as they are. No host sync."""
+    sharded = [g for g in grads if _is_sharded(g)]
+    device = mesh_device(cast(DTensor, sharded[0]).device_mesh) if sharded else dtensor_local(grads[0]).device
+    parts = torch.stack([torch.linalg.vector_norm(dtensor_local(g), norm_type, dtype=torch.float32).to(device)
+                         for g in grads])
+    if not math.isinf(norm_type):
+        parts = parts.pow(norm_type)
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    layouts: dict[tuple, list[int]] = {}  # (mesh, the mesh dimensions sharded along) -> the gradients' indices
+    for index, grad in enumerate(grads):
+        if _is_sharded(grad):
+            placements = cast(DTensor, grad).placements
+            dims = tuple(i for i, placement in enumerate(placements) if _splits(placement))
+            layouts.setdefault((cast(DTensor, grad).device_mesh, dims), []).append(index)
+    for (mesh, dims), members in layouts.items():
+        if len(members) == len(grads):  # every gradient sharded alike (the common case): no gather and scatter
+            all_reduce_over(parts, mesh, list(dims), op)
+            break
+        chosen = torch.tensor(members, device=device)
+        part = parts.index_select(0, chosen)
+        all_reduce_over(part, mesh, list(dims), op)
+        parts = parts.index_copy(0, chosen, part)
+    return parts
 
 
 @torch.no_grad()
 def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all gradients as if unsharded, identical on every rank (``clip_grad_norm_`` cannot mix plain
-    tensors and DTensors): sharded parts summed over the mesh dimensions they are sharded along (not a hybrid
-    mesh's replicas), replicated and plain ones once. One collective per sharded layout, no host sync."""
+    tensors and DTensors)."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    sharded = [cast(DTensor, g) for g in grads if _is_sharded(g)]
-    device = mesh_device(sharded[0].device_mesh) if sharded else dtensor_local(grads[0]).device
-    other = [dtensor_local(g) for g in grads if not _is_sharded(g)]
-    shard_part = torch.zeros((), dtype=torch.float32, device=device)
-    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-    layouts: dict[tuple, list[torch.Tensor]] = {}  # (mesh, the mesh dimensions sharded along) -> local parts
-    for grad in sharded:
-        dims = tuple(i for i, placement in enumerate(grad.placements) if _splits(placement))
-        layouts.setdefault((grad.device_mesh, dims), []).append(dtensor_local(grad))
-    for (mesh, dims), members in layouts.items():
-        part = _partial_norm(members, norm_type, device)
-        all_reduce_over(part, mesh, dims, op)
-        shard_part = torch.maximum(shard_part, part) if math.isinf(norm_type) else shard_part + part
-    other_part = _partial_norm(other, norm_type, device)
-    if math.isinf(norm_type):
-        return torch.maximum(shard_part, other_part)
-    return (shard_part + other_part).pow(1.0 / norm_type)
+    parts = _parts(grads, norm_type)
+    return parts.max() if math.isinf(norm_type) else parts.sum().pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, torch.Tensor]:
+    """Lightning's ``lightning.pytorch.utilities.grad_norm`` for a sharded model: the same keys, each parameter's
+    gradient norm as if unsharded (DDP's values) and their total, the same on every rank. Lightning's own reads a
+    DTensor gradient as a plain tensor and fails under FSDP2 ("its data is not allocated yet"). Collective: call it
+    on every rank, as ``on_before_optimizer_step`` runs."""
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
+    named = [(name, p.grad) for name, p in module.named_parameters() if p.grad is not None]
+    if not named:
+        return {}
+    parts = _parts([grad for _, grad in named], norm_type)
+    norms = parts if math.isinf(norm_type) else parts.pow(1.0 / norm_type)
+    found = {f"grad_{norm_type}_norm{group_separator}{name}": norms[i] for i, (name, _) in enumerate(named)}
+    found[f"grad_{norm_type}_norm_total"] = torch.linalg.vector_norm(norms, norm_type)
+    return found
 
 
 @torch.no_grad()
@@ -67,3 +94,22 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float, no
     for local in [dtensor_local(p.grad) for p in params if p.grad is not None]:
         local.mul_(coef.to(device=local.device, dtype=local.dtype))
     return total
+
+
+@contextmanager
+def lightning_grad_norm_named() -> Generator[None, None, None]:
+    """Lightning's ``grad_norm`` called on sharded gradients (in a step, a hook or a callback) raises an error that
+    names :func:`grad_norm`, which takes the same arguments and gives DDP's values, instead of torch's "its data is
+    not allocated yet" from inside Lightning."""
+    try:
+        yield
+    except RuntimeError as error:
+        frames = traceback.extract_tb(error.__traceback__)
+        if not any(f.name == "grad_norm" and f.filename.replace("\\", "/").endswith("utilities/grads.py")
+                   for f in frames):
+            raise
+        raise RuntimeError(
+            "Lightning's `grad_norm` reads each gradient as a plain tensor, but under VitScaleStrategy they are"
+            " sharded (DTensor). Use `from lightning_vitscale import grad_norm` instead: the same arguments and keys,"
+            " each parameter's norm as under DDP (called on every rank)."
+        ) from error

@@ -143,6 +143,20 @@ def select_units(model: nn.Module, selector: ModuleSelector | None, calls: Calls
     return units
 
 
+def refuse_uninitialized(model: nn.Module) -> None:
+    """A lazy module's parameters (``nn.LazyLinear``) have no shape until a forward: FSDP cannot shard them, and every
+    later step (the planner's, FSDP2's) fails on them with torch's words. DDP refuses them at setup too."""
+    lazy = [name for name, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        shown = ", ".join(lazy[:3]) + (f", ... +{len(lazy) - 3}" if len(lazy) > 3 else "")
+        raise ValueError(
+            f"{type(model).__name__} has {len(lazy)} uninitialized parameter(s) ({shown}) of lazy modules"
+            " (nn.LazyLinear and the like), which VitScaleStrategy cannot shard before they have a shape. Run the"
+            " model once on a batch before `trainer.fit` (as DDP requires), or build those layers with their input"
+            " size (e.g. nn.Linear(in_features, out_features))."
+        )
+
+
 def _reused_instead_of_blocks(
     model: nn.Module, found: list[Unit], resolved: ResolvedConfig, calls: Calls | None
 ) -> list[tuple[str, str, int]]:

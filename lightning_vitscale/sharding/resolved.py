@@ -18,7 +18,7 @@ from lightning_vitscale.kernels import (
     with_compile_choice,
 )
 from lightning_vitscale.memory import StepInputs, StepSettings, compile_pays, rates_for
-from lightning_vitscale.sharding.activation_checkpointing import CheckpointMode
+from lightning_vitscale.sharding.activation_checkpointing import CheckpointMode, is_self_checkpointing
 from lightning_vitscale.sharding.settings import CheckpointingPolicy, ParallelConfig, ShardingPolicy, by_priority
 
 
@@ -42,7 +42,11 @@ class ResolvedConfig:
         return self.requested.sharding
 
     def checkpoint_mode(self, index: int, name: str, module: nn.Module) -> CheckpointMode | None:
-        """How the ``index``-th block (0-based, model order) is checkpointed."""
+        """How the ``index``-th block (0-based, model order) is checkpointed: not by us where it checkpoints itself
+        (HF's ``gradient_checkpointing_enable()``: ours around it would recompute twice), so that the step the planner
+        measures and predicts is the one that runs (it measured ours, then predicted the step without it: a crash)."""
+        if is_self_checkpointing(module):
+            return None
         if self.checkpoint_choice is not None:
             return self.checkpoint_choice.get(name)
         return self.checkpointing.mode(index, name, module)

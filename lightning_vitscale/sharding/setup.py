@@ -38,13 +38,19 @@ from lightning_vitscale.memory import (
     planning_batch,
     release_gradients,
 )
-from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, VitScalePrecision, flat_step
+from lightning_vitscale.precision import (
+    PrecisionPolicy,
+    ReplicatedNorms,
+    VitScalePrecision,
+    flat_step,
+    lightning_grad_norm_named,
+)
 from lightning_vitscale.sharding import plain_copy
 from lightning_vitscale.sharding.activation_checkpointing import CHECKPOINT_MODES, apply_activation_checkpointing
 from lightning_vitscale.sharding.buffer_sync import BufferSync
 from lightning_vitscale.sharding.gradient_sync import gradient_sync_off, unsharded_gradient_bytes
 from lightning_vitscale.sharding.outer_unit import OuterUnit, SecondBackwardError, outer_unit_parameters, reshard_units
-from lightning_vitscale.sharding.parallelize import Parallelized, parallelize
+from lightning_vitscale.sharding.parallelize import Parallelized, parallelize, refuse_uninitialized
 from lightning_vitscale.sharding.planning import (
     agreed_budget,
     apply_auto_choice,
@@ -216,14 +222,16 @@ class ShardedModel:
         self.backwards_in_step = 0
         if self.skipped is not None:
             self.skipped.reset()
-        with self.out_of_memory_named(), self.second_backward_named():
+        with self.step_errors_named(), self.second_backward_named():
             return auto_attention_step(self.router, step, mean_over_ranks, self._attention_decided)
 
     @contextmanager
-    def out_of_memory_named(self) -> Generator[None, None, None]:
-        """A step planned for speed that runs out of memory raises :class:`PlannedStepOutOfMemoryError`."""
+    def step_errors_named(self) -> Generator[None, None, None]:
+        """A step planned for speed that runs out of memory raises :class:`PlannedStepOutOfMemoryError`; Lightning's
+        ``grad_norm`` on the sharded gradients (in a step, a hook, a callback) an error naming ours."""
         try:
-            yield
+            with lightning_grad_norm_named():
+                yield
         except torch.OutOfMemoryError as error:
             if not self.planned_for_speed or isinstance(error, PlannedStepOutOfMemoryError):
                 raise
@@ -364,6 +372,7 @@ def _shard(
     module: nn.Module, resolved: ResolvedConfig, precision: VitScalePrecision, ranks: RankContext,
     creation: Creation | None, signature: dict[str, Any], batch: PlanningBatch | None, trainer: Any | None = None,
 ) -> ShardedModel:
+    refuse_uninitialized(module)
     # 1. Master weights in the master dtype (norms keep theirs). No `module.to(device)`: FSDP moves each unit's
     #    shards to the device as it shards the unit, so no rank ever holds the whole model on the device.
     module = precision.convert_module(module)

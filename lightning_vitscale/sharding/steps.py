@@ -210,23 +210,37 @@ def _shared_apart(group: list[nn.Module]) -> list[list[nn.Module]]:
 
 def _without_tied_parameters(groups: list[list[nn.Module]], model: nn.Module) -> list[list[nn.Module]]:
     """The groups that own no parameter another group or the rest of the model also uses (weights tied across
-    blocks, or a head tied to a block's weight): FSDP2 lets one unit manage a parameter, so those blocks join the
-    outer unit, which manages both uses, where DDP trains the tie as one parameter."""
+    blocks, a module two blocks hold, or a head tied to a block's weight): FSDP2 lets one unit manage a parameter, so
+    those blocks join the outer unit, which manages both uses, where DDP trains the tie as one parameter."""
     owner_of: dict[int, set[int]] = {}
-    claimed: set[int] = set()  # a module an earlier unit holds is nested in a later one, not shared with it
+    roots: set[int] = set()  # the members of earlier groups: FSDP2 stops at a unit, so a later one finds it nested
     for index, group in enumerate(groups):
-        for sub in {id(sub): sub for member in group for sub in member.modules()}.values():
-            if id(sub) in claimed:
-                continue
-            claimed.add(id(sub))
-            for param in sub.parameters(recurse=False):
-                owner_of.setdefault(id(param), set()).add(index)
-    for module in model.modules():
-        if id(module) not in claimed:
-            for param in module.parameters(recurse=False):
-                owner_of.setdefault(id(param), set()).add(-1)
+        for param in _managed_parameters(group, roots):
+            owner_of.setdefault(id(param), set()).add(index)
+        roots.update(id(member) for member in group)
+    for param in _managed_parameters([model], roots):
+        owner_of.setdefault(id(param), set()).add(-1)
     tied = {index for owners in owner_of.values() if len(owners) > 1 for index in owners}
     return [group for index, group in enumerate(groups) if index not in tied]
+
+
+def _managed_parameters(members: list[nn.Module], units: set[int]) -> list[nn.Parameter]:
+    """The parameters ``fully_shard(members)`` would manage: FSDP2's walk, which stops at a module already a unit
+    (``units``) and nowhere else, so a module two blocks hold is managed by both (sharded twice)."""
+    seen: set[int] = set()
+    found: list[nn.Parameter] = []
+
+    def visit(module: nn.Module) -> None:
+        seen.add(id(module))
+        found.extend(module.parameters(recurse=False))
+        for child in module.children():
+            if id(child) not in seen and id(child) not in units:
+                visit(child)
+
+    for member in members:
+        if id(member) not in seen:
+            visit(member)
+    return found
 
 
 def apply_prefetch(units: list[FSDPModule], prefetch: int, mesh: DeviceMesh, device: torch.device) -> str:

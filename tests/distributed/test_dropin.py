@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 SCRIPT = "tests/distributed/scripts/dropin.py"
 COMPARED = (
     "outside_steps", "before_first_step", "compiled", "weight_averaging", "stochastic_weight_averaging",
-    "sync_batchnorm",
+    "sync_batchnorm", "gradient_norms",
 )
 
 
@@ -101,3 +101,18 @@ def test_call_on_one_rank_fails_within_timeout_saying_why(runs):
     assert facts["error"].startswith("OutsideStepCallError: Calling the sharded model outside a training/validation")
     assert "every rank" in facts["error"] and "timeout" in facts["error"]
     assert facts["seconds"] < 30  # the process-group timeout was 1.5 s
+
+
+def test_gradient_norms_logged_in_on_before_optimizer_step_are_ddps(runs):
+    """Lightning's ``grad_norm`` in ``on_before_optimizer_step`` (its docs' example) failed inside Lightning with
+    torch's "its data is not allocated yet" (it reads DTensor gradients as plain tensors; found 2026-12-04 running
+    user habits). ``lightning_vitscale.grad_norm``, the same call, gives DDP's per-parameter norms and total on every
+    rank, and Lightning's own now fails naming it. Mutations seen failing: the norms' all-reduce dropped (each rank's
+    shard's norm), the error's context manager removed (torch's message)."""
+    for ours, ddp in _pairs(runs, "gradient_norms"):
+        assert "error" not in ours and len(ours["norms"]) == len(ddp["norms"]) == 3
+        for got, expected in zip(ours["norms"], ddp["norms"]):
+            assert got.keys() == expected.keys() and len(got) > 10
+            assert all(abs(got[k] - expected[k]) <= 1e-5 * max(1.0, abs(expected[k])) for k in got), (got, expected)
+        assert "from lightning_vitscale import grad_norm" in ours["lightning_error"]
+        assert ddp["lightning_norms"] == ddp["norms"]  # DDP runs Lightning's own twice: the same numbers

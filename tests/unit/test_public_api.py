@@ -36,6 +36,7 @@ PUBLIC_NAMES = {
     "consolidate_checkpoint",
     "consolidated",
     "find_blocks",
+    "grad_norm",
     "measure_state_bytes",
     "plan_memory",
 }

@@ -117,7 +117,7 @@ class OutOfMemoryInBackward(Classifier):
 def test_an_out_of_memory_step_planned_for_speed_names_the_fix(mesh, priority):
     """Where the planner's prediction was wrong on a GPU, the step's out-of-memory error names the recipe's argument
     and a smaller budget, and is still a ``torch.OutOfMemoryError`` with the allocator's text; under the recipe's
-    plan the error is torch's own. Mutation tried: ``optimizer_step`` without ``out_of_memory_named``."""
+    plan the error is torch's own. Mutation tried: ``optimizer_step`` without ``step_errors_named``."""
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(priority=priority), max_steps=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)

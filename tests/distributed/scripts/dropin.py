@@ -242,6 +242,39 @@ def sync_batchnorm() -> dict:
     return {"error": None, "steps_run": len(model.losses)}
 
 
+class NormLogging(Classifier):
+    """Logs each step's gradient norms in ``on_before_optimizer_step``, as Lightning's docs of that hook show, with
+    Lightning's ``grad_norm`` under DDP and ``lightning_vitscale.grad_norm`` (the same call) under VitScaleStrategy;
+    ``lightning``: Lightning's under both, which VitScaleStrategy refuses naming the fix."""
+
+    lightning = False
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        from lightning.pytorch.utilities import grad_norm as lightnings
+
+        from lightning_vitscale import grad_norm as ours
+
+        norms = (lightnings if STRATEGY == "ddp" or self.lightning else ours)(self.backbone, norm_type=2)
+        self.norms = getattr(self, "norms", []) + [{key: float(value) for key, value in norms.items()}]
+        self.log_dict(norms)
+
+
+def gradient_norms() -> dict:
+    """Each parameter's gradient norm and the total, every step; under VitScaleStrategy also Lightning's own call."""
+    found = {}
+    for lightning in (False, True):
+        L.seed_everything(0, verbose=False)
+        model = NormLogging("encoder")
+        model.lightning = lightning
+        try:
+            trainer(max_steps=3).fit(model, loader(n=32))
+        except RuntimeError as error:
+            found["lightning_error" if lightning else "error"] = str(error)
+            continue
+        found["lightning_norms" if lightning else "norms"] = model.norms
+    return found
+
+
 def one_rank_call() -> dict:
     """Only rank 0 calls the model after fit: it must fail within the timeout, saying why (VitScaleStrategy only)."""
     L.seed_everything(0, verbose=False)
@@ -280,6 +313,7 @@ COMPARED = {
     "weight_averaging": weight_averaging,
     "stochastic_weight_averaging": stochastic_weight_averaging,
     "sync_batchnorm": sync_batchnorm,
+    "gradient_norms": gradient_norms,
 }
 SCENARIOS = {f"{name}/{s}": under(s, fn) for name, fn in COMPARED.items() for s in ("ddp", "vitscale")}
 SCENARIOS["one_rank_call/vitscale"] = under("vitscale", one_rank_call)  # last: these time out

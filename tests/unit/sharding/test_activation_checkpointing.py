@@ -178,3 +178,31 @@ def test_a_block_with_buffers_recomputes_again_for_a_second_backward():
         assert torch.equal(value, ckpt.get_buffer(name)), name
     for p, q in zip(plain.parameters(), ckpt.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("asked", [{"priority": "memory"}, {"activation_checkpointing": True},
+                                   {"activation_checkpointing": "selective"}])
+def test_a_model_checkpointing_itself_trains_as_it_would_with_ddp_whatever_checkpointing_is_asked(asked):
+    """HF's ``gradient_checkpointing_enable()`` with checkpointing asked of the strategy: the blocks are left to their
+    own (no second recompute), and setup predicted the step with neither (the block measured under ours only):
+    ``ValueError: ... was measured for ['full'] only, not 'none'`` at setup. Found 2026-12-04 running new layouts
+    through ``Trainer.fit``. Mutation seen failing: ``ResolvedConfig.checkpoint_mode`` ignoring self-checkpointing."""
+    import lightning as L
+
+    from lightning_vitscale import VitScaleStrategy
+    from tests.helpers.models import Classifier, loader
+
+    def fit(strategy) -> tuple[list[float], L.Trainer]:
+        torch.manual_seed(0)
+        model = Classifier("hf")
+        model.backbone.vit.gradient_checkpointing_enable()
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, loader(12, batch_size=4))
+        return model.losses, trainer
+
+    losses, trainer = fit(VitScaleStrategy(**asked))
+    assert losses == pytest.approx(fit("ddp")[0], rel=1e-5)
+    summary = trainer.strategy.plan.summary()
+    assert "self-checkpointing  : 4 blocks (left as the model set them)" in summary, summary
+    assert "checkpointed blocks : 0 of 4" in summary and "predicted peak" in summary, summary

@@ -293,7 +293,8 @@ def test_the_refusal_holds_where_the_planner_could_not_measure():
 
 class TiedNet(L.LightningModule):
     """Four blocks and a projection before the head, one weight tied across two of them (``tie``: a later block's
-    to the first block's, or the projection's to the second block's); DDP trains a tie as one parameter."""
+    to the first block's, or the projection's to the second block's; ``module``: a later block holding the first
+    block's Linear itself, as a universal transformer shares a layer); DDP trains a tie as one parameter."""
 
     def __init__(self, tie: str) -> None:
         super().__init__()
@@ -301,6 +302,8 @@ class TiedNet(L.LightningModule):
         self.proj, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
         if tie == "blocks":
             self.blocks[3][1].weight = self.blocks[0][1].weight
+        elif tie == "module":
+            self.blocks[2][1] = self.blocks[0][1]
         else:
             self.proj.weight = self.blocks[1][1].weight
 
@@ -315,11 +318,14 @@ class TiedNet(L.LightningModule):
 
 
 @pytest.mark.parametrize(("tie", "own_units"), [("blocks", [False, True, True, False]),
+                                                ("module", [False, True, False, True]),
                                                 ("outside", [True, False, True, True])])
 def test_blocks_with_tied_weights_join_the_outer_unit_and_train_as_ddp(tie, own_units):
     """FSDP2 lets one unit manage a parameter: a weight tied across two blocks, or between a block and the rest of
     the model, failed setup with FSDP2's "already managed by another FSDP group". The blocks holding a tie are left
-    to the outer unit. Mutation seen failing: ``_without_tied_parameters`` returning every group (setup raises)."""
+    to the outer unit. A module two blocks hold (not only its weight) was taken as nested in the later block's unit,
+    which FSDP2 sharded again ("Cannot concatenate overlapping meshes", found 2026-12-04 running new layouts).
+    Mutations seen failing: ``_without_tied_parameters`` returning every group (setup raises)."""
     from lightning_vitscale import VitScaleStrategy
 
     strategy = VitScaleStrategy(priority="memory")  # every block its own unit
@@ -330,3 +336,22 @@ def test_blocks_with_tied_weights_join_the_outer_unit_and_train_as_ddp(tie, own_
     kept = own_units.count(False)  # the units line counts them in the outer unit, not as units of their own
     assert f"FSDP units          : {5 - kept} ({4 - kept} of the 4 blocks + 1 outer with the other {kept})" in (
         strategy.plan.summary())
+
+
+class LazyHeadNet(TiedNet):
+    """TiedNet's blocks with an ``nn.LazyLinear`` head, whose weight has no shape until a forward."""
+
+    def __init__(self) -> None:
+        super().__init__("outside")
+        self.head = nn.LazyLinear(3)
+
+
+def test_a_lazy_module_is_refused_at_setup_naming_the_fix():
+    """``nn.LazyLinear`` failed setup with torch's "Attempted to use an uninitialized parameter" from inside the
+    sharding pipeline (DDP refuses it at setup with its own words). Found 2026-12-04 running new layouts. Mutation
+    seen failing: the check removed (torch's message)."""
+    from lightning_vitscale import VitScaleStrategy
+
+    expected = r"2 uninitialized parameter\(s\) \(head.weight, head.bias\).*Run the model once"
+    with pytest.raises(ValueError, match=expected):
+        fit_losses(VitScaleStrategy(), make=LazyHeadNet)
