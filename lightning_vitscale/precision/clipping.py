@@ -27,43 +27,58 @@ def _is_sharded(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor) and any(_splits(p) for p in t.placements)
 
 
-def _parts(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """Each gradient's sum |g|^p (max |g| for p=inf) as if unsharded, in fp32, identical on every rank: the local
-    parts of the sharded ones summed over the mesh dimensions they are sharded along (not a hybrid mesh's replicas),
-    one all-reduce of a vector per layout; replicated and plain ones as they are. No host sync."""
+def _local_parts(grads: list[torch.Tensor], norm_type: float) -> tuple[torch.Tensor, dict[tuple, list[int]]]:
+    """Each gradient's local sum |g|^p (max |g| for p=inf) in fp32 on one device (no host sync per tensor), and the
+    sharded ones' indices by layout: (mesh, the mesh dimensions sharded along; not a hybrid mesh's replicas)."""
     sharded = [g for g in grads if _is_sharded(g)]
     device = mesh_device(cast(DTensor, sharded[0]).device_mesh) if sharded else dtensor_local(grads[0]).device
     parts = torch.stack([torch.linalg.vector_norm(dtensor_local(g), norm_type, dtype=torch.float32).to(device)
                          for g in grads])
-    if not math.isinf(norm_type):
-        parts = parts.pow(norm_type)
-    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-    layouts: dict[tuple, list[int]] = {}  # (mesh, the mesh dimensions sharded along) -> the gradients' indices
+    layouts: dict[tuple, list[int]] = {}
     for index, grad in enumerate(grads):
         if _is_sharded(grad):
             placements = cast(DTensor, grad).placements
             dims = tuple(i for i, placement in enumerate(placements) if _splits(placement))
             layouts.setdefault((cast(DTensor, grad).device_mesh, dims), []).append(index)
-    for (mesh, dims), members in layouts.items():
-        if len(members) == len(grads):  # every gradient sharded alike (the common case): no gather and scatter
-            all_reduce_over(parts, mesh, list(dims), op)
-            break
-        chosen = torch.tensor(members, device=device)
-        part = parts.index_select(0, chosen)
-        all_reduce_over(part, mesh, list(dims), op)
-        parts = parts.index_copy(0, chosen, part)
-    return parts
+    return (parts if math.isinf(norm_type) else parts.pow(norm_type)), layouts
+
+
+def _reduce_op(norm_type: float) -> dist.ReduceOp.RedOpType:
+    return dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
 
 
 @torch.no_grad()
 def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all gradients as if unsharded, identical on every rank (``clip_grad_norm_`` cannot mix plain
-    tensors and DTensors)."""
+    tensors and DTensors): one scalar all-reduced per layout."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    parts = _parts(grads, norm_type)
-    return parts.max() if math.isinf(norm_type) else parts.sum().pow(1.0 / norm_type)
+    parts, layouts = _local_parts(grads, norm_type)
+    combine = torch.amax if math.isinf(norm_type) else torch.sum
+    sharded = {index for members in layouts.values() for index in members}
+    plain = [index for index in range(len(grads)) if index not in sharded]
+    totals = [combine(parts[plain]) if plain else parts.new_zeros(())]
+    for (mesh, dims), members in layouts.items():
+        part = combine(parts[members])
+        all_reduce_over(part, mesh, list(dims), _reduce_op(norm_type))
+        totals.append(part)
+    total = combine(torch.stack(totals))
+    return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+
+
+def _per_gradient(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Each gradient's sum |g|^p (max |g|) as if unsharded, the same on every rank: a vector all-reduced per layout."""
+    parts, layouts = _local_parts(grads, norm_type)
+    for (mesh, dims), members in layouts.items():
+        if len(members) == len(grads):  # every gradient sharded alike (the common case): no gather and scatter
+            all_reduce_over(parts, mesh, list(dims), _reduce_op(norm_type))
+            break
+        chosen = torch.tensor(members, device=parts.device)
+        part = parts.index_select(0, chosen)
+        all_reduce_over(part, mesh, list(dims), _reduce_op(norm_type))
+        parts = parts.index_copy(0, chosen, part)
+    return parts
 
 
 @torch.no_grad()
@@ -78,7 +93,7 @@ def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: 
     named = [(name, p.grad) for name, p in module.named_parameters() if p.grad is not None]
     if not named:
         return {}
-    parts = _parts([grad for _, grad in named], norm_type)
+    parts = _per_gradient([grad for _, grad in named], norm_type)
     norms = parts if math.isinf(norm_type) else parts.pow(1.0 / norm_type)
     found = {f"grad_{norm_type}_norm{group_separator}{name}": norms[i] for i, (name, _) in enumerate(named)}
     found[f"grad_{norm_type}_norm_total"] = torch.linalg.vector_norm(norms, norm_type)
