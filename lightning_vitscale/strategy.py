@@ -192,7 +192,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         super().setup_optimizers(trainer)
         notes = prepare_optimizers(self.optimizers, self.resolved is not None and self.resolved.kernels.fused_optimizer)
         if self.sharded is not None:  # its summary is the plan
-            self.sharded.summary.notes.extend(notes + self.sharded.step_flat(self.optimizers))
+            self.sharded.summary.notes.extend(notes + self.sharded.take_optimizers(self.optimizers))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -4,7 +4,8 @@ checkpoint, consolidation into one file, and ``model.state_dict()`` as DDP's ful
 
 This face is the core's. Sub-rooms with their own faces: ``export/``, ``lightning/`` and ``fsdp1/``; the core, this
 ``__init__`` included, imports none of them, and loading never imports saving (import-linter). May import
-``row_layout``, ``distributed`` (the side-group handshake before a gather), ``_utils`` and ``_compat``.
+``row_layout``, ``distributed`` (the side-group handshake before a gather), ``precision`` (an optimizer's state made
+on local tensors), ``_utils`` and ``_compat``.
 """
 
 from lightning_vitscale.checkpoint.consolidate import consolidate_checkpoint, consolidated, load_consolidated

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
 from lightning_vitscale.checkpoint.errors import CheckpointError
 from lightning_vitscale.checkpoint.formats import as_full
+from lightning_vitscale.precision.local_step import init_state_locally
 
 
 def rekey_by_position(optimizer_state: dict[str, Any], optimizer: torch.optim.Optimizer, module: nn.Module):
@@ -40,9 +41,12 @@ def require_optimizer_states(present: bool, optimizers: list[torch.optim.Optimiz
 @contextmanager
 def untouched_if_fresh(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
     """torch's optimizer state-dict functions step a fresh optimizer with zero gradients (Adam's first real step
-    is then bias-corrected as the second); under DDP a save before the first step (``lr_find``) changes nothing."""
+    is then bias-corrected as the second); under DDP a save before the first step (``lr_find``) changes nothing.
+    An optimizer stepping local tensors where DTensor has no rule for its step makes its state there first."""
     fresh = not optimizer.state
     try:
+        if fresh:
+            init_state_locally(optimizer)
         yield fresh
     finally:
         if fresh:
@@ -53,6 +57,7 @@ def set_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, sta
     """Like ``optimizer.load_state_dict`` under DDP: the saved param groups win; a never-stepped state stays empty;
     a parameter saved without state (no gradient yet: an unused mask token) loads, where DCP's strict load refuses."""
     if state["state"]:
+        init_state_locally(optimizer)  # DCP's own would step the DTensors (overwritten by the load)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=replace(options, strict=False))
         return
     if len(state["param_groups"]) != len(optimizer.param_groups):

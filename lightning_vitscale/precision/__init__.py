@@ -9,6 +9,7 @@ from lightning_vitscale.precision.casting import cast_floating_inputs
 from lightning_vitscale.precision.clipping import grad_norm, lightning_grad_norm_named
 from lightning_vitscale.precision.nonfinite import NonFiniteGuard, NonFiniteTrainingError
 from lightning_vitscale.precision.norms import ReplicatedNorms
+from lightning_vitscale.precision.optimizer_probe import UnshardableOptimizerError, refuse_unshardable
 from lightning_vitscale.precision.plugin import VitScalePrecision, to_vitscale_precision
 from lightning_vitscale.precision.settings import SUPPORTED_FLAGS, PrecisionFlag, PrecisionPolicy, resolve_flag
 
@@ -19,10 +20,12 @@ __all__ = [
     "PrecisionFlag",
     "PrecisionPolicy",
     "ReplicatedNorms",
+    "UnshardableOptimizerError",
     "VitScalePrecision",
     "cast_floating_inputs",
     "grad_norm",
     "lightning_grad_norm_named",
+    "refuse_unshardable",
     "resolve_flag",
     "to_vitscale_precision",
 ]

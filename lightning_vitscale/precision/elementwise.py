@@ -2,22 +2,37 @@
 on a flat tensor holding several parameters, is the step on the parameters themselves, element for element.
 
 Updates reading several elements (Adafactor, LAMB, LBFGS) would be wrong there: only the exact classes in
-:data:`ELEMENTWISE` qualify (a subclass may override ``step``).
+:data:`ELEMENTWISE` qualify (a subclass may override ``step``). On one rank each local tensor is a whole parameter,
+so there every optimizer but LBFGS steps the local tensors.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-    torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.ASGD,
+    torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop,
 )
 
 
-def steps_locally(optimizer: object) -> bool:
-    """Whether ``optimizer`` is one of the exact :data:`ELEMENTWISE` classes (its step may run on local shards)."""
+def is_elementwise(optimizer: object) -> bool:
+    """Whether ``optimizer`` is one of the exact :data:`ELEMENTWISE` classes (its step may run on any split of its
+    parameters: local shards, or one flat tensor holding several)."""
     return type(optimizer) in ELEMENTWISE
+
+
+def steps_locally(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s step may run on each DTensor parameter's local tensor: it is elementwise, or every
+    local tensor is its whole parameter (one rank: any optimizer, Adafactor's factored rows and columns too, steps
+    as on the plain model, where DTensor has no rule for some of their ops)."""
+    if is_elementwise(optimizer):
+        return True
+    if isinstance(optimizer, torch.optim.LBFGS):
+        return False  # its step calls the closure again (the plugin leaves it to Lightning's path)
+    meshes = (p.device_mesh for group in optimizer.param_groups for p in group["params"] if isinstance(p, DTensor))
+    return all(mesh.size() == 1 for mesh in meshes)
 
 
 # torch's optimizers whose fused step takes ``found_inf`` (an attribute, as ``GradScaler`` sets it) and then leaves

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from lightning_vitscale._compat import dtensor_like, dtensor_local, foreach_copy_, rebind_local, shaped_views
-from lightning_vitscale.precision.elementwise import steps_locally
+from lightning_vitscale.precision.elementwise import is_elementwise
 
 _State = dict[str, Any]
 
@@ -223,7 +223,7 @@ def lay_out(optimizers: Sequence[torch.optim.Optimizer], eligible: Sequence[torc
         for group in optimizer.param_groups:
             params = group["params"]
             ids = [id(p) for p in params]
-            fits = (steps_locally(optimizer) and not group.get("differentiable") and len(params) > 1
+            fits = (is_elementwise(optimizer) and not group.get("differentiable") and len(params) > 1
                     and len(set(ids)) == len(ids) and all(i in allowed and i not in taken for i in ids)
                     and _one_kind(params))
             flat = FlatGroup(list(params)) if fits else None

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_vitscale._compat import dtensor_like, dtensor_local, same_placements
 from lightning_vitscale.precision import flat_step
-from lightning_vitscale.precision.elementwise import steps_locally
+from lightning_vitscale.precision.elementwise import is_elementwise, steps_locally
 
 # (local tensor, its DTensor parameter, the state swapped in for it or None, the ids of that state's values)
 _Swapped = list[tuple[torch.Tensor, DTensor, dict[str, Any] | None, tuple[int, ...]]]
@@ -36,6 +36,30 @@ def on_local_shards(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
         yield True
     finally:
         _swap_back(optimizer, *swapped)
+
+
+def init_state_locally(optimizer: torch.optim.Optimizer) -> None:
+    """torch DCP's ``_init_optim_state`` (one step with zero gradients at lr 0, which DCP's save and load run on a
+    fresh optimizer) on the local tensors, for an optimizer that steps them without a DTensor rule for its own step
+    (Adafactor on one rank): DCP's would step the DTensors and fail. Elementwise ones are left to DCP."""
+    if optimizer.state or is_elementwise(optimizer) or not steps_locally(optimizer):
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(p.grad is not None for p in params):
+        return  # as DCP: a stateless optimizer with gradients is left alone
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    rates = [group["lr"] for group in optimizer.param_groups if "lr" in group]
+    for group in optimizer.param_groups:
+        if "lr" in group:
+            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    with on_local_shards(optimizer):
+        optimizer.step()
+    for group in optimizer.param_groups:
+        if "lr" in group:
+            group["lr"] = rates.pop(0)
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _swap_in(optimizer: torch.optim.Optimizer) -> tuple[list[list[Any]], _Swapped, dict[int, Any]] | None:

@@ -131,7 +131,7 @@ class VitScalePrecision(Precision):
         self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         guard = None if isinstance(optimizer, torch.optim.LBFGS) else self.nonfinite_guard  # LBFGS re-evaluates
-        if self.scaler is None and guard is None and not steps_locally(optimizer):
+        if self.scaler is None and guard is None and not steps_locally(cast(torch.optim.Optimizer, optimizer)):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
         skipped_backward = closure_result is None and model.automatic_optimization

@@ -44,6 +44,7 @@ from lightning_vitscale.precision import (
     VitScalePrecision,
     flat_step,
     lightning_grad_norm_named,
+    refuse_unshardable,
 )
 from lightning_vitscale.sharding import plain_copy
 from lightning_vitscale.sharding.activation_checkpointing import CHECKPOINT_MODES, apply_activation_checkpointing
@@ -206,9 +207,11 @@ class ShardedModel:
         self.summary.kernels["compiled blocks"] = f"{named} ({why})"
         rank_zero_info(f"VitScaleStrategy compiled blocks: {self.summary.kernels['compiled blocks']}")
 
-    def step_flat(self, optimizers: list[torch.optim.Optimizer]) -> list[str]:
-        """One rank computing on copies: elementwise param groups stepped as one flat tensor each
-        (``precision/flat_step.py``), their gradients handed over into its layout. Returns the summary's notes."""
+    def take_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[str]:
+        """An optimizer that cannot step the shards refused (``precision/optimizer_probe.py``); one rank computing on
+        copies: elementwise param groups stepped as one flat tensor each (``precision/flat_step.py``), their
+        gradients handed over into its layout. Returns the summary's notes."""
+        refuse_unshardable(optimizers)
         copies = self.outer.compute_copies
         if copies is None:
             return []

@@ -11,6 +11,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 SCENARIOS = [
     "o2_by_hand",
+    "optimizers",
     "dtypes_bf16_mixed",
     "dtypes_bf16_true",
     "collectives_fp32_norms",
@@ -148,3 +149,24 @@ def test_bf16_mixed_is_the_recipes_o2_written_out_by_hand_bit_for_bit(ranks):
         facts = rank["o2_by_hand"]
         assert facts["losses"] == facts["by_hand"] and len(facts["losses"]) == 3, facts
         assert facts["different"] == [] and facts["compared"] >= 20, facts
+
+
+def test_optimizers_that_step_shards_as_ddp_train_and_the_others_are_refused_at_setup(ranks):
+    """Rprop (elementwise: its local-shard step) and timm's LAMB (per-parameter norms, stepped on the DTensors) train
+    with DDP's losses; torch's Adafactor failed at the first ``optimizer.step()`` with DTensor's "in-place operations
+    that require placement changes" and an optimizer stepping a shard as the whole parameter trained with other
+    numbers, nothing said (found 2026-12-04 trying the optimizers users bring). Both are now refused at setup, before
+    any step, naming the optimizer and the fix (``precision/optimizer_probe.py``). Mutations seen failing: Rprop out
+    of ``ELEMENTWISE`` (DTensor has no rule for its ``_foreach_copy_``), the probe's comparison dropped (shard_blind
+    trains), the probe removed (Adafactor fails at its first step)."""
+    for rank in ranks:
+        found = rank["optimizers"]
+        for name in ("rprop", "lamb"):
+            ours, ddp = found[f"{name}/vitscale"], found[f"{name}/ddp"]
+            assert "error" not in ours and len(ours["losses"]) == 3, ours
+            assert max(abs(a - b) for a, b in zip(ours["losses"], ddp["losses"])) <= 1e-5, (name, ours, ddp)
+        for name, cause in (("adafactor", "its step on a DTensor raised"), ("shard_blind", "other than on the whole")):
+            ours = found[f"{name}/vitscale"]
+            assert ours["losses"] == [] and ours["error"].startswith("UnshardableOptimizerError"), ours
+            assert cause in ours["error"] and 'strategy="ddp"' in ours["error"], ours["error"]
+            assert "error" not in found[f"{name}/ddp"]

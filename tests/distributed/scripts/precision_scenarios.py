@@ -10,6 +10,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vitscale import VitScalePrecision, VitScaleStrategy
@@ -247,8 +248,74 @@ def o2_by_hand(flag: str = "bf16-mixed") -> dict:
     return compare_with_o2_by_hand(trainer, flag)
 
 
+class ShardBlindSGD(torch.optim.Optimizer):
+    """Normalized SGD written for whole tensors that steps a DTensor through its local shard: each shard normalized by
+    its own norm, other numbers than DDP's and nothing raised (what a step reading ``to_local()`` does)."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            self._update()
+        return loss
+
+    def _update(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    local = p.to_local() if isinstance(p, DTensor) else p
+                    grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    local.sub_(group["lr"] * grad / (grad.norm() + 1e-6))
+
+
+class WithOptimizer(Classifier):
+    def __init__(self, make) -> None:
+        super().__init__("timm")
+        self.make = make
+
+    def configure_optimizers(self):
+        return self.make(self.parameters())
+
+
+def timm_lamb(params) -> torch.optim.Optimizer:
+    from timm.optim import Lamb
+
+    return Lamb(params, lr=1e-2)
+
+
+OPTIMIZERS = {
+    "rprop": lambda params: torch.optim.Rprop(params, lr=1e-3),  # elementwise: steps the local shards
+    "lamb": lambda params: timm_lamb(params),  # per-parameter norms: steps the DTensors
+    "adafactor": lambda params: torch.optim.Adafactor(params, lr=1e-2),  # no DTensor rule for its in-place pow_
+    "shard_blind": lambda params: ShardBlindSGD(params),  # steps shards as wholes: other numbers
+}
+
+
+def optimizers() -> dict:
+    """Each optimizer through ``Trainer.fit`` for 3 steps under DDP and VitScaleStrategy: the losses, or the error
+    (and how many steps ran before it)."""
+    found = {}
+    for name, make in OPTIMIZERS.items():
+        for strategy in ("ddp", "vitscale"):
+            L.seed_everything(0, verbose=False)
+            model = WithOptimizer(make)
+            t = trainer(max_steps=3, strategy=VitScaleStrategy() if strategy == "vitscale" else "ddp")
+            try:
+                t.fit(model, loader(n=32))
+                found[f"{name}/{strategy}"] = {"losses": model.losses}
+            except Exception as error:  # noqa: BLE001 - the refusal is what the test reads
+                found[f"{name}/{strategy}"] = {"error": f"{type(error).__name__}: {error}", "losses": model.losses}
+    return found
+
+
 SCENARIOS = {
     "o2_by_hand": o2_by_hand,
+    "optimizers": optimizers,
     "dtypes_bf16_mixed": lambda: dtypes("bf16-mixed"),
     "dtypes_bf16_true": lambda: dtypes("bf16-true"),
     "collectives_fp32_norms": lambda: collectives(True),

@@ -111,19 +111,24 @@ def test_state_replaced_during_a_step_reaches_the_dtensor_state(mesh) -> None:
     assert isinstance(untouched, DTensor)
 
 
-def test_other_optimizers_and_gradients_placed_otherwise_keep_the_dtensor_step(mesh) -> None:
+def test_differentiable_steps_and_gradients_placed_otherwise_keep_the_dtensor_step(mesh) -> None:
+    """And on one rank (this mesh) any other optimizer steps the local tensors, each a whole parameter there (on
+    several ranks only the elementwise ones do: ``tests/distributed/test_precision.py``)."""
     model = _sharded(mesh)
 
     class MyAdamW(torch.optim.AdamW):  # may override step with anything
         pass
 
-    kept = [torch.optim.Adafactor(model.parameters()), MyAdamW(model.parameters()),
-            torch.optim.AdamW(model.parameters(), differentiable=True),
+    kept = [torch.optim.AdamW(model.parameters(), differentiable=True),
             torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)]  # no DTensor at all
+    whole = [torch.optim.Adafactor(model.parameters()), MyAdamW(model.parameters())]
     _train(model, torch.optim.SGD(model.parameters(), lr=0.1), 1, local=True)  # every parameter has a gradient
     for optimizer in kept:
         with on_local_shards(optimizer) as swapped:
             assert swapped is False and isinstance(optimizer.param_groups[0]["params"][0], DTensor | nn.Parameter)
+    for optimizer in whole:
+        with on_local_shards(optimizer) as swapped:
+            assert swapped is True and not isinstance(optimizer.param_groups[0]["params"][0], DTensor)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     param = next(model.parameters())
     param.grad = DTensor.from_local(torch.ones_like(param._local_tensor), mesh, [Replicate()], run_check=False)
