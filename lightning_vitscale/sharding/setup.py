@@ -58,6 +58,7 @@ from lightning_vitscale.sharding.planning import (
     plan_before_sharding,
     plans_from_batch,
 )
+from lightning_vitscale.sharding.refused_callbacks import refuse_unshardable_callbacks
 from lightning_vitscale.sharding.resolved import (
     ResolvedConfig,
     compile_at_first_step,
@@ -357,6 +358,8 @@ def shard_lightning_module(
     signature = sharding_signature(
         resolved.requested, precision.policy, ranks.sharding_mesh.size(), ranks.device, kernels=resolved.kernels
     )
+    if fitting is not None:
+        refuse_unshardable_callbacks(fitting.callbacks)
     sharded: ShardedModel | None = module.__dict__.get(_SHARDED_ATTR)
     if sharded is None:
         batch = planning_batch(module, fitting)

@@ -98,3 +98,60 @@ def test_averaging_checkpoints_are_refused_not_silently_partial(mesh):
     assert shard_averaged_copies([callback], model, torch.device("cpu")) == 1
     with pytest.raises(ValueError, match="cannot be checkpointed under VitScaleStrategy"):
         callback.on_save_checkpoint(None, model, {})  # a manual trainer.save_checkpoint
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_backbone_unfrozen_during_fit_trains_on_one_device_as_without_the_strategy(precision):
+    """``BackboneFinetuning`` on one device: the backbone frozen at setup (the copies the step computes on, the flat
+    optimizer step laid out for the head alone), unfrozen at epoch 1 with a param group of its own added to the
+    optimizer: the losses of the same fit without the strategy (2 ranks: ``tests/distributed/test_dropin.py``)."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+    from torch.utils.data import DataLoader
+
+    from tests.helpers.models import CLASSES, random_images
+
+    class FineTuned(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.backbone, self.head = EncoderClassifier(dropout=0.0), nn.Linear(CLASSES, CLASSES)
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            loss = nn.functional.cross_entropy(self.head(self.backbone(batch[0])), batch[1])
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+    def fit(strategy) -> list[float]:
+        model = FineTuned()
+        callback = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.1)
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_epochs=3,
+                            limit_train_batches=2, callbacks=[callback], logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+        trainer.fit(model, DataLoader(random_images(32), batch_size=8))
+        return model.losses
+
+    ours, plain = fit(VitScaleStrategy()), fit("auto")
+    assert len(ours) == 6 and ours[3:] != ours[:3]
+    assert ours == pytest.approx(plain, rel=1e-5 if precision == "32-true" else 2e-2)
+
+
+def test_model_pruning_is_refused_at_setup_naming_the_fix(tmp_path):
+    """Lightning's ``ModelPruning`` failed at the end of the first epoch, after it trained, with DTensor's "Sharding
+    propagation failed for aten.index.Tensor" (found 2026-12-04 trying Lightning's callbacks); it is refused when the
+    fit sets up, before any step. Mutation seen failing: the check removed (the epoch trains, then DTensor's error)."""
+    from lightning.pytorch.callbacks import ModelPruning
+    from torch.utils.data import DataLoader
+
+    from tests.helpers.models import random_images
+
+    model = Classifier("encoder")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(), max_epochs=1, limit_train_batches=2,
+                        callbacks=[ModelPruning("l1_unstructured", amount=0.3)], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match="ModelPruning callback.*Prune the trained model instead"):
+        trainer.fit(model, DataLoader(random_images(8), batch_size=4))
+    assert model.losses == []

@@ -275,6 +275,42 @@ def gradient_norms() -> dict:
     return found
 
 
+class FineTuned(L.LightningModule):
+    """A backbone and a head, the backbone frozen by ``BackboneFinetuning`` before setup and unfrozen at epoch 1
+    (its parameters then join the optimizer as a param group of their own), as Lightning's docs of it show."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.helpers.models import CLASSES, EncoderClassifier
+
+        torch.manual_seed(0)
+        self.backbone, self.head = EncoderClassifier(dropout=0.0), torch.nn.Linear(CLASSES, CLASSES)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.head(self.backbone(x)), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+def backbone_finetuning() -> dict:
+    """A global batch of 8 (its share per rank), 3 epochs of 2 steps: each step's loss averaged over the ranks."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    model = FineTuned()
+    callback = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.1)
+    trainer(max_epochs=3, limit_train_batches=2, callbacks=[callback]).fit(model, loader(n=32, batch_size=8 // world))
+    losses = torch.tensor(model.losses)
+    if world > 1:
+        torch.distributed.all_reduce(losses)
+    return {"losses": (losses / world).tolist()}
+
+
 def one_rank_call() -> dict:
     """Only rank 0 calls the model after fit: it must fail within the timeout, saying why (VitScaleStrategy only)."""
     L.seed_everything(0, verbose=False)
@@ -314,6 +350,7 @@ COMPARED = {
     "stochastic_weight_averaging": stochastic_weight_averaging,
     "sync_batchnorm": sync_batchnorm,
     "gradient_norms": gradient_norms,
+    "backbone_finetuning": backbone_finetuning,
 }
 SCENARIOS = {f"{name}/{s}": under(s, fn) for name, fn in COMPARED.items() for s in ("ddp", "vitscale")}
 SCENARIOS["one_rank_call/vitscale"] = under("vitscale", one_rank_call)  # last: these time out
