@@ -27,9 +27,26 @@ CHECKPOINT_MODES: tuple[CheckpointMode, ...] = ("full", "selective")
 _MARK = "_vitscale_checkpointed"
 
 
+_PARENT_MARK = "_vitscale_checkpointed_by_parent"
+
+
 def is_self_checkpointing(block: nn.Module) -> bool:
-    """HF `transformers` layers checkpoint their own forward when `gradient_checkpointing_enable()` is on."""
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in block.modules())
+    """The model checkpoints ``block`` itself: HF `transformers` layers their own forward when
+    ``gradient_checkpointing_enable()`` is on; timm models their blocks from the parent's forward when
+    ``set_grad_checkpointing()`` is on (marked by :func:`mark_parent_checkpointing`)."""
+    return getattr(block, _PARENT_MARK, False) or any(
+        getattr(m, "gradient_checkpointing", False) is True for m in block.modules())
+
+
+def mark_parent_checkpointing(model: nn.Module) -> None:
+    """Mark every module below one whose ``grad_checkpointing`` is on (timm's ``set_grad_checkpointing()``: its
+    forward runs each block under ``torch.utils.checkpoint``), so that no block there is checkpointed a second time
+    (a nested checkpoint's hooks for nothing) and the summary and the planner describe the step that runs."""
+    for parent in model.modules():
+        if getattr(parent, "grad_checkpointing", False) is True:
+            for module in parent.modules():
+                if module is not parent:
+                    setattr(module, _PARENT_MARK, True)
 
 
 def _checkpointed_forward(original_forward, mode: CheckpointMode, owners: list[nn.Module], *args: Any,

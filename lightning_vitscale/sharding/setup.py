@@ -47,7 +47,11 @@ from lightning_vitscale.precision import (
     refuse_unshardable,
 )
 from lightning_vitscale.sharding import plain_copy
-from lightning_vitscale.sharding.activation_checkpointing import CHECKPOINT_MODES, apply_activation_checkpointing
+from lightning_vitscale.sharding.activation_checkpointing import (
+    CHECKPOINT_MODES,
+    apply_activation_checkpointing,
+    mark_parent_checkpointing,
+)
 from lightning_vitscale.sharding.buffer_sync import BufferSync
 from lightning_vitscale.sharding.gradient_sync import gradient_sync_off, unsharded_gradient_bytes
 from lightning_vitscale.sharding.outer_unit import OuterUnit, SecondBackwardError, outer_unit_parameters, reshard_units
@@ -379,6 +383,7 @@ def _shard(
     creation: Creation | None, signature: dict[str, Any], batch: PlanningBatch | None, trainer: Any | None = None,
 ) -> ShardedModel:
     refuse_uninitialized(module)
+    mark_parent_checkpointing(module)  # before the planner: its blocks are the model's to checkpoint
     # 1. Master weights in the master dtype (norms keep theirs). No `module.to(device)`: FSDP moves each unit's
     #    shards to the device as it shards the unit, so no rank ever holds the whole model on the device.
     module = precision.convert_module(module)

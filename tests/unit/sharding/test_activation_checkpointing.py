@@ -206,3 +206,34 @@ def test_a_model_checkpointing_itself_trains_as_it_would_with_ddp_whatever_check
     summary = trainer.strategy.plan.summary()
     assert "self-checkpointing  : 4 blocks (left as the model set them)" in summary, summary
     assert "checkpointed blocks : 0 of 4" in summary and "predicted peak" in summary, summary
+
+
+@pytest.mark.parametrize("asked", [{"priority": "memory"}, {"activation_checkpointing": "selective"}])
+def test_blocks_a_timm_model_checkpoints_are_not_checkpointed_again(asked):
+    """timm's ``set_grad_checkpointing()`` runs each block under ``torch.utils.checkpoint`` from the parent's forward;
+    the strategy wrapped a second checkpoint inside it (torch's nesting reruns no more forwards, but each block
+    paid two checkpoints' hooks, and the summary and the planner counted the strategy's). Left to the model, as HF's:
+    DDP's losses, one recompute, the summary says so. Mutation seen failing: ``mark_parent_checkpointing`` not
+    called (``checkpointed blocks : 4 of 4``)."""
+    import lightning as L
+
+    from lightning_vitscale import VitScaleStrategy
+    from tests.helpers.models import Classifier, loader
+
+    def fit(strategy) -> tuple[list[float], L.Trainer, list[int]]:
+        torch.manual_seed(0)
+        model = Classifier("timm")
+        model.backbone.set_grad_checkpointing(True)
+        calls: list[int] = []
+        model.backbone.blocks[1].attn.register_forward_pre_hook(lambda *_: calls.append(model.global_step))
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, loader(12, batch_size=4))
+        return model.losses, trainer, calls
+
+    losses, trainer, calls = fit(VitScaleStrategy(**asked))
+    assert losses == pytest.approx(fit("ddp")[0], rel=1e-5)
+    assert calls.count(1) == 2, calls  # its attention in the second step: the forward and timm's recompute
+    summary = trainer.strategy.plan.summary()
+    assert "self-checkpointing  : 4 blocks (left as the model set them)" in summary, summary
+    assert "checkpointed blocks : 0 of 4" in summary, summary
