@@ -47,12 +47,7 @@ def to_row_shards(root: nn.Module, mesh: DeviceMesh, device: torch.device, skip:
         for name, param in list(params.items()):
             if param is None or id(param) in skip or isinstance(param, DTensor):
                 continue
-            if id(param) not in made:
-                if param.dim() == 0:
-                    raise ValueError(
-                        f"{type(module).__name__}.{name} is a scalar parameter, which FSDP2 cannot shard. Make it a"
-                        " 1-D tensor with one element (`nn.Parameter(torch.tensor([value]))`)."
-                    )
+            if id(param) not in made:  # no 0-dim one: setup refused them (parallelize.refuse_unshardable_parameters)
                 local = param.detach() if param.is_meta else param.detach().to(device)  # meta: the init fills it
                 sharded = DTensor.from_local(local, mesh, placements, run_check=False)
                 made[id(param)] = nn.Parameter(sharded, requires_grad=param.requires_grad)

@@ -143,18 +143,31 @@ def select_units(model: nn.Module, selector: ModuleSelector | None, calls: Calls
     return units
 
 
-def refuse_uninitialized(model: nn.Module) -> None:
-    """A lazy module's parameters (``nn.LazyLinear``) have no shape until a forward: FSDP cannot shard them, and every
-    later step (the planner's, FSDP2's) fails on them with torch's words. DDP refuses them at setup too."""
-    lazy = [name for name, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+def refuse_unshardable_parameters(model: nn.Module) -> None:
+    """Parameters FSDP2 cannot shard, refused before the planner measures anything, naming them and the fix: a lazy
+    module's (``nn.LazyLinear``: no shape until a forward; DDP refuses them at setup too), and 0-dim ones (a
+    learnable temperature, CLIP's ``logit_scale``: FSDP2 shards along dim 0)."""
+    named = list(model.named_parameters())
+    lazy = [name for name, p in named if isinstance(p, nn.parameter.UninitializedParameter)]
     if lazy:
-        shown = ", ".join(lazy[:3]) + (f", ... +{len(lazy) - 3}" if len(lazy) > 3 else "")
         raise ValueError(
-            f"{type(model).__name__} has {len(lazy)} uninitialized parameter(s) ({shown}) of lazy modules"
+            f"{type(model).__name__} has {len(lazy)} uninitialized parameter(s) ({_shown(lazy)}) of lazy modules"
             " (nn.LazyLinear and the like), which VitScaleStrategy cannot shard before they have a shape. Run the"
             " model once on a batch before `trainer.fit` (as DDP requires), or build those layers with their input"
             " size (e.g. nn.Linear(in_features, out_features))."
         )
+    scalars = [name for name, p in named if p.dim() == 0]
+    if scalars:
+        raise ValueError(
+            f"{type(model).__name__} has {len(scalars)} 0-dim parameter(s) ({_shown(scalars)}), which FSDP2 cannot"
+            " shard (it splits parameters along their first dimension). Make each a one-element tensor, e.g."
+            " nn.Parameter(torch.tensor([2.0])) for nn.Parameter(torch.tensor(2.0)) (broadcasting gives the same"
+            " results), or train this model with strategy=\"ddp\"."
+        )
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f", ... +{len(names) - 3}" if len(names) > 3 else "")
 
 
 def _reused_instead_of_blocks(

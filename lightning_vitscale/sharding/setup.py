@@ -55,7 +55,7 @@ from lightning_vitscale.sharding.activation_checkpointing import (
 from lightning_vitscale.sharding.buffer_sync import BufferSync
 from lightning_vitscale.sharding.gradient_sync import gradient_sync_off, unsharded_gradient_bytes
 from lightning_vitscale.sharding.outer_unit import OuterUnit, SecondBackwardError, outer_unit_parameters, reshard_units
-from lightning_vitscale.sharding.parallelize import Parallelized, parallelize, refuse_uninitialized
+from lightning_vitscale.sharding.parallelize import Parallelized, parallelize, refuse_unshardable_parameters
 from lightning_vitscale.sharding.planning import (
     agreed_budget,
     apply_auto_choice,
@@ -382,7 +382,7 @@ def _shard(
     module: nn.Module, resolved: ResolvedConfig, precision: VitScalePrecision, ranks: RankContext,
     creation: Creation | None, signature: dict[str, Any], batch: PlanningBatch | None, trainer: Any | None = None,
 ) -> ShardedModel:
-    refuse_uninitialized(module)
+    refuse_unshardable_parameters(module)
     mark_parent_checkpointing(module)  # before the planner: its blocks are the model's to checkpoint
     # 1. Master weights in the master dtype (norms keep theirs). No `module.to(device)`: FSDP moves each unit's
     #    shards to the device as it shards the unit, so no rank ever holds the whole model on the device.
