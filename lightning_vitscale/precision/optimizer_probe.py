@@ -36,9 +36,11 @@ def refuse_unshardable(optimizers: Sequence[torch.optim.Optimizer]) -> None:
     for optimizer in optimizers:
         if steps_locally(optimizer) or isinstance(optimizer, torch.optim.LBFGS):
             continue  # local shards (element for element, or whole on one rank); LBFGS: not probed
-        sharded = next((p for g in optimizer.param_groups for p in g["params"] if isinstance(p, DTensor)), None)
-        if sharded is None:
+        placed = [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, DTensor)]
+        if not placed:
             continue
+        # A sharded one if any: an fp32 norm's parameter is replicated, where a step may work that fails on shards
+        sharded = next((p for p in placed if not all(pl.is_replicate() for pl in p.placements)), placed[0])
         problem = _probe(type(optimizer), optimizer.defaults, sharded)
         if problem is not None:
             name = type(optimizer).__name__

@@ -158,14 +158,17 @@ def test_optimizers_that_step_shards_as_ddp_train_and_the_others_are_refused_at_
     numbers, nothing said (found 2026-12-04 trying the optimizers users bring). Both are now refused at setup, before
     any step, naming the optimizer and the fix (``precision/optimizer_probe.py``). Mutations seen failing: Rprop out
     of ``ELEMENTWISE`` (DTensor has no rule for its ``_foreach_copy_``), the probe's comparison dropped (shard_blind
-    trains), the probe removed (Adafactor fails at its first step)."""
+    trains), the probe removed (Adafactor fails at its first step), the probe placed as the optimizer's first
+    parameter (a replicated norm's, whole on every rank: shard_blind with the norms first trains)."""
     for rank in ranks:
         found = rank["optimizers"]
         for name in ("rprop", "lamb"):
             ours, ddp = found[f"{name}/vitscale"], found[f"{name}/ddp"]
             assert "error" not in ours and len(ours["losses"]) == 3, ours
             assert max(abs(a - b) for a, b in zip(ours["losses"], ddp["losses"])) <= 1e-5, (name, ours, ddp)
-        for name, cause in (("adafactor", "its step on a DTensor raised"), ("shard_blind", "other than on the whole")):
+        refused = {"adafactor": "its step on a DTensor raised", "shard_blind": "other than on the whole",
+                   "shard_blind_norms_first": "other than on the whole"}
+        for name, cause in refused.items():
             ours = found[f"{name}/vitscale"]
             assert ours["losses"] == [] and ours["error"].startswith("UnshardableOptimizerError"), ours
             assert cause in ours["error"] and 'strategy="ddp"' in ours["error"], ours["error"]

@@ -282,6 +282,10 @@ class WithOptimizer(Classifier):
         return self.make(self.parameters())
 
 
+def _replicated(param: torch.Tensor) -> bool:
+    return isinstance(param, DTensor) and all(placement.is_replicate() for placement in param.placements)
+
+
 def timm_lamb(params) -> torch.optim.Optimizer:
     from timm.optim import Lamb
 
@@ -292,7 +296,9 @@ OPTIMIZERS = {
     "rprop": lambda params: torch.optim.Rprop(params, lr=1e-3),  # elementwise: steps the local shards
     "lamb": lambda params: timm_lamb(params),  # per-parameter norms: steps the DTensors
     "adafactor": lambda params: torch.optim.Adafactor(params, lr=1e-2),  # no DTensor rule for its in-place pow_
+    # bf16-mixed, the fp32 norms' replicated parameters first (a shard is the whole): the probe must shard its own
     "shard_blind": lambda params: ShardBlindSGD(params),  # steps shards as wholes: other numbers
+    "shard_blind_norms_first": lambda params: ShardBlindSGD(sorted(params, key=lambda p: not _replicated(p))),
 }
 
 
@@ -304,7 +310,9 @@ def optimizers() -> dict:
         for strategy in ("ddp", "vitscale"):
             L.seed_everything(0, verbose=False)
             model = WithOptimizer(make)
-            t = trainer(max_steps=3, strategy=VitScaleStrategy() if strategy == "vitscale" else "ddp")
+            precision = "bf16-mixed" if name.endswith("norms_first") else "32-true"
+            t = trainer(max_steps=3, strategy=VitScaleStrategy() if strategy == "vitscale" else "ddp",
+                        precision=precision)
             try:
                 t.fit(model, loader(n=32))
                 found[f"{name}/{strategy}"] = {"losses": model.losses}
