@@ -8,6 +8,7 @@ Usage (ranks started by torch's launcher; ~3 min for the 45 cases on 2 cores)::
 
     python -m torch.distributed.run --nproc-per-node=2 benchmarks/habits_sweep.py --json habits.json
     python -m torch.distributed.run --nproc-per-node=2 benchmarks/habits_sweep.py --only optimizer/
+    python -m torch.distributed.run --nproc-per-node=2 benchmarks/habits_sweep.py --precision bf16-mixed
 
 ``benchmarks/backbone_sweep.py`` tries published architectures as they come; this tries what users change on them.
 The defects it found were fixed with a test each (``CHANGELOG.md``, 2026-12-04); ``backbone_finetuning`` differs
@@ -247,12 +248,16 @@ class Module(L.LightningModule):
         return self.case.optimizer([p for p in self.parameters() if p.requires_grad])
 
 
+PRECISION = "32-true"  # --precision
+
+
 def fit(case: Case, strategy) -> list[float]:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 3, IMAGE, IMAGE, generator=g), torch.randint(0, CLASSES, (64,), generator=g))
     options = {"max_steps": 3, **case.trainer}
     model = Module(case)
     L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, logger=False,
+              precision=PRECISION,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
               callbacks=case.callbacks(), **options).fit(model, DataLoader(data, batch_size=4))
     losses = torch.tensor(model.losses)
@@ -282,7 +287,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", action="append", default=[], help="cases whose name starts with this (repeatable)")
     parser.add_argument("--json", help="write the rows here (rank 0)")
+    parser.add_argument("--precision", default="32-true", help="bf16-mixed: DDP's AMP O1 against the recipe's O2")
     args = parser.parse_args()
+    global PRECISION
+    PRECISION = args.precision
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     torch.set_num_threads(1)
@@ -295,7 +303,8 @@ def main() -> None:
             print(f"{name:50s} " + " | ".join(c for c in cells if c))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"torch": torch.__version__, "lightning": L.__version__, "rows": rows}, f, indent=1)
+                json.dump({"torch": torch.__version__, "lightning": L.__version__, "precision": PRECISION,
+                           "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
