@@ -34,6 +34,7 @@ from lightning_vitscale.memory import (
 from lightning_vitscale.memory.collectives import ring_bytes
 from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, least_memory, search
 from lightning_vitscale.precision import PrecisionPolicy
+from lightning_vitscale.sharding.activation_checkpointing import is_self_checkpointing
 from lightning_vitscale.sharding.parallelize import select_units
 from lightning_vitscale.sharding.resolved import ResolvedConfig
 from lightning_vitscale.sharding.settings import ShardingPolicy
@@ -275,12 +276,15 @@ def offloads(sharding: ShardingPolicy, device: torch.device) -> bool:
 def apply_auto_choice(module: nn.Module, auto: AutoCheckpointing, summary: SetupSummary) -> None:
     """``"auto"``'s choice applied to the units (see :func:`keep_gathered`) and put into the summary."""
     choice = auto.choice
+    own = []  # blocks the model checkpoints itself: the plan may name them, the pipeline leaves them to the model
     if choice is not None:
-        summary.checkpointed = choice.names
-        summary.selective = [name for name, mode in choice.modes.items() if mode == "selective"]
+        own = [name for name in choice.names if is_self_checkpointing(module.get_submodule(name))]
+        summary.checkpointed = [name for name in choice.names if name not in own]
+        summary.selective = [name for name, mode in choice.modes.items() if mode == "selective" and name not in own]
         summary.predicted_peak = choice.plan.chosen.breakdown.peak if choice.plan is not None else None
         keep_gathered(module, choice.kept_gathered)
-    summary.memory = auto.describe()
+    summary.memory = auto.describe() + (f"; {len(own)} of the blocks it checkpoints do so themselves (left as the"
+                                        " model set them)" if own else "")
 
 
 def keep_gathered(module: nn.Module, names: Sequence[str]) -> None:

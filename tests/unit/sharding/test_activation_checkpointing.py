@@ -181,12 +181,14 @@ def test_a_block_with_buffers_recomputes_again_for_a_second_backward():
 
 
 @pytest.mark.parametrize("asked", [{"priority": "memory"}, {"activation_checkpointing": True},
-                                   {"activation_checkpointing": "selective"}])
+                                   {"activation_checkpointing": "selective"}, {"memory_budget": 300_000}])
 def test_a_model_checkpointing_itself_trains_as_it_would_with_ddp_whatever_checkpointing_is_asked(asked):
     """HF's ``gradient_checkpointing_enable()`` with checkpointing asked of the strategy: the blocks are left to their
     own (no second recompute), and setup predicted the step with neither (the block measured under ours only):
     ``ValueError: ... was measured for ['full'] only, not 'none'`` at setup. Found 2026-12-04 running new layouts
-    through ``Trainer.fit``. Mutation seen failing: ``ResolvedConfig.checkpoint_mode`` ignoring self-checkpointing."""
+    through ``Trainer.fit``. A budget no plan fits (the planner then checkpoints every block) named the blocks as
+    the strategy's. Mutations seen failing: ``ResolvedConfig.checkpoint_mode`` ignoring self-checkpointing (setup
+    raises), ``apply_auto_choice`` counting them (``checkpointed blocks : 4 of 4``)."""
     import lightning as L
 
     from lightning_vitscale import VitScaleStrategy
@@ -206,6 +208,8 @@ def test_a_model_checkpointing_itself_trains_as_it_would_with_ddp_whatever_check
     summary = trainer.strategy.plan.summary()
     assert "self-checkpointing  : 4 blocks (left as the model set them)" in summary, summary
     assert "checkpointed blocks : 0 of 4" in summary and "predicted peak" in summary, summary
+    if "memory_budget" in asked:
+        assert "4 of the blocks it checkpoints do so themselves" in summary, summary
 
 
 @pytest.mark.parametrize("asked", [{"priority": "memory"}, {"activation_checkpointing": "selective"}])
