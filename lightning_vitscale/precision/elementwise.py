@@ -31,8 +31,9 @@ def steps_locally(optimizer: torch.optim.Optimizer) -> bool:
         return True
     if isinstance(optimizer, torch.optim.LBFGS):
         return False  # its step calls the closure again (the plugin leaves it to Lightning's path)
-    meshes = (p.device_mesh for group in optimizer.param_groups for p in group["params"] if isinstance(p, DTensor))
-    return all(mesh.size() == 1 for mesh in meshes)
+    # Called every step: the first DTensor's mesh is the run's (its norms' replicas and its shards share it).
+    first = next((p for group in optimizer.param_groups for p in group["params"] if isinstance(p, DTensor)), None)
+    return first is None or first.device_mesh.size() == 1
 
 
 # torch's optimizers whose fused step takes ``found_inf`` (an attribute, as ``GradScaler`` sets it) and then leaves
