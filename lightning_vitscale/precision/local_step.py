@@ -41,7 +41,8 @@ def on_local_shards(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
 def init_state_locally(optimizer: torch.optim.Optimizer) -> None:
     """torch DCP's ``_init_optim_state`` (one step with zero gradients at lr 0, which DCP's save and load run on a
     fresh optimizer) on the local tensors, for an optimizer that steps them without a DTensor rule for its own step
-    (Adafactor on one rank): DCP's would step the DTensors and fail. Elementwise ones are left to DCP."""
+    (Adafactor on one rank): DCP's would step the DTensors and fail. Elementwise ones are left to DCP. Not DCP's own
+    function inside :func:`on_local_shards`: the local tensors do not require grad, so it gives them no gradient."""
     if optimizer.state or is_elementwise(optimizer) or not steps_locally(optimizer):
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
