@@ -118,6 +118,7 @@ PRIVATE_NAMES = {
     "torch.distributed.tensor.DTensor._local_tensor": "the local shard without an autograd node; flat masters",
     "torch._utils._unflatten_dense_tensors": "flat groups: views shaped as each parameter in one C++ call",
     "torch.distributed.tensor.DTensor._spec": "a gradient laid out as its parameter, every step",
+    "torch._C.TensorBase.data": "torch's own `.data` getter, under the in-place setter (sharding/parameter_writes.py)",
     "torch.nn.modules.batchnorm._BatchNorm": "norm detection and SyncBatchNorm conversion",
     "torch.nn.modules.instancenorm._InstanceNorm": "norm detection",
     "torch.nn.Module._parameters": "a module's own parameter slots, written without the nn.Parameter check",
@@ -272,6 +273,11 @@ def unsaved_buffer_names(module: torch.nn.Module) -> set[str]:
 
 def tensor_version(tensor: torch.Tensor) -> int:
     return tensor._version
+
+
+def plain_data(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.data`` as torch makes it, for a subclass that overrides the ``data`` property's setter."""
+    return torch._C.TensorBase.data.__get__(tensor)  # type: ignore[attr-defined]
 
 
 def hook_counts(module: torch.nn.Module) -> tuple[int, int, int, int]:

@@ -15,6 +15,7 @@ fp32 sums in the same order.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -30,8 +31,10 @@ from lightning_vitscale._compat import (
     foreach_copy_,
     parameter_slots,
     queue_end_of_backward,
+    tensor_version,
 )
 from lightning_vitscale.precision.flat_step import FlatGroup
+from lightning_vitscale.sharding.parameter_writes import AssignableParameter, carry_copy_writes
 
 Slot = tuple[nn.Module, str, int]  # owner, attribute, index of its parameter
 
@@ -62,10 +65,20 @@ class _Group:
         self.params = params
         sizes = [p.numel() for p in params]
         self.flat = torch.empty(sum(sizes), dtype=dtype, device=dtensor_local(params[0]).device)
-        self.nbytes = self.flat.untyped_storage().nbytes()
-        self.copies: list[torch.Tensor] = [nn.Parameter(view.view(p.shape), requires_grad=p.requires_grad)
-                                           for view, p in zip(self.flat.split(sizes), params)]
-        self.flat.untyped_storage().resize_(0)
+        storage = self.flat.untyped_storage()
+        self.nbytes = storage.nbytes()
+        # Tensors on the buffer's storage, not views of it: each keeps a version counter of its own, as a parameter
+        # under DDP does, so a step's write to one copy (a momentum encoder's) neither trips autograd's check on
+        # another saved for backward nor hides which one was written (``parameter_writes.py``, whose ``.data = v``
+        # setter the copies get).
+        offsets = [0, *itertools.accumulate(sizes)]
+        self.copies: list[torch.Tensor] = [
+            AssignableParameter(self.flat.new_empty(0).set_(storage, offset, p.shape, _contiguous_strides(p.shape)),
+                                requires_grad=p.requires_grad)
+            for offset, p in zip(offsets, params)
+        ]
+        self.filled_versions: list[int] = []  # each copy's version after the last fill: a later one, a step's write
+        storage.resize_(0)
 
     @torch.no_grad()
     def fill(self) -> None:
@@ -73,9 +86,26 @@ class _Group:
         if storage.nbytes() != self.nbytes:
             storage.resize_(self.nbytes)
         foreach_copy_(self.copies, [dtensor_local(p) for p in self.params])
+        self.filled_versions = [tensor_version(copy) for copy in self.copies]
+
+    def carry_writes(self, root: nn.Module) -> None:
+        written = [i for i, (copy, version) in enumerate(zip(self.copies, self.filled_versions))
+                   if tensor_version(copy) != version]
+        if written:
+            carry_copy_writes([self.copies[i] for i in written], [self.params[i] for i in written], root)
+            self.filled_versions = [tensor_version(copy) for copy in self.copies]
 
     def free(self) -> None:
         self.flat.untyped_storage().resize_(0)
+
+
+def _contiguous_strides(shape: torch.Size) -> list[int]:
+    strides: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        strides.insert(0, step)
+        step *= max(size, 1)
+    return strides
 
 
 class ComputeCopies:
@@ -152,6 +182,14 @@ class ComputeCopies:
             self.free()
         if self.on_release is not None:
             self.on_release()
+
+    def carry_writes(self, root: nn.Module) -> None:
+        """Writes to the copies since they were filled (a ``training_step`` updating a momentum encoder, normalizing
+        a weight) carried to the parameters: the copies are this step's, refilled at the next."""
+        if not self.gathered:
+            return
+        for group in self._groups:
+            group.carry_writes(root)
 
     def free(self) -> None:
         """The copies' memory, unless the modules hold them. A graph kept for a second backward

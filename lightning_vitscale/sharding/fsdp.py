@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar, cast
 
 import torch
@@ -73,13 +73,20 @@ def group_blocks(blocks: list[T], per_unit: int, unit_of: Sequence[int] | None =
     return groups
 
 
-def set_prefetch(units: list[FSDPModule], depth: int) -> None:
-    """Each unit (outer first, then the blocks in forward order) issues the next ``depth`` units' all-gathers in
-    forward, and the previous ``depth`` blocks' in backward; ``0`` leaves FSDP2's implicit prefetch."""
+def set_prefetch(units: list[FSDPModule], depth: int, same_call: Callable[[FSDPModule, FSDPModule], bool]) -> None:
+    """Each block unit (``units``: outer first, then the blocks in forward order) issues the next ``depth`` units'
+    all-gathers in forward, and the previous ``depth`` blocks' in backward; ``0`` leaves FSDP2's implicit prefetch.
+
+    Not the outer unit: its forward is the whole ``training_step``, so a block gathered as it starts would be
+    gathered before the user's code in the step, and a write there to the block's parameters (a momentum encoder
+    updated before its forward, as lightly's examples do) would miss this step's forward, which DDP's sees. The
+    first block unit gathers as its own forward starts. For the same reason a unit prefetches only units that
+    ``same_call`` says one module call runs with it (blocks of one container: no user code between them), not a
+    second model's (a teacher's after a student's)."""
     if depth <= 0:
         return
     for index, unit in enumerate(units):
-        following = units[index + 1 : index + 1 + depth]
+        following = [u for u in units[index + 1 : index + 1 + depth] if same_call(unit, u)] if index >= 1 else []
         if following:
             unit.set_modules_to_forward_prefetch(following)
         blocks_before = units[max(1, index - depth) : index]  # the outer unit stays gathered for backward

@@ -17,6 +17,7 @@ within the strategy's ``timeout``, and nothing is sent on the model's process gr
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,11 +30,14 @@ from lightning_vitscale._compat import (
     current_backward_id,
     drop_partial_forwards,
     forward_hook_dicts,
+    fsdp_param_groups,
+    gathered_to_sharded,
     grouped_unit_states,
 )
 from lightning_vitscale.distributed import collective_guard
 from lightning_vitscale.sharding.buffer_sync import BufferSync
 from lightning_vitscale.sharding.compute_copies import ComputeCopies
+from lightning_vitscale.sharding.parameter_writes import GatheredWrites
 
 
 class OutsideStepCallError(RuntimeError):
@@ -76,6 +80,7 @@ class OuterUnit(nn.Module):
         self.buffer_sync: BufferSync | None = None  # a fit's, given by its setup (sharding/buffer_sync.py)
         self.compute_copies: ComputeCopies | None = None  # one rank, nothing to shard (sharding/compute_copies.py)
         self._grouped_states: list[Any] | None = None  # torch 2.11: units of several blocks (_compat)
+        self._writes: GatheredWrites | None = None  # FSDP2's path: a step's writes to the gathered outer unit
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         sync = self.buffer_sync
@@ -86,9 +91,12 @@ class OuterUnit(nn.Module):
         if copies is not None:
             self._gather_for_step()
             copies.keep_memory = True  # until the step's end, for a second backward through its graph
+        elif self._writes is not None:
+            self._writes.begin_step()
         failed = False
         try:
             output = self.module(*args, **kwargs)
+            self.carry_writes()
         except BaseException:
             failed = True
             if copies is not None:
@@ -103,6 +111,15 @@ class OuterUnit(nn.Module):
         if sync is not None:
             sync.after_forward(not getattr(self.module, "automatic_optimization", True))
         return self._complete_partial_units(output)
+
+    def carry_writes(self) -> None:
+        """Writes the step made to the outer unit's gathered parameters (or one rank's compute copies) carried to
+        the parameters (``parameter_writes.py``): at the step's end, and before a backward inside it (manual
+        optimization), which frees what was gathered."""
+        if self.compute_copies is not None:
+            self.compute_copies.carry_writes(self.module)
+        elif self._writes is not None:
+            self._writes.carry()
 
     def _complete_partial_units(self, output: Any) -> Any:
         """torch 2.11: a unit of several blocks that ran only some of them in this call is finished here, or its
@@ -131,6 +148,8 @@ class OuterUnit(nn.Module):
         if self._grouped_unit_states():  # torch 2.11 only; before FSDP's pre-forward, which prefetches a block unit
             self._hooks.append(self.register_forward_pre_hook(_drop_partial_units_before_step, prepend=True))
         self._owned = outer_unit_parameters(self.module)
+        if self.compute_copies is None:
+            self._track_writes()
         if not self._owned:
             return  # every parameter lives in a block unit: nothing of the outer unit to gather
         # Before FSDP's own pre-forward (prepend): a step starts from the sharded parameters the optimizer
@@ -148,6 +167,37 @@ class OuterUnit(nn.Module):
                                   (hooks, self._hooks[-1].id, self._leave, False)]
         if self.compute_copies is not None:
             self.compute_copies.on_release = self._toggle_entry_hooks
+
+    def _track_writes(self) -> None:
+        """Writes a step makes to gathered parameters carried to their shards (``parameter_writes.py``): the outer
+        unit's, recorded as the step starts, and each block unit's, recorded as its forward starts (after FSDP's
+        pre-forward hook: gathered by then) and forgotten when its forward ends resharded."""
+        units: list[tuple[Any, list[tuple[nn.Module, str]]]] = [(self, self._owned)]
+        index_of: dict[int, int] = {}
+        for module in self.module.modules():
+            groups = fsdp_param_groups(module) if isinstance(module, FSDPModule) else []
+            if not groups:
+                continue
+            slots = outer_unit_parameters(module)
+            if not slots:
+                continue
+            key = id(groups[0])  # the modules of one unit share its parameter group
+            if key not in index_of:
+                index_of[key] = len(units)
+                units.append((module, []))
+            units[index_of[key]][1].extend(slots)
+            index = index_of[key]
+            self._hooks.append(module.register_forward_pre_hook(partial(self._unit_gathered, index)))
+            self._hooks.append(module.register_forward_hook(partial(self._unit_done, index)))
+        self._writes = GatheredWrites(units, gathered_to_sharded, self.module)
+
+    def _unit_gathered(self, index: int, module: nn.Module, args: Any) -> None:
+        if self._in_step and self._writes is not None:
+            self._writes.record(index)
+
+    def _unit_done(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        if self._in_step and self._writes is not None:
+            self._writes.forget_if_resharded(index)
 
     def _gather_for_step(self) -> None:
         """One rank's compute copies in, for this step; the entry hooks out until they are released (the end of

@@ -108,7 +108,7 @@ def parallelize(
         skippable=resolved.sharding.find_unused_parameters,
     )
     # 5. Explicit prefetch once every unit exists: each unit starts the next one's all-gather.
-    overlap = apply_prefetch(units.all, resolved.prefetch, mesh, device)
+    overlap = apply_prefetch(units.all, resolved.prefetch, mesh, device, model)
     # 6. Last, once every unit holds its values: name what the meta path could not reproduce.
     init = InitFacts(*weights.finish(), not_reproduced=list(weights.not_reproduced))
     facts = PipelineFacts(

@@ -56,6 +56,7 @@ from lightning_vitscale.sharding.buffer_sync import BufferSync
 from lightning_vitscale.sharding.gradient_sync import gradient_sync_off, unsharded_gradient_bytes
 from lightning_vitscale.sharding.outer_unit import OuterUnit, SecondBackwardError, outer_unit_parameters, reshard_units
 from lightning_vitscale.sharding.parallelize import Parallelized, parallelize, refuse_unshardable_parameters
+from lightning_vitscale.sharding.parameter_writes import make_parameters_assignable
 from lightning_vitscale.sharding.planning import (
     agreed_budget,
     apply_auto_choice,
@@ -257,7 +258,10 @@ class ShardedModel:
         self.summary.kernels["attention"] = line
 
     def before_backward(self) -> None:
-        """A rank that skipped a block raises before it sends a gradient (``skipped_blocks.py``)."""
+        """A rank that skipped a block raises before it sends a gradient (``skipped_blocks.py``); a backward inside
+        the step (manual optimization) frees the gathered outer unit: the step's writes to it are carried first."""
+        if self.outer._in_step:
+            self.outer.carry_writes()
         if self.skipped is not None:
             self.skipped.before_backward()
 
@@ -414,6 +418,7 @@ def _shard(
                      planned.tensor_sent(done.plan))
     # 4. Drop-in behaviour: calls outside a step gather the outer unit; state_dict() gives DDP's full tensors.
     outer.enable_calls_outside_steps()
+    make_parameters_assignable(module)  # `p.data = v` writes into the shard, as it does into DDP's parameter
     full_state_dict.install(module, outer)
     plain_copy.install(forwards, outer)  # copy.deepcopy(model): DDP's plain module, whole parameters
     # 5. FSDP's root fixed now, not at the first forward: a hook may call the model or any child before the first

@@ -243,10 +243,14 @@ def _managed_parameters(members: list[nn.Module], units: set[int]) -> list[nn.Pa
     return found
 
 
-def apply_prefetch(units: list[FSDPModule], prefetch: int, mesh: DeviceMesh, device: torch.device) -> str:
-    """Each unit starts the next ``prefetch`` units' all-gathers once its own is done; on CPU the collectives are
-    made asynchronous too (gloo's worker threads), or nothing would overlap there. Returns the summary's words."""
-    set_prefetch(units, prefetch)
+def apply_prefetch(
+    units: list[FSDPModule], prefetch: int, mesh: DeviceMesh, device: torch.device, model: nn.Module
+) -> str:
+    """Each unit starts the next ``prefetch`` units' all-gathers once its own is done, where one call of their
+    container runs both; on CPU the collectives are made asynchronous too (gloo's worker threads), or nothing
+    would overlap there. Returns the summary's words."""
+    parent_of = {id(child): parent for parent in model.modules() for child in parent.children()}
+    set_prefetch(units, prefetch, lambda a, b: parent_of.get(id(a)) is parent_of.get(id(b)))
     if device.type != "cpu" or mesh.size() <= 1:
         return ""
     overlap_collectives_on_cpu(units, reduce_scatters=mesh.ndim == 1)
