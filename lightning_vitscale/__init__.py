@@ -18,8 +18,10 @@ from lightning_vitscale.monitoring import VitScaleThroughput
 from lightning_vitscale.precision import NonFiniteTrainingError, VitScalePrecision, grad_norm
 from lightning_vitscale.sharding import (
     ForwardAfterBackwardError,
+    MixedTensorsError,
     NoBlocksMatchedError,
     OutsideStepCallError,
+    ParameterWriteError,
     SecondBackwardError,
     SetupSummary,
     ShardedModuleReuseError,
@@ -40,9 +42,11 @@ __all__ = [
     "ForwardAfterBackwardError",
     "KernelPolicy",
     "MemoryPlan",
+    "MixedTensorsError",
     "NoBlocksMatchedError",
     "NonFiniteTrainingError",
     "OutsideStepCallError",
+    "ParameterWriteError",
     "SecondBackwardError",
     "SetupSummary",
     "ShardedEMA",

@@ -35,8 +35,6 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 class VitScaleStrategy(ModelParallelStrategy):
     """Shard any LightningModule with nested FSDP2, BF16 O2 and the fastest plan that fits — no model changes.
 
-    Each keyword argument's text lives once, in its settings dataclass; the Args below are generated (options.py).
-
     Example::
 
         # before: Trainer(strategy="ddp", precision="bf16-mixed")
@@ -113,6 +111,8 @@ class VitScaleStrategy(ModelParallelStrategy):
     @property
     def is_distributed(self) -> bool:
         return True  # Lightning then injects DistributedSampler and honours `sync_dist` (accelerator_connector)
+
+    reduce = distributed.reducing_whole(ModelParallelStrategy.reduce)  # `sync_dist=True` of a sharded value: DDP's
 
     @property  # type: ignore[override]
     @override

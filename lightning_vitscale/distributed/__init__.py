@@ -6,7 +6,7 @@ The bottom layer: imports only ``_compat``, ``_utils``, torch and Lightning, nev
 
 from lightning_vitscale.distributed.mesh import data_parallel_ranks
 from lightning_vitscale.distributed.processes import check_accelerator, start_process_group
-from lightning_vitscale.distributed.ranks import RankContext, mean_over_ranks, rank_context
+from lightning_vitscale.distributed.ranks import RankContext, mean_over_ranks, rank_context, reducing_whole
 from lightning_vitscale.distributed.sigterm import take_over_sigterm
 from lightning_vitscale.distributed.teardown import stop_local_ranks
 
@@ -16,6 +16,7 @@ __all__ = [
     "data_parallel_ranks",
     "mean_over_ranks",
     "rank_context",
+    "reducing_whole",
     "start_process_group",
     "stop_local_ranks",
     "take_over_sigterm",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from lightning_vitscale.distributed.mesh import split_tensor_parallel
 
@@ -73,3 +75,15 @@ def mean_over_ranks(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     total = values.detach().to(device).clone()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total / dist.get_world_size()
+
+
+def reducing_whole(reduce: Callable[..., Any]) -> Callable[..., Any]:
+    """``Strategy.reduce`` taking a DTensor whole first: ``self.log(name, p.grad.norm(), sync_dist=True)`` of a
+    sharded gradient logs DDP's value (torch's ``all_reduce`` has no rule for a DTensor: "does not have a sharding
+    strategy registered"). A ``Partial`` one (a norm's partial sums) is summed over its shards by ``full_tensor``."""
+
+    @functools.wraps(reduce)
+    def whole_then_reduce(strategy: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return reduce(strategy, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor, *args, **kwargs)
+
+    return whole_then_reduce

@@ -54,6 +54,7 @@ from lightning_vitscale.sharding.activation_checkpointing import (
 )
 from lightning_vitscale.sharding.buffer_sync import BufferSync
 from lightning_vitscale.sharding.gradient_sync import gradient_sync_off, unsharded_gradient_bytes
+from lightning_vitscale.sharding.mixed_tensors import mixed_tensors_named
 from lightning_vitscale.sharding.outer_unit import OuterUnit, SecondBackwardError, outer_unit_parameters, reshard_units
 from lightning_vitscale.sharding.parallelize import Parallelized, parallelize, refuse_unshardable_parameters
 from lightning_vitscale.sharding.parameter_writes import make_parameters_assignable
@@ -237,9 +238,10 @@ class ShardedModel:
     @contextmanager
     def step_errors_named(self) -> Generator[None, None, None]:
         """A step planned for speed that runs out of memory raises :class:`PlannedStepOutOfMemoryError`; Lightning's
-        ``grad_norm`` on the sharded gradients (in a step, a hook, a callback) an error naming ours."""
+        ``grad_norm`` on the sharded gradients (in a step, a hook, a callback) an error naming ours; a step mixing a
+        sharded parameter with a plain tensor, one naming the fix (``mixed_tensors.py``)."""
         try:
-            with lightning_grad_norm_named():
+            with lightning_grad_norm_named(), mixed_tensors_named():
                 yield
         except torch.OutOfMemoryError as error:
             if not self.planned_for_speed or isinstance(error, PlannedStepOutOfMemoryError):
