@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -92,3 +92,16 @@ def set_prefetch(units: list[FSDPModule], depth: int, same_call: Callable[[FSDPM
         blocks_before = units[max(1, index - depth) : index]  # the outer unit stays gathered for backward
         if index >= 1 and blocks_before:
             unit.set_modules_to_backward_prefetch(list(reversed(blocks_before)))
+
+
+def prefetch_on_entry(unit: FSDPModule, callers: list[nn.Module]) -> None:
+    """``unit``'s all-gather issued as soon as one of ``callers`` (the modules whose forward runs it: its container,
+    the backbone holding that) starts its forward, where no unit before it prefetches it: the gather then overlaps
+    the caller's work before the block (a patch embedding), and the user's code before the call has run. FSDP2
+    waits for it in the unit's own pre-forward (``unshard(async_op=True)``'s contract); a gathered unit ignores it."""
+
+    def gather_ahead(module: nn.Module, args: Any) -> None:
+        unit.unshard(async_op=True)
+
+    for caller in callers:
+        caller.register_forward_pre_hook(gather_ahead)

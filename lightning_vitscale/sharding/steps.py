@@ -28,7 +28,7 @@ from lightning_vitscale.sharding.activation_checkpointing import (
 from lightning_vitscale.sharding.compute_copies import ComputeCopies, to_row_shards
 from lightning_vitscale.sharding.cpu_overlap import overlap_collectives_on_cpu
 from lightning_vitscale.sharding.deferred_reduction import DeferredReduction
-from lightning_vitscale.sharding.fsdp import group_blocks, set_prefetch, shard_module
+from lightning_vitscale.sharding.fsdp import group_blocks, prefetch_on_entry, set_prefetch, shard_module
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.settings import unit_reshard
 from lightning_vitscale.sharding.skipped_blocks import zero_gradients_for_unused
@@ -250,12 +250,27 @@ def apply_prefetch(
     container runs both; on CPU the collectives are made asynchronous too (gloo's worker threads), or nothing
     would overlap there. Returns the summary's words."""
     parent_of = {id(child): parent for parent in model.modules() for child in parent.children()}
-    set_prefetch(units, prefetch, lambda a, b: parent_of.get(id(a)) is parent_of.get(id(b)))
+    same_call = lambda a, b: parent_of.get(id(a)) is parent_of.get(id(b))  # noqa: E731
+    set_prefetch(units, prefetch, same_call)
+    if prefetch > 0:  # the first unit of each container, which no unit before it prefetches: as its callers start
+        for index in range(1, len(units)):
+            if index == 1 or not same_call(units[index - 1], units[index]):
+                prefetch_on_entry(units[index], _callers(units[index], parent_of, model))
     if device.type != "cpu" or mesh.size() <= 1:
         return ""
     overlap_collectives_on_cpu(units, reduce_scatters=mesh.ndim == 1)
     gathers = "all-gathers" + ("" if mesh.ndim > 1 else ", reduce-scatters")
     return f"asynchronous on CPU ({gathers}), prefetch {prefetch}"
+
+
+def _callers(unit: object, parent_of: dict[int, nn.Module], model: nn.Module) -> list[nn.Module]:
+    """The modules above ``unit`` up to ``model``, not ``model`` itself (the LightningModule: Lightning's forward
+    redirection calls it for ``training_step``, before the user's code in the step)."""
+    callers, module = [], parent_of.get(id(unit))
+    while module is not None and module is not model:
+        callers.append(module)
+        module = parent_of.get(id(module))
+    return callers
 
 
 def replicate_norms(
