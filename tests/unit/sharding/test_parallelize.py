@@ -79,6 +79,26 @@ def test_prefetch_chains_the_units_in_model_order(mesh, depth):
         assert _prefetch(unit, "backward") == expected_backward
 
 
+def test_the_first_block_unit_is_gathered_as_its_callers_forward_starts(mesh):
+    """Nothing prefetches the first block unit (the outer unit's forward is the whole step: a gather there would
+    precede the user's code): the container's forward (``encoder``) issues its all-gather asynchronously, before the
+    block's own forward, which waits for it. Mutation seen failing: without ``prefetch_on_entry`` no such call."""
+    model = EncoderClassifier(depth=3)
+    root, _ = run(model, mesh, sharding={"prefetch": 1})
+    first, events = model.encoder.layers[0], []
+    gather = first.unshard
+
+    def spy(async_op: bool = False):
+        events.append(f"unshard(async_op={async_op})")
+        return gather(async_op=async_op)
+
+    first.unshard = spy
+    model.encoder.register_forward_pre_hook(lambda *_: events.append("encoder"), prepend=True)
+    first.register_forward_pre_hook(lambda *_: events.append("layer 0"))
+    root(torch.randn(2, 3, 32, 32))
+    assert events[:3] == ["encoder", "unshard(async_op=True)", "layer 0"]
+
+
 def test_blocks_per_unit_groups_consecutive_blocks(mesh):
     """5 blocks, 2 per unit: units {0, 1}, {2, 3}, {4} and the outer one; each block still gets its starting
     values (built on meta), and explicit prefetch chains the units, not the blocks."""
