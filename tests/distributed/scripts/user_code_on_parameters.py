@@ -1,9 +1,10 @@
-"""Rank script: values of sharded parameters and gradients logged as DDP users log them, under DDP and under
-``VitScaleStrategy()`` / ``priority="memory"`` on 2 ranks; per scenario ``<case>/<strategy>`` this rank's losses and
-what it logged.
+"""Rank script: user code on the parameters under DDP and under ``VitScaleStrategy()`` / ``priority="memory"`` on 2
+ranks, per scenario ``<case>/<strategy>`` this rank's results:
 
-- ``logged``: ``self.log(..., sync_dist=True)`` in ``on_before_optimizer_step`` of the gradients' squared sum and of
-  one sharded weight's norm.
+- ``<update>-<where>``: a momentum encoder updated by user code (``tests/helpers/momentum.py``): the losses and the
+  teacher's whole parameters after 4 steps;
+- ``logged``: ``self.log(..., sync_dist=True)`` in ``on_before_optimizer_step`` of the sharded gradients' squared sum
+  and of one sharded weight's norm: the losses and the logged values.
 """
 
 from __future__ import annotations
@@ -15,21 +16,20 @@ import torch
 import torch.nn.functional as F
 
 from lightning_vitscale import VitScaleStrategy
-from tests.helpers.momentum import images
+from tests.helpers.momentum import fit_momentum, images, teacher_state
 from tests.helpers.scenarios import run_scenarios
 from tests.helpers.zoo import FunctionalAttention, hand_written
 
 warnings.filterwarnings("ignore")
 STRATEGIES = {"ddp": lambda: "ddp", "default": VitScaleStrategy, "memory": lambda: VitScaleStrategy(priority="memory")}
-CASES = ("logged",)
+MOMENTUM_CASES = [("lightly", "start"), ("dino", "between"), ("dino", "end"), ("lightly", "batch_end")]
 
 
 class Logging(L.LightningModule):
-    def __init__(self, case: str) -> None:
+    def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = hand_written(FunctionalAttention)
-        self.case = case
         self.losses: list[float] = []
         self.logged: list[list[float]] = []
 
@@ -40,16 +40,13 @@ class Logging(L.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        if self.case != "logged":
-            return
         squares = sum(p.grad.pow(2).sum() for p in self.parameters() if p.grad is not None)
         self.log("grad_squares", squares, sync_dist=True)
         self.log("weight_norm", self.net.layers[0].fc1.weight.norm(), sync_dist=True)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        if self.case == "logged":
-            metrics = self.trainer.callback_metrics
-            self.logged.append([float(metrics["grad_squares"]), float(metrics["weight_norm"])])
+        metrics = self.trainer.callback_metrics
+        self.logged.append([float(metrics["grad_squares"]), float(metrics["weight_norm"])])
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -58,13 +55,21 @@ class Logging(L.LightningModule):
         return torch.utils.data.DataLoader(images(), batch_size=4)
 
 
-def scenario(case: str, strategy: str) -> dict:
-    model = Logging(case)
+def momentum(update: str, where: str, strategy: str) -> dict:
+    model = fit_momentum(STRATEGIES[strategy](), update, where, devices=2)
+    return {"losses": model.losses,
+            "teacher": {name: value.flatten().tolist() for name, value in teacher_state(model).items()}}
+
+
+def logged(strategy: str) -> dict:
+    model = Logging()
     L.Trainer(accelerator="cpu", devices=2, strategy=STRATEGIES[strategy](), max_steps=4, logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(model)
     return {"losses": model.losses, "logged": model.logged}
 
 
 if __name__ == "__main__":
-    run_scenarios({f"{case}/{strategy}": (lambda c=case, s=strategy: scenario(c, s))
-                   for case in CASES for strategy in STRATEGIES})
+    scenarios = {f"{update}-{where}/{strategy}": (lambda u=update, w=where, s=strategy: momentum(u, w, s))
+                 for update, where in MOMENTUM_CASES for strategy in STRATEGIES}
+    scenarios.update({f"logged/{strategy}": (lambda s=strategy: logged(s)) for strategy in STRATEGIES})
+    run_scenarios(scenarios)

@@ -1,0 +1,51 @@
+"""User code on the parameters on 2 ranks, as under DDP, under ``VitScaleStrategy()`` (the outer unit and one
+grouped block unit, kept gathered) and ``priority="memory"`` (a unit per block, resharded after forward).
+
+A momentum encoder updated by lightly's ``.data =`` or DINO's in-place ``.data.mul_``, before, between or after the
+forwards of ``training_step`` or in ``on_train_batch_end`` (``parameter_writes.py``): DDP's losses and teacher bit for
+bit. Before: the teacher never moved under ``.data =`` (FSDP2's DTensors drop it), a write in ``training_step``
+landed on the outer unit's gathered copy and was freed with it, a block unit gathered early (prefetched as the step
+started, or by the student's last block) computed on the teacher before the update, and a write to a unit kept
+gathered for backward was lost at its reshard.
+
+``self.log(..., sync_dist=True)`` of a sum over the sharded gradients and of a sharded weight's norm (``Partial``
+DTensors): DDP's values; before, torch's "c10d.allreduce_.default does not have a sharding strategy registered".
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.launch import launch_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+SCRIPT = "tests/distributed/scripts/user_code_on_parameters.py"
+MOMENTUM_CASES = ["lightly-start", "dino-between", "dino-end", "lightly-batch_end"]
+STRATEGIES = ("ddp", "default", "memory")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> list[dict]:
+    scenarios = ",".join(f"{case}/{strategy}" for case in [*MOMENTUM_CASES, "logged"] for strategy in STRATEGIES)
+    return launch_ranks(tmp_path_factory, "user_code_on_parameters", SCRIPT, scenarios, timeout=240)[1]
+
+
+@pytest.mark.parametrize("strategy", ["default", "memory"])
+@pytest.mark.parametrize("case", MOMENTUM_CASES)
+def test_a_momentum_encoder_updated_by_user_code_trains_as_under_ddp(runs, case, strategy):
+    for rank in runs:
+        ddp, ours = rank[f"{case}/ddp"], rank[f"{case}/{strategy}"]
+        assert len(ddp["losses"]) == 4
+        assert ours["losses"] == ddp["losses"]
+        assert ours["teacher"] == ddp["teacher"]
+
+
+@pytest.mark.parametrize("strategy", ["default", "memory"])
+def test_logged_values_of_sharded_tensors_are_ddps(runs, strategy):
+    for rank in runs:
+        ddp, ours = rank["logged/ddp"], rank[f"logged/{strategy}"]
+        assert ours["losses"] == pytest.approx(ddp["losses"], rel=1e-6)
+        assert len(ours["logged"]) == len(ddp["logged"]) == 4
+        for step_ours, step_ddp in zip(ours["logged"], ddp["logged"]):
+            assert step_ours == pytest.approx(step_ddp, rel=1e-5)
