@@ -5,11 +5,13 @@ Two things would lose such a write silently here. (1) ``p.data = v`` on a DTenso
 shard FSDP2 gathers and the optimizer steps (pytorch#157391): a momentum encoder updated as lightly's
 ``update_momentum`` does (``ema.data = ema.data * m + p.data * (1 - m)``) would never move. So the strategy's
 parameters, and the gathered copies a step computes on, get a ``.data`` setter that writes ``v`` into them in place.
-(2) The outer unit is gathered for the whole ``training_step`` (its forward runs the step): a write there to one of
-its parameters lands on the gathered copy, freed at the end of the backward. So each copy's version is recorded when
-gathered and, at the step's end (or before a backward inside it), a copy written since is carried to its parameter:
-exactly where the copy has the parameter's dtype; a lower-precision copy (``bf16-mixed``'s O2) is refused, naming
-where the write keeps full precision (an fp32 parameter rounded to bf16 every step stalls an EMA).
+(2) The outer unit is gathered for the whole ``training_step`` (its forward runs the step), a block unit kept
+gathered for backward from its forward on, and one rank's compute copies for the step: a write there to one of
+their parameters lands on the gathered copy, freed at the end of the backward. So each copy's version is recorded
+when gathered and, at the step's end (or before a backward inside it), a copy written since is carried to its
+parameter: exactly where the copy has the parameter's dtype; a lower-precision copy (``bf16-mixed``'s O2) is refused,
+naming where the write keeps full precision (an fp32 parameter rounded to bf16 every step stalls an EMA). (Units
+gathered before the user's code ran, by a prefetch, are the third way: ``fsdp.set_prefetch`` issues none there.)
 """
 
 from __future__ import annotations
