@@ -215,7 +215,8 @@ class ComputeCopies:
         others one cast per tensor (on CPU a foreach copy is no fused kernel: the casts cost the same either way)."""
         for copies, group in self._flat:
             grads = [g for g in (copy.grad for copy in copies) if g is not None]
-            if len(grads) != len(copies) or any(p.grad is not None for p in group.params):
+            if (len(grads) != len(copies) or any(p.grad is not None for p in group.params)
+                    or not all(p.requires_grad for p in group.params)):
                 continue
             views = group.gradient_views()
             foreach_copy_(views, grads)
@@ -229,6 +230,8 @@ class ComputeCopies:
             if grad is None:
                 continue
             copy.grad = None  # not summed into the next backward's (a second one through a kept graph comes later)
+            if not param.requires_grad:  # frozen during the step (`toggle_optimizer`): no gradient, as under DDP
+                continue
             held = param.grad
             if held is None:
                 param.grad = dtensor_like(grad.to(dtype), param)

@@ -245,11 +245,13 @@ class OuterUnit(nn.Module):
             elif self.compute_copies is None and self._is_sharded():
                 raise ForwardAfterBackwardError(
                     "A forward after a backward in the same `training_step` (manual optimization updating twice, e.g."
-                    " a GAN's generator then discriminator) is not supported by VitScaleStrategy on several ranks"
-                    " yet: FSDP2 resharded the outer unit at the end of that backward, and nothing inside the step"
-                    " gathers it again (DDP has no such state). Run each update in its own `training_step` (e.g."
-                    " alternate them by `batch_idx`), or train this module with strategy='ddp' or on one device,"
-                    " where VitScaleStrategy supports it."
+                    " a GAN's generator then discriminator) is not supported by VitScaleStrategy where FSDP2 runs"
+                    " the step (several ranks, or one device with units of their own: `priority=\"memory\"`, a"
+                    " pinned `blocks_per_unit` or `reshard_after_forward`): FSDP2 resharded the outer unit at the end"
+                    " of that backward, and nothing inside the step gathers it again (DDP has no such state). Run"
+                    " each update in its own `training_step` (e.g. alternate them by `batch_idx`), or train this"
+                    " module with strategy='ddp', or on one device with `VitScaleStrategy()`'s defaults (one unit on"
+                    " compute copies), which support it."
                 )
             return
         if current_backward_id() != -1:  # checkpointing's recompute of a block in this unit: inside a step

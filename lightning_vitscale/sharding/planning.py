@@ -144,7 +144,13 @@ def plan_before_sharding(
         if choice is not None:  # else decided at the first training step, from its batch
             resolved = dataclasses.replace(resolved, checkpoint_choice=choice.modes,
                                            blocks_per_unit=choice.blocks.per_unit)
-            return Planned(resolved, budget, auto, calls=measure.calls)
+            # Not measured (the recipe's plan: every block checkpointed): on one rank the blocks are checkpointed in
+            # one unit on compute copies, as without a batch, not units of their own that shard nothing (and on
+            # which a second forward in a step, a GAN's, cannot run).
+            keeps = one_rank_keeps(module, resolved, precision, ranks, budget, UNMEASURED) if choice.plan is None \
+                else None
+            return Planned(resolved, budget, auto, calls=measure.calls, units_choice=keeps,
+                           keeps_every_unit=keeps is not None)
         keeps = one_rank_keeps(module, resolved, precision, ranks, budget)
         if keeps is not None:
             auto.fixed_reshard = False  # the first step's plan: every block's parameters kept from forward to backward
@@ -177,8 +183,13 @@ def plan_before_sharding(
 KEPT_COPIES_SHARE = 1 / 16
 
 
+NO_BATCH = "no batch at setup to plan units with"
+UNMEASURED = "its step not measured"
+
+
 def one_rank_keeps(
-    module: nn.Module, resolved: ResolvedConfig, precision: PrecisionPolicy, ranks: RankContext, budget: int
+    module: nn.Module, resolved: ResolvedConfig, precision: PrecisionPolicy, ranks: RankContext, budget: int,
+    why: str = NO_BATCH,
 ) -> str | None:
     """Why one rank keeps every block gathered (one unit, the step on compute copies: ``steps.apply_fsdp``) when no
     batch is known at setup to plan the units with, or ``None``. One rank shards nothing: a block's unit of its own
@@ -192,7 +203,7 @@ def one_rank_keeps(
     copies = sum(p.numel() for p in module.parameters()) * precision.compute.itemsize
     if copies > budget * KEPT_COPIES_SHARE:
         return None
-    return (f"one rank, no batch at setup to plan units with: every block kept gathered, its compute copies"
+    return (f"one rank, {why}: every block kept gathered, its compute copies"
             f" {human_bytes(copies)} (at most 1/{round(1 / KEPT_COPIES_SHARE)} of the {human_bytes(budget)} budget)")
 
 

@@ -149,6 +149,10 @@ class ShardedModel:
     # for (0: the first step has not decided yet).
     compile_with: KernelPolicy | None = None
     compile_decided_at: int = 0
+    # The module's parameters as setup left them (the DTensors optimizers step; in a step the modules may hold
+    # gathered copies instead), and before a backward the frozen ones' gradients (FSDP2's path).
+    parameters: list[nn.Parameter] = dataclasses.field(default_factory=list)
+    _frozen_gradients: list[tuple[nn.Parameter, torch.Tensor | None]] = dataclasses.field(default_factory=list)
 
     @property
     def module(self) -> nn.Module:
@@ -264,11 +268,19 @@ class ShardedModel:
         the step (manual optimization) frees the gathered outer unit: the step's writes to it are carried first."""
         if self.outer._in_step:
             self.outer.carry_writes()
+        if self.outer.compute_copies is None:  # FSDP2 reduces every gathered gradient, a frozen parameter's too
+            self._frozen_gradients = [(p, p.grad) for p in self.parameters if not p.requires_grad]
         if self.skipped is not None:
             self.skipped.before_backward()
 
     def after_backward(self) -> None:
         self.backwards_in_step += 1
+        # A parameter frozen during the step (`toggle_optimizer`, after its unit was gathered) keeps the gradient it
+        # had, as under DDP, not the one FSDP2 reduced from its gathered copy.
+        for param, grad in self._frozen_gradients:
+            if param.grad is not grad:
+                param.grad = grad
+        self._frozen_gradients = []
         # fp32 norms live outside FSDP's units: their gradients are averaged once per synced backward.
         if self.norms is not None:
             self.norms.after_backward()
@@ -430,7 +442,8 @@ def _shard(
     speed = plans_from_batch(resolved) and resolved.requested.priority == "speed"
     skipped, unused = _skipped_blocks(module, outer, done, resolved, ranks)
     return ShardedModel(outer, done.plan, done.norms, done.router, planned.auto, signature, budget,
-                        planned_for_speed=speed, skipped=skipped, unused=unused, compile_with=compile_with)
+                        planned_for_speed=speed, skipped=skipped, unused=unused, compile_with=compile_with,
+                        parameters=list(module.parameters()))
 
 
 def _skipped_blocks(

@@ -8,6 +8,8 @@ landed on the outer unit's gathered copy and was freed with it, a block unit gat
 started, or by the student's last block) computed on the teacher before the update, and a write to a unit kept
 gathered for backward was lost at its reshard.
 
+Parameters frozen inside the step by ``toggle_optimizer`` get no gradient, as under DDP.
+
 ``self.log(..., sync_dist=True)`` of a sum over the sharded gradients and of a sharded weight's norm (``Partial``
 DTensors): DDP's values; before, torch's "c10d.allreduce_.default does not have a sharding strategy registered".
 """
@@ -27,7 +29,8 @@ STRATEGIES = ("ddp", "default", "memory")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
-    scenarios = ",".join(f"{case}/{strategy}" for case in [*MOMENTUM_CASES, "logged"] for strategy in STRATEGIES)
+    cases = [*MOMENTUM_CASES, "logged", "toggled"]
+    scenarios = ",".join(f"{case}/{strategy}" for case in cases for strategy in STRATEGIES)
     return launch_ranks(tmp_path_factory, "user_code_on_parameters", SCRIPT, scenarios, timeout=240)[1]
 
 
@@ -49,3 +52,14 @@ def test_logged_values_of_sharded_tensors_are_ddps(runs, strategy):
         assert len(ours["logged"]) == len(ddp["logged"]) == 4
         for step_ours, step_ddp in zip(ours["logged"], ddp["logged"]):
             assert step_ours == pytest.approx(step_ddp, rel=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["default", "memory"])
+def test_parameters_frozen_by_toggle_optimizer_get_no_gradient_as_under_ddp(runs, strategy):
+    """Before: the critic's gathered copies, made before ``toggle_optimizer`` froze it, gave it the generator's
+    gradient (reduced by FSDP2)."""
+    for rank in runs:
+        ddp, ours = rank["toggled/ddp"], rank[f"toggled/{strategy}"]
+        assert ours["losses"] == ddp["losses"]
+        assert ours["critic"] == ddp["critic"]
+        assert ours["critic_gradients"] == ddp["critic_gradients"] == [False] * 4

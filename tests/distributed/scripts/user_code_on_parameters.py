@@ -3,6 +3,8 @@ ranks, per scenario ``<case>/<strategy>`` this rank's results:
 
 - ``<update>-<where>``: a momentum encoder updated by user code (``tests/helpers/momentum.py``): the losses and the
   teacher's whole parameters after 4 steps;
+- ``toggled``: a generator trained against a critic, the critic frozen by ``toggle_optimizer`` inside the step
+  (``tests/unit/sharding/test_frozen_in_step.py``'s module): the losses, the critic and whether it holds gradients;
 - ``logged``: ``self.log(..., sync_dist=True)`` in ``on_before_optimizer_step`` of the sharded gradients' squared sum
   and of one sharded weight's norm: the losses and the logged values.
 """
@@ -61,6 +63,17 @@ def momentum(update: str, where: str, strategy: str) -> dict:
             "teacher": {name: value.flatten().tolist() for name, value in teacher_state(model).items()}}
 
 
+def toggled(strategy: str) -> dict:
+    from tests.unit.sharding.test_frozen_in_step import Critic, critic_state
+
+    model = Critic(both=False)
+    chosen = "ddp_find_unused_parameters_true" if strategy == "ddp" else STRATEGIES[strategy]()  # the frozen critic
+    L.Trainer(accelerator="cpu", devices=2, strategy=chosen, max_steps=4, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False).fit(model)
+    return {"losses": model.losses, "critic": {k: v.flatten().tolist() for k, v in critic_state(model).items()},
+            "critic_gradients": [p.grad is not None for p in model.critic.parameters()]}
+
+
 def logged(strategy: str) -> dict:
     model = Logging()
     L.Trainer(accelerator="cpu", devices=2, strategy=STRATEGIES[strategy](), max_steps=4, logger=False,
@@ -72,4 +85,5 @@ if __name__ == "__main__":
     scenarios = {f"{update}-{where}/{strategy}": (lambda u=update, w=where, s=strategy: momentum(u, w, s))
                  for update, where in MOMENTUM_CASES for strategy in STRATEGIES}
     scenarios.update({f"logged/{strategy}": (lambda s=strategy: logged(s)) for strategy in STRATEGIES})
+    scenarios.update({f"toggled/{strategy}": (lambda s=strategy: toggled(s)) for strategy in STRATEGIES})
     run_scenarios(scenarios)
