@@ -26,11 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_vitscale import VitScaleStrategy  # noqa: E402 - after the checkout is importable
-from tests.helpers.momentum import fit_momentum  # noqa: E402
+from tests.helpers.momentum import STRATEGIES, fit_momentum  # noqa: E402 - after the checkout is importable
 
 PLACES = ("start", "between", "end", "batch_end")
-STRATEGIES = {"ddp": lambda: "ddp", "default": VitScaleStrategy, "memory": lambda: VitScaleStrategy(priority="memory")}
 
 
 def cell(update: str, where: str, precision: str) -> dict[str, object]:

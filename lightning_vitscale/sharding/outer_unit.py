@@ -80,7 +80,7 @@ class OuterUnit(nn.Module):
         self.buffer_sync: BufferSync | None = None  # a fit's, given by its setup (sharding/buffer_sync.py)
         self.compute_copies: ComputeCopies | None = None  # one rank, nothing to shard (sharding/compute_copies.py)
         self._grouped_states: list[Any] | None = None  # torch 2.11: units of several blocks (_compat)
-        self._writes: GatheredWrites | None = None  # FSDP2's path: a step's writes to the gathered outer unit
+        self._writes: GatheredWrites | None = None  # FSDP2's path: a step's writes to gathered parameters
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         sync = self.buffer_sync
@@ -113,9 +113,9 @@ class OuterUnit(nn.Module):
         return self._complete_partial_units(output)
 
     def carry_writes(self) -> None:
-        """Writes the step made to the outer unit's gathered parameters (or one rank's compute copies) carried to
-        the parameters (``parameter_writes.py``): at the step's end, and before a backward inside it (manual
-        optimization), which frees what was gathered."""
+        """Writes the step made to gathered parameters (the outer unit's, block units kept gathered, or one rank's
+        compute copies) carried to the parameters (``parameter_writes.py``): at the step's end, and before a
+        backward inside it (manual optimization), which frees what was gathered."""
         if self.compute_copies is not None:
             self.compute_copies.carry_writes(self.module)
         elif self._writes is not None:

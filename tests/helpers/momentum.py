@@ -21,9 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_vitscale import VitScaleStrategy
 from tests.helpers.zoo import CLASSES, IMAGE, FunctionalAttention, hand_written
 
 MOMENTUM = 0.5
+# DDP (the oracle), the default and the recipe's plan: what each momentum scenario runs under
+STRATEGIES = {"ddp": lambda: "ddp", "default": VitScaleStrategy, "memory": lambda: VitScaleStrategy(priority="memory")}
 
 
 @torch.no_grad()

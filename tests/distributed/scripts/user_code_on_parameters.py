@@ -17,13 +17,11 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from lightning_vitscale import VitScaleStrategy
-from tests.helpers.momentum import fit_momentum, images, teacher_state
+from tests.helpers.momentum import STRATEGIES, fit_momentum, images, teacher_state
 from tests.helpers.scenarios import run_scenarios
 from tests.helpers.zoo import FunctionalAttention, hand_written
 
 warnings.filterwarnings("ignore")
-STRATEGIES = {"ddp": lambda: "ddp", "default": VitScaleStrategy, "memory": lambda: VitScaleStrategy(priority="memory")}
 MOMENTUM_CASES = [("lightly", "start"), ("dino", "between"), ("dino", "end"), ("lightly", "batch_end")]
 
 
