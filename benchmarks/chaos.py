@@ -45,7 +45,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks.chaos_run import KINDS  # noqa: E402
-from tests.helpers.launch import free_port, python_command  # noqa: E402
+from tests.helpers.launch import alive, free_port, python_command  # noqa: E402
 
 JOB = "benchmarks/chaos_run.py"
 ENDED_WITHIN_S = 45.0  # the strategy's notice grace (30 s) is the longest wait a dead peer can cause
@@ -106,17 +106,6 @@ def draw_plan(rng: random.Random, number: int, done: list[str], has_checkpoint: 
     if kind == "commit":
         plan["variant"] = rng.choice(["unmarked", "retired"])
     return plan
-
-
-def alive(rank: tuple[int, str]) -> bool:
-    """Whether the rank process (pid, start time) still runs: not a zombie, not another process that got its pid."""
-    pid, started = rank
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return fields[0] != "Z" and fields[19] == started
 
 
 def rank_pids(run: Path) -> dict[int, tuple[int, str]]:

@@ -1,5 +1,6 @@
 """Starting this rank's processes: Lightning's process group, its teardown at exit, the watch over the other local
-ranks and the side group for gathers outside a step, in that order (each needs the one before)."""
+ranks, its forked children's end with it, and the side group for gathers outside a step, in that order (each needs
+the one before)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 
 from lightning_vitscale._compat import ModelParallelStrategy, set_device_mesh, setup_distributed
 from lightning_vitscale.distributed.collective_guard import open_side_group
+from lightning_vitscale.distributed.forked_children import end_forked_children_with_this_process
 from lightning_vitscale.distributed.mesh import build_mesh
 from lightning_vitscale.distributed.teardown import destroy_process_group_at_exit, watch_local_ranks
 
@@ -33,6 +35,7 @@ def start_process_group(
     setup_distributed(strategy)
     destroy_process_group_at_exit()
     watch_local_ranks(strategy.launcher)  # a child rank's death leaves this rank's own `except`/`finally` to run
+    end_forked_children_with_this_process()  # a killed rank's loader workers must not keep its peers waiting
     # Gathers outside a step (model calls, state_dict()) first agree on it, so one rank alone never gathers.
     open_side_group(timeout)
     shard = shard_group(strategy.world_size, strategy.num_processes)

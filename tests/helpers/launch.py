@@ -106,6 +106,18 @@ def _log_launch(cmd: list[str], finished: Finished) -> None:
         file.write(json.dumps(entry) + "\n")
 
 
+def alive(process: tuple[int, str]) -> bool:
+    """Whether a process (pid, start time in ``/proc`` clock ticks) still runs: not a zombie, not another process
+    that got its pid since."""
+    pid, started = process
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return fields[0] != "Z" and fields[19] == started
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid``: torchrun starts each rank in a session of its own, which ``killpg`` misses
     (a rank blocked in a collective, with Lightning's SIGTERM handler, then outlives the test holding its pipe)."""
