@@ -142,13 +142,16 @@ def plan_before_sharding(
         )
         choice = auto.at_setup(module, ranks.device, ranks.broadcast, batch)
         if choice is not None:  # else decided at the first training step, from its batch
-            resolved = dataclasses.replace(resolved, checkpoint_choice=choice.modes,
-                                           blocks_per_unit=choice.blocks.per_unit)
             # Not measured (the recipe's plan: every block checkpointed): on one rank the blocks are checkpointed in
             # one unit on compute copies, as without a batch, not units of their own that shard nothing (and on
             # which a second forward in a step, a GAN's, cannot run).
             keeps = one_rank_keeps(module, resolved, precision, ranks, budget, UNMEASURED) if choice.plan is None \
                 else None
+            if keeps is not None:  # the plan the summary reports: no unit resharded, every block in one
+                n = choice.blocks.n
+                choice = auto.choice = dataclasses.replace(choice, blocks=BlockPlan.prefix(n, n, 0, 0, max(n, 1)))
+            resolved = dataclasses.replace(resolved, checkpoint_choice=choice.modes,
+                                           blocks_per_unit=choice.blocks.per_unit)
             return Planned(resolved, budget, auto, calls=measure.calls, units_choice=keeps,
                            keeps_every_unit=keeps is not None)
         keeps = one_rank_keeps(module, resolved, precision, ranks, budget)

@@ -198,9 +198,10 @@ class ForwardBranching(TinyViT):
 
 
 def test_the_default_takes_the_recipes_plan_where_the_step_cannot_be_measured_and_auto_raises(mesh):
-    """Nothing to plan from: ``VitScaleStrategy()``'s default warns and checkpoints every block, each its own unit,
-    resharded (the recipe); an explicit ``activation_checkpointing="auto"`` raises, naming the fix.
-    Mutation tried: the default's planner ``required`` (it raised)."""
+    """Nothing to plan from: ``VitScaleStrategy()``'s default warns and checkpoints every block (the recipe's
+    checkpointing); on this one rank the blocks stay gathered in one unit on compute copies (units of their own shard
+    nothing), and the plan it reports says so. An explicit ``activation_checkpointing="auto"`` raises, naming the
+    fix. Mutation tried: the default's planner ``required`` (it raised)."""
     from lightning_vitscale.distributed import RankContext
     from lightning_vitscale.memory.auto_checkpointing import MeasurementError
     from lightning_vitscale.sharding.planning import plan_before_sharding
@@ -211,9 +212,10 @@ def test_the_default_takes_the_recipes_plan_where_the_step_cannot_be_measured_an
     with pytest.warns(UserWarning, match=r"could not run ForwardBranching's step on fake tensors .* every block"):
         planned = plan_before_sharding(model, resolve_config(ParallelConfig(), cpu), flag, ranks, 2**40)
     assert planned.auto is not None and planned.auto.choice is not None
-    assert planned.auto.choice.blocks.modes == ("full", "full") and planned.auto.choice.blocks.resharded == 2
-    assert planned.resolved.blocks_per_unit == 1 and planned.auto.choice.plan is None
-    assert "auto: 2 full + 0 selective of 2 blocks checkpointed, 0 of 2 units kept" in planned.auto.describe()
+    assert planned.auto.choice.blocks.modes == ("full", "full") and planned.auto.choice.blocks.resharded == 0
+    assert planned.keeps_every_unit and planned.auto.choice.plan is None
+    assert "auto: 2 full + 0 selective of 2 blocks checkpointed, 1 of 1 units kept gathered for backward, all in" \
+        " one unit" in planned.auto.describe()
     asked = ParallelConfig(checkpointing=CheckpointingPolicy(blocks="auto"))
     with pytest.raises(MeasurementError, match="could not measure ForwardBranching on fake tensors.*Pass activation"):
         plan_before_sharding(model, resolve_config(asked, cpu), flag, ranks, 2**40)
