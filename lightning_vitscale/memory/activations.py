@@ -29,6 +29,7 @@ from lightning_vitscale._compat import (
     storage_id,
     tree_map,
 )
+from lightning_vitscale.discovery.caches import is_key_value_cache
 from lightning_vitscale.discovery.calls import TensorSpec
 from lightning_vitscale.memory.block_identity import block_key
 from lightning_vitscale.memory.op_costs import BlockWork, OpWork, tensors_of
@@ -444,6 +445,8 @@ def _peak_beyond_forward(
 def _spec(value: Any, first: torch.Tensor) -> Any:
     """A recorded argument: a tensor as its :class:`TensorSpec`; ``first`` (the block's input) requires grad, as the
     step's activations do (the model's input, the first block's, need not: blocks alike are measured once)."""
+    if is_key_value_cache(value):  # replayed, the block would append to the whole forward's cache (caches.py)
+        return None
     if not isinstance(value, torch.Tensor):
         return value
     grad = value is first or (value.requires_grad and value.is_floating_point())

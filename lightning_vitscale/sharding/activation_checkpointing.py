@@ -5,7 +5,11 @@ recomputes only the cheap ones: almost no extra FLOPs, the memory of the matmul 
 A recompute reruns the forward's side effects too: a buffer it updates (BatchNorm's running statistics, a running
 centre) would be updated twice a step, unlike under DDP, where nothing is checkpointed unless the user asks. What the
 forward changed in a block's buffers is noted, and put back as the forward left it after the recompute (a compiled
-block needs nothing: ``kernels/compile.py`` tells dynamo not to replay a forward's side effects)."""
+block needs nothing: ``kernels/compile.py`` tells dynamo not to replay a forward's side effects).
+
+A key-value cache a block fills in its forward (a Hugging Face decoder layer's) would be filled again by the
+recompute (``discovery/caches.py``): a checkpointed block gets none, as under HF's own checkpointing, unless its class
+says it only reads it (``_can_checkpoint_with_cache``). The loss is the same; a training step returns no cache."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from lightning_vitscale._compat import BatchNormBase, InstanceNormBase, buffer_slots, tensor_version
+from lightning_vitscale.discovery.caches import without_caches
 from lightning_vitscale.memory import selective_contexts
 
 CheckpointMode = Literal["full", "selective"]
@@ -49,8 +54,10 @@ def mark_parent_checkpointing(model: nn.Module) -> None:
                     setattr(module, _PARENT_MARK, True)
 
 
-def _checkpointed_forward(original_forward, mode: CheckpointMode, owners: list[nn.Module], *args: Any,
-                          **kwargs: Any) -> Any:
+def _checkpointed_forward(original_forward, mode: CheckpointMode, owners: list[nn.Module], drops_caches: bool,
+                          *args: Any, **kwargs: Any) -> Any:
+    if drops_caches and torch.is_grad_enabled():  # without gradients no recompute: the cache is filled once
+        args, kwargs = without_caches(args, kwargs)
     # Non-reentrant: works with keyword arguments, inputs that do not require grad, and FSDP2's hooks
     # (the block's pre-backward hook gathers its parameters before autograd recomputes it).
     # preserve_rng_state (the default) replays the same dropout masks on recompute, in both modes.
@@ -128,8 +135,9 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: CheckpointMode
         if getattr(block, _MARK, None):
             continue
         owners = [m for m in block.modules() if buffer_slots(m)]  # modules with buffers a recompute could update
+        drops_caches = not getattr(block, "_can_checkpoint_with_cache", False)
         block.forward = functools.partial(  # type: ignore[method-assign]
-            _checkpointed_forward, block.forward, mode, owners)
+            _checkpointed_forward, block.forward, mode, owners, drops_caches)
         setattr(block, _MARK, mode)
 
 
