@@ -158,11 +158,14 @@ def refuse_unshardable_parameters(model: nn.Module) -> None:
         )
     scalars = [name for name, p in named if p.dim() == 0]
     if scalars:
+        first = f"self.{scalars[0]}"
         raise ValueError(
             f"{type(model).__name__} has {len(scalars)} 0-dim parameter(s) ({_shown(scalars)}), which FSDP2 cannot"
-            " shard (it splits parameters along their first dimension). Make each a one-element tensor, e.g."
-            " nn.Parameter(torch.tensor([2.0])) for nn.Parameter(torch.tensor(2.0)) (broadcasting gives the same"
-            " results), or train this model with strategy=\"ddp\"."
+            " shard (it splits parameters along their first dimension). Make each a one-element tensor before"
+            f" `fit`, without editing the model's source, e.g. in your LightningModule's `__init__`: `{first} ="
+            f" nn.Parameter({first}.detach().reshape(1))` (where it multiplies a tensor, as CLIP's `logit_scale`,"
+            " broadcasting gives the same results; its checkpoints then hold shape (1,)), or train this model with"
+            " strategy=\"ddp\"."
         )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from collections.abc import Callable
 
 import lightning as L
@@ -367,9 +368,12 @@ class ScalarTemperatureNet(TiedNet):
 
 def test_a_scalar_parameter_is_refused_before_anything_is_measured_naming_the_fix():
     """FSDP2 refuses 0-dim parameters ("fully_shard doesn't support scalar parameters") once the planner has measured
-    the step; refused first, with the one-element fix and DDP named. Found 2026-12-04 trying CLIP-style heads.
+    the step; refused first, with the one-element fix (the line to write, by the parameter's name: applied to HF's
+    CLIPModel it trains with DDP's losses on 2 ranks, RESULTS.md) and DDP named. Found 2026-12-04 trying CLIP-style
+    heads.
     Mutation seen failing: the check removed (FSDP2's message)."""
     from lightning_vitscale import VitScaleStrategy
 
-    with pytest.raises(ValueError, match=r"1 0-dim parameter\(s\) \(logit_scale\).*torch.tensor\(\[2.0\]\)"):
+    fix = re.escape("`self.logit_scale = nn.Parameter(self.logit_scale.detach().reshape(1))`")
+    with pytest.raises(ValueError, match=rf"1 0-dim parameter\(s\) \(logit_scale\).*`__init__`: {fix}"):
         fit_losses(VitScaleStrategy(), make=ScalarTemperatureNet)
