@@ -26,7 +26,7 @@ from tests.helpers.models import CLASSES, IMAGE, Classifier
 
 warnings.filterwarnings("ignore")
 SLOW_AFTER = 8  # items a worker loads at once (its first two batches of 4: steps 0-3); each later one takes minutes
-SLOW_S = float(os.environ.get("SLOW_S", "300"))
+SLOW_S = 300.0
 
 
 def record_pid(out: Path, name: str) -> None:
