@@ -39,6 +39,13 @@ class Captioning(L.LightningModule):
         self.net = captioner()
         self.losses: list[float] = []
 
+    def on_train_start(self) -> None:
+        # GPT-2's dropout draws from here on alike. Setups need not leave torch's global generator alike: after some
+        # earlier tests in the process VitScaleStrategy's setup_environment and the steps before on_train_start
+        # moved it (not in a fresh process; cause not found, closing note of 2026-12-05), and CI's worker then drew
+        # other dropout masks than the plain Trainer.
+        torch.manual_seed(1)
+
     def training_step(self, batch, batch_idx):
         images, captions = batch
         loss = self.net(pixel_values=images, labels=captions).loss
