@@ -7,25 +7,27 @@ the strategy's checkpointing nor the planner's replay."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
-# By type: every checkpointed block's call asks for each of its arguments (host time per step: ~0.7 us a call).
-_CACHE_TYPES: dict[type, bool] = {}
+
+def cache_class() -> type | None:
+    """``transformers``' ``Cache`` base class where ``transformers`` is imported (an HF model's blocks were built by
+    it), else ``None``: never imported here. A class, not a test by name: ``isinstance`` traces in a compiled block
+    without a guard on state that changes (a memo dict filled at the first call recompiled every compiled block)."""
+    module = sys.modules.get("transformers.cache_utils")
+    found = getattr(module, "Cache", None) if module is not None else None
+    return found if isinstance(found, type) else None
 
 
 def is_key_value_cache(value: object) -> bool:
-    """A ``transformers`` cache, recognised without importing ``transformers``."""
-    kind = type(value)
-    found = _CACHE_TYPES.get(kind)
-    if found is None:
-        found = _CACHE_TYPES[kind] = any(
-            c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in kind.__mro__)
-    return found
+    kind = cache_class()
+    return kind is not None and isinstance(value, kind)
 
 
-def without_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``args`` and ``kwargs`` with each cache replaced by ``None``, the layers' own "no cache"."""
-    if not any(map(is_key_value_cache, args)) and not any(map(is_key_value_cache, kwargs.values())):
+def without_caches(args: tuple[Any, ...], kwargs: dict[str, Any], kind: type) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` with each ``kind`` instance replaced by ``None``, the layers' own "no cache"."""
+    if not any(isinstance(a, kind) for a in args) and not any(isinstance(v, kind) for v in kwargs.values()):
         return args, kwargs  # the common case, without copying
-    return (tuple(None if is_key_value_cache(a) else a for a in args),
-            {k: None if is_key_value_cache(v) else v for k, v in kwargs.items()})
+    return (tuple(None if isinstance(a, kind) else a for a in args),
+            {k: None if isinstance(v, kind) else v for k, v in kwargs.items()})

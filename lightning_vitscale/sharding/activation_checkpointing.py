@@ -23,7 +23,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from lightning_vitscale._compat import BatchNormBase, InstanceNormBase, buffer_slots, tensor_version
-from lightning_vitscale.discovery.caches import without_caches
+from lightning_vitscale.discovery.caches import cache_class, without_caches
 from lightning_vitscale.memory import selective_contexts
 
 CheckpointMode = Literal["full", "selective"]
@@ -54,10 +54,10 @@ def mark_parent_checkpointing(model: nn.Module) -> None:
                     setattr(module, _PARENT_MARK, True)
 
 
-def _checkpointed_forward(original_forward, mode: CheckpointMode, owners: list[nn.Module], drops_caches: bool,
+def _checkpointed_forward(original_forward, mode: CheckpointMode, owners: list[nn.Module], dropped: type | None,
                           *args: Any, **kwargs: Any) -> Any:
-    if drops_caches and torch.is_grad_enabled():  # without gradients no recompute: the cache is filled once
-        args, kwargs = without_caches(args, kwargs)
+    if dropped is not None and torch.is_grad_enabled():  # without gradients no recompute: the cache is filled once
+        args, kwargs = without_caches(args, kwargs, dropped)
     # Non-reentrant: works with keyword arguments, inputs that do not require grad, and FSDP2's hooks
     # (the block's pre-backward hook gathers its parameters before autograd recomputes it).
     # preserve_rng_state (the default) replays the same dropout masks on recompute, in both modes.
@@ -135,9 +135,9 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: CheckpointMode
         if getattr(block, _MARK, None):
             continue
         owners = [m for m in block.modules() if buffer_slots(m)]  # modules with buffers a recompute could update
-        drops_caches = not getattr(block, "_can_checkpoint_with_cache", False)
+        dropped = None if getattr(block, "_can_checkpoint_with_cache", False) else cache_class()  # caches.py
         block.forward = functools.partial(  # type: ignore[method-assign]
-            _checkpointed_forward, block.forward, mode, owners, drops_caches)
+            _checkpointed_forward, block.forward, mode, owners, dropped)
         setattr(block, _MARK, mode)
 
 
