@@ -40,10 +40,10 @@ class Captioning(L.LightningModule):
         self.losses: list[float] = []
 
     def on_train_start(self) -> None:
-        # GPT-2's dropout draws from here on alike. Setups need not leave torch's global generator alike: after some
-        # earlier tests in the process VitScaleStrategy's setup_environment and the steps before on_train_start
-        # moved it (not in a fresh process; cause not found, closing note of 2026-12-05), and CI's worker then drew
-        # other dropout masks than the plain Trainer.
+        # GPT-2's dropout draws from here on alike. Setups need not leave torch's global generator alike: after an
+        # earlier test's seed_everything (PL_GLOBAL_SEED set in the process) a distributed strategy's
+        # setup_distributed reseeds from it (Lightning's reset_seed, DDP's too) and the plain Trainer does not, so
+        # CI's worker drew other dropout masks than this file alone.
         torch.manual_seed(1)
 
     def training_step(self, batch, batch_idx):
