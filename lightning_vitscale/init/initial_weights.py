@@ -91,18 +91,27 @@ class InitialWeights:
     def prepare(self, modules: list[nn.Module]) -> None:
         """Values and device for modules kept outside the FSDP units (fp32 norms), before they are converted."""
         for module in modules:
-            slots = self._slots(module, recurse=False)
-            full = self._full(slots)
-            for owner, kind, attr, _, _ in slots:
-                tensor = getattr(owner, attr)
-                if not tensor.is_meta and tensor.device != self.device:
-                    moved = tensor.detach().to(self.device)
-                    if kind == "param":
-                        torch.utils.swap_tensors(tensor, nn.Parameter(moved, requires_grad=tensor.requires_grad))
-                    else:
-                        buffer_slots(owner)[attr] = moved
-            materialize_meta(module, self.device, recurse=False)
-            self._fill(slots, full)
+            self._prepare(module, self._slots(module, recurse=False))
+
+    def prepare_parameters(self, owned: list[tuple[nn.Module, str]]) -> None:
+        """Values and device for single parameters kept outside the FSDP units (0-dim ones), the owner's others
+        left to its unit."""
+        for module, attr in owned:
+            slots = [slot for slot in self._slots(module, recurse=False) if slot[1] == "param" and slot[2] == attr]
+            self._prepare(module, slots, only={attr})
+
+    def _prepare(self, module: nn.Module, slots: list[Slot], only: set[str] | None = None) -> None:
+        full = self._full(slots)
+        for owner, kind, attr, _, _ in slots:
+            tensor = getattr(owner, attr)
+            if not tensor.is_meta and tensor.device != self.device:
+                moved = tensor.detach().to(self.device)
+                if kind == "param":
+                    torch.utils.swap_tensors(tensor, nn.Parameter(moved, requires_grad=tensor.requires_grad))
+                else:
+                    buffer_slots(owner)[attr] = moved
+        materialize_meta(module, self.device, recurse=False, only=only)
+        self._fill(slots, full)
 
     @torch.no_grad()
     def hold(self, modules: list[nn.Module]) -> None:

@@ -20,18 +20,20 @@ from lightning_vitscale._compat import (
 from lightning_vitscale._utils import shard_rows
 
 
-def materialize_meta(module: nn.Module, device: torch.device, recurse: bool = True) -> None:
+def materialize_meta(
+    module: nn.Module, device: torch.device, recurse: bool = True, only: set[str] | None = None
+) -> None:
     """Give ``module``'s meta parameters and buffers (uninitialised) storage on ``device``; a DTensor its local shard
     only. Parameters are swapped in place, so objects that FSDP, the fp32 norms or an optimizer already hold stay
-    valid; FSDP re-pads the new shards at its lazy init."""
+    valid; FSDP re-pads the new shards at its lazy init. ``only``: those attributes alone (of ``module``)."""
     for owner in module.modules() if recurse else [module]:
-        for param in parameter_slots(owner).values():
-            if param is not None and param.is_meta:
+        for name, param in parameter_slots(owner).items():
+            if param is not None and param.is_meta and (only is None or name in only):
                 new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
                 torch.utils.swap_tensors(param, new)
         buffers = buffer_slots(owner)
         for name, buffer in list(buffers.items()):
-            if buffer is not None and buffer.is_meta:
+            if buffer is not None and buffer.is_meta and (only is None or name in only):
                 buffers[name] = torch.empty_like(buffer, device=device)
 
 

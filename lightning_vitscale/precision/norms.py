@@ -77,21 +77,31 @@ class ReplicatedNorms:
     def _convert(self, module: nn.Module) -> None:
         originals = {}
         for name, param in list(module.named_parameters(recurse=False)):
-            local = param.detach().to(self.dtype)
-            replicated = nn.Parameter(
-                DTensor.from_local(local, self.mesh, replicated_placements(self.mesh), run_check=False)
-            )
-            # Compiled norms accumulate here (eager ones: _hand_gradient). Hooked while requiring grad (a hook needs
-            # it), then frozen as the original: a norm unfrozen later is followed.
-            replicated.register_post_accumulate_grad_hook(functools.partial(_arrived, weakref.ref(self)))
-            replicated.requires_grad_(param.requires_grad)
+            replicated = self.replicate(param, self.dtype)
             module.register_parameter(name, replicated)
             originals[name] = replicated
-            self.params.append(replicated)
-        setattr(module, _PARAMS, originals)
-        setattr(module, _OWNER, weakref.ref(self))
+        self.hold(module, originals)
         setattr(module, _DTYPE, self.dtype)
         module.__class__ = _fp32_class(type(module))
+
+    def replicate(self, param: nn.Parameter, dtype: torch.dtype) -> nn.Parameter:
+        """``param``'s values as a parameter of ``dtype`` replicated on every rank, averaged with the norms'
+        gradients (also 0-dim ones, which FSDP2 cannot shard: ``sharding/scalar_parameters.py``)."""
+        local = param.detach().to(dtype)
+        placements = replicated_placements(self.mesh)
+        replicated = nn.Parameter(DTensor.from_local(local, self.mesh, placements, run_check=False))
+        # Compiled norms accumulate here (eager ones: _hand_gradient). Hooked while requiring grad (a hook needs
+        # it), then frozen as the original: a norm unfrozen later is followed.
+        replicated.register_post_accumulate_grad_hook(functools.partial(_arrived, weakref.ref(self)))
+        replicated.requires_grad_(param.requires_grad)
+        self.params.append(replicated)
+        return replicated
+
+    def hold(self, module: nn.Module, replicated: dict[str, nn.Parameter]) -> None:
+        """``module`` computes on leaves of these parameters (:func:`compute_leaf`), whose gradients are handed to
+        them and averaged by this object."""
+        setattr(module, _PARAMS, replicated)
+        setattr(module, _OWNER, weakref.ref(self))
 
     def ignored(self) -> set[nn.Parameter]:
         return set(self.params)
@@ -123,20 +133,32 @@ _FP32_CLASSES: dict[type, type] = {}
 def _fp32_class(cls: type[nn.Module]) -> type[nn.Module]:
     """``cls`` with :func:`_fp32_forward` as its forward (as FSDP2's ``FSDP<cls>``), same ``__name__``. A class,
     not an instance ``forward``: dynamo guards on its identity, so every compiled block after the first recompiled."""
-    if cls not in _FP32_CLASSES:
-        attrs = {"forward": _fp32_forward, _BASE: cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
-        _FP32_CLASSES[cls] = type(cls.__name__, (cls,), attrs)
-    return _FP32_CLASSES[cls]
+    return strategy_class(cls, {"forward": _fp32_forward}, _FP32_CLASSES)
+
+
+def strategy_class(cls: type[nn.Module], attrs: dict[str, Any], made: dict[type, type]) -> type[nn.Module]:
+    """``cls`` with ``attrs`` on a subclass of the same name, one per class (cached in ``made``), that
+    :func:`plain_norm_class` undoes (a deep copy shows the module's own class)."""
+    if cls not in made:
+        own = {_BASE: cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        made[cls] = type(cls.__name__, (cls,), {**attrs, **own})
+    return made[cls]
 
 
 def plain_norm_class(cls: type) -> type:
-    """The norm's own class behind an fp32 class (:func:`_fp32_class`); any other class as it is."""
+    """The module's own class behind one of :func:`strategy_class` (the fp32 norms', a 0-dim parameter owner's);
+    any other class as it is."""
     return vars(cls).get(_BASE, cls)
+
+
+def held_parameters(module: nn.Module) -> dict[str, nn.Parameter] | None:
+    """The replicated parameters ``module`` computes on leaves of (:meth:`ReplicatedNorms.hold`), by attribute."""
+    return module.__dict__.get(_PARAMS)
 
 
 def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A converted norm's forward: its class's forward on local fp32 parameters and inputs; the gradient lands on
-    the DTensor parameter (:func:`_compute_leaf` eager, the free ``to_local()`` compiled).
+    the DTensor parameter (:func:`compute_leaf` eager, the free ``to_local()`` compiled).
 
     A forward, not hooks, all read from the module and its class: dynamo guards on anything bound per norm, so
     identical compiled blocks would stop sharing a graph. ``finally``: a raising forward must not leave local tensors
@@ -159,7 +181,7 @@ def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling() or not torch.is_grad_enabled():
             local = {name: param.to_local() for name, param in params.items()}  # no autograd node without grad
         else:
-            local = {name: _compute_leaf(module, name, param) for name, param in params.items()}
+            local = {name: compute_leaf(module, name, param) for name, param in params.items()}
         slots.update(local)
         try:
             output = getattr(type(module), _BASE).forward(module, *args, **kwargs)
@@ -177,7 +199,7 @@ def _fp32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 _LEAVES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _compute_leaf(module: nn.Module, name: str, param: DTensor) -> torch.Tensor:
+def compute_leaf(module: nn.Module, name: str, param: DTensor) -> torch.Tensor:
     """A leaf sharing ``param``'s local storage and version counter (updates show, recompute sees the same tensor),
     requiring grad as ``param`` does now. Its hook refers weakly to the module, not the parameter:
     ``swap_tensors`` (``module.to()``) refuses weakly referenced tensors."""

@@ -144,9 +144,9 @@ def select_units(model: nn.Module, selector: ModuleSelector | None, calls: Calls
 
 
 def refuse_unshardable_parameters(model: nn.Module) -> None:
-    """Parameters FSDP2 cannot shard, refused before the planner measures anything, naming them and the fix: a lazy
-    module's (``nn.LazyLinear``: no shape until a forward; DDP refuses them at setup too), and 0-dim ones (a
-    learnable temperature, CLIP's ``logit_scale``: FSDP2 shards along dim 0)."""
+    """Parameters nothing can shard, refused before the planner measures anything, naming them and the fix: a lazy
+    module's (``nn.LazyLinear``: no shape until a forward; DDP refuses them at setup too). 0-dim ones, which FSDP2
+    refuses, are held replicated (``scalar_parameters.py``)."""
     named = list(model.named_parameters())
     lazy = [name for name, p in named if isinstance(p, nn.parameter.UninitializedParameter)]
     if lazy:
@@ -155,17 +155,6 @@ def refuse_unshardable_parameters(model: nn.Module) -> None:
             " (nn.LazyLinear and the like), which VitScaleStrategy cannot shard before they have a shape. Run the"
             " model once on a batch before `trainer.fit` (as DDP requires), or build those layers with their input"
             " size (e.g. nn.Linear(in_features, out_features))."
-        )
-    scalars = [name for name, p in named if p.dim() == 0]
-    if scalars:
-        first = f"self.{scalars[0]}"
-        raise ValueError(
-            f"{type(model).__name__} has {len(scalars)} 0-dim parameter(s) ({_shown(scalars)}), which FSDP2 cannot"
-            " shard (it splits parameters along their first dimension). Make each a one-element tensor before"
-            f" `fit`, without editing the model's source, e.g. in your LightningModule's `__init__`: `{first} ="
-            f" nn.Parameter({first}.detach().reshape(1))` (where it multiplies a tensor, as CLIP's `logit_scale`,"
-            " broadcasting gives the same results; its checkpoints then hold shape (1,)), or train this model with"
-            " strategy=\"ddp\"."
         )
 
 

@@ -30,6 +30,7 @@ from lightning_vitscale.sharding.cpu_overlap import overlap_collectives_on_cpu
 from lightning_vitscale.sharding.deferred_reduction import DeferredReduction
 from lightning_vitscale.sharding.fsdp import group_blocks, prefetch_on_entry, set_prefetch, shard_module
 from lightning_vitscale.sharding.outer_unit import OuterUnit
+from lightning_vitscale.sharding.scalar_parameters import ScalarParameters, find_scalar_parameters, replicate_scalars
 from lightning_vitscale.sharding.settings import unit_reshard
 from lightning_vitscale.sharding.skipped_blocks import zero_gradients_for_unused
 from lightning_vitscale.sharding.tensor_parallel import same_values_everywhere, split_block
@@ -38,10 +39,12 @@ from lightning_vitscale.sharding.tensor_proof import prove_plans
 
 @dataclass(frozen=True)
 class NormFacts:
-    """The norms kept in fp32 outside the low-precision units (``modules``), replicated as ``replicated``."""
+    """The norms kept in fp32 outside the low-precision units (``modules``), replicated as ``replicated``, which
+    also holds the 0-dim parameters (``scalars``: ``scalar_parameters.py``)."""
 
     modules: Named
     replicated: ReplicatedNorms | None
+    scalars: ScalarParameters = field(default_factory=ScalarParameters)
 
     @property
     def ignored(self) -> set[nn.Parameter] | None:
@@ -285,7 +288,18 @@ def replicate_norms(
         if norm_modules and precision.norm_dtype is not None  # always set where separate_norms found modules
         else None
     )
-    return NormFacts(norm_modules, norms)
+    return _replicate_scalars(model, mesh, NormFacts(norm_modules, norms), weights)
+
+
+def _replicate_scalars(model: nn.Module, mesh: DeviceMesh, norms: NormFacts, weights: InitialWeights) -> NormFacts:
+    """0-dim parameters, which FSDP2 cannot shard, replicated with the norms (made for them where there are none:
+    a full-precision model), their values prepared as the norms' are."""
+    found = find_scalar_parameters(model)
+    if not found:
+        return norms
+    weights.prepare_parameters([(owner, attr) for _, owner, attr in found])
+    replicated = norms.replicated or ReplicatedNorms([], mesh)
+    return NormFacts(norms.modules, replicated, replicate_scalars(model, found, replicated))
 
 
 @dataclass(frozen=True)

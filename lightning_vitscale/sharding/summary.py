@@ -207,6 +207,10 @@ def _notes(facts: PipelineFacts) -> list[str]:
         notes.append(f"{len(facts.made_contiguous)} channels_last parameter(s) made contiguous for FSDP"
                      f" ({_abbrev(facts.made_contiguous)}): same values; convolutions run channels_last when their"
                      " inputs are (x.to(memory_format=torch.channels_last))")
+    scalars = facts.norms.scalars.names
+    if scalars:
+        notes.append(f"{len(scalars)} 0-dim parameter(s) ({_abbrev(scalars)}), which FSDP2 cannot shard: replicated"
+                     " outside the units in their own dtype, gradients averaged with one all-reduce per step")
     if facts.init.not_reproduced:
         notes.append(f"{len(facts.init.not_reproduced)} meta tensor(s) whose init could not be reproduced (warned)")
     return notes

@@ -1,0 +1,130 @@
+"""0-dim parameters (a learnable temperature: CLIP's and open_clip's ``logit_scale``), which FSDP2 cannot shard
+("fully_shard doesn't support scalar parameters"), trained as DDP trains them.
+
+They are held as the fp32 norms are (``precision/norms.py``): replicated DTensors outside the FSDP units, in their
+own dtype, each rank's gradient averaged at the end of backward in the norms' one all-reduce, so their values and the
+optimizer's state on them stay equal on every rank. The model's code mixes such a parameter with plain tensors
+(``logits * self.logit_scale.exp()``), which a DTensor refuses; so the module holding it shows, while a computation
+runs, a plain tensor aliasing the parameter's local value (its storage and version counter: an update shows, an
+in-place write lands) whose gradient is handed over to the parameter, and at any other time the parameter itself,
+as DDP shows it: what ``configure_optimizers`` collects, what a callback clamps in place or freezes, what checkpoints
+hold (shape ``()``, as DDP's).
+
+A computation is a call into the model or into any module above an owner (a step, through Lightning's forward
+redirection into the LightningModule; a call outside one), or a backward (checkpointing's recompute runs the block's
+forward there, not its ``__call__``). The owner's class gains a ``__getattr__`` (a subclass of the same name, undone
+by a deep copy as the norms' class is); parameters live in ``_parameters``, so reading one goes through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
+
+from lightning_vitscale._compat import current_backward_id, parameter_slots
+from lightning_vitscale.precision.norms import (
+    ReplicatedNorms,
+    compute_leaf,
+    held_parameters,
+    strategy_class,
+)
+
+
+class _Computing:
+    """How deep the calls into modules above a 0-dim parameter's owner are nested (any model's: a conservative
+    flag, read on each attribute read of an owner)."""
+
+    depth = 0
+
+
+@dataclass
+class ScalarParameters:
+    """The 0-dim parameters held replicated (qualified names) and the hooks that mark computations."""
+
+    names: list[str] = field(default_factory=list)
+    hooks: list[RemovableHandle] = field(default_factory=list)
+
+
+def find_scalar_parameters(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(qualified name, owner, attribute) of each 0-dim parameter slot, a tied one once per owner; parameters already
+    held replicated (a norm's) are left out."""
+    found = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        held = held_parameters(module) or {}
+        for attr, param in parameter_slots(module).items():
+            if param is not None and param.dim() == 0 and attr not in held:
+                found.append((f"{prefix}.{attr}" if prefix else attr, module, attr))
+    return found
+
+
+def replicate_scalars(
+    model: nn.Module, found: list[tuple[str, nn.Module, str]], replicas: ReplicatedNorms
+) -> ScalarParameters:
+    """Hold each found parameter replicated by ``replicas`` (its values prepared already), its owner showing a
+    leaf of it during computations."""
+    made: dict[int, nn.Parameter] = {}
+    owners: dict[int, nn.Module] = {}
+    for _, owner, attr in found:
+        param = parameter_slots(owner)[attr]
+        assert param is not None
+        if id(param) not in made:
+            made[id(param)] = replicas.replicate(param, param.dtype)
+        owner.register_parameter(attr, made[id(param)])
+        held = held_parameters(owner)
+        replicas.hold(owner, {**(held or {}), attr: made[id(param)]})
+        owner.__class__ = _owner_class(type(owner))
+        owners[id(owner)] = owner
+    done = ScalarParameters(names=[name for name, _, _ in found])
+    for module in _self_and_ancestors(model, set(owners)):
+        done.hooks.append(module.register_forward_pre_hook(_enter))
+        done.hooks.append(module.register_forward_hook(_leave, always_call=True))
+    return done
+
+
+def _enter(module: nn.Module, args: Any) -> None:
+    _Computing.depth += 1
+
+
+def _leave(module: nn.Module, args: Any, output: Any) -> None:
+    _Computing.depth = max(0, _Computing.depth - 1)
+
+
+_OWNER_CLASSES: dict[type, type] = {}
+
+
+def _owner_class(cls: type[nn.Module]) -> type[nn.Module]:
+    if cls in _OWNER_CLASSES.values():
+        return cls
+    return strategy_class(cls, {"__getattr__": _shown_as(cls.__getattr__)}, _OWNER_CLASSES)
+
+
+def _shown_as(base_getattr: Callable[[nn.Module, str], Any]) -> Callable[[nn.Module, str], Any]:
+    def __getattr__(self: nn.Module, name: str) -> Any:
+        value = base_getattr(self, name)
+        if isinstance(value, DTensor) and (_Computing.depth or current_backward_id() != -1):
+            held = held_parameters(self)
+            if held is not None and held.get(name) is value:
+                return compute_leaf(self, name, value)
+        return value
+
+    return __getattr__
+
+
+def _self_and_ancestors(model: nn.Module, owners: set[int]) -> list[nn.Module]:
+    """The owners and every module above one, up to ``model``: where a computation reading them can start."""
+    selected: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> bool:
+        below = [visit(child) for child in module.children()]
+        holds = id(module) in owners or any(below)
+        if holds:
+            selected.append(module)
+        return holds
+
+    visit(model)
+    return selected

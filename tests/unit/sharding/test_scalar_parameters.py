@@ -1,0 +1,128 @@
+"""0-dim parameters (CLIP's ``logit_scale``), which FSDP2 refuses ("fully_shard doesn't support scalar parameters"),
+train as under DDP on one device (2 ranks against DDP: ``tests/distributed/test_scalar_parameters.py``):
+held replicated with the norms, shown as a plain tensor inside computations and as the parameter outside them.
+Before 2026-12-05 setup refused them, naming a one-line reshape to (1,).
+
+Mutations seen failing: the owner's ``__getattr__`` returning the parameter during computations (the forward mixes a
+DTensor with tensors: torch's "mixed torch.Tensor and DTensor"); the backward check dropped (checkpointing's
+recompute of a gated block inside backward: the same error, under ``priority="memory"`` only); the leaf returned
+outside computations too (``configure_optimizers`` collects leaves: the optimizer steps nothing, the test of what is
+shown fails); the values not prepared (rank 0's not broadcast: the 2-rank test's losses differ); the deep copy
+keeping the owner class.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_vitscale import VitScaleStrategy
+from lightning_vitscale.checkpoint.safe_reading import load_pickle
+from tests.helpers.contrastive import FLOOR, PairEncoder, TemperatureClip, fit, scalars
+
+PLANS = {"default": {}, "memory": {"priority": "memory"}}
+
+
+@pytest.fixture(scope="module")
+def plain() -> TemperatureClip:
+    return fit("ddp")  # DDP on one device: the same distributed sampler
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_0_dim_parameters_train_as_under_ddp(plain, plan):
+    """The model's temperature (its forward), the LightningModule's margin (``training_step``) and each block's gate
+    (the block's forward, recomputed inside backward under ``priority="memory"``): DDP's losses and
+    values bit for bit, open_clip's in-place clamp in ``on_train_batch_end`` applied."""
+    strategy = VitScaleStrategy(**PLANS[plan])
+    ours = fit(strategy)
+    assert len(plain.losses) == 4 and ours.losses == plain.losses
+    assert scalars(ours) == scalars(plain)
+    assert ours.temperatures == plain.temperatures and ours.temperatures[2:] == [FLOOR, FLOOR]  # the clamp acted
+    summary = strategy.plan.summary()
+    assert "6 0-dim parameter(s) (margin, net.logit_scale, net.image.blocks.0.gate, ... +3)" in summary
+    if plan == "memory":
+        assert "checkpointed blocks : 4 of 4" in summary
+
+
+class Recording(TemperatureClip):
+    """What the attribute shows where user code reads it."""
+
+    def configure_optimizers(self):
+        self.collected = [type(self.net.logit_scale), type(self.margin)]
+        return torch.optim.AdamW([self.net.logit_scale, self.margin, *self.net.image.parameters(),
+                                  *self.net.text.parameters()], lr=0.5)
+
+    def training_step(self, batch, batch_idx):
+        self.in_step = [type(self.net.logit_scale), type(self.margin), self.margin.requires_grad]
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_parameter_outside_computations_and_a_plain_tensor_inside():
+    """``configure_optimizers`` collects the replicated parameters (a list built from the attributes, not
+    ``self.parameters()``: the optimizer steps them); ``training_step`` computes on plain tensors."""
+    model = Recording()
+    L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(), max_steps=2, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(model)
+    assert all(issubclass(kind, DTensor) for kind in model.collected)
+    assert not any(issubclass(kind, DTensor) for kind in model.in_step[:2]) and model.in_step[2]
+    assert scalars(model)["margin"] != 0.1  # stepped by the optimizer that holds it
+
+
+def test_a_deep_copy_and_a_full_checkpoint_hold_the_plain_0_dim_parameters(tmp_path):
+    """After ``fit``: ``copy.deepcopy`` gives DDP's module (its own class, plain 0-dim parameters), and a full
+    checkpoint holds shape ``()``, loading strictly into the plain model."""
+    strategy = VitScaleStrategy(state_dict_type="full")
+    model = fit(strategy)
+    net = copy.deepcopy(model.net)
+    assert type(net) is PairEncoder and type(net.logit_scale) is nn.Parameter and net.logit_scale.shape == ()
+    assert float(net.logit_scale) == scalars(model)["net.logit_scale"]
+    path = tmp_path / "full.ckpt"
+    strategy.lightning_module.trainer.save_checkpoint(path)
+    state = load_pickle(path, weights_only=True)["state_dict"]
+    assert state["net.logit_scale"].shape == () and state["net.image.blocks.1.gate"].shape == ()
+    fresh = TemperatureClip()
+    fresh.load_state_dict(state, strict=True)
+    assert {name: float(p) for name, p in fresh.named_parameters() if p.dim() == 0} == scalars(model)
+
+
+def test_hugging_face_clip_trains_unchanged():
+    """HF's ``CLIPModel`` (0-dim ``logit_scale``) as it is: DDP's losses."""
+    transformers = pytest.importorskip("transformers")
+
+    class Clip(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        vocab_size=100, max_position_embeddings=16)
+            vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          image_size=32, patch_size=8)
+            config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+            self.net = transformers.CLIPModel(config)
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            images, ids = batch
+            loss = self.net(input_ids=ids, pixel_values=images, return_loss=True).loss
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    generator = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(12, 3, 32, 32, generator=generator),
+                                          torch.randint(2, 100, (12, 8), generator=generator))
+    losses = []
+    for strategy in ("ddp", VitScaleStrategy()):
+        model = Clip()
+        L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  ).fit(model, torch.utils.data.DataLoader(data, batch_size=4))
+        losses.append(model.losses)
+    assert len(losses[0]) == 3 and losses[1] == losses[0]
