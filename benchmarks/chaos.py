@@ -45,7 +45,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks.chaos_run import KINDS  # noqa: E402
-from tests.helpers.launch import alive, free_port, python_command  # noqa: E402
+from tests.helpers.launch import Identity, alive, free_port, python_command, read_identity  # noqa: E402
 
 JOB = "benchmarks/chaos_run.py"
 ENDED_WITHIN_S = 45.0  # the strategy's notice grace (30 s) is the longest wait a dead peer can cause
@@ -108,15 +108,10 @@ def draw_plan(rng: random.Random, number: int, done: list[str], has_checkpoint: 
     return plan
 
 
-def rank_pids(run: Path) -> dict[int, tuple[int, str]]:
+def rank_pids(run: Path) -> dict[int, Identity]:
     """Each rank's pid and start time (``/proc`` clock ticks), as it wrote them at setup."""
-    found = {}
-    for rank in (0, 1):
-        path = run / "pids" / f"rank{rank}"
-        words = path.read_text().split() if path.exists() else []
-        if len(words) == 2:
-            found[rank] = (int(words[0]), words[1])
-    return found
+    found = {rank: read_identity(run / "pids" / f"rank{rank}") for rank in (0, 1)}
+    return {rank: identity for rank, identity in found.items() if identity is not None}
 
 
 def run_attempt(run: Path, job_args: list[str], attempt: Attempt, timeout: float, start_job: Launch) -> None:

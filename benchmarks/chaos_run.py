@@ -46,6 +46,7 @@ from examples.classification import ViTClassifier
 from examples.models.shard_data import ShardImageDataModule
 from lightning_vitscale import ShardedEMA, VitScaleStrategy
 from lightning_vitscale.checkpoint.storage import SHARDED_MARKER
+from tests.helpers.launch import record_identity
 
 # the modules whose `retire` the chaos wraps: each looks it up in its own globals
 commit_module = importlib.import_module("lightning_vitscale.checkpoint.commit")
@@ -75,9 +76,7 @@ class Chaos(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.rank, self.trainer = trainer.global_rank, trainer
-        with open("/proc/self/stat") as stat:  # the start time tells this process from a later one with its pid
-            started = stat.read().rsplit(")", 1)[1].split()[19]
-        (self.run / "pids" / f"rank{self.rank}").write_text(f"{os.getpid()} {started}")
+        record_identity(self.run / "pids" / f"rank{self.rank}")  # pid and start time: a later process's pid differs
         self.phase("setup")
 
     def phase(self, text: str) -> None:

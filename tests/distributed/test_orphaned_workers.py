@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.launch import REPO_ROOT, alive, descendants, free_port, python_command
+from tests.helpers.launch import REPO_ROOT, Identity, alive, descendants, free_port, python_command, read_identity
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -26,18 +26,15 @@ ENDED_WITHIN_S = 30.0
 PROCESSES = {"rank0", "rank1", "worker-rank0-0", "worker-rank0-1", "worker-rank1-0", "worker-rank1-1"}
 
 
-def recorded(folder: Path) -> dict[str, tuple[int, str]]:
-    """Each process's pid and start time, as it wrote them (``orphaned_workers.record_pid``)."""
-    found = {}
-    for path in folder.iterdir():
-        pid, started = path.read_text().split()
-        found[path.name] = (int(pid), started)
-    return found
+def recorded(folder: Path) -> dict[str, Identity]:
+    """Each process's pid and start time, as it wrote them (``launch.record_identity``)."""
+    found = {path.name: read_identity(path) for path in folder.iterdir()}
+    return {name: identity for name, identity in found.items() if identity is not None}
 
 
 def test_a_rank_killed_while_its_loader_workers_are_busy_ends_the_job_in_seconds(tmp_path):
     cmd, env = python_command(SCRIPT, "vitscale", str(tmp_path), MASTER_PORT=str(free_port()))
-    processes: dict[str, tuple[int, str]] = {}
+    processes: dict[str, Identity] = {}
     with open(tmp_path / "job.log", "w") as log:  # not a pipe: an orphaned worker would keep it open
         job = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                start_new_session=True)  # fmt: skip

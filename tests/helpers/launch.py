@@ -106,16 +106,37 @@ def _log_launch(cmd: list[str], finished: Finished) -> None:
         file.write(json.dumps(entry) + "\n")
 
 
-def alive(process: tuple[int, str]) -> bool:
-    """Whether a process (pid, start time in ``/proc`` clock ticks) still runs: not a zombie, not another process
-    that got its pid since."""
-    pid, started = process
+Identity = tuple[int, str]  # a process's pid and start time (``/proc`` clock ticks): a later one with its pid differs
+
+
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """``/proc/PID/stat``'s fields after the command name (the state first), or ``None`` where it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+            return f.read().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError):
-        return False
-    return fields[0] != "Z" and fields[19] == started
+        return None
+
+
+def record_identity(path: Path) -> None:
+    """Write this process's :data:`Identity` to ``path`` (a rank script's, a loader worker's), for
+    :func:`read_identity` and :func:`alive` in the process watching it."""
+    fields = _stat_fields("self")
+    assert fields is not None
+    path.write_text(f"{os.getpid()} {fields[19]}")
+
+
+def read_identity(path: Path) -> Identity | None:
+    """What :func:`record_identity` wrote, or ``None`` where nothing (whole) is there yet."""
+    words = path.read_text().split() if path.exists() else []
+    return (int(words[0]), words[1]) if len(words) == 2 else None
+
+
+def alive(process: Identity) -> bool:
+    """Whether a process still runs: not a zombie, not another process that got its pid since."""
+    pid, started = process
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z" and fields[19] == started
 
 
 def descendants(pid: int) -> list[int]:

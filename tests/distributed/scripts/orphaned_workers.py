@@ -22,17 +22,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from lightning_vitscale import VitScaleStrategy
+from tests.helpers.launch import record_identity
 from tests.helpers.models import CLASSES, IMAGE, Classifier
 
 warnings.filterwarnings("ignore")
 SLOW_AFTER = 8  # items a worker loads at once (its first two batches of 4: steps 0-3); each later one takes minutes
 SLOW_S = 300.0
-
-
-def record_pid(out: Path, name: str) -> None:
-    with open("/proc/self/stat") as stat:
-        started = stat.read().rsplit(")", 1)[1].split()[19]
-    (out / "pids" / name).write_text(f"{os.getpid()} {started}")
 
 
 class SlowLater(Dataset):
@@ -56,7 +51,7 @@ class KilledAtStep2(Classifier):
         self.out = out
 
     def on_fit_start(self) -> None:
-        record_pid(self.out, f"rank{self.global_rank}")
+        record_identity(self.out / "pids" / f"rank{self.global_rank}")
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         if self.global_rank == 0 and batch_idx == 2:
@@ -70,7 +65,7 @@ def main() -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     loader = DataLoader(
         SlowLater(), batch_size=4, num_workers=2,
-        worker_init_fn=lambda worker: record_pid(out, f"worker-rank{rank}-{worker}"),
+        worker_init_fn=lambda worker: record_identity(out / "pids" / f"worker-rank{rank}-{worker}"),
     )  # fmt: skip
     strategy = VitScaleStrategy(timeout=timedelta(seconds=600)) if name == "vitscale" else name
     trainer = L.Trainer(
