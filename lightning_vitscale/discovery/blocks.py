@@ -16,6 +16,9 @@ Named = list[tuple[str, nn.Module]]
 Unit = tuple[str, Named]
 """A found block's name and the modules of it that run (the block itself, or a container's sub-layers)."""
 
+Ran = tuple[Collection[str], Mapping[str, str]]
+"""What a measured step ran: the modules called, and which module's output each took (``Calls.fed``)."""
+
 # Containers compare by structure, not class: two Sequentials are the same block only if they hold the same.
 _CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -47,10 +50,13 @@ def _repeated_children(module: nn.Module, prefix: str) -> list[tuple[str, nn.Mod
     return [(name, child) for name, child in named if _is_composite(child) and counts[_signature(child)] >= 2]
 
 
-def _inner_blocks(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+def _inner_blocks(name: str, module: nn.Module, ran: Ran | None) -> list[tuple[str, nn.Module]]:
     """Repeated blocks strictly inside ``module`` that hold most of its parameters (a stage's blocks), or that
-    form a layer stack (two whole networks side by side: DINO's student and teacher, a siamese pair)."""
-    found = list(_discover(module, f"{name}."))
+    form a layer stack (two whole networks side by side: DINO's student and teacher, a siamese pair); not where a
+    measured step ran them side by side (an MoE layer's experts: the layer is the block)."""
+    found = list(_discover(module, f"{name}.", ran))
+    if ran is not None and _side_by_side(found, ran):
+        return []
     covered = sum(_num_params(m) for _, m in found)
     total = _num_params(module)
     if found and total and covered * 2 >= total:
@@ -62,28 +68,41 @@ def _inner_blocks(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
     return found if any(len(_repeated_children(m, "")) >= 2 for m in stacks) else []
 
 
-def _discover(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
+def _side_by_side(found: list[tuple[str, nn.Module]], ran: Ran) -> bool:
+    """Whether the measured step ran two or more of ``found`` and none took another's output as its input: they are
+    alternatives each handed its own input (an MoE layer's experts, each on the tokens routed to it), not a stack
+    whose blocks feed each other (a Swin stage's, run in a chain)."""
+    called, fed = ran
+    names = {name for name, _ in found}
+    run = [name for name in names if name in called]
+    return len(run) >= 2 and not any(fed.get(name) in names for name in run)
+
+
+def _discover(module: nn.Module, prefix: str, ran: Ran | None = None) -> Iterator[tuple[str, nn.Module]]:
     """Top-down walk: at each level the repeated siblings, or their own inner repetition when it carries most of
     the parameters (a Swin/MViT *stage* repeats, but its blocks are the unit the recipe wants)."""
     repeated = _repeated_children(module, prefix)
     repeated_ids = {id(m) for _, m in repeated}
     for name, child in repeated:
-        inner = _inner_blocks(name, child)
+        inner = _inner_blocks(name, child, ran)
         yield from inner if inner else [(name, child)]
     for name, child in module.named_children():
         if id(child) not in repeated_ids:
-            yield from _discover(child, f"{prefix}{name}.")
+            yield from _discover(child, f"{prefix}{name}.", ran)
 
 
 def find_units(
-    root: nn.Module, selector: ModuleSelector | None = None, called: Collection[str] | None = None
+    root: nn.Module, selector: ModuleSelector | None = None, called: Collection[str] | None = None,
+    fed: Mapping[str, str] | None = None,
 ) -> list[Unit]:
     """The repeated blocks in model order, outermost matches only, each with the modules of it that run: the block
     itself when its ``forward`` runs, else its children's (recursively), which then share one unit. ``selector``:
     ``None`` discovers them. ``called``: the modules a training step ran (measured at setup), or ``None``: those
-    whose class defines ``forward`` (``ModuleList``/``ModuleDict`` do not); a block none of whose modules ran: none."""
+    whose class defines ``forward`` (``ModuleList``/``ModuleDict`` do not); a block none of whose modules ran: none.
+    ``fed``: with ``called``, which module's output each took (``Calls.fed``): repeated modules run side by side
+    inside a block are not blocks."""
     if selector is None:
-        candidates = _discover(root, "")
+        candidates = _discover(root, "", (called, fed) if called is not None and fed is not None else None)
     elif isinstance(selector, (set, frozenset)):
         classes = tuple(selector)
         candidates = _select_outermost(root, "", lambda _, m: isinstance(m, classes))
@@ -94,10 +113,11 @@ def find_units(
 
 
 def find_blocks(
-    root: nn.Module, selector: ModuleSelector | None = None, called: Collection[str] | None = None
+    root: nn.Module, selector: ModuleSelector | None = None, called: Collection[str] | None = None,
+    fed: Mapping[str, str] | None = None,
 ) -> Named:
     """The modules of every unit of :func:`find_units`, in model order."""
-    return [pair for _, parts in find_units(root, selector, called) for pair in parts]
+    return [pair for _, parts in find_units(root, selector, called, fed) for pair in parts]
 
 
 def _running(name: str, module: nn.Module, called: Collection[str] | None) -> Named:

@@ -5,6 +5,7 @@ global module hooks for every module, the chosen modules' own hooks for keyword 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,9 @@ class Calls:
     inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict)
     running: list[str] = field(default_factory=list)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    fed: dict[str, str] = field(default_factory=dict)
+    """Module -> the module whose output its first call took as its first tensor argument: a stack's blocks feed
+    each other, an MoE layer's experts (each handed its own tokens) do not (``blocks._side_by_side``)."""
     error: str = ""
 
     @property
@@ -61,26 +65,12 @@ def recording(
 ) -> Iterator[Calls]:
     """Record into ``calls`` what ``model`` calls while the body runs; ``watch``: ``(name, module)`` pairs whose first
     arguments are kept. An exception from the body is recorded in ``calls.error`` and raised on."""
-    names = {id(m): name for name, m in model.named_modules()}
-
-    def enter(module: nn.Module, _: Any) -> None:
-        name = names.get(id(module))
-        if name is not None:
-            calls.counts[name] += 1
-            calls.running.append(name)
-
-    def leave(module: nn.Module, _: Any, out: Any) -> None:
-        name = names.get(id(module))
-        if name is not None and calls.running and calls.running[-1] == name:
-            calls.running.pop()
-            first = next((v for v in tree_leaves(out) if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
-            if keep_outputs and first is not None and name not in calls.outputs:
-                calls.outputs[name] = first.detach().clone()
+    recorder = _Recorder(model, calls, keep_outputs)
 
     def keep_inputs(name: str, _: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         calls.inputs.setdefault(name, (tree_map(_spec, args), tree_map(_spec, kwargs)))
 
-    handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+    handles = [register_module_forward_pre_hook(recorder.enter), register_module_forward_hook(recorder.leave)]
     handles += [m.register_forward_pre_hook(partial(keep_inputs, n), with_kwargs=True) for n, m in watch]
     try:
         yield calls
@@ -90,6 +80,58 @@ def recording(
     finally:
         for handle in handles:
             handle.remove()
+
+
+class _Recorder:
+    """The global hooks' side of :func:`recording`: counts, the modules running, first outputs, who fed whom."""
+
+    def __init__(self, model: nn.Module, calls: Calls, keep_outputs: bool) -> None:
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.calls, self.keep_outputs = calls, keep_outputs
+        self.produced = _Producers()
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        name, calls = self.names.get(id(module)), self.calls
+        if name is not None:
+            if name not in calls.counts:
+                self.produced.note_input(calls.fed, name, args)
+            calls.counts[name] += 1
+            calls.running.append(name)
+
+    def leave(self, module: nn.Module, _: Any, out: Any) -> None:
+        name, calls = self.names.get(id(module)), self.calls
+        if name is None or not calls.running or calls.running[-1] != name:
+            return
+        calls.running.pop()
+        first = _first_floating(out)
+        if first is None:
+            return
+        if self.keep_outputs and name not in calls.outputs:
+            calls.outputs[name] = first.detach().clone()
+        if calls.counts[name] == 1:
+            self.produced.returned(name, first)
+
+
+class _Producers:
+    """Which module's first call returned each tensor still alive: a weak reference compared by identity, so a freed
+    tensor's id taken by a new tensor names no producer."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[str, weakref.ref]] = {}
+
+    def returned(self, name: str, tensor: torch.Tensor) -> None:
+        self._by_id[id(tensor)] = (name, weakref.ref(tensor))
+
+    def note_input(self, fed: dict[str, str], name: str, args: Any) -> None:
+        """``fed[name]``: the module that returned ``name``'s first floating argument, where one did."""
+        tensor = _first_floating(args)
+        found = self._by_id.get(id(tensor)) if tensor is not None else None
+        if found is not None and found[1]() is tensor:
+            fed[name] = found[0]
+
+
+def _first_floating(tree: Any) -> torch.Tensor | None:
+    return next((v for v in tree_leaves(tree) if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
 
 
 def _spec(value: Any) -> Any:

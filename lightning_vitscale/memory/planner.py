@@ -7,7 +7,7 @@ nothing else fits; and the largest per-rank batch that fits.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -83,10 +83,11 @@ def parse_memory(spec: str | int | float) -> int:
 
 
 def model_parts(
-    model: nn.Module, blocks: ModuleSelector | None, precision: PrecisionPolicy, called: Collection[str] | None = None
+    model: nn.Module, blocks: ModuleSelector | None, precision: PrecisionPolicy, called: Collection[str] | None = None,
+    fed: Mapping[str, str] | None = None,
 ) -> tuple[Named, list[nn.Module]]:
     """The blocks the strategy would shard and the norms it would keep in fp32, as parallelize finds them."""
-    found = [(n, b) for n, b in find_blocks(model, blocks, called) if holds_parameters(b)]
+    found = [(n, b) for n, b in find_blocks(model, blocks, called, fed) if holds_parameters(b)]
     norms = [m for _, m in precision.separate_norm_modules(model)]
     return found, norms
 
@@ -150,8 +151,8 @@ def step_inputs(
     record.clear()
     measured_batch = batch_size_of(example_input)
 
-    def measure(called: Collection[str] | None = None) -> StepInputs:
-        twin, (found, norms), log = model, model_parts(model, blocks, policy, called), None
+    def measure(called: Collection[str] | None = None, fed: Mapping[str, str] | None = None) -> StepInputs:
+        twin, (found, norms), log = model, model_parts(model, blocks, policy, called, fed), None
         if tensor_parallel > 1:  # one tensor-parallel rank's share
             twin, found, log = split_twin(model, found, tensor_parallel, tensor_plan)
             norms = model_parts(twin, None, policy)[1]
@@ -172,8 +173,11 @@ def step_inputs(
         )
 
     inputs = measure()
-    if any(b.name not in record.called for b in inputs.profile.blocks):  # a block never called: what of it ran
-        inputs = measure(record.called)
+    # A block never called (what of it ran), or modules run side by side taken for blocks (an MoE layer's experts):
+    # measured again as parallelize will find them from this run.
+    found = [name for name, _ in model_parts(model, blocks, policy, record.called, dict(record.fed))[0]]
+    if found != [b.name for b in inputs.profile.blocks]:
+        inputs = measure(set(record.called), dict(record.fed))
     return inputs
 
 

@@ -132,7 +132,7 @@ def select_units(model: nn.Module, selector: ModuleSelector | None, calls: Calls
         )
     called = calls.called if calls is not None and calls.called and not calls.error else None
     found = [(name, [(n, b) for n, b in parts if holds_parameters(b)]) for name, parts in
-             find_units(model, selector, called)]
+             find_units(model, selector, called, calls.fed if called is not None and calls is not None else None)]
     units = [(name, parts) for name, parts in found if parts]
     if selector is not None and not units:
         raise NoBlocksMatchedError(

@@ -206,6 +206,40 @@ class TwoPassViT(PatchClassifier):
         return torch.cat([self.layers(x), self.layers(x[:, : x.shape[1] // 2])], dim=1)
 
 
+class Expert(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class SoftMoEBlock(nn.Module):
+    """A transformer block whose MLP is a soft mixture of experts (Puigcerver et al.'s Soft MoE in miniature): every
+    expert runs on the normed tokens, their outputs weighted by a router. The experts hold most of the block's
+    parameters and repeat inside it, but run side by side: the block is the unit, not each expert."""
+
+    def __init__(self, dim: int, experts: int = 4) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, 4, batch_first=True)
+        self.router = nn.Linear(dim, experts)
+        self.experts = nn.ModuleList(Expert(dim) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        h = self.norm2(x)
+        weights = self.router(h).softmax(-1)
+        return x + sum(expert(h) * weights[..., i : i + 1] for i, expert in enumerate(self.experts))
+
+
+class SoftMoEViT(PatchClassifier):
+    def __init__(self, dim: int = 32, depth: int = 3) -> None:
+        super().__init__(dim, nn.Sequential(*[SoftMoEBlock(dim) for _ in range(depth)]))
+
+
 class Logits(nn.Module):
     """A library model whose forward returns a ModelOutput or a tensor: logits either way."""
 

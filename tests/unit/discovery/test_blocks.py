@@ -125,3 +125,31 @@ def test_a_block_every_layer_shares_is_named_with_its_calls_per_run_outermost_on
     with recording(plain, calls):
         plain(torch.randn(2, 3, 8, 8))
     assert reused_modules(plain, calls.counts) == []
+
+
+def test_experts_run_side_by_side_leave_their_block_the_unit():
+    """A Soft-MoE block's experts repeat and hold most of its parameters, the shape of a Swin stage's blocks; the
+    structure alone takes them for the blocks (attention and router left in the outer unit, each expert a unit).
+    A measured step shows them run side by side (none takes another's output): the block is the unit. A stack's
+    blocks feed each other, so a Swin stage's stay the units with the step known too. Mutation seen failing:
+    ``_side_by_side`` always False (Expert x12); ``Calls.fed`` naming the module that returned last instead of the
+    one whose output the call took (each expert then seems fed by the one before)."""
+    from tests.helpers.zoo import SoftMoEViT
+
+    model, calls = SoftMoEViT(), Calls()
+    assert discovered(model) == {"Expert": 12}  # the structure alone
+    with recording(model, calls):
+        model(torch.randn(2, 3, 8, 8))
+    assert calls.fed["layers.1"] == "layers.0" and calls.fed["layers.0.experts.1"] == "layers.0.norm2"
+    blocks = find_blocks(model, None, calls.called, calls.fed)
+    assert describe_blocks(blocks) == {"SoftMoEBlock": 3}
+
+
+def test_a_swin_stage_s_blocks_stay_the_units_when_the_step_is_known():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.SwinConfig(image_size=32, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=4)
+    torch.manual_seed(0)
+    model, calls = transformers.SwinForImageClassification(config), Calls()
+    with recording(model, calls):
+        model(torch.randn(1, 3, 32, 32))
+    assert describe_blocks(find_blocks(model, None, calls.called, calls.fed)) == {"SwinLayer": 4}

@@ -355,3 +355,45 @@ def test_a_lazy_module_is_refused_at_setup_naming_the_fix():
     expected = r"2 uninitialized parameter\(s\) \(head.weight, head.bias\).*Run the model once"
     with pytest.raises(ValueError, match=expected):
         fit_losses(VitScaleStrategy(), make=LazyHeadNet)
+
+
+def test_a_soft_moe_vit_is_planned_and_sharded_by_its_blocks_not_its_experts():
+    """The planner measures what parallelize shards: both find the Soft-MoE blocks from the measured step (the
+    structure alone gives the experts; ``tests/unit/discovery/test_blocks.py``), the default's plan is measured
+    (not the recipe's fallback) and the run has DDP's losses. Mutation seen failing: the planner measuring the
+    structure's blocks only (``step_inputs`` measuring again only for a block never called: setup fails, the 12
+    experts measured, the 3 blocks planned)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_vitscale import VitScaleStrategy
+    from tests.helpers.zoo import SoftMoEViT
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = SoftMoEViT()
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            loss = F.cross_entropy(self.net(batch[0]), batch[1])
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    data = TensorDataset(torch.randn(12, 3, 8, 8, generator=torch.Generator().manual_seed(1)), torch.arange(12) % 10)
+    runs = {}
+    strategies = {"ddp": "ddp", "default": VitScaleStrategy(), "memory": VitScaleStrategy(priority="memory")}
+    for name, strategy in strategies.items():
+        model = Module()
+        L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  ).fit(model, DataLoader(data, batch_size=4))
+        runs[name] = (model.losses, None if isinstance(strategy, str) else strategy.plan.summary())
+    for name in ("default", "memory"):
+        losses, summary = runs[name]
+        assert len(losses) == 3 and losses == runs["ddp"][0]
+        assert "blocks found        : SoftMoEBlock x3" in summary
+    assert "measured on one batch of the train dataloader" in runs["default"][1]
