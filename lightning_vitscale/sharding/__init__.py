@@ -24,7 +24,8 @@ from lightning_vitscale.sharding.settings import (
     ShardingPolicy,
     shard_group_size,
 )
-from lightning_vitscale.sharding.setup import ShardedModel, ShardedModuleReuseError, shard_lightning_module
+from lightning_vitscale.sharding.setup import ShardedModuleReuseError, shard_lightning_module
+from lightning_vitscale.sharding.sharded_model import ShardedModel
 from lightning_vitscale.sharding.skipped_blocks import SkippedBlocksError
 from lightning_vitscale.sharding.summary import SetupSummary
 from lightning_vitscale.sharding.sync_batchnorm import apply_sync_batchnorm

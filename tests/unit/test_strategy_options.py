@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_vitscale import KernelPolicy, VitScaleStrategy
 from lightning_vitscale.sharding import CheckpointingPolicy, ShardingPolicy, resolve_config
-from lightning_vitscale.sharding.setup import PlannedStepOutOfMemoryError
+from lightning_vitscale.sharding.sharded_model import PlannedStepOutOfMemoryError
 from tests.helpers.models import Classifier, loader
 
 

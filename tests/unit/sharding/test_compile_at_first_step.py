@@ -12,8 +12,7 @@ import torch
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.kernels import KernelPolicy, settings
 from lightning_vitscale.kernels.compile import is_compiled
-from lightning_vitscale.sharding import resolved
-from lightning_vitscale.sharding import setup as sharding_setup
+from lightning_vitscale.sharding import resolved, sharded_model
 from lightning_vitscale.sharding.resolved import COMPILE_AT_FIRST_STEP
 from tests.helpers.models import Classifier, loader, random_images
 from tests.unit.sharding.test_compute_copies import fit_streamed
@@ -65,7 +64,7 @@ def test_the_first_steps_plan_decides_whether_the_blocks_compile(compiles, monke
 
 
 def test_a_batch_at_setup_decides_there_and_a_users_policy_is_kept(compiles, monkeypatch):
-    monkeypatch.setattr(sharding_setup, "compile_choice", lambda *args: pytest.fail("decided again at the first step"))
+    monkeypatch.setattr(sharded_model, "compile_choice", lambda *args: pytest.fail("decided again at the first step"))
     L.seed_everything(0, verbose=False)
     module = Classifier()  # a map-style loader: the batch is read at setup, the rule applied there
     run = L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(kernels="auto"), max_steps=2,
