@@ -4,8 +4,8 @@ gradients averaged, the same values on every rank. One device and HF's CLIPModel
 ``tests/unit/sharding/test_scalar_parameters.py``.
 
 Mutations seen failing: the values not prepared before replication (``weights.prepare_parameters`` removed: each
-rank keeps its own init, the losses differ from DDP's); the gradients not averaged (``ReplicatedNorms.replicate``
-without its hook: ranks drift apart).
+rank keeps its own init, the losses differ from DDP's); the gradients not averaged (``reduce_grads`` skipping 0-dim
+ones: ranks drift apart); ``shard_like`` leaving them plain in Lightning's averaged copy (the EMA run fails).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ SCRIPT = "tests/distributed/scripts/scalar_parameters.py"
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> tuple[Path, list[dict]]:
-    return launch_ranks(tmp_path_factory, "scalar_parameters", SCRIPT, "train/ddp,train/default,train/memory,resume",
-                        timeout=240)
+    scenarios = "train/ddp,train/default,train/memory,resume,averaged/ddp,averaged/default"
+    return launch_ranks(tmp_path_factory, "scalar_parameters", SCRIPT, scenarios, timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +64,12 @@ def test_the_sharded_folder_consolidates_to_ddps_file(launched, tmp_path):
     assert ours.keys() == ddp.keys() and all(ours[k].equal(ddp[k]) for k in ddp)
     assert ours["net.logit_scale"].shape == () and ours["net.text.blocks.1.gate"].shape == ()
     TemperatureClip().load_state_dict(ours, strict=True)
+
+
+def test_lightning_s_weight_averaging_averages_them_as_under_ddp(ranks):
+    """The averaged copy holds them replicated too (``averaging/lightning_callbacks.shard_like``): validation on the
+    averaged weights and the values left after ``fit`` are DDP's."""
+    for rank in ranks:
+        ddp, ours = rank["averaged/ddp"], rank["averaged/default"]
+        assert len(ddp["validation"]) == 4 and ours["validation"] == ddp["validation"]
+        assert ours["losses"] == ddp["losses"] and ours["scalars"] == ddp["scalars"]

@@ -4,7 +4,8 @@
 - ``train/<strategy>``: 4 steps: losses, the temperature after each step's clamp, every 0-dim parameter's value;
 - ``resume``: DDP saves its file at step 2, DDP and ``VitScaleStrategy()`` resume from it to step 4;
   ``VitScaleStrategy()`` saves its sharded folder at step 2 and resumes from it: the losses of steps 3-4 and the
-  values after.
+  values after;
+- ``averaged/<strategy>``: Lightning's ``WeightAveraging`` EMA, validation on the averaged weights every 2 steps.
 """
 
 from __future__ import annotations
@@ -13,8 +14,13 @@ import sys
 import warnings
 from pathlib import Path
 
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import WeightAveraging
+
 from lightning_vitscale import VitScaleStrategy
-from tests.helpers.contrastive import fit, scalars
+from tests.helpers.contrastive import TemperatureClip, fit, scalars
 from tests.helpers.scenarios import run_scenarios
 
 warnings.filterwarnings("ignore")
@@ -25,6 +31,32 @@ STRATEGIES = {"ddp": lambda: "ddp", "default": VitScaleStrategy, "memory": lambd
 def train(strategy: str) -> dict:
     model = fit(STRATEGIES[strategy](), devices=2)
     return {"losses": model.losses, "temperatures": model.temperatures, "scalars": scalars(model)}
+
+
+class Validated(TemperatureClip):
+    def __init__(self) -> None:
+        super().__init__()
+        self.validation: list[float] = []
+
+    def validation_step(self, batch, batch_idx):
+        images, texts = batch
+        labels = torch.arange(len(images))
+        loss = F.cross_entropy(self.net(images, texts) + self.margin * torch.eye(len(images)), labels)
+        self.validation.append(loss.item())
+        return loss
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+def averaged(strategy: str) -> dict:
+    """Lightning's ``WeightAveraging`` (an EMA), validated on the averaged weights every 2 steps."""
+    model = Validated()
+    ema = WeightAveraging(avg_fn=torch.optim.swa_utils.get_ema_avg_fn(0.9))
+    L.Trainer(accelerator="cpu", devices=2, strategy=STRATEGIES[strategy](), max_steps=4, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[ema],
+              val_check_interval=2, num_sanity_val_steps=0, limit_val_batches=2).fit(model)
+    return {"losses": model.losses, "validation": model.validation, "scalars": scalars(model)}
 
 
 def resume() -> dict:
@@ -42,4 +74,5 @@ def resume() -> dict:
 
 
 if __name__ == "__main__":
-    run_scenarios({**{f"train/{name}": (lambda name=name: train(name)) for name in STRATEGIES}, "resume": resume})
+    run_scenarios({**{f"train/{name}": (lambda name=name: train(name)) for name in STRATEGIES}, "resume": resume,
+                   "averaged/ddp": lambda: averaged("ddp"), "averaged/default": lambda: averaged("default")})
