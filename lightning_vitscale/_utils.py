@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import field
 from pathlib import Path
 from typing import TypeVar, cast
 
 import torch
+from torch import nn
 
 from lightning_vitscale._compat import WRAPPER_PREFIXES, dtensor_local
 
@@ -22,6 +23,24 @@ T = TypeVar("T")
 def documented(default: T, doc: str) -> T:
     """A settings field documented once: ``doc`` is the option's text (options.py renders it)."""
     return cast(T, field(default=default, metadata={"doc": doc}))
+
+
+def self_and_ancestors(
+    model: nn.Module, owners: set[int], descend: Callable[[nn.Module], bool] = lambda _: True
+) -> list[nn.Module]:
+    """The modules of ``model`` whose sub-tree holds one of ``owners`` (ids), children before parents: where a call
+    reaching an owner can start. ``descend``: which children the walk enters."""
+    selected: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> bool:
+        below = [visit(child) for child in module.children() if descend(child)]
+        holds = id(module) in owners or any(below)
+        if holds:
+            selected.append(module)
+        return holds
+
+    visit(model)
+    return selected
 
 
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -34,6 +34,7 @@ from lightning_vitscale._compat import (
     gathered_to_sharded,
     grouped_unit_states,
 )
+from lightning_vitscale._utils import self_and_ancestors
 from lightning_vitscale.distributed import collective_guard
 from lightning_vitscale.sharding.buffer_sync import BufferSync
 from lightning_vitscale.sharding.compute_copies import ComputeCopies
@@ -158,7 +159,7 @@ class OuterUnit(nn.Module):
         self._hooks.append(self.register_forward_hook(_reshard_after_eval_step))
         owners = {id(module) for module, _ in self._owned}
         names = {id(module): name for name, module in self.module.named_modules()}
-        for module in _self_and_ancestors_of(self.module, owners):
+        for module in self_and_ancestors(self.module, owners, descend=_not_a_unit):  # blocks gather themselves
             self._entries[id(module)] = names.get(id(module), "")
             self._hooks.append(module.register_forward_pre_hook(self._enter, prepend=True))
             self._hooks.append(module.register_forward_hook(self._leave, always_call=True))
@@ -352,16 +353,5 @@ def modules_outside_units(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def _self_and_ancestors_of(model: nn.Module, owners: set[int]) -> list[nn.Module]:
-    """Modules whose sub-tree (blocks excluded) holds an owner: the entry points of a call outside a step."""
-    selected: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> bool:
-        below = [visit(child) for child in module.children() if not isinstance(child, FSDPModule)]
-        holds = id(module) in owners or any(below)
-        if holds:
-            selected.append(module)
-        return holds
-
-    visit(model)
-    return selected
+def _not_a_unit(module: nn.Module) -> bool:
+    return not isinstance(module, FSDPModule)

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from lightning_vitscale._compat import current_backward_id, parameter_slots
+from lightning_vitscale._utils import self_and_ancestors
 from lightning_vitscale.precision.norms import (
     ReplicatedNorms,
     compute_leaf,
@@ -80,7 +81,7 @@ def replicate_scalars(
         owner.__class__ = _owner_class(type(owner))
         owners[id(owner)] = owner
     done = ScalarParameters(names=[name for name, _, _ in found])
-    for module in _self_and_ancestors(model, set(owners)):
+    for module in self_and_ancestors(model, set(owners)):  # where a computation reading them can start
         done.hooks.append(module.register_forward_pre_hook(_enter))
         done.hooks.append(module.register_forward_hook(_leave, always_call=True))
     return done
@@ -113,18 +114,3 @@ def _shown_as(base_getattr: Callable[[nn.Module, str], Any]) -> Callable[[nn.Mod
         return value
 
     return __getattr__
-
-
-def _self_and_ancestors(model: nn.Module, owners: set[int]) -> list[nn.Module]:
-    """The owners and every module above one, up to ``model``: where a computation reading them can start."""
-    selected: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> bool:
-        below = [visit(child) for child in module.children()]
-        holds = id(module) in owners or any(below)
-        if holds:
-            selected.append(module)
-        return holds
-
-    visit(model)
-    return selected
