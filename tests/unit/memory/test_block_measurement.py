@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vitscale.cli.demo import TinyViT
-from lightning_vitscale.memory import activations
+from lightning_vitscale.memory import activations, block_passes
 from lightning_vitscale.memory.activations import measure_activations
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_cost import rates_for
@@ -53,13 +53,13 @@ def count_passes(monkeypatch) -> list[None]:
     """Counts block passes from an empty process cache of them."""
     calls: list[None] = []
     monkeypatch.setattr(activations, "_PASSES", {})
-    real = activations._peak_beyond_forward
+    real = block_passes.peak_beyond_forward
 
     def counted(*args, **kwargs):
         calls.append(None)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(activations, "_peak_beyond_forward", counted)
+    monkeypatch.setattr(block_passes, "peak_beyond_forward", counted)
     return calls
 
 

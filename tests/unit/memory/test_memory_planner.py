@@ -141,7 +141,8 @@ def test_a_checkpointed_blocks_backward_on_fake_tensors_is_what_the_allocator_se
     """A fully checkpointed block's recompute and backward, measured on fake tensors, against torch's CPU allocator
     events on real ones: the recomputed tensors are held by autograd alone (their Python tensors die early), which
     a count through weak references to the tensors missed (0.75x)."""
-    from lightning_vitscale.memory.activations import _FakeMode, _peak_beyond_forward, fake_parameters
+    from lightning_vitscale.memory.activations import _FakeMode, fake_parameters
+    from lightning_vitscale.memory.block_passes import peak_beyond_forward
 
     model = TinyViT(**LONG)
     block = model.blocks[0]
@@ -149,7 +150,7 @@ def test_a_checkpointed_blocks_backward_on_fake_tensors_is_what_the_allocator_se
     with fake_parameters(model, mode, torch.float32, lambda _: False):
         with mode:
             fake_input = torch.empty(BATCH, 256, 96)
-        predicted = _peak_beyond_forward(block, fake_input, mode, torch.utils.checkpoint.noop_context_fn)
+        predicted = peak_beyond_forward(block, fake_input, mode, torch.utils.checkpoint.noop_context_fn)
     x = torch.randn(BATCH, 256, 96, requires_grad=True)
     held: dict[str, torch.Tensor] = {}
 

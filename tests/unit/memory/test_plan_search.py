@@ -351,7 +351,8 @@ class _InplaceAfterConv(torch.nn.Module):
 def test_blocks_that_cannot_run_selectively_get_none_or_full_the_fastest_that_fits(inputs, fraction):
     """EfficientNet's blocks: measured without ``selective`` (their step fails under it), the search keeps to none
     and full; the speed-first plan had given up and checkpointed every block."""
-    from lightning_vitscale.memory.activations import SelectiveCheckpointingError, measure_activations
+    from lightning_vitscale.memory.activations import measure_activations
+    from lightning_vitscale.memory.selective_ops import SelectiveCheckpointingError
 
     blocks = [_InplaceAfterConv() for _ in range(2)]
     measured = measure_activations(torch.nn.Sequential(*blocks), [(str(i), b) for i, b in enumerate(blocks)],
@@ -422,7 +423,7 @@ def test_asking_selective_for_such_a_block_fails_at_setup_through_trainer_fit():
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_vitscale import VitScaleStrategy
-    from lightning_vitscale.memory.activations import SelectiveCheckpointingError
+    from lightning_vitscale.memory.selective_ops import SelectiveCheckpointingError
 
     class Module(L.LightningModule):
         def __init__(self) -> None:

@@ -259,7 +259,9 @@ def test_a_block_calling_a_shared_block_is_refused_selective_and_the_planner_nev
     for the callers, selective for the encodings trains as DDP. Mutation seen failing: ``blocks_calling_blocks``
     finding none (the fit stops at its first backward, the callers are measured selective)."""
     from lightning_vitscale import VitScaleStrategy
-    from lightning_vitscale.memory.activations import ALL_MODES, SelectiveCheckpointingError, measure_activations
+    from lightning_vitscale.memory.activations import measure_activations
+    from lightning_vitscale.memory.block_passes import ALL_MODES
+    from lightning_vitscale.memory.selective_ops import SelectiveCheckpointingError
 
     strategy = VitScaleStrategy(blocks_per_unit=1, activation_checkpointing="selective")
     with pytest.raises(SelectiveCheckpointingError, match=r"blocks.0 cannot be checkpointed selectively: it calls"
@@ -280,7 +282,7 @@ def test_a_block_calling_a_shared_block_is_refused_selective_and_the_planner_nev
 
 def test_the_refusal_holds_where_the_planner_could_not_measure():
     """``apply_ac`` checks the plan again at setup: a model the fake-tensor step cannot run is not measured."""
-    from lightning_vitscale.memory.activations import SelectiveCheckpointingError
+    from lightning_vitscale.memory.selective_ops import SelectiveCheckpointingError
     from lightning_vitscale.sharding.steps import apply_ac
 
     model = SharingNet()
