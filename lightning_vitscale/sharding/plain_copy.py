@@ -27,7 +27,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_vitscale._compat import gathered_to_sharded, hook_dicts, parameter_slots
+from lightning_vitscale._compat import (
+    PICKLE_NEWOBJ,
+    PICKLE_RECONSTRUCTOR,
+    gathered_to_sharded,
+    hook_dicts,
+    parameter_slots,
+)
 from lightning_vitscale.checkpoint.errors import StateDictGatherError
 from lightning_vitscale.checkpoint.full_state_dict import full_tensor_on
 from lightning_vitscale.distributed import collective_guard
@@ -83,8 +89,18 @@ class _PlainCopier:
 
     def reduce(self, protocol: int) -> Any:
         """``torch.save(model)`` (pickle) and ``copy.copy``: the plain copy's reduction, so the file holds DDP's plain
-        module (a shallow copy is a plain one too: a sharded one would share the strategy's hooks and shards)."""
-        return self({}).__reduce_ex__(protocol)
+        module (a shallow copy is a plain one too: a sharded one would share the strategy's hooks and shards).
+
+        Where the strategy gave the module a class of its own (a 0-dim parameter's owner, an fp32 norm), pickle
+        refuses ``copyreg.__newobj__`` of another class than the object's ("args[0] from __newobj__ args has the
+        wrong class"): the plain class is then rebuilt by ``copyreg._reconstructor``, stdlib as ``__newobj__``, so
+        the file still loads without this package."""
+        reduced = self({}).__reduce_ex__(protocol)
+        module = self.module()
+        if (isinstance(reduced, tuple) and reduced[0] is PICKLE_NEWOBJ and module is not None
+                and reduced[1][0] is not type(module)):
+            return (PICKLE_RECONSTRUCTOR, (reduced[1][0], object, None), *reduced[2:])
+        return reduced
 
 
 def _gather_into(memo: dict[int, Any], modules: list[nn.Module], outer: nn.Module | None) -> None:

@@ -90,6 +90,19 @@ def test_a_deep_copy_and_a_full_checkpoint_hold_the_plain_0_dim_parameters(tmp_p
     assert {name: float(p) for name, p in fresh.named_parameters() if p.dim() == 0} == scalars(model)
 
 
+def test_torch_save_of_a_module_holding_0_dim_parameters_holds_the_plain_module(tmp_path):
+    """``torch.save(model)`` (pickle) of the LightningModule, an owner whose class the strategy extended: DDP's plain
+    module, naming nothing of this package. Before: pickle refused ("args[0] from __newobj__ args has the wrong
+    class"): the plain copy's ``copyreg.__newobj__`` of the plain class for an object of another. Mutation seen
+    failing: ``plain_copy``'s ``copyreg._reconstructor`` fallback removed."""
+    model = fit(VitScaleStrategy(), steps=2)
+    torch.save(model, tmp_path / "model.pt")
+    assert b"lightning_vitscale" not in (tmp_path / "model.pt").read_bytes()
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)  # the user's opt-in for a pickled module
+    assert type(loaded) is TemperatureClip and type(loaded.margin) is nn.Parameter
+    assert {name: float(p) for name, p in loaded.named_parameters() if p.dim() == 0} == scalars(model)
+
+
 def test_hugging_face_clip_trains_unchanged():
     """HF's ``CLIPModel`` (0-dim ``logit_scale``) as it is: DDP's losses."""
     transformers = pytest.importorskip("transformers")
