@@ -89,6 +89,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 # on the installed torch/Lightning (a missing one fails naming it, the versions and this file) and checks that no
 # other module uses one. Only the names a subclass overrides (marked) appear outside this file, in the subclass.
 PRIVATE_NAMES = {
+    "copyreg._reconstructor": "stdlib pickle's class-rebuilding reducer: plain_copy.py (a module whose class changed)",
     "torch._dynamo": "regional compilation's dynamo options (kernels/compile.py)",
     "torch._subclasses.fake_tensor.FakeTensor": "memory planner: shapes without memory",
     "torch._subclasses.fake_tensor.FakeTensorMode": "memory planner: shapes without memory",
