@@ -55,7 +55,7 @@ def find_scalar_parameters(model: nn.Module) -> list[tuple[str, nn.Module, str]]
     """(qualified name, owner, attribute) of each 0-dim parameter slot, a tied one once per owner; parameters already
     held replicated (a norm's) are left out."""
     found = []
-    for prefix, module in model.named_modules(remove_duplicate=False):
+    for prefix, module in model.named_modules():  # a module held twice: once
         held = held_parameters(module) or {}
         for attr, param in parameter_slots(module).items():
             if param is not None and param.dim() == 0 and attr not in held:

@@ -139,3 +139,22 @@ def test_hugging_face_clip_trains_unchanged():
                   ).fit(model, torch.utils.data.DataLoader(data, batch_size=4))
         losses.append(model.losses)
     assert len(losses[0]) == 3 and losses[1] == losses[0]
+
+
+def test_a_shared_owner_is_found_once_and_a_tied_parameter_replicated_once(mesh):
+    """A block held twice is one owner; a 0-dim parameter two modules hold is one replicated parameter in both slots
+    (its gradient, from both uses, reaches one parameter). Mutation seen failing: ``named_modules(remove_duplicate=
+    False)`` (the shared block found twice)."""
+    from lightning_vitscale.precision import ReplicatedNorms
+    from lightning_vitscale.sharding.scalar_parameters import find_scalar_parameters, replicate_scalars
+    from tests.helpers.contrastive import GatedBlock
+
+    shared, first, second = GatedBlock(), GatedBlock(), GatedBlock()
+    second.gate = first.gate
+    model = nn.ModuleDict({"a": shared, "b": shared, "first": first, "second": second})
+    found = find_scalar_parameters(model)
+    assert [name for name, _, _ in found] == ["a.gate", "first.gate", "second.gate"]
+    replicas = ReplicatedNorms([], mesh)
+    done = replicate_scalars(model, found, replicas)
+    assert first.gate is second.gate and isinstance(first.gate, DTensor) and len(replicas.params) == 2
+    assert done.names == ["a.gate", "first.gate", "second.gate"]
