@@ -44,12 +44,13 @@ if (_below := torch_below_floor(torch.__version__)) is not None:  # pragma: no c
 
     warnings.warn(_below, UserWarning, stacklevel=2)
 
-# Below the gate, so an old torch fails with the message above rather than on a missing name (ruff: E402 allowed
-# in this file only, see pyproject.toml).
 # pickle's own reconstructors (stdlib, loadable anywhere): a plain copy's reduction where the strategy changed the
 # module's class (sharding/plain_copy.py); typeshed lists neither.
 PICKLE_NEWOBJ: Callable[..., Any] = getattr(copyreg, "__newobj__")  # noqa: B009
 PICKLE_RECONSTRUCTOR: Callable[..., Any] = getattr(copyreg, "_reconstructor")  # noqa: B009
+
+# Below the gate, so an old torch fails with the message above rather than on a missing name (ruff: E402 allowed
+# in this file only, see pyproject.toml).
 import torch._dynamo as dynamo  # regional compilation's dynamo options (kernels/compile.py)
 import torch.distributed as dist
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver as ChildProcessObserver

@@ -19,12 +19,10 @@ by a deep copy as the norms' class is); parameters live in ``_parameters``, so r
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.hooks import RemovableHandle
 
 from lightning_vitscale._compat import current_backward_id, parameter_slots
 from lightning_vitscale._utils import self_and_ancestors
@@ -43,14 +41,6 @@ class _Computing:
     depth = 0
 
 
-@dataclass
-class ScalarParameters:
-    """The 0-dim parameters held replicated (qualified names) and the hooks that mark computations."""
-
-    names: list[str] = field(default_factory=list)
-    hooks: list[RemovableHandle] = field(default_factory=list)
-
-
 def find_scalar_parameters(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """(qualified name, owner, attribute) of each 0-dim parameter slot, a tied one once per owner; parameters already
     held replicated (a norm's) are left out."""
@@ -65,9 +55,10 @@ def find_scalar_parameters(model: nn.Module) -> list[tuple[str, nn.Module, str]]
 
 def replicate_scalars(
     model: nn.Module, found: list[tuple[str, nn.Module, str]], replicas: ReplicatedNorms
-) -> ScalarParameters:
+) -> None:
     """Hold each found parameter replicated by ``replicas`` (its values prepared already), its owner showing a
-    leaf of it during computations."""
+    leaf of it during computations (forward hooks on the owners and their callers mark those; kept for the
+    model's life, and a deep copy drops them as the strategy's)."""
     made: dict[int, nn.Parameter] = {}
     owners: dict[int, nn.Module] = {}
     for _, owner, attr in found:
@@ -80,11 +71,9 @@ def replicate_scalars(
         replicas.hold(owner, {**(held or {}), attr: made[id(param)]})
         owner.__class__ = _owner_class(type(owner))
         owners[id(owner)] = owner
-    done = ScalarParameters(names=[name for name, _, _ in found])
     for module in self_and_ancestors(model, set(owners)):  # where a computation reading them can start
-        done.hooks.append(module.register_forward_pre_hook(_enter))
-        done.hooks.append(module.register_forward_hook(_leave, always_call=True))
-    return done
+        module.register_forward_pre_hook(_enter)
+        module.register_forward_hook(_leave, always_call=True)
 
 
 def _enter(module: nn.Module, args: Any) -> None:

@@ -30,7 +30,7 @@ from lightning_vitscale.sharding.cpu_overlap import overlap_collectives_on_cpu
 from lightning_vitscale.sharding.deferred_reduction import DeferredReduction
 from lightning_vitscale.sharding.fsdp import group_blocks, prefetch_on_entry, set_prefetch, shard_module
 from lightning_vitscale.sharding.outer_unit import OuterUnit
-from lightning_vitscale.sharding.scalar_parameters import ScalarParameters, find_scalar_parameters, replicate_scalars
+from lightning_vitscale.sharding.scalar_parameters import find_scalar_parameters, replicate_scalars
 from lightning_vitscale.sharding.settings import unit_reshard
 from lightning_vitscale.sharding.skipped_blocks import zero_gradients_for_unused
 from lightning_vitscale.sharding.tensor_parallel import same_values_everywhere, split_block
@@ -40,11 +40,11 @@ from lightning_vitscale.sharding.tensor_proof import prove_plans
 @dataclass(frozen=True)
 class NormFacts:
     """The norms kept in fp32 outside the low-precision units (``modules``), replicated as ``replicated``, which
-    also holds the 0-dim parameters (``scalars``: ``scalar_parameters.py``)."""
+    also holds the 0-dim parameters (``scalars``, their names: ``scalar_parameters.py``)."""
 
     modules: Named
     replicated: ReplicatedNorms | None
-    scalars: ScalarParameters = field(default_factory=ScalarParameters)
+    scalars: list[str] = field(default_factory=list)
 
     @property
     def ignored(self) -> set[nn.Parameter] | None:
@@ -299,7 +299,8 @@ def _replicate_scalars(model: nn.Module, mesh: DeviceMesh, norms: NormFacts, wei
         return norms
     weights.prepare_parameters([(owner, attr) for _, owner, attr in found])
     replicated = norms.replicated or ReplicatedNorms([], mesh)
-    return NormFacts(norms.modules, replicated, replicate_scalars(model, found, replicated))
+    replicate_scalars(model, found, replicated)
+    return NormFacts(norms.modules, replicated, [name for name, _, _ in found])
 
 
 @dataclass(frozen=True)

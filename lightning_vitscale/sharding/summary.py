@@ -207,7 +207,7 @@ def _notes(facts: PipelineFacts) -> list[str]:
         notes.append(f"{len(facts.made_contiguous)} channels_last parameter(s) made contiguous for FSDP"
                      f" ({_abbrev(facts.made_contiguous)}): same values; convolutions run channels_last when their"
                      " inputs are (x.to(memory_format=torch.channels_last))")
-    scalars = facts.norms.scalars.names
+    scalars = facts.norms.scalars
     if scalars:
         notes.append(f"{len(scalars)} 0-dim parameter(s) ({_abbrev(scalars)}), which FSDP2 cannot shard: replicated"
                      " outside the units in their own dtype, gradients averaged with one all-reduce per step")

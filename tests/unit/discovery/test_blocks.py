@@ -146,6 +146,8 @@ def test_experts_run_side_by_side_leave_their_block_the_unit():
 
 
 def test_a_swin_stage_s_blocks_stay_the_units_when_the_step_is_known():
+    """Mutation seen failing: ``_side_by_side`` ignoring ``fed`` (every stage's blocks then taken as alternatives:
+    the stages became the units)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.SwinConfig(image_size=32, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=4)
     torch.manual_seed(0)
