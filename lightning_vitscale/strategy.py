@@ -112,7 +112,11 @@ class VitScaleStrategy(ModelParallelStrategy):
     def is_distributed(self) -> bool:
         return True  # Lightning then injects DistributedSampler and honours `sync_dist` (accelerator_connector)
 
-    reduce = distributed.reducing_whole(ModelParallelStrategy.reduce)  # `sync_dist=True` of a sharded value: DDP's
+    # `sync_dist=True` of a sharded value: DDP's; each first lets skipped blocks join (sharding/stand_ins.py)
+    reduce = shards.finishing_forward(distributed.reducing_whole(ModelParallelStrategy.reduce))
+    all_gather = shards.finishing_forward(ModelParallelStrategy.all_gather)
+    broadcast = shards.finishing_forward(ModelParallelStrategy.broadcast)
+    backward = shards.joining_on_loss(ModelParallelStrategy.backward)  # manual optimization's, inside the step
 
     @property  # type: ignore[override]
     @override
@@ -135,10 +139,8 @@ class VitScaleStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         # Every rank data-parallel (ModelParallelStrategy's: all tensor-parallel); tensor_parallel=k: a last mesh dim.
         shard_group = partial(shards.shard_group_size, self.config.sharding.layout)
-        distributed.start_process_group(
-            self, self.lightning_module, process_group_timeout(self) or DEFAULT_TIMEOUT, shard_group,
-            tensor_parallel=self.config.sharding.tensor_parallel,
-        )
+        distributed.start_process_group(self, self.lightning_module, process_group_timeout(self) or DEFAULT_TIMEOUT,
+                                        shard_group, tensor_parallel=self.config.sharding.tensor_parallel)
 
     @property
     @override
@@ -157,10 +159,8 @@ class VitScaleStrategy(ModelParallelStrategy):
             shards.apply_sync_batchnorm(self._layer_sync, module, self.root_device)
         self.resolved = shards.resolve_config(self.config, self.root_device, self._compiler)
         creation, self._creation = self._creation, None
-        self.sharded = shards.shard_lightning_module(
-            module, self.resolved, self.precision_plugin, self._ranks(), creation, fitting=trainer if fitting else None,
-            trainer=trainer,
-        )
+        self.sharded = shards.shard_lightning_module(module, self.resolved, self.precision_plugin, self._ranks(),
+                                                     creation, fitting=trainer if fitting else None, trainer=trainer)
         self.model = self.sharded.outer
         self.sharded.outer.release()  # a copy gathered by a call after an earlier fit must not reach the optimizer
         self.barrier()

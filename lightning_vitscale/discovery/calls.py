@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -52,6 +52,13 @@ class Calls:
     def clear(self) -> None:
         """Forget an earlier run (a measurement retried another way records afresh)."""
         self.__dict__.update(Calls().__dict__)
+
+    def agree(self, broadcast: Callable[[Any], Any]) -> None:
+        """Rank 0's record of what ran and what fed what, on every rank (``broadcast``: rank 0's value everywhere):
+        a step that runs differently by rank (LayerDrop drawn per rank) must not give the ranks different blocks,
+        and so different units whose collectives cannot pair."""
+        counts, fed, error, running = broadcast((self.counts, self.fed, self.error, self.running))
+        self.counts, self.fed, self.error, self.running = Counter(counts), dict(fed), error, list(running)
 
     @property
     def where(self) -> str:

@@ -27,6 +27,7 @@ from lightning_vitscale.sharding.settings import (
 from lightning_vitscale.sharding.setup import ShardedModuleReuseError, shard_lightning_module
 from lightning_vitscale.sharding.sharded_model import ShardedModel
 from lightning_vitscale.sharding.skipped_blocks import SkippedBlocksError
+from lightning_vitscale.sharding.stand_ins import RepeatedBlockError, finishing_forward, joining_on_loss
 from lightning_vitscale.sharding.summary import SetupSummary
 from lightning_vitscale.sharding.sync_batchnorm import apply_sync_batchnorm
 
@@ -43,6 +44,7 @@ __all__ = [
     "ParallelConfig",
     "ParameterWriteError",
     "Priority",
+    "RepeatedBlockError",
     "ResolvedConfig",
     "SecondBackwardError",
     "SkippedBlocksError",
@@ -52,6 +54,8 @@ __all__ = [
     "ShardingLayout",
     "ShardingPolicy",
     "apply_sync_batchnorm",
+    "finishing_forward",
+    "joining_on_loss",
     "resolve_config",
     "shard_group_size",
     "shard_lightning_module",

@@ -105,7 +105,7 @@ def parallelize(
         reshard_after_forward=resolved.sharding.reshard_after_forward,
         blocks_per_unit=max(1, len(blocks)) if keep_every_unit else resolved.blocks_per_unit,
         ignored=norms.ignored, unit_of=unit_of, one_unit=one_unit,
-        skippable=resolved.sharding.find_unused_parameters,
+        find_unused=resolved.sharding.find_unused_parameters,
     )
     # 5. Explicit prefetch once every unit exists: each unit starts the next one's all-gather.
     overlap = apply_prefetch(units.all, resolved.prefetch, mesh, device, model)

@@ -27,8 +27,6 @@ ShardingLayout = Literal["full", "hybrid"] | int
 SHARDING_LAYOUTS: tuple[str, ...] = ("full", "hybrid")
 Priority = Literal["speed", "memory"]
 PRIORITIES: tuple[str, ...] = ("speed", "memory")
-EVERY_BLOCK = 2**31 - 1
-"""``blocks_per_unit`` under ``find_unused_parameters=True``: every block in one unit (the outer one), gathered."""
 OffloadMode = Literal["cpu"]
 OFFLOAD_CHOICES: tuple[str | None, ...] = (None, "cpu")
 
@@ -102,8 +100,9 @@ class ShardingPolicy:
     ))
     find_unused_parameters: bool = documented(False, (
         "``True`` for a model whose ranks may skip whole blocks in a training step (LayerDrop, blocks chosen per"
-        " sample or per rank), as DDP's ``find_unused_parameters``: every block stays in the outer unit (a block one"
-        " rank skips cannot be a unit: its collectives would pair with another block's). ``False``: a block holding"
+        " sample or per rank), as DDP's ``find_unused_parameters``: the blocks stay FSDP units, and a rank that skips"
+        " one calls it as an identity where it would have run, so its unit's collectives pair with the other ranks'"
+        " (each forward calling the blocks in the model's order; ``sharding/stand_ins.py``). ``False``: a block holding"
         " trainable parameters that does not run in a training step's forward raises ``SkippedBlocksError`` before"
         " any gradient is sent, as DDP's default refuses it. Either way, on several ranks a parameter unused on a"
         " rank (an expert, a mask token) is reduced as a zero gradient. ``True`` also leaves a parameter no rank used"
@@ -153,24 +152,10 @@ class ShardingPolicy:
             )
         if not isinstance(self.find_unused_parameters, bool):
             raise _invalid(self, "find_unused_parameters", "must be True or False")
-        if self.find_unused_parameters:
-            self._every_block_in_the_outer_unit()
         if self.find_unused_parameters and self.tensor_parallel > 1:
             raise _invalid(self, "find_unused_parameters", (
                 "is not supported with tensor_parallel > 1: a skipped block's split matmuls would leave its tensor"
                 " group's collectives unmatched. Pass tensor_parallel=1, or make every rank run every block"))
-
-    def _every_block_in_the_outer_unit(self) -> None:
-        """What ``find_unused_parameters=True`` means for the units, set here so that the planner, the traffic
-        report and the summary all see it: every block in one unit that stays gathered (the outer unit's blocks)."""
-        if self.blocks_per_unit not in (None, EVERY_BLOCK) or self.reshard_after_forward not in (None, False):
-            raise ValueError(
-                f"`find_unused_parameters=True` keeps every block in the outer unit, so `blocks_per_unit="
-                f"{self.blocks_per_unit!r}` and `reshard_after_forward={self.reshard_after_forward!r}` cannot apply:"
-                " leave them unset, or make every rank run every block and drop find_unused_parameters."
-            )
-        object.__setattr__(self, "blocks_per_unit", EVERY_BLOCK)  # frozen: set once, while being made
-        object.__setattr__(self, "reshard_after_forward", False)
 
     def prefetch_on(self, device_type: str) -> int:
         """The user's prefetch, else 1 on CPU (no streams: only an explicit, asynchronous prefetch overlaps), else 0."""

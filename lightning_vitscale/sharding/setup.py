@@ -32,6 +32,7 @@ from lightning_vitscale.sharding.resolved import ResolvedConfig, compile_at_firs
 from lightning_vitscale.sharding.settings import ParallelConfig, ShardingPolicy
 from lightning_vitscale.sharding.sharded_model import ShardedModel
 from lightning_vitscale.sharding.skipped_blocks import SkippedBlockCheck, UnusedParameters
+from lightning_vitscale.sharding.stand_ins import StandIns
 from lightning_vitscale.sharding.summary import SetupSummary
 from lightning_vitscale.sharding.traffic import layout_report
 
@@ -127,6 +128,8 @@ def _shard(
     #    the plain module (or its meta twin): once sharded, running it would gather.
     budget = agreed_budget(resolved.checkpointing.memory_budget, ranks)  # once: every choice by memory keeps to it
     planned = plan_before_sharding(module, resolved, precision.policy, ranks, budget, batch, trainer)
+    if planned.calls is not None and ranks.world_size > 1:  # every rank finds the blocks rank 0's step ran
+        planned.calls.agree(ranks.broadcast)
     planned = dataclasses.replace(planned, resolved=compile_where_it_pays(planned.resolved, planned.step(module),
                                                                           ranks.device))
     pending = planned.auto is not None and planned.auto.pending  # the plan waits for the first training batch
@@ -155,28 +158,36 @@ def _shard(
     if isinstance(outer, FSDPModule):
         initialize_fsdp_root(outer)
     speed = plans_from_batch(resolved) and resolved.requested.priority == "speed"
-    skipped, unused = _skipped_blocks(module, outer, done, resolved, ranks)
+    skipped, unused, stand_ins = _skipped_blocks(module, outer, done, resolved, ranks)
     return ShardedModel(outer, done.plan, done.norms, done.router, planned.auto, signature, budget,
-                        planned_for_speed=speed, skipped=skipped, unused=unused, compile_with=compile_with,
+                        planned_for_speed=speed, skipped=skipped, unused=unused, stand_ins=stand_ins,
+                        compile_with=compile_with,
                         parameters=list(module.parameters()))
 
 
 def _skipped_blocks(
     module: nn.Module, outer: OuterUnit, done: Parallelized, resolved: ResolvedConfig, ranks: RankContext
-) -> tuple[SkippedBlockCheck | None, UnusedParameters | None]:
-    """Several ranks: a block a rank skips is refused, unless ``find_unused_parameters=True`` keeps every block in
-    the outer unit and leaves a parameter no rank used without a gradient, as DDP's flag does (a collective per
-    backward). Either way a parameter a rank leaves unused is reduced as zeros (``steps.apply_fsdp``; the norms
-    here). One rank sends no collective to mismatch: nothing to watch."""
+) -> tuple[SkippedBlockCheck | None, UnusedParameters | None, StandIns | None]:
+    """Several ranks: a block a rank skips is refused, unless ``find_unused_parameters=True``: then it is stood in
+    for where it would have run (``stand_ins.py``; blocks in the outer unit need none), and a parameter no rank
+    used is left without a gradient, as DDP's flag does (a collective per backward). Either way a parameter a rank
+    leaves unused is reduced as zeros (``steps.apply_fsdp``; the norms here). One rank sends no collective to
+    mismatch: nothing to watch."""
     if ranks.world_size == 1:
-        return None, None
+        return None, None, None
     if done.norms is not None:
         done.norms.zero_unused = True
+    blocks = [(name, module.get_submodule(name)) for name in done.plan.block_names]
     if not resolved.sharding.find_unused_parameters:
-        blocks = [(name, module.get_submodule(name)) for name in done.plan.block_names]
-        return (SkippedBlockCheck(blocks, ranks.rank, ranks.world_size) if blocks else None), None
+        return (SkippedBlockCheck(blocks, ranks.rank, ranks.world_size) if blocks else None), None, None
+    in_units = [(name, block) for name, block in blocks if isinstance(block, FSDPModule)]
+    stand_ins = StandIns(in_units, outer) if in_units else None
+    if stand_ins is not None:
+        done.plan.notes.append(
+            f"find_unused_parameters=True: a block a rank skips ({len(in_units)} in units) is called as an identity"
+            " where it would have run, so that its unit's collectives pair with the other ranks'")
     units = [unit for unit in outer.modules() if isinstance(unit, FSDPModule)]
-    return None, UnusedParameters([(unit, outer_unit_parameters(unit)) for unit in units], done.norms)
+    return None, UnusedParameters([(unit, outer_unit_parameters(unit)) for unit in units], done.norms), stand_ins
 
 
 def _describe_layout(

@@ -35,6 +35,7 @@ from lightning_vitscale.sharding.outer_unit import OuterUnit, SecondBackwardErro
 from lightning_vitscale.sharding.planning import apply_auto_choice
 from lightning_vitscale.sharding.resolved import compile_choice
 from lightning_vitscale.sharding.skipped_blocks import SkippedBlockCheck, UnusedParameters
+from lightning_vitscale.sharding.stand_ins import StandIns
 from lightning_vitscale.sharding.summary import SetupSummary
 
 
@@ -67,6 +68,7 @@ class ShardedModel:
     backwards_in_step: int = 0  # backwards through the strategy since the training step began
     skipped: SkippedBlockCheck | None = None  # several ranks: a block a rank skips is refused
     unused: UnusedParameters | None = None  # several ranks: parameters no rank used keep no gradient
+    stand_ins: StandIns | None = None  # several ranks, find_unused_parameters=True: skipped blocks stood in for
     # kernels="auto" without a batch at setup: the policy the blocks compile with once a step's plan predicts it pays
     # (decided at the first step, then again at the first step of each larger batch), and the largest batch decided
     # for (0: the first step has not decided yet).

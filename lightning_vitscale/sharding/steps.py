@@ -78,8 +78,6 @@ class UnitFacts:
     """One rank, one unit: compute copies instead of FSDP2's per-parameter path (sharding/compute_copies.py)."""
     tied: int = 0
     """Blocks left in the outer unit because a weight of theirs is tied to another unit's or the model's."""
-    skippable: int = 0
-    """Blocks left in the outer unit because ``find_unused_parameters=True`` lets ranks skip them."""
 
     @property
     def all(self) -> list[FSDPModule]:
@@ -155,21 +153,18 @@ def apply_fsdp(
     outer_unit: nn.Module, blocks: list[nn.Module], *, mesh: DeviceMesh, weights: InitialWeights,
     mp_policy: MixedPrecisionPolicy, offload: OffloadPolicy, reshard_after_forward: bool | int | None,
     blocks_per_unit: int, ignored: set[nn.Parameter] | None, unit_of: list[int] | None = None, one_unit: bool = False,
-    skippable: bool = False,
+    find_unused: bool = False,
 ) -> UnitFacts:
     """One FSDP unit per ``blocks_per_unit`` consecutive blocks (``unit_of``: :func:`~.fsdp.group_blocks`),
     bottom-up, then the outer unit; ``weights`` delivers each unit's values to its shards as it is made, so no rank
     holds a second copy of the model. ``one_unit``: a single block unit kept gathered on one rank overlaps nothing
     and saves no memory: the blocks join the outer unit (one FSDP2 pre-forward hook per step, not one per block).
-    ``skippable`` (``find_unused_parameters=True``): ranks may skip blocks, so every block joins the outer unit, whose
-    forward every rank runs, and an unused parameter is reduced as a zero gradient (``skipped_blocks.py``)."""
+    On several ranks an unused parameter is reduced as a zero gradient (``skipped_blocks.py``), which
+    ``find_unused`` (``find_unused_parameters=True``) cannot do without."""
     groups = [unit for group in group_blocks(blocks, blocks_per_unit, unit_of) for unit in _shared_apart(group)]
     in_groups = sum(map(len, groups))
-    if skippable:  # every block to the outer unit (find_unused_parameters=True), tied or not
-        groups, tied, skipped = [], 0, in_groups
-    else:
-        groups = _without_tied_parameters(groups, outer_unit)
-        tied, skipped = in_groups - sum(map(len, groups)), 0
+    groups = _without_tied_parameters(groups, outer_unit)
+    tied = in_groups - sum(map(len, groups))
     if one_unit and len(groups) == 1:
         groups = []
     block_units = []
@@ -191,13 +186,13 @@ def apply_fsdp(
             ignored = set(norm_params) | set(sharded)
         outer = shard_module(outer_unit, mesh, mp_policy, reshard, ignored, offload)
     if mesh.size() > 1:  # a parameter one rank leaves unused cannot shift the others' reduce-scatters
-        zero_gradients_for_unused(outer, required=skippable)
+        zero_gradients_for_unused(outer, required=find_unused)
         if block_units:  # a unit called again in a step reduces once, after its first call's backward
             DeferredReduction(outer, block_units)
     if copies_owner is not None:
         compute = mp_policy.param_dtype or (sharded[0].dtype if sharded else torch.float32)
         copies_owner.compute_copies = ComputeCopies(copies_owner, sharded + norm_params, compute)
-    return UnitFacts(outer, block_units, blocks_per_unit, copies_owner is not None, tied, skipped)
+    return UnitFacts(outer, block_units, blocks_per_unit, copies_owner is not None, tied)
 
 
 def _shared_apart(group: list[nn.Module]) -> list[list[nn.Module]]:

@@ -145,7 +145,7 @@ def summary_from_facts(facts: PipelineFacts) -> SetupSummary:
         block_names=facts.blocks,
         units=len(facts.units.all),
         copies=facts.units.copies,
-        outer_blocks=facts.units.tied + facts.units.skippable,
+        outer_blocks=facts.units.tied,
         blocks_per_unit=facts.units.blocks_per_unit,
         checkpointed=list(checkpointed),
         selective=[name for name, mode in checkpointed.items() if mode == "selective"],
@@ -200,9 +200,6 @@ def _notes(facts: PipelineFacts) -> list[str]:
     if facts.units.tied:
         notes.append(f"{facts.units.tied} block(s) share a weight with another unit or the rest of the model (tied):"
                      " left in the outer unit, which manages every use of it (FSDP2 lets one unit manage a weight)")
-    if facts.units.skippable:
-        notes.append(f"find_unused_parameters=True: the {facts.units.skippable} blocks stay in the outer unit (a block"
-                     " some ranks skip cannot be a unit)")
     if facts.made_contiguous:
         notes.append(f"{len(facts.made_contiguous)} channels_last parameter(s) made contiguous for FSDP"
                      f" ({_abbrev(facts.made_contiguous)}): same values; convolutions run channels_last when their"

@@ -1,5 +1,6 @@
-"""Blocks that ranks skip (LayerDrop): ``find_unused_parameters=True`` trains them with the losses and weights of
-DDP's ``ddp_find_unused_parameters_true``; without it, the rank that skipped raises ``SkippedBlocksError`` naming
+"""Blocks that ranks skip (LayerDrop): ``find_unused_parameters=True`` trains them, each in an FSDP unit, with the
+losses and weights of DDP's ``ddp_find_unused_parameters_true`` (a skipped block stood in for where it would have
+run: ``sharding/stand_ins.py``); without it, the rank that skipped raises ``SkippedBlocksError`` naming
 the fix before its backward sends anything, and the job ends at once instead of waiting out the collective timeout
 (it did: > 200 s, then gloo's "Connection closed by peer", naming nothing)."""
 
@@ -15,7 +16,8 @@ from tests.helpers.torch_features import needs_unused_parameter_reduction
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 SCRIPT = "tests/distributed/scripts/skipped_blocks.py"
-CONFIGS = ("per_rank", "same", "per_rank_accum2", "same_accum2", "uneven_bf16", "experts", "experts_units")
+CONFIGS = ("per_rank", "same", "per_rank_accum2", "same_accum2", "uneven_bf16", "per_rank_speed", "last", "first",
+           "two_pass", "experts", "experts_units")
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +54,31 @@ def test_skipped_blocks_train_as_ddp_find_unused_parameters(runs, config):
         if config.startswith("experts"):  # no flag: the experts unused on a rank are inside FSDP units
             assert ours["block_units"] == 4, ours["summary"]  # one grouped unit as it comes; four with "memory"
             continue
-        assert ours["block_units"] == 0  # a block a rank skips cannot be its own unit
         # "same": block 3 never runs, so it is no block (the planner's trace finds what a step calls)
         blocks = 3 if config.startswith("same") else 4
-        assert f"find_unused_parameters=True: the {blocks} blocks stay in the outer unit" in ours["summary"]
+        assert ours["block_units"] == blocks, ours["summary"]  # each block in a unit, not the outer unit gathered
+        assert f"a block a rank skips ({blocks} in units) is called as an identity" in ours["summary"]
+        if config == "per_rank_speed":  # the planner's units, several blocks in one: stood in block by block
+            assert "FSDP units          : 3 (4 blocks, up to 3 per unit + 1 outer)" in ours["summary"]
+    # Every skip stood in for (4 steps; "last": rank 1 skips two blocks a step and the last in each evaluation).
+    stood_in = {config: [rank[f"{config}/vitscale"]["stood_in"] for rank in runs] for config in CONFIGS}
+    assert stood_in["per_rank"] == stood_in["per_rank_speed"] == [4, 4]
+    assert stood_in["last"] == [0, 4 * 2 + 2 * 2]  # 2 evaluations of 2 batches, the last block each
+    assert stood_in["two_pass"] == [8, 11]  # rank 1: its first forwards' last block too (3 of 4 steps a second one)
+
+
+@needs_unused_parameter_reduction
+def test_skipped_blocks_in_evaluation_and_at_the_end_of_a_forward_keep_ddps_numbers(runs):
+    """``last``: rank 1 skips the last block (and one more) in each training step and the last block in each
+    evaluation, and logs with ``sync_dist=True`` in both: a late stand-in would have left rank 0 waiting in the
+    last block's all-gather while rank 1 waits in the log's all-reduce (seen: the step hung). DDP's validation losses
+    on each rank, DDP's training losses and weights (above). ``first``: the first block after a frozen stem (its
+    input needs no gradient, so FSDP2 reduces its gradients at the end of backward) skipped by one rank a step."""
+    for rank in runs:
+        ours, ddp = rank["last/vitscale"], rank["last/ddp"]
+        assert len(ours["val_losses"]) == 4
+        assert ours["val_losses"] == pytest.approx(ddp["val_losses"], rel=1e-6, abs=1e-6)
+        assert rank["first/vitscale"]["stood_in"] == 2
 
 
 def test_a_block_one_rank_skips_fails_at_once_naming_the_fix(tmp_path):

@@ -47,8 +47,11 @@ class LayerDropNet(L.LightningModule):
         )
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, CLASSES)
-        self.step_index = 0
+        self.step_index = self.pass_index = 0
         self.losses: list[float] = []
+        self.val_losses: list[float] = []
+        if schedule == "first":
+            self.embed.requires_grad_(False)
 
     def skipped(self) -> set[int]:
         rank, step = self.global_rank, self.step_index
@@ -58,10 +61,20 @@ class LayerDropNet(L.LightningModule):
             return {step % DEPTH} if rank == 0 else set()
         if self.schedule == "one_rank":  # rank 1 skips block 1 from the second step; rank 0 runs every block
             return {1} if rank == 1 and step >= 1 else set()
+        if self.schedule == "last":  # rank 1 skips the last block (and one more, in turn): stood in for on the loss
+            return {DEPTH - 1, step % (DEPTH - 1)} if rank == 1 else set()
+        if self.schedule == "first":  # the first block after a frozen stem (no gradient into it), one rank a step
+            return {0} if (step + rank) % 2 == 0 else set()
+        if self.schedule == "two_pass":  # two forwards a step (a second crop); rank 1's first ends early
+            return {(step + rank + self.pass_index) % DEPTH} | ({DEPTH - 1} if rank == 1 and not self.pass_index
+                                                                 else set())
         return {DEPTH - 1, step % (DEPTH - 1)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        skipped = self.skipped() if self.training and torch.is_grad_enabled() else set()
+        if self.training and torch.is_grad_enabled():
+            skipped = self.skipped()
+        else:  # "last" also skips in evaluation, rank 1 the last block: stood in for when the call ends
+            skipped = {DEPTH - 1} if self.schedule == "last" and self.global_rank == 1 else set()
         x = self.embed(x).flatten(2).transpose(1, 2)
         for index, block in enumerate(self.blocks):
             if index not in skipped:
@@ -70,10 +83,24 @@ class LayerDropNet(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = F.cross_entropy(self(x), y)
+        if self.schedule == "two_pass":  # the images, then a crop of them: each forward skips its own blocks
+            self.pass_index = 0
+            first = F.cross_entropy(self(x), y)
+            self.pass_index = 1
+            loss = first + F.cross_entropy(self(x[..., :16, :16]), y)
+        else:
+            loss = F.cross_entropy(self(x), y)
         self.step_index += 1
         self.losses.append(loss.item())
+        if self.schedule == "last":  # a collective of the user's between the ranks' gathers of the last block
+            self.log("train_loss", loss, sync_dist=True)
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.val_losses.append(loss.item())
+        self.log("val_loss", loss, sync_dist=True)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
@@ -109,12 +136,14 @@ class ExpertsNet(LayerDropNet):
 
 def fit(schedule: str, strategy, steps: int = 4, **trainer_kwargs) -> tuple[LayerDropNet, L.Trainer]:
     model = ExpertsNet(schedule) if schedule == "experts" else LayerDropNet(schedule)
+    trainer_kwargs = {"limit_val_batches": 0, "num_sanity_val_steps": 0, **trainer_kwargs}
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", 2)), strategy=strategy, max_steps=steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, num_sanity_val_steps=0, **trainer_kwargs,
+        **trainer_kwargs,
     )
-    trainer.fit(model, loader(n=64, batch_size=4))
+    validating = trainer_kwargs["limit_val_batches"] != 0
+    trainer.fit(model, loader(n=64, batch_size=4), loader(n=16, batch_size=4) if validating else None)
     return model, trainer
 
 
@@ -133,6 +162,10 @@ CONFIGS = {
     "per_rank_accum2": ("per_rank", {"accumulate_grad_batches": 2}, SKIPPABLE),
     "same_accum2": ("same", {"accumulate_grad_batches": 2}, SKIPPABLE),
     "uneven_bf16": ("uneven", {"precision": "bf16-mixed"}, SKIPPABLE),
+    "per_rank_speed": ("per_rank", {}, {"find_unused_parameters": True}),
+    "last": ("last", {"limit_val_batches": 2, "val_check_interval": 2}, SKIPPABLE),
+    "first": ("first", {}, SKIPPABLE),
+    "two_pass": ("two_pass", {}, SKIPPABLE),
     "experts": ("experts", {}, {}),
     "experts_units": ("experts", {}, {"priority": "memory"}),
 }
@@ -145,10 +178,13 @@ def scenario(config: str, strategy_name: str) -> dict:
     facts: dict = {
         "losses": model.losses,
         "weights": {name: float(value.double().sum()) for name, value in model.state_dict().items()},
+        "val_losses": model.val_losses,
     }
     if strategy_name == "vitscale":
         facts["block_units"] = sum(isinstance(block, FSDPModule) for block in model.blocks)
         facts["summary"] = trainer.strategy.plan.summary()
+        stand_ins = trainer.strategy.sharded.stand_ins
+        facts["stood_in"] = stand_ins.stood_in if stand_ins is not None else None
     return facts
 
 
