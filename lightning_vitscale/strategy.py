@@ -61,7 +61,7 @@ class VitScaleStrategy(ModelParallelStrategy):
         accumulation: AccumulationMode = "auto",
         prefetch: int | None = None,
         blocks_per_unit: int | None = None,
-        find_unused_parameters: bool = False,
+        find_unused_parameters: shards.SkippedBlocks = False,
         timeout: timedelta = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
         state_dict_type: checkpoints.StateDictType = "sharded",

@@ -22,6 +22,7 @@ from lightning_vitscale.sharding.settings import (
     Priority,
     ShardingLayout,
     ShardingPolicy,
+    SkippedBlocks,
     shard_group_size,
 )
 from lightning_vitscale.sharding.setup import ShardedModuleReuseError, shard_lightning_module
@@ -53,6 +54,7 @@ __all__ = [
     "ShardedModuleReuseError",
     "ShardingLayout",
     "ShardingPolicy",
+    "SkippedBlocks",
     "apply_sync_batchnorm",
     "finishing_forward",
     "joining_on_loss",

@@ -19,6 +19,7 @@ from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, cast_
 from lightning_vitscale.sharding.fsdp import contiguous_parameters, mixed_precision_policy, offload_policy
 from lightning_vitscale.sharding.resolved import ResolvedConfig, resolve_config
 from lightning_vitscale.sharding.settings import ParallelConfig, unit_reshard
+from lightning_vitscale.sharding.stand_ins import not_in_a_stack
 from lightning_vitscale.sharding.steps import (
     InitFacts,
     Named,
@@ -105,7 +106,9 @@ def parallelize(
         reshard_after_forward=resolved.sharding.reshard_after_forward,
         blocks_per_unit=max(1, len(blocks)) if keep_every_unit else resolved.blocks_per_unit,
         ignored=norms.ignored, unit_of=unit_of, one_unit=one_unit,
-        find_unused=resolved.sharding.find_unused_parameters,
+        skippable=resolved.sharding.find_unused_parameters is True,
+        find_unused=bool(resolved.sharding.find_unused_parameters),
+        keep_out=_not_stood_in(model, blocks, resolved, mesh),
     )
     # 5. Explicit prefetch once every unit exists: each unit starts the next one's all-gather.
     overlap = apply_prefetch(units.all, resolved.prefetch, mesh, device, model)
@@ -180,6 +183,15 @@ def _reused_instead_of_blocks(
             " Name the class of the block to checkpoint: VitScaleStrategy(blocks={MyBlock}).")
         )
     return reused
+
+
+def _not_stood_in(model: nn.Module, blocks: Named, resolved: ResolvedConfig, mesh: DeviceMesh) -> list[nn.Module]:
+    """Under ``find_unused_parameters="units"`` on several ranks, the blocks a skipping rank could not stand in for
+    (``stand_ins.not_in_a_stack``): the outer unit keeps them."""
+    if not resolved.sharding.stands_in or mesh.size() == 1:
+        return []
+    alone = set(not_in_a_stack(blocks, model))
+    return [block for name, block in blocks if name in alone]
 
 
 def _sharding_buys_nothing(

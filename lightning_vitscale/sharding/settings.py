@@ -27,6 +27,10 @@ ShardingLayout = Literal["full", "hybrid"] | int
 SHARDING_LAYOUTS: tuple[str, ...] = ("full", "hybrid")
 Priority = Literal["speed", "memory"]
 PRIORITIES: tuple[str, ...] = ("speed", "memory")
+EVERY_BLOCK = 2**31 - 1
+"""``blocks_per_unit`` under ``find_unused_parameters=True``: every block in one unit (the outer one), gathered."""
+SkippedBlocks = bool | Literal["units"]
+STAND_INS = "units"
 OffloadMode = Literal["cpu"]
 OFFLOAD_CHOICES: tuple[str | None, ...] = (None, "cpu")
 
@@ -98,11 +102,16 @@ class ShardingPolicy:
         " planner's choice (up to every block in one unit) from the batch known at setup (``example_input_array``,"
         " else one batch of the train dataloader when fitting), else 1; ``\"memory\"``, 1."
     ))
-    find_unused_parameters: bool = documented(False, (
+    find_unused_parameters: SkippedBlocks = documented(False, (
         "``True`` for a model whose ranks may skip whole blocks in a training step (LayerDrop, blocks chosen per"
-        " sample or per rank), as DDP's ``find_unused_parameters``: the blocks stay FSDP units, and a rank that skips"
+        " sample or per rank), as DDP's ``find_unused_parameters``: every block stays in the outer unit (a block one"
+        " rank skips cannot simply be a unit: its collectives would pair with another block's), gathered for the"
+        " step. ``\"units\"``: the blocks stay FSDP units (a model too large to gather whole), and a rank that skips"
         " one calls it as an identity where it would have run, so its unit's collectives pair with the other ranks'"
-        " (each forward calling the blocks in the model's order; ``sharding/stand_ins.py``). ``False``: a block holding"
+        " (``sharding/stand_ins.py``): for stacks whose blocks feed only the next one, called in the model's order"
+        " (a ViT's; checked on 2 ranks); a model whose blocks also feed a shared path (DETR's decoder layers"
+        " cross-attending to one memory) orders its backward differently by rank and hangs: keep ``True``. ``False``:"
+        " a block holding"
         " trainable parameters that does not run in a training step's forward raises ``SkippedBlocksError`` before"
         " any gradient is sent, as DDP's default refuses it. Either way, on several ranks a parameter unused on a"
         " rank (an expert, a mask token) is reduced as a zero gradient. ``True`` also leaves a parameter no rank used"
@@ -150,12 +159,32 @@ class ShardingPolicy:
                 f"`tensor_plan` must be None, a dict of module-name patterns to ParallelStyles, or a callable"
                 f" (block name, block) -> {{name: style}}; got {type(plan).__name__}."
             )
-        if not isinstance(self.find_unused_parameters, bool):
-            raise _invalid(self, "find_unused_parameters", "must be True or False")
+        if not isinstance(self.find_unused_parameters, bool) and self.find_unused_parameters != STAND_INS:
+            raise _invalid(self, "find_unused_parameters", f"must be True, False or {STAND_INS!r}")
+        if self.find_unused_parameters is True:
+            self._every_block_in_the_outer_unit()
         if self.find_unused_parameters and self.tensor_parallel > 1:
             raise _invalid(self, "find_unused_parameters", (
                 "is not supported with tensor_parallel > 1: a skipped block's split matmuls would leave its tensor"
                 " group's collectives unmatched. Pass tensor_parallel=1, or make every rank run every block"))
+
+    def _every_block_in_the_outer_unit(self) -> None:
+        """What ``find_unused_parameters=True`` means for the units, set here so that the planner, the traffic
+        report and the summary all see it: every block in one unit that stays gathered (the outer unit's blocks)."""
+        if self.blocks_per_unit not in (None, EVERY_BLOCK) or self.reshard_after_forward not in (None, False):
+            raise ValueError(
+                f"`find_unused_parameters=True` keeps every block in the outer unit, so `blocks_per_unit="
+                f"{self.blocks_per_unit!r}` and `reshard_after_forward={self.reshard_after_forward!r}` cannot apply:"
+                f" leave them unset, pass find_unused_parameters={STAND_INS!r} (the blocks stay units), or make every"
+                " rank run every block and drop find_unused_parameters."
+            )
+        object.__setattr__(self, "blocks_per_unit", EVERY_BLOCK)  # frozen: set once, while being made
+        object.__setattr__(self, "reshard_after_forward", False)
+
+    @property
+    def stands_in(self) -> bool:
+        """``find_unused_parameters="units"``: skipped blocks stay units, stood in for (``stand_ins.py``)."""
+        return self.find_unused_parameters == STAND_INS
 
     def prefetch_on(self, device_type: str) -> int:
         """The user's prefetch, else 1 on CPU (no streams: only an explicit, asynchronous prefetch overlaps), else 0."""

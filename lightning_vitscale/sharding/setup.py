@@ -168,11 +168,11 @@ def _shard(
 def _skipped_blocks(
     module: nn.Module, outer: OuterUnit, done: Parallelized, resolved: ResolvedConfig, ranks: RankContext
 ) -> tuple[SkippedBlockCheck | None, UnusedParameters | None, StandIns | None]:
-    """Several ranks: a block a rank skips is refused, unless ``find_unused_parameters=True``: then it is stood in
-    for where it would have run (``stand_ins.py``; blocks in the outer unit need none), and a parameter no rank
-    used is left without a gradient, as DDP's flag does (a collective per backward). Either way a parameter a rank
-    leaves unused is reduced as zeros (``steps.apply_fsdp``; the norms here). One rank sends no collective to
-    mismatch: nothing to watch."""
+    """Several ranks: a block a rank skips is refused, unless ``find_unused_parameters`` is set: then the blocks are
+    in the outer unit (``True``) or a skipped one is stood in for where it would have run (``"units"``:
+    ``stand_ins.py``), and a parameter no rank used is left without a gradient, as DDP's flag does (a collective per
+    backward). Either way a parameter a rank leaves unused is reduced as zeros (``steps.apply_fsdp``; the norms
+    here). One rank sends no collective to mismatch: nothing to watch."""
     if ranks.world_size == 1:
         return None, None, None
     if done.norms is not None:
@@ -184,8 +184,8 @@ def _skipped_blocks(
     stand_ins = StandIns(in_units, outer) if in_units else None
     if stand_ins is not None:
         done.plan.notes.append(
-            f"find_unused_parameters=True: a block a rank skips ({len(in_units)} in units) is called as an identity"
-            " where it would have run, so that its unit's collectives pair with the other ranks'")
+            f"find_unused_parameters=\"units\": a block a rank skips ({len(in_units)} in units) is called as an"
+            " identity where it would have run, so that its unit's collectives pair with the other ranks'")
     units = [unit for unit in outer.modules() if isinstance(unit, FSDPModule)]
     return None, UnusedParameters([(unit, outer_unit_parameters(unit)) for unit in units], done.norms), stand_ins
 

@@ -14,8 +14,8 @@ holding trainable parameters did not run raises :class:`SkippedBlocksError`, bef
 that skips the same blocks on every rank is refused too, as DDP refuses it. The launcher then stops the ranks left
 waiting (``distributed.stop_local_ranks``).
 
-With ``find_unused_parameters=True`` the blocks stay in the outer unit, whose forward every rank runs, so no
-per-block collective can pair wrongly, and nothing is refused.
+With ``find_unused_parameters=True`` nothing is refused: a rank that skips a block calls it as an identity where
+it would have run, so its unit's collectives pair with the other ranks' (``stand_ins.py``).
 
 Inside the units, a parameter one rank leaves unused (an expert another rank routes to, a mask token) would shift
 that rank's reduce-scatter against the others': with equal sizes the ranks reduced different tensors into each
@@ -94,8 +94,8 @@ class SkippedBlockCheck:
             " must join, so a block some ranks skip (LayerDrop, a branch on the data) would hang the step or mix one"
             " block's parameters with another's. DDP refuses such a model too. Pass"
             " VitScaleStrategy(find_unused_parameters=True), as strategy='ddp_find_unused_parameters_true' under DDP:"
-            " the blocks then stay in the outer unit and unused parameters are reduced as zeros. If the blocks are"
-            " not trained, set requires_grad=False on their parameters instead."
+            " a block a rank skips is then called as an identity where the others run it (its gradient a zero). If the"
+            " blocks are not trained, set requires_grad=False on their parameters instead."
         )
 
     def reset(self) -> None:

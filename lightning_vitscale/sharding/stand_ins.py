@@ -1,11 +1,11 @@
-"""Blocks a rank skips under ``find_unused_parameters=True`` (LayerDrop drawn per rank, a branch on the data), each
-in an FSDP unit of its own or grouped: the rank calls the skipped block as an identity where it would have run, so
-its unit's collectives pair with the other ranks' as if it had.
+"""Blocks a rank skips under ``find_unused_parameters="units"`` (LayerDrop drawn per rank, a branch on the data),
+each in an FSDP unit of its own or grouped: the rank calls the skipped block as an identity where it would have run,
+so its unit's collectives pair with the other ranks' as if it had. (``True`` keeps every block in the outer unit.)
 
 FSDP2 gathers a unit's parameters in its pre-forward and reduces their gradients in its post-backward, with
 collectives every rank joins in the same order. A block one rank skips would pair its next block's all-gather with
-the skipped one's on the other ranks (measured: the step hung, then gloo's "Connection closed by peer"). Before,
-every block stayed in the outer unit, gathered whole: a model too large for one device could not skip blocks.
+the skipped one's on the other ranks (measured: the step hung, then gloo's "Connection closed by peer"). In the outer
+unit (``True``) every block is gathered whole: a model too large for one device cannot skip blocks so.
 
 Mid-forward: each block in a unit gets a forward pre-hook (before FSDP2's) that knows the blocks' order. Calling
 block ``j`` after block ``i < j - 1`` means blocks ``i+1 .. j-1`` were skipped; each is called first with its
@@ -27,6 +27,11 @@ backward hook, so their backward runs first in backward, as the last blocks' do 
 inside the step (manual optimization) joins them to its loss (:meth:`StandIns.on_loss`). A collective the step
 sends itself (``torch.distributed``) after a skipped last block still waits for the ranks that run it: send it
 through Lightning's ``self.all_gather`` / ``self.log``.
+
+It holds for stacks whose blocks feed only the next one. Where a block's input also comes from a shared path (HF's
+Conditional DETR: decoder layers cross-attending to one encoder memory), FSDP2's post-backward of the layer after a
+skipped one waits on that path, which the stand-in changes: the ranks' reduce-scatters came in another order and the
+step hung. Hence opt-in, and blocks held alone, outside a stack (:func:`not_in_a_stack`), stay in the outer unit.
 
 This takes every forward to call the blocks in the order the model registers them (a stack's), each once: the
 order a forward of a LayerDrop model shows varies by rank and step (the step measured at setup skipped blocks too),
@@ -251,3 +256,18 @@ def joining_on_loss(backward: Callable[..., Any]) -> Callable[..., Any]:
         return backward(strategy, loss if stand_ins is None else stand_ins.on_loss(loss), *args, **kwargs)
 
     return from_joined_loss
+
+
+def not_in_a_stack(blocks: Sequence[tuple[str, nn.Module]], model: nn.Module) -> list[str]:
+    """The blocks that are no member of a stack (a ``ModuleList`` / ``Sequential`` / ``ModuleDict`` holding two or
+    more of the blocks, as LayerDrop's ``for layer in self.layers``): a block held alone (Conditional DETR's
+    ``query_scale`` head, called before every decoder layer but the first, so as often as they run) has no order to
+    be stood in by, so it stays in the outer unit, which every rank gathers once a step."""
+    parent_of = {id(child): parent for parent in model.modules() for child in parent.children()}
+    stacks = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+    members: dict[int, int] = {}
+    for _, block in blocks:
+        parent = parent_of.get(id(block))
+        if isinstance(parent, stacks):
+            members[id(parent)] = members.get(id(parent), 0) + 1
+    return [name for name, block in blocks if members.get(id(parent_of.get(id(block))), 0) < 2]

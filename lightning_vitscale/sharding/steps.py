@@ -3,7 +3,7 @@ returns a small record of what it did, from which the setup summary is built (``
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -35,6 +35,7 @@ from lightning_vitscale.sharding.settings import unit_reshard
 from lightning_vitscale.sharding.skipped_blocks import zero_gradients_for_unused
 from lightning_vitscale.sharding.tensor_parallel import same_values_everywhere, split_block
 from lightning_vitscale.sharding.tensor_proof import prove_plans
+from lightning_vitscale.sharding.unit_groups import shared_apart, without_tied_parameters
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,11 @@ class UnitFacts:
     """One rank, one unit: compute copies instead of FSDP2's per-parameter path (sharding/compute_copies.py)."""
     tied: int = 0
     """Blocks left in the outer unit because a weight of theirs is tied to another unit's or the model's."""
+    skippable: int = 0
+    """Blocks left in the outer unit because ``find_unused_parameters=True`` lets ranks skip them."""
+    alone: int = 0
+    """Blocks left in the outer unit under ``find_unused_parameters=True``: no member of a stack
+    (``stand_ins.not_in_a_stack``)."""
 
     @property
     def all(self) -> list[FSDPModule]:
@@ -153,18 +159,25 @@ def apply_fsdp(
     outer_unit: nn.Module, blocks: list[nn.Module], *, mesh: DeviceMesh, weights: InitialWeights,
     mp_policy: MixedPrecisionPolicy, offload: OffloadPolicy, reshard_after_forward: bool | int | None,
     blocks_per_unit: int, ignored: set[nn.Parameter] | None, unit_of: list[int] | None = None, one_unit: bool = False,
-    find_unused: bool = False,
+    skippable: bool = False, find_unused: bool = False, keep_out: Collection[nn.Module] = (),
 ) -> UnitFacts:
     """One FSDP unit per ``blocks_per_unit`` consecutive blocks (``unit_of``: :func:`~.fsdp.group_blocks`),
     bottom-up, then the outer unit; ``weights`` delivers each unit's values to its shards as it is made, so no rank
     holds a second copy of the model. ``one_unit``: a single block unit kept gathered on one rank overlaps nothing
     and saves no memory: the blocks join the outer unit (one FSDP2 pre-forward hook per step, not one per block).
-    On several ranks an unused parameter is reduced as a zero gradient (``skipped_blocks.py``), which
-    ``find_unused`` (``find_unused_parameters=True``) cannot do without."""
-    groups = [unit for group in group_blocks(blocks, blocks_per_unit, unit_of) for unit in _shared_apart(group)]
+    ``skippable`` (``find_unused_parameters=True``): ranks may skip blocks, so every block joins the outer unit, whose
+    forward every rank runs. On several ranks an unused parameter is reduced as a zero gradient
+    (``skipped_blocks.py``), which ``find_unused`` (the flag set) cannot do without; ``keep_out``: blocks left in the
+    outer unit (``find_unused_parameters="units"``: ``stand_ins.not_in_a_stack``)."""
+    out = {id(block) for block in keep_out}
+    groups = [unit for group in group_blocks(blocks, blocks_per_unit, unit_of) for unit in shared_apart(group)]
+    groups = [kept for kept in ([b for b in group if id(b) not in out] for group in groups) if kept]
     in_groups = sum(map(len, groups))
-    groups = _without_tied_parameters(groups, outer_unit)
-    tied = in_groups - sum(map(len, groups))
+    if skippable:  # every block to the outer unit (find_unused_parameters=True), tied or not
+        groups, tied, skipped = [], 0, in_groups
+    else:
+        groups = without_tied_parameters(groups, outer_unit)
+        tied, skipped = in_groups - sum(map(len, groups)), 0
     if one_unit and len(groups) == 1:
         groups = []
     block_units = []
@@ -192,53 +205,7 @@ def apply_fsdp(
     if copies_owner is not None:
         compute = mp_policy.param_dtype or (sharded[0].dtype if sharded else torch.float32)
         copies_owner.compute_copies = ComputeCopies(copies_owner, sharded + norm_params, compute)
-    return UnitFacts(outer, block_units, blocks_per_unit, copies_owner is not None, tied)
-
-
-def _shared_apart(group: list[nn.Module]) -> list[list[nn.Module]]:
-    """``group`` as FSDP2 can make it: a member that is also a submodule of another member (timm CoaT's position
-    encodings, shared by the blocks that call them) gets no unit of its own in a list-unit, so a later unit (another
-    block sharing it, the outer unit) would shard its parameters again (DTensor's "Cannot concatenate overlapping
-    meshes"). Each such member is its own unit first; the blocks that call it find it nested."""
-    inside = {id(sub) for member in group for sub in member.modules() if sub is not member}
-    shared = [member for member in group if id(member) in inside]
-    rest = [member for member in group if id(member) not in inside]
-    return [[member] for member in shared] + ([rest] if rest else [])
-
-
-def _without_tied_parameters(groups: list[list[nn.Module]], model: nn.Module) -> list[list[nn.Module]]:
-    """The groups that own no parameter another group or the rest of the model also uses (weights tied across
-    blocks, a module two blocks hold, or a head tied to a block's weight): FSDP2 lets one unit manage a parameter, so
-    those blocks join the outer unit, which manages both uses, where DDP trains the tie as one parameter."""
-    owner_of: dict[int, set[int]] = {}
-    roots: set[int] = set()  # the members of earlier groups: FSDP2 stops at a unit, so a later one finds it nested
-    for index, group in enumerate(groups):
-        for param in _managed_parameters(group, roots):
-            owner_of.setdefault(id(param), set()).add(index)
-        roots.update(id(member) for member in group)
-    for param in _managed_parameters([model], roots):
-        owner_of.setdefault(id(param), set()).add(-1)
-    tied = {index for owners in owner_of.values() if len(owners) > 1 for index in owners}
-    return [group for index, group in enumerate(groups) if index not in tied]
-
-
-def _managed_parameters(members: list[nn.Module], units: set[int]) -> list[nn.Parameter]:
-    """The parameters ``fully_shard(members)`` would manage: FSDP2's walk, which stops at a module already a unit
-    (``units``) and nowhere else, so a module two blocks hold is managed by both (sharded twice)."""
-    seen: set[int] = set()
-    found: list[nn.Parameter] = []
-
-    def visit(module: nn.Module) -> None:
-        seen.add(id(module))
-        found.extend(module.parameters(recurse=False))
-        for child in module.children():
-            if id(child) not in seen and id(child) not in units:
-                visit(child)
-
-    for member in members:
-        if id(member) not in seen:
-            visit(member)
-    return found
+    return UnitFacts(outer, block_units, blocks_per_unit, copies_owner is not None, tied, skipped, len(out))
 
 
 def apply_prefetch(

@@ -58,7 +58,7 @@ class SetupSummary:
     blocks_per_unit: int = 1
     units_choice: str = ""
     outer_blocks: int = 0
-    """Blocks in the outer unit though several ranks shard it (tied weights, ``find_unused_parameters=True``)."""
+    """Blocks in the outer unit though several ranks shard it (tied weights, ``find_unused_parameters``)."""
     copies: bool = False
     """One rank: the outer unit's step computes on copies, not through FSDP2 (``sharding/compute_copies.py``)."""
     overlap: str = ""
@@ -145,7 +145,7 @@ def summary_from_facts(facts: PipelineFacts) -> SetupSummary:
         block_names=facts.blocks,
         units=len(facts.units.all),
         copies=facts.units.copies,
-        outer_blocks=facts.units.tied,
+        outer_blocks=facts.units.tied + facts.units.skippable + facts.units.alone,
         blocks_per_unit=facts.units.blocks_per_unit,
         checkpointed=list(checkpointed),
         selective=[name for name, mode in checkpointed.items() if mode == "selective"],
@@ -200,6 +200,12 @@ def _notes(facts: PipelineFacts) -> list[str]:
     if facts.units.tied:
         notes.append(f"{facts.units.tied} block(s) share a weight with another unit or the rest of the model (tied):"
                      " left in the outer unit, which manages every use of it (FSDP2 lets one unit manage a weight)")
+    if facts.units.skippable:
+        notes.append(f"find_unused_parameters=True: the {facts.units.skippable} blocks stay in the outer unit (a block"
+                     " some ranks skip cannot simply be a unit; find_unused_parameters=\"units\" keeps them units)")
+    if facts.units.alone:
+        notes.append(f"find_unused_parameters=\"units\": {facts.units.alone} block(s) in the outer unit, each held"
+                     " alone (no stack of blocks to stand a skipped one in by)")
     if facts.made_contiguous:
         notes.append(f"{len(facts.made_contiguous)} channels_last parameter(s) made contiguous for FSDP"
                      f" ({_abbrev(facts.made_contiguous)}): same values; convolutions run channels_last when their"

@@ -1,6 +1,7 @@
 """Blocks that ranks skip (LayerDrop): ``find_unused_parameters=True`` trains them, each in an FSDP unit, with the
-losses and weights of DDP's ``ddp_find_unused_parameters_true`` (a skipped block stood in for where it would have
-run: ``sharding/stand_ins.py``); without it, the rank that skipped raises ``SkippedBlocksError`` naming
+losses and weights of DDP's ``ddp_find_unused_parameters_true``: ``True``, every block in the outer unit;
+``"units"``, the blocks in units, a skipped block stood in for where it would have run (``sharding/stand_ins.py``);
+without it, the rank that skipped raises ``SkippedBlocksError`` naming
 the fix before its backward sends anything, and the job ends at once instead of waiting out the collective timeout
 (it did: > 200 s, then gloo's "Connection closed by peer", naming nothing)."""
 
@@ -16,8 +17,9 @@ from tests.helpers.torch_features import needs_unused_parameter_reduction
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 SCRIPT = "tests/distributed/scripts/skipped_blocks.py"
-CONFIGS = ("per_rank", "same", "per_rank_accum2", "same_accum2", "uneven_bf16", "per_rank_speed", "last", "first",
-           "two_pass", "experts", "experts_units")
+CONFIGS = ("per_rank", "same", "per_rank_accum2", "same_accum2", "uneven_bf16", "per_rank_units", "per_rank_speed",
+           "accum2_units", "last", "first", "two_pass", "experts", "experts_units")
+UNITS = ("per_rank_units", "per_rank_speed", "accum2_units", "last", "first", "two_pass")
 
 
 @pytest.fixture(scope="module")
@@ -54,15 +56,20 @@ def test_skipped_blocks_train_as_ddp_find_unused_parameters(runs, config):
         if config.startswith("experts"):  # no flag: the experts unused on a rank are inside FSDP units
             assert ours["block_units"] == 4, ours["summary"]  # one grouped unit as it comes; four with "memory"
             continue
+        if config in UNITS:  # each block in a unit, not the outer unit gathered for the whole step
+            assert ours["block_units"] == 4, ours["summary"]
+            assert "a block a rank skips (4 in units) is called as an identity" in ours["summary"]
+            if config == "per_rank_speed":  # the planner's units, several blocks in one: stood in block by block
+                assert "FSDP units          : 3 (4 blocks, up to 3 per unit + 1 outer)" in ours["summary"]
+            continue
+        assert ours["block_units"] == 0 and ours["stood_in"] is None  # True: a skipped block is in the outer unit
         # "same": block 3 never runs, so it is no block (the planner's trace finds what a step calls)
         blocks = 3 if config.startswith("same") else 4
-        assert ours["block_units"] == blocks, ours["summary"]  # each block in a unit, not the outer unit gathered
-        assert f"a block a rank skips ({blocks} in units) is called as an identity" in ours["summary"]
-        if config == "per_rank_speed":  # the planner's units, several blocks in one: stood in block by block
-            assert "FSDP units          : 3 (4 blocks, up to 3 per unit + 1 outer)" in ours["summary"]
+        assert f"find_unused_parameters=True: the {blocks} blocks stay in the outer unit" in ours["summary"]
     # Every skip stood in for (4 steps; "last": rank 1 skips two blocks a step and the last in each evaluation).
-    stood_in = {config: [rank[f"{config}/vitscale"]["stood_in"] for rank in runs] for config in CONFIGS}
-    assert stood_in["per_rank"] == stood_in["per_rank_speed"] == [4, 4]
+    stood_in = {config: [rank[f"{config}/vitscale"]["stood_in"] for rank in runs] for config in UNITS}
+    assert stood_in["per_rank_units"] == stood_in["per_rank_speed"] == [4, 4]
+    assert stood_in["accum2_units"] == [8, 8]  # 2 micro-batches a step, each skipping its own block
     assert stood_in["last"] == [0, 4 * 2 + 2 * 2]  # 2 evaluations of 2 batches, the last block each
     assert stood_in["two_pass"] == [8, 11]  # rank 1: its first forwards' last block too (3 of 4 steps a second one)
 

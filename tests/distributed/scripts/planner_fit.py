@@ -7,7 +7,7 @@ to none (every block kept gathered), decided at setup from one batch of the trai
 chooses ``blocks_per_unit``); ``autok-P`` the same from ``example_input_array``; ``default-P`` the same under
 ``VitScaleStrategy(memory_budget=...)``'s default (``priority="speed"``); ``default``: ``VitScaleStrategy()`` as it
 comes (the host's memory to spare: the planner's plan from the train dataloader's batch); ``unused-P``: ``default-P``
-with ``find_unused_parameters=True`` (the planner's units, a skipped block stood in for).
+with ``find_unused_parameters=True`` (every block in the outer unit, gathered).
 ``auto``, ``default`` and ``unused`` cells also train the same model under DDP for its losses. ``loop`` is
 ``auto`` (automatic optimization, the default: the strategy frees the gradients after the step), ``observed``
 (the same with a callback reading gradients after the step: they are kept through the next forward), ``manual``
@@ -271,7 +271,7 @@ def cell(name: str, ac: str, batch: int, kind: str = "auto") -> dict:
     if ac in ("off", "full", "selective"):  # the step model's cells: one block per unit, resharded, as before
         options = dict(activation_checkpointing={"off": False, "full": True, "selective": "selective"}[ac],
                        blocks_per_unit=1, reshard_after_forward=True)
-    elif ac.startswith("unused-"):  # the planner's units, as for any model
+    elif ac.startswith("unused-"):  # every block in the outer unit, kept gathered: the planner must plan that
         options = dict(find_unused_parameters=True, memory_budget=auto["budget"])
     else:  # "default": VitScaleStrategy() as it comes; "default-P" with a memory_budget
         options = dict(memory_budget=auto["budget"]) if ac.startswith("default") else dict(

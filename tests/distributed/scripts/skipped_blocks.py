@@ -156,16 +156,19 @@ def fit(schedule: str, strategy, steps: int = 4, **trainer_kwargs) -> tuple[Laye
 # are reduced as zeros (before, the ranks' reduce-scatters held different experts of equal size: silently wrong
 # gradients).
 SKIPPABLE = {"find_unused_parameters": True, "priority": "memory"}
+UNITS = {"find_unused_parameters": "units", "priority": "memory"}  # the blocks stay units: skipped ones stood in for
 CONFIGS = {
     "per_rank": ("per_rank", {}, SKIPPABLE),
     "same": ("same", {}, SKIPPABLE),
     "per_rank_accum2": ("per_rank", {"accumulate_grad_batches": 2}, SKIPPABLE),
     "same_accum2": ("same", {"accumulate_grad_batches": 2}, SKIPPABLE),
     "uneven_bf16": ("uneven", {"precision": "bf16-mixed"}, SKIPPABLE),
-    "per_rank_speed": ("per_rank", {}, {"find_unused_parameters": True}),
-    "last": ("last", {"limit_val_batches": 2, "val_check_interval": 2}, SKIPPABLE),
-    "first": ("first", {}, SKIPPABLE),
-    "two_pass": ("two_pass", {}, SKIPPABLE),
+    "per_rank_units": ("per_rank", {}, UNITS),
+    "per_rank_speed": ("per_rank", {}, {"find_unused_parameters": "units"}),
+    "accum2_units": ("per_rank", {"accumulate_grad_batches": 2}, UNITS),
+    "last": ("last", {"limit_val_batches": 2, "val_check_interval": 2}, UNITS),
+    "first": ("first", {}, UNITS),
+    "two_pass": ("two_pass", {}, UNITS),
     "experts": ("experts", {}, {}),
     "experts_units": ("experts", {}, {"priority": "memory"}),
 }

@@ -236,7 +236,7 @@ def test_a_module_shared_by_blocks_in_one_unit_is_its_own_unit_and_trains_as_ddp
     """Grouped with the blocks that call it, a shared module got no unit of its own (FSDP2 registers a list-unit on
     its members that no other member contains), and the next unit sharded its parameters again: "Cannot
     concatenate overlapping meshes" at setup (timm's CoaT-Lite under bf16-mixed, where the planner grouped 20 blocks
-    in one unit). Mutation seen failing: ``_shared_apart`` returning the group whole (both cases raise)."""
+    in one unit). Mutation seen failing: ``unit_groups.shared_apart`` returning the group whole (both cases raise)."""
     from lightning_vitscale import VitScaleStrategy
 
     strategy = VitScaleStrategy(blocks_per_unit=per_unit, activation_checkpointing=False)
@@ -327,7 +327,7 @@ def test_blocks_with_tied_weights_join_the_outer_unit_and_train_as_ddp(tie, own_
     the model, failed setup with FSDP2's "already managed by another FSDP group". The blocks holding a tie are left
     to the outer unit. A module two blocks hold (not only its weight) was taken as nested in the later block's unit,
     which FSDP2 sharded again ("Cannot concatenate overlapping meshes", found 2026-12-04 running new layouts).
-    Mutations seen failing: ``_without_tied_parameters`` returning every group (setup raises)."""
+    Mutations seen failing: ``unit_groups.without_tied_parameters`` returning every group (setup raises)."""
     from lightning_vitscale import VitScaleStrategy
 
     strategy = VitScaleStrategy(priority="memory")  # every block its own unit

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_vitscale import VitScaleStrategy
-from lightning_vitscale.sharding.settings import ShardingPolicy
+from lightning_vitscale.sharding.settings import EVERY_BLOCK, ShardingPolicy
 from lightning_vitscale.sharding.skipped_blocks import ForwardMarks, SkippedBlockCheck, SkippedBlocksError
 
 
@@ -48,9 +48,18 @@ def test_the_check_names_the_skipped_blocks_and_ignores_frozen_ones():
 def test_find_unused_parameters_settings_are_checked():
     with pytest.raises(ValueError, match="find_unused_parameters=True` is not supported with tensor_parallel > 1"):
         ShardingPolicy(find_unused_parameters=True, tensor_parallel=2)
-    with pytest.raises(ValueError, match="find_unused_parameters='yes'` must be True or False"):
+    with pytest.raises(ValueError, match="find_unused_parameters='yes'` must be True, False or 'units'"):
         VitScaleStrategy(find_unused_parameters="yes")  # type: ignore[arg-type]
-    # The blocks stay units the planner (or the user) chooses: a skipped block is stood in for (stand_ins.py).
-    sharding = VitScaleStrategy(find_unused_parameters=True, blocks_per_unit=2, reshard_after_forward=True)
-    assert sharding.config.sharding.blocks_per_unit == 2 and sharding.config.sharding.reshard_after_forward is True
-    assert VitScaleStrategy(find_unused_parameters=True).config.sharding.blocks_per_unit is None
+    with pytest.raises(ValueError, match="keeps every block in the outer unit, so `blocks_per_unit=2`.*'units'"):
+        VitScaleStrategy(find_unused_parameters=True, blocks_per_unit=2)
+    with pytest.raises(ValueError, match="`reshard_after_forward=True` cannot apply"):
+        VitScaleStrategy(find_unused_parameters=True, reshard_after_forward=True)
+    # What the planner, the traffic report and the summary read: one unit of every block, kept gathered.
+    sharding = VitScaleStrategy(find_unused_parameters=True).config.sharding
+    assert sharding.find_unused_parameters and sharding.blocks_per_unit == EVERY_BLOCK
+    assert sharding.reshard_after_forward is False and not sharding.stands_in
+    # "units": the blocks stay the units the planner (or the user) chooses, a skipped one stood in for.
+    units = VitScaleStrategy(find_unused_parameters="units", blocks_per_unit=2, reshard_after_forward=True)
+    assert units.config.sharding.stands_in and units.config.sharding.blocks_per_unit == 2
+    with pytest.raises(ValueError, match="is not supported with tensor_parallel > 1"):
+        ShardingPolicy(find_unused_parameters="units", tensor_parallel=2)
