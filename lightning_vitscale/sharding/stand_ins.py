@@ -106,12 +106,12 @@ class StandIns:
             return None
         if index == self.next - 1 and len(self.blocks) == 1:
             raise RepeatedBlockError(
-                f"VitScaleStrategy(find_unused_parameters=True): block {self.names[index]}, the only one in a unit,"
-                " ran twice in one forward. A block a rank skips is called as an identity where the other ranks run"
-                " it, so that its FSDP unit's collectives pair up; a block whose weights several layers share cannot"
-                " be: a rank that skips some of its calls cannot tell how many the others made. Leave it out of"
-                " `blocks=` (it then stays in the outer unit, gathered for the whole step), or make every rank run"
-                " every block and drop find_unused_parameters."
+                f"VitScaleStrategy(find_unused_parameters=\"units\"): block {self.names[index]}, the only one in a"
+                " unit, ran twice in one forward. A block a rank skips is called as an identity where the other ranks"
+                " run it, so that its FSDP unit's collectives pair up; a block whose weights several layers share"
+                " cannot be: a rank that skips some of its calls cannot tell how many the others made. Leave it out"
+                " of `blocks=`, or pass find_unused_parameters=True (every block in the outer unit, gathered for the"
+                " whole step)."
             )
         if index < self.next:  # a new forward: the last one's remaining blocks first
             skipped = [*range(self.next, len(self.blocks)), *range(index)]
