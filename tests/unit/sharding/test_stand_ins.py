@@ -11,7 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_vitscale.sharding.stand_ins import RepeatedBlockError, StandIns, finishing_forward, joining_on_loss
+from lightning_vitscale.sharding.stand_ins import (
+    RepeatedBlockError,
+    StandIns,
+    finishing_forward,
+    joining_on_loss,
+    not_in_a_stack,
+)
 
 
 class Recorded(nn.Linear):
@@ -161,3 +167,22 @@ def test_the_only_block_called_twice_in_one_forward_is_refused_naming_the_fix():
     StandIns([("0", shared)], root)
     with pytest.raises(RepeatedBlockError, match=r"ran twice in one forward.*Leave it out of `blocks=`"):
         root(torch.randn(2, 4))
+
+
+def test_blocks_held_alone_stay_out_of_the_units():
+    """Conditional DETR's shape: two decoder layers in a ``ModuleList`` and two heads of one class held as plain
+    attributes (``query_scale``, called before every layer but the first). The heads, found as repeated blocks, have
+    no stack to be stood in by: ``"units"`` leaves them in the outer unit (they made the ranks' collectives differ in
+    size before). Mutation seen failing: every block taken as in a stack."""
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+            self.query_scale, self.ref_point_head = nn.Sequential(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4))
+
+    decoder = Decoder()
+    blocks = [("layers.0", decoder.layers[0]), ("layers.1", decoder.layers[1]),
+              ("query_scale", decoder.query_scale), ("ref_point_head", decoder.ref_point_head)]
+    assert not_in_a_stack(blocks, decoder) == ["query_scale", "ref_point_head"]
+    assert not_in_a_stack(blocks[:2], decoder) == []
