@@ -37,6 +37,13 @@ def _is_composite(module: nn.Module) -> bool:
     return any(_num_params(child) > 0 for child in module.children())
 
 
+def _is_layered(module: nn.Module) -> bool:
+    """Two or more of ``module``'s sub-modules hold parameters: one convolution wrapped in a ``Sequential`` with its
+    activation (FocalNet's focal layers) is a layer, no block of a layer stack."""
+    holders = (m for m in module.modules() if m is not module and holds_parameters(m, recurse=False))
+    return next(holders, None) is not None and next(holders, None) is not None
+
+
 def _signature(module: nn.Module) -> object:
     """What makes two siblings "the same block": their class, and for containers also what they contain."""
     if isinstance(module, _CONTAINERS):
@@ -53,8 +60,20 @@ def _repeated_children(module: nn.Module, prefix: str) -> list[tuple[str, nn.Mod
 def _inner_blocks(name: str, module: nn.Module, ran: Ran | None) -> list[tuple[str, nn.Module]]:
     """Repeated blocks strictly inside ``module`` that hold most of its parameters (a stage's blocks), or that
     form a layer stack (two whole networks side by side: DINO's student and teacher, a siamese pair); not where a
-    measured step ran them side by side (an MoE layer's experts: the layer is the block)."""
-    found = list(_discover(module, f"{name}.", ran))
+    measured step ran them side by side (an MoE layer's experts: the layer is the block). Repeated parts of one
+    block (siblings of another kind beside them) are no blocks: the module they make is (MobileViT's block of
+    convolutions around a transformer, inside a stage), or ``module`` itself where they make it."""
+    found: list[tuple[str, nn.Module]] = []
+    for inner, block in _discover(module, f"{name}.", ran):
+        relative = inner[len(name) + 1:]
+        if not _alike_siblings(module, relative, block):
+            relative = _made_by(module, relative)
+            if not relative:
+                return []  # parts of ``module`` itself (an MBConv's convolutions): it is the block
+            inner, block = f"{name}.{relative}", module.get_submodule(relative)
+        found.append((inner, block))
+    found = [(inner, block) for inner, block in _dedup(found)
+             if not any(inner.startswith(f"{outer}.") for outer, _ in found)]
     if ran is not None and _side_by_side(found, ran):
         return []
     covered = sum(_num_params(m) for _, m in found)
@@ -63,9 +82,30 @@ def _inner_blocks(name: str, module: nn.Module, ran: Ran | None) -> list[tuple[s
         return found
     # A large head (DINO's prototypes) can outweigh a small backbone's blocks; the networks are still no blocks:
     # one of them as a unit would gather a whole model at once. Attribute siblings (a decoder layer's self- and
-    # cross-attention) are no stack (a ModuleList/Sequential of two or more alike blocks): that layer stays the unit.
+    # cross-attention) are no stack (a ModuleList/Sequential of two or more alike blocks): that layer stays the unit,
+    # as does a block holding a stack of single layers (FocalNet's focal convolutions, 1% of the block).
     stacks = (m for m in module.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)))
-    return found if any(len(_repeated_children(m, "")) >= 2 for m in stacks) else []
+    layered = ([child for _, child in _repeated_children(m, "") if _is_layered(child)] for m in stacks)
+    return found if any(len(children) >= 2 for children in layered) else []
+
+
+def _alike_siblings(module: nn.Module, name: str, block: nn.Module) -> bool:
+    """Whether every sibling of ``block`` (``module``'s sub-module ``name``) that holds parameters is one of its kind:
+    a stage's blocks are (a ``Sequential`` of Swin blocks), the parts of one block are not (an MBConv's convolutions
+    beside its squeeze-excitation or its last bare convolution, MaxViT's window and grid attention beside its MBConv,
+    TNT's inner and outer attention and MLPs): those parts stay together, the block they make is the unit."""
+    parent = module.get_submodule(name.rpartition(".")[0])
+    kinds = {_signature(child) for child in parent.children() if holds_parameters(child)}
+    return kinds == {_signature(block)}
+
+
+def _made_by(module: nn.Module, part: str) -> str:
+    """The module that ``part`` (a sub-module name of ``module``) is part of: its parent, or where that is a container
+    (an MBConv's ``block`` Sequential) the closest module above it that is not; ``""``: ``module`` itself."""
+    maker = part.rpartition(".")[0]
+    while maker and isinstance(module.get_submodule(maker), _CONTAINERS):
+        maker = maker.rpartition(".")[0]
+    return maker
 
 
 def _side_by_side(found: list[tuple[str, nn.Module]], ran: Ran) -> bool:

@@ -22,7 +22,7 @@ import pytest
 
 from tests.helpers.launch import launch_ranks
 from tests.helpers.results import max_relative_difference
-from tests.helpers.zoo import FAMILIES
+from tests.helpers.zoo import FAMILIES, PARTS
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 SCRIPT = "tests/distributed/scripts/zoo.py"
@@ -45,7 +45,7 @@ REFUSED = {
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory) -> list[dict]:
-    names = ",".join(["layout", "reused", "two_pass", *FAMILIES])
+    names = ",".join(["layout", "reused", "two_pass", "parts", *FAMILIES])
     return launch_ranks(tmp_path_factory, "zoo_2", SCRIPT, names, nprocs=2, timeout=300)[1]
 
 
@@ -167,3 +167,19 @@ def test_a_backbone_run_twice_a_step_trains_as_ddp_reducing_each_unit_once_a_ste
             facts = rank["two_pass"][run]
             assert facts["reduce_scatters"] == 4 * facts["fsdp_units"], (run, facts["reduce_scatters"])
     assert two[0]["two_pass"]["per_block"]["fsdp_units"] == 5  # 4 blocks and the outer unit
+
+
+@pytest.mark.parametrize("family", PARTS)
+def test_a_block_made_of_repeated_parts_is_the_unit_and_trains_as_ddp(two, family):
+    """torchvision's MaxViT and EfficientNet: before, the repeated parts inside each block were the units (MaxViT's
+    window and grid attention, EfficientNet's convolutions) and the rest of every block stayed in the outer unit
+    (MaxViT-T: 44 units over 79% of the model; EfficientNet-B0: 36%). Now the block is, as in the recipe; both train
+    as DDP by default and with a unit per block. Mutation seen failing: ``blocks._alike_siblings`` always True."""
+    ddp = two[0]["parts"][f"{family}:ddp"]["losses"]
+    expected = PARTS[family][1]
+    for run in ("default", "memory"):
+        facts = two[0]["parts"][f"{family}:{run}"]
+        assert len(ddp) == 3 and max_relative_difference(facts["losses"], ddp) < 1e-5, run
+        found = ", ".join(f"{name} x{count}" for name, count in expected.items())
+        assert f"blocks found        : {found}\n" in facts["summary"], facts["summary"]
+    assert two[0]["parts"][f"{family}:memory"]["fsdp_units"] == sum(expected.values()) + 1

@@ -343,3 +343,27 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
     "hf_swin": hf_swin,
     "hf_clip": HFClip,
 }
+
+
+def torchvision_maxvit() -> nn.Module:
+    """MaxViT: each layer an MBConv, window attention and grid attention in one ``Sequential``."""
+    from torchvision.models.maxvit import MaxVit
+
+    return MaxVit(input_size=(IMAGE, IMAGE), stem_channels=8, partition_size=2, block_channels=[16], block_layers=[2],
+                  head_dim=8, stochastic_depth_prob=0.0, num_classes=CLASSES)
+
+
+def torchvision_efficientnet() -> nn.Module:
+    """EfficientNet: each MBConv's convolutions and squeeze-excitation in one ``Sequential``."""
+    from torchvision.models.efficientnet import EfficientNet, MBConvConfig
+
+    stages = [MBConvConfig(1, 3, 1, 8, 8, 1), MBConvConfig(4, 3, 2, 8, 16, 2), MBConvConfig(4, 3, 1, 16, 16, 2)]
+    return EfficientNet(stages, dropout=0.0, stochastic_depth_prob=0.0, num_classes=CLASSES, last_channel=32)
+
+
+# Blocks made of repeated parts of another kind beside each other (the convolutions of an MBConv, a MaxViT layer's
+# two attentions beside its MBConv): the block is the unit, never its parts. Each with the blocks found.
+PARTS: dict[str, tuple[Callable[[], nn.Module], dict[str, int]]] = {
+    "torchvision_maxvit": (torchvision_maxvit, {"MaxVitLayer": 2}),
+    "torchvision_efficientnet": (torchvision_efficientnet, {"Conv2dNormActivation": 2, "MBConv": 4}),
+}

@@ -28,7 +28,7 @@ from lightning_vitscale.discovery.tensor_plan import TensorPlanError
 from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
 from tests.helpers.recording import count_collectives
 from tests.helpers.scenarios import run_scenarios
-from tests.helpers.zoo import CLASSES, FAMILIES, IMAGE, Block, LucidViT, SharedBlockViT, TwoPassViT
+from tests.helpers.zoo import CLASSES, FAMILIES, IMAGE, PARTS, Block, LucidViT, SharedBlockViT, TwoPassViT
 
 warnings.filterwarnings("ignore")
 GLOBAL_BATCH = 8
@@ -51,6 +51,8 @@ class Model(L.LightningModule):
             return SharedBlockViT(listed=self.family == "shared_listed")
         if self.family == "two_pass":
             return TwoPassViT()
+        if self.family in PARTS:
+            return PARTS[self.family][0]()
         return FAMILIES[self.family]() if self.family != "lucid" else LucidViT(container=self.container)
 
     def configure_model(self) -> None:
@@ -177,9 +179,22 @@ def two_pass() -> dict:
 WORLD = 4  # set from the launch in main
 
 
+def parts() -> dict:
+    """Blocks made of repeated parts (``PARTS``): DDP, ``VitScaleStrategy()`` and the recipe's unit per block
+    (``priority="memory"``), with the blocks each found."""
+    found = {}
+    for family in PARTS:
+        runs = {"ddp": DDP, "default": VitScaleStrategy(), "memory": VitScaleStrategy(priority="memory")}
+        for name, strategy in runs.items():
+            facts, trainer = fit(Model(family), strategy, 2, 3)
+            facts["fsdp_units"] = trainer.strategy.plan.units if strategy != DDP else 0
+            found[f"{family}:{name}"] = facts
+    return found
+
+
 def scenarios() -> dict:
     families = {name: (lambda name=name: family(name)) for name in FAMILIES}
-    return {"layout": layout, "reused": reused, "two_pass": two_pass, **families}
+    return {"layout": layout, "reused": reused, "two_pass": two_pass, "parts": parts, **families}
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_vitscale.discovery.blocks import describe_blocks, find_blocks, reused_modules
@@ -155,3 +156,111 @@ def test_a_swin_stage_s_blocks_stay_the_units_when_the_step_is_known():
     with recording(model, calls):
         model(torch.randn(1, 3, 32, 32))
     assert describe_blocks(find_blocks(model, None, calls.called, calls.fed)) == {"SwinLayer": 4}
+
+
+class ConvNormAct(nn.Sequential):
+    """torchvision's ``Conv2dNormActivation``: a container, compared by what it holds."""
+
+    def __init__(self, cin: int, cout: int, depthwise: bool = False) -> None:
+        kernel = 3 if depthwise else 1
+        super().__init__(nn.Conv2d(cin, cout, kernel, padding=kernel // 2, groups=cin if depthwise else 1, bias=False),
+                         nn.BatchNorm2d(cout), nn.SiLU())
+
+
+class SqueezeExcite(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.reduce, self.expand = nn.Conv2d(channels, 2, 1), nn.Conv2d(2, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.expand(F.silu(self.reduce(x.mean((2, 3), keepdim=True)))).sigmoid()
+
+
+class MBConv(nn.Module):
+    """EfficientNet's block: expand, depthwise, squeeze-excite, project, in one ``Sequential`` (``bare``: the
+    projection a bare convolution and norm, MobileNetV2's ``InvertedResidual``)."""
+
+    def __init__(self, c: int = 8, bare: bool = False) -> None:
+        super().__init__()
+        middle = [ConvNormAct(c, 4 * c), ConvNormAct(4 * c, 4 * c, depthwise=True)]
+        tail = [nn.Conv2d(4 * c, c, 1, bias=False), nn.BatchNorm2d(c)] if bare else [SqueezeExcite(4 * c),
+                                                                                       ConvNormAct(4 * c, c)]
+        self.block = nn.Sequential(*middle, *tail)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x)
+
+
+class ConvAroundTransformer(nn.Module):
+    """MobileViT's block: convolutions before and after a stack of transformer blocks."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.local, self.project = ConvNormAct(c, c, depthwise=True), ConvNormAct(c, 2 * c)
+        self.transformer = nn.Sequential(*(nn.TransformerEncoderLayer(2 * c, 2, 4 * c) for _ in range(2)))
+        self.fuse = ConvNormAct(2 * c, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.project(self.local(x))
+        n, c, h, w = y.shape
+        y = self.transformer(y.flatten(2).transpose(1, 2)).transpose(1, 2).reshape(n, c, h, w)
+        return x + self.fuse(y)
+
+
+class FocalBlock(nn.Module):
+    """FocalNet's block: a stack of single depthwise convolutions (1% of the block) beside its projections and MLP."""
+
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        self.focal_layers = nn.ModuleList(nn.Sequential(nn.Conv2d(c, c, 3, padding=1, groups=c), nn.GELU())
+                                          for _ in range(3))
+        self.norm, self.proj = nn.LayerNorm(c), nn.Linear(c, 2 * c)
+        self.mlp = nn.Sequential(nn.Linear(2 * c, 8 * c), nn.GELU(), nn.Linear(8 * c, c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        context = x
+        for layer in self.focal_layers:
+            context = layer(context)
+        y = self.proj(self.norm((x + context).permute(0, 2, 3, 1)))
+        return x + self.mlp(y).permute(0, 3, 1, 2)
+
+
+@pytest.mark.parametrize("bare", [False, True])
+def test_the_parts_of_one_block_are_no_blocks_the_block_they_make_is(bare):
+    """An MBConv's convolutions repeat (three ``ConvNormAct`` in its ``Sequential``) and hold most of it, the shape of
+    a stage's blocks; beside its squeeze-excite (or its bare projection) they are parts: the MBConv is the unit.
+    Before, each convolution was a unit and the rest of every MBConv stayed in the outer unit (torchvision's
+    EfficientNet-B0: 36% of its parameters in units). Mutation seen failing: ``_alike_siblings`` always True."""
+    stages = nn.Sequential(*(nn.Sequential(*(MBConv(bare=bare) for _ in range(3))) for _ in range(2)))
+    assert discovered(stages) == {"MBConv": 6}
+
+
+def test_parts_inside_a_stage_make_the_module_holding_them_a_block():
+    """A stage of an MBConv and MobileViT's block: the convolutions around the transformer are parts of the block
+    that holds them, which is then the unit with its transformer blocks inside (before, its convolutions stayed in
+    the outer unit). Mutation seen failing: ``_made_by`` returning the part's parent as is (the MBConv's
+    ``Sequential`` a block in its stead)."""
+    stages = nn.Sequential(*(nn.Sequential(MBConv(), ConvAroundTransformer()) for _ in range(2)))
+    blocks = find_blocks(stages)
+    assert [name for name, _ in blocks] == ["0.0", "0.1", "1.0", "1.1"]
+    assert describe_blocks(blocks) == {"MBConv": 2, "ConvAroundTransformer": 2}
+
+
+def test_a_stack_of_single_layers_inside_a_block_leaves_the_block_the_unit():
+    """FocalNet's focal convolutions are a ``ModuleList`` of two or more alike modules (a layer stack, as a network's
+    blocks) but each one convolution: the block is the unit. Before, they were (timm's FocalNet-T: 24 units over
+    1% of the model). Mutation seen failing: ``_is_layered`` always True."""
+    assert discovered(nn.Sequential(FocalBlock(), FocalBlock(), FocalBlock())) == {"FocalBlock": 3}
+
+
+def test_hybrid_and_convolutional_families_are_split_by_their_blocks():
+    """The library models the rules above were found on, built on the meta device (torchvision and timm)."""
+    tv = pytest.importorskip("torchvision")
+    timm = pytest.importorskip("timm")
+    with torch.device("meta"):
+        assert discovered(tv.models.maxvit_t()) == {"MaxVitLayer": 11}  # was its attention layers and convolutions
+        assert discovered(tv.models.mobilenet_v2()) == {"Conv2dNormActivation": 2, "InvertedResidual": 17}
+        assert discovered(tv.models.efficientnet_b0())["MBConv"] == 15
+        assert discovered(timm.create_model("maxvit_tiny_tf_224")) == {"MaxxVitBlock": 11}
+        assert discovered(timm.create_model("focalnet_tiny_srf")) == {"FocalNetBlock": 12}
+        assert discovered(timm.create_model("tnt_s_patch16_224")) == {"Block": 12}  # was its inner and outer parts
