@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from lightning_vitscale._compat import tree_leaves, tree_map
+from lightning_vitscale._compat import autocast_turned_off, current_backward_id, tree_leaves, tree_map
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,9 @@ class Calls:
     fed: dict[str, str] = field(default_factory=dict)
     """Module -> the module whose output its first call took as its first tensor argument: a stack's blocks feed
     each other, an MoE layer's experts (each handed its own tokens) do not (``blocks._side_by_side``)."""
+    full_precision: set[str] = field(default_factory=set)
+    """Modules the step ran inside its own ``torch.autocast(..., enabled=False)``: fp32 under DDP's AMP, so kept in
+    fp32 under O2 too (``PrecisionPolicy.keeping_fp32``)."""
     error: str = ""
 
     @property
@@ -57,8 +60,10 @@ class Calls:
         """Rank 0's record of what ran and what fed what, on every rank (``broadcast``: rank 0's value everywhere):
         a step that runs differently by rank (LayerDrop drawn per rank) must not give the ranks different blocks,
         and so different units whose collectives cannot pair."""
-        counts, fed, error, running = broadcast((self.counts, self.fed, self.error, self.running))
+        counts, fed, error, running, full = broadcast((self.counts, self.fed, self.error, self.running,
+                                                       self.full_precision))
         self.counts, self.fed, self.error, self.running = Counter(counts), dict(fed), error, list(running)
+        self.full_precision = set(full)
 
     @property
     def where(self) -> str:
@@ -104,6 +109,10 @@ class _Recorder:
                 self.produced.note_input(calls.fed, name, args)
             calls.counts[name] += 1
             calls.running.append(name)
+            first = _first_floating(args)
+            # Not in backward: checkpointing's recompute restores the forward's autocast state in a region of its own.
+            if first is not None and current_backward_id() == -1 and autocast_turned_off(first.device.type):
+                calls.full_precision.add(name)
 
     def leave(self, module: nn.Module, _: Any, out: Any) -> None:
         name, calls = self.names.get(id(module)), self.calls

@@ -9,12 +9,14 @@ FSDP casts parameters, not buffers: unsaved ones take the compute dtype once, sa
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_vitscale._compat import buffer_slots, tree_map, unsaved_buffer_names
+from lightning_vitscale._compat import autocast_turned_off, buffer_slots, tree_map, unsaved_buffer_names
 
 
 def to_dtype(dtype: torch.dtype | None) -> Callable[[Any], Any]:
@@ -28,24 +30,47 @@ def to_dtype(dtype: torch.dtype | None) -> Callable[[Any], Any]:
     return cast
 
 
+def first_floating_tensor(values: tuple[Any, ...]) -> torch.Tensor | None:
+    """The first floating tensor among ``values`` (``None``: none)."""
+    return next((v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
+
+
 def first_floating_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype | None:
     """The dtype of a call's first floating tensor argument (``None``: none): what its output goes back to."""
-    return next((v.dtype for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.is_floating_point()),
-                None)
+    first = first_floating_tensor((*args, *kwargs.values()))
+    return first.dtype if first is not None else None
 
 
-def cast_floating_inputs(modules: list[nn.Module], dtype: torch.dtype) -> None:
-    """Register a forward pre-hook on each module casting floating tensor inputs to ``dtype``."""
+def cast_floating_inputs(modules: list[tuple[str, nn.Module]], dtype: torch.dtype) -> None:
+    """Register a forward pre-hook on each ``(name, module)`` casting floating tensor inputs to ``dtype``."""
     cast = to_dtype(dtype)
+    warned: set[str] = set()
 
-    def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
+    def hook(name: str, _: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
         if all(isinstance(v, torch.Tensor) and (v.dtype == dtype or not v.is_floating_point())
                for v in (*args, *kwargs.values())):
             return None  # inside a step the activations come in the compute dtype: no tree walk (~20 us a call)
+        _warn_if_meant_in_fp32(name, args, kwargs, dtype, warned)
         return tree_map(cast, args), tree_map(cast, kwargs)
 
-    for module in modules:
-        module.register_forward_pre_hook(hook, with_kwargs=True)
+    for name, module in modules:
+        module.register_forward_pre_hook(partial(hook, name), with_kwargs=True)
+
+
+def _warn_if_meant_in_fp32(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype,
+                           warned: set[str]) -> None:
+    """Once per module: the step runs it in fp32 on purpose (its own ``torch.autocast(enabled=False)``, an fp32
+    input), which setup would have kept in fp32 had it run the step (``PrecisionPolicy.keeping_fp32``)."""
+    first = first_floating_tensor((*args, *kwargs.values()))
+    if name in warned or first is None or first.dtype != torch.float32 or not autocast_turned_off(first.device.type):
+        return
+    warned.add(name)
+    rank_zero_warn(
+        f"The step runs `{name}` inside its own `torch.autocast(..., enabled=False)` on fp32 inputs: DDP's AMP computes"
+        f" it in fp32, here it computes in {dtype} (its input cast back), as setup ran no step to see it (no batch it"
+        f" could read ahead). Keep it in fp32 by name: `Trainer(..., plugins=[VitScalePrecision(\"bf16-mixed\","
+        f" full_precision={{\"{name}\"}})])`."
+    )
 
 
 def floating_buffers(module: nn.Module) -> tuple[list[str], list[str]]:

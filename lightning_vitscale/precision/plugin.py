@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -56,6 +56,9 @@ class VitScalePrecision(Precision):
             fp16 flags, off for ``"32-true"`` (which then steps as under DDP). See docs/precision.md.
         max_skipped_steps: with the guard on, stop with ``NonFiniteTrainingError`` after this many skipped steps in
             a row (no NaN reaches the weights or a checkpoint).
+        full_precision: qualified names of modules kept in ``norm_dtype`` beside the norms under the mixed flags, as
+            DDP's AMP computes a module its step runs inside ``torch.autocast(..., enabled=False)``. Setup finds those
+            itself when it runs the step on a batch; name them here where it cannot (a stream it cannot read ahead).
 
     Example::
 
@@ -72,12 +75,13 @@ class VitScalePrecision(Precision):
         norms: NormSelector = None,
         skip_nonfinite: bool | None = None,
         max_skipped_steps: int = 3,
+        full_precision: Collection[str] = (),
     ) -> None:
         base = resolve_flag(precision)
         self.precision = precision  # type: ignore[assignment]
         self.policy = dataclasses.replace(base, compute=compute_dtype or base.compute,
                                           reduce=reduce_dtype or base.reduce, norm_dtype=norm_dtype,
-                                          norms=norm_predicate(norms))
+                                          norms=norm_predicate(norms)).keeping_fp32(full_precision)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.scaler: ShardedGradScaler | None = ShardedGradScaler(device) if base.loss_scaling else None
         guard = NonFiniteGuard(max_skipped_steps, check_gradients=self.scaler is None)  # validates it always

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -35,6 +36,19 @@ class PrecisionPolicy:
         return self.norm_dtype is not None and self.norms is not None and (
             self.compute != self.norm_dtype or self.master != self.norm_dtype
         )
+
+    def keeping_fp32(self, names: Collection[str]) -> PrecisionPolicy:
+        """This policy with the modules ``names`` (qualified in the model) kept in ``norm_dtype`` beside the norms:
+        those a step runs inside its own ``torch.autocast(..., enabled=False)`` (a head computed in fp32 on purpose),
+        which DDP's AMP computes in fp32 and O2 alone would compute in ``compute``. Mixed flags only: under
+        ``"bf16-true"`` the master weights are bf16 as DDP's are."""
+        norms, kept = self.norms, frozenset(names)
+        if not kept or not self.separate_norms or norms is None or self.master != torch.float32:
+            return self
+        def inside(name: str) -> bool:  # the module or one holding it: a block named keeps its layers
+            return any(name == k or name.startswith(f"{k}.") for k in kept)
+
+        return dataclasses.replace(self, norms=lambda name, module: norms(name, module) or inside(name))
 
     def separate_norm_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """(name, module) of the norms kept apart in ``norm_dtype``; none where they need no handling of their own."""

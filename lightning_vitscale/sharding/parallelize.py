@@ -87,7 +87,7 @@ def parallelize(
     one_unit = _sharding_buys_nothing(mesh, tensor_mesh, resolved, blocks, kept_gathered, keep_every_unit)
     if precision.compute != torch.float32:
         outer_layers = _outer_layers(model, blocks, norms.modules)
-        cast_floating_inputs(outer_layers + [b for _, b in blocks if one_unit], precision.compute)
+        cast_floating_inputs(outer_layers + [(n, b) for n, b in blocks if one_unit], precision.compute)
     #    Attention routing inside each block's own forward, so checkpointing's recompute is routed as well.
     router = apply_attention_routing(blocks, resolved.kernels.attention, device)
     # 3. Activation checkpointing patches the block forwards before FSDP registers its hooks around them.
@@ -203,11 +203,11 @@ def _sharding_buys_nothing(
     return mesh.size() == 1 and tensor_mesh is None and (keeps or {name for name, _ in blocks} <= set(kept))
 
 
-def _outer_layers(model: nn.Module, blocks: Named, norm_modules: Named) -> list[nn.Module]:
+def _outer_layers(model: nn.Module, blocks: Named, norm_modules: Named) -> Named:
     """Sub-modules with their own parameters that belong to no block and are no norm: the outer unit's layers."""
     inside = {id(m) for _, block in blocks for m in block.modules()} | {id(m) for _, m in norm_modules}
-    outside = (module for name, module in model.named_modules() if name and id(module) not in inside)
-    return [module for module in outside if any(True for _ in module.parameters(recurse=False))]
+    outside = ((name, module) for name, module in model.named_modules() if name and id(module) not in inside)
+    return [(name, module) for name, module in outside if any(True for _ in module.parameters(recurse=False))]
 
 
 def _outer_subtrees(model: nn.Module, blocks: Named, norm_modules: Named) -> Named:

@@ -5,6 +5,7 @@ still need from it."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -130,6 +131,8 @@ def _shard(
     planned = plan_before_sharding(module, resolved, precision.policy, ranks, budget, batch, trainer)
     if planned.calls is not None and ranks.world_size > 1:  # every rank finds the blocks rank 0's step ran
         planned.calls.agree(ranks.broadcast)
+    # Modules the step runs inside its own `torch.autocast(enabled=False)` compute in fp32, as under DDP's AMP.
+    policy = precision.policy.keeping_fp32(planned.calls.full_precision if planned.calls is not None else ())
     planned = dataclasses.replace(planned, resolved=compile_where_it_pays(planned.resolved, planned.step(module),
                                                                           ranks.device))
     pending = planned.auto is not None and planned.auto.pending  # the plan waits for the first training batch
@@ -137,7 +140,7 @@ def _shard(
     planned = dataclasses.replace(planned, resolved=resolved_now)
     # 3. The recipe: norms, casts, attention routing, checkpointing, compile, block units, the outer unit.
     done = parallelize(
-        outer, module, ranks.sharding_mesh, planned.resolved, precision.policy, ranks.device, creation,
+        outer, module, ranks.sharding_mesh, planned.resolved, policy, ranks.device, creation,
         tensor_mesh=ranks.tensor_mesh, calls=planned.calls, kept_gathered=planned.kept_at_setup,
         keep_every_unit=planned.keeps_every_unit,
     )
@@ -146,8 +149,10 @@ def _shard(
         planned.auto.blocks_per_unit = max(1, len(done.plan.block_names))
     planned.apply(module, done.plan, ranks.device)
     # After the planner's choices are applied: units it keeps gathered send no all-gather in backward.
-    _describe_layout(done.plan, outer, done.norms, precision.policy, resolved.sharding, ranks,
+    _describe_layout(done.plan, outer, done.norms, policy, resolved.sharding, ranks,
                      planned.tensor_sent(done.plan))
+    if policy is not precision.policy and planned.calls is not None:
+        _note_full_precision(done.plan, planned.calls.full_precision)
     # 4. Drop-in behaviour: calls outside a step gather the outer unit; state_dict() gives DDP's full tensors.
     outer.enable_calls_outside_steps()
     make_parameters_assignable(module)  # `p.data = v` writes into the shard, as it does into DDP's parameter
@@ -188,6 +193,14 @@ def _skipped_blocks(
             " identity where it would have run, so that its unit's collectives pair with the other ranks'")
     units = [unit for unit in outer.modules() if isinstance(unit, FSDPModule)]
     return None, UnusedParameters([(unit, outer_unit_parameters(unit)) for unit in units], done.norms), stand_ins
+
+
+def _note_full_precision(summary: SetupSummary, full_precision: Collection[str]) -> None:
+    kept = [name for name in summary.fp32_modules if name in full_precision]
+    if kept:
+        summary.notes.append(
+            f"{len(kept)} module(s) the step runs inside its own `torch.autocast(..., enabled=False)` kept in fp32"
+            f" beside the norms, as DDP's AMP computes them: {', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}")
 
 
 def _describe_layout(

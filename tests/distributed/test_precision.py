@@ -25,6 +25,7 @@ SCENARIOS = [
     "nonfinite_bf16_skip_fused",
     "nonfinite_bf16_stop_fused",
     "raw_backward",
+    "full_precision_head",
 ]
 
 
@@ -173,3 +174,19 @@ def test_optimizers_that_step_shards_as_ddp_train_and_the_others_are_refused_at_
             assert ours["losses"] == [] and ours["error"].startswith("UnshardableOptimizerError"), ours
             assert cause in ours["error"] and 'strategy="ddp"' in ours["error"], ours["error"]
             assert "error" not in found[f"{name}/ddp"]
+
+
+def test_a_head_the_step_computes_in_fp32_stays_fp32_as_under_ddps_amp(ranks):
+    """``torch.autocast(enabled=False)`` around a head given an fp32 input: DDP's AMP computes it in fp32, and so does
+    the strategy now (the head kept in fp32 with the norms, found by the setup step on every rank from rank 0's
+    record); before, it computed in bf16 and the logits came out bf16. Losses within bf16 rounding of DDP's.
+    Mutation seen failing: ``PrecisionPolicy.keeping_fp32`` returning the policy unchanged (bf16 logits)."""
+    from tests.helpers.results import max_relative_difference
+
+    for rank in ranks:
+        facts = rank["full_precision_head"]
+        assert facts["ddp"]["dtypes"] == ["torch.float32"] * 3
+        for run in ("default", "memory"):
+            assert facts[run]["dtypes"] == ["torch.float32"] * 3, run
+            assert any("kept in fp32" in note and note.endswith(": head") for note in facts[run]["notes"]), run
+            assert max_relative_difference(facts[run]["losses"], facts["ddp"]["losses"]) < 0.02, run

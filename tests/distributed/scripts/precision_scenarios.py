@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vitscale import VitScalePrecision, VitScaleStrategy
 from lightning_vitscale.cli.demo import TinyViT
-from tests.helpers.models import Classifier, loader
+from tests.helpers.models import IMAGE, Classifier, loader
 from tests.helpers.recording import DtypeRecorder, count_collectives, linear_bf16_share
 from tests.helpers.scenarios import run_scenarios
 
@@ -321,6 +321,46 @@ def optimizers() -> dict:
     return found
 
 
+class FullPrecisionHead(L.LightningModule):
+    """A head the step computes in fp32 on purpose: ``torch.autocast(..., enabled=False)`` around it, its input made
+    fp32, as numerically careful code does under DDP's AMP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = TinyViT(image=IMAGE, patch=8, dim=32, depth=2, classes=16)
+        self.head = nn.Linear(16, 10)
+        self.losses: list[float] = []
+        self.dtypes: list[str] = []
+
+    def training_step(self, batch, batch_idx):
+        features = self.net(batch[0])
+        with torch.autocast(features.device.type, enabled=False):
+            logits = self.head(features.float())
+        self.dtypes.append(str(logits.dtype))
+        loss = F.cross_entropy(logits, batch[1])
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def full_precision_head() -> dict:
+    """Under DDP's AMP the head computes in fp32; under O2 it did in bf16 (its weight gathered in bf16, its input cast
+    back by the outer unit), the user's fp32 region silently ignored. Measured: the dtype of the head's output in
+    each step, the losses, and the summary's note."""
+    found = {}
+    for name, strategy in {"ddp": "ddp", "default": VitScaleStrategy(),
+                           "memory": VitScaleStrategy(priority="memory")}.items():
+        L.seed_everything(0, verbose=False)
+        model = FullPrecisionHead()
+        t = trainer(strategy=strategy, precision="bf16-mixed", max_steps=3)
+        t.fit(model, loader(n=24))
+        notes = t.strategy.plan.notes if name != "ddp" else []
+        found[name] = {"losses": model.losses, "dtypes": model.dtypes, "notes": notes}
+    return found
+
+
 SCENARIOS = {
     "o2_by_hand": o2_by_hand,
     "optimizers": optimizers,
@@ -337,6 +377,7 @@ SCENARIOS = {
     "nonfinite_bf16_skip_fused": lambda: nonfinite("bf16-mixed", {2}, fused=True),
     "nonfinite_bf16_stop_fused": lambda: nonfinite("bf16-mixed", {1, 2, 3, 4}, max_skipped=2, fused=True),
     "raw_backward": raw_backward,
+    "full_precision_head": full_precision_head,
 }
 
 
