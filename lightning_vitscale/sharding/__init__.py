@@ -10,7 +10,11 @@ The top of the concerns: may import ``memory``, ``checkpoint``, ``precision``, `
 from lightning_vitscale.discovery import ModuleSelector
 from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector
 from lightning_vitscale.sharding.mixed_tensors import MixedTensorsError
-from lightning_vitscale.sharding.outer_unit import ForwardAfterBackwardError, OutsideStepCallError, SecondBackwardError
+from lightning_vitscale.sharding.outer_unit_errors import (
+    ForwardAfterBackwardError,
+    OutsideStepCallError,
+    SecondBackwardError,
+)
 from lightning_vitscale.sharding.parallelize import NoBlocksMatchedError
 from lightning_vitscale.sharding.parameter_writes import ParameterWriteError
 from lightning_vitscale.sharding.resolved import ResolvedConfig, resolve_config

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from lightning_vitscale._compat import (
     complete_partial_forwards,
@@ -38,28 +38,14 @@ from lightning_vitscale._utils import self_and_ancestors
 from lightning_vitscale.distributed import collective_guard
 from lightning_vitscale.sharding.buffer_sync import BufferSync
 from lightning_vitscale.sharding.compute_copies import ComputeCopies
-from lightning_vitscale.sharding.parameter_writes import GatheredWrites
-
-
-class OutsideStepCallError(RuntimeError):
-    """Gathering the outer unit for a call outside a step failed, most often because not every rank called."""
-
-
-TRACE_REFUSED = (
-    "torch.jit.trace / torch.export / torch.onnx.export of a model sharded by VitScaleStrategy would record its"
-    " shards and the strategy's gathers. Trace DDP's plain module instead: `plain = copy.deepcopy(model).eval()`"
-    " (on every rank: it gathers the parameters), then `torch.jit.trace(plain, x)`, `torch.export.export(plain,"
-    " (x,))` or `torch.onnx.export(plain, ...)`; for a checkpoint folder, `python -m lightning_vitscale export`."
+from lightning_vitscale.sharding.outer_unit_errors import (
+    FORWARD_AFTER_BACKWARD,
+    TRACE_REFUSED,
+    ForwardAfterBackwardError,
+    outside_step_error,
 )
-
-
-class ForwardAfterBackwardError(RuntimeError):
-    """A forward after a backward in the same step found the outer unit resharded (several ranks, FSDP2's path)."""
-
-
-class SecondBackwardError(RuntimeError):
-    """A second backward through a graph kept with ``retain_graph=True`` found the parameters it saved freed
-    (several ranks, FSDP2's path)."""
+from lightning_vitscale.sharding.parameter_writes import GatheredWrites
+from lightning_vitscale.sharding.unit_members import not_a_unit, outer_unit_parameters, reshard_units
 
 
 class OuterUnit(nn.Module):
@@ -159,7 +145,7 @@ class OuterUnit(nn.Module):
         self._hooks.append(self.register_forward_hook(_reshard_after_eval_step))
         owners = {id(module) for module, _ in self._owned}
         names = {id(module): name for name, module in self.module.named_modules()}
-        for module in self_and_ancestors(self.module, owners, descend=_not_a_unit):  # blocks gather themselves
+        for module in self_and_ancestors(self.module, owners, descend=not_a_unit):  # blocks gather themselves
             self._entries[id(module)] = names.get(id(module), "")
             self._hooks.append(module.register_forward_pre_hook(self._enter, prepend=True))
             self._hooks.append(module.register_forward_hook(self._leave, always_call=True))
@@ -244,16 +230,7 @@ class OuterUnit(nn.Module):
             if self.compute_copies is not None and not self.compute_copies.gathered:
                 self._gather_for_step()  # a forward after a backward (and optimizer step) in the same step
             elif self.compute_copies is None and self._is_sharded():
-                raise ForwardAfterBackwardError(
-                    "A forward after a backward in the same `training_step` (manual optimization updating twice, e.g."
-                    " a GAN's generator then discriminator) is not supported by VitScaleStrategy where FSDP2 runs"
-                    " the step (several ranks, or one device with units of their own: `priority=\"memory\"`, a"
-                    " pinned `blocks_per_unit` or `reshard_after_forward`): FSDP2 resharded the outer unit at the end"
-                    " of that backward, and nothing inside the step gathers it again (DDP has no such state). Run"
-                    " each update in its own `training_step` (e.g. alternate them by `batch_idx`), or train this"
-                    " module with strategy='ddp', or on one device with `VitScaleStrategy()`'s defaults (one unit on"
-                    " compute copies), which support it."
-                )
+                raise ForwardAfterBackwardError(FORWARD_AFTER_BACKWARD)
             return
         if current_backward_id() != -1:  # checkpointing's recompute of a block in this unit: inside a step
             return
@@ -287,7 +264,7 @@ class OuterUnit(nn.Module):
         try:
             collective_guard.agree(collective_guard.MODEL_CALL, 0, check)
         except RuntimeError as error:
-            raise _outside_step_error(error) from error
+            raise outside_step_error(error) from error
 
     @torch.compiler.disable
     def _gather(self) -> None:
@@ -298,15 +275,7 @@ class OuterUnit(nn.Module):
         try:
             self.unshard()
         except RuntimeError as error:
-            raise _outside_step_error(error) from error
-
-
-def _outside_step_error(error: RuntimeError) -> OutsideStepCallError:
-    return OutsideStepCallError(collective_guard.not_joined(
-        "Calling the sharded model outside a training/validation step gathers its outer FSDP unit", error,
-        "Make the same call on every rank (not under `if trainer.is_global_zero:` or `@rank_zero_only`), or make it"
-        " inside a `*_step`.",
-    ))
+            raise outside_step_error(error) from error
 
 
 def _drop_partial_units_before_step(outer: OuterUnit, args: Any) -> None:
@@ -323,35 +292,3 @@ def _reshard_after_eval_step(outer: OuterUnit, args: Any, output: Any) -> None:
     # the sharded parameters they can update, at one outer-unit all-gather per evaluation step.
     if not torch.is_grad_enabled() and isinstance(outer, FSDPModule):
         reshard_units(outer)
-
-
-def reshard_units(outer: nn.Module) -> None:
-    """Every FSDP unit under ``outer`` back to its shards, also those kept gathered for backward, which a forward
-    without a backward (evaluation, a call outside a step) would leave gathered."""
-    for unit in outer.modules():
-        if isinstance(unit, FSDPModule):
-            unit.reshard()
-        copies = getattr(unit, "compute_copies", None)
-        if copies is not None:
-            copies.release()
-
-
-def outer_unit_parameters(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(module, name) of the parameters the outer unit shards: Shard-placed DTensors outside block units."""
-    return [(module, name) for module in modules_outside_units(model)
-            for name, param in module.named_parameters(recurse=False)
-            if isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements)]
-
-
-def modules_outside_units(model: nn.Module) -> list[nn.Module]:
-    """``model`` and its sub-modules, not descending into modules that are FSDP units of their own."""
-    found, stack = [], [model]
-    while stack:
-        module = stack.pop()
-        found.append(module)
-        stack.extend(child for child in module.children() if not isinstance(child, FSDPModule))
-    return found
-
-
-def _not_a_unit(module: nn.Module) -> bool:
-    return not isinstance(module, FSDPModule)

@@ -24,7 +24,7 @@ from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, VitSc
 from lightning_vitscale.sharding import plain_copy
 from lightning_vitscale.sharding.activation_checkpointing import mark_parent_checkpointing
 from lightning_vitscale.sharding.buffer_sync import BufferSync
-from lightning_vitscale.sharding.outer_unit import OuterUnit, outer_unit_parameters
+from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import Parallelized, parallelize, refuse_unshardable_parameters
 from lightning_vitscale.sharding.parameter_writes import make_parameters_assignable
 from lightning_vitscale.sharding.planning import agreed_budget, plan_before_sharding, plans_from_batch
@@ -36,6 +36,7 @@ from lightning_vitscale.sharding.skipped_blocks import SkippedBlockCheck, Unused
 from lightning_vitscale.sharding.stand_ins import StandIns
 from lightning_vitscale.sharding.summary import SetupSummary
 from lightning_vitscale.sharding.traffic import layout_report
+from lightning_vitscale.sharding.unit_members import outer_unit_parameters
 
 _SHARDED_ATTR = "_vitscale_sharded_model"
 

@@ -31,12 +31,14 @@ from lightning_vitscale.precision import ReplicatedNorms, flat_step, lightning_g
 from lightning_vitscale.sharding.activation_checkpointing import CHECKPOINT_MODES, apply_activation_checkpointing
 from lightning_vitscale.sharding.gradient_sync import gradient_sync_off, unsharded_gradient_bytes
 from lightning_vitscale.sharding.mixed_tensors import mixed_tensors_named
-from lightning_vitscale.sharding.outer_unit import OuterUnit, SecondBackwardError, reshard_units
+from lightning_vitscale.sharding.outer_unit import OuterUnit
+from lightning_vitscale.sharding.outer_unit_errors import SecondBackwardError
 from lightning_vitscale.sharding.planning import apply_auto_choice
 from lightning_vitscale.sharding.resolved import compile_choice
 from lightning_vitscale.sharding.skipped_blocks import SkippedBlockCheck, UnusedParameters
 from lightning_vitscale.sharding.stand_ins import StandIns
 from lightning_vitscale.sharding.summary import SetupSummary
+from lightning_vitscale.sharding.unit_members import reshard_units
 
 
 class PlannedStepOutOfMemoryError(torch.OutOfMemoryError):

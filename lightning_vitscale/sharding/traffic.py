@@ -21,8 +21,8 @@ from lightning_vitscale._compat import unit_keeps_gathered
 from lightning_vitscale._utils import mib
 from lightning_vitscale.memory.collectives import ring_bytes, unit_collectives
 from lightning_vitscale.precision import PrecisionPolicy
-from lightning_vitscale.sharding.outer_unit import modules_outside_units
 from lightning_vitscale.sharding.settings import unit_reshard
+from lightning_vitscale.sharding.unit_members import modules_outside_units
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_vitscale import VitScaleStrategy
-from lightning_vitscale.sharding.outer_unit import ForwardAfterBackwardError, OuterUnit, SecondBackwardError
+from lightning_vitscale.sharding.outer_unit import OuterUnit
+from lightning_vitscale.sharding.outer_unit_errors import ForwardAfterBackwardError, SecondBackwardError
 from tests.helpers.models import Classifier, loader, random_images
 
 COPIES = {"activation_checkpointing": False}

@@ -11,7 +11,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_vitscale.precision.settings import resolve_flag
 from lightning_vitscale.sharding import ParallelConfig
-from lightning_vitscale.sharding.outer_unit import OuterUnit, OutsideStepCallError
+from lightning_vitscale.sharding.outer_unit import OuterUnit
+from lightning_vitscale.sharding.outer_unit_errors import OutsideStepCallError
 from lightning_vitscale.sharding.parallelize import parallelize
 from tests.helpers.models import EncoderClassifier
 
