@@ -88,7 +88,10 @@ def families() -> dict[str, Callable[[], nn.Module]]:
 
 
 def discovered(build: Callable[[], nn.Module]) -> dict:
-    with torch.device("meta"):
+    try:
+        with torch.device("meta"):
+            model = build()
+    except NotImplementedError:  # an init that reads values (torchvision's RegNet): built on the CPU
         model = build()
     blocks = find_blocks(model)
     total = sum(p.numel() for p in model.parameters())
