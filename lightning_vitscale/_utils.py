@@ -43,6 +43,12 @@ def self_and_ancestors(
     return selected
 
 
+def parents(model: nn.Module) -> dict[int, nn.Module]:
+    """id of each sub-module of ``model`` -> the module holding it (the last in ``modules()`` order, for one registered
+    in two places)."""
+    return {id(child): parent for parent in model.modules() for child in parent.children()}
+
+
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes this rank actually stores for ``tensors`` (a DTensor counts its local shard only)."""
     return sum(dtensor_local(t).numel() * t.element_size() for t in tensors)

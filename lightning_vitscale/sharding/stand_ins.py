@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from lightning_vitscale._compat import current_backward_id
+from lightning_vitscale._utils import parents
 
 
 class RepeatedBlockError(RuntimeError):
@@ -168,15 +169,12 @@ class StandIns:
         self.finish_forward()
         if not self._pending:
             return None
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            joined = functools.reduce(self._join, reversed(self._pending), output)
-            self._pending = []
-            return joined
-        if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor) and output["loss"].requires_grad:
-            loss = functools.reduce(self._join, reversed(self._pending), output["loss"])
-            self._pending = []
-            return {**output, "loss": loss}
-        return None  # manual optimization's backward ran already, or runs from another tensor: on_loss
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            return None  # manual optimization's backward ran already, or runs from another tensor: on_loss
+        joined = functools.reduce(self._join, reversed(self._pending), loss)
+        self._pending = []
+        return {**output, "loss": joined} if isinstance(output, dict) else joined
 
     def _stand_in(self, indices: list[int], tensor: torch.Tensor | None) -> list[torch.Tensor]:
         """Each block of ``indices`` called as an identity: on ``tensor``, each stand-in's output joined behind it
@@ -263,7 +261,7 @@ def not_in_a_stack(blocks: Sequence[tuple[str, nn.Module]], model: nn.Module) ->
     more of the blocks, as LayerDrop's ``for layer in self.layers``): a block held alone (Conditional DETR's
     ``query_scale`` head, called before every decoder layer but the first, so as often as they run) has no order to
     be stood in by, so it stays in the outer unit, which every rank gathers once a step."""
-    parent_of = {id(child): parent for parent in model.modules() for child in parent.children()}
+    parent_of = parents(model)
     stacks = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
     members: dict[int, int] = {}
     for _, block in blocks:

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
+from lightning_vitscale._utils import parents
 from lightning_vitscale.discovery.blocks import Named
 from lightning_vitscale.discovery.calls import Calls
 from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector, plan_block
@@ -214,7 +215,7 @@ def apply_prefetch(
     """Each unit starts the next ``prefetch`` units' all-gathers once its own is done, where one call of their
     container runs both; on CPU the collectives are made asynchronous too (gloo's worker threads), or nothing
     would overlap there. Returns the summary's words."""
-    parent_of = {id(child): parent for parent in model.modules() for child in parent.children()}
+    parent_of = parents(model)
     same_call = lambda a, b: parent_of.get(id(a)) is parent_of.get(id(b))  # noqa: E731
     set_prefetch(units, prefetch, same_call)
     if prefetch > 0:  # the first unit of each container, which no unit before it prefetches: as its callers start
