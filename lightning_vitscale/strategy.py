@@ -153,8 +153,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
-        module = self.lightning_module
-        fitting = trainer.state.fn == TrainerFn.FITTING
+        module, fitting = self.lightning_module, trainer.state.fn == TrainerFn.FITTING
         if fitting:  # as DDP: only when fitting
             shards.apply_sync_batchnorm(self._layer_sync, module, self.root_device)
         self.resolved = shards.resolve_config(self.config, self.root_device, self._compiler)
@@ -230,6 +229,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        shards.note_the_fix(exception)  # a shard read as DDP's whole tensor (a weight histogram): the fix, noted
         distributed.stop_local_ranks(self.launcher, exception, self.global_rank)
 
     @override

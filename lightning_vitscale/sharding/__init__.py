@@ -9,7 +9,7 @@ The top of the concerns: may import ``memory``, ``checkpoint``, ``precision``, `
 
 from lightning_vitscale.discovery import ModuleSelector
 from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector
-from lightning_vitscale.sharding.mixed_tensors import MixedTensorsError
+from lightning_vitscale.sharding.mixed_tensors import MixedTensorsError, note_the_fix
 from lightning_vitscale.sharding.outer_unit_errors import (
     ForwardAfterBackwardError,
     OutsideStepCallError,
@@ -42,6 +42,7 @@ __all__ = [
     "CheckpointingPolicy",
     "ForwardAfterBackwardError",
     "MixedTensorsError",
+    "note_the_fix",
     "ModuleSelector",
     "NoBlocksMatchedError",
     "OffloadMode",

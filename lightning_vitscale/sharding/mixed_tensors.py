@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
 MIXED = "got mixed torch.Tensor and DTensor"
 
 
@@ -36,3 +38,28 @@ def mixed_tensors_named() -> Generator[None, None, None]:
             " train this module with strategy='ddp', or on one device, where VitScaleStrategy's step computes on"
             " whole copies and such a term trains as under DDP."
         ) from error
+
+
+# torch's messages where code written for DDP's whole tensors met a parameter or gradient held as a DTensor shard.
+_READ_AS_WHOLE = (".numpy() is not supported for tensor subclasses", MIXED)
+
+READ_AS_WHOLE_FIX = (
+    "VitScaleStrategy: this read a parameter (or a gradient) as DDP's whole tensor, but outside the step each rank"
+    " holds only its shard, a DTensor (TensorBoard's `add_histogram` and `.numpy()` cannot read one)."
+    " Make whole values on every rank, then use them on any: `full = self.state_dict()` (DDP's full tensors; a"
+    " collective, so not under `if self.global_rank == 0:`), or `p.full_tensor()` / `p.grad.full_tensor()` for one."
+)
+
+
+def note_the_fix(error: BaseException) -> None:
+    """Add the fix to torch's error where a parameter held as a shard was read as a whole tensor outside the step
+    (a callback logging weight histograms): it shows under the traceback (PEP 678 notes; Python 3.10: logged)."""
+    if isinstance(error, MixedTensorsError) or not any(text in str(error) for text in _READ_AS_WHOLE):
+        return
+    if READ_AS_WHOLE_FIX in getattr(error, "__notes__", ()):
+        return
+    add_note = getattr(error, "add_note", None)
+    if add_note is not None:
+        add_note(READ_AS_WHOLE_FIX)
+    else:
+        rank_zero_warn(READ_AS_WHOLE_FIX)
