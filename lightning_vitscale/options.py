@@ -17,7 +17,8 @@ from typing import Any, NamedTuple
 from lightning_vitscale._utils import documented
 from lightning_vitscale.checkpoint.settings import CheckpointSettings
 from lightning_vitscale.init.settings import InitSettings
-from lightning_vitscale.sharding.settings import CheckpointingPolicy, ParallelConfig, ShardingPolicy
+from lightning_vitscale.sharding.checkpointing_settings import CheckpointingPolicy
+from lightning_vitscale.sharding.settings import ParallelConfig, ShardingPolicy
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ The top of the concerns: may import ``memory``, ``checkpoint``, ``precision``, `
 
 from lightning_vitscale.discovery import ModuleSelector
 from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector
+from lightning_vitscale.sharding.checkpointing_settings import CheckpointingPolicy, CheckpointSelector
 from lightning_vitscale.sharding.mixed_tensors import MixedTensorsError, note_the_fix
 from lightning_vitscale.sharding.outer_unit_errors import (
     ForwardAfterBackwardError,
@@ -19,8 +20,6 @@ from lightning_vitscale.sharding.parallelize import NoBlocksMatchedError
 from lightning_vitscale.sharding.parameter_writes import ParameterWriteError
 from lightning_vitscale.sharding.resolved import ResolvedConfig, resolve_config
 from lightning_vitscale.sharding.settings import (
-    CheckpointingPolicy,
-    CheckpointSelector,
     OffloadMode,
     ParallelConfig,
     Priority,

@@ -19,7 +19,8 @@ from lightning_vitscale.kernels import (
 )
 from lightning_vitscale.memory import StepInputs, StepSettings, compile_pays, rates_for
 from lightning_vitscale.sharding.activation_checkpointing import CheckpointMode, is_self_checkpointing
-from lightning_vitscale.sharding.settings import CheckpointingPolicy, ParallelConfig, ShardingPolicy, by_priority
+from lightning_vitscale.sharding.checkpointing_settings import CheckpointingPolicy
+from lightning_vitscale.sharding.settings import ParallelConfig, ShardingPolicy, by_priority
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,10 @@ from lightning_vitscale.kernels import KernelPolicy
 from lightning_vitscale.precision.settings import resolve_flag
 from lightning_vitscale.sharding import ParallelConfig, ResolvedConfig, resolve_config
 from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
+from lightning_vitscale.sharding.checkpointing_settings import CheckpointingPolicy
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import parallelize
-from lightning_vitscale.sharding.settings import CheckpointingPolicy, ShardingPolicy
+from lightning_vitscale.sharding.settings import ShardingPolicy
 from lightning_vitscale.sharding.steps import apply_ac
 from tests.helpers.models import EncoderClassifier
 
