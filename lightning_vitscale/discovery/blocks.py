@@ -95,8 +95,15 @@ def _alike_siblings(module: nn.Module, name: str, block: nn.Module) -> bool:
     beside its squeeze-excitation or its last bare convolution, MaxViT's window and grid attention beside its MBConv,
     TNT's inner and outer attention and MLPs): those parts stay together, the block they make is the unit."""
     parent = module.get_submodule(name.rpartition(".")[0])
-    kinds = {_signature(child) for child in parent.children() if holds_parameters(child)}
-    return kinds == {_signature(block)}
+    siblings = [child for child in parent.children() if holds_parameters(child)]
+    return {_signature(child) for child in siblings} == {_signature(block)} and not _widths_change(siblings)
+
+
+def _widths_change(siblings: list[nn.Module]) -> bool:
+    """Three or more alike modules no two of which hold parameters of the same shapes: a bottleneck's convolutions
+    (1x1 down, 3x3, 1x1 up: HF's ResNet), parts of one block. A stage's blocks after its first repeat exactly."""
+    shapes = [tuple(tuple(p.shape) for p in child.parameters()) for child in siblings]
+    return len(shapes) >= 3 and len(set(shapes)) == len(shapes)
 
 
 def _made_by(module: nn.Module, part: str) -> str:

@@ -264,3 +264,29 @@ def test_hybrid_and_convolutional_families_are_split_by_their_blocks():
         assert discovered(timm.create_model("maxvit_tiny_tf_224")) == {"MaxxVitBlock": 11}
         assert discovered(timm.create_model("focalnet_tiny_srf")) == {"FocalNetBlock": 12}
         assert discovered(timm.create_model("tnt_s_patch16_224")) == {"Block": 12}  # was its inner and outer parts
+
+
+class Bottleneck(nn.Module):
+    """HF ResNet's layout: a shortcut beside a ``Sequential`` of three alike conv layers of other widths each."""
+
+    def __init__(self, c: int = 16, first: bool = False) -> None:
+        super().__init__()
+        self.shortcut = ConvNormAct(c, c) if first else nn.Identity()
+        self.layer = nn.Sequential(ConvNormAct(c, c // 4), ConvNormAct(c // 4, c // 4, depthwise=True),
+                                   ConvNormAct(c // 4, c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shortcut(x) + self.layer(x)
+
+
+def test_alike_parts_whose_widths_change_are_one_block_s():
+    """Three alike conv layers, no two of the same shapes (1x1 down, 3x3, 1x1 up), are one bottleneck's parts; a
+    stage's blocks after its first repeat exactly, so they stay the blocks (and two alike layers, a basic block's,
+    still count as a stack). Before, HF's ResNet-50 was 48 units of its conv layers (88% of it); now 16 bottlenecks.
+    Mutation seen failing: ``_widths_change`` always False."""
+    stages = nn.Sequential(*(nn.Sequential(Bottleneck(first=True), Bottleneck(), Bottleneck()) for _ in range(2)))
+    assert discovered(stages) == {"Bottleneck": 6}
+    transformers = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        model = transformers.ResNetForImageClassification(transformers.ResNetConfig())
+    assert discovered(model) == {"ResNetBottleNeckLayer": 16}
