@@ -79,9 +79,14 @@ class VitScalePrecision(Precision):
     ) -> None:
         base = resolve_flag(precision)
         self.precision = precision  # type: ignore[assignment]
-        self.policy = dataclasses.replace(base, compute=compute_dtype or base.compute,
-                                          reduce=reduce_dtype or base.reduce, norm_dtype=norm_dtype,
-                                          norms=norm_predicate(norms)).keeping_fp32(full_precision)
+        asked = dataclasses.replace(base, compute=compute_dtype or base.compute, reduce=reduce_dtype or base.reduce,
+                                    norm_dtype=norm_dtype, norms=norm_predicate(norms))
+        self.policy = asked.keeping_fp32(full_precision)
+        if full_precision and self.policy is asked:  # never a flag silently ignored
+            raise ValueError(
+                f"`full_precision={set(full_precision)!r}` keeps modules in fp32 under the mixed flags ('bf16-mixed',"
+                f" '16-mixed') with `norm_dtype=torch.float32`; here precision={precision!r},"
+                f" norm_dtype={norm_dtype!r}. Drop `full_precision`, or use a mixed flag with fp32 norms.")
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.scaler: ShardedGradScaler | None = ShardedGradScaler(device) if base.loss_scaling else None
         guard = NonFiniteGuard(max_skipped_steps, check_gradients=self.scaler is None)  # validates it always

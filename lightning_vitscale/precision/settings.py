@@ -42,8 +42,8 @@ class PrecisionPolicy:
         those a step runs inside its own ``torch.autocast(..., enabled=False)`` (a head computed in fp32 on purpose),
         which DDP's AMP computes in fp32 and O2 alone would compute in ``compute``. Mixed flags only: under
         ``"bf16-true"`` the master weights are bf16 as DDP's are."""
-        norms, kept = self.norms, frozenset(names)
-        if not kept or not self.separate_norms or norms is None or self.master != torch.float32:
+        norms, kept = self.norms or _no_module, frozenset(names)
+        if not kept or self.norm_dtype is None or self.master != torch.float32 or self.compute == self.norm_dtype:
             return self
         def inside(name: str) -> bool:  # the module or one holding it: a block named keeps its layers
             return any(name == k or name.startswith(f"{k}.") for k in kept)
@@ -77,6 +77,10 @@ def resolve_flag(flag: str) -> PrecisionPolicy:
 
 NormSelector = bool | set[type[nn.Module]] | Callable[[str, nn.Module], bool] | None
 """``None``/``True``: detect normalization layers; ``False``: none; a set of classes; or a predicate."""
+
+
+def _no_module(name: str, module: nn.Module) -> bool:
+    return False
 
 
 def norm_predicate(norms: NormSelector) -> Callable[[str, nn.Module], bool] | None:

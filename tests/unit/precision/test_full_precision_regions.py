@@ -136,3 +136,19 @@ def test_an_fp32_tensor_outside_any_region_is_cast_without_a_warning(recwarn):
     fit(model, VitScaleStrategy(), streamed=True)
     assert model.dtypes == [torch.bfloat16] * 3
     assert not [w for w in recwarn if "inside its own" in str(w.message)]
+
+
+@pytest.mark.parametrize("asked", [dict(precision="bf16-true"), dict(precision="32-true"),
+                                   dict(precision="bf16-mixed", norm_dtype=None)])
+def test_full_precision_where_it_cannot_apply_is_refused_naming_why(asked):
+    """Never a flag silently ignored: bf16 master weights (DDP's are bf16 too there), fp32 already, or norms told to
+    follow the model."""
+    with pytest.raises(ValueError, match=r"`full_precision=\{'head'\}` keeps modules in fp32 under the mixed flags"):
+        VitScalePrecision(**asked, full_precision={"head"})
+
+
+def test_full_precision_applies_with_norms_off_too():
+    """``norms=False`` (no norm special): the named module is still kept, alone. Before the check, it was dropped
+    without a word (no norm predicate to extend)."""
+    policy = VitScalePrecision("bf16-mixed", norms=False, full_precision={"head"}).policy
+    assert [name for name, _ in policy.separate_norm_modules(Net(fp32_head=True))] == ["head"]
