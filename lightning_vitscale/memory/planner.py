@@ -151,7 +151,8 @@ def step_inputs(
     record.clear()
     measured_batch = batch_size_of(example_input)
 
-    def measure(called: Collection[str] | None = None, fed: Mapping[str, str] | None = None) -> StepInputs:
+    def measure(called: Collection[str] | None = None, fed: Mapping[str, str] | None = None,
+                policy: PrecisionPolicy = policy) -> StepInputs:
         twin, (found, norms), log = model, model_parts(model, blocks, policy, called, fed), None
         if tensor_parallel > 1:  # one tensor-parallel rank's share
             twin, found, log = split_twin(model, found, tensor_parallel, tensor_plan)
@@ -173,11 +174,13 @@ def step_inputs(
         )
 
     inputs = measure()
-    # A block never called (what of it ran), or modules run side by side taken for blocks (an MoE layer's experts):
-    # measured again as parallelize will find them from this run.
+    # A block never called (what of it ran), or modules run side by side taken for blocks (an MoE layer's experts),
+    # or modules the step runs in its own fp32 region (kept in fp32 beside the norms, `keeping_fp32`): measured
+    # again as parallelize will find them from this run.
     found = [name for name, _ in model_parts(model, blocks, policy, record.called, dict(record.fed))[0]]
-    if found != [b.name for b in inputs.profile.blocks]:
-        inputs = measure(set(record.called), dict(record.fed))
+    kept = policy.keeping_fp32(set(record.full_precision))
+    if found != [b.name for b in inputs.profile.blocks] or kept is not policy:
+        inputs = measure(set(record.called), dict(record.fed), kept)
     return inputs
 
 

@@ -152,3 +152,28 @@ def test_full_precision_applies_with_norms_off_too():
     without a word (no norm predicate to extend)."""
     policy = VitScalePrecision("bf16-mixed", norms=False, full_precision={"head"}).policy
     assert [name for name, _ in policy.separate_norm_modules(Net(fp32_head=True))] == ["head"]
+
+
+class HeadInFp32(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block() for _ in range(3)))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.blocks(x).mean(1)
+        with torch.autocast(features.device.type, enabled=False):
+            return self.head(features.float())
+
+
+def test_the_planner_counts_a_module_of_the_step_s_fp32_region_with_the_norms():
+    """The planner measured the step before it knew the region: the head counted as a bf16 sharded layer where setup
+    then keeps it replicated in fp32. Measured again with it kept, as the norms are. Mutation seen failing: no second
+    measurement for the region."""
+    from lightning_vitscale.memory.planner import step_inputs
+
+    calls = Calls()
+    inputs = step_inputs(HeadInFp32(), torch.randn(4, 5, 16), precision="bf16-mixed", world_size=2, calls=calls)
+    assert calls.full_precision == {"head"}
+    assert sorted(inputs.layout.norms) == sorted([(16,)] * 6 + [(4, 16), (4,)])  # 3 LayerNorms' weight, bias; head
+    assert (4, 16) not in inputs.layout.outer
