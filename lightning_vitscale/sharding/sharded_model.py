@@ -70,7 +70,7 @@ class ShardedModel:
     backwards_in_step: int = 0  # backwards through the strategy since the training step began
     skipped: SkippedBlockCheck | None = None  # several ranks: a block a rank skips is refused
     unused: UnusedParameters | None = None  # several ranks: parameters no rank used keep no gradient
-    stand_ins: StandIns | None = None  # several ranks, find_unused_parameters=True: skipped blocks stood in for
+    stand_ins: StandIns | None = None  # several ranks, find_unused_parameters="units": skipped blocks stood in for
     # kernels="auto" without a batch at setup: the policy the blocks compile with once a step's plan predicts it pays
     # (decided at the first step, then again at the first step of each larger batch), and the largest batch decided
     # for (0: the first step has not decided yet).

@@ -14,8 +14,9 @@ holding trainable parameters did not run raises :class:`SkippedBlocksError`, bef
 that skips the same blocks on every rank is refused too, as DDP refuses it. The launcher then stops the ranks left
 waiting (``distributed.stop_local_ranks``).
 
-With ``find_unused_parameters=True`` nothing is refused: a rank that skips a block calls it as an identity where
-it would have run, so its unit's collectives pair with the other ranks' (``stand_ins.py``).
+With ``find_unused_parameters`` set nothing is refused: under ``True`` every block is in the outer unit, whose
+forward every rank runs; under ``"units"`` a rank that skips a block calls it as an identity where it would have
+run, so its unit's collectives pair with the other ranks' (``stand_ins.py``).
 
 Inside the units, a parameter one rank leaves unused (an expert another rank routes to, a mask token) would shift
 that rank's reduce-scatter against the others': with equal sizes the ranks reduced different tensors into each
@@ -94,8 +95,9 @@ class SkippedBlockCheck:
             " must join, so a block some ranks skip (LayerDrop, a branch on the data) would hang the step or mix one"
             " block's parameters with another's. DDP refuses such a model too. Pass"
             " VitScaleStrategy(find_unused_parameters=True), as strategy='ddp_find_unused_parameters_true' under DDP:"
-            " a block a rank skips is then called as an identity where the others run it (its gradient a zero). If the"
-            " blocks are not trained, set requires_grad=False on their parameters instead."
+            " every block then stays in the outer unit, gathered for the step (find_unused_parameters=\"units\" keeps"
+            " them in units for a model too large to gather whole). If the blocks are not trained, set"
+            " requires_grad=False on their parameters instead."
         )
 
     def reset(self) -> None:
@@ -171,12 +173,12 @@ def _on_any_rank(flags: list[bool]) -> list[bool]:
 def zero_gradients_for_unused(outer: object, required: bool) -> None:
     """FSDP2 reduce-scatters a zero gradient for a parameter this rank did not use, in every unit, so every rank's
     collectives have the same sizes in the same order (FSDP2's ``set_reduce_scatter_unused_params``, which torch
-    2.14 has). ``required``: ``find_unused_parameters=True``, which cannot work without it."""
+    2.14 has). ``required``: ``find_unused_parameters`` set, which cannot work without it."""
     setter = getattr(outer, "set_reduce_scatter_unused_params", None)
     if setter is not None:
         setter(True)
     elif required:
         raise RuntimeError(
-            f"VitScaleStrategy(find_unused_parameters=True) needs FSDP2's set_reduce_scatter_unused_params, which"
+            f"VitScaleStrategy(find_unused_parameters=...) needs FSDP2's set_reduce_scatter_unused_params, which"
             f" torch {torch.__version__} lacks: upgrade torch (it is in 2.14), or make every rank run every block."
         )

@@ -54,7 +54,7 @@ from lightning_vitscale._utils import parents
 
 
 class RepeatedBlockError(RuntimeError):
-    """A block in a unit called twice in a row under ``find_unused_parameters=True`` on several ranks."""
+    """A block in a unit called twice in a row under ``find_unused_parameters="units"`` on several ranks."""
 
 
 class _Join(torch.autograd.Function):

@@ -83,7 +83,7 @@ class UnitFacts:
     skippable: int = 0
     """Blocks left in the outer unit because ``find_unused_parameters=True`` lets ranks skip them."""
     alone: int = 0
-    """Blocks left in the outer unit under ``find_unused_parameters=True``: no member of a stack
+    """Blocks left in the outer unit under ``find_unused_parameters="units"``: no member of a stack
     (``stand_ins.not_in_a_stack``)."""
 
     @property

@@ -361,9 +361,17 @@ def torchvision_efficientnet() -> nn.Module:
     return EfficientNet(stages, dropout=0.0, stochastic_depth_prob=0.0, num_classes=CLASSES, last_channel=32)
 
 
+def hf_resnet() -> nn.Module:
+    """HF's ResNet: each bottleneck's three alike conv layers (1x1 down, 3x3, 1x1 up) in one ``Sequential``."""
+    return hf("ResNetConfig", "ResNetForImageClassification", embedding_size=8, hidden_sizes=[16, 32], depths=[2, 2],
+              layer_type="bottleneck")
+
+
 # Blocks made of repeated parts of another kind beside each other (the convolutions of an MBConv, a MaxViT layer's
-# two attentions beside its MBConv): the block is the unit, never its parts. Each with the blocks found.
+# two attentions beside its MBConv), or of alike parts of changing widths (a bottleneck's): the block is the unit,
+# never its parts. Each with the blocks found.
 PARTS: dict[str, tuple[Callable[[], nn.Module], dict[str, int]]] = {
     "torchvision_maxvit": (torchvision_maxvit, {"MaxVitLayer": 2}),
     "torchvision_efficientnet": (torchvision_efficientnet, {"Conv2dNormActivation": 2, "MBConv": 4}),
+    "hf_resnet": (hf_resnet, {"ResNetBottleNeckLayer": 4}),
 }
