@@ -30,8 +30,19 @@ def is_normalization(name: str, module: nn.Module) -> bool:
         return False
     if isinstance(module, _NORM_TYPES):
         return True
+    if not _scales_channels(module):
+        return False
     forward = getattr(type(module), "forward", None)
     code = getattr(forward, "__code__", None)
     if code is not None and _NORM_FUNCTIONS & set(code.co_names):
         return True
     return bool(_NORM_NAME.search(type(module).__name__))
+
+
+def _scales_channels(module: nn.Module) -> bool:
+    """A norm's own parameters scale and shift channels: each has at most one dimension above 1 (``(C,)``,
+    ``(1, C, 1, 1)``). A convolution that standardizes its *weight* (timm's ``StdConv2d``/``ScaledStdConv2d`` in BiT,
+    NFNet and the R50+ViT hybrids, HF's ``WeightStandardizedConv2d``) calls ``F.batch_norm`` too, on a weight of
+    several such dimensions: it is a convolution, to be sharded and computed in bf16 like the others (taken for a
+    norm, every convolution of an NFNet was kept fp32 and replicated on every rank)."""
+    return all(sum(size > 1 for size in p.shape) <= 1 for p in module.parameters(recurse=False))

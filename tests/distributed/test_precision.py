@@ -26,6 +26,7 @@ SCENARIOS = [
     "nonfinite_bf16_stop_fused",
     "raw_backward",
     "full_precision_head",
+    "weight_standardized",
 ]
 
 
@@ -190,3 +191,21 @@ def test_a_head_the_step_computes_in_fp32_stays_fp32_as_under_ddps_amp(ranks):
             assert facts[run]["dtypes"] == ["torch.float32"] * 3, run
             assert any("kept in fp32" in note and note.endswith(": head") for note in facts[run]["notes"]), run
             assert max_relative_difference(facts[run]["losses"], facts["ddp"]["losses"]) < 0.02, run
+
+
+def test_weight_standardized_convolutions_are_sharded_and_compute_in_bf16(ranks):
+    """BiT/NFNet-style convolutions (timm's StdConv2d, F.batch_norm on the weight inside the conv's forward) were
+    taken for norms: kept fp32 and replicated, every conv of the model (found 2026-12-05 training timm's NFNet: 54
+    fp32 modules, 0.77x of the parameters on each of 2 ranks instead of 0.50x). Now only the GroupNorms stay fp32;
+    the convolutions are sharded and run in bf16, as DDP's AMP runs them. Mutation seen failing: without
+    ``norms._scales_channels``, StdConv2d is in ``fp32_modules`` and its conv2d calls are fp32."""
+    from tests.helpers.results import max_relative_difference
+
+    for rank in ranks:
+        facts = rank["weight_standardized"]
+        default = facts["default"]
+        assert default["fp32_modules"] == ["GroupNormAct"], default["fp32_modules"]
+        assert default["convs"] >= 8 and default["convs_sharded"] == default["convs"], default
+        assert {(x, w) for x, w, _ in default["conv_calls"]} == {("torch.bfloat16", "torch.bfloat16")}, default
+        assert {(x, w) for x, w, _ in facts["ddp"]["conv_calls"]} == {("torch.bfloat16", "torch.bfloat16")}
+        assert max_relative_difference(default["losses"], facts["ddp"]["losses"]) < 0.02

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vitscale import VitScalePrecision, VitScaleStrategy
@@ -361,6 +362,68 @@ def full_precision_head() -> dict:
     return found
 
 
+class ConvolutionDtypes(TorchDispatchMode):
+    """(input dtype, weight dtype) of every convolution as it computes: below autocast, which casts F.conv2d's
+    arguments after a TorchFunctionMode sees them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[tuple[str, str]] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.convolution.default:
+            self.calls[(str(args[0].dtype), str(args[1].dtype))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class WeightStandardized(L.LightningModule):
+    """BiT's layout (timm ResNetV2): every convolution standardizes its weight with F.batch_norm in its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from functools import partial
+
+        from timm.layers import GroupNormAct
+        from timm.models.resnetv2 import ResNetV2
+
+        self.net = ResNetV2(layers=[1, 1], channels=(32, 64), stem_chs=16, num_classes=10,
+                            norm_layer=partial(GroupNormAct, num_groups=8))
+        self.losses: list[float] = []
+
+    def on_fit_start(self) -> None:
+        self.recorder = ConvolutionDtypes()
+
+    def training_step(self, batch, batch_idx):
+        with self.recorder:
+            loss = F.cross_entropy(self.net(batch[0]), batch[1])
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def weight_standardized() -> dict:
+    """Under bf16-mixed, which modules the plan keeps fp32, in which dtype the convolutions ran, whether their
+    weights are sharded, and the losses beside DDP's AMP."""
+    found = {}
+    for name, strategy in {"ddp": "ddp", "default": VitScaleStrategy()}.items():
+        L.seed_everything(0, verbose=False)
+        model = WeightStandardized()
+        t = trainer(strategy=strategy, precision="bf16-mixed", max_steps=3)
+        t.fit(model, loader(n=24))
+        convs = [m.weight for m in model.modules() if type(m).__name__ == "StdConv2d"]
+        found[name] = {
+            "losses": model.losses,
+            "conv_calls": [[*k, v] for k, v in model.recorder.calls.items()],
+            "fp32_modules": sorted({type(model.get_submodule(n)).__name__ for n in t.strategy.plan.fp32_modules})
+            if name != "ddp" else [],
+            "convs": len(convs),
+            "convs_sharded": sum(isinstance(w, DTensor) and w.placements[0].is_shard() for w in convs),
+        }
+    return found
+
+
 SCENARIOS = {
     "o2_by_hand": o2_by_hand,
     "optimizers": optimizers,
@@ -378,6 +441,7 @@ SCENARIOS = {
     "nonfinite_bf16_stop_fused": lambda: nonfinite("bf16-mixed", {1, 2, 3, 4}, max_skipped=2, fused=True),
     "raw_backward": raw_backward,
     "full_precision_head": full_precision_head,
+    "weight_standardized": weight_standardized,
 }
 
 
