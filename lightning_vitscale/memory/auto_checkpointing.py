@@ -30,6 +30,7 @@ from lightning_vitscale.memory.planning_batch import (
     EXAMPLE_INPUT,
     FIRST_STEP,
     PlanningBatch,
+    briefly,
     measure_batch,
     planning_batch,
 )
@@ -141,7 +142,7 @@ class Measurement:
         except (TensorPlanError, SelectiveCheckpointingError):  # a refused plan is what to fix
             raise
         except Exception as error:
-            raise MeasurementError(f"{type(error).__name__}: {error}") from error
+            raise MeasurementError(briefly(error)) from error
         return dataclasses.replace(inputs, replicas=self.replicas), how
 
     def or_why(self, module: nn.Module, batch: PlanningBatch, device: torch.device,
@@ -272,8 +273,10 @@ class AutoCheckpointing:
         names = [name for name, _ in model_parts(model, self.measure.blocks, resolve_flag(self.measure.precision))[0]]
         n = len(names)
         plan = BlockPlan.prefix(n, n, 0, 0 if self.fixed_reshard is False else n, self.blocks_per_unit or 1)
-        why = (f"VitScaleStrategy could not run {type(model).__name__}'s step on fake tensors"
-               f" ({type(cause).__name__}: {cause}), so it cannot plan for speed: every block checkpointed")
+        why = (f"VitScaleStrategy could not run {type(model).__name__}'s step on fake tensors ({briefly(cause)})"
+               if cause is not None else f"VitScaleStrategy could not run {type(model).__name__}'s step")
+        why += (", so it cannot plan for speed: every block checkpointed (if the activations fit, pass"
+                " activation_checkpointing=False: no recompute, as DDP)")
         return AutoChoice(None, names, plan, why)
 
     def describe(self) -> str:

@@ -141,3 +141,12 @@ def measure_batch(model: nn.Module, batch: PlanningBatch, **step_kwargs: Any) ->
                 how = f" (training_step could not run on fake tensors: {type(error).__name__})"
         value = first_tensor_input(batch.value) if batch.through_training_step else batch.value
         return step_inputs(model, value, **step_kwargs), f"{batch.source}, through forward{how}"
+
+
+def briefly(error: BaseException) -> str:
+    """An error's first line, and where torch says a data-dependent guard came from: its message runs on for ten
+    lines of debugging advice, which the setup summary and the fallback's hint would otherwise carry whole."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    caused = next((line.removeprefix("Caused by: ") for line in lines if line.startswith("Caused by:")), None)
+    return f"{text} {caused}" if caused else text

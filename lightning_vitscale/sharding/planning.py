@@ -100,7 +100,8 @@ class Planned:
         if self.units_choice is not None:
             summary.units_choice = self.units_choice
         if self.unmeasured:
-            summary.memory = f"no prediction, units from the model's structure alone: {self.unmeasured}"
+            units = "units from their sizes alone" if self.units_choice else "units from the model's structure alone"
+            summary.memory = f"no prediction, {units}: {self.unmeasured}"
         if self.auto is not None:
             apply_auto_choice(module, self.auto, summary)
         elif self.measured is not None:
@@ -162,17 +163,17 @@ def plan_before_sharding(
         resolved, grouped = several_ranks_units(module, resolved, precision, ranks, budget)
         auto.blocks_per_unit = resolved.blocks_per_unit if grouped else auto.blocks_per_unit
         return Planned(resolved, budget, auto, calls=measure.calls, units_choice=grouped)
-    batch = batch or planning_batch(module, None)
-    if batch is None:
-        keeps = one_rank_keeps(module, resolved, precision, ranks, budget)
+    batch, calls = batch or planning_batch(module, None), measure.calls
+    measured, measured_on = (None, "") if batch is None else measure.or_why(
+        module, batch, ranks.device, _mode_of(module, resolved))
+    if measured is None:  # no batch, or a step fake tensors cannot follow: the units from their sizes alone
+        why = NO_BATCH if batch is None else UNMEASURED
+        keeps = one_rank_keeps(module, resolved, precision, ranks, budget, why)
         if keeps is not None:
-            return Planned(resolved, budget, units_choice=keeps, keeps_every_unit=True)
-        resolved, grouped = several_ranks_units(module, resolved, precision, ranks, budget)
-        return Planned(resolved, budget, units_choice=grouped)
-    calls = measure.calls
-    measured, measured_on = measure.or_why(module, batch, ranks.device, _mode_of(module, resolved))
-    if measured is None:
-        return Planned(resolved, budget, calls=calls, unmeasured=measured_on)
+            return Planned(resolved, budget, calls=calls, units_choice=keeps, keeps_every_unit=True,
+                           unmeasured=measured_on)
+        resolved, grouped = several_ranks_units(module, resolved, precision, ranks, budget, why)
+        return Planned(resolved, budget, calls=calls, units_choice=grouped, unmeasured=measured_on)
     if not (resolved.planner_units or resolved.planner_keeps):
         return Planned(resolved, budget, measured=measured, measured_on=measured_on, calls=calls)
     resolved, line, kept = _choose_units(module, resolved, measured, ranks, budget)
@@ -195,10 +196,11 @@ def one_rank_keeps(
     why: str = NO_BATCH,
 ) -> str | None:
     """Why one rank keeps every block gathered (one unit, the step on compute copies: ``steps.apply_fsdp``) when no
-    batch is known at setup to plan the units with, or ``None``. One rank shards nothing: a block's unit of its own
-    only frees its compute copy after forward, for a gather and FSDP2's hooks per unit and step (the GPU runs: 13
-    units made ViT-B/16's step host-bound where the data loader gave setup no batch). ``priority="memory"``, a
-    pinned ``reshard_after_forward`` or ``blocks_per_unit``, offload and tensor parallelism keep the units."""
+    batch is known at setup to plan the units with (or its step cannot run on fake tensors), or ``None``. One rank
+    shards nothing: a block's unit of its own only frees its compute copy after forward, for a gather and FSDP2's
+    hooks per unit and step (the GPU runs: 13 units made ViT-B/16's step host-bound where the data loader gave setup
+    no batch). ``priority="memory"``, a pinned ``reshard_after_forward`` or ``blocks_per_unit``, offload and tensor
+    parallelism keep the units."""
     if ranks.world_size > 1 or ranks.tensor_mesh is not None or not (resolved.planner_keeps and resolved.planner_units):
         return None
     if offloads(resolved.sharding, ranks.device):
@@ -211,9 +213,11 @@ def one_rank_keeps(
 
 
 def several_ranks_units(
-    module: nn.Module, resolved: ResolvedConfig, precision: PrecisionPolicy, ranks: RankContext, budget: int
+    module: nn.Module, resolved: ResolvedConfig, precision: PrecisionPolicy, ranks: RankContext, budget: int,
+    why: str = NO_BATCH,
 ) -> tuple[ResolvedConfig, str | None]:
-    """Several data-parallel ranks and no batch at setup to plan the units with: consecutive blocks grouped into
+    """Several data-parallel ranks and no batch at setup to plan the units with (or a step fake tensors cannot
+    follow, ``why``): consecutive blocks grouped into
     units by the collectives' cost alone (the batch's compute is unknown), and why; else ``resolved`` unchanged and
     ``None``. Each unit costs its hooks (``unit_s`` a step); a larger unit exposes more of the first all-gather and
     the last reduce-scatter, which nothing overlaps: the blocks per unit minimise the sum, with two units' gathered
@@ -241,7 +245,7 @@ def several_ranks_units(
     if k == 1:
         return resolved, None
     return dataclasses.replace(resolved, blocks_per_unit=k), (
-        f"no batch at setup to plan units with: from the collectives alone, predicted"
+        f"{why}: from the collectives alone, predicted"
         f" {seconds(k) * 1e3:.1f} ms a step of per-unit hooks and exposed first gather and last reduction, against"
         f" {seconds(1) * 1e3:.1f} ms with a unit per block")
 

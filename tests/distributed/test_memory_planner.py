@@ -199,3 +199,10 @@ def test_auto_applies_the_planners_choice_at_the_first_step(auto):
         assert result["pinned_per_unit"] > 1 and "no batch at setup to plan units with" in pinned, pinned
         assert "checkpointed blocks : 4 of 4" in pinned, pinned
         assert result["pinned_losses"] == pytest.approx(result["ddp_losses"], rel=1e-5, abs=1e-6)
+        # A batch at setup, but a step fake tensors cannot follow: the same grouping, said so (mutation seen failing:
+        # the units from the structure, one per block, as before).
+        branching = result["branching_summary"]
+        assert result["branching_per_unit"] == result["pinned_per_unit"], branching
+        assert "its step not measured: from the collectives alone" in branching, branching
+        assert "no prediction, units from their sizes alone: one batch of the train dataloader" in branching
+        assert result["branching_losses"] == pytest.approx(result["ddp_losses"], rel=1e-5, abs=1e-6)

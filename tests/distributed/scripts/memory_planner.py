@@ -87,6 +87,14 @@ def scenario(shape: str, ac: str, precision: str) -> dict:
     return result
 
 
+class BranchingViT(TinyViT):
+    """A forward that branches on a value: it cannot run on fake tensors (never taken here: DDP's numbers)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out * 0.5 if out.abs().max() > 1e6 else out
+
+
 def auto_first_step() -> dict:
     """``VitScaleStrategy()``'s default checkpointing (``"auto"``'s planner) through Lightning, decided at the first
     step (no example_input_array, and training data that is no ``DataLoader``, so no batch at setup: one block per
@@ -142,6 +150,13 @@ def auto_first_step() -> dict:
     pinned_model, pinned = TinyViT(**kwargs), VitScaleStrategy(activation_checkpointing=True)
     L.Trainer(accelerator="cpu", devices=WORLD, strategy=pinned, max_steps=2, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False).fit(pinned_model, Streamed(data))
+    # The same pinned checkpointing on a DataLoader (a batch at setup) whose step fake tensors cannot follow (the
+    # forward branches on a value, as torchvision's detection models do): grouped as without a batch.
+    L.seed_everything(0, verbose=False)
+    branching_model, branching = BranchingViT(**kwargs), VitScaleStrategy(activation_checkpointing=True)
+    L.Trainer(accelerator="cpu", devices=WORLD, strategy=branching, max_steps=2, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+              use_distributed_sampler=False).fit(branching_model, data)  # every rank the same batches, as streamed
     L.seed_everything(0, verbose=False)
     ddp_model = TinyViT(**kwargs)
     L.Trainer(accelerator="cpu", devices=WORLD, strategy="ddp", max_steps=2, logger=False, enable_checkpointing=False,
@@ -150,7 +165,8 @@ def auto_first_step() -> dict:
                 grouped_summary=grouped.plan.summary(), grouped_per_unit=grouped.plan.blocks_per_unit,
                 grouped_losses=grouped_model.losses, ddp_losses=ddp_model.losses,
                 pinned_summary=pinned.plan.summary(), pinned_per_unit=pinned.plan.blocks_per_unit,
-                pinned_losses=pinned_model.losses,
+                pinned_losses=pinned_model.losses, branching_summary=branching.plan.summary(),
+                branching_per_unit=branching.plan.blocks_per_unit, branching_losses=branching_model.losses,
                 expected=[expected.modes.count("full"), expected.modes.count("selective"), expected.resharded],
                 patched=[checkpoint_mode(b) for b in model.blocks], losses=model.losses,
                 default_summary=default.plan.summary(), default_peak=default.plan.predicted_peak,

@@ -201,7 +201,8 @@ def test_the_default_takes_the_recipes_plan_where_the_step_cannot_be_measured_an
     """Nothing to plan from: ``VitScaleStrategy()``'s default warns and checkpoints every block (the recipe's
     checkpointing); on this one rank the blocks stay gathered in one unit on compute copies (units of their own shard
     nothing), and the plan it reports says so. An explicit ``activation_checkpointing="auto"`` raises, naming the
-    fix. Mutation tried: the default's planner ``required`` (it raised)."""
+    fix. Mutations tried: the default's planner ``required`` (it raised); the hint without ``briefly`` (torch's
+    lines of advice in it)."""
     from lightning_vitscale.distributed import RankContext
     from lightning_vitscale.memory.auto_checkpointing import MeasurementError
     from lightning_vitscale.sharding.planning import plan_before_sharding
@@ -209,8 +210,11 @@ def test_the_default_takes_the_recipes_plan_where_the_step_cannot_be_measured_an
     model = ForwardBranching(**SMALL)
     model.example_input_array = torch.randn(4, 3, 16, 16)
     ranks, cpu, flag = RankContext(mesh=mesh), torch.device("cpu"), resolve_flag("32-true")
-    with pytest.warns(UserWarning, match=r"could not run ForwardBranching's step on fake tensors .* every block"):
+    with pytest.warns(UserWarning, match=r"could not run ForwardBranching's step on fake tensors .* every block"
+                      r" checkpointed \(if the activations fit, pass activation_checkpointing=False") as warned:
         planned = plan_before_sharding(model, resolve_config(ParallelConfig(), cpu), flag, ranks, 2**40)
+    # torch's own error runs on for lines of debugging advice: one line of it, and where it came from (briefly)
+    assert all("\n" not in str(w.message) and "TORCH_LOGS" not in str(w.message) for w in warned)
     assert planned.auto is not None and planned.auto.choice is not None
     assert planned.auto.choice.blocks.modes == ("full", "full") and planned.auto.choice.blocks.resharded == 0
     assert planned.keeps_every_unit and planned.auto.choice.plan is None
@@ -219,3 +223,25 @@ def test_the_default_takes_the_recipes_plan_where_the_step_cannot_be_measured_an
     asked = ParallelConfig(checkpointing=CheckpointingPolicy(blocks="auto"))
     with pytest.raises(MeasurementError, match="could not measure ForwardBranching on fake tensors.*Pass activation"):
         plan_before_sharding(model, resolve_config(asked, cpu), flag, ranks, 2**40)
+
+
+def _random_choice(options: list[int]) -> int:
+    """torchvision's detection transform picks its training size so: an ``int`` of a random draw."""
+    return options[int(torch.empty(1).uniform_(0.0, float(len(options))).item())]
+
+
+def test_a_data_dependent_guard_is_told_in_one_line_with_where_it_came_from():
+    """torch's error for a step that branches on a value runs on for ten lines of debugging advice, which the setup
+    summary and the default's fallback warning carried whole; ``briefly`` keeps its first line and where in the
+    user's code it came from. Mutation seen failing: ``briefly`` returning ``str(error)``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from lightning_vitscale.memory.planning_batch import briefly
+
+    with pytest.raises(Exception) as raised, FakeTensorMode(shape_env=ShapeEnv()):
+        _random_choice([224, 256])
+    told = briefly(raised.value)
+    assert "\n" not in told and "TORCH_LOGS" not in told, told
+    assert told.startswith(f"{type(raised.value).__name__}: Could not extract specialized integer"), told
+    assert told.endswith("in _random_choice)") and "test_planning_batch.py:" in told, told

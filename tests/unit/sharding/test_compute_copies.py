@@ -329,6 +329,34 @@ def test_one_rank_without_a_batch_keeps_one_unit_with_checkpointing_chosen_too()
     assert copies_of(run) is not None and "no batch at setup to plan units with" in run.strategy.plan.summary()
 
 
+class Branching(Classifier):
+    """A forward that branches on a value (as torchvision's detection models do on their targets and boxes): the
+    planner cannot run the step on fake tensors (the branch is never taken here: the plain model's numbers)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out * 0.5 if out.abs().max() > 1e6 else out
+
+
+def test_one_rank_whose_step_cannot_be_measured_keeps_one_unit_as_without_a_batch():
+    """A batch at setup, but a step fake tensors cannot follow, with checkpointing chosen (what the default's fallback
+    names as the fix where activations fit): one unit on compute copies, as without a batch, not a unit per block
+    from the structure (which on one rank shards nothing and pays FSDP2's hooks per unit), the fit on the FSDP path's
+    numbers. Mutation seen failing: the unmeasured path returning the structure's units (4 units, no copies)."""
+    runs = {}
+    for name, strategy in [("chosen", VitScaleStrategy(**COPIES)), ("fsdp path", VitScaleStrategy(**FSDP_PATH))]:
+        L.seed_everything(0, verbose=False)
+        module = Branching()
+        runs[name] = (fit(module, strategy), module.losses)
+    run, losses = runs["chosen"]
+    summary = run.strategy.plan.summary()
+    assert copies_of(run) is not None and run.strategy.plan.units == 1, summary
+    assert "one rank, its step not measured: every block kept gathered" in summary, summary
+    assert "no prediction, units from their sizes alone: one batch of the train dataloader" in summary, summary
+    assert "checkpointed blocks : 0 of" in summary, summary
+    assert losses == runs["fsdp path"][1] and len(losses) == 4
+
+
 @pytest.mark.parametrize("strategy", [
     VitScaleStrategy(priority="memory"), VitScaleStrategy(blocks_per_unit=1), VitScaleStrategy(memory_budget=3_000_000),
 ], ids=["memory first", "units pinned", "copies over 1/16 of the budget"])
