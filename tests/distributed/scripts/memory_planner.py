@@ -158,6 +158,11 @@ def auto_first_step() -> dict:
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
               use_distributed_sampler=False).fit(branching_model, data)  # every rank the same batches, as streamed
     L.seed_everything(0, verbose=False)
+    fallback_model, fallback = BranchingViT(**kwargs), VitScaleStrategy()  # the default's recipe fallback
+    L.Trainer(accelerator="cpu", devices=WORLD, strategy=fallback, max_steps=2, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+              use_distributed_sampler=False).fit(fallback_model, data)
+    L.seed_everything(0, verbose=False)
     ddp_model = TinyViT(**kwargs)
     L.Trainer(accelerator="cpu", devices=WORLD, strategy="ddp", max_steps=2, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False).fit(ddp_model, Streamed(data))
@@ -167,6 +172,8 @@ def auto_first_step() -> dict:
                 pinned_summary=pinned.plan.summary(), pinned_per_unit=pinned.plan.blocks_per_unit,
                 pinned_losses=pinned_model.losses, branching_summary=branching.plan.summary(),
                 branching_per_unit=branching.plan.blocks_per_unit, branching_losses=branching_model.losses,
+                fallback_summary=fallback.plan.summary(), fallback_per_unit=fallback.plan.blocks_per_unit,
+                fallback_checkpointed=len(fallback.plan.checkpointed), fallback_losses=fallback_model.losses,
                 expected=[expected.modes.count("full"), expected.modes.count("selective"), expected.resharded],
                 patched=[checkpoint_mode(b) for b in model.blocks], losses=model.losses,
                 default_summary=default.plan.summary(), default_peak=default.plan.predicted_peak,

@@ -389,7 +389,7 @@ def test_several_ranks_without_a_batch_group_blocks_as_the_planner_would_with_on
     small for two units' copies, ``priority="memory"`` or pinned units keep a unit per block."""
     from lightning_vitscale.cli.demo import TinyViT
     from lightning_vitscale.precision import resolve_flag
-    from lightning_vitscale.sharding.planning import several_ranks_units
+    from lightning_vitscale.sharding.batchless_units import several_ranks_units
     from lightning_vitscale.sharding.resolved import resolve_config
     from lightning_vitscale.sharding.settings import ParallelConfig, ShardingPolicy
 
