@@ -13,16 +13,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_vitscale._utils import available_host_bytes, human_bytes
 from lightning_vitscale.discovery.calls import Calls
-from lightning_vitscale.discovery.tensor_plan import TensorPlanError
-from lightning_vitscale.memory.activations import ModeOf
-from lightning_vitscale.memory.gradient_release import may_release_after_step, unwrapped
+from lightning_vitscale.memory.gradient_release import unwrapped
+from lightning_vitscale.memory.measurement import Measurement, MeasurementError
 from lightning_vitscale.memory.memory_plan import MemoryPlan
 from lightning_vitscale.memory.plan_search import BlockMode, BlockPlan
 from lightning_vitscale.memory.planner import batch_size_of, choose, model_parts
@@ -31,21 +29,15 @@ from lightning_vitscale.memory.planning_batch import (
     FIRST_STEP,
     PlanningBatch,
     briefly,
-    measure_batch,
     planning_batch,
 )
-from lightning_vitscale.memory.selective_ops import SelectiveCheckpointingError
 from lightning_vitscale.memory.step_cost import rates_for
-from lightning_vitscale.memory.step_model import StepInputs, StepSettings, TrainingLoop, predict_step
+from lightning_vitscale.memory.step_model import StepInputs, StepSettings, predict_step
 from lightning_vitscale.memory.twin import meta_twin
 from lightning_vitscale.precision import resolve_flag
 
 AgreePlan = Callable[[Any], Any]
 """Every rank gets rank 0's value (``RankContext.broadcast``): its measured outcome, then the plan every rank keeps."""
-
-
-class MeasurementError(RuntimeError):
-    """The step could not run on fake tensors, so the planner has nothing to choose from."""
 
 
 @dataclass(frozen=True)
@@ -93,15 +85,6 @@ def device_memory(device: torch.device, local_ranks: int = 1) -> int:
     return (available_host_bytes() or 0) // max(1, local_ranks)
 
 
-def training_loop(module: nn.Module, trainer: pl.Trainer | None) -> TrainingLoop:
-    """When ``trainer``'s loop keeps ``module``'s gradients alive (``None``: a plain planning call's defaults)."""
-    automatic = bool(getattr(module, "automatic_optimization", True))
-    if trainer is None:
-        return TrainingLoop(automatic=automatic)
-    return TrainingLoop(automatic=automatic, accumulate=trainer.accumulate_grad_batches,
-                        released_after_step=may_release_after_step(module, trainer))
-
-
 def unmet_budget(plan: MemoryPlan, inputs: StepInputs, offload: bool) -> str | None:
     """The warning for a budget that no choice meets, naming what would fit; ``None`` when the plan fits."""
     if plan.fits:
@@ -116,43 +99,6 @@ def unmet_budget(plan: MemoryPlan, inputs: StepInputs, offload: bool) -> str | N
     return (f"activation_checkpointing='auto': no choice fits the memory budget of {human_bytes(plan.budget)} per"
             f" rank; checkpointing every block, predicted peak {human_bytes(plan.chosen.breakdown.peak)} per rank."
             f" To fit, use {', or '.join(fixes)}.")
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """How setup measures a batch, for ``"auto"``'s plan and for the summary's prediction alike: ``world_size``, one
-    shard group, ``replicas`` times (hybrid sharding); the step in ``trainer``'s loop; ``calls``: what it called."""
-
-    world_size: int
-    precision: str
-    blocks: Any = None
-    replicas: int = 1
-    tensor_parallel: int = 1
-    tensor_plan: Any = None
-    trainer: pl.Trainer | None = None
-    calls: Calls = field(default_factory=Calls)
-
-    def __call__(self, module: nn.Module, batch: PlanningBatch, device: torch.device | None = None,
-                 mode_of: ModeOf | None = None, optimizer: str = "adamw") -> tuple[StepInputs, str]:
-        try:
-            inputs, how = measure_batch(
-                module, batch, loop=training_loop(module, self.trainer), world_size=self.world_size,
-                precision=self.precision, optimizer=optimizer, blocks=self.blocks, device=device, mode_of=mode_of,
-                tensor_parallel=self.tensor_parallel, tensor_plan=self.tensor_plan, calls=self.calls)
-        except (TensorPlanError, SelectiveCheckpointingError):  # a refused plan is what to fix
-            raise
-        except Exception as error:
-            raise MeasurementError(briefly(error)) from error
-        return dataclasses.replace(inputs, replicas=self.replicas), how
-
-    def or_why(self, module: nn.Module, batch: PlanningBatch, device: torch.device,
-               mode_of: ModeOf) -> tuple[StepInputs | None, str]:
-        """For the summary's predicted peak: a step that cannot run on fake tensors gives ``(None, why)``."""
-        try:
-            return self(module, batch, device, mode_of)
-        except MeasurementError as error:
-            where = f" in {self.calls.where}" if self.calls.where else ""
-            return None, f"{batch.source} could not run on fake tensors{where} ({error})"
 
 
 def _picklable(value: Any) -> bool:

@@ -59,7 +59,8 @@ def parallelize(
     ``creation``: how ``configure_model()`` built meta parameters (``None``: built before setup). ``precision`` and
     ``device`` have no default: one would silently run a bf16 GPU job as fp32 on CPU. ``calls``: what a step measured
     at setup called (the units, the tensor-parallel proofs' inputs); ``kept_gathered``: the planner's choice;
-    ``keep_every_unit``: every block kept gathered (one rank without a batch at setup: ``batchless_units.one_rank_keeps``).
+    ``keep_every_unit``: every block kept gathered (one rank without a batch at setup:
+    ``batchless_units.one_rank_keeps``).
     """
     resolved = config if isinstance(config, ResolvedConfig) else resolve_config(config, device)
     found = select_units(model, resolved.sharding.blocks, calls)  # before anything rewrites the tree

@@ -104,7 +104,7 @@ def auto_first_step() -> dict:
 
     from lightning_vitscale import VitScaleStrategy
     from lightning_vitscale.cli.demo import generated_images
-    from lightning_vitscale.memory.auto_checkpointing import training_loop
+    from lightning_vitscale.memory.measurement import training_loop
     from lightning_vitscale.memory.plan_search import SearchSpace, search
     from lightning_vitscale.memory.planner import choose
     from lightning_vitscale.memory.step_cost import rates_for

@@ -15,7 +15,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_vitscale.cli.demo import TinyViT
 from lightning_vitscale.kernels.optimizers import prefer_foreach
-from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, Measurement
+from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing
+from lightning_vitscale.memory.measurement import Measurement
 from lightning_vitscale.memory.plan_search import BlockPlan
 from lightning_vitscale.memory.planner import parse_memory, plan_memory, step_inputs
 from lightning_vitscale.memory.step_model import StepSettings, collective_copies, predict_step, step_phases
@@ -265,7 +266,8 @@ def test_auto_keeps_blocks_gathered_when_everything_fits(mesh):
     all-gather); a tight one: every block checkpointed and resharded after forward as the recipe does."""
     from torch.distributed.tensor import DTensor
 
-    from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, Measurement
+    from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing
+    from lightning_vitscale.memory.measurement import Measurement
     from lightning_vitscale.sharding.planning import apply_auto_choice
 
     for ample in (False, True):
@@ -309,7 +311,8 @@ def test_only_rank_zero_measures_and_every_rank_applies_or_raises_its_outcome(mo
     (tensor_proof reads them), or raise its error (none left waiting in a collective). Mutation seen failing: each
     rank measuring (a measurement counted on rank 1)."""
     from lightning_vitscale.discovery.calls import Calls
-    from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, Measurement, MeasurementError
+    from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing
+    from lightning_vitscale.memory.measurement import Measurement, MeasurementError
 
     model = TinyViT(**LONG)
     model.example_input_array = batch()[0]
@@ -341,7 +344,8 @@ def test_an_outcome_that_cannot_be_pickled_is_measured_by_every_rank(monkeypatch
     """Rank 0 sends nothing where its outcome cannot travel (an unusual recorded argument); the other ranks then
     measure for themselves and reach the same choice. Mutation seen failing: sending it anyway."""
     from lightning_vitscale.memory import auto_checkpointing
-    from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, Measurement
+    from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing
+    from lightning_vitscale.memory.measurement import Measurement
 
     assert not auto_checkpointing._picklable(lambda: 0) and auto_checkpointing._picklable((1, "a"))
     monkeypatch.setattr(auto_checkpointing, "_picklable", lambda value: False)

@@ -13,8 +13,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_vitscale.cli.demo import TinyViT
-from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, AutoChoice, Measurement
+from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, AutoChoice
 from lightning_vitscale.memory.collectives import ring_bytes
+from lightning_vitscale.memory.measurement import Measurement
 from lightning_vitscale.memory.plan_search import (
     BlockPlan,
     SearchSpace,

@@ -204,7 +204,7 @@ def test_the_default_takes_the_recipes_plan_where_the_step_cannot_be_measured_an
     fix. Mutations tried: the default's planner ``required`` (it raised); the hint without ``briefly`` (torch's
     lines of advice in it)."""
     from lightning_vitscale.distributed import RankContext
-    from lightning_vitscale.memory.auto_checkpointing import MeasurementError
+    from lightning_vitscale.memory.measurement import MeasurementError
     from lightning_vitscale.sharding.planning import plan_before_sharding
 
     model = ForwardBranching(**SMALL)

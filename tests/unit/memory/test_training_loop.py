@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lightning_vitscale.cli.demo import TinyViT
-from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, Measurement, training_loop
+from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing
+from lightning_vitscale.memory.measurement import Measurement, training_loop
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_model import StepSettings, TrainingLoop, predict_step, step_phases
 
