@@ -63,9 +63,9 @@ def test_fp32_norms_cost_at_most_one_extra_collective(ranks):
     for rank in ranks:
         with_norms, without = rank["collectives_fp32_norms"], rank["collectives_bf16_norms"]
         assert with_norms["fp32"] == 17 and without["fp32"] == 0  # 8 blocks x 2 + final norm
-        # Measured: 25 vs 24 collectives per step (15 all-gathers, 9 reduce-scatters, +1 all-reduce for norms);
+        # Measured: 26 vs 25 collectives per step (16 all-gathers, 9 reduce-scatters, +1 all-reduce for norms);
         # one FSDP unit per norm would add ~2 x 17.
-        assert with_norms["total"] <= 1.1 * without["total"], (with_norms, without)
+        assert with_norms["total"] == without["total"] + 1 and without["total"] >= 16, (with_norms, without)
         assert with_norms["counts"].get("all_reduce", 0) == 1
 
 
