@@ -59,14 +59,19 @@ def shard_module(
     return cast(FSDPModule, sharded[0] if isinstance(sharded, list) else sharded)
 
 
-def group_blocks(blocks: list[T], per_unit: int, unit_of: Sequence[int] | None = None) -> list[list[T]]:
+def group_blocks(
+    blocks: list[T], per_unit: int, unit_of: Sequence[int] | None = None, sharing: Sequence[str] | None = None
+) -> list[list[T]]:
     """Runs of ``per_unit`` consecutive blocks, one FSDP unit each (consecutive: FSDP2 gathers a list-unit at its
     first forward and reduce-scatters after its last backward); never splitting a discovered unit (``unit_of[i]``:
-    block ``i``'s; the modules of a container never called themselves share one)."""
+    block ``i``'s; the modules of a container never called themselves share one), never joining blocks of different
+    ``sharing`` keys (``unit_groups.sharing_keys``)."""
     unit_of = range(len(blocks)) if unit_of is None else unit_of
+    sharing = [""] * len(blocks) if sharing is None else sharing
     groups: list[list[T]] = []
     for i, block in enumerate(blocks):
-        if groups and (len(groups[-1]) < per_unit or unit_of[i] == unit_of[i - 1]):
+        room = len(groups[-1]) < per_unit and sharing[i] == sharing[i - 1] if groups else False
+        if groups and (room or unit_of[i] == unit_of[i - 1]):
             groups[-1].append(block)
         else:
             groups.append([block])

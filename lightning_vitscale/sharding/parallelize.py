@@ -33,6 +33,7 @@ from lightning_vitscale.sharding.steps import (
     replicate_norms,
 )
 from lightning_vitscale.sharding.summary import SetupSummary, reused_blocks_fix, summary_from_facts
+from lightning_vitscale.sharding.unit_groups import sharing_keys
 
 
 class NoBlocksMatchedError(ValueError):
@@ -86,6 +87,8 @@ def parallelize(
     norms = replicate_norms(model, mesh, precision, weights)
     #    Outer-unit layers take inputs in the compute dtype even when made in fp32 (blocks in the outer unit too).
     one_unit = _sharding_buys_nothing(mesh, tensor_mesh, resolved, blocks, kept_gathered, keep_every_unit)
+    ran = calls.counts if calls is not None and calls.called and not calls.error else None
+    sharing = None if one_unit else sharing_keys(found, ran)  # one rank keeping all: no unit runs apart
     if precision.compute != torch.float32:
         outer_layers = _outer_layers(model, blocks, norms.modules)
         cast_floating_inputs(outer_layers + [(n, b) for n, b in blocks if one_unit], precision.compute)
@@ -106,7 +109,7 @@ def parallelize(
         mp_policy=mixed_precision_policy(precision), offload=offload_policy(resolved.sharding.offload, device),
         reshard_after_forward=resolved.sharding.reshard_after_forward,
         blocks_per_unit=max(1, len(blocks)) if keep_every_unit else resolved.blocks_per_unit,
-        ignored=norms.ignored, unit_of=unit_of, one_unit=one_unit,
+        ignored=norms.ignored, unit_of=unit_of, one_unit=one_unit, sharing=sharing,
         skippable=resolved.sharding.find_unused_parameters is True,
         find_unused=bool(resolved.sharding.find_unused_parameters),
         keep_out=_not_stood_in(model, blocks, resolved, mesh),

@@ -161,8 +161,9 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy, offload: OffloadPolicy, reshard_after_forward: bool | int | None,
     blocks_per_unit: int, ignored: set[nn.Parameter] | None, unit_of: list[int] | None = None, one_unit: bool = False,
     skippable: bool = False, find_unused: bool = False, keep_out: Collection[nn.Module] = (),
+    sharing: list[str] | None = None,
 ) -> UnitFacts:
-    """One FSDP unit per ``blocks_per_unit`` consecutive blocks (``unit_of``: :func:`~.fsdp.group_blocks`),
+    """One FSDP unit per ``blocks_per_unit`` consecutive blocks (``unit_of``, ``sharing``: :func:`~.fsdp.group_blocks`),
     bottom-up, then the outer unit; ``weights`` delivers each unit's values to its shards as it is made, so no rank
     holds a second copy of the model. ``one_unit``: a single block unit kept gathered on one rank overlaps nothing
     and saves no memory: the blocks join the outer unit (one FSDP2 pre-forward hook per step, not one per block).
@@ -171,7 +172,7 @@ def apply_fsdp(
     (``skipped_blocks.py``), which ``find_unused`` (the flag set) cannot do without; ``keep_out``: blocks left in the
     outer unit (``find_unused_parameters="units"``: ``stand_ins.not_in_a_stack``)."""
     out = {id(block) for block in keep_out}
-    groups = [unit for group in group_blocks(blocks, blocks_per_unit, unit_of) for unit in shared_apart(group)]
+    groups = [unit for group in group_blocks(blocks, blocks_per_unit, unit_of, sharing) for unit in shared_apart(group)]
     groups = [kept for kept in ([b for b in group if id(b) not in out] for group in groups) if kept]
     in_groups = sum(map(len, groups))
     if skippable:  # every block to the outer unit (find_unused_parameters=True), tied or not

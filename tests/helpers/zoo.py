@@ -375,3 +375,30 @@ PARTS: dict[str, tuple[Callable[[], nn.Module], dict[str, int]]] = {
     "torchvision_efficientnet": (torchvision_efficientnet, {"Conv2dNormActivation": 2, "MBConv": 4}),
     "hf_resnet": (hf_resnet, {"ResNetBottleNeckLayer": 4}),
 }
+
+
+class Mask2FormerLogits(nn.Module):
+    """HF's Mask2Former (a Swin backbone, a pixel decoder, a masked-attention decoder) as a classifier on 32-pixel
+    images: its 1x1 input projections run once in the pixel decoder, its mask MLP's layers once per decoder layer,
+    later, and its step cannot run on fake tensors (the decoder branches on a value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        swin = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1, 1, 1],
+                                       num_heads=[1, 1, 2, 2], window_size=2,
+                                       out_features=["stage1", "stage2", "stage3", "stage4"])
+        config = transformers.Mask2FormerConfig(
+            backbone_config=swin, feature_size=32, mask_feature_size=32, hidden_dim=32, encoder_feedforward_dim=32,
+            dim_feedforward=32, encoder_layers=1, decoder_layers=2, num_attention_heads=2, num_queries=4,
+            num_labels=CLASSES, use_pretrained_backbone=False, common_stride=4)
+        self.model = transformers.Mask2FormerForUniversalSegmentation(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.model(pixel_values=F.interpolate(x, size=32))
+        return out.class_queries_logits.mean(1)[:, :CLASSES] + out.masks_queries_logits.mean((1, 2, 3))[:, None]
+
+
+# Blocks of different containers that run apart (one of them many times a forward): never one unit.
+APART: dict[str, Callable[[], nn.Module]] = {"hf_mask2former": Mask2FormerLogits}

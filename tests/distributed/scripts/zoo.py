@@ -28,7 +28,7 @@ from lightning_vitscale.discovery.tensor_plan import TensorPlanError
 from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
 from tests.helpers.recording import count_collectives
 from tests.helpers.scenarios import run_scenarios
-from tests.helpers.zoo import CLASSES, FAMILIES, IMAGE, PARTS, Block, LucidViT, SharedBlockViT, TwoPassViT
+from tests.helpers.zoo import APART, CLASSES, FAMILIES, IMAGE, PARTS, Block, LucidViT, SharedBlockViT, TwoPassViT
 
 warnings.filterwarnings("ignore")
 GLOBAL_BATCH = 8
@@ -53,6 +53,8 @@ class Model(L.LightningModule):
             return TwoPassViT()
         if self.family in PARTS:
             return PARTS[self.family][0]()
+        if self.family in APART:
+            return APART[self.family]()
         return FAMILIES[self.family]() if self.family != "lucid" else LucidViT(container=self.container)
 
     def configure_model(self) -> None:
@@ -192,9 +194,27 @@ def parts() -> dict:
     return found
 
 
+def apart() -> dict:
+    """Blocks of different containers that run apart (``APART``): DDP, ``VitScaleStrategy()`` (the step cannot be
+    measured: the recipe's checkpointing in units grouped by the collectives' cost) and two blocks a unit pinned with
+    every block checkpointed; the losses, or the error a run raised."""
+    found = {}
+    for family in APART:
+        runs = {"ddp": DDP, "default": VitScaleStrategy(),
+                "pinned": VitScaleStrategy(blocks_per_unit=2, activation_checkpointing=True)}
+        for name, strategy in runs.items():
+            try:
+                facts, trainer = fit(Model(family), strategy, 2, 3)
+                facts["fsdp_units"] = trainer.strategy.plan.units if strategy != DDP else 0
+            except Exception as error:  # noqa: BLE001 - the failure is what the test reads
+                facts = {"error": f"{type(error).__name__}: {error}"[:500], "losses": []}
+            found[f"{family}:{name}"] = facts
+    return found
+
+
 def scenarios() -> dict:
     families = {name: (lambda name=name: family(name)) for name in FAMILIES}
-    return {"layout": layout, "reused": reused, "two_pass": two_pass, "parts": parts, **families}
+    return {"layout": layout, "reused": reused, "two_pass": two_pass, "parts": parts, "apart": apart, **families}
 
 
 if __name__ == "__main__":
