@@ -87,8 +87,8 @@ def parallelize(
     norms = replicate_norms(model, mesh, precision, weights)
     #    Outer-unit layers take inputs in the compute dtype even when made in fp32 (blocks in the outer unit too).
     one_unit = _sharding_buys_nothing(mesh, tensor_mesh, resolved, blocks, kept_gathered, keep_every_unit)
-    ran = calls.counts if calls is not None and calls.called and not calls.error else None
-    sharing = None if one_unit else sharing_keys(found, ran)  # one rank keeping all: no unit runs apart
+    measured = calls is not None and bool(calls.called) and not calls.error
+    sharing = None if one_unit else sharing_keys(found, measured)  # one rank keeping all: no unit runs apart
     if precision.compute != torch.float32:
         outer_layers = _outer_layers(model, blocks, norms.modules)
         cast_floating_inputs(outer_layers + [(n, b) for n, b in blocks if one_unit], precision.compute)

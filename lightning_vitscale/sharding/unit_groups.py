@@ -4,7 +4,7 @@ a group that another member holds becomes a unit of its own first."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from torch import nn
 
@@ -55,16 +55,11 @@ def managed_parameters(members: list[nn.Module], units: set[int]) -> list[nn.Par
     return found
 
 
-def sharing_keys(units: Sequence[tuple[str, Sequence[object]]], counts: Mapping[str, int] | None) -> list[str]:
+def sharing_keys(units: Sequence[tuple[str, Sequence[object]]], measured: bool) -> list[str]:
     """Per block, a key that consecutive blocks must share to join one FSDP unit (a list-unit gathers at its first
-    member's forward and reduces after its last member's backward, so its members must run as one stretch). Where the
-    step's calls are unknown (``counts`` ``None``: not measured), the container each unit sits in: HF Mask2Former's
-    last pixel-decoder projection and its mask MLP's first layer, grouped, ran apart and the MLP ten times a forward,
-    and the step failed on resharded weights. Where they are known, only a block run more than once keeps to its
-    container; blocks run once group across containers (Swin's stages, CLIP's two towers)."""
-    keys = []
-    for name, members in units:
-        container = name.rpartition(".")[0]
-        repeated = counts is None or counts.get(name, 1) > 1
-        keys += [f"in {container}" if repeated else ""] * len(members)
-    return keys
+    member's forward and reduces after its last member's backward, so its members must run as one stretch). Where no
+    step was measured at setup (its calls unknown), the container each unit sits in: HF Mask2Former's last
+    pixel-decoder projection and its mask MLP's first layer, grouped, ran apart (the MLP once per decoder layer,
+    later), and the step failed on resharded weights. Where a step was measured, one key: the planner groups the
+    blocks it measured (Swin's stages, CLIP's two towers), as it predicts."""
+    return ["" if measured else f"in {name.rpartition('.')[0]}" for name, members in units for _ in members]

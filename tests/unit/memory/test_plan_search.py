@@ -449,19 +449,16 @@ def test_asking_selective_for_such_a_block_fails_at_setup_through_trainer_fit():
     assert trainer.global_step == 0
 
 
-def test_blocks_whose_calls_are_unknown_or_repeated_keep_to_their_container():
-    """``sharing_keys``: unmeasured, a unit never spans two containers; measured, only a block run more than once
-    keeps to its container (blocks run once group across stages, as Swin's). ``group_blocks`` starts a unit where the
-    key changes, and still never splits a discovered unit."""
+def test_blocks_of_a_step_not_measured_keep_to_their_container():
+    """``sharing_keys``: without a measured step a unit never spans two containers (the step may run them apart);
+    with one, the planner's grouping stands. ``group_blocks`` starts a unit where the key changes, and still never
+    splits a discovered unit."""
     from lightning_vitscale.sharding.unit_groups import sharing_keys
 
     units = [("enc.layers.0", [0]), ("enc.layers.1", [1]), ("dec.proj.0", [2]), ("head.mlp.0", [3]),
              ("head.mlp.1", [4])]
-    unmeasured = sharing_keys(units, None)
+    unmeasured = sharing_keys(units, measured=False)
     assert unmeasured == ["in enc.layers"] * 2 + ["in dec.proj"] + ["in head.mlp"] * 2
     assert group_blocks(list("abcde"), 2, sharing=unmeasured) == [["a", "b"], ["c"], ["d", "e"]]
-    measured = sharing_keys(units, {"enc.layers.0": 1, "enc.layers.1": 1, "dec.proj.0": 1, "head.mlp.0": 3,
-                                    "head.mlp.1": 3})
-    assert group_blocks(list("abcde"), 2, sharing=measured) == [["a", "b"], ["c"], ["d", "e"]]
-    assert group_blocks(list("abcde"), 3, sharing=measured) == [["a", "b", "c"], ["d", "e"]]  # across containers
+    assert group_blocks(list("abcde"), 3, sharing=sharing_keys(units, measured=True)) == [["a", "b", "c"], ["d", "e"]]
     assert group_blocks(list("abcd"), 1, unit_of=[0, 0, 1, 1], sharing=["x", "y", "y", "y"]) == [["a", "b"], ["c", "d"]]
