@@ -26,18 +26,16 @@ def recipe_units(
     module: nn.Module, resolved: ResolvedConfig, precision: PrecisionPolicy, ranks: RankContext, budget: int,
     blocks: BlockPlan,
 ) -> tuple[BlockPlan, str | None, bool]:
-    """The recipe's plan where the default's step could not be measured (every block checkpointed) in the units a run
-    without a batch gets, why, and whether one rank keeps them all: on one rank every block in one unit on compute
-    copies (units of their own shard nothing, and a second forward in a step, a GAN's, cannot run on them); on
-    several, consecutive blocks grouped by the collectives' cost alone (a unit each paid FSDP2's hooks per block)."""
+    """The recipe's plan where the default's step could not be measured (every block checkpointed), why, and whether
+    one rank keeps every block: there in one unit on compute copies (units of their own shard nothing, and a second
+    forward in a step, a GAN's, cannot run on them). On several ranks the recipe's unit per block stays: grouping
+    them would be a guess from the structure that no step ran first (HF Mask2Former's grouped units failed on
+    resharded weights before units kept to one container), and this plan is the memory-first fallback."""
     n = blocks.n
     keeps = one_rank_keeps(module, resolved, precision, ranks, budget, UNMEASURED)
     if keeps is not None:  # no unit resharded, every block in one
         return BlockPlan.prefix(n, n, 0, 0, max(n, 1)), keeps, True
-    grouped_config, grouped = several_ranks_units(module, resolved, precision, ranks, budget, UNMEASURED)
-    if grouped is None:
-        return blocks, None, False
-    return dataclasses.replace(blocks, per_unit=grouped_config.blocks_per_unit), grouped, False
+    return blocks, None, False
 
 
 # One rank without a batch at setup keeps every block's compute copy gathered when the copies take at most this share

@@ -191,8 +191,9 @@ def test_blocks_of_containers_that_run_apart_never_share_a_unit_and_train_as_ddp
     """HF's Mask2Former: grouped by position alone, its last pixel-decoder projection and its mask MLP's first layer
     made one unit, which the step runs apart (the MLP once per decoder layer, later), and every grouped plan failed
     on resharded weights (DTensor's "mixed torch.Tensor and DTensor", or "data is not allocated"): two blocks a unit
-    pinned, and the default, whose step cannot be measured. Now where no step was measured a unit keeps to one
-    container (``unit_groups.sharing_keys``). Mutation seen failing: ``sharing_keys`` returning one key (both runs)."""
+    pinned (its step cannot be measured, so nothing ran the grouping first). The default keeps the recipe's unit per
+    block there. Now where no step was measured a unit keeps to one container (``unit_groups.sharing_keys``).
+    Mutation seen failing: ``sharing_keys`` returning one key (the pinned run)."""
     ddp = two[0]["apart"][f"{family}:ddp"]["losses"]
     for run in ("default", "pinned"):
         facts = two[0]["apart"][f"{family}:{run}"]

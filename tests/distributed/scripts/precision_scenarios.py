@@ -94,8 +94,7 @@ def collectives(norms: bool) -> dict:
     data = TensorDataset(torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,)))
     # The non-finite guard's own all-reduce (one per step, README "Non-finite step guard") is not what is counted.
     plugin = VitScalePrecision("bf16-mixed", norms=None if norms else False, skip_nonfinite=False)
-    # A unit per block, the many-unit workload this counts (manual optimization without a forward: the default's
-    # fallback would group the 8 tiny blocks into one unit by the collectives' cost).
+    # A unit per block, pinned: the many-unit workload this counts, whatever the planner would choose.
     t = trainer(plugins=[plugin], max_steps=2, strategy=VitScaleStrategy(blocks_per_unit=1))
     t.fit(model, DataLoader(data, batch_size=4))
     return {"counts": model.counts, "total": sum(model.counts.values()), "fp32": len(t.strategy.plan.fp32_modules)}

@@ -196,8 +196,8 @@ def parts() -> dict:
 
 def apart() -> dict:
     """Blocks of different containers that run apart (``APART``): DDP, ``VitScaleStrategy()`` (the step cannot be
-    measured: the recipe's checkpointing in units grouped by the collectives' cost) and two blocks a unit pinned with
-    every block checkpointed; the losses, or the error a run raised."""
+    measured: the recipe's plan) and two blocks a unit pinned with every block checkpointed; the losses, or the error
+    a run raised."""
     found = {}
     for family in APART:
         runs = {"ddp": DDP, "default": VitScaleStrategy(),
