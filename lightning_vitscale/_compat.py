@@ -63,7 +63,13 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (
 )
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # memory planner: shapes without memory
+from torch._functorch import config as functorch_config  # planner: fake tensors that carry real values
+from torch._subclasses.fake_tensor import (  # memory planner: shapes without memory
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
 from torch._tensor import _rebuild_from_type_v2 as rebuild_from_type_v2  # FSDP1 local files: a tensor subclass
 from torch._utils import _rebuild_tensor_v2 as rebuild_tensor_v2  # FSDP1 local files: a plain tensor, pickled
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
@@ -77,7 +83,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as Reduc
 from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState  # units of several modules (torch 2.11)
 from torch.distributed.tensor import DTensor  # public: for the code below only (import it from torch)
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # a DTensor shard's box (init/)
-from torch.fx.experimental.symbolic_shapes import ShapeEnv  # planner: a step's .item() on fake tensors
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv  # planner: .item() on fakes
 from torch.multiprocessing.reductions import StorageWeakRef  # planner: a storage's life, whoever holds it
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 from torch.nn.modules.instancenorm import _InstanceNorm as InstanceNormBase
@@ -93,6 +99,9 @@ PRIVATE_NAMES = {
     "copyreg._reconstructor": "stdlib pickle's class-rebuilding reducer: plain_copy.py (a module whose class changed)",
     "torch._dynamo": "regional compilation's dynamo options (kernels/compile.py)",
     "torch._subclasses.fake_tensor.FakeTensor": "memory planner: shapes without memory",
+    "torch._subclasses.fake_tensor.DataDependentOutputException": "planner: a step whose shapes follow values",
+    "torch._subclasses.fake_tensor.DynamicOutputShapeException": "planner: a step whose shapes follow values",
+    "torch._functorch.config.fake_tensor_propagate_real_tensors": "planner: fake tensors carrying real values",
     "torch._subclasses.fake_tensor.FakeTensorMode": "memory planner: shapes without memory",
     "torch._tensor._rebuild_from_type_v2": "FSDP1 local files: a pickled tensor subclass",
     "torch._utils._rebuild_tensor_v2": "FSDP1 local files: a pickled plain tensor",
@@ -534,6 +543,16 @@ def train_dataloader(trainer: Any) -> Any:
     """What ``Trainer.fit`` will train on, before Lightning sets it up (``None``: nothing)."""
     source = trainer.fit_loop._data_source
     return source.dataloader() if source.is_defined() else None
+
+
+VALUE_DEPENDENT_ERRORS = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+"""What fake tensors raise where a step's control flow or shapes follow its values (``if boxes.any()``, NMS)."""
+
+
+def propagating_real_tensors() -> Any:
+    """Around making a ``FakeTensorMode``: its fake tensors carry real ones, which decide data-dependent branches
+    (torch.export's draft mode)."""
+    return functorch_config.patch(fake_tensor_propagate_real_tensors=True)
 
 
 def compile_context(module: Any) -> Any:

@@ -7,8 +7,10 @@ SDPA kernel family (no N x N matrix): one measurement serves CPU and GPU plans.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-from collections.abc import Callable, Hashable, Iterator
+import logging
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +24,7 @@ from lightning_vitscale._compat import (
     TorchDispatchMode,
     buffer_slots,
     parameter_slots,
+    propagating_real_tensors,
     storage_id,
     tree_map,
 )
@@ -59,6 +62,39 @@ class _FakeMode(FakeTensorMode):
         return bool(FakeTensorMode.avoid_device_init.fget(self))  # type: ignore[attr-defined]
 
 
+def _fake_mode(symbolic_items: bool, values: RealValues | None) -> FakeTensorMode:
+    """Through a custom call (a training_step) a ``.item()`` (a loss appended to a list) gives a symbolic number
+    instead of failing; branching on it fails unless the fake tensors carry ``values``. A plain tensor attribute
+    (neither parameter nor buffer: HF VideoMAE's position table) stays real; an op meeting it takes it as a constant
+    instead of failing the measurement."""
+    if values is None:
+        return _FakeMode(shape_env=ShapeEnv() if symbolic_items else None, allow_non_fake_inputs=True)
+    with propagating_real_tensors():  # static shapes: only what follows a value is symbolic, resolved by it
+        return _FakeMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True, static_shapes=True)
+
+
+def _fake_input(value: torch.Tensor, dtype: torch.dtype, mode: FakeTensorMode, real: bool) -> torch.Tensor:
+    """One batch tensor as the step meets it: in the compute dtype, fake, carrying its value where ``real``."""
+    if real:
+        return mode.from_tensor(value.detach().to(device=_CPU, dtype=dtype))
+    with mode:
+        return torch.empty(value.shape, dtype=dtype, device=_CPU)
+
+
+@contextlib.contextmanager
+def _quiet_real_branches(quiet: bool) -> Iterator[None]:
+    """torch warns at each branch a real value decided (meant for export, where such a guard is a finding); here it is
+    the reason the values are carried."""
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = logger.level
+    if quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 @dataclass(frozen=True)
 class ActivationProfile:
     """Per-block and outer-layer activation bytes of one forward + backward.
@@ -76,32 +112,50 @@ class ActivationProfile:
     outer_saved_after: int = 0
 
 
+RealValues = Mapping[int, torch.Tensor]
+"""Real values of a model's parameters and buffers, by ``id`` of the tensor in the measured model (its meta twin's):
+fake tensors then carry them (:func:`~.._compat.propagating_real_tensors`) and a step branching on a value runs."""
+
+
 @contextlib.contextmanager
 def fake_parameters(
-    model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype, keep_fp32: Callable[[nn.Module], bool]
+    model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype, keep_fp32: Callable[[nn.Module], bool],
+    values: RealValues | None = None,
 ) -> Iterator[None]:
     """Every parameter and buffer of ``model`` a fake CPU tensor inside, in the dtype the step meets it in (FSDP casts
-    parameters; saved buffers keep theirs, unsaved ones take ``dtype``: :func:`floating_buffers`); restored after."""
+    parameters; saved buffers keep theirs, unsaved ones take ``dtype``: :func:`floating_buffers`); restored after.
+    With ``values`` (and ``mode`` propagating real tensors) each carries its real value in that dtype."""
+    slots: list[tuple[dict, str, Any, torch.dtype, bool]] = []
+    for module in model.modules():
+        norm = keep_fp32(module)
+        wanted, params = torch.float32 if norm else dtype, parameter_slots(module)
+        saved = set() if norm else set(floating_buffers(module)[1])  # a norm's: as its parameters
+        for store in (params, buffer_slots(module)):
+            for name, value in list(store.items()):
+                if value is not None:
+                    keeps = not value.is_floating_point() or (store is not params and name in saved)
+                    slots.append((store, name, value, value.dtype if keeps else wanted, store is params))
+    real = [None if values is None else _on_host(values.get(id(value)), value, kind)
+            for _, _, value, kind, _ in slots]  # before entering the mode: real copies, not fake ones
     originals: list[tuple[dict, str, Any]] = []
     try:
         with mode:  # entered once: entering per tensor cost more than making the tensor
-            for module in model.modules():
-                norm = keep_fp32(module)
-                wanted, params = torch.float32 if norm else dtype, parameter_slots(module)
-                saved = set() if norm else set(floating_buffers(module)[1])  # a norm's: as its parameters
-                for store in (params, buffer_slots(module)):
-                    for name, value in list(store.items()):
-                        if value is None:
-                            continue
-                        originals.append((store, name, value))
-                        keeps = not value.is_floating_point() or (store is not params and name in saved)
-                        kind = value.dtype if keeps else wanted
-                        fake = torch.empty(value.shape, dtype=kind, device=_CPU)  # a DTensor's shape is the full one
-                        store[name] = nn.Parameter(fake, value.requires_grad) if store is params else fake  # type: ignore[assignment]
+            for (store, name, value, kind, is_param), real_value in zip(slots, real):
+                originals.append((store, name, value))
+                fake = (torch.empty(value.shape, dtype=kind, device=_CPU) if real_value is None  # a DTensor's: full
+                        else mode.from_tensor(real_value))
+                store[name] = nn.Parameter(fake, value.requires_grad) if is_param else fake  # type: ignore[assignment]
         yield
     finally:
         for store, name, value in reversed(originals):
             store[name] = value
+
+
+def _on_host(real: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``real`` as the step meets it, on the host (zeros where no value is known: never uninitialised memory)."""
+    if real is None:
+        return torch.zeros(like.shape, dtype=dtype)
+    return real.detach().to(device=_CPU, dtype=dtype)
 
 
 @contextlib.contextmanager
@@ -203,21 +257,19 @@ _PASSES: dict[Hashable, dict[Any, Any]] = {}  # each block pass of this process,
 def measure_activations(
     model: nn.Module, blocks: list[tuple[str, nn.Module]], example_input: Any, compute: torch.dtype = torch.float32,
     norms: list[nn.Module] | None = None, call: StepCall | None = None, mode_of: ModeOf | None = None,
-    all_reduces: AllReduceLog | None = None,
+    all_reduces: AllReduceLog | None = None, values: RealValues | None = None,
 ) -> ActivationProfile:
     """What each block keeps and needs, from one forward (``call``, default ``model(example_input)``) and backward on
     fake tensors, ``norms`` in fp32 and floating inputs in ``compute`` (FSDP's root unit casts them). ``mode_of``:
-    each block's settled checkpointing, measured alone (a third of the work; ``None``: every mode)."""
+    each block's settled checkpointing, measured alone (a third of the work; ``None``: every mode). ``values``: the
+    fake tensors carry real ones (the step computes for real on the host, beside the fake run), for a step whose
+    branches or shapes follow its values."""
     norm_ids = {id(m) for m in norms or []}
-    # Through a custom ``call`` (a training_step) a ``.item()`` (a loss appended to a list) gives a symbolic number
-    # instead of failing; branching on it still fails.
-    # A plain tensor attribute (neither parameter nor buffer: HF VideoMAE's position table) stays real; an op meeting
-    # it takes it as a constant instead of failing the measurement.
-    mode = _FakeMode(shape_env=ShapeEnv() if call is not None else None, allow_non_fake_inputs=True)
-    with fake_parameters(model, mode, compute, lambda m: id(m) in norm_ids), _fp32_norm_hooks(norms or [], compute):
-        with mode:
-            fake_input = tree_map(lambda v: v if not isinstance(v, torch.Tensor) else torch.empty(
-                v.shape, dtype=compute if v.is_floating_point() else v.dtype, device=_CPU), example_input)
+    mode = _fake_mode(symbolic_items=call is not None, values=values)
+    with fake_parameters(model, mode, compute, lambda m: id(m) in norm_ids, values), \
+            _fp32_norm_hooks(norms or [], compute), _quiet_real_branches(values is not None):
+        fake_input = tree_map(lambda v: v if not isinstance(v, torch.Tensor) else _fake_input(
+            v, compute if v.is_floating_point() else v.dtype, mode, values is not None), example_input)
         real = tensors_of(example_input)
         batch_bytes = sum(t.numel() * t.element_size() for t in real)
         # The batch is resident before the step (``batch_bytes``): a layer saving it keeps nothing new, unless the
@@ -241,19 +293,35 @@ def measure_activations(
         context = (compute, call is not None, torch.are_deterministic_algorithms_enabled())
         if sum(map(len, _PASSES.values())) > 20_000:  # bounded: a long sweep over ever new architectures
             _PASSES.clear()
-        measured = _PASSES.setdefault(context, {})
+        # A run on real values may meet shapes that follow them: its numbers are its own, never shared.
+        measured = _PASSES.setdefault(context, {}) if values is None else {}
         calling = blocks_calling_blocks(blocks)
         settled = [(mode_of(i, name, block) or "none") if mode_of else None for i, (name, block) in enumerate(blocks)]
         results = [block_memory(name, block, recorder.calls_of(i), i, mode, measured,
                                 modes_to_measure(name, settled[i], calling), all_reduces)
                    for i, (name, block) in enumerate(blocks)]
-    output_bytes = sum(t.numel() * t.element_size() for t in outputs)  # its gradient, held through backward
-    return ActivationProfile(
-        blocks=results,
-        outer_saved=recorder.saved_by(None),
-        outer_saved_after=recorder.saved_after_blocks(),
-        outer_backward=outer_use.used_after_blocks() + 2 * output_bytes,
-        batch_bytes=batch_bytes,
-    )
+        output_bytes = sum(t.numel() * t.element_size() for t in outputs)  # its gradient, held through backward
+        return concrete(ActivationProfile(
+            blocks=results,
+            outer_saved=recorder.saved_by(None),
+            outer_saved_after=recorder.saved_after_blocks(),
+            outer_backward=outer_use.used_after_blocks() + 2 * output_bytes,
+            batch_bytes=batch_bytes,
+        ))
+
+
+def concrete(value: Any) -> Any:
+    """``value`` with each symbolic number (a size that followed a value, on fake tensors carrying real ones) made the
+    number the real values gave: the planner's arithmetic after the measurement is on plain ints."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(value)](value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{  # type: ignore[misc]
+            f.name: concrete(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init})
+    if type(value) in (list, tuple):
+        return type(value)(concrete(v) for v in value)
+    if type(value) is dict:
+        return {key: concrete(v) for key, v in value.items()}
+    return value
 
 

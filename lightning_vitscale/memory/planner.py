@@ -20,7 +20,7 @@ from lightning_vitscale.discovery import ModuleSelector, find_blocks, holds_para
 from lightning_vitscale.discovery.blocks import Named
 from lightning_vitscale.discovery.calls import Calls, recording
 from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector
-from lightning_vitscale.memory.activations import ModeOf, StepCall, measure_activations
+from lightning_vitscale.memory.activations import ModeOf, RealValues, StepCall, measure_activations
 from lightning_vitscale.memory.devices import device_named, memory_names
 from lightning_vitscale.memory.memory_plan import Candidate, MemoryPlan
 from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, search
@@ -137,11 +137,13 @@ def step_inputs(
     precision: str = "bf16-mixed", optimizer: str = "adamw", blocks: ModuleSelector | None = None,
     device: torch.device | str | None = None, loop: TrainingLoop | None = None, call: StepCall | None = None,
     mode_of: ModeOf | None = None, tensor_parallel: int = 1, tensor_plan: TensorPlanSelector | None = None,
-    calls: Calls | None = None,
+    calls: Calls | None = None, values: RealValues | None = None, measured_batch: int | None = None,
 ) -> StepInputs:
     """Measure ``model`` on fake tensors for :func:`predict_step` (see :func:`plan_memory`; ``world_size``: one
     FSDP shard group; ``device``: where the step runs, ``None``: a GPU). ``calls``: filled with what the step called,
-    even when it raises; a block it never called is measured as the modules of it that ran."""
+    even when it raises; a block it never called is measured as the modules of it that ran. ``values``: the fake
+    tensors carry these real ones (:func:`.measure_activations`); ``measured_batch``: the samples in
+    ``example_input`` where its first tensor's first dimension is not (a list of images)."""
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not known; choose one of {', '.join(OPTIMIZER_STATES)}.")
     if world_size < 1:
@@ -149,7 +151,9 @@ def step_inputs(
     policy = resolve_flag(precision)
     record = calls if calls is not None else Calls()
     record.clear()
-    measured_batch = batch_size_of(example_input)
+    measured_batch = measured_batch or batch_size_of(example_input)
+    if values is not None and tensor_parallel > 1:
+        raise ValueError("real values are carried for one whole model, not one tensor-parallel rank's share")
 
     def measure(called: Collection[str] | None = None, fed: Mapping[str, str] | None = None,
                 policy: PrecisionPolicy = policy) -> StepInputs:
@@ -158,7 +162,7 @@ def step_inputs(
             twin, found, log = split_twin(model, found, tensor_parallel, tensor_plan)
             norms = model_parts(twin, None, policy)[1]
         with recording(twin, record, found), fresh_caches(twin):
-            profile = measure_activations(twin, found, example_input, policy.compute, norms, call, mode_of, log)
+            profile = measure_activations(twin, found, example_input, policy.compute, norms, call, mode_of, log, values)
         return StepInputs(
             layout=ModelLayout.of(twin, [b for _, b in found], norms),
             profile=profile,

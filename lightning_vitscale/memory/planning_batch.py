@@ -4,16 +4,19 @@
 The training batch is read at setup, before the units are made: the train ``DataLoader``'s first ``batch_size``
 samples, collated, alike on every rank (no worker, no sampler). It runs as ``training_step(batch, 0)`` on a meta
 twin (the module's Python state untouched), ``self.log`` silenced, torchmetrics metrics left out, ``.item()``
-symbolic; a step that branches on a value is measured through ``forward`` on the batch's first tensor. The global
+symbolic; a step that branches on a value runs again on fake tensors carrying real values (the model's, and the
+batch's or a few of its samples': :mod:`.real_values`), else (no real values: a meta model) is measured through
+``forward`` on the batch's first tensor. The global
 random states (torch, Python, NumPy) are kept: training sees DDP's random numbers. Batch-transfer hooks are not run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import sys
-from collections.abc import Iterator, Mapping, Sized
+from collections.abc import Callable, Iterator, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_vitscale._compat import train_dataloader
 from lightning_vitscale.discovery.tensor_plan import TensorPlanError
 from lightning_vitscale.memory.planner import step_inputs
+from lightning_vitscale.memory.real_values import follows_values, measure_on_real_values
 from lightning_vitscale.memory.selective_ops import SelectiveCheckpointingError
 from lightning_vitscale.memory.step_model import StepInputs
 from lightning_vitscale.memory.twin import meta_twin
@@ -36,11 +40,14 @@ FIRST_STEP = "the first training batch"
 
 @dataclass(frozen=True)
 class PlanningBatch:
-    """``value`` fed to ``forward``, or with ``through_training_step`` a batch as ``training_step`` receives it."""
+    """``value`` fed to ``forward``, or with ``through_training_step`` a batch as ``training_step`` receives it, of
+    ``samples``; ``first(k)`` collates its first ``k`` alone (a step run on real values runs a few of them)."""
 
     value: Any
     source: str
     through_training_step: bool = False
+    first: Callable[[int], Any] | None = None
+    samples: int = 1
 
 
 def planning_batch(module: nn.Module, trainer: Any | None) -> PlanningBatch | None:
@@ -50,18 +57,22 @@ def planning_batch(module: nn.Module, trainer: Any | None) -> PlanningBatch | No
         return PlanningBatch(example, EXAMPLE_INPUT)
     if trainer is None:
         return None
-    batch = first_batch(train_dataloader(trainer))
-    return None if batch is None else PlanningBatch(batch, TRAIN_BATCH, through_training_step=True)
+    loader = train_dataloader(trainer)
+    batch = first_batch(loader)
+    if batch is None:
+        return None
+    samples = min(loader.batch_size, len(loader.dataset))
+    return PlanningBatch(batch, TRAIN_BATCH, True, functools.partial(first_batch, loader), samples)
 
 
-def first_batch(loader: Any) -> Any | None:
-    """The first ``batch_size`` samples of a ``DataLoader`` over a map-style dataset, collated; ``None`` for anything
-    else (an iterable may be consumed by reading it)."""
+def first_batch(loader: Any, samples: int | None = None) -> Any | None:
+    """The first ``batch_size`` (or ``samples``) samples of a ``DataLoader`` over a map-style dataset, collated;
+    ``None`` for anything else (an iterable may be consumed by reading it)."""
     dataset = loader.dataset if isinstance(loader, DataLoader) and loader.batch_size else None
     if isinstance(dataset, IterableDataset) or not isinstance(dataset, Sized) or not len(dataset):
         return None
     with random_state_kept():  # random transforms (flips, crops) must not shift the training run's numbers
-        return loader.collate_fn([dataset[i] for i in range(min(loader.batch_size, len(dataset)))])
+        return loader.collate_fn([dataset[i] for i in range(min(samples or loader.batch_size, len(dataset)))])
 
 
 @contextlib.contextmanager
@@ -130,12 +141,17 @@ def measure_batch(model: nn.Module, batch: PlanningBatch, **step_kwargs: Any) ->
     with random_state_kept():  # a training_step's random calls must not shift the training run's numbers
         measurable = batch.through_training_step and is_overridden("training_step", model)
         if measurable and getattr(model, "automatic_optimization", True):  # a manual one steps the optimizer
+            twin = meta_twin(model)
             try:
-                inputs = step_inputs(meta_twin(model), batch.value, call=training_step_call, **step_kwargs)
+                inputs = step_inputs(twin, batch.value, call=training_step_call, **step_kwargs)
                 return inputs, f"{batch.source}, through training_step"
             except (TensorPlanError, SelectiveCheckpointingError):
                 raise
             except Exception as error:
+                measured = measure_on_real_values(model, twin, batch.value, batch.samples, batch.first,
+                                                  training_step_call, **step_kwargs) if follows_values(error) else None
+                if measured is not None:  # a branch followed values: run on real ones
+                    return measured[0], f"{batch.source}, through training_step, {measured[1]}"
                 if not has_forward(model):
                     raise
                 how = f" (training_step could not run on fake tensors: {type(error).__name__})"

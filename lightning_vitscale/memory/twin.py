@@ -33,6 +33,23 @@ def meta_twin(module: nn.Module) -> nn.Module:
     return twin
 
 
+REAL_VALUES_LIMIT = 4 * 2**30
+"""The most parameter and buffer bytes the planner copies to the host to run a step on real values (a 1B-parameter
+model in fp32): the copy, its gradients and the step's activations are host memory."""
+
+
+def real_values(twin: nn.Module, module: nn.Module) -> dict[int, torch.Tensor] | None:
+    """``module``'s parameters and buffers by ``id`` of ``twin``'s (its :func:`meta_twin`, or itself), or ``None``
+    where they hold no value to run on (meta, sharded, fake) or would take more than :data:`REAL_VALUES_LIMIT`."""
+    pairs = list(zip([*twin.parameters(), *twin.buffers()], [*module.parameters(), *module.buffers()], strict=True))
+    plain = (torch.Tensor, nn.Parameter)
+    if any(type(real) not in plain or real.is_meta for _, real in pairs):  # a DTensor, a FakeTensor, a meta tensor
+        return None
+    if sum(real.numel() * real.element_size() for _, real in pairs) > REAL_VALUES_LIMIT:
+        return None
+    return {id(tensor): real for tensor, real in pairs}
+
+
 _LRU_CACHE = type(functools.lru_cache(lambda: None))
 
 

@@ -3,6 +3,8 @@ Lightning."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.helpers.launch import launch_ranks
@@ -199,7 +201,7 @@ def test_auto_applies_the_planners_choice_at_the_first_step(auto):
         assert result["pinned_per_unit"] > 1 and "no batch at setup to plan units with" in pinned, pinned
         assert "checkpointed blocks : 4 of 4" in pinned, pinned
         assert result["pinned_losses"] == pytest.approx(result["ddp_losses"], rel=1e-5, abs=1e-6)
-        # A batch at setup, but a step fake tensors cannot follow: the same grouping, said so (mutation seen failing:
+        # A batch at setup, but a step no fake tensor can run: the same grouping, said so (mutation seen failing:
         # the units from the structure, one per block, as before).
         branching = result["branching_summary"]
         assert result["branching_per_unit"] == result["pinned_per_unit"], branching
@@ -213,3 +215,16 @@ def test_auto_applies_the_planners_choice_at_the_first_step(auto):
         assert "FSDP units          : 5 (4 blocks + 1 outer)" in fallback, fallback
         assert "cannot plan for speed: every block checkpointed (if the activations fit" in fallback, fallback
         assert result["fallback_losses"] == pytest.approx(result["ddp_losses"], rel=1e-5, abs=1e-6)
+        # The default on a step that branches on a value: measured on real values, and the plain model's plan (its
+        # units, their checkpointing, the predicted peak and step time), with DDP's losses. Mutation seen failing:
+        # no run on real values (the recipe's fallback, as above).
+        real, plain = result["real_summary"], result["plain_summary"]
+        assert "through training_step, with real values on its first 2 and 3 samples, extrapolated to 8" in real, real
+        assert _plan_lines(real) == _plan_lines(plain), (real, plain)
+        assert result["real_losses"] == pytest.approx(result["ddp_losses"], rel=1e-5, abs=1e-6)
+
+
+def _plan_lines(summary: str) -> list[str]:
+    """The summary's units and checkpointing lines, less the words saying how the step was measured."""
+    lines = [line for line in summary.splitlines() if line.lstrip().startswith(("FSDP units", "checkpointed blocks"))]
+    return [re.sub(r"\(measured on [^()]*(\([^()]*\))*[^()]*\)", "", line) for line in lines]

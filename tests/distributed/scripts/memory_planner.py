@@ -88,11 +88,20 @@ def scenario(shape: str, ac: str, precision: str) -> dict:
 
 
 class BranchingViT(TinyViT):
-    """A forward that branches on a value: it cannot run on fake tensors (never taken here: DDP's numbers)."""
+    """A forward that branches on a value, as torchvision's detection models do on their boxes: fake tensors cannot
+    follow it, fake tensors carrying real values can (never taken here: DDP's numbers)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
         return out * 0.5 if out.abs().max() > 1e6 else out
+
+
+class OpaqueViT(TinyViT):
+    """A forward that reads a value through NumPy: no fake tensor can run it (never taken here: DDP's numbers)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out * 0.5 if out.detach().abs().max().numpy() > 1e6 else out
 
 
 def auto_first_step() -> dict:
@@ -150,18 +159,27 @@ def auto_first_step() -> dict:
     pinned_model, pinned = TinyViT(**kwargs), VitScaleStrategy(activation_checkpointing=True)
     L.Trainer(accelerator="cpu", devices=WORLD, strategy=pinned, max_steps=2, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False).fit(pinned_model, Streamed(data))
-    # The same pinned checkpointing on a DataLoader (a batch at setup) whose step fake tensors cannot follow (the
-    # forward branches on a value, as torchvision's detection models do): grouped as without a batch.
+    # The same pinned checkpointing on a DataLoader (a batch at setup) whose step no fake tensor can run (the
+    # forward reads a value through NumPy): grouped as without a batch.
     L.seed_everything(0, verbose=False)
-    branching_model, branching = BranchingViT(**kwargs), VitScaleStrategy(activation_checkpointing=True)
+    branching_model, branching = OpaqueViT(**kwargs), VitScaleStrategy(activation_checkpointing=True)
     L.Trainer(accelerator="cpu", devices=WORLD, strategy=branching, max_steps=2, logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
               use_distributed_sampler=False).fit(branching_model, data)  # every rank the same batches, as streamed
     L.seed_everything(0, verbose=False)
-    fallback_model, fallback = BranchingViT(**kwargs), VitScaleStrategy()  # the default's recipe fallback
+    fallback_model, fallback = OpaqueViT(**kwargs), VitScaleStrategy()  # the default's recipe fallback
     L.Trainer(accelerator="cpu", devices=WORLD, strategy=fallback, max_steps=2, logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
               use_distributed_sampler=False).fit(fallback_model, data)
+    # The default on a forward that branches on a value: measured on real values (its first 2 and 3 samples,
+    # extrapolated to the batch of 8) and planned as the same model without the branch.
+    plans = {}
+    for name, model_class in (("real", BranchingViT), ("plain", TinyViT)):
+        L.seed_everything(0, verbose=False)
+        plans[name] = (model_class(**kwargs), VitScaleStrategy())
+        L.Trainer(accelerator="cpu", devices=WORLD, strategy=plans[name][1], max_steps=2, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  use_distributed_sampler=False).fit(plans[name][0], data)
     L.seed_everything(0, verbose=False)
     ddp_model = TinyViT(**kwargs)
     L.Trainer(accelerator="cpu", devices=WORLD, strategy="ddp", max_steps=2, logger=False, enable_checkpointing=False,
@@ -174,6 +192,8 @@ def auto_first_step() -> dict:
                 branching_per_unit=branching.plan.blocks_per_unit, branching_losses=branching_model.losses,
                 fallback_summary=fallback.plan.summary(), fallback_per_unit=fallback.plan.blocks_per_unit,
                 fallback_checkpointed=len(fallback.plan.checkpointed), fallback_losses=fallback_model.losses,
+                real_summary=plans["real"][1].plan.summary(), plain_summary=plans["plain"][1].plan.summary(),
+                real_losses=plans["real"][0].losses,
                 expected=[expected.modes.count("full"), expected.modes.count("selective"), expected.resharded],
                 patched=[checkpoint_mode(b) for b in model.blocks], losses=model.losses,
                 default_summary=default.plan.summary(), default_peak=default.plan.predicted_peak,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -22,7 +23,9 @@ from lightning_vitscale.memory.planning_batch import (
     first_batch,
     has_forward,
     measure_batch,
+    planning_batch,
 )
+from lightning_vitscale.memory.step_model import StepSettings, predict_step
 from lightning_vitscale.precision.settings import resolve_flag
 from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig, resolve_config
 
@@ -103,23 +106,76 @@ def test_a_training_step_that_updates_a_metric_is_measured_through_training_step
 
 
 class Branching(TinyViT):
-    """A ``training_step`` that decides on a value: fake tensors have none."""
+    """A ``training_step`` that decides on a value: fake tensors have none (the branch is never taken here)."""
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
         return loss * 0.5 if loss.item() > 100 else loss
 
 
-def test_a_training_step_that_reads_a_value_is_measured_through_it_and_one_that_branches_on_it_through_forward():
+class ThroughNumPy(TinyViT):
+    """A ``training_step`` that reads its output through NumPy: no fake tensor, with or without values, can."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * 0.5 if loss.detach().numpy() > 100 else loss
+
+
+def test_a_training_step_that_reads_a_value_is_measured_through_it_and_one_that_branches_on_it_on_real_values():
+    """A branch on a value: measured through ``training_step`` again, on fake tensors carrying real values (the batch
+    whole where it is small); without real values (a model on the meta device) or where none helps (NumPy) through
+    ``forward``, as before. Each gives the plain model's numbers. Mutation seen failing: no real-value run (through
+    forward)."""
     batch = PlanningBatch(first_batch(DataLoader(data(), batch_size=4)), TRAIN_BATCH, through_training_step=True)
     plain = step_inputs(TinyViT(**SMALL), batch.value[0], world_size=1, precision="32-true", device="cpu")
     # TinyViT's training_step appends loss.item() to a list: a symbolic number on fake tensors, measured as it runs
-    inputs, how = measure_batch(TinyViT(**SMALL), batch, world_size=1, precision="32-true", device="cpu")
+    step, how = measure_batch(TinyViT(**SMALL), batch, world_size=1, precision="32-true", device="cpu")
     assert how == "one batch of the train dataloader, through training_step", how
-    assert inputs.profile.blocks == plain.profile.blocks
+    assert step.profile.blocks == plain.profile.blocks
     inputs, how = measure_batch(Branching(**SMALL), batch, world_size=1, precision="32-true", device="cpu")
-    assert how.startswith("one batch of the train dataloader, through forward (training_step could not run"), how
-    assert inputs.profile.blocks == plain.profile.blocks
+    assert how == "one batch of the train dataloader, through training_step, with real values", how
+    assert inputs.profile == step.profile and inputs.batch_scale == 1
+    for model in (ThroughNumPy(**SMALL), Branching(**SMALL).to("meta")):
+        inputs, how = measure_batch(model, batch, world_size=1, precision="32-true", device="cpu")
+        assert how.startswith("one batch of the train dataloader, through forward (training_step could not run"), how
+        assert inputs.profile.blocks == plain.profile.blocks
+
+
+def test_a_larger_batch_runs_two_and_three_samples_on_real_values_and_extrapolates_to_the_batch():
+    """Eight samples: the real-value run takes the first two and three and carries each number along their line, which
+    for a ViT (activations grow with the samples, weight gradients do not) is the batch's own measurement, exactly;
+    scaling one sample's numbers by 8 would over-predict the backward (the gradients counted eight times). Mutation
+    seen failing: the batch scaled from three samples (the peak over by the gradients)."""
+    loader = DataLoader(data(), batch_size=8)
+    batch = planning_batch(Branching(**SMALL), _fitting(loader))
+    assert batch is not None and batch.samples == 8
+    plain, _ = measure_batch(TinyViT(**SMALL), batch, world_size=1, precision="32-true", device="cpu")
+    model = Branching(**SMALL)
+    state = torch.get_rng_state()
+    inputs, how = measure_batch(model, batch, world_size=1, precision="32-true", device="cpu")
+    assert torch.equal(torch.get_rng_state(), state)  # the real run drew its random numbers from a fork
+    assert how.endswith("with real values on its first 2 and 3 samples, extrapolated to 8"), how
+    assert inputs.profile == plain.profile and inputs.batch_scale == 1
+    every = StepSettings(frozenset({0, 1}))
+    assert predict_step(inputs, every).peak == predict_step(plain, every).peak
+
+
+def test_extrapolation_keeps_what_does_not_grow_and_refuses_unlike_measurements():
+    from lightning_vitscale.memory.real_values import _Unlike, extrapolated
+
+    two = dict(saved=[200, 10], calls=3, share=1.5, name="blocks.0")
+    three = dict(saved=[300, 10], calls=3, share=1.5, name="blocks.0")
+    assert extrapolated(two, three, 5) == dict(saved=[800, 10], calls=3, share=1.5, name="blocks.0")
+    assert extrapolated(dict(free=30), dict(free=20), 5) == dict(free=0)  # never below nothing
+    for unlike in (dict(three, saved=[300]), dict(three, name="blocks.1"), dict(three, share=None)):
+        with pytest.raises(_Unlike):
+            extrapolated(two, unlike, 5)
+
+
+def _fitting(loader: DataLoader) -> SimpleNamespace:
+    """What ``planning_batch`` reads of a Trainer while fitting: its train dataloader."""
+    return SimpleNamespace(fit_loop=SimpleNamespace(_data_source=SimpleNamespace(
+        is_defined=lambda: True, dataloader=lambda: loader)))
 
 
 def test_the_planners_units_keep_to_memory_budget_without_auto(mesh, monkeypatch):
