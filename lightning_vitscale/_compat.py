@@ -5,10 +5,11 @@ torch where they are used, not through this module."""
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -64,12 +65,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector
 from torch._functorch import config as functorch_config  # planner: fake tensors that carry real values
-from torch._subclasses.fake_tensor import (  # memory planner: shapes without memory
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensor,
-    FakeTensorMode,
-)
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # memory planner: shapes without memory
 from torch._tensor import _rebuild_from_type_v2 as rebuild_from_type_v2  # FSDP1 local files: a tensor subclass
 from torch._utils import _rebuild_tensor_v2 as rebuild_tensor_v2  # FSDP1 local files: a plain tensor, pickled
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
@@ -83,13 +79,14 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as Reduc
 from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState  # units of several modules (torch 2.11)
 from torch.distributed.tensor import DTensor  # public: for the code below only (import it from torch)
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # a DTensor shard's box (init/)
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv  # planner: .item() on fakes
+from torch.fx.experimental.symbolic_shapes import ShapeEnv  # planner: a step's .item() on fake tensors
 from torch.multiprocessing.reductions import StorageWeakRef  # planner: a storage's life, whoever holds it
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 from torch.nn.modules.instancenorm import _InstanceNorm as InstanceNormBase
 from torch.optim.optimizer import _get_fused_kernels_supported_devices as fused_kernel_devices
 from torch.serialization import _get_layout as get_layout  # FSDP1 local files: a tensor's layout, pickled
 from torch.utils._python_dispatch import TorchDispatchMode  # planner and init replay: every op on tensors
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # planner: real values
 from torch.utils._pytree import tree_leaves, tree_map
 
 # Every private torch/Lightning name the package uses, with what it is for; tests/unit/test_compat.py resolves each
@@ -99,15 +96,15 @@ PRIVATE_NAMES = {
     "copyreg._reconstructor": "stdlib pickle's class-rebuilding reducer: plain_copy.py (a module whose class changed)",
     "torch._dynamo": "regional compilation's dynamo options (kernels/compile.py)",
     "torch._subclasses.fake_tensor.FakeTensor": "memory planner: shapes without memory",
-    "torch._subclasses.fake_tensor.DataDependentOutputException": "planner: a step whose shapes follow values",
-    "torch._subclasses.fake_tensor.DynamicOutputShapeException": "planner: a step whose shapes follow values",
     "torch._functorch.config.fake_tensor_propagate_real_tensors": "planner: fake tensors carrying real values",
+    "torch._functorch.config.generate_fake_kernels_from_real_mismatches": "planner: the real value's shape stands",
     "torch._subclasses.fake_tensor.FakeTensorMode": "memory planner: shapes without memory",
     "torch._tensor._rebuild_from_type_v2": "FSDP1 local files: a pickled tensor subclass",
     "torch._utils._rebuild_tensor_v2": "FSDP1 local files: a pickled plain tensor",
     "torch.utils._pytree.tree_leaves": "the tensors in a nested structure",
     "torch.utils._pytree.tree_map": "a function over the tensors in a nested structure",
     "torch.utils._python_dispatch.TorchDispatchMode": "planner and init replay: every op on tensors",
+    "torch.utils._python_dispatch._disable_current_modes": "planner: a fake tensor's real value read outside the mode",
     "torch.serialization._get_layout": "FSDP1 local files: a pickled tensor's layout",
     "torch.serialization._get_restore_location": "torch.load's `map_location` rule, applied to one storage",
     "torch.distributed.checkpoint._fsspec_filesystem.FsspecReader": "DCP at a URL (s3://, gs://, memory://)",
@@ -545,14 +542,35 @@ def train_dataloader(trainer: Any) -> Any:
     return source.dataloader() if source.is_defined() else None
 
 
-VALUE_DEPENDENT_ERRORS = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
-"""What fake tensors raise where a step's control flow or shapes follow its values (``if boxes.any()``, NMS)."""
+@contextlib.contextmanager
+def real_numpy() -> Iterator[None]:
+    """In the body, ``.numpy()`` of a fake tensor carrying a real one (and so ``np.asarray``, SciPy's Hungarian
+    matching in DETR-style losses) is the real one's; one carrying none raises as before."""
+    refused = FakeTensor.__dict__.get("numpy")
+
+    def numpy(self: Any, *, force: bool = False) -> Any:
+        real = getattr(self, "real_tensor", None)
+        if real is None:
+            raise RuntimeError(".numpy() is not supported for tensor subclasses.")
+        with disable_current_modes():  # the real tensor's ops, not the fake mode's
+            return real.detach().numpy(force=force)
+
+    FakeTensor.numpy = numpy  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if refused is None:
+            del FakeTensor.numpy
+        else:
+            FakeTensor.numpy = refused  # type: ignore[method-assign]
 
 
 def propagating_real_tensors() -> Any:
-    """Around making a ``FakeTensorMode``: its fake tensors carry real ones, which decide data-dependent branches
-    (torch.export's draft mode)."""
-    return functorch_config.patch(fake_tensor_propagate_real_tensors=True)
+    """Around making a ``FakeTensorMode`` and running it: its fake tensors carry real ones, which decide
+    data-dependent branches, and where an op's fake result disagrees with its real one (an index taken from a value
+    gives a symbolic storage offset) the real one's shape stands (torch.export's draft mode sets both)."""
+    return functorch_config.patch(fake_tensor_propagate_real_tensors=True,
+                                  generate_fake_kernels_from_real_mismatches=True)
 
 
 def compile_context(module: Any) -> Any:

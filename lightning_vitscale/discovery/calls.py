@@ -43,6 +43,9 @@ class Calls:
     fed: dict[str, str] = field(default_factory=dict)
     """Module -> the module whose output its first call took as its first tensor argument: a stack's blocks feed
     each other, an MoE layer's experts (each handed its own tokens) do not (``blocks._side_by_side``)."""
+    order: list[str] = field(default_factory=list)
+    """The blocks a measured step called, in the order it called them, a call each (set by the planner, whose hooks
+    see the step's calls alone): which blocks run as one stretch (``unit_groups.sharing_keys``)."""
     full_precision: set[str] = field(default_factory=set)
     """Modules the step ran inside its own ``torch.autocast(..., enabled=False)``: fp32 under DDP's AMP, so kept in
     fp32 under O2 too (``PrecisionPolicy.keeping_fp32``)."""
@@ -60,10 +63,10 @@ class Calls:
         """Rank 0's record of what ran and what fed what, on every rank (``broadcast``: rank 0's value everywhere):
         a step that runs differently by rank (LayerDrop drawn per rank) must not give the ranks different blocks,
         and so different units whose collectives cannot pair."""
-        counts, fed, error, running, full = broadcast((self.counts, self.fed, self.error, self.running,
-                                                       self.full_precision))
+        counts, fed, error, running, full, order = broadcast((self.counts, self.fed, self.error, self.running,
+                                                              self.full_precision, self.order))
         self.counts, self.fed, self.error, self.running = Counter(counts), dict(fed), error, list(running)
-        self.full_precision = set(full)
+        self.full_precision, self.order = set(full), list(order)
 
     @property
     def where(self) -> str:

@@ -23,8 +23,10 @@ from lightning_vitscale._compat import (
     ShapeEnv,
     TorchDispatchMode,
     buffer_slots,
+    op_mutates,
     parameter_slots,
     propagating_real_tensors,
+    real_numpy,
     storage_id,
     tree_map,
 )
@@ -62,6 +64,29 @@ class _FakeMode(FakeTensorMode):
         return bool(FakeTensorMode.avoid_device_init.fget(self))  # type: ignore[attr-defined]
 
 
+class _RealValuedMode(_FakeMode):
+    """Fake tensors carrying real values. A real result laid out otherwise than its fake one (CPU's GroupNorm keeps a
+    channels-last input's layout, its fake kernel does not: ViTDet's pyramid in examples/detection.py) is copied into
+    the fake one's layout: a view of it (``target[i, label]``) then sits at the offset the fake view has, which
+    torch checks."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if not func.is_view and not op_mutates(func):
+            for fake in tensors_of(out):
+                _lay_out_as_fake(fake)
+        return out
+
+
+def _lay_out_as_fake(fake: torch.Tensor) -> None:
+    real = getattr(fake, "real_tensor", None)
+    if real is None or real.shape != fake.shape or not all(type(s) is int for s in fake.stride()):
+        return
+    if real.stride() != fake.stride():
+        laid = torch.empty_strided(real.shape, fake.stride(), dtype=real.dtype, device=real.device)
+        fake.real_tensor = laid.copy_(real)  # type: ignore[attr-defined]
+
+
 def _fake_mode(symbolic_items: bool, values: RealValues | None) -> FakeTensorMode:
     """Through a custom call (a training_step) a ``.item()`` (a loss appended to a list) gives a symbolic number
     instead of failing; branching on it fails unless the fake tensors carry ``values``. A plain tensor attribute
@@ -69,8 +94,8 @@ def _fake_mode(symbolic_items: bool, values: RealValues | None) -> FakeTensorMod
     instead of failing the measurement."""
     if values is None:
         return _FakeMode(shape_env=ShapeEnv() if symbolic_items else None, allow_non_fake_inputs=True)
-    with propagating_real_tensors():  # static shapes: only what follows a value is symbolic, resolved by it
-        return _FakeMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True, static_shapes=True)
+    # Under `_carrying_real_values`. Static shapes: only what follows a value is symbolic, resolved by it.
+    return _RealValuedMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True, static_shapes=True)
 
 
 def _fake_input(value: torch.Tensor, dtype: torch.dtype, mode: FakeTensorMode, real: bool) -> torch.Tensor:
@@ -82,15 +107,19 @@ def _fake_input(value: torch.Tensor, dtype: torch.dtype, mode: FakeTensorMode, r
 
 
 @contextlib.contextmanager
-def _quiet_real_branches(quiet: bool) -> Iterator[None]:
-    """torch warns at each branch a real value decided (meant for export, where such a guard is a finding); here it is
-    the reason the values are carried."""
+def _carrying_real_values(on: bool) -> Iterator[None]:
+    """Fake tensors made and run in the body carry real values (:func:`propagating_real_tensors`), and torch's warning
+    at each branch a real value decided is silenced (meant for export, where such a guard is a finding; here it is
+    the reason the values are carried)."""
+    if not on:
+        yield
+        return
     logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
     level = logger.level
-    if quiet:
-        logger.setLevel(logging.ERROR)
+    logger.setLevel(logging.ERROR)
     try:
-        yield
+        with propagating_real_tensors(), real_numpy():
+            yield
     finally:
         logger.setLevel(level)
 
@@ -110,6 +139,7 @@ class ActivationProfile:
     outer_backward: int
     batch_bytes: int
     outer_saved_after: int = 0
+    order: tuple[int, ...] = ()  # the blocks (indices) in the order the step called them, a call each
 
 
 RealValues = Mapping[int, torch.Tensor]
@@ -186,6 +216,7 @@ class _Recorder:
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     arguments: dict[int, Arguments] = field(default_factory=dict)
     sizes: dict[int, list[int]] = field(default_factory=dict)  # each forward's input bytes, per block
+    sequence: list[int] = field(default_factory=list)  # the blocks in the order the step called them, a call each
     blocks_done: int = 0  # block forwards ended so far
     call: int = 0  # which call of the current block this is (0: its first)
 
@@ -198,6 +229,7 @@ class _Recorder:
     def enter(self, index: int) -> Callable[..., None]:
         def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             self.current = index
+            self.sequence.append(index)
             sizes = self.sizes.setdefault(index, [])
             self.call = len(sizes)
             first = next((t for t in tensors_of((args, kwargs)) if t.is_floating_point()), None)
@@ -264,10 +296,19 @@ def measure_activations(
     each block's settled checkpointing, measured alone (a third of the work; ``None``: every mode). ``values``: the
     fake tensors carry real ones (the step computes for real on the host, beside the fake run), for a step whose
     branches or shapes follow its values."""
+    with _carrying_real_values(values is not None):
+        return _measure(model, blocks, example_input, compute, norms, call, mode_of, all_reduces, values)
+
+
+def _measure(
+    model: nn.Module, blocks: list[tuple[str, nn.Module]], example_input: Any, compute: torch.dtype,
+    norms: list[nn.Module] | None, call: StepCall | None, mode_of: ModeOf | None, all_reduces: AllReduceLog | None,
+    values: RealValues | None,
+) -> ActivationProfile:
     norm_ids = {id(m) for m in norms or []}
     mode = _fake_mode(symbolic_items=call is not None, values=values)
     with fake_parameters(model, mode, compute, lambda m: id(m) in norm_ids, values), \
-            _fp32_norm_hooks(norms or [], compute), _quiet_real_branches(values is not None):
+            _fp32_norm_hooks(norms or [], compute):
         fake_input = tree_map(lambda v: v if not isinstance(v, torch.Tensor) else _fake_input(
             v, compute if v.is_floating_point() else v.dtype, mode, values is not None), example_input)
         real = tensors_of(example_input)
@@ -307,6 +348,7 @@ def measure_activations(
             outer_saved_after=recorder.saved_after_blocks(),
             outer_backward=outer_use.used_after_blocks() + 2 * output_bytes,
             batch_bytes=batch_bytes,
+            order=tuple(recorder.sequence),
         ))
 
 

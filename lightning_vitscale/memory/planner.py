@@ -163,6 +163,7 @@ def step_inputs(
             norms = model_parts(twin, None, policy)[1]
         with recording(twin, record, found), fresh_caches(twin):
             profile = measure_activations(twin, found, example_input, policy.compute, norms, call, mode_of, log, values)
+        record.order = [found[index][0] for index in profile.order]
         return StepInputs(
             layout=ModelLayout.of(twin, [b for _, b in found], norms),
             profile=profile,

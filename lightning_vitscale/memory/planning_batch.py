@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_vitscale._compat import train_dataloader
 from lightning_vitscale.discovery.tensor_plan import TensorPlanError
 from lightning_vitscale.memory.planner import step_inputs
-from lightning_vitscale.memory.real_values import follows_values, measure_on_real_values
+from lightning_vitscale.memory.real_values import measure_on_real_values
 from lightning_vitscale.memory.selective_ops import SelectiveCheckpointingError
 from lightning_vitscale.memory.step_model import StepInputs
 from lightning_vitscale.memory.twin import meta_twin
@@ -148,9 +148,11 @@ def measure_batch(model: nn.Module, batch: PlanningBatch, **step_kwargs: Any) ->
             except (TensorPlanError, SelectiveCheckpointingError):
                 raise
             except Exception as error:
+                # A branch or an index that followed a value (a SymInt index raises IndexError), an op without a
+                # fake kernel: real values decide them.
                 measured = measure_on_real_values(model, twin, batch.value, batch.samples, batch.first,
-                                                  training_step_call, **step_kwargs) if follows_values(error) else None
-                if measured is not None:  # a branch followed values: run on real ones
+                                                  training_step_call, **step_kwargs)
+                if measured is not None:
                     return measured[0], f"{batch.source}, through training_step, {measured[1]}"
                 if not has_forward(model):
                     raise

@@ -18,7 +18,6 @@ from typing import Any
 
 from torch import nn
 
-from lightning_vitscale._compat import VALUE_DEPENDENT_ERRORS
 from lightning_vitscale.memory.activations import StepCall
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_model import StepInputs
@@ -26,17 +25,6 @@ from lightning_vitscale.memory.twin import real_values
 
 SMALL_BATCH = 3
 """A batch of at most this many samples is run whole on real values; a larger one on its first 2 and 3 samples."""
-
-
-def follows_values(error: BaseException | None) -> bool:
-    """Whether ``error`` (or one it was raised from) is fake tensors meeting a branch or shape that follows a value."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, VALUE_DEPENDENT_ERRORS):
-            return True
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return False
 
 
 def measure_on_real_values(

@@ -88,7 +88,8 @@ def parallelize(
     #    Outer-unit layers take inputs in the compute dtype even when made in fp32 (blocks in the outer unit too).
     one_unit = _sharding_buys_nothing(mesh, tensor_mesh, resolved, blocks, kept_gathered, keep_every_unit)
     measured = calls is not None and bool(calls.called) and not calls.error
-    sharing = None if one_unit else sharing_keys(found, measured)  # one rank keeping all: no unit runs apart
+    # One rank keeping all: no unit runs apart.
+    sharing = None if one_unit else sharing_keys(found, measured, calls.order if calls is not None else ())
     if precision.compute != torch.float32:
         outer_layers = _outer_layers(model, blocks, norms.modules)
         cast_floating_inputs(outer_layers + [(n, b) for n, b in blocks if one_unit], precision.compute)

@@ -190,13 +190,14 @@ def test_a_block_made_of_repeated_parts_is_the_unit_and_trains_as_ddp(two, famil
 def test_blocks_of_containers_that_run_apart_never_share_a_unit_and_train_as_ddp(two, family):
     """HF's Mask2Former: grouped by position alone, its last pixel-decoder projection and its mask MLP's first layer
     made one unit, which the step runs apart (the MLP once per decoder layer, later), and every grouped plan failed
-    on resharded weights (DTensor's "mixed torch.Tensor and DTensor", or "data is not allocated"): two blocks a unit
-    pinned (its step cannot be measured, so nothing ran the grouping first). The default keeps the recipe's unit per
-    block there. Now where no step was measured a unit keeps to one container (``unit_groups.sharing_keys``).
-    Mutation seen failing: ``sharing_keys`` returning one key (the pinned run)."""
+    on resharded weights (DTensor's "mixed torch.Tensor and DTensor", or "data is not allocated"). Its step branches
+    on values (and matches with SciPy): measured on fake tensors carrying real values, neighbours share a unit only
+    where the measured step ran them back to back (``unit_groups.sharing_keys``). Mutation seen failing:
+    ``sharing_keys`` ignoring the measured order (both runs raised)."""
     ddp = two[0]["apart"][f"{family}:ddp"]["losses"]
     for run in ("default", "pinned"):
         facts = two[0]["apart"][f"{family}:{run}"]
         assert "error" not in facts, facts.get("error")
+        assert "with real values" in facts["summary"], facts["summary"]
         assert len(ddp) == 3 and max_relative_difference(facts["losses"], ddp) < 1e-5, run
         assert facts["fsdp_units"] > 2, facts["summary"]  # grouped, not one unit of everything

@@ -380,7 +380,8 @@ PARTS: dict[str, tuple[Callable[[], nn.Module], dict[str, int]]] = {
 class Mask2FormerLogits(nn.Module):
     """HF's Mask2Former (a Swin backbone, a pixel decoder, a masked-attention decoder) as a classifier on 32-pixel
     images: its 1x1 input projections run once in the pixel decoder, its mask MLP's layers once per decoder layer,
-    later, and its step cannot run on fake tensors (the decoder branches on a value)."""
+    later, and its step cannot run on fake tensors alone (the decoder branches on a value, the loss matches with
+    SciPy): it is measured on fake tensors carrying real values."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -96,12 +96,6 @@ class BranchingViT(TinyViT):
         return out * 0.5 if out.abs().max() > 1e6 else out
 
 
-class OpaqueViT(TinyViT):
-    """A forward that reads a value through NumPy: no fake tensor can run it (never taken here: DDP's numbers)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        return out * 0.5 if out.detach().abs().max().numpy() > 1e6 else out
 
 
 def auto_first_step() -> dict:
@@ -113,6 +107,7 @@ def auto_first_step() -> dict:
 
     from lightning_vitscale import VitScaleStrategy
     from lightning_vitscale.cli.demo import generated_images
+    from lightning_vitscale.memory import twin
     from lightning_vitscale.memory.measurement import training_loop
     from lightning_vitscale.memory.plan_search import SearchSpace, search
     from lightning_vitscale.memory.planner import choose
@@ -159,18 +154,21 @@ def auto_first_step() -> dict:
     pinned_model, pinned = TinyViT(**kwargs), VitScaleStrategy(activation_checkpointing=True)
     L.Trainer(accelerator="cpu", devices=WORLD, strategy=pinned, max_steps=2, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False).fit(pinned_model, Streamed(data))
-    # The same pinned checkpointing on a DataLoader (a batch at setup) whose step no fake tensor can run (the
-    # forward reads a value through NumPy): grouped as without a batch.
+    # The same pinned checkpointing on a DataLoader (a batch at setup) whose step fake tensors cannot follow (the
+    # forward branches on a value, as torchvision's detection models do) and, the size the planner copies to the
+    # host pinned below the model's, real values cannot either: grouped as without a batch.
+    limit, twin.REAL_VALUES_LIMIT = twin.REAL_VALUES_LIMIT, 0
     L.seed_everything(0, verbose=False)
-    branching_model, branching = OpaqueViT(**kwargs), VitScaleStrategy(activation_checkpointing=True)
+    branching_model, branching = BranchingViT(**kwargs), VitScaleStrategy(activation_checkpointing=True)
     L.Trainer(accelerator="cpu", devices=WORLD, strategy=branching, max_steps=2, logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
               use_distributed_sampler=False).fit(branching_model, data)  # every rank the same batches, as streamed
     L.seed_everything(0, verbose=False)
-    fallback_model, fallback = OpaqueViT(**kwargs), VitScaleStrategy()  # the default's recipe fallback
+    fallback_model, fallback = BranchingViT(**kwargs), VitScaleStrategy()  # the default's recipe fallback
     L.Trainer(accelerator="cpu", devices=WORLD, strategy=fallback, max_steps=2, logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
               use_distributed_sampler=False).fit(fallback_model, data)
+    twin.REAL_VALUES_LIMIT = limit
     # The default on a forward that branches on a value: measured on real values (its first 2 and 3 samples,
     # extrapolated to the batch of 8) and planned as the same model without the branch.
     plans = {}

@@ -7,15 +7,17 @@ import dataclasses
 from types import SimpleNamespace
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lightning_vitscale._utils import GIB, MIB
 from lightning_vitscale.cli.demo import TinyViT
-from lightning_vitscale.memory import describe_prediction, device_memory
+from lightning_vitscale.memory import describe_prediction, device_memory, twin
 from lightning_vitscale.memory.planner import plan_memory, resolve_budget, step_inputs
 from lightning_vitscale.memory.planning_batch import (
     TRAIN_BATCH,
@@ -114,28 +116,34 @@ class Branching(TinyViT):
 
 
 class ThroughNumPy(TinyViT):
-    """A ``training_step`` that reads its output through NumPy: no fake tensor, with or without values, can."""
+    """A ``training_step`` that reads its loss through NumPy (as DETR's loss matches boxes with SciPy): fake tensors
+    alone have no values to give it."""
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
-        return loss * 0.5 if loss.detach().numpy() > 100 else loss
+        return loss * 0.5 if np.asarray(loss.detach()) > 100 else loss
 
 
-def test_a_training_step_that_reads_a_value_is_measured_through_it_and_one_that_branches_on_it_on_real_values():
-    """A branch on a value: measured through ``training_step`` again, on fake tensors carrying real values (the batch
-    whole where it is small); without real values (a model on the meta device) or where none helps (NumPy) through
-    ``forward``, as before. Each gives the plain model's numbers. Mutation seen failing: no real-value run (through
-    forward)."""
+def test_a_training_step_that_reads_a_value_is_measured_through_it_and_one_that_branches_on_it_on_real_values(
+    monkeypatch,
+):
+    """A branch on a value, or a value read through NumPy: measured through ``training_step`` again, on fake tensors
+    carrying real values (the batch whole where it is small); without real values (a model on the meta device, one
+    over the size the planner copies) through ``forward``, as before. Each gives the plain model's numbers.
+    Mutations seen failing: no real-value run (through forward); ``.numpy()`` of a fake tensor left refused."""
     batch = PlanningBatch(first_batch(DataLoader(data(), batch_size=4)), TRAIN_BATCH, through_training_step=True)
     plain = step_inputs(TinyViT(**SMALL), batch.value[0], world_size=1, precision="32-true", device="cpu")
     # TinyViT's training_step appends loss.item() to a list: a symbolic number on fake tensors, measured as it runs
     step, how = measure_batch(TinyViT(**SMALL), batch, world_size=1, precision="32-true", device="cpu")
     assert how == "one batch of the train dataloader, through training_step", how
     assert step.profile.blocks == plain.profile.blocks
-    inputs, how = measure_batch(Branching(**SMALL), batch, world_size=1, precision="32-true", device="cpu")
-    assert how == "one batch of the train dataloader, through training_step, with real values", how
-    assert inputs.profile == step.profile and inputs.batch_scale == 1
-    for model in (ThroughNumPy(**SMALL), Branching(**SMALL).to("meta")):
+    for model in (Branching(**SMALL), ThroughNumPy(**SMALL)):
+        inputs, how = measure_batch(model, batch, world_size=1, precision="32-true", device="cpu")
+        assert how == "one batch of the train dataloader, through training_step, with real values", how
+        assert inputs.profile == step.profile and inputs.batch_scale == 1
+    big = Branching(**SMALL)
+    monkeypatch.setattr(twin, "REAL_VALUES_LIMIT", sum(p.numel() * 4 for p in big.parameters()) - 1)
+    for model in (big, Branching(**SMALL).to("meta")):
         inputs, how = measure_batch(model, batch, world_size=1, precision="32-true", device="cpu")
         assert how.startswith("one batch of the train dataloader, through forward (training_step could not run"), how
         assert inputs.profile.blocks == plain.profile.blocks
@@ -158,6 +166,50 @@ def test_a_larger_batch_runs_two_and_three_samples_on_real_values_and_extrapolat
     assert inputs.profile == plain.profile and inputs.batch_scale == 1
     every = StepSettings(frozenset({0, 1}))
     assert predict_step(inputs, every).peak == predict_step(plain, every).peak
+
+
+class ConvBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.gelu(self.conv(x))
+
+
+class Heatmap(L.LightningModule):
+    """A CenterNet-style loss, as examples/detection.py's: a target heatmap written at each label's channel (an index
+    taken from a value: on fake tensors alone a SymInt, which indexing refuses with an IndexError) of a GroupNorm's
+    output on channels-last activations (CPU's kernel keeps the layout, the fake one does not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ConvBlock() for _ in range(2))
+        self.norm = nn.GroupNorm(2, 8)
+
+    def training_step(self, batch, batch_idx):
+        x, labels = batch
+        x = x.contiguous(memory_format=torch.channels_last)
+        for block in self.blocks:
+            x = block(x)
+        heat = self.norm(x)
+        target = torch.zeros_like(heat)
+        for i, c in enumerate(labels.tolist()):
+            target[i, c] = torch.maximum(target[i, c], heat[i, c].detach().sigmoid())
+        return F.mse_loss(heat.sigmoid(), target)
+
+
+def test_an_index_taken_from_a_value_on_a_channels_last_activation_runs_on_real_values():
+    """Any error of the fake run is tried again on real values (here an IndexError, not a data-dependent guard), and
+    a real result is laid out as its fake one, so that a view of it sits at the fake view's offset. Mutation seen
+    failing: the real results left in CPU's layout (torch's real-value check refuses ``target[i, c]``'s offset, and
+    the fake run's IndexError is raised)."""
+    data = TensorDataset(torch.randn(8, 8, 6, 6), torch.randint(0, 8, (8,)))
+    batch = PlanningBatch(first_batch(DataLoader(data, batch_size=4)), TRAIN_BATCH, through_training_step=True)
+    inputs, how = measure_batch(Heatmap(), batch, world_size=1, precision="32-true", device="cpu")
+    assert how == "one batch of the train dataloader, through training_step, with real values", how
+    assert [block.name for block in inputs.profile.blocks] == ["blocks.0", "blocks.1"]
+    assert all(block.saved > 0 for block in inputs.profile.blocks)
 
 
 def test_extrapolation_keeps_what_does_not_grow_and_refuses_unlike_measurements():
