@@ -64,7 +64,8 @@ def sharing_keys(
     where every call of the first is followed by one of the second and every call of the second follows one of the
     first (Swin's stages, CLIP's two towers, a backbone run on two crop sizes). HF Mask2Former's last pixel-decoder
     projection runs once, its mask MLP's first layer once per decoder layer, later: grouped, the step failed on
-    resharded weights. Where no step was measured (its calls unknown), the container each unit sits in."""
+    resharded weights. A block the measured step did not call joins its neighbours' run. Where no step was measured
+    (its calls unknown), the container each unit sits in."""
     names = [name for _, members in units for name, _ in members]
     if not measured:
         return [f"in {unit.rpartition('.')[0]}" for unit, members in units for _ in members]
@@ -77,9 +78,11 @@ def sharing_keys(
             after.setdefault(earlier, set()).add(later)
         if later is not None:
             before.setdefault(later, set()).add(earlier)
-    keys, run = [], 0
-    for index, name in enumerate(names):
-        if index and not (after.get(names[index - 1]) == {name} and before.get(name) == {names[index - 1]}):
-            run += 1
+    keys, run, previous = [], 0, None
+    for name in names:
+        if name in before:  # called; one the measured step skipped (LayerDrop's draw) is stood in for in place
+            if previous is not None and not (after[previous] == {name} and before[name] == {previous}):
+                run += 1
+            previous = name
         keys.append(f"run {run}")
     return keys

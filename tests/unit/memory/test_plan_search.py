@@ -465,6 +465,8 @@ def test_blocks_join_a_unit_only_where_the_measured_step_runs_them_as_one_stretc
     assert group_blocks(list("abcde"), 2, sharing=unmeasured) == [["a", "b"], ["c"], ["d", "e"]]
     apart = sharing_keys(units, measured=True, order=[*names[:3], *names[3:] * 3])
     assert group_blocks(list("abcde"), 4, sharing=apart) == [["a", "b", "c"], ["d", "e"]]
+    skipped = sharing_keys(units, measured=True, order=[names[0], *names[2:]])  # LayerDrop skipped one
+    assert group_blocks(list("abcde"), 4, sharing=skipped) == [["a", "b", "c", "d"], ["e"]]
     twice = sharing_keys(units, measured=True, order=names * 2)
     assert group_blocks(list("abcde"), 4, sharing=twice) == [["a", "b", "c", "d"], ["e"]]
     assert group_blocks(list("abcde"), 4, sharing=sharing_keys(units, measured=True)) == [["a", "b", "c", "d"], ["e"]]

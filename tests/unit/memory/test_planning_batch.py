@@ -185,11 +185,12 @@ class Heatmap(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(ConvBlock() for _ in range(2))
+        self.stats = nn.BatchNorm2d(8)
         self.norm = nn.GroupNorm(2, 8)
 
     def training_step(self, batch, batch_idx):
         x, labels = batch
-        x = x.contiguous(memory_format=torch.channels_last)
+        x = self.stats(x.contiguous(memory_format=torch.channels_last))
         for block in self.blocks:
             x = block(x)
         heat = self.norm(x)
@@ -206,8 +207,10 @@ def test_an_index_taken_from_a_value_on_a_channels_last_activation_runs_on_real_
     the fake run's IndexError is raised)."""
     data = TensorDataset(torch.randn(8, 8, 6, 6), torch.randint(0, 8, (8,)))
     batch = PlanningBatch(first_batch(DataLoader(data, batch_size=4)), TRAIN_BATCH, through_training_step=True)
-    inputs, how = measure_batch(Heatmap(), batch, world_size=1, precision="32-true", device="cpu")
+    model = Heatmap()
+    inputs, how = measure_batch(model, batch, world_size=1, precision="32-true", device="cpu")
     assert how == "one batch of the train dataloader, through training_step, with real values", how
+    assert not model.stats.running_mean.any() and model.stats.num_batches_tracked == 0  # ran on copies
     assert [block.name for block in inputs.profile.blocks] == ["blocks.0", "blocks.1"]
     assert all(block.saved > 0 for block in inputs.profile.blocks)
 
