@@ -7,10 +7,8 @@ SDPA kernel family (no N x N matrix): one measurement serves CPU and GPU plans.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import logging
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,13 +18,9 @@ from torch import nn
 
 from lightning_vitscale._compat import (
     FakeTensorMode,
-    ShapeEnv,
     TorchDispatchMode,
     buffer_slots,
-    op_mutates,
     parameter_slots,
-    propagating_real_tensors,
-    real_numpy,
     storage_id,
     tree_map,
 )
@@ -38,6 +32,14 @@ from lightning_vitscale.memory.block_passes import (
     modes_to_measure,
     removing,
     spec,
+)
+from lightning_vitscale.memory.fake_modes import (
+    RealValues,
+    carrying_real_values,
+    concrete,
+    fake_batch_tensor,
+    fake_mode,
+    on_host,
 )
 from lightning_vitscale.memory.op_costs import tensors_of
 from lightning_vitscale.memory.selective_ops import blocks_calling_blocks
@@ -52,76 +54,6 @@ StepCall = Callable[[nn.Module, Any], Any]
 """How the measured forward is run: ``call(model, fake_input)`` (default ``model(fake_input)``, a tuple unpacked)."""
 ModeOf = Callable[[int, str, nn.Module], "str | None"]
 """The checkpointing a block will run: ``mode_of(index, name, block)`` -> ``"full"``, ``"selective"`` or ``None``."""
-
-
-class _FakeMode(FakeTensorMode):
-    """``FakeTensorMode`` that asks once whether a GPU may be initialised: under Lightning's
-    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` each ``torch.cuda.is_available()`` loads NVML, and it asked on every op
-    (~8% of the planner's CPU time in a profile of the test suite)."""
-
-    @functools.cached_property
-    def avoid_device_init(self) -> bool:  # type: ignore[override]
-        return bool(FakeTensorMode.avoid_device_init.fget(self))  # type: ignore[attr-defined]
-
-
-class _RealValuedMode(_FakeMode):
-    """Fake tensors carrying real values. A real result laid out otherwise than its fake one (CPU's GroupNorm keeps a
-    channels-last input's layout, its fake kernel does not: ViTDet's pyramid in examples/detection.py) is copied into
-    the fake one's layout: a view of it (``target[i, label]``) then sits at the offset the fake view has, which
-    torch checks."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if not func.is_view and not op_mutates(func):
-            for fake in tensors_of(out):
-                _lay_out_as_fake(fake)
-        return out
-
-
-def _lay_out_as_fake(fake: torch.Tensor) -> None:
-    real = getattr(fake, "real_tensor", None)
-    if real is None or real.shape != fake.shape or not all(type(s) is int for s in fake.stride()):
-        return
-    if real.stride() != fake.stride():
-        laid = torch.empty_strided(real.shape, fake.stride(), dtype=real.dtype, device=real.device)
-        fake.real_tensor = laid.copy_(real)  # type: ignore[attr-defined]
-
-
-def _fake_mode(symbolic_items: bool, values: RealValues | None) -> FakeTensorMode:
-    """Through a custom call (a training_step) a ``.item()`` (a loss appended to a list) gives a symbolic number
-    instead of failing; branching on it fails unless the fake tensors carry ``values``. A plain tensor attribute
-    (neither parameter nor buffer: HF VideoMAE's position table) stays real; an op meeting it takes it as a constant
-    instead of failing the measurement."""
-    if values is None:
-        return _FakeMode(shape_env=ShapeEnv() if symbolic_items else None, allow_non_fake_inputs=True)
-    # Under `_carrying_real_values`. Static shapes: only what follows a value is symbolic, resolved by it.
-    return _RealValuedMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True, static_shapes=True)
-
-
-def _fake_input(value: torch.Tensor, dtype: torch.dtype, mode: FakeTensorMode, real: bool) -> torch.Tensor:
-    """One batch tensor as the step meets it: in the compute dtype, fake, carrying its value where ``real``."""
-    if real:
-        return mode.from_tensor(value.detach().to(device=_CPU, dtype=dtype))
-    with mode:
-        return torch.empty(value.shape, dtype=dtype, device=_CPU)
-
-
-@contextlib.contextmanager
-def _carrying_real_values(on: bool) -> Iterator[None]:
-    """Fake tensors made and run in the body carry real values (:func:`propagating_real_tensors`), and torch's warning
-    at each branch a real value decided is silenced (meant for export, where such a guard is a finding; here it is
-    the reason the values are carried)."""
-    if not on:
-        yield
-        return
-    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with propagating_real_tensors(), real_numpy():
-            yield
-    finally:
-        logger.setLevel(level)
 
 
 @dataclass(frozen=True)
@@ -142,11 +74,6 @@ class ActivationProfile:
     order: tuple[int, ...] = ()  # the blocks (indices) in the order the step called them, a call each
 
 
-RealValues = Mapping[int, torch.Tensor]
-"""Real values of a model's parameters and buffers, by ``id`` of the tensor in the measured model (its meta twin's):
-fake tensors then carry them (:func:`~.._compat.propagating_real_tensors`) and a step branching on a value runs."""
-
-
 @contextlib.contextmanager
 def fake_parameters(
     model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype, keep_fp32: Callable[[nn.Module], bool],
@@ -165,7 +92,7 @@ def fake_parameters(
                 if value is not None:
                     keeps = not value.is_floating_point() or (store is not params and name in saved)
                     slots.append((store, name, value, value.dtype if keeps else wanted, store is params))
-    real = [None if values is None else _on_host(values.get(id(value)), value, kind)
+    real = [None if values is None else on_host(values.get(id(value)), value, kind)
             for _, _, value, kind, _ in slots]  # before entering the mode: real copies, not fake ones
     originals: list[tuple[dict, str, Any]] = []
     try:
@@ -179,13 +106,6 @@ def fake_parameters(
     finally:
         for store, name, value in reversed(originals):
             store[name] = value
-
-
-def _on_host(real: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``real`` as the step meets it, on the host (zeros where no value is known: never uninitialised memory)."""
-    if real is None:
-        return torch.zeros(like.shape, dtype=dtype)
-    return real.detach().to(device=_CPU, dtype=dtype)
 
 
 @contextlib.contextmanager
@@ -296,7 +216,7 @@ def measure_activations(
     each block's settled checkpointing, measured alone (a third of the work; ``None``: every mode). ``values``: the
     fake tensors carry real ones (the step computes for real on the host, beside the fake run), for a step whose
     branches or shapes follow its values."""
-    with _carrying_real_values(values is not None):
+    with carrying_real_values(values is not None):
         return _measure(model, blocks, example_input, compute, norms, call, mode_of, all_reduces, values)
 
 
@@ -306,10 +226,10 @@ def _measure(
     values: RealValues | None,
 ) -> ActivationProfile:
     norm_ids = {id(m) for m in norms or []}
-    mode = _fake_mode(symbolic_items=call is not None, values=values)
+    mode = fake_mode(symbolic_items=call is not None, values=values)
     with fake_parameters(model, mode, compute, lambda m: id(m) in norm_ids, values), \
             _fp32_norm_hooks(norms or [], compute):
-        fake_input = tree_map(lambda v: v if not isinstance(v, torch.Tensor) else _fake_input(
+        fake_input = tree_map(lambda v: v if not isinstance(v, torch.Tensor) else fake_batch_tensor(
             v, compute if v.is_floating_point() else v.dtype, mode, values is not None), example_input)
         real = tensors_of(example_input)
         batch_bytes = sum(t.numel() * t.element_size() for t in real)
@@ -350,20 +270,3 @@ def _measure(
             batch_bytes=batch_bytes,
             order=tuple(recorder.sequence),
         ))
-
-
-def concrete(value: Any) -> Any:
-    """``value`` with each symbolic number (a size that followed a value, on fake tensors carrying real ones) made the
-    number the real values gave: the planner's arithmetic after the measurement is on plain ints."""
-    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(value)](value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{  # type: ignore[misc]
-            f.name: concrete(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init})
-    if type(value) in (list, tuple):
-        return type(value)(concrete(v) for v in value)
-    if type(value) is dict:
-        return {key: concrete(v) for key, v in value.items()}
-    return value
-
-

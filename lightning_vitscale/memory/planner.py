@@ -20,8 +20,9 @@ from lightning_vitscale.discovery import ModuleSelector, find_blocks, holds_para
 from lightning_vitscale.discovery.blocks import Named
 from lightning_vitscale.discovery.calls import Calls, recording
 from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector
-from lightning_vitscale.memory.activations import ModeOf, RealValues, StepCall, measure_activations
+from lightning_vitscale.memory.activations import ModeOf, StepCall, measure_activations
 from lightning_vitscale.memory.devices import device_named, memory_names
+from lightning_vitscale.memory.fake_modes import RealValues
 from lightning_vitscale.memory.memory_plan import Candidate, MemoryPlan
 from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, search
 from lightning_vitscale.memory.step_cost import GPU_RATES, DeviceRates, traffic_per_dimension

@@ -142,8 +142,9 @@ def test_a_checkpointed_blocks_backward_on_fake_tensors_is_what_the_allocator_se
     """A fully checkpointed block's recompute and backward, measured on fake tensors, against torch's CPU allocator
     events on real ones: the recomputed tensors are held by autograd alone (their Python tensors die early), which
     a count through weak references to the tensors missed (0.75x)."""
-    from lightning_vitscale.memory.activations import _FakeMode, fake_parameters
+    from lightning_vitscale.memory.activations import fake_parameters
     from lightning_vitscale.memory.block_passes import peak_beyond_forward
+    from lightning_vitscale.memory.fake_modes import FakeMode as _FakeMode
 
     model = TinyViT(**LONG)
     block = model.blocks[0]
@@ -361,7 +362,8 @@ def test_an_outcome_that_cannot_be_pickled_is_measured_by_every_rank(monkeypatch
 def test_the_fake_step_meets_each_buffer_in_the_dtype_the_real_step_does():
     """The planner's fake step mirrors convert_module's rule: parameters in the compute dtype (FSDP casts them),
     unsaved buffers in it too, saved ones in their own (fp32, half again the bytes they were counted at), norms fp32."""
-    from lightning_vitscale.memory.activations import _FakeMode, fake_parameters
+    from lightning_vitscale.memory.activations import fake_parameters
+    from lightning_vitscale.memory.fake_modes import FakeMode as _FakeMode
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     model[0].register_buffer("saved", torch.ones(4))
