@@ -1,13 +1,14 @@
-"""A step whose branches or shapes follow its values (a detector's random resize, its box matching, NMS; a loss
-checked with ``if loss.item() > x``), measured on fake tensors that carry real ones: the step computes for real on
-the host beside the fake run, and each branch goes the way the real values take it.
+"""A step that fake tensors alone cannot run (a detector's random resize, box matching and NMS branch on values; a
+DETR loss matches boxes with SciPy; an index taken from a label), measured again on fake tensors that carry real
+ones: the step computes for real on the host beside the fake run, each branch goes the way the real values take it,
+``.numpy()`` gives the real values (:mod:`.fake_modes`).
 
 Real values cost what fake tensors never do: a host copy of the model (at most
 :data:`~.twin.REAL_VALUES_LIMIT`) and real compute and activations. So a batch of more than three samples is not run
 whole: its first two and first three samples are, and each measured number is extrapolated along the line through
 them to the batch (activations grow with the samples, a block's weight gradients do not: scaling one sample's numbers
-by the batch over-predicted a torchvision FCOS step by 12-29%). Two, not one: a BatchNorm after global pooling
-refuses a batch of one in training.
+by a batch of 4 over-predicted torchvision detectors' peaks by up to 48%). Two, not one: a BatchNorm after global
+pooling refuses a batch of one in training.
 """
 
 from __future__ import annotations
