@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -109,15 +109,29 @@ def on_host(real: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype) -
 def concrete(value: Any) -> Any:
     """``value`` with each symbolic number (a size that followed a value, on fake tensors carrying real ones) made the
     number the real values gave: the planner's arithmetic after the measurement is on plain ints."""
-    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(value)](value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{  # type: ignore[misc]
-            f.name: concrete(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init})
-    if type(value) in (list, tuple):
-        return type(value)(concrete(v) for v in value)
-    if type(value) is dict:
-        return {key: concrete(v) for key, v in value.items()}
-    return value
+    numbers = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
+    return map_records(lambda leaf: numbers[type(leaf)](leaf) if type(leaf) in numbers else leaf, value)
 
 
+class UnlikeRecords(ValueError):
+    """Records of different structure (other blocks, calls or keys) where alike ones were expected."""
+
+
+def map_records(leaf: Callable[..., Any], record: Any, *alike: Any) -> Any:
+    """``record`` (dataclasses, lists, tuples and dicts of numbers, a measurement) rebuilt with ``leaf`` applied to
+    each of its leaves and the same leaf of each ``alike`` record, which must have its structure (``UnlikeRecords``)."""
+    if any(type(other) is not type(record) for other in alike):
+        raise UnlikeRecords(f"{type(record).__name__} against {[type(other).__name__ for other in alike]}")
+    if dataclasses.is_dataclass(record) and not isinstance(record, type):
+        return dataclasses.replace(record, **{  # type: ignore[misc]
+            f.name: map_records(leaf, getattr(record, f.name), *(getattr(other, f.name) for other in alike))
+            for f in dataclasses.fields(record) if f.init})
+    if type(record) in (list, tuple):
+        if any(len(other) != len(record) for other in alike):
+            raise UnlikeRecords("another length")
+        return type(record)(map_records(leaf, *values) for values in zip(record, *alike))
+    if type(record) is dict:
+        if any(other.keys() != record.keys() for other in alike):
+            raise UnlikeRecords("other keys")
+        return {key: map_records(leaf, value, *(other[key] for other in alike)) for key, value in record.items()}
+    return leaf(record, *alike)

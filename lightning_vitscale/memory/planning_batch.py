@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_vitscale._compat import train_dataloader
 from lightning_vitscale.discovery.tensor_plan import TensorPlanError
 from lightning_vitscale.memory.planner import step_inputs
-from lightning_vitscale.memory.real_values import measure_on_real_values
+from lightning_vitscale.memory.real_values import StepNotMeasuredError, measure_on_real_values
 from lightning_vitscale.memory.selective_ops import SelectiveCheckpointingError
 from lightning_vitscale.memory.step_model import StepInputs
 from lightning_vitscale.memory.twin import meta_twin
@@ -150,15 +150,37 @@ def measure_batch(model: nn.Module, batch: PlanningBatch, **step_kwargs: Any) ->
             except Exception as error:
                 # A branch or an index that followed a value (a SymInt index raises IndexError), an op without a
                 # fake kernel: real values decide them.
-                measured = measure_on_real_values(model, twin, batch.value, batch.samples, batch.first,
-                                                  training_step_call, **step_kwargs)
+                measured, why = _on_real_values(model, twin, batch, error, step_kwargs)
                 if measured is not None:
-                    return measured[0], f"{batch.source}, through training_step, {measured[1]}"
+                    return measured
                 if not has_forward(model):
-                    raise
-                how = f" (training_step could not run on fake tensors: {type(error).__name__})"
+                    if why is error:
+                        raise
+                    raise why from error
+                how = f" (training_step could not run on fake tensors: {_names(why)})"
         value = first_tensor_input(batch.value) if batch.through_training_step else batch.value
         return step_inputs(model, value, **step_kwargs), f"{batch.source}, through forward{how}"
+
+
+def _on_real_values(model: nn.Module, twin: nn.Module, batch: PlanningBatch, error: Exception,
+                    step_kwargs: dict[str, Any]) -> tuple[tuple[StepInputs, str] | None, Exception]:
+    """The step measured again on real values (:mod:`.real_values`), or ``None``; and what to report where it was
+    not: the fake run's ``error``, with the real run's beside it where that failed too."""
+    try:
+        measured = measure_on_real_values(model, twin, batch.value, batch.samples, batch.first, training_step_call,
+                                          **step_kwargs)
+    except Exception as real_error:
+        return None, StepNotMeasuredError(f"{briefly(error)}; on real values: {briefly(real_error)}", error,
+                                          real_error)
+    if measured is None:
+        return None, error
+    return (measured[0], f"{batch.source}, through training_step, {measured[1]}"), error
+
+
+def _names(error: Exception) -> str:
+    if isinstance(error, StepNotMeasuredError):
+        return f"{type(error.fake).__name__}, nor on real values: {type(error.real).__name__}"
+    return type(error).__name__
 
 
 def briefly(error: BaseException) -> str:

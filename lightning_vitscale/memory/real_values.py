@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from lightning_vitscale.memory.activations import StepCall
+from lightning_vitscale.memory.fake_modes import UnlikeRecords, map_records
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_model import StepInputs
 from lightning_vitscale.memory.twin import real_values
@@ -34,48 +35,39 @@ def measure_on_real_values(
 ) -> tuple[StepInputs, str] | None:
     """``twin`` (``model``'s meta twin) measured through ``call`` with ``model``'s real values, on ``batch`` of
     ``samples`` (``first(k)``: its first ``k`` samples collated, ``None``: run it whole); ``None`` where no real
-    values exist (meta, sharded, too large, a tensor-parallel share) or the run fails too (the fake run's error is the
-    one to report). Also: how it was measured."""
+    values exist (meta, sharded, too large, a tensor-parallel share); raises what the run raised where it fails too.
+    Also: how it was measured."""
     values = real_values(twin, model)
     if values is None or step_kwargs.get("tensor_parallel", 1) > 1:
         return None
-    try:
-        if first is None or samples <= SMALL_BATCH:
-            return step_inputs(twin, batch, call=call, values=values, **step_kwargs), "with real values"
-        two = step_inputs(twin, first(2), call=call, values=values, **step_kwargs)
-        three = step_inputs(twin, first(3), call=call, values=values, **step_kwargs)
-    except Exception:  # noqa: BLE001 - a step that fails on real values too: the fake run's error stands
-        return None
+    if first is None or samples <= SMALL_BATCH:
+        return step_inputs(twin, batch, call=call, values=values, **step_kwargs), "with real values"
+    two = step_inputs(twin, first(2), call=call, values=values, **step_kwargs)
+    three = step_inputs(twin, first(3), call=call, values=values, **step_kwargs)
     how = f"with real values on its first 2 and 3 samples, extrapolated to {samples}"
     try:
         return dataclasses.replace(three, profile=extrapolated(two.profile, three.profile, samples - 3)), how
-    except _Unlike:  # the two runs measured different blocks (a branch took another path): scaled from the larger
+    except UnlikeRecords:  # the two runs measured different blocks (a branch took another path): scaled from the larger
         return dataclasses.replace(three, batch_scale=samples / 3), "with real values on its first 3 samples, scaled"
-
-
-class _Unlike(ValueError):
-    """Two measurements whose structure differs (blocks, calls): no line runs through them."""
 
 
 def extrapolated(smaller: Any, larger: Any, steps: int) -> Any:
     """Each number of ``larger`` (a measurement of one sample more than ``smaller``) carried ``steps`` samples further
-    along the line through the two (never below 0); anything else as ``larger`` has it."""
-    if type(smaller) is not type(larger):
-        raise _Unlike(f"{type(smaller).__name__} against {type(larger).__name__}")
-    if type(larger) in (int, float):
-        return max(type(larger)(0), larger + (larger - smaller) * steps)
-    if dataclasses.is_dataclass(larger) and not isinstance(larger, type):
-        return dataclasses.replace(larger, **{  # type: ignore[misc]
-            f.name: extrapolated(getattr(smaller, f.name), getattr(larger, f.name), steps)
-            for f in dataclasses.fields(larger) if f.init})
-    if isinstance(larger, (list, tuple)):
-        if len(smaller) != len(larger):
-            raise _Unlike(f"{len(smaller)} items against {len(larger)}")
-        return type(larger)(extrapolated(a, b, steps) for a, b in zip(smaller, larger))
-    if isinstance(larger, dict):
-        if smaller.keys() != larger.keys():
-            raise _Unlike("other keys")
-        return {key: extrapolated(smaller[key], value, steps) for key, value in larger.items()}
-    if smaller != larger:
-        raise _Unlike(f"{smaller!r} against {larger!r}")
-    return larger
+    along the line through the two (never below 0); anything else as ``larger`` has it, and equal in both
+    (``UnlikeRecords`` otherwise)."""
+    def leaf(value: Any, before: Any) -> Any:
+        if type(value) in (int, float):
+            return max(type(value)(0), value + (value - before) * steps)
+        if value != before:
+            raise UnlikeRecords(f"{before!r} against {value!r}")
+        return value
+
+    return map_records(leaf, larger, smaller)
+
+
+class StepNotMeasuredError(RuntimeError):
+    """A step that failed on fake tensors and again on real values: both errors, briefly, in its first line."""
+
+    def __init__(self, message: str, fake: Exception, real: Exception) -> None:
+        super().__init__(message)
+        self.fake, self.real = fake, real

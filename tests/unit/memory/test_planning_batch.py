@@ -149,6 +149,29 @@ def test_a_training_step_that_reads_a_value_is_measured_through_it_and_one_that_
         assert inputs.profile.blocks == plain.profile.blocks
 
 
+class UnmeasurableStep(NoForward):
+    """No ``forward``; a branch on the loss (fake tensors alone fail there), then torchvision's NMS on bf16 boxes
+    (real values fail there: the host kernel has no bf16, as a Faster R-CNN's RPN meets it under bf16-mixed)."""
+
+    def training_step(self, batch, batch_idx):
+        from torchvision.ops import nms
+
+        loss = super().training_step(batch, batch_idx)["loss"]
+        loss = loss * 0.5 if loss.item() > 100 else loss
+        boxes = torch.tensor([[0.0, 0.0, 2.0, 2.0], [1.0, 1.0, 3.0, 3.0]], dtype=loss.dtype)
+        return loss + 0 * nms(boxes, boxes[:, 0], 0.5).sum()
+
+
+def test_a_step_that_fails_on_real_values_too_says_both_errors():
+    """The real run's error is said beside the fake run's, not dropped (the setup summary and the default's fallback
+    carry its first line). Mutation seen failing: the real run's error swallowed (the fake run's alone raised)."""
+    from lightning_vitscale.memory.real_values import StepNotMeasuredError
+
+    batch = PlanningBatch(first_batch(DataLoader(data(), batch_size=4)), TRAIN_BATCH, through_training_step=True)
+    with pytest.raises(StepNotMeasuredError, match=r"GuardOnDataDependentSymNode.*; on real values: RuntimeError"):
+        measure_batch(UnmeasurableStep(), batch, world_size=1, precision="bf16-mixed", device="cpu")
+
+
 def test_a_larger_batch_runs_two_and_three_samples_on_real_values_and_extrapolates_to_the_batch():
     """Eight samples: the real-value run takes the first two and three and carries each number along their line, which
     for a ViT (activations grow with the samples, weight gradients do not) is the batch's own measurement, exactly;
@@ -216,14 +239,15 @@ def test_an_index_taken_from_a_value_on_a_channels_last_activation_runs_on_real_
 
 
 def test_extrapolation_keeps_what_does_not_grow_and_refuses_unlike_measurements():
-    from lightning_vitscale.memory.real_values import _Unlike, extrapolated
+    from lightning_vitscale.memory.fake_modes import UnlikeRecords
+    from lightning_vitscale.memory.real_values import extrapolated
 
     two = dict(saved=[200, 10], calls=3, share=1.5, name="blocks.0")
     three = dict(saved=[300, 10], calls=3, share=1.5, name="blocks.0")
     assert extrapolated(two, three, 5) == dict(saved=[800, 10], calls=3, share=1.5, name="blocks.0")
     assert extrapolated(dict(free=30), dict(free=20), 5) == dict(free=0)  # never below nothing
     for unlike in (dict(three, saved=[300]), dict(three, name="blocks.1"), dict(three, share=None)):
-        with pytest.raises(_Unlike):
+        with pytest.raises(UnlikeRecords):
             extrapolated(two, unlike, 5)
 
 
