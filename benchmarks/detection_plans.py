@@ -4,12 +4,13 @@ the step (on real values, or the recipe's fallback), the units and checkpointing
 median step seconds (steps 3 on), and each step's loss beside DDP's.
 
     PYTHONPATH=. python benchmarks/detection_plans.py OUT.json [--models fcos,hf_detr] [--batch 4 --steps 6
-        --size 64 --no-ddp]
+        --size 64 --no-ddp --precision bf16-mixed]
 
 (Lightning starts the second rank itself.)
 
-Random init, 64-pixel images with two boxes each (no downloads), fp32, SGD. Run it on two trees (a ``git worktree``
-of the commit before, ``PYTHONPATH`` pointing at it) for a before/after table; ``benchmarks/RESULTS.md`` has one.
+Random init, 64-pixel images with two boxes each (no downloads), fp32 (``--precision``: both runs' flag), SGD. Run
+it on two trees (a ``git worktree`` of the commit before, ``PYTHONPATH`` pointing at it) for a before/after table;
+``benchmarks/RESULTS.md`` has them.
 """
 
 from __future__ import annotations
@@ -156,8 +157,8 @@ class Stamps(L.Callback):
 def fit(name: str, strategy: Any, args: argparse.Namespace) -> dict[str, Any]:
     module, stamps = Detection(name, models(args.size)[name], args.size), Stamps()
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
-                        callbacks=[stamps], enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+                        precision=args.precision, callbacks=[stamps], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
     data = Boxes(args.batch * 2 * args.steps, args.size, masks=name == "maskrcnn", keypoints=name == "keypoint")
     started = time.perf_counter()
     try:
@@ -179,6 +180,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--no-ddp", action="store_true")
+    parser.add_argument("--precision", default="32-true", help="Trainer(precision=...) of both runs")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

@@ -156,6 +156,8 @@ PRIVATE_NAMES = {
     "torch._foreach_add_": "ShardedEMA: one kernel per step",
     "torch.amp.GradScaler._unscale_grads_": "overridden by precision/grad_scaler.py: DTensor gradients",
     "torch._C._current_graph_task_id": "the id of the running backward",
+    "torch._C._dispatch_get_all_op_names": "ops other libraries registered (precision/library_ops.py)",
+    "torch._C._dispatch_has_kernel_for_dispatch_key": "which of them say how autocast runs them",
     "torch.autograd.Variable._execution_engine": "a callback at the end of the running backward",
     "torch.distributed.tensor.parallel.ParallelStyle._apply": "overridden by sharding/tensor_parallel.py",
     "lightning.fabric.strategies.launchers.subprocess_script._ChildProcessObserver": "a failed child: our teardown",
@@ -595,3 +597,25 @@ __all__ = [
     "ShapeEnv", "StorageWeakRef", "BatchNormBase", "InstanceNormBase", "fused_kernel_devices", "get_layout",
     "TorchDispatchMode", "tree_leaves", "tree_map", "REDUCE_SCATTER", "checkpointed_op_output",
 ]
+
+
+# torch's own namespaces: O2 computes their ops in the compute dtype on purpose, autocast's lists do not apply.
+_TORCH_OP_NAMESPACES = frozenset({"aten", "prims", "debugprims", "rngprims", "inductor", "inductor_prims"})
+
+
+def ops_with_autocast_kernels() -> dict[tuple[str, str], frozenset[str]]:
+    """``(namespace, op)`` -> the device types (``"cpu"``, ``"cuda"``, ...) for which a library outside torch
+    registered an autocast kernel for the op (torchvision: ``nms`` and ``roi_align`` everywhere, its other ops on
+    CUDA). A few milliseconds: called once per setup."""
+    keys = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU"}
+    found: dict[tuple[str, str], frozenset[str]] = {}
+    for qualified in torch._C._dispatch_get_all_op_names():
+        namespace, _, rest = qualified.partition("::")
+        if namespace in _TORCH_OP_NAMESPACES or not rest:
+            continue
+        devices = frozenset(device for device, key in keys.items()
+                            if torch._C._dispatch_has_kernel_for_dispatch_key(qualified, key))
+        if devices:  # an overload ("op.out") is reached through its op's packet
+            op = (namespace, rest.partition(".")[0])
+            found[op] = found.get(op, frozenset()) | devices
+    return found

@@ -217,6 +217,14 @@ def find_modules(root: nn.Module, predicate: Callable[[str, nn.Module], bool]) -
     ]
 
 
+def outer_layers_of(model: nn.Module, blocks: Named, norm_modules: Named) -> Named:
+    """Sub-modules with their own parameters that belong to no block and are no norm: the outer unit's layers, each
+    of which takes its floating inputs in the compute dtype under O2 (as each block's unit does)."""
+    inside = {id(m) for _, block in blocks for m in block.modules()} | {id(m) for _, m in norm_modules}
+    outside = ((name, module) for name, module in model.named_modules() if name and id(module) not in inside)
+    return [(name, module) for name, module in outside if any(True for _ in module.parameters(recurse=False))]
+
+
 def describe_blocks(blocks: list[tuple[str, nn.Module]]) -> dict[str, int]:
     """Class name -> count, in first-seen order, for the setup summary."""
     return dict(Counter(type(module).__name__ for _, module in blocks))

@@ -24,6 +24,7 @@ from lightning_vitscale._compat import (
     storage_id,
     tree_map,
 )
+from lightning_vitscale.discovery.blocks import outer_layers_of
 from lightning_vitscale.memory.block_passes import (
     Arguments,
     BlockCalls,
@@ -43,7 +44,7 @@ from lightning_vitscale.memory.fake_modes import (
 )
 from lightning_vitscale.memory.op_costs import tensors_of
 from lightning_vitscale.memory.selective_ops import blocks_calling_blocks
-from lightning_vitscale.precision.casting import floating_buffers
+from lightning_vitscale.precision.casting import floating_buffers, to_dtype
 
 if TYPE_CHECKING:
     from lightning_vitscale.memory.tensor_split import AllReduceLog
@@ -119,6 +120,22 @@ def _fp32_norm_hooks(norms: list[nn.Module], compute: torch.dtype) -> Iterator[N
         return tree_map(lambda v: v.to(compute) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, out)
 
     with removing([h for m in norms for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]):
+        yield
+
+
+@contextlib.contextmanager
+def _inputs_cast(layers: list[tuple[str, nn.Module]], compute: torch.dtype) -> Iterator[None]:
+    """As the strategy runs them under a low-precision flag: each block (its unit) and each layer of the outer unit
+    casts its floating inputs to ``compute`` (``precision.cast_floating_inputs``)."""
+    if compute == torch.float32:
+        yield
+        return
+    cast = functools.partial(tree_map, to_dtype(compute))
+
+    def enter(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        return cast(args), cast(kwargs)
+
+    with removing([module.register_forward_pre_hook(enter, with_kwargs=True) for _, module in layers]):
         yield
 
 
@@ -209,28 +226,30 @@ _PASSES: dict[Hashable, dict[Any, Any]] = {}  # each block pass of this process,
 def measure_activations(
     model: nn.Module, blocks: list[tuple[str, nn.Module]], example_input: Any, compute: torch.dtype = torch.float32,
     norms: list[nn.Module] | None = None, call: StepCall | None = None, mode_of: ModeOf | None = None,
-    all_reduces: AllReduceLog | None = None, values: RealValues | None = None,
+    all_reduces: AllReduceLog | None = None, values: RealValues | None = None, batch_dtype: torch.dtype | None = None,
 ) -> ActivationProfile:
     """What each block keeps and needs, from one forward (``call``, default ``model(example_input)``) and backward on
-    fake tensors, ``norms`` in fp32 and floating inputs in ``compute`` (FSDP's root unit casts them). ``mode_of``:
-    each block's settled checkpointing, measured alone (a third of the work; ``None``: every mode). ``values``: the
-    fake tensors carry real ones (the step computes for real on the host, beside the fake run), for a step whose
-    branches or shapes follow its values."""
+    fake tensors, ``norms`` in fp32, and, as the strategy runs them, each block and each layer outside the blocks
+    casting its floating inputs to ``compute``. ``batch_dtype``: the floating batch tensors' dtype (``None``: as
+    given, as the mixed flags hand the batch to the step). ``mode_of``: each block's settled checkpointing, measured
+    alone (a third of the work; ``None``: every mode). ``values``: the fake tensors carry real ones (the step computes
+    for real on the host, beside the fake run), for a step whose branches or shapes follow its values."""
     with carrying_real_values(values is not None):
-        return _measure(model, blocks, example_input, compute, norms, call, mode_of, all_reduces, values)
+        return _measure(model, blocks, example_input, compute, norms, call, mode_of, all_reduces, values, batch_dtype)
 
 
 def _measure(
     model: nn.Module, blocks: list[tuple[str, nn.Module]], example_input: Any, compute: torch.dtype,
     norms: list[nn.Module] | None, call: StepCall | None, mode_of: ModeOf | None, all_reduces: AllReduceLog | None,
-    values: RealValues | None,
+    values: RealValues | None, batch_dtype: torch.dtype | None,
 ) -> ActivationProfile:
     norm_ids = {id(m) for m in norms or []}
     mode = fake_mode(symbolic_items=call is not None, values=values)
+    layers = [*blocks, *outer_layers_of(model, blocks, [("", m) for m in norms or []])]
     with fake_parameters(model, mode, compute, lambda m: id(m) in norm_ids, values), \
-            _fp32_norm_hooks(norms or [], compute):
+            _fp32_norm_hooks(norms or [], compute), _inputs_cast(layers, compute):  # before the recorder's hooks
         fake_input = tree_map(lambda v: v if not isinstance(v, torch.Tensor) else fake_batch_tensor(
-            v, compute if v.is_floating_point() else v.dtype, mode, values is not None), example_input)
+            v, (batch_dtype or v.dtype) if v.is_floating_point() else v.dtype, mode, values is not None), example_input)
         real = tensors_of(example_input)
         batch_bytes = sum(t.numel() * t.element_size() for t in real)
         # The batch is resident before the step (``batch_bytes``): a layer saving it keeps nothing new, unless the

@@ -163,7 +163,9 @@ def step_inputs(
             twin, found, log = split_twin(model, found, tensor_parallel, tensor_plan)
             norms = model_parts(twin, None, policy)[1]
         with recording(twin, record, found), fresh_caches(twin):
-            profile = measure_activations(twin, found, example_input, policy.compute, norms, call, mode_of, log, values)
+            batch_dtype = policy.compute if policy.compute == policy.master else None  # as the plugin's convert_input
+            profile = measure_activations(twin, found, example_input, policy.compute, norms, call, mode_of, log, values,
+                                          batch_dtype)
         record.order = [found[index][0] for index in profile.order]
         return StepInputs(
             layout=ModelLayout.of(twin, [b for _, b in found], norms),

@@ -32,6 +32,7 @@ from lightning_vitscale.memory.real_values import StepNotMeasuredError, measure_
 from lightning_vitscale.memory.selective_ops import SelectiveCheckpointingError
 from lightning_vitscale.memory.step_model import StepInputs
 from lightning_vitscale.memory.twin import meta_twin
+from lightning_vitscale.precision.library_ops import as_under_autocast, found_ops
 
 EXAMPLE_INPUT = "example_input_array"
 TRAIN_BATCH = "one batch of the train dataloader"
@@ -117,7 +118,8 @@ def training_step_call(model: nn.Module, batch: Any) -> Any:
     time through ``forward``), and they keep a few numbers, not activations; a step computing with one falls back."""
     metric_class = getattr(sys.modules.get("torchmetrics"), "Metric", None)
     metrics = [m for m in model.modules() if metric_class is not None and isinstance(m, metric_class)]
-    with _silenced([(model, ("log", "log_dict", "print")), *((m, ("forward", "update")) for m in metrics)]):
+    with _silenced([(model, ("log", "log_dict", "print")), *((m, ("forward", "update")) for m in metrics)]), \
+            as_under_autocast(found_ops()):  # as the plugin runs a step (torchvision's nms in fp32)
         out = model.training_step(batch, 0)  # type: ignore[operator]
     return out.get("loss") if isinstance(out, Mapping) else out
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
-from lightning.fabric.utilities.types import Optimizable
+from lightning.fabric.utilities.types import Optimizable, Steppable
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning_utilities import apply_to_collection
@@ -20,6 +20,7 @@ from lightning_vitscale.precision.casting import autocast_around, floating_buffe
 from lightning_vitscale.precision.clipping import clip_grad_norm
 from lightning_vitscale.precision.elementwise import skips_on_device, steps_locally
 from lightning_vitscale.precision.grad_scaler import ShardedGradScaler
+from lightning_vitscale.precision.library_ops import AutocastOp, as_under_autocast, found_ops
 from lightning_vitscale.precision.local_step import on_local_shards
 from lightning_vitscale.precision.nonfinite import NonFiniteGuard
 from lightning_vitscale.precision.settings import (
@@ -92,6 +93,7 @@ class VitScalePrecision(Precision):
         guard = NonFiniteGuard(max_skipped_steps, check_gradients=self.scaler is None)  # validates it always
         on = precision != "32-true" if skip_nonfinite is None else skip_nonfinite
         self.nonfinite_guard: NonFiniteGuard | None = guard if on else None
+        self._library_ops: tuple[AutocastOp, ...] | None = None  # found at the first step (library_ops.py)
 
     @override
     def convert_module(self, module: _M) -> _M:
@@ -117,7 +119,11 @@ class VitScalePrecision(Precision):
 
     @override
     def convert_input(self, data: Any) -> Any:
-        """Floating batch tensors enter in the compute dtype; integer targets are left alone."""
+        """Under the mixed flags the batch keeps its dtypes, as under DDP's AMP: the layers cast what they compute
+        with, and targets keep their precision (box coordinates in bf16 are 8 pixels apart past 1024). Under
+        ``"bf16-true"`` floating batch tensors take bf16, as Lightning's ``HalfPrecision`` casts them."""
+        if self.policy.compute != self.policy.master:
+            return data
         return apply_to_collection(data, function=to_dtype(self.policy.compute), dtype=Tensor)
 
     @override
@@ -128,6 +134,27 @@ class VitScalePrecision(Precision):
     @override
     def tensor_init_context(self) -> Iterator[None]:
         yield
+
+    @contextmanager
+    @override
+    def forward_context(self) -> Iterator[None]:
+        """Each step: where DDP's AMP has autocast, other libraries' ops with an autocast kernel run as under it
+        (torchvision's ``nms``, ``roi_align`` in fp32: :mod:`.library_ops`)."""
+        with self._library_ops_as_under_autocast():
+            yield
+
+    @override
+    def backward(self, tensor: Tensor, model: pl.LightningModule,  # type: ignore[override]
+                 optimizer: Steppable | None, *args: Any, **kwargs: Any) -> None:
+        with self._library_ops_as_under_autocast():  # checkpointing recomputes blocks in the backward
+            super().backward(tensor, model, optimizer, *args, **kwargs)
+
+    def _library_ops_as_under_autocast(self) -> AbstractContextManager[None]:
+        if self.policy.compute == self.policy.master:  # no autocast under DDP's "32-true" and "bf16-true" either
+            return nullcontext()
+        if self._library_ops is None:
+            self._library_ops = found_ops()
+        return as_under_autocast(self._library_ops)
 
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]

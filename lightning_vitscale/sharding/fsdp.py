@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -20,6 +21,14 @@ def mixed_precision_policy(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
     if policy.compute == policy.master and policy.reduce == policy.master:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=policy.compute, reduce_dtype=policy.reduce)
+
+
+def batch_as_given(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    """The outer unit's policy: its forward is the step (:class:`~.outer_unit.OuterUnit`), so FSDP2's cast of its
+    inputs would cast the whole batch, targets too (torchvision's detectors refuse bf16 boxes, and bf16 box corners
+    past 1024 px are 8 px apart). The step gets the batch as under DDP's AMP; the layers cast what they compute with
+    (each block unit's own FSDP2 cast, ``precision.cast_floating_inputs`` on the outer unit's layers)."""
+    return dataclasses.replace(policy, cast_forward_inputs=False)
 
 
 def offload_policy(offload: str | None, device: torch.device) -> OffloadPolicy:

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_vitscale.discovery import ModuleSelector, describe_blocks, find_units, holds_parameters
-from lightning_vitscale.discovery.blocks import Unit, reused_modules
+from lightning_vitscale.discovery.blocks import Unit, outer_layers_of, reused_modules
 from lightning_vitscale.discovery.calls import Calls
 from lightning_vitscale.init import Creation, InitialWeights
 from lightning_vitscale.kernels import AttentionRouter, tensor_core_report
@@ -91,7 +91,7 @@ def parallelize(
     # One rank keeping all: no unit runs apart.
     sharing = None if one_unit else sharing_keys(found, measured, calls.order if calls is not None else ())
     if precision.compute != torch.float32:
-        outer_layers = _outer_layers(model, blocks, norms.modules)
+        outer_layers = outer_layers_of(model, blocks, norms.modules)
         cast_floating_inputs(outer_layers + [(n, b) for n, b in blocks if one_unit], precision.compute)
     #    Attention routing inside each block's own forward, so checkpointing's recompute is routed as well.
     router = apply_attention_routing(blocks, resolved.kernels.attention, device)
@@ -206,13 +206,6 @@ def _sharding_buys_nothing(
     """One rank, no tensor parallelism, every block kept gathered for backward: a unit of its own saves nothing."""
     keeps = keep_every_unit or unit_reshard(resolved.sharding.reshard_after_forward, outer=False) is False
     return mesh.size() == 1 and tensor_mesh is None and (keeps or {name for name, _ in blocks} <= set(kept))
-
-
-def _outer_layers(model: nn.Module, blocks: Named, norm_modules: Named) -> Named:
-    """Sub-modules with their own parameters that belong to no block and are no norm: the outer unit's layers."""
-    inside = {id(m) for _, block in blocks for m in block.modules()} | {id(m) for _, m in norm_modules}
-    outside = ((name, module) for name, module in model.named_modules() if name and id(module) not in inside)
-    return [(name, module) for name, module in outside if any(True for _ in module.parameters(recurse=False))]
 
 
 def _outer_subtrees(model: nn.Module, blocks: Named, norm_modules: Named) -> Named:

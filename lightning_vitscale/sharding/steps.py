@@ -29,7 +29,7 @@ from lightning_vitscale.sharding.activation_checkpointing import (
 from lightning_vitscale.sharding.compute_copies import ComputeCopies, to_row_shards
 from lightning_vitscale.sharding.cpu_overlap import overlap_collectives_on_cpu
 from lightning_vitscale.sharding.deferred_reduction import DeferredReduction
-from lightning_vitscale.sharding.fsdp import group_blocks, prefetch_on_entry, set_prefetch, shard_module
+from lightning_vitscale.sharding.fsdp import batch_as_given, group_blocks, prefetch_on_entry, set_prefetch, shard_module
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.scalar_parameters import find_scalar_parameters, replicate_scalars
 from lightning_vitscale.sharding.settings import unit_reshard
@@ -190,7 +190,7 @@ def apply_fsdp(
             reshard = unit_reshard(reshard_after_forward, outer=False)
             block_units.append(shard_module(group, mesh, mp_policy, reshard, ignored, offload))
     # One rank and one unit: compute copies instead of FSDP2's per-parameter path (sharding/compute_copies.py).
-    # FSDP2 still makes the root (its hooks cast the step's inputs), ignoring every parameter.
+    # FSDP2 still makes the root (a step stays an FSDP2 forward, as with units), ignoring every parameter.
     copies = not block_units and one_unit and not isinstance(offload, CPUOffloadPolicy)
     copies_owner = outer_unit if copies and isinstance(outer_unit, OuterUnit) else None
     norm_params = list(ignored or ())
@@ -199,7 +199,7 @@ def apply_fsdp(
         if copies_owner is not None:
             sharded = to_row_shards(outer_unit, mesh, weights.device, {id(p) for p in norm_params})
             ignored = set(norm_params) | set(sharded)
-        outer = shard_module(outer_unit, mesh, mp_policy, reshard, ignored, offload)
+        outer = shard_module(outer_unit, mesh, batch_as_given(mp_policy), reshard, ignored, offload)
     if mesh.size() > 1:  # a parameter one rank leaves unused cannot shift the others' reduce-scatters
         zero_gradients_for_unused(outer, required=find_unused)
         if block_units:  # a unit called again in a step reduces once, after its first call's backward

@@ -149,17 +149,41 @@ def test_a_training_step_that_reads_a_value_is_measured_through_it_and_one_that_
         assert inputs.profile.blocks == plain.profile.blocks
 
 
-class UnmeasurableStep(NoForward):
-    """No ``forward``; a branch on the loss (fake tensors alone fail there), then torchvision's NMS on bf16 boxes
-    (real values fail there: the host kernel has no bf16, as a Faster R-CNN's RPN meets it under bf16-mixed)."""
+class NoisyImages(NoForward):
+    """Noise made in fp32 inside the step, added to the images before the backbone, and a check that the batch comes
+    in the dataloader's dtype (as torchvision's detectors check their target boxes)."""
 
     def training_step(self, batch, batch_idx):
-        from torchvision.ops import nms
+        x, y = batch
+        assert x.dtype == torch.float32, x.dtype
+        return F.cross_entropy(self.backbone(x + 0.1 * torch.randn(x.shape, device=x.device)).float(), y)
+
+
+def test_under_bf16_mixed_the_step_is_measured_with_the_batch_as_given_and_each_layer_casting_its_inputs():
+    """As the strategy runs it: the batch in its own dtype, each block and each layer outside the blocks casting its
+    floating inputs to bf16 (before, the planner cast the batch and nothing else: a tensor the step made in fp32 met
+    the bf16 patch embedding and the step fell back, as HF DETR's did). Mutations seen failing: no casts at the
+    layers (``Input type (float) and bias type (BFloat16)``), the batch cast (the step's check)."""
+    batch = PlanningBatch(first_batch(DataLoader(data(), batch_size=4)), TRAIN_BATCH, through_training_step=True)
+    inputs, how = measure_batch(NoisyImages(), batch, world_size=1, precision="bf16-mixed", device="cpu")
+    assert how == "one batch of the train dataloader, through training_step"
+    assert [b.name for b in inputs.profile.blocks] == ["backbone.blocks.0", "backbone.blocks.1"]
+    plain, _ = measure_batch(NoForward(), batch, world_size=1, precision="bf16-mixed", device="cpu")
+    assert inputs.profile.blocks[0].saved * 2 == plain.profile.blocks[0].saved  # one backbone pass, not two
+
+
+class UnmeasurableStep(NoForward):
+    """No ``forward``; a branch on the loss (fake tensors alone fail there), then torchvision's ``roi_pool`` on bf16
+    features (real values fail there: its host kernel has no bf16 and, unlike ``nms``, no autocast kernel on the host
+    to run it in fp32, so it fails under DDP's AMP too)."""
+
+    def training_step(self, batch, batch_idx):
+        from torchvision.ops import roi_pool
 
         loss = super().training_step(batch, batch_idx)["loss"]
         loss = loss * 0.5 if loss.item() > 100 else loss
-        boxes = torch.tensor([[0.0, 0.0, 2.0, 2.0], [1.0, 1.0, 3.0, 3.0]], dtype=loss.dtype)
-        return loss + 0 * nms(boxes, boxes[:, 0], 0.5).sum()
+        features = torch.zeros(1, 2, 4, 4, dtype=loss.dtype)
+        return loss + 0 * roi_pool(features, torch.tensor([[0.0, 0.0, 0.0, 2.0, 2.0]], dtype=loss.dtype), 2).sum()
 
 
 def test_a_step_that_fails_on_real_values_too_says_both_errors():
