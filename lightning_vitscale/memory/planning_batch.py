@@ -33,6 +33,7 @@ from lightning_vitscale.memory.selective_ops import SelectiveCheckpointingError
 from lightning_vitscale.memory.step_model import StepInputs
 from lightning_vitscale.memory.twin import meta_twin
 from lightning_vitscale.precision.library_ops import as_under_autocast, found_ops
+from lightning_vitscale.precision.settings import resolve_flag
 
 EXAMPLE_INPUT = "example_input_array"
 TRAIN_BATCH = "one batch of the train dataloader"
@@ -118,8 +119,7 @@ def training_step_call(model: nn.Module, batch: Any) -> Any:
     time through ``forward``), and they keep a few numbers, not activations; a step computing with one falls back."""
     metric_class = getattr(sys.modules.get("torchmetrics"), "Metric", None)
     metrics = [m for m in model.modules() if metric_class is not None and isinstance(m, metric_class)]
-    with _silenced([(model, ("log", "log_dict", "print")), *((m, ("forward", "update")) for m in metrics)]), \
-            as_under_autocast(found_ops()):  # as the plugin runs a step (torchvision's nms in fp32)
+    with _silenced([(model, ("log", "log_dict", "print")), *((m, ("forward", "update")) for m in metrics)]):
         out = model.training_step(batch, 0)  # type: ignore[operator]
     return out.get("loss") if isinstance(out, Mapping) else out
 
@@ -140,7 +140,10 @@ def _silenced(calls: list[tuple[nn.Module, tuple[str, ...]]]) -> Iterator[None]:
 def measure_batch(model: nn.Module, batch: PlanningBatch, **step_kwargs: Any) -> tuple[StepInputs, str]:
     """:func:`~.planner.step_inputs` for ``batch``, and how it was measured (see the module docstring)."""
     how = ""
-    with random_state_kept():  # a training_step's random calls must not shift the training run's numbers
+    policy = resolve_flag(step_kwargs.get("precision", "bf16-mixed"))  # step_inputs' default
+    # As the plugin runs a step under the mixed flags: ops with no bf16 kernel as under autocast (torchvision's nms).
+    ops = found_ops() if policy.compute != policy.master else ()
+    with random_state_kept(), as_under_autocast(ops):  # a training_step's random calls must not shift the run's numbers
         measurable = batch.through_training_step and is_overridden("training_step", model)
         if measurable and getattr(model, "automatic_optimization", True):  # a manual one steps the optimizer
             twin = meta_twin(model)

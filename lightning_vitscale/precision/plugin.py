@@ -138,8 +138,9 @@ class VitScalePrecision(Precision):
     @contextmanager
     @override
     def forward_context(self) -> Iterator[None]:
-        """Each step: where DDP's AMP has autocast, other libraries' ops with an autocast kernel run as under it
-        (torchvision's ``nms``, ``roi_align`` in fp32: :mod:`.library_ops`)."""
+        """Each step: where DDP's AMP has autocast, the ops that have no bf16 kernel but autocast computes in fp32
+        run as under it (torchvision's ``nms`` and ``roi_align``, ``torch.cdist``, a loss mixing bf16 with an fp32
+        weight: :mod:`.library_ops`); the rest computes as O2."""
         with self._library_ops_as_under_autocast():
             yield
 

@@ -98,6 +98,7 @@ class Detector(L.LightningModule):
             weights=None, weights_backbone=None, num_classes=3, min_size=SIZE, max_size=SIZE)
         self.losses: list[float] = []
         self.dtypes: list[tuple[torch.dtype, torch.dtype]] = []
+        self.detected: list[int] = []
 
     def training_step(self, batch, batch_idx):
         images, targets = batch
@@ -105,6 +106,10 @@ class Detector(L.LightningModule):
         loss = sum(self.detector(images, targets).values())
         self.losses.append(loss.item())
         return loss
+
+    def validation_step(self, batch, batch_idx):  # eval mode: the detections, through batched NMS
+        images, _ = batch
+        self.detected.append(sum(len(found["boxes"]) for found in self.detector(images)))
 
     def configure_optimizers(self):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.01)
@@ -124,10 +129,11 @@ def boxes(count: int = 8) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
 def fit(strategy) -> Detector:
     model = Detector()  # `strategy`'s plan: `model.trainer.strategy.plan`
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=2,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+                        limit_val_batches=1, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
     collate = lambda samples: ([image for image, _ in samples], [target for _, target in samples])  # noqa: E731
-    trainer.fit(model, DataLoader(boxes(), batch_size=4, collate_fn=collate))
+    loader = DataLoader(boxes(), batch_size=4, collate_fn=collate)
+    trainer.fit(model, loader, loader)
     return model
 
 
@@ -142,5 +148,6 @@ def test_a_torchvision_detector_trains_under_bf16_mixed_as_under_plain_amp():
     recipe = fit(strategy)
     assert "through training_step, with real values" in strategy.plan.summary()
     assert recipe.dtypes == amp.dtypes == [(torch.float32, torch.float32)] * 2
+    assert len(recipe.detected) == len(amp.detected) == 1  # validated after the last step, NMS in eval too
     assert len(recipe.losses) == 2
     assert max(abs(a - b) / abs(b) for a, b in zip(recipe.losses, amp.losses)) < 0.02  # bf16 rounding apart
