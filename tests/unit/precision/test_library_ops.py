@@ -94,18 +94,24 @@ class Detector(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.detector = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_320_fpn(
-            weights=None, weights_backbone=None, num_classes=3, min_size=SIZE, max_size=SIZE)
+        self.detector = self.build()
         self.losses: list[float] = []
         self.dtypes: list[tuple[torch.dtype, torch.dtype]] = []
         self.detected: list[int] = []
 
+    def build(self) -> torch.nn.Module:
+        return torchvision.models.detection.fasterrcnn_mobilenet_v3_large_320_fpn(
+            weights=None, weights_backbone=None, num_classes=3, min_size=SIZE, max_size=SIZE)
+
     def training_step(self, batch, batch_idx):
         images, targets = batch
         self.dtypes.append((images[0].dtype, targets[0]["boxes"].dtype))
-        loss = sum(self.detector(images, targets).values())
+        loss = self.loss(images, targets)
         self.losses.append(loss.item())
         return loss
+
+    def loss(self, images, targets):
+        return sum(self.detector(images, targets).values())
 
     def validation_step(self, batch, batch_idx):  # eval mode: the detections, through batched NMS
         images, _ = batch
@@ -113,6 +119,34 @@ class Detector(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+
+class Detr(Detector):
+    """HF's DETR: its loss matches boxes with ``torch.cdist`` and weighs classes with an fp32 buffer it builds in the
+    step, beside bf16 logits (``"cdist" not implemented for 'BFloat16'``, then ``expected scalar type BFloat16 but
+    found Float`` before)."""
+
+    def build(self) -> torch.nn.Module:
+        transformers = pytest.importorskip("transformers")
+        backbone = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[16, 24, 32, 48], depths=[1, 1, 1, 1],
+                                             out_features=["stage4"])
+        config = transformers.DetrConfig(
+            use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=backbone, d_model=32,
+            encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+            encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=6, num_labels=3)
+        return transformers.DetrForObjectDetection(config)
+
+    def loss(self, images, targets):
+        labels = [{"class_labels": t["labels"], "boxes": _centred(t["boxes"] / SIZE)} for t in targets]
+        return self.detector(pixel_values=torch.stack(images), labels=labels).loss
+
+    def validation_step(self, batch, batch_idx):
+        images, _ = batch
+        self.detected.append(int(self.detector(pixel_values=torch.stack(images)).pred_boxes.shape[1]))
+
+
+def _centred(b: torch.Tensor) -> torch.Tensor:
+    return torch.stack([(b[:, 0] + b[:, 2]) / 2, (b[:, 1] + b[:, 3]) / 2, b[:, 2] - b[:, 0], b[:, 3] - b[:, 1]], 1)
 
 
 def boxes(count: int = 8) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
@@ -126,8 +160,8 @@ def boxes(count: int = 8) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     return samples
 
 
-def fit(strategy) -> Detector:
-    model = Detector()  # `strategy`'s plan: `model.trainer.strategy.plan`
+def fit(strategy, model_class: type[Detector] = Detector) -> Detector:
+    model = model_class()
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=2,
                         limit_val_batches=1, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
@@ -137,15 +171,17 @@ def fit(strategy) -> Detector:
     return model
 
 
-def test_a_torchvision_detector_trains_under_bf16_mixed_as_under_plain_amp():
-    """Its RPN hands ``nms`` bf16 boxes (run in fp32, as autocast runs it) and its ROI heads refuse bf16 target boxes
-    (the batch keeps its dtypes); the planner's run of the step does the same, so its plan is measured (before, on
-    real values it met the nms error and fell back). Mutations seen failing: no ``forward_context`` (the nms error),
-    the batch cast in ``convert_input`` or by the outer unit's FSDP2 policy (the targets' error), the planner's step
-    without ``as_under_autocast`` (the fallback)."""
-    amp = fit("auto")
+@pytest.mark.parametrize("model_class", [Detector, Detr], ids=["faster_rcnn", "hf_detr"])
+def test_a_detector_trains_under_bf16_mixed_as_under_plain_amp(model_class):
+    """Faster R-CNN: its RPN hands ``nms`` bf16 boxes (run in fp32, as autocast runs it) and its ROI heads refuse
+    bf16 target boxes (the batch keeps its dtypes). DETR: ``cdist`` and a class-weighted loss. The planner's run of
+    the step does the same, so the plan is measured (before, on real values it met the same errors and fell back).
+    Mutations seen failing: no ``forward_context`` (the nms error), the batch cast in ``convert_input`` or by the
+    outer unit's FSDP2 policy (the targets' error), the planner's step without ``as_under_autocast`` (the fallback);
+    for DETR, ``cdist`` or ``cross_entropy`` left off the lists."""
+    amp = fit("auto", model_class)
     strategy = VitScaleStrategy(activation_checkpointing=False)
-    recipe = fit(strategy)
+    recipe = fit(strategy, model_class)
     assert "through training_step, with real values" in strategy.plan.summary()
     assert recipe.dtypes == amp.dtypes == [(torch.float32, torch.float32)] * 2
     assert len(recipe.detected) == len(amp.detected) == 1  # validated after the last step, NMS in eval too
