@@ -29,6 +29,35 @@ def test_torchvision_s_autocast_ops_are_found_for_the_devices_it_registered_them
     assert ("torch", "cdist") in found and ("torch", "softmax") not in found  # O2 computes softmax in bf16
 
 
+@pytest.fixture(scope="module")
+def fp32_only_op():
+    """A user's own op with an fp32-only kernel and an autocast rule (``torch.library.register_autocast``), as a
+    library outside torchvision registers one."""
+
+    @torch.library.custom_op("vitscale_test::fp32_only", mutates_args=())
+    def fp32_only(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            raise RuntimeError(f"fp32_only got {x.dtype}")
+        return x * 2
+
+    torch.library.register_autocast("vitscale_test::fp32_only", "cpu", torch.float32)
+    return fp32_only
+
+
+def test_any_library_s_op_with_an_autocast_rule_is_found_and_run_by_it(fp32_only_op):
+    """Found in the dispatcher, not from a list of torchvision's names; reached as libraries call their ops, through
+    ``torch.ops`` (the op object held by name is not swapped: it computes as under O2 alone)."""
+    found = {(getattr(op.owner, "__name__", ""), op.name): op.devices for op in found_ops()}
+    assert found[("torch.ops.vitscale_test", "fp32_only")] == {"cpu"}
+    x = torch.ones(2, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="fp32_only got torch.bfloat16"):
+        torch.ops.vitscale_test.fp32_only(x)
+    with as_under_autocast(found_ops()):
+        assert torch.equal(torch.ops.vitscale_test.fp32_only(x), torch.full((2,), 2.0))
+        with pytest.raises(RuntimeError, match="fp32_only got torch.bfloat16"):
+            fp32_only_op(x)
+
+
 def test_torch_s_functions_without_a_bf16_kernel_compute_as_under_autocast():
     """A DETR-style matcher's box distances on the model's bf16 boxes (HF DETR, Conditional and Deformable DETR,
     YOLOS: ``"cdist" not implemented for 'BFloat16'`` before); a global filter's FFT."""
