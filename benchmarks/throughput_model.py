@@ -100,7 +100,7 @@ def predict(row: dict[str, Any]) -> Any:
     from benchmarks.vit_gpu import ROWS
     from lightning_vitscale.memory.devices import gpu_named
     from lightning_vitscale.memory.step_cost import GPU_RATES, rates_of, step_time
-    from lightning_vitscale.memory.step_model import StepSettings
+    from lightning_vitscale.memory.step_inputs import StepSettings
 
     settings = ROWS[row["row"]]
     device = gpu_named(row["device"])
@@ -183,7 +183,7 @@ def cap_forecast(model: str, gpu: str, cap_gib: float, batches: list[int]) -> st
     from lightning_vitscale.memory.devices import gpu_named
     from lightning_vitscale.memory.planner import DEFAULT_FRACTION, largest_batch, plan_memory
     from lightning_vitscale.memory.step_cost import compile_pays, rates_of, step_time
-    from lightning_vitscale.memory.step_model import StepSettings
+    from lightning_vitscale.memory.step_inputs import StepSettings
 
     spec = MODELS[model]
     with torch.device("meta"):

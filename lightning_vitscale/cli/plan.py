@@ -22,7 +22,7 @@ from lightning_vitscale.memory import MemoryPlan, plan_memory
 from lightning_vitscale.memory.cluster import forecast_table
 from lightning_vitscale.memory.devices import device_named, memory_names
 from lightning_vitscale.memory.planner import DEFAULT_FRACTION
-from lightning_vitscale.memory.step_model import OPTIMIZER_STATES
+from lightning_vitscale.memory.step_inputs import OPTIMIZER_STATES
 from lightning_vitscale.precision import SUPPORTED_FLAGS
 
 # Data-module arguments the example CLIs link into the model (LightningCLI `link_arguments`).

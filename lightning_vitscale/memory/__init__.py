@@ -26,7 +26,7 @@ from lightning_vitscale.memory.selective_ops import (
 )
 from lightning_vitscale.memory.state_bytes import StateBytes, measure_state_bytes
 from lightning_vitscale.memory.step_cost import compile_pays, rates_for
-from lightning_vitscale.memory.step_model import StepInputs, StepSettings
+from lightning_vitscale.memory.step_inputs import StepInputs, StepSettings
 
 __all__ = [
     "ACCUMULATION_MODES",

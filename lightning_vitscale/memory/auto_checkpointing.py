@@ -32,7 +32,8 @@ from lightning_vitscale.memory.planning_batch import (
     planning_batch,
 )
 from lightning_vitscale.memory.step_cost import rates_for
-from lightning_vitscale.memory.step_model import StepInputs, StepSettings, predict_step
+from lightning_vitscale.memory.step_inputs import StepInputs, StepSettings
+from lightning_vitscale.memory.step_model import predict_step
 from lightning_vitscale.memory.twin import meta_twin
 from lightning_vitscale.precision import resolve_flag
 

@@ -12,7 +12,7 @@ from lightning_vitscale.memory.devices import Device
 from lightning_vitscale.memory.memory_plan import MemoryPlan
 from lightning_vitscale.memory.planner import largest_batch
 from lightning_vitscale.memory.step_cost import DeviceRates, StepTime, compile_pays, rates_of, step_time
-from lightning_vitscale.memory.step_model import StepInputs, StepSettings
+from lightning_vitscale.memory.step_inputs import StepInputs, StepSettings
 
 DDP_EXTRA_BYTES = 6
 """Bytes per parameter plain AMP O1 under DDP holds beyond the recipe's unsharded state: DDP's gradient buckets (4)

@@ -18,7 +18,7 @@ from lightning_vitscale.memory.activations import ModeOf
 from lightning_vitscale.memory.gradient_release import may_release_after_step
 from lightning_vitscale.memory.planning_batch import PlanningBatch, briefly, measure_batch
 from lightning_vitscale.memory.selective_ops import SelectiveCheckpointingError
-from lightning_vitscale.memory.step_model import StepInputs, TrainingLoop
+from lightning_vitscale.memory.step_inputs import StepInputs, TrainingLoop
 
 
 class MeasurementError(RuntimeError):

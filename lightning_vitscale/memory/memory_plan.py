@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from lightning_vitscale._utils import human_bytes, mib
 from lightning_vitscale.memory.plan_search import BlockPlan
-from lightning_vitscale.memory.step_model import MemoryBreakdown, StepInputs, StepSettings
+from lightning_vitscale.memory.step_inputs import MemoryBreakdown, StepInputs, StepSettings
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from lightning_vitscale.memory.step_cost import (
     tensor_parallel_seconds,
     units_and_regather_seconds,
 )
-from lightning_vitscale.memory.step_model import StepInputs, StepSettings, predict_step, unit_spans
+from lightning_vitscale.memory.step_inputs import StepInputs, StepSettings, unit_spans
+from lightning_vitscale.memory.step_model import predict_step
 
 BlockMode = Literal["full", "selective"]
 Modes = tuple[BlockMode | None, ...]

@@ -26,15 +26,15 @@ from lightning_vitscale.memory.fake_modes import RealValues
 from lightning_vitscale.memory.memory_plan import Candidate, MemoryPlan
 from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, search
 from lightning_vitscale.memory.step_cost import GPU_RATES, DeviceRates, traffic_per_dimension
-from lightning_vitscale.memory.step_model import (
+from lightning_vitscale.memory.step_inputs import (
     OPTIMIZER_STATES,
     ModelLayout,
     StepInputs,
     StepSettings,
     TrainingLoop,
     collective_copies,
-    predict_step,
 )
+from lightning_vitscale.memory.step_model import predict_step
 from lightning_vitscale.memory.tensor_split import split_twin
 from lightning_vitscale.memory.twin import fresh_caches
 from lightning_vitscale.precision import PrecisionPolicy, resolve_flag

@@ -30,7 +30,7 @@ from lightning_vitscale.discovery.tensor_plan import TensorPlanError
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.real_values import StepNotMeasuredError, measure_on_real_values
 from lightning_vitscale.memory.selective_ops import SelectiveCheckpointingError
-from lightning_vitscale.memory.step_model import StepInputs
+from lightning_vitscale.memory.step_inputs import StepInputs
 from lightning_vitscale.memory.twin import meta_twin
 from lightning_vitscale.precision.library_ops import as_under_autocast, found_ops
 from lightning_vitscale.precision.settings import resolve_flag

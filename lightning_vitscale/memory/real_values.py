@@ -22,7 +22,7 @@ from torch import nn
 from lightning_vitscale.memory.activations import StepCall
 from lightning_vitscale.memory.fake_modes import UnlikeRecords, map_records
 from lightning_vitscale.memory.planner import step_inputs
-from lightning_vitscale.memory.step_model import StepInputs
+from lightning_vitscale.memory.step_inputs import StepInputs
 from lightning_vitscale.memory.twin import real_values
 
 SMALL_BATCH = 3

@@ -40,7 +40,7 @@ from lightning_vitscale.memory.devices import (
     device_named,
     device_of,
 )
-from lightning_vitscale.memory.step_model import OPTIMIZER_STATES, StepInputs, StepSettings, unit_spans
+from lightning_vitscale.memory.step_inputs import OPTIMIZER_STATES, StepInputs, StepSettings, unit_spans
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from examples.models.vit import VisionTransformer
 from lightning_vitscale.kernels.optimizers import prefer_foreach
 from lightning_vitscale.memory.planner import step_inputs
-from lightning_vitscale.memory.step_model import StepSettings, predict_step
+from lightning_vitscale.memory.step_inputs import StepSettings
+from lightning_vitscale.memory.step_model import predict_step
 from lightning_vitscale.precision.settings import resolve_flag
 from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig, ShardingPolicy
 from lightning_vitscale.sharding.outer_unit import OuterUnit

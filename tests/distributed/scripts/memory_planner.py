@@ -24,7 +24,8 @@ from lightning_vitscale._compat import fsdp_param_groups
 from lightning_vitscale.cli.demo import TinyViT
 from lightning_vitscale.kernels.optimizers import prefer_foreach
 from lightning_vitscale.memory.planner import step_inputs
-from lightning_vitscale.memory.step_model import StepSettings, TrainingLoop, predict_step
+from lightning_vitscale.memory.step_inputs import StepSettings, TrainingLoop
+from lightning_vitscale.memory.step_model import predict_step
 from lightning_vitscale.precision.settings import resolve_flag
 from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig
 from lightning_vitscale.sharding.outer_unit import OuterUnit

@@ -47,7 +47,8 @@ from lightning_vitscale.memory import measure_state_bytes
 from lightning_vitscale.memory.planner import choose, step_inputs
 from lightning_vitscale.memory.planning_batch import TRAIN_BATCH, PlanningBatch, measure_batch
 from lightning_vitscale.memory.step_cost import rates_for
-from lightning_vitscale.memory.step_model import StepInputs, StepSettings, TrainingLoop, predict_step
+from lightning_vitscale.memory.step_inputs import StepInputs, StepSettings, TrainingLoop
+from lightning_vitscale.memory.step_model import predict_step
 from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
 from tests.helpers.peak import RssWindow, mmap_large_allocations
 from tests.helpers.scenarios import run_scenarios

@@ -29,7 +29,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vitscale.memory.planning_batch import EXAMPLE_INPUT, PlanningBatch, measure_batch
 from lightning_vitscale.memory.step_cost import traffic_per_dimension
-from lightning_vitscale.memory.step_model import StepSettings, TrainingLoop, predict_step
+from lightning_vitscale.memory.step_inputs import StepSettings, TrainingLoop
+from lightning_vitscale.memory.step_model import predict_step
 from tests.distributed.scripts.planner_fit import MeasuredStrategy
 from tests.helpers.peak import mmap_large_allocations
 from tests.helpers.recording import TrafficRecorder, per_dimension

@@ -20,7 +20,7 @@ from benchmarks import throughput_model
 from lightning_vitscale.kernels import KernelPolicy
 from lightning_vitscale.kernels.settings import NO_BATCH
 from lightning_vitscale.memory import devices, step_cost
-from lightning_vitscale.memory.step_model import StepSettings
+from lightning_vitscale.memory.step_inputs import StepSettings
 from lightning_vitscale.sharding import ParallelConfig
 from lightning_vitscale.sharding.resolved import compile_where_it_pays, resolve_config
 

@@ -18,7 +18,8 @@ from lightning_vitscale.memory import activations, block_passes
 from lightning_vitscale.memory.activations import measure_activations
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_cost import rates_for
-from lightning_vitscale.memory.step_model import StepSettings, predict_step
+from lightning_vitscale.memory.step_inputs import StepSettings
+from lightning_vitscale.memory.step_model import predict_step
 
 DIM, TOKENS, BATCH = 16, 32, 2
 

@@ -13,7 +13,7 @@ from lightning_vitscale.cli.demo import TinyViT
 from lightning_vitscale.memory.collectives import unit_collectives
 from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_cost import rates_for, units_and_regather_seconds
-from lightning_vitscale.memory.step_model import StepSettings
+from lightning_vitscale.memory.step_inputs import StepSettings
 from lightning_vitscale.precision import resolve_flag
 from lightning_vitscale.sharding.traffic import Unit, step_traffic
 

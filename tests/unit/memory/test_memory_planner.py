@@ -19,7 +19,8 @@ from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing
 from lightning_vitscale.memory.measurement import Measurement
 from lightning_vitscale.memory.plan_search import BlockPlan
 from lightning_vitscale.memory.planner import parse_memory, plan_memory, step_inputs
-from lightning_vitscale.memory.step_model import StepSettings, collective_copies, predict_step, step_phases
+from lightning_vitscale.memory.step_inputs import StepSettings, collective_copies
+from lightning_vitscale.memory.step_model import predict_step, step_phases
 from lightning_vitscale.memory.twin import meta_twin
 from lightning_vitscale.precision.settings import resolve_flag
 from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig

@@ -32,7 +32,8 @@ from lightning_vitscale.memory.step_cost import (
     regather_seconds,
     units_and_regather_seconds,
 )
-from lightning_vitscale.memory.step_model import StepSettings, predict_step, step_phases, unit_spans
+from lightning_vitscale.memory.step_inputs import StepSettings, unit_spans
+from lightning_vitscale.memory.step_model import predict_step, step_phases
 from lightning_vitscale.precision.settings import resolve_flag
 from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig
 from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode

@@ -27,7 +27,8 @@ from lightning_vitscale.memory.planning_batch import (
     measure_batch,
     planning_batch,
 )
-from lightning_vitscale.memory.step_model import StepSettings, predict_step
+from lightning_vitscale.memory.step_inputs import StepSettings
+from lightning_vitscale.memory.step_model import predict_step
 from lightning_vitscale.precision.settings import resolve_flag
 from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig, resolve_config
 

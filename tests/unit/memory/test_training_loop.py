@@ -13,7 +13,8 @@ from lightning_vitscale.cli.demo import TinyViT
 from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing
 from lightning_vitscale.memory.measurement import Measurement, training_loop
 from lightning_vitscale.memory.planner import step_inputs
-from lightning_vitscale.memory.step_model import StepSettings, TrainingLoop, predict_step, step_phases
+from lightning_vitscale.memory.step_inputs import StepSettings, TrainingLoop
+from lightning_vitscale.memory.step_model import predict_step, step_phases
 
 LONG = dict(image=64, patch=4, dim=96, depth=4)
 WIDE = dict(image=32, patch=4, dim=256, depth=6)  # parameter-heavy: the gradients decide where the peak is
