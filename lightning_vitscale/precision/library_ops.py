@@ -2,8 +2,8 @@
 run as under autocast.
 
 DDP's AMP runs each step under autocast, which computes some ops in fp32: other libraries' ops with an autocast
-kernel of their own (torchvision's ``nms`` and ``roi_align``, whose host kernels have no bf16, and CUDA's ``nms`` none
-either), and torch's ops on autocast's fp32 list. O2 runs no autocast: a detector's region proposals reach ``nms`` in
+kernel of their own (torchvision's ``nms`` and ``roi_align``, whose host kernels have no bf16; CUDA's not checked
+here), and torch's ops on autocast's fp32 list. O2 runs no autocast: a detector's region proposals reach ``nms`` in
 bf16 and its first step fails (``"nms_kernel" not implemented for 'BFloat16'``), a DETR-style loss's Hungarian
 matcher fails in ``torch.cdist``, and its class weight (fp32) meets bf16 logits in ``cross_entropy``.
 
@@ -33,7 +33,7 @@ from lightning_vitscale._compat import ops_with_autocast_kernels
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # the dtypes torch.autocast computes in
 EVERY_DEVICE = frozenset({"cpu", "cuda", "xpu"})
 
-# Torch's functions on autocast's fp32 list with no bf16 kernel (on the host; CUDA's cdist and FFTs neither): run on a
+# Torch's functions on autocast's fp32 list with no bf16 kernel on the host (checked on CPU; CUDA's not): run on a
 # model's bf16 outputs in a step (a matcher's box distances) or inside a block (a global filter's FFT).
 TORCH_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "torch": ("cdist", "pdist"),
