@@ -17,7 +17,7 @@ from lightning_vitscale.memory import MemoryPlan, StateBytes, measure_state_byte
 from lightning_vitscale.monitoring import VitScaleThroughput
 from lightning_vitscale.precision import NonFiniteTrainingError, VitScalePrecision, grad_norm
 from lightning_vitscale.sharding import (
-    ForwardAfterBackwardError,
+    BackwardOutsideManualBackwardError,
     MixedTensorsError,
     NoBlocksMatchedError,
     OutsideStepCallError,
@@ -38,8 +38,8 @@ __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (setupt
 
 __all__ = [
     "AsyncSaveError",
+    "BackwardOutsideManualBackwardError",
     "CheckpointError",
-    "ForwardAfterBackwardError",
     "KernelPolicy",
     "MemoryPlan",
     "MixedTensorsError",

@@ -125,6 +125,7 @@ PRIVATE_NAMES = {
     "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._modules_to_run_forward": "torch 2.11: a unit run part",
     "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._register_pre_backward_hook": "torch 2.11: completed",
     "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._training_state": "torch 2.11: completed, idle",
+    "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._pre_backward": "the root's pre-backward on a loss",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup._training_state": "torch 2.11: idle",
     "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam._unsharded_param": "deepcopy: a gathered parameter",
     "torch.distributed.tensor._utils.compute_local_shape_and_global_offset": "a DTensor shard's box (init/)",
@@ -500,6 +501,15 @@ def current_backward_id() -> int:
     """The id of the backward pass running on this thread (-1 outside one): a new id per ``backward()`` call, so
     state keyed by it cannot outlive a backward that raised (its queued callbacks never ran)."""
     return int(torch._C._current_graph_task_id())
+
+
+def hook_root_pre_backward(root: FSDPModule, loss: torch.Tensor) -> None:
+    """FSDP2's pre-backward of the root unit on ``loss``, as FSDP2 hooks it on the root's forward outputs: its
+    backward then ends in FSDP2's root post-backward (each gathered unit's gradients reduced, the units resharded).
+    Registered on the tensor itself, not through ``_register_pre_backward_hook``, which warns of views (a loss is
+    never written in place after ``backward`` starts)."""
+    if loss.requires_grad:
+        loss.register_hook(root._get_fsdp_state()._pre_backward)
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:

@@ -203,7 +203,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         if self.sharded is not None:
-            self.sharded.before_backward()
+            self.sharded.before_backward(closure_loss)
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:

@@ -12,7 +12,7 @@ from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector
 from lightning_vitscale.sharding.checkpointing_settings import CheckpointingPolicy, CheckpointSelector
 from lightning_vitscale.sharding.mixed_tensors import MixedTensorsError, note_the_fix
 from lightning_vitscale.sharding.outer_unit_errors import (
-    ForwardAfterBackwardError,
+    BackwardOutsideManualBackwardError,
     OutsideStepCallError,
     SecondBackwardError,
 )
@@ -39,12 +39,12 @@ __all__ = [
     "TensorPlanSelector",
     "CheckpointSelector",
     "CheckpointingPolicy",
-    "ForwardAfterBackwardError",
     "MixedTensorsError",
     "note_the_fix",
     "ModuleSelector",
     "NoBlocksMatchedError",
     "OffloadMode",
+    "BackwardOutsideManualBackwardError",
     "OutsideStepCallError",
     "ParallelConfig",
     "ParameterWriteError",

@@ -39,10 +39,10 @@ from lightning_vitscale.distributed import collective_guard
 from lightning_vitscale.sharding.buffer_sync import BufferSync
 from lightning_vitscale.sharding.compute_copies import ComputeCopies
 from lightning_vitscale.sharding.outer_unit_errors import (
-    FORWARD_AFTER_BACKWARD,
     TRACE_REFUSED,
-    ForwardAfterBackwardError,
+    BackwardOutsideManualBackwardError,
     outside_step_error,
+    unreduced_gradients_message,
 )
 from lightning_vitscale.sharding.parameter_writes import GatheredWrites
 from lightning_vitscale.sharding.unit_members import not_a_unit, outer_unit_parameters, reshard_units
@@ -81,9 +81,12 @@ class OuterUnit(nn.Module):
         elif self._writes is not None:
             self._writes.begin_step()
         failed = False
+        manual = not getattr(self.module, "automatic_optimization", True)
         try:
             output = self.module(*args, **kwargs)
             self.carry_writes()
+            if manual and self._writes is not None:
+                self._refuse_unreduced_gradients()
         except BaseException:
             failed = True
             if copies is not None:
@@ -96,8 +99,20 @@ class OuterUnit(nn.Module):
                 if not failed:  # a failed step's frames (its traceback: pytest's report, a debugger) hold the copies:
                     copies.free()  # their storage resized to 0 under them, printing one read freed memory (a crash)
         if sync is not None:
-            sync.after_forward(not getattr(self.module, "automatic_optimization", True))
+            sync.after_forward(manual)
         return self._complete_partial_units(output)
+
+    def _refuse_unreduced_gradients(self) -> None:
+        """FSDP2's path, at a manual step's end: every backward through ``manual_backward`` ends in the root's
+        post-backward, which reduces the outer unit's gradients and reshards it. A gathered outer unit holding
+        gradients now had a backward FSDP2 never saw (``loss.backward()`` reaching no block unit)."""
+        if not self._owned or self._is_sharded():
+            return
+        names = {id(module): name for name, module in self.module.named_modules()}
+        unreduced = [f"{names.get(id(module), '')}.{name}".lstrip(".") for module, name in self._owned
+                     if getattr(module, name).grad is not None]
+        if unreduced:
+            raise BackwardOutsideManualBackwardError(unreduced_gradients_message(unreduced))
 
     def carry_writes(self) -> None:
         """Writes the step made to gathered parameters (the outer unit's, block units kept gathered, or one rank's
@@ -230,7 +245,7 @@ class OuterUnit(nn.Module):
             if self.compute_copies is not None and not self.compute_copies.gathered:
                 self._gather_for_step()  # a forward after a backward (and optimizer step) in the same step
             elif self.compute_copies is None and self._is_sharded():
-                raise ForwardAfterBackwardError(FORWARD_AFTER_BACKWARD)
+                self._gather_again()  # a forward after a backward in the same step (manual optimization)
             return
         if current_backward_id() != -1:  # checkpointing's recompute of a block in this unit: inside a step
             return
@@ -265,6 +280,17 @@ class OuterUnit(nn.Module):
             collective_guard.agree(collective_guard.MODEL_CALL, 0, check)
         except RuntimeError as error:
             raise outside_step_error(error) from error
+
+    @torch.compiler.disable
+    def _gather_again(self) -> None:
+        """FSDP2's path, a forward after a backward inside the step (a GAN's two updates): that backward's root
+        post-backward resharded the outer unit, and the step's own FSDP2 pre-forward ran once, at its start. So the
+        unit is gathered here, as the step's start did (no handshake: every rank runs the same step); the backward
+        that follows reduces its gradients through the root's pre-backward on its loss
+        (:meth:`~.sharded_model.ShardedModel.before_backward`). FSDP2 gathers into the parameters the step started
+        with (it keeps them, their storage freed), so the step's writes to them are still followed."""
+        assert isinstance(self, FSDPModule)
+        self.unshard()
 
     @torch.compiler.disable
     def _gather(self) -> None:

@@ -17,25 +17,25 @@ TRACE_REFUSED = (
 )
 
 
-class ForwardAfterBackwardError(RuntimeError):
-    """A forward after a backward in the same step found the outer unit resharded (several ranks, FSDP2's path)."""
-
-
 class SecondBackwardError(RuntimeError):
-    """A second backward through a graph kept with ``retain_graph=True`` found the parameters it saved freed
-    (several ranks, FSDP2's path)."""
+    """A second backward through a graph kept with ``retain_graph=True``, run outside ``manual_backward``, found the
+    parameters it saved freed (several ranks, FSDP2's path)."""
 
 
-FORWARD_AFTER_BACKWARD = (
-    "A forward after a backward in the same `training_step` (manual optimization updating twice, e.g."
-    " a GAN's generator then discriminator) is not supported by VitScaleStrategy where FSDP2 runs"
-    " the step (several ranks, or one device with units of their own: `priority=\"memory\"`, a"
-    " pinned `blocks_per_unit` or `reshard_after_forward`): FSDP2 resharded the outer unit at the end"
-    " of that backward, and nothing inside the step gathers it again (DDP has no such state). Run"
-    " each update in its own `training_step` (e.g. alternate them by `batch_idx`), or train this"
-    " module with strategy='ddp', or on one device with `VitScaleStrategy()`'s defaults (one unit on"
-    " compute copies), which support it."
-)
+class BackwardOutsideManualBackwardError(RuntimeError):
+    """A backward in a manual-optimization step ran outside ``manual_backward`` and reached only the outer unit's
+    parameters: their gradients were never averaged over the ranks (FSDP2's path)."""
+
+
+def unreduced_gradients_message(names: list[str]) -> str:
+    shown = ", ".join(f"`{name}`" for name in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (
+        "A backward in `training_step` ran outside `self.manual_backward(...)` (e.g. `loss.backward()`), and no"
+        f" FSDP unit saw it: the gradients of {shown} were never averaged over the ranks or handed to the sharded"
+        " parameters, so the optimizer stepped without them (DDP's hooks on every parameter need no such call)."
+        " Call `self.manual_backward(loss)` for every backward, as Lightning's manual optimization asks: the strategy"
+        " hooks the backward it runs."
+    )
 
 
 def outside_step_error(error: RuntimeError) -> OutsideStepCallError:

@@ -13,7 +13,9 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
+from lightning_vitscale._compat import hook_root_pre_backward
 from lightning_vitscale._utils import human_bytes
 from lightning_vitscale.distributed import RankContext
 from lightning_vitscale.kernels import AttentionRouter, KernelPolicy, apply_regional_compile, auto_attention_step
@@ -190,11 +192,17 @@ class ShardedModel:
     def _attention_decided(self, line: str) -> None:
         self.summary.kernels["attention"] = line
 
-    def before_backward(self) -> None:
+    def before_backward(self, loss: torch.Tensor) -> None:
         """A rank that skipped a block raises before it sends a gradient (``skipped_blocks.py``); a backward inside
-        the step (manual optimization) frees the gathered outer unit: the step's writes to it are carried first."""
+        the step (manual optimization) frees the gathered outer unit: the step's writes to it are carried first, and,
+        on FSDP2's path, ``loss`` gets the root's pre-backward hook, which FSDP2 puts on the step's output (the loss of
+        automatic optimization) and no tensor of a manual step carries: without it a backward reaching no block unit
+        (a model of one unit; a critic's loss on a generator run under ``no_grad``) never reduced the outer unit's
+        gradients, and the optimizer stepped without them."""
         if self.outer._in_step:
             self.outer.carry_writes()
+            if self.outer.compute_copies is None and isinstance(self.outer, FSDPModule):
+                hook_root_pre_backward(self.outer, loss)
         if self.outer.compute_copies is None:  # FSDP2 reduces every gathered gradient, a frozen parameter's too
             self._frozen_gradients = [(p, p.grad) for p in self.parameters if not p.requires_grad]
         if self.skipped is not None:
@@ -224,9 +232,9 @@ class ShardedModel:
 
     @contextmanager
     def second_backward_named(self) -> Generator[None, None, None]:
-        """Torch's "out of bounds for storage of size 0" from a second ``manual_backward`` in a training step on
-        FSDP2's path, which freed the gathered parameters the kept graph saved at the end of the first (one rank
-        computing on copies keeps them: ``compute_copies.py``), raised as :class:`SecondBackwardError`."""
+        """Torch's "out of bounds for storage of size 0" from a second backward in a training step on FSDP2's path
+        run outside ``manual_backward`` (which hooks the root's pre-backward, gathering what the first backward
+        freed), raised as :class:`SecondBackwardError`."""
         try:
             yield
         except RuntimeError as error:
@@ -235,11 +243,11 @@ class ShardedModel:
                 raise
             raise SecondBackwardError(
                 f"{error}\nA second backward through a graph kept with `retain_graph=True` in the same"
-                " `training_step` is not supported by VitScaleStrategy where FSDP2 runs the step (several ranks, or"
-                " one rank with several units): FSDP2 freed the gathered parameters that graph saved at the end of"
-                " the first backward (DDP has no such state). Call `manual_backward` once on the sum of the losses"
-                " (`self.manual_backward(loss_a + loss_b)`: the same gradients), or train this module with"
-                " strategy='ddp'."
+                " `training_step` ran outside `self.manual_backward(...)` (e.g. `loss.backward()`): FSDP2 freed the"
+                " gathered parameters that graph saved at the end of the first backward (several ranks, or one rank"
+                " with several units; DDP has no such state), and only a backward through `manual_backward` gathers"
+                " them again. Call `self.manual_backward(loss)` for every backward, as Lightning's manual optimization"
+                " asks."
             ) from error
 
     @contextmanager

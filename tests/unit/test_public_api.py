@@ -15,8 +15,8 @@ from lightning_vitscale.cli import parser
 
 PUBLIC_NAMES = {
     "AsyncSaveError",
+    "BackwardOutsideManualBackwardError",
     "CheckpointError",
-    "ForwardAfterBackwardError",
     "KernelPolicy",
     "MemoryPlan",
     "MixedTensorsError",

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.sharding.outer_unit import OuterUnit
-from lightning_vitscale.sharding.outer_unit_errors import ForwardAfterBackwardError, SecondBackwardError
+from lightning_vitscale.sharding.outer_unit_errors import BackwardOutsideManualBackwardError, SecondBackwardError
 from tests.helpers.models import Classifier, loader, random_images
 
 COPIES = {"activation_checkpointing": False}
@@ -157,19 +157,85 @@ def test_a_second_backward_through_a_kept_graph_sums_its_gradients_as_ddp_does()
     assert module.losses == plain.losses  # the third: no gradient of a step carried into the next one's
 
 
-def test_fsdps_path_refuses_a_forward_after_a_backward_in_the_same_step_naming_the_fix():
-    """Where FSDP2 runs the step (several ranks; here one rank with a unit per block), the outer unit is resharded at
-    the end of the first backward: torch's "mixed torch.Tensor and DTensor" said nothing of why or what to do."""
-    with pytest.raises(ForwardAfterBackwardError, match="its own `training_step`"):
-        fit(without_dropout(TwoUpdatesPerStep()), VitScaleStrategy(**FSDP_PATH), "32-true", steps=2)
+def test_fsdps_path_runs_a_forward_after_a_backward_in_the_same_step_as_ddp_does():
+    """Where FSDP2 runs the step (several ranks: tests/distributed/test_manual_optimization.py; here one rank with a
+    unit per block), the first backward reshards the outer unit: the second forward gathers it again. Before, it
+    raised (torch's "mixed torch.Tensor and DTensor", then an error of ours naming a workaround)."""
+    module, plain = without_dropout(TwoUpdatesPerStep()), without_dropout(TwoUpdatesPerStep())
+    plain.load_state_dict(module.state_dict())
+    run = fit(module, VitScaleStrategy(**FSDP_PATH), "32-true", steps=3)
+    fit(plain, "ddp", "32-true", steps=3)
+    assert copies_of(run) is None and "5 (4 blocks + 1 outer)" in run.strategy.plan.summary()
+    assert module.losses == plain.losses
+    assert full_state(module).keys() == plain.state_dict().keys()
+    assert all(torch.equal(value, plain.state_dict()[name]) for name, value in full_state(module).items())
 
 
-def test_fsdps_path_refuses_a_second_backward_through_a_kept_graph_naming_the_fix():
-    """FSDP2 frees the gathered parameters a kept graph saved at the end of the first backward: torch's "setStorage:
-    ... out of bounds for storage of size 0" said nothing of why or what to do."""
-    with pytest.raises(SecondBackwardError, match="manual_backward` once on the sum of the losses") as raised:
-        fit(without_dropout(BackwardTwice()), VitScaleStrategy(**FSDP_PATH), "32-true", steps=2)
+class TwoLosses(ManualSGD):
+    """Two losses on one forward, a backward for each (the first keeping the graph); ``direct``: the second by
+    ``loss.backward()``, outside ``manual_backward``."""
+
+    def __init__(self, direct: bool = False) -> None:
+        super().__init__()
+        self.direct = direct
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        x, y = batch
+        logits = self(x)
+        first, second = F.cross_entropy(logits, y), logits.pow(2).mean()
+        self.losses.append(first.item())
+        optimizer.zero_grad()
+        self.manual_backward(first, retain_graph=True)
+        second.backward() if self.direct else self.manual_backward(second)
+        optimizer.step()
+
+
+@pytest.mark.parametrize("module_class", [BackwardTwice, TwoLosses])
+def test_fsdps_path_runs_a_second_backward_through_a_kept_graph_as_ddp_does(module_class):
+    """Each ``manual_backward`` hooks the root's pre-backward on its loss (sharded_model.before_backward), which
+    gathers again what the first backward freed (the outer unit; block units gather themselves). Before: torch's
+    "setStorage: ... out of bounds for storage of size 0", then an error of ours naming a workaround."""
+    module, plain = without_dropout(module_class()), without_dropout(module_class())
+    plain.load_state_dict(module.state_dict())
+    fit(module, VitScaleStrategy(**FSDP_PATH), "32-true", steps=3)
+    fit(plain, "ddp", "32-true", steps=3)
+    assert module.losses == plain.losses
+    assert all(torch.equal(value, plain.state_dict()[name]) for name, value in full_state(module).items())
+
+
+def test_fsdps_path_refuses_a_second_backward_outside_manual_backward_naming_the_fix():
+    """``loss.backward()`` skips the strategy's hook: what the first backward freed stays freed."""
+    with pytest.raises(SecondBackwardError, match="Call `self.manual_backward\\(loss\\)` for every backward") as raised:
+        fit(without_dropout(TwoLosses(direct=True)), VitScaleStrategy(**FSDP_PATH), "32-true", steps=2)
     assert "storage of size 0" in str(raised.value.__cause__)
+
+
+class HeadByHand(ManualSGD):
+    """A step whose only backward, by ``loss.backward()``, reaches the outer unit (the head), no block unit."""
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        _, y = batch
+        head = self.backbone.head
+        features = torch.randn(len(y), head.in_features, generator=torch.Generator().manual_seed(batch_idx))
+        loss = F.cross_entropy(head(features), y)
+        self.losses.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def test_fsdps_path_refuses_a_backward_outside_manual_backward_that_no_unit_saw_naming_the_fix():
+    """Its gradients would never be averaged over the ranks, nor reach the sharded parameters the optimizer steps
+    (2 ranks, before: a plain MLP trained apart from DDP from its second step, silently)."""
+    with pytest.raises(BackwardOutsideManualBackwardError, match="`backbone.head.weight`.*`self.manual_backward"):
+        fit(without_dropout(HeadByHand()), VitScaleStrategy(**FSDP_PATH), "32-true", steps=2)
+    module, plain = without_dropout(HeadByHand()), without_dropout(HeadByHand())
+    plain.load_state_dict(module.state_dict())
+    fit(module, VitScaleStrategy(**COPIES), "32-true", steps=3)  # one rank's copies hand every gradient over
+    fit(plain, "ddp", "32-true", steps=3)
+    assert module.losses == plain.losses
 
 
 class FrozenHeadAtFirst(L.Callback):

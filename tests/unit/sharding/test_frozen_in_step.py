@@ -88,8 +88,9 @@ def test_parameters_frozen_by_toggle_optimizer_get_no_gradient_as_under_ddp(opti
 def test_lightnings_gan_pattern_trains_on_one_device_under_the_default():
     """Lightning's GAN example as written (manual optimization, a second forward after the first update, no
     ``forward`` for the planner to measure through): the unmeasured step's blocks are checkpointed in one unit on
-    compute copies, as without a batch, not units of their own, on which the second forward raised
-    ``ForwardAfterBackwardError`` on one device. Mutation seen failing: the unmeasured plan's units on one rank."""
+    compute copies, as without a batch, not units of their own (on which the second forward raised then; it gathers
+    the outer unit again now: tests/distributed/test_manual_optimization.py). Mutation seen failing: the unmeasured
+    plan's units on one rank."""
     plain = fit("auto", both=True)
     strategy = VitScaleStrategy()
     model = Critic(both=True)
