@@ -23,14 +23,16 @@ from lightning_vitscale.checkpoint.formats import (
 )
 from lightning_vitscale.checkpoint.full_state_dict import sharded_state_dicts
 from lightning_vitscale.checkpoint.optimizer_state import (
+    keeps_flat_state,
     rekey_by_position,
     require_optimizer_states,
     saved_entries,
     saved_param_groups,
     set_optimizer_state,
+    to_torch_format,
     untouched_if_fresh,
 )
-from lightning_vitscale.checkpoint.safe_reading import load_into, load_member, read_metadata
+from lightning_vitscale.checkpoint.safe_reading import load_all, load_into, load_member, read_metadata
 from lightning_vitscale.checkpoint.storage import Location
 from lightning_vitscale.row_layout import packed_rows, reorder_packed
 
@@ -52,6 +54,8 @@ def load_checkpoint(
         request: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
         require_optimizer_states(bool(saved_entries(metadata, "optimizer_0", "param_groups")), optimizers)
         for i, optimizer in enumerate(optimizers):
+            if keeps_flat_state(optimizer):
+                continue  # read whole below
             with untouched_if_fresh(optimizer):
                 state: dict[str, Any] = dict(get_optimizer_state_dict(module, optimizer))
             saved = {path[2] for path in saved_entries(metadata, f"optimizer_{i}", "state")}  # as DDP's file: no
@@ -61,7 +65,10 @@ def load_checkpoint(
         load_into(request, location, weights_only, strict=strict, packed=packed)
         set_model_state_dict(module, request.pop("state_dict"), options=StateDictOptions(strict=strict))
         for i, optimizer in enumerate(optimizers):
-            set_optimizer_state(module, optimizer, request[f"optimizer_{i}"], StateDictOptions(cpu_offload=True))
+            if keeps_flat_state(optimizer):
+                optimizer.load_state_dict(to_torch_format(load_all(location, weights_only)[f"optimizer_{i}"]))
+            else:
+                set_optimizer_state(module, optimizer, request[f"optimizer_{i}"], StateDictOptions(cpu_offload=True))
         checkpoint.update(sharded_entries(location, weights_only, packed))  # their owners load them
         return checkpoint
 
@@ -77,6 +84,9 @@ def _load_file(
     reorder_packed(weights, packed, to_model=False)
     set_model_state_dict(module, weights, options=options)
     for optimizer, state in zip(optimizers, checkpoint.pop("optimizer_states", [])):
+        if keeps_flat_state(optimizer):
+            optimizer.load_state_dict(state)  # DDP's own format: torch's, numbered
+            continue
         state = rekey_by_position(state, optimizer, module)
         reorder_packed(state["state"], packed, to_model=False)
         set_optimizer_state(module, optimizer, state, options)

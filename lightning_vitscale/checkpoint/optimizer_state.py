@@ -29,6 +29,14 @@ def rekey_by_position(optimizer_state: dict[str, Any], optimizer: torch.optim.Op
     return {"state": state, "param_groups": groups}
 
 
+def keeps_flat_state(optimizer: torch.optim.Optimizer) -> bool:
+    """LBFGS (one rank only: ``precision/optimizer_probe.py``): its state is flat vectors of all its parameters and
+    history lists of varying length under its first parameter, which torch DCP's optimizer state dict cannot make a
+    template of (it steps a fresh optimizer without the closure LBFGS needs). It is saved as DCP writes it and read
+    whole, into ``optimizer.load_state_dict``, as DDP's resume does."""
+    return isinstance(optimizer, torch.optim.LBFGS)
+
+
 def require_optimizer_states(present: bool, optimizers: list[torch.optim.Optimizer]) -> None:
     """Resuming a fit from a weights-only checkpoint fails under DDP with this KeyError; so it does here."""
     if optimizers and not present:
@@ -45,7 +53,9 @@ def untouched_if_fresh(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
     An optimizer stepping local tensors where DTensor has no rule for its step makes its state there first."""
     fresh = not optimizer.state
     try:
-        if fresh:
+        if fresh and keeps_flat_state(optimizer):  # what its first step makes, so torch's functions step nothing
+            optimizer.state[optimizer.param_groups[0]["params"][0]] = {"func_evals": 0, "n_iter": 0}
+        elif fresh:
             init_state_locally(optimizer)
         yield fresh
     finally:

@@ -30,7 +30,12 @@ def steps_locally(optimizer: torch.optim.Optimizer) -> bool:
     if is_elementwise(optimizer):
         return True
     if isinstance(optimizer, torch.optim.LBFGS):
-        return False  # its step calls the closure again (the plugin leaves it to Lightning's path)
+        return False  # its step calls the closure again: the plugin steps it itself (``local_step.lbfgs_...``)
+    return holds_whole_parameters(optimizer)
+
+
+def holds_whole_parameters(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether each DTensor parameter's local tensor is the whole parameter (one rank), or there is none."""
     # Called every step: the first DTensor's mesh is the run's (its norms' replicas and its shards share it).
     first = next((p for group in optimizer.param_groups for p in group["params"] if isinstance(p, DTensor)), None)
     return first is None or first.device_mesh.size() == 1

@@ -8,7 +8,7 @@ op (host time every step, seconds in the first: ViT-H on CPU ~8.7 s). Groups lai
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -36,6 +36,47 @@ def on_local_shards(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
         yield True
     finally:
         _swap_back(optimizer, *swapped)
+
+
+@contextmanager
+def lbfgs_on_whole_locals(
+    optimizer: torch.optim.LBFGS,
+) -> Iterator[Callable[[Callable[[], Any]], Callable[[], Any]]]:
+    """Within the block, LBFGS (one rank: each local tensor a whole parameter) holds its parameters' local tensors,
+    and the closure it is given (yielded: wrap it) runs with the parameters back (its ``zero_grad`` clears theirs)
+    and hands each evaluation's gradients to the local tensors. LBFGS treats all its
+    parameters as one flat vector (``p.grad.view(-1)``, ``torch.cat``), which DTensor cannot reshape; and it calls
+    the closure again inside its step, which makes new gradients on the DTensors. Its state (flat tensors under its
+    first parameter) moves with that parameter."""
+    params = optimizer.param_groups[0]["params"]  # LBFGS's own ``_params`` is this list: swapped in place
+    originals = list(params)
+    local = [dtensor_local(p) if isinstance(p, DTensor) else p for p in originals]
+    pairs = [(mine, p) for mine, p in zip(local, originals) if mine is not p]
+
+    def refreshing(closure: Callable[[], Any]) -> Callable[[], Any]:
+        def evaluate() -> Any:
+            params[:] = originals  # the closure's `optimizer.zero_grad()` clears the parameters' gradients
+            try:
+                result = closure()
+            finally:
+                params[:] = local
+            for mine, param in pairs:
+                mine.grad = None if param.grad is None else dtensor_local(param.grad)
+            return result
+        return evaluate
+
+    state, key = optimizer.state, originals[0] if originals else None
+    params[:] = local
+    if key is not None and key in state:
+        state[local[0]] = state.pop(key)
+    try:
+        yield refreshing
+    finally:
+        params[:] = originals
+        if key is not None and local[0] in state:
+            state[key] = state.pop(local[0])
+        for mine, _ in pairs:
+            mine.grad = None
 
 
 def init_state_locally(optimizer: torch.optim.Optimizer) -> None:

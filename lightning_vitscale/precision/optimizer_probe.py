@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_vitscale.precision.elementwise import steps_locally
+from lightning_vitscale.precision.elementwise import holds_whole_parameters, steps_locally
 
 # What the sharded step's change may differ from the whole step's, relative to it: reduction order (a DTensor matmul
 # sums its parts in another order; Muon's bf16 Newton-Schulz iterations round them). A step on one shard's values
@@ -34,8 +34,12 @@ def refuse_unshardable(optimizers: Sequence[torch.optim.Optimizer]) -> None:
     """Raise :class:`UnshardableOptimizerError` for the first optimizer that does not step DTensor parameters as it
     steps plain ones (every rank probes the same, so every rank raises alike)."""
     for optimizer in optimizers:
-        if steps_locally(optimizer) or isinstance(optimizer, torch.optim.LBFGS):
-            continue  # local shards (element for element, or whole on one rank); LBFGS: not probed
+        if isinstance(optimizer, torch.optim.LBFGS):
+            if not holds_whole_parameters(optimizer):
+                raise UnshardableOptimizerError(_LBFGS_ON_SHARDS)
+            continue  # one rank: stepped on its whole local tensors (``local_step.lbfgs_on_whole_locals``)
+        if steps_locally(optimizer):
+            continue  # local shards (element for element, or whole on one rank)
         placed = [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, DTensor)]
         if not placed:
             continue
@@ -52,6 +56,13 @@ def refuse_unshardable(optimizers: Sequence[torch.optim.Optimizer]) -> None:
                 f" those, or strategy=\"ddp\" for a model trained with {name}."
             )
 
+
+_LBFGS_ON_SHARDS = (
+    "LBFGS cannot step VitScaleStrategy's sharded parameters: its step treats every parameter as one flat vector"
+    " (inner products, norms and line search over all of them), and each rank holds only its shard of each"
+    " parameter. On one device it trains as under DDP; on several, use strategy=\"ddp\" for a model trained with"
+    " LBFGS (a full-batch method for models that fit one device whole), or a first-order optimizer."
+)
 
 _WHY = "has no rule for an op of its step (or its step treats a shard as the whole parameter)."
 

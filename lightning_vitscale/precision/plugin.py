@@ -8,6 +8,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.types import Optimizable, Steppable
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -18,10 +19,10 @@ from typing_extensions import override
 from lightning_vitscale._compat import BatchNormBase, after_closure, buffer_slots, unscales_in_step
 from lightning_vitscale.precision.casting import autocast_around, floating_buffers, to_dtype
 from lightning_vitscale.precision.clipping import clip_grad_norm
-from lightning_vitscale.precision.elementwise import skips_on_device, steps_locally
+from lightning_vitscale.precision.elementwise import holds_whole_parameters, skips_on_device, steps_locally
 from lightning_vitscale.precision.grad_scaler import ShardedGradScaler
 from lightning_vitscale.precision.library_ops import AutocastOp, as_under_autocast, found_ops
-from lightning_vitscale.precision.local_step import on_local_shards
+from lightning_vitscale.precision.local_step import lbfgs_on_whole_locals, on_local_shards
 from lightning_vitscale.precision.nonfinite import NonFiniteGuard
 from lightning_vitscale.precision.settings import (
     SUPPORTED_FLAGS,
@@ -167,7 +168,9 @@ class VitScalePrecision(Precision):
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        guard = None if isinstance(optimizer, torch.optim.LBFGS) else self.nonfinite_guard  # LBFGS re-evaluates
+        if isinstance(optimizer, torch.optim.LBFGS):  # it re-evaluates the closure: no guard
+            return self._lbfgs_step(optimizer, model, closure, **kwargs)
+        guard = self.nonfinite_guard
         if self.scaler is None and guard is None and not steps_locally(cast(torch.optim.Optimizer, optimizer)):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
@@ -195,6 +198,19 @@ class VitScalePrecision(Precision):
         if self.scaler is not None:
             self.scaler.update()
         return closure_result if step_output is None else step_output  # as `optimizer.step(closure)` returns
+
+    def _lbfgs_step(self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any],
+                    **kwargs: Any) -> Any:
+        """As DDP's plugins: refused with a gradient scaler (``"16-mixed"``: Lightning's ``MixedPrecision`` says the
+        same), stepped with its closure otherwise, on the local tensors where they are whole parameters (one rank;
+        several ranks are refused at setup: ``optimizer_probe.refuse_unshardable``)."""
+        if self.scaler is not None:
+            raise MisconfigurationException("AMP and the LBFGS optimizer are not compatible.")
+        lbfgs = cast(torch.optim.LBFGS, optimizer)
+        if not holds_whole_parameters(lbfgs):
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        with lbfgs_on_whole_locals(lbfgs) as refreshing:
+            return super().optimizer_step(optimizer, model=model, closure=refreshing(closure), **kwargs)
 
     def on_train_end(self) -> None:
         """The strategy's ``on_train_end``: the non-finite flags of the last steps a fused step decided on the device

@@ -298,6 +298,7 @@ OPTIMIZERS = {
     "rprop": lambda params: torch.optim.Rprop(params, lr=1e-3),  # elementwise: steps the local shards
     "lamb": lambda params: timm_lamb(params),  # per-parameter norms: steps the DTensors
     "adafactor": lambda params: torch.optim.Adafactor(params, lr=1e-2),  # no DTensor rule for its in-place pow_
+    "lbfgs": lambda params: torch.optim.LBFGS(params, lr=0.1, max_iter=3),  # one flat vector of every parameter
     # bf16-mixed, the fp32 norms' replicated parameters first (a shard is the whole): the probe must shard its own
     "shard_blind": lambda params: ShardBlindSGD(params),  # steps shards as wholes: other numbers
     "shard_blind_norms_first": lambda params: ShardBlindSGD(sorted(params, key=lambda p: not _replicated(p))),
