@@ -127,6 +127,10 @@ PRIVATE_NAMES = {
     "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._training_state": "torch 2.11: completed, idle",
     "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._pre_backward": "the root's pre-backward on a loss",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup._training_state": "torch 2.11: idle",
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.post_forward_mesh_info": "reshard after"
+    " forward, per unit: kept gathered through a gradient of a gradient",
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.reshard_after_backward": "the same after"
+    " backward",
     "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam._unsharded_param": "deepcopy: a gathered parameter",
     "torch.distributed.tensor._utils.compute_local_shape_and_global_offset": "a DTensor shard's box (init/)",
     "torch.distributed.tensor.DTensor._local_tensor": "the local shard without an autograd node; flat masters",
@@ -510,6 +514,22 @@ def hook_root_pre_backward(root: FSDPModule, loss: torch.Tensor) -> None:
     never written in place after ``backward`` starts)."""
     if loss.requires_grad:
         loss.register_hook(root._get_fsdp_state()._pre_backward)
+
+
+def keep_units_gathered(root: torch.nn.Module) -> Callable[[], None]:
+    """Every FSDP unit under ``root`` (itself included) left gathered after its forwards and backwards until the
+    returned function is called, which restores each unit's own settings (they differ per unit: the planner keeps
+    some gathered for backward). FSDP2's public setters take one value for all units and cannot say what was set."""
+    saved = [(group, group.post_forward_mesh_info, group.reshard_after_backward)
+             for unit in root.modules() if isinstance(unit, FSDPModule) for group in fsdp_param_groups(unit)]
+    for group, _, _ in saved:
+        group.post_forward_mesh_info, group.reshard_after_backward = None, False
+
+    def restore() -> None:
+        for group, after_forward, after_backward in saved:
+            group.post_forward_mesh_info, group.reshard_after_backward = after_forward, after_backward
+
+    return restore
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:

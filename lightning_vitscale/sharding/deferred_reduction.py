@@ -54,6 +54,7 @@ class DeferredReduction:
         self._deferred: dict[int, tuple[FSDPModule, bool]] = {}
         self._handles = [cast(nn.Module, root).register_forward_pre_hook(self._new_step)]
         self.watching = True  # until a forward with gradients ran each unit at most once: then the hooks go
+        self.paused = False  # units kept gathered for a gradient of a gradient (``gradients_of_gradients.py``)
         for unit in units:
             module = cast(nn.Module, unit)
             self._handles += [
@@ -70,9 +71,20 @@ class DeferredReduction:
             unit.set_requires_gradient_sync(sync, recurse=False)
         self._deferred.clear()
 
+    def pause(self) -> None:
+        """Units kept gathered through a gradient of a gradient (``gradients_of_gradients.py``) reduce at each call's
+        post-backward, as FSDP2 does, until :meth:`resume`: deferred to a first call's, a WGAN-GP critic with units
+        of its own (called on the penalty's points, the fakes and the reals) trained apart from DDP from its second
+        step on (2 ranks, ``tests/distributed/test_manual_optimization.py``); reduced at each call, DDP's numbers."""
+        self.paused = True
+        self._new_step()
+
+    def resume(self) -> None:
+        self.paused = False
+
     def _before_fsdp(self, unit: FSDPModule, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        if not torch.is_grad_enabled() or current_backward_id() != -1:  # no backward to come; a recompute
-            return None
+        if self.paused or not torch.is_grad_enabled() or current_backward_id() != -1:  # see pause; no backward
+            return None  # to come; a recompute
         first_in_backward = not self._calls
         calls = self._calls[id(unit)] = self._calls.get(id(unit), 0) + 1
         if calls > 1:
@@ -82,7 +94,9 @@ class DeferredReduction:
         return _wrapped(args, kwargs, self._count_again_after_backward) if first_in_backward else None
 
     def _after_fsdp(self, unit: FSDPModule, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        if not torch.is_grad_enabled() or current_backward_id() != -1 or self._calls.get(id(unit), 0) < 2:
+        if self.paused or not torch.is_grad_enabled() or current_backward_id() != -1:
+            return None
+        if self._calls.get(id(unit), 0) < 2:
             return None
         return _wrapped(args, kwargs, functools.partial(self._defer, unit))
 

@@ -68,6 +68,7 @@ class OuterUnit(nn.Module):
         self.compute_copies: ComputeCopies | None = None  # one rank, nothing to shard (sharding/compute_copies.py)
         self._grouped_states: list[Any] | None = None  # torch 2.11: units of several blocks (_compat)
         self._writes: GatheredWrites | None = None  # FSDP2's path: a step's writes to gathered parameters
+        self.deferred_reduction: Any = None  # several ranks, block units: sharding/deferred_reduction.py
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         sync = self.buffer_sync

@@ -32,6 +32,7 @@ from lightning_vitscale.memory import (
 from lightning_vitscale.precision import ReplicatedNorms, flat_step, lightning_grad_norm_named, refuse_unshardable
 from lightning_vitscale.sharding.activation_checkpointing import CHECKPOINT_MODES, apply_activation_checkpointing
 from lightning_vitscale.sharding.gradient_sync import gradient_sync_off, unsharded_gradient_bytes
+from lightning_vitscale.sharding.gradients_of_gradients import GradientsOfGradients
 from lightning_vitscale.sharding.mixed_tensors import mixed_tensors_named
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.outer_unit_errors import SecondBackwardError
@@ -82,6 +83,11 @@ class ShardedModel:
     # gathered copies instead), and before a backward the frozen ones' gradients (FSDP2's path).
     parameters: list[nn.Parameter] = dataclasses.field(default_factory=list)
     _frozen_gradients: list[tuple[nn.Parameter, torch.Tensor | None]] = dataclasses.field(default_factory=list)
+    gradients_of_gradients: GradientsOfGradients | None = None  # FSDP2's path (``gradients_of_gradients.py``)
+
+    def __post_init__(self) -> None:
+        if self.outer.compute_copies is None and isinstance(self.outer, FSDPModule):
+            self.gradients_of_gradients = GradientsOfGradients(self.outer, self.outer.deferred_reduction)
 
     @property
     def module(self) -> nn.Module:
@@ -165,7 +171,8 @@ class ShardedModel:
         self.backwards_in_step = 0
         if self.skipped is not None:
             self.skipped.reset()
-        with self.step_errors_named(), self.second_backward_named():
+        twice = self.gradients_of_gradients
+        with self.step_errors_named(), self.second_backward_named(), twice.in_step() if twice else nullcontext():
             return auto_attention_step(self.router, step, mean_over_ranks, self._attention_decided)
 
     @contextmanager
@@ -199,6 +206,8 @@ class ShardedModel:
         automatic optimization) and no tensor of a manual step carries: without it a backward reaching no block unit
         (a model of one unit; a critic's loss on a generator run under ``no_grad``) never reduced the outer unit's
         gradients, and the optimizer stepped without them."""
+        if self.gradients_of_gradients is not None:  # Lightning's backward follows the step (automatic optimization)
+            self.gradients_of_gradients.before_backward(loss)
         if self.outer._in_step:
             self.outer.carry_writes()
             if self.outer.compute_copies is None and isinstance(self.outer, FSDPModule):

@@ -203,7 +203,9 @@ def apply_fsdp(
     if mesh.size() > 1:  # a parameter one rank leaves unused cannot shift the others' reduce-scatters
         zero_gradients_for_unused(outer, required=find_unused)
         if block_units:  # a unit called again in a step reduces once, after its first call's backward
-            DeferredReduction(outer, block_units)
+            deferred = DeferredReduction(outer, block_units)
+            if isinstance(outer_unit, OuterUnit):
+                outer_unit.deferred_reduction = deferred
     if copies_owner is not None:
         compute = mp_policy.param_dtype or (sharded[0].dtype if sharded else torch.float32)
         copies_owner.compute_copies = ComputeCopies(copies_owner, sharded + norm_params, compute)

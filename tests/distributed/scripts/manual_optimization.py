@@ -151,6 +151,61 @@ class TwoLosses(Regression):
         self.losses.append(first.item())
 
 
+class WGANGP(GAN):
+    """A WGAN-GP critic's step: the gradient penalty ``torch.autograd.grad(..., create_graph=True)`` of the critic's
+    scores at points between real and generated samples, then the generator's update."""
+
+    def training_step(self, batch, batch_idx):
+        (real,) = batch
+        g_opt, d_opt = self.optimizers()
+        z = torch.randn(real.shape[0], NOISE, generator=torch.Generator().manual_seed(batch_idx))
+        alpha = torch.rand(real.shape[0], 1, generator=torch.Generator().manual_seed(batch_idx + 99))
+        self.toggle_optimizer(d_opt)
+        fake = self(z).detach()
+        between = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+        (slopes,) = torch.autograd.grad(self.discriminator(between).sum(), between, create_graph=True)
+        penalty = ((slopes.norm(2, dim=1) - 1) ** 2).mean()
+        d_loss = self.discriminator(fake).mean() - self.discriminator(real).mean() + 10 * penalty
+        self.manual_backward(d_loss)
+        d_opt.step()
+        d_opt.zero_grad()
+        self.untoggle_optimizer(d_opt)
+        self.toggle_optimizer(g_opt)
+        g_loss = -self.discriminator(self(z)).mean()
+        self.manual_backward(g_loss)
+        g_opt.step()
+        g_opt.zero_grad()
+        self.untoggle_optimizer(g_opt)
+        self.losses += [d_loss.item(), g_loss.item()]
+
+
+class InputGradientPenalty(L.LightningModule):
+    """Automatic optimization: a classifier whose loss adds the squared gradient of its scores to its input (an R1 /
+    input-gradient regularizer), through ``torch.autograd.grad(..., create_graph=True)`` in ``training_step``."""
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = mlp(64, FEATURES, 4, blocks)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        x = x.clone().requires_grad_(True)
+        y = (x.sum(-1) > 0).long() + 2 * (x[:, 0] > 0).long()
+        logits = self.net(x)
+        (slopes,) = torch.autograd.grad(logits.logsumexp(-1).sum(), x, create_graph=True)
+        loss = F.cross_entropy(logits, y) + 0.1 * slopes.pow(2).sum(-1).mean()
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return real_samples()
+
+
 def critic() -> L.LightningModule:
     from tests.unit.sharding.test_frozen_in_step import Critic
 
@@ -165,12 +220,17 @@ CASES = {
     "gan_blocks": lambda: GAN(3),
     "wgan": lambda: WGAN(0),
     "critic": critic,
+    "wgan_gp": lambda: WGANGP(0),
+    "wgan_gp_blocks": lambda: WGANGP(3),
+    "input_penalty": lambda: InputGradientPenalty(0),
+    "input_penalty_blocks": lambda: InputGradientPenalty(3),
 }
 
 
 def fit(case: str, strategy: str) -> dict:
     model = CASES[case]()
-    steps = 4 * (2 if isinstance(model.configure_optimizers(), tuple) else 1)  # Lightning counts optimizer steps
+    # Lightning counts optimizer steps; manual optimization's are the updates
+    steps = 4 * (2 if isinstance(model.configure_optimizers(), tuple) else 1)
     L.Trainer(accelerator="cpu", devices=2, strategy=STRATEGIES[strategy](), max_steps=steps, logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(model)
     state = {name: (value.full_tensor() if isinstance(value, DTensor) else value).flatten().tolist()

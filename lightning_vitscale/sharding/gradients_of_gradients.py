@@ -1,0 +1,84 @@
+"""Gradients of gradients in a training step (WGAN-GP's gradient penalty, StyleGAN's R1, input-gradient
+regularizers: ``torch.autograd.grad(..., create_graph=True)``), as under DDP.
+
+FSDP2 ends every backward with its root post-backward, which reshards each unit gathered for it, and reshards a unit
+after each forward unless it is kept for backward. A backward with ``create_graph=True`` records a graph of its own
+whose nodes keep the gathered parameters (a linear's weight, for the gradient of its input's gradient); the loss's
+backward then runs those nodes, and no unit's pre-backward hook gathers them again first: torch's "setStorage: ...
+out of bounds for storage of size 0" (pytorch#172543; FSDP2's answer is ``set_reshard_after_backward(False)``).
+
+So inside a step, ``torch.autograd.grad`` called with ``create_graph=True`` leaves every unit gathered from then on,
+through the step's forwards and the next backward (the loss's: ``manual_backward`` or Lightning's), at whose end
+each unit gets its own settings back and is resharded. The gradients are reduced as usual, at each unit's
+post-backward. Memory: the units stay whole from the penalty to the end of that backward (as DDP's model always is).
+``torch.autograd.grad`` is looked up at each call, so the step's calls go through this (``from torch.autograd import
+grad`` before the step binds torch's own: not caught, as with the library ops of ``precision/library_ops.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_vitscale._compat import keep_units_gathered, queue_end_of_backward
+from lightning_vitscale.sharding.unit_members import reshard_units
+
+
+class GradientsOfGradients:
+    """``root``: the outer unit (FSDP2's path; one rank's compute copies keep their memory through the step);
+    ``deferred``: its :class:`~.deferred_reduction.DeferredReduction`, paused while the units are kept."""
+
+    def __init__(self, root: nn.Module, deferred: Any = None) -> None:
+        self._root = root
+        self._deferred = deferred
+        self._restore: Callable[[], None] | None = None  # set while the units are kept gathered
+
+    @property
+    def keeping(self) -> bool:
+        return self._restore is not None
+
+    @contextmanager
+    def in_step(self) -> Iterator[None]:
+        """The step's ``torch.autograd.grad`` keeps the units gathered when it builds a graph."""
+        self.release()  # a step that kept them and ran no backward after: resharded before this one
+        grad = torch.autograd.grad
+
+        def grad_keeping_units(*args: Any, **kwargs: Any) -> Any:
+            create_graph = kwargs.get("create_graph", args[4] if len(args) > 4 else False)
+            if create_graph and self._restore is None:
+                self._restore = keep_units_gathered(self._root)
+                if self._deferred is not None:
+                    self._deferred.pause()
+            return grad(*args, **kwargs)
+
+        torch.autograd.grad = grad_keeping_units
+        try:
+            yield
+        finally:
+            torch.autograd.grad = grad
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        """The loss's backward, after a gradient of a gradient: at its end (after FSDP2's own end, which the first
+        callback queues behind itself), the units' settings back and the units resharded."""
+        if self._restore is not None and loss.requires_grad:
+            loss.register_hook(_at_end_of_backward(self.release))
+
+    def release(self) -> None:
+        if self._restore is None:
+            return
+        restore, self._restore = self._restore, None
+        restore()
+        reshard_units(self._root)
+        if self._deferred is not None:
+            self._deferred.resume()
+
+
+def _at_end_of_backward(callback: Callable[[], None]) -> Callable[[torch.Tensor], None]:
+    def hook(grad: torch.Tensor) -> None:
+        queue_end_of_backward(lambda: queue_end_of_backward(callback))  # after FSDP2's root post-backward
+
+    return hook
