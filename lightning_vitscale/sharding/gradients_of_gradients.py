@@ -37,10 +37,6 @@ class GradientsOfGradients:
         self._deferred = deferred
         self._restore: Callable[[], None] | None = None  # set while the units are kept gathered
 
-    @property
-    def keeping(self) -> bool:
-        return self._restore is not None
-
     @contextmanager
     def in_step(self) -> Iterator[None]:
         """The step's ``torch.autograd.grad`` keeps the units gathered when it builds a graph."""
