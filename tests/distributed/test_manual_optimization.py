@@ -33,7 +33,7 @@ STRATEGIES = ("ddp", "default", "memory")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
-    scenarios = ",".join(f"{case}/{strategy}" for case in CASES + PENALTIES for strategy in STRATEGIES)
+    scenarios = ",".join(f"{case}/{strategy}" for case in CASES + PENALTIES + ["resumed"] for strategy in STRATEGIES)
     return launch_ranks(tmp_path_factory, "manual_optimization", SCRIPT, scenarios, timeout=240)[1]
 
 
@@ -67,5 +67,16 @@ def test_gradients_of_gradients_in_a_step_train_as_under_ddp(runs, case, strateg
     for rank in runs:
         ddp, ours = rank[f"{case}/ddp"], rank[f"{case}/{strategy}"]
         assert len(ddp["losses"]) == (8 if case.startswith("wgan") else 4)
+        assert ours["losses"] == ddp["losses"]
+        assert ours["state"] == ddp["state"]
+
+
+@pytest.mark.parametrize("strategy", ["default", "memory"])
+def test_a_gan_saved_and_resumed_continues_as_under_ddp(runs, strategy):
+    """Two optimizers' states through the sharded checkpoint, a mid-run save resumed (the epoch restarts, as under
+    DDP: the loader is not stateful): DDP's resumed losses and weights bit for bit."""
+    for rank in runs:
+        ddp, ours = rank["resumed/ddp"], rank[f"resumed/{strategy}"]
+        assert len(ddp["losses"]) == 8  # 4 training steps after the resume, two losses each
         assert ours["losses"] == ddp["losses"]
         assert ours["state"] == ddp["state"]

@@ -238,6 +238,35 @@ def fit(case: str, strategy: str) -> dict:
     return {"losses": model.losses, "state": state}
 
 
+def resumed(strategy: str) -> dict:
+    """The GAN with units of its own saved after 2 training steps (4 optimizer steps: Lightning counts both
+    optimizers'), resumed to 6: both optimizers' states through the strategy's sharded checkpoint."""
+    import sys
+    from pathlib import Path
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    root = Path(sys.argv[1]) / f"resumed-{strategy}"
+
+    def run(steps: int, ckpt_path: Path | None = None) -> GAN:
+        model = GAN(3)
+        saving = ckpt_path is None
+        L.Trainer(accelerator="cpu", devices=2, strategy=STRATEGIES[strategy](), max_steps=steps, logger=False,
+                  default_root_dir=root, enable_checkpointing=saving, enable_progress_bar=False,
+                  enable_model_summary=False,
+                  callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=4)] if saving else []).fit(
+                      model, ckpt_path=ckpt_path)
+        return model
+
+    run(4)
+    model = run(12, root / "epoch=0-step=4.ckpt")
+    state = {name: (value.full_tensor() if isinstance(value, DTensor) else value).flatten().tolist()
+             for name, value in model.state_dict().items()}
+    return {"losses": model.losses, "state": state}
+
+
 if __name__ == "__main__":
-    run_scenarios({f"{case}/{strategy}": (lambda c=case, s=strategy: fit(c, s))
-                   for case in CASES for strategy in STRATEGIES})
+    scenarios = {f"{case}/{strategy}": (lambda c=case, s=strategy: fit(c, s))
+                 for case in CASES for strategy in STRATEGIES}
+    scenarios.update({f"resumed/{strategy}": (lambda s=strategy: resumed(s)) for strategy in STRATEGIES})
+    run_scenarios(scenarios)
