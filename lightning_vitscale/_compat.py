@@ -516,12 +516,16 @@ def hook_root_pre_backward(root: FSDPModule, loss: torch.Tensor) -> None:
         loss.register_hook(root._get_fsdp_state()._pre_backward)
 
 
-def keep_units_gathered(root: torch.nn.Module) -> Callable[[], None]:
-    """Every FSDP unit under ``root`` (itself included) left gathered after its forwards and backwards until the
+def unit_param_groups(root: torch.nn.Module) -> list[Any]:
+    """FSDP2's parameter groups of every unit under ``root``, ``root`` included (fixed once units are made)."""
+    return [group for unit in root.modules() if isinstance(unit, FSDPModule) for group in fsdp_param_groups(unit)]
+
+
+def keep_units_gathered(groups: list[Any]) -> Callable[[], None]:
+    """The units of ``groups`` (:func:`unit_param_groups`) left gathered after their forwards and backwards until the
     returned function is called, which restores each unit's own settings (they differ per unit: the planner keeps
     some gathered for backward). FSDP2's public setters take one value for all units and cannot say what was set."""
-    saved = [(group, group.post_forward_mesh_info, group.reshard_after_backward)
-             for unit in root.modules() if isinstance(unit, FSDPModule) for group in fsdp_param_groups(unit)]
+    saved = [(group, group.post_forward_mesh_info, group.reshard_after_backward) for group in groups]
     for group, _, _ in saved:
         group.post_forward_mesh_info, group.reshard_after_backward = None, False
 

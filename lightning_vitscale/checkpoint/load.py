@@ -64,9 +64,10 @@ def load_checkpoint(
             request[f"optimizer_{i}"] = state
         load_into(request, location, weights_only, strict=strict, packed=packed)
         set_model_state_dict(module, request.pop("state_dict"), options=StateDictOptions(strict=strict))
+        whole = load_all(location, weights_only) if any(map(keeps_flat_state, optimizers)) else {}  # one rank
         for i, optimizer in enumerate(optimizers):
             if keeps_flat_state(optimizer):
-                optimizer.load_state_dict(to_torch_format(load_all(location, weights_only)[f"optimizer_{i}"]))
+                optimizer.load_state_dict(to_torch_format(whole[f"optimizer_{i}"]))
             else:
                 set_optimizer_state(module, optimizer, request[f"optimizer_{i}"], StateDictOptions(cpu_offload=True))
         checkpoint.update(sharded_entries(location, weights_only, packed))  # their owners load them

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vitscale._compat import keep_units_gathered, queue_end_of_backward
+from lightning_vitscale._compat import keep_units_gathered, queue_end_of_backward, unit_param_groups
 from lightning_vitscale.sharding.unit_members import reshard_units
 
 
@@ -35,6 +35,7 @@ class GradientsOfGradients:
     def __init__(self, root: nn.Module, deferred: Any = None) -> None:
         self._root = root
         self._deferred = deferred
+        self._groups: list[Any] | None = None  # the units' FSDP2 parameter groups, found at the first penalty
         self._restore: Callable[[], None] | None = None  # set while the units are kept gathered
 
     @contextmanager
@@ -46,7 +47,9 @@ class GradientsOfGradients:
         def grad_keeping_units(*args: Any, **kwargs: Any) -> Any:
             create_graph = kwargs.get("create_graph", args[4] if len(args) > 4 else False)
             if create_graph and self._restore is None:
-                self._restore = keep_units_gathered(self._root)
+                if self._groups is None:
+                    self._groups = unit_param_groups(self._root)
+                self._restore = keep_units_gathered(self._groups)
                 if self._deferred is not None:
                     self._deferred.pause()
             return grad(*args, **kwargs)

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -86,12 +86,17 @@ class ShardedModel:
     gradients_of_gradients: GradientsOfGradients | None = None  # FSDP2's path (``gradients_of_gradients.py``)
 
     def __post_init__(self) -> None:
-        if self.outer.compute_copies is None and isinstance(self.outer, FSDPModule):
+        if self.fsdp2_runs_steps:
             self.gradients_of_gradients = GradientsOfGradients(self.outer, self.outer.deferred_reduction)
 
     @property
     def module(self) -> nn.Module:
         return self.outer.module
+
+    @property
+    def fsdp2_runs_steps(self) -> bool:
+        """FSDP2's path (several ranks, or units of their own), not one rank's compute copies."""
+        return self.outer.compute_copies is None and isinstance(self.outer, FSDPModule)
 
     def before_training_step(self, batch: Any, ranks: RankContext, optimizers: list[torch.optim.Optimizer]) -> None:
         """``activation_checkpointing="auto"`` without a batch at setup: decide from the first batch, then checkpoint
@@ -210,8 +215,8 @@ class ShardedModel:
             self.gradients_of_gradients.before_backward(loss)
         if self.outer._in_step:
             self.outer.carry_writes()
-            if self.outer.compute_copies is None and isinstance(self.outer, FSDPModule):
-                hook_root_pre_backward(self.outer, loss)
+            if self.fsdp2_runs_steps:
+                hook_root_pre_backward(cast(FSDPModule, self.outer), loss)
         if self.outer.compute_copies is None:  # FSDP2 reduces every gathered gradient, a frozen parameter's too
             self._frozen_gradients = [(p, p.grad) for p in self.parameters if not p.requires_grad]
         if self.skipped is not None:
