@@ -17,7 +17,6 @@ within the strategy's ``timeout``, and nothing is sent on the model's process gr
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import torch
@@ -30,8 +29,6 @@ from lightning_vitscale._compat import (
     current_backward_id,
     drop_partial_forwards,
     forward_hook_dicts,
-    fsdp_param_groups,
-    gathered_to_sharded,
     grouped_unit_states,
 )
 from lightning_vitscale._utils import self_and_ancestors
@@ -44,7 +41,7 @@ from lightning_vitscale.sharding.outer_unit_errors import (
     outside_step_error,
     unreduced_gradients_message,
 )
-from lightning_vitscale.sharding.parameter_writes import GatheredWrites
+from lightning_vitscale.sharding.parameter_writes import GatheredWrites, track_gathered_writes
 from lightning_vitscale.sharding.unit_members import not_a_unit, outer_unit_parameters, reshard_units
 
 
@@ -152,7 +149,8 @@ class OuterUnit(nn.Module):
             self._hooks.append(self.register_forward_pre_hook(_drop_partial_units_before_step, prepend=True))
         self._owned = outer_unit_parameters(self.module)
         if self.compute_copies is None:
-            self._track_writes()
+            self._writes, hooks = track_gathered_writes(self, self._owned, self.module, lambda: self._in_step)
+            self._hooks += hooks
         if not self._owned:
             return  # every parameter lives in a block unit: nothing of the outer unit to gather
         # Before FSDP's own pre-forward (prepend): a step starts from the sharded parameters the optimizer
@@ -170,37 +168,6 @@ class OuterUnit(nn.Module):
                                   (hooks, self._hooks[-1].id, self._leave, False)]
         if self.compute_copies is not None:
             self.compute_copies.on_release = self._toggle_entry_hooks
-
-    def _track_writes(self) -> None:
-        """Writes a step makes to gathered parameters carried to their shards (``parameter_writes.py``): the outer
-        unit's, recorded as the step starts, and each block unit's, recorded as its forward starts (after FSDP's
-        pre-forward hook: gathered by then) and forgotten when its forward ends resharded."""
-        units: list[tuple[Any, list[tuple[nn.Module, str]]]] = [(self, self._owned)]
-        index_of: dict[int, int] = {}
-        for module in self.module.modules():
-            groups = fsdp_param_groups(module) if isinstance(module, FSDPModule) else []
-            if not groups:
-                continue
-            slots = outer_unit_parameters(module)
-            if not slots:
-                continue
-            key = id(groups[0])  # the modules of one unit share its parameter group
-            if key not in index_of:
-                index_of[key] = len(units)
-                units.append((module, []))
-            units[index_of[key]][1].extend(slots)
-            index = index_of[key]
-            self._hooks.append(module.register_forward_pre_hook(partial(self._unit_gathered, index)))
-            self._hooks.append(module.register_forward_hook(partial(self._unit_done, index)))
-        self._writes = GatheredWrites(units, gathered_to_sharded, self.module)
-
-    def _unit_gathered(self, index: int, module: nn.Module, args: Any) -> None:
-        if self._in_step and self._writes is not None:
-            self._writes.record(index)
-
-    def _unit_done(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
-        if self._in_step and self._writes is not None:
-            self._writes.forget_if_resharded(index)
 
     def _gather_for_step(self) -> None:
         """One rank's compute copies in, for this step; the entry hooks out until they are released (the end of

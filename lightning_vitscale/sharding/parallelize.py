@@ -17,13 +17,12 @@ from lightning_vitscale.init import Creation, InitialWeights
 from lightning_vitscale.kernels import AttentionRouter, tensor_core_report
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, cast_floating_inputs
 from lightning_vitscale.sharding.fsdp import contiguous_parameters, mixed_precision_policy, offload_policy
+from lightning_vitscale.sharding.pipeline_facts import InitFacts, PipelineFacts
 from lightning_vitscale.sharding.resolved import ResolvedConfig, resolve_config
 from lightning_vitscale.sharding.settings import ParallelConfig, unit_reshard
 from lightning_vitscale.sharding.stand_ins import not_in_a_stack
 from lightning_vitscale.sharding.steps import (
-    InitFacts,
     Named,
-    PipelineFacts,
     apply_ac,
     apply_attention_routing,
     apply_compile,

@@ -19,13 +19,24 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.hooks import RemovableHandle
 
-from lightning_vitscale._compat import dtensor_local, parameter_slots, plain_data, tensor_version
+from lightning_vitscale._compat import (
+    dtensor_local,
+    fsdp_param_groups,
+    gathered_to_sharded,
+    parameter_slots,
+    plain_data,
+    tensor_version,
+)
+from lightning_vitscale.sharding.unit_members import outer_unit_parameters
 
 
 class ParameterWriteError(RuntimeError):
@@ -178,6 +189,43 @@ class GatheredWrites:
                 _refuse_lower_precision(gathered, sharded, self._root)
                 assign_data(sharded, gathered.detach())
             self._seen[unit] = [(param, tensor_version(param)) for param, _ in seen]
+
+
+def track_gathered_writes(
+    outer: nn.Module, owned: list[tuple[nn.Module, str]], root: nn.Module, in_step: Callable[[], bool]
+) -> tuple[GatheredWrites, list[RemovableHandle]]:
+    """The writes a step makes to gathered parameters, followed: the outer unit's (``owned``: recorded as the step
+    starts, :meth:`GatheredWrites.begin_step`), and each block unit's, recorded as its forward starts (after FSDP's
+    pre-forward hook: gathered by then) and forgotten when its forward ends resharded. ``in_step``: whether a step
+    runs (a call outside one gathers nothing it writes to). Returns the writes and the hooks, for their owner."""
+    units: list[tuple[Any, list[tuple[nn.Module, str]]]] = [(outer, owned)]
+    index_of: dict[int, int] = {}
+    hooked: list[tuple[nn.Module, int]] = []
+    for module in root.modules():
+        groups = fsdp_param_groups(module) if isinstance(module, FSDPModule) else []
+        slots = outer_unit_parameters(module) if groups else []
+        if not slots:
+            continue
+        key = id(groups[0])  # the modules of one unit share its parameter group
+        if key not in index_of:
+            index_of[key] = len(units)
+            units.append((module, []))
+        units[index_of[key]][1].extend(slots)
+        hooked.append((module, index_of[key]))
+    writes = GatheredWrites(units, gathered_to_sharded, root)
+
+    def gathered(index: int, module: nn.Module, args: Any) -> None:
+        if in_step():
+            writes.record(index)
+
+    def done(index: int, module: nn.Module, args: Any, output: Any) -> None:
+        if in_step():
+            writes.forget_if_resharded(index)
+
+    hooks = [hook for module, index in hooked
+             for hook in (module.register_forward_pre_hook(partial(gathered, index)),
+                          module.register_forward_hook(partial(done, index)))]
+    return writes, hooks
 
 
 def _refuse_lower_precision(written: torch.Tensor, param: torch.Tensor, root: nn.Module) -> None:

@@ -24,6 +24,7 @@ from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, VitSc
 from lightning_vitscale.sharding import plain_copy
 from lightning_vitscale.sharding.activation_checkpointing import mark_parent_checkpointing
 from lightning_vitscale.sharding.buffer_sync import BufferSync
+from lightning_vitscale.sharding.deferred_compile import DeferredCompile
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import Parallelized, parallelize, refuse_unshardable_parameters
 from lightning_vitscale.sharding.parameter_writes import make_parameters_assignable
@@ -167,7 +168,7 @@ def _shard(
     skipped, unused, stand_ins = _skipped_blocks(module, outer, done, resolved, ranks)
     return ShardedModel(outer, done.plan, done.norms, done.router, planned.auto, signature, budget,
                         planned_for_speed=speed, skipped=skipped, unused=unused, stand_ins=stand_ins,
-                        compile_with=compile_with,
+                        deferred_compile=DeferredCompile(compile_with) if compile_with is not None else None,
                         parameters=list(module.parameters()))
 
 

@@ -18,26 +18,23 @@ from torch.distributed.fsdp import FSDPModule
 from lightning_vitscale._compat import hook_root_pre_backward
 from lightning_vitscale._utils import human_bytes
 from lightning_vitscale.distributed import RankContext
-from lightning_vitscale.kernels import AttentionRouter, KernelPolicy, apply_regional_compile, auto_attention_step
+from lightning_vitscale.kernels import AttentionRouter, auto_attention_step
 from lightning_vitscale.memory import (
     AccumulationChoice,
     AccumulationMode,
     AutoCheckpointing,
-    StepInputs,
-    StepSettings,
-    batch_size_of,
     choose_accumulation,
     release_gradients,
 )
 from lightning_vitscale.precision import ReplicatedNorms, flat_step, lightning_grad_norm_named, refuse_unshardable
 from lightning_vitscale.sharding.activation_checkpointing import CHECKPOINT_MODES, apply_activation_checkpointing
+from lightning_vitscale.sharding.deferred_compile import DeferredCompile
 from lightning_vitscale.sharding.gradient_sync import gradient_sync_off, unsharded_gradient_bytes
 from lightning_vitscale.sharding.gradients_of_gradients import GradientsOfGradients
 from lightning_vitscale.sharding.mixed_tensors import mixed_tensors_named
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.outer_unit_errors import SecondBackwardError
 from lightning_vitscale.sharding.planning import apply_auto_choice
-from lightning_vitscale.sharding.resolved import compile_choice
 from lightning_vitscale.sharding.skipped_blocks import SkippedBlockCheck, UnusedParameters
 from lightning_vitscale.sharding.stand_ins import StandIns
 from lightning_vitscale.sharding.summary import SetupSummary
@@ -74,11 +71,7 @@ class ShardedModel:
     skipped: SkippedBlockCheck | None = None  # several ranks: a block a rank skips is refused
     unused: UnusedParameters | None = None  # several ranks: parameters no rank used keep no gradient
     stand_ins: StandIns | None = None  # several ranks, find_unused_parameters="units": skipped blocks stood in for
-    # kernels="auto" without a batch at setup: the policy the blocks compile with once a step's plan predicts it pays
-    # (decided at the first step, then again at the first step of each larger batch), and the largest batch decided
-    # for (0: the first step has not decided yet).
-    compile_with: KernelPolicy | None = None
-    compile_decided_at: int = 0
+    deferred_compile: DeferredCompile | None = None  # kernels="auto" without a batch at setup
     # The module's parameters as setup left them (the DTensors optimizers step; in a step the modules may hold
     # gathered copies instead), and before a backward the frozen ones' gradients (FSDP2's path).
     parameters: list[nn.Parameter] = dataclasses.field(default_factory=list)
@@ -101,8 +94,9 @@ class ShardedModel:
     def before_training_step(self, batch: Any, ranks: RankContext, optimizers: list[torch.optim.Optimizer]) -> None:
         """``activation_checkpointing="auto"`` without a batch at setup: decide from the first batch, then checkpoint
         the chosen blocks in place (inside their FSDP hooks, as when applied before ``fully_shard``)."""
-        if batch is not None and self.compile_with is not None and self.compile_decided_at:
-            self._compile_if_the_batch_grew(batch, ranks.device)
+        deferred = self.deferred_compile
+        if batch is not None and deferred is not None:
+            deferred.if_the_batch_grew(batch, self.module, self.summary, self.auto, ranks.device)
         if batch is None or self.auto is None or not self.auto.pending:
             return
         modes = self.auto.at_first_step(batch, ranks.device, ranks.broadcast, optimizers).modes
@@ -110,53 +104,8 @@ class ShardedModel:
             apply_activation_checkpointing([self.module.get_submodule(n) for n, m in modes.items() if m == mode], mode)
         apply_auto_choice(self.module, self.auto, self.summary)
         rank_zero_info(f"VitScaleStrategy activation checkpointing {self.summary.memory}")
-        if self.compile_with is not None:  # after checkpointing, as at setup: the recompute is traced too
-            self._compile_where_it_pays(self.compile_with, ranks.device)
-
-    def _compile_where_it_pays(self, kernels: KernelPolicy, device: torch.device) -> None:
-        """``kernels="auto"`` without a batch at setup: the blocks compiled now, before their first call, where the
-        first step's plan predicts it pays (the rule setup applies with a batch: ``compile_where_it_pays``); a step
-        the planner could not measure keeps ``"auto"``'s default (compiled). Every rank applies the same plan."""
-        measured = self._first_step_measured()
-        pays, why = compile_choice(None if measured is None else measured[:2], device)
-        self._compile_blocks(kernels, pays, f"{why}; decided at the first training step")
-        if pays or measured is None:
-            self.compile_with = None
-        else:  # eager for now: decided again at a larger batch
-            self.compile_decided_at = measured[2]
-
-    def _compile_if_the_batch_grew(self, batch: Any, device: torch.device) -> None:
-        """A batch larger than any the blocks were left eager for (a batch ramp-up, a benchmark's larger phase):
-        the rule again, on the first step's plan scaled to it; compiled from here where it now pays (the step turns
-        device-bound: ViT-H/14 on one H200 at batch 32 compiled ran 0.75x eager, at 336 1.18x). Never uncompiled."""
-        try:
-            size = batch_size_of(batch)
-        except ValueError:
-            return
-        measured = self._first_step_measured()
-        if size <= self.compile_decided_at or measured is None or self.compile_with is None:
-            return
-        self.compile_decided_at = size
-        inputs, settings, planned_batch = measured
-        scaled = dataclasses.replace(inputs, batch_scale=inputs.batch_scale * size / planned_batch)
-        pays, why = compile_choice((scaled, settings), device)
-        if pays:
-            self._compile_blocks(self.compile_with, True, f"{why}; decided at the first step of batch {size}")
-            self.compile_with = None
-
-    def _first_step_measured(self) -> tuple[StepInputs, StepSettings, int] | None:
-        """The step the first step's plan measured, the settings it chose and the batch it measured, if any."""
-        plan = self.auto.choice.plan if self.auto is not None and self.auto.choice is not None else None
-        return None if plan is None or plan.inputs is None else (plan.inputs, plan.chosen.settings, plan.batch_size)
-
-    def _compile_blocks(self, kernels: KernelPolicy, pays: bool, why: str) -> None:
-        blocks = [self.module.get_submodule(name) for name in self.summary.block_names]
-        named = "off"
-        if pays and blocks:
-            apply_regional_compile(blocks, kernels.compile_mode, kernels.compiler)
-            named = ", ".join(f"{name} x{count}" for name, count in self.summary.blocks.items())
-        self.summary.kernels["compiled blocks"] = f"{named} ({why})"
-        rank_zero_info(f"VitScaleStrategy compiled blocks: {self.summary.kernels['compiled blocks']}")
+        if deferred is not None:  # after checkpointing, as at setup: the recompute is traced too
+            deferred.at_first_step(self.module, self.summary, self.auto, ranks.device)
 
     def take_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[str]:
         """An optimizer that cannot step the shards refused (``precision/optimizer_probe.py``); one rank computing on

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from lightning_vitscale._utils import full_bytes, local_bytes, mib
 from lightning_vitscale.kernels import describe_router
+from lightning_vitscale.sharding.pipeline_facts import PipelineFacts
 from lightning_vitscale.sharding.traffic import LayoutReport
-
-if TYPE_CHECKING:
-    from lightning_vitscale.sharding.steps import PipelineFacts
 
 
 @dataclass

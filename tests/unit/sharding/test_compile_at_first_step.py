@@ -12,7 +12,7 @@ import torch
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.kernels import KernelPolicy, settings
 from lightning_vitscale.kernels.compile import is_compiled
-from lightning_vitscale.sharding import resolved, sharded_model
+from lightning_vitscale.sharding import deferred_compile, resolved
 from lightning_vitscale.sharding.resolved import COMPILE_AT_FIRST_STEP
 from tests.helpers.models import Classifier, loader, random_images
 from tests.unit.sharding.test_compute_copies import fit_streamed
@@ -64,7 +64,8 @@ def test_the_first_steps_plan_decides_whether_the_blocks_compile(compiles, monke
 
 
 def test_a_batch_at_setup_decides_there_and_a_users_policy_is_kept(compiles, monkeypatch):
-    monkeypatch.setattr(sharded_model, "compile_choice", lambda *args: pytest.fail("decided again at the first step"))
+    decided_again = lambda *args: pytest.fail("decided again at the first step")  # noqa: E731
+    monkeypatch.setattr(deferred_compile, "compile_choice", decided_again)
     L.seed_everything(0, verbose=False)
     module = Classifier()  # a map-style loader: the batch is read at setup, the rule applied there
     run = L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(kernels="auto"), max_steps=2,
@@ -90,7 +91,7 @@ class GrowingBatches(torch.utils.data.IterableDataset):
 @pytest.mark.parametrize("pays_from", [4.0, None])  # the first step's measured batch (2) scaled by 4: batch 8
 def test_blocks_left_eager_compile_at_the_first_step_of_a_batch_where_it_pays(compiles, monkeypatch, pays_from):
     """Decided at the first step (batch 2: eager), again once at the first step of batch 8 (the first step's plan
-    scaled to it), never for a smaller batch. Mutations tried: no re-decision (``_compile_if_the_batch_grew``
+    scaled to it), never for a smaller batch. Mutations tried: no re-decision (``DeferredCompile.if_the_batch_grew``
     returning at once) fails ``pays_from=4.0``; re-deciding at every step fails the count of decisions."""
     decided: list[float] = []
 
