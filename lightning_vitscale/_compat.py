@@ -10,6 +10,7 @@ import copyreg
 import inspect
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -164,6 +165,7 @@ PRIVATE_NAMES = {
     "torch._C._dispatch_get_all_op_names": "ops other libraries registered (precision/library_ops.py)",
     "torch._C._dispatch_has_kernel_for_dispatch_key": "which of them say how autocast runs them",
     "torch.autograd.Variable._execution_engine": "a callback at the end of the running backward",
+    "torch.autograd._engine_run_backward": "what `torch.autograd.grad` calls, however it was imported",
     "torch.distributed.tensor.parallel.ParallelStyle._apply": "overridden by sharding/tensor_parallel.py",
     "lightning.fabric.strategies.launchers.subprocess_script._ChildProcessObserver": "a failed child: our teardown",
     "lightning.fabric.strategies.launchers.subprocess_script._ChildProcessObserver._child_processes": "its children",
@@ -534,6 +536,26 @@ def keep_units_gathered(groups: list[Any]) -> Callable[[], None]:
             group.post_forward_mesh_info, group.reshard_after_backward = after_forward, after_backward
 
     return restore
+
+
+@contextmanager
+def gradient_calls_seen(before: Callable[[bool], None]) -> Iterator[None]:
+    """``before(create_graph)`` runs ahead of each ``torch.autograd.grad`` call in the block, however the function
+    was imported (``from torch.autograd import grad`` before the block binds torch's own function, which a swap of
+    ``torch.autograd.grad`` cannot reach): its body calls ``_engine_run_backward`` from its module's namespace, with
+    ``accumulate_grad=False`` (``backward`` passes ``True``). ``torch.autograd.functional`` and ``grad`` alike."""
+    engine = torch.autograd._engine_run_backward
+
+    def run(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("accumulate_grad", True):
+            before(bool(args[2] if len(args) > 2 else kwargs.get("create_graph", False)))
+        return engine(t_outputs, *args, **kwargs)
+
+    torch.autograd._engine_run_backward = run
+    try:
+        yield
+    finally:
+        torch.autograd._engine_run_backward = engine
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:

@@ -11,8 +11,8 @@ So inside a step, ``torch.autograd.grad`` called with ``create_graph=True`` leav
 through the step's forwards and the next backward (the loss's: ``manual_backward`` or Lightning's), at whose end
 each unit gets its own settings back and is resharded. The gradients are reduced as usual, at each unit's
 post-backward. Memory: the units stay whole from the penalty to the end of that backward (as DDP's model always is).
-``torch.autograd.grad`` is looked up at each call, so the step's calls go through this (``from torch.autograd import
-grad`` before the step binds torch's own: not caught, as with the library ops of ``precision/library_ops.py``).
+The step's calls are seen below ``torch.autograd.grad`` (``_compat.gradient_calls_seen``), so a ``grad`` imported
+before the step (``from torch.autograd import grad``, as WGAN-GP code often has it) is seen too.
 """
 
 from __future__ import annotations
@@ -24,7 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vitscale._compat import keep_units_gathered, queue_end_of_backward, unit_param_groups
+from lightning_vitscale._compat import (
+    gradient_calls_seen,
+    keep_units_gathered,
+    queue_end_of_backward,
+    unit_param_groups,
+)
 from lightning_vitscale.sharding.unit_members import reshard_units
 
 
@@ -42,23 +47,16 @@ class GradientsOfGradients:
     def in_step(self) -> Iterator[None]:
         """The step's ``torch.autograd.grad`` keeps the units gathered when it builds a graph."""
         self.release()  # a step that kept them and ran no backward after: resharded before this one
-        grad = torch.autograd.grad
-
-        def grad_keeping_units(*args: Any, **kwargs: Any) -> Any:
-            create_graph = kwargs.get("create_graph", args[4] if len(args) > 4 else False)
-            if create_graph and self._restore is None:
-                if self._groups is None:
-                    self._groups = unit_param_groups(self._root)
-                self._restore = keep_units_gathered(self._groups)
-                if self._deferred is not None:
-                    self._deferred.pause()
-            return grad(*args, **kwargs)
-
-        torch.autograd.grad = grad_keeping_units
-        try:
+        with gradient_calls_seen(self._before_gradients):
             yield
-        finally:
-            torch.autograd.grad = grad
+
+    def _before_gradients(self, create_graph: bool) -> None:
+        if create_graph and self._restore is None:
+            if self._groups is None:
+                self._groups = unit_param_groups(self._root)
+            self._restore = keep_units_gathered(self._groups)
+            if self._deferred is not None:
+                self._deferred.pause()
 
     def before_backward(self, loss: torch.Tensor) -> None:
         """The loss's backward, after a gradient of a gradient: at its end (after FSDP2's own end, which the first

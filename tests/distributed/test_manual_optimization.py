@@ -63,7 +63,9 @@ def test_gradients_of_gradients_in_a_step_train_as_under_ddp(runs, case, strateg
     backward ran the penalty's second-order nodes on their freed parameters ("setStorage: ... out of bounds for
     storage of size 0"), where the critic or network has units of its own (``_blocks``); the units are kept gathered
     from that call to the end of the next backward now (``sharding/gradients_of_gradients.py``), and the critic's
-    repeated units reduce at each call (deferred to the first call's, the penalty's gradients were left out)."""
+    repeated units reduce at each call (deferred to the first call's, the penalty's gradients were left out).
+    ``input_penalty_blocks`` calls ``grad`` imported before any step (``from torch.autograd import grad``): a swap of
+    ``torch.autograd.grad`` alone (mutation seen failing) missed it, and the step failed with torch's storage error."""
     for rank in runs:
         ddp, ours = rank[f"{case}/ddp"], rank[f"{case}/{strategy}"]
         assert len(ddp["losses"]) == (8 if case.startswith("wgan") else 4)
