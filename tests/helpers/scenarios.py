@@ -27,6 +27,25 @@ def run_scenarios(scenarios: dict[str, Callable[[], dict]]) -> None:
     (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(results))
 
 
+def under_each_strategy(
+    compared: dict[str, Callable[[], dict]],
+    script_globals: dict[str, Any],
+    strategies: tuple[str, ...] = ("ddp", "vitscale"),
+) -> dict[str, Callable[[], dict]]:
+    """``<scenario>/<strategy>`` -> the scenario run with the script's ``STRATEGY`` global set to ``strategy`` (its
+    ``trainer()`` reads it): one launch runs each scenario under DDP and VitScaleStrategy, one process group."""
+
+    def under(strategy: str, scenario: Callable[[], dict]) -> Callable[[], dict]:
+        def run() -> dict:
+            script_globals["STRATEGY"] = strategy
+            return scenario()
+
+        return run
+
+    return {f"{name}/{strategy}": under(strategy, scenario) for name, scenario in compared.items()
+            for strategy in strategies}
+
+
 def rank_zero_alone(call: Callable[[], Any], timeout: float = 3.0) -> dict:
     """Only rank 0 makes ``call`` (a collective under the test), with ``timeout`` on the process group; the other
     ranks join no collective until rank 0's call has returned or failed, which rank 0 says through a file in the

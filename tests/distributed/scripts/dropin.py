@@ -20,10 +20,10 @@ from torch.optim.swa_utils import get_ema_avg_fn
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.kernels.compile import is_compiled
 from tests.helpers.models import Classifier, loader, random_images
-from tests.helpers.scenarios import rank_zero_alone, run_scenarios
+from tests.helpers.scenarios import rank_zero_alone, run_scenarios, under_each_strategy
 
 warnings.filterwarnings("ignore")
-STRATEGY = "vitscale"  # set by `under` for each run
+STRATEGY = "vitscale"  # set for each run (`under_each_strategy`)
 PROBE = random_images(4, seed=7).tensors[0]
 TOKENS = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(3))  # what a block of the encoder takes
 
@@ -333,15 +333,6 @@ def one_rank_deepcopy() -> dict:
     return rank_zero_alone(lambda: copy.deepcopy(model), timeout=1.5)
 
 
-def under(name: str, scenario):
-    def run() -> dict:
-        global STRATEGY
-        STRATEGY = name
-        return scenario()
-
-    return run
-
-
 COMPARED = {
     "outside_steps": outside_steps,
     "before_first_step": before_first_step,
@@ -352,9 +343,9 @@ COMPARED = {
     "gradient_norms": gradient_norms,
     "backbone_finetuning": backbone_finetuning,
 }
-SCENARIOS = {f"{name}/{s}": under(s, fn) for name, fn in COMPARED.items() for s in ("ddp", "vitscale")}
-SCENARIOS["one_rank_call/vitscale"] = under("vitscale", one_rank_call)  # last: these time out
-SCENARIOS["one_rank_deepcopy/vitscale"] = under("vitscale", one_rank_deepcopy)
+SCENARIOS = under_each_strategy(COMPARED, globals())
+SCENARIOS |= under_each_strategy({"one_rank_call": one_rank_call, "one_rank_deepcopy": one_rank_deepcopy}, globals(),
+                                 ("vitscale",))  # last: these time out
 
 
 if __name__ == "__main__":

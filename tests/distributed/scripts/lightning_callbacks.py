@@ -29,11 +29,11 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_vitscale import VitScaleStrategy
 from tests.helpers.models import Classifier, loader
-from tests.helpers.scenarios import run_scenarios
+from tests.helpers.scenarios import run_scenarios, under_each_strategy
 from tests.helpers.state import full
 
 warnings.filterwarnings("ignore")
-STRATEGY = "vitscale"  # set by `under` for each run
+STRATEGY = "vitscale"  # set for each run (`under_each_strategy`)
 
 
 def trainer(**kwargs) -> L.Trainer:
@@ -89,8 +89,8 @@ def plateau_and_learning_rate_monitor() -> dict:
     run = trainer(max_epochs=4, limit_val_batches=2, logger=logger, log_every_n_steps=1,
                   callbacks=[LearningRateMonitor("step")])
     run.fit(model, loader(n=32), loader(n=16, seed=1))
-    logger.finalize("success")
-    logged = (folder("lr") / "version_0" / "metrics.csv").read_text().splitlines()
+    run.strategy.barrier()  # rank 0 writes the file (the logger is rank 0's): read once it has
+    logged = (folder("lr") / "version_0" / "metrics.csv").read_text().splitlines() if run.global_rank == 0 else [""]
     return trained(model, lr=run.optimizers[0].param_groups[0]["lr"], logged=len(logged), header=logged[0])
 
 
@@ -259,16 +259,7 @@ COMPARED = {
 }
 
 
-def under(name: str, scenario):
-    def run() -> dict:
-        global STRATEGY
-        STRATEGY = name
-        return scenario()
-
-    return run
-
-
-SCENARIOS = {f"{name}/{s}": under(s, fn) for name, fn in COMPARED.items() for s in ("ddp", "vitscale")}
+SCENARIOS = under_each_strategy(COMPARED, globals())
 
 if __name__ == "__main__":
     run_scenarios(SCENARIOS)

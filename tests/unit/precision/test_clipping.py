@@ -81,8 +81,8 @@ def test_grad_norm_gives_lightnings_keys_and_the_unsharded_values(mesh, norm_typ
     model(x).pow(2).sum().backward()
     expected, got = lightnings(reference, norm_type), grad_norm(model, norm_type)
     assert list(got) == list(expected) and len(got) == 5
-    for key, value in expected.items():
-        torch.testing.assert_close(got[key].cpu(), value.float())
+    for key, value in expected.items():  # one rank: Lightning's arithmetic, so its numbers bit for bit
+        assert torch.equal(got[key].cpu(), value), key
     with pytest.raises(RuntimeError, match="data is not allocated"):
         lightnings(model, norm_type)  # why it exists
 
