@@ -117,6 +117,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     all_gather = shards.finishing_forward(ModelParallelStrategy.all_gather)
     broadcast = shards.finishing_forward(ModelParallelStrategy.broadcast)
     backward = shards.joining_on_loss(ModelParallelStrategy.backward)  # manual optimization's, inside the step
+    barrier = checkpoints.unless_alone_in_exception(ModelParallelStrategy.barrier)  # after an exception's lone save
 
     @property  # type: ignore[override]
     @override
@@ -145,8 +146,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        # Each data-parallel rank its own data, in any layout; a group's TP ranks the same (Lightning's looks up a
-        # "data_parallel" dim, which hybrid meshes lack).
+        # Each data-parallel rank its own data, a TP group's ranks the same (Lightning's needs a "data_parallel" dim).
         return distributed.data_parallel_ranks(self.device_mesh, self.world_size, self.global_rank)
 
     @override

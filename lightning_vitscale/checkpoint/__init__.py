@@ -10,6 +10,7 @@ on local tensors), ``_utils`` and ``_compat``.
 
 from lightning_vitscale.checkpoint.consolidate import consolidate_checkpoint, consolidated, load_consolidated
 from lightning_vitscale.checkpoint.errors import AsyncSaveError, CheckpointError, StateDictGatherError
+from lightning_vitscale.checkpoint.exception_save import unless_alone_in_exception
 from lightning_vitscale.checkpoint.manifest import verify
 from lightning_vitscale.checkpoint.settings import CheckpointSettings, StateDictType
 from lightning_vitscale.checkpoint.storage import Location
@@ -27,5 +28,6 @@ __all__ = [
     "consolidate_checkpoint",
     "consolidated",
     "load_consolidated",
+    "unless_alone_in_exception",
     "verify",
 ]

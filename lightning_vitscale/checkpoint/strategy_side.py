@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_vitscale.checkpoint.async_save import AsyncSaves
 from lightning_vitscale.checkpoint.consolidate import consolidate_command
+from lightning_vitscale.checkpoint.exception_save import ExceptionSave
 from lightning_vitscale.checkpoint.load import load_checkpoint
 from lightning_vitscale.checkpoint.resume import verified_checkpoint
 from lightning_vitscale.checkpoint.save import (
@@ -38,21 +39,29 @@ class StrategyCheckpoints:
         self.saves = AsyncSaves(timeout)
         self.resume_fallbacks: list[Location] = []  # ``resume.py``'s older ones: the next load tries them in turn
         self._told_how_to_consolidate = False
+        self.exception_save = ExceptionSave()  # an exception's save on this rank alone: skipped (exception_save.py)
 
     def model_state(self, module: nn.Module | None) -> dict[str, Any]:
         assert module is not None
+        if self.exception_save.alone(getattr(module, "_trainer", None)):
+            return {}
         return model_state_dict(module, full=self.settings.full)
 
     def optimizer_state(
         self, module: nn.Module | None, optimizer: torch.optim.Optimizer, ranks: RankContext
     ) -> dict[str, Any]:
         assert module is not None
+        if self.exception_save.alone(getattr(module, "_trainer", None)):
+            return {}
         return optimizer_state_dict(module, optimizer, self.settings.full, ranks.is_rank_zero)
 
     def save(
         self, checkpoint: dict[str, Any], filepath: Any, *, ranks: RankContext, write_full: Any,
         storage_options: Any | None, trainer: Any,
     ) -> None:
+        if self.exception_save.alone(trainer):
+            self.exception_save.skipped(filepath)
+            return
         location = Location.of(ranks.broadcast(str(filepath)))
         # In the background only while fit runs (it waits for the last save); other saves finish before returning.
         fitting = trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING

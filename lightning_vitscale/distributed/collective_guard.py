@@ -22,8 +22,10 @@ import torch.distributed as dist
 STATE_DICT = 1  # state_dict(): gathers each sharded tensor of the state dict
 MODEL_CALL = 2  # a call of the model or a submodule outside a step: gathers the outer unit, then the blocks
 DEEPCOPY = 3  # copy.deepcopy() of the model or a submodule: gathers each parameter whole
+SAVE_ON_EXCEPTION = 4  # a checkpoint saved while handling an exception (OnExceptionCheckpoint): every rank writes
 _WHAT = {STATE_DICT: "state_dict()", MODEL_CALL: "a call of the model (or a submodule) outside a step",
-         DEEPCOPY: "copy.deepcopy() of the model (or a submodule)"}
+         DEEPCOPY: "copy.deepcopy() of the model (or a submodule)",
+         SAVE_ON_EXCEPTION: "a checkpoint save while handling an exception"}
 
 
 class NotJoinedError(RuntimeError):
@@ -33,6 +35,12 @@ class NotJoinedError(RuntimeError):
 class _Side:
     group: dist.ProcessGroup | None = None
     world: dist.ProcessGroup | None = None  # the default group the side group was made under
+    quick: dist.ProcessGroup | None = None  # bounded by QUICK_JOIN_S: handshakes a lone rank must not wait out
+
+
+# How long a rank handling an exception waits for the others to reach the same checkpoint save: ranks that raised
+# together arrive within the same step; a lone one's wait delays the job's end by this much.
+QUICK_JOIN_S = 10.0
 
 
 def open_side_group(timeout: timedelta) -> None:
@@ -42,16 +50,18 @@ def open_side_group(timeout: timedelta) -> None:
     if dist.get_world_size() == 1:
         return  # a lone rank always agrees with itself: no handshake
     group = dist.new_group(backend="gloo", timeout=timeout)
-    if isinstance(group, dist.ProcessGroup):  # always, every rank being a member (else torch's NON_GROUP_MEMBER)
-        _Side.group, _Side.world = group, dist.group.WORLD
+    quick = dist.new_group(backend="gloo", timeout=timedelta(seconds=QUICK_JOIN_S))
+    if isinstance(group, dist.ProcessGroup) and isinstance(quick, dist.ProcessGroup):  # every rank is a member
+        _Side.group, _Side.world, _Side.quick = group, dist.group.WORLD, quick
 
 
 def close_side_group() -> None:
-    """Destroy the side group, if the process group it was made under is still the current one (local)."""
-    group = side_group()
-    _Side.group = _Side.world = None
-    if group is not None:
-        dist.destroy_process_group(group)
+    """Destroy the side groups, if the process group they were made under is still the current one (local)."""
+    group, quick = side_group(), _Side.quick if side_group() is not None else None
+    _Side.group = _Side.world = _Side.quick = None
+    for made in (group, quick):
+        if made is not None:
+            dist.destroy_process_group(made)
 
 
 def side_group() -> dist.ProcessGroup | None:
@@ -94,6 +104,22 @@ def agree(operation: int, count: int, check: int) -> None:
         f"the ranks made {what} at this point, but of different modules or tensors (this rank: {this}), so nothing"
         " was gathered"
     )
+
+
+def every_rank_within(operation: int) -> bool:
+    """Whether every rank states ``operation`` within :data:`QUICK_JOIN_S`, for a rank that must not wait out the
+    side group's timeout (the strategy's: minutes): a save while handling an exception only this rank raised, the
+    others blocked in a step's collectives. On a group of its own, whose timeout ends the operation itself (a
+    timed-out wait would leave it pending, and destroying the groups at exit would wait for it)."""
+    group = _Side.quick if side_group() is not None else None
+    if group is None:
+        return True
+    code = torch.tensor([operation, -operation], dtype=torch.int64)
+    try:
+        dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group)
+    except RuntimeError:  # timed out, or a peer's connection closed (it ended)
+        return False
+    return int(code[0]) == operation == -int(code[1])
 
 
 def not_joined(what: str, error: BaseException, fix: str) -> str:

@@ -25,6 +25,7 @@ JOBS = {
     "raise0": (FAILURES, "vitscale", "0", "{out}", HANDLER_S),
     "raise1": (FAILURES, "vitscale", "1", "{out}", HANDLER_S),
     "nan": (FAILURES, "vitscale", "nan", "{out}", "0.3"),
+    "raise1_saving": (FAILURES, "vitscale", "1", "{out}", "0", "save"),
 }
 
 
@@ -62,6 +63,20 @@ def test_raising_rank_leaves_rank0_handler_to_finish(jobs, raising_rank):
     assert (out / "finally_rank0.txt").exists()
     assert f"rank {raising_rank} failed on purpose" in result.output
     assert result.seconds < 90, f"took {result.seconds:.0f}s"
+
+
+def test_a_save_on_an_exception_one_rank_raised_alone_ends_the_job_in_seconds(jobs):
+    """``OnExceptionCheckpoint`` on the rank that raised alone (rank 1, at step 2): its save would wait in collectives
+    the other rank, inside its step, never joins, until the strategy's timeout (10 minutes: the whole job hung, and
+    rank 0's own save the same). Now each rank asks the others within ``collective_guard.QUICK_JOIN_S``, saves
+    nothing, warns, and the job ends as DDP's does (exit code 1). Mutation seen failing: the question never asked
+    (``ExceptionSave.alone`` returning False: the launch timed out)."""
+    result, out = jobs["raise1_saving"]
+    assert not result.timed_out, result.output[-3000:]
+    assert result.returncode == 1, f"exit code {result.returncode}:\n{result.output[-3000:]}"
+    assert "rank 1 failed on purpose" in result.output
+    assert not (out / "saved" / "on_exception.ckpt").exists()
+    assert result.seconds < 60, f"took {result.seconds:.0f}s"
 
 
 def test_an_error_every_rank_raises_ends_every_rank_through_its_own_handler(jobs):

@@ -5,7 +5,8 @@ raises at step 2; rank 0's handler sleeps ``HANDLER_S`` seconds (an upload, say)
 ``handled_rank{r}.txt``, and its ``finally`` writes ``finally_rank{r}.txt``. The exit code and the files that
 appear are compared with DDP's. ``RAISING_RANK=nan``: rank 1's loss is NaN from step 3 on (bf16-mixed), so the
 non-finite guard makes every rank raise ``NonFiniteTrainingError`` at the same step; every rank's handler
-sleeps ``HANDLER_S``.
+sleeps ``HANDLER_S``. A fifth argument ``save``: Lightning's ``OnExceptionCheckpoint`` on every rank, and the
+strategy's default timeout (10 minutes: what a save waiting for ranks that never join would wait).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
 from lightning_vitscale import VitScaleStrategy
 from tests.helpers.models import Classifier, loader
@@ -42,14 +44,16 @@ class Failing(Classifier):
 
 def main() -> None:
     name, failure, out, handler_s = sys.argv[1], sys.argv[2], Path(sys.argv[3]), float(sys.argv[4])
+    save = sys.argv[5:] == ["save"]
     torch.set_num_threads(1)
     rank = os.environ.get("LOCAL_RANK", "0")
     agreed = failure == "nan"
-    strategy = VitScaleStrategy(timeout=timedelta(seconds=20)) if name == "vitscale" else name
+    strategy = VitScaleStrategy(**({} if save else {"timeout": timedelta(seconds=20)})) if name == "vitscale" else name
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=50, logger=False, enable_checkpointing=False,
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=50, logger=False, enable_checkpointing=save,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         precision="bf16-mixed" if agreed else "32-true",
+        callbacks=[OnExceptionCheckpoint(out / "saved")] if save else [],
     )
     try:
         trainer.fit(Failing(None if agreed else int(failure)), loader(n=64))
