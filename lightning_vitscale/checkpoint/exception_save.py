@@ -54,7 +54,17 @@ def unless_alone_in_exception(barrier: Callable[..., None]) -> Callable[..., Non
 
     @functools.wraps(barrier)
     def wrapped(strategy: Any, name: str | None = None) -> None:
-        if not strategy.checkpoints.exception_save.alone(getattr(strategy.lightning_module, "_trainer", None)):
+        if not strategy.checkpoints.exception_save.alone(trainer_of(strategy.lightning_module)):
             barrier(strategy, name)
 
     return wrapped
+
+
+def trainer_of(module: Any) -> Any:
+    """The Trainer ``module`` is attached to, or ``None`` (``LightningModule.trainer`` raises when it is not)."""
+    if module is None:
+        return None
+    try:
+        return module.trainer
+    except RuntimeError:
+        return None

@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_vitscale.checkpoint.async_save import AsyncSaves
 from lightning_vitscale.checkpoint.consolidate import consolidate_command
-from lightning_vitscale.checkpoint.exception_save import ExceptionSave
+from lightning_vitscale.checkpoint.exception_save import ExceptionSave, trainer_of
 from lightning_vitscale.checkpoint.load import load_checkpoint
 from lightning_vitscale.checkpoint.resume import verified_checkpoint
 from lightning_vitscale.checkpoint.save import (
@@ -43,7 +43,7 @@ class StrategyCheckpoints:
 
     def model_state(self, module: nn.Module | None) -> dict[str, Any]:
         assert module is not None
-        if self.exception_save.alone(getattr(module, "_trainer", None)):
+        if self.exception_save.alone(trainer_of(module)):
             return {}
         return model_state_dict(module, full=self.settings.full)
 
@@ -51,7 +51,7 @@ class StrategyCheckpoints:
         self, module: nn.Module | None, optimizer: torch.optim.Optimizer, ranks: RankContext
     ) -> dict[str, Any]:
         assert module is not None
-        if self.exception_save.alone(getattr(module, "_trainer", None)):
+        if self.exception_save.alone(trainer_of(module)):
             return {}
         return optimizer_state_dict(module, optimizer, self.settings.full, ranks.is_rank_zero)
 
