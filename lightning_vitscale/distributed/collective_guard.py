@@ -57,7 +57,8 @@ def open_side_group(timeout: timedelta) -> None:
 
 def close_side_group() -> None:
     """Destroy the side groups, if the process group they were made under is still the current one (local)."""
-    group, quick = side_group(), _Side.quick if side_group() is not None else None
+    group = side_group()
+    quick = _Side.quick if group is not None else None
     _Side.group = _Side.world = _Side.quick = None
     for made in (group, quick):
         if made is not None:
