@@ -155,6 +155,11 @@ PRIVATE_NAMES = {
     "torch.optim.optimizer._get_fused_kernels_supported_devices": "fused optimizer steps",
     "torch.optim.Adam._step_supports_amp_scaling": "an optimizer that unscales inside its own step",
     "torch.Tensor._post_accumulate_grad_hooks": "CPU overlap: a parameter whose gradient is taken by a hook",
+    "torch._C._disabled_torch_function_impl": "DTensor's own `__torch_function__`: put back after a step, and"
+    " called for every operation a step's term on shards does not mix (sharding/whole_terms.py)",
+    "torch.distributed.tensor.DTensor._op_dispatcher": "whether the user asked DTensor to take plain tensors as"
+    " replicated (`implicit_replication()`): then left to DTensor (sharding/whole_terms.py)",
+    "torch.distributed.tensor._dispatch.OpDispatcher._allow_implicit_replication": "the same",
     "torch._amp_foreach_non_finite_check_and_unscale_": "GradScaler's fused unscale and check, on local shards",
     "torch._foreach_copy_": "ShardedEMA: one kernel per step",
     "torch._foreach_lerp_": "ShardedEMA: one kernel per step",
@@ -342,6 +347,14 @@ INIT_METHODS = ("reset_parameters", "_reset_parameters")
 
 def unscales_in_step(optimizer: Any) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+DISABLED_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
+
+
+def dtensor_takes_plain_as_replicated() -> bool:
+    """Inside torch's ``implicit_replication()``: DTensor takes every plain tensor as replicated."""
+    return bool(DTensor._op_dispatcher._allow_implicit_replication)
 
 
 def has_post_accumulate_grad_hooks(param: torch.Tensor) -> bool:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,16 +71,24 @@ class _UnderAutocast:
         self.function, self.devices, self.mixed_only = function, devices, mixed_only
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.is_floating_point()]
-        low = next((v for v in tensors if v.dtype in LOW_PRECISION), None)
-        if low is None or low.device.type not in self.devices or torch.is_autocast_enabled(low.device.type) or (
-                self.mixed_only and all(v.dtype == low.dtype for v in tensors)):
-            return self.function(*args, **kwargs)
-        with torch.autocast(low.device.type, dtype=low.dtype):
+        with autocast_as_amp_would([*args, *kwargs.values()], self.devices, self.mixed_only):
             return self.function(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:  # an op's overloads (`.default`), schema and name: the packet's
         return getattr(self.function, name)
+
+
+def autocast_as_amp_would(values: list[Any], devices: frozenset[str] = EVERY_DEVICE,
+                           mixed_only: bool = True) -> AbstractContextManager[Any]:
+    """``torch.autocast`` for a call on ``values`` where DDP's AMP would have had it: a low-precision floating
+    tensor among them, on one of ``devices``, no autocast on already; ``mixed_only``: and a floating tensor of
+    another dtype beside it. Else nothing."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    low = next((v for v in tensors if v.dtype in LOW_PRECISION), None)
+    if low is None or low.device.type not in devices or torch.is_autocast_enabled(low.device.type) or (
+            mixed_only and all(v.dtype == low.dtype for v in tensors)):
+        return nullcontext()
+    return torch.autocast(low.device.type, dtype=low.dtype)
 
 
 def found_ops() -> tuple[AutocastOp, ...]:

@@ -10,7 +10,12 @@ gloo's ``reduce_scatter_tensor_coalesced`` all-reduces a clone (FSDP2 on CPU mov
 :class:`AllToAllReduction` sends each rank its chunks by all-to-all and sums them on wait (one input-sized temporary).
 
 The output (FSDP2's new gradient shard) is read before backward ends only to accumulate, cast, divide (fp16) or
-feed a post-accumulate-grad hook; those cases wait at once, so FSDP2 computes the same bytes as with its own.
+feed a post-accumulate-grad hook; those cases wait at once, so FSDP2 computes the same bytes as with its own. It is
+also written before backward ends where a step's term reached the sharded parameter itself (an L2 term over
+``self.parameters()`` taken before the forward, whose backward runs after the units'): autograd adds that gradient
+in place into FSDP2's new shard, which the reduction still in flight then overwrote (seen: the term's gradient lost
+in the last unit to reduce, 2 ranks). So each sharded parameter's gradient hook waits for the reductions in flight
+before autograd accumulates into it; the forward never uses the shards, so the hook runs only for such terms.
 """
 
 from __future__ import annotations
@@ -115,6 +120,12 @@ class PendingReductions:
         for work in works:
             work.wait()
 
+    def before_accumulating(self, grad: torch.Tensor) -> None:
+        """A sharded parameter's gradient hook: what autograd adds into its gradient is added after the
+        reductions in flight wrote it (see the module docstring)."""
+        if self.works:
+            self.wait_all()
+
 
 def overlap_collectives_on_cpu(units: Iterable[FSDPModule], reduce_scatters: bool) -> None:
     """Every FSDP unit of one model overlaps its all-gathers, and its reduce-scatters where ``reduce_scatters`` (a
@@ -122,5 +133,9 @@ def overlap_collectives_on_cpu(units: Iterable[FSDPModule], reduce_scatters: boo
     pending = PendingReductions()
     for unit in units:
         if reduce_scatters:
-            unit.set_custom_reduce_scatter(OverlappedReduceScatter(pending, unit_parameters(unit)))
+            params = unit_parameters(unit)
+            unit.set_custom_reduce_scatter(OverlappedReduceScatter(pending, params))
+            for param in params:
+                if param.requires_grad:  # torch refuses a hook on one that is not (a frozen backbone)
+                    param.register_hook(pending.before_accumulating)
         set_unshard_async(unit, True)

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_vitscale.precision import PrecisionPolicy
+from lightning_vitscale.sharding.whole_terms import paused
 
 T = TypeVar("T")
 
@@ -115,7 +116,8 @@ def prefetch_on_entry(unit: FSDPModule, callers: list[nn.Module]) -> None:
     waits for it in the unit's own pre-forward (``unshard(async_op=True)``'s contract); a gathered unit ignores it."""
 
     def gather_ahead(module: nn.Module, args: Any) -> None:
-        unit.unshard(async_op=True)
+        with paused():  # FSDP2's own reads of the shards, not through a step's mixed-tensor dispatch
+            unit.unshard(async_op=True)
 
     for caller in callers:
         caller.register_forward_pre_hook(gather_ahead)

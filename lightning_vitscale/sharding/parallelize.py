@@ -33,6 +33,7 @@ from lightning_vitscale.sharding.steps import (
 )
 from lightning_vitscale.sharding.summary import SetupSummary, reused_blocks_fix, summary_from_facts
 from lightning_vitscale.sharding.unit_groups import sharing_keys
+from lightning_vitscale.sharding.whole_terms import pause_in_forwards
 
 
 class NoBlocksMatchedError(ValueError):
@@ -114,8 +115,10 @@ def parallelize(
         find_unused=bool(resolved.sharding.find_unused_parameters),
         keep_out=_not_stood_in(model, blocks, resolved, mesh),
     )
-    # 5. Explicit prefetch once every unit exists: each unit starts the next one's all-gather.
+    # 5. Explicit prefetch once every unit exists: each unit starts the next one's all-gather. A step's own
+    #    arithmetic on shards is taken whole outside the blocks' forwards only (sharding/whole_terms.py).
     overlap = apply_prefetch(units.all, resolved.prefetch, mesh, device, model)
+    pause_in_forwards([block for _, block in blocks])
     # 6. Last, once every unit holds its values: name what the meta path could not reproduce.
     init = InitFacts(*weights.finish(), not_reproduced=list(weights.not_reproduced))
     facts = PipelineFacts(

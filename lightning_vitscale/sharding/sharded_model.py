@@ -39,6 +39,7 @@ from lightning_vitscale.sharding.skipped_blocks import SkippedBlockCheck, Unused
 from lightning_vitscale.sharding.stand_ins import StandIns
 from lightning_vitscale.sharding.summary import SetupSummary
 from lightning_vitscale.sharding.unit_members import reshard_units
+from lightning_vitscale.sharding.whole_terms import whole_where_mixed
 
 
 class PlannedStepOutOfMemoryError(torch.OutOfMemoryError):
@@ -120,13 +121,16 @@ class ShardedModel:
         return flat_step.describe(groups)
 
     def training_step(self, step: Callable[[], Any], mean_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-        """Run ``step`` (an out-of-memory error and a second backward's freed storage named); under
-        ``attention="auto"`` the first steps time the kernels."""
+        """Run ``step`` (an out-of-memory error and a second backward's freed storage named; a term on sharded
+        parameters meeting plain tensors taken whole: ``whole_terms.py``); under ``attention="auto"`` the first steps
+        time the kernels."""
         self.backwards_in_step = 0
         if self.skipped is not None:
             self.skipped.reset()
         twice = self.gradients_of_gradients
-        with self.step_errors_named(), self.second_backward_named(), twice.in_step() if twice else nullcontext():
+        whole = whole_where_mixed() if self.outer.compute_copies is None else nullcontext()  # copies: no DTensor
+        with self.step_errors_named(), self.second_backward_named(), twice.in_step() if twice else nullcontext(), \
+                whole:
             return auto_attention_step(self.router, step, mean_over_ranks, self._attention_decided)
 
     @contextmanager

@@ -12,6 +12,12 @@ Parameters frozen inside the step by ``toggle_optimizer`` get no gradient, as un
 
 ``self.log(..., sync_dist=True)`` of a sum over the sharded gradients and of a sharded weight's norm (``Partial``
 DTensors): DDP's values; before, torch's "c10d.allreduce_.default does not have a sharding strategy registered".
+
+A term on the parameters added to the loss in ``training_step`` (``tests/helpers/penalties.py``: L2 over
+``self.parameters()``, L2-SP, an orthogonality penalty, a block weight on this rank's data or on bf16 features),
+before or after the forward: DDP's losses and weights (``sharding/whole_terms.py``). Before: refused
+(``MixedTensorsError``); and a term taken before the forward, made whole by hand, lost its gradient in the last unit to
+reduce (``cpu_overlap.py``: the reduce-scatter in flight overwrote it).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.launch import launch_ranks
+from tests.helpers.penalties import PENALTY_CASES
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -29,7 +36,7 @@ STRATEGIES = ("ddp", "default", "memory")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
-    cases = [*MOMENTUM_CASES, "logged", "toggled"]
+    cases = [*MOMENTUM_CASES, "logged", "toggled", *(f"penalty-{case}" for case in PENALTY_CASES)]
     scenarios = ",".join(f"{case}/{strategy}" for case in cases for strategy in STRATEGIES)
     return launch_ranks(tmp_path_factory, "user_code_on_parameters", SCRIPT, scenarios, timeout=240)[1]
 
@@ -63,3 +70,18 @@ def test_parameters_frozen_by_toggle_optimizer_get_no_gradient_as_under_ddp(runs
         assert ours["losses"] == ddp["losses"]
         assert ours["critic"] == ddp["critic"]
         assert ours["critic_gradients"] == ddp["critic_gradients"] == [False] * 4
+
+
+@pytest.mark.parametrize("strategy", ["default", "memory"])
+@pytest.mark.parametrize("case", PENALTY_CASES)
+def test_a_term_on_the_parameters_in_the_step_trains_as_under_ddp(runs, case, strategy):
+    """fp32: within float rounding of DDP (a sum over shards, then over ranks); bf16: O2 against DDP's AMP (a loss
+    computed in bf16 by O2 is a multiple of 1/64 near 2.5)."""
+    bf16 = case.endswith("bf16")
+    for rank in runs:
+        ddp, ours = rank[f"penalty-{case}/ddp"], rank[f"penalty-{case}/{strategy}"]
+        assert len(ddp["losses"]) == (8 if case.endswith("accumulated") else 4)  # a loss per micro-batch
+        assert ours["losses"] == pytest.approx(ddp["losses"], rel=1e-2 if bf16 else 1e-6)
+        assert ours["weights"].keys() == ddp["weights"].keys()
+        for name, values in ddp["weights"].items():
+            assert ours["weights"][name] == pytest.approx(values, abs=1e-3 if bf16 else 1e-6), name

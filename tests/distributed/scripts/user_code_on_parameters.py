@@ -6,7 +6,9 @@ ranks, per scenario ``<case>/<strategy>`` this rank's results:
 - ``toggled``: a generator trained against a critic, the critic frozen by ``toggle_optimizer`` inside the step
   (``tests/unit/sharding/test_frozen_in_step.py``'s module): the losses, the critic and whether it holds gradients;
 - ``logged``: ``self.log(..., sync_dist=True)`` in ``on_before_optimizer_step`` of the sharded gradients' squared sum
-  and of one sharded weight's norm: the losses and the logged values.
+  and of one sharded weight's norm: the losses and the logged values;
+- ``penalty-<term>-<where>[-<precision>]``: a term on the parameters added to the loss in ``training_step``
+  (``tests/helpers/penalties.py``) before or after the forward: the losses and the whole parameters after 4 steps.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers.momentum import STRATEGIES, fit_momentum, images, teacher_state
+from tests.helpers.penalties import PENALTY_CASES, fit_penalty
 from tests.helpers.scenarios import run_scenarios
 from tests.helpers.zoo import FunctionalAttention, hand_written
 
@@ -79,9 +82,16 @@ def logged(strategy: str) -> dict:
     return {"losses": model.losses, "logged": model.logged}
 
 
+def penalty(case: str, strategy: str) -> dict:
+    model = fit_penalty(case, STRATEGIES[strategy](), devices=2)
+    return {"losses": model.losses, "weights": model.whole_weights()}
+
+
 if __name__ == "__main__":
     scenarios = {f"{update}-{where}/{strategy}": (lambda u=update, w=where, s=strategy: momentum(u, w, s))
                  for update, where in MOMENTUM_CASES for strategy in STRATEGIES}
     scenarios.update({f"logged/{strategy}": (lambda s=strategy: logged(s)) for strategy in STRATEGIES})
     scenarios.update({f"toggled/{strategy}": (lambda s=strategy: toggled(s)) for strategy in STRATEGIES})
+    scenarios.update({f"penalty-{case}/{strategy}": (lambda c=case, s=strategy: penalty(c, s))
+                      for case in PENALTY_CASES for strategy in STRATEGIES})
     run_scenarios(scenarios)

@@ -1,7 +1,10 @@
 """A step's arithmetic mixing a sharded parameter with a plain tensor (an L2 term over ``self.parameters()`` in
-``training_step``): on one device's compute copies every parameter is plain in the step and it trains as on the
-plain Trainer; on FSDP2's path (``priority="memory"``: block parameters are DTensors outside their forward) it
-raises ``MixedTensorsError`` naming the fix instead of torch's bare "got mixed torch.Tensor and DTensor"."""
+``training_step``): on one device's compute copies every parameter is plain in the step; on FSDP2's path
+(``priority="memory"``: block parameters are DTensors outside their forward) the term is taken whole where it meets
+the plain loss (``sharding/whole_terms.py``), and both train as the plain Trainer. A plain tensor written into a shard
+raises ``MixedTensorsError`` naming the fix instead of torch's bare "got mixed torch.Tensor and DTensor"; a weight
+histogram of a shard in a callback gets the fix noted. The 2-rank counterparts against DDP:
+``tests/distributed/test_user_code_on_parameters.py``."""
 
 from __future__ import annotations
 
@@ -9,26 +12,47 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from lightning_vitscale import MixedTensorsError, VitScaleStrategy
+from lightning_vitscale._compat import DISABLED_TORCH_FUNCTION
 from lightning_vitscale.sharding.mixed_tensors import READ_AS_WHOLE_FIX
 from tests.helpers.momentum import images
+from tests.helpers.penalties import PENALTY_CASES, PenaltyModel, fit_penalty
 from tests.helpers.zoo import FunctionalAttention, hand_written
 
+FP32_CASES = [case for case in PENALTY_CASES if not case.endswith("bf16")]
 
-class L2Penalty(L.LightningModule):
-    def __init__(self) -> None:
+
+@pytest.mark.parametrize("priority", ["speed", "memory"])
+@pytest.mark.parametrize("case", FP32_CASES)
+def test_a_term_on_the_parameters_in_the_step_trains_as_on_the_plain_trainer(case, priority):
+    """Before: ``MixedTensorsError`` under ``priority="memory"`` (the term's DTensor handed to the loss's graph)."""
+    ours = fit_penalty(case, VitScaleStrategy(priority=priority), use_distributed_sampler=False)
+    plain = fit_penalty(case, "auto")
+    assert len(plain.losses) == (8 if case.endswith("accumulated") else 4)  # a loss per micro-batch
+    assert ours.losses == pytest.approx(plain.losses, rel=1e-6)
+    weights, expected = ours.whole_weights(), plain.whole_weights()
+    assert weights.keys() == expected.keys()
+    for name, values in expected.items():
+        assert weights[name] == pytest.approx(values, abs=1e-6), name
+
+
+class ResetToSaved(L.LightningModule):
+    """A step that resets one block weight to plain saved values in place (``write=True``)."""
+
+    def __init__(self, write: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = hand_written(FunctionalAttention)
-        self.losses: list[float] = []
+        self.saved = self.net.layers[0].fc1.weight.detach().clone()
+        self.write = write
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        penalty = 1e-3 * sum(p.pow(2).sum() for p in self.parameters())  # before the forward
-        loss = F.cross_entropy(self.net(x), y) + penalty
-        self.losses.append(loss.item())
-        return loss
+        if self.write:
+            with torch.no_grad():
+                self.net.layers[0].fc1.weight.copy_(self.saved)
+        return F.cross_entropy(self.net(batch[0]), batch[1])
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -37,24 +61,44 @@ class L2Penalty(L.LightningModule):
         return torch.utils.data.DataLoader(images(), batch_size=4)
 
 
-def fit(strategy) -> L2Penalty:
-    model = L2Penalty()
-    L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False).fit(model)
-    return model
-
-
-def test_an_l2_term_over_the_parameters_on_compute_copies_trains_as_on_the_plain_trainer():
-    assert fit(VitScaleStrategy()).losses == fit("auto").losses
-
-
-def test_an_l2_term_mixing_sharded_and_plain_parameters_is_named_with_its_fix():
-    with pytest.raises(MixedTensorsError, match="weight_decay") as raised:
-        fit(VitScaleStrategy(priority="memory"))
+def test_a_plain_tensor_written_into_a_shard_in_the_step_is_named_with_its_fix():
+    model = ResetToSaved(write=True)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(priority="memory"), max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with pytest.raises(MixedTensorsError, match="distribute_tensor") as raised:
+        trainer.fit(model)
     assert "got mixed torch.Tensor and DTensor" in str(raised.value)  # torch's own words kept first
 
 
-class WeightHistograms(L2Penalty):
+class DispatchSeen(PenaltyModel):
+    """What ``DTensor.__torch_function__`` is in the step's own code and inside a block's forward."""
+
+    def __init__(self) -> None:
+        super().__init__("l2", "before")
+        self.seen: dict[str, bool] = {}
+        self.net.layers[1].register_forward_pre_hook(self._in_block)
+
+    def _in_block(self, module, args) -> None:
+        self.seen["block"] = DTensor.__torch_function__ is DISABLED_TORCH_FUNCTION
+
+    def training_step(self, batch, batch_idx):
+        self.seen["step"] = DTensor.__torch_function__ is DISABLED_TORCH_FUNCTION
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_step_s_own_code_passes_through_the_mixed_dispatch_and_the_blocks_forwards_do_not():
+    """FSDP2 reads every shard's attributes around a block's forward: through a Python ``__torch_function__`` each
+    read cost ~1 us (~2 ms a ViT-H step), so the blocks' forwards run with DTensor's own; DTensor's own is back
+    after the fit."""
+    model = DispatchSeen()
+    L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(priority="memory"), max_steps=1, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(model)
+    assert model.seen == {"step": False, "block": True}
+    assert DTensor.__torch_function__ is DISABLED_TORCH_FUNCTION
+
+
+class WeightHistograms(ResetToSaved):
     """A callback habit under DDP: rank 0 logs every weight's histogram to TensorBoard at each epoch's end;
     ``whole``: the fix the note names, whole values made on every rank first (``self.state_dict()``)."""
 

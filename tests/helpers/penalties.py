@@ -1,0 +1,89 @@
+"""Terms on the parameters that a ``training_step`` adds to its loss, as people write them under DDP
+(``sharding/whole_terms.py``): shared by the one-device unit tests and the 2-rank scenarios.
+
+``PenaltyModel(term, where)``: the zoo's hand-written ViT (2 blocks) trained by SGD, its loss plus ``term``:
+
+- ``"l2"``: ``1e-2 * sum(p.pow(2).sum() for p in self.parameters())``;
+- ``"l2sp"``: L2-SP, the distance to plain starting weights saved at ``__init__`` (shifted: a gradient from step 1);
+- ``"ortho"``: an orthogonality penalty on each block's ``qkv`` weight, ``(W W^T - I)^2``;
+- ``"data"``: a block weight applied to this rank's batch outside the forward (its gradient differs per rank:
+  averaged as DDP averages it);
+- ``"features"``: the same weight applied to the model's output features (bf16 under O2: the whole fp32 weight meets
+  bf16 data);
+
+taken ``"before"`` or ``"after"`` the forward. ``PENALTY_CASES``: ``<term>-<where>[-bf16 | -accumulated]`` (under
+``bf16-mixed``; two micro-batches a step).
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from tests.helpers.momentum import images
+from tests.helpers.zoo import FunctionalAttention, hand_written
+
+PENALTY_CASES = ["l2-before", "l2-after", "l2sp-after", "ortho-before", "data-before", "l2-before-accumulated",
+                 "l2-before-bf16", "features-after-bf16"]
+
+
+class PenaltyModel(L.LightningModule):
+    def __init__(self, term: str, where: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = hand_written(FunctionalAttention)
+        self.start = {name: p.detach().clone() + 0.01 for name, p in self.net.named_parameters()}  # plain tensors
+        self.term, self.where = term, where
+        self.losses: list[float] = []
+
+    def penalty(self, x: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        if self.term == "l2":
+            return 1e-2 * sum(p.pow(2).sum() for p in self.parameters())
+        if self.term == "l2sp":
+            return 1e-1 * sum((p - self.start[name]).pow(2).sum() for name, p in self.net.named_parameters())
+        if self.term == "ortho":
+            total = 0
+            for layer in self.net.layers:
+                gram = layer.attn.qkv.weight @ layer.attn.qkv.weight.T
+                total = total + (gram - torch.eye(gram.shape[0])).pow(2).sum()
+            return 1e-3 * total
+        weight = self.net.layers[0].fc1.weight
+        if self.term == "features":
+            assert features is not None
+            return 1e-2 * (features[:, :1].expand(-1, weight.shape[1]) @ weight.T).pow(2).mean()
+        return 1e-2 * (x.flatten(1)[:, : weight.shape[1]] @ weight.T).pow(2).mean()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.where == "before":
+            term = self.penalty(x, None)
+            loss = F.cross_entropy(self.net(x), y) + term
+        else:
+            logits = self.net(x)
+            loss = F.cross_entropy(logits, y) + self.penalty(x, logits)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(images(), batch_size=4)
+
+    def whole_weights(self) -> dict[str, list[float]]:
+        """Each parameter's whole values (a collective on several ranks: every rank calls it)."""
+        state = self.state_dict()
+        return {name: (value.full_tensor() if isinstance(value, DTensor) else value).flatten().tolist()
+                for name, value in state.items()}
+
+
+def fit_penalty(case: str, strategy, devices: int = 1, **trainer) -> PenaltyModel:
+    term, where, *variant = case.split("-")
+    model = PenaltyModel(term, where)
+    L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=4, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+              precision="bf16-mixed" if variant == ["bf16"] else "32-true",
+              accumulate_grad_batches=2 if variant == ["accumulated"] else 1, **trainer).fit(model)
+    return model
