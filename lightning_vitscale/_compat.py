@@ -160,6 +160,10 @@ PRIVATE_NAMES = {
     "torch.distributed.tensor.DTensor._op_dispatcher": "whether the user asked DTensor to take plain tensors as"
     " replicated (`implicit_replication()`): then left to DTensor (sharding/whole_terms.py)",
     "torch.distributed.tensor._dispatch.OpDispatcher._allow_implicit_replication": "the same",
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.comm_ctx": "the streams that write a unit's"
+    " gradient shards, waited for before a term's gradient is added to one (sharding/direct_gradients.py)",
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPCommContext.reduce_scatter_stream": "the same",
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPCommContext.all_reduce_stream": "the same (HSDP)",
     "torch._amp_foreach_non_finite_check_and_unscale_": "GradScaler's fused unscale and check, on local shards",
     "torch._foreach_copy_": "ShardedEMA: one kernel per step",
     "torch._foreach_lerp_": "ShardedEMA: one kernel per step",
@@ -462,6 +466,19 @@ def fsdp_param_groups(unit: FSDPModule) -> list[Any]:
         return list(groups)
     group = getattr(state, "_fsdp_param_group", None)  # torch 2.11
     return [group] if group is not None else []
+
+
+def reduction_streams(unit: FSDPModule) -> list[Any]:
+    """The streams on which FSDP2 writes ``unit``'s gradient shards (its reduce-scatter's, and the all-reduce's under
+    hybrid sharding: the post-reduce work runs on one of them), once its first forward made them."""
+    streams: list[Any] = []
+    for group in fsdp_param_groups(unit):
+        context = getattr(group, "comm_ctx", None)
+        for name in ("reduce_scatter_stream", "all_reduce_stream"):
+            stream = getattr(context, name, None)
+            if stream is not None and stream not in streams:
+                streams.append(stream)
+    return streams
 
 
 def requires_gradient_sync(unit: FSDPModule) -> bool:

@@ -16,6 +16,7 @@ from lightning_vitscale.discovery.calls import Calls
 from lightning_vitscale.init import Creation, InitialWeights
 from lightning_vitscale.kernels import AttentionRouter, tensor_core_report
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, cast_floating_inputs
+from lightning_vitscale.sharding.direct_gradients import wait_for_reductions
 from lightning_vitscale.sharding.fsdp import contiguous_parameters, mixed_precision_policy, offload_policy
 from lightning_vitscale.sharding.pipeline_facts import InitFacts, PipelineFacts
 from lightning_vitscale.sharding.resolved import ResolvedConfig, resolve_config
@@ -119,6 +120,7 @@ def parallelize(
     #    arithmetic on shards is taken whole outside the blocks' forwards only (sharding/whole_terms.py).
     overlap = apply_prefetch(units.all, resolved.prefetch, mesh, device, model)
     pause_in_forwards([block for _, block in blocks])
+    wait_for_reductions(units.all, device)
     # 6. Last, once every unit holds its values: name what the meta path could not reproduce.
     init = InitFacts(*weights.finish(), not_reproduced=list(weights.not_reproduced))
     facts = PipelineFacts(

@@ -51,3 +51,14 @@ def test_bf16_mixed_is_o2_with_fp32_norms_on_cuda():
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert all(torch.isfinite(torch.tensor(model.losses)))
     assert measure_state_bytes(model, trainer.optimizers).optimizer_local > 0
+
+
+@pytest.mark.parametrize("case", ["l2-before", "ortho-before"])
+def test_a_term_on_the_shards_taken_before_the_forward_trains_as_on_the_plain_trainer_on_cuda(case):
+    """The term backpropagates into the shards after every unit, while FSDP2's reductions on their own streams may
+    still write those gradients (``sharding/direct_gradients.py``: the compute stream waits for them first)."""
+    from tests.helpers.penalties import fit_penalty
+
+    plain = fit_penalty(case, "auto", accelerator="cuda")
+    ours = fit_penalty(case, VitScaleStrategy(priority="memory"), accelerator="cuda", use_distributed_sampler=False)
+    torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(plain.losses), rtol=1e-4, atol=1e-5)

@@ -47,7 +47,7 @@ class PenaltyModel(L.LightningModule):
             total = 0
             for layer in self.net.layers:
                 gram = layer.attn.qkv.weight @ layer.attn.qkv.weight.T
-                total = total + (gram - torch.eye(gram.shape[0])).pow(2).sum()
+                total = total + (gram - torch.eye(gram.shape[0], device=x.device)).pow(2).sum()
             return 1e-3 * total
         weight = self.net.layers[0].fc1.weight
         if self.term == "features":
@@ -79,10 +79,10 @@ class PenaltyModel(L.LightningModule):
                 for name, value in state.items()}
 
 
-def fit_penalty(case: str, strategy, devices: int = 1, **trainer) -> PenaltyModel:
+def fit_penalty(case: str, strategy, devices: int = 1, accelerator: str = "cpu", **trainer) -> PenaltyModel:
     term, where, *variant = case.split("-")
     model = PenaltyModel(term, where)
-    L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=4, logger=False,
+    L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, max_steps=4, logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
               precision="bf16-mixed" if variant == ["bf16"] else "32-true",
               accumulate_grad_batches=2 if variant == ["accumulated"] else 1, **trainer).fit(model)
