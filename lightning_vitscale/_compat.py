@@ -132,7 +132,8 @@ PRIVATE_NAMES = {
     " forward, per unit: kept gathered through a gradient of a gradient",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.reshard_after_backward": "the same after"
     " backward",
-    "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam._unsharded_param": "deepcopy: a gathered parameter",
+    "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam._unsharded_param": "deepcopy: a gathered parameter;"
+    " the tensor a step's graph holds for a shard (`torch.autograd.grad(loss, self.parameters())`)",
     "torch.distributed.tensor._utils.compute_local_shape_and_global_offset": "a DTensor shard's box (init/)",
     "torch.distributed.tensor.DTensor._local_tensor": "the local shard without an autograd node; flat masters",
     "torch._utils._unflatten_dense_tensors": "flat groups: views shaped as each parameter in one C++ call",
@@ -548,6 +549,13 @@ def hook_root_pre_backward(root: FSDPModule, loss: torch.Tensor) -> None:
         loss.register_hook(root._get_fsdp_state()._pre_backward)
 
 
+def gathered_of_shards(groups: list[Any]) -> dict[int, torch.nn.Parameter]:
+    """By id, each sharded parameter of ``groups`` (:func:`unit_param_groups`) -> the gathered parameter its unit's
+    forwards compute with (one object per parameter, its storage freed while resharded; made at the first gather)."""
+    return {id(p.sharded_param): p._unsharded_param for group in groups for p in group.fsdp_params
+            if getattr(p, "_unsharded_param", None) is not None}
+
+
 def unit_param_groups(root: torch.nn.Module) -> list[Any]:
     """FSDP2's parameter groups of every unit under ``root``, ``root`` included (fixed once units are made)."""
     return [group for unit in root.modules() if isinstance(unit, FSDPModule) for group in fsdp_param_groups(unit)]
@@ -569,16 +577,18 @@ def keep_units_gathered(groups: list[Any]) -> Callable[[], None]:
 
 
 @contextmanager
-def gradient_calls_seen(before: Callable[[bool], None]) -> Iterator[None]:
-    """``before(create_graph)`` runs ahead of each ``torch.autograd.grad`` call in the block, however the function
-    was imported (``from torch.autograd import grad`` before the block binds torch's own function, which a swap of
-    ``torch.autograd.grad`` cannot reach): its body calls ``_engine_run_backward`` from its module's namespace, with
-    ``accumulate_grad=False`` (``backward`` passes ``True``). ``torch.autograd.functional`` and ``grad`` alike."""
+def gradient_calls_seen(before: Callable[[bool, Any], Any]) -> Iterator[None]:
+    """``before(create_graph, inputs)`` runs ahead of each ``torch.autograd.grad`` call in the block, however the
+    function was imported (``from torch.autograd import grad`` before the block binds torch's own function, which a
+    swap of ``torch.autograd.grad`` cannot reach): its body calls ``_engine_run_backward`` from its module's
+    namespace, with ``accumulate_grad=False`` (``backward`` passes ``True``), the tensors it differentiates for (a
+    tuple) fourth. ``before`` returns the tensors to differentiate for instead. ``torch.autograd.functional`` and
+    ``grad`` alike."""
     engine = torch.autograd._engine_run_backward
 
     def run(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
-        if not kwargs.get("accumulate_grad", True):
-            before(bool(args[2] if len(args) > 2 else kwargs.get("create_graph", False)))
+        if not kwargs.get("accumulate_grad", True) and len(args) > 3:
+            args = (*args[:3], before(bool(args[2]), args[3]), *args[4:])
         return engine(t_outputs, *args, **kwargs)
 
     torch.autograd._engine_run_backward = run

@@ -106,6 +106,12 @@ class ReplicatedNorms:
     def ignored(self) -> set[nn.Parameter]:
         return set(self.params)
 
+    @staticmethod
+    def leaf_of(param: torch.Tensor) -> torch.Tensor | None:
+        """The leaf a norm's forward computed with for ``param`` (one of :attr:`params`), if one did: what a step's
+        graph holds for it (``torch.autograd.grad(loss, self.parameters())``)."""
+        return _LEAVES.get(dtensor_local(param))
+
     @torch.no_grad()
     def reduce_grads(self) -> int:
         """Average the norm gradients over the mesh, one coalesced collective per mesh dimension; returns how many."""

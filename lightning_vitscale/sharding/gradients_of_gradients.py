@@ -13,6 +13,14 @@ each unit gets its own settings back and is resharded. The gradients are reduced
 post-backward. Memory: the units stay whole from the penalty to the end of that backward (as DDP's model always is).
 The step's calls are seen below ``torch.autograd.grad`` (``_compat.gradient_calls_seen``), so a ``grad`` imported
 before the step (``from torch.autograd import grad``, as WGAN-GP code often has it) is seen too.
+
+A gradient taken for the parameters themselves (``torch.autograd.grad(loss, self.parameters())``: gradient-norm
+regularization, a multi-task method weighting its losses by their gradients) names each block parameter as the
+DTensor its unit left after the forward, which the graph never used (it computed with the gathered one): torch's
+"appears to not have been used in the graph". Each such DTensor is differentiated for as the gathered parameter its
+unit's forward used (an fp32 norm's: the leaf its forward computed with, ``precision/norms.py``): the gradients come
+back whole and this rank's own, as under DDP (whose hooks see no ``torch.autograd.grad``), and FSDP2 gathers the
+unit for that backward as for any.
 """
 
 from __future__ import annotations
@@ -23,8 +31,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_vitscale._compat import (
+    gathered_of_shards,
     gradient_calls_seen,
     keep_units_gathered,
     queue_end_of_backward,
@@ -37,9 +47,11 @@ class GradientsOfGradients:
     """``root``: the outer unit (FSDP2's path; one rank's compute copies keep their memory through the step);
     ``deferred``: its :class:`~.deferred_reduction.DeferredReduction`, paused while the units are kept."""
 
-    def __init__(self, root: nn.Module, deferred: Any = None) -> None:
+    def __init__(self, root: nn.Module, deferred: Any = None,
+                 norm_leaf: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> None:
         self._root = root
         self._deferred = deferred
+        self._norm_leaf = norm_leaf  # the fp32 norms' parameters -> the leaves their forwards computed with
         self._groups: list[Any] | None = None  # the units' FSDP2 parameter groups, found at the first penalty
         self._restore: Callable[[], None] | None = None  # set while the units are kept gathered
 
@@ -50,13 +62,29 @@ class GradientsOfGradients:
         with gradient_calls_seen(self._before_gradients):
             yield
 
-    def _before_gradients(self, create_graph: bool) -> None:
+    def _before_gradients(self, create_graph: bool, inputs: Any) -> Any:
         if create_graph and self._restore is None:
-            if self._groups is None:
-                self._groups = unit_param_groups(self._root)
-            self._restore = keep_units_gathered(self._groups)
+            self._restore = keep_units_gathered(self._unit_groups())
             if self._deferred is not None:
                 self._deferred.pause()
+        if not any(isinstance(tensor, DTensor) for tensor in inputs):
+            return inputs
+        gathered = gathered_of_shards(self._unit_groups())
+        return tuple(self._in_graph(tensor, gathered) for tensor in inputs)
+
+    def _in_graph(self, tensor: torch.Tensor, gathered: dict[int, nn.Parameter]) -> torch.Tensor:
+        """The tensor the step's graph holds for ``tensor`` (itself, unless a shard or an fp32 norm's DTensor)."""
+        if not isinstance(tensor, DTensor):
+            return tensor
+        found: torch.Tensor | None = gathered.get(id(tensor))
+        if found is None and self._norm_leaf is not None:
+            found = self._norm_leaf(tensor)
+        return tensor if found is None else found
+
+    def _unit_groups(self) -> list[Any]:
+        if self._groups is None:
+            self._groups = unit_param_groups(self._root)
+        return self._groups
 
     def before_backward(self, loss: torch.Tensor) -> None:
         """The loss's backward, after a gradient of a gradient: at its end (after FSDP2's own end, which the first

@@ -81,7 +81,8 @@ class ShardedModel:
 
     def __post_init__(self) -> None:
         if self.fsdp2_runs_steps:
-            self.gradients_of_gradients = GradientsOfGradients(self.outer, self.outer.deferred_reduction)
+            norm_leaf = self.norms.leaf_of if self.norms is not None else None
+            self.gradients_of_gradients = GradientsOfGradients(self.outer, self.outer.deferred_reduction, norm_leaf)
 
     @property
     def module(self) -> nn.Module:

@@ -84,6 +84,12 @@ def _writes_a_dtensor(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     return in_place and bool(args) and any(isinstance(t, DTensor) for t in tree_leaves(args[0]))
 
 
+def _differentiates(func: Any) -> bool:
+    """``torch.autograd.grad`` / ``backward`` (their arguments pass through here too): the tensors named are the
+    graph's own, never to be replaced by whole copies (``gradients_of_gradients.py`` maps shards to the graph's)."""
+    return func is torch.Tensor.backward or getattr(func, "__module__", "").startswith("torch.autograd")
+
+
 def _mixed_as_torch_refuses(tensors: list[Any]) -> bool:
     """A DTensor among plain tensors that torch refuses to mix: one of more than one element, or one in the
     autograd graph (DTensor lets a plain one-element tensor in as replicated, and its backward then fails)."""
@@ -97,8 +103,9 @@ def _torch_function(cls: type, func: Any, types: Any, args: tuple[Any, ...] = ()
     if len(args) < 2 and not kwargs and not (args and isinstance(args[0], (list, tuple))):
         return DISABLED_TORCH_FUNCTION(func, types, args, {})  # one tensor (an attribute read): nothing mixed
     kwargs = kwargs or {}
-    if (getattr(_STEP, "depth", 0) and _mixed_as_torch_refuses(tree_leaves((args, kwargs)))
-            and not _writes_a_dtensor(func, args, kwargs) and not dtensor_takes_plain_as_replicated()):
+    if (getattr(_STEP, "depth", 0) and not _differentiates(func)
+            and _mixed_as_torch_refuses(tree_leaves((args, kwargs))) and not _writes_a_dtensor(func, args, kwargs)
+            and not dtensor_takes_plain_as_replicated()):
         args, kwargs = tree_map(whole, (args, kwargs))
         with autocast_as_amp_would(tree_leaves((args, kwargs))):  # bf16 data meeting an fp32 master's values
             return func(*args, **kwargs)

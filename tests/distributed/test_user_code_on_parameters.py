@@ -15,7 +15,9 @@ DTensors): DDP's values; before, torch's "c10d.allreduce_.default does not have 
 
 A term on the parameters added to the loss in ``training_step`` (``tests/helpers/penalties.py``: L2 over
 ``self.parameters()``, L2-SP, an orthogonality penalty, a block weight on this rank's data or on bf16 features),
-before or after the forward: DDP's losses and weights (``sharding/whole_terms.py``). Before: refused
+before or after the forward, and gradients taken for the parameters (``torch.autograd.grad(loss,
+self.parameters())``: gradient-norm regularization, gradients read by a multi-task method): DDP's losses, weights
+and gradient norms (``sharding/whole_terms.py``, ``sharding/gradients_of_gradients.py``). Before: refused
 (``MixedTensorsError``); and a term taken before the forward, made whole by hand, lost its gradient in the last unit to
 reduce (``cpu_overlap.py``: the reduce-scatter in flight overwrote it).
 """
@@ -85,3 +87,5 @@ def test_a_term_on_the_parameters_in_the_step_trains_as_under_ddp(runs, case, st
         assert ours["weights"].keys() == ddp["weights"].keys()
         for name, values in ddp["weights"].items():
             assert ours["weights"][name] == pytest.approx(values, abs=1e-3 if bf16 else 1e-6), name
+        assert len(ours["probed"]) == len(ddp["probed"]) == (4 if case.startswith("probe") else 0)
+        assert ours["probed"] == pytest.approx(ddp["probed"], rel=1e-2 if bf16 else 1e-6)  # this rank's own

@@ -10,6 +10,10 @@
   averaged as DDP averages it);
 - ``"features"``: the same weight applied to the model's output features (bf16 under O2: the whole fp32 weight meets
   bf16 data);
+- ``"gnorm"``: gradient-norm regularization, the squared norm of ``torch.autograd.grad(loss, params,
+  create_graph=True)`` (on lucidrains' ViT: SDPA has no double backward on CPU);
+- ``"probe"``: ``torch.autograd.grad(loss, params, retain_graph=True)`` read, not trained on (a multi-task method
+  weighting its losses by their gradients): this rank's squared gradient norm kept in ``probed``;
 
 taken ``"before"`` or ``"after"`` the forward. ``PENALTY_CASES``: ``<term>-<where>[-bf16 | -accumulated]`` (under
 ``bf16-mixed``; two micro-batches a step).
@@ -23,22 +27,32 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from tests.helpers.momentum import images
-from tests.helpers.zoo import FunctionalAttention, hand_written
+from tests.helpers.zoo import FunctionalAttention, LucidViT, hand_written
 
 PENALTY_CASES = ["l2-before", "l2-after", "l2sp-after", "ortho-before", "data-before", "l2-before-accumulated",
-                 "l2-before-bf16", "features-after-bf16"]
+                 "gnorm-after", "probe-after", "l2-before-bf16", "features-after-bf16", "probe-after-bf16"]
 
 
 class PenaltyModel(L.LightningModule):
     def __init__(self, term: str, where: str) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = hand_written(FunctionalAttention)
+        self.net = LucidViT() if term == "gnorm" else hand_written(FunctionalAttention)
         self.start = {name: p.detach().clone() + 0.01 for name, p in self.net.named_parameters()}  # plain tensors
         self.term, self.where = term, where
         self.losses: list[float] = []
+        self.probed: list[float] = []
 
-    def penalty(self, x: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+    def penalty(self, x: torch.Tensor, features: torch.Tensor | None, loss: torch.Tensor | None = None) -> torch.Tensor:
+        if self.term in ("gnorm", "probe"):
+            assert loss is not None
+            params = [p for p in self.parameters() if p.requires_grad]
+            grads = torch.autograd.grad(loss, params, create_graph=self.term == "gnorm", retain_graph=True)
+            squares = sum(g.float().pow(2).sum() for g in grads)
+            if self.term == "gnorm":
+                return 1e-2 * squares
+            self.probed.append(float(squares))
+            return torch.zeros((), device=x.device)
         if self.term == "l2":
             return 1e-2 * sum(p.pow(2).sum() for p in self.parameters())
         if self.term == "l2sp":
@@ -62,7 +76,8 @@ class PenaltyModel(L.LightningModule):
             loss = F.cross_entropy(self.net(x), y) + term
         else:
             logits = self.net(x)
-            loss = F.cross_entropy(logits, y) + self.penalty(x, logits)
+            loss = F.cross_entropy(logits, y)
+            loss = loss + self.penalty(x, logits, loss)
         self.losses.append(loss.item())
         return loss
 

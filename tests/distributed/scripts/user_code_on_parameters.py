@@ -84,7 +84,7 @@ def logged(strategy: str) -> dict:
 
 def penalty(case: str, strategy: str) -> dict:
     model = fit_penalty(case, STRATEGIES[strategy](), devices=2)
-    return {"losses": model.losses, "weights": model.whole_weights()}
+    return {"losses": model.losses, "weights": model.whole_weights(), "probed": model.probed}
 
 
 if __name__ == "__main__":

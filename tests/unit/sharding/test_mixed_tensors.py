@@ -32,6 +32,7 @@ def test_a_term_on_the_parameters_in_the_step_trains_as_on_the_plain_trainer(cas
     plain = fit_penalty(case, "auto")
     assert len(plain.losses) == (8 if case.endswith("accumulated") else 4)  # a loss per micro-batch
     assert ours.losses == pytest.approx(plain.losses, rel=1e-6)
+    assert ours.probed == pytest.approx(plain.probed, rel=1e-6) and len(ours.probed) == (4 if "probe" in case else 0)
     weights, expected = ours.whole_weights(), plain.whole_weights()
     assert weights.keys() == expected.keys()
     for name, values in expected.items():
