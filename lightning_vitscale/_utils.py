@@ -97,3 +97,17 @@ def available_host_bytes() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
         return None
+
+
+def register_gradient_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+    """``param.register_hook(hook)``, a frozen parameter's too: torch refuses a hook on a tensor that does not require
+    grad, so a frozen one is hooked while requiring grad, then frozen again; unfrozen later (``BackboneFinetuning``),
+    the hook runs."""
+    frozen = not param.requires_grad
+    if frozen:
+        param.requires_grad_(True)
+    try:
+        param.register_hook(hook)
+    finally:
+        if frozen:
+            param.requires_grad_(False)

@@ -35,6 +35,7 @@ from lightning_vitscale._compat import (
     set_unshard_async,
     unit_parameters,
 )
+from lightning_vitscale._utils import register_gradient_hook
 
 
 class OverlappedReduceScatter(ReduceScatterComm):
@@ -135,7 +136,6 @@ def overlap_collectives_on_cpu(units: Iterable[FSDPModule], reduce_scatters: boo
         if reduce_scatters:
             params = unit_parameters(unit)
             unit.set_custom_reduce_scatter(OverlappedReduceScatter(pending, params))
-            for param in params:
-                if param.requires_grad:  # torch refuses a hook on one that is not (a frozen backbone)
-                    param.register_hook(pending.before_accumulating)
+            for param in params:  # frozen ones too: unfrozen later, the hook runs
+                register_gradient_hook(param, pending.before_accumulating)
         set_unshard_async(unit, True)

@@ -20,10 +20,11 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_vitscale._compat import reduction_streams, unit_parameters
+from lightning_vitscale._utils import register_gradient_hook
 
 
 def wait_for_reductions(units: list[FSDPModule], device: torch.device) -> None:
-    """On an accelerator, hook every sharded parameter of ``units`` that requires grad (see the module docstring)."""
+    """On an accelerator, hook every sharded parameter of ``units``, frozen ones too (see the module docstring)."""
     if device.type != "cpu":
         offloaded = any(p.device.type == "cpu" for unit in units for p in unit_parameters(unit))
         hook_shards(units, offloaded)
@@ -34,8 +35,7 @@ def hook_shards(units: list[FSDPModule], offloaded: bool) -> None:
     for unit in units:
         hook = functools.partial(_after_reductions, unit, offloaded)
         for param in unit_parameters(unit):
-            if param.requires_grad:  # torch refuses a hook on one that is not (a frozen backbone)
-                param.register_hook(hook)
+            register_gradient_hook(param, hook)
 
 
 def _after_reductions(unit: FSDPModule, offloaded: bool, grad: torch.Tensor) -> None:

@@ -38,7 +38,10 @@ def test_a_term_on_the_shards_waits_for_the_reductions_and_a_plain_step_does_not
     compute, reduce = Stream("compute"), Stream("reduce-scatter")
     monkeypatch.setattr(direct_gradients, "reduction_streams", lambda unit: [reduce])
     monkeypatch.setattr(direct_gradients, "current_stream", lambda device: compute)
+    net[0].requires_grad_(False)  # frozen at setup (a backbone), unfrozen later: hooked all the same
     direct_gradients.hook_shards([outer, block], offloaded)
+    assert not any(p.requires_grad for p in net[0].parameters())
+    net[0].requires_grad_(True)
     x = torch.randn(3, 4)
 
     net(x).sum().backward()
