@@ -577,18 +577,19 @@ def keep_units_gathered(groups: list[Any]) -> Callable[[], None]:
 
 
 @contextmanager
-def gradient_calls_seen(before: Callable[[bool, Any], Any]) -> Iterator[None]:
-    """``before(create_graph, inputs)`` runs ahead of each ``torch.autograd.grad`` call in the block, however the
-    function was imported (``from torch.autograd import grad`` before the block binds torch's own function, which a
-    swap of ``torch.autograd.grad`` cannot reach): its body calls ``_engine_run_backward`` from its module's
-    namespace, with ``accumulate_grad=False`` (``backward`` passes ``True``), the tensors it differentiates for (a
-    tuple) fourth. ``before`` returns the tensors to differentiate for instead. ``torch.autograd.functional`` and
-    ``grad`` alike."""
+def gradient_calls_seen(before: Callable[[bool, Any, bool], Any]) -> Iterator[None]:
+    """``before(create_graph, inputs, accumulate)`` runs ahead of each ``torch.autograd.grad`` call in the block
+    (``accumulate`` False), and of each ``backward`` given ``inputs=`` (True), however the function was imported
+    (``from torch.autograd import grad`` before the block binds torch's own function, which a swap of
+    ``torch.autograd.grad`` cannot reach): both call ``_engine_run_backward`` from their module's namespace, the tensors
+    they differentiate for (a tuple, empty for a plain ``backward``) fourth. ``before`` returns the tensors to
+    differentiate for instead. ``torch.autograd.functional`` and ``grad`` alike."""
     engine = torch.autograd._engine_run_backward
 
     def run(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
-        if not kwargs.get("accumulate_grad", True) and len(args) > 3:
-            args = (*args[:3], before(bool(args[2]), args[3]), *args[4:])
+        accumulate = kwargs.get("accumulate_grad", True)
+        if len(args) > 3 and (not accumulate or args[3]):
+            args = (*args[:3], before(bool(args[2]), args[3], accumulate), *args[4:])
         return engine(t_outputs, *args, **kwargs)
 
     torch.autograd._engine_run_backward = run

@@ -116,7 +116,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     reduce = shards.finishing_forward(distributed.reducing_whole(ModelParallelStrategy.reduce))
     all_gather = shards.finishing_forward(ModelParallelStrategy.all_gather)
     broadcast = shards.finishing_forward(ModelParallelStrategy.broadcast)
-    backward = shards.joining_on_loss(ModelParallelStrategy.backward)  # manual optimization's, inside the step
+    backward = shards.naming_graph_inputs(shards.joining_on_loss(ModelParallelStrategy.backward))  # inputs= too
     barrier = checkpoints.unless_alone_in_exception(ModelParallelStrategy.barrier)  # after an exception's lone save
 
     @property  # type: ignore[override]

@@ -10,6 +10,7 @@ The top of the concerns: may import ``memory``, ``checkpoint``, ``precision``, `
 from lightning_vitscale.discovery import ModuleSelector
 from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector
 from lightning_vitscale.sharding.checkpointing_settings import CheckpointingPolicy, CheckpointSelector
+from lightning_vitscale.sharding.gradients_of_gradients import naming_graph_inputs
 from lightning_vitscale.sharding.mixed_tensors import MixedTensorsError, note_the_fix
 from lightning_vitscale.sharding.outer_unit_errors import (
     BackwardOutsideManualBackwardError,
@@ -62,6 +63,7 @@ __all__ = [
     "apply_sync_batchnorm",
     "finishing_forward",
     "joining_on_loss",
+    "naming_graph_inputs",
     "resolve_config",
     "shard_group_size",
     "shard_lightning_module",

@@ -20,13 +20,17 @@ DTensor its unit left after the forward, which the graph never used (it computed
 "appears to not have been used in the graph". Each such DTensor is differentiated for as the gathered parameter its
 unit's forward used (an fp32 norm's: the leaf its forward computed with, ``precision/norms.py``): the gradients come
 back whole and this rank's own, as under DDP (whose hooks see no ``torch.autograd.grad``), and FSDP2 gathers the
-unit for that backward as for any.
+unit for that backward as for any. A backward given ``inputs=`` (a GAN's generator step restricted to its own
+parameters) named the same DTensors, which it left unreached and silent: the block units then reduced zero gradients
+and never trained (2 ranks: DDP's weights 8e-3 apart after 4 steps). Its inputs are mapped the same way, in the step
+and in the strategy's backward; the gradients accumulate on the gathered parameters and FSDP2 reduces them as usual.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -62,8 +66,15 @@ class GradientsOfGradients:
         with gradient_calls_seen(self._before_gradients):
             yield
 
-    def _before_gradients(self, create_graph: bool, inputs: Any) -> Any:
-        if create_graph and self._restore is None:
+    @contextmanager
+    def in_backward(self) -> Iterator[None]:
+        """A backward's ``inputs=`` (``self.manual_backward(loss, inputs=...)``, a ``LightningModule.backward``
+        passing them) named as the graph's tensors, as in the step."""
+        with gradient_calls_seen(self._before_gradients):
+            yield
+
+    def _before_gradients(self, create_graph: bool, inputs: Any, accumulate: bool = False) -> Any:
+        if create_graph and not accumulate and self._restore is None:
             self._restore = keep_units_gathered(self._unit_groups())
             if self._deferred is not None:
                 self._deferred.pause()
@@ -107,3 +118,16 @@ def _at_end_of_backward(callback: Callable[[], None]) -> Callable[[torch.Tensor]
         queue_end_of_backward(lambda: queue_end_of_backward(callback))  # after FSDP2's root post-backward
 
     return hook
+
+
+def naming_graph_inputs(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """A strategy's ``backward(loss, ...)`` with its ``inputs=`` named as the graph's tensors
+    (:meth:`GradientsOfGradients.in_backward`), where the strategy's model runs steps on FSDP2's path."""
+
+    @functools.wraps(backward)
+    def with_graph_inputs(strategy: Any, *args: Any, **kwargs: Any) -> Any:
+        twice = getattr(getattr(strategy, "sharded", None), "gradients_of_gradients", None)
+        with twice.in_backward() if twice is not None else nullcontext():
+            return backward(strategy, *args, **kwargs)
+
+    return with_graph_inputs

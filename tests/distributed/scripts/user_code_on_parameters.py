@@ -7,6 +7,9 @@ ranks, per scenario ``<case>/<strategy>`` this rank's results:
   (``tests/unit/sharding/test_frozen_in_step.py``'s module): the losses, the critic and whether it holds gradients;
 - ``logged``: ``self.log(..., sync_dist=True)`` in ``on_before_optimizer_step`` of the sharded gradients' squared sum
   and of one sharded weight's norm: the losses and the logged values;
+- ``inputs-<manual|automatic>``: a backward given ``inputs=`` (the network's parameters, as a GAN's generator step
+  names its own): through ``self.manual_backward`` in a manual step, or an overridden ``LightningModule.backward``;
+  the losses and the whole parameters after 4 steps;
 - ``penalty-<term>-<where>[-<precision>]``: a term on the parameters added to the loss in ``training_step``
   (``tests/helpers/penalties.py``) before or after the forward: the losses and the whole parameters after 4 steps.
 """
@@ -18,6 +21,7 @@ import warnings
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from tests.helpers.momentum import STRATEGIES, fit_momentum, images, teacher_state
 from tests.helpers.penalties import PENALTY_CASES, fit_penalty
@@ -82,6 +86,47 @@ def logged(strategy: str) -> dict:
     return {"losses": model.losses, "logged": model.logged}
 
 
+class RestrictedBackward(L.LightningModule):
+    """A backward given ``inputs=`` (the network's parameters; the loss reaches nothing else)."""
+
+    def __init__(self, manual: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = hand_written(FunctionalAttention)
+        self.automatic_optimization = not manual
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.losses.append(loss.item())
+        if self.automatic_optimization:
+            return loss
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(loss, inputs=list(self.net.parameters()))
+        optimizer.step()
+        return None
+
+    def backward(self, loss, *args, **kwargs) -> None:  # overridden: automatic optimization's names them here
+        kwargs.setdefault("inputs", list(self.net.parameters()))
+        loss.backward(*args, **kwargs)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(images(), batch_size=4)
+
+
+def restricted(mode: str, strategy: str) -> dict:
+    model = RestrictedBackward(manual=mode == "manual")
+    L.Trainer(accelerator="cpu", devices=2, strategy=STRATEGIES[strategy](), max_steps=4, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(model)
+    whole = {name: v.full_tensor() if isinstance(v, DTensor) else v for name, v in model.state_dict().items()}
+    return {"losses": model.losses, "weights": {name: v.flatten().tolist() for name, v in whole.items()}}
+
+
 def penalty(case: str, strategy: str) -> dict:
     model = fit_penalty(case, STRATEGIES[strategy](), devices=2)
     return {"losses": model.losses, "weights": model.whole_weights(), "probed": model.probed}
@@ -92,6 +137,8 @@ if __name__ == "__main__":
                  for update, where in MOMENTUM_CASES for strategy in STRATEGIES}
     scenarios.update({f"logged/{strategy}": (lambda s=strategy: logged(s)) for strategy in STRATEGIES})
     scenarios.update({f"toggled/{strategy}": (lambda s=strategy: toggled(s)) for strategy in STRATEGIES})
+    scenarios.update({f"inputs-{mode}/{strategy}": (lambda m=mode, s=strategy: restricted(m, s))
+                      for mode in ("manual", "automatic") for strategy in STRATEGIES})
     scenarios.update({f"penalty-{case}/{strategy}": (lambda c=case, s=strategy: penalty(c, s))
                       for case in PENALTY_CASES for strategy in STRATEGIES})
     run_scenarios(scenarios)
