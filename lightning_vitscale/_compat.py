@@ -303,13 +303,18 @@ def unsaved_buffer_names(module: torch.nn.Module) -> set[str]:
     return module._non_persistent_buffers_set
 
 
-def autocast_turned_off(device_type: str) -> bool:
-    """Whether the running code sits inside a ``torch.autocast(device_type, enabled=False)`` of its own: autocast off
-    for ``device_type`` while some autocast region is open (torch keeps a nesting count, read here by counting up and
+def autocast_nesting() -> int:
+    """The number of autocast regions open on this thread (torch keeps a nesting count, read here by counting up and
     down again; the count's return to zero clears nothing: that is ``autocast.__exit__``'s job)."""
     level = torch.autocast_increment_nesting()
     torch.autocast_decrement_nesting()
-    return level > 1 and not torch.is_autocast_enabled(device_type)
+    return level - 1
+
+
+def autocast_turned_off(device_type: str, floor: int = 0) -> bool:
+    """Whether the running code sits inside a ``torch.autocast(device_type, enabled=False)`` of its own: autocast off
+    for ``device_type`` while more than ``floor`` autocast regions are open (``floor``: the strategy's own)."""
+    return autocast_nesting() > floor and not torch.is_autocast_enabled(device_type)
 
 
 def tensor_version(tensor: torch.Tensor) -> int:

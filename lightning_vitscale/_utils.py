@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import field
 from pathlib import Path
@@ -18,6 +19,21 @@ from lightning_vitscale._compat import WRAPPER_PREFIXES, dtensor_local
 GIB = 2**30
 MIB = 2**20
 T = TypeVar("T")
+
+
+class _AutocastFloor(threading.local):
+    """This thread's autocast regions that are the strategy's own (``precision/step_autocast.py``): a user's
+    ``torch.autocast(..., enabled=False)`` is one more than ``level``. ``device``: the step's autocast device while a
+    step runs under it; ``turned_off``: per layer forward running, the floor it replaced (``None``: it changed
+    nothing)."""
+
+    def __init__(self) -> None:
+        self.level = 0
+        self.device: str | None = None
+        self.turned_off: list[int | None] = []
+
+
+AUTOCAST_FLOOR = _AutocastFloor()
 
 
 def documented(default: T, doc: str) -> T:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from lightning_vitscale._compat import autocast_turned_off, current_backward_id, tree_leaves, tree_map
+from lightning_vitscale._utils import AUTOCAST_FLOOR
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ class _Recorder:
             calls.running.append(name)
             first = _first_floating(args)
             # Not in backward: checkpointing's recompute restores the forward's autocast state in a region of its own.
-            if first is not None and current_backward_id() == -1 and autocast_turned_off(first.device.type):
+            if first is not None and current_backward_id() == -1 and autocast_turned_off(first.device.type,
+                                                                                         AUTOCAST_FLOOR.level):
                 calls.full_precision.add(name)
 
     def leave(self, module: nn.Module, _: Any, out: Any) -> None:

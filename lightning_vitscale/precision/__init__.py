@@ -12,6 +12,7 @@ from lightning_vitscale.precision.norms import ReplicatedNorms
 from lightning_vitscale.precision.optimizer_probe import UnshardableOptimizerError, refuse_unshardable
 from lightning_vitscale.precision.plugin import VitScalePrecision, to_vitscale_precision
 from lightning_vitscale.precision.settings import SUPPORTED_FLAGS, PrecisionFlag, PrecisionPolicy, resolve_flag
+from lightning_vitscale.precision.step_autocast import layers_compute_as_o2
 
 __all__ = [
     "SUPPORTED_FLAGS",
@@ -24,6 +25,7 @@ __all__ = [
     "VitScalePrecision",
     "cast_floating_inputs",
     "grad_norm",
+    "layers_compute_as_o2",
     "lightning_grad_norm_named",
     "refuse_unshardable",
     "resolve_flag",

@@ -16,7 +16,14 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_vitscale._compat import autocast_turned_off, buffer_slots, tree_map, unsaved_buffer_names
+from lightning_vitscale._compat import (
+    BatchNormBase,
+    autocast_turned_off,
+    buffer_slots,
+    tree_map,
+    unsaved_buffer_names,
+)
+from lightning_vitscale._utils import AUTOCAST_FLOOR
 
 
 def to_dtype(dtype: torch.dtype | None) -> Callable[[Any], Any]:
@@ -62,7 +69,9 @@ def _warn_if_meant_in_fp32(name: str, args: tuple[Any, ...], kwargs: dict[str, A
     """Once per module: the step runs it in fp32 on purpose (its own ``torch.autocast(enabled=False)``, an fp32
     input), which setup would have kept in fp32 had it run the step (``PrecisionPolicy.keeping_fp32``)."""
     first = first_floating_tensor((*args, *kwargs.values()))
-    if name in warned or first is None or first.dtype != torch.float32 or not autocast_turned_off(first.device.type):
+    if name in warned or first is None or first.dtype != torch.float32:
+        return
+    if not autocast_turned_off(first.device.type, AUTOCAST_FLOOR.level):
         return
     warned.add(name)
     rank_zero_warn(
@@ -102,3 +111,18 @@ def autocast_around(modules: list[nn.Module], dtype: torch.dtype) -> None:
     for module in modules:
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(leave, with_kwargs=True, always_call=True)
+
+
+def refuse_low_precision_statistics(module: nn.Module, keep: set[int], compute: torch.dtype,
+                                     master: torch.dtype) -> None:
+    """A batch norm left to compute in ``compute`` (``norm_dtype=None``, or not among ``norms``) would meet its
+    running statistics, saved buffers kept in ``master``, with weights of another dtype, which torch's ``batch_norm``
+    refuses at the first step ("expected scalar type BFloat16 but found Float"): said at setup. (Run on CPU: without
+    weights it runs, and so does an instance norm with both, whose weights are expanded per sample first.)"""
+    for name, m in module.named_modules():
+        if id(m) not in keep and isinstance(m, BatchNormBase) and m.affine and m.track_running_stats:
+            raise ValueError(
+                f"{name} ({type(m).__name__}) would compute in {compute} with its running statistics kept in"
+                f" {master}, which torch's batch_norm refuses. Keep normalization layers in fp32:"
+                " VitScalePrecision(norm_dtype=torch.float32) (the default), with this layer among `norms`."
+            )

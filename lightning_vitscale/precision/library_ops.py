@@ -7,12 +7,14 @@ here), and torch's ops on autocast's fp32 list. O2 runs no autocast: a detector'
 bf16 and its first step fails (``"nms_kernel" not implemented for 'BFloat16'``), a DETR-style loss's Hungarian
 matcher fails in ``torch.cdist``, and its class weight (fp32) meets bf16 logits in ``cross_entropy``.
 
-Inside :func:`as_under_autocast` (the plugin's steps, and its backwards, where checkpointing recomputes; the planner's
-run of a step) each such op called outside autocast with a bf16 or fp16 input runs inside ``torch.autocast`` for that
-input's device and dtype, so it computes as under DDP's AMP. Torch's ops that compute in bf16 (softmax, norms, a loss
-on bf16 alone) are not among them: O2 computes those in bf16 on purpose; only those with no bf16 kernel
-(:data:`TORCH_FUNCTIONS`) and losses mixing dtypes (:data:`MIXED_DTYPE_LOSSES`) are. An op autocast leaves alone
-(torchvision's ``roi_pool`` on the host) runs as DDP's AMP runs it: as it is.
+The step's own code runs under autocast already (:mod:`.step_autocast`); the model's layers do not. Inside
+:func:`as_under_autocast` (the plugin's steps, and its backwards, where checkpointing recomputes; the planner's run of
+a step) each such op called outside autocast (inside a layer, a block's recompute) with a bf16 or fp16 input runs
+inside ``torch.autocast`` for that input's device and dtype, so it computes as under DDP's AMP. Torch's ops that
+compute in bf16 inside the layers (softmax, norms, a loss on bf16 alone computed in a model's forward) are not among
+them: O2 computes those in bf16 on purpose; only those with no bf16 kernel (:data:`TORCH_FUNCTIONS`) and losses
+mixing dtypes (:data:`MIXED_DTYPE_LOSSES`) are. An op autocast leaves alone (torchvision's ``roi_pool`` on the host)
+runs as DDP's AMP runs it: as it is.
 
 Callers look such an op up at each call (``torch.ops.torchvision.nms``, ``torch.cdist``, ``F.cross_entropy``): for
 the body, that attribute is swapped for :class:`_UnderAutocast` (a few attribute writes per step) and put back.

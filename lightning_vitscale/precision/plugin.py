@@ -16,8 +16,13 @@ from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_vitscale._compat import BatchNormBase, after_closure, buffer_slots, unscales_in_step
-from lightning_vitscale.precision.casting import autocast_around, floating_buffers, to_dtype
+from lightning_vitscale._compat import after_closure, buffer_slots, unscales_in_step
+from lightning_vitscale.precision.casting import (
+    autocast_around,
+    floating_buffers,
+    refuse_low_precision_statistics,
+    to_dtype,
+)
 from lightning_vitscale.precision.clipping import clip_grad_norm
 from lightning_vitscale.precision.elementwise import holds_whole_parameters, skips_on_device, steps_locally
 from lightning_vitscale.precision.grad_scaler import ShardedGradScaler
@@ -31,6 +36,7 @@ from lightning_vitscale.precision.settings import (
     norm_predicate,
     resolve_flag,
 )
+from lightning_vitscale.precision.step_autocast import step_under_autocast
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -61,6 +67,9 @@ class VitScalePrecision(Precision):
         full_precision: qualified names of modules kept in ``norm_dtype`` beside the norms under the mixed flags, as
             DDP's AMP computes a module its step runs inside ``torch.autocast(..., enabled=False)``. Setup finds those
             itself when it runs the step on a batch; name them here where it cannot (a stream it cannot read ahead).
+        device: the device type of the step's autocast under the mixed flags (the step's own code computes as under
+            DDP's AMP, the model's layers as O2), as Lightning's ``MixedPrecision(device=...)``; ``None``: ``"cuda"``
+            where available, else ``"cpu"``.
 
     Example::
 
@@ -78,6 +87,7 @@ class VitScalePrecision(Precision):
         skip_nonfinite: bool | None = None,
         max_skipped_steps: int = 3,
         full_precision: Collection[str] = (),
+        device: str | None = None,
     ) -> None:
         base = resolve_flag(precision)
         self.precision = precision  # type: ignore[assignment]
@@ -89,8 +99,8 @@ class VitScalePrecision(Precision):
                 f"`full_precision={set(full_precision)!r}` keeps modules in fp32 under the mixed flags ('bf16-mixed',"
                 f" '16-mixed') with `norm_dtype=torch.float32`; here precision={precision!r},"
                 f" norm_dtype={norm_dtype!r}. Drop `full_precision`, or use a mixed flag with fp32 norms.")
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.scaler: ShardedGradScaler | None = ShardedGradScaler(device) if base.loss_scaling else None
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.scaler: ShardedGradScaler | None = ShardedGradScaler(self.device) if base.loss_scaling else None
         guard = NonFiniteGuard(max_skipped_steps, check_gradients=self.scaler is None)  # validates it always
         on = precision != "32-true" if skip_nonfinite is None else skip_nonfinite
         self.nonfinite_guard: NonFiniteGuard | None = guard if on else None
@@ -103,7 +113,7 @@ class VitScalePrecision(Precision):
         owners compute under autocast (:func:`floating_buffers`, :func:`autocast_around`)."""
         keep, policy = {id(m) for _, m in self.policy.separate_norm_modules(module)}, self.policy
         if policy.compute != policy.master:
-            _refuse_low_precision_statistics(module, keep, policy.compute, policy.master)
+            refuse_low_precision_statistics(module, keep, policy.compute, policy.master)
         under_autocast = []
         for submodule in (m for m in module.modules() if id(m) not in keep):
             unsaved, saved = floating_buffers(submodule)
@@ -142,7 +152,7 @@ class VitScalePrecision(Precision):
         """Each step: where DDP's AMP has autocast, the ops that have no bf16 kernel but autocast computes in fp32
         run as under it (torchvision's ``nms`` and ``roi_align``, ``torch.cdist``, a loss mixing bf16 with an fp32
         weight: :mod:`.library_ops`); the rest computes as O2."""
-        with self._library_ops_as_under_autocast():
+        with self._library_ops_as_under_autocast(), self._step_as_under_amp():
             yield
 
     @override
@@ -150,6 +160,11 @@ class VitScalePrecision(Precision):
                  optimizer: Steppable | None, *args: Any, **kwargs: Any) -> None:
         with self._library_ops_as_under_autocast():  # checkpointing recomputes blocks in the backward
             super().backward(tensor, model, optimizer, *args, **kwargs)
+
+    def _step_as_under_amp(self) -> AbstractContextManager[None]:
+        if self.policy.compute == self.policy.master:
+            return nullcontext()
+        return step_under_autocast(self.device, self.policy.compute)
 
     def _library_ops_as_under_autocast(self) -> AbstractContextManager[None]:
         if self.policy.compute == self.policy.master:  # no autocast under DDP's "32-true" and "bf16-true" either
@@ -268,28 +283,13 @@ def _step_unless_found(optimizer: torch.optim.Optimizer, found: Tensor, kwargs: 
         del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
 
 
-def _refuse_low_precision_statistics(module: nn.Module, keep: set[int], compute: torch.dtype,
-                                     master: torch.dtype) -> None:
-    """A batch norm left to compute in ``compute`` (``norm_dtype=None``, or not among ``norms``) would meet its
-    running statistics, saved buffers kept in ``master``, with weights of another dtype, which torch's ``batch_norm``
-    refuses at the first step ("expected scalar type BFloat16 but found Float"): said at setup. (Run on CPU: without
-    weights it runs, and so does an instance norm with both, whose weights are expanded per sample first.)"""
-    for name, m in module.named_modules():
-        if id(m) not in keep and isinstance(m, BatchNormBase) and m.affine and m.track_running_stats:
-            raise ValueError(
-                f"{name} ({type(m).__name__}) would compute in {compute} with its running statistics kept in"
-                f" {master}, which torch's batch_norm refuses. Keep normalization layers in fp32:"
-                " VitScalePrecision(norm_dtype=torch.float32) (the default), with this layer among `norms`."
-            )
-
-
 def to_vitscale_precision(plugin: Precision) -> VitScalePrecision:
     """Translate the plugin Lightning's connector built from ``Trainer(precision=...)`` into ours."""
     if isinstance(plugin, VitScalePrecision):
         return plugin
     flag = str(getattr(plugin, "precision", ""))
     if type(plugin) in _TRANSLATABLE and flag in SUPPORTED_FLAGS:
-        return VitScalePrecision(flag)  # type: ignore[arg-type]
+        return VitScalePrecision(flag, device=getattr(plugin, "device", None))  # type: ignore[arg-type]
     raise TypeError(
         f"VitScaleStrategy cannot use {type(plugin).__name__}(precision={flag!r}). Use Trainer(precision=...) with"
         f" one of {', '.join(SUPPORTED_FLAGS)}, or pass plugins=[VitScalePrecision(...)]."

@@ -15,7 +15,7 @@ from lightning_vitscale.discovery.blocks import Unit, outer_layers_of, reused_mo
 from lightning_vitscale.discovery.calls import Calls
 from lightning_vitscale.init import Creation, InitialWeights
 from lightning_vitscale.kernels import AttentionRouter, tensor_core_report
-from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, cast_floating_inputs
+from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, cast_floating_inputs, layers_compute_as_o2
 from lightning_vitscale.sharding.direct_gradients import wait_for_reductions
 from lightning_vitscale.sharding.fsdp import contiguous_parameters, mixed_precision_policy, offload_policy
 from lightning_vitscale.sharding.pipeline_facts import InitFacts, PipelineFacts
@@ -94,6 +94,9 @@ def parallelize(
     if precision.compute != torch.float32:
         outer_layers = outer_layers_of(model, blocks, norms.modules)
         cast_floating_inputs(outer_layers + [(n, b) for n, b in blocks if one_unit], precision.compute)
+    if precision.compute != precision.master:
+        #  The step's own code computes as under DDP's AMP (the plugin's autocast); blocks and layers as O2.
+        layers_compute_as_o2([module for _, module in blocks + outer_layers_of(model, blocks, [])])
     #    Attention routing inside each block's own forward, so checkpointing's recompute is routed as well.
     router = apply_attention_routing(blocks, resolved.kernels.attention, device)
     # 3. Activation checkpointing patches the block forwards before FSDP registers its hooks around them.

@@ -79,13 +79,14 @@ def test_parameters_frozen_by_toggle_optimizer_get_no_gradient_as_under_ddp(runs
 @pytest.mark.parametrize("strategy", ["default", "memory"])
 @pytest.mark.parametrize("case", PENALTY_CASES)
 def test_a_term_on_the_parameters_in_the_step_trains_as_under_ddp(runs, case, strategy):
-    """fp32: within float rounding of DDP (a sum over shards, then over ranks); bf16: O2 against DDP's AMP (a loss
-    computed in bf16 by O2 is a multiple of 1/64 near 2.5)."""
+    """fp32: within float rounding of DDP (a sum over shards, then over ranks); bf16: O2 against DDP's AMP, the loss
+    computed in fp32 as DDP's (measured within 9.3e-4; before ``precision/step_autocast.py`` it was O2's bf16 number,
+    a multiple of 1/64 near 2.5, and ``data-after-bf16`` raised torch's dtype error)."""
     bf16 = case.endswith("bf16")
     for rank in runs:
         ddp, ours = rank[f"penalty-{case}/ddp"], rank[f"penalty-{case}/{strategy}"]
         assert len(ddp["losses"]) == (8 if case.endswith("accumulated") else 4)  # a loss per micro-batch
-        assert ours["losses"] == pytest.approx(ddp["losses"], rel=1e-2 if bf16 else 1e-6)
+        assert ours["losses"] == pytest.approx(ddp["losses"], rel=2e-3 if bf16 else 1e-6)
         assert ours["weights"].keys() == ddp["weights"].keys()
         for name, values in ddp["weights"].items():
             assert ours["weights"][name] == pytest.approx(values, abs=1e-3 if bf16 else 1e-6), name

@@ -1,9 +1,10 @@
 """The recipe's bf16 "O2" written out by hand, as the oracle for ``precision="bf16-mixed"``: a compute copy of the
 model in bf16 (norm layers in fp32, taking fp32 inputs and handing bf16 on; saved floating buffers in fp32, their
 owner under autocast, its output back in its input's dtype; unsaved ones in bf16), refreshed from fp32 master
-weights before each step; the bf16 gradients averaged over the ranks in fp32 onto the masters, which the optimizer
-steps; rank 0's buffers broadcast before each forward, as DDP does. The same data order as Lightning's
-``DistributedSampler`` under DDP, so a run of it is comparable step for step with a ``Trainer.fit``."""
+weights before each step; the step's own code (the loss) under autocast, as DDP's AMP runs it; the bf16 gradients
+averaged over the ranks in fp32 onto the masters, which the optimizer steps; rank 0's buffers broadcast before each
+forward, as DDP does. The same data order as Lightning's ``DistributedSampler`` under DDP, so a run of it is
+comparable step for step with a ``Trainer.fit``."""
 
 from __future__ import annotations
 
@@ -75,7 +76,9 @@ def train_o2_by_hand(
                 theirs.copy_(ours)
             for buffer in compute.buffers() if world > 1 else ():  # rank 0's, as DDP broadcasts before a forward
                 dist.broadcast(buffer, 0)
-        loss = F.cross_entropy(compute(x.to(dtype)), y)
+        logits = compute(x.to(dtype))  # the model's layers: O2, no autocast
+        with torch.autocast("cpu", dtype):  # the step's own code as under DDP's AMP: the loss on bf16 logits in fp32
+            loss = F.cross_entropy(logits, y)
         losses.append(loss.item())
         loss.backward()
         for ours, theirs in pairs:

@@ -7,7 +7,8 @@
 - ``"l2sp"``: L2-SP, the distance to plain starting weights saved at ``__init__`` (shifted: a gradient from step 1);
 - ``"ortho"``: an orthogonality penalty on each block's ``qkv`` weight, ``(W W^T - I)^2``;
 - ``"data"``: a block weight applied to this rank's batch outside the forward (its gradient differs per rank:
-  averaged as DDP averages it);
+  averaged as DDP averages it; under ``bf16-mixed`` the fp32 batch meets the block's gathered bf16 weight, which
+  the step's autocast computes in bf16 as DDP's AMP does: ``precision/step_autocast.py``);
 - ``"features"``: the same weight applied to the model's output features (bf16 under O2: the whole fp32 weight meets
   bf16 data);
 - ``"gnorm"``: gradient-norm regularization, the squared norm of ``torch.autograd.grad(loss, params,
@@ -30,7 +31,8 @@ from tests.helpers.momentum import images
 from tests.helpers.zoo import FunctionalAttention, LucidViT, hand_written
 
 PENALTY_CASES = ["l2-before", "l2-after", "l2sp-after", "ortho-before", "data-before", "l2-before-accumulated",
-                 "gnorm-after", "probe-after", "l2-before-bf16", "features-after-bf16", "probe-after-bf16"]
+                 "gnorm-after", "probe-after", "l2-before-bf16", "features-after-bf16", "probe-after-bf16",
+                 "data-after-bf16"]
 
 
 class PenaltyModel(L.LightningModule):
