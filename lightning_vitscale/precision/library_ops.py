@@ -11,9 +11,9 @@ The step's own code runs under autocast already (:mod:`.step_autocast`); the mod
 :func:`as_under_autocast` (the plugin's steps, and its backwards, where checkpointing recomputes; the planner's run of
 a step) each such op called outside autocast (inside a layer, a block's recompute) with a bf16 or fp16 input runs
 inside ``torch.autocast`` for that input's device and dtype, so it computes as under DDP's AMP. Torch's ops that
-compute in bf16 inside the layers (softmax, norms, a loss on bf16 alone computed in a model's forward) are not among
-them: O2 computes those in bf16 on purpose; only those with no bf16 kernel (:data:`TORCH_FUNCTIONS`) and losses
-mixing dtypes (:data:`MIXED_DTYPE_LOSSES`) are. An op autocast leaves alone (torchvision's ``roi_pool`` on the host)
+compute in bf16 inside the layers (softmax, norms) are not among them: O2 computes those in bf16 on purpose; only
+those with no bf16 kernel (:data:`TORCH_FUNCTIONS`) and losses (:data:`LOSSES`: a model computing its loss in its
+forward, as HF's ``labels=`` does) are. An op autocast leaves alone (torchvision's ``roi_pool`` on the host)
 runs as DDP's AMP runs it: as it is.
 
 Callers look such an op up at each call (``torch.ops.torchvision.nms``, ``torch.cdist``, ``F.cross_entropy``): for
@@ -43,10 +43,10 @@ TORCH_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "torch.fft": ("fft", "ifft", "fft2", "ifft2", "fftn", "ifftn", "rfft", "irfft", "rfft2", "irfft2", "rfftn",
                   "irfftn", "hfft", "ihfft"),
 }
-# Losses on autocast's fp32 list, when a call mixes a bf16 input with a floating tensor of another dtype (a class
-# weight kept fp32, as HF DETR's loss builds in its step: O2 alone refuses "expected scalar type BFloat16 but found
-# Float"; where torch promotes instead, autocast's fp32 gives the same numbers). A loss on bf16 alone keeps O2's bf16.
-MIXED_DTYPE_LOSSES: dict[str, tuple[str, ...]] = {
+# Losses on autocast's fp32 list: in fp32 wherever a bf16 input reaches one, as DDP's AMP computes it: inside a
+# model's forward (HF's ``labels=``), where the step's own autocast is off; a call mixing bf16 with an fp32 class weight
+# (HF DETR's loss) would fail there ("expected scalar type BFloat16 but found Float").
+LOSSES: dict[str, tuple[str, ...]] = {
     "torch.nn.functional": ("cross_entropy", "nll_loss", "binary_cross_entropy_with_logits", "kl_div", "mse_loss",
                             "l1_loss", "smooth_l1_loss", "poisson_nll_loss", "cosine_embedding_loss",
                             "hinge_embedding_loss", "margin_ranking_loss", "soft_margin_loss", "triplet_margin_loss",
@@ -62,18 +62,17 @@ class AutocastOp:
     owner: Any
     name: str
     devices: frozenset[str]
-    mixed_only: bool = False  # only a call mixing a low-precision input with a floating tensor of another dtype
 
 
 class _UnderAutocast:
     """``function`` called under autocast where DDP's AMP would have had it: a low-precision input, its device among
     ``devices``, no autocast on already (a library's autocast kernel calls its op again, with autocast on)."""
 
-    def __init__(self, function: Any, devices: frozenset[str], mixed_only: bool = False) -> None:
-        self.function, self.devices, self.mixed_only = function, devices, mixed_only
+    def __init__(self, function: Any, devices: frozenset[str]) -> None:
+        self.function, self.devices = function, devices
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with autocast_as_amp_would([*args, *kwargs.values()], self.devices, self.mixed_only):
+        with autocast_as_amp_would([*args, *kwargs.values()], self.devices, mixed_only=False):
             return self.function(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:  # an op's overloads (`.default`), schema and name: the packet's
@@ -94,13 +93,12 @@ def autocast_as_amp_would(values: list[Any], devices: frozenset[str] = EVERY_DEV
 
 
 def found_ops() -> tuple[AutocastOp, ...]:
-    """Other libraries' ops with an autocast kernel, now, and torch's functions of :data:`TORCH_FUNCTIONS` (a few
-    milliseconds: once per fit)."""
+    """Other libraries' ops with an autocast kernel, now, and torch's functions of :data:`TORCH_FUNCTIONS` and
+    :data:`LOSSES` (a few milliseconds: once per fit)."""
     library = [AutocastOp(getattr(torch.ops, namespace), name, devices)
                for (namespace, name), devices in ops_with_autocast_kernels().items()]
-    own = [AutocastOp(importlib.import_module(module), name, EVERY_DEVICE, mixed_only)
-           for table, mixed_only in ((TORCH_FUNCTIONS, False), (MIXED_DTYPE_LOSSES, True))
-           for module, names in table.items() for name in names]
+    own = [AutocastOp(importlib.import_module(module), name, EVERY_DEVICE)
+           for table in (TORCH_FUNCTIONS, LOSSES) for module, names in table.items() for name in names]
     return (*library, *own)
 
 
@@ -112,7 +110,7 @@ def as_under_autocast(ops: tuple[AutocastOp, ...]) -> Iterator[None]:
     for op in ops:
         function = getattr(op.owner, op.name)
         if not isinstance(function, _UnderAutocast):
-            setattr(op.owner, op.name, _UnderAutocast(function, op.devices, op.mixed_only))
+            setattr(op.owner, op.name, _UnderAutocast(function, op.devices))
             swapped.append((op.owner, op.name, function))
     try:
         yield

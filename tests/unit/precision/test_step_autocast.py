@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from lightning_vitscale import VitScaleStrategy
 from tests.helpers.momentum import images
 from tests.helpers.penalties import fit_penalty
-from tests.helpers.zoo import FunctionalAttention, hand_written
+from tests.helpers.zoo import FunctionalAttention, PatchClassifier, hand_written
 
 
 class Recorded(L.LightningModule):
@@ -101,3 +101,37 @@ def test_the_step_s_autocast_device_is_the_one_lightning_s_flag_names():
     assert to_vitscale_precision(MixedPrecision("bf16-mixed", device="cuda")).device == "cuda"
     assert to_vitscale_precision(MixedPrecision("bf16-mixed", device="cpu")).device == "cpu"
     assert VitScalePrecision("bf16-mixed", device="cuda").device == "cuda"
+
+
+class LossInForward(PatchClassifier):
+    """A model computing its own loss, as HF's ``labels=`` does (inside a module holding a parameter: O2's side)."""
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return F.cross_entropy(super().forward(images), labels)
+
+
+class LossInModel(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = LossInForward(32, hand_written(FunctionalAttention).layers)
+        self.dtypes: list[torch.dtype] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.net(*batch)
+        self.dtypes.append(loss.dtype)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(images(8), batch_size=4)
+
+
+def test_a_loss_the_model_computes_in_its_forward_is_fp32_as_under_amp():
+    """Mutation seen failing: torch's losses run under autocast only where a call mixes dtypes (bf16)."""
+    model = LossInModel()
+    L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(), precision="bf16-mixed", max_steps=2,
+              logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(model)
+    assert model.dtypes == [torch.float32] * 2
