@@ -1,13 +1,15 @@
 """Rank script: what DDP users do outside ``*_step``, each scenario run under ``"ddp"`` and VitScaleStrategy.
 
 Calls from callbacks and after ``fit``, a ``torch.compile``d LightningModule, Lightning's weight-averaging
-callbacks and ``sync_batchnorm=True``; results are keyed ``<scenario>/<strategy>`` and the test compares them.
+callbacks and ``sync_batchnorm=True``, and in a step embeddings gathered across ranks with their gradients
+(``tests/helpers/gathered_embeddings.py``); results are keyed ``<scenario>/<strategy>`` and the test compares them.
 One launch for both strategies: the process group is made once.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import warnings
 
@@ -311,6 +313,16 @@ def backbone_finetuning() -> dict:
     return {"losses": (losses / world).tolist()}
 
 
+def _contrastive(gather: str, precision: str) -> dict:
+    from tests.helpers.gathered_embeddings import Contrastive
+
+    model = Contrastive(gather)
+    trainer(max_steps=4, precision=precision).fit(model)
+    state = model.state_dict()
+    return {"losses": model.losses,
+            "weights": {k: values(v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state.items()}}
+
+
 def one_rank_call() -> dict:
     """Only rank 0 calls the model after fit: it must fail within the timeout, saying why (VitScaleStrategy only)."""
     L.seed_everything(0, verbose=False)
@@ -342,6 +354,8 @@ COMPARED = {
     "sync_batchnorm": sync_batchnorm,
     "gradient_norms": gradient_norms,
     "backbone_finetuning": backbone_finetuning,
+    **{f"contrastive_{gather}_{precision}": functools.partial(_contrastive, gather, precision)
+       for gather in ("lightning", "torch") for precision in ("32-true", "bf16-mixed")},
 }
 SCENARIOS = under_each_strategy(COMPARED, globals())
 SCENARIOS |= under_each_strategy({"one_rank_call": one_rank_call, "one_rank_deepcopy": one_rank_deepcopy}, globals(),

@@ -133,5 +133,6 @@ def test_a_loss_the_model_computes_in_its_forward_is_fp32_as_under_amp():
     """Mutation seen failing: torch's losses run under autocast only where a call mixes dtypes (bf16)."""
     model = LossInModel()
     L.Trainer(accelerator="cpu", devices=1, strategy=VitScaleStrategy(), precision="bf16-mixed", max_steps=2,
-              logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(model)
+              logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False).fit(model)
     assert model.dtypes == [torch.float32] * 2

@@ -1,0 +1,44 @@
+"""A contrastive step as SimCLR, CLIP and MoCo v3 write it under DDP: two views of this rank's batch through the
+model, the normalized embeddings gathered from every rank with their gradients (``self.all_gather(z,
+sync_grads=True)``, Lightning's; or ``torch.distributed.nn.functional.all_gather``, open_clip's), the InfoNCE loss
+over the global batch. The gather's backward sends each rank's share of the gradient back to it: a collective
+inside the backward, before any unit's reduce-scatter."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from tests.helpers.momentum import images
+from tests.helpers.zoo import FunctionalAttention, hand_written
+
+
+class Contrastive(L.LightningModule):
+    def __init__(self, gather: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = hand_written(FunctionalAttention)
+        self.gather = gather  # "lightning" or "torch"
+        self.losses: list[float] = []
+
+    def gathered(self, z: torch.Tensor) -> torch.Tensor:
+        if self.gather == "lightning":
+            return self.all_gather(z, sync_grads=True).flatten(0, 1)
+        from torch.distributed.nn.functional import all_gather
+
+        return torch.cat(all_gather(z))
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        a = self.gathered(F.normalize(self.net(x), dim=-1))
+        b = self.gathered(F.normalize(self.net(x.flip(-1)), dim=-1))
+        loss = F.cross_entropy(a @ b.T / 0.1, torch.arange(len(a)))
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(images(), batch_size=4)
