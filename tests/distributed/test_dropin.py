@@ -16,6 +16,7 @@ COMPARED = (
     "sync_batchnorm", "gradient_norms", "backbone_finetuning",
     *(f"contrastive_{gather}_{precision}" for gather in ("lightning", "torch")
       for precision in ("32-true", "bf16-mixed")),
+    "clipped_by_hand_norm", "clipped_by_hand_value",
 )
 
 
@@ -147,3 +148,16 @@ def test_embeddings_gathered_with_their_gradients_train_as_under_ddp(runs, gathe
     for ours, ddp in _pairs(runs, f"contrastive_{gather}_bf16-mixed"):
         assert ours["losses"][0] == pytest.approx(ddp["losses"][0], rel=2e-3)
         assert ours["losses"] == pytest.approx(ddp["losses"], rel=2e-2)
+
+
+@pytest.mark.parametrize("clip", ["norm", "value"])
+def test_gradients_clipped_by_hand_with_torch_s_functions_train_as_under_ddp(runs, clip):
+    """``torch.nn.utils.clip_grad_norm_(self.parameters(), 0.5)`` in ``on_before_optimizer_step`` (the total norm over
+    every rank's shards, returned as DDP returns it) or ``clip_grad_value_``: DDP's weights within float rounding
+    (measured 1.5e-8: the norm summed over shards, then ranks)."""
+    for ours, ddp in _pairs(runs, f"clipped_by_hand_{clip}"):
+        assert len(ddp["losses"]) == 4 and ours["losses"] == pytest.approx(ddp["losses"], rel=1e-6)
+        assert ours["norms"] == pytest.approx(ddp["norms"], rel=1e-6)
+        assert len(ours["norms"]) == (4 if clip == "norm" else 0)
+        for name, expected in ddp["weights"].items():
+            assert ours["weights"][name] == pytest.approx(expected, abs=1e-6), name

@@ -2,7 +2,7 @@
 
 Calls from callbacks and after ``fit``, a ``torch.compile``d LightningModule, Lightning's weight-averaging
 callbacks and ``sync_batchnorm=True``, and in a step embeddings gathered across ranks with their gradients
-(``tests/helpers/gathered_embeddings.py``); results are keyed ``<scenario>/<strategy>`` and the test compares them.
+(``tests/helpers/collective_habits.py``); results are keyed ``<scenario>/<strategy>`` and the test compares them.
 One launch for both strategies: the process group is made once.
 """
 
@@ -314,12 +314,22 @@ def backbone_finetuning() -> dict:
 
 
 def _contrastive(gather: str, precision: str) -> dict:
-    from tests.helpers.gathered_embeddings import Contrastive
+    from tests.helpers.collective_habits import Contrastive
 
     model = Contrastive(gather)
     trainer(max_steps=4, precision=precision).fit(model)
     state = model.state_dict()
     return {"losses": model.losses,
+            "weights": {k: values(v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state.items()}}
+
+
+def _clipped_by_hand(clip: str) -> dict:
+    from tests.helpers.collective_habits import ClippedByHand
+
+    model = ClippedByHand(clip)
+    trainer(max_steps=4).fit(model)
+    state = model.state_dict()
+    return {"losses": model.losses, "norms": model.norms,
             "weights": {k: values(v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state.items()}}
 
 
@@ -356,6 +366,7 @@ COMPARED = {
     "backbone_finetuning": backbone_finetuning,
     **{f"contrastive_{gather}_{precision}": functools.partial(_contrastive, gather, precision)
        for gather in ("lightning", "torch") for precision in ("32-true", "bf16-mixed")},
+    **{f"clipped_by_hand_{clip}": functools.partial(_clipped_by_hand, clip) for clip in ("norm", "value")},
 }
 SCENARIOS = under_each_strategy(COMPARED, globals())
 SCENARIOS |= under_each_strategy({"one_rank_call": one_rank_call, "one_rank_deepcopy": one_rank_deepcopy}, globals(),

@@ -1,8 +1,13 @@
-"""A contrastive step as SimCLR, CLIP and MoCo v3 write it under DDP: two views of this rank's batch through the
+"""Habits of a step and its hooks that talk to every rank, as written under DDP.
+
+A contrastive step as SimCLR, CLIP and MoCo v3 write it under DDP: two views of this rank's batch through the
 model, the normalized embeddings gathered from every rank with their gradients (``self.all_gather(z,
 sync_grads=True)``, Lightning's; or ``torch.distributed.nn.functional.all_gather``, open_clip's), the InfoNCE loss
 over the global batch. The gather's backward sends each rank's share of the gradient back to it: a collective
-inside the backward, before any unit's reduce-scatter."""
+inside the backward, before any unit's reduce-scatter.
+
+Gradients clipped by hand in ``on_before_optimizer_step`` with torch's ``clip_grad_norm_`` (the total norm over every
+rank's shards) or ``clip_grad_value_``, instead of the Trainer's ``gradient_clip_val``."""
 
 from __future__ import annotations
 
@@ -42,3 +47,23 @@ class Contrastive(L.LightningModule):
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(images(), batch_size=4)
+
+
+class ClippedByHand(Contrastive):
+    def __init__(self, clip: str) -> None:
+        super().__init__("lightning")
+        self.clip = clip  # "norm" or "value"
+        self.norms: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self.clip == "value":
+            torch.nn.utils.clip_grad_value_(self.parameters(), 0.01)
+            return
+        total = torch.nn.utils.clip_grad_norm_(self.parameters(), 0.5)
+        self.norms.append(float(total.full_tensor() if hasattr(total, "full_tensor") else total))
