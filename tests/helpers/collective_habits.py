@@ -66,4 +66,4 @@ class ClippedByHand(Contrastive):
             torch.nn.utils.clip_grad_value_(self.parameters(), 0.01)
             return
         total = torch.nn.utils.clip_grad_norm_(self.parameters(), 0.5)
-        self.norms.append(float(total.full_tensor() if hasattr(total, "full_tensor") else total))
+        self.norms.append(float(total))  # as a user logs it (a replicated DTensor here: every rank's value is DDP's)
