@@ -21,6 +21,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_vitscale._compat import dtensor_local, tree_map
+from lightning_vitscale._utils import strip_wrapper_prefixes
+from lightning_vitscale.checkpoint import state_dict_writes
 from lightning_vitscale.checkpoint.errors import StateDictGatherError
 from lightning_vitscale.distributed import collective_guard
 from lightning_vitscale.row_layout import PACKED_ROWS, interleaved_rows, packed_rows, reorder_packed
@@ -41,6 +43,7 @@ _OUTER: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.W
 @contextmanager
 def sharded_state_dicts() -> Iterator[None]:
     """Inside the block, hooked modules' state dicts are FSDP2's ``DTensor`` shards (the strategy's DCP code)."""
+    state_dict_writes.write_back()  # a save or load reads or replaces what an earlier call's values were changed into
     _local.internal += 1
     try:
         yield
@@ -76,6 +79,7 @@ def _before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     # forgets what a call that raised midway left behind.
     if prefix == "" or _local.outermost is None:
         _local.outermost = None if keep_vars else module
+        state_dict_writes.write_back()  # what the last call's values were changed into, before reading again
 
 
 def _gather_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -83,16 +87,21 @@ def _gather_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: st
         return
     _local.outermost = None
     _agree_on_gather([(key, value) for key, value in state_dict.items() if key.startswith(prefix)])
-    for key, value in state_dict.items():
-        if key.startswith(prefix) and isinstance(value, DTensor):
+    sources = {key: value for key, value in state_dict.items() if key.startswith(prefix) and torch.is_tensor(value)}
+    for key, value in sources.items():
+        if isinstance(value, DTensor):
             try:
                 state_dict[key] = full_tensor_on_cpu(value)
             except RuntimeError as error:
                 raise _gather_error(key, error) from error
-        elif key.startswith(prefix) and torch.is_tensor(value):
+        else:
             state_dict[key] = value.cpu()  # buffers FSDP leaves whole (BatchNorm statistics): all on the CPU
     # Packed projections split by tensor parallelism: the model's own row order, as DDP's state dict holds it.
-    reorder_packed(state_dict, packed_rows(module), to_model=True, prefix=prefix)
+    packed = packed_rows(module)
+    reorder_packed(state_dict, packed, to_model=True, prefix=prefix)
+    for key, source in sources.items():  # a copy changed in place reaches the model (state_dict_writes.py)
+        if state_dict[key] is not source:
+            state_dict_writes.remember(state_dict[key], source, packed.get(strip_wrapper_prefixes(key[len(prefix):])))
 
 
 def _agree_on_gather(items: list[tuple[str, Any]]) -> None:

@@ -14,6 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_vitscale.checkpoint import state_dict_writes
 from lightning_vitscale.checkpoint.async_save import AsyncSaves
 from lightning_vitscale.checkpoint.consolidate import consolidate_command
 from lightning_vitscale.checkpoint.exception_save import ExceptionSave, trainer_of
@@ -103,6 +104,7 @@ class StrategyCheckpoints:
 
     def close(self) -> None:
         self.saves.close()  # also after an exception, which close() does not mask
+        state_dict_writes.stop()  # the run's state_dict() values changed in place, written (started at setup)
 
 
 T = TypeVar("T")

@@ -46,6 +46,10 @@ READ_AS_WHOLE_FIX = (
     " holds only its shard, a DTensor (TensorBoard's `add_histogram` and `.numpy()` cannot read one)."
     " Make whole values on every rank, then use them on any: `full = self.state_dict()` (DDP's full tensors; a"
     " collective, so not under `if self.global_rank == 0:`), or `p.full_tensor()` / `p.grad.full_tensor()` for one."
+    " A copy of the model made after setup (`AveragedModel(self.net)` or `copy.deepcopy` in `on_fit_start` or a"
+    " callback) is plain and cannot be updated from the shards: make it in `__init__` or `setup()`, so the strategy"
+    " shards it with the model and its update runs shard by shard, or use Lightning's `EMAWeightAveraging` callback"
+    " or `lightning_vitscale.ShardedEMA`."
 )
 
 

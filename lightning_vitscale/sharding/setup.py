@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_vitscale._compat import initialize_fsdp_root, set_lightning_device
-from lightning_vitscale.checkpoint import full_state_dict
+from lightning_vitscale.checkpoint import full_state_dict, state_dict_writes
 from lightning_vitscale.distributed import RankContext
 from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.init import Creation
@@ -101,6 +101,7 @@ def shard_lightning_module(
     )
     if fitting is not None:
         refuse_unshardable_callbacks(fitting.callbacks)
+    state_dict_writes.start()  # this run's state_dict() values changed in place reach the shards (until teardown)
     sharded: ShardedModel | None = module.__dict__.get(_SHARDED_ATTR)
     if sharded is None:
         batch = planning_batch(module, fitting)

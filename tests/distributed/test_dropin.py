@@ -16,7 +16,7 @@ COMPARED = (
     "sync_batchnorm", "gradient_norms", "backbone_finetuning",
     *(f"contrastive_{gather}_{precision}" for gather in ("lightning", "torch")
       for precision in ("32-true", "bf16-mixed")),
-    "clipped_by_hand_norm", "clipped_by_hand_value",
+    "clipped_by_hand_norm", "clipped_by_hand_value", "ema_timm",
 )
 
 
@@ -161,3 +161,12 @@ def test_gradients_clipped_by_hand_with_torch_s_functions_train_as_under_ddp(run
         assert len(ours["norms"]) == (4 if clip == "norm" else 0)
         for name, expected in ddp["weights"].items():
             assert ours["weights"][name] == pytest.approx(expected, abs=1e-6), name
+
+
+def test_timm_s_ema_updated_through_state_dict_moves_as_under_ddp(runs):
+    """timm's ``ModelEmaV3`` made in ``__init__`` (sharded with the model) updates ``ema.state_dict()``'s values in
+    place: written into the shards (``checkpoint/state_dict_writes.py``), DDP's EMA bit for bit. Before: it never
+    moved from its first weights."""
+    for ours, ddp in _pairs(runs, "ema_timm"):
+        assert len(ddp["losses"]) == 4 and ours["losses"] == ddp["losses"]
+        assert ours["ema"] == ddp["ema"]

@@ -62,3 +62,20 @@ def test_a_term_on_the_shards_taken_before_the_forward_trains_as_on_the_plain_tr
     plain = fit_penalty(case, "auto", accelerator="cuda")
     ours = fit_penalty(case, VitScaleStrategy(priority="memory"), accelerator="cuda", use_distributed_sampler=False)
     torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(plain.losses), rtol=1e-4, atol=1e-5)
+
+
+def test_timm_s_ema_made_in_init_moves_as_on_the_plain_trainer_on_cuda():
+    """timm's ``ModelEmaV3`` updates ``ema.state_dict()``'s values in place: gathered host copies here, written back
+    into the CUDA shards (``checkpoint/state_dict_writes.py``)."""
+    from tests.helpers.collective_habits import WithEma
+
+    models = {}
+    runs = (("plain", "auto", {}), ("ours", VitScaleStrategy(), {"use_distributed_sampler": False}))
+    for name, strategy, extra in runs:
+        models[name] = model = WithEma("timm")
+        L.Trainer(accelerator="cuda", devices=1, strategy=strategy, max_steps=4, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  **extra).fit(model)
+    plain, ours = models["plain"].ema.state_dict(), models["ours"].ema.state_dict()
+    for key, value in plain.items():
+        torch.testing.assert_close(ours[key].cpu(), value.cpu(), rtol=1e-4, atol=1e-5, msg=key)

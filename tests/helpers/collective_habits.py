@@ -7,7 +7,11 @@ over the global batch. The gather's backward sends each rank's share of the grad
 inside the backward, before any unit's reduce-scatter.
 
 Gradients clipped by hand in ``on_before_optimizer_step`` with torch's ``clip_grad_norm_`` (the total norm over every
-rank's shards) or ``clip_grad_value_``, instead of the Trainer's ``gradient_clip_val``."""
+rank's shards) or ``clip_grad_value_``, instead of the Trainer's ``gradient_clip_val``.
+
+An EMA of the network updated after each batch: timm's ``ModelEmaV3`` made in ``__init__`` (frozen, as DDP needs it),
+which updates through ``state_dict()`` values in place (a gather of every sharded tensor here); or torch's
+``AveragedModel`` made after setup (``on_fit_start``): a plain copy, which the shards cannot update."""
 
 from __future__ import annotations
 
@@ -67,3 +71,44 @@ class ClippedByHand(Contrastive):
             return
         total = torch.nn.utils.clip_grad_norm_(self.parameters(), 0.5)
         self.norms.append(float(total))  # as a user logs it (a replicated DTensor here: every rank's value is DDP's)
+
+
+class WithEma(L.LightningModule):
+    """``ema``: ``"timm"`` (``ModelEmaV3`` in ``__init__``), ``"averaged_after_setup"`` (``AveragedModel`` made in
+    ``on_fit_start``) or ``"none"``."""
+
+    def __init__(self, ema: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = hand_written(FunctionalAttention)
+        self.kind = ema
+        self.losses: list[float] = []
+        if ema == "timm":
+            from timm.utils import ModelEmaV3
+
+            self.ema = ModelEmaV3(self.net, decay=0.9)
+            self.ema.requires_grad_(False)
+
+    def on_fit_start(self) -> None:
+        if self.kind == "averaged_after_setup":
+            from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+            self.ema = AveragedModel(self.net, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self.kind == "timm":
+            self.ema.update(self.net)
+        elif self.kind == "averaged_after_setup":
+            self.ema.update_parameters(self.net)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(images(), batch_size=4)

@@ -333,6 +333,15 @@ def _clipped_by_hand(clip: str) -> dict:
             "weights": {k: values(v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state.items()}}
 
 
+def ema_timm() -> dict:
+    from tests.helpers.collective_habits import WithEma
+
+    model = WithEma("timm")
+    trainer(max_steps=4).fit(model)
+    state = model.ema.state_dict()  # DDP's plain values; ours gathered (every rank)
+    return {"losses": model.losses, "ema": {k: values(v) for k, v in state.items() if v.is_floating_point()}}
+
+
 def one_rank_call() -> dict:
     """Only rank 0 calls the model after fit: it must fail within the timeout, saying why (VitScaleStrategy only)."""
     L.seed_everything(0, verbose=False)
@@ -367,6 +376,7 @@ COMPARED = {
     **{f"contrastive_{gather}_{precision}": functools.partial(_contrastive, gather, precision)
        for gather in ("lightning", "torch") for precision in ("32-true", "bf16-mixed")},
     **{f"clipped_by_hand_{clip}": functools.partial(_clipped_by_hand, clip) for clip in ("norm", "value")},
+    "ema_timm": ema_timm,
 }
 SCENARIOS = under_each_strategy(COMPARED, globals())
 SCENARIOS |= under_each_strategy({"one_rank_call": one_rank_call, "one_rank_deepcopy": one_rank_deepcopy}, globals(),

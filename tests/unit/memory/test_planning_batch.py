@@ -183,8 +183,9 @@ class UnmeasurableStep(NoForward):
 
         loss = super().training_step(batch, batch_idx)["loss"]
         loss = loss * 0.5 if loss.item() > 100 else loss
-        features = torch.zeros(1, 2, 4, 4, dtype=loss.dtype)
-        return loss + 0 * roi_pool(features, torch.tensor([[0.0, 0.0, 0.0, 2.0, 2.0]], dtype=loss.dtype), 2).sum()
+        features = torch.zeros(1, 2, 4, 4, dtype=torch.bfloat16)  # a model's features under O2 (the loss is fp32)
+        boxes = torch.tensor([[0.0, 0.0, 0.0, 2.0, 2.0]], dtype=torch.bfloat16)
+        return loss + 0 * roi_pool(features, boxes, 2).sum()
 
 
 def test_a_step_that_fails_on_real_values_too_says_both_errors():

@@ -77,7 +77,8 @@ def test_torch_s_functions_without_a_bf16_kernel_compute_as_under_autocast():
 
 def test_a_loss_mixing_bf16_logits_with_an_fp32_class_weight_computes_as_under_autocast():
     """HF DETR's and YOLOS's loss builds its class weight (an fp32 buffer) in the step, beside bf16 logits: O2 alone
-    refuses it (``expected scalar type BFloat16 but found Float``). A loss on bf16 alone keeps O2's bf16."""
+    refuses it (``expected scalar type BFloat16 but found Float``). A loss on bf16 alone computes in fp32 too, as
+    autocast computes it (a model's own loss in its forward, where the step's autocast is off)."""
     logits = torch.randn(6, 3, dtype=torch.bfloat16)
     labels, weight = torch.tensor([0, 1, 2, 0, 1, 2]), torch.tensor([1.0, 1.0, 0.1])
     with pytest.raises(RuntimeError, match="expected scalar type"):
@@ -86,7 +87,9 @@ def test_a_loss_mixing_bf16_logits_with_an_fp32_class_weight_computes_as_under_a
         expected = torch.nn.CrossEntropyLoss(weight=weight)(logits, labels)
     with as_under_autocast(found_ops()):
         assert torch.equal(torch.nn.CrossEntropyLoss(weight=weight)(logits, labels), expected)
-        assert torch.nn.functional.cross_entropy(logits, labels).dtype == torch.bfloat16
+        alone = torch.nn.functional.cross_entropy(logits, labels)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert alone.dtype == torch.float32 and torch.equal(alone, torch.nn.functional.cross_entropy(logits, labels))
 
 
 def test_inside_the_body_nms_and_roi_align_take_bf16_as_under_autocast_and_the_packets_come_back():
