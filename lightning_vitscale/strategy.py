@@ -94,7 +94,6 @@ class VitScaleStrategy(ModelParallelStrategy):
         """What setup did to the model (``print(strategy.plan.summary())``); ``None`` before setup."""
         return self.sharded.summary if self.sharded is not None else None
 
-    # Public, and kept on the checkpoint side (checkpoint/strategy_side.py).
     checkpoint_settings = checkpoints.OnCheckpointSide[checkpoints.CheckpointSettings]("settings")
     state_dict_type = checkpoints.OnCheckpointSide[checkpoints.StateDictType]("state_dict_type")
 
@@ -118,6 +117,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     broadcast = shards.finishing_forward(ModelParallelStrategy.broadcast)
     backward = shards.naming_graph_inputs(shards.joining_on_loss(ModelParallelStrategy.backward))  # inputs= too
     barrier = checkpoints.unless_alone_in_exception(ModelParallelStrategy.barrier)  # after an exception's lone save
+    load_model_state_dict = checkpoints.model_state_after_hook  # on_load_checkpoint's checkpoint["state_dict"]
 
     @property  # type: ignore[override]
     @override

@@ -14,7 +14,7 @@ from lightning_vitscale.checkpoint.exception_save import unless_alone_in_excepti
 from lightning_vitscale.checkpoint.manifest import verify
 from lightning_vitscale.checkpoint.settings import CheckpointSettings, StateDictType
 from lightning_vitscale.checkpoint.storage import Location
-from lightning_vitscale.checkpoint.strategy_side import OnCheckpointSide, StrategyCheckpoints
+from lightning_vitscale.checkpoint.strategy_side import OnCheckpointSide, StrategyCheckpoints, model_state_after_hook
 
 __all__ = [
     "AsyncSaveError",
@@ -25,6 +25,7 @@ __all__ = [
     "StateDictGatherError",
     "StateDictType",
     "StrategyCheckpoints",
+    "model_state_after_hook",
     "consolidate_checkpoint",
     "consolidated",
     "load_consolidated",

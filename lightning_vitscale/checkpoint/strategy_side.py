@@ -6,6 +6,7 @@ ranks may have formatted it differently).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Generic, Literal, TypeVar, cast
 
@@ -18,7 +19,7 @@ from lightning_vitscale.checkpoint import state_dict_writes
 from lightning_vitscale.checkpoint.async_save import AsyncSaves
 from lightning_vitscale.checkpoint.consolidate import consolidate_command
 from lightning_vitscale.checkpoint.exception_save import ExceptionSave, trainer_of
-from lightning_vitscale.checkpoint.load import load_checkpoint
+from lightning_vitscale.checkpoint.load import HandedModelState, apply_model_state, load_checkpoint
 from lightning_vitscale.checkpoint.resume import verified_checkpoint
 from lightning_vitscale.checkpoint.save import (
     model_state_dict,
@@ -41,6 +42,7 @@ class StrategyCheckpoints:
         self.resume_fallbacks: list[Location] = []  # ``resume.py``'s older ones: the next load tries them in turn
         self._told_how_to_consolidate = False
         self.exception_save = ExceptionSave()  # an exception's save on this rank alone: skipped (exception_save.py)
+        self._handed: HandedModelState | None = None  # the last load's model state, applied after the hook
 
     def model_state(self, module: nn.Module | None) -> dict[str, Any]:
         assert module is not None
@@ -89,7 +91,14 @@ class StrategyCheckpoints:
         location = Location.of(ranks.broadcast(str(checkpoint_path)))
         fallbacks, self.resume_fallbacks = self.resume_fallbacks, []
         location = verified_checkpoint(location, fallbacks, ranks)
-        return load_checkpoint(location, module, optimizers, module.strict_loading, weights_only)
+        checkpoint, self._handed = load_checkpoint(location, module, optimizers, module.strict_loading, weights_only)
+        return checkpoint
+
+    def load_model_state(self, checkpoint: Mapping[str, Any], module: nn.Module | None, strict: bool) -> None:
+        """After ``on_load_checkpoint``: its ``checkpoint["state_dict"]`` into the model, as under DDP (``load.py``)."""
+        handed, self._handed = self._handed, None
+        if handed is not None and module is not None:
+            apply_model_state(checkpoint, handed, module, strict)
 
     def remove(self, filepath: Any, *, ranks: RankContext) -> None:
         self.saves.wait()  # a folder still being written must not be deleted under the writer
@@ -129,3 +138,8 @@ class OnCheckpointSide(Generic[T]):
         else:  # validated again, with the other settings: CheckpointSettings.__post_init__
             side.settings = dataclasses.replace(side.settings, state_dict_type=cast(StateDictType, value))
 
+
+def model_state_after_hook(strategy: Any, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+    """``Strategy.load_model_state_dict``, which Lightning calls after ``on_load_checkpoint``: the hook's
+    ``checkpoint["state_dict"]`` into the model, as under DDP (``StrategyCheckpoints.load_model_state``)."""
+    strategy.checkpoints.load_model_state(checkpoint, strategy.lightning_module, strict)

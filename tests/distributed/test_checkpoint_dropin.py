@@ -1,6 +1,7 @@
 """Checkpoint habits from DDP on 2 gloo ranks, DDP as the oracle: lr_find, full single files and sharded folders
 that ``load_from_checkpoint`` reads and DDP resumes from (a folder through ``consolidated`` and
-``VitScaleCheckpointIO``), sharded checkpoints on fsspec URLs, crafted pickles."""
+``VitScaleCheckpointIO``), sharded checkpoints on fsspec URLs, crafted pickles, ``on_save_checkpoint`` /
+``on_load_checkpoint`` editing what a resume loads."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.helpers.results import max_relative_difference
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 SCRIPT = "tests/distributed/scripts/checkpoint_dropin.py"
-SCENARIOS = "lr_find,save_formats,resumes,crafted,scale_batch_size,remove_while_reading"
+SCENARIOS = "lr_find,save_formats,resumes,crafted,scale_batch_size,remove_while_reading,checkpoint_hooks"
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +137,27 @@ def test_a_sharded_folder_is_removed_only_once_every_rank_is_done_with_it(run):
     for facts in ranks:
         for case in ("strategy", "function"):
             assert facts["remove_while_reading"][case] == {"load_error": None, "exists_on_return": False}, case
+
+
+def test_on_load_checkpoint_sees_and_edits_the_state_dict_as_under_ddp(run):
+    """``on_load_checkpoint`` reads ``checkpoint["state_dict"]`` and replaces an entry, then Lightning loads it:
+    DDP's weights and losses from a sharded folder and from a full file; state of the module's own round-trips.
+    Before: ``KeyError: 'state_dict'`` (the strategy had loaded the weights and dropped them from the dict).
+    Removing an entry (a fresh head for fine-tuning, ``strict_loading = False``): a full file as under DDP; a
+    sharded folder, read into the shards before the hook, refuses naming the fix."""
+    _, ranks = run
+    for facts in ranks:
+        hooks = facts["checkpoint_hooks"]
+        for edit in ("edit", "remove"):
+            ddp = hooks[f"{edit}/ddp-sharded"]
+            assert ddp["counter"] == 4 and ddp["queue"] == [4.0] * 3 and ddp["keys"] > 0
+            kinds = ("sharded", "full") if edit == "edit" else ("full",)
+            for kind in kinds:
+                ours = hooks[f"{edit}/vitscale-{kind}"]
+                assert (ours["counter"], ours["queue"], ours["keys"]) == (ddp["counter"], ddp["queue"], ddp["keys"])
+                assert max_relative_difference(ours["losses"], ddp["losses"]) < 1e-6, (edit, kind)
+                for name, values in ddp["head"].items():
+                    assert ours["head"][name] == pytest.approx(values, abs=1e-6), (edit, kind, name)
+        assert min(hooks["edit/ddp-sharded"]["head"]["bias"]) > 6.9  # the edit applied (7.0, then 2 SGD steps)
+        refused = hooks["remove/vitscale-sharded"]["error"]
+        assert "CheckpointError" in refused and "state_dict_type='full'" in refused and "consolidate" in refused

@@ -155,6 +155,34 @@ def resumes() -> dict:
     }
 
 
+def checkpoint_hooks() -> dict:
+    """Save after 2 steps, resume to 4 with ``on_load_checkpoint`` editing ``checkpoint["state_dict"]``
+    (``tests/helpers/checkpoint_hooks.py``): under DDP, a sharded folder and a full file."""
+    from torch.distributed.tensor import DTensor
+
+    from tests.helpers.checkpoint_hooks import CheckpointHooks
+
+    found: dict = {}
+    for name, kind in (("ddp", "sharded"), ("vitscale", "sharded"), ("vitscale", "full")):
+        trainer = make_trainer(strategy_for(name, kind), 2)
+        trainer.fit(CheckpointHooks("none"))
+        path = OUT / f"hooks-{name}-{kind}.ckpt"
+        trainer.save_checkpoint(path)
+        for edit in ("edit", "remove"):
+            model = CheckpointHooks(edit)
+            try:
+                make_trainer(strategy_for(name, kind), 4).fit(model, ckpt_path=path)
+            except Exception as error:  # noqa: BLE001 - the message is the result
+                found[f"{edit}/{name}-{kind}"] = {"error": f"{type(error).__name__}: {error}"}
+                continue
+            head = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.net.head.state_dict(
+                keep_vars=True).items()}
+            found[f"{edit}/{name}-{kind}"] = {
+                "losses": model.losses, "counter": model.counter, "queue": model.queue.tolist(),
+                "keys": model.state_dict_keys, "head": {k: v.detach().flatten().tolist() for k, v in head.items()}}
+    return found
+
+
 def reseal(folder: Path, name: str) -> None:
     """Record a crafted file's size and CRC-32 in the folder's manifest, as whoever crafts it can: the checksums
     catch damaged storage, not tampering, so the pickle must reach the safe reader and be refused there."""
@@ -219,4 +247,5 @@ def scale_batch_size() -> dict:
 if __name__ == "__main__":
     assert WORLD == 2
     run_scenarios({"lr_find": lr_find, "save_formats": save_formats, "resumes": resumes, "crafted": crafted,
-                   "scale_batch_size": scale_batch_size, "remove_while_reading": remove_while_reading})
+                   "scale_batch_size": scale_batch_size, "remove_while_reading": remove_while_reading,
+                   "checkpoint_hooks": checkpoint_hooks})
