@@ -5,32 +5,23 @@ removed with ``strict_loading = False`` (``"remove"``: fine-tuning with a fresh 
 
 from __future__ import annotations
 
-import lightning as L
 import torch
-import torch.nn.functional as F
 
-from tests.helpers.momentum import images
-from tests.helpers.zoo import FunctionalAttention, hand_written
+from tests.helpers.tiny_vit_module import TinyViTModule
 
 
-class CheckpointHooks(L.LightningModule):
+class CheckpointHooks(TinyViTModule):
     def __init__(self, edit: str) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.net = hand_written(FunctionalAttention)
         self.edit = edit  # "none", "edit" or "remove"
         self.strict_loading = edit != "remove"
-        self.losses: list[float] = []
         self.counter, self.queue = 0, torch.zeros(3)
         self.state_dict_keys: int | None = None
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
         self.counter += 1
         self.queue += 1
-        loss = F.cross_entropy(self.net(x), y)
-        self.losses.append(loss.item())
-        return loss
+        return super().training_step(batch, batch_idx)
 
     def on_save_checkpoint(self, checkpoint) -> None:
         checkpoint["custom"] = {"counter": self.counter, "queue": self.queue.clone()}
@@ -43,9 +34,3 @@ class CheckpointHooks(L.LightningModule):
             state["net.head.bias"] = torch.full_like(state["net.head.bias"], 7.0)
         elif self.edit == "remove":
             del state["net.head.weight"]
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(images(), batch_size=4)

@@ -15,21 +15,16 @@ which updates through ``state_dict()`` values in place (a gather of every sharde
 
 from __future__ import annotations
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 
-from tests.helpers.momentum import images
-from tests.helpers.zoo import FunctionalAttention, hand_written
+from tests.helpers.tiny_vit_module import TinyViTModule
 
 
-class Contrastive(L.LightningModule):
+class Contrastive(TinyViTModule):
     def __init__(self, gather: str) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.net = hand_written(FunctionalAttention)
         self.gather = gather  # "lightning" or "torch"
-        self.losses: list[float] = []
 
     def gathered(self, z: torch.Tensor) -> torch.Tensor:
         if self.gather == "lightning":
@@ -46,24 +41,12 @@ class Contrastive(L.LightningModule):
         self.losses.append(loss.item())
         return loss
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
 
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(images(), batch_size=4)
-
-
-class ClippedByHand(Contrastive):
+class ClippedByHand(TinyViTModule):
     def __init__(self, clip: str) -> None:
-        super().__init__("lightning")
+        super().__init__()
         self.clip = clip  # "norm" or "value"
         self.norms: list[float] = []
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self.net(x), y)
-        self.losses.append(loss.item())
-        return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
         if self.clip == "value":
@@ -73,16 +56,13 @@ class ClippedByHand(Contrastive):
         self.norms.append(float(total))  # as a user logs it (a replicated DTensor here: every rank's value is DDP's)
 
 
-class WithEma(L.LightningModule):
+class WithEma(TinyViTModule):
     """``ema``: ``"timm"`` (``ModelEmaV3`` in ``__init__``), ``"averaged_after_setup"`` (``AveragedModel`` made in
     ``on_fit_start``) or ``"none"``."""
 
     def __init__(self, ema: str) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.net = hand_written(FunctionalAttention)
         self.kind = ema
-        self.losses: list[float] = []
         if ema == "timm":
             from timm.utils import ModelEmaV3
 
@@ -95,12 +75,6 @@ class WithEma(L.LightningModule):
 
             self.ema = AveragedModel(self.net, multi_avg_fn=get_ema_multi_avg_fn(0.9))
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self.net(x), y)
-        self.losses.append(loss.item())
-        return loss
-
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if self.kind == "timm":
             self.ema.update(self.net)
@@ -108,7 +82,4 @@ class WithEma(L.LightningModule):
             self.ema.update_parameters(self.net)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.net.parameters(), lr=0.05)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(images(), batch_size=4)
+        return torch.optim.SGD(self.net.parameters(), lr=0.05)  # not the EMA's

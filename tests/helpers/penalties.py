@@ -27,22 +27,22 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from tests.helpers.momentum import images
-from tests.helpers.zoo import FunctionalAttention, LucidViT, hand_written
+from tests.helpers.tiny_vit_module import TinyViTModule
+from tests.helpers.zoo import LucidViT
 
 PENALTY_CASES = ["l2-before", "l2-after", "l2sp-after", "ortho-before", "data-before", "l2-before-accumulated",
                  "gnorm-after", "probe-after", "l2-before-bf16", "features-after-bf16", "probe-after-bf16",
                  "data-after-bf16"]
 
 
-class PenaltyModel(L.LightningModule):
+class PenaltyModel(TinyViTModule):
     def __init__(self, term: str, where: str) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.net = LucidViT() if term == "gnorm" else hand_written(FunctionalAttention)
+        if term == "gnorm":
+            torch.manual_seed(0)
+            self.net = LucidViT()
         self.start = {name: p.detach().clone() + 0.01 for name, p in self.net.named_parameters()}  # plain tensors
         self.term, self.where = term, where
-        self.losses: list[float] = []
         self.probed: list[float] = []
 
     def penalty(self, x: torch.Tensor, features: torch.Tensor | None, loss: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,12 +82,6 @@ class PenaltyModel(L.LightningModule):
             loss = loss + self.penalty(x, logits, loss)
         self.losses.append(loss.item())
         return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(images(), batch_size=4)
 
     def whole_weights(self) -> dict[str, list[float]]:
         """Each parameter's whole values (a collective on several ranks: every rank calls it)."""

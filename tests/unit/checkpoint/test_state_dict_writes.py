@@ -7,13 +7,12 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.checkpoint import state_dict_writes
 from tests.helpers.collective_habits import WithEma
-from tests.helpers.momentum import images
+from tests.helpers.tiny_vit_module import TinyViTModule
 from tests.helpers.zoo import FunctionalAttention, hand_written
 
 
@@ -53,29 +52,14 @@ def test_a_copy_changed_after_a_forward_is_not_written_and_one_after_the_run_nei
     assert torch.equal(whole(model.net.state_dict())["head.weight"], before["head.weight"])
 
 
-class FromOutside(L.LightningModule):
+class FromOutside(TinyViTModule):
     """A module whose step reads ``state_dict()`` and writes into it before its forward: the write reaches the
     weights the forward uses, as under DDP."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = hand_written(FunctionalAttention)
-        self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
         with torch.no_grad():
             self.net.state_dict()["head.bias"].fill_(float(batch_idx))
-        x, y = batch
-        loss = F.cross_entropy(self.net(x), y)
-        self.losses.append(loss.item())
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(images(), batch_size=4)
+        return super().training_step(batch, batch_idx)
 
 
 @pytest.mark.parametrize("priority", ["speed", "memory"])

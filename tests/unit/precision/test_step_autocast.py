@@ -13,17 +13,16 @@ import torch.nn.functional as F
 from lightning_vitscale import VitScaleStrategy
 from tests.helpers.momentum import images
 from tests.helpers.penalties import fit_penalty
-from tests.helpers.zoo import FunctionalAttention, PatchClassifier, hand_written
+from tests.helpers.tiny_vit_module import TinyViTModule
+from tests.helpers.zoo import PatchClassifier
 
 
-class Recorded(L.LightningModule):
+class Recorded(TinyViTModule):
     """Where autocast is on: in the step, in the model (``net``: a layer holding the position embedding), in a
     block, in the head; and the step's loss against the one computed from fp32 logits."""
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.net = hand_written(FunctionalAttention)
         self.seen: dict[str, list[bool]] = {"step": [], "validation": [], "net": [], "block": [], "head": []}
         self.losses: list[tuple[torch.dtype, float, float]] = []
         for name, module in (("net", self.net), ("block", self.net.layers[0]), ("head", self.net.head)):
@@ -40,11 +39,8 @@ class Recorded(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         self.seen["validation"].append(on())
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(images(8), batch_size=4)
+        return torch.utils.data.DataLoader(images(8), batch_size=4)  # an epoch of 2 steps: a validation after them
 
     def val_dataloader(self):
         return torch.utils.data.DataLoader(images(4), batch_size=4)
@@ -110,23 +106,16 @@ class LossInForward(PatchClassifier):
         return F.cross_entropy(super().forward(images), labels)
 
 
-class LossInModel(L.LightningModule):
+class LossInModel(TinyViTModule):
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.net = LossInForward(32, hand_written(FunctionalAttention).layers)
+        self.net = LossInForward(32, self.net.layers)
         self.dtypes: list[torch.dtype] = []
 
     def training_step(self, batch, batch_idx):
         loss = self.net(*batch)
         self.dtypes.append(loss.dtype)
         return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(images(8), batch_size=4)
 
 
 def test_a_loss_the_model_computes_in_its_forward_is_fp32_as_under_amp():
