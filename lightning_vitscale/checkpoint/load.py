@@ -46,7 +46,6 @@ class HandedModelState:
     DDP's, and applies after the hook (:func:`apply_model_state`): a file's whole tensors, not loaded yet; or a
     folder's values, read into the shards already (DCP loads in place), whose entries the hook may replace."""
 
-    state: dict[str, Any]
     from_file: bool
     handed: dict[str, int] = field(default_factory=dict)  # key -> id of the value handed out
 
@@ -63,7 +62,7 @@ def load_checkpoint(
         require_match(model_shapes(module), found, f"Checkpoint {location} does not match the model", strict=strict)
         if location.is_file():
             checkpoint = _load_file(load_full(location, weights_only), module, optimizers)
-            return checkpoint, HandedModelState(checkpoint["state_dict"], from_file=True)
+            return checkpoint, HandedModelState(from_file=True)
         metadata = read_metadata(location, weights_only)
         checkpoint = load_member(location, META, weights_only)
         packed = packed_rows(module)
@@ -89,7 +88,7 @@ def load_checkpoint(
                 set_optimizer_state(module, optimizer, request[f"optimizer_{i}"], StateDictOptions(cpu_offload=True))
         checkpoint.update(sharded_entries(location, weights_only, packed))  # their owners load them
     checkpoint["state_dict"] = loaded
-    return checkpoint, HandedModelState(loaded, from_file=False, handed={k: id(v) for k, v in loaded.items()})
+    return checkpoint, HandedModelState(from_file=False, handed={k: id(v) for k, v in loaded.items()})
 
 
 def apply_model_state(checkpoint: Mapping[str, Any], handed: HandedModelState, module: nn.Module, strict: bool) -> None:
