@@ -119,10 +119,11 @@ def parallelize(
         find_unused=bool(resolved.sharding.find_unused_parameters),
         keep_out=_not_stood_in(model, blocks, resolved, mesh),
     )
-    # 5. Explicit prefetch once every unit exists: each unit starts the next one's all-gather. Where parameters are
+    # 5. Explicit prefetch once every unit exists: each unit starts the next one's all-gather (next as the
+    #    measured step called them, not as registered: a stack run in reverse). Where parameters are
     #    shards in a step (not one rank's compute copies), a step's own arithmetic on them is taken whole outside the
     #    blocks' forwards only (sharding/whole_terms.py), and its gradients wait for the reductions in flight.
-    overlap = apply_prefetch(units.all, resolved.prefetch, mesh, device, model)
+    overlap = apply_prefetch(units, resolved.prefetch, mesh, device, model, calls.order if calls and measured else ())
     if not units.copies:
         pause_in_forwards([block for _, block in blocks])
         wait_for_reductions(units.all, device)

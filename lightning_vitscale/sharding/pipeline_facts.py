@@ -60,6 +60,8 @@ class UnitFacts:
     alone: int = 0
     """Blocks left in the outer unit under ``find_unused_parameters="units"``: no member of a stack
     (``stand_ins.not_in_a_stack``)."""
+    members: tuple[tuple[nn.Module, ...], ...] = ()
+    """Each block unit's modules (``block_units``' order): what a measured step's call order places."""
 
     @property
     def all(self) -> list[FSDPModule]:

@@ -3,13 +3,13 @@ returns a small record of what it did, from which the setup summary is built (``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from contextlib import ExitStack
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from lightning_vitscale._utils import parents
 from lightning_vitscale.discovery.blocks import Named
@@ -42,7 +42,7 @@ from lightning_vitscale.sharding.settings import unit_reshard
 from lightning_vitscale.sharding.skipped_blocks import zero_gradients_for_unused
 from lightning_vitscale.sharding.tensor_parallel import same_values_everywhere, split_block
 from lightning_vitscale.sharding.tensor_proof import prove_plans
-from lightning_vitscale.sharding.unit_groups import shared_apart, without_tied_parameters
+from lightning_vitscale.sharding.unit_groups import in_call_order, shared_apart, without_tied_parameters
 
 
 def apply_tp(
@@ -154,15 +154,20 @@ def apply_fsdp(
     if copies_owner is not None:
         compute = mp_policy.param_dtype or (sharded[0].dtype if sharded else torch.float32)
         copies_owner.compute_copies = ComputeCopies(copies_owner, sharded + norm_params, compute)
-    return UnitFacts(outer, block_units, blocks_per_unit, copies_owner is not None, tied, skipped, len(out))
+    return UnitFacts(outer, block_units, blocks_per_unit, copies_owner is not None, tied, skipped, len(out),
+                     tuple(map(tuple, groups)))
 
 
 def apply_prefetch(
-    units: list[FSDPModule], prefetch: int, mesh: DeviceMesh, device: torch.device, model: nn.Module
+    made: UnitFacts, prefetch: int, mesh: DeviceMesh, device: torch.device, model: nn.Module, order: Sequence[str] = ()
 ) -> str:
     """Each unit starts the next ``prefetch`` units' all-gathers once its own is done, where one call of their
-    container runs both; on CPU the collectives are made asynchronous too (gloo's worker threads), or nothing
-    would overlap there. Returns the summary's words."""
+    container runs both; "next" as a measured step called them (``order``: its blocks, in call order; empty: model
+    order). On CPU the collectives are made asynchronous too (gloo's worker threads), or nothing would overlap there.
+    Returns the summary's words."""
+    names = {id(module): name for name, module in model.named_modules()}
+    members = [[names.get(id(module), "") for module in unit] for unit in made.members]
+    units = [made.outer, *(made.block_units[index] for index in in_call_order(members, order))]
     parent_of = parents(model)
     same_call = lambda a, b: parent_of.get(id(a)) is parent_of.get(id(b))  # noqa: E731
     set_prefetch(units, prefetch, same_call)

@@ -86,3 +86,19 @@ def sharing_keys(
             previous = name
         keys.append(f"run {run}")
     return keys
+
+
+def in_call_order(members: Sequence[Sequence[str]], order: Sequence[str]) -> list[int]:
+    """The units (``members``: each unit's block names, in model order) in the order a measured step first called
+    them (``order``: the blocks it called, in order), as indices: prefetch follows the step, not the registration (a
+    stack run in reverse, or interleaved from one container, would gather ahead a unit that already ran and hold it
+    gathered until its next use: the whole model, for a reversed stack). A unit the step did not call keeps its place
+    after the unit before it in model order (a block LayerDrop skipped at the measurement still runs later)."""
+    first: dict[str, int] = {}
+    for index, name in enumerate(order):
+        first.setdefault(name, index)
+    keys: list[float] = []
+    for position, names in enumerate(members):
+        called = [first[name] for name in names if name in first]
+        keys.append(min(called) if called else (keys[-1] if keys else -1) + 1e-6 * (position + 1))
+    return sorted(range(len(members)), key=lambda index: keys[index])
