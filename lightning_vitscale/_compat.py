@@ -321,6 +321,11 @@ def tensor_version(tensor: torch.Tensor) -> int:
     return tensor._version
 
 
+def tensor_versions(tensors: list[torch.Tensor]) -> list[int]:
+    """:func:`tensor_version` of each, in one call: a unit's parameters compared at each of its forwards' ends."""
+    return [tensor._version for tensor in tensors]
+
+
 def plain_data(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor.data`` as torch makes it, for a subclass that overrides the ``data`` property's setter."""
     return torch._C.TensorBase.data.__get__(tensor)  # type: ignore[attr-defined]

@@ -7,11 +7,13 @@ shard FSDP2 gathers and the optimizer steps (pytorch#157391): a momentum encoder
 parameters, and the gathered copies a step computes on, get a ``.data`` setter that writes ``v`` into them in place.
 (2) The outer unit is gathered for the whole ``training_step`` (its forward runs the step), a block unit kept
 gathered for backward from its forward on, and one rank's compute copies for the step: a write there to one of
-their parameters lands on the gathered copy, freed at the end of the backward. So each copy's version is recorded
-when gathered and, at the step's end (or before a backward inside it), a copy written since is carried to its
-parameter: exactly where the copy has the parameter's dtype; a lower-precision copy (``bf16-mixed``'s O2) is refused,
-naming where the write keeps full precision (an fp32 parameter rounded to bf16 every step stalls an EMA). (Units
-gathered before the user's code ran, by a prefetch, are the third way: ``fsdp.set_prefetch`` issues none there.)
+their parameters lands on the gathered copy, freed at the end of the backward (a unit resharded after its forward:
+at the forward's end, where a write its own forward made, EDM2's forced weight normalization, would go). So each
+copy's version is recorded when gathered and, at the step's end (or before a backward inside it) and as each unit's
+forward ends, a copy written since is carried to its parameter: exactly where the copy has the parameter's dtype; a
+lower-precision copy (``bf16-mixed``'s O2) is refused, naming where the write keeps full precision (an fp32
+parameter rounded to bf16 every step stalls an EMA). (Units gathered before the user's code ran, by a prefetch, are
+the third way: ``fsdp.set_prefetch`` issues none there.)
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from lightning_vitscale._compat import (
     gathered_to_sharded,
     parameter_slots,
     plain_data,
-    tensor_version,
+    tensor_versions,
 )
 from lightning_vitscale.sharding.unit_members import outer_unit_parameters
 
@@ -147,7 +149,7 @@ class GatheredWrites:
         self._units = units
         self._sharded_of = sharded_of
         self._root = root
-        self._seen: dict[int, list[tuple[torch.Tensor, int]]] = {}  # unit index -> its gathered parameters
+        self._seen: dict[int, tuple[list[torch.Tensor], list[int]]] = {}  # unit -> its gathered parameters, versions
 
     def begin_step(self) -> None:
         """The step starts, the outer unit gathered: what it starts from."""
@@ -164,7 +166,8 @@ class GatheredWrites:
             param = parameter_slots(module)[name]
             if param is not None and not isinstance(param, DTensor):  # a DTensor takes writes itself
                 seen[id(param)] = make_assignable(param)
-        self._seen[unit] = [(param, tensor_version(param)) for param in seen.values()]
+        params = list(seen.values())
+        self._seen[unit] = (params, tensor_versions(params))
 
     def forget_if_resharded(self, unit: int) -> None:
         """After the unit's forward: resharded (nothing kept for backward), its next gather is recorded anew."""
@@ -177,18 +180,28 @@ class GatheredWrites:
     def carry(self) -> None:
         """Each gathered parameter written since it was recorded written to its sharded parameter (no
         communication: each rank writes its own part of the whole it holds)."""
-        for unit, seen in self._seen.items():
-            written = [param for param, version in seen if tensor_version(param) != version]
-            if not written:
-                continue
-            sharded_of = self._sharded_of(self._units[unit][0])
-            for gathered in written:
-                sharded = sharded_of.get(id(gathered))
-                if sharded is None:
-                    continue  # not gathered by this unit (a slot a hook replaced): nothing of ours to carry
-                _refuse_lower_precision(gathered, sharded, self._root)
-                assign_data(sharded, gathered.detach())
-            self._seen[unit] = [(param, tensor_version(param)) for param, _ in seen]
+        for unit in list(self._seen):
+            self.carry_unit(unit)
+
+    def carry_unit(self, unit: int, writer: nn.Module | None = None) -> None:
+        """:meth:`carry` for one unit: also as its forward ends, before FSDP2 reshards it, for a write its own forward
+        made (EDM2's forced weight normalization, ``self.weight.copy_(normalize(w))`` in ``forward``), which the
+        reshard would drop with the gathered copy. ``writer``: the module whose forward just ran, named if refused."""
+        seen = self._seen.get(unit)
+        if seen is None:
+            return
+        params, versions = seen
+        now = tensor_versions(params)
+        if now == versions:
+            return
+        sharded_of = self._sharded_of(self._units[unit][0])
+        for gathered in (param for param, was, is_ in zip(params, versions, now) if was != is_):
+            sharded = sharded_of.get(id(gathered))
+            if sharded is None:
+                continue  # not gathered by this unit (a slot a hook replaced): nothing of ours to carry
+            _refuse_lower_precision(gathered, sharded, self._root, writer)
+            assign_data(sharded, gathered.detach())
+        self._seen[unit] = (params, tensor_versions(params))
 
 
 def track_gathered_writes(
@@ -218,22 +231,30 @@ def track_gathered_writes(
         if in_step():
             writes.record(index)
 
+    def ran(index: int, module: nn.Module, args: Any, output: Any) -> None:
+        if in_step():
+            writes.carry_unit(index, module)
+
     def done(index: int, module: nn.Module, args: Any, output: Any) -> None:
         if in_step():
             writes.forget_if_resharded(index)
 
     hooks = [hook for module, index in hooked
              for hook in (module.register_forward_pre_hook(partial(gathered, index)),
+                          module.register_forward_hook(partial(ran, index), prepend=True),  # before FSDP2's reshard
                           module.register_forward_hook(partial(done, index)))]
     return writes, hooks
 
 
-def _refuse_lower_precision(written: torch.Tensor, param: torch.Tensor, root: nn.Module) -> None:
+def _refuse_lower_precision(
+    written: torch.Tensor, param: torch.Tensor, root: nn.Module, writer: nn.Module | None = None
+) -> None:
     if written.dtype == param.dtype:
         return
     name = next((n for n, p in root.named_parameters(remove_duplicate=False) if p is written), "a parameter")
+    by = next((f"the forward of `{n}`" for n, m in root.named_modules() if m is writer and n), "`training_step`")
     raise ParameterWriteError(
-        f"`training_step` wrote to `{name}` (in place or by `.data = `) while VitScaleStrategy held its"
+        f"{by} wrote to `{name}` (in place or by `.data = `) while VitScaleStrategy held its"
         f" {str(written.dtype).removeprefix('torch.')} compute copy: the step computes on copies of the"
         f" {str(param.dtype).removeprefix('torch.')} parameters, gathered for the whole step. Carried back, the write"
         " would round the parameter to the copy's precision every step (an EMA would stall); left there, it would be"

@@ -1,6 +1,6 @@
 """Lightning's own callbacks, Trainer flags and overridden hooks under ``VitScaleStrategy()``: each run as under
 ``strategy="ddp"``, losses, weights and what the callback recorded, bit for bit (fp32), on one rank (its compute
-copies) and on 2 ranks (FSDP2's path).
+copies) and on 2 ranks (FSDP2's path); clipping by norm on 2 ranks within float rounding (see the test).
 
 Mutations seen failing: the sharded clipping norm taken from each rank's own shards (``hooks_overridden`` on 2
 ranks); one rank's norm as a sum of squares (``hooks_overridden`` on one rank); the optimizers' state not loaded
@@ -43,4 +43,11 @@ def test_as_under_ddp(runs, scenario):
     for rank in runs:
         ours, ddp = rank[f"{scenario}/vitscale"], rank[f"{scenario}/ddp"]
         assert ours["losses"] and ours["weights"]
+        if scenario == "hooks_overridden" and len(runs) == 2:
+            # The clipping norm on 2 ranks is summed over each rank's shards, DDP's over whole gradients: the same
+            # norm but for float rounding, which depends on the CPU's kernels (bit for bit on earlier CI machines,
+            # 1.8e-9 apart in a parameter's sum on an AMD EPYC). Losses and sums within 1e-7.
+            assert ours["losses"] == pytest.approx(ddp["losses"], rel=1e-7)
+            assert ours["weights"] == pytest.approx(ddp["weights"], rel=1e-7)
+            continue
         assert ours == ddp

@@ -11,7 +11,9 @@ ranks, per scenario ``<case>/<strategy>`` this rank's results:
   names its own): through ``self.manual_backward`` in a manual step, or an overridden ``LightningModule.backward``;
   the losses and the whole parameters after 4 steps;
 - ``penalty-<term>-<where>[-<precision>]``: a term on the parameters added to the loss in ``training_step``
-  (``tests/helpers/penalties.py``) before or after the forward: the losses and the whole parameters after 4 steps.
+  (``tests/helpers/penalties.py``) before or after the forward: the losses and the whole parameters after 4 steps;
+- ``forced-norm``: blocks writing their own weight normalized in ``forward`` (EDM2's forced weight normalization,
+  ``tests/unit/sharding/test_parameter_writes.py``'s module): the losses and the whole parameters after 3 steps.
 """
 
 from __future__ import annotations
@@ -132,6 +134,16 @@ def penalty(case: str, strategy: str) -> dict:
     return {"losses": model.losses, "weights": model.whole_weights(), "probed": model.probed}
 
 
+def forced_norm(strategy: str) -> dict:
+    from tests.unit.sharding.test_parameter_writes import ForcedNormModel
+
+    model = ForcedNormModel()
+    L.Trainer(accelerator="cpu", devices=2, strategy=STRATEGIES[strategy](), max_steps=3, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(model)
+    whole = {name: v.full_tensor() if isinstance(v, DTensor) else v for name, v in model.state_dict().items()}
+    return {"losses": model.losses, "weights": {name: v.flatten().tolist() for name, v in whole.items()}}
+
+
 if __name__ == "__main__":
     scenarios = {f"{update}-{where}/{strategy}": (lambda u=update, w=where, s=strategy: momentum(u, w, s))
                  for update, where in MOMENTUM_CASES for strategy in STRATEGIES}
@@ -141,4 +153,5 @@ if __name__ == "__main__":
                       for mode in ("manual", "automatic") for strategy in STRATEGIES})
     scenarios.update({f"penalty-{case}/{strategy}": (lambda c=case, s=strategy: penalty(c, s))
                       for case in PENALTY_CASES for strategy in STRATEGIES})
+    scenarios.update({f"forced-norm/{strategy}": (lambda s=strategy: forced_norm(s)) for strategy in STRATEGIES})
     run_scenarios(scenarios)
