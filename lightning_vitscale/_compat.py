@@ -321,6 +321,11 @@ def tensor_version(tensor: torch.Tensor) -> int:
     return tensor._version
 
 
+def tensor_backward_hooks(tensor: torch.Tensor) -> list[Callable[[torch.Tensor], Any]]:
+    """The hooks ``tensor.register_hook`` registered on it, in order (autograd's ``_backward_hooks``)."""
+    return list((tensor._backward_hooks or {}).values())
+
+
 def tensor_versions(tensors: list[torch.Tensor]) -> list[int]:
     """:func:`tensor_version` of each, in one call: a unit's parameters compared at each of its forwards' ends."""
     return [tensor._version for tensor in tensors]

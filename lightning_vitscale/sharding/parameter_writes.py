@@ -102,6 +102,17 @@ class AssignableDTensor(DTensor):
         with _as(self, DTensor):
             return copy.deepcopy(self, memo)
 
+    def register_hook(self, hook: Callable[[torch.Tensor], Any]) -> Any:
+        """Refused: a step computes this parameter's gradient for another tensor (the gathered parameter, a compute
+        copy), so a hook here would run for almost none of it; hooks registered before ``fit`` are carried there
+        (``user_grad_hooks.py``)."""
+        raise ParameterWriteError(
+            "`register_hook` on a parameter VitScaleStrategy has sharded (after setup: `on_fit_start`, a callback):"
+            " its gradients are computed for the gathered parameter each step, so the hook would not see them. Register"
+            " it before fit, in `__init__` or `configure_model`: hooks there run on each rank's whole gradient before"
+            " it is averaged, as under DDP."
+        )
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         with _as(self, DTensor):
             return self.__reduce_ex__(protocol)

@@ -38,6 +38,7 @@ from lightning_vitscale.sharding.stand_ins import StandIns
 from lightning_vitscale.sharding.summary import SetupSummary
 from lightning_vitscale.sharding.traffic import layout_report
 from lightning_vitscale.sharding.unit_members import outer_unit_parameters
+from lightning_vitscale.sharding.user_grad_hooks import UserGradientHooks
 
 _SHARDED_ATTR = "_vitscale_sharded_model"
 
@@ -121,6 +122,7 @@ def _shard(
     creation: Creation | None, signature: dict[str, Any], batch: PlanningBatch | None, trainer: Any | None = None,
 ) -> ShardedModel:
     refuse_unshardable_parameters(module)
+    user_hooks = UserGradientHooks.taken_from(module)  # before anything replaces a parameter
     mark_parent_checkpointing(module)  # before the planner: its blocks are the model's to checkpoint
     # 1. Master weights in the master dtype (norms keep theirs). No `module.to(device)`: FSDP moves each unit's
     #    shards to the device as it shards the unit, so no rank ever holds the whole model on the device.
@@ -159,6 +161,9 @@ def _shard(
     # 4. Drop-in behaviour: calls outside a step gather the outer unit; state_dict() gives DDP's full tensors.
     outer.enable_calls_outside_steps()
     make_parameters_assignable(module)  # `p.data = v` writes into the shard, as it does into DDP's parameter
+    if user_hooks is not None:  # `p.register_hook(fn)` from __init__: on what each gradient is computed for
+        copies = outer.compute_copies
+        user_hooks.install(outer, list(zip(copies.params, copies.copies)) if copies is not None else [])
     full_state_dict.install(module, outer)
     plain_copy.install(forwards, outer)  # copy.deepcopy(model): DDP's plain module, whole parameters
     # 5. FSDP's root fixed now, not at the first forward: a hook may call the model or any child before the first

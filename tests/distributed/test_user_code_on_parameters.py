@@ -10,6 +10,9 @@ gathered for backward was lost at its reshard.
 
 Parameters frozen inside the step by ``toggle_optimizer`` get no gradient, as under DDP.
 
+Gradient hooks registered in ``__init__`` (a token frozen, a weight's rows masked, a norm's weight frozen): DDP's
+losses and weights; before, every one ignored (``user_grad_hooks.py``).
+
 A block writing its own weight in its forward (EDM2's forced weight normalization): DDP's losses and weights; before,
 under ``priority="memory"`` the write landed on the unit's gathered copy and was dropped with it at the reshard after
 forward.
@@ -43,7 +46,7 @@ STRATEGIES = ("ddp", "default", "memory")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
-    cases = [*MOMENTUM_CASES, "logged", "toggled", "inputs-manual", "inputs-automatic", "forced-norm",
+    cases = [*MOMENTUM_CASES, "logged", "toggled", "inputs-manual", "inputs-automatic", "forced-norm", "grad-hooks",
              *(f"penalty-{case}" for case in PENALTY_CASES)]
     scenarios = ",".join(f"{case}/{strategy}" for case in cases for strategy in STRATEGIES)
     return launch_ranks(tmp_path_factory, "user_code_on_parameters", SCRIPT, scenarios, timeout=240)[1]
@@ -124,3 +127,12 @@ def test_a_block_writing_its_weight_in_forward_trains_as_under_ddp(runs, strateg
         assert ours["losses"] == pytest.approx(ddp["losses"], rel=1e-6 if strategy == "memory" else 0)
         for name, values in ddp["weights"].items():
             assert ours["weights"][name] == pytest.approx(values, rel=0, abs=1e-7 if strategy == "memory" else 0), name
+
+
+@pytest.mark.parametrize("strategy", ["default", "memory"])
+def test_gradient_hooks_registered_in_init_act_as_under_ddp(runs, strategy):
+    for rank in runs:
+        ddp, ours = rank["grad-hooks/ddp"], rank[f"grad-hooks/{strategy}"]
+        assert len(ddp["losses"]) == 3 and ours["losses"] == ddp["losses"]
+        assert ours["weights"]["token"] == ddp["weights"]["token"] == ddp["start"]["token"]  # frozen by its hook
+        assert ours["weights"] == ddp["weights"]

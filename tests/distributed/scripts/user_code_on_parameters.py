@@ -13,7 +13,9 @@ ranks, per scenario ``<case>/<strategy>`` this rank's results:
 - ``penalty-<term>-<where>[-<precision>]``: a term on the parameters added to the loss in ``training_step``
   (``tests/helpers/penalties.py``) before or after the forward: the losses and the whole parameters after 4 steps;
 - ``forced-norm``: blocks writing their own weight normalized in ``forward`` (EDM2's forced weight normalization,
-  ``tests/unit/sharding/test_parameter_writes.py``'s module): the losses and the whole parameters after 3 steps.
+  ``tests/unit/sharding/test_parameter_writes.py``'s module): the losses and the whole parameters after 3 steps;
+- ``grad-hooks``: gradient hooks registered in ``__init__`` (a token frozen, rows masked, a norm's weight frozen:
+  ``tests/unit/sharding/test_user_grad_hooks.py``'s module): the losses and the whole parameters after 3 steps.
 """
 
 from __future__ import annotations
@@ -144,6 +146,15 @@ def forced_norm(strategy: str) -> dict:
     return {"losses": model.losses, "weights": {name: v.flatten().tolist() for name, v in whole.items()}}
 
 
+def grad_hooks(strategy: str) -> dict:
+    from tests.unit.sharding.test_user_grad_hooks import fit_hooked, whole_state
+
+    model, start = fit_hooked(STRATEGIES[strategy](), devices=2)
+    whole = whole_state(model)
+    return {"losses": model.losses, "weights": {name: v.flatten().tolist() for name, v in whole.items()},
+            "start": {name: v.flatten().tolist() for name, v in start.items()}}
+
+
 if __name__ == "__main__":
     scenarios = {f"{update}-{where}/{strategy}": (lambda u=update, w=where, s=strategy: momentum(u, w, s))
                  for update, where in MOMENTUM_CASES for strategy in STRATEGIES}
@@ -154,4 +165,5 @@ if __name__ == "__main__":
     scenarios.update({f"penalty-{case}/{strategy}": (lambda c=case, s=strategy: penalty(c, s))
                       for case in PENALTY_CASES for strategy in STRATEGIES})
     scenarios.update({f"forced-norm/{strategy}": (lambda s=strategy: forced_norm(s)) for strategy in STRATEGIES})
+    scenarios.update({f"grad-hooks/{strategy}": (lambda s=strategy: grad_hooks(s)) for strategy in STRATEGIES})
     run_scenarios(scenarios)
