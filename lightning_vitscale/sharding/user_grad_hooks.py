@@ -59,28 +59,31 @@ class UserGradientHooks:
         return handles
 
     def attach_gathered(self) -> None:
-        """Each slot holding a gathered parameter now (the outer unit's, as a step starts) gets its hooks."""
+        """Each slot holding a gathered parameter now (the outer unit's, as a step starts), or a replicated one (a
+        norm's, a 0-dim parameter's leaf), gets its hooks."""
         for module, name, hooks in self.owners:
-            tensor = parameter_slots(module)[name]
-            if tensor is not None and not isinstance(tensor, DTensor):
-                self._register(tensor, hooks)
+            self._register(_computed_for(module, name), hooks)
 
     def _attach_module(self, module: nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled():
             return
         for owner, name, hooks in self.owners:
-            if owner is not module:
-                continue
-            tensor = parameter_slots(module)[name]
-            held = held_parameters(module)
-            if isinstance(tensor, DTensor) and held is not None and name in held:  # a norm computes on a leaf
-                tensor = compute_leaf(module, name, cast(DTensor, held[name]))
-            if tensor is not None and not isinstance(tensor, DTensor):
-                self._register(tensor, hooks)
+            if owner is module:
+                self._register(_computed_for(module, name), hooks)
 
-    def _register(self, tensor: torch.Tensor, hooks: list[Hook]) -> None:
-        if id(tensor) in self._hooked or not tensor.requires_grad:
+    def _register(self, tensor: torch.Tensor | None, hooks: list[Hook]) -> None:
+        if tensor is None or isinstance(tensor, DTensor) or id(tensor) in self._hooked or not tensor.requires_grad:
             return
         for hook in hooks:
             tensor.register_hook(hook)
         self._hooked[id(tensor)] = tensor
+
+
+def _computed_for(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The tensor a step computes ``module.<name>``'s gradient for now: the slot's (a gathered parameter, a compute
+    copy), or for a replicated one (a norm's, a 0-dim parameter's) its leaf; a DTensor where none is."""
+    tensor = parameter_slots(module)[name]
+    held = held_parameters(module)
+    if isinstance(tensor, DTensor) and held is not None and name in held:
+        return compute_leaf(module, name, cast(DTensor, held[name]))
+    return tensor

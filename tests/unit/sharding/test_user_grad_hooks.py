@@ -1,6 +1,7 @@
 """Gradient hooks a model registers on its parameters in ``__init__`` act as under DDP (``user_grad_hooks.py``): a
 token frozen by a zeroing hook, half of a block weight's rows masked, a norm's weight frozen the same way. One
-device here (the compute copies, and FSDP2's gathered parameters under ``priority="memory"``); 2 ranks in
+device here (the compute copies, and FSDP2's gathered parameters under ``priority="memory"``; a 0-dim parameter's
+leaf); 2 ranks in
 ``tests/distributed/test_user_code_on_parameters.py``."""
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Hooked(L.LightningModule):
         torch.manual_seed(0)
         self.embed, self.head = nn.Linear(8, DIM), nn.Linear(DIM, 4)
         self.token = nn.Parameter(torch.randn(DIM))
+        self.scale = nn.Parameter(torch.tensor(1.5))  # 0-dim: held replicated (``scalar_parameters.py``)
         self.blocks = nn.Sequential(*(Block() for _ in range(3)))
         self.hooks_at = hooks_at
         self.losses: list[float] = []
@@ -49,6 +51,7 @@ class Hooked(L.LightningModule):
 
     def register_hooks(self) -> None:
         self.token.register_hook(torch.zeros_like)  # frozen by its hook
+        self.scale.register_hook(torch.zeros_like)
         self.blocks[1].fc1.weight.register_hook(_mask_rows)  # half of its rows frozen
         self.blocks[2].norm.weight.register_hook(torch.zeros_like)  # a norm's (fp32, replicated) weight frozen
 
@@ -58,7 +61,7 @@ class Hooked(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = F.cross_entropy(self.head(self.blocks(self.embed(x) + self.token).mean(1)), y)
+        loss = F.cross_entropy(self.head(self.blocks(self.embed(x) + self.token).mean(1)) * self.scale, y)
         self.losses.append(loss.item())
         return loss
 
@@ -101,7 +104,7 @@ def test_hooks_registered_in_init_act_as_under_ddp(options):
 
 
 def _assert_frozen_by_hooks(state: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> None:
-    assert torch.equal(state["token"], start["token"])
+    assert torch.equal(state["token"], start["token"]) and torch.equal(state["scale"], start["scale"])
     assert torch.equal(state["blocks.1.fc1.weight"][:DIM], start["blocks.1.fc1.weight"][:DIM])
     assert torch.equal(state["blocks.2.norm.weight"], start["blocks.2.norm.weight"])
     assert not torch.equal(state["blocks.1.fc1.weight"][DIM:], start["blocks.1.fc1.weight"][DIM:])
