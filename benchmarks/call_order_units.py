@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vitscale import VitScaleStrategy
 from tests.helpers.peak import live_tensor_bytes
+from tests.helpers.tiny_vit_module import TinyViTModule
 
 ORDERS = {"registered": lambda n: list(range(n)), "reversed": lambda n: list(range(n))[::-1],
           "interleaved": lambda n: [i for pair in zip(range(n // 2), range(n // 2, n)) for i in pair]}
@@ -53,12 +54,13 @@ class Net(nn.Module):
         return self.head(x.mean(1))
 
 
-class Measured(L.LightningModule):
+class Measured(TinyViTModule):
+    """The habit tests' module (its step, loss and SGD at lr 0.05) on :class:`Net`."""
+
     def __init__(self, dim: int, order: list[int]) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = Net(dim, order)
-        self.losses: list[float] = []
         self.held: list[int] = []
         self.growth: list[int] = []
         self.start = 0
@@ -81,15 +83,6 @@ class Measured(L.LightningModule):
         gc.collect()
         self.start = live_tensor_bytes()
         self.growth.append(0)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self.net(x), y)
-        self.losses.append(loss.item())
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
 def main() -> None:
