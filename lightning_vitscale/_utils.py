@@ -123,7 +123,7 @@ def register_gradient_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], t
     if frozen:
         param.requires_grad_(True)
     try:
-        param.register_hook(hook)
+        torch.Tensor.register_hook(param, hook)  # torch's own: a user's is refused on sharded ones after setup
     finally:
         if frozen:
             param.requires_grad_(False)

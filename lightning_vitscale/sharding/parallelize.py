@@ -89,8 +89,9 @@ def parallelize(
     #    Outer-unit layers take inputs in the compute dtype even when made in fp32 (blocks in the outer unit too).
     one_unit = _sharding_buys_nothing(mesh, tensor_mesh, resolved, blocks, kept_gathered, keep_every_unit)
     measured = calls is not None and bool(calls.called) and not calls.error
+    order = calls.order if calls is not None and measured else ()  # the blocks it called, in call order
     # One rank keeping all: no unit runs apart.
-    sharing = None if one_unit else sharing_keys(found, measured, calls.order if calls is not None else ())
+    sharing = None if one_unit else sharing_keys(found, measured, order)
     if precision.compute != torch.float32:
         outer_layers = outer_layers_of(model, blocks, norms.modules)
         cast_floating_inputs(outer_layers + [(n, b) for n, b in blocks if one_unit], precision.compute)
@@ -123,7 +124,7 @@ def parallelize(
     #    measured step called them, not as registered: a stack run in reverse). Where parameters are
     #    shards in a step (not one rank's compute copies), a step's own arithmetic on them is taken whole outside the
     #    blocks' forwards only (sharding/whole_terms.py), and its gradients wait for the reductions in flight.
-    overlap = apply_prefetch(units, resolved.prefetch, mesh, device, model, calls.order if calls and measured else ())
+    overlap = apply_prefetch(units, resolved.prefetch, mesh, device, model, order)
     if not units.copies:
         pause_in_forwards([block for _, block in blocks])
         wait_for_reductions(units.all, device)

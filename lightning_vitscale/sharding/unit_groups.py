@@ -97,8 +97,8 @@ def in_call_order(members: Sequence[Sequence[str]], order: Sequence[str]) -> lis
     first: dict[str, int] = {}
     for index, name in enumerate(order):
         first.setdefault(name, index)
-    keys: list[float] = []
+    keys: list[tuple[int, int]] = []  # (the call it follows, 0 for a called unit or its model position after it)
     for position, names in enumerate(members):
         called = [first[name] for name in names if name in first]
-        keys.append(min(called) if called else (keys[-1] if keys else -1) + 1e-6 * (position + 1))
+        keys.append((min(called), 0) if called else (keys[-1][0] if keys else -1, position + 1))
     return sorted(range(len(members)), key=lambda index: keys[index])

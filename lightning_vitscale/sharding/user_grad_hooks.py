@@ -19,7 +19,6 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.hooks import RemovableHandle
 
 from lightning_vitscale._compat import parameter_slots, tensor_backward_hooks
 from lightning_vitscale.precision.norms import compute_leaf, held_parameters
@@ -33,6 +32,9 @@ class UserGradientHooks:
 
     def __init__(self, owners: list[tuple[nn.Module, str, list[Hook]]]) -> None:
         self.owners = owners
+        self._of_module: dict[int, list[tuple[str, list[Hook]]]] = {}  # a module's hooked slots, for its pre-hook
+        for module, name, hooks in owners:
+            self._of_module.setdefault(id(module), []).append((name, hooks))
         self._hooked: dict[int, torch.Tensor] = {}
 
     @classmethod
@@ -43,20 +45,19 @@ class UserGradientHooks:
                   if (hooks := tensor_backward_hooks(param))]
         return cls(owners) if owners else None
 
-    def install(self, outer: nn.Module, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> list[RemovableHandle]:
+    def install(self, outer: nn.Module, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Register the hooks where gradients will be computed. ``copies``: (sharded parameter, its compute copy)
         pairs of one rank's compute copies, which live as long as the model; ``outer``: the module Lightning calls
-        for a step, gathered by its forward's start. Returns the forward pre-hooks placed, which live with the model
-        (as the outer unit's own do)."""
+        for a step, gathered by its forward's start. The forward pre-hooks placed live with the model, as the outer
+        unit's own do."""
         copy_of = {id(param): copy for param, copy in copies}
         for module, name, hooks in self.owners:
             copy = copy_of.get(id(parameter_slots(module)[name]))
             if copy is not None:
                 self._register(copy, hooks)
-        handles = [outer.register_forward_pre_hook(lambda *_: self.attach_gathered())]
-        owners = {id(module): module for module, _, _ in self.owners}
-        handles += [module.register_forward_pre_hook(self._attach_module) for module in owners.values()]
-        return handles
+        outer.register_forward_pre_hook(lambda *_: self.attach_gathered())
+        for module in {id(module): module for module, _, _ in self.owners}.values():
+            module.register_forward_pre_hook(self._attach_module)
 
     def attach_gathered(self) -> None:
         """Each slot holding a gathered parameter now (the outer unit's, as a step starts), or a replicated one (a
@@ -67,9 +68,8 @@ class UserGradientHooks:
     def _attach_module(self, module: nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled():
             return
-        for owner, name, hooks in self.owners:
-            if owner is module:
-                self._register(_computed_for(module, name), hooks)
+        for name, hooks in self._of_module[id(module)]:
+            self._register(_computed_for(module, name), hooks)
 
     def _register(self, tensor: torch.Tensor | None, hooks: list[Hook]) -> None:
         if tensor is None or isinstance(tensor, DTensor) or id(tensor) in self._hooked or not tensor.requires_grad:
