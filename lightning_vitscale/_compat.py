@@ -79,6 +79,7 @@ from torch.distributed.fsdp._common_utils import FSDP_PREFIX
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterComm  # FSDP2 custom comms
 from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState  # units of several modules (torch 2.11)
 from torch.distributed.tensor import DTensor  # public: for the code below only (import it from torch)
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # a DTensor made in an op handler
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # a DTensor shard's box (init/)
 from torch.fx.experimental.symbolic_shapes import ShapeEnv  # planner: a step's .item() on fake tensors
 from torch.multiprocessing.reductions import StorageWeakRef  # planner: a storage's life, whoever holds it
@@ -161,6 +162,11 @@ PRIVATE_NAMES = {
     "torch.distributed.tensor.DTensor._op_dispatcher": "whether the user asked DTensor to take plain tensors as"
     " replicated (`implicit_replication()`): then left to DTensor (sharding/whole_terms.py)",
     "torch.distributed.tensor._dispatch.OpDispatcher._allow_implicit_replication": "the same",
+    "torch.distributed.tensor._dispatch.OpDispatcher._custom_op_handlers": "DTensor's handlers of single ops (torch's"
+    " loss_parallel adds its own): a scalar read of a sharded tensor gathers it (distributed/scalar_reads.py), a max"
+    " over empty shards (distributed/empty_shards.py)",
+    "torch.distributed.tensor._dtensor_spec.DTensorSpec": "a DTensor made by such a handler from its local value",
+    "torch.distributed.tensor._dtensor_spec.TensorMeta": "the same",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.comm_ctx": "the streams that write a unit's"
     " gradient shards, waited for before a term's gradient is added to one (sharding/direct_gradients.py)",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPCommContext.reduce_scatter_stream": "the same",
@@ -375,6 +381,18 @@ DISABLED_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
 def dtensor_takes_plain_as_replicated() -> bool:
     """Inside torch's ``implicit_replication()``: DTensor takes every plain tensor as replicated."""
     return bool(DTensor._op_dispatcher._allow_implicit_replication)
+
+
+def dtensor_op_handlers() -> dict[Any, Callable[..., Any]]:
+    """DTensor's table of ops it hands to a Python function instead of sharding propagation (one per process)."""
+    return DTensor._op_dispatcher._custom_op_handlers  # type: ignore[no-any-return]
+
+
+def wrap_dtensor(local: torch.Tensor, mesh: Any, placements: tuple[Any, ...]) -> DTensor:
+    """A DTensor of ``local`` (whose global shape is its own: a reduction's result), as DTensor's op handlers make
+    theirs: below autograd, with no check or communication."""
+    meta = TensorMeta(shape=local.shape, stride=local.stride(), dtype=local.dtype)
+    return DTensor(local, DTensorSpec(mesh, placements, tensor_meta=meta), requires_grad=local.requires_grad)
 
 
 def has_post_accumulate_grad_hooks(param: torch.Tensor) -> bool:

@@ -1,6 +1,6 @@
 """Starting this rank's processes: Lightning's process group, its teardown at exit, the watch over the other local
-ranks, its forked children's end with it, and the side group for gathers outside a step, in that order (each needs
-the one before)."""
+ranks, its forked children's end with it, and the side group for gathers outside a step and for scalar reads of
+sharded tensors, in that order (each needs the one before)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 
 from lightning_vitscale._compat import ModelParallelStrategy, set_device_mesh, setup_distributed
 from lightning_vitscale.distributed.collective_guard import open_side_group
+from lightning_vitscale.distributed.empty_shards import take_extremes_over_empty_shards
 from lightning_vitscale.distributed.forked_children import end_forked_children_with_this_process
 from lightning_vitscale.distributed.mesh import build_mesh
+from lightning_vitscale.distributed.scalar_reads import read_whole_scalars
 from lightning_vitscale.distributed.teardown import destroy_process_group_at_exit, watch_local_ranks
 
 
@@ -38,6 +40,8 @@ def start_process_group(
     end_forked_children_with_this_process()  # a killed rank's loader workers must not keep its peers waiting
     # Gathers outside a step (model calls, state_dict()) first agree on it, so one rank alone never gathers.
     open_side_group(timeout)
+    read_whole_scalars()  # `.item()` of a sharded tensor: DDP's number (agreed on the side group), not this rank's part
+    take_extremes_over_empty_shards()  # `p.max()` of a `[1, 1, D]` class token: an empty shard must not raise alone
     shard = shard_group(strategy.world_size, strategy.num_processes)
     mesh = build_mesh(strategy.root_device.type, strategy.world_size, shard, tensor_parallel)
     set_device_mesh(strategy, module, mesh)

@@ -32,8 +32,7 @@ def _local_parts(grads: list[torch.Tensor], norm_type: float) -> tuple[torch.Ten
     sharded ones' indices by layout: (mesh, the mesh dimensions sharded along; not a hybrid mesh's replicas)."""
     sharded = [g for g in grads if _is_sharded(g)]
     device = mesh_device(cast(DTensor, sharded[0]).device_mesh) if sharded else dtensor_local(grads[0]).device
-    parts = torch.stack([torch.linalg.vector_norm(dtensor_local(g), norm_type, dtype=torch.float32).to(device)
-                         for g in grads])
+    parts = torch.stack([_local_norm(dtensor_local(g), norm_type).to(device) for g in grads])
     layouts: dict[tuple, list[int]] = {}
     for index, grad in enumerate(grads):
         if _is_sharded(grad):
@@ -41,6 +40,14 @@ def _local_parts(grads: list[torch.Tensor], norm_type: float) -> tuple[torch.Ten
             dims = tuple(i for i, placement in enumerate(placements) if _splits(placement))
             layouts.setdefault((cast(DTensor, grad).device_mesh, dims), []).append(index)
     return (parts if math.isinf(norm_type) else parts.pow(norm_type)), layouts
+
+
+def _local_norm(local: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """One shard's norm in fp32; an empty shard's (a ``[1, 1, D]`` token on 2 ranks) is 0, where torch has no
+    infinity norm of an empty tensor (0 is the identity of the max over ranks; a p-norm of nothing is 0 too)."""
+    if local.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=local.device)
+    return torch.linalg.vector_norm(local, norm_type, dtype=torch.float32)
 
 
 def _whole_on_every_rank(grads: list[torch.Tensor]) -> bool:

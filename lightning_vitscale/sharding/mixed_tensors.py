@@ -53,15 +53,31 @@ READ_AS_WHOLE_FIX = (
 )
 
 
+EMPTY_SHARD_FIX = (
+    "VitScaleStrategy: a parameter whose first dimension is shorter than the number of ranks (a `[1, 1, D]` class"
+    " token, a `[1]` scale) has an empty shard on some ranks, and torch has no infinity norm of an empty tensor (this"
+    " rank raised alone). Take gradient norms with `lightning_vitscale.grad_norm(module, norm_type)` (any norm,"
+    " DDP's values), clip with `Trainer(gradient_clip_val=...)`, or read `p.grad.abs().max()` (which works)."
+)
+
+# torch's messages and the fix each gets (see note_the_fix)
+_FIXES = {
+    **dict.fromkeys(_READ_AS_WHOLE, READ_AS_WHOLE_FIX),
+    "norm on an empty tensor": EMPTY_SHARD_FIX,  # linalg.vector_norm's (ord=inf) and _foreach_norm's
+}
+
+
 def note_the_fix(error: BaseException) -> None:
-    """Add the fix to torch's error where a parameter held as a shard was read as a whole tensor outside the step
-    (a callback logging weight histograms): it shows under the traceback (PEP 678 notes; Python 3.10: logged)."""
-    if isinstance(error, MixedTensorsError) or not any(text in str(error) for text in _READ_AS_WHOLE):
+    """Add the fix to torch's error where code written for DDP's whole tensors met a shard (a callback logging weight
+    histograms, an infinity norm of an empty shard): it shows under the traceback (PEP 678 notes; Python 3.10:
+    logged)."""
+    if isinstance(error, MixedTensorsError):
         return
-    if READ_AS_WHOLE_FIX in getattr(error, "__notes__", ()):
+    fix = next((fix for text, fix in _FIXES.items() if text in str(error)), None)
+    if fix is None or fix in getattr(error, "__notes__", ()):
         return
     add_note = getattr(error, "add_note", None)
     if add_note is not None:
-        add_note(READ_AS_WHOLE_FIX)
+        add_note(fix)
     else:
-        rank_zero_warn(READ_AS_WHOLE_FIX)
+        rank_zero_warn(fix)

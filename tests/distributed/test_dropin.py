@@ -16,14 +16,15 @@ COMPARED = (
     "sync_batchnorm", "gradient_norms", "backbone_finetuning",
     *(f"contrastive_{gather}_{precision}" for gather in ("lightning", "torch")
       for precision in ("32-true", "bf16-mixed")),
-    "clipped_by_hand_norm", "clipped_by_hand_value", "ema_timm",
+    "clipped_by_hand_norm", "clipped_by_hand_value", "ema_timm", "scalar_reads",
 )
+ALONE = ("one_rank_call", "one_rank_deepcopy", "one_rank_scalar_read")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
     names = [f"{name}/{strategy}" for name in COMPARED for strategy in ("ddp", "vitscale")]
-    scenarios = ",".join([*names, "one_rank_call/vitscale", "one_rank_deepcopy/vitscale"])
+    scenarios = ",".join([*names, *(f"{name}/vitscale" for name in ALONE)])
     return launch_ranks(tmp_path_factory, "dropin", SCRIPT, scenarios, timeout=300)[1]
 
 
@@ -64,6 +65,29 @@ def test_deep_copy_on_one_rank_fails_within_timeout_saying_why(runs):
     facts = runs[0]["one_rank_deepcopy/vitscale"]
     assert facts["error"].startswith("StateDictGatherError: copy.deepcopy() (or torch.save(model), copy.copy)")
     assert "on every rank" in facts["error"] and "timeout" in facts["error"]
+    assert facts["seconds"] < 30  # the process-group timeout was 1.5 s
+
+
+def test_numbers_read_from_sharded_tensors_are_ddps(runs):
+    """In ``on_before_optimizer_step``: ``.item()`` of each gradient's norm, ``float()`` of each weight's largest
+    magnitude, a sum of squares over the gradients and ``bool()`` of a test on it, ``.item()`` of a ``[1]``
+    temperature; after fit ``float()`` of each weight's sum and of the temperature: DDP's numbers on every rank.
+    Mutations tried: torch's own scalar read (this rank's part; the temperature's empty shard raises on rank 1) and
+    torch's own max (rank 1's empty shard raises while rank 0 waits in the read): the launch fails either way."""
+    for ours, ddp in _pairs(runs, "scalar_reads"):
+        assert ours["losses"] == ddp["losses"]
+        for key in ("reads", "after_fit"):
+            mine, theirs = [sum(rows, []) if key == "reads" else rows for rows in (ours[key], ddp[key])]
+            assert len(mine) == len(theirs) > 50, key
+            assert all(abs(a - b) <= 1e-5 * abs(b) + 1e-7 for a, b in zip(mine, theirs)), key
+
+
+def test_scalar_read_on_one_rank_fails_within_timeout_saying_why(runs):
+    """``float(p.abs().max())`` of a sharded weight on rank 0 only (DDP: a local number) combines every rank's part:
+    it fails within the timeout naming the fix, having sent nothing on the model's process group."""
+    facts = runs[0]["one_rank_scalar_read/vitscale"]
+    assert facts["error"].startswith("ScalarReadError: `.item()` / `float()` / `bool()` of a sharded tensor")
+    assert "Read it on every rank" in facts["error"] and "timeout" in facts["error"]
     assert facts["seconds"] < 30  # the process-group timeout was 1.5 s
 
 

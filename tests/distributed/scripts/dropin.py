@@ -277,6 +277,52 @@ def gradient_norms() -> dict:
     return found
 
 
+class ScalarReads(Classifier):
+    """Numbers read from the parameters and gradients as DDP users do, each step in ``on_before_optimizer_step``:
+    ``.item()`` of each gradient's norm, ``float()`` of each weight's largest magnitude, a sum of squares over the
+    gradients and ``bool()`` of a test on it, the infinity norms of ``grad_norm`` (Lightning's under DDP); and a
+    learnable one-element temperature (a ``[1]`` tensor: one rank's shard holds it) read with ``.item()`` in the step
+    and ``float()`` after fit."""
+
+    def __init__(self) -> None:
+        super().__init__("encoder")
+        self.temperature = torch.nn.Parameter(torch.full((1,), 1.5))
+        self.reads: list[list[float]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backbone(x) / self.temperature
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        total = sum(g.pow(2).sum() for g in grads)
+        from lightning.pytorch.utilities import grad_norm as lightnings
+
+        from lightning_vitscale import grad_norm as ours
+
+        infinity = (lightnings if STRATEGY == "ddp" else ours)(self, norm_type="inf")  # max |g|: empty shards too
+        self.reads.append([g.norm().item() for g in grads] + [float(p.detach().abs().max()) for p in self.parameters()]
+                          + [total.item(), float(bool(total > 0)), self.temperature.item()]
+                          + [float(infinity[key]) for key in sorted(infinity)])
+
+
+def scalar_reads() -> dict:
+    """DDP's numbers from ``.item()`` / ``float()`` / ``bool()`` of sharded tensors in a step and after fit."""
+    L.seed_everything(0, verbose=False)
+    model = ScalarReads()
+    trainer(max_steps=3).fit(model, loader(n=16))
+    after = [float(p.detach().sum()) for p in model.parameters()] + [float(model.temperature)]
+    return {"reads": model.reads, "after_fit": after, "losses": model.losses}
+
+
+def one_rank_scalar_read() -> dict:
+    """Only rank 0 reads a sharded weight's number after fit: it fails within the timeout, naming the fix, and sends
+    nothing the other ranks' next collective could meet."""
+    L.seed_everything(0, verbose=False)
+    model = ScalarReads()
+    trainer(max_steps=1).fit(model, loader(n=8))
+    return rank_zero_alone(lambda: float(next(model.backbone.parameters()).detach().abs().max()), timeout=1.5)
+
+
 class FineTuned(L.LightningModule):
     """A backbone and a head, the backbone frozen by ``BackboneFinetuning`` before setup and unfrozen at epoch 1
     (its parameters then join the optimizer as a param group of their own), as Lightning's docs of it show."""
@@ -377,10 +423,12 @@ COMPARED = {
        for gather in ("lightning", "torch") for precision in ("32-true", "bf16-mixed")},
     **{f"clipped_by_hand_{clip}": functools.partial(_clipped_by_hand, clip) for clip in ("norm", "value")},
     "ema_timm": ema_timm,
+    "scalar_reads": scalar_reads,
 }
 SCENARIOS = under_each_strategy(COMPARED, globals())
-SCENARIOS |= under_each_strategy({"one_rank_call": one_rank_call, "one_rank_deepcopy": one_rank_deepcopy}, globals(),
-                                 ("vitscale",))  # last: these time out
+ALONE = {"one_rank_call": one_rank_call, "one_rank_deepcopy": one_rank_deepcopy,
+         "one_rank_scalar_read": one_rank_scalar_read}
+SCENARIOS |= under_each_strategy(ALONE, globals(), ("vitscale",))  # last: these time out
 
 
 if __name__ == "__main__":
