@@ -18,6 +18,7 @@ from lightning_vitscale import VitScalePrecision, VitScaleStrategy
 from lightning_vitscale.cli.demo import TinyViT
 from tests.helpers.models import IMAGE, Classifier, loader
 from tests.helpers.recording import DtypeRecorder, count_collectives, linear_bf16_share
+from tests.helpers.sam import SAM
 from tests.helpers.scenarios import run_scenarios
 
 warnings.filterwarnings("ignore")
@@ -299,6 +300,9 @@ OPTIMIZERS = {
     "lamb": lambda params: timm_lamb(params),  # per-parameter norms: steps the DTensors
     "adafactor": lambda params: torch.optim.Adafactor(params, lr=1e-2),  # no DTensor rule for its in-place pow_
     "lbfgs": lambda params: torch.optim.LBFGS(params, lr=0.1, max_iter=3),  # one flat vector of every parameter
+    # sharpness-aware: the gradient norm over every parameter, two closure runs a step; ASAM scales by |w|
+    "sam": lambda params: SAM(params, torch.optim.SGD, rho=0.5, lr=0.05, momentum=0.9),
+    "asam": lambda params: SAM(params, torch.optim.SGD, rho=2.0, adaptive=True, lr=0.05, momentum=0.9),
     # bf16-mixed, the fp32 norms' replicated parameters first (a shard is the whole): the probe must shard its own
     "shard_blind": lambda params: ShardBlindSGD(params),  # steps shards as wholes: other numbers
     "shard_blind_norms_first": lambda params: ShardBlindSGD(sorted(params, key=lambda p: not _replicated(p))),
