@@ -18,7 +18,7 @@ from lightning_vitscale.kernels import AttentionRouter, tensor_core_report
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, cast_floating_inputs, layers_compute_as_o2
 from lightning_vitscale.sharding.direct_gradients import wait_for_reductions
 from lightning_vitscale.sharding.fsdp import contiguous_parameters, mixed_precision_policy, offload_policy
-from lightning_vitscale.sharding.pipeline_facts import InitFacts, PipelineFacts
+from lightning_vitscale.sharding.pipeline_facts import InitFacts, PipelineFacts, TensorParallelFacts, UnitFacts
 from lightning_vitscale.sharding.resolved import ResolvedConfig, resolve_config
 from lightning_vitscale.sharding.settings import ParallelConfig, unit_reshard
 from lightning_vitscale.sharding.stand_ins import not_in_a_stack
@@ -65,39 +65,21 @@ def parallelize(
     ``batchless_units.one_rank_keeps``).
     """
     resolved = config if isinstance(config, ResolvedConfig) else resolve_config(config, device)
-    found = select_units(model, resolved.sharding.blocks, calls)  # before anything rewrites the tree
-    reused = _reused_instead_of_blocks(model, found, resolved, calls)
-    blocks = [pair for _, unit in found for pair in unit]
-    unit_of = [index for index, (_, unit) in enumerate(found) for _ in unit]
-    joined = {name: [type(m).__name__ for _, m in unit] for name, unit in found if [name] != [n for n, _ in unit]}
-    described = describe_blocks(blocks)  # before FSDP renames the classes (FSDP<Block>)
+    found = _Found.of(model, resolved, calls)  # before anything rewrites the tree (FSDP renames the classes)
+    blocks = found.blocks
     # 1. Starting weights: rank 0's everywhere (DDP's guarantee) or, on the meta path, the model's own init,
     #    delivered to each unit's shards as it is sharded (step 4), so no rank holds a second copy.
     made_contiguous = contiguous_parameters(model)  # FSDP2 shards contiguous parameters only (channels_last)
     weights = InitialWeights(model, mesh, device, creation, tensor_mesh=tensor_mesh)
     # 1b. Tensor parallelism inside each block before anything wraps it (torch's composition: parallelize_module,
     #     then fully_shard over the data-parallel dimension); checkpointing and compile then see the split block.
-    #     A model from configure_model() is split on meta on every rank; its values arrive with FSDP's shards.
-    tensor = None
-    if tensor_mesh is not None:
-        sharding = resolved.sharding
-        weights.hold([block for _, block in blocks])
-        tensor = apply_tp(model, blocks, mesh=tensor_mesh, plan=sharding.tensor_plan, init_path=weights.path,
-                          calls=calls, device=device)
+    tensor = _split_blocks(model, blocks, tensor_mesh, resolved, weights, calls, device)
     # 2. Norm precision first: the fp32 norms must leave the low-precision units before FSDP sees them.
     norms = replicate_norms(model, mesh, precision, weights)
-    #    Outer-unit layers take inputs in the compute dtype even when made in fp32 (blocks in the outer unit too).
     one_unit = _sharding_buys_nothing(mesh, tensor_mesh, resolved, blocks, kept_gathered, keep_every_unit)
-    measured = calls is not None and bool(calls.called) and not calls.error
-    order = calls.order if calls is not None and measured else ()  # the blocks it called, in call order
-    # One rank keeping all: no unit runs apart.
-    sharing = None if one_unit else sharing_keys(found, measured, order)
-    if precision.compute != torch.float32:
-        outer_layers = outer_layers_of(model, blocks, norms.modules)
-        cast_floating_inputs(outer_layers + [(n, b) for n, b in blocks if one_unit], precision.compute)
-    if precision.compute != precision.master:
-        #  The step's own code computes as under DDP's AMP (the plugin's autocast); blocks and layers as O2.
-        layers_compute_as_o2([module for _, module in blocks + outer_layers_of(model, blocks, [])])
+    order = calls.order if found.measured and calls is not None else ()  # the blocks it called, in call order
+    sharing = None if one_unit else sharing_keys(found.units, found.measured, order)  # one rank keeping all: none
+    _compute_dtypes(model, blocks, norms.modules, precision, one_unit)
     #    Attention routing inside each block's own forward, so checkpointing's recompute is routed as well.
     router = apply_attention_routing(blocks, resolved.kernels.attention, device)
     # 3. Activation checkpointing patches the block forwards before FSDP registers its hooks around them.
@@ -110,16 +92,9 @@ def parallelize(
     # 4. Blocks sharded bottom-up, then the outer unit on the module Lightning calls, which takes only what no
     #    block owns: peak memory is one unit's gathered parameters, not the model's. A 2-D mesh shards along its
     #    last dimension and replicates along the first (hybrid sharding).
-    units = apply_fsdp(
-        outer_unit, [block for _, block in blocks], mesh=mesh, weights=weights,
-        mp_policy=mixed_precision_policy(precision), offload=offload_policy(resolved.sharding.offload, device),
-        reshard_after_forward=resolved.sharding.reshard_after_forward,
-        blocks_per_unit=max(1, len(blocks)) if keep_every_unit else resolved.blocks_per_unit,
-        ignored=norms.ignored, unit_of=unit_of, one_unit=one_unit, sharing=sharing,
-        skippable=resolved.sharding.find_unused_parameters is True,
-        find_unused=bool(resolved.sharding.find_unused_parameters),
-        keep_out=_not_stood_in(model, blocks, resolved, mesh),
-    )
+    units = _shard(outer_unit, model, found, mesh, weights, norms.ignored, resolved, precision, device,
+                   blocks_per_unit=max(1, len(blocks)) if keep_every_unit else resolved.blocks_per_unit,
+                   one_unit=one_unit, sharing=sharing)
     # 5. Explicit prefetch once every unit exists: each unit starts the next one's all-gather (next as the
     #    measured step called them, not as registered: a stack run in reverse). Where parameters are
     #    shards in a step (not one rank's compute copies), a step's own arithmetic on them is taken whole outside the
@@ -132,12 +107,78 @@ def parallelize(
     init = InitFacts(*weights.finish(), not_reproduced=list(weights.not_reproduced))
     facts = PipelineFacts(
         world_size=mesh.size(), model_class=type(model).__name__, blocks=[name for name, _ in blocks],
-        described=described, norms=norms, checkpointing=checkpointing, compiled=compiled, router=router,
+        described=found.described, norms=norms, checkpointing=checkpointing, compiled=compiled, router=router,
         kernels=resolved.kernels, tensor_core_misses=tensor_cores, units=units, overlap=overlap, init=init,
-        params=list(model.parameters()), precision=precision.name, tensor=tensor, joined=joined,
-        made_contiguous=made_contiguous, reused=reused,
+        params=list(model.parameters()), precision=precision.name, tensor=tensor, joined=found.joined,
+        made_contiguous=made_contiguous, reused=found.reused,
     )
     return Parallelized(summary_from_facts(facts), norms.replicated, router)
+
+
+@dataclass
+class _Found:
+    """The blocks the pipeline acts on, read off the plain model before any step rewrites it."""
+
+    units: list[Unit]  # each unit's name and the blocks it joins (a block alone, or a group a step runs as one)
+    blocks: Named  # every block, in unit order
+    unit_of: list[int]  # each block's unit
+    joined: dict[str, list[str]]  # a unit of several modules -> their classes (the summary's)
+    described: dict[str, int]  # class -> blocks of it, read before FSDP renames the classes (FSDP<Block>)
+    reused: list[tuple[str, str, int]]  # no blocks: the modules the step ran several times each
+    measured: bool  # whether a step ran at setup (its calls order the units)
+
+    @classmethod
+    def of(cls, model: nn.Module, resolved: ResolvedConfig, calls: Calls | None) -> _Found:
+        units = select_units(model, resolved.sharding.blocks, calls)
+        blocks = [pair for _, unit in units for pair in unit]
+        several = [(name, parts) for name, parts in units if [name] != [n for n, _ in parts]]
+        return cls(
+            units=units, blocks=blocks, unit_of=[index for index, (_, unit) in enumerate(units) for _ in unit],
+            joined={name: [type(m).__name__ for _, m in parts] for name, parts in several},
+            described=describe_blocks(blocks), reused=_reused_instead_of_blocks(model, units, resolved, calls),
+            measured=calls is not None and bool(calls.called) and not calls.error,
+        )
+
+
+def _split_blocks(
+    model: nn.Module, blocks: Named, tensor_mesh: DeviceMesh | None, resolved: ResolvedConfig,
+    weights: InitialWeights, calls: Calls | None, device: torch.device,
+) -> TensorParallelFacts | None:
+    """Tensor parallelism inside each block (``tensor_mesh``; ``None``: none). A model from configure_model() is
+    split on meta on every rank; its values arrive with FSDP's shards."""
+    if tensor_mesh is None:
+        return None
+    weights.hold([block for _, block in blocks])
+    return apply_tp(model, blocks, mesh=tensor_mesh, plan=resolved.sharding.tensor_plan, init_path=weights.path,
+                    calls=calls, device=device)
+
+
+def _compute_dtypes(
+    model: nn.Module, blocks: Named, norm_modules: Named, precision: PrecisionPolicy, one_unit: bool
+) -> None:
+    """Outer-unit layers take inputs in the compute dtype even when made in fp32 (blocks in the outer unit too); the
+    step's own code computes as under DDP's AMP (the plugin's autocast), blocks and layers as O2."""
+    if precision.compute != torch.float32:
+        outer_layers = outer_layers_of(model, blocks, norm_modules)
+        cast_floating_inputs(outer_layers + [(n, b) for n, b in blocks if one_unit], precision.compute)
+    if precision.compute != precision.master:
+        layers_compute_as_o2([module for _, module in blocks + outer_layers_of(model, blocks, [])])
+
+
+def _shard(
+    outer_unit: nn.Module, model: nn.Module, found: _Found, mesh: DeviceMesh, weights: InitialWeights,
+    ignored: set[nn.Parameter] | None, resolved: ResolvedConfig, precision: PrecisionPolicy, device: torch.device,
+    *, blocks_per_unit: int, one_unit: bool, sharing: list[str] | None,
+) -> UnitFacts:
+    """The FSDP units (``steps.apply_fsdp``) with the dtypes, offload and resharding the configuration resolved."""
+    sharding = resolved.sharding
+    return apply_fsdp(
+        outer_unit, [block for _, block in found.blocks], mesh=mesh, weights=weights,
+        mp_policy=mixed_precision_policy(precision), offload=offload_policy(sharding.offload, device),
+        reshard_after_forward=sharding.reshard_after_forward, blocks_per_unit=blocks_per_unit, ignored=ignored,
+        unit_of=found.unit_of, one_unit=one_unit, sharing=sharing, skippable=sharding.find_unused_parameters is True,
+        find_unused=bool(sharding.find_unused_parameters), keep_out=_not_stood_in(model, found.blocks, resolved, mesh),
+    )
 
 
 def select_units(model: nn.Module, selector: ModuleSelector | None, calls: Calls | None = None) -> list[Unit]:
