@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copyreg
+import functools
 import inspect
 import threading
 from collections.abc import Callable, Iterator
@@ -64,6 +65,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
 )
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric  # what self.log keeps
 from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector
 from torch._functorch import config as functorch_config  # planner: fake tensors that carry real values
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # memory planner: shapes without memory
@@ -165,6 +167,11 @@ PRIVATE_NAMES = {
     "torch.distributed.tensor._dispatch.OpDispatcher._custom_op_handlers": "DTensor's handlers of single ops (torch's"
     " loss_parallel adds its own): a scalar read of a sharded tensor gathers it (distributed/scalar_reads.py), a max"
     " over empty shards (distributed/empty_shards.py)",
+    "lightning.pytorch.trainer.connectors.logger_connector.result._ResultMetric": "what `self.log` keeps of a"
+    " value: a DTensor made whole as it is logged (distributed/scalar_reads.py)",
+    "lightning.pytorch.trainer.connectors.logger_connector.result._ResultMetric.update": "the same",
+    "lightning.pytorch.trainer.connectors.logger_connector.result._Metadata.sync": "whether it was logged on rank 0"
+    " alone (`rank_zero_only=True`)",
     "torch.distributed.tensor._dtensor_spec.DTensorSpec": "a DTensor made by such a handler from its local value",
     "torch.distributed.tensor._dtensor_spec.TensorMeta": "the same",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.comm_ctx": "the streams that write a unit's"
@@ -386,6 +393,21 @@ def dtensor_takes_plain_as_replicated() -> bool:
 def dtensor_op_handlers() -> dict[Any, Callable[..., Any]]:
     """DTensor's table of ops it hands to a Python function instead of sharding propagation (one per process)."""
     return DTensor._op_dispatcher._custom_op_handlers  # type: ignore[no-any-return]
+
+
+def log_whole_values(convert: Callable[[Any, bool], Any]) -> None:
+    """Lightning's logged values pass through ``convert(value, rank_zero_only)`` as ``self.log`` takes them (its
+    ``_ResultMetric.update``; each metric wraps it when made, so this acts on metrics made afterwards). Once."""
+    update = _ResultMetric.update
+    if getattr(update, "vitscale_converts_values", False):
+        return
+
+    @functools.wraps(update)
+    def update_with_converted(self: Any, value: Any, batch_size: int) -> None:
+        update(self, convert(value, bool(self.meta.sync.rank_zero_only)), batch_size)
+
+    update_with_converted.vitscale_converts_values = True  # type: ignore[attr-defined]
+    _ResultMetric.update = update_with_converted  # type: ignore[method-assign]
 
 
 def wrap_dtensor(local: torch.Tensor, mesh: Any, placements: tuple[Any, ...]) -> DTensor:

@@ -71,11 +71,14 @@ def test_deep_copy_on_one_rank_fails_within_timeout_saying_why(runs):
 def test_numbers_read_from_sharded_tensors_are_ddps(runs):
     """In ``on_before_optimizer_step``: ``.item()`` of each gradient's norm, ``float()`` of each weight's largest
     magnitude, a sum of squares over the gradients and ``bool()`` of a test on it, ``.item()`` of a ``[1]``
-    temperature; after fit ``float()`` of each weight's sum and of the temperature: DDP's numbers on every rank.
+    temperature, and such tensors logged with ``self.log`` (the progress bar on, a logger reading them every step);
+    after fit ``float()`` of each weight's sum and of the temperature: DDP's numbers on every rank.
     Mutations tried: torch's own scalar read (this rank's part; the temperature's empty shard raises on rank 1) and
     torch's own max (rank 1's empty shard raises while rank 0 waits in the read): the launch fails either way."""
     for ours, ddp in _pairs(runs, "scalar_reads"):
         assert ours["losses"] == ddp["losses"]
+        assert ours["logged"].keys() == ddp["logged"].keys() and len(ours["logged"]) >= 5
+        assert ours["logged"] == pytest.approx(ddp["logged"], rel=1e-5, abs=1e-7)
         for key in ("reads", "after_fit"):
             mine, theirs = [sum(rows, []) if key == "reads" else rows for rows in (ours[key], ddp[key])]
             assert len(mine) == len(theirs) > 50, key
@@ -86,9 +89,12 @@ def test_scalar_read_on_one_rank_fails_within_timeout_saying_why(runs):
     """``float(p.abs().max())`` of a sharded weight on rank 0 only (DDP: a local number) combines every rank's part:
     it fails within the timeout naming the fix, having sent nothing on the model's process group."""
     facts = runs[0]["one_rank_scalar_read/vitscale"]
-    assert facts["error"].startswith("ScalarReadError: `.item()` / `float()` / `bool()` of a sharded tensor")
-    assert "Read it on every rank" in facts["error"] and "timeout" in facts["error"]
+    assert facts["error"].startswith("ScalarReadError: `.item()` / `float()` / `bool()` or `self.log` of a sharded")
+    assert "Read or log it on every rank" in facts["error"] and "timeout" in facts["error"]
     assert facts["seconds"] < 30  # the process-group timeout was 1.5 s
+    logged = facts["logged_on_rank_zero"]  # `self.log(..., rank_zero_only=True)` of one: refused at once, no wait
+    assert logged["error"].startswith("ScalarReadError: `self.log(..., rank_zero_only=True)` of a sharded tensor")
+    assert "Log it from every rank" in logged["error"] and logged["seconds"] < 1.0
 
 
 def test_model_callable_before_the_first_step_like_ddp(runs):

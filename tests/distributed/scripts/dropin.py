@@ -11,11 +11,13 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import sys
 import warnings
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.loggers import CSVLogger
 from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import get_ema_avg_fn
 
@@ -300,6 +302,10 @@ class ScalarReads(Classifier):
         from lightning_vitscale import grad_norm as ours
 
         infinity = (lightnings if STRATEGY == "ddp" else ours)(self, norm_type="inf")  # max |g|: empty shards too
+        # logged as they are: Lightning reads them for its logger, on every rank, and its progress bar, on rank 0
+        self.log("first_grad_norm", grads[0].norm(), prog_bar=True)
+        self.log("temperature_max", self.temperature.abs().max(), prog_bar=True)
+        self.log("grad_sum", sum(g.sum() for g in grads), on_epoch=True)
         self.reads.append([g.norm().item() for g in grads] + [float(p.detach().abs().max()) for p in self.parameters()]
                           + [total.item(), float(bool(total > 0)), self.temperature.item()]
                           + [float(infinity[key]) for key in sorted(infinity)])
@@ -309,18 +315,27 @@ def scalar_reads() -> dict:
     """DDP's numbers from ``.item()`` / ``float()`` / ``bool()`` of sharded tensors in a step and after fit."""
     L.seed_everything(0, verbose=False)
     model = ScalarReads()
-    trainer(max_steps=3).fit(model, loader(n=16))
+    logger = CSVLogger(os.path.join(sys.argv[1], f"scalar_reads_{STRATEGY}"))
+    t = trainer(max_steps=3, logger=logger, log_every_n_steps=1, enable_progress_bar=True)
+    t.fit(model, loader(n=16))
     after = [float(p.detach().sum()) for p in model.parameters()] + [float(model.temperature)]
-    return {"reads": model.reads, "after_fit": after, "losses": model.losses}
+    logged = {name: float(value) for name, value in sorted(t.callback_metrics.items())}
+    return {"reads": model.reads, "after_fit": after, "losses": model.losses, "logged": logged}
 
 
 def one_rank_scalar_read() -> dict:
     """Only rank 0 reads a sharded weight's number after fit: it fails within the timeout, naming the fix, and sends
     nothing the other ranks' next collective could meet."""
+    from lightning_vitscale.distributed.scalar_reads import _logged_whole
+
     L.seed_everything(0, verbose=False)
     model = ScalarReads()
     trainer(max_steps=1).fit(model, loader(n=8))
-    return rank_zero_alone(lambda: float(next(model.backbone.parameters()).detach().abs().max()), timeout=1.5)
+    weight = next(model.backbone.parameters()).detach()
+    read = rank_zero_alone(lambda: float(weight.abs().max()), timeout=1.5)
+    # what `self.log(name, t, rank_zero_only=True)` keeps of such a tensor, on rank 0 alone: refused at once
+    logged = rank_zero_alone(lambda: _logged_whole(weight.abs().max(), rank_zero_only=True), timeout=1.5)
+    return {**read, "logged_on_rank_zero": logged}
 
 
 class FineTuned(L.LightningModule):
