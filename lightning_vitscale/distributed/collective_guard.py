@@ -23,11 +23,11 @@ STATE_DICT = 1  # state_dict(): gathers each sharded tensor of the state dict
 MODEL_CALL = 2  # a call of the model or a submodule outside a step: gathers the outer unit, then the blocks
 DEEPCOPY = 3  # copy.deepcopy() of the model or a submodule: gathers each parameter whole
 SAVE_ON_EXCEPTION = 4  # a checkpoint saved while handling an exception (OnExceptionCheckpoint): every rank writes
-SCALAR_READ = 5  # .item() / float() of a sharded DTensor (scalar_reads.py): every rank's part combined
+SCALAR_READ = 5  # .item() / float() / self.log of a sharded DTensor (scalar_reads.py): every rank's part combined
 _WHAT = {STATE_DICT: "state_dict()", MODEL_CALL: "a call of the model (or a submodule) outside a step",
          DEEPCOPY: "copy.deepcopy() of the model (or a submodule)",
          SAVE_ON_EXCEPTION: "a checkpoint save while handling an exception",
-         SCALAR_READ: "`.item()` of a sharded tensor"}
+         SCALAR_READ: "a read of a sharded tensor's number (`.item()`, `float()`, `self.log`)"}
 
 
 class NotJoinedError(RuntimeError):
