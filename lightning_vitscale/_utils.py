@@ -65,6 +65,15 @@ def parents(model: nn.Module) -> dict[int, nn.Module]:
     return {id(child): parent for parent in model.modules() for child in parent.children()}
 
 
+def derived_attributes(model: nn.Module) -> list[torch.Tensor]:
+    """Tensors held as plain attributes of ``model``'s modules that autograd computed from parameters (the old
+    hook-based ``torch.nn.utils.weight_norm`` keeps its layer's ``weight`` so, recomputed by a pre-hook each forward):
+    ``copy.deepcopy`` refuses them ("Only Tensors created explicitly by the user (graph leaves) support the deepcopy
+    protocol"), so a copy the strategy makes for itself gives each a stand-in in its memo."""
+    attributes = (value for module in model.modules() for value in vars(module).values())
+    return [value for value in attributes if isinstance(value, torch.Tensor) and value.grad_fn is not None]
+
+
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes this rank actually stores for ``tensors`` (a DTensor counts its local shard only)."""
     return sum(dtensor_local(t).numel() * t.element_size() for t in tensors)

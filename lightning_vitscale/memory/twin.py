@@ -13,6 +13,8 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
+from lightning_vitscale._utils import derived_attributes
+
 
 def meta_twin(module: nn.Module) -> nn.Module:
     """A copy of ``module`` whose parameters and buffers are meta tensors (meta stand-ins in ``deepcopy``'s memo: no
@@ -21,6 +23,8 @@ def meta_twin(module: nn.Module) -> nn.Module:
     for tensor in [*module.parameters(), *module.buffers()]:
         meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
         memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    for tensor in derived_attributes(module):  # recomputed from the parameters before use (old weight_norm)
+        memo[id(tensor)] = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
     for value in (module.__dict__.get(name) for name in ("_device_mesh", "_fabric", "_metric_attributes")):
         if value is not None:
             memo[id(value)] = value

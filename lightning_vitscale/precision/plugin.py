@@ -29,6 +29,7 @@ from lightning_vitscale.precision.grad_scaler import ShardedGradScaler
 from lightning_vitscale.precision.library_ops import AutocastOp, as_under_autocast, found_ops
 from lightning_vitscale.precision.local_step import lbfgs_on_whole_locals, on_local_shards
 from lightning_vitscale.precision.nonfinite import NonFiniteGuard
+from lightning_vitscale.precision.parametrizations import compute_parametrizations_in
 from lightning_vitscale.precision.settings import (
     SUPPORTED_FLAGS,
     NormSelector,
@@ -110,10 +111,12 @@ class VitScalePrecision(Precision):
     def convert_module(self, module: _M) -> _M:
         """Master weights in the master dtype (norms keep theirs), cast for compute by FSDP's all-gather, which casts
         no buffer: unsaved floating buffers take the compute dtype, saved ones keep the master dtype and their
-        owners compute under autocast (:func:`floating_buffers`, :func:`autocast_around`)."""
+        owners compute under autocast (:func:`floating_buffers`, :func:`autocast_around`); parametrizations compute
+        in the master dtype (:mod:`.parametrizations`)."""
         keep, policy = {id(m) for _, m in self.policy.separate_norm_modules(module)}, self.policy
         if policy.compute != policy.master:
             refuse_low_precision_statistics(module, keep, policy.compute, policy.master)
+            keep |= compute_parametrizations_in(module, policy.master)
         under_autocast = []
         for submodule in (m for m in module.modules() if id(m) not in keep):
             unsaved, saved = floating_buffers(submodule)

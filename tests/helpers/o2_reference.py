@@ -1,6 +1,7 @@
 """The recipe's bf16 "O2" written out by hand, as the oracle for ``precision="bf16-mixed"``: a compute copy of the
 model in bf16 (norm layers in fp32, taking fp32 inputs and handing bf16 on; saved floating buffers in fp32, their
-owner under autocast, its output back in its input's dtype; unsaved ones in bf16), refreshed from fp32 master
+owner under autocast, its output back in its input's dtype; unsaved ones in bf16; a parametrization's arithmetic in
+fp32 on its bf16 originals, the weight it makes handed on in bf16), refreshed from fp32 master
 weights before each step; the step's own code (the loss) under autocast, as DDP's AMP runs it; the bf16 gradients
 averaged over the ranks in fp32 onto the masters, which the optimizer steps; rank 0's buffers broadcast before each
 forward, as DDP does. The same data order as Lightning's ``DistributedSampler`` under DDP, so a run of it is
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrizations
+from torch.nn.utils.parametrize import ParametrizationList
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 from lightning_vitscale.discovery import is_normalization
@@ -28,12 +31,17 @@ STEPS, BATCH = 3, 4
 def _compute_copy(master: nn.Module, dtype: torch.dtype) -> nn.Module:
     compute = copy.deepcopy(master)
     norms = {id(m) for name, m in compute.named_modules() if is_normalization(name, m)}
+    lists = [m for m in compute.modules() if isinstance(m, ParametrizationList)]
+    parametrizations = {id(m) for listed in lists for m in listed.modules() if m is not listed}
     for module in compute.modules():
-        if id(module) in norms:
+        if id(module) in norms or id(module) in parametrizations:  # fp32 inputs; a norm hands bf16 on
             module.register_forward_pre_hook(
                 lambda _, args: tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
-            module.register_forward_hook(lambda _, __, out: out.to(dtype) if torch.is_tensor(out) else out)
+            if id(module) in norms:
+                module.register_forward_hook(lambda _, __, out: out.to(dtype) if torch.is_tensor(out) else out)
             continue
+        if isinstance(module, ParametrizationList):  # the weight made in fp32 from bf16 originals, handed on in bf16
+            module.register_forward_hook(lambda _, __, out: out.to(dtype))
         for param in module.parameters(recurse=False):
             param.data = param.data.to(dtype)
         saved = False
@@ -98,14 +106,16 @@ def train_o2_by_hand(
 
 class O2Net(nn.Module):
     """Every rule O2 has here: convolution + BatchNorm (running statistics in fp32), pre-norm blocks with LayerNorm,
-    a saved fp32 buffer in a block's compute (its owner under autocast) and an unsaved one (taken in bf16)."""
+    a saved fp32 buffer in a block's compute (its owner under autocast) and an unsaved one (taken in bf16), weight
+    parametrizations (``weight_norm`` in every block, ``spectral_norm`` on the head: its power iteration's vectors
+    are saved fp32 buffers, updated in place each training forward)."""
 
     def __init__(self, dim: int = 16, depth: int = 4, classes: int = 10) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, dim, 4, 4), nn.BatchNorm2d(dim))
         self.blocks = nn.ModuleList(_Block(dim) for _ in range(depth))
         self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, classes)
+        self.head = parametrizations.spectral_norm(nn.Linear(dim, classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x).flatten(2).transpose(1, 2)
@@ -117,7 +127,8 @@ class O2Net(nn.Module):
 class _Block(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.norm, self.fc1, self.fc2 = nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.norm, self.fc2 = nn.LayerNorm(dim), nn.Linear(2 * dim, dim)
+        self.fc1 = parametrizations.weight_norm(nn.Linear(dim, 2 * dim))
         self.register_buffer("scale", torch.linspace(0.5, 1.5, dim))
         self.register_buffer("shift", torch.linspace(-0.1, 0.1, dim), persistent=False)
 

@@ -401,5 +401,30 @@ class Mask2FormerLogits(nn.Module):
         return out.class_queries_logits.mean(1)[:, :CLASSES] + out.masks_queries_logits.mean((1, 2, 3))[:, None]
 
 
+class DinoHeadViT(PatchClassifier):
+    """Weight parametrizations as self-supervised ViTs use them: DINO's and DINOv2's head (an MLP, L2-normalized
+    features, a last layer under the old hook-based ``torch.nn.utils.weight_norm`` with its norm ``weight_g`` frozen
+    at 1), a spectral-normed layer in the head's MLP, and ``torch.nn.utils.parametrizations.weight_norm`` on every
+    block's ``fc1`` (inside the units)."""
+
+    def __init__(self, dim: int = 32, depth: int = 2) -> None:
+        from torch.nn.utils import parametrizations
+
+        blocks = [Block(dim, SeparateQKV(dim)) for _ in range(depth)]
+        for block in blocks:
+            block.fc1 = parametrizations.weight_norm(block.fc1)
+        super().__init__(dim, nn.Sequential(*blocks))
+        spectral = parametrizations.spectral_norm(nn.Linear(2 * dim, 16))
+        self.head = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), spectral)
+        self.last_layer = nn.utils.weight_norm(nn.Linear(16, CLASSES, bias=False))
+        self.last_layer.weight_g.data.fill_(1)
+        self.last_layer.weight_g.requires_grad = False
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.embed(images).flatten(2).transpose(1, 2) + self.pos
+        features = F.normalize(self.head(self.norm(self.run(x)).mean(1)), dim=-1)
+        return self.last_layer(features) / 0.1
+
+
 # Blocks of different containers that run apart (one of them many times a forward): never one unit.
 APART: dict[str, Callable[[], nn.Module]] = {"hf_mask2former": Mask2FormerLogits}

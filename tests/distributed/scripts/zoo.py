@@ -28,7 +28,18 @@ from lightning_vitscale.discovery.tensor_plan import TensorPlanError
 from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
 from tests.helpers.recording import count_collectives
 from tests.helpers.scenarios import run_scenarios
-from tests.helpers.zoo import APART, CLASSES, FAMILIES, IMAGE, PARTS, Block, LucidViT, SharedBlockViT, TwoPassViT
+from tests.helpers.zoo import (
+    APART,
+    CLASSES,
+    FAMILIES,
+    IMAGE,
+    PARTS,
+    Block,
+    DinoHeadViT,
+    LucidViT,
+    SharedBlockViT,
+    TwoPassViT,
+)
 
 warnings.filterwarnings("ignore")
 GLOBAL_BATCH = 8
@@ -51,6 +62,8 @@ class Model(L.LightningModule):
             return SharedBlockViT(listed=self.family == "shared_listed")
         if self.family == "two_pass":
             return TwoPassViT()
+        if self.family == "dino_head":
+            return DinoHeadViT()
         if self.family in PARTS:
             return PARTS[self.family][0]()
         if self.family in APART:
@@ -212,9 +225,37 @@ def apart() -> dict:
     return found
 
 
+class DinoModel(Model):
+    """DINO's habit on its head: the last layer's gradients dropped (``p.grad = None``) in the first steps."""
+
+    def on_after_backward(self) -> None:
+        if self.global_step < 2:
+            for param in self.backbone.last_layer.parameters():
+                param.grad = None
+
+
+def parametrized() -> dict:
+    """``DinoHeadViT`` (weight parametrizations, old and new API, in the units and outside) for 4 steps: fp32 under
+    DDP, ``VitScaleStrategy()`` and the recipe's plan; ``bf16-mixed`` under DDP (AMP O1) and both plans (O2). The
+    losses, each parameter's sum after fit, the summary."""
+    runs = {"ddp": (DDP, "32-true"), "default": (VitScaleStrategy(), "32-true"),
+            "memory": (VitScaleStrategy(priority="memory"), "32-true"), "ddp_bf16": (DDP, "bf16-mixed"),
+            "default_bf16": (VitScaleStrategy(), "bf16-mixed"),
+            "memory_bf16": (VitScaleStrategy(priority="memory"), "bf16-mixed")}
+    found = {}
+    for name, (strategy, precision) in runs.items():
+        model = DinoModel("dino_head")
+        facts, _ = fit(model, strategy, 2, 4, precision)
+        with torch.no_grad():
+            facts["sums"] = {key: value.float().sum().item() for key, value in model.backbone.state_dict().items()}
+        found[name] = facts
+    return found
+
+
 def scenarios() -> dict:
     families = {name: (lambda name=name: family(name)) for name in FAMILIES}
-    return {"layout": layout, "reused": reused, "two_pass": two_pass, "parts": parts, "apart": apart, **families}
+    return {"layout": layout, "reused": reused, "two_pass": two_pass, "parts": parts, "apart": apart,
+            "parametrized": parametrized, **families}
 
 
 if __name__ == "__main__":

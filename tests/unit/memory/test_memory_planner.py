@@ -223,6 +223,18 @@ def test_meta_twin_copies_structure_not_data():
     assert meta_twin(model).trainer is trainer  # a training_step measured on the twin may read self.trainer
 
 
+def test_meta_twin_of_a_layer_under_the_old_weight_norm():
+    """The hook-based ``torch.nn.utils.weight_norm`` (DINO's head) keeps its layer's ``weight`` as an attribute autograd
+    computed: ``copy.deepcopy`` refuses it, and the planner's twin failed, so the default planned without its step.
+    Its twin stands a meta tensor in for it, which the layer's pre-hook recomputes from the twin's parameters."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.utils.weight_norm(torch.nn.Linear(8, 3)))
+    with pytest.raises(RuntimeError, match="graph leaves"):
+        copy.deepcopy(model)
+    twin = meta_twin(model)
+    assert twin[1].weight.is_meta and not model[1].weight.is_meta
+    assert twin(torch.empty(2, 4, device="meta")).shape == (2, 3)  # the hook recomputed it from meta parameters
+
+
 def test_plan_names_the_settings_for_a_large_vit():
     from examples.models.vit import VisionTransformer
 
