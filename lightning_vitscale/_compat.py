@@ -9,6 +9,7 @@ import contextlib
 import copyreg
 import functools
 import inspect
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -314,6 +315,20 @@ def buffer_slots(module: torch.nn.Module) -> dict[str, Any]:
 
 def unsaved_buffer_names(module: torch.nn.Module) -> set[str]:
     return module._non_persistent_buffers_set
+
+
+@contextmanager
+def fake_kernel_failures_unlogged() -> Iterator[None]:
+    """torch logs each exception of a fake tensor's (meta) kernel with its traceback at ERROR before raising it
+    ("failed while attempting to run meta for ..."); the planner expects some (a step it then measures another way,
+    a layer it then keeps in fp32) and says what it did, so its runs leave that log quiet."""
+    logger = logging.getLogger(FakeTensor.__module__)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def autocast_nesting() -> int:

@@ -23,7 +23,7 @@ from lightning_vitscale.init import Creation, InitMode, InitSettings, ModelCreat
 from lightning_vitscale.kernels import Compiler, KernelMode, KernelPolicy, prepare_optimizers, take_over_compiled
 from lightning_vitscale.memory import AccumulationMode, may_release_after_step
 from lightning_vitscale.options import document
-from lightning_vitscale.precision import VitScalePrecision, to_vitscale_precision
+from lightning_vitscale.precision import VitScalePrecision, note_fp32_fix, to_vitscale_precision
 from lightning_vitscale.sharding import CheckpointSelector, ModuleSelector, OffloadMode, Priority, ShardingLayout
 
 if TYPE_CHECKING:
@@ -122,8 +122,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     @property  # type: ignore[override]
     @override
     def precision_plugin(self) -> VitScalePrecision:
-        plugin = self._precision_plugin
-        return plugin if isinstance(plugin, VitScalePrecision) else VitScalePrecision("32-true")
+        return p if isinstance(p := self._precision_plugin, VitScalePrecision) else VitScalePrecision("32-true")
 
     @precision_plugin.setter
     @override
@@ -230,6 +229,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         shards.note_the_fix(exception)  # a shard read as DDP's whole tensor (a weight histogram): the fix, noted
+        note_fp32_fix(exception, self.lightning_module, self.precision_plugin.policy, self.precision_plugin.precision)
         distributed.stop_local_ranks(self.launcher, exception, self.global_rank)
 
     @override

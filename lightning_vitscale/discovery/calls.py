@@ -50,6 +50,9 @@ class Calls:
     full_precision: set[str] = field(default_factory=set)
     """Modules the step ran inside its own ``torch.autocast(..., enabled=False)``: fp32 under DDP's AMP, so kept in
     fp32 under O2 too (``PrecisionPolicy.keeping_fp32``)."""
+    kept_fp32: dict[str, str] = field(default_factory=dict)
+    """Modules whose own code raised with their weights in the compute dtype, with torch's error: kept in fp32 as
+    DDP's AMP keeps every weight (``memory/low_precision_failures.py``)."""
     error: str = ""
 
     @property
@@ -64,10 +67,15 @@ class Calls:
         """Rank 0's record of what ran and what fed what, on every rank (``broadcast``: rank 0's value everywhere):
         a step that runs differently by rank (LayerDrop drawn per rank) must not give the ranks different blocks,
         and so different units whose collectives cannot pair."""
-        counts, fed, error, running, full, order = broadcast((self.counts, self.fed, self.error, self.running,
-                                                              self.full_precision, self.order))
+        counts, fed, error, running, full, order, kept = broadcast((self.counts, self.fed, self.error, self.running,
+                                                                    self.full_precision, self.order, self.kept_fp32))
         self.counts, self.fed, self.error, self.running = Counter(counts), dict(fed), error, list(running)
-        self.full_precision, self.order = set(full), list(order)
+        self.full_precision, self.order, self.kept_fp32 = set(full), list(order), dict(kept)
+
+    @property
+    def in_fp32(self) -> set[str]:
+        """Every module the step needs in fp32 under O2: its own fp32 regions' and those that raised in bf16."""
+        return self.full_precision | set(self.kept_fp32)
 
     @property
     def where(self) -> str:

@@ -20,6 +20,7 @@ from lightning_vitscale._compat import (
     FakeTensorMode,
     TorchDispatchMode,
     buffer_slots,
+    fake_kernel_failures_unlogged,
     parameter_slots,
     storage_id,
     tree_map,
@@ -234,7 +235,7 @@ def measure_activations(
     given, as the mixed flags hand the batch to the step). ``mode_of``: each block's settled checkpointing, measured
     alone (a third of the work; ``None``: every mode). ``values``: the fake tensors carry real ones (the step computes
     for real on the host, beside the fake run), for a step whose branches or shapes follow its values."""
-    with carrying_real_values(values is not None):
+    with carrying_real_values(values is not None), fake_kernel_failures_unlogged():
         return _measure(model, blocks, example_input, compute, norms, call, mode_of, all_reduces, values, batch_dtype)
 
 

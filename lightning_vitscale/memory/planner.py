@@ -23,6 +23,7 @@ from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector
 from lightning_vitscale.memory.activations import ModeOf, StepCall, measure_activations
 from lightning_vitscale.memory.devices import device_named, memory_names
 from lightning_vitscale.memory.fake_modes import RealValues
+from lightning_vitscale.memory.low_precision_failures import measure_keeping_fp32
 from lightning_vitscale.memory.memory_plan import Candidate, MemoryPlan
 from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, search
 from lightning_vitscale.memory.step_cost import GPU_RATES, DeviceRates, traffic_per_dimension
@@ -181,12 +182,13 @@ def step_inputs(
             tensor=None if log is None else log.split([b.resent for b in profile.blocks]),
         )
 
-    inputs = measure()
+    structure = [name for name, _ in model_parts(model, blocks, policy)[0]]
+    inputs = measure_keeping_fp32(lambda kept: measure(policy=kept), record, model, policy, structure)
     # A block never called (what of it ran), or modules run side by side taken for blocks (an MoE layer's experts),
     # or modules the step runs in its own fp32 region (kept in fp32 beside the norms, `keeping_fp32`): measured
     # again as parallelize will find them from this run.
     found = [name for name, _ in model_parts(model, blocks, policy, record.called, dict(record.fed))[0]]
-    kept = policy.keeping_fp32(set(record.full_precision))
+    kept = policy.keeping_fp32(record.in_fp32)
     if found != [b.name for b in inputs.profile.blocks] or kept is not policy:
         inputs = measure(set(record.called), dict(record.fed), kept)
     return inputs

@@ -7,6 +7,7 @@ May import ``discovery`` (which modules are norms), ``distributed``, ``_utils`` 
 
 from lightning_vitscale.precision.casting import cast_floating_inputs
 from lightning_vitscale.precision.clipping import grad_norm, lightning_grad_norm_named
+from lightning_vitscale.precision.fp32_fix import note_fp32_fix
 from lightning_vitscale.precision.nonfinite import NonFiniteGuard, NonFiniteTrainingError
 from lightning_vitscale.precision.norms import ReplicatedNorms
 from lightning_vitscale.precision.optimizer_probe import UnshardableOptimizerError, refuse_unshardable
@@ -27,6 +28,7 @@ __all__ = [
     "grad_norm",
     "layers_compute_as_o2",
     "lightning_grad_norm_named",
+    "note_fp32_fix",
     "refuse_unshardable",
     "resolve_flag",
     "to_vitscale_precision",

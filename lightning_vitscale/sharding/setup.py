@@ -5,7 +5,6 @@ still need from it."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -15,6 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_vitscale._compat import initialize_fsdp_root, set_lightning_device
 from lightning_vitscale.checkpoint import full_state_dict, state_dict_writes
+from lightning_vitscale.discovery.calls import Calls
 from lightning_vitscale.distributed import RankContext
 from lightning_vitscale.distributed.mesh import shard_size
 from lightning_vitscale.init import Creation
@@ -137,7 +137,7 @@ def _shard(
     if planned.calls is not None and ranks.world_size > 1:  # every rank finds the blocks rank 0's step ran
         planned.calls.agree(ranks.broadcast)
     # Modules the step runs inside its own `torch.autocast(enabled=False)` compute in fp32, as under DDP's AMP.
-    policy = precision.policy.keeping_fp32(planned.calls.full_precision if planned.calls is not None else ())
+    policy = precision.policy.keeping_fp32(planned.calls.in_fp32 if planned.calls is not None else ())
     planned = dataclasses.replace(planned, resolved=compile_where_it_pays(planned.resolved, planned.step(module),
                                                                           ranks.device))
     pending = planned.auto is not None and planned.auto.pending  # the plan waits for the first training batch
@@ -157,7 +157,7 @@ def _shard(
     _describe_layout(done.plan, outer, done.norms, policy, resolved.sharding, ranks,
                      planned.tensor_sent(done.plan))
     if policy is not precision.policy and planned.calls is not None:
-        _note_full_precision(done.plan, planned.calls.full_precision)
+        _note_full_precision(done.plan, planned.calls, policy.compute)
     # 4. Drop-in behaviour: calls outside a step gather the outer unit; state_dict() gives DDP's full tensors.
     outer.enable_calls_outside_steps()
     make_parameters_assignable(module)  # `p.data = v` writes into the shard, as it does into DDP's parameter
@@ -203,12 +203,21 @@ def _skipped_blocks(
     return None, UnusedParameters([(unit, outer_unit_parameters(unit)) for unit in units], done.norms), stand_ins
 
 
-def _note_full_precision(summary: SetupSummary, full_precision: Collection[str]) -> None:
-    kept = [name for name in summary.fp32_modules if name in full_precision]
+def _note_full_precision(summary: SetupSummary, calls: Calls, compute: torch.dtype) -> None:
+    kept = [name for name in summary.fp32_modules if name in calls.full_precision]
     if kept:
         summary.notes.append(
             f"{len(kept)} module(s) the step runs inside its own `torch.autocast(..., enabled=False)` kept in fp32"
             f" beside the norms, as DDP's AMP computes them: {', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}")
+    if calls.kept_fp32:
+        by_error: dict[str, list[str]] = {}
+        for name, error in calls.kept_fp32.items():
+            by_error.setdefault(error, []).append(name)
+        named = "; ".join(f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''} ({error})"
+                          for error, names in by_error.items())
+        summary.notes.append(f"{len(calls.kept_fp32)} module(s) whose own code raised with their weights in"
+                             f" {str(compute)[6:]} kept in fp32 beside the norms, as DDP's AMP keeps its weights:"
+                             f" {named}")
 
 
 def _describe_layout(

@@ -22,7 +22,7 @@ import pytest
 
 from tests.helpers.launch import launch_ranks
 from tests.helpers.results import max_relative_difference
-from tests.helpers.zoo import APART, FAMILIES, PARTS
+from tests.helpers.zoo import APART, FAMILIES, FOURIER, PARTS
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 SCRIPT = "tests/distributed/scripts/zoo.py"
@@ -45,7 +45,7 @@ REFUSED = {
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory) -> list[dict]:
-    names = ",".join(["layout", "reused", "two_pass", "parts", "apart", "parametrized", *FAMILIES])
+    names = ",".join(["layout", "reused", "two_pass", "parts", "apart", "parametrized", "fourier", *FAMILIES])
     return launch_ranks(tmp_path_factory, "zoo_2", SCRIPT, names, nprocs=2, timeout=300)[1]
 
 
@@ -224,3 +224,20 @@ def test_weight_parametrizations_train_as_ddp_and_compute_in_fp32_under_the_reci
     o1 = runs["ddp_bf16"]["losses"]
     for run in ("default_bf16", "memory_bf16"):
         assert len(o1) == 4 and max_relative_difference(runs[run]["losses"], o1) < 0.01, run
+
+
+@pytest.mark.parametrize("family", FOURIER)
+def test_fourier_mixers_train_as_ddp_their_layers_kept_in_fp32_under_the_recipe(two, family):
+    """GFNet's global filter (``torch.view_as_complex`` of its weight) and FourCastNet's AFNO (an einsum of the fp32
+    spectrum with its weights) raised at the first ``bf16-mixed`` step (no bf16 kernel; float != BFloat16): DDP's AMP
+    keeps their weights in fp32. Setup keeps each such layer in fp32 beside the norms (replicated, its gradients
+    averaged with theirs), found from the step it runs: within 0.1% of DDP's AMP by default and under the recipe's
+    plan; fp32 bit for bit, nothing kept (one device: ``tests/unit/precision/test_low_precision_layers.py``)."""
+    runs = two[0]["fourier"]
+    assert runs[f"{family}:default"]["losses"] == runs[f"{family}:ddp"]["losses"]
+    assert "whose own code raised" not in runs[f"{family}:default"]["summary"]
+    o1 = runs[f"{family}:ddp_bf16"]["losses"]
+    for run in ("default_bf16", "memory_bf16"):
+        facts = runs[f"{family}:{run}"]
+        assert len(o1) == 3 and max_relative_difference(facts["losses"], o1) < 1e-3, run
+        assert "backbone.layers.0.filter, backbone.layers.1.filter (RuntimeError" in facts["summary"], facts["summary"]

@@ -426,5 +426,63 @@ class DinoHeadViT(PatchClassifier):
         return self.last_layer(features) / 0.1
 
 
+class GlobalFilter(nn.Module):
+    """GFNet's token mixer (raoyongming/GFNet): a learned filter applied in the 2-d Fourier domain, its weight taken
+    as complex numbers (``torch.view_as_complex``, which has no bf16 kernel), the input upcast on purpose."""
+
+    def __init__(self, dim: int, side: int = IMAGE // PATCH) -> None:
+        super().__init__()
+        self.complex_weight = nn.Parameter(torch.randn(side, side // 2 + 1, dim, 2) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        side = int(n**0.5)
+        x = torch.fft.rfft2(x.view(b, side, side, c).to(torch.float32), dim=(1, 2), norm="ortho")
+        x = x * torch.view_as_complex(self.complex_weight)
+        return torch.fft.irfft2(x, s=(side, side), dim=(1, 2), norm="ortho").reshape(b, n, c)
+
+
+class AdaptiveFourierMixer(nn.Module):
+    """FourCastNet's AFNO token mixer, one layer of block-diagonal complex weights: the spectrum of the input (upcast
+    to fp32 on purpose) multiplied by its weights in an einsum, the output back in the input's dtype."""
+
+    def __init__(self, dim: int, blocks: int = 2) -> None:
+        super().__init__()
+        self.blocks, self.size = blocks, dim // blocks
+        self.w1 = nn.Parameter(0.02 * torch.randn(2, blocks, self.size, self.size))
+        self.b1 = nn.Parameter(0.02 * torch.randn(2, blocks, self.size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype, (b, n, c) = x.dtype, x.shape
+        side = int(n**0.5)
+        z = torch.fft.rfft2(x.float().reshape(b, side, side, c), dim=(1, 2), norm="ortho")
+        z = z.reshape(b, side, side // 2 + 1, self.blocks, self.size)
+        mix = lambda a, w: torch.einsum("...bi,bio->...bo", a, w)  # noqa: E731
+        real = F.relu(mix(z.real, self.w1[0]) - mix(z.imag, self.w1[1]) + self.b1[0])
+        imag = F.relu(mix(z.imag, self.w1[0]) + mix(z.real, self.w1[1]) + self.b1[1])
+        z = torch.view_as_complex(torch.stack([real, imag], dim=-1)).reshape(b, side, side // 2 + 1, c)
+        return torch.fft.irfft2(z, s=(side, side), dim=(1, 2), norm="ortho").reshape(b, n, c).type(dtype) + x
+
+
+class FourierBlock(nn.Module):
+    """GFNet's block: a norm, the Fourier token mixer, a norm and an MLP."""
+
+    def __init__(self, dim: int, mixer: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.norm1, self.filter, self.norm2 = nn.LayerNorm(dim), mixer(dim), nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm2(self.filter(self.norm1(x))))
+
+
+# Token mixers computing with their weights in the Fourier domain (GFNet, FourCastNet's AFNO): their own code needs
+# fp32 weights, as DDP's AMP keeps them.
+FOURIER: dict[str, Callable[[], nn.Module]] = {
+    "gfnet": lambda: PatchClassifier(32, nn.Sequential(*(FourierBlock(32, GlobalFilter) for _ in range(2)))),
+    "afno": lambda: PatchClassifier(32, nn.Sequential(*(FourierBlock(32, AdaptiveFourierMixer) for _ in range(2)))),
+}
+
+
 # Blocks of different containers that run apart (one of them many times a forward): never one unit.
 APART: dict[str, Callable[[], nn.Module]] = {"hf_mask2former": Mask2FormerLogits}

@@ -32,6 +32,7 @@ from tests.helpers.zoo import (
     APART,
     CLASSES,
     FAMILIES,
+    FOURIER,
     IMAGE,
     PARTS,
     Block,
@@ -64,6 +65,8 @@ class Model(L.LightningModule):
             return TwoPassViT()
         if self.family == "dino_head":
             return DinoHeadViT()
+        if self.family in FOURIER:
+            return FOURIER[self.family]()
         if self.family in PARTS:
             return PARTS[self.family][0]()
         if self.family in APART:
@@ -252,10 +255,20 @@ def parametrized() -> dict:
     return found
 
 
+def fourier() -> dict:
+    """Fourier token mixers (``FOURIER``: GFNet, AFNO), 3 steps: fp32 under DDP and ``VitScaleStrategy()``,
+    ``bf16-mixed`` under DDP (AMP O1) and both plans; the losses and the summary."""
+    runs = {"ddp": (DDP, "32-true"), "default": ({}, "32-true"), "ddp_bf16": (DDP, "bf16-mixed"),
+            "default_bf16": ({}, "bf16-mixed"), "memory_bf16": ({"priority": "memory"}, "bf16-mixed")}
+    return {f"{family}:{name}": fit(Model(family), strategy if strategy == DDP else VitScaleStrategy(**strategy), 2, 3,
+                                    precision)[0]
+            for family in FOURIER for name, (strategy, precision) in runs.items()}
+
+
 def scenarios() -> dict:
     families = {name: (lambda name=name: family(name)) for name in FAMILIES}
     return {"layout": layout, "reused": reused, "two_pass": two_pass, "parts": parts, "apart": apart,
-            "parametrized": parametrized, **families}
+            "parametrized": parametrized, "fourier": fourier, **families}
 
 
 if __name__ == "__main__":

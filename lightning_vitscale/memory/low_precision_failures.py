@@ -1,0 +1,77 @@
+"""Layers whose own code needs fp32 weights under O2, found by the step the planner runs and kept in fp32 beside the
+norms, as DDP's AMP keeps every weight.
+
+DDP's AMP holds fp32 weights and casts at each matmul; O2 hands each layer its weights in bf16. Code written for the
+former breaks on the latter where a layer computes with its weight itself: GFNet's global filter takes
+``torch.view_as_complex`` of its weight ("only supported for half, float and double tensors, but got ... BFloat16"),
+FourCastNet's AFNO multiplies its fp32 spectrum (``x.float()`` on purpose) by its weights in an einsum ("expected m1
+and m2 to have the same dtype, but got: float != c10::BFloat16"). Where the planner's run of the step raises so, the
+innermost module running that holds parameters is kept in fp32, with every module of its class (the same layer in
+each block), and the step measured again: at most :data:`LIMIT` times, never the model itself, a block or a module
+holding one (those stay sharded in the compute dtype), and only for an error that names the compute dtype (any other
+failure is the caller's: a branch on a value falls back to real values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import TypeVar
+
+from torch import nn
+
+from lightning_vitscale.discovery import holds_parameters
+from lightning_vitscale.discovery.calls import Calls
+from lightning_vitscale.precision import PrecisionPolicy
+from lightning_vitscale.precision.fp32_fix import names_dtype
+
+T = TypeVar("T")
+LIMIT = 8
+"""The most runs of the step, each keeping one more class of modules in fp32: a model failing in more is not this
+case."""
+
+
+def measure_keeping_fp32(
+    measure: Callable[[PrecisionPolicy], T], record: Calls, model: nn.Module, policy: PrecisionPolicy,
+    blocks: Collection[str],
+) -> T:
+    """``measure(policy)``, again with each module that raised in the compute dtype kept in fp32 (their names and
+    torch's errors in ``record.kept_fp32``); the last error where that does not help."""
+    kept: dict[str, str] = {}
+    while True:
+        try:
+            measured = measure(policy.keeping_fp32(kept))
+        except Exception as error:
+            name = _needing_fp32(model, record, policy, kept, blocks, error)
+            if name is None:
+                raise
+            why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            kept.update(dict.fromkeys(_alike(model, name, blocks), why))  # each block's: one more run, not one each
+            record.clear()
+            continue
+        record.kept_fp32.update(kept)
+        return measured
+
+
+def _needing_fp32(
+    model: nn.Module, record: Calls, policy: PrecisionPolicy, kept: Collection[str], blocks: Collection[str],
+    error: Exception,
+) -> str | None:
+    """The module to keep in fp32 for ``error``, or ``None``: not a failure of the compute dtype's weights."""
+    classes = {type(model.get_submodule(name)) for name in kept}
+    if len(classes) >= LIMIT or not names_dtype(error, policy.compute):
+        return None
+    if policy.keeping_fp32({""}) is policy:  # nothing can be kept in fp32 under this policy ("bf16-true")
+        return None
+    name = record.where
+    while name and not holds_parameters(model.get_submodule(name)):
+        name = name.rpartition(".")[0]
+    if not name or name in kept or any(block == name or block.startswith(f"{name}.") for block in blocks):
+        return None
+    return name
+
+
+def _alike(model: nn.Module, name: str, blocks: Collection[str]) -> list[str]:
+    """``name`` and every module of its class outside the blocks' own level (the same layer in each block)."""
+    kind = type(model.get_submodule(name))
+    return [other for other, module in model.named_modules() if type(module) is kind and other
+            and not any(block == other or block.startswith(f"{other}.") for block in blocks)]
