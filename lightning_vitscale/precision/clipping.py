@@ -47,6 +47,8 @@ def _local_norm(local: torch.Tensor, norm_type: float) -> torch.Tensor:
     infinity norm of an empty tensor (0 is the identity of the max over ranks; a p-norm of nothing is 0 too)."""
     if local.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=local.device)
+    if local.is_complex():  # of the magnitudes, as torch's clip_grad_norm_ (a complex dtype= is all it takes)
+        return torch.linalg.vector_norm(local, norm_type).to(torch.float32)
     return torch.linalg.vector_norm(local, norm_type, dtype=torch.float32)
 
 

@@ -14,10 +14,12 @@ from lightning_vitscale.distributed.mesh import all_reduce_over
 
 
 def local_groups(grads: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    """The gradients' local shards grouped by device and dtype, as fused multi-tensor ops take them."""
+    """The gradients' local shards grouped by device and dtype, as fused multi-tensor ops take them; a complex one as
+    the real view of its parts (the fused check has no complex kernel; unscaled in place through the view)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for grad in grads:
         local = dtensor_local(grad)
+        local = torch.view_as_real(local) if local.is_complex() else local
         groups[(local.device, local.dtype)].append(local)
     return groups
 

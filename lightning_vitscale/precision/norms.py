@@ -125,10 +125,11 @@ class ReplicatedNorms:
         grads = [cast(DTensor, p.grad).to_local() for p in self.params if p.grad is not None]  # DTensors' grads
         if not grads:
             return 0
-        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
+        reals = [torch.view_as_real(g) if g.is_complex() else g for g in grads]  # a complex one: its two parts
+        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in reals])
         all_reduce_over(flat, self.mesh)  # SUM: gloo has no AVG
         flat.div_(self.mesh.size())
-        for grad, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+        for grad, chunk in zip(reals, flat.split([g.numel() for g in reals])):
             grad.copy_(chunk.view_as(grad))
         return sum(1 for dim in range(self.mesh.ndim) if self.mesh.size(dim) > 1)
 

@@ -205,8 +205,10 @@ def select_units(model: nn.Module, selector: ModuleSelector | None, calls: Calls
 
 def refuse_unshardable_parameters(model: nn.Module) -> None:
     """Parameters nothing can shard, refused before the planner measures anything, naming them and the fix: a lazy
-    module's (``nn.LazyLinear``: no shape until a forward; DDP refuses them at setup too). 0-dim ones, which FSDP2
-    refuses, are held replicated (``scalar_parameters.py``)."""
+    module's (``nn.LazyLinear``: no shape until a forward; DDP refuses them at setup too), an embedding's with sparse
+    gradients (FSDP's reduce-scatter has no sparse kernel: the first backward raised torch's "Could not run
+    'fsdp::chunk_cat' with arguments from the 'SparseCPU' backend"). 0-dim and complex ones, which FSDP2 refuses, are
+    held replicated (``scalar_parameters.py``)."""
     named = list(model.named_parameters())
     lazy = [name for name, p in named if isinstance(p, nn.parameter.UninitializedParameter)]
     if lazy:
@@ -215,6 +217,13 @@ def refuse_unshardable_parameters(model: nn.Module) -> None:
             " (nn.LazyLinear and the like), which VitScaleStrategy cannot shard before they have a shape. Run the"
             " model once on a batch before `trainer.fit` (as DDP requires), or build those layers with their input"
             " size (e.g. nn.Linear(in_features, out_features))."
+        )
+    sparse = [name for name, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise ValueError(
+            f"{type(model).__name__} has {len(sparse)} embedding(s) with sparse gradients ({_shown(sparse)}:"
+            " `sparse=True`), which FSDP cannot reduce-scatter (DDP all-reduces them). Build them with"
+            " `sparse=False` (the default): dense gradients, which AdamW and most optimizers need anyway."
         )
 
 

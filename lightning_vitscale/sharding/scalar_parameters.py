@@ -1,5 +1,7 @@
-"""0-dim parameters (a learnable temperature: CLIP's and open_clip's ``logit_scale``), which FSDP2 cannot shard
-("fully_shard doesn't support scalar parameters"), trained as DDP trains them.
+"""0-dim parameters (a learnable temperature: CLIP's and open_clip's ``logit_scale``) and complex ones (a Fourier
+neural operator's spectral weights, ``torch.cfloat``), which FSDP2 cannot shard ("fully_shard doesn't support scalar
+parameters"; "FSDP expects uniform original parameter dtype but got {torch.float32, torch.complex64}"), trained as
+DDP trains them.
 
 They are held as the fp32 norms are (``precision/norms.py``): replicated DTensors outside the FSDP units, in their
 own dtype, each rank's gradient averaged at the end of backward in the norms' one all-reduce, so their values and the
@@ -41,19 +43,19 @@ class _Computing:
     depth = 0
 
 
-def find_scalar_parameters(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
-    """(qualified name, owner, attribute) of each 0-dim parameter slot, a tied one once per owner; parameters already
-    held replicated (a norm's) are left out."""
+def find_unshardable_parameters(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(qualified name, owner, attribute) of each 0-dim or complex parameter slot, a tied one once per owner;
+    parameters already held replicated (a norm's) are left out."""
     found = []
     for prefix, module in model.named_modules():  # a module held twice: once
         held = held_parameters(module) or {}
         for attr, param in parameter_slots(module).items():
-            if param is not None and param.dim() == 0 and attr not in held:
+            if param is not None and (param.dim() == 0 or param.is_complex()) and attr not in held:
                 found.append((f"{prefix}.{attr}" if prefix else attr, module, attr))
     return found
 
 
-def replicate_scalars(
+def replicate_unshardable(
     model: nn.Module, found: list[tuple[str, nn.Module, str]], replicas: ReplicatedNorms
 ) -> None:
     """Hold each found parameter replicated by ``replicas`` (its values prepared already), its owner showing a

@@ -37,7 +37,7 @@ from lightning_vitscale.sharding.pipeline_facts import (
     TensorParallelFacts,
     UnitFacts,
 )
-from lightning_vitscale.sharding.scalar_parameters import find_scalar_parameters, replicate_scalars
+from lightning_vitscale.sharding.scalar_parameters import find_unshardable_parameters, replicate_unshardable
 from lightning_vitscale.sharding.settings import unit_reshard
 from lightning_vitscale.sharding.skipped_blocks import zero_gradients_for_unused
 from lightning_vitscale.sharding.tensor_parallel import same_values_everywhere, split_block
@@ -208,12 +208,12 @@ def replicate_norms(
 
 
 def _replicate_scalars(model: nn.Module, mesh: DeviceMesh, norms: NormFacts, weights: InitialWeights) -> NormFacts:
-    """0-dim parameters, which FSDP2 cannot shard, replicated with the norms (made for them where there are none:
-    a full-precision model), their values prepared as the norms' are."""
-    found = find_scalar_parameters(model)
+    """0-dim and complex parameters, which FSDP2 cannot shard, replicated with the norms (made for them where there
+    are none: a full-precision model), their values prepared as the norms' are."""
+    found = find_unshardable_parameters(model)
     if not found:
         return norms
     weights.prepare_parameters([(owner, attr) for _, owner, attr in found])
     replicated = norms.replicated or ReplicatedNorms([], mesh)
-    replicate_scalars(model, found, replicated)
+    replicate_unshardable(model, found, replicated)
     return NormFacts(norms.modules, replicated, [name for name, _, _ in found])

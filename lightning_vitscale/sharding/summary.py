@@ -209,7 +209,8 @@ def _notes(facts: PipelineFacts) -> list[str]:
                      " inputs are (x.to(memory_format=torch.channels_last))")
     scalars = facts.norms.scalars
     if scalars:
-        notes.append(f"{len(scalars)} 0-dim parameter(s) ({_abbrev(scalars)}), which FSDP2 cannot shard: replicated"
+        notes.append(f"{len(scalars)} 0-dim or complex parameter(s) ({_abbrev(scalars)}), which FSDP2 cannot shard:"
+                     " replicated"
                      " outside the units in their own dtype, gradients averaged with one all-reduce per step")
     if facts.init.not_reproduced:
         notes.append(f"{len(facts.init.not_reproduced)} meta tensor(s) whose init could not be reproduced (warned)")

@@ -476,6 +476,43 @@ class FourierBlock(nn.Module):
         return x + self.mlp(self.norm2(self.filter(self.norm1(x))))
 
 
+class SpectralConv2d(nn.Module):
+    """The Fourier neural operator's layer as its reference code writes it (neuraloperator's ``fourier_2d.py``): the
+    lowest ``modes`` frequencies of each channel mixed by complex weights (``torch.cfloat`` parameters)."""
+
+    def __init__(self, channels: int, modes: int = 2) -> None:
+        super().__init__()
+        scale = 1 / (channels * channels)
+        self.modes = modes
+        self.weights1 = nn.Parameter(scale * torch.rand(channels, channels, modes, modes, dtype=torch.cfloat))
+        self.weights2 = nn.Parameter(scale * torch.rand(channels, channels, modes, modes, dtype=torch.cfloat))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m, (h, w) = self.modes, x.shape[-2:]
+        x_ft = torch.fft.rfft2(x)
+        out = torch.zeros(x.shape[0], self.weights1.shape[1], h, w // 2 + 1, dtype=torch.cfloat, device=x.device)
+        out[:, :, :m, :m] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, :m, :m], self.weights1)
+        out[:, :, -m:, :m] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, -m:, :m], self.weights2)
+        return torch.fft.irfft2(out, s=(h, w))
+
+
+class FourierOperator(nn.Module):
+    """An FNO as an image classifier: a lifting convolution, blocks of a spectral convolution beside a 1x1 one."""
+
+    def __init__(self, channels: int = 8, depth: int = 2) -> None:
+        super().__init__()
+        self.lift = nn.Conv2d(3, channels, 1)
+        self.spectral = nn.ModuleList(SpectralConv2d(channels) for _ in range(depth))
+        self.pointwise = nn.ModuleList(nn.Conv2d(channels, channels, 1) for _ in range(depth))
+        self.head = nn.Linear(channels, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.lift(x)
+        for spectral, pointwise in zip(self.spectral, self.pointwise):
+            x = F.gelu(spectral(x) + pointwise(x))
+        return self.head(x.mean((2, 3)))
+
+
 # Token mixers computing with their weights in the Fourier domain (GFNet, FourCastNet's AFNO): their own code needs
 # fp32 weights, as DDP's AMP keeps them.
 FOURIER: dict[str, Callable[[], nn.Module]] = {

@@ -37,6 +37,7 @@ from tests.helpers.zoo import (
     PARTS,
     Block,
     DinoHeadViT,
+    FourierOperator,
     LucidViT,
     SharedBlockViT,
     TwoPassViT,
@@ -67,6 +68,8 @@ class Model(L.LightningModule):
             return DinoHeadViT()
         if self.family in FOURIER:
             return FOURIER[self.family]()
+        if self.family == "fno":
+            return FourierOperator()
         if self.family in PARTS:
             return PARTS[self.family][0]()
         if self.family in APART:
@@ -265,10 +268,41 @@ def fourier() -> dict:
             for family in FOURIER for name, (strategy, precision) in runs.items()}
 
 
+def complex_weights() -> dict:
+    """A Fourier neural operator (complex weights, ``FourierOperator``): under DDP and ``VitScaleStrategy()``, fp32
+    with gradients clipped for 2 steps, saved with ``trainer.save_checkpoint`` and resumed from it for 2 more; then
+    ``bf16-mixed`` (DDP's AMP O1, the recipe's O2) for 3. The losses, and each complex weight's sum of magnitudes
+    after the resumed fit."""
+    import sys
+    from pathlib import Path
+
+    found = {}
+    for name in ("ddp", "default"):
+        path = str(Path(sys.argv[1]) / f"fno_{name}.ckpt")
+        make = lambda name=name: DDP if name == "ddp" else VitScaleStrategy()  # noqa: E731
+        first, second = Model("fno"), Model("fno")
+        kwargs = dict(accelerator="cpu", devices=WORLD, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.5)
+        trainer = L.Trainer(strategy=make(), max_steps=2, **kwargs)
+        trainer.fit(first, data(GLOBAL_BATCH // 2, 4))
+        trainer.save_checkpoint(path)
+        resumed = L.Trainer(strategy=make(), max_steps=4, **kwargs)
+        resumed.fit(second, data(GLOBAL_BATCH // 2, 4), ckpt_path=path)
+        with torch.no_grad():
+            sums = {key: value.abs().sum().item() for key, value in second.backbone.state_dict().items()
+                    if value.is_complex()}
+        found[name] = {"losses": first.losses + second.losses, "sums": sums}
+        if name == "default":
+            found[name]["summary"] = trainer.strategy.plan.summary()
+    found["ddp_bf16"] = fit(Model("fno"), DDP, 2, 3, "bf16-mixed")[0]
+    found["default_bf16"] = fit(Model("fno"), VitScaleStrategy(), 2, 3, "bf16-mixed")[0]
+    return found
+
+
 def scenarios() -> dict:
     families = {name: (lambda name=name: family(name)) for name in FAMILIES}
     return {"layout": layout, "reused": reused, "two_pass": two_pass, "parts": parts, "apart": apart,
-            "parametrized": parametrized, "fourier": fourier, **families}
+            "parametrized": parametrized, "fourier": fourier, "complex_weights": complex_weights, **families}
 
 
 if __name__ == "__main__":

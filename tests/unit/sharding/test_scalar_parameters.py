@@ -44,7 +44,7 @@ def test_0_dim_parameters_train_as_under_ddp(plain, plan):
     assert scalars(ours) == scalars(plain)
     assert ours.temperatures == plain.temperatures and ours.temperatures[2:] == [FLOOR, FLOOR]  # the clamp acted
     summary = strategy.plan.summary()
-    assert "6 0-dim parameter(s) (margin, net.logit_scale, net.image.blocks.0.gate, ... +3)" in summary
+    assert "6 0-dim or complex parameter(s) (margin, net.logit_scale, net.image.blocks.0.gate, ... +3)" in summary
     if plan == "memory":
         assert "checkpointed blocks : 4 of 4" in summary
 
@@ -146,14 +146,52 @@ def test_a_shared_owner_is_found_once_and_a_tied_parameter_replicated_once(mesh)
     (its gradient, from both uses, reaches one parameter). Mutation seen failing: ``named_modules(remove_duplicate=
     False)`` (the shared block found twice)."""
     from lightning_vitscale.precision import ReplicatedNorms
-    from lightning_vitscale.sharding.scalar_parameters import find_scalar_parameters, replicate_scalars
+    from lightning_vitscale.sharding.scalar_parameters import find_unshardable_parameters, replicate_unshardable
     from tests.helpers.contrastive import GatedBlock
 
     shared, first, second = GatedBlock(), GatedBlock(), GatedBlock()
     second.gate = first.gate
     model = nn.ModuleDict({"a": shared, "b": shared, "first": first, "second": second})
-    found = find_scalar_parameters(model)
+    found = find_unshardable_parameters(model)
     assert [name for name, _, _ in found] == ["a.gate", "first.gate", "second.gate"]
     replicas = ReplicatedNorms([], mesh)
-    replicate_scalars(model, found, replicas)
+    replicate_unshardable(model, found, replicas)
     assert first.gate is second.gate and isinstance(first.gate, DTensor) and len(replicas.params) == 2
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_complex_parameters_train_as_under_ddp_on_one_device(precision):
+    """A Fourier neural operator's ``torch.cfloat`` weights (``tests/helpers/zoo.py``: ``FourierOperator``), which
+    FSDP2 refused at setup ("FSDP expects uniform original parameter dtype"), are held as 0-dim ones are, with
+    gradient clipping on: DDP's losses (fp32 bit for bit; DDP's AMP within 1e-4). 2 ranks, checkpoint resume too:
+    ``tests/distributed/test_zoo.py``."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.helpers.zoo import CLASSES, IMAGE, FourierOperator
+
+    class Operator(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net, self.losses = FourierOperator(), []
+
+        def training_step(self, batch, batch_idx):
+            loss = torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(12, 3, IMAGE, IMAGE, generator=g), torch.randint(0, CLASSES, (12,), generator=g))
+    runs = {}
+    for name, strategy in (("ddp", "ddp"), ("ours", VitScaleStrategy())):
+        model = Operator()
+        L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_steps=3, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  gradient_clip_val=0.5).fit(model, DataLoader(data, batch_size=4))
+        runs[name] = model.losses
+    assert len(runs["ddp"]) == 3
+    tolerance = 0 if precision == "32-true" else 1e-4
+    assert max(abs(a - b) / abs(b) for a, b in zip(runs["ours"], runs["ddp"])) <= tolerance

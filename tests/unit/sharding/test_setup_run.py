@@ -362,6 +362,29 @@ def test_a_lazy_module_is_refused_at_setup_naming_the_fix():
         fit_losses(VitScaleStrategy(), make=LazyHeadNet)
 
 
+class SparseEmbeddingNet(TiedNet):
+    """TiedNet with an ``nn.Embedding(sparse=True)`` added to its output (a class embedding looked up per sample)."""
+
+    def __init__(self) -> None:
+        super().__init__("outside")
+        self.table = nn.Embedding(4, 8, sparse=True)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return super().training_step((x + self.table(torch.zeros(x.shape[:2], dtype=torch.long)), y), batch_idx)
+
+
+def test_an_embedding_with_sparse_gradients_is_refused_at_setup_naming_the_fix():
+    """FSDP's reduce-scatter has no sparse kernel: the first backward raised torch's "Could not run 'fsdp::chunk_cat'
+    with arguments from the 'SparseCPU' backend" (DDP all-reduces sparse gradients). Found 2026-12-06 trying layouts.
+    Mutation seen failing: the check removed (torch's error in the first backward)."""
+    from lightning_vitscale import VitScaleStrategy
+
+    expected = r"1 embedding\(s\) with sparse gradients \(table: `sparse=True`\).*sparse=False"
+    with pytest.raises(ValueError, match=expected):
+        fit_losses(VitScaleStrategy(), make=SparseEmbeddingNet)
+
+
 def test_a_soft_moe_vit_is_planned_and_sharded_by_its_blocks_not_its_experts():
     """The planner measures what parallelize shards: both find the Soft-MoE blocks from the measured step (the
     structure alone gives the experts; ``tests/unit/discovery/test_blocks.py``), the default's plan is measured
