@@ -50,7 +50,7 @@ def to_row_shards(root: nn.Module, mesh: DeviceMesh, device: torch.device, skip:
         for name, param in list(params.items()):
             if param is None or id(param) in skip or isinstance(param, DTensor):
                 continue
-            if id(param) not in made:  # no 0-dim one: setup refused them (parallelize.refuse_unshardable_parameters)
+            if id(param) not in made:  # no 0-dim or complex one: held replicated (scalar_parameters.py)
                 local = param.detach() if param.is_meta else param.detach().to(device)  # meta: the init fills it
                 sharded = DTensor.from_local(local, mesh, placements, run_check=False)
                 made[id(param)] = nn.Parameter(sharded, requires_grad=param.requires_grad)

@@ -203,34 +203,6 @@ def select_units(model: nn.Module, selector: ModuleSelector | None, calls: Calls
     return units
 
 
-def refuse_unshardable_parameters(model: nn.Module) -> None:
-    """Parameters nothing can shard, refused before the planner measures anything, naming them and the fix: a lazy
-    module's (``nn.LazyLinear``: no shape until a forward; DDP refuses them at setup too), an embedding's with sparse
-    gradients (FSDP's reduce-scatter has no sparse kernel: the first backward raised torch's "Could not run
-    'fsdp::chunk_cat' with arguments from the 'SparseCPU' backend"). 0-dim and complex ones, which FSDP2 refuses, are
-    held replicated (``scalar_parameters.py``)."""
-    named = list(model.named_parameters())
-    lazy = [name for name, p in named if isinstance(p, nn.parameter.UninitializedParameter)]
-    if lazy:
-        raise ValueError(
-            f"{type(model).__name__} has {len(lazy)} uninitialized parameter(s) ({_shown(lazy)}) of lazy modules"
-            " (nn.LazyLinear and the like), which VitScaleStrategy cannot shard before they have a shape. Run the"
-            " model once on a batch before `trainer.fit` (as DDP requires), or build those layers with their input"
-            " size (e.g. nn.Linear(in_features, out_features))."
-        )
-    sparse = [name for name, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
-    if sparse:
-        raise ValueError(
-            f"{type(model).__name__} has {len(sparse)} embedding(s) with sparse gradients ({_shown(sparse)}:"
-            " `sparse=True`), which FSDP cannot reduce-scatter (DDP all-reduces them). Build them with"
-            " `sparse=False` (the default): dense gradients, which AdamW and most optimizers need anyway."
-        )
-
-
-def _shown(names: list[str]) -> str:
-    return ", ".join(names[:3]) + (f", ... +{len(names) - 3}" if len(names) > 3 else "")
-
-
 def _reused_instead_of_blocks(
     model: nn.Module, found: list[Unit], resolved: ResolvedConfig, calls: Calls | None
 ) -> list[tuple[str, str, int]]:

@@ -26,7 +26,7 @@ from lightning_vitscale.sharding.activation_checkpointing import mark_parent_che
 from lightning_vitscale.sharding.buffer_sync import BufferSync
 from lightning_vitscale.sharding.deferred_compile import DeferredCompile
 from lightning_vitscale.sharding.outer_unit import OuterUnit
-from lightning_vitscale.sharding.parallelize import Parallelized, parallelize, refuse_unshardable_parameters
+from lightning_vitscale.sharding.parallelize import Parallelized, parallelize
 from lightning_vitscale.sharding.parameter_writes import make_parameters_assignable
 from lightning_vitscale.sharding.planning import agreed_budget, plan_before_sharding, plans_from_batch
 from lightning_vitscale.sharding.refused_callbacks import refuse_unshardable_callbacks
@@ -38,6 +38,7 @@ from lightning_vitscale.sharding.stand_ins import StandIns
 from lightning_vitscale.sharding.summary import SetupSummary
 from lightning_vitscale.sharding.traffic import layout_report
 from lightning_vitscale.sharding.unit_members import outer_unit_parameters
+from lightning_vitscale.sharding.unshardable import refuse_unshardable_parameters
 from lightning_vitscale.sharding.user_grad_hooks import UserGradientHooks
 
 _SHARDED_ATTR = "_vitscale_sharded_model"

@@ -385,6 +385,33 @@ def test_an_embedding_with_sparse_gradients_is_refused_at_setup_naming_the_fix()
         fit_losses(VitScaleStrategy(), make=SparseEmbeddingNet)
 
 
+class ScriptedNet(TiedNet):
+    """TiedNet with a scripted head (``scripted="head"``: TorchScript holding parameters) or a scripted activation
+    inside each block (``"activation"``)."""
+
+    def __init__(self, scripted: str) -> None:
+        super().__init__("outside")
+        if scripted == "head":
+            self.head = torch.jit.script(nn.Linear(8, 3))
+        else:
+            for block in self.blocks:
+                block.append(torch.jit.script(nn.GELU()))
+
+
+@pytest.mark.parametrize("scripted", ["head", "activation"])
+def test_a_torchscript_module_is_refused_at_setup_naming_the_fix(scripted):
+    """A scripted head: setup raised torch's "register_load_state_dict_post_hook is not supported on ScriptModules";
+    a scripted activation in each block: the planner's replay of a block and torch's own non-reentrant checkpointing
+    fail inside it (an empty "operation failed in the TorchScript interpreter"). Found 2026-12-06 trying layouts;
+    DDP trains both. Mutation seen failing: the check removed (torch's errors)."""
+    from lightning_vitscale import VitScaleStrategy
+
+    where = "head" if scripted == "head" else r"blocks.0.2, blocks.1.2, blocks.2.2, \.\.\. \+1"
+    expected = rf"TorchScript module\(s\) \({where}: .*drop torch.jit.script"
+    with pytest.raises(ValueError, match=expected):
+        fit_losses(VitScaleStrategy(priority="memory"), make=lambda: ScriptedNet(scripted))
+
+
 def test_a_soft_moe_vit_is_planned_and_sharded_by_its_blocks_not_its_experts():
     """The planner measures what parallelize shards: both find the Soft-MoE blocks from the measured step (the
     structure alone gives the experts; ``tests/unit/discovery/test_blocks.py``), the default's plan is measured
