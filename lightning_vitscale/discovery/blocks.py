@@ -66,7 +66,7 @@ def _inner_blocks(name: str, module: nn.Module, ran: Ran | None) -> list[tuple[s
     found: list[tuple[str, nn.Module]] = []
     for inner, block in _discover(module, f"{name}.", ran):
         relative = inner[len(name) + 1:]
-        if not _alike_siblings(module, relative, block):
+        if not _alike_siblings(module, relative, block) or _in_branches(module, relative):
             relative = _made_by(module, relative)
             if not relative:
                 return []  # parts of ``module`` itself (an MBConv's convolutions): it is the block
@@ -97,6 +97,24 @@ def _alike_siblings(module: nn.Module, name: str, block: nn.Module) -> bool:
     parent = module.get_submodule(name.rpartition(".")[0])
     siblings = [child for child in parent.children() if holds_parameters(child)]
     return {_signature(child) for child in siblings} == {_signature(block)} and not _widths_change(siblings)
+
+
+def _in_branches(module: nn.Module, name: str) -> bool:
+    """Whether a container above ``name`` (inside ``module``) is one of alike containers beside siblings of another
+    kind: the branches of one block (GoogLeNet's Inception: two ``Sequential`` s of two convolutions beside a lone
+    convolution and a pooling branch), whose parts are no blocks. A stage's container of blocks has no alike
+    sibling (a Swin stage's ``blocks`` beside its ``downsample``)."""
+    path = name.split(".")
+    for depth in range(1, len(path)):
+        container = ".".join(path[:depth])
+        held = module.get_submodule(container)
+        if not isinstance(held, _CONTAINERS):
+            continue
+        parent = module.get_submodule(container.rpartition(".")[0])
+        alike = sum(1 for child in parent.children() if _signature(child) == _signature(held))
+        if alike >= 2 and not _alike_siblings(module, container, held):
+            return True
+    return False
 
 
 def _widths_change(siblings: list[nn.Module]) -> bool:

@@ -175,8 +175,10 @@ def test_a_block_made_of_repeated_parts_is_the_unit_and_trains_as_ddp(two, famil
     """torchvision's MaxViT and EfficientNet: before, the repeated parts inside each block were the units (MaxViT's
     window and grid attention, EfficientNet's convolutions) and the rest of every block stayed in the outer unit
     (MaxViT-T: 44 units over 79% of the model; EfficientNet-B0: 36%). Now the block is, as in the recipe; both train
-    as DDP by default and with a unit per block; HF's ResNet (its conv layers were the units) too. Mutations seen
-    failing: ``blocks._alike_siblings`` always True; ``blocks._widths_change`` always False (hf_resnet)."""
+    as DDP by default and with a unit per block; HF's ResNet (its conv layers were the units) and GoogLeNet (the
+    convolutions of its Inception blocks' alike branches were) too. Mutations seen failing: ``blocks._alike_siblings``
+    always True; ``blocks._widths_change`` always False (hf_resnet); ``blocks._in_branches`` always False
+    (googlenet)."""
     ddp = two[0]["parts"][f"{family}:ddp"]["losses"]
     expected = PARTS[family][1]
     for run in ("default", "memory"):

@@ -367,6 +367,20 @@ def hf_resnet() -> nn.Module:
               layer_type="bottleneck")
 
 
+class GoogLeNetLogits(nn.Module):
+    """torchvision's GoogLeNet on 32-pixel images (its five poolings need them): each Inception block's branches are
+    a lone convolution, two alike ``Sequential`` s of two convolutions and a pooling branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchvision.models import googlenet
+
+        self.net = googlenet(aux_logits=False, init_weights=False, num_classes=CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(F.interpolate(x, size=32))
+
+
 # Blocks made of repeated parts of another kind beside each other (the convolutions of an MBConv, a MaxViT layer's
 # two attentions beside its MBConv), or of alike parts of changing widths (a bottleneck's): the block is the unit,
 # never its parts. Each with the blocks found.
@@ -374,6 +388,7 @@ PARTS: dict[str, tuple[Callable[[], nn.Module], dict[str, int]]] = {
     "torchvision_maxvit": (torchvision_maxvit, {"MaxVitLayer": 2}),
     "torchvision_efficientnet": (torchvision_efficientnet, {"Conv2dNormActivation": 2, "MBConv": 4}),
     "hf_resnet": (hf_resnet, {"ResNetBottleNeckLayer": 4}),
+    "torchvision_googlenet": (GoogLeNetLogits, {"BasicConv2d": 3, "Inception": 9}),
 }
 
 

@@ -40,6 +40,18 @@ def test_torchvision_families():
         assert swin["SwinTransformerBlock"] == 12
 
 
+def test_the_branches_of_an_inception_block_are_its_parts():
+    """GoogLeNet's Inception block holds a lone convolution, two alike ``Sequential`` s of two convolutions and a
+    pooling branch: the convolutions of those two were found as blocks (39 units over 63% of GoogLeNet's parameters),
+    now the Inception block is (12 over 85%; S3D's 40 over 68% now 13 over 95%); Inception v3's blocks hold their
+    convolutions directly, alike, and stay cut finer. Mutation seen failing: ``_in_branches`` always False."""
+    tv = pytest.importorskip("torchvision")
+    with torch.device("meta"):
+        assert discovered(tv.models.googlenet(aux_logits=False, init_weights=False)) == {
+            "BasicConv2d": 3, "Inception": 9}
+        assert discovered(tv.models.video.s3d()) == {"Conv3dNormActivation": 4, "SepInceptionBlock3D": 9}
+
+
 def test_hf_swin_finds_blocks_inside_every_stage():
     transformers = pytest.importorskip("transformers")
     config = transformers.SwinConfig(image_size=64, embed_dim=32, depths=[2, 3, 2], num_heads=[2, 2, 4])
