@@ -6,8 +6,8 @@ former breaks on the latter where a layer computes with its weight itself: GFNet
 ``torch.view_as_complex`` of its weight ("only supported for half, float and double tensors, but got ... BFloat16"),
 FourCastNet's AFNO multiplies its fp32 spectrum (``x.float()`` on purpose) by its weights in an einsum ("expected m1
 and m2 to have the same dtype, but got: float != c10::BFloat16"). Where the planner's run of the step raises so, the
-innermost module running that holds parameters is kept in fp32, with every module of its class (the same layer in
-each block), and the step measured again: at most :data:`LIMIT` times, never the model itself, a block or a module
+innermost module running that holds parameters is kept in fp32, with the same layer of every other block, and the
+step measured again: at most :data:`LIMIT` times, never the model itself, a block or a module
 holding one (those stay sharded in the compute dtype), and only for an error that names the compute dtype (any other
 failure is the caller's: a branch on a value falls back to real values).
 """
@@ -71,7 +71,19 @@ def _needing_fp32(
 
 
 def _alike(model: nn.Module, name: str, blocks: Collection[str]) -> list[str]:
-    """``name`` and every module of its class outside the blocks' own level (the same layer in each block)."""
-    kind = type(model.get_submodule(name))
-    return [other for other, module in model.named_modules() if type(module) is kind and other
-            and not any(block == other or block.startswith(f"{other}.") for block in blocks)]
+    """``name`` and, inside a block, the same layer of every other block (the same path below it, of the same
+    class): one more run of the step for all of them. Never every module of a class: a torch layer's class (an
+    ``nn.Linear``) is in every block, in fp32 it would be the whole model."""
+    block = next((b for b in blocks if name.startswith(f"{b}.")), None)
+    if block is None:
+        return [name]
+    below, kind = name[len(block) + 1:], type(model.get_submodule(name))
+    found = []
+    for other in blocks:
+        try:
+            module = model.get_submodule(f"{other}.{below}")
+        except AttributeError:
+            continue
+        if type(module) is kind:
+            found.append(f"{other}.{below}")
+    return found or [name]

@@ -84,3 +84,18 @@ def test_without_a_step_at_setup_the_first_steps_error_names_the_fix_and_the_fix
     ours = _fit("gfnet", VitScaleStrategy(), "bf16-mixed", plugins=[plugin], stream=True)[0]
     amp = _fit("gfnet", "ddp", "bf16-mixed", stream=True)[0]
     assert len(amp) == 3 and max_relative_difference(ours, amp) < 1e-3
+
+
+def test_the_same_layer_of_each_block_is_kept_never_every_layer_of_its_class():
+    """One more run of the step keeps the failing layer of every block (``blocks.0.filter`` -> each block's
+    ``filter``), never every module of its class: a failing ``nn.Linear`` would otherwise keep the whole model in
+    fp32. Outside the blocks the module alone."""
+    from torch import nn
+
+    from lightning_vitscale.memory.low_precision_failures import _alike
+
+    model = FOURIER["gfnet"]()
+    blocks = ["layers.0", "layers.1"]
+    assert _alike(model, "layers.0.filter", blocks) == ["layers.0.filter", "layers.1.filter"]
+    assert _alike(model, "layers.1.mlp.0", blocks) == ["layers.0.mlp.0", "layers.1.mlp.0"]  # not the head
+    assert isinstance(model.head, nn.Linear) and _alike(model, "head", blocks) == ["head"]
