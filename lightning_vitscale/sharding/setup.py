@@ -205,7 +205,9 @@ def _skipped_blocks(
 
 
 def _note_full_precision(summary: SetupSummary, calls: Calls, compute: torch.dtype) -> None:
-    kept = [name for name in summary.fp32_modules if name in calls.full_precision]
+    # The modules named, where they or layers inside them are kept (a parametrized head holds its weight in a child)
+    kept = sorted(name for name in calls.full_precision
+                  if any(m == name or m.startswith(f"{name}.") for m in summary.fp32_modules))
     if kept:
         summary.notes.append(
             f"{len(kept)} module(s) the step runs inside its own `torch.autocast(..., enabled=False)` kept in fp32"

@@ -87,6 +87,20 @@ def test_a_head_the_step_computes_in_fp32_computes_in_fp32(priority):
     assert note.endswith(": head") and "1 module(s)" in note and "head" in strategy.plan.fp32_modules
 
 
+def test_a_parametrized_head_the_step_computes_in_fp32_is_kept_and_named():
+    """A weight-normalized head without a bias (``parametrizations.weight_norm``: its parameters live in a child,
+    ``head.parametrizations.weight``) run in the step's own fp32 region: kept in fp32 through that child, and the
+    note names the head the step ran. Before, the note matched the kept modules' own names only and said nothing.
+    Mutation seen failing: the note's match by name alone."""
+    model = Net(fp32_head=True)
+    model.head = nn.utils.parametrizations.weight_norm(nn.Linear(16, 4, bias=False))  # no parameter of its own
+    strategy = fit(model, VitScaleStrategy())
+    assert model.dtypes == [torch.float32] * 3
+    assert "head.parametrizations.weight" in strategy.plan.fp32_modules and "head" not in strategy.plan.fp32_modules
+    note = next(n for n in strategy.plan.notes if "kept in fp32" in n)
+    assert note.endswith(": head") and "1 module(s)" in note
+
+
 def test_checkpointing_s_recompute_is_no_fp32_region_of_the_step():
     """``torch.utils.checkpoint`` recomputes a block inside an autocast region of its own that restores the forward's
     state (autocast off under O2): without the backward check the planner's checkpointed measurement made the
