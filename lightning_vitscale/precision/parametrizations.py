@@ -2,9 +2,9 @@
 user's own) computed in the master dtype under the mixed flags, as DDP's AMP computes them from its fp32 weights.
 
 O2 gathers a unit's parameters in bf16, a parametrization's originals among them, so the weight a layer uses was
-computed from them in bf16: ``orthogonal``'s matrix exponential drifted off orthogonality (a loss of 5.25 where DDP's
-AMP gave 2.30 two steps in), and ``spectral_norm``'s power iteration met its fp32 vectors (saved buffers) with a bf16
-weight and raised ("addmv input tensors must have the same dtype"). Here each parametrization takes its inputs in
+computed from them in bf16 (a norm over a row in bf16; ``orthogonal``'s matrix exponential or Householder product in
+bf16), and ``spectral_norm``'s power iteration met its fp32 vectors (saved buffers) with a bf16 weight and raised
+("addmv input tensors must have the same dtype"). Here each parametrization takes its inputs in
 the master dtype (the gathered originals, upcast: what the unit holds is bf16, the arithmetic on it is fp32), and the
 weight it makes goes to the layer in the dtype the unit gathered, so the layer itself computes as O2. The modules
 inside a parametrization keep their buffers as built (no compute-dtype cast, no autocast around an owner).
