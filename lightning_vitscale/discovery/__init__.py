@@ -12,10 +12,12 @@ from lightning_vitscale.discovery.blocks import (
     find_modules,
     find_units,
     holds_parameters,
+    parameter_holder,
 )
 from lightning_vitscale.discovery.norms import is_normalization
 
 __all__ = [
     "ModuleSelector", "describe_blocks", "find_blocks", "find_modules", "find_units", "holds_parameters",
+    "parameter_holder",
     "is_normalization",
 ]

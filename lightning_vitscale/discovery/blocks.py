@@ -32,6 +32,14 @@ def holds_parameters(module: nn.Module, recurse: bool = True) -> bool:
     return any(True for _ in module.parameters(recurse=recurse))
 
 
+def parameter_holder(model: nn.Module, name: str) -> str:
+    """``name`` (a module of ``model``), or the closest module above it that holds parameters; ``""``: none but the
+    model itself. Where an error raised in a layer is put down to the layer whose weights it computed with."""
+    while name and not holds_parameters(model.get_submodule(name)):
+        name = name.rpartition(".")[0]
+    return name
+
+
 def _is_composite(module: nn.Module) -> bool:
     """A block candidate has sub-modules with parameters: a lone Linear or LayerNorm is not worth its own unit."""
     return any(_num_params(child) > 0 for child in module.children())

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from torch import nn
 
-from lightning_vitscale.discovery import holds_parameters
+from lightning_vitscale.discovery import parameter_holder
 from lightning_vitscale.discovery.calls import Calls
 from lightning_vitscale.precision import PrecisionPolicy
 from lightning_vitscale.precision.fp32_fix import names_dtype
@@ -62,9 +62,7 @@ def _needing_fp32(
         return None
     if policy.keeping_fp32({""}) is policy:  # nothing can be kept in fp32 under this policy ("bf16-true")
         return None
-    name = record.where
-    while name and not holds_parameters(model.get_submodule(name)):
-        name = name.rpartition(".")[0]
+    name = parameter_holder(model, record.where)
     if not name or name in kept or any(block == name or block.startswith(f"{name}.") for block in blocks):
         return None
     return name

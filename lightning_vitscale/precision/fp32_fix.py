@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_vitscale.discovery import holds_parameters
+from lightning_vitscale.discovery import parameter_holder
 from lightning_vitscale.precision.settings import PrecisionPolicy
 
 _NAMES = {torch.bfloat16: ("bfloat16",), torch.float16: ("half", "float16")}
@@ -57,6 +57,4 @@ def _innermost_layer(traceback: TracebackType | None, model: nn.Module) -> str:
         if isinstance(owner, nn.Module) and names.get(id(owner)):
             innermost = names[id(owner)]
         traceback = traceback.tb_next
-    while innermost and not holds_parameters(model.get_submodule(innermost)):
-        innermost = innermost.rpartition(".")[0]
-    return innermost
+    return parameter_holder(model, innermost)
