@@ -3,13 +3,16 @@ in one home so their rules (FSDP's padding, wrappers' key prefixes) cannot drift
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 import os
 import threading
+import types
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import field
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -72,6 +75,51 @@ def derived_attributes(model: nn.Module) -> list[torch.Tensor]:
     protocol"), so a copy the strategy makes for itself gives each a stand-in in its memo."""
     attributes = (value for module in model.modules() for value in vars(module).values())
     return [value for value in attributes if isinstance(value, torch.Tensor) and value.grad_fn is not None]
+
+
+def private_copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """``copy.deepcopy(module, memo)`` for a copy the strategy runs by itself (the planner's twin, the tensor plan's
+    proof), its hooks and function attributes rebound to the copy. ``deepcopy`` shares functions: a feature hook
+    ``layer.register_forward_hook(lambda m, i, out: self.seen.update(f0=out))`` run by the copy wrote into the original
+    module's ``seen`` and the copy's forward read its own, empty one (``KeyError``): the planner could not run the step
+    and fell back to every block checkpointed, and fake tensors were left in the user's module. A function whose
+    closure holds an object the copy copied (the module, its dict, a parameter's stand-in) is rebuilt with the copies;
+    bound methods and ``functools.partial`` s are rebound by ``deepcopy`` itself."""
+    twin = copy.deepcopy(module, memo)
+    for copied in twin.modules():
+        for name, value in list(vars(copied).items()):
+            if isinstance(value, dict) and name.endswith("hooks"):  # _forward_hooks, _forward_pre_hooks, ...
+                value.update({key: _rebound(hook, memo) for key, hook in value.items()})
+            elif isinstance(value, (types.FunctionType, functools.partial)):
+                vars(copied)[name] = _rebound(value, memo)
+    return twin
+
+
+def _rebound(function: Any, memo: dict[int, Any], depth: int = 0) -> Any:
+    """``function`` with each closure cell holding an object of ``memo`` (by ``id``) holding its copy instead; a
+    function in a cell (a decorator's wrapped hook) rebound the same way, a few levels deep."""
+    if isinstance(function, functools.partial):
+        inner = _rebound(function.func, memo, depth)
+        return function if inner is function.func else functools.partial(inner, *function.args, **function.keywords)
+    if not isinstance(function, types.FunctionType) or not function.__closure__ or depth > 4:
+        return function
+    cells = []
+    for cell in function.__closure__:
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # a cell not yet filled
+            cells.append(cell)
+            continue
+        copied = memo.get(id(contents), contents) if id(contents) != id(memo) else contents
+        copied = _rebound(copied, memo, depth + 1) if copied is contents else copied
+        cells.append(cell if copied is contents else types.CellType(copied))
+    if all(new is old for new, old in zip(cells, function.__closure__, strict=True)):
+        return function
+    rebound = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__,
+                                 tuple(cells))
+    rebound.__kwdefaults__, rebound.__qualname__ = function.__kwdefaults__, function.__qualname__
+    rebound.__dict__.update(function.__dict__)
+    return rebound
 
 
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:

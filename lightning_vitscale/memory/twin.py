@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import sys
 from collections.abc import Iterator
@@ -13,7 +12,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_vitscale._utils import derived_attributes
+from lightning_vitscale._utils import derived_attributes, private_copy
 
 
 def meta_twin(module: nn.Module) -> nn.Module:
@@ -28,7 +27,7 @@ def meta_twin(module: nn.Module) -> nn.Module:
     for value in (module.__dict__.get(name) for name in ("_device_mesh", "_fabric", "_metric_attributes")):
         if value is not None:
             memo[id(value)] = value
-    twin = copy.deepcopy(module, memo)
+    twin = private_copy(module, memo)
     if isinstance(twin, LightningModule) and twin.fabric is None:  # a Fabric's shim stands for the Trainer
         # __getstate__ dropped the Trainer: a training_step measured on the twin may read self.trainer. Where no
         # Trainer holds the module (plan_memory, the CLI's plan), the public property raises.

@@ -8,7 +8,6 @@ rank, naming the block, the module and the fix: never a crash at the first step,
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from lightning_vitscale._compat import tree_leaves, tree_map
-from lightning_vitscale._utils import derived_attributes
+from lightning_vitscale._utils import derived_attributes, private_copy
 from lightning_vitscale.discovery.blocks import Named
 from lightning_vitscale.discovery.calls import Calls, TensorSpec, recording
 from lightning_vitscale.discovery.tensor_plan import BlockPlan, TensorPlanError, TensorPlanSelector, plan_block
@@ -162,7 +161,7 @@ class _AttentionWork(TorchFunctionMode):
 def _copy(block: nn.Module, device: torch.device, real_values: bool) -> nn.Module:
     """An fp32 copy of ``block`` on ``device``: its own values, or seeded stand-ins, the same on every rank and call
     (floating buffers in [0.5, 1.5): a variance stays one; integer ones zero: valid indices)."""
-    twin = copy.deepcopy(block, {id(t): t.detach() for t in derived_attributes(block)})  # old weight_norm's
+    twin = private_copy(block, {id(t): t.detach() for t in derived_attributes(block)})  # old weight_norm's
     if real_values:
         return twin.to(device=device, dtype=torch.float32)
     twin = twin.to_empty(device=device).float()
