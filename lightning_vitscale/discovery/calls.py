@@ -53,6 +53,9 @@ class Calls:
     kept_fp32: dict[str, str] = field(default_factory=dict)
     """Modules whose own code raised with their weights in the compute dtype, with torch's error: kept in fp32 as
     DDP's AMP keeps every weight (``memory/low_precision_failures.py``)."""
+    without_gradient: tuple[str, ...] | None = None
+    """Trainable parameters the measured step's loss does not reach (``None``: not known): several ranks reduce a zero
+    gradient for one no rank used, where DDP's ``find_unused_parameters=True`` leaves it none (setup's note)."""
     error: str = ""
 
     @property
@@ -67,10 +70,12 @@ class Calls:
         """Rank 0's record of what ran and what fed what, on every rank (``broadcast``: rank 0's value everywhere):
         a step that runs differently by rank (LayerDrop drawn per rank) must not give the ranks different blocks,
         and so different units whose collectives cannot pair."""
-        counts, fed, error, running, full, order, kept = broadcast((self.counts, self.fed, self.error, self.running,
-                                                                    self.full_precision, self.order, self.kept_fp32))
+        counts, fed, error, running, full, order, kept, without = broadcast((
+            self.counts, self.fed, self.error, self.running, self.full_precision, self.order, self.kept_fp32,
+            self.without_gradient))
         self.counts, self.fed, self.error, self.running = Counter(counts), dict(fed), error, list(running)
         self.full_precision, self.order, self.kept_fp32 = set(full), list(order), dict(kept)
+        self.without_gradient = without
 
     @property
     def in_fp32(self) -> set[str]:

@@ -26,6 +26,7 @@ from lightning_vitscale._compat import (
     tree_map,
 )
 from lightning_vitscale.discovery.blocks import outer_layers_of
+from lightning_vitscale.discovery.gradient_reach import parameters_without_gradient
 from lightning_vitscale.memory.block_passes import (
     Arguments,
     BlockCalls,
@@ -74,6 +75,7 @@ class ActivationProfile:
     batch_bytes: int
     outer_saved_after: int = 0
     order: tuple[int, ...] = ()  # the blocks (indices) in the order the step called them, a call each
+    without_gradient: tuple[str, ...] | None = None  # trainable ones the step's loss does not reach (None: unknown)
 
 
 @contextlib.contextmanager
@@ -271,6 +273,7 @@ def _measure(
             else:
                 out = model(*fake_input) if isinstance(fake_input, tuple) else model(fake_input)
         outputs = [t for t in tensors_of(out) if t.is_floating_point()]
+        no_gradient = parameters_without_gradient(model, outputs) if call is not None else None  # a step's loss
         context = (compute, call is not None, torch.are_deterministic_algorithms_enabled())
         if sum(map(len, _PASSES.values())) > 20_000:  # bounded: a long sweep over ever new architectures
             _PASSES.clear()
@@ -289,4 +292,5 @@ def _measure(
             outer_backward=outer_use.used_after_blocks() + 2 * output_bytes,
             batch_bytes=batch_bytes,
             order=tuple(recorder.sequence),
+            without_gradient=no_gradient,
         ))

@@ -168,6 +168,7 @@ def step_inputs(
             profile = measure_activations(twin, found, example_input, policy.compute, norms, call, mode_of, log, values,
                                           batch_dtype)
         record.order = [found[index][0] for index in profile.order]
+        record.without_gradient = profile.without_gradient
         return StepInputs(
             layout=ModelLayout.of(twin, [b for _, b in found], norms),
             profile=profile,

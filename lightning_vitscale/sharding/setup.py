@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -173,6 +173,8 @@ def _shard(
         initialize_fsdp_root(outer)
     speed = plans_from_batch(resolved) and resolved.requested.priority == "speed"
     skipped, unused, stand_ins = _skipped_blocks(module, outer, done, resolved, ranks)
+    if unused is None and ranks.world_size > 1 and planned.calls is not None and planned.calls.without_gradient:
+        _note_without_gradient(done.plan, planned.calls.without_gradient)
     return ShardedModel(outer, done.plan, done.norms, done.router, planned.auto, signature, budget,
                         planned_for_speed=speed, skipped=skipped, unused=unused, stand_ins=stand_ins,
                         deferred_compile=DeferredCompile(compile_with) if compile_with is not None else None,
@@ -202,6 +204,20 @@ def _skipped_blocks(
             " identity where it would have run, so that its unit's collectives pair with the other ranks'")
     units = [unit for unit in outer.modules() if isinstance(unit, FSDPModule)]
     return None, UnusedParameters([(unit, outer_unit_parameters(unit)) for unit in units], done.norms), stand_ins
+
+
+def _note_without_gradient(summary: SetupSummary, names: tuple[str, ...]) -> None:
+    """Several ranks reduce a zero gradient for a parameter this rank did not use (``zero_gradients_for_unused``): one
+    no rank used then holds zeros, which AdamW's decay and any momentum still move, where DDP's
+    ``find_unused_parameters=True`` (the flag DDP needs for such a model) leaves it none and the optimizer skips it."""
+    shown = f"{', '.join(names[:3])}{f', ... ({len(names)} in all)' if len(names) > 3 else ''}"
+    note = (f"{len(names)} trainable parameter(s) got no gradient in the step measured at setup ({shown}): in a step"
+            " where no rank uses them they get a zero gradient, which weight decay and momentum still act on, where"
+            " DDP (strategy='ddp_find_unused_parameters_true') leaves them none and the optimizer skips them. Pass"
+            " VitScaleStrategy(find_unused_parameters=True) for DDP's behaviour (one small collective per backward),"
+            " or freeze them (requires_grad_(False)) if they never train")
+    summary.notes.append(note)
+    rank_zero_warn(f"VitScaleStrategy: {note}.")
 
 
 def _note_full_precision(summary: SetupSummary, calls: Calls, compute: torch.dtype) -> None:

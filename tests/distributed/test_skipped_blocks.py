@@ -37,9 +37,9 @@ def test_skipped_blocks_train_as_ddp_find_unused_parameters(runs, config):
     replicated fp32 norms reduce a zero gradient for the norms unused on rank 0; the losses are within bf16's
     resolution of DDP's AMP. Mutation seen failing: no zero-fill for the norms (their all-reduces differ in size).
     ``experts``: no flag, every block runs, the ranks pick different experts (and none picks the third): DDP's
-    weights, the third expert only decayed (a zero gradient: DDP's flag leaves it none). Mutation seen failing: no
-    zero-fill in the units (silently different weights from the second step: the reduce-scatters paired different
-    experts of equal size).
+    weights, the third expert only decayed (a zero gradient: DDP's flag leaves it none), which setup's summary says,
+    naming the experts and the flag. Mutations seen failing: no zero-fill in the units (silently different weights
+    from the second step: the reduce-scatters paired different experts of equal size); the note not added.
     """
     tolerance = 3e-2 if "bf16" in config else 1e-6
     for rank in runs:
@@ -55,7 +55,13 @@ def test_skipped_blocks_train_as_ddp_find_unused_parameters(runs, config):
                 assert ours["weights"][name] == pytest.approx(value, rel=1e-5, abs=1e-4), name
         if config.startswith("experts"):  # no flag: the experts unused on a rank are inside FSDP units
             assert ours["block_units"] == 4, ours["summary"]  # one grouped unit as it comes; four with "memory"
+            # Said at setup: the experts rank 0's measured step left unused (the third, and one of the first two)
+            assert ("16 trainable parameter(s) got no gradient in the step measured at setup"
+                    " (blocks.0.experts.1.weight, blocks.0.experts.1.bias, blocks.0.experts.2.weight, ... (16 in all))"
+                    ) in ours["summary"]
+            assert "VitScaleStrategy(find_unused_parameters=True) for DDP's behaviour" in ours["summary"]
             continue
+        assert "got no gradient" not in ours["summary"]  # the flag set: DDP's behaviour, nothing to say
         if config in UNITS:  # each block in a unit, not the outer unit gathered for the whole step
             assert ours["block_units"] == 4, ours["summary"]
             assert "a block a rank skips (4 in units) is called as an identity" in ours["summary"]
