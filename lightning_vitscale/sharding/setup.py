@@ -208,14 +208,14 @@ def _skipped_blocks(
 
 def _note_without_gradient(summary: SetupSummary, names: tuple[str, ...]) -> None:
     """Several ranks reduce a zero gradient for a parameter this rank did not use (``zero_gradients_for_unused``): one
-    no rank used then holds zeros, which AdamW's decay and any momentum still move, where DDP's
+    no rank used then holds zeros, which an optimizer's decay and momentum still act on, where DDP's
     ``find_unused_parameters=True`` (the flag DDP needs for such a model) leaves it none and the optimizer skips it."""
     shown = f"{', '.join(names[:3])}{f', ... ({len(names)} in all)' if len(names) > 3 else ''}"
     note = (f"{len(names)} trainable parameter(s) got no gradient in the step measured at setup ({shown}): in a step"
-            " where no rank uses them they get a zero gradient, which weight decay and momentum still act on, where"
-            " DDP (strategy='ddp_find_unused_parameters_true') leaves them none and the optimizer skips them. Pass"
-            " VitScaleStrategy(find_unused_parameters=True) for DDP's behaviour (one small collective per backward),"
-            " or freeze them (requires_grad_(False)) if they never train")
+            " where no rank uses them they get a zero gradient (an optimizer holding them still applies weight decay"
+            " and momentum), where DDP (strategy='ddp_find_unused_parameters_true') leaves them none and the optimizer"
+            " skips them. Pass VitScaleStrategy(find_unused_parameters=True) for DDP's behaviour (one small collective"
+            " per backward), or freeze them (requires_grad_(False)) if they never train")
     summary.notes.append(note)
     rank_zero_warn(f"VitScaleStrategy: {note}.")
 
