@@ -10,6 +10,7 @@ the parameters inside it (its forward ran without autograd): nothing can be said
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,13 +22,14 @@ def parameters_without_gradient(model: nn.Module, outputs: Iterable[torch.Tensor
     """Names of ``model``'s parameters requiring grad that no path from ``outputs`` reaches (``()``: every one is);
     ``None`` where the graph cannot tell (a reentrant checkpoint in it)."""
     reached: set[int] = set()
-    seen: set[int] = set()
+    seen: dict[int, Any] = {}  # holds each node visited: a node's Python object is freed with its last reference,
+    # and a later one could take its id (seen on torch 2.11: AccumulateGrad nodes taken for visited)
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         if type(node).__name__ == _REENTRANT:
             return None
         variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it accumulates into
