@@ -111,7 +111,7 @@ class ShardingPolicy:
         " any gradient is sent, as DDP's default refuses it. Either way, on several ranks a parameter unused on a"
         " rank (an expert, a mask token) is reduced as a zero gradient. ``True`` also leaves a parameter no rank used"
         " without a gradient, as DDP's flag does (one small all-reduce per backward); ``False`` gives it a zero"
-        " gradient."
+        " gradient, and setup's summary and a warning name the parameters the measured step's loss did not reach."
     ))
 
     def __post_init__(self) -> None:
