@@ -146,6 +146,11 @@ def mib(n: float, digits: int = 1) -> str:
     return f"{n / MIB:,.{digits}f} MiB"
 
 
+def abbreviated(names: Sequence[str], keep: int = 3) -> str:
+    """The first ``keep`` of ``names`` and how many more: the summary's and the errors' lists of modules."""
+    return ", ".join(names[:keep]) + (f", ... +{len(names) - keep}" if len(names) > keep else "")
+
+
 def human_bytes(n: float) -> str:
     """GiB from one GiB up, MiB below: the unit people read memory budgets in."""
     return f"{n / GIB:,.2f} GiB" if n >= GIB else mib(n)

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_vitscale._compat import initialize_fsdp_root, set_lightning_device
+from lightning_vitscale._utils import abbreviated
 from lightning_vitscale.checkpoint import full_state_dict, state_dict_writes
 from lightning_vitscale.discovery.calls import Calls
 from lightning_vitscale.distributed import RankContext
@@ -210,12 +211,12 @@ def _note_without_gradient(summary: SetupSummary, names: tuple[str, ...]) -> Non
     """Several ranks reduce a zero gradient for a parameter this rank did not use (``zero_gradients_for_unused``): one
     no rank used then holds zeros, which an optimizer's decay and momentum still act on, where DDP's
     ``find_unused_parameters=True`` (the flag DDP needs for such a model) leaves it none and the optimizer skips it."""
-    shown = f"{', '.join(names[:3])}{f', ... ({len(names)} in all)' if len(names) > 3 else ''}"
-    note = (f"{len(names)} trainable parameter(s) got no gradient in the step measured at setup ({shown}): in a step"
-            " where no rank uses them they get a zero gradient (an optimizer holding them still applies weight decay"
-            " and momentum), where DDP (strategy='ddp_find_unused_parameters_true') leaves them none and the optimizer"
-            " skips them. Pass VitScaleStrategy(find_unused_parameters=True) for DDP's behaviour (one small collective"
-            " per backward), or freeze them (requires_grad_(False)) if they never train")
+    note = (f"{len(names)} trainable parameter(s) got no gradient in the step measured at setup"
+            f" ({abbreviated(names)}): in a step where no rank uses them they get a zero gradient (an optimizer"
+            " holding them still applies weight decay and momentum), where DDP"
+            " (strategy='ddp_find_unused_parameters_true') leaves them none and the optimizer skips them. Pass"
+            " VitScaleStrategy(find_unused_parameters=True) for DDP's behaviour (one small collective per backward),"
+            " or freeze them (requires_grad_(False)) if they never train")
     summary.notes.append(note)
     rank_zero_warn(f"VitScaleStrategy: {note}.")
 
@@ -227,13 +228,12 @@ def _note_full_precision(summary: SetupSummary, calls: Calls, compute: torch.dty
     if kept:
         summary.notes.append(
             f"{len(kept)} module(s) the step runs inside its own `torch.autocast(..., enabled=False)` kept in fp32"
-            f" beside the norms, as DDP's AMP computes them: {', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}")
+            f" beside the norms, as DDP's AMP computes them: {abbreviated(kept)}")
     if calls.kept_fp32:
         by_error: dict[str, list[str]] = {}
         for name, error in calls.kept_fp32.items():
             by_error.setdefault(error, []).append(name)
-        named = "; ".join(f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''} ({error})"
-                          for error, names in by_error.items())
+        named = "; ".join(f"{abbreviated(names)} ({error})" for error, names in by_error.items())
         summary.notes.append(f"{len(calls.kept_fp32)} module(s) whose own code raised with their weights in"
                              f" {str(compute)[6:]} kept in fp32 beside the norms, as DDP's AMP keeps its weights:"
                              f" {named}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from lightning_vitscale._utils import full_bytes, local_bytes, mib
+from lightning_vitscale._utils import abbreviated, full_bytes, local_bytes, mib
 from lightning_vitscale.kernels import describe_router
 from lightning_vitscale.sharding.pipeline_facts import PipelineFacts
 from lightning_vitscale.sharding.traffic import LayoutReport
@@ -97,10 +97,10 @@ class SetupSummary:
             "collectives": self.overlap,
             "self-checkpointing": f"{len(self.self_checkpointed)} blocks (left as the model set them)"
             if self.self_checkpointed else "",
-            "fp32 modules": f"{len(self.fp32_modules)} ({_abbrev(self.fp32_modules)})" if self.fp32_modules else "",
+            "fp32 modules": f"{len(self.fp32_modules)} ({abbreviated(self.fp32_modules)})" if self.fp32_modules else "",
             **self.kernels,
             "tensor cores": f"{len(self.tensor_core_misses)} dims not multiples of 8"
-            f" ({_abbrev(self.tensor_core_misses, 2)})" if self.tensor_core_misses else "",
+            f" ({abbreviated(self.tensor_core_misses, 2)})" if self.tensor_core_misses else "",
         }
         lines.extend(f"  {key:<20}: {value}" for key, value in labelled.items() if value)
         lines.extend(f"  note: {note}" for note in self.notes)
@@ -205,11 +205,11 @@ def _notes(facts: PipelineFacts) -> list[str]:
                      " alone (no stack of blocks to stand a skipped one in by)")
     if facts.made_contiguous:
         notes.append(f"{len(facts.made_contiguous)} channels_last parameter(s) made contiguous for FSDP"
-                     f" ({_abbrev(facts.made_contiguous)}): same values; convolutions run channels_last when their"
+                     f" ({abbreviated(facts.made_contiguous)}): same values; convolutions run channels_last when their"
                      " inputs are (x.to(memory_format=torch.channels_last))")
     scalars = facts.norms.scalars
     if scalars:
-        notes.append(f"{len(scalars)} 0-dim or complex parameter(s) ({_abbrev(scalars)}), which FSDP2 cannot shard:"
+        notes.append(f"{len(scalars)} 0-dim or complex parameter(s) ({abbreviated(scalars)}), which FSDP2 cannot shard:"
                      " replicated"
                      " outside the units in their own dtype, gradients averaged with one all-reduce per step")
     if facts.init.not_reproduced:
@@ -222,9 +222,4 @@ _INIT_PATHS = {
     "meta": "meta (built on meta, the model's own init replayed on each shard)",
     "built": "built before setup (rank 0's values scattered unit by unit)",
 }
-
-
-def _abbrev(names: list[str], keep: int = 3) -> str:
-    shown = ", ".join(names[:keep])
-    return shown + (f", ... +{len(names) - keep}" if len(names) > keep else "")
 

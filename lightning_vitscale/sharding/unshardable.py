@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_vitscale._utils import abbreviated
+
 
 def refuse_unshardable_parameters(model: nn.Module) -> None:
     """Parameters nothing can shard, refused before the planner measures anything, naming them and the fix: a lazy
@@ -18,7 +20,7 @@ def refuse_unshardable_parameters(model: nn.Module) -> None:
     lazy = [name for name, p in named if isinstance(p, nn.parameter.UninitializedParameter)]
     if lazy:
         raise ValueError(
-            f"{type(model).__name__} has {len(lazy)} uninitialized parameter(s) ({_shown(lazy)}) of lazy modules"
+            f"{type(model).__name__} has {len(lazy)} uninitialized parameter(s) ({abbreviated(lazy)}) of lazy modules"
             " (nn.LazyLinear and the like), which VitScaleStrategy cannot shard before they have a shape. Run the"
             " model once on a batch before `trainer.fit` (as DDP requires), or build those layers with their input"
             " size (e.g. nn.Linear(in_features, out_features))."
@@ -27,14 +29,10 @@ def refuse_unshardable_parameters(model: nn.Module) -> None:
     sparse = [name for name, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
     if sparse:
         raise ValueError(
-            f"{type(model).__name__} has {len(sparse)} embedding(s) with sparse gradients ({_shown(sparse)}:"
+            f"{type(model).__name__} has {len(sparse)} embedding(s) with sparse gradients ({abbreviated(sparse)}:"
             " `sparse=True`), which FSDP cannot reduce-scatter (DDP all-reduces them). Build them with"
             " `sparse=False` (the default): dense gradients, which AdamW and most optimizers need anyway."
         )
-
-
-def _shown(names: list[str]) -> str:
-    return ", ".join(names[:3]) + (f", ... +{len(names) - 3}" if len(names) > 3 else "")
 
 
 def _refuse_scripted(model: nn.Module) -> None:
@@ -46,7 +44,7 @@ def _refuse_scripted(model: nn.Module) -> None:
     outermost = [name for name in scripted if not any(name.startswith(f"{other}.") for other in scripted)]
     if outermost:
         raise ValueError(
-            f"{type(model).__name__} holds {len(outermost)} TorchScript module(s) ({_shown(outermost)}:"
+            f"{type(model).__name__} holds {len(outermost)} TorchScript module(s) ({abbreviated(outermost)}:"
             " torch.jit.script or torch.jit.trace), which VitScaleStrategy cannot shard or checkpoint: FSDP2 and the"
             " recipe work through module hooks, which TorchScript modules refuse, and torch's activation"
             " checkpointing fails inside them. Keep those modules eager (drop torch.jit.script / torch.jit.trace);"

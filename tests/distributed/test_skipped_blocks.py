@@ -57,7 +57,7 @@ def test_skipped_blocks_train_as_ddp_find_unused_parameters(runs, config):
             assert ours["block_units"] == 4, ours["summary"]  # one grouped unit as it comes; four with "memory"
             # Said at setup: the experts rank 0's measured step left unused (the third, and one of the first two)
             assert ("16 trainable parameter(s) got no gradient in the step measured at setup"
-                    " (blocks.0.experts.1.weight, blocks.0.experts.1.bias, blocks.0.experts.2.weight, ... (16 in all))"
+                    " (blocks.0.experts.1.weight, blocks.0.experts.1.bias, blocks.0.experts.2.weight, ... +13)"
                     ) in ours["summary"]
             assert "VitScaleStrategy(find_unused_parameters=True) for DDP's behaviour" in ours["summary"]
             continue
