@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+from tests.helpers.ports import free_port  # noqa: E402 - after the checkout is importable
+
 EVERY = 5
 
 
@@ -120,12 +122,6 @@ def _medians(starts: list[float]) -> tuple[float, float]:
     return statistics.median(saving), statistics.median(plain)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
@@ -146,7 +142,7 @@ def main() -> None:
     options += [f"--dir={args.dir}"] if args.dir else []
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.ranks}", "--nnodes=1",
-        "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "--max-restarts=0", str(Path(__file__)),
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0", str(Path(__file__)),
         "--worker", f"--out={out}", *options,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT))

@@ -20,7 +20,6 @@ import argparse
 import ctypes
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+from tests.helpers.ports import free_port  # noqa: E402 - after the checkout is importable
+
 MIB = 2**20
 
 MODELS = {  # TinyViT keyword arguments, per-rank batch size
@@ -102,18 +104,12 @@ def worker(args: argparse.Namespace) -> None:
 # --- driver: launches the ranks -----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(model: str, strategy: str, ac: str, ranks: int, steps: int, timeout: float) -> list[dict] | str:
     out = HERE / f".cpu_scaling_{model}_{strategy}_{ac}_{ranks}.json"
     out.unlink(missing_ok=True)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--nnodes=1",
-        "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "--max-restarts=0", str(Path(__file__)),
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0", str(Path(__file__)),
         "--worker", f"--model={model}", f"--strategy={strategy}", f"--ac={ac}", f"--steps={steps}", f"--out={out}",
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+from tests.helpers.ports import free_port  # noqa: E402 - after the checkout is importable
+
 WARMUP = 5
 
 
@@ -73,18 +75,12 @@ def worker(args: argparse.Namespace) -> None:
     # The strategy destroys the process group at exit (distributed/teardown.py): gloo left to exit can abort.
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(strategy: str, ranks: int, steps: int, timeout: float) -> list[list[float]]:
     out = HERE / f".ema_cost_{strategy}_{ranks}.json"
     out.unlink(missing_ok=True)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--nnodes=1",
-        "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "--max-restarts=0", str(Path(__file__)),
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0", str(Path(__file__)),
         "--worker", f"--strategy={strategy}", f"--steps={steps}", f"--out={out}",
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT))

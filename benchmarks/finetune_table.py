@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.helpers.ports import free_port  # noqa: E402 - after the checkout is importable
+
 STRATEGIES = ("vitscale", "ddp")
 TEACHER = ["--model.weights_key=teacher"]
 PROBE = [*TEACHER, "--model.freeze_backbone=true"]
@@ -44,12 +46,6 @@ STARTS = {  # name: (row, options); the README's fine-tuning commands, the path 
     "probe-lr": ("DINO teacher, linear probe, lr 0.03", [*PROBE, "--model.lr=0.03"]),
     "scratch": ("from scratch", []),
 }
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(script: str, args: list[str], log_dir: Path, threads: str) -> tuple[Path, float]:

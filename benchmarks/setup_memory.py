@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+from tests.helpers.ports import free_port  # noqa: E402 - after the checkout is importable
+
 WIDTH = 2048
 BLOCK_BYTES = (WIDTH * WIDTH + WIDTH) * 4
 
@@ -121,12 +123,6 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(gb: float, ranks: int, path: str, timeout: float) -> list[dict]:
     import tempfile
 
@@ -139,7 +135,7 @@ def run(gb: float, ranks: int, path: str, timeout: float) -> list[dict]:
         )
         cmd = [
             sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1",
-            f"--master-port={_free_port()}", str(Path(__file__).resolve()), "--worker", "--gb", str(gb),
+            f"--master-port={free_port()}", str(Path(__file__).resolve()), "--worker", "--gb", str(gb),
             "--path", path, "--out", out,
         ]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)

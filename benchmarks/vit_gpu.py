@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -55,6 +54,7 @@ if str(ROOT) not in sys.path:  # `python benchmarks/vit_gpu.py` puts benchmarks/
 
 from benchmarks.search import OK, OOM, classify_failure, fit_largest, largest_batch, step_down  # noqa: E402
 from benchmarks.tables import MFU_FORMULA, fmt, markdown_table, mfu, train_flops_per_sample  # noqa: E402
+from tests.helpers.ports import free_port  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -380,11 +380,8 @@ class FakeMemory:
 def run_trial(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     """``trial(spec)`` in a fresh process; a crash or a timeout is a status too, never an exception here. On a
     timeout the process group goes (compile workers too), and the phases the trial finished are kept."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               MASTER_PORT=str(port))
+               MASTER_PORT=str(free_port()))
     cmd = [sys.executable, str(Path(__file__)), "--trial", json.dumps(dict(spec, report_phases=True))]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

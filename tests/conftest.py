@@ -3,8 +3,12 @@ whole files in collection order, the files sharing one launch as one."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+from tests.helpers.ports import free_port
 
 # Files whose tests read one session-scoped launch (tests/examples/conftest.py's ``example_fits``): one worker runs
 # them all, or each worker would pay the launch (~40 s) once.
@@ -30,6 +34,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 (xd
 
     config.option.loadscopereorder = False
     return SharedLaunchFileScheduling(config, log)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _in_process_rendezvous_port() -> None:
+    """The port of every in-process fit's TCPStore in this pytest process, reserved (tests/helpers/ports.py): left to
+    Lightning it is drawn from the ephemeral range once and written to MASTER_PORT, and between two fits any other
+    job's outgoing connection may take it. Launched ranks get their own (``rank_env`` drops this one)."""
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -6,23 +6,18 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tests.helpers.ports import free_port
+
 if TYPE_CHECKING:
     import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # What Lightning writes into os.environ during an in-process fit (devices=1 sets LOCAL_RANK=0, NODE_RANK=0 and a
