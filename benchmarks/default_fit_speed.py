@@ -9,12 +9,16 @@ Usage::
     python benchmarks/default_fit_speed.py --models mha --rounds 5 --json out.json
     python benchmarks/default_fit_speed.py --streamed                # no batch at setup: units from the collectives
     python benchmarks/default_fit_speed.py --two-pass                # a backbone run on two crop sizes a step
+    python benchmarks/default_fit_speed.py --manual                  # manual optimization, no forward
 
 Models (fp32, AdamW, batch 8 per rank, 32 px, patch 4: 64 tokens): ``vit`` the demo ViT (dim 256, 6 blocks, the
 benchmark's own), ``timm`` timm's ``vit_tiny_patch16_224`` at 32 px, ``mha`` a hand-written ViT whose blocks are
 built on ``nn.MultiheadAttention`` (dim 256, 6 blocks); ``--two-pass``: ``timm2``, timm's model run on the images
 and on 16 px crops of them each step (DINO's multi-crop), the default against itself sending a zero reduce-scatter
-after every later call of a unit, as before 5b46358 (``sharding/deferred_reduction.py`` patched out). One launch
+after every later call of a unit, as before 5b46358 (``sharding/deferred_reduction.py`` patched out); ``--manual``:
+``manual``, the ``mha`` model under manual optimization without ``forward`` (its step logs the optimizer's learning
+rate), the default against itself with its step unmeasured, as before ``memory/step_stand_ins.py`` (every block
+checkpointed: the planner's twin got no optimizer). One launch
 (torch's elastic launcher, gloo, one thread per rank) runs, per model and round, one ``Trainer.fit`` per variant
 (the order rotating between rounds, so a drifting machine charges every variant alike); each fit's steps after
 ``--warmup`` are timed from Lightning's ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward,
@@ -24,6 +28,7 @@ optimizer step). Median over every round's timed steps, slowest rank.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -47,6 +52,7 @@ VARIANTS = ("ddp", "VitScaleStrategy()", 'VitScaleStrategy(priority="memory")')
 # what it made there before 5f74f1b (the first step's plan still chooses checkpointing and units kept gathered).
 STREAMED_VARIANTS = ("ddp", "VitScaleStrategy()", "VitScaleStrategy(blocks_per_unit=1)")
 TWO_PASS_VARIANTS = ("ddp", "VitScaleStrategy()", "VitScaleStrategy(), zeros after every call (before 5b46358)")
+MANUAL_VARIANTS = ("ddp", "VitScaleStrategy()", "VitScaleStrategy(), its step unmeasured (before)")
 
 
 class MhaBlock(nn.Module):
@@ -108,7 +114,29 @@ class TwoCrops(nn.Module):
         return self.net(x) + self.net(x[..., 8:24, 8:24])
 
 
+class ManualClassifier(L.LightningModule):
+    """``net`` under manual optimization, no ``forward``: the step logs the learning rate its optimizer holds."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(F.cross_entropy(self.net(x), y))
+        optimizer.step()
+        self.log("lr", optimizer.param_groups[0]["lr"])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
 def make_module(name: str) -> L.LightningModule:
+    if name == "manual":
+        return ManualClassifier(MhaViT())
     if name == "timm2":
         import timm
 
@@ -144,13 +172,18 @@ def fit_times(model_name: str, variant: str, steps: int, warmup: int, streamed: 
 
     from lightning_vitscale.sharding import steps as sharding_steps
 
+    planning_batch = importlib.import_module("lightning_vitscale.memory.planning_batch")  # the package's function
+
     strategy = {"ddp": lambda: "ddp", VARIANTS[1]: lambda: VitScaleStrategy(),
                 VARIANTS[2]: lambda: VitScaleStrategy(priority="memory"),
                 STREAMED_VARIANTS[2]: lambda: VitScaleStrategy(blocks_per_unit=1),
-                TWO_PASS_VARIANTS[2]: lambda: VitScaleStrategy()}[variant]()
-    deferral = sharding_steps.DeferredReduction
+                TWO_PASS_VARIANTS[2]: lambda: VitScaleStrategy(),
+                MANUAL_VARIANTS[2]: lambda: VitScaleStrategy()}[variant]()
+    deferral, stand_ins = sharding_steps.DeferredReduction, planning_batch.stand_ins
     if variant == TWO_PASS_VARIANTS[2]:  # setup installs nothing: every later call's post-backward sends zeros
         sharding_steps.DeferredReduction = lambda *args: None  # type: ignore[assignment,misc]
+    if variant == MANUAL_VARIANTS[2]:  # the twin's self.optimizers() is [] again: its step cannot run
+        planning_batch.stand_ins = lambda *args: {}
     L.seed_everything(0, verbose=False)
     module = make_module(model_name)
     n = 8 * (steps + warmup) * 2  # one epoch: batch 8 on each of 2 ranks
@@ -164,14 +197,16 @@ def fit_times(model_name: str, variant: str, steps: int, warmup: int, streamed: 
         trainer.fit(module, Streamed(loader) if streamed else loader)
     finally:
         sharding_steps.DeferredReduction = deferral  # type: ignore[misc]
+        planning_batch.stand_ins = stand_ins
     summary = getattr(trainer.strategy, "plan", None)
     if summary is not None and trainer.global_rank == 0:
         print(f"{model_name} / {variant}:\n{summary.summary()}", flush=True)
     return timer.seconds[warmup:]
 
 
-def variants_for(streamed: bool, two_pass: bool) -> tuple[str, ...]:
-    return STREAMED_VARIANTS if streamed else TWO_PASS_VARIANTS if two_pass else VARIANTS
+def variants_for(streamed: bool, two_pass: bool, manual: bool = False) -> tuple[str, ...]:
+    return (STREAMED_VARIANTS if streamed else TWO_PASS_VARIANTS if two_pass else MANUAL_VARIANTS if manual
+            else VARIANTS)
 
 
 def worker(out: str, models: list[str], rounds: int, steps: int, warmup: int, streamed: bool = False,
@@ -179,7 +214,7 @@ def worker(out: str, models: list[str], rounds: int, steps: int, warmup: int, st
     import os
 
     torch.set_num_threads(1)
-    variants = variants_for(streamed, two_pass)
+    variants = variants_for(streamed, two_pass, manual=models == ["manual"])
     times: dict[str, dict[str, list[float]]] = {m: {v: [] for v in variants} for m in models}
     for model_name in models:
         for r in range(rounds):
@@ -192,8 +227,8 @@ def worker(out: str, models: list[str], rounds: int, steps: int, warmup: int, st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--models", nargs="+", choices=[*MODELS, "timm2"], default=None,
-                        help="default: the three models (timm2 with --two-pass)")
+    parser.add_argument("--models", nargs="+", choices=[*MODELS, "timm2", "manual"], default=None,
+                        help="default: the three models (timm2 with --two-pass, manual with --manual)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per fit")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each fit")
@@ -202,13 +237,15 @@ def main() -> None:
                         help="data as a plain iterable (no batch at setup); the default against a unit per block")
     parser.add_argument("--two-pass", action="store_true",
                         help="timm2 (a backbone run twice a step): the default against zeros after every call")
+    parser.add_argument("--manual", action="store_true",
+                        help="manual (manual optimization, no forward): the default against its step unmeasured")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.models = args.models or (["timm2"] if args.two_pass else list(MODELS))
+    args.models = ["manual"] if args.manual else args.models or (["timm2"] if args.two_pass else list(MODELS))
     if args.worker:
         worker(args.worker, args.models, args.rounds, args.steps, args.warmup, args.streamed, args.two_pass)
         return
-    variants = variants_for(args.streamed, args.two_pass)
+    variants = variants_for(args.streamed, args.two_pass, args.manual)
     from tests.helpers.launch import assert_ok, torchrun
 
     with tempfile.TemporaryDirectory() as out:

@@ -61,6 +61,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import _ChildProces
 from lightning.fabric.utilities.distributed import _destroy_dist_connection as destroy_process_group_safely
 from lightning.fabric.utilities.load import _METADATA_FILENAME as METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from lightning.pytorch.core.optimizer import _configure_optimizers  # the planner's twin: its optimizers, parsed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
@@ -216,6 +217,7 @@ PRIVATE_NAMES = {
     "lightning.pytorch.trainer.connectors.signal_connector._SignalConnector.received_sigterm": "SIGTERM seen",
     "lightning.pytorch.trainer.trainer.Trainer._signal_connector": "where the SIGTERM flag is",
     "lightning.pytorch.loops.fit_loop._FitLoop._data_source": "what `fit` will train on, before setup",
+    "lightning.pytorch.core.optimizer._configure_optimizers": "the planner's twin: what configure_optimizers gave",
     "lightning.pytorch.trainer.trainer.Trainer._fit_impl": "what `fit` hands the launcher, with `ckpt_path`",
     "torch._dynamo.eval_frame.OptimizedModule._orig_mod": "torch.compile's prefix of parameter names, stripped",
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper._CHECKPOINT_PREFIX": "its prefix, stripped",
@@ -703,6 +705,12 @@ def sigterm_handlers_but_lightnings(handler: Any) -> list[Callable[..., Any]]:
 def mark_sigterm_received(trainer: Any) -> None:
     """What Lightning's SIGTERM notifier records: its loops raise ``SIGTERMException`` at the next batch boundary."""
     trainer._signal_connector.received_sigterm = True
+
+
+def configured_optimizers(configured: Any) -> tuple[list[Any], list[Any]]:
+    """The optimizers and schedulers of what ``configure_optimizers()`` returned, in each form Lightning takes."""
+    optimizers, schedulers, _ = _configure_optimizers(configured)
+    return optimizers, schedulers
 
 
 def train_dataloader(trainer: Any) -> Any:

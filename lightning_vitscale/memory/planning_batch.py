@@ -4,12 +4,12 @@
 The training batch is read at setup, before the units are made: the train ``DataLoader``'s first ``batch_size``
 samples, collated, alike on every rank (no worker, no sampler). It runs as ``training_step(batch, 0)`` on a meta
 twin (the module's Python state untouched), ``self.log`` silenced, torchmetrics metrics left out, ``.item()``
-symbolic; a step that branches on a value runs again on fake tensors carrying real values (the model's, and the
-batch's or a few of its samples': :mod:`.real_values`), else (no real values: a meta model) is measured through
-``forward`` on the batch's first tensor. The global
-random states (torch, Python, NumPy) are kept: training sees DDP's random numbers. Batch-transfer hooks are not run.
+symbolic, its optimizers stepless and a manual step's ``manual_backward`` keeping the loss (:mod:`.step_stand_ins`);
+a step that branches on a value runs again on fake tensors carrying real values (the model's, and the batch's or a
+few of its samples': :mod:`.real_values`), else (no real values: a meta model) is measured through ``forward`` on
+the batch's first tensor. The global random states (torch, Python, NumPy) are kept: training sees DDP's random
+numbers. Batch-transfer hooks are not run.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -31,6 +31,7 @@ from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.real_values import StepNotMeasuredError, measure_on_real_values
 from lightning_vitscale.memory.selective_ops import SelectiveCheckpointingError
 from lightning_vitscale.memory.step_inputs import StepInputs
+from lightning_vitscale.memory.step_stand_ins import stand_ins
 from lightning_vitscale.memory.twin import meta_twin
 from lightning_vitscale.precision.library_ops import as_under_autocast, found_ops
 from lightning_vitscale.precision.settings import resolve_flag
@@ -114,27 +115,36 @@ def has_forward(module: nn.Module) -> bool:
 
 
 def training_step_call(model: nn.Module, batch: Any) -> Any:
-    """``model.training_step(batch, 0)``'s loss. Metrics are left out: their states are plain tensors (not buffers)
-    that fake tensors cannot meet, Lightning's most common step updates one (each such module was measured a second
-    time through ``forward``), and they keep a few numbers, not activations; a step computing with one falls back."""
+    """``model.training_step(batch, 0)``'s loss; under manual optimization the losses it gave ``manual_backward``
+    (:mod:`.step_stand_ins`: its optimizers stepless). Metrics are left out: their states are plain tensors (not
+    buffers) that fake tensors cannot meet, Lightning's most common step updates one (each such module was measured a
+    second time through ``forward``), and they keep a few numbers, not activations; a step computing with one falls
+    back."""
     metric_class = getattr(sys.modules.get("torchmetrics"), "Metric", None)
     metrics = [m for m in model.modules() if metric_class is not None and isinstance(m, metric_class)]
-    with _silenced([(model, ("log", "log_dict", "print")), *((m, ("forward", "update")) for m in metrics)]):
+    nothing = lambda *_, **__: None  # noqa: E731
+    losses: list[torch.Tensor] = []
+    replaced = [(model, {**dict.fromkeys(("log", "log_dict", "print"), nothing), **stand_ins(model, losses)}),
+                *((m, dict.fromkeys(("forward", "update"), nothing)) for m in metrics)]
+    with _replaced(replaced):
         out = model.training_step(batch, 0)  # type: ignore[operator]
+    if losses:
+        return tuple(losses)
     return out.get("loss") if isinstance(out, Mapping) else out
 
 
 @contextlib.contextmanager
-def _silenced(calls: list[tuple[nn.Module, tuple[str, ...]]]) -> Iterator[None]:
-    """No-op instance attributes over each module's ``names`` (on the planner's own twin) for the body."""
-    silenced = [(module, name) for module, names in calls for name in names]
-    for module, name in silenced:
-        object.__setattr__(module, name, lambda *_, **__: None)
+def _replaced(calls: list[tuple[nn.Module, dict[str, Callable[..., Any]]]]) -> Iterator[None]:
+    """Instance attributes over each module's methods (on the planner's own twin) for the body."""
+    for module, methods in calls:
+        for name, method in methods.items():
+            object.__setattr__(module, name, method)
     try:
         yield
     finally:
-        for module, name in silenced:
-            module.__dict__.pop(name, None)
+        for module, methods in calls:
+            for name in methods:
+                module.__dict__.pop(name, None)
 
 
 def measure_batch(model: nn.Module, batch: PlanningBatch, **step_kwargs: Any) -> tuple[StepInputs, str]:
@@ -145,7 +155,7 @@ def measure_batch(model: nn.Module, batch: PlanningBatch, **step_kwargs: Any) ->
     ops = found_ops() if policy.compute != policy.master else ()
     with random_state_kept(), as_under_autocast(ops):  # a training_step's random calls must not shift the run's numbers
         measurable = batch.through_training_step and is_overridden("training_step", model)
-        if measurable and getattr(model, "automatic_optimization", True):  # a manual one steps the optimizer
+        if measurable:
             twin = meta_twin(model)
             try:
                 inputs = step_inputs(twin, batch.value, call=training_step_call, **step_kwargs)

@@ -17,6 +17,7 @@ within the strategy's ``timeout``, and nothing is sent on the model's process gr
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -138,6 +139,13 @@ class OuterUnit(nn.Module):
         if self._grouped_states is None:
             self._grouped_states = grouped_unit_states(self)
         return self._grouped_states
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """DDP's ``no_sync`` on ``trainer.model`` (manual optimization's accumulation habit): backwards inside it
+        accumulate as Lightning's micro-batches do (the strategy's ``block_backward_sync``: unreduced where they fit,
+        else into the shards), so the step after the first backward outside it sees DDP's averaged sum."""
+        lightning_module: Any = self.module
+        return lightning_module.trainer.strategy.block_backward_sync()
 
     # --- calls outside a step ---------------------------------------------------------------------------
 

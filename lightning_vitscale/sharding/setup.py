@@ -131,6 +131,8 @@ def _shard(
     module = precision.convert_module(module)
     forwards = plain_copy.record_forwards(module)  # before checkpointing, compilation and routing wrap some
     outer = OuterUnit(module)
+    if trainer is not None:  # `trainer.model` as after setup: a step the planner runs may call `.no_sync()` on it
+        trainer.strategy.model = outer
     # 2. The planner decides before the pipeline what it can from the batch, if known (example_input_array, or
     #    one batch of the training data): "auto" checkpointing, blocks per unit, units kept gathered. It measures
     #    the plain module (or its meta twin): once sharded, running it would gather.

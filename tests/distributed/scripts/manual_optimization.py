@@ -4,6 +4,7 @@ test_manual_optimization.py`` says what each case checks)."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import lightning as L
@@ -112,23 +113,33 @@ class WGAN(GAN):
 class Regression(L.LightningModule):
     """One optimizer, manual optimization; ``micro_batches`` forward/backward pairs per optimizer step."""
 
-    def __init__(self, micro_batches: int) -> None:
+    def __init__(self, micro_batches: int, blocks: int = 0, unsynced: str | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.automatic_optimization = False
-        self.net = mlp(64, FEATURES, 1, 0)
+        self.net = mlp(64, FEATURES, 1, blocks)
         self.micro_batches = micro_batches
+        self.unsynced = unsynced  # DDP's habits for the micro-batches before the last: see `before_last`
         self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
         (x,) = batch
         optimizer = self.optimizers()
-        for part in x.chunk(self.micro_batches):
+        parts = x.chunk(self.micro_batches)
+        for i, part in enumerate(parts):
             loss = (self.net(part) - part.sum(-1, keepdim=True)).pow(2).mean()
-            self.manual_backward(loss / self.micro_batches)
+            with self.before_last() if i < len(parts) - 1 else contextlib.nullcontext():
+                self.manual_backward(loss / self.micro_batches)
             self.losses.append(loss.item())
         optimizer.step()
         optimizer.zero_grad()
+
+    def before_last(self) -> contextlib.AbstractContextManager:
+        if self.unsynced == "model":  # the DDP wrapper's own: `trainer.model` is DistributedDataParallel there
+            return self.trainer.model.no_sync()
+        if self.unsynced == "strategy":  # Lightning's, on any parallel strategy
+            return self.trainer.strategy.block_backward_sync()
+        return contextlib.nullcontext()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -217,6 +228,8 @@ def critic() -> L.LightningModule:
 CASES = {
     "one_update": lambda: Regression(1),
     "accumulated": lambda: Regression(2),
+    "accumulated_no_sync": lambda: Regression(2, blocks=3, unsynced="model"),
+    "accumulated_block_sync": lambda: Regression(2, blocks=3, unsynced="strategy"),
     "two_losses": lambda: TwoLosses(1),
     "gan": lambda: GAN(0),
     "gan_blocks": lambda: GAN(3),
@@ -233,11 +246,13 @@ def fit(case: str, strategy: str) -> dict:
     model = CASES[case]()
     # Lightning counts optimizer steps; manual optimization's are the updates
     steps = 4 * (2 if isinstance(model.configure_optimizers(), tuple) else 1)
-    L.Trainer(accelerator="cpu", devices=2, strategy=STRATEGIES[strategy](), max_steps=steps, logger=False,
-              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(model)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=STRATEGIES[strategy](), max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model)
     state = {name: (value.full_tensor() if isinstance(value, DTensor) else value).flatten().tolist()
              for name, value in model.state_dict().items()}
-    return {"losses": model.losses, "state": state}
+    plan = getattr(trainer.strategy, "plan", None)
+    return {"losses": model.losses, "state": state, "summary": plan.summary() if plan is not None else ""}
 
 
 def resumed(strategy: str) -> dict:

@@ -212,11 +212,14 @@ def test_fsdps_path_refuses_a_second_backward_outside_manual_backward_naming_the
 
 
 class HeadByHand(ManualSGD):
-    """A step whose only backward, by ``loss.backward()``, reaches the outer unit (the head), no block unit."""
+    """A step whose only backward, by ``loss.backward()``, reaches the outer unit (the head), no block unit: the
+    blocks run without gradients (so the planner, measuring the step, makes them units)."""
 
     def training_step(self, batch, batch_idx):
         optimizer = self.optimizers()
-        _, y = batch
+        x, y = batch
+        with torch.no_grad():
+            self.backbone(x)
         head = self.backbone.head
         features = torch.randn(len(y), head.in_features, generator=torch.Generator().manual_seed(batch_idx))
         loss = F.cross_entropy(head(features), y)

@@ -1,0 +1,94 @@
+"""What a ``training_step`` the planner runs on its meta twin gets from ``self.optimizers()``, ``self.lr_schedulers()``
+and, under manual optimization, ``self.manual_backward`` and its kin: the step's forwards and losses, nothing stepped.
+
+Setup measures the step before Lightning builds the optimizers, so a step reading them (``self.log("lr",
+self.optimizers().param_groups[0]["lr"])``, ``self.lr_schedulers().get_last_lr()``, a common habit) raised on the
+twin, and the planner, unable to plan for speed without ``forward``, checkpointed every block. A manual-optimization
+step was not run at all: it steps optimizers, so it was measured through ``forward`` (a GAN's generator alone), or,
+without ``forward``, not at all. Now the twin's ``configure_optimizers()`` builds them on its meta parameters (or the
+trainer's are read, where they exist: the first step's plan), and the step reads them as they are; their ``step()``
+only runs the closure it is given, ``zero_grad`` does nothing. Under manual optimization toggling and clipping do
+nothing too, and ``manual_backward`` keeps the loss: the planner accounts for the backward. Each graph the step
+builds is then alive at its end, where the real step frees one at each backward: the measured activations are their
+sum, an upper bound of the step's peak.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from lightning_vitscale._compat import configured_optimizers
+
+
+class _Stepless:
+    """An optimizer or scheduler read as it is (``param_groups``, ``get_last_lr()``), whose ``step`` runs only the
+    closure it is given (a manual ``opt.step(closure)``'s forward and ``manual_backward``)."""
+
+    def __init__(self, wrapped: Any) -> None:
+        self.wrapped = wrapped
+
+    def step(self, closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+        return closure() if callable(closure) else None
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "wrapped":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        if name == "optimizer":  # LightningOptimizer.optimizer: the optimizer it wraps (a scheduler's: its own)
+            return getattr(self.wrapped, "optimizer", self.wrapped)
+        return getattr(self.wrapped, name)
+
+
+def _as_lightning_returns(items: list[Any]) -> Any:
+    """As ``LightningModule.optimizers()`` and ``lr_schedulers()`` return them: one alone, several as a list."""
+    return items[0] if len(items) == 1 else items
+
+
+def stand_ins(twin: Any, losses: list[torch.Tensor]) -> dict[str, Callable[..., Any]]:
+    """The twin's methods for one planned ``training_step``; ``losses`` gets each ``manual_backward``'s loss."""
+    built: list[tuple[list[Any], list[Any]]] = []
+
+    def configured() -> tuple[list[Any], list[Any]]:
+        if not built:  # built at the first read, on the twin's parameters: nothing of the real model is stepped
+            built.append(_configured(twin))
+        return built[0]
+
+    def optimizers(use_pl_optimizer: bool = True) -> Any:
+        return _as_lightning_returns(configured()[0])
+
+    def lr_schedulers() -> Any:
+        schedulers = configured()[1]
+        return _as_lightning_returns(schedulers) if schedulers else None
+
+    replaced: dict[str, Callable[..., Any]] = {"optimizers": optimizers, "lr_schedulers": lr_schedulers}
+    if getattr(twin, "automatic_optimization", True):
+        return replaced
+
+    def manual_backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        losses.append(loss)
+
+    def nothing(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    return {**replaced, "manual_backward": manual_backward, "toggle_optimizer": nothing,
+            "untoggle_optimizer": nothing, "clip_gradients": nothing,
+            "toggled_optimizer": lambda *args, **kwargs: contextlib.nullcontext()}
+
+
+def _configured(twin: Any) -> tuple[list[Any], list[Any]]:
+    """The trainer's optimizers and schedulers where it built them already (a first step's plan: stepping them would
+    step the run), else the twin's own from ``configure_optimizers()``; either way stepless (``_Stepless``)."""
+    trainer = getattr(twin, "_trainer", None)
+    strategy = getattr(trainer, "strategy", None)
+    if strategy is not None and strategy.optimizers:
+        optimizers = list(strategy.optimizers)
+        schedulers = [config.scheduler for config in strategy.lr_scheduler_configs]
+    else:
+        optimizers, schedulers = configured_optimizers(twin.configure_optimizers())
+        schedulers = [s.get("scheduler") if isinstance(s, Mapping) else s for s in schedulers]
+    return [_Stepless(o) for o in optimizers], [_Stepless(s) for s in schedulers]

@@ -1,0 +1,86 @@
+"""A ``training_step`` reading its optimizers and schedulers, or stepping them itself (manual optimization), is
+planned from the step, through ``Trainer.fit`` as DDP runs it (``memory/step_stand_ins.py``).
+
+Before: setup measures the step before Lightning builds the optimizers, so ``self.optimizers().param_groups`` raised
+on the planner's twin (``'list' object has no attribute 'param_groups'``), ``self.lr_schedulers().get_last_lr()``
+too (``'NoneType' ...``), and a manual step was never run (measured through ``forward``); without ``forward`` the
+default could not plan for speed and checkpointed every block."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from lightning_vitscale import VitScaleStrategy
+from tests.helpers.models import BACKBONES, Streamed, loader
+
+PLANNED = "(measured on one batch of the train dataloader, through training_step)"
+NOT_PLANNED = "so it cannot plan for speed: every block checkpointed"
+
+
+class ReadsItsSchedule(L.LightningModule):
+    """No ``forward``: the step calls the backbone. It logs the learning rate as its optimizer and its scheduler
+    say; ``manual``: it also steps both itself, the scheduler every step (its rate halves each step)."""
+
+    def __init__(self, manual: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = BACKBONES["encoder"]()
+        self.automatic_optimization = not manual
+        self.losses: list[float] = []
+        self.rates: list[tuple[float, float]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.backbone(x), y)
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        self.rates.append((optimizer.param_groups[0]["lr"], scheduler.get_last_lr()[0]))
+        self.log("lr", optimizer.param_groups[0]["lr"])
+        self.losses.append(loss.item())
+        if self.automatic_optimization:
+            return loss
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        scheduler.step()
+        return None
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+
+
+def fit(module: L.LightningModule, strategy, data) -> L.Trainer:
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, data)
+    return trainer
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_a_step_reading_its_optimizer_and_scheduler_is_planned_for_speed_and_trains_as_ddp(manual):
+    ours, ddp = ReadsItsSchedule(manual), ReadsItsSchedule(manual)
+    summary = fit(ours, VitScaleStrategy(), loader(32)).strategy.plan.summary()
+    fit(ddp, "ddp", loader(32))
+    assert PLANNED in summary and NOT_PLANNED not in summary, summary
+    assert "checkpointed blocks : 0 of " in summary, summary  # the activations fit: nothing recomputed, as DDP
+    assert ours.losses == ddp.losses
+    assert ours.rates == ddp.rates  # the planner's run stepped nothing of the real run's (manual: 0.1, 0.05, ...)
+
+
+def test_the_first_steps_plan_steps_nothing_of_the_runs_optimizers():
+    """Streamed data: no batch at setup, so the plan is made on the first batch, when Lightning's optimizers and
+    schedulers exist; the planner's step reads them, and its ``scheduler.step()`` must not advance the run's
+    schedule (mutation seen failing: the trainer's schedulers handed over unwrapped, the run's rates one step
+    ahead of DDP's from the first step)."""
+    ours, ddp = ReadsItsSchedule(manual=True), ReadsItsSchedule(manual=True)
+    streamed = Streamed(DataLoader(loader(128).dataset, batch_size=32))  # in order: DDP's sampler would shuffle
+    summary = fit(ours, VitScaleStrategy(memory_budget=6_000_000), streamed).strategy.plan.summary()
+    fit(ddp, "ddp", streamed)
+    assert "the first training batch" in summary, summary  # planned at the first step, as the test intends
+    assert ours.rates == ddp.rates == [(0.1 * 0.5**i,) * 2 for i in range(4)]
+    assert ours.losses == ddp.losses
