@@ -80,6 +80,7 @@ from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_into
 from torch.distributed.fsdp import FSDPModule  # public: for the code below only (import it from torch)
 from torch.distributed.fsdp._common_utils import FSDP_PREFIX
+from torch.distributed.fsdp._fully_shard import _fsdp_param as _fsdp_param_module  # its free_storage, guarded
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterComm  # FSDP2 custom comms
 from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState  # units of several modules (torch 2.11)
 from torch.distributed.tensor import DTensor  # public: for the code below only (import it from torch)
@@ -218,6 +219,7 @@ PRIVATE_NAMES = {
     "lightning.pytorch.trainer.trainer.Trainer._signal_connector": "where the SIGTERM flag is",
     "lightning.pytorch.loops.fit_loop._FitLoop._data_source": "what `fit` will train on, before setup",
     "lightning.pytorch.core.optimizer._configure_optimizers": "the planner's twin: what configure_optimizers gave",
+    "torch.distributed.fsdp._fully_shard._fsdp_param.free_storage": "a storage shared with NumPy is kept, not freed",
     "lightning.pytorch.trainer.trainer.Trainer._fit_impl": "what `fit` hands the launcher, with `ckpt_path`",
     "torch._dynamo.eval_frame.OptimizedModule._orig_mod": "torch.compile's prefix of parameter names, stripped",
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper._CHECKPOINT_PREFIX": "its prefix, stripped",
@@ -425,6 +427,37 @@ def log_whole_values(convert: Callable[[Any, bool], Any]) -> None:
 
     update_with_converted.vitscale_converts_values = True  # type: ignore[attr-defined]
     _ResultMetric.update = update_with_converted  # type: ignore[method-assign]
+
+
+def read_dtensor_arrays(numpy: Callable[[DTensor, bool], Any]) -> None:
+    """``DTensor.numpy()`` (``np.asarray(t)`` and TensorBoard's histograms call it) as ``numpy(tensor, force)``, where
+    torch refuses every tensor subclass. Process-wide (DTensor is one class for all), once."""
+    if getattr(DTensor.__dict__.get("numpy"), "vitscale_reads_arrays", False):
+        return
+
+    def dtensor_numpy(self: DTensor, *, force: bool = False) -> Any:
+        return numpy(self, force)
+
+    dtensor_numpy.vitscale_reads_arrays = True  # type: ignore[attr-defined]
+    DTensor.numpy = dtensor_numpy  # type: ignore[method-assign,assignment]
+
+
+def keep_storages_shared_with_numpy() -> None:
+    """FSDP2 frees a gathered parameter's storage by resizing it to 0 at reshard; ``.numpy()`` of that parameter in a
+    step (on CPU: TensorBoard's ``add_histogram``) makes the storage unresizable, and the reshard raised "Trying to
+    resize storage that is not resizable". Such a storage stays allocated instead (its next all-gather fills it as
+    it is). Process-wide, once."""
+    free = _fsdp_param_module.free_storage
+    if getattr(free, "vitscale_keeps_numpy_shares", False):
+        return
+
+    @functools.wraps(free)
+    def free_storage(tensor: torch.Tensor) -> None:
+        if tensor.untyped_storage().resizable():
+            free(tensor)
+
+    free_storage.vitscale_keeps_numpy_shares = True  # type: ignore[attr-defined]
+    _fsdp_param_module.free_storage = free_storage
 
 
 def wrap_dtensor(local: torch.Tensor, mesh: Any, placements: tuple[Any, ...]) -> DTensor:

@@ -45,7 +45,7 @@ def _whole_value(tensor: DTensor) -> torch.Tensor:
     """The whole plain tensor of ``tensor``: its local one where that is whole, else every rank's part combined after
     the side group's handshake (:class:`ScalarReadError` where not every rank asks)."""
     local = dtensor_local(tensor)
-    if _whole_here(tensor) or isinstance(local, FakeTensor) or local.is_meta or collective_guard.side_group() is None:
+    if whole_here(tensor) or isinstance(local, FakeTensor) or local.is_meta or collective_guard.side_group() is None:
         return local  # the value is here, or there is nothing to gather it with
     try:
         collective_guard.agree(collective_guard.SCALAR_READ, tensor.numel(), _layout_check(tensor))
@@ -70,7 +70,7 @@ def _logged_whole(value: Any, rank_zero_only: bool) -> Any:
     order the step logs (Lightning reads pbar values again on rank 0 alone, where a read must not communicate)."""
     if not isinstance(value, DTensor):
         return value
-    if _whole_here(value):
+    if whole_here(value):
         return value.to_local()  # whole here (its graph kept: `self.log(..., enable_graph=True)`)
     if rank_zero_only:
         raise ScalarReadError(
@@ -82,7 +82,7 @@ def _logged_whole(value: Any, rank_zero_only: bool) -> Any:
     return _whole_value(value)
 
 
-def _whole_here(tensor: DTensor) -> bool:
+def whole_here(tensor: DTensor) -> bool:
     """Each rank holds the whole value: one rank, or replicated on every mesh dimension."""
     return tensor.device_mesh.size() == 1 or all(placement.is_replicate() for placement in tensor.placements)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import random
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sized
@@ -134,17 +135,23 @@ def training_step_call(model: nn.Module, batch: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _replaced(calls: list[tuple[nn.Module, dict[str, Callable[..., Any]]]]) -> Iterator[None]:
-    """Instance attributes over each module's methods (on the planner's own twin) for the body."""
-    for module, methods in calls:
-        for name, method in methods.items():
-            object.__setattr__(module, name, method)
+def _replaced(calls: list[tuple[nn.Module, dict[str, Any]]]) -> Iterator[None]:
+    """Instance attributes over each module's methods and attributes (on the planner's own twin) for the body; the
+    user's prints silent (a value printed there is symbolic: ``zuf0``)."""
+    missing = object()
+    kept = [(module, name, module.__dict__.get(name, missing)) for module, values in calls for name in values]
+    for module, values in calls:
+        for name, value in values.items():
+            object.__setattr__(module, name, value)
     try:
-        yield
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
     finally:
-        for module, methods in calls:
-            for name in methods:
+        for module, name, value in kept:
+            if value is missing:
                 module.__dict__.pop(name, None)
+            else:
+                object.__setattr__(module, name, value)
 
 
 def measure_batch(model: nn.Module, batch: PlanningBatch, **step_kwargs: Any) -> tuple[StepInputs, str]:

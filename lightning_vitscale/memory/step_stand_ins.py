@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from lightning.pytorch.loggers.logger import DummyLogger
 
 from lightning_vitscale._compat import configured_optimizers
 
@@ -44,13 +45,36 @@ class _Stepless:
         return getattr(self.wrapped, name)
 
 
+class _QuietTrainer:
+    """The run's trainer as the planner's step sees it: its loggers write nothing (a step logging an image or a
+    histogram to TensorBoard at batch 0 wrote the planner's runs there too), what the step sets stays here (a
+    ``self.trainer.should_stop = True`` must not end the run before it starts), the rest is the trainer's."""
+
+    def __init__(self, trainer: Any) -> None:
+        object.__setattr__(self, "trainer", trainer)
+
+    @property
+    def logger(self) -> Any:
+        return DummyLogger() if self.trainer.logger is not None else None
+
+    @property
+    def loggers(self) -> list[Any]:
+        return [DummyLogger() for _ in self.trainer.loggers]
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "trainer":
+            raise AttributeError(name)
+        return getattr(self.trainer, name)
+
+
 def _as_lightning_returns(items: list[Any]) -> Any:
     """As ``LightningModule.optimizers()`` and ``lr_schedulers()`` return them: one alone, several as a list."""
     return items[0] if len(items) == 1 else items
 
 
-def stand_ins(twin: Any, losses: list[torch.Tensor]) -> dict[str, Callable[..., Any]]:
-    """The twin's methods for one planned ``training_step``; ``losses`` gets each ``manual_backward``'s loss."""
+def stand_ins(twin: Any, losses: list[torch.Tensor]) -> dict[str, Any]:
+    """The twin's methods and trainer for one planned ``training_step``; ``losses`` gets each ``manual_backward``'s
+    loss."""
     built: list[tuple[list[Any], list[Any]]] = []
 
     def configured() -> tuple[list[Any], list[Any]]:
@@ -65,7 +89,10 @@ def stand_ins(twin: Any, losses: list[torch.Tensor]) -> dict[str, Callable[..., 
         schedulers = configured()[1]
         return _as_lightning_returns(schedulers) if schedulers else None
 
-    replaced: dict[str, Callable[..., Any]] = {"optimizers": optimizers, "lr_schedulers": lr_schedulers}
+    replaced: dict[str, Any] = {"optimizers": optimizers, "lr_schedulers": lr_schedulers}
+    trainer = twin.__dict__.get("_trainer")
+    if trainer is not None:
+        replaced["_trainer"] = _QuietTrainer(trainer)
     if getattr(twin, "automatic_optimization", True):
         return replaced
 

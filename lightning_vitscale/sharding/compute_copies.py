@@ -96,7 +96,9 @@ class _Group:
             self.filled_versions = [tensor_version(copy) for copy in self.copies]
 
     def free(self) -> None:
-        self.flat.untyped_storage().resize_(0)
+        storage = self.flat.untyped_storage()
+        if storage.resizable():  # `.numpy()` of a copy in a step (CPU) shares it with NumPy: kept, filled as it is
+            storage.resize_(0)
 
 
 def _contiguous_strides(shape: torch.Size) -> list[int]:

@@ -38,12 +38,13 @@ def mixed_tensors_named() -> Generator[None, None, None]:
         ) from error
 
 
-# torch's messages where code written for DDP's whole tensors met a parameter or gradient held as a DTensor shard.
-_READ_AS_WHOLE = (".numpy() is not supported for tensor subclasses", MIXED)
+# torch's messages where code written for DDP's whole tensors met a parameter or gradient held as a DTensor shard
+# (`.numpy()` of one says what to do itself: distributed/array_reads.py).
+_READ_AS_WHOLE = (MIXED,)
 
 READ_AS_WHOLE_FIX = (
     "VitScaleStrategy: this read a parameter (or a gradient) as DDP's whole tensor, but outside the step each rank"
-    " holds only its shard, a DTensor (TensorBoard's `add_histogram` and `.numpy()` cannot read one)."
+    " holds only its shard, a DTensor."
     " Make whole values on every rank, then use them on any: `full = self.state_dict()` (DDP's full tensors; a"
     " collective, so not under `if self.global_rank == 0:`), or `p.full_tensor()` / `p.grad.full_tensor()` for one."
     " A copy of the model made after setup (`AveragedModel(self.net)` or `copy.deepcopy` in `on_fit_start` or a"

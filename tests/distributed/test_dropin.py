@@ -16,9 +16,9 @@ COMPARED = (
     "sync_batchnorm", "gradient_norms", "backbone_finetuning",
     *(f"contrastive_{gather}_{precision}" for gather in ("lightning", "torch")
       for precision in ("32-true", "bf16-mixed")),
-    "clipped_by_hand_norm", "clipped_by_hand_value", "ema_timm", "scalar_reads",
+    "clipped_by_hand_norm", "clipped_by_hand_value", "ema_timm", "scalar_reads", "histograms",
 )
-ALONE = ("one_rank_call", "one_rank_deepcopy", "one_rank_scalar_read", "logged_rank_zero_only")
+ALONE = ("one_rank_call", "one_rank_deepcopy", "one_rank_scalar_read", "logged_rank_zero_only", "one_rank_numpy_read")
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +83,31 @@ def test_numbers_read_from_sharded_tensors_are_ddps(runs):
             mine, theirs = [sum(rows, []) if key == "reads" else rows for rows in (ours[key], ddp[key])]
             assert len(mine) == len(theirs) > 50, key
             assert all(abs(a - b) <= 1e-5 * abs(b) + 1e-7 for a, b in zip(mine, theirs)), key
+
+
+def test_histograms_to_tensorboard_are_ddps_and_numpy_reads_in_the_step_keep_the_units_working(runs):
+    """Every parameter's and gradient's histogram (``.full_tensor()`` of each under VitScaleStrategy) in
+    ``on_after_backward``: DDP's, one event per tag and step. ``np.asarray`` of the head's gathered weight in the step
+    (its storage then shared with NumPy): before, FSDP2's reshard raised "Trying to resize storage that is not
+    resizable"; DDP's numbers now."""
+    for ours, ddp in _pairs(runs, "histograms"):
+        assert ours["losses"] == ddp["losses"]
+        assert ours["head_sums"] == pytest.approx(ddp["head_sums"], rel=1e-6) and len(ours["head_sums"]) == 3
+    ours, ddp = _pairs(runs, "histograms")[0]
+    assert ours["histograms"].keys() == ddp["histograms"].keys() and len(ddp["histograms"]) >= 20
+    for tag, events in ddp["histograms"].items():
+        assert [e[0] for e in ours["histograms"][tag]] == [e[0] for e in events] == [0, 1, 2], tag
+        assert sum((e[1:] for e in ours["histograms"][tag]), []) == pytest.approx(sum((e[1:] for e in events), []),
+                                                                                  rel=1e-5, abs=1e-9), tag
+
+
+def test_numpy_of_a_sharded_parameter_on_one_rank_is_refused_at_once_naming_the_fix(runs):
+    """``add_histogram(name, p)`` as written for DDP runs ``.numpy()`` on rank 0 alone (the experiment is a no-op on
+    the other ranks): torch refused it (".numpy() is not supported for tensor subclasses."); now at once, naming
+    ``p.full_tensor()`` on every rank, and nothing was sent."""
+    facts = runs[0]["one_rank_numpy_read/vitscale"]
+    assert facts["error"].startswith("ShardedArrayReadError: `.numpy()` of a sharded tensor (a DTensor of shape")
+    assert "`p.full_tensor()`" in facts["error"] and facts["seconds"] < 1.0
 
 
 def test_scalar_read_on_one_rank_fails_within_timeout_saying_why(runs):

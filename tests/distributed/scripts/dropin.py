@@ -443,6 +443,61 @@ def one_rank_deepcopy() -> dict:
     return rank_zero_alone(lambda: copy.deepcopy(model), timeout=1.5)
 
 
+class Histograms(Classifier):
+    """DDP's habit: every parameter's and gradient's histogram logged to TensorBoard in ``on_after_backward`` (with
+    ``.full_tensor()`` under VitScaleStrategy, on every rank: the experiment writes on rank 0 alone); in the step,
+    NumPy reads of the head (an outer-unit parameter, gathered there: its storage is then shared with NumPy)."""
+
+    def __init__(self) -> None:
+        super().__init__("encoder")
+        self.head_sums: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        import numpy as np
+
+        loss = super().training_step(batch, batch_idx)
+        self.head_sums.append(float(np.asarray(self.backbone.head.weight.detach()).sum(dtype=np.float64)))
+        return loss
+
+    def on_after_backward(self) -> None:
+        for name, p in self.named_parameters():
+            for tag, value in ((name, p), (f"{name}.grad", p.grad)):
+                if value is not None:
+                    whole = value.full_tensor() if isinstance(value, DTensor) else value
+                    self.logger.experiment.add_histogram(tag, whole, self.global_step)
+
+
+def histograms() -> dict:
+    """The histograms rank 0 wrote, read back from the event file; each rank's NumPy reads in the step."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    L.seed_everything(0, verbose=False)
+    model = Histograms()
+    t = trainer(max_steps=3, logger=TensorBoardLogger(sys.argv[1], name=f"histograms_{STRATEGY}", version=0))
+    t.fit(model, loader(n=24))
+    facts: dict = {"losses": model.losses, "head_sums": model.head_sums}
+    if t.is_global_zero:
+        events = EventAccumulator(t.logger.log_dir, size_guidance={"histograms": 0})
+        events.Reload()
+        facts["histograms"] = {tag: [[e.step, e.histogram_value.num, e.histogram_value.sum,
+                                      e.histogram_value.sum_squares] for e in events.Histograms(tag)]
+                               for tag in events.Tags()["histograms"]}
+    return facts
+
+
+def one_rank_numpy_read() -> dict:
+    """The habit as written for DDP: ``add_histogram(name, p)`` runs ``.numpy()`` on rank 0 alone; of a sharded
+    parameter it is refused at once, naming the fix, and sends nothing."""
+    import numpy as np
+
+    L.seed_everything(0, verbose=False)
+    model = Classifier("encoder")
+    trainer(max_steps=1).fit(model, loader(n=8))
+    weight = model.backbone.head.weight.detach()
+    return rank_zero_alone(lambda: np.asarray(weight), timeout=1.5)
+
+
 COMPARED = {
     "outside_steps": outside_steps,
     "before_first_step": before_first_step,
@@ -457,10 +512,12 @@ COMPARED = {
     **{f"clipped_by_hand_{clip}": functools.partial(_clipped_by_hand, clip) for clip in ("norm", "value")},
     "ema_timm": ema_timm,
     "scalar_reads": scalar_reads,
+    "histograms": histograms,
 }
 SCENARIOS = under_each_strategy(COMPARED, globals())
 ALONE = {"one_rank_call": one_rank_call, "one_rank_deepcopy": one_rank_deepcopy,
-         "one_rank_scalar_read": one_rank_scalar_read, "logged_rank_zero_only": logged_rank_zero_only}
+         "one_rank_scalar_read": one_rank_scalar_read, "logged_rank_zero_only": logged_rank_zero_only,
+         "one_rank_numpy_read": one_rank_numpy_read}
 SCENARIOS |= under_each_strategy(ALONE, globals(), ("vitscale",))  # last: these time out
 
 
