@@ -47,11 +47,17 @@ class _Stepless:
 
 class _QuietTrainer:
     """The run's trainer as the planner's step sees it: its loggers write nothing (a step logging an image or a
-    histogram to TensorBoard at batch 0 wrote the planner's runs there too), what the step sets stays here (a
+    histogram to TensorBoard at batch 0 wrote the planner's runs there too), its ``optimizers`` are the step's
+    stepless ones (``self.trainer.optimizers[0].param_groups``), what the step sets stays here (a
     ``self.trainer.should_stop = True`` must not end the run before it starts), the rest is the trainer's."""
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: Any, optimizers: Callable[[], list[Any]]) -> None:
         object.__setattr__(self, "trainer", trainer)
+        object.__setattr__(self, "stepless_optimizers", optimizers)
+
+    @property
+    def optimizers(self) -> list[Any]:
+        return self.stepless_optimizers()
 
     @property
     def logger(self) -> Any:
@@ -62,7 +68,7 @@ class _QuietTrainer:
         return [DummyLogger() for _ in self.trainer.loggers]
 
     def __getattr__(self, name: str) -> Any:
-        if name == "trainer":
+        if name in ("trainer", "stepless_optimizers"):
             raise AttributeError(name)
         return getattr(self.trainer, name)
 
@@ -92,7 +98,7 @@ def stand_ins(twin: Any, losses: list[torch.Tensor]) -> dict[str, Any]:
     replaced: dict[str, Any] = {"optimizers": optimizers, "lr_schedulers": lr_schedulers}
     trainer = twin.__dict__.get("_trainer")
     if trainer is not None:
-        replaced["_trainer"] = _QuietTrainer(trainer)
+        replaced["_trainer"] = _QuietTrainer(trainer, lambda: configured()[0])
     if getattr(twin, "automatic_optimization", True):
         return replaced
 

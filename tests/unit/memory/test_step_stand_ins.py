@@ -3,8 +3,9 @@ planned from the step, through ``Trainer.fit`` as DDP runs it (``memory/step_sta
 
 Before: setup measures the step before Lightning builds the optimizers, so ``self.optimizers().param_groups`` raised
 on the planner's twin (``'list' object has no attribute 'param_groups'``), ``self.lr_schedulers().get_last_lr()``
-too (``'NoneType' ...``), and a manual step was never run (measured through ``forward``); without ``forward`` the
-default could not plan for speed and checkpointed every block."""
+and ``self.trainer.optimizers[0]`` too (``'NoneType' ...``, ``IndexError``), and a manual step was never run
+(measured through ``forward``); without ``forward`` the default could not plan for speed and checkpointed every
+block."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class ReadsItsSchedule(L.LightningModule):
         loss = F.cross_entropy(self.backbone(x), y)
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         self.rates.append((optimizer.param_groups[0]["lr"], scheduler.get_last_lr()[0]))
+        self.log("trainer_lr", self.trainer.optimizers[0].param_groups[0]["lr"])  # the Trainer's list, as often
         self.log("lr", optimizer.param_groups[0]["lr"])
         self.losses.append(loss.item())
         if self.automatic_optimization:
