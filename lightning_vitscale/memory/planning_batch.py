@@ -10,6 +10,7 @@ few of its samples': :mod:`.real_values`), else (no real values: a meta model) i
 the batch's first tensor. The global random states (torch, Python, NumPy) are kept: training sees DDP's random
 numbers. Batch-transfer hooks are not run.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -12,6 +12,7 @@ nothing too, and ``manual_backward`` keeps the loss: the planner accounts for th
 builds is then alive at its end, where the real step frees one at each backward: the measured activations are their
 sum, an upper bound of the step's peak.
 """
+
 from __future__ import annotations
 
 import contextlib
