@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_vitscale._compat import dtensor_local, keep_storages_shared_with_numpy, read_dtensor_arrays
@@ -23,11 +24,13 @@ class ShardedArrayReadError(RuntimeError):
     """``.numpy()`` of a tensor sharded over ranks: its values lie on every rank; nothing was gathered."""
 
 
-def read_whole_arrays() -> None:
+def read_whole_arrays(device: torch.device) -> None:
     """``.numpy()`` of a DTensor whole on this rank gives its values; of a sharded one, :class:`ShardedArrayReadError`.
-    A step's own ``.numpy()`` of a gathered parameter (CPU) no longer breaks its reshard. Process-wide, once."""
+    On a CPU ``device``, a step's own ``.numpy()`` of a gathered parameter no longer breaks its reshard (the guard
+    costs a check per parameter per reshard: only where NumPy can share a parameter's memory). Process-wide, once."""
     read_dtensor_arrays(_numpy)
-    keep_storages_shared_with_numpy()
+    if device.type == "cpu":
+        keep_storages_shared_with_numpy()
 
 
 def _numpy(tensor: DTensor, force: bool) -> Any:

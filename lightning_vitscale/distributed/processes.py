@@ -42,7 +42,7 @@ def start_process_group(
     # Gathers outside a step (model calls, state_dict()) first agree on it, so one rank alone never gathers.
     open_side_group(timeout)
     read_whole_scalars()  # `.item()` of a sharded tensor: DDP's number (agreed on the side group), not this rank's part
-    read_whole_arrays()  # `.numpy()` of a DTensor (TensorBoard's histograms): its values where whole, else the fix
+    read_whole_arrays(strategy.root_device)  # `.numpy()` of a DTensor (TensorBoard's histograms): values, else the fix
     take_extremes_over_empty_shards()  # `p.max()` of a `[1, 1, D]` class token: an empty shard must not raise alone
     shard = shard_group(strategy.world_size, strategy.num_processes)
     mesh = build_mesh(strategy.root_device.type, strategy.world_size, shard, tensor_parallel)

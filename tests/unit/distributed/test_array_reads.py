@@ -94,7 +94,7 @@ def test_histograms_logged_to_tensorboard_are_ddps(where, tmp_path, capsys):
 
 
 def test_numpy_of_a_dtensor_whole_on_this_rank_is_its_values(mesh):
-    read_whole_arrays()
+    read_whole_arrays(torch.device("cpu"))
     weight = nn.Parameter(distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh))
     assert isinstance(weight, DTensor)
     with pytest.raises(RuntimeError, match=r"Can't call numpy\(\) on Tensor that requires grad"):  # as torch's
