@@ -61,7 +61,11 @@ from lightning.fabric.strategies.launchers.subprocess_script import _ChildProces
 from lightning.fabric.utilities.distributed import _destroy_dist_connection as destroy_process_group_safely
 from lightning.fabric.utilities.load import _METADATA_FILENAME as METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
-from lightning.pytorch.core.optimizer import _configure_optimizers  # the planner's twin: its optimizers, parsed
+from lightning.pytorch.core.optimizer import (  # the planner's twin: its optimizers and schedulers, parsed
+    _configure_optimizers,
+    _configure_schedulers_automatic_opt,
+    _configure_schedulers_manual_opt,
+)
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
@@ -219,6 +223,8 @@ PRIVATE_NAMES = {
     "lightning.pytorch.trainer.trainer.Trainer._signal_connector": "where the SIGTERM flag is",
     "lightning.pytorch.loops.fit_loop._FitLoop._data_source": "what `fit` will train on, before setup",
     "lightning.pytorch.core.optimizer._configure_optimizers": "the planner's twin: what configure_optimizers gave",
+    "lightning.pytorch.core.optimizer._configure_schedulers_automatic_opt": "the twin's schedulers, as the trainer's",
+    "lightning.pytorch.core.optimizer._configure_schedulers_manual_opt": "the twin's schedulers, as the trainer's",
     "torch.distributed.fsdp._fully_shard._fsdp_param.free_storage": "a storage shared with NumPy is kept, not freed",
     "lightning.pytorch.trainer.trainer.Trainer._fit_impl": "what `fit` hands the launcher, with `ckpt_path`",
     "torch._dynamo.eval_frame.OptimizedModule._orig_mod": "torch.compile's prefix of parameter names, stripped",
@@ -740,10 +746,13 @@ def mark_sigterm_received(trainer: Any) -> None:
     trainer._signal_connector.received_sigterm = True
 
 
-def configured_optimizers(configured: Any) -> tuple[list[Any], list[Any]]:
-    """The optimizers and schedulers of what ``configure_optimizers()`` returned, in each form Lightning takes."""
-    optimizers, schedulers, _ = _configure_optimizers(configured)
-    return optimizers, schedulers
+def configured_optimizers(configured: Any, automatic: bool) -> tuple[list[Any], list[Any]]:
+    """The optimizers and scheduler configs (``LRSchedulerConfig``, as ``trainer.lr_scheduler_configs`` lists them) of
+    what ``configure_optimizers()`` returned, in each form Lightning takes, parsed as Lightning parses them."""
+    optimizers, schedulers, monitor = _configure_optimizers(configured)
+    if automatic:
+        return optimizers, _configure_schedulers_automatic_opt(schedulers, monitor)
+    return optimizers, _configure_schedulers_manual_opt(schedulers)
 
 
 def train_dataloader(trainer: Any) -> Any:

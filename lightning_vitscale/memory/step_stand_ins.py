@@ -16,7 +16,9 @@ sum, an upper bound of the step's peak.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+import dataclasses
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,16 +51,21 @@ class _Stepless:
 class _QuietTrainer:
     """The run's trainer as the planner's step sees it: its loggers write nothing (a step logging an image or a
     histogram to TensorBoard at batch 0 wrote the planner's runs there too), its ``optimizers`` are the step's
-    stepless ones (``self.trainer.optimizers[0].param_groups``), what the step sets stays here (a
+    stepless ones (``self.trainer.optimizers[0].param_groups``) and so are its schedulers
+    (``self.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()``), what the step sets stays here (a
     ``self.trainer.should_stop = True`` must not end the run before it starts), the rest is the trainer's."""
 
-    def __init__(self, trainer: Any, optimizers: Callable[[], list[Any]]) -> None:
+    def __init__(self, trainer: Any, configured: Callable[[], tuple[list[Any], list[Any]]]) -> None:
         object.__setattr__(self, "trainer", trainer)
-        object.__setattr__(self, "stepless_optimizers", optimizers)
+        object.__setattr__(self, "configured", configured)
 
     @property
     def optimizers(self) -> list[Any]:
-        return self.stepless_optimizers()
+        return self.configured()[0]
+
+    @property
+    def lr_scheduler_configs(self) -> list[Any]:
+        return self.configured()[1]
 
     @property
     def logger(self) -> Any:
@@ -69,7 +76,7 @@ class _QuietTrainer:
         return [DummyLogger() for _ in self.trainer.loggers]
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("trainer", "stepless_optimizers"):
+        if name in ("trainer", "configured"):
             raise AttributeError(name)
         return getattr(self.trainer, name)
 
@@ -93,13 +100,13 @@ def stand_ins(twin: Any, losses: list[torch.Tensor]) -> dict[str, Any]:
         return _as_lightning_returns(configured()[0])
 
     def lr_schedulers() -> Any:
-        schedulers = configured()[1]
+        schedulers = [config.scheduler for config in configured()[1]]
         return _as_lightning_returns(schedulers) if schedulers else None
 
     replaced: dict[str, Any] = {"optimizers": optimizers, "lr_schedulers": lr_schedulers}
     trainer = twin.__dict__.get("_trainer")
     if trainer is not None:
-        replaced["_trainer"] = _QuietTrainer(trainer, lambda: configured()[0])
+        replaced["_trainer"] = _QuietTrainer(trainer, configured)
     if getattr(twin, "automatic_optimization", True):
         return replaced
 
@@ -115,14 +122,17 @@ def stand_ins(twin: Any, losses: list[torch.Tensor]) -> dict[str, Any]:
 
 
 def _configured(twin: Any) -> tuple[list[Any], list[Any]]:
-    """The trainer's optimizers and schedulers where it built them already (a first step's plan: stepping them would
-    step the run), else the twin's own from ``configure_optimizers()``; either way stepless (``_Stepless``)."""
+    """The trainer's optimizers and scheduler configs where it built them already (a first step's plan: stepping
+    them would step the run), else the twin's own from ``configure_optimizers()``, parsed as Lightning parses them
+    (its warnings are the real run's to give); either way their optimizers and schedulers stepless (``_Stepless``)."""
     trainer = getattr(twin, "_trainer", None)
     strategy = getattr(trainer, "strategy", None)
     if strategy is not None and strategy.optimizers:
-        optimizers = list(strategy.optimizers)
-        schedulers = [config.scheduler for config in strategy.lr_scheduler_configs]
+        optimizers, configs = list(strategy.optimizers), list(strategy.lr_scheduler_configs)
     else:
-        optimizers, schedulers = configured_optimizers(twin.configure_optimizers())
-        schedulers = [s.get("scheduler") if isinstance(s, Mapping) else s for s in schedulers]
-    return [_Stepless(o) for o in optimizers], [_Stepless(s) for s in schedulers]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            optimizers, configs = configured_optimizers(twin.configure_optimizers(),
+                                                        getattr(twin, "automatic_optimization", True))
+    return ([_Stepless(o) for o in optimizers],
+            [dataclasses.replace(config, scheduler=_Stepless(config.scheduler)) for config in configs])

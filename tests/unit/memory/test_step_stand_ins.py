@@ -2,10 +2,10 @@
 planned from the step, through ``Trainer.fit`` as DDP runs it (``memory/step_stand_ins.py``).
 
 Before: setup measures the step before Lightning builds the optimizers, so ``self.optimizers().param_groups`` raised
-on the planner's twin (``'list' object has no attribute 'param_groups'``), ``self.lr_schedulers().get_last_lr()``
-and ``self.trainer.optimizers[0]`` too (``'NoneType' ...``, ``IndexError``), and a manual step was never run
-(measured through ``forward``); without ``forward`` the default could not plan for speed and checkpointed every
-block."""
+on the planner's twin (``'list' object has no attribute 'param_groups'``), ``self.lr_schedulers().get_last_lr()``,
+``self.trainer.optimizers[0]`` and ``self.trainer.lr_scheduler_configs[0]`` too (``'NoneType' ...``,
+``IndexError``), and a manual step was never run (measured through ``forward``); without ``forward`` the default
+could not plan for speed and checkpointed every block."""
 
 from __future__ import annotations
 
@@ -24,13 +24,15 @@ NOT_PLANNED = "so it cannot plan for speed: every block checkpointed"
 
 class ReadsItsSchedule(L.LightningModule):
     """No ``forward``: the step calls the backbone. It logs the learning rate as its optimizer and its scheduler
-    say; ``manual``: it also steps both itself, the scheduler every step (its rate halves each step)."""
+    say (and the trainer's lists of them); ``manual``: it also steps both itself, the scheduler every step (its rate
+    halves each step); ``stop_at_first``: it ends the run at its first batch (``self.trainer.should_stop``)."""
 
-    def __init__(self, manual: bool = False) -> None:
+    def __init__(self, manual: bool = False, stop_at_first: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.backbone = BACKBONES["encoder"]()
         self.automatic_optimization = not manual
+        self.stop_at_first = stop_at_first
         self.losses: list[float] = []
         self.rates: list[tuple[float, float]] = []
 
@@ -38,7 +40,10 @@ class ReadsItsSchedule(L.LightningModule):
         x, y = batch
         loss = F.cross_entropy(self.backbone(x), y)
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        self.rates.append((optimizer.param_groups[0]["lr"], scheduler.get_last_lr()[0]))
+        self.rates.append((optimizer.param_groups[0]["lr"], scheduler.get_last_lr()[0],
+                           self.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]))
+        if self.stop_at_first and batch_idx == 0:
+            self.trainer.should_stop = True
         self.log("trainer_lr", self.trainer.optimizers[0].param_groups[0]["lr"])  # the Trainer's list, as often
         self.log("lr", optimizer.param_groups[0]["lr"])
         self.losses.append(loss.item())
@@ -84,5 +89,16 @@ def test_the_first_steps_plan_steps_nothing_of_the_runs_optimizers():
     summary = fit(ours, VitScaleStrategy(memory_budget=6_000_000), streamed).strategy.plan.summary()
     fit(ddp, "ddp", streamed)
     assert "the first training batch" in summary, summary  # planned at the first step, as the test intends
-    assert ours.rates == ddp.rates == [(0.1 * 0.5**i,) * 2 for i in range(4)]
+    assert ours.rates == ddp.rates == [(0.1 * 0.5**i,) * 3 for i in range(4)]
     assert ours.losses == ddp.losses
+
+
+def test_what_the_planned_step_sets_on_the_trainer_stays_with_the_planners_run():
+    """A step ending the run at its first batch (``self.trainer.should_stop = True``) trains that batch, as under
+    DDP: the planner's run of the step at setup sets it on its stand-in of the trainer (mutation seen failing: the
+    stand-in's attributes written through to the trainer, the run ended before its first step)."""
+    ours, ddp = ReadsItsSchedule(stop_at_first=True), ReadsItsSchedule(stop_at_first=True)
+    trainer = fit(ours, VitScaleStrategy(), loader(32))
+    assert PLANNED in trainer.strategy.plan.summary()  # the step ran at setup, setting should_stop there
+    assert trainer.global_step == fit(ddp, "ddp", loader(32)).global_step == 1
+    assert ours.losses == ddp.losses and len(ours.losses) == 1
