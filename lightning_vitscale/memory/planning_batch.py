@@ -137,13 +137,20 @@ def training_step_call(model: nn.Module, batch: Any) -> Any:
 
 @contextlib.contextmanager
 def _replaced(calls: list[tuple[nn.Module, dict[str, Any]]]) -> Iterator[None]:
-    """Instance attributes over each module's methods and attributes (on the planner's own twin) for the body; the
-    user's prints silent (a value printed there is symbolic: ``zuf0``)."""
+    """Instance attributes over each module's methods and attributes (on the planner's own twin) for the body, a
+    property through its setter (``LightningModule.trainer``); the user's prints silent (a value printed there is
+    symbolic: ``zuf0``)."""
     missing = object()
-    kept = [(module, name, module.__dict__.get(name, missing)) for module, values in calls for name in values]
+
+    def current(module: nn.Module, name: str) -> Any:
+        if isinstance(getattr(type(module), name, None), property):
+            return getattr(module, name)
+        return module.__dict__.get(name, missing)
+
+    kept = [(module, name, current(module, name)) for module, values in calls for name in values]
     for module, values in calls:
         for name, value in values.items():
-            object.__setattr__(module, name, value)
+            object.__setattr__(module, name, value)  # not nn.Module's: a stand-in is no submodule or parameter
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             yield

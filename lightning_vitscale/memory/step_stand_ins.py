@@ -91,9 +91,11 @@ def stand_ins(twin: Any, losses: list[torch.Tensor]) -> dict[str, Any]:
     loss."""
     built: list[tuple[list[Any], list[Any]]] = []
 
+    trainer = _attached_trainer(twin)
+
     def configured() -> tuple[list[Any], list[Any]]:
         if not built:  # built at the first read, on the twin's parameters: nothing of the real model is stepped
-            built.append(_configured(twin))
+            built.append(_configured(twin, trainer))
         return built[0]
 
     def optimizers(use_pl_optimizer: bool = True) -> Any:
@@ -104,9 +106,8 @@ def stand_ins(twin: Any, losses: list[torch.Tensor]) -> dict[str, Any]:
         return _as_lightning_returns(schedulers) if schedulers else None
 
     replaced: dict[str, Any] = {"optimizers": optimizers, "lr_schedulers": lr_schedulers}
-    trainer = twin.__dict__.get("_trainer")
     if trainer is not None:
-        replaced["_trainer"] = _QuietTrainer(trainer, configured)
+        replaced["trainer"] = _QuietTrainer(trainer, configured)  # LightningModule's setter: its child modules too
     if getattr(twin, "automatic_optimization", True):
         return replaced
 
@@ -121,11 +122,18 @@ def stand_ins(twin: Any, losses: list[torch.Tensor]) -> dict[str, Any]:
             "toggled_optimizer": lambda *args, **kwargs: contextlib.nullcontext()}
 
 
-def _configured(twin: Any) -> tuple[list[Any], list[Any]]:
+def _attached_trainer(module: Any) -> Any:
+    """The trainer ``module`` is attached to (``LightningModule.trainer``), ``None`` where there is none."""
+    try:
+        return module.trainer
+    except (AttributeError, RuntimeError):  # not a LightningModule; one not attached to a Trainer
+        return None
+
+
+def _configured(twin: Any, trainer: Any) -> tuple[list[Any], list[Any]]:
     """The trainer's optimizers and scheduler configs where it built them already (a first step's plan: stepping
     them would step the run), else the twin's own from ``configure_optimizers()``, parsed as Lightning parses them
     (its warnings are the real run's to give); either way their optimizers and schedulers stepless (``_Stepless``)."""
-    trainer = getattr(twin, "_trainer", None)
     strategy = getattr(trainer, "strategy", None)
     if strategy is not None and strategy.optimizers:
         optimizers, configs = list(strategy.optimizers), list(strategy.lr_scheduler_configs)
