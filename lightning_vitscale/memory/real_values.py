@@ -4,11 +4,13 @@ ones: the step computes for real on the host beside the fake run, each branch go
 ``.numpy()`` gives the real values (:mod:`.fake_modes`).
 
 Real values cost what fake tensors never do: a host copy of the model (at most
-:data:`~.twin.REAL_VALUES_LIMIT`) and real compute and activations. So a batch of more than three samples is not run
+:data:`~.twin.REAL_VALUES_LIMIT`) and real compute and activations. So a batch of more than five samples is not run
 whole: its first two and first three samples are, and each measured number is extrapolated along the line through
 them to the batch (activations grow with the samples, a block's weight gradients do not: scaling one sample's numbers
 by a batch of 4 over-predicted torchvision detectors' peaks by up to 48%). Two, not one: a BatchNorm after global
-pooling refuses a batch of one in training.
+pooling refuses a batch of one in training. Up to five samples the batch runs whole, once: two and three would cost as
+many samples in two runs, each with its own per-op cost of fake tensors (a Faster R-CNN at a batch of 4: 23 s of
+planning in two runs, 10 s whole).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from lightning_vitscale.memory.planner import step_inputs
 from lightning_vitscale.memory.step_inputs import StepInputs
 from lightning_vitscale.memory.twin import real_values
 
-SMALL_BATCH = 3
-"""A batch of at most this many samples is run whole on real values; a larger one on its first 2 and 3 samples."""
+SMALL_BATCH = 5
+"""A batch of at most this many samples is run whole on real values (its first 2 and 3 would cost as many samples,
+in two runs); a larger one on its first 2 and 3 samples."""
 
 
 def measure_on_real_values(

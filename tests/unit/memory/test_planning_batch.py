@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from lightning_vitscale._utils import GIB, MIB
 from lightning_vitscale.cli.demo import TinyViT
 from lightning_vitscale.memory import describe_prediction, device_memory, twin
-from lightning_vitscale.memory.planner import plan_memory, resolve_budget, step_inputs
+from lightning_vitscale.memory.planner import batch_size_of, plan_memory, resolve_budget, step_inputs
 from lightning_vitscale.memory.planning_batch import (
     TRAIN_BATCH,
     PlanningBatch,
@@ -218,6 +218,30 @@ def test_a_larger_batch_runs_two_and_three_samples_on_real_values_and_extrapolat
     assert inputs.profile == plain.profile and inputs.batch_scale == 1
     every = StepSettings(frozenset({0, 1}))
     assert predict_step(inputs, every).peak == predict_step(plain, every).peak
+
+
+@pytest.mark.parametrize("samples", [4, 5])
+def test_a_batch_of_at_most_five_runs_whole_on_real_values_once(samples, monkeypatch):
+    """Up to five samples the batch runs whole, once: its first two and three would cost as many samples or more, in
+    two runs (a Faster R-CNN's setup at batch 4: 23 s of planning with two runs, 10 s with one), and the measurement
+    is the batch's own. Mutation seen failing: the limit back at 3 (two runs, extrapolated)."""
+    from lightning_vitscale.memory import real_values
+
+    runs: list[int] = []
+    measured = real_values.step_inputs
+
+    def counted(twin, batch, **kwargs):
+        runs.append(batch_size_of(batch))
+        return measured(twin, batch, **kwargs)
+
+    monkeypatch.setattr(real_values, "step_inputs", counted)
+    batch = planning_batch(Branching(**SMALL), _fitting(DataLoader(data(), batch_size=samples)))
+    assert batch is not None and batch.samples == samples
+    plain, _ = measure_batch(TinyViT(**SMALL), batch, world_size=1, precision="32-true", device="cpu")
+    inputs, how = measure_batch(Branching(**SMALL), batch, world_size=1, precision="32-true", device="cpu")
+    assert how.endswith("with real values"), how
+    assert runs == [samples]
+    assert inputs.profile == plain.profile and inputs.batch_scale == 1
 
 
 class ConvBlock(nn.Module):
