@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch.loggers.logger import DummyLogger
 
 from lightning_vitscale._compat import configured_optimizers
+from lightning_vitscale.memory.random_states import as_the_run
 
 
 class _Stepless:
@@ -78,7 +79,8 @@ class _QuietTrainer:
     def __getattr__(self, name: str) -> Any:
         if name in ("trainer", "configured"):
             raise AttributeError(name)
-        return getattr(self.trainer, name)
+        with as_the_run():  # what the trainer draws for the run (`estimated_stepping_batches` sets up its data) stays
+            return getattr(self.trainer, name)
 
 
 def _as_lightning_returns(items: list[Any]) -> Any:
