@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import random
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sized
 from dataclasses import dataclass
@@ -29,7 +30,6 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_vitscale._compat import train_dataloader
 from lightning_vitscale.discovery.tensor_plan import TensorPlanError
 from lightning_vitscale.memory.planner import step_inputs
-from lightning_vitscale.memory.random_states import random_state_kept
 from lightning_vitscale.memory.real_values import StepNotMeasuredError, measure_on_real_values
 from lightning_vitscale.memory.selective_ops import SelectiveCheckpointingError
 from lightning_vitscale.memory.step_inputs import StepInputs
@@ -78,6 +78,21 @@ def first_batch(loader: Any, samples: int | None = None) -> Any | None:
         return None
     with random_state_kept():  # random transforms (flips, crops) must not shift the training run's numbers
         return loader.collate_fn([dataset[i] for i in range(min(samples or loader.batch_size, len(dataset)))])
+
+
+@contextlib.contextmanager
+def random_state_kept() -> Iterator[None]:
+    """torch's (CPU, initialised CUDA devices), Python's and NumPy's global random states restored after the body."""
+    import numpy.random  # torchmetrics requires NumPy
+
+    state, numpy_state = random.getstate(), numpy.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(state)
+        numpy.random.set_state(numpy_state)
 
 
 def first_tensor_input(batch: Any) -> Any:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -24,8 +25,7 @@ from typing import Any
 import torch
 from lightning.pytorch.loggers.logger import DummyLogger
 
-from lightning_vitscale._compat import configured_optimizers
-from lightning_vitscale.memory.random_states import as_the_run
+from lightning_vitscale._compat import configured_optimizers, train_dataloader
 
 
 class _Stepless:
@@ -54,7 +54,8 @@ class _QuietTrainer:
     histogram to TensorBoard at batch 0 wrote the planner's runs there too), its ``optimizers`` are the step's
     stepless ones (``self.trainer.optimizers[0].param_groups``) and so are its schedulers
     (``self.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()``), what the step sets stays here (a
-    ``self.trainer.should_stop = True`` must not end the run before it starts), the rest is the trainer's."""
+    ``self.trainer.should_stop = True`` must not end the run before it starts), the train data is not set up
+    (``estimated_stepping_batches``, below), the rest is the trainer's."""
 
     def __init__(self, trainer: Any, configured: Callable[[], tuple[list[Any], list[Any]]]) -> None:
         object.__setattr__(self, "trainer", trainer)
@@ -69,6 +70,20 @@ class _QuietTrainer:
         return self.configured()[1]
 
     @property
+    def estimated_stepping_batches(self) -> int | float:
+        """Lightning's number where the train data is set up (a first step's plan); before, Lightning would set it up
+        here, and the planner's run must not: one rank plans, and the data's setup has collectives
+        (``has_len_all_ranks``) no other rank joined (2 ranks hung), and the iterator seed it draws would be drawn on
+        that rank alone under the planner's fake tensors, then undone (one draw fewer than DDP's: other dropout
+        masks from the first step). A schedule's length (OneCycleLR's ``total_steps``) changes no activation, so the
+        planner's run gets Lightning's formula on the train loader as it is, and Lightning sets the data up for the
+        run where DDP's setup does."""
+        trainer = self.trainer
+        if trainer.train_dataloader is not None:
+            return trainer.estimated_stepping_batches
+        return _steps_before_data_setup(trainer)
+
+    @property
     def logger(self) -> Any:
         return DummyLogger() if self.trainer.logger is not None else None
 
@@ -79,8 +94,22 @@ class _QuietTrainer:
     def __getattr__(self, name: str) -> Any:
         if name in ("trainer", "configured"):
             raise AttributeError(name)
-        with as_the_run():  # what the trainer draws for the run (`estimated_stepping_batches` sets up its data) stays
-            return getattr(self.trainer, name)
+        return getattr(self.trainer, name)
+
+
+def _steps_before_data_setup(trainer: Any) -> int | float:
+    """``Trainer.estimated_stepping_batches`` from the train loader before Lightning wraps it (its sampler split over
+    the ranks by division), with no collective and no draw."""
+    if trainer.max_epochs == -1:
+        return float("inf") if trainer.max_steps == -1 else trainer.max_steps
+    try:
+        batches = math.ceil(len(train_dataloader(trainer)) / trainer.world_size)
+    except TypeError:  # no length (an iterable): Lightning's number is max_steps too
+        return trainer.max_steps
+    limit = trainer.limit_train_batches
+    batches = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+    steps = math.ceil(batches / trainer.accumulate_grad_batches) * max(trainer.max_epochs or 1, 1)
+    return min(steps, trainer.max_steps) if trainer.max_steps != -1 else steps
 
 
 def _as_lightning_returns(items: list[Any]) -> Any:

@@ -17,6 +17,7 @@ COMPARED = (
     *(f"contrastive_{gather}_{precision}" for gather in ("lightning", "torch")
       for precision in ("32-true", "bf16-mixed")),
     "clipped_by_hand_norm", "clipped_by_hand_value", "ema_timm", "scalar_reads", "histograms",
+    "one_cycle_schedule",
 )
 ALONE = ("one_rank_call", "one_rank_deepcopy", "one_rank_scalar_read", "logged_rank_zero_only", "one_rank_numpy_read")
 
@@ -232,3 +233,14 @@ def test_timm_s_ema_updated_through_state_dict_moves_as_under_ddp(runs):
     for ours, ddp in _pairs(runs, "ema_timm"):
         assert len(ddp["losses"]) == 4 and ours["losses"] == ddp["losses"]
         assert ours["ema"] == ddp["ema"]
+
+
+def test_a_schedule_sized_by_estimated_stepping_batches_trains_as_ddp_on_two_ranks(runs):
+    """A OneCycle schedule sized by ``self.trainer.estimated_stepping_batches``, read by a step the planner runs on
+    rank 0 alone: Lightning set up the train data there, whose collectives (``has_len_all_ranks``) no other rank
+    joined, and the run hung (found 2026-12-07). DDP's losses, rates and length on every rank. Mutation seen failing:
+    the planner's stand-in property removed (this launch timed out at 300 s in the scenario)."""
+    for ours, ddp in _pairs(runs, "one_cycle_schedule"):
+        assert ours["stepping_batches"] == ddp["stepping_batches"] == [6]
+        assert ours["rates"] == ddp["rates"] and len(ours["rates"]) == 6
+        assert ours["losses"] == ddp["losses"]

@@ -421,6 +421,16 @@ def ema_timm() -> dict:
     return {"losses": model.losses, "ema": {k: values(v) for k, v in state.items() if v.is_floating_point()}}
 
 
+def one_cycle_schedule() -> dict:
+    """OneCycleLR sized by ``self.trainer.estimated_stepping_batches``, the rate read in the step (which the planner
+    runs at setup on rank 0 alone), dropout in the backbone."""
+    from tests.helpers.schedules import OneCycle
+
+    model = OneCycle()
+    trainer(max_epochs=2, limit_train_batches=3).fit(model, loader(64))
+    return {"losses": model.losses, "rates": model.rates, "stepping_batches": model.stepping_batches}
+
+
 def one_rank_call() -> dict:
     """Only rank 0 calls the model after fit: it must fail within the timeout, saying why (VitScaleStrategy only)."""
     L.seed_everything(0, verbose=False)
@@ -513,6 +523,7 @@ COMPARED = {
     "ema_timm": ema_timm,
     "scalar_reads": scalar_reads,
     "histograms": histograms,
+    "one_cycle_schedule": one_cycle_schedule,
 }
 SCENARIOS = under_each_strategy(COMPARED, globals())
 ALONE = {"one_rank_call": one_rank_call, "one_rank_deepcopy": one_rank_deepcopy,

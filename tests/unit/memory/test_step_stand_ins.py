@@ -16,48 +16,11 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from lightning_vitscale import VitScaleStrategy
-from tests.helpers.models import BACKBONES, Streamed, loader
+from tests.helpers.models import Streamed, loader
+from tests.helpers.schedules import OneCycle, ReadsItsSchedule
 
 PLANNED = "(measured on one batch of the train dataloader, through training_step)"
 NOT_PLANNED = "so it cannot plan for speed: every block checkpointed"
-
-
-class ReadsItsSchedule(L.LightningModule):
-    """No ``forward``: the step calls the backbone. It logs the learning rate as its optimizer and its scheduler
-    say (and the trainer's lists of them); ``manual``: it also steps both itself, the scheduler every step (its rate
-    halves each step); ``stop_at_first``: it ends the run at its first batch (``self.trainer.should_stop``)."""
-
-    def __init__(self, manual: bool = False, stop_at_first: bool = False) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.backbone = BACKBONES["encoder"]()
-        self.automatic_optimization = not manual
-        self.stop_at_first = stop_at_first
-        self.losses: list[float] = []
-        self.rates: list[tuple[float, float]] = []
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self.backbone(x), y)
-        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        self.rates.append((optimizer.param_groups[0]["lr"], scheduler.get_last_lr()[0],
-                           self.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]))
-        if self.stop_at_first and batch_idx == 0:
-            self.trainer.should_stop = True
-        self.log("trainer_lr", self.trainer.optimizers[0].param_groups[0]["lr"])  # the Trainer's list, as often
-        self.log("lr", optimizer.param_groups[0]["lr"])
-        self.losses.append(loss.item())
-        if self.automatic_optimization:
-            return loss
-        optimizer.zero_grad()
-        self.manual_backward(loss)
-        optimizer.step()
-        scheduler.step()
-        return None
-
-    def configure_optimizers(self):
-        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
-        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
 
 
 def fit(module: L.LightningModule, strategy, data) -> L.Trainer:
@@ -104,23 +67,13 @@ def test_what_the_planned_step_sets_on_the_trainer_stays_with_the_planners_run()
     assert ours.losses == ddp.losses and len(ours.losses) == 1
 
 
-class OneCycle(ReadsItsSchedule):
-    """A OneCycle schedule as long as the run, read in ``configure_optimizers`` (``estimated_stepping_batches``, which
-    sets up the train dataloader and draws its iterator's seed), a backbone with dropout, the rate logged each step."""
-
-    def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
-        total = self.trainer.estimated_stepping_batches
-        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=total)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
-
-
 def test_a_schedule_sized_by_estimated_stepping_batches_trains_as_ddp():
     """The planner's run of the step reads ``self.trainer.estimated_stepping_batches`` through its stand-in of the
-    trainer: Lightning sets up the train dataloader there, once, drawing its iterator's seed, as DDP's setup does.
-    Drawn under the planner's fake tensors and random states, the draw was lost: every dropout mask after it differed
-    from DDP's (2.466 against DDP's 2.495 at the first step). Mutations seen failing: the stand-in's reads of the
-    trainer without ``as_the_run``, and ``as_the_run`` without leaving the fake modes."""
+    trainer, before Lightning set up the train data: Lightning set it up there, drawing its iterator's seed under the
+    planner's fake tensors and random states, and the draw was lost (every dropout mask after it differed from DDP's:
+    2.466 against DDP's 2.495 at the first step; on 2 ranks the data's collectives on the planning rank alone hung:
+    ``tests/distributed/test_dropin.py``). The stand-in now gives Lightning's formula on the loader as it is, the
+    same number here. Mutation seen failing: the stand-in's property removed (the trainer's read)."""
     def run(strategy) -> tuple[ReadsItsSchedule, L.Trainer]:
         L.seed_everything(0, verbose=False)
         module = OneCycle()
@@ -134,4 +87,36 @@ def test_a_schedule_sized_by_estimated_stepping_batches_trains_as_ddp():
     assert PLANNED in trainer.strategy.plan.summary()  # the step ran at setup, reading the schedule
     assert any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in ours.modules())  # masks drawn every step
     assert ours.rates == ddp.rates and len(ours.rates) == 6
+    assert ours.stepping_batches == ddp.stepping_batches == [6]  # the real configure_optimizers' (the twin's: silent)
     assert ours.losses == ddp.losses
+
+
+class ComparesStepCounts(ReadsItsSchedule):
+    """Records the planner's number for the run's trainer beside Lightning's, where Lightning computes it first (its
+    ``configure_optimizers`` under DDP, before the train data is set up)."""
+
+    def configure_optimizers(self):
+        from lightning_vitscale.memory.step_stand_ins import _steps_before_data_setup
+
+        assert self.trainer.train_dataloader is None  # as at the planner's run
+        self.stepping_batches = [_steps_before_data_setup(self.trainer), self.trainer.estimated_stepping_batches]
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.backbone(x), y)
+
+
+@pytest.mark.parametrize(("limit", "accumulate", "max_steps", "epochs"),
+                         [(1.0, 1, -1, 2), (3, 2, -1, 3), (0.5, 3, -1, 1), (1.0, 1, 5, 4), (2, 1, 3, -1)])
+def test_the_planners_estimated_stepping_batches_is_lightnings(limit, accumulate, max_steps, epochs):
+    """The stand-in's formula (no data set up, no collective) against Lightning's own number for the same trainer:
+    train batch limits as a count and a fraction, accumulation, ``max_steps``, ``max_epochs=-1``."""
+    module = ComparesStepCounts()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="ddp", max_epochs=epochs, max_steps=max_steps,
+                        limit_train_batches=limit, accumulate_grad_batches=accumulate, limit_val_batches=0,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(module, loader(40))
+    planned, lightnings = module.stepping_batches
+    assert planned == lightnings
