@@ -122,6 +122,15 @@ def _rebound(function: Any, memo: dict[int, Any], depth: int = 0) -> Any:
     return rebound
 
 
+def trainer_of(module: Any) -> Any:
+    """The Trainer ``module`` is attached to (``LightningModule.trainer``), or ``None``: none given, not a
+    LightningModule, or not attached (the property raises then)."""
+    try:
+        return module.trainer if module is not None else None
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes this rank actually stores for ``tensors`` (a DTensor counts its local shard only)."""
     return sum(dtensor_local(t).numel() * t.element_size() for t in tensors)

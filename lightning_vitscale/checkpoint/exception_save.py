@@ -20,6 +20,7 @@ from typing import Any
 
 from lightning.pytorch.trainer.states import TrainerStatus
 
+from lightning_vitscale._utils import trainer_of
 from lightning_vitscale.distributed import collective_guard
 
 
@@ -58,13 +59,3 @@ def unless_alone_in_exception(barrier: Callable[..., None]) -> Callable[..., Non
             barrier(strategy, name)
 
     return wrapped
-
-
-def trainer_of(module: Any) -> Any:
-    """The Trainer ``module`` is attached to, or ``None`` (``LightningModule.trainer`` raises when it is not)."""
-    if module is None:
-        return None
-    try:
-        return module.trainer
-    except RuntimeError:
-        return None

@@ -15,10 +15,11 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_vitscale._utils import trainer_of
 from lightning_vitscale.checkpoint import state_dict_writes
 from lightning_vitscale.checkpoint.async_save import AsyncSaves
 from lightning_vitscale.checkpoint.consolidate import consolidate_command
-from lightning_vitscale.checkpoint.exception_save import ExceptionSave, trainer_of
+from lightning_vitscale.checkpoint.exception_save import ExceptionSave
 from lightning_vitscale.checkpoint.load import HandedModelState, apply_model_state, load_checkpoint
 from lightning_vitscale.checkpoint.resume import verified_checkpoint
 from lightning_vitscale.checkpoint.save import (

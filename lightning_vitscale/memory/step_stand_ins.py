@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch.loggers.logger import DummyLogger
 
 from lightning_vitscale._compat import configured_optimizers, train_dataloader
+from lightning_vitscale._utils import trainer_of
 
 
 class _Stepless:
@@ -122,7 +123,7 @@ def stand_ins(twin: Any, losses: list[torch.Tensor]) -> dict[str, Any]:
     loss."""
     built: list[tuple[list[Any], list[Any]]] = []
 
-    trainer = _attached_trainer(twin)
+    trainer = trainer_of(twin)
 
     def configured() -> tuple[list[Any], list[Any]]:
         if not built:  # built at the first read, on the twin's parameters: nothing of the real model is stepped
@@ -151,14 +152,6 @@ def stand_ins(twin: Any, losses: list[torch.Tensor]) -> dict[str, Any]:
     return {**replaced, "manual_backward": manual_backward, "toggle_optimizer": nothing,
             "untoggle_optimizer": nothing, "clip_gradients": nothing,
             "toggled_optimizer": lambda *args, **kwargs: contextlib.nullcontext()}
-
-
-def _attached_trainer(module: Any) -> Any:
-    """The trainer ``module`` is attached to (``LightningModule.trainer``), ``None`` where there is none."""
-    try:
-        return module.trainer
-    except (AttributeError, RuntimeError):  # not a LightningModule; one not attached to a Trainer
-        return None
 
 
 def _configured(twin: Any, trainer: Any) -> tuple[list[Any], list[Any]]:

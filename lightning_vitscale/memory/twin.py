@@ -6,13 +6,13 @@ import contextlib
 import functools
 import sys
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_vitscale._utils import derived_attributes, private_copy
+from lightning_vitscale._utils import derived_attributes, private_copy, trainer_of
 
 
 def meta_twin(module: nn.Module) -> nn.Module:
@@ -29,10 +29,9 @@ def meta_twin(module: nn.Module) -> nn.Module:
             memo[id(value)] = value
     twin = private_copy(module, memo)
     if isinstance(twin, LightningModule) and twin.fabric is None:  # a Fabric's shim stands for the Trainer
-        # __getstate__ dropped the Trainer: a training_step measured on the twin may read self.trainer. Where no
-        # Trainer holds the module (plan_memory, the CLI's plan), the public property raises.
-        with contextlib.suppress(RuntimeError):
-            twin.trainer = cast(LightningModule, module).trainer
+        # __getstate__ dropped the Trainer: a training_step measured on the twin may read self.trainer (none where no
+        # Trainer holds the module: plan_memory, the CLI's plan).
+        twin.trainer = trainer_of(module)
     return twin
 
 
