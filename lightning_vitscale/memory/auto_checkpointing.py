@@ -22,7 +22,7 @@ from lightning_vitscale.discovery.calls import Calls
 from lightning_vitscale.memory.gradient_release import unwrapped
 from lightning_vitscale.memory.measurement import Measurement, MeasurementError
 from lightning_vitscale.memory.memory_plan import MemoryPlan
-from lightning_vitscale.memory.plan_search import BlockMode, BlockPlan
+from lightning_vitscale.memory.plan_search import BlockMode, BlockPlan, Modes, SearchSpace, fits_unchecked
 from lightning_vitscale.memory.planner import batch_size_of, choose, model_parts
 from lightning_vitscale.memory.planning_batch import (
     EXAMPLE_INPUT,
@@ -71,10 +71,13 @@ class AutoChoice:
         p = self.plan
         if p is None:
             return f"auto: {self.blocks.describe()} ({self.warning})"
-        every, none = p.all_checkpointed.breakdown.peak, p.none_checkpointed.breakdown.peak
+        none = human_bytes(p.none_checkpointed.breakdown.peak)
+        ends = (f"every block full {human_bytes(p.all_checkpointed.breakdown.peak)}, none {none}"
+                if p.all_checkpointed is not None else "fits with no block checkpointed in every unit layout, so"
+                " checkpointing was not measured")
         return (f"auto: {self.blocks.describe()} (measured on {self.measured}),"
                 f" predicted peak {human_bytes(p.chosen.breakdown.peak)} per rank"
-                f" (budget {human_bytes(p.budget)}; every block full {human_bytes(every)}, none {human_bytes(none)});"
+                f" (budget {human_bytes(p.budget)}; {ends});"
                 f" predicted step time it adds {p.extra_seconds * 1e3:.1f} ms (recompute, all-gathers, per unit)")
 
 
@@ -165,18 +168,19 @@ class AutoCheckpointing:
         and plan each block; :class:`MeasurementError` where the step cannot run on fake tensors. Blocks per unit
         pinned only because the units exist already: the hint says what a free choice would have saved."""
         batch = batch if isinstance(batch, PlanningBatch) else PlanningBatch(batch, EXAMPLE_INPUT)
-        try:
-            inputs, how = self.measure(model, batch, device, optimizer=optimizer)
-        except MeasurementError as error:  # what to do instead
-            raise MeasurementError(
-                f"activation_checkpointing='auto' could not measure {type(model).__name__} on fake tensors ({error})."
-                " Pass activation_checkpointing=True (or an int / a predicate)."
-            ) from error.__cause__
+        inputs, how = self._measured(model, batch, device, optimizer, unchecked=True)
+        n, rates = len(inputs.profile.blocks), rates_for(device)
+        sizes = None if self.units_left_to_planner else self.blocks_per_unit  # every unit layout plan_for may try
+        space = SearchSpace(inputs, self.budget, rates, self.offload, self.fixed_reshard, sizes, (None,) * n)
+        modes: Modes | None = space.modes
+        if not fits_unchecked(space, self.blocks_per_unit):  # checkpointing may be needed: measure its modes too
+            inputs, how = self._measured(model, batch, device, optimizer, unchecked=False)
+            modes = None
         batch_size = batch_size_of(batch.value)
 
         def plan_for(units: int | None) -> MemoryPlan:  # the budget stands for the device's memory in the table
             return choose(inputs, self.budget, self.budget, self.measure.precision, batch_size, offload=self.offload,
-                          rates=rates_for(device), reshard=self.fixed_reshard, per_unit=units)
+                          rates=rates, reshard=self.fixed_reshard, per_unit=units, modes=modes)
 
         plan, hint = plan_for(self.blocks_per_unit), None
         if self.units_left_to_planner and self.blocks_per_unit is not None:
@@ -189,6 +193,18 @@ class AutoCheckpointing:
                         f" or pass blocks_per_unit={k}.")
         names = [b.name for b in inputs.profile.blocks]
         return AutoChoice(plan, names, plan.blocks, unmet_budget(plan, inputs, self.offload), hint, how)
+
+    def _measured(self, model: nn.Module, batch: PlanningBatch, device: torch.device | None, optimizer: str,
+                  unchecked: bool) -> tuple[StepInputs, str]:
+        """The step measured; ``unchecked``: with no block checkpointed only (every block's own passes under full
+        and selective checkpointing are most of the planner's setup time: a Swin-T measures 10x faster without)."""
+        try:
+            return self.measure(model, batch, device, (lambda *_: None) if unchecked else None, optimizer)
+        except MeasurementError as error:  # what to do instead
+            raise MeasurementError(
+                f"activation_checkpointing='auto' could not measure {type(model).__name__} on fake tensors ({error})."
+                " Pass activation_checkpointing=True (or an int / a predicate)."
+            ) from error.__cause__
 
     def _decide(self, model, example, device, agree: AgreePlan, optimizer) -> AutoChoice:
         # Every rank would measure the same shapes: rank 0 does, the others take its outcome (or measure: unpicklable)

@@ -21,7 +21,8 @@ class MemoryPlan:
 
     ``chosen``: the recommended settings and their breakdown, against both ends (``all_checkpointed``,
     ``none_checkpointed``); ``max_batch``: the largest per-rank batch that fits with every block checkpointed (0:
-    none); ``extra_seconds``: the step time ``blocks`` adds (recompute, second all-gathers, per unit);
+    none); both ``None`` where checkpointing was not measured (it fitted without, :func:`.plan_search.fits_unchecked`);
+    ``extra_seconds``: the step time ``blocks`` adds (recompute, second all-gathers, per unit);
     ``tensor_parallel``: ranks splitting each block (``world_size`` counts them all, ``batch_size`` is one
     data-parallel rank's); ``traffic``: bytes one rank sends per step, per mesh dimension; ``inputs``: the measured
     step (the throughput model's input).
@@ -35,10 +36,10 @@ class MemoryPlan:
     num_blocks: int
     num_params: int
     chosen: Candidate
-    all_checkpointed: Candidate
+    all_checkpointed: Candidate | None
     none_checkpointed: Candidate
     fits: bool
-    max_batch: int
+    max_batch: int | None
     reason: str
     notes: list[str] = field(default_factory=list)
     blocks: BlockPlan = field(default_factory=BlockPlan)
@@ -59,8 +60,10 @@ class MemoryPlan:
         head = (f"Memory plan: {self.num_params / 1e9:,.3f}B {params}, {self.num_blocks} blocks, {ranks},"
                 f" {self.precision}, batch {self.batch_size} per rank; budget {human_bytes(self.budget)} of"
                 f" {human_bytes(self.device_memory)}")
-        columns = {"chosen": self.chosen.breakdown, "AC on every block": self.all_checkpointed.breakdown,
-                   "AC off": self.none_checkpointed.breakdown}
+        columns = {"chosen": self.chosen.breakdown, "AC off": self.none_checkpointed.breakdown}
+        if self.all_checkpointed is not None:
+            columns = {"chosen": self.chosen.breakdown, "AC on every block": self.all_checkpointed.breakdown,
+                       "AC off": self.none_checkpointed.breakdown}
         verdict = "fits" if self.fits else "DOES NOT FIT"
         lines = [head, "", *breakdown_table(columns), ""]
         lines.append(f"{verdict}: {human_bytes(self.chosen.breakdown.peak)} predicted peak per rank ({self.reason})")
@@ -68,10 +71,11 @@ class MemoryPlan:
         lines.append(f"recommended: activation_checkpointing: {self.blocks.describe()}, predicted step time it adds"
                      f" {self.extra_seconds * 1e3:.1f} ms (recompute, all-gathers, per unit){offload}")
         how = "every block checkpointed" + (", state offloaded" if self.chosen.settings.offload else "")
-        lines.append(
-            f"largest batch per rank that fits ({how}): {self.max_batch}" if self.max_batch
-            else "no batch size fits on this many ranks: add ranks (devices/nodes)"
-        )
+        if self.max_batch is None:
+            lines.append("checkpointing not measured: the step fits without it")
+        else:
+            lines.append(f"largest batch per rank that fits ({how}): {self.max_batch}" if self.max_batch
+                         else "no batch size fits on this many ranks: add ranks (devices/nodes)")
         if self.traffic:
             lines.append("traffic per step (sent by one rank): " + ", ".join(
                 f"{name.replace('_', ' ')} {mib(sent, 2)}" for name, sent in self.traffic.items()))

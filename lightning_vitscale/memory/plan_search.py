@@ -140,6 +140,14 @@ def least_memory(space: SearchSpace) -> BlockPlan:
     return space.plan(space.n, 0, space.reshards(1)[0], space.per_unit or 1)
 
 
+def fits_unchecked(space: SearchSpace, pinned: int | None = None) -> bool:
+    """Whether every plan of ``space`` fits with no block checkpointed (its unit sizes, and ``pinned``'s, each with
+    the fewest blocks resharded: the most memory). Then no checkpointing is the fastest plan of each unit layout (a
+    checkpointed plan only adds recompute to the same units' cost), so the checkpointed modes need not be measured."""
+    sizes = {*unit_sizes(space.n, space.per_unit), *([pinned] if pinned is not None else [])}
+    return all(space.fits(BlockPlan((None,) * space.n, space.reshards(k)[-1], k)) for k in sorted(sizes))
+
+
 def search(space: SearchSpace) -> BlockPlan:
     """The plan with the least predicted step time whose predicted peak fits (see the module docstring)."""
     best = least_memory(space)

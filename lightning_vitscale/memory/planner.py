@@ -25,7 +25,7 @@ from lightning_vitscale.memory.devices import device_named, memory_names
 from lightning_vitscale.memory.fake_modes import RealValues
 from lightning_vitscale.memory.low_precision_failures import measure_keeping_fp32
 from lightning_vitscale.memory.memory_plan import Candidate, MemoryPlan
-from lightning_vitscale.memory.plan_search import BlockPlan, SearchSpace, search
+from lightning_vitscale.memory.plan_search import BlockPlan, Modes, SearchSpace, search
 from lightning_vitscale.memory.step_cost import GPU_RATES, DeviceRates, traffic_per_dimension
 from lightning_vitscale.memory.step_inputs import (
     OPTIMIZER_STATES,
@@ -204,13 +204,14 @@ def batch_size_of(example_input: Any) -> int:
 
 def choose(
     inputs: StepInputs, budget: int, device_bytes: int, precision: str, batch_size: int, offload: bool | None = None,
-    rates: DeviceRates = GPU_RATES, reshard: bool | None = None, per_unit: int | None = 1,
+    rates: DeviceRates = GPU_RATES, reshard: bool | None = None, per_unit: int | None = 1, modes: Modes | None = None,
 ) -> MemoryPlan:
     """The plan for ``budget`` (:mod:`.plan_search`). ``offload``: ``None`` recommends CPU offload where nothing
-    else fits, ``True`` / ``False`` say it is on / off; ``reshard`` and ``per_unit`` pin (``None``: chosen)."""
+    else fits, ``True`` / ``False`` say it is on / off; ``reshard``, ``per_unit`` and ``modes`` pin (``None``:
+    chosen; pinned modes need be the only ones measured: then the every-block-full column and batch are not known)."""
     n = len(inputs.profile.blocks)
     on = bool(offload)
-    space = SearchSpace(inputs, budget, rates, on, reshard, per_unit)
+    space = SearchSpace(inputs, budget, rates, on, reshard, per_unit, modes)
     blocks = search(space)
     if not space.fits(blocks) and offload is None:  # offload is recommended only when nothing else fits
         space = replace(space, offload=True)
@@ -221,6 +222,7 @@ def choose(
     none = StepSettings(offload=on, blocks_per_unit=k)
     chosen = Candidate(settings, predict_step(inputs, settings))
     fits = chosen.breakdown.peak <= budget
+    full_measured = all("full" in block.modes for block in inputs.profile.blocks)
     notes = []
     if settings.offload:
         host = predict_step(inputs, every).params
@@ -237,10 +239,10 @@ def choose(
         num_blocks=n,
         num_params=inputs.layout.num_params,
         chosen=chosen,
-        all_checkpointed=Candidate(every, predict_step(inputs, every)),
+        all_checkpointed=Candidate(every, predict_step(inputs, every)) if full_measured else None,
         none_checkpointed=Candidate(none, predict_step(inputs, none)),
         fits=fits,
-        max_batch=largest_batch(inputs, budget, batch_size, settings.offload),
+        max_batch=largest_batch(inputs, budget, batch_size, settings.offload) if full_measured else None,
         reason=_reason(blocks, n, fits, settings.offload, on),
         notes=notes,
         blocks=blocks,
