@@ -28,14 +28,15 @@ from pathlib import Path
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_vitscale import VitScaleStrategy  # noqa: E402 - after the checkout is importable
+from benchmarks.default_fit_speed import Classifier  # noqa: E402 - after the checkout is importable
+from lightning_vitscale import VitScaleStrategy  # noqa: E402
+from tests.helpers.models import boxes  # noqa: E402
 
 MODELS = ("vit", "swin", "convnext", "resnet", "detector")
 VARIANTS = ("ddp", "VitScaleStrategy()")
@@ -60,29 +61,17 @@ def backbone(name: str) -> tuple[nn.Module, int, int]:
     return timm.create_model(timm_name[name], num_classes=10), 224, 8
 
 
-class Classifier(L.LightningModule):
-    def __init__(self, net: nn.Module) -> None:
-        super().__init__()
-        self.net = net
-        self.setup_done_at: float | None = None
+class SetupOnly(Classifier):
+    """``default_fit_speed``'s classifier, ending each epoch at its first batch (no step runs: setup alone)."""
+
+    setup_done_at: float | None = None
 
     def on_train_batch_start(self, batch, batch_idx) -> int:
-        """Setup is over: skip the epoch (no step runs: the fits time setup alone)."""
         self.setup_done_at = time.perf_counter()
         return -1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-
-class Detector(Classifier):
+class Detector(SetupOnly):
     def training_step(self, batch, batch_idx):
         images, targets = batch
         return sum(self.net(images, targets).values())
@@ -94,19 +83,14 @@ def data(name: str, size: int, batch: int) -> DataLoader:
         samples = [(torch.randn(3, size, size, generator=g), int(torch.randint(0, 10, (), generator=g)))
                    for _ in range(batch)]
         return DataLoader(samples, batch_size=batch)
-    samples = []
-    for _ in range(batch):
-        corner = torch.rand(2, 2, generator=g) * size / 2
-        extent = torch.rand(2, 2, generator=g) * size / 3 + 8
-        target = {"boxes": torch.cat([corner, corner + extent], 1), "labels": torch.randint(1, 3, (2,), generator=g)}
-        samples.append((torch.rand(3, size, size, generator=g), target))
+    samples = boxes(batch, size)
     return DataLoader(samples, batch_size=batch, collate_fn=lambda s: ([i for i, _ in s], [t for _, t in s]))
 
 
 def setup_seconds(model_name: str, variant: str) -> float:
     torch.manual_seed(0)
     net, size, batch = backbone(model_name)
-    module = (Detector if model_name == "detector" else Classifier)(net)
+    module = (Detector if model_name == "detector" else SetupOnly)(net)
     strategy = "ddp" if variant == "ddp" else VitScaleStrategy()
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed", max_epochs=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,

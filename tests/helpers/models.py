@@ -217,3 +217,15 @@ def train_dropout_vit(strategy, accelerator: str, devices: int = 1, steps: int =
 
 def largest_weight_difference(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def boxes(count: int = 8, size: int = 64) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """Detection samples as torchvision's detectors take them: an image and its target, two boxes of two classes."""
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for _ in range(count):
+        corner = torch.rand(2, 2, generator=g) * size / 2
+        extent = torch.rand(2, 2, generator=g) * size / 3 + 8
+        target = {"boxes": torch.cat([corner, corner + extent], 1), "labels": torch.randint(1, 3, (2,), generator=g)}
+        samples.append((torch.rand(3, size, size, generator=g), target))
+    return samples

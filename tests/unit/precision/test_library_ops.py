@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.precision.library_ops import as_under_autocast, found_ops
+from tests.helpers.models import boxes
 
 torchvision = pytest.importorskip("torchvision")
 ops = torchvision.ops
@@ -181,24 +182,13 @@ def _centred(b: torch.Tensor) -> torch.Tensor:
     return torch.stack([(b[:, 0] + b[:, 2]) / 2, (b[:, 1] + b[:, 3]) / 2, b[:, 2] - b[:, 0], b[:, 3] - b[:, 1]], 1)
 
 
-def boxes(count: int = 8) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    g = torch.Generator().manual_seed(0)
-    samples = []
-    for _ in range(count):
-        corner = torch.rand(2, 2, generator=g) * SIZE / 2
-        size = torch.rand(2, 2, generator=g) * SIZE / 3 + 8
-        target = {"boxes": torch.cat([corner, corner + size], 1), "labels": torch.randint(1, 3, (2,), generator=g)}
-        samples.append((torch.rand(3, SIZE, SIZE, generator=g), target))
-    return samples
-
-
 def fit(strategy, model_class: type[Detector] = Detector) -> Detector:
     model = model_class()
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=2,
                         limit_val_batches=1, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     collate = lambda samples: ([image for image, _ in samples], [target for _, target in samples])  # noqa: E731
-    loader = DataLoader(boxes(), batch_size=4, collate_fn=collate)
+    loader = DataLoader(boxes(8, SIZE), batch_size=4, collate_fn=collate)
     trainer.fit(model, loader, loader)
     return model
 
