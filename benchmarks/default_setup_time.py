@@ -12,8 +12,9 @@ Models (``bf16-mixed``, AdamW, random data): ``vit`` timm's ``vit_small_patch16_
 ``swin_tiny_patch4_window7_224`` and ``convnext`` timm's ``convnext_tiny`` at 224 px, batch 8; ``resnet``
 torchvision's ResNet-50 at 64 px, batch 8; ``detector`` torchvision's ``fasterrcnn_mobilenet_v3_large_320_fpn`` at
 64 px, batch 4 (its step runs on real values: fake tensors cannot follow it). Each round runs every (model,
-variant) once, the variants' order rotating between rounds; each fit ends at its first batch (the module's
-``on_train_batch_start`` returns -1: no step runs); the median over rounds. Run
+variant) in a process of its own, the variants' order rotating between rounds: a first fit there (cold: a user's
+run, paying torch's first-call costs) and a second (warm); each fit ends at its first batch (the module's
+``on_train_batch_start`` returns -1: no step runs); the median over rounds of each. Run
 the same script from another checkout (copied into it) to compare commits.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -101,25 +103,41 @@ def setup_seconds(model_name: str, variant: str) -> float:
     return module.setup_done_at - start
 
 
+def in_fresh_process(model_name: str, variant: str) -> tuple[float, float]:
+    """The fit in a process of its own (a user's run: the first planning in a process pays torch's first-call
+    costs), then again in that process (warm)."""
+    out = subprocess.run([sys.executable, __file__, "--child", model_name, variant], capture_output=True, text=True,
+                         check=True)
+    cold, warm = json.loads(out.stdout.strip().splitlines()[-1])
+    return cold, warm
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    seconds: dict[str, dict[str, list[float]]] = {m: {v: [] for v in VARIANTS} for m in args.models}
+    if args.child:
+        print(json.dumps([setup_seconds(*args.child), setup_seconds(*args.child)]))
+        return
+    seconds: dict[str, dict[str, dict[str, list[float]]]] = {
+        m: {v: {"cold": [], "warm": []} for v in VARIANTS} for m in args.models}
     for round_index in range(args.rounds):
         order = VARIANTS[round_index % len(VARIANTS):] + VARIANTS[:round_index % len(VARIANTS)]
         for model_name in args.models:
             for variant in order:
-                seconds[model_name][variant].append(setup_seconds(model_name, variant))
-                print(f"round {round_index} {model_name} {variant}: {seconds[model_name][variant][-1]:.2f} s",
-                      flush=True)
-    print("| model | " + " | ".join(VARIANTS) + " |")
-    print("|---|" + "---|" * len(VARIANTS))
+                cold, warm = in_fresh_process(model_name, variant)
+                seconds[model_name][variant]["cold"].append(cold)
+                seconds[model_name][variant]["warm"].append(warm)
+                print(f"round {round_index} {model_name} {variant}: {cold:.2f} s, then {warm:.2f} s", flush=True)
+    print("| model | " + " | ".join(f"{v} cold | {v} warm" for v in VARIANTS) + " |")
+    print("|---|" + "---|---|" * len(VARIANTS))
     for model_name, by_variant in seconds.items():
-        print(f"| {model_name} | " + " | ".join(f"{statistics.median(by_variant[v]):.2f} s" for v in VARIANTS) + " |")
+        print(f"| {model_name} | " + " | ".join(
+            f"{statistics.median(by_variant[v]['cold']):.2f} s | {statistics.median(by_variant[v]['warm']):.2f} s"
+            for v in VARIANTS) + " |")
     if args.json:
         args.json.write_text(json.dumps({"torch": torch.__version__, "lightning": L.__version__,
                                          "rounds": args.rounds, "seconds": seconds}, indent=1))
