@@ -225,7 +225,7 @@ def choose(
     full_measured = all("full" in block.modes for block in inputs.profile.blocks)
     notes = []
     if settings.offload:
-        host = predict_step(inputs, every).params
+        host = predict_step(inputs, replace(settings, offload=False)).params  # what the device would hold
         states = OPTIMIZER_STATES[inputs.optimizer]
         notes.append(f"offload keeps {human_bytes(host * (2 + states))} of parameters, gradients and optimizer state"
                      " per rank in host memory (times the ranks per node)")

@@ -1,12 +1,13 @@
 """``"auto"`` measures the step with no block checkpointed first, and every block's passes under full and selective
-checkpointing only where some unit layout does not fit without them (they are most of the planner's setup time):
-the plan is the one the whole measurement gives, at every budget from the recipe's least memory to ample."""
+checkpointing only where some unit layout does not fit without them (on a step run on real values they are real
+compute): the plan is the one the whole measurement gives, at every budget from the recipe's least memory to ample."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from lightning_vitscale._utils import human_bytes
 from lightning_vitscale.cli.demo import TinyViT
 from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing
 from lightning_vitscale.memory.measurement import Measurement
@@ -14,7 +15,7 @@ from lightning_vitscale.memory.plan_search import SearchSpace, fits_unchecked, l
 from lightning_vitscale.memory.planner import choose
 from lightning_vitscale.memory.planning_batch import EXAMPLE_INPUT, PlanningBatch
 from lightning_vitscale.memory.step_cost import rates_for
-from lightning_vitscale.memory.step_inputs import StepSettings
+from lightning_vitscale.memory.step_inputs import OPTIMIZER_STATES, StepSettings
 from lightning_vitscale.memory.step_model import predict_step
 
 LONG = dict(image=64, patch=4, dim=96, depth=4)  # 256 tokens: activations dominate
@@ -91,3 +92,18 @@ def test_fits_unchecked_asks_every_unit_layout_at_its_most_memory(whole):
     # Larger units take more: the size given beside the pinned one is asked too.
     assert peak(2, False) > resharded
     assert not fits_unchecked(SearchSpace(whole, resharded, rates, fixed_reshard=True, per_unit=1, modes=unchecked), 2)
+
+
+def test_with_offload_on_the_plan_names_the_state_it_keeps_in_host_memory(whole):
+    """``offload="cpu"`` on: the plan's note counts the sharded parameters, gradients and optimizer state offloaded.
+    It read them from the every-block-full prediction, which has nothing on the device under offload (0 B) and is not
+    measured where the step fits unchecked (it raised)."""
+    model, batch = planned()
+    for budget in (budgets(whole)[0], 2**40):  # checkpointing measured, and not
+        auto = AutoCheckpointing(budget, Measurement(SHARDS, "bf16-mixed"), offload=True)
+        plan = auto.choose(model, batch).plan
+        assert plan is not None and plan.chosen.settings.offload
+        shards = predict_step(whole, StepSettings()).params  # this rank's fp32 masters, as the device holds them
+        assert shards > 0
+        kept = [note for note in plan.notes if note.startswith("offload keeps")]
+        assert len(kept) == 1 and human_bytes(shards * (2 + OPTIMIZER_STATES["adamw"])) in kept[0], plan.notes
