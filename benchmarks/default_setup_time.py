@@ -7,6 +7,7 @@ Usage::
 
     python benchmarks/default_setup_time.py                       # five backbones, 3 rounds
     python benchmarks/default_setup_time.py --models swin --rounds 1 --json out.json
+    python benchmarks/default_setup_time.py --models detector --memory-budget 314572800   # a budget that needs AC
 
 Models (``bf16-mixed``, AdamW, random data): ``vit`` timm's ``vit_small_patch16_224``, ``swin`` timm's
 ``swin_tiny_patch4_window7_224`` and ``convnext`` timm's ``convnext_tiny`` at 224 px, batch 8; ``resnet``
@@ -89,11 +90,11 @@ def data(name: str, size: int, batch: int) -> DataLoader:
     return DataLoader(samples, batch_size=batch, collate_fn=lambda s: ([i for i, _ in s], [t for _, t in s]))
 
 
-def setup_seconds(model_name: str, variant: str) -> float:
+def setup_seconds(model_name: str, variant: str, budget: int | None = None) -> float:
     torch.manual_seed(0)
     net, size, batch = backbone(model_name)
     module = (Detector if model_name == "detector" else SetupOnly)(net)
-    strategy = "ddp" if variant == "ddp" else VitScaleStrategy()
+    strategy = "ddp" if variant == "ddp" else VitScaleStrategy(memory_budget=budget)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed", max_epochs=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
@@ -103,11 +104,12 @@ def setup_seconds(model_name: str, variant: str) -> float:
     return module.setup_done_at - start
 
 
-def in_fresh_process(model_name: str, variant: str) -> tuple[float, float]:
+def in_fresh_process(model_name: str, variant: str, budget: int | None) -> tuple[float, float]:
     """The fit in a process of its own (a user's run: the first planning in a process pays torch's first-call
     costs), then again in that process (warm)."""
-    out = subprocess.run([sys.executable, __file__, "--child", model_name, variant], capture_output=True, text=True,
-                         check=True)
+    budget_flag = [] if budget is None else ["--memory-budget", str(budget)]
+    out = subprocess.run([sys.executable, __file__, "--child", model_name, variant, *budget_flag], capture_output=True,
+                         text=True, check=True)
     cold, warm = json.loads(out.stdout.strip().splitlines()[-1])
     return cold, warm
 
@@ -117,10 +119,12 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--memory-budget", type=int, help="VitScaleStrategy(memory_budget=BYTES): one that needs"
+                        " checkpointing measures the step twice (unchecked first)")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps([setup_seconds(*args.child), setup_seconds(*args.child)]))
+        print(json.dumps([setup_seconds(*args.child, args.memory_budget) for _ in range(2)]))
         return
     seconds: dict[str, dict[str, dict[str, list[float]]]] = {
         m: {v: {"cold": [], "warm": []} for v in VARIANTS} for m in args.models}
@@ -128,7 +132,7 @@ def main() -> None:
         order = VARIANTS[round_index % len(VARIANTS):] + VARIANTS[:round_index % len(VARIANTS)]
         for model_name in args.models:
             for variant in order:
-                cold, warm = in_fresh_process(model_name, variant)
+                cold, warm = in_fresh_process(model_name, variant, args.memory_budget)
                 seconds[model_name][variant]["cold"].append(cold)
                 seconds[model_name][variant]["warm"].append(warm)
                 print(f"round {round_index} {model_name} {variant}: {cold:.2f} s, then {warm:.2f} s", flush=True)
@@ -140,7 +144,8 @@ def main() -> None:
             for v in VARIANTS) + " |")
     if args.json:
         args.json.write_text(json.dumps({"torch": torch.__version__, "lightning": L.__version__,
-                                         "rounds": args.rounds, "seconds": seconds}, indent=1))
+                                         "rounds": args.rounds, "memory_budget": args.memory_budget,
+                                         "seconds": seconds}, indent=1))
 
 
 if __name__ == "__main__":
