@@ -185,6 +185,17 @@ def find_units(
     return [(name, parts) for name, parts in units if parts]
 
 
+def find_holding_units(
+    root: nn.Module, selector: ModuleSelector | None = None, called: Collection[str] | None = None,
+    fed: Mapping[str, str] | None = None,
+) -> list[Unit]:
+    """The units of :func:`find_units` as setup shards them and the planner measures them: each unit's modules that
+    hold parameters, a unit left with none dropped."""
+    units = [(name, [(n, b) for n, b in parts if holds_parameters(b)]) for name, parts in
+             find_units(root, selector, called, fed)]
+    return [(name, parts) for name, parts in units if parts]
+
+
 def find_blocks(
     root: nn.Module, selector: ModuleSelector | None = None, called: Collection[str] | None = None,
     fed: Mapping[str, str] | None = None,

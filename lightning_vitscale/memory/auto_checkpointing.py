@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_vitscale._utils import available_host_bytes, human_bytes
 from lightning_vitscale.discovery.calls import Calls
+from lightning_vitscale.discovery.unit_runs import UnitRuns
 from lightning_vitscale.memory.gradient_release import unwrapped
 from lightning_vitscale.memory.measurement import Measurement, MeasurementError
 from lightning_vitscale.memory.memory_plan import MemoryPlan
@@ -135,6 +136,7 @@ class AutoCheckpointing:
     required: bool = True
     measures: bool = True  # this rank measures; else it takes rank 0's outcome
     twin: nn.Module | None = field(default=None, init=False)
+    units_made: UnitRuns | None = field(default=None, init=False)  # the first step's plan: the units setup made
     choice: AutoChoice | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -199,12 +201,17 @@ class AutoCheckpointing:
         """The step measured; ``unchecked``: with no block checkpointed only (every block's own passes under full
         and selective checkpointing: on a step run on real values, a detector's, real compute, half its setup)."""
         try:
-            return self.measure(model, batch, device, (lambda *_: None) if unchecked else None, optimizer)
+            inputs, how = self.measure(model, batch, device, (lambda *_: None) if unchecked else None, optimizer)
         except MeasurementError as error:  # what to do instead
             raise MeasurementError(
                 f"activation_checkpointing='auto' could not measure {type(model).__name__} on fake tensors ({error})."
                 " Pass activation_checkpointing=True (or an int / a predicate)."
             ) from error.__cause__
+        made = self.units_made  # units made at setup, before any step: their runs, not the measured step's
+        if made is not None:
+            names = tuple(block.name for block in inputs.profile.blocks)
+            inputs = dataclasses.replace(inputs, runs=made if made.names == names else None)
+        return inputs, how
 
     def _decide(self, model, example, device, agree: AgreePlan, optimizer) -> AutoChoice:
         # Every rank would measure the same shapes: rank 0 does, the others take its outcome (or measure: unpicklable)

@@ -11,11 +11,12 @@ warns); the recipe's plan is in every unpinned space, so a chosen plan fits wher
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Literal
 
+from lightning_vitscale.discovery.unit_runs import spans_of
 from lightning_vitscale.memory.step_cost import (
     DeviceRates,
     recompute_seconds,
@@ -31,12 +32,14 @@ Modes = tuple[BlockMode | None, ...]
 
 @dataclass(frozen=True)
 class BlockPlan:
-    """Each block's checkpointing (``None``: none); the first ``resharded`` blocks reshard after forward (and any
-    unit holding one), the rest stay gathered; ``per_unit`` consecutive blocks per FSDP unit."""
+    """Each block's checkpointing (``None``: none); the first ``resharded`` blocks (whole units) reshard after
+    forward, the rest stay gathered; up to ``per_unit`` consecutive blocks per FSDP unit, each unit's first block in
+    ``starts`` (as setup makes them, :func:`.step_inputs.unit_spans`; empty: runs of ``per_unit``)."""
 
     modes: Modes = ()
     resharded: int = 0
     per_unit: int = 1
+    starts: tuple[int, ...] = field(default=(), compare=False)
 
     @classmethod
     def prefix(cls, n: int, full: int, selective: int = 0, resharded: int = 0, per_unit: int = 1) -> BlockPlan:
@@ -52,24 +55,35 @@ class BlockPlan:
         return StepSettings(
             checkpointed=frozenset(i for i, mode in enumerate(self.modes) if mode is not None),
             selective=frozenset(i for i, mode in enumerate(self.modes) if mode == "selective"),
-            kept_gathered=frozenset(range(self.resharded, self.n)),
+            kept_gathered=frozenset(range(self.first_kept, self.n)),
             offload=offload,
             blocks_per_unit=self.per_unit,
         )
 
     @property
+    def unit_starts(self) -> tuple[int, ...]:
+        return self.starts or tuple(span.start for span in spans_of(self.n, self.per_unit))
+
+    @property
+    def first_kept(self) -> int:
+        """The first block of the first unit after the resharded blocks (FSDP reshards whole units)."""
+        return next((start for start in self.unit_starts if start >= self.resharded), self.n)
+
+    @property
     def units(self) -> int:
-        return len(unit_spans(self.n, self.per_unit))
+        return len(self.unit_starts)
 
     @property
     def kept_units(self) -> int:
         """How many of the last units keep their gathered parameters for backward."""
-        return self.units - -(-self.resharded // self.per_unit)
+        return sum(start >= self.resharded for start in self.unit_starts)
 
     def describe(self) -> str:
         n, full, selective = self.n, self.modes.count("full"), self.modes.count("selective")
-        units = ", all in one unit" if self.per_unit >= n > 1 else f", {self.per_unit} blocks per unit" * (
-            self.per_unit > 1)
+        plain = self.unit_starts == tuple(span.start for span in spans_of(n, self.per_unit))
+        units = (", all in one unit" if self.units == 1 and n > 1 else "" if self.per_unit == 1
+                 else f", {self.per_unit} blocks per unit" if plain
+                 else f", up to {self.per_unit} blocks per unit (where the step runs them back to back)")
         return (f"{full} full + {selective} selective of {n} blocks checkpointed,"
                 f" {self.kept_units} of {self.units} units kept gathered for backward{units}")
 
@@ -113,14 +127,14 @@ class SearchSpace:
         return self.peak(plan) <= self.budget
 
     def plan(self, full: int, selective: int, resharded: int, per_unit: int) -> BlockPlan:
-        if self.modes is not None:
-            return BlockPlan(self.modes, resharded, per_unit)
-        return BlockPlan.prefix(self.n, full, selective, resharded, per_unit)
+        plan = (BlockPlan(self.modes, resharded, per_unit) if self.modes is not None
+                else BlockPlan.prefix(self.n, full, selective, resharded, per_unit))
+        return replace(plan, starts=tuple(span.start for span in unit_spans(self.inputs, plan.settings())))
 
     def reshards(self, per_unit: int) -> list[int]:
         if self.fixed_reshard is not None:
             return [self.n if self.fixed_reshard else 0]
-        return reshard_boundaries(self.n, per_unit)
+        return reshard_boundaries(unit_spans(self.inputs, StepSettings(blocks_per_unit=per_unit)), self.n)
 
 
 def unit_sizes(n: int, pinned: int | None) -> list[int]:
@@ -130,9 +144,9 @@ def unit_sizes(n: int, pinned: int | None) -> list[int]:
     return sorted({-(-n // units) for units in range(1, n + 1)}) if n else [1]
 
 
-def reshard_boundaries(n: int, per_unit: int) -> list[int]:
-    """How many first blocks may reshard, most first: whole units only."""
-    return sorted({min(n, u * per_unit) for u in range(-(-n // per_unit) + 1)}, reverse=True)
+def reshard_boundaries(spans: Sequence[range], n: int) -> list[int]:
+    """How many first blocks may reshard, most first: whole units (``spans``, of ``n`` blocks) only."""
+    return sorted({*(span.start for span in spans), n}, reverse=True)
 
 
 def least_memory(space: SearchSpace) -> BlockPlan:

@@ -16,10 +16,11 @@ from torch import nn
 
 from lightning_vitscale._compat import tree_leaves
 from lightning_vitscale._utils import GIB, MIB, human_bytes
-from lightning_vitscale.discovery import ModuleSelector, find_blocks, holds_parameters
-from lightning_vitscale.discovery.blocks import Named
+from lightning_vitscale.discovery import ModuleSelector
+from lightning_vitscale.discovery.blocks import Named, find_holding_units
 from lightning_vitscale.discovery.calls import Calls, recording
 from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector
+from lightning_vitscale.discovery.unit_runs import UnitRuns
 from lightning_vitscale.memory.activations import ModeOf, StepCall, measure_activations
 from lightning_vitscale.memory.devices import device_named, memory_names
 from lightning_vitscale.memory.fake_modes import RealValues
@@ -89,7 +90,7 @@ def model_parts(
     fed: Mapping[str, str] | None = None,
 ) -> tuple[Named, list[nn.Module]]:
     """The blocks the strategy would shard and the norms it would keep in fp32, as parallelize finds them."""
-    found = [(n, b) for n, b in find_blocks(model, blocks, called, fed) if holds_parameters(b)]
+    found = [pair for _, parts in find_holding_units(model, blocks, called, fed) for pair in parts]
     norms = [m for _, m in precision.separate_norm_modules(model)]
     return found, norms
 
@@ -192,7 +193,16 @@ def step_inputs(
     kept = policy.keeping_fp32(record.in_fp32)
     if found != [b.name for b in inputs.profile.blocks] or kept is not policy:
         inputs = measure(set(record.called), dict(record.fed), kept)
-    return inputs
+    return replace(inputs, runs=unit_runs(model, blocks, record, [b.name for b in inputs.profile.blocks]))
+
+
+def unit_runs(model: nn.Module, blocks: ModuleSelector | None, calls: Calls, names: list[str]) -> UnitRuns | None:
+    """Which of the measured blocks (``names``) may share a unit, as setup finds them from the same ``calls``
+    (``sharding.parallelize``): ``None`` where its blocks would not be these."""
+    called = calls.called if calls.called and not calls.error else None
+    units = find_holding_units(model, blocks, called, calls.fed if called is not None else None)
+    runs = UnitRuns.of(units, called is not None, calls.order if called is not None else ())
+    return runs if list(runs.names) == names else None
 
 
 def batch_size_of(example_input: Any) -> int:

@@ -129,7 +129,7 @@ def _block_units(inputs: StepInputs, settings: StepSettings) -> list[_Unit]:
     """Each block unit's parameter shapes, whether it reshards after forward and whether it reduces, once per call
     of it a step makes: FSDP2 gathers and regathers a unit whose block every layer shares (or a backbone run on each
     crop size) at each of its calls, and reduce-scatters it once (``sharding/deferred_reduction.py``)."""
-    spans = unit_spans(len(inputs.layout.blocks), settings.blocks_per_unit)
+    spans = unit_spans(inputs, settings)
     return [([s for i in span for s in inputs.layout.blocks[i]], not settings.keeps(span[0]), call == 0)
             for span in spans for call in range(unit_calls(inputs, span))]
 
@@ -229,7 +229,7 @@ def step_time(
         device += (copies + _optimizer_bytes(inputs, params, fused=False)) / rates.bytes_per_s
         device += _ddp_exposed(inputs, params, device, rates) if baseline == "ddp" else 0.0
         return StepTime(host, device, 0.0, rates.overlap)
-    spans = unit_spans(n, settings.blocks_per_unit)
+    spans = unit_spans(inputs, settings)
     # Per unit: hooks on the host; copies in and out of each all-gather and reduce-scatter through memory; the
     # regathers' launches and the collectives nothing hides (the first gather, the last reduction, and all of
     # them once they outlast the compute beside them).

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lightning_vitscale.discovery.unit_runs import UnitRuns, spans_of
 from lightning_vitscale.memory.activations import ActivationProfile
 from lightning_vitscale.memory.tensor_split import TensorSplit
 
@@ -46,9 +47,10 @@ class ModelLayout:
 
 @dataclass(frozen=True)
 class StepSettings:
-    """The knobs the planner turns. ``reshard_after_forward=False`` keeps every block gathered; with ``True`` a unit
-    whose first block is in ``kept_gathered`` keeps its parameters. ``blocks_per_unit`` consecutive blocks share one
-    FSDP unit: gathered together, their unsharded gradients wait for one reduce-scatter."""
+    """The knobs the planner turns. ``reshard_after_forward=False`` keeps every block gathered; with ``True`` the
+    blocks in ``kept_gathered`` keep their parameters (every block of a unit: the unit keeps, or none). Up to
+    ``blocks_per_unit`` consecutive blocks share one FSDP unit (:func:`unit_spans`): gathered together, their
+    unsharded gradients wait for one reduce-scatter."""
 
     checkpointed: frozenset[int] = frozenset()
     reshard_after_forward: bool = True
@@ -59,13 +61,10 @@ class StepSettings:
 
     def keeps(self, index: int) -> bool:
         """Whether block ``index`` (its unit) stays gathered from its forward to its backward."""
-        first = index - index % self.blocks_per_unit
-        return not self.reshard_after_forward or first in self.kept_gathered
+        return not self.reshard_after_forward or index in self.kept_gathered
 
-
-def unit_spans(n: int, per_unit: int) -> list[range]:
-    """The block indices of each FSDP unit, as ``sharding.fsdp.group_blocks`` groups them."""
-    return [range(start, min(start + per_unit, n)) for start in range(0, n, per_unit)]
+    def keeps_all(self, n: int) -> bool:
+        return not self.reshard_after_forward or len(self.kept_gathered) >= n
 
 
 @dataclass(frozen=True)
@@ -130,6 +129,18 @@ class StepInputs:
     loop: TrainingLoop = TrainingLoop()
     replicas: int = 1  # hybrid sharding's copies of the shard group: their all-reduce
     tensor: TensorSplit | None = None
+    runs: UnitRuns | None = None  # which blocks may share a unit, as setup finds them (``None``: any consecutive)
+
+
+def unit_spans(inputs: StepInputs, settings: StepSettings) -> tuple[range, ...]:
+    """The block indices of each FSDP unit, as setup makes them (``sharding.steps.apply_fsdp``): ``inputs.runs``'
+    spans of up to ``blocks_per_unit`` blocks; without their sharing keys where one rank keeps every block (setup
+    then ignores them: one unit, which joins the outer one, ``computes_on_copies``)."""
+    n, per_unit = len(inputs.layout.blocks), settings.blocks_per_unit
+    if inputs.runs is None or len(inputs.runs.names) != n:
+        return tuple(spans_of(n, per_unit))
+    alone = inputs.world == 1 and inputs.replicas == 1 and inputs.tensor is None and settings.keeps_all(n)
+    return inputs.runs.spans(per_unit, sharing=not alone)
 
 
 def collective_copies(device: torch.device | str | None) -> bool:

@@ -77,7 +77,7 @@ def _forward_phases(inputs, settings, base, full_blocks, outer_full, kept) -> li
     """Each unit's all-gather (its output and one more unit-sized tensor: gloo's temporary, then FSDP's copy-out)
     and the end of its forward (still gathered, every activation so far); units kept for backward pile up."""
     c, scale = inputs.compute.itemsize, inputs.batch_scale
-    spans = unit_spans(len(full_blocks), settings.blocks_per_unit)
+    spans = unit_spans(inputs, settings)
     grads = base["params"] if inputs.loop.grads_in_forward else 0  # sharded gradients: as many as parameters
     # The outer layers after the blocks (head, final norm) save theirs only at the end of the forward.
     outer_acts = int((inputs.profile.outer_saved - inputs.profile.outer_saved_after) * scale)
@@ -109,13 +109,12 @@ def _backward_peaks(inputs, settings, base, full_blocks, shards, outer_full, kep
     # The head's and final norm's saved tensors are freed by their backward, before any block's.
     outer_acts = int((prof.outer_saved - prof.outer_saved_after) * scale)
     outer_grads = int(prof.outer_backward * scale)
-    n = len(full_blocks)
     # Running sums (the planner's search predicts thousands of plans): blocks 0..i's kept gathered parameters and
     # kept activations, blocks i+1..'s gradient shards.
     kept_gathered = list(accumulate(f if settings.keeps(j) else 0 for j, f in enumerate(full_blocks)))
     kept_acts = list(accumulate(kept))
     later_shards = [*reversed(list(accumulate(reversed(shards[1:])))), 0]
-    spans = unit_spans(n, settings.blocks_per_unit)
+    spans = unit_spans(inputs, settings)
     cast_one_by_one = computes_on_copies(inputs, settings)  # no reduce-scatter input
     unit_fulls = [sum(full_blocks[j] for j in span) for span in spans]
     held = _held_by_autograd(prof.blocks, full_blocks, c)

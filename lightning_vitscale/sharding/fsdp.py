@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -13,8 +13,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from lightning_vitscale.precision import PrecisionPolicy
 from lightning_vitscale.sharding.whole_terms import paused
-
-T = TypeVar("T")
 
 
 def mixed_precision_policy(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
@@ -67,25 +65,6 @@ def shard_module(
         offload_policy=offload_policy or OffloadPolicy(),
     )
     return cast(FSDPModule, sharded[0] if isinstance(sharded, list) else sharded)
-
-
-def group_blocks(
-    blocks: list[T], per_unit: int, unit_of: Sequence[int] | None = None, sharing: Sequence[str] | None = None
-) -> list[list[T]]:
-    """Runs of ``per_unit`` consecutive blocks, one FSDP unit each (consecutive: FSDP2 gathers a list-unit at its
-    first forward and reduce-scatters after its last backward); never splitting a discovered unit (``unit_of[i]``:
-    block ``i``'s; the modules of a container never called themselves share one), never joining blocks of different
-    ``sharing`` keys (``unit_groups.sharing_keys``)."""
-    unit_of = range(len(blocks)) if unit_of is None else unit_of
-    sharing = [""] * len(blocks) if sharing is None else sharing
-    groups: list[list[T]] = []
-    for i, block in enumerate(blocks):
-        room = len(groups[-1]) < per_unit and sharing[i] == sharing[i - 1] if groups else False
-        if groups and (room or unit_of[i] == unit_of[i - 1]):
-            groups[-1].append(block)
-        else:
-            groups.append([block])
-    return groups
 
 
 def set_prefetch(units: list[FSDPModule], depth: int, same_call: Callable[[FSDPModule, FSDPModule], bool]) -> None:

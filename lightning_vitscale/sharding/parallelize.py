@@ -10,9 +10,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_vitscale.discovery import ModuleSelector, describe_blocks, find_units, holds_parameters
-from lightning_vitscale.discovery.blocks import Unit, outer_layers_of, reused_modules
+from lightning_vitscale.discovery import ModuleSelector, describe_blocks, holds_parameters
+from lightning_vitscale.discovery.blocks import Unit, find_holding_units, outer_layers_of, reused_modules
 from lightning_vitscale.discovery.calls import Calls
+from lightning_vitscale.discovery.unit_runs import UnitRuns
 from lightning_vitscale.init import Creation, InitialWeights
 from lightning_vitscale.kernels import AttentionRouter, tensor_core_report
 from lightning_vitscale.precision import PrecisionPolicy, ReplicatedNorms, cast_floating_inputs, layers_compute_as_o2
@@ -33,7 +34,6 @@ from lightning_vitscale.sharding.steps import (
     replicate_norms,
 )
 from lightning_vitscale.sharding.summary import SetupSummary, reused_blocks_fix, summary_from_facts
-from lightning_vitscale.sharding.unit_groups import sharing_keys
 from lightning_vitscale.sharding.whole_terms import pause_in_forwards
 
 
@@ -43,11 +43,13 @@ class NoBlocksMatchedError(ValueError):
 
 @dataclass
 class Parallelized:
-    """What the pipeline leaves behind: the summary, the fp32 norms, the attention router still to decide."""
+    """What the pipeline leaves behind: the summary, the fp32 norms, the attention router still to decide, which
+    blocks could share a unit (a plan made at the first step predicts these units)."""
 
     plan: SetupSummary
     norms: ReplicatedNorms | None
     router: AttentionRouter | None = None
+    runs: UnitRuns | None = None
 
 
 def parallelize(
@@ -78,7 +80,7 @@ def parallelize(
     norms = replicate_norms(model, mesh, precision, weights)
     one_unit = _sharding_buys_nothing(mesh, tensor_mesh, resolved, blocks, kept_gathered, keep_every_unit)
     order = calls.order if found.measured and calls is not None else ()  # the blocks it called, in call order
-    sharing = None if one_unit else sharing_keys(found.units, found.measured, order)  # one rank keeping all: none
+    runs = UnitRuns.of(found.units, found.measured, order)  # which blocks may share a unit: the planner's too
     _compute_dtypes(model, blocks, norms.modules, precision, one_unit)
     #    Attention routing inside each block's own forward, so checkpointing's recompute is routed as well.
     router = apply_attention_routing(blocks, resolved.kernels.attention, device)
@@ -94,7 +96,7 @@ def parallelize(
     #    last dimension and replicates along the first (hybrid sharding).
     units = _shard(outer_unit, model, found, mesh, weights, norms.ignored, resolved, precision, device,
                    blocks_per_unit=max(1, len(blocks)) if keep_every_unit else resolved.blocks_per_unit,
-                   one_unit=one_unit, sharing=sharing)
+                   one_unit=one_unit, runs=runs)
     # 5. Explicit prefetch once every unit exists: each unit starts the next one's all-gather (next as the
     #    measured step called them, not as registered: a stack run in reverse). Where parameters are
     #    shards in a step (not one rank's compute copies), a step's own arithmetic on them is taken whole outside the
@@ -112,7 +114,7 @@ def parallelize(
         params=list(model.parameters()), precision=precision.name, tensor=tensor, joined=found.joined,
         made_contiguous=made_contiguous, reused=found.reused,
     )
-    return Parallelized(summary_from_facts(facts), norms.replicated, router)
+    return Parallelized(summary_from_facts(facts), norms.replicated, router, runs)
 
 
 @dataclass
@@ -121,7 +123,6 @@ class _Found:
 
     units: list[Unit]  # each unit's name and the blocks it joins (a block alone, or a group a step runs as one)
     blocks: Named  # every block, in unit order
-    unit_of: list[int]  # each block's unit
     joined: dict[str, list[str]]  # a unit of several modules -> their classes (the summary's)
     described: dict[str, int]  # class -> blocks of it, read before FSDP renames the classes (FSDP<Block>)
     reused: list[tuple[str, str, int]]  # no blocks: the modules the step ran several times each
@@ -133,7 +134,7 @@ class _Found:
         blocks = [pair for _, unit in units for pair in unit]
         several = [(name, parts) for name, parts in units if [name] != [n for n, _ in parts]]
         return cls(
-            units=units, blocks=blocks, unit_of=[index for index, (_, unit) in enumerate(units) for _ in unit],
+            units=units, blocks=blocks,
             joined={name: [type(m).__name__ for _, m in parts] for name, parts in several},
             described=describe_blocks(blocks), reused=_reused_instead_of_blocks(model, units, resolved, calls),
             measured=calls is not None and bool(calls.called) and not calls.error,
@@ -168,7 +169,7 @@ def _compute_dtypes(
 def _shard(
     outer_unit: nn.Module, model: nn.Module, found: _Found, mesh: DeviceMesh, weights: InitialWeights,
     ignored: set[nn.Parameter] | None, resolved: ResolvedConfig, precision: PrecisionPolicy, device: torch.device,
-    *, blocks_per_unit: int, one_unit: bool, sharing: list[str] | None,
+    *, blocks_per_unit: int, one_unit: bool, runs: UnitRuns,
 ) -> UnitFacts:
     """The FSDP units (``steps.apply_fsdp``) with the dtypes, offload and resharding the configuration resolved."""
     sharding = resolved.sharding
@@ -176,7 +177,7 @@ def _shard(
         outer_unit, [block for _, block in found.blocks], mesh=mesh, weights=weights,
         mp_policy=mixed_precision_policy(precision), offload=offload_policy(sharding.offload, device),
         reshard_after_forward=sharding.reshard_after_forward, blocks_per_unit=blocks_per_unit, ignored=ignored,
-        unit_of=found.unit_of, one_unit=one_unit, sharing=sharing, skippable=sharding.find_unused_parameters is True,
+        runs=runs, one_unit=one_unit, skippable=sharding.find_unused_parameters is True,
         find_unused=bool(sharding.find_unused_parameters), keep_out=_not_stood_in(model, found.blocks, resolved, mesh),
     )
 
@@ -191,9 +192,7 @@ def select_units(model: nn.Module, selector: ModuleSelector | None, calls: Calls
             " `__init__` or in `configure_model()` (which VitScaleStrategy calls before sharding)."
         )
     called = calls.called if calls is not None and calls.called and not calls.error else None
-    found = [(name, [(n, b) for n, b in parts if holds_parameters(b)]) for name, parts in
-             find_units(model, selector, called, calls.fed if called is not None and calls is not None else None)]
-    units = [(name, parts) for name, parts in found if parts]
+    units = find_holding_units(model, selector, called, calls.fed if called is not None and calls is not None else None)
     if selector is not None and not units:
         raise NoBlocksMatchedError(
             f"`blocks={selector!r}` matched no module with parameters in {type(model).__name__}"

@@ -154,6 +154,8 @@ def _shard(
         keep_every_unit=planned.keeps_every_unit,
     )
     set_lightning_device(module, ranks.device)
+    if pending and planned.auto is not None:  # the first step's plan: for the units made now
+        planned.auto.units_made = done.runs
     if planned.keeps_every_unit and planned.auto is not None:  # the first step's plan: the one unit made
         planned.auto.blocks_per_unit = max(1, len(done.plan.block_names))
     planned.apply(module, done.plan, ranks.device)

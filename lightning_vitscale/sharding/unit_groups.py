@@ -55,39 +55,6 @@ def managed_parameters(members: list[nn.Module], units: set[int]) -> list[nn.Par
     return found
 
 
-def sharing_keys(
-    units: Sequence[tuple[str, Sequence[tuple[str, object]]]], measured: bool, order: Sequence[str] = ()
-) -> list[str]:
-    """Per block, a key that consecutive blocks must share to join one FSDP unit: a list-unit gathers at its first
-    member's forward and reduces after its last member's backward, so its members must run as one stretch. Where a
-    step was measured at setup, ``order`` (the blocks it called, in order) says which do: two neighbours share a key
-    where every call of the first is followed by one of the second and every call of the second follows one of the
-    first (Swin's stages, CLIP's two towers, a backbone run on two crop sizes). HF Mask2Former's last pixel-decoder
-    projection runs once, its mask MLP's first layer once per decoder layer, later: grouped, the step failed on
-    resharded weights. A block the measured step did not call joins its neighbours' run. Where no step was measured
-    (its calls unknown), the container each unit sits in."""
-    names = [name for _, members in units for name, _ in members]
-    if not measured:
-        return [f"in {unit.rpartition('.')[0]}" for unit, members in units for _ in members]
-    if not order:
-        return [""] * len(names)
-    after: dict[str, set[str | None]] = {}
-    before: dict[str, set[str | None]] = {}
-    for earlier, later in zip([None, *order], [*order, None]):
-        if earlier is not None:
-            after.setdefault(earlier, set()).add(later)
-        if later is not None:
-            before.setdefault(later, set()).add(earlier)
-    keys, run, previous = [], 0, None
-    for name in names:
-        if name in before:  # called; one the measured step skipped (LayerDrop's draw) is stood in for in place
-            if previous is not None and not (after[previous] == {name} and before[name] == {previous}):
-                run += 1
-            previous = name
-        keys.append(f"run {run}")
-    return keys
-
-
 def in_call_order(members: Sequence[Sequence[str]], order: Sequence[str]) -> list[int]:
     """The units (``members``: each unit's block names, in model order) in the order a measured step first called
     them (``order``: the blocks it called, in order), as indices: prefetch follows the step, not the registration (a

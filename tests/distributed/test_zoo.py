@@ -195,7 +195,7 @@ def test_blocks_of_containers_that_run_apart_never_share_a_unit_and_train_as_ddp
     made one unit, which the step runs apart (the MLP once per decoder layer, later), and every grouped plan failed
     on resharded weights (DTensor's "mixed torch.Tensor and DTensor", or "data is not allocated"). Its step branches
     on values (and matches with SciPy): measured on fake tensors carrying real values, neighbours share a unit only
-    where the measured step ran them back to back (``unit_groups.sharing_keys``). Mutation seen failing:
+    where the measured step ran them back to back (``unit_runs.sharing_keys``). Mutation seen failing:
     ``sharing_keys`` ignoring the measured order (both runs raised)."""
     ddp = two[0]["apart"][f"{family}:ddp"]["losses"]
     for run in ("default", "pinned"):

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_vitscale.cli.demo import TinyViT
+from lightning_vitscale.discovery.unit_runs import group_blocks, sharing_keys, spans_of
 from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, AutoChoice
 from lightning_vitscale.memory.collectives import ring_bytes
 from lightning_vitscale.memory.measurement import Measurement
@@ -32,12 +33,11 @@ from lightning_vitscale.memory.step_cost import (
     regather_seconds,
     units_and_regather_seconds,
 )
-from lightning_vitscale.memory.step_inputs import StepSettings, unit_spans
+from lightning_vitscale.memory.step_inputs import StepSettings
 from lightning_vitscale.memory.step_model import predict_step, step_phases
 from lightning_vitscale.precision.settings import resolve_flag
 from lightning_vitscale.sharding import CheckpointingPolicy, ParallelConfig
 from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
-from lightning_vitscale.sharding.fsdp import group_blocks
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import parallelize
 from tests.helpers.torch_features import needs_policy_outputs
@@ -181,10 +181,10 @@ def test_a_mixed_plan_is_applied_block_by_block_and_computes_the_same_gradients(
         torch.testing.assert_close(planned_grad, plain_grad, rtol=1e-5, atol=1e-6)
 
 
-def test_units_are_grouped_as_parallelize_groups_blocks():
+def test_plain_units_are_runs_of_blocks_per_unit_and_the_sizes_tried_cover_every_number_of_units():
     for n in (1, 5, 6, 12):
         for k in range(1, n + 1):
-            assert [list(span) for span in unit_spans(n, k)] == group_blocks(list(range(n)), k)
+            assert group_blocks(list(range(n)), k) == [list(range(s, min(s + k, n))) for s in range(0, n, k)]
     # Up to every block in one unit: the smallest size for each number of units.
     assert unit_sizes(12, None) == [1, 2, 3, 4, 6, 12] and unit_sizes(6, None) == [1, 2, 3, 6]
     assert unit_sizes(32, None) == [1, 2, 3, 4, 5, 6, 7, 8, 11, 16, 32]
@@ -333,7 +333,8 @@ def test_units_stay_gathered_for_backward_where_memory_allows_under_the_users_ch
     between = plan(kept_peak(4), None, per_unit=1)
     assert (between.per_unit, between.kept_units, between.resharded) == (1, 4, DEPTH - 4)
     two = plan(kept_peak(4), None, per_unit=2)
-    assert two.resharded in reshard_boundaries(DEPTH, 2)
+    boundaries = reshard_boundaries(spans_of(DEPTH, 2), DEPTH)
+    assert two.resharded in boundaries and boundaries == [DEPTH, *range(DEPTH - 2, -1, -2)]  # whole units only
 
 
 class _InplaceAfterConv(torch.nn.Module):
@@ -457,8 +458,6 @@ def test_blocks_join_a_unit_only_where_the_measured_step_runs_them_as_one_stretc
     weights); a backbone run twice in a step (DINO's crops) and two towers one after the other still group.
     ``group_blocks`` starts a unit where the key changes, and still never splits a discovered unit. Mutation seen
     failing: the measured step's order ignored (one key)."""
-    from lightning_vitscale.sharding.unit_groups import sharing_keys
-
     names = ["enc.layers.0", "enc.layers.1", "dec.proj.0", "head.mlp.0", "head.mlp.1"]
     units = [(name, [(name, None)]) for name in names]
     unmeasured = sharing_keys(units, measured=False)

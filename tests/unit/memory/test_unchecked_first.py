@@ -63,12 +63,16 @@ def test_the_plan_is_the_whole_measurements_at_every_budget(whole, blocks_per_un
         unchecked = measured == {frozenset({"none"})}
         seen.add(unchecked)
         assert (choice.plan.all_checkpointed is None) == unchecked
+        summary = choice.plan.summary()  # what a user reading the auto choice's plan sees
         if unchecked:
             assert "checkpointing was not measured" in choice.describe()
             assert not any(choice.blocks.modes)
+            assert "checkpointing not measured: the step fits without it" in summary
+            assert "AC on every block" not in summary and "largest batch per rank" not in summary
         else:
             assert choice.plan.all_checkpointed == oracle.all_checkpointed
             assert choice.plan.max_batch == oracle.max_batch
+            assert "AC on every block" in summary and "checkpointing not measured" not in summary
     assert seen == {True, False}, "the budgets should span both paths"
 
 
