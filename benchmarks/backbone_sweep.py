@@ -4,7 +4,7 @@ each trained 2 steps (fp32, or ``--precision bf16-mixed``: DDP's AMP O1 against 
 largest relative difference of the two runs' losses, whether the planner measured the step (the speed-first
 default) or fell back (its summary says "could not run"), the units it built, and any error, either strategy's.
 
-Usage (ranks started by torch's launcher; ~10 min for the 58 architectures on 2 cores)::
+Usage (ranks started by torch's launcher; ~10 min for the first wave's 58 architectures on 2 cores)::
 
     python -m torch.distributed.run --nproc-per-node=2 benchmarks/backbone_sweep.py --json sweep.json
     python -m torch.distributed.run --nproc-per-node=2 benchmarks/backbone_sweep.py --only hf/ --only tv/swin_t
@@ -50,7 +50,13 @@ TIMM = [("vit_tiny_patch16_224", 32), ("deit_tiny_distilled_patch16_224", 32), (
         ("focalnet_tiny_srf", 64), ("nextvit_small", 224), ("vit_little_patch16_reg4_gap_256", 32),
         ("flexivit_small", 240), ("sam2_hiera_tiny", 224), ("mambaout_femto", 64), ("tiny_vit_5m_224", 224),
         ("efficientvit_b0", 64), ("gcvit_xxtiny", 224), ("edgenext_xx_small", 64),
-        ("vit_medium_patch16_rope_reg1_gap_256", 32), ("hgnetv2_b0", 64)]
+        ("vit_medium_patch16_rope_reg1_gap_256", 32), ("hgnetv2_b0", 64),
+        # The second wave (2026-12-07): layouts the first did not have (an LSTM mixer, pooling-based ViTs, nested
+        # hierarchies, gated convolutions, re-parameterised blocks, dense connections).
+        ("sequencer2d_s", 64), ("pit_ti_224", 224), ("visformer_tiny", 224), ("nest_tiny", 224), ("convit_tiny", 32),
+        ("starnet_s1", 64), ("rdnet_tiny", 64), ("inception_next_tiny", 64), ("repvit_m1", 64),
+        ("swiftformer_xs", 224), ("fasternet_t0", 64), ("efficientformerv2_s0", 224), ("mobilevit_xxs", 64),
+        ("vitamin_small_224", 224)]
 _W = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 _PYRAMID = dict(hidden_sizes=[8, 16, 32, 64])
 _SWIN = dict(image_size=32, patch_size=2, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4)
@@ -84,10 +90,25 @@ HF = [
     ("HieraForImageClassification", "HieraConfig", dict(embed_dim=16, image_size=[64, 64], patch_stride=[4, 4],
                                                         num_heads=[1, 2, 4, 8], depths=[1, 1, 2, 1],
                                                         mask_unit_size=[4, 4], query_stride=[2, 2]), (3, 64, 64)),
+    # The second wave (2026-12-07): convolutional token embeddings, learned latents cross-attending to pixels, an
+    # attention-bias cache, focal modulation, pooling mixers.
+    ("CvtForImageClassification", "CvtConfig", dict(embed_dim=[16, 32, 64], num_heads=[1, 2, 4]), (3, 64, 64)),
+    ("PerceiverForImageClassificationLearned", "PerceiverConfig", dict(
+        num_latents=16, d_latents=32, d_model=32, num_blocks=1, num_self_attends_per_block=2,
+        num_self_attention_heads=2, num_cross_attention_heads=1, image_size=16), (3, 16, 16)),
+    ("LevitForImageClassification", "LevitConfig", dict(image_size=64, hidden_sizes=[32, 48, 64],
+                                                        num_attention_heads=[1, 2, 2], depths=[1, 1, 1],
+                                                        key_dim=[8, 8, 8]), (3, 64, 64)),
+    ("FocalNetForImageClassification", "FocalNetConfig", dict(embed_dim=16, depths=[1, 1, 2, 1], image_size=64),
+     (3, 64, 64)),
+    ("PoolFormerForImageClassification", "PoolFormerConfig", dict(hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1]),
+     (3, 64, 64)),
 ]
 # torchvision: (builder, keyword arguments, input shape without the batch)
 TORCHVISION = [("vit_b_16", dict(image_size=32), (3, 32, 32)), ("swin_t", {}, (3, 64, 64)),
-               ("swin_v2_t", {}, (3, 64, 64)), ("maxvit_t", {}, (3, 224, 224)), ("convnext_tiny", {}, (3, 64, 64))]
+               ("swin_v2_t", {}, (3, 64, 64)), ("maxvit_t", {}, (3, 224, 224)), ("convnext_tiny", {}, (3, 64, 64)),
+               # video (channels, frames, height, width), the second wave
+               ("video.swin3d_t", {}, (3, 4, 32, 32)), ("video.r2plus1d_18", {}, (3, 4, 32, 32))]
 CLASSES, BATCH, STEPS = 10, 2, 2
 
 
@@ -109,7 +130,10 @@ def hf_model(model: str, config: str, **options) -> nn.Module:
 def torchvision_model(name: str, **options) -> nn.Module:
     import torchvision
 
-    return getattr(torchvision.models, name)(num_classes=CLASSES, **options)
+    builder: object = torchvision.models
+    for part in name.split("."):  # "video.swin3d_t": torchvision.models.video.swin3d_t
+        builder = getattr(builder, part)
+    return builder(num_classes=CLASSES, **options)  # type: ignore[operator]
 
 
 Architecture = tuple[Callable[[], nn.Module], tuple[int, ...]]
