@@ -6,9 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -57,13 +54,6 @@ def spans_of(
         found.append(range(start, i))
         start = i
     return found
-
-
-def group_blocks(
-    blocks: list[T], per_unit: int, unit_of: Sequence[int] | None = None, sharing: Sequence[str] | None = None
-) -> list[list[T]]:
-    """``blocks`` grouped as :func:`spans_of` says."""
-    return [[blocks[i] for i in span] for span in spans_of(len(blocks), per_unit, unit_of, sharing)]
 
 
 def sharing_keys(

@@ -137,7 +137,7 @@ def unit_spans(inputs: StepInputs, settings: StepSettings) -> tuple[range, ...]:
     spans of up to ``blocks_per_unit`` blocks; without their sharing keys where one rank keeps every block (setup
     then ignores them: one unit, which joins the outer one, ``computes_on_copies``)."""
     n, per_unit = len(inputs.layout.blocks), settings.blocks_per_unit
-    if inputs.runs is None or len(inputs.runs.names) != n:
+    if inputs.runs is None:
         return tuple(spans_of(n, per_unit))
     alone = inputs.world == 1 and inputs.replicas == 1 and inputs.tensor is None and settings.keeps_all(n)
     return inputs.runs.spans(per_unit, sharing=not alone)

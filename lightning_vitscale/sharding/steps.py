@@ -15,7 +15,7 @@ from lightning_vitscale._utils import parents
 from lightning_vitscale.discovery.blocks import Named
 from lightning_vitscale.discovery.calls import Calls
 from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector, plan_block
-from lightning_vitscale.discovery.unit_runs import UnitRuns, spans_of
+from lightning_vitscale.discovery.unit_runs import UnitRuns
 from lightning_vitscale.init import InitialWeights
 from lightning_vitscale.kernels import AttentionRouter, KernelPolicy, apply_regional_compile, make_router, route_blocks
 from lightning_vitscale.memory import refuse_selective_calling_blocks
@@ -105,11 +105,11 @@ def apply_compile(blocks: Named, outer: Named, kernels: KernelPolicy) -> Compile
 def apply_fsdp(
     outer_unit: nn.Module, blocks: list[nn.Module], *, mesh: DeviceMesh, weights: InitialWeights,
     mp_policy: MixedPrecisionPolicy, offload: OffloadPolicy, reshard_after_forward: bool | int | None,
-    blocks_per_unit: int, ignored: set[nn.Parameter] | None, runs: UnitRuns | None = None, one_unit: bool = False,
+    blocks_per_unit: int, ignored: set[nn.Parameter] | None, runs: UnitRuns, one_unit: bool = False,
     skippable: bool = False, find_unused: bool = False, keep_out: Collection[nn.Module] = (),
 ) -> UnitFacts:
     """One FSDP unit per ``blocks_per_unit`` consecutive blocks as ``runs`` allow (the planner predicts the same
-    spans: :meth:`~lightning_vitscale.discovery.unit_runs.UnitRuns.spans`; ``None``: plain runs), bottom-up, then
+    spans: :meth:`~lightning_vitscale.discovery.unit_runs.UnitRuns.spans`), bottom-up, then
     the outer unit; ``weights`` delivers each unit's values to its shards as it is made, so no rank holds a second
     copy of the model. ``one_unit``: a single block unit kept gathered on one rank overlaps nothing
     and saves no memory: the blocks join the outer unit (one FSDP2 pre-forward hook per step, not one per block).
@@ -118,8 +118,7 @@ def apply_fsdp(
     (``skipped_blocks.py``), which ``find_unused`` (the flag set) cannot do without; ``keep_out``: blocks left in the
     outer unit (``find_unused_parameters="units"``: ``stand_ins.not_in_a_stack``)."""
     out = {id(block) for block in keep_out}
-    spans = runs.spans(blocks_per_unit, sharing=not one_unit) if runs is not None else spans_of(len(blocks),
-                                                                                                  blocks_per_unit)
+    spans = runs.spans(blocks_per_unit, sharing=not one_unit)
     groups = [unit for span in spans for unit in shared_apart([blocks[i] for i in span])]
     groups = [kept for kept in ([b for b in group if id(b) not in out] for group in groups) if kept]
     in_groups = sum(map(len, groups))

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_vitscale.cli.demo import TinyViT
-from lightning_vitscale.discovery.unit_runs import group_blocks, sharing_keys, spans_of
+from lightning_vitscale.discovery.unit_runs import sharing_keys, spans_of
 from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, AutoChoice
 from lightning_vitscale.memory.collectives import ring_bytes
 from lightning_vitscale.memory.measurement import Measurement
@@ -181,10 +181,15 @@ def test_a_mixed_plan_is_applied_block_by_block_and_computes_the_same_gradients(
         torch.testing.assert_close(planned_grad, plain_grad, rtol=1e-5, atol=1e-6)
 
 
+def grouped(items: list, per_unit: int, unit_of=None, sharing=None) -> list[list]:
+    """``items`` in the units ``spans_of`` makes of them, as setup groups its blocks."""
+    return [[items[i] for i in span] for span in spans_of(len(items), per_unit, unit_of, sharing)]
+
+
 def test_plain_units_are_runs_of_blocks_per_unit_and_the_sizes_tried_cover_every_number_of_units():
     for n in (1, 5, 6, 12):
         for k in range(1, n + 1):
-            assert group_blocks(list(range(n)), k) == [list(range(s, min(s + k, n))) for s in range(0, n, k)]
+            assert grouped(list(range(n)), k) == [list(range(s, min(s + k, n))) for s in range(0, n, k)]
     # Up to every block in one unit: the smallest size for each number of units.
     assert unit_sizes(12, None) == [1, 2, 3, 4, 6, 12] and unit_sizes(6, None) == [1, 2, 3, 6]
     assert unit_sizes(32, None) == [1, 2, 3, 4, 5, 6, 7, 8, 11, 16, 32]
@@ -456,18 +461,18 @@ def test_blocks_join_a_unit_only_where_the_measured_step_runs_them_as_one_stretc
     with one, two neighbours share a unit only where the step always ran them back to back (HF Mask2Former's last
     pixel-decoder projection ran once, its mask MLP once per decoder layer: one unit of the two failed on resharded
     weights); a backbone run twice in a step (DINO's crops) and two towers one after the other still group.
-    ``group_blocks`` starts a unit where the key changes, and still never splits a discovered unit. Mutation seen
+    ``spans_of`` starts a unit where the key changes, and still never splits a discovered unit. Mutation seen
     failing: the measured step's order ignored (one key)."""
     names = ["enc.layers.0", "enc.layers.1", "dec.proj.0", "head.mlp.0", "head.mlp.1"]
     units = [(name, [(name, None)]) for name in names]
     unmeasured = sharing_keys(units, measured=False)
     assert unmeasured == ["in enc.layers"] * 2 + ["in dec.proj"] + ["in head.mlp"] * 2
-    assert group_blocks(list("abcde"), 2, sharing=unmeasured) == [["a", "b"], ["c"], ["d", "e"]]
+    assert grouped(list("abcde"), 2, sharing=unmeasured) == [["a", "b"], ["c"], ["d", "e"]]
     apart = sharing_keys(units, measured=True, order=[*names[:3], *names[3:] * 3])
-    assert group_blocks(list("abcde"), 4, sharing=apart) == [["a", "b", "c"], ["d", "e"]]
+    assert grouped(list("abcde"), 4, sharing=apart) == [["a", "b", "c"], ["d", "e"]]
     skipped = sharing_keys(units, measured=True, order=[names[0], *names[2:]])  # LayerDrop skipped one
-    assert group_blocks(list("abcde"), 4, sharing=skipped) == [["a", "b", "c", "d"], ["e"]]
+    assert grouped(list("abcde"), 4, sharing=skipped) == [["a", "b", "c", "d"], ["e"]]
     twice = sharing_keys(units, measured=True, order=names * 2)
-    assert group_blocks(list("abcde"), 4, sharing=twice) == [["a", "b", "c", "d"], ["e"]]
-    assert group_blocks(list("abcde"), 4, sharing=sharing_keys(units, measured=True)) == [["a", "b", "c", "d"], ["e"]]
-    assert group_blocks(list("abcd"), 1, unit_of=[0, 0, 1, 1], sharing=["x", "y", "y", "y"]) == [["a", "b"], ["c", "d"]]
+    assert grouped(list("abcde"), 4, sharing=twice) == [["a", "b", "c", "d"], ["e"]]
+    assert grouped(list("abcde"), 4, sharing=sharing_keys(units, measured=True)) == [["a", "b", "c", "d"], ["e"]]
+    assert grouped(list("abcd"), 1, unit_of=[0, 0, 1, 1], sharing=["x", "y", "y", "y"]) == [["a", "b"], ["c", "d"]]

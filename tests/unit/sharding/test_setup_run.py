@@ -8,7 +8,7 @@ world-size-1 mesh, in-process.
 Mutations seen failing: ``find_units`` taking every found block whole (the ModuleList a unit: the sharded step fails
 in ``aten.native_layer_norm`` with mixed Tensor and DTensor, and the planner measures two blocks of 0 bytes); the
 measured run's ``called`` not passed to ``parallelize`` (the Sequential containers become units and the sharded
-step fails the same way); ``group_blocks`` ignoring ``unit_of`` (4 units of one module each).
+step fails the same way); ``spans_of`` ignoring ``unit_of`` (4 units of one module each).
 """
 
 from __future__ import annotations
