@@ -46,8 +46,12 @@ def test_as_under_ddp(runs, scenario):
         if scenario == "hooks_overridden" and len(runs) == 2:
             # The clipping norm on 2 ranks is summed over each rank's shards, DDP's over whole gradients: the same
             # norm but for float rounding, which depends on the CPU's kernels (bit for bit on earlier CI machines,
-            # 1.8e-9 apart in a parameter's sum on an AMD EPYC). Losses and sums within 1e-7.
-            assert ours["losses"] == pytest.approx(ddp["losses"], rel=1e-7)
-            assert ours["weights"] == pytest.approx(ddp["weights"], rel=1e-7)
+            # 1.8e-9 apart in a parameter's sum on an AMD EPYC). AdamW divides by sqrt(v), so where a bias's
+            # gradient is near zero that rounding grows: 2.3e-5 in a bias's sum on an AVX-512 EPYC (2026-12-07),
+            # and the losses 2 float32 steps apart at most (1.4e-7). So: losses within 1e-6; sums within 1e-7 or
+            # 1e-4 (a hundredth of one element's AdamW step at lr 1e-2). The mutation (a rank's own shards' norm):
+            # losses 5e-3 apart, sums 0.12.
+            assert ours["losses"] == pytest.approx(ddp["losses"], rel=1e-6)
+            assert ours["weights"] == pytest.approx(ddp["weights"], rel=1e-7, abs=1e-4)
             continue
         assert ours == ddp

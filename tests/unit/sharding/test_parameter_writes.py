@@ -114,15 +114,16 @@ def test_a_write_a_block_makes_to_its_own_weight_in_forward_reaches_the_weight(o
     on the gathered copy and was dropped with it: the rows never normalized (norms 4.6 where DDP's are 8.0 on 2
     ranks), losses apart from the second step. With every block checkpointed (``memory``'s default) the recompute
     writes again and normalizes the normalized weight (a parameter's values before a forward are not kept, unlike a
-    buffer's: the cost of a copy of every block's weights per step): DDP's losses, weights within 1e-7. Mutation seen
-    failing: without the carry as a unit's forward ends (both ``memory`` cases)."""
+    buffer's: the cost of a copy of every block's weights per step): DDP's losses, weights within a few float32
+    rounding steps (normalizing twice is idempotent but for rounding: 1.2e-7 at 0.6, 2 ulps, on an AVX-512 EPYC).
+    Mutation seen failing: without the carry as a unit's forward ends (both ``memory`` cases)."""
     plain, ours = _fit_forced_norm("ddp"), _fit_forced_norm(VitScaleStrategy(**options))
     assert ours.losses == plain.losses
     for name, value in plain.state_dict().items():
         if options.get("activation_checkpointing", True) is False or not options:
             assert torch.equal(_whole(ours.state_dict()[name]), value), name
         else:
-            torch.testing.assert_close(_whole(ours.state_dict()[name]), value, rtol=0, atol=1e-7)
+            torch.testing.assert_close(_whole(ours.state_dict()[name]), value, rtol=5e-7, atol=1e-7)
 
 
 @pytest.mark.filterwarnings("ignore")
