@@ -180,8 +180,9 @@ def cap_forecast(model: str, gpu: str, cap_gib: float, batches: list[int]) -> st
     import torch
 
     from benchmarks.vit_gpu import MODELS, build_vit
+    from lightning_vitscale.memory.budget import DEFAULT_FRACTION
     from lightning_vitscale.memory.devices import gpu_named
-    from lightning_vitscale.memory.planner import DEFAULT_FRACTION, largest_batch, plan_memory
+    from lightning_vitscale.memory.planner import largest_batch, plan_memory
     from lightning_vitscale.memory.step_cost import compile_pays, rates_of, step_time
     from lightning_vitscale.memory.step_inputs import StepSettings
 

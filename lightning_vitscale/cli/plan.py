@@ -19,9 +19,9 @@ import yaml
 from torch import nn
 
 from lightning_vitscale.memory import MemoryPlan, plan_memory
+from lightning_vitscale.memory.budget import DEFAULT_FRACTION
 from lightning_vitscale.memory.cluster import forecast_table
 from lightning_vitscale.memory.devices import device_named, memory_names
-from lightning_vitscale.memory.planner import DEFAULT_FRACTION
 from lightning_vitscale.memory.step_inputs import OPTIMIZER_STATES
 from lightning_vitscale.precision import SUPPORTED_FLAGS
 

@@ -5,9 +5,11 @@ called itself: its sub-layers are, and together they are one unit)."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
 from torch import nn
+
+from lightning_vitscale.discovery.unit_runs import in_call_order
 
 ModuleSelector = set[type[nn.Module]] | frozenset[type[nn.Module]] | Callable[[str, nn.Module], bool]
 """Block classes, or a predicate on (qualified name, module)."""
@@ -187,13 +189,15 @@ def find_units(
 
 def find_holding_units(
     root: nn.Module, selector: ModuleSelector | None = None, called: Collection[str] | None = None,
-    fed: Mapping[str, str] | None = None,
+    fed: Mapping[str, str] | None = None, order: Sequence[str] = (),
 ) -> list[Unit]:
     """The units of :func:`find_units` as setup shards them and the planner measures them: each unit's modules that
-    hold parameters, a unit left with none dropped."""
+    hold parameters, a unit left with none dropped; in the order a measured step called them (``order``: its blocks,
+    in call order, :func:`~.unit_runs.in_call_order`), else in model order."""
     units = [(name, [(n, b) for n, b in parts if holds_parameters(b)]) for name, parts in
              find_units(root, selector, called, fed)]
-    return [(name, parts) for name, parts in units if parts]
+    units = [(name, parts) for name, parts in units if parts]
+    return [units[i] for i in in_call_order([[n for n, _ in parts] for _, parts in units], order)]
 
 
 def find_blocks(

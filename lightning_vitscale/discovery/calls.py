@@ -46,7 +46,8 @@ class Calls:
     each other, an MoE layer's experts (each handed its own tokens) do not (``blocks._side_by_side``)."""
     order: list[str] = field(default_factory=list)
     """The blocks a measured step called, in the order it called them, a call each (set by the planner, whose hooks
-    see the step's calls alone): which blocks run as one stretch (``unit_runs.sharing_keys``)."""
+    see the step's calls alone): the order the units follow (``blocks.find_holding_units``) and which blocks run as
+    one stretch (``unit_runs.sharing_keys``)."""
     full_precision: set[str] = field(default_factory=set)
     """Modules the step ran inside its own ``torch.autocast(..., enabled=False)``: fp32 under DDP's AMP, so kept in
     fp32 under O2 too (``PrecisionPolicy.keeping_fp32``)."""

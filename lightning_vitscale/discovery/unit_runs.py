@@ -87,3 +87,21 @@ def sharing_keys(
             previous = name
         keys.append(f"run {run}")
     return keys
+
+
+def in_call_order(members: Sequence[Sequence[str]], order: Sequence[str]) -> list[int]:
+    """The units (``members``: each unit's block names) in the order a measured step first called them (``order``:
+    the blocks it called, in order), as indices. Discovery lists them so (:func:`~.blocks.find_holding_units`): the
+    blocks that run back to back may then share an FSDP unit though they sit in two containers (HF PoolFormer's patch
+    embeddings and layers, one stage after the other; a stack run in reverse), and the planner's block order is the
+    step's. Prefetch follows it too: in model order it would gather ahead a unit that already ran and hold it
+    gathered until its next use (the whole model, for a reversed stack). A unit the step did not call keeps its
+    place after the unit before it in model order (a block LayerDrop skipped at the measurement still runs later)."""
+    first: dict[str, int] = {}
+    for index, name in enumerate(order):
+        first.setdefault(name, index)
+    keys: list[tuple[int, int]] = []  # (the call it follows, 0 for a called unit or its model position after it)
+    for position, names in enumerate(members):
+        called = [first[name] for name in names if name in first]
+        keys.append((min(called), 0) if called else (keys[-1][0] if keys else -1, position + 1))
+    return sorted(range(len(members)), key=lambda index: keys[index])

@@ -14,10 +14,11 @@ from lightning_vitscale.memory.accumulation import (
 )
 from lightning_vitscale.memory.activations import ModeOf
 from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing, describe_prediction, device_memory
+from lightning_vitscale.memory.budget import check_budget, resolve_budget
 from lightning_vitscale.memory.gradient_release import may_release_after_step, release_gradients
 from lightning_vitscale.memory.measurement import Measurement
 from lightning_vitscale.memory.memory_plan import MemoryPlan
-from lightning_vitscale.memory.planner import batch_size_of, check_budget, plan_memory, resolve_budget
+from lightning_vitscale.memory.planner import batch_size_of, plan_memory
 from lightning_vitscale.memory.planning_batch import PlanningBatch, planning_batch
 from lightning_vitscale.memory.selective_ops import (
     SelectiveCheckpointingError,

@@ -200,14 +200,15 @@ class AutoCheckpointing:
                   unchecked: bool) -> tuple[StepInputs, str]:
         """The step measured; ``unchecked``: with no block checkpointed only (every block's own passes under full
         and selective checkpointing: on a step run on real values, a detector's, real compute, half its setup)."""
+        made = self.units_made  # units made at setup, before any step: their runs and order, not the measured step's
+        measure = self.measure if made is None else dataclasses.replace(self.measure, order=made.names)
         try:
-            inputs, how = self.measure(model, batch, device, (lambda *_: None) if unchecked else None, optimizer)
+            inputs, how = measure(model, batch, device, (lambda *_: None) if unchecked else None, optimizer)
         except MeasurementError as error:  # what to do instead
             raise MeasurementError(
                 f"activation_checkpointing='auto' could not measure {type(model).__name__} on fake tensors ({error})."
                 " Pass activation_checkpointing=True (or an int / a predicate)."
             ) from error.__cause__
-        made = self.units_made  # units made at setup, before any step: their runs, not the measured step's
         if made is not None:
             names = tuple(block.name for block in inputs.profile.blocks)
             inputs = dataclasses.replace(inputs, runs=made if made.names == names else None)

@@ -47,6 +47,7 @@ class Measurement:
     tensor_plan: Any = None
     trainer: pl.Trainer | None = None
     calls: Calls = field(default_factory=Calls)
+    order: tuple[str, ...] | None = None  # the blocks listed so (units made before the step), not in its call order
 
     def __call__(self, module: nn.Module, batch: PlanningBatch, device: torch.device | None = None,
                  mode_of: ModeOf | None = None, optimizer: str = "adamw") -> tuple[StepInputs, str]:
@@ -54,7 +55,7 @@ class Measurement:
             inputs, how = measure_batch(
                 module, batch, loop=training_loop(module, self.trainer), world_size=self.world_size,
                 precision=self.precision, optimizer=optimizer, blocks=self.blocks, device=device, mode_of=mode_of,
-                tensor_parallel=self.tensor_parallel, tensor_plan=self.tensor_plan, calls=self.calls)
+                tensor_parallel=self.tensor_parallel, tensor_plan=self.tensor_plan, calls=self.calls, order=self.order)
         except (TensorPlanError, SelectiveCheckpointingError):  # a refused plan is what to fix
             raise
         except Exception as error:

@@ -6,8 +6,7 @@ nothing else fits; and the largest per-rank batch that fits.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -15,14 +14,14 @@ import torch
 from torch import nn
 
 from lightning_vitscale._compat import tree_leaves
-from lightning_vitscale._utils import GIB, MIB, human_bytes
+from lightning_vitscale._utils import human_bytes
 from lightning_vitscale.discovery import ModuleSelector
 from lightning_vitscale.discovery.blocks import Named, find_holding_units
 from lightning_vitscale.discovery.calls import Calls, recording
 from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector
 from lightning_vitscale.discovery.unit_runs import UnitRuns
 from lightning_vitscale.memory.activations import ModeOf, StepCall, measure_activations
-from lightning_vitscale.memory.devices import device_named, memory_names
+from lightning_vitscale.memory.budget import DEFAULT_FRACTION, parse_memory, resolve_budget
 from lightning_vitscale.memory.fake_modes import RealValues
 from lightning_vitscale.memory.low_precision_failures import measure_keeping_fp32
 from lightning_vitscale.memory.memory_plan import Candidate, MemoryPlan
@@ -41,56 +40,14 @@ from lightning_vitscale.memory.tensor_split import split_twin
 from lightning_vitscale.memory.twin import fresh_caches
 from lightning_vitscale.precision import PrecisionPolicy, resolve_flag
 
-DEFAULT_FRACTION = 0.9
-"""The share of a device's memory a step may use when ``memory_budget`` is not given (headroom for the allocator)."""
-
-
-def check_budget(budget: object, name: str = "memory_budget") -> None:
-    """Raise unless ``budget`` is ``None``, bytes (an int >= 1) or a fraction of device memory (a float in (0, 1])."""
-    if budget is None:
-        return
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise TypeError(f"`{name}` must be an int (bytes) or a float fraction in (0, 1]; got {budget!r}.")
-    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
-        raise ValueError(
-            f"`{name}={budget}` as a float is a fraction of device memory and must be in (0, 1];"
-            " give bytes as an int, e.g. memory_budget=30 * 2**30."
-        )
-    if isinstance(budget, int) and budget < 1:
-        raise ValueError(f"`{name}={budget}` bytes must be >= 1.")
-
-
-def resolve_budget(budget: int | float | None, total: int, name: str = "memory_budget") -> int:
-    """``memory_budget`` -> bytes: an int is bytes, a float (``None``: :data:`DEFAULT_FRACTION`) of ``total``."""
-    check_budget(budget, name)
-    if isinstance(budget, int) and not isinstance(budget, bool):
-        return budget
-    return int(total * (DEFAULT_FRACTION if budget is None else budget))
-
-
-def parse_memory(spec: str | int | float) -> int:
-    """``"a100-40gb"``, ``"40"`` / ``40`` (GiB), ``"40GiB"``, ``"512MiB"`` -> bytes."""
-    if isinstance(spec, (int, float)):
-        return int(spec * GIB)
-    key = spec.strip().lower()
-    if key in memory_names():
-        return int(device_named(key).memory_bytes or 0)
-    match = re.fullmatch(r"([0-9.]+)\s*(gib|gb|g|mib|mb|m)?", key)
-    if match is None:
-        raise ValueError(
-            f"device memory {spec!r} is not understood: give GiB (e.g. 40 or '40GiB'), MiB ('512MiB') or one of"
-            f" {', '.join(memory_names())}."
-        )
-    unit = match.group(2) or "gib"
-    return int(float(match.group(1)) * (GIB if unit.startswith("g") else MIB))
-
 
 def model_parts(
     model: nn.Module, blocks: ModuleSelector | None, precision: PrecisionPolicy, called: Collection[str] | None = None,
-    fed: Mapping[str, str] | None = None,
+    fed: Mapping[str, str] | None = None, listed: Sequence[str] = (),
 ) -> tuple[Named, list[nn.Module]]:
-    """The blocks the strategy would shard and the norms it would keep in fp32, as parallelize finds them."""
-    found = [pair for _, parts in find_holding_units(model, blocks, called, fed) for pair in parts]
+    """The blocks the strategy would shard (in ``listed``'s call order) and the norms it would keep in fp32, as
+    parallelize finds them."""
+    found = [pair for _, parts in find_holding_units(model, blocks, called, fed, listed) for pair in parts]
     norms = [m for _, m in precision.separate_norm_modules(model)]
     return found, norms
 
@@ -141,10 +98,13 @@ def step_inputs(
     device: torch.device | str | None = None, loop: TrainingLoop | None = None, call: StepCall | None = None,
     mode_of: ModeOf | None = None, tensor_parallel: int = 1, tensor_plan: TensorPlanSelector | None = None,
     calls: Calls | None = None, values: RealValues | None = None, measured_batch: int | None = None,
+    order: Sequence[str] | None = None,
 ) -> StepInputs:
     """Measure ``model`` on fake tensors for :func:`predict_step` (see :func:`plan_memory`; ``world_size``: one
     FSDP shard group; ``device``: where the step runs, ``None``: a GPU). ``calls``: filled with what the step called,
-    even when it raises; a block it never called is measured as the modules of it that ran. ``values``: the fake
+    even when it raises; a block it never called is measured as the modules of it that ran. The blocks are listed
+    in the order the step calls them, as setup lists them from the same calls (``order``: in this order instead, the
+    units setup made before any step). ``values``: the fake
     tensors carry these real ones (:func:`.measure_activations`); ``measured_batch``: the samples in
     ``example_input`` where its first tensor's first dimension is not (a list of images)."""
     if optimizer not in OPTIMIZER_STATES:
@@ -159,8 +119,8 @@ def step_inputs(
         raise ValueError("real values are carried for one whole model, not one tensor-parallel rank's share")
 
     def measure(called: Collection[str] | None = None, fed: Mapping[str, str] | None = None,
-                policy: PrecisionPolicy = policy) -> StepInputs:
-        twin, (found, norms), log = model, model_parts(model, blocks, policy, called, fed), None
+                policy: PrecisionPolicy = policy, listed: Sequence[str] = order or ()) -> StepInputs:
+        twin, (found, norms), log = model, model_parts(model, blocks, policy, called, fed, listed), None
         if tensor_parallel > 1:  # one tensor-parallel rank's share
             twin, found, log = split_twin(model, found, tensor_parallel, tensor_plan)
             norms = model_parts(twin, None, policy)[1]
@@ -184,23 +144,28 @@ def step_inputs(
             tensor=None if log is None else log.split([b.resent for b in profile.blocks]),
         )
 
-    structure = [name for name, _ in model_parts(model, blocks, policy)[0]]
+    structure = [name for name, _ in model_parts(model, blocks, policy, listed=order or ())[0]]
     inputs = measure_keeping_fp32(lambda kept: measure(policy=kept), record, model, policy, structure)
-    # A block never called (what of it ran), or modules run side by side taken for blocks (an MoE layer's experts),
-    # or modules the step runs in its own fp32 region (kept in fp32 beside the norms, `keeping_fp32`): measured
-    # again as parallelize will find them from this run.
-    found = [name for name, _ in model_parts(model, blocks, policy, record.called, dict(record.fed))[0]]
-    kept = policy.keeping_fp32(record.in_fp32)
-    if found != [b.name for b in inputs.profile.blocks] or kept is not policy:
-        inputs = measure(set(record.called), dict(record.fed), kept)
-    return replace(inputs, runs=unit_runs(model, blocks, record, [b.name for b in inputs.profile.blocks]))
+    # Blocks never called (what of them ran) or called out of model order, modules run side by side taken for blocks
+    # (MoE experts), or run in the step's own fp32 region (kept in fp32, `keeping_fp32`): measured again as setup will
+    # find them from this run; once more where its order places blocks the first run did not list (parts of one).
+    kept, called, fed = policy.keeping_fp32(record.in_fp32), set(record.called), dict(record.fed)
+    for again in (kept is not policy, False):  # the set of blocks from the first run (LayerDrop's varies by run)
+        listed = record.order if order is None else order
+        found = [name for name, _ in model_parts(model, blocks, policy, called, fed, listed)[0]]
+        if again or found != [b.name for b in inputs.profile.blocks]:
+            inputs = measure(called, fed, kept, listed)
+    return replace(inputs, runs=unit_runs(model, blocks, record, [b.name for b in inputs.profile.blocks], order))
 
 
-def unit_runs(model: nn.Module, blocks: ModuleSelector | None, calls: Calls, names: list[str]) -> UnitRuns | None:
+def unit_runs(
+    model: nn.Module, blocks: ModuleSelector | None, calls: Calls, names: list[str], order: Sequence[str] | None = None
+) -> UnitRuns | None:
     """Which of the measured blocks (``names``) may share a unit, as setup finds them from the same ``calls``
-    (``sharding.parallelize``): ``None`` where its blocks would not be these."""
+    (``sharding.parallelize``; ``order``: as :func:`step_inputs`'): ``None`` where its blocks would not be these."""
     called = calls.called if calls.called and not calls.error else None
-    units = find_holding_units(model, blocks, called, calls.fed if called is not None else None)
+    listed = (calls.order if order is None else order) if called is not None else ()
+    units = find_holding_units(model, blocks, called, calls.fed if called is not None else None, listed)
     runs = UnitRuns.of(units, called is not None, calls.order if called is not None else ())
     return runs if list(runs.names) == names else None
 

@@ -130,7 +130,7 @@ class _Found:
 
     @classmethod
     def of(cls, model: nn.Module, resolved: ResolvedConfig, calls: Calls | None) -> _Found:
-        units = select_units(model, resolved.sharding.blocks, calls)
+        units = select_units(model, resolved.sharding.blocks, calls, resolved.sharding.units_in_call_order)
         blocks = [pair for _, unit in units for pair in unit]
         several = [(name, parts) for name, parts in units if [name] != [n for n, _ in parts]]
         return cls(
@@ -182,17 +182,21 @@ def _shard(
     )
 
 
-def select_units(model: nn.Module, selector: ModuleSelector | None, calls: Calls | None = None) -> list[Unit]:
+def select_units(
+    model: nn.Module, selector: ModuleSelector | None, calls: Calls | None = None, in_call_order: bool = True
+) -> list[Unit]:
     """The blocks to shard, checkpoint and compile (each holding parameters), as the modules of each that a training
-    step runs (``calls``, where it ran to the end; else the model's structure says what can run); loud if the
-    user's selector matched nothing, or if the model has nothing to shard at all."""
+    step runs (``calls``, where it ran to the end; else the model's structure says what can run), in the order it
+    calls them (``in_call_order``; the planner lists them so); loud if the user's selector matched nothing, or if the
+    model has nothing to shard at all."""
     if not holds_parameters(model):
         raise ValueError(
             f"{type(model).__name__} has no parameters, so there is nothing to shard. Create the layers in"
             " `__init__` or in `configure_model()` (which VitScaleStrategy calls before sharding)."
         )
     called = calls.called if calls is not None and calls.called and not calls.error else None
-    units = find_holding_units(model, selector, called, calls.fed if called is not None and calls is not None else None)
+    fed, order = (calls.fed, calls.order) if called is not None and calls is not None else (None, ())
+    units = find_holding_units(model, selector, called, fed, order if in_call_order else ())
     if selector is not None and not units:
         raise NoBlocksMatchedError(
             f"`blocks={selector!r}` matched no module with parameters in {type(model).__name__}"

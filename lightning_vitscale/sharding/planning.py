@@ -139,7 +139,8 @@ def plan_before_sharding(
     sharding, shard = resolved.sharding, shard_size(ranks.sharding_mesh)
     replicas = ranks.sharding_mesh.size() // shard  # copies of a shard group (hybrid), as the layout report counts
     tp = ranks.tensor_mesh.size() if ranks.tensor_mesh is not None else 1  # it measures one TP rank's share
-    measure = Measurement(shard, precision.name, sharding.blocks, replicas, tp, sharding.tensor_plan, trainer)
+    measure = Measurement(shard, precision.name, sharding.blocks, replicas, tp, sharding.tensor_plan, trainer,
+                          order=None if sharding.units_in_call_order else ())
     if resolved.checkpointing.is_auto:
         auto = AutoCheckpointing(
             budget, measure, _fixed_reshard(resolved), offloads(sharding, ranks.device),

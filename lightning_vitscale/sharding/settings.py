@@ -177,6 +177,12 @@ class ShardingPolicy:
         object.__setattr__(self, "reshard_after_forward", False)
 
     @property
+    def units_in_call_order(self) -> bool:
+        """Whether units follow the order the step measured at setup calls the blocks (else model order): not where
+        ranks may skip blocks, whose calls vary by rank and step (the stand-ins take the model's order)."""
+        return not self.find_unused_parameters
+
+    @property
     def stands_in(self) -> bool:
         """``find_unused_parameters="units"``: skipped blocks stay units, stood in for (``stand_ins.py``)."""
         return self.find_unused_parameters == STAND_INS

@@ -15,7 +15,7 @@ from lightning_vitscale._utils import parents
 from lightning_vitscale.discovery.blocks import Named
 from lightning_vitscale.discovery.calls import Calls
 from lightning_vitscale.discovery.tensor_plan import TensorPlanSelector, plan_block
-from lightning_vitscale.discovery.unit_runs import UnitRuns
+from lightning_vitscale.discovery.unit_runs import UnitRuns, in_call_order
 from lightning_vitscale.init import InitialWeights
 from lightning_vitscale.kernels import AttentionRouter, KernelPolicy, apply_regional_compile, make_router, route_blocks
 from lightning_vitscale.memory import refuse_selective_calling_blocks
@@ -43,7 +43,7 @@ from lightning_vitscale.sharding.settings import unit_reshard
 from lightning_vitscale.sharding.skipped_blocks import zero_gradients_for_unused
 from lightning_vitscale.sharding.tensor_parallel import same_values_everywhere, split_block
 from lightning_vitscale.sharding.tensor_proof import prove_plans
-from lightning_vitscale.sharding.unit_groups import in_call_order, shared_apart, without_tied_parameters
+from lightning_vitscale.sharding.unit_groups import nested_first, shared_apart, without_tied_parameters
 
 
 def apply_tp(
@@ -120,7 +120,7 @@ def apply_fsdp(
     out = {id(block) for block in keep_out}
     spans = runs.spans(blocks_per_unit, sharing=not one_unit)
     groups = [unit for span in spans for unit in shared_apart([blocks[i] for i in span])]
-    groups = [kept for kept in ([b for b in group if id(b) not in out] for group in groups) if kept]
+    groups = nested_first([kept for kept in ([b for b in group if id(b) not in out] for group in groups) if kept])
     in_groups = sum(map(len, groups))
     if skippable:  # every block to the outer unit (find_unused_parameters=True), tied or not
         groups, tied, skipped = [], 0, in_groups

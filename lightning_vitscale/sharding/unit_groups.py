@@ -4,7 +4,7 @@ a group that another member holds becomes a unit of its own first."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
 
 from torch import nn
 
@@ -18,6 +18,18 @@ def shared_apart(group: list[nn.Module]) -> list[list[nn.Module]]:
     shared = [member for member in group if id(member) in inside]
     rest = [member for member in group if id(member) not in inside]
     return [[member] for member in shared] + ([rest] if rest else [])
+
+
+def nested_first(groups: list[list[nn.Module]]) -> list[list[nn.Module]]:
+    """``groups`` in the order to make them units: a group whose member other groups' members hold first (the most
+    holders first, else as given: whatever holds a module also holds what it holds, so the innermost come first).
+    FSDP2's walk stops at a module already a unit, so the holder then leaves it to its own unit; made after it, the
+    holder would manage its parameters too and they would be sharded twice. Units follow the step's calls, so a
+    module the blocks call (timm CoaT's shared position encodings, first called inside the first block) can come
+    after the block holding it."""
+    held = Counter(id(sub) for group in groups for member in group for sub in member.modules() if sub is not member)
+    holders = [max(held[id(member)] for member in group) for group in groups]
+    return [groups[index] for index in sorted(range(len(groups)), key=lambda index: -holders[index])]
 
 
 def without_tied_parameters(groups: list[list[nn.Module]], model: nn.Module) -> list[list[nn.Module]]:
@@ -54,18 +66,3 @@ def managed_parameters(members: list[nn.Module], units: set[int]) -> list[nn.Par
             visit(member)
     return found
 
-
-def in_call_order(members: Sequence[Sequence[str]], order: Sequence[str]) -> list[int]:
-    """The units (``members``: each unit's block names, in model order) in the order a measured step first called
-    them (``order``: the blocks it called, in order), as indices: prefetch follows the step, not the registration (a
-    stack run in reverse, or interleaved from one container, would gather ahead a unit that already ran and hold it
-    gathered until its next use: the whole model, for a reversed stack). A unit the step did not call keeps its place
-    after the unit before it in model order (a block LayerDrop skipped at the measurement still runs later)."""
-    first: dict[str, int] = {}
-    for index, name in enumerate(order):
-        first.setdefault(name, index)
-    keys: list[tuple[int, int]] = []  # (the call it follows, 0 for a called unit or its model position after it)
-    for position, names in enumerate(members):
-        called = [first[name] for name in names if name in first]
-        keys.append((min(called), 0) if called else (keys[-1][0] if keys else -1, position + 1))
-    return sorted(range(len(members)), key=lambda index: keys[index])

@@ -3,7 +3,11 @@ losses and weights of DDP's ``ddp_find_unused_parameters_true``: ``True``, every
 ``"units"``, the blocks in units, a skipped block stood in for where it would have run (``sharding/stand_ins.py``);
 without it, the rank that skipped raises ``SkippedBlocksError`` naming
 the fix before its backward sends anything, and the job ends at once instead of waiting out the collective timeout
-(it did: > 200 s, then gloo's "Connection closed by peer", naming nothing)."""
+(it did: > 200 s, then gloo's "Connection closed by peer", naming nothing).
+
+Mutation seen failing: units in the measured step's call order under ``find_unused_parameters``
+(``ShardingPolicy.units_in_call_order`` always true): ``two_pass``'s step at setup skipped the first block in its
+first pass, so it was listed last, and the stand-ins (which take the model's order) hung the launch."""
 
 from __future__ import annotations
 

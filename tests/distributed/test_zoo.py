@@ -22,7 +22,7 @@ import pytest
 
 from tests.helpers.launch import launch_ranks
 from tests.helpers.results import max_relative_difference
-from tests.helpers.zoo import APART, FAMILIES, FOURIER, PARTS
+from tests.helpers.zoo import APART, FAMILIES, FOURIER, INTERLEAVED, PARTS
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 SCRIPT = "tests/distributed/scripts/zoo.py"
@@ -45,8 +45,8 @@ REFUSED = {
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory) -> list[dict]:
-    names = ",".join(["layout", "reused", "two_pass", "parts", "apart", "parametrized", "fourier", "complex_weights",
-                      *FAMILIES])
+    names = ",".join(["layout", "reused", "two_pass", "parts", "apart", "interleaved", "parametrized", "fourier",
+                      "complex_weights", *FAMILIES])
     return launch_ranks(tmp_path_factory, "zoo_2", SCRIPT, names, nprocs=2, timeout=300)[1]
 
 
@@ -204,6 +204,35 @@ def test_blocks_of_containers_that_run_apart_never_share_a_unit_and_train_as_ddp
         assert "with real values" in facts["summary"], facts["summary"]
         assert len(ddp) == 3 and max_relative_difference(facts["losses"], ddp) < 1e-5, run
         assert facts["fsdp_units"] > 2, facts["summary"]  # grouped, not one unit of everything
+
+
+# The blocks in the order the step calls them: HF PoolFormer's patch embeddings and layers (two containers), stage
+# after stage; the hand-written top-down pathway's encoder, then its decoder last block first.
+CALLED = {
+    "hf_poolformer": [name for stage in range(4) for name in (
+        f"model.poolformer.encoder.patch_embeddings.{stage}",
+        *(f"model.poolformer.encoder.block.{stage}.{layer}" for layer in range(2)))],
+    "top_down": [f"layers.{i}" for i in range(4)] + [f"decoder.{i}" for i in (3, 2, 1, 0)],
+}
+
+
+@pytest.mark.parametrize("family", INTERLEAVED)
+def test_blocks_called_out_of_model_order_share_units_in_call_order_and_train_as_ddp(two, family):
+    """Units are runs of blocks the step calls back to back, taken in the order it calls them: HF PoolFormer's stages
+    (a patch embedding, then its layers, each from its own container) and a decoder run last block first share
+    units. Until 2026-12-07 a unit was a run in model order, so each patch embedding and each decoder block ran as a
+    unit of its own (PoolFormer pinned at 4 blocks a unit: 8 units for 12 blocks, now 3). The planner predicts the
+    units made and which stay gathered; DDP's losses. Mutation seen failing: setup listing the blocks in model order
+    (``select_units`` without the step's order: the planned units are not the made ones, and more of them)."""
+    for run in ("default", "pinned"):
+        for rank in two:  # each rank's loss on its own batch
+            facts, ddp = rank["interleaved"][f"{family}:{run}"], rank["interleaved"][f"{family}:ddp"]["losses"]
+            assert len(ddp) == 3 and max_relative_difference(facts["losses"], ddp) < 1e-5, run
+            assert facts["planned"] == facts["made"] and facts["planned_kept"] == facts["kept"], facts["summary"]
+        made = two[0]["interleaved"][f"{family}:{run}"]["made"]
+        assert [name.removeprefix("backbone.") for unit in made for name in unit] == CALLED[family], made
+    pinned = two[0]["interleaved"][f"{family}:pinned"]["made"]
+    assert [len(unit) for unit in pinned] == [4] * (len(CALLED[family]) // 4), pinned
 
 
 def test_weight_parametrizations_train_as_ddp_and_compute_in_fp32_under_the_recipe(two):

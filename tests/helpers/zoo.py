@@ -538,3 +538,41 @@ FOURIER: dict[str, Callable[[], nn.Module]] = {
 
 # Blocks of different containers that run apart (one of them many times a forward): never one unit.
 APART: dict[str, Callable[[], nn.Module]] = {"hf_mask2former": Mask2FormerLogits}
+
+
+class Residual(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm, self.proj = nn.LayerNorm(dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(self.norm(x))
+
+
+class TopDown(PatchClassifier):
+    """An encoder stack, then a decoder stack run last block first (as a top-down pathway runs: HF UperNet's head):
+    in the step's order the decoder's blocks run back to back, last first, after the encoder's."""
+
+    def __init__(self, dim: int = 32, depth: int = 4) -> None:
+        super().__init__(dim, nn.ModuleList([Residual(dim) for _ in range(depth)]))
+        self.decoder = nn.ModuleList([Residual(dim) for _ in range(depth)])
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers:
+            x = block(x)
+        for block in reversed(self.decoder):
+            x = block(x)
+        return x
+
+
+def hf_poolformer() -> nn.Module:
+    """HF's PoolFormer: each stage's patch embedding (in one ``ModuleList``), then its layers (in another), stage after
+    stage: both repeat, so both are blocks, called interleaved."""
+    import transformers
+
+    config = transformers.PoolFormerConfig(hidden_sizes=[8, 16, 32, 64], depths=[2, 2, 2, 2], num_labels=CLASSES)
+    return Logits(transformers.PoolFormerForImageClassification(config), "pixel_values")
+
+
+# Blocks the step calls in another order than the model lists them.
+INTERLEAVED: dict[str, Callable[[], nn.Module]] = {"top_down": TopDown, "hf_poolformer": hf_poolformer}

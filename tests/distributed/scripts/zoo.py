@@ -28,12 +28,14 @@ from lightning_vitscale.discovery.tensor_plan import TensorPlanError
 from lightning_vitscale.sharding.activation_checkpointing import checkpoint_mode
 from tests.helpers.recording import count_collectives
 from tests.helpers.scenarios import run_scenarios
+from tests.helpers.units import planned_units, units_made
 from tests.helpers.zoo import (
     APART,
     CLASSES,
     FAMILIES,
     FOURIER,
     IMAGE,
+    INTERLEAVED,
     PARTS,
     Block,
     DinoHeadViT,
@@ -74,6 +76,8 @@ class Model(L.LightningModule):
             return PARTS[self.family][0]()
         if self.family in APART:
             return APART[self.family]()
+        if self.family in INTERLEAVED:
+            return INTERLEAVED[self.family]()
         return FAMILIES[self.family]() if self.family != "lucid" else LucidViT(container=self.container)
 
     def configure_model(self) -> None:
@@ -231,6 +235,25 @@ def apart() -> dict:
     return found
 
 
+def interleaved() -> dict:
+    """Blocks the step calls in another order than the model lists them (``INTERLEAVED``): DDP, ``VitScaleStrategy()``
+    and 4 blocks a unit pinned, resharded after forward; the losses, the units made and the planned ones."""
+    found = {}
+    for family in INTERLEAVED:
+        runs = {"ddp": DDP, "default": VitScaleStrategy(),
+                "pinned": VitScaleStrategy(blocks_per_unit=4, reshard_after_forward=True)}
+        for name, strategy in runs.items():
+            model = Model(family)
+            facts, trainer = fit(model, strategy, 2, 3)
+            if strategy != DDP:
+                planned, planned_kept, _ = planned_units(trainer)
+                made, kept = units_made(model, [block for unit in planned for block in unit])
+                facts.update(planned=planned, planned_kept=planned_kept, made=made, kept=kept,
+                             fsdp_units=trainer.strategy.plan.units)
+            found[f"{family}:{name}"] = facts
+    return found
+
+
 class DinoModel(Model):
     """DINO's habit on its head: the last layer's gradients dropped (``p.grad = None``) in the first steps."""
 
@@ -302,6 +325,7 @@ def complex_weights() -> dict:
 def scenarios() -> dict:
     families = {name: (lambda name=name: family(name)) for name in FAMILIES}
     return {"layout": layout, "reused": reused, "two_pass": two_pass, "parts": parts, "apart": apart,
+            "interleaved": interleaved,
             "parametrized": parametrized, "fourier": fourier, "complex_weights": complex_weights, **families}
 
 

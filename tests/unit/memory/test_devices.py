@@ -11,8 +11,8 @@ import torch
 from lightning_vitscale._utils import GIB
 from lightning_vitscale.cli.plan import plan_command_parser
 from lightning_vitscale.memory import devices
+from lightning_vitscale.memory.budget import parse_memory
 from lightning_vitscale.memory.devices import DEVICES, Device, device_named, gpu_named
-from lightning_vitscale.memory.planner import parse_memory
 from lightning_vitscale.memory.step_cost import GPU_RATES, rates_for
 from lightning_vitscale.monitoring.throughput import device_peak_flops
 

@@ -16,9 +16,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_vitscale.cli.demo import TinyViT
 from lightning_vitscale.kernels.optimizers import prefer_foreach
 from lightning_vitscale.memory.auto_checkpointing import AutoCheckpointing
+from lightning_vitscale.memory.budget import parse_memory
 from lightning_vitscale.memory.measurement import Measurement
 from lightning_vitscale.memory.plan_search import BlockPlan
-from lightning_vitscale.memory.planner import parse_memory, plan_memory, step_inputs
+from lightning_vitscale.memory.planner import plan_memory, step_inputs
 from lightning_vitscale.memory.step_inputs import StepSettings, collective_copies
 from lightning_vitscale.memory.step_model import predict_step, step_phases
 from lightning_vitscale.memory.twin import meta_twin

@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from lightning_vitscale._utils import GIB, MIB
 from lightning_vitscale.cli.demo import TinyViT
 from lightning_vitscale.memory import describe_prediction, device_memory, twin
-from lightning_vitscale.memory.planner import batch_size_of, plan_memory, resolve_budget, step_inputs
+from lightning_vitscale.memory.budget import resolve_budget
+from lightning_vitscale.memory.planner import batch_size_of, plan_memory, step_inputs
 from lightning_vitscale.memory.planning_batch import (
     TRAIN_BATCH,
     PlanningBatch,

@@ -15,11 +15,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.discovery.calls import Calls
+from lightning_vitscale.discovery.unit_runs import in_call_order
 from lightning_vitscale.precision.settings import resolve_flag
 from lightning_vitscale.sharding import ParallelConfig, ShardingPolicy
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import parallelize
-from lightning_vitscale.sharding.unit_groups import in_call_order
 
 DIM, DEPTH = 32, 4
 

@@ -234,20 +234,24 @@ def fit_losses(strategy, steps: int = 3, make: Callable[[], L.LightningModule] =
     return losses
 
 
-@pytest.mark.parametrize("per_unit", [3, 6])  # pos1 with blocks.0; everything in one unit
-def test_a_module_shared_by_blocks_in_one_unit_is_its_own_unit_and_trains_as_ddp(per_unit):
+# pos1 with blocks.0; everything in one unit; resharded (the step's runs apply: blocks.0's unit, then pos1's)
+@pytest.mark.parametrize("per_unit, reshard", [(3, None), (6, None), (3, True)])
+def test_a_module_shared_by_blocks_in_one_unit_is_its_own_unit_and_trains_as_ddp(per_unit, reshard):
     """Grouped with the blocks that call it, a shared module got no unit of its own (FSDP2 registers a list-unit on
     its members that no other member contains), and the next unit sharded its parameters again: "Cannot
     concatenate overlapping meshes" at setup (timm's CoaT-Lite under bf16-mixed, where the planner grouped 20 blocks
-    in one unit). Mutation seen failing: ``unit_groups.shared_apart`` returning the group whole (both cases raise)."""
+    in one unit). Listed in call order (since 2026-12-07) an encoding comes after the first block calling it, and
+    made after that block's unit it was sharded twice the same way. Mutations seen failing:
+    ``unit_groups.shared_apart`` returning the group whole (the first two cases raise); ``unit_groups.nested_first``
+    keeping the groups' order (the resharded case raises)."""
     from lightning_vitscale import VitScaleStrategy
 
-    strategy = VitScaleStrategy(blocks_per_unit=per_unit, activation_checkpointing=False)
+    strategy = VitScaleStrategy(blocks_per_unit=per_unit, activation_checkpointing=False, reshard_after_forward=reshard)
     losses = fit_losses(strategy)
     assert losses == pytest.approx(fit_losses("ddp"), rel=1e-6)  # DDP on one device: the same sampler
     model = strategy.lightning_module
     assert isinstance(model.pos1, FSDPModule) and isinstance(model.pos2, FSDPModule)
-    assert "blocks found        : PositionEncoding x2, SharingBlock x4" in strategy.plan.summary()
+    assert "blocks found        : SharingBlock x4, PositionEncoding x2" in strategy.plan.summary()  # as called
 
 
 def _full_for_callers(name: str, block: nn.Module) -> str:
