@@ -91,7 +91,8 @@ class ShardingPolicy:
         " (FSDP2's streams)."
     ))
     blocks_per_unit: int | None = documented(None, (
-        "Consecutive blocks per FSDP unit (the last unit may hold fewer). ``1`` is the recipe (least gathered"
+        "Consecutive blocks per FSDP unit (in the order a step measured at setup calls them, else model order; the"
+        " last unit may hold fewer). ``1`` is the recipe (least gathered"
         " memory); ``k > 1`` runs one all-gather, reduce-scatter and set of FSDP hooks per ``k`` blocks, with up to"
         " ``k`` blocks' parameters and gradients gathered at once. ``None``: as ``priority`` says: ``\"speed\"``, the"
         " planner's choice (up to every block in one unit) from the batch known at setup (``example_input_array``,"
