@@ -47,7 +47,7 @@ class Measurement:
     tensor_plan: Any = None
     trainer: pl.Trainer | None = None
     calls: Calls = field(default_factory=Calls)
-    order: tuple[str, ...] | None = None  # the blocks listed so (units made before the step), not in its call order
+    order: tuple[str, ...] | None = None  # None: blocks in the step's call order; else so (the units made), () model
 
     def __call__(self, module: nn.Module, batch: PlanningBatch, device: torch.device | None = None,
                  mode_of: ModeOf | None = None, optimizer: str = "adamw") -> tuple[StepInputs, str]:

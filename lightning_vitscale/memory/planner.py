@@ -103,8 +103,8 @@ def step_inputs(
     """Measure ``model`` on fake tensors for :func:`predict_step` (see :func:`plan_memory`; ``world_size``: one
     FSDP shard group; ``device``: where the step runs, ``None``: a GPU). ``calls``: filled with what the step called,
     even when it raises; a block it never called is measured as the modules of it that ran. The blocks are listed
-    in the order the step calls them, as setup lists them from the same calls (``order``: in this order instead, the
-    units setup made before any step). ``values``: the fake
+    in the order the step calls them, as setup lists them from the same calls (``order``: in this order instead: the
+    units setup made before any step, or ``()``, model order, where ranks may skip blocks). ``values``: the fake
     tensors carry these real ones (:func:`.measure_activations`); ``measured_batch``: the samples in
     ``example_input`` where its first tensor's first dimension is not (a list of images)."""
     if optimizer not in OPTIMIZER_STATES:
