@@ -1,7 +1,8 @@
-"""What the out-of-step handshake costs: one ``collective_guard.agree`` (a 6-integer all-reduce on the side gloo
-group) per call, next to a 64 KiB gloo all_gather on the model's group for scale; and what a scalar read of a sharded
-tensor costs (``float(w.norm())`` of a ``Shard(0)`` DTensor: ``distributed/scalar_reads.py``'s handshake and
-reduction) next to torch's own read (this rank's part, no communication) and the manual ``.full_tensor().item()``.
+"""What the out-of-step handshake costs: one ``collective_guard.agree`` (a few adds and reads on the process
+group's store, ``distributed/handshake.py``; a 6-integer all-reduce on a side gloo group before 2026-12-07) per
+call, next to a 64 KiB gloo all_gather on the model's group for scale; and what a scalar read of a sharded tensor
+costs (``float(w.norm())`` of a ``Shard(0)`` DTensor: ``distributed/scalar_reads.py``'s handshake and reduction)
+next to torch's own read (this rank's part, no communication) and the manual ``.full_tensor().item()``.
 
 Run: ``python -m torch.distributed.run --nproc-per-node 2 benchmarks/collective_guard_cost.py`` (CPU, gloo).
 Rank 0 prints microseconds per call, median of ``--repeats`` timed loops.

@@ -106,6 +106,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 PRIVATE_NAMES = {
     "copyreg._reconstructor": "stdlib pickle's class-rebuilding reducer: plain_copy.py (a module whose class changed)",
     "torch._dynamo": "regional compilation's dynamo options (kernels/compile.py)",
+    "torch.distributed.distributed_c10d._get_default_store": "the handshakes' store (distributed/handshake.py)",
+    "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop": "its broadcast at each training batch's start",
+    "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop._broadcast_sigterm_tensor": "the same: a rank"
+    " there ended its batch (distributed/whereabouts.py; Lightning >= 2.6, absent before: nothing to see)",
     "torch._subclasses.fake_tensor.FakeTensor": "memory planner: shapes without memory",
     "torch._functorch.config.fake_tensor_propagate_real_tensors": "planner: fake tensors carrying real values",
     "torch._functorch.config.generate_fake_kernels_from_real_mismatches": "planner: the real value's shape stands",
@@ -247,6 +251,28 @@ WRAPPER_PREFIXES = ("_orig_mod.", _CHECKPOINT_PREFIX, FSDP_PREFIX, "_forward_mod
 
 amp_unscale_and_check = torch._amp_foreach_non_finite_check_and_unscale_
 restore_location = torch.serialization._get_restore_location
+
+
+def starts_a_training_batch(frame: Any) -> bool:
+    """Whether a thread whose innermost frame is ``frame`` is in Lightning's broadcast at the start of every training
+    batch (>= 2.6: the SIGTERM flag, from rank 0, before the batch is fetched): it ended its previous batch."""
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    start = getattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", None)  # absent before Lightning 2.6
+    code = getattr(start, "__code__", None)
+    while frame is not None and code is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def default_store() -> Any:
+    """The default process group's store, where its rendezvous lives: the handshakes' keys
+    (distributed/handshake.py), which must not wait on a collective."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
 
 
 def setup_distributed(strategy: ModelParallelStrategy) -> None:

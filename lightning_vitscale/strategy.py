@@ -117,6 +117,7 @@ class VitScaleStrategy(ModelParallelStrategy):
     broadcast = shards.finishing_forward(ModelParallelStrategy.broadcast)
     backward = shards.naming_graph_inputs(shards.joining_on_loss(ModelParallelStrategy.backward))  # inputs= too
     barrier = checkpoints.unless_alone_in_exception(ModelParallelStrategy.barrier)  # after an exception's lone save
+    validation_step, test_step, predict_step = distributed.counting_batches(ModelParallelStrategy)  # whereabouts.py
     load_model_state_dict = checkpoints.model_state_after_hook  # on_load_checkpoint's checkpoint["state_dict"]
 
     @property  # type: ignore[override]
@@ -171,8 +172,7 @@ class VitScaleStrategy(ModelParallelStrategy):
             optimizers_to_device(self.optimizers, self.root_device)  # offloaded state stays in host memory
         self._release_after_step = fitting and may_release_after_step(module, trainer)  # decided once per setup
 
-    def _ranks(self) -> distributed.RankContext:
-        return distributed.rank_context(self)
+    _ranks = distributed.rank_context
 
     @contextmanager
     @override

@@ -1,13 +1,14 @@
-"""A handshake on a side process group before a gather outside a step: every rank agrees, or nothing is sent.
+"""A handshake before a gather outside a step: every rank agrees, or nothing is sent.
 
 Calling the sharded model, or ``state_dict()``, outside a step gathers shards on the model's process group, which
 every rank must join; the DDP habit ``if trainer.is_global_zero: ...`` joins one. Measured on 2 gloo ranks: the
 gather waits out the timeout and training dies on every rank ("Application timeout caused pair closure"), or,
 meeting another rank's FSDP all-gather, gloo aborts ("Received data size doesn't match expected size"); NCCL hangs.
 
-So every rank first all-reduces, on a gloo side group, a code of what it will gather; the gather runs only when all
-codes agree. A missing rank times out, a different code shows on every rank; either way the model's group saw
-nothing and stays in step. (A timed out gloo group fails at once afterwards; the next setup opens a fresh one.)
+So every rank first states, on the process group's store (:mod:`.handshake`), what it will gather; the gather runs
+only when all agree. Where a rank never comes (it went on to a later step: :mod:`.whereabouts`) the waiting rank
+learns so within about a second, and after the strategy's timeout in any case; either way the model's group saw
+nothing and stays in step. A side gloo group (the same lifetime) carries the other host-side collectives.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from lightning_vitscale._compat import default_store
+from lightning_vitscale.distributed import handshake, whereabouts
 
 STATE_DICT = 1  # state_dict(): gathers each sharded tensor of the state dict
 MODEL_CALL = 2  # a call of the model or a submodule outside a step: gathers the outer unit, then the blocks
@@ -38,6 +42,10 @@ class _Side:
     group: dist.ProcessGroup | None = None
     world: dist.ProcessGroup | None = None  # the default group the side group was made under
     quick: dist.ProcessGroup | None = None  # bounded by QUICK_JOIN_S: handshakes a lone rank must not wait out
+    store: dist.Store | None = None  # this run's handshakes (a prefix of the process group's store)
+    answering: whereabouts.Answering | None = None
+    timeout_s = 0.0  # how long a handshake waits for a rank that may still come
+    runs = 0  # side groups opened by this process: the same count on every rank (opened collectively)
 
 
 # How long a rank handling an exception waits for the others to reach the same checkpoint save: ranks that raised
@@ -55,13 +63,19 @@ def open_side_group(timeout: timedelta) -> None:
     quick = dist.new_group(backend="gloo", timeout=timedelta(seconds=QUICK_JOIN_S))
     if isinstance(group, dist.ProcessGroup) and isinstance(quick, dist.ProcessGroup):  # every rank is a member
         _Side.group, _Side.world, _Side.quick = group, dist.group.WORLD, quick
+        _Side.runs += 1
+        _Side.store = dist.PrefixStore(f"lightning_vitscale/handshakes/{_Side.runs}", default_store())
+        _Side.answering = whereabouts.Answering(_Side.store, dist.get_rank())
+        _Side.timeout_s = timeout.total_seconds()
 
 
 def close_side_group() -> None:
     """Destroy the side groups, if the process group they were made under is still the current one (local)."""
     group = side_group()
     quick = _Side.quick if group is not None else None
-    _Side.group = _Side.world = _Side.quick = None
+    if _Side.answering is not None and _Side.store is not None:
+        _Side.answering.stop(_Side.store)  # its last answer: this rank left the run
+    _Side.group = _Side.world = _Side.quick = _Side.store = _Side.answering = None
     for made in (group, quick):
         if made is not None:
             dist.destroy_process_group(made)
@@ -79,34 +93,31 @@ def fingerprint(names: Iterable[str]) -> int:
 
 
 def agree(operation: int, count: int, check: int) -> None:
-    """Return when every rank states the same gather, else raise :class:`NotJoinedError`. One all-reduce (MAX) of
-    ``[code, -code]``: the largest and smallest code, equal iff all agree."""
-    group = side_group()
-    if group is None:
-        return
-    code = torch.tensor([operation, count, check], dtype=torch.int64)
-    both = torch.cat([code, -code])
-    try:
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    except RuntimeError as error:
-        raise NotJoinedError(
-            f"not every rank made {_WHAT.get(operation, 'this call')} within the timeout; the other ranks went on"
-            f" (to their next step, or past `fit`), so nothing was gathered ({error})"
-        ) from error
-    largest, smallest = both[:3], -both[3:]
-    if torch.equal(largest, smallest):
+    """Return when every rank states the same gather (``operation`` of ``count`` tensors, ``check`` their names'
+    :func:`fingerprint`) at this point, else raise :class:`NotJoinedError` on every rank making one."""
+    if side_group() is None or _Side.store is None:
         return
     what = _WHAT.get(operation, f"operation {operation}")
     this = f"{what} of {count} sharded tensor(s)" if operation == STATE_DICT else what
-    if largest[0] != smallest[0]:  # fields are reduced one by one: only the operation is one rank's own
-        others = f"{_WHAT.get(int(smallest[0]))} on some ranks, {_WHAT.get(int(largest[0]))} on others"
+    try:
+        outcome = handshake.meet(_Side.store, dist.get_rank(), dist.get_world_size(), operation, f"{count}.{check}",
+                                 _Side.timeout_s)
+    except handshake.NotComing as error:
+        if error.their_kind is not None:
+            first, second = sorted((operation, error.their_kind))
+            others = f"{_WHAT.get(first)} on some ranks, {_WHAT.get(second)} on others"
+            raise NotJoinedError(
+                f"the ranks made different calls at this point ({others}; this rank: {this}), so nothing was gathered"
+            ) from error
         raise NotJoinedError(
-            f"the ranks made different calls at this point ({others}; this rank: {this}), so nothing was gathered"
+            f"not every rank made {what}{' ' if error.timed_out else ': '}{error}; the other ranks went on (to their"
+            " next step, or past `fit`), so nothing was gathered"
+        ) from error
+    if outcome != handshake.AGREE:
+        raise NotJoinedError(
+            f"the ranks made {what} at this point, but of different modules or tensors (this rank: {this}), so"
+            " nothing was gathered"
         )
-    raise NotJoinedError(
-        f"the ranks made {what} at this point, but of different modules or tensors (this rank: {this}), so nothing"
-        " was gathered"
-    )
 
 
 def every_rank_within(operation: int) -> bool:
@@ -129,4 +140,5 @@ def not_joined(what: str, error: BaseException, fix: str) -> str:
     """The message for a gather that failed because the other ranks did not join it: this rank, the cause, the fix."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     return (f"{what}, a collective that every rank must join; on rank {rank} it failed: {error}. {fix} A call the"
-            " other ranks never make fails after VitScaleStrategy(timeout=...).")
+            " other ranks never make fails within about a second where they went on to a later batch or ended, else"
+            " after VitScaleStrategy(timeout=...).")

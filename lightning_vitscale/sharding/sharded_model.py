@@ -18,6 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from lightning_vitscale._compat import hook_root_pre_backward
 from lightning_vitscale._utils import human_bytes
 from lightning_vitscale.distributed import RankContext
+from lightning_vitscale.distributed.whereabouts import note_batch
 from lightning_vitscale.kernels import AttentionRouter, auto_attention_step
 from lightning_vitscale.memory import (
     AccumulationChoice,
@@ -96,6 +97,7 @@ class ShardedModel:
     def before_training_step(self, batch: Any, ranks: RankContext, optimizers: list[torch.optim.Optimizer]) -> None:
         """``activation_checkpointing="auto"`` without a batch at setup: decide from the first batch, then checkpoint
         the chosen blocks in place (inside their FSDP hooks, as when applied before ``fully_shard``)."""
+        note_batch()  # where this rank is: a rank alone in a handshake learns it went on (distributed/whereabouts.py)
         deferred = self.deferred_compile
         if batch is not None and deferred is not None:
             deferred.if_the_batch_grew(batch, self.module, self.summary, self.auto, ranks.device)

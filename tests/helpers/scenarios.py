@@ -53,10 +53,11 @@ def rank_zero_alone(call: Callable[[], Any], timeout: float = 3.0) -> dict:
     error text (``None``: it returned) and seconds."""
     import torch.distributed as dist
 
-    from lightning_vitscale.distributed.collective_guard import side_group
+    from lightning_vitscale.distributed import collective_guard
 
     set_timeout(timeout, dist.group.WORLD)
-    set_timeout(timeout, side_group())  # where the call's handshake waits for the other ranks
+    set_timeout(timeout, collective_guard.side_group())
+    collective_guard._Side.timeout_s = timeout  # where the call's handshake waits for the other ranks
     global _ALONE_CALLS
     _ALONE_CALLS += 1
     done = Path(sys.argv[1]) / f".rank0-alone-{_ALONE_CALLS}-done"

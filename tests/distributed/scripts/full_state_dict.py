@@ -20,9 +20,8 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
 from lightning_vitscale import VitScaleStrategy
-from lightning_vitscale.distributed.collective_guard import side_group
 from tests.helpers.models import Classifier, loader, random_images
-from tests.helpers.scenarios import rank_zero_alone, run_scenarios, set_timeout
+from tests.helpers.scenarios import rank_zero_alone, run_scenarios
 
 warnings.filterwarnings("ignore")
 PROBE = random_images(4, seed=7).tensors[0]
@@ -182,18 +181,22 @@ def one_rank_call() -> dict:
 
 
 class CallDuringTraining(Callback):
-    """In ``on_train_batch_end`` of batch 1, each rank in ``calls`` makes its call (``calls[rank](pl_module)``) and
-    records what it raised, then trains on; the other ranks go straight on to the next step."""
+    """In ``on_train_batch_end`` (``at_start``: ``on_train_batch_start``) of batch 1, each rank in ``calls`` makes its
+    call (``calls[rank](pl_module)``) and records what it raised, then trains on; the other ranks go straight on to
+    the next step (``at_start``: to batch 1's ``training_step``)."""
 
-    def __init__(self, calls: dict[int, Callable[[L.LightningModule], object]]) -> None:
-        self.calls, self.facts = calls, {}
+    def __init__(self, calls: dict[int, Callable[[L.LightningModule], object]], at_start: bool = False) -> None:
+        self.calls, self.facts, self.at_start = calls, {}, at_start
 
-    def on_fit_start(self, trainer, pl_module) -> None:
-        # The handshake gives up (SIDE_TIMEOUT_S) long before the model's group would (MAIN_TIMEOUT_S): a rank that
-        # catches the error rejoins the step the other ranks wait in, and the test shows that nothing was sent.
-        set_timeout(SIDE_TIMEOUT_S, side_group())
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.at_start:
+            self._call(trainer, pl_module, batch_idx)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not self.at_start:
+            self._call(trainer, pl_module, batch_idx)
+
+    def _call(self, trainer, pl_module, batch_idx) -> None:
         call = self.calls.get(trainer.global_rank)
         if batch_idx == 1 and call is not None:
             start = time.monotonic()
@@ -205,11 +208,11 @@ def call_model(model: L.LightningModule) -> None:
         model(PROBE)
 
 
-def during_training(calls: dict[int, Callable[[L.LightningModule], object]]) -> dict:
+def during_training(calls: dict[int, Callable[[L.LightningModule], object]], at_start: bool = False) -> dict:
     """Calls that gather the model on some ranks only, in the middle of training: the main group's timeout
     (MAIN_TIMEOUT_S) is long enough that the ranks that went on wait for the ones that called."""
     L.seed_everything(0, verbose=False)
-    model, callback = Classifier("encoder"), CallDuringTraining(calls)
+    model, callback = Classifier("encoder"), CallDuringTraining(calls, at_start)
     strategy = VitScaleStrategy(timeout=timedelta(seconds=MAIN_TIMEOUT_S))
     t = trainer("vitscale", max_steps=4, callbacks=[callback], strategy=strategy)
     start = time.monotonic()
@@ -217,15 +220,20 @@ def during_training(calls: dict[int, Callable[[L.LightningModule], object]]) -> 
     return dict(callback.facts, fit_error=fit_error, losses=model.losses, fit_seconds=time.monotonic() - start)
 
 
+# The strategy's timeout, the handshake's too: a lone call learns within about a second that the other rank went on
+# (it waited out the whole timeout before: SIDE_TIMEOUT_S = 1.0 here), and the rank that catches the error rejoins
+# the step the other ranks wait in, well within it; the test shows that nothing was sent.
 MAIN_TIMEOUT_S = 20.0
 # Bounds a call that can never succeed (the other rank joins no collective until it returned): 3 s before.
 ALONE_TIMEOUT_S = 1.5
-SIDE_TIMEOUT_S = 1.0  # the lone calls wait it out; the ranks that both call meet within milliseconds
 SCENARIOS = {
     "state_dicts/ddp": lambda: state_dicts("ddp"),  # first: the oracle
     "state_dicts/vitscale": lambda: state_dicts("vitscale"),
     "during_training/state_dict": lambda: during_training({0: lambda m: m.state_dict()}),
     "during_training/model_call": lambda: during_training({0: call_model}),
+    # At a batch's start: rank 1 is then past Lightning's broadcast that starts each batch, in training_step's
+    # collectives, which count the batch (the strategy's training_step)
+    "during_training/at_batch_start": lambda: during_training({0: lambda m: m.state_dict()}, at_start=True),
     "during_training/disagree": lambda: during_training({0: lambda m: m.state_dict(), 1: call_model}),
     "during_training/other_module": lambda: during_training(
         {0: lambda m: m.state_dict(), 1: lambda m: m.backbone.head.state_dict()}

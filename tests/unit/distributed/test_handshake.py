@@ -1,0 +1,145 @@
+"""The out-of-step handshake on a real TCPStore, one process standing for rank 0 of 2: rank 1's arrivals are written
+to the store as its process would write them, and its whereabouts answered by a thread standing for its own."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_vitscale._compat import starts_a_training_batch
+from lightning_vitscale.distributed import handshake, whereabouts
+from lightning_vitscale.distributed.whereabouts import GONE, Position
+
+STATE_DICT, MODEL_CALL = 1, 2
+
+
+@pytest.fixture
+def store(monkeypatch) -> Iterator[dist.Store]:
+    """A fresh store, this process at its 3rd batch with no handshake made yet."""
+    monkeypatch.setattr(whereabouts._Here, "position", Position(batches=3))
+    monkeypatch.setattr(handshake._Made, "point", "")
+    monkeypatch.setattr(handshake._Made, "count", 0)
+    monkeypatch.setattr(handshake._Made, "previous", None)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield dist.PrefixStore("test", server)
+
+
+def rank_one_arrives(store: dist.Store, kind: int, call: str, batches: int = 3, count: int = 1) -> None:
+    """What rank 1's ``meet`` writes on arriving first at its ``count``-th handshake at the same point."""
+    key = f"hs/{batches}.{count}.{kind}"
+    store.add(f"{key}/call/{call}", 1)
+    store.add(f"{key}/n", 1)
+
+
+def rank_one_answers(store: dist.Store, position: Position | str) -> threading.Thread:
+    """Rank 1's answering thread, at ``position`` (``GONE``: it left the run)."""
+    answering = store.clone()
+
+    def serve() -> None:
+        answering.queue_pop("ask/1", block=True)
+        value = position if position == GONE else f"1|{position.encode()}"  # type: ignore[union-attr]
+        answering.set("where/1", value)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_ranks_stating_the_same_call_agree_at_once_and_different_tensors_differ(store):
+    rank_one_arrives(store, STATE_DICT, "4.77")
+    assert handshake.meet(store, 0, 2, STATE_DICT, "4.77", timeout_s=60) == handshake.AGREE
+    rank_one_arrives(store, STATE_DICT, "4.99", count=2)  # its second call at this point, of other tensors
+    assert handshake.meet(store, 0, 2, STATE_DICT, "4.77", timeout_s=60) == handshake.DIFFER
+    assert not store.check(["hs/3.1.1/n"])  # the first handshake's keys, deleted by the last rank at the next
+
+
+@pytest.mark.parametrize(
+    "where, reason",
+    [(Position(batches=4), "rank 1 went on to a later step"), (GONE, "rank 1 has left the run")],
+)
+def test_a_rank_that_never_comes_ends_the_wait_within_seconds_and_the_arrival_is_taken_back(store, where, reason):
+    """Mutation seen failing: ``whereabouts.not_coming`` returning ``None`` (the wait then runs to its timeout)."""
+    thread = rank_one_answers(store, where)
+    with pytest.raises(handshake.NotComing, match=reason) as raised:
+        handshake.meet(store, 0, 2, STATE_DICT, "4.77", timeout_s=30)
+    assert not raised.value.timed_out and raised.value.their_kind is None
+    thread.join(timeout=5)
+    assert int(store.get("hs/3.1.1/n")) == 0 and int(store.get("hs/3.1.1/call/4.77")) == 0  # taken back
+
+
+def test_a_rank_at_the_same_point_making_another_call_is_named(store):
+    rank_one_arrives(store, MODEL_CALL, "0.5")
+    rank_one_answers(store, Position(batches=3, handshake="hs/3.1.2"))
+    with pytest.raises(handshake.NotComing) as raised:
+        handshake.meet(store, 0, 2, STATE_DICT, "4.77", timeout_s=30)
+    assert raised.value.their_kind == MODEL_CALL
+
+
+def test_a_rank_that_may_still_come_is_waited_for_until_the_timeout(store):
+    """Rank 1 at the same batch, in no handshake (behind, or busy in this batch's collectives): waited for."""
+    rank_one_answers(store, Position(batches=3))
+    with pytest.raises(handshake.NotComing, match=r"within the timeout \(1.5 s\)") as raised:
+        handshake.meet(store, 0, 2, STATE_DICT, "4.77", timeout_s=1.5)
+    assert raised.value.timed_out
+
+
+def test_a_rank_arriving_after_a_withdrawn_call_meets_the_next_one_clean(store):
+    """Rank 0 gave up at this point (taken back); its next call here has a key of its own, rank 1's first call here
+    waits in the first key, and a later point starts afresh."""
+    rank_one_answers(store, Position(batches=4))
+    with pytest.raises(handshake.NotComing):
+        handshake.meet(store, 0, 2, STATE_DICT, "4.77", timeout_s=30)
+    whereabouts.note_batch()
+    rank_one_arrives(store, STATE_DICT, "4.77", batches=4)
+    assert handshake.meet(store, 0, 2, STATE_DICT, "4.77", timeout_s=30) == handshake.AGREE
+
+
+@pytest.mark.parametrize(
+    "mine, theirs, why",
+    [
+        (Position(3, "hs/3.1.1"), Position(4), "went on to a later step"),
+        (Position(3, "hs/3.1.1"), Position(3), None),  # the same batch: it may still come
+        (Position(3, "hs/3.1.1"), Position(2), None),  # behind
+        (Position(3, "hs/3.1.1"), Position(3, "hs/3.1.1"), None),  # here already
+        (Position(3, "hs/3.1.1"), Position(3, "hs/3.2.1"), "waits in another such call"),
+        (Position(3, "hs/3.1.1"), None, None),  # no answer
+        (Position(3, "hs/3.1.1"), GONE, "has left the run"),
+    ],
+)
+def test_not_coming(mine, theirs, why):
+    found = whereabouts.not_coming(mine, theirs)
+    assert (found is None) if why is None else (found is not None and found.startswith(why))
+
+
+def test_a_rank_in_lightnings_broadcast_at_a_training_batchs_start_has_ended_its_batch(monkeypatch):
+    """Lightning >= 2.6 broadcasts a SIGTERM flag before fetching each training batch, before ``training_step``
+    counts it: a rank blocked there is past the previous batch (the usual place of a rank that went on)."""
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    if not hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor"):
+        pytest.skip("Lightning < 2.6 has no broadcast at a batch's start")
+    seen: list[bool] = []
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda *a, **k: seen.append(
+        starts_a_training_batch(sys._getframe())))
+    loop = SimpleNamespace(trainer=SimpleNamespace(received_sigterm=False, strategy=SimpleNamespace(root_device="cpu")))
+    _TrainingEpochLoop._broadcast_sigterm_tensor(loop)  # type: ignore[arg-type]
+    assert seen == [True] and not starts_a_training_batch(sys._getframe())
+
+
+def test_the_strategys_evaluation_steps_each_count_their_batch(monkeypatch):
+    """Validation, test and predict batches count as training ones do: a rank that went on to the next validation
+    batch is past this one (mutation seen failing: ``counting_batches`` returning the steps unwrapped)."""
+    from lightning_vitscale import VitScaleStrategy
+
+    monkeypatch.setattr(whereabouts._Here, "position", Position(batches=0))
+    strategy = VitScaleStrategy()
+    monkeypatch.setattr(strategy, "_lightning_module", SimpleNamespace(
+        validation_step=lambda *a: "v", test_step=lambda *a: "t", predict_step=lambda *a: "p"))
+    outputs = [strategy.validation_step(0), strategy.test_step(0), strategy.predict_step(0)]
+    assert outputs == ["v", "t", "p"] and whereabouts.here().batches == 3
