@@ -64,6 +64,7 @@ def open_side_group(timeout: timedelta) -> None:
     if isinstance(group, dist.ProcessGroup) and isinstance(quick, dist.ProcessGroup):  # every rank is a member
         _Side.group, _Side.world, _Side.quick = group, dist.group.WORLD, quick
         _Side.runs += 1
+        handshake.new_run()
         _Side.store = dist.PrefixStore(f"lightning_vitscale/handshakes/{_Side.runs}", default_store())
         _Side.answering = whereabouts.Answering(_Side.store, dist.get_rank())
         _Side.timeout_s = timeout.total_seconds()
@@ -100,8 +101,8 @@ def agree(operation: int, count: int, check: int) -> None:
     what = _WHAT.get(operation, f"operation {operation}")
     this = f"{what} of {count} sharded tensor(s)" if operation == STATE_DICT else what
     try:
-        outcome = handshake.meet(_Side.store, dist.get_rank(), dist.get_world_size(), operation, f"{count}.{check}",
-                                 _Side.timeout_s)
+        outcome = handshake.meet(_Side.store, dist.get_rank(), dist.get_world_size(), tuple(_WHAT), operation,
+                                 f"{count}.{check}", _Side.timeout_s)
     except handshake.NotComing as error:
         if error.their_kind is not None:
             first, second = sorted((operation, error.their_kind))

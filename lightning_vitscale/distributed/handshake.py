@@ -1,17 +1,18 @@
 """The handshake before a gather outside a step, on the process group's store: every rank states its call at this
 point, and the gather runs only where all ranks stated the same one.
 
-A handshake is keyed by where the ranks are (:mod:`.whereabouts`: batches started, the handshakes made since) and
-by the kind of call, so ranks at the same point meet under one key. Each rank adds
-one to the key's arrivals and to its call's count; the last to arrive says whether all counts agree. A rank left
-waiting asks, after :data:`FIRST_ASK_S`, where the others are; one that provably never comes (a later batch,
-another call) ends the wait at once on every rank waiting, naming it. Nothing is left
-pending: a rank that gives up takes its arrival back, so a later handshake starts clean.
+A handshake is keyed by where the ranks are (:mod:`.whereabouts`: batches started, the handshakes made there since),
+so ranks at the same point meet under one key. Each rank adds one to the point's arrivals, to its kind of call's and
+to its call's count; the last to arrive says whether every rank made the same call, or names another kind made
+there (both at once). A rank left waiting asks, after :data:`FIRST_ASK_S`, where the others are; one that provably
+never comes (a later step, a call at another point, gone) ends the wait on every rank waiting, naming it. Nothing
+is left pending: a rank that gives up takes its arrival back, so a later handshake starts clean.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
@@ -32,36 +33,58 @@ class NotComing(RuntimeError):
 
 
 class _Made:
-    """The handshakes this process made at its current point, and the last one completed (key, call), whose keys
-    the last rank to arrive at the next one deletes."""
+    """The handshakes this process made at its current point in this run, and the last one completed (its keys),
+    which the last rank to arrive at the next one deletes."""
 
     point = ""
     count = 0
-    previous: tuple[str, str] | None = None
+    previous: tuple[str, str, str] | None = None
 
 
-def meet(store: dist.Store, rank: int, world: int, kind: int, call: str, timeout_s: float) -> str:
-    """Wait until every rank states its call (``kind``: what it gathers; ``call``: of what) at this point:
-    :data:`AGREE` or :data:`DIFFER`; :class:`NotComing` where a rank provably never comes, or after ``timeout_s``."""
+def new_run() -> None:
+    """Forget the handshakes made so far (a new side group, a new store prefix): a call one rank made alone, and
+    withdrew, must not shift this run's counts at a point the ranks are still at (no batch in between)."""
+    _Made.point, _Made.count, _Made.previous = "", 0, None
+
+
+def meet(store: dist.Store, rank: int, world: int, kinds: Sequence[int], kind: int, call: str, timeout_s: float) -> str:
+    """Wait until every rank states its call (``kind``: what it gathers, one of ``kinds``; ``call``: of what) at this
+    point: :data:`AGREE` or :data:`DIFFER`; :class:`NotComing` where a rank makes another kind of call here (at
+    once), provably never comes, or not within ``timeout_s``."""
     point = str(whereabouts.here().batches)
     _Made.count = _Made.count + 1 if point == _Made.point else 1
     _Made.point = point
-    key = f"hs/{point}.{_Made.count}.{kind}"
+    here = f"hs/{point}.{_Made.count}"
+    key = f"{here}.{kind}"
     whereabouts.waiting_in(key)
     try:
         store.add(f"{key}/call/{call}", 1)
-        if store.add(f"{key}/n", 1) == world:  # the last to arrive: every call is counted
-            agreed = store.add(f"{key}/call/{call}", 0) == world
-            store.set(f"{key}/done", AGREE if agreed else DIFFER)
+        store.add(f"{key}/n", 1)
+        if store.add(f"{here}/n", 1) == world:  # the last rank to arrive here: every call is counted
+            _conclude(store, here, kinds, kind, call, world)
             _forget(store, _Made.previous)
-        outcome = _wait(store, key, call, rank, world, timeout_s)
+        outcome = _wait(store, here, key, call, rank, world, timeout_s)
     finally:
         whereabouts.waiting_in("")
-    _Made.previous = (key, call)
+    _Made.previous = (here, key, call)
+    other = outcome.partition("|")[2]
+    if other:
+        raise NotComing("another rank makes another call here", int(other))
     return outcome
 
 
-def _wait(store: dist.Store, key: str, call: str, rank: int, world: int, timeout_s: float) -> str:
+def _conclude(store: dist.Store, here: str, kinds: Sequence[int], kind: int, call: str, world: int) -> None:
+    """Every rank is at ``here``: tell each kind of call made there whether every rank made it, and of the same."""
+    if store.add(f"{here}.{kind}/n", 0) == world:  # every rank made this kind of call
+        agreed = store.add(f"{here}.{kind}/call/{call}", 0) == world
+        store.set(f"{here}.{kind}/done", AGREE if agreed else DIFFER)
+        return
+    made = [k for k in kinds if k == kind or store.add(f"{here}.{k}/n", 0) > 0]
+    for k in made:  # each rank waiting under one kind learns that another was made here
+        store.set(f"{here}.{k}/done", f"kinds|{min(o for o in made if o != k)}")
+
+
+def _wait(store: dist.Store, here: str, key: str, call: str, rank: int, world: int, timeout_s: float) -> str:
     start = time.monotonic()
     pause, next_ask, asker = 1e-4, start + FIRST_ASK_S, None
     while True:
@@ -78,7 +101,8 @@ def _wait(store: dist.Store, key: str, call: str, rank: int, world: int, timeout
             if asker and (reason := _not_coming(store, rank, world)) is not None:
                 store.set(f"{key}/verdict", reason)
             next_ask = now + min(now - start, _LONGEST_ASK_INTERVAL_S)
-        if reason is not None and _withdraw(store, key, call, world):
+        overdue = now - start >= timeout_s + _LONGEST_ASK_INTERVAL_S  # the outcome did not come either: gone
+        if reason is not None and _withdraw(store, here, key, call, world, overdue):
             kind, _, why = reason.partition("|")
             raise NotComing(why, int(kind) if kind else None, timed_out=now - start >= timeout_s)
         time.sleep(pause)
@@ -99,18 +123,20 @@ def _not_coming(store: dist.Store, rank: int, world: int) -> str | None:
     return None
 
 
-def _withdraw(store: dist.Store, key: str, call: str, world: int) -> bool:
-    """Take this rank's arrival back; ``False`` where every rank had arrived meanwhile (the outcome then comes)."""
-    if store.add(f"{key}/n", -1) == world - 1:
-        store.add(f"{key}/n", 1)
+def _withdraw(store: dist.Store, here: str, key: str, call: str, world: int, overdue: bool = False) -> bool:
+    """Take this rank's arrival back; ``False`` where every rank had arrived meanwhile (the outcome then comes,
+    unless ``overdue``: the last rank's process ended before it could tell)."""
+    if store.add(f"{here}/n", -1) == world - 1 and not overdue:
+        store.add(f"{here}/n", 1)
         return False
+    store.add(f"{key}/n", -1)
     store.add(f"{key}/call/{call}", -1)
     return True
 
 
-def _forget(store: dist.Store, made: tuple[str, str] | None) -> None:
+def _forget(store: dist.Store, made: tuple[str, str, str] | None) -> None:
     """Delete a completed handshake's keys: every rank has arrived at the next one, so none reads them again."""
     if made is not None:
-        key, call = made
-        for name in ("n", "done", f"call/{call}", "asker", "verdict"):
-            store.delete_key(f"{key}/{name}")
+        here, key, call = made
+        for name in (f"{here}/n", f"{key}/n", f"{key}/done", f"{key}/call/{call}"):
+            store.delete_key(name)

@@ -129,7 +129,7 @@ def test_different_gathers_on_different_ranks_fail_on_every_rank_at_once(runs):
         assert "the ranks made different calls at this point (state_dict() on some ranks, a call of the model" in (
             facts["error"]
         )
-        assert facts["seconds"] < 5.0  # the other rank's whereabouts (another call here), not the 20 s timeout
+        assert facts["seconds"] < 1.0  # no timeout, no asking: the last rank to arrive at this point tells
     _trained_on_unaffected(runs, "during_training/disagree")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ from lightning_vitscale.distributed import handshake, whereabouts
 from lightning_vitscale.distributed.whereabouts import GONE, Position
 
 STATE_DICT, MODEL_CALL = 1, 2
+KINDS = (1, 2, 3, 4, 5)
 
 
 @pytest.fixture
@@ -35,6 +37,7 @@ def rank_one_arrives(store: dist.Store, kind: int, call: str, batches: int = 3, 
     key = f"hs/{batches}.{count}.{kind}"
     store.add(f"{key}/call/{call}", 1)
     store.add(f"{key}/n", 1)
+    store.add(f"hs/{batches}.{count}/n", 1)
 
 
 def rank_one_answers(store: dist.Store, position: Position | str) -> threading.Thread:
@@ -53,10 +56,11 @@ def rank_one_answers(store: dist.Store, position: Position | str) -> threading.T
 
 def test_ranks_stating_the_same_call_agree_at_once_and_different_tensors_differ(store):
     rank_one_arrives(store, STATE_DICT, "4.77")
-    assert handshake.meet(store, 0, 2, STATE_DICT, "4.77", timeout_s=60) == handshake.AGREE
+    assert handshake.meet(store, 0, 2, KINDS, STATE_DICT, "4.77", timeout_s=60) == handshake.AGREE
     rank_one_arrives(store, STATE_DICT, "4.99", count=2)  # its second call at this point, of other tensors
-    assert handshake.meet(store, 0, 2, STATE_DICT, "4.77", timeout_s=60) == handshake.DIFFER
-    assert not store.check(["hs/3.1.1/n"])  # the first handshake's keys, deleted by the last rank at the next
+    assert handshake.meet(store, 0, 2, KINDS, STATE_DICT, "4.77", timeout_s=60) == handshake.DIFFER
+    # The first handshake's keys, deleted by the last rank to arrive at the next
+    assert not store.check(["hs/3.1.1/n"]) and not store.check(["hs/3.1/n"])
 
 
 @pytest.mark.parametrize(
@@ -67,25 +71,29 @@ def test_a_rank_that_never_comes_ends_the_wait_within_seconds_and_the_arrival_is
     """Mutation seen failing: ``whereabouts.not_coming`` returning ``None`` (the wait then runs to its timeout)."""
     thread = rank_one_answers(store, where)
     with pytest.raises(handshake.NotComing, match=reason) as raised:
-        handshake.meet(store, 0, 2, STATE_DICT, "4.77", timeout_s=30)
+        handshake.meet(store, 0, 2, KINDS, STATE_DICT, "4.77", timeout_s=30)
     assert not raised.value.timed_out and raised.value.their_kind is None
     thread.join(timeout=5)
-    assert int(store.get("hs/3.1.1/n")) == 0 and int(store.get("hs/3.1.1/call/4.77")) == 0  # taken back
+    taken_back = [int(store.get(name)) for name in ("hs/3.1/n", "hs/3.1.1/n", "hs/3.1.1/call/4.77")]
+    assert taken_back == [0, 0, 0]
 
 
-def test_a_rank_at_the_same_point_making_another_call_is_named(store):
+def test_a_rank_at_the_same_point_making_another_call_is_named_at_once(store):
+    """The last rank to arrive at the point sees two kinds of call made there and tells both (no waiting, no asking:
+    mutation seen failing: ``_conclude`` telling only when one kind was made, the wait then ran to its timeout)."""
     rank_one_arrives(store, MODEL_CALL, "0.5")
-    rank_one_answers(store, Position(batches=3, handshake="hs/3.1.2"))
+    start = time.monotonic()
     with pytest.raises(handshake.NotComing) as raised:
-        handshake.meet(store, 0, 2, STATE_DICT, "4.77", timeout_s=30)
-    assert raised.value.their_kind == MODEL_CALL
+        handshake.meet(store, 0, 2, KINDS, STATE_DICT, "4.77", timeout_s=30)
+    assert raised.value.their_kind == MODEL_CALL and time.monotonic() - start < 0.5
+    assert store.get("hs/3.1.2/done") == b"kinds|1"  # rank 1's answer: rank 0 made a state_dict() here
 
 
 def test_a_rank_that_may_still_come_is_waited_for_until_the_timeout(store):
     """Rank 1 at the same batch, in no handshake (behind, or busy in this batch's collectives): waited for."""
     rank_one_answers(store, Position(batches=3))
     with pytest.raises(handshake.NotComing, match=r"within the timeout \(1.5 s\)") as raised:
-        handshake.meet(store, 0, 2, STATE_DICT, "4.77", timeout_s=1.5)
+        handshake.meet(store, 0, 2, KINDS, STATE_DICT, "4.77", timeout_s=1.5)
     assert raised.value.timed_out
 
 
@@ -94,10 +102,10 @@ def test_a_rank_arriving_after_a_withdrawn_call_meets_the_next_one_clean(store):
     waits in the first key, and a later point starts afresh."""
     rank_one_answers(store, Position(batches=4))
     with pytest.raises(handshake.NotComing):
-        handshake.meet(store, 0, 2, STATE_DICT, "4.77", timeout_s=30)
+        handshake.meet(store, 0, 2, KINDS, STATE_DICT, "4.77", timeout_s=30)
     whereabouts.note_batch()
     rank_one_arrives(store, STATE_DICT, "4.77", batches=4)
-    assert handshake.meet(store, 0, 2, STATE_DICT, "4.77", timeout_s=30) == handshake.AGREE
+    assert handshake.meet(store, 0, 2, KINDS, STATE_DICT, "4.77", timeout_s=30) == handshake.AGREE
 
 
 @pytest.mark.parametrize(
