@@ -66,7 +66,8 @@ def open_side_group(timeout: timedelta) -> None:
         _Side.runs += 1
         handshake.new_run()
         _Side.store = dist.PrefixStore(f"lightning_vitscale/handshakes/{_Side.runs}", default_store())
-        _Side.answering = whereabouts.Answering(_Side.store, dist.get_rank())
+        if whereabouts.answerable(_Side.store):
+            _Side.answering = whereabouts.Answering(_Side.store, dist.get_rank())
         _Side.timeout_s = timeout.total_seconds()
 
 

@@ -141,8 +141,16 @@ class Answering:
         self.thread.join(timeout=ANSWER_S)
 
 
+def answerable(store: dist.Store) -> bool:
+    """Whether ``store`` has what the answering threads use, a store queue and a second connection (torch 2.14 has
+    both); without them no rank is asked, and every rank is waited for until the timeout, as before."""
+    return all(hasattr(store, name) for name in ("clone", "queue_push", "queue_pop"))
+
+
 def ask(store: dist.Store, ranks: list[int]) -> dict[int, Position | str | None]:
     """Where each of ``ranks`` is (``None``: no answer within :data:`ANSWER_S`), asked through their threads."""
+    if not answerable(store):
+        return dict.fromkeys(ranks)
     wanted = {rank: store.add(f"asked/{rank}", 1) for rank in ranks}
     for rank in ranks:
         store.queue_push(f"ask/{rank}", "where")

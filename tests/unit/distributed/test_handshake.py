@@ -151,3 +151,10 @@ def test_the_strategys_evaluation_steps_each_count_their_batch(monkeypatch):
         validation_step=lambda *a: "v", test_step=lambda *a: "t", predict_step=lambda *a: "p"))
     outputs = [strategy.validation_step(0), strategy.test_step(0), strategy.predict_step(0)]
     assert outputs == ["v", "t", "p"] and whereabouts.here().batches == 3
+
+
+def test_without_a_store_queue_every_rank_is_waited_for():
+    """A store without queues or a second connection: no rank is asked, so none is found not coming (the wait runs
+    to its timeout, as before the answering threads)."""
+    assert whereabouts.ask(SimpleNamespace(), [1, 2]) == {1: None, 2: None}  # type: ignore[arg-type]
+    assert whereabouts.answerable(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
