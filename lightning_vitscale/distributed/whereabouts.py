@@ -142,8 +142,8 @@ class Answering:
 
 
 def answerable(store: dist.Store) -> bool:
-    """Whether ``store`` has what the answering threads use, a store queue and a second connection (torch 2.14 has
-    both); without them no rank is asked, and every rank is waited for until the timeout, as before."""
+    """Whether ``store`` has what the answering threads use, a store queue and a second connection (torch 2.11 and
+    2.14 have both, checked); without them no rank is asked, and every rank is waited for until the timeout."""
     return all(hasattr(store, name) for name in ("clone", "queue_push", "queue_pop"))
 
 
