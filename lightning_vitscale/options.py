@@ -28,7 +28,8 @@ class ProcessGroupSettings:
     timeout: timedelta = documented(timedelta(minutes=10), (
         "Bound on every collective, so a rank that dies or hangs cannot leave the others waiting forever; also"
         " how long a rank waits before an ``OutsideStepCallError``/``StateDictGatherError`` where the other ranks"
-        " may still come (where they went on to a later batch or ended, it learns so within about a second)."
+        " may still come (where they went on to a later batch, wait in a collective of the Trainer's such as"
+        " ``ModelCheckpoint``'s, or ended, it learns so within seconds)."
     ))
     process_group_backend: str | None = documented(
         None, "``None`` picks NCCL on CUDA and gloo on CPU; any backend name torch knows otherwise."

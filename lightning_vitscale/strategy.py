@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
+@distributed.counting_whereabouts  # evaluation batches and collectives, told to a rank waiting alone (whereabouts.py)
 class VitScaleStrategy(ModelParallelStrategy):
     """Shard any LightningModule with nested FSDP2, BF16 O2 and the fastest plan that fits — no model changes.
 
@@ -117,7 +118,6 @@ class VitScaleStrategy(ModelParallelStrategy):
     broadcast = shards.finishing_forward(ModelParallelStrategy.broadcast)
     backward = shards.naming_graph_inputs(shards.joining_on_loss(ModelParallelStrategy.backward))  # inputs= too
     barrier = checkpoints.unless_alone_in_exception(ModelParallelStrategy.barrier)  # after an exception's lone save
-    validation_step, test_step, predict_step = distributed.counting_batches(ModelParallelStrategy)  # whereabouts.py
     load_model_state_dict = checkpoints.model_state_after_hook  # on_load_checkpoint's checkpoint["state_dict"]
 
     @property  # type: ignore[override]

@@ -10,12 +10,12 @@ from lightning_vitscale.distributed.processes import check_accelerator, start_pr
 from lightning_vitscale.distributed.ranks import RankContext, mean_over_ranks, rank_context, reducing_whole
 from lightning_vitscale.distributed.sigterm import take_over_sigterm
 from lightning_vitscale.distributed.teardown import stop_local_ranks
-from lightning_vitscale.distributed.whereabouts import counting_batches, note_batch
+from lightning_vitscale.distributed.whereabouts import counting_whereabouts, note_batch
 
 __all__ = [
     "RankContext",
     "check_accelerator",
-    "counting_batches",
+    "counting_whereabouts",
     "data_parallel_ranks",
     "mean_over_ranks",
     "note_batch",

@@ -6,9 +6,10 @@ gather waits out the timeout and training dies on every rank ("Application timeo
 meeting another rank's FSDP all-gather, gloo aborts ("Received data size doesn't match expected size"); NCCL hangs.
 
 So every rank first states, on the process group's store (:mod:`.handshake`), what it will gather; the gather runs
-only when all agree. Where a rank never comes (it went on to a later step: :mod:`.whereabouts`) the waiting rank
-learns so within about a second, and after the strategy's timeout in any case; either way the model's group saw
-nothing and stays in step. A side gloo group (the same lifetime) carries the other host-side collectives.
+only when all agree. Where a rank never comes (it went on to a later step, or waits in a strategy collective this
+rank has not entered: :mod:`.whereabouts`) the waiting rank learns so within seconds, and after the strategy's
+timeout in any case; either way the model's group saw nothing and stays in step. A side gloo group (the same
+lifetime) carries the other host-side collectives.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def agree(operation: int, count: int, check: int) -> None:
             ) from error
         raise NotJoinedError(
             f"not every rank made {what}{' ' if error.timed_out else ': '}{error}; the other ranks went on (to their"
-            " next step, or past `fit`), so nothing was gathered"
+            " next step, a collective of the Trainer's, or past `fit`), so nothing was gathered"
         ) from error
     if outcome != handshake.AGREE:
         raise NotJoinedError(
@@ -142,5 +143,5 @@ def not_joined(what: str, error: BaseException, fix: str) -> str:
     """The message for a gather that failed because the other ranks did not join it: this rank, the cause, the fix."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     return (f"{what}, a collective that every rank must join; on rank {rank} it failed: {error}. {fix} A call the"
-            " other ranks never make fails within about a second where they went on to a later batch or ended, else"
-            " after VitScaleStrategy(timeout=...).")
+            " other ranks never make fails within seconds where they went on to a later batch, wait in a collective"
+            " of the Trainer's (ModelCheckpoint's) or ended, else after VitScaleStrategy(timeout=...).")

@@ -5,8 +5,9 @@ A handshake is keyed by where the ranks are (:mod:`.whereabouts`: batches starte
 so ranks at the same point meet under one key. Each rank adds one to the point's arrivals, to its kind of call's and
 to its call's count; the last to arrive says whether every rank made the same call, or names another kind made
 there (both at once). A rank left waiting asks, after :data:`FIRST_ASK_S`, where the others are; one that provably
-never comes (a later step, a call at another point, gone) ends the wait on every rank waiting, naming it. Nothing
-is left pending: a rank that gives up takes its arrival back, so a later handshake starts clean.
+never comes (a later step, a call at another point, a strategy collective this rank has not entered, gone) ends the
+wait on every rank waiting, naming it. Nothing is left pending: a rank that gives up takes its arrival back, so a
+later handshake starts clean.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def _conclude(store: dist.Store, here: str, kinds: Sequence[int], kind: int, cal
 def _wait(store: dist.Store, here: str, key: str, call: str, rank: int, world: int, timeout_s: float) -> str:
     start = time.monotonic()
     pause, next_ask, asker = 1e-4, start + FIRST_ASK_S, None
+    answers: dict[int, whereabouts.Position | str | None] = {}  # each rank's last, for one seen twice the same
     while True:
         if store.check([f"{key}/done"]):
             return store.get(f"{key}/done").decode()
@@ -98,7 +100,7 @@ def _wait(store: dist.Store, here: str, key: str, call: str, rank: int, world: i
         elif now >= next_ask:
             if asker is None:  # one rank asks for all: the first to get here
                 asker = store.compare_set(f"{key}/asker", "", str(rank)).decode() == str(rank)
-            if asker and (reason := _not_coming(store, rank, world)) is not None:
+            if asker and (reason := _not_coming(store, rank, world, answers)) is not None:
                 store.set(f"{key}/verdict", reason)
             next_ask = now + min(now - start, _LONGEST_ASK_INTERVAL_S)
         overdue = now - start >= timeout_s + _LONGEST_ASK_INTERVAL_S  # the outcome did not come either: gone
@@ -109,12 +111,16 @@ def _wait(store: dist.Store, here: str, key: str, call: str, rank: int, world: i
         pause = min(2 * pause, 0.05 if now - start < FIRST_ASK_S else 0.25)
 
 
-def _not_coming(store: dist.Store, rank: int, world: int) -> str | None:
+def _not_coming(
+    store: dist.Store, rank: int, world: int, answers: dict[int, whereabouts.Position | str | None]
+) -> str | None:
     """``"kind|rank R why"`` for the first rank that provably never makes this call here (``kind``: the call it
-    makes at this point instead, else empty); ``None``: none found."""
+    makes at this point instead, else empty); ``None``: none found. ``answers``: each rank's previous answer (kept
+    up to date)."""
     mine = whereabouts.here()
     for other, theirs in whereabouts.ask(store, [r for r in range(world) if r != rank]).items():
-        why = whereabouts.not_coming(mine, theirs)
+        why = whereabouts.not_coming(mine, theirs, answers.get(other))
+        answers[other] = theirs
         if why is not None:
             handshake = theirs.handshake if isinstance(theirs, whereabouts.Position) else ""
             point, _, kind = handshake.rpartition(".")

@@ -1,18 +1,23 @@
 """Where each rank is in the run, so that a rank waiting alone in a handshake learns at once that the others are not
 coming, instead of waiting out the strategy's timeout (10 minutes): the DDP habit ``if trainer.is_global_zero:
-model.state_dict()`` in ``on_train_batch_end`` while the others go on to their next batch.
+model.state_dict()`` in ``on_train_batch_end`` while the others go on to their next batch, or in
+``on_validation_epoch_end`` while they wait in ``ModelCheckpoint``'s collectives.
 
-Each rank counts, in a plain Python int its main thread writes (nothing is sent per step), the batches it started in
-any loop. A thread per rank answers, on its own connection to the process group's store, a waiting rank's question
-"where are you?". Another rank provably never reaches this handshake where it started a later batch (it waits in
-that batch's collectives, which need this rank), waits in another handshake, or has left the run: both would wait
-for each other until the timeout. Anything else (a rank behind, busy, silent, or in a collective of the same batch)
-is waited for. Counting the strategy's collectives too was tried: at setup rank 0 entered its ``broadcast`` 4 times
-where rank 1 entered it twice (the planner's), so the counts at one point differed across ranks.
+Each rank counts, in plain Python ints its main thread writes (nothing is sent per step), the batches it started in
+any loop and the strategy's collectives (``barrier``, ``broadcast``, ``reduce``, ...: Lightning's callbacks and
+``sync_dist`` logging make them) it entered since. A thread per rank answers, on its own connection to the process
+group's store, a waiting rank's question "where are you?". Another rank provably never reaches this handshake where
+it started a later batch (it waits in that batch's collectives, which need this rank), waits in another handshake,
+has left the run, or has stayed in a strategy collective this rank has not entered (more entered since the same
+batch; seen twice, so not one it is just leaving): each would wait for the other until the timeout. Anything else (a
+rank behind, busy, silent, or in a step's own collectives) is waited for. The collective counts restart at each
+batch: at setup rank 0 entered its ``broadcast`` 4 times where rank 1 entered it twice (the planner's), so counts
+kept over the whole run differed across ranks at one point.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 import time
@@ -30,28 +35,34 @@ GONE = "gone"  # a rank's answer once it left the run (its side group closed: a 
 ANSWER_S = 2.0  # how long a waiting rank waits for the others' answers (threads: milliseconds unless frozen)
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_S = TypeVar("_S")
 
 
 @dataclass(frozen=True)
 class Position:
-    """A rank's place in its run: batches started (every loop's), and the handshake it waits in (``""``: none)."""
+    """A rank's place in its run: batches started (every loop's), the strategy's collectives entered since, the one
+    it is in (``""``: none), and the handshake it waits in (``""``: none)."""
 
     batches: int = 0
     handshake: str = ""
+    collectives: int = 0
+    inside: str = ""
 
     def encode(self) -> str:
-        return f"{self.batches},{self.handshake}"
+        return f"{self.batches},{self.collectives},{self.inside},{self.handshake}"
 
     @classmethod
     def decode(cls, text: str) -> Position:
-        batches, handshake = text.split(",", 1)
-        return cls(int(batches), handshake)
+        batches, collectives, inside, handshake = text.split(",", 3)
+        return cls(int(batches), handshake, int(collectives), inside)
 
 
 class _Here:
-    """This process's position: written by the main thread, read by its answering thread."""
+    """This process's position: written by the main thread, read by its answering thread; ``depth``: strategy
+    collectives under way (one calling another, ``reduce_boolean_decision``'s ``reduce``, counts once)."""
 
     position = Position()
+    depth = 0
 
 
 def here() -> Position:
@@ -60,7 +71,7 @@ def here() -> Position:
 
 def note_batch() -> None:
     """A loop started a batch on this rank (called by the strategy's ``*_step`` hooks, on every rank alike)."""
-    _Here.position = replace(_Here.position, batches=_Here.position.batches + 1)
+    _Here.position = replace(_Here.position, batches=_Here.position.batches + 1, collectives=0)
 
 
 def counting_batch(step: _F) -> _F:
@@ -74,11 +85,42 @@ def counting_batch(step: _F) -> _F:
     return counted  # type: ignore[return-value]
 
 
-def counting_batches(strategy: Any) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
-    """``strategy``'s ``validation_step``, ``test_step`` and ``predict_step``, each counting its batch (a training
-    batch is counted by the sharded model's ``before_training_step``)."""
-    return counting_batch(strategy.validation_step), counting_batch(strategy.test_step), counting_batch(
-        strategy.predict_step)
+COUNTED_STEPS = ("validation_step", "test_step", "predict_step")  # a training batch: ``before_training_step``
+COUNTED_COLLECTIVES = ("barrier", "broadcast", "reduce", "all_gather", "reduce_boolean_decision")
+
+
+def counting_collective(collective: _F) -> _F:
+    """``collective`` (a strategy's ``broadcast`` & co.) that counts its entry, and says it is in it until it
+    returns; not on a ``group`` of the caller's, which the waiting rank may not be in (not counted on any rank)."""
+    name, parameters = collective.__name__, list(inspect.signature(collective).parameters)
+    at = parameters.index("group") if "group" in parameters else None
+
+    @wraps(collective)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        whole = at is None or kwargs.get("group", args[at] if len(args) > at else None) is None
+        outermost = _Here.depth == 0 and whole
+        if outermost:
+            position = _Here.position
+            _Here.position = replace(position, collectives=position.collectives + 1, inside=name)
+        _Here.depth += 1
+        try:
+            return collective(*args, **kwargs)
+        finally:
+            _Here.depth -= 1
+            if outermost:
+                _Here.position = replace(_Here.position, inside="")
+
+    return counted  # type: ignore[return-value]
+
+
+def counting_whereabouts(strategy: type[_S]) -> type[_S]:
+    """``strategy`` (a class) whose evaluation steps count their batch and whose collectives count their entries:
+    what a waiting rank compares (:func:`not_coming`)."""
+    for name in COUNTED_STEPS:
+        setattr(strategy, name, counting_batch(getattr(strategy, name)))
+    for name in COUNTED_COLLECTIVES:
+        setattr(strategy, name, counting_collective(getattr(strategy, name)))
+    return strategy
 
 
 def waiting_in(handshake: str) -> None:
@@ -86,8 +128,9 @@ def waiting_in(handshake: str) -> None:
     _Here.position = replace(_Here.position, handshake=handshake)
 
 
-def not_coming(mine: Position, theirs: Position | str | None) -> str | None:
-    """Why a rank at ``theirs`` can never join this rank's handshake at ``mine`` (``None``: it may)."""
+def not_coming(mine: Position, theirs: Position | str | None, before: Position | str | None = None) -> str | None:
+    """Why a rank at ``theirs`` (``before``: its previous answer) can never join this rank's handshake at ``mine``
+    (``None``: it may)."""
     if theirs == GONE:
         return "has left the run (its process ended, or it set up a new one)"
     if not isinstance(theirs, Position):
@@ -96,6 +139,10 @@ def not_coming(mine: Position, theirs: Position | str | None) -> str | None:
         return "went on to a later step"
     if theirs.handshake and theirs.handshake != mine.handshake:
         return "waits in another such call, made at another point"
+    if (theirs.inside and theirs == before and theirs.batches == mine.batches
+            and theirs.collectives > mine.collectives):
+        return (f"waits in the strategy's `{theirs.inside}`, a collective this rank has not reached (Lightning's"
+                " callbacks, ModelCheckpoint's at `on_validation_end` among them, and `sync_dist` logging make them)")
     return None
 
 
@@ -128,7 +175,7 @@ class Answering:
         its ``training_step`` counts the batch) has ended its previous batch: counted as in the next."""
         position = _Here.position
         if starts_a_training_batch(sys._current_frames().get(self.main)):
-            return replace(position, batches=position.batches + 1)
+            return replace(position, batches=position.batches + 1, collectives=0, inside="")
         return position
 
     def stop(self, store: dist.Store) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
 from lightning_vitscale import VitScaleStrategy
@@ -220,6 +220,33 @@ def during_training(calls: dict[int, Callable[[L.LightningModule], object]], at_
     return dict(callback.facts, fit_error=fit_error, losses=model.losses, fit_seconds=time.monotonic() - start)
 
 
+class CallAtValidationEnd(Callback):
+    """The DDP habit ``if trainer.is_global_zero: torch.save(pl_module.state_dict(), ...)`` in
+    ``on_validation_epoch_end`` of the first validation, while the other rank goes on to the epoch's logged metrics
+    (``sync_dist``) and ``ModelCheckpoint``'s collectives at ``on_validation_end``."""
+
+    def __init__(self, call: bool = True) -> None:
+        self.facts: dict = {}
+        self.call = call
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if self.call and trainer.global_rank == 0 and not self.facts:
+            start = time.monotonic()
+            self.facts = {"error": error_of(pl_module.state_dict), "seconds": time.monotonic() - start}
+
+
+def at_validation_end(call: bool = True) -> dict:
+    """Training with validation every 2 batches and Lightning's ``ModelCheckpoint`` on (its default, as under DDP)."""
+    L.seed_everything(0, verbose=False)
+    model, callback = Classifier("encoder"), CallAtValidationEnd(call)
+    strategy = VitScaleStrategy(timeout=timedelta(seconds=MAIN_TIMEOUT_S))
+    t = trainer("vitscale", max_steps=4, callbacks=[callback, ModelCheckpoint(OUT / "validation_end")],
+                strategy=strategy, limit_val_batches=1, val_check_interval=2, enable_checkpointing=True)
+    start = time.monotonic()
+    fit_error = error_of(lambda: t.fit(model, loader(n=32), loader(n=8)))
+    return dict(callback.facts, fit_error=fit_error, losses=model.losses, fit_seconds=time.monotonic() - start)
+
+
 # The strategy's timeout, the handshake's too: a lone call learns within about a second that the other rank went on
 # (it waited out the whole timeout before: SIDE_TIMEOUT_S = 1.0 here), and the rank that catches the error rejoins
 # the step the other ranks wait in, well within it; the test shows that nothing was sent.
@@ -238,6 +265,9 @@ SCENARIOS = {
     "during_training/other_module": lambda: during_training(
         {0: lambda m: m.state_dict(), 1: lambda m: m.backbone.head.state_dict()}
     ),
+    # Rank 1 then waits in the strategy's collectives (`sync_dist`'s reduce, ModelCheckpoint's), counted as entered
+    "during_training/validation_end": at_validation_end,
+    "validation_end/no_call": lambda: at_validation_end(call=False),
     "one_rank_call/vitscale": one_rank_call,  # last: its timed-out handshake closes the side group
 }
 

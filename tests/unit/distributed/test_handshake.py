@@ -40,14 +40,15 @@ def rank_one_arrives(store: dist.Store, kind: int, call: str, batches: int = 3, 
     store.add(f"hs/{batches}.{count}/n", 1)
 
 
-def rank_one_answers(store: dist.Store, position: Position | str) -> threading.Thread:
-    """Rank 1's answering thread, at ``position`` (``GONE``: it left the run)."""
+def rank_one_answers(store: dist.Store, position: Position | str, times: int = 1) -> threading.Thread:
+    """Rank 1's answering thread, at ``position`` (``GONE``: it left the run), for ``times`` questions."""
     answering = store.clone()
 
     def serve() -> None:
-        answering.queue_pop("ask/1", block=True)
-        value = position if position == GONE else f"1|{position.encode()}"  # type: ignore[union-attr]
-        answering.set("where/1", value)
+        for answered in range(1, times + 1):
+            answering.queue_pop("ask/1", block=True)
+            value = position if position == GONE else f"{answered}|{position.encode()}"  # type: ignore[union-attr]
+            answering.set("where/1", value)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -64,15 +65,24 @@ def test_ranks_stating_the_same_call_agree_at_once_and_different_tensors_differ(
 
 
 @pytest.mark.parametrize(
-    "where, reason",
-    [(Position(batches=4), "rank 1 went on to a later step"), (GONE, "rank 1 has left the run")],
+    "where, reason, asked",
+    [
+        (Position(batches=4), "rank 1 went on to a later step", 1),
+        (GONE, "rank 1 has left the run", 1),
+        # The same answer twice (1 s, then 2 s into the wait): in the strategy's collective, staying there
+        (Position(batches=3, collectives=1, inside="broadcast"), "rank 1 waits in the strategy's `broadcast`", 2),
+    ],
 )
-def test_a_rank_that_never_comes_ends_the_wait_within_seconds_and_the_arrival_is_taken_back(store, where, reason):
+def test_a_rank_that_never_comes_ends_the_wait_within_seconds_and_the_arrival_is_taken_back(
+    store, where, reason, asked
+):
     """Mutation seen failing: ``whereabouts.not_coming`` returning ``None`` (the wait then runs to its timeout)."""
-    thread = rank_one_answers(store, where)
+    thread = rank_one_answers(store, where, times=asked)
+    start = time.monotonic()
     with pytest.raises(handshake.NotComing, match=reason) as raised:
         handshake.meet(store, 0, 2, KINDS, STATE_DICT, "4.77", timeout_s=30)
     assert not raised.value.timed_out and raised.value.their_kind is None
+    assert time.monotonic() - start < handshake.FIRST_ASK_S * 2 * asked + 1
     thread.join(timeout=5)
     taken_back = [int(store.get(name)) for name in ("hs/3.1/n", "hs/3.1.1/n", "hs/3.1.1/call/4.77")]
     assert taken_back == [0, 0, 0]
@@ -112,21 +122,71 @@ def test_a_call_after_a_withdrawn_one_has_a_key_of_its_own_and_a_later_point_sta
     assert handshake.meet(store, 0, 2, KINDS, STATE_DICT, "4.77", timeout_s=5) == handshake.AGREE
 
 
+HERE = Position(3, "hs/3.1.1", collectives=1)  # after one strategy collective in batch 3
+IN_REDUCE = Position(3, collectives=2, inside="reduce")  # in a second one
+
+
 @pytest.mark.parametrize(
-    "mine, theirs, why",
+    "mine, theirs, before, why",
     [
-        (Position(3, "hs/3.1.1"), Position(4), "went on to a later step"),
-        (Position(3, "hs/3.1.1"), Position(3), None),  # the same batch: it may still come
-        (Position(3, "hs/3.1.1"), Position(2), None),  # behind
-        (Position(3, "hs/3.1.1"), Position(3, "hs/3.1.1"), None),  # here already
-        (Position(3, "hs/3.1.1"), Position(3, "hs/3.2.1"), "waits in another such call"),
-        (Position(3, "hs/3.1.1"), None, None),  # no answer
-        (Position(3, "hs/3.1.1"), GONE, "has left the run"),
+        (HERE, Position(4), None, "went on to a later step"),
+        (HERE, Position(3), None, None),  # the same batch: it may still come
+        (HERE, Position(2), None, None),  # behind
+        (HERE, Position(3, "hs/3.1.1"), None, None),  # here already
+        (HERE, Position(3, "hs/3.2.1"), None, "waits in another such call"),
+        (HERE, None, None, None),  # no answer
+        (HERE, GONE, None, "has left the run"),
+        # In a strategy collective this rank has not entered, seen twice the same: it waits there for this rank.
+        # Mutation seen failing: the rule without ``theirs == before`` (the "seen once" case then named it).
+        (HERE, IN_REDUCE, IN_REDUCE, "waits in the strategy's `reduce`, a collective this rank has not reached"),
+        (HERE, IN_REDUCE, None, None),  # seen once: it may be leaving one that just completed
+        (HERE, IN_REDUCE, Position(3, collectives=2), None),  # just entered (or left and entered another)
+        (HERE, Position(3, collectives=1, inside="reduce"), Position(3, collectives=1, inside="reduce"), None),  # the
+        # one this rank has been through: it is leaving it
+        (HERE, Position(3, collectives=2), Position(3, collectives=2), None),  # between collectives: busy
+        (HERE, Position(2, collectives=5, inside="barrier"), Position(2, collectives=5, inside="barrier"), None),  # an
+        # earlier batch's: behind, its count not comparable
     ],
 )
-def test_not_coming(mine, theirs, why):
-    found = whereabouts.not_coming(mine, theirs)
-    assert (found is None) if why is None else (found is not None and found.startswith(why))
+def test_not_coming(mine, theirs, before, why):
+    found = whereabouts.not_coming(mine, theirs, before)
+    assert (found is None) if why is None else (found is not None and found.startswith(why)), found
+
+
+def test_a_position_survives_its_encoding():
+    position = Position(7, "hs/7.2.1", collectives=3, inside="reduce_boolean_decision")
+    assert Position.decode(position.encode()) == position
+
+
+def test_the_strategys_collectives_count_their_entry_and_say_they_are_in_it(monkeypatch):
+    """``reduce_boolean_decision`` (which calls ``reduce``) counts once, and says so while its reduce runs; one on a
+    group of the caller's counts on no rank (a waiting rank need not be in it); the count restarts at each batch
+    (mutations seen failing: ``counting_whereabouts`` wrapping no collective; the group not looked at)."""
+    import lightning.pytorch.strategies.model_parallel as model_parallel
+    import lightning.pytorch.strategies.parallel as parallel
+
+    from lightning_vitscale import VitScaleStrategy
+
+    monkeypatch.setattr(whereabouts._Here, "position", Position(batches=2))
+    seen: list[Position] = []
+    def record(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:  # no process group needed
+        seen.append(whereabouts.here())
+        return tensor
+
+    monkeypatch.setattr(model_parallel, "_sync_ddp_if_available", record)
+    monkeypatch.setattr(parallel, "_all_gather_ddp_if_available", record)
+    strategy = VitScaleStrategy()
+    strategy.parallel_devices = [torch.device("cpu")]
+    assert strategy.reduce_boolean_decision(True, all=False) is True
+    assert seen == [Position(2, collectives=1, inside="reduce_boolean_decision")]
+    strategy.reduce(torch.ones(()), "a group")
+    strategy.all_gather(torch.ones(()), group="a group")
+    assert seen[-1] == whereabouts.here() == Position(2, collectives=1)
+    strategy.barrier()
+    assert strategy.broadcast("x") == "x"
+    assert whereabouts.here() == Position(2, collectives=3)  # left each, counted each
+    whereabouts.note_batch()
+    assert whereabouts.here() == Position(3)
 
 
 def test_a_rank_in_lightnings_broadcast_at_a_training_batchs_start_has_ended_its_batch(monkeypatch):
