@@ -18,6 +18,7 @@ from lightning_vitscale.monitoring import VitScaleThroughput
 from lightning_vitscale.precision import NonFiniteTrainingError, VitScalePrecision, grad_norm
 from lightning_vitscale.sharding import (
     BackwardOutsideManualBackwardError,
+    InStepCallError,
     MixedTensorsError,
     NoBlocksMatchedError,
     OutsideStepCallError,
@@ -40,6 +41,7 @@ __all__ = [
     "AsyncSaveError",
     "BackwardOutsideManualBackwardError",
     "CheckpointError",
+    "InStepCallError",
     "KernelPolicy",
     "MemoryPlan",
     "MixedTensorsError",

@@ -10,7 +10,7 @@ from lightning_vitscale.distributed.processes import check_accelerator, start_pr
 from lightning_vitscale.distributed.ranks import RankContext, mean_over_ranks, rank_context, reducing_whole
 from lightning_vitscale.distributed.sigterm import take_over_sigterm
 from lightning_vitscale.distributed.teardown import stop_local_ranks
-from lightning_vitscale.distributed.whereabouts import counting_whereabouts, note_batch
+from lightning_vitscale.distributed.whereabouts import counting_whereabouts, note_backward, note_batch
 
 __all__ = [
     "RankContext",
@@ -18,6 +18,7 @@ __all__ = [
     "counting_whereabouts",
     "data_parallel_ranks",
     "mean_over_ranks",
+    "note_backward",
     "note_batch",
     "rank_context",
     "reducing_whole",

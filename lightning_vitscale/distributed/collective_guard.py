@@ -29,10 +29,12 @@ MODEL_CALL = 2  # a call of the model or a submodule outside a step: gathers the
 DEEPCOPY = 3  # copy.deepcopy() of the model or a submodule: gathers each parameter whole
 SAVE_ON_EXCEPTION = 4  # a checkpoint saved while handling an exception (OnExceptionCheckpoint): every rank writes
 SCALAR_READ = 5  # .item() / float() / self.log of a sharded DTensor (scalar_reads.py): every rank's part combined
+UNIT_CALL = 6  # a call of a block unit inside a step beyond the calls every rank made so far: may gather it
 _WHAT = {STATE_DICT: "state_dict()", MODEL_CALL: "a call of the model (or a submodule) outside a step",
          DEEPCOPY: "copy.deepcopy() of the model (or a submodule)",
          SAVE_ON_EXCEPTION: "a checkpoint save while handling an exception",
-         SCALAR_READ: "a read of a sharded tensor's number (`.item()`, `float()`, `self.log`)"}
+         SCALAR_READ: "a read of a sharded tensor's number (`.item()`, `float()`, `self.log`)",
+         UNIT_CALL: "this call of the block in this step"}
 
 
 class NotJoinedError(RuntimeError):

@@ -4,15 +4,16 @@ model.state_dict()`` in ``on_train_batch_end`` while the others go on to their n
 ``on_validation_epoch_end`` while they wait in ``ModelCheckpoint``'s collectives.
 
 Each rank counts, in plain Python ints its main thread writes (nothing is sent per step), the batches it started in
-any loop and the strategy's collectives (``barrier``, ``broadcast``, ``reduce``, ...: Lightning's callbacks and
-``sync_dist`` logging make them) it entered since. A thread per rank answers, on its own connection to the process
-group's store, a waiting rank's question "where are you?". Another rank provably never reaches this handshake where
-it started a later batch (it waits in that batch's collectives, which need this rank), waits in another handshake,
-has left the run, or has stayed in a strategy collective this rank has not entered (more entered since the same
-batch; seen twice, so not one it is just leaving): each would wait for the other until the timeout. Anything else (a
-rank behind, busy, silent, or in a step's own collectives) is waited for. The collective counts restart at each
-batch: at setup rank 0 entered its ``broadcast`` 4 times where rank 1 entered it twice (the planner's), so counts
-kept over the whole run differed across ranks at one point.
+any loop, the backwards it started in that batch, and the strategy's collectives (``barrier``, ``broadcast``,
+``reduce``, ...: Lightning's callbacks and ``sync_dist`` logging make them) it entered since. A thread per rank
+answers, on its own connection to the process group's store, a waiting rank's question "where are you?". Another
+rank provably never reaches this handshake where it passed this point without the call (the same program): it
+started a later batch, or a backward of this batch this rank has not (it waits in their collectives, which need this
+rank), or has stayed in a strategy collective this rank has not entered (more entered since the same batch; seen
+twice, so not one it is just leaving); or where it waits in another handshake, or has left the run. Each would wait
+for the other until the timeout. Anything else (a rank behind, busy, silent, or in a step's own collectives) is
+waited for. The collective counts restart at each batch: at setup rank 0 entered its ``broadcast`` 4 times where
+rank 1 entered it twice (the planner's), so counts kept over the whole run differed across ranks at one point.
 """
 
 from __future__ import annotations
@@ -41,20 +42,21 @@ _S = TypeVar("_S")
 @dataclass(frozen=True)
 class Position:
     """A rank's place in its run: batches started (every loop's), the strategy's collectives entered since, the one
-    it is in (``""``: none), and the handshake it waits in (``""``: none)."""
+    it is in (``""``: none), the backwards started since, and the handshake it waits in (``""``: none)."""
 
     batches: int = 0
     handshake: str = ""
     collectives: int = 0
     inside: str = ""
+    backwards: int = 0
 
     def encode(self) -> str:
-        return f"{self.batches},{self.collectives},{self.inside},{self.handshake}"
+        return f"{self.batches},{self.collectives},{self.inside},{self.backwards},{self.handshake}"
 
     @classmethod
     def decode(cls, text: str) -> Position:
-        batches, collectives, inside, handshake = text.split(",", 3)
-        return cls(int(batches), handshake, int(collectives), inside)
+        batches, collectives, inside, backwards, handshake = text.split(",", 4)
+        return cls(int(batches), handshake, int(collectives), inside, int(backwards))
 
 
 class _Here:
@@ -71,7 +73,12 @@ def here() -> Position:
 
 def note_batch() -> None:
     """A loop started a batch on this rank (called by the strategy's ``*_step`` hooks, on every rank alike)."""
-    _Here.position = replace(_Here.position, batches=_Here.position.batches + 1, collectives=0)
+    _Here.position = replace(_Here.position, batches=_Here.position.batches + 1, collectives=0, backwards=0)
+
+
+def note_backward() -> None:
+    """This rank starts a backward of its current batch (the strategy's, each ``manual_backward`` too)."""
+    _Here.position = replace(_Here.position, backwards=_Here.position.backwards + 1)
 
 
 def counting_batch(step: _F) -> _F:
@@ -137,6 +144,8 @@ def not_coming(mine: Position, theirs: Position | str | None, before: Position |
         return None  # no answer: busy holding the interpreter, or slow; waited for
     if theirs.batches > mine.batches:
         return "went on to a later step"
+    if theirs.batches == mine.batches and theirs.backwards > mine.backwards:
+        return "went on to a backward this rank has not started (whose collectives wait for this rank)"
     if theirs.handshake and theirs.handshake != mine.handshake:
         return "waits in another such call, made at another point"
     if (theirs.inside and theirs == before and theirs.batches == mine.batches
@@ -175,7 +184,7 @@ class Answering:
         its ``training_step`` counts the batch) has ended its previous batch: counted as in the next."""
         position = _Here.position
         if starts_a_training_batch(sys._current_frames().get(self.main)):
-            return replace(position, batches=position.batches + 1, collectives=0, inside="")
+            return replace(position, batches=position.batches + 1, collectives=0, inside="", backwards=0)
         return position
 
     def stop(self, store: dist.Store) -> None:

@@ -14,6 +14,7 @@ from lightning_vitscale.sharding.gradients_of_gradients import naming_graph_inpu
 from lightning_vitscale.sharding.mixed_tensors import MixedTensorsError, note_the_fix
 from lightning_vitscale.sharding.outer_unit_errors import (
     BackwardOutsideManualBackwardError,
+    InStepCallError,
     OutsideStepCallError,
     SecondBackwardError,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "NoBlocksMatchedError",
     "OffloadMode",
     "BackwardOutsideManualBackwardError",
+    "InStepCallError",
     "OutsideStepCallError",
     "ParallelConfig",
     "ParameterWriteError",

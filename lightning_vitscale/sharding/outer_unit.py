@@ -10,9 +10,10 @@ On one rank with one unit the outer unit holds :class:`~.compute_copies.ComputeC
 (and takes the entry hooks out, which inside a step would only return), a call outside a step swaps them in as it
 would gather, and the end of a backward swaps the parameters back.
 
-Such a call is a collective: every rank first states which module it calls on a side group
-(distributed/collective_guard.py); a call on one rank, or different calls, fail with :class:`OutsideStepCallError`
-within the strategy's ``timeout``, and nothing is sent on the model's process group.
+Such a call is a collective: every rank first states which module it calls (a handshake on the process group's store:
+distributed/collective_guard.py); a call on one rank, or different calls, fail with :class:`OutsideStepCallError`,
+and nothing is sent on the model's process group. Inside a step, a call of a block some ranks make alone is refused
+the same way (sharding/in_step_calls.py).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class OuterUnit(nn.Module):
         self._grouped_states: list[Any] | None = None  # torch 2.11: units of several blocks (_compat)
         self._writes: GatheredWrites | None = None  # FSDP2's path: a step's writes to gathered parameters
         self.deferred_reduction: Any = None  # several ranks, block units: sharding/deferred_reduction.py
+        self.in_step_calls: Any = None  # several ranks, block units: sharding/in_step_calls.py
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         sync = self.buffer_sync

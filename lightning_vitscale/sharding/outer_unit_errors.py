@@ -17,6 +17,24 @@ TRACE_REFUSED = (
 )
 
 
+class InStepCallError(RuntimeError):
+    """A block called more often in a step on some ranks than on others (``if trainer.is_global_zero: self(x)`` in a
+    ``*_step``): its gathers would pair with other collectives of the other ranks."""
+
+
+def in_step_call_error(block: str, count: int, error: RuntimeError) -> InStepCallError:
+    """The error of the ``count``-th call of ``block`` in a step, which not every rank made (``error``: the guard's)."""
+    nth = {2: "2nd", 3: "3rd"}.get(count, f"{count}th")
+    return InStepCallError(collective_guard.not_joined(
+        f"Calling `{block}` a {nth} time in this step (a block FSDP unit: each call gathers its sharded weights)",
+        error,
+        "Make the same calls of the model in a step on every rank (not under `if trainer.is_global_zero:` or"
+        " `@rank_zero_only`): call the model on every rank and log on rank 0 only, or log what the step already"
+        " computed. DDP's calls are local; here a call on one rank would pair its gathers with the other ranks' next"
+        " collectives. (Where the extra call came first in the step, it ran, and this is the step's own call.)",
+    ))
+
+
 class SecondBackwardError(RuntimeError):
     """A second backward through a graph kept with ``retain_graph=True``, run outside ``manual_backward``, found the
     parameters it saved freed (several ranks, FSDP2's path)."""

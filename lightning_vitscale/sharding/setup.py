@@ -26,6 +26,7 @@ from lightning_vitscale.sharding import plain_copy
 from lightning_vitscale.sharding.activation_checkpointing import mark_parent_checkpointing
 from lightning_vitscale.sharding.buffer_sync import BufferSync
 from lightning_vitscale.sharding.deferred_compile import DeferredCompile
+from lightning_vitscale.sharding.in_step_calls import InStepCalls
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import Parallelized, parallelize
 from lightning_vitscale.sharding.parameter_writes import make_parameters_assignable
@@ -180,6 +181,12 @@ def _shard(
     skipped, unused, stand_ins = _skipped_blocks(module, outer, done, resolved, ranks)
     if unused is None and ranks.world_size > 1 and planned.calls is not None and planned.calls.without_gradient:
         _note_without_gradient(done.plan, planned.calls.without_gradient)
+    # Last, so that its hooks run first: a call one rank makes alone in a step is refused. Not where ranks may skip
+    # blocks (find_unused_parameters): their calls differ by design, stood in for (units) or in the outer unit.
+    if ranks.world_size > 1 and not resolved.sharding.find_unused_parameters:
+        in_units = {name: block for name in done.plan.block_names
+                    if isinstance(block := module.get_submodule(name), FSDPModule)}
+        outer.in_step_calls = InStepCalls(outer, in_units, lambda: outer._in_step) if in_units else None
     return ShardedModel(outer, done.plan, done.norms, done.router, planned.auto, signature, budget,
                         planned_for_speed=speed, skipped=skipped, unused=unused, stand_ins=stand_ins,
                         deferred_compile=DeferredCompile(compile_with) if compile_with is not None else None,

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from lightning_vitscale._compat import hook_root_pre_backward
 from lightning_vitscale._utils import human_bytes
 from lightning_vitscale.distributed import RankContext
-from lightning_vitscale.distributed.whereabouts import note_batch
+from lightning_vitscale.distributed.whereabouts import note_backward, note_batch
 from lightning_vitscale.kernels import AttentionRouter, auto_attention_step
 from lightning_vitscale.memory import (
     AccumulationChoice,
@@ -167,6 +167,7 @@ class ShardedModel:
         automatic optimization) and no tensor of a manual step carries: without it a backward reaching no block unit
         (a model of one unit; a critic's loss on a generator run under ``no_grad``) never reduced the outer unit's
         gradients, and the optimizer stepped without them."""
+        note_backward()  # a rank alone in a handshake learns this rank went on (distributed/whereabouts.py)
         if self.gradients_of_gradients is not None:  # Lightning's backward follows the step (automatic optimization)
             self.gradients_of_gradients.before_backward(loss)
         if self.outer._in_step:

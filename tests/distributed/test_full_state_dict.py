@@ -13,14 +13,18 @@ SCRIPT = "tests/distributed/scripts/full_state_dict.py"
 DURING_TRAINING = tuple(f"during_training/{name}"
                         for name in ("state_dict", "model_call", "at_batch_start", "disagree", "other_module",
                                       "validation_end"))
-ORACLES = {"during_training/validation_end": "validation_end/no_call"}
+ORACLES = {name: "validation_end/no_call" for name in ("during_training/validation_end", "in_step/validation_alone")}
+IN_STEP = tuple(f"in_step/{name}" for name in ("training_alone", "validation_alone", "every_rank/ddp",
+                                                "every_rank/vitscale"))
+IN_STEP_ERROR = "InStepCallError: Calling `backbone.encoder.layers.0` a 2nd time in this step"
 STATE_DICT_ERROR = "StateDictGatherError: state_dict() of a model sharded by VitScaleStrategy"
 CALL_ERROR = "OutsideStepCallError: Calling the sharded model outside a training/validation step"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
-    names = ["state_dicts/ddp", "state_dicts/vitscale", *DURING_TRAINING, *ORACLES.values(), "one_rank_call/vitscale"]
+    names = ["state_dicts/ddp", "state_dicts/vitscale", *DURING_TRAINING, "validation_end/no_call", *IN_STEP,
+             "one_rank_call/vitscale"]
     return launch_ranks(tmp_path_factory, "full_state_dict", SCRIPT, ",".join(names))[1]
 
 
@@ -152,3 +156,36 @@ def test_state_dicts_of_different_modules_on_different_ranks_fail_at_once(runs):
         assert "the ranks made state_dict() at this point, but of different modules or tensors" in facts["error"]
         assert facts["seconds"] < 1.0  # the last rank to arrive tells, within milliseconds
     _trained_on_unaffected(runs, "during_training/other_module")
+
+
+@pytest.mark.parametrize(
+    "scenario, why",
+    [
+        ("in_step/training_alone", "rank 1 went on to a backward this rank has not started"),
+        # the only validation batch: rank 1 went on to the epoch's `sync_dist` reduce
+        ("in_step/validation_alone", "rank 1 waits in the strategy's `reduce`"),
+    ],
+)
+def test_a_call_in_a_step_on_one_rank_fails_before_it_gathers_and_training_goes_on(runs, scenario, why):
+    """``if self.global_rank == 0: self(images)`` after the step's own forward (DDP: a local call). Before the guard,
+    with every unit resharded, the other rank's gloo aborted the process (its gathers paired with rank 0's extra
+    ones) or the step timed out; now rank 0 fails before any gather, within seconds, naming the block, why and the
+    fix; caught, the training goes on with the losses of the run without the call (mutations seen failing: no
+    guard installed, the launch then failing; no check before the gather ahead of the first block, rank 1 then
+    timing out in its backward)."""
+    facts = runs[0][scenario]
+    assert facts["error"] is not None and facts["error"].startswith(IN_STEP_ERROR), facts["error"]
+    assert why in facts["error"] and "Make the same calls of the model in a step on every rank" in facts["error"]
+    assert facts["seconds"] < 5.0, facts["error"]
+    assert "error" not in runs[1][scenario]  # rank 1 made no call
+    _trained_on_unaffected(runs, scenario)
+
+
+def test_a_call_in_a_step_on_every_rank_gives_ddps_outputs(runs):
+    """The same extra call on every rank (the fix the error names): agreed once, in the first step that makes it, and
+    the outputs and losses are DDP's."""
+    for rank in runs:
+        ours, ddp = rank["in_step/every_rank/vitscale"], rank["in_step/every_rank/ddp"]
+        assert ours["error"] is None and ours["fit_error"] is None, ours
+        assert ours["outputs"] == pytest.approx(ddp["outputs"], abs=1e-5)
+        assert ours["losses"] == pytest.approx(ddp["losses"], abs=1e-5)

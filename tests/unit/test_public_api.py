@@ -17,6 +17,7 @@ PUBLIC_NAMES = {
     "AsyncSaveError",
     "BackwardOutsideManualBackwardError",
     "CheckpointError",
+    "InStepCallError",
     "KernelPolicy",
     "MemoryPlan",
     "MixedTensorsError",

@@ -235,16 +235,58 @@ class CallAtValidationEnd(Callback):
             self.facts = {"error": error_of(pl_module.state_dict), "seconds": time.monotonic() - start}
 
 
-def at_validation_end(call: bool = True) -> dict:
+def at_validation_end(call: bool = True, make: Callable[[], Classifier] = lambda: Classifier("encoder"),
+                      **strategy_options) -> dict:
     """Training with validation every 2 batches and Lightning's ``ModelCheckpoint`` on (its default, as under DDP)."""
     L.seed_everything(0, verbose=False)
-    model, callback = Classifier("encoder"), CallAtValidationEnd(call)
-    strategy = VitScaleStrategy(timeout=timedelta(seconds=MAIN_TIMEOUT_S))
-    t = trainer("vitscale", max_steps=4, callbacks=[callback, ModelCheckpoint(OUT / "validation_end")],
+    model, callback = make(), CallAtValidationEnd(call)
+    strategy = VitScaleStrategy(timeout=timedelta(seconds=MAIN_TIMEOUT_S), **strategy_options)
+    t = trainer("vitscale", max_steps=4, callbacks=[callback, ModelCheckpoint(OUT / f"validation_end{id(model)}")],
                 strategy=strategy, limit_val_batches=1, val_check_interval=2, enable_checkpointing=True)
     start = time.monotonic()
     fit_error = error_of(lambda: t.fit(model, loader(n=32), loader(n=8)))
-    return dict(callback.facts, fit_error=fit_error, losses=model.losses, fit_seconds=time.monotonic() - start)
+    return dict(callback.facts, **getattr(model, "facts", {}), fit_error=fit_error, losses=model.losses,
+                fit_seconds=time.monotonic() - start)
+
+
+class ExtraCall(Classifier):
+    """The DDP habit of calling the model once more inside a step on some ranks (``if trainer.is_global_zero:
+    self.logger.log_image(self(images))``): in ``training_step`` of batch 1 or ``validation_step`` of batch 0,
+    after the step's own forward, on each rank in ``ranks``; records the outputs, or the error it caught."""
+
+    def __init__(self, ranks: set[int], where: str) -> None:
+        super().__init__("encoder")
+        self.ranks, self.where, self.facts = ranks, where, {}
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.where == "training" and batch_idx == 1:
+            self._call()
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        if self.where == "validation" and batch_idx == 0 and not self.facts:
+            self._call()
+
+    def _call(self) -> None:
+        if self.global_rank not in self.ranks:
+            return
+        start = time.monotonic()
+        found: list[float] = []
+        with torch.no_grad():
+            error = error_of(lambda: found.extend(self(PROBE).flatten().tolist()))
+        self.facts = {"error": error, "outputs": found, "seconds": time.monotonic() - start}
+
+
+def extra_call(name: str, ranks: set[int], **strategy_options) -> dict:
+    """An extra call of the model in ``training_step`` on ``ranks`` (``name``: the strategy)."""
+    L.seed_everything(0, verbose=False)
+    model = ExtraCall(ranks, "training")
+    options = dict(strategy=VitScaleStrategy(timeout=timedelta(seconds=MAIN_TIMEOUT_S), **strategy_options))
+    t = trainer(name, max_steps=4, **(options if name == "vitscale" else {}))
+    fit_error = error_of(lambda: t.fit(model, loader(n=32)))
+    return dict(model.facts, fit_error=fit_error, losses=model.losses)
 
 
 # The strategy's timeout, the handshake's too: a lone call learns within about a second that the other rank went on
@@ -268,6 +310,12 @@ SCENARIOS = {
     # Rank 1 then waits in the strategy's collectives (`sync_dist`'s reduce, ModelCheckpoint's), counted as entered
     "during_training/validation_end": at_validation_end,
     "validation_end/no_call": lambda: at_validation_end(call=False),
+    # An extra call of the model inside a step on rank 0 only, caught there: every unit resharded (the plan under
+    # which the other rank's gloo aborted before the guard), then the default plan (units kept: no gather needed)
+    "in_step/training_alone": lambda: extra_call("vitscale", {0}, priority="memory"),
+    "in_step/validation_alone": lambda: at_validation_end(False, lambda: ExtraCall({0}, "validation")),
+    "in_step/every_rank/ddp": lambda: extra_call("ddp", {0, 1}),
+    "in_step/every_rank/vitscale": lambda: extra_call("vitscale", {0, 1}, priority="memory"),
     "one_rank_call/vitscale": one_rank_call,  # last: its timed-out handshake closes the side group
 }
 

@@ -146,6 +146,11 @@ IN_REDUCE = Position(3, collectives=2, inside="reduce")  # in a second one
         (HERE, Position(3, collectives=2), Position(3, collectives=2), None),  # between collectives: busy
         (HERE, Position(2, collectives=5, inside="barrier"), Position(2, collectives=5, inside="barrier"), None),  # an
         # earlier batch's: behind, its count not comparable
+        # A backward of this batch this rank has not started: past this point (mutation seen failing: the rule gone)
+        (HERE, Position(3, backwards=1), None, "went on to a backward this rank has not started"),
+        (Position(3, "hs/3.1.1", backwards=1), Position(3, backwards=1), None, None),  # the same backward: may come
+        (Position(3, "hs/3.1.1", backwards=2), Position(3, backwards=1), None, None),  # behind
+        (HERE, Position(2, backwards=3), None, None),  # an earlier batch's backwards: behind
     ],
 )
 def test_not_coming(mine, theirs, before, why):
@@ -154,7 +159,7 @@ def test_not_coming(mine, theirs, before, why):
 
 
 def test_a_position_survives_its_encoding():
-    position = Position(7, "hs/7.2.1", collectives=3, inside="reduce_boolean_decision")
+    position = Position(7, "hs/7.2.1", collectives=3, inside="reduce_boolean_decision", backwards=2)
     assert Position.decode(position.encode()) == position
 
 
@@ -185,8 +190,10 @@ def test_the_strategys_collectives_count_their_entry_and_say_they_are_in_it(monk
     strategy.barrier()
     assert strategy.broadcast("x") == "x"
     assert whereabouts.here() == Position(2, collectives=3)  # left each, counted each
+    whereabouts.note_backward()
+    assert whereabouts.here() == Position(2, collectives=3, backwards=1)
     whereabouts.note_batch()
-    assert whereabouts.here() == Position(3)
+    assert whereabouts.here() == Position(3)  # a new batch: nothing entered or started in it yet
 
 
 def test_a_rank_in_lightnings_broadcast_at_a_training_batchs_start_has_ended_its_batch(monkeypatch):
