@@ -21,6 +21,7 @@ from lightning_vitscale.distributed import whereabouts
 
 AGREE, DIFFER = "agree", "differ"
 FIRST_ASK_S = 1.0  # ranks making the same call meet within milliseconds; after this, the waiting rank asks
+GONE_CHECK_S = 0.05  # then, where a rank has left the run (its process ended: after `fit`), it asks at once
 _LONGEST_ASK_INTERVAL_S = 10.0
 
 
@@ -85,15 +86,29 @@ def _conclude(store: dist.Store, here: str, kinds: Sequence[int], kind: int, cal
         store.set(f"{here}.{k}/done", f"kinds|{min(o for o in made if o != k)}")
 
 
+def _outcome_within(store: dist.Store, key: str, seconds: float) -> str | None:
+    """The outcome, where told within ``seconds`` (ranks making the same call meet within milliseconds)."""
+    start, pause = time.monotonic(), 1e-4
+    while time.monotonic() - start < seconds:
+        if store.check([f"{key}/done"]):
+            return store.get(f"{key}/done").decode()
+        time.sleep(pause)
+        pause = min(2 * pause, 0.01)
+    return None
+
+
 def _wait(store: dist.Store, here: str, key: str, call: str, rank: int, world: int, timeout_s: float) -> str:
     start = time.monotonic()
-    pause, next_ask, asker = 1e-4, start + FIRST_ASK_S, None
+    if (outcome := _outcome_within(store, key, GONE_CHECK_S)) is not None:
+        return outcome
+    left = store.add(whereabouts.RANKS_LEFT, 0) > 0  # a rank whose process ended never comes: ask at once
+    pause, next_ask, asker = 1e-3, time.monotonic() if left else start + FIRST_ASK_S, None
     answers: dict[int, whereabouts.Position | str | None] = {}  # each rank's last, for one seen twice the same
     while True:
         if store.check([f"{key}/done"]):
             return store.get(f"{key}/done").decode()
         now, reason = time.monotonic(), None
-        if now >= start + FIRST_ASK_S and store.check([f"{key}/verdict"]):
+        if now >= min(start + FIRST_ASK_S, next_ask) and store.check([f"{key}/verdict"]):
             reason = store.get(f"{key}/verdict").decode()  # the rank asking for all found one not coming
         elif now - start >= timeout_s:
             reason = f"|within the timeout ({timeout_s:g} s)"

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from lightning_vitscale._compat import starts_a_training_batch
 
 GONE = "gone"  # a rank's answer once it left the run (its side group closed: a new setup, or its process ended)
+RANKS_LEFT = "ranks_left"  # the store key counting them
 ANSWER_S = 2.0  # how long a waiting rank waits for the others' answers (threads: milliseconds unless frozen)
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -191,6 +192,7 @@ class Answering:
         """End the thread, its last answer saying this rank left the run (``store``: another connection than the
         thread's, which its wait holds)."""
         try:
+            store.add(RANKS_LEFT, 1)  # a rank waiting alone then asks at once (``handshake``), not after a second
             store.queue_push(f"ask/{self.rank}", "stop")
         except RuntimeError:  # the store is gone (the job ended): so is the thread's wait
             return
