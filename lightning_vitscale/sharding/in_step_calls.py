@@ -59,6 +59,12 @@ class InStepCalls:
     def _new_step(self, *unused: Any) -> None:
         self._calls.clear()
 
+    def new_run(self) -> None:
+        """A later Trainer's run of the same model (``trainer.validate()`` after ``fit``): its steps agree afresh, so a
+        count agreed in the earlier run does not let a lone call through."""
+        self._calls.clear()
+        self._agreed.clear()
+
     def _before_call(self, name: str, *unused: Any) -> None:
         if self._check(name, 1):
             self._calls[name] = self._calls.get(name, 0) + 1

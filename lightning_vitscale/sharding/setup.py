@@ -113,6 +113,8 @@ def shard_lightning_module(
                                                           batch, trainer)
         rank_zero_info(sharded.summary.summary())
     check_reusable(sharded.signature, signature)
+    if sharded.outer.in_step_calls is not None:
+        sharded.outer.in_step_calls.new_run()
     sync = BufferSync.of(module) if ranks.world_size > 1 else None
     sharded.outer.buffer_sync = sync if fitting is not None else None
     if sync is not None and fitting is None:

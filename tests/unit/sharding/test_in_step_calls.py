@@ -40,8 +40,8 @@ def guarded(monkeypatch):
 
 
 def test_the_first_call_in_a_step_is_never_asked_and_a_count_agreed_once_stays_agreed(guarded):
-    """A backbone run twice a step (every rank): its second calls agree in the first step only."""
-    model, state, _ = guarded
+    """A backbone run twice a step (every rank): its second calls agree in the first step only, until a new run."""
+    model, state, calls = guarded
     x = torch.ones(1, 4)
     model(x)  # the outer unit's forward: a new step
     model.blocks(x)
@@ -55,6 +55,10 @@ def test_the_first_call_in_a_step_is_never_asked_and_a_count_agreed_once_stays_a
     model.blocks(x)
     model.blocks[1](x)  # one call more than ever: asked again
     assert [count for count, _ in state["agreed"]] == [2, 2, 3]
+    calls.new_run()  # a later Trainer's run: agreed afresh (mutation seen failing: new_run clearing only the calls)
+    model(x)
+    model.blocks[0](x)
+    assert [count for count, _ in state["agreed"]] == [2, 2, 3, 2]
 
 
 def test_a_call_not_every_rank_makes_raises_before_the_block_runs_naming_the_fix(guarded):
