@@ -50,6 +50,7 @@ class InStepCalls:
         self._calls: dict[str, int] = {}
         self._agreed: dict[str, int] = {}
         self._in_step = in_step
+        self._blocks = list(blocks.values())
         self._handles = [root.register_forward_pre_hook(self._new_step)]
         for name, block in blocks.items():
             hook = functools.partial(self._before_call, name)
@@ -86,3 +87,5 @@ class InStepCalls:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        for block in self._blocks:
+            _AHEAD.pop(block, None)

@@ -95,7 +95,7 @@ def test_a_gather_ahead_of_a_block_is_asked_for_the_call_to_come(guarded):
     """``fsdp.prefetch_on_entry`` gathers the first block as its container starts: the check comes before that
     gather, for the call to come, which then is not asked again (mutation seen failing: the distributed test's
     rank 1 timing out in its backward, rank 0's gather ahead paired with it)."""
-    model, state, _ = guarded
+    model, state, calls = guarded
     model(torch.ones(1, 4))
     before_gather_ahead(model.blocks[0])  # as the container's forward starts
     assert [count for count, _ in state["agreed"]] == [2]
@@ -105,3 +105,5 @@ def test_a_gather_ahead_of_a_block_is_asked_for_the_call_to_come(guarded):
     with pytest.raises(InStepCallError):
         before_gather_ahead(model.blocks[0])
     before_gather_ahead(nn.Linear(1, 1))  # not a guarded block: nothing to do
+    calls.remove()
+    before_gather_ahead(model.blocks[0])  # the guard removed: nothing asked
