@@ -218,7 +218,7 @@ def test_a_rank_in_lightnings_broadcast_at_a_training_batchs_start_has_ended_its
 
 def test_the_strategys_evaluation_steps_each_count_their_batch(monkeypatch):
     """Validation, test and predict batches count as training ones do: a rank that went on to the next validation
-    batch is past this one (mutation seen failing: ``counting_batches`` returning the steps unwrapped)."""
+    batch is past this one (mutation seen failing: ``counting_whereabouts`` wrapping no step)."""
     from lightning_vitscale import VitScaleStrategy
 
     monkeypatch.setattr(whereabouts._Here, "position", Position(batches=0))
