@@ -107,6 +107,7 @@ PRIVATE_NAMES = {
     "copyreg._reconstructor": "stdlib pickle's class-rebuilding reducer: plain_copy.py (a module whose class changed)",
     "torch._dynamo": "regional compilation's dynamo options (kernels/compile.py)",
     "torch.distributed.distributed_c10d._get_default_store": "the handshakes' store (distributed/handshake.py)",
+    "torch._C._distributed_c10d.FakeWork": "planner: a collective a measured step sends, done on this rank alone",
     "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop": "its broadcast at each training batch's start",
     "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop._broadcast_sigterm_tensor": "the same: a rank"
     " there ended its batch (distributed/whereabouts.py; Lightning >= 2.6, absent before: nothing to see)",
@@ -275,6 +276,14 @@ def default_store() -> Any:
     return _get_default_store()
 
 
+def fake_work() -> Any:
+    """A finished ``Work`` for a collective the planner keeps on its rank (memory/local_collectives.py): torch's own
+    meta kernels for the c10d ops return one the same way (torch/distributed/_meta_registrations.py)."""
+    from torch._C._distributed_c10d import FakeWork
+
+    return FakeWork().boxed()
+
+
 def setup_distributed(strategy: ModelParallelStrategy) -> None:
     strategy._setup_distributed()
 
@@ -411,6 +420,11 @@ def storage_id(tensor: torch.Tensor) -> int:
 
 def op_mutates(func: Any) -> bool:
     return bool(func._schema.is_mutable)
+
+
+def op_result_count(func: Any) -> int:
+    """How many values the op's schema returns (a c10d op: its tensors and a ``Work``, or a ``Work`` alone)."""
+    return len(func._schema.returns)
 
 
 def written_arguments(func: Any, args: tuple[Any, ...]) -> list[Any]:

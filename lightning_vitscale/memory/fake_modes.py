@@ -20,6 +20,7 @@ from lightning_vitscale._compat import (
     propagating_real_tensors,
     real_numpy,
 )
+from lightning_vitscale.memory.local_collectives import COLLECTIVE_NAMESPACES, answered_locally
 from lightning_vitscale.memory.op_costs import tensors_of
 
 _CPU = torch.device("cpu")
@@ -30,13 +31,20 @@ fake tensors then carry them and a step branching on a value runs."""
 
 
 class FakeMode(FakeTensorMode):
-    """``FakeTensorMode`` that asks once whether a GPU may be initialised: under Lightning's
+    """``FakeTensorMode`` whose collectives stay on the rank (:mod:`.local_collectives`: the planner measures the
+    step on one rank), and that asks once whether a GPU may be initialised: under Lightning's
     ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` each ``torch.cuda.is_available()`` loads NVML, and it asked on every op
     (~8% of the planner's CPU time in a profile of the test suite)."""
 
     @functools.cached_property
     def avoid_device_init(self) -> bool:  # type: ignore[override]
         return bool(FakeTensorMode.avoid_device_init.fget(self))  # type: ignore[attr-defined]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.namespace in COLLECTIVE_NAMESPACES:
+            run = lambda op, *a, **k: FakeTensorMode.__torch_dispatch__(self, op, types, a, k)  # noqa: E731
+            return answered_locally(func, args, kwargs or {}, run)
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 class RealValuedMode(FakeMode):

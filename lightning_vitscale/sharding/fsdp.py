@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_vitscale.precision import PrecisionPolicy
+from lightning_vitscale.sharding.first_gathers import before_gather
 from lightning_vitscale.sharding.in_step_calls import before_gather_ahead
 from lightning_vitscale.sharding.whole_terms import paused
 
@@ -97,8 +98,20 @@ def prefetch_on_entry(unit: FSDPModule, callers: list[nn.Module]) -> None:
 
     def gather_ahead(module: nn.Module, args: Any) -> None:
         before_gather_ahead(cast(nn.Module, unit))  # a call in a step one rank makes alone: refused before it
+        before_gather(cast(nn.Module, unit))  # its gathered parameters not made in inference mode
         with paused():  # FSDP2's own reads of the shards, not through a step's mixed-tensor dispatch
             unit.unshard(async_op=True)
 
     for caller in callers:
         caller.register_forward_pre_hook(gather_ahead)
+
+
+def gathered_and_resharded(units: list[nn.Module]) -> None:
+    """Each of ``units`` gathered and resharded in turn (one unit whole at a time), outside inference mode and
+    without gradients: FSDP2 makes the tensors a unit gathers into at its first gather and keeps them for the run
+    (``first_gathers.py`` says when this runs)."""
+    with torch.inference_mode(False), torch.no_grad():
+        for unit in units:
+            assert isinstance(unit, FSDPModule)
+            unit.unshard()
+            unit.reshard()

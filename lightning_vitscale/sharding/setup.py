@@ -26,6 +26,8 @@ from lightning_vitscale.sharding import plain_copy
 from lightning_vitscale.sharding.activation_checkpointing import mark_parent_checkpointing
 from lightning_vitscale.sharding.buffer_sync import BufferSync
 from lightning_vitscale.sharding.deferred_compile import DeferredCompile
+from lightning_vitscale.sharding.first_gathers import FirstGathers
+from lightning_vitscale.sharding.fsdp import gathered_and_resharded
 from lightning_vitscale.sharding.in_step_calls import InStepCalls
 from lightning_vitscale.sharding.outer_unit import OuterUnit
 from lightning_vitscale.sharding.parallelize import Parallelized, parallelize
@@ -183,6 +185,9 @@ def _shard(
     skipped, unused, stand_ins = _skipped_blocks(module, outer, done, resolved, ranks)
     if unused is None and ranks.world_size > 1 and planned.calls is not None and planned.calls.without_gradient:
         _note_without_gradient(done.plan, planned.calls.without_gradient)
+    # Before the in-step guard, so that its hooks run after the guard's: a unit's first gather is not made in
+    # inference mode (an evaluation before training, Lightning's on NCCL).
+    FirstGathers([unit for unit in outer.modules() if isinstance(unit, FSDPModule)], gathered_and_resharded)
     # Last, so that its hooks run first: a call one rank makes alone in a step is refused. Not where ranks may skip
     # blocks (find_unused_parameters): their calls differ by design, stood in for (units) or in the outer unit.
     if ranks.world_size > 1 and not resolved.sharding.find_unused_parameters:

@@ -9,10 +9,13 @@ a skipped block's all-gather pairs with the next block's on the other ranks. DDP
 ``find_unused_parameters=True``.
 
 So, by default, each block's forward pre-hook marks it as run. A mark counts only with gradients on and outside
-backward, so evaluation and checkpointing's recompute do not count. Before each backward, a rank on which a block
-holding trainable parameters did not run raises :class:`SkippedBlocksError`, before it sends any gradient. A model
-that skips the same blocks on every rank is refused too, as DDP refuses it. The launcher then stops the ranks left
-waiting (``distributed.stop_local_ranks``).
+backward, so evaluation and checkpointing's recompute do not count; and the forward of a reentrant checkpoint
+(``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)`` in the model's forward: Swin's and older
+repositories' way), which runs the block without gradients and again in backward, on an input that requires one.
+DDP trains such a model as usual; it was refused at its first backward (and trains as DDP with the mark, measured
+on 2 gloo ranks). Before each backward, a rank on which a block holding trainable parameters did not run raises
+:class:`SkippedBlocksError`, before it sends any gradient. A model that skips the same blocks on every rank is
+refused too, as DDP refuses it. The launcher then stops the ranks left waiting (``distributed.stop_local_ranks``).
 
 With ``find_unused_parameters`` set nothing is refused: under ``True`` every block is in the outer unit, whose
 forward every rank runs; under ``"units"`` a rank that skips a block calls it as an identity where it would have
@@ -35,11 +38,13 @@ instead; it cleared gradients ``nn.MultiheadAttention`` had put into ``out_proj`
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import CheckpointFunction
 
 from lightning_vitscale._compat import current_backward_id
 from lightning_vitscale.distributed.collective_guard import side_group
@@ -54,6 +59,23 @@ def _trainable(module: nn.Module) -> bool:
     return any(param.requires_grad for param in module.parameters())
 
 
+_REENTRANT_FORWARD = CheckpointFunction.forward.__code__
+
+
+def _in_a_reentrant_checkpoint(frames: int = 24) -> bool:
+    """Whether a reentrant checkpoint's forward is among the callers (within ``frames``): it runs its function with
+    gradients off, and nothing else tells its call from an evaluation's. Asked only where gradients are off and an
+    input requires one."""
+    frame = inspect.currentframe()
+    for _ in range(frames):
+        if frame is None:
+            return False
+        if frame.f_code is _REENTRANT_FORWARD:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class ForwardMarks:
     """Which of ``modules`` ran a training forward (gradients on, not a recompute) since the last :meth:`take`."""
 
@@ -64,8 +86,11 @@ class ForwardMarks:
         for index, module in enumerate(self.modules):
             module.register_forward_pre_hook(functools.partial(self._mark, index))
 
-    def _mark(self, index: int, module: nn.Module, args: object) -> None:
-        if torch.is_grad_enabled() and current_backward_id() == -1:  # not in a recompute
+    def _mark(self, index: int, module: nn.Module, args: tuple) -> None:
+        if current_backward_id() != -1:  # a recompute
+            return
+        if torch.is_grad_enabled() or (any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+                                       and _in_a_reentrant_checkpoint()):
             self.ran[index] = True
 
     def take(self) -> list[bool]:

@@ -16,7 +16,8 @@ COMPARED = (
     "sync_batchnorm", "gradient_norms", "backbone_finetuning",
     *(f"contrastive_{gather}_{precision}" for gather in ("lightning", "torch")
       for precision in ("32-true", "bf16-mixed")),
-    "clipped_by_hand_norm", "clipped_by_hand_value", "ema_timm", "scalar_reads", "histograms",
+    "clipped_by_hand_norm", "clipped_by_hand_value", "ema_timm", "collectives_in_step",
+    "inference_mode_in_hooks_and_steps", "evaluated_in_inference_mode_first", "scalar_reads", "histograms",
     "one_cycle_schedule",
 )
 ALONE = ("one_rank_call", "one_rank_deepcopy", "one_rank_scalar_read", "logged_rank_zero_only", "one_rank_numpy_read")
@@ -224,6 +225,32 @@ def test_gradients_clipped_by_hand_with_torch_s_functions_train_as_under_ddp(run
         assert len(ours["norms"]) == (4 if clip == "norm" else 0)
         for name, expected in ddp["weights"].items():
             assert ours["weights"][name] == pytest.approx(expected, abs=1e-6), name
+
+
+def test_a_step_sending_collectives_itself_trains_as_under_ddp(runs):
+    """A step that broadcasts a seed from rank 0, waits at a barrier, all-reduces DETR's target count and logs the
+    strategy's ``reduce``: the planner ran it at setup on rank 0 alone, and those collectives reached the ranks
+    waiting for its plan (gloo killed a rank: "Received data size doesn't match expected size"). Now the planner
+    keeps them on its rank and measures the step through ``training_step``; DDP's seeds, losses and weights.
+    Mutation seen failing: the fake mode's collectives sent (the launch failed)."""
+    for ours, ddp in _pairs(runs, "collectives_in_step"):
+        assert len(ddp["losses"]) == 4 and ours["losses"] == ddp["losses"] and ours["seeds"] == ddp["seeds"]
+        assert ours["weights"] == ddp["weights"]
+        assert "through training_step)" in ours["summary"], ours["summary"]
+
+
+def test_a_model_called_in_inference_mode_before_training_trains_as_under_ddp(runs):
+    """A baseline under ``torch.inference_mode()`` in ``on_train_start`` and a confidence pass under it in each step;
+    and ``trainer.validate`` / ``trainer.predict`` before ``trainer.fit`` in inference mode, Lightning's way on
+    every GPU (NCCL). FSDP2 keeps the gathered parameters its first gather makes: made in inference mode, the
+    training step after failed ("Inference tensors do not track version counter"). DDP's numbers throughout.
+    Mutations seen failing (the launch failed): ``FirstGathers.before`` never gathering; the outer unit's gather
+    for a call outside a step (``on_train_start``'s) not checked."""
+    for ours, ddp in _pairs(runs, "inference_mode_in_hooks_and_steps"):
+        _assert_same_numbers(ours, ddp, ["losses", "baseline", "confidence"])
+    for ours, ddp in _pairs(runs, "evaluated_in_inference_mode_first"):
+        assert ours["in_inference_mode"] == ddp["in_inference_mode"] == [True, True]
+        _assert_same_numbers(ours, ddp, ["losses", "val_loss", "predictions"])
 
 
 def test_timm_s_ema_updated_through_state_dict_moves_as_under_ddp(runs):

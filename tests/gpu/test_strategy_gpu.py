@@ -79,3 +79,27 @@ def test_timm_s_ema_made_in_init_moves_as_on_the_plain_trainer_on_cuda():
     plain, ours = models["plain"].ema.state_dict(), models["ours"].ema.state_dict()
     for key, value in plain.items():
         torch.testing.assert_close(ours[key].cpu(), value.cpu(), rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("priority", ["speed", "memory"])
+def test_validate_before_fit_runs_in_inference_mode_then_trains_as_the_plain_trainer_on_cuda(priority):
+    """Lightning runs ``trainer.validate`` in inference mode on NCCL: the first gather of every unit made FSDP2's
+    gathered parameters inference tensors, and the fit after it failed at its first step
+    (``sharding/first_gathers.py``; on CPU, tests/distributed/test_dropin.py lifts Lightning's gloo
+    exception to run the same path)."""
+    runs = {}
+    for name, strategy, extra in (("plain", "auto", {}),
+                                  ("ours", VitScaleStrategy(priority=priority), {"use_distributed_sampler": False})):
+        L.seed_everything(0, verbose=False)
+        model, modes = Classifier("timm"), []
+        model.on_validation_batch_start = lambda *_, seen=modes: seen.append(torch.is_inference_mode_enabled())
+        trainer = L.Trainer(accelerator="cuda", devices=1, strategy=strategy, max_steps=4, limit_val_batches=2,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, num_sanity_val_steps=0, **extra)
+        val_loss = trainer.validate(model, loader(n=16), verbose=False)[0]["val_loss"]
+        trainer.fit(model, loader(n=32))
+        runs[name] = (val_loss, model.losses, modes)
+    (plain_val, plain_losses, plain_modes), (val, losses, modes) = runs["plain"], runs["ours"]
+    assert plain_modes == modes == [True, True]
+    assert val == pytest.approx(plain_val, rel=1e-4)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_losses), rtol=1e-4, atol=1e-5)

@@ -6,6 +6,9 @@ sync_grads=True)``, Lightning's; or ``torch.distributed.nn.functional.all_gather
 over the global batch. The gather's backward sends each rank's share of the gradient back to it: a collective
 inside the backward, before any unit's reduce-scatter.
 
+A step that sends collectives itself (a seed broadcast, a barrier, DETR's ``all_reduce`` of the target count, the
+strategy's ``reduce``): the planner runs it at setup on one rank.
+
 Gradients clipped by hand in ``on_before_optimizer_step`` with torch's ``clip_grad_norm_`` (the total norm over every
 rank's shards) or ``clip_grad_value_``, instead of the Trainer's ``gradient_clip_val``.
 
@@ -14,6 +17,8 @@ which updates through ``state_dict()`` values in place (a gather of every sharde
 ``AveragedModel`` made after setup (``on_fit_start``): a plain copy, which the shards cannot update."""
 
 from __future__ import annotations
+
+import random
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +44,30 @@ class Contrastive(TinyViTModule):
         b = self.gathered(F.normalize(self.net(x.flip(-1)), dim=-1))
         loss = F.cross_entropy(a @ b.T / 0.1, torch.arange(len(a)))
         self.losses.append(loss.item())
+        return loss
+
+
+class Talking(TinyViTModule):
+    """A step that sends collectives itself, as DDP code does: an augmentation seed broadcast from rank 0
+    (``self.trainer.strategy.broadcast``), a ``barrier()``, DETR's loss normalizer (``torch.distributed.all_reduce``
+    of the batch's target count) and the global mean loss (the strategy's ``reduce``) logged. The planner runs this
+    step at setup on rank 0 alone while the others wait for its plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seeds: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        seed = self.trainer.strategy.broadcast(1000 + 7 * batch_idx + self.global_rank)  # rank 0's on every rank
+        self.trainer.strategy.barrier("augmented")
+        x = x.flip(-1) if random.Random(seed).random() < 0.5 else x
+        targets = torch.tensor(float(len(y)))
+        torch.distributed.all_reduce(targets)
+        loss = F.cross_entropy(self.net(x), y, reduction="sum") * self.trainer.world_size / targets
+        self.log("global_loss", self.trainer.strategy.reduce(loss.detach().clone(), reduce_op="mean"))
+        self.losses.append(loss.item())
+        self.seeds.append(seed)
         return loss
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 IMAGE, PATCH, CLASSES = 8, 4, 10
 TOKENS = (IMAGE // PATCH) ** 2
@@ -204,6 +205,21 @@ class TwoPassViT(PatchClassifier):
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.layers(x), self.layers(x[:, : x.shape[1] // 2])], dim=1)
+
+
+class SelfCheckpointedViT(PatchClassifier):
+    """A forward that checkpoints its own blocks while training, as Swin's reference code and many older repositories
+    do (``torch.utils.checkpoint.checkpoint(blk, x)``); ``reentrant``: the old default, which runs each block without
+    gradients first and again in backward."""
+
+    def __init__(self, reentrant: bool, dim: int = 32, depth: int = 4) -> None:
+        super().__init__(dim, nn.ModuleList([Block(dim, FunctionalAttention(dim)) for _ in range(depth)]))
+        self.reentrant = reentrant
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers:
+            x = checkpoint(block, x, use_reentrant=self.reentrant) if self.training else block(x)
+        return x
 
 
 class Expert(nn.Module):

@@ -402,6 +402,64 @@ def _contrastive(gather: str, precision: str) -> dict:
             "weights": {k: values(v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state.items()}}
 
 
+def collectives_in_step() -> dict:
+    from tests.helpers.collective_habits import Talking
+
+    model = Talking()
+    t = trainer(max_steps=4)
+    t.fit(model)
+    state = model.state_dict()
+    return {"losses": model.losses, "seeds": model.seeds,
+            "weights": {k: values(v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state.items()},
+            "summary": str(t.strategy.plan.summary()) if STRATEGY == "vitscale" else ""}
+
+
+class InInferenceMode(Classifier):
+    """Inference mode before any training gather, as DDP code writes it: a baseline in ``on_train_start`` and a
+    pseudo-label confidence pass at the start of each step (FixMatch's weak view)."""
+
+    def __init__(self) -> None:
+        super().__init__("encoder")
+        self.baseline: list[float] = []
+        self.confidence: list[float] = []
+
+    def on_train_start(self) -> None:
+        with torch.inference_mode():
+            self.baseline = values(self(PROBE))
+
+    def training_step(self, batch, batch_idx):
+        with torch.inference_mode():
+            self.confidence.append(self(batch[0]).softmax(-1).amax(-1).mean().item())
+        return super().training_step(batch, batch_idx)
+
+
+def inference_mode_in_hooks_and_steps() -> dict:
+    L.seed_everything(0, verbose=False)
+    model = InInferenceMode()
+    trainer(max_steps=4).fit(model, loader(n=32))
+    return {"losses": model.losses, "baseline": model.baseline, "confidence": model.confidence}
+
+
+def evaluated_in_inference_mode_first() -> dict:
+    """``trainer.validate`` and ``trainer.predict`` before ``trainer.fit``, in inference mode as Lightning runs them
+    wherever the backend is not gloo (every GPU run): its gloo exception is lifted here, in this process only."""
+    from unittest import mock
+
+    import lightning.pytorch.loops.utilities as loops
+
+    L.seed_everything(0, verbose=False)
+    model = Classifier("encoder")
+    t = trainer(max_steps=4, limit_val_batches=2)
+    modes = []
+    with mock.patch.object(loops, "_distributed_is_initialized", lambda: False):
+        model.on_validation_batch_start = lambda *_: modes.append(torch.is_inference_mode_enabled())
+        metrics = t.validate(model, loader(n=16), verbose=False)
+        predictions = t.predict(model, loader(n=8))
+    t.fit(model, loader(n=32))
+    return {"losses": model.losses, "val_loss": [metrics[0]["val_loss"]], "in_inference_mode": modes,
+            "predictions": [float(v) for p in predictions for v in p]}
+
+
 def _clipped_by_hand(clip: str) -> dict:
     from tests.helpers.collective_habits import ClippedByHand
 
@@ -521,6 +579,9 @@ COMPARED = {
        for gather in ("lightning", "torch") for precision in ("32-true", "bf16-mixed")},
     **{f"clipped_by_hand_{clip}": functools.partial(_clipped_by_hand, clip) for clip in ("norm", "value")},
     "ema_timm": ema_timm,
+    "collectives_in_step": collectives_in_step,
+    "inference_mode_in_hooks_and_steps": inference_mode_in_hooks_and_steps,
+    "evaluated_in_inference_mode_first": evaluated_in_inference_mode_first,
     "scalar_reads": scalar_reads,
     "histograms": histograms,
     "one_cycle_schedule": one_cycle_schedule,

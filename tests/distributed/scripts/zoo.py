@@ -41,6 +41,7 @@ from tests.helpers.zoo import (
     DinoHeadViT,
     FourierOperator,
     LucidViT,
+    SelfCheckpointedViT,
     SharedBlockViT,
     TwoPassViT,
 )
@@ -66,6 +67,8 @@ class Model(L.LightningModule):
             return SharedBlockViT(listed=self.family == "shared_listed")
         if self.family == "two_pass":
             return TwoPassViT()
+        if self.family.startswith("self_checkpointed"):
+            return SelfCheckpointedViT(reentrant=self.family.endswith("reentrant"))
         if self.family == "dino_head":
             return DinoHeadViT()
         if self.family in FOURIER:
@@ -113,7 +116,7 @@ def fit(model: Model, strategy, data_parallel: int, steps: int, precision: str =
     except TensorPlanError as error:
         return {"refused": str(error), "losses": model.losses}, trainer
     facts = {"losses": model.losses}
-    if strategy != DDP:
+    if isinstance(strategy, VitScaleStrategy):
         facts["summary"] = trainer.strategy.plan.summary()
     return facts, trainer
 
@@ -198,6 +201,23 @@ def two_pass() -> dict:
         facts["reduce_scatters"] = sent["all_to_all_single"]
         facts["fsdp_units"] = trainer.strategy.plan.units if strategy != DDP else 0
         found[name] = facts
+    return found
+
+
+def self_checkpointed() -> dict:
+    """Blocks the model's forward checkpoints itself (``SelfCheckpointedViT``), reentrant or not: DDP, the default
+    and the recipe's unit per block with its own checkpointing on top (``priority="memory"``). DDP without
+    ``find_unused_parameters``: with it, DDP refuses a reentrant checkpoint ("Expected to mark a variable ready
+    only once")."""
+    found = {}
+    for family in ("self_checkpointed_reentrant", "self_checkpointed"):
+        runs = {"ddp": "ddp", "default": VitScaleStrategy(), "memory": VitScaleStrategy(priority="memory")}
+        for name, strategy in runs.items():
+            try:
+                facts = fit(Model(family), strategy, 2, 3)[0]
+            except Exception as error:  # noqa: BLE001 - the failure is what the test reads
+                facts = {"error": f"{type(error).__name__}: {error}"[:500], "losses": []}
+            found[f"{family}:{name}"] = facts
     return found
 
 
@@ -324,7 +344,8 @@ def complex_weights() -> dict:
 
 def scenarios() -> dict:
     families = {name: (lambda name=name: family(name)) for name in FAMILIES}
-    return {"layout": layout, "reused": reused, "two_pass": two_pass, "parts": parts, "apart": apart,
+    return {"layout": layout, "reused": reused, "two_pass": two_pass, "self_checkpointed": self_checkpointed,
+            "parts": parts, "apart": apart,
             "interleaved": interleaved,
             "parametrized": parametrized, "fourier": fourier, "complex_weights": complex_weights, **families}
 

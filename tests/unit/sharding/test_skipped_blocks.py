@@ -27,6 +27,20 @@ def test_only_a_training_forward_marks_a_block():
     assert marks.take() == [False]
 
 
+def test_a_reentrant_checkpoints_forward_marks_its_block():
+    """``checkpoint(block, x, use_reentrant=True)`` in a model's forward runs the block with gradients off, then again
+    in backward: a training forward (DDP trains it), where a no-grad call on the same input is not."""
+    block = nn.Linear(4, 4)
+    marks = ForwardMarks([("block", block)])
+    x = torch.randn(2, 4, requires_grad=True)
+    out = checkpoint(block, x, use_reentrant=True)
+    assert marks.take() == [True]
+    out.sum().backward()  # the recompute
+    assert marks.take() == [False]
+    checkpoint(block, x.detach(), use_reentrant=True)  # no input needs a gradient: the block gets none (nor in DDP)
+    assert marks.take() == [False]
+
+
 def test_the_check_names_the_skipped_blocks_and_ignores_frozen_ones():
     blocks = [(f"blocks.{i}", nn.Linear(4, 4)) for i in range(3)]
     blocks[2][1].requires_grad_(False)  # not trained: its skipping sends nothing
