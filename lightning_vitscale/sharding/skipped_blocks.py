@@ -10,8 +10,9 @@ a skipped block's all-gather pairs with the next block's on the other ranks. DDP
 
 So, by default, each block's forward pre-hook marks it as run. A mark counts only with gradients on and outside
 backward, so evaluation and checkpointing's recompute do not count; and the forward of a reentrant checkpoint
-(``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)`` in the model's forward: Swin's and older
-repositories' way), which runs the block without gradients and again in backward, on an input that requires one.
+(``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)`` or ``checkpoint_sequential`` in the model's
+forward: Swin's and older repositories' way), which runs its blocks without gradients and again in backward, where
+an input of the checkpoint requires one.
 DDP trains such a model as usual; it was refused at its first backward (and trains as DDP with the mark, measured
 on 2 gloo ranks). Before each backward, a rank on which a block holding trainable parameters did not run raises
 :class:`SkippedBlocksError`, before it sends any gradient. A model that skips the same blocks on every rank is
@@ -62,16 +63,18 @@ def _trainable(module: nn.Module) -> bool:
 _REENTRANT_FORWARD = CheckpointFunction.forward.__code__
 
 
-def _in_a_reentrant_checkpoint(frames: int = 24) -> bool:
-    """Whether a reentrant checkpoint's forward is among the callers (within ``frames``): it runs its function with
-    gradients off, and nothing else tells its call from an evaluation's. Asked only where gradients are off and an
-    input requires one."""
+def _in_a_reentrant_checkpoint(frames: int = 32) -> bool:
+    """Whether a reentrant checkpoint's forward is among the callers (within ``frames``) and one of its inputs
+    requires a gradient: it runs its function with gradients off (every block of a ``checkpoint_sequential``
+    segment), then again in backward. Nothing else tells its call from an evaluation's. Asked only where gradients
+    are off."""
     frame = inspect.currentframe()
     for _ in range(frames):
         if frame is None:
             return False
         if frame.f_code is _REENTRANT_FORWARD:
-            return True
+            inputs = frame.f_locals.get("args", ())
+            return any(isinstance(value, torch.Tensor) and value.requires_grad for value in inputs)
         frame = frame.f_back
     return False
 
@@ -89,8 +92,7 @@ class ForwardMarks:
     def _mark(self, index: int, module: nn.Module, args: tuple) -> None:
         if current_backward_id() != -1:  # a recompute
             return
-        if torch.is_grad_enabled() or (any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-                                       and _in_a_reentrant_checkpoint()):
+        if torch.is_grad_enabled() or _in_a_reentrant_checkpoint():
             self.ran[index] = True
 
     def take(self) -> list[bool]:

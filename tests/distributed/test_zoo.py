@@ -170,13 +170,15 @@ def test_a_backbone_run_twice_a_step_trains_as_ddp_reducing_each_unit_once_a_ste
     assert two[0]["two_pass"]["per_block"]["fsdp_units"] == 5  # 4 blocks and the outer unit
 
 
-@pytest.mark.parametrize("reentrant", [True, False])
-def test_blocks_the_model_checkpoints_itself_train_as_ddp(two, reentrant):
-    """``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=...)`` in the model's forward. A reentrant
-    checkpoint runs the block without gradients, then again in backward: the skipped-block check took it for a block
-    that never ran and refused the model at its first backward. DDP's losses by default and under the recipe's own
-    checkpointing on top. Mutation seen failing: the reentrant forward not marked (``SkippedBlocksError``)."""
-    family = "self_checkpointed_reentrant" if reentrant else "self_checkpointed"
+@pytest.mark.parametrize("how", ["reentrant", "non_reentrant", "sequential"])
+def test_blocks_the_model_checkpoints_itself_train_as_ddp(two, how):
+    """``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=...)`` or ``checkpoint_sequential`` in the model's
+    forward. A reentrant checkpoint runs its blocks without gradients, then again in backward: the skipped-block
+    check took them for blocks that never ran and refused the model at its first backward. DDP's losses by default
+    and under the recipe's own checkpointing on top. Mutations seen failing: the reentrant forward not marked
+    (``SkippedBlocksError``); marked only where the block's own input requires a gradient (``sequential``: the
+    segment's second block)."""
+    family = f"self_checkpointed:{how}"
     ddp = losses(two, "self_checkpointed", f"{family}:ddp")
     for run in ("default", "memory"):
         facts = two[0]["self_checkpointed"][f"{family}:{run}"]

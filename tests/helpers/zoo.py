@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 IMAGE, PATCH, CLASSES = 8, 4, 10
 TOKENS = (IMAGE // PATCH) ** 2
@@ -209,17 +209,28 @@ class TwoPassViT(PatchClassifier):
 
 class SelfCheckpointedViT(PatchClassifier):
     """A forward that checkpoints its own blocks while training, as Swin's reference code and many older repositories
-    do (``torch.utils.checkpoint.checkpoint(blk, x)``); ``reentrant``: the old default, which runs each block without
-    gradients first and again in backward."""
+    do: ``"reentrant"``, ``checkpoint(blk, x, use_reentrant=True)`` (the old default: each block runs without
+    gradients first, again in backward); ``"non_reentrant"``; ``"sequential"``, ``checkpoint_sequential`` over the
+    blocks in 2 reentrant segments (the last runs as usual)."""
 
-    def __init__(self, reentrant: bool, dim: int = 32, depth: int = 4) -> None:
+    def __init__(self, how: str, dim: int = 32, depth: int = 4) -> None:
         super().__init__(dim, nn.ModuleList([Block(dim, FunctionalAttention(dim)) for _ in range(depth)]))
-        self.reentrant = reentrant
+        self.how = how
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return self.layers(x) if isinstance(self.layers, nn.Sequential) else _each(self.layers, x)
+        if self.how == "sequential":
+            return checkpoint_sequential(self.layers, 2, x, use_reentrant=True)
         for block in self.layers:
-            x = checkpoint(block, x, use_reentrant=self.reentrant) if self.training else block(x)
+            x = checkpoint(block, x, use_reentrant=self.how == "reentrant")
         return x
+
+
+def _each(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        x = block(x)
+    return x
 
 
 class Expert(nn.Module):

@@ -68,7 +68,7 @@ class Model(L.LightningModule):
         if self.family == "two_pass":
             return TwoPassViT()
         if self.family.startswith("self_checkpointed"):
-            return SelfCheckpointedViT(reentrant=self.family.endswith("reentrant"))
+            return SelfCheckpointedViT(self.family.split(":")[1])
         if self.family == "dino_head":
             return DinoHeadViT()
         if self.family in FOURIER:
@@ -205,12 +205,13 @@ def two_pass() -> dict:
 
 
 def self_checkpointed() -> dict:
-    """Blocks the model's forward checkpoints itself (``SelfCheckpointedViT``), reentrant or not: DDP, the default
+    """Blocks the model's forward checkpoints itself (``SelfCheckpointedViT``: reentrant or not, or a reentrant
+    ``checkpoint_sequential``): DDP, the default
     and the recipe's unit per block with its own checkpointing on top (``priority="memory"``). DDP without
     ``find_unused_parameters``: with it, DDP refuses a reentrant checkpoint ("Expected to mark a variable ready
     only once")."""
     found = {}
-    for family in ("self_checkpointed_reentrant", "self_checkpointed"):
+    for family in ("self_checkpointed:reentrant", "self_checkpointed:non_reentrant", "self_checkpointed:sequential"):
         runs = {"ddp": "ddp", "default": VitScaleStrategy(), "memory": VitScaleStrategy(priority="memory")}
         for name, strategy in runs.items():
             try:

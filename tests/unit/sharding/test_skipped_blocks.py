@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from lightning_vitscale import VitScaleStrategy
 from lightning_vitscale.sharding.settings import EVERY_BLOCK, ShardingPolicy
@@ -39,6 +39,15 @@ def test_a_reentrant_checkpoints_forward_marks_its_block():
     assert marks.take() == [False]
     checkpoint(block, x.detach(), use_reentrant=True)  # no input needs a gradient: the block gets none (nor in DDP)
     assert marks.take() == [False]
+
+
+def test_every_block_of_a_reentrant_checkpoint_sequential_segment_is_marked():
+    """``checkpoint_sequential(blocks, 2, x)``: inside a segment only the first block's input requires a gradient
+    (the next ones are computed without); every block of it trains in the recompute."""
+    blocks = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))
+    marks = ForwardMarks([(str(i), block) for i, block in enumerate(blocks)])
+    checkpoint_sequential(blocks, 2, torch.randn(2, 4, requires_grad=True), use_reentrant=True).sum().backward()
+    assert marks.take() == [True] * 4
 
 
 def test_the_check_names_the_skipped_blocks_and_ignores_frozen_ones():
