@@ -103,11 +103,11 @@ def _scattered(args: Sequence[Any], run: Run) -> None:
             _copy(out, values[_rank(len(values))], run)
 
 
-def _pairs(handle: Callable[[torch.Tensor, torch.Tensor, Run], None], out_first: bool = True) -> Any:
+def _pairs(handle: Callable[[torch.Tensor, torch.Tensor, Run], None]) -> Callable[[Sequence[Any], Run], Any]:
     """A handler applying ``handle`` to each (output, input) pair of a coalesced op's two lists."""
     def handler(args: Sequence[Any], run: Run) -> Any:
         for out, value in zip(args[0], args[1]):
-            handle(out, value, run) if out_first else handle(value, out, run)
+            handle(out, value, run)
         return fake_work()
     return handler
 
