@@ -21,7 +21,6 @@ refused before, ``in_step_calls.py`` and the outer unit's agreement).
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -29,14 +28,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-_CHECKS: weakref.WeakKeyDictionary[nn.Module, FirstGathers] = weakref.WeakKeyDictionary()
-
-
-def before_gather(unit: nn.Module) -> None:
-    """Where ``unit`` is gathered other than by its own forward: its first gather made outside inference mode."""
-    check = _CHECKS.get(unit)
-    if check is not None:
-        check.before(unit)
+from lightning_vitscale.sharding import gather_checks
 
 
 class FirstGathers:
@@ -50,7 +42,8 @@ class FirstGathers:
         for unit in units:
             self._handles[id(unit)] = unit.register_forward_pre_hook(functools.partial(self._called, unit),
                                                                      prepend=True)
-            _CHECKS[unit] = self
+            # where it is gathered other than by its own forward (gather_checks.py)
+            gather_checks.register(unit, gather_checks.Concern.FIRST_GATHER, functools.partial(self.before, unit))
 
     def _called(self, unit: nn.Module, module: nn.Module, args: Any) -> None:
         self.before(unit)
@@ -72,4 +65,4 @@ class FirstGathers:
         handle = self._handles.pop(id(unit), None)
         if handle is not None:
             handle.remove()
-            _CHECKS.pop(unit, None)
+            gather_checks.unregister(unit, gather_checks.Concern.FIRST_GATHER)

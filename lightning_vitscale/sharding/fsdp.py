@@ -12,8 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_vitscale.precision import PrecisionPolicy
-from lightning_vitscale.sharding.first_gathers import before_gather
-from lightning_vitscale.sharding.in_step_calls import before_gather_ahead
+from lightning_vitscale.sharding.gather_checks import before_gather
 from lightning_vitscale.sharding.whole_terms import paused
 
 
@@ -97,8 +96,7 @@ def prefetch_on_entry(unit: FSDPModule, callers: list[nn.Module]) -> None:
     waits for it in the unit's own pre-forward (``unshard(async_op=True)``'s contract); a gathered unit ignores it."""
 
     def gather_ahead(module: nn.Module, args: Any) -> None:
-        before_gather_ahead(cast(nn.Module, unit))  # a call in a step one rank makes alone: refused before it
-        before_gather(cast(nn.Module, unit))  # its gathered parameters not made in inference mode
+        before_gather(cast(nn.Module, unit))  # a lone call refused, the first gather outside inference mode
         with paused():  # FSDP2's own reads of the shards, not through a step's mixed-tensor dispatch
             unit.unshard(async_op=True)
 

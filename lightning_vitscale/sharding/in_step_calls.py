@@ -20,7 +20,6 @@ different blocks by design (``"units"``: a skipped block stood in for where it w
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,17 +27,8 @@ from torch import nn
 
 from lightning_vitscale._compat import current_backward_id
 from lightning_vitscale.distributed import collective_guard
+from lightning_vitscale.sharding import gather_checks
 from lightning_vitscale.sharding.outer_unit_errors import in_step_call_error
-
-# block -> the check its gather ahead (``fsdp.prefetch_on_entry``: as its container's forward starts) makes first
-_AHEAD: weakref.WeakKeyDictionary[nn.Module, Callable[[], object]] = weakref.WeakKeyDictionary()
-
-
-def before_gather_ahead(block: nn.Module) -> None:
-    """Raise before ``block``'s unit is gathered ahead of its call where that call is one not every rank makes."""
-    check = _AHEAD.get(block)
-    if check is not None:
-        check()
 
 
 class InStepCalls:
@@ -55,7 +45,8 @@ class InStepCalls:
         for name, block in blocks.items():
             hook = functools.partial(self._before_call, name)
             self._handles.append(block.register_forward_pre_hook(hook, prepend=True))  # before FSDP2's gather
-            _AHEAD[block] = functools.partial(self._check, name, 1)  # the call about to come, not counted yet
+            # a gather ahead of the call (``fsdp.prefetch_on_entry``) asks for the call about to come, not counted yet
+            gather_checks.register(block, gather_checks.Concern.LONE_CALL, functools.partial(self._check, name, 1))
 
     def _new_step(self, *unused: Any) -> None:
         self._calls.clear()
@@ -88,4 +79,4 @@ class InStepCalls:
         for handle in self._handles:
             handle.remove()
         for block in self._blocks:
-            _AHEAD.pop(block, None)
+            gather_checks.unregister(block, gather_checks.Concern.LONE_CALL)

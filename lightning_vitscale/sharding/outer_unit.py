@@ -37,7 +37,7 @@ from lightning_vitscale._utils import self_and_ancestors
 from lightning_vitscale.distributed import collective_guard
 from lightning_vitscale.sharding.buffer_sync import BufferSync
 from lightning_vitscale.sharding.compute_copies import ComputeCopies
-from lightning_vitscale.sharding.first_gathers import before_gather
+from lightning_vitscale.sharding.gather_checks import before_gather
 from lightning_vitscale.sharding.outer_unit_errors import (
     TRACE_REFUSED,
     BackwardOutsideManualBackwardError,
@@ -278,7 +278,7 @@ class OuterUnit(nn.Module):
             self.compute_copies.gather()
             return
         try:
-            before_gather(self)  # not made in inference mode (first_gathers.py)
+            before_gather(self)  # not made in inference mode (gather_checks.py)
             self.unshard()
         except RuntimeError as error:
             raise outside_step_error(error) from error

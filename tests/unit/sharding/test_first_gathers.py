@@ -9,8 +9,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from lightning_vitscale._compat import initialize_fsdp_root
-from lightning_vitscale.sharding.first_gathers import FirstGathers, before_gather
+from lightning_vitscale.sharding.first_gathers import FirstGathers
 from lightning_vitscale.sharding.fsdp import gathered_and_resharded
+from lightning_vitscale.sharding.gather_checks import before_gather
 
 
 def _sharded(mesh) -> tuple[nn.Module, list[nn.Module]]:

@@ -8,7 +8,8 @@ from torch import nn
 
 from lightning_vitscale.distributed import collective_guard
 from lightning_vitscale.sharding import in_step_calls
-from lightning_vitscale.sharding.in_step_calls import InStepCalls, before_gather_ahead
+from lightning_vitscale.sharding.gather_checks import before_gather
+from lightning_vitscale.sharding.in_step_calls import InStepCalls
 from lightning_vitscale.sharding.outer_unit_errors import InStepCallError
 
 
@@ -97,13 +98,13 @@ def test_a_gather_ahead_of_a_block_is_asked_for_the_call_to_come(guarded):
     rank 1 timing out in its backward, rank 0's gather ahead paired with it)."""
     model, state, calls = guarded
     model(torch.ones(1, 4))
-    before_gather_ahead(model.blocks[0])  # as the container's forward starts
+    before_gather(model.blocks[0])  # as the container's forward starts
     assert [count for count, _ in state["agreed"]] == [2]
     model.blocks[0](torch.ones(1, 4))
     assert [count for count, _ in state["agreed"]] == [2]
     state["refuse"] = True
     with pytest.raises(InStepCallError):
-        before_gather_ahead(model.blocks[0])
-    before_gather_ahead(nn.Linear(1, 1))  # not a guarded block: nothing to do
+        before_gather(model.blocks[0])
+    before_gather(nn.Linear(1, 1))  # not a guarded block: nothing to do
     calls.remove()
-    before_gather_ahead(model.blocks[0])  # the guard removed: nothing asked
+    before_gather(model.blocks[0])  # the guard removed: nothing asked
