@@ -25,6 +25,7 @@ from torch import nn
 from lightning_vitscale._compat import BatchNormBase, InstanceNormBase, buffer_slots, tensor_version
 from lightning_vitscale.discovery.caches import cache_class, without_caches
 from lightning_vitscale.memory import selective_contexts
+from lightning_vitscale.sharding.checkpoint_frames import in_a_models_checkpoint
 
 CheckpointMode = Literal["full", "selective"]
 CHECKPOINT_MODES: tuple[CheckpointMode, ...] = ("full", "selective")
@@ -56,6 +57,8 @@ def mark_parent_checkpointing(model: nn.Module) -> None:
 
 def _checkpointed_forward(original_forward, mode: CheckpointMode, owners: list[nn.Module], dropped: type | None,
                           *args: Any, **kwargs: Any) -> Any:
+    if not torch.compiler.is_compiling() and in_a_models_checkpoint():  # once is enough (checkpoint_frames.py)
+        return original_forward(*args, **kwargs)
     if dropped is not None and torch.is_grad_enabled():  # without gradients no recompute: the cache is filled once
         args, kwargs = without_caches(args, kwargs, dropped)
     # Non-reentrant: works with keyword arguments, inputs that do not require grad, and FSDP2's hooks
@@ -128,7 +131,8 @@ class _UndoingChanges:  # entered once per recompute: a second backward (retain_
 
 def apply_activation_checkpointing(blocks: list[nn.Module], mode: CheckpointMode = "full") -> None:
     """Checkpoint each module's forward in place: patching the instance's ``forward`` (not wrapping the module)
-    keeps parameter names, and so checkpoint keys; applying again is a no-op (the first mode stays)."""
+    keeps parameter names, and so checkpoint keys; applying again is a no-op (the first mode stays). A call inside a
+    checkpoint the model makes itself runs the block as it is: its forward is not rerun twice in backward."""
     if mode not in CHECKPOINT_MODES:
         raise ValueError(f"Activation checkpointing mode must be one of {CHECKPOINT_MODES}; got {mode!r}.")
     for block in blocks:

@@ -39,17 +39,16 @@ instead; it cleared gradients ``nn.MultiheadAttention`` had put into ``out_proj`
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import CheckpointFunction
 
 from lightning_vitscale._compat import current_backward_id
 from lightning_vitscale.distributed.collective_guard import side_group
 from lightning_vitscale.precision import ReplicatedNorms
+from lightning_vitscale.sharding.checkpoint_frames import in_a_reentrant_checkpoint
 
 
 class SkippedBlocksError(RuntimeError):
@@ -58,25 +57,6 @@ class SkippedBlocksError(RuntimeError):
 
 def _trainable(module: nn.Module) -> bool:
     return any(param.requires_grad for param in module.parameters())
-
-
-_REENTRANT_FORWARD = CheckpointFunction.forward.__code__
-
-
-def _in_a_reentrant_checkpoint(frames: int = 32) -> bool:
-    """Whether a reentrant checkpoint's forward is among the callers (within ``frames``) and one of its inputs
-    requires a gradient: it runs its function with gradients off (every block of a ``checkpoint_sequential``
-    segment), then again in backward. Nothing else tells its call from an evaluation's. Asked only where gradients
-    are off."""
-    frame = inspect.currentframe()
-    for _ in range(frames):
-        if frame is None:
-            return False
-        if frame.f_code is _REENTRANT_FORWARD:
-            inputs = frame.f_locals.get("args", ())
-            return any(isinstance(value, torch.Tensor) and value.requires_grad for value in inputs)
-        frame = frame.f_back
-    return False
 
 
 class ForwardMarks:
@@ -92,7 +72,7 @@ class ForwardMarks:
     def _mark(self, index: int, module: nn.Module, args: tuple) -> None:
         if current_backward_id() != -1:  # a recompute
             return
-        if torch.is_grad_enabled() or _in_a_reentrant_checkpoint():
+        if torch.is_grad_enabled() or in_a_reentrant_checkpoint():
             self.ran[index] = True
 
     def take(self) -> list[bool]:

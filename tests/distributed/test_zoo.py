@@ -177,14 +177,19 @@ def test_blocks_the_model_checkpoints_itself_train_as_ddp(two, how):
     check took them for blocks that never ran and refused the model at its first backward. DDP's losses by default
     and under the recipe's own checkpointing on top. Mutations seen failing: the reentrant forward not marked
     (``SkippedBlocksError``); marked only where the block's own input requires a gradient (``sequential``: the
-    segment's second block)."""
+    segment's second block); the recipe's checkpoint not skipped inside the model's (``block_runs`` 3 a step under
+    ``priority="memory"`` with a reentrant checkpoint)."""
     family = f"self_checkpointed:{how}"
     ddp = losses(two, "self_checkpointed", f"{family}:ddp")
+    assert two[0]["self_checkpointed"][f"{family}:ddp"]["block_runs"] == [2, 2, 2]  # the forward, the recompute
     for run in ("default", "memory"):
         facts = two[0]["self_checkpointed"][f"{family}:{run}"]
         assert "error" not in facts, facts["error"]
         ours = losses(two, "self_checkpointed", f"{family}:{run}")
         assert len(ddp) == 3 and max_relative_difference(ours, ddp) < 1e-5, run
+        # The recipe's checkpoint adds no run inside the model's own (before: 3 a step under a reentrant one). The
+        # first step's count also holds setup's runs of the step (the planner's measurement, at global step 0).
+        assert facts["block_runs"][1:] == [2, 2], (run, facts["block_runs"])
 
 
 @pytest.mark.parametrize("family", PARTS)

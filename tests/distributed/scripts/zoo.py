@@ -13,6 +13,7 @@ the layers.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import lightning as L
@@ -204,6 +205,10 @@ def two_pass() -> dict:
     return found
 
 
+def _count_run(model: L.LightningModule, runs: list[int], *unused) -> None:
+    runs.append(model.global_step)
+
+
 def self_checkpointed() -> dict:
     """Blocks the model's forward checkpoints itself (``SelfCheckpointedViT``: reentrant or not, or a reentrant
     ``checkpoint_sequential``): DDP, the default
@@ -214,11 +219,14 @@ def self_checkpointed() -> dict:
     for family in ("self_checkpointed:reentrant", "self_checkpointed:non_reentrant", "self_checkpointed:sequential"):
         runs = {"ddp": "ddp", "default": VitScaleStrategy(), "memory": VitScaleStrategy(priority="memory")}
         for name, strategy in runs.items():
+            model, runs_of_block = Model(family), []  # the second block's forward runs, by step (first segment's)
+            model.backbone.layers[1].fc1.register_forward_pre_hook(
+                functools.partial(_count_run, model, runs_of_block))
             try:
-                facts = fit(Model(family), strategy, 2, 3)[0]
+                facts = fit(model, strategy, 2, 3)[0]
             except Exception as error:  # noqa: BLE001 - the failure is what the test reads
                 facts = {"error": f"{type(error).__name__}: {error}"[:500], "losses": []}
-            found[f"{family}:{name}"] = facts
+            found[f"{family}:{name}"] = {**facts, "block_runs": [runs_of_block.count(step) for step in range(3)]}
     return found
 
 

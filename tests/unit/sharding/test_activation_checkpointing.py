@@ -241,3 +241,62 @@ def test_blocks_a_timm_model_checkpoints_are_not_checkpointed_again(asked):
     summary = trainer.strategy.plan.summary()
     assert "self-checkpointing  : 4 blocks (left as the model set them)" in summary, summary
     assert "checkpointed blocks : 0 of 4" in summary, summary
+
+
+def _stack_forwards(how: str, recipe: bool) -> tuple[int, list[torch.Tensor]]:
+    """A step of 3 blocks the model checkpoints itself as ``how`` says: each block's forward runs (counted at its
+    first linear) and the gradients; ``recipe``: each block also checkpointed by the recipe."""
+    from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(block() for _ in range(3))
+    runs: list[int] = []
+    for module in blocks:
+        module.linear1.register_forward_pre_hook(lambda *_: runs.append(1))
+    if recipe:
+        apply_activation_checkpointing(list(blocks))
+
+    def stack(h: torch.Tensor) -> torch.Tensor:
+        for module in blocks:
+            h = module(h)
+        return h
+
+    h = torch.randn(2, 8, 32, requires_grad=True)
+    torch.manual_seed(1)  # the same dropout masks in both runs
+    if how == "sequential":  # 3 segments: the last runs as usual, so the recipe checkpoints its block
+        h = checkpoint_sequential(blocks, 3, h, use_reentrant=True)
+    elif how == "whole":
+        h = checkpoint(stack, h, use_reentrant=False)
+    elif how == "none":
+        h = stack(h)
+    else:
+        for module in blocks:
+            h = checkpoint(module, h, use_reentrant=how == "reentrant")
+    h.sum().backward()
+    return len(runs), [p.grad for p in blocks.parameters()]
+
+
+@pytest.mark.parametrize("how", ["reentrant", "non_reentrant", "sequential", "whole"])
+def test_blocks_inside_a_checkpoint_the_model_makes_are_not_checkpointed_again(how):
+    """``checkpoint(block, x)`` in the model's forward, reentrant or not, ``checkpoint_sequential``, a checkpoint around
+    the whole stack: the recipe's checkpoint (``priority="memory"``) adds no forward run and changes no gradient.
+    Before, nested in a reentrant checkpoint (or around the stack) each block ran three times a step: 9 runs of 3
+    blocks where the model alone ran 6 (``sequential``: 8 where 6 are due, the last segment's block being the
+    recipe's to checkpoint); ``non_reentrant`` held already (torch's nesting of two non-reentrant checkpoints reruns
+    nothing more). Mutations seen failing: the check in ``_checkpointed_forward`` removed (every case but
+    ``non_reentrant``); only the callers' frames asked, or only backward (every case: a block run three times, or
+    the forward and its recompute checkpointed differently, torch's "Recomputed values ... have different
+    metadata")."""
+    runs, grads = _stack_forwards(how, recipe=True)
+    alone, expected = _stack_forwards(how, recipe=False)
+    assert runs == (alone + 1 if how == "sequential" else alone) == 6
+    for got, want in zip(grads, expected):
+        assert torch.equal(got, want)
+
+
+def test_blocks_no_checkpoint_encloses_are_still_checkpointed_by_the_recipe():
+    runs, grads = _stack_forwards("none", recipe=True)
+    alone, expected = _stack_forwards("none", recipe=False)
+    assert (runs, alone) == (6, 3)  # each block recomputed once in backward
+    for got, want in zip(grads, expected):
+        assert torch.equal(got, want)
