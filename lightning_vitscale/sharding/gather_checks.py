@@ -10,14 +10,15 @@ asks ``before_gather(unit)``, which runs the checks registered for that unit her
 2. ``FIRST_GATHER`` (``first_gathers.py``): the unit's first gather is made outside inference mode.
 
 The refusal comes first: a gather made for a lone call would itself be unpaired. A unit with nothing registered
-(after its checks removed themselves, as the first gathers' do after the first training step) costs one
-weak-dictionary lookup per gather.
+(after its checks removed themselves, as the first gathers' do after the first training step) costs one dictionary
+lookup per gather. The checks live in the unit's own ``__dict__``: each holds its unit (and the blocks of its
+concern), which a module-level dictionary keyed weakly by the unit would then have kept alive for the process's
+life.
 """
 
 from __future__ import annotations
 
 import enum
-import weakref
 from collections.abc import Callable
 
 from torch import nn
@@ -30,29 +31,29 @@ class Concern(enum.IntEnum):
     FIRST_GATHER = 1
 
 
-_CHECKS: weakref.WeakKeyDictionary[nn.Module, dict[Concern, Callable[[], object]]] = weakref.WeakKeyDictionary()
+_ATTR = "_vitscale_gather_checks"  # in the unit's own __dict__ (plain_copy drops it from a copy)
 
 
 def register(unit: nn.Module, concern: Concern, check: Callable[[], object]) -> None:
     """``check`` runs before ``unit`` is gathered other than by its own forward; it raises to refuse the gather.
     One check per concern and unit: a later one replaces it (a later setup of the same model)."""
-    checks = _CHECKS.setdefault(unit, {})
+    checks = unit.__dict__.setdefault(_ATTR, {})
     checks[concern] = check
     if list(checks) != sorted(checks):
-        _CHECKS[unit] = dict(sorted(checks.items()))
+        unit.__dict__[_ATTR] = dict(sorted(checks.items()))
 
 
 def unregister(unit: nn.Module, concern: Concern) -> None:
-    checks = _CHECKS.get(unit)
+    checks = unit.__dict__.get(_ATTR)
     if checks is not None:
         checks.pop(concern, None)
         if not checks:
-            del _CHECKS[unit]
+            del unit.__dict__[_ATTR]
 
 
 def before_gather(unit: nn.Module) -> None:
     """Each check registered for ``unit``, in the order of ``Concern``; nothing where none is."""
-    checks = _CHECKS.get(unit)
+    checks = unit.__dict__.get(_ATTR)
     if checks:
         for check in list(checks.values()):
             check()

@@ -25,7 +25,7 @@ def test_checks_run_in_the_concerns_order_whatever_the_order_they_came_in():
     gather_checks.before_gather(unit)
     assert ran == ["first gather"]
     gather_checks.unregister(unit, Concern.FIRST_GATHER)
-    assert unit not in gather_checks._CHECKS  # nothing kept for a unit with no check left
+    assert gather_checks._ATTR not in unit.__dict__  # nothing kept for a unit with no check left
     gather_checks.before_gather(unit)
     assert ran == ["first gather"]
 
@@ -44,3 +44,18 @@ def test_a_check_that_removes_itself_while_the_checks_run_does_not_skip_the_next
     assert ran == ["once", "first gather", "first gather"]
     gather_checks.unregister(unit, Concern.FIRST_GATHER)
 
+
+
+def test_a_check_holding_its_unit_does_not_keep_it_alive():
+    """Each concern's check holds its unit (``functools.partial(first_gathers.before, unit)``, the in-step guard's
+    blocks): the registry must not be a root that keeps them (mutation seen failing: the checks in a module-level
+    ``WeakKeyDictionary`` keyed by the unit, as before)."""
+    import gc
+    import weakref
+
+    unit = nn.Linear(1, 1)
+    gather_checks.register(unit, Concern.FIRST_GATHER, lambda unit=unit: unit)
+    gone = weakref.ref(unit)
+    del unit
+    gc.collect()
+    assert gone() is None
